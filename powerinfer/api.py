@@ -1,0 +1,83 @@
+"""The Python API: `PowerInfer.from_pretrained(name_or_path, config=Config(...))`."""
+from __future__ import annotations
+
+import os
+from typing import Iterator
+
+import torch
+
+from .config import Config, sampling_params
+from .engine import Engine
+from .loader import DEFAULT_MODEL, Checkpoint, load_checkpoint
+from .model import Transformer
+from .tokenizer import Tokenizer
+
+Messages = list[dict]
+
+
+class PowerInfer:
+    """A loaded model with its tokenizer, ready to generate.
+
+    Sampling keywords (all methods): max_new_tokens, temperature, top_k, top_p, min_p,
+    repetition_penalty, seed, stop, stop_token_ids, ignore_eos.
+    """
+
+    def __init__(self, checkpoint: Checkpoint, config: Config):
+        self.config, self.checkpoint = config, checkpoint
+        if config.cpu_threads:
+            torch.set_num_threads(config.cpu_threads)
+        self.model = Transformer.from_weights(checkpoint.args, checkpoint.weights,
+                                              config.torch_dtype, config.torch_device)
+        checkpoint.weights = {}  # the model holds them now
+        kind, source = checkpoint.tokenizer_source
+        self.tokenizer = Tokenizer.from_gguf(source) if kind == "gguf" else Tokenizer.from_hf(source)
+        self.engine = Engine(self.model, self.tokenizer, config)
+
+    @classmethod
+    def from_pretrained(cls, name_or_path: str | os.PathLike = DEFAULT_MODEL,
+                        config: Config | None = None) -> "PowerInfer":
+        """Load a GGUF file, a Hugging Face folder, or an installed model by short name."""
+        config = config or Config()
+        return cls(load_checkpoint(name_or_path, config.torch_dtype), config)
+
+    @property
+    def args(self):
+        return self.model.args
+
+    def tokenize(self, text: str, add_bos: bool | None = None) -> list[int]:
+        return self.tokenizer.encode(text, add_bos)
+
+    def detokenize(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids)
+
+    def generate(self, prompt: str | list[str], max_new_tokens: int = 128, **sampling) -> str | list[str]:
+        """Complete a prompt (or a batch of prompts, decoded together) and return the text."""
+        prompts = [prompt] if isinstance(prompt, str) else list(prompt)
+        texts = [""] * len(prompts)
+        step = self.config.max_batch
+        for start in range(0, len(prompts), step):
+            chunk = prompts[start:start + step]
+            for ev in self._run([self._ids(p) for p in chunk], max_new_tokens, sampling):
+                texts[start + ev.index] += ev.text
+        return texts[0] if isinstance(prompt, str) else texts
+
+    def stream(self, prompt: str | Messages, max_new_tokens: int = 128, **sampling) -> Iterator[str]:
+        """Yield text pieces as they are generated; `prompt` may be chat messages."""
+        ids = self._ids(prompt)
+        for ev in self._run([ids], max_new_tokens, sampling):
+            if ev.text:
+                yield ev.text
+
+    def chat(self, messages: Messages, max_new_tokens: int = 128, **sampling) -> str:
+        """Apply the model's chat template to `messages` and return the assistant's reply."""
+        return "".join(self.stream(messages, max_new_tokens, **sampling))
+
+    def _ids(self, prompt: str | Messages) -> list[int]:
+        if isinstance(prompt, str):
+            return self.tokenizer.encode(prompt)
+        return self.tokenizer.encode(self.tokenizer.apply_chat_template(prompt))
+
+    def _run(self, prompts: list[list[int]], max_new_tokens: int, sampling: dict):
+        params = sampling_params(max_tokens=max_new_tokens, **sampling)
+        seqs = [self.engine.new_sequence(p, params) for p in prompts]
+        return self.engine.run(seqs)

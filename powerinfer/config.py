@@ -1,0 +1,108 @@
+"""User configuration: small frozen dataclasses validated on construction."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .errors import InvalidRequestError
+
+DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
+          "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
+
+
+@dataclass(frozen=True, slots=True)
+class Config:
+    """How to run a model.
+
+    vram_budget_gb: GPU memory the placement may use (hot neurons, attention, KV cache).
+    cpu_threads: torch intra-op threads for CPU work (0: all cores of this process).
+    dtype: compute dtype ("float32" default on CPU, "bfloat16" available).
+    device: "cpu", "cuda" or "auto" (cuda when available).
+    max_seq_len: KV cache length per sequence (0: the model's context, capped at 4096).
+    max_batch: sequences decoded together.
+    compile: compile the decode step with torch.compile (slow first call, faster tokens).
+    runtime: "local" (in-process) or "actors" (the Ray actor runtime).
+    """
+
+    vram_budget_gb: float = 0.0
+    cpu_threads: int = 0
+    dtype: str = "float32"
+    device: str = "cpu"
+    max_seq_len: int = 0
+    max_batch: int = 4
+    compile: bool = False
+    runtime: str = "local"
+
+    def __post_init__(self):
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
+        if self.device not in ("cpu", "cuda", "auto"):
+            raise ValueError(f"device must be cpu, cuda or auto, got {self.device!r}")
+        if self.runtime not in ("local", "actors"):
+            raise ValueError(f"runtime must be 'local' or 'actors', got {self.runtime!r}")
+        if self.vram_budget_gb < 0 or self.cpu_threads < 0 or self.max_seq_len < 0:
+            raise ValueError("vram_budget_gb, cpu_threads and max_seq_len must be >= 0")
+        if self.max_batch < 1:
+            raise ValueError("max_batch must be >= 1")
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return DTYPES[self.dtype]
+
+    @property
+    def torch_device(self) -> torch.device:
+        if self.device == "auto":
+            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        return torch.device(self.device)
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingParams:
+    """Per-request decoding settings. temperature 0 is greedy; llama.cpp's defaults otherwise."""
+
+    max_tokens: int = 128
+    temperature: float = 0.8
+    top_k: int = 40  # 0: off
+    top_p: float = 0.95  # 1.0: off
+    min_p: float = 0.05  # 0.0: off
+    repetition_penalty: float = 1.0  # 1.0: off; applied over the last `repetition_window` tokens
+    repetition_window: int = 64
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+
+    def __post_init__(self):
+        problems = []
+        if self.max_tokens < 1:
+            problems.append("max_tokens must be >= 1")
+        if self.temperature < 0:
+            problems.append("temperature must be >= 0")
+        if self.top_k < 0:
+            problems.append("top_k must be >= 0")
+        if not 0 < self.top_p <= 1:
+            problems.append("top_p must be in (0, 1]")
+        if not 0 <= self.min_p < 1:
+            problems.append("min_p must be in [0, 1)")
+        if self.repetition_penalty <= 0:
+            problems.append("repetition_penalty must be > 0")
+        if any(not isinstance(s, str) or not s for s in self.stop):
+            problems.append("stop must be non-empty strings")
+        if problems:
+            raise InvalidRequestError("; ".join(problems))
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+def sampling_params(**kw) -> SamplingParams:
+    """Build SamplingParams from keyword arguments, accepting lists and a single stop string."""
+    stop = kw.pop("stop", None) or ()
+    kw["stop"] = (stop,) if isinstance(stop, str) else tuple(stop)
+    kw["stop_token_ids"] = tuple(kw.pop("stop_token_ids", None) or ())
+    unknown = set(kw) - set(SamplingParams.__dataclass_fields__)
+    if unknown:
+        raise InvalidRequestError(f"unknown sampling parameter(s): {', '.join(sorted(unknown))}")
+    return SamplingParams(**{k: v for k, v in kw.items() if v is not None})

@@ -1,0 +1,22 @@
+"""Typed user-facing errors. Internal invariants use asserts; these carry a cause to the edge."""
+from __future__ import annotations
+
+
+class PowerInferError(Exception):
+    """Base class of every error this package raises on purpose."""
+
+
+class ModelLoadError(PowerInferError):
+    """A model could not be loaded: names the file and the problem."""
+
+    def __init__(self, path, problem: str):
+        self.path, self.problem = str(path), problem
+        super().__init__(f"cannot load model {self.path}: {problem}")
+
+
+class ModelNotFoundError(ModelLoadError):
+    """Neither a path nor the short name of an installed model."""
+
+
+class InvalidRequestError(PowerInferError, ValueError):
+    """A generation request with invalid parameters (bad sampling values, prompt too long...)."""

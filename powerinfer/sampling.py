@@ -1,0 +1,48 @@
+"""Token sampling, in llama.cpp's order: repetition penalty -> top-k -> top-p -> min-p ->
+temperature -> draw. top-p and min-p look at the untempered distribution, as llama.cpp does."""
+from __future__ import annotations
+
+import torch
+
+from .config import SamplingParams
+
+
+def apply_repetition_penalty(logits: torch.Tensor, history: list[int], p: SamplingParams):
+    # logits: (V,) float32, modified in place; CTRL-style: divide positive logits, multiply negative
+    if p.repetition_penalty == 1.0 or not history:
+        return
+    ids = torch.tensor(sorted(set(history[-p.repetition_window:])), dtype=torch.long)
+    vals = logits[ids]
+    logits[ids] = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
+
+
+def sample(logits: torch.Tensor, p: SamplingParams, history: list[int],
+           generator: torch.Generator | None) -> int:
+    """Pick the next token from one row of logits (V,)."""
+    logits = logits.float().clone()
+    apply_repetition_penalty(logits, history, p)
+    if p.greedy:
+        return int(logits.argmax())
+    if 0 < p.top_k < logits.numel():
+        vals, idx = logits.topk(p.top_k)  # sorted, largest first
+    else:
+        vals, idx = logits.sort(descending=True)
+    probs = torch.softmax(vals, dim=-1)
+    keep = torch.ones_like(probs, dtype=torch.bool)
+    if p.top_p < 1.0:
+        keep &= (probs.cumsum(-1) - probs) < p.top_p  # the smallest prefix reaching top_p
+    if p.min_p > 0.0:
+        keep &= probs >= p.min_p * probs[0]
+    keep[0] = True
+    vals, idx = vals[keep], idx[keep]
+    probs = torch.softmax(vals / p.temperature, dim=-1)
+    return int(idx[torch.multinomial(probs, 1, generator=generator)])
+
+
+def make_generator(seed: int | None) -> torch.Generator:
+    g = torch.Generator()
+    if seed is None:
+        g.seed()
+    else:
+        g.manual_seed(seed)
+    return g
