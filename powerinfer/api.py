@@ -8,6 +8,7 @@ import torch
 
 from .config import Config, sampling_params
 from .engine import Engine
+from .errors import ModelLoadError
 from .loader import DEFAULT_MODEL, Checkpoint, load_checkpoint
 from .model import Transformer
 from .tokenizer import Tokenizer
@@ -26,11 +27,14 @@ class PowerInfer:
         self.config, self.checkpoint = config, checkpoint
         if config.cpu_threads:
             torch.set_num_threads(config.cpu_threads)
-        self.model = Transformer.from_weights(checkpoint.args, checkpoint.weights,
-                                              config.torch_dtype, config.torch_device)
+        try:
+            self.model = Transformer.from_weights(checkpoint.args, checkpoint.weights,
+                                                  config.torch_dtype, config.torch_device)
+            kind, source = checkpoint.tokenizer_source
+            self.tokenizer = Tokenizer.from_gguf(source) if kind == "gguf" else Tokenizer.from_hf(source)
+        except (ValueError, KeyError, FileNotFoundError) as e:
+            raise ModelLoadError(checkpoint.path, str(e)) from e
         checkpoint.weights = {}  # the model holds them now
-        kind, source = checkpoint.tokenizer_source
-        self.tokenizer = Tokenizer.from_gguf(source) if kind == "gguf" else Tokenizer.from_hf(source)
         self.engine = Engine(self.model, self.tokenizer, config)
 
     @classmethod

@@ -15,6 +15,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from .compat import gguf_reader
 from .errors import ModelLoadError, ModelNotFoundError
 from .model import ModelArgs
 
@@ -100,12 +101,14 @@ def resolve_model(name_or_path: str) -> Path:
     return path
 
 
-def load_checkpoint(name_or_path: str | Path, dtype: torch.dtype = torch.float32) -> Checkpoint:
+def load_checkpoint(name_or_path: str | Path, dtype: torch.dtype = torch.float32,
+                    with_weights: bool = True) -> Checkpoint:
+    """Read a checkpoint; with_weights=False reads only its configuration and tensor listing."""
     path = resolve_model(str(name_or_path))
     try:
         if path.is_dir():
-            return _load_hf(path, dtype)
-        return _load_gguf(path, dtype)
+            return _load_hf(path, dtype, with_weights)
+        return _load_gguf(path, dtype, with_weights)
     except ModelLoadError:
         raise
     except Exception as e:  # a library error deep in parsing: keep its text, name the file
@@ -139,8 +142,6 @@ def gguf_metadata(reader) -> dict:
 
 
 def open_gguf(path: Path):
-    import gguf
-
     if not path.is_file():
         raise ModelLoadError(path, "not a file")
     with open(path, "rb") as fh:
@@ -148,7 +149,7 @@ def open_gguf(path: Path):
     if magic != b"GGUF":
         raise ModelLoadError(path, f"not a GGUF file (magic {magic!r}, expected b'GGUF')")
     try:
-        return gguf.GGUFReader(path, "r")
+        return gguf_reader(path)
     except Exception as e:
         raise ModelLoadError(path, f"corrupt or truncated GGUF ({type(e).__name__}: {e})") from e
 
@@ -168,7 +169,7 @@ def unpermute_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
             .swapaxes(1, 2).reshape(w.shape))
 
 
-def _load_gguf(path: Path, dtype) -> Checkpoint:
+def _load_gguf(path: Path, dtype, with_weights: bool) -> Checkpoint:
     reader = open_gguf(path)
     meta = gguf_metadata(reader)
     arch = meta.get("general.architecture")
@@ -213,11 +214,14 @@ def _load_gguf(path: Path, dtype) -> Checkpoint:
         if canon is None:
             extra[name] = t  # read on demand by whoever needs it (e.g. the sparse bundle)
             continue
+        if not with_weights:
+            continue
         w = dequantize(t)
         if permuted and canon.split(".")[-1] in ("q", "k", "q_b", "k_b"):
             w = unpermute_rows(w, n_heads if canon.split(".")[-1][0] == "q" else args.n_kv_heads)
         weights[canon] = torch.from_numpy(np.array(w, copy=not w.flags.writeable)).to(dtype)
     info = {"format": "GGUF", "gguf_arch": arch, "file_bytes": path.stat().st_size,
+            "n_params": sum(int(np.prod(t.shape)) for n, t in tensors.items() if n in names),
             "tensor_types": dict(Counter(t.tensor_type.name for t in reader.tensors)),
             "name": meta.get("general.name", path.stem)}
     return Checkpoint(path, args, weights, ("gguf", meta), info, extra)
@@ -274,7 +278,7 @@ def _hf_args(path: Path, cfg: dict) -> tuple[ModelArgs, int]:
                          f"(supported: {', '.join(HF_LLAMA_TYPES + ('opt',))})")
 
 
-def _load_hf(path: Path, dtype) -> Checkpoint:
+def _load_hf(path: Path, dtype, with_weights: bool) -> Checkpoint:
     from safetensors import safe_open
 
     cfg_file = path / "config.json"
@@ -286,7 +290,7 @@ def _load_hf(path: Path, dtype) -> Checkpoint:
     if not files:
         raise ModelLoadError(path, "folder has no *.safetensors files")
     names = expand_names(column, args.n_layers)
-    weights, types = {}, Counter()
+    weights, types, n_params, found = {}, Counter(), 0, set()
     for f in files:
         try:
             with safe_open(f, framework="pt") as st:
@@ -295,14 +299,18 @@ def _load_hf(path: Path, dtype) -> Checkpoint:
                     canon = names.get(name) or names.get("model." + name)
                     if canon is None:
                         continue
-                    t = st.get_tensor(name)
-                    types[str(t.dtype).removeprefix("torch.")] += 1
-                    weights[canon] = t.to(dtype)
+                    found.add(canon)
+                    sl = st.get_slice(name)
+                    types[sl.get_dtype()] += 1
+                    n_params += int(np.prod(sl.get_shape()))
+                    if with_weights:
+                        weights[canon] = st.get_tensor(name).to(dtype)
         except Exception as e:
             raise ModelLoadError(f, f"corrupt safetensors file ({type(e).__name__}: {e})") from e
-    if "output" not in weights and not args.tie_embeddings:
+    if "output" not in found and not args.tie_embeddings:
         args.tie_embeddings = True  # no lm_head saved: it is the embedding matrix
     info = {"format": "safetensors", "hf_model_type": cfg.get("model_type"),
             "file_bytes": sum(f.stat().st_size for f in files), "tensor_types": dict(types),
+            "n_params": n_params,
             "name": path.name}
     return Checkpoint(path, args, weights, ("hf", path), info)

@@ -1,0 +1,300 @@
+#!/usr/bin/env python3
+"""Prefill and decode throughput of PowerInfer on the default model, next to llama.cpp in the same run.
+
+    .venv/bin/python benchmarks/decode.py [--tokens 128] [--prompt-tokens 128] [--threads N]
+        [--configs fp32 bf16 fp32+compile bf16+compile] [--skip-llama] [--out FILE]
+
+Ours, per config: prefill tok/s is the timed forward over the prompt (median over runs); decode
+tok/s is what a user sees through `Engine.run` with greedy sampling and ignore_eos (sampling,
+detokenizing, Python bookkeeping included), and "step" is the model call alone, timed inside the
+same runs. The first run of each config is a warm-up (torch.compile happens there), reported apart.
+llama.cpp runs through llama-cpp-python (installed into benchmarks/.llama-venv on first use) in a
+subprocess on the same token ids, thread count and token count, greedy.
+A per-token profile of our decode (module breakdown and top torch ops) is printed for one config.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+from powerinfer import Config, PowerInfer  # noqa: E402
+from powerinfer.config import sampling_params  # noqa: E402
+from powerinfer.loader import resolve_model  # noqa: E402
+
+LLAMA_VENV = ROOT / "benchmarks" / ".llama-venv"
+LLAMA_VERSION = "0.3.36"
+TEXT = ("The history of computing is a story of ideas that took decades to mature. Early machines "
+        "filled rooms, consumed enormous power and were programmed by rewiring panels by hand. ")
+
+LLAMA_SCRIPT = r"""
+import json, statistics, sys, time
+import numpy as np
+import llama_cpp
+from llama_cpp import Llama
+cfg = json.load(sys.stdin)
+ids, n, t = cfg["ids"], cfg["tokens"], cfg["threads"]
+# AMX extra buffer types crash on some CPUs: turn them off (a model param, not a Llama kwarg)
+default_params = llama_cpp.llama_model_default_params
+def no_extra_bufts():
+    p = default_params()
+    p.use_extra_bufts = False
+    return p
+llama_cpp.llama_model_default_params = no_extra_bufts
+llm = Llama(cfg["model"], n_ctx=len(ids) + n + 16, n_batch=512, n_ubatch=512, n_threads=t,
+            n_threads_batch=t, verbose=False)
+llama_cpp.llama_model_default_params = default_params
+ctx = llm._ctx.ctx
+runs = []
+for _ in range(cfg["runs"] + 1):  # the first run is a warm-up
+    llm.reset()
+    llama_cpp.llama_perf_context_reset(ctx)
+    t0 = time.perf_counter()
+    llm.eval(ids)
+    t1 = time.perf_counter()
+    out = [int(np.argmax(llm.scores[llm.n_tokens - 1]))]
+    t2 = time.perf_counter()
+    for _ in range(n - 1):
+        llm.eval([out[-1]])
+        out.append(int(np.argmax(llm.scores[llm.n_tokens - 1])))
+    t3 = time.perf_counter()
+    perf = llama_cpp.llama_perf_context(ctx)
+    runs.append(dict(prefill_s=t1 - t0, decode_s=(t3 - t2) / (n - 1),
+                     step_s=perf.t_eval_ms / 1e3 / max(perf.n_eval, 1), out=out))
+runs = runs[1:]
+med = lambda k: statistics.median(r[k] for r in runs)
+print(json.dumps(dict(prefill_s=med("prefill_s"), decode_s=med("decode_s"), step_s=med("step_s"),
+                      out=runs[0]["out"], version=llama_cpp.__version__)))
+"""
+
+
+def machine_info(threads: int) -> str:
+    cpu = platform.processor() or "unknown CPU"
+    try:
+        cpu = next(line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo")
+                   if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    return (f"{datetime.date.today()} · {cpu} · {os.cpu_count()} cores, {threads} threads used · "
+            f"torch {torch.__version__} · Python {platform.python_version()}")
+
+
+# ---------------------------------------------------------------- llama.cpp
+def llama_python() -> Path:
+    """The python of benchmarks/.llama-venv, creating it (a ~4 minute source build) if missing."""
+    py = LLAMA_VENV / "bin" / "python"
+    if py.exists() and subprocess.run([py, "-c", "import llama_cpp"], capture_output=True).returncode == 0:
+        return py
+    print(f"installing llama-cpp-python=={LLAMA_VERSION} into {LLAMA_VENV} (a source build) ...",
+          flush=True)
+    if not py.exists():
+        subprocess.run(["python3", "-m", "venv", LLAMA_VENV], check=True)
+    env = dict(os.environ, CMAKE_ARGS=os.environ.get("CMAKE_ARGS", "-DLLAMA_CURL=OFF -DGGML_NATIVE=ON"))
+    subprocess.run([py, "-m", "pip", "install", "-q", f"llama-cpp-python=={LLAMA_VERSION}"],
+                   check=True, env=env)
+    return py
+
+
+def bench_llama(model: str, ids: list[int], n: int, threads: int, runs: int) -> dict:
+    cfg = dict(model=model, ids=ids, tokens=n, threads=threads, runs=runs)
+    proc = subprocess.run([llama_python(), "-c", LLAMA_SCRIPT], input=json.dumps(cfg),
+                          capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise RuntimeError(f"llama.cpp run failed:\n{proc.stderr[-2000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+# ---------------------------------------------------------------- ours
+def load(name: str, threads: int) -> PowerInfer:
+    dtype, *flags = name.split("+")
+    config = Config(dtype=dtype, cpu_threads=threads, compile="compile" in flags,
+                    max_batch=1, max_seq_len=2048)
+    return PowerInfer.from_pretrained("smollm2-135m-instruct", config=config)
+
+
+def timed(fn, log: list):
+    def wrapper(*a, **k):
+        t = time.perf_counter()
+        out = fn(*a, **k)
+        log.append(time.perf_counter() - t)
+        return out
+    return wrapper
+
+
+def generate_once(m: PowerInfer, ids: list[int], n: int) -> dict:
+    """One greedy generation through Engine.run, with the model calls timed from inside."""
+    eng, prefill, steps = m.engine, [], []
+    fwd, dec = eng._forward, eng._decode
+    eng._forward, eng._decode = timed(fwd, prefill), timed(dec, steps)
+    try:
+        seq = eng.new_sequence(ids, sampling_params(max_tokens=n, temperature=0, ignore_eos=True))
+        t0 = time.perf_counter()
+        stamps = [time.perf_counter() for _ in eng.run([seq])]
+    finally:
+        del eng._forward  # back to the class's method
+        eng._decode = dec
+    return dict(wall_s=stamps[-1] - t0, prefill_s=prefill[0], ttft_s=stamps[0] - t0,
+                decode_s=(stamps[-1] - stamps[0]) / (n - 1), step_s=sum(steps) / len(steps),
+                out=seq.output)
+
+
+def bench_ours(m: PowerInfer, ids: list[int], n: int, runs: int) -> dict:
+    warm = generate_once(m, ids, n)
+    rs = [generate_once(m, ids, n) for _ in range(runs)]
+    med = {k: statistics.median(r[k] for r in rs) for k in ("wall_s", "prefill_s", "decode_s", "step_s")}
+    return dict(med, warmup_s=warm["wall_s"] - med["wall_s"], out=rs[0]["out"])
+
+
+# ---------------------------------------------------------------- profile
+def profile_decode(m: PowerInfer, ids: list[int], n: int, top: int = 15) -> str:
+    """Where one decode token's time goes: a module breakdown from forward hooks (eager only),
+    then the top torch ops by self CPU time, both per token."""
+    eng, model = m.engine, m.model
+    groups = {"Attention": "attention (qkv, rope, kv cache, sdpa, wo)", "FFN": "FFN",
+              "Norm": "norms", "Embedding": "embedding"}
+    spent: dict[str, float] = {}
+
+    def hook_pair(label):
+        start = [0.0]
+
+        def pre(mod, args):
+            start[0] = time.perf_counter()
+
+        def post(mod, args, out):
+            spent[label] = spent.get(label, 0.0) + time.perf_counter() - start[0]
+        return pre, post
+    handles = []
+    for mod in model.modules():
+        label = "lm_head" if mod is model.output else groups.get(type(mod).__name__)
+        if label:
+            pre, post = hook_pair(label)
+            handles += [mod.register_forward_pre_hook(pre), mod.register_forward_hook(post)]
+    seq = eng.new_sequence(ids, sampling_params(max_tokens=n, temperature=0, ignore_eos=True))
+    steps = []
+    dec = eng._decode
+    eng._decode = timed(dec, steps)
+    it = eng.run([seq])
+    next(it)  # prefill and the first token: not counted
+    spent.clear()
+    t0 = time.perf_counter()
+    for _ in it:
+        pass
+    total = (time.perf_counter() - t0) / (n - 1)
+    eng._decode = dec
+    for h in handles:
+        h.remove()
+    step = sum(steps) / len(steps)
+    rows = [(k, v / (n - 1)) for k, v in sorted(spent.items(), key=lambda kv: -kv[1])]
+    rows += [("rest of the model step (python, rope/mask setup, residual adds)",
+              step - sum(v for _, v in rows)),
+             ("engine outside the step (sampling, detokenize, bookkeeping)", total - step)]
+    lines = [f"Decode token breakdown ({n - 1} tokens, {total * 1e3:.2f} ms/token; hooks add a little):",
+             "", "| part | ms/token | share |", "|---|---:|---:|"]
+    lines += [f"| {k} | {v * 1e3:.3f} | {100 * v / total:.1f}% |" for k, v in rows]
+
+    seq = eng.new_sequence(ids, sampling_params(max_tokens=n, temperature=0, ignore_eos=True))
+    it = eng.run([seq])
+    next(it)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        for _ in it:
+            pass
+    events = sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)
+    all_us = sum(e.self_cpu_time_total for e in events)
+    lines += ["", f"Top {top} torch ops by self CPU time (per decode token, under the profiler; "
+              f"total {all_us / (n - 1) / 1e3:.2f} ms/token):", "",
+              "| op | self ms/token | share | calls/token |", "|---|---:|---:|---:|"]
+    lines += [f"| `{e.key}` | {e.self_cpu_time_total / (n - 1) / 1e3:.3f} | "
+              f"{100 * e.self_cpu_time_total / all_us:.1f}% | {e.count / (n - 1):.0f} |"
+              for e in events[:top]]
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------- report
+def table(results: dict, llama: dict | None, p: int, n: int) -> str:
+    ref = llama["decode_s"] if llama else None
+    lines = [f"Prompt {p} tokens, {n} generated tokens (greedy, ignore_eos); decode = through the engine "
+             "incl. sampling, step = model call alone; vs llama.cpp = our decode tok/s / llama.cpp's.",
+             "", "| engine / config | prefill tok/s | decode tok/s | step tok/s | ms/token | "
+             "vs llama.cpp decode | warm-up s |", "|---|---:|---:|---:|---:|---:|---:|"]
+    if llama:
+        lines.append(f"| llama.cpp {llama['version']} (Q4_1) | {p / llama['prefill_s']:.1f} | "
+                     f"{1 / llama['decode_s']:.1f} | {1 / llama['step_s']:.1f} | "
+                     f"{llama['decode_s'] * 1e3:.2f} | 1.00x | - |")
+    for name, r in results.items():
+        if "error" in r:
+            lines.append(f"| PowerInfer {name} | failed: {r['error']} | | | | | |")
+            continue
+        ratio = f"{ref / r['decode_s']:.2f}x" if ref else "-"
+        lines.append(f"| PowerInfer {name} | {p / r['prefill_s']:.1f} | {1 / r['decode_s']:.1f} | "
+                     f"{1 / r['step_s']:.1f} | {r['decode_s'] * 1e3:.2f} | {ratio} | "
+                     f"{r['warmup_s']:.1f} |")
+    return "\n".join(lines)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--tokens", type=int, default=128, help="tokens to generate")
+    ap.add_argument("--prompt-tokens", type=int, default=128)
+    ap.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
+    ap.add_argument("--configs", nargs="+", default=["fp32", "bf16", "fp32+compile", "bf16+compile"],
+                    help="dtype (fp32, bf16) with an optional +compile")
+    ap.add_argument("--runs", type=int, default=3, help="timed runs per config, after one warm-up")
+    ap.add_argument("--profile", default=None, help="config to profile (default: the first eager one)")
+    ap.add_argument("--skip-llama", action="store_true")
+    ap.add_argument("--out", help="also write the markdown section to this file")
+    a = ap.parse_args()
+    torch.set_num_threads(a.threads)
+    info = machine_info(a.threads)
+    print(info, flush=True)
+
+    model_path = str(resolve_model("smollm2-135m-instruct"))
+    results, profile, llama = {}, "", None
+    prof_name = a.profile or next((c for c in a.configs if "compile" not in c), None)
+    ids = None
+    for name in a.configs:
+        print(f"PowerInfer {name} ...", flush=True)
+        try:
+            t = time.perf_counter()
+            m = load(name, a.threads)
+            load_s = time.perf_counter() - t
+            if ids is None:  # the prompt, cut to an exact length with our tokenizer
+                ids = m.tokenize(TEXT * (a.prompt_tokens // 20 + 2))[:a.prompt_tokens]
+            results[name] = r = bench_ours(m, ids, a.tokens, a.runs)
+            print(f"  load {load_s:.1f}s, warm-up {r['warmup_s']:.1f}s, "
+                  f"decode {1 / r['decode_s']:.1f} tok/s", flush=True)
+            if name == prof_name:
+                profile = f"Profile: PowerInfer {name}\n\n" + profile_decode(m, ids, min(a.tokens, 64))
+            del m
+        except Exception as e:  # e.g. torch.compile failing: report it and go on
+            results[name] = {"error": f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"}
+            print(f"  FAILED: {results[name]['error']}", flush=True)
+        torch._dynamo.reset()
+    if not a.skip_llama and ids is not None:
+        print("llama.cpp ...", flush=True)
+        llama = bench_llama(model_path, ids, a.tokens, a.threads, a.runs)
+    section = "\n\n".join(x for x in (f"Machine: {info}\nModel: {Path(model_path).name}",
+                                      table(results, llama, len(ids or []), a.tokens), profile) if x)
+    if llama:
+        for name, r in results.items():
+            if "out" in r:
+                same = next((i for i, (x, y) in enumerate(zip(r["out"], llama["out"])) if x != y),
+                            len(r["out"]))
+                section += f"\nGreedy tokens identical to llama.cpp's for the first {same} ({name})."
+    print("\n" + section)
+    if a.out:
+        Path(a.out).write_text(section + "\n")
+
+
+if __name__ == "__main__":
+    main()

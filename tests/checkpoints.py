@@ -1,0 +1,259 @@
+"""Small random checkpoints for tests, built with transformers (the oracle) and written in the
+formats the loader reads:
+
+* Hugging Face folders via transformers' own `save_pretrained` (config.json + model.safetensors),
+  plus a byte-level BPE tokenizer.json so that `PowerInfer.from_pretrained` works on them;
+* GGUF files via `gguf.GGUFWriter`, in llama.cpp's layout (q/k rows permuted the way
+  convert_hf_to_gguf.py does), F32 / F16 / Q8_0 tensors, a minimal gpt2-style tokenizer.
+
+Weights are re-drawn with scales that give O(1) activations and logits (transformers' default
+init, std 0.02, makes every logit ~0 and would let almost any bug pass a 1e-4 tolerance).
+"""
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+import torch
+
+# ----------------------------------------------------------------------------------- tokenizer
+
+SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+# (left, right) merges in rank order; each side exists by the time it is used
+MERGES = [("Ġ", "t"), ("h", "e"), ("Ġt", "he"), ("i", "n"), ("Ġ", "a"), ("e", "r"), ("o", "n"),
+          ("Ġ", "s"), ("r", "e"), ("a", "t"), ("e", "n"), ("o", "u"), ("i", "s"), ("Ġ", "w"),
+          ("Ġ", "o"), ("a", "n"), ("n", "d"), ("Ġa", "nd"), ("Ġ", "c"), ("in", "g"), ("Ġ", "b"),
+          ("o", "r"), ("e", "s"), ("Ġ", "f"), ("Ġ", "m"), ("Ġ", "p"), ("l", "l"), ("Ġ", "h"),
+          ("i", "t"), ("Ġ", "d"), ("Ġ", "l"), ("Ġ", "Ġ"), ("ĠĠ", "ĠĠ"), ("Ċ", "Ċ"), ("Ġo", "f"),
+          ("Ġ", "i"), ("Ġi", "s"), ("Ġw", "or"), ("l", "d"), ("Ġwor", "ld")]
+
+
+def bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's reversible byte -> printable character map."""
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) \
+        + list(range(ord("®"), ord("ÿ") + 1))
+    cs, n = bs[:], 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return dict(zip(bs, map(chr, cs)))
+
+
+def byte_vocab() -> tuple[list[str], list[int], list[str]]:
+    """(tokens, GGUF token types, merges "a b"): specials, the 256 byte symbols, merged pieces."""
+    byte_syms = [bytes_to_unicode()[b] for b in range(256)]
+    tokens = SPECIALS + byte_syms + [a + b for a, b in MERGES]
+    assert len(set(tokens)) == len(tokens)
+    types = [3] * len(SPECIALS) + [1] * (len(tokens) - len(SPECIALS))  # 3: control, 1: normal
+    return tokens, types, [f"{a} {b}" for a, b in MERGES]
+
+
+VOCAB_SIZE = len(byte_vocab()[0])  # 299
+
+
+def write_hf_tokenizer(folder: Path) -> None:
+    """tokenizer.json (byte-level BPE over byte_vocab) + tokenizer_config.json."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+
+    tokens, _, _ = byte_vocab()
+    tok = Tokenizer(models.BPE({t: i for i, t in enumerate(tokens)}, list(MERGES)))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in SPECIALS])
+    folder.mkdir(parents=True, exist_ok=True)
+    tok.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps(
+        {"eos_token": "<|endoftext|>", "bos_token": None, "add_bos_token": False}))
+
+
+# ------------------------------------------------------------------------------ HF models
+
+def llama_family_config(model_type: str = "llama", hidden_act: str = "silu", tied: bool = False,
+                        **overrides):
+    """A tiny config: dim 64, 2 layers, 4 heads, 2 kv heads (GQA), ffn 128."""
+    from transformers import LlamaConfig, MistralConfig, Qwen2Config
+
+    cls = {"llama": LlamaConfig, "mistral": MistralConfig, "qwen2": Qwen2Config}[model_type]
+    kw = dict(vocab_size=VOCAB_SIZE, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+              num_attention_heads=4, num_key_value_heads=2, hidden_act=hidden_act,
+              max_position_embeddings=256, rms_norm_eps=1e-5, tie_word_embeddings=tied,
+              bos_token_id=None, eos_token_id=0, pad_token_id=0)
+    kw.update(overrides)
+    return cls(**kw)
+
+
+def opt_config(**overrides):
+    from transformers import OPTConfig
+
+    kw = dict(vocab_size=VOCAB_SIZE, hidden_size=64, num_hidden_layers=2, ffn_dim=128,
+              num_attention_heads=4, max_position_embeddings=128, do_layer_norm_before=True,
+              word_embed_proj_dim=64, activation_function="relu", enable_bias=True,
+              dropout=0.0, attention_dropout=0.0, layerdrop=0.0,
+              bos_token_id=None, eos_token_id=0, pad_token_id=0)
+    kw.update(overrides)
+    return OPTConfig(**kw)
+
+
+@torch.no_grad()
+def randomize_(model: torch.nn.Module, seed: int, logit_scale: float = 3.0) -> None:
+    """Redraw every parameter: norms ~ 1 +- 0.2, biases ~ 0.2, embeddings ~ N(0, 1), linear
+    weights ~ N(0, 1/fan_in); the LM head scaled so logits have std ~ logit_scale."""
+    g = torch.Generator().manual_seed(seed)
+    for name, p in model.named_parameters():  # tied parameters are listed once
+        r = torch.randn(p.shape, generator=g, dtype=torch.float32)
+        if p.ndim == 1:
+            p.copy_(0.2 * r if name.endswith("bias") else 1 + 0.2 * r)
+        elif "embed" in name:
+            p.copy_(r)
+        elif "lm_head" in name:
+            p.copy_(r * logit_scale / math.sqrt(p.shape[1]))
+        else:
+            p.copy_(r / math.sqrt(p.shape[1]))
+
+
+def build_hf_model(config, seed: int):
+    """transformers' model for `config` in fp32 eval mode with random weights (eager attention)."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    config._attn_implementation = "eager"
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    randomize_(model, seed)
+    return model.eval()
+
+
+def add_drelu_hooks(model) -> list:
+    """dReLU on a transformers LLaMA built with hidden_act="relu": relu(gate) * relu(up), by
+    applying relu to each mlp.up_proj output. Returns the hook handles."""
+    return [layer.mlp.up_proj.register_forward_hook(lambda mod, inp, out: torch.relu(out))
+            for layer in model.model.layers]
+
+
+def save_hf(model, folder: Path, extra_config: dict | None = None, tokenizer: bool = True) -> Path:
+    """save_pretrained (safetensors), then merge `extra_config` into config.json."""
+    folder = Path(folder)
+    model.save_pretrained(folder, safe_serialization=True)
+    assert (folder / "model.safetensors").exists(), sorted(p.name for p in folder.iterdir())
+    if extra_config:
+        cfg_file = folder / "config.json"
+        cfg = json.loads(cfg_file.read_text())
+        cfg.update(extra_config)
+        cfg_file.write_text(json.dumps(cfg, indent=1))
+    if tokenizer:
+        write_hf_tokenizer(folder)
+    return folder
+
+
+# ---------------------------------------------------------------------------------- GGUF
+
+def permute_qk(w: np.ndarray, n_head: int) -> np.ndarray:
+    """llama.cpp convert_hf_to_gguf.py LlamaModel.permute (HF rotate_half -> interleaved RoPE)."""
+    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def roundtrip(w: np.ndarray, qtype) -> np.ndarray:
+    """What a tensor stored as `qtype` reads back as (float32)."""
+    import gguf
+
+    if qtype == gguf.GGMLQuantizationType.F32:
+        return w.astype(np.float32)
+    if qtype == gguf.GGMLQuantizationType.F16:
+        return w.astype(np.float16).astype(np.float32)
+    q = gguf.quants.quantize(w.astype(np.float32), qtype)
+    return np.asarray(gguf.quants.dequantize(q, qtype), dtype=np.float32).reshape(w.shape)
+
+
+def write_llama_gguf(path: Path, model, ffn_activation: str | None = None,
+                     qtype=None, arch: str = "llama") -> dict[str, torch.Tensor]:
+    """Write a transformers LLaMA-family model as a llama.cpp-style GGUF file.
+
+    2-D tensors are stored as `qtype` (F32 default, F16, or a quantized type); 1-D tensors
+    (norms, biases) stay F32 as llama.cpp keeps them. `ffn_activation` ("reglu"/"dreglu") goes in
+    the string key powerinfer.ffn_activation. A tied model gets no output.weight.
+
+    Returns the HF-named state dict as the file stores it (after the F16/quantization round
+    trip, q/k in HF order): load it into a transformers model to get the oracle for this file.
+    Quantization blocks run along rows, so permuting rows commutes with the round trip.
+    """
+    import gguf
+
+    T = gguf.GGMLQuantizationType
+    qtype = T.F32 if qtype is None else qtype
+    cfg = model.config
+    n_head, n_kv = cfg.num_attention_heads, cfg.num_key_value_heads
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // n_head
+    rope = getattr(cfg, "rope_parameters", None) or {}
+    rope_theta = rope.get("rope_theta", getattr(cfg, "rope_theta", 10000.0))
+    sd = {k: v.detach().float().numpy() for k, v in model.state_dict().items()}
+    tied = bool(cfg.tie_word_embeddings)
+    permuted = arch != "qwen2"  # llama.cpp permutes q/k for its LLaMA-layout archs, not qwen2
+    effective: dict[str, torch.Tensor] = {}
+
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_string("general.name", f"random-{arch}")
+    w.add_uint32(f"{arch}.block_count", cfg.num_hidden_layers)
+    w.add_uint32(f"{arch}.context_length", cfg.max_position_embeddings)
+    w.add_uint32(f"{arch}.embedding_length", cfg.hidden_size)
+    w.add_uint32(f"{arch}.feed_forward_length", cfg.intermediate_size)
+    w.add_uint32(f"{arch}.attention.head_count", n_head)
+    w.add_uint32(f"{arch}.attention.head_count_kv", n_kv)
+    w.add_float32(f"{arch}.attention.layer_norm_rms_epsilon", cfg.rms_norm_eps)
+    w.add_float32(f"{arch}.rope.freq_base", float(rope_theta))
+    w.add_uint32(f"{arch}.rope.dimension_count", head_dim)
+    if ffn_activation is not None:
+        w.add_string("powerinfer.ffn_activation", ffn_activation)
+    tokens, types, merges = byte_vocab()
+    w.add_string("tokenizer.ggml.model", "gpt2")
+    w.add_string("tokenizer.ggml.pre", "default")
+    w.add_array("tokenizer.ggml.tokens", tokens)
+    w.add_array("tokenizer.ggml.token_type", types)
+    w.add_array("tokenizer.ggml.merges", merges)
+    w.add_uint32("tokenizer.ggml.eos_token_id", 0)
+    w.add_bool("tokenizer.ggml.add_bos_token", False)
+
+    def put(gguf_name: str, hf_name: str, permute_heads: int | None = None):
+        arr = sd[hf_name]
+        if arr.ndim == 1 or qtype == T.F32:
+            stored, eff = arr.astype(np.float32), arr.astype(np.float32)
+        elif qtype == T.F16:
+            stored, eff = arr.astype(np.float16), roundtrip(arr, T.F16)
+        else:
+            stored, eff = gguf.quants.quantize(arr.astype(np.float32), qtype), roundtrip(arr, qtype)
+        if permute_heads is not None and permuted:  # rows only: works on quantized blocks too
+            stored = permute_qk(stored, permute_heads)
+        if stored.dtype == np.uint8:
+            w.add_tensor(gguf_name, stored, raw_dtype=qtype)
+        else:
+            w.add_tensor(gguf_name, np.ascontiguousarray(stored))
+        effective[hf_name] = torch.from_numpy(np.ascontiguousarray(eff))
+
+    put("token_embd.weight", "model.embed_tokens.weight")
+    put("output_norm.weight", "model.norm.weight")
+    if not tied:
+        put("output.weight", "lm_head.weight")
+    for i in range(cfg.num_hidden_layers):
+        p = f"model.layers.{i}."
+        put(f"blk.{i}.attn_norm.weight", p + "input_layernorm.weight")
+        put(f"blk.{i}.attn_q.weight", p + "self_attn.q_proj.weight", n_head)
+        put(f"blk.{i}.attn_k.weight", p + "self_attn.k_proj.weight", n_kv)
+        put(f"blk.{i}.attn_v.weight", p + "self_attn.v_proj.weight")
+        put(f"blk.{i}.attn_output.weight", p + "self_attn.o_proj.weight")
+        for b, heads in (("q", n_head), ("k", n_kv), ("v", None)):
+            if p + f"self_attn.{b}_proj.bias" in sd:
+                put(f"blk.{i}.attn_{b}.bias", p + f"self_attn.{b}_proj.bias", heads)
+        put(f"blk.{i}.ffn_norm.weight", p + "post_attention_layernorm.weight")
+        put(f"blk.{i}.ffn_gate.weight", p + "mlp.gate_proj.weight")
+        put(f"blk.{i}.ffn_up.weight", p + "mlp.up_proj.weight")
+        put(f"blk.{i}.ffn_down.weight", p + "mlp.down_proj.weight")
+    if tied:
+        effective["lm_head.weight"] = effective["model.embed_tokens.weight"]
+
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return effective

@@ -1,0 +1,22 @@
+"""Shared fixtures. No network: the hub is switched off before transformers is imported."""
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def default_model_path():
+    """Path of the default GGUF model (SmolLM2-135M-Instruct, Q4_1); skips if not installed."""
+    from powerinfer.errors import ModelNotFoundError
+    from powerinfer.loader import DEFAULT_MODEL, resolve_model
+
+    try:
+        return resolve_model(DEFAULT_MODEL)
+    except ModelNotFoundError as e:
+        pytest.skip(f"default model not installed: {e}")

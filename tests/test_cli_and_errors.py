@@ -1,0 +1,96 @@
+"""The console script and load errors, run as a user would."""
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from powerinfer import ModelLoadError
+from powerinfer.loader import load_checkpoint, resolve_model
+
+CLI = [sys.executable, "-m", "powerinfer.cli"]
+
+
+def run(*args, stdin=None):
+    return subprocess.run(CLI + list(args), capture_output=True, text=True, input=stdin, timeout=300)
+
+
+def test_generate_answers_paris():
+    r = run("generate", "--model", "smollm2-135m-instruct", "--prompt", "The capital of France is",
+            "--max-tokens", "8", "--temperature", "0")
+    assert r.returncode == 0, r.stderr
+    assert "Paris" in r.stdout
+
+
+def test_chat_reads_turns_from_stdin():
+    r = run("chat", "--temperature", "0", "-n", "30",
+            stdin="What is the capital of France?\n/reset\nWhat is the capital of Germany?\n")
+    assert r.returncode == 0, r.stderr
+    first, second = r.stdout.strip().splitlines()[:2]
+    assert "Paris" in first and "Berlin" in second
+
+
+def test_info_prints_architecture():
+    r = run("info", "--model", "smollm2-135m-instruct")
+    assert r.returncode == 0, r.stderr
+    for needle in ("llama", "layers            30", "Q4_1: 210", "swiglu", "9 / 3"):
+        assert needle in r.stdout
+
+
+@pytest.fixture(scope="module")
+def gguf_path():
+    return resolve_model("smollm2-135m-instruct")
+
+
+def test_missing_file(tmp_path):
+    with pytest.raises(ModelLoadError, match="no such file"):
+        load_checkpoint(tmp_path / "nope.gguf")
+
+
+def test_wrong_magic(tmp_path):
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(b"NOTGGUF" + b"\0" * 100)
+    with pytest.raises(ModelLoadError, match=r"bad.gguf: not a GGUF file"):
+        load_checkpoint(bad)
+
+
+@pytest.mark.parametrize("size", [64, 1_000_000, 90_000_000])
+def test_truncated_gguf(tmp_path, gguf_path, size):
+    cut = tmp_path / "cut.gguf"
+    with open(gguf_path, "rb") as src:
+        cut.write_bytes(src.read(size))
+    with pytest.raises(ModelLoadError, match="cut.gguf: corrupt or truncated"):
+        load_checkpoint(cut)
+
+
+def test_cli_reports_load_error_and_exits_1(tmp_path):
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(b"GGUF" + b"\xff" * 64)
+    r = run("generate", "--model", str(bad), "--prompt", "hi")
+    assert r.returncode == 1
+    assert "error: cannot load model" in r.stderr and "bad.gguf" in r.stderr
+    assert "Traceback" not in r.stderr
+
+
+def test_unknown_architecture_and_shape_mismatch(tmp_path):
+    (tmp_path / "config.json").write_text('{"model_type": "gpt_neox"}')
+    with pytest.raises(ModelLoadError, match="unknown architecture model_type='gpt_neox'"):
+        load_checkpoint(tmp_path)
+
+
+def test_tensor_shape_mismatch_names_tensor(tmp_path):
+    import json
+
+    import torch
+    from safetensors.torch import save_file
+
+    from powerinfer import PowerInfer
+
+    cfg = dict(model_type="llama", vocab_size=32, hidden_size=16, num_hidden_layers=1,
+               num_attention_heads=2, intermediate_size=32)
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    save_file({"model.embed_tokens.weight": torch.zeros(32, 8)}, tmp_path / "model.safetensors")
+    with pytest.raises(ModelLoadError, match=r"tensor embed has shape \(32, 8\), expected \(32, 16\)"):
+        PowerInfer.from_pretrained(tmp_path)

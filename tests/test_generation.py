@@ -1,0 +1,106 @@
+"""Generation on the real default model: sampling rules, stop rules, streaming, batching, chat."""
+import pytest
+import torch
+
+from powerinfer import Config, InvalidRequestError, PowerInfer
+from powerinfer.config import SamplingParams
+from powerinfer.sampling import sample
+
+
+@pytest.fixture(scope="module")
+def smol():
+    return PowerInfer.from_pretrained("smollm2-135m-instruct", config=Config(max_batch=4))
+
+
+def test_greedy_answers_paris(smol):
+    assert "Paris" in smol.generate("The capital of France is", max_new_tokens=8, temperature=0)
+
+
+def test_greedy_is_deterministic_and_batch_matches_single(smol):
+    prompts = ["Once upon a time", "The capital of France is", "def fibonacci(n):"]
+    single = [smol.generate(p, max_new_tokens=12, temperature=0, ignore_eos=True) for p in prompts]
+    assert smol.generate(prompts, max_new_tokens=12, temperature=0, ignore_eos=True) == single
+
+
+def test_seed_reproduces_and_differs(smol):
+    kw = dict(max_new_tokens=24, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, ignore_eos=True)
+    a = smol.generate("My favourite animal is", seed=7, **kw)
+    assert smol.generate("My favourite animal is", seed=7, **kw) == a
+    others = {smol.generate("My favourite animal is", seed=s, **kw) for s in (1, 2, 3)}
+    assert len(others | {a}) > 1
+
+
+def test_top_k_one_is_greedy(smol):
+    greedy = smol.generate("The best way to learn is", max_new_tokens=10, temperature=0)
+    topk1 = smol.generate("The best way to learn is", max_new_tokens=10, temperature=1.5,
+                          top_k=1, seed=3)
+    assert topk1 == greedy
+
+
+def test_max_tokens_counts_tokens(smol):
+    ids = smol.tokenize("Count: one, two,")
+    seq = smol.engine.new_sequence(ids, SamplingParams(max_tokens=5, temperature=0, ignore_eos=True))
+    events = list(smol.engine.run([seq]))
+    assert len(seq.output) == 5 and len(events) == 5
+    assert events[-1].finish_reason == "length"
+
+
+def test_stop_string_truncates_and_stream_matches(smol):
+    full = smol.generate("The capital of France is", max_new_tokens=16, temperature=0, ignore_eos=True)
+    assert "." in full
+    cut = smol.generate("The capital of France is", max_new_tokens=16, temperature=0, stop=".")
+    assert cut == full[:full.index(".")]
+    pieces = list(smol.stream("The capital of France is", max_new_tokens=16, temperature=0, stop=["."]))
+    assert "".join(pieces) == cut
+
+
+def test_stop_token_ids_end_generation(smol):
+    ids = smol.tokenize("The capital of France is")
+    seq = smol.engine.new_sequence(ids, SamplingParams(max_tokens=16, temperature=0))
+    first = next(iter(smol.engine.run([seq]))).token
+    out = smol.generate("The capital of France is", max_new_tokens=16, temperature=0,
+                        stop_token_ids=[first])
+    assert out == ""
+
+
+def test_stream_yields_pieces_that_join_to_generate(smol):
+    kw = dict(max_new_tokens=20, temperature=0, ignore_eos=True)
+    pieces = list(smol.stream("Write a short poem about the sea.", **kw))
+    assert len(pieces) > 3
+    assert "".join(pieces) == smol.generate("Write a short poem about the sea.", **kw)
+
+
+def test_chat_applies_template_and_stops_at_end_of_turn(smol):
+    msgs = [{"role": "user", "content": "What is the capital of France?"}]
+    text = smol.tokenizer.apply_chat_template(msgs)
+    assert text.endswith("<|im_start|>assistant\n") and "<|im_start|>user\nWhat is" in text
+    reply = smol.chat(msgs, max_new_tokens=40, temperature=0)
+    assert "Paris" in reply and "<|im_end|>" not in reply
+    ids = smol.tokenize(text)
+    seq = smol.engine.new_sequence(ids, SamplingParams(max_tokens=40, temperature=0))
+    list(smol.engine.run([seq]))
+    assert seq.finish_reason == "stop" and seq.output[-1] in smol.tokenizer.eog_ids
+
+
+def test_invalid_requests_are_typed_errors(smol):
+    with pytest.raises(InvalidRequestError, match="temperature"):
+        smol.generate("hi", temperature=-1)
+    with pytest.raises(InvalidRequestError, match="unknown sampling parameter"):
+        smol.generate("hi", banana=1)
+    with pytest.raises(InvalidRequestError, match="context holds"):
+        smol.generate("hi " * 5000)
+    with pytest.raises(InvalidRequestError, match="top_p"):
+        smol.generate("hi", top_p=0)
+    assert "Paris" in smol.generate("The capital of France is", max_new_tokens=8, temperature=0)
+
+
+def test_sampling_filters():
+    p = SamplingParams(temperature=1.0, top_k=0, top_p=1.0, min_p=0.5)
+    logits = torch.tensor([4.0, 3.9, 0.0, -1.0])  # min_p 0.5 keeps only the first two
+    g = torch.Generator().manual_seed(0)
+    assert {sample(logits, p, [], g) for _ in range(200)} == {0, 1}
+    p = SamplingParams(temperature=1.0, top_k=0, top_p=0.5, min_p=0.0)
+    assert {sample(torch.tensor([3.0, 2.0, 1.0]), p, [], g) for _ in range(50)} == {0}
+    p = SamplingParams(temperature=0, repetition_penalty=2.0)
+    assert sample(torch.tensor([2.0, 1.5]), p, [0], None) == 1  # 2.0/2 < 1.5
+    assert sample(torch.tensor([2.0, 1.5]), p, [1], None) == 0
