@@ -43,7 +43,8 @@ TENSOR_NAMES: dict[str, tuple[str | None, str | None, str | None]] = {
                 "model.decoder.layers.{i}.self_attn.v_proj.bias"),
     "{i}.o": ("blk.{i}.attn_output.weight", "model.layers.{i}.self_attn.o_proj.weight",
               "model.decoder.layers.{i}.self_attn.out_proj.weight"),
-    "{i}.o_b": (None, None, "model.decoder.layers.{i}.self_attn.out_proj.bias"),
+    "{i}.o_b": ("blk.{i}.attn_output.bias", "model.layers.{i}.self_attn.o_proj.bias",
+                "model.decoder.layers.{i}.self_attn.out_proj.bias"),
     "{i}.ffn_norm": ("blk.{i}.ffn_norm.weight", "model.layers.{i}.post_attention_layernorm.weight",
                      "model.decoder.layers.{i}.final_layer_norm.weight"),
     "{i}.ffn_norm_b": (None, None, "model.decoder.layers.{i}.final_layer_norm.bias"),
@@ -204,7 +205,8 @@ def _load_gguf(path: Path, dtype, with_weights: bool) -> Checkpoint:
         norm_eps=float(key("attention.layer_norm_rms_epsilon")),
         rope_base=float(meta.get(f"{arch}.rope.freq_base", 10000.0)),
         max_seq_len=int(meta.get(f"{arch}.context_length", 2048)),
-        qkv_bias="blk.0.attn_q.bias" in tensors,
+        qkv_bias="blk.0.attn_q.bias" in tensors, o_bias="blk.0.attn_output.bias" in tensors,
+        sliding_window=int(meta.get(f"{arch}.attention.sliding_window", 0)),
         tie_embeddings="output.weight" not in tensors,
     )
     names = expand_names(GGUF, args.n_layers)
@@ -247,6 +249,9 @@ def _hf_args(path: Path, cfg: dict) -> tuple[ModelArgs, int]:
             rope_scaling = ("llama3", scaling["factor"], scaling["low_freq_factor"],
                             scaling["high_freq_factor"], scaling["original_max_position_embeddings"])
         n_heads = get("num_attention_heads")
+        if mtype == "qwen2" and get("use_sliding_window"):
+            raise ModelLoadError(path, "Qwen2 with use_sliding_window=True is not supported")
+        window = (get("sliding_window") or 0) if mtype == "mistral" else 0
         return ModelArgs(
             arch="llama", vocab_size=get("vocab_size"), dim=get("hidden_size"),
             n_layers=get("num_hidden_layers"), n_heads=n_heads,
@@ -256,6 +261,7 @@ def _hf_args(path: Path, cfg: dict) -> tuple[ModelArgs, int]:
             rope_base=get("rope_theta") or rope.get("rope_theta", 10000.0), rope_scaling=rope_scaling,
             max_seq_len=get("max_position_embeddings", 2048),
             qkv_bias=mtype == "qwen2" or bool(get("attention_bias")),
+            o_bias=bool(get("attention_bias")), sliding_window=window,
             tie_embeddings=bool(get("tie_word_embeddings", False)),
         ), HF_LLAMA
     if mtype == "opt":
@@ -271,7 +277,7 @@ def _hf_args(path: Path, cfg: dict) -> tuple[ModelArgs, int]:
             n_layers=get("num_hidden_layers"), n_heads=get("num_attention_heads"),
             n_kv_heads=get("num_attention_heads"), ffn_dim=get("ffn_dim"), ffn_act="relu",
             norm_eps=1e-5, max_seq_len=get("max_position_embeddings", 2048), qkv_bias=True,
-            out_bias=True, tie_embeddings=bool(get("tie_word_embeddings", True)),
+            o_bias=True, ffn_bias=True, tie_embeddings=bool(get("tie_word_embeddings", True)),
             layer_norm=True, learned_pos=True,
         ), HF_OPT
     raise ModelLoadError(path, f"unknown architecture model_type={mtype!r} "

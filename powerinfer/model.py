@@ -32,8 +32,10 @@ class ModelArgs:
     rope_base: float = 10000.0
     rope_scaling: tuple | None = None  # ("llama3", factor, low_freq_factor, high_freq_factor, original_max_pos)
     max_seq_len: int = 2048  # the model's trained context
-    qkv_bias: bool = False  # Qwen2, OPT
-    out_bias: bool = False  # OPT: output projection and FFN biases
+    qkv_bias: bool = False  # Qwen2, OPT, LLaMA with attention_bias
+    o_bias: bool = False  # OPT, LLaMA with attention_bias
+    ffn_bias: bool = False  # OPT
+    sliding_window: int = 0  # Mistral: attend to the last `sliding_window` positions (0: all)
     tie_embeddings: bool = False
     # OPT switches
     layer_norm: bool = False  # LayerNorm with bias instead of RMSNorm
@@ -91,7 +93,7 @@ class Attention(nn.Module):
         self.n_heads, self.n_kv_heads, self.head_dim = a.n_heads, a.n_kv_heads, a.head_dim
         q, kv = a.n_heads * a.head_dim, a.n_kv_heads * a.head_dim
         self.wqkv = nn.Linear(a.dim, q + 2 * kv, bias=a.qkv_bias)  # fused q, k, v
-        self.wo = nn.Linear(q, a.dim, bias=a.out_bias)
+        self.wo = nn.Linear(q, a.dim, bias=a.o_bias)
         self.kv_cache: KVCache | None = None
 
     def forward(self, x, rope, mask, slots, pos, kv_len: int):
@@ -117,8 +119,8 @@ class FFN(nn.Module):
         super().__init__()
         self.act, self.ffn_dim = a.ffn_act, a.ffn_dim
         width = 2 * a.ffn_dim if a.gated else a.ffn_dim
-        self.w1 = nn.Linear(a.dim, width, bias=a.out_bias)  # gated: [gate; up] fused, else up (fc1)
-        self.w2 = nn.Linear(a.ffn_dim, a.dim, bias=a.out_bias)  # down (fc2)
+        self.w1 = nn.Linear(a.dim, width, bias=a.ffn_bias)  # gated: [gate; up] fused, else up (fc1)
+        self.w2 = nn.Linear(a.ffn_dim, a.dim, bias=a.ffn_bias)  # down (fc2)
 
     def neurons(self, x):  # x: (B, T, dim) -> (B, T, ffn_dim)
         h = self.w1(x)
@@ -187,7 +189,10 @@ class Transformer(nn.Module):
         else:
             rope = (self.rope_cos[pos].unsqueeze(1), self.rope_sin[pos].unsqueeze(1))  # (B,1,T,D)
         key_pos = torch.arange(kv_len, device=tokens.device)
-        mask = (key_pos[None, None, :] <= pos[:, :, None]).unsqueeze(1)  # (B, 1, T, kv_len)
+        mask = key_pos[None, None, :] <= pos[:, :, None]  # (B, T, kv_len)
+        if self.args.sliding_window:
+            mask &= key_pos[None, None, :] > pos[:, :, None] - self.args.sliding_window
+        mask = mask.unsqueeze(1)  # (B, 1, T, kv_len)
         for block in self.layers:
             h = block(h, rope, mask, slots, pos, kv_len)
         if last is not None:
@@ -239,8 +244,9 @@ class Transformer(nn.Module):
             put(b.attn.wo.weight, p + "o")
             if a.qkv_bias:
                 put(b.attn.wqkv.bias, p + "q_b", p + "k_b", p + "v_b")
-            if a.out_bias:
+            if a.o_bias:
                 put(b.attn.wo.bias, p + "o_b")
+            if a.ffn_bias:
                 put(b.ffn.w1.bias, p + "up_b")
                 put(b.ffn.w2.bias, p + "down_b")
             put(b.ffn.w1.weight, *((p + "gate", p + "up") if a.gated else (p + "up",)))

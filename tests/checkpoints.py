@@ -152,7 +152,8 @@ def save_hf(model, folder: Path, extra_config: dict | None = None, tokenizer: bo
 
 def permute_qk(w: np.ndarray, n_head: int) -> np.ndarray:
     """llama.cpp convert_hf_to_gguf.py LlamaModel.permute (HF rotate_half -> interleaved RoPE)."""
-    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+    return (w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:])
+            .swapaxes(1, 2).reshape(w.shape))
 
 
 def roundtrip(w: np.ndarray, qtype) -> np.ndarray:
