@@ -1,8 +1,8 @@
 #!/usr/bin/env python3
-"""Prefill and decode throughput of PowerInfer on the default model, next to llama.cpp in the same run.
+"""Prefill and decode throughput of PowerInfer on the default model, beside llama.cpp in one run.
 
     .venv/bin/python benchmarks/decode.py [--tokens 128] [--prompt-tokens 128] [--threads N]
-        [--configs fp32 bf16 fp32+compile bf16+compile] [--skip-llama] [--out FILE]
+        [--configs fp32 bf16 bf16+int4 ... bf16+int4+compile] [--skip-llama] [--out FILE]
 
 Ours, per config: prefill tok/s is the timed forward over the prompt (median over runs); decode
 tok/s is what a user sees through `Engine.run` with greedy sampling and ignore_eos (sampling,
@@ -41,41 +41,43 @@ TEXT = ("The history of computing is a story of ideas that took decades to matur
 LLAMA_SCRIPT = r"""
 import json, statistics, sys, time
 import numpy as np
-import llama_cpp
+import llama_cpp, llama_cpp.llama_cpp as C
 from llama_cpp import Llama
 cfg = json.load(sys.stdin)
 ids, n, t = cfg["ids"], cfg["tokens"], cfg["threads"]
-# AMX extra buffer types crash on some CPUs: turn them off (a model param, not a Llama kwarg)
-default_params = llama_cpp.llama_model_default_params
+# AMX extra buffer types crash on some CPUs. Llama() silently swallows unknown kwargs, so turn
+# them off in the model params it builds (llama.py calls C.llama_model_default_params).
+default_params = C.llama_model_default_params
 def no_extra_bufts():
     p = default_params()
     p.use_extra_bufts = False
     return p
-llama_cpp.llama_model_default_params = no_extra_bufts
+C.llama_model_default_params = no_extra_bufts
 llm = Llama(cfg["model"], n_ctx=len(ids) + n + 16, n_batch=512, n_ubatch=512, n_threads=t,
             n_threads_batch=t, verbose=False)
-llama_cpp.llama_model_default_params = default_params
-ctx = llm._ctx.ctx
+C.llama_model_default_params = default_params
+assert not llm.model_params.use_extra_bufts
+ctx, vocab = llm._ctx.ctx, llm.n_vocab()
+def greedy():  # argmax of the last evaluated token's logits
+    return int(np.argmax(np.ctypeslib.as_array(C.llama_get_logits_ith(ctx, -1), shape=(vocab,))))
 runs = []
 for _ in range(cfg["runs"] + 1):  # the first run is a warm-up
     llm.reset()
-    llama_cpp.llama_perf_context_reset(ctx)
+    C.llama_perf_context_reset(ctx)
     t0 = time.perf_counter()
     llm.eval(ids)
+    out = [greedy()]
     t1 = time.perf_counter()
-    out = [int(np.argmax(llm.scores[llm.n_tokens - 1]))]
-    t2 = time.perf_counter()
     for _ in range(n - 1):
         llm.eval([out[-1]])
-        out.append(int(np.argmax(llm.scores[llm.n_tokens - 1])))
-    t3 = time.perf_counter()
-    perf = llama_cpp.llama_perf_context(ctx)
-    runs.append(dict(prefill_s=t1 - t0, decode_s=(t3 - t2) / (n - 1),
+        out.append(greedy())
+    t2 = time.perf_counter()
+    perf = C.llama_perf_context(ctx)
+    runs.append(dict(prefill_s=t1 - t0, decode_s=(t2 - t1) / (n - 1),
                      step_s=perf.t_eval_ms / 1e3 / max(perf.n_eval, 1), out=out))
-runs = runs[1:]
-med = lambda k: statistics.median(r[k] for r in runs)
+med = lambda k: statistics.median(r[k] for r in runs[1:])
 print(json.dumps(dict(prefill_s=med("prefill_s"), decode_s=med("decode_s"), step_s=med("step_s"),
-                      out=runs[0]["out"], version=llama_cpp.__version__)))
+                      out=runs[1]["out"], version=llama_cpp.__version__)))
 """
 
 
@@ -86,21 +88,38 @@ def machine_info(threads: int) -> str:
                    if line.startswith("model name"))
     except (OSError, StopIteration):
         pass
-    return (f"{datetime.date.today()} · {cpu} · {os.cpu_count()} cores, {threads} threads used · "
-            f"torch {torch.__version__} · Python {platform.python_version()}")
+    return (f"{cpu} · {os.cpu_count()} cores, {threads} threads used · "
+            f"torch {torch.__version__} · Python {platform.python_version()} · "
+            f"load average {os.getloadavg()[0]:.2f} at start")
+
+
+def cpu_seconds() -> tuple[float, float, float]:
+    """(busy, total) CPU seconds of the machine, and this process's own (children included)."""
+    jiffies = [int(x) for x in open("/proc/stat").readline().split()[1:]]
+    tick = os.sysconf("SC_CLK_TCK")
+    t = os.times()
+    return ((sum(jiffies) - jiffies[3] - jiffies[4]) / tick, sum(jiffies) / tick,
+            t.user + t.system + t.children_user + t.children_system)
+
+
+def others_share(since: tuple) -> float:
+    """Percent of the machine's CPU time other processes used since `since` (a cpu_seconds())."""
+    busy, total, own = (b - a for a, b in zip(since, cpu_seconds()))
+    return 100 * max(busy - own, 0) / max(total, 1e-9)
 
 
 # ---------------------------------------------------------------- llama.cpp
 def llama_python() -> Path:
     """The python of benchmarks/.llama-venv, creating it (a ~4 minute source build) if missing."""
     py = LLAMA_VENV / "bin" / "python"
-    if py.exists() and subprocess.run([py, "-c", "import llama_cpp"], capture_output=True).returncode == 0:
+    if py.exists() and not subprocess.run([py, "-c", "import llama_cpp"], capture_output=True).returncode:
         return py
     print(f"installing llama-cpp-python=={LLAMA_VERSION} into {LLAMA_VENV} (a source build) ...",
           flush=True)
     if not py.exists():
         subprocess.run(["python3", "-m", "venv", LLAMA_VENV], check=True)
-    env = dict(os.environ, CMAKE_ARGS=os.environ.get("CMAKE_ARGS", "-DLLAMA_CURL=OFF -DGGML_NATIVE=ON"))
+    env = dict(os.environ)
+    env.setdefault("CMAKE_ARGS", "-DLLAMA_CURL=OFF -DGGML_NATIVE=ON")
     subprocess.run([py, "-m", "pip", "install", "-q", f"llama-cpp-python=={LLAMA_VERSION}"],
                    check=True, env=env)
     return py
@@ -119,7 +138,7 @@ def bench_llama(model: str, ids: list[int], n: int, threads: int, runs: int) -> 
 def load(name: str, threads: int) -> PowerInfer:
     dtype, *flags = name.split("+")
     config = Config(dtype=dtype, cpu_threads=threads, compile="compile" in flags,
-                    max_batch=1, max_seq_len=2048)
+                    weights="int4" if "int4" in flags else "dense", max_batch=1, max_seq_len=2048)
     return PowerInfer.from_pretrained("smollm2-135m-instruct", config=config)
 
 
@@ -144,7 +163,7 @@ def generate_once(m: PowerInfer, ids: list[int], n: int) -> dict:
     finally:
         del eng._forward  # back to the class's method
         eng._decode = dec
-    return dict(wall_s=stamps[-1] - t0, prefill_s=prefill[0], ttft_s=stamps[0] - t0,
+    return dict(wall_s=stamps[-1] - t0, prefill_s=prefill[0],
                 decode_s=(stamps[-1] - stamps[0]) / (n - 1), step_s=sum(steps) / len(steps),
                 out=seq.output)
 
@@ -152,93 +171,104 @@ def generate_once(m: PowerInfer, ids: list[int], n: int) -> dict:
 def bench_ours(m: PowerInfer, ids: list[int], n: int, runs: int) -> dict:
     warm = generate_once(m, ids, n)
     rs = [generate_once(m, ids, n) for _ in range(runs)]
-    med = {k: statistics.median(r[k] for r in rs) for k in ("wall_s", "prefill_s", "decode_s", "step_s")}
+    med = {k: statistics.median(r[k] for r in rs)
+           for k in ("wall_s", "prefill_s", "decode_s", "step_s")}
     return dict(med, warmup_s=warm["wall_s"] - med["wall_s"], out=rs[0]["out"])
 
 
 # ---------------------------------------------------------------- profile
-def profile_decode(m: PowerInfer, ids: list[int], n: int, top: int = 15) -> str:
-    """Where one decode token's time goes: a module breakdown from forward hooks (eager only),
-    then the top torch ops by self CPU time, both per token."""
-    eng, model = m.engine, m.model
+def decode_tokens(m: PowerInfer, ids: list[int], n: int):
+    """A generator over the decode steps of one greedy generation (prefill already done)."""
+    seq = m.engine.new_sequence(ids, sampling_params(max_tokens=n, temperature=0, ignore_eos=True))
+    it = m.engine.run([seq])
+    next(it)  # prefill and the first token
+    return it
+
+
+def add_timer(mod: torch.nn.Module, label: str, spent: dict) -> list:
+    start = 0.0
+
+    def pre(*_):
+        nonlocal start
+        start = time.perf_counter()
+
+    def post(*_):
+        spent[label] = spent.get(label, 0.0) + time.perf_counter() - start
+    return [mod.register_forward_pre_hook(pre), mod.register_forward_hook(post)]
+
+
+def module_breakdown(m: PowerInfer, ids: list[int], n: int) -> str:
+    """Per decode token: time in each kind of module (forward hooks; eager only), the rest of the
+    model step, and the engine around it."""
+    eng, model, spent, steps, handles = m.engine, m.model, {}, [], []
     groups = {"Attention": "attention (qkv, rope, kv cache, sdpa, wo)", "FFN": "FFN",
               "Norm": "norms", "Embedding": "embedding"}
-    spent: dict[str, float] = {}
-
-    def hook_pair(label):
-        start = [0.0]
-
-        def pre(mod, args):
-            start[0] = time.perf_counter()
-
-        def post(mod, args, out):
-            spent[label] = spent.get(label, 0.0) + time.perf_counter() - start[0]
-        return pre, post
-    handles = []
     for mod in model.modules():
         label = "lm_head" if mod is model.output else groups.get(type(mod).__name__)
         if label:
-            pre, post = hook_pair(label)
-            handles += [mod.register_forward_pre_hook(pre), mod.register_forward_hook(post)]
-    seq = eng.new_sequence(ids, sampling_params(max_tokens=n, temperature=0, ignore_eos=True))
-    steps = []
+            handles += add_timer(mod, label, spent)
     dec = eng._decode
     eng._decode = timed(dec, steps)
-    it = eng.run([seq])
-    next(it)  # prefill and the first token: not counted
-    spent.clear()
-    t0 = time.perf_counter()
-    for _ in it:
-        pass
-    total = (time.perf_counter() - t0) / (n - 1)
-    eng._decode = dec
-    for h in handles:
-        h.remove()
+    try:
+        it = decode_tokens(m, ids, n)
+        spent.clear()
+        t0 = time.perf_counter()
+        for _ in it:
+            pass
+        total = (time.perf_counter() - t0) / (n - 1)
+    finally:
+        eng._decode = dec
+        for h in handles:
+            h.remove()
     step = sum(steps) / len(steps)
     rows = [(k, v / (n - 1)) for k, v in sorted(spent.items(), key=lambda kv: -kv[1])]
     rows += [("rest of the model step (python, rope/mask setup, residual adds)",
               step - sum(v for _, v in rows)),
              ("engine outside the step (sampling, detokenize, bookkeeping)", total - step)]
-    lines = [f"Decode token breakdown ({n - 1} tokens, {total * 1e3:.2f} ms/token; hooks add a little):",
-             "", "| part | ms/token | share |", "|---|---:|---:|"]
-    lines += [f"| {k} | {v * 1e3:.3f} | {100 * v / total:.1f}% |" for k, v in rows]
+    return "\n".join([f"Decode token breakdown ({n - 1} tokens, {total * 1e3:.2f} ms/token; the hooks "
+                      "slow the step a little, so read the shares, not the sum):",
+                      "", "| part | ms/token | share |", "|---|---:|---:|"]
+                     + [f"| {k} | {v * 1e3:.3f} | {100 * v / total:.1f}% |" for k, v in rows])
 
-    seq = eng.new_sequence(ids, sampling_params(max_tokens=n, temperature=0, ignore_eos=True))
-    it = eng.run([seq])
-    next(it)
+
+def top_ops(m: PowerInfer, ids: list[int], n: int, top: int = 15) -> str:
+    """Per decode token: the torch ops with the most self CPU time, under torch.profiler."""
+    it = decode_tokens(m, ids, n)
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
         for _ in it:
             pass
     events = sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)
     all_us = sum(e.self_cpu_time_total for e in events)
-    lines += ["", f"Top {top} torch ops by self CPU time (per decode token, under the profiler; "
-              f"total {all_us / (n - 1) / 1e3:.2f} ms/token):", "",
-              "| op | self ms/token | share | calls/token |", "|---|---:|---:|---:|"]
-    lines += [f"| `{e.key}` | {e.self_cpu_time_total / (n - 1) / 1e3:.3f} | "
-              f"{100 * e.self_cpu_time_total / all_us:.1f}% | {e.count / (n - 1):.0f} |"
-              for e in events[:top]]
-    return "\n".join(lines)
+    return "\n".join([f"Top {top} torch ops by self CPU time per decode token (under the profiler, "
+                      f"{all_us / (n - 1) / 1e3:.2f} ms/token in all):", "",
+                      "| op | self ms/token | share | calls/token |", "|---|---:|---:|---:|"]
+                     + [f"| `{e.key}` | {e.self_cpu_time_total / (n - 1) / 1e3:.3f} | "
+                        f"{100 * e.self_cpu_time_total / all_us:.1f}% | {e.count / (n - 1):.0f} |"
+                        for e in events[:top]])
 
 
 # ---------------------------------------------------------------- report
 def table(results: dict, llama: dict | None, p: int, n: int) -> str:
     ref = llama["decode_s"] if llama else None
-    lines = [f"Prompt {p} tokens, {n} generated tokens (greedy, ignore_eos); decode = through the engine "
-             "incl. sampling, step = model call alone; vs llama.cpp = our decode tok/s / llama.cpp's.",
+    lines = [f"Prompt {p} tokens, {n} generated tokens (greedy, ignore_eos). decode: through the "
+             "engine, sampling included; step: the model call alone; vs llama.cpp: our decode tok/s "
+             "over llama.cpp's; others' CPU: the machine's CPU time other processes took meanwhile "
+             "(timings are clean only near 0%).",
              "", "| engine / config | prefill tok/s | decode tok/s | step tok/s | ms/token | "
-             "vs llama.cpp decode | warm-up s |", "|---|---:|---:|---:|---:|---:|---:|"]
+             "vs llama.cpp decode | warm-up s | others' CPU |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|"]
     if llama:
         lines.append(f"| llama.cpp {llama['version']} (Q4_1) | {p / llama['prefill_s']:.1f} | "
                      f"{1 / llama['decode_s']:.1f} | {1 / llama['step_s']:.1f} | "
-                     f"{llama['decode_s'] * 1e3:.2f} | 1.00x | - |")
+                     f"{llama['decode_s'] * 1e3:.2f} | 1.00x | - | {llama['others']:.0f}% |")
     for name, r in results.items():
         if "error" in r:
-            lines.append(f"| PowerInfer {name} | failed: {r['error']} | | | | | |")
+            lines.append(f"| PowerInfer {name} | failed: {r['error']} | | | | | | |")
             continue
         ratio = f"{ref / r['decode_s']:.2f}x" if ref else "-"
         lines.append(f"| PowerInfer {name} | {p / r['prefill_s']:.1f} | {1 / r['decode_s']:.1f} | "
                      f"{1 / r['step_s']:.1f} | {r['decode_s'] * 1e3:.2f} | {ratio} | "
-                     f"{r['warmup_s']:.1f} |")
+                     f"{r['warmup_s']:.1f} | {r['others']:.0f}% |")
     return "\n".join(lines)
 
 
@@ -247,23 +277,30 @@ def main():
     ap.add_argument("--tokens", type=int, default=128, help="tokens to generate")
     ap.add_argument("--prompt-tokens", type=int, default=128)
     ap.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
-    ap.add_argument("--configs", nargs="+", default=["fp32", "bf16", "fp32+compile", "bf16+compile"],
-                    help="dtype (fp32, bf16) with an optional +compile")
+    ap.add_argument("--configs", nargs="+",
+                    default=["fp32", "bf16", "bf16+int4", "fp32+compile", "bf16+compile",
+                             "bf16+int4+compile"],
+                    help="dtype (fp32, bf16), optionally +int4 (4-bit weights kept) and +compile")
     ap.add_argument("--runs", type=int, default=3, help="timed runs per config, after one warm-up")
-    ap.add_argument("--profile", default=None, help="config to profile (default: the first eager one)")
+    ap.add_argument("--profile", nargs="+",
+                    help="configs to profile (default: the first eager one and the last one)")
     ap.add_argument("--skip-llama", action="store_true")
     ap.add_argument("--out", help="also write the markdown section to this file")
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
     info = machine_info(a.threads)
-    print(info, flush=True)
+    print(datetime.datetime.now().isoformat(" ", "seconds"), info, flush=True)
 
+    cpu0 = cpu_seconds()
     model_path = str(resolve_model("smollm2-135m-instruct"))
-    results, profile, llama = {}, "", None
-    prof_name = a.profile or next((c for c in a.configs if "compile" not in c), None)
+    results, llama = {}, None
+    prof_names = a.profile or {next((c for c in a.configs if "compile" not in c), None),
+                               a.configs[-1]}
+    profiles = []
     ids = None
     for name in a.configs:
         print(f"PowerInfer {name} ...", flush=True)
+        c0 = cpu_seconds()
         try:
             t = time.perf_counter()
             m = load(name, a.threads)
@@ -271,10 +308,15 @@ def main():
             if ids is None:  # the prompt, cut to an exact length with our tokenizer
                 ids = m.tokenize(TEXT * (a.prompt_tokens // 20 + 2))[:a.prompt_tokens]
             results[name] = r = bench_ours(m, ids, a.tokens, a.runs)
+            r["others"] = others_share(c0)
             print(f"  load {load_s:.1f}s, warm-up {r['warmup_s']:.1f}s, "
                   f"decode {1 / r['decode_s']:.1f} tok/s", flush=True)
-            if name == prof_name:
-                profile = f"Profile: PowerInfer {name}\n\n" + profile_decode(m, ids, min(a.tokens, 64))
+            if name in prof_names:
+                k = min(a.tokens, 64)
+                parts = [] if m.config.compile else [module_breakdown(m, ids, k)]  # hooks: eager
+                parts.append(top_ops(m, ids, k))
+                profiles.append("\n\n".join(
+                    [f"### Where a decode token's time goes: PowerInfer {name}"] + parts))
             del m
         except Exception as e:  # e.g. torch.compile failing: report it and go on
             results[name] = {"error": f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"}
@@ -282,17 +324,22 @@ def main():
         torch._dynamo.reset()
     if not a.skip_llama and ids is not None:
         print("llama.cpp ...", flush=True)
+        c0 = cpu_seconds()
         llama = bench_llama(model_path, ids, a.tokens, a.threads, a.runs)
-    section = "\n\n".join(x for x in (f"Machine: {info}\nModel: {Path(model_path).name}",
-                                      table(results, llama, len(ids or []), a.tokens), profile) if x)
-    if llama:
-        for name, r in results.items():
-            if "out" in r:
-                same = next((i for i, (x, y) in enumerate(zip(r["out"], llama["out"])) if x != y),
-                            len(r["out"]))
-                section += f"\nGreedy tokens identical to llama.cpp's for the first {same} ({name})."
+        llama["others"] = others_share(c0)
+    info += f" · other processes used {others_share(cpu0):.0f}% of the CPUs during the run"
+    body = table(results, llama, len(ids or []), a.tokens)
+    if llama:  # how long our greedy output stays identical to llama.cpp's
+        same = {name: next((i for i, (x, y) in enumerate(zip(r["out"], llama["out"])) if x != y),
+                           len(r["out"])) for name, r in results.items() if "out" in r}
+        body += "\n\nGreedy tokens identical to llama.cpp's: " + ", ".join(
+            f"{k} {v}/{a.tokens}" for k, v in same.items()) + "."
+    section = "\n\n".join(x for x in (
+        f"## Decode benchmark ({datetime.date.today()})",
+        f"- Machine: {info}\n- Model: {Path(model_path).name}", body, *profiles) if x)
     print("\n" + section)
     if a.out:
+        Path(a.out).parent.mkdir(parents=True, exist_ok=True)
         Path(a.out).write_text(section + "\n")
 
 

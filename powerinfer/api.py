@@ -11,6 +11,7 @@ from .engine import Engine
 from .errors import ModelLoadError
 from .loader import DEFAULT_MODEL, Checkpoint, load_checkpoint
 from .model import Transformer
+from .quant import apply_int4
 from .tokenizer import Tokenizer
 
 Messages = list[dict]
@@ -30,11 +31,13 @@ class PowerInfer:
         try:
             self.model = Transformer.from_weights(checkpoint.args, checkpoint.weights,
                                                   config.torch_dtype, config.torch_device)
+            if config.weights == "int4" and not apply_int4(self.model, checkpoint.q4):
+                raise ValueError("weights='int4' needs a GGUF file with Q4_0/Q4_1 projections")
             kind, source = checkpoint.tokenizer_source
             self.tokenizer = Tokenizer.from_gguf(source) if kind == "gguf" else Tokenizer.from_hf(source)
         except (ValueError, KeyError, FileNotFoundError) as e:
             raise ModelLoadError(checkpoint.path, str(e)) from e
-        checkpoint.weights = {}  # the model holds them now
+        checkpoint.weights, checkpoint.q4 = {}, {}  # the model holds them now
         self.engine = Engine(self.model, self.tokenizer, config)
 
     @classmethod
@@ -42,7 +45,8 @@ class PowerInfer:
                         config: Config | None = None) -> "PowerInfer":
         """Load a GGUF file, a Hugging Face folder, or an installed model by short name."""
         config = config or Config()
-        return cls(load_checkpoint(name_or_path, config.torch_dtype), config)
+        return cls(load_checkpoint(name_or_path, config.torch_dtype,
+                                   keep_int4=config.weights == "int4"), config)
 
     @property
     def args(self):

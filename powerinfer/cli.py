@@ -45,6 +45,8 @@ def _model_args(p: argparse.ArgumentParser):
     p.add_argument("--threads", type=int, default=0, help="CPU threads (0: all)")
     p.add_argument("--ctx", type=int, default=0, help="context length of the KV cache")
     p.add_argument("--compile", action="store_true", help="torch.compile the decode step")
+    p.add_argument("--weights", default="dense", choices=["dense", "int4"],
+                   help="int4: keep the file's Q4_0/Q4_1 weights 4-bit (with --dtype bfloat16)")
     p.add_argument("--verbose", "-v", action="store_true", help="print timings to stderr")
 
 
@@ -64,7 +66,7 @@ def _load(args):
 
     t0 = time.perf_counter()
     config = Config(dtype=args.dtype, cpu_threads=args.threads, max_seq_len=args.ctx,
-                    max_batch=1, compile=args.compile)
+                    max_batch=1, compile=args.compile, weights=args.weights)
     model = PowerInfer.from_pretrained(args.model, config=config)
     if args.verbose:
         print(f"[loaded {args.model} in {time.perf_counter() - t0:.1f} s]", file=sys.stderr)

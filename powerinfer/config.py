@@ -5,7 +5,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .errors import InvalidRequestError
+from .errors import ConfigError, InvalidRequestError
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
           "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
@@ -15,14 +15,15 @@ DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfl
 class Config:
     """How to run a model.
 
-    vram_budget_gb: GPU memory the placement may use (hot neurons, attention, KV cache).
+    vram_budget_gb: GPU memory the hot-neuron placement may use (read by the sparse runtime;
+        the dense engine ignores it).
     cpu_threads: torch intra-op threads for CPU work (0: all cores of this process).
     dtype: compute dtype ("float32" default on CPU, "bfloat16" available).
     device: "cpu", "cuda" or "auto" (cuda when available).
     max_seq_len: KV cache length per sequence (0: the model's context, capped at 4096).
     max_batch: sequences decoded together.
     compile: compile the decode step with torch.compile (slow first call, faster tokens).
-    runtime: "local" (in-process) or "actors" (the Ray actor runtime).
+    runtime: "local" (in-process; the Ray actor runtime will add "actors").
     """
 
     vram_budget_gb: float = 0.0
@@ -33,18 +34,23 @@ class Config:
     max_batch: int = 4
     compile: bool = False
     runtime: str = "local"
+    weights: str = "dense"
 
     def __post_init__(self):
         if self.dtype not in DTYPES:
-            raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
+            raise ConfigError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
         if self.device not in ("cpu", "cuda", "auto"):
-            raise ValueError(f"device must be cpu, cuda or auto, got {self.device!r}")
-        if self.runtime not in ("local", "actors"):
-            raise ValueError(f"runtime must be 'local' or 'actors', got {self.runtime!r}")
+            raise ConfigError(f"device must be cpu, cuda or auto, got {self.device!r}")
+        if self.runtime != "local":
+            raise ConfigError(f"runtime must be 'local' (the only runtime so far), got {self.runtime!r}")
         if self.vram_budget_gb < 0 or self.cpu_threads < 0 or self.max_seq_len < 0:
-            raise ValueError("vram_budget_gb, cpu_threads and max_seq_len must be >= 0")
+            raise ConfigError("vram_budget_gb, cpu_threads and max_seq_len must be >= 0")
+        if self.weights not in ("dense", "int4"):
+            raise ConfigError(f"weights must be 'dense' or 'int4', got {self.weights!r}")
+        if self.weights == "int4" and (DTYPES[self.dtype] != torch.bfloat16 or self.device == "cuda"):
+            raise ConfigError("weights='int4' runs on the CPU in bfloat16: set dtype='bfloat16'")
         if self.max_batch < 1:
-            raise ValueError("max_batch must be >= 1")
+            raise ConfigError("max_batch must be >= 1")
 
     @property
     def torch_dtype(self) -> torch.dtype:

@@ -78,7 +78,9 @@ class Engine:
         model.setup_cache(config.max_batch, self.max_seq)
         self._decode = self._forward
         if config.compile:
-            self._decode = torch.compile(self._forward, dynamic=True)
+            # the model's parameters never change after loading: skip re-checking them per call
+            self._decode = torch.compile(self._forward, dynamic=True, options={
+                "guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe})
 
     def new_sequence(self, prompt: list[int], params: SamplingParams) -> Sequence:
         if not prompt:

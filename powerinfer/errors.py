@@ -18,5 +18,9 @@ class ModelNotFoundError(ModelLoadError):
     """Neither a path nor the short name of an installed model."""
 
 
+class ConfigError(PowerInferError, ValueError):
+    """An invalid `Config` value or combination."""
+
+
 class InvalidRequestError(PowerInferError, ValueError):
     """A generation request with invalid parameters (bad sampling values, prompt too long...)."""

@@ -18,6 +18,7 @@ import torch
 from .compat import gguf_reader
 from .errors import ModelLoadError, ModelNotFoundError
 from .model import ModelArgs
+from .quant import Q4_TYPES, q4_blocks
 
 # canonical name: (GGUF, HF LLaMA family, HF OPT); "{i}" is the layer index
 TENSOR_NAMES: dict[str, tuple[str | None, str | None, str | None]] = {
@@ -80,6 +81,7 @@ class Checkpoint:
     tokenizer_source: tuple[str, object]  # ("gguf", metadata dict) or ("hf", folder)
     info: dict = field(default_factory=dict)  # for `powerinfer info`: format, tensor types, sizes
     extra: dict[str, object] = field(default_factory=dict)  # GGUF tensors outside the dense model
+    q4: dict[str, tuple] = field(default_factory=dict)  # 4-bit tensors kept packed (quant.q4_blocks)
 
 
 def resolve_model(name_or_path: str) -> Path:
@@ -103,13 +105,14 @@ def resolve_model(name_or_path: str) -> Path:
 
 
 def load_checkpoint(name_or_path: str | Path, dtype: torch.dtype = torch.float32,
-                    with_weights: bool = True) -> Checkpoint:
-    """Read a checkpoint; with_weights=False reads only its configuration and tensor listing."""
+                    with_weights: bool = True, keep_int4: bool = False) -> Checkpoint:
+    """Read a checkpoint; with_weights=False reads only its configuration and tensor listing;
+    keep_int4 also keeps GGUF Q4_0/Q4_1 tensors as 4-bit blocks (Checkpoint.q4)."""
     path = resolve_model(str(name_or_path))
     try:
         if path.is_dir():
             return _load_hf(path, dtype, with_weights)
-        return _load_gguf(path, dtype, with_weights)
+        return _load_gguf(path, dtype, with_weights, keep_int4)
     except ModelLoadError:
         raise
     except Exception as e:  # a library error deep in parsing: keep its text, name the file
@@ -170,7 +173,7 @@ def unpermute_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
             .swapaxes(1, 2).reshape(w.shape))
 
 
-def _load_gguf(path: Path, dtype, with_weights: bool) -> Checkpoint:
+def _load_gguf(path: Path, dtype, with_weights: bool, keep_int4: bool) -> Checkpoint:
     reader = open_gguf(path)
     meta = gguf_metadata(reader)
     arch = meta.get("general.architecture")
@@ -210,7 +213,7 @@ def _load_gguf(path: Path, dtype, with_weights: bool) -> Checkpoint:
         tie_embeddings="output.weight" not in tensors,
     )
     names = expand_names(GGUF, args.n_layers)
-    weights, extra = {}, {}
+    weights, extra, q4 = {}, {}, {}
     for name, t in tensors.items():
         canon = names.get(name)
         if canon is None:
@@ -218,15 +221,22 @@ def _load_gguf(path: Path, dtype, with_weights: bool) -> Checkpoint:
             continue
         if not with_weights:
             continue
+        role = canon.split(".")[-1]
+        heads = n_heads if role[0] == "q" else args.n_kv_heads
         w = dequantize(t)
-        if permuted and canon.split(".")[-1] in ("q", "k", "q_b", "k_b"):
-            w = unpermute_rows(w, n_heads if canon.split(".")[-1][0] == "q" else args.n_kv_heads)
+        if permuted and role in ("q", "k", "q_b", "k_b"):
+            w = unpermute_rows(w, heads)
         weights[canon] = torch.from_numpy(np.array(w, copy=not w.flags.writeable)).to(dtype)
+        if keep_int4 and t.tensor_type.name in Q4_TYPES:
+            blocks = q4_blocks(t)
+            if permuted and role in ("q", "k"):
+                blocks = tuple(unpermute_rows(b, heads) for b in blocks)
+            q4[canon] = blocks
     info = {"format": "GGUF", "gguf_arch": arch, "file_bytes": path.stat().st_size,
             "n_params": sum(int(np.prod(t.shape)) for n, t in tensors.items() if n in names),
             "tensor_types": dict(Counter(t.tensor_type.name for t in reader.tensors)),
             "name": meta.get("general.name", path.stem)}
-    return Checkpoint(path, args, weights, ("gguf", meta), info, extra)
+    return Checkpoint(path, args, weights, ("gguf", meta), info, extra, q4)
 
 
 # ------------------------------------------------------------------------- Hugging Face folders

@@ -74,6 +74,19 @@ class KVCache(nn.Module):
         return self.k[slots, :, :kv_len], self.v[slots, :, :kv_len]
 
 
+class Linear(nn.Linear):
+    """nn.Linear. For a single token under torch.compile on a CPU it is written as a
+    multiply-reduce, which Inductor turns into one vectorised pass over the weight: the BLAS GEMV
+    reaches about a third of the memory bandwidth there (BENCHMARKS.md), and decode is bound by
+    reading weights."""
+
+    def forward(self, x):
+        if x.numel() == x.shape[-1] and x.device.type == "cpu" and torch.compiler.is_compiling():
+            y = (self.weight.float() * x.float().unsqueeze(-2)).sum(-1).to(x.dtype)
+            return y if self.bias is None else y + self.bias
+        return F.linear(x, self.weight, self.bias)
+
+
 class Norm(nn.Module):
     def __init__(self, dim: int, eps: float, layer_norm: bool):
         super().__init__()
@@ -92,8 +105,8 @@ class Attention(nn.Module):
         super().__init__()
         self.n_heads, self.n_kv_heads, self.head_dim = a.n_heads, a.n_kv_heads, a.head_dim
         q, kv = a.n_heads * a.head_dim, a.n_kv_heads * a.head_dim
-        self.wqkv = nn.Linear(a.dim, q + 2 * kv, bias=a.qkv_bias)  # fused q, k, v
-        self.wo = nn.Linear(q, a.dim, bias=a.o_bias)
+        self.wqkv = Linear(a.dim, q + 2 * kv, bias=a.qkv_bias)  # fused q, k, v
+        self.wo = Linear(q, a.dim, bias=a.o_bias)
         self.kv_cache: KVCache | None = None
 
     def forward(self, x, rope, mask, slots, pos, kv_len: int):
@@ -119,8 +132,8 @@ class FFN(nn.Module):
         super().__init__()
         self.act, self.ffn_dim = a.ffn_act, a.ffn_dim
         width = 2 * a.ffn_dim if a.gated else a.ffn_dim
-        self.w1 = nn.Linear(a.dim, width, bias=a.ffn_bias)  # gated: [gate; up] fused, else up (fc1)
-        self.w2 = nn.Linear(a.ffn_dim, a.dim, bias=a.ffn_bias)  # down (fc2)
+        self.w1 = Linear(a.dim, width, bias=a.ffn_bias)  # gated: [gate; up] fused, else up (fc1)
+        self.w2 = Linear(a.ffn_dim, a.dim, bias=a.ffn_bias)  # down (fc2)
 
     def neurons(self, x):  # x: (B, T, dim) -> (B, T, ffn_dim)
         h = self.w1(x)
@@ -159,7 +172,7 @@ class Transformer(nn.Module):
         self.pos_embeddings = nn.Embedding(a.max_seq_len + 2, a.dim) if a.learned_pos else None
         self.layers = nn.ModuleList(Block(a) for _ in range(a.n_layers))
         self.norm = Norm(a.dim, a.norm_eps, a.layer_norm)
-        self.output = nn.Linear(a.dim, a.vocab_size, bias=False)
+        self.output = Linear(a.dim, a.vocab_size, bias=False)
         if a.tie_embeddings:
             self.output.weight = self.tok_embeddings.weight
         self.max_batch = self.max_seq = 0

@@ -1,0 +1,70 @@
+#!/usr/bin/env python3
+"""Single-token matrix-vector products on the CPU: how close each way of computing y = W x comes
+to the memory bandwidth, measured in one run. Decode reads every weight once per token, so this
+bounds tokens/s.
+
+    .venv/bin/python benchmarks/gemv.py [--threads N]
+
+Each way runs over 60 distinct 3072x576 matrices (one SmolLM2 layer's fused gate/up; 60 of them
+do not fit in cache) and over the 49152x576 output head. "read" is a plain sum over a 256 MiB
+array: the bandwidth floor the others are compared to.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import time
+
+import torch
+
+
+def seconds(fn, n: int = 10) -> float:
+    fn()
+    fn()
+    t = time.perf_counter()
+    for _ in range(n):
+        fn()
+    return (time.perf_counter() - t) / n
+
+
+@torch.compile(dynamic=False)
+def multiply_reduce(x, w):  # what powerinfer.model.Linear does for one token under compile
+    return (w.float() * x.float()).sum(-1)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
+    a = ap.parse_args()
+    torch.set_num_threads(a.threads)
+    big = torch.randn(64 * 2**20)
+    read_gbs = big.numel() * 4 / seconds(big.sum) / 1e9
+    print(f"threads {a.threads}; read bandwidth (sum over 256 MiB): {read_gbs:.1f} GB/s\n")
+    print("| weights | way | bytes read | time | GB/s | share of read bandwidth |")
+    print("|---|---|---:|---:|---:|---:|")
+    for shape, count in (((3072, 576), 60), ((49152, 576), 1)):
+        n, k = shape
+        for dtype in (torch.float32, torch.bfloat16):
+            ws = [torch.randn(n, k).to(dtype) for _ in range(count)]
+            x = torch.randn(k).to(dtype)
+            nbytes = count * n * k * ws[0].element_size()
+            ways = {"aten (BLAS GEMV)": lambda: [w @ x for w in ws],
+                    "compiled multiply-reduce": lambda: [multiply_reduce(x, w) for w in ws]}
+            for way, fn in ways.items():
+                s = seconds(fn)
+                row = f"{count}x {n}x{k} {str(dtype)[6:]}"
+                print(f"| {row} | {way} | {nbytes / 2**20:.0f} MiB | {s * 1e3:.2f} ms | "
+                      f"{nbytes / s / 1e9:.1f} | {nbytes / s / 1e9 / read_gbs:.0%} |")
+        # 4-bit groups of 32 (GGUF Q4_0/Q4_1 kept packed): half a byte per weight plus scales
+        q = [torch.randint(0, 16, (n, k), dtype=torch.int32) for _ in range(count)]
+        packed = [torch._convert_weight_to_int4pack_for_cpu(w, 1) for w in q]
+        sz = torch.rand(k // 32, n, 2).bfloat16()
+        x = torch.randn(1, k).bfloat16()
+        nbytes = count * (n * k // 2 + sz.numel() * 2)
+        s = seconds(lambda: [torch._weight_int4pack_mm_for_cpu(x, p, 32, sz) for p in packed])
+        print(f"| {count}x {n}x{k} int4 | aten int4pack (bf16 x) | {nbytes / 2**20:.0f} MiB | "
+              f"{s * 1e3:.2f} ms | {nbytes / s / 1e9:.1f} | {nbytes / s / 1e9 / read_gbs:.0%} |")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,84 @@
+"""Weight-only int4: GGUF's 4-bit blocks (Q4_0, Q4_1) kept 4-bit and run with torch's packed
+int4 CPU kernel, applied to a finished model the way gpt-fast applies quantization.
+
+A Q4_1 block of 32 weights stores `w = d * q + m` (q in 0..15); torch's kernel computes
+`w = (q - 8) * scale + zero` per group of 32, so scale = d and zero = m + 8 d reproduce the file's
+weights exactly (up to bf16 rounding of d and m); Q4_0 (`w = d * (q - 8)`) has zero = 0. Decode
+then reads half a byte per weight instead of two, which is what bounds a token's time on a CPU.
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+from torch import nn
+
+GROUP = 32
+Q4_TYPES = ("Q4_0", "Q4_1")
+
+
+def q4_blocks(t) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """A GGUF Q4_0/Q4_1 tensor as (q uint8 (N, K), scale f32 (N, K/32), zero f32 (N, K/32))."""
+    kind = t.tensor_type.name
+    assert kind in Q4_TYPES, kind
+    n, k = int(t.shape[1]), int(t.shape[0])  # ggml shape is (K, N)
+    g = k // GROUP
+    raw = np.asarray(t.data, dtype=np.uint8).reshape(n, g, -1)  # one block per row: header, 16 bytes
+    d = raw[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
+    if kind == "Q4_1":
+        m = raw[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
+        qs = raw[..., 4:20]
+        zero = m + 8 * d
+    else:
+        qs = raw[..., 2:18]
+        zero = np.zeros_like(d)
+    q = np.concatenate([qs & 15, qs >> 4], axis=-1)  # low nibbles are weights 0..15, high 16..31
+    return q.reshape(n, k), d, zero
+
+
+class Int4Linear(nn.Module):
+    """y = x W^T (+ b) with W stored as packed int4 groups of 32; x: (..., K) bfloat16."""
+
+    def __init__(self, q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor,
+                 bias: torch.Tensor | None):
+        super().__init__()
+        self.out_features, self.in_features = q.shape
+        assert self.in_features % GROUP == 0, self.in_features
+        packed = torch._convert_weight_to_int4pack_for_cpu(q.to(torch.int32).contiguous(), 1)
+        self.register_buffer("packed", packed)
+        # (K/32, N, 2): per group and output row, [scale, zero]
+        sz = torch.stack([scale, zero], dim=-1).transpose(0, 1).contiguous().to(torch.bfloat16)
+        self.register_buffer("scales_zeros", sz)
+        self.bias = None if bias is None else nn.Parameter(bias.to(torch.bfloat16), requires_grad=False)
+
+    def forward(self, x):
+        shape = x.shape
+        y = torch._weight_int4pack_mm_for_cpu(x.reshape(-1, shape[-1]), self.packed, GROUP,
+                                              self.scales_zeros)
+        y = y.view(*shape[:-1], self.out_features)
+        return y if self.bias is None else y + self.bias
+
+
+def apply_int4(model: nn.Module, q4: dict[str, tuple[np.ndarray, np.ndarray, np.ndarray]]) -> int:
+    """Replace each projection whose source tensors are all 4-bit with an Int4Linear.
+
+    q4 maps canonical tensor names (loader.TENSOR_NAMES) to `q4_blocks` triples, rows already in
+    the model's order. Returns the number of layers replaced."""
+    a = model.args
+    replaced = 0
+    for i, block in enumerate(model.layers):
+        p = f"{i}."
+        targets = [(block.attn, "wqkv", ("q", "k", "v")), (block.attn, "wo", ("o",)),
+                   (block.ffn, "w1", ("gate", "up") if a.gated else ("up",)),
+                   (block.ffn, "w2", ("down",))]
+        for owner, attr, parts in targets:
+            names = [p + part for part in parts]
+            if not all(n in q4 for n in names):
+                continue
+            q, scale, zero = (torch.from_numpy(np.concatenate([q4[n][j] for n in names]))
+                              for j in range(3))
+            dense = getattr(owner, attr)
+            assert q.shape == dense.weight.shape, (names, q.shape, dense.weight.shape)
+            bias = None if dense.bias is None else dense.bias.detach()
+            setattr(owner, attr, Int4Linear(q, scale, zero, bias))
+            replaced += 1
+    return replaced

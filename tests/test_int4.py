@@ -1,0 +1,88 @@
+"""Weight-only int4: the file's 4-bit blocks are reproduced exactly, and the int4 model tracks
+the dense one (on random GGUF checkpoints and on the real default model)."""
+import gguf
+import numpy as np
+import pytest
+import torch
+
+from checkpoints import build_hf_model, llama_family_config, write_llama_gguf
+from powerinfer import Config, PowerInfer
+from powerinfer.compat import gguf_reader
+from powerinfer.loader import dequantize
+from powerinfer.quant import Int4Linear, q4_blocks
+
+Q = gguf.GGMLQuantizationType
+
+
+def reconstruct(q, scale, zero):  # torch's int4 formula: (q - 8) * scale + zero, groups of 32
+    n, k = q.shape
+    w = (q.reshape(n, k // 32, 32).astype(np.float32) - 8) * scale[..., None] + zero[..., None]
+    return w.reshape(n, k)
+
+
+@pytest.fixture(scope="module", params=[Q.Q4_0, Q.Q4_1], ids=["Q4_0", "Q4_1"])
+def q4_file(request, tmp_path_factory):
+    cfg = llama_family_config(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                              num_attention_heads=4, num_key_value_heads=2)
+    path = tmp_path_factory.mktemp("q4") / "model.gguf"
+    write_llama_gguf(path, build_hf_model(cfg, seed=5), qtype=request.param)
+    return path
+
+
+def test_blocks_reproduce_the_files_weights(q4_file):
+    reader = gguf_reader(q4_file)
+    checked = 0
+    for t in reader.tensors:
+        if t.tensor_type.name in ("Q4_0", "Q4_1"):
+            ref = dequantize(t)
+            np.testing.assert_allclose(reconstruct(*q4_blocks(t)), ref, rtol=0, atol=1e-5 * np.abs(ref).max())
+            checked += 1
+    assert checked >= 14  # q, k, v, o, gate, up, down in each of 2 layers
+
+
+def test_int4_linear_matches_bf16_dense(q4_file):
+    t = next(t for t in gguf_reader(q4_file).tensors if t.name == "blk.0.ffn_gate.weight")
+    q, scale, zero = (torch.from_numpy(a) for a in q4_blocks(t))
+    layer = Int4Linear(q, scale, zero, None)
+    x = torch.randn(3, 1, layer.in_features)
+    w = torch.from_numpy(dequantize(t))
+    ref = x @ w.T
+    out = layer(x.bfloat16()).float()
+    assert out.shape == ref.shape
+    assert (out - ref).abs().max() <= 0.02 * ref.abs().max()
+
+
+def test_int4_model_tracks_dense_model(q4_file):
+    dense = PowerInfer.from_pretrained(q4_file, config=Config(max_batch=1))
+    int4 = PowerInfer.from_pretrained(q4_file, config=Config(dtype="bfloat16", weights="int4", max_batch=1))
+    assert sum(isinstance(m, Int4Linear) for m in int4.model.modules()) == 8
+    tokens = torch.tensor([[5, 17, 99, 150, 33, 2, 250, 7]])
+    pos = torch.arange(8)[None]
+    with torch.inference_mode():
+        a, b = dense.model(tokens, pos, 8), int4.model(tokens, pos, 8)
+    assert (a - b).abs().max() <= 0.03 * a.abs().max()
+
+
+def test_int4_needs_bf16_and_4bit_weights(tmp_path):
+    with pytest.raises(ValueError, match="bfloat16"):
+        Config(weights="int4")
+    cfg = llama_family_config(hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                              num_attention_heads=4, num_key_value_heads=2)
+    path = tmp_path / "f32.gguf"
+    write_llama_gguf(path, build_hf_model(cfg, seed=1))
+    from powerinfer import ModelLoadError
+    with pytest.raises(ModelLoadError, match="Q4_0/Q4_1"):
+        PowerInfer.from_pretrained(path, config=Config(dtype="bfloat16", weights="int4"))
+
+
+@pytest.mark.slow
+def test_int4_real_model_answers_and_agrees_with_dense():
+    dense = PowerInfer.from_pretrained(config=Config(max_batch=1))
+    int4 = PowerInfer.from_pretrained(config=Config(dtype="bfloat16", weights="int4", max_batch=1))
+    ids = dense.tokenize("The capital of France is a city called")
+    T = len(ids)
+    with torch.inference_mode():
+        a = dense.model(torch.tensor([ids]), torch.arange(T)[None], T)[0]
+        b = int4.model(torch.tensor([ids]), torch.arange(T)[None], T)[0]
+    assert (a.argmax(-1) == b.argmax(-1)).float().mean() >= 0.8
+    assert "Paris" in int4.generate("The capital of France is", max_new_tokens=8, temperature=0)
