@@ -12,6 +12,7 @@ import torch
 
 from .config import Config, SamplingParams
 from .errors import InvalidRequestError
+from .compat import compile_per_instance
 from .model import Transformer
 from .sampling import make_generator, sample
 from .tokenizer import StreamDecoder, Tokenizer
@@ -78,9 +79,7 @@ class Engine:
         model.setup_cache(config.max_batch, self.max_seq)
         self._decode = self._forward
         if config.compile:
-            # the model's parameters never change after loading: skip re-checking them per call
-            self._decode = torch.compile(self._forward, dynamic=True, options={
-                "guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe})
+            self._decode = compile_per_instance(self._forward)
 
     def new_sequence(self, prompt: list[int], params: SamplingParams) -> Sequence:
         if not prompt:

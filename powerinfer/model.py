@@ -120,8 +120,11 @@ class Attention(nn.Module):
         if rope is not None:
             q, k = apply_rope(q, *rope), apply_rope(k, *rope)
         k, v = self.kv_cache.update(slots, pos, k, v, kv_len)
-        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask,
-                                           enable_gqa=self.n_heads != self.n_kv_heads)
+        if T == 1 and torch.compiler.is_compiling():
+            y = decode_attention(q, k, v, mask)
+        else:
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask,
+                                               enable_gqa=self.n_heads != self.n_kv_heads)
         return self.wo(y.transpose(1, 2).reshape(B, T, q_size))
 
 
@@ -288,6 +291,17 @@ def llama3_scaled(inv_freq, factor, low_freq_factor, high_freq_factor, original_
     out = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
     mid = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
     return torch.where(mid, blended, out)
+
+
+def decode_attention(q, k, v, mask):
+    # q: (B, H, 1, D); k, v: (B, Hkv, L, D); mask: (B, 1, 1, L). One query per row: plain
+    # matmuls that Inductor fuses cost less than the flash kernel's setup (BENCHMARKS.md).
+    B, H, _, D = q.shape
+    Hkv = k.shape[1]
+    qg = q.view(B, Hkv, H // Hkv, D).float()  # the query heads sharing each KV head
+    scores = (qg @ k.float().transpose(-1, -2)) * D ** -0.5  # (B, Hkv, G, L)
+    scores = scores.masked_fill(~mask, float("-inf"))
+    return (scores.softmax(-1) @ v.float()).to(q.dtype).view(B, H, 1, D)
 
 
 def apply_rope(x, cos, sin):
