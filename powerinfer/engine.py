@@ -10,9 +10,9 @@ from typing import Iterator
 
 import torch
 
+from .compat import compile_per_instance
 from .config import Config, SamplingParams
 from .errors import InvalidRequestError
-from .compat import compile_per_instance
 from .model import Transformer
 from .sampling import make_generator, sample
 from .tokenizer import StreamDecoder, Tokenizer
@@ -34,8 +34,12 @@ class Sequence:
         return self.finish_reason is not None
 
     @property
-    def history(self) -> list[int]:
-        return self.prompt + self.output
+    def num_tokens(self) -> int:
+        return len(self.prompt) + len(self.output)
+
+    def recent(self, n: int) -> list[int]:
+        """The last n tokens, prompt included (for the repetition penalty)."""
+        return (self.prompt[-n:] + self.output)[-n:] if n else []
 
     def push(self, token: int) -> str:
         """Record a sampled token; returns the text that is now final."""
@@ -52,7 +56,8 @@ class Sequence:
             return self.finish("length", self.pending)
         hold = max((k for s in p.stop for k in range(len(s), 0, -1)
                     if self.pending.endswith(s[:k])), default=0)
-        text, self.pending = self.pending[:len(self.pending) - hold], self.pending[len(self.pending) - hold:]
+        cut = len(self.pending) - hold
+        text, self.pending = self.pending[:cut], self.pending[cut:]
         return text
 
     def finish(self, reason: str, text: str) -> str:
@@ -64,7 +69,7 @@ class Sequence:
 class Event:
     index: int  # which request of the batch
     text: str
-    token: int
+    token: int  # -1 when the sequence ended without a new token (its context is full)
     finish_reason: str | None
 
 
@@ -113,15 +118,16 @@ class Engine:
             yield from self._sample(seqs, slots, logits[:, -1])
             running = [i for i in slots if not seqs[i].finished]
             for i in running:  # out of cache room
-                if len(seqs[i].history) > self.max_seq:
+                if seqs[i].num_tokens > self.max_seq:
                     yield Event(i, seqs[i].finish("length", seqs[i].pending), -1, "length")
             running = [i for i in running if not seqs[i].finished]
             if not running:
                 return
             # decode: one token for every running sequence, each at its own position
             tokens = torch.tensor([[seqs[i].output[-1]] for i in running], device=dev)
-            pos = torch.tensor([[len(seqs[i].history) - 1] for i in running], device=dev)
-            kv_len = int(pos.max()) + 1
+            positions = [seqs[i].num_tokens - 1 for i in running]
+            pos = torch.tensor(positions, device=dev)[:, None]
+            kv_len = max(positions) + 1
             slot_t = None if running == list(range(len(running))) else torch.tensor(running, device=dev)
             logits = self._decode(tokens, pos, kv_len, slot_t, None)
             slots = running
@@ -134,6 +140,7 @@ class Engine:
         logits = logits.cpu()
         for j, i in enumerate(rows):
             s = seqs[i]
-            token = sample(logits[j], s.params, s.history, s.generator)
+            history = s.recent(s.params.repetition_window) if s.params.repetition_penalty != 1 else []
+            token = sample(logits[j], s.params, history, s.generator)
             text = s.push(token)
             yield Event(i, text, token, s.finish_reason)

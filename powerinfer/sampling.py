@@ -8,10 +8,11 @@ from .config import SamplingParams
 
 
 def apply_repetition_penalty(logits: torch.Tensor, history: list[int], p: SamplingParams):
-    # logits: (V,) float32, modified in place; CTRL-style: divide positive logits, multiply negative
+    # logits: (V,) float32, modified in place; history: the recent tokens to penalise.
+    # CTRL-style: divide positive logits, multiply negative ones.
     if p.repetition_penalty == 1.0 or not history:
         return
-    ids = torch.tensor(sorted(set(history[-p.repetition_window:])), dtype=torch.long)
+    ids = torch.tensor(sorted(set(history)), dtype=torch.long)
     vals = logits[ids]
     logits[ids] = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
 
