@@ -1,0 +1,75 @@
+"""The hybrid sparse FFN with oracle masks reproduces the dense model (ReLU-family models)."""
+import pytest
+import torch
+
+import checkpoints as C
+from powerinfer import Config, PowerInfer, SamplingParams
+from powerinfer.model import ModelArgs, Transformer
+from powerinfer.sparse import HybridFFN, apply_hybrid_ffn
+
+
+def random_model(act: str, seed: int = 0) -> Transformer:
+    torch.manual_seed(seed)
+    opt = act == "relu"
+    a = ModelArgs(arch="opt" if opt else "llama", vocab_size=300, dim=64, n_layers=3, n_heads=4,
+                  n_kv_heads=4 if opt else 2, ffn_dim=256, ffn_act=act, max_seq_len=128,
+                  qkv_bias=opt, o_bias=opt, ffn_bias=opt, layer_norm=opt, learned_pos=opt)
+    m = Transformer(a)
+    with torch.no_grad():
+        for p in m.parameters():
+            p.normal_(0, 0.2)
+    m.setup_cache(2, 64)
+    return m.eval().requires_grad_(False)
+
+
+def decode_logits(m: Transformer, tokens: list[list[int]], steps: int):
+    # prefill, then feed fixed tokens one at a time; returns the decode logits (steps, B, vocab)
+    B, T = len(tokens), len(tokens[0])
+    with torch.inference_mode():
+        m(torch.tensor(tokens), torch.arange(T).expand(B, T), T)
+        out = []
+        for s in range(steps):
+            tok = torch.tensor([[(7 * s + b) % 300] for b in range(B)])
+            out.append(m(tok, torch.full((B, 1), T + s), T + s + 1)[:, 0])
+    return torch.stack(out)
+
+
+@pytest.mark.parametrize("act", ["reglu", "dreglu", "relu"])
+def test_oracle_sparse_equals_dense(act):
+    dense = random_model(act)
+    sparse = random_model(act)
+    g = torch.Generator().manual_seed(1)
+    hot = [torch.rand(256, generator=g) < 0.3 for _ in range(3)]  # 30% of neurons "on the GPU"
+    apply_hybrid_ffn(sparse, hot=hot)
+    assert all(isinstance(b.ffn, HybridFFN) for b in sparse.layers)
+    prompts = [[1, 5, 9, 13, 2, 8], [4, 4, 200, 17, 31, 99]]
+    a, b = decode_logits(dense, prompts, 12), decode_logits(sparse, prompts, 12)
+    assert a.abs().max() > 1  # logits with a spread, so the tolerance means something
+    assert (a - b).abs().max() <= 1e-4 * a.abs().max()
+
+
+def test_sparse_skips_inactive_neurons():
+    m = random_model("reglu")
+    fired = []
+    apply_hybrid_ffn(m)
+    for b in m.layers:  # record the share of active neurons each decode step computes
+        b.ffn.cold.register_forward_pre_hook(lambda mod, args: fired.append(args[1].float().mean().item()))
+    decode_logits(m, [[1, 2, 3]], 3)
+    assert fired and 0.2 < sum(fired) / len(fired) < 0.8  # ReGLU on random weights: about half
+
+
+@pytest.mark.slow
+def test_oracle_sparse_greedy_256_tokens_identical(tmp_path):
+    model = C.build_hf_model(C.llama_family_config(hidden_act="relu", max_position_embeddings=512),
+                             seed=3)
+    folder = C.save_hf(model, tmp_path / "relu")
+    dense = PowerInfer.from_pretrained(folder, config=Config(max_batch=1, max_seq_len=300))
+    sparse = PowerInfer.from_pretrained(folder, config=Config(max_batch=1, max_seq_len=300))
+    apply_hybrid_ffn(sparse.model)
+    ids = dense.tokenize("hello world")
+    outs = []
+    for m in (dense, sparse):
+        seq = m.engine.new_sequence(ids, SamplingParams(max_tokens=256, temperature=0, ignore_eos=True))
+        list(m.engine.run([seq]))
+        outs.append(seq.output)
+    assert len(outs[0]) == 256 and len(set(outs[0])) > 10 and outs[0] == outs[1]
