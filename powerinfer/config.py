@@ -20,7 +20,7 @@ class Config:
     cpu_threads: torch intra-op threads for CPU work (0: all cores of this process).
     dtype: compute dtype ("float32" default on CPU, "bfloat16" available).
     device: "cpu", "cuda" or "auto" (cuda when available).
-    max_seq_len: KV cache length per sequence (0: the model's context, capped at 4096).
+    max_seq_len: KV cache length per sequence (0: the model's context, capped at 2048).
     max_batch: sequences decoded together.
     compile: compile the decode step with torch.compile (slow first call, faster tokens).
     runtime: "local" (in-process; the Ray actor runtime will add "actors").
@@ -48,7 +48,8 @@ class Config:
         if self.weights not in ("dense", "int4"):
             raise ConfigError(f"weights must be 'dense' or 'int4', got {self.weights!r}")
         if self.weights == "int4" and (DTYPES[self.dtype] != torch.bfloat16 or self.device == "cuda"):
-            raise ConfigError("weights='int4' runs on the CPU in bfloat16: set dtype='bfloat16'")
+            raise ConfigError("weights='int4' runs on the CPU in bfloat16: set dtype='bfloat16' "
+                              "and device='cpu' or 'auto'")
         if self.max_batch < 1:
             raise ConfigError("max_batch must be >= 1")
 

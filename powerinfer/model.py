@@ -256,18 +256,19 @@ class Transformer(nn.Module):
             if a.layer_norm:
                 put(b.attn_norm.bias, p + "attn_norm_b")
                 put(b.ffn_norm.bias, p + "ffn_norm_b")
-            put(b.attn.wqkv.weight, p + "q", p + "k", p + "v")
-            put(b.attn.wo.weight, p + "o")
-            if a.qkv_bias:
-                put(b.attn.wqkv.bias, p + "q_b", p + "k_b", p + "v_b")
-            if a.o_bias:
-                put(b.attn.wo.bias, p + "o_b")
-            if a.ffn_bias:
-                put(b.ffn.w1.bias, p + "up_b")
-                put(b.ffn.w2.bias, p + "down_b")
-            put(b.ffn.w1.weight, *((p + "gate", p + "up") if a.gated else (p + "up",)))
-            put(b.ffn.w2.weight, p + "down")
+            for owner, attr, names in self.projections(i):
+                linear = getattr(owner, attr)
+                put(linear.weight, *names)
+                if linear.bias is not None:
+                    put(linear.bias, *(n + "_b" for n in names))
 
+    def projections(self, i: int) -> list[tuple[nn.Module, str, tuple[str, ...]]]:
+        """Block i's projections as (owner, attribute, canonical tensors fused into its weight):
+        the one place that says what is fused (loading and int4 conversion both read it)."""
+        b, a, p = self.layers[i], self.args, f"{i}."
+        parts = [(b.attn, "wqkv", ("q", "k", "v")), (b.attn, "wo", ("o",)),
+                 (b.ffn, "w1", ("gate", "up") if a.gated else ("up",)), (b.ffn, "w2", ("down",))]
+        return [(owner, attr, tuple(p + n for n in names)) for owner, attr, names in parts]
 
 def rope_table(a: ModelArgs, max_seq: int):
     """cos/sin tables (max_seq, head_dim) in the half-rotation layout (HF's rotate_half)."""

@@ -8,9 +8,14 @@ then reads half a byte per weight instead of two, which is what bounds a token's
 """
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import numpy as np
 import torch
 from torch import nn
+
+if TYPE_CHECKING:
+    from .model import Transformer
 
 GROUP = 32
 Q4_TYPES = ("Q4_0", "Q4_1")
@@ -58,20 +63,14 @@ class Int4Linear(nn.Module):
         return y if self.bias is None else y + self.bias
 
 
-def apply_int4(model: nn.Module, q4: dict[str, tuple[np.ndarray, np.ndarray, np.ndarray]]) -> int:
+def apply_int4(model: "Transformer", q4: dict[str, tuple[np.ndarray, np.ndarray, np.ndarray]]) -> int:
     """Replace each projection whose source tensors are all 4-bit with an Int4Linear.
 
     q4 maps canonical tensor names (loader.TENSOR_NAMES) to `q4_blocks` triples, rows already in
     the model's order. Returns the number of layers replaced."""
-    a = model.args
     replaced = 0
-    for i, block in enumerate(model.layers):
-        p = f"{i}."
-        targets = [(block.attn, "wqkv", ("q", "k", "v")), (block.attn, "wo", ("o",)),
-                   (block.ffn, "w1", ("gate", "up") if a.gated else ("up",)),
-                   (block.ffn, "w2", ("down",))]
-        for owner, attr, parts in targets:
-            names = [p + part for part in parts]
+    for i in range(len(model.layers)):
+        for owner, attr, names in model.projections(i):
             if not all(n in q4 for n in names):
                 continue
             q, scale, zero = (torch.from_numpy(np.concatenate([q4[n][j] for n in names]))
