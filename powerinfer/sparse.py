@@ -1,13 +1,25 @@
 """The hybrid sparse FFN, applied to a finished dense model (`apply_hybrid_ffn`).
 
 Each layer's neurons are split into a hot set (the GPU's under a placement) and a cold set (the
-CPU's). Per decode step only the active neurons are computed: dot products with the gathered rows
-of gate/up, and the down projection as an axpy over rows of the transposed down matrix
-(`down_t`, one row per neuron). Which neurons are active comes from a mask source: the oracle
-(the true activations, for testing and for profiling) or, later, a predictor. Prefill stays dense.
+CPU's), each keeping its neurons' rows contiguous: gathered rows of gate/up and rows of the
+transposed down matrix (`down_t`, one row per neuron). The dense FFN's weights are dropped: the
+two sets hold every neuron once.
+
+A neuron *fires* for a token when its score exceeds the layer's threshold: the score is
+|act(gate x)| for SwiGLU and ReGLU (CATS), and the activation itself for dReLU and ReLU; ReLU-family
+models use threshold 0 (their natural zeros), SwiGLU models a calibrated one. Per decode step only
+the predicted-active neurons are computed (the union over the batch's rows); neurons that were
+computed but score under the threshold are zeroed, so the sparse model is the thresholded model.
+Which neurons are active comes from a mask source: the oracle (the true scores) or the
+predictors, reading either the residual entering the FFN or the layer input (lookahead).
+
+Prefill stays dense (every neuron, no threshold) unless `token_masks` is set, which applies each
+token's own mask in a many-token pass: evaluation uses it to measure the sparse model's perplexity
+in one teacher-forced pass.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
@@ -16,8 +28,20 @@ from torch import nn
 
 from .model import FFN, Transformer
 
-# (layer index, FFN input x (B, 1, dim)) -> active neurons (ffn_dim,) bool
+# (layer, predictor input (..., dim)) -> per-row active neurons (..., ffn_dim) bool
 MaskSource = Callable[[int, torch.Tensor], torch.Tensor]
+
+
+def activate(act: str, gate: torch.Tensor | None, up: torch.Tensor):
+    """Pre-activations -> (firing score, activation), both (..., n)."""
+    if act == "relu":
+        h = F.relu(up)
+        return h, h
+    if act == "dreglu":
+        h = F.relu(gate) * F.relu(up)
+        return h, h
+    a = F.silu(gate) if act == "swiglu" else F.relu(gate)
+    return a.abs(), a * up
 
 
 class NeuronSet(nn.Module):
@@ -25,72 +49,140 @@ class NeuronSet(nn.Module):
 
     def __init__(self, dense: FFN, idx: torch.Tensor):
         super().__init__()
-        w1, b1 = dense.w1.weight.detach(), dense.w1.bias
-        if dense.act == "relu":  # w1 is up (fc1) alone
-            gate, up = None, w1
-        else:  # w1 is [gate; up]
-            gate, up = w1[:dense.ffn_dim][idx].contiguous(), w1[dense.ffn_dim:]
+        w1, b1, n = dense.w1.weight.detach(), dense.w1.bias, dense.ffn_dim
+        gated = dense.act != "relu"  # w1 is [gate; up] when gated, else up (fc1) alone
         self.register_buffer("idx", idx)
-        self.register_buffer("gate", gate)  # (n, dim) rows of the gate projection
-        self.register_buffer("up", up[idx].contiguous())  # (n, dim)
+        self.register_buffer("gate", w1[:n][idx].contiguous() if gated else None)  # (k, dim)
+        self.register_buffer("up", w1[n:][idx].contiguous() if gated else w1[idx].contiguous())
         self.register_buffer("up_b", None if b1 is None else b1.detach()[idx].contiguous())
-        self.register_buffer("down_t", dense.w2.weight.detach().t()[idx].contiguous())  # (n, dim)
+        self.register_buffer("down_t", dense.w2.weight.detach().t()[idx].contiguous())  # (k, dim)
         self.act = dense.act
 
-    def forward(self, x: torch.Tensor, active: torch.Tensor) -> torch.Tensor:
-        # x: (B, 1, dim); active: (n,) bool over this set -> partial FFN output (B, 1, dim)
-        sel = active.nonzero().squeeze(-1)
-        up = x @ self.up[sel].t()  # (B, 1, k)
+    def scores(self, x):  # x: (..., dim) -> firing scores (..., k)
+        return self._pre(x, None)[0]
+
+    def _pre(self, x, sel):
+        up_w = self.up if sel is None else self.up[sel]
+        up = x @ up_w.t()
         if self.up_b is not None:
-            up = up + self.up_b[sel]
-        if self.act == "relu":
-            h = F.relu(up)
-        else:
-            gate = x @ self.gate[sel].t()
-            if self.act == "swiglu":
-                h = F.silu(gate) * up
-            elif self.act == "reglu":
-                h = F.relu(gate) * up
-            else:  # dreglu
-                h = F.relu(gate) * F.relu(up)
-        return h @ self.down_t[sel]  # axpy over the active rows of down_t
+            up = up + (self.up_b if sel is None else self.up_b[sel])
+        gate = None
+        if self.gate is not None:
+            gate = x @ (self.gate if sel is None else self.gate[sel]).t()
+        return activate(self.act, gate, up)
+
+    def forward(self, x, sel=None, threshold: float = 0.0, keep=None):
+        # x: (B, T, dim); sel: indices into this set (None: all); keep: (B, T, k) per-row masks
+        score, h = self._pre(x, sel)
+        if threshold > 0:
+            h = h * (score > threshold)
+        if keep is not None:
+            h = h * keep
+        return h @ (self.down_t if sel is None else self.down_t[sel])  # axpy over rows of down_t
 
 
 class HybridFFN(nn.Module):
-    """Replaces `Block.ffn`: hot set + cold set, computing predicted-active neurons only."""
+    """Replaces `Block.ffn` (and takes over `Block.ffn_norm`, so that it sees the pre-norm
+    residual a predictor reads): hot set + cold set, computing predicted-active neurons only."""
 
-    def __init__(self, layer: int, dense: FFN, hot: torch.Tensor, masks: MaskSource):
+    def __init__(self, layer: int, dense: FFN, norm: nn.Module, hot: torch.Tensor,
+                 masks: MaskSource | None = None, predictor_input: str = "ffn",
+                 threshold: float = 0.0):
         super().__init__()
         assert hot.shape == (dense.ffn_dim,) and hot.dtype == torch.bool, hot.shape
-        self.layer, self.dense, self.masks = layer, dense, masks
+        self.layer, self.norm, self.masks, self.threshold = layer, norm, masks, float(threshold)
+        self.ffn_dim, self.predictor_input = dense.ffn_dim, predictor_input
         self.register_buffer("hot_mask", hot)
         self.hot = NeuronSet(dense, hot.nonzero().squeeze(-1))
         self.cold = NeuronSet(dense, (~hot).nonzero().squeeze(-1))
         self.down_b = dense.w2.bias
+        self.layer_input = None  # (B, T, dim), set by the block's pre-hook for lookahead masks
+        self.token_masks = False
+        self.stats: LayerStats | None = None  # set to a LayerStats to record what is computed
 
-    def forward(self, x):
-        if x.shape[1] != 1:  # prefill: dense and batched
-            return self.dense(x)
-        active = self.masks(self.layer, x)  # (ffn_dim,): the union over the batch's rows
-        y = self.hot(x, active[self.hot.idx]) + self.cold(x, active[self.cold.idx])
+    def active(self, h, x):
+        # h: residual entering the FFN, x = norm(h): (B, T, dim) -> per-row masks (B, T, ffn_dim)
+        if self.masks is None:  # oracle: the true scores
+            out = torch.empty(*x.shape[:-1], self.ffn_dim, dtype=torch.bool, device=x.device)
+            out[..., self.hot.idx] = self.hot.scores(x) > self.threshold
+            out[..., self.cold.idx] = self.cold.scores(x) > self.threshold
+            return out
+        return self.masks(self.layer, self.layer_input if self.predictor_input == "layer" else h)
+
+    def forward(self, h):
+        x = self.norm(h)
+        if x.shape[1] != 1 and not self.token_masks:  # prefill: dense and batched
+            y = self.hot(x) + self.cold(x)
+        elif x.shape[1] != 1:  # every token with its own mask (evaluation)
+            y = self._token_masked(h, x)
+        else:  # decode: the predicted-active neurons, the union over the batch's rows
+            union = self.active(h, x).flatten(0, -2).any(0)
+            y = (self.hot(x, union[self.hot.idx].nonzero().squeeze(-1), self.threshold)
+                 + self.cold(x, union[self.cold.idx].nonzero().squeeze(-1), self.threshold))
+            if self.stats is not None:
+                self.stats.add(rows=1, computed=int(union.sum()))
         return y if self.down_b is None else y + self.down_b
 
+    def _token_masked(self, h, x):
+        # computes every neuron, then keeps per token those both fired and predicted: the same
+        # values the decode path computes from the active rows only
+        predicted = None if self.masks is None else self.active(h, x)  # (B, T, ffn_dim)
+        y = 0
+        for s in (self.hot, self.cold):
+            score, act = s._pre(x, None)
+            fired = score > self.threshold
+            keep = fired if predicted is None else fired & predicted[..., s.idx]
+            y = y + (act * keep) @ s.down_t
+            if self.stats is not None:
+                mag = act.abs().float()
+                self.stats.add(computed=int(fired.sum() if predicted is None else predicted[..., s.idx].sum()),
+                               fired=int(fired.sum()), hit=int(keep.sum()),
+                               mass_fired=float((mag * fired).sum()), mass_hit=float((mag * keep).sum()))
+        if self.stats is not None:
+            self.stats.add(rows=x.shape[0] * x.shape[1])
+        return y
 
-def oracle_masks(model: Transformer, threshold: float = 0.0) -> MaskSource:
-    """The true firing pattern: neurons whose |activation| exceeds `threshold` in any row."""
-    def masks(layer: int, x: torch.Tensor) -> torch.Tensor:
-        h = model.layers[layer].ffn.dense.neurons(x)  # (B, 1, ffn_dim)
-        return (h.abs() > threshold).flatten(0, -2).any(0)
-    return masks
+
+@dataclass
+class LayerStats:
+    """What a HybridFFN computed while recording: rows (tokens, or decode steps), neurons computed,
+    neurons fired, fired and computed (hit), and the activation mass of each."""
+    rows: int = 0
+    computed: int = 0
+    fired: int = 0
+    hit: int = 0
+    mass_fired: float = 0.0
+    mass_hit: float = 0.0
+
+    def add(self, **kw):
+        for k, v in kw.items():
+            setattr(self, k, getattr(self, k) + v)
 
 
 def apply_hybrid_ffn(model: Transformer, masks: MaskSource | None = None,
-                     hot: list[torch.Tensor] | None = None) -> Transformer:
+                     hot: list[torch.Tensor] | None = None, predictor_input: str = "ffn",
+                     thresholds=None) -> Transformer:
     """Swap every layer's FFN for a HybridFFN. hot[i] is layer i's (ffn_dim,) bool placement
-    (default: all neurons cold); masks defaults to the oracle."""
-    masks = masks or oracle_masks(model)
+    (default: all neurons cold); masks defaults to the oracle; predictor_input is "ffn" (the
+    residual entering the FFN) or "layer" (the layer input, read ahead of attention);
+    thresholds[i] is layer i's firing threshold (default 0: ReLU-family natural zeros)."""
+    assert predictor_input in ("ffn", "layer"), predictor_input
     for i, block in enumerate(model.layers):
         assert isinstance(block.ffn, FFN), "apply_hybrid_ffn on a model that already has one"
         h = hot[i] if hot is not None else torch.zeros(model.args.ffn_dim, dtype=torch.bool)
-        block.ffn = HybridFFN(i, block.ffn, h.to(block.ffn.w1.weight.device), masks)
+        t = 0.0 if thresholds is None else float(thresholds[i])
+        ffn = HybridFFN(i, block.ffn, block.ffn_norm, h.to(block.ffn.w1.weight.device), masks,
+                        predictor_input, t)
+        block.ffn, block.ffn_norm = ffn, nn.Identity()
+        block.register_forward_pre_hook(_keep_layer_input(ffn))
     return model
+
+
+def _keep_layer_input(ffn: HybridFFN):
+    def hook(block, args):
+        ffn.layer_input = args[0]
+    return hook
+
+
+def hybrid_layers(model: Transformer) -> list[HybridFFN]:
+    return [b.ffn for b in model.layers if isinstance(b.ffn, HybridFFN)]
