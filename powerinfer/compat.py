@@ -7,12 +7,20 @@ import numpy as np
 import torch
 
 
+_PWRI_INT_TYPES = {16: 24, 17: 25, 18: 26}  # I8, I16, I32: the original's ggml -> today's
+
+
 def gguf_reader(path):
-    """A `gguf.GGUFReader` that parses over a plain ndarray view of its memory map.
+    """A `gguf.GGUFReader` that parses over a plain ndarray view of its memory map, and also reads
+    the original PowerInfer's files (see pwri.py).
 
     The stock reader slices an `np.memmap` hundreds of thousands of times while reading metadata,
     and memmap's `__array_finalize__` dominates (over 3 s for a 49k-token vocabulary); the same
     parse over a plain view of the same mapping takes a fraction of that.
+
+    PowerInfer's files start with b"PWRI" (kept in `magic`), which the stock reader refuses, and
+    were written for a ggml whose types ended with I8, I16, I32 = 16, 17, 18; today's ggml gives
+    those numbers to IQ2_XXS, IQ2_XS, IQ3_XXS and numbers the integer types 24, 25, 26.
     """
     import gguf
 
@@ -24,6 +32,22 @@ def gguf_reader(path):
         @data.setter
         def data(self, value):
             self._plain = value.view(np.ndarray)
+
+        @property
+        def magic(self) -> bytes:
+            return self._plain[:4].tobytes()
+
+        def _get(self, offset, dtype, count=1, override_order=None):
+            got = super()._get(offset, dtype, count, override_order)
+            if offset == 0 and self.magic == b"PWRI":  # the magic check: same layout as GGUF v3
+                return np.array([gguf.GGUF_MAGIC], dtype=got.dtype)
+            return got
+
+        def _get_tensor_info_field(self, offs):
+            field = super()._get_tensor_info_field(offs)  # parts[4]: the ggml type
+            if self.magic == b"PWRI" and int(field.parts[4][0]) in _PWRI_INT_TYPES:
+                field.parts[4] = np.array([_PWRI_INT_TYPES[int(field.parts[4][0])]], np.uint32)
+            return field
 
     return _PlainViewReader(path, "r")
 

@@ -150,8 +150,9 @@ def open_gguf(path: Path):
         raise ModelLoadError(path, "not a file")
     with open(path, "rb") as fh:
         magic = fh.read(4)
-    if magic != b"GGUF":
-        raise ModelLoadError(path, f"not a GGUF file (magic {magic!r}, expected b'GGUF')")
+    if magic not in (b"GGUF", b"PWRI"):  # PWRI: the original PowerInfer's layout (pwri.py)
+        raise ModelLoadError(path, f"not a GGUF file (magic {magic!r}, "
+                             "expected b'GGUF' or b'PWRI')")
     try:
         return gguf_reader(path)
     except Exception as e:
@@ -181,6 +182,9 @@ def _load_gguf(path: Path, dtype, with_weights: bool, keep_int4: bool) -> Checkp
         raise ModelLoadError(path, f"unknown architecture {arch!r} "
                              f"(supported: {', '.join(GGUF_ARCHS)})")
     default_act, permuted = GGUF_ARCHS[arch]
+    pwri = reader.magic == b"PWRI"
+    if pwri and arch == "llama":
+        default_act = "reglu"  # the original runs a PWRI file's LLaMA FFN as relu(gate) * up
 
     def key(name, default=None):
         v = meta.get(f"{arch}.{name}", default)
@@ -232,7 +236,13 @@ def _load_gguf(path: Path, dtype, with_weights: bool, keep_int4: bool) -> Checkp
             if permuted and role in ("q", "k"):
                 blocks = tuple(unpermute_rows(b, heads) for b in blocks)
             q4[canon] = blocks
-    info = {"format": "GGUF", "gguf_arch": arch, "file_bytes": path.stat().st_size,
+    if with_weights:  # PWRI files hold the down projection transposed, often only that way
+        for i in range(args.n_layers):
+            down_t = extra.get(f"blk.{i}.ffn_down_t.weight")
+            if f"{i}.down" not in weights and down_t is not None:
+                weights[f"{i}.down"] = torch.from_numpy(dequantize(down_t).T.copy()).to(dtype)
+    info = {"format": "PWRI" if pwri else "GGUF", "gguf_arch": arch,
+            "file_bytes": path.stat().st_size,
             "n_params": sum(int(np.prod(t.shape)) for n, t in tensors.items() if n in names),
             "tensor_types": dict(Counter(t.tensor_type.name for t in reader.tensors)),
             "name": meta.get("general.name", path.stem)}
