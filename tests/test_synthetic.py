@@ -1,0 +1,82 @@
+"""The synthetic ReLU model generator: the planted firing profile holds in the dense model on fresh
+tokens, the file loads and generates end to end, and the bytes depend only on the arguments."""
+import hashlib
+
+import numpy as np
+import pytest
+import torch
+
+from powerinfer import Config, PowerInfer
+from powerinfer.config import sampling_params
+from powerinfer.loader import load_checkpoint
+from powerinfer.model import Transformer
+from powerinfer.synthetic import (PRESETS, firing_rates, main, planted_profile, random_tokens,
+                                  rank_correlation, top_share, write_synthetic)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    path = tmp_path_factory.mktemp("synthetic") / "tiny.gguf"
+    return write_synthetic(path, "tiny", seed=0, progress=False)
+
+
+def sha256(path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def test_planted_profile_is_a_clipped_power_law():
+    p = planted_profile(11008, 2, sparsity=0.9, alpha=1.3, seed=0)
+    assert p.shape == (2, 11008)
+    assert abs(p.mean(1) - 0.1).max() < 1e-6
+    assert p.max() == pytest.approx(0.9) and p.min() > 0
+    assert 0.55 < top_share(p[0], 0.1) < 0.65  # 10% of neurons make ~60% of firings
+    assert np.array_equal(np.sort(p[0]), np.sort(p[1]))  # same law, another order per layer
+    assert not np.array_equal(p[0], p[1])
+    with pytest.raises(ValueError):
+        planted_profile(1024, 1, sparsity=0.05)
+
+
+def test_file_describes_the_shape(tiny):
+    ck = load_checkpoint(tiny.path, with_weights=False)
+    s = PRESETS["tiny"]
+    a = ck.args
+    assert (a.dim, a.ffn_dim, a.n_layers, a.n_heads, a.n_kv_heads, a.vocab_size) == \
+        (s.dim, s.n_ff, s.n_layers, s.n_heads, s.n_kv_heads, s.vocab)
+    assert a.ffn_act == "reglu" and not a.tie_embeddings
+    assert ck.info["tensor_types"] == {"BF16": 2 + 7 * s.n_layers, "F32": 1 + 2 * s.n_layers}
+    meta = ck.tokenizer_source[1]
+    assert meta["powerinfer.synthetic.sparsity"] == pytest.approx(0.9)
+    assert tiny.file_bytes == tiny.path.stat().st_size
+
+
+def test_planted_sparsity_and_skew_hold_on_fresh_tokens(tiny):
+    ck = load_checkpoint(tiny.path, torch.float32)
+    model = Transformer.from_weights(ck.args, ck.weights, torch.float32, "cpu")
+    rates = firing_rates(model, random_tokens(ck.args.vocab_size, 8, 128, seed=7))  # 1024 tokens
+    assert rates.shape == tiny.planted.shape
+    for i, (planted, measured) in enumerate(zip(tiny.planted, rates)):
+        assert abs((1 - measured.mean()) - 0.9) < 0.015, (i, 1 - measured.mean())
+        assert top_share(measured, 0.1) > 0.5, i  # planted: 0.60; uniform rates would give 0.10
+        assert rank_correlation(planted, measured) > 0.85, i
+    assert abs(1 - tiny.calib_firing.mean(1) - 0.9).max() < 0.005  # in-sample, while writing
+
+
+def test_loads_and_generates(tiny):
+    pi = PowerInfer.from_pretrained(tiny.path, Config(max_seq_len=64, max_batch=1))
+    assert pi.tokenizer.bos_id == 1
+    assert pi.detokenize(pi.tokenize("hello world")) == "hello world"
+    params = sampling_params(max_tokens=5, temperature=0, ignore_eos=True)
+    events = list(pi.engine.run([pi.engine.new_sequence(pi.tokenize("the quick brown fox"), params)]))
+    assert [ev.token >= 0 for ev in events] == [True] * 5
+    assert events[-1].finish_reason == "length"
+    assert isinstance(pi.generate("hello", max_new_tokens=3, temperature=0.8, seed=1), str)
+
+
+def test_same_seed_same_bytes(tiny, tmp_path, capsys):
+    again = tmp_path / "again.gguf"
+    assert main(["--preset", "tiny", "--seed", "0", "--quiet", "--out", str(again)]) == 0
+    assert "calib_sparsity" in capsys.readouterr().out
+    assert sha256(again) == sha256(tiny.path)
+    other = write_synthetic(tmp_path / "other.gguf", "tiny", seed=1, progress=False)
+    assert sha256(other.path) != sha256(tiny.path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["again.gguf", "other.gguf"]  # no .partial
