@@ -168,7 +168,7 @@ def dequantize(t) -> np.ndarray:
     return np.asarray(arr, dtype=np.float32).reshape(shape)
 
 
-def unpermute_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
+def unpermute_rows(w, n_heads: int):  # numpy array or torch tensor
     # llama.cpp's converter interleaves each head's two rotary halves; undo it (rows of q/k)
     return (w.reshape(n_heads, w.shape[0] // n_heads // 2, 2, *w.shape[1:])
             .swapaxes(1, 2).reshape(w.shape))
@@ -227,10 +227,15 @@ def _load_gguf(path: Path, dtype, with_weights: bool, keep_int4: bool) -> Checkp
             continue
         role = canon.split(".")[-1]
         heads = n_heads if role[0] == "q" else args.n_kv_heads
-        w = dequantize(t)
+        if t.tensor_type.name == "BF16" and dtype == torch.bfloat16:  # the raw bits: no float32 trip
+            w = torch.from_numpy(np.array(t.data).view(np.int16)).view(torch.bfloat16)
+            w = w.reshape(tuple(int(s) for s in reversed(t.shape)))
+        else:
+            w = dequantize(t)
+            w = torch.from_numpy(np.array(w, copy=not w.flags.writeable)).to(dtype)
         if permuted and role in ("q", "k", "q_b", "k_b"):
-            w = unpermute_rows(w, heads)
-        weights[canon] = torch.from_numpy(np.array(w, copy=not w.flags.writeable)).to(dtype)
+            w = unpermute_rows(w, heads).contiguous()
+        weights[canon] = w
         if keep_int4 and t.tensor_type.name in Q4_TYPES:
             blocks = q4_blocks(t)
             if permuted and role in ("q", "k"):
