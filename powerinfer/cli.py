@@ -11,7 +11,7 @@ from .errors import PowerInferError
 from .loader import DEFAULT_MODEL
 
 # the default model's operating point (SwiGLU threshold sparsity); see BENCHMARKS.md
-DEFAULT_SPARSITY = 0.5
+DEFAULT_SPARSITY = 0.15
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -172,7 +172,9 @@ def _pipeline_commands(sub):
     p.add_argument("--input", choices=["ffn", "layer", "both"], default="both",
                    help="predictor input: the FFN's own input, or the layer input (lookahead)")
     p.add_argument("--recall", type=float, default=0.99, help="target recall by activation mass")
-    p.add_argument("--epochs", type=int, default=None)
+    p.add_argument("--epochs", type=int, default=None, help="at most this many epochs per rank")
+    p.add_argument("--ranks", default=None,
+                   help="comma-separated ranks to try (default: five powers of two up to min(d, n_ff))")
     p.set_defaults(run=_train)
 
     p = sub.add_parser("solve", help="place neurons on the GPU under a VRAM budget (MILP)")
@@ -241,6 +243,8 @@ def _train(args) -> int:
     b = Bundle.open(args.bundle)
     for inp in (["ffn", "layer"] if args.input == "both" else [args.input]):
         extra = {} if args.epochs is None else {"epochs": args.epochs}
+        if args.ranks:
+            extra["ranks"] = [int(r) for r in args.ranks.split(",")]
         rows = train_predictors(b, inp, recall_target=args.recall, **extra)
         print(f"predictors reading the {inp} input:")
         print(format_table(rows))
@@ -318,7 +322,8 @@ def _synthetic(args) -> int:
 
     info = write_synthetic(args.out, preset=args.preset, n_layers=args.layers,
                            sparsity=args.sparsity, seed=args.seed)
-    print(f"wrote {args.out}: {info}")
+    for k, v in info.summary().items():
+        print(f"{k:>16}: {v}")
     return 0
 
 

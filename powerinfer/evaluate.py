@@ -126,7 +126,8 @@ def evaluate(model_name: str, bundle: Bundle, tokens: int = 0, window: int = 256
 
 
 def _configure(ffns, v: Variant):
-    masks = None if v.predictors is None else v.predictors.active
+    p = v.predictors
+    masks = None if p is None else (lambda layer, x: p.logits(layer, x) >= 0)  # per row
     for i, f in enumerate(ffns):
         f.token_masks = True
         f.masks, f.threshold, f.stats = masks, float(v.thresholds[i]), v.layers[i]

@@ -78,7 +78,13 @@ class NeuronSet(nn.Module):
             h = h * (score > threshold)
         if keep is not None:
             h = h * keep
-        return h @ (self.down_t if sel is None else self.down_t[sel])  # axpy over rows of down_t
+        if sel is None:
+            return h @ self.down_t
+        # the axpy over the active rows of down_t, fused with their gather: (B, 1, k) -> (B, 1, dim)
+        B = h.shape[0]
+        y = F.embedding_bag(sel.expand(B, -1), self.down_t, per_sample_weights=h.reshape(B, -1),
+                            mode="sum")
+        return y.unsqueeze(1)
 
 
 class HybridFFN(nn.Module):
@@ -117,8 +123,8 @@ class HybridFFN(nn.Module):
             y = self._token_masked(h, x)
         else:  # decode: the predicted-active neurons, the union over the batch's rows
             union = self.active(h, x).flatten(0, -2).any(0)
-            y = (self.hot(x, union[self.hot.idx].nonzero().squeeze(-1), self.threshold)
-                 + self.cold(x, union[self.cold.idx].nonzero().squeeze(-1), self.threshold))
+            y = sum(s(x, union[s.idx].nonzero().squeeze(-1), self.threshold)
+                    for s in (self.hot, self.cold) if len(s.idx))
             if self.stats is not None:
                 self.stats.add(rows=1, computed=int(union.sum()))
         return y if self.down_b is None else y + self.down_b

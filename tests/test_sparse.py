@@ -73,3 +73,25 @@ def test_oracle_sparse_greedy_256_tokens_identical(tmp_path):
         list(m.engine.run([seq]))
         outs.append(seq.output)
     assert len(outs[0]) == 256 and len(set(outs[0])) > 10 and outs[0] == outs[1]
+
+
+@pytest.mark.parametrize("source", ["ffn", "layer"])
+def test_mask_source_reads_the_pre_norm_input_it_names(source):
+    m = random_model("reglu")
+    seen, expected = [], []
+
+    def masks(layer, x):  # predict everything: the output stays dense
+        seen.append((layer, x.clone()))
+        return torch.ones(*x.shape[:-1], 256, dtype=torch.bool)
+    apply_hybrid_ffn(m, masks, predictor_input=source)
+    for i, b in enumerate(m.layers):
+        target = b if source == "layer" else b.ffn  # the block's input, or the FFN's (pre-norm)
+        target.register_forward_pre_hook(lambda mod, args, i=i: expected.append((i, args[0].clone())))
+    dense = random_model("reglu")
+    a, b = decode_logits(dense, [[1, 2, 3]], 2), decode_logits(m, [[1, 2, 3]], 2)
+    assert (a - b).abs().max() <= 1e-4 * a.abs().max()
+    # the decode steps' inputs, in order (prefill runs dense and asks for no masks)
+    decode_inputs = [e for e in expected if e[1].shape[1] == 1]
+    assert len(seen) == len(decode_inputs) == 2 * 3
+    for (i, x), (j, y) in zip(seen, decode_inputs):
+        assert i == j and torch.equal(x, y)

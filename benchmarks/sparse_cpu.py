@@ -1,0 +1,203 @@
+#!/usr/bin/env python3
+"""Decode tokens/s of the dense model and the sparse one (predicted masks) in one run, next to the
+bandwidth floor of the bytes each actually touches per token.
+
+    .venv/bin/python benchmarks/sparse_cpu.py --model M --bundle B [--model M2 --bundle B2 ...]
+        [--tokens 32] [--dtype float32] [--threads N] [--input ffn] [--out FILE]
+
+Per model, three configurations decode the same prompt greedily, token by token through the
+model's forward (no sampling), after a warm-up; the median token time is reported: the dense
+model; the hybrid FFN (every neuron cold, thresholds from the bundle) with masks from the bundle's
+predictors; and the hybrid FFN replaying the oracle's masks recorded on the same tokens (the
+sparse operators at the true sparsity, as with a perfect predictor that costs nothing).
+Sparse decode gathers the active rows of gate/up for their dot products and
+runs the down projection as an embedding-bag (a gather fused with the axpy over rows of down_t). Bytes per token: every weight read (attention, norms, lm_head, the
+predictors, the embedding row), the KV cache read at the mean context, and for the FFN the rows of
+the neurons actually computed (recorded per step). The floor is those bytes at the read bandwidth
+measured in the same run (a large tensor reduction, best of 5).
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+from powerinfer import Config, PowerInfer  # noqa: E402
+from powerinfer.bundle import Bundle  # noqa: E402
+from powerinfer.predictor import load_predictors  # noqa: E402
+from powerinfer.sparse import LayerStats, apply_hybrid_ffn, hybrid_layers  # noqa: E402
+
+PROMPT = ("The history of computing is a story of ideas that took decades to mature. Early machines "
+          "filled rooms, consumed enormous power and were programmed by rewiring panels by hand.")
+
+
+def read_bandwidth(dtype) -> float:
+    """Bytes/s of a reduction over a 1 GiB tensor (best of 5)."""
+    x = torch.ones(2**30 // dtype.itemsize, dtype=dtype)
+    best = float("inf")
+    for _ in range(6):
+        t = time.perf_counter()
+        x.sum()
+        best = min(best, time.perf_counter() - t)
+    return x.numel() * dtype.itemsize / best
+
+
+def decode(model, ids: list[int], n: int) -> tuple[list[float], list[int]]:
+    """Greedy decode n tokens after a prefill; returns per-token seconds and the tokens."""
+    times, out = [], []
+    with torch.inference_mode():
+        T = len(ids)
+        logits = model(torch.tensor([ids]), torch.arange(T)[None], T, last=torch.tensor([T - 1]))
+        tok = int(logits[0, -1].argmax())
+        for s in range(n):
+            t = time.perf_counter()
+            logits = model(torch.tensor([[tok]]), torch.tensor([[T + s]]), T + s + 1)
+            tok = int(logits[0, -1].argmax())
+            times.append(time.perf_counter() - t)
+            out.append(tok)
+    return times, out
+
+
+def dense_bytes(model, kv_len: float) -> dict[str, float]:
+    a = model.args
+    el = model.output.weight.element_size()
+    attn = sum(p.numel() for b in model.layers for p in b.attn.parameters()) * el
+    norms = sum(p.numel() for n, p in model.named_parameters() if "norm" in n) * el
+    head = model.output.weight.numel() * el
+    kv = 2 * a.n_layers * kv_len * a.n_kv_heads * a.head_dim * el
+    return {"attention": attn, "norms": norms, "lm_head": head, "kv_cache": kv,
+            "embedding row": a.dim * el}
+
+
+def neuron_bytes(model) -> int:
+    a, el = model.args, model.output.weight.element_size()
+    return ((3 if a.gated else 2) * a.dim + (1 if a.ffn_bias else 0)) * el
+
+
+class Replay:
+    """A mask source that hands back masks recorded from a run with oracle masks, in order: the
+    sparse operators at the true sparsity, with no predictor cost (an ideal predictor)."""
+
+    def __init__(self):
+        self.masks: list[torch.Tensor] = []
+        self.pos = 0
+
+    def record(self, ffn):
+        oracle = ffn.active
+
+        def active(h, x):
+            m = oracle(h, x)
+            self.masks.append(m)
+            return m
+        return active
+
+    def __call__(self, layer, x):
+        m = self.masks[self.pos]
+        self.pos += 1
+        return m
+
+
+def measure(label: str, pi, ids: list[int], n: int, extra: dict | None = None) -> dict:
+    decode(pi.model, ids, 4)  # warm-up
+    ffns = hybrid_layers(pi.model)
+    stats = [LayerStats() for _ in ffns]
+    for f, s in zip(ffns, stats):
+        f.stats = s
+    times, toks = decode(pi.model, ids, n)
+    for f in ffns:
+        f.stats = None
+    a = pi.model.args
+    b = dense_bytes(pi.model, len(ids) + n / 2)
+    if ffns:
+        computed = sum(s.computed for s in stats) / max(1, stats[0].rows)  # per token, all layers
+        b["ffn rows (computed)"] = computed * neuron_bytes(pi.model)
+        density = computed / (a.n_layers * a.ffn_dim)
+    else:
+        b["ffn rows (all)"] = a.n_layers * a.ffn_dim * neuron_bytes(pi.model)
+        density = 1.0
+    b.update(extra or {})
+    t = statistics.median(times)
+    return {"model": pi.checkpoint.path.name, "config": label, "ms_per_token": t * 1e3,
+            "tok_s": 1 / t, "bytes": b, "bytes_total": sum(b.values()), "ffn_density": density,
+            "tokens": toks}
+
+
+def run_model(name: str, bundle_path: str, args) -> list[dict]:
+    """Dense, then sparse with predicted masks, then sparse replaying oracle masks; one model in
+    memory at a time."""
+    config = Config(dtype=args.dtype, max_batch=1, max_seq_len=512, cpu_threads=args.threads)
+    pi = PowerInfer.from_pretrained(name, config)
+    bundle = Bundle.open(bundle_path)
+    bundle.check_model(pi.checkpoint.path)
+    ids = pi.tokenize(PROMPT)[:64]
+    rows = [measure("dense", pi, ids, args.tokens)]
+    preds = load_predictors(bundle, args.input, dtype=config.torch_dtype)
+    th = bundle.thresholds()
+    apply_hybrid_ffn(pi.model, lambda i, x: preds.logits(i, x) >= 0, predictor_input=args.input,
+                     thresholds=th)
+    pred_bytes = sum(p.numel() * p.element_size() for p in preds.parameters())
+    rows.append(measure(f"sparse, predicted ({args.input} input)", pi, ids, args.tokens,
+                        {"predictors": pred_bytes}))
+    replay = Replay()
+    for f in hybrid_layers(pi.model):  # record the oracle's masks on the same tokens
+        f.masks, f.active = None, replay.record(f)
+    decode(pi.model, ids, 4 + args.tokens)
+    for f in hybrid_layers(pi.model):
+        del f.active
+        f.masks = replay
+    rows.append(measure("sparse, oracle masks replayed", pi, ids, args.tokens))
+    for r in rows[1:]:
+        r["same_tokens_as_dense"] = sum(x == y for x, y in zip(rows[0]["tokens"], r["tokens"]))
+    return rows
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", action="append", required=True)
+    ap.add_argument("--bundle", action="append", required=True)
+    ap.add_argument("--tokens", type=int, default=32)
+    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--threads", type=int, default=0)
+    ap.add_argument("--input", default="ffn", choices=["ffn", "layer"])
+    ap.add_argument("--out", default=None, help="write the results as JSON")
+    args = ap.parse_args()
+    assert len(args.model) == len(args.bundle), "one --bundle per --model"
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    results = []
+    for m, b in zip(args.model, args.bundle):
+        results += run_model(m, b, args)
+    bw = read_bandwidth(torch.float32)  # measured after loading, in the same process
+    print(f"# {datetime.date.today()} {platform.processor() or platform.machine()}, "
+          f"{torch.get_num_threads()} threads, torch {torch.__version__}, read bandwidth "
+          f"{bw / 1e9:.1f} GB/s, {args.dtype}, {args.tokens} tokens, predictor input {args.input}")
+    print("| model | config | decode tok/s | ms/token | FFN rows computed | MB/token | "
+          "floor ms | % of floor | vs dense |")
+    print("|---|---|---:|---:|---:|---:|---:|---:|---:|")
+    for i, r in enumerate(results):
+        base = results[i - i % 3]
+        floor = r["bytes_total"] / bw * 1e3
+        r["floor_ms"], r["pct_of_floor"] = floor, floor / r["ms_per_token"]
+        r["speedup"] = base["ms_per_token"] / r["ms_per_token"]
+        print(f"| {r['model']} | {r['config']} | {r['tok_s']:.1f} | {r['ms_per_token']:.2f} | "
+              f"{r['ffn_density']:.1%} | {r['bytes_total'] / 1e6:.1f} | {floor:.2f} | "
+              f"{r['pct_of_floor']:.0%} | {r['speedup']:.2f}x |")
+    for r in results:
+        if "same_tokens_as_dense" in r:
+            print(f"{r['model']}: sparse greedy tokens equal to dense for "
+                  f"{r['same_tokens_as_dense']}/{len(r['tokens'])}")
+    if args.out:
+        Path(args.out).write_text(json.dumps({"bandwidth": bw, "results": results}, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,35 @@
+"""The offline pipeline's commands end to end on the default model, as a user runs them."""
+import json
+
+import pytest
+
+from powerinfer.cli import main
+
+
+@pytest.mark.slow
+def test_profile_train_solve_eval_report_on_the_default_model(tmp_path, default_model_path, capsys):
+    b = str(tmp_path / "bundle")
+    assert main(["profile", "--model", "smollm2-135m-instruct", "--tokens", "1024", "--window", "256",
+                 "--samples", "600", "--out", b]) == 0
+    assert "profiled 1024 tokens of lee" in capsys.readouterr().out
+    assert main(["train-predictors", "--bundle", b, "--epochs", "2", "--ranks", "16,32"]) == 0
+    out = capsys.readouterr().out
+    assert "ffn input" in out and "layer input" in out
+    assert main(["solve", "--bundle", b, "--vram-budget", "0.1", "--context", "512"]) == 0
+    out = capsys.readouterr().out
+    assert "greedy" in out and "gap" in out
+    placement = json.loads((tmp_path / "bundle" / "placement.json").read_text())
+    assert placement["used_bytes"] <= 0.1 * 2**30 and 0 < sum(placement["hot_counts"]) < 30 * 1536
+    assert main(["eval", "--model", "smollm2-135m-instruct", "--bundle", b, "--tokens", "256",
+                 "--per-layer"]) == 0
+    out = capsys.readouterr().out
+    for label in ("dense", "oracle", "predicted (ffn input)", "predicted (layer input)", "oracle @ 30%"):
+        assert label in out
+    assert main(["report", "--bundle", b]) == 0
+    out = capsys.readouterr().out
+    for name in ("firing_frequency.png", "mass_cdf.png", "placement.png", "predictor_recall.png",
+                 "quality.png"):
+        assert (tmp_path / "bundle" / "report" / name).stat().st_size > 10_000, name
+    # a bundle made for another model is refused by name
+    assert main(["eval", "--model", str(default_model_path.parent / "nope.gguf"), "--bundle", b]) == 1
+    assert "error:" in capsys.readouterr().err
