@@ -14,7 +14,9 @@ Sparse decode gathers the active rows of gate/up for their dot products and
 runs the down projection as an embedding-bag (a gather fused with the axpy over rows of down_t). Bytes per token: every weight read (attention, norms, lm_head, the
 predictors, the embedding row), the KV cache read at the mean context, and for the FFN the rows of
 the neurons actually computed (recorded per step). The floor is those bytes at the read bandwidth
-measured in the same run (a large tensor reduction, best of 5).
+measured in the same run (a large tensor reduction, best of 5). A second pass of each
+configuration times the FFN modules alone (hooks around each block's FFN), the part sparsity
+changes; attention and lm_head stay dense.
 """
 from __future__ import annotations
 
@@ -36,6 +38,7 @@ from powerinfer.bundle import Bundle  # noqa: E402
 from powerinfer.predictor import load_predictors  # noqa: E402
 from powerinfer.sparse import LayerStats, apply_hybrid_ffn, hybrid_layers  # noqa: E402
 
+WARMUP = 16  # tokens decoded before timing
 PROMPT = ("The history of computing is a story of ideas that took decades to mature. Early machines "
           "filled rooms, consumed enormous power and were programmed by rewiring panels by hand.")
 
@@ -106,8 +109,22 @@ class Replay:
         return m
 
 
+def ffn_timer(model) -> tuple[list[float], list]:
+    """Seconds spent inside the FFN modules (hooks around each block's ffn), and the handles."""
+    spent, start = [0.0], [0.0]
+
+    def pre(mod, args):
+        start[0] = time.perf_counter()
+
+    def post(mod, args, out):
+        spent[0] += time.perf_counter() - start[0]
+    handles = [h for b in model.layers for h in (b.ffn.register_forward_pre_hook(pre),
+                                                 b.ffn.register_forward_hook(post))]
+    return spent, handles
+
+
 def measure(label: str, pi, ids: list[int], n: int, extra: dict | None = None) -> dict:
-    decode(pi.model, ids, 4)  # warm-up
+    decode(pi.model, ids, WARMUP)  # warm-up: the first calls after loading run several times slower
     ffns = hybrid_layers(pi.model)
     stats = [LayerStats() for _ in ffns]
     for f, s in zip(ffns, stats):
@@ -115,6 +132,10 @@ def measure(label: str, pi, ids: list[int], n: int, extra: dict | None = None) -
     times, toks = decode(pi.model, ids, n)
     for f in ffns:
         f.stats = None
+    spent, handles = ffn_timer(pi.model)  # a second pass, timing the FFNs alone
+    decode(pi.model, ids, n)
+    for h in handles:
+        h.remove()
     a = pi.model.args
     b = dense_bytes(pi.model, len(ids) + n / 2)
     if ffns:
@@ -127,6 +148,7 @@ def measure(label: str, pi, ids: list[int], n: int, extra: dict | None = None) -
     b.update(extra or {})
     t = statistics.median(times)
     return {"model": pi.checkpoint.path.name, "config": label, "ms_per_token": t * 1e3,
+            "ffn_ms_per_token": spent[0] / n * 1e3,
             "tok_s": 1 / t, "bytes": b, "bytes_total": sum(b.values()), "ffn_density": density,
             "tokens": toks}
 
@@ -140,7 +162,7 @@ def run_model(name: str, bundle_path: str, args) -> list[dict]:
     bundle.check_model(pi.checkpoint.path)
     ids = pi.tokenize(PROMPT)[:64]
     rows = [measure("dense", pi, ids, args.tokens)]
-    preds = load_predictors(bundle, args.input, dtype=config.torch_dtype)
+    preds = load_predictors(bundle, args.input)  # float32: torch's bf16 GEMV is slow on CPUs
     th = bundle.thresholds()
     apply_hybrid_ffn(pi.model, lambda i, x: preds.logits(i, x) >= 0, predictor_input=args.input,
                      thresholds=th)
@@ -148,9 +170,10 @@ def run_model(name: str, bundle_path: str, args) -> list[dict]:
     rows.append(measure(f"sparse, predicted ({args.input} input)", pi, ids, args.tokens,
                         {"predictors": pred_bytes}))
     replay = Replay()
-    for f in hybrid_layers(pi.model):  # record the oracle's masks on the same tokens
+    for f in hybrid_layers(pi.model):  # record the oracle's masks on the calls `measure` makes
         f.masks, f.active = None, replay.record(f)
-    decode(pi.model, ids, 4 + args.tokens)
+    for n in (WARMUP, args.tokens, args.tokens):
+        decode(pi.model, ids, n)
     for f in hybrid_layers(pi.model):
         del f.active
         f.masks = replay
@@ -181,8 +204,8 @@ def main():
           f"{torch.get_num_threads()} threads, torch {torch.__version__}, read bandwidth "
           f"{bw / 1e9:.1f} GB/s, {args.dtype}, {args.tokens} tokens, predictor input {args.input}")
     print("| model | config | decode tok/s | ms/token | FFN rows computed | MB/token | "
-          "floor ms | % of floor | vs dense |")
-    print("|---|---|---:|---:|---:|---:|---:|---:|---:|")
+          "floor ms | % of floor | vs dense | FFN ms/token | FFN vs dense |")
+    print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for i, r in enumerate(results):
         base = results[i - i % 3]
         floor = r["bytes_total"] / bw * 1e3
@@ -190,7 +213,8 @@ def main():
         r["speedup"] = base["ms_per_token"] / r["ms_per_token"]
         print(f"| {r['model']} | {r['config']} | {r['tok_s']:.1f} | {r['ms_per_token']:.2f} | "
               f"{r['ffn_density']:.1%} | {r['bytes_total'] / 1e6:.1f} | {floor:.2f} | "
-              f"{r['pct_of_floor']:.0%} | {r['speedup']:.2f}x |")
+              f"{r['pct_of_floor']:.0%} | {r['speedup']:.2f}x | {r['ffn_ms_per_token']:.2f} | "
+              f"{base['ffn_ms_per_token'] / r['ffn_ms_per_token']:.2f}x |")
     for r in results:
         if "same_tokens_as_dense" in r:
             print(f"{r['model']}: sparse greedy tokens equal to dense for "

@@ -62,13 +62,12 @@ class NeuronSet(nn.Module):
         return self._pre(x, None)[0]
 
     def _pre(self, x, sel):
-        up_w = self.up if sel is None else self.up[sel]
-        up = x @ up_w.t()
+        # index_select, not w[sel]: the advanced-indexing kernel is ~3x slower at gathering rows
+        rows = (lambda w: w) if sel is None else (lambda w: w.index_select(0, sel))
+        up = x @ rows(self.up).t()
         if self.up_b is not None:
-            up = up + (self.up_b if sel is None else self.up_b[sel])
-        gate = None
-        if self.gate is not None:
-            gate = x @ (self.gate if sel is None else self.gate[sel]).t()
+            up = up + rows(self.up_b)
+        gate = None if self.gate is None else x @ rows(self.gate).t()
         return activate(self.act, gate, up)
 
     def forward(self, x, sel=None, threshold: float = 0.0, keep=None):
