@@ -165,9 +165,11 @@ def plot_placement(bundle, masses, hot, out_dir) -> Path:
     bx.grid(True, axis="x", alpha=0.3)
     bx.legend(loc="lower right", fontsize=8)
     info = _load_optional(bundle, "placement.json") or {}
-    extra = ", ".join(f"{k} {_fmt(info[k])}" for k in ("budget", "objective") if k in info)
-    what = f"placement ({extra})" if extra else "placement"
-    fig.suptitle(_title(bundle, f"{what}: GPU {gpu_n.mean():.1%} of neurons, {gpu_m.mean():.1%} of mass"))
+    what = f"placement (budget {_fmt(info['budget_bytes'])})" if "budget_bytes" in info else "placement"
+    total = sum(float(m.sum()) for m in masses)  # the whole model's shares, not the layers' mean
+    on_gpu = sum(float(m[h].sum()) for m, h in zip(masses, hot))
+    fig.suptitle(_title(bundle, f"{what}: GPU {sum(h.sum() for h in hot) / (n * L):.1%} of neurons, "
+                                f"{on_gpu / total if total else 1:.1%} of activation mass"))
     return _save(fig, out_dir, name)
 
 
@@ -208,11 +210,19 @@ def plot_quality(bundle, points: list[dict], out_dir) -> Path:
     fig = _figure(name)
     ax = fig.add_subplot()
     curves: dict[str, list] = {}
+    dense = None
     for p in points:
         if p.get("sparsity") is not None and p.get("ppl") is not None:
-            curves.setdefault(str(p.get("label", "")), []).append((p["sparsity"], p["ppl"]))
+            kind = p.get("kind")
+            if kind == "dense":
+                dense = p["ppl"]
+            # dense and the oracle points form one curve; each predicted variant is its own point
+            key = "oracle masks (by threshold)" if kind in ("dense", "oracle") else str(p.get("label", ""))
+            curves.setdefault(key, []).append((p["sparsity"], p["ppl"]))
     for label, pts in curves.items():
         ax.plot(*zip(*sorted(pts)), "o-", label=label or None)
+    if dense is not None:
+        ax.axhline(dense * 1.02, color="grey", ls="--", lw=1, label="dense + 2%")
     ax.set(xlabel="realised sparsity (fraction of FFN neurons skipped)", ylabel="perplexity")
     ax.grid(True, alpha=0.3)
     if curves:

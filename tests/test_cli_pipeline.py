@@ -15,11 +15,11 @@ def test_profile_train_solve_eval_report_on_the_default_model(tmp_path, default_
     assert main(["train-predictors", "--bundle", b, "--epochs", "2", "--ranks", "16,32"]) == 0
     out = capsys.readouterr().out
     assert "ffn input" in out and "layer input" in out
-    assert main(["solve", "--bundle", b, "--vram-budget", "0.1", "--context", "512"]) == 0
+    assert main(["solve", "--bundle", b, "--vram-budget", "0.2", "--context", "512"]) == 0
     out = capsys.readouterr().out
     assert "greedy" in out and "gap" in out
     placement = json.loads((tmp_path / "bundle" / "placement.json").read_text())
-    assert placement["used_bytes"] <= 0.1 * 2**30 and 0 < sum(placement["hot_counts"]) < 30 * 1536
+    assert placement["used_bytes"] <= 0.2 * 2**30 and 0 < sum(placement["hot_counts"]) < 30 * 1536
     assert main(["eval", "--model", "smollm2-135m-instruct", "--bundle", b, "--tokens", "256",
                  "--per-layer"]) == 0
     out = capsys.readouterr().out
