@@ -76,14 +76,17 @@ class _Taps:
             h.remove()
 
 
-def _run(model, windows, on_w1, desc: str, progress: bool):
+def _run(model, windows, on_w1, desc: str, progress: bool, after_window=None):
+    """One prefill per window with the taps on; after_window(len) runs after each window."""
     taps = _Taps(model, on_w1)
     try:
         with torch.inference_mode(), tqdm(total=sum(map(len, windows)), desc=desc, unit="tok",
                                           disable=not progress) as bar:
             for w in windows:
-                t = torch.tensor([w])
-                model(t, torch.arange(len(w))[None], len(w), last=torch.tensor([len(w) - 1]))
+                model(torch.tensor([w]), torch.arange(len(w))[None], len(w),
+                      last=torch.tensor([len(w) - 1]))
+                if after_window is not None:
+                    after_window(len(w))
                 bar.update(len(w))
     finally:
         taps.close()
@@ -164,19 +167,12 @@ def profile(model_name: str, corpus: str, out: str | Path, opts: ProfileOptions 
                 if r >= N - H:
                     mags[i, r - (N - H)] = (h[0, p].abs() * fired[p]).float().numpy()
 
-    taps = _Taps(model, on_w1)
-    try:
-        with torch.inference_mode(), tqdm(total=total, desc="profiling", unit="tok",
-                                          disable=not progress) as bar:
-            for w in windows:
-                model(torch.tensor([w]), torch.arange(len(w))[None], len(w),
-                      last=torch.tensor([len(w) - 1]))
-                lo, hi = np.searchsorted(picks, [cursor["start"], cursor["start"] + len(w)])
-                cursor["start"] += len(w)
-                cursor["row"] += hi - lo
-                bar.update(len(w))
-    finally:
-        taps.close()
+    def next_window(T):
+        lo, hi = np.searchsorted(picks, [cursor["start"], cursor["start"] + T])
+        cursor["start"] += T
+        cursor["row"] += hi - lo
+
+    _run(model, windows, on_w1, "profiling", progress, next_window)
 
     for i in tqdm(range(L), desc="writing samples", disable=not progress):
         bundle.save_tensors(f"samples/layer_{i:03d}.safetensors",
