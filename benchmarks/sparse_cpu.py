@@ -36,6 +36,7 @@ sys.path.insert(0, str(ROOT))
 from powerinfer import Config, PowerInfer  # noqa: E402
 from powerinfer.bundle import Bundle  # noqa: E402
 from powerinfer.predictor import load_predictors  # noqa: E402
+from powerinfer.solver import neuron_bytes  # noqa: E402
 from powerinfer.sparse import LayerStats, apply_hybrid_ffn, hybrid_layers  # noqa: E402
 
 WARMUP = 16  # tokens decoded before timing
@@ -79,11 +80,6 @@ def dense_bytes(model, kv_len: float) -> dict[str, float]:
     kv = 2 * a.n_layers * kv_len * a.n_kv_heads * a.head_dim * el
     return {"attention": attn, "norms": norms, "lm_head": head, "kv_cache": kv,
             "embedding row": a.dim * el}
-
-
-def neuron_bytes(model) -> int:
-    a, el = model.args, model.output.weight.element_size()
-    return ((3 if a.gated else 2) * a.dim + (1 if a.ffn_bias else 0)) * el
 
 
 class Replay:
@@ -138,12 +134,13 @@ def measure(label: str, pi, ids: list[int], n: int, extra: dict | None = None) -
         h.remove()
     a = pi.model.args
     b = dense_bytes(pi.model, len(ids) + n / 2)
+    row_bytes = neuron_bytes(a, pi.model.output.weight.element_size())
     if ffns:
         computed = sum(s.computed for s in stats) / max(1, stats[0].rows)  # per token, all layers
-        b["ffn rows (computed)"] = computed * neuron_bytes(pi.model)
+        b["ffn rows (computed)"] = computed * row_bytes
         density = computed / (a.n_layers * a.ffn_dim)
     else:
-        b["ffn rows (all)"] = a.n_layers * a.ffn_dim * neuron_bytes(pi.model)
+        b["ffn rows (all)"] = a.n_layers * a.ffn_dim * row_bytes
         density = 1.0
     b.update(extra or {})
     t = statistics.median(times)

@@ -10,9 +10,6 @@ from .config import Config
 from .errors import PowerInferError
 from .loader import DEFAULT_MODEL
 
-# the default model's operating point (SwiGLU threshold sparsity); see BENCHMARKS.md
-DEFAULT_SPARSITY = 0.15
-
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="powerinfer", description=__doc__)
@@ -161,8 +158,9 @@ def _pipeline_commands(sub):
     p.add_argument("--tokens", type=int, default=0, help="calibration tokens (0: the whole corpus)")
     p.add_argument("--out", required=True, help="bundle directory to write")
     p.add_argument("--samples", type=int, default=16384, help="predictor samples per layer")
-    p.add_argument("--sparsity", type=float, default=DEFAULT_SPARSITY,
-                   help="SwiGLU models: target share of neurons under the threshold")
+    p.add_argument("--sparsity", type=float, default=None,
+                   help="SwiGLU models: target share of neurons under the threshold "
+                        "(default 0.15, the default model's operating point)")
     p.add_argument("--window", type=int, default=512)
     p.add_argument("--dtype", default="float32")
     p.set_defaults(run=_profile)
@@ -226,13 +224,15 @@ def _pipeline_commands(sub):
 def _profile(args) -> int:
     from .profile import ProfileOptions, profile
 
+    from .report import sparsity
+
     opts = ProfileOptions(tokens=args.tokens, window=args.window, samples=args.samples,
-                          sparsity=args.sparsity)
+                          **({} if args.sparsity is None else {"sparsity": args.sparsity}))
     b = profile(args.model, args.corpus, args.out, opts, dtype=args.dtype)
     counts, _, tokens = b.stats()
-    n = b.manifest.model["ffn_dim"]
+    mean = sum(sparsity(c, tokens) for c in counts) / len(counts)
     print(f"profiled {tokens} tokens of {b.manifest.corpus['name']} into {b.path}; "
-          f"mean sparsity {1 - sum(c.sum() for c in counts) / (tokens * n * len(counts)):.1%}")
+          f"mean sparsity {mean:.1%}")
     return 0
 
 

@@ -60,6 +60,7 @@ import torch
 
 from .loader import unpermute_rows
 from .model import Block, KVCache, ModelArgs, Transformer, rope_table
+from .report import top_share
 
 P_MAX = 0.9  # the hottest neurons fire on 90% of tokens
 DEFAULT_ALPHA = 1.3
@@ -406,12 +407,6 @@ def firing_rates(model: Transformer, tokens: torch.Tensor) -> np.ndarray:
         for handle in handles:
             handle.remove()
     return (torch.stack(counts) / (B * T)).float().numpy()
-
-
-def top_share(rate: np.ndarray, fraction: float) -> float:
-    """The share of all firings that the most active `fraction` of neurons make."""
-    r = np.sort(rate)[::-1]
-    return float(r[:max(1, round(fraction * len(r)))].sum() / max(r.sum(), 1e-12))
 
 
 def rank_correlation(a: np.ndarray, b: np.ndarray) -> float:
