@@ -2,15 +2,18 @@
 from __future__ import annotations
 
 import os
+import queue
+import threading
 from typing import Iterator
 
 import torch
 
 from .config import Config, sampling_params
-from .engine import Engine
+from .engine import Engine, Event
 from .errors import ModelLoadError
 from .loader import DEFAULT_MODEL, Checkpoint, load_checkpoint
 from .model import Transformer
+from .plan import SparsePlan
 from .quant import apply_int4
 from .tokenizer import Tokenizer
 
@@ -28,6 +31,11 @@ class PowerInfer:
         self.config, self.checkpoint = config, checkpoint
         if config.cpu_threads:
             torch.set_num_threads(config.cpu_threads)
+        if config.runtime == "actors":  # the actors load the weights; this process tokenizes
+            from actors.handle import ActorEngine
+            self.model, self.engine = None, ActorEngine(str(checkpoint.path), config)
+            self.tokenizer = self.engine.tokenizer
+            return
         try:
             self.model = Transformer.from_weights(checkpoint.args, checkpoint.weights,
                                                   config.torch_dtype, config.torch_device)
@@ -38,6 +46,9 @@ class PowerInfer:
         except (ValueError, KeyError, FileNotFoundError) as e:
             raise ModelLoadError(checkpoint.path, str(e)) from e
         checkpoint.weights, checkpoint.q4 = {}, {}  # the model holds them now
+        if config.bundle:  # the in-process sparse engine
+            SparsePlan.from_bundle(config.bundle, checkpoint.args, checkpoint.path,
+                                   config.predictor).apply(self.model)
         self.engine = Engine(self.model, self.tokenizer, config)
 
     @classmethod
@@ -46,11 +57,17 @@ class PowerInfer:
         """Load a GGUF file, a Hugging Face folder, or an installed model by short name."""
         config = config or Config()
         return cls(load_checkpoint(name_or_path, config.torch_dtype,
+                                   with_weights=config.runtime == "local",
                                    keep_int4=config.weights == "int4"), config)
 
     @property
     def args(self):
-        return self.model.args
+        return self.checkpoint.args
+
+    def close(self):
+        """Stop the actor group (runtime "actors"); the in-process engine needs nothing."""
+        if self.model is None:
+            self.engine.shutdown()
 
     def tokenize(self, text: str, add_bos: bool | None = None) -> list[int]:
         return self.tokenizer.encode(text, add_bos)
@@ -85,7 +102,31 @@ class PowerInfer:
             return self.tokenizer.encode(prompt)
         return self.tokenizer.encode(self.tokenizer.apply_chat_template(prompt))
 
-    def _run(self, prompts: list[list[int]], max_new_tokens: int, sampling: dict):
+    def _run(self, prompts: list[list[int]], max_new_tokens: int, sampling: dict) -> Iterator[Event]:
         params = sampling_params(max_tokens=max_new_tokens, **sampling)
+        if self.model is None:
+            return _concurrently(self.engine, prompts, params)
         seqs = [self.engine.new_sequence(p, params) for p in prompts]
         return self.engine.run(seqs)
+
+
+def _concurrently(engine, prompts: list[list[int]], params) -> Iterator[Event]:
+    """The actor runtime's streams of several requests, interleaved as their events arrive."""
+    q: queue.Queue = queue.Queue()
+
+    def pump(i, ids):
+        try:
+            for ev in engine.generate(ids, params):
+                q.put(Event(i, ev["text"], ev["token"], ev["finish_reason"]))
+        except BaseException as e:  # noqa: BLE001 - re-raised in the caller's thread
+            q.put(e)
+        q.put(None)
+
+    threads = [threading.Thread(target=pump, args=(i, p), daemon=True) for i, p in enumerate(prompts)]
+    for t in threads:
+        t.start()
+    for _ in threads:
+        while (item := q.get()) is not None:
+            if isinstance(item, BaseException):
+                raise item
+            yield item

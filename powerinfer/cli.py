@@ -50,6 +50,10 @@ def _model_args(p: argparse.ArgumentParser):
     p.add_argument("--compile", action="store_true", help="torch.compile the decode step")
     p.add_argument("--weights", default="dense", choices=["dense", "int4"],
                    help="int4: keep the file's Q4_0/Q4_1 weights 4-bit (with --dtype bfloat16)")
+    p.add_argument("--runtime", default="local", choices=["local", "actors"],
+                   help="actors: the Ray actor runtime (scheduler, predictor, hot and cold executors)")
+    p.add_argument("--bundle", default="", help="sparsity bundle: compute the predicted-active neurons only")
+    p.add_argument("--cold-executors", type=int, default=1, help="cold-neuron executors (--runtime actors)")
     p.add_argument("--verbose", "-v", action="store_true", help="print timings to stderr")
 
 
@@ -69,7 +73,8 @@ def _load(args):
 
     t0 = time.perf_counter()
     config = Config(dtype=args.dtype, cpu_threads=args.threads, max_seq_len=args.ctx,
-                    max_batch=1, compile=args.compile, weights=args.weights)
+                    max_batch=1, compile=args.compile, weights=args.weights, runtime=args.runtime,
+                    bundle=args.bundle, cold_executors=args.cold_executors)
     model = PowerInfer.from_pretrained(args.model, config=config)
     if args.verbose:
         print(f"[loaded {args.model} in {time.perf_counter() - t0:.1f} s]", file=sys.stderr)
@@ -98,7 +103,10 @@ def _print_stream(pieces, verbose: bool) -> str:
 def _generate(args) -> int:
     model = _load(args)
     prompt = [{"role": "user", "content": args.prompt}] if args.chat else args.prompt
-    _print_stream(model.stream(prompt, **_sampling(args)), args.verbose)
+    try:
+        _print_stream(model.stream(prompt, **_sampling(args)), args.verbose)
+    finally:
+        model.close()
     return 0
 
 

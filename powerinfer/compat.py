@@ -66,3 +66,18 @@ def compile_per_instance(method):
                              fn.__defaults__, fn.__closure__)
     return torch.compile(types.MethodType(own, method.__self__), dynamic=True, options={
         "guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe})
+
+
+def ray_init():
+    """Connect to the Ray cluster in RAY_ADDRESS, or start a local one for this process.
+
+    A local instance is started with token authentication off: Ray 2.60 turns it on by default
+    and a single-user local instance has nobody to keep out (a cluster keeps its own setting)."""
+    import os
+
+    import ray
+    if ray.is_initialized():
+        return
+    if not os.environ.get("RAY_ADDRESS"):
+        os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    ray.init(include_dashboard=False, logging_level="warning", log_to_driver=True)

@@ -17,13 +17,21 @@ class Config:
 
     vram_budget_gb: GPU memory the hot-neuron placement may use (read by the sparse runtime;
         the dense engine ignores it).
-    cpu_threads: torch intra-op threads for CPU work (0: all cores of this process).
+    cpu_threads: torch intra-op threads for CPU work (0: all cores of this process; with
+        runtime "actors", per actor, at most one per core it is pinned to).
     dtype: compute dtype ("float32" default on CPU, "bfloat16" available).
     device: "cpu", "cuda" or "auto" (cuda when available).
     max_seq_len: KV cache length per sequence (0: the model's context, capped at 2048).
     max_batch: sequences decoded together.
     compile: compile the decode step with torch.compile (slow first call, faster tokens).
-    runtime: "local" (in-process; the Ray actor runtime will add "actors").
+    runtime: "local" (in-process) or "actors" (the Ray actor runtime: scheduler, predictor,
+        hot executor and `cold_executors` cold-neuron executors over shared memory).
+    bundle: a sparsity bundle (`powerinfer profile` ...): with it, FFNs compute only the neurons
+        its predictors mark active, and the solver's placement splits hot from cold.
+    predictor: which trained predictor to run: "layer" (lookahead, overlapping attention),
+        "ffn" (same layer) or "auto" (lookahead when trained).
+    cold_executors: cold-neuron executor actors (runtime "actors").
+    max_queue: requests waiting for a batch slot before new ones get an "overloaded" error.
     """
 
     vram_budget_gb: float = 0.0
@@ -35,14 +43,24 @@ class Config:
     compile: bool = False
     runtime: str = "local"
     weights: str = "dense"
+    bundle: str = ""
+    predictor: str = "auto"
+    cold_executors: int = 1
+    max_queue: int = 64
 
     def __post_init__(self):
         if self.dtype not in DTYPES:
             raise ConfigError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
         if self.device not in ("cpu", "cuda", "auto"):
             raise ConfigError(f"device must be cpu, cuda or auto, got {self.device!r}")
-        if self.runtime != "local":
-            raise ConfigError(f"runtime must be 'local' (the only runtime so far), got {self.runtime!r}")
+        if self.runtime not in ("local", "actors"):
+            raise ConfigError(f"runtime must be 'local' or 'actors', got {self.runtime!r}")
+        if self.predictor not in ("auto", "layer", "ffn"):
+            raise ConfigError(f"predictor must be auto, layer or ffn, got {self.predictor!r}")
+        if self.cold_executors < 1 or self.max_queue < 1:
+            raise ConfigError("cold_executors and max_queue must be >= 1")
+        if self.runtime == "actors" and self.weights == "int4":
+            raise ConfigError("weights='int4' runs in the local runtime only")
         if self.vram_budget_gb < 0 or self.cpu_threads < 0 or self.max_seq_len < 0:
             raise ConfigError("vram_budget_gb, cpu_threads and max_seq_len must be >= 0")
         if self.weights not in ("dense", "int4"):

@@ -76,10 +76,7 @@ class Event:
 class Engine:
     def __init__(self, model: Transformer, tokenizer: Tokenizer, config: Config):
         self.model, self.tokenizer, self.config = model, tokenizer, config
-        a = model.args
-        self.max_seq = config.max_seq_len or min(a.max_seq_len, 2048)
-        if a.learned_pos:
-            self.max_seq = min(self.max_seq, a.max_seq_len)
+        self.max_seq = context_length(model.args, config)
         self.device = model.output.weight.device
         model.setup_cache(config.max_batch, self.max_seq)
         self._decode = self._forward
@@ -87,17 +84,7 @@ class Engine:
             self._decode = compile_per_instance(self._forward)
 
     def new_sequence(self, prompt: list[int], params: SamplingParams) -> Sequence:
-        if not prompt:
-            raise InvalidRequestError("empty prompt")
-        if len(prompt) >= self.max_seq:
-            raise InvalidRequestError(f"prompt has {len(prompt)} tokens; the context holds "
-                                      f"{self.max_seq} (Config.max_seq_len)")
-        bad = [t for t in prompt if not 0 <= t < self.model.args.vocab_size]
-        if bad:
-            raise InvalidRequestError(f"token id {bad[0]} outside the vocabulary")
-        gen = None if params.greedy else make_generator(params.seed)
-        return Sequence(list(prompt), params, StreamDecoder(self.tokenizer),
-                        self.tokenizer.eog_ids, gen)
+        return new_sequence(prompt, params, self.tokenizer, self.model.args.vocab_size, self.max_seq)
 
     @torch.inference_mode()
     def run(self, seqs: list[Sequence]) -> Iterator[Event]:
@@ -139,8 +126,33 @@ class Engine:
         # logits: (len(rows), vocab)
         logits = logits.cpu()
         for j, i in enumerate(rows):
-            s = seqs[i]
-            history = s.recent(s.params.repetition_window) if s.params.repetition_penalty != 1 else []
-            token = sample(logits[j], s.params, history, s.generator)
-            text = s.push(token)
-            yield Event(i, text, token, s.finish_reason)
+            token, text = sample_next(seqs[i], logits[j])
+            yield Event(i, text, token, seqs[i].finish_reason)
+
+
+def context_length(args, config: Config) -> int:
+    """KV cache positions per sequence: Config.max_seq_len, or the model's context up to 2048."""
+    n = config.max_seq_len or min(args.max_seq_len, 2048)
+    return min(n, args.max_seq_len) if args.learned_pos else n
+
+
+def new_sequence(prompt: list[int], params: SamplingParams, tokenizer: Tokenizer, vocab_size: int,
+                 max_seq: int) -> Sequence:
+    """A validated sequence; InvalidRequestError names what is wrong with the prompt."""
+    if not prompt:
+        raise InvalidRequestError("empty prompt")
+    if len(prompt) >= max_seq:
+        raise InvalidRequestError(f"prompt has {len(prompt)} tokens; the context holds "
+                                  f"{max_seq} (Config.max_seq_len)")
+    bad = [t for t in prompt if not 0 <= t < vocab_size]
+    if bad:
+        raise InvalidRequestError(f"token id {bad[0]} outside the vocabulary")
+    gen = None if params.greedy else make_generator(params.seed)
+    return Sequence(list(prompt), params, StreamDecoder(tokenizer), tokenizer.eog_ids, gen)
+
+
+def sample_next(s: Sequence, logits: torch.Tensor) -> tuple[int, str]:
+    """Sample s's next token from its logits (vocab,); returns it and the text now final."""
+    history = s.recent(s.params.repetition_window) if s.params.repetition_penalty != 1 else []
+    token = sample(logits, s.params, history, s.generator)
+    return token, s.push(token)

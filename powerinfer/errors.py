@@ -24,3 +24,17 @@ class ConfigError(PowerInferError, ValueError):
 
 class InvalidRequestError(PowerInferError, ValueError):
     """A generation request with invalid parameters (bad sampling values, prompt too long...)."""
+
+
+class RetryableError(PowerInferError):
+    """The request failed for a reason outside it; sending it again may succeed."""
+
+    retryable = True
+
+
+class OverloadedError(RetryableError):
+    """The server's request queue is full."""
+
+
+class EngineFailedError(RetryableError):
+    """An actor of the model's group died or failed mid-request; the group is being rebuilt."""

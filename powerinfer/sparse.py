@@ -47,16 +47,24 @@ def activate(act: str, gate: torch.Tensor | None, up: torch.Tensor):
 class NeuronSet(nn.Module):
     """A subset of one layer's neurons, each neuron's rows stored contiguously."""
 
-    def __init__(self, dense: FFN, idx: torch.Tensor):
+    def __init__(self, act: str, w1: torch.Tensor, b1: torch.Tensor | None, w2: torch.Tensor,
+                 idx: torch.Tensor):
+        # w1: (2n, dim) [gate; up] when gated, else (n, dim) up (fc1); b1: (n,) or None;
+        # w2: (dim, n) down; idx: (k,) the neurons of this set
         super().__init__()
-        w1, b1, n = dense.w1.weight.detach(), dense.w1.bias, dense.ffn_dim
-        gated = dense.act != "relu"  # w1 is [gate; up] when gated, else up (fc1) alone
+        n = w2.shape[1]
+        gated = act != "relu"
         self.register_buffer("idx", idx)
-        self.register_buffer("gate", w1[:n][idx].contiguous() if gated else None)  # (k, dim)
-        self.register_buffer("up", w1[n:][idx].contiguous() if gated else w1[idx].contiguous())
-        self.register_buffer("up_b", None if b1 is None else b1.detach()[idx].contiguous())
-        self.register_buffer("down_t", dense.w2.weight.detach().t()[idx].contiguous())  # (k, dim)
-        self.act = dense.act
+        self.register_buffer("gate", w1[:n].index_select(0, idx) if gated else None)  # (k, dim)
+        self.register_buffer("up", (w1[n:] if gated else w1).index_select(0, idx))
+        self.register_buffer("up_b", None if b1 is None else b1.index_select(0, idx))
+        self.register_buffer("down_t", w2.t().index_select(0, idx))  # (k, dim)
+        self.act = act
+
+    @classmethod
+    def of(cls, dense: FFN, idx: torch.Tensor) -> "NeuronSet":
+        b1 = None if dense.w1.bias is None else dense.w1.bias.detach()
+        return cls(dense.act, dense.w1.weight.detach(), b1, dense.w2.weight.detach(), idx)
 
     def scores(self, x):  # x: (..., dim) -> firing scores (..., k)
         return self._pre(x, None)[0]
@@ -98,8 +106,8 @@ class HybridFFN(nn.Module):
         self.layer, self.norm, self.masks, self.threshold = layer, norm, masks, float(threshold)
         self.ffn_dim, self.predictor_input = dense.ffn_dim, predictor_input
         self.register_buffer("hot_mask", hot)
-        self.hot = NeuronSet(dense, hot.nonzero().squeeze(-1))
-        self.cold = NeuronSet(dense, (~hot).nonzero().squeeze(-1))
+        self.hot = NeuronSet.of(dense, hot.nonzero().squeeze(-1))
+        self.cold = NeuronSet.of(dense, (~hot).nonzero().squeeze(-1))
         self.down_b = dense.w2.bias
         self.layer_input = None  # (B, T, dim), set by the block's pre-hook for lookahead masks
         self.token_masks = False
@@ -120,12 +128,13 @@ class HybridFFN(nn.Module):
             y = self.hot(x) + self.cold(x)
         elif x.shape[1] != 1:  # every token with its own mask (evaluation)
             y = self._token_masked(h, x)
-        else:  # decode: the predicted-active neurons, the union over the batch's rows
-            union = self.active(h, x).flatten(0, -2).any(0)
-            y = sum(s(x, union[s.idx].nonzero().squeeze(-1), self.threshold)
+        else:  # decode: the predicted-active neurons (the union over the batch's rows)
+            active = self.active(h, x).flatten(0, -2)  # (B, ffn_dim)
+            rows = None if self.masks is None else active  # the oracle's masks are the threshold
+            y = sum(decode_rows(s, x, active.any(0), rows, self.threshold)
                     for s in (self.hot, self.cold) if len(s.idx))
             if self.stats is not None:
-                self.stats.add(rows=1, computed=int(union.sum()))
+                self.stats.add(rows=1, computed=int(active.any(0).sum()))
         return y if self.down_b is None else y + self.down_b
 
     def _token_masked(self, h, x):
@@ -146,6 +155,20 @@ class HybridFFN(nn.Module):
         if self.stats is not None:
             self.stats.add(rows=x.shape[0] * x.shape[1])
         return y
+
+
+def decode_rows(s: NeuronSet, x, union, rows, threshold: float):
+    """One decode step of a neuron set: x (B, 1, dim); union (ffn_dim,) bool, the neurons to
+    compute; rows (B, ffn_dim) bool, each row's own predicted neurons (None: keep what fires).
+    Each row keeps only its own neurons, so a sequence's output does not depend on what it is
+    batched with."""
+    sel = union[s.idx].nonzero().squeeze(-1)
+    if len(sel) == 0:  # nothing of this set is active (embedding_bag refuses empty bags)
+        return x.new_zeros(x.shape)
+    keep = None
+    if rows is not None and rows.shape[0] > 1:
+        keep = rows[:, s.idx.index_select(0, sel)].unsqueeze(1)  # (B, 1, k)
+    return s(x, sel, threshold, keep)
 
 
 @dataclass

@@ -1,0 +1,192 @@
+"""The data plane: one-writer shared-memory channels with sequence numbers.
+
+A channel is one file in /dev/shm mapped by its writer and its readers:
+
+    [0:8)     seq      messages published so far (the futex word is its low half)
+    [8:16)    pid      the writer's process id (readers check it is alive while they wait)
+    [16:24)   closed   set by the group to stop every waiter
+    [24:128)  words    up to 13 int64 words describing the message
+    [128:)    payload  tensors, each at a 64-byte aligned offset
+
+The writer copies the payload, stores the words, then bumps `seq` and wakes sleepers with a
+futex on the same word; a reader spins on `seq` for `spin_us` and then sleeps in the futex.
+Readers use the payload in place (no copy). Channels carry no acknowledgement: every use in the
+runtime is lockstep (a writer publishes message n+1 only after a reply that proves its readers
+are done with message n), so one buffer per channel is enough.
+
+Ordering: the payload is stored before `seq`, and x86 keeps stores in order (TSO); a weaker
+memory model would need a release fence before the bump.
+
+Segments are created by the group's owner under /dev/shm/powerinfer-<owner pid>-<group>-<name>,
+and their names are unlinked as soon as every actor has mapped them: from then on a crash
+anywhere leaves nothing behind. `sweep()` removes segments of owners that died during setup.
+"""
+from __future__ import annotations
+
+import ctypes
+import mmap
+import os
+import platform
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+SHM_DIR = Path("/dev/shm")
+PREFIX = "powerinfer-"
+HEADER = 128
+WORDS = 13
+ALIGN = 64
+
+_libc = ctypes.CDLL(None, use_errno=True)
+_SYS_FUTEX = {"x86_64": 202, "aarch64": 98}[platform.machine()]
+_FUTEX_WAIT, _FUTEX_WAKE = 0, 1  # shared (not PRIVATE): the word lives in a shared mapping
+
+
+class _Timespec(ctypes.Structure):
+    _fields_ = [("tv_sec", ctypes.c_long), ("tv_nsec", ctypes.c_long)]
+
+
+class ChannelClosed(Exception):
+    """The group closed the channel (shutdown)."""
+
+
+class PeerDied(Exception):
+    """The process writing a channel died while a reader waited on it."""
+
+
+def align(n: int) -> int:
+    return (n + ALIGN - 1) // ALIGN * ALIGN
+
+
+def segment_path(owner: int, group: str, name: str) -> Path:
+    return SHM_DIR / f"{PREFIX}{owner}-{group}-{name}"
+
+
+def create(path: Path, capacity: int):
+    """Create a zeroed segment of HEADER + capacity bytes (tmpfs allocates pages on first touch)."""
+    fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+    try:
+        os.ftruncate(fd, HEADER + capacity)
+    finally:
+        os.close(fd)
+
+
+def sweep() -> list[Path]:
+    """Unlink segments whose owning process is gone; returns what was removed."""
+    removed = []
+    for p in SHM_DIR.glob(PREFIX + "*"):
+        try:
+            owner = int(p.name[len(PREFIX):].split("-", 1)[0])
+        except ValueError:
+            continue
+        if not pid_alive(owner):
+            p.unlink(missing_ok=True)
+            removed.append(p)
+    return removed
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:  # a zombie has exited; it only waits to be reaped
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
+
+
+class Channel:
+    """One end of a channel. `writer=True` marks the process that publishes on it."""
+
+    def __init__(self, path: Path, writer: bool = False, spin_us: float = 50.0):
+        fd = os.open(path, os.O_RDWR)
+        try:
+            size = os.fstat(fd).st_size
+            self._map = mmap.mmap(fd, size)
+        finally:
+            os.close(fd)
+        self.path, self.capacity, self.spin = path, size - HEADER, spin_us * 1e-6
+        self._hdr = np.frombuffer(self._map, dtype=np.int64, count=HEADER // 8)
+        self._bytes = torch.frombuffer(self._map, dtype=torch.uint8, offset=HEADER)
+        self._addr = self._hdr.ctypes.data
+        self._views: dict[tuple, torch.Tensor] = {}  # building a view costs ~7 us; reuse them
+        self.seen = 0  # messages consumed (reader) or published (writer); segments start fresh
+        self.wait_s = 0.0  # time spent waiting, for stats
+        if writer:
+            self._hdr[1] = os.getpid()
+
+    # writer side
+    def put(self, t: torch.Tensor, offset: int = 0) -> int:
+        """Copy t into the payload at offset; returns the next aligned offset."""
+        n = t.numel() * t.element_size()
+        assert offset % ALIGN == 0 and offset + n <= self.capacity, (offset, n, self.capacity)
+        self.view(t.dtype, t.shape, offset).copy_(t)
+        return align(offset + n)
+
+    def put_bytes(self, data: bytes, offset: int = 0) -> int:
+        return self.put(torch.frombuffer(bytearray(data), dtype=torch.uint8), offset) if data else offset
+
+    def publish(self, *words: int):
+        assert len(words) <= WORDS, words
+        self._hdr[3:3 + len(words)] = words
+        self.seen += 1
+        self._hdr[0] = self.seen
+        _libc.syscall(_SYS_FUTEX, ctypes.c_void_p(self._addr), _FUTEX_WAKE, 0x7FFFFFFF, None, None, 0)
+
+    # reader side
+    def wait(self, timeout: float | None = None) -> np.ndarray:
+        """Block until the next message; returns its words (a view, valid until the next one)."""
+        target, hdr = self.seen + 1, self._hdr
+        t0 = time.perf_counter()
+        if hdr[0] < target:
+            end = t0 + self.spin
+            while hdr[0] < target and time.perf_counter() < end:
+                pass
+            if hdr[0] < target:
+                self._sleep(target, t0, timeout)
+        self.wait_s += time.perf_counter() - t0
+        assert hdr[0] == target, (self.path.name, int(hdr[0]), target)  # lockstep: none skipped
+        self.seen = target
+        return hdr[3:3 + WORDS]
+
+    def _sleep(self, target: int, t0: float, timeout: float | None):
+        hdr, ts = self._hdr, _Timespec(0, 50_000_000)  # re-check liveness every 50 ms
+        expect = ctypes.c_uint32((target - 1) & 0xFFFFFFFF).value
+        while hdr[0] < target:
+            if hdr[2]:
+                raise ChannelClosed(self.path.name)
+            pid = int(hdr[1])
+            if pid and not pid_alive(pid):
+                raise PeerDied(f"the process writing {self.path.name.split('-', 3)[-1]} "
+                               f"(pid {pid}) died")
+            if timeout is not None and time.perf_counter() - t0 > timeout:
+                raise TimeoutError(f"no message on {self.path.name} within {timeout:.1f} s")
+            _libc.syscall(_SYS_FUTEX, ctypes.c_void_p(self._addr), _FUTEX_WAIT,
+                          ctypes.c_uint32(expect), ctypes.byref(ts), None, 0)
+
+    def view(self, dtype: torch.dtype, shape, offset: int = 0) -> torch.Tensor:
+        """The payload at offset as a tensor of dtype and shape (no copy)."""
+        key = (dtype, tuple(shape), offset)
+        v = self._views.get(key)
+        if v is None:
+            size = dtype.itemsize * int(np.prod(shape))
+            v = self._views[key] = self._bytes[offset:offset + size].view(dtype).view(shape)
+        return v
+
+    def close_all(self):
+        """Mark the channel closed and wake its readers (group shutdown)."""
+        self._hdr[2] = 1
+        _libc.syscall(_SYS_FUTEX, ctypes.c_void_p(self._addr), _FUTEX_WAKE, 0x7FFFFFFF, None, None, 0)
+
+    def release(self):
+        """Drop this process's mapping (the views into it must be gone)."""
+        del self._hdr, self._bytes, self._views
+        try:
+            self._map.close()
+        except BufferError:  # a payload view is still alive; process exit releases it
+            pass

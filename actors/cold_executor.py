@@ -1,0 +1,73 @@
+"""Cold-neuron executor: owns one shard of every layer's cold neurons and returns partial sums.
+
+Pinned to its core set first, then loads its rows (gate/up rows and rows of the transposed down
+matrix, copied into its own memory, so first touch puts them on its NUMA node). Per message on
+`x`: prefill computes every neuron of the shard (dense); decode computes the neurons active in
+any row and keeps, per row, the ones that row's predictor chose (`sparse.decode_rows`, the
+in-process engine's operator).
+"""
+from __future__ import annotations
+
+import time
+
+import torch
+
+from cluster.topology import pin
+from powerinfer.loader import load_checkpoint
+from powerinfer.plan import SparsePlan
+from powerinfer.sparse import NeuronSet, decode_rows
+
+from .channel import ChannelClosed
+from .plane import STOP, PlaneSpec
+
+
+class ColdExecutor:
+    def __init__(self, spec: PlaneSpec, rank: int, cores: tuple[int, ...], model_path: str,
+                 plan: SparsePlan, hot_share: float, threads: int = 0):
+        pin(cores, threads)
+        self.spec, self.rank, self.cores = spec, rank, cores
+        ckpt = load_checkpoint(model_path, spec.torch_dtype)
+        a, w = ckpt.args, ckpt.weights
+        self.sets, self.thresholds = [], plan.thresholds
+        for i in range(a.n_layers):
+            cold = ~plan.hot_mask(i, hot_share)
+            idx = plan.shards(i, cold, spec.n_cold)[rank]
+            w1 = torch.cat([w[f"{i}.gate"], w[f"{i}.up"]]) if a.gated else w[f"{i}.up"]
+            self.sets.append(NeuronSet(a.ffn_act, w1, w.get(f"{i}.up_b"), w[f"{i}.down"], idx))
+        del ckpt, w
+        self.neurons = sum(len(s.idx) for s in self.sets)
+        self.x, self.part = spec.open("x"), spec.open(f"part.{rank}", writer=True)
+        self.busy_s, self.steps = 0.0, 0
+
+    def ready(self) -> dict:
+        return {"rank": self.rank, "cores": list(self.cores), "neurons": self.neurons}
+
+    @torch.inference_mode()
+    def run(self) -> str:
+        """The loop: until STOP or the group closes the channel."""
+        spec, ffn_dim = self.spec, self.spec.ffn_dim
+        try:
+            while True:
+                op, layer, B, T, masked = (int(v) for v in self.x.wait()[:5])
+                if op == STOP:
+                    return "stopped"
+                t0 = time.perf_counter()
+                x = self.x.view(spec.torch_dtype, (B, T, spec.dim))
+                s = self.sets[layer]
+                if T == 1:  # decode (and one-token prompts), as the in-process HybridFFN
+                    off = spec.mask_offset(B * T)
+                    rows = self.x.view(torch.bool, (B, ffn_dim), off) if masked else None
+                    union = rows.any(0) if masked else torch.ones(ffn_dim, dtype=torch.bool)
+                    y = decode_rows(s, x, union, rows, self.thresholds[layer])
+                else:
+                    y = s(x)
+                self.part.put(y)
+                self.part.publish(layer, B * T)
+                self.busy_s += time.perf_counter() - t0
+                self.steps += 1
+        except ChannelClosed:
+            return "closed"
+
+    def stats(self) -> dict:
+        return {"rank": self.rank, "busy_s": self.busy_s, "wait_s": self.x.wait_s,
+                "messages": self.steps, "neurons": self.neurons}

@@ -1,0 +1,132 @@
+"""One model's actor group: scheduler, predictor, hot executor and N cold executors in one
+STRICT_PACK placement group, wired by the shared-memory channels the group owns.
+
+Start: sweep segments left by dead owners, create this group's segments, place the actors
+(each pinned to its core set), wait until every one has mapped its channels, unlink the
+segments' names (from then on a crash anywhere leaves nothing in /dev/shm), then start each
+actor's loop. `loops` are the loops' object refs: one that completes means the group is broken.
+Stop: ask the scheduler to stop (its STOP cascades through the hot executor to the others),
+then kill the actors and remove the placement group.
+"""
+from __future__ import annotations
+
+import ray
+from ray.util.placement_group import placement_group, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from cluster.topology import CorePlan, Topology, plan_cores
+from powerinfer.config import Config
+from powerinfer.model import ModelArgs
+from powerinfer.plan import SparsePlan
+
+from .channel import sweep
+from .cold_executor import ColdExecutor
+from .hot_executor import HotExecutor
+from .plane import PlaneSpec
+from .predictor import PredictorActor
+from .scheduler import Scheduler
+
+# Ray's CPU accounting is nominal here: the group pins its actors to cores itself
+CPU_SHARE = 0.01
+START_TIMEOUT_S = 300
+
+
+class ActorGroup:
+    def __init__(self, model_path: str, args: ModelArgs, config: Config, plan: SparsePlan,
+                 max_seq: int, spin_us: float = 50.0):
+        self.model_path, self.args, self.config, self.plan = str(model_path), args, config, plan
+        self.max_seq, self.spin_us = max_seq, spin_us
+        self.cores: CorePlan | None = None
+        self.actors: dict[str, ray.actor.ActorHandle] = {}
+        self.loops: list[ray.ObjectRef] = []
+        self.pg = None
+        self.spec: PlaneSpec | None = None
+        self.info: dict = {}
+
+    @property
+    def scheduler(self):
+        return self.actors["scheduler"]
+
+    def start(self) -> "ActorGroup":
+        c, n = self.config, self.config.cold_executors
+        sweep()
+        self.cores = plan_cores(Topology.read(), n)
+        distinct_cold = {x for g in self.cores.cold for x in g} - set(self.cores.hot)
+        hot_share = len(self.cores.hot) / (len(self.cores.hot) + len(distinct_cold))
+        self.spec = PlaneSpec.new(n, c.max_batch + 1, self.max_seq, self.args, c.torch_dtype,
+                                  self.spin_us)
+        self.spec.create_all()
+        try:
+            gpu = c.torch_device.type == "cuda"
+            bundles = [{"CPU": CPU_SHARE, **({"GPU": 1} if gpu else {})}]
+            bundles += [{"CPU": CPU_SHARE}] * (n + 2)
+            self.pg = placement_group(bundles, strategy="STRICT_PACK")
+            ray.get(self.pg.ready(), timeout=START_TIMEOUT_S)
+
+            def place(cls, i, concurrency=4, **kw):
+                return ray.remote(cls).options(
+                    num_cpus=CPU_SHARE, max_concurrency=concurrency, max_restarts=0, **kw,
+                    scheduling_strategy=PlacementGroupSchedulingStrategy(self.pg, i))
+
+            spec, p = self.spec, self.plan
+            self.actors["hot"] = place(HotExecutor, 0, num_gpus=1 if gpu else 0).remote(
+                spec, self.cores.hot, self.model_path, c, p, hot_share)
+            for k in range(n):
+                self.actors[f"cold.{k}"] = place(ColdExecutor, 1 + k).remote(
+                    spec, k, self.cores.cold[k], self.model_path, p, hot_share, c.cpu_threads)
+            if p.predictor_input is not None:
+                self.actors["predictor"] = place(PredictorActor, n + 1).remote(
+                    spec, self.cores.predictor, p, c.cpu_threads)
+            # every open stream is a call in flight: admission control is the scheduler's
+            # queue, not Ray's
+            self.actors["scheduler"] = place(Scheduler, n + 2, concurrency=10_000).remote(
+                spec, self.model_path, c)
+            names = list(self.actors)
+            infos = ray.get([a.ready.remote() for a in self.actors.values()], timeout=START_TIMEOUT_S)
+            self.info = dict(zip(names, infos))
+        except BaseException:
+            self.stop()
+            raise
+        finally:
+            self.spec.unlink_all()  # every actor has mapped them, or the start failed
+        self.loops = [a.run.remote() for a in self.actors.values()]
+        return self
+
+    def broken(self) -> str | None:
+        """Why the group is broken (an actor's loop ended: it died or failed), or None."""
+        if not self.loops:
+            return None
+        done, _ = ray.wait(self.loops, timeout=0)
+        if not done:
+            return None
+        name = list(self.actors)[self.loops.index(done[0])]
+        try:
+            return f"{name}: {ray.get(done[0])}"
+        except Exception as e:  # noqa: BLE001 - its death is the answer
+            return f"{name}: {type(e).__name__}: {str(e).strip().splitlines()[-1][:300]}"
+
+    def stop(self):
+        if "scheduler" in self.actors and self.loops and not self.broken():
+            try:
+                ray.get(self.scheduler.stop.remote(), timeout=5)
+            except Exception:  # noqa: BLE001 - it is being killed anyway
+                pass
+        for a in self.actors.values():
+            ray.kill(a, no_restart=True)
+        self.actors, self.loops = {}, []
+        if self.pg is not None:
+            remove_placement_group(self.pg)
+            self.pg = None
+        if self.spec is not None:
+            self.spec.unlink_all()
+
+    def stats(self, timeout: float = 10.0) -> dict:
+        names = list(self.actors)
+        refs = [self.actors[k].stats.remote() for k in names]
+        out = {}
+        for k, r in zip(names, refs):
+            try:
+                out[k] = ray.get(r, timeout=timeout)
+            except Exception as e:  # noqa: BLE001 - a dead actor's stats are its error
+                out[k] = {"error": f"{type(e).__name__}: {e}"}
+        return out

@@ -1,0 +1,159 @@
+"""Hot executor: embeddings, attention and the KV cache, the hot neurons, the merge of the cold
+partial sums, and lm_head. It runs the model's forward for each step the scheduler sends on
+`ctl` and answers on `out`; inside the layer loop it talks to the predictor and the cold
+executors through the data plane only.
+
+The model is the dense reference model with each FFN swapped for a `HybridFFN` (the in-process
+sparse engine's), whose cold set is dropped and replaced by the cold executors: `RemoteFFN`
+sends the FFN input out first, computes the hot neurons while the cold executors work, then adds
+their partial sums.
+"""
+from __future__ import annotations
+
+import time
+import traceback
+
+import torch
+from torch import nn
+
+from cluster.topology import pin
+from powerinfer.config import Config
+from powerinfer.loader import load_checkpoint
+from powerinfer.model import Transformer
+from powerinfer.plan import SparsePlan
+from powerinfer.sparse import HybridFFN, apply_hybrid_ffn, decode_rows
+
+from .channel import ChannelClosed, PeerDied
+from .plane import DECODE, ERROR, OK, PREFILL, STOP, PlaneSpec
+
+
+class DataPlane:
+    """The hot executor's ends of the channels, with the per-layer timing it records."""
+
+    def __init__(self, spec: PlaneSpec, predictor_input: str | None):
+        self.spec = spec
+        self.ctl, self.out = spec.open("ctl"), spec.open("out", writer=True)
+        self.x = spec.open("x", writer=True)
+        self.parts = [spec.open(f"part.{k}") for k in range(spec.n_cold)]
+        self.predicting = predictor_input is not None
+        self.lookahead = predictor_input == "layer"
+        if self.predicting:
+            self.pin, self.mask = spec.open("pin", writer=True), spec.open("mask")
+
+    def send_pin(self, layer: int, h: torch.Tensor):
+        B = h.shape[0]
+        self.pin.put(h.reshape(B, -1).float())
+        self.pin.publish(DECODE, layer, B)
+
+    def recv_mask(self, B: int) -> torch.Tensor:
+        self.mask.wait()
+        return self.mask.view(torch.bool, (B, self.spec.ffn_dim))
+
+    def stop(self):
+        self.x.publish(STOP)
+        if self.predicting:
+            self.pin.publish(STOP)
+
+
+class RemoteFFN(nn.Module):
+    def __init__(self, ffn: HybridFFN, io: DataPlane):
+        super().__init__()
+        del ffn.cold  # the cold executors hold these neurons
+        self.f, self.io = ffn, io
+
+    def forward(self, h):
+        # h: (B, T, dim) the residual entering the FFN
+        f, io = self.f, self.io
+        x = f.norm(h)
+        B, T, dim = x.shape
+        masked = io.predicting and T == 1
+        rows = None
+        if masked:
+            if not io.lookahead:
+                io.send_pin(f.layer, h)
+            rows = io.recv_mask(B)
+        io.x.put(x)
+        if masked:
+            io.x.put(rows, io.spec.mask_offset(B * T))
+        io.x.publish(DECODE if T == 1 else PREFILL, f.layer, B, T, int(masked))
+        if T == 1:  # the same operator and order of sums as HybridFFN
+            union = rows.any(0) if masked else torch.ones(f.ffn_dim, dtype=torch.bool)
+            y = decode_rows(f.hot, x, union, rows, f.threshold) if len(f.hot.idx) else 0
+        else:
+            y = f.hot(x)
+        for p in io.parts:
+            p.wait()
+            y = y + p.view(x.dtype, (B, T, dim))
+        return y if f.down_b is None else y + f.down_b
+
+
+class HotExecutor:
+    def __init__(self, spec: PlaneSpec, cores: tuple[int, ...], model_path: str, config: Config,
+                 plan: SparsePlan, hot_share: float):
+        pin(cores, config.cpu_threads)
+        self.spec, self.cores = spec, cores
+        ckpt = load_checkpoint(model_path, config.torch_dtype)
+        model = Transformer.from_weights(ckpt.args, ckpt.weights, config.torch_dtype, "cpu")
+        del ckpt
+        hot = [plan.hot_mask(i, hot_share) for i in range(plan.n_layers)]
+        apply_hybrid_ffn(model, None, hot, plan.predictor_input or "ffn", plan.thresholds)
+        self.io = DataPlane(spec, plan.predictor_input)
+        for i, block in enumerate(model.layers):
+            block.ffn = RemoteFFN(block.ffn, self.io)
+            if self.io.lookahead:  # the layer input goes to the predictor before attention
+                block.register_forward_pre_hook(self._lookahead(i))
+        model.setup_cache(spec.batch, spec.max_seq)
+        self.model = model
+        self.hot_neurons = sum(len(b.ffn.f.hot.idx) for b in model.layers)
+        self.steps, self.step_s = 0, 0.0
+
+    def _lookahead(self, layer: int):
+        def hook(block, args):
+            if args[0].shape[1] == 1:
+                self.io.send_pin(layer, args[0])
+        return hook
+
+    def ready(self) -> dict:
+        return {"cores": list(self.cores), "hot_neurons": self.hot_neurons}
+
+    @torch.inference_mode()
+    def run(self) -> str:
+        io, spec = self.io, self.spec
+        try:
+            while True:
+                op, B, T, kv_len = (int(v) for v in io.ctl.wait()[:4])
+                if op == STOP:
+                    io.stop()
+                    return "stopped"
+                t0 = time.perf_counter()
+                o = spec.ctl_offsets(B, T)
+                tokens, pos = (io.ctl.view(torch.int64, (B, T), o[k]) for k in (0, 1))
+                slots, last = (io.ctl.view(torch.int64, (B,), o[k]) for k in (2, 3))
+                try:
+                    logits = self.model(tokens, pos, kv_len, slots, last if op == PREFILL else None)
+                except (PeerDied, ChannelClosed):
+                    raise
+                except Exception as e:  # a bug or a bad step: report it, the group is rebuilt
+                    self._error(f"{type(e).__name__}: {e}\n{traceback.format_exc(limit=4)}")
+                    raise
+                io.out.put(logits.reshape(B, spec.vocab))
+                io.out.publish(OK, B)
+                self.steps += 1
+                self.step_s += time.perf_counter() - t0
+        except (PeerDied, ChannelClosed) as e:
+            self._error(str(e))
+            return f"failed: {e}"
+
+    def _error(self, text: str):
+        data = text.encode()[:self.io.out.capacity]
+        self.io.out.put_bytes(data)
+        self.io.out.publish(ERROR, len(data))
+
+    def stats(self) -> dict:
+        io = self.io
+        out = {"steps": self.steps, "step_s": self.step_s, "ctl_wait_s": io.ctl.wait_s,
+               "part_wait_s": sum(p.wait_s for p in io.parts), "hot_neurons": self.hot_neurons}
+        if io.predicting:
+            out["mask_wait_s"] = io.mask.wait_s
+        return out
+

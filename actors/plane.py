@@ -1,0 +1,90 @@
+"""The channels of one model's group, who writes and who reads each, and the step protocol.
+
+    ctl      scheduler -> hot        a step: op, B, T, kv_len; tokens, positions, slots, last
+    out      hot -> scheduler        status, B; logits (B, vocab) fp32, or an error's text
+    pin      hot -> predictor        decode only: layer, B; the predictor's input (B, dim)
+    mask     predictor -> hot        layer, B; per-row predicted-active neurons (B, ffn_dim) bool
+    x        hot -> cold (all)       op, layer, B, T, masked; FFN input (B*T, dim) [, masks]
+    part.k   cold k -> hot           layer, rows; its partial FFN output (rows, dim)
+
+Per decode layer the hot executor sends the layer input on `pin` before attention (lookahead;
+after attention in same-layer mode), reads the masks after attention, sends the FFN input with
+the masks on `x`, computes its hot neurons, and adds every `part.k`. Every reply proves the
+readers are done with the message before it, so the channels need one buffer each.
+"""
+from __future__ import annotations
+
+import os
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from .channel import Channel, align, create, segment_path
+
+PREFILL, DECODE, STOP = 1, 2, 3
+OK, ERROR = 0, 1
+ERROR_BYTES = 1 << 16
+
+
+@dataclass(frozen=True)
+class PlaneSpec:
+    """Sizes and segment paths of a group's channels; every actor receives it."""
+    owner: int
+    group: str
+    n_cold: int
+    batch: int  # KV slots, the health probe's included
+    max_seq: int
+    dim: int
+    ffn_dim: int
+    vocab: int
+    dtype: str  # activations on the channels, the model's compute dtype
+    spin_us: float = 50.0
+    paths: dict = field(default_factory=dict)
+
+    @classmethod
+    def new(cls, n_cold: int, batch: int, max_seq: int, args, dtype: torch.dtype,
+            spin_us: float = 50.0) -> "PlaneSpec":
+        spec = cls(os.getpid(), uuid.uuid4().hex[:8], n_cold, batch, max_seq, args.dim,
+                   args.ffn_dim, args.vocab_size, str(dtype).removeprefix("torch."), spin_us)
+        for name in spec.capacities():
+            spec.paths[name] = str(segment_path(spec.owner, spec.group, name))
+        return spec
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return getattr(torch, self.dtype)
+
+    def capacities(self) -> dict[str, int]:
+        B, S, es = self.batch, self.max_seq, self.torch_dtype.itemsize
+        rows = align(B * S * self.dim * es)
+        caps = {"ctl": 2 * align(B * S * 8) + 2 * align(B * 8),
+                "out": max(align(B * self.vocab * 4), ERROR_BYTES),
+                "pin": align(B * self.dim * 4),
+                "mask": align(B * self.ffn_dim),
+                "x": rows + align(B * self.ffn_dim)}
+        caps.update({f"part.{k}": rows for k in range(self.n_cold)})
+        return caps
+
+    @staticmethod
+    def ctl_offsets(B: int, T: int) -> tuple[int, int, int, int]:
+        """Offsets on `ctl` of tokens (B, T), positions (B, T), slots (B,), last (B,)."""
+        pos = align(B * T * 8)
+        slots = pos + align(B * T * 8)
+        return 0, pos, slots, slots + align(B * 8)
+
+    def mask_offset(self, rows: int) -> int:
+        """Where the masks start on `x`, after `rows` rows of FFN input."""
+        return align(rows * self.dim * self.torch_dtype.itemsize)
+
+    def create_all(self):
+        for name, cap in self.capacities().items():
+            create(Path(self.paths[name]), cap)
+
+    def unlink_all(self):
+        for p in self.paths.values():
+            Path(p).unlink(missing_ok=True)
+
+    def open(self, name: str, writer: bool = False) -> Channel:
+        return Channel(Path(self.paths[name]), writer, self.spin_us)

@@ -1,0 +1,51 @@
+"""Predictor actor: owns the bundle's predictors and answers each decode layer's input with the
+per-row masks of the neurons predicted to fire (PowerInfer's rule, logits >= 0).
+
+In lookahead mode its input is the layer input, sent before attention, so the masks are computed
+while the hot executor runs attention; in same-layer mode it is the residual entering the FFN,
+and the hot executor waits for it. `stats()` reports how long the hot side waited for masks.
+"""
+from __future__ import annotations
+
+import time
+
+import torch
+
+from cluster.topology import pin
+from powerinfer.plan import SparsePlan
+
+from .channel import ChannelClosed
+from .plane import STOP, PlaneSpec
+
+
+class PredictorActor:
+    def __init__(self, spec: PlaneSpec, cores: tuple[int, ...], plan: SparsePlan, threads: int = 0):
+        pin(cores, threads)
+        self.spec, self.cores = spec, cores
+        self.preds = plan.load_predictors(torch.float32)  # fp32: bf16 GEMV is slow on CPUs
+        self.input = self.preds.input
+        self.pin, self.mask = spec.open("pin"), spec.open("mask", writer=True)
+        self.busy_s, self.calls = 0.0, 0
+
+    def ready(self) -> dict:
+        return {"cores": list(self.cores), "input": self.input, "ranks": self.preds.ranks}
+
+    @torch.inference_mode()
+    def run(self) -> str:
+        try:
+            while True:
+                op, layer, B = (int(v) for v in self.pin.wait()[:3])
+                if op == STOP:
+                    return "stopped"
+                t0 = time.perf_counter()
+                x = self.pin.view(torch.float32, (B, self.spec.dim))
+                self.mask.put(self.preds.logits(layer, x) >= 0)
+                self.mask.publish(layer, B)
+                self.busy_s += time.perf_counter() - t0
+                self.calls += 1
+        except ChannelClosed:
+            return "closed"
+
+    def stats(self) -> dict:
+        return {"input": self.input, "busy_s": self.busy_s, "wait_s": self.pin.wait_s,
+                "calls": self.calls}

@@ -1,0 +1,289 @@
+"""Scheduler actor: the request queue, iteration-level continuous batching, KV slots, sampling
+and stop rules (the engine core's `Sequence`), and token streaming back to callers.
+
+Each iteration either prefills the waiting requests that got a free KV slot (dense, batched,
+right-padded) or runs one decode step over every running sequence. Steps go to the hot executor
+on `ctl` and logits come back on `out`; the loop runs in its own thread, callers' streams are
+asyncio queues fed from it. A full queue answers "overloaded"; a cancelled request frees its
+slot at the next iteration; a dead or failed executor ends every request with a retryable
+error and stops the loop (the group is then rebuilt by its owner).
+
+Stream items are lists of events (what arrived since the caller last read), each a dict:
+{"text", "token", "finish_reason"} or {"error", "message", "retryable"}.
+"""
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+import torch
+
+from powerinfer.config import Config, SamplingParams
+from powerinfer.engine import Sequence, context_length, new_sequence, sample_next
+from powerinfer.errors import InvalidRequestError
+from powerinfer.loader import load_checkpoint
+from powerinfer.tokenizer import Tokenizer
+
+from .channel import ChannelClosed, PeerDied
+from .plane import DECODE, ERROR, PREFILL, STOP, PlaneSpec
+
+
+@dataclass(eq=False)
+class Request:
+    id: str
+    seq: Sequence
+    events: asyncio.Queue
+    loop: asyncio.AbstractEventLoop
+    slot: int = -1
+    cancelled: bool = False
+    arrived: float = field(default_factory=time.perf_counter)
+
+    def emit(self, event: dict):
+        self.loop.call_soon_threadsafe(self.events.put_nowait, event)
+
+    def fail(self, kind: str, message: str, retryable: bool):
+        self.emit({"error": kind, "message": message, "retryable": retryable})
+
+
+class GroupFailure(Exception):
+    """An executor of the group died or failed: nothing more can run on this group."""
+
+
+class Scheduler:
+    def __init__(self, spec: PlaneSpec, model_path: str, config: Config):
+        ckpt = load_checkpoint(model_path, with_weights=False)
+        kind, source = ckpt.tokenizer_source
+        self.tokenizer = Tokenizer.from_gguf(source) if kind == "gguf" else Tokenizer.from_hf(source)
+        self.spec, self.config, self.vocab = spec, config, ckpt.args.vocab_size
+        self.max_seq = min(context_length(ckpt.args, config), spec.max_seq)
+        self.ctl, self.out = spec.open("ctl", writer=True), spec.open("out")
+        self.probe_slot = spec.batch - 1  # reserved for health probes
+        self.free = list(range(config.max_batch))
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.by_id: dict[str, Request] = {}
+        self.cv = threading.Condition()
+        self.broken: str | None = None
+        self.stopping = False
+        self.counters = {"requests": 0, "finished": 0, "cancelled": 0, "rejected": 0,
+                         "failed": 0, "tokens": 0, "prefill_steps": 0, "decode_steps": 0,
+                         "decode_rows": 0, "prefill_s": 0.0, "decode_s": 0.0}
+        self.done: asyncio.Future | None = None
+        self.thread = threading.Thread(target=self._loop, name="scheduler", daemon=True)
+        self.thread.start()
+
+    async def ready(self) -> dict:
+        return {"max_batch": self.config.max_batch, "max_queue": self.config.max_queue,
+                "max_seq": self.max_seq}
+
+    async def run(self) -> str:
+        """Returns when the loop ends: the owner's monitor learns of a failure this way."""
+        loop = asyncio.get_running_loop()
+        await loop.run_in_executor(None, self.thread.join)
+        return self.broken or "stopped"
+
+    # ---- requests (event-loop side) ----
+    async def generate(self, rid: str, prompt: list[int], params: SamplingParams,
+                       probe: bool = False):
+        loop = asyncio.get_running_loop()
+        try:
+            seq = new_sequence(prompt, params, self.tokenizer, self.vocab, self.max_seq)
+        except InvalidRequestError as e:
+            yield [{"error": "invalid_request", "message": str(e), "retryable": False}]
+            return
+        req = Request(rid, seq, asyncio.Queue(), loop, slot=self.probe_slot if probe else -1)
+        with self.cv:
+            problem = self._admit_problem(rid, probe)
+            if problem is None:
+                self.by_id[rid] = req
+                (self.waiting.appendleft if probe else self.waiting.append)(req)
+                self.counters["requests"] += 1
+                self.cv.notify()
+        if problem is not None:
+            yield [problem]
+            return
+        ended = False
+        try:
+            while not ended:
+                batch = [await req.events.get()]
+                while not req.events.empty():
+                    batch.append(req.events.get_nowait())
+                ended = any(e.get("finish_reason") or "error" in e for e in batch)
+                yield batch
+        finally:
+            if not ended:  # the caller went away: free the slot
+                self._cancel(rid)
+
+    def _admit_problem(self, rid: str, probe: bool) -> dict | None:
+        if self.broken:
+            return {"error": "engine_failed", "retryable": True,
+                    "message": f"the model's actor group failed ({self.broken}); it is being rebuilt"}
+        if rid in self.by_id:
+            return {"error": "invalid_request", "retryable": False,
+                    "message": f"request id {rid!r} is already running"}
+        if not probe and len(self.waiting) >= self.config.max_queue:
+            self.counters["rejected"] += 1
+            return {"error": "overloaded", "retryable": True,
+                    "message": f"overloaded: {len(self.waiting)} requests already wait for a "
+                               f"batch slot (Config.max_queue={self.config.max_queue})"}
+        return None
+
+    async def cancel(self, rid: str) -> bool:
+        return self._cancel(rid)
+
+    def _cancel(self, rid: str) -> bool:
+        with self.cv:
+            req = self.by_id.get(rid)
+            if req is None:
+                return False
+            req.cancelled = True
+            self.cv.notify()
+            return True
+
+    async def health(self, timeout: float = 30.0) -> dict:
+        """One token through every actor of the group (probe slot, greedy)."""
+        t0 = time.perf_counter()
+        params = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
+        events = []
+        gen = self.generate(f"health-{time.monotonic_ns()}", [self.tokenizer.bos_id or 0], params,
+                            probe=True)
+        async with asyncio.timeout(timeout):
+            async for batch in gen:
+                events += batch
+        err = next((e for e in events if "error" in e), None)
+        return {"ok": err is None and any(e.get("token", -1) >= 0 for e in events),
+                "latency_ms": (time.perf_counter() - t0) * 1e3,
+                **({"error": err["message"]} if err else {})}
+
+    async def stats(self) -> dict:
+        with self.cv:
+            c = dict(self.counters)
+            c.update(waiting=len(self.waiting), running=len(self.running), broken=self.broken,
+                     free_slots=len(self.free))
+        steps = c["decode_steps"]
+        c["decode_ms_per_step"] = c["decode_s"] / steps * 1e3 if steps else 0.0
+        c["mean_batch"] = c["decode_rows"] / steps if steps else 0.0
+        return c
+
+    async def stop(self) -> None:
+        with self.cv:
+            self.stopping = True
+            self.cv.notify()
+        await asyncio.get_running_loop().run_in_executor(None, self.thread.join, 10)
+
+    # ---- the loop (its own thread) ----
+    def _loop(self):
+        try:
+            while True:
+                with self.cv:
+                    while not (self.waiting or self.running or self.stopping):
+                        self.cv.wait()
+                    if self.stopping:
+                        break
+                    self._drop_cancelled()
+                    admit = []
+                    for req in list(self.waiting):
+                        if req.slot < 0 and self.free:
+                            req.slot = self.free.pop(0)
+                        if req.slot >= 0:
+                            self.waiting.remove(req)
+                            admit.append(req)
+                    running = list(self.running)
+                if admit:
+                    self._prefill(admit)
+                    with self.cv:
+                        self.running += admit
+                elif running:
+                    self._decode(running)
+                self._retire()
+            self.ctl.publish(STOP)
+        except GroupFailure as e:
+            self.broken = str(e)
+            with self.cv:
+                reqs = list(self.waiting) + self.running + [r for r in self.by_id.values()]
+                for r in set(reqs):
+                    r.fail("engine_failed", f"the model's actor group failed: {e}; it is being "
+                           "rebuilt, send the request again", True)
+                    self.counters["failed"] += 1
+                self.waiting.clear()
+                self.running.clear()
+                self.by_id.clear()
+
+    def _drop_cancelled(self):
+        for req in [r for r in self.waiting if r.cancelled]:
+            self.waiting.remove(req)
+            self._finish(req, "cancelled")
+
+    def _retire(self):
+        with self.cv:
+            for req in [r for r in self.running if r.seq.finished or r.cancelled]:
+                self.running.remove(req)
+                if req.cancelled and not req.seq.finished:
+                    self._finish(req, "cancelled")
+                else:
+                    self._release(req)
+                    self.counters["finished"] += 1
+
+    def _finish(self, req: Request, reason: str):
+        req.emit({"text": "", "token": -1, "finish_reason": reason})
+        self.counters["cancelled"] += reason == "cancelled"
+        self._release(req)
+
+    def _release(self, req: Request):
+        self.by_id.pop(req.id, None)
+        if req.slot >= 0 and req.slot != self.probe_slot:
+            self.free.append(req.slot)
+            self.free.sort()
+        req.slot = -1
+
+    def _prefill(self, reqs: list[Request]):
+        t0 = time.perf_counter()
+        lens = [len(r.seq.prompt) for r in reqs]
+        B, T = len(reqs), max(lens)
+        tokens = torch.zeros(B, T, dtype=torch.int64)
+        for i, r in enumerate(reqs):
+            tokens[i, :lens[i]] = torch.tensor(r.seq.prompt)
+        pos = torch.arange(T).expand(B, T)
+        logits = self._step(PREFILL, tokens, pos, reqs, T, torch.tensor(lens) - 1)
+        self._sample(reqs, logits)
+        self.counters["prefill_steps"] += 1
+        self.counters["prefill_s"] += time.perf_counter() - t0
+
+    def _decode(self, reqs: list[Request]):
+        t0 = time.perf_counter()
+        tokens = torch.tensor([[r.seq.output[-1]] for r in reqs])
+        positions = [r.seq.num_tokens - 1 for r in reqs]
+        logits = self._step(DECODE, tokens, torch.tensor(positions)[:, None], reqs,
+                            max(positions) + 1, torch.zeros(len(reqs), dtype=torch.int64))
+        self._sample(reqs, logits)
+        self.counters["decode_steps"] += 1
+        self.counters["decode_rows"] += len(reqs)
+        self.counters["decode_s"] += time.perf_counter() - t0
+
+    def _step(self, op, tokens, pos, reqs, kv_len: int, last) -> torch.Tensor:
+        B, T = tokens.shape
+        o = self.spec.ctl_offsets(B, T)
+        self.ctl.put(tokens, o[0])
+        self.ctl.put(pos.contiguous(), o[1])
+        self.ctl.put(torch.tensor([r.slot for r in reqs]), o[2])
+        self.ctl.put(last, o[3])
+        self.ctl.publish(op, B, T, kv_len)
+        try:
+            status, n = (int(v) for v in self.out.wait()[:2])
+        except (PeerDied, ChannelClosed) as e:
+            raise GroupFailure(f"hot executor: {e}") from None
+        if status == ERROR:
+            raise GroupFailure(bytes(self.out.view(torch.uint8, (n,)).numpy()).decode(errors="replace"))
+        return self.out.view(torch.float32, (B, self.vocab))
+
+    def _sample(self, reqs: list[Request], logits: torch.Tensor):
+        for j, r in enumerate(reqs):
+            s = r.seq
+            token, text = sample_next(s, logits[j])
+            self.counters["tokens"] += 1
+            r.emit({"text": text, "token": token, "finish_reason": s.finish_reason})
+            if not s.finished and s.num_tokens > self.max_seq:  # no cache room for the next one
+                r.emit({"text": s.finish("length", s.pending), "token": -1, "finish_reason": "length"})

@@ -1,0 +1,188 @@
+#!/usr/bin/env python3
+"""The actor runtime against the in-process engine, in one run.
+
+    .venv/bin/python benchmarks/runtime.py [--model M] [--bundle B] [--tokens 32]
+        [--cold 1,2] [--batches 1,4,8] [--synthetic-layers 4] [--skip-synthetic] [--out FILE]
+
+1. Hop latency: a round trip over the shared-memory channels (one 576-float message each way)
+   between two processes, spinning first and blocking at once, next to a Ray actor call.
+2. Decode: tokens/s of one greedy request through the actor runtime versus the in-process
+   engine with the same plan (`--bundle`: the sparse engine with the bundle's predictors and
+   placement; none: every neuron computed), after a warm-up; the overhead is 1 - ratio.
+3. Scaling: the same comparison on a synthetic 7B-shape ReLU model (bf16, `--synthetic-layers`
+   deep, every neuron computed) for each count of cold executors in `--cold`.
+4. Batching: total tokens/s of B concurrent greedy requests through the actor runtime.
+
+The in-process engine uses every core of the machine; the actor runtime pins its hot executor
+and cold executors to disjoint core sets (see `cluster/topology.py`).
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import multiprocessing as mp
+import os
+import platform
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+from actors.channel import Channel, create, segment_path  # noqa: E402
+from powerinfer import Config, PowerInfer  # noqa: E402
+from powerinfer.config import SamplingParams  # noqa: E402
+
+PROMPT = "Write a short story about a lighthouse keeper who finds a message in a bottle."
+
+
+def _echo(a, b, spin):
+    ca, cb = Channel(a, spin_us=spin), Channel(b, writer=True, spin_us=spin)
+    while True:
+        w = ca.wait()
+        if w[0] < 0:
+            return
+        cb.put(ca.view(torch.float32, (576,)))
+        cb.publish(int(w[0]))
+
+
+def hop_latency(n: int = 3000) -> dict:
+    out = {}
+    for label, spin in (("shm spin", 1000.0), ("shm block", 0.0)):
+        a, b = (segment_path(os.getpid(), "bench", f"{x}{int(spin)}") for x in "ab")
+        create(a, 1 << 16)
+        create(b, 1 << 16)
+        try:
+            p = mp.get_context("spawn").Process(target=_echo, args=(a, b, spin))
+            p.start()
+            ca, cb = Channel(a, writer=True, spin_us=spin), Channel(b, spin_us=spin)
+            x = torch.randn(576)
+            for i in range(n + 200):
+                if i == 200:
+                    t = time.perf_counter()
+                ca.put(x)
+                ca.publish(i)
+                cb.wait()
+            out[label] = (time.perf_counter() - t) / n * 1e6
+            ca.publish(-1)
+            p.join()
+        finally:
+            a.unlink(missing_ok=True)
+            b.unlink(missing_ok=True)
+    import ray
+    from powerinfer.compat import ray_init
+    ray_init()
+
+    @ray.remote(num_cpus=0)
+    class Echo:
+        def echo(self, x):
+            return x
+
+    e = Echo.remote()
+    x = torch.randn(576).numpy()
+    for _ in range(50):
+        ray.get(e.echo.remote(x))
+    t = time.perf_counter()
+    for _ in range(300):
+        ray.get(e.echo.remote(x))
+    out["ray actor call"] = (time.perf_counter() - t) / 300 * 1e6
+    ray.kill(e)
+    return out
+
+
+def decode_speed(pi: PowerInfer, ids: list[int], tokens: int) -> float:
+    """Tokens/s of greedy decode after the prompt (the prefill is excluded)."""
+    params = dict(max_new_tokens=tokens, temperature=0, ignore_eos=True)
+    pi.generate(PROMPT, **dict(params, max_new_tokens=8))  # warm-up
+    t0, first = time.perf_counter(), None
+    n = 0
+    for _ in pi.stream(PROMPT, **params):
+        n += 1
+        if first is None:
+            first = time.perf_counter()
+    return (n - 1) / (time.perf_counter() - first)
+
+
+def batched(pi: PowerInfer, batch: int, tokens: int) -> float:
+    e = pi.engine
+    ids = pi.tokenize(PROMPT)
+    params = SamplingParams(max_tokens=tokens, temperature=0, ignore_eos=True)
+    counts = [0] * batch
+
+    def run(i):
+        for _ in e.generate(ids, params):
+            counts[i] += 1
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(batch)]
+    t0 = time.perf_counter()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return sum(counts) / (time.perf_counter() - t0)
+
+
+def compare(model: str, base: dict, tokens: int, cold: list[int], batches: list[int]) -> list[dict]:
+    rows = []
+    local = PowerInfer.from_pretrained(model, Config(**base, max_batch=1))
+    ids = local.tokenize(PROMPT)
+    ref = decode_speed(local, ids, tokens)
+    del local
+    for n in cold:
+        pi = PowerInfer.from_pretrained(model, Config(**base, runtime="actors", cold_executors=n,
+                                                      max_batch=max(batches)))
+        try:
+            tok_s = decode_speed(pi, ids, tokens)
+            st = pi.engine.stats()
+            hot = st["actors"]["hot"]
+            row = {"model": Path(str(pi.checkpoint.path)).name, "cold_executors": n,
+                   "cores": st["cores"], "in_process_tok_s": ref, "actors_tok_s": tok_s,
+                   "ratio": tok_s / ref,
+                   "mask_wait_ms_per_step": hot.get("mask_wait_s", 0) / max(hot["steps"], 1) * 1e3,
+                   "part_wait_ms_per_step": hot["part_wait_s"] / max(hot["steps"], 1) * 1e3}
+            if n == cold[0]:
+                row["batched_tok_s"] = {b: batched(pi, b, tokens) for b in batches}
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+        finally:
+            pi.close()
+    return rows
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="smollm2-135m-instruct")
+    ap.add_argument("--bundle", default="")
+    ap.add_argument("--tokens", type=int, default=32)
+    ap.add_argument("--cold", default="1,2")
+    ap.add_argument("--batches", default="1,4,8")
+    ap.add_argument("--synthetic-layers", type=int, default=4)
+    ap.add_argument("--skip-synthetic", action="store_true")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    cold = [int(x) for x in args.cold.split(",")]
+    batches = [int(x) for x in args.batches.split(",")]
+    result = {"date": str(datetime.date.today()), "machine": platform.processor() or platform.machine(),
+              "cores": len(os.sched_getaffinity(0))}
+    result["hop_us"] = hop_latency()
+    print("hop latency (us):", json.dumps(result["hop_us"]), flush=True)
+    base = dict(max_seq_len=256, bundle=args.bundle)
+    result["default"] = compare(args.model, base, args.tokens, cold, batches)
+    if not args.skip_synthetic:
+        from powerinfer.synthetic import write_synthetic
+        with tempfile.TemporaryDirectory() as d:
+            path = Path(d) / "syn7b.gguf"
+            write_synthetic(path, "7b", n_layers=args.synthetic_layers, progress=False)
+            result["synthetic_7b"] = compare(str(path), dict(max_seq_len=256, dtype="bfloat16"),
+                                             args.tokens // 2, cold, [1])
+    if args.out:
+        Path(args.out).write_text(json.dumps(result, indent=1))
+
+
+if __name__ == "__main__":
+    main()

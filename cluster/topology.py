@@ -1,0 +1,96 @@
+"""Host topology from sysfs (NUMA nodes and their cores) and the core sets a model's actors are
+pinned to.
+
+Only cores this process may run on count (`os.sched_getaffinity`: containers and cgroups
+often allow fewer than the machine has).
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+SYS_NODE = Path("/sys/devices/system/node")
+
+
+def parse_cpulist(text: str) -> list[int]:
+    """"0-3,8,10-11" -> [0, 1, 2, 3, 8, 10, 11]"""
+    out = []
+    for part in text.strip().split(","):
+        if not part:
+            continue
+        lo, _, hi = part.partition("-")
+        out.extend(range(int(lo), int(hi or lo) + 1))
+    return out
+
+
+@dataclass(frozen=True)
+class Topology:
+    nodes: tuple[tuple[int, ...], ...]  # per NUMA node, the usable cores
+
+    @classmethod
+    def read(cls, sys_node: Path = SYS_NODE) -> "Topology":
+        allowed = os.sched_getaffinity(0)
+        nodes = []
+        for d in sorted(sys_node.glob("node[0-9]*"), key=lambda p: int(p.name[4:])):
+            cores = tuple(c for c in parse_cpulist((d / "cpulist").read_text()) if c in allowed)
+            if cores:
+                nodes.append(cores)
+        if not nodes:  # no NUMA information (some containers): one node of the allowed cores
+            nodes = [tuple(sorted(allowed))]
+        return cls(tuple(nodes))
+
+    @property
+    def cores(self) -> list[int]:
+        return [c for n in self.nodes for c in n]
+
+
+@dataclass(frozen=True)
+class CorePlan:
+    hot: tuple[int, ...]
+    cold: tuple[tuple[int, ...], ...]  # one core set per cold executor
+    predictor: tuple[int, ...]
+    scheduler: tuple[int, ...]
+
+    def describe(self) -> str:
+        return (f"hot {list(self.hot)}; cold " + ", ".join(str(list(c)) for c in self.cold)
+                + f"; predictor {list(self.predictor)}; scheduler {list(self.scheduler)}")
+
+
+def plan_cores(topo: Topology, n_cold: int, hot_cores: int = 0) -> CorePlan:
+    """Core sets for the hot executor and n_cold cold executors.
+
+    The hot executor takes `hot_cores` cores of node 0 (default: a 1/(n_cold+1) share, at least
+    one). Cold executors split the rest node by node, so that with one executor per NUMA node
+    each owns a whole node and its local memory; with more executors than cores they share
+    cores. The predictor runs on the cold executors' cores (it works while they wait for
+    attention to finish); the scheduler may run anywhere.
+    """
+    cores = topo.cores
+    k = hot_cores or max(1, len(cores) // (n_cold + 1))
+    hot = tuple(cores[:k]) if len(cores) > 1 else tuple(cores)
+    rest = [c for c in cores if c not in hot] or cores
+    nodes = [[c for c in n if c in rest] for n in topo.nodes]
+    nodes = [n for n in nodes if n]
+    if n_cold <= len(nodes):  # whole nodes, the last executor takes what is left
+        groups = [tuple(n) for n in nodes[:n_cold - 1]] + [tuple(c for n in nodes[n_cold - 1:] for c in n)]
+    elif n_cold <= len(rest):  # contiguous slices, node order kept
+        q, r = divmod(len(rest), n_cold)
+        groups, at = [], 0
+        for i in range(n_cold):
+            size = q + (i < r)
+            groups.append(tuple(rest[at:at + size]))
+            at += size
+    else:  # more executors than cores: one core each, shared round-robin
+        groups = [(rest[i % len(rest)],) for i in range(n_cold)]
+    pred = tuple(sorted({c for g in groups for c in g}))
+    return CorePlan(hot, tuple(groups), pred, tuple(cores))
+
+
+def pin(cores: tuple[int, ...], threads: int = 0) -> None:
+    """Pin this process to cores and size torch's thread pool to them (or to `threads`, at most
+    one per core). Call before allocating the memory the process will work on, so that first
+    touch places it on the local node."""
+    import torch
+    os.sched_setaffinity(0, cores)
+    torch.set_num_threads(min(threads, len(cores)) if threads else len(cores))

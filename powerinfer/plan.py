@@ -1,0 +1,86 @@
+"""What a runtime needs from a sparsity bundle: per-layer thresholds, the hot/cold placement,
+the predictors and the input they read. Both runtimes (in-process and actors) build from it, so
+they compute with the same masks.
+
+Without a bundle every neuron is active: the FFN is exact, split between the hot side and the
+cold executors.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from .bundle import Bundle, BundleError
+from .model import ModelArgs, Transformer
+from .sparse import apply_hybrid_ffn
+
+
+@dataclass
+class SparsePlan:
+    n_layers: int
+    ffn_dim: int
+    thresholds: list[float]
+    hot: list[np.ndarray] | None  # per layer (ffn_dim,) bool from the solver; None: not solved
+    mass: list[np.ndarray] | None  # per layer activation mass from the profile (shard balance)
+    bundle: Path | None = None
+    predictor_input: str | None = None  # "layer" (lookahead), "ffn" (same layer); None: all active
+
+    @classmethod
+    def dense(cls, args: ModelArgs) -> "SparsePlan":
+        return cls(args.n_layers, args.ffn_dim, [0.0] * args.n_layers, None, None)
+
+    @classmethod
+    def from_bundle(cls, path: str | Path, args: ModelArgs, model_path: Path,
+                    predictor: str = "auto") -> "SparsePlan":
+        """predictor: "layer", "ffn", or "auto" (lookahead when trained, else same layer)."""
+        b = Bundle.open(path)
+        b.check_model(model_path)
+        if predictor == "auto":
+            predictor = "layer" if b.has("predictors.layer") else "ffn"
+        b.require(f"predictors.{predictor}", "train-predictors")
+        th = [float(t) for t in b.thresholds()]
+        hot = b.placement() if b.has("placement") else None
+        mass = b.stats()[1] if b.has("stats") else None
+        return cls(args.n_layers, args.ffn_dim, th, hot, mass, Path(path), predictor)
+
+    def load_predictors(self, dtype=torch.float32, device="cpu"):
+        from .predictor import load_predictors
+        if self.predictor_input is None:
+            raise BundleError(self.bundle or "-", "no predictors in a dense plan")
+        return load_predictors(Bundle.open(self.bundle), self.predictor_input, dtype, device)
+
+    def hot_mask(self, layer: int, share: float) -> torch.Tensor:
+        """Layer's (ffn_dim,) bool hot set: the solver's placement, or else the `share` of the
+        neurons with the most activation mass (the hot executor's part of the work on a CPU)."""
+        if self.hot is not None:
+            return torch.from_numpy(self.hot[layer].copy())
+        order = self.by_mass(layer)
+        out = torch.zeros(self.ffn_dim, dtype=torch.bool)
+        out[order[:round(share * self.ffn_dim)]] = True
+        return out
+
+    def by_mass(self, layer: int) -> torch.Tensor:
+        if self.mass is None:
+            return torch.arange(self.ffn_dim)
+        return torch.from_numpy(np.argsort(-self.mass[layer], kind="stable").copy())
+
+    def shards(self, layer: int, cold: torch.Tensor, n: int) -> list[torch.Tensor]:
+        """Deal the cold neurons out to n executors by descending mass, so that each shard
+        expects the same work; each shard's indices sorted."""
+        order = self.by_mass(layer)
+        ranked = order[cold[order]]
+        return [ranked[k::n].sort().values for k in range(n)]
+
+    def apply(self, model: Transformer, hot_share: float = 0.0) -> Transformer:
+        """The in-process sparse engine: swap every FFN for a HybridFFN under this plan."""
+        masks = None
+        if self.predictor_input is not None:
+            preds = self.load_predictors()
+            masks = lambda i, x: preds.logits(i, x) >= 0  # noqa: E731
+        else:
+            masks = lambda i, x: torch.ones(*x.shape[:-1], self.ffn_dim, dtype=torch.bool)  # noqa: E731
+        hot = [self.hot_mask(i, hot_share) for i in range(self.n_layers)]
+        return apply_hybrid_ffn(model, masks, hot, self.predictor_input or "ffn", self.thresholds)

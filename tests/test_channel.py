@@ -1,0 +1,103 @@
+"""The data plane's channels between real processes, and the host topology's core plans."""
+import multiprocessing as mp
+import os
+import time
+
+import pytest
+import torch
+
+from actors.channel import Channel, ChannelClosed, PeerDied, create, segment_path, sweep
+from cluster.topology import Topology, parse_cpulist, plan_cores
+
+
+def _echo(a, b, n, spin):
+    ca, cb = Channel(a, spin_us=spin), Channel(b, writer=True, spin_us=spin)
+    for _ in range(n):
+        words = ca.wait()
+        x = ca.view(torch.float32, (int(words[1]),))
+        cb.put(x * 2)
+        cb.publish(int(words[0]), int(words[1]))
+
+
+def _write_then_die(path):
+    c = Channel(path, writer=True)
+    time.sleep(0.3)
+    os._exit(0)
+
+
+@pytest.fixture
+def segments():
+    made = []
+
+    def make(name, cap=1 << 16):
+        p = segment_path(os.getpid(), "test", name)
+        create(p, cap)
+        made.append(p)
+        return p
+    yield make
+    for p in made:
+        p.unlink(missing_ok=True)
+
+
+@pytest.mark.parametrize("spin", [200.0, 0.0])
+def test_messages_cross_processes_in_order(segments, spin):
+    a, b = segments("a"), segments("b")
+    n = 300
+    p = mp.get_context("spawn").Process(target=_echo, args=(a, b, n, spin))
+    p.start()
+    ca, cb = Channel(a, writer=True, spin_us=spin), Channel(b, spin_us=spin)
+    for i in range(n):
+        k = 1 + i % 500
+        ca.put(torch.arange(k, dtype=torch.float32))
+        ca.publish(i, k)
+        words = cb.wait(timeout=10)
+        assert int(words[0]) == i and int(words[1]) == k
+        assert torch.equal(cb.view(torch.float32, (k,)), torch.arange(k, dtype=torch.float32) * 2)
+    p.join(10)
+    assert p.exitcode == 0
+
+
+def test_reader_learns_the_writer_died(segments):
+    a = segments("a")
+    p = mp.get_context("spawn").Process(target=_write_then_die, args=(a,))
+    p.start()
+    c = Channel(a)
+    t0 = time.perf_counter()
+    with pytest.raises(PeerDied, match="died"):
+        c.wait(timeout=30)
+    assert time.perf_counter() - t0 < 10
+    p.join()
+
+
+def test_close_wakes_a_waiting_reader_and_timeouts_name_the_channel(segments):
+    a = segments("a")
+    w, r = Channel(a, writer=True), Channel(a)
+    with pytest.raises(TimeoutError, match="test-a"):
+        r.wait(timeout=0.2)
+    w.close_all()
+    with pytest.raises(ChannelClosed):
+        r.wait(timeout=5)
+
+
+def test_sweep_removes_only_segments_of_dead_owners(segments):
+    mine = segments("kept")
+    p = mp.get_context("spawn").Process(target=time.sleep, args=(0,))
+    p.start()
+    p.join()
+    orphan = segment_path(p.pid, "test", "orphan")
+    create(orphan, 64)
+    removed = sweep()
+    assert orphan in removed and not orphan.exists() and mine.exists()
+
+
+def test_topology_and_core_plans():
+    assert parse_cpulist("0-3,8,10-11\n") == [0, 1, 2, 3, 8, 10, 11]
+    real = Topology.read()
+    assert set(real.cores) <= os.sched_getaffinity(0) and real.cores
+    two_nodes = Topology(((0, 1, 2, 3, 4, 5, 6, 7), (8, 9, 10, 11, 12, 13, 14, 15)))
+    p = plan_cores(two_nodes, 1, hot_cores=2)
+    assert p.hot == (0, 1) and p.cold == (tuple(range(2, 16)),)
+    p = plan_cores(two_nodes, 2, hot_cores=2)  # one executor per NUMA node
+    assert p.cold == ((2, 3, 4, 5, 6, 7), tuple(range(8, 16)))
+    p = plan_cores(Topology(((0, 1),)), 4)  # more executors than cores: they share
+    assert p.hot == (0,) and p.cold == ((1,),) * 4
