@@ -34,8 +34,7 @@ REBUILD_WAIT_S = 300
 class ActorEngine:
     def __init__(self, model: str, config: Config, spin_us: float = 50.0):
         ckpt = load_checkpoint(model, with_weights=False)
-        kind, source = ckpt.tokenizer_source
-        self.tokenizer = Tokenizer.from_gguf(source) if kind == "gguf" else Tokenizer.from_hf(source)
+        self.tokenizer = Tokenizer.from_source(ckpt.tokenizer_source)
         self.args, self.config, self.path = ckpt.args, config, ckpt.path
         self.plan = (SparsePlan.from_bundle(config.bundle, ckpt.args, ckpt.path, config.predictor)
                      if config.bundle else SparsePlan.dense(ckpt.args))

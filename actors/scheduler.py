@@ -55,8 +55,7 @@ class GroupFailure(Exception):
 class Scheduler:
     def __init__(self, spec: PlaneSpec, model_path: str, config: Config):
         ckpt = load_checkpoint(model_path, with_weights=False)
-        kind, source = ckpt.tokenizer_source
-        self.tokenizer = Tokenizer.from_gguf(source) if kind == "gguf" else Tokenizer.from_hf(source)
+        self.tokenizer = Tokenizer.from_source(ckpt.tokenizer_source)
         self.spec, self.config, self.vocab = spec, config, ckpt.args.vocab_size
         self.max_seq = min(context_length(ckpt.args, config), spec.max_seq)
         self.ctl, self.out = spec.open("ctl", writer=True), spec.open("out")
@@ -203,8 +202,7 @@ class Scheduler:
         except GroupFailure as e:
             self.broken = str(e)
             with self.cv:
-                reqs = list(self.waiting) + self.running + [r for r in self.by_id.values()]
-                for r in set(reqs):
+                for r in self.by_id.values():  # every waiting and running request
                     r.fail("engine_failed", f"the model's actor group failed: {e}; it is being "
                            "rebuilt, send the request again", True)
                     self.counters["failed"] += 1

@@ -41,8 +41,7 @@ class PowerInfer:
                                                   config.torch_dtype, config.torch_device)
             if config.weights == "int4" and not apply_int4(self.model, checkpoint.q4):
                 raise ValueError("weights='int4' needs a GGUF file with Q4_0/Q4_1 projections")
-            kind, source = checkpoint.tokenizer_source
-            self.tokenizer = Tokenizer.from_gguf(source) if kind == "gguf" else Tokenizer.from_hf(source)
+            self.tokenizer = Tokenizer.from_source(checkpoint.tokenizer_source)
         except (ValueError, KeyError, FileNotFoundError) as e:
             raise ModelLoadError(checkpoint.path, str(e)) from e
         checkpoint.weights, checkpoint.q4 = {}, {}  # the model holds them now

@@ -76,7 +76,6 @@ class SparsePlan:
 
     def apply(self, model: Transformer, hot_share: float = 0.0) -> Transformer:
         """The in-process sparse engine: swap every FFN for a HybridFFN under this plan."""
-        masks = None
         if self.predictor_input is not None:
             preds = self.load_predictors()
             masks = lambda i, x: preds.logits(i, x) >= 0  # noqa: E731

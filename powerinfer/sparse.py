@@ -130,11 +130,12 @@ class HybridFFN(nn.Module):
             y = self._token_masked(h, x)
         else:  # decode: the predicted-active neurons (the union over the batch's rows)
             active = self.active(h, x).flatten(0, -2)  # (B, ffn_dim)
+            union = active.any(0)
             rows = None if self.masks is None else active  # the oracle's masks are the threshold
-            y = sum(decode_rows(s, x, active.any(0), rows, self.threshold)
+            y = sum(decode_rows(s, x, union, rows, self.threshold)
                     for s in (self.hot, self.cold) if len(s.idx))
             if self.stats is not None:
-                self.stats.add(rows=1, computed=int(active.any(0).sum()))
+                self.stats.add(rows=1, computed=int(union.sum()))
         return y if self.down_b is None else y + self.down_b
 
     def _token_masked(self, h, x):

@@ -68,6 +68,12 @@ class Tokenizer:
     # ------------------------------------------------------------------------------ builders
 
     @classmethod
+    def from_source(cls, source: tuple[str, object]) -> "Tokenizer":
+        """From a checkpoint's `tokenizer_source`: ("gguf", metadata) or ("hf", folder)."""
+        kind, where = source
+        return cls.from_gguf(where) if kind == "gguf" else cls.from_hf(where)
+
+    @classmethod
     def from_gguf(cls, meta: dict) -> "Tokenizer":
         kind = meta.get("tokenizer.ggml.model")
         tokens = list(meta["tokenizer.ggml.tokens"])
