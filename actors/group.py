@@ -16,6 +16,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from cluster.topology import CorePlan, Topology, plan_cores
 from powerinfer.config import Config
+from powerinfer.errors import EngineFailedError
 from powerinfer.model import ModelArgs
 from powerinfer.plan import SparsePlan
 
@@ -45,7 +46,11 @@ class ActorGroup:
 
     @property
     def scheduler(self):
-        return self.actors["scheduler"]
+        try:
+            return self.actors["scheduler"]
+        except KeyError:  # stopped under the caller's feet: a rebuild is under way
+            raise EngineFailedError("the model's actor group was stopped; send the request "
+                                    "again") from None
 
     def start(self) -> "ActorGroup":
         c, n = self.config, self.config.cold_executors
@@ -94,12 +99,13 @@ class ActorGroup:
 
     def broken(self) -> str | None:
         """Why the group is broken (an actor's loop ended: it died or failed), or None."""
-        if not self.loops:
+        loops, names = self.loops, list(self.actors)  # stop() may clear both meanwhile
+        if not loops or len(loops) != len(names):
             return None
-        done, _ = ray.wait(self.loops, timeout=0)
+        done, _ = ray.wait(loops, timeout=0)
         if not done:
             return None
-        name = list(self.actors)[self.loops.index(done[0])]
+        name = names[loops.index(done[0])]
         try:
             return f"{name}: {ray.get(done[0])}"
         except Exception as e:  # noqa: BLE001 - its death is the answer

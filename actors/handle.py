@@ -31,6 +31,13 @@ ERRORS = {"overloaded": OverloadedError, "engine_failed": EngineFailedError,
 REBUILD_WAIT_S = 300
 
 
+def _cancel(group: ActorGroup, rid: str):
+    """Tell the scheduler the caller went away; nothing to do if the group is gone."""
+    scheduler = group.actors.get("scheduler")
+    if scheduler is not None:
+        scheduler.cancel.remote(rid)
+
+
 class ActorEngine:
     def __init__(self, model: str, config: Config, spin_us: float = 50.0):
         ckpt = load_checkpoint(model, with_weights=False)
@@ -71,12 +78,15 @@ class ActorEngine:
                     ended = ended or bool(ev["finish_reason"])
                     yield ev
             ended = True
+        except PowerInferError:
+            ended = True
+            raise
         except (RayActorError, RayTaskError) as e:
             ended = True
             raise self._failed(group, e) from None
         finally:
             if not ended:
-                group.scheduler.cancel.remote(rid)
+                _cancel(group, rid)
 
     async def agenerate(self, prompt: list[int], params: SamplingParams,
                         request_id: str | None = None) -> AsyncIterator[dict]:
@@ -92,12 +102,15 @@ class ActorEngine:
                     ended = ended or bool(ev["finish_reason"])
                     yield ev
             ended = True
+        except PowerInferError:
+            ended = True
+            raise
         except (RayActorError, RayTaskError) as e:
             ended = True
             raise self._failed(group, e) from None
         finally:
             if not ended:
-                group.scheduler.cancel.remote(rid)
+                _cancel(group, rid)
 
     def health(self, timeout: float = 30.0) -> dict:
         """A one-token probe through every actor of the group (the data path, not a ping)."""
@@ -172,6 +185,9 @@ class ActorEngine:
         while not self._closed:
             time.sleep(0.5)
             group = self.group
-            why = group.broken() if self._ready.is_set() else None
+            try:
+                why = group.broken() if self._ready.is_set() else None
+            except Exception as e:  # noqa: BLE001 - the monitor must outlive any one check
+                why = f"the group could not be checked: {type(e).__name__}: {e}"
             if why:
                 self._rebuild(group, why)
