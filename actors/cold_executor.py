@@ -46,7 +46,6 @@ class ColdExecutor:
     def run(self) -> str:
         """The loop: until STOP or the group closes the channel."""
         spec, ffn_dim = self.spec, self.spec.ffn_dim
-        everything = torch.ones(ffn_dim, dtype=torch.bool)  # the union without a predictor
         try:
             while True:
                 op, layer, B, T, masked = (int(v) for v in self.x.wait()[:5])
@@ -58,7 +57,7 @@ class ColdExecutor:
                 if T == 1:  # decode (and one-token prompts), as the in-process HybridFFN
                     off = spec.mask_offset(B * T)
                     rows = self.x.view(torch.bool, (B, ffn_dim), off) if masked else None
-                    union = rows.any(0) if masked else everything
+                    union = rows.any(0) if masked else None  # None: every neuron
                     y = decode_rows(s, x, union, rows, self.thresholds[layer])
                 else:
                     y = s(x)

@@ -36,7 +36,6 @@ class DataPlane:
         self.x = spec.open("x", writer=True)
         self.parts = [spec.open(f"part.{k}") for k in range(spec.n_cold)]
         self.predicting = predictor_input is not None
-        self.everything = torch.ones(spec.ffn_dim, dtype=torch.bool)  # the union without one
         self.lookahead = predictor_input == "layer"
         if self.predicting:
             self.pin, self.mask = spec.open("pin", writer=True), spec.open("mask")
@@ -78,7 +77,7 @@ class RemoteFFN(nn.Module):
             io.x.put(rows, io.spec.mask_offset(B * T))
         io.x.publish(DECODE if T == 1 else PREFILL, f.layer, B, T, int(masked))
         if T == 1:  # the same operator and order of sums as HybridFFN
-            union = rows.any(0) if masked else io.everything
+            union = rows.any(0) if masked else None  # None: every neuron
             y = decode_rows(f.hot, x, union, rows, f.threshold) if len(f.hot.idx) else 0
         else:
             y = f.hot(x)

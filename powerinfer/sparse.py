@@ -160,9 +160,13 @@ class HybridFFN(nn.Module):
 
 def decode_rows(s: NeuronSet, x, union, rows, threshold: float):
     """One decode step of a neuron set: x (B, 1, dim); union (ffn_dim,) bool, the neurons to
-    compute; rows (B, ffn_dim) bool, each row's own predicted neurons (None: keep what fires).
+    compute, or None for all of them (no predictor: the set's weights are read in place, with
+    no gather); rows (B, ffn_dim) bool, each row's own predicted neurons (None: keep what fires).
     Each row keeps only its own neurons, so a sequence's output does not depend on what it is
     batched with."""
+    if union is None:
+        assert rows is None, "per-row masks come with their union"
+        return s(x, None, threshold)
     sel = union[s.idx].nonzero().squeeze(-1)
     if len(sel) == 0:  # nothing of this set is active (embedding_bag refuses empty bags)
         return x.new_zeros(x.shape)
