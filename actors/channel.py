@@ -183,8 +183,21 @@ class Channel:
         self._hdr[2] = 1
         _libc.syscall(_SYS_FUTEX, ctypes.c_void_p(self._addr), _FUTEX_WAKE, 0x7FFFFFFF, None, None, 0)
 
+    def register_with_cuda(self):
+        """Page-lock this mapping for the current CUDA device (cudaHostRegister), so that copies
+        between it and device memory are DMA transfers, asynchronous when asked."""
+        if getattr(self, "_cuda_registered", False):
+            return
+        err = int(torch.cuda.cudart().cudaHostRegister(self._addr, len(self._map), 0))
+        if err != 0:
+            raise RuntimeError(f"cudaHostRegister of {self.path.name} failed with CUDA error {err}")
+        self._cuda_registered = True
+
     def release(self):
         """Drop this process's mapping (the views into it must be gone)."""
+        if getattr(self, "_cuda_registered", False):
+            torch.cuda.cudart().cudaHostUnregister(self._addr)
+            self._cuda_registered = False
         del self._hdr, self._bytes, self._views
         try:
             self._map.close()

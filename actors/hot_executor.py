@@ -7,6 +7,15 @@ The model is the dense reference model with each FFN swapped for a `HybridFFN` (
 sparse engine's), whose cold set is dropped and replaced by the cold executors: `RemoteFFN`
 sends the FFN input out first, computes the hot neurons while the cold executors work, then adds
 their partial sums.
+
+On a GPU (`Config(device="cuda")`) the model is built on the host, its cold neurons dropped, and
+only then moved to the device: the device holds embeddings, attention, the KV cache, the hot
+neurons and lm_head, nothing else. Every channel this process maps is page-locked with
+cudaHostRegister. Device-to-host copies (the FFN input, the predictor's input, the logits) are
+synchronous, which orders them before the publish that lets a peer read them; host-to-device
+copies (tokens, masks, cold partial sums) are asynchronous on the one stream. A peer only
+rewrites those buffers after a later publish of ours, which a synchronous copy queued behind
+them precedes, so no copy can read a buffer being rewritten.
 """
 from __future__ import annotations
 
@@ -30,8 +39,8 @@ from .plane import DECODE, ERROR, OK, PREFILL, STOP, PlaneSpec
 class DataPlane:
     """The hot executor's ends of the channels, with the per-layer timing it records."""
 
-    def __init__(self, spec: PlaneSpec, predictor_input: str | None):
-        self.spec = spec
+    def __init__(self, spec: PlaneSpec, predictor_input: str | None, device: torch.device):
+        self.spec, self.device = spec, device
         self.ctl, self.out = spec.open("ctl"), spec.open("out", writer=True)
         self.x = spec.open("x", writer=True)
         self.parts = [spec.open(f"part.{k}") for k in range(spec.n_cold)]
@@ -39,6 +48,17 @@ class DataPlane:
         self.lookahead = predictor_input == "layer"
         if self.predicting:
             self.pin, self.mask = spec.open("pin", writer=True), spec.open("mask")
+        if device.type == "cuda":
+            for ch in self.channels():
+                ch.register_with_cuda()
+
+    def channels(self):
+        yield from (self.ctl, self.out, self.x, *self.parts)
+        if self.predicting:
+            yield from (self.pin, self.mask)
+
+    def to_device(self, t: torch.Tensor) -> torch.Tensor:
+        return t.to(self.device, non_blocking=True)
 
     def send_pin(self, layer: int, h: torch.Tensor):
         B = h.shape[0]
@@ -47,7 +67,7 @@ class DataPlane:
 
     def recv_mask(self, B: int) -> torch.Tensor:
         self.mask.wait()
-        return self.mask.view(torch.bool, (B, self.spec.ffn_dim))
+        return self.mask.view(torch.bool, (B, self.spec.ffn_dim))  # on the host
 
     def stop(self):
         self.x.publish(STOP)
@@ -77,13 +97,14 @@ class RemoteFFN(nn.Module):
             io.x.put(rows, io.spec.mask_offset(B * T))
         io.x.publish(DECODE if T == 1 else PREFILL, f.layer, B, T, int(masked))
         if T == 1:  # the same operator and order of sums as HybridFFN
-            union = rows.any(0) if masked else None  # None: every neuron
+            rows = None if rows is None else io.to_device(rows)
+            union = None if rows is None else rows.any(0)  # None: every neuron
             y = decode_rows(f.hot, x, union, rows, f.threshold) if len(f.hot.idx) else 0
         else:
             y = f.hot(x)
         for p in io.parts:
             p.wait()
-            y = y + p.view(x.dtype, (B, T, dim))
+            y = y + io.to_device(p.view(x.dtype, (B, T, dim)))
         return y if f.down_b is None else y + f.down_b
 
 
@@ -91,17 +112,18 @@ class HotExecutor:
     def __init__(self, spec: PlaneSpec, cores: tuple[int, ...], model_path: str, config: Config,
                  plan: SparsePlan, hot_share: float):
         pin(cores, config.cpu_threads)
-        self.spec, self.cores = spec, cores
+        self.spec, self.cores, self.device = spec, cores, config.torch_device
         ckpt = load_checkpoint(model_path, config.torch_dtype)
         model = Transformer.from_weights(ckpt.args, ckpt.weights, config.torch_dtype, "cpu")
         del ckpt
         hot = [plan.hot_mask(i, hot_share) for i in range(plan.n_layers)]
         apply_hybrid_ffn(model, None, hot, plan.predictor_input or "ffn", plan.thresholds)
-        self.io = DataPlane(spec, plan.predictor_input)
+        self.io = DataPlane(spec, plan.predictor_input, self.device)
         for i, block in enumerate(model.layers):
-            block.ffn = RemoteFFN(block.ffn, self.io)
+            block.ffn = RemoteFFN(block.ffn, self.io)  # drops the cold neurons
             if self.io.lookahead:  # the layer input goes to the predictor before attention
                 block.register_forward_pre_hook(self._lookahead(i))
+        model.to(self.device)
         model.setup_cache(spec.batch, spec.max_seq)
         self.model = model
         self.hot_neurons = sum(len(b.ffn.f.hot.idx) for b in model.layers)
@@ -114,7 +136,14 @@ class HotExecutor:
         return hook
 
     def ready(self) -> dict:
-        return {"cores": list(self.cores), "hot_neurons": self.hot_neurons}
+        return {"cores": list(self.cores), "hot_neurons": self.hot_neurons,
+                "device": str(self.device), **self._memory()}
+
+    def _memory(self) -> dict:
+        if self.device.type != "cuda":
+            return {}
+        return {"device_bytes": torch.cuda.memory_allocated(self.device),
+                "device_peak_bytes": torch.cuda.max_memory_allocated(self.device)}
 
     @torch.inference_mode()
     def run(self) -> str:
@@ -127,8 +156,8 @@ class HotExecutor:
                     return "stopped"
                 t0 = time.perf_counter()
                 o = spec.ctl_offsets(B, T)
-                tokens, pos = (io.ctl.view(torch.int64, (B, T), o[k]) for k in (0, 1))
-                slots, last = (io.ctl.view(torch.int64, (B,), o[k]) for k in (2, 3))
+                tokens, pos = (io.to_device(io.ctl.view(torch.int64, (B, T), o[k])) for k in (0, 1))
+                slots, last = (io.to_device(io.ctl.view(torch.int64, (B,), o[k])) for k in (2, 3))
                 try:
                     logits = self.model(tokens, pos, kv_len, slots, last if op == PREFILL else None)
                 except (PeerDied, ChannelClosed):
@@ -152,7 +181,8 @@ class HotExecutor:
     def stats(self) -> dict:
         io = self.io
         out = {"steps": self.steps, "step_s": self.step_s, "ctl_wait_s": io.ctl.wait_s,
-               "part_wait_s": sum(p.wait_s for p in io.parts), "hot_neurons": self.hot_neurons}
+               "part_wait_s": sum(p.wait_s for p in io.parts), "hot_neurons": self.hot_neurons,
+               "device": str(self.device), **self._memory()}
         if io.predicting:
             out["mask_wait_s"] = io.mask.wait_s
         return out
