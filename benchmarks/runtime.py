@@ -8,11 +8,15 @@
    between two processes, spinning first and blocking at once, next to a Ray actor call.
 2. Decode: tokens/s of one greedy request through the actor runtime versus the in-process
    engine with the same plan (`--bundle`: the sparse engine with the bundle's predictors and
-   placement; none: every neuron computed), after a warm-up; the overhead is 1 - ratio.
+   placement; none: every neuron computed), after a warm-up; the overhead is 1 - ratio. With a
+   bundle, the lookahead predictor (layer input, sent before attention) and the same-layer one
+   (FFN input) both run, with the hot executor's wait for masks per step: the share of the
+   predictor's time left on the critical path.
 3. Scaling: the same comparison on a synthetic 7B-shape ReLU model (bf16, `--synthetic-layers`
    deep, every neuron computed) for each count of cold executors in `--cold`.
 4. Batching: total tokens/s of B concurrent greedy requests through the actor runtime.
 
+The GPU comparison (hybrid against layer offload and all-GPU) is `benchmarks/gpu.py`.
 The in-process engine uses every core of the machine; the actor runtime pins its hot executor
 and cold executors to disjoint core sets (see `cluster/topology.py`).
 """
@@ -95,7 +99,7 @@ def hop_latency(n: int = 3000) -> dict:
     return out
 
 
-def decode_speed(pi: PowerInfer, ids: list[int], tokens: int) -> float:
+def decode_speed(pi: PowerInfer, tokens: int) -> float:
     """Tokens/s of greedy decode after the prompt (the prefill is excluded)."""
     params = dict(max_new_tokens=tokens, temperature=0, ignore_eos=True)
     pi.generate(PROMPT, **dict(params, max_new_tokens=8))  # warm-up
@@ -128,24 +132,35 @@ def batched(pi: PowerInfer, batch: int, tokens: int) -> float:
 
 
 def compare(model: str, base: dict, tokens: int, cold: list[int], batches: list[int]) -> list[dict]:
-    rows = []
-    local = PowerInfer.from_pretrained(model, Config(**base, max_batch=1))
-    ids = local.tokenize(PROMPT)
-    ref = decode_speed(local, ids, tokens)
-    del local
-    for n in cold:
+    """Actor runtime against the in-process engine with the same plan, per cold-executor count;
+    with a bundle also the same-layer predictor against the lookahead one (whether prediction
+    stays off the critical path: the hot executor's wait for masks per step)."""
+    runs = [(n, "layer" if base.get("bundle") else "auto") for n in cold]
+    if base.get("bundle"):
+        runs.append((cold[0], "ffn"))
+    refs, rows = {}, []
+    for n, predictor in runs:
+        if predictor not in refs:
+            local = PowerInfer.from_pretrained(model, Config(**base, predictor=predictor, max_batch=1))
+            refs[predictor] = decode_speed(local, tokens)
+            del local
+        ref = refs[predictor]
         pi = PowerInfer.from_pretrained(model, Config(**base, runtime="actors", cold_executors=n,
-                                                      max_batch=max(batches)))
+                                                      predictor=predictor, max_batch=max(batches)))
         try:
-            tok_s = decode_speed(pi, ids, tokens)
+            tok_s = decode_speed(pi, tokens)
             st = pi.engine.stats()
             hot = st["actors"]["hot"]
             row = {"model": Path(str(pi.checkpoint.path)).name, "cold_executors": n,
-                   "cores": st["cores"], "in_process_tok_s": ref, "actors_tok_s": tok_s,
-                   "ratio": tok_s / ref,
+                   "predictor": predictor, "cores": st["cores"], "in_process_tok_s": ref,
+                   "actors_tok_s": tok_s, "ratio": tok_s / ref,
+                   "step_ms": hot["step_s"] / max(hot["steps"], 1) * 1e3,
                    "mask_wait_ms_per_step": hot.get("mask_wait_s", 0) / max(hot["steps"], 1) * 1e3,
                    "part_wait_ms_per_step": hot["part_wait_s"] / max(hot["steps"], 1) * 1e3}
-            if n == cold[0]:
+            if "predictor" in st["actors"]:
+                p = st["actors"]["predictor"]
+                row["predictor_busy_ms_per_step"] = p.get("busy_s", 0) / max(hot["steps"], 1) * 1e3
+            if (n, predictor) == runs[0]:
                 row["batched_tok_s"] = {b: batched(pi, b, tokens) for b in batches}
             rows.append(row)
             print(json.dumps(row), flush=True)

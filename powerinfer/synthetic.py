@@ -92,6 +92,8 @@ class Shape:
 PRESETS = {
     "7b": Shape(dim=4096, n_ff=11008, n_layers=32, n_heads=32, n_kv_heads=32, vocab=32000),
     "13b": Shape(dim=5120, n_ff=13824, n_layers=40, n_heads=40, n_kv_heads=40, vocab=32000),
+    # grouped-query attention: the FFN is 70% of a block (7B/13B: 67% with attention at 33%)
+    "70b": Shape(dim=8192, n_ff=28672, n_layers=80, n_heads=64, n_kv_heads=8, vocab=32000),
     "tiny": Shape(dim=256, n_ff=1024, n_layers=4, n_heads=4, n_kv_heads=2, vocab=1000, context=512),
 }
 QTYPES = {"bf16": "BF16", "f16": "F16", "f32": "F32"}
@@ -148,7 +150,7 @@ def write_synthetic(path: str | Path, preset: str | Shape = "7b", n_layers: int 
                     progress: bool = True) -> SyntheticModel:
     """Write a synthetic ReGLU model with a planted firing profile as a GGUF file.
 
-    preset: "7b", "13b", "tiny" or a `Shape`; n_layers overrides its depth. sparsity: the target
+    preset: "7b", "13b", "70b", "tiny" or a `Shape`; n_layers overrides its depth. sparsity: the target
     mean fraction of inactive neurons per token (above 1 - P_MAX); alpha: the power-law exponent
     of the firing rates over neuron ranks; dtype of the 2-D tensors: "bf16", "f16" or "f32";
     calib_tokens: random tokens (whole sequences of 128) run through the layers to set the biases.
