@@ -7,8 +7,10 @@ starts a new one, and requests that arrive meanwhile wait for it.
 """
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
+import types
 import uuid
 from typing import AsyncIterator, Iterator
 
@@ -70,23 +72,11 @@ class ActorEngine:
         """Stream events ({"text", "token", "finish_reason"}) for one request; raises a
         PowerInferError subclass on failure (retryable ones carry `retryable = True`)."""
         group, rid = self._group(), request_id or uuid.uuid4().hex
-        stream = group.scheduler.generate.remote(rid, list(prompt), params)
-        ended = False
-        try:
-            for ref in stream:
+        with self._request(group, rid) as req:
+            for ref in group.scheduler.generate.remote(rid, list(prompt), params):
                 for ev in self._events(group, ray.get(ref)):
-                    ended = ended or bool(ev["finish_reason"])
+                    req.ended = req.ended or bool(ev["finish_reason"])
                     yield ev
-            ended = True
-        except PowerInferError:
-            ended = True
-            raise
-        except (RayActorError, RayTaskError) as e:
-            ended = True
-            raise self._failed(group, e) from None
-        finally:
-            if not ended:
-                _cancel(group, rid)
 
     async def agenerate(self, prompt: list[int], params: SamplingParams,
                         request_id: str | None = None) -> AsyncIterator[dict]:
@@ -94,22 +84,29 @@ class ActorEngine:
         import asyncio
         group = await asyncio.get_running_loop().run_in_executor(None, self._group)
         rid = request_id or uuid.uuid4().hex
-        stream = group.scheduler.generate.remote(rid, list(prompt), params)
-        ended = False
-        try:
-            async for ref in stream:
+        with self._request(group, rid) as req:
+            async for ref in group.scheduler.generate.remote(rid, list(prompt), params):
                 for ev in self._events(group, await ref):
-                    ended = ended or bool(ev["finish_reason"])
+                    req.ended = req.ended or bool(ev["finish_reason"])
                     yield ev
-            ended = True
+
+    @contextlib.contextmanager
+    def _request(self, group: ActorGroup, rid: str):
+        """Around one request's stream: errors the stream reports end it; an actor's death
+        becomes a retryable EngineFailedError (and a rebuild); a caller that stops reading
+        before the end cancels the request."""
+        req = types.SimpleNamespace(ended=False)
+        try:
+            yield req
+            req.ended = True
         except PowerInferError:
-            ended = True
+            req.ended = True
             raise
         except (RayActorError, RayTaskError) as e:
-            ended = True
+            req.ended = True
             raise self._failed(group, e) from None
         finally:
-            if not ended:
+            if not req.ended:
                 _cancel(group, rid)
 
     def health(self, timeout: float = 30.0) -> dict:
