@@ -109,6 +109,13 @@ class ActorEngine:
             if not req.ended:
                 _cancel(group, rid)
 
+    @property
+    def state(self) -> str:
+        """"ready", "rebuilding" (requests wait for the new group) or "closed"."""
+        if self._closed:
+            return "closed"
+        return "ready" if self._ready.is_set() else "rebuilding"
+
     def health(self, timeout: float = 30.0) -> dict:
         """A one-token probe through every actor of the group (the data path, not a ping)."""
         group = self._group()

@@ -9,7 +9,9 @@ slot at the next iteration; a dead or failed executor ends every request with a 
 error and stops the loop (the group is then rebuilt by its owner).
 
 Stream items are lists of events (what arrived since the caller last read), each a dict:
-{"text", "token", "finish_reason"} or {"error", "message", "retryable"}.
+{"text", "token", "finish_reason"} or {"error", "message", "retryable"}. A request's first token
+event also has "queue_s" (its wait for a batch slot); with `SamplingParams.logprobs` set, token
+events have "logprob" and "top_logprobs" ([(token, logprob)], most likely first).
 """
 from __future__ import annotations
 
@@ -25,6 +27,7 @@ from powerinfer.config import Config, SamplingParams
 from powerinfer.engine import Sequence, context_length, new_sequence, sample_next
 from powerinfer.errors import InvalidRequestError
 from powerinfer.loader import load_checkpoint
+from powerinfer.sampling import logprobs
 from powerinfer.tokenizer import Tokenizer
 
 from .channel import ChannelClosed, PeerDied
@@ -246,7 +249,7 @@ class Scheduler:
             tokens[i, :lens[i]] = torch.tensor(r.seq.prompt)
         pos = torch.arange(T).expand(B, T)
         logits = self._step(PREFILL, tokens, pos, reqs, T, torch.tensor(lens) - 1)
-        self._sample(reqs, logits)
+        self._sample(reqs, logits, queued_since=t0)
         self.counters["prefill_steps"] += 1
         self.counters["prefill_s"] += time.perf_counter() - t0
 
@@ -277,11 +280,16 @@ class Scheduler:
             raise GroupFailure(bytes(self.out.view(torch.uint8, (n,)).numpy()).decode(errors="replace"))
         return self.out.view(torch.float32, (B, self.vocab))
 
-    def _sample(self, reqs: list[Request], logits: torch.Tensor):
+    def _sample(self, reqs: list[Request], logits: torch.Tensor, queued_since: float | None = None):
         for j, r in enumerate(reqs):
             s = r.seq
             token, text = sample_next(s, logits[j])
             self.counters["tokens"] += 1
-            r.emit({"text": text, "token": token, "finish_reason": s.finish_reason})
+            event = {"text": text, "token": token, "finish_reason": s.finish_reason}
+            if queued_since is not None:  # the request's first token
+                event["queue_s"] = queued_since - r.arrived
+            if s.params.logprobs is not None:
+                event["logprob"], event["top_logprobs"] = logprobs(logits[j], token, s.params.logprobs)
+            r.emit(event)
             if not s.finished and s.num_tokens > self.max_seq:  # no cache room for the next one
                 r.emit({"text": s.finish("length", s.pending), "token": -1, "finish_reason": "length"})

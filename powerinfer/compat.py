@@ -68,16 +68,24 @@ def compile_per_instance(method):
         "guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe})
 
 
-def ray_init():
+def ray_init(runtime_env: dict | None = None):
     """Connect to the Ray cluster in RAY_ADDRESS, or start a local one for this process.
 
-    A local instance is started with token authentication off: Ray 2.60 turns it on by default
-    and a single-user local instance has nobody to keep out (a cluster keeps its own setting)."""
+    A local instance is started with token authentication on (RAY_AUTH_MODE=token): Ray's GCS,
+    raylet and workers listen on every interface whatever `--node-ip-address` says, and without
+    a token anyone who reaches this machine's address can run code in the cluster. Ray writes
+    the token to ~/.ray/auth_token, readable by this user only. A cluster this process joins keeps
+    its own setting."""
     import os
 
     import ray
     if ray.is_initialized():
         return
     if not os.environ.get("RAY_ADDRESS"):
-        os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-    ray.init(include_dashboard=False, logging_level="warning", log_to_driver=True)
+        os.environ["RAY_AUTH_MODE"] = "token"
+        # Ray reads its settings once, at import; reload them as Ray's own default-on path does
+        # (ray._private.authentication.authentication_token_setup._enable_token_auth)
+        from ray._raylet import Config
+        Config.initialize("")
+    ray.init(include_dashboard=False, logging_level="warning", log_to_driver=True,
+             runtime_env=runtime_env)

@@ -7,6 +7,7 @@ import torch
 
 from .errors import ConfigError, InvalidRequestError
 
+MAX_LOGPROBS = 20
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
           "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
 
@@ -97,6 +98,7 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    logprobs: int | None = None  # report each token's log-probability and this many alternatives
 
     def __post_init__(self):
         problems = []
@@ -114,6 +116,8 @@ class SamplingParams:
             problems.append("repetition_penalty must be > 0")
         if any(not isinstance(s, str) or not s for s in self.stop):
             problems.append("stop must be non-empty strings")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
+            problems.append(f"logprobs must be in [0, {MAX_LOGPROBS}]")
         if problems:
             raise InvalidRequestError("; ".join(problems))
 

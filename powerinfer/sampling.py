@@ -47,3 +47,12 @@ def make_generator(seed: int | None) -> torch.Generator:
     else:
         g.manual_seed(seed)
     return g
+
+
+def logprobs(logits: torch.Tensor, token: int, k: int) -> tuple[float, list[tuple[int, float]]]:
+    """The model's log-probability of `token` and its k most likely tokens with theirs, from one
+    row of raw logits (V,) (before penalties and temperature, as OpenAI's API reports them)."""
+    lp = torch.log_softmax(logits.float(), dim=-1)
+    top = lp.topk(k) if k else None
+    alts = [] if top is None else list(zip(top.indices.tolist(), top.values.tolist()))
+    return float(lp[token]), alts
