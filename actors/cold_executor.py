@@ -8,6 +8,7 @@ in-process engine's operator).
 """
 from __future__ import annotations
 
+import os
 import time
 
 import torch
@@ -40,7 +41,8 @@ class ColdExecutor:
         self.busy_s, self.steps = 0.0, 0
 
     def ready(self) -> dict:
-        return {"rank": self.rank, "cores": list(self.cores), "neurons": self.neurons}
+        return {"rank": self.rank, "cores": list(self.cores), "neurons": self.neurons,
+                "pid": os.getpid()}
 
     @torch.inference_mode()
     def run(self) -> str:

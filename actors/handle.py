@@ -129,6 +129,7 @@ class ActorEngine:
         group = self._group()
         return {"restarts": self.restarts, "last_failure": self.last_failure,
                 "cores": group.cores.describe() if group.cores else None,
+                "pids": {name: info.get("pid") for name, info in group.info.items()},
                 "actors": group.stats()}
 
     def shutdown(self):

@@ -19,6 +19,7 @@ them precedes, so no copy can read a buffer being rewritten.
 """
 from __future__ import annotations
 
+import os
 import time
 import traceback
 
@@ -137,7 +138,7 @@ class HotExecutor:
 
     def ready(self) -> dict:
         return {"cores": list(self.cores), "hot_neurons": self.hot_neurons,
-                "device": str(self.device), **self._memory()}
+                "device": str(self.device), "pid": os.getpid(), **self._memory()}
 
     def _memory(self) -> dict:
         if self.device.type != "cuda":

@@ -7,6 +7,7 @@ and the hot executor waits for it. `stats()` reports how long the hot side waite
 """
 from __future__ import annotations
 
+import os
 import time
 
 import torch
@@ -28,7 +29,8 @@ class PredictorActor:
         self.busy_s, self.calls = 0.0, 0
 
     def ready(self) -> dict:
-        return {"cores": list(self.cores), "input": self.input, "ranks": self.preds.ranks}
+        return {"cores": list(self.cores), "input": self.input, "ranks": self.preds.ranks,
+                "pid": os.getpid()}
 
     @torch.inference_mode()
     def run(self) -> str:

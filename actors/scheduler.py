@@ -16,6 +16,7 @@ events have "logprob" and "top_logprobs" ([(token, logprob)], most likely first)
 from __future__ import annotations
 
 import asyncio
+import os
 import threading
 import time
 from collections import deque
@@ -79,7 +80,7 @@ class Scheduler:
 
     async def ready(self) -> dict:
         return {"max_batch": self.config.max_batch, "max_queue": self.config.max_queue,
-                "max_seq": self.max_seq}
+                "max_seq": self.max_seq, "pid": os.getpid()}
 
     async def run(self) -> str:
         """Returns when the loop ends: the owner's monitor learns of a failure this way."""
@@ -126,11 +127,13 @@ class Scheduler:
         if rid in self.by_id:
             return {"error": "invalid_request", "retryable": False,
                     "message": f"request id {rid!r} is already running"}
-        if not probe and len(self.waiting) >= self.config.max_queue:
+        # requests that arrived together wait here until the loop admits them to free slots
+        queued = len(self.waiting) - len(self.free)
+        if not probe and queued >= self.config.max_queue:
             self.counters["rejected"] += 1
             return {"error": "overloaded", "retryable": True,
-                    "message": f"overloaded: {len(self.waiting)} requests already wait for a "
-                               f"batch slot (Config.max_queue={self.config.max_queue})"}
+                    "message": f"overloaded: {queued} requests already wait for a batch slot "
+                               f"(Config.max_queue={self.config.max_queue})"}
         return None
 
     async def cancel(self, rid: str) -> bool:

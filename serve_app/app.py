@@ -1,0 +1,27 @@
+"""The Ray Serve application: one model deployment per served model behind one ingress.
+
+`build_app` is the import path of the Serve config file (`serve run serve_app/config.yaml`);
+`powerinfer serve` builds the same application from its flags or a models YAML file.
+"""
+from __future__ import annotations
+
+from ray.serve import Application
+
+from .ingress import Ingress
+from .model import ModelServer
+from .settings import ServeSettings
+
+GRPC_SERVICER = "protos.powerinfer.v1.inference_pb2_grpc.add_InferenceServicer_to_server"
+
+
+def build(settings: ServeSettings) -> Application:
+    models = {m.name: ModelServer.options(name=f"Model:{m.name}").bind(m)
+              for m in settings.models}
+    return Ingress.options(num_replicas=settings.ingress_replicas).bind(
+        models, settings.api_key, settings.max_body_bytes)
+
+
+def build_app(args: dict) -> Application:
+    """Ray Serve's application builder: `args` as in a models YAML file
+    ({"models": [{"name", "model", ...}], "api_key", "max_body_bytes", "ingress_replicas"})."""
+    return build(ServeSettings.from_dict(args))

@@ -1,0 +1,439 @@
+"""The ingress deployment: the OpenAI-compatible HTTP API (FastAPI) and the gRPC service
+`powerinfer.v1.Inference` (served by Ray Serve's gRPC proxy, which calls the methods of the same
+name here), both routed by the request's model name to the model deployments.
+
+Every request becomes one stream per choice from a model deployment (`model.py`); both protocols
+share that path, its metrics and its errors. An error before the first token is a status code
+(HTTP 4xx/5xx with an OpenAI error body; a gRPC status); after it, an SSE event with the error
+object followed by [DONE], or the gRPC status at the end of the stream. A client that goes away
+cancels its streams, which frees their batch slots in the scheduler.
+"""
+# no `from __future__ import annotations` here: FastAPI reads the routes' annotations, which
+# Serve's ingress wrapper re-binds where string annotations no longer resolve
+import asyncio
+import hmac
+import logging
+import time
+import uuid
+from typing import AsyncIterator
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST
+from pydantic import BaseModel, ValidationError
+from ray import serve
+from ray.serve.exceptions import BackPressureError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from . import openai_schema as oa
+from .errors import RETRY_AFTER_S, ApiError
+from .metrics import Metrics
+from .model import GenerationRequest
+from .streams import OpenAIFormat, Piece, collect, primed
+
+logger = logging.getLogger("ray.serve")
+STATUS_TIMEOUT_S = 5.0
+FINISH = {"stop": 1, "length": 2}  # powerinfer.v1.FinishReason
+
+
+def _pb():
+    """The generated gRPC messages, imported where used (they are built by `make`, and Serve
+    pickles this module's classes)."""
+    from protos.powerinfer.v1 import inference_pb2
+    return inference_pb2
+
+
+def _request_body(model: type[BaseModel]) -> dict:
+    """OpenAPI description of a body that the route reads and validates itself."""
+    return {"requestBody": {"required": True, "content": {
+        "application/json": {"schema": model.model_json_schema()}}}}
+
+
+app = FastAPI(title="PowerInfer", description="OpenAI-compatible API of a neuron-aware server")
+
+
+def _error_response(e: ApiError) -> JSONResponse:
+    headers = {"Retry-After": str(RETRY_AFTER_S)} if e.retryable else None
+    return JSONResponse(e.body(), status_code=e.status, headers=headers)
+
+
+@app.exception_handler(ApiError)
+async def _api_error(request: Request, e: ApiError):
+    return _error_response(e)
+
+
+@app.exception_handler(StarletteHTTPException)
+async def _http_error(request: Request, e: StarletteHTTPException):
+    kind = {401: "unauthorized", 404: "not_found", 413: "too_large"}.get(e.status_code)
+    if kind is None:
+        kind = "invalid_request" if e.status_code < 500 else "internal"
+    err = ApiError(kind, f"{request.method} {request.url.path}: {e.detail}")
+    body = err.body()
+    body["error"]["code"] = e.status_code
+    return JSONResponse(body, status_code=e.status_code)
+
+
+@app.exception_handler(RequestValidationError)
+async def _validation_error(request: Request, e: RequestValidationError):
+    return _error_response(_invalid(e.errors()))
+
+
+@app.exception_handler(Exception)
+async def _unexpected(request: Request, e: Exception):
+    logger.exception("unexpected error in %s %s", request.method, request.url.path)
+    return _error_response(ApiError("internal", "internal server error; see the server log"))
+
+
+def _invalid(errors: list[dict]) -> ApiError:
+    first = errors[0]
+    loc = ".".join(str(x) for x in first.get("loc", ()) if x not in ("body",))
+    return ApiError("invalid_request", f"{loc}: {first['msg']}" if loc else first["msg"],
+                    param=loc or None)
+
+
+def _not_answering(model: str, e: Exception) -> ApiError:
+    logger.warning("model %s is not answering: %s: %s", model, type(e).__name__, e)
+    return ApiError("unavailable", f"model {model} is not answering ({type(e).__name__}); "
+                                   "retry shortly")
+
+
+def _overall(states: set[str]) -> str:
+    if states == {"ready"}:
+        return "ok"
+    if states <= {"ready", "failed"} and "ready" in states:
+        return "degraded"  # a model that failed to load is reported, and the others serve
+    return "loading" if "loading" in states else "unavailable"
+
+
+def _abort(grpc_context, e: ApiError):
+    """End a gRPC call with e's status code (Serve sends the code set on the context when the
+    method raises)."""
+    import grpc
+
+    grpc_context.set_code(getattr(grpc.StatusCode, e.grpc_code))
+    grpc_context.set_details(e.message)
+    raise e
+
+
+def _grpc_sampling(sp) -> dict:
+    """SamplingParams keywords from the message: fields left unset keep the engine's defaults."""
+    kw = {f: getattr(sp, f) for f in ("max_tokens", "temperature", "top_k", "top_p", "min_p",
+                                      "repetition_penalty", "seed") if sp.HasField(f)}
+    if sp.HasField("top_logprobs"):
+        if sp.top_logprobs > oa.MAX_TOP_LOGPROBS:
+            raise ApiError("invalid_request", f"top_logprobs must be in [0, "
+                                              f"{oa.MAX_TOP_LOGPROBS}]", "top_logprobs")
+        kw["logprobs"] = sp.top_logprobs
+    kw.update(stop=list(sp.stop), stop_token_ids=list(sp.stop_token_ids),
+              ignore_eos=sp.ignore_eos)
+    for f in ("temperature", "top_p", "min_p", "repetition_penalty"):
+        if f in kw:  # float32 on the wire: 0.1 arrives as 0.10000000149
+            kw[f] = float(f"{kw[f]:.7g}")
+    return kw
+
+
+def _chat_message(m) -> dict:
+    role = "system" if m.role == "developer" else m.role
+    if role not in ("system", "user", "assistant"):
+        raise ApiError("invalid_request", f"message role {m.role[:40]!r}: use system, user or "
+                                          "assistant", "messages")
+    return {"role": role, "content": m.content}
+
+
+def _generated_token(pb, ev: dict):
+    t = pb.GeneratedToken(token_id=ev["token"])
+    if "logprob" in ev:
+        t.logprob = ev["logprob"]
+        t.top_logprobs.extend(pb.TokenLogprob(token_id=i, token=s, logprob=lp)
+                              for i, s, lp in ev["top_logprobs"])
+    return t
+
+
+def _model_info(s: dict):
+    return _pb().ModelInfo(id=s["id"], status=s["status"], max_model_len=s["max_model_len"] or 0,
+                           error=s["error"] or "")
+
+
+@serve.deployment(max_ongoing_requests=4096, ray_actor_options={"num_cpus": 0})
+@serve.ingress(app)
+class Ingress:
+    def __init__(self, models: dict, api_key: str = "", max_body_bytes: int = 1 << 20):
+        self.models = models  # name -> DeploymentHandle of its ModelServer
+        self.api_key = api_key.encode()
+        self.max_body_bytes = max_body_bytes
+        self.metrics = Metrics()
+
+    # ------------------------------------------------------------------------- HTTP routes
+
+    @app.post("/v1/chat/completions", openapi_extra=_request_body(oa.ChatCompletionRequest))
+    async def chat_completions(self, request: Request):
+        self._authorize(request.headers.get("authorization"))
+        body = await self._read(request, oa.ChatCompletionRequest)
+        prompt = [m.as_template_input() for m in body.messages]
+        return await self._respond("chat", body, [prompt], body.engine_sampling())
+
+    @app.post("/v1/completions", openapi_extra=_request_body(oa.CompletionRequest))
+    async def completions(self, request: Request):
+        self._authorize(request.headers.get("authorization"))
+        body = await self._read(request, oa.CompletionRequest)
+        return await self._respond("completion", body, body.prompts(), body.engine_sampling())
+
+    @app.get("/v1/models")
+    async def list_models(self, request: Request):
+        self._authorize(request.headers.get("authorization"))
+        cards = [oa.ModelCard(**s) for s in await self._statuses()]
+        return Response(oa.ModelList(data=cards).model_dump_json(), media_type="application/json")
+
+    @app.get("/health")
+    async def health(self):
+        """200 when every model answers ("ok"), or every model but those that failed to load
+        ("degraded", each with its error); 503 while one loads or is being rebuilt."""
+        statuses = await self._statuses()
+        overall = _overall({s["status"] for s in statuses})
+        return JSONResponse({"status": overall, "models": statuses},
+                            status_code=200 if overall in ("ok", "degraded") else 503)
+
+    @app.get("/metrics")
+    async def prometheus(self):
+        names = list(self.models)
+        stats = await asyncio.gather(*(self._call(n, "stats") for n in names),
+                                     return_exceptions=True)
+        engines = {n: s for n, s in zip(names, stats) if isinstance(s, dict)}
+        return Response(self.metrics.render(engines), media_type=CONTENT_TYPE_LATEST)
+
+    @app.post("/tokenize", openapi_extra=_request_body(oa.TokenizeRequest))
+    async def tokenize(self, request: Request):
+        self._authorize(request.headers.get("authorization"))
+        body = await self._read(request, oa.TokenizeRequest)
+        prompt = body.prompt if body.messages is None else \
+            [m.as_template_input() for m in body.messages]
+        out = await self._unary(body.model, "tokenize", prompt, body.add_special_tokens)
+        res = oa.TokenizeResponse(tokens=out["tokens"], count=len(out["tokens"]),
+                                  max_model_len=out["max_model_len"])
+        return Response(res.model_dump_json(), media_type="application/json")
+
+    @app.post("/detokenize", openapi_extra=_request_body(oa.DetokenizeRequest))
+    async def detokenize(self, request: Request):
+        self._authorize(request.headers.get("authorization"))
+        body = await self._read(request, oa.DetokenizeRequest)
+        out = await self._unary(body.model, "detokenize", body.tokens)
+        return Response(oa.DetokenizeResponse(prompt=out["text"]).model_dump_json(),
+                        media_type="application/json")
+
+    async def _read(self, request: Request, model: type[BaseModel]):
+        """The body, at most max_body_bytes, validated as `model`."""
+        limit = self.max_body_bytes
+        declared = request.headers.get("content-length", "")
+        if declared.isdigit() and int(declared) > limit:
+            raise ApiError("too_large", f"request body of {declared} bytes; the limit is {limit}")
+        body = bytearray()
+        async for chunk in request.stream():
+            body += chunk
+            if len(body) > limit:
+                raise ApiError("too_large", f"request body over the limit of {limit} bytes")
+        try:
+            return model.model_validate_json(bytes(body))
+        except ValidationError as e:
+            raise _invalid(e.errors(include_url=False, include_input=False)) from None
+
+    async def _respond(self, kind: str, body, prompts: list, sampling: dict):
+        streams = self._streams(body.model, prompts, sampling, body.n)
+        rid = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
+        fmt = OpenAIFormat(kind, rid, body.model, sampling.get("logprobs") is not None)
+        if not body.stream:
+            choices, prompt_tokens = await collect(streams)
+            return Response(fmt.whole(choices, prompt_tokens).model_dump_json(),
+                            media_type="application/json")
+        pieces = await primed(streams)  # errors before the first token are status codes
+        return StreamingResponse(fmt.sse(pieces, body.include_usage),
+                                 media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache"})
+
+    # ---------------------------------------------------------------------------- gRPC
+
+    async def Generate(self, request, grpc_context):
+        async for r in self._grpc_generate(request, grpc_context, chat=False):
+            yield r
+
+    async def Chat(self, request, grpc_context):
+        async for r in self._grpc_generate(request, grpc_context, chat=True):
+            yield r
+
+    async def Tokenize(self, request, grpc_context):
+        pb = _pb()
+        try:
+            self._grpc_admit(request, grpc_context)
+            out = await self._unary(request.model, "tokenize", request.text,
+                                    request.add_special_tokens)
+        except ApiError as e:
+            _abort(grpc_context, e)
+        return pb.TokenizeResponse(token_ids=out["tokens"], max_model_len=out["max_model_len"])
+
+    async def Detokenize(self, request, grpc_context):
+        try:
+            self._grpc_admit(request, grpc_context)
+            out = await self._unary(request.model, "detokenize", list(request.token_ids))
+        except ApiError as e:
+            _abort(grpc_context, e)
+        return _pb().DetokenizeResponse(text=out["text"])
+
+    async def ListModels(self, request, grpc_context):
+        try:
+            self._grpc_admit(request, grpc_context)
+        except ApiError as e:
+            _abort(grpc_context, e)
+        return _pb().ListModelsResponse(models=[_model_info(s) for s in await self._statuses()])
+
+    async def Health(self, request, grpc_context):
+        statuses = await self._statuses()
+        return _pb().HealthResponse(ok=_overall({s["status"] for s in statuses}) in ("ok", "degraded"),
+                                    models=[_model_info(s) for s in statuses])
+
+    async def _grpc_generate(self, request, grpc_context, chat: bool):
+        pb = _pb()
+        arrived = time.perf_counter()
+        try:
+            self._grpc_admit(request, grpc_context)
+            if chat:
+                prompt = [_chat_message(m) for m in request.messages]
+                if not prompt:
+                    raise ApiError("invalid_request", "messages must not be empty", "messages")
+            elif request.WhichOneof("prompt") == "text":
+                prompt = request.text
+            elif request.WhichOneof("prompt") == "token_ids":
+                prompt = list(request.token_ids.ids)
+            else:
+                raise ApiError("invalid_request", "give a prompt: text or token_ids", "prompt")
+            sampling = _grpc_sampling(request.sampling)
+            stream, = self._streams(request.model, [prompt], sampling, 1, arrived)
+            prompt_tokens = completion = 0
+            queue_s, ttft = 0.0, None
+            async for p in stream:
+                prompt_tokens = p.prompt_tokens or prompt_tokens
+                queue_s = p.events[0].get("queue_s", queue_s)
+                tokens = [_generated_token(pb, ev) for ev in p.events if ev["token"] >= 0]
+                completion += len(tokens)
+                if ttft is None and tokens:
+                    ttft = time.perf_counter() - arrived
+                r = pb.GenerateResponse(text=p.text, tokens=tokens)
+                if p.finish_reason:
+                    r.finish_reason = FINISH.get(p.finish_reason, 0)
+                    r.usage.CopyFrom(pb.Usage(prompt_tokens=prompt_tokens,
+                                              completion_tokens=completion,
+                                              total_tokens=prompt_tokens + completion))
+                    r.timings.CopyFrom(pb.Timings(queue_s=queue_s, time_to_first_token_s=ttft or 0,
+                                                  total_s=time.perf_counter() - arrived))
+                yield r
+        except ApiError as e:
+            _abort(grpc_context, e)
+
+    def _grpc_admit(self, request, grpc_context):
+        metadata = dict(grpc_context.invocation_metadata() or ())
+        self._authorize(metadata.get("authorization"))
+        if request.ByteSize() > self.max_body_bytes:
+            raise ApiError("too_large", f"request of {request.ByteSize()} bytes; the limit is "
+                                        f"{self.max_body_bytes}")
+
+    # ---------------------------------------------------------------------------- shared
+
+    def _authorize(self, header: str | None):
+        """Constant-time check of `Bearer KEY` when the server has an API key."""
+        if not self.api_key:
+            return
+        scheme, _, key = (header or "").partition(" ")
+        if not header:
+            raise ApiError("unauthorized", "missing API key: send the header "
+                                           "'Authorization: Bearer KEY'")
+        if not (hmac.compare_digest(key.strip().encode(), self.api_key)
+                and scheme.lower() == "bearer"):
+            raise ApiError("unauthorized", "invalid API key")
+
+    def _handle(self, model: str):
+        try:
+            return self.models[model]
+        except KeyError:
+            served = ", ".join(sorted(self.models))
+            raise ApiError("not_found", f"model {model[:100]!r} is not served here; served: "
+                                        f"{served}", "model") from None
+
+    async def _call(self, model: str, method: str, *args):
+        handle = self._handle(model)
+        return await asyncio.wait_for(getattr(handle, method).remote(*args), STATUS_TIMEOUT_S)
+
+    async def _unary(self, model: str, method: str, *args) -> dict:
+        try:
+            out = await self._call(model, method, *args)
+        except ApiError:
+            raise
+        except Exception as e:  # noqa: BLE001 - the replica is down or restarting
+            raise _not_answering(model, e) from None
+        if "error" in out:
+            raise ApiError.from_value(out["error"])
+        return out
+
+    async def _statuses(self) -> list[dict]:
+        names = list(self.models)
+        got = await asyncio.gather(*(self._call(n, "status") for n in names),
+                                   return_exceptions=True)
+        return [s if isinstance(s, dict) else
+                {"id": n, "status": "unavailable", "created": 0, "max_model_len": None,
+                 "error": f"the model's deployment is not answering ({type(s).__name__})"}
+                for n, s in zip(names, got)]
+
+    def _streams(self, model: str, prompts: list, sampling: dict, n: int,
+                 arrived: float | None = None) -> list[AsyncIterator[Piece]]:
+        """One stream per choice: n for each prompt, choice i of a seeded request with seed+i."""
+        handle = self._handle(model)
+        arrived = arrived or time.perf_counter()
+        streams = []
+        for p, prompt in enumerate(prompts):
+            for j in range(n):
+                kw = dict(sampling)
+                if kw.get("seed") is not None:  # torch's seeds are 64-bit, negative ones wrap
+                    kw["seed"] = (kw["seed"] + j) % 2 ** 64
+                req = GenerationRequest(prompt, kw, uuid.uuid4().hex)
+                streams.append(self._stream(handle, model, req, p * n + j, arrived))
+        return streams
+
+    async def _stream(self, handle, model: str, req: GenerationRequest, index: int,
+                      arrived: float) -> AsyncIterator[Piece]:
+        track = self.metrics.request(model, arrived)
+        gen = handle.options(stream=True).generate.remote(req)
+        ended = False
+        try:
+            async for item in gen:
+                if "error" in item:
+                    raise ApiError.from_value(item["error"])
+                events = item["events"]
+                if "prompt_tokens" in item:
+                    track.prompt(item["prompt_tokens"])
+                track.tokens(sum(ev["token"] >= 0 for ev in events), events[0].get("queue_s"))
+                finish = next((ev["finish_reason"] for ev in events if ev["finish_reason"]), None)
+                ended = finish is not None
+                if ended:
+                    track.finished(finish)
+                yield Piece(index, "".join(ev["text"] for ev in events), events, finish,
+                            item.get("prompt_tokens"))
+                if ended:
+                    return
+            raise ApiError("internal", f"model {model}'s stream ended without a finish reason")
+        except ApiError as e:
+            ended = True
+            track.failed(e.kind)
+            raise
+        except BackPressureError:
+            ended = True
+            track.failed("overloaded")
+            raise ApiError("overloaded", f"model {model} has too many requests; retry "
+                                         "shortly") from None
+        except Exception as e:  # noqa: BLE001 - the model's replica died or is restarting
+            ended = True
+            track.failed("unavailable")
+            raise _not_answering(model, e) from None
+        finally:
+            if not ended:  # the client went away
+                gen.cancel()
+                track.failed("cancelled")
+
+

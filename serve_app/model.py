@@ -1,0 +1,188 @@
+"""The model deployment: one per served model, holding the engine handle (`actors.handle`) of the
+model's actor group. It tokenizes, renders chat templates, turns a request into the engine's
+sampling parameters and streams the engine's events; it never touches tensors.
+
+The group loads in a background thread, so a model that is slow or fails to load leaves the
+others serving: `status()` says "loading", "ready", "rebuilding" (an actor died and the handle
+is replacing the group) or "failed" (with the load error). Serve's periodic `check_health` runs
+the engine's data-path probe (one token through every actor); a probe that fails while the
+handle is not already rebuilding makes Serve replace this replica.
+
+`generate` yields dicts: the first {"prompt_tokens": n, "events": [...]}, then {"events": [...]};
+an event is the scheduler's ({"text", "token", "finish_reason"}, "queue_s" on the first, and
+"logprob"/"top_logprobs" with the token texts when asked). A failure ends the stream with
+{"error": {"kind", "message"}} (see `errors.py`), before or after the first events.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from dataclasses import dataclass
+
+from ray import serve
+
+from powerinfer.config import sampling_params
+from powerinfer.errors import InvalidRequestError, PowerInferError
+
+from .errors import ModelUnavailableError, error_value
+from .settings import ModelSpec
+
+logger = logging.getLogger("ray.serve")
+PROBE_TIMEOUT_S = 20.0
+
+
+@dataclass(frozen=True, slots=True)
+class GenerationRequest:
+    """prompt: text, token ids, or chat messages ({"role", "content"}) for the model's chat
+    template. sampling: SamplingParams keywords; max_tokens absent or None means up to the end
+    of the context, and any max_tokens is capped by the room the context leaves."""
+
+    prompt: str | list[int] | list[dict]
+    sampling: dict
+    request_id: str
+
+
+@serve.deployment(max_ongoing_requests=10_000, health_check_period_s=10,
+                  health_check_timeout_s=60, graceful_shutdown_timeout_s=60,
+                  ray_actor_options={"num_cpus": 0})
+class ModelServer:
+    def __init__(self, spec: ModelSpec):
+        self.spec = spec
+        self.engine = None
+        self.error: str | None = None
+        self.created = int(time.time())
+        self._loader = threading.Thread(target=self._load, name=f"load-{spec.name}", daemon=True)
+        self._loader.start()
+
+    def _load(self):
+        from actors.handle import ActorEngine
+
+        t0 = time.perf_counter()
+        try:
+            self.engine = ActorEngine(self.spec.model, self.spec.config())
+        except Exception as e:  # noqa: BLE001 - reported by status(); the others keep serving
+            self.error = str(e) if isinstance(e, PowerInferError) else f"{type(e).__name__}: {e}"
+            logger.error("model %s failed to load: %s", self.spec.name, self.error)
+            return
+        logger.info("model %s ready in %.1f s", self.spec.name, time.perf_counter() - t0)
+
+    # ---- status and health ----
+    def _state(self) -> str:
+        if self.engine is None:
+            return "failed" if self.error else "loading"
+        return self.engine.state
+
+    async def status(self) -> dict:
+        state = self._state()
+        out = {"id": self.spec.name, "status": state, "created": self.created,
+               "max_model_len": self.engine.max_seq if self.engine else None, "error": None}
+        if state == "failed":
+            out["error"] = self.error
+        elif state == "rebuilding":
+            out["error"] = self.engine.last_failure
+        return out
+
+    async def check_health(self):
+        if self._state() != "ready":
+            return  # loading, or the handle is already replacing its group: nothing to add
+        h = await asyncio.get_running_loop().run_in_executor(None, self.engine.health,
+                                                             PROBE_TIMEOUT_S)
+        if not h["ok"] and self._state() == "ready":
+            raise RuntimeError(f"model {self.spec.name}: health probe failed: {h.get('error')}")
+
+    async def stats(self) -> dict:
+        """Scheduler counters for the metrics, and the group's process ids ({} until loaded)."""
+        if self._state() not in ("ready", "rebuilding"):
+            return {}
+        engine = self.engine
+        st = await asyncio.get_running_loop().run_in_executor(None, engine.stats)
+        sched = st["actors"].get("scheduler", {})
+        return {"restarts": engine.restarts, "running": sched.get("running", 0),
+                "waiting": sched.get("waiting", 0), "max_batch": self.spec.max_batch,
+                "slots_used": self.spec.max_batch - sched.get("free_slots", self.spec.max_batch),
+                "cancelled": sched.get("cancelled", 0), "finished": sched.get("finished", 0),
+                "pids": st["pids"]}
+
+    # ---- the interface the ingress uses ----
+    def _ready_engine(self):
+        state = self._state()
+        if state == "loading":
+            raise ModelUnavailableError(f"model {self.spec.name} is still loading; retry shortly")
+        if state == "failed":
+            raise ModelUnavailableError(f"model {self.spec.name} failed to load: {self.error}")
+        if state == "rebuilding":
+            raise ModelUnavailableError(f"model {self.spec.name} is being rebuilt after a "
+                                        f"failure ({self.engine.last_failure}); retry shortly")
+        if state == "closed":
+            raise ModelUnavailableError(f"model {self.spec.name} is shutting down")
+        return self.engine
+
+    async def tokenize(self, prompt: str | list[dict], add_special_tokens: bool = True) -> dict:
+        try:
+            engine = self._ready_engine()
+            ids = self._ids(engine, prompt, add_special_tokens)
+        except (PowerInferError, ValueError) as e:
+            return error_value(e)
+        return {"tokens": ids, "max_model_len": engine.max_seq}
+
+    async def detokenize(self, ids: list[int]) -> dict:
+        try:
+            engine = self._ready_engine()
+            bad = [t for t in ids if not 0 <= t < engine.args.vocab_size]
+            if bad:
+                raise InvalidRequestError(f"token id {bad[0]} outside the vocabulary "
+                                          f"(0..{engine.args.vocab_size - 1})")
+        except PowerInferError as e:
+            return error_value(e)
+        return {"text": engine.tokenizer.decode(ids)}
+
+    async def generate(self, req: GenerationRequest):
+        try:
+            engine = self._ready_engine()
+            ids = self._ids(engine, req.prompt)
+            room = engine.max_seq - len(ids)
+            if room < 1:
+                raise InvalidRequestError(f"prompt has {len(ids)} tokens; the context of model "
+                                          f"{self.spec.name} holds {engine.max_seq}")
+            kw = dict(req.sampling)
+            kw["max_tokens"] = min(kw.get("max_tokens") or room, room)
+            params = sampling_params(**kw)
+        except (PowerInferError, ValueError) as e:
+            yield error_value(e)
+            return
+        first = {"prompt_tokens": len(ids)}
+        try:
+            async for ev in engine.agenerate(ids, params, req.request_id):
+                if "top_logprobs" in ev:
+                    self._name_tokens(engine, ev)
+                yield {**first, "events": [ev]}
+                first = {}
+        except (PowerInferError, ValueError) as e:
+            yield error_value(e)
+        except Exception as e:  # noqa: BLE001 - a bug: logged here, a clean 500 at the edge
+            logger.exception("model %s: generation failed", self.spec.name)
+            yield error_value(e)
+
+    def _ids(self, engine, prompt, add_special_tokens: bool = True) -> list[int]:
+        tok = engine.tokenizer
+        if isinstance(prompt, str):
+            return tok.encode(prompt, None if add_special_tokens else False)
+        if prompt and isinstance(prompt[0], dict):
+            return tok.encode(tok.apply_chat_template(prompt),
+                              None if add_special_tokens else False)
+        return list(prompt)
+
+    @staticmethod
+    def _name_tokens(engine, ev: dict):
+        text = engine.tokenizer.decode
+        if ev["token"] >= 0:
+            ev["token_text"] = text([ev["token"]])
+        ev["top_logprobs"] = [(t, text([t]), lp) for t, lp in ev["top_logprobs"]]
+
+    def __del__(self):
+        self._loader.join(timeout=50)
+        if self.engine is not None:
+            self.engine.shutdown()
+

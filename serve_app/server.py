@@ -1,0 +1,158 @@
+"""`powerinfer serve`: the application in the foreground.
+
+Starts (or joins, with RAY_ADDRESS) a Ray instance with token authentication on, Ray Serve's
+HTTP and gRPC proxies on one host (127.0.0.1 unless told otherwise), and the application; prints
+the addresses once every model has loaded (or failed to, which is reported while the others
+serve); serves until Ctrl-C or SIGTERM; then deletes the application and stops the Ray instance
+it started, which leaves no Ray process and no shared-memory segment behind.
+"""
+from __future__ import annotations
+
+import json
+import signal
+import sys
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass
+
+from powerinfer.errors import ConfigError
+
+from .settings import ServeSettings
+
+APP_NAME = "powerinfer"
+LOAD_POLL_S = 1.0
+
+
+@dataclass(frozen=True, slots=True)
+class Frontend:
+    host: str = "127.0.0.1"
+    port: int = 8000
+    grpc_port: int = 9000
+    log_requests: bool = False
+
+    @property
+    def local_url(self) -> str:
+        host = "127.0.0.1" if self.host in ("0.0.0.0", "::", "") else self.host
+        return f"http://{host}:{self.port}"
+
+
+def check_stubs():
+    try:
+        import protos.powerinfer.v1.inference_pb2_grpc  # noqa: F401
+    except ImportError as e:
+        raise ConfigError("the gRPC stubs are not generated: run `make protos` (make run and "
+                          f"make test do it) ({e})") from None
+
+
+def say(*parts, **kw):
+    print(*parts, **kw, flush=True)
+
+
+def serve_forever(settings: ServeSettings, front: Frontend, demo: bool = False) -> int:
+    import os
+
+    import ray
+    from ray import serve
+    from ray.serve.config import gRPCOptions
+
+    from powerinfer.compat import ray_init
+
+    from .app import GRPC_SERVICER, build
+    from .grpc_host import GRPC_HOST_ENV
+
+    check_stubs()
+    joined = bool(os.environ.get("RAY_ADDRESS"))
+    ray_init(runtime_env={"worker_process_setup_hook": "serve_app.grpc_host.bind_serve_grpc_to_host",
+                          "env_vars": {GRPC_HOST_ENV: front.host}})
+    # SIGTERM stops the server as Ctrl-C does (a handler that only raises takes no lock that
+    # the interrupted code may hold)
+    signal.signal(signal.SIGTERM, _interrupt)
+    logging_config = {"enable_access_log": front.log_requests}
+    try:
+        serve.start(http_options={"host": front.host, "port": front.port},
+                    grpc_options=gRPCOptions(port=front.grpc_port,
+                                             grpc_servicer_functions=[GRPC_SERVICER]),
+                    logging_config=logging_config)
+        serve.run(build(settings), name=APP_NAME, route_prefix="/", blocking=False,
+                  logging_config=logging_config)
+        statuses = _wait_loaded(front)
+        ready = [s for s in statuses if s["status"] == "ready"]
+        for s in statuses:
+            line = f"  {s['id']}: {s['status']}"
+            say(line + (f" ({s['error']})" if s.get("error") else
+                        f", context {s['max_model_len']}"))
+        if not ready:
+            say("error: no model loaded", file=sys.stderr)
+            return 1
+        say(f"HTTP (OpenAI API): {front.local_url}/v1   gRPC (powerinfer.v1.Inference): "
+            f"{front.local_url.split('//')[1].rsplit(':', 1)[0]}:{front.grpc_port}")
+        say("try:\n  " + _curl(front, settings, ready[0]["id"]))
+        if demo:
+            _demo(front, settings, ready[0]["id"])
+        say("serving; Ctrl-C stops")
+        while True:
+            time.sleep(3600)
+    except KeyboardInterrupt:
+        return 0
+    finally:
+        say("stopping...")
+        try:
+            serve.delete(APP_NAME)
+            if not joined:
+                serve.shutdown()
+        finally:
+            ray.shutdown()
+
+
+def _interrupt(signum, frame):
+    raise KeyboardInterrupt
+
+
+def _get(url: str, timeout: float = 10.0) -> tuple[int, dict]:
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read() or b"{}")
+
+
+def _wait_loaded(front: Frontend) -> list[dict]:
+    """Poll /health until no model is still loading."""
+    while True:
+        try:
+            _, body = _get(front.local_url + "/health")
+            statuses = body.get("models", [])
+            if statuses and all(s["status"] != "loading" for s in statuses):
+                return statuses
+        except (urllib.error.URLError, OSError, ValueError):
+            pass  # the proxy or the ingress is still starting
+        time.sleep(LOAD_POLL_S)
+
+
+def _curl(front: Frontend, settings: ServeSettings, model: str) -> str:
+    auth = ' -H "Authorization: Bearer $POWERINFER_API_KEY"' if settings.api_key else ""
+    body = json.dumps({"model": model, "messages": [{"role": "user", "content": "Hello!"}]})
+    return (f"curl {front.local_url}/v1/chat/completions -H 'Content-Type: application/json'"
+            f"{auth} -d '{body}'")
+
+
+def _demo(front: Frontend, settings: ServeSettings, model: str):
+    """One chat request through the server's own HTTP endpoint."""
+    question = "What is the capital of France? Answer in one sentence."
+    body = json.dumps({"model": model, "max_tokens": 48, "temperature": 0,
+                       "messages": [{"role": "user", "content": question}]}).encode()
+    req = urllib.request.Request(front.local_url + "/v1/chat/completions", body,
+                                 {"Content-Type": "application/json"})
+    if settings.api_key:
+        req.add_header("Authorization", f"Bearer {settings.api_key}")
+    t0 = time.perf_counter()
+    try:
+        with urllib.request.urlopen(req, timeout=300) as r:
+            answer = json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        say(f"demo request failed: HTTP {e.code}: {e.read().decode(errors='replace')}")
+        return
+    usage = answer["usage"]
+    say(f"asked {model}: {question}\nanswer: {answer['choices'][0]['message']['content']!r}\n"
+        f"({usage['completion_tokens']} tokens in {time.perf_counter() - t0:.2f} s)")

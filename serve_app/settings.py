@@ -1,0 +1,95 @@
+"""What the server hosts: the models (each a name clients use, a file, and how to run it) and the
+front end's own settings. Read from a YAML file (`powerinfer serve --config`) or from the `args`
+of a Ray Serve config file's application."""
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass, fields
+
+from powerinfer.config import Config
+from powerinfer.errors import ConfigError
+
+API_KEY_ENV = "POWERINFER_API_KEY"
+NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:-]{0,63}")
+
+
+@dataclass(frozen=True, slots=True)
+class ModelSpec:
+    """One served model. `name` is what requests put in `model`; `model` is a GGUF file, a
+    Hugging Face folder or an installed model's short name (never taken from a request)."""
+
+    name: str
+    model: str
+    bundle: str = ""
+    cold_executors: int = 1
+    device: str = "cpu"
+    dtype: str = "float32"
+    max_batch: int = 8
+    max_queue: int = 64
+    max_seq_len: int = 0
+    cpu_threads: int = 0
+    predictor: str = "auto"
+    vram_budget_gb: float = 0.0
+
+    def __post_init__(self):
+        if not isinstance(self.name, str) or not NAME.fullmatch(self.name):
+            raise ConfigError(f"model name {self.name!r}: use 1-64 letters, digits and . _ : -")
+        self.config()  # validates the runtime settings
+
+    def config(self) -> Config:
+        return Config(runtime="actors", bundle=self.bundle, cold_executors=self.cold_executors,
+                      device=self.device, dtype=self.dtype, max_batch=self.max_batch,
+                      max_queue=self.max_queue, max_seq_len=self.max_seq_len,
+                      cpu_threads=self.cpu_threads, predictor=self.predictor,
+                      vram_budget_gb=self.vram_budget_gb)
+
+
+@dataclass(frozen=True, slots=True)
+class ServeSettings:
+    """models: served models, routed by name. api_key: required on every request but /health and
+    /metrics when set (default: the POWERINFER_API_KEY environment variable). max_body_bytes:
+    larger request bodies are refused with 413. ingress_replicas: replicas of the HTTP/gRPC
+    ingress (each keeps its own request metrics)."""
+
+    models: tuple[ModelSpec, ...]
+    api_key: str = ""
+    max_body_bytes: int = 1 << 20
+    ingress_replicas: int = 1
+
+    def __post_init__(self):
+        if not self.models:
+            raise ConfigError("the server needs at least one model")
+        names = [m.name for m in self.models]
+        dup = {n for n in names if names.count(n) > 1}
+        if dup:
+            raise ConfigError(f"model names must be unique; repeated: {', '.join(sorted(dup))}")
+        if self.max_body_bytes < 1024 or self.ingress_replicas < 1:
+            raise ConfigError("max_body_bytes must be >= 1024 and ingress_replicas >= 1")
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "ServeSettings":
+        """From the YAML/args layout: {"models": [{name, model, ...}], "api_key", ...}."""
+        if not isinstance(d, dict):
+            raise ConfigError("the serving config must be a mapping with a 'models' list")
+        known = {f.name for f in fields(cls)} - {"models"}
+        unknown = set(d) - known - {"models"}
+        if unknown:
+            raise ConfigError(f"unknown serving setting(s): {', '.join(sorted(unknown))}")
+        models = d.get("models")
+        if not isinstance(models, list):
+            raise ConfigError("'models' must be a list of {name, model, ...}")
+        spec_fields = {f.name for f in fields(ModelSpec)}
+        specs = []
+        for m in models:
+            if not isinstance(m, dict) or "name" not in m or "model" not in m:
+                raise ConfigError(f"each model needs a 'name' and a 'model' (file or installed "
+                                  f"name), got {m!r}")
+            bad = set(m) - spec_fields
+            if bad:
+                raise ConfigError(f"model {m['name']!r}: unknown setting(s) "
+                                  f"{', '.join(sorted(bad))}")
+            specs.append(ModelSpec(**m))
+        kw = {k: d[k] for k in known if k in d}
+        kw["api_key"] = str(kw.get("api_key") or os.environ.get(API_KEY_ENV, ""))
+        return cls(models=tuple(specs), **kw)

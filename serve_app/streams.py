@@ -1,0 +1,190 @@
+"""Streams of choices and their OpenAI bodies: merging the choices of one request, waiting for
+their first pieces, and formatting whole responses and server-sent events."""
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import AsyncIterator
+
+from . import openai_schema as oa
+from .errors import ApiError
+
+logger = logging.getLogger("ray.serve")
+
+
+@dataclass
+class Piece:
+    """What one choice produced since its previous piece."""
+    index: int
+    text: str
+    events: list[dict]
+    finish_reason: str | None
+    prompt_tokens: int | None = None
+
+
+@dataclass
+class Choice:
+    """A finished choice, for non-streaming responses."""
+    index: int
+    text: str = ""
+    events: list[dict] = field(default_factory=list)
+    finish_reason: str | None = None
+
+
+async def merge(streams: list[AsyncIterator[Piece]]) -> AsyncIterator[Piece]:
+    """The pieces of several choices as they come; the first error ends them all."""
+    if len(streams) == 1:
+        try:
+            async for p in streams[0]:
+                yield p
+        finally:
+            await streams[0].aclose()
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(s):
+        try:
+            async for p in s:
+                await queue.put(p)
+            await queue.put(None)
+        except Exception as e:  # noqa: BLE001 - handed to the reader
+            await queue.put(e)
+
+    tasks = [asyncio.create_task(pump(s)) for s in streams]
+    try:
+        left = len(tasks)
+        while left:
+            item = await queue.get()
+            if item is None:
+                left -= 1
+            elif isinstance(item, Exception):
+                raise item
+            else:
+                yield item
+    finally:
+        for t in tasks:
+            t.cancel()
+
+
+async def collect(streams) -> tuple[list[Choice], int]:
+    choices = [Choice(i) for i in range(len(streams))]
+    prompt_tokens = 0
+    async for p in merge(streams):
+        c = choices[p.index]
+        c.text += p.text
+        c.events += p.events
+        c.finish_reason = p.finish_reason or c.finish_reason
+        prompt_tokens += p.prompt_tokens or 0
+    return choices, prompt_tokens
+
+
+async def primed(streams) -> AsyncIterator[Piece]:
+    """Wait for every choice's first piece (so an early error is a status code), then stream."""
+    firsts = await asyncio.gather(*(anext(s) for s in streams), return_exceptions=True)
+    failed = [e for e in firsts if isinstance(e, BaseException)]
+    if failed:
+        for s in streams:
+            await s.aclose()
+        e = failed[0]
+        raise e if isinstance(e, ApiError) else ApiError("internal", "a stream ended early")
+
+    async def chained(first, rest):
+        yield first
+        async for p in rest:
+            yield p
+
+    return merge([chained(f, s) for f, s in zip(firsts, streams)])
+
+
+class OpenAIFormat:
+    """OpenAI bodies for chat ("chat") or legacy completions ("completion")."""
+
+    def __init__(self, kind: str, rid: str, model: str, logprobs: bool):
+        self.kind, self.id, self.model, self.logprobs = kind, rid, model, logprobs
+        self.created = int(time.time())
+
+    def whole(self, choices: list[Choice], prompt_tokens: int):
+        completion = sum(ev["token"] >= 0 for c in choices for ev in c.events)
+        usage = oa.Usage(prompt_tokens=prompt_tokens, completion_tokens=completion,
+                         total_tokens=prompt_tokens + completion)
+        if self.kind == "chat":
+            return oa.ChatCompletion(id=self.id, created=self.created, model=self.model, usage=usage,
+                                     choices=[oa.ChatChoice(
+                                         index=c.index, message=oa.AssistantMessage(content=c.text),
+                                         logprobs=self._chat_logprobs(c.events),
+                                         finish_reason=c.finish_reason) for c in choices])
+        return oa.Completion(id=self.id, created=self.created, model=self.model, usage=usage,
+                             choices=[oa.CompletionChoice(
+                                 index=c.index, text=c.text, finish_reason=c.finish_reason,
+                                 logprobs=self._completion_logprobs(c.events, 0))
+                                 for c in choices])
+
+    async def sse(self, pieces: AsyncIterator[Piece], include_usage: bool):
+        prompt_tokens = completion = 0
+        offsets: dict[int, int] = {}
+        try:
+            async for p in pieces:
+                prompt_tokens += p.prompt_tokens or 0
+                completion += sum(ev["token"] >= 0 for ev in p.events)
+                if self.kind == "chat":
+                    chunk = oa.ChatCompletionChunk(
+                        id=self.id, created=self.created, model=self.model,
+                        choices=[oa.ChunkChoice(
+                            index=p.index, finish_reason=p.finish_reason,
+                            delta=oa.Delta(role="assistant" if p.prompt_tokens else None,
+                                           content=p.text),
+                            logprobs=self._chat_logprobs(p.events))])
+                else:
+                    at = offsets.get(p.index, 0)
+                    offsets[p.index] = at + len(p.text)
+                    chunk = oa.Completion(
+                        id=self.id, created=self.created, model=self.model,
+                        choices=[oa.CompletionChoice(
+                            index=p.index, text=p.text, finish_reason=p.finish_reason,
+                            logprobs=self._completion_logprobs(p.events, at))])
+                yield _event(chunk.model_dump_json())
+            if include_usage:
+                usage = oa.Usage(prompt_tokens=prompt_tokens, completion_tokens=completion,
+                                 total_tokens=prompt_tokens + completion)
+                cls = oa.ChatCompletionChunk if self.kind == "chat" else oa.Completion
+                yield _event(cls(id=self.id, created=self.created, model=self.model, choices=[],
+                                 usage=usage).model_dump_json())
+        except ApiError as e:
+            yield _event(json.dumps(e.body()))
+        except Exception:  # noqa: BLE001 - a bug: logged, and the client still gets an end
+            logger.exception("stream %s failed", self.id)
+            yield _event(json.dumps(ApiError("internal", "internal server error").body()))
+        finally:
+            await pieces.aclose()  # a client that went away cancels every choice's stream
+        yield _event("[DONE]")
+
+    def _chat_logprobs(self, events: list[dict]) -> oa.ChatLogprobs | None:
+        if not self.logprobs:
+            return None
+        return oa.ChatLogprobs(content=[
+            oa.TokenLogprob(token=ev["token_text"], logprob=ev["logprob"],
+                            bytes=list(ev["token_text"].encode()),
+                            top_logprobs=[oa.TopLogprob(token=t, logprob=lp, bytes=list(t.encode()))
+                                          for _, t, lp in ev["top_logprobs"]])
+            for ev in events if ev["token"] >= 0])
+
+    def _completion_logprobs(self, events: list[dict], at: int) -> oa.CompletionLogprobs | None:
+        if not self.logprobs:
+            return None
+        out = oa.CompletionLogprobs(tokens=[], token_logprobs=[], top_logprobs=[], text_offset=[])
+        for ev in events:
+            if ev["token"] < 0:
+                continue
+            out.tokens.append(ev["token_text"])
+            out.token_logprobs.append(ev["logprob"])
+            out.top_logprobs.append({t: lp for _, t, lp in ev["top_logprobs"]})
+            out.text_offset.append(at)
+            at += len(ev["text"])
+        return out
+
+
+def _event(data: str) -> str:
+    return f"data: {data}\n\n"

@@ -1,0 +1,593 @@
+"""The server as its users meet it: `powerinfer serve` started as a process with three models
+from one config (the default model, a small synthetic one, and a corrupt file), driven by the
+official `openai` client, a gRPC client built from the generated stubs, raw HTTP, and a fuzzer;
+faults are real (an actor process killed mid-stream, a client hanging up), and so is the
+security check (a process without Ray's token is refused by the cluster's GCS).
+
+The tests run in file order: the fault tests rebuild actor groups, the last one stops the
+server with SIGTERM and checks that nothing is left behind.
+"""
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import grpc
+import httpx2 as httpx
+import pytest
+import torch
+import yaml
+
+from powerinfer import Config, PowerInfer
+from powerinfer.synthetic import write_synthetic
+
+SMOL, TINY, BROKEN = "smollm2", "tiny", "broken"
+KEY = "test-key-5d1f0c"
+MAX_BODY = 65536
+APP = "powerinfer"
+POWERINFER = Path(sys.executable).with_name("powerinfer")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def ray_pids() -> set[int]:
+    """Processes of any Ray instance on this machine."""
+    out = set()
+    for p in Path("/proc").iterdir():
+        if p.name.isdigit():
+            try:
+                cmd = (p / "cmdline").read_bytes().decode(errors="replace")
+            except OSError:
+                continue
+            if any(k in cmd for k in ("raylet", "gcs_server", "ray::", "ray/dashboard",
+                                      "ray/_private")):
+                out.add(int(p.name))
+    return out
+
+
+class Server:
+    def __init__(self, proc, port, grpc_port, log: Path):
+        self.proc, self.log = proc, log
+        self.url = f"http://127.0.0.1:{port}"
+        self.port, self.grpc_port = port, grpc_port
+        self.http = httpx.Client(base_url=self.url, timeout=120,
+                                 headers={"Authorization": f"Bearer {KEY}"})
+        from protos.powerinfer.v1 import inference_pb2, inference_pb2_grpc
+        self.pb = inference_pb2
+        self.channel = grpc.insecure_channel(f"127.0.0.1:{grpc_port}")
+        self.stub = inference_pb2_grpc.InferenceStub(self.channel)
+        self.md = [("authorization", f"Bearer {KEY}")]
+
+    def tail(self) -> str:
+        return self.log.read_text(errors="replace")[-4000:]
+
+    def wait_healthy(self, timeout=240):
+        deadline = time.time() + timeout
+        while time.time() < deadline:
+            r = httpx.get(self.url + "/health", timeout=10)
+            if r.status_code == 200:
+                return r.json()
+            time.sleep(0.5)
+        raise AssertionError(f"not healthy: {r.text}")
+
+    def model_stats(self, name: str) -> dict:
+        from ray import serve
+        return serve.get_deployment_handle(f"Model:{name}", app_name=APP).stats.remote().result()
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory, default_model_path):
+    d = tmp_path_factory.mktemp("serve")
+    write_synthetic(d / "tiny.gguf", preset="tiny", seed=0)
+    (d / "broken.gguf").write_bytes(b"GGUF" + b"\x03\0\0\0" + b"\xff" * 64)
+    config = d / "models.yaml"
+    config.write_text(yaml.safe_dump({"max_body_bytes": MAX_BODY, "models": [
+        {"name": SMOL, "model": str(default_model_path), "max_seq_len": 512, "max_batch": 4,
+         "max_queue": 8, "cpu_threads": 1},
+        {"name": TINY, "model": str(d / "tiny.gguf"), "max_seq_len": 512, "max_batch": 2,
+         "max_queue": 1},
+        {"name": BROKEN, "model": str(d / "broken.gguf")}]}))
+    port, grpc_port = free_port(), free_port()
+    log = d / "server.log"
+    before = ray_pids()
+    proc = subprocess.Popen([str(POWERINFER), "serve", "--config", str(config), "--port", str(port),
+                             "--grpc-port", str(grpc_port), "--api-key", KEY],
+                            stdout=open(log, "w"), stderr=subprocess.STDOUT, start_new_session=True)
+    s = Server(proc, port, grpc_port, log)
+    s.ray_before = before
+    deadline = time.time() + 300
+    while "HTTP (OpenAI API)" not in log.read_text(errors="replace"):
+        assert proc.poll() is None, f"the server exited:\n{s.tail()}"
+        assert time.time() < deadline, f"the server did not start:\n{s.tail()}"
+        time.sleep(0.5)
+    import ray
+    ray.shutdown()  # another module's local instance, if any
+    ray.init(address="auto", logging_level="warning")  # with this user's token: allowed
+    yield s
+    ray.shutdown()
+    s.channel.close()
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=120)
+
+
+@pytest.fixture(scope="module")
+def local_smol(default_model_path):
+    threads = torch.get_num_threads()
+    pi = PowerInfer.from_pretrained(default_model_path, Config(max_seq_len=512, cpu_threads=1))
+    yield pi
+    torch.set_num_threads(threads)
+
+
+QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+def sse(text: str) -> list[str]:
+    events = text.split("\n\n")
+    assert events[-1] == "", repr(text[-100:])
+    assert all(e.startswith("data: ") for e in events[:-1]), text[:500]
+    return [e[len("data: "):] for e in events[:-1]]
+
+
+def assert_error(r, status: int, *needles: str) -> dict:
+    assert r.status_code == status, (r.status_code, r.text)
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["code"] == status, err
+    assert "Traceback" not in r.text and 'File "' not in r.text
+    for n in needles:
+        assert n in err["message"], err
+    return err
+
+
+# ------------------------------------------------------------------------------ the happy path
+
+def test_startup_reports_every_model(server):
+    out = server.tail()
+    assert f"{SMOL}: ready" in out and f"{TINY}: ready" in out
+    assert f"{BROKEN}: failed" in out and "cannot load model" in out
+    health = server.wait_healthy()
+    assert health["status"] == "degraded"  # the broken model is reported; the others serve
+    states = {m["id"]: m["status"] for m in health["models"]}
+    assert states == {SMOL: "ready", TINY: "ready", BROKEN: "failed"}
+
+
+def test_openai_client_chat_and_completions(server, local_smol):
+    from openai import OpenAI
+    client = OpenAI(base_url=server.url + "/v1", api_key=KEY)
+    want = local_smol.chat(QUESTION, max_new_tokens=16, temperature=0)
+
+    r = client.chat.completions.create(model=SMOL, messages=QUESTION, max_tokens=16, temperature=0)
+    assert r.choices[0].message.content == want  # the engine's own greedy output
+    prompt = local_smol.tokenize(local_smol.tokenizer.apply_chat_template(QUESTION))
+    assert r.usage.prompt_tokens == len(prompt)
+    assert r.usage.total_tokens == r.usage.prompt_tokens + r.usage.completion_tokens
+    assert r.choices[0].finish_reason in ("stop", "length")
+
+    chunks = list(client.chat.completions.create(
+        model=SMOL, messages=QUESTION, max_tokens=16, temperature=0, stream=True,
+        stream_options={"include_usage": True}))
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == want
+    assert chunks[-1].choices == [] and chunks[-1].usage == r.usage
+
+    c = client.completions.create(model=SMOL, prompt="The capital of France is", max_tokens=12,
+                                  temperature=0)
+    full = c.choices[0].text
+    assert "Paris" in full and c.usage.completion_tokens == 12
+    stopped = client.completions.create(model=SMOL, prompt="The capital of France is",
+                                        max_tokens=12, temperature=0, stop=["Paris"])
+    assert stopped.choices[0].text == full.split("Paris")[0]
+    assert stopped.choices[0].finish_reason == "stop"
+
+
+def test_seeds_reproduce_and_n_choices(server):
+    from openai import OpenAI
+    client = OpenAI(base_url=server.url + "/v1", api_key=KEY)
+    ask = dict(model=SMOL, prompt="My favourite animal is", max_tokens=10, temperature=1.0,
+               top_p=1.0, extra_body={"top_k": 0, "min_p": 0.0})  # the engine's own fields
+    texts = [client.completions.create(seed=s, **ask).choices[0].text for s in (1, 1, 2, 3)]
+    assert texts[0] == texts[1]
+    assert len(set(texts[1:])) > 1
+    two = client.completions.create(seed=1, n=2, **ask)
+    assert [c.index for c in two.choices] == [0, 1]
+    assert two.choices[0].text == texts[0]  # choice i samples with seed + i
+    assert two.choices[1].text == texts[2]
+
+
+def test_logprobs(server):
+    r = server.http.post("/v1/chat/completions", json={
+        "model": SMOL, "messages": QUESTION, "max_tokens": 5, "temperature": 0,
+        "logprobs": True, "top_logprobs": 3}).json()
+    content = r["choices"][0]["logprobs"]["content"]
+    assert len(content) == r["usage"]["completion_tokens"] == 5
+    for t in content:
+        top = t["top_logprobs"]
+        assert len(top) == 3 and top[0]["logprob"] >= top[1]["logprob"] >= top[2]["logprob"]
+        assert abs(t["logprob"] - top[0]["logprob"]) < 1e-5  # greedy took the likeliest
+        assert t["logprob"] <= 0 and bytes(t["bytes"]).decode() == t["token"]
+    assert "".join(t["token"] for t in content) == r["choices"][0]["message"]["content"]
+    c = server.http.post("/v1/completions", json={
+        "model": SMOL, "prompt": "The capital of France is", "max_tokens": 4, "temperature": 0,
+        "logprobs": 2}).json()["choices"][0]["logprobs"]
+    assert len(c["tokens"]) == len(c["token_logprobs"]) == len(c["top_logprobs"]) == 4
+    assert c["text_offset"][0] == 0 and all(len(d) == 2 for d in c["top_logprobs"])
+
+
+def test_sse_framing(server):
+    r = server.http.post("/v1/chat/completions", json={
+        "model": SMOL, "messages": QUESTION, "max_tokens": 6, "temperature": 0, "stream": True,
+        "stream_options": {"include_usage": True}})
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+    events = sse(r.text)
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(e) for e in events[:-1]]
+    assert all(c["object"] == "chat.completion.chunk" for c in chunks)
+    assert chunks[0]["choices"][0]["delta"]["role"] == "assistant"
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 6
+    assert all(c["usage"] is None for c in chunks[:-1])
+    assert [c["choices"][0]["finish_reason"] for c in chunks[:-1]][-1] == "length"
+
+    r = server.http.post("/v1/completions", json={
+        "model": TINY, "prompt": "hello", "max_tokens": 5, "stream": True, "n": 2})
+    events = sse(r.text)
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(e) for e in events[:-1]]
+    assert {c["object"] for c in chunks} == {"text_completion"}
+    finished = [c["choices"][0]["index"] for c in chunks if c["choices"][0]["finish_reason"]]
+    assert sorted(finished) == [0, 1]
+
+
+def test_grpc_matches_http(server):
+    pb, stub, md = server.pb, server.stub, server.md
+    greedy = pb.SamplingParams(max_tokens=12, temperature=0)
+    out = list(stub.Generate(pb.GenerateRequest(model=SMOL, text="The capital of France is",
+                                                sampling=greedy), metadata=md))
+    http = server.http.post("/v1/completions", json={
+        "model": SMOL, "prompt": "The capital of France is", "max_tokens": 12,
+        "temperature": 0}).json()
+    assert "".join(o.text for o in out) == http["choices"][0]["text"]
+    last = out[-1]
+    assert last.finish_reason == pb.FINISH_REASON_LENGTH
+    assert last.usage.completion_tokens == 12 == sum(len(o.tokens) for o in out)
+    assert last.usage.prompt_tokens == http["usage"]["prompt_tokens"]
+    assert 0 < last.timings.time_to_first_token_s <= last.timings.total_s
+    assert last.timings.queue_s >= 0
+
+    chat = list(stub.Chat(pb.ChatRequest(model=SMOL, messages=[pb.ChatMessage(
+        role="user", content=QUESTION[0]["content"])], sampling=greedy), metadata=md))
+    http_chat = server.http.post("/v1/chat/completions", json={
+        "model": SMOL, "messages": QUESTION, "max_tokens": 12, "temperature": 0}).json()
+    assert "".join(o.text for o in chat) == http_chat["choices"][0]["message"]["content"]
+
+    ids = stub.Tokenize(pb.TokenizeRequest(model=SMOL, text="hello world"), metadata=md)
+    tok = server.http.post("/tokenize", json={"model": SMOL, "prompt": "hello world"}).json()
+    assert list(ids.token_ids) == tok["tokens"] and ids.max_model_len == tok["max_model_len"] == 512
+    text = stub.Detokenize(pb.DetokenizeRequest(model=SMOL, token_ids=ids.token_ids), metadata=md)
+    assert text.text == "hello world"
+    assert server.http.post("/detokenize", json={"model": SMOL, "tokens": tok["tokens"]}
+                            ).json() == {"prompt": "hello world"}
+    by_id = list(stub.Generate(pb.GenerateRequest(
+        model=SMOL, token_ids=pb.TokenIds(ids=ids.token_ids), sampling=greedy), metadata=md))
+    assert by_id[-1].usage.prompt_tokens == len(ids.token_ids)
+
+    models = {m.id: m for m in stub.ListModels(pb.ListModelsRequest(), metadata=md).models}
+    assert set(models) == {SMOL, TINY, BROKEN}
+    assert models[BROKEN].status == "failed" and "cannot load model" in models[BROKEN].error
+    http_models = server.http.get("/v1/models").json()["data"]
+    assert {m["id"]: m["status"] for m in http_models} == {m: models[m].status for m in models}
+    assert stub.Health(pb.HealthRequest()).ok  # no key needed
+
+
+def test_two_models_at_once(server):
+    def ask(model):
+        return server.http.post("/v1/completions", json={
+            "model": model, "prompt": "Once upon a time", "max_tokens": 8, "temperature": 0}
+        ).json()["choices"][0]["text"]
+
+    alone = {m: ask(m) for m in (SMOL, TINY)}
+    results, threads = [], []
+    for m in [SMOL, TINY] * 3:
+        threads.append(threading.Thread(target=lambda m=m: results.append((m, ask(m)))))
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert sorted(results) == sorted((m, alone[m]) for m in [SMOL, TINY] * 3)
+
+
+def test_metrics(server):
+    from prometheus_client.parser import text_string_to_metric_families
+    r = httpx.get(server.url + "/metrics")  # no key needed
+    assert r.status_code == 200
+    samples = {}
+    for family in text_string_to_metric_families(r.text):
+        for s in family.samples:
+            samples[(s.name, tuple(sorted(s.labels.items())))] = s.value
+    smol = (("model_name", SMOL),)
+    p = "powerinfer:"
+    assert samples[(p + "time_to_first_token_seconds_count", smol)] > 0
+    assert samples[(p + "inter_token_latency_seconds_count", smol)] > 0
+    assert samples[(p + "e2e_request_latency_seconds_count", smol)] > 0
+    assert samples[(p + "request_queue_time_seconds_count", smol)] > 0
+    assert samples[(p + "generation_tokens_total", smol)] >= 12
+    assert samples[(p + "prompt_tokens_total", smol)] > 0
+    assert samples[(p + "request_success_total", (("finished_reason", "length"),) + smol)] > 0
+    for gauge in ("num_requests_running", "num_requests_waiting", "kv_slots_used"):
+        assert samples[(p + gauge, smol)] == 0
+    assert samples[(p + "engine_restarts_total", smol)] == 0
+
+
+# ------------------------------------------------------------------------------------- errors
+
+def test_errors_have_status_codes_and_the_openai_shape(server):
+    h = server.http
+    chat = {"model": SMOL, "messages": QUESTION, "max_tokens": 2}
+    assert_error(h.post("/v1/chat/completions", content=b"{not json"), 400, "JSON")
+    e = assert_error(h.post("/v1/chat/completions", json={**chat, "temperature": -1}), 400)
+    assert e["param"] == "temperature" and e["type"] == "invalid_request_error"
+    assert_error(h.post("/v1/chat/completions", json={**chat, "messages": []}), 400)
+    assert_error(h.post("/v1/completions", json={"model": TINY, "prompt": "x " * 600}), 400,
+                 "context")
+    assert_error(h.post("/v1/completions", json={"model": TINY, "prompt": [5, 10 ** 6]}), 400,
+                 "vocabulary")
+    assert_error(h.post("/v1/chat/completions", json={**chat, "model": "gpt-4"}), 404, "gpt-4")
+    assert_error(h.post("/v1/chat/completions", json={**chat, "model": "/etc/passwd"}), 404)
+    assert_error(h.post("/v1/chat/completions", json=chat, headers={"Authorization": ""}), 401)
+    assert_error(h.post("/v1/chat/completions", json=chat,
+                        headers={"Authorization": "Bearer wrong"}), 401, "invalid API key")
+    assert_error(h.post("/v1/chat/completions", json=chat,
+                        headers={"Authorization": f"Basic {KEY}"}), 401)
+    assert_error(h.get("/v1/models", headers={"Authorization": ""}), 401)
+    big = {**chat, "messages": [{"role": "user", "content": "x" * MAX_BODY}]}
+    assert_error(h.post("/v1/chat/completions", json=big), 413)
+    assert_error(h.get("/no/such/route"), 404)
+    assert_error(h.post("/v1/chat/completions", json={**chat, "model": BROKEN}), 503,
+                 "failed to load")
+    assert_error(h.post("/v1/chat/completions", json={**chat, "tools": [{"type": "function"}]}),
+                 400, "tools")
+    # a long max_tokens is capped by the context, not refused
+    r = h.post("/v1/completions", json={"model": TINY, "prompt": "hi", "max_tokens": 10 ** 9,
+                                        "ignore_eos": True, "temperature": 0})
+    assert r.status_code == 200 and r.json()["usage"]["total_tokens"] == 512
+    assert httpx.get(server.url + "/health").status_code == 200  # open, like /metrics
+
+    pb, stub = server.pb, server.stub
+    ask = pb.GenerateRequest(model=SMOL, text="hi", sampling=pb.SamplingParams(max_tokens=2))
+    cases = [(ask, [], grpc.StatusCode.UNAUTHENTICATED),
+             (ask, [("authorization", "Bearer wrong")], grpc.StatusCode.UNAUTHENTICATED),
+             (pb.GenerateRequest(model="gpt-4", text="hi"), server.md, grpc.StatusCode.NOT_FOUND),
+             (pb.GenerateRequest(model=SMOL, text="hi", sampling=pb.SamplingParams(
+                 temperature=-1)), server.md, grpc.StatusCode.INVALID_ARGUMENT),
+             (pb.GenerateRequest(model=SMOL), server.md, grpc.StatusCode.INVALID_ARGUMENT),
+             (pb.GenerateRequest(model=BROKEN, text="hi"), server.md, grpc.StatusCode.UNAVAILABLE)]
+    for req, md, code in cases:
+        with pytest.raises(grpc.RpcError) as info:
+            list(stub.Generate(req, metadata=md))
+        assert info.value.code() == code, (req, info.value.details())
+        assert "Traceback" not in info.value.details()
+    with pytest.raises(grpc.RpcError) as info:
+        stub.ListModels(pb.ListModelsRequest())
+    assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
+
+
+def test_full_queue_answers_429_with_retry_after(server):
+    # TINY decodes 2 sequences at once and queues 1 more: of 8 requests sent together, some are
+    # refused at once
+    body = {"model": TINY, "prompt": "hello", "max_tokens": 150, "ignore_eos": True}
+    got = []
+    threads = [threading.Thread(target=lambda: got.append(
+        server.http.post("/v1/completions", json=body))) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    codes = sorted(r.status_code for r in got)
+    assert 200 in codes and 429 in codes and set(codes) == {200, 429}, codes
+    refused = next(r for r in got if r.status_code == 429)
+    assert refused.headers["retry-after"] == "1"
+    assert_error(refused, 429, "overloaded")
+
+    pb = server.pb
+    req = pb.GenerateRequest(model=TINY, text="hello", sampling=pb.SamplingParams(
+        max_tokens=150, ignore_eos=True))
+    codes = []
+
+    def call():
+        try:
+            list(server.stub.Generate(req, metadata=server.md))
+            codes.append(grpc.StatusCode.OK)
+        except grpc.RpcError as e:
+            codes.append(e.code())
+
+    threads = [threading.Thread(target=call) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert set(codes) == {grpc.StatusCode.OK, grpc.StatusCode.RESOURCE_EXHAUSTED}, codes
+
+
+@pytest.mark.slow
+def test_fuzzed_bodies_never_get_a_5xx(server):
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import strategies as st
+
+    scalar = st.none() | st.booleans() | st.integers(-2 ** 70, 2 ** 70) | \
+        st.floats(allow_nan=False) | st.text(max_size=12)
+    value = st.recursive(scalar, lambda c: st.lists(c, max_size=3) |
+                         st.dictionaries(st.text(max_size=8), c, max_size=3), max_leaves=6)
+    small = st.integers(-3, 4) | st.sampled_from(["3", 2.5, [], {}, "x", -1e9, 0.0])
+    message = st.fixed_dictionaries({"role": st.sampled_from(["user", "system", "assistant",
+                                                               "tool", "", "developer"]) | value,
+                                     "content": st.text(max_size=30) | value})
+    fields = {
+        "model": st.sampled_from([TINY, TINY, "nope", ""]) | value,
+        "messages": st.lists(message, max_size=3) | value,
+        "prompt": st.text(max_size=30) | st.lists(st.integers(-3, 1100), max_size=6) | value,
+        "temperature": st.floats(-1, 3) | value, "top_p": st.floats(-0.5, 1.5) | value,
+        "top_k": st.integers(-2, 50) | value, "min_p": st.floats(-0.5, 1.5) | value,
+        "n": st.integers(-1, 3) | value, "stop": st.text(max_size=3) | value,
+        "seed": st.integers(-2 ** 65, 2 ** 65) | value, "stream": st.booleans() | value,
+        "stream_options": st.fixed_dictionaries({"include_usage": st.booleans()}) | value,
+        "logprobs": st.booleans() | st.integers(-1, 7) | value,
+        "top_logprobs": st.integers(-1, 7) | value, "repetition_penalty": st.floats(-1, 3) | value,
+        "ignore_eos": st.booleans() | value, "stop_token_ids": st.lists(st.integers(-2, 5)) | value,
+        "tokens": st.lists(st.integers(-5, 1100), max_size=6) | value,
+        "add_special_tokens": value, "frequency_penalty": value, "tools": value,
+        "max_completion_tokens": small,
+    }
+    valid = {"/v1/chat/completions": {"model": TINY, "messages": [{"role": "user", "content": "hi"}]},
+             "/v1/completions": {"model": TINY, "prompt": "hi"},
+             "/tokenize": {"model": TINY, "prompt": "hi"},
+             "/detokenize": {"model": TINY, "tokens": [5, 6]}}
+    seen = {}
+
+    @st.composite
+    def request(draw):
+        """A valid body with up to four fields replaced, removed or added; or any bytes."""
+        path = draw(st.sampled_from(sorted(valid)))
+        if draw(st.integers(0, 9)) == 0:
+            return path, draw(st.one_of(value.map(json.dumps), st.binary(max_size=40)))
+        body = dict(valid[path], max_tokens=draw(small))  # kept: an absent one runs long
+        for k in draw(st.lists(st.sampled_from(sorted(fields)), max_size=4, unique=True)):
+            if k in body and draw(st.booleans()):
+                del body[k]
+            else:
+                body[k] = draw(fields[k])
+        return path, json.dumps(body)
+
+    @settings(max_examples=500, deadline=None, database=None,
+              suppress_health_check=list(HealthCheck))
+    @given(request())
+    def check(req):
+        path, data = req
+        r = server.http.post(path, content=data, headers={"Content-Type": "application/json"})
+        seen[r.status_code] = seen.get(r.status_code, 0) + 1
+        assert r.status_code < 500, (path, data, r.text)
+        assert "Traceback" not in r.text and 'File "' not in r.text
+        if r.status_code >= 400:
+            assert set(r.json()["error"]) == {"message", "type", "param", "code"}
+
+    check()
+    assert sum(seen.values()) >= 500 and seen.get(200) and seen.get(400), seen
+    ok = server.http.post("/v1/chat/completions", json={"model": SMOL, "messages": QUESTION,
+                                                         "max_tokens": 4, "temperature": 0})
+    assert ok.status_code == 200, ok.text
+
+
+# ------------------------------------------------------------------------------------- faults
+
+def wait_for(predicate, timeout=60, every=0.1):
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if predicate():
+            return True
+        time.sleep(every)
+    return False
+
+
+def test_a_client_that_hangs_up_frees_its_slot(server):
+    before = server.model_stats(SMOL)["cancelled"]
+    with server.http.stream("POST", "/v1/chat/completions", json={
+            "model": SMOL, "messages": QUESTION, "max_tokens": 300, "ignore_eos": True,
+            "stream": True}) as r:
+        lines = r.iter_lines()
+        for _ in range(3):
+            next(line for line in lines if line)
+    # the connection is closed here, mid-stream
+    assert wait_for(lambda: (st := server.model_stats(SMOL))["cancelled"] == before + 1
+                    and st["running"] == 0 and st["slots_used"] == 0, timeout=20), \
+        server.model_stats(SMOL)
+
+    pb = server.pb
+    stream = server.stub.Generate(pb.GenerateRequest(model=SMOL, text="Tell me a story", sampling=pb.SamplingParams(
+        max_tokens=300, ignore_eos=True)), metadata=server.md)
+    next(stream), next(stream)
+    stream.cancel()
+    assert wait_for(lambda: (st := server.model_stats(SMOL))["cancelled"] == before + 2
+                    and st["slots_used"] == 0, timeout=20), server.model_stats(SMOL)
+
+
+@pytest.mark.slow
+def test_an_actor_killed_mid_stream_fails_retryably_and_the_model_recovers(server):
+    h = server.http
+    greedy = {"model": SMOL, "prompt": "The capital of France is", "max_tokens": 8,
+              "temperature": 0}
+    want = h.post("/v1/completions", json=greedy).json()["choices"][0]["text"]
+    pids = server.model_stats(SMOL)["pids"]
+    events, health = [], []
+    with h.stream("POST", "/v1/chat/completions", json={
+            "model": SMOL, "messages": QUESTION, "max_tokens": 400, "ignore_eos": True,
+            "stream": True}) as r:
+        for line in r.iter_lines():
+            if line:
+                events.append(line)
+            if len(events) == 3:
+                os.kill(pids["cold.0"], signal.SIGKILL)
+    assert events[-1] == "data: [DONE]"
+    err = json.loads(events[-2][len("data: "):])["error"]
+    assert err["code"] == 503 and err["type"] == "service_unavailable_error", err
+    # /health says so until the group is rebuilt, then the model answers again
+    assert wait_for(lambda: health.append(httpx.get(server.url + "/health").status_code)
+                    or health[-1] == 200, timeout=180, every=0.2), health
+    assert 503 in health
+    assert h.post("/v1/completions", json=greedy).json()["choices"][0]["text"] == want
+    assert server.model_stats(SMOL)["restarts"] == 1
+
+    # gRPC: the same on the other model, which the first one's rebuild left untouched
+    pb = server.pb
+    tiny_pids = server.model_stats(TINY)["pids"]
+    stream = server.stub.Generate(pb.GenerateRequest(model=TINY, text="hello", sampling=pb.SamplingParams(
+        max_tokens=500, ignore_eos=True)), metadata=server.md)
+    next(stream)
+    os.kill(tiny_pids["hot"], signal.SIGKILL)
+    with pytest.raises(grpc.RpcError) as info:
+        list(stream)
+    assert info.value.code() == grpc.StatusCode.UNAVAILABLE, info.value.details()
+    server.wait_healthy(timeout=180)
+    assert server.model_stats(TINY)["restarts"] == 1
+
+
+# ----------------------------------------------------------------------------------- security
+
+def test_ray_refuses_a_process_without_the_token(server, tmp_path):
+    import ray
+    gcs = ray.get_runtime_context().gcs_address
+    assert not gcs.startswith("127."), gcs  # the machine's address, where others could reach it
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
+    env["HOME"] = str(tmp_path)
+    code = ("import ray\n"
+            "try:\n"
+            f"    ray.init(address={gcs!r}, logging_level='error')\n"
+            "    print('JOINED', ray.get(ray.remote(lambda: 1).remote()))\n"
+            "except Exception as e:\n"
+            "    print('REFUSED', type(e).__name__)\n")
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                       timeout=120)
+    assert "REFUSED" in r.stdout and "JOINED" not in r.stdout, r.stdout + r.stderr[-2000:]
+
+
+def test_front_ends_listen_on_loopback_only(server):
+    import psutil
+    listening = [c for c in psutil.net_connections(kind="inet") if c.status == psutil.CONN_LISTEN
+                 and c.laddr.port in (server.port, server.grpc_port)]
+    assert {c.laddr.port for c in listening} == {server.port, server.grpc_port}
+    assert {c.laddr.ip for c in listening} <= {"127.0.0.1", "::ffff:127.0.0.1"}, listening
+
+
+def test_sigterm_stops_the_server_and_leaves_nothing_behind(server):
+    import ray
+    ray.shutdown()
+    server.proc.send_signal(signal.SIGTERM)
+    assert server.proc.wait(timeout=120) == 0, server.tail()
+    assert wait_for(lambda: not (ray_pids() - server.ray_before), timeout=30), \
+        ray_pids() - server.ray_before
+    assert not list(Path("/dev/shm").glob("powerinfer-*"))
