@@ -79,16 +79,17 @@ class ActorEngine:
                     yield ev
 
     async def agenerate(self, prompt: list[int], params: SamplingParams,
-                        request_id: str | None = None) -> AsyncIterator[dict]:
-        """`generate` for asyncio callers (the Serve app)."""
+                        request_id: str | None = None) -> AsyncIterator[list[dict]]:
+        """`generate` for asyncio callers (the Serve app), in lists of the events that arrived
+        together (a caller that falls behind gets fewer, larger items)."""
         import asyncio
         group = await asyncio.get_running_loop().run_in_executor(None, self._group)
         rid = request_id or uuid.uuid4().hex
         with self._request(group, rid) as req:
             async for ref in group.scheduler.generate.remote(rid, list(prompt), params):
-                for ev in self._events(group, await ref):
-                    req.ended = req.ended or bool(ev["finish_reason"])
-                    yield ev
+                events = list(self._events(group, await ref))
+                req.ended = req.ended or any(ev["finish_reason"] for ev in events)
+                yield events
 
     @contextlib.contextmanager
     def _request(self, group: ActorGroup, rid: str):

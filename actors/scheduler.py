@@ -229,7 +229,7 @@ class Scheduler:
                     self._finish(req, "cancelled")
                 else:
                     self._release(req)
-                    self.counters["finished"] += 1
+                    self.counters["failed" if req.seq.finish_reason == "error" else "finished"] += 1
 
     def _finish(self, req: Request, reason: str):
         req.emit({"text": "", "token": -1, "finish_reason": reason})
@@ -286,7 +286,12 @@ class Scheduler:
     def _sample(self, reqs: list[Request], logits: torch.Tensor, queued_since: float | None = None):
         for j, r in enumerate(reqs):
             s = r.seq
-            token, text = sample_next(s, logits[j])
+            try:
+                token, text = sample_next(s, logits[j])
+            except RuntimeError as e:  # this request's distribution, not the group, is broken
+                r.fail("invalid_request", f"sampling failed with these parameters: {e}", False)
+                s.finish("error", "")
+                continue
             self.counters["tokens"] += 1
             event = {"text": text, "token": token, "finish_reason": s.finish_reason}
             if queued_since is not None:  # the request's first token

@@ -36,7 +36,9 @@ def sample(logits: torch.Tensor, p: SamplingParams, history: list[int],
         keep &= probs >= p.min_p * probs[0]
     keep[0] = True
     vals, idx = vals[keep], idx[keep]
-    probs = torch.softmax(vals / p.temperature, dim=-1)
+    # from the largest logit down and in float64, so that a tiny temperature gives 0 and -inf
+    # (float32 would round it to 0 and divide 0 by 0)
+    probs = torch.softmax((vals - vals[0]).double() / p.temperature, dim=-1)
     return int(idx[torch.multinomial(probs, 1, generator=generator)])
 
 

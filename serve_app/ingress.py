@@ -240,7 +240,7 @@ class Ingress:
     async def _respond(self, kind: str, body, prompts: list, sampling: dict):
         streams = self._streams(body.model, prompts, sampling, body.n)
         rid = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
-        fmt = OpenAIFormat(kind, rid, body.model, sampling.get("logprobs") is not None)
+        fmt = OpenAIFormat(kind, rid, body.model, sampling.get("logprobs") is not None, body.n)
         if not body.stream:
             choices, prompt_tokens = await collect(streams)
             return Response(fmt.whole(choices, prompt_tokens).model_dump_json(),

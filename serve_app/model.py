@@ -103,6 +103,8 @@ class ModelServer:
                 "waiting": sched.get("waiting", 0), "max_batch": self.spec.max_batch,
                 "slots_used": self.spec.max_batch - sched.get("free_slots", self.spec.max_batch),
                 "cancelled": sched.get("cancelled", 0), "finished": sched.get("finished", 0),
+                **{k: sched.get(k, 0) for k in ("prefill_steps", "prefill_s", "decode_steps",
+                                                "decode_rows", "decode_s")},
                 "pids": st["pids"]}
 
     # ---- the interface the ingress uses ----
@@ -154,10 +156,11 @@ class ModelServer:
             return
         first = {"prompt_tokens": len(ids)}
         try:
-            async for ev in engine.agenerate(ids, params, req.request_id):
-                if "top_logprobs" in ev:
-                    self._name_tokens(engine, ev)
-                yield {**first, "events": [ev]}
+            async for events in engine.agenerate(ids, params, req.request_id):
+                for ev in events:
+                    if "top_logprobs" in ev:
+                        self._name_tokens(engine, ev)
+                yield {**first, "events": events}
                 first = {}
         except (PowerInferError, ValueError) as e:
             yield error_value(e)

@@ -69,15 +69,17 @@ async def merge(streams: list[AsyncIterator[Piece]]) -> AsyncIterator[Piece]:
             t.cancel()
 
 
-async def collect(streams) -> tuple[list[Choice], int]:
+async def collect(streams) -> tuple[list[Choice], dict[int, int]]:
+    """Every choice to its end, and each choice's prompt length."""
     choices = [Choice(i) for i in range(len(streams))]
-    prompt_tokens = 0
+    prompt_tokens = {}
     async for p in merge(streams):
         c = choices[p.index]
         c.text += p.text
         c.events += p.events
         c.finish_reason = p.finish_reason or c.finish_reason
-        prompt_tokens += p.prompt_tokens or 0
+        if p.prompt_tokens is not None:
+            prompt_tokens[p.index] = p.prompt_tokens
     return choices, prompt_tokens
 
 
@@ -102,14 +104,20 @@ async def primed(streams) -> AsyncIterator[Piece]:
 class OpenAIFormat:
     """OpenAI bodies for chat ("chat") or legacy completions ("completion")."""
 
-    def __init__(self, kind: str, rid: str, model: str, logprobs: bool):
+    def __init__(self, kind: str, rid: str, model: str, logprobs: bool, n: int):
         self.kind, self.id, self.model, self.logprobs = kind, rid, model, logprobs
+        self.n = n  # choices a prompt: choice i answers prompt i // n
         self.created = int(time.time())
 
-    def whole(self, choices: list[Choice], prompt_tokens: int):
+    def usage(self, prompt_tokens: dict[int, int], completion: int) -> oa.Usage:
+        """Each prompt counted once, however many choices answer it (as OpenAI counts)."""
+        prompt = sum(t for i, t in prompt_tokens.items() if i % self.n == 0)
+        return oa.Usage(prompt_tokens=prompt, completion_tokens=completion,
+                        total_tokens=prompt + completion)
+
+    def whole(self, choices: list[Choice], prompt_tokens: dict[int, int]):
         completion = sum(ev["token"] >= 0 for c in choices for ev in c.events)
-        usage = oa.Usage(prompt_tokens=prompt_tokens, completion_tokens=completion,
-                         total_tokens=prompt_tokens + completion)
+        usage = self.usage(prompt_tokens, completion)
         if self.kind == "chat":
             return oa.ChatCompletion(id=self.id, created=self.created, model=self.model, usage=usage,
                                      choices=[oa.ChatChoice(
@@ -123,32 +131,20 @@ class OpenAIFormat:
                                  for c in choices])
 
     async def sse(self, pieces: AsyncIterator[Piece], include_usage: bool):
-        prompt_tokens = completion = 0
-        offsets: dict[int, int] = {}
+        """Server-sent events: one chunk per token (as OpenAI sends them), the usage chunk when
+        asked, an error event if the stream fails after it started, then [DONE]."""
+        prompt_tokens, completion = {}, 0
+        offsets: dict[int, int] = {}  # choice -> characters of text sent so far
         try:
             async for p in pieces:
-                prompt_tokens += p.prompt_tokens or 0
-                completion += sum(ev["token"] >= 0 for ev in p.events)
-                if self.kind == "chat":
-                    chunk = oa.ChatCompletionChunk(
-                        id=self.id, created=self.created, model=self.model,
-                        choices=[oa.ChunkChoice(
-                            index=p.index, finish_reason=p.finish_reason,
-                            delta=oa.Delta(role="assistant" if p.prompt_tokens else None,
-                                           content=p.text),
-                            logprobs=self._chat_logprobs(p.events))])
-                else:
-                    at = offsets.get(p.index, 0)
-                    offsets[p.index] = at + len(p.text)
-                    chunk = oa.Completion(
-                        id=self.id, created=self.created, model=self.model,
-                        choices=[oa.CompletionChoice(
-                            index=p.index, text=p.text, finish_reason=p.finish_reason,
-                            logprobs=self._completion_logprobs(p.events, at))])
-                yield _event(chunk.model_dump_json())
+                if p.prompt_tokens is not None:
+                    prompt_tokens[p.index] = p.prompt_tokens
+                for k, ev in enumerate(p.events):
+                    completion += ev["token"] >= 0
+                    first = k == 0 and p.prompt_tokens is not None
+                    yield _event(self._chunk(p.index, ev, first, offsets).model_dump_json())
             if include_usage:
-                usage = oa.Usage(prompt_tokens=prompt_tokens, completion_tokens=completion,
-                                 total_tokens=prompt_tokens + completion)
+                usage = self.usage(prompt_tokens, completion)
                 cls = oa.ChatCompletionChunk if self.kind == "chat" else oa.Completion
                 yield _event(cls(id=self.id, created=self.created, model=self.model, choices=[],
                                  usage=usage).model_dump_json())
@@ -160,6 +156,20 @@ class OpenAIFormat:
         finally:
             await pieces.aclose()  # a client that went away cancels every choice's stream
         yield _event("[DONE]")
+
+    def _chunk(self, index: int, ev: dict, first: bool, offsets: dict[int, int]):
+        if self.kind == "chat":
+            return oa.ChatCompletionChunk(
+                id=self.id, created=self.created, model=self.model, choices=[oa.ChunkChoice(
+                    index=index, finish_reason=ev["finish_reason"],
+                    delta=oa.Delta(role="assistant" if first else None, content=ev["text"]),
+                    logprobs=self._chat_logprobs([ev]))])
+        at = offsets.get(index, 0)
+        offsets[index] = at + len(ev["text"])
+        return oa.Completion(
+            id=self.id, created=self.created, model=self.model, choices=[oa.CompletionChoice(
+                index=index, text=ev["text"], finish_reason=ev["finish_reason"],
+                logprobs=self._completion_logprobs([ev], at))])
 
     def _chat_logprobs(self, events: list[dict]) -> oa.ChatLogprobs | None:
         if not self.logprobs:

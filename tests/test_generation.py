@@ -101,6 +101,8 @@ def test_sampling_filters():
     assert {sample(logits, p, [], g) for _ in range(200)} == {0, 1}
     p = SamplingParams(temperature=1.0, top_k=0, top_p=0.5, min_p=0.0)
     assert {sample(torch.tensor([3.0, 2.0, 1.0]), p, [], g) for _ in range(50)} == {0}
+    tiny = SamplingParams(temperature=1e-300, top_k=0, top_p=1.0, min_p=0.0)  # no inf - inf
+    assert {sample(torch.tensor([1.0, 3.0, 2.0]), tiny, [], g) for _ in range(20)} == {1}
     p = SamplingParams(temperature=0, repetition_penalty=2.0)
     assert sample(torch.tensor([2.0, 1.5]), p, [0], None) == 1  # 2.0/2 < 1.5
     assert sample(torch.tensor([2.0, 1.5]), p, [1], None) == 0

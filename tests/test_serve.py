@@ -196,8 +196,11 @@ def test_seeds_reproduce_and_n_choices(server):
     texts = [client.completions.create(seed=s, **ask).choices[0].text for s in (1, 1, 2, 3)]
     assert texts[0] == texts[1]
     assert len(set(texts[1:])) > 1
+    one = client.completions.create(seed=1, **ask)
     two = client.completions.create(seed=1, n=2, **ask)
     assert [c.index for c in two.choices] == [0, 1]
+    assert two.usage.prompt_tokens == one.usage.prompt_tokens  # a prompt counts once
+    assert two.usage.completion_tokens == 2 * one.usage.completion_tokens
     assert two.choices[0].text == texts[0]  # choice i samples with seed + i
     assert two.choices[1].text == texts[2]
 
@@ -358,6 +361,16 @@ def test_errors_have_status_codes_and_the_openai_shape(server):
                                         "ignore_eos": True, "temperature": 0})
     assert r.status_code == 200 and r.json()["usage"]["total_tokens"] == 512
     assert httpx.get(server.url + "/health").status_code == 200  # open, like /metrics
+    # extreme sampling values fail (if at all) their own request, never the model's group
+    restarts = server.model_stats(TINY)["restarts"]
+    odd = {"model": TINY, "prompt": "hello world, this is a test", "max_tokens": 3}
+    assert h.post("/v1/completions", json={**odd, "temperature": 1e-300}).status_code == 200
+    r = h.post("/v1/completions", json={**odd, "temperature": 1, "top_k": 0,
+                                        "repetition_penalty": 1e-45})
+    if r.status_code != 200:
+        assert_error(r, 400, "sampling failed")
+    assert h.post("/v1/completions", json=odd).status_code == 200
+    assert server.model_stats(TINY)["restarts"] == restarts
 
     pb, stub = server.pb, server.stub
     ask = pb.GenerateRequest(model=SMOL, text="hi", sampling=pb.SamplingParams(max_tokens=2))
@@ -522,7 +535,8 @@ def test_an_actor_killed_mid_stream_fails_retryably_and_the_model_recovers(serve
     greedy = {"model": SMOL, "prompt": "The capital of France is", "max_tokens": 8,
               "temperature": 0}
     want = h.post("/v1/completions", json=greedy).json()["choices"][0]["text"]
-    pids = server.model_stats(SMOL)["pids"]
+    before = server.model_stats(SMOL)
+    pids = before["pids"]
     events, health = [], []
     with h.stream("POST", "/v1/chat/completions", json={
             "model": SMOL, "messages": QUESTION, "max_tokens": 400, "ignore_eos": True,
@@ -540,11 +554,12 @@ def test_an_actor_killed_mid_stream_fails_retryably_and_the_model_recovers(serve
                     or health[-1] == 200, timeout=180, every=0.2), health
     assert 503 in health
     assert h.post("/v1/completions", json=greedy).json()["choices"][0]["text"] == want
-    assert server.model_stats(SMOL)["restarts"] == 1
+    assert server.model_stats(SMOL)["restarts"] == before["restarts"] + 1
 
     # gRPC: the same on the other model, which the first one's rebuild left untouched
     pb = server.pb
-    tiny_pids = server.model_stats(TINY)["pids"]
+    tiny = server.model_stats(TINY)
+    tiny_pids = tiny["pids"]
     stream = server.stub.Generate(pb.GenerateRequest(model=TINY, text="hello", sampling=pb.SamplingParams(
         max_tokens=500, ignore_eos=True)), metadata=server.md)
     next(stream)
@@ -553,7 +568,7 @@ def test_an_actor_killed_mid_stream_fails_retryably_and_the_model_recovers(serve
         list(stream)
     assert info.value.code() == grpc.StatusCode.UNAVAILABLE, info.value.details()
     server.wait_healthy(timeout=180)
-    assert server.model_stats(TINY)["restarts"] == 1
+    assert server.model_stats(TINY)["restarts"] == tiny["restarts"] + 1
 
 
 # ----------------------------------------------------------------------------------- security

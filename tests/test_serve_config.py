@@ -1,0 +1,91 @@
+"""The serving contract without a server: the generated gRPC stubs match the .proto, serving
+configs are validated with errors that name the problem, and request bodies are checked at the
+edge the way the OpenAI API checks them."""
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+from pydantic import ValidationError
+
+from powerinfer.errors import ConfigError
+from serve_app import openai_schema as oa
+from serve_app.settings import ServeSettings
+
+ROOT = Path(__file__).resolve().parent.parent
+PROTO = "protos/powerinfer/v1/inference.proto"
+
+
+def test_generated_stubs_match_the_proto(tmp_path):
+    subprocess.run([sys.executable, "-m", "grpc_tools.protoc", "-I.", f"--python_out={tmp_path}",
+                    f"--grpc_python_out={tmp_path}", PROTO], cwd=ROOT, check=True)
+    for name in ("inference_pb2.py", "inference_pb2_grpc.py"):
+        fresh = (tmp_path / "protos/powerinfer/v1" / name).read_text()
+        assert (ROOT / "protos/powerinfer/v1" / name).read_text() == fresh, \
+            f"{name} is stale: run `make protos`"
+
+
+def test_the_serve_config_file_builds_the_application():
+    """`serve run serve_app/config.yaml` builds the app from these args."""
+    from serve_app.app import GRPC_SERVICER, build_app
+    cfg = yaml.safe_load((ROOT / "serve_app/config.yaml").read_text())
+    assert cfg["grpc_options"]["grpc_servicer_functions"] == [GRPC_SERVICER]
+    app_cfg, = cfg["applications"]
+    assert app_cfg["import_path"] == "serve_app.app:build_app"
+    assert build_app(app_cfg["args"]) is not None
+    settings = ServeSettings.from_dict(app_cfg["args"])
+    assert [m.name for m in settings.models] == ["smollm2-135m-instruct"]
+
+
+@pytest.mark.parametrize("cfg,needle", [
+    ({}, "'models'"),
+    ({"models": []}, "at least one model"),
+    ({"models": [{"name": "a"}]}, "'name' and a 'model'"),
+    ({"models": [{"name": "a", "model": "x", "colde_executors": 2}]}, "colde_executors"),
+    ({"models": [{"name": "a", "model": "x"}, {"name": "a", "model": "y"}]}, "repeated: a"),
+    ({"models": [{"name": "../x", "model": "x"}]}, "model name"),
+    ({"models": [{"name": "a", "model": "x", "device": "tpu"}]}, "device"),
+    ({"models": [{"name": "a", "model": "x"}], "max_body": 5}, "max_body"),
+])
+def test_bad_serving_configs_name_the_problem(cfg, needle):
+    with pytest.raises(ConfigError, match=needle.replace(".", r"\.")):
+        ServeSettings.from_dict(cfg)
+
+
+def test_api_key_comes_from_the_environment(monkeypatch):
+    monkeypatch.setenv("POWERINFER_API_KEY", "k1")
+    assert ServeSettings.from_dict({"models": [{"name": "a", "model": "x"}]}).api_key == "k1"
+    explicit = ServeSettings.from_dict({"models": [{"name": "a", "model": "x"}], "api_key": "k2"})
+    assert explicit.api_key == "k2"
+
+
+def test_request_bodies_map_to_engine_sampling():
+    r = oa.ChatCompletionRequest.model_validate({
+        "model": "m", "messages": [{"role": "developer", "content": [{"type": "text", "text": "a"},
+                                                                    {"type": "text", "text": "b"}]}],
+        "max_completion_tokens": 7, "temperature": 0, "stop": "x", "top_k": -1, "logprobs": True,
+        "top_logprobs": 2, "user": "someone", "unknown_field": 1})
+    assert r.messages[0].as_template_input() == {"role": "system", "content": "ab"}
+    assert r.engine_sampling() == {"max_tokens": 7, "temperature": 0.0, "top_k": 0, "stop": "x",
+                                   "ignore_eos": False, "logprobs": 2}
+    c = oa.CompletionRequest.model_validate({"model": "m", "prompt": [[1, 2], [3]], "n": 2})
+    assert c.prompts() == [[1, 2], [3]] and c.engine_sampling()["max_tokens"] == 16
+
+
+@pytest.mark.parametrize("body,needle", [
+    ({"model": "m", "messages": [], "max_tokens": 1}, "at least 1"),
+    ({"model": "m", "messages": [{"role": "tool", "content": "x"}]}, "role"),
+    ({"model": "m", "messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, "logprobs"),
+    ({"model": "m", "messages": [{"role": "user", "content": "x"}], "presence_penalty": 1}, "repetition_penalty"),
+    ({"model": "m", "messages": [{"role": "user", "content": "x"}], "stream_options": {}}, "stream"),
+    ({"model": "m", "messages": [{"role": "user", "content": "x"}], "n": 17}, "16"),
+])
+def test_chat_bodies_the_engine_cannot_honour_are_refused(body, needle):
+    with pytest.raises(ValidationError, match=needle):
+        oa.ChatCompletionRequest.model_validate(body)
+
+
+def test_completion_choices_are_bounded():
+    with pytest.raises(ValidationError, match="choices"):
+        oa.CompletionRequest.model_validate({"model": "m", "prompt": ["a"] * 9, "n": 2})
