@@ -1,12 +1,14 @@
-"""Ray Serve's gRPC proxy on one host (a workaround for Ray Serve 2.60, run in Ray workers)."""
+"""Ray Serve's gRPC proxy on one host, and without a traceback in its log for every status code
+the application sets (workarounds for Ray Serve 2.60, run in Ray workers)."""
 from __future__ import annotations
 
 GRPC_HOST_ENV = "POWERINFER_GRPC_HOST"
 
 
-def bind_serve_grpc_to_host():
+def setup_serve_worker():
     """A Ray `worker_process_setup_hook`: make Ray Serve's gRPC proxy listen on the host in
-    POWERINFER_GRPC_HOST instead of every interface.
+    POWERINFER_GRPC_HOST instead of every interface, and log the status codes the application
+    sets in one line.
 
     Ray Serve 2.60 binds its gRPC proxy to `[::]:PORT` (`ray.serve._private.grpc_util.
     start_grpc_server` through `default_impl.add_grpc_address`) and has no option for the host,
@@ -23,6 +25,8 @@ def bind_serve_grpc_to_host():
         return
 
     def patch(module):
+        import logging
+        logging.getLogger("ray.serve").addFilter(_status_codes_in_one_line)
         add = module.add_grpc_address
 
         def add_grpc_address(server, address: str):
@@ -31,6 +35,15 @@ def bind_serve_grpc_to_host():
         module.add_grpc_address = add_grpc_address
 
     _after_import("ray.serve._private.default_impl", patch)
+
+
+def _status_codes_in_one_line(record) -> bool:
+    """The proxy logs each status code a gRPC method sets (UNAUTHENTICATED, NOT_FOUND...) as an
+    error with a traceback; it is the answer the application chose, so one INFO line says it."""
+    if record.getMessage().startswith("Request failed with user-set gRPC status code"):
+        record.exc_info, record.exc_text = None, None
+        record.levelno, record.levelname = 20, "INFO"
+    return True
 
 
 def _after_import(name: str, then):

@@ -155,6 +155,19 @@ def _model_info(s: dict):
                            error=s["error"] or "")
 
 
+class _NoClientErrorTracebacks(logging.Filter):
+    """Serve logs every exception a gRPC method raises, with its traceback; an ApiError is how a
+    method sets its status code (a client's mistake or a retryable state), not a server fault."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        e = record.exc_info[1] if record.exc_info else None
+        while e is not None:
+            if isinstance(e, ApiError):
+                return False
+            e = e.__cause__
+        return True
+
+
 @serve.deployment(max_ongoing_requests=4096, ray_actor_options={"num_cpus": 0})
 @serve.ingress(app)
 class Ingress:
@@ -163,6 +176,7 @@ class Ingress:
         self.api_key = api_key.encode()
         self.max_body_bytes = max_body_bytes
         self.metrics = Metrics()
+        logger.addFilter(_NoClientErrorTracebacks())
 
     # ------------------------------------------------------------------------- HTTP routes
 

@@ -93,8 +93,9 @@ class ModelServer:
             raise RuntimeError(f"model {self.spec.name}: health probe failed: {h.get('error')}")
 
     async def stats(self) -> dict:
-        """Scheduler counters for the metrics, and the group's process ids ({} until loaded)."""
-        if self._state() not in ("ready", "rebuilding"):
+        """Scheduler counters for the metrics, and the group's process ids ({} unless ready:
+        during a rebuild there is no scheduler to ask)."""
+        if self._state() != "ready":
             return {}
         engine = self.engine
         st = await asyncio.get_running_loop().run_in_executor(None, engine.stats)

@@ -63,7 +63,7 @@ def serve_forever(settings: ServeSettings, front: Frontend, demo: bool = False) 
 
     check_stubs()
     joined = bool(os.environ.get("RAY_ADDRESS"))
-    ray_init(runtime_env={"worker_process_setup_hook": "serve_app.grpc_host.bind_serve_grpc_to_host",
+    ray_init(runtime_env={"worker_process_setup_hook": "serve_app.grpc_host.setup_serve_worker",
                           "env_vars": {GRPC_HOST_ENV: front.host}})
     # SIGTERM stops the server as Ctrl-C does (a handler that only raises takes no lock that
     # the interrupted code may hold)
