@@ -214,10 +214,12 @@ def _serve(args) -> int:
 
 
 def _read_yaml(path: str) -> dict:
+    from pathlib import Path
+
     import yaml
 
     try:
-        return yaml.safe_load(open(path)) or {}
+        return yaml.safe_load(Path(path).read_text()) or {}
     except (OSError, yaml.YAMLError) as e:
         raise ConfigError(f"cannot read serving config {path}: {e}") from e
 
