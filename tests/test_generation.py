@@ -108,12 +108,32 @@ def test_sampling_filters():
     assert sample(torch.tensor([2.0, 1.5]), p, [1], None) == 0
 
 
+def last_logits(m: PowerInfer, ids: list[int]) -> torch.Tensor:
+    """The model's logits (V,) after `ids`, from a fresh prefill of cache slot 0."""
+    T = len(ids)
+    with torch.inference_mode():
+        return m.engine._forward(torch.tensor([ids]), torch.arange(T)[None], T, None,
+                                 torch.tensor([T - 1]))[0, -1].float()
+
+
+def assert_same_or_near_tie(ref: PowerInfer, prompt: list[int], want: list[int], got: list[int],
+                            tol: float):
+    """Greedy tokens agree up to the first difference, and there the reference's logits hold the
+    two choices within `tol` of each other: a near-tie that rounding may flip on another CPU."""
+    k = next((i for i, (a, b) in enumerate(zip(want, got)) if a != b), None)
+    if k is None:
+        return
+    logits = last_logits(ref, prompt + want[:k])
+    margin = float(logits[want[k]] - logits[got[k]])
+    assert margin <= tol, f"token {k}: {want[k]} against {got[k]}, margin {margin:.4f} > {tol}"
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("dtype,weights,exact", [("float32", "dense", 32), ("bfloat16", "int4", 8)])
-def test_compiled_decode_matches_eager(dtype, weights, exact):
-    # The compiled step takes other code paths (multiply-reduce GEMV, decode attention). In fp32
-    # the greedy tokens must agree throughout; in bf16 the rounding differs between the paths,
-    # so near-ties may flip later and only the first tokens must agree.
+@pytest.mark.parametrize("dtype,weights,tol", [("float32", "dense", 1e-3), ("bfloat16", "int4", 0.25)])
+def test_compiled_decode_matches_eager(dtype, weights, tol):
+    # The compiled step takes other code paths (multiply-reduce GEMV, decode attention) that sum
+    # in another order: greedy tokens must agree until a near-tie (within the dtype's rounding,
+    # judged on the eager logits) flips them, which happens on some CPUs in bf16.
     kw = dict(max_new_tokens=32, temperature=0, ignore_eos=True)
     prompts = ["The history of computing is a story of ideas that took decades to mature.",
                "The capital of France is"]  # decoded together: two rows at two positions
@@ -127,6 +147,7 @@ def test_compiled_decode_matches_eager(dtype, weights, exact):
             seqs = [m.engine.new_sequence(i, SamplingParams(max_tokens=32, temperature=0,
                                                             ignore_eos=True)) for i in ids]
             list(m.engine.run(seqs))
-            outs.append([s.output[:exact] for s in seqs])
-        assert outs[0] == outs[1]
+            outs.append([s.output for s in seqs])
+        for prompt, want, got in zip(ids, *outs):
+            assert_same_or_near_tie(eager, prompt, want, got, tol)
     assert "Paris" in compiled.generate("The capital of France is", **kw)
