@@ -16,7 +16,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from cluster.topology import CorePlan, Topology, plan_cores
 from powerinfer.config import Config
-from powerinfer.errors import EngineFailedError
+from powerinfer.errors import ConfigError, EngineFailedError
 from powerinfer.model import ModelArgs
 from powerinfer.plan import SparsePlan
 
@@ -62,7 +62,7 @@ class ActorGroup:
                                   self.spin_us)
         self.spec.create_all()
         try:
-            gpu = c.torch_device.type == "cuda"
+            gpu = self._wants_gpu()
             bundles = [{"CPU": CPU_SHARE, **({"GPU": 1} if gpu else {})}]
             bundles += [{"CPU": CPU_SHARE}] * (n + 2)
             self.pg = placement_group(bundles, strategy="STRICT_PACK")
@@ -96,6 +96,15 @@ class ActorGroup:
             self.spec.unlink_all()  # every actor has mapped them, or the start failed
         self.loops = [a.run.remote() for a in self.actors.values()]
         return self
+
+    def _wants_gpu(self) -> bool:
+        """The hot executor's device, decided against the cluster's GPUs (this process may see
+        none: Ray hides GPUs from the processes it did not give one)."""
+        gpus = ray.cluster_resources().get("GPU", 0)
+        if self.config.device == "cuda" and gpus < 1:
+            raise ConfigError("device='cuda' but the Ray cluster has no GPU; use device='cpu' "
+                              "or 'auto'")
+        return self.config.device == "cuda" or (self.config.device == "auto" and gpus >= 1)
 
     def broken(self) -> str | None:
         """Why the group is broken (an actor's loop ended: it died or failed), or None."""

@@ -1,7 +1,9 @@
 """Neuron-aware LLM inference in the spirit of PowerInfer."""
 from .api import PowerInfer
 from .config import Config, SamplingParams
-from .errors import InvalidRequestError, ModelLoadError, ModelNotFoundError, PowerInferError
+from .errors import (ConfigError, EngineFailedError, InvalidRequestError, ModelLoadError,
+                     ModelNotFoundError, OverloadedError, PowerInferError, RetryableError)
 
 __all__ = ["PowerInfer", "Config", "SamplingParams", "PowerInferError", "ModelLoadError",
-           "ModelNotFoundError", "InvalidRequestError"]
+           "ModelNotFoundError", "ConfigError", "InvalidRequestError", "RetryableError",
+           "OverloadedError", "EngineFailedError"]

@@ -36,9 +36,10 @@ class PowerInfer:
             self.model, self.engine = None, ActorEngine(str(checkpoint.path), config)
             self.tokenizer = self.engine.tokenizer
             return
+        device = config.torch_device  # a ConfigError of its own, not a load error
         try:
             self.model = Transformer.from_weights(checkpoint.args, checkpoint.weights,
-                                                  config.torch_dtype, config.torch_device)
+                                                  config.torch_dtype, device)
             if config.weights == "int4" and not apply_int4(self.model, checkpoint.q4):
                 raise ValueError("weights='int4' needs a GGUF file with Q4_0/Q4_1 projections")
             self.tokenizer = Tokenizer.from_source(checkpoint.tokenizer_source)

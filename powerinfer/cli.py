@@ -46,21 +46,26 @@ def _model_args(p: argparse.ArgumentParser):
     p.add_argument("--model", "-m", default=DEFAULT_MODEL,
                    help=f"GGUF file, Hugging Face folder or installed model name (default {DEFAULT_MODEL})")
     p.add_argument("--dtype", default="float32", help="float32 or bfloat16")
-    p.add_argument("--threads", type=int, default=0, help="CPU threads (0: all)")
-    p.add_argument("--ctx", type=int, default=0, help="context length of the KV cache")
+    p.add_argument("--threads", "-t", type=int, default=0, help="CPU threads (0: all)")
+    p.add_argument("--ctx-size", "-c", "--ctx", dest="ctx", type=int, default=0,
+                   help="context length of the KV cache (0: the model's, up to 2048)")
+    p.add_argument("--vram-budget", type=float, default=0.0, metavar="GB",
+                   help="GPU memory the hot neurons' placement may use")
     p.add_argument("--compile", action="store_true", help="torch.compile the decode step")
     p.add_argument("--weights", default="dense", choices=["dense", "int4"],
                    help="int4: keep the file's Q4_0/Q4_1 weights 4-bit (with --dtype bfloat16)")
     p.add_argument("--runtime", default="local", choices=["local", "actors"],
                    help="actors: the Ray actor runtime (scheduler, predictor, hot and cold executors)")
-    p.add_argument("--bundle", default="", help="sparsity bundle: compute the predicted-active neurons only")
+    p.add_argument("--bundle", "--predictor-path", dest="bundle", default="",
+                   help="sparsity bundle: compute the predicted-active neurons only")
     p.add_argument("--cold-executors", type=int, default=1, help="cold-neuron executors (--runtime actors)")
     p.add_argument("--verbose", "-v", action="store_true", help="print timings to stderr")
 
 
 def _sampling_args(p: argparse.ArgumentParser):
     p.add_argument("--max-tokens", "-n", type=int, default=128)
-    p.add_argument("--temperature", "-t", type=float, default=0.8)
+    # llama.cpp's spelling; -t is the thread count there and here
+    p.add_argument("--temp", "--temperature", dest="temperature", type=float, default=0.8)
     p.add_argument("--top-k", type=int, default=40)
     p.add_argument("--top-p", type=float, default=0.95)
     p.add_argument("--min-p", type=float, default=0.05)
@@ -75,7 +80,8 @@ def _load(args):
     t0 = time.perf_counter()
     config = Config(dtype=args.dtype, cpu_threads=args.threads, max_seq_len=args.ctx,
                     max_batch=1, compile=args.compile, weights=args.weights, runtime=args.runtime,
-                    bundle=args.bundle, cold_executors=args.cold_executors)
+                    bundle=args.bundle, cold_executors=args.cold_executors,
+                    vram_budget_gb=args.vram_budget)
     model = PowerInfer.from_pretrained(args.model, config=config)
     if args.verbose:
         print(f"[loaded {args.model} in {time.perf_counter() - t0:.1f} s]", file=sys.stderr)

@@ -78,8 +78,12 @@ class Config:
 
     @property
     def torch_device(self) -> torch.device:
+        """The device this process computes on; a typed error where "cuda" finds no device."""
         if self.device == "auto":
             return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        if self.device == "cuda" and not torch.cuda.is_available():
+            raise ConfigError("device='cuda' but this process sees no CUDA device "
+                              "(torch.cuda.is_available() is False); use device='cpu' or 'auto'")
         return torch.device(self.device)
 
 

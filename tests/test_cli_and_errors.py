@@ -18,8 +18,9 @@ def run(*args, stdin=None):
 
 
 def test_generate_answers_paris():
-    r = run("generate", "--model", "smollm2-135m-instruct", "--prompt", "The capital of France is",
-            "--max-tokens", "8", "--temperature", "0")
+    # llama.cpp's flags: -t is the thread count, --temp the temperature
+    r = run("generate", "-m", "smollm2-135m-instruct", "-p", "The capital of France is",
+            "-n", "8", "--temp", "0", "-t", "1", "-c", "256")
     assert r.returncode == 0, r.stderr
     assert "Paris" in r.stdout
 
@@ -74,7 +75,7 @@ def test_cli_reports_load_error_and_exits_1(tmp_path):
     assert "Traceback" not in r.stderr
 
 
-def test_unknown_architecture_and_shape_mismatch(tmp_path):
+def test_unknown_architecture_is_named(tmp_path):
     (tmp_path / "config.json").write_text('{"model_type": "gpt_neox"}')
     with pytest.raises(ModelLoadError, match="unknown architecture model_type='gpt_neox'"):
         load_checkpoint(tmp_path)
@@ -94,3 +95,11 @@ def test_tensor_shape_mismatch_names_tensor(tmp_path):
     save_file({"model.embed_tokens.weight": torch.zeros(32, 8)}, tmp_path / "model.safetensors")
     with pytest.raises(ModelLoadError, match=r"tensor embed has shape \(32, 8\), expected \(32, 16\)"):
         PowerInfer.from_pretrained(tmp_path)
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="needs a machine without CUDA")
+def test_cuda_without_a_gpu_is_a_config_error():
+    from powerinfer import Config, ConfigError, PowerInfer
+
+    with pytest.raises(ConfigError, match="no CUDA device"):
+        PowerInfer.from_pretrained(config=Config(device="cuda"))
