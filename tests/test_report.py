@@ -29,7 +29,7 @@ def make_bundle(path, *, placement=True, predictors=True, quality=False) -> Bund
         hot = {f"hot.{i}": (tensors[f"mass.{i}"] >= np.quantile(tensors[f"mass.{i}"], 0.75)).astype(np.uint8)
                for i in range(L)}
         b.save_tensors("placement.safetensors", hot)
-        b.save_json("placement.json", {"budget": 3 * 2**30, "objective": 0.81})
+        b.save_json("placement.json", {"budget_bytes": 3 * 2**30, "objective": 0.81})
         b.mark("placement")
     if predictors:
         b.save_json("predictors.ffn.json", [

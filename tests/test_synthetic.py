@@ -69,7 +69,10 @@ def test_loads_and_generates(tiny):
     events = list(pi.engine.run([pi.engine.new_sequence(pi.tokenize("the quick brown fox"), params)]))
     assert [ev.token >= 0 for ev in events] == [True] * 5
     assert events[-1].finish_reason == "length"
-    assert isinstance(pi.generate("hello", max_new_tokens=3, temperature=0.8, seed=1), str)
+    sampled = dict(max_tokens=6, temperature=0.8, seed=1, ignore_eos=True)
+    runs = [[ev.token for ev in pi.engine.run([pi.engine.new_sequence(
+        pi.tokenize("hello"), sampling_params(**sampled))])] for _ in range(2)]
+    assert runs[0] == runs[1] and len(runs[0]) == 6  # a seed gives the same six tokens
 
 
 def test_same_seed_same_bytes(tiny, tmp_path, capsys):
