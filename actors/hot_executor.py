@@ -31,7 +31,7 @@ from powerinfer.config import Config
 from powerinfer.loader import load_checkpoint
 from powerinfer.model import Transformer
 from powerinfer.plan import SparsePlan
-from powerinfer.sparse import HybridFFN, apply_hybrid_ffn, decode_rows
+from powerinfer.sparse import HybridFFN, apply_hybrid_ffn
 
 from .channel import ChannelClosed, PeerDied
 from .plane import DECODE, ERROR, OK, PREFILL, STOP, PlaneSpec
@@ -79,10 +79,10 @@ class DataPlane:
 class RemoteFFN(nn.Module):
     def __init__(self, ffn: HybridFFN, io: DataPlane):
         super().__init__()
-        del ffn.cold  # the cold executors hold these neurons
+        ffn.drop_cold()  # the cold executors hold these neurons
         self.f, self.io = ffn, io
 
-    def forward(self, h):
+    def forward(self, h, layer_input):  # the layer input went to the predictor before attention
         # h: (B, T, dim) the residual entering the FFN
         f, io = self.f, self.io
         x = f.norm(h)
@@ -97,12 +97,8 @@ class RemoteFFN(nn.Module):
         if masked:
             io.x.put(rows, io.spec.mask_offset(B * T))
         io.x.publish(DECODE if T == 1 else PREFILL, f.layer, B, T, int(masked))
-        if T == 1:  # the same operator and order of sums as HybridFFN
-            rows = None if rows is None else io.to_device(rows)
-            union = None if rows is None else rows.any(0)  # None: every neuron
-            y = decode_rows(f.hot, x, union, rows, f.threshold) if len(f.hot.idx) else 0
-        else:
-            y = f.hot(x)
+        rows = None if rows is None else io.to_device(rows)
+        y = f.hot_part(x, None if rows is None else rows.any(0), rows)  # union None: every neuron
         for p in io.parts:
             p.wait()
             y = y + io.to_device(p.view(x.dtype, (B, T, dim)))

@@ -149,7 +149,8 @@ class FFN(nn.Module):
             return F.relu(gate) * up
         return F.relu(gate) * F.relu(up)  # dreglu
 
-    def forward(self, x):
+    def forward(self, x, layer_input=None):
+        # layer_input: the block's input, which a sparse FFN's lookahead predictor reads
         return self.w2(self.neurons(x))
 
 
@@ -161,9 +162,9 @@ class Block(nn.Module):
         self.ffn_norm = Norm(a.dim, a.norm_eps, a.layer_norm)
         self.ffn = FFN(a)
 
-    def forward(self, h, rope, mask, slots, pos, kv_len: int):
-        h = h + self.attn(self.attn_norm(h), rope, mask, slots, pos, kv_len)
-        return h + self.ffn(self.ffn_norm(h))
+    def forward(self, x, rope, mask, slots, pos, kv_len: int):
+        h = x + self.attn(self.attn_norm(x), rope, mask, slots, pos, kv_len)
+        return h + self.ffn(self.ffn_norm(h), x)
 
 
 class Transformer(nn.Module):

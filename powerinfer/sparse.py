@@ -105,43 +105,57 @@ class HybridFFN(nn.Module):
         assert hot.shape == (dense.ffn_dim,) and hot.dtype == torch.bool, hot.shape
         self.layer, self.norm, self.masks, self.threshold = layer, norm, masks, float(threshold)
         self.ffn_dim, self.predictor_input = dense.ffn_dim, predictor_input
-        self.register_buffer("hot_mask", hot)
         self.hot = NeuronSet.of(dense, hot.nonzero().squeeze(-1))
-        self.cold = NeuronSet.of(dense, (~hot).nonzero().squeeze(-1))
+        self.cold: NeuronSet | None = NeuronSet.of(dense, (~hot).nonzero().squeeze(-1))
         self.down_b = dense.w2.bias
-        self.layer_input = None  # (B, T, dim), set by the block's pre-hook for lookahead masks
         self.token_masks = False
         self.stats: LayerStats | None = None  # set to a LayerStats to record what is computed
 
-    def active(self, h, x):
-        # h: residual entering the FFN, x = norm(h): (B, T, dim) -> per-row masks (B, T, ffn_dim)
+    def drop_cold(self):
+        """Free the cold neurons: another process computes them (the actor runtime's cold
+        executors), and only `hot_part` runs here."""
+        self.cold = None
+
+    def active(self, h, x, layer_input):
+        # h: residual entering the FFN, x = norm(h), layer_input: the block's input, all
+        # (B, T, dim) -> per-row masks (B, T, ffn_dim)
         if self.masks is None:  # oracle: the true scores
             out = torch.empty(*x.shape[:-1], self.ffn_dim, dtype=torch.bool, device=x.device)
             out[..., self.hot.idx] = self.hot.scores(x) > self.threshold
             out[..., self.cold.idx] = self.cold.scores(x) > self.threshold
             return out
-        return self.masks(self.layer, self.layer_input if self.predictor_input == "layer" else h)
+        return self.masks(self.layer, layer_input if self.predictor_input == "layer" else h)
 
-    def forward(self, h):
+    def hot_part(self, x, union=None, rows=None):
+        """The hot set's share of the FFN output (before the down bias): every hot neuron for a
+        many-token step; for a decode step (x: (B, 1, dim)) the neurons in `union` (None: all,
+        read in place), each row keeping its own `rows` (see `decode_rows`)."""
+        if x.shape[1] != 1:
+            return self.hot(x)
+        return decode_rows(self.hot, x, union, rows, self.threshold) if len(self.hot.idx) else 0
+
+    def forward(self, h, layer_input):
+        assert self.cold is not None, "the cold neurons were dropped: use hot_part"
         x = self.norm(h)
         if x.shape[1] != 1 and not self.token_masks:  # prefill: dense and batched
-            y = self.hot(x) + self.cold(x)
+            y = self.hot_part(x) + self.cold(x)
         elif x.shape[1] != 1:  # every token with its own mask (evaluation)
-            y = self._token_masked(h, x)
+            y = self._token_masked(h, x, layer_input)
         else:  # decode: the predicted-active neurons (the union over the batch's rows)
-            active = self.active(h, x).flatten(0, -2)  # (B, ffn_dim)
+            active = self.active(h, x, layer_input).flatten(0, -2)  # (B, ffn_dim)
             union = active.any(0)
             rows = None if self.masks is None else active  # the oracle's masks are the threshold
-            y = sum(decode_rows(s, x, union, rows, self.threshold)
-                    for s in (self.hot, self.cold) if len(s.idx))
+            y = self.hot_part(x, union, rows)
+            if len(self.cold.idx):
+                y = y + decode_rows(self.cold, x, union, rows, self.threshold)
             if self.stats is not None:
                 self.stats.add(rows=1, computed=int(union.sum()))
         return y if self.down_b is None else y + self.down_b
 
-    def _token_masked(self, h, x):
+    def _token_masked(self, h, x, layer_input):
         # computes every neuron, then keeps per token those both fired and predicted: the same
         # values the decode path computes from the active rows only
-        predicted = None if self.masks is None else self.active(h, x)  # (B, T, ffn_dim)
+        predicted = None if self.masks is None else self.active(h, x, layer_input)
         y = 0
         for s in (self.hot, self.cold):
             score, act = s._pre(x, None)
@@ -207,14 +221,7 @@ def apply_hybrid_ffn(model: Transformer, masks: MaskSource | None = None,
         ffn = HybridFFN(i, block.ffn, block.ffn_norm, h.to(block.ffn.w1.weight.device), masks,
                         predictor_input, t)
         block.ffn, block.ffn_norm = ffn, nn.Identity()
-        block.register_forward_pre_hook(_keep_layer_input(ffn))
     return model
-
-
-def _keep_layer_input(ffn: HybridFFN):
-    def hook(block, args):
-        ffn.layer_input = args[0]
-    return hook
 
 
 def hybrid_layers(model: Transformer) -> list[HybridFFN]:
