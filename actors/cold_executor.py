@@ -19,7 +19,7 @@ from powerinfer.plan import SparsePlan
 from powerinfer.sparse import NeuronSet, decode_rows
 
 from .channel import ChannelClosed
-from .plane import STOP, PlaneSpec
+from .plane import STOP, FFNInput, Partial, PlaneSpec, receive, send
 
 
 class ColdExecutor:
@@ -50,21 +50,22 @@ class ColdExecutor:
         spec, ffn_dim = self.spec, self.spec.ffn_dim
         try:
             while True:
-                op, layer, B, T, masked = (int(v) for v in self.x.wait()[:5])
-                if op == STOP:
+                got = receive(self.x, FFNInput)
+                if got.op == STOP:
                     return "stopped"
                 t0 = time.perf_counter()
+                B, T = got.B, got.T
                 x = self.x.view(spec.torch_dtype, (B, T, spec.dim))
-                s = self.sets[layer]
+                s = self.sets[got.layer]
                 if T == 1:  # decode (and one-token prompts), as the in-process HybridFFN
                     off = spec.mask_offset(B * T)
-                    rows = self.x.view(torch.bool, (B, ffn_dim), off) if masked else None
-                    union = rows.any(0) if masked else None  # None: every neuron
-                    y = decode_rows(s, x, union, rows, self.thresholds[layer])
+                    rows = self.x.view(torch.bool, (B, ffn_dim), off) if got.masked else None
+                    union = rows.any(0) if got.masked else None  # None: every neuron
+                    y = decode_rows(s, x, union, rows, self.thresholds[got.layer])
                 else:
                     y = s(x)
                 self.part.put(y)
-                self.part.publish(layer, B * T)
+                send(self.part, Partial(got.layer, B * T))
                 self.busy_s += time.perf_counter() - t0
                 self.steps += 1
         except ChannelClosed:

@@ -34,7 +34,8 @@ from powerinfer.plan import SparsePlan
 from powerinfer.sparse import HybridFFN, apply_hybrid_ffn
 
 from .channel import ChannelClosed, PeerDied
-from .plane import DECODE, ERROR, OK, PREFILL, STOP, PlaneSpec
+from .plane import (DECODE, ERROR, OK, PREFILL, STOP, FFNInput, Masks, PlaneSpec, PredictorInput,
+                    Reply, Step, receive, send)
 
 
 class DataPlane:
@@ -48,7 +49,7 @@ class DataPlane:
         self.predicting = predictor_input is not None
         self.lookahead = predictor_input == "layer"
         if self.predicting:
-            self.pin, self.mask = spec.open("pin", writer=True), spec.open("mask")
+            self.pred_in, self.mask = spec.open("pred_in", writer=True), spec.open("mask")
         if device.type == "cuda":
             for ch in self.channels():
                 ch.register_with_cuda()
@@ -56,24 +57,25 @@ class DataPlane:
     def channels(self):
         yield from (self.ctl, self.out, self.x, *self.parts)
         if self.predicting:
-            yield from (self.pin, self.mask)
+            yield from (self.pred_in, self.mask)
 
     def to_device(self, t: torch.Tensor) -> torch.Tensor:
         return t.to(self.device, non_blocking=True)
 
-    def send_pin(self, layer: int, h: torch.Tensor):
+    def send_predictor_input(self, layer: int, h: torch.Tensor):
         B = h.shape[0]
-        self.pin.put(h.reshape(B, -1).float())
-        self.pin.publish(DECODE, layer, B)
+        self.pred_in.put(h.reshape(B, -1).float())
+        send(self.pred_in, PredictorInput(DECODE, layer, B))
 
     def recv_mask(self, B: int) -> torch.Tensor:
-        self.mask.wait()
+        got = receive(self.mask, Masks)
+        assert got.B == B, (got, B)
         return self.mask.view(torch.bool, (B, self.spec.ffn_dim))  # on the host
 
     def stop(self):
         self.x.publish(STOP)
         if self.predicting:
-            self.pin.publish(STOP)
+            self.pred_in.publish(STOP)
 
 
 class RemoteFFN(nn.Module):
@@ -91,12 +93,12 @@ class RemoteFFN(nn.Module):
         rows = None
         if masked:
             if not io.lookahead:
-                io.send_pin(f.layer, h)
+                io.send_predictor_input(f.layer, h)
             rows = io.recv_mask(B)
         io.x.put(x)
         if masked:
             io.x.put(rows, io.spec.mask_offset(B * T))
-        io.x.publish(DECODE if T == 1 else PREFILL, f.layer, B, T, int(masked))
+        send(io.x, FFNInput(DECODE if T == 1 else PREFILL, f.layer, B, T, int(masked)))
         rows = None if rows is None else io.to_device(rows)
         y = f.hot_part(x, None if rows is None else rows.any(0), rows)  # union None: every neuron
         for p in io.parts:
@@ -129,7 +131,7 @@ class HotExecutor:
     def _lookahead(self, layer: int):
         def hook(block, args):
             if args[0].shape[1] == 1:
-                self.io.send_pin(layer, args[0])
+                self.io.send_predictor_input(layer, args[0])
         return hook
 
     def ready(self) -> dict:
@@ -147,23 +149,26 @@ class HotExecutor:
         io, spec = self.io, self.spec
         try:
             while True:
-                op, B, T, kv_len = (int(v) for v in io.ctl.wait()[:4])
-                if op == STOP:
+                step = receive(io.ctl, Step)
+                if step.op == STOP:
                     io.stop()
                     return "stopped"
                 t0 = time.perf_counter()
-                o = spec.ctl_offsets(B, T)
-                tokens, pos = (io.to_device(io.ctl.view(torch.int64, (B, T), o[k])) for k in (0, 1))
-                slots, last = (io.to_device(io.ctl.view(torch.int64, (B,), o[k])) for k in (2, 3))
+                B, T, at = step.B, step.T, spec.ctl_layout(step.B, step.T)
+                tokens, pos = (io.to_device(io.ctl.view(torch.int64, (B, T), o))
+                               for o in (at.tokens, at.positions))
+                slots, last = (io.to_device(io.ctl.view(torch.int64, (B,), o))
+                               for o in (at.slots, at.last))
                 try:
-                    logits = self.model(tokens, pos, kv_len, slots, last if op == PREFILL else None)
+                    logits = self.model(tokens, pos, step.kv_len, slots,
+                                        last if step.op == PREFILL else None)
                 except (PeerDied, ChannelClosed):
                     raise
                 except Exception as e:  # a bug or a bad step: report it, the group is rebuilt
                     self._error(f"{type(e).__name__}: {e}\n{traceback.format_exc(limit=4)}")
                     raise
                 io.out.put(logits.reshape(B, spec.vocab))
-                io.out.publish(OK, B)
+                send(io.out, Reply(OK, B))
                 self.steps += 1
                 self.step_s += time.perf_counter() - t0
         except (PeerDied, ChannelClosed) as e:
@@ -173,7 +178,7 @@ class HotExecutor:
     def _error(self, text: str):
         data = text.encode()[:self.io.out.capacity]
         self.io.out.put_bytes(data)
-        self.io.out.publish(ERROR, len(data))
+        send(self.io.out, Reply(ERROR, len(data)))
 
     def stats(self) -> dict:
         io = self.io

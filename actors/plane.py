@@ -1,13 +1,16 @@
 """The channels of one model's group, who writes and who reads each, and the step protocol.
 
-    ctl      scheduler -> hot        a step: op, B, T, kv_len; tokens, positions, slots, last
-    out      hot -> scheduler        status, B; logits (B, vocab) fp32, or an error's text
-    pin      hot -> predictor        decode only: layer, B; the predictor's input (B, dim)
-    mask     predictor -> hot        layer, B; per-row predicted-active neurons (B, ffn_dim) bool
-    x        hot -> cold (all)       op, layer, B, T, masked; FFN input (B*T, dim) [, masks]
-    part.k   cold k -> hot           layer, rows; its partial FFN output (rows, dim)
+    channel  writer -> readers       header (the NamedTuple below); payload
+    ctl      scheduler -> hot        Step; tokens, positions, slots, last (at `ctl_layout`)
+    out      hot -> scheduler        Reply; logits (B, vocab) fp32, or an error's text
+    pred_in  hot -> predictor        PredictorInput (decode only); its input (B, dim) fp32
+    mask     predictor -> hot        Masks; per-row predicted-active neurons (B, ffn_dim) bool
+    x        hot -> cold (all)       FFNInput; FFN input (B*T, dim) [, masks at `mask_offset`]
+    part.k   cold k -> hot           Partial; its partial FFN output (rows, dim)
 
-Per decode layer the hot executor sends the layer input on `pin` before attention (lookahead;
+A header's first word of a message a loop reads (Step, PredictorInput, FFNInput) is the op;
+STOP alone ends the reader's loop. Per decode layer the hot executor sends the layer input on
+`pred_in` before attention (lookahead;
 after attention in same-layer mode), reads the masks after attention, sends the FFN input with
 the masks on `x`, computes its hot neurons, and adds every `part.k`. Every reply proves the
 readers are done with the message before it, so the channels need one buffer each.
@@ -18,6 +21,7 @@ import os
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import NamedTuple, TypeVar
 
 import torch
 
@@ -26,6 +30,62 @@ from .channel import Channel, align, create, segment_path
 PREFILL, DECODE, STOP = 1, 2, 3
 OK, ERROR = 0, 1
 ERROR_BYTES = 1 << 16
+
+
+class Step(NamedTuple):
+    op: int  # PREFILL, DECODE or STOP
+    B: int
+    T: int
+    kv_len: int
+
+
+class Reply(NamedTuple):
+    status: int  # OK or ERROR
+    n: int  # rows of logits, or the error text's bytes
+
+
+class PredictorInput(NamedTuple):
+    op: int  # DECODE or STOP
+    layer: int
+    B: int
+
+
+class Masks(NamedTuple):
+    layer: int
+    B: int
+
+
+class FFNInput(NamedTuple):
+    op: int  # PREFILL, DECODE or STOP
+    layer: int
+    B: int
+    T: int
+    masked: int  # 1: per-row masks follow the rows
+
+
+class Partial(NamedTuple):
+    layer: int
+    rows: int
+
+
+class CtlLayout(NamedTuple):
+    """Byte offsets of a step's tensors on `ctl`."""
+    tokens: int  # (B, T) int64
+    positions: int  # (B, T) int64
+    slots: int  # (B,) int64
+    last: int  # (B,) int64, the prompt's last position (prefill)
+
+
+Header = TypeVar("Header", Step, Reply, PredictorInput, Masks, FFNInput, Partial)
+
+
+def send(ch: Channel, header: NamedTuple):
+    ch.publish(*header)
+
+
+def receive(ch: Channel, kind: type[Header], timeout: float | None = None) -> Header:
+    """Wait for the next message on ch and read its header as `kind`."""
+    return kind(*(int(v) for v in ch.wait(timeout)[:len(kind._fields)]))
 
 
 @dataclass(frozen=True)
@@ -61,18 +121,17 @@ class PlaneSpec:
         rows = align(B * S * self.dim * es)
         caps = {"ctl": 2 * align(B * S * 8) + 2 * align(B * 8),
                 "out": max(align(B * self.vocab * 4), ERROR_BYTES),
-                "pin": align(B * self.dim * 4),
+                "pred_in": align(B * self.dim * 4),
                 "mask": align(B * self.ffn_dim),
                 "x": rows + align(B * self.ffn_dim)}
         caps.update({f"part.{k}": rows for k in range(self.n_cold)})
         return caps
 
     @staticmethod
-    def ctl_offsets(B: int, T: int) -> tuple[int, int, int, int]:
-        """Offsets on `ctl` of tokens (B, T), positions (B, T), slots (B,), last (B,)."""
+    def ctl_layout(B: int, T: int) -> CtlLayout:
         pos = align(B * T * 8)
         slots = pos + align(B * T * 8)
-        return 0, pos, slots, slots + align(B * 8)
+        return CtlLayout(0, pos, slots, slots + align(B * 8))
 
     def mask_offset(self, rows: int) -> int:
         """Where the masks start on `x`, after `rows` rows of FFN input."""

@@ -16,7 +16,7 @@ from cluster.topology import pin
 from powerinfer.plan import SparsePlan
 
 from .channel import ChannelClosed
-from .plane import STOP, PlaneSpec
+from .plane import STOP, Masks, PlaneSpec, PredictorInput, receive, send
 
 
 class PredictorActor:
@@ -25,7 +25,7 @@ class PredictorActor:
         self.spec, self.cores = spec, cores
         self.preds = plan.load_predictors(torch.float32)  # fp32: bf16 GEMV is slow on CPUs
         self.input = self.preds.input
-        self.pin, self.mask = spec.open("pin"), spec.open("mask", writer=True)
+        self.x, self.mask = spec.open("pred_in"), spec.open("mask", writer=True)
         self.busy_s, self.calls = 0.0, 0
 
     def ready(self) -> dict:
@@ -36,18 +36,18 @@ class PredictorActor:
     def run(self) -> str:
         try:
             while True:
-                op, layer, B = (int(v) for v in self.pin.wait()[:3])
-                if op == STOP:
+                got = receive(self.x, PredictorInput)
+                if got.op == STOP:
                     return "stopped"
                 t0 = time.perf_counter()
-                x = self.pin.view(torch.float32, (B, self.spec.dim))
-                self.mask.put(self.preds.logits(layer, x) >= 0)
-                self.mask.publish(layer, B)
+                x = self.x.view(torch.float32, (got.B, self.spec.dim))
+                self.mask.put(self.preds.logits(got.layer, x) >= 0)
+                send(self.mask, Masks(got.layer, got.B))
                 self.busy_s += time.perf_counter() - t0
                 self.calls += 1
         except ChannelClosed:
             return "closed"
 
     def stats(self) -> dict:
-        return {"input": self.input, "busy_s": self.busy_s, "wait_s": self.pin.wait_s,
+        return {"input": self.input, "busy_s": self.busy_s, "wait_s": self.x.wait_s,
                 "calls": self.calls}

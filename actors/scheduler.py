@@ -32,7 +32,7 @@ from powerinfer.sampling import logprobs
 from powerinfer.tokenizer import Tokenizer
 
 from .channel import ChannelClosed, PeerDied
-from .plane import DECODE, ERROR, PREFILL, STOP, PlaneSpec
+from .plane import DECODE, ERROR, PREFILL, STOP, PlaneSpec, Reply, Step, receive, send
 
 
 @dataclass(eq=False)
@@ -269,18 +269,19 @@ class Scheduler:
 
     def _step(self, op, tokens, pos, reqs, kv_len: int, last) -> torch.Tensor:
         B, T = tokens.shape
-        o = self.spec.ctl_offsets(B, T)
-        self.ctl.put(tokens, o[0])
-        self.ctl.put(pos.contiguous(), o[1])
-        self.ctl.put(torch.tensor([r.slot for r in reqs]), o[2])
-        self.ctl.put(last, o[3])
-        self.ctl.publish(op, B, T, kv_len)
+        at = self.spec.ctl_layout(B, T)
+        self.ctl.put(tokens, at.tokens)
+        self.ctl.put(pos.contiguous(), at.positions)
+        self.ctl.put(torch.tensor([r.slot for r in reqs]), at.slots)
+        self.ctl.put(last, at.last)
+        send(self.ctl, Step(op, B, T, kv_len))
         try:
-            status, n = (int(v) for v in self.out.wait()[:2])
+            reply = receive(self.out, Reply)
         except (PeerDied, ChannelClosed) as e:
             raise GroupFailure(f"hot executor: {e}") from None
-        if status == ERROR:
-            raise GroupFailure(bytes(self.out.view(torch.uint8, (n,)).numpy()).decode(errors="replace"))
+        if reply.status == ERROR:
+            text = bytes(self.out.view(torch.uint8, (reply.n,)).numpy())
+            raise GroupFailure(text.decode(errors="replace"))
         return self.out.view(torch.float32, (B, self.vocab))
 
     def _sample(self, reqs: list[Request], logits: torch.Tensor, queued_since: float | None = None):

@@ -1,9 +1,6 @@
 """The console script and load errors, run as a user would."""
-import os
-import shutil
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
