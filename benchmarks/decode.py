@@ -21,17 +21,16 @@ import os
 import platform
 import statistics
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import torch
 
+from powerinfer import Config, PowerInfer
+from powerinfer.config import sampling_params
+from powerinfer.loader import resolve_model
+
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-from powerinfer import Config, PowerInfer  # noqa: E402
-from powerinfer.config import sampling_params  # noqa: E402
-from powerinfer.loader import resolve_model  # noqa: E402
 
 LLAMA_VENV = ROOT / "benchmarks" / ".llama-venv"
 LLAMA_VERSION = "0.3.36"

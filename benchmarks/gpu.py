@@ -43,15 +43,12 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from powerinfer import Config, PowerInfer  # noqa: E402
-from powerinfer.predictor import train_predictors  # noqa: E402
-from powerinfer.profile import ProfileOptions, profile  # noqa: E402
-from powerinfer.solver import gpu_bytes, solve_bundle  # noqa: E402
-from powerinfer.synthetic import write_synthetic  # noqa: E402
-from runtime import decode_speed  # noqa: E402
+from powerinfer import Config, PowerInfer
+from powerinfer.predictor import train_predictors
+from powerinfer.profile import ProfileOptions, profile
+from powerinfer.solver import gpu_bytes, solve_bundle
+from powerinfer.synthetic import write_synthetic
+from runtime import decode_speed
 
 MAX_SEQ, MAX_BATCH = 512, 1
 

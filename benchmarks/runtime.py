@@ -28,7 +28,6 @@ import json
 import multiprocessing as mp
 import os
 import platform
-import sys
 import tempfile
 import threading
 import time
@@ -36,11 +35,9 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-from actors.channel import Channel, create, segment_path  # noqa: E402
-from powerinfer import Config, PowerInfer  # noqa: E402
-from powerinfer.config import SamplingParams  # noqa: E402
+from actors.channel import Channel, create, segment_path
+from powerinfer import Config, PowerInfer
+from powerinfer.config import SamplingParams
 
 PROMPT = "Write a short story about a lighthouse keeper who finds a message in a bottle."
 

@@ -36,8 +36,8 @@ import tempfile
 import time
 from pathlib import Path
 
+
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
 
 LLAMA_VERSION = "0.3.36"
 LLAMA_DIR = ROOT / "benchmarks" / ".llama-server"

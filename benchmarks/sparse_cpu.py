@@ -25,19 +25,16 @@ import datetime
 import json
 import platform
 import statistics
-import sys
 import time
 from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-from powerinfer import Config, PowerInfer  # noqa: E402
-from powerinfer.bundle import Bundle  # noqa: E402
-from powerinfer.predictor import load_predictors  # noqa: E402
-from powerinfer.solver import neuron_bytes  # noqa: E402
-from powerinfer.sparse import LayerStats, apply_hybrid_ffn, hybrid_layers  # noqa: E402
+from powerinfer import Config, PowerInfer
+from powerinfer.bundle import Bundle
+from powerinfer.predictor import load_predictors
+from powerinfer.solver import neuron_bytes
+from powerinfer.sparse import LayerStats, apply_hybrid_ffn, hybrid_layers
 
 WARMUP = 16  # tokens decoded before timing
 PROMPT = ("The history of computing is a story of ideas that took decades to mature. Early machines "

@@ -50,11 +50,10 @@ class CorePlan:
     hot: tuple[int, ...]
     cold: tuple[tuple[int, ...], ...]  # one core set per cold executor
     predictor: tuple[int, ...]
-    scheduler: tuple[int, ...]
 
     def describe(self) -> str:
         return (f"hot {list(self.hot)}; cold " + ", ".join(str(list(c)) for c in self.cold)
-                + f"; predictor {list(self.predictor)}; scheduler {list(self.scheduler)}")
+                + f"; predictor {list(self.predictor)}")
 
 
 def plan_cores(topo: Topology, n_cold: int, hot_cores: int = 0) -> CorePlan:
@@ -64,7 +63,7 @@ def plan_cores(topo: Topology, n_cold: int, hot_cores: int = 0) -> CorePlan:
     one). Cold executors split the rest node by node, so that with one executor per NUMA node
     each owns a whole node and its local memory; with more executors than cores they share
     cores. The predictor runs on the cold executors' cores (it works while they wait for
-    attention to finish); the scheduler may run anywhere.
+    attention to finish); the scheduler is not pinned.
     """
     cores = topo.cores
     k = hot_cores or max(1, len(cores) // (n_cold + 1))
@@ -84,7 +83,7 @@ def plan_cores(topo: Topology, n_cold: int, hot_cores: int = 0) -> CorePlan:
     else:  # more executors than cores: one core each, shared round-robin
         groups = [(rest[i % len(rest)],) for i in range(n_cold)]
     pred = tuple(sorted({c for g in groups for c in g}))
-    return CorePlan(hot, tuple(groups), pred, tuple(cores))
+    return CorePlan(hot, tuple(groups), pred)
 
 
 def pin(cores: tuple[int, ...], threads: int = 0) -> None:

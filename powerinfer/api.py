@@ -11,11 +11,9 @@ import torch
 from .config import Config, sampling_params
 from .engine import Engine, Event
 from .errors import ModelLoadError
-from .loader import DEFAULT_MODEL, Checkpoint, load_checkpoint
-from .model import Transformer
+from .loader import DEFAULT_MODEL, Checkpoint, build_model, load_checkpoint
 from .plan import SparsePlan
 from .quant import apply_int4
-from .tokenizer import Tokenizer
 
 Messages = list[dict]
 
@@ -37,15 +35,11 @@ class PowerInfer:
             self.tokenizer = self.engine.tokenizer
             return
         device = config.torch_device  # a ConfigError of its own, not a load error
-        try:
-            self.model = Transformer.from_weights(checkpoint.args, checkpoint.weights,
-                                                  config.torch_dtype, device)
-            if config.weights == "int4" and not apply_int4(self.model, checkpoint.q4):
-                raise ValueError("weights='int4' needs a GGUF file with Q4_0/Q4_1 projections")
-            self.tokenizer = Tokenizer.from_source(checkpoint.tokenizer_source)
-        except (ValueError, KeyError, FileNotFoundError) as e:
-            raise ModelLoadError(checkpoint.path, str(e)) from e
-        checkpoint.weights, checkpoint.q4 = {}, {}  # the model holds them now
+        self.model, self.tokenizer = build_model(checkpoint, config.torch_dtype, device)
+        if config.weights == "int4" and not apply_int4(self.model, checkpoint.q4):
+            raise ModelLoadError(checkpoint.path, "weights='int4' needs a GGUF file with "
+                                                  "Q4_0/Q4_1 projections")
+        checkpoint.q4 = {}  # the model holds them now
         if config.bundle:  # the in-process sparse engine
             SparsePlan.from_bundle(config.bundle, checkpoint.args, checkpoint.path,
                                    config.predictor).apply(self.model)

@@ -67,17 +67,17 @@ class Variant:
 
 def evaluate(model_name: str, bundle: Bundle, tokens: int = 0, window: int = 256,
              curve: tuple[float, ...] = CURVE, progress: bool = True) -> list[dict]:
-    from .api import PowerInfer
-    from .config import Config
+    from .loader import load_model
 
-    config = Config(max_batch=1, max_seq_len=window)
-    dense = PowerInfer.from_pretrained(model_name, config)
-    bundle.check_model(dense.checkpoint.path)
-    sparse = PowerInfer.from_pretrained(model_name, config)
+    dense, tokenizer, path = load_model(model_name)
+    bundle.check_model(path)
+    sparse = load_model(path)[0]
+    for m in (dense, sparse):
+        m.setup_cache(1, window)
     hot = ([torch.from_numpy(h) for h in bundle.placement()] if bundle.has("placement") else None)
-    apply_hybrid_ffn(sparse.model, hot=hot)
-    ffns = hybrid_layers(sparse.model)
-    n = dense.model.args.ffn_dim
+    apply_hybrid_ffn(sparse, hot=hot)
+    ffns = hybrid_layers(sparse)
+    n = dense.args.ffn_dim
 
     th = bundle.load_tensors("thresholds.safetensors") if bundle.has("thresholds") else {}
     base = th.get("threshold", np.zeros(len(ffns), np.float32))
@@ -97,12 +97,12 @@ def evaluate(model_name: str, bundle: Bundle, tokens: int = 0, window: int = 256
             v.layers = [LayerStats() for _ in ffns]
 
     text = load_corpus(bundle.manifest.corpus["name"], "held_out")
-    windows = token_windows(dense.tokenizer, text, window, tokens)
+    windows = token_windows(tokenizer, text, window, tokens)
     with torch.inference_mode():
         for w in tqdm(windows, desc="evaluating", unit="window", disable=not progress):
             ids = torch.tensor([w])
             pos = torch.arange(len(w))[None]
-            ref = dense.model(ids, pos, len(w))[0, :-1]  # (T-1, vocab)
+            ref = dense(ids, pos, len(w))[0, :-1]  # (T-1, vocab)
             ref_logp = F.log_softmax(ref, -1)
             target_ids = ids[0, 1:]
             for v in variants:
@@ -110,7 +110,7 @@ def evaluate(model_name: str, bundle: Bundle, tokens: int = 0, window: int = 256
                     logp = ref_logp
                 else:
                     _configure(ffns, v)
-                    logp = F.log_softmax(sparse.model(ids, pos, len(w))[0, :-1], -1)
+                    logp = F.log_softmax(sparse(ids, pos, len(w))[0, :-1], -1)
                 v.nll -= float(logp.gather(-1, target_ids[:, None]).sum())
                 v.kl += float((ref_logp.exp() * (ref_logp - logp)).sum())
                 v.top1 += int((logp.argmax(-1) == ref_logp.argmax(-1)).sum())

@@ -111,6 +111,13 @@ def calibrate_thresholds(model, windows, sparsity: float, progress: bool = True)
     return quantiles, threshold_at(quantiles, sparsity)
 
 
+def top_share(mass: np.ndarray, frac: float) -> float:
+    """Share of the total mass carried by the top ceil(frac * n) neurons by mass."""
+    m = np.sort(np.asarray(mass, np.float64))[::-1]
+    k = int(np.ceil(frac * m.size))
+    return float(m[:k].sum() / max(m.sum(), 1e-300))
+
+
 def threshold_at(quantiles: np.ndarray, sparsity: float) -> np.ndarray:
     """Thresholds (L,) that leave `sparsity` of the scores under them, from (L, 101) quantiles."""
     grid = np.linspace(0, 1, quantiles.shape[1])
@@ -119,24 +126,24 @@ def threshold_at(quantiles: np.ndarray, sparsity: float) -> np.ndarray:
 
 def profile(model_name: str, corpus: str, out: str | Path, opts: ProfileOptions = ProfileOptions(),
             dtype: str = "float32", progress: bool = True) -> Bundle:
-    from .api import PowerInfer
-    from .config import Config
+    from .config import DTYPES
+    from .loader import load_model
 
     t0 = time.perf_counter()
-    pi = PowerInfer.from_pretrained(model_name, Config(dtype=dtype, max_batch=1,
-                                                        max_seq_len=opts.window))
-    model, a = pi.model, pi.model.args
+    model, tokenizer, path = load_model(model_name, DTYPES[dtype])
+    model.setup_cache(1, opts.window)
+    a = model.args
     text: Corpus = load_corpus(corpus, "calibration")
-    windows = token_windows(pi.tokenizer, text, opts.window, opts.tokens)
+    windows = token_windows(tokenizer, text, opts.window, opts.tokens)
     total = sum(map(len, windows))
-    bundle = Bundle.create(out, model_record(pi.checkpoint.path, a))  # a fresh manifest: no parts
+    bundle = Bundle.create(out, model_record(path, a))  # a fresh manifest: no parts
 
     L, d, n = a.n_layers, a.dim, a.ffn_dim
     relu = is_relu_family(a.ffn_act)
     if relu:
         quantiles, thresholds = None, np.zeros(L, np.float32)
     else:
-        calib = token_windows(pi.tokenizer, text, opts.window, opts.calib_tokens)
+        calib = token_windows(tokenizer, text, opts.window, opts.calib_tokens)
         quantiles, thresholds = calibrate_thresholds(model, calib, opts.sparsity, progress)
 
     per_sample = 2 * d * 2 + (n + 7) // 8

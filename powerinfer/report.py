@@ -17,6 +17,7 @@ from matplotlib.patches import Patch
 from matplotlib.ticker import MaxNLocator
 
 from .bundle import Bundle, BundleError
+from .profile import top_share
 
 DPI = 120
 SIZES = {  # file -> figure size in inches; the PNG is SIZES * DPI pixels
@@ -27,13 +28,6 @@ SIZES = {  # file -> figure size in inches; the PNG is SIZES * DPI pixels
     "quality.png": (8.0, 5.5),
 }
 GPU_COLOR, CPU_COLOR = "#d95f02", "#7570b3"
-
-
-def top_share(mass: np.ndarray, frac: float) -> float:
-    """Share of the total mass carried by the top ceil(frac * n) neurons by mass."""
-    m = np.sort(np.asarray(mass, np.float64))[::-1]
-    k = int(np.ceil(frac * m.size))
-    return float(m[:k].sum() / max(m.sum(), 1e-300))
 
 
 def sparsity(count: np.ndarray, tokens: int) -> float:

@@ -60,7 +60,7 @@ import torch
 
 from .loader import unpermute_rows
 from .model import Block, KVCache, ModelArgs, Transformer, rope_table
-from .report import top_share
+from .profile import top_share
 
 P_MAX = 0.9  # the hottest neurons fire on 90% of tokens
 DEFAULT_ALPHA = 1.3
