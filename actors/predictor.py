@@ -41,7 +41,7 @@ class PredictorActor:
                     return "stopped"
                 t0 = time.perf_counter()
                 x = self.x.view(torch.float32, (got.B, self.spec.dim))
-                self.mask.put(self.preds.logits(got.layer, x) >= 0)
+                self.mask.put(self.preds.active(got.layer, x))
                 send(self.mask, Masks(got.layer, got.B))
                 self.busy_s += time.perf_counter() - t0
                 self.calls += 1

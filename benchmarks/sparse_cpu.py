@@ -158,7 +158,7 @@ def run_model(name: str, bundle_path: str, args) -> list[dict]:
     rows = [measure("dense", pi, ids, args.tokens)]
     preds = load_predictors(bundle, args.input)  # float32: torch's bf16 GEMV is slow on CPUs
     th = bundle.thresholds()
-    apply_hybrid_ffn(pi.model, lambda i, x: preds.logits(i, x) >= 0, predictor_input=args.input,
+    apply_hybrid_ffn(pi.model, preds.active, predictor_input=args.input,
                      thresholds=th)
     pred_bytes = sum(p.numel() * p.element_size() for p in preds.parameters())
     rows.append(measure(f"sparse, predicted ({args.input} input)", pi, ids, args.tokens,

@@ -68,6 +68,13 @@ def model_size(path: Path) -> int:
     return sum(f.stat().st_size for f in model_files(path))
 
 
+def model_record(path: Path, args) -> dict:
+    """What a bundle records of the model it was made for (checked by `check_model`)."""
+    return {"file": path.name, "sha256": file_sha256(path), "size": model_size(path),
+            "arch": args.arch, "n_layers": args.n_layers, "dim": args.dim,
+            "ffn_dim": args.ffn_dim, "ffn_act": args.ffn_act, "args": asdict(args)}
+
+
 def file_sha256(path: Path, chunk: int = 1 << 24) -> str:
     """sha256 of a model file, or of a folder's model files in name order."""
     h = hashlib.sha256()

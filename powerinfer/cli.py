@@ -271,6 +271,8 @@ def _pipeline_commands(sub):
     p.add_argument("--tokens", type=int, default=0, help="held-out tokens (0: all)")
     p.add_argument("--window", type=int, default=256)
     p.add_argument("--per-layer", action="store_true", help="print the per-layer recall")
+    p.add_argument("--corpus", default=None,
+                   help="held-out text: a built-in corpus name or a file (default: the bundle's)")
     p.set_defaults(run=_eval)
 
     p = sub.add_parser("report", help="write the bundle's plots and print its summary")
@@ -345,7 +347,8 @@ def _eval(args) -> int:
     from .bundle import Bundle
     from .evaluate import format_rows, per_layer_table, evaluate
 
-    rows = evaluate(args.model, Bundle.open(args.bundle), tokens=args.tokens, window=args.window)
+    rows = evaluate(args.model, Bundle.open(args.bundle), tokens=args.tokens, window=args.window,
+                    corpus=args.corpus)
     print(format_rows(rows))
     if args.per_layer:
         for r in rows:

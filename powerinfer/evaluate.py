@@ -66,7 +66,10 @@ class Variant:
 
 
 def evaluate(model_name: str, bundle: Bundle, tokens: int = 0, window: int = 256,
-             curve: tuple[float, ...] = CURVE, progress: bool = True) -> list[dict]:
+             curve: tuple[float, ...] = CURVE, progress: bool = True,
+             corpus: str | None = None) -> list[dict]:
+    """Held-out perplexity of the dense model and of each sparse variant the bundle allows, on
+    `corpus` (default: the corpus the bundle was profiled on; "lee" for an imported bundle)."""
     from .loader import load_model
 
     dense, tokenizer, path = load_model(model_name)
@@ -96,7 +99,7 @@ def evaluate(model_name: str, bundle: Bundle, tokens: int = 0, window: int = 256
         if v.kind != "dense":
             v.layers = [LayerStats() for _ in ffns]
 
-    text = load_corpus(bundle.manifest.corpus["name"], "held_out")
+    text = load_corpus(corpus or bundle.manifest.corpus.get("name") or "lee", "held_out")
     windows = token_windows(tokenizer, text, window, tokens)
     with torch.inference_mode():
         for w in tqdm(windows, desc="evaluating", unit="window", disable=not progress):
@@ -127,7 +130,7 @@ def evaluate(model_name: str, bundle: Bundle, tokens: int = 0, window: int = 256
 
 def _configure(ffns, v: Variant):
     p = v.predictors
-    masks = None if p is None else (lambda layer, x: p.logits(layer, x) >= 0)  # per row
+    masks = None if p is None else p.active  # per row
     for i, f in enumerate(ffns):
         f.token_masks = True
         f.masks, f.threshold, f.stats = masks, float(v.thresholds[i]), v.layers[i]

@@ -78,7 +78,7 @@ class SparsePlan:
         """The in-process sparse engine: swap every FFN for a HybridFFN under this plan."""
         if self.predictor_input is not None:
             preds = self.load_predictors()
-            masks = lambda i, x: preds.logits(i, x) >= 0  # noqa: E731
+            masks = preds.active
         else:
             masks = lambda i, x: torch.ones(*x.shape[:-1], self.ffn_dim, dtype=torch.bool)  # noqa: E731
         hot = [self.hot_mask(i, hot_share) for i in range(self.n_layers)]

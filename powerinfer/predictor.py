@@ -284,10 +284,11 @@ def format_table(rows: list[dict]) -> str:
 class Predictors(nn.Module):
     """The per-layer predictors of one input ("ffn" or "layer"), ready to run."""
 
-    def __init__(self, fc1: list[torch.Tensor], fc2: list[torch.Tensor], input: str):
+    def __init__(self, fc1: list[torch.Tensor], fc2: list[torch.Tensor], input: str,
+                 threshold: float = 0.0):
         super().__init__()
         assert input in INPUTS and len(fc1) == len(fc2), (input, len(fc1), len(fc2))
-        self.input = input
+        self.input, self.threshold = input, float(threshold)  # active: logit >= threshold
         self.fc1 = nn.ParameterList(nn.Parameter(w, requires_grad=False) for w in fc1)
         self.fc2 = nn.ParameterList(nn.Parameter(w, requires_grad=False) for w in fc2)
 
@@ -300,10 +301,14 @@ class Predictors(nn.Module):
         fc1 = self.fc1[layer]
         return F.relu(x.to(fc1.dtype) @ fc1.T) @ self.fc2[layer].T
 
+    def active(self, layer: int, x: torch.Tensor) -> torch.Tensor:
+        # x: (..., dim) -> per-row predicted-active neurons (..., ffn_dim) bool
+        return self.logits(layer, x) >= self.threshold
+
     def mask(self, layer: int, x: torch.Tensor) -> torch.Tensor:
         """(ffn_dim,) bool: the neurons predicted active for any row of x ((B, T, dim) or
         (N, dim))."""
-        return (self.logits(layer, x.reshape(-1, x.shape[-1])) >= 0).any(0)
+        return self.active(layer, x.reshape(-1, x.shape[-1])).any(0)
 
 
 def load_predictors(bundle: Bundle, input: str = "ffn", dtype: torch.dtype = torch.float32,
@@ -321,5 +326,6 @@ def load_predictors(bundle: Bundle, input: str = "ffn", dtype: torch.dtype = tor
         return torch.from_numpy(t[name]).to(device=device, dtype=dtype)
 
     L = bundle.n_layers
+    threshold = bundle.manifest.settings.get(f"predictors.{input}", {}).get("threshold", 0.0)
     return Predictors([tensor(f"fc1.{i}") for i in range(L)],
-                      [tensor(f"fc2.{i}") for i in range(L)], input)
+                      [tensor(f"fc2.{i}") for i in range(L)], input, threshold)

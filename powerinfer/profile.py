@@ -14,14 +14,14 @@ tenth (the latest text: the held-out rows), each neuron's |activation|.
 from __future__ import annotations
 
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
 from tqdm import tqdm
 
-from .bundle import Bundle, file_sha256, model_size
+from .bundle import Bundle, model_record
 from .corpus import Corpus, load_corpus, token_windows
 from .sparse import activate
 
@@ -39,12 +39,6 @@ class ProfileOptions:
     sparsity: float = 0.15
     calib_tokens: int = 8192
     seed: int = 0
-
-
-def model_record(path: Path, args) -> dict:
-    return {"file": path.name, "sha256": file_sha256(path), "size": model_size(path),
-            "arch": args.arch, "n_layers": args.n_layers, "dim": args.dim,
-            "ffn_dim": args.ffn_dim, "ffn_act": args.ffn_act, "args": asdict(args)}
 
 
 def is_relu_family(act: str) -> bool:

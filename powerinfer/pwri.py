@@ -57,7 +57,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .bundle import Bundle, BundleError, file_sha256
+from .bundle import Bundle, BundleError, model_record
 from .errors import ModelLoadError
 from .loader import dequantize, gguf_metadata, load_checkpoint, open_gguf
 
@@ -99,7 +99,7 @@ def export_pwri(model_file: Path, bundle: Bundle, out: Path, predictor_input: st
                              f"is {arch} with a {a.ffn_act} FFN"
                              + (" and attention biases" if a.qkv_bias or a.o_bias else ""))
     part = f"predictors.{predictor_input}"
-    bundle.require(part, "train")
+    bundle.require(part, "train-predictors")
     pred = bundle.load_tensors(f"{part}.safetensors")
 
     reader = open_gguf(model_file)
@@ -179,10 +179,11 @@ def import_pwri(model_file: Path, bundle_dir: Path, gpu_index: Path | None = Non
                                  f"{sorted({len(h) for h in hot})} neurons does not fit "
                                  f"{model_file.name} ({a.n_layers} x {a.ffn_dim})")
 
-    bundle = Bundle.create(bundle_dir, model={
-        "file": model_file.name, "sha256": file_sha256(model_file),
-        "size": model_file.stat().st_size, "arch": a.arch, "n_layers": a.n_layers,
-        "dim": a.dim, "ffn_dim": a.ffn_dim, "ffn_act": a.ffn_act})
+    bundle = Bundle.create(bundle_dir, model=model_record(model_file, a))
+    # PowerInfer's models are ReLU-family: a neuron fires when its activation is above 0
+    bundle.save_tensors("thresholds.safetensors",
+                        {"threshold": np.zeros(a.n_layers, np.float32)})
+    bundle.mark("thresholds", {"source": model_file.name, "sparsity": None})
     inp = str(meta.get(INPUT_KEY, "ffn"))
     threshold = float(meta.get(THRESHOLD_KEY, 0.0))
     bundle.save_tensors(f"predictors.{inp}.safetensors", fc)

@@ -150,7 +150,7 @@ def test_import_round_trip(files, tmp_path):
     assert (m["arch"], m["n_layers"], m["dim"], m["ffn_dim"], m["ffn_act"]) == \
         ("llama", len(RANKS), DIM, FFN, "reglu")
     b.check_model(out)
-    assert set(b.manifest.parts) == {"predictors.ffn", "placement"}
+    assert set(b.manifest.parts) == {"thresholds", "predictors.ffn", "placement"}
     assert b.manifest.settings["predictors.ffn"]["threshold"] == THRESHOLD
     assert b.manifest.settings["placement"]["vram_capacity"] == VRAM
     pred, back = bundle.load_tensors("predictors.ffn.safetensors"), \
@@ -173,7 +173,28 @@ def test_import_without_split_file(files, tmp_path):
     lone = tmp_path / "lone.gguf"
     lone.write_bytes(files["out"].read_bytes())
     b = pwri.import_pwri(lone, tmp_path / "b")
-    assert b.manifest.parts == ["predictors.ffn"]
+    assert b.manifest.parts == ["thresholds", "predictors.ffn"]
+
+
+def test_an_imported_model_runs_and_evaluates_in_one_step(files, tmp_path):
+    """The original's main workflow: a published PowerInfer model, its predictors inside."""
+    from powerinfer import Config, PowerInfer
+    from powerinfer.evaluate import evaluate
+    from powerinfer.predictor import load_predictors
+
+    out = files["out"]
+    b = pwri.import_pwri(out, tmp_path / "b")
+    preds = load_predictors(b, "ffn")
+    assert preds.threshold == THRESHOLD  # the file's sparse_threshold is the firing rule
+    x = torch.randn(3, DIM)
+    assert torch.equal(preds.active(0, x), preds.logits(0, x) >= THRESHOLD)
+    pi = PowerInfer.from_pretrained(out, Config(bundle=str(b.path), max_seq_len=64, max_batch=1))
+    assert len(pi.engine.model.layers) == len(RANKS)
+    seq = pi.engine.new_sequence([1, 2, 3], __import__("powerinfer").SamplingParams(
+        max_tokens=4, temperature=0, ignore_eos=True))
+    assert [ev.token >= 0 for ev in pi.engine.run([seq])] == [True] * 4
+    rows = evaluate(str(out), b, tokens=64, window=32, progress=False)  # no corpus recorded: lee
+    assert {r["kind"] for r in rows} >= {"dense", "oracle", "predicted"}
 
 
 # ------------------------------------------------------------------ PWRI as an ordinary model
