@@ -263,6 +263,9 @@ def _pipeline_commands(sub):
     p.add_argument("--min-share", type=float, default=0.1,
                    help="a layer holds no GPU neurons or at least this share")
     p.add_argument("--time-limit", type=float, default=60)
+    p.add_argument("--input", choices=["auto", "ffn", "layer"], default="auto",
+                   help="the predictors the GPU holds (auto: lookahead when trained, as the "
+                        "runtimes choose)")
     p.set_defaults(run=_solve)
 
     p = sub.add_parser("eval", help="held-out perplexity, agreement and recall: dense vs sparse")
@@ -338,7 +341,7 @@ def _solve(args) -> int:
 
     p = solve_bundle(Bundle.open(args.bundle), args.vram_budget, batch=args.batch,
                      context=args.context, group=args.group, min_share=args.min_share,
-                     time_limit=args.time_limit)
+                     time_limit=args.time_limit, predictor_input=args.input)
     print(p.table())
     return 0
 

@@ -299,10 +299,14 @@ def _mib(b: int) -> str:
 
 
 def solve_bundle(bundle, budget_gb: float, *, batch: int = 1, context: int = 2048,
-                 dtype_bytes: int = 2, predictor_input: str = "ffn", **options) -> Placement:
-    """Solve for a bundle's profiled mass and write placement.safetensors/.json into it."""
+                 dtype_bytes: int = 2, predictor_input: str = "auto", **options) -> Placement:
+    """Solve for a bundle's profiled mass and write placement.safetensors/.json into it.
+    predictor_input: whose predictors the GPU holds, "ffn", "layer", or "auto" (as the runtimes
+    choose: the lookahead ones when trained)."""
     from .model import ModelArgs
 
+    if predictor_input == "auto":
+        predictor_input = "layer" if bundle.has("predictors.layer") else "ffn"
     _, mass, _ = bundle.stats()
     args = ModelArgs(**bundle.manifest.model["args"])
     ranks = None
