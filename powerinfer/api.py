@@ -14,6 +14,7 @@ from .errors import ModelLoadError
 from .loader import DEFAULT_MODEL, Checkpoint, build_model, load_checkpoint
 from .plan import SparsePlan
 from .quant import apply_int4
+from .runtimes import engine_class
 
 Messages = list[dict]
 
@@ -29,9 +30,9 @@ class PowerInfer:
         self.config, self.checkpoint = config, checkpoint
         if config.cpu_threads:
             torch.set_num_threads(config.cpu_threads)
-        if config.runtime == "actors":  # the actors load the weights; this process tokenizes
-            from actors.handle import ActorEngine
-            self.model, self.engine = None, ActorEngine(str(checkpoint.path), config)
+        if config.runtime != "local":  # its processes load the weights; this one tokenizes
+            self.model = None
+            self.engine = engine_class(config.runtime)(str(checkpoint.path), config)
             self.tokenizer = self.engine.tokenizer
             return
         device = config.torch_device  # a ConfigError of its own, not a load error
@@ -59,7 +60,7 @@ class PowerInfer:
         return self.checkpoint.args
 
     def close(self):
-        """Stop the actor group (runtime "actors"); the in-process engine needs nothing."""
+        """Stop a runtime's processes (runtime "actors"); the in-process engine needs nothing."""
         if self.model is None:
             self.engine.shutdown()
 

@@ -15,8 +15,10 @@ import time
 import urllib.error
 import urllib.request
 from dataclasses import dataclass
+from pathlib import Path
 
 from powerinfer.errors import ConfigError
+from powerinfer.loader import DEFAULT_MODEL
 
 from .settings import ServeSettings
 
@@ -156,3 +158,61 @@ def _demo(front: Frontend, settings: ServeSettings, model: str):
     usage = answer["usage"]
     say(f"asked {model}: {question}\nanswer: {answer['choices'][0]['message']['content']!r}\n"
         f"({usage['completion_tokens']} tokens in {time.perf_counter() - t0:.2f} s)")
+
+
+def add_command(sub):
+    """`powerinfer serve` (registered in the `powerinfer.commands` entry points)."""
+    p = sub.add_parser("serve", help="serve models over an OpenAI-compatible HTTP API and gRPC "
+                                     "(Ray Serve, in the foreground)")
+    p.add_argument("--model", "-m", default=None,
+                   help=f"GGUF file, Hugging Face folder or installed model name (default "
+                        f"{DEFAULT_MODEL}); or give --config")
+    p.add_argument("--name", default=None, help="the model's name in requests (default: its "
+                                                 "short name or file name)")
+    p.add_argument("--config", default=None, help="YAML file listing the models to serve")
+    p.add_argument("--bundle", default="", help="sparsity bundle of --model")
+    p.add_argument("--host", default="127.0.0.1", help="address of the HTTP and gRPC front ends")
+    p.add_argument("--port", type=int, default=8000, help="HTTP port")
+    p.add_argument("--grpc-port", type=int, default=9000, help="gRPC port")
+    p.add_argument("--api-key", default=None,
+                   help="require 'Authorization: Bearer KEY' (default: $POWERINFER_API_KEY)")
+    p.add_argument("--cold-executors", type=int, default=1)
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda", "auto"])
+    p.add_argument("--dtype", default="float32", help="float32 or bfloat16")
+    p.add_argument("--threads", type=int, default=0, help="CPU threads per actor (0: its cores)")
+    p.add_argument("--ctx", type=int, default=0, help="context length of the KV cache")
+    p.add_argument("--max-batch", type=int, default=8, help="sequences decoded together")
+    p.add_argument("--max-queue", type=int, default=64,
+                   help="requests waiting for a slot before 429 answers")
+    p.add_argument("--log-requests", action="store_true", help="Serve's access log")
+    p.add_argument("--demo", action="store_true",
+                   help="once ready, send one chat request through the HTTP API and print it")
+    p.set_defaults(run=_run)
+
+
+def _run(args) -> int:
+    if args.config:
+        if args.model or args.bundle:
+            raise ConfigError("give the models either in --config or with --model, not both")
+        d = _read_yaml(args.config)
+    else:
+        model = args.model or DEFAULT_MODEL
+        name = args.name or (Path(model).stem if Path(model).exists() else model)
+        d = {"models": [dict(name=name, model=model, bundle=args.bundle,
+                             cold_executors=args.cold_executors, device=args.device,
+                             dtype=args.dtype, cpu_threads=args.threads, max_seq_len=args.ctx,
+                             max_batch=args.max_batch, max_queue=args.max_queue)]}
+    if args.api_key:
+        d["api_key"] = args.api_key
+    settings = ServeSettings.from_dict(d)
+    return serve_forever(settings, Frontend(args.host, args.port, args.grpc_port,
+                                            args.log_requests), demo=args.demo)
+
+
+def _read_yaml(path: str) -> dict:
+    import yaml
+
+    try:
+        return yaml.safe_load(Path(path).read_text()) or {}
+    except (OSError, yaml.YAMLError) as e:
+        raise ConfigError(f"cannot read serving config {path}: {e}") from e

@@ -1,6 +1,7 @@
 """The console script and load errors, run as a user would."""
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -100,3 +101,19 @@ def test_cuda_without_a_gpu_is_a_config_error():
 
     with pytest.raises(ConfigError, match="no CUDA device"):
         PowerInfer.from_pretrained(config=Config(device="cuda"))
+
+
+def test_the_library_imports_nothing_built_on_it():
+    """powerinfer/ is the core: the actor runtime and the server depend on it and register
+    themselves through entry points; no module of the library imports them."""
+    import ast
+
+    root = Path(__file__).resolve().parent.parent / "powerinfer"
+    for f in root.glob("*.py"):
+        for node in ast.walk(ast.parse(f.read_text())):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+                [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level else []
+            assert not any(n.split(".")[0] in ("actors", "serve_app", "cluster") for n in names), \
+                (f.name, names)
+    from powerinfer.runtimes import engine_class
+    assert engine_class("actors").__name__ == "ActorEngine"  # found through its entry point
