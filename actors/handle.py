@@ -23,7 +23,9 @@ from powerinfer.engine import context_length
 from powerinfer.errors import (EngineFailedError, InvalidRequestError, OverloadedError,
                                PowerInferError)
 from powerinfer.loader import load_checkpoint
+from powerinfer.budget import plan_for
 from powerinfer.plan import SparsePlan
+from powerinfer.quant import has_q4
 from powerinfer.tokenizer import Tokenizer
 
 from .group import ActorGroup
@@ -43,12 +45,14 @@ def _cancel(group: ActorGroup, rid: str):
 class ActorEngine:
     def __init__(self, model: str, config: Config, spin_us: float = 50.0):
         ckpt = load_checkpoint(model, with_weights=False)
+        config = config.resolve(has_q4(ckpt.info))  # every actor gets the decided configuration
         self.tokenizer = Tokenizer.from_source(ckpt.tokenizer_source)
         self.args, self.config, self.path = ckpt.args, config, ckpt.path
-        self.plan = (SparsePlan.from_bundle(config.bundle, ckpt.args, ckpt.path, config.predictor)
-                     if config.bundle else SparsePlan.dense(ckpt.args))
         self.max_seq = context_length(ckpt.args, config)
         ray_init()
+        on_gpu = config.device != "cpu" and ray.cluster_resources().get("GPU", 0) >= 1
+        self.plan = (plan_for(config, ckpt.args, ckpt.path, self.max_seq, on_gpu)
+                     or SparsePlan.dense(ckpt.args))
         self._spin = spin_us
         self.restarts, self.last_failure = 0, None
         self._lock = threading.Lock()

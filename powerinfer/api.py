@@ -9,11 +9,12 @@ from typing import Iterator
 import torch
 
 from .config import Config, sampling_params
-from .engine import Engine, Event
+from .engine import Engine, Event, context_length
 from .errors import ModelLoadError
 from .loader import DEFAULT_MODEL, Checkpoint, build_model, load_checkpoint
-from .plan import SparsePlan
-from .quant import apply_int4
+from .budget import plan_for
+from .quant import apply_int4, has_q4
+from .sparse import offload_ffns
 from .runtimes import engine_class
 
 Messages = list[dict]
@@ -27,6 +28,7 @@ class PowerInfer:
     """
 
     def __init__(self, checkpoint: Checkpoint, config: Config):
+        config = config.resolve(bool(checkpoint.q4))  # already decided by from_pretrained
         self.config, self.checkpoint = config, checkpoint
         if config.cpu_threads:
             torch.set_num_threads(config.cpu_threads)
@@ -41,9 +43,12 @@ class PowerInfer:
             raise ModelLoadError(checkpoint.path, "weights='int4' needs a GGUF file with "
                                                   "Q4_0/Q4_1 projections")
         checkpoint.q4 = {}  # the model holds them now
-        if config.bundle:  # the in-process sparse engine
-            SparsePlan.from_bundle(config.bundle, checkpoint.args, checkpoint.path,
-                                   config.predictor).apply(self.model)
+        plan = plan_for(config, checkpoint.args, checkpoint.path,
+                        context_length(checkpoint.args, config), on_gpu=device.type == "cuda")
+        if plan is not None and plan.bundle is not None:  # the in-process sparse engine
+            plan.apply(self.model)
+        elif plan is not None and device.type == "cuda":  # layer offload
+            offload_ffns(self.model, plan.hot)
         self.engine = Engine(self.model, self.tokenizer, config)
 
     @classmethod
@@ -51,8 +56,12 @@ class PowerInfer:
                         config: Config | None = None) -> "PowerInfer":
         """Load a GGUF file, a Hugging Face folder, or an installed model by short name."""
         config = config or Config()
-        return cls(load_checkpoint(name_or_path, config.torch_dtype,
-                                   with_weights=config.runtime == "local",
+        if config.runtime != "local":  # its processes load the weights
+            ck = load_checkpoint(name_or_path, with_weights=False)
+            return cls(ck, config.resolve(has_q4(ck.info)))
+        if "auto" in (config.dtype, config.weights):  # decided from the file's tensor types
+            config = config.resolve(has_q4(load_checkpoint(name_or_path, with_weights=False).info))
+        return cls(load_checkpoint(name_or_path, config.torch_dtype, with_weights=True,
                                    keep_int4=config.weights == "int4"), config)
 
     @property

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import logging
 import sys
 import time
 
@@ -33,6 +34,10 @@ def main(argv: list[str] | None = None) -> int:
     _pipeline_commands(sub)
     add_commands(sub)  # commands of installed packages built on this one (`serve`)
     args = parser.parse_args(argv)
+    log = logging.getLogger("powerinfer")  # what a load decided, one line each, on stderr
+    if not log.handlers:
+        log.addHandler(logging.StreamHandler(sys.stderr))
+        log.setLevel(logging.INFO)
     try:
         return args.run(args) if hasattr(args, "run") else \
             {"generate": _generate, "chat": _chat, "info": _info}[args.command](args)
@@ -46,15 +51,17 @@ def main(argv: list[str] | None = None) -> int:
 def _model_args(p: argparse.ArgumentParser):
     p.add_argument("--model", "-m", default=DEFAULT_MODEL,
                    help=f"GGUF file, Hugging Face folder or installed model name (default {DEFAULT_MODEL})")
-    p.add_argument("--dtype", default="float32", help="float32 or bfloat16")
+    p.add_argument("--dtype", default="auto",
+                   help="auto (bf16 where the CPU has it, else fp32), float32 or bfloat16")
     p.add_argument("--threads", "-t", type=int, default=0, help="CPU threads (0: all)")
     p.add_argument("--ctx-size", "-c", "--ctx", dest="ctx", type=int, default=0,
                    help="context length of the KV cache (0: the model's, up to 2048)")
     p.add_argument("--vram-budget", type=float, default=0.0, metavar="GB",
                    help="GPU memory the hot neurons' placement may use")
     p.add_argument("--compile", action="store_true", help="torch.compile the decode step")
-    p.add_argument("--weights", default="dense", choices=["dense", "int4"],
-                   help="int4: keep the file's Q4_0/Q4_1 weights 4-bit (with --dtype bfloat16)")
+    p.add_argument("--weights", default="auto", choices=["auto", "dense", "int4"],
+                   help="int4: keep the file's Q4_0/Q4_1 weights 4-bit (bf16 on the CPU); auto: "
+                        "int4 wherever it runs")
     p.add_argument("--runtime", default="local", choices=["local", "actors"],
                    help="actors: the Ray actor runtime (scheduler, predictor, hot and cold executors)")
     p.add_argument("--bundle", "--predictor-path", dest="bundle", default="",

@@ -52,6 +52,16 @@ def gguf_reader(path):
     return _PlainViewReader(path, "r")
 
 
+def native_bf16() -> bool:
+    """Whether this CPU computes bf16 natively (AVX-512 BF16 or AMX): there bf16 GEMMs beat
+    fp32; elsewhere torch emulates bf16 and fp32 is faster."""
+    try:
+        flags = open("/proc/cpuinfo").read()
+    except OSError:  # not Linux: assume the safe choice
+        return False
+    return " avx512_bf16" in flags or " amx_bf16" in flags
+
+
 def compile_per_instance(method):
     """torch.compile a bound method with its own compiled-code cache, and without re-checking
     the module state on every call.

@@ -1,7 +1,7 @@
 """User configuration: small frozen dataclasses validated on construction."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -20,7 +20,8 @@ class Config:
         the dense engine ignores it).
     cpu_threads: torch intra-op threads for CPU work (0: all cores of this process; with
         runtime "actors", per actor, at most one per core it is pinned to).
-    dtype: compute dtype ("float32" default on CPU, "bfloat16" available).
+    dtype: compute dtype: "float32" (the reference), "bfloat16", or "auto" (default: bfloat16
+        on a GPU or a CPU with native bf16 instructions, else float32).
     device: "cpu", "cuda" or "auto" (cuda when available).
     max_seq_len: KV cache length per sequence (0: the model's context, capped at 2048).
     max_batch: sequences decoded together.
@@ -31,27 +32,30 @@ class Config:
         its predictors mark active, and the solver's placement splits hot from cold.
     predictor: which trained predictor to run: "layer" (lookahead, overlapping attention),
         "ffn" (same layer) or "auto" (lookahead when trained).
+    weights: "dense", "int4" (a GGUF file's Q4_0/Q4_1 projections stay 4-bit; bf16 on the
+        CPU, in-process), or "auto" (default: int4 wherever it can run, else dense).
     cold_executors: cold-neuron executor actors (runtime "actors").
     max_queue: requests waiting for a batch slot before new ones get an "overloaded" error.
     """
 
     vram_budget_gb: float = 0.0
     cpu_threads: int = 0
-    dtype: str = "float32"
+    dtype: str = "auto"
     device: str = "cpu"
     max_seq_len: int = 0
     max_batch: int = 4
     compile: bool = False
     runtime: str = "local"
-    weights: str = "dense"
+    weights: str = "auto"
     bundle: str = ""
     predictor: str = "auto"
     cold_executors: int = 1
     max_queue: int = 64
 
     def __post_init__(self):
-        if self.dtype not in DTYPES:
-            raise ConfigError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
+        if self.dtype not in DTYPES and self.dtype != "auto":
+            raise ConfigError(f"dtype must be 'auto' or one of {sorted(DTYPES)}, got "
+                              f"{self.dtype!r}")
         if self.device not in ("cpu", "cuda", "auto"):
             raise ConfigError(f"device must be cpu, cuda or auto, got {self.device!r}")
         if self.runtime not in ("local", "actors"):
@@ -64,9 +68,10 @@ class Config:
             raise ConfigError("weights='int4' runs in the local runtime only")
         if self.vram_budget_gb < 0 or self.cpu_threads < 0 or self.max_seq_len < 0:
             raise ConfigError("vram_budget_gb, cpu_threads and max_seq_len must be >= 0")
-        if self.weights not in ("dense", "int4"):
-            raise ConfigError(f"weights must be 'dense' or 'int4', got {self.weights!r}")
-        if self.weights == "int4" and (DTYPES[self.dtype] != torch.bfloat16 or self.device == "cuda"):
+        if self.weights not in ("dense", "int4", "auto"):
+            raise ConfigError(f"weights must be 'dense', 'int4' or 'auto', got {self.weights!r}")
+        if self.weights == "int4" and (DTYPES.get(self.dtype) != torch.bfloat16
+                                       or self.device == "cuda"):
             raise ConfigError("weights='int4' runs on the CPU in bfloat16: set dtype='bfloat16' "
                               "and device='cpu' or 'auto'")
         if self.max_batch < 1:
@@ -74,7 +79,23 @@ class Config:
 
     @property
     def torch_dtype(self) -> torch.dtype:
+        assert self.dtype != "auto", "dtype 'auto' is decided by Config.resolve at load"
         return DTYPES[self.dtype]
+
+    def resolve(self, has_q4: bool) -> "Config":
+        """This configuration with "auto" decided for this machine and a model file (has_q4:
+        it has Q4_0/Q4_1 projections): the fastest setting that needs no warm-up."""
+        from .compat import native_bf16
+
+        on_gpu = self.device == "cuda" or (self.device == "auto" and torch.cuda.is_available())
+        dtype = self.dtype
+        if dtype == "auto":
+            dtype = "bfloat16" if on_gpu or native_bf16() else "float32"
+        weights = self.weights
+        if weights == "auto":
+            int4 = has_q4 and self.runtime == "local" and not on_gpu and DTYPES[dtype] == torch.bfloat16
+            weights = "int4" if int4 else "dense"
+        return replace(self, dtype=dtype, weights=weights)
 
     @property
     def torch_device(self) -> torch.device:

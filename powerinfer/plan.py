@@ -33,6 +33,12 @@ class SparsePlan:
         return cls(args.n_layers, args.ffn_dim, [0.0] * args.n_layers, None, None)
 
     @classmethod
+    def layer_offload(cls, args: ModelArgs, k: int) -> "SparsePlan":
+        """The first k FFN layers hot (all their neurons), the others cold; no predictor."""
+        hot = [np.full(args.ffn_dim, i < k) for i in range(args.n_layers)]
+        return cls(args.n_layers, args.ffn_dim, [0.0] * args.n_layers, hot, None)
+
+    @classmethod
     def from_bundle(cls, path: str | Path, args: ModelArgs, model_path: Path,
                     predictor: str = "auto") -> "SparsePlan":
         """predictor: "layer", "ffn", or "auto" (lookahead when trained, else same layer)."""

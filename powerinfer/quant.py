@@ -21,6 +21,11 @@ GROUP = 32
 Q4_TYPES = ("Q4_0", "Q4_1")
 
 
+def has_q4(info: dict) -> bool:
+    """Whether a checkpoint's `info` lists 4-bit tensors int4 weights can keep packed."""
+    return any(t in info.get("tensor_types", {}) for t in Q4_TYPES)
+
+
 def q4_blocks(t) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """A GGUF Q4_0/Q4_1 tensor as (q uint8 (N, K), scale f32 (N, K/32), zero f32 (N, K/32))."""
     kind = t.tensor_type.name

@@ -224,5 +224,26 @@ def apply_hybrid_ffn(model: Transformer, masks: MaskSource | None = None,
     return model
 
 
+class HostFFN(nn.Module):
+    """A dense FFN kept in host memory under layer offload: its input comes over from the
+    device and its output goes back."""
+
+    def __init__(self, ffn: FFN):
+        super().__init__()
+        self.ffn = ffn.to("cpu")
+
+    def forward(self, x, layer_input=None):
+        return self.ffn(x.to("cpu")).to(x.device)
+
+
+def offload_ffns(model: Transformer, hot: list) -> Transformer:
+    """Layer offload on a device: the FFN of every layer whose hot mask is empty moves to the
+    host; attention, embeddings, lm_head and the hot layers stay where the model is."""
+    for block, h in zip(model.layers, hot):
+        if not h.any():
+            block.ffn = HostFFN(block.ffn)
+    return model
+
+
 def hybrid_layers(model: Transformer) -> list[HybridFFN]:
     return [b.ffn for b in model.layers if isinstance(b.ffn, HybridFFN)]

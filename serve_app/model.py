@@ -49,6 +49,9 @@ class GenerationRequest:
                   ray_actor_options={"num_cpus": 0})
 class ModelServer:
     def __init__(self, spec: ModelSpec):
+        library = logging.getLogger("powerinfer")  # what the load decides, in this replica's log
+        library.setLevel(logging.INFO)
+        library.handlers = logger.handlers
         self.spec = spec
         self.engine = None
         self.error: str | None = None

@@ -178,7 +178,8 @@ def add_command(sub):
                    help="require 'Authorization: Bearer KEY' (default: $POWERINFER_API_KEY)")
     p.add_argument("--cold-executors", type=int, default=1)
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda", "auto"])
-    p.add_argument("--dtype", default="float32", help="float32 or bfloat16")
+    p.add_argument("--dtype", default="auto",
+                   help="auto (bf16 where the CPU has it, else fp32), float32 or bfloat16")
     p.add_argument("--threads", type=int, default=0, help="CPU threads per actor (0: its cores)")
     p.add_argument("--ctx", type=int, default=0, help="context length of the KV cache")
     p.add_argument("--max-batch", type=int, default=8, help="sequences decoded together")

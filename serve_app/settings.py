@@ -24,7 +24,7 @@ class ModelSpec:
     bundle: str = ""
     cold_executors: int = 1
     device: str = "cpu"
-    dtype: str = "float32"
+    dtype: str = "auto"
     max_batch: int = 8
     max_queue: int = 64
     max_seq_len: int = 0

@@ -9,7 +9,7 @@ from powerinfer.sampling import sample
 
 @pytest.fixture(scope="module")
 def smol():
-    return PowerInfer.from_pretrained("smollm2-135m-instruct", config=Config(max_batch=4))
+    return PowerInfer.from_pretrained("smollm2-135m-instruct", config=Config(dtype="float32", max_batch=4))
 
 
 def test_greedy_answers_paris(smol):

@@ -53,7 +53,7 @@ def test_int4_linear_matches_bf16_dense(q4_file):
 
 
 def test_int4_model_tracks_dense_model(q4_file):
-    dense = PowerInfer.from_pretrained(q4_file, config=Config(max_batch=1))
+    dense = PowerInfer.from_pretrained(q4_file, config=Config(dtype="float32", weights="dense", max_batch=1))
     int4 = PowerInfer.from_pretrained(q4_file, config=Config(dtype="bfloat16", weights="int4", max_batch=1))
     assert sum(isinstance(m, Int4Linear) for m in int4.model.modules()) == 8
     tokens = torch.tensor([[5, 17, 99, 150, 33, 2, 250, 7]])
@@ -77,7 +77,7 @@ def test_int4_needs_bf16_and_4bit_weights(tmp_path):
 
 @pytest.mark.slow
 def test_int4_real_model_answers_and_agrees_with_dense():
-    dense = PowerInfer.from_pretrained(config=Config(max_batch=1))
+    dense = PowerInfer.from_pretrained(config=Config(dtype="float32", weights="dense", max_batch=1))
     int4 = PowerInfer.from_pretrained(config=Config(dtype="bfloat16", weights="int4", max_batch=1))
     ids = dense.tokenize("The capital of France is a city called")
     T = len(ids)
@@ -86,3 +86,17 @@ def test_int4_real_model_answers_and_agrees_with_dense():
         b = int4.model(torch.tensor([ids]), torch.arange(T)[None], T)[0]
     assert (a.argmax(-1) == b.argmax(-1)).float().mean() >= 0.8
     assert "Paris" in int4.generate("The capital of France is", max_new_tokens=8, temperature=0)
+
+
+def test_defaults_are_the_fastest_setting_without_warm_up():
+    from powerinfer.compat import native_bf16
+
+    fast = "bfloat16" if native_bf16() else "float32"
+    assert (Config().resolve(has_q4=True).dtype, Config().resolve(has_q4=True).weights) == \
+        (fast, "int4" if fast == "bfloat16" else "dense")
+    assert Config().resolve(has_q4=False).weights == "dense"  # nothing 4-bit to keep
+    assert Config(runtime="actors").resolve(has_q4=True).weights == "dense"  # int4: in-process
+    assert Config(dtype="float32").resolve(has_q4=True).weights == "dense"  # the reference
+    pi = PowerInfer.from_pretrained()  # the default model, a Q4_1 file
+    assert pi.config.dtype == fast and pi.config.compile is False
+    assert any(isinstance(m, Int4Linear) for m in pi.model.modules()) == (fast == "bfloat16")

@@ -130,7 +130,7 @@ def real_ours(default_model_path):
     ck = load_checkpoint(default_model_path, torch.float32)
     model = Transformer.from_weights(ck.args, ck.weights, torch.float32, "cpu")
     model.setup_cache(1, 256)
-    pi = PowerInfer(ck, Config(max_seq_len=256, max_batch=4))  # its own copy; drops ck.weights
+    pi = PowerInfer(ck, Config(dtype="float32", max_seq_len=256, max_batch=4))  # its own copy; drops ck.weights
     return model, pi
 
 
@@ -406,7 +406,7 @@ def test_opt_logits_match_transformers(opt_model):
 
 def test_opt_greedy_matches_transformers(opt_model):
     hf, folder = opt_model
-    pi = PowerInfer.from_pretrained(folder, Config(max_seq_len=64, max_batch=2))
+    pi = PowerInfer.from_pretrained(folder, Config(dtype="float32", max_seq_len=64, max_batch=2))
     prompt = pi.tokenize("the world and the end of it")
     assert len(prompt) > 3
     theirs, logits = hf_greedy(hf, prompt, 16)
@@ -452,7 +452,7 @@ def test_batched_generation_matches_each_alone(batch_model):
     """Engine: different prompt lengths and different max_tokens (rows finish at different
     steps, so the decode batch shrinks and uses cache slots out of order)."""
     hf, folder = batch_model
-    pi = PowerInfer.from_pretrained(folder, Config(max_seq_len=64, max_batch=4))
+    pi = PowerInfer.from_pretrained(folder, Config(dtype="float32", max_seq_len=64, max_batch=4))
     prompts = [random_ids(1, n, seed=70 + i)[0].tolist() for i, n in enumerate(BATCH_LENS)]
     max_tokens = [12, 4, 16, 7]
     batched = engine_greedy(pi, prompts, max_tokens)

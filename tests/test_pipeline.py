@@ -43,7 +43,7 @@ def test_profile_counts_match_an_independent_recount(relu_folder, relu_bundle):
     assert b.has("stats") and b.has("samples") and b.has("thresholds")
     counts, mass, tokens = b.stats()
     # recount with a plain forward hook on the FFN's down projection (its input is the activation)
-    pi = PowerInfer.from_pretrained(folder, Config(max_batch=1, max_seq_len=128))
+    pi = PowerInfer.from_pretrained(folder, Config(dtype="float32", max_batch=1, max_seq_len=128))
     windows = token_windows(pi.tokenizer, load_corpus("lee"), 128, 1500)
     assert tokens == sum(map(len, windows)) == 1500
     ref_c = [torch.zeros(128, dtype=torch.float64) for _ in pi.model.layers]
@@ -66,7 +66,7 @@ def test_profile_counts_match_an_independent_recount(relu_folder, relu_bundle):
 
 def test_samples_are_consistent_with_the_model(relu_folder, relu_bundle):
     folder, _ = relu_folder
-    pi = PowerInfer.from_pretrained(folder, Config(max_batch=1, max_seq_len=128))
+    pi = PowerInfer.from_pretrained(folder, Config(dtype="float32", max_batch=1, max_seq_len=128))
     held = relu_bundle.manifest.settings["samples"]["held_out"]
     for i, blk in enumerate(pi.model.layers):
         s = relu_bundle.samples(i)
@@ -120,7 +120,7 @@ def test_eval_dense_perplexity_matches_transformers(relu_folder, relu_bundle):
     rows = evaluate(str(folder), relu_bundle, tokens=600, window=128, progress=False)
     by = {r["label"]: r for r in rows}
     # transformers on the same held-out windows
-    pi = PowerInfer.from_pretrained(folder, Config(max_batch=1, max_seq_len=128))
+    pi = PowerInfer.from_pretrained(folder, Config(dtype="float32", max_batch=1, max_seq_len=128))
     nll, n = 0.0, 0
     with torch.inference_mode():
         for w in token_windows(pi.tokenizer, load_corpus("lee", "held_out"), 128, 600):

@@ -21,7 +21,7 @@ PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time"]
 GREEDY = dict(max_new_tokens=20, temperature=0, ignore_eos=True)
 # one thread per process on both sides: a sum's order depends on how many threads share it,
 # and greedy decoding of a model this small with a quick bundle's predictors flips on such ties
-BASE = dict(max_seq_len=256, max_batch=4, cpu_threads=1)
+BASE = dict(dtype="float32", weights="dense", max_seq_len=256, max_batch=4, cpu_threads=1)
 
 
 def shm_segments():
@@ -200,3 +200,45 @@ def test_hot_executor_on_gpu_keeps_the_vram_budget(ray_cluster, bundle, tmp_path
     # the same model and masks; the GPU sums in another order, so compare the first words only
     assert [g.split()[:2] for g in got] == [w.split()[:2] for w in cpu]
     assert not shm_segments()
+
+
+def test_vram_budget_plans_the_placement_and_caches_it(bundle, default_model_path, tmp_path,
+                                                       caplog):
+    """Config(vram_budget_gb=...) at load: with a bundle (here found beside a copy of the model
+    file) the placement is solved for the budget and kept in the bundle; the second load reads
+    it; without a bundle, whole FFN layers are placed as they fit. No GPU here: it says so."""
+    import logging
+    import shutil
+
+    from powerinfer.budget import ffn_layers_that_fit
+    from powerinfer.solver import gpu_bytes
+
+    model = tmp_path / default_model_path.name
+    shutil.copy(default_model_path, model)
+    shutil.copytree(bundle, str(model) + ".bundle")
+    cfg = dict(BASE, vram_budget_gb=0.4)
+    lines = []
+    for _ in range(2):
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger="powerinfer"):
+            pi = PowerInfer.from_pretrained(str(model), Config(**cfg))
+        lines += [r.getMessage() for r in caplog.records if "VRAM budget" in r.getMessage()]
+    assert len(lines) == 2 and "solved" in lines[0] and "read from the cache" in lines[1], lines
+    assert "no GPU" in lines[0]
+    cached = list((Path(str(model) + ".bundle") / "placements").glob("*.json"))
+    assert len(cached) == 1 and "0.4GB-ctx256-batch5" in cached[0].name
+    report = __import__("json").loads(cached[0].read_text())
+    assert 0 < report["used_bytes"] <= 0.4 * 2**30
+    hot = [f.hot.idx.numel() for f in __import__("powerinfer.sparse").sparse.hybrid_layers(pi.model)]
+    assert sum(hot) == sum(report["hot_counts"])  # the model runs the cached placement
+    assert "Paris" in pi.generate("The capital of France is", max_new_tokens=8, temperature=0)
+
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="powerinfer"):  # no bundle: layer offload
+        PowerInfer.from_pretrained(MODEL, Config(**cfg))
+    line, = [r.getMessage() for r in caplog.records if "VRAM budget" in r.getMessage()]
+    args = pi.args
+    k = ffn_layers_that_fit(args, int(0.4 * 2**30), 4, BASE["max_batch"] + 1, 256)
+    fixed = sum(gpu_bytes(args, dtype_bytes=4, batch=BASE["max_batch"] + 1, context=256).values())
+    assert 0 < k < args.n_layers and fixed + k * 3 * args.dim * args.ffn_dim * 4 <= 0.4 * 2**30
+    assert f"layer offload, attention, embeddings, lm_head and {k} of 30 FFN layers" in line

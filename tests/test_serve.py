@@ -92,7 +92,7 @@ def server(tmp_path_factory, default_model_path):
     config = d / "models.yaml"
     config.write_text(yaml.safe_dump({"max_body_bytes": MAX_BODY, "models": [
         {"name": SMOL, "model": str(default_model_path), "max_seq_len": 512, "max_batch": 4,
-         "max_queue": 8, "cpu_threads": 1},
+         "max_queue": 8, "cpu_threads": 1, "dtype": "float32"},
         {"name": TINY, "model": str(d / "tiny.gguf"), "max_seq_len": 512, "max_batch": 2,
          "max_queue": 1},
         {"name": BROKEN, "model": str(d / "broken.gguf")}]}))
@@ -123,7 +123,7 @@ def server(tmp_path_factory, default_model_path):
 @pytest.fixture(scope="module")
 def local_smol(default_model_path):
     threads = torch.get_num_threads()
-    pi = PowerInfer.from_pretrained(default_model_path, Config(max_seq_len=512, cpu_threads=1))
+    pi = PowerInfer.from_pretrained(default_model_path, Config(dtype="float32", max_seq_len=512, cpu_threads=1))
     yield pi
     torch.set_num_threads(threads)
 

@@ -63,8 +63,8 @@ def test_oracle_sparse_greedy_256_tokens_identical(tmp_path):
     model = C.build_hf_model(C.llama_family_config(hidden_act="relu", max_position_embeddings=512),
                              seed=3)
     folder = C.save_hf(model, tmp_path / "relu")
-    dense = PowerInfer.from_pretrained(folder, config=Config(max_batch=1, max_seq_len=300))
-    sparse = PowerInfer.from_pretrained(folder, config=Config(max_batch=1, max_seq_len=300))
+    dense = PowerInfer.from_pretrained(folder, config=Config(dtype="float32", max_batch=1, max_seq_len=300))
+    sparse = PowerInfer.from_pretrained(folder, config=Config(dtype="float32", max_batch=1, max_seq_len=300))
     apply_hybrid_ffn(sparse.model)
     ids = dense.tokenize("hello world")
     outs = []

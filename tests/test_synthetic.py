@@ -62,7 +62,7 @@ def test_planted_sparsity_and_skew_hold_on_fresh_tokens(tiny):
 
 
 def test_loads_and_generates(tiny):
-    pi = PowerInfer.from_pretrained(tiny.path, Config(max_seq_len=64, max_batch=1))
+    pi = PowerInfer.from_pretrained(tiny.path, Config(dtype="float32", max_seq_len=64, max_batch=1))
     assert pi.tokenizer.bos_id == 1
     assert pi.detokenize(pi.tokenize("hello world")) == "hello world"
     params = sampling_params(max_tokens=5, temperature=0, ignore_eos=True)

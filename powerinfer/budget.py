@@ -1,0 +1,107 @@
+"""What `Config(vram_budget_gb=...)` decides at load: which FFN neurons are hot (the GPU's).
+
+- With a sparsity bundle (`Config(bundle=...)`, or the folder `<model file>.bundle` next to the
+  model when a budget is given), the placement is solved for the budget, the context and the
+  batch, and cached in the bundle under that key (`placements/`), so the next load is instant.
+- Without one, attention, embeddings, lm_head and the KV cache are placed first, then whole FFN
+  layers in order as they fit (layer offload, llama.cpp's -ngl for the FFNs).
+- On a machine without a GPU the plan is still made (the actor runtime's hot executor takes the
+  hot neurons, the in-process engine runs a bundle's placement as it would on a GPU, and keeps a
+  dense model dense), and the log line says that nothing is placed on a GPU.
+
+The decision is said in one log line (logger "powerinfer").
+"""
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+
+import numpy as np
+
+from .bundle import Bundle
+from .config import Config
+from .model import ModelArgs
+from .plan import SparsePlan
+
+log = logging.getLogger("powerinfer")
+BUNDLE_SUFFIX = ".bundle"
+
+
+def find_bundle(config: Config, model_path: Path) -> str:
+    """The bundle a load uses: Config.bundle, or with a budget the one beside the model file."""
+    if config.bundle:
+        return config.bundle
+    beside = Path(str(model_path) + BUNDLE_SUFFIX)
+    if config.vram_budget_gb > 0 and (beside / "manifest.json").is_file():
+        return str(beside)
+    return ""
+
+
+def plan_for(config: Config, args: ModelArgs, model_path: Path, max_seq: int,
+             on_gpu: bool) -> SparsePlan | None:
+    """The sparse plan a load runs (None: the dense model, nothing to place)."""
+    bundle = find_bundle(config, model_path)
+    budget = int(config.vram_budget_gb * 2**30)
+    plan = (SparsePlan.from_bundle(bundle, args, model_path, config.predictor) if bundle
+            else None)
+    if budget <= 0:
+        return plan
+    dtype_bytes = config.torch_dtype.itemsize
+    where = "" if on_gpu else "; this machine has no GPU: nothing is placed on one"
+    if plan is None:
+        k = ffn_layers_that_fit(args, budget, dtype_bytes, config.max_batch + 1, max_seq)
+        log.info("VRAM budget %.2f GB, no sparsity bundle: layer offload, attention, embeddings, "
+                 "lm_head and %d of %d FFN layers on the GPU%s", config.vram_budget_gb, k,
+                 args.n_layers, where)
+        return SparsePlan.layer_offload(args, k)
+    b = Bundle.open(bundle)
+    if not b.has("stats"):  # an imported bundle: its own placement, if any, stands
+        log.info("VRAM budget %.2f GB: the bundle %s has no profile to solve a placement from; "
+                 "%s%s", config.vram_budget_gb, bundle, "its own placement is used"
+                 if plan.hot is not None else "every neuron is cold", where)
+        return plan
+    t0 = time.perf_counter()
+    hot, cached = cached_placement(b, config.vram_budget_gb,
+                                   config.max_batch + 1, max_seq, dtype_bytes,
+                                   plan.predictor_input or "ffn")
+    plan.hot = hot
+    share = sum(int(h.sum()) for h in hot) / (args.n_layers * args.ffn_dim)
+    log.info("VRAM budget %.2f GB: %.1f%% of FFN neurons hot, placement %s in %.1f s (%s)%s",
+             config.vram_budget_gb, 100 * share, "read from the cache" if cached else "solved",
+             time.perf_counter() - t0, bundle, where)
+    return plan
+
+
+def ffn_layers_that_fit(args: ModelArgs, budget: int, dtype_bytes: int, batch: int,
+                        context: int) -> int:
+    """Whole FFN layers that fit the budget after everything else the GPU holds."""
+    from .solver import gpu_bytes
+
+    fixed = sum(gpu_bytes(args, dtype_bytes=dtype_bytes, batch=batch, context=context).values())
+    per_layer = 3 * args.dim * args.ffn_dim * dtype_bytes if args.gated else \
+        2 * args.dim * args.ffn_dim * dtype_bytes
+    return max(0, min(args.n_layers, (budget - fixed) // per_layer))
+
+
+def cached_placement(bundle: Bundle, budget_gb: float, batch: int, context: int,
+                     dtype_bytes: int, predictor_input: str) -> tuple[list[np.ndarray], bool]:
+    """The bundle's placement for these settings, solved once and kept in `placements/`."""
+    from .solver import gpu_bytes, solve
+
+    key = f"{budget_gb:g}GB-ctx{context}-batch{batch}-{dtype_bytes}B-{predictor_input}"
+    name = f"placements/{key}.safetensors"
+    if (bundle.path / name).is_file():
+        t = bundle.load_tensors(name)
+        return [t[f"hot.{i}"].astype(bool) for i in range(bundle.n_layers)], True
+    _, mass, _ = bundle.stats()
+    args = ModelArgs(**bundle.manifest.model["args"])
+    ranks = None
+    if bundle.has(f"predictors.{predictor_input}"):
+        ranks = [r["rank"] for r in bundle.load_json(f"predictors.{predictor_input}.json")]
+    fixed = gpu_bytes(args, dtype_bytes=dtype_bytes, batch=batch, context=context,
+                      predictor_ranks=ranks)
+    p = solve(mass, args, int(budget_gb * 2**30), fixed=fixed, dtype_bytes=dtype_bytes)
+    bundle.save_tensors(name, {f"hot.{i}": h.astype(np.uint8) for i, h in enumerate(p.hot)})
+    bundle.save_json(f"placements/{key}.json", p.report())
+    return p.hot, False
