@@ -43,8 +43,8 @@ def plan_for(config: Config, args: ModelArgs, model_path: Path, max_seq: int,
     """The sparse plan a load runs (None: the dense model, nothing to place)."""
     bundle = find_bundle(config, model_path)
     budget = int(config.vram_budget_gb * 2**30)
-    plan = (SparsePlan.from_bundle(bundle, args, model_path, config.predictor) if bundle
-            else None)
+    plan = (SparsePlan.from_bundle(bundle, args, model_path, config.predictor,
+                                   config.max_ppl_increase) if bundle else None)
     if budget <= 0:
         return plan
     dtype_bytes = config.torch_dtype.itemsize

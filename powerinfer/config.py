@@ -36,6 +36,8 @@ class Config:
         CPU, in-process), or "auto" (default: int4 wherever it can run, else dense).
     cold_executors: cold-neuron executor actors (runtime "actors").
     max_queue: requests waiting for a batch slot before new ones get an "overloaded" error.
+    max_ppl_increase: a bundle whose evaluation (`powerinfer eval`) shows its predictors raising
+        held-out perplexity by more than this share warns at load, as one never evaluated does.
     """
 
     vram_budget_gb: float = 0.0
@@ -51,6 +53,7 @@ class Config:
     predictor: str = "auto"
     cold_executors: int = 1
     max_queue: int = 64
+    max_ppl_increase: float = 0.02
 
     def __post_init__(self):
         if self.dtype not in DTYPES and self.dtype != "auto":
@@ -66,8 +69,9 @@ class Config:
             raise ConfigError("cold_executors and max_queue must be >= 1")
         if self.runtime == "actors" and self.weights == "int4":
             raise ConfigError("weights='int4' runs in the local runtime only")
-        if self.vram_budget_gb < 0 or self.cpu_threads < 0 or self.max_seq_len < 0:
-            raise ConfigError("vram_budget_gb, cpu_threads and max_seq_len must be >= 0")
+        if min(self.vram_budget_gb, self.cpu_threads, self.max_seq_len, self.max_ppl_increase) < 0:
+            raise ConfigError("vram_budget_gb, cpu_threads, max_seq_len and max_ppl_increase "
+                              "must be >= 0")
         if self.weights not in ("dense", "int4", "auto"):
             raise ConfigError(f"weights must be 'dense', 'int4' or 'auto', got {self.weights!r}")
         if self.weights == "int4" and (DTYPES.get(self.dtype) != torch.bfloat16

@@ -40,13 +40,15 @@ class SparsePlan:
 
     @classmethod
     def from_bundle(cls, path: str | Path, args: ModelArgs, model_path: Path,
-                    predictor: str = "auto") -> "SparsePlan":
-        """predictor: "layer", "ffn", or "auto" (lookahead when trained, else same layer)."""
+                    predictor: str = "auto", max_ppl_increase: float = 0.02) -> "SparsePlan":
+        """predictor: "layer", "ffn", or "auto" (lookahead when trained, else same layer);
+        max_ppl_increase: the held-out perplexity over dense above which loading warns."""
         b = Bundle.open(path)
         b.check_model(model_path)
         if predictor == "auto":
             predictor = "layer" if b.has("predictors.layer") else "ffn"
         b.require(f"predictors.{predictor}", "train-predictors")
+        check_quality(b, predictor, max_ppl_increase)
         th = [float(t) for t in b.thresholds()]
         hot = b.placement() if b.has("placement") else None
         mass = b.stats()[1] if b.has("stats") else None
@@ -89,3 +91,27 @@ class SparsePlan:
             masks = lambda i, x: torch.ones(*x.shape[:-1], self.ffn_dim, dtype=torch.bool)  # noqa: E731
         hot = [self.hot_mask(i, hot_share) for i in range(self.n_layers)]
         return apply_hybrid_ffn(model, masks, hot, self.predictor_input or "ffn", self.thresholds)
+
+
+def check_quality(b: Bundle, predictor: str, max_ppl_increase: float) -> str | None:
+    """Warn (one line, logger "powerinfer") when the bundle's recorded evaluation shows its
+    predictors costing more perplexity than `max_ppl_increase`, or when it was never evaluated;
+    returns the line."""
+    import logging
+
+    label = f"predicted ({predictor} input)"
+    rows = b.load_json("eval.json").get("rows", []) if b.has("eval") else []
+    row = next((r for r in rows if r.get("label") == label), None)
+    if row is None:
+        line = (f"sparsity bundle {b.path}: its {predictor}-input predictors were never "
+                f"evaluated, so what they cost in quality is unknown; run `powerinfer eval`")
+    elif row["ppl_delta"] > max_ppl_increase:
+        line = (f"sparsity bundle {b.path}: its {predictor}-input predictors raise held-out "
+                f"perplexity by {row['ppl_delta']:+.1%} over the dense model (bound "
+                f"{max_ppl_increase:+.0%}); profile more tokens or samples (`powerinfer profile "
+                f"--tokens/--samples`), train for a higher recall (`train-predictors --recall`), "
+                f"or run without predictors")
+    else:
+        return None
+    logging.getLogger("powerinfer").warning(line)
+    return line

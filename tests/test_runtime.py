@@ -242,3 +242,22 @@ def test_vram_budget_plans_the_placement_and_caches_it(bundle, default_model_pat
     fixed = sum(gpu_bytes(args, dtype_bytes=4, batch=BASE["max_batch"] + 1, context=256).values())
     assert 0 < k < args.n_layers and fixed + k * 3 * args.dim * args.ffn_dim * 4 <= 0.4 * 2**30
     assert f"layer offload, attention, embeddings, lm_head and {k} of 30 FFN layers" in line
+
+
+def test_a_bundle_that_costs_quality_warns_at_load(bundle, tmp_path, caplog):
+    import logging
+    import shutil
+
+    from powerinfer.bundle import Bundle
+    from powerinfer.evaluate import evaluate
+    from powerinfer.plan import check_quality
+
+    b = Bundle.open(shutil.copytree(bundle, tmp_path / "bundle"))
+    with caplog.at_level(logging.WARNING, logger="powerinfer"):
+        PowerInfer.from_pretrained(MODEL, Config(bundle=str(b.path), **BASE))
+    assert "never evaluated" in caplog.text and "powerinfer eval" in caplog.text
+    rows = evaluate(MODEL, b, tokens=256, progress=False)  # recorded in the bundle
+    delta = next(r["ppl_delta"] for r in rows if r["label"] == "predicted (layer input)")
+    line = check_quality(b, "layer", max(delta - 0.001, 0))
+    assert line and f"{delta:+.1%}" in line and "--tokens" in line
+    assert check_quality(b, "layer", delta + 0.001) is None
