@@ -13,7 +13,7 @@ run: $(STAMP) $(STUBS)
 	$(VENV)/bin/powerinfer serve --model smollm2-135m-instruct --demo
 
 test: $(STAMP) $(STUBS)
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q --durations=15
 
 test-fast: $(STAMP) $(STUBS)
 	$(PY) -m pytest -q -m "not slow"

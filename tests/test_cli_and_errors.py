@@ -12,10 +12,11 @@ CLI = [sys.executable, "-m", "powerinfer.cli"]
 
 
 def run(*args, stdin=None):
+    """The console script in a process of its own, as a user runs it."""
     return subprocess.run(CLI + list(args), capture_output=True, text=True, input=stdin, timeout=300)
 
 
-def test_generate_answers_paris():
+def test_generate_answers_paris():  # the one subprocess smoke test of the entry point
     # llama.cpp's flags: -t is the thread count, --temp the temperature
     r = run("generate", "-m", "smollm2-135m-instruct", "-p", "The capital of France is",
             "-n", "8", "--temp", "0", "-t", "1", "-c", "256")
@@ -23,21 +24,24 @@ def test_generate_answers_paris():
     assert "Paris" in r.stdout
 
 
-def test_chat_reads_turns_from_stdin():
+def test_chat_reads_turns_from_stdin(monkeypatch, capsys):
+    import io
+
+    from powerinfer.cli import main
+    monkeypatch.setattr(sys, "stdin", io.StringIO(
+        "What is the capital of France?\n/reset\nWhat is the capital of Germany?\n"))
     # the fp32 reference: the 135M model's bf16 first answer here is not about Paris
-    r = run("chat", "--temp", "0", "-n", "30", "--dtype", "float32", "--weights", "dense",
-            stdin="What is the capital of France?\n/reset\nWhat is the capital of Germany?\n")
-    assert r.returncode == 0, r.stderr
-    first, second = r.stdout.strip().splitlines()[:2]
+    assert main(["chat", "--temp", "0", "-n", "30", "--dtype", "float32", "--weights", "dense"]) == 0
+    first, second = capsys.readouterr().out.strip().splitlines()[:2]
     assert "Paris" in first and "Berlin" in second
 
 
-def test_info_prints_architecture():
-    r = run("info", "--model", "smollm2-135m-instruct")
-    assert r.returncode == 0, r.stderr
+def test_info_prints_architecture(capsys):
+    from powerinfer.cli import main
+    assert main(["info", "--model", "smollm2-135m-instruct"]) == 0
+    out = capsys.readouterr().out
     for needle in ("llama", "layers            30", "Q4_1: 210", "swiglu", "9 / 3"):
-        assert needle in r.stdout
-
+        assert needle in out
 
 @pytest.fixture(scope="module")
 def gguf_path():
@@ -65,13 +69,13 @@ def test_truncated_gguf(tmp_path, gguf_path, size):
         load_checkpoint(cut)
 
 
-def test_cli_reports_load_error_and_exits_1(tmp_path):
+def test_cli_reports_load_error_and_exits_1(tmp_path, capsys):
+    from powerinfer.cli import main
     bad = tmp_path / "bad.gguf"
     bad.write_bytes(b"GGUF" + b"\xff" * 64)
-    r = run("generate", "--model", str(bad), "--prompt", "hi")
-    assert r.returncode == 1
-    assert "error: cannot load model" in r.stderr and "bad.gguf" in r.stderr
-    assert "Traceback" not in r.stderr
+    assert main(["generate", "--model", str(bad), "--prompt", "hi"]) == 1
+    err = capsys.readouterr().err
+    assert "error: cannot load model" in err and "bad.gguf" in err and "Traceback" not in err
 
 
 def test_unknown_architecture_is_named(tmp_path):
