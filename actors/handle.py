@@ -19,7 +19,7 @@ from ray.exceptions import RayActorError, RayTaskError
 
 from powerinfer.compat import ray_init
 from powerinfer.config import Config, SamplingParams
-from powerinfer.engine import context_length
+from powerinfer.batching import context_length
 from powerinfer.errors import (EngineFailedError, InvalidRequestError, OverloadedError,
                                PowerInferError)
 from powerinfer.loader import load_checkpoint

@@ -1,8 +1,9 @@
-"""Scheduler actor: the request queue, iteration-level continuous batching, KV slots, sampling
-and stop rules (the engine core's `Sequence`), and token streaming back to callers.
+"""Scheduler actor: the request queue and admission control, cancellation, and token streaming
+back to callers, around the batching core the in-process engine runs too (`powerinfer.batching`:
+continuous batching, KV slots, sampling and stop rules).
 
-Each iteration either prefills the waiting requests that got a free KV slot (dense, batched,
-right-padded) or runs one decode step over every running sequence. Steps go to the hot executor
+Each iteration runs the core's next step: a prefill of the waiting requests that got a free KV
+slot (dense, batched, right-padded) or one decode step over every running sequence. Steps go to the hot executor
 on `ctl` and logits come back on `out`; the loop runs in its own thread, callers' streams are
 asyncio queues fed from it. A full queue answers "overloaded"; a cancelled request frees its
 slot at the next iteration; a dead or failed executor ends every request with a retryable
@@ -19,16 +20,15 @@ import asyncio
 import os
 import threading
 import time
-from collections import deque
 from dataclasses import dataclass, field
 
 import torch
 
 from powerinfer.config import Config, SamplingParams
-from powerinfer.engine import Sequence, context_length, new_sequence, sample_next
+from powerinfer import batching
+from powerinfer.batching import Batcher, Output, Sequence, context_length, new_sequence
 from powerinfer.errors import InvalidRequestError
 from powerinfer.loader import load_checkpoint
-from powerinfer.sampling import logprobs
 from powerinfer.tokenizer import Tokenizer
 
 from .channel import ChannelClosed, PeerDied
@@ -41,7 +41,6 @@ class Request:
     seq: Sequence
     events: asyncio.Queue
     loop: asyncio.AbstractEventLoop
-    slot: int = -1
     cancelled: bool = False
     arrived: float = field(default_factory=time.perf_counter)
 
@@ -64,10 +63,8 @@ class Scheduler:
         self.max_seq = min(context_length(ckpt.args, config), spec.max_seq)
         self.ctl, self.out = spec.open("ctl", writer=True), spec.open("out")
         self.probe_slot = spec.batch - 1  # reserved for health probes
-        self.free = list(range(config.max_batch))
-        self.waiting: deque[Request] = deque()
-        self.running: list[Request] = []
-        self.by_id: dict[str, Request] = {}
+        self.batcher = Batcher(config.max_batch, self.max_seq)
+        self.by_id: dict[str, Request] = {}  # waiting and running
         self.cv = threading.Condition()
         self.broken: str | None = None
         self.stopping = False
@@ -97,12 +94,13 @@ class Scheduler:
         except InvalidRequestError as e:
             yield [{"error": "invalid_request", "message": str(e), "retryable": False}]
             return
-        req = Request(rid, seq, asyncio.Queue(), loop, slot=self.probe_slot if probe else -1)
+        req = Request(rid, seq, asyncio.Queue(), loop)
+        seq.key, seq.slot = req, self.probe_slot if probe else -1
         with self.cv:
             problem = self._admit_problem(rid, probe)
             if problem is None:
                 self.by_id[rid] = req
-                (self.waiting.appendleft if probe else self.waiting.append)(req)
+                self.batcher.add(seq, front=probe)
                 self.counters["requests"] += 1
                 self.cv.notify()
         if problem is not None:
@@ -128,7 +126,7 @@ class Scheduler:
             return {"error": "invalid_request", "retryable": False,
                     "message": f"request id {rid!r} is already running"}
         # requests that arrived together wait here until the loop admits them to free slots
-        queued = len(self.waiting) - len(self.free)
+        queued = self.batcher.queued
         if not probe and queued >= self.config.max_queue:
             self.counters["rejected"] += 1
             return {"error": "overloaded", "retryable": True,
@@ -166,8 +164,9 @@ class Scheduler:
     async def stats(self) -> dict:
         with self.cv:
             c = dict(self.counters)
-            c.update(waiting=len(self.waiting), running=len(self.running), broken=self.broken,
-                     free_slots=len(self.free))
+            b = self.batcher
+            c.update(waiting=len(b.waiting), running=len(b.running), broken=self.broken,
+                     free_slots=len(b.free))
         steps = c["decode_steps"]
         c["decode_ms_per_step"] = c["decode_s"] / steps * 1e3 if steps else 0.0
         c["mean_batch"] = c["decode_rows"] / steps if steps else 0.0
@@ -179,31 +178,28 @@ class Scheduler:
             self.cv.notify()
         await asyncio.get_running_loop().run_in_executor(None, self.thread.join, 10)
 
-    # ---- the loop (its own thread) ----
+    # ---- the loop (its own thread): schedule, run, postprocess ----
     def _loop(self):
         try:
             while True:
                 with self.cv:
-                    while not (self.waiting or self.running or self.stopping):
+                    while self.batcher.idle and not self.stopping:
                         self.cv.wait()
                     if self.stopping:
                         break
                     self._drop_cancelled()
-                    admit = []
-                    for req in list(self.waiting):
-                        if req.slot < 0 and self.free:
-                            req.slot = self.free.pop(0)
-                        if req.slot >= 0:
-                            self.waiting.remove(req)
-                            admit.append(req)
-                    running = list(self.running)
-                if admit:
-                    self._prefill(admit)
-                    with self.cv:
-                        self.running += admit
-                elif running:
-                    self._decode(running)
-                self._retire()
+                    step = self.batcher.schedule()
+                if step is None:
+                    continue
+                t0 = time.perf_counter()
+                logits = self._run(step)
+                with self.cv:
+                    outs = self.batcher.postprocess(step, logits)
+                self._emit(outs, t0)
+                kind = "prefill" if step.prefill else "decode"
+                self.counters[f"{kind}_steps"] += 1
+                self.counters[f"{kind}_s"] += time.perf_counter() - t0
+                self.counters["decode_rows"] += 0 if step.prefill else len(step.seqs)
             self.ctl.publish(STOP)
         except GroupFailure as e:
             self.broken = str(e)
@@ -212,69 +208,43 @@ class Scheduler:
                     r.fail("engine_failed", f"the model's actor group failed: {e}; it is being "
                            "rebuilt, send the request again", True)
                     self.counters["failed"] += 1
-                self.waiting.clear()
-                self.running.clear()
                 self.by_id.clear()
+                self.batcher = Batcher(self.config.max_batch, self.max_seq)
 
     def _drop_cancelled(self):
-        for req in [r for r in self.waiting if r.cancelled]:
-            self.waiting.remove(req)
-            self._finish(req, "cancelled")
+        for req in [r for r in self.by_id.values() if r.cancelled]:
+            if self.batcher.remove(req.seq):
+                req.emit({"text": "", "token": -1, "finish_reason": "cancelled"})
+                self.counters["cancelled"] += 1
+            del self.by_id[req.id]
 
-    def _retire(self):
-        with self.cv:
-            for req in [r for r in self.running if r.seq.finished or r.cancelled]:
-                self.running.remove(req)
-                if req.cancelled and not req.seq.finished:
-                    self._finish(req, "cancelled")
-                else:
-                    self._release(req)
-                    self.counters["failed" if req.seq.finish_reason == "error" else "finished"] += 1
+    def _emit(self, outs: list[Output], t0: float):
+        for out in outs:
+            req: Request = out.seq.key
+            if out.error:
+                req.fail("invalid_request", out.error, False)
+            else:
+                event = {"text": out.text, "token": out.token, "finish_reason": out.finish_reason}
+                if out.first:
+                    event["queue_s"] = t0 - req.arrived
+                if out.logprob is not None:
+                    event["logprob"], event["top_logprobs"] = out.logprob, out.top_logprobs
+                req.emit(event)
+                self.counters["tokens"] += out.token >= 0
+            if out.finish_reason:  # the output that ends its sequence
+                self.counters["failed" if out.error else "finished"] += 1
+                with self.cv:
+                    self.by_id.pop(req.id, None)
 
-    def _finish(self, req: Request, reason: str):
-        req.emit({"text": "", "token": -1, "finish_reason": reason})
-        self.counters["cancelled"] += reason == "cancelled"
-        self._release(req)
-
-    def _release(self, req: Request):
-        self.by_id.pop(req.id, None)
-        if req.slot >= 0 and req.slot != self.probe_slot:
-            self.free.append(req.slot)
-            self.free.sort()
-        req.slot = -1
-
-    def _prefill(self, reqs: list[Request]):
-        t0 = time.perf_counter()
-        lens = [len(r.seq.prompt) for r in reqs]
-        B, T = len(reqs), max(lens)
-        tokens = torch.zeros(B, T, dtype=torch.int64)
-        for i, r in enumerate(reqs):
-            tokens[i, :lens[i]] = torch.tensor(r.seq.prompt)
-        pos = torch.arange(T).expand(B, T)
-        logits = self._step(PREFILL, tokens, pos, reqs, T, torch.tensor(lens) - 1)
-        self._sample(reqs, logits, queued_since=t0)
-        self.counters["prefill_steps"] += 1
-        self.counters["prefill_s"] += time.perf_counter() - t0
-
-    def _decode(self, reqs: list[Request]):
-        t0 = time.perf_counter()
-        tokens = torch.tensor([[r.seq.output[-1]] for r in reqs])
-        positions = [r.seq.num_tokens - 1 for r in reqs]
-        logits = self._step(DECODE, tokens, torch.tensor(positions)[:, None], reqs,
-                            max(positions) + 1, torch.zeros(len(reqs), dtype=torch.int64))
-        self._sample(reqs, logits)
-        self.counters["decode_steps"] += 1
-        self.counters["decode_rows"] += len(reqs)
-        self.counters["decode_s"] += time.perf_counter() - t0
-
-    def _step(self, op, tokens, pos, reqs, kv_len: int, last) -> torch.Tensor:
-        B, T = tokens.shape
+    def _run(self, step: batching.Step) -> torch.Tensor:
+        """The step on the hot executor; its logits (B, vocab), a view of `out`."""
+        B, T = step.tokens.shape
         at = self.spec.ctl_layout(B, T)
-        self.ctl.put(tokens, at.tokens)
-        self.ctl.put(pos.contiguous(), at.positions)
-        self.ctl.put(torch.tensor([r.slot for r in reqs]), at.slots)
-        self.ctl.put(last, at.last)
-        send(self.ctl, Step(op, B, T, kv_len))
+        self.ctl.put(step.tokens, at.tokens)
+        self.ctl.put(step.positions.contiguous(), at.positions)
+        self.ctl.put(step.slots, at.slots)
+        self.ctl.put(step.last, at.last)
+        send(self.ctl, Step(PREFILL if step.prefill else DECODE, B, T, step.kv_len))
         try:
             reply = receive(self.out, Reply)
         except (PeerDied, ChannelClosed) as e:
@@ -283,22 +253,3 @@ class Scheduler:
             text = bytes(self.out.view(torch.uint8, (reply.n,)).numpy())
             raise GroupFailure(text.decode(errors="replace"))
         return self.out.view(torch.float32, (B, self.vocab))
-
-    def _sample(self, reqs: list[Request], logits: torch.Tensor, queued_since: float | None = None):
-        for j, r in enumerate(reqs):
-            s = r.seq
-            try:
-                token, text = sample_next(s, logits[j])
-            except RuntimeError as e:  # this request's distribution, not the group, is broken
-                r.fail("invalid_request", f"sampling failed with these parameters: {e}", False)
-                s.finish("error", "")
-                continue
-            self.counters["tokens"] += 1
-            event = {"text": text, "token": token, "finish_reason": s.finish_reason}
-            if queued_since is not None:  # the request's first token
-                event["queue_s"] = queued_since - r.arrived
-            if s.params.logprobs is not None:
-                event["logprob"], event["top_logprobs"] = logprobs(logits[j], token, s.params.logprobs)
-            r.emit(event)
-            if not s.finished and s.num_tokens > self.max_seq:  # no cache room for the next one
-                r.emit({"text": s.finish("length", s.pending), "token": -1, "finish_reason": "length"})

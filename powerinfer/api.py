@@ -9,7 +9,8 @@ from typing import Iterator
 import torch
 
 from .config import Config, sampling_params
-from .engine import Engine, Event, context_length
+from .batching import context_length
+from .engine import Engine, Event
 from .errors import ModelLoadError
 from .loader import DEFAULT_MODEL, Checkpoint, build_model, load_checkpoint
 from .budget import plan_for

@@ -1,68 +1,18 @@
-"""The in-process engine: batched prefill, then decode steps over the running sequences.
-
-Bookkeeping (`Sequence`: output, stop rules, incremental text) is plain Python; only
-`Engine._forward` touches torch.
-"""
+"""The in-process engine: the batching core's steps (`batching.py`) run on a model in this
+process. Only `Engine._forward` touches the model."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Iterator
 
 import torch
 
+from .batching import Batcher, Sequence, context_length, new_sequence
 from .compat import compile_per_instance
 from .config import Config, SamplingParams
 from .errors import InvalidRequestError
 from .model import Transformer
-from .sampling import make_generator, sample
-from .tokenizer import StreamDecoder, Tokenizer
-
-
-@dataclass
-class Sequence:
-    prompt: list[int]
-    params: SamplingParams
-    decoder: StreamDecoder
-    eog_ids: frozenset[int]
-    generator: torch.Generator | None = None
-    output: list[int] = field(default_factory=list)
-    pending: str = ""  # decoded text held back because it may begin a stop string
-    finish_reason: str | None = None  # "stop" (EOS, stop token or stop string) or "length"
-
-    @property
-    def finished(self) -> bool:
-        return self.finish_reason is not None
-
-    @property
-    def num_tokens(self) -> int:
-        return len(self.prompt) + len(self.output)
-
-    def recent(self, n: int) -> list[int]:
-        """The last n tokens, prompt included (for the repetition penalty)."""
-        return (self.prompt[-n:] + self.output)[-n:] if n else []
-
-    def push(self, token: int) -> str:
-        """Record a sampled token; returns the text that is now final."""
-        p = self.params
-        self.output.append(token)
-        if token in p.stop_token_ids or (token in self.eog_ids and not p.ignore_eos):
-            return self.finish("stop", self.pending)
-        self.pending += self.decoder.push(token)
-        for s in p.stop:
-            at = self.pending.find(s)
-            if at >= 0:
-                return self.finish("stop", self.pending[:at])
-        if len(self.output) >= p.max_tokens:
-            return self.finish("length", self.pending)
-        hold = max((k for s in p.stop for k in range(len(s), 0, -1)
-                    if self.pending.endswith(s[:k])), default=0)
-        cut = len(self.pending) - hold
-        text, self.pending = self.pending[:cut], self.pending[cut:]
-        return text
-
-    def finish(self, reason: str, text: str) -> str:
-        self.finish_reason, self.pending = reason, ""
-        return text
+from .tokenizer import Tokenizer
 
 
 @dataclass(slots=True)
@@ -90,69 +40,22 @@ class Engine:
     def run(self, seqs: list[Sequence]) -> Iterator[Event]:
         """Generate for up to max_batch sequences together; yields events as tokens arrive."""
         assert 0 < len(seqs) <= self.config.max_batch, len(seqs)
-        dev = self.device
-        # prefill: right-padded batch; padding writes cache entries that decode overwrites
-        lens = [len(s.prompt) for s in seqs]
-        T = max(lens)
-        tokens = torch.zeros(len(seqs), T, dtype=torch.long)
+        batcher = Batcher(self.config.max_batch, self.max_seq)
         for i, s in enumerate(seqs):
-            tokens[i, :lens[i]] = torch.tensor(s.prompt)
-        pos = torch.arange(T).expand(len(seqs), T)
-        last = torch.tensor(lens) - 1
-        logits = self._forward(tokens.to(dev), pos.to(dev), T, None, last.to(dev))
-        slots = list(range(len(seqs)))
-        while True:
-            yield from self._sample(seqs, slots, logits[:, -1])
-            running = [i for i in slots if not seqs[i].finished]
-            for i in running:  # out of cache room
-                if seqs[i].num_tokens > self.max_seq:
-                    yield Event(i, seqs[i].finish("length", seqs[i].pending), -1, "length")
-            running = [i for i in running if not seqs[i].finished]
-            if not running:
-                return
-            # decode: one token for every running sequence, each at its own position
-            tokens = torch.tensor([[seqs[i].output[-1]] for i in running], device=dev)
-            positions = [seqs[i].num_tokens - 1 for i in running]
-            pos = torch.tensor(positions, device=dev)[:, None]
-            kv_len = max(positions) + 1
-            slot_t = None if running == list(range(len(running))) else torch.tensor(running, device=dev)
-            logits = self._decode(tokens, pos, kv_len, slot_t, None)
-            slots = running
+            s.key = i
+            batcher.add(s)
+        dev = self.device
+        while (step := batcher.schedule()) is not None:
+            # prefill: right-padded; padding writes cache entries that decode overwrites
+            B = len(step.seqs)
+            slots = None if step.slots.tolist() == list(range(B)) else step.slots.to(dev)
+            run = self._forward if step.prefill else self._decode
+            logits = run(step.tokens.to(dev), step.positions.to(dev), step.kv_len, slots,
+                         step.last.to(dev) if step.prefill else None)
+            for out in batcher.postprocess(step, logits[:, -1].cpu()):
+                if out.error:
+                    raise InvalidRequestError(out.error)
+                yield Event(out.seq.key, out.text, out.token, out.finish_reason)
 
     def _forward(self, tokens, pos, kv_len, slots, last):
         return self.model(tokens, pos, kv_len, slots, last)
-
-    def _sample(self, seqs, rows, logits) -> Iterator[Event]:
-        # logits: (len(rows), vocab)
-        logits = logits.cpu()
-        for j, i in enumerate(rows):
-            token, text = sample_next(seqs[i], logits[j])
-            yield Event(i, text, token, seqs[i].finish_reason)
-
-
-def context_length(args, config: Config) -> int:
-    """KV cache positions per sequence: Config.max_seq_len, or the model's context up to 2048."""
-    n = config.max_seq_len or min(args.max_seq_len, 2048)
-    return min(n, args.max_seq_len) if args.learned_pos else n
-
-
-def new_sequence(prompt: list[int], params: SamplingParams, tokenizer: Tokenizer, vocab_size: int,
-                 max_seq: int) -> Sequence:
-    """A validated sequence; InvalidRequestError names what is wrong with the prompt."""
-    if not prompt:
-        raise InvalidRequestError("empty prompt")
-    if len(prompt) >= max_seq:
-        raise InvalidRequestError(f"prompt has {len(prompt)} tokens; the context holds "
-                                  f"{max_seq} (Config.max_seq_len)")
-    bad = [t for t in prompt if not 0 <= t < vocab_size]
-    if bad:
-        raise InvalidRequestError(f"token id {bad[0]} outside the vocabulary")
-    gen = None if params.greedy else make_generator(params.seed)
-    return Sequence(list(prompt), params, StreamDecoder(tokenizer), tokenizer.eog_ids, gen)
-
-
-def sample_next(s: Sequence, logits: torch.Tensor) -> tuple[int, str]:
-    """Sample s's next token from its logits (vocab,); returns it and the text now final."""
-    history = s.recent(s.params.repetition_window) if s.params.repetition_penalty != 1 else []
-    token = sample(logits, s.params, history, s.generator)
-    return token, s.push(token)
