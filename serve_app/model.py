@@ -51,7 +51,7 @@ class ModelServer:
     def __init__(self, spec: ModelSpec):
         library = logging.getLogger("powerinfer")  # what the load decides, in this replica's log
         library.setLevel(logging.INFO)
-        library.handlers = logger.handlers
+        library.handlers = list(logger.handlers)
         self.spec = spec
         self.engine = None
         self.error: str | None = None
