@@ -32,6 +32,16 @@ CPU_SHARE = 0.01
 START_TIMEOUT_S = 300
 
 
+def wants_gpu(config: Config) -> bool:
+    """Whether the hot executor takes a GPU, decided against the cluster's GPUs (this process
+    may see none: Ray hides GPUs from the processes it did not give one)."""
+    gpus = ray.cluster_resources().get("GPU", 0)
+    if config.device == "cuda" and gpus < 1:
+        raise ConfigError("device='cuda' but the Ray cluster has no GPU; use device='cpu' or "
+                          "'auto'")
+    return config.device == "cuda" or (config.device == "auto" and gpus >= 1)
+
+
 class ActorGroup:
     def __init__(self, model_path: str, args: ModelArgs, config: Config, plan: SparsePlan,
                  max_seq: int, spin_us: float = 50.0):
@@ -62,7 +72,7 @@ class ActorGroup:
                                   self.spin_us)
         self.spec.create_all()
         try:
-            gpu = self._wants_gpu()
+            gpu = wants_gpu(c)
             bundles = [{"CPU": CPU_SHARE, **({"GPU": 1} if gpu else {})}]
             bundles += [{"CPU": CPU_SHARE}] * (n + 2)
             self.pg = placement_group(bundles, strategy="STRICT_PACK")
@@ -96,15 +106,6 @@ class ActorGroup:
             self.spec.unlink_all()  # every actor has mapped them, or the start failed
         self.loops = [a.run.remote() for a in self.actors.values()]
         return self
-
-    def _wants_gpu(self) -> bool:
-        """The hot executor's device, decided against the cluster's GPUs (this process may see
-        none: Ray hides GPUs from the processes it did not give one)."""
-        gpus = ray.cluster_resources().get("GPU", 0)
-        if self.config.device == "cuda" and gpus < 1:
-            raise ConfigError("device='cuda' but the Ray cluster has no GPU; use device='cpu' "
-                              "or 'auto'")
-        return self.config.device == "cuda" or (self.config.device == "auto" and gpus >= 1)
 
     def broken(self) -> str | None:
         """Why the group is broken (an actor's loop ended: it died or failed), or None."""

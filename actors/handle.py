@@ -28,7 +28,7 @@ from powerinfer.plan import SparsePlan
 from powerinfer.quant import has_q4
 from powerinfer.tokenizer import Tokenizer
 
-from .group import ActorGroup
+from .group import ActorGroup, wants_gpu
 
 ERRORS = {"overloaded": OverloadedError, "engine_failed": EngineFailedError,
           "invalid_request": InvalidRequestError}
@@ -50,8 +50,7 @@ class ActorEngine:
         self.args, self.config, self.path = ckpt.args, config, ckpt.path
         self.max_seq = context_length(ckpt.args, config)
         ray_init()
-        on_gpu = config.device != "cpu" and ray.cluster_resources().get("GPU", 0) >= 1
-        self.plan = (plan_for(config, ckpt.args, ckpt.path, self.max_seq, on_gpu)
+        self.plan = (plan_for(config, ckpt.args, ckpt.path, self.max_seq, wants_gpu(config))
                      or SparsePlan.dense(ckpt.args))
         self._spin = spin_us
         self.restarts, self.last_failure = 0, None

@@ -3,11 +3,11 @@ back to callers, around the batching core the in-process engine runs too (`power
 continuous batching, KV slots, sampling and stop rules).
 
 Each iteration runs the core's next step: a prefill of the waiting requests that got a free KV
-slot (dense, batched, right-padded) or one decode step over every running sequence. Steps go to the hot executor
-on `ctl` and logits come back on `out`; the loop runs in its own thread, callers' streams are
-asyncio queues fed from it. A full queue answers "overloaded"; a cancelled request frees its
-slot at the next iteration; a dead or failed executor ends every request with a retryable
-error and stops the loop (the group is then rebuilt by its owner).
+slot (dense, batched, right-padded) or one decode step over every running sequence. Steps go
+to the hot executor on `ctl` and logits come back on `out`; the loop runs in its own thread,
+callers' streams are asyncio queues fed from it. A full queue answers "overloaded"; a
+cancelled request frees its slot at the next iteration; a dead or failed executor ends every
+request with a retryable error and stops the loop (the group is then rebuilt by its owner).
 
 Stream items are lists of events (what arrived since the caller last read), each a dict:
 {"text", "token", "finish_reason"} or {"error", "message", "retryable"}. A request's first token

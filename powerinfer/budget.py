@@ -76,32 +76,25 @@ def plan_for(config: Config, args: ModelArgs, model_path: Path, max_seq: int,
 def ffn_layers_that_fit(args: ModelArgs, budget: int, dtype_bytes: int, batch: int,
                         context: int) -> int:
     """Whole FFN layers that fit the budget after everything else the GPU holds."""
-    from .solver import gpu_bytes
+    from .solver import gpu_bytes, neuron_bytes
 
     fixed = sum(gpu_bytes(args, dtype_bytes=dtype_bytes, batch=batch, context=context).values())
-    per_layer = 3 * args.dim * args.ffn_dim * dtype_bytes if args.gated else \
-        2 * args.dim * args.ffn_dim * dtype_bytes
+    per_layer = args.ffn_dim * neuron_bytes(args, dtype_bytes)
     return max(0, min(args.n_layers, (budget - fixed) // per_layer))
 
 
 def cached_placement(bundle: Bundle, budget_gb: float, batch: int, context: int,
                      dtype_bytes: int, predictor_input: str) -> tuple[list[np.ndarray], bool]:
     """The bundle's placement for these settings, solved once and kept in `placements/`."""
-    from .solver import gpu_bytes, solve
+    from .solver import solve_for_bundle
 
     key = f"{budget_gb:g}GB-ctx{context}-batch{batch}-{dtype_bytes}B-{predictor_input}"
     name = f"placements/{key}.safetensors"
     if (bundle.path / name).is_file():
         t = bundle.load_tensors(name)
         return [t[f"hot.{i}"].astype(bool) for i in range(bundle.n_layers)], True
-    _, mass, _ = bundle.stats()
-    args = ModelArgs(**bundle.manifest.model["args"])
-    ranks = None
-    if bundle.has(f"predictors.{predictor_input}"):
-        ranks = [r["rank"] for r in bundle.load_json(f"predictors.{predictor_input}.json")]
-    fixed = gpu_bytes(args, dtype_bytes=dtype_bytes, batch=batch, context=context,
-                      predictor_ranks=ranks)
-    p = solve(mass, args, int(budget_gb * 2**30), fixed=fixed, dtype_bytes=dtype_bytes)
+    p, _ = solve_for_bundle(bundle, budget_gb, batch=batch, context=context,
+                            dtype_bytes=dtype_bytes, predictor_input=predictor_input)
     bundle.save_tensors(name, {f"hot.{i}": h.astype(np.uint8) for i, h in enumerate(p.hot)})
     bundle.save_json(f"placements/{key}.json", p.report())
     return p.hot, False

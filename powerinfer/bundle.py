@@ -120,6 +120,13 @@ class Bundle:
     def has(self, part: str) -> bool:
         return part in self.manifest.parts
 
+    def predictor_input(self, choice: str) -> str:
+        """"layer", "ffn", or for "auto" the runtimes' choice: the lookahead predictors when
+        trained, else the same-layer ones."""
+        if choice != "auto":
+            return choice
+        return "layer" if self.has("predictors.layer") else "ffn"
+
     def require(self, part: str, made_by: str):
         if not self.has(part):
             raise BundleError(self.path, f"has no {part!r} yet; run `powerinfer {made_by}` first")

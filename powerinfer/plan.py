@@ -45,8 +45,7 @@ class SparsePlan:
         max_ppl_increase: the held-out perplexity over dense above which loading warns."""
         b = Bundle.open(path)
         b.check_model(model_path)
-        if predictor == "auto":
-            predictor = "layer" if b.has("predictors.layer") else "ffn"
+        predictor = b.predictor_input(predictor)
         b.require(f"predictors.{predictor}", "train-predictors")
         check_quality(b, predictor, max_ppl_increase)
         th = [float(t) for t in b.thresholds()]

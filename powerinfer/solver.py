@@ -298,15 +298,12 @@ def _mib(b: int) -> str:
     return f"{b / 2**20:.1f} MiB" if b >= 2**20 else f"{b / 2**10:.1f} KiB"
 
 
-def solve_bundle(bundle, budget_gb: float, *, batch: int = 1, context: int = 2048,
-                 dtype_bytes: int = 2, predictor_input: str = "auto", **options) -> Placement:
-    """Solve for a bundle's profiled mass and write placement.safetensors/.json into it.
-    predictor_input: whose predictors the GPU holds, "ffn", "layer", or "auto" (as the runtimes
-    choose: the lookahead ones when trained)."""
+def solve_for_bundle(bundle, budget_gb: float, *, batch: int, context: int, dtype_bytes: int,
+                     predictor_input: str, **options) -> tuple[Placement, list[int] | None]:
+    """The placement for a bundle's profiled mass, counting the GPU's share of everything else
+    (its `predictor_input` predictors' ranks included, when trained); and those ranks."""
     from .model import ModelArgs
 
-    if predictor_input == "auto":
-        predictor_input = "layer" if bundle.has("predictors.layer") else "ffn"
     _, mass, _ = bundle.stats()
     args = ModelArgs(**bundle.manifest.model["args"])
     ranks = None
@@ -314,7 +311,18 @@ def solve_bundle(bundle, budget_gb: float, *, batch: int = 1, context: int = 204
         ranks = [r["rank"] for r in bundle.load_json(f"predictors.{predictor_input}.json")]
     fixed = gpu_bytes(args, dtype_bytes=dtype_bytes, batch=batch, context=context,
                       predictor_ranks=ranks)
-    p = solve(mass, args, int(budget_gb * 2**30), fixed=fixed, dtype_bytes=dtype_bytes, **options)
+    return solve(mass, args, int(budget_gb * 2**30), fixed=fixed, dtype_bytes=dtype_bytes,
+                 **options), ranks
+
+
+def solve_bundle(bundle, budget_gb: float, *, batch: int = 1, context: int = 2048,
+                 dtype_bytes: int = 2, predictor_input: str = "auto", **options) -> Placement:
+    """Solve for a bundle's profiled mass and write placement.safetensors/.json into it.
+    predictor_input: whose predictors the GPU holds, "ffn", "layer", or "auto" (as the runtimes
+    choose: the lookahead ones when trained)."""
+    predictor_input = bundle.predictor_input(predictor_input)
+    p, ranks = solve_for_bundle(bundle, budget_gb, batch=batch, context=context,
+                                dtype_bytes=dtype_bytes, predictor_input=predictor_input, **options)
     bundle.save_tensors("placement.safetensors",
                         {f"hot.{i}": h.astype(np.uint8) for i, h in enumerate(p.hot)})
     bundle.save_json("placement.json", {**p.report(), "vram_budget_gb": budget_gb, "batch": batch,

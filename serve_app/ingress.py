@@ -134,11 +134,11 @@ def _grpc_sampling(sp) -> dict:
 
 
 def _chat_message(m) -> dict:
-    role = "system" if m.role == "developer" else m.role
-    if role not in ("system", "user", "assistant"):
-        raise ApiError("invalid_request", f"message role {m.role[:40]!r}: use system, user or "
-                                          "assistant", "messages")
-    return {"role": role, "content": m.content}
+    """A gRPC chat message through the HTTP API's schema: the same roles, the same rendering."""
+    try:
+        return oa.ChatMessage(role=m.role, content=m.content).as_template_input()
+    except ValidationError as e:
+        raise _invalid(e.errors(include_url=False, include_input=False)) from None
 
 
 def _generated_token(pb, ev: dict):
