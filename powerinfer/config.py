@@ -32,8 +32,9 @@ class Config:
         its predictors mark active, and the solver's placement splits hot from cold.
     predictor: which trained predictor to run: "layer" (lookahead, overlapping attention),
         "ffn" (same layer) or "auto" (lookahead when trained).
-    weights: "dense", "int4" (a GGUF file's Q4_0/Q4_1 projections stay 4-bit; bf16 on the
-        CPU, in-process), or "auto" (default: int4 wherever it can run, else dense).
+    weights: "dense", "int4" (a GGUF file's Q4_0/Q4_1 projections stay 4-bit, computed in
+        bf16 on the CPU; a sparse FFN's neurons keep the file's 4-bit blocks), or "auto"
+        (default: int4 wherever it can run, else dense).
     cold_executors: cold-neuron executor actors (runtime "actors").
     max_queue: requests waiting for a batch slot before new ones get an "overloaded" error.
     max_ppl_increase: a bundle whose evaluation (`powerinfer eval`) shows its predictors raising
@@ -67,8 +68,6 @@ class Config:
             raise ConfigError(f"predictor must be auto, layer or ffn, got {self.predictor!r}")
         if self.cold_executors < 1 or self.max_queue < 1:
             raise ConfigError("cold_executors and max_queue must be >= 1")
-        if self.runtime == "actors" and self.weights == "int4":
-            raise ConfigError("weights='int4' runs in the local runtime only")
         if min(self.vram_budget_gb, self.cpu_threads, self.max_seq_len, self.max_ppl_increase) < 0:
             raise ConfigError("vram_budget_gb, cpu_threads, max_seq_len and max_ppl_increase "
                               "must be >= 0")
@@ -97,7 +96,7 @@ class Config:
             dtype = "bfloat16" if on_gpu or native_bf16() else "float32"
         weights = self.weights
         if weights == "auto":
-            int4 = has_q4 and self.runtime == "local" and not on_gpu and DTYPES[dtype] == torch.bfloat16
+            int4 = has_q4 and not on_gpu and DTYPES[dtype] == torch.bfloat16
             weights = "int4" if int4 else "dense"
         return replace(self, dtype=dtype, weights=weights)
 

@@ -81,15 +81,17 @@ class SparsePlan:
         ranked = order[cold[order]]
         return [ranked[k::n].sort().values for k in range(n)]
 
-    def apply(self, model: Transformer, hot_share: float = 0.0) -> Transformer:
-        """The in-process sparse engine: swap every FFN for a HybridFFN under this plan."""
+    def apply(self, model: Transformer, hot_share: float = 0.0, fmt: str | None = "auto") -> Transformer:
+        """The in-process sparse engine: swap every FFN for a HybridFFN under this plan, its
+        neuron sets in kernel format `fmt` (see `apply_hybrid_ffn`)."""
         if self.predictor_input is not None:
             preds = self.load_predictors()
             masks = preds.active
         else:
             masks = lambda i, x: torch.ones(*x.shape[:-1], self.ffn_dim, dtype=torch.bool)  # noqa: E731
         hot = [self.hot_mask(i, hot_share) for i in range(self.n_layers)]
-        return apply_hybrid_ffn(model, masks, hot, self.predictor_input or "ffn", self.thresholds)
+        return apply_hybrid_ffn(model, masks, hot, self.predictor_input or "ffn", self.thresholds,
+                                fmt)
 
 
 def check_quality(b: Bundle, predictor: str, max_ppl_increase: float) -> str | None:

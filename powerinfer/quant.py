@@ -26,6 +26,13 @@ def has_q4(info: dict) -> bool:
     return any(t in info.get("tensor_types", {}) for t in Q4_TYPES)
 
 
+def q4_type(info: dict) -> str | None:
+    """The 4-bit type most of a checkpoint's tensors have ("Q4_0" or "Q4_1"), or None."""
+    types = info.get("tensor_types", {})
+    have = [t for t in Q4_TYPES if t in types]
+    return max(have, key=types.get) if have else None
+
+
 def q4_blocks(t) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """A GGUF Q4_0/Q4_1 tensor as (q uint8 (N, K), scale f32 (N, K/32), zero f32 (N, K/32))."""
     kind = t.tensor_type.name
@@ -76,8 +83,8 @@ def apply_int4(model: "Transformer", q4: dict[str, tuple[np.ndarray, np.ndarray,
     replaced = 0
     for i in range(len(model.layers)):
         for owner, attr, names in model.projections(i):
-            if not all(n in q4 for n in names):
-                continue
+            if not all(n in q4 for n in names) or not isinstance(getattr(owner, attr, None), nn.Linear):
+                continue  # kept in float, or no longer a linear layer (a HybridFFN's neuron sets)
             q, scale, zero = (torch.from_numpy(np.concatenate([q4[n][j] for n in names]))
                               for j in range(3))
             dense = getattr(owner, attr)

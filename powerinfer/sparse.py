@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from . import kernels
 from .model import FFN, Transformer
 
 # (layer, predictor input (..., dim)) -> per-row active neurons (..., ffn_dim) bool
@@ -45,48 +46,93 @@ def activate(act: str, gate: torch.Tensor | None, up: torch.Tensor):
 
 
 class NeuronSet(nn.Module):
-    """A subset of one layer's neurons, each neuron's rows stored contiguously."""
+    """A subset of one layer's neurons, each neuron's rows stored contiguously.
+
+    fmt None keeps gate, up and down_t as torch tensors (the reference path); a kernel format
+    (`kernels.FORMATS`) keeps them as the CPU kernel's neuron-major records instead, and a decode
+    step runs the kernel, reading each computed neuron's rows once where they lie. Many-token
+    steps widen the records (a view for f32/bf16, CHUNK neurons at a time for int8/4-bit)."""
+
+    CHUNK = 2048  # neurons widened at a time by a many-token step over quantized records
 
     def __init__(self, act: str, w1: torch.Tensor, b1: torch.Tensor | None, w2: torch.Tensor,
-                 idx: torch.Tensor):
+                 idx: torch.Tensor, fmt: str | None = None):
         # w1: (2n, dim) [gate; up] when gated, else (n, dim) up (fc1); b1: (n,) or None;
         # w2: (dim, n) down; idx: (k,) the neurons of this set
         super().__init__()
         n = w2.shape[1]
         gated = act != "relu"
+        self.act, self.fmt, self.dtype, self.dim = act, fmt, w2.dtype, w2.shape[0]
         self.register_buffer("idx", idx)
-        self.register_buffer("gate", w1[:n].index_select(0, idx) if gated else None)  # (k, dim)
-        self.register_buffer("up", (w1[n:] if gated else w1).index_select(0, idx))
+        gate = w1[:n].index_select(0, idx) if gated else None  # (k, dim)
+        up = (w1[n:] if gated else w1).index_select(0, idx)
+        down_t = w2.t().index_select(0, idx)  # (k, dim)
         self.register_buffer("up_b", None if b1 is None else b1.index_select(0, idx))
-        self.register_buffer("down_t", w2.t().index_select(0, idx))  # (k, dim)
-        self.act = act
+        if fmt is None:
+            self.register_buffer("gate", gate)
+            self.register_buffer("up", up)
+            self.register_buffer("down_t", down_t)
+            self.register_buffer("records", None)
+        else:
+            self.register_buffer("records", kernels.pack(gate, up, down_t, fmt))
+            self.register_buffer("all", torch.arange(len(idx)))
+            self.register_buffer("bias32", None if b1 is None else self.up_b.float())
 
     @classmethod
-    def of(cls, dense: FFN, idx: torch.Tensor) -> "NeuronSet":
+    def of(cls, dense: FFN, idx: torch.Tensor, fmt: str | None = None) -> "NeuronSet":
         b1 = None if dense.w1.bias is None else dense.w1.bias.detach()
-        return cls(dense.act, dense.w1.weight.detach(), b1, dense.w2.weight.detach(), idx)
+        return cls(dense.act, dense.w1.weight.detach(), b1, dense.w2.weight.detach(), idx, fmt)
+
+    def rows(self, lo: int = 0, hi: int | None = None):
+        """(gate or None, up, down_t) of neurons lo:hi, (n, dim) each in the set's dtype."""
+        if self.records is None:
+            gate = None if self.gate is None else self.gate[lo:hi]
+            return gate, self.up[lo:hi], self.down_t[lo:hi]
+        rows = kernels.unpack(self.records[lo:hi], self.fmt, self.dim, self.act != "relu")
+        return tuple(None if r is None else r.to(self.dtype) for r in rows)
+
+    def _chunks(self):
+        n = len(self.idx)
+        step = max(n, 1) if self.records is None or self.fmt in ("f32", "bf16") else self.CHUNK
+        return [(lo, min(lo + step, n)) for lo in range(0, n, step)] or [(0, 0)]
 
     def scores(self, x):  # x: (..., dim) -> firing scores (..., k)
-        return self._pre(x, None)[0]
+        return torch.cat([self._pre(x, None, lo, hi)[0] for lo, hi in self._chunks()], -1)
 
-    def _pre(self, x, sel):
+    def _pre(self, x, sel, lo=0, hi=None):
         # index_select, not w[sel]: the advanced-indexing kernel is ~3x slower at gathering rows
+        gate, up, _ = self.rows(lo, hi)
         rows = (lambda w: w) if sel is None else (lambda w: w.index_select(0, sel))
-        up = x @ rows(self.up).t()
+        u = x @ rows(up).t()
         if self.up_b is not None:
-            up = up + rows(self.up_b)
-        gate = None if self.gate is None else x @ rows(self.gate).t()
-        return activate(self.act, gate, up)
+            u = u + rows(self.up_b[lo:hi])
+        g = None if gate is None else x @ rows(gate).t()
+        return activate(self.act, g, u)
 
     def forward(self, x, sel=None, threshold: float = 0.0, keep=None):
         # x: (B, T, dim); sel: indices into this set (None: all); keep: (B, T, k) per-row masks
+        if self.records is not None and x.shape[1] == 1:  # decode: the kernel
+            B = x.shape[0]
+            k = None if keep is None else keep.reshape(B, -1).contiguous()
+            y = kernels.neuron_ffn(x.reshape(B, -1).float().contiguous(), self.records,
+                                   self.all if sel is None else sel, k, self.bias32, threshold,
+                                   self.act, self.fmt)
+            return y.to(x.dtype).unsqueeze(1)
+        if sel is None:  # every neuron, many tokens: dense matmuls (a chunk at a time)
+            y = 0
+            for lo, hi in self._chunks():
+                score, h = self._pre(x, None, lo, hi)
+                if threshold > 0:
+                    h = h * (score > threshold)
+                if keep is not None:
+                    h = h * keep[..., lo:hi]
+                y = y + h @ self.rows(lo, hi)[2]
+            return y
         score, h = self._pre(x, sel)
         if threshold > 0:
             h = h * (score > threshold)
         if keep is not None:
             h = h * keep
-        if sel is None:
-            return h @ self.down_t
         # the axpy over the active rows of down_t, fused with their gather: (B, 1, k) -> (B, 1, dim)
         B = h.shape[0]
         y = F.embedding_bag(sel.expand(B, -1), self.down_t, per_sample_weights=h.reshape(B, -1),
@@ -100,13 +146,13 @@ class HybridFFN(nn.Module):
 
     def __init__(self, layer: int, dense: FFN, norm: nn.Module, hot: torch.Tensor,
                  masks: MaskSource | None = None, predictor_input: str = "ffn",
-                 threshold: float = 0.0):
+                 threshold: float = 0.0, fmt: str | None = None):
         super().__init__()
         assert hot.shape == (dense.ffn_dim,) and hot.dtype == torch.bool, hot.shape
         self.layer, self.norm, self.masks, self.threshold = layer, norm, masks, float(threshold)
         self.ffn_dim, self.predictor_input = dense.ffn_dim, predictor_input
-        self.hot = NeuronSet.of(dense, hot.nonzero().squeeze(-1))
-        self.cold: NeuronSet | None = NeuronSet.of(dense, (~hot).nonzero().squeeze(-1))
+        self.hot = NeuronSet.of(dense, hot.nonzero().squeeze(-1), fmt)
+        self.cold: NeuronSet | None = NeuronSet.of(dense, (~hot).nonzero().squeeze(-1), fmt)
         self.down_b = dense.w2.bias
         self.token_masks = False
         self.stats: LayerStats | None = None  # set to a LayerStats to record what is computed
@@ -161,7 +207,7 @@ class HybridFFN(nn.Module):
             score, act = s._pre(x, None)
             fired = score > self.threshold
             keep = fired if predicted is None else fired & predicted[..., s.idx]
-            y = y + (act * keep) @ s.down_t
+            y = y + (act * keep) @ s.rows()[2]
             if self.stats is not None:
                 mag = act.abs().float()
                 self.stats.add(computed=int(fired.sum() if predicted is None else predicted[..., s.idx].sum()),
@@ -208,18 +254,21 @@ class LayerStats:
 
 def apply_hybrid_ffn(model: Transformer, masks: MaskSource | None = None,
                      hot: list[torch.Tensor] | None = None, predictor_input: str = "ffn",
-                     thresholds=None) -> Transformer:
+                     thresholds=None, fmt: str | None = "auto") -> Transformer:
     """Swap every layer's FFN for a HybridFFN. hot[i] is layer i's (ffn_dim,) bool placement
     (default: all neurons cold); masks defaults to the oracle; predictor_input is "ffn" (the
     residual entering the FFN) or "layer" (the layer input, read ahead of attention);
-    thresholds[i] is layer i's firing threshold (default 0: ReLU-family natural zeros)."""
+    thresholds[i] is layer i's firing threshold (default 0: ReLU-family natural zeros); fmt is
+    the neuron sets' kernel format (None: the torch path; "auto": `kernels.format_for`)."""
     assert predictor_input in ("ffn", "layer"), predictor_input
+    if fmt == "auto":
+        fmt = kernels.format_for(model.output.weight)
     for i, block in enumerate(model.layers):
         assert isinstance(block.ffn, FFN), "apply_hybrid_ffn on a model that already has one"
         h = hot[i] if hot is not None else torch.zeros(model.args.ffn_dim, dtype=torch.bool)
         t = 0.0 if thresholds is None else float(thresholds[i])
         ffn = HybridFFN(i, block.ffn, block.ffn_norm, h.to(block.ffn.w1.weight.device), masks,
-                        predictor_input, t)
+                        predictor_input, t, fmt)
         block.ffn, block.ffn_norm = ffn, nn.Identity()
     return model
 

@@ -6,6 +6,8 @@ from powerinfer import Config, InvalidRequestError, PowerInfer
 from powerinfer.config import SamplingParams
 from powerinfer.sampling import sample
 
+from greedy import assert_same_or_near_tie
+
 
 @pytest.fixture(scope="module")
 def smol():
@@ -106,26 +108,6 @@ def test_sampling_filters():
     p = SamplingParams(temperature=0, repetition_penalty=2.0)
     assert sample(torch.tensor([2.0, 1.5]), p, [0], None) == 1  # 2.0/2 < 1.5
     assert sample(torch.tensor([2.0, 1.5]), p, [1], None) == 0
-
-
-def last_logits(m: PowerInfer, ids: list[int]) -> torch.Tensor:
-    """The model's logits (V,) after `ids`, from a fresh prefill of cache slot 0."""
-    T = len(ids)
-    with torch.inference_mode():
-        return m.engine._forward(torch.tensor([ids]), torch.arange(T)[None], T, None,
-                                 torch.tensor([T - 1]))[0, -1].float()
-
-
-def assert_same_or_near_tie(ref: PowerInfer, prompt: list[int], want: list[int], got: list[int],
-                            tol: float):
-    """Greedy tokens agree up to the first difference, and there the reference's logits hold the
-    two choices within `tol` of each other: a near-tie that rounding may flip on another CPU."""
-    k = next((i for i, (a, b) in enumerate(zip(want, got)) if a != b), None)
-    if k is None:
-        return
-    logits = last_logits(ref, prompt + want[:k])
-    margin = float(logits[want[k]] - logits[got[k]])
-    assert margin <= tol, f"token {k}: {want[k]} against {got[k]}, margin {margin:.4f} > {tol}"
 
 
 @pytest.mark.slow

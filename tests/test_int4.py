@@ -95,7 +95,8 @@ def test_defaults_are_the_fastest_setting_without_warm_up():
     assert (Config().resolve(has_q4=True).dtype, Config().resolve(has_q4=True).weights) == \
         (fast, "int4" if fast == "bfloat16" else "dense")
     assert Config().resolve(has_q4=False).weights == "dense"  # nothing 4-bit to keep
-    assert Config(runtime="actors").resolve(has_q4=True).weights == "dense"  # int4: in-process
+    assert Config(runtime="actors").resolve(has_q4=True).weights == \
+        Config().resolve(has_q4=True).weights  # the actor runtime runs int4 too
     assert Config(dtype="float32").resolve(has_q4=True).weights == "dense"  # the reference
     pi = PowerInfer.from_pretrained()  # the default model, a Q4_1 file
     assert pi.config.dtype == fast and pi.config.compile is False

@@ -16,6 +16,8 @@ from powerinfer.predictor import train_predictors
 from powerinfer.profile import ProfileOptions, profile
 from powerinfer.solver import solve_bundle
 
+from greedy import assert_same_or_near_tie, greedy_tokens
+
 MODEL = "smollm2-135m-instruct"
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time"]
 GREEDY = dict(max_new_tokens=20, temperature=0, ignore_eos=True)
@@ -52,6 +54,14 @@ def local(config: Config) -> list[str]:
     return [pi.generate(p, **GREEDY) for p in PROMPTS]  # one at a time
 
 
+def assert_same_greedy(ref: PowerInfer, other: PowerInfer):
+    """Token for token, but for a near-tie (1e-3 in fp32 logits): the two sum the FFN's neurons
+    in another order once they are split over several executors."""
+    for p in PROMPTS:
+        want, got = (greedy_tokens(m, p, GREEDY["max_new_tokens"]) for m in (ref, other))
+        assert_same_or_near_tie(ref, ref.tokenize(p), want, got, 1e-3)
+
+
 def test_dense_plan_equals_local_engine(ray_cluster, default_model_path):
     want = local(Config(**BASE))
     pi = PowerInfer.from_pretrained(MODEL, Config(runtime="actors", **BASE))
@@ -72,10 +82,10 @@ def test_dense_plan_equals_local_engine(ray_cluster, default_model_path):
 @pytest.mark.parametrize("n_cold,predictor", [(1, "layer"), (2, "layer"), (4, "layer"), (1, "ffn")])
 def test_sparse_equals_local_sparse_engine(ray_cluster, bundle, n_cold, predictor):
     cfg = dict(BASE, bundle=bundle, predictor=predictor)
-    want = local(Config(**cfg))
+    ref = PowerInfer.from_pretrained(MODEL, Config(**cfg))
     pi = PowerInfer.from_pretrained(MODEL, Config(runtime="actors", cold_executors=n_cold, **cfg))
     try:
-        assert [pi.generate(p, **GREEDY) for p in PROMPTS] == want
+        assert_same_greedy(ref, pi)
         st = pi.engine.stats()["actors"]
         assert st["predictor"]["input"] == predictor and st["predictor"]["calls"] > 0
         assert sum(st[f"cold.{k}"]["neurons"] for k in range(n_cold)) + st["hot"]["hot_neurons"] \

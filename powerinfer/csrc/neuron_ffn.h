@@ -1,0 +1,259 @@
+// The fused neuron-aware FFN for one decode step, written once over a small SIMD layer and
+// compiled per instruction set (neuron_ffn_avx512.cpp, neuron_ffn_avx2.cpp); ops.cpp picks one
+// at run time and registers the torch operator.
+//
+// Weights are neuron-major: neuron j's record is [gate row][up row][down row] (no gate row for
+// plain ReLU), each row `dim` weights in one format:
+//   f32, bf16      dim values;
+//   i8             one f32 scale, then dim int8 values (w = scale * q);
+//   q4_0           dim/32 GGUF blocks {f16 d; 16 bytes}: w = d * (q - 8);
+//   q4_1           dim/32 GGUF blocks {f16 d; f16 m; 16 bytes}: w = d * q + m;
+// a block's low nibbles are its weights 0..15, the high nibbles 16..31 (GGUF's order).
+// The down row is the neuron's column of the down projection (a row of its transpose).
+#pragma once
+#include <immintrin.h>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+namespace powerinfer {
+
+enum Format : int { F32 = 0, BF16 = 1, I8 = 2, Q4_0 = 3, Q4_1 = 4 };
+enum Act : int { RELU = 0, REGLU = 1, DREGLU = 2, SWIGLU = 3 };
+
+inline int64_t row_bytes(int fmt, int64_t dim) {
+  switch (fmt) {
+    case F32: return dim * 4;
+    case BF16: return dim * 2;
+    case I8: return 4 + dim;
+    case Q4_0: return dim / 32 * 18;
+    default: return dim / 32 * 20;
+  }
+}
+
+struct FFNArgs {
+  const float* x;        // (B, dim) the normed input rows
+  int64_t B, dim;
+  const uint8_t* w;      // (k, neuron_bytes) records
+  int64_t neuron_bytes;
+  const float* bias;     // (k,) up bias or nullptr
+  const int64_t* sel;    // (m,) neurons to compute, indices into the k records
+  const uint8_t* keep;   // (B, m) per-row masks or nullptr (keep what fires)
+  int64_t m;
+  float threshold;       // > 0: zero a neuron whose firing score is not above it
+  int act, fmt;
+};
+
+// Computes neurons sel[begin:end] for every row and adds their down rows, scaled by the rows'
+// activations, into out (B, dim). Returns the number of down rows read.
+using RangeFn = int64_t (*)(const FFNArgs&, int64_t begin, int64_t end, float* out);
+
+}  // namespace powerinfer
+
+// ---- the kernel body, instantiated per ISA inside namespace ISA_NS ----
+#ifdef ISA_NS
+namespace powerinfer {
+namespace ISA_NS {
+
+#if defined(__AVX512F__)
+constexpr int W = 16;
+using V = __m512;
+inline V vzero() { return _mm512_setzero_ps(); }
+inline V vset(float a) { return _mm512_set1_ps(a); }
+inline V vload(const float* p) { return _mm512_loadu_ps(p); }
+inline void vstore(float* p, V v) { _mm512_storeu_ps(p, v); }
+inline V vfma(V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); }
+inline V vadd(V a, V b) { return _mm512_add_ps(a, b); }
+inline V vmul(V a, V b) { return _mm512_mul_ps(a, b); }
+inline float hsum(V v) { return _mm512_reduce_add_ps(v); }
+inline V bf16_to_f32(const uint16_t* p) {
+  __m512i i = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(i, 16));
+}
+inline V i8_to_f32(const int8_t* p) {
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)p)));
+}
+// 16 nibbles (low halves of 16 bytes) as floats
+inline V u8_to_f32(__m128i b) { return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(b)); }
+#else
+constexpr int W = 8;
+using V = __m256;
+inline V vzero() { return _mm256_setzero_ps(); }
+inline V vset(float a) { return _mm256_set1_ps(a); }
+inline V vload(const float* p) { return _mm256_loadu_ps(p); }
+inline void vstore(float* p, V v) { _mm256_storeu_ps(p, v); }
+inline V vfma(V a, V b, V c) { return _mm256_fmadd_ps(a, b, c); }
+inline V vadd(V a, V b) { return _mm256_add_ps(a, b); }
+inline V vmul(V a, V b) { return _mm256_mul_ps(a, b); }
+inline float hsum(V v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+inline V bf16_to_f32(const uint16_t* p) {
+  __m256i i = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(i, 16));
+}
+inline V i8_to_f32(const int8_t* p) {
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)p)));
+}
+#endif
+constexpr int NV = 32 / W;  // vectors per 32-weight block
+// Rows are short streams (a few KiB each, one per neuron, in no fixed order), too short for the
+// hardware prefetchers to ramp up: each block loop prefetches PF bytes ahead in its row, and each
+// neuron the first PF bytes of the next one's rows.
+constexpr int64_t PF = 2048;
+
+template <int FMT>
+constexpr int64_t block_bytes() { return FMT == F32 ? 128 : FMT == BF16 ? 64 : FMT == I8 ? 32 : FMT == Q4_0 ? 18 : 20; }
+
+inline void prefetch_lines(const uint8_t* p, int64_t n) {
+  for (int64_t o = 0; o < n; o += 64) _mm_prefetch((const char*)p + o, _MM_HINT_T0);
+}
+
+inline float half(const uint8_t* p) {
+  uint16_t h;
+  std::memcpy(&h, p, 2);
+  return _cvtsh_ss(h);
+}
+
+// Weights [32 * blk, 32 * blk + 32) of a row, as NV vectors.
+template <int FMT>
+inline void block(const uint8_t* row, int64_t blk, V* w) {
+  if constexpr (FMT == F32) {
+    const float* p = (const float*)row + 32 * blk;
+    for (int v = 0; v < NV; v++) w[v] = vload(p + v * W);
+  } else if constexpr (FMT == BF16) {
+    const uint16_t* p = (const uint16_t*)row + 32 * blk;
+    for (int v = 0; v < NV; v++) w[v] = bf16_to_f32(p + v * W);
+  } else if constexpr (FMT == I8) {
+    float s;
+    std::memcpy(&s, row, 4);
+    const V sv = vset(s);
+    const int8_t* p = (const int8_t*)(row + 4) + 32 * blk;
+    for (int v = 0; v < NV; v++) w[v] = vmul(sv, i8_to_f32(p + v * W));
+  } else {
+    constexpr int HDR = FMT == Q4_0 ? 2 : 4;
+    const uint8_t* b = row + blk * (HDR + 16);
+    const V d = vset(half(b));
+    const V m = FMT == Q4_0 ? vset(-8.0f * half(b)) : vset(half(b + 2));
+    __m128i q = _mm_loadu_si128((const __m128i*)(b + HDR));
+    const __m128i mask = _mm_set1_epi8(0x0F);
+    __m128i lo = _mm_and_si128(q, mask), hi = _mm_and_si128(_mm_srli_epi16(q, 4), mask);
+#if defined(__AVX512F__)
+    w[0] = vfma(u8_to_f32(lo), d, m);
+    w[1] = vfma(u8_to_f32(hi), d, m);
+#else
+    auto f = [](__m128i x) { return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(x)); };
+    w[0] = vfma(f(lo), d, m);
+    w[1] = vfma(f(_mm_srli_si128(lo, 8)), d, m);
+    w[2] = vfma(f(hi), d, m);
+    w[3] = vfma(f(_mm_srli_si128(hi, 8)), d, m);
+#endif
+  }
+}
+
+// dots[r] = row . x[r] for R rows of x (stride dim)
+template <int FMT, int R>
+inline void dot_rows(const uint8_t* row, const float* x, int64_t dim, float* dots) {
+  V acc[R][NV];
+  for (int r = 0; r < R; r++)
+    for (int v = 0; v < NV; v++) acc[r][v] = vzero();
+  V w[NV];
+  for (int64_t blk = 0; blk < dim / 32; blk++) {
+    _mm_prefetch((const char*)row + blk * block_bytes<FMT>() + PF, _MM_HINT_T0);
+    block<FMT>(row, blk, w);
+    for (int r = 0; r < R; r++)
+      for (int v = 0; v < NV; v++) acc[r][v] = vfma(w[v], vload(x + r * dim + 32 * blk + v * W), acc[r][v]);
+  }
+  for (int r = 0; r < R; r++) {
+    V s = acc[r][0];
+    for (int v = 1; v < NV; v++) s = vadd(s, acc[r][v]);
+    dots[r] = hsum(s);
+  }
+}
+
+template <int FMT>
+inline void dots(const uint8_t* row, const float* x, int64_t B, int64_t dim, float* out) {
+  int64_t r = 0;
+  for (; r + 4 <= B; r += 4) dot_rows<FMT, 4>(row, x + r * dim, dim, out + r);
+  switch (B - r) {
+    case 3: dot_rows<FMT, 3>(row, x + r * dim, dim, out + r); break;
+    case 2: dot_rows<FMT, 2>(row, x + r * dim, dim, out + r); break;
+    case 1: dot_rows<FMT, 1>(row, x + r * dim, dim, out + r); break;
+  }
+}
+
+// out[r] += h[r] * row for every row r with h[r] != 0
+template <int FMT>
+inline void axpy(const uint8_t* row, const float* h, int64_t B, int64_t dim, float* out) {
+  V w[NV];
+  for (int64_t blk = 0; blk < dim / 32; blk++) {
+    _mm_prefetch((const char*)row + blk * block_bytes<FMT>() + PF, _MM_HINT_T0);
+    block<FMT>(row, blk, w);
+    for (int64_t r = 0; r < B; r++) {
+      if (h[r] == 0.0f) continue;
+      const V hv = vset(h[r]);
+      float* o = out + r * dim + 32 * blk;
+      for (int v = 0; v < NV; v++) vstore(o + v * W, vfma(hv, w[v], vload(o + v * W)));
+    }
+  }
+}
+
+inline float silu(float g) { return g / (1.0f + std::exp(-g)); }
+
+template <int FMT>
+int64_t range_fmt(const FFNArgs& a, int64_t begin, int64_t end, float* out) {
+  constexpr int MAXB = 64;
+  const bool gated = a.act != RELU;
+  const int64_t rb = row_bytes(FMT, a.dim);
+  float g[MAXB], u[MAXB], h[MAXB];
+  int64_t down_rows = 0;
+  for (int64_t jj = begin; jj < end; jj++) {
+    const int64_t j = a.sel[jj];
+    const uint8_t* rec = a.w + j * a.neuron_bytes;
+    const uint8_t* up = gated ? rec + rb : rec;
+    const uint8_t* down = up + rb;
+    if (jj + 1 < end) {
+      const uint8_t* next = a.w + a.sel[jj + 1] * a.neuron_bytes;
+      prefetch_lines(next, PF);
+      if (gated) prefetch_lines(next + rb, PF);
+    }
+    dots<FMT>(up, a.x, a.B, a.dim, u);
+    if (gated) dots<FMT>(rec, a.x, a.B, a.dim, g);
+    bool any = false;
+    for (int64_t r = 0; r < a.B; r++) {
+      float uu = u[r] + (a.bias ? a.bias[j] : 0.0f), score, hh;
+      switch (a.act) {
+        case RELU: hh = score = uu > 0 ? uu : 0.0f; break;
+        case DREGLU: hh = score = (g[r] > 0 ? g[r] : 0.0f) * (uu > 0 ? uu : 0.0f); break;
+        case REGLU: score = g[r] > 0 ? g[r] : 0.0f; hh = score * uu; break;
+        default: { float s = silu(g[r]); score = std::fabs(s); hh = s * uu; }
+      }
+      if (a.threshold > 0 && !(score > a.threshold)) hh = 0.0f;
+      if (a.keep && !a.keep[r * a.m + jj]) hh = 0.0f;
+      h[r] = hh;
+      any |= hh != 0.0f;
+    }
+    if (any) {
+      axpy<FMT>(down, h, a.B, a.dim, out);
+      down_rows++;
+    }
+  }
+  return down_rows;
+}
+
+inline int64_t range(const FFNArgs& a, int64_t begin, int64_t end, float* out) {
+  switch (a.fmt) {
+    case F32: return range_fmt<F32>(a, begin, end, out);
+    case BF16: return range_fmt<BF16>(a, begin, end, out);
+    case I8: return range_fmt<I8>(a, begin, end, out);
+    case Q4_0: return range_fmt<Q4_0>(a, begin, end, out);
+    default: return range_fmt<Q4_1>(a, begin, end, out);
+  }
+}
+
+}  // namespace ISA_NS
+}  // namespace powerinfer
+#endif

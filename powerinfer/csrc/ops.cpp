@@ -1,0 +1,93 @@
+// The torch operator `powerinfer::neuron_ffn` over the per-ISA kernels of neuron_ffn.h, chosen
+// once at load by what the CPU supports, parallel over neurons with ATen's thread pool: each
+// thread accumulates its neurons' down rows into its own partial output, then the partials are
+// summed.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <string>
+
+#include "neuron_ffn.h"
+
+namespace powerinfer {
+extern RangeFn range_avx512;
+extern RangeFn range_avx2;
+
+static const char* pick_isa() {
+  __builtin_cpu_init();
+  if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+      __builtin_cpu_supports("avx512vl"))
+    return "avx512";
+  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return "avx2";
+  return "none";
+}
+
+static const std::string BEST = pick_isa();
+static std::string ISA = BEST;
+
+static std::string isa() { return ISA; }
+
+// Run with a lesser instruction set than the best this CPU has (tests cover both paths on one
+// machine); returns the one in use before.
+static std::string use_isa(const std::string& want) {
+  TORCH_CHECK(want == "avx2" || want == "avx512", "isa must be avx2 or avx512, got ", want);
+  TORCH_CHECK(BEST == "avx512" || want == BEST, "this CPU cannot run ", want, " (best: ", BEST, ")");
+  std::string before = ISA;
+  ISA = want;
+  return before;
+}
+
+// x (B, dim) f32; w (k, neuron_bytes) uint8 records; sel (m,) int64; keep (B, m) bool or None;
+// bias (k,) f32 or None -> (B, dim) f32: sum over the selected neurons of h * down row.
+static at::Tensor neuron_ffn(const at::Tensor& x, const at::Tensor& w, const at::Tensor& sel,
+                             const std::optional<at::Tensor>& keep,
+                             const std::optional<at::Tensor>& bias, double threshold, int64_t act,
+                             int64_t fmt) {
+  TORCH_CHECK(ISA != "none", "neuron_ffn needs a CPU with AVX2 and FMA");
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), "x: (B, dim) contiguous float32");
+  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kByte && w.is_contiguous(), "w: (k, bytes) contiguous uint8");
+  TORCH_CHECK(sel.dim() == 1 && sel.scalar_type() == at::kLong && sel.is_contiguous(), "sel: (m,) int64");
+  const int64_t B = x.size(0), dim = x.size(1), m = sel.size(0);
+  TORCH_CHECK(B >= 1 && B <= 64, "neuron_ffn takes 1 to 64 rows, got ", B);
+  TORCH_CHECK(dim % 32 == 0, "dim must be a multiple of 32, got ", dim);
+  TORCH_CHECK(fmt >= F32 && fmt <= Q4_1 && act >= RELU && act <= SWIGLU, "bad format or activation");
+  const int64_t rows = act == RELU ? 2 : 3;
+  TORCH_CHECK(w.size(1) == rows * row_bytes(fmt, dim), "w: ", w.size(1), " bytes per neuron, expected ",
+              rows * row_bytes(fmt, dim));
+  FFNArgs a{x.data_ptr<float>(), B, dim, w.data_ptr<uint8_t>(), w.size(1), nullptr,
+            sel.data_ptr<int64_t>(), nullptr, m, (float)threshold, (int)act, (int)fmt};
+  if (keep && keep->defined()) {
+    TORCH_CHECK(keep->scalar_type() == at::kBool && keep->is_contiguous() && keep->size(0) == B &&
+                keep->size(1) == m, "keep: (B, m) contiguous bool");
+    a.keep = (const uint8_t*)keep->data_ptr<bool>();
+  }
+  if (bias && bias->defined()) {
+    TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->numel() == w.size(0), "bias: (k,) float32");
+    a.bias = bias->data_ptr<float>();
+  }
+  // bounds once here, so the kernel trusts sel
+  if (m) {
+    auto mm = at::aminmax(sel);
+    TORCH_CHECK(std::get<0>(mm).item<int64_t>() >= 0 && std::get<1>(mm).item<int64_t>() < w.size(0),
+                "sel holds an index outside the ", w.size(0), " neurons");
+  }
+  RangeFn fn = ISA == "avx512" ? range_avx512 : range_avx2;
+  const int64_t nt = at::get_num_threads();
+  at::Tensor part = at::zeros({nt, B, dim}, x.options());
+  float* pp = part.data_ptr<float>();
+  at::parallel_for(0, m, 8, [&](int64_t begin, int64_t end) {
+    fn(a, begin, end, pp + at::get_thread_num() * B * dim);
+  });
+  return nt == 1 ? part[0] : part.sum(0);
+}
+
+}  // namespace powerinfer
+
+TORCH_LIBRARY(powerinfer, m) {
+  m.def("neuron_ffn(Tensor x, Tensor w, Tensor sel, Tensor? keep, Tensor? bias, float threshold, int act, int fmt) -> Tensor");
+  m.def("isa", &powerinfer::isa);
+  m.def("use_isa", &powerinfer::use_isa);
+}
+
+TORCH_LIBRARY_IMPL(powerinfer, CPU, m) { m.impl("neuron_ffn", powerinfer::neuron_ffn); }

@@ -1,0 +1,219 @@
+"""The neuron-aware CPU FFN kernel (`csrc/`): its build, its weight formats and their packing.
+
+One decode step of a neuron set reads, for each selected neuron, its gate and up rows once from a
+neuron-major record ([gate][up][down row], see `csrc/neuron_ffn.h`), applies the activation and
+the firing threshold, and adds its down row scaled by the activation into per-thread partial
+outputs, which are then summed: no gathered copies, no per-neuron Python. The weights stay in
+their format (f32, bf16, int8 with a per-row scale, GGUF's Q4_0 and Q4_1 blocks) and are widened
+to fp32 in registers. The C++ is compiled once per machine by `build()` (`make` runs it at setup)
+with g++ into a torch operator library; AVX-512 or AVX2 is chosen when it loads.
+
+The torch path (`sparse.NeuronSet` without a format) is the reference it is tested against.
+"""
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import torch
+from gguf import GGMLQuantizationType
+from gguf.quants import dequantize, quantize
+
+log = logging.getLogger("powerinfer")
+
+FORMATS = ("f32", "bf16", "i8", "q4_0", "q4_1")
+ACTS = ("relu", "reglu", "dreglu", "swiglu")
+SRC = Path(__file__).parent / "csrc"
+MAX_ROWS = 64  # rows per kernel call (csrc/neuron_ffn.h's MAXB)
+# per translation unit: the instruction sets it is compiled for
+UNITS = {"ops.cpp": [], "neuron_ffn_avx512.cpp": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mfma", "-mf16c"],
+         "neuron_ffn_avx2.cpp": ["-mavx2", "-mfma", "-mf16c"]}
+_GGML = {"q4_0": GGMLQuantizationType.Q4_0, "q4_1": GGMLQuantizationType.Q4_1}
+_loaded: str | None = None  # the library's path once loaded
+
+
+def row_bytes(fmt: str, dim: int) -> int:
+    return {"f32": 4 * dim, "bf16": 2 * dim, "i8": 4 + dim, "q4_0": dim // 32 * 18,
+            "q4_1": dim // 32 * 20}[fmt]
+
+
+def _ext_dir() -> Path:
+    here = Path(__file__).parent / "_ext"
+    try:
+        here.mkdir(exist_ok=True)
+        if os.access(here, os.W_OK):
+            return here
+    except OSError:
+        pass
+    return Path.home() / ".cache" / "powerinfer" / "ext"
+
+
+def _library_path() -> Path:
+    h = hashlib.sha256(torch.__version__.encode())
+    for f in sorted(SRC.iterdir()):
+        h.update(f.name.encode() + f.read_bytes())
+    for unit, flags in UNITS.items():
+        h.update((unit + " ".join(flags)).encode())
+    return _ext_dir() / f"neuron_ffn-{h.hexdigest()[:12]}.so"
+
+
+def build() -> Path:
+    """Compile the kernel library for this torch if it is not built yet; returns its path.
+    Safe to call from several processes at once (one builds, the others wait)."""
+    from torch.utils import cpp_extension
+
+    out = _library_path()
+    if out.exists():
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    cxx = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
+    if cxx is None:
+        raise RuntimeError("building the CPU FFN kernel needs a C++ compiler (g++)")
+    with open(out.parent / ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if out.exists():
+            return out
+        abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
+        inc = [f"-I{p}" for p in cpp_extension.include_paths()]
+        common = ["-O3", "-std=c++17", "-fPIC", "-fopenmp", f"-D_GLIBCXX_USE_CXX11_ABI={abi}"]
+        with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
+            def compile_unit(unit):
+                obj = Path(tmp) / (unit + ".o")
+                cmd = [cxx, *common, *UNITS[unit], *(inc if unit == "ops.cpp" else []), "-c",
+                       str(SRC / unit), "-o", str(obj)]
+                run = subprocess.run(cmd, capture_output=True, text=True)
+                if run.returncode:
+                    raise RuntimeError(f"compiling {unit} failed:\n{run.stderr[-4000:]}")
+                return str(obj)
+
+            log.info("building the CPU FFN kernel (once per machine and torch version)")
+            with ThreadPoolExecutor(len(UNITS)) as pool:
+                objs = list(pool.map(compile_unit, UNITS))
+            lib = cpp_extension.library_paths()[0]
+            so = Path(tmp) / out.name
+            cmd = [cxx, "-shared", "-fopenmp", *objs, f"-L{lib}", f"-Wl,-rpath,{lib}", "-ltorch",
+                   "-ltorch_cpu", "-lc10", "-o", str(so)]
+            run = subprocess.run(cmd, capture_output=True, text=True)
+            if run.returncode:
+                raise RuntimeError(f"linking the CPU FFN kernel failed:\n{run.stderr[-4000:]}")
+            os.replace(so, out)
+        for old in out.parent.glob("neuron_ffn-*.so"):  # builds for other sources or torches
+            if old != out:
+                old.unlink(missing_ok=True)
+    return out
+
+
+def available() -> bool:
+    """Load the kernel (building it if needed) once; False where it cannot run here."""
+    global _loaded
+    if _loaded is None:
+        try:
+            path = build()
+            torch.ops.load_library(str(path))
+            _loaded = str(path)
+            if torch.ops.powerinfer.isa() == "none":
+                log.warning("the CPU FFN kernel needs AVX2 and FMA; the torch path runs instead")
+                _loaded = ""
+        except (RuntimeError, OSError) as e:
+            log.warning("the CPU FFN kernel is unavailable (%s); the torch path runs instead", e)
+            _loaded = ""
+    return bool(_loaded)
+
+
+def isa() -> str:
+    """The instruction set the kernel runs with here ("avx512", "avx2"), or "none"."""
+    return torch.ops.powerinfer.isa() if available() else "none"
+
+
+# ---- formats: rows of weights <-> bytes ----
+
+def quantize_rows(w: torch.Tensor, fmt: str) -> torch.Tensor:
+    """(n, dim) float weights -> (n, row_bytes) uint8 in `fmt` (the gguf package's quantizer
+    for Q4_0/Q4_1, so the blocks are those llama.cpp would write)."""
+    n, dim = w.shape
+    assert dim % 32 == 0, dim
+    w = w.detach().float()
+    if n == 0:
+        return torch.empty(0, row_bytes(fmt, dim), dtype=torch.uint8)
+    if fmt == "f32":
+        return w.contiguous().view(torch.uint8).reshape(n, 4 * dim)
+    if fmt == "bf16":
+        return w.to(torch.bfloat16).contiguous().view(torch.uint8).reshape(n, 2 * dim)
+    if fmt == "i8":
+        scale = w.abs().amax(1, keepdim=True) / 127
+        q = torch.where(scale > 0, w / scale.clamp_min(1e-30), 0).round().clamp(-127, 127).to(torch.int8)
+        return torch.cat([scale.view(torch.uint8), q.view(torch.uint8)], 1)
+    if fmt not in _GGML:
+        raise ValueError(f"format must be one of {FORMATS}, got {fmt!r}")
+    return torch.from_numpy(quantize(w.numpy(), _GGML[fmt]))
+
+
+def dequantize_rows(b: torch.Tensor, fmt: str, dim: int) -> torch.Tensor:
+    """(n, row_bytes) uint8 in `fmt` -> (n, dim) float32: the weights the kernel computes with."""
+    n = b.shape[0]
+    b = b.contiguous()
+    if n == 0:
+        return torch.empty(0, dim)
+    if fmt == "f32":
+        return b.view(torch.float32).reshape(n, dim).clone()
+    if fmt == "bf16":
+        return b.view(torch.bfloat16).reshape(n, dim).float()
+    if fmt == "i8":
+        return b[:, 4:].view(torch.int8).float() * b[:, :4].contiguous().view(torch.float32)
+    return torch.from_numpy(dequantize(b.numpy(), _GGML[fmt])).reshape(n, dim)
+
+
+def pack(gate: torch.Tensor | None, up: torch.Tensor, down_t: torch.Tensor, fmt: str) -> torch.Tensor:
+    """Rows (k, dim) of gate (None for plain ReLU), up and the transposed down -> the kernel's
+    neuron-major records (k, rows * row_bytes) uint8."""
+    rows = [r for r in (gate, up, down_t) if r is not None]
+    return torch.cat([quantize_rows(r, fmt) for r in rows], 1)
+
+
+def unpack(w: torch.Tensor, fmt: str, dim: int, gated: bool):
+    """The kernel's records -> (gate or None, up, down_t), each (k, dim): views of the records
+    for f32 and bf16, else dequantized to float32."""
+    if fmt in ("f32", "bf16"):
+        t = w.view(torch.float32 if fmt == "f32" else torch.bfloat16)
+        t = t.view(w.shape[0], 3 if gated else 2, dim)
+        return (t[:, 0] if gated else None), t[:, -2], t[:, -1]
+    rb = row_bytes(fmt, dim)
+    rows = [dequantize_rows(w[:, i * rb:(i + 1) * rb], fmt, dim) for i in range(3 if gated else 2)]
+    return (rows[0] if gated else None), rows[-2], rows[-1]
+
+
+def format_for(weight: torch.Tensor, q4_type: str | None = None) -> str | None:
+    """The kernel format for neuron sets made from weights like `weight` (its dtype and device):
+    the file's 4-bit type when it is kept (q4_type "Q4_0"/"Q4_1"), else the weights' own
+    precision; None (the torch path) on a GPU, for float16, or where the kernel cannot run."""
+    if weight.device.type != "cpu" or not available():
+        return None
+    if q4_type is not None:
+        return q4_type.lower()
+    return {torch.float32: "f32", torch.bfloat16: "bf16"}.get(weight.dtype)
+
+
+def neuron_ffn(x: torch.Tensor, w: torch.Tensor, sel: torch.Tensor, keep: torch.Tensor | None,
+               bias: torch.Tensor | None, threshold: float, act: str, fmt: str) -> torch.Tensor:
+    """x (B, dim) float32; w the records; sel (m,) int64 neurons to compute; keep (B, m) bool
+    per-row masks or None; bias (k,) float32 or None -> (B, dim) float32."""
+    if x.shape[0] > MAX_ROWS:  # the kernel keeps a row's sums in registers: MAX_ROWS at a time
+        return torch.cat([neuron_ffn(x[r:r + MAX_ROWS], w, sel,
+                                     None if keep is None else keep[r:r + MAX_ROWS], bias,
+                                     threshold, act, fmt) for r in range(0, x.shape[0], MAX_ROWS)])
+    return torch.ops.powerinfer.neuron_ffn(x, w, sel, keep, bias, float(threshold),
+                                           ACTS.index(act), FORMATS.index(fmt))
+
+
+if __name__ == "__main__":  # `python -m powerinfer.kernels`: build now (make's setup step)
+    logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
+    print(build())
+    print("kernel ISA here:", isa())

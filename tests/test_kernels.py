@@ -1,0 +1,125 @@
+"""The CPU FFN kernel against the torch reference: every weight format, activation, batch size,
+per-row masks, thresholds and biases, on both instruction sets this CPU offers; and the sparse
+model with the kernel against the same model on the torch path."""
+import pytest
+import torch
+
+from powerinfer import kernels as K
+from powerinfer.sparse import activate, apply_hybrid_ffn
+
+pytestmark = pytest.mark.skipif(not K.available(), reason="the CPU FFN kernel cannot run here "
+                                                          "(needs g++ and an AVX2 CPU)")
+ISAS = ["avx2", "avx512"] if K.isa() == "avx512" else ["avx2"]
+
+
+@pytest.fixture(params=ISAS)
+def isa(request):
+    before = torch.ops.powerinfer.use_isa(request.param)
+    yield request.param
+    torch.ops.powerinfer.use_isa(before)
+
+
+def reference(x, gate, up, down_t, sel, keep, bias, threshold, act):
+    # the torch path's arithmetic over the selected neurons: x (B, dim) -> (B, dim)
+    g = None if gate is None else x @ gate[sel].t()
+    u = x @ up[sel].t() + (0 if bias is None else bias[sel])
+    score, h = activate(act, g, u)
+    if threshold > 0:
+        h = h * (score > threshold)
+    if keep is not None:
+        h = h * keep
+    return h @ down_t[sel]
+
+
+@pytest.mark.parametrize("fmt", K.FORMATS)
+@pytest.mark.parametrize("act", K.ACTS)
+def test_kernel_equals_reference(isa, fmt, act):
+    torch.manual_seed(0)
+    dim, k = 128, 200
+    gate = torch.randn(k, dim) if act != "relu" else None
+    up, down_t = torch.randn(k, dim), torch.randn(k, dim)
+    w = K.pack(gate, up, down_t, fmt)
+    G, U, D = K.unpack(w, fmt, dim, act != "relu")  # the weights the format holds
+    G = None if G is None else G.float()
+    U, D = U.float(), D.float()
+    for B, use_keep, threshold, use_bias in [(1, False, 0.0, False), (3, True, 0.5, True),
+                                             (6, True, 0.0, False), (5, False, 0.3, True)]:
+        x = torch.randn(B, dim)
+        sel = torch.randperm(k)[:90]
+        keep = torch.rand(B, 90) > 0.3 if use_keep else None
+        bias = torch.randn(k) if use_bias else None
+        got = K.neuron_ffn(x, w, sel, keep, bias, threshold, act, fmt)
+        want = reference(x, G, U, D, sel, keep, bias, threshold, act)
+        assert want.abs().max() > 1
+        assert (got - want).abs().max() <= 1e-5 * want.abs().max(), (B, threshold)
+
+
+@pytest.mark.parametrize("fmt,bound", [("bf16", 2**-8), ("i8", 0.5 / 127), ("q4_0", 1 / 8),
+                                       ("q4_1", 0.5 / 15)])
+def test_formats_hold_weights_within_their_rounding(fmt, bound):
+    # per weight, half the format's step (a whole step at Q4_0's clamped end): relative to the
+    # row's scale (int8) or to the 32-weight block's range (4-bit), to the value itself (bf16)
+    torch.manual_seed(1)
+    w = torch.randn(16, 256)
+    back = K.dequantize_rows(K.quantize_rows(w, fmt), fmt, 256)
+    if fmt == "bf16":
+        assert ((back - w).abs() <= bound * w.abs()).all()
+        return
+    scale = (w.abs().amax(1, keepdim=True) if fmt == "i8" else
+             w.view(16, 8, 32).abs().amax(-1).repeat_interleave(32, 1) * (2 if fmt == "q4_1" else 1))
+    assert ((back - w).abs() <= bound * scale * 1.01 + 1e-3).all()
+
+
+def test_kernel_rejects_bad_input():
+    w = K.pack(None, torch.randn(4, 64), torch.randn(4, 64), "f32")
+    x = torch.randn(1, 64)
+    with pytest.raises(RuntimeError, match="outside the 4 neurons"):
+        K.neuron_ffn(x, w, torch.tensor([0, 4]), None, None, 0.0, "relu", "f32")
+    with pytest.raises(RuntimeError, match="bytes per neuron"):
+        K.neuron_ffn(x, w, torch.tensor([0]), None, None, 0.0, "reglu", "f32")
+    with pytest.raises(RuntimeError, match="multiple of 32"):
+        K.neuron_ffn(torch.randn(1, 48), w, torch.tensor([0]), None, None, 0.0, "relu", "f32")
+    many = K.neuron_ffn(torch.randn(70, 64), w, torch.tensor([1, 2]), None, None, 0.0, "relu",
+                        "f32")
+    assert many.shape == (70, 64)  # over the kernel's row limit: split into calls
+
+
+def random_model(act, seed=0):
+    from powerinfer.model import ModelArgs, Transformer
+    torch.manual_seed(seed)
+    a = ModelArgs(arch="llama", vocab_size=300, dim=64, n_layers=3, n_heads=4, n_kv_heads=2,
+                  ffn_dim=256, ffn_act=act, max_seq_len=128)
+    m = Transformer(a)
+    with torch.no_grad():
+        for p in m.parameters():
+            p.normal_(0, 0.2)
+    m.setup_cache(3, 64)
+    return m.eval().requires_grad_(False)
+
+
+@pytest.mark.parametrize("act,threshold", [("reglu", 0.0), ("swiglu", 0.05)])
+def test_sparse_model_on_the_kernel_equals_the_torch_path(isa, act, threshold):
+    # predicted masks (random, per row), thresholds, hot and cold sets, batch of 3: the kernel
+    # and the torch path compute the same logits, prefill and decode
+    g = torch.Generator().manual_seed(2)
+    hot = [torch.rand(256, generator=g) < 0.3 for _ in range(3)]
+
+    def masks(layer, x):
+        gen = torch.Generator().manual_seed(int(x.abs().sum() * 1000) % 2**31 + layer)
+        return torch.rand(*x.shape[:-1], 256, generator=gen) < 0.6
+
+    logits = []
+    for fmt in (None, "f32"):
+        m = apply_hybrid_ffn(random_model(act), masks, hot, thresholds=[threshold] * 3, fmt=fmt)
+        assert all((b.ffn.cold.records is None) == (fmt is None) for b in m.layers)
+        out = []
+        with torch.inference_mode():
+            tokens = torch.tensor([[1, 5, 9, 13], [4, 4, 200, 17], [8, 6, 7, 5]])
+            out.append(m(tokens, torch.arange(4).expand(3, 4), 4)[:, -1])
+            for s in range(6):
+                tok = torch.tensor([[(7 * s + b) % 300] for b in range(3)])
+                out.append(m(tok, torch.full((3, 1), 4 + s), 5 + s)[:, 0])
+        logits.append(torch.stack(out))
+    ref, got = logits
+    assert ref.abs().max() > 1
+    assert (got - ref).abs().max() <= 1e-4 * ref.abs().max()
