@@ -32,7 +32,7 @@ from powerinfer.config import Config
 from powerinfer.loader import load_checkpoint
 from powerinfer.model import Transformer
 from powerinfer.plan import SparsePlan
-from powerinfer.quant import apply_int4, q4_type
+from powerinfer.quant import apply_int4, apply_kernel_head, q4_type
 from powerinfer.sparse import HybridFFN, apply_hybrid_ffn
 
 from .channel import ChannelClosed, PeerDied
@@ -120,10 +120,12 @@ class HotExecutor:
         hot = [plan.hot_mask(i, hot_share) for i in range(plan.n_layers)]
         # on a GPU the hot rows stay torch tensors; on a CPU they run on the kernel as the cold
         fmt = None if self.device.type == "cuda" else kernels.format_for(
-            model.output.weight, q4_type(ckpt.info) if int4 else None)
+            model.tok_embeddings.weight, q4_type(ckpt.info) if int4 else None)
         apply_hybrid_ffn(model, None, hot, plan.predictor_input or "ffn", plan.thresholds, fmt)
         if int4:
             apply_int4(model, ckpt.q4)  # attention's projections
+            if self.device.type == "cpu":
+                apply_kernel_head(model)  # and an 8-bit output head
         del ckpt
         self.io = DataPlane(spec, plan.predictor_input, self.device)
         for i, block in enumerate(model.layers):

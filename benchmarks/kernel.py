@@ -60,7 +60,8 @@ def main():
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--rows", type=int, default=1)
     ap.add_argument("--reps", type=int, default=20)
-    ap.add_argument("--formats", nargs="+", default=["bf16", "i8", "q4_0", "q4_1"])
+    ap.add_argument("--formats", nargs="+", default=["bf16", "i8", "q4_0", "q4_1"],
+                    help="kernel formats (4-bit ones keep down rows int8, see kernels.down_format)")
     ap.add_argument("--threads", type=int, default=0)
     ap.add_argument("--plot", default=None, help="write the plot (PNG)")
     ap.add_argument("--out", default=None, help="write the results as JSON")
@@ -95,7 +96,7 @@ def main():
                 fmt = ss[0].fmt or "bf16"
                 xin = xb if name == "torch" else x
                 t = timed(lambda i: ss[i](xin, sel), L, args.reps)
-                nbytes = len(sel) * 3 * kernels.row_bytes(fmt, d)
+                nbytes = len(sel) * kernels.record_bytes(fmt, d, gated=True)
                 results.append({"method": "torch path bf16" if name == "torch" else f"kernel {fmt}",
                                 "share": share, "ms": t * 1e3, "gbs": nbytes / t / 1e9})
     bw = read_bandwidth()

@@ -15,7 +15,7 @@ from .errors import ModelLoadError
 from .loader import DEFAULT_MODEL, Checkpoint, build_model, load_checkpoint
 from .budget import plan_for
 from . import kernels
-from .quant import apply_int4, has_q4, q4_type
+from .quant import apply_int4, apply_kernel_head, has_q4, q4_type
 from .sparse import offload_ffns
 from .runtimes import engine_class
 
@@ -45,12 +45,14 @@ class PowerInfer:
                         context_length(checkpoint.args, config), on_gpu=device.type == "cuda")
         if plan is not None and plan.bundle is not None:  # the in-process sparse engine
             int4 = q4_type(checkpoint.info) if config.weights == "int4" else None
-            plan.apply(self.model, fmt=kernels.format_for(self.model.output.weight, int4))
+            plan.apply(self.model, fmt=kernels.format_for(self.model.tok_embeddings.weight, int4))
         elif plan is not None and device.type == "cuda":  # layer offload
             offload_ffns(self.model, plan.hot)
-        if config.weights == "int4" and not apply_int4(self.model, checkpoint.q4):
-            raise ModelLoadError(checkpoint.path, "weights='int4' needs a GGUF file with "
-                                                  "Q4_0/Q4_1 projections")
+        if config.weights == "int4":
+            if not apply_int4(self.model, checkpoint.q4):
+                raise ModelLoadError(checkpoint.path, "weights='int4' needs a GGUF file with "
+                                                      "Q4_0/Q4_1 projections")
+            apply_kernel_head(self.model)  # and an 8-bit output head
         checkpoint.q4 = {}  # the model holds them now
         self.engine = Engine(self.model, self.tokenizer, config)
 

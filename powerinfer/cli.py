@@ -245,6 +245,9 @@ def _pipeline_commands(sub):
     p.add_argument("--layers", type=int, default=None)
     p.add_argument("--sparsity", type=float, default=0.9)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--subspace", type=int, default=0,
+                   help="rank of each layer's gate rows (0: isotropic; r > 0: firing a predictor "
+                        "of about rank r can learn, as in trained models)")
     p.add_argument("--out", required=True)
     p.set_defaults(run=_synthetic)
 
@@ -349,7 +352,7 @@ def _synthetic(args) -> int:
     from .synthetic import write_synthetic
 
     info = write_synthetic(args.out, preset=args.preset, n_layers=args.layers,
-                           sparsity=args.sparsity, seed=args.seed)
+                           sparsity=args.sparsity, seed=args.seed, subspace=args.subspace)
     for k, v in info.summary().items():
         print(f"{k:>16}: {v}")
     return 0

@@ -33,8 +33,9 @@ class Config:
     predictor: which trained predictor to run: "layer" (lookahead, overlapping attention),
         "ffn" (same layer) or "auto" (lookahead when trained).
     weights: "dense", "int4" (a GGUF file's Q4_0/Q4_1 projections stay 4-bit, computed in
-        bf16 on the CPU; a sparse FFN's neurons keep the file's 4-bit blocks), or "auto"
-        (default: int4 wherever it can run, else dense).
+        bf16 on the CPU; a sparse FFN's neurons keep the file's 4-bit blocks, their down rows
+        8-bit; the output head is 8-bit), or "auto" (default: int4 wherever it can run, else
+        dense).
     cold_executors: cold-neuron executor actors (runtime "actors").
     max_queue: requests waiting for a batch slot before new ones get an "overloaded" error.
     max_ppl_increase: a bundle whose evaluation (`powerinfer eval`) shows its predictors raising

@@ -27,7 +27,7 @@ class Engine:
     def __init__(self, model: Transformer, tokenizer: Tokenizer, config: Config):
         self.model, self.tokenizer, self.config = model, tokenizer, config
         self.max_seq = context_length(model.args, config)
-        self.device = model.output.weight.device
+        self.device = model.tok_embeddings.weight.device
         model.setup_cache(config.max_batch, self.max_seq)
         self._decode = self._forward
         if config.compile:

@@ -29,20 +29,32 @@ from gguf.quants import dequantize, quantize
 
 log = logging.getLogger("powerinfer")
 
-FORMATS = ("f32", "bf16", "i8", "q4_0", "q4_1")
+FORMATS = ("f32", "bf16", "i8", "q4_0", "q4_1", "q8_0")
 ACTS = ("relu", "reglu", "dreglu", "swiglu")
 SRC = Path(__file__).parent / "csrc"
 MAX_ROWS = 64  # rows per kernel call (csrc/neuron_ffn.h's MAXB)
 # per translation unit: the instruction sets it is compiled for
 UNITS = {"ops.cpp": [], "neuron_ffn_avx512.cpp": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mfma", "-mf16c"],
          "neuron_ffn_avx2.cpp": ["-mavx2", "-mfma", "-mf16c"]}
-_GGML = {"q4_0": GGMLQuantizationType.Q4_0, "q4_1": GGMLQuantizationType.Q4_1}
+_GGML = {"q4_0": GGMLQuantizationType.Q4_0, "q4_1": GGMLQuantizationType.Q4_1,
+         "q8_0": GGMLQuantizationType.Q8_0}
 _loaded: str | None = None  # the library's path once loaded
+
+
+def down_format(fmt: str) -> str:
+    """The format of a neuron's down row: Q8_0 beside 4-bit gate/up rows (a 4-bit file's blocks
+    run along the other axis of the down matrix: 4 bits again would round twice), else `fmt`."""
+    return "q8_0" if fmt in ("q4_0", "q4_1") else fmt
+
+
+def record_bytes(fmt: str, dim: int, gated: bool) -> int:
+    """Bytes of one neuron's record."""
+    return (2 if gated else 1) * row_bytes(fmt, dim) + row_bytes(down_format(fmt), dim)
 
 
 def row_bytes(fmt: str, dim: int) -> int:
     return {"f32": 4 * dim, "bf16": 2 * dim, "i8": 4 + dim, "q4_0": dim // 32 * 18,
-            "q4_1": dim // 32 * 20}[fmt]
+            "q4_1": dim // 32 * 20, "q8_0": dim // 32 * 34}[fmt]
 
 
 def _ext_dir() -> Path:
@@ -118,6 +130,9 @@ def available() -> bool:
         try:
             path = build()
             torch.ops.load_library(str(path))
+            # shapes for torch.compile's tracing: (B, dim) float32, like x
+            torch.library.register_fake("powerinfer::neuron_ffn")(
+                lambda x, w, sel, keep, bias, threshold, act, fmt: torch.empty_like(x))
             _loaded = str(path)
             if torch.ops.powerinfer.isa() == "none":
                 log.warning("the CPU FFN kernel needs AVX2 and FMA; the torch path runs instead")
@@ -173,21 +188,24 @@ def dequantize_rows(b: torch.Tensor, fmt: str, dim: int) -> torch.Tensor:
 
 def pack(gate: torch.Tensor | None, up: torch.Tensor, down_t: torch.Tensor, fmt: str) -> torch.Tensor:
     """Rows (k, dim) of gate (None for plain ReLU), up and the transposed down -> the kernel's
-    neuron-major records (k, rows * row_bytes) uint8."""
-    rows = [r for r in (gate, up, down_t) if r is not None]
-    return torch.cat([quantize_rows(r, fmt) for r in rows], 1)
+    neuron-major records (k, record_bytes) uint8."""
+    rows = [quantize_rows(r, fmt) for r in (gate, up) if r is not None]
+    return torch.cat([*rows, quantize_rows(down_t, down_format(fmt))], 1)
 
 
 def unpack(w: torch.Tensor, fmt: str, dim: int, gated: bool):
     """The kernel's records -> (gate or None, up, down_t), each (k, dim): views of the records
-    for f32 and bf16, else dequantized to float32."""
+    for f32 and bf16, else widened to float32 (by the kernel library where it is loaded)."""
+    rows = 3 if gated else 2
     if fmt in ("f32", "bf16"):
-        t = w.view(torch.float32 if fmt == "f32" else torch.bfloat16)
-        t = t.view(w.shape[0], 3 if gated else 2, dim)
-        return (t[:, 0] if gated else None), t[:, -2], t[:, -1]
-    rb = row_bytes(fmt, dim)
-    rows = [dequantize_rows(w[:, i * rb:(i + 1) * rb], fmt, dim) for i in range(3 if gated else 2)]
-    return (rows[0] if gated else None), rows[-2], rows[-1]
+        t = w.view(torch.float32 if fmt == "f32" else torch.bfloat16).view(w.shape[0], rows, dim)
+    elif _loaded:
+        t = torch.ops.powerinfer.widen(w.contiguous(), FORMATS.index(fmt), rows, dim)
+    else:
+        rb = row_bytes(fmt, dim)
+        t = torch.stack([dequantize_rows(w[:, r * rb:(r + 1) * rb], fmt, dim) for r in range(rows - 1)]
+                        + [dequantize_rows(w[:, (rows - 1) * rb:], down_format(fmt), dim)], 1)
+    return (t[:, 0] if gated else None), t[:, -2], t[:, -1]
 
 
 def format_for(weight: torch.Tensor, q4_type: str | None = None) -> str | None:

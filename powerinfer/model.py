@@ -185,7 +185,7 @@ class Transformer(nn.Module):
         """Allocate the static KV cache (idempotent for the same or smaller sizes)."""
         if max_batch <= self.max_batch and max_seq <= self.max_seq:
             return
-        a, w = self.args, self.output.weight
+        a, w = self.args, self.tok_embeddings.weight
         self.max_batch, self.max_seq = max_batch, max_seq
         for b in self.layers:
             b.attn.kv_cache = KVCache(max_batch, a.n_kv_heads, max_seq, a.head_dim, w.dtype, w.device)

@@ -14,6 +14,8 @@ import numpy as np
 import torch
 from torch import nn
 
+from . import kernels
+
 if TYPE_CHECKING:
     from .model import Transformer
 
@@ -73,6 +75,45 @@ class Int4Linear(nn.Module):
                                               self.scales_zeros)
         y = y.view(*shape[:-1], self.out_features)
         return y if self.bias is None else y + self.bias
+
+
+class KernelLinear(nn.Module):
+    """y = x W^T (+ b) with W's rows in a CPU kernel format (`kernels.FORMATS`, e.g. q8_0 for an
+    8-bit output head): up to `kernels.MAX_ROWS` input rows run the kernel's matrix-vector
+    product, which reads each row once in its format; longer inputs (prefill) widen W a chunk of
+    rows at a time and multiply in the input's dtype."""
+
+    CHUNK = 8192  # rows widened at a time
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, fmt: str):
+        super().__init__()
+        self.out_features, self.in_features = weight.shape
+        self.fmt, self.code = fmt, kernels.FORMATS.index(fmt)
+        self.register_buffer("records", kernels.quantize_rows(weight, fmt))
+        self.bias = None if bias is None else nn.Parameter(bias.detach().clone(), requires_grad=False)
+
+    def forward(self, x):
+        shape, rows = x.shape, x.reshape(-1, self.in_features)
+        if rows.shape[0] <= kernels.MAX_ROWS:
+            y = torch.ops.powerinfer.linear(rows.float().contiguous(), self.records, self.code)
+            y = y.to(x.dtype)
+        else:
+            y = torch.cat([rows @ torch.ops.powerinfer.widen(self.records[i:i + self.CHUNK], self.code, 1,
+                                                             self.in_features)[:, 0].to(x.dtype).t()
+                           for i in range(0, self.out_features, self.CHUNK)], -1)
+        y = y.view(*shape[:-1], self.out_features)
+        return y if self.bias is None else y + self.bias
+
+
+def apply_kernel_head(model: "Transformer", fmt: str = "q8_0") -> bool:
+    """The output head as a KernelLinear in `fmt` (8-bit by default: half a bf16 head's bytes,
+    the largest single read of a small model's decode step); False where the kernel cannot
+    run (the head stays as it is)."""
+    if model.output.weight.device.type != "cpu" or not kernels.available():
+        return False
+    head = model.output
+    model.output = KernelLinear(head.weight.detach(), head.bias, fmt)
+    return True
 
 
 def apply_int4(model: "Transformer", q4: dict[str, tuple[np.ndarray, np.ndarray, np.ndarray]]) -> int:

@@ -262,7 +262,7 @@ def apply_hybrid_ffn(model: Transformer, masks: MaskSource | None = None,
     the neuron sets' kernel format (None: the torch path; "auto": `kernels.format_for`)."""
     assert predictor_input in ("ffn", "layer"), predictor_input
     if fmt == "auto":
-        fmt = kernels.format_for(model.output.weight)
+        fmt = kernels.format_for(model.tok_embeddings.weight)
     for i, block in enumerate(model.layers):
         assert isinstance(block.ffn, FFN), "apply_hybrid_ffn on a model that already has one"
         h = hot[i] if hot is not None else torch.zeros(model.args.ffn_dim, dtype=torch.bool)

@@ -26,6 +26,12 @@ Planting the profile without FFN biases (LLaMA has none):
   biases included, so the profile holds through the depth. Measured with the dense model on fresh
   random tokens, 7B shape, 4 layers, target 0.9: 0.899-0.900 per layer in sequences of 128 (the
   calibration's length), 0.902-0.905 along one sequence of 1024; the test checks the tiny preset.
+* Predictable firing (`subspace` r > 0): each layer's gate rows lie in an r-dimensional subspace
+  of the residual stream (gate = A U^T, U an orthonormal (dim, r) basis of that layer off the
+  bias channel, A (n_ff, r) Gaussian), as trained models' FFN inputs concentrate in a few
+  directions. A neuron's pre-activation then depends on x only through U^T x, so a predictor of
+  rank about r can learn which neurons fire; with r = 0 the gate rows are isotropic and only each
+  neuron's planted rate can be learnt. Calibration is unchanged.
 * Attention is made peaky (logits q.k/sqrt(head_dim) of std 4, as trained models' are): with
   near-uniform attention every position would carry the mean of its sequence's values, a component
   shared by the whole sequence that a few calibration sequences cannot average out (the planted
@@ -109,6 +115,7 @@ class SyntheticModel:
     seed: int
     sparsity: float  # target: mean fraction of neurons with a zero activation per token
     alpha: float
+    subspace: int  # rank of the gate rows' subspace (0: isotropic)
     planted: np.ndarray  # (n_layers, n_ff) planted firing probability of each neuron
     calib_firing: np.ndarray  # (n_layers, n_ff) firing rate on the calibration tokens
     file_bytes: int
@@ -117,6 +124,7 @@ class SyntheticModel:
     def summary(self) -> dict:
         return {"path": str(self.path), **dataclasses.asdict(self.shape), "dtype": self.dtype,
                 "seed": self.seed, "target_sparsity": self.sparsity, "alpha": self.alpha,
+                "subspace": self.subspace,
                 "calib_sparsity": [round(1 - float(f.mean()), 4) for f in self.calib_firing],
                 "top10pct_share": round(top_share(self.planted[0], 0.1), 3),
                 "file_gb": round(self.file_bytes / 1e9, 3), "seconds": round(self.seconds, 1)}
@@ -146,14 +154,16 @@ def planted_profile(n_ff: int, n_layers: int, sparsity: float = 0.9, alpha: floa
 
 def write_synthetic(path: str | Path, preset: str | Shape = "7b", n_layers: int | None = None,
                     sparsity: float = 0.9, alpha: float = DEFAULT_ALPHA, seed: int = 0,
-                    dtype: str = "bf16", calib_tokens: int = 512,
+                    dtype: str = "bf16", calib_tokens: int = 512, subspace: int = 0,
                     progress: bool = True) -> SyntheticModel:
     """Write a synthetic ReGLU model with a planted firing profile as a GGUF file.
 
     preset: "7b", "13b", "70b", "tiny" or a `Shape`; n_layers overrides its depth. sparsity: the target
     mean fraction of inactive neurons per token (above 1 - P_MAX); alpha: the power-law exponent
     of the firing rates over neuron ranks; dtype of the 2-D tensors: "bf16", "f16" or "f32";
-    calib_tokens: random tokens (whole sequences of 128) run through the layers to set the biases.
+    calib_tokens: random tokens (whole sequences of 128) run through the layers to set the biases;
+    subspace: the rank r of each layer's gate rows (0: isotropic, firing unpredictable beyond each
+    neuron's rate; see the module docstring).
     The file appears under its name only once complete."""
     import gguf
     from tqdm import tqdm
@@ -170,6 +180,8 @@ def write_synthetic(path: str | Path, preset: str | Shape = "7b", n_layers: int 
         raise ValueError(f"dtype must be one of {', '.join(QTYPES)}, got {dtype!r}")
     if calib_tokens < CALIB_SEQ_LEN:
         raise ValueError(f"calib_tokens must be >= {CALIB_SEQ_LEN}, got {calib_tokens}")
+    if not 0 <= subspace < shape.dim:
+        raise ValueError(f"subspace must be in [0, {shape.dim}), got {subspace}")
     planted = planted_profile(shape.n_ff, shape.n_layers, sparsity, alpha, seed)
     T = gguf.GGMLQuantizationType
     layout = [(name, shp, T[QTYPES[dtype]] if len(shp) == 2 else T.F32) for name, shp in _layout(shape)]
@@ -177,7 +189,7 @@ def write_synthetic(path: str | Path, preset: str | Shape = "7b", n_layers: int 
     partial = path.with_name(path.name + ".partial")
 
     w = gguf.GGUFWriter(partial, "llama")
-    _add_metadata(w, shape, dtype, seed, sparsity, alpha, calib_tokens)
+    _add_metadata(w, shape, dtype, seed, sparsity, alpha, calib_tokens, subspace)
     for name, shp, qtype in layout:
         w.add_tensor_info(name, shp, np.dtype(np.float32), _nbytes(shp, qtype), raw_dtype=qtype)
     calib_firing = []
@@ -187,7 +199,7 @@ def write_synthetic(path: str | Path, preset: str | Shape = "7b", n_layers: int 
         w.write_ti_data_to_file()
         with tqdm(total=sum(_nbytes(shp, qtype) for _, shp, qtype in layout), unit="B",
                   unit_scale=True, desc=f"writing {path.name}", disable=not progress) as bar:
-            made = _tensors(shape, planted, seed, calib_tokens, calib_firing)
+            made = _tensors(shape, planted, seed, calib_tokens, calib_firing, subspace)
             for (name, shp, qtype), (made_name, t) in zip(layout, made, strict=True):
                 assert name == made_name and tuple(t.shape) == shp, (name, made_name, t.shape)
                 data = _encode(t, qtype)
@@ -199,7 +211,7 @@ def write_synthetic(path: str | Path, preset: str | Shape = "7b", n_layers: int 
         w.close()
         partial.unlink(missing_ok=True)
         raise
-    return SyntheticModel(path, shape, dtype, seed, sparsity, alpha, planted,
+    return SyntheticModel(path, shape, dtype, seed, sparsity, alpha, subspace, planted,
                           torch.stack(calib_firing).numpy(), path.stat().st_size,
                           time.perf_counter() - t0)
 
@@ -220,7 +232,8 @@ def _layout(s: Shape) -> list[tuple[str, tuple[int, ...]]]:
     return out + [("output_norm.weight", (d,)), ("output.weight", (s.vocab, d))]
 
 
-def _tensors(s: Shape, planted: np.ndarray, seed: int, calib_tokens: int, calib_firing: list):
+def _tensors(s: Shape, planted: np.ndarray, seed: int, calib_tokens: int, calib_firing: list,
+             subspace: int = 0):
     """Yield (GGUF name, float32 tensor) in `_layout` order, calibrating each layer on the way;
     appends each layer's firing rate on the calibration tokens to calib_firing."""
     args, d = s.model_args(), s.dim
@@ -269,7 +282,12 @@ def _tensors(s: Shape, planted: np.ndarray, seed: int, calib_tokens: int, calib_
                     (p + "attn_k.weight", k), (p + "attn_v.weight", v), (p + "attn_output.weight", o)]
         del q, k, v, o
 
-        gate = _randn(seed, p + "ffn_gate.weight", (s.n_ff, d), d ** -0.5, in_col0=0.0)
+        if subspace:  # rows in a subspace of rank r off the bias channel; same scale of gate . x
+            basis = torch.linalg.qr(_randn(seed, p + "ffn_gate.basis", (d - 1, subspace)))[0]
+            gate = _randn(seed, p + "ffn_gate.weight", (s.n_ff, subspace), subspace ** -0.5)
+            gate = torch.cat([torch.zeros(s.n_ff, 1), gate @ basis.t()], 1)  # (n_ff, d)
+        else:
+            gate = _randn(seed, p + "ffn_gate.weight", (s.n_ff, d), d ** -0.5, in_col0=0.0)
         up = _randn(seed, p + "ffn_up.weight", (s.n_ff, d), d ** -0.5, in_col0=0.0)
         down = _randn(seed, p + "ffn_down.weight", (d, s.n_ff))
         down[0] = 0.0
@@ -329,7 +347,7 @@ def _encode(t: torch.Tensor, qtype) -> np.ndarray:
 # --------------------------------------------------------------------------------- metadata
 
 def _add_metadata(w, s: Shape, dtype: str, seed: int, sparsity: float, alpha: float,
-                  calib_tokens: int):
+                  calib_tokens: int, subspace: int):
     import gguf
 
     w.add_string("general.name", f"synthetic-relu-{s.n_layers}L-{s.dim}d")
@@ -352,6 +370,7 @@ def _add_metadata(w, s: Shape, dtype: str, seed: int, sparsity: float, alpha: fl
     w.add_float32("powerinfer.synthetic.alpha", alpha)
     w.add_float32("powerinfer.synthetic.p_max", P_MAX)
     w.add_uint32("powerinfer.synthetic.calib_tokens", calib_tokens)
+    w.add_uint32("powerinfer.synthetic.subspace", subspace)
     tokens, scores, types = _vocab(s.vocab)
     w.add_string("tokenizer.ggml.model", "llama")
     w.add_array("tokenizer.ggml.tokens", tokens)
@@ -430,12 +449,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--dtype", default="bf16", choices=sorted(QTYPES))
     ap.add_argument("--calib-tokens", type=int, default=512)
+    ap.add_argument("--subspace", type=int, default=0,
+                    help="rank of the gate rows' subspace (0: isotropic, firing unpredictable)")
     ap.add_argument("--out", "-o", required=True, help="output .gguf file")
     ap.add_argument("--quiet", "-q", action="store_true", help="no progress bar")
     a = ap.parse_args(argv)
     try:
         m = write_synthetic(a.out, a.preset, a.layers, a.sparsity, a.alpha, a.seed, a.dtype,
-                            a.calib_tokens, progress=not a.quiet)
+                            a.calib_tokens, a.subspace, progress=not a.quiet)
     except (ValueError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1

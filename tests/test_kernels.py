@@ -70,6 +70,20 @@ def test_formats_hold_weights_within_their_rounding(fmt, bound):
     assert ((back - w).abs() <= bound * scale * 1.01 + 1e-3).all()
 
 
+@pytest.mark.parametrize("fmt", K.FORMATS)
+def test_widening_records_equals_the_gguf_dequantizer(isa, fmt):
+    # the kernel's own widening (many-token steps) against the gguf package's dequantizer, per row
+    torch.manual_seed(2)
+    dim, gate, up, down_t = 96, *(torch.randn(50, 96) for _ in range(3))
+    w = K.pack(gate, up, down_t, fmt)
+    got = K.unpack(w, fmt, dim, gated=True)
+    rb = K.row_bytes(fmt, dim)
+    for i, g in enumerate(got):
+        f = fmt if i < 2 else K.down_format(fmt)
+        raw = w[:, i * rb:(i + 1) * rb] if i < 2 else w[:, 2 * rb:]
+        assert torch.equal(g.float(), K.dequantize_rows(raw, f, dim)), (fmt, i)
+
+
 def test_kernel_rejects_bad_input():
     w = K.pack(None, torch.randn(4, 64), torch.randn(4, 64), "f32")
     x = torch.randn(1, 64)
@@ -123,3 +137,21 @@ def test_sparse_model_on_the_kernel_equals_the_torch_path(isa, act, threshold):
     ref, got = logits
     assert ref.abs().max() > 1
     assert (got - ref).abs().max() <= 1e-4 * ref.abs().max()
+
+
+@pytest.mark.parametrize("fmt", K.FORMATS)
+def test_kernel_linear_equals_a_matmul_over_its_weights(isa, fmt):
+    # decode rows through the kernel's GEMV, many rows (prefill) through widened chunks: both
+    # equal x W^T over the weights the format holds
+    from powerinfer.quant import KernelLinear
+    torch.manual_seed(3)
+    w, b = torch.randn(300, 128), torch.randn(300)
+    lin = KernelLinear(w, b, fmt)
+    lin.CHUNK = 128  # several chunks
+    held = K.dequantize_rows(lin.records, fmt, 128)
+    for shape in [(1, 1, 128), (5, 1, 128), (2, 40, 128)]:
+        x = torch.randn(*shape)
+        want = x @ held.t() + b
+        got = lin(x)
+        assert got.shape == want.shape
+        assert (got - want).abs().max() <= 1e-5 * want.abs().max(), shape

@@ -95,6 +95,26 @@ def test_sparse_equals_local_sparse_engine(ray_cluster, bundle, n_cold, predicto
     assert not shm_segments()
 
 
+@pytest.mark.slow
+def test_int4_actors_equal_the_int4_sparse_engine(ray_cluster, bundle):
+    # the fast configuration: 4-bit attention, neurons in the file's 4-bit blocks on the CPU
+    # kernel (down rows 8-bit), an 8-bit output head, in bf16 on both sides; bf16 sums in
+    # another order tie-break differently, hence the bf16 near-tie tolerance
+    cfg = dict(BASE, dtype="bfloat16", weights="int4", bundle=bundle)
+    ref = PowerInfer.from_pretrained(MODEL, Config(**cfg))
+    pi = PowerInfer.from_pretrained(MODEL, Config(runtime="actors", **cfg))
+    try:
+        info = pi.engine.group.info
+        assert info["cold.0"]["format"] == "q4_1"  # the file's blocks, not a wider copy
+        for p in PROMPTS:
+            want, got = (greedy_tokens(m, p, GREEDY["max_new_tokens"]) for m in (ref, pi))
+            assert_same_or_near_tie(ref, ref.tokenize(p), want, got, 0.25)
+        assert "Paris" in pi.generate("The capital of France is", **GREEDY)
+    finally:
+        pi.close()
+    assert not shm_segments()
+
+
 @pytest.fixture(scope="module")
 def sparse_actors(ray_cluster, bundle):
     pi = PowerInfer.from_pretrained(MODEL, Config(runtime="actors", cold_executors=2, max_queue=2,

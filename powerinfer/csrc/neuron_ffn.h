@@ -8,8 +8,11 @@
 //   i8             one f32 scale, then dim int8 values (w = scale * q);
 //   q4_0           dim/32 GGUF blocks {f16 d; 16 bytes}: w = d * (q - 8);
 //   q4_1           dim/32 GGUF blocks {f16 d; f16 m; 16 bytes}: w = d * q + m;
+//   q8_0           dim/32 GGUF blocks {f16 d; 32 int8}: w = d * q;
 // a block's low nibbles are its weights 0..15, the high nibbles 16..31 (GGUF's order).
-// The down row is the neuron's column of the down projection (a row of its transpose).
+// The down row is the neuron's column of the down projection (a row of its transpose). With the
+// 4-bit formats it is Q8_0 (`down_format`): a 4-bit file's blocks run along the other axis of
+// the down matrix, and quantizing its columns to 4 bits again would add a second rounding.
 #pragma once
 #include <immintrin.h>
 #include <cmath>
@@ -18,8 +21,10 @@
 
 namespace powerinfer {
 
-enum Format : int { F32 = 0, BF16 = 1, I8 = 2, Q4_0 = 3, Q4_1 = 4 };
+enum Format : int { F32 = 0, BF16 = 1, I8 = 2, Q4_0 = 3, Q4_1 = 4, Q8_0 = 5 };
 enum Act : int { RELU = 0, REGLU = 1, DREGLU = 2, SWIGLU = 3 };
+
+constexpr int down_format(int fmt) { return fmt == Q4_0 || fmt == Q4_1 ? Q8_0 : fmt; }
 
 inline int64_t row_bytes(int fmt, int64_t dim) {
   switch (fmt) {
@@ -27,7 +32,8 @@ inline int64_t row_bytes(int fmt, int64_t dim) {
     case BF16: return dim * 2;
     case I8: return 4 + dim;
     case Q4_0: return dim / 32 * 18;
-    default: return dim / 32 * 20;
+    case Q4_1: return dim / 32 * 20;
+    default: return dim / 32 * 34;
   }
 }
 
@@ -47,6 +53,15 @@ struct FFNArgs {
 // Computes neurons sel[begin:end] for every row and adds their down rows, scaled by the rows'
 // activations, into out (B, dim). Returns the number of down rows read.
 using RangeFn = int64_t (*)(const FFNArgs&, int64_t begin, int64_t end, float* out);
+// y[r, i] = row i . x[r] for rows [begin, end) of a (n, row_bytes) matrix in one format: a dense
+// matrix-vector product over a few input rows (decode), reading each weight row once.
+using GemvFn = void (*)(const uint8_t* w, int fmt, const float* x, int64_t B, int64_t dim,
+                        int64_t n, int64_t begin, int64_t end, float* y);
+// Widens records [begin, end) (`rows` rows each, the last in down_format(fmt) unless it is the
+// only one: a plain matrix) to float32 rows
+// of `dim` in out (record-major), for many-token steps that run as matrix products.
+using WidenFn = void (*)(const uint8_t* w, int64_t neuron_bytes, int fmt, int64_t rows,
+                         int64_t dim, int64_t begin, int64_t end, float* out);
 
 }  // namespace powerinfer
 
@@ -106,7 +121,7 @@ constexpr int NV = 32 / W;  // vectors per 32-weight block
 constexpr int64_t PF = 2048;
 
 template <int FMT>
-constexpr int64_t block_bytes() { return FMT == F32 ? 128 : FMT == BF16 ? 64 : FMT == I8 ? 32 : FMT == Q4_0 ? 18 : 20; }
+constexpr int64_t block_bytes() { return FMT == F32 ? 128 : FMT == BF16 ? 64 : FMT == I8 ? 32 : FMT == Q4_0 ? 18 : FMT == Q4_1 ? 20 : 34; }
 
 inline void prefetch_lines(const uint8_t* p, int64_t n) {
   for (int64_t o = 0; o < n; o += 64) _mm_prefetch((const char*)p + o, _MM_HINT_T0);
@@ -133,6 +148,11 @@ inline void block(const uint8_t* row, int64_t blk, V* w) {
     const V sv = vset(s);
     const int8_t* p = (const int8_t*)(row + 4) + 32 * blk;
     for (int v = 0; v < NV; v++) w[v] = vmul(sv, i8_to_f32(p + v * W));
+  } else if constexpr (FMT == Q8_0) {
+    const uint8_t* b = row + blk * 34;
+    const V d = vset(half(b));
+    const int8_t* p = (const int8_t*)(b + 2);
+    for (int v = 0; v < NV; v++) w[v] = vmul(d, i8_to_f32(p + v * W));
   } else {
     constexpr int HDR = FMT == Q4_0 ? 2 : 4;
     const uint8_t* b = row + blk * (HDR + 16);
@@ -203,7 +223,7 @@ inline void axpy(const uint8_t* row, const float* h, int64_t B, int64_t dim, flo
 
 inline float silu(float g) { return g / (1.0f + std::exp(-g)); }
 
-template <int FMT>
+template <int FMT, int DFMT = down_format(FMT)>
 int64_t range_fmt(const FFNArgs& a, int64_t begin, int64_t end, float* out) {
   constexpr int MAXB = 64;
   const bool gated = a.act != RELU;
@@ -220,8 +240,8 @@ int64_t range_fmt(const FFNArgs& a, int64_t begin, int64_t end, float* out) {
       prefetch_lines(next, PF);
       if (gated) prefetch_lines(next + rb, PF);
     }
+    if (gated) dots<FMT>(rec, a.x, a.B, a.dim, g);  // in record order: one forward stream
     dots<FMT>(up, a.x, a.B, a.dim, u);
-    if (gated) dots<FMT>(rec, a.x, a.B, a.dim, g);
     bool any = false;
     for (int64_t r = 0; r < a.B; r++) {
       float uu = u[r] + (a.bias ? a.bias[j] : 0.0f), score, hh;
@@ -237,11 +257,67 @@ int64_t range_fmt(const FFNArgs& a, int64_t begin, int64_t end, float* out) {
       any |= hh != 0.0f;
     }
     if (any) {
-      axpy<FMT>(down, h, a.B, a.dim, out);
+      axpy<DFMT>(down, h, a.B, a.dim, out);
       down_rows++;
     }
   }
   return down_rows;
+}
+
+template <int FMT>
+inline void gemv_fmt(const uint8_t* w, const float* x, int64_t B, int64_t dim, int64_t n,
+                     int64_t begin, int64_t end, float* y) {
+  constexpr int MAXB = 64;
+  const int64_t rb = row_bytes(FMT, dim);
+  float d[MAXB];
+  for (int64_t i = begin; i < end; i++) {
+    _mm_prefetch((const char*)(w + (i + 1) * rb), _MM_HINT_T0);
+    dots<FMT>(w + i * rb, x, B, dim, d);
+    for (int64_t r = 0; r < B; r++) y[r * n + i] = d[r];
+  }
+}
+
+inline void gemv(const uint8_t* w, int fmt, const float* x, int64_t B, int64_t dim, int64_t n,
+                 int64_t begin, int64_t end, float* y) {
+  switch (fmt) {
+    case F32: return gemv_fmt<F32>(w, x, B, dim, n, begin, end, y);
+    case BF16: return gemv_fmt<BF16>(w, x, B, dim, n, begin, end, y);
+    case I8: return gemv_fmt<I8>(w, x, B, dim, n, begin, end, y);
+    case Q4_0: return gemv_fmt<Q4_0>(w, x, B, dim, n, begin, end, y);
+    case Q4_1: return gemv_fmt<Q4_1>(w, x, B, dim, n, begin, end, y);
+    default: return gemv_fmt<Q8_0>(w, x, B, dim, n, begin, end, y);
+  }
+}
+
+template <int FMT>
+inline void widen_row(const uint8_t* row, int64_t dim, float* out) {
+  V w[NV];
+  for (int64_t blk = 0; blk < dim / 32; blk++) {
+    block<FMT>(row, blk, w);
+    for (int v = 0; v < NV; v++) vstore(out + 32 * blk + v * W, w[v]);
+  }
+}
+
+inline void widen_any(int fmt, const uint8_t* row, int64_t dim, float* out) {
+  switch (fmt) {
+    case F32: return widen_row<F32>(row, dim, out);
+    case BF16: return widen_row<BF16>(row, dim, out);
+    case I8: return widen_row<I8>(row, dim, out);
+    case Q4_0: return widen_row<Q4_0>(row, dim, out);
+    case Q4_1: return widen_row<Q4_1>(row, dim, out);
+    default: return widen_row<Q8_0>(row, dim, out);
+  }
+}
+
+inline void widen(const uint8_t* w, int64_t neuron_bytes, int fmt, int64_t rows, int64_t dim,
+                  int64_t begin, int64_t end, float* out) {
+  const int64_t rb = row_bytes(fmt, dim);
+  for (int64_t j = begin; j < end; j++) {
+    const uint8_t* rec = w + j * neuron_bytes;
+    for (int64_t r = 0; r < rows; r++)
+      widen_any(r + 1 < rows || rows == 1 ? fmt : down_format(fmt), rec + r * rb, dim,
+                out + (j * rows + r) * dim);
+  }
 }
 
 inline int64_t range(const FFNArgs& a, int64_t begin, int64_t end, float* out) {
@@ -250,7 +326,8 @@ inline int64_t range(const FFNArgs& a, int64_t begin, int64_t end, float* out) {
     case BF16: return range_fmt<BF16>(a, begin, end, out);
     case I8: return range_fmt<I8>(a, begin, end, out);
     case Q4_0: return range_fmt<Q4_0>(a, begin, end, out);
-    default: return range_fmt<Q4_1>(a, begin, end, out);
+    case Q4_1: return range_fmt<Q4_1>(a, begin, end, out);
+    default: return range_fmt<Q8_0>(a, begin, end, out);
   }
 }
 

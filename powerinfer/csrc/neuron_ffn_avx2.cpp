@@ -3,4 +3,6 @@
 #include "neuron_ffn.h"
 namespace powerinfer {
 RangeFn range_avx2 = avx2::range;
+WidenFn widen_avx2 = avx2::widen;
+GemvFn gemv_avx2 = avx2::gemv;
 }

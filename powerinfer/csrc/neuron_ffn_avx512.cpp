@@ -3,4 +3,6 @@
 #include "neuron_ffn.h"
 namespace powerinfer {
 RangeFn range_avx512 = avx512::range;
+WidenFn widen_avx512 = avx512::widen;
+GemvFn gemv_avx512 = avx512::gemv;
 }

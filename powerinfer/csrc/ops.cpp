@@ -13,6 +13,10 @@
 namespace powerinfer {
 extern RangeFn range_avx512;
 extern RangeFn range_avx2;
+extern WidenFn widen_avx512;
+extern WidenFn widen_avx2;
+extern GemvFn gemv_avx512;
+extern GemvFn gemv_avx2;
 
 static const char* pick_isa() {
   __builtin_cpu_init();
@@ -51,10 +55,9 @@ static at::Tensor neuron_ffn(const at::Tensor& x, const at::Tensor& w, const at:
   const int64_t B = x.size(0), dim = x.size(1), m = sel.size(0);
   TORCH_CHECK(B >= 1 && B <= 64, "neuron_ffn takes 1 to 64 rows, got ", B);
   TORCH_CHECK(dim % 32 == 0, "dim must be a multiple of 32, got ", dim);
-  TORCH_CHECK(fmt >= F32 && fmt <= Q4_1 && act >= RELU && act <= SWIGLU, "bad format or activation");
-  const int64_t rows = act == RELU ? 2 : 3;
-  TORCH_CHECK(w.size(1) == rows * row_bytes(fmt, dim), "w: ", w.size(1), " bytes per neuron, expected ",
-              rows * row_bytes(fmt, dim));
+  TORCH_CHECK(fmt >= F32 && fmt <= Q8_0 && act >= RELU && act <= SWIGLU, "bad format or activation");
+  const int64_t nb = (act == RELU ? 1 : 2) * row_bytes(fmt, dim) + row_bytes(down_format(fmt), dim);
+  TORCH_CHECK(w.size(1) == nb, "w: ", w.size(1), " bytes per neuron, expected ", nb);
   FFNArgs a{x.data_ptr<float>(), B, dim, w.data_ptr<uint8_t>(), w.size(1), nullptr,
             sel.data_ptr<int64_t>(), nullptr, m, (float)threshold, (int)act, (int)fmt};
   if (keep && keep->defined()) {
@@ -82,12 +85,53 @@ static at::Tensor neuron_ffn(const at::Tensor& x, const at::Tensor& w, const at:
   return nt == 1 ? part[0] : part.sum(0);
 }
 
+// w (k, neuron_bytes) records of `rows` rows each (1: a plain matrix) -> (k, rows, dim) float32
+static at::Tensor widen(const at::Tensor& w, int64_t fmt, int64_t rows, int64_t dim) {
+  TORCH_CHECK(ISA != "none", "the kernel needs a CPU with AVX2 and FMA");
+  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kByte && w.is_contiguous(), "w: (k, bytes) contiguous uint8");
+  TORCH_CHECK(fmt >= F32 && fmt <= Q8_0 && rows >= 1 && rows <= 3 && dim % 32 == 0, "bad format, rows or dim");
+  TORCH_CHECK(w.size(1) == (rows - 1) * row_bytes(fmt, dim) + row_bytes(rows == 1 ? fmt : down_format(fmt), dim),
+              "w: ", w.size(1), " bytes per neuron do not fit the format");
+  at::Tensor out = at::empty({w.size(0), rows, dim}, w.options().dtype(at::kFloat));
+  WidenFn fn = ISA == "avx512" ? widen_avx512 : widen_avx2;
+  const uint8_t* p = w.data_ptr<uint8_t>();
+  float* o = out.data_ptr<float>();
+  at::parallel_for(0, w.size(0), 16, [&](int64_t begin, int64_t end) {
+    fn(p, w.size(1), (int)fmt, rows, dim, begin, end, o);
+  });
+  return out;
+}
+
+// x (B, dim) f32; w (n, row_bytes) rows in one format -> (B, n) f32 = x W^T
+static at::Tensor linear(const at::Tensor& x, const at::Tensor& w, int64_t fmt) {
+  TORCH_CHECK(ISA != "none", "the kernel needs a CPU with AVX2 and FMA");
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), "x: (B, dim) contiguous float32");
+  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kByte && w.is_contiguous(), "w: (n, bytes) contiguous uint8");
+  const int64_t B = x.size(0), dim = x.size(1), n = w.size(0);
+  TORCH_CHECK(B >= 1 && B <= 64, "linear takes 1 to 64 rows, got ", B);
+  TORCH_CHECK(fmt >= F32 && fmt <= Q8_0 && dim % 32 == 0, "bad format, or dim not a multiple of 32");
+  TORCH_CHECK(w.size(1) == row_bytes(fmt, dim), "w: ", w.size(1), " bytes per row, expected ", row_bytes(fmt, dim));
+  at::Tensor y = at::empty({B, n}, x.options());
+  GemvFn fn = ISA == "avx512" ? gemv_avx512 : gemv_avx2;
+  const uint8_t* p = w.data_ptr<uint8_t>();
+  const float* xp = x.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  at::parallel_for(0, n, 64, [&](int64_t begin, int64_t end) { fn(p, (int)fmt, xp, B, dim, n, begin, end, yp); });
+  return y;
+}
+
 }  // namespace powerinfer
 
 TORCH_LIBRARY(powerinfer, m) {
   m.def("neuron_ffn(Tensor x, Tensor w, Tensor sel, Tensor? keep, Tensor? bias, float threshold, int act, int fmt) -> Tensor");
+  m.def("widen(Tensor w, int fmt, int rows, int dim) -> Tensor");
+  m.def("linear(Tensor x, Tensor w, int fmt) -> Tensor");
   m.def("isa", &powerinfer::isa);
   m.def("use_isa", &powerinfer::use_isa);
 }
 
-TORCH_LIBRARY_IMPL(powerinfer, CPU, m) { m.impl("neuron_ffn", powerinfer::neuron_ffn); }
+TORCH_LIBRARY_IMPL(powerinfer, CPU, m) {
+  m.impl("neuron_ffn", powerinfer::neuron_ffn);
+  m.impl("widen", powerinfer::widen);
+  m.impl("linear", powerinfer::linear);
+}
