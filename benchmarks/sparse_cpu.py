@@ -3,20 +3,26 @@
 bandwidth floor of the bytes each actually touches per token.
 
     .venv/bin/python benchmarks/sparse_cpu.py --model M --bundle B [--model M2 --bundle B2 ...]
-        [--tokens 32] [--dtype float32] [--threads N] [--input ffn] [--out FILE]
+        [--tokens 32] [--dtype float32] [--threads N] [--input ffn] [--llama] [--out FILE]
 
-Per model, three configurations decode the same prompt greedily, token by token through the
+Per model, four configurations decode the same prompt greedily, token by token through the
 model's forward (no sampling), after a warm-up; the median token time is reported: the dense
 model; the hybrid FFN (every neuron cold, thresholds from the bundle) with masks from the bundle's
-predictors; and the hybrid FFN replaying the oracle's masks recorded on the same tokens (the
-sparse operators at the true sparsity, as with a perfect predictor that costs nothing).
-Sparse decode gathers the active rows of gate/up for their dot products and
-runs the down projection as an embedding-bag (a gather fused with the axpy over rows of down_t). Bytes per token: every weight read (attention, norms, lm_head, the
-predictors, the embedding row), the KV cache read at the mean context, and for the FFN the rows of
-the neurons actually computed (recorded per step). The floor is those bytes at the read bandwidth
-measured in the same run (a large tensor reduction, best of 5). A second pass of each
-configuration times the FFN modules alone (hooks around each block's FFN), the part sparsity
-changes; attention and lm_head stay dense.
+predictors; the hybrid FFN replaying the oracle's masks recorded on the same tokens (the sparse
+operators at the true sparsity, as with a perfect predictor that costs nothing); and the same
+replay on the torch path (gathered gate/up rows, an embedding-bag over down rows), the operator
+the CPU kernel replaced. Sparse decode otherwise runs the CPU kernel (`powerinfer.kernels`),
+which reads each computed neuron's gate/up rows and, when it fires, its down row, in place.
+Bytes per token: every weight read (attention, norms, lm_head, the predictors, the embedding
+row), the KV cache read at the mean context, and for the FFN the three rows of each neuron
+computed (recorded per step; for predicted masks this counts down rows the kernel skips, so the
+floor is an upper bound there). The floor is those bytes at the read bandwidth measured in the
+same run (a large tensor reduction, best of 5). A second pass of each configuration times the
+FFN modules alone (hooks around each block's FFN), the part sparsity changes; attention and
+lm_head stay dense. With --llama, llama.cpp's `llama-server` (built as benchmarks/serve.py does)
+decodes the same prompt's tokens with the same thread count on the same file: its dense decode
+is the baseline, and its FFN time is estimated as its token time times the FFN's share of the
+dense model's bytes.
 """
 from __future__ import annotations
 
@@ -147,6 +153,40 @@ def measure(label: str, pi, ids: list[int], n: int, extra: dict | None = None) -
             "tokens": toks}
 
 
+def llama_decode(path, ids: list[int], n: int, threads: int, dense: dict) -> dict:
+    """llama-server's greedy decode of n tokens after `ids` (its own timing, the second of two
+    requests), as a row beside ours; its FFN time estimated from the dense model's byte shares."""
+    import importlib.util
+    import subprocess
+    import urllib.request
+
+    spec = importlib.util.spec_from_file_location("serve_bench", Path(__file__).with_name("serve.py"))
+    sb = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(sb)
+    port = sb.free_port()
+    proc = subprocess.Popen([str(sb.llama_server_binary()), "-m", str(path), "-t", str(threads),
+                             "-c", str(len(ids) + n + 64), "--host", "127.0.0.1", "--port", str(port),
+                             "--no-webui", "--parallel", "1"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        sb.wait_http(url + "/health", proc)
+        body = json.dumps({"prompt": ids, "n_predict": n, "temperature": 0, "ignore_eos": True,
+                           "cache_prompt": False}).encode()
+        for _ in range(2):
+            req = urllib.request.Request(url + "/completion", body, {"Content-Type": "application/json"})
+            timings = json.load(urllib.request.urlopen(req, timeout=600))["timings"]
+    finally:
+        sb.stop(proc)
+    ms = timings["predicted_ms"] / timings["predicted_n"]
+    b = dense["bytes"]
+    ffn_share = b["ffn rows (all)"] / dense["bytes_total"]
+    return {"model": Path(path).name, "config": "llama.cpp dense (llama-server)", "ms_per_token": ms,
+            "ffn_ms_per_token": ms * ffn_share, "tok_s": 1e3 / ms, "bytes": dict(b),
+            "bytes_total": dense["bytes_total"], "ffn_density": 1.0, "tokens": [],
+            "ffn_estimated": True}
+
+
 def run_model(name: str, bundle_path: str, args) -> list[dict]:
     """Dense, then sparse with predicted masks, then sparse replaying oracle masks; one model in
     memory at a time."""
@@ -172,6 +212,12 @@ def run_model(name: str, bundle_path: str, args) -> list[dict]:
         del f.active
         f.masks = replay
     rows.append(measure("sparse, oracle masks replayed", pi, ids, args.tokens))
+    for f in hybrid_layers(pi.model):  # the operator the kernel replaced, on the same masks
+        f.hot, f.cold = f.hot.reformat(None), f.cold.reformat(None)
+    rows.append(measure("sparse, oracle masks replayed, torch path", pi, ids, args.tokens))
+    if args.llama:
+        rows.append(llama_decode(pi.checkpoint.path, ids, args.tokens, torch.get_num_threads(),
+                                 rows[0]))
     for r in rows[1:]:
         r["same_tokens_as_dense"] = sum(x == y for x, y in zip(rows[0]["tokens"], r["tokens"]))
     return rows
@@ -185,6 +231,7 @@ def main():
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--threads", type=int, default=0)
     ap.add_argument("--input", default="ffn", choices=["ffn", "layer"])
+    ap.add_argument("--llama", action="store_true", help="llama-server's dense decode beside ours")
     ap.add_argument("--out", default=None, help="write the results as JSON")
     args = ap.parse_args()
     assert len(args.model) == len(args.bundle), "one --bundle per --model"
@@ -200,17 +247,23 @@ def main():
     print("| model | config | decode tok/s | ms/token | FFN rows computed | MB/token | "
           "floor ms | % of floor | vs dense | FFN ms/token | FFN vs dense |")
     print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
-    for i, r in enumerate(results):
-        base = results[i - i % 3]
+    for r in results:
+        base = next(b for b in results if b["model"] == r["model"] and b["config"] == "dense")
         floor = r["bytes_total"] / bw * 1e3
         r["floor_ms"], r["pct_of_floor"] = floor, floor / r["ms_per_token"]
         r["speedup"] = base["ms_per_token"] / r["ms_per_token"]
         print(f"| {r['model']} | {r['config']} | {r['tok_s']:.1f} | {r['ms_per_token']:.2f} | "
               f"{r['ffn_density']:.1%} | {r['bytes_total'] / 1e6:.1f} | {floor:.2f} | "
               f"{r['pct_of_floor']:.0%} | {r['speedup']:.2f}x | {r['ffn_ms_per_token']:.2f} | "
-              f"{base['ffn_ms_per_token'] / r['ffn_ms_per_token']:.2f}x |")
+              f"{base['ffn_ms_per_token'] / r['ffn_ms_per_token']:.2f}x"
+              + (" (estimated)" if r.get("ffn_estimated") else "") + " |")
+    for r in results:  # the kernel's sparse FFN against llama.cpp's dense one
+        llama = next((b for b in results if b["model"] == r["model"] and b.get("ffn_estimated")), None)
+        if llama and r["config"].startswith("sparse"):
+            print(f"{r['model']}: {r['config']}: FFN {llama['ffn_ms_per_token'] / r['ffn_ms_per_token']:.2f}x "
+                  f"llama.cpp's (estimated), whole token {llama['ms_per_token'] / r['ms_per_token']:.2f}x")
     for r in results:
-        if "same_tokens_as_dense" in r:
+        if r.get("tokens") and "same_tokens_as_dense" in r:
             print(f"{r['model']}: sparse greedy tokens equal to dense for "
                   f"{r['same_tokens_as_dense']}/{len(r['tokens'])}")
     if args.out:

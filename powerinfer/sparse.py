@@ -78,6 +78,14 @@ class NeuronSet(nn.Module):
             self.register_buffer("all", torch.arange(len(idx)))
             self.register_buffer("bias32", None if b1 is None else self.up_b.float())
 
+    def reformat(self, fmt: str | None) -> "NeuronSet":
+        """The same neurons held in another format (None: the torch path)."""
+        gate, up, down_t = self.rows()
+        w1 = up if gate is None else torch.cat([gate, up])
+        out = NeuronSet(self.act, w1, self.up_b, down_t.t(), torch.arange(len(self.idx)), fmt)
+        out.idx = self.idx
+        return out
+
     @classmethod
     def of(cls, dense: FFN, idx: torch.Tensor, fmt: str | None = None) -> "NeuronSet":
         b1 = None if dense.w1.bias is None else dense.w1.bias.detach()

@@ -155,3 +155,20 @@ def test_kernel_linear_equals_a_matmul_over_its_weights(isa, fmt):
         got = lin(x)
         assert got.shape == want.shape
         assert (got - want).abs().max() <= 1e-5 * want.abs().max(), shape
+
+
+def test_reformat_keeps_the_neurons_and_their_weights():
+    from powerinfer.sparse import NeuronSet
+    torch.manual_seed(4)
+    w1, w2, idx = torch.randn(2 * 64, 32), torch.randn(32, 64), torch.tensor([3, 9, 40, 63])
+    ref = NeuronSet("reglu", w1, None, w2, idx)
+    x, sel = torch.randn(2, 1, 32), torch.tensor([0, 2, 3])
+    for fmt in ("f32", "q8_0"):
+        s = ref.reformat(fmt)
+        assert torch.equal(s.idx, idx) and s.fmt == fmt
+        back = s.reformat(None)
+        assert back.records is None and torch.equal(back.idx, idx)
+        tol = 1e-5 if fmt == "f32" else 0.05
+        for a, b in ((ref, s), (s, back)):
+            want, got = a(x, sel), b(x, sel)
+            assert (got - want).abs().max() <= tol * want.abs().max(), fmt
