@@ -32,7 +32,7 @@ from powerinfer.config import Config
 from powerinfer.loader import load_checkpoint
 from powerinfer.model import Transformer
 from powerinfer.plan import SparsePlan
-from powerinfer.quant import apply_int4, apply_kernel_head, q4_type
+from powerinfer.quant import apply_int4, apply_kernel_head, apply_kernel_linears, q4_type
 from powerinfer.sparse import HybridFFN, apply_hybrid_ffn
 
 from .channel import ChannelClosed, PeerDied
@@ -126,6 +126,8 @@ class HotExecutor:
             apply_int4(model, ckpt.q4)  # attention's projections
             if self.device.type == "cpu":
                 apply_kernel_head(model)  # and an 8-bit output head
+        if self.device.type == "cpu" and config.torch_dtype == torch.bfloat16:
+            apply_kernel_linears(model)  # what is left in bf16: the kernel's GEMV
         del ckpt
         self.io = DataPlane(spec, plan.predictor_input, self.device)
         for i, block in enumerate(model.layers):

@@ -14,7 +14,11 @@
    predictor's time left on the critical path.
 3. Scaling: the same comparison on a synthetic 7B-shape ReLU model (bf16, `--synthetic-layers`
    deep, every neuron computed) for each count of cold executors in `--cold`.
-4. Batching: total tokens/s of B concurrent greedy requests through the actor runtime.
+4. Batching: total tokens/s of B concurrent greedy requests through the actor runtime, and of B
+   prompts decoded together by the in-process engine (prefill included in both).
+
+Both sides run the default configuration (`Config()` resolved for this machine and file: bf16
+with int4 weights and an 8-bit head on a CPU with native bf16 and a Q4 file).
 
 The GPU comparison (hybrid against layer offload and all-GPU) is `benchmarks/gpu.py`.
 The in-process engine uses every core of the machine; the actor runtime pins its hot executor
@@ -128,6 +132,14 @@ def batched(pi: PowerInfer, batch: int, tokens: int) -> float:
     return sum(counts) / (time.perf_counter() - t0)
 
 
+def batched_local(pi: PowerInfer, batch: int, tokens: int) -> float:
+    """Total tokens/s of `batch` copies of the prompt decoded together in process (prefill
+    included, as for the actor runtime's concurrent requests)."""
+    t0 = time.perf_counter()
+    pi.generate([PROMPT] * batch, max_new_tokens=tokens, temperature=0, ignore_eos=True)
+    return batch * tokens / (time.perf_counter() - t0)
+
+
 def compare(model: str, base: dict, tokens: int, cold: list[int], batches: list[int]) -> list[dict]:
     """Actor runtime against the in-process engine with the same plan, per cold-executor count;
     with a bundle also the same-layer predictor against the lookahead one (whether prediction
@@ -138,8 +150,11 @@ def compare(model: str, base: dict, tokens: int, cold: list[int], batches: list[
     refs, rows = {}, []
     for n, predictor in runs:
         if predictor not in refs:
-            local = PowerInfer.from_pretrained(model, Config(**base, predictor=predictor, max_batch=1))
+            local = PowerInfer.from_pretrained(model, Config(**base, predictor=predictor,
+                                                             max_batch=max(batches)))
             refs[predictor] = decode_speed(local, tokens)
+            if (n, predictor) == runs[0]:
+                local_batched = {b: batched_local(local, b, tokens) for b in batches}
             del local
         ref = refs[predictor]
         pi = PowerInfer.from_pretrained(model, Config(**base, runtime="actors", cold_executors=n,
@@ -159,6 +174,8 @@ def compare(model: str, base: dict, tokens: int, cold: list[int], batches: list[
                 row["predictor_busy_ms_per_step"] = p.get("busy_s", 0) / max(hot["steps"], 1) * 1e3
             if (n, predictor) == runs[0]:
                 row["batched_tok_s"] = {b: batched(pi, b, tokens) for b in batches}
+                row["in_process_batched_tok_s"] = local_batched
+                row["batched_ratio"] = {b: row["batched_tok_s"][b] / local_batched[b] for b in batches}
             rows.append(row)
             print(json.dumps(row), flush=True)
         finally:

@@ -96,8 +96,8 @@ class Replay:
     def record(self, ffn):
         oracle = ffn.active
 
-        def active(h, x):
-            m = oracle(h, x)
+        def active(*inputs):  # (h, x, layer_input), as HybridFFN.active
+            m = oracle(*inputs)
             self.masks.append(m)
             return m
         return active
@@ -109,14 +109,16 @@ class Replay:
 
 
 def ffn_timer(model) -> tuple[list[float], list]:
-    """Seconds spent inside the FFN modules (hooks around each block's ffn), and the handles."""
-    spent, start = [0.0], [0.0]
+    """Seconds spent inside the FFN modules in decode steps (hooks around each block's ffn; the
+    prompt's pass is not counted), and the handles."""
+    spent, start = [0.0], [None]
 
     def pre(mod, args):
-        start[0] = time.perf_counter()
+        start[0] = time.perf_counter() if args[0].shape[1] == 1 else None
 
     def post(mod, args, out):
-        spent[0] += time.perf_counter() - start[0]
+        if start[0] is not None:
+            spent[0] += time.perf_counter() - start[0]
     handles = [h for b in model.layers for h in (b.ffn.register_forward_pre_hook(pre),
                                                  b.ffn.register_forward_hook(post))]
     return spent, handles
@@ -214,6 +216,7 @@ def run_model(name: str, bundle_path: str, args) -> list[dict]:
     rows.append(measure("sparse, oracle masks replayed", pi, ids, args.tokens))
     for f in hybrid_layers(pi.model):  # the operator the kernel replaced, on the same masks
         f.hot, f.cold = f.hot.reformat(None), f.cold.reformat(None)
+    replay.pos = 0  # the same calls again
     rows.append(measure("sparse, oracle masks replayed, torch path", pi, ids, args.tokens))
     if args.llama:
         rows.append(llama_decode(pi.checkpoint.path, ids, args.tokens, torch.get_num_threads(),

@@ -15,7 +15,7 @@ from .errors import ModelLoadError
 from .loader import DEFAULT_MODEL, Checkpoint, build_model, load_checkpoint
 from .budget import plan_for
 from . import kernels
-from .quant import apply_int4, apply_kernel_head, has_q4, q4_type
+from .quant import apply_int4, apply_kernel_head, apply_kernel_linears, has_q4, q4_type
 from .sparse import offload_ffns
 from .runtimes import engine_class
 
@@ -53,6 +53,8 @@ class PowerInfer:
                 raise ModelLoadError(checkpoint.path, "weights='int4' needs a GGUF file with "
                                                       "Q4_0/Q4_1 projections")
             apply_kernel_head(self.model)  # and an 8-bit output head
+        if device.type == "cpu" and config.torch_dtype == torch.bfloat16:
+            apply_kernel_linears(self.model)  # what is left in bf16: the kernel's GEMV
         checkpoint.q4 = {}  # the model holds them now
         self.engine = Engine(self.model, self.tokenizer, config)
 

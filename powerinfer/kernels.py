@@ -133,6 +133,10 @@ def available() -> bool:
             # shapes for torch.compile's tracing: (B, dim) float32, like x
             torch.library.register_fake("powerinfer::neuron_ffn")(
                 lambda x, w, sel, keep, bias, threshold, act, fmt: torch.empty_like(x))
+            torch.library.register_fake("powerinfer::linear")(
+                lambda x, w, fmt: x.new_empty(x.shape[0], w.shape[0]))
+            torch.library.register_fake("powerinfer::widen")(
+                lambda w, fmt, rows, dim: w.new_empty(w.shape[0], rows, dim, dtype=torch.float32))
             _loaded = str(path)
             if torch.ops.powerinfer.isa() == "none":
                 log.warning("the CPU FFN kernel needs AVX2 and FMA; the torch path runs instead")
@@ -206,6 +210,16 @@ def unpack(w: torch.Tensor, fmt: str, dim: int, gated: bool):
         t = torch.stack([dequantize_rows(w[:, r * rb:(r + 1) * rb], fmt, dim) for r in range(rows - 1)]
                         + [dequantize_rows(w[:, (rows - 1) * rb:], down_format(fmt), dim)], 1)
     return (t[:, 0] if gated else None), t[:, -2], t[:, -1]
+
+
+def unpack_rows(w: torch.Tensor, fmt: str, dim: int) -> torch.Tensor:
+    """A plain matrix's rows in `fmt` (n, row_bytes) -> (n, dim): a view for f32 and bf16, else
+    widened to float32."""
+    if fmt in ("f32", "bf16"):
+        return w.view(torch.float32 if fmt == "f32" else torch.bfloat16).view(w.shape[0], dim)
+    if _loaded:
+        return torch.ops.powerinfer.widen(w.contiguous(), FORMATS.index(fmt), 1, dim)[:, 0]
+    return dequantize_rows(w, fmt, dim)
 
 
 def format_for(weight: torch.Tensor, q4_type: str | None = None) -> str | None:
