@@ -74,12 +74,19 @@ def decode(model, ids: list[int], n: int) -> tuple[list[float], list[int]]:
     return times, out
 
 
+def module_bytes(m) -> int:
+    """Bytes of a module's weights as it holds them (parameters, and the kernel's records),
+    the KV cache excluded."""
+    return sum(t.numel() * t.element_size() for n, t in [*m.named_parameters(), *m.named_buffers()]
+               if "cache" not in n)
+
+
 def dense_bytes(model, kv_len: float) -> dict[str, float]:
     a = model.args
-    el = model.output.weight.element_size()
-    attn = sum(p.numel() for b in model.layers for p in b.attn.parameters()) * el
+    el = model.tok_embeddings.weight.element_size()
+    attn = sum(module_bytes(b.attn) for b in model.layers)
     norms = sum(p.numel() for n, p in model.named_parameters() if "norm" in n) * el
-    head = model.output.weight.numel() * el
+    head = module_bytes(model.output)
     kv = 2 * a.n_layers * kv_len * a.n_kv_heads * a.head_dim * el
     return {"attention": attn, "norms": norms, "lm_head": head, "kv_cache": kv,
             "embedding row": a.dim * el}
@@ -139,7 +146,7 @@ def measure(label: str, pi, ids: list[int], n: int, extra: dict | None = None) -
         h.remove()
     a = pi.model.args
     b = dense_bytes(pi.model, len(ids) + n / 2)
-    row_bytes = neuron_bytes(a, pi.model.output.weight.element_size())
+    row_bytes = neuron_bytes(a, pi.model.tok_embeddings.weight.element_size())
     if ffns:
         computed = sum(s.computed for s in stats) / max(1, stats[0].rows)  # per token, all layers
         b["ffn rows (computed)"] = computed * row_bytes

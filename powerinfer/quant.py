@@ -92,13 +92,18 @@ class KernelLinear(nn.Module):
         self.register_buffer("records", kernels.quantize_rows(weight, fmt))
         self.bias = None if bias is None else nn.Parameter(bias.detach().clone(), requires_grad=False)
 
+    @property
+    def weight(self) -> torch.Tensor:
+        """W (out, in): a view of the records for f32/bf16, else widened to float32."""
+        return kernels.unpack_rows(self.records, self.fmt, self.in_features)
+
     def forward(self, x):
         shape, rows = x.shape, x.reshape(-1, self.in_features)
         if rows.shape[0] <= kernels.MAX_ROWS:
             y = torch.ops.powerinfer.linear(rows.float().contiguous(), self.records, self.code)
             y = y.to(x.dtype)
         elif self.fmt in ("f32", "bf16"):  # the records are the matrix
-            y = rows @ kernels.unpack_rows(self.records, self.fmt, self.in_features).to(x.dtype).t()
+            y = rows @ self.weight.to(x.dtype).t()
         else:
             y = torch.cat([rows @ kernels.unpack_rows(self.records[i:i + self.CHUNK], self.fmt,
                                                       self.in_features).to(x.dtype).t()
