@@ -6,8 +6,11 @@ bounds tokens/s.
     .venv/bin/python benchmarks/gemv.py [--threads N]
 
 Each way runs over 60 distinct 3072x576 matrices (one SmolLM2 layer's fused gate/up; 60 of them
-do not fit in cache) and over the 49152x576 output head. "read" is a plain sum over a 256 MiB
-array: the bandwidth floor the others are compared to.
+do not fit in cache), over the 49152x576 output head, and over 4 distinct 12288x4096 matrices (a
+LLaMA-7B layer's fused q/k/v). "read" is a plain sum over a 256 MiB array: the bandwidth floor
+the others are compared to. Ways: torch's GEMV (aten, BLAS), the compiled multiply-reduce that
+`model.Linear` becomes under torch.compile, torch's packed int4 kernel, and the CPU kernel's GEMV
+(`quant.KernelLinear`: powerinfer::linear over rows in bf16, Q8_0 or Q4_1, eager).
 """
 from __future__ import annotations
 
@@ -16,6 +19,9 @@ import os
 import time
 
 import torch
+
+from powerinfer import kernels
+from powerinfer.quant import KernelLinear
 
 
 def seconds(fn, n: int = 10) -> float:
@@ -42,7 +48,8 @@ def main():
     print(f"threads {a.threads}; read bandwidth (sum over 256 MiB): {read_gbs:.1f} GB/s\n")
     print("| weights | way | bytes read | time | GB/s | share of read bandwidth |")
     print("|---|---|---:|---:|---:|---:|")
-    for shape, count in (((3072, 576), 60), ((49152, 576), 1)):
+    assert kernels.available(), "the CPU kernel cannot run here"
+    for shape, count in (((3072, 576), 60), ((49152, 576), 1), ((12288, 4096), 4)):
         n, k = shape
         for dtype in (torch.float32, torch.bfloat16):
             ws = [torch.randn(n, k).to(dtype) for _ in range(count)]
@@ -50,6 +57,9 @@ def main():
             nbytes = count * n * k * ws[0].element_size()
             ways = {"aten (BLAS GEMV)": lambda: [w @ x for w in ws],
                     "compiled multiply-reduce": lambda: [multiply_reduce(x, w) for w in ws]}
+            if dtype == torch.bfloat16:
+                kl = [KernelLinear(w, None, "bf16") for w in ws]
+                ways["kernel GEMV (eager)"] = lambda: [m(x[None]) for m in kl]
             for way, fn in ways.items():
                 s = seconds(fn)
                 row = f"{count}x {n}x{k} {str(dtype)[6:]}"
@@ -64,6 +74,12 @@ def main():
         s = seconds(lambda: [torch._weight_int4pack_mm_for_cpu(x, p, 32, sz) for p in packed])
         print(f"| {count}x {n}x{k} int4 | aten int4pack (bf16 x) | {nbytes / 2**20:.0f} MiB | "
               f"{s * 1e3:.2f} ms | {nbytes / s / 1e9:.1f} | {nbytes / s / 1e9 / read_gbs:.0%} |")
+        for fmt in ("q8_0", "q4_1"):  # the kernel over GGUF blocks
+            kl = [KernelLinear(torch.randn(n, k), None, fmt) for _ in range(count)]
+            nbytes = sum(m.records.numel() for m in kl)
+            s = seconds(lambda: [m(x) for m in kl])
+            print(f"| {count}x {n}x{k} {fmt} | kernel GEMV (eager) | {nbytes / 2**20:.0f} MiB | "
+                  f"{s * 1e3:.2f} ms | {nbytes / s / 1e9:.1f} | {nbytes / s / 1e9 / read_gbs:.0%} |")
 
 
 if __name__ == "__main__":
