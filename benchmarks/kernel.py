@@ -3,7 +3,7 @@
 machine's read bandwidth and the torch path it replaces, in one run.
 
     .venv/bin/python benchmarks/kernel.py [--dim 4096] [--ffn 11008] [--layers 4] [--rows 1]
-        [--formats bf16 i8 q4_0 q4_1] [--threads N] [--plot FILE] [--out FILE]
+        [--formats bf16 i8 q4_0 q4_1] [--threads N] [--consecutive] [--plot FILE] [--out FILE]
 
 One FFN layer of the given shape per `--layers` (random weights, ReGLU: gate, up and down rows),
 rotated through so that no step finds its rows in the caches. For each share of active neurons
@@ -63,6 +63,8 @@ def main():
     ap.add_argument("--formats", nargs="+", default=["bf16", "i8", "q4_0", "q4_1"],
                     help="kernel formats (4-bit ones keep down rows int8, see kernels.down_format)")
     ap.add_argument("--threads", type=int, default=0)
+    ap.add_argument("--consecutive", action="store_true",
+                    help="the first neurons instead of a random subset (one stream, no jumps)")
     ap.add_argument("--plot", default=None, help="write the plot (PNG)")
     ap.add_argument("--out", default=None, help="write the results as JSON")
     args = ap.parse_args()
@@ -91,7 +93,8 @@ def main():
         results.append({"method": "dense bf16 (torch matmul)", "share": 1.0, "ms": t * 1e3,
                         "gbs": dense_bytes / t / 1e9})
         for share in SHARES:
-            sel = torch.randperm(n, generator=g)[:max(1, round(share * n))].sort().values
+            m = max(1, round(share * n))
+            sel = torch.arange(m) if args.consecutive else torch.randperm(n, generator=g)[:m].sort().values
             for name, ss in sets.items():
                 fmt = ss[0].fmt or "bf16"
                 xin = xb if name == "torch" else x
@@ -102,7 +105,8 @@ def main():
     bw = read_bandwidth()
     print(f"# {datetime.date.today()} {platform.processor() or platform.machine()}, kernel ISA "
           f"{kernels.isa()}, {torch.get_num_threads()} threads, torch {torch.__version__}, "
-          f"read bandwidth {bw / 1e9:.1f} GB/s; d {d}, n_ff {n}, ReGLU, {B} row(s), {L} layers")
+          f"read bandwidth {bw / 1e9:.1f} GB/s; d {d}, n_ff {n}, ReGLU, {B} row(s), {L} layers, "
+          f"{'consecutive' if args.consecutive else 'random'} neurons")
     methods = list(dict.fromkeys(r["method"] for r in results if r["share"] < 1 or "dense" not in r["method"]))
     print("| active | " + " | ".join(methods) + " |")
     print("|---:|" + "---:|" * len(methods))
