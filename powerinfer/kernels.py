@@ -8,7 +8,10 @@ their format (f32, bf16, int8 with a per-row scale, GGUF's Q4_0 and Q4_1 blocks)
 to fp32 in registers. The C++ is compiled once per machine by `build()` (`make` runs it at setup)
 with g++ into a torch operator library; AVX-512 or AVX2 is chosen when it loads.
 
-The torch path (`sparse.NeuronSet` without a format) is the reference it is tested against.
+With the block formats (Q4_0, Q4_1, Q8_0) the gate/up dot products run in integers over the input
+quantized to 8 bits per block of 32 (`quantize_input`, as ggml does); the down rows are always
+added in float. The torch path (`sparse.NeuronSet` without a format) is the reference it is
+tested against.
 """
 from __future__ import annotations
 
@@ -220,6 +223,19 @@ def unpack_rows(w: torch.Tensor, fmt: str, dim: int) -> torch.Tensor:
     if _loaded:
         return torch.ops.powerinfer.widen(w.contiguous(), FORMATS.index(fmt), 1, dim)[:, 0]
     return dequantize_rows(w, fmt, dim)
+
+
+INTEGER_DOTS = ("q4_0", "q4_1", "q8_0")  # formats whose dot products run in integers
+
+
+def quantize_input(x: torch.Tensor) -> torch.Tensor:
+    """The input (..., dim) as the kernel's dot products see it with a block format
+    (INTEGER_DOTS): 8 bits per block of 32 with scale max|x| / 127, rounded half away from zero
+    (ggml's activation rounding), widened back to float32."""
+    b = x.float().reshape(*x.shape[:-1], -1, 32)
+    d = b.abs().amax(-1, keepdim=True) / 127
+    v = b * torch.where(d != 0, 1 / d, 0)
+    return (torch.sign(v) * torch.floor(v.abs() + 0.5) * d).reshape(x.shape)
 
 
 def format_for(weight: torch.Tensor, q4_type: str | None = None) -> str | None:

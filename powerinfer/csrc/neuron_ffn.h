@@ -48,15 +48,42 @@ struct FFNArgs {
   int64_t m;
   float threshold;       // > 0: zero a neuron whose firing score is not above it
   int act, fmt;
+  // with the block formats (Q4_0, Q4_1, Q8_0): x quantized to 8 bits per block of 32, for
+  // integer dot products (`quantize_input`): values (B, dim), scales and scale * sum (B, dim/32)
+  const int8_t* xq = nullptr;
+  const float* xd = nullptr;
+  const float* xs = nullptr;
 };
+
+constexpr bool integer_dots(int fmt) { return fmt == Q4_0 || fmt == Q4_1 || fmt == Q8_0; }
+
+// x (B, dim) -> per block of 32: d = max |x| / 127, q = round(x / d) in [-127, 127], and d * sum(q)
+// (the Q8_0 rounding ggml applies to activations; d stays float32 here).
+inline void quantize_input(const float* x, int64_t B, int64_t dim, int8_t* q, float* d, float* s) {
+  for (int64_t i = 0; i < B * dim / 32; i++) {
+    const float* xb = x + 32 * i;
+    float amax = 0.0f;
+    for (int j = 0; j < 32; j++) amax = std::fmax(amax, std::fabs(xb[j]));
+    const float dd = amax / 127.0f, id = dd != 0.0f ? 1.0f / dd : 0.0f;
+    int sum = 0;
+    for (int j = 0; j < 32; j++) {
+      const int v = (int)std::roundf(xb[j] * id);
+      q[32 * i + j] = (int8_t)v;
+      sum += v;
+    }
+    d[i] = dd;
+    s[i] = dd * (float)sum;
+  }
+}
 
 // Computes neurons sel[begin:end] for every row and adds their down rows, scaled by the rows'
 // activations, into out (B, dim). Returns the number of down rows read.
 using RangeFn = int64_t (*)(const FFNArgs&, int64_t begin, int64_t end, float* out);
-// y[r, i] = row i . x[r] for rows [begin, end) of a (n, row_bytes) matrix in one format: a dense
-// matrix-vector product over a few input rows (decode), reading each weight row once.
-using GemvFn = void (*)(const uint8_t* w, int fmt, const float* x, int64_t B, int64_t dim,
-                        int64_t n, int64_t begin, int64_t end, float* y);
+// y[r, i] = row i . x[r] for rows [begin, end) of a (n, row_bytes) matrix in format a.fmt: a
+// dense matrix-vector product over a.B input rows (decode), reading each weight row once (a.x,
+// a.B, a.dim, a.fmt and, for the block formats, a.xq/xd/xs are read).
+using GemvFn = void (*)(const uint8_t* w, const FFNArgs& a, int64_t n, int64_t begin, int64_t end,
+                        float* y);
 // Widens records [begin, end) (`rows` rows each, the last in down_format(fmt) unless it is the
 // only one: a plain matrix) to float32 rows
 // of `dim` in out (record-major), for many-token steps that run as matrix products.
@@ -205,6 +232,65 @@ inline void dots(const uint8_t* row, const float* x, int64_t B, int64_t dim, flo
   }
 }
 
+inline float hsum8(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+// dots[r] = row . x[r] for R rows, the row in a block format and x quantized per block: integer
+// products of each block (pairs of 8-bit values summed into 16 and 32 bits), scaled in float
+template <int FMT, int R>
+inline void idot_rows(const uint8_t* row, const int8_t* xq, const float* xd, const float* xs,
+                      int64_t dim, float* dots) {
+  const int64_t nb = dim / 32;
+  const __m256i ones = _mm256_set1_epi16(1);
+  __m256 acc[R];
+  float accm[R];
+  for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps(), accm[r] = 0.0f;
+  for (int64_t blk = 0; blk < nb; blk++) {
+    _mm_prefetch((const char*)row + blk * block_bytes<FMT>() + PF, _MM_HINT_T0);
+    __m256i w, wsign;
+    float d, m = 0.0f;
+    if constexpr (FMT == Q8_0) {
+      const uint8_t* b = row + blk * 34;
+      d = half(b);
+      wsign = _mm256_loadu_si256((const __m256i*)(b + 2));
+      w = _mm256_sign_epi8(wsign, wsign);  // |w|: the unsigned side of the products
+    } else {
+      constexpr int HDR = FMT == Q4_0 ? 2 : 4;
+      const uint8_t* b = row + blk * (HDR + 16);
+      d = half(b);
+      m = FMT == Q4_0 ? -8.0f * d : half(b + 2);
+      const __m128i q = _mm_loadu_si128((const __m128i*)(b + HDR)), mask = _mm_set1_epi8(0x0F);
+      w = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(q, 4), mask), _mm_and_si128(q, mask));
+    }
+    for (int r = 0; r < R; r++) {
+      __m256i xv = _mm256_loadu_si256((const __m256i*)(xq + r * dim + 32 * blk));
+      if constexpr (FMT == Q8_0) xv = _mm256_sign_epi8(xv, wsign);
+      const __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(w, xv), ones);  // 8 sums of 4
+      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(d * xd[r * nb + blk]), acc[r]);
+      if constexpr (FMT != Q8_0) accm[r] += m * xs[r * nb + blk];  // the blocks' offsets
+    }
+  }
+  for (int r = 0; r < R; r++) dots[r] = hsum8(acc[r]) + accm[r];
+}
+
+template <int FMT>
+inline void idots(const uint8_t* row, const FFNArgs& a, float* out) {
+  const int64_t nb = a.dim / 32, dim = a.dim;
+  int64_t r = 0;
+  for (; r + 4 <= a.B; r += 4) idot_rows<FMT, 4>(row, a.xq + r * dim, a.xd + r * nb, a.xs + r * nb, dim, out + r);
+  const int8_t* q = a.xq + r * dim;
+  const float *d = a.xd + r * nb, *s = a.xs + r * nb;
+  switch (a.B - r) {
+    case 3: idot_rows<FMT, 3>(row, q, d, s, dim, out + r); break;
+    case 2: idot_rows<FMT, 2>(row, q, d, s, dim, out + r); break;
+    case 1: idot_rows<FMT, 1>(row, q, d, s, dim, out + r); break;
+  }
+}
+
 // out[r] += h[r] * row for every row r with h[r] != 0
 template <int FMT>
 inline void axpy(const uint8_t* row, const float* h, int64_t B, int64_t dim, float* out) {
@@ -240,8 +326,13 @@ int64_t range_fmt(const FFNArgs& a, int64_t begin, int64_t end, float* out) {
       prefetch_lines(next, PF);
       if (gated) prefetch_lines(next + rb, PF);
     }
-    if (gated) dots<FMT>(rec, a.x, a.B, a.dim, g);  // in record order: one forward stream
-    dots<FMT>(up, a.x, a.B, a.dim, u);
+    if constexpr (integer_dots(FMT)) {
+      if (gated) idots<FMT>(rec, a, g);  // in record order: one forward stream
+      idots<FMT>(up, a, u);
+    } else {
+      if (gated) dots<FMT>(rec, a.x, a.B, a.dim, g);
+      dots<FMT>(up, a.x, a.B, a.dim, u);
+    }
     bool any = false;
     for (int64_t r = 0; r < a.B; r++) {
       float uu = u[r] + (a.bias ? a.bias[j] : 0.0f), score, hh;
@@ -265,27 +356,29 @@ int64_t range_fmt(const FFNArgs& a, int64_t begin, int64_t end, float* out) {
 }
 
 template <int FMT>
-inline void gemv_fmt(const uint8_t* w, const float* x, int64_t B, int64_t dim, int64_t n,
-                     int64_t begin, int64_t end, float* y) {
+inline void gemv_fmt(const uint8_t* w, const FFNArgs& a, int64_t n, int64_t begin, int64_t end,
+                     float* y) {
   constexpr int MAXB = 64;
-  const int64_t rb = row_bytes(FMT, dim);
+  const int64_t rb = row_bytes(FMT, a.dim);
   float d[MAXB];
   for (int64_t i = begin; i < end; i++) {
     _mm_prefetch((const char*)(w + (i + 1) * rb), _MM_HINT_T0);
-    dots<FMT>(w + i * rb, x, B, dim, d);
-    for (int64_t r = 0; r < B; r++) y[r * n + i] = d[r];
+    if constexpr (integer_dots(FMT))
+      idots<FMT>(w + i * rb, a, d);
+    else
+      dots<FMT>(w + i * rb, a.x, a.B, a.dim, d);
+    for (int64_t r = 0; r < a.B; r++) y[r * n + i] = d[r];
   }
 }
 
-inline void gemv(const uint8_t* w, int fmt, const float* x, int64_t B, int64_t dim, int64_t n,
-                 int64_t begin, int64_t end, float* y) {
-  switch (fmt) {
-    case F32: return gemv_fmt<F32>(w, x, B, dim, n, begin, end, y);
-    case BF16: return gemv_fmt<BF16>(w, x, B, dim, n, begin, end, y);
-    case I8: return gemv_fmt<I8>(w, x, B, dim, n, begin, end, y);
-    case Q4_0: return gemv_fmt<Q4_0>(w, x, B, dim, n, begin, end, y);
-    case Q4_1: return gemv_fmt<Q4_1>(w, x, B, dim, n, begin, end, y);
-    default: return gemv_fmt<Q8_0>(w, x, B, dim, n, begin, end, y);
+inline void gemv(const uint8_t* w, const FFNArgs& a, int64_t n, int64_t begin, int64_t end, float* y) {
+  switch (a.fmt) {
+    case F32: return gemv_fmt<F32>(w, a, n, begin, end, y);
+    case BF16: return gemv_fmt<BF16>(w, a, n, begin, end, y);
+    case I8: return gemv_fmt<I8>(w, a, n, begin, end, y);
+    case Q4_0: return gemv_fmt<Q4_0>(w, a, n, begin, end, y);
+    case Q4_1: return gemv_fmt<Q4_1>(w, a, n, begin, end, y);
+    default: return gemv_fmt<Q8_0>(w, a, n, begin, end, y);
   }
 }
 

@@ -42,6 +42,20 @@ static std::string use_isa(const std::string& want) {
   return before;
 }
 
+static void quantize_for(int64_t fmt, const at::Tensor& x, FFNArgs& a, at::Tensor& xq,
+                         at::Tensor& xd, at::Tensor& xs) {
+  if (!integer_dots((int)fmt)) return;
+  const int64_t B = x.size(0), nb = x.size(1) / 32;
+  xq = at::empty({B, x.size(1)}, x.options().dtype(at::kChar));
+  xd = at::empty({B, nb}, x.options());
+  xs = at::empty({B, nb}, x.options());
+  quantize_input(x.data_ptr<float>(), B, x.size(1), xq.data_ptr<int8_t>(), xd.data_ptr<float>(),
+                 xs.data_ptr<float>());
+  a.xq = xq.data_ptr<int8_t>();
+  a.xd = xd.data_ptr<float>();
+  a.xs = xs.data_ptr<float>();
+}
+
 // x (B, dim) f32; w (k, neuron_bytes) uint8 records; sel (m,) int64; keep (B, m) bool or None;
 // bias (k,) f32 or None -> (B, dim) f32: sum over the selected neurons of h * down row.
 static at::Tensor neuron_ffn(const at::Tensor& x, const at::Tensor& w, const at::Tensor& sel,
@@ -75,6 +89,8 @@ static at::Tensor neuron_ffn(const at::Tensor& x, const at::Tensor& w, const at:
     TORCH_CHECK(std::get<0>(mm).item<int64_t>() >= 0 && std::get<1>(mm).item<int64_t>() < w.size(0),
                 "sel holds an index outside the ", w.size(0), " neurons");
   }
+  at::Tensor xq, xd, xs;  // the input per block, for the block formats' integer products
+  quantize_for(fmt, x, a, xq, xd, xs);
   RangeFn fn = ISA == "avx512" ? range_avx512 : range_avx2;
   const int64_t nt = at::get_num_threads();
   at::Tensor part = at::zeros({nt, B, dim}, x.options());
@@ -113,10 +129,12 @@ static at::Tensor linear(const at::Tensor& x, const at::Tensor& w, int64_t fmt) 
   TORCH_CHECK(w.size(1) == row_bytes(fmt, dim), "w: ", w.size(1), " bytes per row, expected ", row_bytes(fmt, dim));
   at::Tensor y = at::empty({B, n}, x.options());
   GemvFn fn = ISA == "avx512" ? gemv_avx512 : gemv_avx2;
+  FFNArgs a{x.data_ptr<float>(), B, dim, nullptr, 0, nullptr, nullptr, nullptr, 0, 0.0f, 0, (int)fmt};
+  at::Tensor xq, xd, xs;
+  quantize_for(fmt, x, a, xq, xd, xs);
   const uint8_t* p = w.data_ptr<uint8_t>();
-  const float* xp = x.data_ptr<float>();
   float* yp = y.data_ptr<float>();
-  at::parallel_for(0, n, 64, [&](int64_t begin, int64_t end) { fn(p, (int)fmt, xp, B, dim, n, begin, end, yp); });
+  at::parallel_for(0, n, 64, [&](int64_t begin, int64_t end) { fn(p, a, n, begin, end, yp); });
   return y;
 }
 
