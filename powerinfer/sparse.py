@@ -119,6 +119,8 @@ class NeuronSet(nn.Module):
 
     def forward(self, x, sel=None, threshold: float = 0.0, keep=None):
         # x: (B, T, dim); sel: indices into this set (None: all); keep: (B, T, k) per-row masks
+        if x.shape[0] == 0:  # an empty batch: nothing to compute
+            return x.new_zeros(x.shape)
         if self.records is not None and x.shape[1] == 1:  # decode: the kernel
             B = x.shape[0]
             k = None if keep is None else keep.reshape(B, -1).contiguous()

@@ -7,6 +7,8 @@ import torch
 from powerinfer import kernels as K
 from powerinfer.sparse import activate, apply_hybrid_ffn
 
+from test_sparse import random_model
+
 pytestmark = pytest.mark.skipif(not K.available(), reason="the CPU FFN kernel cannot run here "
                                                           "(needs g++ and an AVX2 CPU)")
 ISAS = ["avx2", "avx512"] if K.isa() == "avx512" else ["avx2"]
@@ -99,19 +101,6 @@ def test_kernel_rejects_bad_input():
     assert many.shape == (70, 64)  # over the kernel's row limit: split into calls
 
 
-def random_model(act, seed=0):
-    from powerinfer.model import ModelArgs, Transformer
-    torch.manual_seed(seed)
-    a = ModelArgs(arch="llama", vocab_size=300, dim=64, n_layers=3, n_heads=4, n_kv_heads=2,
-                  ffn_dim=256, ffn_act=act, max_seq_len=128)
-    m = Transformer(a)
-    with torch.no_grad():
-        for p in m.parameters():
-            p.normal_(0, 0.2)
-    m.setup_cache(3, 64)
-    return m.eval().requires_grad_(False)
-
-
 @pytest.mark.parametrize("act,threshold", [("reglu", 0.0), ("swiglu", 0.05)])
 def test_sparse_model_on_the_kernel_equals_the_torch_path(isa, act, threshold):
     # predicted masks (random, per row), thresholds, hot and cold sets, batch of 3: the kernel
@@ -125,7 +114,9 @@ def test_sparse_model_on_the_kernel_equals_the_torch_path(isa, act, threshold):
 
     logits = []
     for fmt in (None, "f32"):
-        m = apply_hybrid_ffn(random_model(act), masks, hot, thresholds=[threshold] * 3, fmt=fmt)
+        m = random_model(act)
+        m.setup_cache(3, 64)  # a batch of 3
+        m = apply_hybrid_ffn(m, masks, hot, thresholds=[threshold] * 3, fmt=fmt)
         assert all((b.ffn.cold.records is None) == (fmt is None) for b in m.layers)
         out = []
         with torch.inference_mode():
