@@ -9,6 +9,7 @@ computes the neurons active in any row and keeps, per row, the ones that row's p
 """
 from __future__ import annotations
 
+import faulthandler
 import os
 import time
 
@@ -28,6 +29,7 @@ from .plane import STOP, FFNInput, Partial, PlaneSpec, receive, send
 class ColdExecutor:
     def __init__(self, spec: PlaneSpec, rank: int, cores: tuple[int, ...], model_path: str,
                  plan: SparsePlan, hot_share: float, threads: int = 0, weights: str = "dense"):
+        faulthandler.enable()  # a native crash (the CPU kernel) leaves its Python stack in the log
         pin(cores, threads)
         self.spec, self.rank, self.cores = spec, rank, cores
         ckpt = load_checkpoint(model_path, spec.torch_dtype)

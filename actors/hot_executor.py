@@ -19,6 +19,7 @@ them precedes, so no copy can read a buffer being rewritten.
 """
 from __future__ import annotations
 
+import faulthandler
 import os
 import time
 import traceback
@@ -112,6 +113,7 @@ class RemoteFFN(nn.Module):
 class HotExecutor:
     def __init__(self, spec: PlaneSpec, cores: tuple[int, ...], model_path: str, config: Config,
                  plan: SparsePlan, hot_share: float):
+        faulthandler.enable()  # a native crash (the CPU kernel) leaves its Python stack in the log
         pin(cores, config.cpu_threads)
         self.spec, self.cores, self.device = spec, cores, config.torch_device
         int4 = config.weights == "int4"
