@@ -18,6 +18,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 
 namespace powerinfer {
 
@@ -76,19 +77,42 @@ inline void quantize_input(const float* x, int64_t B, int64_t dim, int8_t* q, fl
   }
 }
 
+// Calls f(std::integral_constant<int, FMT>{}) for format `fmt`: the one switch from a run-time
+// format to the kernels' compile-time one.
+template <typename F>
+inline void with_format(int fmt, F&& f) {
+  switch (fmt) {
+    case F32: return f(std::integral_constant<int, F32>{});
+    case BF16: return f(std::integral_constant<int, BF16>{});
+    case I8: return f(std::integral_constant<int, I8>{});
+    case Q4_0: return f(std::integral_constant<int, Q4_0>{});
+    case Q4_1: return f(std::integral_constant<int, Q4_1>{});
+    default: return f(std::integral_constant<int, Q8_0>{});
+  }
+}
+
 // Computes neurons sel[begin:end] for every row and adds their down rows, scaled by the rows'
-// activations, into out (B, dim). Returns the number of down rows read.
-using RangeFn = int64_t (*)(const FFNArgs&, int64_t begin, int64_t end, float* out);
+// activations, into out (B, dim).
+using RangeFn = void (*)(const FFNArgs&, int64_t begin, int64_t end, float* out);
 // y[r, i] = row i . x[r] for rows [begin, end) of a (n, row_bytes) matrix in format a.fmt: a
 // dense matrix-vector product over a.B input rows (decode), reading each weight row once (a.x,
 // a.B, a.dim, a.fmt and, for the block formats, a.xq/xd/xs are read).
 using GemvFn = void (*)(const uint8_t* w, const FFNArgs& a, int64_t n, int64_t begin, int64_t end,
                         float* y);
 // Widens records [begin, end) (`rows` rows each, the last in down_format(fmt) unless it is the
-// only one: a plain matrix) to float32 rows
-// of `dim` in out (record-major), for many-token steps that run as matrix products.
+// only one: a plain matrix) to float32 rows of `dim` in out (record-major), for many-token
+// steps that run as matrix products.
 using WidenFn = void (*)(const uint8_t* w, int64_t neuron_bytes, int fmt, int64_t rows,
                          int64_t dim, int64_t begin, int64_t end, float* out);
+
+// One instruction set's entry points (neuron_ffn_avx512.cpp, neuron_ffn_avx2.cpp).
+struct Kernels {
+  RangeFn range;
+  GemvFn gemv;
+  WidenFn widen;
+};
+extern const Kernels kernels_avx512;
+extern const Kernels kernels_avx2;
 
 }  // namespace powerinfer
 
@@ -291,6 +315,15 @@ inline void idots(const uint8_t* row, const FFNArgs& a, float* out) {
   }
 }
 
+// dots of one weight row with every input row, as its format computes them
+template <int FMT>
+inline void row_dots(const uint8_t* row, const FFNArgs& a, float* out) {
+  if constexpr (integer_dots(FMT))
+    idots<FMT>(row, a, out);
+  else
+    dots<FMT>(row, a.x, a.B, a.dim, out);
+}
+
 // out[r] += h[r] * row for every row r with h[r] != 0
 template <int FMT>
 inline void axpy(const uint8_t* row, const float* h, int64_t B, int64_t dim, float* out) {
@@ -310,12 +343,11 @@ inline void axpy(const uint8_t* row, const float* h, int64_t B, int64_t dim, flo
 inline float silu(float g) { return g / (1.0f + std::exp(-g)); }
 
 template <int FMT, int DFMT = down_format(FMT)>
-int64_t range_fmt(const FFNArgs& a, int64_t begin, int64_t end, float* out) {
+void range_fmt(const FFNArgs& a, int64_t begin, int64_t end, float* out) {
   constexpr int MAXB = 64;
   const bool gated = a.act != RELU;
   const int64_t rb = row_bytes(FMT, a.dim);
   float g[MAXB], u[MAXB], h[MAXB];
-  int64_t down_rows = 0;
   for (int64_t jj = begin; jj < end; jj++) {
     const int64_t j = a.sel[jj];
     const uint8_t* rec = a.w + j * a.neuron_bytes;
@@ -326,13 +358,8 @@ int64_t range_fmt(const FFNArgs& a, int64_t begin, int64_t end, float* out) {
       prefetch_lines(next, PF);
       if (gated) prefetch_lines(next + rb, PF);
     }
-    if constexpr (integer_dots(FMT)) {
-      if (gated) idots<FMT>(rec, a, g);  // in record order: one forward stream
-      idots<FMT>(up, a, u);
-    } else {
-      if (gated) dots<FMT>(rec, a.x, a.B, a.dim, g);
-      dots<FMT>(up, a.x, a.B, a.dim, u);
-    }
+    if (gated) row_dots<FMT>(rec, a, g);  // in record order: one forward stream
+    row_dots<FMT>(up, a, u);
     bool any = false;
     for (int64_t r = 0; r < a.B; r++) {
       float uu = u[r] + (a.bias ? a.bias[j] : 0.0f), score, hh;
@@ -347,12 +374,8 @@ int64_t range_fmt(const FFNArgs& a, int64_t begin, int64_t end, float* out) {
       h[r] = hh;
       any |= hh != 0.0f;
     }
-    if (any) {
-      axpy<DFMT>(down, h, a.B, a.dim, out);
-      down_rows++;
-    }
+    if (any) axpy<DFMT>(down, h, a.B, a.dim, out);
   }
-  return down_rows;
 }
 
 template <int FMT>
@@ -363,23 +386,13 @@ inline void gemv_fmt(const uint8_t* w, const FFNArgs& a, int64_t n, int64_t begi
   float d[MAXB];
   for (int64_t i = begin; i < end; i++) {
     _mm_prefetch((const char*)(w + (i + 1) * rb), _MM_HINT_T0);
-    if constexpr (integer_dots(FMT))
-      idots<FMT>(w + i * rb, a, d);
-    else
-      dots<FMT>(w + i * rb, a.x, a.B, a.dim, d);
+    row_dots<FMT>(w + i * rb, a, d);
     for (int64_t r = 0; r < a.B; r++) y[r * n + i] = d[r];
   }
 }
 
 inline void gemv(const uint8_t* w, const FFNArgs& a, int64_t n, int64_t begin, int64_t end, float* y) {
-  switch (a.fmt) {
-    case F32: return gemv_fmt<F32>(w, a, n, begin, end, y);
-    case BF16: return gemv_fmt<BF16>(w, a, n, begin, end, y);
-    case I8: return gemv_fmt<I8>(w, a, n, begin, end, y);
-    case Q4_0: return gemv_fmt<Q4_0>(w, a, n, begin, end, y);
-    case Q4_1: return gemv_fmt<Q4_1>(w, a, n, begin, end, y);
-    default: return gemv_fmt<Q8_0>(w, a, n, begin, end, y);
-  }
+  with_format(a.fmt, [&](auto f) { gemv_fmt<decltype(f)::value>(w, a, n, begin, end, y); });
 }
 
 template <int FMT>
@@ -391,37 +404,20 @@ inline void widen_row(const uint8_t* row, int64_t dim, float* out) {
   }
 }
 
-inline void widen_any(int fmt, const uint8_t* row, int64_t dim, float* out) {
-  switch (fmt) {
-    case F32: return widen_row<F32>(row, dim, out);
-    case BF16: return widen_row<BF16>(row, dim, out);
-    case I8: return widen_row<I8>(row, dim, out);
-    case Q4_0: return widen_row<Q4_0>(row, dim, out);
-    case Q4_1: return widen_row<Q4_1>(row, dim, out);
-    default: return widen_row<Q8_0>(row, dim, out);
-  }
-}
-
 inline void widen(const uint8_t* w, int64_t neuron_bytes, int fmt, int64_t rows, int64_t dim,
                   int64_t begin, int64_t end, float* out) {
   const int64_t rb = row_bytes(fmt, dim);
   for (int64_t j = begin; j < end; j++) {
     const uint8_t* rec = w + j * neuron_bytes;
     for (int64_t r = 0; r < rows; r++)
-      widen_any(r + 1 < rows || rows == 1 ? fmt : down_format(fmt), rec + r * rb, dim,
-                out + (j * rows + r) * dim);
+      with_format(r + 1 < rows || rows == 1 ? fmt : down_format(fmt), [&](auto f) {
+        widen_row<decltype(f)::value>(rec + r * rb, dim, out + (j * rows + r) * dim);
+      });
   }
 }
 
-inline int64_t range(const FFNArgs& a, int64_t begin, int64_t end, float* out) {
-  switch (a.fmt) {
-    case F32: return range_fmt<F32>(a, begin, end, out);
-    case BF16: return range_fmt<BF16>(a, begin, end, out);
-    case I8: return range_fmt<I8>(a, begin, end, out);
-    case Q4_0: return range_fmt<Q4_0>(a, begin, end, out);
-    case Q4_1: return range_fmt<Q4_1>(a, begin, end, out);
-    default: return range_fmt<Q8_0>(a, begin, end, out);
-  }
+inline void range(const FFNArgs& a, int64_t begin, int64_t end, float* out) {
+  with_format(a.fmt, [&](auto f) { range_fmt<decltype(f)::value>(a, begin, end, out); });
 }
 
 }  // namespace ISA_NS

@@ -2,7 +2,5 @@
 #define ISA_NS avx2
 #include "neuron_ffn.h"
 namespace powerinfer {
-RangeFn range_avx2 = avx2::range;
-WidenFn widen_avx2 = avx2::widen;
-GemvFn gemv_avx2 = avx2::gemv;
+const Kernels kernels_avx2 = {avx2::range, avx2::gemv, avx2::widen};
 }

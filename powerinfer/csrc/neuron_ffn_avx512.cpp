@@ -2,7 +2,5 @@
 #define ISA_NS avx512
 #include "neuron_ffn.h"
 namespace powerinfer {
-RangeFn range_avx512 = avx512::range;
-WidenFn widen_avx512 = avx512::widen;
-GemvFn gemv_avx512 = avx512::gemv;
+const Kernels kernels_avx512 = {avx512::range, avx512::gemv, avx512::widen};
 }

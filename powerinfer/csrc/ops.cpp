@@ -11,13 +11,6 @@
 #include "neuron_ffn.h"
 
 namespace powerinfer {
-extern RangeFn range_avx512;
-extern RangeFn range_avx2;
-extern WidenFn widen_avx512;
-extern WidenFn widen_avx2;
-extern GemvFn gemv_avx512;
-extern GemvFn gemv_avx2;
-
 static const char* pick_isa() {
   __builtin_cpu_init();
   if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
@@ -42,6 +35,28 @@ static std::string use_isa(const std::string& want) {
   return before;
 }
 
+// The entry points of the instruction set in use.
+static const Kernels& active() {
+  TORCH_CHECK(ISA != "none", "the CPU kernel needs a CPU with AVX2 and FMA");
+  return ISA == "avx512" ? kernels_avx512 : kernels_avx2;
+}
+
+static void check_format(int64_t fmt) {
+  TORCH_CHECK(fmt >= F32 && fmt <= Q8_0, "unknown weight format ", fmt);
+}
+
+// x: (B, dim) contiguous float32, 1 to 64 rows (the kernels' MAXB), dim a multiple of 32
+static void check_input(const at::Tensor& x) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), "x: (B, dim) contiguous float32");
+  TORCH_CHECK(x.size(0) >= 1 && x.size(0) <= 64, "the kernel takes 1 to 64 rows, got ", x.size(0));
+  TORCH_CHECK(x.size(1) % 32 == 0, "dim must be a multiple of 32, got ", x.size(1));
+}
+
+// w: (n, bytes) contiguous uint8 rows or records
+static void check_rows(const at::Tensor& w) {
+  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kByte && w.is_contiguous(), "w: (n, bytes) contiguous uint8");
+}
+
 static void quantize_for(int64_t fmt, const at::Tensor& x, FFNArgs& a, at::Tensor& xq,
                          at::Tensor& xd, at::Tensor& xs) {
   if (!integer_dots((int)fmt)) return;
@@ -62,14 +77,13 @@ static at::Tensor neuron_ffn(const at::Tensor& x, const at::Tensor& w, const at:
                              const std::optional<at::Tensor>& keep,
                              const std::optional<at::Tensor>& bias, double threshold, int64_t act,
                              int64_t fmt) {
-  TORCH_CHECK(ISA != "none", "neuron_ffn needs a CPU with AVX2 and FMA");
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), "x: (B, dim) contiguous float32");
-  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kByte && w.is_contiguous(), "w: (k, bytes) contiguous uint8");
+  const Kernels& k = active();
+  check_input(x);
+  check_rows(w);
+  check_format(fmt);
   TORCH_CHECK(sel.dim() == 1 && sel.scalar_type() == at::kLong && sel.is_contiguous(), "sel: (m,) int64");
+  TORCH_CHECK(act >= RELU && act <= SWIGLU, "unknown activation ", act);
   const int64_t B = x.size(0), dim = x.size(1), m = sel.size(0);
-  TORCH_CHECK(B >= 1 && B <= 64, "neuron_ffn takes 1 to 64 rows, got ", B);
-  TORCH_CHECK(dim % 32 == 0, "dim must be a multiple of 32, got ", dim);
-  TORCH_CHECK(fmt >= F32 && fmt <= Q8_0 && act >= RELU && act <= SWIGLU, "bad format or activation");
   const int64_t nb = (act == RELU ? 1 : 2) * row_bytes(fmt, dim) + row_bytes(down_format(fmt), dim);
   TORCH_CHECK(w.size(1) == nb, "w: ", w.size(1), " bytes per neuron, expected ", nb);
   FFNArgs a{x.data_ptr<float>(), B, dim, w.data_ptr<uint8_t>(), w.size(1), nullptr,
@@ -91,50 +105,47 @@ static at::Tensor neuron_ffn(const at::Tensor& x, const at::Tensor& w, const at:
   }
   at::Tensor xq, xd, xs;  // the input per block, for the block formats' integer products
   quantize_for(fmt, x, a, xq, xd, xs);
-  RangeFn fn = ISA == "avx512" ? range_avx512 : range_avx2;
   const int64_t nt = at::get_num_threads();
   at::Tensor part = at::zeros({nt, B, dim}, x.options());
   float* pp = part.data_ptr<float>();
   at::parallel_for(0, m, 8, [&](int64_t begin, int64_t end) {
-    fn(a, begin, end, pp + at::get_thread_num() * B * dim);
+    k.range(a, begin, end, pp + at::get_thread_num() * B * dim);
   });
   return nt == 1 ? part[0] : part.sum(0);
 }
 
 // w (k, neuron_bytes) records of `rows` rows each (1: a plain matrix) -> (k, rows, dim) float32
 static at::Tensor widen(const at::Tensor& w, int64_t fmt, int64_t rows, int64_t dim) {
-  TORCH_CHECK(ISA != "none", "the kernel needs a CPU with AVX2 and FMA");
-  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kByte && w.is_contiguous(), "w: (k, bytes) contiguous uint8");
-  TORCH_CHECK(fmt >= F32 && fmt <= Q8_0 && rows >= 1 && rows <= 3 && dim % 32 == 0, "bad format, rows or dim");
+  const Kernels& k = active();
+  check_rows(w);
+  check_format(fmt);
+  TORCH_CHECK(rows >= 1 && rows <= 3 && dim % 32 == 0, "rows must be 1 to 3 and dim a multiple of 32");
   TORCH_CHECK(w.size(1) == (rows - 1) * row_bytes(fmt, dim) + row_bytes(rows == 1 ? fmt : down_format(fmt), dim),
               "w: ", w.size(1), " bytes per neuron do not fit the format");
   at::Tensor out = at::empty({w.size(0), rows, dim}, w.options().dtype(at::kFloat));
-  WidenFn fn = ISA == "avx512" ? widen_avx512 : widen_avx2;
   const uint8_t* p = w.data_ptr<uint8_t>();
   float* o = out.data_ptr<float>();
   at::parallel_for(0, w.size(0), 16, [&](int64_t begin, int64_t end) {
-    fn(p, w.size(1), (int)fmt, rows, dim, begin, end, o);
+    k.widen(p, w.size(1), (int)fmt, rows, dim, begin, end, o);
   });
   return out;
 }
 
 // x (B, dim) f32; w (n, row_bytes) rows in one format -> (B, n) f32 = x W^T
 static at::Tensor linear(const at::Tensor& x, const at::Tensor& w, int64_t fmt) {
-  TORCH_CHECK(ISA != "none", "the kernel needs a CPU with AVX2 and FMA");
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), "x: (B, dim) contiguous float32");
-  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kByte && w.is_contiguous(), "w: (n, bytes) contiguous uint8");
+  const Kernels& k = active();
+  check_input(x);
+  check_rows(w);
+  check_format(fmt);
   const int64_t B = x.size(0), dim = x.size(1), n = w.size(0);
-  TORCH_CHECK(B >= 1 && B <= 64, "linear takes 1 to 64 rows, got ", B);
-  TORCH_CHECK(fmt >= F32 && fmt <= Q8_0 && dim % 32 == 0, "bad format, or dim not a multiple of 32");
   TORCH_CHECK(w.size(1) == row_bytes(fmt, dim), "w: ", w.size(1), " bytes per row, expected ", row_bytes(fmt, dim));
   at::Tensor y = at::empty({B, n}, x.options());
-  GemvFn fn = ISA == "avx512" ? gemv_avx512 : gemv_avx2;
   FFNArgs a{x.data_ptr<float>(), B, dim, nullptr, 0, nullptr, nullptr, nullptr, 0, 0.0f, 0, (int)fmt};
   at::Tensor xq, xd, xs;
   quantize_for(fmt, x, a, xq, xd, xs);
   const uint8_t* p = w.data_ptr<uint8_t>();
   float* yp = y.data_ptr<float>();
-  at::parallel_for(0, n, 64, [&](int64_t begin, int64_t end) { fn(p, a, n, begin, end, yp); });
+  at::parallel_for(0, n, 64, [&](int64_t begin, int64_t end) { k.gemv(p, a, n, begin, end, yp); });
   return y;
 }
 
