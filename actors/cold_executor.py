@@ -16,10 +16,9 @@ import time
 import torch
 
 from cluster.topology import pin
-from powerinfer import kernels
 from powerinfer.loader import load_checkpoint
 from powerinfer.plan import SparsePlan
-from powerinfer.quant import q4_type
+from powerinfer.quant import neuron_format
 from powerinfer.sparse import NeuronSet, decode_rows
 
 from .channel import ChannelClosed
@@ -34,8 +33,7 @@ class ColdExecutor:
         self.spec, self.rank, self.cores = spec, rank, cores
         ckpt = load_checkpoint(model_path, spec.torch_dtype)
         a, w = ckpt.args, ckpt.weights
-        q4 = q4_type(ckpt.info) if weights == "int4" else None
-        self.fmt = kernels.format_for(w["0.down"], q4)  # the file's 4-bit blocks stay 4-bit
+        self.fmt = neuron_format(weights, ckpt.info, w["0.down"])  # 4-bit blocks stay 4-bit
         self.sets, self.thresholds = [], plan.thresholds
         for i in range(a.n_layers):
             cold = ~plan.hot_mask(i, hot_share)

@@ -28,12 +28,11 @@ import torch
 from torch import nn
 
 from cluster.topology import pin
-from powerinfer import kernels
 from powerinfer.config import Config
 from powerinfer.loader import load_checkpoint
 from powerinfer.model import Transformer
 from powerinfer.plan import SparsePlan
-from powerinfer.quant import apply_int4, apply_kernel_head, apply_kernel_linears, q4_type
+from powerinfer.quant import apply_int4, apply_kernel_linears, neuron_format
 from powerinfer.sparse import HybridFFN, apply_hybrid_ffn
 
 from .channel import ChannelClosed, PeerDied
@@ -121,15 +120,13 @@ class HotExecutor:
         model = Transformer.from_weights(ckpt.args, ckpt.weights, config.torch_dtype, "cpu")
         hot = [plan.hot_mask(i, hot_share) for i in range(plan.n_layers)]
         # on a GPU the hot rows stay torch tensors; on a CPU they run on the kernel as the cold
-        fmt = None if self.device.type == "cuda" else kernels.format_for(
-            model.tok_embeddings.weight, q4_type(ckpt.info) if int4 else None)
+        on_cpu = self.device.type == "cpu"
+        fmt = neuron_format(config.weights, ckpt.info, model.tok_embeddings.weight) if on_cpu else None
         apply_hybrid_ffn(model, None, hot, plan.predictor_input or "ffn", plan.thresholds, fmt)
         if int4:
             apply_int4(model, ckpt.q4)  # attention's projections
-            if self.device.type == "cpu":
-                apply_kernel_head(model)  # and an 8-bit output head
-        if self.device.type == "cpu" and config.torch_dtype == torch.bfloat16:
-            apply_kernel_linears(model)  # what is left in bf16: the kernel's GEMV
+        if on_cpu:  # the model is built on the host: the device decides
+            apply_kernel_linears(model, head="q8_0" if int4 else "bf16")  # what is left in bf16
         del ckpt
         self.io = DataPlane(spec, plan.predictor_input, self.device)
         for i, block in enumerate(model.layers):

@@ -14,8 +14,7 @@ from .engine import Engine, Event
 from .errors import ModelLoadError
 from .loader import DEFAULT_MODEL, Checkpoint, build_model, load_checkpoint
 from .budget import plan_for
-from . import kernels
-from .quant import apply_int4, apply_kernel_head, apply_kernel_linears, has_q4, q4_type
+from .quant import apply_int4, apply_kernel_linears, has_q4, neuron_format
 from .sparse import offload_ffns
 from .runtimes import engine_class
 
@@ -44,17 +43,15 @@ class PowerInfer:
         plan = plan_for(config, checkpoint.args, checkpoint.path,
                         context_length(checkpoint.args, config), on_gpu=device.type == "cuda")
         if plan is not None and plan.bundle is not None:  # the in-process sparse engine
-            int4 = q4_type(checkpoint.info) if config.weights == "int4" else None
-            plan.apply(self.model, fmt=kernels.format_for(self.model.tok_embeddings.weight, int4))
+            plan.apply(self.model, fmt=neuron_format(config.weights, checkpoint.info,
+                                                     self.model.tok_embeddings.weight))
         elif plan is not None and device.type == "cuda":  # layer offload
             offload_ffns(self.model, plan.hot)
-        if config.weights == "int4":
-            if not apply_int4(self.model, checkpoint.q4):
-                raise ModelLoadError(checkpoint.path, "weights='int4' needs a GGUF file with "
-                                                      "Q4_0/Q4_1 projections")
-            apply_kernel_head(self.model)  # and an 8-bit output head
-        if device.type == "cpu" and config.torch_dtype == torch.bfloat16:
-            apply_kernel_linears(self.model)  # what is left in bf16: the kernel's GEMV
+        int4 = config.weights == "int4"
+        if int4 and not apply_int4(self.model, checkpoint.q4):
+            raise ModelLoadError(checkpoint.path, "weights='int4' needs a GGUF file with "
+                                                  "Q4_0/Q4_1 projections")
+        apply_kernel_linears(self.model, head="q8_0" if int4 else "bf16")  # what is left in bf16
         checkpoint.q4 = {}  # the model holds them now
         self.engine = Engine(self.model, self.tokenizer, config)
 

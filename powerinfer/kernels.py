@@ -4,8 +4,7 @@ One decode step of a neuron set reads, for each selected neuron, its gate and up
 neuron-major record ([gate][up][down row], see `csrc/neuron_ffn.h`), applies the activation and
 the firing threshold, and adds its down row scaled by the activation into per-thread partial
 outputs, which are then summed: no gathered copies, no per-neuron Python. The weights stay in
-their format (f32, bf16, int8 with a per-row scale, GGUF's Q4_0 and Q4_1 blocks) and are widened
-to fp32 in registers. The C++ is compiled once per machine by `build()` (`make` runs it at setup)
+their format (f32, bf16, int8 with a per-row scale, GGUF's Q4_0, Q4_1 and Q8_0 blocks). The C++ is compiled once per machine by `build()` (`make` runs it at setup)
 with g++ into a torch operator library; AVX-512 or AVX2 is chosen when it loads.
 
 With the block formats (Q4_0, Q4_1, Q8_0) the gate/up dot products run in integers over the input
@@ -41,6 +40,7 @@ UNITS = {"ops.cpp": [], "neuron_ffn_avx512.cpp": ["-mavx512f", "-mavx512bw", "-m
          "neuron_ffn_avx2.cpp": ["-mavx2", "-mfma", "-mf16c"]}
 _GGML = {"q4_0": GGMLQuantizationType.Q4_0, "q4_1": GGMLQuantizationType.Q4_1,
          "q8_0": GGMLQuantizationType.Q8_0}
+_VIEWS = {"f32": torch.float32, "bf16": torch.bfloat16}  # formats whose rows are plain tensors
 _loaded: str | None = None  # the library's path once loaded
 
 
@@ -200,29 +200,23 @@ def pack(gate: torch.Tensor | None, up: torch.Tensor, down_t: torch.Tensor, fmt:
     return torch.cat([*rows, quantize_rows(down_t, down_format(fmt))], 1)
 
 
-def unpack(w: torch.Tensor, fmt: str, dim: int, gated: bool):
-    """The kernel's records -> (gate or None, up, down_t), each (k, dim): views of the records
-    for f32 and bf16, else widened to float32 (by the kernel library where it is loaded)."""
-    rows = 3 if gated else 2
-    if fmt in ("f32", "bf16"):
-        t = w.view(torch.float32 if fmt == "f32" else torch.bfloat16).view(w.shape[0], rows, dim)
-    elif _loaded:
-        t = torch.ops.powerinfer.widen(w.contiguous(), FORMATS.index(fmt), rows, dim)
-    else:
-        rb = row_bytes(fmt, dim)
-        t = torch.stack([dequantize_rows(w[:, r * rb:(r + 1) * rb], fmt, dim) for r in range(rows - 1)]
-                        + [dequantize_rows(w[:, (rows - 1) * rb:], down_format(fmt), dim)], 1)
-    return (t[:, 0] if gated else None), t[:, -2], t[:, -1]
-
-
-def unpack_rows(w: torch.Tensor, fmt: str, dim: int) -> torch.Tensor:
-    """A plain matrix's rows in `fmt` (n, row_bytes) -> (n, dim): a view for f32 and bf16, else
-    widened to float32."""
-    if fmt in ("f32", "bf16"):
-        return w.view(torch.float32 if fmt == "f32" else torch.bfloat16).view(w.shape[0], dim)
+def widen(w: torch.Tensor, fmt: str, rows: int, dim: int) -> torch.Tensor:
+    """Records of `rows` rows each in `fmt` (the last in `down_format` unless it is the only one:
+    a plain matrix), (n, bytes) -> (n, rows, dim): a view for f32 and bf16, else widened to
+    float32 (by the kernel library where it is loaded)."""
+    if fmt in _VIEWS:
+        return w.view(_VIEWS[fmt]).view(w.shape[0], rows, dim)
     if _loaded:
-        return torch.ops.powerinfer.widen(w.contiguous(), FORMATS.index(fmt), 1, dim)[:, 0]
-    return dequantize_rows(w, fmt, dim)
+        return torch.ops.powerinfer.widen(w.contiguous(), FORMATS.index(fmt), rows, dim)
+    rb, last = row_bytes(fmt, dim), fmt if rows == 1 else down_format(fmt)
+    return torch.stack([dequantize_rows(w[:, r * rb:(r + 1) * rb], fmt, dim) for r in range(rows - 1)]
+                       + [dequantize_rows(w[:, (rows - 1) * rb:], last, dim)], 1)
+
+
+def unpack(w: torch.Tensor, fmt: str, dim: int, gated: bool):
+    """The kernel's records -> (gate or None, up, down_t), each (k, dim) (see `widen`)."""
+    t = widen(w, fmt, 3 if gated else 2, dim)
+    return (t[:, 0] if gated else None), t[:, -2], t[:, -1]
 
 
 INTEGER_DOTS = ("q4_0", "q4_1", "q8_0")  # formats whose dot products run in integers
@@ -242,11 +236,16 @@ def format_for(weight: torch.Tensor, q4_type: str | None = None) -> str | None:
     """The kernel format for neuron sets made from weights like `weight` (its dtype and device):
     the file's 4-bit type when it is kept (q4_type "Q4_0"/"Q4_1"), else the weights' own
     precision; None (the torch path) on a GPU, for float16, or where the kernel cannot run."""
-    if weight.device.type != "cpu" or not available():
+    if not usable(weight):
         return None
     if q4_type is not None:
         return q4_type.lower()
-    return {torch.float32: "f32", torch.bfloat16: "bf16"}.get(weight.dtype)
+    return next((f for f, dt in _VIEWS.items() if dt == weight.dtype), None)
+
+
+def usable(t: torch.Tensor) -> bool:
+    """Whether the kernel can compute with tensors like `t` here (on the CPU, library loaded)."""
+    return t.device.type == "cpu" and available()
 
 
 def neuron_ffn(x: torch.Tensor, w: torch.Tensor, sel: torch.Tensor, keep: torch.Tensor | None,

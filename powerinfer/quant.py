@@ -95,52 +95,51 @@ class KernelLinear(nn.Module):
     @property
     def weight(self) -> torch.Tensor:
         """W (out, in): a view of the records for f32/bf16, else widened to float32."""
-        return kernels.unpack_rows(self.records, self.fmt, self.in_features)
+        return kernels.widen(self.records, self.fmt, 1, self.in_features)[:, 0]
 
     def forward(self, x):
         shape, rows = x.shape, x.reshape(-1, self.in_features)
         if rows.shape[0] <= kernels.MAX_ROWS:
             y = torch.ops.powerinfer.linear(rows.float().contiguous(), self.records, self.code)
             y = y.to(x.dtype)
-        elif self.fmt in ("f32", "bf16"):  # the records are the matrix
-            y = rows @ self.weight.to(x.dtype).t()
-        else:
-            y = torch.cat([rows @ kernels.unpack_rows(self.records[i:i + self.CHUNK], self.fmt,
-                                                      self.in_features).to(x.dtype).t()
-                           for i in range(0, self.out_features, self.CHUNK)], -1)
+        else:  # widened a chunk of rows at a time (f32/bf16 records are the matrix: one chunk)
+            step = self.out_features if self.fmt in ("f32", "bf16") else self.CHUNK
+            y = torch.cat([rows @ kernels.widen(self.records[i:i + step], self.fmt, 1,
+                                                self.in_features)[:, 0].to(x.dtype).t()
+                           for i in range(0, self.out_features, step)], -1)
         y = y.view(*shape[:-1], self.out_features)
         return y if self.bias is None else y + self.bias
 
 
-def apply_kernel_head(model: "Transformer", fmt: str = "q8_0") -> bool:
-    """The output head as a KernelLinear in `fmt` (8-bit by default: half a bf16 head's bytes,
-    the largest single read of a small model's decode step); False where the kernel cannot
-    run (the head stays as it is)."""
-    if model.output.weight.device.type != "cpu" or not kernels.available():
-        return False
-    head = model.output
-    model.output = KernelLinear(head.weight.detach(), head.bias, fmt)
-    return True
-
-
-def apply_kernel_linears(model: "Transformer", fmt: str = "bf16") -> int:
-    """Every projection and the output head still held as a plain `nn.Linear` becomes a
-    KernelLinear in `fmt` (bf16: the kernel's GEMV reads a bf16 matrix at about 1.6x the rate of
-    torch's on the CPUs measured, see BENCHMARKS.md). Returns how many were replaced; none
-    where the kernel cannot run."""
-    if model.tok_embeddings.weight.device.type != "cpu" or not kernels.available():
+def apply_kernel_linears(model: "Transformer", head: str = "bf16") -> int:
+    """On a CPU where the kernel runs, every projection still held as a bf16 `nn.Linear` becomes
+    a bf16 KernelLinear (the kernel's GEMV reads a bf16 matrix at 3-4x the rate of torch's eager
+    one on the CPUs measured, see BENCHMARKS.md), and a bf16 output head a KernelLinear in `head`
+    (q8_0: half the bytes of the largest single read of a small model's decode step). Returns
+    how many were replaced."""
+    if not kernels.usable(model.tok_embeddings.weight):
         return 0
+
+    def bf16(m) -> bool:
+        return isinstance(m, nn.Linear) and m.weight.dtype == torch.bfloat16
+
     done = 0
     for i in range(len(model.layers)):
         for owner, attr, _ in model.projections(i):
             m = getattr(owner, attr, None)
-            if isinstance(m, nn.Linear):
-                setattr(owner, attr, KernelLinear(m.weight.detach(), m.bias, fmt))
+            if bf16(m):
+                setattr(owner, attr, KernelLinear(m.weight.detach(), m.bias, "bf16"))
                 done += 1
-    if isinstance(model.output, nn.Linear):
-        model.output = KernelLinear(model.output.weight.detach(), model.output.bias, fmt)
+    if bf16(model.output):
+        model.output = KernelLinear(model.output.weight.detach(), model.output.bias, head)
         done += 1
     return done
+
+
+def neuron_format(weights: str, info: dict, like: torch.Tensor) -> str | None:
+    """The kernel format of a sparse FFN's neuron sets (`kernels.format_for`): the file's own
+    4-bit type with weights "int4" (`info`: the checkpoint's), else the precision of `like`."""
+    return kernels.format_for(like, q4_type(info) if weights == "int4" else None)
 
 
 def apply_int4(model: "Transformer", q4: dict[str, tuple[np.ndarray, np.ndarray, np.ndarray]]) -> int:
