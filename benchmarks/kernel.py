@@ -12,7 +12,8 @@ median time of one decode step over `--rows` input rows; every computed neuron f
 activation is non-zero), so the kernel reads all three of its rows and the bytes are exact.
 Baselines in the same run, on the same neurons: the torch path (`sparse.NeuronSet` without a
 format: gathered gate/up rows, an embedding-bag over down rows) in bf16, and the dense bf16
-FFN as torch's matmuls (`dense`, every neuron). Bandwidth: a reduction over 1 GiB, best of 5.
+FFN as torch's matmuls (`dense`, every neuron). Bandwidth: `sparse_cpu.read_bandwidth` (a
+reduction over 1 GiB, best of 5).
 """
 from __future__ import annotations
 
@@ -28,18 +29,9 @@ import torch
 
 from powerinfer import kernels
 from powerinfer.sparse import NeuronSet
+from sparse_cpu import read_bandwidth  # the same reading as the sparse decode benchmark
 
 SHARES = (0.01, 0.02, 0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0)
-
-
-def read_bandwidth() -> float:
-    x = torch.ones(2**28)
-    best = float("inf")
-    for _ in range(6):
-        t = time.perf_counter()
-        x.sum()
-        best = min(best, time.perf_counter() - t)
-    return x.numel() * 4 / best
 
 
 def timed(fn, layers: int, reps: int) -> float:
@@ -102,7 +94,7 @@ def main():
                 nbytes = len(sel) * kernels.record_bytes(fmt, d, gated=True)
                 results.append({"method": "torch path bf16" if name == "torch" else f"kernel {fmt}",
                                 "share": share, "ms": t * 1e3, "gbs": nbytes / t / 1e9})
-    bw = read_bandwidth()
+    bw = read_bandwidth(torch.float32)
     print(f"# {datetime.date.today()} {platform.processor() or platform.machine()}, kernel ISA "
           f"{kernels.isa()}, {torch.get_num_threads()} threads, torch {torch.__version__}, "
           f"read bandwidth {bw / 1e9:.1f} GB/s; d {d}, n_ff {n}, ReGLU, {B} row(s), {L} layers, "

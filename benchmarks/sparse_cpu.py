@@ -165,13 +165,11 @@ def measure(label: str, pi, ids: list[int], n: int, extra: dict | None = None) -
 def llama_decode(path, ids: list[int], n: int, threads: int, dense: dict) -> dict:
     """llama-server's greedy decode of n tokens after `ids` (its own timing, the second of two
     requests), as a row beside ours; its FFN time estimated from the dense model's byte shares."""
-    import importlib.util
     import subprocess
     import urllib.request
 
-    spec = importlib.util.spec_from_file_location("serve_bench", Path(__file__).with_name("serve.py"))
-    sb = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(sb)
+    import serve as sb  # benchmarks/serve.py: it builds and drives llama-server
+
     port = sb.free_port()
     proc = subprocess.Popen([str(sb.llama_server_binary()), "-m", str(path), "-t", str(threads),
                              "-c", str(len(ids) + n + 64), "--host", "127.0.0.1", "--port", str(port),
@@ -197,8 +195,8 @@ def llama_decode(path, ids: list[int], n: int, threads: int, dense: dict) -> dic
 
 
 def run_model(name: str, bundle_path: str, args) -> list[dict]:
-    """Dense, then sparse with predicted masks, then sparse replaying oracle masks; one model in
-    memory at a time."""
+    """Dense, then sparse with predicted masks, then sparse replaying oracle masks (on the kernel,
+    then on the torch path), then llama-server (--llama); one model in memory at a time."""
     config = Config(dtype=args.dtype, max_batch=1, max_seq_len=512, cpu_threads=args.threads)
     pi = PowerInfer.from_pretrained(name, config)
     bundle = Bundle.open(bundle_path)
