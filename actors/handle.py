@@ -15,7 +15,7 @@ import uuid
 from typing import AsyncIterator, Iterator
 
 import ray
-from ray.exceptions import RayActorError, RayTaskError
+from ray.exceptions import RayActorError, RayTaskError, TaskCancelledError
 
 from powerinfer.compat import ray_init
 from powerinfer.config import Config, SamplingParams
@@ -106,6 +106,8 @@ class ActorEngine:
         except PowerInferError:
             req.ended = True
             raise
+        except TaskCancelledError:  # the caller's own call was cancelled (a client hung up;
+            raise  # Ray cancels the scheduler's stream with it): not a failure of the group
         except (RayActorError, RayTaskError) as e:
             req.ended = True
             raise self._failed(group, e) from None

@@ -23,6 +23,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import BaseModel, ValidationError
 from ray import serve
+from ray.exceptions import TaskCancelledError
 from ray.serve.exceptions import BackPressureError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -81,6 +82,9 @@ async def _validation_error(request: Request, e: RequestValidationError):
 
 @app.exception_handler(Exception)
 async def _unexpected(request: Request, e: Exception):
+    if isinstance(e, TaskCancelledError):  # the client hung up and Serve cancelled the call
+        logger.info("%s %s: the client went away", request.method, request.url.path)
+        return _error_response(ApiError("internal", "the request was cancelled"))
     logger.exception("unexpected error in %s %s", request.method, request.url.path)
     return _error_response(ApiError("internal", "internal server error; see the server log"))
 
@@ -441,6 +445,8 @@ class Ingress:
             track.failed("overloaded")
             raise ApiError("overloaded", f"model {model} has too many requests; retry "
                                          "shortly") from None
+        except TaskCancelledError:  # the client went away (below: ended stays False)
+            raise
         except Exception as e:  # noqa: BLE001 - the model's replica died or is restarting
             ended = True
             track.failed("unavailable")

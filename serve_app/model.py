@@ -22,6 +22,7 @@ import time
 from dataclasses import dataclass
 
 from ray import serve
+from ray.exceptions import TaskCancelledError
 
 from powerinfer.config import sampling_params
 from powerinfer.errors import InvalidRequestError, PowerInferError
@@ -168,6 +169,8 @@ class ModelServer:
                 first = {}
         except (PowerInferError, ValueError) as e:
             yield error_value(e)
+        except TaskCancelledError:  # the caller went away: nobody to tell
+            raise
         except Exception as e:  # noqa: BLE001 - a bug: logged here, a clean 500 at the edge
             logger.exception("model %s: generation failed", self.spec.name)
             yield error_value(e)
