@@ -1,9 +1,9 @@
 """Cold-neuron executor: owns one shard of every layer's cold neurons and returns partial sums.
 
-Pinned to its core set first, then loads its rows (gate/up rows and rows of the transposed down
-matrix, copied into its own memory, so first touch puts them on its NUMA node), as the CPU
-kernel's neuron-major records: in the model's precision, or in the file's 4-bit blocks with
-weights "int4". Per message on `x`: prefill computes every neuron of the shard (dense); decode
+Pinned to its core set first, then reads its rows from the model file, and only those
+(`partial.read_neuron_set`: gate/up rows and rows of the transposed down matrix, copied into its
+own memory, so first touch puts them on its NUMA node), as the CPU kernel's neuron-major
+records: in the model's precision, or in the file's 4-bit blocks with weights "int4". Per message on `x`: prefill computes every neuron of the shard (dense); decode
 computes the neurons active in any row and keeps, per row, the ones that row's predictor chose
 (`sparse.decode_rows`, the in-process engine's operator, on the kernel).
 """
@@ -15,11 +15,14 @@ import time
 
 import torch
 
-from cluster.topology import pin
+from cluster.topology import pin, process_memory
+from powerinfer.compat import trim_heap
 from powerinfer.loader import load_checkpoint
+from powerinfer.model import held_bytes
+from powerinfer.partial import read_neuron_set
 from powerinfer.plan import SparsePlan
 from powerinfer.quant import neuron_format
-from powerinfer.sparse import NeuronSet, decode_rows
+from powerinfer.sparse import decode_rows
 
 from .channel import ChannelClosed
 from .plane import STOP, FFNInput, Partial, PlaneSpec, receive, send
@@ -31,24 +34,27 @@ class ColdExecutor:
         faulthandler.enable()  # a native crash (the CPU kernel) leaves its Python stack in the log
         pin(cores, threads)
         self.spec, self.rank, self.cores = spec, rank, cores
-        ckpt = load_checkpoint(model_path, spec.torch_dtype)
-        a, w = ckpt.args, ckpt.weights
-        self.fmt = neuron_format(weights, ckpt.info, w["0.down"])  # 4-bit blocks stay 4-bit
+        t0 = time.perf_counter()
+        ckpt = load_checkpoint(model_path, spec.torch_dtype, with_weights=False)
+        a, src, dtype = ckpt.args, ckpt.source, spec.torch_dtype
+        self.fmt = neuron_format(weights, ckpt.info, torch.empty(0, dtype=dtype))
         self.sets, self.thresholds = [], plan.thresholds
-        for i in range(a.n_layers):
+        for i in range(a.n_layers):  # only this shard's rows are read from the file
             cold = ~plan.hot_mask(i, hot_share)
             idx = plan.shards(i, cold, spec.n_cold)[rank]
-            w1 = torch.cat([w[f"{i}.gate"], w[f"{i}.up"]]) if a.gated else w[f"{i}.up"]
-            self.sets.append(NeuronSet(a.ffn_act, w1, w.get(f"{i}.up_b"), w[f"{i}.down"], idx,
-                                       self.fmt))
-        del ckpt, w
+            self.sets.append(read_neuron_set(src, a, i, idx, self.fmt, dtype))
+        src.close()
+        del ckpt, src
+        trim_heap()  # the load's transients, freed, stay resident otherwise
+        self.load_s = time.perf_counter() - t0
         self.neurons = sum(len(s.idx) for s in self.sets)
         self.x, self.part = spec.open("x"), spec.open(f"part.{rank}", writer=True)
         self.busy_s, self.steps = 0.0, 0
 
     def ready(self) -> dict:
         return {"rank": self.rank, "cores": list(self.cores), "neurons": self.neurons,
-                "format": self.fmt or "torch", "pid": os.getpid()}
+                "format": self.fmt or "torch", "pid": os.getpid(), "load_s": self.load_s,
+                "held_bytes": held_bytes(*self.sets)}
 
     @torch.inference_mode()
     def run(self) -> str:
@@ -79,4 +85,5 @@ class ColdExecutor:
 
     def stats(self) -> dict:
         return {"rank": self.rank, "busy_s": self.busy_s, "wait_s": self.x.wait_s,
-                "messages": self.steps, "neurons": self.neurons}
+                "messages": self.steps, "neurons": self.neurons, "memory": process_memory(),
+                "held_bytes": held_bytes(*self.sets)}

@@ -14,7 +14,7 @@ import ray
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from cluster.topology import CorePlan, Topology, plan_cores
+from cluster.topology import CorePlan, Topology, plan_cores, process_memory
 from powerinfer.config import Config
 from powerinfer.errors import ConfigError, EngineFailedError
 from powerinfer.model import ModelArgs
@@ -147,3 +147,29 @@ class ActorGroup:
             except Exception as e:  # noqa: BLE001 - a dead actor's stats are its error
                 out[k] = {"error": f"{type(e).__name__}: {e}"}
         return out
+
+
+class _Bare:
+    """An actor that imports and initializes what an executor does and holds no model."""
+
+    def __init__(self):
+        import torch
+
+        from powerinfer import kernels
+
+        from . import cold_executor, hot_executor, predictor, scheduler  # noqa: F401
+        kernels.available()
+        torch.ones(64, 64) @ torch.ones(64, 64)  # the intra-op thread pool
+
+    def memory(self) -> dict:
+        return process_memory()
+
+
+def process_overhead(timeout: float = 120.0) -> dict[str, int]:
+    """The memory of a bare actor process (`process_memory`'s keys): the fixed cost of each
+    process of a group (Python, torch, Ray's worker), beside what it holds of the model."""
+    actor = ray.remote(_Bare).options(num_cpus=CPU_SHARE).remote()
+    try:
+        return ray.get(actor.memory.remote(), timeout=timeout)
+    finally:
+        ray.kill(actor)

@@ -3,13 +3,14 @@ partial sums, and lm_head. It runs the model's forward for each step the schedul
 `ctl` and answers on `out`; inside the layer loop it talks to the predictor and the cold
 executors through the data plane only.
 
-The model is the dense reference model with each FFN swapped for a `HybridFFN` (the in-process
-sparse engine's), whose cold set is dropped and replaced by the cold executors: `RemoteFFN`
-sends the FFN input out first, computes the hot neurons while the cold executors work, then adds
-their partial sums.
+The model is read from the file without its cold neurons (`partial.hot_model`): embeddings,
+attention, norms and the output head, and each FFN a `HybridFFN` (the in-process sparse
+engine's) holding only the hot neurons; the cold executors hold the rest. `RemoteFFN` sends the
+FFN input out first, computes the hot neurons while the cold executors work, then adds their
+partial sums.
 
-On a GPU (`Config(device="cuda")`) the model is built on the host, its cold neurons dropped, and
-only then moved to the device: the device holds embeddings, attention, the KV cache, the hot
+On a GPU (`Config(device="cuda")`) the model is built on the host the same way and then moved
+to the device: the device holds embeddings, attention, the KV cache, the hot
 neurons and lm_head, nothing else. Every channel this process maps is page-locked with
 cudaHostRegister. Device-to-host copies (the FFN input, the predictor's input, the logits) are
 synchronous, which orders them before the publish that lets a peer read them; host-to-device
@@ -27,13 +28,15 @@ import traceback
 import torch
 from torch import nn
 
-from cluster.topology import pin
+from cluster.topology import pin, process_memory
 from powerinfer.config import Config
+from powerinfer.compat import trim_heap
 from powerinfer.loader import load_checkpoint
-from powerinfer.model import Transformer
+from powerinfer.model import held_bytes
+from powerinfer.partial import hot_model
 from powerinfer.plan import SparsePlan
-from powerinfer.quant import apply_int4, apply_kernel_linears, neuron_format
-from powerinfer.sparse import HybridFFN, apply_hybrid_ffn
+from powerinfer.quant import apply_kernel_linears, neuron_format
+from powerinfer.sparse import HybridFFN
 
 from .channel import ChannelClosed, PeerDied
 from .plane import (DECODE, ERROR, OK, PREFILL, STOP, FFNInput, Masks, PlaneSpec, PredictorInput,
@@ -116,18 +119,23 @@ class HotExecutor:
         pin(cores, config.cpu_threads)
         self.spec, self.cores, self.device = spec, cores, config.torch_device
         int4 = config.weights == "int4"
-        ckpt = load_checkpoint(model_path, config.torch_dtype, keep_int4=int4)
-        model = Transformer.from_weights(ckpt.args, ckpt.weights, config.torch_dtype, "cpu")
+        t0 = time.perf_counter()
+        ckpt = load_checkpoint(model_path, config.torch_dtype, with_weights=False)
         hot = [plan.hot_mask(i, hot_share) for i in range(plan.n_layers)]
         # on a GPU the hot rows stay torch tensors; on a CPU they run on the kernel as the cold
         on_cpu = self.device.type == "cpu"
-        fmt = neuron_format(config.weights, ckpt.info, model.tok_embeddings.weight) if on_cpu else None
-        apply_hybrid_ffn(model, None, hot, plan.predictor_input or "ffn", plan.thresholds, fmt)
-        if int4:
-            apply_int4(model, ckpt.q4)  # attention's projections
+        dtype = config.torch_dtype
+        fmt = neuron_format(config.weights, ckpt.info, torch.empty(0, dtype=dtype)) if on_cpu else None
+        # read from the file without the cold neurons; with int4 on the CPU the embedding stays
+        # in the file's blocks (and a tied head reads the same rows)
+        model = hot_model(ckpt, dtype, hot, plan.predictor_input or "ffn", plan.thresholds, fmt,
+                          int4, quantized_embedding=int4 and on_cpu)
         if on_cpu:  # the model is built on the host: the device decides
             apply_kernel_linears(model, head="q8_0" if int4 else "bf16")  # what is left in bf16
+        ckpt.source.close()
         del ckpt
+        trim_heap()  # the load's transients, freed, stay resident otherwise
+        self.load_s = time.perf_counter() - t0
         self.io = DataPlane(spec, plan.predictor_input, self.device)
         for i, block in enumerate(model.layers):
             block.ffn = RemoteFFN(block.ffn, self.io)  # drops the cold neurons
@@ -147,7 +155,8 @@ class HotExecutor:
 
     def ready(self) -> dict:
         return {"cores": list(self.cores), "hot_neurons": self.hot_neurons,
-                "device": str(self.device), "pid": os.getpid(), **self._memory()}
+                "device": str(self.device), "pid": os.getpid(), "load_s": self.load_s,
+                **self._memory()}
 
     def _memory(self) -> dict:
         if self.device.type != "cuda":
@@ -195,7 +204,8 @@ class HotExecutor:
         io = self.io
         out = {"steps": self.steps, "step_s": self.step_s, "ctl_wait_s": io.ctl.wait_s,
                "part_wait_s": sum(p.wait_s for p in io.parts), "hot_neurons": self.hot_neurons,
-               "device": str(self.device), **self._memory()}
+               "device": str(self.device), "memory": process_memory(),
+               "held_bytes": held_bytes(self.model), **self._memory()}
         if io.predicting:
             out["mask_wait_s"] = io.mask.wait_s
         return out

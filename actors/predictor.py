@@ -12,7 +12,7 @@ import time
 
 import torch
 
-from cluster.topology import pin
+from cluster.topology import pin, process_memory
 from powerinfer.plan import SparsePlan
 
 from .channel import ChannelClosed
@@ -50,4 +50,4 @@ class PredictorActor:
 
     def stats(self) -> dict:
         return {"input": self.input, "busy_s": self.busy_s, "wait_s": self.x.wait_s,
-                "calls": self.calls}
+                "calls": self.calls, "memory": process_memory()}

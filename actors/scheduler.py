@@ -24,6 +24,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from cluster.topology import process_memory
+
 from powerinfer.config import Config, SamplingParams
 from powerinfer import batching
 from powerinfer.batching import Batcher, Output, Sequence, context_length, new_sequence
@@ -170,6 +172,7 @@ class Scheduler:
         steps = c["decode_steps"]
         c["decode_ms_per_step"] = c["decode_s"] / steps * 1e3 if steps else 0.0
         c["mean_batch"] = c["decode_rows"] / steps if steps else 0.0
+        c["memory"] = process_memory()
         return c
 
     async def stop(self) -> None:

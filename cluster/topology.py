@@ -93,3 +93,17 @@ def pin(cores: tuple[int, ...], threads: int = 0) -> None:
     import torch
     os.sched_setaffinity(0, cores)
     torch.set_num_threads(min(threads, len(cores)) if threads else len(cores))
+
+
+def process_memory(pid: int | str = "self") -> dict[str, int]:
+    """This (or another) process's memory from /proc/PID/status, in bytes: rss (resident now:
+    anonymous + file-backed + shared memory), hwm (the peak of rss), and its anon, file and
+    shmem parts."""
+    keys = {"VmRSS": "rss", "VmHWM": "hwm", "RssAnon": "anon", "RssFile": "file",
+            "RssShmem": "shmem"}
+    out = {}
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        k, _, v = line.partition(":")
+        if k in keys:
+            out[keys[k]] = int(v.split()[0]) * 1024
+    return out

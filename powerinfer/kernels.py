@@ -195,8 +195,10 @@ def dequantize_rows(b: torch.Tensor, fmt: str, dim: int) -> torch.Tensor:
 
 def pack(gate: torch.Tensor | None, up: torch.Tensor, down_t: torch.Tensor, fmt: str) -> torch.Tensor:
     """Rows (k, dim) of gate (None for plain ReLU), up and the transposed down -> the kernel's
-    neuron-major records (k, record_bytes) uint8."""
-    rows = [quantize_rows(r, fmt) for r in (gate, up) if r is not None]
+    neuron-major records (k, record_bytes) uint8. Gate and up rows may come already in `fmt`
+    (uint8, a file's own blocks): they are copied as they are."""
+    rows = [r if r.dtype == torch.uint8 else quantize_rows(r, fmt) for r in (gate, up)
+            if r is not None]
     return torch.cat([*rows, quantize_rows(down_t, down_format(fmt))], 1)
 
 

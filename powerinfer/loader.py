@@ -82,6 +82,7 @@ class Checkpoint:
     info: dict = field(default_factory=dict)  # for `powerinfer info`: format, tensor types, sizes
     extra: dict[str, object] = field(default_factory=dict)  # GGUF tensors outside the dense model
     q4: dict[str, tuple] = field(default_factory=dict)  # 4-bit tensors kept packed (quant.q4_blocks)
+    source: "TensorSource | None" = None  # the tensors, read on demand (always set by the loader)
 
 
 def resolve_model(name_or_path: str) -> Path:
@@ -195,6 +196,170 @@ def unpermute_rows(w, n_heads: int):  # numpy array or torch tensor
             .swapaxes(1, 2).reshape(w.shape))
 
 
+class TensorSource:
+    """A checkpoint's tensors (canonical names), read on demand: whole, some rows, or some
+    columns, so that a process reads and holds only its share of a model (the actor runtime's
+    executors). Nothing is cached; `close` drops the file mappings."""
+
+    names: frozenset
+
+    def kind(self, name: str) -> str:
+        """The stored type: a GGUF type name ("Q4_1", "BF16", ...) or a torch dtype's name."""
+        raise NotImplementedError
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        raise NotImplementedError
+
+    def get(self, name: str, dtype: torch.dtype) -> torch.Tensor:
+        raise NotImplementedError
+
+    def rows(self, name: str, idx: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """Rows idx of a (n, k) tensor, (len(idx), k)."""
+        return self.get(name, dtype).index_select(0, idx)
+
+    def raw_rows(self, name: str, idx: torch.Tensor) -> torch.Tensor | None:
+        """Rows idx of a block-quantized tensor as the file's bytes, (len(idx), row bytes)
+        uint8; None where the tensor is not stored in blocks."""
+        return None
+
+    def columns(self, name: str, idx: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """Columns idx of a (n, k) tensor, transposed: (len(idx), n)."""
+        return self.get(name, dtype)[:, idx].t().contiguous()
+
+    def down_rows(self, layer: int, idx: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """Rows idx of layer's transposed down projection (a neuron's output weights, each
+        (dim,)): columns of `down`, or rows of a file's `down_t`."""
+        if f"{layer}.down" in self.names:
+            return self.columns(f"{layer}.down", idx, dtype)
+        return self.rows(f"{layer}.down_t", idx, dtype)
+
+    def q4(self, name: str):
+        raise KeyError(f"{name} is not stored in 4-bit blocks")
+
+    def close(self):
+        pass
+
+
+class GGUFSource(TensorSource):
+    """Tensors of a GGUF file through the reader's memory map: rows of a quantized tensor are
+    whole rows of blocks, so reading some rows touches only their pages; columns are read a
+    chunk of rows at a time (`COLUMN_CHUNK_BYTES` of float32 at most in flight)."""
+
+    COLUMN_CHUNK_BYTES = 64 << 20
+
+    def __init__(self, path: Path, tensors: dict, permute_args: ModelArgs | None):
+        self.path, self._t, self._permute = path, tensors, permute_args
+        self.names = frozenset(tensors)
+
+    def _tensor(self, name: str):
+        try:
+            return self._t[name]
+        except KeyError:
+            raise ModelLoadError(self.path, f"missing tensor {name}") from None
+
+    def kind(self, name: str) -> str:
+        return self._tensor(name).tensor_type.name
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(int(x) for x in reversed(self._tensor(name).shape))
+
+    def _heads(self, name: str) -> int | None:
+        """The head count whose rows llama.cpp's converter permuted (q and k), else None."""
+        role, a = name.split(".")[-1], self._permute
+        if a is None or role not in ("q", "k", "q_b", "k_b"):
+            return None
+        return a.n_heads if role[0] == "q" else a.n_kv_heads
+
+    def get(self, name: str, dtype: torch.dtype) -> torch.Tensor:
+        t = self._tensor(name)
+        if t.tensor_type.name == "BF16" and dtype == torch.bfloat16:  # the raw bits: no float32 trip
+            w = torch.from_numpy(np.array(t.data).view(np.int16)).view(torch.bfloat16)
+            w = w.reshape(self.shape(name))
+        else:
+            w = dequantize(t)
+            w = torch.from_numpy(np.array(w, copy=not w.flags.writeable)).to(dtype)
+        heads = self._heads(name)
+        return w if heads is None else unpermute_rows(w, heads).contiguous()
+
+    def _data_rows(self, name: str, idx: torch.Tensor) -> np.ndarray:
+        assert self._heads(name) is None, f"rows of a permuted tensor ({name})"
+        data = self._tensor(name).data
+        assert data.ndim == 2, (name, data.shape)
+        return data[idx.numpy()]  # a copy of just these rows
+
+    def rows(self, name: str, idx: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        import gguf
+
+        k = self.shape(name)[-1]
+        if len(idx) == 0:
+            return torch.empty(0, k, dtype=dtype)
+        t, raw = self._tensor(name), self._data_rows(name, idx)
+        if t.tensor_type.name == "BF16":
+            w = torch.from_numpy(raw.view(np.int16)).view(torch.bfloat16).reshape(-1, k)
+        else:
+            w = torch.from_numpy(np.asarray(gguf.quants.dequantize(raw, t.tensor_type),
+                                            dtype=np.float32).reshape(-1, k))
+        return w.to(dtype)
+
+    def raw_rows(self, name: str, idx: torch.Tensor) -> torch.Tensor | None:
+        import gguf
+
+        t = self._tensor(name)
+        if t.tensor_type in (gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16,
+                             gguf.GGMLQuantizationType.BF16):
+            return None
+        return torch.from_numpy(self._data_rows(name, idx).view(np.uint8))
+
+    def columns(self, name: str, idx: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        n, k = self.shape(name)
+        out = torch.empty(len(idx), n, dtype=dtype)
+        if len(idx) == 0:
+            return out
+        step = max(1, self.COLUMN_CHUNK_BYTES // (4 * k))
+        for lo in range(0, n, step):
+            hi = min(n, lo + step)
+            out[:, lo:hi] = self.rows(name, torch.arange(lo, hi), torch.float32)[:, idx].t()
+        return out
+
+    def q4(self, name: str):
+        t = self._tensor(name)
+        if t.tensor_type.name not in Q4_TYPES:
+            return super().q4(name)
+        blocks = q4_blocks(t)
+        heads = self._heads(name)
+        return blocks if heads is None else tuple(unpermute_rows(b, heads) for b in blocks)
+
+    def close(self):
+        self._t = {}
+
+
+class SafetensorsSource(TensorSource):
+    """Tensors of a Hugging Face folder's safetensors files, one tensor at a time."""
+
+    def __init__(self, files: dict[str, tuple[Path, str]]):
+        self._files = files  # canonical name -> (file, name in the file)
+        self.names = frozenset(files)
+
+    def _slice(self, name: str, fn):
+        from safetensors import safe_open
+
+        f, key = self._files[name]
+        with safe_open(f, framework="pt") as st:
+            return fn(st, key)
+
+    def kind(self, name: str) -> str:
+        return self._slice(name, lambda st, k: st.get_slice(k).get_dtype())
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self._slice(name, lambda st, k: st.get_slice(k).get_shape()))
+
+    def get(self, name: str, dtype: torch.dtype) -> torch.Tensor:
+        return self._slice(name, lambda st, k: st.get_tensor(k)).to(dtype)
+
+    def close(self):
+        self._files = {}
+
+
 def _load_gguf(path: Path, dtype, with_weights: bool, keep_int4: bool) -> Checkpoint:
     reader = open_gguf(path)
     meta = gguf_metadata(reader)
@@ -238,41 +403,34 @@ def _load_gguf(path: Path, dtype, with_weights: bool, keep_int4: bool) -> Checkp
         tie_embeddings="output.weight" not in tensors,
     )
     names = expand_names(GGUF, args.n_layers)
-    weights, extra, q4 = {}, {}, {}
+    found, extra = {}, {}
     for name, t in tensors.items():
         canon = names.get(name)
         if canon is None:
             extra[name] = t  # read on demand by whoever needs it (e.g. the sparse bundle)
-            continue
-        if not with_weights:
-            continue
-        role = canon.split(".")[-1]
-        heads = n_heads if role[0] == "q" else args.n_kv_heads
-        if t.tensor_type.name == "BF16" and dtype == torch.bfloat16:  # the raw bits: no float32 trip
-            w = torch.from_numpy(np.array(t.data).view(np.int16)).view(torch.bfloat16)
-            w = w.reshape(tuple(int(s) for s in reversed(t.shape)))
         else:
-            w = dequantize(t)
-            w = torch.from_numpy(np.array(w, copy=not w.flags.writeable)).to(dtype)
-        if permuted and role in ("q", "k", "q_b", "k_b"):
-            w = unpermute_rows(w, heads).contiguous()
-        weights[canon] = w
-        if keep_int4 and t.tensor_type.name in Q4_TYPES:
-            blocks = q4_blocks(t)
-            if permuted and role in ("q", "k"):
-                blocks = tuple(unpermute_rows(b, heads) for b in blocks)
-            q4[canon] = blocks
-    if with_weights:  # PWRI files hold the down projection transposed, often only that way
-        for i in range(args.n_layers):
-            down_t = extra.get(f"blk.{i}.ffn_down_t.weight")
-            if f"{i}.down" not in weights and down_t is not None:
-                weights[f"{i}.down"] = torch.from_numpy(dequantize(down_t).T.copy()).to(dtype)
+            found[canon] = t
+    for i in range(args.n_layers):  # PWRI files hold the down projection transposed
+        down_t = extra.get(f"blk.{i}.ffn_down_t.weight")
+        if down_t is not None:
+            found[f"{i}.down_t"] = down_t
+    source = GGUFSource(path, found, args if permuted else None)
+    weights, q4 = {}, {}
+    if with_weights:
+        for canon in source.names:
+            if canon.endswith(".down_t"):
+                if canon[:-2] not in source.names:  # only that way: the model wants it untransposed
+                    weights[canon[:-2]] = source.get(canon, dtype).t().contiguous()
+                continue
+            weights[canon] = source.get(canon, dtype)
+            if keep_int4 and source.kind(canon) in Q4_TYPES:
+                q4[canon] = source.q4(canon)
     info = {"format": "PWRI" if pwri else "GGUF", "gguf_arch": arch,
             "file_bytes": path.stat().st_size,
             "n_params": sum(int(np.prod(t.shape)) for n, t in tensors.items() if n in names),
             "tensor_types": dict(Counter(t.tensor_type.name for t in reader.tensors)),
             "name": meta.get("general.name", path.stem)}
-    return Checkpoint(path, args, weights, ("gguf", meta), info, extra, q4)
+    return Checkpoint(path, args, weights, ("gguf", meta), info, extra, q4, source)
 
 
 # ------------------------------------------------------------------------- Hugging Face folders
@@ -342,7 +500,7 @@ def _load_hf(path: Path, dtype, with_weights: bool) -> Checkpoint:
     if not files:
         raise ModelLoadError(path, "folder has no *.safetensors files")
     names = expand_names(column, args.n_layers)
-    weights, types, n_params, found = {}, Counter(), 0, set()
+    weights, types, n_params, found = {}, Counter(), 0, {}
     for f in files:
         try:
             with safe_open(f, framework="pt") as st:
@@ -351,7 +509,7 @@ def _load_hf(path: Path, dtype, with_weights: bool) -> Checkpoint:
                     canon = names.get(name) or names.get("model." + name)
                     if canon is None:
                         continue
-                    found.add(canon)
+                    found[canon] = (f, name)
                     sl = st.get_slice(name)
                     types[sl.get_dtype()] += 1
                     n_params += int(np.prod(sl.get_shape()))
@@ -365,4 +523,4 @@ def _load_hf(path: Path, dtype, with_weights: bool) -> Checkpoint:
             "file_bytes": sum(f.stat().st_size for f in files), "tensor_types": dict(types),
             "n_params": n_params,
             "name": path.name}
-    return Checkpoint(path, args, weights, ("hf", path), info)
+    return Checkpoint(path, args, weights, ("hf", path), info, source=SafetensorsSource(found))

@@ -167,13 +167,20 @@ class Block(nn.Module):
         return h + self.ffn(self.ffn_norm(h), x)
 
 
+def _embedding(n: int, dim: int) -> nn.Embedding:
+    """nn.Embedding, without the random init when built on the meta device (`from_weights`):
+    there it would import torch's decompositions, some 50 MB in every process, for nothing."""
+    w = torch.empty(n, dim)
+    return nn.Embedding(n, dim, _weight=w) if w.device.type == "meta" else nn.Embedding(n, dim)
+
+
 class Transformer(nn.Module):
     def __init__(self, a: ModelArgs):
         super().__init__()
         self.args = a
-        self.tok_embeddings = nn.Embedding(a.vocab_size, a.dim)
+        self.tok_embeddings = _embedding(a.vocab_size, a.dim)
         # OPT keeps two unused rows in front of its position table (HF's offset of 2)
-        self.pos_embeddings = nn.Embedding(a.max_seq_len + 2, a.dim) if a.learned_pos else None
+        self.pos_embeddings = _embedding(a.max_seq_len + 2, a.dim) if a.learned_pos else None
         self.layers = nn.ModuleList(Block(a) for _ in range(a.n_layers))
         self.norm = Norm(a.dim, a.norm_eps, a.layer_norm)
         self.output = Linear(a.dim, a.vocab_size, bias=False)
@@ -185,7 +192,7 @@ class Transformer(nn.Module):
         """Allocate the static KV cache (idempotent for the same or smaller sizes)."""
         if max_batch <= self.max_batch and max_seq <= self.max_seq:
             return
-        a, w = self.args, self.tok_embeddings.weight
+        a, w = self.args, self.norm.weight  # the model's dtype and device
         self.max_batch, self.max_seq = max_batch, max_seq
         for b in self.layers:
             b.attn.kv_cache = KVCache(max_batch, a.n_kv_heads, max_seq, a.head_dim, w.dtype, w.device)
@@ -228,10 +235,14 @@ class Transformer(nn.Module):
 
     def load_weights(self, w: dict[str, torch.Tensor]):
         """Copy canonical weights (see loader.TENSOR_NAMES) into the model, fusing q/k/v and
-        gate/up. Raises ValueError naming the tensor on a missing name or a shape mismatch."""
+        gate/up. Raises ValueError naming the tensor on a missing name or a shape mismatch.
+        Parts already held another way (a quantized embedding or projection, a FFN replaced by
+        neuron sets) are skipped: their module has no plain weight or is no `nn.Linear`."""
         a = self.args
 
-        def put(param: torch.Tensor, *parts: str):
+        def put(param: torch.Tensor | None, *parts: str):
+            if param is None:
+                return
             missing = [p for p in parts if p not in w]
             if missing:
                 raise ValueError(f"missing tensor {missing[0]}")
@@ -242,13 +253,13 @@ class Transformer(nn.Module):
             with torch.no_grad():
                 param.copy_(src)
 
-        put(self.tok_embeddings.weight, "embed")
+        put(getattr(self.tok_embeddings, "weight", None), "embed")
         if self.pos_embeddings is not None:
             put(self.pos_embeddings.weight, "pos_embed")
         put(self.norm.weight, "norm")
         if a.layer_norm:
             put(self.norm.bias, "norm_b")
-        if not a.tie_embeddings:
+        if not a.tie_embeddings and isinstance(self.output, nn.Linear):
             put(self.output.weight, "output")
         for i, b in enumerate(self.layers):
             p = f"{i}."
@@ -258,7 +269,9 @@ class Transformer(nn.Module):
                 put(b.attn_norm.bias, p + "attn_norm_b")
                 put(b.ffn_norm.bias, p + "ffn_norm_b")
             for owner, attr, names in self.projections(i):
-                linear = getattr(owner, attr)
+                linear = getattr(owner, attr, None)
+                if not isinstance(linear, nn.Linear):
+                    continue
                 put(linear.weight, *names)
                 if linear.bias is not None:
                     put(linear.bias, *(n + "_b" for n in names))
@@ -270,6 +283,19 @@ class Transformer(nn.Module):
         parts = [(b.attn, "wqkv", ("q", "k", "v")), (b.attn, "wo", ("o",)),
                  (b.ffn, "w1", ("gate", "up") if a.gated else ("up",)), (b.ffn, "w2", ("down",))]
         return [(owner, attr, tuple(p + n for n in names)) for owner, attr, names in parts]
+
+def held_bytes(*modules: nn.Module) -> int:
+    """Bytes of the distinct tensor storages (parameters and buffers) the modules hold: what a
+    process keeps of a model, a tied or shared tensor counted once."""
+    seen, total = set(), 0
+    for m in modules:
+        for t in [*m.parameters(), *m.buffers()]:
+            st = t.untyped_storage()
+            if st.data_ptr() not in seen and t.device.type != "meta":
+                seen.add(st.data_ptr())
+                total += st.nbytes()
+    return total
+
 
 def rope_table(a: ModelArgs, max_seq: int):
     """cos/sin tables (max_seq, head_dim) in the half-rotation layout (HF's rotate_half)."""

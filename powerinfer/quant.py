@@ -92,6 +92,18 @@ class KernelLinear(nn.Module):
         self.register_buffer("records", kernels.quantize_rows(weight, fmt))
         self.bias = None if bias is None else nn.Parameter(bias.detach().clone(), requires_grad=False)
 
+    @classmethod
+    def from_records(cls, records: torch.Tensor, fmt: str, in_features: int,
+                     bias: torch.Tensor | None = None) -> "KernelLinear":
+        """Over rows already in `fmt` (a file's Q8_0 blocks, say), shared, not copied."""
+        out = cls.__new__(cls)
+        nn.Module.__init__(out)
+        out.out_features, out.in_features = records.shape[0], in_features
+        out.fmt, out.code = fmt, kernels.FORMATS.index(fmt)
+        out.register_buffer("records", records)
+        out.bias = None if bias is None else nn.Parameter(bias.detach().clone(), requires_grad=False)
+        return out
+
     @property
     def weight(self) -> torch.Tensor:
         """W (out, in): a view of the records for f32/bf16, else widened to float32."""
@@ -111,13 +123,29 @@ class KernelLinear(nn.Module):
         return y if self.bias is None else y + self.bias
 
 
+class KernelEmbedding(nn.Module):
+    """Token embeddings held as rows in a kernel format (a file's Q8_0 or 4-bit blocks, kept as
+    they are): a lookup widens only the rows of the tokens asked for, to `dtype`. With tied
+    embeddings the output head is a `KernelLinear.from_records` over the same rows."""
+
+    def __init__(self, records: torch.Tensor, fmt: str, dim: int, dtype: torch.dtype):
+        super().__init__()
+        self.fmt, self.dim, self.dtype = fmt, dim, dtype
+        self.register_buffer("records", records)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        rows = self.records.index_select(0, tokens.reshape(-1))
+        x = kernels.widen(rows, self.fmt, 1, self.dim)[:, 0].to(self.dtype)
+        return x.view(*tokens.shape, self.dim)
+
+
 def apply_kernel_linears(model: "Transformer", head: str = "bf16") -> int:
     """On a CPU where the kernel runs, every projection still held as a bf16 `nn.Linear` becomes
     a bf16 KernelLinear (the kernel's GEMV reads a bf16 matrix at 3-4x the rate of torch's eager
     one on the CPUs measured, see BENCHMARKS.md), and a bf16 output head a KernelLinear in `head`
     (q8_0: half the bytes of the largest single read of a small model's decode step). Returns
     how many were replaced."""
-    if not kernels.usable(model.tok_embeddings.weight):
+    if not kernels.usable(model.norm.weight):
         return 0
 
     def bf16(m) -> bool:

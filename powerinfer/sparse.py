@@ -59,24 +59,41 @@ class NeuronSet(nn.Module):
                  idx: torch.Tensor, fmt: str | None = None):
         # w1: (2n, dim) [gate; up] when gated, else (n, dim) up (fc1); b1: (n,) or None;
         # w2: (dim, n) down; idx: (k,) the neurons of this set
-        super().__init__()
         n = w2.shape[1]
-        gated = act != "relu"
-        self.act, self.fmt, self.dtype, self.dim = act, fmt, w2.dtype, w2.shape[0]
-        self.register_buffer("idx", idx)
-        gate = w1[:n].index_select(0, idx) if gated else None  # (k, dim)
-        up = (w1[n:] if gated else w1).index_select(0, idx)
+        gate = w1[:n].index_select(0, idx) if act != "relu" else None  # (k, dim)
+        up = (w1[n:] if act != "relu" else w1).index_select(0, idx)
         down_t = w2.t().index_select(0, idx)  # (k, dim)
-        self.register_buffer("up_b", None if b1 is None else b1.index_select(0, idx))
+        up_b = None if b1 is None else b1.index_select(0, idx)
+        super().__init__()
+        self._hold(act, idx, fmt, w2.dtype, w2.shape[0], up_b, (gate, up, down_t))
+
+    @classmethod
+    def from_rows(cls, act: str, idx: torch.Tensor, fmt: str | None, dtype: torch.dtype,
+                  dim: int, up_b: torch.Tensor | None = None, rows=None,
+                  records: torch.Tensor | None = None) -> "NeuronSet":
+        """A set from its neurons' own rows: rows = (gate or None, up, down_t), each (k, dim),
+        or, for a kernel format, `records` already packed (`kernels.pack`)."""
+        out = cls.__new__(cls)
+        nn.Module.__init__(out)
+        out._hold(act, idx, fmt, dtype, dim, up_b, rows, records)
+        return out
+
+    def _hold(self, act, idx, fmt, dtype, dim, up_b, rows=None, records=None):
+        self.act, self.fmt, self.dtype, self.dim = act, fmt, dtype, dim
+        self.register_buffer("idx", idx)
+        self.register_buffer("up_b", up_b)
         if fmt is None:
+            gate, up, down_t = rows
             self.register_buffer("gate", gate)
             self.register_buffer("up", up)
             self.register_buffer("down_t", down_t)
             self.register_buffer("records", None)
         else:
-            self.register_buffer("records", kernels.pack(gate, up, down_t, fmt))
+            if records is None:
+                records = kernels.pack(*rows, fmt)
+            self.register_buffer("records", records)
             self.register_buffer("all", torch.arange(len(idx)))
-            self.register_buffer("bias32", None if b1 is None else self.up_b.float())
+            self.register_buffer("bias32", None if up_b is None else up_b.float())
 
     def reformat(self, fmt: str | None) -> "NeuronSet":
         """The same neurons held in another format (None: the torch path)."""
@@ -159,11 +176,30 @@ class HybridFFN(nn.Module):
                  threshold: float = 0.0, fmt: str | None = None):
         super().__init__()
         assert hot.shape == (dense.ffn_dim,) and hot.dtype == torch.bool, hot.shape
+        self._setup(layer, norm, dense.ffn_dim, NeuronSet.of(dense, hot.nonzero().squeeze(-1), fmt),
+                    NeuronSet.of(dense, (~hot).nonzero().squeeze(-1), fmt), dense.w2.bias, masks,
+                    predictor_input, threshold)
+
+    @classmethod
+    def from_sets(cls, layer: int, norm: nn.Module, ffn_dim: int, hot: NeuronSet,
+                  cold: NeuronSet | None, down_b: torch.Tensor | None = None,
+                  masks: MaskSource | None = None, predictor_input: str = "ffn",
+                  threshold: float = 0.0) -> "HybridFFN":
+        """From neuron sets read on their own (`partial.read_neuron_set`), with no dense FFN
+        ever built; cold None: another process holds the cold neurons."""
+        out = cls.__new__(cls)
+        nn.Module.__init__(out)
+        out._setup(layer, norm, ffn_dim, hot, cold, down_b, masks, predictor_input, threshold)
+        return out
+
+    def _setup(self, layer, norm, ffn_dim, hot, cold, down_b, masks, predictor_input, threshold):
         self.layer, self.norm, self.masks, self.threshold = layer, norm, masks, float(threshold)
-        self.ffn_dim, self.predictor_input = dense.ffn_dim, predictor_input
-        self.hot = NeuronSet.of(dense, hot.nonzero().squeeze(-1), fmt)
-        self.cold: NeuronSet | None = NeuronSet.of(dense, (~hot).nonzero().squeeze(-1), fmt)
-        self.down_b = dense.w2.bias
+        self.ffn_dim, self.predictor_input = ffn_dim, predictor_input
+        self.hot = hot
+        self.cold: NeuronSet | None = cold
+        if down_b is not None and not isinstance(down_b, nn.Parameter):
+            down_b = nn.Parameter(down_b, requires_grad=False)
+        self.down_b = down_b
         self.token_masks = False
         self.stats: LayerStats | None = None  # set to a LayerStats to record what is computed
 

@@ -1,0 +1,133 @@
+"""Building a share of a model from its file, reading only that share: what the actor
+runtime's executors hold (a cold executor: its shard of every layer's cold neurons; the hot
+executor: embeddings, attention, norms, the output head and the hot neurons).
+
+Tensors come from the checkpoint's `TensorSource` (the file's memory map): a neuron set reads
+its neurons' gate and up rows and its columns of the down projection, one layer at a time, and
+no process ever holds a dequantized copy of the whole model. Where the kernel has the file's
+format the rows stay in it: 4-bit gate and up rows are the file's blocks, copied as they are
+(down rows are requantized to Q8_0, see `kernels.down_format`), and a Q8_0 or 4-bit token
+embedding stays in its blocks, shared with a tied output head.
+"""
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import numpy as np
+import torch
+from torch import nn
+
+from . import kernels
+from .loader import Checkpoint, TensorSource
+from .model import ModelArgs, Transformer
+from .quant import Q4_TYPES, Int4Linear, KernelEmbedding, KernelLinear
+from .sparse import HybridFFN, NeuronSet
+
+# GGUF types whose rows the kernel reads as they are stored
+STORED_FORMATS = {"Q4_0": "q4_0", "Q4_1": "q4_1", "Q8_0": "q8_0"}
+
+
+class LazyWeights(Mapping):
+    """A TensorSource as the name -> tensor mapping `Transformer.load_weights` reads: each
+    tensor is read (and dequantized to `dtype`) when asked for, and not kept."""
+
+    def __init__(self, source: TensorSource, dtype: torch.dtype):
+        self.source, self.dtype = source, dtype
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        if name not in self.source.names:
+            raise KeyError(name)
+        return self.source.get(name, self.dtype)
+
+    def __contains__(self, name) -> bool:
+        return name in self.source.names
+
+    def __iter__(self):
+        return iter(self.source.names)
+
+    def __len__(self) -> int:
+        return len(self.source.names)
+
+
+def read_neuron_set(src: TensorSource, a: ModelArgs, layer: int, idx: torch.Tensor,
+                    fmt: str | None, dtype: torch.dtype) -> NeuronSet:
+    """Neurons idx of one layer's FFN, read from the file: their gate and up rows and their
+    columns of down. Gate and up rows stored in `fmt` itself are kept as the file's bytes."""
+    gated, p = a.gated, f"{layer}."
+    names = [p + "gate", p + "up"] if gated else [p + "up"]
+
+    def read(name):
+        if fmt is not None and STORED_FORMATS.get(src.kind(name)) == fmt:
+            return src.raw_rows(name, idx)
+        return src.rows(name, idx, dtype)
+
+    w1 = [read(n) for n in names]
+    gate, up = (w1[0], w1[1]) if gated else (None, w1[0])
+    down_t = src.down_rows(layer, idx, dtype)
+    up_b = src.rows(p + "up_b", idx, dtype) if p + "up_b" in src.names else None
+    if fmt is None:  # the torch path: plain rows in the model's dtype
+        return NeuronSet.from_rows(a.ffn_act, idx, None, dtype, a.dim, up_b, (gate, up, down_t))
+    return NeuronSet.from_rows(a.ffn_act, idx, fmt, dtype, a.dim, up_b,
+                               records=kernels.pack(gate, up, down_t, fmt))
+
+
+def _int4_projection(src: TensorSource, names: tuple[str, ...], dtype) -> Int4Linear | None:
+    """An attention projection straight from the file's 4-bit blocks, or None if any of its
+    fused tensors is stored otherwise."""
+    if not all(src.kind(n) in Q4_TYPES for n in names):
+        return None
+    blocks = [src.q4(n) for n in names]
+    q, scale, zero = (torch.from_numpy(np.concatenate([b[j] for b in blocks]))
+                      for j in range(3))
+    bias = None
+    if all(n + "_b" in src.names for n in names):
+        bias = torch.cat([src.get(n + "_b", dtype) for n in names])
+    return Int4Linear(q, scale, zero, bias)
+
+
+def hot_model(ckpt: Checkpoint, dtype: torch.dtype, hot: list[torch.Tensor],
+              predictor_input: str, thresholds, fmt: str | None, int4: bool,
+              quantized_embedding: bool) -> Transformer:
+    """The model the hot executor runs, read from the file without its cold neurons: each
+    layer's FFN a HybridFFN holding only the neurons hot[i] marks (no cold set), attention in
+    4-bit blocks with `int4` (where the file has them), and with `quantized_embedding` a
+    token embedding kept in the file's Q8_0/4-bit blocks (tied: the output head over the same
+    rows). Built on the CPU in `dtype`."""
+    a, src = ckpt.args, ckpt.source
+    with torch.device("meta"):
+        model = Transformer(a)
+    for block in model.layers:  # no dense FFN: its hot neurons are read below
+        block.ffn = nn.Identity()
+    int4_layers = {}
+    if int4:
+        for i in range(a.n_layers):
+            for owner, attr, names in model.projections(i)[:2]:  # attention's
+                m = _int4_projection(src, names, dtype)
+                if m is not None:
+                    setattr(owner, attr, nn.Identity())  # placed after the others are loaded
+                    int4_layers[(i, attr)] = m
+    embed_fmt = STORED_FORMATS.get(src.kind("embed")) if quantized_embedding else None
+    if embed_fmt is not None:
+        model.tok_embeddings = nn.Identity()
+        if a.tie_embeddings:
+            model.output = nn.Identity()
+    model = model.to_empty(device="cpu").to(dtype)
+    if a.tie_embeddings and embed_fmt is None:
+        model.output.weight = model.tok_embeddings.weight
+    model.load_weights(LazyWeights(src, dtype))
+    for (i, attr), m in int4_layers.items():
+        setattr(model.layers[i].attn, attr, m)
+    if embed_fmt is not None:
+        rows = src.raw_rows("embed", torch.arange(a.vocab_size))
+        model.tok_embeddings = KernelEmbedding(rows, embed_fmt, a.dim, dtype)
+        if a.tie_embeddings:
+            model.output = KernelLinear.from_records(rows, embed_fmt, a.dim)
+    for i, block in enumerate(model.layers):
+        idx = hot[i].nonzero().squeeze(-1)
+        hot_set = read_neuron_set(src, a, i, idx, fmt, dtype)
+        down_b = src.get(f"{i}.down_b", dtype) if f"{i}.down_b" in src.names else None
+        t = 0.0 if thresholds is None else float(thresholds[i])
+        block.ffn = HybridFFN.from_sets(i, block.ffn_norm, a.ffn_dim, hot_set, None, down_b,
+                                        None, predictor_input, t)
+        block.ffn_norm = nn.Identity()
+    return model.eval().requires_grad_(False)
