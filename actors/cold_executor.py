@@ -17,7 +17,7 @@ import torch
 
 from cluster.topology import pin, process_memory
 from powerinfer.compat import trim_heap
-from powerinfer.loader import load_checkpoint
+from powerinfer.loader import ModelFile
 from powerinfer.model import held_bytes
 from powerinfer.partial import read_neuron_set
 from powerinfer.plan import SparsePlan
@@ -29,22 +29,20 @@ from .plane import STOP, FFNInput, Partial, PlaneSpec, receive, send
 
 
 class ColdExecutor:
-    def __init__(self, spec: PlaneSpec, rank: int, cores: tuple[int, ...], model_path: str,
+    def __init__(self, spec: PlaneSpec, rank: int, cores: tuple[int, ...], model: ModelFile,
                  plan: SparsePlan, hot_share: float, threads: int = 0, weights: str = "dense"):
         faulthandler.enable()  # a native crash (the CPU kernel) leaves its Python stack in the log
         pin(cores, threads)
         self.spec, self.rank, self.cores = spec, rank, cores
         t0 = time.perf_counter()
-        ckpt = load_checkpoint(model_path, spec.torch_dtype, with_weights=False)
-        a, src, dtype = ckpt.args, ckpt.source, spec.torch_dtype
-        self.fmt = neuron_format(weights, ckpt.info, torch.empty(0, dtype=dtype))
+        a, src, dtype = model.args, model.source, spec.torch_dtype  # the driver's table: no parse
+        self.fmt = neuron_format(weights, model.info, torch.empty(0, dtype=dtype))
         self.sets, self.thresholds = [], plan.thresholds
         for i in range(a.n_layers):  # only this shard's rows are read from the file
             cold = ~plan.hot_mask(i, hot_share)
             idx = plan.shards(i, cold, spec.n_cold)[rank]
             self.sets.append(read_neuron_set(src, a, i, idx, self.fmt, dtype))
         src.close()
-        del ckpt, src
         trim_heap()  # the load's transients, freed, stay resident otherwise
         self.load_s = time.perf_counter() - t0
         self.neurons = sum(len(s.idx) for s in self.sets)

@@ -17,7 +17,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from cluster.topology import CorePlan, Topology, plan_cores, process_memory
 from powerinfer.config import Config
 from powerinfer.errors import ConfigError, EngineFailedError
-from powerinfer.model import ModelArgs
+from powerinfer.loader import ModelFile
 from powerinfer.plan import SparsePlan
 
 from .channel import sweep
@@ -43,9 +43,10 @@ def wants_gpu(config: Config) -> bool:
 
 
 class ActorGroup:
-    def __init__(self, model_path: str, args: ModelArgs, config: Config, plan: SparsePlan,
+    def __init__(self, model: ModelFile, tokenizer, config: Config, plan: SparsePlan,
                  max_seq: int, spin_us: float = 50.0):
-        self.model_path, self.args, self.config, self.plan = str(model_path), args, config, plan
+        self.model, self.tokenizer, self.args = model, tokenizer, model.args
+        self.config, self.plan = config, plan
         self.max_seq, self.spin_us = max_seq, spin_us
         self.cores: CorePlan | None = None
         self.actors: dict[str, ray.actor.ActorHandle] = {}
@@ -85,10 +86,10 @@ class ActorGroup:
 
             spec, p = self.spec, self.plan
             self.actors["hot"] = place(HotExecutor, 0, num_gpus=1 if gpu else 0).remote(
-                spec, self.cores.hot, self.model_path, c, p, hot_share)
+                spec, self.cores.hot, self.model, c, p, hot_share)
             for k in range(n):
                 self.actors[f"cold.{k}"] = place(ColdExecutor, 1 + k).remote(
-                    spec, k, self.cores.cold[k], self.model_path, p, hot_share, c.cpu_threads,
+                    spec, k, self.cores.cold[k], self.model, p, hot_share, c.cpu_threads,
                     c.weights)
             if p.predictor_input is not None:
                 self.actors["predictor"] = place(PredictorActor, n + 1).remote(
@@ -96,7 +97,7 @@ class ActorGroup:
             # every open stream is a call in flight: admission control is the scheduler's
             # queue, not Ray's
             self.actors["scheduler"] = place(Scheduler, n + 2, concurrency=10_000).remote(
-                spec, self.model_path, c)
+                spec, self.model, self.tokenizer, c)
             names = list(self.actors)
             infos = ray.get([a.ready.remote() for a in self.actors.values()], timeout=START_TIMEOUT_S)
             self.info = dict(zip(names, infos))

@@ -48,6 +48,7 @@ class ActorEngine:
         config = config.resolve(has_q4(ckpt.info))  # every actor gets the decided configuration
         self.tokenizer = Tokenizer.from_source(ckpt.tokenizer_source)
         self.args, self.config, self.path = ckpt.args, config, ckpt.path
+        self.model = ckpt.model_file()  # parsed once here; the executors read through it
         self.max_seq = context_length(ckpt.args, config)
         ray_init()
         self.plan = (plan_for(config, ckpt.args, ckpt.path, self.max_seq, wants_gpu(config))
@@ -63,7 +64,7 @@ class ActorEngine:
         self._monitor.start()
 
     def _new_group(self) -> ActorGroup:
-        return ActorGroup(self.path, self.args, self.config, self.plan, self.max_seq,
+        return ActorGroup(self.model, self.tokenizer, self.config, self.plan, self.max_seq,
                           self._spin).start()
 
     # ---- the interface ----

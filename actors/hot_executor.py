@@ -31,7 +31,7 @@ from torch import nn
 from cluster.topology import pin, process_memory
 from powerinfer.config import Config
 from powerinfer.compat import trim_heap
-from powerinfer.loader import load_checkpoint
+from powerinfer.loader import ModelFile
 from powerinfer.model import held_bytes
 from powerinfer.partial import hot_model
 from powerinfer.plan import SparsePlan
@@ -113,14 +113,14 @@ class RemoteFFN(nn.Module):
 
 
 class HotExecutor:
-    def __init__(self, spec: PlaneSpec, cores: tuple[int, ...], model_path: str, config: Config,
+    def __init__(self, spec: PlaneSpec, cores: tuple[int, ...], model: ModelFile, config: Config,
                  plan: SparsePlan, hot_share: float):
         faulthandler.enable()  # a native crash (the CPU kernel) leaves its Python stack in the log
         pin(cores, config.cpu_threads)
         self.spec, self.cores, self.device = spec, cores, config.torch_device
         int4 = config.weights == "int4"
         t0 = time.perf_counter()
-        ckpt = load_checkpoint(model_path, config.torch_dtype, with_weights=False)
+        ckpt = model  # the driver's table of the file's tensors: nothing to parse here
         hot = [plan.hot_mask(i, hot_share) for i in range(plan.n_layers)]
         # on a GPU the hot rows stay torch tensors; on a CPU they run on the kernel as the cold
         on_cpu = self.device.type == "cpu"
@@ -133,7 +133,6 @@ class HotExecutor:
         if on_cpu:  # the model is built on the host: the device decides
             apply_kernel_linears(model, head="q8_0" if int4 else "bf16")  # what is left in bf16
         ckpt.source.close()
-        del ckpt
         trim_heap()  # the load's transients, freed, stay resident otherwise
         self.load_s = time.perf_counter() - t0
         self.io = DataPlane(spec, plan.predictor_input, self.device)

@@ -30,7 +30,7 @@ from powerinfer.config import Config, SamplingParams
 from powerinfer import batching
 from powerinfer.batching import Batcher, Output, Sequence, context_length, new_sequence
 from powerinfer.errors import InvalidRequestError
-from powerinfer.loader import load_checkpoint
+from powerinfer.loader import ModelFile
 from powerinfer.tokenizer import Tokenizer
 
 from .channel import ChannelClosed, PeerDied
@@ -58,11 +58,11 @@ class GroupFailure(Exception):
 
 
 class Scheduler:
-    def __init__(self, spec: PlaneSpec, model_path: str, config: Config):
-        ckpt = load_checkpoint(model_path, with_weights=False)
-        self.tokenizer = Tokenizer.from_source(ckpt.tokenizer_source)
-        self.spec, self.config, self.vocab = spec, config, ckpt.args.vocab_size
-        self.max_seq = min(context_length(ckpt.args, config), spec.max_seq)
+    def __init__(self, spec: PlaneSpec, model: ModelFile, tokenizer: Tokenizer, config: Config):
+        # the driver's tokenizer and tensor table: this process never parses the model file
+        self.tokenizer = tokenizer
+        self.spec, self.config, self.vocab = spec, config, model.args.vocab_size
+        self.max_seq = min(context_length(model.args, config), spec.max_seq)
         self.ctl, self.out = spec.open("ctl", writer=True), spec.open("out")
         self.probe_slot = spec.batch - 1  # reserved for health probes
         self.batcher = Batcher(config.max_batch, self.max_seq)

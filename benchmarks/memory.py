@@ -12,8 +12,9 @@ bytes of tensors it holds (weights, and the KV cache in the hot executor) and ho
 its share of the file took.
 
 - Fixed per-process overhead: the same group on the tiny synthetic model (a 9 MB file); each
-  process's resident memory minus the tensors it holds is what a process of that role costs
-  with no model (Python, torch, Ray's worker, the tokenizer in the scheduler).
+  executor's resident memory minus the tensors it holds is what an executor costs with no
+  model (Python, torch, Ray's worker). The scheduler holds no tensors: all of its memory
+  (the tokenizer included) counts as its overhead.
 - The bound checked: the group's summed steady RSS <= 1.3 x the file + the KV cache + the
   summed overhead; the summed peak <= 1.5 x the summed steady; each executor's load <= 2 x
   the time to read the whole file once (from the page cache: it was just read).
@@ -105,7 +106,9 @@ def overheads(tiny: dict) -> dict[str, int]:
 def check(run: dict, over: dict[str, int], read_s: float) -> dict:
     procs = run["procs"].values()
     steady, peak = sum(p["rss"] for p in procs), sum(p["hwm"] for p in procs)
-    overhead = sum(over[role(n)] for n in run["procs"])
+    # the scheduler holds no tensors: all of its memory is its own (the tokenizer included)
+    overhead = sum(p["rss"] if role(n) == "scheduler" else over[role(n)]
+                   for n, p in run["procs"].items())
     bound = 1.3 * run["file_bytes"] + run["kv_bytes"] + overhead
     held = sum(p["held"] for p in procs) - run["kv_bytes"]
     load = max(p["load_s"] or 0 for n, p in run["procs"].items() if role(n) in ("hot", "cold"))

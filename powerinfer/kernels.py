@@ -162,13 +162,11 @@ def quantize_rows(w: torch.Tensor, fmt: str) -> torch.Tensor:
     for Q4_0/Q4_1, so the blocks are those llama.cpp would write)."""
     n, dim = w.shape
     assert dim % 32 == 0, dim
-    w = w.detach().float()
     if n == 0:
         return torch.empty(0, row_bytes(fmt, dim), dtype=torch.uint8)
-    if fmt == "f32":
-        return w.contiguous().view(torch.uint8).reshape(n, 4 * dim)
-    if fmt == "bf16":
-        return w.to(torch.bfloat16).contiguous().view(torch.uint8).reshape(n, 2 * dim)
+    if fmt in _VIEWS:  # the same numbers: a view of w's storage when it already has the type
+        return w.detach().to(_VIEWS[fmt]).contiguous().view(torch.uint8).reshape(n, -1)
+    w = w.detach().float()
     if fmt == "i8":
         scale = w.abs().amax(1, keepdim=True) / 127
         q = torch.where(scale > 0, w / scale.clamp_min(1e-30), 0).round().clamp(-127, 127).to(torch.int8)

@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import mmap
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -18,7 +20,7 @@ import torch
 from .compat import gguf_reader
 from .errors import ModelLoadError, ModelNotFoundError
 from .model import ModelArgs
-from .quant import Q4_TYPES, q4_blocks
+from .quant import Q4_TYPES, q4_split
 
 # canonical name: (GGUF, HF LLaMA family, HF OPT); "{i}" is the layer index
 TENSOR_NAMES: dict[str, tuple[str | None, str | None, str | None]] = {
@@ -83,6 +85,20 @@ class Checkpoint:
     extra: dict[str, object] = field(default_factory=dict)  # GGUF tensors outside the dense model
     q4: dict[str, tuple] = field(default_factory=dict)  # 4-bit tensors kept packed (quant.q4_blocks)
     source: "TensorSource | None" = None  # the tensors, read on demand (always set by the loader)
+
+    def model_file(self) -> ModelFile:
+        return ModelFile(self.path, self.args, self.info, self.source)
+
+
+@dataclass(frozen=True)
+class ModelFile:
+    """What a process needs to read its share of a model without parsing the file again: the
+    path, the architecture, the checkpoint's `info` and its TensorSource (a table; it pickles
+    small). The actor runtime's driver parses the file once and sends this to its executors."""
+    path: Path
+    args: ModelArgs
+    info: dict
+    source: "TensorSource"
 
 
 def resolve_model(name_or_path: str) -> Path:
@@ -240,28 +256,65 @@ class TensorSource:
         pass
 
 
+_PLAIN = {"F32": np.float32, "F16": np.float16, "BF16": np.int16}  # stored as plain numbers
+
+
+class Stored(NamedTuple):
+    """Where one tensor lies in a GGUF file: its type, its shape (row-major, numpy order),
+    and its bytes' offset and length."""
+    kind: str
+    shape: tuple[int, ...]
+    offset: int
+    nbytes: int
+
+
 class GGUFSource(TensorSource):
-    """Tensors of a GGUF file through the reader's memory map: rows of a quantized tensor are
-    whole rows of blocks, so reading some rows touches only their pages; columns are read a
-    chunk of rows at a time (`COLUMN_CHUNK_BYTES` of float32 at most in flight)."""
+    """Tensors of a GGUF file read from its memory map, described by a table of `Stored`
+    entries (no parse: it pickles small, so a process that receives it reads tensors without
+    parsing the file again). Rows of a quantized tensor are whole rows of blocks, so reading
+    some rows touches only their pages; columns are read a chunk of rows at a time
+    (`COLUMN_CHUNK_BYTES` of float32 at most in flight)."""
 
     COLUMN_CHUNK_BYTES = 64 << 20
 
-    def __init__(self, path: Path, tensors: dict, permute_args: ModelArgs | None):
-        self.path, self._t, self._permute = path, tensors, permute_args
-        self.names = frozenset(tensors)
+    def __init__(self, path: Path, table: dict[str, Stored], permute_args: ModelArgs | None):
+        self.path, self.table, self._permute = Path(path), table, permute_args
+        self.names = frozenset(table)
+        self._map = self._mm = None
 
-    def _tensor(self, name: str):
+    def __getstate__(self):
+        return {**self.__dict__, "_map": None, "_mm": None}
+
+    def _stored(self, name: str) -> Stored:
         try:
-            return self._t[name]
+            return self.table[name]
         except KeyError:
             raise ModelLoadError(self.path, f"missing tensor {name}") from None
 
+    def _data(self, name: str) -> np.ndarray:
+        """The tensor's bytes (a view of the map): (rows, bytes per row) uint8."""
+        if self._map is None:
+            with open(self.path, "rb") as f:
+                self._mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+            self._map = np.frombuffer(self._mm, dtype=np.uint8)
+        st = self._stored(name)
+        rows = int(np.prod(st.shape[:-1])) if len(st.shape) > 1 else 1
+        return self._map[st.offset:st.offset + st.nbytes].reshape(rows, -1)
+
+    def _release(self, name: str):
+        """Drop the tensor's pages from this process (MADV_DONTNEED; the page cache keeps
+        them): what was read is copied out, and file pages left mapped would count in the
+        process's resident memory until the map closes."""
+        st = self._stored(name)
+        lo = st.offset // mmap.PAGESIZE * mmap.PAGESIZE
+        if hasattr(mmap, "MADV_DONTNEED") and self._map is not None:
+            self._mm.madvise(mmap.MADV_DONTNEED, lo, st.offset + st.nbytes - lo)
+
     def kind(self, name: str) -> str:
-        return self._tensor(name).tensor_type.name
+        return self._stored(name).kind
 
     def shape(self, name: str) -> tuple[int, ...]:
-        return tuple(int(x) for x in reversed(self._tensor(name).shape))
+        return self._stored(name).shape
 
     def _heads(self, name: str) -> int | None:
         """The head count whose rows llama.cpp's converter permuted (q and k), else None."""
@@ -270,45 +323,41 @@ class GGUFSource(TensorSource):
             return None
         return a.n_heads if role[0] == "q" else a.n_kv_heads
 
-    def get(self, name: str, dtype: torch.dtype) -> torch.Tensor:
-        t = self._tensor(name)
-        if t.tensor_type.name == "BF16" and dtype == torch.bfloat16:  # the raw bits: no float32 trip
-            w = torch.from_numpy(np.array(t.data).view(np.int16)).view(torch.bfloat16)
-            w = w.reshape(self.shape(name))
+    def _widen(self, name: str, raw: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
+        """Rows of the tensor's bytes -> (rows, k) in dtype."""
+        import gguf
+
+        kind, k = self.kind(name), self.shape(name)[-1]
+        if kind in _PLAIN:  # copied out of the (read-only) map; bf16 as its raw bits
+            raw = raw if raw.flags.owndata else raw.copy()
+            w = torch.from_numpy(raw.view(_PLAIN[kind]))
+            w = w.view(torch.bfloat16) if kind == "BF16" else w
         else:
-            w = dequantize(t)
-            w = torch.from_numpy(np.array(w, copy=not w.flags.writeable)).to(dtype)
+            w = torch.from_numpy(np.asarray(gguf.quants.dequantize(
+                raw, gguf.GGMLQuantizationType[kind]), dtype=np.float32))
+        return w.reshape(-1, k).to(dtype)
+
+    def get(self, name: str, dtype: torch.dtype) -> torch.Tensor:
+        w = self._widen(name, self._data(name), dtype).reshape(self.shape(name))
+        self._release(name)
         heads = self._heads(name)
         return w if heads is None else unpermute_rows(w, heads).contiguous()
 
     def _data_rows(self, name: str, idx: torch.Tensor) -> np.ndarray:
         assert self._heads(name) is None, f"rows of a permuted tensor ({name})"
-        data = self._tensor(name).data
-        assert data.ndim == 2, (name, data.shape)
-        return data[idx.numpy()]  # a copy of just these rows
+        out = self._data(name)[idx.numpy()]  # a copy of just these rows
+        self._release(name)
+        return out
 
     def rows(self, name: str, idx: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        import gguf
-
-        k = self.shape(name)[-1]
         if len(idx) == 0:
-            return torch.empty(0, k, dtype=dtype)
-        t, raw = self._tensor(name), self._data_rows(name, idx)
-        if t.tensor_type.name == "BF16":
-            w = torch.from_numpy(raw.view(np.int16)).view(torch.bfloat16).reshape(-1, k)
-        else:
-            w = torch.from_numpy(np.asarray(gguf.quants.dequantize(raw, t.tensor_type),
-                                            dtype=np.float32).reshape(-1, k))
-        return w.to(dtype)
+            return torch.empty(0, self.shape(name)[-1], dtype=dtype)
+        return self._widen(name, self._data_rows(name, idx), dtype)
 
     def raw_rows(self, name: str, idx: torch.Tensor) -> torch.Tensor | None:
-        import gguf
-
-        t = self._tensor(name)
-        if t.tensor_type in (gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16,
-                             gguf.GGMLQuantizationType.BF16):
+        if self.kind(name) in _PLAIN:
             return None
-        return torch.from_numpy(self._data_rows(name, idx).view(np.uint8))
+        return torch.from_numpy(self._data_rows(name, idx))
 
     def columns(self, name: str, idx: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         n, k = self.shape(name)
@@ -322,15 +371,17 @@ class GGUFSource(TensorSource):
         return out
 
     def q4(self, name: str):
-        t = self._tensor(name)
-        if t.tensor_type.name not in Q4_TYPES:
+        st = self._stored(name)
+        if st.kind not in Q4_TYPES:
             return super().q4(name)
-        blocks = q4_blocks(t)
+        n, k = st.shape
+        blocks = q4_split(st.kind, n, k, self._data(name))
+        self._release(name)
         heads = self._heads(name)
         return blocks if heads is None else tuple(unpermute_rows(b, heads) for b in blocks)
 
     def close(self):
-        self._t = {}
+        self._map = self._mm = None
 
 
 class SafetensorsSource(TensorSource):
@@ -414,7 +465,9 @@ def _load_gguf(path: Path, dtype, with_weights: bool, keep_int4: bool) -> Checkp
         down_t = extra.get(f"blk.{i}.ffn_down_t.weight")
         if down_t is not None:
             found[f"{i}.down_t"] = down_t
-    source = GGUFSource(path, found, args if permuted else None)
+    table = {c: Stored(t.tensor_type.name, tuple(int(x) for x in reversed(t.shape)),
+                       int(t.data_offset), int(t.n_bytes)) for c, t in found.items()}
+    source = GGUFSource(path, table, args if permuted else None)
     weights, q4 = {}, {}
     if with_weights:
         for canon in source.names:

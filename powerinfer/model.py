@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -53,14 +54,23 @@ class ModelArgs:
         return self.ffn_act != "relu"
 
 
+def _zeros(shape, dtype, device) -> torch.Tensor:
+    """torch.zeros; on the CPU from calloc (numpy's zeros), whose large blocks are fresh zero
+    pages: a KV cache is resident only as far as positions are written, not at allocation."""
+    if torch.device(device).type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    n = int(np.prod(shape)) * dtype.itemsize
+    return torch.from_numpy(np.zeros(n, dtype=np.uint8)).view(dtype).view(shape)
+
+
 class KVCache(nn.Module):
     """Static cache: rows are sequences (slots), positions index the time axis."""
 
     def __init__(self, batch: int, n_kv_heads: int, max_seq: int, head_dim: int, dtype, device):
         super().__init__()
         shape = (batch, n_kv_heads, max_seq, head_dim)
-        self.register_buffer("k", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
-        self.register_buffer("v", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
+        self.register_buffer("k", _zeros(shape, dtype, device), persistent=False)
+        self.register_buffer("v", _zeros(shape, dtype, device), persistent=False)
 
     def update(self, slots, pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_len: int):
         # slots: (B,) cache rows or None for rows 0..B-1; pos: (B, T); k, v: (B, H, T, D).

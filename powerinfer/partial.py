@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from . import kernels
-from .loader import Checkpoint, TensorSource
+from .loader import ModelFile, TensorSource
 from .model import ModelArgs, Transformer
 from .quant import Q4_TYPES, Int4Linear, KernelEmbedding, KernelLinear
 from .sparse import HybridFFN, NeuronSet
@@ -85,7 +85,7 @@ def _int4_projection(src: TensorSource, names: tuple[str, ...], dtype) -> Int4Li
     return Int4Linear(q, scale, zero, bias)
 
 
-def hot_model(ckpt: Checkpoint, dtype: torch.dtype, hot: list[torch.Tensor],
+def hot_model(ckpt: ModelFile, dtype: torch.dtype, hot: list[torch.Tensor],
               predictor_input: str, thresholds, fmt: str | None, int4: bool,
               quantized_embedding: bool) -> Transformer:
     """The model the hot executor runs, read from the file without its cold neurons: each

@@ -36,12 +36,16 @@ def q4_type(info: dict) -> str | None:
 
 
 def q4_blocks(t) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """A GGUF Q4_0/Q4_1 tensor as (q uint8 (N, K), scale f32 (N, K/32), zero f32 (N, K/32))."""
-    kind = t.tensor_type.name
+    """A GGUF Q4_0/Q4_1 tensor (the gguf reader's) as `q4_split` gives it."""
+    return q4_split(t.tensor_type.name, int(t.shape[1]), int(t.shape[0]), t.data)
+
+
+def q4_split(kind: str, n: int, k: int, data: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The bytes of an (n, k) Q4_0/Q4_1 tensor as (q uint8 (n, k), scale f32 (n, k/32), zero
+    f32 (n, k/32))."""
     assert kind in Q4_TYPES, kind
-    n, k = int(t.shape[1]), int(t.shape[0])  # ggml shape is (K, N)
     g = k // GROUP
-    raw = np.asarray(t.data, dtype=np.uint8).reshape(n, g, -1)  # one block per row: header, 16 bytes
+    raw = np.asarray(data, dtype=np.uint8).reshape(n, g, -1)  # one block per row: header, 16 bytes
     d = raw[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
     if kind == "Q4_1":
         m = raw[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)

@@ -1,0 +1,64 @@
+"""An actor group holds the model about once, in its file's format (real Ray, the real default
+model, memory read from /proc in each actor): the weights its executors hold add up to at most
+1.3x the file; the group's resident memory is at most that, plus the KV cache, plus what each
+process costs with no model (an executor's: measured on a tiny synthetic model's group in the
+same run; the scheduler holds no tensors, so all of its memory is such a cost, the tokenizer
+included); its peak while loading is at most 1.5x its steady state."""
+import pytest
+import ray
+
+from powerinfer import Config, PowerInfer
+from powerinfer.synthetic import write_synthetic
+
+MiB = 1 << 20
+CFG = dict(runtime="actors", cold_executors=2, max_seq_len=512, max_batch=4)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def ray_cluster():
+    yield
+    ray.shutdown()
+
+
+def group_memory(model) -> tuple[dict, Config]:
+    pi = PowerInfer.from_pretrained(model, Config(**CFG))
+    try:
+        assert pi.generate("The capital of France is", max_new_tokens=4, temperature=0)
+        st = pi.engine.stats()["actors"]
+        return ({name: {**s["memory"], "held": s.get("held_bytes", 0)} for name, s in st.items()},
+                pi.engine.config)
+    finally:
+        pi.close()
+
+
+def kv_bytes(args, config: Config) -> int:
+    return (args.n_layers * 2 * (config.max_batch + 1) * config.max_seq_len * args.n_kv_heads
+            * args.head_dim * config.torch_dtype.itemsize)
+
+
+def test_a_group_holds_the_model_about_once(default_model_path, tmp_path):
+    from powerinfer.loader import load_checkpoint
+
+    tiny = tmp_path / "tiny.gguf"
+    write_synthetic(tiny, "tiny", progress=False)
+    bare, _ = group_memory(str(tiny))
+    overhead = {name: p["rss"] - p["held"] for name, p in bare.items()}
+
+    procs, config = group_memory(default_model_path)
+    assert config.weights == "int4", config  # the default: the file's 4-bit blocks
+    args = load_checkpoint(default_model_path, with_weights=False).args
+    file, kv = default_model_path.stat().st_size, kv_bytes(args, config)
+    table = {n: {k: round(v / MiB) for k, v in p.items()} for n, p in procs.items()}
+
+    weights = sum(p["held"] for p in procs.values()) - kv
+    assert 0.5 * file < weights <= 1.3 * file, (weights / file, table)
+    for name in ("cold.0", "cold.1"):  # each its own share, not the whole FFN
+        assert procs[name]["held"] < 0.35 * file, table
+    steady = sum(p["rss"] for p in procs.values())
+    # the scheduler holds no tensors: all it has is its own (the tokenizer is the model's)
+    overhead["scheduler"] = procs["scheduler"]["rss"]
+    bound = 1.3 * file + kv + sum(overhead[n] for n in procs)
+    assert steady <= bound, (steady / MiB, bound / MiB, table,
+                             {n: round(v / MiB) for n, v in overhead.items()})
+    peak = sum(p["hwm"] for p in procs.values())
+    assert peak <= 1.5 * steady, (peak / MiB, steady / MiB, table)
