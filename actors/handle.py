@@ -22,6 +22,7 @@ from powerinfer.config import Config, SamplingParams
 from powerinfer.batching import context_length
 from powerinfer.errors import (EngineFailedError, InvalidRequestError, OverloadedError,
                                PowerInferError)
+from powerinfer.convert import kernel_ready
 from powerinfer.loader import load_checkpoint
 from powerinfer.budget import plan_for
 from powerinfer.plan import SparsePlan
@@ -44,7 +45,8 @@ def _cancel(group: ActorGroup, rid: str):
 
 class ActorEngine:
     def __init__(self, model: str, config: Config, spin_us: float = 50.0):
-        ckpt = load_checkpoint(model, with_weights=False)
+        # block types the CPU kernel cannot read (K-quants): a converted copy, made once
+        ckpt = kernel_ready(load_checkpoint(model, with_weights=False), config)
         config = config.resolve(has_q4(ckpt.info))  # every actor gets the decided configuration
         self.tokenizer = Tokenizer.from_source(ckpt.tokenizer_source)
         self.args, self.config, self.path = ckpt.args, config, ckpt.path

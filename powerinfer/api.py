@@ -9,6 +9,7 @@ from typing import Iterator
 import torch
 
 from .config import Config, sampling_params
+from .convert import kernel_ready
 from .batching import context_length
 from .engine import Engine, Event
 from .errors import ModelLoadError
@@ -60,11 +61,13 @@ class PowerInfer:
                         config: Config | None = None) -> "PowerInfer":
         """Load a GGUF file, a Hugging Face folder, or an installed model by short name."""
         config = config or Config()
-        if config.runtime != "local":  # its processes load the weights
-            ck = load_checkpoint(name_or_path, with_weights=False)
-            return cls(ck, config.resolve(has_q4(ck.info)))
-        if "auto" in (config.dtype, config.weights):  # decided from the file's tensor types
-            config = config.resolve(has_q4(load_checkpoint(name_or_path, with_weights=False).info))
+        if config.runtime != "local" or "dense" != config.weights or config.dtype == "auto":
+            # the file's header decides "auto"; block types the CPU kernel cannot read
+            # (K-quants) are read from a converted copy, made once
+            ck = kernel_ready(load_checkpoint(name_or_path, with_weights=False), config)
+            name_or_path, config = ck.path, config.resolve(has_q4(ck.info))
+            if config.runtime != "local":  # its processes load the weights
+                return cls(ck, config)
         return cls(load_checkpoint(name_or_path, config.torch_dtype, with_weights=True,
                                    keep_int4=config.weights == "int4"), config)
 

@@ -124,11 +124,11 @@ def export_pwri(model_file: Path, bundle: Bundle, out: Path, predictor_input: st
         tensors[f"blk.{i}.fc2.weight"] = _f16(fc2)
 
     ours = (THRESHOLD_KEY, ACT_KEY, INPUT_KEY)
-    kvs = [_raw_field(reader, f) for k, f in reader.fields.items()
+    kvs = [raw_field(reader, f) for k, f in reader.fields.items()
            if not k.startswith("GGUF.") and k not in ours]
-    kvs += [_kv(THRESHOLD_KEY, F32, threshold), _kv(ACT_KEY, STR, a.ffn_act),
-            _kv(INPUT_KEY, STR, predictor_input)]
-    _write_gguf(out, PWRI_MAGIC, kvs, tensors, int(reader.alignment))
+    kvs += [kv_record(THRESHOLD_KEY, F32, threshold), kv_record(ACT_KEY, STR, a.ffn_act),
+            kv_record(INPUT_KEY, STR, predictor_input)]
+    write_gguf(out, PWRI_MAGIC, kvs, tensors, int(reader.alignment))
     return out
 
 
@@ -141,9 +141,9 @@ def export_gpu_index(bundle: Bundle, out: Path, vram_capacity: int) -> Path:
     for i, h in enumerate(hot):  # the original reads them by position: gpu_idx, gpu_bucket, ...
         tensors[f"blk.{i}.gpu_idx"] = _tensor(h.astype(np.int32), I32)
         tensors[f"blk.{i}.gpu_bucket"] = _tensor(np.flatnonzero(h).astype(np.int32), I32)
-    kvs = [_kv("general.architecture", STR, SPLIT_ARCH),
-           _kv(f"{SPLIT_ARCH}.block_count", U32, len(hot)), _kv(VRAM_KEY, U64, vram_capacity)]
-    _write_gguf(Path(out), PWRI_MAGIC, kvs, tensors)
+    kvs = [kv_record("general.architecture", STR, SPLIT_ARCH),
+           kv_record(f"{SPLIT_ARCH}.block_count", U32, len(hot)), kv_record(VRAM_KEY, U64, vram_capacity)]
+    write_gguf(Path(out), PWRI_MAGIC, kvs, tensors)
     return Path(out)
 
 
@@ -251,7 +251,7 @@ def _raw(reader, t):
         reader.data[t.data_offset:t.data_offset + t.n_bytes]
 
 
-def _raw_field(reader, f) -> bytes:
+def raw_field(reader, f) -> bytes:
     return reader.data[f.offset:f.offset + sum(int(p.nbytes) for p in f.parts)].tobytes()
 
 
@@ -264,7 +264,7 @@ def _str(s: str) -> bytes:
     return struct.pack("<Q", len(b)) + b
 
 
-def _kv(key: str, vtype: int, value) -> bytes:
+def kv_record(key: str, vtype: int, value) -> bytes:
     val = _str(value) if vtype == STR else struct.pack(_PACK[vtype], value)
     return _str(key) + struct.pack("<I", vtype) + val
 
@@ -273,8 +273,14 @@ def _pad(n: int, align: int) -> int:
     return -n % align
 
 
-def _write_gguf(path: Path, magic: bytes, kvs: list[bytes], tensors: dict, align: int = 32):
-    """GGUF v3 with `magic`: header, raw key/value records, tensor infos, aligned data."""
+def write_gguf(path: Path, magic: bytes, kvs: list[bytes], tensors: dict, align: int = 32):
+    """GGUF v3 with `magic`: header, raw key/value records, tensor infos, aligned data.
+    tensors: name -> (ggml shape, ggml type, data), data a uint8 or typed array, or
+    (nbytes, a function returning it) so that a large file is written a tensor at a time. The
+    file appears under its name only once complete."""
+    def size(data) -> int:
+        return data[0] if isinstance(data, tuple) else data.nbytes
+
     tmp = path.with_name(path.name + ".tmp")
     with open(tmp, "wb") as fh:
         fh.write(magic + struct.pack("<IQQ", GGUF_VERSION, len(tensors), len(kvs)) + b"".join(kvs))
@@ -282,9 +288,12 @@ def _write_gguf(path: Path, magic: bytes, kvs: list[bytes], tensors: dict, align
         for name, (shape, ggml_type, data) in tensors.items():
             fh.write(_str(name) + struct.pack(f"<I{len(shape)}QIQ", len(shape), *shape,
                                               ggml_type, offset))
-            offset += data.nbytes + _pad(data.nbytes, align)
+            offset += size(data) + _pad(size(data), align)
         fh.write(b"\0" * _pad(fh.tell(), align))
-        for _, _, data in tensors.values():
-            fh.write(data.data)
-            fh.write(b"\0" * _pad(data.nbytes, align))
+        for name, (_, _, data) in tensors.items():
+            n = size(data)
+            arr = np.ascontiguousarray(data[1]() if isinstance(data, tuple) else data)
+            assert arr.nbytes == n, (name, arr.nbytes, n)
+            fh.write(arr.data)
+            fh.write(b"\0" * _pad(n, align))
     os.replace(tmp, path)

@@ -1,0 +1,108 @@
+"""A GGUF file with K-quants (block types the CPU kernel cannot read) is converted once to the
+nearest types it can read, cached beside the model's bundle with the conversion's error, and
+loaded from there: real files, real loads, the gguf package's dequantizer as the reference."""
+import json
+import os
+
+import gguf
+import numpy as np
+import pytest
+import torch
+
+from powerinfer import Config, PowerInfer
+from powerinfer.convert import converted, needs_conversion
+from powerinfer.loader import load_checkpoint, open_gguf
+from powerinfer.pwri import raw_field, write_gguf
+from powerinfer.synthetic import write_synthetic
+
+from greedy import last_logits
+
+Q4_K, Q6_K = gguf.GGMLQuantizationType.Q4_K, gguf.GGMLQuantizationType.Q6_K
+
+
+def k_blocks(shape: tuple[int, int], kind, rng) -> np.ndarray:
+    """Random blocks of `kind` for a (rows, cols) tensor, with sane fp16 super-block scales."""
+    block, size = gguf.GGML_QUANT_SIZES[kind]
+    raw = rng.integers(0, 256, (shape[0], shape[1] // block, size), dtype=np.uint8)
+    if kind == Q4_K:  # d, dmin (f16) lead the block
+        raw[..., 0:2] = np.frombuffer(np.float16(2e-3).tobytes(), np.uint8)
+        raw[..., 2:4] = np.frombuffer(np.float16(1e-3).tobytes(), np.uint8)
+    else:  # Q6_K: d (f16) ends it
+        raw[..., -2:] = np.frombuffer(np.float16(1e-3).tobytes(), np.uint8)
+    return raw.reshape(shape[0], -1)
+
+
+@pytest.fixture(scope="module")
+def kquant_file(tmp_path_factory):
+    """The tiny synthetic model with its FFN and attention weights as Q4_K (ffn_down: Q6_K)."""
+    d = tmp_path_factory.mktemp("kq")
+    write_synthetic(d / "tiny.gguf", "tiny", progress=False)
+    reader = open_gguf(d / "tiny.gguf")
+    rng = np.random.default_rng(0)
+    tensors = {}
+    for t in reader.tensors:
+        shape = tuple(int(x) for x in t.shape)
+        role = t.name.split(".")[-2]
+        if role.startswith(("ffn_", "attn_")) and role != "attn_norm" and role != "ffn_norm":
+            kind = Q6_K if role == "ffn_down" else Q4_K
+            tensors[t.name] = (shape, int(kind), k_blocks(tuple(reversed(shape)), kind, rng))
+        else:
+            tensors[t.name] = (shape, int(t.tensor_type), t.data.view(np.uint8).reshape(-1))
+    kvs = [raw_field(reader, f) for k, f in reader.fields.items() if not k.startswith("GGUF.")]
+    out = d / "kq.gguf"
+    write_gguf(out, b"GGUF", kvs, tensors, int(reader.alignment))
+    return out
+
+
+def test_a_k_quant_file_is_converted_once_and_loads_quantized(kquant_file):
+    info = load_checkpoint(kquant_file, with_weights=False).info
+    assert needs_conversion(info) and set(info["tensor_types"]) >= {"Q4_K", "Q6_K"}
+    cfg = Config(dtype="bfloat16", weights="int4", max_seq_len=64)
+    pi = PowerInfer.from_pretrained(kquant_file, cfg)
+    path = pi.checkpoint.path
+    assert path == kquant_file.parent / "kq.gguf.bundle" / "kernel-formats.gguf"
+    assert pi.config.weights == "int4" and pi.generate("hello", max_new_tokens=4, temperature=0)
+
+    # the copy: Q4_K became Q4_1 and Q6_K Q8_0; every other tensor and record is the same
+    src, out = open_gguf(kquant_file), open_gguf(path)
+    got = {t.name: t for t in out.tensors}
+    for t in src.tensors:
+        c = got[t.name]
+        want = {"Q4_K": "Q4_1", "Q6_K": "Q8_0"}.get(t.tensor_type.name, t.tensor_type.name)
+        assert c.tensor_type.name == want, t.name
+        if want == t.tensor_type.name:
+            assert np.array_equal(c.data.view(np.uint8), t.data.view(np.uint8)), t.name
+    assert out.fields["tokenizer.ggml.tokens"].contents() == src.fields["tokenizer.ggml.tokens"].contents()
+
+    # the report: each converted tensor's error, as the dequantized weights say
+    report = json.loads(path.with_suffix(".json").read_text())
+    assert report["types"] == {"Q4_K": "Q4_1", "Q6_K": "Q8_0"}
+    for name in ("blk.0.ffn_up.weight", "blk.0.ffn_down.weight"):
+        a = gguf.quants.dequantize(src.tensors[[t.name for t in src.tensors].index(name)].data,
+                                   {"blk.0.ffn_up.weight": Q4_K}.get(name, Q6_K))
+        b = gguf.quants.dequantize(got[name].data, got[name].tensor_type)
+        err = np.linalg.norm(b - a) / np.linalg.norm(a)
+        assert report["tensors"][name] == pytest.approx(err, rel=1e-3)
+        # a Q4_K sub-block is a Q4_1 block up to rounding; 6 bits in 8 lose little
+        assert err < (1e-3 if "up" in name else 0.01), (name, err)
+
+    # made once: a second load reads the cache; a changed source is converted again
+    stamp = path.stat().st_mtime_ns
+    PowerInfer.from_pretrained(kquant_file, cfg)
+    assert path.stat().st_mtime_ns == stamp
+    os.utime(kquant_file, ns=(stamp + 10**9, stamp + 10**9))
+    assert converted(kquant_file, progress=False) == path and path.stat().st_mtime_ns != stamp
+
+
+def test_the_converted_model_computes_what_the_original_does(kquant_file):
+    """Dense float32 from each file: the same logits up to the conversion's error."""
+    cfg = Config(dtype="float32", weights="dense", max_seq_len=64)
+    ref = PowerInfer.from_pretrained(kquant_file, cfg)
+    path = converted(kquant_file, progress=False)
+    conv = PowerInfer.from_pretrained(path, cfg)
+    ids = ref.tokenize("hello world, this is a test")
+    a, b = last_logits(ref, ids), last_logits(conv, ids)
+    assert torch.isfinite(a).all() and a.std() > 0
+    assert (b - a).norm() / a.norm() < 0.05, float((b - a).norm() / a.norm())
+    # weights="dense" reads the file as it is: no copy is involved
+    assert ref.checkpoint.path == kquant_file
