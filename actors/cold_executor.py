@@ -34,7 +34,7 @@ class ColdExecutor:
         faulthandler.enable()  # a native crash (the CPU kernel) leaves its Python stack in the log
         pin(cores, threads)
         self.spec, self.rank, self.cores = spec, rank, cores
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         a, src, dtype = model.args, model.source, spec.torch_dtype  # the driver's table: no parse
         self.fmt = neuron_format(weights, model.info, torch.empty(0, dtype=dtype))
         self.sets, self.thresholds = [], plan.thresholds
@@ -45,6 +45,7 @@ class ColdExecutor:
         src.close()
         trim_heap()  # the load's transients, freed, stay resident otherwise
         self.load_s = time.perf_counter() - t0
+        self.load_cpu_s = time.process_time() - c0  # without the time other processes took
         self.neurons = sum(len(s.idx) for s in self.sets)
         self.x, self.part = spec.open("x"), spec.open(f"part.{rank}", writer=True)
         self.busy_s, self.steps = 0.0, 0
@@ -52,6 +53,7 @@ class ColdExecutor:
     def ready(self) -> dict:
         return {"rank": self.rank, "cores": list(self.cores), "neurons": self.neurons,
                 "format": self.fmt or "torch", "pid": os.getpid(), "load_s": self.load_s,
+                "load_cpu_s": self.load_cpu_s,
                 "held_bytes": held_bytes(*self.sets)}
 
     @torch.inference_mode()

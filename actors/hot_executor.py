@@ -119,7 +119,7 @@ class HotExecutor:
         pin(cores, config.cpu_threads)
         self.spec, self.cores, self.device = spec, cores, config.torch_device
         int4 = config.weights == "int4"
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         ckpt = model  # the driver's table of the file's tensors: nothing to parse here
         hot = [plan.hot_mask(i, hot_share) for i in range(plan.n_layers)]
         # on a GPU the hot rows stay torch tensors; on a CPU they run on the kernel as the cold
@@ -135,6 +135,7 @@ class HotExecutor:
         ckpt.source.close()
         trim_heap()  # the load's transients, freed, stay resident otherwise
         self.load_s = time.perf_counter() - t0
+        self.load_cpu_s = time.process_time() - c0  # without the time other processes took
         self.io = DataPlane(spec, plan.predictor_input, self.device)
         for i, block in enumerate(model.layers):
             block.ffn = RemoteFFN(block.ffn, self.io)  # drops the cold neurons
@@ -155,6 +156,7 @@ class HotExecutor:
     def ready(self) -> dict:
         return {"cores": list(self.cores), "hot_neurons": self.hot_neurons,
                 "device": str(self.device), "pid": os.getpid(), "load_s": self.load_s,
+                "load_cpu_s": self.load_cpu_s,
                 **self._memory()}
 
     def _memory(self) -> dict:

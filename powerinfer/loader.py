@@ -9,6 +9,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import mmap
+import warnings
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -229,6 +230,10 @@ class TensorSource:
     def get(self, name: str, dtype: torch.dtype) -> torch.Tensor:
         raise NotImplementedError
 
+    def read_into(self, name: str, out: torch.Tensor):
+        """Copy the whole tensor into `out` (its shape, any dtype)."""
+        out.copy_(self.get(name, out.dtype))
+
     def rows(self, name: str, idx: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """Rows idx of a (n, k) tensor, (len(idx), k)."""
         return self.get(name, dtype).index_select(0, idx)
@@ -238,16 +243,26 @@ class TensorSource:
         uint8; None where the tensor is not stored in blocks."""
         return None
 
-    def columns(self, name: str, idx: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        """Columns idx of a (n, k) tensor, transposed: (len(idx), n)."""
-        return self.get(name, dtype)[:, idx].t().contiguous()
+    def rows_into(self, name: str, idx: torch.Tensor, out: torch.Tensor):
+        """`rows` written into `out` (len(idx), k), which may be a strided view."""
+        out.copy_(self.rows(name, idx, out.dtype))
 
-    def down_rows(self, layer: int, idx: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    def columns(self, name: str, idx: torch.Tensor, dtype: torch.dtype,
+                out: torch.Tensor | None = None) -> torch.Tensor:
+        """Columns idx of a (n, k) tensor, transposed: (len(idx), n) (into `out` if given)."""
+        cols = self.get(name, dtype)[:, idx].t()
+        return cols.contiguous() if out is None else out.copy_(cols)
+
+    def down_rows(self, layer: int, idx: torch.Tensor, dtype: torch.dtype,
+                  out: torch.Tensor | None = None) -> torch.Tensor:
         """Rows idx of layer's transposed down projection (a neuron's output weights, each
-        (dim,)): columns of `down`, or rows of a file's `down_t`."""
+        (dim,)): columns of `down`, or rows of a file's `down_t` (into `out` if given)."""
         if f"{layer}.down" in self.names:
-            return self.columns(f"{layer}.down", idx, dtype)
-        return self.rows(f"{layer}.down_t", idx, dtype)
+            return self.columns(f"{layer}.down", idx, dtype, out)
+        if out is None:
+            return self.rows(f"{layer}.down_t", idx, dtype)
+        self.rows_into(f"{layer}.down_t", idx, out)
+        return out
 
     def q4(self, name: str):
         raise KeyError(f"{name} is not stored in 4-bit blocks")
@@ -257,6 +272,7 @@ class TensorSource:
 
 
 _PLAIN = {"F32": np.float32, "F16": np.float16, "BF16": np.int16}  # stored as plain numbers
+_TORCH = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
 
 
 class Stored(NamedTuple):
@@ -323,25 +339,47 @@ class GGUFSource(TensorSource):
             return None
         return a.n_heads if role[0] == "q" else a.n_kv_heads
 
-    def _widen(self, name: str, raw: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
-        """Rows of the tensor's bytes -> (rows, k) in dtype."""
+    def _view(self, name: str) -> torch.Tensor:
+        """A tensor stored as plain numbers, as a read-only torch view of the map (rows, k):
+        whatever reads it copies out only what it keeps, once."""
+        data = self._data(name)
+        with warnings.catch_warnings():  # the map is read-only: nothing here writes to it
+            warnings.simplefilter("ignore", UserWarning)
+            w = torch.from_numpy(data.view(_PLAIN[self.kind(name)]))
+        return w.view(torch.bfloat16) if self.kind(name) == "BF16" else w
+
+    def _dequantize(self, name: str, raw: np.ndarray) -> torch.Tensor:
+        """Rows of a block-quantized tensor's bytes -> (rows, k) float32."""
         import gguf
 
-        kind, k = self.kind(name), self.shape(name)[-1]
-        if kind in _PLAIN:  # copied out of the (read-only) map; bf16 as its raw bits
-            raw = raw if raw.flags.owndata else raw.copy()
-            w = torch.from_numpy(raw.view(_PLAIN[kind]))
-            w = w.view(torch.bfloat16) if kind == "BF16" else w
-        else:
-            w = torch.from_numpy(np.asarray(gguf.quants.dequantize(
-                raw, gguf.GGMLQuantizationType[kind]), dtype=np.float32))
-        return w.reshape(-1, k).to(dtype)
+        w = gguf.quants.dequantize(raw, gguf.GGMLQuantizationType[self.kind(name)])
+        return torch.from_numpy(np.asarray(w, dtype=np.float32)).reshape(-1, self.shape(name)[-1])
+
+    def read_into(self, name: str, out: torch.Tensor):
+        """Copy the whole tensor into `out` (its shape, any dtype): one copy for plain numbers."""
+        heads = self._heads(name)
+        w = (self._view(name) if self.kind(name) in _PLAIN
+             else self._dequantize(name, self._data(name)))
+        w = w.reshape(self.shape(name))
+        out.copy_(w if heads is None else unpermute_rows(w, heads))
+        del w
+        self._release(name)
 
     def get(self, name: str, dtype: torch.dtype) -> torch.Tensor:
-        w = self._widen(name, self._data(name), dtype).reshape(self.shape(name))
+        out = torch.empty(self.shape(name), dtype=dtype)
+        self.read_into(name, out)
+        return out
+
+    def rows(self, name: str, idx: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        assert self._heads(name) is None, f"rows of a permuted tensor ({name})"
+        if len(idx) == 0:
+            return torch.empty(0, self.shape(name)[-1], dtype=dtype)
+        if self.kind(name) in _PLAIN:
+            out = self._view(name).index_select(0, idx).to(dtype)
+        else:
+            out = self._dequantize(name, self._data(name)[idx.numpy()]).to(dtype)
         self._release(name)
-        heads = self._heads(name)
-        return w if heads is None else unpermute_rows(w, heads).contiguous()
+        return out
 
     def _data_rows(self, name: str, idx: torch.Tensor) -> np.ndarray:
         assert self._heads(name) is None, f"rows of a permuted tensor ({name})"
@@ -349,25 +387,33 @@ class GGUFSource(TensorSource):
         self._release(name)
         return out
 
-    def rows(self, name: str, idx: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        if len(idx) == 0:
-            return torch.empty(0, self.shape(name)[-1], dtype=dtype)
-        return self._widen(name, self._data_rows(name, idx), dtype)
-
     def raw_rows(self, name: str, idx: torch.Tensor) -> torch.Tensor | None:
         if self.kind(name) in _PLAIN:
             return None
         return torch.from_numpy(self._data_rows(name, idx))
 
-    def columns(self, name: str, idx: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    def rows_into(self, name: str, idx: torch.Tensor, out: torch.Tensor):
+        if self.kind(name) in _PLAIN and out.dtype == _TORCH[self.kind(name)] and len(idx):
+            torch.index_select(self._view(name), 0, idx, out=out)  # straight into place
+            self._release(name)
+        else:
+            super().rows_into(name, idx, out)
+
+    def columns(self, name: str, idx: torch.Tensor, dtype: torch.dtype,
+                out: torch.Tensor | None = None) -> torch.Tensor:
         n, k = self.shape(name)
-        out = torch.empty(len(idx), n, dtype=dtype)
+        out = torch.empty(len(idx), n, dtype=dtype) if out is None else out
         if len(idx) == 0:
             return out
+        plain = self.kind(name) in _PLAIN
         step = max(1, self.COLUMN_CHUNK_BYTES // (4 * k))
+        if plain:  # a chunk of rows in place, its columns gathered along each row
+            step, view = max(1, step // 16), self._view(name)
         for lo in range(0, n, step):
             hi = min(n, lo + step)
-            out[:, lo:hi] = self.rows(name, torch.arange(lo, hi), torch.float32)[:, idx].t()
+            chunk = view[lo:hi] if plain else self._dequantize(name, self._data(name)[lo:hi])
+            out[:, lo:hi] = chunk.index_select(1, idx).t()
+        self._release(name)
         return out
 
     def q4(self, name: str):

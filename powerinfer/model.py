@@ -237,7 +237,7 @@ class Transformer(nn.Module):
     def from_weights(cls, args: ModelArgs, weights: dict[str, torch.Tensor], dtype, device):
         with torch.device("meta"):
             model = cls(args)
-        model = model.to_empty(device=device).to(dtype)
+        model = model.to(dtype).to_empty(device=device)  # allocated in dtype, never touched
         if args.tie_embeddings:  # to_empty gives each module its own storage: tie again
             model.output.weight = model.tok_embeddings.weight
         model.load_weights(weights)
@@ -256,6 +256,17 @@ class Transformer(nn.Module):
             missing = [p for p in parts if p not in w]
             if missing:
                 raise ValueError(f"missing tensor {missing[0]}")
+            if hasattr(w, "read_into"):  # a lazy source: each part read straight into place
+                shapes = [tuple(w.shape(p)) for p in parts]
+                if (sum(x[0] for x in shapes), *shapes[0][1:]) != tuple(param.shape):
+                    raise ValueError(f"tensor {'+'.join(parts)} has shapes {shapes}, "
+                                     f"expected {tuple(param.shape)} together")
+                off = 0
+                with torch.no_grad():
+                    for p, x in zip(parts, shapes):
+                        w.read_into(p, param[off:off + x[0]])
+                        off += x[0]
+                return
             src = torch.cat([w[p] for p in parts]) if len(parts) > 1 else w[parts[0]]
             if src.shape != param.shape:
                 raise ValueError(f"tensor {'+'.join(parts)} has shape {tuple(src.shape)}, "

@@ -25,6 +25,7 @@ from .sparse import HybridFFN, NeuronSet
 
 # GGUF types whose rows the kernel reads as they are stored
 STORED_FORMATS = {"Q4_0": "q4_0", "Q4_1": "q4_1", "Q8_0": "q8_0"}
+PLAIN_FORMATS = {"f32": torch.float32, "bf16": torch.bfloat16}  # kernel formats of plain numbers
 
 
 class LazyWeights(Mapping):
@@ -48,6 +49,12 @@ class LazyWeights(Mapping):
     def __len__(self) -> int:
         return len(self.source.names)
 
+    def shape(self, name: str) -> tuple[int, ...]:
+        return self.source.shape(name)
+
+    def read_into(self, name: str, out: torch.Tensor):
+        self.source.read_into(name, out)
+
 
 def read_neuron_set(src: TensorSource, a: ModelArgs, layer: int, idx: torch.Tensor,
                     fmt: str | None, dtype: torch.dtype) -> NeuronSet:
@@ -61,10 +68,17 @@ def read_neuron_set(src: TensorSource, a: ModelArgs, layer: int, idx: torch.Tens
             return src.raw_rows(name, idx)
         return src.rows(name, idx, dtype)
 
+    up_b = src.rows(p + "up_b", idx, dtype) if p + "up_b" in src.names else None
+    if fmt in PLAIN_FORMATS:  # records of plain numbers: each row read straight into place
+        rec = torch.empty(len(idx), len(names) + 1, a.dim, dtype=PLAIN_FORMATS[fmt])
+        for j, name in enumerate(names):
+            src.rows_into(name, idx, rec[:, j])
+        src.down_rows(layer, idx, rec.dtype, rec[:, -1])
+        return NeuronSet.from_rows(a.ffn_act, idx, fmt, dtype, a.dim, up_b,
+                                   records=rec.view(len(idx), rec.shape[1] * a.dim).view(torch.uint8))
     w1 = [read(n) for n in names]
     gate, up = (w1[0], w1[1]) if gated else (None, w1[0])
     down_t = src.down_rows(layer, idx, dtype)
-    up_b = src.rows(p + "up_b", idx, dtype) if p + "up_b" in src.names else None
     if fmt is None:  # the torch path: plain rows in the model's dtype
         return NeuronSet.from_rows(a.ffn_act, idx, None, dtype, a.dim, up_b, (gate, up, down_t))
     return NeuronSet.from_rows(a.ffn_act, idx, fmt, dtype, a.dim, up_b,
@@ -111,7 +125,7 @@ def hot_model(ckpt: ModelFile, dtype: torch.dtype, hot: list[torch.Tensor],
         model.tok_embeddings = nn.Identity()
         if a.tie_embeddings:
             model.output = nn.Identity()
-    model = model.to_empty(device="cpu").to(dtype)
+    model = model.to(dtype).to_empty(device="cpu")  # allocated in dtype, filled once below
     if a.tie_embeddings and embed_fmt is None:
         model.output.weight = model.tok_embeddings.weight
     model.load_weights(LazyWeights(src, dtype))

@@ -1,0 +1,75 @@
+"""Reading a share of a model from its file (`TensorSource`, `partial.read_neuron_set`): the
+rows, columns and blocks read equal those of the whole tensor read at once, and a neuron set
+read on its own equals the one cut from the dense model, byte for byte, in every format. Real
+files: the default model (Q4_1, Q8_0 embedding) and a synthetic bf16 one."""
+import pickle
+
+import pytest
+import torch
+
+from powerinfer import kernels
+from powerinfer.loader import load_checkpoint
+from powerinfer.partial import read_neuron_set
+from powerinfer.sparse import NeuronSet
+from powerinfer.synthetic import write_synthetic
+
+
+@pytest.fixture(scope="module")
+def synthetic(tmp_path_factory):
+    path = tmp_path_factory.mktemp("partial") / "tiny.gguf"
+    write_synthetic(path, "tiny", progress=False)
+    return path
+
+
+@pytest.fixture(params=["default", "synthetic"])
+def model(request, default_model_path, synthetic):
+    return default_model_path if request.param == "default" else synthetic
+
+
+def test_rows_columns_and_blocks_equal_the_whole_tensor(model):
+    src = pickle.loads(pickle.dumps(load_checkpoint(model, with_weights=False).source))
+    idx = torch.tensor([0, 3, 4, 17, 100, 255])
+    for name in ("0.up", "1.down", "embed"):
+        whole = src.get(name, torch.float32)
+        assert torch.equal(src.rows(name, idx, torch.float32), whole[idx])
+        assert torch.equal(src.columns(name, idx, torch.float32), whole[:, idx].t())
+        out = torch.zeros(len(idx), 2, whole.shape[1])
+        src.rows_into(name, idx, out[:, 1])  # a strided destination
+        assert torch.equal(out[:, 1], whole[idx]) and not out[:, 0].any()
+        raw = src.raw_rows(name, idx)
+        if raw is not None:
+            fmt = src.kind(name).lower()
+            assert torch.equal(kernels.dequantize_rows(raw, fmt, whole.shape[1]), whole[idx])
+    none = torch.tensor([], dtype=torch.long)
+    assert src.rows("0.up", none, torch.float32).shape == (0, src.shape("0.up")[1])
+    assert src.columns("0.down", none, torch.float32).shape == (0, src.shape("0.down")[0])
+    # q and k come back in the model's row order, as the eager load gives them
+    ck = load_checkpoint(model, torch.float32)
+    assert torch.equal(src.get("0.q", torch.float32), ck.weights["0.q"])
+
+
+@pytest.mark.parametrize("fmt", [None, "f32", "bf16", "q4_1"])
+def test_a_neuron_set_read_alone_equals_the_one_cut_from_the_dense_model(default_model_path, fmt):
+    if fmt is not None and not kernels.available():
+        pytest.skip("the CPU FFN kernel cannot run here (it needs AVX2 and FMA)")
+    dtype = torch.bfloat16 if fmt in ("bf16", "q4_1") else torch.float32
+    ck = load_checkpoint(default_model_path, dtype)
+    a, w = ck.args, ck.weights
+    idx = torch.arange(5, a.ffn_dim, 7)
+    w1 = torch.cat([w["2.gate"], w["2.up"]])
+    want = NeuronSet(a.ffn_act, w1, None, w["2.down"], idx, fmt)
+    got = read_neuron_set(ck.source, a, 2, idx, fmt, dtype)
+    if fmt is None:
+        for x, y in zip(want.rows(), got.rows()):
+            assert torch.equal(x, y)
+    elif fmt == "q4_1":  # gate and up are the file's own blocks; down is Q8_0 from the same values
+        rb = kernels.row_bytes(fmt, a.dim)
+        assert torch.equal(got.records[:, rb:2 * rb], ck.source.raw_rows("2.up", idx))
+        for x, y in zip(want.rows(), got.rows()):
+            torch.testing.assert_close(x.float(), y.float(), rtol=0, atol=1e-2)
+    else:
+        assert torch.equal(want.records, got.records)
+    x = torch.randn(3, 1, a.dim, dtype=dtype)
+    torch.testing.assert_close(got(x).float(), want(x).float(), rtol=2e-2, atol=2e-2)
+    empty = read_neuron_set(ck.source, a, 2, torch.tensor([], dtype=torch.long), fmt, dtype)
+    assert len(empty.idx) == 0 and not empty(x).any()
