@@ -143,6 +143,37 @@ def llama_rss(path: str, threads: int) -> dict | None:
         stop(proc)
 
 
+def on_paper(over: dict[str, int], peak_ratio: float) -> str:
+    """A 70B model (Llama-2-70B's shape) in a Q4_0 file, held the way this run measured:
+    gate/up rows in the file's blocks, down rows in Q8_0 (`kernels.down_format`), attention as
+    int4 (5 bits a weight with its bf16 scales and zeros), the head in Q8_0; the KV cache for 4
+    slots of 4096 positions; the measured fixed cost per process and peak/steady ratio."""
+    GB = 1e9
+    dim, ff, layers, kv_heads, head_dim, vocab = 8192, 28672, 80, 8, 128, 32000
+    attn = layers * (2 * dim * dim + 2 * dim * kv_heads * head_dim)
+    gate_up, down, emb = layers * 2 * dim * ff, layers * dim * ff, vocab * dim
+    file = (attn + gate_up + down + 2 * emb) * 4.5 / 8
+    ffn = gate_up * 4.5 / 8 + down * 8.5 / 8
+    held = ffn + attn * 5 / 8 + emb * 4.5 / 8 + emb * 8.5 / 8
+    kv = layers * 2 * kv_heads * head_dim * 2 * 4 * 4096
+    procs = 6  # hot, 4 cold, scheduler
+    fixed = over.get("hot", 0) + 4 * over.get("cold", 0) + over.get("scheduler", 0)
+    cpu_total = held + kv + fixed
+    # with a 24 GB GPU: attention (4-bit on the device), the KV cache and the hottest FFN rows
+    gpu_ffn = 24 * GB - attn * 4.5 / 8 - kv - 1.0 * GB  # 1 GB: CUDA context and workspace
+    host = ffn - gpu_ffn + emb * 4.5 / 8 + fixed
+    lines = ["| 70B Q4_0 | GB |", "|---|---:|",
+             f"| file | {file / GB:.1f} |",
+             f"| held, CPU only (x file) | {held / GB:.1f} ({held / file:.2f}) |",
+             f"| FFN (gate/up Q4_0, down Q8_0) | {ffn / GB:.1f} |",
+             f"| KV cache, 4 x 4096 positions | {kv / GB:.1f} |",
+             f"| fixed, {procs} processes | {fixed / GB:.1f} |",
+             f"| CPU only: steady / peak | {cpu_total / GB:.1f} / {cpu_total * peak_ratio / GB:.1f} |",
+             f"| 24 GB GPU: FFN bytes on it (share of the FFN) | {gpu_ffn / GB:.1f} ({gpu_ffn / ffn:.0%}) |",
+             f"| 24 GB GPU: host steady / peak | {host / GB:.1f} / {host * peak_ratio / GB:.1f} |"]
+    return "\n".join(lines)
+
+
 def mib(x: float) -> str:
     return f"{x / MiB:,.0f}"
 
@@ -216,6 +247,7 @@ def main() -> int:
     print(report(runs, over, checks, llama))
     print(f"driver (this process): peak {mib(out['driver']['hwm'])} MiB, "
           f"steady {mib(out['driver']['rss'])} MiB")
+    print(on_paper(over, max(c["peak_ratio"] for c in checks)))
     if args.out:
         Path(args.out).write_text(json.dumps(out, indent=1))
     return 0
