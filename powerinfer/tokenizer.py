@@ -50,6 +50,10 @@ class Tokenizer:
     def decode(self, ids: list[int]) -> str:
         return self.tok.decode(ids, skip_special_tokens=True)
 
+    def __getstate__(self):
+        # the compiled chat template does not pickle (jinja2); it is compiled again on first use
+        return {**self.__dict__, "_template": None}
+
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
                             **extra) -> str:
         if self._template is None:

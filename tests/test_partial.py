@@ -73,3 +73,19 @@ def test_a_neuron_set_read_alone_equals_the_one_cut_from_the_dense_model(default
     torch.testing.assert_close(got(x).float(), want(x).float(), rtol=2e-2, atol=2e-2)
     empty = read_neuron_set(ck.source, a, 2, torch.tensor([], dtype=torch.long), fmt, dtype)
     assert len(empty.idx) == 0 and not empty(x).any()
+
+
+def test_what_the_driver_sends_its_actors_pickles(default_model_path):
+    """The model file's table and the tokenizer travel to the executors and the scheduler on
+    every start of a group, also after the tokenizer has rendered a chat template."""
+    from powerinfer.tokenizer import Tokenizer
+
+    ck = load_checkpoint(default_model_path, with_weights=False)
+    tok = Tokenizer.from_source(ck.tokenizer_source)
+    chat = [{"role": "user", "content": "What is the capital of France?"}]
+    text = tok.apply_chat_template(chat)
+    again = pickle.loads(pickle.dumps(tok))
+    assert again.apply_chat_template(chat) == text and again.encode(text) == tok.encode(text)
+    model = pickle.loads(pickle.dumps(ck.model_file()))
+    assert torch.equal(model.source.get("0.up", torch.float32), ck.source.get("0.up", torch.float32))
+    assert len(pickle.dumps(ck.model_file())) < 1 << 20  # a table, not tensors

@@ -1,0 +1,86 @@
+"""The placement planner on the shipped EPYC box description and on this machine: disjoint core
+sets, cold executors near their GPU, memory within each node, refusals that name what is short,
+and `powerinfer plan` printing the table."""
+import dataclasses
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from cluster.placement import Host, ModelSpec, PlanError, models_from_yaml, plan
+
+ROOT = Path(__file__).resolve().parent.parent
+EPYC = ROOT / "cluster" / "hosts" / "epyc-9554-2s.yaml"
+MODELS = ROOT / "cluster" / "hosts" / "models-example.yaml"
+POWERINFER = Path(sys.executable).with_name("powerinfer")
+
+
+def test_the_epyc_box_hosts_four_models_on_disjoint_cores():
+    host = Host.from_yaml(EPYC)
+    assert len(host.nodes) == 8 and host.cores == 128 and len(host.gpus) == 4
+    models = models_from_yaml(MODELS)
+    p = plan(host, models)
+    assert [g.model for g in p.groups] == [m.name for m in models]
+    seen = []
+    for g in p.groups:
+        seen += g.cores()
+        node_of = {c: n.id for n in host.nodes for c in n.cores}
+        # the hot executor, scheduler and predictor on the home node; each cold executor on one node
+        assert {node_of[c] for c in (*g.hot, *g.scheduler, *g.predictor)} == {g.home}
+        for node, cores in g.cold:
+            assert {node_of[c] for c in cores} == {node}
+        if g.gpu is not None:  # its GPU's nearest node is home, and cold executors start there
+            gpu = host.gpus[g.gpu]
+            assert g.home == gpu.numa_node and g.cold[0][0] == gpu.numa_node
+    assert len(seen) == len(set(seen)), "a core planned twice"
+    for n in host.nodes:
+        assert sum(g.memory_gb.get(n.id, 0) for g in p.groups) <= n.memory_gb
+    vram = {}
+    for g in p.groups:
+        if g.gpu is not None:
+            vram[g.gpu] = vram.get(g.gpu, 0) + g.vram_gb
+    assert all(v <= host.gpus[i].memory_gb for i, v in vram.items())
+    table = p.table()
+    for m in models:
+        assert f"| {m.name} |" in table
+
+
+def test_a_plan_that_does_not_fit_names_what_is_short(tmp_path):
+    host = Host.from_yaml(EPYC)
+    big = ModelSpec("huge", 10, 900, 1, 1e-4, cold_executors=2, cores_per_cold=8)
+    with pytest.raises(PlanError, match=r"model huge: cold executor 0 needs 8 cores and .* GB short"):
+        plan(host, [big])
+    gpu = dataclasses.replace(big, name="gpu-hungry", ffn_gb=10, vram_budget_gb=30)
+    with pytest.raises(PlanError, match=r"gpu-hungry: wants 30.0 GB of VRAM; .* 7.0 GB short"):
+        plan(host, [gpu])
+    many = [dataclasses.replace(big, name=f"m{i}", ffn_gb=10, cores_per_cold=16, cold_executors=1)
+            for i in range(8)]
+    with pytest.raises(PlanError, match=r"cores short"):
+        plan(host, many)
+    bad = tmp_path / "host.yaml"
+    bad.write_text(yaml.safe_dump({"numa_nodes": [{"id": 0, "cores": "0-3", "memory_gb": 8}],
+                                   "gpus": [{"id": 0, "memory_gb": 24, "numa_node": 3}]}))
+    with pytest.raises(PlanError, match="gpu 0 names a NUMA node"):
+        Host.from_yaml(bad)
+
+
+def test_this_machine_from_sysfs_and_the_command_line(tmp_path, default_model_path):
+    host = Host.read()
+    assert host.cores >= 1 and all(n.memory_gb > 0 for n in host.nodes)
+    models = tmp_path / "models.yaml"
+    models.write_text(yaml.safe_dump({"models": [
+        {"name": "smol", "model": str(default_model_path), "cold_executors": 1,
+         "cores_per_cold": 1, "hot_cores": 1, "predictor": False}]}))
+    spec = models_from_yaml(models)[0]
+    # sizes from the file's header: the 4-bit FFN with its down rows in Q8_0, about the file
+    total = spec.weights_gb * 1e9
+    assert 0.9 * default_model_path.stat().st_size < total < 1.3 * default_model_path.stat().st_size
+    out = subprocess.run([str(POWERINFER), "plan", "--host", str(EPYC), "--models", str(models)],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "| smol |" in out.stdout and "of 128 cores planned" in out.stdout
+    out = subprocess.run([str(POWERINFER), "plan", "--host", str(tmp_path / "nope.yaml"),
+                          "--models", str(models)], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 1 and "error:" in out.stderr
