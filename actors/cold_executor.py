@@ -15,7 +15,7 @@ import time
 
 import torch
 
-from cluster.topology import pin, process_memory
+from cluster.topology import node_of, numa_pages, pin, process_memory
 from powerinfer.compat import trim_heap
 from powerinfer.loader import ModelFile
 from powerinfer.model import held_bytes
@@ -54,7 +54,8 @@ class ColdExecutor:
         return {"rank": self.rank, "cores": list(self.cores), "neurons": self.neurons,
                 "format": self.fmt or "torch", "pid": os.getpid(), "load_s": self.load_s,
                 "load_cpu_s": self.load_cpu_s,
-                "held_bytes": held_bytes(*self.sets)}
+                "held_bytes": held_bytes(*self.sets), "numa_bytes": numa_pages(),
+                "node": node_of(self.cores)}
 
     @torch.inference_mode()
     def run(self) -> str:

@@ -14,7 +14,7 @@ import ray
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from cluster.topology import CorePlan, Topology, plan_cores, process_memory
+from cluster.topology import CorePlan, Topology, node_of, plan_cores, process_memory
 from powerinfer.config import Config
 from powerinfer.errors import ConfigError, EngineFailedError
 from powerinfer.loader import ModelFile
@@ -74,8 +74,18 @@ class ActorGroup:
         self.spec.create_all()
         try:
             gpu = wants_gpu(c)
-            bundles = [{"CPU": CPU_SHARE, **({"GPU": 1} if gpu else {})}]
-            bundles += [{"CPU": CPU_SHARE}] * (n + 2)
+            # with NUMA nodes advertised (`cluster.topology.numa_resources`), each actor's bundle
+            # asks for the node its cores are on: Ray places the group on a host that has them
+            numa = any(k.startswith("numa_node_") for k in ray.cluster_resources())
+            topo = Topology.read()
+
+            def bundle(cores, **extra):
+                node = {f"numa_node_{node_of(cores, topo)}": CPU_SHARE} if numa else {}
+                return {"CPU": CPU_SHARE, **node, **extra}
+
+            bundles = [bundle(self.cores.hot, **({"GPU": 1} if gpu else {}))]
+            bundles += [bundle(g) for g in self.cores.cold]
+            bundles += [bundle(self.cores.predictor), bundle(self.cores.hot)]  # predictor, scheduler
             self.pg = placement_group(bundles, strategy="STRICT_PACK")
             ray.get(self.pg.ready(), timeout=START_TIMEOUT_S)
 

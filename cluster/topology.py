@@ -107,3 +107,38 @@ def process_memory(pid: int | str = "self") -> dict[str, int]:
         if k in keys:
             out[keys[k]] = int(v.split()[0]) * 1024
     return out
+
+
+def numa_resources(topo: Topology | None = None) -> dict[str, float]:
+    """Ray custom resources that advertise this host's NUMA nodes: numa_node_<i>, its cores.
+    `powerinfer serve` starts Ray with them (and the KubeRay manifest's workers declare them); a
+    model's placement group asks for the nodes its core plan uses, so that Ray puts it on a
+    host that has them."""
+    topo = topo or Topology.read()
+    return {f"numa_node_{i}": float(len(cores)) for i, cores in enumerate(topo.nodes)}
+
+
+def node_of(cores: tuple[int, ...], topo: Topology | None = None) -> int:
+    """The NUMA node holding most of `cores` (index into Topology.nodes)."""
+    topo = topo or Topology.read()
+    counts = [sum(c in n for c in cores) for n in topo.nodes]
+    return max(range(len(counts)), key=counts.__getitem__)
+
+
+def numa_pages(pid: int | str = "self") -> dict[int, int]:
+    """Bytes of this process's private memory (heap and anonymous mappings) on each NUMA node,
+    from /proc/PID/numa_maps: where first touch after pinning put them."""
+    out: dict[int, int] = {}
+    for line in Path(f"/proc/{pid}/numa_maps").read_text().splitlines():
+        fields = line.split()
+        if not ("anon=" in line or "heap" in fields):
+            continue
+        size = 4096
+        for f in fields:
+            if f.startswith("kernelpagesize_kB="):
+                size = int(f.split("=")[1]) * 1024
+        for f in fields:
+            if f[0] == "N" and "=" in f and f[1:f.index("=")].isdigit():
+                node, pages = f[1:].split("=")
+                out[int(node)] = out.get(int(node), 0) + int(pages) * size
+    return out

@@ -97,8 +97,12 @@ def ray_init(runtime_env: dict | None = None):
         # (ray._private.authentication.authentication_token_setup._enable_token_auth)
         from ray._raylet import Config
         Config.initialize("")
+    kw = {}
+    if not os.environ.get("RAY_ADDRESS"):  # a local instance advertises this host's NUMA nodes
+        from cluster.topology import numa_resources
+        kw["resources"] = numa_resources()
     ray.init(include_dashboard=False, logging_level="warning", log_to_driver=True,
-             runtime_env=runtime_env)
+             runtime_env=runtime_env, **kw)
 
 
 def trim_heap() -> None:

@@ -3,7 +3,8 @@ model, memory read from /proc in each actor): the weights its executors hold add
 1.3x the file; the group's resident memory is at most that, plus the KV cache, plus what each
 process costs with no model (an executor's: measured on a tiny synthetic model's group in the
 same run; the scheduler holds no tensors, so all of its memory is such a cost, the tokenizer
-included); its peak while loading is at most 1.5x its steady state."""
+included); its peak while loading is at most 1.5x its steady state. Each cold executor's rows
+are in memory of its own NUMA node (/proc/self/numa_maps, read in the actor)."""
 import pytest
 import ray
 
@@ -25,6 +26,11 @@ def group_memory(model) -> tuple[dict, Config]:
     try:
         assert pi.generate("The capital of France is", max_new_tokens=4, temperature=0)
         st = pi.engine.stats()["actors"]
+        for name, info in pi.engine.group.info.items():
+            if name.startswith("cold"):  # first touch after pinning: its rows on its own node
+                on_node = info["numa_bytes"].get(info["node"], 0)
+                assert on_node >= info["held_bytes"], (name, info)
+                assert on_node >= 0.9 * sum(info["numa_bytes"].values()), (name, info)
         return ({name: {**s["memory"], "held": s.get("held_bytes", 0)} for name, s in st.items()},
                 pi.engine.config)
     finally:
