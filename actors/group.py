@@ -14,7 +14,8 @@ import ray
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from cluster.topology import CorePlan, Topology, node_of, plan_cores, process_memory
+from cluster.topology import (CorePlan, Topology, node_of, parse_cpulist, plan_cores,
+                              process_memory)
 from powerinfer.config import Config
 from powerinfer.errors import ConfigError, EngineFailedError
 from powerinfer.loader import ModelFile
@@ -66,7 +67,13 @@ class ActorGroup:
     def start(self) -> "ActorGroup":
         c, n = self.config, self.config.cold_executors
         sweep()
-        self.cores = plan_cores(Topology.read(), n)
+        topo = Topology.read()
+        if c.cores:  # this model's own cores on a host shared with other models
+            try:
+                topo = topo.within(parse_cpulist(c.cores))
+            except ValueError as e:
+                raise ConfigError(f"cores={c.cores!r}: {e}") from None
+        self.cores = plan_cores(topo, n)
         distinct_cold = {x for g in self.cores.cold for x in g} - set(self.cores.hot)
         hot_share = len(self.cores.hot) / (len(self.cores.hot) + len(distinct_cold))
         self.spec = PlaneSpec.new(n, c.max_batch + 1, self.max_seq, self.args, c.torch_dtype,
@@ -77,7 +84,7 @@ class ActorGroup:
             # with NUMA nodes advertised (`cluster.topology.numa_resources`), each actor's bundle
             # asks for the node its cores are on: Ray places the group on a host that has them
             numa = any(k.startswith("numa_node_") for k in ray.cluster_resources())
-            topo = Topology.read()
+            topo = Topology.read()  # node indices as numa_resources numbers them
 
             def bundle(cores, **extra):
                 node = {f"numa_node_{node_of(cores, topo)}": CPU_SHARE} if numa else {}

@@ -17,6 +17,7 @@ from typing import AsyncIterator, Iterator
 import ray
 from ray.exceptions import RayActorError, RayTaskError, TaskCancelledError
 
+from cluster.topology import numa_resources
 from powerinfer.compat import ray_init
 from powerinfer.config import Config, SamplingParams
 from powerinfer.batching import context_length
@@ -52,7 +53,7 @@ class ActorEngine:
         self.args, self.config, self.path = ckpt.args, config, ckpt.path
         self.model = ckpt.model_file()  # parsed once here; the executors read through it
         self.max_seq = context_length(ckpt.args, config)
-        ray_init()
+        ray_init(resources=numa_resources())  # a local instance advertises the NUMA nodes
         self.plan = (plan_for(config, ckpt.args, ckpt.path, self.max_seq, wants_gpu(config))
                      or SparsePlan.dense(ckpt.args))
         self._spin = spin_us

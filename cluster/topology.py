@@ -44,6 +44,16 @@ class Topology:
     def cores(self) -> list[int]:
         return [c for n in self.nodes for c in n]
 
+    def within(self, cores: list[int]) -> "Topology":
+        """The same nodes, keeping only `cores` (nodes left empty are dropped)."""
+        keep = set(cores)
+        nodes = tuple(tuple(c for c in n if c in keep) for n in self.nodes)
+        nodes = tuple(n for n in nodes if n)
+        if not nodes:
+            raise ValueError(f"none of the cores {sorted(keep)} is usable here "
+                             f"(usable: {self.cores})")
+        return Topology(nodes)
+
 
 @dataclass(frozen=True)
 class CorePlan:

@@ -78,7 +78,7 @@ def compile_per_instance(method):
         "guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe})
 
 
-def ray_init(runtime_env: dict | None = None):
+def ray_init(runtime_env: dict | None = None, resources: dict | None = None):
     """Connect to the Ray cluster in RAY_ADDRESS, or start a local one for this process.
 
     A local instance is started with token authentication on (RAY_AUTH_MODE=token): Ray's GCS,
@@ -98,9 +98,8 @@ def ray_init(runtime_env: dict | None = None):
         from ray._raylet import Config
         Config.initialize("")
     kw = {}
-    if not os.environ.get("RAY_ADDRESS"):  # a local instance advertises this host's NUMA nodes
-        from cluster.topology import numa_resources
-        kw["resources"] = numa_resources()
+    if not os.environ.get("RAY_ADDRESS") and resources:  # custom resources of a local instance
+        kw["resources"] = resources
     ray.init(include_dashboard=False, logging_level="warning", log_to_driver=True,
              runtime_env=runtime_env, **kw)
 

@@ -1,6 +1,7 @@
 """User configuration: small frozen dataclasses validated on construction."""
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, replace
 
 import torch
@@ -37,6 +38,9 @@ class Config:
         8-bit; the output head is 8-bit), or "auto" (default: int4 wherever it can run, else
         dense).
     cold_executors: cold-neuron executor actors (runtime "actors").
+    cores: the cores the actor group's executors are planned on, as a cpulist ("0-15,32")
+        (runtime "actors"; "": every core this process may use). Give each model of a host its
+        own set (`powerinfer plan` lays them out) and their groups do not share cores.
     max_queue: requests waiting for a batch slot before new ones get an "overloaded" error.
     max_ppl_increase: a bundle whose evaluation (`powerinfer eval`) shows its predictors raising
         held-out perplexity by more than this share warns at load, as one never evaluated does.
@@ -56,6 +60,7 @@ class Config:
     cold_executors: int = 1
     max_queue: int = 64
     max_ppl_increase: float = 0.02
+    cores: str = ""
 
     def __post_init__(self):
         if self.dtype not in DTYPES and self.dtype != "auto":
@@ -67,6 +72,8 @@ class Config:
             raise ConfigError(f"runtime must be 'local' or 'actors', got {self.runtime!r}")
         if self.predictor not in ("auto", "layer", "ffn"):
             raise ConfigError(f"predictor must be auto, layer or ffn, got {self.predictor!r}")
+        if self.cores and not re.fullmatch(r"\d+(-\d+)?(,\d+(-\d+)?)*", self.cores):
+            raise ConfigError(f"cores must be a cpulist like '0-15,32', got {self.cores!r}")
         if self.cold_executors < 1 or self.max_queue < 1:
             raise ConfigError("cold_executors and max_queue must be >= 1")
         if min(self.vram_budget_gb, self.cpu_threads, self.max_seq_len, self.max_ppl_increase) < 0:

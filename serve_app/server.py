@@ -58,6 +58,7 @@ def serve_forever(settings: ServeSettings, front: Frontend, demo: bool = False) 
     from ray import serve
     from ray.serve.config import gRPCOptions
 
+    from cluster.topology import numa_resources
     from powerinfer.compat import ray_init
 
     from .app import GRPC_SERVICER, build
@@ -66,7 +67,8 @@ def serve_forever(settings: ServeSettings, front: Frontend, demo: bool = False) 
     check_stubs()
     joined = bool(os.environ.get("RAY_ADDRESS"))
     ray_init(runtime_env={"worker_process_setup_hook": "serve_app.grpc_host.setup_serve_worker",
-                          "env_vars": {GRPC_HOST_ENV: front.host}})
+                          "env_vars": {GRPC_HOST_ENV: front.host}},
+             resources=numa_resources())  # a local instance advertises the NUMA nodes
     # SIGTERM stops the server as Ctrl-C does (a handler that only raises takes no lock that
     # the interrupted code may hold)
     signal.signal(signal.SIGTERM, _interrupt)

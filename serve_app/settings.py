@@ -31,6 +31,7 @@ class ModelSpec:
     cpu_threads: int = 0
     predictor: str = "auto"
     vram_budget_gb: float = 0.0
+    cores: str = ""  # the cores its actor group is planned on (cpulist; "": every core)
 
     def __post_init__(self):
         if not isinstance(self.name, str) or not NAME.fullmatch(self.name):
@@ -42,7 +43,7 @@ class ModelSpec:
                       device=self.device, dtype=self.dtype, max_batch=self.max_batch,
                       max_queue=self.max_queue, max_seq_len=self.max_seq_len,
                       cpu_threads=self.cpu_threads, predictor=self.predictor,
-                      vram_budget_gb=self.vram_budget_gb)
+                      vram_budget_gb=self.vram_budget_gb, cores=str(self.cores))
 
 
 @dataclass(frozen=True, slots=True)

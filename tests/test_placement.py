@@ -84,3 +84,19 @@ def test_this_machine_from_sysfs_and_the_command_line(tmp_path, default_model_pa
     out = subprocess.run([str(POWERINFER), "plan", "--host", str(tmp_path / "nope.yaml"),
                           "--models", str(models)], capture_output=True, text=True, timeout=120)
     assert out.returncode == 1 and "error:" in out.stderr
+
+
+def test_ray_start_advertises_the_numa_nodes():
+    import json
+
+    from cluster.start import ray_start_command
+    from cluster.topology import Topology
+
+    topo = Topology(((0, 1, 2, 3), (4, 5, 6, 7)))
+    cmd = ray_start_command(["--head", "--port", "6380", "--resources", '{"gpu_kind": 1}'], topo)
+    assert cmd[1:5] == ["start", "--head", "--port", "6380"]
+    assert json.loads(cmd[cmd.index("--resources") + 1]) == {
+        "numa_node_0": 4.0, "numa_node_1": 4.0, "gpu_kind": 1}
+    assert cmd.count("--resources") == 1
+    cmd = ray_start_command(["--address=h:6379", '--resources={"x": 2}'], topo)
+    assert json.loads(cmd[-1]) == {"numa_node_0": 4.0, "numa_node_1": 4.0, "x": 2}

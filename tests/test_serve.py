@@ -90,11 +90,15 @@ def server(tmp_path_factory, default_model_path):
     write_synthetic(d / "tiny.gguf", preset="tiny", seed=0)
     (d / "broken.gguf").write_bytes(b"GGUF" + b"\x03\0\0\0" + b"\xff" * 64)
     config = d / "models.yaml"
+    # each model's group on its own cores, as `powerinfer plan` lays a host out
+    cores = sorted(os.sched_getaffinity(0))
+    smol_cores, tiny_cores = (cores[:1], cores[1:]) if len(cores) > 1 else (cores, cores)
+    cpulist = lambda cs: ",".join(map(str, cs))  # noqa: E731
     config.write_text(yaml.safe_dump({"max_body_bytes": MAX_BODY, "models": [
         {"name": SMOL, "model": str(default_model_path), "max_seq_len": 512, "max_batch": 4,
-         "max_queue": 8, "cpu_threads": 1, "dtype": "float32"},
+         "max_queue": 8, "cpu_threads": 1, "dtype": "float32", "cores": cpulist(smol_cores)},
         {"name": TINY, "model": str(d / "tiny.gguf"), "max_seq_len": 512, "max_batch": 2,
-         "max_queue": 1},
+         "max_queue": 1, "cores": cpulist(tiny_cores)},
         {"name": BROKEN, "model": str(d / "broken.gguf")}]}))
     port, grpc_port = free_port(), free_port()
     log = d / "server.log"
@@ -104,6 +108,7 @@ def server(tmp_path_factory, default_model_path):
                             stdout=open(log, "w"), stderr=subprocess.STDOUT, start_new_session=True)
     s = Server(proc, port, grpc_port, log)
     s.ray_before = before
+    s.cores = {SMOL: set(smol_cores), TINY: set(tiny_cores)}
     deadline = time.time() + 300
     while "HTTP (OpenAI API)" not in log.read_text(errors="replace"):
         assert proc.poll() is None, f"the server exited:\n{s.tail()}"
@@ -159,6 +164,26 @@ def test_startup_reports_every_model(server):
     states = {m["id"]: m["status"] for m in health["models"]}
     assert states == {SMOL: "ready", TINY: "ready", BROKEN: "failed"}
 
+
+
+def allowed_cores(pid: int) -> set[int]:
+    from cluster.topology import parse_cpulist
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("Cpus_allowed_list:"):
+            return set(parse_cpulist(line.split(":", 1)[1]))
+    raise AssertionError(f"no Cpus_allowed_list for {pid}")
+
+
+def test_each_models_executors_run_on_its_own_cores(server):
+    pinned = {}
+    for name in (SMOL, TINY):
+        pids = server.model_stats(name)["pids"]
+        executors = {k: allowed_cores(p) for k, p in pids.items() if k in ("hot", "predictor")
+                     or k.startswith("cold")}
+        assert executors and all(c <= server.cores[name] for c in executors.values()), executors
+        pinned[name] = set().union(*executors.values())
+    if server.cores[SMOL] != server.cores[TINY]:  # more than one core here
+        assert not pinned[SMOL] & pinned[TINY], pinned
 
 def test_openai_client_chat_and_completions(server, local_smol):
     from openai import OpenAI
@@ -545,6 +570,19 @@ def test_an_actor_killed_mid_stream_fails_retryably_and_the_model_recovers(serve
     before = server.model_stats(SMOL)
     pids = before["pids"]
     events, health = [], []
+    # a stream of the other model runs through the kill and the rebuild, untouched
+    other, tiny_restarts = [], server.model_stats(TINY)["restarts"]
+
+    def other_stream():
+        with httpx.Client(base_url=server.url, timeout=120,
+                          headers={"Authorization": f"Bearer {KEY}"}) as c:
+            with c.stream("POST", "/v1/completions", json={
+                    "model": TINY, "prompt": "hello", "max_tokens": 200, "ignore_eos": True,
+                    "stream": True}) as r:
+                other.extend(line for line in r.iter_lines() if line)
+
+    t = threading.Thread(target=other_stream)
+    t.start()
     with h.stream("POST", "/v1/chat/completions", json={
             "model": SMOL, "messages": QUESTION, "max_tokens": 400, "ignore_eos": True,
             "stream": True}) as r:
@@ -562,6 +600,11 @@ def test_an_actor_killed_mid_stream_fails_retryably_and_the_model_recovers(serve
     assert 503 in health
     assert h.post("/v1/completions", json=greedy).json()["choices"][0]["text"] == want
     assert server.model_stats(SMOL)["restarts"] == before["restarts"] + 1
+    t.join(timeout=120)
+    assert other[-1] == "data: [DONE]" and not any('"error"' in e for e in other), other[-3:]
+    chunks = [json.loads(e[len("data: "):]) for e in other[:-1]]
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+    assert server.model_stats(TINY)["restarts"] == tiny_restarts
 
     # gRPC: the same on the other model, which the first one's rebuild left untouched
     pb = server.pb
