@@ -15,7 +15,7 @@ GRPC_SERVICER = "protos.powerinfer.v1.inference_pb2_grpc.add_InferenceServicer_t
 
 
 def build(settings: ServeSettings) -> Application:
-    models = {m.name: ModelServer.options(name=f"Model:{m.name}").bind(m)
+    models = {m.name: ModelServer.options(name=f"Model:{m.name}", num_replicas=m.replicas).bind(m)
               for m in settings.models}
     return Ingress.options(num_replicas=settings.ingress_replicas).bind(
         models, settings.api_key, settings.max_body_bytes)

@@ -54,6 +54,8 @@ class ModelServer:
         library.setLevel(logging.INFO)
         library.handlers = list(logger.handlers)
         self.spec = spec
+        rank = getattr(serve.get_replica_context(), "rank", None)
+        self.replica = getattr(rank, "local_rank", 0) or 0  # its slice of the model's cores
         self.engine = None
         self.error: str | None = None
         self.created = int(time.time())
@@ -65,7 +67,7 @@ class ModelServer:
 
         t0 = time.perf_counter()
         try:
-            self.engine = ActorEngine(self.spec.model, self.spec.config())
+            self.engine = ActorEngine(self.spec.model, self.spec.config(self.replica))
         except Exception as e:  # noqa: BLE001 - reported by status(); the others keep serving
             self.error = str(e) if isinstance(e, PowerInferError) else f"{type(e).__name__}: {e}"
             logger.error("model %s failed to load: %s", self.spec.name, self.error)
@@ -110,7 +112,7 @@ class ModelServer:
                 "cancelled": sched.get("cancelled", 0), "finished": sched.get("finished", 0),
                 **{k: sched.get(k, 0) for k in ("prefill_steps", "prefill_s", "decode_steps",
                                                 "decode_rows", "decode_s")},
-                "pids": st["pids"]}
+                "pids": st["pids"], "replica": self.replica, "requests": sched.get("requests", 0)}
 
     # ---- the interface the ingress uses ----
     def _ready_engine(self):

@@ -32,18 +32,37 @@ class ModelSpec:
     predictor: str = "auto"
     vram_budget_gb: float = 0.0
     cores: str = ""  # the cores its actor group is planned on (cpulist; "": every core)
+    replicas: int = 1  # Serve replicas, each with its own actor group on its own share of cores
 
     def __post_init__(self):
         if not isinstance(self.name, str) or not NAME.fullmatch(self.name):
             raise ConfigError(f"model name {self.name!r}: use 1-64 letters, digits and . _ : -")
+        if not isinstance(self.replicas, int) or self.replicas < 1:
+            raise ConfigError(f"model {self.name!r}: replicas must be a positive integer")
         self.config()  # validates the runtime settings
 
-    def config(self) -> Config:
+    def config(self, replica: int = 0) -> Config:
+        """The runtime configuration of replica `replica` (Serve's local rank on its node):
+        with several replicas each takes its own slice of the model's cores."""
         return Config(runtime="actors", bundle=self.bundle, cold_executors=self.cold_executors,
                       device=self.device, dtype=self.dtype, max_batch=self.max_batch,
                       max_queue=self.max_queue, max_seq_len=self.max_seq_len,
                       cpu_threads=self.cpu_threads, predictor=self.predictor,
-                      vram_budget_gb=self.vram_budget_gb, cores=str(self.cores))
+                      vram_budget_gb=self.vram_budget_gb, cores=self.replica_cores(replica))
+
+    def replica_cores(self, replica: int) -> str:
+        """This replica's slice of `cores` (of every core this process may use when none are
+        named), as a cpulist; the model's cores when it has one replica."""
+        if self.replicas == 1:
+            return str(self.cores)
+        from cluster.topology import parse_cpulist
+        cores = parse_cpulist(str(self.cores)) if self.cores else sorted(os.sched_getaffinity(0))
+        if len(cores) < self.replicas:
+            raise ConfigError(f"model {self.name!r}: {self.replicas} replicas need a core each; "
+                              f"it has {len(cores)}")
+        q, r = divmod(len(cores), self.replicas)
+        lo = replica * q + min(replica, r)
+        return ",".join(map(str, cores[lo:lo + q + (replica < r)]))
 
 
 @dataclass(frozen=True, slots=True)

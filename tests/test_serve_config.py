@@ -89,3 +89,18 @@ def test_chat_bodies_the_engine_cannot_honour_are_refused(body, needle):
 def test_completion_choices_are_bounded():
     with pytest.raises(ValidationError, match="choices"):
         oa.CompletionRequest.model_validate({"model": "m", "prompt": ["a"] * 9, "n": 2})
+
+
+def test_replicas_split_their_models_cores():
+    from serve_app.settings import ModelSpec as Spec
+
+    m = Spec(name="m", model="smollm2-135m-instruct", replicas=2, cores="0-4")
+    assert [m.replica_cores(i) for i in (0, 1)] == ["0,1,2", "3,4"]
+    assert m.config(1).cores == "3,4"
+    assert Spec(name="one", model="x", cores="0-3").config(0).cores == "0-3"
+    with pytest.raises(ConfigError, match="3 replicas need a core each; it has 2"):
+        Spec(name="m", model="x", replicas=3, cores="0,1")
+    with pytest.raises(ConfigError, match="replicas must be a positive integer"):
+        Spec(name="m", model="x", replicas=0)
+    with pytest.raises(ConfigError, match="cores must be a cpulist"):
+        Spec(name="m", model="x", cores="zero")
