@@ -24,6 +24,7 @@ from powerinfer.plan import SparsePlan
 from powerinfer.quant import neuron_format
 from powerinfer.sparse import decode_rows
 
+from .group_info import node_id
 from .channel import ChannelClosed
 from .plane import STOP, FFNInput, Partial, PlaneSpec, receive, send
 
@@ -55,7 +56,7 @@ class ColdExecutor:
                 "format": self.fmt or "torch", "pid": os.getpid(), "load_s": self.load_s,
                 "load_cpu_s": self.load_cpu_s,
                 "held_bytes": held_bytes(*self.sets), "numa_bytes": numa_pages(),
-                "node": node_of(self.cores)}
+                "node": node_of(self.cores), "node_id": node_id()}
 
     @torch.inference_mode()
     def run(self) -> str:

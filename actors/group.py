@@ -86,9 +86,12 @@ class ActorGroup:
             numa = any(k.startswith("numa_node_") for k in ray.cluster_resources())
             topo = Topology.read()  # node indices as numa_resources numbers them
 
+            # and for the resources the model asks for (a model pinned to some hosts)
+            wanted = {k: CPU_SHARE for k, _ in c.resources}
+
             def bundle(cores, **extra):
                 node = {f"numa_node_{node_of(cores, topo)}": CPU_SHARE} if numa else {}
-                return {"CPU": CPU_SHARE, **node, **extra}
+                return {"CPU": CPU_SHARE, **node, **wanted, **extra}
 
             bundles = [bundle(self.cores.hot, **({"GPU": 1} if gpu else {}))]
             bundles += [bundle(g) for g in self.cores.cold]

@@ -140,6 +140,7 @@ class ActorEngine:
         return {"restarts": self.restarts, "last_failure": self.last_failure,
                 "cores": group.cores.describe() if group.cores else None,
                 "pids": {name: info.get("pid") for name, info in group.info.items()},
+                "nodes": {name: info.get("node_id") for name, info in group.info.items()},
                 "actors": group.stats()}
 
     def shutdown(self):

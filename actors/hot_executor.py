@@ -38,6 +38,7 @@ from powerinfer.plan import SparsePlan
 from powerinfer.quant import apply_kernel_linears, neuron_format
 from powerinfer.sparse import HybridFFN
 
+from .group_info import node_id
 from .channel import ChannelClosed, PeerDied
 from .plane import (DECODE, ERROR, OK, PREFILL, STOP, FFNInput, Masks, PlaneSpec, PredictorInput,
                     Reply, Step, receive, send)
@@ -156,7 +157,7 @@ class HotExecutor:
     def ready(self) -> dict:
         return {"cores": list(self.cores), "hot_neurons": self.hot_neurons,
                 "device": str(self.device), "pid": os.getpid(), "load_s": self.load_s,
-                "load_cpu_s": self.load_cpu_s,
+                "load_cpu_s": self.load_cpu_s, "node_id": node_id(),
                 **self._memory()}
 
     def _memory(self) -> dict:

@@ -15,6 +15,7 @@ import torch
 from cluster.topology import pin, process_memory
 from powerinfer.plan import SparsePlan
 
+from .group_info import node_id
 from .channel import ChannelClosed
 from .plane import STOP, Masks, PlaneSpec, PredictorInput, receive, send
 
@@ -30,7 +31,7 @@ class PredictorActor:
 
     def ready(self) -> dict:
         return {"cores": list(self.cores), "input": self.input, "ranks": self.preds.ranks,
-                "pid": os.getpid()}
+                "pid": os.getpid(), "node_id": node_id()}
 
     @torch.inference_mode()
     def run(self) -> str:

@@ -33,6 +33,7 @@ from powerinfer.errors import InvalidRequestError
 from powerinfer.loader import ModelFile
 from powerinfer.tokenizer import Tokenizer
 
+from .group_info import node_id
 from .channel import ChannelClosed, PeerDied
 from .plane import DECODE, ERROR, PREFILL, STOP, PlaneSpec, Reply, Step, receive, send
 
@@ -79,7 +80,7 @@ class Scheduler:
 
     async def ready(self) -> dict:
         return {"max_batch": self.config.max_batch, "max_queue": self.config.max_queue,
-                "max_seq": self.max_seq, "pid": os.getpid()}
+                "max_seq": self.max_seq, "pid": os.getpid(), "node_id": node_id()}
 
     async def run(self) -> str:
         """Returns when the loop ends: the owner's monitor learns of a failure this way."""

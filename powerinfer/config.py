@@ -41,6 +41,8 @@ class Config:
     cores: the cores the actor group's executors are planned on, as a cpulist ("0-15,32")
         (runtime "actors"; "": every core this process may use). Give each model of a host its
         own set (`powerinfer plan` lays them out) and their groups do not share cores.
+    resources: Ray custom resources, ((name, amount), ...), that the node hosting the actor
+        group must have (runtime "actors"): a model pinned to some hosts of a cluster.
     max_queue: requests waiting for a batch slot before new ones get an "overloaded" error.
     max_ppl_increase: a bundle whose evaluation (`powerinfer eval`) shows its predictors raising
         held-out perplexity by more than this share warns at load, as one never evaluated does.
@@ -61,6 +63,7 @@ class Config:
     max_queue: int = 64
     max_ppl_increase: float = 0.02
     cores: str = ""
+    resources: tuple = ()
 
     def __post_init__(self):
         if self.dtype not in DTYPES and self.dtype != "auto":

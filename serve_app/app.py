@@ -15,9 +15,11 @@ GRPC_SERVICER = "protos.powerinfer.v1.inference_pb2_grpc.add_InferenceServicer_t
 
 
 def build(settings: ServeSettings) -> Application:
-    models = {m.name: ModelServer.options(name=f"Model:{m.name}", num_replicas=m.replicas).bind(m)
+    where = {"ray_actor_options": {"num_cpus": 0, "resources": dict(settings.replica_resources)}}
+    models = {m.name: ModelServer.options(name=f"Model:{m.name}", num_replicas=m.replicas,
+                                          **where).bind(m)
               for m in settings.models}
-    return Ingress.options(num_replicas=settings.ingress_replicas).bind(
+    return Ingress.options(num_replicas=settings.ingress_replicas, **where).bind(
         models, settings.api_key, settings.max_body_bytes)
 
 

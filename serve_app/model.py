@@ -112,7 +112,8 @@ class ModelServer:
                 "cancelled": sched.get("cancelled", 0), "finished": sched.get("finished", 0),
                 **{k: sched.get(k, 0) for k in ("prefill_steps", "prefill_s", "decode_steps",
                                                 "decode_rows", "decode_s")},
-                "pids": st["pids"], "replica": self.replica, "requests": sched.get("requests", 0)}
+                "pids": st["pids"], "nodes": st["nodes"], "replica": self.replica,
+                "requests": sched.get("requests", 0)}
 
     # ---- the interface the ingress uses ----
     def _ready_engine(self):

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import os
 import re
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 
 from powerinfer.config import Config
 from powerinfer.errors import ConfigError
@@ -33,10 +33,14 @@ class ModelSpec:
     vram_budget_gb: float = 0.0
     cores: str = ""  # the cores its actor group is planned on (cpulist; "": every core)
     replicas: int = 1  # Serve replicas, each with its own actor group on its own share of cores
+    resources: dict = field(default_factory=dict)  # Ray resources its group's node must have
 
     def __post_init__(self):
         if not isinstance(self.name, str) or not NAME.fullmatch(self.name):
             raise ConfigError(f"model name {self.name!r}: use 1-64 letters, digits and . _ : -")
+        if not isinstance(self.resources, dict):
+            raise ConfigError(f"model {self.name!r}: resources must be a mapping of Ray resource "
+                              "names to amounts")
         if not isinstance(self.replicas, int) or self.replicas < 1:
             raise ConfigError(f"model {self.name!r}: replicas must be a positive integer")
         self.config()  # validates the runtime settings
@@ -48,7 +52,8 @@ class ModelSpec:
                       device=self.device, dtype=self.dtype, max_batch=self.max_batch,
                       max_queue=self.max_queue, max_seq_len=self.max_seq_len,
                       cpu_threads=self.cpu_threads, predictor=self.predictor,
-                      vram_budget_gb=self.vram_budget_gb, cores=self.replica_cores(replica))
+                      vram_budget_gb=self.vram_budget_gb, cores=self.replica_cores(replica),
+                      resources=tuple(sorted((str(k), float(v)) for k, v in self.resources.items())))
 
     def replica_cores(self, replica: int) -> str:
         """This replica's slice of `cores` (of every core this process may use when none are
@@ -70,12 +75,15 @@ class ServeSettings:
     """models: served models, routed by name. api_key: required on every request but /health and
     /metrics when set (default: the POWERINFER_API_KEY environment variable). max_body_bytes:
     larger request bodies are refused with 413. ingress_replicas: replicas of the HTTP/gRPC
-    ingress (each keeps its own request metrics)."""
+    ingress (each keeps its own request metrics). replica_resources: Ray resources the nodes
+    running the ingress and the model deployments must have (on a cluster, e.g. {"head": 0.01}
+    keeps them on the head while model groups run where their `resources` say)."""
 
     models: tuple[ModelSpec, ...]
     api_key: str = ""
     max_body_bytes: int = 1 << 20
     ingress_replicas: int = 1
+    replica_resources: dict = field(default_factory=dict)
 
     def __post_init__(self):
         if not self.models:

@@ -1,0 +1,102 @@
+"""The Serve application on a real two-node Ray cluster (two raylets on this machine, token
+authentication on): one model's actor group is pinned to node 2 by a custom resource and serves
+from there, the other model's to the head; removing node 2 leaves the other model serving and
+makes the pinned one report unavailable, until a node with the resource returns."""
+import os
+import time
+
+import httpx2 as httpx
+import pytest
+import ray
+
+from powerinfer.synthetic import write_synthetic
+
+from test_serve import free_port
+
+pytestmark = pytest.mark.slow
+KEY = "cluster-key-81c2"
+MiB = 1 << 20
+
+
+def wait_for(predicate, timeout=180, every=0.5):
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if predicate():
+            return True
+        time.sleep(every)
+    return False
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    from ray._raylet import Config
+    from ray.cluster_utils import Cluster
+
+    os.environ["RAY_AUTH_MODE"] = "token"  # the nodes this starts inherit it
+    Config.initialize("")
+    ray.shutdown()
+    c = Cluster(initialize_head=True, head_node_args={
+        "num_cpus": 1, "resources": {"head": 1}, "object_store_memory": 200 * MiB})
+    node2 = c.add_node(num_cpus=1, resources={"node2": 1}, object_store_memory=200 * MiB)
+    c.wait_for_nodes()
+    ray.init(address=c.address, logging_level="warning")
+    d = tmp_path_factory.mktemp("cluster")
+    for seed, name in enumerate(("a", "b")):
+        write_synthetic(d / f"{name}.gguf", "tiny", seed=seed, progress=False)
+    yield c, node2, d
+    from ray import serve
+    serve.shutdown()
+    ray.shutdown()
+    c.shutdown()
+
+
+def test_a_model_pinned_to_node_2_serves_from_there_and_survives_losing_it(cluster):
+    from ray import serve
+
+    from serve_app.app import build
+    from serve_app.settings import ServeSettings
+
+    c, node2, d = cluster
+    settings = ServeSettings.from_dict({"api_key": KEY, "replica_resources": {"head": 0.01},
+                                        "models": [
+        {"name": "a", "model": str(d / "a.gguf"), "max_seq_len": 128, "max_batch": 2,
+         "resources": {"head": 1}},
+        {"name": "b", "model": str(d / "b.gguf"), "max_seq_len": 128, "max_batch": 2,
+         "resources": {"node2": 1}}]})
+    port = free_port()
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    serve.run(build(settings), name="powerinfer", route_prefix="/")
+    http = httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=60,
+                        headers={"Authorization": f"Bearer {KEY}"})
+
+    def complete(model: str) -> int:
+        try:
+            return http.post("/v1/completions", json={"model": model, "prompt": "hello",
+                                                      "max_tokens": 4}).status_code
+        except httpx.HTTPError:
+            return 0
+
+    assert wait_for(lambda: complete("a") == 200 and complete("b") == 200, timeout=240)
+    head_id = ray.get_runtime_context().get_node_id()  # this driver runs on the head
+    nodes = {m: serve.get_deployment_handle(f"Model:{m}", app_name="powerinfer")
+             .stats.remote().result()["nodes"] for m in ("a", "b")}
+    assert set(nodes["b"].values()) == {node2.node_id}, nodes  # every actor of b's group
+    assert set(nodes["a"].values()) == {head_id}, nodes
+
+    c.remove_node(node2)
+    # b's group is gone and cannot be placed again; a keeps serving all along
+    codes_b = []
+    assert wait_for(lambda: codes_b.append(complete("b")) or codes_b[-1] in (503, 404),
+                    timeout=120, every=1), codes_b
+    for _ in range(5):
+        assert complete("a") == 200
+    models = {m["id"]: m for m in http.get("/v1/models").json()["data"]}
+    assert models["a"]["status"] == "ready" and models["b"]["status"] != "ready", models
+
+    # a node with the resource returns: b is rebuilt there and answers again
+    node3 = c.add_node(num_cpus=1, resources={"node2": 1}, object_store_memory=200 * MiB)
+    assert wait_for(lambda: complete("b") == 200, timeout=300, every=1)
+    b = serve.get_deployment_handle("Model:b", app_name="powerinfer").stats.remote().result()
+    assert set(b["nodes"].values()) == {node3.node_id}, b
+    assert complete("a") == 200
+    http.close()
