@@ -348,7 +348,29 @@ def add_command(sub):
                    help="a description of the host (default: this machine, from sysfs)")
     p.add_argument("--models", required=True, metavar="MODELS.yaml",
                    help="the models to host (see cluster/hosts/models-example.yaml)")
+    p.add_argument("--serve-config", default=None, metavar="OUT.yaml",
+                   help="also write a models file for `powerinfer serve --config` that runs "
+                        "each planned model (those given as files) on its planned cores")
     p.set_defaults(run=_run)
+
+
+def serve_config(p: Plan, models_yaml: str | Path) -> dict:
+    """`powerinfer serve`'s models file for a plan: each model given as a file, with its
+    group's cores (`cores`), cold executors, batch (its concurrency), context and GPU share."""
+    import yaml
+
+    entries = {m["name"]: m for m in yaml.safe_load(Path(models_yaml).read_text())["models"]}
+    out = []
+    for g in p.groups:
+        m = entries[g.model]
+        if "model" not in m:
+            continue  # a shape on paper: nothing to load
+        out.append({"name": g.model, "model": str(m["model"]), "cores": _cpus(g.cores()),
+                     "cold_executors": len(g.cold), "max_batch": int(m.get("concurrency", 4)),
+                     "max_seq_len": int(m.get("context", 2048)),
+                     **({"device": "cuda", "vram_budget_gb": g.vram_gb}
+                        if g.gpu is not None else {})})
+    return {"models": out}
 
 
 def _run(args) -> int:
@@ -356,7 +378,13 @@ def _run(args) -> int:
 
     try:
         host = Host.from_yaml(args.host) if args.host else Host.read()
-        print(plan(host, models_from_yaml(args.models)).table())
+        p = plan(host, models_from_yaml(args.models))
+        print(p.table())
+        if args.serve_config:
+            import yaml
+            Path(args.serve_config).write_text(yaml.safe_dump(serve_config(p, args.models),
+                                                              sort_keys=False))
+            print(f"wrote {args.serve_config}: powerinfer serve --config {args.serve_config}")
     except (PlanError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1

@@ -10,6 +10,7 @@ import pytest
 import yaml
 
 from cluster.placement import Host, ModelSpec, PlanError, models_from_yaml, plan
+from cluster.topology import parse_cpulist
 
 ROOT = Path(__file__).resolve().parent.parent
 EPYC = ROOT / "cluster" / "hosts" / "epyc-9554-2s.yaml"
@@ -81,6 +82,17 @@ def test_this_machine_from_sysfs_and_the_command_line(tmp_path, default_model_pa
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert "| smol |" in out.stdout and "of 128 cores planned" in out.stdout
+    # the plan as a models file for `powerinfer serve`, loaded by the application's own loader
+    from serve_app.settings import ServeSettings
+    written = tmp_path / "serve.yaml"
+    out = subprocess.run([str(POWERINFER), "plan", "--host", str(EPYC), "--models", str(models),
+                          "--serve-config", str(written)], capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr
+    (smol,) = ServeSettings.from_dict(yaml.safe_load(written.read_text())).models
+    group = plan(Host.from_yaml(EPYC), [spec]).groups[0]
+    assert smol.model == str(default_model_path) and smol.cold_executors == 1
+    assert set(parse_cpulist(smol.cores)) == set(group.cores())
     out = subprocess.run([str(POWERINFER), "plan", "--host", str(tmp_path / "nope.yaml"),
                           "--models", str(models)], capture_output=True, text=True, timeout=120)
     assert out.returncode == 1 and "error:" in out.stderr
