@@ -79,7 +79,7 @@ def test_a_model_pinned_to_node_2_serves_from_there_and_survives_losing_it(clust
     assert wait_for(lambda: complete("a") == 200 and complete("b") == 200, timeout=240)
     head_id = ray.get_runtime_context().get_node_id()  # this driver runs on the head
     nodes = {m: serve.get_deployment_handle(f"Model:{m}", app_name="powerinfer")
-             .stats.remote().result()["nodes"] for m in ("a", "b")}
+             .stats.remote().result(timeout_s=60)["nodes"] for m in ("a", "b")}
     assert set(nodes["b"].values()) == {node2.node_id}, nodes  # every actor of b's group
     assert set(nodes["a"].values()) == {head_id}, nodes
 
@@ -96,7 +96,8 @@ def test_a_model_pinned_to_node_2_serves_from_there_and_survives_losing_it(clust
     # a node with the resource returns: b is rebuilt there and answers again
     node3 = c.add_node(num_cpus=1, resources={"node2": 1}, object_store_memory=200 * MiB)
     assert wait_for(lambda: complete("b") == 200, timeout=300, every=1)
-    b = serve.get_deployment_handle("Model:b", app_name="powerinfer").stats.remote().result()
+    b = serve.get_deployment_handle("Model:b", app_name="powerinfer").stats.remote().result(
+        timeout_s=60)
     assert set(b["nodes"].values()) == {node3.node_id}, b
     assert complete("a") == 200
     http.close()

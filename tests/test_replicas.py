@@ -41,6 +41,8 @@ def server(tmp_path_factory):
     import ray
     ray.shutdown()
     ray.init(address="auto", logging_level="warning")
+    from ray.serve.context import _disconnect  # a previous cluster's client (see test_serve)
+    _disconnect()
     yield f"http://127.0.0.1:{port}", set(cores)
     ray.shutdown()
     proc.send_signal(signal.SIGTERM)
@@ -60,7 +62,7 @@ def test_two_replicas_hold_two_groups_on_disjoint_cores_and_share_the_load(serve
     handle = serve.get_deployment_handle("Model:tiny", app_name=APP)
     seen = {}
     for _ in range(60):  # each call reaches one replica; collect both
-        st = handle.stats.remote().result()
+        st = handle.stats.remote().result(timeout_s=60)
         seen[st["replica"]] = st
         if len(seen) == 2:
             break

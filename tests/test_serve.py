@@ -81,7 +81,8 @@ class Server:
 
     def model_stats(self, name: str) -> dict:
         from ray import serve
-        return serve.get_deployment_handle(f"Model:{name}", app_name=APP).stats.remote().result()
+        return serve.get_deployment_handle(f"Model:{name}", app_name=APP).stats.remote().result(
+            timeout_s=60)
 
 
 @pytest.fixture(scope="module")
@@ -117,6 +118,10 @@ def server(tmp_path_factory, default_model_path):
     import ray
     ray.shutdown()  # another module's local instance, if any
     ray.init(address="auto", logging_level="warning")  # with this user's token: allowed
+    # Serve caches its controller client by job id, which repeats across the clusters one
+    # process joins in turn (each server here is a new cluster): forget the last one's
+    from ray.serve.context import _disconnect
+    _disconnect()
     yield s
     ray.shutdown()
     s.channel.close()
