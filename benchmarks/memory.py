@@ -43,6 +43,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 from cluster.topology import process_memory  # noqa: E402
 from powerinfer import Config, PowerInfer  # noqa: E402
 from powerinfer.loader import DEFAULT_MODEL, load_checkpoint, resolve_model  # noqa: E402
+from powerinfer.solver import gpu_bytes  # noqa: E402
 
 MiB = 1 << 20
 MAX_SEQ, MAX_BATCH = 512, 4
@@ -52,9 +53,8 @@ PROMPT = "The capital of France is"
 def kv_bytes(args, config: Config) -> int:
     """The hot executor's KV cache: every layer's keys and values for each slot (the health
     probe's included) at the full context."""
-    slots = config.max_batch + 1
-    return (args.n_layers * 2 * slots * config.max_seq_len * args.n_kv_heads * args.head_dim
-            * config.torch_dtype.itemsize)
+    return gpu_bytes(args, dtype_bytes=config.torch_dtype.itemsize, batch=config.max_batch + 1,
+                     context=config.max_seq_len)["kv_cache"]
 
 
 def read_once(path: Path) -> float:

@@ -159,6 +159,7 @@ def _sizes_from_file(model: str) -> tuple[float, float, float, float]:
 
     from powerinfer.kernels import down_format, row_bytes
     from powerinfer.loader import load_checkpoint
+    from powerinfer.solver import gpu_bytes
 
     ck = load_checkpoint(model, with_weights=False)
     src, a = ck.source, ck.args
@@ -181,7 +182,7 @@ def _sizes_from_file(model: str) -> tuple[float, float, float, float]:
                 else nbytes(f"{i}.down") or nbytes(f"{i}.down_t"))
         ffn += gate_up + down
     emb = nbytes("embed") + nbytes("output")
-    kv = a.n_layers * 2 * a.n_kv_heads * a.head_dim * 2
+    kv = gpu_bytes(a, dtype_bytes=2, batch=1, context=1)["kv_cache"]  # bf16, one position
     return attn / GB, ffn / GB, emb / GB, kv / GB
 
 

@@ -40,7 +40,7 @@ UNITS = {"ops.cpp": [], "neuron_ffn_avx512.cpp": ["-mavx512f", "-mavx512bw", "-m
          "neuron_ffn_avx2.cpp": ["-mavx2", "-mfma", "-mf16c"]}
 _GGML = {"q4_0": GGMLQuantizationType.Q4_0, "q4_1": GGMLQuantizationType.Q4_1,
          "q8_0": GGMLQuantizationType.Q8_0}
-_VIEWS = {"f32": torch.float32, "bf16": torch.bfloat16}  # formats whose rows are plain tensors
+PLAIN_FORMATS = {"f32": torch.float32, "bf16": torch.bfloat16}  # formats whose rows are plain tensors
 _loaded: str | None = None  # the library's path once loaded
 
 
@@ -164,8 +164,8 @@ def quantize_rows(w: torch.Tensor, fmt: str) -> torch.Tensor:
     assert dim % 32 == 0, dim
     if n == 0:
         return torch.empty(0, row_bytes(fmt, dim), dtype=torch.uint8)
-    if fmt in _VIEWS:  # the same numbers: a view of w's storage when it already has the type
-        return w.detach().to(_VIEWS[fmt]).contiguous().view(torch.uint8).reshape(n, -1)
+    if fmt in PLAIN_FORMATS:  # the same numbers: a view of w's storage when it already has the type
+        return w.detach().to(PLAIN_FORMATS[fmt]).contiguous().view(torch.uint8).reshape(n, -1)
     w = w.detach().float()
     if fmt == "i8":
         scale = w.abs().amax(1, keepdim=True) / 127
@@ -204,8 +204,8 @@ def widen(w: torch.Tensor, fmt: str, rows: int, dim: int) -> torch.Tensor:
     """Records of `rows` rows each in `fmt` (the last in `down_format` unless it is the only one:
     a plain matrix), (n, bytes) -> (n, rows, dim): a view for f32 and bf16, else widened to
     float32 (by the kernel library where it is loaded)."""
-    if fmt in _VIEWS:
-        return w.view(_VIEWS[fmt]).view(w.shape[0], rows, dim)
+    if fmt in PLAIN_FORMATS:
+        return w.view(PLAIN_FORMATS[fmt]).view(w.shape[0], rows, dim)
     if _loaded:
         return torch.ops.powerinfer.widen(w.contiguous(), FORMATS.index(fmt), rows, dim)
     rb, last = row_bytes(fmt, dim), fmt if rows == 1 else down_format(fmt)
@@ -240,7 +240,7 @@ def format_for(weight: torch.Tensor, q4_type: str | None = None) -> str | None:
         return None
     if q4_type is not None:
         return q4_type.lower()
-    return next((f for f, dt in _VIEWS.items() if dt == weight.dtype), None)
+    return next((f for f, dt in PLAIN_FORMATS.items() if dt == weight.dtype), None)
 
 
 def usable(t: torch.Tensor) -> bool:

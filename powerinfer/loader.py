@@ -374,10 +374,9 @@ class GGUFSource(TensorSource):
         assert self._heads(name) is None, f"rows of a permuted tensor ({name})"
         if len(idx) == 0:
             return torch.empty(0, self.shape(name)[-1], dtype=dtype)
-        if self.kind(name) in _PLAIN:
-            out = self._view(name).index_select(0, idx).to(dtype)
-        else:
-            out = self._dequantize(name, self._data(name)[idx.numpy()]).to(dtype)
+        if self.kind(name) not in _PLAIN:
+            return self._dequantize(name, self._data_rows(name, idx)).to(dtype)
+        out = self._view(name).index_select(0, idx).to(dtype)
         self._release(name)
         return out
 

@@ -25,7 +25,6 @@ from .sparse import HybridFFN, NeuronSet
 
 # GGUF types whose rows the kernel reads as they are stored
 STORED_FORMATS = {"Q4_0": "q4_0", "Q4_1": "q4_1", "Q8_0": "q8_0"}
-PLAIN_FORMATS = {"f32": torch.float32, "bf16": torch.bfloat16}  # kernel formats of plain numbers
 
 
 class LazyWeights(Mapping):
@@ -69,8 +68,8 @@ def read_neuron_set(src: TensorSource, a: ModelArgs, layer: int, idx: torch.Tens
         return src.rows(name, idx, dtype)
 
     up_b = src.rows(p + "up_b", idx, dtype) if p + "up_b" in src.names else None
-    if fmt in PLAIN_FORMATS:  # records of plain numbers: each row read straight into place
-        rec = torch.empty(len(idx), len(names) + 1, a.dim, dtype=PLAIN_FORMATS[fmt])
+    if fmt in kernels.PLAIN_FORMATS:  # records of plain numbers: each row read straight into place
+        rec = torch.empty(len(idx), len(names) + 1, a.dim, dtype=kernels.PLAIN_FORMATS[fmt])
         for j, name in enumerate(names):
             src.rows_into(name, idx, rec[:, j])
         src.down_rows(layer, idx, rec.dtype, rec[:, -1])

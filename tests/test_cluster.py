@@ -3,7 +3,6 @@ authentication on): one model's actor group is pinned to node 2 by a custom reso
 from there, the other model's to the head; removing node 2 leaves the other model serving and
 makes the pinned one report unavailable, until a node with the resource returns."""
 import os
-import time
 
 import httpx2 as httpx
 import pytest
@@ -11,20 +10,11 @@ import ray
 
 from powerinfer.synthetic import write_synthetic
 
-from test_serve import free_port
+from test_serve import free_port, wait_for
 
 pytestmark = pytest.mark.slow
 KEY = "cluster-key-81c2"
 MiB = 1 << 20
-
-
-def wait_for(predicate, timeout=180, every=0.5):
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        if predicate():
-            return True
-        time.sleep(every)
-    return False
 
 
 @pytest.fixture(scope="module")
@@ -76,7 +66,8 @@ def test_a_model_pinned_to_node_2_serves_from_there_and_survives_losing_it(clust
         except httpx.HTTPError:
             return 0
 
-    assert wait_for(lambda: complete("a") == 200 and complete("b") == 200, timeout=240)
+    assert wait_for(lambda: complete("a") == 200 and complete("b") == 200, timeout=240,
+                    every=0.5)
     head_id = ray.get_runtime_context().get_node_id()  # this driver runs on the head
     nodes = {m: serve.get_deployment_handle(f"Model:{m}", app_name="powerinfer")
              .stats.remote().result(timeout_s=60)["nodes"] for m in ("a", "b")}

@@ -9,6 +9,7 @@ import pytest
 import ray
 
 from powerinfer import Config, PowerInfer
+from powerinfer.solver import gpu_bytes
 from powerinfer.synthetic import write_synthetic
 
 MiB = 1 << 20
@@ -38,8 +39,9 @@ def group_memory(model) -> tuple[dict, Config]:
 
 
 def kv_bytes(args, config: Config) -> int:
-    return (args.n_layers * 2 * (config.max_batch + 1) * config.max_seq_len * args.n_kv_heads
-            * args.head_dim * config.torch_dtype.itemsize)
+    """The hot executor's KV cache: every slot (the health probe's included) at full context."""
+    return gpu_bytes(args, dtype_bytes=config.torch_dtype.itemsize, batch=config.max_batch + 1,
+                     context=config.max_seq_len)["kv_cache"]
 
 
 def test_a_group_holds_the_model_about_once(default_model_path, tmp_path):
