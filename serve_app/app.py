@@ -11,7 +11,7 @@ from .ingress import Ingress
 from .model import ModelServer
 from .settings import ServeSettings
 
-GRPC_SERVICER = "protos.powerinfer.v1.inference_pb2_grpc.add_InferenceServicer_to_server"
+GRPC_SERVICER = "serve_app.grpc_host.add_inference_servicer"
 
 
 def build(settings: ServeSettings) -> Application:
