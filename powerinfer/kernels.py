@@ -138,6 +138,10 @@ def available() -> bool:
                 lambda x, w, sel, keep, bias, threshold, act, fmt: torch.empty_like(x))
             torch.library.register_fake("powerinfer::linear")(
                 lambda x, w, fmt: x.new_empty(x.shape[0], w.shape[0]))
+            torch.library.register_fake("powerinfer::rms_norm")(lambda x, w, eps: torch.empty_like(x))
+            torch.library.register_fake("powerinfer::decode_attention")(
+                lambda qkv, cos, sin, k, v, rows, pos, valid, n_heads:
+                qkv.new_empty(qkv.shape[0], n_heads * k.shape[-1]))
             torch.library.register_fake("powerinfer::widen")(
                 lambda w, fmt, rows, dim: w.new_empty(w.shape[0], rows, dim, dtype=torch.float32))
             _loaded = str(path)

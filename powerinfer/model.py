@@ -107,7 +107,26 @@ class Norm(nn.Module):
     def forward(self, x):
         if self.layer_norm:
             return F.layer_norm(x, x.shape[-1:], self.weight, self.bias, self.eps)
+        if x.dtype == self.weight.dtype and _fused_cpu(x):
+            return torch.ops.powerinfer.rms_norm(x, self.weight, self.eps)  # one call, same values
         return F.rms_norm(x, x.shape[-1:], self.weight, self.eps)
+
+
+_KERNELS: bool | None = None
+
+
+def _fused_cpu(x: torch.Tensor) -> bool:
+    """Whether an eager inference step on `x` runs the kernel library's fused ops (norms and
+    one-token attention: a decode step's small ops cost more in dispatch than in arithmetic).
+    Under torch.compile Inductor fuses the same ops itself; with autograd on, torch's run."""
+    global _KERNELS
+    if x.device.type != "cpu" or x.dtype not in (torch.float32, torch.bfloat16) \
+            or torch.is_grad_enabled() or torch.compiler.is_compiling():
+        return False
+    if _KERNELS is None:
+        from . import kernels
+        _KERNELS = kernels.available()
+    return _KERNELS
 
 
 class Attention(nn.Module):
@@ -123,14 +142,23 @@ class Attention(nn.Module):
         # x: (B, T, dim); rope: (cos, sin) each (B, 1, T, head_dim) or None; mask: (B, 1, T, kv_len)
         B, T, _ = x.shape
         q_size, kv_size = self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
-        q, k, v = self.wqkv(x).split([q_size, kv_size, kv_size], dim=-1)
+        qkv = self.wqkv(x)
+        if T == 1 and _fused_cpu(x):  # rope, the cache's update and attention in one call
+            none = qkv.new_empty(0, dtype=torch.float32)
+            cos, sin = (none, none) if rope is None else (r[:, 0, 0].float() for r in rope)
+            rows = torch.arange(B) if slots is None else slots
+            y = torch.ops.powerinfer.decode_attention(
+                qkv.view(B, -1), cos, sin, self.kv_cache.k, self.kv_cache.v, rows, pos[:, 0],
+                mask[:, 0, 0], self.n_heads)
+            return self.wo(y.view(B, T, q_size))
+        q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
         q = q.view(B, T, self.n_heads, self.head_dim).transpose(1, 2)  # (B, H, T, D)
         k = k.view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)
         v = v.view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)
         if rope is not None:
             q, k = apply_rope(q, *rope), apply_rope(k, *rope)
         k, v = self.kv_cache.update(slots, pos, k, v, kv_len)
-        if T == 1 and torch.compiler.is_compiling():
+        if T == 1 and (x.device.type == "cpu" or torch.compiler.is_compiling()):
             y = decode_attention(q, k, v, mask)
         else:
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask,
@@ -344,7 +372,8 @@ def llama3_scaled(inv_freq, factor, low_freq_factor, high_freq_factor, original_
 
 def decode_attention(q, k, v, mask):
     # q: (B, H, 1, D); k, v: (B, Hkv, L, D); mask: (B, 1, 1, L). One query per row: plain
-    # matmuls that Inductor fuses cost less than the flash kernel's setup (BENCHMARKS.md).
+    # matmuls cost less than the CPU flash kernel's setup, eager or fused by Inductor
+    # (BENCHMARKS.md: 121 against 30-50 us a layer on the default model).
     B, H, _, D = q.shape
     Hkv = k.shape[1]
     qg = q.view(B, Hkv, H // Hkv, D).float()  # the query heads sharing each KV head

@@ -165,3 +165,56 @@ def test_reformat_keeps_the_neurons_and_their_weights():
         for a, b in ((ref, s), (s, back)):
             want, got = a(x, sel), b(x, sel)
             assert (got - want).abs().max() <= tol * want.abs().max(), fmt
+
+
+def decode_steps(m, slots: torch.Tensor, steps: int = 6) -> torch.Tensor:
+    # prefill two prompts into cache rows `slots`, then feed fixed tokens one at a time
+    tokens = torch.tensor([[5, 9, 3, 1, 7], [2, 8, 4, 6, 0]])
+    B, T = tokens.shape
+    with torch.inference_mode():
+        m(tokens, torch.arange(T).expand(B, T), T, slots)
+        out = []
+        for s in range(steps):
+            tok = torch.tensor([[(7 * s + b) % 300] for b in range(B)])
+            out.append(m(tok, torch.full((B, 1), T + s), T + s + 1, slots)[:, 0].float())
+    return torch.stack(out)
+
+
+@pytest.mark.parametrize("arch", ["llama", "opt"])  # rope and shared KV heads; learned positions
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_decode_ops_equal_the_torch_path(arch, dtype, monkeypatch):
+    # the one-token step's norms and attention (rope, the cache's update, softmax over the cache
+    # read in place) in the kernel library against torch's ops on the same model
+    import powerinfer.model as M
+
+    m = random_model("swiglu" if arch == "llama" else "relu").to(dtype)
+    if arch == "llama":
+        m.args.sliding_window = 4  # the mask leaves out positions: fewer than the cache holds
+    slots = torch.tensor([1, 0])  # cache rows out of order
+    fused = decode_steps(m, slots)
+    monkeypatch.setattr(M, "_KERNELS", False)
+    ref = decode_steps(m, slots)
+    err = (fused - ref).abs().max().item() / ref.abs().max().item()
+    assert err < (1e-5 if dtype == torch.float32 else 2e-2), err
+    # the same greedy token where the reference's top two are not a near tie
+    top2 = ref.topk(2, -1).values
+    clear = (top2[..., 0] - top2[..., 1]) > 0.05 * ref.abs().amax(-1)
+    assert (fused.argmax(-1) == ref.argmax(-1))[clear].all()
+
+
+def test_fused_ops_reject_bad_input():
+    q = torch.randn(1, (4 + 2 * 2) * 16)
+    cache = torch.zeros(2, 2, 8, 16)
+    none = torch.empty(0)
+    ok = torch.ones(1, 4, dtype=torch.bool)
+    with pytest.raises(RuntimeError, match="outside the cache"):
+        torch.ops.powerinfer.decode_attention(q, none, none, cache, cache.clone(), torch.tensor([2]),
+                                              torch.tensor([0]), ok, 4)
+    with pytest.raises(RuntimeError, match="qkv"):
+        torch.ops.powerinfer.decode_attention(q[:, :-16], none, none, cache, cache.clone(),
+                                              torch.tensor([0]), torch.tensor([0]), ok, 4)
+    with pytest.raises(RuntimeError, match="one type"):
+        torch.ops.powerinfer.decode_attention(q.bfloat16(), none, none, cache, cache.clone(),
+                                              torch.tensor([0]), torch.tensor([0]), ok, 4)
+    with pytest.raises(RuntimeError, match="w:"):
+        torch.ops.powerinfer.rms_norm(torch.randn(2, 8), torch.ones(8, dtype=torch.bfloat16), 1e-5)
