@@ -15,6 +15,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from . import kernels
+
 FFN_ACTS = ("swiglu", "reglu", "dreglu", "relu")
 
 
@@ -112,21 +114,12 @@ class Norm(nn.Module):
         return F.rms_norm(x, x.shape[-1:], self.weight, self.eps)
 
 
-_KERNELS: bool | None = None
-
-
 def _fused_cpu(x: torch.Tensor) -> bool:
     """Whether an eager inference step on `x` runs the kernel library's fused ops (norms and
     one-token attention: a decode step's small ops cost more in dispatch than in arithmetic).
     Under torch.compile Inductor fuses the same ops itself; with autograd on, torch's run."""
-    global _KERNELS
-    if x.device.type != "cpu" or x.dtype not in (torch.float32, torch.bfloat16) \
-            or torch.is_grad_enabled() or torch.compiler.is_compiling():
-        return False
-    if _KERNELS is None:
-        from . import kernels
-        _KERNELS = kernels.available()
-    return _KERNELS
+    return (x.dtype in (torch.float32, torch.bfloat16) and not torch.is_grad_enabled()
+            and not torch.compiler.is_compiling() and kernels.usable(x))
 
 
 class Attention(nn.Module):

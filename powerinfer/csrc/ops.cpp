@@ -257,6 +257,23 @@ static void rope_row(float* x, const float* cos, const float* sin, int64_t D) {
   }
 }
 
+// One row's q, k, v (H + 2 Hkv heads of D floats, in place): the rotary embedding of q and k
+// (cos null: none; else q as the model's type holds it after all), and the new k and v written
+// to the cache at k, v (head 0's entry; heads S * D apart).
+template <typename T>
+static void place_row(float* x, const float* cos, const float* sin, T* k, T* v, int64_t H, int64_t Hkv,
+                      int64_t S, int64_t D) {
+  if (cos)
+    for (int64_t h = 0; h < H + Hkv; h++) rope_row<T>(x + h * D, cos, sin, D);
+  else
+    for (int64_t d = 0; d < H * D; d++) x[d] = (float)(T)x[d];
+  for (int64_t h = 0; h < Hkv; h++)
+    for (int64_t d = 0; d < D; d++) {
+      k[h * S * D + d] = (T)x[(H + h) * D + d];
+      v[h * S * D + d] = (T)x[(H + Hkv + h) * D + d];
+    }
+}
+
 // The one-token step's attention after the q/k/v projection, in one call: rotary embedding of
 // q and k, the new k and v written into the cache, and softmax(q K^T / sqrt(D)) V read from the
 // cache in place (no gathered copy of the cache's rows, no widened copies of K and V).
@@ -295,30 +312,16 @@ static at::Tensor decode_attention(const at::Tensor& qkv, const at::Tensor& cos,
   at::Tensor cc, sc;
   if (roped) cc = cos.contiguous(), sc = sin.contiguous();
   float* xp = x.data_ptr<float>();
-  // rotary embedding of q and k, and the new k, v into the cache
   for (int64_t b = 0; b < B; b++) {
     float* xb = xp + b * (H + 2 * Hkv) * D;
-    if (roped)
-      for (int64_t h = 0; h < H + Hkv; h++) {
-        const float *c = cc.data_ptr<float>() + b * D, *s = sc.data_ptr<float>() + b * D;
-        if (dt == at::kFloat) rope_row<float>(xb + h * D, c, s, D);
-        else rope_row<at::BFloat16>(xb + h * D, c, s, D);
-      }
-    for (int64_t h = 0; h < Hkv; h++) {
-      const int64_t off = ((rp[b] * Hkv + h) * S + pp[b]) * D;
-      const float *kn = xb + (H + h) * D, *vn = xb + (H + Hkv + h) * D;
-      for (int64_t d = 0; d < D; d++) {
-        if (dt == at::kFloat) {
-          k_cache.data_ptr<float>()[off + d] = kn[d];
-          v_cache.data_ptr<float>()[off + d] = vn[d];
-        } else {
-          k_cache.data_ptr<at::BFloat16>()[off + d] = (at::BFloat16)kn[d];
-          v_cache.data_ptr<at::BFloat16>()[off + d] = (at::BFloat16)vn[d];
-        }
-      }
-    }
-    if (!roped && dt == at::kBFloat16)  // q as the model's type holds it
-      for (int64_t d = 0; d < H * D; d++) xb[d] = (float)(at::BFloat16)xb[d];
+    const float* c = roped ? cc.data_ptr<float>() + b * D : nullptr;
+    const float* s = roped ? sc.data_ptr<float>() + b * D : nullptr;
+    const int64_t off = (rp[b] * Hkv * S + pp[b]) * D;  // head 0's entry at the new position
+    if (dt == at::kFloat)
+      place_row(xb, c, s, k_cache.data_ptr<float>() + off, v_cache.data_ptr<float>() + off, H, Hkv, S, D);
+    else
+      place_row(xb, c, s, k_cache.data_ptr<at::BFloat16>() + off, v_cache.data_ptr<at::BFloat16>() + off, H, Hkv,
+                S, D);
   }
   at::Tensor out = at::empty({B, H * D}, x.options());
   const float scale = 1.0f / std::sqrt((float)D);
