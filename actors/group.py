@@ -24,7 +24,7 @@ from powerinfer.plan import SparsePlan
 from .channel import sweep
 from .cold_executor import ColdExecutor
 from .hot_executor import HotExecutor
-from .plane import PlaneSpec
+from .plane import SPIN_US, PlaneSpec
 from .predictor import PredictorActor
 from .scheduler import Scheduler
 
@@ -45,7 +45,7 @@ def wants_gpu(config: Config) -> bool:
 
 class ActorGroup:
     def __init__(self, model: ModelFile, tokenizer, config: Config, plan: SparsePlan,
-                 max_seq: int, spin_us: float = 50.0):
+                 max_seq: int, spin_us: float = SPIN_US):
         self.model, self.tokenizer, self.args = model, tokenizer, model.args
         self.config, self.plan = config, plan
         self.max_seq, self.spin_us = max_seq, spin_us
@@ -117,7 +117,7 @@ class ActorGroup:
             # every open stream is a call in flight: admission control is the scheduler's
             # queue, not Ray's
             self.actors["scheduler"] = place(Scheduler, n + 2, concurrency=10_000).remote(
-                spec, self.model, self.tokenizer, c)
+                spec, self.model, self.tokenizer, c, self.cores.hot)
             names = list(self.actors)
             infos = ray.get([a.ready.remote() for a in self.actors.values()], timeout=START_TIMEOUT_S)
             self.info = dict(zip(names, infos))

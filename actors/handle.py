@@ -31,6 +31,7 @@ from powerinfer.quant import has_q4
 from powerinfer.tokenizer import Tokenizer
 
 from .group import ActorGroup, wants_gpu
+from .plane import SPIN_US
 
 ERRORS = {"overloaded": OverloadedError, "engine_failed": EngineFailedError,
           "invalid_request": InvalidRequestError}
@@ -45,7 +46,7 @@ def _cancel(group: ActorGroup, rid: str):
 
 
 class ActorEngine:
-    def __init__(self, model: str, config: Config, spin_us: float = 50.0):
+    def __init__(self, model: str, config: Config, spin_us: float = SPIN_US):
         # block types the CPU kernel cannot read (K-quants): a converted copy, made once
         ckpt = kernel_ready(load_checkpoint(model, with_weights=False), config)
         config = config.resolve(has_q4(ckpt.info))  # every actor gets the decided configuration

@@ -28,6 +28,12 @@ import torch
 from .channel import Channel, align, create, segment_path
 
 PREFILL, DECODE, STOP = 1, 2, 3
+# How long a reader spins (yielding its core) before it sleeps. The layer loop's hand-offs come
+# every few hundred microseconds while a step runs, the next step within a millisecond of the
+# last: spinning through them keeps every hop in microseconds, and an idle group still sleeps.
+# The scheduler waits a whole step for `out`, on the hot executor's core: it sleeps at once.
+SPIN_US = 2000.0
+SLEEPS_AT_ONCE = {"out"}
 OK, ERROR = 0, 1
 ERROR_BYTES = 1 << 16
 
@@ -100,12 +106,12 @@ class PlaneSpec:
     ffn_dim: int
     vocab: int
     dtype: str  # activations on the channels, the model's compute dtype
-    spin_us: float = 50.0
+    spin_us: float = SPIN_US
     paths: dict = field(default_factory=dict)
 
     @classmethod
     def new(cls, n_cold: int, batch: int, max_seq: int, args, dtype: torch.dtype,
-            spin_us: float = 50.0) -> "PlaneSpec":
+            spin_us: float = SPIN_US) -> "PlaneSpec":
         spec = cls(os.getpid(), uuid.uuid4().hex[:8], n_cold, batch, max_seq, args.dim,
                    args.ffn_dim, args.vocab_size, str(dtype).removeprefix("torch."), spin_us)
         for name in spec.capacities():
@@ -146,4 +152,5 @@ class PlaneSpec:
             Path(p).unlink(missing_ok=True)
 
     def open(self, name: str, writer: bool = False) -> Channel:
-        return Channel(Path(self.paths[name]), writer, self.spin_us)
+        return Channel(Path(self.paths[name]), writer,
+                       0.0 if name in SLEEPS_AT_ONCE else self.spin_us)

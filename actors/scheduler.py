@@ -59,9 +59,10 @@ class GroupFailure(Exception):
 
 
 class Scheduler:
-    def __init__(self, spec: PlaneSpec, model: ModelFile, tokenizer: Tokenizer, config: Config):
+    def __init__(self, spec: PlaneSpec, model: ModelFile, tokenizer: Tokenizer, config: Config,
+                 cores: tuple[int, ...] = ()):
         # the driver's tokenizer and tensor table: this process never parses the model file
-        self.tokenizer = tokenizer
+        self.tokenizer, self.cores = tokenizer, cores
         self.spec, self.config, self.vocab = spec, config, model.args.vocab_size
         self.max_seq = min(context_length(model.args, config), spec.max_seq)
         self.ctl, self.out = spec.open("ctl", writer=True), spec.open("out")
@@ -184,6 +185,10 @@ class Scheduler:
 
     # ---- the loop (its own thread): schedule, run, postprocess ----
     def _loop(self):
+        # the loop thread (not Ray's threads of this process) shares the hot executor's cores:
+        # the two take turns, lockstep, so neither waits for the other's core to come free
+        if self.cores:
+            os.sched_setaffinity(0, self.cores)
         try:
             while True:
                 with self.cv:
