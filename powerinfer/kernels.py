@@ -138,6 +138,8 @@ def available() -> bool:
                 lambda x, w, sel, keep, bias, threshold, act, fmt: torch.empty_like(x))
             torch.library.register_fake("powerinfer::linear")(
                 lambda x, w, fmt: x.new_empty(x.shape[0], w.shape[0]))
+            torch.library.register_fake("powerinfer::linear_q4x16")(
+                lambda x, w, n: x.new_empty(x.shape[0], n))
             torch.library.register_fake("powerinfer::rms_norm")(lambda x, w, eps: torch.empty_like(x))
             torch.library.register_fake("powerinfer::decode_attention")(
                 lambda qkv, cos, sin, k, v, rows, pos, valid, n_heads:
@@ -221,6 +223,39 @@ def unpack(w: torch.Tensor, fmt: str, dim: int, gated: bool):
     """The kernel's records -> (gate or None, up, down_t), each (k, dim) (see `widen`)."""
     t = widen(w, fmt, 3 if gated else 2, dim)
     return (t[:, 0] if gated else None), t[:, -2], t[:, -1]
+
+
+# ---- 4-bit matrices regrouped 16 rows at a time: the int4 projections' GEMV ----
+
+Q4X16_BLOCK = 320  # bytes of one block of 32 weights of 16 rows (see csrc/neuron_ffn.h)
+
+
+def pack_q4x16(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
+    """An (n, k) 4-bit matrix as `quant.q4_split` gives it (q in 0..15; per block of 32 a scale d
+    and zero z: w = d * (q - 8) + z) -> (ceil(n / 16), k / 32 * 320) uint8 in the kernel's q4x16
+    layout: per group of 16 rows and block, their 16 f16 scales, 16 f16 offsets m = z - 8 d (a
+    Q4_0 block's m = -8 d exactly; a Q4_1 block's own m), then the 16 rows' 4-byte runs of
+    nibbles side by side. Rows past n (up to a multiple of 16) are zero."""
+    n, k = q.shape
+    assert k % 32 == 0 and scale.shape == zero.shape == (n, k // 32), (q.shape, scale.shape)
+    nb, groups = k // 32, -(-n // 16)
+    pad = groups * 16 - n
+    q = torch.nn.functional.pad(q.to(torch.uint8), (0, 0, 0, pad)).view(groups, 16, nb, 32)
+    d = torch.nn.functional.pad(scale.float(), (0, 0, 0, pad))
+    m = torch.nn.functional.pad(zero.float() - 8 * scale.float(), (0, 0, 0, pad))
+    halves = lambda t: t.view(groups, 16, nb).transpose(1, 2).half().contiguous().view(torch.uint8)
+    nibbles = q[..., :16] | (q[..., 16:] << 4)  # (groups, 16, nb, 16): GGUF's order in a block
+    runs = nibbles.view(groups, 16, nb, 4, 4).permute(0, 2, 3, 1, 4).reshape(groups, nb, 256)
+    return torch.cat([halves(d), halves(m), runs], -1).reshape(groups, nb * Q4X16_BLOCK)
+
+
+def linear_q4x16(x: torch.Tensor, w: torch.Tensor, n: int) -> torch.Tensor:
+    """x (B, k) float32 or bfloat16 -> (B, n) in x's type = x W^T for W packed by `pack_q4x16`,
+    over x rounded to 8 bits per block (`quantize_input`), MAX_ROWS rows per call."""
+    if x.shape[0] <= MAX_ROWS:
+        return torch.ops.powerinfer.linear_q4x16(x, w, n)
+    return torch.cat([torch.ops.powerinfer.linear_q4x16(x[r:r + MAX_ROWS], w, n)
+                      for r in range(0, x.shape[0], MAX_ROWS)])
 
 
 INTEGER_DOTS = ("q4_0", "q4_1", "q8_0")  # formats whose dot products run in integers

@@ -20,7 +20,7 @@ from torch import nn
 from . import kernels
 from .loader import ModelFile, TensorSource
 from .model import ModelArgs, Transformer
-from .quant import Q4_TYPES, Int4Linear, KernelEmbedding, KernelLinear
+from .quant import Q4_TYPES, KernelEmbedding, KernelLinear, int4_linear
 from .sparse import HybridFFN, NeuronSet
 
 # GGUF types whose rows the kernel reads as they are stored
@@ -84,7 +84,7 @@ def read_neuron_set(src: TensorSource, a: ModelArgs, layer: int, idx: torch.Tens
                                records=kernels.pack(gate, up, down_t, fmt))
 
 
-def _int4_projection(src: TensorSource, names: tuple[str, ...], dtype) -> Int4Linear | None:
+def _int4_projection(src: TensorSource, names: tuple[str, ...], dtype) -> torch.nn.Module | None:
     """An attention projection straight from the file's 4-bit blocks, or None if any of its
     fused tensors is stored otherwise."""
     if not all(src.kind(n) in Q4_TYPES for n in names):
@@ -95,7 +95,7 @@ def _int4_projection(src: TensorSource, names: tuple[str, ...], dtype) -> Int4Li
     bias = None
     if all(n + "_b" in src.names for n in names):
         bias = torch.cat([src.get(n + "_b", dtype) for n in names])
-    return Int4Linear(q, scale, zero, bias)
+    return int4_linear(q, scale, zero, bias)
 
 
 def hot_model(ckpt: ModelFile, dtype: torch.dtype, hot: list[torch.Tensor],

@@ -1,5 +1,7 @@
-"""Weight-only int4: GGUF's 4-bit blocks (Q4_0, Q4_1) kept 4-bit and run with torch's packed
-int4 CPU kernel, applied to a finished model the way gpt-fast applies quantization.
+"""Weight-only int4: GGUF's 4-bit blocks (Q4_0, Q4_1) kept 4-bit, applied to a finished model the
+way gpt-fast applies quantization. Where the kernel library runs, a projection is a `Q4Linear`
+(the file's blocks regrouped 16 rows at a time for the library's int4 GEMV, 2-3x torch's packed
+int4 kernel at decode shapes); elsewhere an `Int4Linear` over torch's packed int4 CPU kernel.
 
 A Q4_1 block of 32 weights stores `w = d * q + m` (q in 0..15); torch's kernel computes
 `w = (q - 8) * scale + zero` per group of 32, so scale = d and zero = m + 8 d reproduce the file's
@@ -79,6 +81,36 @@ class Int4Linear(nn.Module):
                                               self.scales_zeros)
         y = y.view(*shape[:-1], self.out_features)
         return y if self.bias is None else y + self.bias
+
+
+class Q4Linear(nn.Module):
+    """y = x W^T (+ b) with W a file's Q4_0/Q4_1 blocks regrouped 16 rows at a time
+    (`kernels.pack_q4x16`: the same 4-bit codes, scales and offsets, the same bytes), run by the
+    kernel library's int4 GEMV over the input rounded to 8 bits per block of 32 (ggml's
+    activation rounding) for any number of rows (prefill runs it MAX_ROWS rows at a time)."""
+
+    def __init__(self, q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor,
+                 bias: torch.Tensor | None):
+        super().__init__()
+        self.out_features, self.in_features = q.shape
+        assert self.in_features % GROUP == 0, self.in_features
+        self.register_buffer("packed", kernels.pack_q4x16(q, scale, zero))
+        self.bias = None if bias is None else nn.Parameter(bias.detach().clone(), requires_grad=False)
+
+    def forward(self, x):
+        shape, rows = x.shape, x.reshape(-1, self.in_features)
+        if rows.dtype not in (torch.float32, torch.bfloat16):
+            rows = rows.float()
+        y = kernels.linear_q4x16(rows.contiguous(), self.packed, self.out_features).to(x.dtype)
+        y = y.view(*shape[:-1], self.out_features)
+        return y if self.bias is None else y + self.bias
+
+
+def int4_linear(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor,
+                bias: torch.Tensor | None) -> nn.Module:
+    """A 4-bit projection (`q4_split`'s triple): a Q4Linear where the kernel library runs, else
+    an Int4Linear."""
+    return (Q4Linear if kernels.available() else Int4Linear)(q, scale, zero, bias)
 
 
 class KernelLinear(nn.Module):
@@ -175,7 +207,7 @@ def neuron_format(weights: str, info: dict, like: torch.Tensor) -> str | None:
 
 
 def apply_int4(model: "Transformer", q4: dict[str, tuple[np.ndarray, np.ndarray, np.ndarray]]) -> int:
-    """Replace each projection whose source tensors are all 4-bit with an Int4Linear.
+    """Replace each projection whose source tensors are all 4-bit with a 4-bit one (`int4_linear`).
 
     q4 maps canonical tensor names (loader.TENSOR_NAMES) to `q4_blocks` triples, rows already in
     the model's order. Returns the number of layers replaced."""
@@ -189,6 +221,6 @@ def apply_int4(model: "Transformer", q4: dict[str, tuple[np.ndarray, np.ndarray,
             dense = getattr(owner, attr)
             assert q.shape == dense.weight.shape, (names, q.shape, dense.weight.shape)
             bias = None if dense.bias is None else dense.bias.detach()
-            setattr(owner, attr, Int4Linear(q, scale, zero, bias))
+            setattr(owner, attr, int4_linear(q, scale, zero, bias))
             replaced += 1
     return replaced

@@ -9,7 +9,10 @@ from checkpoints import build_hf_model, llama_family_config, write_llama_gguf
 from powerinfer import Config, PowerInfer
 from powerinfer.compat import gguf_reader
 from powerinfer.loader import dequantize
-from powerinfer.quant import Int4Linear, q4_blocks
+from powerinfer import kernels
+from powerinfer.quant import Int4Linear, Q4Linear, q4_blocks
+
+FOUR_BIT = (Int4Linear, Q4Linear)
 
 Q = gguf.GGMLQuantizationType
 
@@ -40,11 +43,15 @@ def test_blocks_reproduce_the_files_weights(q4_file):
     assert checked >= 14  # q, k, v, o, gate, up, down in each of 2 layers
 
 
-def test_int4_linear_matches_bf16_dense(q4_file):
+@pytest.mark.parametrize("cls", FOUR_BIT, ids=lambda c: c.__name__)
+@pytest.mark.parametrize("rows", [1, 3, 70])  # decode, a small batch, a prefill past MAX_ROWS
+def test_int4_linear_matches_bf16_dense(q4_file, cls, rows):
+    if cls is Q4Linear and not kernels.available():
+        pytest.skip("the kernel library cannot run on this machine")
     t = next(t for t in gguf_reader(q4_file).tensors if t.name == "blk.0.ffn_gate.weight")
     q, scale, zero = (torch.from_numpy(a) for a in q4_blocks(t))
-    layer = Int4Linear(q, scale, zero, None)
-    x = torch.randn(3, 1, layer.in_features)
+    layer = cls(q, scale, zero, None)
+    x = torch.randn(rows, 1, layer.in_features)
     w = torch.from_numpy(dequantize(t))
     ref = x @ w.T
     out = layer(x.bfloat16()).float()
@@ -55,7 +62,7 @@ def test_int4_linear_matches_bf16_dense(q4_file):
 def test_int4_model_tracks_dense_model(q4_file):
     dense = PowerInfer.from_pretrained(q4_file, config=Config(dtype="float32", weights="dense", max_batch=1))
     int4 = PowerInfer.from_pretrained(q4_file, config=Config(dtype="bfloat16", weights="int4", max_batch=1))
-    assert sum(isinstance(m, Int4Linear) for m in int4.model.modules()) == 8
+    assert sum(isinstance(m, FOUR_BIT) for m in int4.model.modules()) == 8
     tokens = torch.tensor([[5, 17, 99, 150, 33, 2, 250, 7]])
     pos = torch.arange(8)[None]
     with torch.inference_mode():
@@ -100,4 +107,4 @@ def test_defaults_are_the_fastest_setting_without_warm_up():
     assert Config(dtype="float32").resolve(has_q4=True).weights == "dense"  # the reference
     pi = PowerInfer.from_pretrained()  # the default model, a Q4_1 file
     assert pi.config.dtype == fast and pi.config.compile is False
-    assert any(isinstance(m, Int4Linear) for m in pi.model.modules()) == (fast == "bfloat16")
+    assert any(isinstance(m, FOUR_BIT) for m in pi.model.modules()) == (fast == "bfloat16")

@@ -202,6 +202,34 @@ def test_fused_decode_ops_equal_the_torch_path(arch, dtype, monkeypatch):
     assert (fused.argmax(-1) == ref.argmax(-1))[clear].all()
 
 
+@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1"])
+@pytest.mark.parametrize("n", [48, 200])  # whole groups of 16 rows; a padded last group
+def test_q4x16_gemv_equals_a_matmul_over_the_files_weights(isa, kind, n):
+    # the file's 4-bit blocks regrouped 16 rows at a time: x W^T over exactly the weights the
+    # blocks hold (the GGUF dequantizer's), with x rounded to 8 bits per block as the kernel does
+    from gguf import GGMLQuantizationType, quantize
+
+    from powerinfer.quant import q4_split
+    torch.manual_seed(7)
+    k = 192
+    data = quantize(torch.randn(n, k).numpy(), getattr(GGMLQuantizationType, kind))
+    held = K.dequantize_rows(torch.from_numpy(data), kind.lower(), k)
+    w = K.pack_q4x16(*(torch.from_numpy(a) for a in q4_split(kind, n, k, data)))
+    assert w.shape == (-(-n // 16), k // 32 * K.Q4X16_BLOCK)
+    assert w.numel() == -(-n // 16) * 16 * k // 32 * 20  # 20 bytes a row's block, as Q4_1
+    for rows in (1, 2, 5, 9, 70):  # every tail of the 4-row steps; past MAX_ROWS a call
+        x = torch.randn(rows, k)
+        want = K.quantize_input(x) @ held.t()
+        got = K.linear_q4x16(x, w, n)
+        assert got.shape == want.shape
+        assert (got - want).abs().max() <= 1e-5 * want.abs().max(), rows
+        xb = x.bfloat16()  # read as bf16, answered in bf16 (rounded once)
+        want = K.quantize_input(xb) @ held.t()
+        got = K.linear_q4x16(xb, w, n)
+        assert got.dtype == torch.bfloat16
+        assert (got.float() - want).abs().max() <= 2**-8 * want.abs().max(), rows
+
+
 def test_fused_ops_reject_bad_input():
     q = torch.randn(1, (4 + 2 * 2) * 16)
     cache = torch.zeros(2, 2, 8, 16)
@@ -218,3 +246,10 @@ def test_fused_ops_reject_bad_input():
                                               torch.tensor([0]), torch.tensor([0]), ok, 4)
     with pytest.raises(RuntimeError, match="w:"):
         torch.ops.powerinfer.rms_norm(torch.randn(2, 8), torch.ones(8, dtype=torch.bfloat16), 1e-5)
+    w = torch.zeros(2, 2 * K.Q4X16_BLOCK, dtype=torch.uint8)  # 32 rows of 64
+    with pytest.raises(RuntimeError, match="groups of 16 rows"):
+        torch.ops.powerinfer.linear_q4x16(torch.randn(1, 64), w, 40)
+    with pytest.raises(RuntimeError, match="bytes per group"):
+        torch.ops.powerinfer.linear_q4x16(torch.randn(1, 96), w, 32)
+    with pytest.raises(RuntimeError, match="1 to 64 rows"):
+        torch.ops.powerinfer.linear_q4x16(torch.randn(65, 64), w, 32)

@@ -38,6 +38,9 @@ inline int64_t row_bytes(int fmt, int64_t dim) {
   }
 }
 
+// bytes of one block (32 weights) of 16 rows in the q4x16 layout (see gemv_q4x16)
+constexpr int64_t Q4X16_BLOCK = 320;
+
 struct FFNArgs {
   const float* x;        // (B, dim) the normed input rows
   int64_t B, dim;
@@ -60,15 +63,17 @@ constexpr bool integer_dots(int fmt) { return fmt == Q4_0 || fmt == Q4_1 || fmt 
 
 // x (B, dim) -> per block of 32: d = max |x| / 127, q = round(x / d) in [-127, 127], and d * sum(q)
 // (the Q8_0 rounding ggml applies to activations; d stays float32 here).
-inline void quantize_input(const float* x, int64_t B, int64_t dim, int8_t* q, float* d, float* s) {
+// T: float, or a type that converts to it (c10::BFloat16: the input read as it is, no copy)
+template <typename T>
+inline void quantize_input(const T* x, int64_t B, int64_t dim, int8_t* q, float* d, float* s) {
   for (int64_t i = 0; i < B * dim / 32; i++) {
-    const float* xb = x + 32 * i;
+    const T* xb = x + 32 * i;
     float amax = 0.0f;
-    for (int j = 0; j < 32; j++) amax = std::fmax(amax, std::fabs(xb[j]));
+    for (int j = 0; j < 32; j++) amax = std::fmax(amax, std::fabs((float)xb[j]));
     const float dd = amax / 127.0f, id = dd != 0.0f ? 1.0f / dd : 0.0f;
     int sum = 0;
     for (int j = 0; j < 32; j++) {
-      const int v = (int)std::roundf(xb[j] * id);
+      const int v = (int)std::roundf((float)xb[j] * id);
       q[32 * i + j] = (int8_t)v;
       sum += v;
     }
@@ -110,6 +115,7 @@ struct Kernels {
   RangeFn range;
   GemvFn gemv;
   WidenFn widen;
+  GemvFn gemv_q4x16;  // over groups of 16 rows of a q4x16 matrix (begin, end: groups)
 };
 extern const Kernels kernels_avx512;
 extern const Kernels kernels_avx2;
@@ -413,6 +419,123 @@ inline void widen(const uint8_t* w, int64_t neuron_bytes, int fmt, int64_t rows,
       with_format(r + 1 < rows || rows == 1 ? fmt : down_format(fmt), [&](auto f) {
         widen_row<decltype(f)::value>(rec + r * rb, dim, out + (j * rows + r) * dim);
       });
+  }
+}
+
+// ---- 4-bit rows interleaved by 16 (`q4x16`): the dense matrix-vector product of int4 weights ----
+// A (n, dim) matrix of Q4_0/Q4_1 rows regrouped 16 rows at a time (n a multiple of 16): group g
+// is nb = dim/32 blocks of Q4X16_BLOCK bytes, block b holding the 16 rows' weights 32b..32b+31:
+//   [0, 32)    d: 16 f16 scales, row 0 first
+//   [32, 64)   m: 16 f16 offsets (w = d * q + m; a Q4_0 block has m = -8 d)
+//   [64, 320)  four 64-byte vectors k = 0..3; bytes 4i..4i+3 of vector k are bytes 4k..4k+3 of
+//              row i's 16 (low nibbles: weights 4k..4k+3, high nibbles: 16+4k..16+4k+3)
+// Lane i of one vector is then row i: each 4 bytes of the input block, broadcast, meet the same
+// 4 weights of all 16 rows (pairwise u8 x s8 products summed to 16 and 32 bits), so a block of
+// 16 rows costs a few dozen instructions and its 16 sums arrive as one vector, with the scales
+// of the 16 rows converted in one instruction. A row-at-a-time Q4 dot product spends about as
+// much on one row's block (its scalar scales and horizontal sum). ggml repacks its 4-bit
+// weights the same way on CPUs with wide vectors.
+#ifndef Q4X16_PF
+#define Q4X16_PF 16
+#endif
+
+inline int32_t load4(const int8_t* p) {
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return v;
+}
+
+#if defined(__AVX512F__)
+template <int R>
+inline void q4x16_group(const uint8_t* gw, const FFNArgs& a, int64_t r0, int64_t n, int64_t g,
+                        float* y) {
+  const int64_t nb = a.dim / 32, dim = a.dim;
+  const __m512i mask = _mm512_set1_epi8(0x0F), ones = _mm512_set1_epi16(1);
+  __m512 acc[R];
+  for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
+  for (int64_t blk = 0; blk < nb; blk++) {
+    const uint8_t* b = gw + blk * Q4X16_BLOCK;
+    for (int o = 0; o < Q4X16_BLOCK; o += 64) _mm_prefetch((const char*)b + Q4X16_PF * Q4X16_BLOCK + o, _MM_HINT_T0);
+    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)b));
+    const __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(b + 32)));
+    __m512i lo[4], hi[4];
+    for (int k = 0; k < 4; k++) {
+      const __m512i v = _mm512_loadu_si512((const void*)(b + 64 + 64 * k));
+      lo[k] = _mm512_and_si512(v, mask);
+      hi[k] = _mm512_and_si512(_mm512_srli_epi16(v, 4), mask);
+    }
+    for (int r = 0; r < R; r++) {
+      const int64_t row = r0 + r;
+      const int8_t* xb = a.xq + row * dim + 32 * blk;
+      // 8 pairwise sums of 4 products each, at most 8 * 2 * 15 * 127 in 16 bits: no saturation
+      __m512i s = _mm512_maddubs_epi16(lo[0], _mm512_set1_epi32(load4(xb)));
+      s = _mm512_add_epi16(s, _mm512_maddubs_epi16(hi[0], _mm512_set1_epi32(load4(xb + 16))));
+      for (int k = 1; k < 4; k++) {
+        s = _mm512_add_epi16(s, _mm512_maddubs_epi16(lo[k], _mm512_set1_epi32(load4(xb + 4 * k))));
+        s = _mm512_add_epi16(s, _mm512_maddubs_epi16(hi[k], _mm512_set1_epi32(load4(xb + 16 + 4 * k))));
+      }
+      const __m512 p = _mm512_cvtepi32_ps(_mm512_madd_epi16(s, ones));
+      acc[r] = _mm512_fmadd_ps(p, _mm512_mul_ps(d, _mm512_set1_ps(a.xd[row * nb + blk])), acc[r]);
+      acc[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(a.xs[row * nb + blk]), acc[r]);
+    }
+  }
+  for (int r = 0; r < R; r++) _mm512_storeu_ps(y + (r0 + r) * n + 16 * g, acc[r]);
+}
+#else
+// AVX2: the 16 rows as two halves of 8 lanes, one pass over the group's blocks each (the
+// group's bytes are in L1 for the second)
+template <int R>
+inline void q4x16_group(const uint8_t* gw, const FFNArgs& a, int64_t r0, int64_t n, int64_t g,
+                        float* y) {
+  const int64_t nb = a.dim / 32, dim = a.dim;
+  const __m256i mask = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+  for (int half = 0; half < 2; half++) {
+    __m256 acc[R];
+    for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
+    for (int64_t blk = 0; blk < nb; blk++) {
+      const uint8_t* b = gw + blk * Q4X16_BLOCK;
+      if (half == 0)
+        for (int o = 0; o < Q4X16_BLOCK; o += 64) _mm_prefetch((const char*)b + Q4X16_PF * Q4X16_BLOCK + o, _MM_HINT_T0);
+      const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(b + 16 * half)));
+      const __m256 m = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(b + 32 + 16 * half)));
+      __m256i lo[4], hi[4];
+      for (int k = 0; k < 4; k++) {
+        const __m256i v = _mm256_loadu_si256((const __m256i*)(b + 64 + 64 * k + 32 * half));
+        lo[k] = _mm256_and_si256(v, mask);
+        hi[k] = _mm256_and_si256(_mm256_srli_epi16(v, 4), mask);
+      }
+      for (int r = 0; r < R; r++) {
+        const int64_t row = r0 + r;
+        const int8_t* xb = a.xq + row * dim + 32 * blk;
+        __m256i s = _mm256_maddubs_epi16(lo[0], _mm256_set1_epi32(load4(xb)));
+        s = _mm256_add_epi16(s, _mm256_maddubs_epi16(hi[0], _mm256_set1_epi32(load4(xb + 16))));
+        for (int k = 1; k < 4; k++) {
+          s = _mm256_add_epi16(s, _mm256_maddubs_epi16(lo[k], _mm256_set1_epi32(load4(xb + 4 * k))));
+          s = _mm256_add_epi16(s, _mm256_maddubs_epi16(hi[k], _mm256_set1_epi32(load4(xb + 16 + 4 * k))));
+        }
+        const __m256 p = _mm256_cvtepi32_ps(_mm256_madd_epi16(s, ones));
+        acc[r] = _mm256_fmadd_ps(p, _mm256_mul_ps(d, _mm256_set1_ps(a.xd[row * nb + blk])), acc[r]);
+        acc[r] = _mm256_fmadd_ps(m, _mm256_set1_ps(a.xs[row * nb + blk]), acc[r]);
+      }
+    }
+    for (int r = 0; r < R; r++) _mm256_storeu_ps(y + (r0 + r) * n + 16 * g + 8 * half, acc[r]);
+  }
+}
+#endif
+
+// y[r, 16g..16g+15] = rows of group g . x[r] for groups [begin, end) of a q4x16 matrix of n rows
+inline void gemv_q4x16(const uint8_t* w, const FFNArgs& a, int64_t n, int64_t begin, int64_t end,
+                       float* y) {
+  const int64_t gbytes = a.dim / 32 * Q4X16_BLOCK;
+  for (int64_t g = begin; g < end; g++) {
+    const uint8_t* gw = w + g * gbytes;
+    int64_t r = 0;
+    for (; r + 4 <= a.B; r += 4) q4x16_group<4>(gw, a, r, n, g, y);
+    switch (a.B - r) {
+      case 3: q4x16_group<3>(gw, a, r, n, g, y); break;
+      case 2: q4x16_group<2>(gw, a, r, n, g, y); break;
+      case 1: q4x16_group<1>(gw, a, r, n, g, y); break;
+    }
   }
 }
 

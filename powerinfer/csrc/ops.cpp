@@ -154,6 +154,47 @@ static at::Tensor linear(const at::Tensor& x, const at::Tensor& w, int64_t fmt) 
   return y;
 }
 
+// x (B, dim) f32 or bf16; w (ceil(n/16), dim/32 * 320) uint8, an int4 matrix in the q4x16
+// layout (neuron_ffn.h) -> (B, n) in x's type = x W^T, over x rounded to 8 bits per block of 32.
+// A bf16 x is read as it is: a decode step calls this four times a layer, and the conversions
+// to float and back around each call cost more than the rounding.
+static at::Tensor linear_q4x16(const at::Tensor& x, const at::Tensor& w, int64_t n) {
+  const Kernels& k = active();
+  const bool bf16 = x.scalar_type() == at::kBFloat16;
+  TORCH_CHECK(x.dim() == 2 && (bf16 || x.scalar_type() == at::kFloat) && x.is_contiguous(),
+              "x: (B, dim) contiguous float32 or bfloat16");
+  TORCH_CHECK(x.size(0) >= 1 && x.size(0) <= 64, "the kernel takes 1 to 64 rows, got ", x.size(0));
+  TORCH_CHECK(x.size(1) % 32 == 0, "dim must be a multiple of 32, got ", x.size(1));
+  check_rows(w);
+  const int64_t B = x.size(0), dim = x.size(1), nb = dim / 32, groups = (n + 15) / 16;
+  TORCH_CHECK(n >= 1 && w.size(0) == groups, "w: ", w.size(0), " groups of 16 rows, expected ",
+              groups, " for ", n, " rows");
+  TORCH_CHECK(w.size(1) == nb * Q4X16_BLOCK, "w: ", w.size(1), " bytes per group, expected ",
+              nb * Q4X16_BLOCK, " for dim ", dim);
+  const auto f32 = x.options().dtype(at::kFloat);
+  at::Tensor xq = at::empty({B, dim}, x.options().dtype(at::kChar)), xd = at::empty({B, nb}, f32),
+             xs = at::empty({B, nb}, f32);
+  if (bf16)
+    quantize_input(x.data_ptr<c10::BFloat16>(), B, dim, xq.data_ptr<int8_t>(), xd.data_ptr<float>(),
+                   xs.data_ptr<float>());
+  else
+    quantize_input(x.data_ptr<float>(), B, dim, xq.data_ptr<int8_t>(), xd.data_ptr<float>(),
+                   xs.data_ptr<float>());
+  FFNArgs a{nullptr, B, dim, nullptr, 0, nullptr, nullptr, nullptr, 0, 0.0f, 0, Q4_1};
+  a.xq = xq.data_ptr<int8_t>();
+  a.xd = xd.data_ptr<float>();
+  a.xs = xs.data_ptr<float>();
+  // the kernel writes whole groups: a last partial group goes to a padded output
+  at::Tensor y = at::empty({B, groups * 16}, f32);
+  const uint8_t* p = w.data_ptr<uint8_t>();
+  float* yp = y.data_ptr<float>();
+  at::parallel_for(0, groups, 4, [&](int64_t begin, int64_t end) {
+    k.gemv_q4x16(p, a, groups * 16, begin, end, yp);
+  });
+  if (groups * 16 != n) y = y.narrow(1, 0, n);
+  return bf16 ? y.to(at::kBFloat16) : y.contiguous();
+}
+
 // RMSNorm over the last axis of x, f32 or bf16 with a weight of the same type, as torch's CPU
 // rms_norm computes it (in float, rounded once at the end). One call in place of torch's
 // several: a decode step normalizes two rows of a few hundred values per layer, and dispatching
@@ -350,6 +391,7 @@ TORCH_LIBRARY(powerinfer, m) {
   m.def("neuron_ffn(Tensor x, Tensor w, Tensor sel, Tensor? keep, Tensor? bias, float threshold, int act, int fmt) -> Tensor");
   m.def("widen(Tensor w, int fmt, int rows, int dim) -> Tensor");
   m.def("linear(Tensor x, Tensor w, int fmt) -> Tensor");
+  m.def("linear_q4x16(Tensor x, Tensor w, int n) -> Tensor");
   m.def("rms_norm(Tensor x, Tensor w, float eps) -> Tensor");
   m.def("decode_attention(Tensor qkv, Tensor cos, Tensor sin, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor rows, Tensor pos, Tensor valid, int n_heads) -> Tensor");
   m.def("isa", &powerinfer::isa);
@@ -360,6 +402,7 @@ TORCH_LIBRARY_IMPL(powerinfer, CPU, m) {
   m.impl("neuron_ffn", powerinfer::neuron_ffn);
   m.impl("widen", powerinfer::widen);
   m.impl("linear", powerinfer::linear);
+  m.impl("linear_q4x16", powerinfer::linear_q4x16);
   m.impl("rms_norm", powerinfer::rms_norm);
   m.impl("decode_attention", powerinfer::decode_attention);
 }
