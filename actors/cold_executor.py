@@ -42,7 +42,8 @@ class ColdExecutor:
         for i in range(a.n_layers):  # only this shard's rows are read from the file
             cold = ~plan.hot_mask(i, hot_share)
             idx = plan.shards(i, cold, spec.n_cold)[rank]
-            self.sets.append(read_neuron_set(src, a, i, idx, self.fmt, dtype))
+            self.sets.append(read_neuron_set(src, a, i, idx, self.fmt, dtype,
+                                             every_step=plan.predictor_input is None))
         src.close()
         trim_heap()  # the load's transients, freed, stay resident otherwise
         self.load_s = time.perf_counter() - t0

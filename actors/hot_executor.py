@@ -130,7 +130,8 @@ class HotExecutor:
         # read from the file without the cold neurons; with int4 on the CPU the embedding stays
         # in the file's blocks (and a tied head reads the same rows)
         model = hot_model(ckpt, dtype, hot, plan.predictor_input or "ffn", plan.thresholds, fmt,
-                          int4, quantized_embedding=int4 and on_cpu)
+                          int4, quantized_embedding=int4 and on_cpu,
+                          every_step=plan.predictor_input is None)
         if on_cpu:  # the model is built on the host: the device decides
             apply_kernel_linears(model, head="q8_0" if int4 else "bf16")  # what is left in bf16
         ckpt.source.close()

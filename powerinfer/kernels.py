@@ -139,7 +139,7 @@ def available() -> bool:
             torch.library.register_fake("powerinfer::linear")(
                 lambda x, w, fmt: x.new_empty(x.shape[0], w.shape[0]))
             torch.library.register_fake("powerinfer::linear_q4x16")(
-                lambda x, w, n: x.new_empty(x.shape[0], n))
+                lambda x, w, n: x.new_empty(*x.shape[:-1], n))
             torch.library.register_fake("powerinfer::rms_norm")(lambda x, w, eps: torch.empty_like(x))
             torch.library.register_fake("powerinfer::decode_attention")(
                 lambda qkv, cos, sin, k, v, rows, pos, valid, n_heads:
@@ -250,12 +250,15 @@ def pack_q4x16(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> torc
 
 
 def linear_q4x16(x: torch.Tensor, w: torch.Tensor, n: int) -> torch.Tensor:
-    """x (B, k) float32 or bfloat16 -> (B, n) in x's type = x W^T for W packed by `pack_q4x16`,
-    over x rounded to 8 bits per block (`quantize_input`), MAX_ROWS rows per call."""
-    if x.shape[0] <= MAX_ROWS:
-        return torch.ops.powerinfer.linear_q4x16(x, w, n)
-    return torch.cat([torch.ops.powerinfer.linear_q4x16(x[r:r + MAX_ROWS], w, n)
-                      for r in range(0, x.shape[0], MAX_ROWS)])
+    """x (..., k) float32 or bfloat16 -> (..., n) in x's type = x W^T for W packed by
+    `pack_q4x16`, over x rounded to 8 bits per block (`quantize_input`), MAX_ROWS rows a call."""
+    op = torch.ops.powerinfer.linear_q4x16.default
+    x = x.contiguous()
+    if x.numel() <= MAX_ROWS * x.shape[-1]:
+        return op(x, w, n)
+    rows = x.reshape(-1, x.shape[-1])
+    y = torch.cat([op(rows[r:r + MAX_ROWS], w, n) for r in range(0, rows.shape[0], MAX_ROWS)])
+    return y.view(*x.shape[:-1], n)
 
 
 INTEGER_DOTS = ("q4_0", "q4_1", "q8_0")  # formats whose dot products run in integers

@@ -267,6 +267,13 @@ class TensorSource:
     def q4(self, name: str):
         raise KeyError(f"{name} is not stored in 4-bit blocks")
 
+    def q4_part(self, name: str, rows: tuple[int, int], cols: tuple[int, int]):
+        """`q4`'s triple for rows lo:hi and columns lo:hi (multiples of 32: whole blocks) of a
+        4-bit tensor."""
+        q, d, z = self.q4(name)
+        (r0, r1), (c0, c1) = rows, cols
+        return q[r0:r1, c0:c1], d[r0:r1, c0 // 32:c1 // 32], z[r0:r1, c0 // 32:c1 // 32]
+
     def close(self):
         pass
 
@@ -424,6 +431,17 @@ class GGUFSource(TensorSource):
         self._release(name)
         heads = self._heads(name)
         return blocks if heads is None else tuple(unpermute_rows(b, heads) for b in blocks)
+
+    def q4_part(self, name: str, rows: tuple[int, int], cols: tuple[int, int]):
+        st = self._stored(name)
+        (r0, r1), (c0, c1) = rows, cols
+        if st.kind not in Q4_TYPES or self._heads(name) is not None or c0 % 32 or c1 % 32:
+            return super().q4_part(name, rows, cols)
+        per = st.nbytes // (st.shape[0] * st.shape[1] // 32)  # bytes of one block
+        data = self._data(name)[r0:r1, c0 // 32 * per:c1 // 32 * per]  # only these bytes
+        blocks = q4_split(st.kind, r1 - r0, c1 - c0, np.ascontiguousarray(data))
+        self._release(name)
+        return blocks
 
     def close(self):
         self._map = self._mm = None

@@ -21,7 +21,7 @@ from . import kernels
 from .loader import ModelFile, TensorSource
 from .model import ModelArgs, Transformer
 from .quant import Q4_TYPES, KernelEmbedding, KernelLinear, int4_linear
-from .sparse import HybridFFN, NeuronSet
+from .sparse import BlockSlice, HybridFFN, NeuronSet
 
 # GGUF types whose rows the kernel reads as they are stored
 STORED_FORMATS = {"Q4_0": "q4_0", "Q4_1": "q4_1", "Q8_0": "q8_0"}
@@ -56,11 +56,16 @@ class LazyWeights(Mapping):
 
 
 def read_neuron_set(src: TensorSource, a: ModelArgs, layer: int, idx: torch.Tensor,
-                    fmt: str | None, dtype: torch.dtype) -> NeuronSet:
+                    fmt: str | None, dtype: torch.dtype,
+                    every_step: bool = False) -> NeuronSet | BlockSlice:
     """Neurons idx of one layer's FFN, read from the file: their gate and up rows and their
-    columns of down. Gate and up rows stored in `fmt` itself are kept as the file's bytes."""
+    columns of down. Gate and up rows stored in `fmt` itself are kept as the file's bytes.
+    every_step: all of them are computed at every step (no predictor), so a range of whole
+    4-bit blocks becomes a `BlockSlice` (see `block_slice`)."""
     gated, p = a.gated, f"{layer}."
     names = [p + "gate", p + "up"] if gated else [p + "up"]
+    if every_step and (s := block_slice(src, a, layer, idx, fmt, dtype)) is not None:
+        return s
 
     def read(name):
         if fmt is not None and STORED_FORMATS.get(src.kind(name)) == fmt:
@@ -84,6 +89,29 @@ def read_neuron_set(src: TensorSource, a: ModelArgs, layer: int, idx: torch.Tens
                                records=kernels.pack(gate, up, down_t, fmt))
 
 
+def block_slice(src: TensorSource, a: ModelArgs, layer: int, idx: torch.Tensor,
+                fmt: str | None, dtype: torch.dtype) -> BlockSlice | None:
+    """Neurons idx as a BlockSlice (two int4 GEMVs over the file's own blocks) when they are a
+    range lo..hi of whole blocks, the layer's gate, up and down are 4-bit in the file, and the
+    kernel library runs them (fmt: a 4-bit kernel format); else None."""
+    p = f"{layer}."
+    names = [p + "gate", p + "up"] if a.gated else [p + "up"]
+    if (fmt not in ("q4_0", "q4_1") or not kernels.available() or len(idx) == 0
+            or p + "down" not in src.names
+            or any(n not in src.names or src.kind(n) not in Q4_TYPES for n in [*names, p + "down"])):
+        return None
+    lo, hi = int(idx[0]), int(idx[-1]) + 1
+    if lo % 32 or hi % 32 or hi - lo != len(idx) or not torch.equal(idx, torch.arange(lo, hi)):
+        return None
+    parts = [src.q4_part(n, (lo, hi), (0, a.dim)) for n in names]
+    w1 = int4_linear(*(torch.from_numpy(np.concatenate([b[j] for b in parts])) for j in range(3)),
+                     None)
+    down = int4_linear(*(torch.from_numpy(b) for b in src.q4_part(p + "down", (0, a.dim), (lo, hi))),
+                       None)
+    up_b = src.rows(p + "up_b", idx, dtype) if p + "up_b" in src.names else None
+    return BlockSlice(a.ffn_act, idx.clone(), w1, down, up_b)
+
+
 def _int4_projection(src: TensorSource, names: tuple[str, ...], dtype) -> torch.nn.Module | None:
     """An attention projection straight from the file's 4-bit blocks, or None if any of its
     fused tensors is stored otherwise."""
@@ -100,7 +128,7 @@ def _int4_projection(src: TensorSource, names: tuple[str, ...], dtype) -> torch.
 
 def hot_model(ckpt: ModelFile, dtype: torch.dtype, hot: list[torch.Tensor],
               predictor_input: str, thresholds, fmt: str | None, int4: bool,
-              quantized_embedding: bool) -> Transformer:
+              quantized_embedding: bool, every_step: bool = False) -> Transformer:
     """The model the hot executor runs, read from the file without its cold neurons: each
     layer's FFN a HybridFFN holding only the neurons hot[i] marks (no cold set), attention in
     4-bit blocks with `int4` (where the file has them), and with `quantized_embedding` a
@@ -137,7 +165,7 @@ def hot_model(ckpt: ModelFile, dtype: torch.dtype, hot: list[torch.Tensor],
             model.output = KernelLinear.from_records(rows, embed_fmt, a.dim)
     for i, block in enumerate(model.layers):
         idx = hot[i].nonzero().squeeze(-1)
-        hot_set = read_neuron_set(src, a, i, idx, fmt, dtype)
+        hot_set = read_neuron_set(src, a, i, idx, fmt, dtype, every_step)
         down_b = src.get(f"{i}.down_b", dtype) if f"{i}.down_b" in src.names else None
         t = 0.0 if thresholds is None else float(thresholds[i])
         block.ffn = HybridFFN.from_sets(i, block.ffn_norm, a.ffn_dim, hot_set, None, down_b,

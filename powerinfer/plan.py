@@ -17,6 +17,8 @@ from .bundle import Bundle, BundleError
 from .model import ModelArgs, Transformer
 from .sparse import apply_hybrid_ffn
 
+BLOCK = 32  # weights in a GGUF block: a dense split cuts neurons at whole blocks of down's rows
+
 
 @dataclass
 class SparsePlan:
@@ -66,7 +68,10 @@ class SparsePlan:
             return torch.from_numpy(self.hot[layer].copy())
         order = self.by_mass(layer)
         out = torch.zeros(self.ffn_dim, dtype=torch.bool)
-        out[order[:round(share * self.ffn_dim)]] = True
+        k = round(share * self.ffn_dim)
+        if self.mass is None:  # neurons in order: a whole number of 4-bit blocks of down's rows
+            k = min(self.ffn_dim, round(k / BLOCK) * BLOCK)
+        out[order[:k]] = True
         return out
 
     def by_mass(self, layer: int) -> torch.Tensor:
@@ -79,6 +84,9 @@ class SparsePlan:
         expects the same work; each shard's indices sorted."""
         order = self.by_mass(layer)
         ranked = order[cold[order]]
+        if self.mass is None:  # every neuron alike: n ranges of whole blocks, in order
+            cuts = [min(len(ranked), round(len(ranked) * k / n / BLOCK) * BLOCK) for k in range(n)]
+            return [ranked[lo:hi] for lo, hi in zip(cuts, cuts[1:] + [len(ranked)])]
         return [ranked[k::n].sort().values for k in range(n)]
 
     def apply(self, model: Transformer, hot_share: float = 0.0, fmt: str | None = "auto") -> Transformer:

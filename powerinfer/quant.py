@@ -98,11 +98,10 @@ class Q4Linear(nn.Module):
         self.bias = None if bias is None else nn.Parameter(bias.detach().clone(), requires_grad=False)
 
     def forward(self, x):
-        shape, rows = x.shape, x.reshape(-1, self.in_features)
-        if rows.dtype not in (torch.float32, torch.bfloat16):
-            rows = rows.float()
-        y = kernels.linear_q4x16(rows.contiguous(), self.packed, self.out_features).to(x.dtype)
-        y = y.view(*shape[:-1], self.out_features)
+        if x.dtype in (torch.float32, torch.bfloat16):
+            y = kernels.linear_q4x16(x, self.packed, self.out_features)  # in x's type
+        else:
+            y = kernels.linear_q4x16(x.float(), self.packed, self.out_features).to(x.dtype)
         return y if self.bias is None else y + self.bias
 
 

@@ -167,6 +167,30 @@ class NeuronSet(nn.Module):
         return y.unsqueeze(1)
 
 
+class BlockSlice(nn.Module):
+    """Neurons lo..hi of one layer's FFN, all computed at every step (a plan with no predictor:
+    the actor runtime's dense split), from a file whose FFN is in 4-bit blocks, lo and hi
+    multiples of 32: the slice's gate and up rows and its columns of down are whole blocks of the
+    file, held as two `quant.Q4Linear`s (the same bytes) and run on the int4 GEMV the dense
+    model runs, where the per-neuron kernel would widen down to Q8_0 and read a neuron at a
+    time. Called as a NeuronSet is for every neuron (sel None)."""
+
+    def __init__(self, act: str, idx: torch.Tensor, w1: nn.Module, down: nn.Module,
+                 up_b: torch.Tensor | None):
+        super().__init__()
+        self.act, self.w1, self.down = act, w1, down
+        self.register_buffer("idx", idx)
+        self.up_b = None if up_b is None else nn.Parameter(up_b, requires_grad=False)
+
+    def forward(self, x, sel=None, threshold: float = 0.0, keep=None):
+        assert sel is None and keep is None and threshold <= 0, "a block slice computes every neuron"
+        h = self.w1(x)  # (..., 2k): gate rows then up rows; (..., k) for plain ReLU
+        gate, up = h.chunk(2, -1) if self.act != "relu" else (None, h)
+        if self.up_b is not None:
+            up = up + self.up_b
+        return self.down(activate(self.act, gate, up)[1])
+
+
 class HybridFFN(nn.Module):
     """Replaces `Block.ffn` (and takes over `Block.ffn_norm`, so that it sees the pre-norm
     residual a predictor reads): hot set + cold set, computing predicted-active neurons only."""

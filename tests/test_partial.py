@@ -10,7 +10,8 @@ import torch
 from powerinfer import kernels
 from powerinfer.loader import load_checkpoint
 from powerinfer.partial import read_neuron_set
-from powerinfer.sparse import NeuronSet
+from powerinfer.plan import SparsePlan
+from powerinfer.sparse import BlockSlice, NeuronSet
 from powerinfer.synthetic import write_synthetic
 
 
@@ -73,6 +74,45 @@ def test_a_neuron_set_read_alone_equals_the_one_cut_from_the_dense_model(default
     torch.testing.assert_close(got(x).float(), want(x).float(), rtol=2e-2, atol=2e-2)
     empty = read_neuron_set(ck.source, a, 2, torch.tensor([], dtype=torch.long), fmt, dtype)
     assert len(empty.idx) == 0 and not empty(x).any()
+
+
+@pytest.mark.skipif(not kernels.available(), reason="the kernel library cannot run here")
+def test_a_dense_split_runs_whole_blocks_of_the_files_ffn(default_model_path):
+    # a plan without a predictor cuts each layer's neurons at whole 4-bit blocks (hot share, then
+    # cold shards in order), and each range is a BlockSlice over the file's own blocks: its
+    # output for any number of rows is the FFN of the file's weights (the input rounded to 8
+    # bits per block), and the ranges add up to the whole FFN
+    ck = load_checkpoint(default_model_path, with_weights=False)
+    a, src = ck.args, ck.source
+    plan = SparsePlan.dense(a)
+    hot = plan.hot_mask(0, 1 / 3)
+    cold = plan.shards(0, ~hot, 2)
+    ranges = [hot.nonzero().squeeze(-1), *cold]
+    assert torch.equal(torch.cat(ranges), torch.arange(a.ffn_dim))
+    assert all(len(r) % 32 == 0 and len(r) > 0 for r in ranges)
+    layer = 3
+    gate, up = (src.get(f"{layer}.{n}", torch.float32) for n in ("gate", "up"))
+    down = src.get(f"{layer}.down", torch.float32)
+    for rows in (1, 5, 70):  # decode, a batch, a prefill past one kernel call
+        x = torch.randn(rows, 1, a.dim)
+        xq = kernels.quantize_input(x)
+        total = 0
+        for idx in ranges:
+            s = read_neuron_set(src, a, layer, idx, "q4_1", torch.float32, every_step=True)
+            assert isinstance(s, BlockSlice)
+            h = torch.nn.functional.silu(xq @ gate[idx].t()) * (xq @ up[idx].t())
+            want = kernels.quantize_input(h) @ down[:, idx].t()
+            got = s(x)
+            assert got.shape == want.shape
+            assert (got - want).abs().max() <= 1e-4 * want.abs().max(), (rows, idx[0])
+            total = total + got
+        dense = torch.nn.functional.silu(x @ gate.t()) * (x @ up.t()) @ down.t()
+        assert (total - dense).abs().max() <= 0.05 * dense.abs().max()
+    # not whole blocks, or a predictor will pick neurons: the per-neuron kernel's set
+    odd = read_neuron_set(src, a, layer, torch.arange(16, 80), "q4_1", torch.float32, every_step=True)
+    assert isinstance(odd, NeuronSet)
+    assert isinstance(read_neuron_set(src, a, layer, torch.arange(32, 96), "q4_1", torch.float32),
+                      NeuronSet)
 
 
 def test_what_the_driver_sends_its_actors_pickles(default_model_path):

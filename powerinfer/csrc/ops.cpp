@@ -10,6 +10,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <vector>
 #include <string>
 
@@ -154,45 +155,57 @@ static at::Tensor linear(const at::Tensor& x, const at::Tensor& w, int64_t fmt) 
   return y;
 }
 
-// x (B, dim) f32 or bf16; w (ceil(n/16), dim/32 * 320) uint8, an int4 matrix in the q4x16
-// layout (neuron_ffn.h) -> (B, n) in x's type = x W^T, over x rounded to 8 bits per block of 32.
-// A bf16 x is read as it is: a decode step calls this four times a layer, and the conversions
-// to float and back around each call cost more than the rounding.
+// x (..., dim) f32 or bf16, at most 64 rows; w (ceil(n/16), dim/32 * 320) uint8, an int4
+// matrix in the q4x16 layout (neuron_ffn.h) -> (..., n) in x's type = x W^T, over x rounded to
+// 8 bits per block of 32. A decode step calls this four times a layer with one row, where
+// dispatching ops costs more than the arithmetic: a bf16 x is read as it is, the answer written
+// in bf16 here, and the scratch is this thread's own, so the call is one op.
 static at::Tensor linear_q4x16(const at::Tensor& x, const at::Tensor& w, int64_t n) {
   const Kernels& k = active();
   const bool bf16 = x.scalar_type() == at::kBFloat16;
-  TORCH_CHECK(x.dim() == 2 && (bf16 || x.scalar_type() == at::kFloat) && x.is_contiguous(),
-              "x: (B, dim) contiguous float32 or bfloat16");
-  TORCH_CHECK(x.size(0) >= 1 && x.size(0) <= 64, "the kernel takes 1 to 64 rows, got ", x.size(0));
-  TORCH_CHECK(x.size(1) % 32 == 0, "dim must be a multiple of 32, got ", x.size(1));
+  TORCH_CHECK(x.dim() >= 1 && (bf16 || x.scalar_type() == at::kFloat) && x.is_contiguous(),
+              "x: (..., dim) contiguous float32 or bfloat16");
+  const int64_t dim = x.size(-1), B = dim ? x.numel() / dim : 0, nb = dim / 32;
+  TORCH_CHECK(B >= 1 && B <= 64, "the kernel takes 1 to 64 rows, got ", B);
+  TORCH_CHECK(dim % 32 == 0, "dim must be a multiple of 32, got ", dim);
   check_rows(w);
-  const int64_t B = x.size(0), dim = x.size(1), nb = dim / 32, groups = (n + 15) / 16;
+  const int64_t groups = (n + 15) / 16;
   TORCH_CHECK(n >= 1 && w.size(0) == groups, "w: ", w.size(0), " groups of 16 rows, expected ",
               groups, " for ", n, " rows");
   TORCH_CHECK(w.size(1) == nb * Q4X16_BLOCK, "w: ", w.size(1), " bytes per group, expected ",
               nb * Q4X16_BLOCK, " for dim ", dim);
-  const auto f32 = x.options().dtype(at::kFloat);
-  at::Tensor xq = at::empty({B, dim}, x.options().dtype(at::kChar)), xd = at::empty({B, nb}, f32),
-             xs = at::empty({B, nb}, f32);
+  thread_local std::vector<int8_t> xq;
+  thread_local std::vector<float> xd, xs, yf;
+  xq.resize(B * dim);
+  xd.resize(B * nb);
+  xs.resize(B * nb);
+  yf.resize(B * groups * 16);  // the kernel writes whole groups
   if (bf16)
-    quantize_input(x.data_ptr<c10::BFloat16>(), B, dim, xq.data_ptr<int8_t>(), xd.data_ptr<float>(),
-                   xs.data_ptr<float>());
+    quantize_input(x.data_ptr<c10::BFloat16>(), B, dim, xq.data(), xd.data(), xs.data());
   else
-    quantize_input(x.data_ptr<float>(), B, dim, xq.data_ptr<int8_t>(), xd.data_ptr<float>(),
-                   xs.data_ptr<float>());
+    quantize_input(x.data_ptr<float>(), B, dim, xq.data(), xd.data(), xs.data());
   FFNArgs a{nullptr, B, dim, nullptr, 0, nullptr, nullptr, nullptr, 0, 0.0f, 0, Q4_1};
-  a.xq = xq.data_ptr<int8_t>();
-  a.xd = xd.data_ptr<float>();
-  a.xs = xs.data_ptr<float>();
-  // the kernel writes whole groups: a last partial group goes to a padded output
-  at::Tensor y = at::empty({B, groups * 16}, f32);
+  a.xq = xq.data();
+  a.xd = xd.data();
+  a.xs = xs.data();
   const uint8_t* p = w.data_ptr<uint8_t>();
-  float* yp = y.data_ptr<float>();
+  float* yp = yf.data();
   at::parallel_for(0, groups, 4, [&](int64_t begin, int64_t end) {
     k.gemv_q4x16(p, a, groups * 16, begin, end, yp);
   });
-  if (groups * 16 != n) y = y.narrow(1, 0, n);
-  return bf16 ? y.to(at::kBFloat16) : y.contiguous();
+  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
+  shape.back() = n;
+  at::Tensor y = at::empty(shape, x.options());
+  for (int64_t r = 0; r < B; r++) {
+    const float* src = yp + r * groups * 16;
+    if (bf16) {
+      c10::BFloat16* dst = y.data_ptr<c10::BFloat16>() + r * n;
+      for (int64_t i = 0; i < n; i++) dst[i] = c10::BFloat16(src[i]);  // round to nearest even
+    } else {
+      std::memcpy(y.data_ptr<float>() + r * n, src, n * sizeof(float));
+    }
+  }
+  return y;
 }
 
 // RMSNorm over the last axis of x, f32 or bf16 with a weight of the same type, as torch's CPU
