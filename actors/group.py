@@ -117,7 +117,7 @@ class ActorGroup:
             # every open stream is a call in flight: admission control is the scheduler's
             # queue, not Ray's
             self.actors["scheduler"] = place(Scheduler, n + 2, concurrency=10_000).remote(
-                spec, self.model, self.tokenizer, c, self.cores.hot)
+                spec, self.model, self.tokenizer, c, self.cores.hot, self._spare())
             names = list(self.actors)
             infos = ray.get([a.ready.remote() for a in self.actors.values()], timeout=START_TIMEOUT_S)
             self.info = dict(zip(names, infos))
@@ -128,6 +128,13 @@ class ActorGroup:
             self.spec.unlink_all()  # every actor has mapped them, or the start failed
         self.loops = [a.run.remote() for a in self.actors.values()]
         return self
+
+    def _spare(self) -> tuple[int, ...]:
+        """The group's cores other than the hot executor's: the cold executors (and the
+        predictor) wait on them between layers, yielding, while the hot core never idles."""
+        hot = set(self.cores.hot)
+        rest = {x for g in (*self.cores.cold, self.cores.predictor) for x in g} - hot
+        return tuple(sorted(rest))
 
     def broken(self) -> str | None:
         """Why the group is broken (an actor's loop ended: it died or failed), or None."""

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from cluster.topology import process_memory
+from cluster.topology import pin_threads, process_memory
 
 from powerinfer.config import Config, SamplingParams
 from powerinfer import batching
@@ -60,9 +60,11 @@ class GroupFailure(Exception):
 
 class Scheduler:
     def __init__(self, spec: PlaneSpec, model: ModelFile, tokenizer: Tokenizer, config: Config,
-                 cores: tuple[int, ...] = ()):
+                 cores: tuple[int, ...] = (), spare: tuple[int, ...] = ()):
         # the driver's tokenizer and tensor table: this process never parses the model file
         self.tokenizer, self.cores = tokenizer, cores
+        if spare:  # Ray's threads and the event loop that streams tokens out: off the hot core
+            pin_threads(spare)
         self.spec, self.config, self.vocab = spec, config, model.args.vocab_size
         self.max_seq = min(context_length(model.args, config), spec.max_seq)
         self.ctl, self.out = spec.open("ctl", writer=True), spec.open("out")

@@ -105,6 +105,16 @@ def pin(cores: tuple[int, ...], threads: int = 0) -> None:
     torch.set_num_threads(min(threads, len(cores)) if threads else len(cores))
 
 
+def pin_threads(cores: tuple[int, ...]) -> None:
+    """Pin every thread this process has now to cores (threads started later inherit the
+    affinity of the thread that starts them). Torch's thread pool is left as it is."""
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            os.sched_setaffinity(int(tid), cores)
+        except OSError:  # the thread has ended
+            pass
+
+
 def process_memory(pid: int | str = "self") -> dict[str, int]:
     """This (or another) process's memory from /proc/PID/status, in bytes: rss (resident now:
     anonymous + file-backed + shared memory), hwm (the peak of rss), and its anon, file and
