@@ -31,7 +31,7 @@ class Engine:
         model.setup_cache(config.max_batch, self.max_seq)
         self._decode = self._forward
         if config.compile:
-            self._decode = compile_per_instance(self._forward)
+            self._decode = compile_per_instance(self._forward, cpp_wrapper=self.device.type == "cpu")
 
     def new_sequence(self, prompt: list[int], params: SamplingParams) -> Sequence:
         return new_sequence(prompt, params, self.tokenizer, self.model.args.vocab_size, self.max_seq)
