@@ -104,7 +104,8 @@ def test_a_dense_split_runs_whole_blocks_of_the_files_ffn(default_model_path):
             want = kernels.quantize_input(h) @ down[:, idx].t()
             got = s(x)
             assert got.shape == want.shape
-            assert (got - want).abs().max() <= 1e-4 * want.abs().max(), (rows, idx[0])
+            # an 8-bit rounding of h may flip against the reference's h (summed in another order)
+            assert (got - want).abs().max() <= 2e-3 * want.abs().max(), (rows, idx[0])
             total = total + got
         dense = torch.nn.functional.silu(x @ gate.t()) * (x @ up.t()) @ down.t()
         assert (total - dense).abs().max() <= 0.05 * dense.abs().max()
