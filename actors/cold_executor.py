@@ -19,19 +19,20 @@ from cluster.topology import node_of, numa_pages, pin, process_memory
 from powerinfer.compat import trim_heap
 from powerinfer.loader import ModelFile
 from powerinfer.model import held_bytes
-from powerinfer.partial import read_neuron_set
+from powerinfer.partial import read_head, read_neuron_set
 from powerinfer.plan import SparsePlan
 from powerinfer.quant import neuron_format
-from powerinfer.sparse import decode_rows
+from powerinfer.sparse import BlockSlice, decode_rows
 
 from .group_info import node_id
 from .channel import ChannelClosed
-from .plane import STOP, FFNInput, Partial, PlaneSpec, receive, send
+from .plane import HEAD, STOP, FFNInput, Partial, PlaneSpec, head_ranges, receive, send
 
 
 class ColdExecutor:
     def __init__(self, spec: PlaneSpec, rank: int, cores: tuple[int, ...], model: ModelFile,
-                 plan: SparsePlan, hot_share: float, threads: int = 0, weights: str = "dense"):
+                 plan: SparsePlan, hot_share: float, threads: int = 0, weights: str = "dense",
+                 head: bool = True):
         faulthandler.enable()  # a native crash (the CPU kernel) leaves its Python stack in the log
         pin(cores, threads)
         self.spec, self.rank, self.cores = spec, rank, cores
@@ -44,6 +45,10 @@ class ColdExecutor:
             idx = plan.shards(i, cold, spec.n_cold)[rank]
             self.sets.append(read_neuron_set(src, a, i, idx, self.fmt, dtype,
                                              every_step=plan.predictor_input is None))
+        # its rows of the output head (the hot executor's on a CPU; on a GPU it keeps them all)
+        lo, hi = head_ranges(spec.vocab, spec.n_cold, hot_share)[1 + rank] if head else (0, 0)
+        self.head = read_head(src, a, lo, hi, dtype, weights == "int4") if hi > lo else None
+        self.head_rows = hi - lo
         src.close()
         trim_heap()  # the load's transients, freed, stay resident otherwise
         self.load_s = time.perf_counter() - t0
@@ -56,7 +61,9 @@ class ColdExecutor:
         return {"rank": self.rank, "cores": list(self.cores), "neurons": self.neurons,
                 "format": self.fmt or "torch", "pid": os.getpid(), "load_s": self.load_s,
                 "load_cpu_s": self.load_cpu_s,
-                "held_bytes": held_bytes(*self.sets), "numa_bytes": numa_pages(),
+                "held_bytes": held_bytes(*self.sets, *self._head()), "head_rows": self.head_rows,
+                "block_slices": sum(isinstance(s, BlockSlice) for s in self.sets),
+                "numa_bytes": numa_pages(),
                 "node": node_of(self.cores), "node_id": node_id()}
 
     @torch.inference_mode()
@@ -69,6 +76,11 @@ class ColdExecutor:
                 if got.op == STOP:
                     return "stopped"
                 t0 = time.perf_counter()
+                if got.op == HEAD:  # its rows of the logits, for the rows the hot side sent
+                    self.part.put(self.head(self.x.view(spec.torch_dtype, (got.B, spec.dim))).float())
+                    send(self.part, Partial(-1, got.B, 1))
+                    self.busy_s += time.perf_counter() - t0
+                    continue
                 B, T = got.B, got.T
                 x = self.x.view(spec.torch_dtype, (B, T, spec.dim))
                 s = self.sets[got.layer]
@@ -80,7 +92,7 @@ class ColdExecutor:
                 else:
                     y = s(x)
                 self.part.put(y)
-                send(self.part, Partial(got.layer, B * T))
+                send(self.part, Partial(got.layer, B * T, int(y.dtype == torch.float32)))
                 self.busy_s += time.perf_counter() - t0
                 self.steps += 1
         except ChannelClosed:
@@ -89,4 +101,7 @@ class ColdExecutor:
     def stats(self) -> dict:
         return {"rank": self.rank, "busy_s": self.busy_s, "wait_s": self.x.wait_s,
                 "messages": self.steps, "neurons": self.neurons, "memory": process_memory(),
-                "held_bytes": held_bytes(*self.sets)}
+                "held_bytes": held_bytes(*self.sets, *self._head())}
+
+    def _head(self) -> list:
+        return [] if self.head is None else [self.head]

@@ -110,7 +110,7 @@ class ActorGroup:
             for k in range(n):
                 self.actors[f"cold.{k}"] = place(ColdExecutor, 1 + k).remote(
                     spec, k, self.cores.cold[k], self.model, p, hot_share, c.cpu_threads,
-                    c.weights)
+                    c.weights, head=not gpu)
             if p.predictor_input is not None:
                 self.actors["predictor"] = place(PredictorActor, n + 1).remote(
                     spec, self.cores.predictor, p, c.cpu_threads)

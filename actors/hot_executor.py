@@ -33,15 +33,15 @@ from powerinfer.config import Config
 from powerinfer.compat import trim_heap
 from powerinfer.loader import ModelFile
 from powerinfer.model import held_bytes
-from powerinfer.partial import hot_model
+from powerinfer.partial import head_rows, hot_model
 from powerinfer.plan import SparsePlan
 from powerinfer.quant import apply_kernel_linears, neuron_format
 from powerinfer.sparse import HybridFFN
 
 from .group_info import node_id
 from .channel import ChannelClosed, PeerDied
-from .plane import (DECODE, ERROR, OK, PREFILL, STOP, FFNInput, Masks, PlaneSpec, PredictorInput,
-                    Reply, Step, receive, send)
+from .plane import (DECODE, ERROR, HEAD, OK, PREFILL, STOP, FFNInput, Masks, Partial, PlaneSpec,
+                    PredictorInput, Reply, Step, head_ranges, receive, send)
 
 
 class DataPlane:
@@ -107,10 +107,32 @@ class RemoteFFN(nn.Module):
         send(io.x, FFNInput(DECODE if T == 1 else PREFILL, f.layer, B, T, int(masked)))
         rows = None if rows is None else io.to_device(rows)
         y = f.hot_part(x, None if rows is None else rows.any(0), rows)  # union None: every neuron
-        for p in io.parts:
-            p.wait()
-            y = y + io.to_device(p.view(x.dtype, (B, T, dim)))
+        for p in io.parts:  # float32 partial sums (block slices) add up before one rounding
+            got = receive(p, Partial)
+            y = y + io.to_device(p.view(torch.float32 if got.f32 else x.dtype, (B, T, dim)))
+        y = y.to(x.dtype)
         return y if f.down_b is None else y + f.down_b
+
+
+class RemoteHead(nn.Module):
+    """The output head split by vocabulary rows (on a CPU): the rows go out on `x` first, this
+    process computes its own share while the cold executors compute theirs, then the logits are
+    put together. The head is the one large read at the end of a step, when the cold cores would
+    otherwise wait."""
+
+    def __init__(self, own: nn.Module, io: DataPlane, ranges: list[tuple[int, int]]):
+        super().__init__()
+        self.own, self.io, self.ranges = own, io, ranges
+
+    def forward(self, x):  # (B, T, dim): the final norm's rows
+        io, n = self.io, x.numel() // x.shape[-1]
+        io.x.put(x.reshape(n, -1))
+        send(io.x, FFNInput(HEAD, -1, n, 1, 0))
+        parts = [self.own(x).float().reshape(n, -1)]
+        for p, (lo, hi) in zip(io.parts, self.ranges[1:]):
+            p.wait()
+            parts.append(io.to_device(p.view(torch.float32, (n, hi - lo))))
+        return torch.cat(parts, -1).view(*x.shape[:-1], self.ranges[-1][1])
 
 
 class HotExecutor:
@@ -139,6 +161,12 @@ class HotExecutor:
         self.load_s = time.perf_counter() - t0
         self.load_cpu_s = time.process_time() - c0  # without the time other processes took
         self.io = DataPlane(spec, plan.predictor_input, self.device)
+        self.head_rows = spec.vocab
+        if on_cpu and spec.n_cold:  # the head's rows split as the FFN's neurons are
+            ranges = head_ranges(spec.vocab, spec.n_cold, hot_share)
+            model.output = RemoteHead(head_rows(model.output, *ranges[0],
+                                                shared=ckpt.args.tie_embeddings), self.io, ranges)
+            self.head_rows = ranges[0][1]
         for i, block in enumerate(model.layers):
             block.ffn = RemoteFFN(block.ffn, self.io)  # drops the cold neurons
             if self.io.lookahead:  # the layer input goes to the predictor before attention
@@ -157,6 +185,7 @@ class HotExecutor:
 
     def ready(self) -> dict:
         return {"cores": list(self.cores), "hot_neurons": self.hot_neurons,
+                "head_rows": self.head_rows,
                 "device": str(self.device), "pid": os.getpid(), "load_s": self.load_s,
                 "load_cpu_s": self.load_cpu_s, "node_id": node_id(),
                 **self._memory()}

@@ -5,14 +5,19 @@
     out      hot -> scheduler        Reply; logits (B, vocab) fp32, or an error's text
     pred_in  hot -> predictor        PredictorInput (decode only); its input (B, dim) fp32
     mask     predictor -> hot        Masks; per-row predicted-active neurons (B, ffn_dim) bool
-    x        hot -> cold (all)       FFNInput; FFN input (B*T, dim) [, masks at `mask_offset`]
-    part.k   cold k -> hot           Partial; its partial FFN output (rows, dim)
+    x        hot -> cold (all)       FFNInput; FFN input (B*T, dim) [, masks at `mask_offset`],
+                                     or (op HEAD) the normed rows the output head reads
+    part.k   cold k -> hot           Partial; its partial FFN output (rows, dim), or (HEAD) its
+                                     vocabulary rows' logits (rows, its share) fp32
 
 A header's first word of a message a loop reads (Step, PredictorInput, FFNInput) is the op;
 STOP alone ends the reader's loop. Per decode layer the hot executor sends the layer input on
 `pred_in` before attention (lookahead;
 after attention in same-layer mode), reads the masks after attention, sends the FFN input with
-the masks on `x`, computes its hot neurons, and adds every `part.k`. Every reply proves the
+the masks on `x`, computes its hot neurons, and adds every `part.k`. On a CPU the output head is
+split the same way by vocabulary rows (`head_ranges`): after the last layer the hot executor
+sends the normed rows with op HEAD and computes its share while the cold executors compute
+theirs. Every reply proves the
 readers are done with the message before it, so the channels need one buffer each.
 """
 from __future__ import annotations
@@ -27,7 +32,7 @@ import torch
 
 from .channel import Channel, align, create, segment_path
 
-PREFILL, DECODE, STOP = 1, 2, 3
+PREFILL, DECODE, STOP, HEAD = 1, 2, 3, 4
 # How long a reader spins (yielding its core) before it sleeps. The layer loop's hand-offs come
 # every few hundred microseconds while a step runs, the next step within a millisecond of the
 # last: spinning through them keeps every hop in microseconds, and an idle group still sleeps.
@@ -36,6 +41,14 @@ SPIN_US = 2000.0
 SLEEPS_AT_ONCE = {"out"}
 OK, ERROR = 0, 1
 ERROR_BYTES = 1 << 16
+
+
+def head_ranges(vocab: int, n_cold: int, hot_share: float) -> list[tuple[int, int]]:
+    """The output head's rows per executor, hot first, then each cold executor's: the hot
+    executor's share of the cores, the rest dealt out evenly."""
+    hot = round(vocab * hot_share)
+    cuts = [hot + round((vocab - hot) * k / n_cold) for k in range(n_cold + 1)] if n_cold else [vocab]
+    return [(0, hot)] + list(zip(cuts, cuts[1:]))
 
 
 class Step(NamedTuple):
@@ -62,8 +75,8 @@ class Masks(NamedTuple):
 
 
 class FFNInput(NamedTuple):
-    op: int  # PREFILL, DECODE or STOP
-    layer: int
+    op: int  # PREFILL, DECODE, HEAD or STOP
+    layer: int  # -1 for HEAD
     B: int
     T: int
     masked: int  # 1: per-row masks follow the rows
@@ -72,6 +85,7 @@ class FFNInput(NamedTuple):
 class Partial(NamedTuple):
     layer: int
     rows: int
+    f32: int = 0  # 1: the payload is float32 (a block slice's sums, logits), else the model's dtype
 
 
 class CtlLayout(NamedTuple):
@@ -130,7 +144,9 @@ class PlaneSpec:
                 "pred_in": align(B * self.dim * 4),
                 "mask": align(B * self.ffn_dim),
                 "x": rows + align(B * self.ffn_dim)}
-        caps.update({f"part.{k}": rows for k in range(self.n_cold)})
+        # partial sums in float32 at most, or a cold executor's rows of the head (at most all)
+        part = max(align(B * S * self.dim * 4), align(B * self.vocab * 4))
+        caps.update({f"part.{k}": part for k in range(self.n_cold)})
         return caps
 
     @staticmethod

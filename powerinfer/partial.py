@@ -89,6 +89,41 @@ def read_neuron_set(src: TensorSource, a: ModelArgs, layer: int, idx: torch.Tens
                                records=kernels.pack(gate, up, down_t, fmt))
 
 
+def read_head(src: TensorSource, a: ModelArgs, lo: int, hi: int, dtype: torch.dtype,
+               int4: bool) -> nn.Module:
+    """Rows lo:hi of the output head, read from the file as `hot_model` holds the whole head on
+    a CPU (then `quant.apply_kernel_linears`): a tied head over a quantized embedding in the
+    file's blocks with `int4`, else the rows in `dtype`, a KernelLinear where the kernel library
+    runs bf16 (Q8_0 with `int4`)."""
+    tied = a.tie_embeddings
+    name = "embed" if tied else "output"
+    idx = torch.arange(lo, hi)
+    fmt = STORED_FORMATS.get(src.kind(name)) if int4 and tied else None
+    if fmt is not None:
+        return KernelLinear.from_records(src.raw_rows(name, idx), fmt, a.dim)
+    weight = src.rows(name, idx, dtype)
+    if kernels.usable(weight) and dtype == torch.bfloat16:
+        return KernelLinear(weight, None, "q8_0" if int4 else "bf16")
+    lin = nn.Linear(a.dim, hi - lo, bias=False, device="meta")
+    lin.weight = nn.Parameter(weight, requires_grad=False)
+    return lin
+
+
+def head_rows(head: nn.Module, lo: int, hi: int, shared: bool) -> nn.Module:
+    """Rows lo:hi of a built output head (a KernelLinear or an nn.Linear). shared: its weights
+    are the embedding's too (tied), so a view keeps nothing more alive; else the rows are
+    copied and the rest of the head can be freed."""
+    keep = (lambda t: t) if shared else (lambda t: t.clone())
+    bias = None if head.bias is None else keep(head.bias.detach()[lo:hi])
+    if isinstance(head, KernelLinear):
+        return KernelLinear.from_records(keep(head.records[lo:hi]), head.fmt, head.in_features, bias)
+    lin = nn.Linear(head.in_features, hi - lo, bias=bias is not None, device="meta")
+    lin.weight = nn.Parameter(keep(head.weight.detach()[lo:hi]), requires_grad=False)
+    if bias is not None:
+        lin.bias = nn.Parameter(bias, requires_grad=False)
+    return lin
+
+
 def block_slice(src: TensorSource, a: ModelArgs, layer: int, idx: torch.Tensor,
                 fmt: str | None, dtype: torch.dtype) -> BlockSlice | None:
     """Neurons idx as a BlockSlice (two int4 GEMVs over the file's own blocks) when they are a

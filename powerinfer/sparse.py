@@ -173,7 +173,8 @@ class BlockSlice(nn.Module):
     multiples of 32: the slice's gate and up rows and its columns of down are whole blocks of the
     file, held as two `quant.Q4Linear`s (the same bytes) and run on the int4 GEMV the dense
     model runs, where the per-neuron kernel would widen down to Q8_0 and read a neuron at a
-    time. Called as a NeuronSet is for every neuron (sel None)."""
+    time. Called as a NeuronSet is for every neuron (sel None); answers in float32, so that the
+    executors' partial sums are added before the one rounding the dense FFN makes."""
 
     def __init__(self, act: str, idx: torch.Tensor, w1: nn.Module, down: nn.Module,
                  up_b: torch.Tensor | None):
@@ -188,7 +189,7 @@ class BlockSlice(nn.Module):
         gate, up = h.chunk(2, -1) if self.act != "relu" else (None, h)
         if self.up_b is not None:
             up = up + self.up_b
-        return self.down(activate(self.act, gate, up)[1])
+        return self.down(activate(self.act, gate, up)[1].float())  # same 8-bit blocks of h
 
 
 class HybridFFN(nn.Module):

@@ -115,6 +115,30 @@ def test_int4_actors_equal_the_int4_sparse_engine(ray_cluster, bundle):
     assert not shm_segments()
 
 
+@pytest.mark.slow
+def test_int4_dense_split_equals_the_in_process_engine(ray_cluster):
+    # the shipped configuration without a bundle: each executor's neurons are whole 4-bit blocks
+    # of the file (BlockSlice: the int4 GEMV), and the output head is split by vocabulary rows
+    # between the hot executor and the two cold executors
+    from powerinfer import kernels
+    cfg = dict(BASE, dtype="bfloat16", weights="int4")
+    ref = PowerInfer.from_pretrained(MODEL, Config(**cfg))
+    pi = PowerInfer.from_pretrained(MODEL, Config(runtime="actors", cold_executors=2, **cfg))
+    try:
+        info = pi.engine.group.info
+        if kernels.available():
+            assert [info[f"cold.{k}"]["block_slices"] for k in range(2)] == [30, 30]
+        rows = [info["hot"]["head_rows"], *(info[f"cold.{k}"]["head_rows"] for k in range(2))]
+        assert sum(rows) == 49152 and min(rows) > 0  # every row of the head in one place
+        for p in PROMPTS:
+            want, got = (greedy_tokens(m, p, GREEDY["max_new_tokens"]) for m in (ref, pi))
+            assert_same_or_near_tie(ref, ref.tokenize(p), want, got, 0.25)
+        assert "Paris" in pi.generate("The capital of France is", **GREEDY)
+    finally:
+        pi.close()
+    assert not shm_segments()
+
+
 @pytest.fixture(scope="module")
 def sparse_actors(ray_cluster, bundle):
     pi = PowerInfer.from_pretrained(MODEL, Config(runtime="actors", cold_executors=2, max_queue=2,
