@@ -9,8 +9,10 @@ Each way runs over 60 distinct 3072x576 matrices (one SmolLM2 layer's fused gate
 do not fit in cache), over the 49152x576 output head, and over 4 distinct 12288x4096 matrices (a
 LLaMA-7B layer's fused q/k/v). "read" is a plain sum over a 256 MiB array: the bandwidth floor
 the others are compared to. Ways: torch's GEMV (aten, BLAS), the compiled multiply-reduce that
-`model.Linear` becomes under torch.compile, torch's packed int4 kernel, and the CPU kernel's GEMV
-(`quant.KernelLinear`: powerinfer::linear over rows in bf16, Q8_0 or Q4_1, eager).
+`model.Linear` becomes under torch.compile, torch's packed int4 kernel, the CPU kernel's GEMV
+(`quant.KernelLinear`: powerinfer::linear over rows in bf16, Q8_0 or Q4_1, eager), and its int4
+GEMV over 4-bit blocks regrouped 16 rows at a time (`quant.Q4Linear`, what `weights="int4"`
+projections run on).
 """
 from __future__ import annotations
 
@@ -21,7 +23,7 @@ import time
 import torch
 
 from powerinfer import kernels
-from powerinfer.quant import KernelLinear
+from powerinfer.quant import KernelLinear, Q4Linear
 
 
 def seconds(fn, n: int = 10) -> float:
@@ -73,6 +75,12 @@ def main():
         nbytes = count * (n * k // 2 + sz.numel() * 2)
         s = seconds(lambda: [torch._weight_int4pack_mm_for_cpu(x, p, 32, sz) for p in packed])
         print(f"| {count}x {n}x{k} int4 | aten int4pack (bf16 x) | {nbytes / 2**20:.0f} MiB | "
+              f"{s * 1e3:.2f} ms | {nbytes / s / 1e9:.1f} | {nbytes / s / 1e9 / read_gbs:.0%} |")
+        scale = [torch.rand(n, k // 32) * 0.02 for _ in range(count)]
+        ql = [Q4Linear(w.to(torch.uint8), d, 8 * d, None) for w, d in zip(q, scale)]
+        nbytes = sum(m.packed.numel() for m in ql)
+        s = seconds(lambda: [m(x) for m in ql])
+        print(f"| {count}x {n}x{k} q4x16 | kernel int4 GEMV (Q4Linear, eager) | {nbytes / 2**20:.0f} MiB | "
               f"{s * 1e3:.2f} ms | {nbytes / s / 1e9:.1f} | {nbytes / s / 1e9 / read_gbs:.0%} |")
         for fmt in ("q8_0", "q4_1"):  # the kernel over GGUF blocks
             kl = [KernelLinear(torch.randn(n, k), None, fmt) for _ in range(count)]
