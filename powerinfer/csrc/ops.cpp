@@ -180,10 +180,18 @@ static at::Tensor linear_q4x16(const at::Tensor& x, const at::Tensor& w, int64_t
   xd.resize(B * nb);
   xs.resize(B * nb);
   yf.resize(B * groups * 16);  // the kernel writes whole groups
-  if (bf16)
-    quantize_input(x.data_ptr<c10::BFloat16>(), B, dim, xq.data(), xd.data(), xs.data());
-  else
-    quantize_input(x.data_ptr<float>(), B, dim, xq.data(), xd.data(), xs.data());
+  // rows in parallel when there are many (a prompt): alone it was a third of a long row's call
+  // (the scratch is this thread's: workers get its pointers, not their own thread_locals)
+  int8_t* const xq0 = xq.data();
+  float *const xd0 = xd.data(), *const xs0 = xs.data();
+  at::parallel_for(0, B, B * dim >= 16384 ? 1 : B, [&](int64_t r0, int64_t r1) {
+    int8_t* q = xq0 + r0 * dim;
+    float *d = xd0 + r0 * nb, *s = xs0 + r0 * nb;
+    if (bf16)
+      quantize_input(x.data_ptr<c10::BFloat16>() + r0 * dim, r1 - r0, dim, q, d, s);
+    else
+      quantize_input(x.data_ptr<float>() + r0 * dim, r1 - r0, dim, q, d, s);
+  });
   FFNArgs a{nullptr, B, dim, nullptr, 0, nullptr, nullptr, nullptr, 0, 0.0f, 0, Q4_1};
   a.xq = xq.data();
   a.xd = xd.data();
