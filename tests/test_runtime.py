@@ -95,6 +95,14 @@ def test_sparse_equals_local_sparse_engine(ray_cluster, bundle, n_cold, predicto
     assert not shm_segments()
 
 
+def assert_bf16_greedy_tracks(ref: PowerInfer, pi: PowerInfer):
+    # bf16 sums in another order tie-break differently: the bf16 near-tie tolerance
+    for p in PROMPTS:
+        want, got = (greedy_tokens(m, p, GREEDY["max_new_tokens"]) for m in (ref, pi))
+        assert_same_or_near_tie(ref, ref.tokenize(p), want, got, 0.25)
+    assert "Paris" in pi.generate("The capital of France is", **GREEDY)
+
+
 @pytest.mark.slow
 def test_int4_actors_equal_the_int4_sparse_engine(ray_cluster, bundle):
     # the fast configuration: 4-bit attention, neurons in the file's 4-bit blocks on the CPU
@@ -106,10 +114,7 @@ def test_int4_actors_equal_the_int4_sparse_engine(ray_cluster, bundle):
     try:
         info = pi.engine.group.info
         assert info["cold.0"]["format"] == "q4_1"  # the file's blocks, not a wider copy
-        for p in PROMPTS:
-            want, got = (greedy_tokens(m, p, GREEDY["max_new_tokens"]) for m in (ref, pi))
-            assert_same_or_near_tie(ref, ref.tokenize(p), want, got, 0.25)
-        assert "Paris" in pi.generate("The capital of France is", **GREEDY)
+        assert_bf16_greedy_tracks(ref, pi)
     finally:
         pi.close()
     assert not shm_segments()
@@ -130,10 +135,7 @@ def test_int4_dense_split_equals_the_in_process_engine(ray_cluster):
             assert [info[f"cold.{k}"]["block_slices"] for k in range(2)] == [30, 30]
         rows = [info["hot"]["head_rows"], *(info[f"cold.{k}"]["head_rows"] for k in range(2))]
         assert sum(rows) == 49152 and min(rows) > 0  # every row of the head in one place
-        for p in PROMPTS:
-            want, got = (greedy_tokens(m, p, GREEDY["max_new_tokens"]) for m in (ref, pi))
-            assert_same_or_near_tie(ref, ref.tokenize(p), want, got, 0.25)
-        assert "Paris" in pi.generate("The capital of France is", **GREEDY)
+        assert_bf16_greedy_tracks(ref, pi)
     finally:
         pi.close()
     assert not shm_segments()

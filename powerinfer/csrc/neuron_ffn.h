@@ -445,83 +445,93 @@ inline int32_t load4(const int8_t* p) {
   return v;
 }
 
+// The integer vectors of this instruction set, with lanes of 32 bits: one lane a row, so a pass
+// covers 16 rows with AVX-512 and 8 (half a group) with AVX2.
 #if defined(__AVX512F__)
-template <int R>
-inline void q4x16_group(const uint8_t* gw, const FFNArgs& a, int64_t r0, int64_t n, int64_t g,
-                        float* y) {
-  const int64_t nb = a.dim / 32, dim = a.dim;
-  const __m512i mask = _mm512_set1_epi8(0x0F), ones = _mm512_set1_epi16(1);
-  __m512 acc[R];
-  for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
-  for (int64_t blk = 0; blk < nb; blk++) {
-    const uint8_t* b = gw + blk * Q4X16_BLOCK;
-    for (int o = 0; o < Q4X16_BLOCK; o += 64) _mm_prefetch((const char*)b + Q4X16_PF * Q4X16_BLOCK + o, _MM_HINT_T0);
-    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)b));
-    const __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(b + 32)));
-    __m512i lo[4], hi[4];
-    for (int k = 0; k < 4; k++) {
-      const __m512i v = _mm512_loadu_si512((const void*)(b + 64 + 64 * k));
-      lo[k] = _mm512_and_si512(v, mask);
-      hi[k] = _mm512_and_si512(_mm512_srli_epi16(v, 4), mask);
-    }
-    for (int r = 0; r < R; r++) {
-      const int64_t row = r0 + r;
-      const int8_t* xb = a.xq + row * dim + 32 * blk;
-      // 8 pairwise sums of 4 products each, at most 8 * 2 * 15 * 127 in 16 bits: no saturation
-      __m512i s = _mm512_maddubs_epi16(lo[0], _mm512_set1_epi32(load4(xb)));
-      s = _mm512_add_epi16(s, _mm512_maddubs_epi16(hi[0], _mm512_set1_epi32(load4(xb + 16))));
-      for (int k = 1; k < 4; k++) {
-        s = _mm512_add_epi16(s, _mm512_maddubs_epi16(lo[k], _mm512_set1_epi32(load4(xb + 4 * k))));
-        s = _mm512_add_epi16(s, _mm512_maddubs_epi16(hi[k], _mm512_set1_epi32(load4(xb + 16 + 4 * k))));
-      }
-      const __m512 p = _mm512_cvtepi32_ps(_mm512_madd_epi16(s, ones));
-      acc[r] = _mm512_fmadd_ps(p, _mm512_mul_ps(d, _mm512_set1_ps(a.xd[row * nb + blk])), acc[r]);
-      acc[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(a.xs[row * nb + blk]), acc[r]);
-    }
-  }
-  for (int r = 0; r < R; r++) _mm512_storeu_ps(y + (r0 + r) * n + 16 * g, acc[r]);
-}
+struct QV {
+  using I = __m512i;
+  using F = __m512;
+  static constexpr int LANES = 16;
+  static I load(const uint8_t* p) { return _mm512_loadu_si512((const void*)p); }
+  static I bytes(int8_t v) { return _mm512_set1_epi8(v); }
+  static I words(int16_t v) { return _mm512_set1_epi16(v); }
+  static I dwords(int32_t v) { return _mm512_set1_epi32(v); }
+  static I band(I a, I b) { return _mm512_and_si512(a, b); }
+  static I shr4(I a) { return _mm512_srli_epi16(a, 4); }
+  static I dot(I u8, I s8) { return _mm512_maddubs_epi16(u8, s8); }
+  static I add16(I a, I b) { return _mm512_add_epi16(a, b); }
+  static F sum32(I a, I ones) { return _mm512_cvtepi32_ps(_mm512_madd_epi16(a, ones)); }
+  static F halves(const uint8_t* p) { return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)p)); }
+  static F fzero() { return _mm512_setzero_ps(); }
+  static F fset(float v) { return _mm512_set1_ps(v); }
+  static F fmul(F a, F b) { return _mm512_mul_ps(a, b); }
+  static F fma(F a, F b, F c) { return _mm512_fmadd_ps(a, b, c); }
+  static void store(float* p, F v) { _mm512_storeu_ps(p, v); }
+};
 #else
-// AVX2: the 16 rows as two halves of 8 lanes, one pass over the group's blocks each (the
-// group's bytes are in L1 for the second)
+struct QV {
+  using I = __m256i;
+  using F = __m256;
+  static constexpr int LANES = 8;
+  static I load(const uint8_t* p) { return _mm256_loadu_si256((const __m256i*)p); }
+  static I bytes(int8_t v) { return _mm256_set1_epi8(v); }
+  static I words(int16_t v) { return _mm256_set1_epi16(v); }
+  static I dwords(int32_t v) { return _mm256_set1_epi32(v); }
+  static I band(I a, I b) { return _mm256_and_si256(a, b); }
+  static I shr4(I a) { return _mm256_srli_epi16(a, 4); }
+  static I dot(I u8, I s8) { return _mm256_maddubs_epi16(u8, s8); }
+  static I add16(I a, I b) { return _mm256_add_epi16(a, b); }
+  static F sum32(I a, I ones) { return _mm256_cvtepi32_ps(_mm256_madd_epi16(a, ones)); }
+  static F halves(const uint8_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)p)); }
+  static F fzero() { return _mm256_setzero_ps(); }
+  static F fset(float v) { return _mm256_set1_ps(v); }
+  static F fmul(F a, F b) { return _mm256_mul_ps(a, b); }
+  static F fma(F a, F b, F c) { return _mm256_fmadd_ps(a, b, c); }
+  static void store(float* p, F v) { _mm256_storeu_ps(p, v); }
+};
+#endif
+
+// One group's rows for input rows r0..r0+R-1: QV::LANES rows a pass (AVX2 makes two passes, the
+// second over the group's bytes in L1).
 template <int R>
 inline void q4x16_group(const uint8_t* gw, const FFNArgs& a, int64_t r0, int64_t n, int64_t g,
                         float* y) {
+  using I = QV::I;
+  using F = QV::F;
+  constexpr int L = QV::LANES;
   const int64_t nb = a.dim / 32, dim = a.dim;
-  const __m256i mask = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
-  for (int half = 0; half < 2; half++) {
-    __m256 acc[R];
-    for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
+  const I mask = QV::bytes(0x0F), ones = QV::words(1);
+  for (int part = 0; part < 16 / L; part++) {
+    F acc[R];
+    for (int r = 0; r < R; r++) acc[r] = QV::fzero();
     for (int64_t blk = 0; blk < nb; blk++) {
       const uint8_t* b = gw + blk * Q4X16_BLOCK;
-      if (half == 0)
+      if (part == 0)
         for (int o = 0; o < Q4X16_BLOCK; o += 64) _mm_prefetch((const char*)b + Q4X16_PF * Q4X16_BLOCK + o, _MM_HINT_T0);
-      const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(b + 16 * half)));
-      const __m256 m = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(b + 32 + 16 * half)));
-      __m256i lo[4], hi[4];
+      const F d = QV::halves(b + 2 * L * part), m = QV::halves(b + 32 + 2 * L * part);
+      I lo[4], hi[4];
       for (int k = 0; k < 4; k++) {
-        const __m256i v = _mm256_loadu_si256((const __m256i*)(b + 64 + 64 * k + 32 * half));
-        lo[k] = _mm256_and_si256(v, mask);
-        hi[k] = _mm256_and_si256(_mm256_srli_epi16(v, 4), mask);
+        const I v = QV::load(b + 64 + 64 * k + 4 * L * part);
+        lo[k] = QV::band(v, mask);
+        hi[k] = QV::band(QV::shr4(v), mask);
       }
       for (int r = 0; r < R; r++) {
         const int64_t row = r0 + r;
         const int8_t* xb = a.xq + row * dim + 32 * blk;
-        __m256i s = _mm256_maddubs_epi16(lo[0], _mm256_set1_epi32(load4(xb)));
-        s = _mm256_add_epi16(s, _mm256_maddubs_epi16(hi[0], _mm256_set1_epi32(load4(xb + 16))));
+        // 8 pairwise sums of 4 products each, at most 8 * 2 * 15 * 127 in 16 bits: no saturation
+        I s = QV::dot(lo[0], QV::dwords(load4(xb)));
+        s = QV::add16(s, QV::dot(hi[0], QV::dwords(load4(xb + 16))));
         for (int k = 1; k < 4; k++) {
-          s = _mm256_add_epi16(s, _mm256_maddubs_epi16(lo[k], _mm256_set1_epi32(load4(xb + 4 * k))));
-          s = _mm256_add_epi16(s, _mm256_maddubs_epi16(hi[k], _mm256_set1_epi32(load4(xb + 16 + 4 * k))));
+          s = QV::add16(s, QV::dot(lo[k], QV::dwords(load4(xb + 4 * k))));
+          s = QV::add16(s, QV::dot(hi[k], QV::dwords(load4(xb + 16 + 4 * k))));
         }
-        const __m256 p = _mm256_cvtepi32_ps(_mm256_madd_epi16(s, ones));
-        acc[r] = _mm256_fmadd_ps(p, _mm256_mul_ps(d, _mm256_set1_ps(a.xd[row * nb + blk])), acc[r]);
-        acc[r] = _mm256_fmadd_ps(m, _mm256_set1_ps(a.xs[row * nb + blk]), acc[r]);
+        acc[r] = QV::fma(QV::sum32(s, ones), QV::fmul(d, QV::fset(a.xd[row * nb + blk])), acc[r]);
+        acc[r] = QV::fma(m, QV::fset(a.xs[row * nb + blk]), acc[r]);
       }
     }
-    for (int r = 0; r < R; r++) _mm256_storeu_ps(y + (r0 + r) * n + 16 * g + 8 * half, acc[r]);
+    for (int r = 0; r < R; r++) QV::store(y + (r0 + r) * n + 16 * g + L * part, acc[r]);
   }
 }
-#endif
 
 // y[r, 16g..16g+15] = rows of group g . x[r] for groups [begin, end) of a q4x16 matrix of n rows
 inline void gemv_q4x16(const uint8_t* w, const FFNArgs& a, int64_t n, int64_t begin, int64_t end,
