@@ -46,6 +46,7 @@ class ColdExecutor:
             self.sets.append(read_neuron_set(src, a, i, idx, self.fmt, dtype,
                                              every_step=plan.predictor_input is None))
         # its rows of the output head (the hot executor's on a CPU; on a GPU it keeps them all)
+        # (none on a GPU, or where this executor shares the hot executor's cores: hot_share 1)
         lo, hi = head_ranges(spec.vocab, spec.n_cold, hot_share)[1 + rank] if head else (0, 0)
         self.head = read_head(src, a, lo, hi, dtype, weights == "int4") if hi > lo else None
         self.head_rows = hi - lo
@@ -77,7 +78,9 @@ class ColdExecutor:
                     return "stopped"
                 t0 = time.perf_counter()
                 if got.op == HEAD:  # its rows of the logits, for the rows the hot side sent
-                    self.part.put(self.head(self.x.view(spec.torch_dtype, (got.B, spec.dim))).float())
+                    if self.head is not None:  # (an empty range among several: nothing to put)
+                        x = self.x.view(spec.torch_dtype, (got.B, spec.dim))
+                        self.part.put(self.head(x).float())
                     send(self.part, Partial(-1, got.B, 1))
                     self.busy_s += time.perf_counter() - t0
                     continue

@@ -162,8 +162,10 @@ class HotExecutor:
         self.load_cpu_s = time.process_time() - c0  # without the time other processes took
         self.io = DataPlane(spec, plan.predictor_input, self.device)
         self.head_rows = spec.vocab
-        if on_cpu and spec.n_cold:  # the head's rows split as the FFN's neurons are
-            ranges = head_ranges(spec.vocab, spec.n_cold, hot_share)
+        ranges = head_ranges(spec.vocab, spec.n_cold, hot_share)
+        # the head's rows split as the FFN's neurons are (no split where the cold executors share
+        # the hot executor's cores: its share is then every row)
+        if on_cpu and ranges[0][1] < spec.vocab:
             model.output = RemoteHead(head_rows(model.output, *ranges[0],
                                                 shared=ckpt.args.tie_embeddings), self.io, ranges)
             self.head_rows = ranges[0][1]

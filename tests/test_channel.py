@@ -101,3 +101,13 @@ def test_topology_and_core_plans():
     assert p.cold == ((2, 3, 4, 5, 6, 7), tuple(range(8, 16)))
     p = plan_cores(Topology(((0, 1),)), 4)  # more executors than cores: they share
     assert p.hot == (0,) and p.cold == ((1,),) * 4
+
+
+def test_head_ranges_cover_the_vocabulary_once():
+    from actors.plane import head_ranges
+    for vocab, n, share in [(49152, 1, 0.5), (49152, 2, 1 / 3), (100, 3, 1.0), (7, 4, 0.25)]:
+        r = head_ranges(vocab, n, share)
+        assert len(r) == n + 1 and r[0][0] == 0 and r[-1][1] == vocab
+        assert all(a[1] == b[0] and a[0] <= a[1] for a, b in zip(r, r[1:]))
+    # cold executors on the hot executor's own cores: the hot one keeps the whole head
+    assert head_ranges(100, 2, 1.0) == [(0, 100), (100, 100), (100, 100)]
