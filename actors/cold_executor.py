@@ -45,8 +45,8 @@ class ColdExecutor:
             idx = plan.shards(i, cold, spec.n_cold)[rank]
             self.sets.append(read_neuron_set(src, a, i, idx, self.fmt, dtype,
                                              every_step=plan.predictor_input is None))
-        # its rows of the output head (the hot executor's on a CPU; on a GPU it keeps them all)
-        # (none on a GPU, or where this executor shares the hot executor's cores: hot_share 1)
+        # its rows of the output head: none on a GPU (the hot executor keeps them all), nor where
+        # the cold executors share the hot executor's cores (hot_share 1)
         lo, hi = head_ranges(spec.vocab, spec.n_cold, hot_share)[1 + rank] if head else (0, 0)
         self.head = read_head(src, a, lo, hi, dtype, weights == "int4") if hi > lo else None
         self.head_rows = hi - lo

@@ -136,15 +136,18 @@ def block_slice(src: TensorSource, a: ModelArgs, layer: int, idx: torch.Tensor,
             or any(n not in src.names or src.kind(n) not in Q4_TYPES for n in [*names, p + "down"])):
         return None
     lo, hi = int(idx[0]), int(idx[-1]) + 1
-    if lo % 32 or hi % 32 or hi - lo != len(idx) or not torch.equal(idx, torch.arange(lo, hi)):
+    if lo % 32 or hi % 32 or not torch.equal(idx, torch.arange(lo, hi)):
         return None
-    parts = [src.q4_part(n, (lo, hi), (0, a.dim)) for n in names]
-    w1 = int4_linear(*(torch.from_numpy(np.concatenate([b[j] for b in parts])) for j in range(3)),
-                     None)
-    down = int4_linear(*(torch.from_numpy(b) for b in src.q4_part(p + "down", (0, a.dim), (lo, hi))),
-                       None)
+    w1 = _stacked_int4([src.q4_part(n, (lo, hi), (0, a.dim)) for n in names])
+    down = _stacked_int4([src.q4_part(p + "down", (0, a.dim), (lo, hi))])
     up_b = src.rows(p + "up_b", idx, dtype) if p + "up_b" in src.names else None
     return BlockSlice(a.ffn_act, idx.clone(), w1, down, up_b)
+
+
+def _stacked_int4(blocks: list[tuple], bias: torch.Tensor | None = None) -> nn.Module:
+    """One 4-bit projection over `q4` triples stacked by rows (q, k and v; gate and up)."""
+    return int4_linear(*(torch.from_numpy(np.concatenate([b[j] for b in blocks])) for j in range(3)),
+                       bias)
 
 
 def _int4_projection(src: TensorSource, names: tuple[str, ...], dtype) -> torch.nn.Module | None:
@@ -152,13 +155,10 @@ def _int4_projection(src: TensorSource, names: tuple[str, ...], dtype) -> torch.
     fused tensors is stored otherwise."""
     if not all(src.kind(n) in Q4_TYPES for n in names):
         return None
-    blocks = [src.q4(n) for n in names]
-    q, scale, zero = (torch.from_numpy(np.concatenate([b[j] for b in blocks]))
-                      for j in range(3))
     bias = None
     if all(n + "_b" in src.names for n in names):
         bias = torch.cat([src.get(n + "_b", dtype) for n in names])
-    return int4_linear(q, scale, zero, bias)
+    return _stacked_int4([src.q4(n) for n in names], bias)
 
 
 def hot_model(ckpt: ModelFile, dtype: torch.dtype, hot: list[torch.Tensor],
