@@ -22,8 +22,14 @@ def cluster(tmp_path_factory):
     from ray._raylet import Config
     from ray.cluster_utils import Cluster
 
+    from ray._private.authentication.authentication_token_setup import (
+        ensure_token_if_auth_enabled)
+
     os.environ["RAY_AUTH_MODE"] = "token"  # the nodes this starts inherit it
     Config.initialize("")
+    # Cluster starts its GCS without ray.init's step that writes ~/.ray/auth_token on a machine
+    # that has none yet: the GCS then exits at start (a fresh machine, this module run first)
+    ensure_token_if_auth_enabled()
     ray.shutdown()
     c = Cluster(initialize_head=True, head_node_args={
         "num_cpus": 1, "resources": {"head": 1}, "object_store_memory": 200 * MiB})
