@@ -11,7 +11,7 @@ from test_sparse import random_model
 
 pytestmark = pytest.mark.skipif(not K.available(), reason="the CPU FFN kernel cannot run here "
                                                           "(needs g++ and an AVX2 CPU)")
-ISAS = ["avx2", "avx512"] if K.isa() == "avx512" else ["avx2"]
+ISAS = K.ISAS[:K.ISAS.index(K.isa()) + 1]  # every instruction set this CPU runs
 
 
 @pytest.fixture(params=ISAS)
@@ -51,10 +51,33 @@ def test_kernel_equals_reference(isa, fmt, act):
         keep = torch.rand(B, 90) > 0.3 if use_keep else None
         bias = torch.randn(k) if use_bias else None
         got = K.neuron_ffn(x, w, sel, keep, bias, threshold, act, fmt)
-        xin = K.quantize_input(x) if fmt in K.INTEGER_DOTS else x  # what the dot products see
+        xin = K.dot_input(x, fmt)  # what the dot products see
         want = reference(xin, G, U, D, sel, keep, bias, threshold, act)
         assert want.abs().max() > 1
         assert (got - want).abs().max() <= 1e-5 * want.abs().max(), (B, threshold)
+
+
+@pytest.mark.parametrize("fmt", ["f32", "bf16", "q4_1"])
+def test_masks_and_bf16_rows_ask_for_the_same_as_indices(isa, fmt):
+    # a (k,) bool mask selects what its indices do, with per-row masks over every record; a bf16
+    # input is read as it is and answered in bf16, rounded once from the float32 answer
+    torch.manual_seed(5)
+    dim, k, B = 96, 150, 3
+    w = K.pack(torch.randn(k, dim), torch.randn(k, dim), torch.randn(k, dim), fmt)
+    x = torch.randn(B, dim).bfloat16().float()  # values a bf16 row holds exactly
+    mask = torch.rand(k) < 0.4
+    sel = mask.nonzero().squeeze(-1)
+    rows = torch.rand(B, k) < 0.7
+    by_index = K.neuron_ffn(x, w, sel, rows[:, sel].contiguous(), None, 0.0, "reglu", fmt)
+    by_mask = K.neuron_ffn(x, w, mask, rows, None, 0.0, "reglu", fmt)
+    assert by_index.abs().max() > 1
+    assert torch.equal(by_mask, by_index)
+    got = K.neuron_ffn(x.bfloat16(), w, mask, rows, None, 0.0, "reglu", fmt)
+    assert got.dtype == torch.bfloat16 and torch.equal(got, by_index.bfloat16())
+    with pytest.raises(RuntimeError, match="a mask of 149 for 150 neurons"):
+        K.neuron_ffn(x, w, mask[1:], None, None, 0.0, "reglu", fmt)
+    with pytest.raises(RuntimeError, match="keep"):
+        K.neuron_ffn(x, w, mask, rows[:, sel], None, 0.0, "reglu", fmt)
 
 
 @pytest.mark.parametrize("fmt,bound", [("bf16", 2**-8), ("i8", 0.5 / 127), ("q4_0", 1 / 8),
@@ -143,7 +166,7 @@ def test_kernel_linear_equals_a_matmul_over_its_weights(isa, fmt):
     held = K.dequantize_rows(lin.records, fmt, 128)
     for shape in [(1, 1, 128), (5, 1, 128), (2, 40, 128)]:
         x = torch.randn(*shape)
-        xin = K.quantize_input(x) if fmt in K.INTEGER_DOTS and shape[0] * shape[1] <= K.MAX_ROWS else x
+        xin = K.dot_input(x, fmt) if shape[0] * shape[1] <= K.MAX_ROWS else x
         want = xin @ held.t() + b
         got = lin(x)
         assert got.shape == want.shape

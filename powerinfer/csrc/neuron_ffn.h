@@ -1,6 +1,10 @@
 // The fused neuron-aware FFN for one decode step, written once over a small SIMD layer and
-// compiled per instruction set (neuron_ffn_avx512.cpp, neuron_ffn_avx2.cpp); ops.cpp picks one
-// at run time and registers the torch operator.
+// compiled per instruction set (neuron_ffn_avx512bf16.cpp, neuron_ffn_avx512.cpp,
+// neuron_ffn_avx2.cpp); ops.cpp picks one at run time and registers the torch operator.
+//
+// Dot products see the input as the rows' format reads it: in float for f32 and i8 rows,
+// rounded to bf16 for bf16 rows (multiplied in bf16 pairs with AVX512_BF16, in float otherwise:
+// the same products), quantized to 8 bits per block of 32 for the block formats.
 //
 // Weights are neuron-major: neuron j's record is [gate row][up row][down row] (no gate row for
 // plain ReLU), each row `dim` weights in one format:
@@ -48,7 +52,7 @@ struct FFNArgs {
   int64_t neuron_bytes;
   const float* bias;     // (k,) up bias or nullptr
   const int64_t* sel;    // (m,) neurons to compute, indices into the k records
-  const uint8_t* keep;   // (B, m) per-row masks or nullptr (keep what fires)
+  const uint8_t* keep;   // per-row masks (see keep_stride) or nullptr (keep what fires)
   int64_t m;
   float threshold;       // > 0: zero a neuron whose firing score is not above it
   int act, fmt;
@@ -57,6 +61,13 @@ struct FFNArgs {
   const int8_t* xq = nullptr;
   const float* xd = nullptr;
   const float* xs = nullptr;
+  // with bf16 rows: x rounded to bf16 (B, dim), for native bf16 dot products (a.x then holds
+  // the same rounded values in float, for the other instruction sets)
+  const uint16_t* xb = nullptr;
+  // keep[r * keep_stride + i]: i is the position in sel (keep (B, m)), or with keep_by_neuron
+  // the neuron's record (keep (B, k), masks over every record)
+  int64_t keep_stride = 0;
+  bool keep_by_neuron = false;
 };
 
 constexpr bool integer_dots(int fmt) { return fmt == Q4_0 || fmt == Q4_1 || fmt == Q8_0; }
@@ -117,6 +128,7 @@ struct Kernels {
   WidenFn widen;
   GemvFn gemv_q4x16;  // over groups of 16 rows of a q4x16 matrix (begin, end: groups)
 };
+extern const Kernels kernels_avx512bf16;
 extern const Kernels kernels_avx512;
 extern const Kernels kernels_avx2;
 
@@ -172,17 +184,9 @@ inline V i8_to_f32(const int8_t* p) {
 }
 #endif
 constexpr int NV = 32 / W;  // vectors per 32-weight block
-// Rows are short streams (a few KiB each, one per neuron, in no fixed order), too short for the
-// hardware prefetchers to ramp up: each block loop prefetches PF bytes ahead in its row, and each
-// neuron the first PF bytes of the next one's rows.
-constexpr int64_t PF = 2048;
 
 template <int FMT>
 constexpr int64_t block_bytes() { return FMT == F32 ? 128 : FMT == BF16 ? 64 : FMT == I8 ? 32 : FMT == Q4_0 ? 18 : FMT == Q4_1 ? 20 : 34; }
-
-inline void prefetch_lines(const uint8_t* p, int64_t n) {
-  for (int64_t o = 0; o < n; o += 64) _mm_prefetch((const char*)p + o, _MM_HINT_T0);
-}
 
 inline float half(const uint8_t* p) {
   uint16_t h;
@@ -231,36 +235,58 @@ inline void block(const uint8_t* row, int64_t blk, V* w) {
   }
 }
 
-// dots[r] = row . x[r] for R rows of x (stride dim)
-template <int FMT, int R>
-inline void dot_rows(const uint8_t* row, const float* x, int64_t dim, float* dots) {
-  V acc[R][NV];
-  for (int r = 0; r < R; r++)
-    for (int v = 0; v < NV; v++) acc[r][v] = vzero();
-  V w[NV];
-  for (int64_t blk = 0; blk < dim / 32; blk++) {
-    _mm_prefetch((const char*)row + blk * block_bytes<FMT>() + PF, _MM_HINT_T0);
-    block<FMT>(row, blk, w);
-    for (int r = 0; r < R; r++)
-      for (int v = 0; v < NV; v++) acc[r][v] = vfma(w[v], vload(x + r * dim + 32 * blk + v * W), acc[r][v]);
-  }
-  for (int r = 0; r < R; r++) {
-    V s = acc[r][0];
-    for (int v = 1; v < NV; v++) s = vadd(s, acc[r][v]);
-    dots[r] = hsum(s);
-  }
-}
+// ---- dot products of one weight row with R input rows, fed 32-weight blocks ----
+// Each keeps two sets of accumulators, one for even blocks and one for odd (template P), so two
+// dependency chains run side by side in a row's loop.
 
-template <int FMT>
-inline void dots(const uint8_t* row, const float* x, int64_t B, int64_t dim, float* out) {
-  int64_t r = 0;
-  for (; r + 4 <= B; r += 4) dot_rows<FMT, 4>(row, x + r * dim, dim, out + r);
-  switch (B - r) {
-    case 3: dot_rows<FMT, 3>(row, x + r * dim, dim, out + r); break;
-    case 2: dot_rows<FMT, 2>(row, x + r * dim, dim, out + r); break;
-    case 1: dot_rows<FMT, 1>(row, x + r * dim, dim, out + r); break;
+// Float formats (f32, i8, and bf16 without native bf16 dot products): the block widened to float
+// and multiplied by the input in float.
+template <int FMT, int R>
+struct FloatDots {
+  V acc[R][2][NV];
+  void zero() {
+    for (int r = 0; r < R; r++)
+      for (int p = 0; p < 2; p++)
+        for (int v = 0; v < NV; v++) acc[r][p][v] = vzero();
   }
-}
+  template <int P>
+  inline void add(const uint8_t* row, int64_t blk, const FFNArgs& a, int64_t r0) {
+    V w[NV];
+    block<FMT>(row, blk, w);
+    const float* x = a.x + r0 * a.dim + 32 * blk;
+    for (int r = 0; r < R; r++)
+      for (int v = 0; v < NV; v++) acc[r][P][v] = vfma(w[v], vload(x + r * a.dim + v * W), acc[r][P][v]);
+  }
+  void sum(float* out) const {
+    for (int r = 0; r < R; r++) {
+      V s = vadd(acc[r][0][0], acc[r][1][0]);
+      for (int v = 1; v < NV; v++) s = vadd(s, vadd(acc[r][0][v], acc[r][1][v]));
+      out[r] = hsum(s);
+    }
+  }
+};
+
+#if defined(__AVX512BF16__)
+// bf16 rows with native bf16 dot products (AVX512_BF16): 32 products of a block in one
+// instruction, over the input rounded to bf16 (a.xb).
+template <int R>
+struct BF16Dots {
+  __m512 acc[R][2];
+  void zero() {
+    for (int r = 0; r < R; r++) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+  }
+  template <int P>
+  inline void add(const uint8_t* row, int64_t blk, const FFNArgs& a, int64_t r0) {
+    const __m512bh w = (__m512bh)_mm512_loadu_si512((const void*)(row + 64 * blk));
+    const uint16_t* x = a.xb + r0 * a.dim + 32 * blk;
+    for (int r = 0; r < R; r++)
+      acc[r][P] = _mm512_dpbf16_ps(acc[r][P], w, (__m512bh)_mm512_loadu_si512((const void*)(x + r * a.dim)));
+  }
+  void sum(float* out) const {
+    for (int r = 0; r < R; r++) out[r] = _mm512_reduce_add_ps(_mm512_add_ps(acc[r][0], acc[r][1]));
+  }
+};
+#endif
 
 inline float hsum8(__m256 v) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -269,18 +295,21 @@ inline float hsum8(__m256 v) {
   return _mm_cvtss_f32(s);
 }
 
-// dots[r] = row . x[r] for R rows, the row in a block format and x quantized per block: integer
-// products of each block (pairs of 8-bit values summed into 16 and 32 bits), scaled in float
+// The block formats (Q4_0, Q4_1, Q8_0) over the input quantized per block (a.xq, a.xd, a.xs):
+// integer products of each block (pairs of 8-bit values summed into 16 and 32 bits), scaled in
+// float, and the blocks' offsets (Q4_1's m, Q4_0's -8 d) times the input block's sum.
 template <int FMT, int R>
-inline void idot_rows(const uint8_t* row, const int8_t* xq, const float* xd, const float* xs,
-                      int64_t dim, float* dots) {
-  const int64_t nb = dim / 32;
-  const __m256i ones = _mm256_set1_epi16(1);
-  __m256 acc[R];
-  float accm[R];
-  for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps(), accm[r] = 0.0f;
-  for (int64_t blk = 0; blk < nb; blk++) {
-    _mm_prefetch((const char*)row + blk * block_bytes<FMT>() + PF, _MM_HINT_T0);
+struct IntDots {
+  __m256 acc[R][2];
+  float accm[R][2];
+  void zero() {
+    for (int r = 0; r < R; r++)
+      for (int p = 0; p < 2; p++) acc[r][p] = _mm256_setzero_ps(), accm[r][p] = 0.0f;
+  }
+  template <int P>
+  inline void add(const uint8_t* row, int64_t blk, const FFNArgs& a, int64_t r0) {
+    const int64_t nb = a.dim / 32;
+    const __m256i ones = _mm256_set1_epi16(1);
     __m256i w, wsign;
     float d, m = 0.0f;
     if constexpr (FMT == Q8_0) {
@@ -297,93 +326,204 @@ inline void idot_rows(const uint8_t* row, const int8_t* xq, const float* xd, con
       w = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(q, 4), mask), _mm_and_si128(q, mask));
     }
     for (int r = 0; r < R; r++) {
-      __m256i xv = _mm256_loadu_si256((const __m256i*)(xq + r * dim + 32 * blk));
+      const int64_t row_i = r0 + r;
+      __m256i xv = _mm256_loadu_si256((const __m256i*)(a.xq + row_i * a.dim + 32 * blk));
       if constexpr (FMT == Q8_0) xv = _mm256_sign_epi8(xv, wsign);
       const __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(w, xv), ones);  // 8 sums of 4
-      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(d * xd[r * nb + blk]), acc[r]);
-      if constexpr (FMT != Q8_0) accm[r] += m * xs[r * nb + blk];  // the blocks' offsets
+      acc[r][P] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(d * a.xd[row_i * nb + blk]), acc[r][P]);
+      if constexpr (FMT != Q8_0) accm[r][P] += m * a.xs[row_i * nb + blk];
     }
   }
-  for (int r = 0; r < R; r++) dots[r] = hsum8(acc[r]) + accm[r];
-}
-
-template <int FMT>
-inline void idots(const uint8_t* row, const FFNArgs& a, float* out) {
-  const int64_t nb = a.dim / 32, dim = a.dim;
-  int64_t r = 0;
-  for (; r + 4 <= a.B; r += 4) idot_rows<FMT, 4>(row, a.xq + r * dim, a.xd + r * nb, a.xs + r * nb, dim, out + r);
-  const int8_t* q = a.xq + r * dim;
-  const float *d = a.xd + r * nb, *s = a.xs + r * nb;
-  switch (a.B - r) {
-    case 3: idot_rows<FMT, 3>(row, q, d, s, dim, out + r); break;
-    case 2: idot_rows<FMT, 2>(row, q, d, s, dim, out + r); break;
-    case 1: idot_rows<FMT, 1>(row, q, d, s, dim, out + r); break;
+  void sum(float* out) const {
+    for (int r = 0; r < R; r++)
+      out[r] = hsum8(_mm256_add_ps(acc[r][0], acc[r][1])) + (accm[r][0] + accm[r][1]);
   }
-}
+};
 
-// dots of one weight row with every input row, as its format computes them
-template <int FMT>
-inline void row_dots(const uint8_t* row, const FFNArgs& a, float* out) {
-  if constexpr (integer_dots(FMT))
-    idots<FMT>(row, a, out);
-  else
-    dots<FMT>(row, a.x, a.B, a.dim, out);
-}
+template <int FMT, int R>
+struct DotsOf {
+  using type = FloatDots<FMT, R>;
+};
+template <int R>
+struct DotsOf<Q4_0, R> {
+  using type = IntDots<Q4_0, R>;
+};
+template <int R>
+struct DotsOf<Q4_1, R> {
+  using type = IntDots<Q4_1, R>;
+};
+template <int R>
+struct DotsOf<Q8_0, R> {
+  using type = IntDots<Q8_0, R>;
+};
+#if defined(__AVX512BF16__)
+template <int R>
+struct DotsOf<BF16, R> {
+  using type = BF16Dots<R>;
+};
+#endif
+template <int FMT, int R>
+using Dots = typename DotsOf<FMT, R>::type;
 
-// out[r] += h[r] * row for every row r with h[r] != 0
+// out[r, block] += h[r] * block of the row, for every row r of B with h[r] != 0
 template <int FMT>
-inline void axpy(const uint8_t* row, const float* h, int64_t B, int64_t dim, float* out) {
+inline void axpy_block(const uint8_t* row, int64_t blk, const float* h, int64_t B, int64_t dim, float* out) {
   V w[NV];
-  for (int64_t blk = 0; blk < dim / 32; blk++) {
-    _mm_prefetch((const char*)row + blk * block_bytes<FMT>() + PF, _MM_HINT_T0);
-    block<FMT>(row, blk, w);
-    for (int64_t r = 0; r < B; r++) {
-      if (h[r] == 0.0f) continue;
-      const V hv = vset(h[r]);
-      float* o = out + r * dim + 32 * blk;
-      for (int v = 0; v < NV; v++) vstore(o + v * W, vfma(hv, w[v], vload(o + v * W)));
-    }
+  block<FMT>(row, blk, w);
+  for (int64_t r = 0; r < B; r++) {
+    if (h[r] == 0.0f) continue;
+    const V hv = vset(h[r]);
+    float* o = out + r * dim + 32 * blk;
+    for (int v = 0; v < NV; v++) vstore(o + v * W, vfma(hv, w[v], vload(o + v * W)));
+  }
+}
+
+inline void prefetch_l2(const uint8_t* p) { _mm_prefetch((const char*)p, _MM_HINT_T1); }
+
+// One pass over the blocks of up to three rows of different neurons, side by side: the lead
+// row's dot products (G: the gate row, or the up row of a plain ReLU FFN), the up row's (U), and
+// the down row's axpy into out (D, over all B rows with their activations h). Input rows r0..
+// r0+R-1 for the dot products. pf_a, pf_b: rows to bring into L2 over the same pass (or null).
+// Reading three streams at once and prefetching the next rows keeps a core's memory requests
+// in flight across the short rows of different neurons, where one stream at a time left the
+// prefetchers starting over at every row (a third of the read rate measured).
+template <int FMT, int DFMT, int R, bool G, bool U, bool D>
+void stage(const FFNArgs& a, int64_t r0, const uint8_t* lead, const uint8_t* upr, const uint8_t* down,
+           const float* h, const uint8_t* pf_a, const uint8_t* pf_b, float* gout, float* uout, float* out) {
+  Dots<FMT, R> g, u;
+  if constexpr (G) g.zero();
+  if constexpr (U) u.zero();
+  constexpr int64_t bb = block_bytes<FMT>(), db = block_bytes<DFMT>();
+  const int64_t nb = a.dim / 32;
+  auto body = [&](auto parity, int64_t blk) {
+    constexpr int P = decltype(parity)::value;
+    if (pf_a && (blk * bb) % 64 < bb) prefetch_l2(pf_a + blk * bb);
+    if (pf_b && (blk * db) % 64 < db) prefetch_l2(pf_b + blk * db);
+    if constexpr (G) g.template add<P>(lead, blk, a, r0);
+    if constexpr (U) u.template add<P>(upr, blk, a, r0);
+    if constexpr (D) axpy_block<DFMT>(down, blk, h, a.B, a.dim, out);
+  };
+  int64_t blk = 0;
+  for (; blk + 1 < nb; blk += 2) {
+    body(std::integral_constant<int, 0>{}, blk);
+    body(std::integral_constant<int, 1>{}, blk + 1);
+  }
+  if (blk < nb) body(std::integral_constant<int, 0>{}, blk);
+  if constexpr (G) g.sum(gout + r0);
+  if constexpr (U) u.sum(uout + r0);
+}
+
+// stage() for every input row, R of them at a time (the down rows' axpy once, with the first
+// group, which also prefetches); G, U, D chosen at run time.
+template <int FMT, int DFMT>
+void stages(bool G, bool U, bool D, const FFNArgs& a, const uint8_t* lead, const uint8_t* upr,
+            const uint8_t* down, const float* h, const uint8_t* pf_a, const uint8_t* pf_b, float* gout,
+            float* uout, float* out) {
+  for (int64_t r0 = 0; r0 < a.B;) {
+    const int64_t left = a.B - r0;
+    const int R = left >= 4 ? 4 : left >= 2 ? 2 : 1;
+    const bool d = D && r0 == 0;
+    const uint8_t *pa = r0 == 0 ? pf_a : nullptr, *pb = r0 == 0 ? pf_b : nullptr;
+    const int which = (int)G * 4 + (int)U * 2 + (int)d;
+    auto go = [&](auto r) {
+      constexpr int RR = decltype(r)::value;
+      switch (which) {
+        case 1: return stage<FMT, DFMT, RR, false, false, true>(a, r0, lead, upr, down, h, pa, pb, gout, uout, out);
+        case 2: return stage<FMT, DFMT, RR, false, true, false>(a, r0, lead, upr, down, h, pa, pb, gout, uout, out);
+        case 3: return stage<FMT, DFMT, RR, false, true, true>(a, r0, lead, upr, down, h, pa, pb, gout, uout, out);
+        case 4: return stage<FMT, DFMT, RR, true, false, false>(a, r0, lead, upr, down, h, pa, pb, gout, uout, out);
+        case 5: return stage<FMT, DFMT, RR, true, false, true>(a, r0, lead, upr, down, h, pa, pb, gout, uout, out);
+        case 6: return stage<FMT, DFMT, RR, true, true, false>(a, r0, lead, upr, down, h, pa, pb, gout, uout, out);
+        case 7: return stage<FMT, DFMT, RR, true, true, true>(a, r0, lead, upr, down, h, pa, pb, gout, uout, out);
+        default: return;
+      }
+    };
+    if (R == 4)
+      go(std::integral_constant<int, 4>{});
+    else if (R == 2)
+      go(std::integral_constant<int, 2>{});
+    else
+      go(std::integral_constant<int, 1>{});
+    r0 += R;
   }
 }
 
 inline float silu(float g) { return g / (1.0f + std::exp(-g)); }
 
-template <int FMT, int DFMT = down_format(FMT)>
-void range_fmt(const FFNArgs& a, int64_t begin, int64_t end, float* out) {
-  constexpr int MAXB = 64;
-  const bool gated = a.act != RELU;
-  const int64_t rb = row_bytes(FMT, a.dim);
-  float g[MAXB], u[MAXB], h[MAXB];
-  for (int64_t jj = begin; jj < end; jj++) {
-    const int64_t j = a.sel[jj];
-    const uint8_t* rec = a.w + j * a.neuron_bytes;
-    const uint8_t* up = gated ? rec + rb : rec;
-    const uint8_t* down = up + rb;
-    if (jj + 1 < end) {
-      const uint8_t* next = a.w + a.sel[jj + 1] * a.neuron_bytes;
-      prefetch_lines(next, PF);
-      if (gated) prefetch_lines(next + rb, PF);
-    }
-    if (gated) row_dots<FMT>(rec, a, g);  // in record order: one forward stream
-    row_dots<FMT>(up, a, u);
-    bool any = false;
-    for (int64_t r = 0; r < a.B; r++) {
-      float uu = u[r] + (a.bias ? a.bias[j] : 0.0f), score, hh;
-      switch (a.act) {
-        case RELU: hh = score = uu > 0 ? uu : 0.0f; break;
-        case DREGLU: hh = score = (g[r] > 0 ? g[r] : 0.0f) * (uu > 0 ? uu : 0.0f); break;
-        case REGLU: score = g[r] > 0 ? g[r] : 0.0f; hh = score * uu; break;
-        default: { float s = silu(g[r]); score = std::fabs(s); hh = s * uu; }
-      }
-      if (a.threshold > 0 && !(score > a.threshold)) hh = 0.0f;
-      if (a.keep && !a.keep[r * a.m + jj]) hh = 0.0f;
-      h[r] = hh;
-      any |= hh != 0.0f;
-    }
-    if (any) axpy<DFMT>(down, h, a.B, a.dim, out);
+inline bool kept(const FFNArgs& a, int64_t r, int64_t jj) {
+  return !a.keep || a.keep[r * a.keep_stride + (a.keep_by_neuron ? a.sel[jj] : jj)];
+}
+
+// Whether a gated neuron can fire in row r given its gate's dot product alone: if not, its up
+// and down rows are not read. ReGLU relu(g) * u and dReLU relu(g) * relu(u) are zero for g <= 0
+// (ReGLU's score relu(g) must also pass the threshold); SwiGLU's score |silu(g)| must pass it.
+inline bool gate_open(int act, float g, float threshold) {
+  switch (act) {
+    case REGLU: return g > (threshold > 0 ? threshold : 0.0f);
+    case DREGLU: return g > 0;
+    default: return threshold > 0 ? std::fabs(silu(g)) > threshold : true;
   }
 }
 
+// h[r]: neuron j's activation in row r from its gate (g, gated) and up (u) dot products, zero
+// where its score does not pass the threshold or row r does not keep it; true if any is nonzero
+inline bool activations(const FFNArgs& a, int64_t jj, const float* g, const float* u, float* h) {
+  const int64_t j = a.sel[jj];
+  bool any = false;
+  for (int64_t r = 0; r < a.B; r++) {
+    const float uu = u[r] + (a.bias ? a.bias[j] : 0.0f);
+    float score, hh;
+    switch (a.act) {
+      case RELU: hh = score = uu > 0 ? uu : 0.0f; break;
+      case DREGLU: hh = score = (g[r] > 0 ? g[r] : 0.0f) * (uu > 0 ? uu : 0.0f); break;
+      case REGLU: score = g[r] > 0 ? g[r] : 0.0f; hh = score * uu; break;
+      default: { const float s = silu(g[r]); score = std::fabs(s); hh = s * uu; }
+    }
+    if (a.threshold > 0 && !(score > a.threshold)) hh = 0.0f;
+    if (!kept(a, r, jj)) hh = 0.0f;
+    h[r] = hh;
+    any |= hh != 0.0f;
+  }
+  return any;
+}
+
+// Neurons sel[begin:end] as a pipeline over the records: while the gate rows of neuron jj+1 are
+// read, so are the up rows of neuron jj (only if its gate can let it fire) and the down rows of
+// neuron jj-1 (only if it fired), and the lead rows of jj+2 and the down rows of jj are
+// prefetched. A plain ReLU FFN pipelines its up rows (the lead) with the down rows.
+template <int FMT, int DFMT = down_format(FMT)>
+void range_fmt(const FFNArgs& a, int64_t begin, int64_t end, float* out) {
+  constexpr int MAXB = 64;
+  if (begin >= end) return;
+  const bool gated = a.act != RELU;
+  const int64_t rb = row_bytes(FMT, a.dim), B = a.B;
+  auto rec = [&](int64_t jj) { return jj < end ? a.w + a.sel[jj] * a.neuron_bytes : nullptr; };
+  float lead[2][MAXB], u[MAXB], h[MAXB];
+  float *cur = lead[0], *next = lead[1];
+  stages<FMT, DFMT>(true, false, false, a, rec(begin), nullptr, nullptr, h, rec(begin + 1), nullptr, cur,
+                    nullptr, out);
+  const uint8_t* pending = nullptr;  // the down row of the last neuron, which fired with h
+  for (int64_t jj = begin; jj < end; jj++) {
+    const uint8_t *r = rec(jj), *nx = rec(jj + 1), *pf = rec(jj + 2);
+    if (gated) {
+      bool open = false;
+      for (int64_t i = 0; i < B && !open; i++) open = kept(a, i, jj) && gate_open(a.act, cur[i], a.threshold);
+      stages<FMT, DFMT>(nx != nullptr, open, pending != nullptr, a, nx, r + rb, pending, h, pf,
+                        open ? r + 2 * rb : nullptr, next, u, out);
+      pending = open && activations(a, jj, cur, u, h) ? r + 2 * rb : nullptr;
+    } else {
+      const uint8_t* down = activations(a, jj, nullptr, cur, h) ? r + rb : nullptr;
+      stages<FMT, DFMT>(nx != nullptr, false, down != nullptr, a, nx, nullptr, down, h, pf, nullptr, next,
+                        nullptr, out);
+    }
+    std::swap(cur, next);
+  }
+  if (pending) stages<FMT, DFMT>(false, false, true, a, nullptr, nullptr, pending, h, nullptr, nullptr, nullptr,
+                                 nullptr, out);
+}
+
+// y[r, i] for rows [begin, end): each row's dot products in one pass, the row after next
+// prefetched
 template <int FMT>
 inline void gemv_fmt(const uint8_t* w, const FFNArgs& a, int64_t n, int64_t begin, int64_t end,
                      float* y) {
@@ -391,8 +531,9 @@ inline void gemv_fmt(const uint8_t* w, const FFNArgs& a, int64_t n, int64_t begi
   const int64_t rb = row_bytes(FMT, a.dim);
   float d[MAXB];
   for (int64_t i = begin; i < end; i++) {
-    _mm_prefetch((const char*)(w + (i + 1) * rb), _MM_HINT_T0);
-    row_dots<FMT>(w + i * rb, a, d);
+    const uint8_t* pf = i + 2 < end ? w + (i + 2) * rb : nullptr;
+    stages<FMT, FMT>(true, false, false, a, w + i * rb, nullptr, nullptr, nullptr, pf, nullptr, d, nullptr,
+                     nullptr);
     for (int64_t r = 0; r < a.B; r++) y[r * n + i] = d[r];
   }
 }

@@ -11,17 +11,20 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
-#include <vector>
 #include <string>
+#include <vector>
 
 #include "neuron_ffn.h"
 
 namespace powerinfer {
-static const char* pick_isa() {
+// Instruction sets, each a superset of the one before.
+static const std::vector<std::string> ISAS = {"avx2", "avx512", "avx512bf16"};
+
+static std::string pick_isa() {
   __builtin_cpu_init();
   if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
       __builtin_cpu_supports("avx512vl"))
-    return "avx512";
+    return __builtin_cpu_supports("avx512bf16") ? "avx512bf16" : "avx512";
   if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return "avx2";
   return "none";
 }
@@ -31,11 +34,15 @@ static std::string ISA = BEST;
 
 static std::string isa() { return ISA; }
 
-// Run with a lesser instruction set than the best this CPU has (tests cover both paths on one
+static int64_t rank(const std::string& isa) {
+  return std::find(ISAS.begin(), ISAS.end(), isa) - ISAS.begin();
+}
+
+// Run with a lesser instruction set than the best this CPU has (tests cover every path on one
 // machine); returns the one in use before.
 static std::string use_isa(const std::string& want) {
-  TORCH_CHECK(want == "avx2" || want == "avx512", "isa must be avx2 or avx512, got ", want);
-  TORCH_CHECK(BEST == "avx512" || want == BEST, "this CPU cannot run ", want, " (best: ", BEST, ")");
+  TORCH_CHECK(rank(want) < (int64_t)ISAS.size(), "isa must be one of avx2, avx512, avx512bf16, got ", want);
+  TORCH_CHECK(rank(want) <= rank(BEST), "this CPU cannot run ", want, " (best: ", BEST, ")");
   std::string before = ISA;
   ISA = want;
   return before;
@@ -44,16 +51,19 @@ static std::string use_isa(const std::string& want) {
 // The entry points of the instruction set in use.
 static const Kernels& active() {
   TORCH_CHECK(ISA != "none", "the CPU kernel needs a CPU with AVX2 and FMA");
-  return ISA == "avx512" ? kernels_avx512 : kernels_avx2;
+  return ISA == "avx512bf16" ? kernels_avx512bf16 : ISA == "avx512" ? kernels_avx512 : kernels_avx2;
 }
 
 static void check_format(int64_t fmt) {
   TORCH_CHECK(fmt >= F32 && fmt <= Q8_0, "unknown weight format ", fmt);
 }
 
-// x: (B, dim) contiguous float32, 1 to 64 rows (the kernels' MAXB), dim a multiple of 32
-static void check_input(const at::Tensor& x) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), "x: (B, dim) contiguous float32");
+// x: (B, dim) contiguous float32 (or bfloat16 where `bf16_ok`), 1 to 64 rows (the kernels'
+// MAXB), dim a multiple of 32
+static void check_input(const at::Tensor& x, bool bf16_ok = false) {
+  const bool type_ok = x.scalar_type() == at::kFloat || (bf16_ok && x.scalar_type() == at::kBFloat16);
+  TORCH_CHECK(x.dim() == 2 && type_ok && x.is_contiguous(),
+              bf16_ok ? "x: (B, dim) contiguous float32 or bfloat16" : "x: (B, dim) contiguous float32");
   TORCH_CHECK(x.size(0) >= 1 && x.size(0) <= 64, "the kernel takes 1 to 64 rows, got ", x.size(0));
   TORCH_CHECK(x.size(1) % 32 == 0, "dim must be a multiple of 32, got ", x.size(1));
 }
@@ -63,61 +73,93 @@ static void check_rows(const at::Tensor& w) {
   TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kByte && w.is_contiguous(), "w: (n, bytes) contiguous uint8");
 }
 
-static void quantize_for(int64_t fmt, const at::Tensor& x, FFNArgs& a, at::Tensor& xq,
-                         at::Tensor& xd, at::Tensor& xs) {
+// The input rows as format `fmt`'s dot products read them, held for one call: float32 for the
+// float formats; rounded to bf16 for bf16 rows (in float for most instruction sets, as bf16 for
+// native bf16 products); quantized to 8 bits per block for the block formats.
+struct Input {
+  at::Tensor xf, xb, xq, xd, xs;
+};
+
+static void prepare_input(int64_t fmt, const at::Tensor& x, FFNArgs& a, Input& in) {
+  const bool bf16_in = x.scalar_type() == at::kBFloat16;
+  if (fmt == BF16) {
+    in.xb = bf16_in ? x : x.to(at::kBFloat16);
+    in.xf = in.xb.to(at::kFloat);
+    a.xb = (const uint16_t*)in.xb.data_ptr<at::BFloat16>();
+  } else {
+    in.xf = bf16_in ? x.to(at::kFloat) : x;
+  }
+  a.x = in.xf.data_ptr<float>();
   if (!integer_dots((int)fmt)) return;
   const int64_t B = x.size(0), nb = x.size(1) / 32;
-  xq = at::empty({B, x.size(1)}, x.options().dtype(at::kChar));
-  xd = at::empty({B, nb}, x.options());
-  xs = at::empty({B, nb}, x.options());
-  quantize_input(x.data_ptr<float>(), B, x.size(1), xq.data_ptr<int8_t>(), xd.data_ptr<float>(),
-                 xs.data_ptr<float>());
-  a.xq = xq.data_ptr<int8_t>();
-  a.xd = xd.data_ptr<float>();
-  a.xs = xs.data_ptr<float>();
+  in.xq = at::empty({B, x.size(1)}, in.xf.options().dtype(at::kChar));
+  in.xd = at::empty({B, nb}, in.xf.options());
+  in.xs = at::empty({B, nb}, in.xf.options());
+  quantize_input(a.x, B, x.size(1), in.xq.data_ptr<int8_t>(), in.xd.data_ptr<float>(),
+                 in.xs.data_ptr<float>());
+  a.xq = in.xq.data_ptr<int8_t>();
+  a.xd = in.xd.data_ptr<float>();
+  a.xs = in.xs.data_ptr<float>();
 }
 
-// x (B, dim) f32; w (k, neuron_bytes) uint8 records; sel (m,) int64; keep (B, m) bool or None;
-// bias (k,) f32 or None -> (B, dim) f32: sum over the selected neurons of h * down row.
+// x (B, dim) f32 or bf16; w (k, neuron_bytes) uint8 records; sel: the neurons to compute,
+// (m,) int64 indices, or a (k,) bool mask over the records; keep: per-row masks, (B, m) bool
+// for indices or (B, k) for a mask, or None; bias (k,) f32 or None -> (B, dim) in x's type:
+// the sum over the selected neurons of h * down row (summed in float, rounded once).
 static at::Tensor neuron_ffn(const at::Tensor& x, const at::Tensor& w, const at::Tensor& sel,
                              const std::optional<at::Tensor>& keep,
                              const std::optional<at::Tensor>& bias, double threshold, int64_t act,
                              int64_t fmt) {
   const Kernels& k = active();
-  check_input(x);
+  check_input(x, true);
   check_rows(w);
   check_format(fmt);
-  TORCH_CHECK(sel.dim() == 1 && sel.scalar_type() == at::kLong && sel.is_contiguous(), "sel: (m,) int64");
+  TORCH_CHECK(sel.dim() == 1 && sel.is_contiguous() &&
+              (sel.scalar_type() == at::kLong || sel.scalar_type() == at::kBool),
+              "sel: (m,) int64 or (k,) bool");
   TORCH_CHECK(act >= RELU && act <= SWIGLU, "unknown activation ", act);
-  const int64_t B = x.size(0), dim = x.size(1), m = sel.size(0);
+  const int64_t B = x.size(0), dim = x.size(1), n = w.size(0);
   const int64_t nb = (act == RELU ? 1 : 2) * row_bytes(fmt, dim) + row_bytes(down_format(fmt), dim);
   TORCH_CHECK(w.size(1) == nb, "w: ", w.size(1), " bytes per neuron, expected ", nb);
-  FFNArgs a{x.data_ptr<float>(), B, dim, w.data_ptr<uint8_t>(), w.size(1), nullptr,
-            sel.data_ptr<int64_t>(), nullptr, m, (float)threshold, (int)act, (int)fmt};
+  std::vector<int64_t> picked;  // a mask's neurons
+  const bool by_mask = sel.scalar_type() == at::kBool;
+  if (by_mask) {
+    TORCH_CHECK(sel.numel() == n, "sel: a mask of ", sel.numel(), " for ", n, " neurons");
+    const bool* mp = sel.data_ptr<bool>();
+    for (int64_t j = 0; j < n; j++)
+      if (mp[j]) picked.push_back(j);
+  } else {  // bounds once here, so the kernel trusts sel
+    const int64_t* sp = sel.data_ptr<int64_t>();
+    for (int64_t i = 0; i < sel.numel(); i++)
+      TORCH_CHECK(sp[i] >= 0 && sp[i] < n, "sel holds an index outside the ", n, " neurons");
+  }
+  const int64_t m = by_mask ? (int64_t)picked.size() : sel.numel();
+  FFNArgs a{nullptr, B, dim, w.data_ptr<uint8_t>(), w.size(1), nullptr,
+            by_mask ? picked.data() : sel.data_ptr<int64_t>(), nullptr, m, (float)threshold, (int)act,
+            (int)fmt};
   if (keep && keep->defined()) {
-    TORCH_CHECK(keep->scalar_type() == at::kBool && keep->is_contiguous() && keep->size(0) == B &&
-                keep->size(1) == m, "keep: (B, m) contiguous bool");
+    const int64_t width = by_mask ? n : m;
+    TORCH_CHECK(keep->scalar_type() == at::kBool && keep->is_contiguous() && keep->dim() == 2 &&
+                keep->size(0) == B && keep->size(1) == width,
+                "keep: (B, ", width, ") contiguous bool, one mask per row");
     a.keep = (const uint8_t*)keep->data_ptr<bool>();
+    a.keep_stride = width;
+    a.keep_by_neuron = by_mask;
   }
   if (bias && bias->defined()) {
-    TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->numel() == w.size(0), "bias: (k,) float32");
+    TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->numel() == n, "bias: (k,) float32");
     a.bias = bias->data_ptr<float>();
   }
-  // bounds once here, so the kernel trusts sel
-  if (m) {
-    auto mm = at::aminmax(sel);
-    TORCH_CHECK(std::get<0>(mm).item<int64_t>() >= 0 && std::get<1>(mm).item<int64_t>() < w.size(0),
-                "sel holds an index outside the ", w.size(0), " neurons");
-  }
-  at::Tensor xq, xd, xs;  // the input per block, for the block formats' integer products
-  quantize_for(fmt, x, a, xq, xd, xs);
+  Input in;
+  prepare_input(fmt, x, a, in);
   const int64_t nt = at::get_num_threads();
-  at::Tensor part = at::zeros({nt, B, dim}, x.options());
+  at::Tensor part = at::zeros({nt, B, dim}, x.options().dtype(at::kFloat));
   float* pp = part.data_ptr<float>();
   at::parallel_for(0, m, 8, [&](int64_t begin, int64_t end) {
     k.range(a, begin, end, pp + at::get_thread_num() * B * dim);
   });
-  return nt == 1 ? part[0] : part.sum(0);
+  at::Tensor y = nt == 1 ? part[0] : part.sum(0);
+  return x.scalar_type() == at::kFloat ? y : y.to(x.scalar_type());
 }
 
 // w (k, neuron_bytes) records of `rows` rows each (1: a plain matrix) -> (k, rows, dim) float32
@@ -137,18 +179,19 @@ static at::Tensor widen(const at::Tensor& w, int64_t fmt, int64_t rows, int64_t 
   return out;
 }
 
-// x (B, dim) f32; w (n, row_bytes) rows in one format -> (B, n) f32 = x W^T
+// x (B, dim) f32 or bf16; w (n, row_bytes) rows in one format -> (B, n) f32 = x W^T (x as the
+// format's dot products read it, see prepare_input)
 static at::Tensor linear(const at::Tensor& x, const at::Tensor& w, int64_t fmt) {
   const Kernels& k = active();
-  check_input(x);
+  check_input(x, true);
   check_rows(w);
   check_format(fmt);
   const int64_t B = x.size(0), dim = x.size(1), n = w.size(0);
   TORCH_CHECK(w.size(1) == row_bytes(fmt, dim), "w: ", w.size(1), " bytes per row, expected ", row_bytes(fmt, dim));
-  at::Tensor y = at::empty({B, n}, x.options());
-  FFNArgs a{x.data_ptr<float>(), B, dim, nullptr, 0, nullptr, nullptr, nullptr, 0, 0.0f, 0, (int)fmt};
-  at::Tensor xq, xd, xs;
-  quantize_for(fmt, x, a, xq, xd, xs);
+  at::Tensor y = at::empty({B, n}, x.options().dtype(at::kFloat));
+  FFNArgs a{nullptr, B, dim, nullptr, 0, nullptr, nullptr, nullptr, 0, 0.0f, 0, (int)fmt};
+  Input in;
+  prepare_input(fmt, x, a, in);
   const uint8_t* p = w.data_ptr<uint8_t>();
   float* yp = y.data_ptr<float>();
   at::parallel_for(0, n, 64, [&](int64_t begin, int64_t end) { k.gemv(p, a, n, begin, end, yp); });

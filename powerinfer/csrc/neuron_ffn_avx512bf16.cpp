@@ -1,0 +1,8 @@
+// The kernel for CPUs with AVX-512 and its bf16 dot products (AVX512_BF16: Zen 4, Sapphire
+// Rapids): bf16 rows multiply in bf16 pairs, compiled with -mavx512bf16 beside the AVX-512 flags.
+#define ISA_NS avx512bf16
+#include "neuron_ffn.h"
+namespace powerinfer {
+const Kernels kernels_avx512bf16 = {avx512bf16::range, avx512bf16::gemv, avx512bf16::widen,
+                                    avx512bf16::gemv_q4x16};
+}
