@@ -74,7 +74,7 @@ def read_neuron_set(src: TensorSource, a: ModelArgs, layer: int, idx: torch.Tens
 
     up_b = src.rows(p + "up_b", idx, dtype) if p + "up_b" in src.names else None
     if fmt in kernels.PLAIN_FORMATS:  # records of plain numbers: each row read straight into place
-        rec = torch.empty(len(idx), len(names) + 1, a.dim, dtype=kernels.PLAIN_FORMATS[fmt])
+        rec = kernels.huge_empty((len(idx), len(names) + 1, a.dim), kernels.PLAIN_FORMATS[fmt])
         for j, name in enumerate(names):
             src.rows_into(name, idx, rec[:, j])
         src.down_rows(layer, idx, rec.dtype, rec[:, -1])
@@ -100,7 +100,7 @@ def read_head(src: TensorSource, a: ModelArgs, lo: int, hi: int, dtype: torch.dt
     idx = torch.arange(lo, hi)
     fmt = STORED_FORMATS.get(src.kind(name)) if int4 and tied else None
     if fmt is not None:
-        return KernelLinear.from_records(src.raw_rows(name, idx), fmt, a.dim)
+        return KernelLinear.from_records(kernels.huge(src.raw_rows(name, idx)), fmt, a.dim)
     weight = src.rows(name, idx, dtype)
     if kernels.usable(weight) and dtype == torch.bfloat16:
         return KernelLinear(weight, None, "q8_0" if int4 else "bf16")
@@ -194,7 +194,7 @@ def hot_model(ckpt: ModelFile, dtype: torch.dtype, hot: list[torch.Tensor],
     for (i, attr), m in int4_layers.items():
         setattr(model.layers[i].attn, attr, m)
     if embed_fmt is not None:
-        rows = src.raw_rows("embed", torch.arange(a.vocab_size))
+        rows = kernels.huge(src.raw_rows("embed", torch.arange(a.vocab_size)))
         model.tok_embeddings = KernelEmbedding(rows, embed_fmt, a.dim, dtype)
         if a.tie_embeddings:
             model.output = KernelLinear.from_records(rows, embed_fmt, a.dim)

@@ -124,7 +124,7 @@ class KernelLinear(nn.Module):
         super().__init__()
         self.out_features, self.in_features = weight.shape
         self.fmt, self.code = fmt, kernels.FORMATS.index(fmt)
-        self.register_buffer("records", kernels.quantize_rows(weight, fmt))
+        self.register_buffer("records", kernels.huge(kernels.quantize_rows(weight, fmt)))
         self.bias = None if bias is None else nn.Parameter(bias.detach().clone(), requires_grad=False)
 
     @classmethod
@@ -147,7 +147,7 @@ class KernelLinear(nn.Module):
     def forward(self, x):
         shape, rows = x.shape, x.reshape(-1, self.in_features)
         if rows.shape[0] <= kernels.MAX_ROWS:
-            y = torch.ops.powerinfer.linear(rows.float().contiguous(), self.records, self.code)
+            y = torch.ops.powerinfer.linear(rows.contiguous(), self.records, self.code)
             y = y.to(x.dtype)
         else:  # widened a chunk of rows at a time (f32/bf16 records are the matrix: one chunk)
             step = self.out_features if self.fmt in ("f32", "bf16") else self.CHUNK

@@ -135,15 +135,18 @@ class NeuronSet(nn.Module):
         return activate(self.act, g, u)
 
     def forward(self, x, sel=None, threshold: float = 0.0, keep=None):
-        # x: (B, T, dim); sel: indices into this set (None: all); keep: (B, T, k) per-row masks
+        # x: (B, T, dim); sel: indices into this set (None: all), or for the kernel a (k,) bool
+        # mask over it; keep: per-row masks, (B, T, len(sel)) with indices, (B, T, k) with a mask
         if x.shape[0] == 0:  # an empty batch: nothing to compute
             return x.new_zeros(x.shape)
         if self.records is not None and x.shape[1] == 1:  # decode: the kernel
             B = x.shape[0]
             k = None if keep is None else keep.reshape(B, -1).contiguous()
-            y = kernels.neuron_ffn(x.reshape(B, -1).float().contiguous(), self.records,
-                                   self.all if sel is None else sel, k, self.bias32, threshold,
-                                   self.act, self.fmt)
+            rows = x.reshape(B, -1)
+            if rows.dtype not in (torch.float32, torch.bfloat16):
+                rows = rows.float()
+            y = kernels.neuron_ffn(rows.contiguous(), self.records, self.all if sel is None else sel,
+                                   k, self.bias32, threshold, self.act, self.fmt)
             return y.to(x.dtype).unsqueeze(1)
         if sel is None:  # every neuron, many tokens: dense matmuls (a chunk at a time)
             y = 0
@@ -260,7 +263,7 @@ class HybridFFN(nn.Module):
             y = self._token_masked(h, x, layer_input)
         else:  # decode: the predicted-active neurons (the union over the batch's rows)
             active = self.active(h, x, layer_input).flatten(0, -2)  # (B, ffn_dim)
-            union = active.any(0)
+            union = active[0] if active.shape[0] == 1 else active.any(0)
             rows = None if self.masks is None else active  # the oracle's masks are the threshold
             y = self.hot_part(x, union, rows)
             if len(self.cold.idx):
@@ -298,6 +301,12 @@ def decode_rows(s: NeuronSet, x, union, rows, threshold: float):
     if union is None:
         assert rows is None, "per-row masks come with their union"
         return s(x, None, threshold)
+    if s.records is not None:  # the kernel reads the masks as they are: no index ops here
+        whole = len(s.idx) == union.shape[-1]  # every neuron of the layer, in order
+        keep = None
+        if rows is not None and rows.shape[0] > 1:
+            keep = (rows if whole else rows[:, s.idx]).unsqueeze(1)  # (B, 1, k)
+        return s(x, union if whole else union[s.idx], threshold, keep)
     sel = union[s.idx].nonzero().squeeze(-1)
     if len(sel) == 0:  # nothing of this set is active (embedding_bag refuses empty bags)
         return x.new_zeros(x.shape)

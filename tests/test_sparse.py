@@ -52,8 +52,13 @@ def test_sparse_skips_inactive_neurons():
     m = random_model("reglu")
     fired = []
     apply_hybrid_ffn(m)
+    def computed(mod, args):  # the neurons a decode step asks for: indices, or a mask (kernel)
+        if len(args) > 1:
+            sel = args[1]
+            fired.append((int(sel.sum()) if sel.dtype == torch.bool else len(sel)) / 256)
+
     for b in m.layers:  # record how many neurons each decode step computes
-        b.ffn.cold.register_forward_pre_hook(lambda mod, args: fired.append(len(args[1]) / 256) if len(args) > 1 else None)
+        b.ffn.cold.register_forward_pre_hook(computed)
     decode_logits(m, [[1, 2, 3]], 3)
     assert fired and 0.2 < sum(fired) / len(fired) < 0.8  # ReGLU on random weights: about half
 
