@@ -14,6 +14,7 @@ import torch
 
 from cluster.topology import pin, process_memory
 from powerinfer.plan import SparsePlan
+from powerinfer.predictor import run_dtype
 
 from .group_info import node_id
 from .channel import ChannelClosed
@@ -24,7 +25,7 @@ class PredictorActor:
     def __init__(self, spec: PlaneSpec, cores: tuple[int, ...], plan: SparsePlan, threads: int = 0):
         pin(cores, threads)
         self.spec, self.cores = spec, cores
-        self.preds = plan.load_predictors(torch.float32)  # fp32: bf16 GEMV is slow on CPUs
+        self.preds = plan.load_predictors(run_dtype(spec.torch_dtype))  # as the in-process engine
         self.input = self.preds.input
         self.x, self.mask = spec.open("pred_in"), spec.open("mask", writer=True)
         self.busy_s, self.calls = 0.0, 0

@@ -38,7 +38,7 @@ import torch
 
 from powerinfer import Config, PowerInfer
 from powerinfer.bundle import Bundle
-from powerinfer.predictor import load_predictors
+from powerinfer.predictor import load_predictors, run_dtype
 from powerinfer.solver import neuron_bytes
 from powerinfer.sparse import LayerStats, apply_hybrid_ffn, hybrid_layers
 
@@ -203,7 +203,8 @@ def run_model(name: str, bundle_path: str, args) -> list[dict]:
     bundle.check_model(pi.checkpoint.path)
     ids = pi.tokenize(PROMPT)[:64]
     rows = [measure("dense", pi, ids, args.tokens)]
-    preds = load_predictors(bundle, args.input)  # float32: torch's bf16 GEMV is slow on CPUs
+    # as the engines run them: bf16 on the kernel's GEMV with a bf16 model, else float32
+    preds = load_predictors(bundle, args.input, run_dtype(pi.model.norm.weight.dtype))
     th = bundle.thresholds()
     apply_hybrid_ffn(pi.model, preds.active, predictor_input=args.input,
                      thresholds=th)

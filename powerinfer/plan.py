@@ -93,7 +93,9 @@ class SparsePlan:
         """The in-process sparse engine: swap every FFN for a HybridFFN under this plan, its
         neuron sets in kernel format `fmt` (see `apply_hybrid_ffn`)."""
         if self.predictor_input is not None:
-            preds = self.load_predictors()
+            from .predictor import run_dtype
+            w = model.norm.weight
+            preds = self.load_predictors(run_dtype(w.dtype, w.device), w.device)
             masks = preds.active
         else:
             masks = lambda i, x: torch.ones(*x.shape[:-1], self.ffn_dim, dtype=torch.bool)  # noqa: E731

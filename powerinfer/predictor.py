@@ -34,6 +34,7 @@ import torch.nn.functional as F
 from torch import nn
 from tqdm import tqdm
 
+from . import kernels
 from .bundle import Bundle, BundleError
 
 INPUTS = ("ffn", "layer")
@@ -298,8 +299,15 @@ class Predictors(nn.Module):
 
     def logits(self, layer: int, x: torch.Tensor) -> torch.Tensor:
         # x: (..., dim) -> (..., ffn_dim)
-        fc1 = self.fc1[layer]
-        return F.relu(x.to(fc1.dtype) @ fc1.T) @ self.fc2[layer].T
+        fc1, fc2 = self.fc1[layer], self.fc2[layer]
+        rows = x.reshape(-1, x.shape[-1])
+        if (fc1.dtype == torch.bfloat16 and kernels.usable(fc1)
+                and x.dtype in (torch.float32, torch.bfloat16) and rows.shape[0] <= kernels.MAX_ROWS):
+            # decode rows on the kernel's bf16 GEMV, which reads the weights at the memory's
+            # rate where torch's bf16 GEMV reaches a third of it (float32 logits either way)
+            y = kernels.linear(kernels.linear(rows, fc1, "bf16").relu_(), fc2, "bf16")
+            return y.view(*x.shape[:-1], -1)
+        return F.relu(x.to(fc1.dtype) @ fc1.T) @ fc2.T
 
     def active(self, layer: int, x: torch.Tensor) -> torch.Tensor:
         # x: (..., dim) -> per-row predicted-active neurons (..., ffn_dim) bool
@@ -309,6 +317,15 @@ class Predictors(nn.Module):
         """(ffn_dim,) bool: the neurons predicted active for any row of x ((B, T, dim) or
         (N, dim))."""
         return self.active(layer, x.reshape(-1, x.shape[-1])).any(0)
+
+
+def run_dtype(compute_dtype: torch.dtype, device: str | torch.device = "cpu") -> torch.dtype:
+    """The dtype predictors run in beside a model computing in `compute_dtype`: bf16 with a bf16
+    model on a CPU where the kernel library runs (its bf16 GEMV; the logits still float32), else
+    float32. Both runtimes take it from here, so they predict the same masks."""
+    if compute_dtype == torch.bfloat16 and torch.device(device).type == "cpu" and kernels.available():
+        return torch.bfloat16
+    return torch.float32
 
 
 def load_predictors(bundle: Bundle, input: str = "ffn", dtype: torch.dtype = torch.float32,
