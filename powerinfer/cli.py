@@ -248,6 +248,10 @@ def _pipeline_commands(sub):
     p.add_argument("--subspace", type=int, default=0,
                    help="rank of each layer's gate rows (0: isotropic; r > 0: firing a predictor "
                         "of about rank r can learn, as in trained models)")
+    p.add_argument("--residual-rank", type=int, default=0,
+                   help="rank of the residual stream (0: full; R >= subspace: the embeddings and "
+                        "every layer's output in R directions, which predictors learn from fewer "
+                        "samples)")
     p.add_argument("--out", required=True)
     p.set_defaults(run=_synthetic)
 
@@ -352,7 +356,8 @@ def _synthetic(args) -> int:
     from .synthetic import write_synthetic
 
     info = write_synthetic(args.out, preset=args.preset, n_layers=args.layers,
-                           sparsity=args.sparsity, seed=args.seed, subspace=args.subspace)
+                           sparsity=args.sparsity, seed=args.seed, subspace=args.subspace,
+                           residual_rank=args.residual_rank)
     for k, v in info.summary().items():
         print(f"{k:>16}: {v}")
     return 0

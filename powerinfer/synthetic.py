@@ -32,6 +32,13 @@ Planting the profile without FFN biases (LLaMA has none):
   directions. A neuron's pre-activation then depends on x only through U^T x, so a predictor of
   rank about r can learn which neurons fire; with r = 0 the gate rows are isotropic and only each
   neuron's planted rate can be learnt. Calibration is unchanged.
+* A low-rank residual stream (`residual_rank` R >= r): the embeddings and what every layer writes
+  back (rows of attn_output and ffn_down) lie in one R-dimensional subspace off the bias channel,
+  and each layer's gate subspace inside it, as trained models' hidden states occupy a few hundred
+  directions of thousands. A predictor then reads an input of effective dimension R + 1, which
+  the few thousand samples of a profile pin down; with a full-rank residual the directions
+  outside the gate subspace are noise it must learn to ignore from those samples, and it marks
+  about twice the firing neurons to keep 99% of the activation mass (a 7B shape, r 64).
 * Attention is made peaky (logits q.k/sqrt(head_dim) of std 4, as trained models' are): with
   near-uniform attention every position would carry the mean of its sequence's values, a component
   shared by the whole sequence that a few calibration sequences cannot average out (the planted
@@ -116,6 +123,7 @@ class SyntheticModel:
     sparsity: float  # target: mean fraction of neurons with a zero activation per token
     alpha: float
     subspace: int  # rank of the gate rows' subspace (0: isotropic)
+    residual_rank: int  # rank of the residual stream's subspace (0: full)
     planted: np.ndarray  # (n_layers, n_ff) planted firing probability of each neuron
     calib_firing: np.ndarray  # (n_layers, n_ff) firing rate on the calibration tokens
     file_bytes: int
@@ -124,7 +132,7 @@ class SyntheticModel:
     def summary(self) -> dict:
         return {"path": str(self.path), **dataclasses.asdict(self.shape), "dtype": self.dtype,
                 "seed": self.seed, "target_sparsity": self.sparsity, "alpha": self.alpha,
-                "subspace": self.subspace,
+                "subspace": self.subspace, "residual_rank": self.residual_rank,
                 "calib_sparsity": [round(1 - float(f.mean()), 4) for f in self.calib_firing],
                 "top10pct_share": round(top_share(self.planted[0], 0.1), 3),
                 "file_gb": round(self.file_bytes / 1e9, 3), "seconds": round(self.seconds, 1)}
@@ -155,7 +163,7 @@ def planted_profile(n_ff: int, n_layers: int, sparsity: float = 0.9, alpha: floa
 def write_synthetic(path: str | Path, preset: str | Shape = "7b", n_layers: int | None = None,
                     sparsity: float = 0.9, alpha: float = DEFAULT_ALPHA, seed: int = 0,
                     dtype: str = "bf16", calib_tokens: int = 512, subspace: int = 0,
-                    progress: bool = True) -> SyntheticModel:
+                    residual_rank: int = 0, progress: bool = True) -> SyntheticModel:
     """Write a synthetic ReGLU model with a planted firing profile as a GGUF file.
 
     preset: "7b", "13b", "70b", "tiny" or a `Shape`; n_layers overrides its depth. sparsity: the target
@@ -163,7 +171,8 @@ def write_synthetic(path: str | Path, preset: str | Shape = "7b", n_layers: int 
     of the firing rates over neuron ranks; dtype of the 2-D tensors: "bf16", "f16" or "f32";
     calib_tokens: random tokens (whole sequences of 128) run through the layers to set the biases;
     subspace: the rank r of each layer's gate rows (0: isotropic, firing unpredictable beyond each
-    neuron's rate; see the module docstring).
+    neuron's rate; see the module docstring); residual_rank: the rank R of the residual stream
+    (0: full; else at least r, and the gate subspaces lie in it).
     The file appears under its name only once complete."""
     import gguf
     from tqdm import tqdm
@@ -182,6 +191,8 @@ def write_synthetic(path: str | Path, preset: str | Shape = "7b", n_layers: int 
         raise ValueError(f"calib_tokens must be >= {CALIB_SEQ_LEN}, got {calib_tokens}")
     if not 0 <= subspace < shape.dim:
         raise ValueError(f"subspace must be in [0, {shape.dim}), got {subspace}")
+    if residual_rank and not subspace <= residual_rank < shape.dim:
+        raise ValueError(f"residual_rank must be 0 or in [subspace, {shape.dim}), got {residual_rank}")
     planted = planted_profile(shape.n_ff, shape.n_layers, sparsity, alpha, seed)
     T = gguf.GGMLQuantizationType
     layout = [(name, shp, T[QTYPES[dtype]] if len(shp) == 2 else T.F32) for name, shp in _layout(shape)]
@@ -189,7 +200,7 @@ def write_synthetic(path: str | Path, preset: str | Shape = "7b", n_layers: int 
     partial = path.with_name(path.name + ".partial")
 
     w = gguf.GGUFWriter(partial, "llama")
-    _add_metadata(w, shape, dtype, seed, sparsity, alpha, calib_tokens, subspace)
+    _add_metadata(w, shape, dtype, seed, sparsity, alpha, calib_tokens, subspace, residual_rank)
     for name, shp, qtype in layout:
         w.add_tensor_info(name, shp, np.dtype(np.float32), _nbytes(shp, qtype), raw_dtype=qtype)
     calib_firing = []
@@ -199,7 +210,8 @@ def write_synthetic(path: str | Path, preset: str | Shape = "7b", n_layers: int 
         w.write_ti_data_to_file()
         with tqdm(total=sum(_nbytes(shp, qtype) for _, shp, qtype in layout), unit="B",
                   unit_scale=True, desc=f"writing {path.name}", disable=not progress) as bar:
-            made = _tensors(shape, planted, seed, calib_tokens, calib_firing, subspace)
+            made = _tensors(shape, planted, seed, calib_tokens, calib_firing, subspace,
+                            residual_rank)
             for (name, shp, qtype), (made_name, t) in zip(layout, made, strict=True):
                 assert name == made_name and tuple(t.shape) == shp, (name, made_name, t.shape)
                 data = _encode(t, qtype)
@@ -211,7 +223,7 @@ def write_synthetic(path: str | Path, preset: str | Shape = "7b", n_layers: int 
         w.close()
         partial.unlink(missing_ok=True)
         raise
-    return SyntheticModel(path, shape, dtype, seed, sparsity, alpha, subspace, planted,
+    return SyntheticModel(path, shape, dtype, seed, sparsity, alpha, subspace, residual_rank, planted,
                           torch.stack(calib_firing).numpy(), path.stat().st_size,
                           time.perf_counter() - t0)
 
@@ -233,11 +245,28 @@ def _layout(s: Shape) -> list[tuple[str, tuple[int, ...]]]:
 
 
 def _tensors(s: Shape, planted: np.ndarray, seed: int, calib_tokens: int, calib_firing: list,
-             subspace: int = 0):
+             subspace: int = 0, residual_rank: int = 0):
     """Yield (GGUF name, float32 tensor) in `_layout` order, calibrating each layer on the way;
     appends each layer's firing rate on the calibration tokens to calib_firing."""
     args, d = s.model_args(), s.dim
-    emb = _randn(seed, "token_embd.weight", (s.vocab, d))
+    # writes(name, n): (d, n) columns a part writes into the residual stream, row 0 (the bias
+    # channel) zero: N(0, 1) entries, or with a residual subspace V (d - 1, R) its columns in V
+    # with the same variance per channel
+    V = None
+    if residual_rank:
+        V = torch.linalg.qr(_randn(seed, "residual.basis", (d - 1, residual_rank)))[0]
+
+    def writes(name: str, n: int) -> torch.Tensor:
+        if V is None:
+            w = _randn(seed, name, (d, n))
+        else:
+            w = torch.cat([torch.zeros(1, n), V @ _randn(seed, name, (residual_rank, n),
+                                                         ((d - 1) / residual_rank) ** 0.5)])
+        w[0] = 0.0
+        return w
+
+    emb = (_randn(seed, "token_embd.weight", (s.vocab, d)) if V is None
+           else writes("token_embd.weight", s.vocab).t().contiguous())  # (vocab, d)
     emb[:, 0] = math.sqrt(d)  # the bias channel
     B, T = calib_tokens // CALIB_SEQ_LEN, CALIB_SEQ_LEN
     tokens = torch.randint(3, s.vocab, (B, T), generator=_generator(seed, "calibration"))
@@ -267,8 +296,7 @@ def _tensors(s: Shape, planted: np.ndarray, seed: int, calib_tokens: int, calib_
         q = _randn(seed, p + "attn_q.weight", (d, d), qk_std, in_col0=0.0)
         k = _randn(seed, p + "attn_k.weight", (args.n_kv_heads * s.head_dim, d), qk_std, in_col0=0.0)
         v = _randn(seed, p + "attn_v.weight", k.shape, d ** -0.5, in_col0=0.0)
-        o = _randn(seed, p + "attn_output.weight", (d, d))
-        o[0] = 0.0  # never writes the bias channel
+        o = writes(p + "attn_output.weight", d)  # never writes the bias channel
         with torch.inference_mode():
             # q and k are drawn in the file's (llama.cpp) row order; the model uses the loader's
             block.attn.wqkv.weight.copy_(torch.cat([unpermute_rows(q, s.n_heads),
@@ -283,14 +311,16 @@ def _tensors(s: Shape, planted: np.ndarray, seed: int, calib_tokens: int, calib_
         del q, k, v, o
 
         if subspace:  # rows in a subspace of rank r off the bias channel; same scale of gate . x
-            basis = torch.linalg.qr(_randn(seed, p + "ffn_gate.basis", (d - 1, subspace)))[0]
+            basis = torch.linalg.qr(_randn(seed, p + "ffn_gate.basis",
+                                           (residual_rank or d - 1, subspace)))[0]
+            if V is not None:  # inside the residual stream's subspace
+                basis = V @ basis
             gate = _randn(seed, p + "ffn_gate.weight", (s.n_ff, subspace), subspace ** -0.5)
             gate = torch.cat([torch.zeros(s.n_ff, 1), gate @ basis.t()], 1)  # (n_ff, d)
         else:
             gate = _randn(seed, p + "ffn_gate.weight", (s.n_ff, d), d ** -0.5, in_col0=0.0)
         up = _randn(seed, p + "ffn_up.weight", (s.n_ff, d), d ** -0.5, in_col0=0.0)
-        down = _randn(seed, p + "ffn_down.weight", (d, s.n_ff))
-        down[0] = 0.0
+        down = writes(p + "ffn_down.weight", s.n_ff)
         with torch.inference_mode():
             x = block.ffn_norm(h).flatten(0, 1)  # (N, dim) the FFN inputs
             z = x @ gate.t()  # (N, n_ff) gate pre-activations, bias column still zero
@@ -347,7 +377,7 @@ def _encode(t: torch.Tensor, qtype) -> np.ndarray:
 # --------------------------------------------------------------------------------- metadata
 
 def _add_metadata(w, s: Shape, dtype: str, seed: int, sparsity: float, alpha: float,
-                  calib_tokens: int, subspace: int):
+                  calib_tokens: int, subspace: int, residual_rank: int):
     import gguf
 
     w.add_string("general.name", f"synthetic-relu-{s.n_layers}L-{s.dim}d")
@@ -371,6 +401,7 @@ def _add_metadata(w, s: Shape, dtype: str, seed: int, sparsity: float, alpha: fl
     w.add_float32("powerinfer.synthetic.p_max", P_MAX)
     w.add_uint32("powerinfer.synthetic.calib_tokens", calib_tokens)
     w.add_uint32("powerinfer.synthetic.subspace", subspace)
+    w.add_uint32("powerinfer.synthetic.residual_rank", residual_rank)
     tokens, scores, types = _vocab(s.vocab)
     w.add_string("tokenizer.ggml.model", "llama")
     w.add_array("tokenizer.ggml.tokens", tokens)
@@ -451,12 +482,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--calib-tokens", type=int, default=512)
     ap.add_argument("--subspace", type=int, default=0,
                     help="rank of the gate rows' subspace (0: isotropic, firing unpredictable)")
+    ap.add_argument("--residual-rank", type=int, default=0,
+                    help="rank of the residual stream's subspace (0: full)")
     ap.add_argument("--out", "-o", required=True, help="output .gguf file")
     ap.add_argument("--quiet", "-q", action="store_true", help="no progress bar")
     a = ap.parse_args(argv)
     try:
         m = write_synthetic(a.out, a.preset, a.layers, a.sparsity, a.alpha, a.seed, a.dtype,
-                            a.calib_tokens, a.subspace, progress=not a.quiet)
+                            a.calib_tokens, a.subspace, a.residual_rank, progress=not a.quiet)
     except (ValueError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1

@@ -87,16 +87,21 @@ def test_same_seed_same_bytes(tiny, tmp_path, capsys):
 
 def test_subspace_gates_make_firing_predictable(tmp_path):
     # gate rows in a rank-16 subspace: a rank-32 predictor keeps 99% of the activation mass while
-    # marking under 2x the neurons that fire; isotropic gates (the default) cost it more marks
+    # marking under 2x the neurons that fire; isotropic gates (the default) cost it more marks,
+    # and a residual stream of rank 64 holding the gates' subspace fewer still
     from powerinfer.predictor import train_predictors
     from powerinfer.profile import ProfileOptions, profile
 
     marked = {}
-    for r in (0, 16):
-        m = write_synthetic(tmp_path / f"tiny{r}.gguf", "tiny", subspace=r, progress=False)
-        b = profile(str(m.path), "lee", tmp_path / f"b{r}",
+    for r, R in ((0, 0), (16, 0), (16, 64)):
+        m = write_synthetic(tmp_path / f"tiny{r}-{R}.gguf", "tiny", subspace=r, residual_rank=R,
+                            progress=False)
+        assert np.allclose(m.calib_firing.mean(1), 0.1, atol=0.01)  # the planted profile holds
+        b = profile(str(m.path), "lee", tmp_path / f"b{r}-{R}",
                     ProfileOptions(tokens=5120, window=256, samples=4000), progress=False)
         rows = train_predictors(b, "ffn", ranks=[32], epochs=10, progress=False)
         assert min(x["recall_mass"] for x in rows) >= 0.99
-        marked[r] = max(x["active_share"] / x["positive_rate"] for x in rows)
-    assert marked[16] <= 2.0 and marked[0] > marked[16], marked
+        marked[r, R] = max(x["active_share"] / x["positive_rate"] for x in rows)
+    assert marked[16, 0] <= 2.0 and marked[0, 0] > marked[16, 0] > marked[16, 64], marked
+    with pytest.raises(ValueError, match="residual_rank"):
+        write_synthetic(tmp_path / "bad.gguf", "tiny", subspace=16, residual_rank=8, progress=False)
