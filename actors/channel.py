@@ -15,8 +15,10 @@ scheduler on the hot executor's, Ray's own threads) runs at once instead of afte
 and a core with nothing else to run keeps the reader awake, so a message that arrives within the
 spin is read in microseconds rather than after the wake-up of a sleeping CPU (tens of
 microseconds on a VM; the hot executor's attention between two layers outlasts a short spin).
-Readers use the payload in place (no copy). Channels carry no acknowledgement: every use in the
-runtime is lockstep (a writer publishes message n+1 only after a reply that proves its readers
+Readers use the payload in place (no copy). A compiled step sends and receives through the kernel
+library's `ch_send`/`ch_recv`, which do the same from C++ over the same mapping (`base`) and the
+reader's `state` ([messages consumed, nanoseconds waited], shared with this class). Channels
+carry no acknowledgement: every use in the runtime is lockstep (a writer publishes message n+1 only after a reply that proves its readers
 are done with message n), so one buffer per channel is enough.
 
 Ordering: the payload is stored before `seq`, and x86 keeps stores in order (TSO); a weaker
@@ -92,6 +94,17 @@ def sweep() -> list[Path]:
     return removed
 
 
+def native_error(e: Exception) -> Exception | None:
+    """The ChannelClosed or PeerDied a native receive (`ch_recv`) raised as a RuntimeError, or
+    None for any other error."""
+    text = str(e)
+    if "channel closed" in text:
+        return ChannelClosed("the group closed a channel")
+    if "peer died: " in text:
+        return PeerDied(text.split("peer died: ", 1)[1].splitlines()[0])
+    return None
+
+
 def pid_alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
@@ -120,10 +133,27 @@ class Channel:
         self._bytes = torch.frombuffer(self._map, dtype=torch.uint8, offset=HEADER)
         self._addr = self._hdr.ctypes.data
         self._views: dict[tuple, torch.Tensor] = {}  # building a view costs ~7 us; reuse them
-        self.seen = 0  # messages consumed (reader) or published (writer); segments start fresh
-        self.wait_s = 0.0  # time spent waiting, for stats
+        # [messages consumed (reader) or published (writer), nanoseconds waited]: a tensor the
+        # native ops update too; segments start fresh
+        self.state = torch.zeros(2, dtype=torch.int64)
+        self._st = self.state.numpy()
+        self.spin_us = spin_us
         if writer:
             self._hdr[1] = os.getpid()
+
+    @property
+    def base(self) -> int:
+        """The mapping's address in this process (the native ops' handle on it)."""
+        return self._addr
+
+    @property
+    def seen(self) -> int:
+        return int(self._st[0])
+
+    @property
+    def wait_s(self) -> float:
+        """Time spent waiting for messages, for stats."""
+        return float(self._st[1]) * 1e-9
 
     # writer side
     def put(self, t: torch.Tensor, offset: int = 0) -> int:
@@ -139,14 +169,15 @@ class Channel:
     def publish(self, *words: int):
         assert len(words) <= WORDS, words
         self._hdr[3:3 + len(words)] = words
-        self.seen += 1
-        self._hdr[0] = self.seen
+        n = int(self._hdr[0]) + 1  # the writer alone counts; a native send may have too
+        self._st[0] = n
+        self._hdr[0] = n
         _libc.syscall(_SYS_FUTEX, ctypes.c_void_p(self._addr), _FUTEX_WAKE, 0x7FFFFFFF, None, None, 0)
 
     # reader side
     def wait(self, timeout: float | None = None) -> np.ndarray:
         """Block until the next message; returns its words (a view, valid until the next one)."""
-        target, hdr = self.seen + 1, self._hdr
+        target, hdr = int(self._st[0]) + 1, self._hdr
         t0 = time.perf_counter()
         if hdr[0] < target:
             end, clock, yield_ = t0 + self.spin, time.perf_counter, os.sched_yield
@@ -154,9 +185,9 @@ class Channel:
                 yield_()
             if hdr[0] < target:
                 self._sleep(target, t0, timeout)
-        self.wait_s += time.perf_counter() - t0
+        self._st[1] += int((time.perf_counter() - t0) * 1e9)
         assert hdr[0] == target, (self.path.name, int(hdr[0]), target)  # lockstep: none skipped
-        self.seen = target
+        self._st[0] = target
         return hdr[3:3 + WORDS]
 
     def _sleep(self, target: int, t0: float, timeout: float | None):

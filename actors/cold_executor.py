@@ -6,6 +6,16 @@ own memory, so first touch puts them on its NUMA node), as the CPU kernel's neur
 records: in the model's precision, or in the file's 4-bit blocks with weights "int4". Per message on `x`: prefill computes every neuron of the shard (dense); decode
 computes the neurons active in any row and keeps, per row, the ones that row's predictor chose
 (`sparse.decode_rows`, the in-process engine's operator, on the kernel).
+
+Where the group splits attention (a CPU group without a predictor, `plane.split_kv`), it also
+holds, per layer, the attention of its KV heads and their query heads (`partial.attention_slice`)
+with their KV cache, and answers each ATTN message with their share of the output projection.
+
+Where the kernel library runs, the messages that need no Python (decode steps with no masks of
+the layers held as block slices or neuron records, of its heads, and of the head's rows) are
+answered by its `cold_serve` loop, in C++ from one wait to the next; it hands back the first
+message that needs Python (prefill, masks, STOP). A layer's answer then costs its matrix
+products and the hand-off, not a dozen Python calls.
 """
 from __future__ import annotations
 
@@ -16,23 +26,25 @@ import time
 import torch
 
 from cluster.topology import node_of, numa_pages, pin, process_memory
+from powerinfer import kernels
 from powerinfer.compat import trim_heap
 from powerinfer.loader import ModelFile
-from powerinfer.model import held_bytes
-from powerinfer.partial import read_head, read_neuron_set
+from powerinfer.model import KVCache, attention_inputs, held_bytes, rope_table
+from powerinfer.partial import attention_slice, read_head, read_neuron_set
 from powerinfer.plan import SparsePlan
-from powerinfer.quant import neuron_format
-from powerinfer.sparse import BlockSlice, decode_rows
+from powerinfer.quant import KernelLinear, Q4Linear, neuron_format
+from powerinfer.sparse import BlockSlice, NeuronSet, decode_rows
 
 from .group_info import node_id
-from .channel import ChannelClosed
-from .plane import HEAD, STOP, FFNInput, Partial, PlaneSpec, head_ranges, receive, send
+from .channel import ChannelClosed, native_error
+from .plane import (ATTN, DECODE, HEAD, STOP, FFNInput, Partial, PlaneSpec, head_ranges, receive,
+                    send, split_kv)
 
 
 class ColdExecutor:
     def __init__(self, spec: PlaneSpec, rank: int, cores: tuple[int, ...], model: ModelFile,
                  plan: SparsePlan, hot_share: float, threads: int = 0, weights: str = "dense",
-                 head: bool = True):
+                 head: bool = True, attention: bool = False):
         faulthandler.enable()  # a native crash (the CPU kernel) leaves its Python stack in the log
         pin(cores, threads)
         self.spec, self.rank, self.cores = spec, rank, cores
@@ -50,6 +62,16 @@ class ColdExecutor:
         lo, hi = head_ranges(spec.vocab, spec.n_cold, hot_share)[1 + rank] if head else (0, 0)
         self.head = read_head(src, a, lo, hi, dtype, weights == "int4") if hi > lo else None
         self.head_rows = hi - lo
+        # its KV heads of every layer, where the group splits attention
+        self.args, self.attn, self.rope = a, [], None
+        kv = split_kv(a.n_kv_heads, spec.n_cold, hot_share, attention)
+        self.kv_heads = (0, 0) if kv is None else kv[1 + rank]
+        if kv is not None:
+            self.attn = [attention_slice(src, a, i, self.kv_heads, dtype, weights == "int4")
+                         for i in range(a.n_layers)]
+            for m in self.attn:
+                m.kv_cache = KVCache(spec.batch, m.n_kv_heads, spec.max_seq, m.head_dim, dtype, "cpu")
+            self.rope = None if a.learned_pos else rope_table(a, spec.max_seq)
         src.close()
         trim_heap()  # the load's transients, freed, stay resident otherwise
         self.load_s = time.perf_counter() - t0
@@ -57,15 +79,71 @@ class ColdExecutor:
         self.neurons = sum(len(s.idx) for s in self.sets)
         self.x, self.part = spec.open("x"), spec.open(f"part.{rank}", writer=True)
         self.busy_s, self.steps = 0.0, 0
+        self.native = self._native_args(a.ffn_act)
 
     def ready(self) -> dict:
         return {"rank": self.rank, "cores": list(self.cores), "neurons": self.neurons,
                 "format": self.fmt or "torch", "pid": os.getpid(), "load_s": self.load_s,
                 "load_cpu_s": self.load_cpu_s,
-                "held_bytes": held_bytes(*self.sets, *self._head()), "head_rows": self.head_rows,
+                "held_bytes": held_bytes(*self.sets, *self._head(), *self.attn),
+                "head_rows": self.head_rows, "kv_heads": list(self.kv_heads),
                 "block_slices": sum(isinstance(s, BlockSlice) for s in self.sets),
+                "native": self.native is not None,
                 "numa_bytes": numa_pages(),
                 "node": node_of(self.cores), "node_id": node_id()}
+
+    def _native_args(self, act: str) -> tuple | None:
+        """The arguments of the kernel library's `cold_serve` after its state (see there): the
+        layers it can answer in C++ (block slices over Q4Linears, neuron records without a
+        threshold or bias; heads whose projections are Q4Linears or KernelLinears without bias),
+        the others' entries empty; None where it can answer nothing."""
+        dtype = self.spec.torch_dtype
+        if not kernels.available() or dtype not in (torch.float32, torch.bfloat16):
+            return None
+        empty = torch.empty(0, dtype=torch.uint8)
+        ffn = []  # per layer: w1, w2, kind, n
+        for s, th in zip(self.sets, self.thresholds):
+            if (isinstance(s, BlockSlice) and s.up_b is None
+                    and all(_matrix(m) and _matrix(m)[1] < 0 for m in (s.w1, s.down))):
+                ffn.append((s.w1.packed, s.down.packed, 1, s.w1.out_features))
+            elif isinstance(s, NeuronSet) and s.records is not None and s.bias32 is None and th <= 0:
+                ffn.append((s.records, empty, 2, kernels.FORMATS.index(s.fmt)))
+            else:
+                ffn.append((empty, empty, 0, 0))
+        attn = []  # per layer: qkv, qkv format, qkv rows, wo, wo format, k cache, v cache
+        for m in self.attn or [None] * len(self.sets):
+            q, o = (None, None) if m is None else (_matrix(m.wqkv), _matrix(m.wo))
+            if q is None or o is None:
+                attn.append((empty, 0, 0, empty, 0, empty, empty))
+            else:
+                attn.append((q[0], q[1], m.wqkv.out_features, o[0], o[1], m.kv_cache.k, m.kv_cache.v))
+        head = _matrix(self.head) if self.head is not None else None
+        if (not any(f[2] for f in ffn) and not any(x[0].numel() for x in attn)
+                and (head is None or head[1] < 0)):
+            return None
+        n_heads = self.attn[0].n_heads if self.attn else 0
+        cos, sin = self.rope if self.rope is not None else (None, None)
+        cols = lambda rows, j: [r[j] for r in rows]  # noqa: E731
+        return (self.x.base, self.part.base, self.part.capacity, self.spec.dim,
+                dtype == torch.bfloat16, self.x.spin_us, [DECODE, HEAD, ATTN],
+                kernels.ACTS.index(act), *(cols(ffn, j) for j in range(4)),
+                *(cols(attn, j) for j in range(7)), n_heads, cos, sin, self.args.sliding_window,
+                None if head is None or head[1] < 0 else head[0], 0 if head is None else head[1])
+
+    def _next(self) -> FFNInput:
+        """The next message this loop answers in Python (the native loop answers the others)."""
+        if self.native is None:
+            return receive(self.x, FFNInput)
+        seen, waited, t0 = self.x.seen, self.x.wait_s, time.perf_counter()
+        try:
+            words = torch.ops.powerinfer.cold_serve(self.x.state, *self.native)
+        except RuntimeError as e:
+            raise (native_error(e) or e) from None
+        answered = self.x.seen - seen - 1  # the last one is left to us
+        self.steps += answered
+        if answered:
+            self.busy_s += time.perf_counter() - t0 - (self.x.wait_s - waited)
+        return FFNInput(*words)
 
     @torch.inference_mode()
     def run(self) -> str:
@@ -73,7 +151,7 @@ class ColdExecutor:
         spec, ffn_dim = self.spec, self.spec.ffn_dim
         try:
             while True:
-                got = receive(self.x, FFNInput)
+                got = self._next()
                 if got.op == STOP:
                     return "stopped"
                 t0 = time.perf_counter()
@@ -81,21 +159,33 @@ class ColdExecutor:
                     if self.head is not None:  # (an empty range among several: nothing to put)
                         x = self.x.view(spec.torch_dtype, (got.B, spec.dim))
                         self.part.put(self.head(x).float())
-                    send(self.part, Partial(-1, got.B, 1))
+                    send(self.part, Partial(-1, got.B))
                     self.busy_s += time.perf_counter() - t0
                     continue
                 B, T = got.B, got.T
+                if got.op == ATTN:  # its heads' share of the attention output
+                    at = spec.attn_layout(B, T)
+                    pos = self.x.view(torch.int64, (B, T), at.positions)
+                    slots = self.x.view(torch.int64, (B,), at.slots)
+                    rope, mask = attention_inputs(self.args, self.rope, pos, got.extra)
+                    y = self.attn[got.layer](self.x.view(spec.torch_dtype, (B, T, spec.dim)),
+                                             rope, mask, slots, pos, got.extra)
+                    self.part.put(y.float())
+                    send(self.part, Partial(got.layer, B * T))
+                    self.busy_s += time.perf_counter() - t0
+                    self.steps += 1
+                    continue
                 x = self.x.view(spec.torch_dtype, (B, T, spec.dim))
                 s = self.sets[got.layer]
                 if T == 1:  # decode (and one-token prompts), as the in-process HybridFFN
                     off = spec.mask_offset(B * T)
-                    rows = self.x.view(torch.bool, (B, ffn_dim), off) if got.masked else None
-                    union = rows.any(0) if got.masked else None  # None: every neuron
+                    rows = self.x.view(torch.bool, (B, ffn_dim), off) if got.extra else None
+                    union = rows.any(0) if got.extra else None  # None: every neuron
                     y = decode_rows(s, x, union, rows, self.thresholds[got.layer])
                 else:
                     y = s(x)
-                self.part.put(y)
-                send(self.part, Partial(got.layer, B * T, int(y.dtype == torch.float32)))
+                self.part.put(y.float())
+                send(self.part, Partial(got.layer, B * T))
                 self.busy_s += time.perf_counter() - t0
                 self.steps += 1
         except ChannelClosed:
@@ -108,3 +198,13 @@ class ColdExecutor:
 
     def _head(self) -> list:
         return [] if self.head is None else [self.head]
+
+
+def _matrix(m) -> tuple[torch.Tensor, int] | None:
+    """A projection as `cold_serve` takes it, (its weights, -1 for q4x16 or the kernel format's
+    code), or None for one it cannot run (a bias, or no kernel-library matrix)."""
+    if isinstance(m, Q4Linear) and m.bias is None:
+        return m.packed, -1
+    if isinstance(m, KernelLinear) and m.bias is None:
+        return m.records, m.code
+    return None

@@ -105,12 +105,14 @@ class ActorGroup:
                     scheduling_strategy=PlacementGroupSchedulingStrategy(self.pg, i))
 
             spec, p = self.spec, self.plan
+            # on a CPU without a predictor the executors split attention by heads as well
+            attention = not gpu and p.predictor_input is None
             self.actors["hot"] = place(HotExecutor, 0, num_gpus=1 if gpu else 0).remote(
-                spec, self.cores.hot, self.model, c, p, hot_share)
+                spec, self.cores.hot, self.model, c, p, hot_share, attention)
             for k in range(n):
                 self.actors[f"cold.{k}"] = place(ColdExecutor, 1 + k).remote(
                     spec, k, self.cores.cold[k], self.model, p, hot_share, c.cpu_threads,
-                    c.weights, head=not gpu)
+                    c.weights, head=not gpu, attention=attention)
             if p.predictor_input is not None:
                 self.actors["predictor"] = place(PredictorActor, n + 1).remote(
                     spec, self.cores.predictor, p, c.cpu_threads)

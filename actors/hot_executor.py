@@ -21,6 +21,7 @@ them precedes, so no copy can read a buffer being rewritten.
 from __future__ import annotations
 
 import faulthandler
+import logging
 import os
 import time
 import traceback
@@ -30,7 +31,8 @@ from torch import nn
 
 from cluster.topology import pin, process_memory
 from powerinfer.config import Config
-from powerinfer.compat import trim_heap
+from powerinfer import kernels
+from powerinfer.compat import compile_per_instance, trim_heap
 from powerinfer.loader import ModelFile
 from powerinfer.model import held_bytes
 from powerinfer.partial import head_rows, hot_model
@@ -39,13 +41,18 @@ from powerinfer.quant import apply_kernel_linears, neuron_format
 from powerinfer.sparse import HybridFFN
 
 from .group_info import node_id
-from .channel import ChannelClosed, PeerDied
-from .plane import (DECODE, ERROR, HEAD, OK, PREFILL, STOP, FFNInput, Masks, Partial, PlaneSpec,
-                    PredictorInput, Reply, Step, head_ranges, receive, send)
+from .channel import ChannelClosed, PeerDied, native_error
+from .plane import (ATTN, DECODE, ERROR, HEAD, OK, PREFILL, STOP, FFNInput, Masks, Partial,
+                    PlaneSpec, PredictorInput, Reply, Step, head_ranges, receive, send, split_kv)
+
+log = logging.getLogger("powerinfer")
 
 
 class DataPlane:
-    """The hot executor's ends of the channels, with the per-layer timing it records."""
+    """The hot executor's ends of the channels, with the per-layer timing it records. `native`:
+    the FFN and head exchanges go through the kernel library's channel ops (`ch_send`,
+    `ch_recv`): one C++ call each, which a compiled step calls from its generated code (on a
+    CPU with the library loaded and no predictor; masks still travel through Python)."""
 
     def __init__(self, spec: PlaneSpec, predictor_input: str | None, device: torch.device):
         self.spec, self.device = spec, device
@@ -54,6 +61,7 @@ class DataPlane:
         self.parts = [spec.open(f"part.{k}") for k in range(spec.n_cold)]
         self.predicting = predictor_input is not None
         self.lookahead = predictor_input == "layer"
+        self.native = device.type == "cpu" and not self.predicting and kernels.available()
         if self.predicting:
             self.pred_in, self.mask = spec.open("pred_in", writer=True), spec.open("mask")
         if device.type == "cuda":
@@ -67,6 +75,20 @@ class DataPlane:
 
     def to_device(self, t: torch.Tensor) -> torch.Tensor:
         return t.to(self.device, non_blocking=True)
+
+    def send_rows(self, x: torch.Tensor, op: int, layer: int, *more: torch.Tensor,
+                  word4: int = 0) -> torch.Tensor:
+        """x (rows, T, dim) and `more` (see `PlaneSpec.attn_layout`) to every cold executor on
+        `x` (native); returns the copy of x that later work must read, which keeps the send
+        ahead of it in a compiled step."""
+        return torch.ops.powerinfer.ch_send([x, *more], self.x.base, self.x.capacity, op, layer,
+                                            word4)
+
+    def partial(self, k: int, like: torch.Tensor, width: int) -> torch.Tensor:
+        """Cold executor k's answer, float32 (like.shape[:-1], width) (native): read after
+        `like`, the hot side's own share of the work."""
+        p = self.parts[k]
+        return torch.ops.powerinfer.ch_recv(like, p.state, p.base, width, p.spin_us)
 
     def send_predictor_input(self, layer: int, h: torch.Tensor):
         B = h.shape[0]
@@ -95,6 +117,14 @@ class RemoteFFN(nn.Module):
         f, io = self.f, self.io
         x = f.norm(h)
         B, T, dim = x.shape
+        if io.native:  # no masks: every neuron; partial sums in float32, one rounding
+            xs = io.send_rows(x, DECODE if T == 1 else PREFILL, f.layer)
+            y = f.hot_part(xs)
+            like = y if isinstance(y, torch.Tensor) else xs  # read the answers after our share
+            for k in range(len(io.parts)):
+                y = y + io.partial(k, like, dim)
+            y = y.to(x.dtype)
+            return y if f.down_b is None else y + f.down_b
         masked = io.predicting and T == 1
         rows = None
         if masked:
@@ -107,11 +137,36 @@ class RemoteFFN(nn.Module):
         send(io.x, FFNInput(DECODE if T == 1 else PREFILL, f.layer, B, T, int(masked)))
         rows = None if rows is None else io.to_device(rows)
         y = f.hot_part(x, None if rows is None else rows.any(0), rows)  # union None: every neuron
-        for p in io.parts:  # float32 partial sums (block slices) add up before one rounding
-            got = receive(p, Partial)
-            y = y + io.to_device(p.view(torch.float32 if got.f32 else x.dtype, (B, T, dim)))
+        for p in io.parts:  # float32 partial sums add up before one rounding
+            receive(p, Partial)
+            y = y + io.to_device(p.view(torch.float32, (B, T, dim)))
         y = y.to(x.dtype)
         return y if f.down_b is None else y + f.down_b
+
+
+class RemoteAttention(nn.Module):
+    """A layer's attention split by KV heads (on a CPU, native exchanges): its input goes out
+    with the step's positions and cache rows first, this process computes its own heads' share
+    of the output projection while the cold executors compute theirs, then the float32 shares
+    and the output bias add up before one rounding."""
+
+    def __init__(self, own: nn.Module, io: DataPlane, layer: int, o_bias: torch.Tensor | None):
+        super().__init__()
+        self.own, self.io, self.layer = own, io, layer
+        self.o_bias = None if o_bias is None else nn.Parameter(o_bias, requires_grad=False)
+
+    def forward(self, x, rope, mask, slots, pos, kv_len):
+        # x: (B, T, dim) the normed layer input; pos: (B, T); slots: (B,) or None (rows 0..B-1)
+        io, (B, T, dim) = self.io, x.shape
+        rows = torch.arange(B, device=x.device) if slots is None else slots
+        xs = io.send_rows(x, ATTN, self.layer, pos, rows, word4=kv_len)
+        y = self.own(xs, rope, mask, slots, pos, kv_len)  # float32
+        like = y  # read the answers after our share
+        for k in range(len(io.parts)):
+            y = y + io.partial(k, like, dim)
+        if self.o_bias is not None:
+            y = y + self.o_bias
+        return y.to(x.dtype)
 
 
 class RemoteHead(nn.Module):
@@ -126,6 +181,11 @@ class RemoteHead(nn.Module):
 
     def forward(self, x):  # (B, T, dim): the final norm's rows
         io, n = self.io, x.numel() // x.shape[-1]
+        if io.native:
+            xs = io.send_rows(x.reshape(n, -1), HEAD, -1)
+            parts = [self.own(xs).float()]
+            parts += [io.partial(k, parts[0], hi - lo) for k, (lo, hi) in enumerate(self.ranges[1:])]
+            return torch.cat(parts, -1).view(*x.shape[:-1], self.ranges[-1][1])
         io.x.put(x.reshape(n, -1))
         send(io.x, FFNInput(HEAD, -1, n, 1, 0))
         parts = [self.own(x).float().reshape(n, -1)]
@@ -137,7 +197,7 @@ class RemoteHead(nn.Module):
 
 class HotExecutor:
     def __init__(self, spec: PlaneSpec, cores: tuple[int, ...], model: ModelFile, config: Config,
-                 plan: SparsePlan, hot_share: float):
+                 plan: SparsePlan, hot_share: float, attention: bool = False):
         faulthandler.enable()  # a native crash (the CPU kernel) leaves its Python stack in the log
         pin(cores, config.cpu_threads)
         self.spec, self.cores, self.device = spec, cores, config.torch_device
@@ -149,18 +209,24 @@ class HotExecutor:
         on_cpu = self.device.type == "cpu"
         dtype = config.torch_dtype
         fmt = neuron_format(config.weights, ckpt.info, torch.empty(0, dtype=dtype)) if on_cpu else None
-        # read from the file without the cold neurons; with int4 on the CPU the embedding stays
-        # in the file's blocks (and a tied head reads the same rows)
+        self.io = DataPlane(spec, plan.predictor_input, self.device)
+        # attention split by KV heads over the executors (a CPU group without a predictor)
+        kv = split_kv(ckpt.args.n_kv_heads, spec.n_cold, hot_share, attention and self.io.native)
+        self.kv_heads = (0, ckpt.args.n_kv_heads) if kv is None else kv[0]
+        # read from the file without the cold neurons (nor the cold executors' heads); with int4
+        # on the CPU the embedding stays in the file's blocks (and a tied head reads the same rows)
         model = hot_model(ckpt, dtype, hot, plan.predictor_input or "ffn", plan.thresholds, fmt,
                           int4, quantized_embedding=int4 and on_cpu,
-                          every_step=plan.predictor_input is None)
+                          every_step=plan.predictor_input is None,
+                          kv=None if kv is None else kv[0])
+        o_bias = [ckpt.source.get(f"{i}.o_b", dtype) if kv is not None and ckpt.args.o_bias
+                  else None for i in range(ckpt.args.n_layers)]
         if on_cpu:  # the model is built on the host: the device decides
             apply_kernel_linears(model, head="q8_0" if int4 else "bf16")  # what is left in bf16
         ckpt.source.close()
         trim_heap()  # the load's transients, freed, stay resident otherwise
         self.load_s = time.perf_counter() - t0
         self.load_cpu_s = time.process_time() - c0  # without the time other processes took
-        self.io = DataPlane(spec, plan.predictor_input, self.device)
         self.head_rows = spec.vocab
         ranges = head_ranges(spec.vocab, spec.n_cold, hot_share)
         # the head's rows split as the FFN's neurons are (no split where the cold executors share
@@ -175,7 +241,19 @@ class HotExecutor:
                 block.register_forward_pre_hook(self._lookahead(i))
         model.to(self.device)
         model.setup_cache(spec.batch, spec.max_seq)
+        if kv is not None:  # (the cache is its heads')
+            for i, block in enumerate(model.layers):
+                block.attn = RemoteAttention(block.attn, self.io, i, o_bias[i])
         self.model = model
+        # the compiled decode step (Inductor's C++ calling the kernels and the channel ops);
+        # prefill stays eager, as in the in-process engine
+        self._decode = model.forward
+        self.compiled = config.compile and self.io.native
+        if self.compiled:  # the model's method (Ray wraps the actor's own)
+            self._decode = compile_per_instance(model.forward, cpp_wrapper=True)
+        elif config.compile:
+            log.warning("the hot executor runs its decode step eagerly: it compiles on a CPU "
+                        "without a predictor only")
         self.hot_neurons = sum(len(b.ffn.f.hot.idx) for b in model.layers)
         self.steps, self.step_s = 0, 0.0
 
@@ -187,7 +265,8 @@ class HotExecutor:
 
     def ready(self) -> dict:
         return {"cores": list(self.cores), "hot_neurons": self.hot_neurons,
-                "head_rows": self.head_rows,
+                "head_rows": self.head_rows, "kv_heads": list(self.kv_heads),
+                "compiled": self.compiled,
                 "device": str(self.device), "pid": os.getpid(), "load_s": self.load_s,
                 "load_cpu_s": self.load_cpu_s, "node_id": node_id(),
                 **self._memory()}
@@ -213,12 +292,14 @@ class HotExecutor:
                                for o in (at.tokens, at.positions))
                 slots, last = (io.to_device(io.ctl.view(torch.int64, (B,), o))
                                for o in (at.slots, at.last))
+                run = self.model if step.op == PREFILL else self._decode
                 try:
-                    logits = self.model(tokens, pos, step.kv_len, slots,
-                                        last if step.op == PREFILL else None)
+                    logits = run(tokens, pos, step.kv_len, slots, last if step.op == PREFILL else None)
                 except (PeerDied, ChannelClosed):
                     raise
                 except Exception as e:  # a bug or a bad step: report it, the group is rebuilt
+                    if (gone := native_error(e)) is not None:  # a native receive's
+                        raise gone from None
                     self._error(f"{type(e).__name__}: {e}\n{traceback.format_exc(limit=4)}")
                     raise
                 io.out.put(logits.reshape(B, spec.vocab))

@@ -6,9 +6,12 @@
     pred_in  hot -> predictor        PredictorInput (decode only); its input (B, dim) fp32
     mask     predictor -> hot        Masks; per-row predicted-active neurons (B, ffn_dim) bool
     x        hot -> cold (all)       FFNInput; FFN input (B*T, dim) [, masks at `mask_offset`],
-                                     or (op HEAD) the normed rows the output head reads
-    part.k   cold k -> hot           Partial; its partial FFN output (rows, dim), or (HEAD) its
-                                     vocabulary rows' logits (rows, its share) fp32
+                                     or (op HEAD) the normed rows the output head reads, or
+                                     (op ATTN) the attention input (B*T, dim), positions (B, T)
+                                     and cache rows (B,) at `attn_layout`
+    part.k   cold k -> hot           Partial; its partial FFN output (rows, dim) fp32, or (HEAD)
+                                     its vocabulary rows' logits (rows, its share) fp32, or
+                                     (ATTN) its heads' share of the attention output (rows, dim)
 
 A header's first word of a message a loop reads (Step, PredictorInput, FFNInput) is the op;
 STOP alone ends the reader's loop. Per decode layer the hot executor sends the layer input on
@@ -17,7 +20,10 @@ after attention in same-layer mode), reads the masks after attention, sends the 
 the masks on `x`, computes its hot neurons, and adds every `part.k`. On a CPU the output head is
 split the same way by vocabulary rows (`head_ranges`): after the last layer the hot executor
 sends the normed rows with op HEAD and computes its share while the cold executors compute
-theirs. Every reply proves the
+theirs. Without a predictor on a CPU, attention is split too (`kv_ranges`): before each
+layer's attention the hot executor sends its input (op ATTN, the 5th word the step's kv_len),
+each executor computes the heads of its KV heads and their share of the output projection,
+and the shares add up on the hot side. Every reply proves the
 readers are done with the message before it, so the channels need one buffer each.
 """
 from __future__ import annotations
@@ -30,9 +36,11 @@ from typing import NamedTuple, TypeVar
 
 import torch
 
+from powerinfer import kernels
+
 from .channel import Channel, align, create, segment_path
 
-PREFILL, DECODE, STOP, HEAD = 1, 2, 3, 4
+PREFILL, DECODE, STOP, HEAD, ATTN = 1, 2, 3, 4, 5
 # How long a reader spins (yielding its core) before it sleeps. The layer loop's hand-offs come
 # every few hundred microseconds while a step runs, the next step within a millisecond of the
 # last: spinning through them keeps every hop in microseconds, and an idle group still sleeps.
@@ -49,6 +57,27 @@ def head_ranges(vocab: int, n_cold: int, hot_share: float) -> list[tuple[int, in
     hot = round(vocab * hot_share)
     cuts = [hot + round((vocab - hot) * k / n_cold) for k in range(n_cold + 1)] if n_cold else [vocab]
     return [(0, hot)] + list(zip(cuts, cuts[1:]))
+
+
+def kv_ranges(n_kv: int, n_cold: int, hot_share: float) -> list[tuple[int, int]]:
+    """Each executor's KV heads when attention is split, hot first: the hot executor's share of
+    the cores, rounded down (it also runs the norms, the residual stream and the exchanges), at
+    least one; the rest dealt out evenly (an executor may get none). A model with one KV head
+    keeps it on the hot executor."""
+    hot = n_kv if n_kv < 2 or not n_cold else max(1, int(n_kv * hot_share))
+    cuts = [hot + round((n_kv - hot) * k / n_cold) for k in range(n_cold + 1)] if n_cold else [n_kv]
+    return [(0, hot)] + list(zip(cuts, cuts[1:]))
+
+
+def split_kv(n_kv: int, n_cold: int, hot_share: float, enabled: bool) -> list[tuple[int, int]] | None:
+    """Each executor's KV heads (hot first, `kv_ranges`) when the group splits attention, else
+    None: it does where `enabled` (the group's decision: a CPU group without a predictor, whose
+    exchanges run natively) with the kernel library loaded, and where every executor gets at
+    least one KV head (an executor with none would still have to answer every message)."""
+    if not enabled or not kernels.available():
+        return None
+    ranges = kv_ranges(n_kv, n_cold, hot_share)
+    return ranges if all(hi > lo for lo, hi in ranges) else None
 
 
 class Step(NamedTuple):
@@ -74,18 +103,24 @@ class Masks(NamedTuple):
     B: int
 
 
-class FFNInput(NamedTuple):
-    op: int  # PREFILL, DECODE, HEAD or STOP
+class FFNInput(NamedTuple):  # a message on `x`
+    op: int  # PREFILL, DECODE, HEAD, ATTN or STOP
     layer: int  # -1 for HEAD
     B: int
     T: int
-    masked: int  # 1: per-row masks follow the rows
+    extra: int  # PREFILL/DECODE: 1 if per-row masks follow the rows; ATTN: the step's kv_len
 
 
-class Partial(NamedTuple):
+class Partial(NamedTuple):  # its payload float32: partial sums add up before one rounding
     layer: int
     rows: int
-    f32: int = 0  # 1: the payload is float32 (a block slice's sums, logits), else the model's dtype
+
+
+class AttnLayout(NamedTuple):
+    """Byte offsets of an ATTN message's tensors on `x`."""
+    rows: int  # (B, T, dim) the attention input, in the model's dtype
+    positions: int  # (B, T) int64
+    slots: int  # (B,) int64: the cache rows
 
 
 class CtlLayout(NamedTuple):
@@ -143,7 +178,8 @@ class PlaneSpec:
                 "out": max(align(B * self.vocab * 4), ERROR_BYTES),
                 "pred_in": align(B * self.dim * 4),
                 "mask": align(B * self.ffn_dim),
-                "x": rows + align(B * self.ffn_dim)}
+                # after the rows: masks, or an attention step's positions and cache rows
+                "x": rows + max(align(B * self.ffn_dim), align(B * S * 8) + align(B * 8))}
         # partial sums in float32 at most, or a cold executor's rows of the head (at most all)
         part = max(align(B * S * self.dim * 4), align(B * self.vocab * 4))
         caps.update({f"part.{k}": part for k in range(self.n_cold)})
@@ -154,6 +190,10 @@ class PlaneSpec:
         pos = align(B * T * 8)
         slots = pos + align(B * T * 8)
         return CtlLayout(0, pos, slots, slots + align(B * 8))
+
+    def attn_layout(self, B: int, T: int) -> AttnLayout:
+        positions = align(B * T * self.dim * self.torch_dtype.itemsize)
+        return AttnLayout(0, positions, positions + align(B * T * 8))
 
     def mask_offset(self, rows: int) -> int:
         """Where the masks start on `x`, after `rows` rows of FFN input."""

@@ -151,6 +151,12 @@ def available() -> bool:
             torch.library.register_fake("powerinfer::linear_q4x16")(
                 lambda x, w, n: x.new_empty(*x.shape[:-1], n))
             torch.library.register_fake("powerinfer::rms_norm")(lambda x, w, eps: torch.empty_like(x))
+            torch.library.register_fake("powerinfer::ch_send")(
+                lambda parts, base, capacity, op, layer, word4:
+                torch.empty_like(parts[0], memory_format=torch.contiguous_format))
+            torch.library.register_fake("powerinfer::ch_recv")(
+                lambda like, state, base, width, spin_us:
+                like.new_empty(*like.shape[:-1], width, dtype=torch.float32))
             torch.library.register_fake("powerinfer::decode_attention")(
                 lambda qkv, cos, sin, k, v, rows, pos, valid, n_heads:
                 qkv.new_empty(qkv.shape[0], n_heads * k.shape[-1]))

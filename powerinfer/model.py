@@ -115,16 +115,23 @@ class Norm(nn.Module):
 
 
 def _fused_cpu(x: torch.Tensor) -> bool:
-    """Whether an eager inference step on `x` runs the kernel library's fused ops (norms and
-    one-token attention: a decode step's small ops cost more in dispatch than in arithmetic).
-    Under torch.compile Inductor fuses the same ops itself; with autograd on, torch's run."""
+    """Whether an inference step on `x` runs the kernel library's fused ops (norms and one-token
+    attention: a decode step's small ops cost more in dispatch than in arithmetic). Compiled
+    steps call them too: Inductor's own kernels for the same ops took longer (SmolLM2
+    bf16+int4+compile 171 -> 182 tok/s with the fused ops, and half the compile time). With
+    autograd on, torch's run."""
     return (x.dtype in (torch.float32, torch.bfloat16) and not torch.is_grad_enabled()
-            and not torch.compiler.is_compiling() and kernels.usable(x))
+            and kernels.usable(x))
 
 
 class Attention(nn.Module):
-    def __init__(self, a: ModelArgs):
+    """partial: a share of a layer's heads (a.n_heads of them, with their a.n_kv_heads), whose
+    output projection is that of their columns, applied in float32 and answered in float32 so
+    that the shares add up before one rounding (the actor runtime splits heads over processes)."""
+
+    def __init__(self, a: ModelArgs, partial: bool = False):
         super().__init__()
+        self.partial = partial
         self.n_heads, self.n_kv_heads, self.head_dim = a.n_heads, a.n_kv_heads, a.head_dim
         q, kv = a.n_heads * a.head_dim, a.n_kv_heads * a.head_dim
         self.wqkv = Linear(a.dim, q + 2 * kv, bias=a.qkv_bias)  # fused q, k, v
@@ -143,7 +150,7 @@ class Attention(nn.Module):
             y = torch.ops.powerinfer.decode_attention(
                 qkv.view(B, -1), cos, sin, self.kv_cache.k, self.kv_cache.v, rows, pos[:, 0],
                 mask[:, 0, 0], self.n_heads)
-            return self.wo(y.view(B, T, q_size))
+            return self._out(y.view(B, T, q_size))
         q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
         q = q.view(B, T, self.n_heads, self.head_dim).transpose(1, 2)  # (B, H, T, D)
         k = k.view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)
@@ -156,7 +163,10 @@ class Attention(nn.Module):
         else:
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask,
                                                enable_gqa=self.n_heads != self.n_kv_heads)
-        return self.wo(y.transpose(1, 2).reshape(B, T, q_size))
+        return self._out(y.transpose(1, 2).reshape(B, T, q_size))
+
+    def _out(self, y):  # y: (B, T, q_size) the heads' outputs
+        return self.wo(y.float()) if self.partial else self.wo(y)
 
 
 class FFN(nn.Module):
@@ -225,8 +235,9 @@ class Transformer(nn.Module):
             return
         a, w = self.args, self.norm.weight  # the model's dtype and device
         self.max_batch, self.max_seq = max_batch, max_seq
-        for b in self.layers:
-            b.attn.kv_cache = KVCache(max_batch, a.n_kv_heads, max_seq, a.head_dim, w.dtype, w.device)
+        for b in self.layers:  # (an attention over a share of the heads caches only theirs)
+            b.attn.kv_cache = KVCache(max_batch, b.attn.n_kv_heads, max_seq, b.attn.head_dim,
+                                      w.dtype, w.device)
         if not a.learned_pos:
             cos, sin = rope_table(a, max_seq)
             self.register_buffer("rope_cos", cos.to(w.device), persistent=False)
@@ -238,16 +249,10 @@ class Transformer(nn.Module):
         # positions [0, kv_len). Returns fp32 logits (B, T, vocab), or (B, 1, vocab) at the
         # per-row positions `last` (B,) when given (prefill only needs each prompt's last token).
         h = self.tok_embeddings(tokens)
-        rope = None
         if self.pos_embeddings is not None:
             h = h + self.pos_embeddings(pos + 2)
-        else:
-            rope = (self.rope_cos[pos].unsqueeze(1), self.rope_sin[pos].unsqueeze(1))  # (B,1,T,D)
-        key_pos = torch.arange(kv_len, device=tokens.device)
-        mask = key_pos[None, None, :] <= pos[:, :, None]  # (B, T, kv_len)
-        if self.args.sliding_window:
-            mask &= key_pos[None, None, :] > pos[:, :, None] - self.args.sliding_window
-        mask = mask.unsqueeze(1)  # (B, 1, T, kv_len)
+        tables = None if self.pos_embeddings is not None else (self.rope_cos, self.rope_sin)
+        rope, mask = attention_inputs(self.args, tables, pos, kv_len)
         for block in self.layers:
             h = block(h, rope, mask, slots, pos, kv_len)
         if last is not None:
@@ -337,6 +342,18 @@ def held_bytes(*modules: nn.Module) -> int:
                 seen.add(st.data_ptr())
                 total += st.nbytes()
     return total
+
+
+def attention_inputs(a: ModelArgs, tables, pos: torch.Tensor, kv_len: int):
+    """A step's rotary embedding and attention mask: tables (cos, sin) from `rope_table`, or
+    None (learned positions); pos (B, T) -> (rope: (cos, sin) each (B, 1, T, head_dim) or None,
+    mask (B, 1, T, kv_len) bool: the cache positions each query attends to)."""
+    rope = None if tables is None else tuple(t[pos].unsqueeze(1) for t in tables)
+    key_pos = torch.arange(kv_len, device=pos.device)
+    mask = key_pos[None, None, :] <= pos[:, :, None]  # (B, T, kv_len)
+    if a.sliding_window:
+        mask &= key_pos[None, None, :] > pos[:, :, None] - a.sliding_window
+    return rope, mask.unsqueeze(1)
 
 
 def rope_table(a: ModelArgs, max_seq: int):

@@ -11,6 +11,7 @@ embedding stays in its blocks, shared with a tied output head.
 """
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 
 import numpy as np
@@ -19,7 +20,7 @@ from torch import nn
 
 from . import kernels
 from .loader import ModelFile, TensorSource
-from .model import ModelArgs, Transformer
+from .model import Attention, ModelArgs, Transformer
 from .quant import Q4_TYPES, KernelEmbedding, KernelLinear, int4_linear
 from .sparse import BlockSlice, HybridFFN, NeuronSet
 
@@ -161,21 +162,67 @@ def _int4_projection(src: TensorSource, names: tuple[str, ...], dtype) -> torch.
     return _stacked_int4([src.q4(n) for n in names], bias)
 
 
+def attention_slice(src: TensorSource, a: ModelArgs, layer: int, kv: tuple[int, int],
+                    dtype: torch.dtype, int4: bool) -> Attention:
+    """Layer's attention over KV heads kv[0]..kv[1] and the query heads that share them, read
+    from the file: their rows of q, k and v and their columns of the output projection, in the
+    file's 4-bit blocks with `int4` where it has them, else in `dtype` (a kernel library
+    matrix where it runs: the actor runtime's executors split heads this way). An
+    Attention(partial=True): it answers its share of the output projection in float32, with no
+    output bias; its KV cache is the caller's to set."""
+    group, hd, p = a.n_heads // a.n_kv_heads, a.head_dim, f"{layer}."
+    (k0, k1), dim = kv, a.dim
+    h0, h1 = k0 * group, k1 * group
+    rows = {"q": (h0 * hd, h1 * hd), "k": (k0 * hd, k1 * hd), "v": (k0 * hd, k1 * hd)}
+    sub = dataclasses.replace(a, n_heads=h1 - h0, n_kv_heads=k1 - k0, head_dim=hd, o_bias=False)
+    with torch.device("meta"):
+        attn = Attention(sub, partial=True)
+    bias = None
+    if a.qkv_bias:
+        bias = torch.cat([src.get(p + n + "_b", dtype)[lo:hi] for n, (lo, hi) in rows.items()])
+    if int4 and all(src.kind(p + n) in Q4_TYPES for n in "qkvo"):
+        attn.wqkv = _stacked_int4([src.q4_part(p + n, r, (0, dim)) for n, r in rows.items()], bias)
+        attn.wo = _stacked_int4([src.q4_part(p + "o", (0, dim), rows["q"])])
+        return attn
+    w = torch.cat([src.get(p + n, dtype)[lo:hi] for n, (lo, hi) in rows.items()])
+    attn.wqkv = _plain_linear(w, bias)
+    attn.wo = _plain_linear(src.get(p + "o", dtype)[:, rows["q"][0]:rows["q"][1]].contiguous(), None)
+    return attn
+
+
+def _plain_linear(w: torch.Tensor, bias: torch.Tensor | None) -> nn.Module:
+    """y = x w^T (+ bias): a KernelLinear where the kernel library runs the weights' precision,
+    else an nn.Linear over them."""
+    fmt = kernels.format_for(w)
+    if fmt is not None:
+        return KernelLinear(w, bias, fmt)
+    lin = nn.Linear(w.shape[1], w.shape[0], bias=bias is not None, device="meta")
+    lin.weight = nn.Parameter(w, requires_grad=False)
+    if bias is not None:
+        lin.bias = nn.Parameter(bias, requires_grad=False)
+    return lin
+
+
 def hot_model(ckpt: ModelFile, dtype: torch.dtype, hot: list[torch.Tensor],
               predictor_input: str, thresholds, fmt: str | None, int4: bool,
-              quantized_embedding: bool, every_step: bool = False) -> Transformer:
+              quantized_embedding: bool, every_step: bool = False,
+              kv: tuple[int, int] | None = None) -> Transformer:
     """The model the hot executor runs, read from the file without its cold neurons: each
     layer's FFN a HybridFFN holding only the neurons hot[i] marks (no cold set), attention in
     4-bit blocks with `int4` (where the file has them), and with `quantized_embedding` a
     token embedding kept in the file's Q8_0/4-bit blocks (tied: the output head over the same
-    rows). Built on the CPU in `dtype`."""
+    rows). With `kv`, each layer's attention holds only KV heads kv[0]..kv[1] and their query
+    heads (`attention_slice`: the cold executors hold the others). Built on the CPU in `dtype`."""
     a, src = ckpt.args, ckpt.source
     with torch.device("meta"):
         model = Transformer(a)
     for block in model.layers:  # no dense FFN: its hot neurons are read below
         block.ffn = nn.Identity()
     int4_layers = {}
-    if int4:
+    if kv is not None:  # a slice of each layer's heads, built below
+        for block in model.layers:
+            block.attn = nn.Identity()
+    elif int4:
         for i in range(a.n_layers):
             for owner, attr, names in model.projections(i)[:2]:  # attention's
                 m = _int4_projection(src, names, dtype)
@@ -193,6 +240,9 @@ def hot_model(ckpt: ModelFile, dtype: torch.dtype, hot: list[torch.Tensor],
     model.load_weights(LazyWeights(src, dtype))
     for (i, attr), m in int4_layers.items():
         setattr(model.layers[i].attn, attr, m)
+    if kv is not None:
+        for i, block in enumerate(model.layers):
+            block.attn = attention_slice(src, a, i, kv, dtype, int4)
     if embed_fmt is not None:
         rows = kernels.huge(src.raw_rows("embed", torch.arange(a.vocab_size)))
         model.tok_embeddings = KernelEmbedding(rows, embed_fmt, a.dim, dtype)

@@ -6,7 +6,8 @@ import time
 import pytest
 import torch
 
-from actors.channel import Channel, ChannelClosed, PeerDied, create, segment_path, sweep
+from actors.channel import (Channel, ChannelClosed, PeerDied, create, native_error, segment_path,
+                            sweep)
 from cluster.topology import Topology, parse_cpulist, plan_cores
 
 
@@ -17,6 +18,15 @@ def _echo(a, b, n, spin):
         x = ca.view(torch.float32, (int(words[1]),))
         cb.put(x * 2)
         cb.publish(int(words[0]), int(words[1]))
+
+
+def _double(a, b, n):
+    ca, cb = Channel(a), Channel(b, writer=True)
+    for _ in range(n):
+        words = ca.wait(timeout=10)
+        rows, width = int(words[2]), int(words[4])
+        cb.put(ca.view(torch.float32, (rows, width)) * 2)
+        cb.publish(int(words[1]), rows)
 
 
 def _write_then_die(path):
@@ -77,6 +87,36 @@ def test_close_wakes_a_waiting_reader_and_timeouts_name_the_channel(segments):
     w.close_all()
     with pytest.raises(ChannelClosed):
         r.wait(timeout=5)
+
+
+def test_native_ops_speak_the_channel_protocol(segments):
+    # the compiled step's ends (ch_send, ch_recv) against Python's on the other side: words,
+    # payloads and counts agree, and a dead writer or a closed channel raise what Python's do
+    from powerinfer import kernels
+    if not kernels.available():
+        pytest.skip("the kernel library does not run here")
+    a, b, c = segments("a"), segments("b"), segments("c")
+    n = 40
+    p = mp.get_context("spawn").Process(target=_double, args=(a, b, n))
+    p.start()
+    ca, cb = Channel(a, writer=True), Channel(b)
+    for i in range(n):
+        x = torch.randn(1 + i % 3, 4 + 4 * (i % 2))
+        sent = torch.ops.powerinfer.ch_send([x], ca.base, ca.capacity, 7, i, x.shape[1])
+        assert torch.equal(sent, x)
+        y = torch.ops.powerinfer.ch_recv(x, cb.state, cb.base, x.shape[1], 100.0)
+        assert torch.equal(y, x * 2) and int(cb._hdr[3]) == i
+    assert cb.seen == n and cb.wait_s > 0
+    p.join(10)
+    assert p.exitcode == 0
+    with pytest.raises(RuntimeError) as died:  # its writer has exited
+        torch.ops.powerinfer.ch_recv(x, cb.state, cb.base, 4, 0.0)
+    assert isinstance(native_error(died.value), PeerDied)
+    w, r = Channel(c, writer=True), Channel(c)
+    w.close_all()
+    with pytest.raises(RuntimeError) as closed:
+        torch.ops.powerinfer.ch_recv(x, r.state, r.base, 4, 0.0)
+    assert isinstance(native_error(closed.value), ChannelClosed)
 
 
 def test_sweep_removes_only_segments_of_dead_owners(segments):

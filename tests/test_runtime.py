@@ -123,8 +123,8 @@ def test_int4_actors_equal_the_int4_sparse_engine(ray_cluster, bundle):
 @pytest.mark.slow
 def test_int4_dense_split_equals_the_in_process_engine(ray_cluster):
     # the shipped configuration without a bundle: each executor's neurons are whole 4-bit blocks
-    # of the file (BlockSlice: the int4 GEMV), and the output head is split by vocabulary rows
-    # between the hot executor and the two cold executors
+    # of the file (BlockSlice: the int4 GEMV), its attention its KV heads' share, and the output
+    # head is split by vocabulary rows between the hot executor and the two cold executors
     from powerinfer import kernels
     cfg = dict(BASE, dtype="bfloat16", weights="int4")
     ref = PowerInfer.from_pretrained(MODEL, Config(**cfg))
@@ -133,9 +133,57 @@ def test_int4_dense_split_equals_the_in_process_engine(ray_cluster):
         info = pi.engine.group.info
         if kernels.available():
             assert [info[f"cold.{k}"]["block_slices"] for k in range(2)] == [30, 30]
+            # attention split by KV heads too (3 of them: one each), answered natively
+            kv = [info[r]["kv_heads"] for r in ("hot", "cold.0", "cold.1")]
+            assert kv == [[0, 1], [1, 2], [2, 3]], kv
+            assert info["cold.0"]["native"] and info["cold.1"]["native"]
         rows = [info["hot"]["head_rows"], *(info[f"cold.{k}"]["head_rows"] for k in range(2))]
         assert sum(rows) == 49152 and min(rows) > 0  # every row of the head in one place
         assert_bf16_greedy_tracks(ref, pi)
+    finally:
+        pi.close()
+    assert not shm_segments()
+
+
+def decode(m: PowerInfer, prompts: list[list[int]], n: int) -> list[list[int]]:
+    """Greedy ids of `prompts` decoded together (one batch in the in-process engine, concurrent
+    requests in the actor runtime's)."""
+    out = [[] for _ in prompts]
+    for ev in m._run(prompts, n, dict(temperature=0, ignore_eos=True)):
+        if ev.token >= 0:
+            out[ev.index].append(ev.token)
+    return out
+
+
+@pytest.mark.slow
+def test_compiled_split_attention_equals_the_in_process_engine(ray_cluster, tmp_path):
+    # The fast path's exchanges, on a small random model in float32 (it compiles in seconds and
+    # its sums agree to fp32 rounding): without a predictor on a CPU the hot executor compiles
+    # its decode step (Inductor's C++ calling the channel ops), attention is split by KV heads,
+    # and the cold executors answer decode steps in their native loop.
+    from checkpoints import build_hf_model, llama_family_config, write_llama_gguf
+    from powerinfer import kernels
+    if not kernels.available():
+        pytest.skip("the kernel library does not run here: no native exchanges")
+    cfg = llama_family_config(hidden_size=128, intermediate_size=256, num_attention_heads=8,
+                              num_key_value_heads=4)
+    model = tmp_path / "small.gguf"
+    write_llama_gguf(model, build_hf_model(cfg, seed=5))
+    kw = dict(dtype="float32", weights="dense", max_seq_len=128, max_batch=2, cpu_threads=1)
+    ref = PowerInfer.from_pretrained(model, config=Config(**kw))
+    pi = PowerInfer.from_pretrained(model, config=Config(runtime="actors", cold_executors=1,
+                                                              compile=True, **kw))
+    prompts = [[5, 17, 99, 150, 33, 2, 250, 7], [9, 8, 7]]
+    try:
+        info = pi.engine.group.info
+        assert info["hot"]["compiled"] and info["cold.0"]["native"]
+        assert info["hot"]["kv_heads"][0] == 0 and info["cold.0"]["kv_heads"][1] == 4
+        assert info["hot"]["kv_heads"][1] == info["cold.0"]["kv_heads"][0] > 0  # both hold heads
+        for batch in ([prompts[0]], prompts):
+            for p, want, got in zip(batch, decode(ref, batch, 24), decode(pi, batch, 24)):
+                assert_same_or_near_tie(ref, p, want, got, 1e-3)
+        st = pi.engine.stats()["actors"]
+        assert st["cold.0"]["messages"] > 2 * 24 * 2  # attention and FFN of every layer's steps
     finally:
         pi.close()
     assert not shm_segments()

@@ -7,8 +7,17 @@
 #include <torch/library.h>
 
 #include <immintrin.h>
+#include <linux/futex.h>
+#include <sched.h>
+#include <signal.h>
+#include <sys/syscall.h>
+#include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <climits>
+#include <cstdio>
 #include <cmath>
 #include <cstring>
 #include <string>
@@ -198,6 +207,38 @@ static at::Tensor linear(const at::Tensor& x, const at::Tensor& w, int64_t fmt) 
   return y;
 }
 
+// y (B, ceil(n/16) * 16) f32 = rows x (B, dim) f32 or bf16 times a q4x16 matrix w of n rows,
+// over x rounded to 8 bits per block of 32; in this thread's scratch (valid until its next call)
+static const float* q4x16_rows(const Kernels& k, const void* x, bool bf16, int64_t B, int64_t dim,
+                               const uint8_t* w, int64_t n) {
+  const int64_t nb = dim / 32, groups = (n + 15) / 16;
+  thread_local std::vector<int8_t> xq;
+  thread_local std::vector<float> xd, xs, yf;
+  xq.resize(B * dim);
+  xd.resize(B * nb);
+  xs.resize(B * nb);
+  yf.resize(B * groups * 16);  // the kernel writes whole groups
+  // rows in parallel when there are many (a prompt): alone it was a third of a long row's call
+  // (the scratch is this thread's: workers get its pointers, not their own thread_locals)
+  int8_t* const xq0 = xq.data();
+  float *const xd0 = xd.data(), *const xs0 = xs.data();
+  at::parallel_for(0, B, B * dim >= 16384 ? 1 : B, [&](int64_t r0, int64_t r1) {
+    int8_t* q = xq0 + r0 * dim;
+    float *d = xd0 + r0 * nb, *s = xs0 + r0 * nb;
+    if (bf16)
+      quantize_input(static_cast<const c10::BFloat16*>(x) + r0 * dim, r1 - r0, dim, q, d, s);
+    else
+      quantize_input(static_cast<const float*>(x) + r0 * dim, r1 - r0, dim, q, d, s);
+  });
+  FFNArgs a{nullptr, B, dim, nullptr, 0, nullptr, nullptr, nullptr, 0, 0.0f, 0, Q4_1};
+  a.xq = xq.data();
+  a.xd = xd.data();
+  a.xs = xs.data();
+  float* yp = yf.data();
+  at::parallel_for(0, groups, 4, [&](int64_t begin, int64_t end) { k.gemv_q4x16(w, a, groups * 16, begin, end, yp); });
+  return yp;
+}
+
 // x (..., dim) f32 or bf16, at most 64 rows; w (ceil(n/16), dim/32 * 320) uint8, an int4
 // matrix in the q4x16 layout (neuron_ffn.h) -> (..., n) in x's type = x W^T, over x rounded to
 // 8 bits per block of 32. A decode step calls this four times a layer with one row, where
@@ -217,33 +258,7 @@ static at::Tensor linear_q4x16(const at::Tensor& x, const at::Tensor& w, int64_t
               groups, " for ", n, " rows");
   TORCH_CHECK(w.size(1) == nb * Q4X16_BLOCK, "w: ", w.size(1), " bytes per group, expected ",
               nb * Q4X16_BLOCK, " for dim ", dim);
-  thread_local std::vector<int8_t> xq;
-  thread_local std::vector<float> xd, xs, yf;
-  xq.resize(B * dim);
-  xd.resize(B * nb);
-  xs.resize(B * nb);
-  yf.resize(B * groups * 16);  // the kernel writes whole groups
-  // rows in parallel when there are many (a prompt): alone it was a third of a long row's call
-  // (the scratch is this thread's: workers get its pointers, not their own thread_locals)
-  int8_t* const xq0 = xq.data();
-  float *const xd0 = xd.data(), *const xs0 = xs.data();
-  at::parallel_for(0, B, B * dim >= 16384 ? 1 : B, [&](int64_t r0, int64_t r1) {
-    int8_t* q = xq0 + r0 * dim;
-    float *d = xd0 + r0 * nb, *s = xs0 + r0 * nb;
-    if (bf16)
-      quantize_input(x.data_ptr<c10::BFloat16>() + r0 * dim, r1 - r0, dim, q, d, s);
-    else
-      quantize_input(x.data_ptr<float>() + r0 * dim, r1 - r0, dim, q, d, s);
-  });
-  FFNArgs a{nullptr, B, dim, nullptr, 0, nullptr, nullptr, nullptr, 0, 0.0f, 0, Q4_1};
-  a.xq = xq.data();
-  a.xd = xd.data();
-  a.xs = xs.data();
-  const uint8_t* p = w.data_ptr<uint8_t>();
-  float* yp = yf.data();
-  at::parallel_for(0, groups, 4, [&](int64_t begin, int64_t end) {
-    k.gemv_q4x16(p, a, groups * 16, begin, end, yp);
-  });
+  const float* yp = q4x16_rows(k, x.data_ptr(), bf16, B, dim, w.data_ptr<uint8_t>(), n);
   std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
   shape.back() = n;
   at::Tensor y = at::empty(shape, x.options());
@@ -449,6 +464,232 @@ static at::Tensor decode_attention(const at::Tensor& qkv, const at::Tensor& cos,
   return dt == at::kFloat ? out : out.to(dt);
 }
 
+// ---- the data plane's channels (actors/channel.py), for steps compiled by torch.compile ----
+// A channel is a shared mapping: [0:8) seq (messages published; the futex word is its low
+// half), [8:16) the writer's pid, [16:24) closed, [24:128) 13 int64 words, [128:) payload.
+// These two ops do what Channel.put + publish and Channel.wait do, so that a compiled step calls
+// them from its generated C++ (a Python call in the middle of a layer would break the graph).
+// `base` is the mapping's address in this process.
+constexpr int64_t CH_HEADER = 128;
+
+struct ChannelHeader {
+  std::atomic<int64_t> seq;
+  int64_t pid;
+  std::atomic<int64_t> closed;
+  int64_t words[13];
+};
+
+static bool process_alive(int64_t pid) {
+  if (kill((pid_t)pid, 0) != 0 && errno == ESRCH) return false;
+  char path[64], buf[512];
+  std::snprintf(path, sizeof path, "/proc/%lld/stat", (long long)pid);
+  FILE* f = std::fopen(path, "r");
+  if (!f) return false;
+  const size_t n = std::fread(buf, 1, sizeof buf - 1, f);
+  std::fclose(f);
+  buf[n] = 0;
+  const char* end = std::strrchr(buf, ')');  // the state follows the command's closing paren
+  return !(end && end[1] == ' ' && end[2] == 'Z');  // a zombie has exited
+}
+
+// The message's words after its payload is in place: bump seq, wake the sleepers.
+static void publish(int64_t base, const int64_t* words, int n) {
+  auto* h = reinterpret_cast<ChannelHeader*>(base);
+  std::memcpy(h->words, words, n * sizeof(int64_t));
+  h->seq.store(h->seq.load(std::memory_order_relaxed) + 1, std::memory_order_release);
+  syscall(SYS_futex, reinterpret_cast<uint32_t*>(&h->seq), FUTEX_WAKE, INT_MAX, nullptr, nullptr, 0);
+}
+
+// parts[0] (rows, T, dim) or (rows, dim), and the other parts after it, each at the next
+// 64-byte boundary -> the channel's payload, and a message with the words (op, layer, rows, T,
+// word4), as Channel.put + publish. Returns a copy of parts[0]: a compiled step reads what
+// follows the send from it, which keeps the send first.
+static at::Tensor ch_send(at::TensorList parts, int64_t base, int64_t capacity, int64_t op, int64_t layer,
+                          c10::SymInt word4) {
+  TORCH_CHECK(!parts.empty() && (parts[0].dim() == 2 || parts[0].dim() == 3), "parts[0]: (rows, T, dim) or (rows, dim)");
+  int64_t offset = 0;
+  for (const at::Tensor& t : parts) {
+    at::Tensor c = t.contiguous();
+    TORCH_CHECK(offset + (int64_t)c.nbytes() <= capacity, "a message of ", offset + c.nbytes(),
+                " bytes on a channel of ", capacity);
+    std::memcpy(reinterpret_cast<char*>(base) + CH_HEADER + offset, c.data_ptr(), c.nbytes());
+    offset = (offset + c.nbytes() + 63) / 64 * 64;
+  }
+  const at::Tensor& x = parts[0];
+  const int64_t words[5] = {op, layer, x.size(0), x.dim() == 3 ? x.size(1) : 1, word4.expect_int()};
+  publish(base, words, 5);
+  return x.contiguous().clone();
+}
+
+// Waits for the next message on the channel at `base`, as Channel.wait: spinning (yielding the
+// core) for spin_us, then asleep in the futex, checking the closed flag and the writer's
+// liveness. st: the reader's [messages consumed, nanoseconds waited].
+static void wait_message(int64_t base, int64_t* st, double spin_us) {
+  auto* h = reinterpret_cast<ChannelHeader*>(base);
+  const int64_t target = st[0] + 1;
+  using clock = std::chrono::steady_clock;
+  const auto t0 = clock::now();
+  if (h->seq.load(std::memory_order_acquire) < target) {
+    const auto spin_end = t0 + std::chrono::nanoseconds((int64_t)(spin_us * 1e3));
+    while (h->seq.load(std::memory_order_acquire) < target && clock::now() < spin_end) sched_yield();
+    bool slept = false;
+    while (h->seq.load(std::memory_order_acquire) < target) {
+      TORCH_CHECK(!h->closed.load(), "channel closed");
+      const int64_t pid = h->pid;
+      TORCH_CHECK(!(slept && pid && !process_alive(pid)), "peer died: the process writing a channel (pid ", pid,
+                  ") died");
+      const timespec ts{0, 50000000};  // re-check liveness every 50 ms
+      syscall(SYS_futex, reinterpret_cast<uint32_t*>(&h->seq), FUTEX_WAIT, (uint32_t)((target - 1) & 0xFFFFFFFF),
+              &ts, nullptr, 0);
+      slept = true;
+    }
+  }
+  TORCH_CHECK(h->seq.load() == target, "channel out of lockstep: message ", h->seq.load(), " where ", target,
+              " was due");
+  st[0] = target;
+  st[1] += std::chrono::duration_cast<std::chrono::nanoseconds>(clock::now() - t0).count();
+}
+
+// The next message on the channel at `base` (see wait_message; state: the reader's int64
+// [messages consumed, nanoseconds waited]): a float32 copy of its payload, of shape
+// like.shape[:-1] + (width,).
+static at::Tensor ch_recv(const at::Tensor& like, at::Tensor& state, int64_t base, int64_t width, double spin_us) {
+  TORCH_CHECK(state.scalar_type() == at::kLong && state.numel() == 2 && state.is_contiguous(), "state: int64 (2,)");
+  wait_message(base, state.data_ptr<int64_t>(), spin_us);
+  std::vector<int64_t> shape(like.sizes().begin(), like.sizes().end());
+  shape.back() = width;
+  at::Tensor out = at::empty(shape, like.options().dtype(at::kFloat));
+  std::memcpy(out.data_ptr(), reinterpret_cast<char*>(base) + CH_HEADER, out.nbytes());
+  return out;
+}
+
+inline float round_bf16(float v) { return (float)c10::BFloat16(v); }
+
+// h = act(gate, up) over pre-activations from the model's projection (rounded to bf16 first
+// where the model computes in bf16), each step rounded as torch rounds a bf16 tensor op's
+// result: the values a block slice's Python path computes.
+static float activation(int64_t act, float g, float u, bool bf16) {
+  auto r = [&](float v) { return bf16 ? round_bf16(v) : v; };
+  g = r(g), u = r(u);
+  switch (act) {
+    case RELU: return u > 0 ? u : 0.0f;
+    case REGLU: return r((g > 0 ? g : 0.0f) * u);
+    case DREGLU: return r((g > 0 ? g : 0.0f) * (u > 0 ? u : 0.0f));
+    default: return r(r(g / (1.0f + std::exp(-g))) * u);
+  }
+}
+
+// y (rows, n) f32 = x (rows, dim) times a matrix held as a q4x16 matrix (fmt -1, n rows) or
+// as rows in a kernel format (fmt >= 0).
+static at::Tensor project(const Kernels& k, const at::Tensor& x, const at::Tensor& w, int64_t fmt, int64_t n) {
+  if (fmt >= 0) return linear(x, w, fmt);
+  const int64_t rows = x.size(0), dim = x.size(1), npad = (n + 15) / 16 * 16;
+  const float* y = q4x16_rows(k, x.data_ptr(), x.scalar_type() == at::kBFloat16, rows, dim, w.data_ptr<uint8_t>(), n);
+  at::Tensor out = at::empty({rows, n}, x.options().dtype(at::kFloat));
+  for (int64_t r = 0; r < rows; r++) std::memcpy(out.data_ptr<float>() + r * n, y + r * npad, n * 4);
+  return out;
+}
+
+// What a cold executor holds of each layer for `cold_serve` (one entry per layer in each list;
+// an empty tensor or a kind of 0 where the caller answers that layer's messages itself).
+struct ColdLayers {
+  at::TensorList ffn_w1, ffn_w2;  // block slice: q4x16 gate+up rows, down columns; records: w1
+  at::IntArrayRef ffn_kind;       // 0 none, 1 block slice (ffn_n: its gate+up rows), 2 neuron records
+  at::IntArrayRef ffn_n;          // (records: their format)
+  at::TensorList qkv, wo, k_cache, v_cache;  // its heads: projections, cache (N, Hkv, S, D)
+  at::IntArrayRef qkv_fmt, qkv_n, wo_fmt;    // -1: q4x16, else a kernel format
+};
+
+// A layer's decode step of its block slice or neuron records: (rows, dim) -> (rows, dim) f32
+static at::Tensor ffn_step(const Kernels& k, const ColdLayers& L, int64_t layer, const at::Tensor& x, int64_t act) {
+  const bool bf16 = x.scalar_type() == at::kBFloat16;
+  const int64_t rows = x.size(0), dim = x.size(1);
+  if (L.ffn_kind[layer] == 2) {  // every neuron of the records, through the neuron kernel
+    at::Tensor all = at::ones({L.ffn_w1[layer].size(0)}, x.options().dtype(at::kBool));
+    return neuron_ffn(x, L.ffn_w1[layer], all, std::nullopt, std::nullopt, 0.0, act, L.ffn_n[layer]).to(at::kFloat);
+  }
+  const int64_t n = L.ffn_n[layer], kk = act == RELU ? n : n / 2;
+  at::Tensor y1 = project(k, x, L.ffn_w1[layer], -1, n);  // (rows, n): gate rows then up rows
+  at::Tensor h = at::empty({rows, kk}, x.options().dtype(at::kFloat));
+  const float* yp = y1.data_ptr<float>();
+  float* hp = h.data_ptr<float>();
+  for (int64_t r = 0; r < rows; r++)
+    for (int64_t j = 0; j < kk; j++)
+      hp[r * kk + j] = activation(act, act == RELU ? 0.0f : yp[r * n + j], yp[r * n + (act == RELU ? j : kk + j)], bf16);
+  return project(k, h, L.ffn_w2[layer], -1, dim);
+}
+
+// A layer's decode step of its heads: x (rows, dim) in the model's type; pos, slots (rows,);
+// -> (rows, dim) f32, their share of the output projection (as Attention(partial=True)).
+static at::Tensor attention_step(const Kernels& k, const ColdLayers& L, int64_t layer, const at::Tensor& x,
+                                 const at::Tensor& pos, const at::Tensor& slots, int64_t kv_len, int64_t n_heads,
+                                 const std::optional<at::Tensor>& cos, const std::optional<at::Tensor>& sin,
+                                 int64_t window) {
+  const int64_t rows = x.size(0);
+  at::Tensor qkv = project(k, x, L.qkv[layer], L.qkv_fmt[layer], L.qkv_n[layer]).to(x.scalar_type());
+  at::Tensor valid = at::arange(kv_len, pos.options()).unsqueeze(0) <= pos.unsqueeze(1);  // (rows, kv_len)
+  if (window > 0) valid &= at::arange(kv_len, pos.options()).unsqueeze(0) > pos.unsqueeze(1) - window;
+  at::Tensor none = at::empty({0}, x.options().dtype(at::kFloat));
+  at::Tensor c = cos ? cos->index_select(0, pos) : none, s = sin ? sin->index_select(0, pos) : none;
+  at::Tensor y = decode_attention(qkv, c, s, L.k_cache[layer], L.v_cache[layer], slots, pos, valid, n_heads);
+  return project(k, y.to(at::kFloat), L.wo[layer], L.wo_fmt[layer], x.size(1));
+}
+
+// A cold executor's loop over the messages it answers without Python, decode steps with no
+// masks: of the layers it holds as block slices or neuron records (a dense split), of its
+// attention heads, and of its rows of the output head. Waits for the next message on `x`
+// (state: its reader state), answers it on `part` and waits again; returns the words of the
+// first message it leaves to the caller, consumed (its payload is on `x`). x's payload holds
+// the rows (rows, dim) in the model's type (bf16 or f32), for an attention step followed by
+// positions and cache rows (int64, each at the next 64-byte boundary); answers are f32.
+// ops: the plane's op codes (decode, head, attention; actors/plane.py).
+static std::vector<int64_t> cold_serve(at::Tensor& state, int64_t x_base, int64_t part_base, int64_t part_capacity,
+                                       int64_t dim, bool bf16, double spin_us, at::IntArrayRef ops, int64_t act,
+                                       at::TensorList ffn_w1, at::TensorList ffn_w2, at::IntArrayRef ffn_kind,
+                                       at::IntArrayRef ffn_n, at::TensorList qkv, at::IntArrayRef qkv_fmt,
+                                       at::IntArrayRef qkv_n, at::TensorList wo, at::IntArrayRef wo_fmt,
+                                       at::TensorList k_cache, at::TensorList v_cache, int64_t n_heads,
+                                       const std::optional<at::Tensor>& cos, const std::optional<at::Tensor>& sin,
+                                       int64_t window, const std::optional<at::Tensor>& head, int64_t head_fmt) {
+  const Kernels& k = active();
+  TORCH_CHECK(state.scalar_type() == at::kLong && state.numel() == 2 && state.is_contiguous(), "state: int64 (2,)");
+  const size_t n_layers = ffn_kind.size();
+  TORCH_CHECK(ffn_w1.size() == n_layers && ffn_w2.size() == n_layers && ffn_n.size() == n_layers &&
+              qkv.size() == n_layers && qkv_fmt.size() == n_layers && qkv_n.size() == n_layers &&
+              wo.size() == n_layers && wo_fmt.size() == n_layers && k_cache.size() == n_layers &&
+              v_cache.size() == n_layers, "one entry per layer in every list");
+  TORCH_CHECK(ops.size() == 3 && dim % 32 == 0, "ops: (decode, head, attention); dim a multiple of 32");
+  const ColdLayers L{ffn_w1, ffn_w2, ffn_kind, ffn_n, qkv, wo, k_cache, v_cache, qkv_fmt, qkv_n, wo_fmt};
+  auto* xh = reinterpret_cast<ChannelHeader*>(x_base);
+  char* xp = reinterpret_cast<char*>(x_base) + CH_HEADER;
+  char* pp = reinterpret_cast<char*>(part_base) + CH_HEADER;
+  const auto rows_type = at::TensorOptions().dtype(bf16 ? at::kBFloat16 : at::kFloat);
+  int64_t* st = state.data_ptr<int64_t>();
+  while (true) {
+    wait_message(x_base, st, spin_us);
+    const int64_t op = xh->words[0], layer = xh->words[1], B = xh->words[2], T = xh->words[3], w4 = xh->words[4];
+    const bool in_layers = layer >= 0 && layer < (int64_t)n_layers;
+    at::Tensor y;
+    if (T == 1 && B <= 64 && op == ops[0] && !w4 && in_layers && ffn_kind[layer]) {
+      y = ffn_step(k, L, layer, at::from_blob(xp, {B, dim}, rows_type), act);
+    } else if (T == 1 && B <= 64 && op == ops[2] && in_layers && qkv[layer].numel()) {
+      const int64_t off = (B * dim * (bf16 ? 2 : 4) + 63) / 64 * 64;  // PlaneSpec.attn_layout
+      const auto ints = at::TensorOptions().dtype(at::kLong);
+      at::Tensor pos = at::from_blob(xp + off, {B}, ints), slots = at::from_blob(xp + off + (B * 8 + 63) / 64 * 64, {B}, ints);
+      y = attention_step(k, L, layer, at::from_blob(xp, {B, dim}, rows_type), pos, slots, w4, n_heads, cos, sin, window);
+    } else if (T == 1 && B <= 64 && op == ops[1] && head && head->defined()) {
+      y = linear(at::from_blob(xp, {B, dim}, rows_type), *head, head_fmt);
+      if (bf16) y = y.to(at::kBFloat16).to(at::kFloat);  // the head answers in the model's type
+    } else {
+      return {op, layer, B, T, w4};
+    }
+    TORCH_CHECK((int64_t)y.nbytes() <= part_capacity, "an answer over the channel's capacity");
+    std::memcpy(pp, y.contiguous().data_ptr<float>(), y.nbytes());
+    const int64_t words[2] = {op == ops[1] ? -1 : layer, B};
+    publish(part_base, words, 2);
+  }
+}
+
 }  // namespace powerinfer
 
 TORCH_LIBRARY(powerinfer, m) {
@@ -458,6 +699,12 @@ TORCH_LIBRARY(powerinfer, m) {
   m.def("linear_q4x16(Tensor x, Tensor w, int n) -> Tensor");
   m.def("rms_norm(Tensor x, Tensor w, float eps) -> Tensor");
   m.def("decode_attention(Tensor qkv, Tensor cos, Tensor sin, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor rows, Tensor pos, Tensor valid, int n_heads) -> Tensor");
+  m.def("ch_send(Tensor[] parts, int base, int capacity, int op, int layer, SymInt word4) -> Tensor");
+  m.def("ch_recv(Tensor like, Tensor(a!) state, int base, int width, float spin_us) -> Tensor");
+  m.def("cold_serve(Tensor(a!) state, int x_base, int part_base, int part_capacity, int dim, bool bf16, "
+        "float spin_us, int[] ops, int act, Tensor[] ffn_w1, Tensor[] ffn_w2, int[] ffn_kind, int[] ffn_n, "
+        "Tensor[] qkv, int[] qkv_fmt, int[] qkv_n, Tensor[] wo, int[] wo_fmt, Tensor[] k_cache, Tensor[] v_cache, "
+        "int n_heads, Tensor? cos, Tensor? sin, int window, Tensor? head, int head_fmt) -> int[]");
   m.def("isa", &powerinfer::isa);
   m.def("use_isa", &powerinfer::use_isa);
 }
@@ -469,4 +716,7 @@ TORCH_LIBRARY_IMPL(powerinfer, CPU, m) {
   m.impl("linear_q4x16", powerinfer::linear_q4x16);
   m.impl("rms_norm", powerinfer::rms_norm);
   m.impl("decode_attention", powerinfer::decode_attention);
+  m.impl("ch_send", powerinfer::ch_send);
+  m.impl("ch_recv", powerinfer::ch_recv);
+  m.impl("cold_serve", powerinfer::cold_serve);
 }
