@@ -113,7 +113,11 @@ def decode_speed(pi: PowerInfer, tokens: int) -> float:
     return (n - 1) / (time.perf_counter() - first)
 
 
-def batched(pi: PowerInfer, batch: int, tokens: int) -> float:
+def batched(pi: PowerInfer, batch: int, tokens: int, warm: bool = True) -> float:
+    """Total tokens/s of `batch` concurrent greedy requests (prefill included), after one
+    untimed round of the same shape (a compiled step compiles for it there)."""
+    if warm:
+        batched(pi, batch, 4, warm=False)
     e = pi.engine
     ids = pi.tokenize(PROMPT)
     params = SamplingParams(max_tokens=tokens, temperature=0, ignore_eos=True)
@@ -134,7 +138,8 @@ def batched(pi: PowerInfer, batch: int, tokens: int) -> float:
 
 def batched_local(pi: PowerInfer, batch: int, tokens: int) -> float:
     """Total tokens/s of `batch` copies of the prompt decoded together in process (prefill
-    included, as for the actor runtime's concurrent requests)."""
+    included, as for the actor runtime's concurrent requests), after one untimed round."""
+    pi.generate([PROMPT] * batch, max_new_tokens=4, temperature=0, ignore_eos=True)
     t0 = time.perf_counter()
     pi.generate([PROMPT] * batch, max_new_tokens=tokens, temperature=0, ignore_eos=True)
     return batch * tokens / (time.perf_counter() - t0)
@@ -192,6 +197,8 @@ def main():
     ap.add_argument("--batches", default="1,4,8")
     ap.add_argument("--synthetic-layers", type=int, default=4)
     ap.add_argument("--skip-synthetic", action="store_true")
+    ap.add_argument("--compile", action="store_true",
+                    help="both sides compile their decode step (Config(compile=True))")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     cold = [int(x) for x in args.cold.split(",")]
@@ -200,14 +207,15 @@ def main():
               "cores": len(os.sched_getaffinity(0))}
     result["hop_us"] = hop_latency()
     print("hop latency (us):", json.dumps(result["hop_us"]), flush=True)
-    base = dict(max_seq_len=256, bundle=args.bundle)
+    base = dict(max_seq_len=256, bundle=args.bundle, compile=args.compile)
     result["default"] = compare(args.model, base, args.tokens, cold, batches)
     if not args.skip_synthetic:
         from powerinfer.synthetic import write_synthetic
         with tempfile.TemporaryDirectory() as d:
             path = Path(d) / "syn7b.gguf"
             write_synthetic(path, "7b", n_layers=args.synthetic_layers, progress=False)
-            result["synthetic_7b"] = compare(str(path), dict(max_seq_len=256, dtype="bfloat16"),
+            result["synthetic_7b"] = compare(str(path), dict(max_seq_len=256, dtype="bfloat16",
+                                                             compile=args.compile),
                                              args.tokens // 2, cold, [1])
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=1))

@@ -18,8 +18,12 @@ row), the KV cache read at the mean context, and for the FFN the three rows of e
 computed (recorded per step; for predicted masks this counts down rows the kernel skips, so the
 floor is an upper bound there). The floor is those bytes at the read bandwidth measured in the
 same run (a large tensor reduction, best of 5). A second pass of each configuration times the
-FFN modules alone (hooks around each block's FFN), the part sparsity changes; attention and
-lm_head stay dense. With --llama, llama.cpp's `llama-server` (built as benchmarks/serve.py does)
+FFN modules alone (hooks around each block's FFN, the predictors inside them), the part sparsity
+changes; attention and lm_head stay dense. The FFN's own floor counts the bytes it cannot do
+without: each computed neuron's gate row, the up and down rows of those that fire (the kernel
+skips the others' after the gate; with predicted masks the neurons that fire among those
+computed are the oracle's share times the predictors' recall by count, from the bundle), and
+the predictors' weights; the torch path gathers every row of every computed neuron. With --llama, llama.cpp's `llama-server` (built as benchmarks/serve.py does)
 decodes the same prompt's tokens with the same thread count on the same file: its dense decode
 is the baseline, and its FFN time is estimated as its token time times the FFN's share of the
 dense model's bytes.
@@ -157,6 +161,7 @@ def measure(label: str, pi, ids: list[int], n: int, extra: dict | None = None) -
     b.update(extra or {})
     t = statistics.median(times)
     return {"model": pi.checkpoint.path.name, "config": label, "ms_per_token": t * 1e3,
+            "row_bytes": row_bytes,
             "ffn_ms_per_token": spent[0] / n * 1e3,
             "tok_s": 1 / t, "bytes": b, "bytes_total": sum(b.values()), "ffn_density": density,
             "tokens": toks}
@@ -229,6 +234,18 @@ def run_model(name: str, bundle_path: str, args) -> list[dict]:
                                  rows[0]))
     for r in rows[1:]:
         r["same_tokens_as_dense"] = sum(x == y for x, y in zip(rows[0]["tokens"], r["tokens"]))
+    # the FFN's bytes a token cannot do without (see the module docstring), per configuration
+    a, n = pi.model.args, pi.model.args.n_layers * pi.model.args.ffn_dim
+    row = rows[0]["row_bytes"] / (3 if a.gated else 2)  # one row
+    fired = rows[2]["ffn_density"]  # the oracle's: what fires
+    recall = statistics.mean(r["recall_count"] for r in bundle.load_json(f"predictors.{args.input}.json"))
+    rows[0]["ffn_bytes"] = n * rows[0]["row_bytes"]
+    for r, fire in ((rows[1], fired * recall), (rows[2], fired)):
+        lead = r["ffn_density"] * n * row  # gate rows (up rows for plain ReLU) of the computed
+        r["ffn_bytes"] = lead + fire * n * row * (2 if a.gated else 1) + r["bytes"].get("predictors", 0)
+    rows[3]["ffn_bytes"] = rows[3]["ffn_density"] * n * rows[3]["row_bytes"]
+    if args.llama:
+        rows[4]["ffn_bytes"] = rows[0]["ffn_bytes"]
     return rows
 
 
@@ -265,6 +282,14 @@ def main():
               f"{r['ffn_density']:.1%} | {r['bytes_total'] / 1e6:.1f} | {floor:.2f} | "
               f"{r['pct_of_floor']:.0%} | {r['speedup']:.2f}x | {r['ffn_ms_per_token']:.2f} | "
               f"{base['ffn_ms_per_token'] / r['ffn_ms_per_token']:.2f}x"
+              + (" (estimated)" if r.get("ffn_estimated") else "") + " |")
+    print("\n| model | config | FFN MB/token | FFN ms/token | FFN GB/s | FFN % of floor |")
+    print("|---|---|---:|---:|---:|---:|")
+    for r in results:
+        gbs = r["ffn_bytes"] / r["ffn_ms_per_token"] / 1e6
+        r["ffn_pct_of_floor"] = gbs * 1e9 / bw
+        print(f"| {r['model']} | {r['config']} | {r['ffn_bytes'] / 1e6:.1f} | "
+              f"{r['ffn_ms_per_token']:.2f} | {gbs:.1f} | {r['ffn_pct_of_floor']:.0%}"
               + (" (estimated)" if r.get("ffn_estimated") else "") + " |")
     for r in results:  # the kernel's sparse FFN against llama.cpp's dense one
         llama = next((b for b in results if b["model"] == r["model"] and b.get("ffn_estimated")), None)
