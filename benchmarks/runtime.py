@@ -2,7 +2,8 @@
 """The actor runtime against the in-process engine, in one run.
 
     .venv/bin/python benchmarks/runtime.py [--model M] [--bundle B] [--tokens 32]
-        [--cold 1,2] [--batches 1,4,8] [--synthetic-layers 4] [--skip-synthetic] [--out FILE]
+        [--cold 1,2] [--batches 1,4,8] [--synthetic-layers 4] [--skip-synthetic] [--compile]
+        [--out FILE]
 
 1. Hop latency: a round trip over the shared-memory channels (one 576-float message each way)
    between two processes, spinning first and blocking at once, next to a Ray actor call.
@@ -11,14 +12,16 @@
    placement; none: every neuron computed), after a warm-up; the overhead is 1 - ratio. With a
    bundle, the lookahead predictor (layer input, sent before attention) and the same-layer one
    (FFN input) both run, with the hot executor's wait for masks per step: the share of the
-   predictor's time left on the critical path.
+   predictor's time left on the critical path. Also each side's median time to the first token
+   of a request (its start: prompt, first step, and the way in and out).
 3. Scaling: the same comparison on a synthetic 7B-shape ReLU model (bf16, `--synthetic-layers`
    deep, every neuron computed) for each count of cold executors in `--cold`.
 4. Batching: total tokens/s of B concurrent greedy requests through the actor runtime, and of B
    prompts decoded together by the in-process engine (prefill included in both).
 
 Both sides run the default configuration (`Config()` resolved for this machine and file: bf16
-with int4 weights and an 8-bit head on a CPU with native bf16 and a Q4 file).
+with int4 weights and an 8-bit head on a CPU with native bf16 and a Q4 file); with `--compile`
+both compile their decode step.
 
 The GPU comparison (hybrid against layer offload and all-GPU) is `benchmarks/gpu.py`.
 The in-process engine uses every core of the machine; the actor runtime pins its hot executor
@@ -32,6 +35,7 @@ import json
 import multiprocessing as mp
 import os
 import platform
+import statistics
 import tempfile
 import threading
 import time
@@ -100,17 +104,25 @@ def hop_latency(n: int = 3000) -> dict:
     return out
 
 
-def decode_speed(pi: PowerInfer, tokens: int) -> float:
-    """Tokens/s of greedy decode after the prompt (the prefill is excluded)."""
+def decode_speed(pi: PowerInfer, tokens: int) -> tuple[float, float]:
+    """Tokens/s of greedy decode after the prompt (the prefill is excluded), and the median time
+    to the first token in ms over 5 more requests (the request's start: its prompt, its first
+    step, and the way in and out)."""
     params = dict(max_new_tokens=tokens, temperature=0, ignore_eos=True)
     pi.generate(PROMPT, **dict(params, max_new_tokens=8))  # warm-up
-    t0, first = time.perf_counter(), None
+    first = None
     n = 0
     for _ in pi.stream(PROMPT, **params):
         n += 1
         if first is None:
             first = time.perf_counter()
-    return (n - 1) / (time.perf_counter() - first)
+    tok_s = (n - 1) / (time.perf_counter() - first)
+    starts = []
+    for _ in range(5):
+        t0 = time.perf_counter()
+        next(iter(pi.stream(PROMPT, **dict(params, max_new_tokens=1))))
+        starts.append((time.perf_counter() - t0) * 1e3)
+    return tok_s, statistics.median(starts)
 
 
 def batched(pi: PowerInfer, batch: int, tokens: int, warm: bool = True) -> float:
@@ -157,20 +169,21 @@ def compare(model: str, base: dict, tokens: int, cold: list[int], batches: list[
         if predictor not in refs:
             local = PowerInfer.from_pretrained(model, Config(**base, predictor=predictor,
                                                              max_batch=max(batches)))
-            refs[predictor] = decode_speed(local, tokens)
+            refs[predictor] = decode_speed(local, tokens)  # (tok/s, first token ms)
             if (n, predictor) == runs[0]:
                 local_batched = {b: batched_local(local, b, tokens) for b in batches}
             del local
-        ref = refs[predictor]
+        ref, ref_start = refs[predictor]
         pi = PowerInfer.from_pretrained(model, Config(**base, runtime="actors", cold_executors=n,
                                                       predictor=predictor, max_batch=max(batches)))
         try:
-            tok_s = decode_speed(pi, tokens)
+            tok_s, start = decode_speed(pi, tokens)
             st = pi.engine.stats()
             hot = st["actors"]["hot"]
             row = {"model": Path(str(pi.checkpoint.path)).name, "cold_executors": n,
                    "predictor": predictor, "cores": st["cores"], "in_process_tok_s": ref,
                    "actors_tok_s": tok_s, "ratio": tok_s / ref,
+                   "in_process_first_token_ms": ref_start, "actors_first_token_ms": start,
                    "step_ms": hot["step_s"] / max(hot["steps"], 1) * 1e3,
                    "mask_wait_ms_per_step": hot.get("mask_wait_s", 0) / max(hot["steps"], 1) * 1e3,
                    "part_wait_ms_per_step": hot["part_wait_s"] / max(hot["steps"], 1) * 1e3}
