@@ -29,11 +29,12 @@ WINDOW = 256
 
 def perplexity(model, ids: list[int]) -> float:
     nll, n = 0.0, 0
+    model.setup_cache(1, WINDOW)  # one sequence in its own blocks (the model alone)
     with torch.inference_mode():
         for s in range(0, len(ids) - 1, WINDOW):
             chunk = ids[s:s + WINDOW + 1]
             T = len(chunk) - 1
-            logits = model(torch.tensor([chunk[:-1]]), torch.arange(T)[None], T)[0].float()
+            logits = model(torch.tensor([chunk[:-1]]), torch.arange(T)[None])[0].float()
             nll += F.cross_entropy(logits, torch.tensor(chunk[1:]), reduction="sum").item()
             n += T
     return math.exp(nll / n)

@@ -65,13 +65,14 @@ def read_bandwidth(dtype) -> float:
 def decode(model, ids: list[int], n: int) -> tuple[list[float], list[int]]:
     """Greedy decode n tokens after a prefill; returns per-token seconds and the tokens."""
     times, out = [], []
+    model.setup_cache(1, len(ids) + n)  # one sequence in its own blocks (the model alone)
     with torch.inference_mode():
         T = len(ids)
-        logits = model(torch.tensor([ids]), torch.arange(T)[None], T, last=torch.tensor([T - 1]))
+        logits = model(torch.tensor([ids]), torch.arange(T)[None], last=torch.tensor([T - 1]))
         tok = int(logits[0, -1].argmax())
         for s in range(n):
             t = time.perf_counter()
-            logits = model(torch.tensor([[tok]]), torch.tensor([[T + s]]), T + s + 1)
+            logits = model(torch.tensor([[tok]]), torch.tensor([[T + s]]))
             tok = int(logits[0, -1].argmax())
             times.append(time.perf_counter() - t)
             out.append(tok)

@@ -15,6 +15,7 @@ from .engine import Engine, Event
 from .errors import ModelLoadError
 from .loader import DEFAULT_MODEL, Checkpoint, build_model, load_checkpoint
 from .budget import plan_for
+from .kv import pool_blocks
 from .quant import apply_int4, apply_kernel_linears, has_q4, neuron_format
 from .sparse import offload_ffns
 from .runtimes import engine_class
@@ -41,8 +42,10 @@ class PowerInfer:
             return
         device = config.torch_device  # a ConfigError of its own, not a load error
         self.model, self.tokenizer = build_model(checkpoint, config.torch_dtype, device)
-        plan = plan_for(config, checkpoint.args, checkpoint.path,
-                        context_length(checkpoint.args, config), on_gpu=device.type == "cuda")
+        kv_blocks, why = pool_blocks(checkpoint.args, config, context_length(checkpoint.args, config),
+                                     config.torch_dtype.itemsize)
+        plan = plan_for(config, checkpoint.args, checkpoint.path, kv_blocks * config.block_size,
+                        on_gpu=device.type == "cuda")
         if plan is not None and plan.bundle is not None:  # the in-process sparse engine
             plan.apply(self.model, fmt=neuron_format(config.weights, checkpoint.info,
                                                      self.model.tok_embeddings.weight))
@@ -54,7 +57,8 @@ class PowerInfer:
                                                   "Q4_0/Q4_1 projections")
         apply_kernel_linears(self.model, head="q8_0" if int4 else "bf16")  # what is left in bf16
         checkpoint.q4 = {}  # the model holds them now
-        self.engine = Engine(self.model, self.tokenizer, config)
+        self.engine = Engine(self.model, self.tokenizer, config, (kv_blocks, why),
+                             sparse=plan is not None and plan.bundle is not None)
 
     @classmethod
     def from_pretrained(cls, name_or_path: str | os.PathLike = DEFAULT_MODEL,

@@ -1,14 +1,27 @@
-"""One batching core for both runtimes: continuous batching as schedule, run, postprocess.
+"""One batching core for both runtimes: continuous batching over the paged KV cache, as
+schedule, run, postprocess.
 
-`Batcher` holds the sequences waiting for a KV slot and those running, and the cache-room rule.
-`schedule()` returns the next `Step` (a prefill of the waiting sequences that got a slot, or else
-one decode step over every running sequence), a runtime runs it (the in-process `Engine`, or the
-actor runtime's scheduler through the hot executor), and `postprocess(step, logits)` samples each
-row, applies the stop rules, frees the slots of finished sequences and returns what each row
-produced. Plain Python bookkeeping and small CPU tensors: no model, no device.
+`Batcher` holds the sequences waiting and those running, and deals out the pool's blocks
+(`kv.BlockManager`). A sequence is its tokens (prompt, then output) and how many of them are in
+the cache (`computed`); each step brings every running sequence closer: one token for those
+decoding, a chunk of at most `prefill_chunk` prompt tokens a step for those being prefilled
+(chunked prefill, so that a long prompt shares steps with the streams already running), and
+the new sequences that fit, each starting after the longest cached prefix of its prompt
+(prefix caching). A step is flat: its tokens sequence by sequence, with each sequence's block
+table (`model.KVTables`). A sequence whose tokens are all computed is sampled.
+
+When the pool cannot hold the running sequences' next tokens, the newest is preempted: its
+blocks go back (the full ones stay cached) and it waits at the front of the queue, to be
+prefilled again from its tokens (recomputation, as vLLM does); nobody fails.
+
+`schedule()` returns the next `Step`, a runtime runs it (the in-process `Engine`, or the actor
+runtime's scheduler through the hot executor), and `postprocess(step, logits)` samples the rows
+that are due, applies the stop rules, frees the blocks of finished sequences and returns what
+each produced. Plain Python bookkeeping and small CPU tensors: no model, no device.
 """
 from __future__ import annotations
 
+import secrets
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -16,7 +29,8 @@ import torch
 
 from .config import Config, SamplingParams
 from .errors import InvalidRequestError
-from .sampling import logprobs, make_generator, sample
+from .kv import BlockManager, Blocks
+from .sampling import logprobs, sample, token_generator
 from .tokenizer import StreamDecoder, Tokenizer
 
 
@@ -26,12 +40,15 @@ class Sequence:
     params: SamplingParams
     decoder: StreamDecoder
     eog_ids: frozenset[int]
-    generator: torch.Generator | None = None
+    seed: int = 0  # its output token i is drawn by token_generator(seed, i)
     output: list[int] = field(default_factory=list)
     pending: str = ""  # decoded text held back because it may begin a stop string
     finish_reason: str | None = None  # "stop" (EOS, stop token or stop string) or "length"
-    slot: int = -1  # its KV cache row while it is scheduled
     key: object = None  # the caller's handle (a request, an index)
+    blocks: Blocks = field(default_factory=Blocks)  # what it holds of the KV pool
+    computed: int = 0  # its tokens whose keys and values are in the cache
+    cached: int = 0  # prompt tokens found in the prefix cache at its first admission
+    admitted: bool = False  # it has been admitted once (a preempted one comes back)
 
     @property
     def finished(self) -> bool:
@@ -40,6 +57,10 @@ class Sequence:
     @property
     def num_tokens(self) -> int:
         return len(self.prompt) + len(self.output)
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.prompt + self.output
 
     def recent(self, n: int) -> list[int]:
         """The last n tokens, prompt included (for the repetition penalty)."""
@@ -68,16 +89,43 @@ class Sequence:
         self.finish_reason, self.pending = reason, ""
         return text
 
+    def replay(self, tokens: list[int]) -> str:
+        """Record tokens sampled before (a request resumed after its group failed): the stop
+        rules and the detokenizer end where they were; returns the text they made final."""
+        return "".join(self.push(t) for t in tokens)
+
 
 @dataclass
 class Step:
-    prefill: bool  # a prefill of newly admitted sequences, else one decode step
+    """One step: `counts[i]` new tokens of seqs[i], flat, sequence by sequence."""
     seqs: list[Sequence]
-    tokens: torch.Tensor  # (B, T) int64, right-padded
-    positions: torch.Tensor  # (B, T) int64
-    slots: torch.Tensor  # (B,) int64 KV rows
-    kv_len: int  # cache positions the step attends over
-    last: torch.Tensor  # (B,) int64, each prompt's last position (prefill; zeros for decode)
+    counts: list[int]
+    tokens: torch.Tensor  # (S, 1) int64 when every sequence brings one token (decode), else (1, N)
+    positions: torch.Tensor  # like tokens
+    starts: torch.Tensor  # (S + 1,) int64: sequence i's tokens are starts[i] .. starts[i+1] - 1
+    tables: torch.Tensor  # (S, M) int32 block tables
+    sampled: list[Sequence]  # the sequences whose tokens are all computed after it: one logits row each
+    last: torch.Tensor  # (K,) int64: the flat index of each sampled sequence's last token
+
+    @property
+    def decode(self) -> bool:
+        return self.tokens.shape[1] == 1
+
+    @property
+    def prefill_tokens(self) -> int:
+        """Tokens of the step that are not one-token decode rows."""
+        return sum(n for n in self.counts if n > 1)
+
+    def parts(self, apart: bool) -> list["Step"]:
+        """The step as a runner computes it: whole, or (apart: a sparse model, whose one-token
+        rows compute only their predicted neurons where a prompt computes every one, so that a
+        sequence's tokens do not depend on what it shares a step with) its one-token rows and
+        its prompt chunks as two steps. Their sampled rows, in order, are this step's."""
+        one = sum(n == 1 for n in self.counts)  # they come first (`make_step`)
+        if not apart or one in (0, len(self.counts)):
+            return [self]
+        rows = list(zip(self.seqs, self.counts))
+        return [make_step(rows[:one]), make_step(rows[one:])]
 
 
 @dataclass
@@ -94,95 +142,148 @@ class Output:
 
 
 class Batcher:
-    def __init__(self, max_batch: int, max_seq: int):
-        self.max_batch, self.max_seq = max_batch, max_seq
-        self.free = list(range(max_batch))  # slots >= max_batch are reserved by their callers
+    """max_batch: sequences running at once; max_seq: positions a sequence may reach;
+    prefill_chunk: prompt tokens a step (0: a whole prompt in one step)."""
+
+    def __init__(self, blocks: BlockManager, max_batch: int, max_seq: int, prefill_chunk: int = 0):
+        self.blocks, self.max_batch, self.max_seq = blocks, max_batch, max_seq
+        self.prefill_chunk = prefill_chunk
         self.waiting: deque[Sequence] = deque()
-        self.running: list[Sequence] = []
+        self.running: list[Sequence] = []  # in admission order: the newest is preempted first
+        self.preemptions = 0
 
     def add(self, seq: Sequence, front: bool = False):
-        """Queue a sequence (with seq.slot set beforehand when it brings a reserved slot)."""
+        """Queue a sequence (one whose `blocks` were reserved by its owner, a probe, is admitted
+        ahead of the others and over max_batch)."""
         (self.waiting.appendleft if front else self.waiting.append)(seq)
 
     @property
     def queued(self) -> int:
-        """Sequences that will still wait for a slot once the free ones are handed out."""
-        return len(self.waiting) - len(self.free)
+        """Sequences that will still wait once the next steps admit what max_batch allows."""
+        return len(self.waiting) - max(0, self.max_batch - len(self.running))
 
     @property
     def idle(self) -> bool:
         return not (self.waiting or self.running)
 
     def remove(self, seq: Sequence) -> bool:
-        """Take a sequence out (cancelled or finished) and free its slot; False if unknown."""
+        """Take a sequence out (cancelled or finished) and free its blocks; False if unknown."""
         if seq in self.waiting:
             self.waiting.remove(seq)
         elif seq in self.running:
             self.running.remove(seq)
         else:
             return False
-        if 0 <= seq.slot < self.max_batch:
-            self.free.append(seq.slot)
-            self.free.sort()
-        seq.slot = -1
+        self.blocks.release(seq.blocks)
         return True
 
     def schedule(self) -> Step | None:
-        admit = []
-        for seq in list(self.waiting):
-            if seq.slot < 0 and self.free:
-                seq.slot = self.free.pop(0)
-            if seq.slot >= 0:
-                self.waiting.remove(seq)
-                admit.append(seq)
-        if admit:
-            self.running += admit
-            lens = [len(s.prompt) for s in admit]
-            B, T = len(admit), max(lens)
-            tokens = torch.zeros(B, T, dtype=torch.int64)
-            for i, s in enumerate(admit):
-                tokens[i, :lens[i]] = torch.tensor(s.prompt)
-            return Step(True, admit, tokens, torch.arange(T).expand(B, T), self._slots(admit), T,
-                        torch.tensor(lens) - 1)
-        if not self.running:
-            return None
-        seqs = list(self.running)
-        positions = [s.num_tokens - 1 for s in seqs]
-        return Step(False, seqs, torch.tensor([[s.output[-1]] for s in seqs]),
-                    torch.tensor(positions)[:, None], self._slots(seqs), max(positions) + 1,
-                    torch.zeros(len(seqs), dtype=torch.int64))
+        budget = self.prefill_chunk or float("inf")  # prompt tokens this step
+        rows: list[tuple[Sequence, int]] = []
+        preempted = False
+        i = 0
+        while i < len(self.running):  # the running, oldest first
+            s = self.running[i]
+            n = s.num_tokens - s.computed
+            if n > 1:  # a prompt being prefilled, or prefilled again
+                n = int(min(n, budget))
+                if n == 0:
+                    i += 1
+                    continue
+            while not self.blocks.grow(s.blocks, s.computed + n):
+                victim = next(v for v in reversed(self.running) if not v.blocks.reserved)
+                self._preempt(victim)
+                preempted = True
+                if victim is s:
+                    break
+            if s in self.running:
+                rows.append((s, n))
+                budget -= n if n > 1 else 0
+                i += 1
+        running = sum(not s.blocks.reserved for s in self.running)  # (a probe is extra)
+        while self.waiting and not preempted:  # then the waiting that fit, in order
+            s = self.waiting[0]
+            if not s.blocks.reserved and (running >= self.max_batch or budget < 1):
+                break
+            hit = [] if s.blocks.reserved else self.blocks.match(s.tokens)
+            left = s.num_tokens - len(hit) * self.blocks.block_size
+            n = left if left == 1 else int(min(left, budget))
+            if not s.blocks.reserved:
+                if not self.blocks.can_admit(hit, len(hit) * self.blocks.block_size + n):
+                    break
+                s.computed = self.blocks.admit(s.blocks, hit, s.tokens, not s.admitted)
+                if not s.admitted:
+                    s.cached = s.computed
+                ok = self.blocks.grow(s.blocks, s.computed + n)
+                assert ok, "can_admit promised the blocks"
+            s.admitted = True
+            running += not s.blocks.reserved
+            self.waiting.popleft()
+            self.running.append(s)
+            rows.append((s, n))
+            budget -= n if n > 1 else 0
+        return make_step(rows) if rows else None
 
-    @staticmethod
-    def _slots(seqs: list[Sequence]) -> torch.Tensor:
-        return torch.tensor([s.slot for s in seqs])
+    def _preempt(self, s: Sequence):
+        self.running.remove(s)
+        self.blocks.release(s.blocks)
+        s.computed = 0
+        self.waiting.appendleft(s)
+        self.preemptions += 1
 
     def postprocess(self, step: Step, logits: torch.Tensor) -> list[Output]:
-        # logits: (B, vocab) on the CPU, one row per step.seqs
+        # logits: (K, vocab) on the CPU, one row per step.sampled
+        for s, n in zip(step.seqs, step.counts):
+            s.computed += n
+            self.blocks.commit(s.blocks, s.tokens, s.computed)
         outs = []
-        for j, s in enumerate(step.seqs):
+        for j, s in enumerate(step.sampled):
+            first = not s.output
             try:
                 token, text = sample_next(s, logits[j])
             except RuntimeError as e:  # this sequence's distribution is broken, not the batch
                 s.finish("error", "")
-                outs.append(Output(s, -1, "", "error", step.prefill,
+                outs.append(Output(s, -1, "", "error", first,
                                    error=f"sampling failed with these parameters: {e}"))
                 continue
-            out = Output(s, token, text, s.finish_reason, step.prefill)
+            out = Output(s, token, text, s.finish_reason, first)
             if s.params.logprobs is not None:
                 out.logprob, out.top_logprobs = logprobs(logits[j], token, s.params.logprobs)
             outs.append(out)
             if not s.finished and s.num_tokens > self.max_seq:  # no cache room for the next one
                 outs.append(Output(s, -1, s.finish("length", s.pending), "length"))
-        for s in step.seqs:
+        for s in step.sampled:
             if s.finished:
                 self.remove(s)
         return outs
 
 
+def make_step(rows: list[tuple[Sequence, int]]) -> Step:
+    """A step of `n` new tokens of each (sequence, n): one-token rows first, then prompt chunks."""
+    rows = sorted(rows, key=lambda r: r[1] > 1)  # (stable)
+    seqs, counts = [s for s, _ in rows], [n for _, n in rows]
+    tokens, positions, sampled, last = [], [], [], []
+    for s, n in rows:
+        tokens += s.tokens[s.computed:s.computed + n]
+        positions += range(s.computed, s.computed + n)
+        if s.computed + n == s.num_tokens:
+            sampled.append(s)
+            last.append(len(tokens) - 1)
+    width = max(len(s.blocks.table) for s in seqs)
+    tables = torch.zeros(len(seqs), width, dtype=torch.int32)
+    for i, s in enumerate(seqs):
+        tables[i, :len(s.blocks.table)] = torch.tensor(s.blocks.table, dtype=torch.int32)
+    shape = (len(seqs), 1) if all(n == 1 for n in counts) else (1, len(tokens))
+    starts = torch.zeros(len(seqs) + 1, dtype=torch.int64)
+    starts[1:] = torch.tensor(counts).cumsum(0)
+    return Step(seqs, counts, torch.tensor(tokens).view(shape),
+                torch.tensor(positions).view(shape), starts, tables, sampled,
+                torch.tensor(last, dtype=torch.int64))
+
+
 def context_length(args, config: Config) -> int:
-    """KV cache positions per sequence: Config.max_seq_len, or the model's context up to 2048."""
-    n = config.max_seq_len or min(args.max_seq_len, 2048)
-    return min(n, args.max_seq_len) if args.learned_pos else n
+    """Positions a sequence may reach: the model's context, or Config.max_seq_len below it."""
+    return min(config.max_seq_len or args.max_seq_len, args.max_seq_len)
 
 
 def new_sequence(prompt: list[int], params: SamplingParams, tokenizer: Tokenizer, vocab_size: int,
@@ -196,12 +297,13 @@ def new_sequence(prompt: list[int], params: SamplingParams, tokenizer: Tokenizer
     bad = [t for t in prompt if not 0 <= t < vocab_size]
     if bad:
         raise InvalidRequestError(f"token id {bad[0]} outside the vocabulary")
-    gen = None if params.greedy else make_generator(params.seed)
-    return Sequence(list(prompt), params, StreamDecoder(tokenizer), tokenizer.eog_ids, gen)
+    seed = params.seed if params.seed is not None else secrets.randbits(63)
+    return Sequence(list(prompt), params, StreamDecoder(tokenizer), tokenizer.eog_ids, seed)
 
 
 def sample_next(s: Sequence, logits: torch.Tensor) -> tuple[int, str]:
     """Sample s's next token from its logits (vocab,); returns it and the text now final."""
     history = s.recent(s.params.repetition_window) if s.params.repetition_penalty != 1 else []
-    token = sample(logits, s.params, history, s.generator)
+    generator = None if s.params.greedy else token_generator(s.seed, len(s.output))
+    token = sample(logits, s.params, history, generator)
     return token, s.push(token)

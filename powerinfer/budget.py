@@ -38,9 +38,10 @@ def find_bundle(config: Config, model_path: Path) -> str:
     return ""
 
 
-def plan_for(config: Config, args: ModelArgs, model_path: Path, max_seq: int,
+def plan_for(config: Config, args: ModelArgs, model_path: Path, kv_tokens: int,
              on_gpu: bool) -> SparsePlan | None:
-    """The sparse plan a load runs (None: the dense model, nothing to place)."""
+    """The sparse plan a load runs (None: the dense model, nothing to place); kv_tokens: the
+    positions its paged KV cache holds (the placement counts their bytes)."""
     bundle = find_bundle(config, model_path)
     budget = int(config.vram_budget_gb * 2**30)
     plan = (SparsePlan.from_bundle(bundle, args, model_path, config.predictor,
@@ -50,7 +51,7 @@ def plan_for(config: Config, args: ModelArgs, model_path: Path, max_seq: int,
     dtype_bytes = config.torch_dtype.itemsize
     where = "" if on_gpu else "; this machine has no GPU: nothing is placed on one"
     if plan is None:
-        k = ffn_layers_that_fit(args, budget, dtype_bytes, config.max_batch + 1, max_seq)
+        k = ffn_layers_that_fit(args, budget, dtype_bytes, 1, kv_tokens)
         log.info("VRAM budget %.2f GB, no sparsity bundle: layer offload, attention, embeddings, "
                  "lm_head and %d of %d FFN layers on the GPU%s", config.vram_budget_gb, k,
                  args.n_layers, where)
@@ -63,7 +64,7 @@ def plan_for(config: Config, args: ModelArgs, model_path: Path, max_seq: int,
         return plan
     t0 = time.perf_counter()
     hot, cached = cached_placement(b, config.vram_budget_gb,
-                                   config.max_batch + 1, max_seq, dtype_bytes,
+                                   1, kv_tokens, dtype_bytes,
                                    plan.predictor_input or "ffn")
     plan.hot = hot
     share = sum(int(h.sum()) for h in hot) / (args.n_layers * args.ffn_dim)

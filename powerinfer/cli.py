@@ -55,9 +55,11 @@ def _model_args(p: argparse.ArgumentParser):
                    help="auto (bf16 where the CPU has it, else fp32), float32 or bfloat16")
     p.add_argument("--threads", "-t", type=int, default=0, help="CPU threads (0: all)")
     p.add_argument("--ctx-size", "-c", "--ctx", dest="ctx", type=int, default=0,
-                   help="context length of the KV cache (0: the model's, up to 2048)")
+                   help="positions a sequence may reach (0: the model's context)")
     p.add_argument("--vram-budget", type=float, default=0.0, metavar="GB",
                    help="GPU memory the hot neurons' placement may use")
+    p.add_argument("--kv-cache-gb", type=float, default=0.0,
+                   help="memory of the paged KV cache (0: auto, from the host's free memory)")
     p.add_argument("--compile", action="store_true", help="torch.compile the decode step")
     p.add_argument("--weights", default="auto", choices=["auto", "dense", "int4"],
                    help="int4: keep the file's Q4_0/Q4_1 weights 4-bit (bf16 on the CPU); auto: "
@@ -89,7 +91,7 @@ def _load(args):
     config = Config(dtype=args.dtype, cpu_threads=args.threads, max_seq_len=args.ctx,
                     max_batch=1, compile=args.compile, weights=args.weights, runtime=args.runtime,
                     bundle=args.bundle, cold_executors=args.cold_executors,
-                    vram_budget_gb=args.vram_budget)
+                    vram_budget_gb=args.vram_budget, kv_cache_gb=args.kv_cache_gb)
     model = PowerInfer.from_pretrained(args.model, config=config)
     if args.verbose:
         print(f"[loaded {args.model} in {time.perf_counter() - t0:.1f} s]", file=sys.stderr)

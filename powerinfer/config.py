@@ -24,8 +24,18 @@ class Config:
     dtype: compute dtype: "float32" (the reference), "bfloat16", or "auto" (default: bfloat16
         on a GPU or a CPU with native bf16 instructions, else float32).
     device: "cpu", "cuda" or "auto" (cuda when available).
-    max_seq_len: KV cache length per sequence (0: the model's context, capped at 2048).
-    max_batch: sequences decoded together.
+    max_seq_len: positions a sequence may reach (0: the model's own context; a value only
+        lowers it).
+    max_batch: sequences running together (decoded in one step); how many fit is decided by
+        the KV cache's free blocks.
+    kv_cache_gb: memory of the paged KV cache, shared by every sequence of the model (0: auto,
+        room for max_batch sequences of the whole context, capped at a quarter of the host's
+        available memory; its pages are resident only once written).
+    block_size: positions a KV cache block holds (16, 32 or 64).
+    prefix_cache: reuse the cached blocks of a prompt's prefix (a shared system prompt, the
+        turns of a chat) instead of computing them again.
+    prefill_chunk: prompt tokens a step prefills at most, beside the decoding sequences (chunked
+        prefill: a long prompt no longer stalls the running streams); 0: a prompt in one step.
     compile: compile the decode step with torch.compile (slow first call, faster tokens).
     runtime: "local" (in-process) or "actors" (the Ray actor runtime: scheduler, predictor,
         hot executor and `cold_executors` cold-neuron executors over shared memory).
@@ -53,7 +63,11 @@ class Config:
     dtype: str = "auto"
     device: str = "cpu"
     max_seq_len: int = 0
-    max_batch: int = 4
+    max_batch: int = 64
+    kv_cache_gb: float = 0.0
+    block_size: int = 16
+    prefix_cache: bool = True
+    prefill_chunk: int = 512
     compile: bool = False
     runtime: str = "local"
     weights: str = "auto"
@@ -90,6 +104,10 @@ class Config:
                               "and device='cpu' or 'auto'")
         if self.max_batch < 1:
             raise ConfigError("max_batch must be >= 1")
+        if self.block_size not in (16, 32, 64):
+            raise ConfigError(f"block_size must be 16, 32 or 64, got {self.block_size}")
+        if self.kv_cache_gb < 0 or self.prefill_chunk < 0:
+            raise ConfigError("kv_cache_gb and prefill_chunk must be >= 0")
 
     @property
     def torch_dtype(self) -> torch.dtype:

@@ -1,7 +1,9 @@
 """The in-process engine: the batching core's steps (`batching.py`) run on a model in this
-process. Only `Engine._forward` touches the model."""
+process, over a paged KV cache whose blocks persist between calls (a prompt's cached prefix is
+reused by the next). Only `Engine._forward` touches the model."""
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import Iterator
 
@@ -11,8 +13,11 @@ from .batching import Batcher, Sequence, context_length, new_sequence
 from .compat import compile_per_instance
 from .config import Config, SamplingParams
 from .errors import InvalidRequestError
-from .model import Transformer
+from .kv import BlockManager, Blocks, describe, pool_blocks
+from .model import KVTables, Transformer
 from .tokenizer import Tokenizer
+
+log = logging.getLogger("powerinfer")
 
 
 @dataclass(slots=True)
@@ -24,11 +29,19 @@ class Event:
 
 
 class Engine:
-    def __init__(self, model: Transformer, tokenizer: Tokenizer, config: Config):
-        self.model, self.tokenizer, self.config = model, tokenizer, config
-        self.max_seq = context_length(model.args, config)
+    def __init__(self, model: Transformer, tokenizer: Tokenizer, config: Config,
+                 pool: tuple[int, str] | None = None, sparse: bool = False):
+        # pool: the KV cache's blocks and why (`kv.pool_blocks`), where the caller decided it;
+        # sparse: the model's FFNs compute a decode row's predicted neurons only (`Step.parts`)
+        self.model, self.tokenizer, self.config, self.sparse = model, tokenizer, config, sparse
         self.device = model.tok_embeddings.weight.device
-        model.setup_cache(config.max_batch, self.max_seq)
+        context, elt = context_length(model.args, config), model.norm.weight.element_size()
+        n, why = pool or pool_blocks(model.args, config, context, elt)
+        self.blocks = BlockManager(n, config.block_size, config.prefix_cache)
+        self.max_seq = min(context, self.blocks.capacity)
+        log.info("KV cache: %s (%s); a sequence reaches %d positions",
+                 describe(n, model.args, config, elt), why, self.max_seq)
+        model.setup_pool(n, config.block_size, self.max_seq)
         self._decode = self._forward
         if config.compile:
             self._decode = compile_per_instance(self._forward, cpp_wrapper=self.device.type == "cpu")
@@ -38,24 +51,48 @@ class Engine:
 
     @torch.inference_mode()
     def run(self, seqs: list[Sequence]) -> Iterator[Event]:
-        """Generate for up to max_batch sequences together; yields events as tokens arrive."""
-        assert 0 < len(seqs) <= self.config.max_batch, len(seqs)
-        batcher = Batcher(self.config.max_batch, self.max_seq)
+        """Generate for the sequences together (max_batch at a time, as the cache's blocks
+        allow); yields events as tokens arrive."""
+        c = self.config
+        batcher = Batcher(self.blocks, c.max_batch, self.max_seq, c.prefill_chunk)
         for i, s in enumerate(seqs):
             s.key = i
             batcher.add(s)
         dev = self.device
-        while (step := batcher.schedule()) is not None:
-            # prefill: right-padded; padding writes cache entries that decode overwrites
-            B = len(step.seqs)
-            slots = None if step.slots.tolist() == list(range(B)) else step.slots.to(dev)
-            run = self._forward if step.prefill else self._decode
-            logits = run(step.tokens.to(dev), step.positions.to(dev), step.kv_len, slots,
-                         step.last.to(dev) if step.prefill else None)
-            for out in batcher.postprocess(step, logits[:, -1].cpu()):
-                if out.error:
-                    raise InvalidRequestError(out.error)
-                yield Event(out.seq.key, out.text, out.token, out.finish_reason)
+        try:
+            while (step := batcher.schedule()) is not None:
+                logits = torch.cat([self._step(part) for part in step.parts(self.sparse)])
+                for out in batcher.postprocess(step, logits):
+                    if out.error:
+                        raise InvalidRequestError(out.error)
+                    yield Event(out.seq.key, out.text, out.token, out.finish_reason)
+        finally:  # a caller that stops early (or an error) leaves no blocks held
+            for s in [*batcher.running, *batcher.waiting]:
+                batcher.remove(s)
 
-    def _forward(self, tokens, pos, kv_len, slots, last):
-        return self.model(tokens, pos, kv_len, slots, last)
+    @torch.inference_mode()
+    def logits(self, ids: list[int], every: bool = False) -> torch.Tensor:
+        """The model's fp32 logits after a fresh prefill of `ids` (no cached prefix is reused nor
+        kept): at its last position (vocab,), or at every position (T, vocab)."""
+        held, T, dev = Blocks(), len(ids), self.device
+        if T > self.max_seq or not self.blocks.grow(held, T):
+            raise InvalidRequestError(f"{T} tokens do not fit the KV cache now")
+        try:
+            kv = KVTables(torch.tensor([0, T], device=dev),
+                          torch.tensor([held.table], dtype=torch.int32, device=dev))
+            out = self._forward(torch.tensor([ids], device=dev), torch.arange(T, device=dev)[None],
+                                kv, None if every else torch.tensor([T - 1], device=dev))
+        finally:
+            self.blocks.release(held)
+        return out[0] if every else out[0, -1]
+
+    def _step(self, step) -> torch.Tensor:
+        """A step's logits (K, vocab) on the CPU, one row per sampled sequence."""
+        dev = self.device
+        run = self._decode if step.decode else self._forward
+        logits = run(step.tokens.to(dev), step.positions.to(dev),
+                     KVTables(step.starts.to(dev), step.tables.to(dev)), step.last.to(dev))
+        return logits[:, -1].cpu()
+
+    def _forward(self, tokens, pos, kv, last):
+        return self.model(tokens, pos, kv, last)

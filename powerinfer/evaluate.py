@@ -105,7 +105,7 @@ def evaluate(model_name: str, bundle: Bundle, tokens: int = 0, window: int = 256
         for w in tqdm(windows, desc="evaluating", unit="window", disable=not progress):
             ids = torch.tensor([w])
             pos = torch.arange(len(w))[None]
-            ref = dense(ids, pos, len(w))[0, :-1]  # (T-1, vocab)
+            ref = dense(ids, pos)[0, :-1]  # (T-1, vocab)
             ref_logp = F.log_softmax(ref, -1)
             target_ids = ids[0, 1:]
             for v in variants:
@@ -113,7 +113,7 @@ def evaluate(model_name: str, bundle: Bundle, tokens: int = 0, window: int = 256
                     logp = ref_logp
                 else:
                     _configure(ffns, v)
-                    logp = F.log_softmax(sparse(ids, pos, len(w))[0, :-1], -1)
+                    logp = F.log_softmax(sparse(ids, pos)[0, :-1], -1)
                 v.nll -= float(logp.gather(-1, target_ids[:, None]).sum())
                 v.kl += float((ref_logp.exp() * (ref_logp - logp)).sum())
                 v.top1 += int((logp.argmax(-1) == ref_logp.argmax(-1)).sum())

@@ -152,14 +152,14 @@ def available() -> bool:
                 lambda x, w, n: x.new_empty(*x.shape[:-1], n))
             torch.library.register_fake("powerinfer::rms_norm")(lambda x, w, eps: torch.empty_like(x))
             torch.library.register_fake("powerinfer::ch_send")(
-                lambda parts, base, capacity, op, layer, word4:
+                lambda parts, base, capacity, op, layer, extra:
                 torch.empty_like(parts[0], memory_format=torch.contiguous_format))
             torch.library.register_fake("powerinfer::ch_recv")(
                 lambda like, state, base, width, spin_us:
                 like.new_empty(*like.shape[:-1], width, dtype=torch.float32))
-            torch.library.register_fake("powerinfer::decode_attention")(
-                lambda qkv, cos, sin, k, v, rows, pos, valid, n_heads:
-                qkv.new_empty(qkv.shape[0], n_heads * k.shape[-1]))
+            torch.library.register_fake("powerinfer::paged_attention")(
+                lambda qkv, cos, sin, k, v, tables, starts, pos, n_heads, window, scale:
+                qkv.new_empty(qkv.shape[0], n_heads * k.shape[2]))
             torch.library.register_fake("powerinfer::widen")(
                 lambda w, fmt, rows, dim: w.new_empty(w.shape[0], rows, dim, dtype=torch.float32))
             _loaded = str(path)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -58,32 +59,52 @@ class ModelArgs:
 
 def _zeros(shape, dtype, device) -> torch.Tensor:
     """torch.zeros; on the CPU from calloc (numpy's zeros), whose large blocks are fresh zero
-    pages: a KV cache is resident only as far as positions are written, not at allocation."""
+    pages: a KV cache is resident only as far as its blocks are written, not at allocation."""
     if torch.device(device).type != "cpu":
         return torch.zeros(shape, dtype=dtype, device=device)
     n = int(np.prod(shape)) * dtype.itemsize
     return torch.from_numpy(np.zeros(n, dtype=np.uint8)).view(dtype).view(shape)
 
 
+class KVTables(NamedTuple):
+    """Where a step's tokens sit in the paged KV cache. The step's tokens, flattened row-major
+    from (B, T), go sequence by sequence: sequence s owns tokens starts[s] .. starts[s+1] - 1,
+    and its position p is in block tables[s, p // block_size] of every layer's cache."""
+    starts: torch.Tensor  # (S + 1,) int64
+    tables: torch.Tensor  # (S, M) int32
+
+
 class KVCache(nn.Module):
-    """Static cache: rows are sequences (slots), positions index the time axis."""
+    """One layer's paged KV cache, of the heads its attention holds: blocks of `block_size`
+    positions, shared by every sequence through their block tables (`powerinfer.kv` deals the
+    blocks out). Keys are stored transposed per block, (head_dim, block_size), values as rows:
+    the CPU kernel then reads a query's scores over a block as vector multiply-adds, with no
+    horizontal sums (csrc/attention.h)."""
 
-    def __init__(self, batch: int, n_kv_heads: int, max_seq: int, head_dim: int, dtype, device):
+    def __init__(self, num_blocks: int, n_kv_heads: int, block_size: int, head_dim: int, dtype,
+                 device):
         super().__init__()
-        shape = (batch, n_kv_heads, max_seq, head_dim)
-        self.register_buffer("k", _zeros(shape, dtype, device), persistent=False)
-        self.register_buffer("v", _zeros(shape, dtype, device), persistent=False)
+        self.register_buffer("k", _zeros((num_blocks, n_kv_heads, head_dim, block_size), dtype,
+                                         device), persistent=False)
+        self.register_buffer("v", _zeros((num_blocks, n_kv_heads, block_size, head_dim), dtype,
+                                         device), persistent=False)
 
-    def update(self, slots, pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_len: int):
-        # slots: (B,) cache rows or None for rows 0..B-1; pos: (B, T); k, v: (B, H, T, D).
-        # Writes the new entries, then returns each row's first kv_len positions.
-        B = k.shape[0]
-        rows = torch.arange(B, device=k.device) if slots is None else slots
-        self.k[rows[:, None], :, pos] = k.transpose(1, 2)  # indexed view is (B, T, H, D)
-        self.v[rows[:, None], :, pos] = v.transpose(1, 2)
-        if slots is None:
-            return self.k[:B, :, :kv_len], self.v[:B, :, :kv_len]
-        return self.k[slots, :, :kv_len], self.v[slots, :, :kv_len]
+    @property
+    def block_size(self) -> int:
+        return self.k.shape[-1]
+
+    def write(self, blocks: torch.Tensor, offsets: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
+        # blocks, offsets: (N,) where each token goes; k, v: (N, Hkv, D)
+        self.k[blocks, :, :, offsets] = k.to(self.k.dtype)
+        self.v[blocks, :, offsets] = v.to(self.v.dtype)
+
+    def gather(self, blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        # blocks (..., n) -> keys and values (..., Hkv, n * block_size, D): a copy (the torch path's)
+        k, v = self.k[blocks], self.v[blocks]  # (..., n, Hkv, D, bs), (..., n, Hkv, bs, D)
+        *lead, n, hkv, d, bs = k.shape
+        k = k.transpose(-1, -2).movedim(-4, -3).reshape(*lead, hkv, n * bs, d)
+        v = v.movedim(-4, -3).reshape(*lead, hkv, n * bs, d)
+        return k, v
 
 
 class Linear(nn.Linear):
@@ -133,37 +154,27 @@ class Attention(nn.Module):
         super().__init__()
         self.partial = partial
         self.n_heads, self.n_kv_heads, self.head_dim = a.n_heads, a.n_kv_heads, a.head_dim
+        self.window, self.scale = a.sliding_window, a.head_dim ** -0.5
         q, kv = a.n_heads * a.head_dim, a.n_kv_heads * a.head_dim
         self.wqkv = Linear(a.dim, q + 2 * kv, bias=a.qkv_bias)  # fused q, k, v
         self.wo = Linear(q, a.dim, bias=a.o_bias)
         self.kv_cache: KVCache | None = None
 
-    def forward(self, x, rope, mask, slots, pos, kv_len: int):
-        # x: (B, T, dim); rope: (cos, sin) each (B, 1, T, head_dim) or None; mask: (B, 1, T, kv_len)
+    def forward(self, x, rope, pos, kv: KVTables):
+        # x: (B, T, dim), the step's tokens in kv's order; pos: (B*T,) their positions;
+        # rope: (cos, sin) each (B*T, head_dim) float32 at those positions, or None
         B, T, _ = x.shape
-        q_size, kv_size = self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
-        qkv = self.wqkv(x)
-        if T == 1 and _fused_cpu(x):  # rope, the cache's update and attention in one call
+        qkv = self.wqkv(x).view(B * T, -1)
+        if _fused_cpu(x) and self.head_dim % 16 == 0:  # rope, the cache's update, attention: one call
             none = qkv.new_empty(0, dtype=torch.float32)
-            cos, sin = (none, none) if rope is None else (r[:, 0, 0].float() for r in rope)
-            rows = torch.arange(B) if slots is None else slots
-            y = torch.ops.powerinfer.decode_attention(
-                qkv.view(B, -1), cos, sin, self.kv_cache.k, self.kv_cache.v, rows, pos[:, 0],
-                mask[:, 0, 0], self.n_heads)
-            return self._out(y.view(B, T, q_size))
-        q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
-        q = q.view(B, T, self.n_heads, self.head_dim).transpose(1, 2)  # (B, H, T, D)
-        k = k.view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)
-        v = v.view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)
-        if rope is not None:
-            q, k = apply_rope(q, *rope), apply_rope(k, *rope)
-        k, v = self.kv_cache.update(slots, pos, k, v, kv_len)
-        if T == 1 and (x.device.type == "cpu" or torch.compiler.is_compiling()):
-            y = decode_attention(q, k, v, mask)
+            cos, sin = (none, none) if rope is None else rope
+            c = self.kv_cache
+            y = torch.ops.powerinfer.paged_attention(qkv, cos, sin, c.k, c.v, kv.tables, kv.starts, pos,
+                                                     self.n_heads, self.window, self.scale)
         else:
-            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask,
-                                               enable_gqa=self.n_heads != self.n_kv_heads)
-        return self._out(y.transpose(1, 2).reshape(B, T, q_size))
+            y = paged_attention(qkv, rope, pos, kv, self.kv_cache, self.n_heads, self.window,
+                                self.scale)
+        return self._out(y.view(B, T, self.n_heads * self.head_dim))
 
     def _out(self, y):  # y: (B, T, q_size) the heads' outputs
         return self.wo(y.float()) if self.partial else self.wo(y)
@@ -203,8 +214,8 @@ class Block(nn.Module):
         self.ffn_norm = Norm(a.dim, a.norm_eps, a.layer_norm)
         self.ffn = FFN(a)
 
-    def forward(self, x, rope, mask, slots, pos, kv_len: int):
-        h = x + self.attn(self.attn_norm(x), rope, mask, slots, pos, kv_len)
+    def forward(self, x, rope, pos, kv: KVTables):
+        h = x + self.attn(self.attn_norm(x), rope, pos, kv)
         return h + self.ffn(self.ffn_norm(h), x)
 
 
@@ -227,36 +238,61 @@ class Transformer(nn.Module):
         self.output = Linear(a.dim, a.vocab_size, bias=False)
         if a.tie_embeddings:
             self.output.weight = self.tok_embeddings.weight
-        self.max_batch = self.max_seq = 0
+        self.max_seq = 0
+        self.rows: torch.Tensor | None = None  # setup_cache's blocks of each batch row
 
-    def setup_cache(self, max_batch: int, max_seq: int):
-        """Allocate the static KV cache (idempotent for the same or smaller sizes)."""
-        if max_batch <= self.max_batch and max_seq <= self.max_seq:
-            return
+    def setup_pool(self, num_blocks: int, block_size: int, max_seq: int):
+        """Allocate every layer's paged KV cache: `num_blocks` blocks of `block_size` positions
+        (each attention caches only the KV heads it holds), for positions below max_seq."""
         a, w = self.args, self.norm.weight  # the model's dtype and device
-        self.max_batch, self.max_seq = max_batch, max_seq
-        for b in self.layers:  # (an attention over a share of the heads caches only theirs)
-            b.attn.kv_cache = KVCache(max_batch, b.attn.n_kv_heads, max_seq, b.attn.head_dim,
+        for b in self.layers:
+            b.attn.kv_cache = KVCache(num_blocks, b.attn.n_kv_heads, block_size, b.attn.head_dim,
                                       w.dtype, w.device)
+        self.max_seq, self.rows = max_seq, None
         if not a.learned_pos:
             cos, sin = rope_table(a, max_seq)
             self.register_buffer("rope_cos", cos.to(w.device), persistent=False)
             self.register_buffer("rope_sin", sin.to(w.device), persistent=False)
 
-    def forward(self, tokens: torch.Tensor, pos: torch.Tensor, kv_len: int,
-                slots: torch.Tensor | None = None, last: torch.Tensor | None = None):
-        # tokens, pos: (B, T) int64; slots: (B,) KV cache rows (None: 0..B-1); attends to cache
-        # positions [0, kv_len). Returns fp32 logits (B, T, vocab), or (B, 1, vocab) at the
-        # per-row positions `last` (B,) when given (prefill only needs each prompt's last token).
+    def setup_cache(self, max_batch: int, max_seq: int, block_size: int = 16):
+        """A KV cache for `max_batch` rows of `max_seq` positions, each row its own blocks: what
+        a caller that runs rows as sequences needs (`forward` without tables; idempotent for the
+        same or smaller sizes). A server deals blocks out instead (`setup_pool`)."""
+        per = -(-max_seq // block_size)
+        if self.rows is not None and max_batch <= self.rows.shape[0] and per <= self.rows.shape[1]:
+            return
+        self.setup_pool(max_batch * per, block_size, max_seq)
+        device = self.norm.weight.device
+        self.rows = torch.arange(max_batch * per, dtype=torch.int32, device=device).view(max_batch, per)
+
+    def row_tables(self, B: int, T: int, slots: torch.Tensor | None = None) -> KVTables:
+        """KVTables for a (B, T) step whose row b is sequence b, in the blocks `setup_cache` gave
+        row b (or row slots[b])."""
+        assert self.rows is not None, "setup_cache first (or pass tables from a block manager)"
+        dev = self.rows.device
+        return KVTables(torch.arange(0, B * T + 1, T, device=dev),
+                        self.rows[:B] if slots is None else self.rows[slots])
+
+    def forward(self, tokens: torch.Tensor, pos: torch.Tensor, kv: KVTables | None = None,
+                last: torch.Tensor | None = None):
+        # tokens, pos: (B, T) int64, the step's tokens (flattened, in kv's order; kv None: row b
+        # is sequence b in its `setup_cache` blocks). Returns fp32 logits (B, T, vocab), or
+        # (K, 1, vocab) at the flat token indices `last` (K,) (a prompt needs its last token's).
+        B, T = tokens.shape
+        kv = self.row_tables(B, T) if kv is None else kv
+        flat = pos.reshape(-1)
         h = self.tok_embeddings(tokens)
+        rope = None
         if self.pos_embeddings is not None:
             h = h + self.pos_embeddings(pos + 2)
-        tables = None if self.pos_embeddings is not None else (self.rope_cos, self.rope_sin)
-        rope, mask = attention_inputs(self.args, tables, pos, kv_len)
+        else:
+            rope = (self.rope_cos[flat].float(), self.rope_sin[flat].float())
         for block in self.layers:
-            h = block(h, rope, mask, slots, pos, kv_len)
+            h = block(h, rope, flat, kv)
         if last is not None:
-            h = h[torch.arange(h.shape[0], device=h.device), last].unsqueeze(1)
+            h = h.reshape(B * T, -1)[last].unsqueeze(1)
+            if h.shape[0] == 0:  # a step of prompt chunks that sample nothing: no head to run
+                return h.new_zeros(0, 1, self.args.vocab_size, dtype=torch.float32)
         return self.output(self.norm(h)).float()
 
     @classmethod
@@ -344,16 +380,43 @@ def held_bytes(*modules: nn.Module) -> int:
     return total
 
 
-def attention_inputs(a: ModelArgs, tables, pos: torch.Tensor, kv_len: int):
-    """A step's rotary embedding and attention mask: tables (cos, sin) from `rope_table`, or
-    None (learned positions); pos (B, T) -> (rope: (cos, sin) each (B, 1, T, head_dim) or None,
-    mask (B, 1, T, kv_len) bool: the cache positions each query attends to)."""
-    rope = None if tables is None else tuple(t[pos].unsqueeze(1) for t in tables)
-    key_pos = torch.arange(kv_len, device=pos.device)
-    mask = key_pos[None, None, :] <= pos[:, :, None]  # (B, T, kv_len)
-    if a.sliding_window:
-        mask &= key_pos[None, None, :] > pos[:, :, None] - a.sliding_window
-    return rope, mask.unsqueeze(1)
+def paged_attention(qkv, rope, pos, kv: KVTables, cache: KVCache, n_heads: int, window: int,
+                    scale: float) -> torch.Tensor:
+    """torch's version of the kernel library's `paged_attention` (the same math, with gathered
+    copies of each sequence's blocks: the path on a GPU, or where the library cannot run).
+    qkv (N, (H + 2 Hkv) D) the step's tokens in kv's order; rope (cos, sin) (N, D) or None; pos
+    (N,): each token sees positions [pos - window + 1, pos] (window 0: [0, pos]) -> (N, H D)."""
+    N, (Hkv, D) = qkv.shape[0], cache.k.shape[1:3]
+    bs = cache.block_size
+    q, k, v = qkv.split([n_heads * D, Hkv * D, Hkv * D], dim=-1)
+    q, k, v = q.view(N, n_heads, D), k.view(N, Hkv, D), v.view(N, Hkv, D)
+    if rope is not None:
+        cos, sin = (r.unsqueeze(1) for r in rope)  # (N, 1, D)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+    S = kv.tables.shape[0]
+    seq = torch.repeat_interleave(torch.arange(S, device=pos.device), kv.starts.diff(),
+                                  output_size=N)
+    cache.write(kv.tables[seq, pos // bs].long(), pos % bs, k, v)
+
+    def attend(q, pos, blocks):  # q (S', T', H, D), pos (S', T'), blocks (S', n)
+        keys, values = cache.gather(blocks.long())  # (S', Hkv, n * bs, D)
+        key_pos = torch.arange(keys.shape[-2], device=pos.device)
+        mask = key_pos <= pos[..., None]  # (S', T', L)
+        if window:
+            mask &= key_pos > pos[..., None] - window
+        y = F.scaled_dot_product_attention(q.transpose(1, 2), keys.to(q.dtype), values.to(q.dtype),
+                                           attn_mask=mask.unsqueeze(1), scale=scale,
+                                           enable_gqa=n_heads != Hkv)
+        return y.transpose(1, 2)  # (S', T', H, D)
+
+    if N == S:  # one token a sequence (decode): one product over every sequence's blocks
+        return attend(q.unsqueeze(1), pos.unsqueeze(1), kv.tables).reshape(N, n_heads * D)
+    out, starts = [], kv.starts.tolist()
+    for s, (a, b) in enumerate(zip(starts, starts[1:])):
+        if b > a:
+            n = -(-(int(pos[a:b].max()) + 1) // bs)
+            out.append(attend(q[None, a:b], pos[None, a:b], kv.tables[s:s + 1, :n])[0])
+    return torch.cat(out).reshape(N, n_heads * D)
 
 
 def rope_table(a: ModelArgs, max_seq: int):
@@ -380,20 +443,8 @@ def llama3_scaled(inv_freq, factor, low_freq_factor, high_freq_factor, original_
     return torch.where(mid, blended, out)
 
 
-def decode_attention(q, k, v, mask):
-    # q: (B, H, 1, D); k, v: (B, Hkv, L, D); mask: (B, 1, 1, L). One query per row: plain
-    # matmuls cost less than the CPU flash kernel's setup, eager or fused by Inductor
-    # (BENCHMARKS.md: 121 against 30-50 us a layer on the default model).
-    B, H, _, D = q.shape
-    Hkv = k.shape[1]
-    qg = q.view(B, Hkv, H // Hkv, D).float()  # the query heads sharing each KV head
-    scores = (qg @ k.float().transpose(-1, -2)) * D ** -0.5  # (B, Hkv, G, L)
-    scores = scores.masked_fill(~mask, float("-inf"))
-    return (scores.softmax(-1) @ v.float()).to(q.dtype).view(B, H, 1, D)
-
-
 def apply_rope(x, cos, sin):
-    # x: (B, H, T, D); cos, sin: (B, 1, T, D)
+    # x: (..., D); cos, sin broadcast to it
     x1, x2 = x.chunk(2, dim=-1)
     rotated = torch.cat([-x2, x1], dim=-1)
     return (x * cos + rotated * sin).to(x.dtype)

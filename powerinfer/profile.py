@@ -79,7 +79,7 @@ def _run(model, windows, on_w1, desc: str, progress: bool, after_window=None):
         with torch.inference_mode(), tqdm(total=sum(map(len, windows)), desc=desc, unit="tok",
                                           disable=not progress) as bar:
             for w in windows:
-                model(torch.tensor([w]), torch.arange(len(w))[None], len(w),
+                model(torch.tensor([w]), torch.arange(len(w))[None],
                       last=torch.tensor([len(w) - 1]))
                 if after_window is not None:
                     after_window(len(w))

@@ -2,6 +2,8 @@
 temperature -> draw. top-p and min-p look at the untempered distribution, as llama.cpp does."""
 from __future__ import annotations
 
+import hashlib
+
 import torch
 
 from .config import SamplingParams
@@ -42,13 +44,12 @@ def sample(logits: torch.Tensor, p: SamplingParams, history: list[int],
     return int(idx[torch.multinomial(probs, 1, generator=generator)])
 
 
-def make_generator(seed: int | None) -> torch.Generator:
-    g = torch.Generator()
-    if seed is None:
-        g.seed()
-    else:
-        g.manual_seed(seed)
-    return g
+def token_generator(seed: int, index: int) -> torch.Generator:
+    """The generator that draws a sequence's output token `index`: seeded from (seed, index),
+    so that a sequence's draws depend on nothing else (a request resumed in another process,
+    after its group failed, continues with the draws it would have made)."""
+    digest = hashlib.blake2b(f"{seed}:{index}".encode(), digest_size=8).digest()
+    return torch.Generator().manual_seed(int.from_bytes(digest, "little"))
 
 
 def logprobs(logits: torch.Tensor, token: int, k: int) -> tuple[float, list[tuple[int, float]]]:

@@ -72,7 +72,7 @@ import numpy as np
 import torch
 
 from .loader import unpermute_rows
-from .model import Block, KVCache, ModelArgs, Transformer, rope_table
+from .model import Block, KVCache, KVTables, ModelArgs, Transformer, rope_table
 from .profile import top_share
 
 P_MAX = 0.9  # the hottest neurons fire on 90% of tokens
@@ -279,11 +279,11 @@ def _tensors(s: Shape, planted: np.ndarray, seed: int, calib_tokens: int, calib_
     block = block.to_empty(device="cpu").requires_grad_(False)
     block.attn_norm.weight.fill_(1.0)
     block.ffn_norm.weight.fill_(1.0)
-    block.attn.kv_cache = KVCache(B, s.n_kv_heads, T, s.head_dim, torch.float32, "cpu")
-    cos, sin = rope_table(args, T)
-    rope = (cos[None, None], sin[None, None])  # (1, 1, T, head_dim)
-    mask = torch.ones(T, T, dtype=torch.bool).tril()[None, None]  # (1, 1, T, T) causal
-    pos = torch.arange(T).expand(B, T)
+    per = -(-T // 16)  # blocks of 16 positions a sequence; row b of the batch is sequence b
+    block.attn.kv_cache = KVCache(B * per, s.n_kv_heads, 16, s.head_dim, torch.float32, "cpu")
+    kv = KVTables(torch.arange(0, B * T + 1, T), torch.arange(B * per, dtype=torch.int32).view(B, per))
+    pos = torch.arange(T).repeat(B)  # (B*T,)
+    rope = tuple(t[pos] for t in rope_table(args, T))  # (B*T, head_dim) each
     branch_std = (2 * s.n_layers) ** -0.5
     ones = torch.ones(d)
 
@@ -302,7 +302,7 @@ def _tensors(s: Shape, planted: np.ndarray, seed: int, calib_tokens: int, calib_
             block.attn.wqkv.weight.copy_(torch.cat([unpermute_rows(q, s.n_heads),
                                                     unpermute_rows(k, s.n_kv_heads), v]))
             block.attn.wo.weight.copy_(o)
-            a = block.attn(xa, rope, mask, None, pos, T)  # (B, T, dim)
+            a = block.attn(xa, rope, pos, kv)  # (B, T, dim)
             scale = branch_std / a[..., 1:].pow(2).mean().sqrt().item()
             h = h + scale * a
         o *= scale
@@ -454,7 +454,7 @@ def firing_rates(model: Transformer, tokens: torch.Tensor) -> np.ndarray:
 
     handles = [b.ffn.register_forward_pre_hook(hook(i)) for i, b in enumerate(model.layers)]
     try:
-        model(tokens, torch.arange(T).expand(B, T), T)
+        model(tokens, torch.arange(T).expand(B, T))
     finally:
         for handle in handles:
             handle.remove()

@@ -5,6 +5,7 @@ import torch
 
 from powerinfer.batching import Batcher, new_sequence
 from powerinfer.config import SamplingParams
+from powerinfer.kv import BlockManager, Blocks
 from powerinfer.loader import load_checkpoint
 from powerinfer.tokenizer import Tokenizer
 
@@ -14,56 +15,123 @@ def tok(default_model_path):
     return Tokenizer.from_source(load_checkpoint(default_model_path, with_weights=False).tokenizer_source)
 
 
-def seq(tok, prompt, max_seq=64, **kw):
+def seq(tok, prompt, max_seq=256, **kw):
     params = SamplingParams(**{"max_tokens": 8, "temperature": 0, "ignore_eos": True, **kw})
     return new_sequence(prompt, params, tok, tok.vocab_size, max_seq)
 
 
 def greedy(step, token: int):
-    logits = torch.zeros(len(step.seqs), 49152)
+    logits = torch.zeros(len(step.sampled), 49152)
     logits[:, token] = 10.0
     return logits
 
 
-def test_prefill_then_decode_with_slots_and_continuous_admission(tok):
-    b = Batcher(max_batch=2, max_seq=64)
+def batcher(blocks=64, max_batch=8, max_seq=256, chunk=0, caching=True):
+    return Batcher(BlockManager(blocks, 16, caching), max_batch, max_seq, chunk)
+
+
+def test_admission_by_max_batch_then_decode_steps(tok):
+    b = batcher(max_batch=2)
     a, c, d = seq(tok, [1, 2, 3]), seq(tok, [4, 5]), seq(tok, [6])
     for s in (a, c, d):
         b.add(s)
-    assert b.queued == 1  # two of three get a slot at the next step
+    assert b.queued == 1  # two of three run at the next step
     step = b.schedule()
-    assert step.prefill and step.seqs == [a, c] and step.slots.tolist() == [0, 1]
-    assert step.tokens.tolist() == [[1, 2, 3], [4, 5, 0]] and step.last.tolist() == [2, 1]
+    assert not step.decode and step.seqs == [a, c] and step.counts == [3, 2]
+    assert step.tokens.tolist() == [[1, 2, 3, 4, 5]] and step.positions.tolist() == [[0, 1, 2, 0, 1]]
+    assert step.starts.tolist() == [0, 3, 5] and step.last.tolist() == [2, 4]
+    assert step.sampled == [a, c]
+    assert a.blocks.table != c.blocks.table and step.tables.dtype == torch.int32
     outs = b.postprocess(step, greedy(step, 42))
     assert [(o.token, o.first) for o in outs] == [(42, True), (42, True)]
-    step = b.schedule()  # d waits: no slot free, so one decode step over the running two
-    assert not step.prefill and step.positions.tolist() == [[3], [2]] and step.kv_len == 4
-    b.remove(a)  # cancelled: its slot goes to the waiting one at the next step
+    step = b.schedule()  # d waits: max_batch runs; one decode step over the two
+    assert step.decode and step.positions.tolist() == [[3], [2]] and step.tokens.tolist() == [[42], [42]]
+    b.postprocess(step, greedy(step, 7))
+    b.remove(a)  # cancelled: its blocks go back, and d is admitted beside c's decode row
     step = b.schedule()
-    assert step.prefill and step.seqs == [d] and step.slots.tolist() == [0]
+    assert step.seqs == [c, d] and step.counts == [1, 1] and step.sampled == [c, d]
 
 
-def test_reserved_slots_stay_reserved_and_stop_rules_finish(tok):
-    b = Batcher(max_batch=1, max_seq=6)
+def test_chunked_prefill_shares_steps_with_decoding(tok):
+    b = batcher(chunk=16)
+    short = seq(tok, [5, 6], max_tokens=20)
+    b.add(short)
+    b.postprocess(s := b.schedule(), greedy(s, 9))
+    long = seq(tok, list(range(100, 150)))  # 50 tokens: chunks of 16, 16, 16, 2
+    b.add(long)
+    counts = []
+    while not long.output:
+        step = b.schedule()
+        assert step.seqs[0] is short and step.counts[0] == 1  # the stream keeps decoding
+        counts.append(step.counts[1])
+        assert (long in step.sampled) == (long.computed + step.counts[1] == 50)
+        b.postprocess(step, greedy(step, 9))
+    assert counts == [16, 16, 16, 2] and len(short.output) == 5
+
+
+def test_a_cached_prefix_is_not_computed_again(tok):
+    b = batcher()
+    system = list(range(200, 240))  # 40 tokens: two full blocks to share
+    first = seq(tok, system + [1, 2, 3], max_tokens=1)
+    b.add(first)
+    while not first.finished:
+        b.postprocess(s := b.schedule(), greedy(s, 9))
+    second = seq(tok, system + [4, 5], max_tokens=1)
+    b.add(second)
+    step = b.schedule()
+    assert second.cached == 32 and step.counts == [42 - 32]
+    assert step.positions[0, 0].item() == 32
+    assert b.blocks.hits == 32
+    off = batcher(caching=False)
+    third = seq(tok, system + [4, 5], max_tokens=1)
+    off.add(third)
+    assert off.schedule().counts == [42] and third.cached == 0
+
+
+def test_a_full_pool_preempts_the_newest_and_it_comes_back(tok):
+    b = batcher(blocks=6)  # 96 positions (one kept free: the watermark)
+    old = seq(tok, list(range(1, 33)), max_tokens=40)  # 2 blocks, grows to 5
+    new = seq(tok, list(range(50, 80)), max_tokens=40)  # 2 blocks
+    b.add(old)
+    b.add(new)
+    texts = {old: [], new: []}
+    preempted_at = None
+    while not (old.finished and new.finished):
+        step = b.schedule()
+        outs = b.postprocess(step, greedy(step, 9))
+        for o in outs:
+            texts[o.seq].append(o.token)
+        if b.preemptions and preempted_at is None:
+            preempted_at = len(new.output)
+            assert new in b.waiting and not new.blocks.table and new.computed == 0
+    assert preempted_at is not None and b.preemptions >= 1
+    # nobody failed: both ran to their max_tokens, the preempted one prefilled again
+    assert len(old.output) == 40 and len(new.output) == 40
+    assert all(t == 9 for t in texts[old] + texts[new])
+    assert b.idle and b.blocks.available == 6
+
+
+def test_reserved_blocks_stay_reserved_and_stop_rules_finish(tok):
+    b = batcher(blocks=8, max_batch=1, max_seq=6)
     probe = seq(tok, [1], max_tokens=1)
-    probe.slot = 1  # the caller's reserved slot (the actor runtime's health probe)
-    long = seq(tok, [1, 2, 3, 4], max_tokens=50)
+    probe.blocks = Blocks([8], reserved=True)  # the caller's own block (the health probe's)
+    long = seq(tok, [1, 2, 3, 4], max_tokens=50, max_seq=6)
     b.add(long)
     b.add(probe, front=True)
-    step = b.schedule()
-    assert step.seqs == [probe, long] and step.slots.tolist() == [1, 0]
-    outs = b.postprocess(step, greedy(step, 7))
-    assert probe.finish_reason == "length" and b.free == []  # the reserved slot is not handed out
+    step = b.schedule()  # the probe is admitted over max_batch
+    assert step.seqs == [probe, long] and step.tables[0, 0].item() == 8
+    b.postprocess(step, greedy(step, 7))
+    assert probe.finish_reason == "length" and 8 not in b.blocks.free
     while not long.finished:
         step = b.schedule()
         outs = b.postprocess(step, greedy(step, 7))
-    # the context holds 6 positions: the last token sampled ends it without a cache row
+    # the context holds 6 positions: the last token sampled ends it without a cache position
     assert outs[-1].token == -1 and outs[-1].finish_reason == "length" and long.num_tokens == 7
-    assert b.idle and b.free == [0]
+    assert b.idle and b.blocks.available == 8
 
 
 def test_a_broken_distribution_fails_only_its_own_row(tok):
-    b = Batcher(max_batch=2, max_seq=64)
+    b = batcher()
     ok, bad = seq(tok, [1]), seq(tok, [2], temperature=1.0, top_k=0)
     b.add(ok)
     b.add(bad)
@@ -73,4 +141,19 @@ def test_a_broken_distribution_fails_only_its_own_row(tok):
     outs = b.postprocess(step, logits)
     assert outs[0].token == 5 and outs[0].error is None
     assert outs[1].error and "sampling failed" in outs[1].error and bad.finish_reason == "error"
-    assert b.running == [ok] and b.free == [1]
+    assert b.running == [ok] and not bad.blocks.table
+
+
+def test_a_sequence_resumes_from_its_tokens(tok):
+    # a request replayed after its group failed: the tokens it had sampled are recorded (not
+    # sampled again), its stop rules hold the same text back, and its prefill covers them all
+    prompt = tok.encode("Hello there")
+    whole = seq(tok, prompt, max_tokens=6, stop=["lo w"])
+    resumed = seq(tok, prompt, max_tokens=6, stop=["lo w"])
+    out = [tok.encode(" hello wor")[i] for i in range(2)]
+    texts = [whole.push(t) for t in out]
+    assert resumed.replay(out) == "".join(texts) and resumed.pending == whole.pending
+    b = batcher()
+    b.add(resumed)
+    step = b.schedule()
+    assert step.counts == [len(prompt) + 2] and step.sampled == [resumed]

@@ -90,7 +90,7 @@ def test_invalid_requests_are_typed_errors(smol):
     with pytest.raises(InvalidRequestError, match="unknown sampling parameter"):
         smol.generate("hi", banana=1)
     with pytest.raises(InvalidRequestError, match="context holds"):
-        smol.generate("hi " * 5000)
+        smol.generate("hi " * 9000)  # over the model's context of 8192
     with pytest.raises(InvalidRequestError, match="top_p"):
         smol.generate("hi", top_p=0)
     assert "Paris" in smol.generate("The capital of France is", max_new_tokens=8, temperature=0)

@@ -144,10 +144,10 @@ def test_sparse_model_on_the_kernel_equals_the_torch_path(isa, act, threshold):
         out = []
         with torch.inference_mode():
             tokens = torch.tensor([[1, 5, 9, 13], [4, 4, 200, 17], [8, 6, 7, 5]])
-            out.append(m(tokens, torch.arange(4).expand(3, 4), 4)[:, -1])
+            out.append(m(tokens, torch.arange(4).expand(3, 4))[:, -1])
             for s in range(6):
                 tok = torch.tensor([[(7 * s + b) % 300] for b in range(3)])
-                out.append(m(tok, torch.full((3, 1), 4 + s), 5 + s)[:, 0])
+                out.append(m(tok, torch.full((3, 1), 4 + s))[:, 0])
         logits.append(torch.stack(out))
     ref, got = logits
     assert ref.abs().max() > 1
@@ -191,28 +191,29 @@ def test_reformat_keeps_the_neurons_and_their_weights():
 
 
 def decode_steps(m, slots: torch.Tensor, steps: int = 6) -> torch.Tensor:
-    # prefill two prompts into cache rows `slots`, then feed fixed tokens one at a time
+    # prefill two prompts into the blocks of cache rows `slots`, then feed fixed tokens one at a time
     tokens = torch.tensor([[5, 9, 3, 1, 7], [2, 8, 4, 6, 0]])
     B, T = tokens.shape
     with torch.inference_mode():
-        m(tokens, torch.arange(T).expand(B, T), T, slots)
+        m(tokens, torch.arange(T).expand(B, T), m.row_tables(B, T, slots))
         out = []
         for s in range(steps):
             tok = torch.tensor([[(7 * s + b) % 300] for b in range(B)])
-            out.append(m(tok, torch.full((B, 1), T + s), T + s + 1, slots)[:, 0].float())
+            out.append(m(tok, torch.full((B, 1), T + s), m.row_tables(B, 1, slots))[:, 0].float())
     return torch.stack(out)
 
 
 @pytest.mark.parametrize("arch", ["llama", "opt"])  # rope and shared KV heads; learned positions
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_fused_decode_ops_equal_the_torch_path(arch, dtype, monkeypatch):
-    # the one-token step's norms and attention (rope, the cache's update, softmax over the cache
-    # read in place) in the kernel library against torch's ops on the same model
+    # a model's steps with its norms and attention (rope, the cache's update, softmax over the
+    # blocks read in place) in the kernel library against torch's ops on the same model
     import powerinfer.model as M
 
     m = random_model("swiglu" if arch == "llama" else "relu").to(dtype)
     if arch == "llama":
-        m.args.sliding_window = 4  # the mask leaves out positions: fewer than the cache holds
+        for b in m.layers:  # the window leaves out positions: fewer than the cache holds
+            b.attn.window = 4
     slots = torch.tensor([1, 0])  # cache rows out of order
     fused = decode_steps(m, slots)
     monkeypatch.setattr(M, "_fused_cpu", lambda x: False)
@@ -223,6 +224,51 @@ def test_fused_decode_ops_equal_the_torch_path(arch, dtype, monkeypatch):
     top2 = ref.topk(2, -1).values
     clear = (top2[..., 0] - top2[..., 1]) > 0.05 * ref.abs().amax(-1)
     assert (fused.argmax(-1) == ref.argmax(-1))[clear].all()
+
+
+def paged_step(seqs, block_size, n_blocks, seed=0):
+    """A step of sequences given as (positions already cached, new tokens), their blocks dealt
+    out of order: (tables, starts, pos)."""
+    order = torch.randperm(n_blocks, generator=torch.Generator().manual_seed(seed)).tolist()
+    width = max(-(-(c + n) // block_size) for c, n in seqs)
+    tables, used = [], 0
+    for c, n in seqs:
+        k = -(-(c + n) // block_size)
+        tables.append(order[used:used + k] + [0] * (width - k))
+        used += k
+    starts = torch.tensor([0, *torch.tensor([n for _, n in seqs]).cumsum(0).tolist()])
+    pos = torch.cat([torch.arange(c, c + n) for c, n in seqs])
+    return torch.tensor(tables, dtype=torch.int32), starts, pos
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", [(6, 2, 64, 16, 0), (6, 2, 64, 16, 7), (4, 4, 32, 32, 0),
+                                   (8, 1, 128, 64, 0)])  # heads, KV heads, head size, block, window
+def test_paged_attention_equals_the_torch_path(isa, dtype, shape):
+    # one step mixing prompt chunks (from position 0 and after cached positions) and decode rows
+    # over blocks dealt out of order: the kernel's keys and values land where torch's do, and
+    # its attention over the blocks in place equals torch's over gathered copies
+    from powerinfer.model import KVCache, KVTables, paged_attention
+
+    H, Hkv, D, bs, window = shape
+    seqs = [(0, 37), (20, 1), (5, 1), (33, 40), (0, 1), (16, 1), (15, 1)]
+    n_blocks = 64
+    tables, starts, pos = paged_step(seqs, bs, n_blocks)
+    g = torch.Generator().manual_seed(1)
+    qkv = torch.randn(len(pos), (H + 2 * Hkv) * D, generator=g).to(dtype)
+    cos, sin = torch.randn(len(pos), D, generator=g), torch.randn(len(pos), D, generator=g)
+    caches = [KVCache(n_blocks, Hkv, bs, D, dtype, "cpu") for _ in range(2)]
+    for c in caches:  # the same earlier contents
+        g = torch.Generator().manual_seed(2)
+        c.k.copy_(torch.randn(c.k.shape, generator=g))
+        c.v.copy_(torch.randn(c.v.shape, generator=g))
+    got = torch.ops.powerinfer.paged_attention(qkv, cos, sin, caches[0].k, caches[0].v, tables,
+                                               starts, pos, H, window, D ** -0.5)
+    want = paged_attention(qkv, (cos, sin), pos, KVTables(starts, tables), caches[1], H, window,
+                           D ** -0.5)
+    assert torch.equal(caches[0].k, caches[1].k) and torch.equal(caches[0].v, caches[1].v)
+    tol = 1e-5 if dtype == torch.float32 else 2 ** -7
+    assert (got.float() - want.float()).abs().max() <= tol * want.abs().max()
 
 
 @pytest.mark.parametrize("kind", ["Q4_0", "Q4_1"])
@@ -254,19 +300,25 @@ def test_q4x16_gemv_equals_a_matmul_over_the_files_weights(isa, kind, n):
 
 
 def test_fused_ops_reject_bad_input():
-    q = torch.randn(1, (4 + 2 * 2) * 16)
-    cache = torch.zeros(2, 2, 8, 16)
-    none = torch.empty(0)
-    ok = torch.ones(1, 4, dtype=torch.bool)
-    with pytest.raises(RuntimeError, match="outside the cache"):
-        torch.ops.powerinfer.decode_attention(q, none, none, cache, cache.clone(), torch.tensor([2]),
-                                              torch.tensor([0]), ok, 4)
+    pools = torch.zeros(4, 2, 16, 16), torch.zeros(4, 2, 16, 16)  # 4 blocks of 16, 2 KV heads
+    qkv, none = torch.randn(1, (4 + 2 * 2) * 16), torch.empty(0)
+
+    def attend(qkv=qkv, tables=torch.tensor([[0]], dtype=torch.int32), pos=torch.tensor([0]),
+               pools=pools):
+        return torch.ops.powerinfer.paged_attention(qkv, none, none, *pools, tables,
+                                                    torch.tensor([0, 1]), pos, 4, 0, 0.25)
+
+    attend()
+    with pytest.raises(RuntimeError, match="outside the pool"):
+        attend(tables=torch.tensor([[4]], dtype=torch.int32))
+    with pytest.raises(RuntimeError, match="outside its block table"):
+        attend(pos=torch.tensor([16]))
     with pytest.raises(RuntimeError, match="qkv"):
-        torch.ops.powerinfer.decode_attention(q[:, :-16], none, none, cache, cache.clone(),
-                                              torch.tensor([0]), torch.tensor([0]), ok, 4)
+        attend(qkv=qkv[:, :-16])
     with pytest.raises(RuntimeError, match="one type"):
-        torch.ops.powerinfer.decode_attention(q.bfloat16(), none, none, cache, cache.clone(),
-                                              torch.tensor([0]), torch.tensor([0]), ok, 4)
+        attend(qkv=qkv.bfloat16())
+    with pytest.raises(RuntimeError, match="int32"):
+        attend(tables=torch.tensor([[0]]))
     with pytest.raises(RuntimeError, match="w:"):
         torch.ops.powerinfer.rms_norm(torch.randn(2, 8), torch.ones(8, dtype=torch.bfloat16), 1e-5)
     w = torch.zeros(2, 2 * K.Q4X16_BLOCK, dtype=torch.uint8)  # 32 rows of 64

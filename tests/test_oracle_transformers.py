@@ -45,7 +45,7 @@ def load_ours(path, max_seq: int = 128, max_batch: int = 4) -> Transformer:
 def ours_logits(model: Transformer, ids: torch.Tensor) -> torch.Tensor:
     """Full causal forward of a (B, T) batch from position 0: (B, T, vocab)."""
     B, T = ids.shape
-    return model(ids, torch.arange(T).expand(B, T), T)
+    return model(ids, torch.arange(T).expand(B, T))
 
 
 @torch.inference_mode()
@@ -154,9 +154,9 @@ def test_real_model_incremental_decode_matches_full_forward(real_hf, real_ours):
     full = ours_logits(model, ids)
     assert_close(full, hf_logits(real_hf, ids), REAL_TOL, "full forward")
     with torch.inference_mode():
-        steps = [model(ids[:, :P], torch.arange(P)[None], P)]  # prefill
+        steps = [model(ids[:, :P], torch.arange(P)[None])]  # prefill
         for t in range(P, T):  # then one token at a time against the KV cache
-            steps.append(model(ids[:, t:t + 1], torch.tensor([[t]]), t + 1))
+            steps.append(model(ids[:, t:t + 1], torch.tensor([[t]])))
     assert_close(torch.cat(steps, dim=1), full, 2e-4, "incremental vs full forward")
 
 
@@ -170,7 +170,7 @@ def test_real_model_greedy_matches_transformers(real_hf, real_ours):
     alone = [engine_greedy(pi, [ids], n)[0] for ids in prompts]
     for k, ours in enumerate(alone):
         assert_same_greedy(ours, *theirs[k], tie_tol=2e-3, what=f"prompt {k} alone")
-    # all together: different prompt lengths, right-padded prefill, batched decode
+    # all together: different prompt lengths, chunked and batched prefill, batched decode
     for k, ours in enumerate(engine_greedy(pi, prompts, n)):
         assert_same_greedy(ours, *theirs[k], tie_tol=2e-3, what=f"prompt {k} in a batch")
     # the public text API returns exactly those tokens, detokenized
@@ -317,9 +317,9 @@ def test_small_model_incremental_decode_matches_full_forward(tmp_path):
     full = ours_logits(model, ids)
     assert_close(full, hf_logits(hf, ids), TOL)
     with torch.inference_mode():
-        steps = [model(ids[:, :4], torch.arange(4).expand(2, 4), 4)]
+        steps = [model(ids[:, :4], torch.arange(4).expand(2, 4))]
         for t in range(4, 16):
-            steps.append(model(ids[:, t:t + 1], torch.full((2, 1), t), t + 1))
+            steps.append(model(ids[:, t:t + 1], torch.full((2, 1), t)))
     assert_close(torch.cat(steps, dim=1), full, TOL, "incremental vs full forward")
 
 
@@ -437,9 +437,9 @@ def test_batched_prefill_logits_match_each_alone(batch_model):
     tokens = torch.zeros(len(prompts), T, dtype=torch.long)
     for i, p in enumerate(prompts):
         tokens[i, :len(p)] = p
-    last = torch.tensor(BATCH_LENS) - 1
+    last = torch.arange(len(prompts)) * T + torch.tensor(BATCH_LENS) - 1  # flat token indices
     with torch.inference_mode():
-        batched = model(tokens, torch.arange(T).expand(len(prompts), T), T, None, last)
+        batched = model(tokens, torch.arange(T).expand(len(prompts), T), last=last)
     assert batched.shape == (len(prompts), 1, C.VOCAB_SIZE)
     for i, p in enumerate(prompts):
         ref = hf_logits(hf, p[None])[0, -1]

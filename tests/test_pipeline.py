@@ -56,7 +56,7 @@ def test_profile_counts_match_an_independent_recount(relu_folder, relu_bundle):
         blk.ffn.w2.register_forward_pre_hook(hook)
     with torch.inference_mode():
         for w in windows:
-            pi.model(torch.tensor([w]), torch.arange(len(w))[None], len(w))
+            pi.engine.logits(w, every=True)
     for i in range(len(ref_c)):
         assert np.array_equal(counts[i], ref_c[i].numpy().astype(np.int64))
         np.testing.assert_allclose(mass[i], ref_m[i].numpy(), rtol=1e-5)

@@ -41,7 +41,7 @@ def make_samples(path, batch=48, seq=64) -> Bundle:
         b.ffn_norm.register_forward_hook(after_norm)
     tokens = torch.randint(0, 300, (batch, seq), generator=torch.Generator().manual_seed(1))
     with torch.inference_mode():
-        m(tokens, torch.arange(seq).expand(batch, seq), seq)
+        m(tokens, torch.arange(seq).expand(batch, seq))
     bundle = Bundle.create(path, {"file": "tiny", "n_layers": LAYERS, "dim": DIM, "ffn_dim": FFN,
                                   "ffn_act": "reglu"})
     order = np.random.default_rng(0).permutation(batch * seq)  # held-out rows: any tokens

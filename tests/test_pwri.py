@@ -204,7 +204,7 @@ def logits(args, weights) -> torch.Tensor:
     m = Transformer.from_weights(args, weights, torch.float32, "cpu")
     m.setup_cache(2, 32)
     ids = torch.randint(0, C.VOCAB_SIZE, (2, 12), generator=torch.Generator().manual_seed(0))
-    return m(ids, torch.arange(12).expand(2, 12), 12)
+    return m(ids, torch.arange(12).expand(2, 12))
 
 
 def test_pwri_loads_as_model_with_same_logits(files):

@@ -26,11 +26,11 @@ def decode_logits(m: Transformer, tokens: list[list[int]], steps: int):
     # prefill, then feed fixed tokens one at a time; returns the decode logits (steps, B, vocab)
     B, T = len(tokens), len(tokens[0])
     with torch.inference_mode():
-        m(torch.tensor(tokens), torch.arange(T).expand(B, T), T)
+        m(torch.tensor(tokens), torch.arange(T).expand(B, T))
         out = []
         for s in range(steps):
             tok = torch.tensor([[(7 * s + b) % 300] for b in range(B)])
-            out.append(m(tok, torch.full((B, 1), T + s), T + s + 1)[:, 0])
+            out.append(m(tok, torch.full((B, 1), T + s))[:, 0])
     return torch.stack(out)
 
 

@@ -19,6 +19,7 @@
 // the down matrix, and quantizing its columns to 4 bits again would add a second rounding.
 #pragma once
 #include <immintrin.h>
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -121,12 +122,30 @@ using GemvFn = void (*)(const uint8_t* w, const FFNArgs& a, int64_t n, int64_t b
 using WidenFn = void (*)(const uint8_t* w, int64_t neuron_bytes, int fmt, int64_t rows,
                          int64_t dim, int64_t begin, int64_t end, float* out);
 
+// One tile of attention over the paged KV cache (attention.h): nq query vectors sharing one KV
+// head, each with its position, against that head's keys and values in the blocks of `table`.
+constexpr int64_t ATTN_MAX_TILE = 64;  // query vectors a tile
+constexpr int64_t ATTN_MAX_BS = 64;    // positions a block
+struct AttnTile {
+  const float* q;         // (nq, D) the queries, scaled by the attention's scale
+  const int64_t* qpos;    // (nq,) each query's position: it sees keys at [qpos - window + 1, qpos]
+  int64_t nq, D, BS, window;  // window 0: every earlier position
+  const int32_t* table;   // the sequence's blocks, by position / BS
+  const uint8_t* k;       // the pool's keys of this head in block 0: (D, BS) transposed
+  const uint8_t* v;       // its values in block 0: (BS, D)
+  int64_t block_stride;   // bytes from one block's entry to the next's
+  bool bf16;              // the pool's type: bf16, else float32
+  float* out;             // (nq, D)
+};
+using AttendFn = void (*)(const AttnTile&);
+
 // One instruction set's entry points (neuron_ffn_avx512.cpp, neuron_ffn_avx2.cpp).
 struct Kernels {
   RangeFn range;
   GemvFn gemv;
   WidenFn widen;
   GemvFn gemv_q4x16;  // over groups of 16 rows of a q4x16 matrix (begin, end: groups)
+  AttendFn attend;
 };
 extern const Kernels kernels_avx512bf16;
 extern const Kernels kernels_avx512;
@@ -693,6 +712,8 @@ inline void gemv_q4x16(const uint8_t* w, const FFNArgs& a, int64_t n, int64_t be
 inline void range(const FFNArgs& a, int64_t begin, int64_t end, float* out) {
   with_format(a.fmt, [&](auto f) { range_fmt<decltype(f)::value>(a, begin, end, out); });
 }
+
+#include "attention.h"
 
 }  // namespace ISA_NS
 }  // namespace powerinfer

@@ -14,6 +14,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <array>
 #include <atomic>
 #include <chrono>
 #include <climits>
@@ -315,55 +316,7 @@ static at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps)
   return y;
 }
 
-// ---- attention for one query per row, over the KV cache in place ----
-
-__attribute__((target("avx2,fma"))) static inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
-__attribute__((target("avx2,fma"))) static inline __m256 load8(const at::BFloat16* p) {
-  const __m256i i = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p));
-  return _mm256_castsi256_ps(_mm256_slli_epi32(i, 16));
-}
-
-// out (G, D) = softmax(q k^T * scale) v for the G query heads q (G, D) sharing one KV head,
-// whose keys and values are k, v (L, D) rows `stride` apart; positions where valid[l] is 0 are
-// left out. Scores and sums in float.
-template <typename T>
-__attribute__((target("avx2,fma"))) static void attend(const float* q, int64_t G, const T* k, const T* v,
-                                                        int64_t stride, const bool* valid, int64_t L,
-                                                        int64_t D, float scale, float* scores, float* out) {
-  for (int64_t g = 0; g < G; g++) {
-    const float* qg = q + g * D;
-    float* sg = scores + g * L;
-    float mx = -INFINITY;
-    for (int64_t l = 0; l < L; l++) {
-      if (!valid[l]) {
-        sg[l] = -INFINITY;
-        continue;
-      }
-      const T* kl = k + l * stride;
-      __m256 acc = _mm256_setzero_ps();
-      for (int64_t d = 0; d < D; d += 8) acc = _mm256_fmadd_ps(load8(kl + d), _mm256_loadu_ps(qg + d), acc);
-      __m128 h = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
-      h = _mm_add_ps(h, _mm_movehl_ps(h, h));
-      h = _mm_add_ss(h, _mm_movehdup_ps(h));
-      sg[l] = _mm_cvtss_f32(h) * scale;
-      mx = std::max(mx, sg[l]);
-    }
-    float sum = 0.0f;
-    for (int64_t l = 0; l < L; l++) {
-      sg[l] = valid[l] ? std::exp(sg[l] - mx) : 0.0f;
-      sum += sg[l];
-    }
-    float* og = out + g * D;
-    for (int64_t d = 0; d < D; d++) og[d] = 0.0f;
-    for (int64_t l = 0; l < L; l++) {
-      if (sg[l] == 0.0f) continue;
-      const __m256 p = _mm256_set1_ps(sg[l] / sum);
-      const T* vl = v + l * stride;
-      for (int64_t d = 0; d < D; d += 8)
-        _mm256_storeu_ps(og + d, _mm256_fmadd_ps(p, load8(vl + d), _mm256_loadu_ps(og + d)));
-    }
-  }
-}
+// ---- attention over the paged KV cache (the tile kernel: attention.h) ----
 
 // x (D,) in place: the half-rotation rotary embedding (HF's rotate_half) at one position, in
 // float, rounded to T as torch's apply_rope leaves it.
@@ -377,88 +330,123 @@ static void rope_row(float* x, const float* cos, const float* sin, int64_t D) {
   }
 }
 
-// One row's q, k, v (H + 2 Hkv heads of D floats, in place): the rotary embedding of q and k
-// (cos null: none; else q as the model's type holds it after all), and the new k and v written
-// to the cache at k, v (head 0's entry; heads S * D apart).
+// One token's q, k, v (H + 2 Hkv heads of D floats, in place): the rotary embedding of q and k
+// (cos null: none; q then rounded to T, as the model's type holds it), and the new k and v
+// written into the pool: kb is head 0's key entry (column `off` of a (D, BS) block), vb its
+// value row; heads hs elements apart.
 template <typename T>
-static void place_row(float* x, const float* cos, const float* sin, T* k, T* v, int64_t H, int64_t Hkv,
-                      int64_t S, int64_t D) {
+static void place_token(float* x, const float* cos, const float* sin, T* kb, T* vb, int64_t H, int64_t Hkv,
+                        int64_t D, int64_t BS, int64_t hs) {
   if (cos)
     for (int64_t h = 0; h < H + Hkv; h++) rope_row<T>(x + h * D, cos, sin, D);
   else
     for (int64_t d = 0; d < H * D; d++) x[d] = (float)(T)x[d];
   for (int64_t h = 0; h < Hkv; h++)
     for (int64_t d = 0; d < D; d++) {
-      k[h * S * D + d] = (T)x[(H + h) * D + d];
-      v[h * S * D + d] = (T)x[(H + Hkv + h) * D + d];
+      kb[h * hs + d * BS] = (T)x[(H + h) * D + d];
+      vb[h * hs + d] = (T)x[(H + Hkv + h) * D + d];
     }
 }
 
-// The one-token step's attention after the q/k/v projection, in one call: rotary embedding of
-// q and k, the new k and v written into the cache, and softmax(q K^T / sqrt(D)) V read from the
-// cache in place (no gathered copy of the cache's rows, no widened copies of K and V).
-// qkv (B, (H + 2 Hkv) D) the projection's output; cos, sin (B, D) float32 at each row's
-// position, or empty (no rotary embedding); k_cache, v_cache (N, Hkv, S, D) of qkv's type;
-// rows (B,) cache rows; pos (B,) the new entries' positions; valid (B, L) the positions each
-// row attends to -> (B, H D) of qkv's type.
-static at::Tensor decode_attention(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin,
-                                   const at::Tensor& k_cache, const at::Tensor& v_cache,
-                                   const at::Tensor& rows, const at::Tensor& pos, const at::Tensor& valid,
-                                   int64_t n_heads) {
-  TORCH_CHECK(BEST != "none", "attention needs a CPU with AVX2 and FMA");
-  TORCH_CHECK(k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes() && k_cache.is_contiguous() &&
-              v_cache.is_contiguous(), "caches: (N, Hkv, S, D), contiguous");
-  const auto dt = k_cache.scalar_type();
-  TORCH_CHECK((dt == at::kFloat || dt == at::kBFloat16) && v_cache.scalar_type() == dt &&
-              qkv.scalar_type() == dt, "qkv and the caches: one type, float32 or bfloat16");
-  const int64_t N = k_cache.size(0), Hkv = k_cache.size(1), S = k_cache.size(2), D = k_cache.size(3);
-  const int64_t H = n_heads, B = qkv.size(0);
-  TORCH_CHECK(qkv.dim() == 2 && qkv.size(1) == (H + 2 * Hkv) * D, "qkv: (B, (H + 2 Hkv) D)");
-  TORCH_CHECK(D % 8 == 0 && H % Hkv == 0, "head sizes do not fit");
+// A step's attention after the q/k/v projection, in one call, for any mix of sequences and
+// tokens (prompt chunks and decode rows): the rotary embedding of q and k, the new keys and
+// values written into their blocks, then softmax(q K^T * scale) V over each token's positions,
+// read from the blocks in place (no gathered copy of a sequence's cache).
+// qkv (N, (H + 2 Hkv) D): the step's tokens, sequence by sequence (sequence s owns tokens
+// starts[s] .. starts[s+1] - 1); cos, sin (N, D) float32 at each token's position, or empty;
+// k_pool (NB, Hkv, D, BS) keys transposed per block, v_pool (NB, Hkv, BS, D), of qkv's type;
+// tables (S, M) int32: sequence s's position p is in block tables[s][p / BS]; pos (N,) each
+// token's position: it sees positions [pos - window + 1, pos] (window 0: [0, pos]), every one
+// of them in the cache or in this step -> (N, H D) of qkv's type.
+static at::Tensor paged_attention(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin,
+                                  const at::Tensor& k_pool, const at::Tensor& v_pool, const at::Tensor& tables,
+                                  const at::Tensor& starts, const at::Tensor& pos, int64_t n_heads, int64_t window,
+                                  double scale) {
+  const Kernels& kern = active();
+  TORCH_CHECK(k_pool.dim() == 4 && v_pool.dim() == 4 && k_pool.is_contiguous() && v_pool.is_contiguous(),
+              "pools: keys (NB, Hkv, D, BS) and values (NB, Hkv, BS, D), contiguous");
+  const int64_t NB = k_pool.size(0), Hkv = k_pool.size(1), D = k_pool.size(2), BS = k_pool.size(3);
+  TORCH_CHECK(v_pool.size(0) == NB && v_pool.size(1) == Hkv && v_pool.size(2) == BS && v_pool.size(3) == D,
+              "the value pool's shape does not match the keys'");
+  const auto dt = k_pool.scalar_type();
+  TORCH_CHECK((dt == at::kFloat || dt == at::kBFloat16) && v_pool.scalar_type() == dt && qkv.scalar_type() == dt,
+              "qkv and the pools: one type, float32 or bfloat16");
+  const int64_t H = n_heads, N = qkv.size(0);
+  TORCH_CHECK(qkv.dim() == 2 && qkv.size(1) == (H + 2 * Hkv) * D, "qkv: (N, (H + 2 Hkv) D)");
+  TORCH_CHECK(H % Hkv == 0 && D % 16 == 0 && BS % 16 == 0 && BS <= ATTN_MAX_BS,
+              "head sizes and block sizes: D and BS multiples of 16, BS at most 64");
   const bool roped = cos.numel() > 0;
   if (roped)
     TORCH_CHECK(cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat && cos.dim() == 2 &&
-                cos.size(0) == B && cos.size(1) == D && sin.sizes() == cos.sizes(), "cos, sin: (B, D) float32");
-  TORCH_CHECK(rows.scalar_type() == at::kLong && rows.numel() == B && pos.scalar_type() == at::kLong &&
-              pos.numel() == B, "rows, pos: (B,) int64");
-  TORCH_CHECK(valid.scalar_type() == at::kBool && valid.dim() == 2 && valid.size(0) == B && valid.size(1) <= S,
-              "valid: (B, L) bool, L at most the cache's length");
-  const int64_t L = valid.size(1), G = H / Hkv;
-  at::Tensor rc = rows.contiguous(), pc = pos.contiguous(), vc = valid.contiguous();
-  const int64_t *rp = rc.data_ptr<int64_t>(), *pp = pc.data_ptr<int64_t>();
-  for (int64_t b = 0; b < B; b++)
-    TORCH_CHECK(rp[b] >= 0 && rp[b] < N && pp[b] >= 0 && pp[b] < S, "a row or position outside the cache");
-  at::Tensor x = qkv.to(at::kFloat).contiguous();  // (B, (H + 2 Hkv) D)
-  at::Tensor cc, sc;
-  if (roped) cc = cos.contiguous(), sc = sin.contiguous();
-  float* xp = x.data_ptr<float>();
-  for (int64_t b = 0; b < B; b++) {
-    float* xb = xp + b * (H + 2 * Hkv) * D;
-    const float* c = roped ? cc.data_ptr<float>() + b * D : nullptr;
-    const float* s = roped ? sc.data_ptr<float>() + b * D : nullptr;
-    const int64_t off = (rp[b] * Hkv * S + pp[b]) * D;  // head 0's entry at the new position
-    if (dt == at::kFloat)
-      place_row(xb, c, s, k_cache.data_ptr<float>() + off, v_cache.data_ptr<float>() + off, H, Hkv, S, D);
-    else
-      place_row(xb, c, s, k_cache.data_ptr<at::BFloat16>() + off, v_cache.data_ptr<at::BFloat16>() + off, H, Hkv,
-                S, D);
+                cos.size(0) == N && cos.size(1) == D && sin.sizes() == cos.sizes(), "cos, sin: (N, D) float32");
+  TORCH_CHECK(tables.scalar_type() == at::kInt && tables.dim() == 2, "tables: (S, M) int32");
+  const int64_t S = tables.size(0), M = tables.size(1);
+  TORCH_CHECK(starts.scalar_type() == at::kLong && starts.numel() == S + 1 && pos.scalar_type() == at::kLong &&
+              pos.numel() == N, "starts: (S + 1,) int64, pos: (N,) int64");
+  at::Tensor tc = tables.contiguous(), sc = starts.contiguous(), pc = pos.contiguous();
+  const int32_t* tp = tc.data_ptr<int32_t>();
+  const int64_t *st = sc.data_ptr<int64_t>(), *pp = pc.data_ptr<int64_t>();
+  TORCH_CHECK(st[0] == 0 && st[S] == N, "starts must run from 0 to N");
+  for (int64_t s = 0; s < S; s++) {
+    TORCH_CHECK(st[s] <= st[s + 1], "starts must not decrease");
+    int64_t last = -1;
+    for (int64_t t = st[s]; t < st[s + 1]; t++) {
+      TORCH_CHECK(pp[t] >= 0 && pp[t] / BS < M, "position ", pp[t], " outside its block table");
+      last = std::max(last, pp[t] / BS);
+    }
+    for (int64_t b = 0; b <= last; b++)
+      TORCH_CHECK(tp[s * M + b] >= 0 && tp[s * M + b] < NB, "block ", tp[s * M + b], " outside the pool");
   }
-  at::Tensor out = at::empty({B, H * D}, x.options());
-  const float scale = 1.0f / std::sqrt((float)D);
-  at::parallel_for(0, B * Hkv, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores(G * L);
+  at::Tensor x = qkv.to(at::kFloat, false, true).contiguous();  // (N, (H + 2 Hkv) D), our own copy
+  at::Tensor cc, snc;
+  if (roped) cc = cos.contiguous(), snc = sin.contiguous();
+  float* xp = x.data_ptr<float>();
+  const int64_t row = (H + 2 * Hkv) * D, hs = D * BS, es = dt == at::kFloat ? 4 : 2;
+  char* kbase = static_cast<char*>(k_pool.data_ptr());
+  char* vbase = static_cast<char*>(v_pool.data_ptr());
+  // 1. every token's new key and value in place, before anyone reads them
+  at::parallel_for(0, S, 1, [&](int64_t s0, int64_t s1) {
+    for (int64_t s = s0; s < s1; s++)
+      for (int64_t t = st[s]; t < st[s + 1]; t++) {
+        const int64_t blk = tp[s * M + pp[t] / BS], off = pp[t] % BS;
+        const float* c = roped ? cc.data_ptr<float>() + t * D : nullptr;
+        const float* sn = roped ? snc.data_ptr<float>() + t * D : nullptr;
+        const int64_t kat = blk * Hkv * hs + off, vat = (blk * Hkv * BS + off) * D;
+        if (dt == at::kFloat)
+          place_token(xp + t * row, c, sn, (float*)kbase + kat, (float*)vbase + vat, H, Hkv, D, BS, hs);
+        else
+          place_token(xp + t * row, c, sn, (at::BFloat16*)kbase + kat, (at::BFloat16*)vbase + vat, H, Hkv, D, BS, hs);
+      }
+  });
+  // 2. tiles: a sequence's tokens in runs of `per` for one KV head and its G query heads
+  const int64_t G = H / Hkv, per = std::max<int64_t>(1, std::min<int64_t>(16, ATTN_MAX_TILE / G));
+  std::vector<std::array<int64_t, 4>> tasks;  // (sequence, KV head, first token, end)
+  for (int64_t s = 0; s < S; s++)
+    for (int64_t t = st[s]; t < st[s + 1]; t += per)
+      for (int64_t h = 0; h < Hkv; h++) tasks.push_back({s, h, t, std::min(t + per, st[s + 1])});
+  at::Tensor out = at::empty({N, H * D}, x.options());
+  float* op = out.data_ptr<float>();
+  const float sc_f = (float)scale;
+  at::parallel_for(0, (int64_t)tasks.size(), 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> q(ATTN_MAX_TILE * D), o(ATTN_MAX_TILE * D);
+    std::vector<int64_t> qpos(ATTN_MAX_TILE);
     for (int64_t i = begin; i < end; i++) {
-      const int64_t b = i / Hkv, h = i % Hkv;
-      const int64_t off = ((rp[b] * Hkv + h) * S) * D;
-      const float* qb = xp + b * (H + 2 * Hkv) * D + h * G * D;
-      float* ob = out.data_ptr<float>() + (b * H + h * G) * D;
-      const bool* ok = vc.data_ptr<bool>() + b * L;
-      if (dt == at::kFloat)
-        attend(qb, G, k_cache.data_ptr<float>() + off, v_cache.data_ptr<float>() + off, D, ok, L, D, scale,
-               scores.data(), ob);
-      else
-        attend(qb, G, k_cache.data_ptr<at::BFloat16>() + off, v_cache.data_ptr<at::BFloat16>() + off, D, ok,
-               L, D, scale, scores.data(), ob);
+      const auto [s, h, t0, t1] = tasks[i];
+      const int64_t nq = (t1 - t0) * G;
+      for (int64_t t = t0; t < t1; t++)
+        for (int64_t g = 0; g < G; g++) {
+          const float* src = xp + t * row + (h * G + g) * D;
+          float* dst = q.data() + ((t - t0) * G + g) * D;
+          for (int64_t d = 0; d < D; d++) dst[d] = src[d] * sc_f;
+          qpos[(t - t0) * G + g] = pp[t];
+        }
+      const AttnTile a{q.data(), qpos.data(), nq, D, BS, window, tp + s * M,
+                       reinterpret_cast<const uint8_t*>(kbase) + h * hs * es,
+                       reinterpret_cast<const uint8_t*>(vbase) + h * hs * es, Hkv * hs * es,
+                       dt == at::kBFloat16, o.data()};
+      kern.attend(a);
+      for (int64_t t = t0; t < t1; t++)
+        std::memcpy(op + t * H * D + h * G * D, o.data() + (t - t0) * G * D, G * D * sizeof(float));
     }
   });
   return dt == at::kFloat ? out : out.to(dt);
@@ -502,10 +490,10 @@ static void publish(int64_t base, const int64_t* words, int n) {
 
 // parts[0] (rows, T, dim) or (rows, dim), and the other parts after it, each at the next
 // 64-byte boundary -> the channel's payload, and a message with the words (op, layer, rows, T,
-// word4), as Channel.put + publish. Returns a copy of parts[0]: a compiled step reads what
+// *extra), extra padded with zeros to two words, as Channel.put + publish. Returns a copy of parts[0]: a compiled step reads what
 // follows the send from it, which keeps the send first.
 static at::Tensor ch_send(at::TensorList parts, int64_t base, int64_t capacity, int64_t op, int64_t layer,
-                          c10::SymInt word4) {
+                          c10::SymIntArrayRef extra) {
   TORCH_CHECK(!parts.empty() && (parts[0].dim() == 2 || parts[0].dim() == 3), "parts[0]: (rows, T, dim) or (rows, dim)");
   int64_t offset = 0;
   for (const at::Tensor& t : parts) {
@@ -516,8 +504,11 @@ static at::Tensor ch_send(at::TensorList parts, int64_t base, int64_t capacity, 
     offset = (offset + c.nbytes() + 63) / 64 * 64;
   }
   const at::Tensor& x = parts[0];
-  const int64_t words[5] = {op, layer, x.size(0), x.dim() == 3 ? x.size(1) : 1, word4.expect_int()};
-  publish(base, words, 5);
+  TORCH_CHECK(extra.size() <= 9, "at most 9 extra words");
+  int64_t words[13] = {op, layer, x.size(0), x.dim() == 3 ? x.size(1) : 1};  // the rest 0
+  for (size_t i = 0; i < extra.size(); i++) words[4 + i] = extra[i].expect_int();
+  // at least the two words every reader reads after these: none left from an earlier message
+  publish(base, words, 4 + std::max<int>(2, (int)extra.size()));
   return x.contiguous().clone();
 }
 
@@ -596,7 +587,7 @@ struct ColdLayers {
   at::TensorList ffn_w1, ffn_w2;  // block slice: q4x16 gate+up rows, down columns; records: w1
   at::IntArrayRef ffn_kind;       // 0 none, 1 block slice (ffn_n: its gate+up rows), 2 neuron records
   at::IntArrayRef ffn_n;          // (records: their format)
-  at::TensorList qkv, wo, k_cache, v_cache;  // its heads: projections, cache (N, Hkv, S, D)
+  at::TensorList qkv, wo, k_cache, v_cache;  // its heads: projections, paged pools (see paged_attention)
   at::IntArrayRef qkv_fmt, qkv_n, wo_fmt;    // -1: q4x16, else a kernel format
 };
 
@@ -619,19 +610,18 @@ static at::Tensor ffn_step(const Kernels& k, const ColdLayers& L, int64_t layer,
   return project(k, h, L.ffn_w2[layer], -1, dim);
 }
 
-// A layer's decode step of its heads: x (rows, dim) in the model's type; pos, slots (rows,);
-// -> (rows, dim) f32, their share of the output projection (as Attention(partial=True)).
+// A layer's decode step of its heads: x (rows, dim) in the model's type; pos (rows,), starts,
+// tables: where the rows sit in the paged cache (see paged_attention) -> (rows, dim) f32, their
+// share of the output projection (as Attention(partial=True)).
 static at::Tensor attention_step(const Kernels& k, const ColdLayers& L, int64_t layer, const at::Tensor& x,
-                                 const at::Tensor& pos, const at::Tensor& slots, int64_t kv_len, int64_t n_heads,
-                                 const std::optional<at::Tensor>& cos, const std::optional<at::Tensor>& sin,
-                                 int64_t window) {
-  const int64_t rows = x.size(0);
+                                 const at::Tensor& pos, const at::Tensor& starts, const at::Tensor& tables,
+                                 int64_t n_heads, const std::optional<at::Tensor>& cos,
+                                 const std::optional<at::Tensor>& sin, int64_t window, double scale) {
   at::Tensor qkv = project(k, x, L.qkv[layer], L.qkv_fmt[layer], L.qkv_n[layer]).to(x.scalar_type());
-  at::Tensor valid = at::arange(kv_len, pos.options()).unsqueeze(0) <= pos.unsqueeze(1);  // (rows, kv_len)
-  if (window > 0) valid &= at::arange(kv_len, pos.options()).unsqueeze(0) > pos.unsqueeze(1) - window;
   at::Tensor none = at::empty({0}, x.options().dtype(at::kFloat));
   at::Tensor c = cos ? cos->index_select(0, pos) : none, s = sin ? sin->index_select(0, pos) : none;
-  at::Tensor y = decode_attention(qkv, c, s, L.k_cache[layer], L.v_cache[layer], slots, pos, valid, n_heads);
+  at::Tensor y = paged_attention(qkv, c, s, L.k_cache[layer], L.v_cache[layer], tables, starts, pos, n_heads, window,
+                                 scale);
   return project(k, y.to(at::kFloat), L.wo[layer], L.wo_fmt[layer], x.size(1));
 }
 
@@ -641,7 +631,8 @@ static at::Tensor attention_step(const Kernels& k, const ColdLayers& L, int64_t 
 // (state: its reader state), answers it on `part` and waits again; returns the words of the
 // first message it leaves to the caller, consumed (its payload is on `x`). x's payload holds
 // the rows (rows, dim) in the model's type (bf16 or f32), for an attention step followed by
-// positions and cache rows (int64, each at the next 64-byte boundary); answers are f32.
+// positions (int64), sequence starts (int64) and block tables (int32), each at the next 64-byte
+// boundary (its words 4 and 5: sequences and the tables' width); answers are f32.
 // ops: the plane's op codes (decode, head, attention; actors/plane.py).
 static std::vector<int64_t> cold_serve(at::Tensor& state, int64_t x_base, int64_t part_base, int64_t part_capacity,
                                        int64_t dim, bool bf16, double spin_us, at::IntArrayRef ops, int64_t act,
@@ -650,7 +641,8 @@ static std::vector<int64_t> cold_serve(at::Tensor& state, int64_t x_base, int64_
                                        at::IntArrayRef qkv_n, at::TensorList wo, at::IntArrayRef wo_fmt,
                                        at::TensorList k_cache, at::TensorList v_cache, int64_t n_heads,
                                        const std::optional<at::Tensor>& cos, const std::optional<at::Tensor>& sin,
-                                       int64_t window, const std::optional<at::Tensor>& head, int64_t head_fmt) {
+                                       int64_t window, double scale, const std::optional<at::Tensor>& head,
+                                       int64_t head_fmt) {
   const Kernels& k = active();
   TORCH_CHECK(state.scalar_type() == at::kLong && state.numel() == 2 && state.is_contiguous(), "state: int64 (2,)");
   const size_t n_layers = ffn_kind.size();
@@ -667,21 +659,25 @@ static std::vector<int64_t> cold_serve(at::Tensor& state, int64_t x_base, int64_
   int64_t* st = state.data_ptr<int64_t>();
   while (true) {
     wait_message(x_base, st, spin_us);
-    const int64_t op = xh->words[0], layer = xh->words[1], B = xh->words[2], T = xh->words[3], w4 = xh->words[4];
+    const int64_t op = xh->words[0], layer = xh->words[1], B = xh->words[2], T = xh->words[3], w4 = xh->words[4],
+                  w5 = xh->words[5];
     const bool in_layers = layer >= 0 && layer < (int64_t)n_layers;
     at::Tensor y;
     if (T == 1 && B <= 64 && op == ops[0] && !w4 && in_layers && ffn_kind[layer]) {
       y = ffn_step(k, L, layer, at::from_blob(xp, {B, dim}, rows_type), act);
     } else if (T == 1 && B <= 64 && op == ops[2] && in_layers && qkv[layer].numel()) {
-      const int64_t off = (B * dim * (bf16 ? 2 : 4) + 63) / 64 * 64;  // PlaneSpec.attn_layout
+      auto up = [](int64_t n) { return (n + 63) / 64 * 64; };  // PlaneSpec.attn_layout
+      const int64_t at_pos = up(B * dim * (bf16 ? 2 : 4)), at_starts = at_pos + up(B * 8), at_tables = at_starts + up((w4 + 1) * 8);
       const auto ints = at::TensorOptions().dtype(at::kLong);
-      at::Tensor pos = at::from_blob(xp + off, {B}, ints), slots = at::from_blob(xp + off + (B * 8 + 63) / 64 * 64, {B}, ints);
-      y = attention_step(k, L, layer, at::from_blob(xp, {B, dim}, rows_type), pos, slots, w4, n_heads, cos, sin, window);
+      at::Tensor pos = at::from_blob(xp + at_pos, {B}, ints), starts = at::from_blob(xp + at_starts, {w4 + 1}, ints);
+      at::Tensor tables = at::from_blob(xp + at_tables, {w4, w5}, at::TensorOptions().dtype(at::kInt));
+      y = attention_step(k, L, layer, at::from_blob(xp, {B, dim}, rows_type), pos, starts, tables, n_heads, cos, sin,
+                         window, scale);
     } else if (T == 1 && B <= 64 && op == ops[1] && head && head->defined()) {
       y = linear(at::from_blob(xp, {B, dim}, rows_type), *head, head_fmt);
       if (bf16) y = y.to(at::kBFloat16).to(at::kFloat);  // the head answers in the model's type
     } else {
-      return {op, layer, B, T, w4};
+      return {op, layer, B, T, w4, w5};
     }
     TORCH_CHECK((int64_t)y.nbytes() <= part_capacity, "an answer over the channel's capacity");
     std::memcpy(pp, y.contiguous().data_ptr<float>(), y.nbytes());
@@ -698,13 +694,14 @@ TORCH_LIBRARY(powerinfer, m) {
   m.def("linear(Tensor x, Tensor w, int fmt) -> Tensor");
   m.def("linear_q4x16(Tensor x, Tensor w, int n) -> Tensor");
   m.def("rms_norm(Tensor x, Tensor w, float eps) -> Tensor");
-  m.def("decode_attention(Tensor qkv, Tensor cos, Tensor sin, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor rows, Tensor pos, Tensor valid, int n_heads) -> Tensor");
-  m.def("ch_send(Tensor[] parts, int base, int capacity, int op, int layer, SymInt word4) -> Tensor");
+  m.def("paged_attention(Tensor qkv, Tensor cos, Tensor sin, Tensor(a!) k_pool, Tensor(b!) v_pool, Tensor tables, "
+        "Tensor starts, Tensor pos, int n_heads, int window, float scale) -> Tensor");
+  m.def("ch_send(Tensor[] parts, int base, int capacity, int op, int layer, SymInt[] extra) -> Tensor");
   m.def("ch_recv(Tensor like, Tensor(a!) state, int base, int width, float spin_us) -> Tensor");
   m.def("cold_serve(Tensor(a!) state, int x_base, int part_base, int part_capacity, int dim, bool bf16, "
         "float spin_us, int[] ops, int act, Tensor[] ffn_w1, Tensor[] ffn_w2, int[] ffn_kind, int[] ffn_n, "
         "Tensor[] qkv, int[] qkv_fmt, int[] qkv_n, Tensor[] wo, int[] wo_fmt, Tensor[] k_cache, Tensor[] v_cache, "
-        "int n_heads, Tensor? cos, Tensor? sin, int window, Tensor? head, int head_fmt) -> int[]");
+        "int n_heads, Tensor? cos, Tensor? sin, int window, float scale, Tensor? head, int head_fmt) -> int[]");
   m.def("isa", &powerinfer::isa);
   m.def("use_isa", &powerinfer::use_isa);
 }
@@ -715,7 +712,7 @@ TORCH_LIBRARY_IMPL(powerinfer, CPU, m) {
   m.impl("linear", powerinfer::linear);
   m.impl("linear_q4x16", powerinfer::linear_q4x16);
   m.impl("rms_norm", powerinfer::rms_norm);
-  m.impl("decode_attention", powerinfer::decode_attention);
+  m.impl("paged_attention", powerinfer::paged_attention);
   m.impl("ch_send", powerinfer::ch_send);
   m.impl("ch_recv", powerinfer::ch_recv);
   m.impl("cold_serve", powerinfer::cold_serve);

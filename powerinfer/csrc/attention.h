@@ -1,0 +1,207 @@
+// Attention over the paged KV cache, one tile of queries at a time, written over neuron_ffn.h's
+// SIMD layer (V, W, vfma, ...) and compiled per instruction set with it; ops.cpp's
+// `paged_attention` places the new keys and values, cuts the step into tiles and calls this.
+//
+// The pool holds, per block and KV head, the keys transposed (D, BS) and the values as rows
+// (BS, D) (`model.KVCache`). Keys stored d-major make a query's scores against 16 keys D vector
+// multiply-adds of the query's d-th value with the keys' d-th row: no horizontal sums and no
+// transposes at read time, where rows of keys would need one reduction per key. The tile's
+// queries go in groups of 4, and keys in units of 16: a group's scores against a unit live in
+// registers, softmax is online (flash attention's running max and sum, in float) unit by unit,
+// and the group's outputs are accumulated in registers 4 vectors at a time over the unit's
+// value rows. Included inside namespace powerinfer::ISA_NS (see the end of neuron_ffn.h).
+
+// exp(x) for x <= 0, within about 1 ulp of expf (Cephes' expf polynomial); x below -87 gives a
+// tiny positive number, never 0: callers zero what they masked out themselves.
+inline V vexp(V x) {
+#if defined(__AVX512F__)
+  x = _mm512_max_ps(x, vset(-87.0f));
+  const V n = _mm512_roundscale_ps(vmul(x, vset(1.44269504088896341f)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  V r = _mm512_fnmadd_ps(n, vset(0.693359375f), x);
+  r = _mm512_fnmadd_ps(n, vset(-2.12194440e-4f), r);
+#else
+  x = _mm256_max_ps(x, vset(-87.0f));
+  const V n = _mm256_round_ps(vmul(x, vset(1.44269504088896341f)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  V r = _mm256_fnmadd_ps(n, vset(0.693359375f), x);
+  r = _mm256_fnmadd_ps(n, vset(-2.12194440e-4f), r);
+#endif
+  V p = vset(1.9875691500e-4f);
+  p = vfma(p, r, vset(1.3981999507e-3f));
+  p = vfma(p, r, vset(8.3334519073e-3f));
+  p = vfma(p, r, vset(4.1665795894e-2f));
+  p = vfma(p, r, vset(1.6666665459e-1f));
+  p = vfma(p, r, vset(5.0000001201e-1f));
+  p = vfma(vmul(p, r), r, vadd(r, vset(1.0f)));
+#if defined(__AVX512F__)
+  return _mm512_scalef_ps(p, n);
+#else
+  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return vmul(p, _mm256_castsi256_ps(e));
+#endif
+}
+
+inline V vmax(V a, V b) {
+#if defined(__AVX512F__)
+  return _mm512_max_ps(a, b);
+#else
+  return _mm256_max_ps(a, b);
+#endif
+}
+
+inline float hmax(V v) {
+#if defined(__AVX512F__)
+  return _mm512_reduce_max_ps(v);
+#else
+  __m128 s = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_max_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_max_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+#endif
+}
+
+template <typename T>
+inline V load_kv(const T* p) {
+  if constexpr (std::is_same_v<T, float>)
+    return vload(p);
+  else
+    return bf16_to_f32(p);
+}
+
+constexpr int ATTN_QG = 4;        // queries of a group
+constexpr int ATTN_KU = 16;       // keys of a unit
+constexpr int ATTN_KV = ATTN_KU / W;  // vectors of a unit's row of keys
+
+// o[i] (the group's outputs, 4 vectors from column d0) = corr[i] o[i] + sum_j p[i][j] v[j] over
+// the unit's value rows j0 .. j1 - 1 (rows `D` apart from vu).
+template <typename T, int NV>
+inline void pv_chunk(const AttnTile& a, int64_t i0, int qn, const float (*p)[ATTN_KU], const float* corr,
+                     const T* vu, int64_t j0, int64_t j1, int64_t d0) {
+  V acc[ATTN_QG][NV];
+  for (int i = 0; i < qn; i++) {
+    const V c = vset(corr[i]);
+    for (int v = 0; v < NV; v++) acc[i][v] = vmul(c, vload(a.out + (i0 + i) * a.D + d0 + v * W));
+  }
+  for (int64_t j = j0; j < j1; j++) {
+    V row[NV];
+    for (int v = 0; v < NV; v++) row[v] = load_kv(vu + j * a.D + d0 + v * W);
+    for (int i = 0; i < qn; i++) {
+      const V pj = vset(p[i][j]);
+      for (int v = 0; v < NV; v++) acc[i][v] = vfma(pj, row[v], acc[i][v]);
+    }
+  }
+  for (int i = 0; i < qn; i++)
+    for (int v = 0; v < NV; v++) vstore(a.out + (i0 + i) * a.D + d0 + v * W, acc[i][v]);
+}
+
+// Queries i0 .. i0 + qn - 1 against one unit of 16 keys at positions p0 .. p0 + 15: keys ku
+// (the unit's first column of a (D, BS) block), values vu (its first row).
+template <typename T>
+inline void attend_unit(const AttnTile& a, int64_t i0, int qn, const T* ku, const T* vu, int64_t p0,
+                        float* m, float* l) {
+  const int64_t D = a.D, BS = a.BS;
+  V s[ATTN_QG][ATTN_KV];
+  for (int i = 0; i < qn; i++)
+    for (int v = 0; v < ATTN_KV; v++) s[i][v] = vzero();
+  const float* q = a.q + i0 * D;
+  for (int64_t d = 0; d < D; d++) {
+    for (int v = 0; v < ATTN_KV; v++) {
+      const V k = load_kv(ku + d * BS + v * W);
+      for (int i = 0; i < qn; i++) s[i][v] = vfma(vset(q[i * D + d]), k, s[i][v]);
+    }
+  }
+  alignas(64) float p[ATTN_QG][ATTN_KU];
+  float corr[ATTN_QG];
+  int64_t jlo = ATTN_KU, jhi = 0;  // the keys some query of the group sees
+  for (int i = 0; i < qn; i++) {
+    const int64_t qi = i0 + i, pos = a.qpos[qi];
+    const int64_t lo = a.window > 0 ? std::max<int64_t>(0, pos - a.window + 1) : 0;
+    const int64_t j0 = std::max<int64_t>(0, lo - p0), j1 = std::min<int64_t>(ATTN_KU, pos - p0 + 1);
+    if (j1 <= j0) {  // none of this unit's keys
+      corr[i] = 1.0f;
+      for (int j = 0; j < ATTN_KU; j++) p[i][j] = 0.0f;
+      continue;
+    }
+    jlo = std::min(jlo, j0), jhi = std::max(jhi, j1);
+    float mx;
+    if (j0 == 0 && j1 == ATTN_KU) {
+      V vm = s[i][0];
+      for (int v = 1; v < ATTN_KV; v++) vm = vmax(vm, s[i][v]);
+      mx = hmax(vm);
+    } else {
+      for (int v = 0; v < ATTN_KV; v++) vstore(p[i] + v * W, s[i][v]);
+      mx = -INFINITY;
+      for (int64_t j = j0; j < j1; j++) mx = std::max(mx, p[i][j]);
+    }
+    const float mnew = std::max(m[qi], mx);
+    corr[i] = std::exp(m[qi] - mnew);
+    V sum = vzero();
+    for (int v = 0; v < ATTN_KV; v++) {
+      const V e = vexp(vadd(s[i][v], vset(-mnew)));
+      vstore(p[i] + v * W, e);
+      sum = vadd(sum, e);
+    }
+    float total = 0.0f;
+    if (j0 == 0 && j1 == ATTN_KU) {
+      total = hsum(sum);
+    } else {  // lanes outside [j0, j1) hold what the scores of other positions made: zeroed
+      for (int j = 0; j < ATTN_KU; j++) {
+        if (j < j0 || j >= j1) p[i][j] = 0.0f;
+        total += p[i][j];
+      }
+    }
+    l[qi] = l[qi] * corr[i] + total;
+    m[qi] = mnew;
+  }
+  if (jhi <= jlo) return;
+  int64_t d0 = 0;
+  for (; d0 + 4 * W <= D; d0 += 4 * W) pv_chunk<T, 4>(a, i0, qn, p, corr, vu, jlo, jhi, d0);
+  switch ((D - d0) / W) {
+    case 3: pv_chunk<T, 3>(a, i0, qn, p, corr, vu, jlo, jhi, d0); break;
+    case 2: pv_chunk<T, 2>(a, i0, qn, p, corr, vu, jlo, jhi, d0); break;
+    case 1: pv_chunk<T, 1>(a, i0, qn, p, corr, vu, jlo, jhi, d0); break;
+  }
+}
+
+template <typename T>
+inline void attend_t(const AttnTile& a) {
+  const int64_t D = a.D, BS = a.BS, es = sizeof(T);
+  float m[ATTN_MAX_TILE], l[ATTN_MAX_TILE];
+  int64_t lo = INT64_MAX, hi = -1;
+  for (int64_t i = 0; i < a.nq; i++) {
+    m[i] = -INFINITY, l[i] = 0.0f;
+    for (int64_t d = 0; d < D; d++) a.out[i * D + d] = 0.0f;
+    const int64_t pos = a.qpos[i];
+    lo = std::min(lo, a.window > 0 ? std::max<int64_t>(0, pos - a.window + 1) : 0);
+    hi = std::max(hi, pos);
+  }
+  auto unit = [&](int64_t u, const T*& ku, const T*& vu) {  // unit u's keys and values
+    const int64_t p0 = u * ATTN_KU, off = (int64_t)a.table[p0 / BS] * a.block_stride, in = p0 % BS;
+    ku = (const T*)(a.k + off) + in;            // column `in` of the (D, BS) keys
+    vu = (const T*)(a.v + off + in * D * es);  // row `in` of the (BS, D) values
+  };
+  for (int64_t u = lo / ATTN_KU; u <= hi / ATTN_KU; u++) {  // units of 16 positions
+    const T *ku, *vu;
+    unit(u, ku, vu);
+    if (u < hi / ATTN_KU) {  // the next unit's block is anywhere in the pool: fetch it ahead
+      const T *kn, *vn;
+      unit(u + 1, kn, vn);
+      for (int64_t d = 0; d < D; d += 64 / (ATTN_KU * es) > 0 ? 64 / (ATTN_KU * es) : 1)
+        _mm_prefetch((const char*)(kn + d * BS), _MM_HINT_T0);
+      for (int64_t b = 0; b < ATTN_KU * D * es; b += 64) _mm_prefetch((const char*)vn + b, _MM_HINT_T0);
+    }
+    const int64_t p0 = u * ATTN_KU;
+    for (int64_t i0 = 0; i0 < a.nq; i0 += ATTN_QG)
+      attend_unit<T>(a, i0, (int)std::min<int64_t>(ATTN_QG, a.nq - i0), ku, vu, p0, m, l);
+  }
+  for (int64_t i = 0; i < a.nq; i++) {
+    const float inv = l[i] > 0.0f ? 1.0f / l[i] : 0.0f;
+    for (int64_t d = 0; d < D; d++) a.out[i * D + d] *= inv;
+  }
+}
+
+inline void attend(const AttnTile& a) {
+  if (a.bf16)
+    attend_t<uint16_t>(a);
+  else
+    attend_t<float>(a);
+}
