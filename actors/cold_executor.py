@@ -9,7 +9,8 @@ computes the neurons active in any row and keeps, per row, the ones that row's p
 
 Where the group splits attention (a CPU group without a predictor, `plane.split_kv`), it also
 holds, per layer, the attention of its KV heads and their query heads (`partial.attention_slice`)
-with their KV cache, and answers each ATTN message with their share of the output projection.
+with their paged KV cache (the same block ids as every other executor's), and answers each ATTN
+message with their share of the output projection.
 
 Where the kernel library runs, the messages that need no Python (decode steps with no masks of
 the layers held as block slices or neuron records, of its heads, and of the head's rows) are
@@ -29,7 +30,7 @@ from cluster.topology import node_of, numa_pages, pin, process_memory
 from powerinfer import kernels
 from powerinfer.compat import trim_heap
 from powerinfer.loader import ModelFile
-from powerinfer.model import KVCache, attention_inputs, held_bytes, rope_table
+from powerinfer.model import KVCache, KVTables, held_bytes, rope_table
 from powerinfer.partial import attention_slice, read_head, read_neuron_set
 from powerinfer.plan import SparsePlan
 from powerinfer.quant import KernelLinear, Q4Linear, neuron_format
@@ -70,7 +71,8 @@ class ColdExecutor:
             self.attn = [attention_slice(src, a, i, self.kv_heads, dtype, weights == "int4")
                          for i in range(a.n_layers)]
             for m in self.attn:
-                m.kv_cache = KVCache(spec.batch, m.n_kv_heads, spec.max_seq, m.head_dim, dtype, "cpu")
+                m.kv_cache = KVCache(spec.num_blocks, m.n_kv_heads, spec.block_size, m.head_dim,
+                                     dtype, "cpu")
             self.rope = None if a.learned_pos else rope_table(a, spec.max_seq)
         src.close()
         trim_heap()  # the load's transients, freed, stay resident otherwise
@@ -122,13 +124,14 @@ class ColdExecutor:
                 and (head is None or head[1] < 0)):
             return None
         n_heads = self.attn[0].n_heads if self.attn else 0
+        scale = self.attn[0].scale if self.attn else 1.0
         cos, sin = self.rope if self.rope is not None else (None, None)
         cols = lambda rows, j: [r[j] for r in rows]  # noqa: E731
         return (self.x.base, self.part.base, self.part.capacity, self.spec.dim,
                 dtype == torch.bfloat16, self.x.spin_us, [DECODE, HEAD, ATTN],
                 kernels.ACTS.index(act), *(cols(ffn, j) for j in range(4)),
                 *(cols(attn, j) for j in range(7)), n_heads, cos, sin, self.args.sliding_window,
-                None if head is None or head[1] < 0 else head[0], 0 if head is None else head[1])
+                scale, None if head is None or head[1] < 0 else head[0], 0 if head is None else head[1])
 
     def _next(self) -> FFNInput:
         """The next message this loop answers in Python (the native loop answers the others)."""
@@ -164,12 +167,13 @@ class ColdExecutor:
                     continue
                 B, T = got.B, got.T
                 if got.op == ATTN:  # its heads' share of the attention output
-                    at = spec.attn_layout(B, T)
-                    pos = self.x.view(torch.int64, (B, T), at.positions)
-                    slots = self.x.view(torch.int64, (B,), at.slots)
-                    rope, mask = attention_inputs(self.args, self.rope, pos, got.extra)
+                    S, at = got.extra, spec.attn_layout(B * T, got.extra)
+                    pos = self.x.view(torch.int64, (B * T,), at.positions)
+                    kv = KVTables(self.x.view(torch.int64, (S + 1,), at.starts),
+                                  self.x.view(torch.int32, (S, got.width), at.tables))
+                    rope = None if self.rope is None else tuple(t[pos] for t in self.rope)
                     y = self.attn[got.layer](self.x.view(spec.torch_dtype, (B, T, spec.dim)),
-                                             rope, mask, slots, pos, got.extra)
+                                             rope, pos, kv)
                     self.part.put(y.float())
                     send(self.part, Partial(got.layer, B * T))
                     self.busy_s += time.perf_counter() - t0

@@ -45,10 +45,10 @@ def wants_gpu(config: Config) -> bool:
 
 class ActorGroup:
     def __init__(self, model: ModelFile, tokenizer, config: Config, plan: SparsePlan,
-                 max_seq: int, spin_us: float = SPIN_US):
+                 max_seq: int, num_blocks: int, spin_us: float = SPIN_US):
         self.model, self.tokenizer, self.args = model, tokenizer, model.args
         self.config, self.plan = config, plan
-        self.max_seq, self.spin_us = max_seq, spin_us
+        self.max_seq, self.num_blocks, self.spin_us = max_seq, num_blocks, spin_us
         self.cores: CorePlan | None = None
         self.actors: dict[str, ray.actor.ActorHandle] = {}
         self.loops: list[ray.ObjectRef] = []
@@ -76,7 +76,11 @@ class ActorGroup:
         self.cores = plan_cores(topo, n)
         distinct_cold = {x for g in self.cores.cold for x in g} - set(self.cores.hot)
         hot_share = len(self.cores.hot) / (len(self.cores.hot) + len(distinct_cold))
-        self.spec = PlaneSpec.new(n, c.max_batch + 1, self.max_seq, self.args, c.torch_dtype,
+        # a step: every running sequence and the probe, their decode rows and one prompt chunk
+        # (a whole prompt where prefill is not chunked); the pool's blocks and the probe's
+        chunk = c.prefill_chunk or self.max_seq
+        self.spec = PlaneSpec.new(n, c.max_batch + 1, c.max_batch + 1 + chunk, self.max_seq,
+                                  self.num_blocks + 1, c.block_size, self.args, c.torch_dtype,
                                   self.spin_us)
         self.spec.create_all()
         try:
@@ -119,7 +123,8 @@ class ActorGroup:
             # every open stream is a call in flight: admission control is the scheduler's
             # queue, not Ray's
             self.actors["scheduler"] = place(Scheduler, n + 2, concurrency=10_000).remote(
-                spec, self.model, self.tokenizer, c, self.cores.hot, self._spare())
+                spec, self.model, self.tokenizer, c, self.cores.hot, self._spare(),
+                sparse=p.bundle is not None)
             names = list(self.actors)
             infos = ray.get([a.ready.remote() for a in self.actors.values()], timeout=START_TIMEOUT_S)
             self.info = dict(zip(names, infos))

@@ -1,13 +1,23 @@
 """The engine handle: the narrow interface the Serve app and the Python API use (generate
 stream, tokenize, health, stats), over one model's actor group, which it supervises.
 
-When an actor of the group dies or fails, the requests it was serving end with a retryable
-`EngineFailedError`; a monitor thread (or the failing request itself) tears the group down and
-starts a new one, and requests that arrive meanwhile wait for it.
+When an actor of the group dies or fails (any of them, the scheduler included), a monitor
+thread (or the failing request itself) tears the group down and starts a new one, and requests
+that arrive meanwhile wait for it. The requests in flight are not lost: the handle keeps each
+one's prompt, its sampling parameters (with a seed fixed at the start, so that a sampled request
+draws what it would have drawn) and the tokens its caller has had, and once the new group is up
+it sends the request again with those tokens to resume from: the scheduler replays them,
+prefills prompt and tokens, and the stream goes on where it stopped. The caller sees a pause.
+A request is resumed once per failure of the group it runs on, at most MAX_RESUMES times; it
+ends with a retryable `EngineFailedError` only if the rebuild fails or takes longer than
+RESUME_WAIT_S.
 """
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import logging
+import secrets
 import threading
 import time
 import types
@@ -21,6 +31,7 @@ from cluster.topology import numa_resources
 from powerinfer.compat import ray_init
 from powerinfer.config import Config, SamplingParams
 from powerinfer.batching import context_length
+from powerinfer.kv import BlockManager, describe, pool_blocks
 from powerinfer.errors import (EngineFailedError, InvalidRequestError, OverloadedError,
                                PowerInferError)
 from powerinfer.convert import kernel_ready
@@ -33,9 +44,26 @@ from powerinfer.tokenizer import Tokenizer
 from .group import ActorGroup, wants_gpu
 from .plane import SPIN_US
 
+log = logging.getLogger("powerinfer")
 ERRORS = {"overloaded": OverloadedError, "engine_failed": EngineFailedError,
           "invalid_request": InvalidRequestError}
 REBUILD_WAIT_S = 300
+RESUME_WAIT_S = 120  # a request in flight waits this long for the rebuilt group
+MAX_RESUMES = 3  # a request that fails every group it runs on is not resumed forever
+
+
+@dataclasses.dataclass(eq=False)
+class _Flight:
+    """One request in flight: what it needs to go on after its group fails."""
+    rid: str
+    prompt: list[int]
+    params: SamplingParams
+    sent: list[int] = dataclasses.field(default_factory=list)  # the tokens its caller has had
+    resumes: int = 0
+
+    def took(self, ev: dict):
+        if ev["token"] >= 0:
+            self.sent.append(ev["token"])
 
 
 def _cancel(group: ActorGroup, rid: str):
@@ -53,12 +81,17 @@ class ActorEngine:
         self.tokenizer = Tokenizer.from_source(ckpt.tokenizer_source)
         self.args, self.config, self.path = ckpt.args, config, ckpt.path
         self.model = ckpt.model_file()  # parsed once here; the executors read through it
-        self.max_seq = context_length(ckpt.args, config)
+        context, elt = context_length(ckpt.args, config), config.torch_dtype.itemsize
+        self.kv_blocks, why = pool_blocks(ckpt.args, config, context, elt)
+        self.max_seq = min(context, BlockManager(self.kv_blocks, config.block_size).capacity)
+        log.info("KV cache: %s (%s), a sequence reaches %d positions",
+                 describe(self.kv_blocks, ckpt.args, config, elt), why, self.max_seq)
         ray_init(resources=numa_resources())  # a local instance advertises the NUMA nodes
-        self.plan = (plan_for(config, ckpt.args, ckpt.path, self.max_seq, wants_gpu(config))
+        self.plan = (plan_for(config, ckpt.args, ckpt.path, self.kv_blocks * config.block_size,
+                              wants_gpu(config))
                      or SparsePlan.dense(ckpt.args))
         self._spin = spin_us
-        self.restarts, self.last_failure = 0, None
+        self.restarts, self.last_failure, self.rebuild_failures = 0, None, 0
         self._lock = threading.Lock()
         self._ready = threading.Event()
         self._closed = False
@@ -69,7 +102,7 @@ class ActorEngine:
 
     def _new_group(self) -> ActorGroup:
         return ActorGroup(self.model, self.tokenizer, self.config, self.plan, self.max_seq,
-                          self._spin).start()
+                          self.kv_blocks, self._spin).start()
 
     # ---- the interface ----
     def tokenize(self, text: str, add_bos: bool | None = None) -> list[int]:
@@ -79,25 +112,70 @@ class ActorEngine:
                  request_id: str | None = None) -> Iterator[dict]:
         """Stream events ({"text", "token", "finish_reason"}) for one request; raises a
         PowerInferError subclass on failure (retryable ones carry `retryable = True`)."""
-        group, rid = self._group(), request_id or uuid.uuid4().hex
-        with self._request(group, rid) as req:
-            for ref in group.scheduler.generate.remote(rid, list(prompt), params):
-                for ev in self._events(group, ray.get(ref)):
-                    req.ended = req.ended or bool(ev["finish_reason"])
-                    yield ev
+        f, group = self._flight(prompt, params, request_id), self._group()
+        while True:
+            try:
+                with self._request(group, f.rid) as req:
+                    for ref in self._submit(group, f):
+                        for ev in self._events(group, ray.get(ref)):
+                            f.took(ev)
+                            req.ended = req.ended or bool(ev["finish_reason"])
+                            yield ev
+                return
+            except EngineFailedError:
+                group = self._resume_group(group, f)
 
     async def agenerate(self, prompt: list[int], params: SamplingParams,
                         request_id: str | None = None) -> AsyncIterator[list[dict]]:
         """`generate` for asyncio callers (the Serve app), in lists of the events that arrived
         together (a caller that falls behind gets fewer, larger items)."""
         import asyncio
-        group = await asyncio.get_running_loop().run_in_executor(None, self._group)
-        rid = request_id or uuid.uuid4().hex
-        with self._request(group, rid) as req:
-            async for ref in group.scheduler.generate.remote(rid, list(prompt), params):
-                events = list(self._events(group, await ref))
-                req.ended = req.ended or any(ev["finish_reason"] for ev in events)
-                yield events
+        loop = asyncio.get_running_loop()
+        f, group = self._flight(prompt, params, request_id), await loop.run_in_executor(None, self._group)
+        while True:
+            try:
+                with self._request(group, f.rid) as req:
+                    async for ref in self._submit(group, f):
+                        events = list(self._events(group, await ref))
+                        for ev in events:
+                            f.took(ev)
+                        req.ended = req.ended or any(ev["finish_reason"] for ev in events)
+                        yield events
+                return
+            except EngineFailedError:
+                group = await loop.run_in_executor(None, self._resume_group, group, f)
+
+    @staticmethod
+    def _flight(prompt: list[int], params: SamplingParams, request_id: str | None) -> _Flight:
+        if not params.greedy and params.seed is None:  # drawn here: a resumed request keeps it
+            params = dataclasses.replace(params, seed=secrets.randbits(63))
+        return _Flight(request_id or uuid.uuid4().hex, list(prompt), params)
+
+    @staticmethod
+    def _submit(group: ActorGroup, f: _Flight):
+        return group.scheduler.generate.remote(f.rid, f.prompt, f.params, resume=f.sent or None)
+
+    def _resume_group(self, failed: ActorGroup, f: _Flight) -> ActorGroup:
+        """The group that replaces `failed`, for request f to resume on; the retryable error
+        when it may not (too many resumes, the rebuild failed or takes too long, shutdown)."""
+        f.resumes += 1
+        if f.resumes > MAX_RESUMES:
+            raise EngineFailedError(f"the request failed {f.resumes} groups in a row; send it "
+                                    "again later")
+        failures, deadline = self.rebuild_failures, time.monotonic() + RESUME_WAIT_S
+        while True:
+            if self._closed:
+                raise EngineFailedError("the engine was shut down")
+            if self._ready.wait(0.2) and self.group is not failed:
+                log.info("request %s resumes after %d tokens on the rebuilt group", f.rid,
+                         len(f.sent))
+                return self.group
+            if self.rebuild_failures > failures:
+                raise EngineFailedError(f"the model's actor group could not be rebuilt "
+                                        f"({self.last_failure}); send the request again later")
+            if time.monotonic() > deadline:
+                raise EngineFailedError(f"the model's actor group was not rebuilt within "
+                                        f"{RESUME_WAIT_S} s; send the request again later")
 
     @contextlib.contextmanager
     def _request(self, group: ActorGroup, rid: str):
@@ -188,8 +266,9 @@ class ActorEngine:
             try:
                 group = self._new_group()
                 break
-            except Exception as e:  # noqa: BLE001 - keep trying; requests wait meanwhile
+            except Exception as e:  # noqa: BLE001 - keep trying; new requests wait meanwhile
                 self.last_failure = f"rebuild failed: {type(e).__name__}: {e}"
+                self.rebuild_failures += 1  # the requests waiting to resume give up
                 time.sleep(2)
         with self._lock:
             self.group = group

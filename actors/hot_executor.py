@@ -34,7 +34,7 @@ from powerinfer.config import Config
 from powerinfer import kernels
 from powerinfer.compat import compile_per_instance, trim_heap
 from powerinfer.loader import ModelFile
-from powerinfer.model import held_bytes
+from powerinfer.model import KVTables, held_bytes
 from powerinfer.partial import head_rows, hot_model
 from powerinfer.plan import SparsePlan
 from powerinfer.quant import apply_kernel_linears, neuron_format
@@ -77,12 +77,12 @@ class DataPlane:
         return t.to(self.device, non_blocking=True)
 
     def send_rows(self, x: torch.Tensor, op: int, layer: int, *more: torch.Tensor,
-                  word4: int = 0) -> torch.Tensor:
+                  words: tuple = ()) -> torch.Tensor:
         """x (rows, T, dim) and `more` (see `PlaneSpec.attn_layout`) to every cold executor on
-        `x` (native); returns the copy of x that later work must read, which keeps the send
-        ahead of it in a compiled step."""
+        `x` with the message's further `words` (native); returns the copy of x that later work
+        must read, which keeps the send ahead of it in a compiled step."""
         return torch.ops.powerinfer.ch_send([x, *more], self.x.base, self.x.capacity, op, layer,
-                                            word4)
+                                            list(words))
 
     def partial(self, k: int, like: torch.Tensor, width: int) -> torch.Tensor:
         """Cold executor k's answer, float32 (like.shape[:-1], width) (native): read after
@@ -146,21 +146,22 @@ class RemoteFFN(nn.Module):
 
 class RemoteAttention(nn.Module):
     """A layer's attention split by KV heads (on a CPU, native exchanges): its input goes out
-    with the step's positions and cache rows first, this process computes its own heads' share
-    of the output projection while the cold executors compute theirs, then the float32 shares
-    and the output bias add up before one rounding."""
+    with the step's positions, sequence starts and block tables first, this process computes its
+    own heads' share of the output projection while the cold executors compute theirs (each
+    executor's pool holds its heads at the same block ids), then the float32 shares and the
+    output bias add up before one rounding."""
 
     def __init__(self, own: nn.Module, io: DataPlane, layer: int, o_bias: torch.Tensor | None):
         super().__init__()
         self.own, self.io, self.layer = own, io, layer
         self.o_bias = None if o_bias is None else nn.Parameter(o_bias, requires_grad=False)
 
-    def forward(self, x, rope, mask, slots, pos, kv_len):
-        # x: (B, T, dim) the normed layer input; pos: (B, T); slots: (B,) or None (rows 0..B-1)
-        io, (B, T, dim) = self.io, x.shape
-        rows = torch.arange(B, device=x.device) if slots is None else slots
-        xs = io.send_rows(x, ATTN, self.layer, pos, rows, word4=kv_len)
-        y = self.own(xs, rope, mask, slots, pos, kv_len)  # float32
+    def forward(self, x, rope, pos, kv):
+        # x: (B, T, dim) the normed layer input; pos: (B*T,); kv: the step's KVTables
+        io, dim = self.io, x.shape[-1]
+        xs = io.send_rows(x, ATTN, self.layer, pos, kv.starts, kv.tables,
+                          words=(kv.tables.shape[0], kv.tables.shape[1]))
+        y = self.own(xs, rope, pos, kv)  # float32
         like = y  # read the answers after our share
         for k in range(len(io.parts)):
             y = y + io.partial(k, like, dim)
@@ -240,7 +241,7 @@ class HotExecutor:
             if self.io.lookahead:  # the layer input goes to the predictor before attention
                 block.register_forward_pre_hook(self._lookahead(i))
         model.to(self.device)
-        model.setup_cache(spec.batch, spec.max_seq)
+        model.setup_pool(spec.num_blocks, spec.block_size, spec.max_seq)  # (its heads' share)
         if kv is not None:  # (the cache is its heads')
             for i, block in enumerate(model.layers):
                 block.attn = RemoteAttention(block.attn, self.io, i, o_bias[i])
@@ -287,14 +288,15 @@ class HotExecutor:
                     io.stop()
                     return "stopped"
                 t0 = time.perf_counter()
-                B, T, at = step.B, step.T, spec.ctl_layout(step.B, step.T)
+                B, T, at = step.B, step.T, spec.ctl_layout(step.B * step.T, step.S, step.M)
                 tokens, pos = (io.to_device(io.ctl.view(torch.int64, (B, T), o))
                                for o in (at.tokens, at.positions))
-                slots, last = (io.to_device(io.ctl.view(torch.int64, (B,), o))
-                               for o in (at.slots, at.last))
+                kv = KVTables(io.to_device(io.ctl.view(torch.int64, (step.S + 1,), at.starts)),
+                              io.to_device(io.ctl.view(torch.int32, (step.S, step.M), at.tables)))
+                last = io.to_device(io.ctl.view(torch.int64, (step.K,), at.last))
                 run = self.model if step.op == PREFILL else self._decode
                 try:
-                    logits = run(tokens, pos, step.kv_len, slots, last if step.op == PREFILL else None)
+                    logits = run(tokens, pos, kv, last)
                 except (PeerDied, ChannelClosed):
                     raise
                 except Exception as e:  # a bug or a bad step: report it, the group is rebuilt
@@ -302,8 +304,8 @@ class HotExecutor:
                         raise gone from None
                     self._error(f"{type(e).__name__}: {e}\n{traceback.format_exc(limit=4)}")
                     raise
-                io.out.put(logits.reshape(B, spec.vocab))
-                send(io.out, Reply(OK, B))
+                io.out.put(logits.reshape(step.K, spec.vocab))
+                send(io.out, Reply(OK, step.K))
                 self.steps += 1
                 self.step_s += time.perf_counter() - t0
         except (PeerDied, ChannelClosed) as e:

@@ -1,17 +1,22 @@
 """The channels of one model's group, who writes and who reads each, and the step protocol.
 
     channel  writer -> readers       header (the NamedTuple below); payload
-    ctl      scheduler -> hot        Step; tokens, positions, slots, last (at `ctl_layout`)
-    out      hot -> scheduler        Reply; logits (B, vocab) fp32, or an error's text
+    ctl      scheduler -> hot        Step; tokens, positions, sequence starts, block tables and
+                                     the sampled tokens' indices (at `ctl_layout`)
+    out      hot -> scheduler        Reply; logits (K, vocab) fp32, or an error's text
     pred_in  hot -> predictor        PredictorInput (decode only); its input (B, dim) fp32
     mask     predictor -> hot        Masks; per-row predicted-active neurons (B, ffn_dim) bool
     x        hot -> cold (all)       FFNInput; FFN input (B*T, dim) [, masks at `mask_offset`],
                                      or (op HEAD) the normed rows the output head reads, or
-                                     (op ATTN) the attention input (B*T, dim), positions (B, T)
-                                     and cache rows (B,) at `attn_layout`
+                                     (op ATTN) the attention input (B*T, dim), positions (B*T,),
+                                     sequence starts (S+1,) and block tables (S, M) int32 at
+                                     `attn_layout`
     part.k   cold k -> hot           Partial; its partial FFN output (rows, dim) fp32, or (HEAD)
                                      its vocabulary rows' logits (rows, its share) fp32, or
                                      (ATTN) its heads' share of the attention output (rows, dim)
+
+A step's tokens are flat, sequence by sequence (`model.KVTables`): (S, 1) for a decode step
+(every sequence one token), (1, N) for any other mix of prompt chunks and decode rows.
 
 A header's first word of a message a loop reads (Step, PredictorInput, FFNInput) is the op;
 STOP alone ends the reader's loop. Per decode layer the hot executor sends the layer input on
@@ -21,8 +26,9 @@ the masks on `x`, computes its hot neurons, and adds every `part.k`. On a CPU th
 split the same way by vocabulary rows (`head_ranges`): after the last layer the hot executor
 sends the normed rows with op HEAD and computes its share while the cold executors compute
 theirs. Without a predictor on a CPU, attention is split too (`kv_ranges`): before each
-layer's attention the hot executor sends its input (op ATTN, the 5th word the step's kv_len),
-each executor computes the heads of its KV heads and their share of the output projection,
+layer's attention the hot executor sends its input (op ATTN, words 5 and 6 the step's
+sequences and its block tables' width), each executor computes the heads of its KV heads (in its
+own paged pool, at the same block ids) and their share of the output projection,
 and the shares add up on the hot side. Every reply proves the
 readers are done with the message before it, so the channels need one buffer each.
 """
@@ -81,10 +87,12 @@ def split_kv(n_kv: int, n_cold: int, hot_share: float, enabled: bool) -> list[tu
 
 
 class Step(NamedTuple):
-    op: int  # PREFILL, DECODE or STOP
-    B: int
+    op: int  # PREFILL (any mix of prompt chunks and decode rows), DECODE (one token each) or STOP
+    B: int  # the tokens' shape (B, T): (S, 1) or (1, N)
     T: int
-    kv_len: int
+    S: int  # sequences
+    M: int  # the block tables' width
+    K: int  # tokens whose logits are wanted (the sampled sequences' last)
 
 
 class Reply(NamedTuple):
@@ -108,7 +116,8 @@ class FFNInput(NamedTuple):  # a message on `x`
     layer: int  # -1 for HEAD
     B: int
     T: int
-    extra: int  # PREFILL/DECODE: 1 if per-row masks follow the rows; ATTN: the step's kv_len
+    extra: int  # PREFILL/DECODE: 1 if per-row masks follow the rows; ATTN: the step's sequences
+    width: int = 0  # ATTN: the block tables' width
 
 
 class Partial(NamedTuple):  # its payload float32: partial sums add up before one rounding
@@ -118,17 +127,19 @@ class Partial(NamedTuple):  # its payload float32: partial sums add up before on
 
 class AttnLayout(NamedTuple):
     """Byte offsets of an ATTN message's tensors on `x`."""
-    rows: int  # (B, T, dim) the attention input, in the model's dtype
-    positions: int  # (B, T) int64
-    slots: int  # (B,) int64: the cache rows
+    rows: int  # (N, dim) the attention input, in the model's dtype
+    positions: int  # (N,) int64
+    starts: int  # (S + 1,) int64
+    tables: int  # (S, M) int32
 
 
 class CtlLayout(NamedTuple):
     """Byte offsets of a step's tensors on `ctl`."""
-    tokens: int  # (B, T) int64
-    positions: int  # (B, T) int64
-    slots: int  # (B,) int64
-    last: int  # (B,) int64, the prompt's last position (prefill)
+    tokens: int  # (N,) int64
+    positions: int  # (N,) int64
+    starts: int  # (S + 1,) int64
+    tables: int  # (S, M) int32
+    last: int  # (K,) int64: flat indices of the tokens whose logits are wanted
 
 
 Header = TypeVar("Header", Step, Reply, PredictorInput, Masks, FFNInput, Partial)
@@ -145,12 +156,16 @@ def receive(ch: Channel, kind: type[Header], timeout: float | None = None) -> He
 
 @dataclass(frozen=True)
 class PlaneSpec:
-    """Sizes and segment paths of a group's channels; every actor receives it."""
+    """Sizes and segment paths of a group's channels, and of the paged KV cache every
+    attention-holding executor allocates (the same block ids in each); every actor receives it."""
     owner: int
     group: str
     n_cold: int
-    batch: int  # KV slots, the health probe's included
-    max_seq: int
+    batch: int  # sequences a step, the health probe's included
+    tokens: int  # tokens a step: decode rows and prompt chunks
+    max_seq: int  # positions a sequence reaches
+    num_blocks: int  # KV cache blocks, the health probe's included (the last)
+    block_size: int
     dim: int
     ffn_dim: int
     vocab: int
@@ -159,10 +174,11 @@ class PlaneSpec:
     paths: dict = field(default_factory=dict)
 
     @classmethod
-    def new(cls, n_cold: int, batch: int, max_seq: int, args, dtype: torch.dtype,
-            spin_us: float = SPIN_US) -> "PlaneSpec":
-        spec = cls(os.getpid(), uuid.uuid4().hex[:8], n_cold, batch, max_seq, args.dim,
-                   args.ffn_dim, args.vocab_size, str(dtype).removeprefix("torch."), spin_us)
+    def new(cls, n_cold: int, batch: int, tokens: int, max_seq: int, num_blocks: int,
+            block_size: int, args, dtype: torch.dtype, spin_us: float = SPIN_US) -> "PlaneSpec":
+        spec = cls(os.getpid(), uuid.uuid4().hex[:8], n_cold, batch, tokens, max_seq, num_blocks,
+                   block_size, args.dim, args.ffn_dim, args.vocab_size,
+                   str(dtype).removeprefix("torch."), spin_us)
         for name in spec.capacities():
             spec.paths[name] = str(segment_path(spec.owner, spec.group, name))
         return spec
@@ -171,29 +187,36 @@ class PlaneSpec:
     def torch_dtype(self) -> torch.dtype:
         return getattr(torch, self.dtype)
 
+    @property
+    def max_blocks(self) -> int:
+        """The widest block table: a sequence at max_seq positions."""
+        return -(-self.max_seq // self.block_size)
+
     def capacities(self) -> dict[str, int]:
-        B, S, es = self.batch, self.max_seq, self.torch_dtype.itemsize
-        rows = align(B * S * self.dim * es)
-        caps = {"ctl": 2 * align(B * S * 8) + 2 * align(B * 8),
-                "out": max(align(B * self.vocab * 4), ERROR_BYTES),
-                "pred_in": align(B * self.dim * 4),
-                "mask": align(B * self.ffn_dim),
-                # after the rows: masks, or an attention step's positions and cache rows
-                "x": rows + max(align(B * self.ffn_dim), align(B * S * 8) + align(B * 8))}
+        S, N, M, es = self.batch, self.tokens, self.max_blocks, self.torch_dtype.itemsize
+        where = align(N * 8) + align((S + 1) * 8) + align(S * M * 4)  # positions, starts, tables
+        caps = {"ctl": align(N * 8) + where + align(S * 8),
+                "out": max(align(S * self.vocab * 4), ERROR_BYTES),
+                "pred_in": align(S * self.dim * 4),
+                "mask": align(S * self.ffn_dim),
+                # after the rows: masks, or an attention step's positions, starts and tables
+                "x": align(N * self.dim * es) + max(align(S * self.ffn_dim), where)}
         # partial sums in float32 at most, or a cold executor's rows of the head (at most all)
-        part = max(align(B * S * self.dim * 4), align(B * self.vocab * 4))
+        part = max(align(N * self.dim * 4), align(S * self.vocab * 4))
         caps.update({f"part.{k}": part for k in range(self.n_cold)})
         return caps
 
     @staticmethod
-    def ctl_layout(B: int, T: int) -> CtlLayout:
-        pos = align(B * T * 8)
-        slots = pos + align(B * T * 8)
-        return CtlLayout(0, pos, slots, slots + align(B * 8))
+    def ctl_layout(N: int, S: int, M: int) -> CtlLayout:
+        pos = align(N * 8)
+        starts = pos + align(N * 8)
+        tables = starts + align((S + 1) * 8)
+        return CtlLayout(0, pos, starts, tables, tables + align(S * M * 4))
 
-    def attn_layout(self, B: int, T: int) -> AttnLayout:
-        positions = align(B * T * self.dim * self.torch_dtype.itemsize)
-        return AttnLayout(0, positions, positions + align(B * T * 8))
+    def attn_layout(self, N: int, S: int) -> AttnLayout:
+        positions = align(N * self.dim * self.torch_dtype.itemsize)
+        starts = positions + align(N * 8)
+        return AttnLayout(0, positions, starts, starts + align((S + 1) * 8))
 
     def mask_offset(self, rows: int) -> int:
         """Where the masks start on `x`, after `rows` rows of FFN input."""

@@ -1,18 +1,22 @@
 """Scheduler actor: the request queue and admission control, cancellation, and token streaming
 back to callers, around the batching core the in-process engine runs too (`powerinfer.batching`:
-continuous batching, KV slots, sampling and stop rules).
+continuous batching over the paged KV cache, prefix caching, chunked prefill, sampling and stop
+rules). It holds the pool's bookkeeping (`powerinfer.kv`); the executors hold the blocks.
 
-Each iteration runs the core's next step: a prefill of the waiting requests that got a free KV
-slot (dense, batched, right-padded) or one decode step over every running sequence. Steps go
-to the hot executor on `ctl` and logits come back on `out`; the loop runs in its own thread,
-callers' streams are asyncio queues fed from it. A full queue answers "overloaded"; a
-cancelled request frees its slot at the next iteration; a dead or failed executor ends every
-request with a retryable error and stops the loop (the group is then rebuilt by its owner).
+Each iteration runs the core's next step: every running sequence's next token or prompt chunk,
+and the waiting requests that fit. Steps go to the hot executor on `ctl` and logits come back
+on `out`; the loop runs in its own thread, callers' streams are asyncio queues fed from it. A
+full queue answers "overloaded"; a cancelled request frees its blocks at the next iteration; a
+dead or failed executor ends every request with a retryable error that says how far it got
+(its owner resumes it on the rebuilt group, `actors.handle`) and stops the loop.
 
 Stream items are lists of events (what arrived since the caller last read), each a dict:
 {"text", "token", "finish_reason"} or {"error", "message", "retryable"}. A request's first token
-event also has "queue_s" (its wait for a batch slot); with `SamplingParams.logprobs` set, token
-events have "logprob" and "top_logprobs" ([(token, logprob)], most likely first).
+event also has "queue_s" (its wait to be admitted) and "cached_tokens" (prompt tokens found in
+the prefix cache); with `SamplingParams.logprobs` set, token events have "logprob" and
+"top_logprobs" ([(token, logprob)], most likely first). A request may bring `resume`, tokens it
+was sampled before on a group that failed: they are replayed (not sent again) and prefilled with
+its prompt, and the stream goes on from there.
 """
 from __future__ import annotations
 
@@ -28,8 +32,9 @@ from cluster.topology import pin_threads, process_memory
 
 from powerinfer.config import Config, SamplingParams
 from powerinfer import batching
-from powerinfer.batching import Batcher, Output, Sequence, context_length, new_sequence
+from powerinfer.batching import Batcher, Output, Sequence, new_sequence
 from powerinfer.errors import InvalidRequestError
+from powerinfer.kv import BlockManager, Blocks
 from powerinfer.loader import ModelFile
 from powerinfer.tokenizer import Tokenizer
 
@@ -60,30 +65,35 @@ class GroupFailure(Exception):
 
 class Scheduler:
     def __init__(self, spec: PlaneSpec, model: ModelFile, tokenizer: Tokenizer, config: Config,
-                 cores: tuple[int, ...] = (), spare: tuple[int, ...] = ()):
+                 cores: tuple[int, ...] = (), spare: tuple[int, ...] = (), sparse: bool = False):
+        # sparse: decode rows compute their predicted neurons only: steps mixing them with
+        # prompt chunks run as two (`batching.Step.parts`)
         # the driver's tokenizer and tensor table: this process never parses the model file
-        self.tokenizer, self.cores = tokenizer, cores
+        self.tokenizer, self.cores, self.sparse = tokenizer, cores, sparse
         if spare:  # Ray's threads and the event loop that streams tokens out: off the hot core
             pin_threads(spare)
         self.spec, self.config, self.vocab = spec, config, model.args.vocab_size
-        self.max_seq = min(context_length(model.args, config), spec.max_seq)
+        self.max_seq = spec.max_seq
         self.ctl, self.out = spec.open("ctl", writer=True), spec.open("out")
-        self.probe_slot = spec.batch - 1  # reserved for health probes
-        self.batcher = Batcher(config.max_batch, self.max_seq)
+        self.probe_block = spec.num_blocks - 1  # reserved for health probes
+        self.blocks = BlockManager(spec.num_blocks - 1, spec.block_size, config.prefix_cache)
+        self.batcher = Batcher(self.blocks, config.max_batch, self.max_seq, config.prefill_chunk)
         self.by_id: dict[str, Request] = {}  # waiting and running
         self.cv = threading.Condition()
         self.broken: str | None = None
         self.stopping = False
         self.counters = {"requests": 0, "finished": 0, "cancelled": 0, "rejected": 0,
                          "failed": 0, "tokens": 0, "prefill_steps": 0, "decode_steps": 0,
-                         "decode_rows": 0, "prefill_s": 0.0, "decode_s": 0.0}
+                         "decode_rows": 0, "prefill_tokens": 0, "prefill_s": 0.0,
+                         "decode_s": 0.0}
         self.done: asyncio.Future | None = None
         self.thread = threading.Thread(target=self._loop, name="scheduler", daemon=True)
         self.thread.start()
 
     async def ready(self) -> dict:
         return {"max_batch": self.config.max_batch, "max_queue": self.config.max_queue,
-                "max_seq": self.max_seq, "pid": os.getpid(), "node_id": node_id()}
+                "max_seq": self.max_seq, "blocks": self.blocks.num_blocks, "pid": os.getpid(),
+                "node_id": node_id()}
 
     async def run(self) -> str:
         """Returns when the loop ends: the owner's monitor learns of a failure this way."""
@@ -93,15 +103,21 @@ class Scheduler:
 
     # ---- requests (event-loop side) ----
     async def generate(self, rid: str, prompt: list[int], params: SamplingParams,
-                       probe: bool = False):
+                       probe: bool = False, resume: list[int] | None = None):
         loop = asyncio.get_running_loop()
         try:
             seq = new_sequence(prompt, params, self.tokenizer, self.vocab, self.max_seq)
+            if resume:
+                seq.replay(resume)
+                if seq.finished or seq.num_tokens > self.max_seq:
+                    raise InvalidRequestError("a resumed request had already ended")
         except InvalidRequestError as e:
             yield [{"error": "invalid_request", "message": str(e), "retryable": False}]
             return
         req = Request(rid, seq, asyncio.Queue(), loop)
-        seq.key, seq.slot = req, self.probe_slot if probe else -1
+        seq.key = req
+        if probe:  # its own block, outside the pool: a probe is admitted even when it is full
+            seq.blocks = Blocks([self.probe_block], reserved=True)
         with self.cv:
             problem = self._admit_problem(rid, probe)
             if problem is None:
@@ -131,12 +147,12 @@ class Scheduler:
         if rid in self.by_id:
             return {"error": "invalid_request", "retryable": False,
                     "message": f"request id {rid!r} is already running"}
-        # requests that arrived together wait here until the loop admits them to free slots
+        # requests that arrived together wait here until the loop admits them
         queued = self.batcher.queued
         if not probe and queued >= self.config.max_queue:
             self.counters["rejected"] += 1
             return {"error": "overloaded", "retryable": True,
-                    "message": f"overloaded: {queued} requests already wait for a batch slot "
+                    "message": f"overloaded: {queued} requests already wait to be admitted "
                                f"(Config.max_queue={self.config.max_queue})"}
         return None
 
@@ -153,7 +169,7 @@ class Scheduler:
             return True
 
     async def health(self, timeout: float = 30.0) -> dict:
-        """One token through every actor of the group (probe slot, greedy)."""
+        """One token through every actor of the group (the probe's own block, greedy)."""
         t0 = time.perf_counter()
         params = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
         events = []
@@ -170,9 +186,11 @@ class Scheduler:
     async def stats(self) -> dict:
         with self.cv:
             c = dict(self.counters)
-            b = self.batcher
+            b, kv = self.batcher, self.blocks
             c.update(waiting=len(b.waiting), running=len(b.running), broken=self.broken,
-                     free_slots=len(b.free))
+                     preemptions=b.preemptions, kv_blocks=kv.num_blocks,
+                     kv_blocks_free=kv.available, kv_usage=kv.usage,
+                     prefix_queries=kv.queries, prefix_hits=kv.hits)
         steps = c["decode_steps"]
         c["decode_ms_per_step"] = c["decode_s"] / steps * 1e3 if steps else 0.0
         c["mean_batch"] = c["decode_rows"] / steps if steps else 0.0
@@ -200,17 +218,22 @@ class Scheduler:
                         break
                     self._drop_cancelled()
                     step = self.batcher.schedule()
-                if step is None:
+                if step is None:  # nothing admissible now (no room): wait for a change
+                    with self.cv:
+                        self.cv.wait(0.01)
                     continue
                 t0 = time.perf_counter()
-                logits = self._run(step)
+                parts = step.parts(self.sparse)
+                logits = self._run(parts[0]) if len(parts) == 1 else \
+                    torch.cat([self._run(p).clone() for p in parts])
                 with self.cv:
                     outs = self.batcher.postprocess(step, logits)
                 self._emit(outs, t0)
-                kind = "prefill" if step.prefill else "decode"
+                kind = "decode" if step.decode else "prefill"
                 self.counters[f"{kind}_steps"] += 1
                 self.counters[f"{kind}_s"] += time.perf_counter() - t0
-                self.counters["decode_rows"] += 0 if step.prefill else len(step.seqs)
+                self.counters["decode_rows"] += len(step.seqs) if step.decode else 0
+                self.counters["prefill_tokens"] += step.prefill_tokens
             self.ctl.publish(STOP)
         except GroupFailure as e:
             self.broken = str(e)
@@ -220,7 +243,6 @@ class Scheduler:
                            "rebuilt, send the request again", True)
                     self.counters["failed"] += 1
                 self.by_id.clear()
-                self.batcher = Batcher(self.config.max_batch, self.max_seq)
 
     def _drop_cancelled(self):
         for req in [r for r in self.by_id.values() if r.cancelled]:
@@ -238,6 +260,7 @@ class Scheduler:
                 event = {"text": out.text, "token": out.token, "finish_reason": out.finish_reason}
                 if out.first:
                     event["queue_s"] = t0 - req.arrived
+                    event["cached_tokens"] = out.seq.cached
                 if out.logprob is not None:
                     event["logprob"], event["top_logprobs"] = out.logprob, out.top_logprobs
                 req.emit(event)
@@ -248,14 +271,16 @@ class Scheduler:
                     self.by_id.pop(req.id, None)
 
     def _run(self, step: batching.Step) -> torch.Tensor:
-        """The step on the hot executor; its logits (B, vocab), a view of `out`."""
+        """The step on the hot executor; its logits (K, vocab), a view of `out`."""
         B, T = step.tokens.shape
-        at = self.spec.ctl_layout(B, T)
+        (S, M), K = step.tables.shape, len(step.sampled)
+        at = self.spec.ctl_layout(B * T, S, M)
         self.ctl.put(step.tokens, at.tokens)
-        self.ctl.put(step.positions.contiguous(), at.positions)
-        self.ctl.put(step.slots, at.slots)
+        self.ctl.put(step.positions, at.positions)
+        self.ctl.put(step.starts, at.starts)
+        self.ctl.put(step.tables, at.tables)
         self.ctl.put(step.last, at.last)
-        send(self.ctl, Step(PREFILL if step.prefill else DECODE, B, T, step.kv_len))
+        send(self.ctl, Step(DECODE if step.decode else PREFILL, B, T, S, M, K))
         try:
             reply = receive(self.out, Reply)
         except (PeerDied, ChannelClosed) as e:
@@ -263,4 +288,4 @@ class Scheduler:
         if reply.status == ERROR:
             text = bytes(self.out.view(torch.uint8, (reply.n,)).numpy())
             raise GroupFailure(text.decode(errors="replace"))
-        return self.out.view(torch.float32, (B, self.vocab))
+        return self.out.view(torch.float32, (K, self.vocab))

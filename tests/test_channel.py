@@ -102,7 +102,7 @@ def test_native_ops_speak_the_channel_protocol(segments):
     ca, cb = Channel(a, writer=True), Channel(b)
     for i in range(n):
         x = torch.randn(1 + i % 3, 4 + 4 * (i % 2))
-        sent = torch.ops.powerinfer.ch_send([x], ca.base, ca.capacity, 7, i, x.shape[1])
+        sent = torch.ops.powerinfer.ch_send([x], ca.base, ca.capacity, 7, i, [x.shape[1]])
         assert torch.equal(sent, x)
         y = torch.ops.powerinfer.ch_recv(x, cb.state, cb.base, x.shape[1], 100.0)
         assert torch.equal(y, x * 2) and int(cb._hdr[3]) == i
