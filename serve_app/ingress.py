@@ -260,8 +260,8 @@ class Ingress:
         rid = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
         fmt = OpenAIFormat(kind, rid, body.model, sampling.get("logprobs") is not None, body.n)
         if not body.stream:
-            choices, prompt_tokens = await collect(streams)
-            return Response(fmt.whole(choices, prompt_tokens).model_dump_json(),
+            choices, prompts = await collect(streams)
+            return Response(fmt.whole(choices, prompts).model_dump_json(),
                             media_type="application/json")
         pieces = await primed(streams)  # errors before the first token are status codes
         return StreamingResponse(fmt.sse(pieces, body.include_usage),
@@ -325,10 +325,11 @@ class Ingress:
                 raise ApiError("invalid_request", "give a prompt: text or token_ids", "prompt")
             sampling = _grpc_sampling(request.sampling)
             stream, = self._streams(request.model, [prompt], sampling, 1, arrived)
-            prompt_tokens = completion = 0
+            prompt_tokens = completion = cached = 0
             queue_s, ttft = 0.0, None
             async for p in stream:
                 prompt_tokens = p.prompt_tokens or prompt_tokens
+                cached = p.cached_tokens or cached
                 queue_s = p.events[0].get("queue_s", queue_s)
                 tokens = [_generated_token(pb, ev) for ev in p.events if ev["token"] >= 0]
                 completion += len(tokens)
@@ -339,7 +340,8 @@ class Ingress:
                     r.finish_reason = FINISH.get(p.finish_reason, 0)
                     r.usage.CopyFrom(pb.Usage(prompt_tokens=prompt_tokens,
                                               completion_tokens=completion,
-                                              total_tokens=prompt_tokens + completion))
+                                              total_tokens=prompt_tokens + completion,
+                                              cached_tokens=cached))
                     r.timings.CopyFrom(pb.Timings(queue_s=queue_s, time_to_first_token_s=ttft or 0,
                                                   total_s=time.perf_counter() - arrived))
                 yield r
@@ -431,8 +433,9 @@ class Ingress:
                 ended = finish is not None
                 if ended:
                     track.finished(finish)
+                cached = next((ev["cached_tokens"] for ev in events if "cached_tokens" in ev), None)
                 yield Piece(index, "".join(ev["text"] for ev in events), events, finish,
-                            item.get("prompt_tokens"))
+                            item.get("prompt_tokens"), cached)
                 if ended:
                     return
             raise ApiError("internal", f"model {model}'s stream ended without a finish reason")

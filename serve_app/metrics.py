@@ -28,7 +28,7 @@ class Metrics:
                              m, buckets=LATENCY_BUCKETS, registry=r)
         self.e2e = Histogram(P + "e2e_request_latency_seconds", "Request latency",
                              m, buckets=REQUEST_BUCKETS, registry=r)
-        self.queue = Histogram(P + "request_queue_time_seconds", "Wait for a batch slot",
+        self.queue = Histogram(P + "request_queue_time_seconds", "Wait to be admitted",
                                m, buckets=REQUEST_BUCKETS, registry=r)
         self.prompt_tokens = Counter(P + "prompt_tokens", "Prompt tokens", m, registry=r)
         self.generation_tokens = Counter(P + "generation_tokens", "Generated tokens", m,
@@ -88,12 +88,19 @@ class _EngineCollector:
         self.m = metrics
 
     def collect(self):
-        running = GaugeMetricFamily(P + "num_requests_running", "Requests in a batch slot",
+        running = GaugeMetricFamily(P + "num_requests_running", "Requests running",
                                     labels=["model_name"])
-        waiting = GaugeMetricFamily(P + "num_requests_waiting", "Requests waiting for a slot",
+        waiting = GaugeMetricFamily(P + "num_requests_waiting", "Requests waiting to be admitted",
                                     labels=["model_name"])
-        slots = GaugeMetricFamily(P + "kv_slots_used", "KV cache slots in use",
-                                  labels=["model_name"])
+        usage = GaugeMetricFamily(P + "kv_cache_usage_perc", "Share of the KV cache's blocks "
+                                  "held by requests (1 = full)", labels=["model_name"])
+        queries = CounterMetricFamily(P + "prefix_cache_queries", "Prompt tokens looked up in "
+                                      "the prefix cache", labels=["model_name"])
+        hits = CounterMetricFamily(P + "prefix_cache_hits", "Prompt tokens found in the prefix "
+                                   "cache", labels=["model_name"])
+        preempted = CounterMetricFamily(P + "num_preemptions", "Requests preempted (their KV "
+                                        "blocks freed, prefilled again later)",
+                                        labels=["model_name"])
         restarts = CounterMetricFamily(P + "engine_restarts", "Actor group rebuilds",
                                        labels=["model_name"])
         for name, st in self.m.engines.items():
@@ -101,6 +108,9 @@ class _EngineCollector:
                 continue
             running.add_metric([name], st["running"])
             waiting.add_metric([name], st["waiting"])
-            slots.add_metric([name], st["slots_used"])
+            usage.add_metric([name], st["kv_usage"])
+            queries.add_metric([name], st["prefix_queries"])
+            hits.add_metric([name], st["prefix_hits"])
+            preempted.add_metric([name], st["preemptions"])
             restarts.add_metric([name], st["restarts"])
-        yield from (running, waiting, slots, restarts)
+        yield from (running, waiting, usage, queries, hits, preempted, restarts)

@@ -4,9 +4,10 @@ sampling parameters and streams the engine's events; it never touches tensors.
 
 The group loads in a background thread, so a model that is slow or fails to load leaves the
 others serving: `status()` says "loading", "ready", "rebuilding" (an actor died and the handle
-is replacing the group) or "failed" (with the load error). Serve's periodic `check_health` runs
-the engine's data-path probe (one token through every actor); a probe that fails while the
-handle is not already rebuilding makes Serve replace this replica.
+is replacing the group) or "failed" (with the load error). While it rebuilds, the requests in
+flight pause and resume on the new group, and new ones wait for it (`actors.handle`). Serve's
+periodic `check_health` runs the engine's data-path probe (one token through every actor); a
+probe that fails while the handle is not already rebuilding makes Serve replace this replica.
 
 `generate` yields dicts: the first {"prompt_tokens": n, "events": [...]}, then {"events": [...]};
 an event is the scheduler's ({"text", "token", "finish_reason"}, "queue_s" on the first, and
@@ -108,7 +109,8 @@ class ModelServer:
         sched = st["actors"].get("scheduler", {})
         return {"restarts": engine.restarts, "running": sched.get("running", 0),
                 "waiting": sched.get("waiting", 0), "max_batch": self.spec.max_batch,
-                "slots_used": self.spec.max_batch - sched.get("free_slots", self.spec.max_batch),
+                **{k: sched.get(k, 0) for k in ("kv_usage", "kv_blocks", "prefix_queries",
+                                                "prefix_hits", "preemptions")},
                 "cancelled": sched.get("cancelled", 0), "finished": sched.get("finished", 0),
                 **{k: sched.get(k, 0) for k in ("prefill_steps", "prefill_s", "decode_steps",
                                                 "decode_rows", "decode_s")},
@@ -122,9 +124,6 @@ class ModelServer:
             raise ModelUnavailableError(f"model {self.spec.name} is still loading; retry shortly")
         if state == "failed":
             raise ModelUnavailableError(f"model {self.spec.name} failed to load: {self.error}")
-        if state == "rebuilding":
-            raise ModelUnavailableError(f"model {self.spec.name} is being rebuilt after a "
-                                        f"failure ({self.engine.last_failure}); retry shortly")
         if state == "closed":
             raise ModelUnavailableError(f"model {self.spec.name} is shutting down")
         return self.engine

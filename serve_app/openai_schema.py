@@ -161,10 +161,15 @@ class DetokenizeRequest(_Body):
 
 # ---------------------------------------------------------------------------------- responses
 
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int  # prompt tokens found in the prefix cache (not computed again)
+
+
 class Usage(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: PromptTokensDetails | None = None
 
 
 class TopLogprob(BaseModel):

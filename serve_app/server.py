@@ -183,10 +183,19 @@ def add_command(sub):
     p.add_argument("--dtype", default="auto",
                    help="auto (bf16 where the CPU has it, else fp32), float32 or bfloat16")
     p.add_argument("--threads", type=int, default=0, help="CPU threads per actor (0: its cores)")
-    p.add_argument("--ctx", type=int, default=0, help="context length of the KV cache")
-    p.add_argument("--max-batch", type=int, default=8, help="sequences decoded together")
-    p.add_argument("--max-queue", type=int, default=64,
-                   help="requests waiting for a slot before 429 answers")
+    p.add_argument("--ctx", type=int, default=0,
+                   help="positions a sequence may reach (0: the model's context)")
+    p.add_argument("--max-batch", type=int, default=64,
+                   help="sequences running together (as the KV cache's blocks allow)")
+    p.add_argument("--max-queue", type=int, default=256,
+                   help="requests waiting to be admitted before 429 answers")
+    p.add_argument("--kv-cache-gb", type=float, default=0.0,
+                   help="memory of the paged KV cache (0: auto, from the host's free memory)")
+    p.add_argument("--no-prefix-cache", dest="prefix_cache", action="store_false",
+                   help="compute every prompt whole (no reuse of cached prefixes)")
+    p.add_argument("--prefill-chunk", type=int, default=512,
+                   help="prompt tokens a step at most, beside the running streams (0: a "
+                        "prompt in one step)")
     p.add_argument("--log-requests", action="store_true", help="Serve's access log")
     p.add_argument("--demo", action="store_true",
                    help="once ready, send one chat request through the HTTP API and print it")
@@ -204,7 +213,9 @@ def _run(args) -> int:
         d = {"models": [dict(name=name, model=model, bundle=args.bundle,
                              cold_executors=args.cold_executors, device=args.device,
                              dtype=args.dtype, cpu_threads=args.threads, max_seq_len=args.ctx,
-                             max_batch=args.max_batch, max_queue=args.max_queue)]}
+                             max_batch=args.max_batch, max_queue=args.max_queue,
+                             kv_cache_gb=args.kv_cache_gb, prefix_cache=args.prefix_cache,
+                             prefill_chunk=args.prefill_chunk)]}
     if args.api_key:
         d["api_key"] = args.api_key
     settings = ServeSettings.from_dict(d)

@@ -25,9 +25,12 @@ class ModelSpec:
     cold_executors: int = 1
     device: str = "cpu"
     dtype: str = "auto"
-    max_batch: int = 8
-    max_queue: int = 64
+    max_batch: int = 64
+    max_queue: int = 256
     max_seq_len: int = 0
+    kv_cache_gb: float = 0.0  # the paged KV cache (0: auto, from the host's memory)
+    prefix_cache: bool = True
+    prefill_chunk: int = 512  # prompt tokens a step at most (0: a prompt in one step)
     cpu_threads: int = 0
     predictor: str = "auto"
     vram_budget_gb: float = 0.0
@@ -51,6 +54,8 @@ class ModelSpec:
         return Config(runtime="actors", bundle=self.bundle, cold_executors=self.cold_executors,
                       device=self.device, dtype=self.dtype, max_batch=self.max_batch,
                       max_queue=self.max_queue, max_seq_len=self.max_seq_len,
+                      kv_cache_gb=self.kv_cache_gb, prefix_cache=self.prefix_cache,
+                      prefill_chunk=self.prefill_chunk,
                       cpu_threads=self.cpu_threads, predictor=self.predictor,
                       vram_budget_gb=self.vram_budget_gb, cores=self.replica_cores(replica),
                       resources=tuple(sorted((str(k), float(v)) for k, v in self.resources.items())))

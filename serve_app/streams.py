@@ -23,6 +23,7 @@ class Piece:
     events: list[dict]
     finish_reason: str | None
     prompt_tokens: int | None = None
+    cached_tokens: int | None = None  # of the prompt, reused from the prefix cache
 
 
 @dataclass
@@ -69,18 +70,30 @@ async def merge(streams: list[AsyncIterator[Piece]]) -> AsyncIterator[Piece]:
             t.cancel()
 
 
-async def collect(streams) -> tuple[list[Choice], dict[int, int]]:
-    """Every choice to its end, and each choice's prompt length."""
+@dataclass
+class PromptCounts:
+    """Each choice's prompt length, and how much of it the prefix cache held."""
+    tokens: dict[int, int] = field(default_factory=dict)
+    cached: dict[int, int] = field(default_factory=dict)
+
+    def add(self, p: Piece):
+        if p.prompt_tokens is not None:
+            self.tokens[p.index] = p.prompt_tokens
+        if p.cached_tokens is not None:
+            self.cached[p.index] = p.cached_tokens
+
+
+async def collect(streams) -> tuple[list[Choice], PromptCounts]:
+    """Every choice to its end, and the counts of their prompts."""
     choices = [Choice(i) for i in range(len(streams))]
-    prompt_tokens = {}
+    counts = PromptCounts()
     async for p in merge(streams):
         c = choices[p.index]
         c.text += p.text
         c.events += p.events
         c.finish_reason = p.finish_reason or c.finish_reason
-        if p.prompt_tokens is not None:
-            prompt_tokens[p.index] = p.prompt_tokens
-    return choices, prompt_tokens
+        counts.add(p)
+    return choices, counts
 
 
 async def primed(streams) -> AsyncIterator[Piece]:
@@ -109,15 +122,18 @@ class OpenAIFormat:
         self.n = n  # choices a prompt: choice i answers prompt i // n
         self.created = int(time.time())
 
-    def usage(self, prompt_tokens: dict[int, int], completion: int) -> oa.Usage:
-        """Each prompt counted once, however many choices answer it (as OpenAI counts)."""
-        prompt = sum(t for i, t in prompt_tokens.items() if i % self.n == 0)
+    def usage(self, prompts: PromptCounts, completion: int) -> oa.Usage:
+        """Each prompt counted once, however many choices answer it (as OpenAI counts); its
+        cached tokens as its first choice found them."""
+        prompt = sum(t for i, t in prompts.tokens.items() if i % self.n == 0)
+        cached = sum(t for i, t in prompts.cached.items() if i % self.n == 0)
         return oa.Usage(prompt_tokens=prompt, completion_tokens=completion,
-                        total_tokens=prompt + completion)
+                        total_tokens=prompt + completion,
+                        prompt_tokens_details=oa.PromptTokensDetails(cached_tokens=cached))
 
-    def whole(self, choices: list[Choice], prompt_tokens: dict[int, int]):
+    def whole(self, choices: list[Choice], prompts: PromptCounts):
         completion = sum(ev["token"] >= 0 for c in choices for ev in c.events)
-        usage = self.usage(prompt_tokens, completion)
+        usage = self.usage(prompts, completion)
         if self.kind == "chat":
             return oa.ChatCompletion(id=self.id, created=self.created, model=self.model, usage=usage,
                                      choices=[oa.ChatChoice(
@@ -133,18 +149,17 @@ class OpenAIFormat:
     async def sse(self, pieces: AsyncIterator[Piece], include_usage: bool):
         """Server-sent events: one chunk per token (as OpenAI sends them), the usage chunk when
         asked, an error event if the stream fails after it started, then [DONE]."""
-        prompt_tokens, completion = {}, 0
+        prompts, completion = PromptCounts(), 0
         offsets: dict[int, int] = {}  # choice -> characters of text sent so far
         try:
             async for p in pieces:
-                if p.prompt_tokens is not None:
-                    prompt_tokens[p.index] = p.prompt_tokens
+                prompts.add(p)
                 for k, ev in enumerate(p.events):
                     completion += ev["token"] >= 0
                     first = k == 0 and p.prompt_tokens is not None
                     yield _event(self._chunk(p.index, ev, first, offsets).model_dump_json())
             if include_usage:
-                usage = self.usage(prompt_tokens, completion)
+                usage = self.usage(prompts, completion)
                 cls = oa.ChatCompletionChunk if self.kind == "chat" else oa.Completion
                 yield _event(cls(id=self.id, created=self.created, model=self.model, choices=[],
                                  usage=usage).model_dump_json())
