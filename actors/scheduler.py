@@ -77,7 +77,8 @@ class Scheduler:
         self.ctl, self.out = spec.open("ctl", writer=True), spec.open("out")
         self.probe_block = spec.num_blocks - 1  # reserved for health probes
         self.blocks = BlockManager(spec.num_blocks - 1, spec.block_size, config.prefix_cache)
-        self.batcher = Batcher(self.blocks, config.max_batch, self.max_seq, config.prefill_chunk)
+        self.batcher = Batcher(self.blocks, config.max_batch, self.max_seq, config.prefill_chunk,
+                               sparse)
         self.by_id: dict[str, Request] = {}  # waiting and running
         self.cv = threading.Condition()
         self.broken: str | None = None
@@ -119,7 +120,7 @@ class Scheduler:
         if probe:  # its own block, outside the pool: a probe is admitted even when it is full
             seq.blocks = Blocks([self.probe_block], reserved=True)
         with self.cv:
-            problem = self._admit_problem(rid, probe)
+            problem = self._admit_problem(rid, probe or bool(resume))
             if problem is None:
                 self.by_id[rid] = req
                 self.batcher.add(seq, front=probe)
@@ -140,7 +141,9 @@ class Scheduler:
             if not ended:  # the caller went away: free the slot
                 self._cancel(rid)
 
-    def _admit_problem(self, rid: str, probe: bool) -> dict | None:
+    def _admit_problem(self, rid: str, exempt: bool) -> dict | None:
+        # exempt from the queue's bound: health probes, and requests resumed after a failure
+        # (admitted once already: they are not new load)
         if self.broken:
             return {"error": "engine_failed", "retryable": True,
                     "message": f"the model's actor group failed ({self.broken}); it is being rebuilt"}
@@ -149,7 +152,7 @@ class Scheduler:
                     "message": f"request id {rid!r} is already running"}
         # requests that arrived together wait here until the loop admits them
         queued = self.batcher.queued
-        if not probe and queued >= self.config.max_queue:
+        if not exempt and queued >= self.config.max_queue:
             self.counters["rejected"] += 1
             return {"error": "overloaded", "retryable": True,
                     "message": f"overloaded: {queued} requests already wait to be admitted "

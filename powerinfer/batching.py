@@ -143,11 +143,16 @@ class Output:
 
 class Batcher:
     """max_batch: sequences running at once; max_seq: positions a sequence may reach;
-    prefill_chunk: prompt tokens a step (0: a whole prompt in one step)."""
+    prefill_chunk: prompt tokens a step (0: a whole prompt in one step); sparse: the model's
+    decode rows compute their predicted neurons only, where a prompt computes every one: a
+    sequence computed again (preempted, resumed) then catches up on its output one token a step,
+    as a decode row, so that its cache holds what it held, and only the prompt's blocks are
+    keyed for reuse (a later prompt reusing them computes what it would have computed)."""
 
-    def __init__(self, blocks: BlockManager, max_batch: int, max_seq: int, prefill_chunk: int = 0):
+    def __init__(self, blocks: BlockManager, max_batch: int, max_seq: int, prefill_chunk: int = 0,
+                 sparse: bool = False):
         self.blocks, self.max_batch, self.max_seq = blocks, max_batch, max_seq
-        self.prefill_chunk = prefill_chunk
+        self.prefill_chunk, self.sparse = prefill_chunk, sparse
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # in admission order: the newest is preempted first
         self.preemptions = 0
@@ -184,12 +189,10 @@ class Batcher:
         i = 0
         while i < len(self.running):  # the running, oldest first
             s = self.running[i]
-            n = s.num_tokens - s.computed
-            if n > 1:  # a prompt being prefilled, or prefilled again
-                n = int(min(n, budget))
-                if n == 0:
-                    i += 1
-                    continue
+            n = self._next_count(s, s.computed, budget)
+            if n == 0:
+                i += 1
+                continue
             while not self.blocks.grow(s.blocks, s.computed + n):
                 victim = next(v for v in reversed(self.running) if not v.blocks.reserved)
                 self._preempt(victim)
@@ -205,9 +208,10 @@ class Batcher:
             s = self.waiting[0]
             if not s.blocks.reserved and (running >= self.max_batch or budget < 1):
                 break
-            hit = [] if s.blocks.reserved else self.blocks.match(s.tokens)
-            left = s.num_tokens - len(hit) * self.blocks.block_size
-            n = left if left == 1 else int(min(left, budget))
+            hit = [] if s.blocks.reserved else self.blocks.match(self._keyed(s))
+            n = self._next_count(s, len(hit) * self.blocks.block_size, budget)
+            if n == 0:
+                break
             if not s.blocks.reserved:
                 if not self.blocks.can_admit(hit, len(hit) * self.blocks.block_size + n):
                     break
@@ -224,6 +228,22 @@ class Batcher:
             budget -= n if n > 1 else 0
         return make_step(rows) if rows else None
 
+    def _next_count(self, s: Sequence, computed: int, budget: float) -> int:
+        """The tokens s computes in this step, from `computed`: the rest of its tokens, in
+        chunks of the budget (0 when none is left), or one (a decode row)."""
+        n = s.num_tokens - computed
+        if n > 1 and self.sparse and computed >= len(s.prompt):
+            return 1  # its output, computed again: as it was, one decode row a step
+        if n > 1:
+            if self.sparse:  # the prompt alone is prefilled
+                n = len(s.prompt) - computed
+            n = int(min(n, budget))
+        return n
+
+    def _keyed(self, s: Sequence) -> list[int]:
+        """The tokens of s whose blocks are keyed for reuse (a sparse model's: the prompt's)."""
+        return s.prompt if self.sparse else s.tokens
+
     def _preempt(self, s: Sequence):
         self.running.remove(s)
         self.blocks.release(s.blocks)
@@ -235,7 +255,8 @@ class Batcher:
         # logits: (K, vocab) on the CPU, one row per step.sampled
         for s, n in zip(step.seqs, step.counts):
             s.computed += n
-            self.blocks.commit(s.blocks, s.tokens, s.computed)
+            keyed = self._keyed(s)
+            self.blocks.commit(s.blocks, keyed, min(s.computed, len(keyed)))
         outs = []
         for j, s in enumerate(step.sampled):
             first = not s.output

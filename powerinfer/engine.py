@@ -54,7 +54,7 @@ class Engine:
         """Generate for the sequences together (max_batch at a time, as the cache's blocks
         allow); yields events as tokens arrive."""
         c = self.config
-        batcher = Batcher(self.blocks, c.max_batch, self.max_seq, c.prefill_chunk)
+        batcher = Batcher(self.blocks, c.max_batch, self.max_seq, c.prefill_chunk, self.sparse)
         for i, s in enumerate(seqs):
             s.key = i
             batcher.add(s)

@@ -301,12 +301,14 @@ class Predictors(nn.Module):
         # x: (..., dim) -> (..., ffn_dim)
         fc1, fc2 = self.fc1[layer], self.fc2[layer]
         rows = x.reshape(-1, x.shape[-1])
-        if (fc1.dtype == torch.bfloat16 and kernels.usable(fc1)
+        fmt = {torch.bfloat16: "bf16", torch.float32: "f32"}.get(fc1.dtype)
+        if (fmt and kernels.usable(fc1)
                 and x.dtype in (torch.float32, torch.bfloat16) and rows.shape[0] <= kernels.MAX_ROWS
                 and fc1.shape[1] % 32 == 0 and fc2.shape[1] % 32 == 0):  # the kernel's widths
-            # decode rows on the kernel's bf16 GEMV, which reads the weights at the memory's
-            # rate where torch's bf16 GEMV reaches a third of it (float32 logits either way)
-            y = kernels.linear(kernels.linear(rows, fc1, "bf16").relu_(), fc2, "bf16")
+            # decode rows on the kernel's GEMV, which reads the weights at the memory's rate
+            # where torch's bf16 GEMV reaches a third of it (float32 logits either way), and
+            # computes each row alone: a row's masks do not depend on the rows beside it
+            y = kernels.linear(kernels.linear(rows, fc1, fmt).relu_(), fc2, fmt)
             return y.view(*x.shape[:-1], -1)
         return F.relu(x.to(fc1.dtype) @ fc1.T) @ fc2.T
 

@@ -157,3 +157,26 @@ def test_a_sequence_resumes_from_its_tokens(tok):
     b.add(resumed)
     step = b.schedule()
     assert step.counts == [len(prompt) + 2] and step.sampled == [resumed]
+
+
+def test_a_sparse_model_computes_output_again_as_decode_rows(tok):
+    # a sparse model decodes its output with predicted neurons and prefills prompts with every
+    # neuron: a sequence computed again prefills its prompt, then catches up on its output one
+    # decode row a step (not sampled until it has), and only its prompt's blocks are reused
+    b = Batcher(BlockManager(64, 16), 8, 256, 0, sparse=True)
+    prompt = list(range(300, 340))  # 40 tokens
+    s = seq(tok, prompt, max_tokens=30)
+    s.replay([7, 8, 9])  # resumed after 3 tokens
+    b.add(s)
+    step = b.schedule()
+    assert step.counts == [40] and step.sampled == []
+    b.postprocess(step, greedy(step, 5))
+    for k in range(3):
+        step = b.schedule()
+        assert step.counts == [1] and step.positions.tolist() == [[40 + k]]
+        assert step.sampled == ([s] if k == 2 else [])
+        b.postprocess(step, greedy(step, 5))
+    assert s.output == [7, 8, 9, 5] and len(s.blocks.keys) == 2  # 32 prompt positions keyed
+    while not s.finished:
+        b.postprocess(step := b.schedule(), greedy(step, 5))
+    assert len(b.blocks.by_key) == 2  # its output's blocks were not keyed

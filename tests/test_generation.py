@@ -148,3 +148,43 @@ def test_compiled_decode_matches_eager(case, tmp_path):
     if model is None:
         kw = dict(max_new_tokens=8, temperature=0)
         assert "Paris" in compiled.generate("The capital of France is", **kw)
+
+
+SYSTEM = ("You are a careful assistant for a public library. You answer questions about opening "
+          "hours, borrowing rules, membership, events and the catalogue. Keep answers short, "
+          "friendly and factual; when you do not know something, say so and suggest asking the "
+          "front desk. The library opens at nine and closes at six on weekdays, and at four on "
+          "Saturdays; it is closed on Sundays.")
+
+
+def test_cached_prefixes_and_chunked_prefill_give_the_outputs_of_whole_prompts():
+    # a shared system prompt reused from the prefix cache, and prompts prefilled 16 tokens a
+    # step: the greedy output equals that of every prompt computed whole and from scratch
+    # (until a near-tie: a block computed in another step's matrix product rounds apart)
+    kw = dict(dtype="float32", max_batch=4)
+    plain = PowerInfer.from_pretrained("smollm2-135m-instruct", config=Config(
+        prefix_cache=False, prefill_chunk=0, **kw))
+    cached = PowerInfer.from_pretrained("smollm2-135m-instruct", config=Config(**kw))
+    chunked = PowerInfer.from_pretrained("smollm2-135m-instruct", config=Config(
+        prefix_cache=False, prefill_chunk=16, **kw))
+    prompts = [plain.tokenize(plain.tokenizer.apply_chat_template(
+        [{"role": "system", "content": SYSTEM}, {"role": "user", "content": q}]))
+        for q in ("When do you open on Saturday?", "Can I borrow ten books?",
+                  "When do you open on Saturday?")]
+    params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
+
+    def greedy(m, ids):
+        seq = m.engine.new_sequence(ids, params)
+        list(m.engine.run([seq]))
+        return seq
+
+    for ids in prompts:
+        want = greedy(plain, ids).output
+        hit = greedy(cached, ids)
+        assert_same_or_near_tie(plain, ids, want, hit.output, 1e-3)
+        assert_same_or_near_tie(plain, ids, want, greedy(chunked, ids).output, 1e-3)
+    # the second prompt reused the system prompt's whole blocks, the third all of its own
+    common = next(i for i, (a, b) in enumerate(zip(*prompts[:2])) if a != b)
+    assert common >= 64 and hit.cached == (len(prompts[2]) - 1) // 16 * 16
+    assert cached.engine.blocks.hits == common // 16 * 16 + hit.cached
+    assert plain.engine.blocks.hits == 0

@@ -16,7 +16,7 @@ from powerinfer.predictor import train_predictors
 from powerinfer.profile import ProfileOptions, profile
 from powerinfer.solver import solve_bundle
 
-from greedy import assert_same_or_near_tie, greedy_tokens
+from greedy import assert_same_or_near_tie, assert_same_until_a_close_call, greedy_tokens
 
 MODEL = "smollm2-135m-instruct"
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time"]
@@ -243,47 +243,54 @@ def test_overloaded_queue_and_cancellation(sparse_actors):
 @pytest.mark.slow
 @pytest.mark.parametrize("role", ["cold.1", "predictor", "hot", "scheduler"])
 def test_streams_survive_the_death_of_any_actor(sparse_actors, role):
-    # 8 streams (4 greedy, 4 sampled with seeds) run while an actor of the group is killed:
-    # none fails, each pauses while the group is rebuilt and resumes where it stopped, and
-    # ends with the tokens an undisturbed run gives
+    # 6 streams (3 greedy, 3 sampled with seeds; 4 running, 2 waiting: max_batch 4) run while
+    # an actor of the group is killed: none fails, each pauses while the group is rebuilt and
+    # resumes where it stopped (its output computed again as the sparse model decoded it), and
+    # ends with the tokens the same requests give undisturbed: token for token, but for a close
+    # call (in float32 a prompt's keys round apart in a batch of other sizes, and greedy picks
+    # and seeded draws near a boundary may fall the other way a few tokens later)
     from powerinfer.config import SamplingParams
 
     pi, e = sparse_actors, sparse_actors.engine
-    prompts = [pi.tokenize(p) for p in ("Tell me a long story", "Once upon a time", "def f(x):",
-                                        "The capital of France is")]
-    params = [SamplingParams(max_tokens=48, temperature=0, ignore_eos=True)] * 4 + \
-             [SamplingParams(max_tokens=48, temperature=0.9, seed=11 + i, ignore_eos=True)
-              for i in range(4)]
+    prompts = [pi.tokenize(p) for p in ("Tell me a long story", "Once upon a time", "def f(x):")]
+    params = [SamplingParams(max_tokens=24, temperature=0, ignore_eos=True, logprobs=20)] * 3 + \
+             [SamplingParams(max_tokens=24, temperature=0.9, seed=11 + i, ignore_eos=True,
+                             logprobs=20) for i in range(3)]
     work = list(zip(prompts * 2, params))
-    want = [[ev["token"] for ev in e.generate(p, sp) if ev["token"] >= 0] for p, sp in work]
+
+    def run(kill: str | None) -> tuple[list[list[dict]], list[str], list[Exception]]:
+        got, texts, failures = [[] for _ in work], ["" for _ in work], []
+
+        def consume(i, p, sp):
+            try:
+                for ev in e.generate(p, sp):
+                    texts[i] += ev["text"]
+                    if ev["token"] >= 0:
+                        got[i].append(ev)
+            except Exception as ex:  # noqa: BLE001 - counted below
+                failures.append(ex)
+
+        threads = [threading.Thread(target=consume, args=(i, *w)) for i, w in enumerate(work)]
+        for t in threads:
+            t.start()
+        deadline = time.time() + 60
+        while sum(len(g) >= 3 for g in got) < 4 and time.time() < deadline:  # 4 under way
+            time.sleep(0.02)
+        if kill:
+            ray.kill(e.group.actors[kill], no_restart=True)
+        for t in threads:
+            t.join(timeout=240)
+            assert not t.is_alive()
+        return got, texts, failures
+
+    want, _, _ = run(None)  # the same requests together, undisturbed
     restarts = e.restarts
-    got = [[] for _ in work]
-    texts = ["" for _ in work]
-    failures = []
-
-    def consume(i, p, sp):
-        try:
-            for ev in e.generate(p, sp):
-                texts[i] += ev["text"]
-                if ev["token"] >= 0:
-                    got[i].append(ev["token"])
-        except Exception as ex:  # noqa: BLE001 - counted below
-            failures.append(ex)
-
-    threads = [threading.Thread(target=consume, args=(i, *w)) for i, w in enumerate(work)]
-    for t in threads:
-        t.start()
-    deadline = time.time() + 60
-    while min(map(len, got)) < 3 and time.time() < deadline:  # every stream under way
-        time.sleep(0.02)
-    ray.kill(e.group.actors[role], no_restart=True)
-    for t in threads:
-        t.join(timeout=240)
-        assert not t.is_alive()
+    got, texts, failures = run(role)
     assert not failures, failures
     assert e.restarts == restarts + 1, e.last_failure
-    assert got == want  # greedy and seeded streams alike, token for token
-    assert texts == [pi.detokenize(w) for w in want]
+    for w, g, text in zip(want, got, texts):
+        assert len(g) == 24 and text == pi.detokenize([ev["token"] for ev in g])
+        assert_same_until_a_close_call(w, g, 0.05)
     assert e.health()["ok"]
     assert not shm_segments()
 

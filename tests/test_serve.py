@@ -206,7 +206,13 @@ def test_openai_client_chat_and_completions(server, local_smol):
         model=SMOL, messages=QUESTION, max_tokens=16, temperature=0, stream=True,
         stream_options={"include_usage": True}))
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == want
-    assert chunks[-1].choices == [] and chunks[-1].usage == r.usage
+    usage = chunks[-1].usage
+    assert chunks[-1].choices == [] and usage.prompt_tokens == r.usage.prompt_tokens
+    assert usage.completion_tokens == r.usage.completion_tokens
+    # the same prompt again: its whole blocks (16 tokens each) but the last token come from the
+    # prefix cache, and the answer is the same
+    cached = usage.prompt_tokens_details.cached_tokens
+    assert cached == (len(prompt) - 1) // 16 * 16 > 0, usage
 
     c = client.completions.create(model=SMOL, prompt="The capital of France is", max_tokens=12,
                                   temperature=0)
