@@ -10,6 +10,8 @@ then kill the actors and remove the placement group.
 """
 from __future__ import annotations
 
+import time
+
 import ray
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -64,7 +66,10 @@ class ActorGroup:
             raise EngineFailedError("the model's actor group was stopped; send the request "
                                     "again") from None
 
-    def start(self) -> "ActorGroup":
+    def start(self, wait_for_resources: bool = True) -> "ActorGroup":
+        """Place and start the group's actors. wait_for_resources=False fails at once, with
+        the resources named, when no live node offers what the group asks for (a rebuild
+        after the model's node is gone: it retries, and requests are not kept waiting)."""
         c, n = self.config, self.config.cold_executors
         sweep()
         topo = Topology.read()
@@ -101,7 +106,7 @@ class ActorGroup:
             bundles += [bundle(g) for g in self.cores.cold]
             bundles += [bundle(self.cores.predictor), bundle(self.cores.hot)]  # predictor, scheduler
             self.pg = placement_group(bundles, strategy="STRICT_PACK")
-            ray.get(self.pg.ready(), timeout=START_TIMEOUT_S)
+            self._placed(self.pg, bundles, wait_for_resources)
 
             def place(cls, i, concurrency=4, **kw):
                 return ray.remote(cls).options(
@@ -171,6 +176,22 @@ class ActorGroup:
             self.pg = None
         if self.spec is not None:
             self.spec.unlink_all()
+
+    @staticmethod
+    def _placed(pg, bundles: list[dict], wait_for_resources: bool):
+        ready, deadline = pg.ready(), time.monotonic() + START_TIMEOUT_S
+        while not ray.wait([ready], timeout=1.0)[0]:
+            if not wait_for_resources:
+                have = ray.cluster_resources()
+                absent = sorted({k for b in bundles for k in b if have.get(k, 0) <= 0})
+                if absent:
+                    raise EngineFailedError(f"no live node of the cluster offers {absent}, "
+                                            "which the model's actor group asks for")
+            if time.monotonic() > deadline:
+                raise EngineFailedError(f"the model's actor group could not be placed within "
+                                        f"{START_TIMEOUT_S} s (resources asked per actor: "
+                                        f"{bundles[0]})")
+        ray.get(ready)
 
     def stats(self, timeout: float = 10.0) -> dict:
         names = list(self.actors)

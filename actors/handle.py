@@ -3,7 +3,8 @@ stream, tokenize, health, stats), over one model's actor group, which it supervi
 
 When an actor of the group dies or fails (any of them, the scheduler included), a monitor
 thread (or the failing request itself) tears the group down and starts a new one, and requests
-that arrive meanwhile wait for it. The requests in flight are not lost: the handle keeps each
+that arrive meanwhile wait for it (up to NEW_WAIT_S; at once a retryable error if an attempt of
+the rebuild has failed, as when the group's resources are gone). The requests in flight are not lost: the handle keeps each
 one's prompt, its sampling parameters (with a seed fixed at the start, so that a sampled request
 draws what it would have drawn) and the tokens its caller has had, and once the new group is up
 it sends the request again with those tokens to resume from: the scheduler replays them,
@@ -49,6 +50,7 @@ ERRORS = {"overloaded": OverloadedError, "engine_failed": EngineFailedError,
           "invalid_request": InvalidRequestError}
 REBUILD_WAIT_S = 300
 RESUME_WAIT_S = 120  # a request in flight waits this long for the rebuilt group
+NEW_WAIT_S = 30  # a new request waits this long (less than a client's usual timeout)
 MAX_RESUMES = 3  # a request that fails every group it runs on is not resumed forever
 
 
@@ -92,6 +94,7 @@ class ActorEngine:
                      or SparsePlan.dense(ckpt.args))
         self._spin = spin_us
         self.restarts, self.last_failure, self.rebuild_failures = 0, None, 0
+        self._failures_before = 0  # rebuild_failures when the current rebuild began
         self._lock = threading.Lock()
         self._ready = threading.Event()
         self._closed = False
@@ -100,9 +103,9 @@ class ActorEngine:
         self._monitor = threading.Thread(target=self._watch, name="group-monitor", daemon=True)
         self._monitor.start()
 
-    def _new_group(self) -> ActorGroup:
+    def _new_group(self, wait_for_resources: bool = True) -> ActorGroup:
         return ActorGroup(self.model, self.tokenizer, self.config, self.plan, self.max_seq,
-                          self.kv_blocks, self._spin).start()
+                          self.kv_blocks, self._spin).start(wait_for_resources)
 
     # ---- the interface ----
     def tokenize(self, text: str, add_bos: bool | None = None) -> list[int]:
@@ -112,7 +115,7 @@ class ActorEngine:
                  request_id: str | None = None) -> Iterator[dict]:
         """Stream events ({"text", "token", "finish_reason"}) for one request; raises a
         PowerInferError subclass on failure (retryable ones carry `retryable = True`)."""
-        f, group = self._flight(prompt, params, request_id), self._group()
+        f, group = self._flight(prompt, params, request_id), self._group(NEW_WAIT_S)
         while True:
             try:
                 with self._request(group, f.rid) as req:
@@ -131,7 +134,8 @@ class ActorEngine:
         together (a caller that falls behind gets fewer, larger items)."""
         import asyncio
         loop = asyncio.get_running_loop()
-        f, group = self._flight(prompt, params, request_id), await loop.run_in_executor(None, self._group)
+        f = self._flight(prompt, params, request_id)
+        group = await loop.run_in_executor(None, self._group, NEW_WAIT_S)
         while True:
             try:
                 with self._request(group, f.rid) as req:
@@ -162,7 +166,7 @@ class ActorEngine:
         if f.resumes > MAX_RESUMES:
             raise EngineFailedError(f"the request failed {f.resumes} groups in a row; send it "
                                     "again later")
-        failures, deadline = self.rebuild_failures, time.monotonic() + RESUME_WAIT_S
+        deadline = time.monotonic() + RESUME_WAIT_S
         while True:
             if self._closed:
                 raise EngineFailedError("the engine was shut down")
@@ -170,7 +174,7 @@ class ActorEngine:
                 log.info("request %s resumes after %d tokens on the rebuilt group", f.rid,
                          len(f.sent))
                 return self.group
-            if self.rebuild_failures > failures:
+            if self.rebuild_failures > self._failures_before:
                 raise EngineFailedError(f"the model's actor group could not be rebuilt "
                                         f"({self.last_failure}); send the request again later")
             if time.monotonic() > deadline:
@@ -244,9 +248,21 @@ class ActorEngine:
         self._rebuild(group, msg)
         return EngineFailedError(f"{msg}; the group is being rebuilt, send the request again")
 
-    def _group(self) -> ActorGroup:
-        if not self._ready.wait(REBUILD_WAIT_S):
-            raise EngineFailedError("the model's actor group is still being rebuilt")
+    def _group(self, wait_s: float = REBUILD_WAIT_S) -> ActorGroup:
+        """The serving group; during a rebuild, waits up to wait_s for the new one, and gives
+        up at once when an attempt of this rebuild has failed (say, its resources are gone: a
+        request would otherwise wait on a group that may never come)."""
+        deadline = time.monotonic() + wait_s
+        while not self._ready.wait(0.2):
+            if self._closed:
+                break
+            if self.rebuild_failures > self._failures_before:
+                raise EngineFailedError(f"the model's actor group could not be rebuilt "
+                                        f"({self.last_failure}); it is retried, send the "
+                                        "request again later")
+            if time.monotonic() > deadline:
+                raise EngineFailedError(f"the model's actor group is being rebuilt "
+                                        f"({self.last_failure}); send the request again shortly")
         if self._closed:
             raise EngineFailedError("the engine was shut down")
         return self.group
@@ -257,14 +273,14 @@ class ActorEngine:
             if broken is not self.group or not self._ready.is_set() or self._closed:
                 return
             self._ready.clear()
-            self.last_failure = why
+            self.last_failure, self._failures_before = why, self.rebuild_failures
         threading.Thread(target=self._replace, args=(broken,), daemon=True).start()
 
     def _replace(self, broken: ActorGroup):
         broken.stop()
         while True:
             try:
-                group = self._new_group()
+                group = self._new_group(wait_for_resources=False)
                 break
             except Exception as e:  # noqa: BLE001 - keep trying; new requests wait meanwhile
                 self.last_failure = f"rebuild failed: {type(e).__name__}: {e}"
