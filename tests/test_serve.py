@@ -679,6 +679,7 @@ def test_ray_refuses_a_process_without_the_token(server, tmp_path):
     assert not gcs.startswith("127."), gcs  # the machine's address, where others could reach it
     env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
     env["HOME"] = str(tmp_path)
+    env["RAY_NUM_REDIS_GET_RETRIES"] = "3"  # a refused read is retried once a second (20 s)
     code = ("import ray\n"
             "try:\n"
             f"    ray.init(address={gcs!r}, logging_level='error')\n"
