@@ -6,7 +6,7 @@ A host is read from sysfs (`Host.read`: NUMA nodes with their cores and memory, 
 memory and nearest node) or from a YAML description of a box that is not this one
 (`Host.from_yaml`). A model is a file (its tensors' sizes are read from its header) or a shape
 (`params:`, for a model that is not here), with what its group wants: cold executors, cores per
-cold executor, a VRAM budget, concurrency (KV slots) and context.
+cold executor, a VRAM budget, concurrency (sequences the KV cache holds at once) and context.
 
 Memory per process follows what `benchmarks/memory.py` measured (BENCHMARKS.md, "Memory"):
 weights held in the kernel's formats (gate/up in the file's blocks, down in Q8_0 beside 4-bit
