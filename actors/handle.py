@@ -67,6 +67,56 @@ class _Flight:
         if ev["token"] >= 0:
             self.sent.append(ev["token"])
 
+    def resumed(self):
+        """Counts a resume; the retryable error once the request has failed too many groups."""
+        self.resumes += 1
+        if self.resumes > MAX_RESUMES:
+            raise EngineFailedError(f"the request failed {self.resumes} groups in a row; send "
+                                    "it again later")
+        log.info("request %s resumes after %d tokens", self.rid, len(self.sent))
+
+
+def target(group: ActorGroup) -> dict:
+    """What a client streaming from a group's scheduler itself needs: the scheduler, and its
+    actor id, which names the group when the client reports it failed."""
+    scheduler = group.actors["scheduler"]
+    return {"scheduler": scheduler, "id": scheduler._actor_id.hex()}
+
+
+async def follow(f: _Flight, at: dict, replace) -> AsyncIterator[list[dict]]:
+    """The events of request f, in the lists its scheduler sends them in, from the target `at`
+    (`target`), and after its group fails (an actor died, or the scheduler reports the group
+    broken) from the target `await replace(at, why)` gives, resumed where they stopped: the
+    request is sent again with the tokens its caller has had. A caller that stops reading before
+    the end cancels the request. The request's own errors end it, as PowerInferErrors; a
+    failure of the group ends it only when it cannot be resumed (a retryable error)."""
+    while True:
+        ended = False
+        try:
+            async for ref in at["scheduler"].generate.remote(f.rid, f.prompt, f.params,
+                                                             resume=f.sent or None):
+                events = await ref
+                for ev in events:
+                    if "error" in ev:
+                        ended = True
+                        raise ERRORS.get(ev["error"], PowerInferError)(ev["message"])
+                    f.took(ev)
+                ended = any(ev["finish_reason"] for ev in events)
+                yield events
+            ended = True
+            return
+        except EngineFailedError as e:
+            why = str(e)
+        except TaskCancelledError:  # the caller's own call was cancelled (a client hung up;
+            raise  # Ray cancels the scheduler's stream with it): not a failure of the group
+        except (RayActorError, RayTaskError) as e:
+            ended, why = True, f"an actor of the model's group died ({type(e).__name__})"
+        finally:
+            if not ended:  # the caller stopped reading before the end
+                at["scheduler"].cancel.remote(f.rid)
+        f.resumed()
+        at = await replace(at, why)
+
 
 def _cancel(group: ActorGroup, rid: str):
     """Tell the scheduler the caller went away; nothing to do if the group is gone."""
@@ -130,24 +180,36 @@ class ActorEngine:
 
     async def agenerate(self, prompt: list[int], params: SamplingParams,
                         request_id: str | None = None) -> AsyncIterator[list[dict]]:
-        """`generate` for asyncio callers (the Serve app), in lists of the events that arrived
-        together (a caller that falls behind gets fewer, larger items)."""
+        """`generate` for asyncio callers, in lists of the events that arrived together (a
+        caller that falls behind gets fewer, larger items)."""
         import asyncio
         loop = asyncio.get_running_loop()
-        f = self._flight(prompt, params, request_id)
-        group = await loop.run_in_executor(None, self._group, NEW_WAIT_S)
-        while True:
-            try:
-                with self._request(group, f.rid) as req:
-                    async for ref in self._submit(group, f):
-                        events = list(self._events(group, await ref))
-                        for ev in events:
-                            f.took(ev)
-                        req.ended = req.ended or any(ev["finish_reason"] for ev in events)
-                        yield events
-                return
-            except EngineFailedError:
-                group = await loop.run_in_executor(None, self._resume_group, group, f)
+        f, at = await loop.run_in_executor(None, self.open, prompt, params, request_id)
+
+        async def replace(failed: dict, why: str) -> dict:
+            return await loop.run_in_executor(None, self.replacement, failed["id"], why)
+
+        async for events in follow(f, at, replace):
+            yield events
+
+    # ---- for a client that streams from the scheduler itself (the Serve ingress) ----
+    def open(self, prompt: list[int], params: SamplingParams,
+             request_id: str | None = None) -> tuple[_Flight, dict]:
+        """A request to follow (`follow`), and the target to stream it from."""
+        return self._flight(prompt, params, request_id), target(self._group(NEW_WAIT_S))
+
+    def replacement(self, failed: str, why: str) -> dict:
+        """The target to resume on after the group whose scheduler is `failed` (an actor id)
+        failed: this engine's new group if it was its own (the rebuild starts here if nobody
+        noticed yet), else the serving one (it was another replica's, or is replaced already).
+        The retryable EngineFailedError when there is none in time."""
+        group = self.group
+        scheduler = group.actors.get("scheduler")  # none once a rebuild has stopped the group
+        if scheduler is not None and scheduler._actor_id.hex() == failed:
+            self._rebuild(group, why)
+        else:
+            group = None
+        return target(self._replacement(group))
 
     @staticmethod
     def _flight(prompt: list[int], params: SamplingParams, request_id: str | None) -> _Flight:
@@ -162,17 +224,16 @@ class ActorEngine:
     def _resume_group(self, failed: ActorGroup, f: _Flight) -> ActorGroup:
         """The group that replaces `failed`, for request f to resume on; the retryable error
         when it may not (too many resumes, the rebuild failed or takes too long, shutdown)."""
-        f.resumes += 1
-        if f.resumes > MAX_RESUMES:
-            raise EngineFailedError(f"the request failed {f.resumes} groups in a row; send it "
-                                    "again later")
+        f.resumed()
+        return self._replacement(failed)
+
+    def _replacement(self, failed: ActorGroup | None) -> ActorGroup:
+        """The group that replaces `failed` (None: the serving one), once it is up."""
         deadline = time.monotonic() + RESUME_WAIT_S
         while True:
             if self._closed:
                 raise EngineFailedError("the engine was shut down")
             if self._ready.wait(0.2) and self.group is not failed:
-                log.info("request %s resumes after %d tokens on the rebuilt group", f.rid,
-                         len(f.sent))
                 return self.group
             if self.rebuild_failures > self._failures_before:
                 raise EngineFailedError(f"the model's actor group could not be rebuilt "

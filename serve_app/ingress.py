@@ -2,8 +2,12 @@
 `powerinfer.v1.Inference` (served by Ray Serve's gRPC proxy, which calls the methods of the same
 name here), both routed by the request's model name to the model deployments.
 
-Every request becomes one stream per choice from a model deployment (`model.py`); both protocols
-share that path, its metrics and its errors. An error before the first token is a status code
+Every request becomes one stream per choice; both protocols share that path, its metrics and its
+errors. The model deployment (`model.py`) prepares a choice (prompt tokens, sampling, a seed) and
+names its group's scheduler, and the ingress streams the tokens from the scheduler itself
+(`actors.handle.follow`): a token crosses one Ray hop to the ingress, not two, and the model
+deployment is asked again only to resume a stream after the group fails. A request for
+top_logprobs streams through the model deployment, which names their tokens. An error before the first token is a status code
 (HTTP 4xx/5xx with an OpenAI error body; a gRPC status); after it, an SSE event with the error
 object followed by [DONE], or the gRPC status at the end of the stream. A client that goes away
 cancels its streams, which frees their batch slots in the scheduler.
@@ -28,7 +32,10 @@ from ray.serve.exceptions import BackPressureError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from . import openai_schema as oa
-from .errors import RETRY_AFTER_S, ApiError
+from actors.handle import follow
+from powerinfer.errors import PowerInferError
+
+from .errors import RETRY_AFTER_S, ApiError, error_value
 from .metrics import Metrics
 from .model import GenerationRequest
 from .streams import OpenAIFormat, Piece, collect, primed
@@ -416,10 +423,36 @@ class Ingress:
                 streams.append(self._stream(handle, model, req, p * n + j, arrived))
         return streams
 
+    @staticmethod
+    async def _direct(handle, req: GenerationRequest) -> AsyncIterator[dict]:
+        """A request's items ({"prompt_tokens"} on the first, "events") streamed from the model
+        group's scheduler itself: the model deployment prepares the request (tokens, sampling)
+        and names the scheduler, and is asked again only to resume after the group fails."""
+        opened = await handle.open.remote(req)
+        if "error" in opened:
+            raise ApiError.from_value(opened["error"])
+
+        async def replace(failed: dict, why: str) -> dict:
+            got = await handle.reopen.remote(failed["id"], why)
+            if "error" in got:
+                raise ApiError.from_value(got["error"])
+            return got["target"]
+
+        first = {"prompt_tokens": opened["prompt_tokens"]}
+        try:
+            async for events in follow(opened["flight"], opened["target"], replace):
+                yield {**first, "events": events}
+                first = {}
+        except PowerInferError as e:
+            raise ApiError.from_value(error_value(e)["error"]) from None
+
     async def _stream(self, handle, model: str, req: GenerationRequest, index: int,
                       arrived: float) -> AsyncIterator[Piece]:
         track = self.metrics.request(model, arrived)
-        gen = handle.options(stream=True).generate.remote(req)
+        if req.sampling.get("logprobs") is None:
+            gen = self._direct(handle, req)
+        else:  # the model deployment names the tokens of top_logprobs (its tokenizer)
+            gen = handle.options(stream=True).generate.remote(req)
         ended = False
         try:
             async for item in gen:
@@ -456,7 +489,10 @@ class Ingress:
             raise _not_answering(model, e) from None
         finally:
             if not ended:  # the client went away
-                gen.cancel()
+                if hasattr(gen, "cancel"):
+                    gen.cancel()
+                else:
+                    await gen.aclose()  # cancels the request at the scheduler
                 track.failed("cancelled")
 
 

@@ -9,7 +9,9 @@ flight pause and resume on the new group, and new ones wait for it (`actors.hand
 periodic `check_health` runs the engine's data-path probe (one token through every actor); a
 probe that fails while the handle is not already rebuilding makes Serve replace this replica.
 
-`generate` yields dicts: the first {"prompt_tokens": n, "events": [...]}, then {"events": [...]};
+`open` prepares a request for the ingress to stream from the scheduler itself and `reopen`
+names the group to resume it on after a failure (`actors.handle.follow`); `generate` streams
+through this deployment (the ingress uses it for requests with top_logprobs). It yields dicts: the first {"prompt_tokens": n, "events": [...]}, then {"events": [...]};
 an event is the scheduler's ({"text", "token", "finish_reason"}, "queue_s" on the first, and
 "logprob"/"top_logprobs" with the token texts when asked). A failure ends the stream with
 {"error": {"kind", "message"}} (see `errors.py`), before or after the first events.
@@ -147,17 +149,44 @@ class ModelServer:
             return error_value(e)
         return {"text": engine.tokenizer.decode(ids)}
 
-    async def generate(self, req: GenerationRequest):
+    def _prepare(self, req: GenerationRequest):
+        """The engine, the prompt's token ids and the sampling parameters of a request."""
+        engine = self._ready_engine()
+        ids = self._ids(engine, req.prompt)
+        room = engine.max_seq - len(ids)
+        if room < 1:
+            raise InvalidRequestError(f"prompt has {len(ids)} tokens; the context of model "
+                                      f"{self.spec.name} holds {engine.max_seq}")
+        kw = dict(req.sampling)
+        kw["max_tokens"] = min(kw.get("max_tokens") or room, room)
+        return engine, ids, sampling_params(**kw)
+
+    async def open(self, req: GenerationRequest) -> dict:
+        """A request for the ingress to stream from the group's scheduler itself (one hop less
+        for every token): {"prompt_tokens", "flight", "target"} (`actors.handle.follow`), or
+        {"error"}. During a rebuild it waits for the new group, as `generate` does."""
+        try:
+            engine, ids, params = self._prepare(req)
+            flight, at = await asyncio.get_running_loop().run_in_executor(
+                None, engine.open, ids, params, req.request_id)
+        except (PowerInferError, ValueError) as e:
+            return error_value(e)
+        return {"prompt_tokens": len(ids), "flight": flight, "target": at}
+
+    async def reopen(self, failed: str, why: str) -> dict:
+        """The target to resume on after the group whose scheduler is `failed` failed, once it
+        is rebuilt: {"target"} or {"error"} (retryable)."""
         try:
             engine = self._ready_engine()
-            ids = self._ids(engine, req.prompt)
-            room = engine.max_seq - len(ids)
-            if room < 1:
-                raise InvalidRequestError(f"prompt has {len(ids)} tokens; the context of model "
-                                          f"{self.spec.name} holds {engine.max_seq}")
-            kw = dict(req.sampling)
-            kw["max_tokens"] = min(kw.get("max_tokens") or room, room)
-            params = sampling_params(**kw)
+            at = await asyncio.get_running_loop().run_in_executor(None, engine.replacement,
+                                                                  failed, why)
+        except PowerInferError as e:
+            return error_value(e)
+        return {"target": at}
+
+    async def generate(self, req: GenerationRequest):
+        try:
+            engine, ids, params = self._prepare(req)
         except (PowerInferError, ValueError) as e:
             yield error_value(e)
             return
