@@ -42,7 +42,7 @@ def ray_cluster():
 def bundle(default_model_path, tmp_path_factory):
     """A small but complete bundle: profile, both predictors, a placement (0.2 GiB)."""
     b = profile(MODEL, "lee", tmp_path_factory.mktemp("rt") / "bundle",
-                ProfileOptions(tokens=2048, window=256, samples=1500), progress=False)
+                ProfileOptions(tokens=1024, window=256, samples=1000), progress=False)
     for inp in ("layer", "ffn"):
         train_predictors(b, inp, ranks=[64], epochs=4, progress=False)
     solve_bundle(b, 0.2, context=256)
