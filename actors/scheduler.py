@@ -78,7 +78,7 @@ class Scheduler:
         self.probe_block = spec.num_blocks - 1  # reserved for health probes
         self.blocks = BlockManager(spec.num_blocks - 1, spec.block_size, config.prefix_cache)
         self.batcher = Batcher(self.blocks, config.max_batch, self.max_seq, config.prefill_chunk,
-                               sparse)
+                               sparse, config.prefill_pace)
         self.by_id: dict[str, Request] = {}  # waiting and running
         self.cv = threading.Condition()
         self.broken: str | None = None
@@ -232,9 +232,10 @@ class Scheduler:
                 with self.cv:
                     outs = self.batcher.postprocess(step, logits)
                 self._emit(outs, t0)
-                kind = "decode" if step.decode else "prefill"
+                kind, took = "decode" if step.decode else "prefill", time.perf_counter() - t0
+                self.batcher.observe(step, took)
                 self.counters[f"{kind}_steps"] += 1
-                self.counters[f"{kind}_s"] += time.perf_counter() - t0
+                self.counters[f"{kind}_s"] += took
                 self.counters["decode_rows"] += len(step.seqs) if step.decode else 0
                 self.counters["prefill_tokens"] += step.prefill_tokens
             self.ctl.publish(STOP)

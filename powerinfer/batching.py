@@ -5,7 +5,8 @@ schedule, run, postprocess.
 (`kv.BlockManager`). A sequence is its tokens (prompt, then output) and how many of them are in
 the cache (`computed`); each step brings every running sequence closer: one token for those
 decoding, a chunk of at most `prefill_chunk` prompt tokens a step for those being prefilled
-(chunked prefill, so that a long prompt shares steps with the streams already running), and
+(chunked prefill, so that a long prompt shares steps with the streams already running; while
+streams decode, the chunk is cut to keep a step within `pace` times a decode step), and
 the new sequences that fit, each starting after the longest cached prefix of its prompt
 (prefix caching). A step is flat: its tokens sequence by sequence, with each sequence's block
 table (`model.KVTables`). A sequence whose tokens are all computed is sampled.
@@ -141,18 +142,28 @@ class Output:
     error: str | None = None  # this row's sampling failed (its sequence is finished)
 
 
+PACE_MIN_CHUNK = 32  # prompt tokens a paced step prefills at least (progress on any machine)
+PACE_EMA = 0.2  # weight of the newest step in the paced step's running estimates
+
+
 class Batcher:
     """max_batch: sequences running at once; max_seq: positions a sequence may reach;
-    prefill_chunk: prompt tokens a step (0: a whole prompt in one step); sparse: the model's
+    prefill_chunk: prompt tokens a step at most (0: a whole prompt in one step); pace: while
+    sequences decode, a step's prompt chunk is cut so that the step takes about `pace` times a
+    decode step (the decoding streams' gap between tokens grows by that factor at most, on any
+    machine), from the runner's times (`observe`), down to PACE_MIN_CHUNK tokens; with nothing
+    decoding, or pace 0, chunks are prefill_chunk tokens; sparse: the model's
     decode rows compute their predicted neurons only, where a prompt computes every one: a
     sequence computed again (preempted, resumed) then catches up on its output one token a step,
     as a decode row, so that its cache holds what it held, and only the prompt's blocks are
     keyed for reuse (a later prompt reusing them computes what it would have computed)."""
 
     def __init__(self, blocks: BlockManager, max_batch: int, max_seq: int, prefill_chunk: int = 0,
-                 sparse: bool = False):
+                 sparse: bool = False, pace: float = 0.0):
         self.blocks, self.max_batch, self.max_seq = blocks, max_batch, max_seq
-        self.prefill_chunk, self.sparse = prefill_chunk, sparse
+        self.prefill_chunk, self.sparse, self.pace = prefill_chunk, sparse, pace
+        self.decode_s: float | None = None  # a decode step's seconds, as the runner timed them
+        self.token_s: float | None = None  # a prompt token's seconds, beyond the decode rows'
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # in admission order: the newest is preempted first
         self.preemptions = 0
@@ -182,8 +193,30 @@ class Batcher:
         self.blocks.release(seq.blocks)
         return True
 
+    def observe(self, step: "Step", seconds: float):
+        """The runner's time for a step, for pacing the chunks of the next."""
+        def ema(old, new):
+            return new if old is None else old + PACE_EMA * (new - old)
+
+        tokens = step.prefill_tokens
+        if not tokens:
+            self.decode_s = ema(self.decode_s, seconds)
+        elif len(step.seqs) == sum(n > 1 for n in step.counts) or self.decode_s is not None:
+            rows = self.decode_s if any(n == 1 for n in step.counts) else 0.0
+            self.token_s = ema(self.token_s, max(seconds - rows, 0.0) / tokens)
+
+    def _budget(self) -> float:
+        """Prompt tokens this step may prefill."""
+        full = self.prefill_chunk or float("inf")
+        if not (self.pace > 1 and self.prefill_chunk and self.decode_s and self.token_s):
+            return full
+        if not any(s.num_tokens - s.computed == 1 for s in self.running):
+            return full  # nobody decodes: prefill at full speed
+        return min(full, max(PACE_MIN_CHUNK,
+                             int((self.pace - 1) * self.decode_s / self.token_s)))
+
     def schedule(self) -> Step | None:
-        budget = self.prefill_chunk or float("inf")  # prompt tokens this step
+        budget = self._budget()  # prompt tokens this step
         rows: list[tuple[Sequence, int]] = []
         preempted = False
         i = 0

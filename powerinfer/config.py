@@ -36,6 +36,10 @@ class Config:
         turns of a chat) instead of computing them again.
     prefill_chunk: prompt tokens a step prefills at most, beside the decoding sequences (chunked
         prefill: a long prompt no longer stalls the running streams); 0: a prompt in one step.
+    prefill_pace: while sequences decode, a step's prompt chunk is cut (down to 32 tokens) so
+        that the step takes about this many times a decode step, timed as the model runs: the
+        streams' gap between tokens grows by this factor at most while a long prompt is
+        prefilled; 0: chunks of prefill_chunk tokens whatever they cost.
     compile: compile the decode step with torch.compile (slow first call, faster tokens).
     runtime: "local" (in-process) or "actors" (the Ray actor runtime: scheduler, predictor,
         hot executor and `cold_executors` cold-neuron executors over shared memory).
@@ -68,6 +72,7 @@ class Config:
     block_size: int = 16
     prefix_cache: bool = True
     prefill_chunk: int = 512
+    prefill_pace: float = 3.0
     compile: bool = False
     runtime: str = "local"
     weights: str = "auto"
@@ -108,6 +113,8 @@ class Config:
             raise ConfigError(f"block_size must be 16, 32 or 64, got {self.block_size}")
         if self.kv_cache_gb < 0 or self.prefill_chunk < 0:
             raise ConfigError("kv_cache_gb and prefill_chunk must be >= 0")
+        if self.prefill_pace != 0 and self.prefill_pace <= 1:
+            raise ConfigError(f"prefill_pace must be 0 (off) or over 1, got {self.prefill_pace}")
 
     @property
     def torch_dtype(self) -> torch.dtype:

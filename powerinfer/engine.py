@@ -4,6 +4,7 @@ reused by the next). Only `Engine._forward` touches the model."""
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 from typing import Iterator
 
@@ -54,14 +55,17 @@ class Engine:
         """Generate for the sequences together (max_batch at a time, as the cache's blocks
         allow); yields events as tokens arrive."""
         c = self.config
-        batcher = Batcher(self.blocks, c.max_batch, self.max_seq, c.prefill_chunk, self.sparse)
+        batcher = Batcher(self.blocks, c.max_batch, self.max_seq, c.prefill_chunk, self.sparse,
+                          c.prefill_pace)
         for i, s in enumerate(seqs):
             s.key = i
             batcher.add(s)
         dev = self.device
         try:
             while (step := batcher.schedule()) is not None:
+                t0 = time.perf_counter()
                 logits = torch.cat([self._step(part) for part in step.parts(self.sparse)])
+                batcher.observe(step, time.perf_counter() - t0)
                 for out in batcher.postprocess(step, logits):
                     if out.error:
                         raise InvalidRequestError(out.error)

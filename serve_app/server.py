@@ -196,6 +196,9 @@ def add_command(sub):
     p.add_argument("--prefill-chunk", type=int, default=512,
                    help="prompt tokens a step at most, beside the running streams (0: a "
                         "prompt in one step)")
+    p.add_argument("--prefill-pace", type=float, default=3.0,
+                   help="beside decoding streams, a step's prompt chunk is cut so that the step "
+                        "takes about this many times a decode step (0: whole chunks)")
     p.add_argument("--log-requests", action="store_true", help="Serve's access log")
     p.add_argument("--demo", action="store_true",
                    help="once ready, send one chat request through the HTTP API and print it")
@@ -215,7 +218,8 @@ def _run(args) -> int:
                              dtype=args.dtype, cpu_threads=args.threads, max_seq_len=args.ctx,
                              max_batch=args.max_batch, max_queue=args.max_queue,
                              kv_cache_gb=args.kv_cache_gb, prefix_cache=args.prefix_cache,
-                             prefill_chunk=args.prefill_chunk)]}
+                             prefill_chunk=args.prefill_chunk,
+                             prefill_pace=args.prefill_pace)]}
     if args.api_key:
         d["api_key"] = args.api_key
     settings = ServeSettings.from_dict(d)

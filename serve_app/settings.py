@@ -31,6 +31,7 @@ class ModelSpec:
     kv_cache_gb: float = 0.0  # the paged KV cache (0: auto, from the host's memory)
     prefix_cache: bool = True
     prefill_chunk: int = 512  # prompt tokens a step at most (0: a prompt in one step)
+    prefill_pace: float = 3.0  # beside decoding streams, a step takes about this x a decode step
     cpu_threads: int = 0
     predictor: str = "auto"
     vram_budget_gb: float = 0.0
@@ -55,7 +56,7 @@ class ModelSpec:
                       device=self.device, dtype=self.dtype, max_batch=self.max_batch,
                       max_queue=self.max_queue, max_seq_len=self.max_seq_len,
                       kv_cache_gb=self.kv_cache_gb, prefix_cache=self.prefix_cache,
-                      prefill_chunk=self.prefill_chunk,
+                      prefill_chunk=self.prefill_chunk, prefill_pace=self.prefill_pace,
                       cpu_threads=self.cpu_threads, predictor=self.predictor,
                       vram_budget_gb=self.vram_budget_gb, cores=self.replica_cores(replica),
                       resources=tuple(sorted((str(k), float(v)) for k, v in self.resources.items())))

@@ -180,3 +180,40 @@ def test_a_sparse_model_computes_output_again_as_decode_rows(tok):
     while not s.finished:
         b.postprocess(step := b.schedule(), greedy(step, 5))
     assert len(b.blocks.by_key) == 2  # its output's blocks were not keyed
+
+
+def test_paced_chunks_keep_a_step_near_a_decode_step(tok):
+    # the runner's times: a decode step 30 ms, a prompt token 2 ms beyond it; pace 3 allows a
+    # step of 90 ms beside decoding streams, 30 prompt tokens, raised to the 32 a step makes
+    # at least; with nothing decoding a chunk is whole again
+    b = Batcher(BlockManager(256, 16, True), 8, 2048, 512, pace=3.0)
+    alone = seq(tok, list(range(100, 1100)), max_seq=2048, max_tokens=2)
+    b.add(alone)
+    step = b.schedule()
+    assert step.counts == [512]  # nothing timed yet, nothing decoding: a whole chunk
+    b.observe(step, 512 * 0.002)
+    b.postprocess(step, greedy(step, 9))
+    assert b.schedule().counts == [488]  # nobody decodes: the rest of the prompt at once
+    b.remove(alone)
+    short = seq(tok, [5, 6], max_tokens=50)
+    b.add(short)
+    b.postprocess(s := b.schedule(), greedy(s, 9))
+    step = b.schedule()
+    assert step.decode
+    b.observe(step, 0.030)
+    b.postprocess(step, greedy(step, 9))
+    assert b.token_s == pytest.approx(0.002) and b.decode_s == pytest.approx(0.030)
+    long = seq(tok, list(range(2000, 2400)), max_seq=2048)
+    b.add(long)
+    step = b.schedule()
+    assert step.seqs == [short, long] and step.counts == [1, 32]
+    b.observe(step, 0.030 + 32 * 0.001)  # prompt tokens came cheaper: bigger chunks follow
+    b.postprocess(step, greedy(step, 9))
+    assert b.schedule().counts == [1, int(2 * 0.030 / (0.002 + 0.2 * (0.001 - 0.002)))]
+    unpaced = Batcher(BlockManager(256, 16, True), 8, 2048, 512, pace=0.0)
+    unpaced.decode_s, unpaced.token_s = 0.030, 0.002
+    a, c = seq(tok, [5, 6], max_tokens=50), seq(tok, list(range(3000, 3600)), max_seq=2048)
+    unpaced.add(a)
+    unpaced.postprocess(s := unpaced.schedule(), greedy(s, 9))
+    unpaced.add(c)
+    assert unpaced.schedule().counts == [1, 512]
