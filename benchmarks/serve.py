@@ -297,19 +297,24 @@ def wait_http(url: str, proc: subprocess.Popen, log: Path, timeout: float = 600)
     raise RuntimeError(f"{url} not ready after {timeout} s (log: {log})")
 
 
-def processes() -> dict[int, tuple[int, str]]:
-    """pid -> (parent pid, command line) of every process."""
-    out = {}
+def proc_entries():
+    """(pid, /proc/PID/stat text, its fields after the command name, argv) of every process
+    that is still there when read."""
     for d in Path("/proc").iterdir():
         if not d.name.isdigit():
             continue
         try:
             stat = (d / "stat").read_text()
-            cmd = (d / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            argv = [a.decode(errors="replace")
+                    for a in (d / "cmdline").read_bytes().split(b"\0") if a]
         except OSError:
             continue
-        out[int(d.name)] = (int(stat[stat.rindex(")") + 2:].split()[1]), cmd.strip())
-    return out
+        yield int(d.name), stat, stat[stat.rindex(")") + 2:].split(), argv
+
+
+def processes() -> dict[int, tuple[int, str]]:
+    """pid -> (parent pid, command line) of every process."""
+    return {pid: (int(fields[1]), " ".join(argv)) for pid, _, fields, argv in proc_entries()}
 
 
 def descendants(pid: int) -> dict[int, str]:
@@ -1065,20 +1070,8 @@ def scenario_kill(args, gguf: str) -> dict:
 def cpu_snapshot() -> dict[int, tuple[str, float]]:
     """pid -> (name, CPU seconds so far) of every process."""
     tick = os.sysconf("SC_CLK_TCK")
-    out = {}
-    for d in Path("/proc").iterdir():
-        if not d.name.isdigit():
-            continue
-        try:
-            stat = (d / "stat").read_text()
-            argv = (d / "cmdline").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        fields = stat[stat.rindex(")") + 2:].split()
-        out[int(d.name)] = (process_name(int(d.name), [a.decode(errors="replace") for a in argv
-                                                       if a], stat),
-                            (int(fields[11]) + int(fields[12])) / tick)
-    return out
+    return {pid: (process_name(pid, argv, stat), (int(fields[11]) + int(fields[12])) / tick)
+            for pid, stat, fields, argv in proc_entries()}
 
 
 def process_name(pid: int, argv: list[str], stat: str) -> str:
