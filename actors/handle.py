@@ -4,24 +4,24 @@ stream, tokenize, health, stats), over one model's actor group, which it supervi
 When an actor of the group dies or fails (any of them, the scheduler included), a monitor
 thread (or the failing request itself) tears the group down and starts a new one, and requests
 that arrive meanwhile wait for it (up to NEW_WAIT_S; at once a retryable error if an attempt of
-the rebuild has failed, as when the group's resources are gone). The requests in flight are not lost: the handle keeps each
-one's prompt, its sampling parameters (with a seed fixed at the start, so that a sampled request
+the rebuild has failed, as when the group's resources are gone). The requests in flight are not
+lost: the handle keeps each one's prompt, its sampling parameters (with a seed fixed at the start, so that a sampled request
 draws what it would have drawn) and the tokens its caller has had, and once the new group is up
 it sends the request again with those tokens to resume from: the scheduler replays them,
 prefills prompt and tokens, and the stream goes on where it stopped. The caller sees a pause.
 A request is resumed once per failure of the group it runs on, at most MAX_RESUMES times; it
 ends with a retryable `EngineFailedError` only if the rebuild fails or takes longer than
-RESUME_WAIT_S.
+RESUME_WAIT_S. One loop does this for every caller (`follow`): the async one, the sync one
+(which drives it in its own event loop) and the Serve ingress (which streams from the scheduler
+itself and asks the model deployment for the group to resume on).
 """
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import logging
 import secrets
 import threading
 import time
-import types
 import uuid
 from typing import AsyncIterator, Iterator
 
@@ -118,13 +118,6 @@ async def follow(f: _Flight, at: dict, replace) -> AsyncIterator[list[dict]]:
         at = await replace(at, why)
 
 
-def _cancel(group: ActorGroup, rid: str):
-    """Tell the scheduler the caller went away; nothing to do if the group is gone."""
-    scheduler = group.actors.get("scheduler")
-    if scheduler is not None:
-        scheduler.cancel.remote(rid)
-
-
 class ActorEngine:
     def __init__(self, model: str, config: Config, spin_us: float = SPIN_US):
         # block types the CPU kernel cannot read (K-quants): a converted copy, made once
@@ -165,18 +158,20 @@ class ActorEngine:
                  request_id: str | None = None) -> Iterator[dict]:
         """Stream events ({"text", "token", "finish_reason"}) for one request; raises a
         PowerInferError subclass on failure (retryable ones carry `retryable = True`)."""
-        f, group = self._flight(prompt, params, request_id), self._group(NEW_WAIT_S)
-        while True:
-            try:
-                with self._request(group, f.rid) as req:
-                    for ref in self._submit(group, f):
-                        for ev in self._events(group, ray.get(ref)):
-                            f.took(ev)
-                            req.ended = req.ended or bool(ev["finish_reason"])
-                            yield ev
-                return
-            except EngineFailedError:
-                group = self._resume_group(group, f)
+        import asyncio
+        loop = asyncio.new_event_loop()  # this caller's own: `agenerate`, driven step by step
+        stream = self.agenerate(prompt, params, request_id)
+        try:
+            while True:
+                try:
+                    events = loop.run_until_complete(stream.__anext__())
+                except StopAsyncIteration:
+                    return
+                yield from events
+        finally:  # a caller that stops early cancels the request (`follow`)
+            loop.run_until_complete(stream.aclose())
+            loop.run_until_complete(loop.shutdown_default_executor())
+            loop.close()
 
     async def agenerate(self, prompt: list[int], params: SamplingParams,
                         request_id: str | None = None) -> AsyncIterator[list[dict]]:
@@ -209,59 +204,13 @@ class ActorEngine:
             self._rebuild(group, why)
         else:
             group = None
-        return target(self._replacement(group))
+        return target(self._group(RESUME_WAIT_S, group))
 
     @staticmethod
     def _flight(prompt: list[int], params: SamplingParams, request_id: str | None) -> _Flight:
         if not params.greedy and params.seed is None:  # drawn here: a resumed request keeps it
             params = dataclasses.replace(params, seed=secrets.randbits(63))
         return _Flight(request_id or uuid.uuid4().hex, list(prompt), params)
-
-    @staticmethod
-    def _submit(group: ActorGroup, f: _Flight):
-        return group.scheduler.generate.remote(f.rid, f.prompt, f.params, resume=f.sent or None)
-
-    def _resume_group(self, failed: ActorGroup, f: _Flight) -> ActorGroup:
-        """The group that replaces `failed`, for request f to resume on; the retryable error
-        when it may not (too many resumes, the rebuild failed or takes too long, shutdown)."""
-        f.resumed()
-        return self._replacement(failed)
-
-    def _replacement(self, failed: ActorGroup | None) -> ActorGroup:
-        """The group that replaces `failed` (None: the serving one), once it is up."""
-        deadline = time.monotonic() + RESUME_WAIT_S
-        while True:
-            if self._closed:
-                raise EngineFailedError("the engine was shut down")
-            if self._ready.wait(0.2) and self.group is not failed:
-                return self.group
-            if self.rebuild_failures > self._failures_before:
-                raise EngineFailedError(f"the model's actor group could not be rebuilt "
-                                        f"({self.last_failure}); send the request again later")
-            if time.monotonic() > deadline:
-                raise EngineFailedError(f"the model's actor group was not rebuilt within "
-                                        f"{RESUME_WAIT_S} s; send the request again later")
-
-    @contextlib.contextmanager
-    def _request(self, group: ActorGroup, rid: str):
-        """Around one request's stream: errors the stream reports end it; an actor's death
-        becomes a retryable EngineFailedError (and a rebuild); a caller that stops reading
-        before the end cancels the request."""
-        req = types.SimpleNamespace(ended=False)
-        try:
-            yield req
-            req.ended = True
-        except PowerInferError:
-            req.ended = True
-            raise
-        except TaskCancelledError:  # the caller's own call was cancelled (a client hung up;
-            raise  # Ray cancels the scheduler's stream with it): not a failure of the group
-        except (RayActorError, RayTaskError) as e:
-            req.ended = True
-            raise self._failed(group, e) from None
-        finally:
-            if not req.ended:
-                _cancel(group, rid)
 
     @property
     def state(self) -> str:
@@ -295,26 +244,14 @@ class ActorEngine:
             self.group.stop()
 
     # ---- supervision ----
-    def _events(self, group: ActorGroup, batch: list[dict]) -> Iterator[dict]:
-        for ev in batch:
-            if "error" in ev:
-                err = ERRORS.get(ev["error"], PowerInferError)(ev["message"])
-                if ev["error"] == "engine_failed":
-                    self._rebuild(group, ev["message"])
-                raise err
-            yield ev
-
-    def _failed(self, group: ActorGroup, e: Exception) -> EngineFailedError:
-        msg = f"an actor of the model's group died ({type(e).__name__})"
-        self._rebuild(group, msg)
-        return EngineFailedError(f"{msg}; the group is being rebuilt, send the request again")
-
-    def _group(self, wait_s: float = REBUILD_WAIT_S) -> ActorGroup:
-        """The serving group; during a rebuild, waits up to wait_s for the new one, and gives
-        up at once when an attempt of this rebuild has failed (say, its resources are gone: a
-        request would otherwise wait on a group that may never come)."""
+    def _group(self, wait_s: float = REBUILD_WAIT_S, failed: ActorGroup | None = None
+               ) -> ActorGroup:
+        """The serving group (not `failed`: the one that replaces it); during a rebuild, waits
+        up to wait_s for the new one, and gives up at once when an attempt of this rebuild has
+        failed (say, its resources are gone: a request would otherwise wait on a group that
+        may never come)."""
         deadline = time.monotonic() + wait_s
-        while not self._ready.wait(0.2):
+        while not (self._ready.wait(0.2) and self.group is not failed):
             if self._closed:
                 break
             if self.rebuild_failures > self._failures_before:
@@ -323,7 +260,8 @@ class ActorEngine:
                                         "request again later")
             if time.monotonic() > deadline:
                 raise EngineFailedError(f"the model's actor group is being rebuilt "
-                                        f"({self.last_failure}); send the request again shortly")
+                                        f"({self.last_failure}) and was not up within "
+                                        f"{wait_s:g} s; send the request again shortly")
         if self._closed:
             raise EngineFailedError("the engine was shut down")
         return self.group
