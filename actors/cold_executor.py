@@ -73,7 +73,9 @@ class ColdExecutor:
             for m in self.attn:
                 m.kv_cache = KVCache(spec.num_blocks, m.n_kv_heads, spec.block_size, m.head_dim,
                                      dtype, "cpu")
-            self.rope = None if a.learned_pos else rope_table(a, spec.max_seq)
+            # (global, local) tables: Gemma 3's sliding layers have their own RoPE base
+            self.rope = None if a.learned_pos else tuple(
+                rope_table(a, spec.max_seq, local) for local in (False, bool(a.rope_base_local)))
         src.close()
         trim_heap()  # the load's transients, freed, stay resident otherwise
         self.load_s = time.perf_counter() - t0
@@ -113,7 +115,8 @@ class ColdExecutor:
             else:
                 ffn.append((empty, empty, 0, 0))
         attn = []  # per layer: qkv, qkv format, qkv rows, wo, wo format, k cache, v cache
-        for m in self.attn or [None] * len(self.sets):
+        # (the native loop runs one window, one RoPE table and no q/k norms for every layer)
+        for m in (self.attn if self.args.uniform else []) or [None] * len(self.sets):
             q, o = (None, None) if m is None else (_matrix(m.wqkv), _matrix(m.wo))
             if q is None or o is None:
                 attn.append((empty, 0, 0, empty, 0, empty, empty))
@@ -125,7 +128,7 @@ class ColdExecutor:
             return None
         n_heads = self.attn[0].n_heads if self.attn else 0
         scale = self.attn[0].scale if self.attn else 1.0
-        cos, sin = self.rope if self.rope is not None else (None, None)
+        cos, sin = self.rope[0] if self.rope is not None else (None, None)
         cols = lambda rows, j: [r[j] for r in rows]  # noqa: E731
         return (self.x.base, self.part.base, self.part.capacity, self.spec.dim,
                 dtype == torch.bfloat16, self.x.spin_us, [DECODE, HEAD, ATTN],
@@ -171,7 +174,8 @@ class ColdExecutor:
                     pos = self.x.view(torch.int64, (B * T,), at.positions)
                     kv = KVTables(self.x.view(torch.int64, (S + 1,), at.starts),
                                   self.x.view(torch.int32, (S, got.width), at.tables))
-                    rope = None if self.rope is None else tuple(t[pos] for t in self.rope)
+                    rope = None if self.rope is None else tuple(
+                        t[pos] for t in self.rope[self.args.local(got.layer)])
                     y = self.attn[got.layer](self.x.view(spec.torch_dtype, (B, T, spec.dim)),
                                              rope, pos, kv)
                     self.part.put(y.float())

@@ -40,7 +40,7 @@ from gguf.quants import dequantize, quantize
 log = logging.getLogger("powerinfer")
 
 FORMATS = ("f32", "bf16", "i8", "q4_0", "q4_1", "q8_0")
-ACTS = ("relu", "reglu", "dreglu", "swiglu")
+ACTS = ("relu", "reglu", "dreglu", "swiglu", "geglu", "gelu")  # csrc/neuron_ffn.h's Act
 SRC = Path(__file__).parent / "csrc"
 MAX_ROWS = 64  # rows per kernel call (csrc/neuron_ffn.h's MAXB)
 # per translation unit: the instruction sets it is compiled for

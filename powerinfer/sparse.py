@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import kernels
-from .model import FFN, Transformer
+from .model import FFN, UNGATED, Transformer
 
 # (layer, predictor input (..., dim)) -> per-row active neurons (..., ffn_dim) bool
 MaskSource = Callable[[int, torch.Tensor], torch.Tensor]
@@ -38,10 +38,14 @@ def activate(act: str, gate: torch.Tensor | None, up: torch.Tensor):
     if act == "relu":
         h = F.relu(up)
         return h, h
+    if act == "gelu":
+        h = F.gelu(up)
+        return h.abs(), h
     if act == "dreglu":
         h = F.relu(gate) * F.relu(up)
         return h, h
-    a = F.silu(gate) if act == "swiglu" else F.relu(gate)
+    a = {"swiglu": F.silu, "reglu": F.relu,
+         "geglu": lambda g: F.gelu(g, approximate="tanh")}[act](gate)
     return a.abs(), a * up
 
 
@@ -60,8 +64,8 @@ class NeuronSet(nn.Module):
         # w1: (2n, dim) [gate; up] when gated, else (n, dim) up (fc1); b1: (n,) or None;
         # w2: (dim, n) down; idx: (k,) the neurons of this set
         n = w2.shape[1]
-        gate = w1[:n].index_select(0, idx) if act != "relu" else None  # (k, dim)
-        up = (w1[n:] if act != "relu" else w1).index_select(0, idx)
+        gate = w1[:n].index_select(0, idx) if act not in UNGATED else None  # (k, dim)
+        up = (w1[n:] if act not in UNGATED else w1).index_select(0, idx)
         down_t = w2.t().index_select(0, idx)  # (k, dim)
         up_b = None if b1 is None else b1.index_select(0, idx)
         super().__init__()
@@ -113,7 +117,7 @@ class NeuronSet(nn.Module):
         if self.records is None:
             gate = None if self.gate is None else self.gate[lo:hi]
             return gate, self.up[lo:hi], self.down_t[lo:hi]
-        rows = kernels.unpack(self.records[lo:hi], self.fmt, self.dim, self.act != "relu")
+        rows = kernels.unpack(self.records[lo:hi], self.fmt, self.dim, self.act not in UNGATED)
         return tuple(None if r is None else r.to(self.dtype) for r in rows)
 
     def _chunks(self):
@@ -189,7 +193,7 @@ class BlockSlice(nn.Module):
     def forward(self, x, sel=None, threshold: float = 0.0, keep=None):
         assert sel is None and keep is None and threshold <= 0, "a block slice computes every neuron"
         h = self.w1(x)  # (..., 2k): gate rows then up rows; (..., k) for plain ReLU
-        gate, up = h.chunk(2, -1) if self.act != "relu" else (None, h)
+        gate, up = h.chunk(2, -1) if self.act not in UNGATED else (None, h)
         if self.up_b is not None:
             up = up + self.up_b
         return self.down(activate(self.act, gate, up)[1].float())  # same 8-bit blocks of h

@@ -24,6 +24,14 @@ EOG_TEXTS = ("<|eot_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>", "<|endoftex
              "<|end_of_text|>", "<|eom_id|>", "<｜end▁of▁sentence｜>")
 CHATML = ("{% for m in messages %}{{'<|im_start|>' + m['role'] + '\n' + m['content'] + '<|im_end|>\n'}}"
           "{% endfor %}{% if add_generation_prompt %}{{'<|im_start|>assistant\n'}}{% endif %}")
+# Gemma's turns, for files that carry no template (the system prompt opens the first user turn)
+GEMMA = ("{{ bos_token }}{% if messages and messages[0]['role'] == 'system' %}"
+         "{% set first = messages[0]['content'] + '\n\n' %}{% set turns = messages[1:] %}"
+         "{% else %}{% set first = '' %}{% set turns = messages %}{% endif %}"
+         "{% for m in turns %}{{ '<start_of_turn>' + ('model' if m['role'] == 'assistant' "
+         "else m['role']) + '\n' + (first if loop.first else '') + m['content'] | trim "
+         "+ '<end_of_turn>\n' }}{% endfor %}"
+         "{% if add_generation_prompt %}{{ '<start_of_turn>model\n' }}{% endif %}")
 TYPE_NORMAL, TYPE_UNKNOWN, TYPE_CONTROL, TYPE_USER, TYPE_UNUSED, TYPE_BYTE = 1, 2, 3, 4, 5, 6
 
 
@@ -64,10 +72,15 @@ class Tokenizer:
                                                 extensions=[loopcontrols])
             env.globals["raise_exception"] = _raise
             env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
-            self._template = env.from_string(self.chat_template or CHATML)
+            self._template = env.from_string(self.chat_template or self._default_template())
         return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt,
                                      bos_token=self.token_text(self.bos_id),
                                      eos_token=self.token_text(self.eos_id), **extra)
+
+    def _default_template(self) -> str:
+        """The template of a file that has none: Gemma's turns where the vocabulary has them,
+        else ChatML."""
+        return GEMMA if self.tok.token_to_id("<start_of_turn>") is not None else CHATML
 
     # ------------------------------------------------------------------------------ builders
 

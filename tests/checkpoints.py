@@ -258,3 +258,163 @@ def write_llama_gguf(path: Path, model, ffn_activation: str | None = None,
     w.write_tensors_to_file()
     w.close()
     return effective
+
+
+# ----------------------------------------------------------- Gemma 3, Qwen3, Phi-3, Falcon
+
+def arch_config(arch: str, **overrides):
+    """A tiny config of another family (dim 64, 2 kv heads where it has them, ffn 128).
+    gemma3: 7 layers (sliding, the 6th full) with a sliding window of 8 positions."""
+    from transformers import FalconConfig, Gemma3TextConfig, Phi3Config, Qwen3Config
+
+    common = dict(vocab_size=VOCAB_SIZE, hidden_size=64, num_attention_heads=4,
+                  max_position_embeddings=256, bos_token_id=None, eos_token_id=0, pad_token_id=0)
+    if arch == "gemma3":
+        kw = dict(common, intermediate_size=128, num_hidden_layers=7, num_key_value_heads=2,
+                  head_dim=32, query_pre_attn_scalar=32, sliding_window=8, rms_norm_eps=1e-6,
+                  rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 500000.0},
+                                   "sliding_attention": {"rope_type": "default", "rope_theta": 50.0}},
+                  tie_word_embeddings=True)
+        cls = Gemma3TextConfig
+    elif arch == "qwen3":
+        kw = dict(common, intermediate_size=128, num_hidden_layers=2, num_key_value_heads=2,
+                  head_dim=16, rms_norm_eps=1e-6, tie_word_embeddings=False)
+        cls = Qwen3Config
+    elif arch == "phi3":
+        kw = dict(common, intermediate_size=128, num_hidden_layers=2, num_key_value_heads=2,
+                  rms_norm_eps=1e-5, tie_word_embeddings=False, sliding_window=None)
+        cls = Phi3Config
+    elif arch == "falcon":  # the new decoder architecture (Falcon-40B's): grouped KV, two norms
+        kw = dict(common, num_hidden_layers=2, new_decoder_architecture=True, num_kv_heads=2,
+                  num_ln_in_parallel_attn=2, parallel_attn=True, bias=False, alibi=False,
+                  ffn_hidden_size=128, layer_norm_epsilon=1e-5, activation="gelu",
+                  tie_word_embeddings=False)
+        cls = FalconConfig
+    elif arch == "falcon-7b":  # multi-query, one norm for both branches
+        kw = dict(common, num_hidden_layers=2, new_decoder_architecture=False, multi_query=True,
+                  parallel_attn=True, bias=False, alibi=False, ffn_hidden_size=128,
+                  layer_norm_epsilon=1e-5, activation="gelu", tie_word_embeddings=True)
+        cls = FalconConfig
+    else:
+        raise ValueError(arch)
+    kw.update(overrides)
+    return cls(**kw)
+
+
+def write_arch_gguf(path: Path, model, arch: str, qtype=None) -> None:
+    """Write a transformers Gemma 3 / Qwen3 / Phi-3 / Falcon model as llama.cpp's converter
+    lays it out: Gemma's norms stored as 1 + w, Phi-3's q/k/v and gate/up fused, Falcon's
+    q/k/v rows regrouped as all q, all k, all v (none of these archs permutes q/k)."""
+    import gguf
+
+    T = gguf.GGMLQuantizationType
+    qtype = T.F32 if qtype is None else qtype
+    cfg = model.config
+    kind = "falcon" if arch.startswith("falcon") else arch
+    sd = {k: v.detach().float().numpy() for k, v in model.state_dict().items()}
+    w = gguf.GGUFWriter(str(path), kind)
+    n_head = cfg.num_attention_heads
+    if kind == "falcon":
+        new = cfg.new_decoder_architecture
+        n_kv = cfg.num_kv_heads if new else 1
+        head_dim, ffn, n_layers = cfg.hidden_size // n_head, cfg.ffn_hidden_size, cfg.num_hidden_layers
+        w.add_float32("falcon.attention.layer_norm_epsilon", cfg.layer_norm_epsilon)
+    else:
+        n_kv, head_dim = cfg.num_key_value_heads, getattr(cfg, "head_dim", None) or cfg.hidden_size // n_head
+        ffn, n_layers = cfg.intermediate_size, cfg.num_hidden_layers
+        w.add_float32(f"{kind}.attention.layer_norm_rms_epsilon", cfg.rms_norm_eps)
+    rope = getattr(cfg, "rope_parameters", None) or {}
+    rope = rope.get("full_attention", rope)
+    w.add_string("general.name", f"random-{arch}")
+    w.add_uint32(f"{kind}.block_count", n_layers)
+    w.add_uint32(f"{kind}.context_length", cfg.max_position_embeddings)
+    w.add_uint32(f"{kind}.embedding_length", cfg.hidden_size)
+    w.add_uint32(f"{kind}.feed_forward_length", ffn)
+    w.add_uint32(f"{kind}.attention.head_count", n_head)
+    w.add_uint32(f"{kind}.attention.head_count_kv", n_kv)
+    w.add_uint32(f"{kind}.attention.key_length", head_dim)
+    w.add_uint32(f"{kind}.attention.value_length", head_dim)
+    w.add_float32(f"{kind}.rope.freq_base", float(rope.get("rope_theta", 10000.0)))
+    w.add_uint32(f"{kind}.rope.dimension_count", head_dim)
+    if kind == "gemma3":
+        w.add_uint32("gemma3.attention.sliding_window", cfg.sliding_window)
+        local = cfg.rope_parameters["sliding_attention"]["rope_theta"]
+        w.add_float32("gemma3.rope.freq_base_swa", float(local))
+    tokens, types, merges = byte_vocab()
+    w.add_string("tokenizer.ggml.model", "gpt2")
+    w.add_string("tokenizer.ggml.pre", "default")
+    w.add_array("tokenizer.ggml.tokens", tokens)
+    w.add_array("tokenizer.ggml.token_type", types)
+    w.add_array("tokenizer.ggml.merges", merges)
+    w.add_uint32("tokenizer.ggml.eos_token_id", 0)
+    w.add_bool("tokenizer.ggml.add_bos_token", False)
+
+    def put(name: str, arr: np.ndarray):
+        arr = np.ascontiguousarray(arr, dtype=np.float32)
+        if arr.ndim == 1 or qtype == T.F32:
+            w.add_tensor(name, arr)
+        elif qtype == T.F16:
+            w.add_tensor(name, arr.astype(np.float16))
+        else:
+            w.add_tensor(name, gguf.quants.quantize(arr, qtype), raw_dtype=qtype)
+
+    if kind == "falcon":
+        t = "transformer."
+        put("token_embd.weight", sd[t + "word_embeddings.weight"])
+        put("output_norm.weight", sd[t + "ln_f.weight"])
+        put("output_norm.bias", sd[t + "ln_f.bias"])
+        if not cfg.tie_word_embeddings:
+            put("output.weight", sd["lm_head.weight"])
+        g = n_head // n_kv
+        for i in range(n_layers):
+            p, b = f"{t}h.{i}.", f"blk.{i}."
+            if new:
+                put(b + "attn_norm.weight", sd[p + "ln_mlp.weight"])
+                put(b + "attn_norm.bias", sd[p + "ln_mlp.bias"])
+                put(b + "attn_norm_2.weight", sd[p + "ln_attn.weight"])
+                put(b + "attn_norm_2.bias", sd[p + "ln_attn.bias"])
+            else:
+                put(b + "attn_norm.weight", sd[p + "input_layernorm.weight"])
+                put(b + "attn_norm.bias", sd[p + "input_layernorm.bias"])
+            qkv = sd[p + "self_attention.query_key_value.weight"]
+            if new:  # (kv groups, g q heads + k + v, head_dim, dim) -> all q, all k, all v
+                x = qkv.reshape(n_kv, g + 2, head_dim, -1)
+                qkv = np.concatenate([x[:, :g].reshape(-1, x.shape[-1]),
+                                      x[:, g].reshape(-1, x.shape[-1]),
+                                      x[:, g + 1].reshape(-1, x.shape[-1])])
+            put(b + "attn_qkv.weight", qkv)
+            put(b + "attn_output.weight", sd[p + "self_attention.dense.weight"])
+            put(b + "ffn_up.weight", sd[p + "mlp.dense_h_to_4h.weight"])
+            put(b + "ffn_down.weight", sd[p + "mlp.dense_4h_to_h.weight"])
+    else:
+        add = 1.0 if kind == "gemma3" else 0.0  # llama.cpp's converter stores Gemma's 1 + w
+        put("token_embd.weight", sd["model.embed_tokens.weight"])
+        put("output_norm.weight", sd["model.norm.weight"] + add)
+        if not cfg.tie_word_embeddings:
+            put("output.weight", sd["lm_head.weight"])
+        for i in range(n_layers):
+            p, b = f"model.layers.{i}.", f"blk.{i}."
+            put(b + "attn_norm.weight", sd[p + "input_layernorm.weight"] + add)
+            put(b + "attn_output.weight", sd[p + "self_attn.o_proj.weight"])
+            put(b + "ffn_down.weight", sd[p + "mlp.down_proj.weight"])
+            if kind == "phi3":
+                put(b + "attn_qkv.weight", sd[p + "self_attn.qkv_proj.weight"])
+                put(b + "ffn_up.weight", sd[p + "mlp.gate_up_proj.weight"])
+                put(b + "ffn_norm.weight", sd[p + "post_attention_layernorm.weight"])
+                continue
+            for n in "qkv":
+                put(b + f"attn_{n}.weight", sd[p + f"self_attn.{n}_proj.weight"])
+            put(b + "attn_q_norm.weight", sd[p + "self_attn.q_norm.weight"] + add)
+            put(b + "attn_k_norm.weight", sd[p + "self_attn.k_norm.weight"] + add)
+            put(b + "ffn_gate.weight", sd[p + "mlp.gate_proj.weight"])
+            put(b + "ffn_up.weight", sd[p + "mlp.up_proj.weight"])
+            if kind == "gemma3":
+                put(b + "post_attention_norm.weight", sd[p + "post_attention_layernorm.weight"] + add)
+                put(b + "ffn_norm.weight", sd[p + "pre_feedforward_layernorm.weight"] + add)
+                put(b + "post_ffw_norm.weight", sd[p + "post_feedforward_layernorm.weight"] + add)
+            else:
+                put(b + "ffn_norm.weight", sd[p + "post_attention_layernorm.weight"])
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()

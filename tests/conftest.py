@@ -20,3 +20,16 @@ def default_model_path():
         return resolve_model(DEFAULT_MODEL)
     except ModelNotFoundError as e:
         pytest.skip(f"default model not installed: {e}")
+
+
+@pytest.fixture(scope="session")
+def gemma_model_path():
+    """Path of Gemma 3 270M (Q4_K_M GGUF, joined from its packages at setup); skips if not
+    installed."""
+    from powerinfer.errors import ModelNotFoundError
+    from powerinfer.loader import resolve_model
+
+    try:
+        return resolve_model("gemma3-270m")
+    except ModelNotFoundError as e:
+        pytest.skip(f"Gemma 3 270M not installed: {e}")

@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from powerinfer import kernels as K
+from powerinfer.model import UNGATED
 from powerinfer.sparse import activate, apply_hybrid_ffn
 
 from test_sparse import random_model
@@ -38,10 +39,10 @@ def reference(x, gate, up, down_t, sel, keep, bias, threshold, act):
 def test_kernel_equals_reference(isa, fmt, act):
     torch.manual_seed(0)
     dim, k = 128, 200
-    gate = torch.randn(k, dim) if act != "relu" else None
+    gate = torch.randn(k, dim) if act not in UNGATED else None
     up, down_t = torch.randn(k, dim), torch.randn(k, dim)
     w = K.pack(gate, up, down_t, fmt)
-    G, U, D = K.unpack(w, fmt, dim, act != "relu")  # the weights the format holds
+    G, U, D = K.unpack(w, fmt, dim, act not in UNGATED)  # the weights the format holds
     G = None if G is None else G.float()
     U, D = U.float(), D.float()
     for B, use_keep, threshold, use_bias in [(1, False, 0.0, False), (3, True, 0.5, True),

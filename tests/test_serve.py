@@ -26,7 +26,7 @@ import yaml
 from powerinfer import Config, PowerInfer
 from powerinfer.synthetic import write_synthetic
 
-SMOL, TINY, BROKEN = "smollm2", "tiny", "broken"
+SMOL, TINY, BROKEN, GEMMA = "smollm2", "tiny", "broken", "gemma3"
 KEY = "test-key-5d1f0c"
 MAX_BODY = 65536
 APP = "powerinfer"
@@ -86,7 +86,7 @@ class Server:
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory, default_model_path):
+def server(tmp_path_factory, default_model_path, gemma_model_path):
     d = tmp_path_factory.mktemp("serve")
     write_synthetic(d / "tiny.gguf", preset="tiny", seed=0)
     (d / "broken.gguf").write_bytes(b"GGUF" + b"\x03\0\0\0" + b"\xff" * 64)
@@ -100,7 +100,10 @@ def server(tmp_path_factory, default_model_path):
          "max_queue": 8, "cpu_threads": 1, "dtype": "float32", "cores": cpulist(smol_cores)},
         {"name": TINY, "model": str(d / "tiny.gguf"), "max_seq_len": 512, "max_batch": 2,
          "max_queue": 1, "cores": cpulist(tiny_cores)},
-        {"name": BROKEN, "model": str(d / "broken.gguf")}]}))
+        {"name": BROKEN, "model": str(d / "broken.gguf")},
+        # a second real family beside SmolLM2, on the synthetic model's cores
+        {"name": GEMMA, "model": str(gemma_model_path), "max_seq_len": 512, "max_batch": 4,
+         "cpu_threads": 1, "dtype": "float32", "cores": cpulist(tiny_cores)}]}))
     port, grpc_port = free_port(), free_port()
     log = d / "server.log"
     before = ray_pids()
@@ -109,7 +112,7 @@ def server(tmp_path_factory, default_model_path):
                             stdout=open(log, "w"), stderr=subprocess.STDOUT, start_new_session=True)
     s = Server(proc, port, grpc_port, log)
     s.ray_before = before
-    s.cores = {SMOL: set(smol_cores), TINY: set(tiny_cores)}
+    s.cores = {SMOL: set(smol_cores), TINY: set(tiny_cores), GEMMA: set(tiny_cores)}
     deadline = time.time() + 300
     while "HTTP (OpenAI API)" not in log.read_text(errors="replace"):
         assert proc.poll() is None, f"the server exited:\n{s.tail()}"
@@ -162,12 +165,12 @@ def assert_error(r, status: int, *needles: str) -> dict:
 
 def test_startup_reports_every_model(server):
     out = server.tail()
-    assert f"{SMOL}: ready" in out and f"{TINY}: ready" in out
+    assert f"{SMOL}: ready" in out and f"{TINY}: ready" in out and f"{GEMMA}: ready" in out
     assert f"{BROKEN}: failed" in out and "cannot load model" in out
     health = server.wait_healthy()
     assert health["status"] == "degraded"  # the broken model is reported; the others serve
     states = {m["id"]: m["status"] for m in health["models"]}
-    assert states == {SMOL: "ready", TINY: "ready", BROKEN: "failed"}
+    assert states == {SMOL: "ready", TINY: "ready", BROKEN: "failed", GEMMA: "ready"}
 
 
 
@@ -181,7 +184,7 @@ def allowed_cores(pid: int) -> set[int]:
 
 def test_each_models_executors_run_on_its_own_cores(server):
     pinned = {}
-    for name in (SMOL, TINY):
+    for name in (SMOL, TINY, GEMMA):
         pids = server.model_stats(name)["pids"]
         executors = {k: allowed_cores(p) for k, p in pids.items() if k in ("hot", "predictor")
                      or k.startswith("cold")}
@@ -318,7 +321,7 @@ def test_grpc_matches_http(server):
     assert by_id[-1].usage.prompt_tokens == len(ids.token_ids)
 
     models = {m.id: m for m in stub.ListModels(pb.ListModelsRequest(), metadata=md).models}
-    assert set(models) == {SMOL, TINY, BROKEN}
+    assert set(models) == {SMOL, TINY, BROKEN, GEMMA}
     assert models[BROKEN].status == "failed" and "cannot load model" in models[BROKEN].error
     http_models = server.http.get("/v1/models").json()["data"]
     assert {m["id"]: m["status"] for m in http_models} == {m: models[m].status for m in models}
@@ -340,6 +343,42 @@ def test_two_models_at_once(server):
     for t in threads:
         t.join(timeout=120)
     assert sorted(results) == sorted((m, alone[m]) for m in [SMOL, TINY] * 3)
+
+
+def test_two_real_families_at_once_equal_their_in_process_engines(server, local_smol,
+                                                                   gemma_model_path):
+    # SmolLM2 (LLaMA) and Gemma 3 from one YAML file, asked concurrently over gRPC (token ids):
+    # each answer is its in-process engine's greedy output, up to a near-tie of that engine's
+    # own logits (the actor group sums its shares in another order)
+    from greedy import assert_same_or_near_tie
+    gemma = PowerInfer.from_pretrained(gemma_model_path, Config(dtype="float32", max_seq_len=512,
+                                                                 cpu_threads=1))
+    local = {SMOL: local_smol, GEMMA: gemma}
+    prompts = {SMOL: "Once upon a time", GEMMA: "The capital of France is"}
+    pb, n = server.pb, 12
+    want = {}
+    for m, pi in local.items():
+        events = pi._run([pi.tokenize(prompts[m])], n, dict(temperature=0, ignore_eos=True))
+        want[m] = [e.token for e in events if e.token >= 0]
+
+    def ask(m):
+        out = server.stub.Generate(pb.GenerateRequest(
+            model=m, text=prompts[m], sampling=pb.SamplingParams(max_tokens=n, temperature=0,
+                                                                 ignore_eos=True)),
+            metadata=server.md, timeout=300)
+        results.append((m, [t.token_id for o in out for t in o.tokens]))
+
+    results = []
+    threads = [threading.Thread(target=ask, args=(m,)) for m in [SMOL, GEMMA] * 3]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=300)
+    assert sorted(m for m, _ in results) == sorted([SMOL, GEMMA] * 3)
+    for m, got in results:
+        pi = local[m]
+        assert_same_or_near_tie(pi, pi.tokenize(prompts[m]), want[m], got, 1e-3)
+    assert "Paris" in gemma.detokenize(want[GEMMA]) or "capital" in gemma.detokenize(want[GEMMA])
 
 
 def test_metrics(server):

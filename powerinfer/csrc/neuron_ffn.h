@@ -28,7 +28,13 @@
 namespace powerinfer {
 
 enum Format : int { F32 = 0, BF16 = 1, I8 = 2, Q4_0 = 3, Q4_1 = 4, Q8_0 = 5 };
-enum Act : int { RELU = 0, REGLU = 1, DREGLU = 2, SWIGLU = 3 };
+enum Act : int { RELU = 0, REGLU = 1, DREGLU = 2, SWIGLU = 3, GEGLU = 4, GELU = 5 };
+inline bool gated_act(int act) { return act != RELU && act != GELU; }
+// GELU, tanh-approximated (Gemma's GeGLU gate) and exact (Falcon's FFN), as torch computes them
+inline float gelu_tanh(float g) {
+  return 0.5f * g * (1.0f + std::tanh(0.7978845608028654f * (g + 0.044715f * g * g * g)));
+}
+inline float gelu_erf(float u) { return 0.5f * u * (1.0f + std::erf(u * 0.7071067811865476f)); }
 
 constexpr int down_format(int fmt) { return fmt == Q4_0 || fmt == Q4_1 ? Q8_0 : fmt; }
 
@@ -480,6 +486,7 @@ inline bool gate_open(int act, float g, float threshold) {
   switch (act) {
     case REGLU: return g > (threshold > 0 ? threshold : 0.0f);
     case DREGLU: return g > 0;
+    case GEGLU: return threshold > 0 ? std::fabs(gelu_tanh(g)) > threshold : true;
     default: return threshold > 0 ? std::fabs(silu(g)) > threshold : true;
   }
 }
@@ -496,6 +503,8 @@ inline bool activations(const FFNArgs& a, int64_t jj, const float* g, const floa
       case RELU: hh = score = uu > 0 ? uu : 0.0f; break;
       case DREGLU: hh = score = (g[r] > 0 ? g[r] : 0.0f) * (uu > 0 ? uu : 0.0f); break;
       case REGLU: score = g[r] > 0 ? g[r] : 0.0f; hh = score * uu; break;
+      case GELU: hh = gelu_erf(uu); score = std::fabs(hh); break;
+      case GEGLU: { const float s = gelu_tanh(g[r]); score = std::fabs(s); hh = s * uu; break; }
       default: { const float s = silu(g[r]); score = std::fabs(s); hh = s * uu; }
     }
     if (a.threshold > 0 && !(score > a.threshold)) hh = 0.0f;
@@ -514,7 +523,7 @@ template <int FMT, int DFMT = down_format(FMT)>
 void range_fmt(const FFNArgs& a, int64_t begin, int64_t end, float* out) {
   constexpr int MAXB = 64;
   if (begin >= end) return;
-  const bool gated = a.act != RELU;
+  const bool gated = gated_act(a.act);
   const int64_t rb = row_bytes(FMT, a.dim), B = a.B;
   auto rec = [&](int64_t jj) { return jj < end ? a.w + a.sel[jj] * a.neuron_bytes : nullptr; };
   float lead[2][MAXB], u[MAXB], h[MAXB];

@@ -127,9 +127,9 @@ static at::Tensor neuron_ffn(const at::Tensor& x, const at::Tensor& w, const at:
   TORCH_CHECK(sel.dim() == 1 && sel.is_contiguous() &&
               (sel.scalar_type() == at::kLong || sel.scalar_type() == at::kBool),
               "sel: (m,) int64 or (k,) bool");
-  TORCH_CHECK(act >= RELU && act <= SWIGLU, "unknown activation ", act);
+  TORCH_CHECK(act >= RELU && act <= GELU, "unknown activation ", act);
   const int64_t B = x.size(0), dim = x.size(1), n = w.size(0);
-  const int64_t nb = (act == RELU ? 1 : 2) * row_bytes(fmt, dim) + row_bytes(down_format(fmt), dim);
+  const int64_t nb = (gated_act(act) ? 2 : 1) * row_bytes(fmt, dim) + row_bytes(down_format(fmt), dim);
   TORCH_CHECK(w.size(1) == nb, "w: ", w.size(1), " bytes per neuron, expected ", nb);
   std::vector<int64_t> picked;  // a mask's neurons
   const bool by_mask = sel.scalar_type() == at::kBool;
@@ -566,6 +566,8 @@ static float activation(int64_t act, float g, float u, bool bf16) {
     case RELU: return u > 0 ? u : 0.0f;
     case REGLU: return r((g > 0 ? g : 0.0f) * u);
     case DREGLU: return r((g > 0 ? g : 0.0f) * (u > 0 ? u : 0.0f));
+    case GELU: return r(gelu_erf(u));
+    case GEGLU: return r(r(gelu_tanh(g)) * u);
     default: return r(r(g / (1.0f + std::exp(-g))) * u);
   }
 }
@@ -599,14 +601,15 @@ static at::Tensor ffn_step(const Kernels& k, const ColdLayers& L, int64_t layer,
     at::Tensor all = at::ones({L.ffn_w1[layer].size(0)}, x.options().dtype(at::kBool));
     return neuron_ffn(x, L.ffn_w1[layer], all, std::nullopt, std::nullopt, 0.0, act, L.ffn_n[layer]).to(at::kFloat);
   }
-  const int64_t n = L.ffn_n[layer], kk = act == RELU ? n : n / 2;
+  const bool gated = gated_act(act);
+  const int64_t n = L.ffn_n[layer], kk = gated ? n / 2 : n;
   at::Tensor y1 = project(k, x, L.ffn_w1[layer], -1, n);  // (rows, n): gate rows then up rows
   at::Tensor h = at::empty({rows, kk}, x.options().dtype(at::kFloat));
   const float* yp = y1.data_ptr<float>();
   float* hp = h.data_ptr<float>();
   for (int64_t r = 0; r < rows; r++)
     for (int64_t j = 0; j < kk; j++)
-      hp[r * kk + j] = activation(act, act == RELU ? 0.0f : yp[r * n + j], yp[r * n + (act == RELU ? j : kk + j)], bf16);
+      hp[r * kk + j] = activation(act, gated ? yp[r * n + j] : 0.0f, yp[r * n + (gated ? kk + j : j)], bf16);
   return project(k, h, L.ffn_w2[layer], -1, dim);
 }
 

@@ -1,0 +1,89 @@
+"""The real Gemma 3 270M file (Q4_K_M, from its registry packages) against transformers loading the
+same file: fp32 logits, greedy tokens, tokenization; and the shipped configuration (its K-quants
+converted once to the kernel's blocks, bf16 with 4-bit projections) tracking fp32."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from greedy import assert_same_or_near_tie
+from powerinfer import Config, PowerInfer
+from powerinfer.loader import load_checkpoint
+from powerinfer.model import Transformer
+
+PROMPT = "The capital of France is"
+LONG = ("Water boils at 100 degrees Celsius at sea level. At higher altitudes the air pressure is "
+        "lower, so water boils at a lower temperature. ") * 24  # past the 512-position window
+
+
+@pytest.fixture(scope="module")
+def hf(gemma_model_path):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(gemma_model_path.parent),
+                                                 gguf_file=gemma_model_path.name,
+                                                 dtype=torch.float32, attn_implementation="eager")
+    return model.eval()
+
+
+@pytest.fixture(scope="module")
+def ours(gemma_model_path):
+    return PowerInfer.from_pretrained(gemma_model_path, Config(dtype="float32", weights="dense",
+                                                                max_seq_len=1024, max_batch=2))
+
+
+@pytest.mark.slow
+def test_tokenizer_matches_transformers(gemma_model_path, ours):
+    from transformers import AutoTokenizer
+
+    theirs = AutoTokenizer.from_pretrained(str(gemma_model_path.parent),
+                                           gguf_file=gemma_model_path.name)
+    for text in (PROMPT, "def f(x):\n    return x ** 2  # ünïcödé", LONG[:300]):
+        assert ours.tokenize(text) == theirs(text)["input_ids"], text
+
+
+@pytest.mark.slow
+def test_logits_match_transformers_past_the_sliding_window(ours, hf):
+    ids = ours.tokenize(LONG)
+    assert len(ids) > 600  # the sliding layers see 512 positions back
+    x = torch.tensor([ids])
+    with torch.inference_mode():
+        theirs = hf(input_ids=x).logits[0].float()
+    m: Transformer = ours.model
+    mine = torch.stack([ours.engine.logits(ids[:n]) for n in (8, 300, len(ids))])
+    ref = theirs[[7, 299, len(ids) - 1]]
+    err = (mine - ref).abs().max().item()
+    assert err < 2e-3 * ref.abs().max().item(), f"max-abs difference {err:.3g}"
+    assert m.args.swa_pattern == 6 and m.args.window(5) == 0 and m.args.window(0) == 512
+
+
+@pytest.mark.slow
+def test_greedy_matches_transformers_for_32_tokens(ours, hf):
+    ids = ours.tokenize(PROMPT)
+    hf.generation_config.eos_token_id = None
+    with torch.inference_mode():
+        x = torch.tensor([ids])
+        out = hf.generate(x, attention_mask=torch.ones_like(x), do_sample=False,
+                          max_new_tokens=32, pad_token_id=0)
+    want = out[0, len(ids):].tolist()
+    events = ours._run([ids], 32, dict(temperature=0, ignore_eos=True))
+    got = [e.token for e in events if e.token >= 0]
+    assert got == want, (ours.detokenize(got), ours.detokenize(want))
+    assert "Paris" in ours.detokenize(got) or "capital" in ours.detokenize(got)
+
+
+@pytest.mark.slow
+def test_the_shipped_configuration_tracks_fp32(gemma_model_path, ours):
+    # defaults: the K-quants converted once to Q8_0/Q4_1 blocks, bf16 activations, 4-bit where
+    # the blocks are, the tied 8-bit head over the file's Q8_0 embedding rows
+    pi = PowerInfer.from_pretrained(gemma_model_path, Config(max_seq_len=1024))
+    assert pi.config.weights == "int4"
+    ids = ours.tokenize(PROMPT)
+    want = [e.token for e in ours._run([ids], 24, dict(temperature=0, ignore_eos=True))
+            if e.token >= 0]
+    got = [e.token for e in pi._run([ids], 24, dict(temperature=0, ignore_eos=True))
+           if e.token >= 0]
+    assert_same_or_near_tie(ours, ids, want, got, 0.5)
+    chat = pi.tokenizer.apply_chat_template([{"role": "user", "content": "Hi"}])
+    assert chat == "<bos><start_of_turn>user\nHi<end_of_turn>\n<start_of_turn>model\n"
+    assert pi.tokenizer.encode("<end_of_turn>")[-1] in pi.tokenizer.eog_ids
