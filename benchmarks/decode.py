@@ -1,8 +1,9 @@
 #!/usr/bin/env python3
-"""Prefill and decode throughput of PowerInfer on the default model, beside llama.cpp in one run.
+"""Prefill and decode throughput of PowerInfer beside llama.cpp in one run (default model, or --model).
 
-    .venv/bin/python benchmarks/decode.py [--tokens 128] [--prompt-tokens 128] [--threads N]
-        [--configs fp32 bf16 bf16+int4 ... bf16+int4+compile] [--skip-llama] [--out FILE]
+    .venv/bin/python benchmarks/decode.py [--model NAME|FILE] [--tokens 128] [--prompt-tokens 128]
+        [--threads N] [--configs fp32 bf16 bf16+int4 ... bf16+int4+compile] [--skip-llama]
+        [--out FILE]
 
 Ours, per config: prefill tok/s is the timed forward over the prompt (median over runs); decode
 tok/s is what a user sees through `Engine.run` with greedy sampling and ignore_eos (sampling,
@@ -134,11 +135,11 @@ def bench_llama(model: str, ids: list[int], n: int, threads: int, runs: int) -> 
 
 
 # ---------------------------------------------------------------- ours
-def load(name: str, threads: int) -> PowerInfer:
+def load(name: str, threads: int, model: str) -> PowerInfer:
     dtype, *flags = name.split("+")
     config = Config(dtype=dtype, cpu_threads=threads, compile="compile" in flags,
                     weights="int4" if "int4" in flags else "dense", max_batch=1, max_seq_len=2048)
-    return PowerInfer.from_pretrained("smollm2-135m-instruct", config=config)
+    return PowerInfer.from_pretrained(model, config=config)
 
 
 def timed(fn, log: list):
@@ -284,6 +285,8 @@ def main():
     ap.add_argument("--profile", nargs="+",
                     help="configs to profile (default: the first eager one and the last one)")
     ap.add_argument("--skip-llama", action="store_true")
+    ap.add_argument("--model", default="smollm2-135m-instruct",
+                    help="a model file or an installed model's short name (gemma3-270m)")
     ap.add_argument("--out", help="also write the markdown section to this file")
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
@@ -291,7 +294,7 @@ def main():
     print(datetime.datetime.now().isoformat(" ", "seconds"), info, flush=True)
 
     cpu0 = cpu_seconds()
-    model_path = str(resolve_model("smollm2-135m-instruct"))
+    model_path = str(resolve_model(a.model))
     results, llama = {}, None
     prof_names = a.profile or {next((c for c in a.configs if "compile" not in c), None),
                                a.configs[-1]}
@@ -302,7 +305,7 @@ def main():
         c0 = cpu_seconds()
         try:
             t = time.perf_counter()
-            m = load(name, a.threads)
+            m = load(name, a.threads, a.model)
             load_s = time.perf_counter() - t
             if ids is None:  # the prompt, cut to an exact length with our tokenizer
                 ids = m.tokenize(TEXT * (a.prompt_tokens // 20 + 2))[:a.prompt_tokens]

@@ -168,12 +168,24 @@ def _info(args) -> int:
         ("positions", "learned" if a.learned_pos else f"RoPE (base {a.rope_base:g})"),
         ("norm", "LayerNorm" if a.layer_norm else f"RMSNorm (eps {a.norm_eps:g})"),
         ("tied embeddings", a.tie_embeddings),
+        ("attention", _attention_kind(a)),
         ("tensor types", ", ".join(f"{k}: {v}" for k, v in sorted(info["tensor_types"].items()))),
     ]
     width = max(len(k) for k, _ in rows)
     for k, v in rows:
         print(f"{k:<{width}}  {v}")
     return 0
+
+
+def _attention_kind(a) -> str:
+    parts = [f"sliding window {a.sliding_window}" + (
+        f" on {a.swa_pattern - 1} of every {a.swa_pattern} layers" if a.swa_pattern else "")
+        if a.sliding_window else "full"]
+    if a.rope_base_local:
+        parts.append(f"sliding layers' RoPE base {a.rope_base_local:g}")
+    parts += [name for name, on in (("q/k norms", a.qk_norm), ("norms after each branch", a.post_norms),
+                                    ("parallel with the FFN", a.parallel)) if on]
+    return ", ".join(parts)
 
 
 def _pipeline_commands(sub):
