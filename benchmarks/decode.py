@@ -29,7 +29,7 @@ import torch
 
 from powerinfer import Config, PowerInfer
 from powerinfer.config import sampling_params
-from powerinfer.loader import resolve_model
+from powerinfer.loader import load_checkpoint, resolve_model
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -248,7 +248,7 @@ def top_ops(m: PowerInfer, ids: list[int], n: int, top: int = 15) -> str:
 
 
 # ---------------------------------------------------------------- report
-def table(results: dict, llama: dict | None, p: int, n: int) -> str:
+def table(results: dict, llama: dict | None, p: int, n: int, file: str = "") -> str:
     ref = llama["decode_s"] if llama else None
     lines = [f"Prompt {p} tokens, {n} generated tokens (greedy, ignore_eos). decode: through the "
              "engine, sampling included; step: the model call alone; vs llama.cpp: our decode tok/s "
@@ -258,7 +258,8 @@ def table(results: dict, llama: dict | None, p: int, n: int) -> str:
              "vs llama.cpp decode | warm-up s | others' CPU |",
              "|---|---:|---:|---:|---:|---:|---:|---:|"]
     if llama:
-        lines.append(f"| llama.cpp {llama['version']} (Q4_1) | {p / llama['prefill_s']:.1f} | "
+        lines.append(f"| llama.cpp {llama['version']} (the file as it is{file}) | "
+                     f"{p / llama['prefill_s']:.1f} | "
                      f"{1 / llama['decode_s']:.1f} | {1 / llama['step_s']:.1f} | "
                      f"{llama['decode_s'] * 1e3:.2f} | 1.00x | - | {llama['others']:.0f}% |")
     for name, r in results.items():
@@ -330,7 +331,9 @@ def main():
         llama = bench_llama(model_path, ids, a.tokens, a.threads, a.runs)
         llama["others"] = others_share(c0)
     info += f" · other processes used {others_share(cpu0):.0f}% of the CPUs during the run"
-    body = table(results, llama, len(ids or []), a.tokens)
+    types = load_checkpoint(model_path, with_weights=False).info["tensor_types"]
+    body = table(results, llama, len(ids or []), a.tokens,
+                 ": " + ", ".join(f"{k} {v}" for k, v in sorted(types.items())))
     if llama:  # how long our greedy output stays identical to llama.cpp's
         same = {name: next((i for i, (x, y) in enumerate(zip(r["out"], llama["out"])) if x != y),
                            len(r["out"])) for name, r in results.items() if "out" in r}

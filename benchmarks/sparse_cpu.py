@@ -88,7 +88,7 @@ def module_bytes(m) -> int:
 
 def dense_bytes(model, kv_len: float) -> dict[str, float]:
     a = model.args
-    el = model.tok_embeddings.weight.element_size()
+    el = model.norm.weight.element_size()
     attn = sum(module_bytes(b.attn) for b in model.layers)
     norms = sum(p.numel() for n, p in model.named_parameters() if "norm" in n) * el
     head = module_bytes(model.output)
@@ -151,7 +151,7 @@ def measure(label: str, pi, ids: list[int], n: int, extra: dict | None = None) -
         h.remove()
     a = pi.model.args
     b = dense_bytes(pi.model, len(ids) + n / 2)
-    row_bytes = neuron_bytes(a, pi.model.tok_embeddings.weight.element_size())
+    row_bytes = neuron_bytes(a, pi.model.norm.weight.element_size())
     if ffns:
         computed = sum(s.computed for s in stats) / max(1, stats[0].rows)  # per token, all layers
         b["ffn rows (computed)"] = computed * row_bytes

@@ -16,6 +16,7 @@ from .errors import ModelLoadError
 from .loader import DEFAULT_MODEL, Checkpoint, build_model, load_checkpoint
 from .budget import plan_for
 from .kv import pool_blocks
+from .partial import keep_stored_blocks
 from .quant import apply_int4, apply_kernel_linears, has_q4, neuron_format
 from .sparse import offload_ffns
 from .runtimes import engine_class
@@ -55,6 +56,8 @@ class PowerInfer:
         if int4 and not apply_int4(self.model, checkpoint.q4):
             raise ModelLoadError(checkpoint.path, "weights='int4' needs a GGUF file with "
                                                   "Q4_0/Q4_1 projections")
+        if int4 and device.type == "cpu":  # the file's Q8_0 blocks (projections, embedding) kept
+            keep_stored_blocks(self.model, checkpoint.source, config.torch_dtype)
         apply_kernel_linears(self.model, head="q8_0" if int4 else "bf16")  # what is left in bf16
         checkpoint.q4 = {}  # the model holds them now
         self.engine = Engine(self.model, self.tokenizer, config, (kv_blocks, why),

@@ -9,8 +9,8 @@ A bundle is a directory:
     thresholds.safetensors          threshold (n_layers,) float32: a neuron fires when
                                     |act(gate x)| > threshold (0 for ReLU-family models)
     samples/layer_{i:03d}.safetensors   predictor training samples of layer i, N rows:
-                                    x_layer (N, dim) f16   the layer input (pre-norm residual)
-                                    x_ffn   (N, dim) f16   the residual entering the FFN (pre-norm)
+                                    x_layer (N, dim) f16   the layer input (pre-norm residual; f32 where f16 cannot hold it)
+                                    x_ffn   (N, dim) f16   the residual entering the FFN (pre-norm; f32 likewise)
                                     fired   (N, ceil(ffn_dim/8)) uint8  np.packbits(mask, axis=1)
                                     mag     (N, ffn_dim) f16  |activation|, held-out rows only
                                     (the last `held_out` rows of the file; see manifest)

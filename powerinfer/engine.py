@@ -35,7 +35,7 @@ class Engine:
         # pool: the KV cache's blocks and why (`kv.pool_blocks`), where the caller decided it;
         # sparse: the model's FFNs compute a decode row's predicted neurons only (`Step.parts`)
         self.model, self.tokenizer, self.config, self.sparse = model, tokenizer, config, sparse
-        self.device = model.tok_embeddings.weight.device
+        self.device = model.norm.weight.device
         context, elt = context_length(model.args, config), model.norm.weight.element_size()
         n, why = pool or pool_blocks(model.args, config, context, elt)
         self.blocks = BlockManager(n, config.block_size, config.prefix_cache)

@@ -56,6 +56,34 @@ class LazyWeights(Mapping):
         self.source.read_into(name, out)
 
 
+def keep_stored_blocks(model: Transformer, src: TensorSource, dtype: torch.dtype) -> int:
+    """The in-process engine's 4-bit configuration, what is left: each projection still held in
+    float whose tensors are all Q8_0 in the file becomes a q8_0 KernelLinear over the file's own
+    blocks, and a Q8_0/4-bit token embedding stays in its blocks (a tied head over the same rows),
+    as the hot executor holds them. Returns how many were replaced."""
+    if not kernels.available():
+        return 0
+    done = 0
+    for i in range(len(model.layers)):
+        for owner, attr, names in model.projections(i):
+            m = getattr(owner, attr, None)
+            if (not isinstance(m, nn.Linear) or m.bias is not None
+                    or not all(n in src.names and src.kind(n) == "Q8_0" for n in names)):
+                continue
+            rows = torch.cat([src.raw_rows(n, torch.arange(src.shape(n)[0])) for n in names])
+            setattr(owner, attr, KernelLinear.from_records(kernels.huge(rows), "q8_0", m.in_features))
+            done += 1
+    a = model.args
+    fmt = STORED_FORMATS.get(src.kind("embed")) if "embed" in src.names else None
+    if fmt is not None and isinstance(model.tok_embeddings, nn.Embedding):
+        rows = kernels.huge(src.raw_rows("embed", torch.arange(a.vocab_size)))
+        model.tok_embeddings = KernelEmbedding(rows, fmt, a.dim, dtype)
+        if a.tie_embeddings:
+            model.output = KernelLinear.from_records(rows, fmt, a.dim)
+        done += 1
+    return done
+
+
 def read_neuron_set(src: TensorSource, a: ModelArgs, layer: int, idx: torch.Tensor,
                     fmt: str | None, dtype: torch.dtype,
                     every_step: bool = False) -> NeuronSet | BlockSlice:

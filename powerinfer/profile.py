@@ -118,6 +118,11 @@ def threshold_at(quantiles: np.ndarray, sparsity: float) -> np.ndarray:
     return np.array([np.interp(sparsity, grid, q) for q in quantiles], dtype=np.float32)
 
 
+def _compact(a: np.ndarray) -> np.ndarray:
+    """float16 where every value fits it (half the bundle), else float32 as it is."""
+    return a.astype(np.float16) if np.abs(a).max(initial=0) < 60000 else a
+
+
 def profile(model_name: str, corpus: str, out: str | Path, opts: ProfileOptions = ProfileOptions(),
             dtype: str = "float32", progress: bool = True) -> Bundle:
     from .config import DTYPES
@@ -140,17 +145,19 @@ def profile(model_name: str, corpus: str, out: str | Path, opts: ProfileOptions 
         calib = token_windows(tokenizer, text, opts.window, opts.calib_tokens)
         quantiles, thresholds = calibrate_thresholds(model, calib, opts.sparsity, progress)
 
-    per_sample = 2 * d * 2 + (n + 7) // 8
+    per_sample = 2 * d * 4 + (n + 7) // 8
     N = min(opts.samples, total, SAMPLE_MEMORY // (L * per_sample))
     H = max(1, int(N * opts.held_out))
     rng = np.random.default_rng(opts.seed)
     picks = np.sort(rng.choice(total, N, replace=False))  # positions in the token stream
     counts = [torch.zeros(n, dtype=torch.float64) for _ in range(L)]
     mass = [torch.zeros(n, dtype=torch.float64) for _ in range(L)]
-    xs_layer = np.zeros((L, N, d), np.float16)
-    xs_ffn = np.zeros((L, N, d), np.float16)
+    # float32 while profiling, written as float16 where that holds them (Gemma's residual stream
+    # reaches past float16's range)
+    xs_layer = np.zeros((L, N, d), np.float32)
+    xs_ffn = np.zeros((L, N, d), np.float32)
     fired_bits = np.zeros((L, N, (n + 7) // 8), np.uint8)
-    mags = np.zeros((L, H, n), np.float16)
+    mags = np.zeros((L, H, n), np.float32)
     cursor = {"start": 0, "row": 0}  # the current window's first stream position and sample row
 
     def on_w1(i, x_layer, x_ffn, gate, up):
@@ -179,8 +186,8 @@ def profile(model_name: str, corpus: str, out: str | Path, opts: ProfileOptions 
 
     for i in tqdm(range(L), desc="writing samples", disable=not progress):
         bundle.save_tensors(f"samples/layer_{i:03d}.safetensors",
-                            {"x_layer": xs_layer[i], "x_ffn": xs_ffn[i], "fired": fired_bits[i],
-                             "mag": mags[i]})
+                            {"x_layer": _compact(xs_layer[i]), "x_ffn": _compact(xs_ffn[i]),
+                             "fired": fired_bits[i], "mag": _compact(mags[i])})
     bundle.save_tensors("stats.safetensors",
                         {**{f"count.{i}": counts[i].numpy().astype(np.int64) for i in range(L)},
                          **{f"mass.{i}": mass[i].numpy() for i in range(L)}})

@@ -168,6 +168,27 @@ def roundtrip(w: np.ndarray, qtype) -> np.ndarray:
     return np.asarray(gguf.quants.dequantize(q, qtype), dtype=np.float32).reshape(w.shape)
 
 
+def add_byte_tokenizer(w) -> None:
+    """byte_vocab as a gpt2-style GGUF tokenizer, EOS 0, no BOS."""
+    tokens, types, merges = byte_vocab()
+    w.add_string("tokenizer.ggml.model", "gpt2")
+    w.add_string("tokenizer.ggml.pre", "default")
+    w.add_array("tokenizer.ggml.tokens", tokens)
+    w.add_array("tokenizer.ggml.token_type", types)
+    w.add_array("tokenizer.ggml.merges", merges)
+    w.add_uint32("tokenizer.ggml.eos_token_id", 0)
+    w.add_bool("tokenizer.ggml.add_bos_token", False)
+
+
+def hf_from_gguf(path: Path):
+    """transformers' own reading of a real GGUF file, fp32, eager attention: the oracle."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
+                                                 dtype=torch.float32, attn_implementation="eager")
+    return model.eval()
+
+
 def write_llama_gguf(path: Path, model, ffn_activation: str | None = None,
                      qtype=None, arch: str = "llama") -> dict[str, torch.Tensor]:
     """Write a transformers LLaMA-family model as a llama.cpp-style GGUF file.
@@ -207,14 +228,7 @@ def write_llama_gguf(path: Path, model, ffn_activation: str | None = None,
     w.add_uint32(f"{arch}.rope.dimension_count", head_dim)
     if ffn_activation is not None:
         w.add_string("powerinfer.ffn_activation", ffn_activation)
-    tokens, types, merges = byte_vocab()
-    w.add_string("tokenizer.ggml.model", "gpt2")
-    w.add_string("tokenizer.ggml.pre", "default")
-    w.add_array("tokenizer.ggml.tokens", tokens)
-    w.add_array("tokenizer.ggml.token_type", types)
-    w.add_array("tokenizer.ggml.merges", merges)
-    w.add_uint32("tokenizer.ggml.eos_token_id", 0)
-    w.add_bool("tokenizer.ggml.add_bos_token", False)
+    add_byte_tokenizer(w)
 
     def put(gguf_name: str, hf_name: str, permute_heads: int | None = None):
         arr = sd[hf_name]
@@ -340,14 +354,7 @@ def write_arch_gguf(path: Path, model, arch: str, qtype=None) -> None:
         w.add_uint32("gemma3.attention.sliding_window", cfg.sliding_window)
         local = cfg.rope_parameters["sliding_attention"]["rope_theta"]
         w.add_float32("gemma3.rope.freq_base_swa", float(local))
-    tokens, types, merges = byte_vocab()
-    w.add_string("tokenizer.ggml.model", "gpt2")
-    w.add_string("tokenizer.ggml.pre", "default")
-    w.add_array("tokenizer.ggml.tokens", tokens)
-    w.add_array("tokenizer.ggml.token_type", types)
-    w.add_array("tokenizer.ggml.merges", merges)
-    w.add_uint32("tokenizer.ggml.eos_token_id", 0)
-    w.add_bool("tokenizer.ggml.add_bos_token", False)
+    add_byte_tokenizer(w)
 
     def put(name: str, arr: np.ndarray):
         arr = np.ascontiguousarray(arr, dtype=np.float32)

@@ -11,7 +11,10 @@ folders and as GGUF files in llama.cpp's layout:
 """
 from __future__ import annotations
 
+import math
+
 import gguf
+import numpy as np
 import pytest
 import torch
 
@@ -164,3 +167,34 @@ def test_actor_runtime_equals_the_in_process_engine(made, ray_session, arch):
                 assert_same_or_near_tie(ref, p, want, got, 1e-3)
     finally:
         pi.close()
+
+
+def test_the_sparsity_pipeline_on_geglu_with_a_residual_past_float16(tmp_path):
+    # Gemma's residual stream grows past float16's range (65504) on the real model: embeddings
+    # scaled up here do the same. Thresholds calibrated on |gelu_tanh(gate x)|, samples kept
+    # exact, predictors trained on them, the bundle's sparse model evaluated.
+    from powerinfer.evaluate import evaluate
+    from powerinfer.predictor import train_predictors
+    from powerinfer.profile import ProfileOptions, profile
+
+    hf = C.build_hf_model(C.arch_config("gemma3", tie_word_embeddings=False), seed=3)
+    with torch.no_grad():  # (untied: the head keeps its scale)
+        hf.model.embed_tokens.weight.mul_(2e4)
+    folder = C.save_hf(hf, tmp_path / "loud")
+    opts = ProfileOptions(tokens=1200, window=64, samples=200, sparsity=0.3, calib_tokens=600)
+    b = profile(str(folder), "lee", tmp_path / "bundle", opts, progress=False)
+    t = b.load_tensors("thresholds.safetensors")
+    assert (t["threshold"] > 0).all()
+    counts, _, tokens = b.stats()
+    for c in counts:  # calibrated on the first 600 tokens, measured on all 1200
+        assert abs((1 - c.sum() / (tokens * 128)) - 0.3) < 0.06
+    x = b.samples(0)["x_layer"]
+    assert np.isfinite(x).all() and np.abs(x).max() > 65504  # past float16, kept
+    train_predictors(b, "ffn", ranks=[16], epochs=3, progress=False)
+    rows = {r["label"]: r for r in evaluate(str(folder), b, tokens=300, window=64,
+                                              progress=False)}
+    dense, oracle = rows["dense"], rows["oracle"]  # at the calibrated 30%
+    assert math.isfinite(dense["ppl"]) and math.isfinite(oracle["ppl"])
+    assert 0.2 < oracle["sparsity"] < 0.4
+    predicted = [r for k, r in rows.items() if k.startswith("predicted")]
+    assert predicted and all(math.isfinite(r["ppl"]) for r in predicted)

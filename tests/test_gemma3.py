@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from checkpoints import hf_from_gguf
 from greedy import assert_same_or_near_tie
 from powerinfer import Config, PowerInfer
 from powerinfer.loader import load_checkpoint
@@ -18,12 +19,7 @@ LONG = ("Water boils at 100 degrees Celsius at sea level. At higher altitudes th
 
 @pytest.fixture(scope="module")
 def hf(gemma_model_path):
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(str(gemma_model_path.parent),
-                                                 gguf_file=gemma_model_path.name,
-                                                 dtype=torch.float32, attn_implementation="eager")
-    return model.eval()
+    return hf_from_gguf(gemma_model_path)
 
 
 @pytest.fixture(scope="module")

@@ -116,12 +116,7 @@ REAL_PROMPTS = [
 
 @pytest.fixture(scope="module")
 def real_hf(default_model_path):
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(str(default_model_path.parent),
-                                                 gguf_file=default_model_path.name,
-                                                 dtype=torch.float32, attn_implementation="eager")
-    return model.eval()
+    return C.hf_from_gguf(default_model_path)
 
 
 @pytest.fixture(scope="module")
