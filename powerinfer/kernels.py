@@ -337,7 +337,7 @@ def format_for(weight: torch.Tensor, q4_type: str | None = None) -> str | None:
     precision; None (the torch path) on a GPU, for float16, or where the kernel cannot run."""
     if not usable(weight):
         return None
-    if q4_type is not None:
+    if q4_type is not None:  # (or "Q8_0": a file's 8-bit blocks, kept as they are)
         return q4_type.lower()
     return next((f for f, dt in PLAIN_FORMATS.items() if dt == weight.dtype), None)
 

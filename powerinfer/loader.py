@@ -683,6 +683,7 @@ def _load_gguf(path: Path, dtype, with_weights: bool, keep_int4: bool) -> Checkp
             "file_bytes": path.stat().st_size,
             "n_params": sum(int(np.prod(t.shape)) for n, t in tensors.items() if n in names),
             "tensor_types": dict(Counter(t.tensor_type.name for t in reader.tensors)),
+            "ffn_type": source.kind("0.up") if "0.up" in source.names else None,
             "name": meta.get("general.name", path.stem)}
     return Checkpoint(path, args, weights, ("gguf", meta), info, extra, q4, source)
 

@@ -200,9 +200,16 @@ def apply_kernel_linears(model: "Transformer", head: str = "bf16") -> int:
 
 
 def neuron_format(weights: str, info: dict, like: torch.Tensor) -> str | None:
-    """The kernel format of a sparse FFN's neuron sets (`kernels.format_for`): the file's own
-    4-bit type with weights "int4" (`info`: the checkpoint's), else the precision of `like`."""
-    return kernels.format_for(like, q4_type(info) if weights == "int4" else None)
+    """The kernel format of a sparse FFN's neuron sets (`kernels.format_for`): with weights
+    "int4", the block type of the file's FFN tensors where the kernel reads it as it is (Q4_0,
+    Q4_1, Q8_0: `info["ffn_type"]`; else the file's main 4-bit type), otherwise the precision of
+    `like`."""
+    if weights != "int4":
+        return kernels.format_for(like)
+    ffn = info.get("ffn_type")
+    if ffn in (*Q4_TYPES, "Q8_0"):
+        return kernels.format_for(like, ffn)
+    return kernels.format_for(like, None if ffn else q4_type(info))
 
 
 def apply_int4(model: "Transformer", q4: dict[str, tuple[np.ndarray, np.ndarray, np.ndarray]]) -> int:

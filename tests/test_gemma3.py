@@ -80,6 +80,11 @@ def test_the_shipped_configuration_tracks_fp32(gemma_model_path, ours):
     got = [e.token for e in pi._run([ids], 24, dict(temperature=0, ignore_eos=True))
            if e.token >= 0]
     assert_same_or_near_tie(ours, ids, want, got, 0.5)
+    from powerinfer import kernels
+    from powerinfer.quant import neuron_format
+    if kernels.available():  # neuron sets (sparse, or the actor group's split) keep Q8_0 rows
+        assert pi.checkpoint.info["ffn_type"] == "Q8_0"
+        assert neuron_format("int4", pi.checkpoint.info, torch.empty(0, dtype=torch.bfloat16)) == "q8_0"
     chat = pi.tokenizer.apply_chat_template([{"role": "user", "content": "Hi"}])
     assert chat == "<bos><start_of_turn>user\nHi<end_of_turn>\n<start_of_turn>model\n"
     assert pi.tokenizer.encode("<end_of_turn>")[-1] in pi.tokenizer.eog_ids
