@@ -151,6 +151,8 @@ def available() -> bool:
             torch.library.register_fake("powerinfer::linear_q4x16")(
                 lambda x, w, n: x.new_empty(*x.shape[:-1], n))
             torch.library.register_fake("powerinfer::rms_norm")(lambda x, w, eps: torch.empty_like(x))
+            torch.library.register_fake("powerinfer::qk_norm")(
+                lambda qkv, qw, kw, n_heads, n_kv, eps: torch.empty_like(qkv))
             torch.library.register_fake("powerinfer::ch_send")(
                 lambda parts, base, capacity, op, layer, extra:
                 torch.empty_like(parts[0], memory_format=torch.contiguous_format))

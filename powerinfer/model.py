@@ -199,6 +199,10 @@ class Attention(nn.Module):
         self.kv_cache: KVCache | None = None
 
     def _qk_normed(self, qkv):  # (N, (H + 2 Hkv) D): each head's q and k through its norm
+        qw, kw = self.q_norm.weight, self.k_norm.weight
+        if qkv.dtype == qw.dtype and _fused_cpu(qkv):  # one call, the same values
+            return torch.ops.powerinfer.qk_norm(qkv, qw, kw, self.n_heads, self.n_kv_heads,
+                                                self.q_norm.eps)
         N, D = qkv.shape[0], self.head_dim
         q, k, v = qkv.split([self.n_heads * D, self.n_kv_heads * D, self.n_kv_heads * D], dim=-1)
         q = self.q_norm(q.reshape(N, self.n_heads, D)).reshape(N, -1)

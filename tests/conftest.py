@@ -33,3 +33,12 @@ def gemma_model_path():
         return resolve_model("gemma3-270m")
     except ModelNotFoundError as e:
         pytest.skip(f"Gemma 3 270M not installed: {e}")
+
+
+@pytest.fixture(scope="session")
+def gemma_fp32(gemma_model_path):
+    """Gemma 3 270M in the in-process engine, fp32 (the reference of the tests that use it)."""
+    from powerinfer import Config, PowerInfer
+
+    return PowerInfer.from_pretrained(gemma_model_path, Config(dtype="float32", weights="dense",
+                                                                max_seq_len=1024, max_batch=2))

@@ -3,6 +3,7 @@ per-row masks, thresholds and biases, on both instruction sets this CPU offers; 
 model with the kernel against the same model on the torch path."""
 import pytest
 import torch
+import torch.nn.functional as F
 
 from powerinfer import kernels as K
 from powerinfer.model import UNGATED
@@ -298,6 +299,27 @@ def test_q4x16_gemv_equals_a_matmul_over_the_files_weights(isa, kind, n):
         got = K.linear_q4x16(xb, w, n)
         assert got.dtype == torch.bfloat16
         assert (got.float() - want).abs().max() <= 2**-8 * want.abs().max(), rows
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_qk_norm_equals_the_per_head_norms(dtype):
+    # Qwen3's and Gemma 3's q/k norms in one call: each q head through q_norm, each k head
+    # through k_norm, v as it is; as torch's rms_norm computes them (float, rounded once)
+    if not K.available():
+        pytest.skip("the kernel library does not run here")
+    torch.manual_seed(4)
+    N, H, Hkv, D = 5, 4, 2, 48
+    qkv = (torch.randn(N, (H + 2 * Hkv) * D) * 50).to(dtype)
+    qw, kw = ((1 + 0.2 * torch.randn(D)).to(dtype) for _ in range(2))
+    q, k, v = qkv.split([H * D, Hkv * D, Hkv * D], -1)
+    want = torch.cat([F.rms_norm(q.reshape(N, H, D), (D,), qw, 1e-6).reshape(N, -1),
+                      F.rms_norm(k.reshape(N, Hkv, D), (D,), kw, 1e-6).reshape(N, -1), v], -1)
+    got = torch.ops.powerinfer.qk_norm(qkv, qw, kw, H, Hkv, 1e-6)
+    assert got.dtype == dtype and torch.equal(got[:, -Hkv * D:], v)
+    tol = 1e-5 if dtype == torch.float32 else 2**-7
+    assert (got.float() - want.float()).abs().max() <= tol * want.float().abs().max()
+    with pytest.raises(RuntimeError, match="qkv: \\(N"):
+        torch.ops.powerinfer.qk_norm(qkv[:, :-D], qw, kw, H, Hkv, 1e-6)
 
 
 def test_fused_ops_reject_bad_input():

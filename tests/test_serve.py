@@ -345,14 +345,12 @@ def test_two_models_at_once(server):
     assert sorted(results) == sorted((m, alone[m]) for m in [SMOL, TINY] * 3)
 
 
-def test_two_real_families_at_once_equal_their_in_process_engines(server, local_smol,
-                                                                   gemma_model_path):
+def test_two_real_families_at_once_equal_their_in_process_engines(server, local_smol, gemma_fp32):
     # SmolLM2 (LLaMA) and Gemma 3 from one YAML file, asked concurrently over gRPC (token ids):
     # each answer is its in-process engine's greedy output, up to a near-tie of that engine's
     # own logits (the actor group sums its shares in another order)
     from greedy import assert_same_or_near_tie
-    gemma = PowerInfer.from_pretrained(gemma_model_path, Config(dtype="float32", max_seq_len=512,
-                                                                 cpu_threads=1))
+    gemma = gemma_fp32
     local = {SMOL: local_smol, GEMMA: gemma}
     prompts = {SMOL: "Once upon a time", GEMMA: "The capital of France is"}
     pb, n = server.pb, 12

@@ -316,6 +316,38 @@ static at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps)
   return y;
 }
 
+// qkv (N, (H + 2 Hkv) D), f32 or bf16: each head of q through RMSNorm with qw, each head of k
+// with kw (both (D,) of qkv's type), v as it is (Qwen3's and Gemma 3's q/k norms): one call in
+// place of a decode step's split, two norms, reshapes and concatenation.
+static at::Tensor qk_norm(const at::Tensor& qkv, const at::Tensor& qw, const at::Tensor& kw, int64_t n_heads,
+                          int64_t n_kv, double eps) {
+  TORCH_CHECK(qkv.scalar_type() == at::kFloat || qkv.scalar_type() == at::kBFloat16, "qkv: float32 or bfloat16");
+  TORCH_CHECK(qw.scalar_type() == qkv.scalar_type() && kw.scalar_type() == qkv.scalar_type() && qw.dim() == 1 &&
+                  qw.is_contiguous() && kw.is_contiguous() && kw.numel() == qw.numel(),
+              "qw, kw: (head_dim,) of qkv's type");
+  const int64_t D = qw.size(0), W = (n_heads + 2 * n_kv) * D;
+  TORCH_CHECK(qkv.dim() == 2 && qkv.size(1) == W, "qkv: (N, ", W, ")");
+  at::Tensor x = qkv.contiguous();
+  at::Tensor y = at::empty_like(x);
+  const int64_t N = x.size(0);
+  auto run = [&](auto* xp, auto* qp, auto* kp, auto* yp) {
+    at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
+      for (int64_t n = begin; n < end; n++) {
+        const int64_t o = n * W, ok = o + n_heads * D, ov = ok + n_kv * D;
+        rms_rows(xp + o, qp, yp + o, D, eps, 0, n_heads);
+        rms_rows(xp + ok, kp, yp + ok, D, eps, 0, n_kv);
+        std::memcpy(yp + ov, xp + ov, n_kv * D * sizeof(*xp));
+      }
+    });
+  };
+  if (x.scalar_type() == at::kFloat)
+    run(x.data_ptr<float>(), qw.data_ptr<float>(), kw.data_ptr<float>(), y.data_ptr<float>());
+  else
+    run(x.data_ptr<at::BFloat16>(), qw.data_ptr<at::BFloat16>(), kw.data_ptr<at::BFloat16>(),
+        y.data_ptr<at::BFloat16>());
+  return y;
+}
+
 // ---- attention over the paged KV cache (the tile kernel: attention.h) ----
 
 // x (D,) in place: the half-rotation rotary embedding (HF's rotate_half) at one position, in
@@ -697,6 +729,7 @@ TORCH_LIBRARY(powerinfer, m) {
   m.def("linear(Tensor x, Tensor w, int fmt) -> Tensor");
   m.def("linear_q4x16(Tensor x, Tensor w, int n) -> Tensor");
   m.def("rms_norm(Tensor x, Tensor w, float eps) -> Tensor");
+  m.def("qk_norm(Tensor qkv, Tensor qw, Tensor kw, int n_heads, int n_kv, float eps) -> Tensor");
   m.def("paged_attention(Tensor qkv, Tensor cos, Tensor sin, Tensor(a!) k_pool, Tensor(b!) v_pool, Tensor tables, "
         "Tensor starts, Tensor pos, int n_heads, int window, float scale) -> Tensor");
   m.def("ch_send(Tensor[] parts, int base, int capacity, int op, int layer, SymInt[] extra) -> Tensor");
@@ -715,6 +748,7 @@ TORCH_LIBRARY_IMPL(powerinfer, CPU, m) {
   m.impl("linear", powerinfer::linear);
   m.impl("linear_q4x16", powerinfer::linear_q4x16);
   m.impl("rms_norm", powerinfer::rms_norm);
+  m.impl("qk_norm", powerinfer::qk_norm);
   m.impl("paged_attention", powerinfer::paged_attention);
   m.impl("ch_send", powerinfer::ch_send);
   m.impl("ch_recv", powerinfer::ch_recv);
