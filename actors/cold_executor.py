@@ -30,7 +30,7 @@ from cluster.topology import node_of, numa_pages, pin, process_memory
 from powerinfer import kernels
 from powerinfer.compat import trim_heap
 from powerinfer.loader import ModelFile
-from powerinfer.model import KVCache, KVTables, held_bytes, rope_table
+from powerinfer.model import KVCache, KVTables, held_bytes, rope_tables
 from powerinfer.partial import attention_slice, read_head, read_neuron_set
 from powerinfer.plan import SparsePlan
 from powerinfer.quant import KernelLinear, Q4Linear, neuron_format
@@ -74,8 +74,7 @@ class ColdExecutor:
                 m.kv_cache = KVCache(spec.num_blocks, m.n_kv_heads, spec.block_size, m.head_dim,
                                      dtype, "cpu")
             # (global, local) tables: Gemma 3's sliding layers have their own RoPE base
-            self.rope = None if a.learned_pos else tuple(
-                rope_table(a, spec.max_seq, local) for local in (False, bool(a.rope_base_local)))
+            self.rope = None if a.learned_pos else rope_tables(a, spec.max_seq)
         src.close()
         trim_heap()  # the load's transients, freed, stay resident otherwise
         self.load_s = time.perf_counter() - t0

@@ -66,13 +66,12 @@ TENSOR_NAMES: dict[str, tuple[str | None, str | None, str | None]] = {
     "{i}.k_norm": ("blk.{i}.attn_k_norm.weight", "model.layers.{i}.self_attn.k_norm.weight", None),
     "{i}.post_attn_norm": ("blk.{i}.post_attention_norm.weight", None, None),
     "{i}.post_ffn_norm": ("blk.{i}.post_ffw_norm.weight", None, None),
-    # fused in some files (Phi-3, Falcon): split into the rows of their parts (`FUSED`) on load
+    # fused in some files (Phi-3, Falcon): split into the rows of their parts on load (`fused_parts`)
     "{i}.qkv": ("blk.{i}.attn_qkv.weight", None, None),
     "{i}.qkv_b": ("blk.{i}.attn_qkv.bias", None, None),
     "{i}.gate_up": (None, None, None),
 }
 GGUF, HF_LLAMA, HF_OPT = range(3)
-FUSED = {"qkv": ("q", "k", "v"), "gate_up": ("gate", "up")}
 
 # GGUF architectures: (default FFN activation, q/k rows permuted by llama.cpp's converter for its
 # interleaved RoPE, which we undo to keep one RoPE convention)
@@ -82,7 +81,7 @@ GGUF_ARCHS = {"llama": ("swiglu", True), "mistral": ("swiglu", True), "qwen2": (
 # per architecture, canonical names read from other tensors than TENSOR_NAMES says (None: none)
 GGUF_RENAMES = {
     "phi3": {"{i}.gate_up": "blk.{i}.ffn_up.weight", "{i}.up": None},
-    "falcon": {"norm_b": "output_norm.bias", "{i}.attn_norm_b": "blk.{i}.attn_norm.bias"},
+    "falcon": {"norm_b": "output_norm.bias"},  # (its layers' norms: see _load_gguf)
 }
 HF_LLAMA_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma3_text")
 HF_TYPES = (*HF_LLAMA_TYPES, "falcon", "opt")
@@ -98,8 +97,9 @@ HF_RENAMES = {
 }
 
 
-def _falcon_hf_names(cfg: dict) -> dict[str, str | list[str]]:
-    """Falcon's Hugging Face names (a list: one tensor read as several canonical ones)."""
+def _falcon_hf_names(cfg: dict) -> dict[str, str]:
+    """Falcon's Hugging Face names, canonical -> source (Falcon-7B's one norm is the source of
+    both attn_norm and ffn_norm)."""
     t, h = "transformer.", "transformer.h.{i}."
     names = {"embed": t + "word_embeddings.weight", "norm": t + "ln_f.weight",
              "norm_b": t + "ln_f.bias", "output": "lm_head.weight",
@@ -250,7 +250,8 @@ def fused_parts(a: ModelArgs) -> dict[str, list[tuple[str, int, int]]]:
 
 def split_fused(found: dict, a: ModelArgs, part) -> dict:
     """`found` (canonical name -> stored tensor) with each fused q/k/v or gate/up tensor (and
-    its bias) replaced by its parts: `part(tensor, lo, hi)` gives rows lo:hi of one."""
+    its bias) replaced by its parts: `part(tensor, sub, lo, hi)` gives part `sub` ("q", ...),
+    rows lo:hi where the parts lie one after another."""
     rows = fused_parts(a)
     out = {}
     for canon, t in found.items():
@@ -260,7 +261,7 @@ def split_fused(found: dict, a: ModelArgs, part) -> dict:
             out[canon] = t
             continue
         for sub, lo, hi in rows[base]:
-            out[f"{i}.{sub}{bias}"] = part(t, lo, hi)
+            out[f"{i}.{sub}{bias}"] = part(t, sub, lo, hi)
     return out
 
 
@@ -667,7 +668,7 @@ def _load_gguf(path: Path, dtype, with_weights: bool, keep_int4: bool) -> Checkp
             found[f"{i}.down_t"] = down_t
     table = {c: Stored(t.tensor_type.name, tuple(int(x) for x in reversed(t.shape)),
                        int(t.data_offset), int(t.n_bytes)) for c, t in found.items()}
-    table = split_fused(table, args, _stored_rows)
+    table = split_fused(table, args, lambda st, sub, lo, hi: _stored_rows(st, lo, hi))
     source = GGUFSource(path, table, args if permuted else None)
     weights, q4 = {}, {}
     if with_weights:
@@ -884,15 +885,12 @@ def _load_hf(path: Path, dtype, with_weights: bool) -> Checkpoint:
                     n_params += int(np.prod(sl.get_shape()))
         except Exception as e:
             raise ModelLoadError(f, f"corrupt safetensors file ({type(e).__name__}: {e})") from e
-    if cfg.get("model_type") == "falcon":
+    if cfg.get("model_type") == "falcon":  # its q/k/v rows may be interleaved
         rows = _falcon_qkv_rows(args, bool(cfg.get("new_decoder_architecture")))
-        found = split_fused(found, args, lambda e, lo, hi: e)
-        for i in range(args.n_layers):
-            for n in "qkv":
-                if f"{i}.{n}" in found:
-                    found[f"{i}.{n}"] = found[f"{i}.{n}"]._replace(rows=rows[n])
+        found = split_fused(found, args, lambda e, sub, lo, hi: e._replace(rows=rows[sub]))
     else:
-        found = split_fused(found, args, lambda e, lo, hi: e._replace(rows=torch.arange(lo, hi)))
+        found = split_fused(found, args,
+                            lambda e, sub, lo, hi: e._replace(rows=torch.arange(lo, hi)))
     if "output" not in found and not args.tie_embeddings:
         args.tie_embeddings = True  # no lm_head saved: it is the embedding matrix
     source = SafetensorsSource(found)

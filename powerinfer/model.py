@@ -319,9 +319,8 @@ class Transformer(nn.Module):
                                       w.dtype, w.device)
         self.max_seq, self.rows = max_seq, None
         if not a.learned_pos:
-            for local in (False, True) if a.rope_base_local else (False,):
-                cos, sin = rope_table(a, max_seq, local)
-                end = "_local" if local else ""
+            tables = rope_tables(a, max_seq)
+            for end, (cos, sin) in zip(("", "_local"), tables[:2 if a.rope_base_local else 1]):
                 self.register_buffer("rope_cos" + end, cos.to(w.device), persistent=False)
                 self.register_buffer("rope_sin" + end, sin.to(w.device), persistent=False)
 
@@ -505,6 +504,13 @@ def paged_attention(qkv, rope, pos, kv: KVTables, cache: KVCache, n_heads: int, 
             n = -(-(int(pos[a:b].max()) + 1) // bs)
             out.append(attend(q[None, a:b], pos[None, a:b], kv.tables[s:s + 1, :n])[0])
     return torch.cat(out).reshape(N, n_heads * D)
+
+
+def rope_tables(a: ModelArgs, max_seq: int) -> tuple:
+    """(global, local) `rope_table`s, as `Block.rope` indexes them: local is the global one
+    unless the sliding layers have their own base."""
+    glob = rope_table(a, max_seq)
+    return glob, rope_table(a, max_seq, True) if a.rope_base_local else glob
 
 
 def rope_table(a: ModelArgs, max_seq: int, local: bool = False):

@@ -73,15 +73,21 @@ def keep_stored_blocks(model: Transformer, src: TensorSource, dtype: torch.dtype
             rows = torch.cat([src.raw_rows(n, torch.arange(src.shape(n)[0])) for n in names])
             setattr(owner, attr, KernelLinear.from_records(kernels.huge(rows), "q8_0", m.in_features))
             done += 1
-    a = model.args
     fmt = STORED_FORMATS.get(src.kind("embed")) if "embed" in src.names else None
     if fmt is not None and isinstance(model.tok_embeddings, nn.Embedding):
-        rows = kernels.huge(src.raw_rows("embed", torch.arange(a.vocab_size)))
-        model.tok_embeddings = KernelEmbedding(rows, fmt, a.dim, dtype)
-        if a.tie_embeddings:
-            model.output = KernelLinear.from_records(rows, fmt, a.dim)
+        stored_embedding(model, src, fmt, dtype)
         done += 1
     return done
+
+
+def stored_embedding(model: Transformer, src: TensorSource, fmt: str, dtype: torch.dtype):
+    """The token embedding as the file's `fmt` blocks (a KernelEmbedding widening to `dtype`),
+    and a tied output head over the same rows."""
+    a = model.args
+    rows = kernels.huge(src.raw_rows("embed", torch.arange(a.vocab_size)))
+    model.tok_embeddings = KernelEmbedding(rows, fmt, a.dim, dtype)
+    if a.tie_embeddings:
+        model.output = KernelLinear.from_records(rows, fmt, a.dim)
 
 
 def read_neuron_set(src: TensorSource, a: ModelArgs, layer: int, idx: torch.Tensor,
@@ -281,10 +287,7 @@ def hot_model(ckpt: ModelFile, dtype: torch.dtype, hot: list[torch.Tensor],
         for i, block in enumerate(model.layers):
             block.attn = attention_slice(src, a, i, kv, dtype, int4)
     if embed_fmt is not None:
-        rows = kernels.huge(src.raw_rows("embed", torch.arange(a.vocab_size)))
-        model.tok_embeddings = KernelEmbedding(rows, embed_fmt, a.dim, dtype)
-        if a.tie_embeddings:
-            model.output = KernelLinear.from_records(rows, embed_fmt, a.dim)
+        stored_embedding(model, src, embed_fmt, dtype)
     for i, block in enumerate(model.layers):
         idx = hot[i].nonzero().squeeze(-1)
         hot_set = read_neuron_set(src, a, i, idx, fmt, dtype, every_step)
