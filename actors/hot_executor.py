@@ -206,10 +206,11 @@ class HotExecutor:
         t0, c0 = time.perf_counter(), time.process_time()
         ckpt = model  # the driver's table of the file's tensors: nothing to parse here
         hot = [plan.hot_mask(i, hot_share) for i in range(plan.n_layers)]
-        # on a GPU the hot rows stay torch tensors; on a CPU they run on the kernel as the cold
+        # the hot neurons' records: on a CPU for the kernel the cold executors run, on a GPU for
+        # the Triton kernels (torch's gathered rows where Triton is missing)
         on_cpu = self.device.type == "cpu"
         dtype = config.torch_dtype
-        fmt = neuron_format(config.weights, ckpt.info, torch.empty(0, dtype=dtype)) if on_cpu else None
+        fmt = neuron_format(config.weights, ckpt.info, torch.empty(0, dtype=dtype, device=self.device))
         self.io = DataPlane(spec, plan.predictor_input, self.device)
         # attention split by KV heads over the executors (a CPU group without a predictor)
         kv = split_kv(ckpt.args.n_kv_heads, spec.n_cold, hot_share, attention and self.io.native)

@@ -28,6 +28,19 @@ One command does everything, in a temporary directory:
 Targets (PowerInfer's claim, scaled): hybrid at least 3x layer offload and at least 50% of
 all-GPU. `--device cpu` runs the same flow with every "device" part on the host: a check of the
 script and of the runtime's wiring, not a measurement.
+
+Then the kernels alone (`--kernels` runs only these): one FFN layer of the preset's width as
+neuron records in bf16 and in Q4_0 (Q8_0 down rows), a decode row, selections from 5% to 100%
+of its neurons. Each row gives the time of a call and the GB/s of the rows it had to read,
+against the device's measured copy bandwidth (a 1 GiB device-to-device copy):
+- `triton`: `triton_ffn.neuron_ffn` with a mask (compacted on the device, then the index list);
+- `torch dense`: two matmuls over every row (what the dense model reads whatever fires);
+- `torch gathered`: the rows gathered with index_select, then the same math (the path the
+  GPU took before the Triton kernels);
+- `predictor`: `triton_ffn.predict` for a rank-1024 predictor of the layer (its rows read).
+Target: the Triton kernel at 70% of the copy bandwidth or better at 10% selection. Without a GPU
+the kernel rows are skipped, saying so; under TRITON_INTERPRET=1, `--kernels --device cpu` runs
+them on a small shape on the CPU, a check of the script, not a measurement.
 """
 from __future__ import annotations
 
@@ -90,6 +103,79 @@ def weight_bytes(pi: PowerInfer) -> int:
                {id(p): p for p in pi.model.parameters()}.values())
 
 
+SELECTIONS = (0.05, 0.10, 0.25, 0.50, 1.00)
+
+
+def _timed(fn, device: torch.device, reps: int) -> float:
+    """Seconds per call of fn, after two warm-up calls."""
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    fn(), fn()
+    sync()
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        fn()
+    sync()
+    return (time.perf_counter() - t0) / reps
+
+
+def copy_bandwidth(device: torch.device, nbytes: int) -> float:
+    """GB/s of a device-to-device copy (bytes read plus bytes written)."""
+    a = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    b = torch.empty_like(a)
+    return 2 * nbytes / _timed(lambda: b.copy_(a), device, 10) / 1e9
+
+
+def kernel_rows(preset: str, device: torch.device) -> dict:
+    """The hot-FFN kernels alone on one layer of `preset`'s width (see the module's text)."""
+    from powerinfer import kernels, triton_ffn
+    from powerinfer.synthetic import PRESETS
+
+    small = device.type == "cpu"  # the interpreter: a check of the script only
+    dim, ffn = (128, 256) if small else (PRESETS[preset].dim, PRESETS[preset].n_ff)
+    reps = 2 if small else 20
+    out = {"dim": dim, "ffn_dim": ffn, "interpreted": small,
+           "copy_gb_s": copy_bandwidth(device, (1 << 20) if small else (1 << 30)), "rows": []}
+    g = torch.Generator(device=device).manual_seed(0)
+    gate, up, down = (torch.randn(ffn, dim, generator=g, device=device, dtype=torch.bfloat16)
+                      for _ in range(3))
+    x = torch.randn(1, dim, device=device, dtype=torch.bfloat16)
+    recs = {"bf16": kernels.pack(gate, up, down, "bf16")}
+    recs["q4_0"] = kernels.pack(gate.cpu(), up.cpu(), down.cpu(), "q4_0").to(device)
+    w1 = torch.cat([gate, up])
+
+    def torch_ffn(w1, down_t):  # w1 (2m, dim) gate and up rows; down_t (m, dim)
+        g_, u_ = (x @ w1.T).chunk(2, -1)
+        return (torch.nn.functional.silu(g_) * u_) @ down_t
+
+    for share in SELECTIONS:
+        mask = torch.rand(ffn, generator=g, device=device) < share
+        m = int(mask.sum())
+        idx = mask.nonzero().squeeze(-1)
+        for fmt, rec in recs.items():
+            t = _timed(lambda: triton_ffn.neuron_ffn(x, rec, mask, None, None, 0.0, "swiglu", fmt),
+                       device, reps)
+            read = m * rec.shape[1]
+            out["rows"].append({"path": "triton", "fmt": fmt, "selection": share, "neurons": m,
+                                "us": t * 1e6, "gb_s": read / t / 1e9})
+        t = _timed(lambda: torch_ffn(w1, down), device, reps)
+        out["rows"].append({"path": "torch dense", "fmt": "bf16", "selection": share,
+                            "neurons": ffn, "us": t * 1e6, "gb_s": 3 * ffn * dim * 2 / t / 1e9})
+        t = _timed(lambda: torch_ffn(torch.cat([gate.index_select(0, idx), up.index_select(0, idx)]),
+                                     down.index_select(0, idx)), device, reps)
+        out["rows"].append({"path": "torch gathered", "fmt": "bf16", "selection": share,
+                            "neurons": m, "us": t * 1e6, "gb_s": 3 * m * dim * 2 / t / 1e9})
+    rank = 32 if small else 1024
+    fc1 = torch.randn(rank, dim, generator=g, device=device) / dim ** 0.5
+    fc2 = torch.randn(ffn, rank, generator=g, device=device) / rank ** 0.5
+    t = _timed(lambda: triton_ffn.predict(x.float(), fc1, fc2), device, reps)
+    out["rows"].append({"path": "predictor", "fmt": "f32", "selection": None, "neurons": ffn,
+                        "us": t * 1e6, "gb_s": (fc1.numel() + fc2.numel()) * 4 / t / 1e9})
+    for r in out["rows"]:
+        r["of_copy"] = r["gb_s"] / out["copy_gb_s"]
+        print(json.dumps(r), flush=True)
+    return out
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--preset", default="70b")
@@ -100,10 +186,23 @@ def main():
     ap.add_argument("--profile-tokens", type=int, default=4096)
     ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     ap.add_argument("--out", default=None)
+    ap.add_argument("--kernels", action="store_true", help="only the kernel rows")
     a = ap.parse_args()
     if a.device == "cuda" and not torch.cuda.is_available():
-        sys.exit("no CUDA device: this benchmark needs one (--device cpu only checks the flow)")
+        sys.exit("no CUDA device: this benchmark needs one (--device cpu only checks the flow); "
+                 "the Triton kernel rows are skipped too")
     device = torch.device(a.device)
+    from powerinfer import triton_ffn
+    runs_kernels = triton_ffn.available(device)
+    if not runs_kernels:
+        print(f"Triton kernel rows skipped: {'triton is not installed' if triton_ffn.triton is None else 'no GPU (set TRITON_INTERPRET=1 to check them on the CPU)'}",
+              flush=True)
+    if a.kernels:
+        if runs_kernels:
+            result = kernel_rows(a.preset, device)
+            if a.out:
+                Path(a.out).write_text(json.dumps(result, indent=1))
+        return
     result = {"date": str(datetime.date.today()), "host": platform.processor() or platform.machine(),
               "cores": len(os.sched_getaffinity(0)),
               "device": torch.cuda.get_device_name() if a.device == "cuda" else "cpu",
@@ -161,6 +260,8 @@ def main():
     result["ratios"] = {"hybrid_vs_layer_offload": h / result["layer_offload"]["tok_s"],
                         "hybrid_vs_all_gpu": h / result["all_gpu"]["tok_s"]}
     print(json.dumps(result["ratios"]), flush=True)
+    if runs_kernels:
+        result["kernels"] = kernel_rows(a.preset, device)
     if a.out:
         Path(a.out).write_text(json.dumps(result, indent=1))
 

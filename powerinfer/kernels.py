@@ -50,7 +50,8 @@ UNITS = {"ops.cpp": [], "neuron_ffn_avx512bf16.cpp": [*_AVX512, "-mavx512bf16"],
 ISAS = ("avx2", "avx512", "avx512bf16")  # each a superset of the one before
 _GGML = {"q4_0": GGMLQuantizationType.Q4_0, "q4_1": GGMLQuantizationType.Q4_1,
          "q8_0": GGMLQuantizationType.Q8_0}
-PLAIN_FORMATS = {"f32": torch.float32, "bf16": torch.bfloat16}  # formats whose rows are plain tensors
+# formats whose rows are plain tensors (f16: the GPU's Triton kernels only)
+PLAIN_FORMATS = {"f32": torch.float32, "bf16": torch.bfloat16, "f16": torch.float16}
 _loaded: str | None = None  # the library's path once loaded
 
 
@@ -66,7 +67,7 @@ def record_bytes(fmt: str, dim: int, gated: bool) -> int:
 
 
 def row_bytes(fmt: str, dim: int) -> int:
-    return {"f32": 4 * dim, "bf16": 2 * dim, "i8": 4 + dim, "q4_0": dim // 32 * 18,
+    return {"f32": 4 * dim, "bf16": 2 * dim, "f16": 2 * dim, "i8": 4 + dim, "q4_0": dim // 32 * 18,
             "q4_1": dim // 32 * 20, "q8_0": dim // 32 * 34}[fmt]
 
 
@@ -214,9 +215,9 @@ def quantize_rows(w: torch.Tensor, fmt: str) -> torch.Tensor:
     """(n, dim) float weights -> (n, row_bytes) uint8 in `fmt` (the gguf package's quantizer
     for Q4_0/Q4_1, so the blocks are those llama.cpp would write)."""
     n, dim = w.shape
-    assert dim % 32 == 0, dim
+    assert dim % 32 == 0 or fmt in PLAIN_FORMATS, dim  # (blocks of 32)
     if n == 0:
-        return torch.empty(0, row_bytes(fmt, dim), dtype=torch.uint8)
+        return torch.empty(0, row_bytes(fmt, dim), dtype=torch.uint8, device=w.device)
     if fmt in PLAIN_FORMATS:  # the same numbers: a view of w's storage when it already has the type
         return w.detach().to(PLAIN_FORMATS[fmt]).contiguous().view(torch.uint8).reshape(n, -1)
     w = w.detach().float()
@@ -237,8 +238,8 @@ def dequantize_rows(b: torch.Tensor, fmt: str, dim: int) -> torch.Tensor:
         return torch.empty(0, dim)
     if fmt == "f32":
         return b.view(torch.float32).reshape(n, dim).clone()
-    if fmt == "bf16":
-        return b.view(torch.bfloat16).reshape(n, dim).float()
+    if fmt in ("bf16", "f16"):
+        return b.view(PLAIN_FORMATS[fmt]).reshape(n, dim).float()
     if fmt == "i8":
         return b[:, 4:].view(torch.int8).float() * b[:, :4].contiguous().view(torch.float32)
     return torch.from_numpy(dequantize(b.numpy(), _GGML[fmt])).reshape(n, dim)
@@ -251,7 +252,9 @@ def pack(gate: torch.Tensor | None, up: torch.Tensor, down_t: torch.Tensor, fmt:
     rows = [r if r.dtype == torch.uint8 else quantize_rows(r, fmt) for r in (gate, up)
             if r is not None]
     rows.append(quantize_rows(down_t, down_format(fmt)))
-    out = huge_empty((rows[0].shape[0], sum(r.shape[1] for r in rows)), torch.uint8)
+    shape = (rows[0].shape[0], sum(r.shape[1] for r in rows))
+    dev = rows[0].device
+    out = huge_empty(shape, torch.uint8) if dev.type == "cpu" else torch.empty(shape, dtype=torch.uint8, device=dev)
     return torch.cat(rows, 1, out=out)
 
 
@@ -261,6 +264,9 @@ def widen(w: torch.Tensor, fmt: str, rows: int, dim: int) -> torch.Tensor:
     float32 (by the kernel library where it is loaded)."""
     if fmt in PLAIN_FORMATS:
         return w.view(PLAIN_FORMATS[fmt]).view(w.shape[0], rows, dim)
+    if w.device.type != "cpu":  # records on a GPU: widened there
+        from . import triton_ffn
+        return triton_ffn.widen(w, fmt, rows, dim)
     if _loaded:
         return torch.ops.powerinfer.widen(w.contiguous(), FORMATS.index(fmt), rows, dim)
     rb, last = row_bytes(fmt, dim), fmt if rows == 1 else down_format(fmt)
@@ -333,15 +339,31 @@ def dot_input(x: torch.Tensor, fmt: str) -> torch.Tensor:
     return x.bfloat16().float() if fmt == "bf16" else x.float()
 
 
+TRITON_ON_CPU = False  # run the GPU's Triton kernels on CPU tensors (tests, TRITON_INTERPRET=1)
+
+
+def on_triton(t: torch.Tensor) -> bool:
+    """Whether neuron sets and predictors over tensors like `t` run on the Triton kernels
+    (`triton_ffn`): on a GPU where Triton is installed, or on the CPU with TRITON_ON_CPU."""
+    if t.device.type == "cpu" and not TRITON_ON_CPU:
+        return False
+    from . import triton_ffn
+    return triton_ffn.available(t.device)
+
+
 def format_for(weight: torch.Tensor, q4_type: str | None = None) -> str | None:
     """The kernel format for neuron sets made from weights like `weight` (its dtype and device):
     the file's 4-bit type when it is kept (q4_type "Q4_0"/"Q4_1"), else the weights' own
-    precision; None (the torch path) on a GPU, for float16, or where the kernel cannot run."""
+    precision; on a GPU the Triton kernels' (`triton_ffn.format_for`); None (the torch path)
+    for float16 on a CPU, or where no kernel runs."""
+    if weight.device.type != "cpu" or TRITON_ON_CPU:
+        from . import triton_ffn
+        return triton_ffn.format_for(weight, q4_type)
     if not usable(weight):
         return None
     if q4_type is not None:  # (or "Q8_0": a file's 8-bit blocks, kept as they are)
         return q4_type.lower()
-    return next((f for f, dt in PLAIN_FORMATS.items() if dt == weight.dtype), None)
+    return next((f for f, dt in PLAIN_FORMATS.items() if dt == weight.dtype and f in FORMATS), None)
 
 
 def usable(t: torch.Tensor) -> bool:

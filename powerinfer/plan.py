@@ -98,7 +98,8 @@ class SparsePlan:
             preds = self.load_predictors(run_dtype(w.dtype, w.device), w.device)
             masks = preds.active
         else:
-            masks = lambda i, x: torch.ones(*x.shape[:-1], self.ffn_dim, dtype=torch.bool)  # noqa: E731
+            masks = lambda i, x: torch.ones(*x.shape[:-1], self.ffn_dim, dtype=torch.bool,  # noqa: E731
+                                            device=x.device)
         hot = [self.hot_mask(i, hot_share) for i in range(self.n_layers)]
         return apply_hybrid_ffn(model, masks, hot, self.predictor_input or "ffn", self.thresholds,
                                 fmt)

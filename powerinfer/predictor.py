@@ -301,6 +301,9 @@ class Predictors(nn.Module):
         # x: (..., dim) -> (..., ffn_dim)
         fc1, fc2 = self.fc1[layer], self.fc2[layer]
         rows = x.reshape(-1, x.shape[-1])
+        if self._triton(rows):
+            from . import triton_ffn
+            return triton_ffn.predictor_logits(rows, fc1, fc2).view(*x.shape[:-1], -1)
         fmt = {torch.bfloat16: "bf16", torch.float32: "f32"}.get(fc1.dtype)
         if (fmt and kernels.usable(fc1)
                 and x.dtype in (torch.float32, torch.bfloat16) and rows.shape[0] <= kernels.MAX_ROWS
@@ -314,7 +317,17 @@ class Predictors(nn.Module):
 
     def active(self, layer: int, x: torch.Tensor) -> torch.Tensor:
         # x: (..., dim) -> per-row predicted-active neurons (..., ffn_dim) bool
+        rows = x.reshape(-1, x.shape[-1])
+        if self._triton(rows):  # the MLP and the rule in two kernels on the device
+            from . import triton_ffn
+            keep = triton_ffn.predict(rows, self.fc1[layer], self.fc2[layer], self.threshold)[0]
+            return keep.view(*x.shape[:-1], -1)
         return self.logits(layer, x) >= self.threshold
+
+    def _triton(self, rows: torch.Tensor) -> bool:
+        # decode rows on a GPU (Triton installed): the predictor kernels (`triton_ffn.predict`)
+        return (rows.shape[0] <= kernels.MAX_ROWS and kernels.on_triton(self.fc1[0])
+                and rows.device == self.fc1[0].device)
 
     def mask(self, layer: int, x: torch.Tensor) -> torch.Tensor:
         """(ffn_dim,) bool: the neurons predicted active for any row of x ((B, T, dim) or

@@ -147,6 +147,11 @@ class NeuronSet(nn.Module):
             B = x.shape[0]
             k = None if keep is None else keep.reshape(B, -1).contiguous()
             rows = x.reshape(B, -1)
+            if kernels.on_triton(self.records):  # a GPU's records: the Triton kernel
+                from . import triton_ffn
+                y = triton_ffn.neuron_ffn(rows, self.records, sel, k, self.bias32, threshold,
+                                          self.act, self.fmt)
+                return y.unsqueeze(1)
             if rows.dtype not in (torch.float32, torch.bfloat16):
                 rows = rows.float()
             y = kernels.neuron_ffn(rows.contiguous(), self.records, self.all if sel is None else sel,

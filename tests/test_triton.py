@@ -1,0 +1,231 @@
+"""The GPU path's Triton kernels (`powerinfer.triton_ffn`) against torch references of the same
+math. Where no GPU is present they run on the CPU under Triton's interpreter: the environment
+variable is set here, before anything imports triton, so every machine checks them."""
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ["TRITON_INTERPRET"] = "1"  # read when the kernels are decorated (at import)
+
+pytest.importorskip("triton", reason="the Triton kernels need the triton package (`gpu` extra)")
+
+from powerinfer import kernels, triton_ffn as T  # noqa: E402
+from powerinfer.model import ModelArgs, Transformer  # noqa: E402
+from powerinfer.predictor import Predictors  # noqa: E402
+from powerinfer.sparse import activate, apply_hybrid_ffn  # noqa: E402
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+GATED = ("swiglu", "reglu", "dreglu", "geglu")
+ACTS = (*GATED, "relu", "gelu")
+
+
+def records(fmt: str, act: str, k: int, dim: int, g: torch.Generator):
+    """Random neuron records in `fmt` (the CPU kernel's packing) and the float32 rows they hold."""
+    gate = torch.randn(k, dim, generator=g) if act in GATED else None
+    up, down = torch.randn(k, dim, generator=g), torch.randn(k, dim, generator=g) / 8
+    if fmt == "f16":  # (a GPU format: the CPU kernel's packing has no float16)
+        rows = [r for r in (gate, up, down) if r is not None]
+        rec = torch.cat(rows, 1).half().view(torch.uint8)
+    else:
+        rec = kernels.pack(gate, up, down, fmt)
+    ref = kernels.unpack(rec.cpu(), fmt, dim, act in GATED) if fmt != "f16" else \
+        tuple(None if r is None else r.half().float() for r in (gate, up, down))
+    return rec.to(DEV), tuple(None if r is None else r.float() for r in ref)
+
+
+def reference(x, rows, act, sel_mask, keep, bias, threshold):
+    # the FFN over float32 rows: the selected neurons, each row keeping its own, in float64
+    gate, up, down = (None if r is None else r.double() for r in rows)
+    x = x.double()
+    u = x @ up.T + (0 if bias is None else bias.double())
+    score, h = activate(act, None if gate is None else x @ gate.T, u)
+    if threshold > 0:
+        h = h * (score > threshold)
+    h = h * sel_mask[None]
+    if keep is not None:
+        h = h * keep
+    return h @ down
+
+
+def selections(k: int, g: torch.Generator) -> dict[str, torch.Tensor]:
+    one = torch.zeros(k, dtype=torch.bool)
+    one[k // 3] = True
+    return {"none": torch.zeros(k, dtype=torch.bool), "one": one,
+            "10%": torch.rand(k, generator=g) < 0.1, "all": torch.ones(k, dtype=torch.bool)}
+
+
+@pytest.mark.parametrize("fmt,dim,acts", [("f32", 150, ACTS), ("bf16", 150, ("swiglu", "gelu")),
+                                          ("f16", 150, ("reglu", "relu")),
+                                          ("q4_0", 160, ("swiglu", "relu")),
+                                          ("q4_1", 160, ("dreglu", "gelu")),
+                                          ("q8_0", 160, ("geglu", "relu"))])
+def test_ffn_kernel_equals_torch_on_its_rows(fmt, dim, acts):
+    # dim past one 128-column step (a tail of 22 columns for plain rows, of one 32-block for
+    # blocks); k = 100 neurons, past six programs of 16; every activation in float32, each
+    # other format with a gated and an ungated one; selections of none, one neuron, about 10%
+    # and all, as a mask (the about-10% one also as positions and through the mask path);
+    # batch 1, and batch 5 where each row keeps its own neurons
+    g = torch.Generator().manual_seed(len(fmt) * 100 + dim)
+    k = 100
+    tol = 1e-4
+    for act in acts:
+        rec, rows = records(fmt, act, k, dim, g)
+        bias = torch.randn(k, generator=g) if act in ("relu", "gelu") else None
+        threshold = 0.05 if act in ("swiglu", "geglu") else 0.0
+        for B in (1, 5):
+            x = torch.randn(B, dim, generator=g)
+            keep = None if B == 1 else torch.rand(B, k, generator=g) < 0.6
+            for name, mask in selections(k, g).items():
+                want = reference(x, rows, act, mask, keep, bias, threshold)
+                scale = max(float(want.abs().max()), 1.0)
+                idx = mask.nonzero().squeeze(-1)
+                d = lambda t: None if t is None else t.to(DEV)  # noqa: E731
+                got = {"mask": T.neuron_ffn(d(x), rec, d(mask), d(keep), d(bias), threshold, act, fmt)}
+                if name == "10%":
+                    got["mask path"] = T.neuron_ffn(d(x), rec, d(mask), d(keep), d(bias),
+                                                    threshold, act, fmt, mask_path=True)
+                    got["positions"] = T.neuron_ffn(d(x), rec, d(idx),
+                                                    None if keep is None else d(keep[:, idx]),
+                                                    d(bias), threshold, act, fmt)
+                if name == "all":
+                    got["every neuron"] = T.neuron_ffn(d(x), rec, None, None if keep is None else
+                                                       d(keep), d(bias), threshold, act, fmt)
+                for how, y in got.items():
+                    assert y.shape == (B, dim) and y.dtype == torch.float32
+                    err = float((y.cpu().double() - want).abs().max())
+                    assert err <= tol * scale, (fmt, act, B, name, how, err, scale)
+                if name == "none":
+                    assert all(float(y.abs().max()) == 0 for y in got.values())
+
+
+def test_ffn_kernel_in_bfloat16_rounds_once():
+    # bf16 rows and a bf16 input: summed in float32, one rounding to bf16 at the end
+    g = torch.Generator().manual_seed(3)
+    rec, rows = records("bf16", "swiglu", 100, 256, g)
+    x = torch.randn(3, 256, generator=g).bfloat16()
+    mask = torch.rand(100, generator=g) < 0.5
+    y = T.neuron_ffn(x.to(DEV), rec, mask.to(DEV), None, None, 0.0, "swiglu", "bf16")
+    want = reference(x.float(), rows, "swiglu", mask, None, None, 0.0)
+    assert y.dtype == torch.bfloat16
+    assert torch.equal(y.cpu(), want.float().bfloat16()) or \
+        float((y.cpu().double() - want).abs().max()) <= 2 ** -7 * float(want.abs().max())
+
+
+def test_compaction_lists_every_set_position_once():
+    g = torch.Generator().manual_seed(0)
+    n = 3000  # three programs of 1024
+    for mask in selections(n, g).values():
+        idx, count = T.compact(mask.to(DEV))
+        got = sorted(idx[:int(count)].tolist())
+        assert got == mask.nonzero().squeeze(-1).tolist()
+
+
+@pytest.mark.parametrize("fmt", ["q4_0", "q4_1", "q8_0"])
+def test_widened_records_equal_the_cpu_dequantization(fmt):
+    g = torch.Generator().manual_seed(1)
+    rec, rows = records(fmt, "swiglu", 37, 160, g)
+    wide = T.widen(rec, fmt, 3, 160).cpu()
+    for j in range(3):
+        assert torch.equal(wide[:, j], rows[j])
+    plain = T.widen(kernels.quantize_rows(rows[1], fmt).to(DEV), fmt, 1, 160).cpu()  # one matrix
+    assert torch.equal(plain[:, 0], rows[1])
+
+
+@pytest.mark.parametrize("B", [1, 5])
+def test_predictor_kernels_select_as_the_torch_predictor(B):
+    # rank 40 and 300 neurons: tails past the kernels' blocks
+    g = torch.Generator().manual_seed(B)
+    dim, r, n = 96, 40, 300
+    fc1, fc2 = torch.randn(r, dim, generator=g) / 8, torch.randn(n, r, generator=g)
+    x = torch.randn(B, dim, generator=g)
+    preds = Predictors([fc1], [fc2], "ffn", threshold=0.25)
+    logits = preds.logits(0, x)  # torch's forward, on the CPU
+    keep, idx, count, got_logits = T.predict(x.to(DEV), fc1.to(DEV), fc2.to(DEV), 0.25,
+                                             store_logits=True)
+    assert float((got_logits.cpu() - logits).abs().max()) <= 1e-4 * float(logits.abs().max())
+    near = (logits - 0.25).abs() < 1e-4 * float(logits.abs().max())  # near-ties may go either way
+    assert not near.all()
+    assert torch.equal(keep.cpu()[~near], preds.active(0, x)[~near])
+    union = keep.cpu().any(0)
+    assert sorted(idx[:int(count)].cpu().tolist()) == union.nonzero().squeeze(-1).tolist()
+    assert 0 < int(count) < n
+    # each row's top 17 as torch.topk keeps them (on the same logits)
+    keep_k, idx_k, count_k, lg = T.predict(x.to(DEV), fc1.to(DEV), fc2.to(DEV), top_k=17)
+    kth = torch.topk(lg.cpu(), 17, dim=1).values[:, -1:]
+    assert torch.equal(keep_k.cpu(), lg.cpu() >= kth) and (keep_k.sum(1) == 17).all()
+    assert sorted(idx_k[:int(count_k)].cpu().tolist()) == \
+        keep_k.cpu().any(0).nonzero().squeeze(-1).tolist()
+    # an edge: k = n keeps everything
+    assert bool(T.predict(x.to(DEV), fc1.to(DEV), fc2.to(DEV), top_k=n)[0].all())
+
+
+def test_predictors_dispatch_to_the_kernels(monkeypatch):
+    # Predictors.active on the Triton path (a GPU, here TRITON_ON_CPU) runs `predict` and gives
+    # torch's masks
+    g = torch.Generator().manual_seed(7)
+    fc1, fc2 = torch.randn(32, 64, generator=g) / 8, torch.randn(200, 32, generator=g)
+    x = torch.randn(2, 1, 64, generator=g)
+    preds = Predictors([fc1.to(DEV)], [fc2.to(DEV)], "ffn")
+    want = Predictors([fc1], [fc2], "ffn").active(0, x)
+    calls = []
+    real = T.predict
+    monkeypatch.setattr(T, "predict", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    monkeypatch.setattr(kernels, "TRITON_ON_CPU", True)
+    got = preds.active(0, x.to(DEV)).cpu()
+    assert calls and got.shape == want.shape
+    logits = Predictors([fc1], [fc2], "ffn").logits(0, x)
+    near = logits.abs() < 1e-4 * float(logits.abs().max())
+    assert torch.equal(got[~near], want[~near])
+
+
+def random_model(seed: int) -> Transformer:
+    # a dReLU model: its FFN is exactly sparse, so an oracle's masks reproduce the dense output
+    torch.manual_seed(seed)
+    a = ModelArgs(arch="llama", vocab_size=300, dim=64, n_layers=3, n_heads=4, n_kv_heads=2, ffn_dim=256,
+                  ffn_act="dreglu", max_seq_len=128)
+    m = Transformer(a)
+    with torch.no_grad():
+        for p in m.parameters():
+            p.normal_(0, 0.2)
+    m.setup_cache(2, 64)
+    return m.eval().requires_grad_(False).to(DEV)
+
+
+def test_layers_with_the_ffn_on_triton_equal_the_dense_model(monkeypatch):
+    # attention in torch, each FFN's hot and cold sets on the Triton kernel (records in f32),
+    # with the oracle's per-row masks given as predictions: two sequences, each keeping its own
+    # neurons, equal the dense model
+    monkeypatch.setattr(kernels, "TRITON_ON_CPU", True)
+    dense, sparse = random_model(0), random_model(0)
+
+    def oracle(layer, h):  # the neurons that fire for each row, from the dense model's FFN
+        f, x = dense.layers[layer].ffn, dense.layers[layer].ffn_norm(h)
+        gate, up = (x @ f.w1.weight.T).chunk(2, -1)
+        return (gate > 0) & (up > 0)
+
+    g = torch.Generator().manual_seed(1)
+    hot = [torch.rand(256, generator=g) < 0.3 for _ in range(3)]
+    apply_hybrid_ffn(sparse, oracle, [h.to(DEV) for h in hot], fmt="auto")
+    assert all(b.ffn.hot.fmt == "f32" and b.ffn.cold.fmt == "f32" for b in sparse.layers)
+    calls = []
+    real = T.neuron_ffn
+    monkeypatch.setattr(T, "neuron_ffn", lambda *a, **kw: calls.append(a[2]) or real(*a, **kw))
+    prompts = torch.tensor([[1, 5, 9, 13], [4, 200, 17, 99]], device=DEV)
+    out = []
+    with torch.inference_mode():
+        for m in (dense, sparse):
+            m(prompts, torch.arange(4, device=DEV).expand(2, 4))
+            steps = []
+            for s in range(4):
+                tok = torch.tensor([[7 * s + 1], [11 * s + 3]], device=DEV)
+                steps.append(m(tok, torch.full((2, 1), 4 + s, device=DEV))[:, 0])
+            out.append(torch.stack(steps).cpu())
+    a, b = out
+    assert len(calls) == 4 * 3 * 2  # every decode step, layer and set ran on the kernel
+    assert all(c is not None and c.dtype == torch.bool for c in calls)  # (a mask: compacted)
+    shares = [float(c.float().mean()) for c in calls]
+    assert 0 < min(shares) and max(shares) < 0.9  # the oracle leaves neurons out
+    assert a.abs().max() > 0.5  # logits with a spread, so the tolerance means something
+    assert float((a - b).abs().max()) <= 1e-4 * float(a.abs().max())
