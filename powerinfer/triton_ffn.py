@@ -114,34 +114,43 @@ if triton is not None:
     def _rows(w, rec, off, cols, mask, FMT: tl.constexpr):
         # rows starting `off` (elements for plain records, bytes for blocks) into records whose
         # starts are `rec` (BLOCK_N, 1), columns `cols` (1, BLOCK_K) -> float32 (BLOCK_N, BLOCK_K)
+        # (constexpr branches, one return: the compiler types every statement after a return)
         if FMT == 0:
-            return tl.load(w + rec + off + cols, mask=mask, other=0).to(tl.float32)
-        blk, j = cols // 32, cols % 32
-        if FMT == 3:  # Q8_0: f16 scale, 32 int8
-            b = w + rec + off + blk * 34
-            q = tl.load(b + 2 + j, mask=mask, other=0).to(tl.int8, bitcast=True)
-            return q.to(tl.float32) * _f16_at(b, mask)
-        if FMT == 1:  # Q4_0: f16 scale, 16 bytes: weight j low nibble of byte j % 16 (j < 16), else high
-            b = w + rec + off + blk * 18
-            q = (tl.load(b + 2 + j % 16, mask=mask, other=0) >> ((j // 16) * 4)) & 15
-            return (q.to(tl.float32) - 8.0) * _f16_at(b, mask)
-        b = w + rec + off + blk * 20  # Q4_1: f16 scale, f16 minimum, 16 bytes
-        q = (tl.load(b + 4 + j % 16, mask=mask, other=0) >> ((j // 16) * 4)) & 15
-        return q.to(tl.float32) * _f16_at(b, mask) + _f16_at(b + 2, mask)
+            v = tl.load(w + rec + off + cols, mask=mask, other=0).to(tl.float32)
+        else:
+            blk, j = cols // 32, cols % 32
+            if FMT == 3:  # Q8_0: f16 scale, 32 int8
+                b = w + rec + off + blk * 34
+                q = tl.load(b + 2 + j, mask=mask, other=0).to(tl.int8, bitcast=True)
+                v = q.to(tl.float32) * _f16_at(b, mask)
+            elif FMT == 1:  # Q4_0: f16 scale, 16 bytes: weight j the low nibble of byte j % 16
+                # (j < 16), else the high one
+                b = w + rec + off + blk * 18
+                q = (tl.load(b + 2 + j % 16, mask=mask, other=0) >> ((j // 16) * 4)) & 15
+                v = (q.to(tl.float32) - 8.0) * _f16_at(b, mask)
+            else:  # Q4_1: f16 scale, f16 minimum, 16 bytes
+                b = w + rec + off + blk * 20
+                q = (tl.load(b + 4 + j % 16, mask=mask, other=0) >> ((j // 16) * 4)) & 15
+                v = q.to(tl.float32) * _f16_at(b, mask) + _f16_at(b + 2, mask)
+        return v
 
     @triton.jit
     def _mm_t(a, b, BLOCK_B: tl.constexpr):
         # a (BLOCK_B, K) float32, b (N, K) float32 -> a b^T (BLOCK_B, N) in float32
         if BLOCK_B == 1:
-            return tl.sum(a * b, axis=1)[None, :]
-        return tl.dot(a, tl.trans(b), input_precision="ieee")
+            y = tl.sum(a * b, axis=1)[None, :]
+        else:
+            y = tl.dot(a, tl.trans(b), input_precision="ieee")
+        return y
 
     @triton.jit
     def _mm(a, b, BLOCK_B: tl.constexpr):
         # a (BLOCK_B, N), b (N, K) -> a b (BLOCK_B, K) in float32
         if BLOCK_B == 1:
-            return tl.sum(tl.trans(a) * b, axis=0)[None, :]
-        return tl.dot(a, b, input_precision="ieee")
+            y = tl.sum(tl.trans(a) * b, axis=0)[None, :]
+        else:
+            y = tl.dot(a, b, input_precision="ieee")
+        return y
 
     @triton.jit
     def _sigmoid(z):

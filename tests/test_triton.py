@@ -229,3 +229,23 @@ def test_layers_with_the_ffn_on_triton_equal_the_dense_model(monkeypatch):
     assert 0 < min(shares) and max(shares) < 0.9  # the oracle leaves neurons out
     assert a.abs().max() > 0.5  # logits with a spread, so the tolerance means something
     assert float((a - b).abs().max()) <= 1e-4 * float(a.abs().max())
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU the tests above compile and run "
+                    "the kernels themselves")
+def test_kernels_compile_for_an_h100(tmp_path):
+    # the interpreter never runs Triton's compiler: every kernel variant is lowered for sm_90
+    # (PTX, then a cubin by the ptxas in the triton wheel) in a process without TRITON_INTERPRET
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env.update(TRITON_CACHE_DIR=str(tmp_path), TRITON_DEFAULT_FP_FUSION="1",
+               PYTHONPATH=str(Path(__file__).parent.parent))
+    r = subprocess.run([sys.executable, str(Path(__file__).parent / "triton_compile.py"), "90"],
+                       env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    out = json.loads(r.stdout.splitlines()[-1])
+    assert out["capability"] == 90 and out["kernels"] == 18
+    assert len(list(tmp_path.rglob("*.cubin"))) == 18  # one cubin a variant

@@ -1,0 +1,87 @@
+"""Compile the Triton kernels of `powerinfer.triton_ffn` for NVIDIA targets, with no GPU here:
+Triton's compiler lowers each kernel to PTX and runs ptxas (shipped in the triton wheel) to a
+cubin, which catches what the interpreter never checks (types of every constexpr branch, what
+the code generator accepts, register and shared-memory limits). Each variant is chosen so that
+every branch of every kernel is compiled at least once.
+
+    python tests/triton_compile.py 90 89      # compute capabilities; prints one JSON line each
+
+Must run without TRITON_INTERPRET (the kernels are then compiled, not interpreted)."""
+import json
+import os
+import sys
+import time
+
+assert os.environ.get("TRITON_INTERPRET", "0") != "1", "unset TRITON_INTERPRET to compile"
+
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource, compile as triton_compile  # noqa: E402
+
+from powerinfer import triton_ffn as T  # noqa: E402
+
+I32 = "i32"
+
+
+def ffn(x, w, act, fmt, dfmt, row_bytes, gated, sel, keep, bias, block_b):
+    sel_t = {0: "*u8", 1: "*i32", 2: "*u8"}[sel]
+    return ("_ffn_kernel",
+            dict(x_ptr=x, w_ptr=w, sel_ptr=sel_t, count_ptr="*i32", keep_ptr="*u8",
+                 bias_ptr="*fp32", out_ptr="*fp32", B=I32, dim=I32, k=I32, rec_stride=I32,
+                 keep_stride=I32, threshold="fp32"),
+            dict(ACT=T.ACTS.index(act), FMT=fmt, DFMT=dfmt, ROW_BYTES=row_bytes, GATED=gated,
+                 SEL=sel, KEEP=keep, HAS_BIAS=bias, BLOCK_B=block_b, BLOCK_N=T.BLOCK_N,
+                 BLOCK_K=T.BLOCK_K))
+
+
+def variants():
+    q4 = 4096 // 32 * 18
+    yield ffn("*bf16", "*bf16", "swiglu", T.PLAIN, T.PLAIN, 0, True, 1, 2, False, 1)
+    yield ffn("*bf16", "*bf16", "geglu", T.PLAIN, T.PLAIN, 0, True, 0, 0, False, 16)
+    yield ffn("*fp32", "*fp32", "relu", T.PLAIN, T.PLAIN, 0, False, 2, 2, True, 16)
+    yield ffn("*fp16", "*fp16", "swiglu", T.PLAIN, T.PLAIN, 0, True, 1, 1, False, 64)
+    yield ffn("*bf16", "*u8", "reglu", T.Q4_0, T.Q8_0, q4, True, 1, 1, False, 1)
+    yield ffn("*bf16", "*u8", "dreglu", T.Q4_1, T.Q8_0, 4096 // 32 * 20, True, 1, 0, False, 16)
+    yield ffn("*fp32", "*u8", "gelu", T.Q8_0, T.Q8_0, 4096 // 32 * 34, False, 0, 0, True, 1)
+    yield "_compact_kernel", dict(mask_ptr="*u8", n=I32, idx_ptr="*i32", count_ptr="*i32"), \
+        dict(BLOCK=1024)
+    for rows, fmt, dfmt in ((3, T.Q4_0, T.Q8_0), (2, T.Q4_1, T.Q8_0), (1, T.Q8_0, T.Q8_0)):
+        yield "_widen_kernel", dict(w_ptr="*u8", out_ptr="*fp32", n=I32, dim=I32, rec_stride=I32), \
+            dict(NROWS=rows, ROW_BYTES=q4, FMT=fmt, DFMT=dfmt, BLOCK_N=T.BLOCK_N, BLOCK_K=T.BLOCK_K)
+    for x, block_b in (("*fp32", 1), ("*bf16", 16)):
+        yield "_hidden_kernel", dict(x_ptr=x, fc1_ptr="*fp32", out_ptr="*fp32", B=I32, dim=I32,
+                                     r=I32), dict(BLOCK_B=block_b, BLOCK_N=32, BLOCK_K=T.BLOCK_K)
+    for block_b, select, store in ((1, True, False), (16, True, True), (16, False, True)):
+        yield "_logits_kernel", dict(h_ptr="*fp32", fc2_ptr="*fp32", thr_ptr="*fp32",
+                                     logits_ptr="*fp32", keep_ptr="*i8", idx_ptr="*i32",
+                                     count_ptr="*i32", B=I32, r=I32, n=I32), \
+            dict(BLOCK_B=block_b, BLOCK_N=64, BLOCK_K=64, SELECT=select, STORE=store)
+    yield "_kth_kernel", dict(logits_ptr="*fp32", thr_ptr="*fp32", n=I32, k=I32), dict(BLOCK=1024)
+    yield "_select_kernel", dict(logits_ptr="*fp32", thr_ptr="*fp32", keep_ptr="*i8",
+                                 idx_ptr="*i32", count_ptr="*i32", B=I32, n=I32), \
+        dict(BLOCK_B=8, BLOCK_N=64)
+
+
+def compile_one(name, args, constexprs, capability):
+    fn = getattr(T, name)
+    names = fn.arg_names
+    assert set(names) == set(args) | set(constexprs), (name, set(names) ^ (set(args) | set(constexprs)))
+    sig = {n: args.get(n, "constexpr") for n in names}
+    src = ASTSource(fn=fn, signature=sig,
+                    constexprs={(names.index(k),): v for k, v in constexprs.items()})
+    out = triton_compile(src, target=GPUTarget("cuda", capability, 32))
+    return out.metadata
+
+
+def main(capabilities):
+    for cap in capabilities:
+        t0, done = time.perf_counter(), []
+        for name, args, cx in variants():
+            md = compile_one(name, args, cx, cap)
+            done.append({"kernel": name, "shared": getattr(md, "shared", None),
+                         "regs": getattr(md, "n_regs", None)})
+        print(json.dumps({"capability": cap, "kernels": len(done), "seconds":
+                          round(time.perf_counter() - t0, 1), "variants": done}), flush=True)
+
+
+if __name__ == "__main__":
+    main([int(c) for c in sys.argv[1:]] or [90])
