@@ -107,7 +107,11 @@ class Scheduler:
                        probe: bool = False, resume: list[int] | None = None):
         loop = asyncio.get_running_loop()
         try:
-            seq = new_sequence(prompt, params, self.tokenizer, self.vocab, self.max_seq)
+            if params.grammar is None:
+                seq = new_sequence(prompt, params, self.tokenizer, self.vocab, self.max_seq)
+            else:  # compiling a grammar (and, once, the tokenizer's index) takes a while
+                seq = await loop.run_in_executor(None, new_sequence, prompt, params,
+                                                 self.tokenizer, self.vocab, self.max_seq)
             if resume:
                 seq.replay(resume)
                 if seq.finished or seq.num_tokens > self.max_seq:

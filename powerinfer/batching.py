@@ -30,6 +30,7 @@ import torch
 
 from .config import Config, SamplingParams
 from .errors import InvalidRequestError
+from .grammar import constrain, matcher
 from .kv import BlockManager, Blocks
 from .sampling import logprobs, sample, token_generator
 from .tokenizer import StreamDecoder, Tokenizer
@@ -50,6 +51,7 @@ class Sequence:
     computed: int = 0  # its tokens whose keys and values are in the cache
     cached: int = 0  # prompt tokens found in the prefix cache at its first admission
     admitted: bool = False  # it has been admitted once (a preempted one comes back)
+    matcher: object = None  # SamplingParams.grammar's llguidance matcher, following the output
 
     @property
     def finished(self) -> bool:
@@ -69,8 +71,10 @@ class Sequence:
 
     def push(self, token: int) -> str:
         """Record a sampled token; returns the text that is now final."""
-        p = self.params
+        p, m = self.params, self.matcher
         self.output.append(token)
+        if m is not None and not m.consume_token(token):
+            raise RuntimeError(f"token {token} leaves the grammar: {m.get_error()}")
         if token in p.stop_token_ids or (token in self.eog_ids and not p.ignore_eos):
             return self.finish("stop", self.pending)
         self.pending += self.decoder.push(token)
@@ -78,6 +82,8 @@ class Sequence:
             at = self.pending.find(s)
             if at >= 0:
                 return self.finish("stop", self.pending[:at])
+        if m is not None and m.is_stopped():  # the grammar is complete and admits nothing more
+            return self.finish("stop", self.pending)
         if len(self.output) >= p.max_tokens:
             return self.finish("length", self.pending)
         hold = max((k for s in p.stop for k in range(len(s), 0, -1)
@@ -291,10 +297,12 @@ class Batcher:
             keyed = self._keyed(s)
             self.blocks.commit(s.blocks, keyed, min(s.computed, len(keyed)))
         outs = []
+        matchers = [s.matcher for s in step.sampled]
+        allowed = constrain(matchers, logits)  # logits itself when no row is constrained
         for j, s in enumerate(step.sampled):
             first = not s.output
             try:
-                token, text = sample_next(s, logits[j])
+                token, text = sample_next(s, allowed[j])
             except RuntimeError as e:  # this sequence's distribution is broken, not the batch
                 s.finish("error", "")
                 outs.append(Output(s, -1, "", "error", first,
@@ -352,7 +360,10 @@ def new_sequence(prompt: list[int], params: SamplingParams, tokenizer: Tokenizer
     if bad:
         raise InvalidRequestError(f"token id {bad[0]} outside the vocabulary")
     seed = params.seed if params.seed is not None else secrets.randbits(63)
-    return Sequence(list(prompt), params, StreamDecoder(tokenizer), tokenizer.eog_ids, seed)
+    seq = Sequence(list(prompt), params, StreamDecoder(tokenizer), tokenizer.eog_ids, seed)
+    if params.grammar is not None:  # compiled here: a grammar the engine refuses is the request's error
+        seq.matcher = matcher(tokenizer, vocab_size, params.grammar)
+    return seq
 
 
 def sample_next(s: Sequence, logits: torch.Tensor) -> tuple[int, str]:

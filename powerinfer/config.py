@@ -7,6 +7,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from .errors import ConfigError, InvalidRequestError
+from .grammar import Grammar
 
 MAX_LOGPROBS = 20
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
@@ -163,6 +164,7 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = None  # report each token's log-probability and this many alternatives
+    grammar: Grammar | None = None  # hold the output to a JSON schema, regex, choices or grammar
 
     def __post_init__(self):
         problems = []
@@ -180,6 +182,8 @@ class SamplingParams:
             problems.append("repetition_penalty must be > 0")
         if any(not isinstance(s, str) or not s for s in self.stop):
             problems.append("stop must be non-empty strings")
+        if self.grammar is not None and not isinstance(self.grammar, Grammar):
+            problems.append("grammar must be a powerinfer.grammar.Grammar")
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
             problems.append(f"logprobs must be in [0, {MAX_LOGPROBS}]")
         if problems:

@@ -33,12 +33,13 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from . import openai_schema as oa
 from actors.handle import follow
-from powerinfer.errors import PowerInferError
+from powerinfer.errors import InvalidRequestError, PowerInferError
+from powerinfer.grammar import Grammar
 
 from .errors import RETRY_AFTER_S, ApiError, error_value
 from .metrics import Metrics
 from .model import GenerationRequest
-from .streams import OpenAIFormat, Piece, collect, primed
+from .streams import OpenAIFormat, Piece, ToolCalls, collect, primed
 
 logger = logging.getLogger("ray.serve")
 STATUS_TIMEOUT_S = 5.0
@@ -141,6 +142,20 @@ def _grpc_sampling(sp) -> dict:
     for f in ("temperature", "top_p", "min_p", "repetition_penalty"):
         if f in kw:  # float32 on the wire: 0.1 arrives as 0.10000000149
             kw[f] = float(f"{kw[f]:.7g}")
+    which = sp.WhichOneof("constraint")
+    try:
+        if which == "json_schema":
+            kw["grammar"] = Grammar.json_schema(sp.json_schema, strict=not sp.lenient)
+        elif which == "json_object" and sp.json_object:
+            kw["grammar"] = Grammar.json_object()
+        elif which == "regex":
+            kw["grammar"] = Grammar.regex(sp.regex)
+        elif which == "choice":
+            kw["grammar"] = Grammar.choice(list(sp.choice.choices))
+        elif which == "grammar":
+            kw["grammar"] = Grammar.lark(sp.grammar)
+    except InvalidRequestError as e:
+        raise ApiError("invalid_request", str(e), which) from None
     return kw
 
 
@@ -187,6 +202,7 @@ class Ingress:
         self.api_key = api_key.encode()
         self.max_body_bytes = max_body_bytes
         self.metrics = Metrics()
+        self.tool_formats: dict[str, str] = {}  # model -> how it writes tool calls
         logger.addFilter(_NoClientErrorTracebacks())
 
     # ------------------------------------------------------------------------- HTTP routes
@@ -196,7 +212,11 @@ class Ingress:
         self._authorize(request.headers.get("authorization"))
         body = await self._read(request, oa.ChatCompletionRequest)
         prompt = [m.as_template_input() for m in body.messages]
-        return await self._respond("chat", body, [prompt], body.engine_sampling())
+        spec, calls = body.tool_spec, None
+        if spec and spec["choice"] != "none":  # the model's calls are parsed out of its text
+            calls = ToolCalls(await self._tool_format(body.model),
+                              [f["name"] for f in spec["functions"]], spec["parallel"])
+        return await self._respond("chat", body, [prompt], body.engine_sampling(), spec, calls)
 
     @app.post("/v1/completions", openapi_extra=_request_body(oa.CompletionRequest))
     async def completions(self, request: Request):
@@ -262,10 +282,12 @@ class Ingress:
         except ValidationError as e:
             raise _invalid(e.errors(include_url=False, include_input=False)) from None
 
-    async def _respond(self, kind: str, body, prompts: list, sampling: dict):
-        streams = self._streams(body.model, prompts, sampling, body.n)
+    async def _respond(self, kind: str, body, prompts: list, sampling: dict,
+                       tools: dict | None = None, calls: ToolCalls | None = None):
+        streams = self._streams(body.model, prompts, sampling, body.n, tools=tools)
         rid = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
-        fmt = OpenAIFormat(kind, rid, body.model, sampling.get("logprobs") is not None, body.n)
+        fmt = OpenAIFormat(kind, rid, body.model, sampling.get("logprobs") is not None, body.n,
+                           calls)
         if not body.stream:
             choices, prompts = await collect(streams)
             return Response(fmt.whole(choices, prompts).model_dump_json(),
@@ -408,8 +430,15 @@ class Ingress:
                  "error": f"the model's deployment is not answering ({type(s).__name__})"}
                 for n, s in zip(names, got)]
 
+    async def _tool_format(self, model: str) -> str:
+        """How the model writes tool calls (asked once per model)."""
+        if model not in self.tool_formats:
+            self.tool_formats[model] = (await self._unary(model, "tool_format"))["format"]
+        return self.tool_formats[model]
+
     def _streams(self, model: str, prompts: list, sampling: dict, n: int,
-                 arrived: float | None = None) -> list[AsyncIterator[Piece]]:
+                 arrived: float | None = None, tools: dict | None = None
+                 ) -> list[AsyncIterator[Piece]]:
         """One stream per choice: n for each prompt, choice i of a seeded request with seed+i."""
         handle = self._handle(model)
         arrived = arrived or time.perf_counter()
@@ -419,7 +448,7 @@ class Ingress:
                 kw = dict(sampling)
                 if kw.get("seed") is not None:  # torch's seeds are 64-bit, negative ones wrap
                     kw["seed"] = (kw["seed"] + j) % 2 ** 64
-                req = GenerationRequest(prompt, kw, uuid.uuid4().hex)
+                req = GenerationRequest(prompt, kw, uuid.uuid4().hex, tools)
                 streams.append(self._stream(handle, model, req, p * n + j, arrived))
         return streams
 

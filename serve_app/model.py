@@ -27,7 +27,9 @@ from dataclasses import dataclass
 from ray import serve
 from ray.exceptions import TaskCancelledError
 
+from powerinfer import tools
 from powerinfer.config import sampling_params
+from powerinfer.tools import render as render_tools
 from powerinfer.errors import InvalidRequestError, PowerInferError
 
 from .errors import ModelUnavailableError, error_value
@@ -46,6 +48,7 @@ class GenerationRequest:
     prompt: str | list[int] | list[dict]
     sampling: dict
     request_id: str
+    tools: dict | None = None  # chat with tools: {"functions", "choice", "parallel"}
 
 
 @serve.deployment(max_ongoing_requests=10_000, health_check_period_s=10,
@@ -60,6 +63,7 @@ class ModelServer:
         rank = getattr(serve.get_replica_context(), "rank", None)
         self.replica = getattr(rank, "local_rank", 0) or 0  # its slice of the model's cores
         self.engine = None
+        self._format: str | None = None  # how the model writes tool calls
         self.error: str | None = None
         self.created = int(time.time())
         self._loader = threading.Thread(target=self._load, name=f"load-{spec.name}", daemon=True)
@@ -152,14 +156,31 @@ class ModelServer:
     def _prepare(self, req: GenerationRequest):
         """The engine, the prompt's token ids and the sampling parameters of a request."""
         engine = self._ready_engine()
-        ids = self._ids(engine, req.prompt)
+        ids = self._ids(engine, req.prompt, tools=req.tools)
         room = engine.max_seq - len(ids)
         if room < 1:
             raise InvalidRequestError(f"prompt has {len(ids)} tokens; the context of model "
                                       f"{self.spec.name} holds {engine.max_seq}")
         kw = dict(req.sampling)
         kw["max_tokens"] = min(kw.get("max_tokens") or room, room)
+        spec = req.tools
+        if spec and spec["choice"] not in ("none", "auto"):  # a call, and nothing else
+            only = None if spec["choice"] == "required" else spec["choice"]
+            kw["grammar"] = tools.grammar(spec["functions"], self._tool_format(engine), only,
+                                          spec["parallel"])
         return engine, ids, sampling_params(**kw)
+
+    def _tool_format(self, engine) -> str:
+        if self._format is None:
+            self._format = tools.format_for(engine.tokenizer)
+        return self._format
+
+    async def tool_format(self) -> dict:
+        """How this model writes tool calls (`powerinfer.tools`), for the ingress to parse them."""
+        try:
+            return {"format": self._tool_format(self._ready_engine())}
+        except PowerInferError as e:
+            return error_value(e)
 
     async def open(self, req: GenerationRequest) -> dict:
         """A request for the ingress to stream from the group's scheduler itself (one hop less
@@ -206,12 +227,17 @@ class ModelServer:
             logger.exception("model %s: generation failed", self.spec.name)
             yield error_value(e)
 
-    def _ids(self, engine, prompt, add_special_tokens: bool = True) -> list[int]:
+    def _ids(self, engine, prompt, add_special_tokens: bool = True,
+             tools: dict | None = None) -> list[int]:
         tok = engine.tokenizer
         if isinstance(prompt, str):
             return tok.encode(prompt, None if add_special_tokens else False)
         if prompt and isinstance(prompt[0], dict):
-            return tok.encode(tok.apply_chat_template(prompt),
+            extra = {}
+            if tools is not None:  # the tools and the tool messages in the model's own words
+                listed = tools["functions"] if tools["choice"] != "none" else None
+                prompt, extra = render_tools(prompt, listed, self._tool_format(engine))
+            return tok.encode(tok.apply_chat_template(prompt, **extra),
                               None if add_special_tokens else False)
         return list(prompt)
 

@@ -2,15 +2,21 @@
 
 Requests accept the OpenAI fields the engine can honour and, like vLLM, the engine's other
 sampling fields as extras (top_k, min_p, repetition_penalty, ignore_eos, stop_token_ids); other
-unknown fields are ignored. OpenAI fields the engine cannot honour (tools, penalties other than
-0, echo, suffix, best_of > n) are refused with a message that says so.
+unknown fields are ignored. OpenAI fields the engine cannot honour (penalties other than 0,
+echo, suffix, best_of > n) are refused with a message that says so. Structured output
+(`response_format`, vLLM's `guided_*`) becomes the request's `Grammar`; tools and tool
+messages become a tool spec for the model deployment (`powerinfer.tools`).
 """
 from __future__ import annotations
 
 import time
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, model_validator
+
+from powerinfer.errors import InvalidRequestError
+from powerinfer import tools
+from powerinfer.grammar import Grammar
 
 MAX_CHOICES = 16  # prompts x n in one request
 MAX_TOP_LOGPROBS = 5
@@ -22,6 +28,25 @@ class _Body(BaseModel):
 
 class StreamOptions(_Body):
     include_usage: bool = False
+
+
+class JsonSchemaFormat(_Body):
+    model_config = ConfigDict(extra="ignore", populate_by_name=True)
+    name: str = Field("response", max_length=64)
+    description: str | None = None
+    schema_: dict | bool = Field(True, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Body):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _has_schema(self):
+        if self.type == "json_schema" and self.json_schema is None:
+            raise ValueError("response_format of type json_schema needs a json_schema object")
+        return self
 
 
 class _Sampling(_Body):
@@ -37,12 +62,19 @@ class _Sampling(_Body):
     frequency_penalty: float = Field(0.0, ge=-2, le=2)
     presence_penalty: float = Field(0.0, ge=-2, le=2)
     user: str | None = Field(None, max_length=256)
+    _grammar: Grammar | None = PrivateAttr(None)
     # the engine's own sampling fields, accepted as vLLM accepts them
     top_k: int | None = Field(None, ge=-1)
     min_p: float | None = Field(None, ge=0, lt=1)
     repetition_penalty: float | None = Field(None, gt=0, le=10)
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = Field(None, max_length=64)
+    # structured output: OpenAI's response_format, and vLLM's guided_* fields (one of them)
+    response_format: ResponseFormat | None = None
+    guided_json: dict | bool | str | None = None
+    guided_regex: str | None = None
+    guided_choice: Annotated[list[str], Field(min_length=1, max_length=1024)] | None = None
+    guided_grammar: str | None = None  # llguidance's Lark dialect
 
     @model_validator(mode="after")
     def _supported(self):
@@ -53,7 +85,35 @@ class _Sampling(_Body):
             raise ValueError("stream_options is only allowed with stream=true")
         if any(t < 0 for t in self.stop_token_ids or ()):
             raise ValueError("stop_token_ids must be >= 0")
+        self._grammar = self._constraint()
         return self
+
+    def _constraint(self) -> Grammar | None:
+        """The output's constraint, from at most one of the fields that ask for one."""
+        rf = self.response_format
+        asked = {k: v for k, v in (("response_format", rf if rf and rf.type != "text" else None),
+                                   ("guided_json", self.guided_json),
+                                   ("guided_regex", self.guided_regex),
+                                   ("guided_choice", self.guided_choice),
+                                   ("guided_grammar", self.guided_grammar)) if v is not None}
+        if len(asked) > 1:
+            raise ValueError(f"give at most one of {', '.join(asked)}")
+        try:
+            if rf is not None and rf.type == "json_object":
+                return Grammar.json_object()
+            if rf is not None and rf.type == "json_schema":
+                return Grammar.json_schema(rf.json_schema.schema_, bool(rf.json_schema.strict))
+            if self.guided_json is not None:
+                return Grammar.json_schema(self.guided_json, strict=True)
+            if self.guided_regex is not None:
+                return Grammar.regex(self.guided_regex)
+            if self.guided_choice is not None:
+                return Grammar.choice(self.guided_choice)
+            if self.guided_grammar is not None:
+                return Grammar.lark(self.guided_grammar)
+        except InvalidRequestError as e:
+            raise ValueError(str(e)) from None
+        return None
 
     def sampling(self, max_tokens: int | None, logprobs: int | None) -> dict:
         """Keyword arguments of the engine's SamplingParams (absent fields keep its defaults;
@@ -62,7 +122,7 @@ class _Sampling(_Body):
                   top_k=None if self.top_k is None else max(self.top_k, 0), min_p=self.min_p,
                   repetition_penalty=self.repetition_penalty, seed=self.seed, stop=self.stop,
                   stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos,
-                  logprobs=logprobs)
+                  logprobs=logprobs, grammar=self._grammar)
         return {k: v for k, v in kw.items() if v is not None}
 
     @property
@@ -75,16 +135,40 @@ class TextPart(_Body):
     text: str
 
 
+class FunctionCall(_Body):
+    name: str = Field(max_length=64)
+    arguments: str = Field(max_length=1 << 16)  # JSON text, as the model wrote it
+
+
+class ToolCall(_Body):
+    id: str = Field(max_length=128)
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(_Body):
-    role: Literal["system", "developer", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: Annotated[list[ToolCall], Field(max_length=64)] | None = None  # assistant
+    tool_call_id: str | None = Field(None, max_length=128)  # tool: the call this answers
+
+    @model_validator(mode="after")
+    def _tool_fields(self):
+        if self.tool_calls and self.role != "assistant":
+            raise ValueError("only assistant messages carry tool_calls")
+        return self
 
     def as_template_input(self) -> dict:
         content = self.content or ""
         if isinstance(content, list):
             content = "".join(p.text for p in content)
-        return {"role": "system" if self.role == "developer" else self.role, "content": content}
+        out = {"role": "system" if self.role == "developer" else self.role, "content": content}
+        if self.tool_calls:
+            out["tool_calls"] = [c.model_dump() for c in self.tool_calls]
+        if self.tool_call_id is not None:
+            out["tool_call_id"] = self.tool_call_id
+        return out
 
 
 class ChatCompletionRequest(_Sampling):
@@ -92,16 +176,26 @@ class ChatCompletionRequest(_Sampling):
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
-    tools: list | None = None
+    tools: Annotated[list[dict], Field(max_length=128)] | None = None
     tool_choice: str | dict | None = None
-    response_format: dict | None = None
+    parallel_tool_calls: bool = True
+    _tools: dict | None = PrivateAttr(None)
 
     @model_validator(mode="after")
     def _chat_supported(self):
-        if self.tools:
-            raise ValueError("tools are not supported")
-        if self.response_format and self.response_format.get("type") != "text":
-            raise ValueError("response_format: only {'type': 'text'} is supported")
+        try:
+            fs = tools.functions(self.tools or [])
+            choice = tools.chosen(self.tool_choice, [f["name"] for f in fs])
+        except InvalidRequestError as e:
+            raise ValueError(str(e)) from None
+        if self.tool_choice is not None and not fs and choice != "none":
+            raise ValueError("tool_choice needs tools")
+        if fs and choice not in ("none", "auto") and self._grammar is not None:
+            raise ValueError("tool_choice required or a named function constrains the output "
+                             "already; drop response_format / guided_*")
+        if fs or any(m.tool_calls or m.role == "tool" for m in self.messages):
+            self._tools = {"functions": fs, "choice": choice if fs else "none",
+                           "parallel": self.parallel_tool_calls}
         if self.top_logprobs is not None and not self.logprobs:
             raise ValueError("top_logprobs needs logprobs=true")
         return self
@@ -109,6 +203,11 @@ class ChatCompletionRequest(_Sampling):
     def engine_sampling(self) -> dict:
         k = (self.top_logprobs or 0) if self.logprobs else None
         return self.sampling(self.max_completion_tokens or self.max_tokens, k)
+
+    @property
+    def tool_spec(self) -> dict | None:
+        """{"functions", "choice", "parallel"} when the conversation involves tools."""
+        return self._tools
 
 
 class CompletionRequest(_Sampling):
@@ -188,7 +287,8 @@ class ChatLogprobs(BaseModel):
 
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    tool_calls: list[ToolCall] | None = None
 
 
 class ChatChoice(BaseModel):
@@ -207,9 +307,22 @@ class ChatCompletion(BaseModel):
     usage: Usage
 
 
+class DeltaFunction(BaseModel):
+    name: str | None = None
+    arguments: str = ""
+
+
+class DeltaToolCall(BaseModel):
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: DeltaFunction
+
+
 class Delta(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
 
 class ChunkChoice(BaseModel):

@@ -7,7 +7,10 @@ import json
 import logging
 import time
 from dataclasses import dataclass, field
+from functools import partial
 from typing import AsyncIterator
+
+from powerinfer import tools
 
 from . import openai_schema as oa
 from .errors import ApiError
@@ -114,13 +117,59 @@ async def primed(streams) -> AsyncIterator[Piece]:
     return merge([chained(f, s) for f, s in zip(firsts, streams)])
 
 
+@dataclass
+class ToolCalls:
+    """How to find a chat request's tool calls in its choices' text (`powerinfer.tools`)."""
+    format: str
+    names: list[str]
+    parallel: bool = True
+
+    def split(self, text: str) -> tuple[str | None, list[dict]]:
+        """(content, tool_calls) of a finished text; content None when the reply is calls only."""
+        content, calls = tools.parse(text, self.format, self.names)
+        if not calls:
+            return text, []
+        return content or None, calls if self.parallel else calls[:1]
+
+    def held(self, text: str) -> int:
+        """Where the part of a streamed text that may be a call begins (len(text): none)."""
+        opener = tools.opener(self.format)
+        if self.format == "gemma":  # a reply of calls and nothing else
+            s = text.lstrip()
+            return len(text) - len(s) if s[:len(opener)] == opener[:len(s)] else len(text)
+        at = text.find(opener)
+        if at >= 0:
+            return at
+        for k in range(min(len(opener) - 1, len(text)), 0, -1):
+            if text.endswith(opener[:k]):
+                return len(text) - k
+        return len(text)
+
+
+@dataclass
+class _Held:
+    """A streamed chat choice with tools: its text so far, and how much of it was sent."""
+    text: str = ""
+    sent: int = 0
+    events: list[dict] = field(default_factory=list)  # not yet sent (their logprobs)
+
+
 class OpenAIFormat:
     """OpenAI bodies for chat ("chat") or legacy completions ("completion")."""
 
-    def __init__(self, kind: str, rid: str, model: str, logprobs: bool, n: int):
+    def __init__(self, kind: str, rid: str, model: str, logprobs: bool, n: int,
+                 tool_calls: ToolCalls | None = None):
         self.kind, self.id, self.model, self.logprobs = kind, rid, model, logprobs
         self.n = n  # choices a prompt: choice i answers prompt i // n
+        self.tool_calls = tool_calls
         self.created = int(time.time())
+
+    def _message(self, c: Choice) -> tuple[oa.AssistantMessage, str | None]:
+        content, calls = (c.text, []) if self.tool_calls is None else self.tool_calls.split(c.text)
+        if not calls:
+            return oa.AssistantMessage(content=content), c.finish_reason
+        return (oa.AssistantMessage(content=content, tool_calls=calls),
+                "tool_calls" if c.finish_reason == "stop" else c.finish_reason)
 
     def usage(self, prompts: PromptCounts, completion: int) -> oa.Usage:
         """Each prompt counted once, however many choices answer it (as OpenAI counts); its
@@ -135,11 +184,13 @@ class OpenAIFormat:
         completion = sum(ev["token"] >= 0 for c in choices for ev in c.events)
         usage = self.usage(prompts, completion)
         if self.kind == "chat":
-            return oa.ChatCompletion(id=self.id, created=self.created, model=self.model, usage=usage,
-                                     choices=[oa.ChatChoice(
-                                         index=c.index, message=oa.AssistantMessage(content=c.text),
-                                         logprobs=self._chat_logprobs(c.events),
-                                         finish_reason=c.finish_reason) for c in choices])
+            out = []
+            for c in choices:
+                message, finish = self._message(c)
+                out.append(oa.ChatChoice(index=c.index, message=message, finish_reason=finish,
+                                         logprobs=self._chat_logprobs(c.events)))
+            return oa.ChatCompletion(id=self.id, created=self.created, model=self.model,
+                                     usage=usage, choices=out)
         return oa.Completion(id=self.id, created=self.created, model=self.model, usage=usage,
                              choices=[oa.CompletionChoice(
                                  index=c.index, text=c.text, finish_reason=c.finish_reason,
@@ -151,12 +202,17 @@ class OpenAIFormat:
         asked, an error event if the stream fails after it started, then [DONE]."""
         prompts, completion = PromptCounts(), 0
         offsets: dict[int, int] = {}  # choice -> characters of text sent so far
+        held: dict[int, _Held] = {}  # choice -> its text, with tools (a call is sent whole)
         try:
             async for p in pieces:
                 prompts.add(p)
                 for k, ev in enumerate(p.events):
                     completion += ev["token"] >= 0
                     first = k == 0 and p.prompt_tokens is not None
+                    if self.tool_calls is not None:
+                        for chunk in self._tool_chunks(p.index, ev, first, held):
+                            yield _event(chunk.model_dump_json())
+                        continue
                     yield _event(self._chunk(p.index, ev, first, offsets).model_dump_json())
             if include_usage:
                 usage = self.usage(prompts, completion)
@@ -171,6 +227,43 @@ class OpenAIFormat:
         finally:
             await pieces.aclose()  # a client that went away cancels every choice's stream
         yield _event("[DONE]")
+
+    def _tool_chunks(self, index: int, ev: dict, first: bool, held: dict[int, "_Held"]):
+        """Chat chunks of a choice that may call tools: text streams until it may be a call;
+        from there it is held to the end, and sent as tool_calls deltas (one per call, whole,
+        as the OpenAI client assembles them) or, if it was no call after all, as content."""
+        h = held.setdefault(index, _Held())
+        h.text += ev["text"]
+        h.events.append(ev)
+        chunk = partial(self._chat_chunk, index)
+        if first:
+            yield chunk(oa.Delta(role="assistant", content=""), None, [])
+        if not ev["finish_reason"]:
+            upto = self.tool_calls.held(h.text)
+            if upto > h.sent:
+                yield chunk(oa.Delta(content=h.text[h.sent:upto]), None, h.events)
+                h.sent, h.events = upto, []
+            return
+        rest = h.text[h.sent:]
+        content, calls = self.tool_calls.split(rest)
+        finish = ev["finish_reason"]
+        if calls:
+            if content:
+                yield chunk(oa.Delta(content=content), None, [])
+            deltas = [oa.DeltaToolCall(index=i, id=c["id"], type="function", function=oa.DeltaFunction(
+                name=c["function"]["name"], arguments=c["function"]["arguments"]))
+                for i, c in enumerate(calls)]
+            yield chunk(oa.Delta(tool_calls=deltas), "tool_calls" if finish == "stop" else finish,
+                        h.events)
+        else:
+            yield chunk(oa.Delta(content=rest), finish, h.events)
+        h.sent, h.events = len(h.text), []
+
+    def _chat_chunk(self, index: int, delta: oa.Delta, finish: str | None, events: list[dict]):
+        return oa.ChatCompletionChunk(
+            id=self.id, created=self.created, model=self.model, choices=[oa.ChunkChoice(
+                index=index, finish_reason=finish, delta=delta,
+                logprobs=self._chat_logprobs(events))])
 
     def _chunk(self, index: int, ev: dict, first: bool, offsets: dict[int, int]):
         if self.kind == "chat":

@@ -9,6 +9,7 @@ server with SIGTERM and checks that nothing is left behind.
 """
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -326,6 +327,119 @@ def test_grpc_matches_http(server):
     http_models = server.http.get("/v1/models").json()["data"]
     assert {m["id"]: m["status"] for m in http_models} == {m: models[m].status for m in models}
     assert stub.Health(pb.HealthRequest()).ok  # no key needed
+
+
+PERSON = {"type": "object", "additionalProperties": False, "required": ["name", "age"],
+          "properties": {"name": {"type": "string", "maxLength": 24},
+                         "age": {"type": "integer", "minimum": 0, "maximum": 120}}}
+ASK_PERSON = [{"role": "user", "content": "Describe a person as JSON with a name and an age."}]
+
+
+def test_structured_output_batched_with_free_text(server, local_smol):
+    import jsonschema
+    from openai import OpenAI
+    client = OpenAI(base_url=server.url + "/v1", api_key=KEY)
+    schema_format = {"type": "json_schema",
+                     "json_schema": {"name": "person", "schema": PERSON, "strict": True}}
+    free_want = local_smol.chat(QUESTION, max_new_tokens=16, temperature=0)
+    calls = {  # sent together: the scheduler batches them, constrained rows beside a free one
+        "greedy": lambda: client.chat.completions.create(
+            model=SMOL, messages=ASK_PERSON, max_tokens=60, temperature=0,
+            response_format=schema_format).choices[0].message.content,
+        "sampled": lambda: "".join(c.choices[0].delta.content or "" for c in
+                                   client.chat.completions.create(
+            model=SMOL, messages=ASK_PERSON, max_tokens=60, temperature=1.0, seed=7, stream=True,
+            extra_body={"guided_json": PERSON, "top_k": 0, "min_p": 0.0}) if c.choices),
+        "regex": lambda: client.completions.create(
+            model=SMOL, prompt="My phone number is", max_tokens=20, temperature=1.0, seed=3,
+            extra_body={"guided_regex": "[0-9]{3}-[0-9]{4}"}).choices[0].text,
+        "free": lambda: client.chat.completions.create(
+            model=SMOL, messages=QUESTION, max_tokens=16, temperature=0).choices[0].message.content,
+    }
+    threads, out = [], {}
+    for k, f in calls.items():
+        threads.append(threading.Thread(target=lambda k=k, f=f: out.__setitem__(k, f())))
+        threads[-1].start()
+    for t in threads:
+        t.join(timeout=120)
+    for k in ("greedy", "sampled"):
+        jsonschema.validate(json.loads(out[k]), PERSON)
+    assert re.fullmatch("[0-9]{3}-[0-9]{4}", out["regex"]), out["regex"]
+    assert out["free"] == free_want  # untouched by its constrained neighbours
+    # over gRPC, and a choice list
+    pb = server.pb
+    got = list(server.stub.Chat(pb.ChatRequest(model=SMOL, messages=[pb.ChatMessage(
+        role="user", content=ASK_PERSON[0]["content"])], sampling=pb.SamplingParams(
+        max_tokens=60, temperature=0, json_schema=json.dumps(PERSON))), metadata=server.md))
+    assert json.loads("".join(o.text for o in got)) == json.loads(out["greedy"])
+    got = list(server.stub.Generate(pb.GenerateRequest(model=GEMMA, text="Is water wet? Answer:",
+                                                       sampling=pb.SamplingParams(
+        max_tokens=8, temperature=1.0, seed=1, choice=pb.Choices(choices=["yes", "no"]))),
+        metadata=server.md))
+    assert "".join(o.text for o in got) in ("yes", "no")
+    assert got[-1].finish_reason == pb.FINISH_REASON_STOP
+    # what the engine cannot hold the output to is a 400 (and INVALID_ARGUMENT) naming it
+    for extra, needle in (({"guided_regex": "a(b"}, "unclosed group"),
+                          ({"response_format": {"type": "json_schema", "json_schema": {
+                              "name": "x", "strict": True, "schema": {
+                                  "type": "array", "uniqueItems": True}}}}, "uniqueItems"),
+                          ({"guided_choice": ["a"], "guided_regex": "a"}, "at most one")):
+        r = server.http.post("/v1/chat/completions", json={"model": SMOL, "messages": QUESTION,
+                                                          "max_tokens": 4, **extra})
+        assert_error(r, 400, needle)
+    with pytest.raises(grpc.RpcError) as e:
+        list(server.stub.Generate(pb.GenerateRequest(model=SMOL, text="x", sampling=pb.SamplingParams(
+            json_schema="{not json")), metadata=server.md))
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "not valid JSON" in e.value.details()
+
+
+WEATHER = [{"type": "function", "function": {
+    "name": "get_weather", "description": "The current weather of a city",
+    "parameters": {"type": "object", "required": ["city"], "properties": {
+        "city": {"type": "string", "maxLength": 40},
+        "unit": {"enum": ["celsius", "fahrenheit"]}}}}}]
+
+
+def test_a_two_step_tool_conversation_with_the_openai_client(server):
+    from openai import OpenAI
+    client = OpenAI(base_url=server.url + "/v1", api_key=KEY)
+    messages = [{"role": "user", "content": "What is the weather in Paris?"}]
+    ask = dict(model=SMOL, tools=WEATHER, max_tokens=60, temperature=0)
+    r = client.chat.completions.create(messages=messages, tool_choice="required", **ask)
+    choice = r.choices[0]
+    assert choice.finish_reason == "tool_calls" and not choice.message.content
+    call, = choice.message.tool_calls
+    assert call.type == "function" and call.function.name == "get_weather"
+    args = json.loads(call.function.arguments)
+    assert isinstance(args["city"], str) and set(args) <= {"city", "unit"}
+    # streamed: the client assembles the same call from the deltas
+    with client.chat.completions.stream(messages=messages, tool_choice="required", **ask) as s:
+        final = s.get_final_completion()
+    streamed, = final.choices[0].message.tool_calls
+    assert (streamed.function.name, streamed.function.arguments) == \
+        (call.function.name, call.function.arguments)
+    assert final.choices[0].finish_reason == "tool_calls"
+    # the tool's result goes back; the model answers from it
+    result = json.dumps({"city": args["city"], "temperature_celsius": 18, "sky": "cloudy"})
+    messages += [choice.message.model_dump(exclude_none=True),
+                 {"role": "tool", "tool_call_id": call.id, "content": result}]
+    r2 = client.chat.completions.create(messages=messages, tool_choice="none", **ask)
+    assert r2.choices[0].message.content and not r2.choices[0].message.tool_calls
+    count = lambda **kw: server.http.post("/tokenize", json={"model": SMOL, **kw}).json()["count"]  # noqa: E731
+    # the prompt holds the question, the call and its result (tool_choice none: no tool list)
+    assert r2.usage.prompt_tokens > count(messages=messages[:1]) + count(prompt=result) + \
+        count(prompt=call.function.arguments)
+    # a named function on the second family, which writes calls as Python
+    g = client.chat.completions.create(
+        model=GEMMA, messages=messages[:1], tools=WEATHER, max_tokens=40, temperature=0,
+        tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    gcall, = g.choices[0].message.tool_calls
+    assert gcall.function.name == "get_weather"
+    assert isinstance(json.loads(gcall.function.arguments)["city"], str)
+    bad = server.http.post("/v1/chat/completions", json={
+        "model": SMOL, "messages": messages[:1], "tools": WEATHER,
+        "tool_choice": {"type": "function", "function": {"name": "nope"}}})
+    assert_error(bad, 400, "nope")
 
 
 def test_two_models_at_once(server):

@@ -1,0 +1,198 @@
+"""Constrained decoding: a request's output held to a JSON schema, a regular expression, a list
+of choices or a Lark grammar, with llguidance (the grammar engine of the guidance project, also
+used by vLLM and llama.cpp) on the CPU.
+
+A `Grammar` is what a request asks for: plain data, checked when it is built (a schema that is
+not JSON, an empty choice list), hashable and small to pickle, so it travels in
+`SamplingParams`. Where the sequence is created, `matcher()` compiles it against the model's
+tokenizer (an llguidance `LLTokenizer`, built once per tokenizer: about 0.3 s for SmolLM2's 49k
+vocabulary, 2-4 s for Gemma 3's 262k) into a matcher that follows the sequence's output. At each
+sampling step `constrain()` computes the allowed-token masks of every constrained row of the
+batch in one parallel call and sets the other tokens' logits to -inf, so that greedy and sampled
+requests alike can only produce text of the grammar; unconstrained rows of the same batch are
+left as they are. The sequence ends (finish reason "stop") as soon as the grammar is complete
+and admits nothing more.
+
+JSON is written compact, as `json.dumps` writes it (", " and ": " between items, no other
+whitespace): a small model cannot then loop on whitespace, and the output parses the same.
+"""
+from __future__ import annotations
+
+import json
+import threading
+import weakref
+from dataclasses import dataclass
+from functools import lru_cache
+
+import numpy as np
+import torch
+
+from .errors import InvalidRequestError
+
+KINDS = ("json", "regex", "choice", "lark")
+# the JSON compiler's defaults (a schema's "x-guidance" key may override them)
+JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+MAX_SOURCE = 1 << 18  # characters of a schema, regex or grammar
+
+
+@dataclass(frozen=True, slots=True)
+class Grammar:
+    """kind "json": source is a JSON schema as JSON text ("{}" for any JSON, '{"type":
+    "object"}' for any object); strict=False ignores schema keywords the engine does not
+    implement instead of refusing the schema. "regex": source is a regular expression the whole
+    output matches. "choice": source is a JSON list of the strings the output may be. "lark": a
+    grammar in llguidance's Lark dialect (which also embeds JSON schemas: `%json {...}`)."""
+
+    kind: str
+    source: str
+    strict: bool = True
+
+    def __post_init__(self):
+        if self.kind not in KINDS:
+            raise InvalidRequestError(f"grammar kind {self.kind!r}: expected one of {KINDS}")
+        if not isinstance(self.source, str) or not self.source:
+            raise InvalidRequestError(f"{self.kind} constraint: empty")
+        if len(self.source) > MAX_SOURCE:
+            raise InvalidRequestError(f"{self.kind} constraint of {len(self.source)} characters; "
+                                      f"the limit is {MAX_SOURCE}")
+        if self.kind == "json":
+            schema = _json(self.source, "JSON schema")
+            if not isinstance(schema, (dict, bool)):
+                raise InvalidRequestError("JSON schema: expected an object")
+        elif self.kind == "choice":
+            choices = _json(self.source, "choice list")
+            if not (isinstance(choices, list) and choices
+                    and all(isinstance(c, str) and c for c in choices)):
+                raise InvalidRequestError("choice: expected a non-empty list of non-empty strings")
+
+    # ---- constructors for the request formats ----
+    @classmethod
+    def json_schema(cls, schema: dict | bool | str, strict: bool = True) -> "Grammar":
+        text = schema if isinstance(schema, str) else json.dumps(schema)  # its key order kept
+        return cls("json", text, bool(strict))
+
+    @classmethod
+    def json_object(cls) -> "Grammar":
+        return cls("json", '{"type": "object"}')
+
+    @classmethod
+    def regex(cls, pattern: str) -> "Grammar":
+        return cls("regex", pattern)
+
+    @classmethod
+    def choice(cls, choices: list[str]) -> "Grammar":
+        if not isinstance(choices, (list, tuple)):
+            raise InvalidRequestError("choice: expected a non-empty list of non-empty strings")
+        return cls("choice", json.dumps(list(choices)))
+
+    @classmethod
+    def lark(cls, text: str) -> "Grammar":
+        return cls("lark", text)
+
+    # ---- llguidance ----
+    def compiled(self) -> str:
+        """The grammar in llguidance's own form (no tokenizer needed)."""
+        return _compiled(self)
+
+
+def _json(text: str, what: str):
+    try:
+        return json.loads(text)
+    except ValueError as e:
+        raise InvalidRequestError(f"{what} is not valid JSON: {e}") from None
+
+
+@lru_cache(maxsize=256)
+def _compiled(g: Grammar) -> str:
+    from llguidance import LLMatcher
+
+    if g.kind == "json":
+        options = dict(JSON_OPTIONS, lenient=not g.strict)
+        try:
+            return LLMatcher.grammar_from_json_schema(g.source, defaults=options)
+        except ValueError as e:
+            raise InvalidRequestError(f"JSON schema: {e}") from None
+    if g.kind == "regex":
+        return LLMatcher.grammar_from_regex(g.source)
+    if g.kind == "choice":
+        alternatives = " | ".join(json.dumps(c) for c in json.loads(g.source))
+        return LLMatcher.grammar_from_lark(f"start: {alternatives}\n")
+    return LLMatcher.grammar_from_lark(g.source)
+
+
+class Guide:
+    """llguidance's view of one tokenizer: its LLTokenizer and matchers for grammars (the first
+    matcher of a grammar is compiled, later ones are copies)."""
+
+    def __init__(self, tokenizer, vocab_size: int):
+        import llguidance
+
+        self.vocab_size = vocab_size
+        self.words = (vocab_size + 31) // 32  # int32 words of one row's mask
+        self.lltok = llguidance.LLTokenizer(tokenizer.tok.to_str(), n_vocab=vocab_size,
+                                            eos_token=sorted(tokenizer.eog_ids))
+        self._protos: dict[Grammar, object] = {}
+        self._lock = threading.Lock()
+
+    def matcher(self, g: Grammar):
+        from llguidance import LLMatcher
+
+        with self._lock:
+            proto = self._protos.get(g)
+        if proto is None:
+            proto = LLMatcher(self.lltok, g.compiled(), log_level=0)
+            if proto.is_error():
+                raise InvalidRequestError(f"{_NAMES[g.kind]}: {proto.get_error()}")
+            with self._lock:
+                if len(self._protos) >= 256:
+                    self._protos.pop(next(iter(self._protos)))
+                self._protos[g] = proto
+        return proto.deep_copy()
+
+
+_NAMES = {"json": "JSON schema", "regex": "regex", "choice": "choice", "lark": "grammar"}
+_GUIDES: "weakref.WeakKeyDictionary[object, Guide]" = weakref.WeakKeyDictionary()
+_GUIDES_LOCK = threading.Lock()
+_EXECUTOR = None
+
+
+def guide(tokenizer, vocab_size: int) -> Guide:
+    """The tokenizer's Guide, built on first use and kept while the tokenizer lives."""
+    with _GUIDES_LOCK:
+        g = _GUIDES.get(tokenizer)
+        if g is None or g.vocab_size != vocab_size:
+            g = _GUIDES[tokenizer] = Guide(tokenizer, vocab_size)
+        return g
+
+
+def matcher(tokenizer, vocab_size: int, g: Grammar):
+    """A fresh matcher of g for a new sequence; InvalidRequestError says what is wrong with g."""
+    return guide(tokenizer, vocab_size).matcher(g)
+
+
+def _executor():
+    global _EXECUTOR
+    if _EXECUTOR is None:
+        from llguidance import LLExecutor
+
+        _EXECUTOR = LLExecutor()
+    return _EXECUTOR
+
+
+def constrain(matchers: list, logits: torch.Tensor) -> torch.Tensor:
+    """logits (K, V) with the tokens each row's matcher forbids at -inf (a copy), where
+    matchers[k] is row k's matcher or None (the row is left as it is)."""
+    rows = [k for k, m in enumerate(matchers) if m is not None]
+    if not rows:
+        return logits
+    K, V = logits.shape
+    words = (V + 31) // 32
+    masks = torch.zeros(len(rows), words, dtype=torch.int32)
+    _executor().unsafe_compute_mask_ptr([(matchers[k], i) for i, k in enumerate(rows)],
+                                        masks.data_ptr(), words * 4, len(rows))
+    allowed = np.unpackbits(masks.numpy().view(np.uint8), axis=1, bitorder="little")[:, :V]
+    out = logits.float().clone()
+    sub = out[rows]
+    sub[torch.from_numpy(allowed) == 0] = float("-inf")
+    out[rows] = sub
+    return out

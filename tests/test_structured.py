@@ -1,0 +1,85 @@
+"""Structured output on the real model: every constrained sequence's text parses and validates
+(jsonschema, re.fullmatch, the choice list), greedy and sampled, in one batch with free-text
+sequences whose tokens the constraint must not touch."""
+import json
+import re
+
+import jsonschema
+import pytest
+
+from powerinfer import Config, InvalidRequestError, PowerInfer
+from powerinfer.config import sampling_params
+from powerinfer.grammar import Grammar
+
+PERSON = {"type": "object", "additionalProperties": False, "required": ["name", "age", "tags"],
+          "properties": {"name": {"type": "string", "maxLength": 24},
+                         "age": {"type": "integer", "minimum": 0, "maximum": 120},
+                         "tags": {"type": "array", "maxItems": 3,
+                                  "items": {"enum": ["friend", "work", "family"]}}}}
+ASK = [{"role": "user", "content": "Describe a person as JSON with name, age and tags."}]
+
+
+@pytest.fixture(scope="module")
+def smol():
+    return PowerInfer.from_pretrained("smollm2-135m-instruct",
+                                      config=Config(dtype="float32", max_batch=8))
+
+
+def run(pi, requests):
+    """[(prompt, sampling)] decoded together in one batch: [(text, finish_reason)]."""
+    eng = pi.engine
+    seqs = [eng.new_sequence(pi._ids(p), sampling_params(**kw)) for p, kw in requests]
+    texts, reasons = [""] * len(seqs), [None] * len(seqs)
+    for ev in eng.run(seqs):
+        texts[ev.index] += ev.text
+        reasons[ev.index] = ev.finish_reason or reasons[ev.index]
+    return list(zip(texts, reasons))
+
+
+def test_constrained_and_free_rows_in_one_batch(smol):
+    greedy = dict(max_tokens=80, temperature=0)
+    sampled = dict(max_tokens=80, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0)
+    free = ("The capital of France is", dict(max_tokens=12, temperature=0))
+    requests = [
+        (ASK, dict(greedy, grammar=Grammar.json_schema(PERSON))),
+        (ASK, dict(sampled, seed=1, grammar=Grammar.json_schema(PERSON))),
+        (ASK, dict(sampled, seed=2, grammar=Grammar.json_schema(PERSON))),
+        free,
+        ("My phone number is", dict(sampled, seed=3, grammar=Grammar.regex(r"[0-9]{3}-[0-9]{4}"))),
+        ("Is the sky blue? Answer:", dict(sampled, seed=4,
+                                          grammar=Grammar.choice(["yes", "no", "it depends"]))),
+        (ASK, dict(greedy, max_tokens=60, grammar=Grammar.json_object())),
+    ]
+    out = run(smol, requests)
+    for text, reason in out[:3]:
+        assert reason == "stop", text  # the grammar completed, well inside max_tokens
+        jsonschema.validate(json.loads(text), PERSON)
+    assert len({t for t, _ in out[:3]}) > 1  # sampling still samples inside the grammar
+    assert re.fullmatch(r"[0-9]{3}-[0-9]{4}", out[4][0]) and out[4][1] == "stop"
+    assert out[5][0] in ("yes", "no", "it depends") and out[5][1] == "stop"
+    text, reason = out[6]
+    assert text.startswith("{")  # json_object: an object, whole when it ended by itself
+    if reason == "stop":
+        assert isinstance(json.loads(text), dict)
+    # the free row decodes exactly as it does alone: masks touch only their own rows
+    assert out[3] == run(smol, [free])[0]
+
+
+def test_a_request_the_engine_cannot_compile_is_refused_by_name(smol):
+    bad = [Grammar.regex("a(b"), Grammar.lark("start: nothing_here"),
+           Grammar.json_schema({"type": "strin"}),
+           Grammar.json_schema({"type": "array", "uniqueItems": True}, strict=True)]
+    for g in bad:
+        with pytest.raises(InvalidRequestError) as e:
+            smol.generate("x", max_new_tokens=2, grammar=g)
+        assert {"json": "JSON schema", "regex": "regex", "lark": "grammar"}[g.kind] in str(e.value)
+    # strict=False ignores the keyword it cannot enforce; the rest of the schema holds
+    text = smol.generate("Numbers:", max_new_tokens=30, temperature=0, grammar=Grammar.json_schema(
+        {"type": "array", "uniqueItems": True, "maxItems": 3, "items": {"type": "integer"}},
+        strict=False))
+    assert isinstance(json.loads(text), list)
+    for source in ("{not json", "[1, 2]"):
+        with pytest.raises(InvalidRequestError):
+            Grammar("json", source)
+    with pytest.raises(InvalidRequestError):
+        Grammar.choice([])
