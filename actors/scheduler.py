@@ -32,7 +32,8 @@ from cluster.topology import pin_threads, process_memory
 
 from powerinfer.config import Config, SamplingParams
 from powerinfer import batching
-from powerinfer.batching import Batcher, Output, Sequence, new_sequence
+from powerinfer import grammar
+from powerinfer.batching import Batcher, Output, Sequence, new_sequence, step_matchers
 from powerinfer.errors import InvalidRequestError
 from powerinfer.kv import BlockManager, Blocks
 from powerinfer.loader import ModelFile
@@ -57,6 +58,18 @@ class Request:
 
     def fail(self, kind: str, message: str, retryable: bool):
         self.emit({"error": kind, "message": message, "retryable": retryable})
+
+
+class Later:
+    """A value computed once, when first asked for."""
+
+    def __init__(self, make):
+        self._make, self._done, self._value = make, False, None
+
+    def value(self):
+        if not self._done:
+            self._value, self._done = self._make(), True
+        return self._value
 
 
 class GroupFailure(Exception):
@@ -231,10 +244,12 @@ class Scheduler:
                     continue
                 t0 = time.perf_counter()
                 parts = step.parts(self.sparse)
-                logits = self._run(parts[0]) if len(parts) == 1 else \
-                    torch.cat([self._run(p).clone() for p in parts])
+                # grammar masks of the step's constrained rows, computed while it runs
+                masks = Later(lambda: grammar.masks(step_matchers(step), self.vocab))
+                logits = self._run(parts[0], masks) if len(parts) == 1 else \
+                    torch.cat([self._run(p, masks).clone() for p in parts])
                 with self.cv:
-                    outs = self.batcher.postprocess(step, logits)
+                    outs = self.batcher.postprocess(step, logits, masks.value())
                 self._emit(outs, t0)
                 kind, took = "decode" if step.decode else "prefill", time.perf_counter() - t0
                 self.batcher.observe(step, took)
@@ -278,8 +293,9 @@ class Scheduler:
                 with self.cv:
                     self.by_id.pop(req.id, None)
 
-    def _run(self, step: batching.Step) -> torch.Tensor:
-        """The step on the hot executor; its logits (K, vocab), a view of `out`."""
+    def _run(self, step: batching.Step, meanwhile: "Later") -> torch.Tensor:
+        """The step on the hot executor; its logits (K, vocab), a view of `out`. `meanwhile`
+        is done while the executors compute."""
         B, T = step.tokens.shape
         (S, M), K = step.tables.shape, len(step.sampled)
         at = self.spec.ctl_layout(B * T, S, M)
@@ -289,6 +305,7 @@ class Scheduler:
         self.ctl.put(step.tables, at.tables)
         self.ctl.put(step.last, at.last)
         send(self.ctl, Step(DECODE if step.decode else PREFILL, B, T, S, M, K))
+        meanwhile.value()
         try:
             reply = receive(self.out, Reply)
         except (PeerDied, ChannelClosed) as e:

@@ -30,7 +30,8 @@ import torch
 
 from .config import Config, SamplingParams
 from .errors import InvalidRequestError
-from .grammar import constrain, matcher
+from . import grammar
+from .grammar import matcher
 from .kv import BlockManager, Blocks
 from .sampling import logprobs, sample, token_generator
 from .tokenizer import StreamDecoder, Tokenizer
@@ -290,19 +291,22 @@ class Batcher:
         self.waiting.appendleft(s)
         self.preemptions += 1
 
-    def postprocess(self, step: Step, logits: torch.Tensor) -> list[Output]:
-        # logits: (K, vocab) on the CPU, one row per step.sampled
+    def postprocess(self, step: Step, logits: torch.Tensor,
+                    allowed: "grammar.Masks | None | bool" = False) -> list[Output]:
+        # logits: (K, vocab) on the CPU, one row per step.sampled; allowed: the constrained
+        # rows' masks if the runtime computed them already (`grammar.masks(step_matchers(step))`)
         for s, n in zip(step.seqs, step.counts):
             s.computed += n
             keyed = self._keyed(s)
             self.blocks.commit(s.blocks, keyed, min(s.computed, len(keyed)))
         outs = []
-        matchers = [s.matcher for s in step.sampled]
-        allowed = constrain(matchers, logits)  # logits itself when no row is constrained
+        if allowed is False:
+            allowed = grammar.masks(step_matchers(step), logits.shape[1])
+        held = grammar.apply(allowed, logits)  # logits itself when no row is constrained
         for j, s in enumerate(step.sampled):
             first = not s.output
             try:
-                token, text = sample_next(s, allowed[j])
+                token, text = sample_next(s, held[j])
             except RuntimeError as e:  # this sequence's distribution is broken, not the batch
                 s.finish("error", "")
                 outs.append(Output(s, -1, "", "error", first,
@@ -318,6 +322,11 @@ class Batcher:
             if s.finished:
                 self.remove(s)
         return outs
+
+
+def step_matchers(step: Step) -> list:
+    """The grammar matcher (or None) of each row of the step's logits."""
+    return [s.matcher for s in step.sampled]
 
 
 def make_step(rows: list[tuple[Sequence, int]]) -> Step:

@@ -179,20 +179,44 @@ def _executor():
     return _EXECUTOR
 
 
-def constrain(matchers: list, logits: torch.Tensor) -> torch.Tensor:
-    """logits (K, V) with the tokens each row's matcher forbids at -inf (a copy), where
-    matchers[k] is row k's matcher or None (the row is left as it is)."""
+@dataclass
+class Masks:
+    """The allowed tokens of a batch's constrained rows: bit i of words[j] is token i of row
+    rows[j] (llguidance's layout)."""
+    rows: list[int]
+    words: torch.Tensor  # (len(rows), ceil(V / 32)) int32
+
+
+def masks(matchers: list, vocab_size: int) -> Masks | None:
+    """The masks of the rows whose matcher is not None (one parallel llguidance call), or None
+    when no row is constrained. Needs only the matchers' state: a runtime may compute them while
+    the step that produces the logits runs."""
     rows = [k for k, m in enumerate(matchers) if m is not None]
     if not rows:
+        return None
+    n = (vocab_size + 31) // 32
+    words = torch.zeros(len(rows), n, dtype=torch.int32)
+    _executor().unsafe_compute_mask_ptr([(matchers[k], i) for i, k in enumerate(rows)],
+                                        words.data_ptr(), n * 4, len(rows))
+    return Masks(rows, words)
+
+
+def apply(m: Masks | None, logits: torch.Tensor) -> torch.Tensor:
+    """logits (K, V) with the tokens each constrained row forbids at -inf (a copy; logits
+    itself when no row is constrained)."""
+    if m is None:
         return logits
     K, V = logits.shape
-    words = (V + 31) // 32
-    masks = torch.zeros(len(rows), words, dtype=torch.int32)
-    _executor().unsafe_compute_mask_ptr([(matchers[k], i) for i, k in enumerate(rows)],
-                                        masks.data_ptr(), words * 4, len(rows))
-    allowed = np.unpackbits(masks.numpy().view(np.uint8), axis=1, bitorder="little")[:, :V]
-    out = logits.float().clone()
-    sub = out[rows]
-    sub[torch.from_numpy(allowed) == 0] = float("-inf")
-    out[rows] = sub
+    bits = np.unpackbits(m.words.numpy().view(np.uint8), axis=1, bitorder="little")[:, :V]
+    forbidden = ~torch.from_numpy(bits.view(np.bool_))
+    if len(m.rows) == K:
+        return logits.masked_fill(forbidden, float("-inf"))
+    out = logits.clone()
+    out[m.rows] = logits[m.rows].masked_fill(forbidden, float("-inf"))
     return out
+
+
+def constrain(matchers: list, logits: torch.Tensor) -> torch.Tensor:
+    """apply(masks(...)): logits (K, V) with each row's forbidden tokens at -inf, where
+    matchers[k] is row k's matcher or None (the row is left as it is)."""
+    return apply(masks(matchers, logits.shape[1]), logits)
