@@ -40,8 +40,8 @@ def setup_serve_worker():
 
 def add_inference_servicer(servicer, server):
     """The gRPC servicer function named in the Serve config (`grpc_options.
-    grpc_servicer_functions`): registers powerinfer.v1.Inference on the proxy's server, with
-    each streaming method behind `_always_cancellable`.
+    grpc_servicer_functions`): registers powerinfer.v1.Inference and grpc.health.v1.Health on
+    the proxy's server, with each streaming method behind `_always_cancellable`.
 
     Ray Serve's proxy turns its server's methods into calls to the application; it cancels the
     call when the client goes away only if grpc's cancellation reaches the proxy while it waits
@@ -51,9 +51,14 @@ def add_inference_servicer(servicer, server):
     holding its batch slot (2 streams in 30 cancelled after 1-5 messages, measured)."""
     import logging
 
+    from grpc_health.v1.health_pb2_grpc import add_HealthServicer_to_server
+
     from protos.powerinfer.v1.inference_pb2_grpc import add_InferenceServicer_to_server
 
     add_InferenceServicer_to_server(servicer, _StreamsCancellable(server))
+    # the standard health service beside it (the ingress's Check and Watch), for Kubernetes
+    # gRPC probes, grpc_health_probe and load balancers
+    add_HealthServicer_to_server(servicer, _StreamsCancellable(server))
     logging.getLogger("asyncio").addFilter(_no_cancelled_request_traceback)
 
 

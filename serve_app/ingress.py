@@ -43,6 +43,8 @@ from .streams import OpenAIFormat, Piece, ToolCalls, collect, primed
 
 logger = logging.getLogger("ray.serve")
 STATUS_TIMEOUT_S = 5.0
+WATCH_POLL_S = 1.0  # grpc.health.v1 Watch: how often a watched status is looked at
+SERVICE = "powerinfer.v1.Inference"
 FINISH = {"stop": 1, "length": 2}  # powerinfer.v1.FinishReason
 
 
@@ -336,6 +338,46 @@ class Ingress:
         statuses = await self._statuses()
         return _pb().HealthResponse(ok=_overall({s["status"] for s in statuses}) in ("ok", "degraded"),
                                     models=[_model_info(s) for s in statuses])
+
+    # ---- grpc.health.v1.Health, for probes and load balancers (no API key, as /health) ----
+
+    async def Check(self, request, grpc_context):
+        """SERVING or NOT_SERVING for the server ("" or "powerinfer.v1.Inference": every model
+        answers, but those that failed to load) or for one model (its name: it is ready);
+        NOT_FOUND for another name."""
+        from grpc_health.v1 import health_pb2
+
+        status = await self._serving(request.service)
+        if status == health_pb2.HealthCheckResponse.SERVICE_UNKNOWN:
+            _abort(grpc_context, ApiError("not_found", f"no service or model named "
+                                                       f"{request.service[:100]!r}", "service"))
+        return health_pb2.HealthCheckResponse(status=status)
+
+    async def Watch(self, request, grpc_context):
+        """The status now, then each change of it (SERVICE_UNKNOWN for a name that is neither
+        the server nor a model, as the protocol asks)."""
+        from grpc_health.v1 import health_pb2
+
+        last = None
+        while True:
+            status = await self._serving(request.service)
+            if status != last:
+                yield health_pb2.HealthCheckResponse(status=status)
+                last = status
+            await asyncio.sleep(WATCH_POLL_S)
+
+    async def _serving(self, service: str) -> int:
+        from grpc_health.v1 import health_pb2
+
+        R = health_pb2.HealthCheckResponse
+        statuses = await self._statuses()
+        if service in ("", SERVICE):
+            ok = _overall({s["status"] for s in statuses}) in ("ok", "degraded")
+        elif service in self.models:
+            ok = next(s["status"] for s in statuses if s["id"] == service) == "ready"
+        else:
+            return R.SERVICE_UNKNOWN
+        return R.SERVING if ok else R.NOT_SERVING
 
     async def _grpc_generate(self, request, grpc_context, chat: bool):
         pb = _pb()

@@ -442,6 +442,48 @@ def test_a_two_step_tool_conversation_with_the_openai_client(server):
     assert_error(bad, 400, "nope")
 
 
+HEALTH_CLIENT = """
+import sys, grpc
+from grpc_health.v1 import health_pb2 as h, health_pb2_grpc
+stub = health_pb2_grpc.HealthStub(grpc.insecure_channel(sys.argv[1]))
+for service in ("", "powerinfer.v1.Inference", "smollm2", "broken"):
+    print(service or "-", h.HealthCheckResponse.ServingStatus.Name(stub.Check(
+        h.HealthCheckRequest(service=service), timeout=30).status))
+try:
+    stub.Check(h.HealthCheckRequest(service="nope"), timeout=30)
+except grpc.RpcError as e:
+    print("nope", e.code().name)
+watch = stub.Watch(h.HealthCheckRequest(service="tiny"), timeout=30)
+print("watch", h.HealthCheckResponse.ServingStatus.Name(next(watch).status))
+watch.cancel()
+"""
+REFLECTION_CLIENT = """
+import sys, grpc
+from grpc_reflection.v1alpha.proto_reflection_descriptor_database import (
+    ProtoReflectionDescriptorDatabase)
+db = ProtoReflectionDescriptorDatabase(grpc.insecure_channel(sys.argv[1]))
+print(" ".join(sorted(db.get_services())))
+service = db.FindFileContainingSymbol("powerinfer.v1.Inference")
+print(" ".join(m.name for m in service.service[0].method))
+"""
+
+
+def test_standard_grpc_health_and_reflection_from_other_processes(server):
+    """What a Kubernetes gRPC probe and grpcurl do: no key, no stubs of ours."""
+    def client(script: str) -> list[str]:
+        out = subprocess.run([sys.executable, "-c", script, f"127.0.0.1:{server.grpc_port}"],
+                             capture_output=True, text=True, timeout=120)
+        assert out.returncode == 0, out.stderr[-2000:]
+        return out.stdout.splitlines()
+
+    assert client(HEALTH_CLIENT) == ["- SERVING", "powerinfer.v1.Inference SERVING",
+                                     "smollm2 SERVING", "broken NOT_SERVING", "nope NOT_FOUND",
+                                     "watch SERVING"]
+    services, methods = client(REFLECTION_CLIENT)
+    assert {"powerinfer.v1.Inference", "grpc.health.v1.Health"} <= set(services.split())
+    assert {"Generate", "Chat", "ListModels"} <= set(methods.split())
+
+
 def test_two_models_at_once(server):
     def ask(model):
         return server.http.post("/v1/completions", json={
