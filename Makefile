@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 PROTO := protos/powerinfer/v1/inference.proto
-STUBS := protos/powerinfer/v1/inference_pb2.py
+STUBS := powerinfer/v1/inference_pb2_grpc.py
 
 .PHONY: run test test-fast setup protos bench clean
 
@@ -20,10 +20,12 @@ test-fast: $(STAMP) $(STUBS)
 
 setup: $(STAMP) $(STUBS)
 
-# gRPC stubs, generated from the .proto (never edited, never committed)
+# gRPC stubs, generated from the .proto into the package as powerinfer.v1 (never edited, never
+# committed; a wheel gets them from setup.py)
 protos: $(STUBS)
 $(STUBS): $(PROTO) $(STAMP)
-	$(PY) -m grpc_tools.protoc -I. --python_out=. --pyi_out=. --grpc_python_out=. $(PROTO)
+	$(PY) -m grpc_tools.protoc -Iprotos --python_out=. --pyi_out=. --grpc_python_out=. \
+		powerinfer/v1/inference.proto
 
 # torch first and pinned (a CPU build); then the project with its dev extras (triton among
 # them: the GPU kernels' tests run under its interpreter);
@@ -47,4 +49,4 @@ bench: $(STAMP)
 	$(PY) benchmarks/decode.py
 
 clean:
-	rm -rf $(VENV) build *.egg-info protos/powerinfer/v1/inference_pb2* powerinfer/_ext
+	rm -rf $(VENV) build *.egg-info powerinfer/v1/inference_pb2* powerinfer/_ext

@@ -1141,8 +1141,8 @@ async def serve_handle_load(handle, tokens: int, n: int) -> tuple[list[dict], fl
 async def grpc_load(args, port: int, n: int) -> tuple[list[dict], float]:
     import grpc
 
-    from protos.powerinfer.v1 import inference_pb2 as pb
-    from protos.powerinfer.v1 import inference_pb2_grpc
+    from powerinfer.v1 import inference_pb2 as pb
+    from powerinfer.v1 import inference_pb2_grpc
 
     async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
         stub = inference_pb2_grpc.InferenceStub(channel)

@@ -53,7 +53,7 @@ def add_inference_servicer(servicer, server):
 
     from grpc_health.v1.health_pb2_grpc import add_HealthServicer_to_server
 
-    from protos.powerinfer.v1.inference_pb2_grpc import add_InferenceServicer_to_server
+    from powerinfer.v1.inference_pb2_grpc import add_InferenceServicer_to_server
 
     add_InferenceServicer_to_server(servicer, _StreamsCancellable(server))
     # the standard health service beside it (the ingress's Check and Watch), for Kubernetes

@@ -51,7 +51,7 @@ FINISH = {"stop": 1, "length": 2}  # powerinfer.v1.FinishReason
 def _pb():
     """The generated gRPC messages, imported where used (they are built by `make`, and Serve
     pickles this module's classes)."""
-    from protos.powerinfer.v1 import inference_pb2
+    from powerinfer.v1 import inference_pb2
     return inference_pb2
 
 

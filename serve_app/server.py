@@ -41,7 +41,7 @@ class Frontend:
 
 def check_stubs():
     try:
-        import protos.powerinfer.v1.inference_pb2_grpc  # noqa: F401
+        import powerinfer.v1.inference_pb2_grpc  # noqa: F401
     except ImportError as e:
         raise ConfigError("the gRPC stubs are not generated: run `make protos` (make run and "
                           f"make test do it) ({e})") from None

@@ -62,7 +62,7 @@ class Server:
         self.port, self.grpc_port = port, grpc_port
         self.http = httpx.Client(base_url=self.url, timeout=120,
                                  headers={"Authorization": f"Bearer {KEY}"})
-        from protos.powerinfer.v1 import inference_pb2, inference_pb2_grpc
+        from powerinfer.v1 import inference_pb2, inference_pb2_grpc
         self.pb = inference_pb2
         self.channel = grpc.insecure_channel(f"127.0.0.1:{grpc_port}")
         self.stub = inference_pb2_grpc.InferenceStub(self.channel)
@@ -468,13 +468,43 @@ print(" ".join(m.name for m in service.service[0].method))
 """
 
 
+STUB_CLIENT = """
+import json, sys, grpc
+from powerinfer.v1 import inference_pb2 as pb, inference_pb2_grpc
+stub = inference_pb2_grpc.InferenceStub(grpc.insecure_channel(sys.argv[1]))
+out = list(stub.Generate(pb.GenerateRequest(
+    model="smollm2", text="The capital of France is",
+    sampling=pb.SamplingParams(max_tokens=8, temperature=0)),
+    metadata=[("authorization", "Bearer " + sys.argv[2])]))
+print(len(out), out[-1].usage.completion_tokens)
+print(json.dumps("".join(o.text for o in out)))
+"""
+
+
+def grpc_client(server, script: str, *args: str, cwd=None) -> list[str]:
+    """A client in a process of its own; with cwd, outside the repository and its path."""
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    out = subprocess.run([sys.executable, "-c", script, f"127.0.0.1:{server.grpc_port}", *args],
+                         capture_output=True, text=True, timeout=120, cwd=cwd, env=env)
+    assert out.returncode == 0, out.stderr[-2000:]
+    return out.stdout.splitlines()
+
+
+def test_the_installed_stubs_stream_from_outside_the_repository(server, tmp_path):
+    counts, text = grpc_client(server, STUB_CLIENT, KEY, cwd=tmp_path)
+    responses, tokens = map(int, counts.split())
+    text = json.loads(text)
+    assert responses > 1 and tokens == 8  # streamed, not one message
+    http = server.http.post("/v1/completions", json={
+        "model": SMOL, "prompt": "The capital of France is", "max_tokens": 8,
+        "temperature": 0}).json()
+    assert text == http["choices"][0]["text"]
+
+
 def test_standard_grpc_health_and_reflection_from_other_processes(server):
     """What a Kubernetes gRPC probe and grpcurl do: no key, no stubs of ours."""
     def client(script: str) -> list[str]:
-        out = subprocess.run([sys.executable, "-c", script, f"127.0.0.1:{server.grpc_port}"],
-                             capture_output=True, text=True, timeout=120)
-        assert out.returncode == 0, out.stderr[-2000:]
-        return out.stdout.splitlines()
+        return grpc_client(server, script)
 
     assert client(HEALTH_CLIENT) == ["- SERVING", "powerinfer.v1.Inference SERVING",
                                      "smollm2 SERVING", "broken NOT_SERVING", "nope NOT_FOUND",

@@ -14,16 +14,39 @@ from serve_app import openai_schema as oa
 from serve_app.settings import ServeSettings
 
 ROOT = Path(__file__).resolve().parent.parent
-PROTO = "protos/powerinfer/v1/inference.proto"
+PROTO = "powerinfer/v1/inference.proto"  # under protos/
 
 
 def test_generated_stubs_match_the_proto(tmp_path):
-    subprocess.run([sys.executable, "-m", "grpc_tools.protoc", "-I.", f"--python_out={tmp_path}",
+    subprocess.run([sys.executable, "-m", "grpc_tools.protoc", "-Iprotos", f"--python_out={tmp_path}",
                     f"--grpc_python_out={tmp_path}", PROTO], cwd=ROOT, check=True)
     for name in ("inference_pb2.py", "inference_pb2_grpc.py"):
-        fresh = (tmp_path / "protos/powerinfer/v1" / name).read_text()
-        assert (ROOT / "protos/powerinfer/v1" / name).read_text() == fresh, \
+        fresh = (tmp_path / "powerinfer/v1" / name).read_text()
+        assert (ROOT / "powerinfer/v1" / name).read_text() == fresh, \
             f"{name} is stale: run `make protos`"
+
+
+def test_a_wheel_built_from_a_clean_tree_ships_the_stubs(tmp_path):
+    """What `pip install .` (the container) or a wheel gets: powerinfer.v1 with its stubs,
+    generated at build time from the .proto (setup.py), since a checkout has none committed."""
+    import shutil
+    import zipfile
+
+    files = subprocess.run(["git", "ls-files", "-z"], cwd=ROOT, capture_output=True,
+                           check=True).stdout.decode().split("\0")
+    src = tmp_path / "src"
+    for f in filter(None, files):
+        if (ROOT / f).is_file():
+            (src / f).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(ROOT / f, src / f)
+    assert not list((src / "powerinfer/v1").glob("*_pb2*"))  # none in the tree
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation",
+                    "-q", "-w", str(tmp_path / "dist"), str(src)], check=True)
+    wheel, = (tmp_path / "dist").glob("powerinfer-*.whl")
+    names = set(zipfile.ZipFile(wheel).namelist())
+    assert {"powerinfer/v1/inference_pb2.py", "powerinfer/v1/inference_pb2_grpc.py",
+            "powerinfer/v1/inference_pb2.pyi"} <= names
+    assert not any(n.startswith("protos/") for n in names)
 
 
 def test_the_serve_config_file_builds_the_application():
