@@ -17,10 +17,13 @@ GRPC_SERVICER = "serve_app.grpc_host.add_inference_servicer"
 def build(settings: ServeSettings) -> Application:
     where = {"ray_actor_options": {"num_cpus": 0, "resources": dict(settings.replica_resources)}}
     models = {m.name: ModelServer.options(name=f"Model:{m.name}", num_replicas=m.replicas,
+                                          max_ongoing_requests=m.max_ongoing_requests,
                                           **where).bind(m)
               for m in settings.models}
-    return Ingress.options(num_replicas=settings.ingress_replicas, **where).bind(
-        models, settings.api_key, settings.max_body_bytes)
+    scale = ({"autoscaling_config": dict(settings.ingress_autoscaling)}
+             if settings.ingress_autoscaling else {"num_replicas": settings.ingress_replicas})
+    return Ingress.options(**scale, **where).bind(models, settings.api_key,
+                                                  settings.max_body_bytes)
 
 
 def build_app(args: dict) -> Application:

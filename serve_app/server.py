@@ -23,6 +23,7 @@ from powerinfer.loader import DEFAULT_MODEL
 from .settings import ServeSettings
 
 APP_NAME = "powerinfer"
+REQUEST_TIMEOUT_S = 600.0  # Serve's proxies cancel a request after this (a stream included)
 LOAD_POLL_S = 1.0
 
 
@@ -32,6 +33,7 @@ class Frontend:
     port: int = 8000
     grpc_port: int = 9000
     log_requests: bool = False
+    request_timeout_s: float = REQUEST_TIMEOUT_S  # end to end, streams included (0: none)
 
     @property
     def local_url(self) -> str:
@@ -74,8 +76,10 @@ def serve_forever(settings: ServeSettings, front: Frontend, demo: bool = False) 
     signal.signal(signal.SIGTERM, _interrupt)
     logging_config = {"enable_access_log": front.log_requests}
     try:
-        serve.start(http_options={"host": front.host, "port": front.port},
-                    grpc_options=gRPCOptions(port=front.grpc_port,
+        timeout = front.request_timeout_s or None
+        serve.start(http_options={"host": front.host, "port": front.port,
+                                  "request_timeout_s": timeout},
+                    grpc_options=gRPCOptions(port=front.grpc_port, request_timeout_s=timeout,
                                              grpc_servicer_functions=[GRPC_SERVICER]),
                     logging_config=logging_config)
         serve.run(build(settings), name=APP_NAME, route_prefix="/", blocking=False,
@@ -199,6 +203,9 @@ def add_command(sub):
     p.add_argument("--prefill-pace", type=float, default=3.0,
                    help="beside decoding streams, a step's prompt chunk is cut so that the step "
                         "takes about this many times a decode step (0: whole chunks)")
+    p.add_argument("--request-timeout", type=float, default=REQUEST_TIMEOUT_S,
+                   help="seconds a request may take, streaming included, before the proxy "
+                        "cancels it (0: no limit)")
     p.add_argument("--log-requests", action="store_true", help="Serve's access log")
     p.add_argument("--demo", action="store_true",
                    help="once ready, send one chat request through the HTTP API and print it")
@@ -223,8 +230,11 @@ def _run(args) -> int:
     if args.api_key:
         d["api_key"] = args.api_key
     settings = ServeSettings.from_dict(d)
+    if args.request_timeout < 0:
+        raise ConfigError("--request-timeout must be >= 0 (0: no limit)")
     return serve_forever(settings, Frontend(args.host, args.port, args.grpc_port,
-                                            args.log_requests), demo=args.demo)
+                                            args.log_requests, args.request_timeout),
+                         demo=args.demo)
 
 
 def _read_yaml(path: str) -> dict:

@@ -11,6 +11,7 @@ from powerinfer.config import Config
 from powerinfer.errors import ConfigError
 
 API_KEY_ENV = "POWERINFER_API_KEY"
+CONTROL_CALLS = 32  # a model replica's room for calls that are not generations
 NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:-]{0,63}")
 
 
@@ -49,6 +50,14 @@ class ModelSpec:
             raise ConfigError(f"model {self.name!r}: replicas must be a positive integer")
         self.config()  # validates the runtime settings
 
+    @property
+    def max_ongoing_requests(self) -> int:
+        """Serve's bound on a model replica's requests in flight: what its scheduler admits
+        (max_batch running, max_queue waiting), and room for the status, metrics and tokenize
+        calls beside them, so that /health answers under full load. Beyond it Serve queues,
+        and the scheduler's own bound answers 429 first."""
+        return self.max_batch + self.max_queue + CONTROL_CALLS
+
     def config(self, replica: int = 0) -> Config:
         """The runtime configuration of replica `replica` (Serve's local rank on its node):
         with several replicas each takes its own slice of the model's cores."""
@@ -81,7 +90,9 @@ class ServeSettings:
     """models: served models, routed by name. api_key: required on every request but /health and
     /metrics when set (default: the POWERINFER_API_KEY environment variable). max_body_bytes:
     larger request bodies are refused with 413. ingress_replicas: replicas of the HTTP/gRPC
-    ingress (each keeps its own request metrics). replica_resources: Ray resources the nodes
+    ingress (each keeps its own request metrics), or ingress_autoscaling: Ray Serve's
+    `autoscaling_config` for it (min_replicas, max_replicas, target_ongoing_requests...).
+    replica_resources: Ray resources the nodes
     running the ingress and the model deployments must have (on a cluster, e.g. {"head": 0.01}
     keeps them on the head while model groups run where their `resources` say)."""
 
@@ -89,6 +100,7 @@ class ServeSettings:
     api_key: str = ""
     max_body_bytes: int = 1 << 20
     ingress_replicas: int = 1
+    ingress_autoscaling: dict = field(default_factory=dict)  # Serve's autoscaling_config
     replica_resources: dict = field(default_factory=dict)
 
     def __post_init__(self):
@@ -100,6 +112,14 @@ class ServeSettings:
             raise ConfigError(f"model names must be unique; repeated: {', '.join(sorted(dup))}")
         if self.max_body_bytes < 1024 or self.ingress_replicas < 1:
             raise ConfigError("max_body_bytes must be >= 1024 and ingress_replicas >= 1")
+        if self.ingress_autoscaling:
+            if self.ingress_replicas != 1:
+                raise ConfigError("give ingress_replicas or ingress_autoscaling, not both")
+            from ray.serve.config import AutoscalingConfig
+            try:
+                AutoscalingConfig(**self.ingress_autoscaling)
+            except Exception as e:  # noqa: BLE001 - pydantic's error names the field
+                raise ConfigError(f"ingress_autoscaling: {e}") from None
 
     @classmethod
     def from_dict(cls, d: dict) -> "ServeSettings":

@@ -40,6 +40,38 @@ def test_the_rayservice_manifest_serves_the_application_with_token_auth():
     assert any(v.get("emptyDir", {}).get("medium") == "Memory" for v in vols)  # /dev/shm
 
 
+def test_both_serve_configs_follow_serves_conventions():
+    """Serve's own schema accepts them; the ingress autoscales, each model deployment's
+    max_ongoing_requests follows its scheduler's bounds, and requests have a timeout."""
+    import pytest
+    from ray.serve.schema import ServeDeploySchema
+
+    from powerinfer.errors import ConfigError
+    from serve_app.app import build
+    from serve_app.settings import CONTROL_CALLS
+
+    manifest = yaml.safe_load((ROOT / "cluster" / "k8s" / "rayservice.yaml").read_text())
+    for cfg in (yaml.safe_load((ROOT / "serve_app" / "config.yaml").read_text()),
+                yaml.safe_load(manifest["spec"]["serveConfigV2"])):
+        ServeDeploySchema.model_validate(cfg)  # every key is one Serve knows
+        assert cfg["http_options"]["request_timeout_s"] > 0
+        assert cfg["grpc_options"]["request_timeout_s"] > 0
+        settings = ServeSettings.from_dict(cfg["applications"][0]["args"])
+        ingress = build(settings)._bound_deployment
+        scaling = ingress._deployment_config.autoscaling_config
+        assert scaling is not None and scaling.max_replicas > scaling.min_replicas >= 1
+        for spec in settings.models:
+            model = ingress.init_args[0][spec.name]._bound_deployment
+            assert model.max_ongoing_requests == spec.max_batch + spec.max_queue + CONTROL_CALLS
+    args = {"models": [{"name": "m", "model": "smollm2-135m-instruct"}]}
+    assert build(ServeSettings.from_dict(args))._bound_deployment.num_replicas == 1
+    with pytest.raises(ConfigError, match="ingress_autoscaling"):
+        ServeSettings.from_dict({**args, "ingress_autoscaling": {"max_replicas": 0}})
+    with pytest.raises(ConfigError, match="not both"):
+        ServeSettings.from_dict({**args, "ingress_autoscaling": {"max_replicas": 2},
+                                 "ingress_replicas": 2})
+
+
 def test_the_dockerfile_and_the_systemd_unit():
     docker = (ROOT / "Dockerfile").read_text()
     assert "torch==2.13.0" in docker and 'ENTRYPOINT ["powerinfer", "serve"' in docker

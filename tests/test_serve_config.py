@@ -98,7 +98,16 @@ def test_request_bodies_map_to_engine_sampling():
 
 @pytest.mark.parametrize("body,needle", [
     ({"model": "m", "messages": [], "max_tokens": 1}, "at least 1"),
-    ({"model": "m", "messages": [{"role": "tool", "content": "x"}]}, "role"),
+    ({"model": "m", "messages": [{"role": "robot", "content": "x"}]}, "role"),
+    ({"model": "m", "messages": [{"role": "user", "content": "x", "tool_calls": [
+        {"id": "1", "function": {"name": "f", "arguments": "{}"}}]}]}, "assistant"),
+    ({"model": "m", "messages": [{"role": "user", "content": "x"}], "tool_choice": "required"},
+     "needs tools"),
+    ({"model": "m", "messages": [{"role": "user", "content": "x"}],
+      "tools": [{"type": "function", "function": {"name": "bad name"}}]}, "name"),
+    ({"model": "m", "messages": [{"role": "user", "content": "x"}], "tool_choice": "required",
+      "tools": [{"type": "function", "function": {"name": "f"}}],
+      "response_format": {"type": "json_object"}}, "constrains"),
     ({"model": "m", "messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, "logprobs"),
     ({"model": "m", "messages": [{"role": "user", "content": "x"}], "presence_penalty": 1}, "repetition_penalty"),
     ({"model": "m", "messages": [{"role": "user", "content": "x"}], "stream_options": {}}, "stream"),
