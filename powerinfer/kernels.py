@@ -88,7 +88,11 @@ def _library_path() -> Path:
         h.update(f.name.encode() + f.read_bytes())
     for unit, flags in UNITS.items():
         h.update((unit + " ".join(flags)).encode())
-    return _ext_dir() / f"neuron_ffn-{h.hexdigest()[:12]}.so"
+    name = f"neuron_ffn-{h.hexdigest()[:12]}.so"
+    # one built beside the package (an image builds it there, then runs as a user who cannot
+    # write there) is used as it is
+    shipped = Path(__file__).parent / "_ext" / name
+    return shipped if shipped.exists() else _ext_dir() / name
 
 
 def build() -> Path:

