@@ -32,8 +32,10 @@ def test_a_wheel_built_from_a_clean_tree_ships_the_stubs(tmp_path):
     import shutil
     import zipfile
 
-    files = subprocess.run(["git", "ls-files", "-z"], cwd=ROOT, capture_output=True,
-                           check=True).stdout.decode().split("\0")
+    listed = subprocess.run(["git", "ls-files", "-z"], cwd=ROOT, capture_output=True)
+    if listed.returncode:
+        pytest.skip("not a git checkout: no list of the tracked files")
+    files = listed.stdout.decode().split("\0")
     src = tmp_path / "src"
     for f in filter(None, files):
         if (ROOT / f).is_file():
