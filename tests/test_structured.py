@@ -10,6 +10,7 @@ import pytest
 from powerinfer import Config, InvalidRequestError, PowerInfer
 from powerinfer.config import sampling_params
 from powerinfer.grammar import Grammar
+from powerinfer.grammar import matcher as matcher_for
 
 PERSON = {"type": "object", "additionalProperties": False, "required": ["name", "age", "tags"],
           "properties": {"name": {"type": "string", "maxLength": 24},
@@ -83,3 +84,42 @@ def test_a_request_the_engine_cannot_compile_is_refused_by_name(smol):
             Grammar("json", source)
     with pytest.raises(InvalidRequestError):
         Grammar.choice([])
+
+
+def test_each_tool_format_round_trips_through_its_grammar_and_parser(smol):
+    """For every family's format: calls as the model writes them are accepted by the call
+    grammar of "required" (and refused by a named function's grammar when they call another)
+    and parse back to the same calls; plain text is content."""
+    from powerinfer import tools
+
+    fs = tools.functions([
+        {"type": "function", "function": {"name": "get_weather", "parameters": {
+            "type": "object", "required": ["city"],
+            "properties": {"city": {"type": "string"}, "unit": {"enum": ["c", "f"]}}}}},
+        {"type": "function", "function": {"name": "now", "parameters": {
+            "type": "object", "properties": {"tz": {"type": "string"}}}}}])
+    names = [f["name"] for f in fs]
+    calls = [("get_weather", {"city": "Paris", "unit": "c"}), ("now", {}), ("now", {"tz": "UTC"})]
+    tok, vocab = smol.tokenizer, smol.args.vocab_size
+    for fmt in tools.FORMATS:
+        text = tools.write_calls(calls, fmt)
+        ids = tok.encode(text, add_bos=False)
+        m = matcher_for(tok, vocab, tools.grammar(fs, fmt))
+        assert all(m.consume_token(i) for i in ids) and m.is_accepting(), (fmt, m.get_error())
+        named = matcher_for(tok, vocab, tools.grammar(fs, fmt, only="now", parallel=False))
+        assert not all(named.consume_token(i) for i in ids)  # get_weather is not "now"
+        content, got = tools.parse(text, fmt, names)
+        assert not content
+        assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in got] == calls
+        assert tools.parse("Paris is sunny today.", fmt, names) == ("Paris is sunny today.", [])
+    # a template that renders tools gets them, with earlier calls as structured messages
+    convo = [{"role": "user", "content": "weather?"},
+             {"role": "assistant", "content": "", "tool_calls": [{"id": "1", "type": "function",
+              "function": {"name": "now", "arguments": "{}"}}]},
+             {"role": "tool", "tool_call_id": "1", "content": "noon"}]
+    out, extra = tools.render(convo, fs, "hermes")
+    assert extra["tools"][0]["function"]["name"] == "get_weather"
+    assert out[1]["tool_calls"][0]["function"]["arguments"] == {}
+    out, extra = tools.render(convo, fs, "smollm2")
+    assert not extra and "<tools>" in out[0]["content"] and out[-1]["role"] == "user"
+    assert tools.format_for(smol.tokenizer) == "smollm2"
