@@ -109,19 +109,31 @@ def others_share(since: tuple) -> float:
 
 
 # ---------------------------------------------------------------- llama.cpp
+# -march=native without AMX: on Xeons with AMX, ggml's AMX path runs `tilezero` without asking
+# Linux for the tile state and dies with "Illegal instruction" (benchmarks/serve.py builds its
+# llama-server the same way); on CPUs without AMX the flags change nothing
+NO_AMX = "-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
+LLAMA_CMAKE_ARGS = (f'-DLLAMA_CURL=OFF -DGGML_NATIVE=ON "-DCMAKE_C_FLAGS={NO_AMX}" '
+                    f'"-DCMAKE_CXX_FLAGS={NO_AMX}"')
+
+
 def llama_python() -> Path:
-    """The python of benchmarks/.llama-venv, creating it (a ~4 minute source build) if missing."""
+    """The python of benchmarks/.llama-venv, creating it (a ~4 minute source build) if missing
+    or built with other flags."""
     py = LLAMA_VENV / "bin" / "python"
-    if py.exists() and not subprocess.run([py, "-c", "import llama_cpp"], capture_output=True).returncode:
+    stamp = LLAMA_VENV / "powerinfer-cmake-args"
+    built = stamp.read_text() if stamp.exists() else ""
+    if built == LLAMA_CMAKE_ARGS and not subprocess.run(
+            [py, "-c", "import llama_cpp"], capture_output=True).returncode:
         return py
-    print(f"installing llama-cpp-python=={LLAMA_VERSION} into {LLAMA_VENV} (a source build) ...",
-          flush=True)
+    print(f"installing llama-cpp-python=={LLAMA_VERSION} into {LLAMA_VENV} (a source build, "
+          f"CMAKE_ARGS={LLAMA_CMAKE_ARGS}) ...", flush=True)
     if not py.exists():
         subprocess.run(["python3", "-m", "venv", LLAMA_VENV], check=True)
-    env = dict(os.environ)
-    env.setdefault("CMAKE_ARGS", "-DLLAMA_CURL=OFF -DGGML_NATIVE=ON")
-    subprocess.run([py, "-m", "pip", "install", "-q", f"llama-cpp-python=={LLAMA_VERSION}"],
-                   check=True, env=env)
+    env = dict(os.environ, CMAKE_ARGS=LLAMA_CMAKE_ARGS)  # scikit-build-core splits it with shlex
+    subprocess.run([py, "-m", "pip", "install", "-q", "--force-reinstall", "--no-cache-dir",
+                    f"llama-cpp-python=={LLAMA_VERSION}"], check=True, env=env)
+    stamp.write_text(LLAMA_CMAKE_ARGS)
     return py
 
 
