@@ -266,6 +266,9 @@ def _pipeline_commands(sub):
                    help="rank of the residual stream (0: full; R >= subspace: the embeddings and "
                         "every layer's output in R directions, which predictors learn from fewer "
                         "samples)")
+    p.add_argument("--quant", default=None, choices=["q4_0", "q4_k_m", "q8_0"],
+                   help="the matrices in these GGUF block types, as llama.cpp quantizes a file "
+                        "of that type (default: bf16)")
     p.add_argument("--out", required=True)
     p.set_defaults(run=_synthetic)
 
@@ -371,7 +374,7 @@ def _synthetic(args) -> int:
 
     info = write_synthetic(args.out, preset=args.preset, n_layers=args.layers,
                            sparsity=args.sparsity, seed=args.seed, subspace=args.subspace,
-                           residual_rank=args.residual_rank)
+                           residual_rank=args.residual_rank, quant=args.quant)
     for k, v in info.summary().items():
         print(f"{k:>16}: {v}")
     return 0

@@ -110,6 +110,33 @@ PRESETS = {
     "tiny": Shape(dim=256, n_ff=1024, n_layers=4, n_heads=4, n_kv_heads=2, vocab=1000, context=512),
 }
 QTYPES = {"bf16": "BF16", "f16": "F16", "f32": "F32"}
+QUANTS = ("q4_0", "q4_k_m", "q8_0")  # llama.cpp's file types, with its choice of type per tensor
+
+
+def quant_type(quant: str, name: str, row: int, n_layers: int) -> str:
+    """The GGUF type llama.cpp's quantizer gives tensor `name` (rows of `row` values) in a file
+    of type `quant`: q8_0 every matrix Q8_0; q4_0 every matrix Q4_0 but the output head, Q6_K;
+    q4_k_m Q4_K, with Q6_K for the output head and for attn_v and ffn_down in the layers
+    llama.cpp gives more bits (the first and last eighth, and every third between). A row that
+    a type's blocks do not divide takes Q8_0, as llama.cpp falls back."""
+    if quant == "q8_0":
+        want = "Q8_0"
+    elif name == "output.weight":
+        want = "Q6_K"
+    elif quant == "q4_0":
+        want = "Q4_0"
+    else:
+        want = "Q4_K"
+        layer = int(name.split(".")[1]) if name.startswith("blk.") else -1
+        if name.endswith(("attn_v.weight", "ffn_down.weight")) and _more_bits(layer, n_layers):
+            want = "Q6_K"
+    block = 256 if want.endswith("_K") else 32
+    return want if row % block == 0 else "Q8_0"
+
+
+def _more_bits(i: int, n: int) -> bool:
+    """llama.cpp's use_more_bits: the first and last eighth of the layers, and every third."""
+    return i < n // 8 or i >= 7 * n // 8 or (i - n // 8) % 3 == 2
 
 
 @dataclass
@@ -163,7 +190,8 @@ def planted_profile(n_ff: int, n_layers: int, sparsity: float = 0.9, alpha: floa
 def write_synthetic(path: str | Path, preset: str | Shape = "7b", n_layers: int | None = None,
                     sparsity: float = 0.9, alpha: float = DEFAULT_ALPHA, seed: int = 0,
                     dtype: str = "bf16", calib_tokens: int = 512, subspace: int = 0,
-                    residual_rank: int = 0, progress: bool = True) -> SyntheticModel:
+                    residual_rank: int = 0, progress: bool = True,
+                    quant: str | None = None) -> SyntheticModel:
     """Write a synthetic ReGLU model with a planted firing profile as a GGUF file.
 
     preset: "7b", "13b", "70b", "tiny" or a `Shape`; n_layers overrides its depth. sparsity: the target
@@ -172,7 +200,8 @@ def write_synthetic(path: str | Path, preset: str | Shape = "7b", n_layers: int 
     calib_tokens: random tokens (whole sequences of 128) run through the layers to set the biases;
     subspace: the rank r of each layer's gate rows (0: isotropic, firing unpredictable beyond each
     neuron's rate; see the module docstring); residual_rank: the rank R of the residual stream
-    (0: full; else at least r, and the gate subspaces lie in it).
+    (0: full; else at least r, and the gate subspaces lie in it); quant: "q4_0", "q4_k_m" or
+    "q8_0" writes the matrices in those GGUF block types instead of dtype (`quant_type`).
     The file appears under its name only once complete."""
     import gguf
     from tqdm import tqdm
@@ -195,12 +224,21 @@ def write_synthetic(path: str | Path, preset: str | Shape = "7b", n_layers: int 
         raise ValueError(f"residual_rank must be 0 or in [subspace, {shape.dim}), got {residual_rank}")
     planted = planted_profile(shape.n_ff, shape.n_layers, sparsity, alpha, seed)
     T = gguf.GGMLQuantizationType
-    layout = [(name, shp, T[QTYPES[dtype]] if len(shp) == 2 else T.F32) for name, shp in _layout(shape)]
+    if quant is not None and quant not in QUANTS:
+        raise ValueError(f"quant must be one of {', '.join(QUANTS)}, got {quant!r}")
+
+    def qtype(name, shp):
+        if len(shp) != 2:
+            return T.F32
+        return T[quant_type(quant, name, shp[1], shape.n_layers) if quant else QTYPES[dtype]]
+
+    layout = [(name, shp, qtype(name, shp)) for name, shp in _layout(shape)]
     path = Path(path)
     partial = path.with_name(path.name + ".partial")
 
     w = gguf.GGUFWriter(partial, "llama")
-    _add_metadata(w, shape, dtype, seed, sparsity, alpha, calib_tokens, subspace, residual_rank)
+    _add_metadata(w, shape, quant or dtype, seed, sparsity, alpha, calib_tokens, subspace,
+                  residual_rank)
     for name, shp, qtype in layout:
         w.add_tensor_info(name, shp, np.dtype(np.float32), _nbytes(shp, qtype), raw_dtype=qtype)
     calib_firing = []
@@ -223,7 +261,7 @@ def write_synthetic(path: str | Path, preset: str | Shape = "7b", n_layers: int 
         w.close()
         partial.unlink(missing_ok=True)
         raise
-    return SyntheticModel(path, shape, dtype, seed, sparsity, alpha, subspace, residual_rank, planted,
+    return SyntheticModel(path, shape, quant or dtype, seed, sparsity, alpha, subspace, residual_rank, planted,
                           torch.stack(calib_firing).numpy(), path.stat().st_size,
                           time.perf_counter() - t0)
 
@@ -364,14 +402,20 @@ def _randn(seed: int, name: str, shape, std: float = 1.0,
 def _nbytes(shape, qtype) -> int:
     import gguf
 
-    return math.prod(shape) * gguf.GGML_QUANT_SIZES[qtype][1]
+    block, size = gguf.GGML_QUANT_SIZES[qtype]
+    return math.prod(shape) // block * size
 
 
 def _encode(t: torch.Tensor, qtype) -> np.ndarray:
-    """The tensor's bytes as GGUF stores them for qtype (BF16, F16 or F32)."""
+    """The tensor's bytes as GGUF stores them for qtype (BF16, F16, F32 or a block type)."""
     if qtype.name == "BF16":
         return t.to(torch.bfloat16).view(torch.int16).numpy()  # rounded to nearest even
-    return t.numpy().astype(np.float16 if qtype.name == "F16" else np.float32, copy=False)
+    if qtype.name in ("F16", "F32"):
+        return t.numpy().astype(np.float16 if qtype.name == "F16" else np.float32, copy=False)
+    from .kquants import quantize
+
+    x = t.float().numpy()
+    return quantize(x.reshape(-1, x.shape[-1]), qtype.name)
 
 
 # --------------------------------------------------------------------------------- metadata
@@ -381,9 +425,10 @@ def _add_metadata(w, s: Shape, dtype: str, seed: int, sparsity: float, alpha: fl
     import gguf
 
     w.add_string("general.name", f"synthetic-relu-{s.n_layers}L-{s.dim}d")
-    w.add_uint32("general.file_type", int({"bf16": gguf.LlamaFileType.MOSTLY_BF16,
-                                           "f16": gguf.LlamaFileType.MOSTLY_F16,
-                                           "f32": gguf.LlamaFileType.ALL_F32}[dtype]))
+    F = gguf.LlamaFileType
+    w.add_uint32("general.file_type", int({"bf16": F.MOSTLY_BF16, "f16": F.MOSTLY_F16,
+                                           "f32": F.ALL_F32, "q4_0": F.MOSTLY_Q4_0,
+                                           "q4_k_m": F.MOSTLY_Q4_K_M, "q8_0": F.MOSTLY_Q8_0}[dtype]))
     w.add_uint32("llama.block_count", s.n_layers)
     w.add_uint32("llama.context_length", s.context)
     w.add_uint32("llama.embedding_length", s.dim)
@@ -479,6 +524,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--alpha", type=float, default=DEFAULT_ALPHA, help="power-law exponent")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--dtype", default="bf16", choices=sorted(QTYPES))
+    ap.add_argument("--quant", default=None, choices=QUANTS,
+                    help="write the matrices in these GGUF block types (llama.cpp's choice per "
+                         "tensor) instead of --dtype")
     ap.add_argument("--calib-tokens", type=int, default=512)
     ap.add_argument("--subspace", type=int, default=0,
                     help="rank of the gate rows' subspace (0: isotropic, firing unpredictable)")
@@ -489,7 +537,8 @@ def main(argv: list[str] | None = None) -> int:
     a = ap.parse_args(argv)
     try:
         m = write_synthetic(a.out, a.preset, a.layers, a.sparsity, a.alpha, a.seed, a.dtype,
-                            a.calib_tokens, a.subspace, a.residual_rank, progress=not a.quiet)
+                            a.calib_tokens, a.subspace, a.residual_rank, progress=not a.quiet,
+                            quant=a.quant)
     except (ValueError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1

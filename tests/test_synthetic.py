@@ -105,3 +105,45 @@ def test_subspace_gates_make_firing_predictable(tmp_path):
     assert marked[16, 0] <= 2.0 and marked[0, 0] > marked[16, 0] > marked[16, 64], marked
     with pytest.raises(ValueError, match="residual_rank"):
         write_synthetic(tmp_path / "bad.gguf", "tiny", subspace=16, residual_rank=8, progress=False)
+
+
+@pytest.mark.parametrize("quant", ["q4_0", "q4_k_m", "q8_0"])
+def test_quantized_synthetic_files_hold_the_bf16_weights_within_their_formats_error(tmp_path, quant):
+    """`--quant` writes llama.cpp's type per tensor (our own Q4_K/Q6_K quantizers where `gguf`
+    has none), each matrix within its format's error of the bf16 file's, and the file loads."""
+    import gguf
+
+    from powerinfer.synthetic import quant_type
+
+    ref = write_synthetic(tmp_path / "bf16.gguf", preset="tiny", seed=3, progress=False)
+    q = write_synthetic(tmp_path / f"{quant}.gguf", preset="tiny", seed=3, progress=False,
+                        quant=quant)
+    assert q.dtype == quant and q.file_bytes < ref.file_bytes
+    bf16 = {t.name: t for t in gguf.GGUFReader(ref.path).tensors}
+    # the format's error: what the reference quantizer of the same grid makes on the same
+    # weights (gguf's own for Q8_0 and Q4_0; for Q4_K, Q4_1's 4-bit grid with a min per 32
+    # values and exact scales where Q4_K rounds them to 6 bits; for Q6_K, half of Q5_0's)
+    reference = {"Q8_0": ("Q8_0", 1.0), "Q4_0": ("Q4_0", 1.0), "Q4_K": ("Q4_1", 1.15),
+                 "Q6_K": ("Q5_0", 0.75)}
+    seen = set()
+    for t in gguf.GGUFReader(q.path).tensors:
+        if len(t.shape) < 2:
+            continue
+        rows = int(t.shape[1])
+        want = quant_type(quant, t.name, int(t.shape[0]), ref.shape.n_layers)
+        assert t.tensor_type.name == want, t.name
+        seen.add(want)
+        x = torch.from_numpy(bf16[t.name].data.copy()).view(torch.bfloat16).float().numpy()
+        got = gguf.quants.dequantize(t.data, t.tensor_type).reshape(rows, -1)
+        x = x.reshape(rows, -1)
+        ref_type, slack = reference[want]
+        T = gguf.GGMLQuantizationType[ref_type]
+        floor = np.linalg.norm(gguf.quants.dequantize(gguf.quants.quantize(x, T), T) - x)
+        # the file quantizes the float32 weights, x is their bf16 rounding (relative error at
+        # most 2^-9 an element): the two errors add at most
+        assert np.linalg.norm(got - x) <= slack * floor * 1.02 + np.linalg.norm(x) * 2.0 ** -9, \
+            (t.name, want)
+    assert seen == {"q8_0": {"Q8_0"}, "q4_0": {"Q4_0", "Q6_K"},
+                    "q4_k_m": {"Q4_K", "Q6_K"}}[quant]
+    pi = PowerInfer.from_pretrained(q.path, Config(dtype="float32"))
+    assert len(pi.generate("a b c", max_new_tokens=4, temperature=0, ignore_eos=True)) > 0
