@@ -161,7 +161,12 @@ def guide(tokenizer, vocab_size: int) -> Guide:
     with _GUIDES_LOCK:
         g = _GUIDES.get(tokenizer)
         if g is None or g.vocab_size != vocab_size:
-            g = _GUIDES[tokenizer] = Guide(tokenizer, vocab_size)
+            try:
+                g = _GUIDES[tokenizer] = Guide(tokenizer, vocab_size)
+            except Exception as e:  # noqa: BLE001 - llguidance refuses this vocabulary
+                raise InvalidRequestError(f"constrained output is not available for this "
+                                          f"model: its tokenizer is not one llguidance reads "
+                                          f"({type(e).__name__}: {e})") from None
         return g
 
 

@@ -716,9 +716,18 @@ def test_fuzzed_bodies_never_get_a_5xx(server):
         "top_logprobs": st.integers(-1, 7) | value, "repetition_penalty": st.floats(-1, 3) | value,
         "ignore_eos": st.booleans() | value, "stop_token_ids": st.lists(st.integers(-2, 5)) | value,
         "tokens": st.lists(st.integers(-5, 1100), max_size=6) | value,
-        "add_special_tokens": value, "frequency_penalty": value, "tools": value,
+        "add_special_tokens": value, "frequency_penalty": value,
         "max_completion_tokens": small,
+        "response_format": st.fixed_dictionaries({
+            "type": st.sampled_from(["text", "json_object", "json_schema", "xml"]),
+            "json_schema": st.fixed_dictionaries({"schema": value, "strict": value})}) | value,
+        "guided_json": value, "guided_regex": st.text(max_size=12) | value,
+        "guided_choice": st.lists(st.text(max_size=4), max_size=3) | value,
+        "guided_grammar": st.text(max_size=20) | value,
+        "tool_choice": st.sampled_from(["auto", "none", "required"]) | value,
+        "parallel_tool_calls": value,
     }
+    fields["tools"] = value | st.just(WEATHER)
     valid = {"/v1/chat/completions": {"model": TINY, "messages": [{"role": "user", "content": "hi"}]},
              "/v1/completions": {"model": TINY, "prompt": "hi"},
              "/tokenize": {"model": TINY, "prompt": "hi"},
@@ -825,12 +834,11 @@ def sse_text(lines: list[str]) -> tuple[str, list[dict]]:
 
 @pytest.mark.slow
 def test_streams_survive_an_actor_killed_under_them(server):
-    # 8 streams of one model run while an actor of its group is killed (a cold executor over
-    # HTTP, the hot executor over gRPC; tests/test_runtime.py kills each role, the scheduler and
-    # the predictor too, under the engine): none fails, each pauses while the group is rebuilt
-    # and ends with the text an undisturbed run gives; a stream of the other model runs through
-    # untouched
-    h = server.http
+    # streams of one model, over HTTP and gRPC, run while a cold executor of its group is killed
+    # (tests/test_runtime.py kills each role under the engine: the hot executor, the scheduler
+    # and the predictor too): none fails, each pauses while the group is rebuilt and ends with
+    # the text an undisturbed run gives; a stream of the other model runs through untouched
+    h, pb = server.http, server.pb
 
     def body(p, stream=False):
         return {"model": SMOL, "prompt": p, "max_tokens": 32, "temperature": 0,
@@ -851,47 +859,44 @@ def test_streams_survive_an_actor_killed_under_them(server):
 
     t_other = threading.Thread(target=other_stream)
     t_other.start()
-    for role in ("cold.0",):
-        before = server.model_stats(SMOL)
-        lines = [[] for _ in STORY_PROMPTS]
+    before = server.model_stats(SMOL)
+    lines = [[] for _ in STORY_PROMPTS]
+    grpc_prompts = STORY_PROMPTS[:4]
+    grpc_texts = [[] for _ in grpc_prompts]
 
-        def run(i):
-            with httpx.Client(base_url=server.url, timeout=300,
-                              headers={"Authorization": f"Bearer {KEY}"}) as c:
-                with c.stream("POST", "/v1/completions", json=body(STORY_PROMPTS[i], True)) as r:
-                    for line in r.iter_lines():
-                        if line:
-                            lines[i].append(line)
+    def run(i):
+        with httpx.Client(base_url=server.url, timeout=300,
+                          headers={"Authorization": f"Bearer {KEY}"}) as c:
+            with c.stream("POST", "/v1/completions", json=body(STORY_PROMPTS[i], True)) as r:
+                for line in r.iter_lines():
+                    if line:
+                        lines[i].append(line)
 
-        threads = [threading.Thread(target=run, args=(i,)) for i in range(len(STORY_PROMPTS))]
-        for t in threads:
-            t.start()
-        assert wait_for(lambda: min(map(len, lines)) >= 3, timeout=60), [len(x) for x in lines]
-        os.kill(before["pids"][role], signal.SIGKILL)
-        for t in threads:
-            t.join(timeout=300)
-        got = [sse_text(x) for x in lines]
-        assert all(not errors for _, errors in got), (role, [e for _, e in got if e])
-        assert [text for text, _ in got] == want, role
-        assert all(x[-1] == "data: [DONE]" for x in lines)
-        assert wait_for(lambda: server.model_stats(SMOL).get("restarts") == before["restarts"] + 1,
-                        timeout=60), role
+    def run_grpc(i):
+        for r in server.stub.Generate(pb.GenerateRequest(
+                model=SMOL, text=grpc_prompts[i], sampling=pb.SamplingParams(
+                    max_tokens=32, temperature=0, ignore_eos=True)), metadata=server.md):
+            grpc_texts[i].append(r.text)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(STORY_PROMPTS))]
+    threads += [threading.Thread(target=run_grpc, args=(i,)) for i in range(len(grpc_prompts))]
+    for t in threads:
+        t.start()
+    assert wait_for(lambda: min(map(len, lines + grpc_texts)) >= 3, timeout=60), \
+        [len(x) for x in lines + grpc_texts]
+    os.kill(before["pids"]["cold.0"], signal.SIGKILL)
+    for t in threads:
+        t.join(timeout=300)
+    got = [sse_text(x) for x in lines]
+    assert all(not errors for _, errors in got), [e for _, e in got if e]
+    assert [text for text, _ in got] == want
+    assert all(x[-1] == "data: [DONE]" for x in lines)
+    assert ["".join(t) for t in grpc_texts] == want[:len(grpc_prompts)]
+    assert wait_for(lambda: server.model_stats(SMOL).get("restarts") == before["restarts"] + 1,
+                    timeout=60)
     t_other.join(timeout=300)
     assert other[-1] == "data: [DONE]" and not any('"error"' in e for e in other), other[-3:]
     assert server.model_stats(TINY)["restarts"] == tiny_restarts
-
-    # gRPC, the hot executor
-    pb = server.pb
-    before = server.model_stats(SMOL)
-    streams = [server.stub.Generate(pb.GenerateRequest(
-        model=SMOL, text=p, sampling=pb.SamplingParams(max_tokens=32, temperature=0,
-                                                       ignore_eos=True)), metadata=server.md)
-        for p in STORY_PROMPTS]
-    firsts = [next(s) for s in streams]
-    os.kill(before["pids"]["hot"], signal.SIGKILL)
-    texts = [f.text + "".join(r.text for r in s) for f, s in zip(firsts, streams)]
-    assert texts == want
-    assert server.model_stats(SMOL)["restarts"] == before["restarts"] + 1
     server.wait_healthy(timeout=60)
 
 
