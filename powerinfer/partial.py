@@ -58,26 +58,47 @@ class LazyWeights(Mapping):
 
 def keep_stored_blocks(model: Transformer, src: TensorSource, dtype: torch.dtype) -> int:
     """The in-process engine's 4-bit configuration, what is left: each projection still held in
-    float whose tensors are all Q8_0 in the file becomes a q8_0 KernelLinear over the file's own
-    blocks, and a Q8_0/4-bit token embedding stays in its blocks (a tied head over the same rows),
-    as the hot executor holds them. Returns how many were replaced."""
+    float whose tensors are all Q8_0 or 4-bit in the file becomes a q8_0 KernelLinear
+    (`q8_0_rows`), and a Q8_0/4-bit token embedding stays in its blocks (a tied head over the
+    same rows), as the hot executor holds them. Returns how many were replaced."""
     if not kernels.available():
         return 0
     done = 0
     for i in range(len(model.layers)):
         for owner, attr, names in model.projections(i):
             m = getattr(owner, attr, None)
-            if (not isinstance(m, nn.Linear) or m.bias is not None
-                    or not all(n in src.names and src.kind(n) == "Q8_0" for n in names)):
+            if not isinstance(m, nn.Linear) or m.bias is not None:
                 continue
-            rows = torch.cat([src.raw_rows(n, torch.arange(src.shape(n)[0])) for n in names])
-            setattr(owner, attr, KernelLinear.from_records(kernels.huge(rows), "q8_0", m.in_features))
+            rows = q8_0_rows(src, [(n, None) for n in names])
+            if rows is None:
+                continue
+            setattr(owner, attr, KernelLinear.from_records(rows, "q8_0", m.in_features))
             done += 1
     fmt = STORED_FORMATS.get(src.kind("embed")) if "embed" in src.names else None
     if fmt is not None and isinstance(model.tok_embeddings, nn.Embedding):
         stored_embedding(model, src, fmt, dtype)
         done += 1
     return done
+
+
+def q8_0_rows(src: TensorSource, parts: list[tuple[str, tuple[int, int] | None]]) -> torch.Tensor | None:
+    """One matrix of Q8_0 records over the rows (lo, hi) (None: all) of tensors stored in Q8_0
+    or 4-bit blocks, or None where a part is stored otherwise. Q8_0 rows are the file's own
+    bytes; 4-bit ones are widened and written as Q8_0 (the 4-bit grid onto an 8-bit one: an
+    error of at most half a Q8_0 step). A fused projection whose parts the file stores in
+    different block types (a Q4_K_M file's q and k in Q4_K, v in Q6_K in some layers) is then one
+    8.5-bit matrix for the kernel's GEMV, not a bf16 one of twice the bytes."""
+    if not all(n in src.names and (src.kind(n) == "Q8_0" or src.kind(n) in Q4_TYPES)
+               for n, _ in parts):
+        return None
+    out = []
+    for n, r in parts:
+        lo, hi = r or (0, src.shape(n)[0])
+        if src.kind(n) == "Q8_0" and n.rsplit(".", 1)[-1] not in ("q", "k"):
+            out.append(src.raw_rows(n, torch.arange(lo, hi)))
+        else:  # 4-bit, or q/k whose rows a GGUF file stores permuted: read whole, in order
+            out.append(kernels.quantize_rows(src.get(n, torch.float32)[lo:hi], "q8_0"))
+    return kernels.huge(torch.cat(out))
 
 
 def stored_embedding(model: Transformer, src: TensorSource, fmt: str, dtype: torch.dtype):
@@ -186,14 +207,17 @@ def _stacked_int4(blocks: list[tuple], bias: torch.Tensor | None = None) -> nn.M
 
 
 def _int4_projection(src: TensorSource, names: tuple[str, ...], dtype) -> torch.nn.Module | None:
-    """An attention projection straight from the file's 4-bit blocks, or None if any of its
-    fused tensors is stored otherwise."""
-    if not all(src.kind(n) in Q4_TYPES for n in names):
-        return None
+    """An attention projection straight from the file's 4-bit blocks, or one Q8_0 matrix where
+    its fused tensors are 4-bit and Q8_0 (`q8_0_rows`), or None if any is stored otherwise."""
     bias = None
     if all(n + "_b" in src.names for n in names):
         bias = torch.cat([src.get(n + "_b", dtype) for n in names])
-    return _stacked_int4([src.q4(n) for n in names], bias)
+    if all(src.kind(n) in Q4_TYPES for n in names):
+        return _stacked_int4([src.q4(n) for n in names], bias)
+    if bias is None and kernels.available() and \
+            (rows := q8_0_rows(src, [(n, None) for n in names])) is not None:
+        return KernelLinear.from_records(rows, "q8_0", src.shape(names[0])[1])
+    return None
 
 
 def attention_slice(src: TensorSource, a: ModelArgs, layer: int, kv: tuple[int, int],
@@ -217,13 +241,19 @@ def attention_slice(src: TensorSource, a: ModelArgs, layer: int, kv: tuple[int, 
     bias = None
     if a.qkv_bias:
         bias = torch.cat([src.get(p + n + "_b", dtype)[lo:hi] for n, (lo, hi) in rows.items()])
-    if int4 and all(src.kind(p + n) in Q4_TYPES for n in "qkvo"):
+    if int4 and all(src.kind(p + n) in Q4_TYPES for n in "qkv"):
         attn.wqkv = _stacked_int4([src.q4_part(p + n, r, (0, dim)) for n, r in rows.items()], bias)
+    elif int4 and bias is None and kernels.available() and \
+            (q8 := q8_0_rows(src, [(p + n, r) for n, r in rows.items()])) is not None:
+        attn.wqkv = KernelLinear.from_records(q8, "q8_0", dim)  # mixed 4- and 8-bit parts
+    else:
+        w = torch.cat([src.get(p + n, dtype)[lo:hi] for n, (lo, hi) in rows.items()])
+        attn.wqkv = _plain_linear(w, bias)
+    if int4 and src.kind(p + "o") in Q4_TYPES:
         attn.wo = _stacked_int4([src.q4_part(p + "o", (0, dim), rows["q"])])
-        return attn
-    w = torch.cat([src.get(p + n, dtype)[lo:hi] for n, (lo, hi) in rows.items()])
-    attn.wqkv = _plain_linear(w, bias)
-    attn.wo = _plain_linear(src.get(p + "o", dtype)[:, rows["q"][0]:rows["q"][1]].contiguous(), None)
+    else:
+        attn.wo = _plain_linear(src.get(p + "o", dtype)[:, rows["q"][0]:rows["q"][1]].contiguous(),
+                                None)
     return attn
 
 

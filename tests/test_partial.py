@@ -130,3 +130,39 @@ def test_what_the_driver_sends_its_actors_pickles(default_model_path):
     model = pickle.loads(pickle.dumps(ck.model_file()))
     assert torch.equal(model.source.get("0.up", torch.float32), ck.source.get("0.up", torch.float32))
     assert len(pickle.dumps(ck.model_file())) < 1 << 20  # a table, not tensors
+
+
+@pytest.mark.skipif(not kernels.available(), reason="the kernel library does not run here")
+def test_a_fused_projection_of_mixed_blocks_is_one_q8_0_matrix(tmp_path):
+    """A Q4_K_M file stores q and k in Q4_K and v in Q6_K in llama.cpp's more-bits layers: with
+    4-bit weights their fused projection is one Q8_0 matrix (not bf16, twice the bytes), in the
+    in-process engine and in the actor runtime's attention slices, within Q8_0's error of the
+    file's weights; the layers whose q, k and v are all 4-bit stay 4-bit."""
+    from powerinfer import Config, PowerInfer
+    from powerinfer.convert import kernel_ready
+    from powerinfer.partial import attention_slice
+    from powerinfer.quant import KernelLinear, Q4Linear
+
+    m = write_synthetic(tmp_path / "m.gguf", preset="tiny", quant="q4_k_m", progress=False)
+    dense = PowerInfer.from_pretrained(m.path, Config(dtype="float32", weights="dense"))
+    int4 = PowerInfer.from_pretrained(m.path, Config(dtype="bfloat16", weights="int4"))
+    config = Config(dtype="bfloat16", weights="int4")
+    src = kernel_ready(load_checkpoint(m.path, with_weights=False), config).source
+    a = int4.args
+    for i in range(a.n_layers):  # layers 2 and 3 of 4 get more bits
+        wqkv, ref = int4.model.layers[i].attn.wqkv, dense.model.layers[i].attn.wqkv.weight
+        if i < 2:
+            assert isinstance(wqkv, Q4Linear)
+            continue
+        assert isinstance(wqkv, KernelLinear) and wqkv.fmt == "q8_0"
+        assert (wqkv.weight.float() - ref).norm() / ref.norm() < 0.02
+        half = attention_slice(src, a, i, (0, a.n_kv_heads // 2), torch.bfloat16, int4=True)
+        assert isinstance(half.wqkv, KernelLinear) and half.wqkv.fmt == "q8_0"
+        assert isinstance(half.wo, Q4Linear)  # o is Q4_K: 4-bit, whatever q, k and v are
+        hd, g = a.head_dim, a.n_heads // a.n_kv_heads
+        q, kv = a.n_kv_heads // 2 * g * hd, a.n_kv_heads // 2 * hd
+        rows = torch.cat([ref[:q], ref[a.n_heads * hd:][:kv],
+                          ref[a.n_heads * hd + a.n_kv_heads * hd:][:kv]])
+        assert (half.wqkv.weight.float() - rows).norm() / rows.norm() < 0.02
+    ids = int4.tokenize("a b c d")
+    assert torch.allclose(int4.engine.logits(ids), dense.engine.logits(ids), atol=0.5, rtol=0.1)
