@@ -21,7 +21,7 @@ def test_profile_train_solve_eval_report_on_the_default_model(tmp_path, default_
     placement = json.loads((tmp_path / "bundle" / "placement.json").read_text())
     assert placement["used_bytes"] <= 0.2 * 2**30 and 0 < sum(placement["hot_counts"]) < 30 * 1536
     assert placement["predictor_input"] == "layer"  # the runtimes' default: the lookahead ranks
-    assert main(["eval", "--model", "smollm2-135m-instruct", "--bundle", b, "--tokens", "256",
+    assert main(["eval", "--model", "smollm2-135m-instruct", "--bundle", b, "--tokens", "128",
                  "--per-layer"]) == 0
     out = capsys.readouterr().out
     for label in ("dense", "oracle", "predicted (ffn input)", "predicted (layer input)", "oracle @ 30%"):
