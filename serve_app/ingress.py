@@ -467,7 +467,7 @@ class Ingress:
         names = list(self.models)
         got = await asyncio.gather(*(self._call(n, "status") for n in names),
                                    return_exceptions=True)
-        return [s if isinstance(s, dict) else
+        return [{k: v for k, v in s.items() if k != "replica_id"} if isinstance(s, dict) else
                 {"id": n, "status": "unavailable", "created": 0, "max_model_len": None,
                  "error": f"the model's deployment is not answering ({type(s).__name__})"}
                 for n, s in zip(names, got)]

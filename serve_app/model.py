@@ -60,8 +60,10 @@ class ModelServer:
         library.setLevel(logging.INFO)
         library.handlers = list(logger.handlers)
         self.spec = spec
-        rank = getattr(serve.get_replica_context(), "rank", None)
+        context = serve.get_replica_context()
+        rank = getattr(context, "rank", None)
         self.replica = getattr(rank, "local_rank", 0) or 0  # its slice of the model's cores
+        self.replica_id = str(getattr(getattr(context, "replica_id", None), "unique_id", ""))
         self.engine = None
         self._format: str | None = None  # how the model writes tool calls
         self.error: str | None = None
@@ -90,7 +92,8 @@ class ModelServer:
     async def status(self) -> dict:
         state = self._state()
         out = {"id": self.spec.name, "status": state, "created": self.created,
-               "max_model_len": self.engine.max_seq if self.engine else None, "error": None}
+               "max_model_len": self.engine.max_seq if self.engine else None, "error": None,
+               "replica_id": self.replica_id}
         if state == "failed":
             out["error"] = self.error
         elif state == "rebuilding":

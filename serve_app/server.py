@@ -85,6 +85,7 @@ def serve_forever(settings: ServeSettings, front: Frontend, demo: bool = False) 
         serve.run(build(settings), name=APP_NAME, route_prefix="/", blocking=False,
                   logging_config=logging_config)
         statuses = _wait_loaded(front)
+        _wait_replicas(settings)
         ready = [s for s in statuses if s["status"] == "ready"]
         for s in statuses:
             line = f"  {s['id']}: {s['status']}"
@@ -136,6 +137,29 @@ def _wait_loaded(front: Frontend) -> list[dict]:
         except (urllib.error.URLError, OSError, ValueError):
             pass  # the proxy or the ingress is still starting
         time.sleep(LOAD_POLL_S)
+
+
+def _wait_replicas(settings: ServeSettings, timeout_s: float = 120.0):
+    """Every replica of a model with several past loading: /health asks one replica of each
+    model a call, so it can say "ready" while another replica still loads and would answer a
+    request with 503. Its status calls reach the replicas at random until each has answered."""
+    from ray import serve
+
+    for m in settings.models:
+        if m.replicas < 2:
+            continue
+        handle = serve.get_deployment_handle(f"Model:{m.name}", app_name=APP_NAME)
+        seen: dict[str, str] = {}
+        deadline = time.time() + timeout_s
+        while time.time() < deadline and (len(seen) < m.replicas or "loading" in seen.values()):
+            st = handle.status.remote().result(timeout_s=30)
+            seen[st.get("replica_id", "")] = st["status"]
+            if st["status"] == "loading":
+                time.sleep(LOAD_POLL_S)
+        if len(seen) < m.replicas or "loading" in seen.values():
+            say(f"  {m.name}: {sum(v != 'loading' for v in seen.values())} of {m.replicas} "
+                f"replicas answered as loaded within {timeout_s:.0f} s; the others are still "
+                "loading or not placed")
 
 
 def _curl(front: Frontend, settings: ServeSettings, model: str) -> str:
