@@ -332,14 +332,20 @@ if triton is not None:
         if STORE:
             tl.store(logits_ptr + at, acc, mask=both)
         if SELECT:
-            thr = tl.load(thr_ptr + rows, mask=rmask, other=0)
-            keep = both & (acc >= thr[:, None])
-            tl.store(keep_ptr + at, keep.to(tl.int8), mask=both)
-            on = (tl.max(keep.to(tl.int32), axis=0) > 0).to(tl.int32)
-            total = tl.sum(on)
-            if total > 0:
-                base = tl.atomic_add(count_ptr, total)
-                tl.store(idx_ptr + base + tl.cumsum(on, 0) - 1, offs, mask=on != 0)
+            _select(acc, rows, rmask, offs, both, at, thr_ptr, keep_ptr, idx_ptr, count_ptr)
+
+    @triton.jit
+    def _select(v, rows, rmask, offs, both, at, thr_ptr, keep_ptr, idx_ptr, count_ptr):
+        # keep = v >= thr[row] per row (stored at `at` as int8), and the union of the block's
+        # kept positions appended at idx_ptr after a reservation of slots in count_ptr
+        thr = tl.load(thr_ptr + rows, mask=rmask, other=0)
+        keep = both & (v >= thr[:, None])
+        tl.store(keep_ptr + at, keep.to(tl.int8), mask=both)
+        on = (tl.max(keep.to(tl.int32), axis=0) > 0).to(tl.int32)
+        total = tl.sum(on)
+        if total > 0:
+            base = tl.atomic_add(count_ptr, total)
+            tl.store(idx_ptr + base + tl.cumsum(on, 0) - 1, offs, mask=on != 0)
 
     @triton.jit
     def _key(v):
@@ -537,17 +543,11 @@ if triton is not None:
                        BLOCK_B: tl.constexpr, BLOCK_N: tl.constexpr):
         offs = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         rows = tl.arange(0, BLOCK_B)
-        both = (rows < B)[:, None] & (offs < n)[None, :]
+        rmask = rows < B
+        both = rmask[:, None] & (offs < n)[None, :]
         at = rows[:, None] * n + offs[None, :]
         v = tl.load(logits_ptr + at, mask=both, other=0)
-        thr = tl.load(thr_ptr + rows, mask=rows < B, other=0)
-        keep = both & (v >= thr[:, None])
-        tl.store(keep_ptr + at, keep.to(tl.int8), mask=both)
-        on = (tl.max(keep.to(tl.int32), axis=0) > 0).to(tl.int32)
-        total = tl.sum(on)
-        if total > 0:
-            base = tl.atomic_add(count_ptr, total)
-            tl.store(idx_ptr + base + tl.cumsum(on, 0) - 1, offs, mask=on != 0)
+        _select(v, rows, rmask, offs, both, at, thr_ptr, keep_ptr, idx_ptr, count_ptr)
 
 
 def _select_stored(logits, thr, keep, idx, count):
