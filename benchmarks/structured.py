@@ -50,20 +50,31 @@ class Timer:
                     setattr(timer, field, getattr(timer, field) + time.perf_counter() - t0)
             return run
 
+        class Timed:
+            """The sequence's matcher while push() runs, its token consumption timed."""
+
+            def __init__(self, m):
+                self.m = m
+
+            def consume_token(self, token):
+                t0 = time.perf_counter()
+                try:
+                    return self.m.consume_token(token)
+                finally:
+                    timer.consume += time.perf_counter() - t0
+
+            def __getattr__(self, name):
+                return getattr(self.m, name)
+
         def push(seq, token):
             m = seq.matcher
             if m is None:
                 return timer._push(seq, token)
-            t0 = time.perf_counter()
-            m.consume_token(token)
-            timer.consume += time.perf_counter() - t0
-            seq.matcher = None  # push() without the matcher: its consumption timed above
+            seq.matcher = Timed(m)  # only while push() runs: masks() needs the matcher itself
             try:
                 return timer._push(seq, token)
             finally:
                 seq.matcher = m
-                if m.is_stopped() and not seq.finished:
-                    seq.finish("stop", seq.pending)
 
         grammar.masks, grammar.apply = timed(self._masks, "masks"), timed(self._apply, "apply")
         batching.Sequence.push = push

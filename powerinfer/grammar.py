@@ -7,10 +7,10 @@ not JSON, an empty choice list), hashable and small to pickle, so it travels in
 `SamplingParams`. Where the sequence is created, `matcher()` compiles it against the model's
 tokenizer (an llguidance `LLTokenizer`, built once per tokenizer: about 0.3 s for SmolLM2's 49k
 vocabulary, 2-4 s for Gemma 3's 262k) into a matcher that follows the sequence's output. At each
-sampling step `constrain()` computes the allowed-token masks of every constrained row of the
-batch in one parallel call and sets the other tokens' logits to -inf, so that greedy and sampled
-requests alike can only produce text of the grammar; unconstrained rows of the same batch are
-left as they are. The sequence ends (finish reason "stop") as soon as the grammar is complete
+sampling step `masks()` computes the allowed tokens of every constrained row of the batch in one
+parallel call (a runtime may do it while the step runs: it needs only the matchers) and
+`apply()` sets the other tokens' logits to -inf, so that greedy and sampled requests alike can
+only produce text of the grammar; unconstrained rows of the same batch are left as they are. The sequence ends (finish reason "stop") as soon as the grammar is complete
 and admits nothing more.
 
 JSON is written compact, as `json.dumps` writes it (", " and ": " between items, no other
@@ -128,7 +128,6 @@ class Guide:
         import llguidance
 
         self.vocab_size = vocab_size
-        self.words = (vocab_size + 31) // 32  # int32 words of one row's mask
         self.lltok = llguidance.LLTokenizer(tokenizer.tok.to_str(), n_vocab=vocab_size,
                                             eos_token=sorted(tokenizer.eog_ids))
         self._protos: dict[Grammar, object] = {}
@@ -219,9 +218,3 @@ def apply(m: Masks | None, logits: torch.Tensor) -> torch.Tensor:
     out = logits.clone()
     out[m.rows] = logits[m.rows].masked_fill(forbidden, float("-inf"))
     return out
-
-
-def constrain(matchers: list, logits: torch.Tensor) -> torch.Tensor:
-    """apply(masks(...)): logits (K, V) with each row's forbidden tokens at -inf, where
-    matchers[k] is row k's matcher or None (the row is left as it is)."""
-    return apply(masks(matchers, logits.shape[1]), logits)
