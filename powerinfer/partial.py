@@ -206,7 +206,7 @@ def _stacked_int4(blocks: list[tuple], bias: torch.Tensor | None = None) -> nn.M
                        bias)
 
 
-def _int4_projection(src: TensorSource, names: tuple[str, ...], dtype) -> torch.nn.Module | None:
+def _stored_projection(src: TensorSource, names: tuple[str, ...], dtype) -> torch.nn.Module | None:
     """An attention projection straight from the file's 4-bit blocks, or one Q8_0 matrix where
     its fused tensors are 4-bit and Q8_0 (`q8_0_rows`), or None if any is stored otherwise."""
     bias = None
@@ -298,7 +298,7 @@ def hot_model(ckpt: ModelFile, dtype: torch.dtype, hot: list[torch.Tensor],
     elif int4:
         for i in range(a.n_layers):
             for owner, attr, names in model.projections(i)[:2]:  # attention's
-                m = _int4_projection(src, names, dtype)
+                m = _stored_projection(src, names, dtype)
                 if m is not None:
                     setattr(owner, attr, nn.Identity())  # placed after the others are loaded
                     int4_layers[(i, attr)] = m

@@ -112,12 +112,18 @@ def _not_answering(model: str, e: Exception) -> ApiError:
                                    "retry shortly")
 
 
-def _overall(states: set[str]) -> str:
+def _overall(statuses: list[dict]) -> str:
+    states = {s["status"] for s in statuses}
     if states == {"ready"}:
         return "ok"
     if states <= {"ready", "failed"} and "ready" in states:
         return "degraded"  # a model that failed to load is reported, and the others serve
     return "loading" if "loading" in states else "unavailable"
+
+
+def _serving(statuses: list[dict]) -> bool:
+    """The server answers: /health's 200, gRPC Health's ok, grpc.health.v1's SERVING."""
+    return _overall(statuses) in ("ok", "degraded")
 
 
 def _abort(grpc_context, e: ApiError):
@@ -237,9 +243,8 @@ class Ingress:
         """200 when every model answers ("ok"), or every model but those that failed to load
         ("degraded", each with its error); 503 while one loads or is being rebuilt."""
         statuses = await self._statuses()
-        overall = _overall({s["status"] for s in statuses})
-        return JSONResponse({"status": overall, "models": statuses},
-                            status_code=200 if overall in ("ok", "degraded") else 503)
+        return JSONResponse({"status": _overall(statuses), "models": statuses},
+                            status_code=200 if _serving(statuses) else 503)
 
     @app.get("/metrics")
     async def prometheus(self):
@@ -336,8 +341,7 @@ class Ingress:
 
     async def Health(self, request, grpc_context):
         statuses = await self._statuses()
-        return _pb().HealthResponse(ok=_overall({s["status"] for s in statuses}) in ("ok", "degraded"),
-                                    models=[_model_info(s) for s in statuses])
+        return _pb().HealthResponse(ok=_serving(statuses), models=[_model_info(s) for s in statuses])
 
     # ---- grpc.health.v1.Health, for probes and load balancers (no API key, as /health) ----
 
@@ -347,7 +351,7 @@ class Ingress:
         NOT_FOUND for another name."""
         from grpc_health.v1 import health_pb2
 
-        status = await self._serving(request.service)
+        status = await self._service_status(request.service)
         if status == health_pb2.HealthCheckResponse.SERVICE_UNKNOWN:
             _abort(grpc_context, ApiError("not_found", f"no service or model named "
                                                        f"{request.service[:100]!r}", "service"))
@@ -360,19 +364,19 @@ class Ingress:
 
         last = None
         while True:
-            status = await self._serving(request.service)
+            status = await self._service_status(request.service)
             if status != last:
                 yield health_pb2.HealthCheckResponse(status=status)
                 last = status
             await asyncio.sleep(WATCH_POLL_S)
 
-    async def _serving(self, service: str) -> int:
+    async def _service_status(self, service: str) -> int:
         from grpc_health.v1 import health_pb2
 
         R = health_pb2.HealthCheckResponse
         statuses = await self._statuses()
         if service in ("", SERVICE):
-            ok = _overall({s["status"] for s in statuses}) in ("ok", "degraded")
+            ok = _serving(statuses)
         elif service in self.models:
             ok = next(s["status"] for s in statuses if s["id"] == service) == "ready"
         else:

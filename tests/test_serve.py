@@ -503,13 +503,10 @@ def test_the_installed_stubs_stream_from_outside_the_repository(server, tmp_path
 
 def test_standard_grpc_health_and_reflection_from_other_processes(server):
     """What a Kubernetes gRPC probe and grpcurl do: no key, no stubs of ours."""
-    def client(script: str) -> list[str]:
-        return grpc_client(server, script)
-
-    assert client(HEALTH_CLIENT) == ["- SERVING", "powerinfer.v1.Inference SERVING",
+    assert grpc_client(server, HEALTH_CLIENT) == ["- SERVING", "powerinfer.v1.Inference SERVING",
                                      "smollm2 SERVING", "broken NOT_SERVING", "nope NOT_FOUND",
                                      "watch SERVING"]
-    services, methods = client(REFLECTION_CLIENT)
+    services, methods = grpc_client(server, REFLECTION_CLIENT)
     assert {"powerinfer.v1.Inference", "grpc.health.v1.Health"} <= set(services.split())
     assert {"Generate", "Chat", "ListModels"} <= set(methods.split())
 
