@@ -104,15 +104,15 @@ class ColdExecutor:
         if not kernels.available() or dtype not in (torch.float32, torch.bfloat16):
             return None
         empty = torch.empty(0, dtype=torch.uint8)
-        ffn = []  # per layer: w1, w2, kind, n
+        ffn = []  # per layer: w1, w2, kind, n, down's format
         for s, th in zip(self.sets, self.thresholds):
-            if (isinstance(s, BlockSlice) and s.up_b is None
-                    and all(_matrix(m) and _matrix(m)[1] < 0 for m in (s.w1, s.down))):
-                ffn.append((s.w1.packed, s.down.packed, 1, s.w1.out_features))
+            if (isinstance(s, BlockSlice) and s.up_b is None and (w1 := _matrix(s.w1))
+                    and w1[1] < 0 and (w2 := _matrix(s.down))):
+                ffn.append((w1[0], w2[0], 1, s.w1.out_features, w2[1]))
             elif isinstance(s, NeuronSet) and s.records is not None and s.bias32 is None and th <= 0:
-                ffn.append((s.records, empty, 2, kernels.FORMATS.index(s.fmt)))
+                ffn.append((s.records, empty, 2, kernels.FORMATS.index(s.fmt), 0))
             else:
-                ffn.append((empty, empty, 0, 0))
+                ffn.append((empty, empty, 0, 0, 0))
         attn = []  # per layer: qkv, qkv format, qkv rows, wo, wo format, k cache, v cache
         # (the native loop runs one window, one RoPE table and no q/k norms for every layer)
         for m in (self.attn if self.args.uniform else []) or [None] * len(self.sets):
@@ -131,7 +131,7 @@ class ColdExecutor:
         cols = lambda rows, j: [r[j] for r in rows]  # noqa: E731
         return (self.x.base, self.part.base, self.part.capacity, self.spec.dim,
                 dtype == torch.bfloat16, self.x.spin_us, [DECODE, HEAD, ATTN],
-                kernels.ACTS.index(act), *(cols(ffn, j) for j in range(4)),
+                kernels.ACTS.index(act), *(cols(ffn, j) for j in range(5)),
                 *(cols(attn, j) for j in range(7)), n_heads, cos, sin, self.args.sliding_window,
                 scale, None if head is None or head[1] < 0 else head[0], 0 if head is None else head[1])
 

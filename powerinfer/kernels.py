@@ -30,6 +30,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -167,6 +168,7 @@ def available() -> bool:
             torch.library.register_fake("powerinfer::paged_attention")(
                 lambda qkv, cos, sin, k, v, tables, starts, pos, n_heads, window, scale:
                 qkv.new_empty(qkv.shape[0], n_heads * k.shape[2]))
+            torch.library.register_fake("powerinfer::widen_out")(lambda w, fmt, rows, dim, out: None)
             torch.library.register_fake("powerinfer::widen")(
                 lambda w, fmt, rows, dim: w.new_empty(w.shape[0], rows, dim, dtype=torch.float32))
             _loaded = str(path)
@@ -276,6 +278,32 @@ def widen(w: torch.Tensor, fmt: str, rows: int, dim: int) -> torch.Tensor:
     rb, last = row_bytes(fmt, dim), fmt if rows == 1 else down_format(fmt)
     return torch.stack([dequantize_rows(w[:, r * rb:(r + 1) * rb], fmt, dim) for r in range(rows - 1)]
                        + [dequantize_rows(w[:, (rows - 1) * rb:], last, dim)], 1)
+
+
+def widen_into(w: torch.Tensor, fmt: str, rows: int, dim: int, out: torch.Tensor) -> torch.Tensor:
+    """`widen` written into out (a contiguous float32 or bf16 tensor of (n, rows, dim) values,
+    bf16 rounded to nearest even), which a many-token step reuses chunk after chunk: a fresh
+    tensor's first touch of its pages cost more than the widening. Returns out viewed (n, rows, dim)."""
+    out = out.view(w.shape[0], rows, dim)
+    if fmt in PLAIN_FORMATS or w.device.type != "cpu" or not _loaded:
+        return out.copy_(widen(w, fmt, rows, dim))
+    torch.ops.powerinfer.widen_out(w.contiguous(), FORMATS.index(fmt), rows, dim, out)
+    return out
+
+
+_scratch = threading.local()
+
+
+def scratch(numel: int, dtype: torch.dtype) -> torch.Tensor:
+    """A buffer of at least `numel` values of `dtype`, this thread's, reused by every call (the
+    next call may hand out the same memory: use it before calling again)."""
+    held = getattr(_scratch, "buffers", None)
+    if held is None:
+        held = _scratch.buffers = {}
+    buf = held.get(dtype)
+    if buf is None or buf.numel() < numel:
+        buf = held[dtype] = torch.empty(numel, dtype=dtype)
+    return buf[:numel]
 
 
 def unpack(w: torch.Tensor, fmt: str, dim: int, gated: bool):

@@ -182,22 +182,35 @@ def head_rows(head: nn.Module, lo: int, hi: int, shared: bool) -> nn.Module:
 
 def block_slice(src: TensorSource, a: ModelArgs, layer: int, idx: torch.Tensor,
                 fmt: str | None, dtype: torch.dtype) -> BlockSlice | None:
-    """Neurons idx as a BlockSlice (two int4 GEMVs over the file's own blocks) when they are a
-    range lo..hi of whole blocks, the layer's gate, up and down are 4-bit in the file, and the
-    kernel library runs them (fmt: a 4-bit kernel format); else None."""
+    """Neurons idx as a BlockSlice when they are a range lo..hi of whole blocks, the layer's
+    gate and up are 4-bit in the file, and the kernel library runs them (fmt: a 4-bit kernel
+    format): gate and up one int4 GEMV over the file's own blocks; down's columns lo..hi the
+    same where down is 4-bit too, else one Q8_0 matrix (a Q4_K_M file's more-bits layers keep
+    down in Q6_K, which a bundle stores as Q8_0: its bytes as they are); else None."""
     p = f"{layer}."
     names = [p + "gate", p + "up"] if a.gated else [p + "up"]
+    down = p + "down"
     if (fmt not in ("q4_0", "q4_1") or not kernels.available() or len(idx) == 0
-            or p + "down" not in src.names
-            or any(n not in src.names or src.kind(n) not in Q4_TYPES for n in [*names, p + "down"])):
+            or down not in src.names
+            or any(n not in src.names or src.kind(n) not in Q4_TYPES for n in names)):
         return None
     lo, hi = int(idx[0]), int(idx[-1]) + 1
     if lo % 32 or hi % 32 or not torch.equal(idx, torch.arange(lo, hi)):
         return None
     w1 = _stacked_int4([src.q4_part(n, (lo, hi), (0, a.dim)) for n in names])
-    down = _stacked_int4([src.q4_part(p + "down", (0, a.dim), (lo, hi))])
+    if src.kind(down) in Q4_TYPES:
+        w2 = _stacked_int4([src.q4_part(down, (0, a.dim), (lo, hi))])
+    elif src.kind(down) == "Q8_0":  # the columns' blocks, as stored
+        rows = src.raw_rows(down, torch.arange(a.dim))
+        w2 = KernelLinear.from_records(kernels.huge(rows[:, lo // 32 * 34:hi // 32 * 34].contiguous()),
+                                       "q8_0", hi - lo)
+    elif src.raw_rows(down, torch.arange(1)) is not None:  # another block type: onto Q8_0
+        cols = src.get(down, torch.float32)[:, lo:hi]
+        w2 = KernelLinear.from_records(kernels.huge(kernels.quantize_rows(cols, "q8_0")), "q8_0", hi - lo)
+    else:  # plain numbers
+        return None
     up_b = src.rows(p + "up_b", idx, dtype) if p + "up_b" in src.names else None
-    return BlockSlice(a.ffn_act, idx.clone(), w1, down, up_b)
+    return BlockSlice(a.ffn_act, idx.clone(), w1, w2, up_b)
 
 
 def _stacked_int4(blocks: list[tuple], bias: torch.Tensor | None = None) -> nn.Module:

@@ -114,11 +114,14 @@ def int4_linear(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor,
 
 class KernelLinear(nn.Module):
     """y = x W^T (+ b) with W's rows in a CPU kernel format (`kernels.FORMATS`, e.g. q8_0 for an
-    8-bit output head): up to `kernels.MAX_ROWS` input rows run the kernel's matrix-vector
+    8-bit output head): up to KERNEL_ROWS input rows run the kernel's matrix-vector
     product, which reads each row once in its format; longer inputs (prefill) widen W a chunk of
-    rows at a time and multiply in the input's dtype."""
+    rows at a time into one reused buffer and multiply in the input's dtype."""
 
-    CHUNK = 8192  # rows widened at a time
+    WIDEN_BYTES = 8 << 20  # widened rows a long input holds at a time (see NeuronSet's)
+    # up to this many input rows the kernel's GEMV runs, above it widened rows: a 16,000 x 4,096
+    # Q8_0 matrix, 2 threads, took 13.4 / 12.8 ms for 8 rows, 21.9 / 12.7 for 16, 61.9 / 26.8 for 64
+    KERNEL_ROWS = 8
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, fmt: str):
         super().__init__()
@@ -146,14 +149,21 @@ class KernelLinear(nn.Module):
 
     def forward(self, x):
         shape, rows = x.shape, x.reshape(-1, self.in_features)
-        if rows.shape[0] <= kernels.MAX_ROWS:
+        # (a compiled decode step keeps to the kernel: the reused buffer is the eager path's)
+        limit = kernels.MAX_ROWS if torch.compiler.is_compiling() else self.KERNEL_ROWS
+        if rows.shape[0] <= limit:
             y = torch.ops.powerinfer.linear(rows.contiguous(), self.records, self.code)
             y = y.to(x.dtype)
-        else:  # widened a chunk of rows at a time (f32/bf16 records are the matrix: one chunk)
-            step = self.out_features if self.fmt in ("f32", "bf16") else self.CHUNK
-            y = torch.cat([rows @ kernels.widen(self.records[i:i + step], self.fmt, 1,
-                                                self.in_features)[:, 0].to(x.dtype).t()
-                           for i in range(0, self.out_features, step)], -1)
+        elif self.fmt in kernels.PLAIN_FORMATS or torch.compiler.is_compiling():  # one widening
+            y = rows @ kernels.widen(self.records, self.fmt, 1, self.in_features)[:, 0].to(x.dtype).t()
+        else:  # widened WIDEN_BYTES at a time into one reused buffer in the input's dtype
+            step = max(16, self.WIDEN_BYTES // (self.in_features * x.dtype.itemsize))
+            buf = kernels.scratch(min(step, self.out_features) * self.in_features, x.dtype)
+            y = torch.empty(rows.shape[0], self.out_features, dtype=x.dtype)
+            for i in range(0, self.out_features, step):
+                w = self.records[i:i + step]
+                w = kernels.widen_into(w, self.fmt, 1, self.in_features, buf[:len(w) * self.in_features])
+                torch.matmul(rows, w[:, 0].t(), out=y[:, i:i + len(w)])
         y = y.view(*shape[:-1], self.out_features)
         return y if self.bias is None else y + self.bias
 

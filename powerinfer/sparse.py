@@ -55,9 +55,15 @@ class NeuronSet(nn.Module):
     fmt None keeps gate, up and down_t as torch tensors (the reference path); a kernel format
     (`kernels.FORMATS`) keeps them as the CPU kernel's neuron-major records instead, and a decode
     step runs the kernel, reading each computed neuron's rows once where they lie. Many-token
-    steps widen the records (a view for f32/bf16, CHUNK neurons at a time for int8/4-bit)."""
+    steps widen the records (a view for f32/bf16, WIDEN_BYTES at a time for int8/4-bit)."""
 
-    CHUNK = 2048  # neurons widened at a time by a many-token step over quantized records
+    # widened rows a many-token step over quantized records holds at a time (measured on a 7B
+    # layer's 5,504 Q4_0 neurons, 15 tokens: 287 ms in 2,048-neuron float32 chunks, 86 ms in
+    # 512 KiB of bf16, 20 ms in 8 MiB; more gained nothing)
+    WIDEN_BYTES = 8 << 20
+    # up to this many rows (tokens) the decode kernel runs a many-token step, each row reading
+    # the records (the same layer: 11 ms for 4 rows against 12 ms widened, 24 against 16 for 8)
+    KERNEL_ROWS = 4
 
     def __init__(self, act: str, w1: torch.Tensor, b1: torch.Tensor | None, w2: torch.Tensor,
                  idx: torch.Tensor, fmt: str | None = None):
@@ -120,22 +126,37 @@ class NeuronSet(nn.Module):
         rows = kernels.unpack(self.records[lo:hi], self.fmt, self.dim, self.act not in UNGATED)
         return tuple(None if r is None else r.to(self.dtype) for r in rows)
 
-    def _chunks(self):
+    def _blocks(self):
+        """(lo, hi, (gate or None, up, down_t)) over the set's neurons in its dtype, for
+        many-token steps: one block of views for the torch path and f32/bf16 records; else
+        WIDEN_BYTES of widened rows at a time, written into this thread's one reused buffer (a
+        block's rows are valid until the next block is asked for)."""
         n = len(self.idx)
-        step = max(n, 1) if self.records is None or self.fmt in ("f32", "bf16") else self.CHUNK
-        return [(lo, min(lo + step, n)) for lo in range(0, n, step)] or [(0, 0)]
+        if self.records is None or self.fmt in kernels.PLAIN_FORMATS or n == 0:
+            yield 0, n, self.rows()
+            return
+        rows = 3 if self.act not in UNGATED else 2
+        per = rows * self.dim * self.dtype.itemsize
+        step = max(16, self.WIDEN_BYTES // per)
+        buf = kernels.scratch(min(step, n) * rows * self.dim, self.dtype)
+        for lo in range(0, n, step):
+            hi = min(lo + step, n)
+            w = kernels.widen_into(self.records[lo:hi], self.fmt, rows, self.dim,
+                                   buf[:(hi - lo) * rows * self.dim])
+            yield lo, hi, ((w[:, 0] if rows == 3 else None), w[:, -2], w[:, -1])
 
     def scores(self, x):  # x: (..., dim) -> firing scores (..., k)
-        return torch.cat([self._pre(x, None, lo, hi)[0] for lo, hi in self._chunks()], -1)
+        return torch.cat([self._pre(x, None, lo, hi, w)[0] for lo, hi, w in self._blocks()], -1)
 
-    def _pre(self, x, sel, lo=0, hi=None):
+    def _pre(self, x, sel, lo=0, hi=None, rows=None):
+        # rows: (gate, up, down_t) of neurons lo:hi (None: the whole set's)
         # index_select, not w[sel]: the advanced-indexing kernel is ~3x slower at gathering rows
-        gate, up, _ = self.rows(lo, hi)
-        rows = (lambda w: w) if sel is None else (lambda w: w.index_select(0, sel))
-        u = x @ rows(up).t()
+        gate, up, _ = self.rows(lo, hi) if rows is None else rows
+        pick = (lambda w: w) if sel is None else (lambda w: w.index_select(0, sel))
+        u = x @ pick(up).t()
         if self.up_b is not None:
-            u = u + rows(self.up_b[lo:hi])
-        g = None if gate is None else x @ rows(gate).t()
+            u = u + pick(self.up_b[lo:hi])
+        g = None if gate is None else x @ pick(gate).t()
         return activate(self.act, g, u)
 
     def forward(self, x, sel=None, threshold: float = 0.0, keep=None):
@@ -143,11 +164,12 @@ class NeuronSet(nn.Module):
         # mask over it; keep: per-row masks, (B, T, len(sel)) with indices, (B, T, k) with a mask
         if x.shape[0] == 0:  # an empty batch: nothing to compute
             return x.new_zeros(x.shape)
-        if self.records is not None and x.shape[1] == 1:  # decode: the kernel
-            B = x.shape[0]
-            k = None if keep is None else keep.reshape(B, -1).contiguous()
-            rows = x.reshape(B, -1)
-            if kernels.on_triton(self.records):  # a GPU's records: the Triton kernel
+        B, T = x.shape[:2]
+        few = T > 1 and B * T <= self.KERNEL_ROWS  # a few tokens: each its own row of the kernel
+        if self.records is not None and (T == 1 or few and not kernels.on_triton(self.records)):
+            k = None if keep is None else keep.reshape(B * T, -1).contiguous()
+            rows = x.reshape(B * T, -1)
+            if kernels.on_triton(self.records):  # decode over a GPU's records: the Triton kernel
                 from . import triton_ffn
                 y = triton_ffn.neuron_ffn(rows, self.records, sel, k, self.bias32, threshold,
                                           self.act, self.fmt)
@@ -156,16 +178,16 @@ class NeuronSet(nn.Module):
                 rows = rows.float()
             y = kernels.neuron_ffn(rows.contiguous(), self.records, self.all if sel is None else sel,
                                    k, self.bias32, threshold, self.act, self.fmt)
-            return y.to(x.dtype).unsqueeze(1)
-        if sel is None:  # every neuron, many tokens: dense matmuls (a chunk at a time)
+            return y.to(x.dtype).view(B, T, -1)
+        if sel is None:  # every neuron, many tokens: dense matmuls (a block at a time)
             y = 0
-            for lo, hi in self._chunks():
-                score, h = self._pre(x, None, lo, hi)
+            for lo, hi, w in self._blocks():
+                score, h = self._pre(x, None, lo, hi, w)
                 if threshold > 0:
                     h = h * (score > threshold)
                 if keep is not None:
                     h = h * keep[..., lo:hi]
-                y = y + h @ self.rows(lo, hi)[2]
+                y = y + h @ w[2]
             return y
         score, h = self._pre(x, sel)
         if threshold > 0:
@@ -181,11 +203,11 @@ class NeuronSet(nn.Module):
 
 class BlockSlice(nn.Module):
     """Neurons lo..hi of one layer's FFN, all computed at every step (a plan with no predictor:
-    the actor runtime's dense split), from a file whose FFN is in 4-bit blocks, lo and hi
-    multiples of 32: the slice's gate and up rows and its columns of down are whole blocks of the
-    file, held as two `quant.Q4Linear`s (the same bytes) and run on the int4 GEMV the dense
-    model runs, where the per-neuron kernel would widen down to Q8_0 and read a neuron at a
-    time. Called as a NeuronSet is for every neuron (sel None); answers in float32, so that the
+    the actor runtime's dense split), from a file whose gate and up are in 4-bit blocks, lo and
+    hi multiples of 32: the slice's gate and up rows and its columns of down are whole blocks of
+    the file, held as `quant.Q4Linear`s (the same bytes; down as one Q8_0 `KernelLinear` where
+    the file keeps it in more bits) and run on the GEMVs the dense model runs, where the
+    per-neuron kernel would read a neuron at a time and widen a many-token step's rows. Called as a NeuronSet is for every neuron (sel None); answers in float32, so that the
     executors' partial sums are added before the one rounding the dense FFN makes."""
 
     def __init__(self, act: str, idx: torch.Tensor, w1: nn.Module, down: nn.Module,

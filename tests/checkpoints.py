@@ -190,12 +190,13 @@ def hf_from_gguf(path: Path):
 
 
 def write_llama_gguf(path: Path, model, ffn_activation: str | None = None,
-                     qtype=None, arch: str = "llama") -> dict[str, torch.Tensor]:
+                     qtype=None, arch: str = "llama", down_qtype=None) -> dict[str, torch.Tensor]:
     """Write a transformers LLaMA-family model as a llama.cpp-style GGUF file.
 
     2-D tensors are stored as `qtype` (F32 default, F16, or a quantized type); 1-D tensors
     (norms, biases) stay F32 as llama.cpp keeps them. `ffn_activation` ("reglu"/"dreglu") goes in
-    the string key powerinfer.ffn_activation. A tied model gets no output.weight.
+    the string key powerinfer.ffn_activation. A tied model gets no output.weight. down_qtype:
+    ffn_down's type where it differs (a Q4_K_M file's more-bits layers keep down in more bits).
 
     Returns the HF-named state dict as the file stores it (after the F16/quantization round
     trip, q/k in HF order): load it into a transformers model to get the oracle for this file.
@@ -230,7 +231,7 @@ def write_llama_gguf(path: Path, model, ffn_activation: str | None = None,
         w.add_string("powerinfer.ffn_activation", ffn_activation)
     add_byte_tokenizer(w)
 
-    def put(gguf_name: str, hf_name: str, permute_heads: int | None = None):
+    def put(gguf_name: str, hf_name: str, permute_heads: int | None = None, qtype=qtype):
         arr = sd[hf_name]
         if arr.ndim == 1 or qtype == T.F32:
             stored, eff = arr.astype(np.float32), arr.astype(np.float32)
@@ -263,7 +264,8 @@ def write_llama_gguf(path: Path, model, ffn_activation: str | None = None,
         put(f"blk.{i}.ffn_norm.weight", p + "post_attention_layernorm.weight")
         put(f"blk.{i}.ffn_gate.weight", p + "mlp.gate_proj.weight")
         put(f"blk.{i}.ffn_up.weight", p + "mlp.up_proj.weight")
-        put(f"blk.{i}.ffn_down.weight", p + "mlp.down_proj.weight")
+        put(f"blk.{i}.ffn_down.weight", p + "mlp.down_proj.weight",
+            qtype=qtype if down_qtype is None else down_qtype)
     if tied:
         effective["lm_head.weight"] = effective["model.embed_tokens.weight"]
 

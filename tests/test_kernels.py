@@ -166,11 +166,11 @@ def test_kernel_linear_equals_a_matmul_over_its_weights(isa, fmt):
     torch.manual_seed(3)
     w, b = torch.randn(300, 128), torch.randn(300)
     lin = KernelLinear(w, b, fmt)
-    lin.CHUNK = 128  # several chunks
+    lin.WIDEN_BYTES = 128 * 128 * 4  # several chunks of float32 rows
     held = K.dequantize_rows(lin.records, fmt, 128)
     for shape in [(1, 1, 128), (5, 1, 128), (2, 40, 128)]:
         x = torch.randn(*shape)
-        xin = K.dot_input(x, fmt) if shape[0] * shape[1] <= K.MAX_ROWS else x
+        xin = K.dot_input(x, fmt) if shape[0] * shape[1] <= lin.KERNEL_ROWS else x
         want = xin @ held.t() + b
         got = lin(x)
         assert got.shape == want.shape
@@ -192,6 +192,44 @@ def test_reformat_keeps_the_neurons_and_their_weights():
         for a, b in ((ref, s), (s, back)):
             want, got = a(x, sel), b(x, sel)
             assert (got - want).abs().max() <= tol * want.abs().max(), fmt
+
+
+@pytest.mark.parametrize("fmt", ["q4_0", "q4_1", "q8_0", "i8", "bf16"])
+def test_widening_into_bf16_rounds_to_nearest_even(isa, fmt):
+    # the kernel's own float32 -> bf16 rounding against torch's, every value equal; the values
+    # include exact ties (a bf16 ulp's half) that truncation or rounding half up would get wrong
+    torch.manual_seed(6)
+    w = torch.randn(37, 3, 96) * 4
+    w[0, 0, :8] = torch.tensor([1 + 2 ** -8, 1 + 3 * 2 ** -8, -1 - 2 ** -8, 3, 0.0, -0.0, 2 ** -9, 1e-30])
+    rec = K.pack(w[:, 0], w[:, 1], w[:, 2], fmt)
+    want = K.widen(rec, fmt, 3, 96).to(torch.bfloat16)
+    out = torch.full((37 * 3 * 96,), float("nan"), dtype=torch.bfloat16)
+    got = K.widen_into(rec, fmt, 3, 96, out)
+    assert got.data_ptr() == out.data_ptr() and torch.equal(got.view(torch.int16), want.view(torch.int16))
+
+
+@pytest.mark.parametrize("fmt", ["q4_0", "q4_1", "q8_0", "i8"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_many_token_steps_over_quantized_records(isa, fmt, dtype):
+    # a prompt's step over quantized records: a few tokens through the decode kernel, more
+    # through the rows widened a block at a time into one reused buffer (here several blocks);
+    # both equal the torch path over the same rows, with a threshold and per-token masks
+    from powerinfer.sparse import NeuronSet
+    torch.manual_seed(5)
+    n, dim = 200, 64
+    w1, w2 = torch.randn(2 * n, dim) * 0.3, torch.randn(dim, n) * 0.3
+    idx = torch.arange(0, n, 2)
+    s = NeuronSet("swiglu", w1.to(dtype), None, w2.to(dtype), idx, fmt)
+    s.WIDEN_BYTES = 3 * dim * dtype.itemsize * 40  # blocks of 40 neurons: 40, 40, 20
+    ref = s.reformat(None)  # the same rows, held widened
+    for B, T in ((1, 3), (2, 2), (1, 37), (3, 9)):
+        x = torch.randn(B, T, dim).to(dtype)
+        keep = torch.rand(B, T, len(idx)) > 0.3
+        for th, k in ((0.0, None), (0.05, keep)):
+            want, got = ref(x, None, th, k).float(), s(x, None, th, k).float()
+            assert got.shape == want.shape == (B, T, dim)
+            tol = 0.03 if B * T <= s.KERNEL_ROWS or dtype == torch.bfloat16 else 1e-4
+            assert (got - want).abs().max() <= tol * want.abs().max(), (B, T, th)
 
 
 def decode_steps(m, slots: torch.Tensor, steps: int = 6) -> torch.Tensor:

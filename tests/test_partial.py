@@ -116,6 +116,45 @@ def test_a_dense_split_runs_whole_blocks_of_the_files_ffn(default_model_path):
                       NeuronSet)
 
 
+@pytest.mark.skipif(not kernels.available(), reason="the kernel library does not run here")
+def test_a_dense_split_of_a_layer_with_an_8_bit_down(tmp_path):
+    # a Q4_K_M file's more-bits layers keep down in more bits (Q6_K, Q8_0 once a bundle converts
+    # it): the range is still a BlockSlice, gate and up on the int4 GEMV, down's columns one
+    # Q8_0 matrix of the file's own blocks; prompts of 1 to 70 tokens (the GEMV and widened rows)
+    import gguf
+    from checkpoints import build_hf_model, llama_family_config, write_llama_gguf
+    from powerinfer.quant import KernelLinear
+    T = gguf.GGMLQuantizationType
+    cfg = llama_family_config(hidden_size=128, intermediate_size=256, num_attention_heads=4,
+                              num_key_value_heads=2)
+    path = tmp_path / "mixed.gguf"
+    w = write_llama_gguf(path, build_hf_model(cfg, seed=2), qtype=T.Q4_0, down_qtype=T.Q8_0)
+    ck = load_checkpoint(path, with_weights=False)
+    a, src = ck.args, ck.source
+    assert src.kind("1.down") == "Q8_0" and src.kind("1.gate") == "Q4_0"
+    p = "model.layers.1.mlp."
+    gate, up, down = (w[p + n].float() for n in ("gate_proj.weight", "up_proj.weight", "down_proj.weight"))
+    total = {}
+    for lo, hi in ((0, 96), (96, 256)):
+        idx = torch.arange(lo, hi)
+        s = read_neuron_set(src, a, 1, idx, "q4_0", torch.float32, every_step=True)
+        assert isinstance(s, BlockSlice) and isinstance(s.down, KernelLinear) and s.down.fmt == "q8_0"
+        assert s.down.records.shape == (128, (hi - lo) // 32 * 34)
+        for rows in (1, 5, 70):
+            x = torch.randn(rows, 1, a.dim, generator=torch.Generator().manual_seed(rows))
+            xq = kernels.quantize_input(x)
+            h = torch.nn.functional.silu(xq @ gate[idx].t()) * (xq @ up[idx].t())
+            want = h @ down[:, idx].t()
+            got = s(x)
+            assert got.dtype == torch.float32 and got.shape == want.shape
+            assert (got - want).abs().max() <= 0.02 * want.abs().max(), (rows, lo)
+            total[rows] = total.get(rows, 0) + got
+    for rows, y in total.items():
+        x = torch.randn(rows, 1, a.dim, generator=torch.Generator().manual_seed(rows))
+        dense = torch.nn.functional.silu(x @ gate.t()) * (x @ up.t()) @ down.t()
+        assert (y - dense).abs().max() <= 0.05 * dense.abs().max(), rows
+
+
 def test_what_the_driver_sends_its_actors_pickles(default_model_path):
     """The model file's table and the tokenizer travel to the executors and the scheduler on
     every start of a group, also after the tokenizer has rendered a chat template."""

@@ -123,10 +123,10 @@ using RangeFn = void (*)(const FFNArgs&, int64_t begin, int64_t end, float* out)
 using GemvFn = void (*)(const uint8_t* w, const FFNArgs& a, int64_t n, int64_t begin, int64_t end,
                         float* y);
 // Widens records [begin, end) (`rows` rows each, the last in down_format(fmt) unless it is the
-// only one: a plain matrix) to float32 rows of `dim` in out (record-major), for many-token
-// steps that run as matrix products.
+// only one: a plain matrix) to rows of `dim` in out (record-major; float32, or bf16 rounded to
+// nearest even with `bf16`), for many-token steps that run as matrix products.
 using WidenFn = void (*)(const uint8_t* w, int64_t neuron_bytes, int fmt, int64_t rows,
-                         int64_t dim, int64_t begin, int64_t end, float* out);
+                         int64_t dim, int64_t begin, int64_t end, void* out, bool bf16);
 
 // One tile of attention over the paged KV cache (attention.h): nq query vectors sharing one KV
 // head, each with its position, against that head's keys and values in the blocks of `table`.
@@ -570,23 +570,49 @@ inline void gemv(const uint8_t* w, const FFNArgs& a, int64_t n, int64_t begin, i
   with_format(a.fmt, [&](auto f) { gemv_fmt<decltype(f)::value>(w, a, n, begin, end, y); });
 }
 
-template <int FMT>
-inline void widen_row(const uint8_t* row, int64_t dim, float* out) {
+// v rounded to bf16 (to nearest even; the weights are finite) and stored at p
+inline void store_bf16(uint16_t* p, V v) {
+#if defined(__AVX512F__)
+  __m512i i = _mm512_castps_si512(v);
+  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(i, 16), _mm512_set1_epi32(1));
+  i = _mm512_srli_epi32(_mm512_add_epi32(i, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF))), 16);
+  _mm256_storeu_si256((__m256i*)p, _mm512_cvtepi32_epi16(i));
+#else
+  __m256i i = _mm256_castps_si256(v);
+  const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(i, 16), _mm256_set1_epi32(1));
+  i = _mm256_srli_epi32(_mm256_add_epi32(i, _mm256_add_epi32(odd, _mm256_set1_epi32(0x7FFF))), 16);
+  const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(i, i), 0x08);
+  _mm_storeu_si128((__m128i*)p, _mm256_castsi256_si128(packed));
+#endif
+}
+
+template <int FMT, typename O>
+inline void widen_row(const uint8_t* row, int64_t dim, O* out) {
   V w[NV];
   for (int64_t blk = 0; blk < dim / 32; blk++) {
     block<FMT>(row, blk, w);
-    for (int v = 0; v < NV; v++) vstore(out + 32 * blk + v * W, w[v]);
+    for (int v = 0; v < NV; v++) {
+      if constexpr (std::is_same_v<O, float>)
+        vstore(out + 32 * blk + v * W, w[v]);
+      else
+        store_bf16(out + 32 * blk + v * W, w[v]);
+    }
   }
 }
 
 inline void widen(const uint8_t* w, int64_t neuron_bytes, int fmt, int64_t rows, int64_t dim,
-                  int64_t begin, int64_t end, float* out) {
+                  int64_t begin, int64_t end, void* out, bool bf16) {
   const int64_t rb = row_bytes(fmt, dim);
   for (int64_t j = begin; j < end; j++) {
     const uint8_t* rec = w + j * neuron_bytes;
     for (int64_t r = 0; r < rows; r++)
       with_format(r + 1 < rows || rows == 1 ? fmt : down_format(fmt), [&](auto f) {
-        widen_row<decltype(f)::value>(rec + r * rb, dim, out + (j * rows + r) * dim);
+        constexpr int F = decltype(f)::value;
+        const int64_t at = (j * rows + r) * dim;
+        if (bf16)
+          widen_row<F>(rec + r * rb, dim, (uint16_t*)out + at);
+        else
+          widen_row<F>(rec + r * rb, dim, (float*)out + at);
       });
   }
 }

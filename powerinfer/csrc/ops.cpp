@@ -173,19 +173,28 @@ static at::Tensor neuron_ffn(const at::Tensor& x, const at::Tensor& w, const at:
 }
 
 // w (k, neuron_bytes) records of `rows` rows each (1: a plain matrix) -> (k, rows, dim) float32
-static at::Tensor widen(const at::Tensor& w, int64_t fmt, int64_t rows, int64_t dim) {
+// records w (n, bytes) -> out (n, rows, dim), float32 or bf16 (see WidenFn)
+static void widen_out(const at::Tensor& w, int64_t fmt, int64_t rows, int64_t dim, at::Tensor& out) {
   const Kernels& k = active();
   check_rows(w);
   check_format(fmt);
   TORCH_CHECK(rows >= 1 && rows <= 3 && dim % 32 == 0, "rows must be 1 to 3 and dim a multiple of 32");
   TORCH_CHECK(w.size(1) == (rows - 1) * row_bytes(fmt, dim) + row_bytes(rows == 1 ? fmt : down_format(fmt), dim),
               "w: ", w.size(1), " bytes per neuron do not fit the format");
-  at::Tensor out = at::empty({w.size(0), rows, dim}, w.options().dtype(at::kFloat));
+  TORCH_CHECK(out.is_contiguous() && out.device().is_cpu() && out.numel() == w.size(0) * rows * dim &&
+                  (out.scalar_type() == at::kFloat || out.scalar_type() == at::kBFloat16),
+              "out: a contiguous float32 or bf16 tensor of ", w.size(0) * rows * dim, " values");
   const uint8_t* p = w.data_ptr<uint8_t>();
-  float* o = out.data_ptr<float>();
+  void* o = out.data_ptr();
+  const bool bf16 = out.scalar_type() == at::kBFloat16;
   at::parallel_for(0, w.size(0), 16, [&](int64_t begin, int64_t end) {
-    k.widen(p, w.size(1), (int)fmt, rows, dim, begin, end, o);
+    k.widen(p, w.size(1), (int)fmt, rows, dim, begin, end, o, bf16);
   });
+}
+
+static at::Tensor widen(const at::Tensor& w, int64_t fmt, int64_t rows, int64_t dim) {
+  at::Tensor out = at::empty({w.size(0), rows, dim}, w.options().dtype(at::kFloat));
+  widen_out(w, fmt, rows, dim, out);
   return out;
 }
 
@@ -621,6 +630,7 @@ struct ColdLayers {
   at::TensorList ffn_w1, ffn_w2;  // block slice: q4x16 gate+up rows, down columns; records: w1
   at::IntArrayRef ffn_kind;       // 0 none, 1 block slice (ffn_n: its gate+up rows), 2 neuron records
   at::IntArrayRef ffn_n;          // (records: their format)
+  at::IntArrayRef ffn_down_fmt;   // block slice: its down's, -1 q4x16 or a kernel format (q8_0)
   at::TensorList qkv, wo, k_cache, v_cache;  // its heads: projections, paged pools (see paged_attention)
   at::IntArrayRef qkv_fmt, qkv_n, wo_fmt;    // -1: q4x16, else a kernel format
 };
@@ -642,7 +652,7 @@ static at::Tensor ffn_step(const Kernels& k, const ColdLayers& L, int64_t layer,
   for (int64_t r = 0; r < rows; r++)
     for (int64_t j = 0; j < kk; j++)
       hp[r * kk + j] = activation(act, gated ? yp[r * n + j] : 0.0f, yp[r * n + (gated ? kk + j : j)], bf16);
-  return project(k, h, L.ffn_w2[layer], -1, dim);
+  return project(k, h, L.ffn_w2[layer], L.ffn_down_fmt[layer], dim);
 }
 
 // A layer's decode step of its heads: x (rows, dim) in the model's type; pos (rows,), starts,
@@ -672,7 +682,8 @@ static at::Tensor attention_step(const Kernels& k, const ColdLayers& L, int64_t 
 static std::vector<int64_t> cold_serve(at::Tensor& state, int64_t x_base, int64_t part_base, int64_t part_capacity,
                                        int64_t dim, bool bf16, double spin_us, at::IntArrayRef ops, int64_t act,
                                        at::TensorList ffn_w1, at::TensorList ffn_w2, at::IntArrayRef ffn_kind,
-                                       at::IntArrayRef ffn_n, at::TensorList qkv, at::IntArrayRef qkv_fmt,
+                                       at::IntArrayRef ffn_n, at::IntArrayRef ffn_down_fmt, at::TensorList qkv,
+                                       at::IntArrayRef qkv_fmt,
                                        at::IntArrayRef qkv_n, at::TensorList wo, at::IntArrayRef wo_fmt,
                                        at::TensorList k_cache, at::TensorList v_cache, int64_t n_heads,
                                        const std::optional<at::Tensor>& cos, const std::optional<at::Tensor>& sin,
@@ -682,11 +693,12 @@ static std::vector<int64_t> cold_serve(at::Tensor& state, int64_t x_base, int64_
   TORCH_CHECK(state.scalar_type() == at::kLong && state.numel() == 2 && state.is_contiguous(), "state: int64 (2,)");
   const size_t n_layers = ffn_kind.size();
   TORCH_CHECK(ffn_w1.size() == n_layers && ffn_w2.size() == n_layers && ffn_n.size() == n_layers &&
+              ffn_down_fmt.size() == n_layers &&
               qkv.size() == n_layers && qkv_fmt.size() == n_layers && qkv_n.size() == n_layers &&
               wo.size() == n_layers && wo_fmt.size() == n_layers && k_cache.size() == n_layers &&
               v_cache.size() == n_layers, "one entry per layer in every list");
   TORCH_CHECK(ops.size() == 3 && dim % 32 == 0, "ops: (decode, head, attention); dim a multiple of 32");
-  const ColdLayers L{ffn_w1, ffn_w2, ffn_kind, ffn_n, qkv, wo, k_cache, v_cache, qkv_fmt, qkv_n, wo_fmt};
+  const ColdLayers L{ffn_w1, ffn_w2, ffn_kind, ffn_n, ffn_down_fmt, qkv, wo, k_cache, v_cache, qkv_fmt, qkv_n, wo_fmt};
   auto* xh = reinterpret_cast<ChannelHeader*>(x_base);
   char* xp = reinterpret_cast<char*>(x_base) + CH_HEADER;
   char* pp = reinterpret_cast<char*>(part_base) + CH_HEADER;
@@ -726,6 +738,7 @@ static std::vector<int64_t> cold_serve(at::Tensor& state, int64_t x_base, int64_
 TORCH_LIBRARY(powerinfer, m) {
   m.def("neuron_ffn(Tensor x, Tensor w, Tensor sel, Tensor? keep, Tensor? bias, float threshold, int act, int fmt) -> Tensor");
   m.def("widen(Tensor w, int fmt, int rows, int dim) -> Tensor");
+  m.def("widen_out(Tensor w, int fmt, int rows, int dim, Tensor(a!) out) -> ()");
   m.def("linear(Tensor x, Tensor w, int fmt) -> Tensor");
   m.def("linear_q4x16(Tensor x, Tensor w, int n) -> Tensor");
   m.def("rms_norm(Tensor x, Tensor w, float eps) -> Tensor");
@@ -735,7 +748,7 @@ TORCH_LIBRARY(powerinfer, m) {
   m.def("ch_send(Tensor[] parts, int base, int capacity, int op, int layer, SymInt[] extra) -> Tensor");
   m.def("ch_recv(Tensor like, Tensor(a!) state, int base, int width, float spin_us) -> Tensor");
   m.def("cold_serve(Tensor(a!) state, int x_base, int part_base, int part_capacity, int dim, bool bf16, "
-        "float spin_us, int[] ops, int act, Tensor[] ffn_w1, Tensor[] ffn_w2, int[] ffn_kind, int[] ffn_n, "
+        "float spin_us, int[] ops, int act, Tensor[] ffn_w1, Tensor[] ffn_w2, int[] ffn_kind, int[] ffn_n, int[] ffn_down_fmt, "
         "Tensor[] qkv, int[] qkv_fmt, int[] qkv_n, Tensor[] wo, int[] wo_fmt, Tensor[] k_cache, Tensor[] v_cache, "
         "int n_heads, Tensor? cos, Tensor? sin, int window, float scale, Tensor? head, int head_fmt) -> int[]");
   m.def("isa", &powerinfer::isa);
@@ -745,6 +758,7 @@ TORCH_LIBRARY(powerinfer, m) {
 TORCH_LIBRARY_IMPL(powerinfer, CPU, m) {
   m.impl("neuron_ffn", powerinfer::neuron_ffn);
   m.impl("widen", powerinfer::widen);
+  m.impl("widen_out", powerinfer::widen_out);
   m.impl("linear", powerinfer::linear);
   m.impl("linear_q4x16", powerinfer::linear_q4x16);
   m.impl("rms_norm", powerinfer::rms_norm);
