@@ -294,15 +294,16 @@ def widen_into(w: torch.Tensor, fmt: str, rows: int, dim: int, out: torch.Tensor
 _scratch = threading.local()
 
 
-def scratch(numel: int, dtype: torch.dtype) -> torch.Tensor:
-    """A buffer of at least `numel` values of `dtype`, this thread's, reused by every call (the
-    next call may hand out the same memory: use it before calling again)."""
+def scratch(numel: int, dtype: torch.dtype, device: torch.device | str = "cpu") -> torch.Tensor:
+    """A buffer of at least `numel` values of `dtype` on `device`, this thread's, reused by every
+    call (the next call may hand out the same memory: use it before calling again)."""
     held = getattr(_scratch, "buffers", None)
     if held is None:
         held = _scratch.buffers = {}
-    buf = held.get(dtype)
+    key = (dtype, torch.device(device))
+    buf = held.get(key)
     if buf is None or buf.numel() < numel:
-        buf = held[dtype] = torch.empty(numel, dtype=dtype)
+        buf = held[key] = torch.empty(numel, dtype=dtype, device=device)
     return buf[:numel]
 
 

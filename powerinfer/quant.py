@@ -158,8 +158,9 @@ class KernelLinear(nn.Module):
             y = rows @ kernels.widen(self.records, self.fmt, 1, self.in_features)[:, 0].to(x.dtype).t()
         else:  # widened WIDEN_BYTES at a time into one reused buffer in the input's dtype
             step = max(16, self.WIDEN_BYTES // (self.in_features * x.dtype.itemsize))
-            buf = kernels.scratch(min(step, self.out_features) * self.in_features, x.dtype)
-            y = torch.empty(rows.shape[0], self.out_features, dtype=x.dtype)
+            buf = kernels.scratch(min(step, self.out_features) * self.in_features, x.dtype,
+                                  self.records.device)
+            y = rows.new_empty(rows.shape[0], self.out_features)
             for i in range(0, self.out_features, step):
                 w = self.records[i:i + step]
                 w = kernels.widen_into(w, self.fmt, 1, self.in_features, buf[:len(w) * self.in_features])

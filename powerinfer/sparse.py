@@ -138,7 +138,7 @@ class NeuronSet(nn.Module):
         rows = 3 if self.act not in UNGATED else 2
         per = rows * self.dim * self.dtype.itemsize
         step = max(16, self.WIDEN_BYTES // per)
-        buf = kernels.scratch(min(step, n) * rows * self.dim, self.dtype)
+        buf = kernels.scratch(min(step, n) * rows * self.dim, self.dtype, self.records.device)
         for lo in range(0, n, step):
             hi = min(lo + step, n)
             w = kernels.widen_into(self.records[lo:hi], self.fmt, rows, self.dim,
