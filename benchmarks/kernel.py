@@ -3,7 +3,8 @@
 machine's read bandwidth and the torch path it replaces, in one run.
 
     .venv/bin/python benchmarks/kernel.py [--dim 4096] [--ffn 11008] [--layers 4] [--rows 1]
-        [--formats bf16 i8 q4_0 q4_1] [--threads N] [--consecutive] [--plot FILE] [--out FILE]
+        [--formats bf16 i8 q4_0 q4_1] [--threads N] [--consecutive] [--also-isa avx512]
+        [--plot FILE] [--out FILE]
 
 One FFN layer of the given shape per `--layers` (random weights, ReGLU: gate, up and down rows),
 rotated through so that no step finds its rows in the caches. For each share of active neurons
@@ -57,6 +58,9 @@ def main():
     ap.add_argument("--threads", type=int, default=0)
     ap.add_argument("--consecutive", action="store_true",
                     help="the first neurons instead of a random subset (one stream, no jumps)")
+    ap.add_argument("--also-isa", default=None, choices=kernels.ISAS,
+                    help="time every kernel format under this instruction set as well (an A/B "
+                         "in the same run: avx512 has no VNNI, avx512bf16 does)")
     ap.add_argument("--plot", default=None, help="write the plot (PNG)")
     ap.add_argument("--out", default=None, help="write the results as JSON")
     args = ap.parse_args()
@@ -87,12 +91,21 @@ def main():
         for share in SHARES:
             m = max(1, round(share * n))
             sel = torch.arange(m) if args.consecutive else torch.randperm(n, generator=g)[:m].sort().values
-            for name, ss in sets.items():
+            runs = [(name, ss, None) for name, ss in sets.items()]
+            runs += [(name, ss, args.also_isa) for name, ss in sets.items()
+                     if args.also_isa and name != "torch"]
+            for name, ss, isa in runs:
                 fmt = ss[0].fmt or "bf16"
                 xin = xb if name == "torch" else x
-                t = timed(lambda i: ss[i](xin, sel), L, args.reps)
+                before = torch.ops.powerinfer.use_isa(isa) if isa else None
+                try:
+                    t = timed(lambda i: ss[i](xin, sel), L, args.reps)
+                finally:
+                    if isa:
+                        torch.ops.powerinfer.use_isa(before)
                 nbytes = len(sel) * kernels.record_bytes(fmt, d, gated=True)
-                results.append({"method": "torch path bf16" if name == "torch" else f"kernel {fmt}",
+                method = "torch path bf16" if name == "torch" else f"kernel {fmt}"
+                results.append({"method": method + (f" ({isa})" if isa else ""),
                                 "share": share, "ms": t * 1e3, "gbs": nbytes / t / 1e9})
     bw = read_bandwidth(torch.float32)
     print(f"# {datetime.date.today()} {platform.processor() or platform.machine()}, kernel ISA "

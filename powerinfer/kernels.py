@@ -46,7 +46,7 @@ SRC = Path(__file__).parent / "csrc"
 MAX_ROWS = 64  # rows per kernel call (csrc/neuron_ffn.h's MAXB)
 # per translation unit: the instruction sets it is compiled for
 _AVX512 = ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mfma", "-mf16c"]
-UNITS = {"ops.cpp": [], "neuron_ffn_avx512bf16.cpp": [*_AVX512, "-mavx512bf16"],
+UNITS = {"ops.cpp": [], "neuron_ffn_avx512bf16.cpp": [*_AVX512, "-mavx512bf16", "-mavx512vnni"],
          "neuron_ffn_avx512.cpp": _AVX512, "neuron_ffn_avx2.cpp": ["-mavx2", "-mfma", "-mf16c"]}
 ISAS = ("avx2", "avx512", "avx512bf16")  # each a superset of the one before
 _GGML = {"q4_0": GGMLQuantizationType.Q4_0, "q4_1": GGMLQuantizationType.Q4_1,

@@ -365,10 +365,67 @@ struct IntDots {
   }
 };
 
+#if defined(__AVX512VNNI__)
+// Q4_0/Q4_1 with AVX512_VNNI (Zen 4, Ice Lake and later): two blocks at a time (the even block's
+// call does its odd neighbour's too; P = 1 does nothing), their 64 nibbles widened to bytes in
+// one 512-bit vector whose 16 lanes each sum 4 products of the 8-bit input in one instruction
+// (vpdpbusd), then scaled per block in float: about half the instructions of IntDots per block,
+// which is what bounds a 4-bit row (its bytes arrive faster than IntDots consumes them).
+template <int FMT, int R>
+struct Q4Dots {
+  __m512 acc[R];
+  float accm[R];
+  void zero() {
+    for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps(), accm[r] = 0.0f;
+  }
+  template <int P>
+  inline void add(const uint8_t* row, int64_t blk, const FFNArgs& a, int64_t r0) {
+    if constexpr (P == 1) return;
+    constexpr int HDR = FMT == Q4_0 ? 2 : 4, BB = HDR + 16;
+    const int64_t nb = a.dim / 32;
+    const bool pair = blk + 1 < nb;
+    const uint8_t *b0 = row + blk * BB, *b1 = b0 + BB;
+    const __m128i q0 = _mm_loadu_si128((const __m128i*)(b0 + HDR));
+    const __m128i q1 = pair ? _mm_loadu_si128((const __m128i*)(b1 + HDR)) : _mm_setzero_si128();
+    const __m256i q = _mm256_set_m128i(q1, q0), mask = _mm256_set1_epi8(0x0F);
+    const __m256i lo = _mm256_and_si256(q, mask), hi = _mm256_and_si256(_mm256_srli_epi16(q, 4), mask);
+    // [lo0 hi0 lo1 hi1]: block 0's weights 0-15 and 16-31, then block 1's, as the input lies
+    const __m512i w = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_permute2x128_si256(lo, hi, 0x20)),
+                                         _mm256_permute2x128_si256(lo, hi, 0x31), 1);
+    const float d0 = half(b0), d1 = pair ? half(b1) : 0.0f;
+    const float m0 = FMT == Q4_0 ? -8.0f * d0 : half(b0 + 2);
+    const float m1 = !pair ? 0.0f : FMT == Q4_0 ? -8.0f * d1 : half(b1 + 2);
+    const __mmask64 take = pair ? ~0ULL : 0xFFFFFFFFULL;
+    for (int r = 0; r < R; r++) {
+      const int64_t row_i = r0 + r, at = row_i * nb + blk;
+      const __m512i xv = _mm512_maskz_loadu_epi8(take, a.xq + row_i * a.dim + 32 * blk);
+      const __m512i p = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w, xv);
+      const float s1 = pair ? d1 * a.xd[at + 1] : 0.0f;
+      const __m512 sc = _mm512_mask_blend_ps(0xFF00, _mm512_set1_ps(d0 * a.xd[at]), _mm512_set1_ps(s1));
+      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), sc, acc[r]);
+      accm[r] += m0 * a.xs[at] + (pair ? m1 * a.xs[at + 1] : 0.0f);
+    }
+  }
+  void sum(float* out) const {
+    for (int r = 0; r < R; r++) out[r] = _mm512_reduce_add_ps(acc[r]) + accm[r];
+  }
+};
+#endif
+
 template <int FMT, int R>
 struct DotsOf {
   using type = FloatDots<FMT, R>;
 };
+#if defined(__AVX512VNNI__)
+template <int R>
+struct DotsOf<Q4_0, R> {
+  using type = Q4Dots<Q4_0, R>;
+};
+template <int R>
+struct DotsOf<Q4_1, R> {
+  using type = Q4Dots<Q4_1, R>;
+};
+#else
 template <int R>
 struct DotsOf<Q4_0, R> {
   using type = IntDots<Q4_0, R>;
@@ -377,6 +434,7 @@ template <int R>
 struct DotsOf<Q4_1, R> {
   using type = IntDots<Q4_1, R>;
 };
+#endif
 template <int R>
 struct DotsOf<Q8_0, R> {
   using type = IntDots<Q8_0, R>;

@@ -34,7 +34,7 @@ static std::string pick_isa() {
   __builtin_cpu_init();
   if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
       __builtin_cpu_supports("avx512vl"))
-    return __builtin_cpu_supports("avx512bf16") ? "avx512bf16" : "avx512";
+    return __builtin_cpu_supports("avx512bf16") && __builtin_cpu_supports("avx512vnni") ? "avx512bf16" : "avx512";
   if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return "avx2";
   return "none";
 }
