@@ -11,7 +11,8 @@ model; the hybrid FFN (every neuron cold, thresholds from the bundle) with masks
 predictors; the hybrid FFN replaying the oracle's masks recorded on the same tokens (the sparse
 operators at the true sparsity, as with a perfect predictor that costs nothing); and the same
 replay on the torch path (gathered gate/up rows, an embedding-bag over down rows), the operator
-the CPU kernel replaced. Sparse decode otherwise runs the CPU kernel (`powerinfer.kernels`),
+the CPU kernel replaced (a 4-bit file's sparse model is the engine's own, loaded with the bundle:
+its neuron sets in the file's 4-bit blocks, down rows 8-bit). Sparse decode otherwise runs the CPU kernel (`powerinfer.kernels`),
 which reads each computed neuron's gate/up rows and, when it fires, its down row, in place.
 Bytes per token: every weight read (attention, norms, lm_head, the predictors, the embedding
 row), the KV cache read at the mean context, and for the FFN the three rows of each neuron
@@ -31,6 +32,7 @@ dense model's bytes.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import json
 import platform
@@ -151,7 +153,14 @@ def measure(label: str, pi, ids: list[int], n: int, extra: dict | None = None) -
         h.remove()
     a = pi.model.args
     b = dense_bytes(pi.model, len(ids) + n / 2)
-    row_bytes = neuron_bytes(a, pi.model.norm.weight.element_size())
+    # bytes of one neuron's rows as held: a neuron set's records (4-bit gate/up, 8-bit down
+    # from a 4-bit file), rows of the model's dtype on the torch path, or the dense FFN's share
+    if ffns:
+        s0 = ffns[0].hot if len(ffns[0].hot.idx) else ffns[0].cold
+        row_bytes = (s0.records.shape[1] if s0.records is not None
+                     else neuron_bytes(a, pi.model.norm.weight.element_size()))
+    else:
+        row_bytes = sum(module_bytes(blk.ffn) for blk in pi.model.layers) / (a.n_layers * a.ffn_dim)
     if ffns:
         computed = sum(s.computed for s in stats) / max(1, stats[0].rows)  # per token, all layers
         b["ffn rows (computed)"] = computed * row_bytes
@@ -211,10 +220,14 @@ def run_model(name: str, bundle_path: str, args) -> list[dict]:
     rows = [measure("dense", pi, ids, args.tokens)]
     # as the engines run them: bf16 on the kernel's GEMV with a bf16 model, else float32
     preds = load_predictors(bundle, args.input, run_dtype(pi.model.norm.weight.dtype))
-    th = bundle.thresholds()
-    apply_hybrid_ffn(pi.model, preds.active, predictor_input=args.input,
-                     thresholds=th)
     pred_bytes = sum(p.numel() * p.element_size() for p in preds.parameters())
+    if pi.config.weights == "int4":  # a 4-bit file: the sparse engine as it loads with the bundle
+        del pi                       # (its neuron sets in the file's 4-bit blocks)
+        pi = PowerInfer.from_pretrained(name, dataclasses.replace(config, bundle=bundle_path,
+                                                                  predictor=args.input))
+    else:
+        apply_hybrid_ffn(pi.model, preds.active, predictor_input=args.input,
+                         thresholds=bundle.thresholds())
     rows.append(measure(f"sparse, predicted ({args.input} input)", pi, ids, args.tokens,
                         {"predictors": pred_bytes}))
     replay = Replay()

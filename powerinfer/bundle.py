@@ -85,6 +85,17 @@ def file_sha256(path: Path, chunk: int = 1 << 24) -> str:
     return h.hexdigest()
 
 
+def _converted_from(path: Path) -> tuple[str, int, int] | None:
+    """(name, size, mtime in ns) of the file a converted copy was made from, from the report
+    written beside it (`convert.converted`), or None where `path` is no such copy."""
+    try:
+        stamp = json.loads(path.with_suffix(".json").read_text())["source"]
+        name, size, mtime = stamp.rsplit(":", 2)
+        return name, int(size), int(mtime)
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return None
+
+
 class Bundle:
     def __init__(self, path: str | os.PathLike, manifest: Manifest):
         self.path, self.manifest = Path(path), manifest
@@ -132,11 +143,21 @@ class Bundle:
             raise BundleError(self.path, f"has no {part!r} yet; run `powerinfer {made_by}` first")
 
     def check_model(self, model_path: Path):
-        """Raise unless model_path is the file this bundle was made from (size, then sha256)."""
+        """Raise unless model_path is the file this bundle was made from (size, then sha256), or
+        the copy of it the CPU kernel reads (`convert.converted`: a K-quant file's blocks
+        converted once), checked through the original beside it, else by the name and size the
+        copy records of its source."""
         m = self.manifest.model
-        if model_size(model_path) != m["size"] or file_sha256(model_path) != m["sha256"]:
-            raise BundleError(self.path, f"was made for {m['file']} (sha256 {m['sha256'][:12]}…), "
-                                         f"not for {model_path}")
+        model_path = Path(model_path)
+        if model_size(model_path) == m["size"] and file_sha256(model_path) == m["sha256"]:
+            return
+        source = _converted_from(model_path)
+        if source is not None and source[:2] == (m["file"], m["size"]):
+            original = model_path.parent.parent / m["file"]  # the copy beside its original
+            if not original.is_file() or file_sha256(original) == m["sha256"]:
+                return
+        raise BundleError(self.path, f"was made for {m['file']} (sha256 {m['sha256'][:12]}…), "
+                                     f"not for {model_path}")
 
     def save_manifest(self):
         _atomic(self.path / "manifest.json",

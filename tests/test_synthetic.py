@@ -147,3 +147,24 @@ def test_quantized_synthetic_files_hold_the_bf16_weights_within_their_formats_er
                     "q4_k_m": {"Q4_K", "Q6_K"}}[quant]
     pi = PowerInfer.from_pretrained(q.path, Config(dtype="float32"))
     assert len(pi.generate("a b c", max_new_tokens=4, temperature=0, ignore_eos=True)) > 0
+
+
+def test_a_bundle_of_a_k_quant_file_serves_its_converted_copy(tmp_path):
+    """Most files people have are Q4_K_M: a bundle profiled on one loads with the file for the
+    sparse engine, which reads the copy converted to the kernel's block types (the bundle is
+    checked through the original beside it), and is still refused for another file."""
+    from powerinfer.bundle import Bundle, BundleError
+    from powerinfer.predictor import train_predictors
+    from powerinfer.profile import ProfileOptions, profile
+
+    q = write_synthetic(tmp_path / "k.gguf", preset="tiny", seed=4, progress=False, quant="q4_k_m")
+    b = profile(str(q.path), "lee", tmp_path / "k.bundle",
+                ProfileOptions(tokens=256, window=64, samples=256), progress=False)
+    train_predictors(b, "ffn", ranks=[16], epochs=1, progress=False)
+    pi = PowerInfer.from_pretrained(q.path, Config(dtype="bfloat16", weights="int4",
+                                                   bundle=str(b.path), predictor="ffn"))
+    assert pi.checkpoint.path.name == "kernel-formats.gguf"  # the converted copy is what runs
+    assert len(pi.generate("a b c", max_new_tokens=4, temperature=0, ignore_eos=True)) > 0
+    other = write_synthetic(tmp_path / "other.gguf", preset="tiny", seed=5, progress=False)
+    with pytest.raises(BundleError, match="was made for k.gguf"):
+        Bundle.open(b.path).check_model(other.path)
