@@ -129,12 +129,13 @@ def llama_rss(path: str, threads: int) -> dict | None:
     cmd = [str(binary), "-m", path, "-t", str(threads), "--parallel", str(MAX_BATCH),
            "-c", str(MAX_SEQ * MAX_BATCH), "--host", "127.0.0.1", "--port", str(port),
            "--no-webui"]
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                            start_new_session=True)
+    log = Path(tempfile.mkdtemp()) / "llama-server.log"  # its output, quoted if it fails to start
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
     url = f"http://127.0.0.1:{port}"
     try:
         t0 = time.perf_counter()
-        wait_http(url + "/health", proc)
+        wait_http(url + "/health", proc, log)
         start_s = time.perf_counter() - t0
         body = json.dumps({"prompt": PROMPT, "n_predict": 8, "temperature": 0}).encode()
         urllib.request.urlopen(urllib.request.Request(url + "/completion", body), timeout=600).read()

@@ -37,6 +37,7 @@ import datetime
 import json
 import platform
 import statistics
+import tempfile
 import time
 from pathlib import Path
 
@@ -186,13 +187,15 @@ def llama_decode(path, ids: list[int], n: int, threads: int, dense: dict) -> dic
     import serve as sb  # benchmarks/serve.py: it builds and drives llama-server
 
     port = sb.free_port()
-    proc = subprocess.Popen([str(sb.llama_server_binary()), "-m", str(path), "-t", str(threads),
-                             "-c", str(len(ids) + n + 64), "--host", "127.0.0.1", "--port", str(port),
-                             "--no-webui", "--parallel", "1"],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    log = Path(tempfile.mkdtemp()) / "llama-server.log"  # its output, quoted if it fails to start
+    with open(log, "wb") as out:
+        proc = subprocess.Popen([str(sb.llama_server_binary()), "-m", str(path), "-t", str(threads),
+                                 "-c", str(len(ids) + n + 64), "--host", "127.0.0.1", "--port",
+                                 str(port), "--no-webui", "--parallel", "1"],
+                                stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
     url = f"http://127.0.0.1:{port}"
     try:
-        sb.wait_http(url + "/health", proc)
+        sb.wait_http(url + "/health", proc, log)
         body = json.dumps({"prompt": ids, "n_predict": n, "temperature": 0, "ignore_eos": True,
                            "cache_prompt": False}).encode()
         for _ in range(2):
@@ -203,7 +206,7 @@ def llama_decode(path, ids: list[int], n: int, threads: int, dense: dict) -> dic
     ms = timings["predicted_ms"] / timings["predicted_n"]
     b = dense["bytes"]
     ffn_share = b["ffn rows (all)"] / dense["bytes_total"]
-    return {"model": Path(path).name, "config": "llama.cpp dense (llama-server)", "ms_per_token": ms,
+    return {"model": dense["model"], "config": "llama.cpp dense (llama-server)", "ms_per_token": ms,
             "ffn_ms_per_token": ms * ffn_share, "tok_s": 1e3 / ms, "bytes": dict(b),
             "bytes_total": dense["bytes_total"], "ffn_density": 1.0, "tokens": [],
             "ffn_estimated": True}
@@ -244,8 +247,8 @@ def run_model(name: str, bundle_path: str, args) -> list[dict]:
     replay.pos = 0  # the same calls again
     rows.append(measure("sparse, oracle masks replayed, torch path", pi, ids, args.tokens))
     if args.llama:
-        rows.append(llama_decode(pi.checkpoint.path, ids, args.tokens, torch.get_num_threads(),
-                                 rows[0]))
+        # (the file as given: llama.cpp reads K-quants itself, where ours reads a converted copy)
+        rows.append(llama_decode(Path(name), ids, args.tokens, torch.get_num_threads(), rows[0]))
     for r in rows[1:]:
         r["same_tokens_as_dense"] = sum(x == y for x, y in zip(rows[0]["tokens"], r["tokens"]))
     # the FFN's bytes a token cannot do without (see the module docstring), per configuration
