@@ -69,7 +69,7 @@ def main():
             for f in ["bf16", *args.formats]}
     result = {"date": str(datetime.date.today()), "machine": platform.processor() or platform.machine(),
               "threads": torch.get_num_threads(), "dim": dim, "neurons": k, "rows": []}
-    print(f"| tokens | bf16 rows (ms) | " + " | ".join(
+    print("| tokens | bf16 rows (ms) | " + " | ".join(
         f"{f} (ms) | x bf16 | {f} before (ms)" for f in args.formats) + " |")
     for T in args.tokens:
         x = torch.randn(1, T, dim).bfloat16()
