@@ -291,6 +291,18 @@ def widen_into(w: torch.Tensor, fmt: str, rows: int, dim: int, out: torch.Tensor
     return out
 
 
+def widened(w: torch.Tensor, fmt: str, rows: int, dim: int, dtype: torch.dtype, budget: int):
+    """(lo, hi, records lo:hi widened to (hi - lo, rows, dim) in dtype) over w's records, `budget`
+    bytes of widened rows at a time (16 records at least), each chunk written into this
+    thread's one reused buffer (`scratch`): valid until the next chunk is asked for."""
+    n = w.shape[0]
+    step = max(16, budget // (rows * dim * dtype.itemsize))
+    buf = scratch(min(step, n) * rows * dim, dtype, w.device)
+    for lo in range(0, n, step):
+        hi = min(lo + step, n)
+        yield lo, hi, widen_into(w[lo:hi], fmt, rows, dim, buf[:(hi - lo) * rows * dim])
+
+
 _scratch = threading.local()
 
 

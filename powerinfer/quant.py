@@ -150,21 +150,17 @@ class KernelLinear(nn.Module):
     def forward(self, x):
         shape, rows = x.shape, x.reshape(-1, self.in_features)
         # (a compiled decode step keeps to the kernel: the reused buffer is the eager path's)
-        limit = kernels.MAX_ROWS if torch.compiler.is_compiling() else self.KERNEL_ROWS
-        if rows.shape[0] <= limit:
+        compiling = torch.compiler.is_compiling()
+        if rows.shape[0] <= (kernels.MAX_ROWS if compiling else self.KERNEL_ROWS):
             y = torch.ops.powerinfer.linear(rows.contiguous(), self.records, self.code)
             y = y.to(x.dtype)
-        elif self.fmt in kernels.PLAIN_FORMATS or torch.compiler.is_compiling():  # one widening
+        elif self.fmt in kernels.PLAIN_FORMATS or compiling:  # one widening
             y = rows @ kernels.widen(self.records, self.fmt, 1, self.in_features)[:, 0].to(x.dtype).t()
         else:  # widened WIDEN_BYTES at a time into one reused buffer in the input's dtype
-            step = max(16, self.WIDEN_BYTES // (self.in_features * x.dtype.itemsize))
-            buf = kernels.scratch(min(step, self.out_features) * self.in_features, x.dtype,
-                                  self.records.device)
             y = rows.new_empty(rows.shape[0], self.out_features)
-            for i in range(0, self.out_features, step):
-                w = self.records[i:i + step]
-                w = kernels.widen_into(w, self.fmt, 1, self.in_features, buf[:len(w) * self.in_features])
-                torch.matmul(rows, w[:, 0].t(), out=y[:, i:i + len(w)])
+            for lo, hi, w in kernels.widened(self.records, self.fmt, 1, self.in_features, x.dtype,
+                                             self.WIDEN_BYTES):
+                torch.matmul(rows, w[:, 0].t(), out=y[:, lo:hi])
         y = y.view(*shape[:-1], self.out_features)
         return y if self.bias is None else y + self.bias
 

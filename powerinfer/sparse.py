@@ -136,13 +136,8 @@ class NeuronSet(nn.Module):
             yield 0, n, self.rows()
             return
         rows = 3 if self.act not in UNGATED else 2
-        per = rows * self.dim * self.dtype.itemsize
-        step = max(16, self.WIDEN_BYTES // per)
-        buf = kernels.scratch(min(step, n) * rows * self.dim, self.dtype, self.records.device)
-        for lo in range(0, n, step):
-            hi = min(lo + step, n)
-            w = kernels.widen_into(self.records[lo:hi], self.fmt, rows, self.dim,
-                                   buf[:(hi - lo) * rows * self.dim])
+        for lo, hi, w in kernels.widened(self.records, self.fmt, rows, self.dim, self.dtype,
+                                         self.WIDEN_BYTES):
             yield lo, hi, ((w[:, 0] if rows == 3 else None), w[:, -2], w[:, -1])
 
     def scores(self, x):  # x: (..., dim) -> firing scores (..., k)
@@ -207,7 +202,8 @@ class BlockSlice(nn.Module):
     hi multiples of 32: the slice's gate and up rows and its columns of down are whole blocks of
     the file, held as `quant.Q4Linear`s (the same bytes; down as one Q8_0 `KernelLinear` where
     the file keeps it in more bits) and run on the GEMVs the dense model runs, where the
-    per-neuron kernel would read a neuron at a time and widen a many-token step's rows. Called as a NeuronSet is for every neuron (sel None); answers in float32, so that the
+    per-neuron kernel would read a neuron at a time and widen a many-token step's rows.
+    Called as a NeuronSet is for every neuron (sel None); answers in float32, so that the
     executors' partial sums are added before the one rounding the dense FFN makes."""
 
     def __init__(self, act: str, idx: torch.Tensor, w1: nn.Module, down: nn.Module,
