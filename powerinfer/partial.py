@@ -220,16 +220,23 @@ def _stacked_int4(blocks: list[tuple], bias: torch.Tensor | None = None) -> nn.M
 
 
 def _stored_projection(src: TensorSource, names: tuple[str, ...], dtype) -> torch.nn.Module | None:
-    """An attention projection straight from the file's 4-bit blocks, or one Q8_0 matrix where
-    its fused tensors are 4-bit and Q8_0 (`q8_0_rows`), or None if any is stored otherwise."""
+    """An attention projection straight from the file's blocks (`_stored_rows`), or None."""
     bias = None
     if all(n + "_b" in src.names for n in names):
         bias = torch.cat([src.get(n + "_b", dtype) for n in names])
-    if all(src.kind(n) in Q4_TYPES for n in names):
-        return _stacked_int4([src.q4(n) for n in names], bias)
-    if bias is None and kernels.available() and \
-            (rows := q8_0_rows(src, [(n, None) for n in names])) is not None:
-        return KernelLinear.from_records(rows, "q8_0", src.shape(names[0])[1])
+    return _stored_rows(src, [(n, None) for n in names], src.shape(names[0])[1], bias)
+
+
+def _stored_rows(src: TensorSource, parts: list[tuple[str, tuple[int, int] | None]], dim: int,
+                 bias: torch.Tensor | None) -> torch.nn.Module | None:
+    """A fused projection over the rows (lo, hi) (None: all) of tensors of `dim` columns, from
+    the file's blocks: one int4 GEMV where every part is 4-bit, one Q8_0 matrix where they mix
+    4-bit and Q8_0 (`q8_0_rows`; no bias there), else None."""
+    if all(src.kind(n) in Q4_TYPES for n, _ in parts):
+        return _stacked_int4([src.q4_part(n, r or (0, src.shape(n)[0]), (0, dim)) for n, r in parts],
+                             bias)
+    if bias is None and kernels.available() and (rows := q8_0_rows(src, parts)) is not None:
+        return KernelLinear.from_records(rows, "q8_0", dim)
     return None
 
 
@@ -254,11 +261,8 @@ def attention_slice(src: TensorSource, a: ModelArgs, layer: int, kv: tuple[int, 
     bias = None
     if a.qkv_bias:
         bias = torch.cat([src.get(p + n + "_b", dtype)[lo:hi] for n, (lo, hi) in rows.items()])
-    if int4 and all(src.kind(p + n) in Q4_TYPES for n in "qkv"):
-        attn.wqkv = _stacked_int4([src.q4_part(p + n, r, (0, dim)) for n, r in rows.items()], bias)
-    elif int4 and bias is None and kernels.available() and \
-            (q8 := q8_0_rows(src, [(p + n, r) for n, r in rows.items()])) is not None:
-        attn.wqkv = KernelLinear.from_records(q8, "q8_0", dim)  # mixed 4- and 8-bit parts
+    if int4 and (m := _stored_rows(src, [(p + n, r) for n, r in rows.items()], dim, bias)) is not None:
+        attn.wqkv = m
     else:
         w = torch.cat([src.get(p + n, dtype)[lo:hi] for n, (lo, hi) in rows.items()])
         attn.wqkv = _plain_linear(w, bias)
