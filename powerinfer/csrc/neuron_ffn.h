@@ -416,25 +416,22 @@ template <int FMT, int R>
 struct DotsOf {
   using type = FloatDots<FMT, R>;
 };
+// 4-bit rows: VNNI's pairs of blocks where the build has it, else IntDots
 #if defined(__AVX512VNNI__)
-template <int R>
-struct DotsOf<Q4_0, R> {
-  using type = Q4Dots<Q4_0, R>;
-};
-template <int R>
-struct DotsOf<Q4_1, R> {
-  using type = Q4Dots<Q4_1, R>;
-};
+template <int FMT, int R>
+using Q4DotsOf = Q4Dots<FMT, R>;
 #else
+template <int FMT, int R>
+using Q4DotsOf = IntDots<FMT, R>;
+#endif
 template <int R>
 struct DotsOf<Q4_0, R> {
-  using type = IntDots<Q4_0, R>;
+  using type = Q4DotsOf<Q4_0, R>;
 };
 template <int R>
 struct DotsOf<Q4_1, R> {
-  using type = IntDots<Q4_1, R>;
+  using type = Q4DotsOf<Q4_1, R>;
 };
-#endif
 template <int R>
 struct DotsOf<Q8_0, R> {
   using type = IntDots<Q8_0, R>;
