@@ -156,6 +156,8 @@ def available() -> bool:
                 lambda x, w, fmt: x.new_empty(x.shape[0], w.shape[0], dtype=torch.float32))
             torch.library.register_fake("powerinfer::linear_q4x16")(
                 lambda x, w, n: x.new_empty(*x.shape[:-1], n))
+            torch.library.register_fake("powerinfer::linear_x16")(
+                lambda x, w, n, layout: x.new_empty(*x.shape[:-1], n))
             torch.library.register_fake("powerinfer::rms_norm")(lambda x, w, eps: torch.empty_like(x))
             torch.library.register_fake("powerinfer::qk_norm")(
                 lambda qkv, qw, kw, n_heads, n_kv, eps: torch.empty_like(qkv))
@@ -344,22 +346,118 @@ def pack_q4x16(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> torc
     d = torch.nn.functional.pad(scale.float(), (0, 0, 0, pad))
     m = torch.nn.functional.pad(zero.float() - 8 * scale.float(), (0, 0, 0, pad))
     halves = lambda t: t.view(groups, 16, nb).transpose(1, 2).half().contiguous().view(torch.uint8)
-    nibbles = q[..., :16] | (q[..., 16:] << 4)  # (groups, 16, nb, 16): GGUF's order in a block
-    runs = nibbles.view(groups, 16, nb, 4, 4).permute(0, 2, 3, 1, 4).reshape(groups, nb, 256)
     out = huge_empty((groups, nb, Q4X16_BLOCK), torch.uint8)
-    return torch.cat([halves(d), halves(m), runs], -1, out=out).view(groups, nb * Q4X16_BLOCK)
+    return torch.cat([halves(d), halves(m), _runs(q)], -1, out=out).view(groups, nb * Q4X16_BLOCK)
+
+
+def _runs(q: torch.Tensor) -> torch.Tensor:
+    """4-bit codes (groups, 16, nb, 32) of 16 rows' blocks of 32 -> (groups, nb, 256): per block
+    the q4x16 layout's four 64-byte vectors of nibble runs (row i's bytes 4k..4k+3 at 4i in vector
+    k; a byte's low nibble weight t, its high one t + 16, GGUF's order in a block)."""
+    groups, _, nb, _ = q.shape
+    nibbles = q[..., :16] | (q[..., 16:] << 4)  # (groups, 16, nb, 16)
+    return nibbles.view(groups, 16, nb, 4, 4).permute(0, 2, 3, 1, 4).reshape(groups, nb, 256)
+
+
+# ---- a K-quant file's Q4_K and Q6_K matrices, 16 rows at a time: their GEMVs ----
+
+LAYOUTS = ("q4x16", "q4kx16", "q6kx16")  # csrc/neuron_ffn.h's Layout
+KQUANT_LAYOUTS = {"Q4_K": "q4kx16", "Q6_K": "q6kx16"}  # GGUF type -> the layout that keeps it
+KQUANT_BLOCK = {"Q4_K": 144, "Q6_K": 210}  # bytes of one GGUF block of 256 weights
+Q4KX16_SB, Q6KX16_SB = 2368, 3360  # bytes of one super-block (256 weights) of 16 rows
+
+
+def group_bytes(layout: str, dim: int) -> int:
+    """Bytes of one group of 16 rows of `dim` columns in `layout`."""
+    return {"q4x16": dim // 32 * Q4X16_BLOCK, "q4kx16": dim // 256 * Q4KX16_SB,
+            "q6kx16": dim // 256 * Q6KX16_SB}[layout]
+
+
+def _group_rows(raw: torch.Tensor, block: int) -> tuple[torch.Tensor, int, int]:
+    """A K-quant matrix's bytes (n, nsb * block) -> (groups, 16, nsb, block), zero rows padding n
+    to a multiple of 16 (their d is 0: they sum to 0)."""
+    n, nsb = raw.shape[0], raw.shape[1] // block
+    assert raw.dtype == torch.uint8 and raw.shape[1] == nsb * block, (raw.dtype, raw.shape, block)
+    groups = -(-n // 16)
+    raw = torch.nn.functional.pad(raw, (0, 0, 0, groups * 16 - n))
+    return raw.view(groups, 16, nsb, block), groups, nsb
+
+
+def _by_row(t: torch.Tensor) -> torch.Tensor:
+    """(groups, 16, nsb, k, ...) -> (groups, nsb, k, 16, ...): one byte (or half) per row, row 0
+    first, for each of the super-block's k entries."""
+    return t.movedim(1, 3).contiguous()
+
+
+def pack_q4kx16(raw: torch.Tensor) -> torch.Tensor:
+    """Q4_K rows as a GGUF file stores them, (n, dim / 256 * 144) uint8 -> (ceil(n / 16),
+    dim / 256 * 2368) uint8 in the kernel's q4kx16 layout (csrc/neuron_ffn.h): the same codes,
+    6-bit scales and minimums, and fp16 d and dmin, regrouped 16 rows at a time."""
+    b, groups, nsb = _group_rows(raw, 144)
+    dd = _by_row(b[..., 0:4].reshape(groups, 16, nsb, 2, 2))  # (groups, nsb, 2, 16, 2): d, dmin
+    p = b[..., 4:16]
+    sc = torch.cat([p[..., 0:4] & 63, (p[..., 8:12] & 15) | ((p[..., 0:4] >> 6) << 4)], -1)
+    mn = torch.cat([p[..., 4:8] & 63, (p[..., 8:12] >> 4) | ((p[..., 4:8] >> 6) << 4)], -1)
+    qs = b[..., 16:].reshape(groups, 16, nsb, 4, 32)  # chunk c: sub-blocks 2c (low), 2c+1 (high)
+    codes = torch.stack([qs & 15, qs >> 4], 4).reshape(groups, 16, nsb * 8, 32)
+    # per sub-block: its 16 rows' scales, their minimums, its nibble runs
+    subs = torch.cat([_by_row(sc), _by_row(mn), _runs(codes).view(groups, nsb, 8, 256)], -1)
+    out = huge_empty((groups, nsb, Q4KX16_SB), torch.uint8)
+    return torch.cat([dd.reshape(groups, nsb, 64), subs.reshape(groups, nsb, 2304)], -1,
+                     out=out).view(groups, nsb * Q4KX16_SB)
+
+
+def q6_k_codes(b: torch.Tensor) -> torch.Tensor:
+    """Q6_K blocks (..., 210) uint8 -> their 6-bit codes (..., 256) in 0..63 in weight order
+    (w = d * sc[i // 16] * (q - 32); ggml's block_q6_K: ql[128], qh[64], scales[16], d)."""
+    ql, qh = b[..., 0:128].reshape(*b.shape[:-1], 2, 2, 32), b[..., 128:192].reshape(*b.shape[:-1], 2, 1, 32)
+    # per half of 128 weights, l in 0..31: weights l, l+32, l+64, l+96 from ql[l], ql[32+l]
+    # (low, then high nibbles) and qh[l]'s bit pairs 0, 2, 4, 6
+    low = torch.cat([ql & 15, ql >> 4], -2)  # (..., 2, 4, 32): quarter t of each half
+    high = torch.cat([(qh >> s) & 3 for s in (0, 2, 4, 6)], -2)
+    return (low | (high << 4)).reshape(*b.shape[:-1], 256)
+
+
+def pack_q6kx16(raw: torch.Tensor) -> torch.Tensor:
+    """Q6_K rows as a GGUF file stores them, (n, dim / 256 * 210) uint8 -> (ceil(n / 16),
+    dim / 256 * 3360) uint8 in the kernel's q6kx16 layout (csrc/neuron_ffn.h): the same 6-bit
+    codes, int8 scales and fp16 d, regrouped 16 rows at a time."""
+    b, groups, nsb = _group_rows(raw, 210)
+    q = q6_k_codes(b).view(groups, 16, nsb * 8, 32)
+    runs = _runs(q & 15).view(groups, nsb * 8, 4, 16, 4)  # vector k, row i, byte j
+    top = (q >> 4).view(groups, 16, nsb * 8, 2, 4, 4).permute(0, 2, 4, 1, 5, 3)  # blk, k, i, j, lo/hi
+    top = top.reshape(groups, nsb * 8, 2, 2, 64, 2)  # vector pair (k 0-1, 2-3), k within, byte p
+    fields = top[:, :, :, 0, :, 0] | (top[:, :, :, 0, :, 1] << 2) | (top[:, :, :, 1, :, 0] << 4) \
+        | (top[:, :, :, 1, :, 1] << 6)  # (groups, nblocks, 2, 64)
+    blocks = torch.cat([runs.reshape(groups, nsb, 8, 256), fields.reshape(groups, nsb, 8, 128)], -1)
+    d = _by_row(b[..., 208:210].reshape(groups, 16, nsb, 1, 2)).reshape(groups, nsb, 32)
+    sc = _by_row(b[..., 192:208]).reshape(groups, nsb, 256)
+    out = huge_empty((groups, nsb, Q6KX16_SB), torch.uint8)
+    return torch.cat([d, sc, blocks.reshape(groups, nsb, 3072)], -1, out=out).view(groups, nsb * Q6KX16_SB)
+
+
+def pack_kquant(raw: torch.Tensor, kind: str) -> torch.Tensor:
+    """A GGUF Q4_K or Q6_K matrix's bytes (n, row bytes) in its 16-row layout (KQUANT_LAYOUTS)."""
+    return (pack_q4kx16 if kind == "Q4_K" else pack_q6kx16)(raw)
+
+
+def linear_x16(x: torch.Tensor, w: torch.Tensor, n: int, layout: str) -> torch.Tensor:
+    """x (..., k) float32 or bfloat16 -> (..., n) in x's type = x W^T for W of n rows packed in
+    `layout` (q4x16, q4kx16, q6kx16), over x rounded to 8 bits per block (`quantize_input`),
+    MAX_ROWS rows a call."""
+    op, code = torch.ops.powerinfer.linear_x16.default, LAYOUTS.index(layout)
+    x = x.contiguous()
+    if x.numel() <= MAX_ROWS * x.shape[-1]:
+        return op(x, w, n, code)
+    rows = x.reshape(-1, x.shape[-1])
+    y = torch.cat([op(rows[r:r + MAX_ROWS], w, n, code) for r in range(0, rows.shape[0], MAX_ROWS)])
+    return y.view(*x.shape[:-1], n)
 
 
 def linear_q4x16(x: torch.Tensor, w: torch.Tensor, n: int) -> torch.Tensor:
     """x (..., k) float32 or bfloat16 -> (..., n) in x's type = x W^T for W packed by
-    `pack_q4x16`, over x rounded to 8 bits per block (`quantize_input`), MAX_ROWS rows a call."""
-    op = torch.ops.powerinfer.linear_q4x16.default
-    x = x.contiguous()
-    if x.numel() <= MAX_ROWS * x.shape[-1]:
-        return op(x, w, n)
-    rows = x.reshape(-1, x.shape[-1])
-    y = torch.cat([op(rows[r:r + MAX_ROWS], w, n) for r in range(0, rows.shape[0], MAX_ROWS)])
-    return y.view(*x.shape[:-1], n)
+    `pack_q4x16` (`linear_x16`)."""
+    return linear_x16(x, w, n, "q4x16")
 
 
 INTEGER_DOTS = ("q4_0", "q4_1", "q8_0")  # formats whose dot products run in integers

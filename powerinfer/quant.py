@@ -105,6 +105,43 @@ class Q4Linear(nn.Module):
         return y if self.bias is None else y + self.bias
 
 
+class KQuantLinear(nn.Module):
+    """y = x W^T (+ b) with W a K-quant file's rows as it stores them, Q4_K or Q6_K (a Q4_K_M
+    file's two types), regrouped 16 rows at a time (`kernels.pack_kquant`: 4.625 and 6.5625 bits
+    a weight, where the converted copy's Q4_1 and Q8_0 blocks take 5 and 8.5), run by the kernel
+    library's GEMVs over the input rounded to 8 bits per block of 32, MAX_ROWS rows a call.
+    `parts`: (rows, GGUF type) stacked in order, as a fused projection's q, k and v (v may be
+    Q6_K beside a Q4_K q and k: one GEMV per run of parts of one type)."""
+
+    def __init__(self, parts: list[tuple[torch.Tensor, str]], in_features: int,
+                 bias: torch.Tensor | None):
+        super().__init__()
+        self.in_features = in_features
+        runs: list[tuple[list[torch.Tensor], str]] = []
+        for raw, kind in parts:
+            if runs and runs[-1][1] == kind:
+                runs[-1][0].append(raw)
+            else:
+                runs.append(([raw], kind))
+        self.segments = []  # (buffer name, rows, layout)
+        for i, (raws, kind) in enumerate(runs):
+            raw = torch.cat(raws) if len(raws) > 1 else raws[0]
+            self.register_buffer(f"packed{i}", kernels.pack_kquant(raw, kind))
+            self.segments.append((f"packed{i}", raw.shape[0], kernels.KQUANT_LAYOUTS[kind]))
+        self.out_features = sum(n for _, n, _ in self.segments)
+        self.bias = None if bias is None else nn.Parameter(bias.detach().clone(), requires_grad=False)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(getattr(self, name).numel() for name, _, _ in self.segments)
+
+    def forward(self, x):
+        xx = x if x.dtype in (torch.float32, torch.bfloat16) else x.float()
+        ys = [kernels.linear_x16(xx, getattr(self, name), n, layout) for name, n, layout in self.segments]
+        y = (ys[0] if len(ys) == 1 else torch.cat(ys, -1)).to(x.dtype)
+        return y if self.bias is None else y + self.bias
+
+
 def int4_linear(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor,
                 bias: torch.Tensor | None) -> nn.Module:
     """A 4-bit projection (`q4_split`'s triple): a Q4Linear where the kernel library runs, else

@@ -342,6 +342,51 @@ def test_q4x16_gemv_equals_a_matmul_over_the_files_weights(isa, kind, n):
         assert (got.float() - want).abs().max() <= 2**-8 * want.abs().max(), rows
 
 
+@pytest.mark.parametrize("kind", ["Q4_K", "Q6_K"])
+@pytest.mark.parametrize("n", [32, 200])  # whole groups of 16 rows; a padded last group
+def test_kquant_gemv_equals_a_matmul_over_the_files_weights(isa, kind, n):
+    # a Q4_K_M file's Q4_K and Q6_K matrices kept in their bytes, 16 rows at a time: x W^T over
+    # exactly the weights the gguf package's dequantizer reads from the same blocks, with every
+    # scale and sign in play (wide rows: 6-bit scales near 63, Q6_K codes at both ends)
+    from gguf import GGMLQuantizationType, dequantize
+
+    from powerinfer.kquants import quantize
+    torch.manual_seed(11)
+    k = 512  # two super-blocks
+    w0 = torch.randn(n, k) * torch.rand(n, 1) * 3 + torch.randn(n, k // 32).repeat_interleave(32, 1)
+    data = quantize(w0.numpy(), kind)
+    held = torch.from_numpy(dequantize(data, getattr(GGMLQuantizationType, kind))).reshape(n, k)
+    w = K.pack_kquant(torch.from_numpy(data), kind)
+    layout = K.KQUANT_LAYOUTS[kind]
+    assert w.shape == (-(-n // 16), K.group_bytes(layout, k))
+    # the file's bytes regrouped (Q4_K's 6-bit scales and minimums a byte each: 4 more a block)
+    assert w.numel() == -(-n // 16) * 16 * (data.shape[1] + (4 * k // 256 if kind == "Q4_K" else 0))
+    for rows in (1, 2, 5, 70):  # every tail of the 4-row steps; past MAX_ROWS a call
+        x = torch.randn(rows, k)
+        want = K.quantize_input(x).double() @ held.double().t()
+        got = K.linear_x16(x, w, n, layout)
+        assert got.shape == want.shape
+        assert (got - want).abs().max() <= 1e-5 * want.abs().max(), rows
+        xb = x.bfloat16()
+        got = K.linear_x16(xb, w, n, layout)
+        want = K.quantize_input(xb).double() @ held.double().t()
+        assert got.dtype == torch.bfloat16
+        assert (got.double() - want).abs().max() <= 2**-8 * want.abs().max(), rows
+
+
+def test_q6_k_codes_are_the_gguf_dequantizers():
+    from gguf import GGMLQuantizationType, dequantize
+
+    from powerinfer.kquants import quantize
+    data = quantize(torch.randn(4, 512).numpy(), "Q6_K")
+    b = torch.from_numpy(data).view(4, 2, 210)
+    q = K.q6_k_codes(b).float() - 32
+    d = b[..., 208:210].contiguous().view(torch.float16).float()  # (4, 2, 1)
+    sc = b[..., 192:208].contiguous().view(torch.int8).float().repeat_interleave(16, -1)
+    want = dequantize(data, GGMLQuantizationType.Q6_K).reshape(4, 2, 256)
+    assert torch.equal(d * sc * q, torch.from_numpy(want))
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_qk_norm_equals_the_per_head_norms(dtype):
     # Qwen3's and Gemma 3's q/k norms in one call: each q head through q_norm, each k head

@@ -51,6 +51,18 @@ inline int64_t row_bytes(int fmt, int64_t dim) {
 
 // bytes of one block (32 weights) of 16 rows in the q4x16 layout (see gemv_q4x16)
 constexpr int64_t Q4X16_BLOCK = 320;
+// bytes of one super-block (256 weights) of 16 rows in the K-quant layouts (see q4kx16_group,
+// q6kx16_group): 4.625 and 6.5625 bits a weight (the file's Q4_K blocks, their 6-bit scales and
+// minimums a byte each; its Q6_K blocks as they are)
+constexpr int64_t Q4KX16_SB = 2368;
+constexpr int64_t Q6KX16_SB = 3360;
+// the matrices whose rows are interleaved 16 at a time, by their `layout` code
+enum Layout : int { Q4X16 = 0, Q4KX16 = 1, Q6KX16 = 2 };
+constexpr int N_LAYOUTS = 3;
+// bytes of one group of 16 rows of `dim` columns in a layout
+inline int64_t group_bytes(int layout, int64_t dim) {
+  return layout == Q4X16 ? dim / 32 * Q4X16_BLOCK : dim / 256 * (layout == Q4KX16 ? Q4KX16_SB : Q6KX16_SB);
+}
 
 struct FFNArgs {
   const float* x;        // (B, dim) the normed input rows
@@ -71,6 +83,8 @@ struct FFNArgs {
   // with bf16 rows: x rounded to bf16 (B, dim), for native bf16 dot products (a.x then holds
   // the same rounded values in float, for the other instruction sets)
   const uint16_t* xb = nullptr;
+  // with the q6kx16 layout: the sums of x's 8-bit values per 16 (B, dim/16)
+  const int32_t* x16 = nullptr;
   // keep[r * keep_stride + i]: i is the position in sel (keep (B, m)), or with keep_by_neuron
   // the neuron's record (keep (B, k), masks over every record)
   int64_t keep_stride = 0;
@@ -150,7 +164,7 @@ struct Kernels {
   RangeFn range;
   GemvFn gemv;
   WidenFn widen;
-  GemvFn gemv_q4x16;  // over groups of 16 rows of a q4x16 matrix (begin, end: groups)
+  GemvFn gemv_x16[N_LAYOUTS];  // over groups of 16 rows of a matrix in a Layout (begin, end: groups)
   AttendFn attend;
 };
 extern const Kernels kernels_avx512bf16;
@@ -703,19 +717,38 @@ struct QV {
   using F = __m512;
   static constexpr int LANES = 16;
   static I load(const uint8_t* p) { return _mm512_loadu_si512((const void*)p); }
+  static I izero() { return _mm512_setzero_si512(); }
   static I bytes(int8_t v) { return _mm512_set1_epi8(v); }
   static I words(int16_t v) { return _mm512_set1_epi16(v); }
   static I dwords(int32_t v) { return _mm512_set1_epi32(v); }
   static I band(I a, I b) { return _mm512_and_si512(a, b); }
+  static I bor(I a, I b) { return _mm512_or_si512(a, b); }
   static I shr4(I a) { return _mm512_srli_epi16(a, 4); }
+  template <int S> static I shl16(I a) { return _mm512_slli_epi16(a, S); }
+  template <int S> static I shr16(I a) { return _mm512_srli_epi16(a, S); }
   static I dot(I u8, I s8) { return _mm512_maddubs_epi16(u8, s8); }
   static I add16(I a, I b) { return _mm512_add_epi16(a, b); }
-  static F sum32(I a, I ones) { return _mm512_cvtepi32_ps(_mm512_madd_epi16(a, ones)); }
+  static I widen16(I a) { return _mm512_madd_epi16(a, _mm512_set1_epi16(1)); }
+  static I add32(I a, I b) { return _mm512_add_epi32(a, b); }
+  static I sub32(I a, I b) { return _mm512_sub_epi32(a, b); }
+  static I mul32(I a, I b) { return _mm512_mullo_epi32(a, b); }
+  // acc + the sums of 4 products u8 x s8 per lane (VNNI's one instruction where the build has it)
+  static I dot4(I acc, I u8, I s8) {
+#if defined(__AVX512VNNI__)
+    return _mm512_dpbusd_epi32(acc, u8, s8);
+#else
+    return add32(acc, widen16(dot(u8, s8)));
+#endif
+  }
+  static I u8x(const uint8_t* p) { return _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)p)); }
+  static I s8x(const uint8_t* p) { return _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)p)); }
+  static F i2f(I a) { return _mm512_cvtepi32_ps(a); }
   static F halves(const uint8_t* p) { return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)p)); }
   static F fzero() { return _mm512_setzero_ps(); }
   static F fset(float v) { return _mm512_set1_ps(v); }
   static F fmul(F a, F b) { return _mm512_mul_ps(a, b); }
   static F fma(F a, F b, F c) { return _mm512_fmadd_ps(a, b, c); }
+  static F fnma(F a, F b, F c) { return _mm512_fnmadd_ps(a, b, c); }
   static void store(float* p, F v) { _mm512_storeu_ps(p, v); }
 };
 #else
@@ -724,58 +757,93 @@ struct QV {
   using F = __m256;
   static constexpr int LANES = 8;
   static I load(const uint8_t* p) { return _mm256_loadu_si256((const __m256i*)p); }
+  static I izero() { return _mm256_setzero_si256(); }
   static I bytes(int8_t v) { return _mm256_set1_epi8(v); }
   static I words(int16_t v) { return _mm256_set1_epi16(v); }
   static I dwords(int32_t v) { return _mm256_set1_epi32(v); }
   static I band(I a, I b) { return _mm256_and_si256(a, b); }
+  static I bor(I a, I b) { return _mm256_or_si256(a, b); }
   static I shr4(I a) { return _mm256_srli_epi16(a, 4); }
+  template <int S> static I shl16(I a) { return _mm256_slli_epi16(a, S); }
+  template <int S> static I shr16(I a) { return _mm256_srli_epi16(a, S); }
   static I dot(I u8, I s8) { return _mm256_maddubs_epi16(u8, s8); }
   static I add16(I a, I b) { return _mm256_add_epi16(a, b); }
-  static F sum32(I a, I ones) { return _mm256_cvtepi32_ps(_mm256_madd_epi16(a, ones)); }
+  static I widen16(I a) { return _mm256_madd_epi16(a, _mm256_set1_epi16(1)); }
+  static I add32(I a, I b) { return _mm256_add_epi32(a, b); }
+  static I sub32(I a, I b) { return _mm256_sub_epi32(a, b); }
+  static I mul32(I a, I b) { return _mm256_mullo_epi32(a, b); }
+  static I dot4(I acc, I u8, I s8) { return add32(acc, widen16(dot(u8, s8))); }
+  static I u8x(const uint8_t* p) { return _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)p)); }
+  static I s8x(const uint8_t* p) { return _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)p)); }
+  static F i2f(I a) { return _mm256_cvtepi32_ps(a); }
   static F halves(const uint8_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)p)); }
   static F fzero() { return _mm256_setzero_ps(); }
   static F fset(float v) { return _mm256_set1_ps(v); }
   static F fmul(F a, F b) { return _mm256_mul_ps(a, b); }
   static F fma(F a, F b, F c) { return _mm256_fmadd_ps(a, b, c); }
+  static F fnma(F a, F b, F c) { return _mm256_fnmadd_ps(a, b, c); }
   static void store(float* p, F v) { _mm256_storeu_ps(p, v); }
 };
 #endif
+
+// A 32-weight block of 16 rows (four 64-byte vectors of nibble runs, as q4x16 stores them) split
+// into its low and high nibbles for pass `part` of the group.
+inline void nibbles(const uint8_t* b, int part, QV::I* lo, QV::I* hi) {
+  const QV::I mask = QV::bytes(0x0F);
+  for (int k = 0; k < 4; k++) {
+    const QV::I v = QV::load(b + 64 * k + 4 * QV::LANES * part);
+    lo[k] = QV::band(v, mask);
+    hi[k] = QV::band(QV::shr4(v), mask);
+  }
+}
+
+// Per lane (row), the sum over one block of 32 of its 4-bit weights times x's 8-bit values xb:
+// VNNI's 8 instructions where the build has it, else 8 pairwise sums of 4 products in 16 bits
+// (at most 8 * 2 * 15 * 127: no saturation) widened once.
+inline QV::I block_sums4(const QV::I* lo, const QV::I* hi, const int8_t* xb) {
+#if defined(__AVX512VNNI__)
+  QV::I s = QV::izero();
+  for (int k = 0; k < 4; k++) {
+    s = QV::dot4(s, lo[k], QV::dwords(load4(xb + 4 * k)));
+    s = QV::dot4(s, hi[k], QV::dwords(load4(xb + 16 + 4 * k)));
+  }
+  return s;
+#else
+  QV::I s = QV::dot(lo[0], QV::dwords(load4(xb)));
+  s = QV::add16(s, QV::dot(hi[0], QV::dwords(load4(xb + 16))));
+  for (int k = 1; k < 4; k++) {
+    s = QV::add16(s, QV::dot(lo[k], QV::dwords(load4(xb + 4 * k))));
+    s = QV::add16(s, QV::dot(hi[k], QV::dwords(load4(xb + 16 + 4 * k))));
+  }
+  return QV::widen16(s);
+#endif
+}
+
+inline void prefetch_ahead(const uint8_t* p, int64_t bytes) {
+  for (int64_t o = 0; o < bytes; o += 64) _mm_prefetch((const char*)p + o, _MM_HINT_T0);
+}
 
 // One group's rows for input rows r0..r0+R-1: QV::LANES rows a pass (AVX2 makes two passes, the
 // second over the group's bytes in L1).
 template <int R>
 inline void q4x16_group(const uint8_t* gw, const FFNArgs& a, int64_t r0, int64_t n, int64_t g,
                         float* y) {
-  using I = QV::I;
   using F = QV::F;
   constexpr int L = QV::LANES;
   const int64_t nb = a.dim / 32, dim = a.dim;
-  const I mask = QV::bytes(0x0F), ones = QV::words(1);
   for (int part = 0; part < 16 / L; part++) {
     F acc[R];
     for (int r = 0; r < R; r++) acc[r] = QV::fzero();
     for (int64_t blk = 0; blk < nb; blk++) {
       const uint8_t* b = gw + blk * Q4X16_BLOCK;
-      if (part == 0)
-        for (int o = 0; o < Q4X16_BLOCK; o += 64) _mm_prefetch((const char*)b + Q4X16_PF * Q4X16_BLOCK + o, _MM_HINT_T0);
+      if (part == 0) prefetch_ahead(b + Q4X16_PF * Q4X16_BLOCK, Q4X16_BLOCK);
       const F d = QV::halves(b + 2 * L * part), m = QV::halves(b + 32 + 2 * L * part);
-      I lo[4], hi[4];
-      for (int k = 0; k < 4; k++) {
-        const I v = QV::load(b + 64 + 64 * k + 4 * L * part);
-        lo[k] = QV::band(v, mask);
-        hi[k] = QV::band(QV::shr4(v), mask);
-      }
+      QV::I lo[4], hi[4];
+      nibbles(b + 64, part, lo, hi);
       for (int r = 0; r < R; r++) {
         const int64_t row = r0 + r;
-        const int8_t* xb = a.xq + row * dim + 32 * blk;
-        // 8 pairwise sums of 4 products each, at most 8 * 2 * 15 * 127 in 16 bits: no saturation
-        I s = QV::dot(lo[0], QV::dwords(load4(xb)));
-        s = QV::add16(s, QV::dot(hi[0], QV::dwords(load4(xb + 16))));
-        for (int k = 1; k < 4; k++) {
-          s = QV::add16(s, QV::dot(lo[k], QV::dwords(load4(xb + 4 * k))));
-          s = QV::add16(s, QV::dot(hi[k], QV::dwords(load4(xb + 16 + 4 * k))));
-        }
-        acc[r] = QV::fma(QV::sum32(s, ones), QV::fmul(d, QV::fset(a.xd[row * nb + blk])), acc[r]);
+        const QV::I s = block_sums4(lo, hi, a.xq + row * dim + 32 * blk);
+        acc[r] = QV::fma(QV::i2f(s), QV::fmul(d, QV::fset(a.xd[row * nb + blk])), acc[r]);
         acc[r] = QV::fma(m, QV::fset(a.xs[row * nb + blk]), acc[r]);
       }
     }
@@ -783,21 +851,147 @@ inline void q4x16_group(const uint8_t* gw, const FFNArgs& a, int64_t r0, int64_t
   }
 }
 
-// y[r, 16g..16g+15] = rows of group g . x[r] for groups [begin, end) of a q4x16 matrix of n rows
-inline void gemv_q4x16(const uint8_t* w, const FFNArgs& a, int64_t n, int64_t begin, int64_t end,
-                       float* y) {
-  const int64_t gbytes = a.dim / 32 * Q4X16_BLOCK;
+// ---- Q4_K and Q6_K rows interleaved by 16 (`q4kx16`, `q6kx16`): the K-quant files' GEMVs ----
+// A Q4_K_M file's matrices kept in their own bits (4.625 and 6.5625 a weight against the file's
+// 4.5 and 6.5625; as Q4_1 and Q8_0 blocks they were 5 and 8.5), regrouped like q4x16 so that one vector covers 16 rows. Group g
+// is dim/256 super-blocks, each of 16 rows and 256 weights:
+//   q4kx16 (Q4_K: w = d * sc_j * q - dmin * m_j, q in 0..15, sub-block j of 32 weights):
+//     [0, 32) d, [32, 64) dmin: 16 f16 each, row 0 first
+//     [64, 2368) 8 sub-blocks of 288 bytes: the 16 rows' 6-bit scales (a byte each, row 0
+//       first), their minimums, then q4x16's four vectors of nibble runs (one stream: the
+//       scales apart from the codes read at 0.75x the rate from memory)
+//   q6kx16 (Q6_K: w = d * sc_i * (q - 32), q in 0..63, sub-block i of 16 weights):
+//     [0, 32) d: 16 f16
+//     [32, 288) sc: sub-block i's 16 rows' int8 scales at 32 + 16 i
+//     [288, 3360) 8 blocks of 32 weights, 384 bytes each: the low 4 bits of q as q4x16's four
+//       vectors of nibble runs (the block's sub-blocks 2j and 2j+1 are its low and high
+//       nibbles), then two vectors of the top 2 bits: byte p of the first holds, from bit 0,
+//       those of the weights at byte p of low vector 0, high vector 0, low vector 1 and high
+//       vector 1; the second the same for vectors 2 and 3.
+// The dot products run in integers over x's 8-bit blocks of 32 (a Q6_K pair of sub-blocks meets
+// one of them; q - 32 through x's sums per 16), one float multiply-add per block.
+#ifndef KX16_PF
+#define KX16_PF 5120
+#endif
+
+template <int R>
+inline void q4kx16_group(const uint8_t* gw, const FFNArgs& a, int64_t r0, int64_t n, int64_t g,
+                         float* y) {
+  using F = QV::F;
+  constexpr int L = QV::LANES;
+  const int64_t nb = a.dim / 32, dim = a.dim;
+  for (int part = 0; part < 16 / L; part++) {
+    F acc[R];
+    for (int r = 0; r < R; r++) acc[r] = QV::fzero();
+    for (int64_t s = 0; s < a.dim / 256; s++) {
+      const uint8_t* sb = gw + s * Q4KX16_SB;
+      const F d = QV::halves(sb + 2 * L * part), dmin = QV::halves(sb + 32 + 2 * L * part);
+      for (int j = 0; j < 8; j++) {
+        const uint8_t* b = sb + 64 + 288 * j;
+        if (part == 0) prefetch_ahead(sb + KX16_PF + 296 * j, 296);  // 8 x 296 = 2,368
+        const F ds = QV::fmul(d, QV::i2f(QV::u8x(b + L * part)));
+        const F ms = QV::fmul(dmin, QV::i2f(QV::u8x(b + 16 + L * part)));
+        QV::I lo[4], hi[4];
+        nibbles(b + 32, part, lo, hi);
+        const int64_t blk = 8 * s + j;
+        for (int r = 0; r < R; r++) {
+          const int64_t row = r0 + r;
+          const QV::I t = block_sums4(lo, hi, a.xq + row * dim + 32 * blk);
+          acc[r] = QV::fma(QV::i2f(t), QV::fmul(ds, QV::fset(a.xd[row * nb + blk])), acc[r]);
+          acc[r] = QV::fnma(ms, QV::fset(a.xs[row * nb + blk]), acc[r]);
+        }
+      }
+    }
+    for (int r = 0; r < R; r++) QV::store(y + (r0 + r) * n + 16 * g + L * part, acc[r]);
+  }
+}
+
+template <int R>
+inline void q6kx16_group(const uint8_t* gw, const FFNArgs& a, int64_t r0, int64_t n, int64_t g,
+                         float* y) {
+  using I = QV::I;
+  using F = QV::F;
+  constexpr int L = QV::LANES;
+  const int64_t nb = a.dim / 32, dim = a.dim;
+  const I m30 = QV::bytes(0x30);
+  for (int part = 0; part < 16 / L; part++) {
+    F acc[R];
+    for (int r = 0; r < R; r++) acc[r] = QV::fzero();
+    for (int64_t s = 0; s < a.dim / 256; s++) {
+      const uint8_t* sb = gw + s * Q6KX16_SB;
+      const F d = QV::halves(sb + 2 * L * part);
+      for (int j = 0; j < 8; j++) {
+        const uint8_t* b = sb + 288 + 384 * j;
+        if (part == 0) prefetch_ahead(b + KX16_PF, 384 + (j == 7 ? 288 : 0));
+        I lo[4], hi[4];
+        nibbles(b, part, lo, hi);
+        const I h0 = QV::load(b + 256 + 4 * L * part), h1 = QV::load(b + 320 + 4 * L * part);
+        // each byte's 2-bit fields onto bits 4-5 (16-bit shifts: the mask drops what crosses)
+        lo[0] = QV::bor(lo[0], QV::band(QV::shl16<4>(h0), m30));
+        hi[0] = QV::bor(hi[0], QV::band(QV::shl16<2>(h0), m30));
+        lo[1] = QV::bor(lo[1], QV::band(h0, m30));
+        hi[1] = QV::bor(hi[1], QV::band(QV::shr16<2>(h0), m30));
+        lo[2] = QV::bor(lo[2], QV::band(QV::shl16<4>(h1), m30));
+        hi[2] = QV::bor(hi[2], QV::band(QV::shl16<2>(h1), m30));
+        lo[3] = QV::bor(lo[3], QV::band(h1, m30));
+        hi[3] = QV::bor(hi[3], QV::band(QV::shr16<2>(h1), m30));
+        const I sca = QV::s8x(sb + 32 + 32 * j + L * part), scb = QV::s8x(sb + 48 + 32 * j + L * part);
+        const int64_t blk = 8 * s + j;
+        for (int r = 0; r < R; r++) {
+          const int64_t row = r0 + r;
+          const int8_t* xb = a.xq + row * dim + 32 * blk;
+          I ia = QV::izero(), ib = QV::izero();
+          for (int k = 0; k < 4; k++) {  // 4 products of at most 63 * 127 a lane: 32 bits
+            ia = QV::dot4(ia, lo[k], QV::dwords(load4(xb + 4 * k)));
+            ib = QV::dot4(ib, hi[k], QV::dwords(load4(xb + 16 + 4 * k)));
+          }
+          const int32_t* xs = a.x16 + row * 2 * nb + 2 * blk;  // (q - 32) . x = q . x - 32 sum(x)
+          ia = QV::sub32(ia, QV::dwords(32 * xs[0]));
+          ib = QV::sub32(ib, QV::dwords(32 * xs[1]));
+          const I t = QV::add32(QV::mul32(ia, sca), QV::mul32(ib, scb));  // |t| < 2^24
+          acc[r] = QV::fma(QV::i2f(t), QV::fmul(d, QV::fset(a.xd[row * nb + blk])), acc[r]);
+        }
+      }
+    }
+    for (int r = 0; r < R; r++) QV::store(y + (r0 + r) * n + 16 * g + L * part, acc[r]);
+  }
+}
+
+// y[r, 16g..16g+15] = rows of group g . x[r] for groups [begin, end) of a matrix of n rows in the
+// layout whose group kernel is K::group (input rows 4 at a time, the group's bytes read once a pass)
+template <typename K>
+inline void gemv_groups(const uint8_t* w, const FFNArgs& a, int64_t n, int64_t begin, int64_t end,
+                        float* y) {
+  const int64_t gbytes = group_bytes(K::layout, a.dim);
   for (int64_t g = begin; g < end; g++) {
     const uint8_t* gw = w + g * gbytes;
     int64_t r = 0;
-    for (; r + 4 <= a.B; r += 4) q4x16_group<4>(gw, a, r, n, g, y);
+    for (; r + 4 <= a.B; r += 4) K::template group<4>(gw, a, r, n, g, y);
     switch (a.B - r) {
-      case 3: q4x16_group<3>(gw, a, r, n, g, y); break;
-      case 2: q4x16_group<2>(gw, a, r, n, g, y); break;
-      case 1: q4x16_group<1>(gw, a, r, n, g, y); break;
+      case 3: K::template group<3>(gw, a, r, n, g, y); break;
+      case 2: K::template group<2>(gw, a, r, n, g, y); break;
+      case 1: K::template group<1>(gw, a, r, n, g, y); break;
     }
   }
 }
+
+#define POWERINFER_X16(NAME, LAYOUT)                                                              \
+  struct NAME##_k {                                                                               \
+    static constexpr int layout = LAYOUT;                                                         \
+    template <int R>                                                                              \
+    static void group(const uint8_t* gw, const FFNArgs& a, int64_t r0, int64_t n, int64_t g,     \
+                      float* y) {                                                                 \
+      NAME##_group<R>(gw, a, r0, n, g, y);                                                        \
+    }                                                                                             \
+  };                                                                                              \
+  inline void gemv_##NAME(const uint8_t* w, const FFNArgs& a, int64_t n, int64_t begin,          \
+                          int64_t end, float* y) {                                                \
+    gemv_groups<NAME##_k>(w, a, n, begin, end, y);                                                \
+  }
+POWERINFER_X16(q4x16, Q4X16)
+POWERINFER_X16(q4kx16, Q4KX16)
+POWERINFER_X16(q6kx16, Q6KX16)
+#undef POWERINFER_X16
 
 inline void range(const FFNArgs& a, int64_t begin, int64_t end, float* out) {
   with_format(a.fmt, [&](auto f) { range_fmt<decltype(f)::value>(a, begin, end, out); });

@@ -217,13 +217,15 @@ static at::Tensor linear(const at::Tensor& x, const at::Tensor& w, int64_t fmt) 
   return y;
 }
 
-// y (B, ceil(n/16) * 16) f32 = rows x (B, dim) f32 or bf16 times a q4x16 matrix w of n rows,
-// over x rounded to 8 bits per block of 32; in this thread's scratch (valid until its next call)
-static const float* q4x16_rows(const Kernels& k, const void* x, bool bf16, int64_t B, int64_t dim,
-                               const uint8_t* w, int64_t n) {
+// y (B, ceil(n/16) * 16) f32 = rows x (B, dim) f32 or bf16 times a matrix w of n rows in a
+// Layout (q4x16, q4kx16, q6kx16), over x rounded to 8 bits per block of 32; in this thread's
+// scratch (valid until its next call)
+static const float* x16_rows(const Kernels& k, int64_t layout, const void* x, bool bf16, int64_t B, int64_t dim,
+                             const uint8_t* w, int64_t n) {
   const int64_t nb = dim / 32, groups = (n + 15) / 16;
   thread_local std::vector<int8_t> xq;
   thread_local std::vector<float> xd, xs, yf;
+  thread_local std::vector<int32_t> x16;
   xq.resize(B * dim);
   xd.resize(B * nb);
   xs.resize(B * nb);
@@ -244,31 +246,45 @@ static const float* q4x16_rows(const Kernels& k, const void* x, bool bf16, int64
   a.xq = xq.data();
   a.xd = xd.data();
   a.xs = xs.data();
+  if (layout == Q6KX16) {  // its q - 32 needs x's sums per 16
+    x16.resize(B * dim / 16);
+    for (int64_t i = 0; i < B * dim / 16; i++) {
+      int32_t t = 0;
+      for (int j = 0; j < 16; j++) t += xq0[16 * i + j];
+      x16[i] = t;
+    }
+    a.x16 = x16.data();
+  }
   float* yp = yf.data();
-  at::parallel_for(0, groups, 4, [&](int64_t begin, int64_t end) { k.gemv_q4x16(w, a, groups * 16, begin, end, yp); });
+  at::parallel_for(0, groups, 4, [&](int64_t begin, int64_t end) {
+    k.gemv_x16[layout](w, a, groups * 16, begin, end, yp);
+  });
   return yp;
 }
 
-// x (..., dim) f32 or bf16, at most 64 rows; w (ceil(n/16), dim/32 * 320) uint8, an int4
-// matrix in the q4x16 layout (neuron_ffn.h) -> (..., n) in x's type = x W^T, over x rounded to
+// x (..., dim) f32 or bf16, at most 64 rows; w (ceil(n/16), group bytes) uint8, a matrix of n
+// rows interleaved 16 at a time in a Layout (neuron_ffn.h: q4x16, the file's Q4_0/Q4_1 blocks;
+// q4kx16 and q6kx16, its Q4_K and Q6_K ones) -> (..., n) in x's type = x W^T, over x rounded to
 // 8 bits per block of 32. A decode step calls this four times a layer with one row, where
 // dispatching ops costs more than the arithmetic: a bf16 x is read as it is, the answer written
 // in bf16 here, and the scratch is this thread's own, so the call is one op.
-static at::Tensor linear_q4x16(const at::Tensor& x, const at::Tensor& w, int64_t n) {
+static at::Tensor linear_x16(const at::Tensor& x, const at::Tensor& w, int64_t n, int64_t layout) {
   const Kernels& k = active();
   const bool bf16 = x.scalar_type() == at::kBFloat16;
+  TORCH_CHECK(layout >= 0 && layout < N_LAYOUTS, "layout: 0 q4x16, 1 q4kx16, 2 q6kx16, got ", layout);
   TORCH_CHECK(x.dim() >= 1 && (bf16 || x.scalar_type() == at::kFloat) && x.is_contiguous(),
               "x: (..., dim) contiguous float32 or bfloat16");
-  const int64_t dim = x.size(-1), B = dim ? x.numel() / dim : 0, nb = dim / 32;
+  const int64_t dim = x.size(-1), B = dim ? x.numel() / dim : 0;
   TORCH_CHECK(B >= 1 && B <= 64, "the kernel takes 1 to 64 rows, got ", B);
-  TORCH_CHECK(dim % 32 == 0, "dim must be a multiple of 32, got ", dim);
+  const int64_t unit = layout == Q4X16 ? 32 : 256;
+  TORCH_CHECK(dim % unit == 0, "dim must be a multiple of ", unit, " in this layout, got ", dim);
   check_rows(w);
   const int64_t groups = (n + 15) / 16;
   TORCH_CHECK(n >= 1 && w.size(0) == groups, "w: ", w.size(0), " groups of 16 rows, expected ",
               groups, " for ", n, " rows");
-  TORCH_CHECK(w.size(1) == nb * Q4X16_BLOCK, "w: ", w.size(1), " bytes per group, expected ",
-              nb * Q4X16_BLOCK, " for dim ", dim);
-  const float* yp = q4x16_rows(k, x.data_ptr(), bf16, B, dim, w.data_ptr<uint8_t>(), n);
+  TORCH_CHECK(w.size(1) == group_bytes(layout, dim), "w: ", w.size(1), " bytes per group, expected ",
+              group_bytes(layout, dim), " for dim ", dim);
+  const float* yp = x16_rows(k, layout, x.data_ptr(), bf16, B, dim, w.data_ptr<uint8_t>(), n);
   std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
   shape.back() = n;
   at::Tensor y = at::empty(shape, x.options());
@@ -282,6 +298,10 @@ static at::Tensor linear_q4x16(const at::Tensor& x, const at::Tensor& w, int64_t
     }
   }
   return y;
+}
+
+static at::Tensor linear_q4x16(const at::Tensor& x, const at::Tensor& w, int64_t n) {
+  return linear_x16(x, w, n, Q4X16);
 }
 
 // RMSNorm over the last axis of x, f32 or bf16 with a weight of the same type, as torch's CPU
@@ -618,7 +638,7 @@ static float activation(int64_t act, float g, float u, bool bf16) {
 static at::Tensor project(const Kernels& k, const at::Tensor& x, const at::Tensor& w, int64_t fmt, int64_t n) {
   if (fmt >= 0) return linear(x, w, fmt);
   const int64_t rows = x.size(0), dim = x.size(1), npad = (n + 15) / 16 * 16;
-  const float* y = q4x16_rows(k, x.data_ptr(), x.scalar_type() == at::kBFloat16, rows, dim, w.data_ptr<uint8_t>(), n);
+  const float* y = x16_rows(k, Q4X16, x.data_ptr(), x.scalar_type() == at::kBFloat16, rows, dim, w.data_ptr<uint8_t>(), n);
   at::Tensor out = at::empty({rows, n}, x.options().dtype(at::kFloat));
   for (int64_t r = 0; r < rows; r++) std::memcpy(out.data_ptr<float>() + r * n, y + r * npad, n * 4);
   return out;
@@ -741,6 +761,7 @@ TORCH_LIBRARY(powerinfer, m) {
   m.def("widen_out(Tensor w, int fmt, int rows, int dim, Tensor(a!) out) -> ()");
   m.def("linear(Tensor x, Tensor w, int fmt) -> Tensor");
   m.def("linear_q4x16(Tensor x, Tensor w, int n) -> Tensor");
+  m.def("linear_x16(Tensor x, Tensor w, int n, int layout) -> Tensor");
   m.def("rms_norm(Tensor x, Tensor w, float eps) -> Tensor");
   m.def("qk_norm(Tensor qkv, Tensor qw, Tensor kw, int n_heads, int n_kv, float eps) -> Tensor");
   m.def("paged_attention(Tensor qkv, Tensor cos, Tensor sin, Tensor(a!) k_pool, Tensor(b!) v_pool, Tensor tables, "
@@ -761,6 +782,7 @@ TORCH_LIBRARY_IMPL(powerinfer, CPU, m) {
   m.impl("widen_out", powerinfer::widen_out);
   m.impl("linear", powerinfer::linear);
   m.impl("linear_q4x16", powerinfer::linear_q4x16);
+  m.impl("linear_x16", powerinfer::linear_x16);
   m.impl("rms_norm", powerinfer::rms_norm);
   m.impl("qk_norm", powerinfer::qk_norm);
   m.impl("paged_attention", powerinfer::paged_attention);

@@ -1,0 +1,75 @@
+#!/usr/bin/env python3
+"""A Q4_K_M file's matrices on the CPU: kept in their own bits against converted, in one run.
+
+    .venv/bin/python benchmarks/kquant_gemv.py [--threads N] [--rows 12288] [--cols 4096]
+
+A Q4_K_M file stores most matrices in Q4_K (4.5 bits a weight) and the rest (v and down in some
+layers, the output head) in Q6_K (6.5625 bits). The kernel's first way to read them was a
+converted copy: Q4_K as Q4_1 blocks (5 bits: `quant.Q4Linear`'s q4x16 GEMV) and Q6_K as Q8_0
+(8.5 bits: `quant.KernelLinear`). This times one token's product over 4 distinct matrices of
+the given shape (a LLaMA-7B layer's fused q/k/v by default; 4 do not fit in cache) each way,
+against the plain sum over 256 MiB as the read-bandwidth floor.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import time
+
+import torch
+from gguf import GGMLQuantizationType, dequantize
+
+from powerinfer import kernels
+from powerinfer.convert import q4_k_to_q4_1
+from powerinfer.kquants import quantize
+from powerinfer.quant import KQuantLinear, KernelLinear, Q4Linear, q4_split
+
+
+def seconds(fn, n: int = 10) -> float:
+    fn()
+    fn()
+    t = time.perf_counter()
+    for _ in range(n):
+        fn()
+    return (time.perf_counter() - t) / n
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
+    ap.add_argument("--rows", type=int, default=12288)
+    ap.add_argument("--cols", type=int, default=4096)
+    a = ap.parse_args()
+    assert kernels.available(), "the CPU kernel cannot run here"
+    torch.set_num_threads(a.threads)
+    n, k, count = a.rows, a.cols, 4
+    big = torch.randn(64 * 2**20)
+    read_gbs = big.numel() * 4 / seconds(big.sum) / 1e9
+    print(f"threads {a.threads}, kernel ISA {kernels.isa()}; read bandwidth (sum over 256 MiB): "
+          f"{read_gbs:.1f} GB/s\n")
+    print("| file's type | held as | bytes read | time | GB/s | share of read bandwidth | time vs converted |")
+    print("|---|---|---:|---:|---:|---:|---:|")
+    x = torch.randn(1, k).bfloat16()
+    torch.manual_seed(0)
+    for kind in ("Q4_K", "Q6_K"):
+        data = [quantize((torch.randn(n, k) * 0.02).numpy(), kind) for _ in range(count)]
+        kept = [KQuantLinear([(torch.from_numpy(d), kind)], k, None) for d in data]
+        if kind == "Q4_K":
+            conv = [Q4Linear(*(torch.from_numpy(t) for t in q4_split("Q4_1", n, k, q4_k_to_q4_1(d))), None)
+                    for d in data]
+            conv_name, conv_bytes = "Q4_1 blocks, q4x16 GEMV (converted)", sum(m.packed.numel() for m in conv)
+        else:
+            conv = [KernelLinear(torch.from_numpy(dequantize(d, GGMLQuantizationType.Q6_K)).reshape(n, k),
+                                 None, "q8_0") for d in data]
+            conv_name, conv_bytes = "Q8_0 rows, row GEMV (converted)", sum(m.records.numel() for m in conv)
+        base = seconds(lambda: [m(x) for m in conv])
+        s = seconds(lambda: [m(x) for m in kept])
+        nbytes = sum(m.nbytes for m in kept)
+        for name, t, b in ((conv_name, base, conv_bytes),
+                           (f"{kernels.KQUANT_LAYOUTS[kind]} (its own blocks)", s, nbytes)):
+            print(f"| {kind} | {name} | {b / 2**20:.0f} MiB | {t * 1e3:.2f} ms | {b / t / 1e9:.1f} | "
+                  f"{b / t / 1e9 / read_gbs:.0%} | {t / base:.2f}x |")
+
+
+if __name__ == "__main__":
+    main()
