@@ -33,7 +33,7 @@ from powerinfer.loader import ModelFile
 from powerinfer.model import KVCache, KVTables, held_bytes, rope_tables
 from powerinfer.partial import attention_slice, read_head, read_neuron_set
 from powerinfer.plan import SparsePlan
-from powerinfer.quant import KernelLinear, Q4Linear, neuron_format
+from powerinfer.quant import KernelLinear, KQuantLinear, Q4Linear, neuron_format
 from powerinfer.sparse import BlockSlice, NeuronSet, decode_rows
 
 from .group_info import node_id
@@ -90,6 +90,7 @@ class ColdExecutor:
                 "load_cpu_s": self.load_cpu_s,
                 "held_bytes": held_bytes(*self.sets, *self._head(), *self.attn),
                 "head_rows": self.head_rows, "kv_heads": list(self.kv_heads),
+                "head": None if self.head is None else type(self.head).__name__,
                 "block_slices": sum(isinstance(s, BlockSlice) for s in self.sets),
                 "native": self.native is not None,
                 "numa_bytes": numa_pages(),
@@ -208,10 +209,13 @@ class ColdExecutor:
 
 
 def _matrix(m) -> tuple[torch.Tensor, int] | None:
-    """A projection as `cold_serve` takes it, (its weights, -1 for q4x16 or the kernel format's
-    code), or None for one it cannot run (a bias, or no kernel-library matrix)."""
+    """A projection as `cold_serve` takes it, (its weights, -1 - the layout's code for a matrix
+    of 16-row groups (-1 q4x16, -2 q4kx16, -3 q6kx16) or the kernel format's code), or None for one it cannot run (a bias, or no kernel-library matrix)."""
     if isinstance(m, Q4Linear) and m.bias is None:
         return m.packed, -1
+    if isinstance(m, KQuantLinear) and m.bias is None and len(m.segments) == 1:
+        name, _, layout = m.segments[0]  # -1 - its layout's code: -2 q4kx16, -3 q6kx16
+        return getattr(m, name), -1 - kernels.LAYOUTS.index(layout)
     if isinstance(m, KernelLinear) and m.bias is None:
         return m.records, m.code
     return None

@@ -16,7 +16,7 @@ from .errors import ModelLoadError
 from .loader import DEFAULT_MODEL, Checkpoint, build_model, load_checkpoint
 from .budget import plan_for
 from .kv import pool_blocks
-from .partial import keep_stored_blocks
+from .partial import keep_kquant_blocks, keep_stored_blocks
 from .quant import apply_int4, apply_kernel_linears, has_q4, neuron_format
 from .sparse import offload_ffns
 from .runtimes import engine_class
@@ -55,7 +55,9 @@ class PowerInfer:
         elif plan is not None and device.type == "cuda":  # layer offload
             offload_ffns(self.model, plan.hot)
         int4 = config.weights == "int4"
-        if int4 and not apply_int4(self.model, checkpoint.q4):
+        # a K-quant file's Q4_K/Q6_K projections in their own bytes, then the 4-bit rest
+        kept = keep_kquant_blocks(self.model, checkpoint.source) if int4 and device.type == "cpu" else 0
+        if int4 and not apply_int4(self.model, checkpoint.q4) and not kept:
             raise ModelLoadError(checkpoint.path, "weights='int4' needs a GGUF file with "
                                                   "Q4_0/Q4_1 projections")
         if int4 and device.type == "cpu":  # the file's Q8_0 blocks (projections, embedding) kept

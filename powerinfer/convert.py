@@ -82,12 +82,35 @@ def converted(model: Path, progress: bool = True) -> Path:
         except (OSError, ValueError):
             pass
     summary = convert(model, out, progress)
+    summary["model"] = str(model.resolve())  # where the K-quant blocks kept as they are live
     report.write_text(json.dumps(summary, indent=1))
     log.info("%s has block types the CPU kernel cannot read: converted once to %s (%s); "
              "relative RMS error over the converted tensors: mean %.2f%%, worst %.2f%% (%s)",
              model.name, out, ", ".join(f"{k}->{v}" for k, v in summary["types"].items()),
              100 * summary["mean_error"], 100 * summary["max_error"], summary["worst"])
     return out
+
+
+def original_of(copy: Path) -> Path | None:
+    """The file a converted copy was made from, where it is still there unchanged (its name,
+    size and mtime as the copy's report records them): the path the report names, else the
+    model beside the copy's bundle folder; None otherwise."""
+    copy = Path(copy)
+    try:
+        report = json.loads(copy.with_suffix(".json").read_text())
+        stamp = report["source"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    candidates = [Path(report["model"])] if isinstance(report.get("model"), str) else []
+    if copy.parent.name.endswith(".bundle"):
+        candidates.append(copy.parent.parent / stamp.rsplit(":", 2)[0])
+    for c in candidates:
+        try:
+            if _stamp(c) == stamp:
+                return c
+        except OSError:
+            continue
+    return None
 
 
 def convert(model: Path, out: Path, progress: bool = True) -> dict:

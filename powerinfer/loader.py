@@ -314,6 +314,16 @@ class TensorSource:
     executors). Nothing is cached; `close` drops the file mappings."""
 
     names: frozenset
+    # a converted copy's original K-quant tensors (Q4_K, Q6_K) under the same names, or None
+    kquant: "TensorSource | None" = None
+
+    def kquant_rows(self, name: str, rows: tuple[int, int] | None = None) -> tuple[torch.Tensor, str] | None:
+        """Rows lo:hi (None: all) of a tensor the original file stores in Q4_K or Q6_K, as its
+        bytes in the model's row order, and that type; None where it has no such tensor."""
+        k = self.kquant
+        if k is None or name not in k.names:
+            return None
+        return k.kquant_rows(name, rows)
 
     def kind(self, name: str) -> str:
         """The stored type: a GGUF type name ("Q4_1", "BF16", ...) or a torch dtype's name."""
@@ -517,6 +527,20 @@ class GGUFSource(TensorSource):
         self._release(name)
         return out
 
+    def kquant_rows(self, name: str, rows: tuple[int, int] | None = None) -> tuple[torch.Tensor, str] | None:
+        if self.kquant is not None:  # a converted copy: the original's
+            return super().kquant_rows(name, rows)
+        st = self._stored(name)
+        if st.kind not in ("Q4_K", "Q6_K"):
+            return None
+        lo, hi = rows or (0, st.shape[0])
+        heads = self._heads(name)
+        order = torch.arange(st.shape[0])
+        order = order if heads is None else unpermute_rows(order, heads)  # q, k: the model's order
+        data = self._data(name)[order[lo:hi].numpy()]  # a copy of just these rows
+        self._release(name)
+        return torch.from_numpy(data), st.kind
+
     def q4(self, name: str):
         st = self._stored(name)
         if st.kind not in Q4_TYPES:
@@ -670,6 +694,7 @@ def _load_gguf(path: Path, dtype, with_weights: bool, keep_int4: bool) -> Checkp
                        int(t.data_offset), int(t.n_bytes)) for c, t in found.items()}
     table = split_fused(table, args, lambda st, sub, lo, hi: _stored_rows(st, lo, hi))
     source = GGUFSource(path, table, args if permuted else None)
+    source.kquant = _kquant_source(path, meta, found, args if permuted else None)
     weights, q4 = {}, {}
     if with_weights:
         for canon in source.names:
@@ -687,6 +712,25 @@ def _load_gguf(path: Path, dtype, with_weights: bool, keep_int4: bool) -> Checkp
             "ffn_type": source.kind("0.up") if "0.up" in source.names else None,
             "name": meta.get("general.name", path.stem)}
     return Checkpoint(path, args, weights, ("gguf", meta), info, extra, q4, source)
+
+
+def _kquant_source(path: Path, meta: dict, found: dict, permute_args) -> "GGUFSource | None":
+    """For a converted copy (`convert.converted`) whose original is still beside it: the
+    original's tensors stored in Q4_K or Q6_K (the kernel's q4kx16/q6kx16 GEMVs read them as
+    they are), under the copy's canonical names; else None."""
+    from .convert import SOURCE_KEY, original_of
+    from .kernels import KQUANT_LAYOUTS
+
+    if SOURCE_KEY not in meta or (original := original_of(path)) is None:
+        return None
+    by_name = {t.name: t for t in open_gguf(original).tensors}
+    table = {}
+    for canon, t in found.items():
+        o = by_name.get(t.name)
+        if o is not None and o.tensor_type.name in KQUANT_LAYOUTS and tuple(o.shape) == tuple(t.shape):
+            table[canon] = Stored(o.tensor_type.name, tuple(int(x) for x in reversed(o.shape)),
+                                  int(o.data_offset), int(o.n_bytes))
+    return GGUFSource(original, table, permute_args) if table else None
 
 
 def _stored_rows(st: Stored, lo: int, hi: int) -> Stored:

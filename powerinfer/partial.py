@@ -21,7 +21,7 @@ from torch import nn
 from . import kernels
 from .loader import ModelFile, TensorSource
 from .model import Attention, ModelArgs, Norm, Transformer
-from .quant import Q4_TYPES, KernelEmbedding, KernelLinear, int4_linear
+from .quant import Q4_TYPES, KernelEmbedding, KernelLinear, KQuantLinear, int4_linear
 from .sparse import BlockSlice, HybridFFN, NeuronSet
 
 # GGUF types whose rows the kernel reads as they are stored
@@ -54,6 +54,40 @@ class LazyWeights(Mapping):
 
     def read_into(self, name: str, out: torch.Tensor):
         self.source.read_into(name, out)
+
+
+def kquant_linear(src: TensorSource, parts: list[tuple[str, tuple[int, int] | None]], dim: int,
+                  bias: torch.Tensor | None) -> KQuantLinear | None:
+    """A fused projection over the rows (lo, hi) (None: all) of tensors a K-quant file stores in
+    Q4_K or Q6_K (`TensorSource.kquant_rows`: a converted copy's original), kept in those bytes;
+    None where a part is stored otherwise or the kernel library does not run here."""
+    if not kernels.available() or dim % 256:
+        return None
+    rows = [src.kquant_rows(n, r) for n, r in parts]
+    return None if any(r is None for r in rows) else KQuantLinear(rows, dim, bias)
+
+
+def keep_kquant_blocks(model: Transformer, src: TensorSource) -> int:
+    """The in-process engine's 4-bit configuration over a K-quant file (a Q4_K_M one): each
+    projection still held in float whose tensors the file stores in Q4_K or Q6_K becomes a
+    KQuantLinear over those bytes (4.625 and 6.56 bits a weight where the converted copy's
+    blocks take 5 and 8.5), and so does an untied output head. Returns how many were replaced."""
+    if src.kquant is None:
+        return 0
+    done = 0
+    for i in range(len(model.layers)):
+        for owner, attr, names in model.projections(i):
+            m = getattr(owner, attr, None)
+            if isinstance(m, nn.Linear) and (
+                    k := kquant_linear(src, [(n, None) for n in names], m.in_features,
+                                       None if m.bias is None else m.bias.detach())) is not None:
+                setattr(owner, attr, k)
+                done += 1
+    if (not model.args.tie_embeddings and isinstance(model.output, nn.Linear)
+            and (k := kquant_linear(src, [("output", None)], model.args.dim, None)) is not None):
+        model.output = k
+        done += 1
+    return done
 
 
 def keep_stored_blocks(model: Transformer, src: TensorSource, dtype: torch.dtype) -> int:
@@ -155,6 +189,8 @@ def read_head(src: TensorSource, a: ModelArgs, lo: int, hi: int, dtype: torch.dt
     name = "embed" if tied else "output"
     idx = torch.arange(lo, hi)
     fmt = STORED_FORMATS.get(src.kind(name)) if int4 and tied else None
+    if int4 and not tied and (k := kquant_linear(src, [(name, (lo, hi))], a.dim, None)) is not None:
+        return k  # a K-quant file's Q6_K head as it is
     if fmt is not None:
         return KernelLinear.from_records(kernels.huge(src.raw_rows(name, idx)), fmt, a.dim)
     weight = src.rows(name, idx, dtype)
@@ -231,7 +267,10 @@ def _stored_rows(src: TensorSource, parts: list[tuple[str, tuple[int, int] | Non
                  bias: torch.Tensor | None) -> torch.nn.Module | None:
     """A fused projection over the rows (lo, hi) (None: all) of tensors of `dim` columns, from
     the file's blocks: one int4 GEMV where every part is 4-bit, one Q8_0 matrix where they mix
-    4-bit and Q8_0 (`q8_0_rows`; no bias there), else None."""
+    4-bit and Q8_0 (`q8_0_rows`; no bias there), else None. A converted copy's parts that its
+    original stores in Q4_K/Q6_K are read from there instead (`kquant_linear`)."""
+    if (k := kquant_linear(src, parts, dim, bias)) is not None:
+        return k
     if all(src.kind(n) in Q4_TYPES for n, _ in parts):
         return _stacked_int4([src.q4_part(n, r or (0, src.shape(n)[0]), (0, dim)) for n, r in parts],
                              bias)

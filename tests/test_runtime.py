@@ -191,28 +191,27 @@ def test_compiled_split_attention_equals_the_in_process_engine(ray_cluster, tmp_
 
 
 @pytest.mark.slow
-def test_int4_dense_split_of_a_file_with_8_bit_down(ray_cluster, tmp_path):
-    # a Q4_K_M file's more-bits layers keep down in more bits (Q8_0 once a bundle converts it):
-    # each executor's share is still a block slice (the int4 GEMV for gate and up, its columns of
-    # down one Q8_0 matrix), prompts of many tokens through widened rows, decode steps answered
-    # in the cold executor's native loop; greedy tokens as the in-process engine's
-    import gguf
-    from checkpoints import build_hf_model, llama_family_config, write_llama_gguf
+def test_int4_dense_split_of_a_q4_k_m_file(ray_cluster, tmp_path):
+    # a Q4_K_M file (llama.cpp's choice of type per tensor): its more-bits layers keep down in
+    # Q6_K (Q8_0 once converted), and each executor's share is still a block slice (the int4
+    # GEMV for gate and up, its columns of down one Q8_0 matrix); attention and the head are read
+    # in the file's own Q4_K/Q6_K blocks (the cold executor's head rows in its native loop);
+    # prompts of many tokens through widened rows; greedy tokens as the in-process engine's
     from powerinfer import kernels
+    from powerinfer.quant import KQuantLinear
+    from powerinfer.synthetic import write_synthetic
     if not kernels.available():
         pytest.skip("the kernel library does not run here: no block slices")
-    T = gguf.GGMLQuantizationType
-    cfg = llama_family_config(hidden_size=128, intermediate_size=256, num_attention_heads=8,
-                              num_key_value_heads=4)
-    model = tmp_path / "mixed.gguf"
-    write_llama_gguf(model, build_hf_model(cfg, seed=7), qtype=T.Q4_0, down_qtype=T.Q8_0)
+    model = write_synthetic(tmp_path / "m.gguf", preset="tiny", quant="q4_k_m", progress=False).path
     kw = dict(dtype="bfloat16", weights="int4", max_seq_len=128, max_batch=2, cpu_threads=1)
     ref = PowerInfer.from_pretrained(model, config=Config(**kw))
+    assert isinstance(ref.model.layers[3].attn.wqkv, KQuantLinear)
     pi = PowerInfer.from_pretrained(model, config=Config(runtime="actors", cold_executors=1, **kw))
     prompts = [list(range(3, 40)), [9, 8, 7], [5, 17, 99, 150, 33, 2, 250, 7, 1, 60, 61, 4]]
     try:
         info = pi.engine.group.info
-        assert info["cold.0"]["block_slices"] == cfg.num_hidden_layers and info["cold.0"]["native"]
+        assert info["cold.0"]["block_slices"] == ref.args.n_layers and info["cold.0"]["native"]
+        assert info["cold.0"]["head_rows"] > 0 and info["cold.0"]["head"] == "KQuantLinear"
         for batch in ([prompts[0]], prompts[1:]):
             for p, want, got in zip(batch, decode(ref, batch, 16), decode(pi, batch, 16)):
                 assert_same_or_near_tie(ref, p, want, got, 0.25)  # bf16 sums in another order

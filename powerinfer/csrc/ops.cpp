@@ -633,12 +633,13 @@ static float activation(int64_t act, float g, float u, bool bf16) {
   }
 }
 
-// y (rows, n) f32 = x (rows, dim) times a matrix held as a q4x16 matrix (fmt -1, n rows) or
-// as rows in a kernel format (fmt >= 0).
+// y (rows, n) f32 = x (rows, dim) times a matrix held as 16-row groups (fmt -1 - its Layout:
+// -1 q4x16, -2 q4kx16, -3 q6kx16; n rows) or as rows in a kernel format (fmt >= 0).
 static at::Tensor project(const Kernels& k, const at::Tensor& x, const at::Tensor& w, int64_t fmt, int64_t n) {
   if (fmt >= 0) return linear(x, w, fmt);
+  TORCH_CHECK(-1 - fmt < N_LAYOUTS, "no matrix layout ", -1 - fmt);
   const int64_t rows = x.size(0), dim = x.size(1), npad = (n + 15) / 16 * 16;
-  const float* y = x16_rows(k, Q4X16, x.data_ptr(), x.scalar_type() == at::kBFloat16, rows, dim, w.data_ptr<uint8_t>(), n);
+  const float* y = x16_rows(k, -1 - fmt, x.data_ptr(), x.scalar_type() == at::kBFloat16, rows, dim, w.data_ptr<uint8_t>(), n);
   at::Tensor out = at::empty({rows, n}, x.options().dtype(at::kFloat));
   for (int64_t r = 0; r < rows; r++) std::memcpy(out.data_ptr<float>() + r * n, y + r * npad, n * 4);
   return out;
@@ -652,7 +653,7 @@ struct ColdLayers {
   at::IntArrayRef ffn_n;          // (records: their format)
   at::IntArrayRef ffn_down_fmt;   // block slice: its down's, -1 q4x16 or a kernel format (q8_0)
   at::TensorList qkv, wo, k_cache, v_cache;  // its heads: projections, paged pools (see paged_attention)
-  at::IntArrayRef qkv_fmt, qkv_n, wo_fmt;    // -1: q4x16, else a kernel format
+  at::IntArrayRef qkv_fmt, qkv_n, wo_fmt;    // < 0: 16-row groups (see project), else a kernel format
 };
 
 // A layer's decode step of its block slice or neuron records: (rows, dim) -> (rows, dim) f32
