@@ -92,6 +92,8 @@ class ColdExecutor:
                 "head_rows": self.head_rows, "kv_heads": list(self.kv_heads),
                 "head": None if self.head is None else type(self.head).__name__,
                 "block_slices": sum(isinstance(s, BlockSlice) for s in self.sets),
+                "kquant_matrices": sum(isinstance(m, KQuantLinear) for part in (*self.sets, *self._head(), *self.attn)
+                                       for m in part.modules()),
                 "native": self.native is not None,
                 "numa_bytes": numa_pages(),
                 "node": node_of(self.cores), "node_id": node_id()}
@@ -105,15 +107,15 @@ class ColdExecutor:
         if not kernels.available() or dtype not in (torch.float32, torch.bfloat16):
             return None
         empty = torch.empty(0, dtype=torch.uint8)
-        ffn = []  # per layer: w1, w2, kind, n, down's format
+        ffn = []  # per layer: w1, w2, kind, n, down's format, w1's
         for s, th in zip(self.sets, self.thresholds):
             if (isinstance(s, BlockSlice) and s.up_b is None and (w1 := _matrix(s.w1))
                     and w1[1] < 0 and (w2 := _matrix(s.down))):
-                ffn.append((w1[0], w2[0], 1, s.w1.out_features, w2[1]))
+                ffn.append((w1[0], w2[0], 1, s.w1.out_features, w2[1], w1[1]))
             elif isinstance(s, NeuronSet) and s.records is not None and s.bias32 is None and th <= 0:
-                ffn.append((s.records, empty, 2, kernels.FORMATS.index(s.fmt), 0))
+                ffn.append((s.records, empty, 2, kernels.FORMATS.index(s.fmt), 0, 0))
             else:
-                ffn.append((empty, empty, 0, 0, 0))
+                ffn.append((empty, empty, 0, 0, 0, 0))
         attn = []  # per layer: qkv, qkv format, qkv rows, wo, wo format, k cache, v cache
         # (the native loop runs one window, one RoPE table and no q/k norms for every layer)
         for m in (self.attn if self.args.uniform else []) or [None] * len(self.sets):
@@ -132,7 +134,7 @@ class ColdExecutor:
         cols = lambda rows, j: [r[j] for r in rows]  # noqa: E731
         return (self.x.base, self.part.base, self.part.capacity, self.spec.dim,
                 dtype == torch.bfloat16, self.x.spin_us, [DECODE, HEAD, ATTN],
-                kernels.ACTS.index(act), *(cols(ffn, j) for j in range(5)),
+                kernels.ACTS.index(act), *(cols(ffn, j) for j in range(6)),
                 *(cols(attn, j) for j in range(7)), n_heads, cos, sin, self.args.sliding_window,
                 scale, None if head is None or head[1] < 0 else head[0], 0 if head is None else head[1])
 

@@ -38,6 +38,7 @@ from powerinfer.errors import (EngineFailedError, InvalidRequestError, Overloade
 from powerinfer.convert import kernel_ready
 from powerinfer.loader import load_checkpoint
 from powerinfer.budget import plan_for
+from powerinfer.partial import dense_block
 from powerinfer.plan import SparsePlan
 from powerinfer.quant import has_q4
 from powerinfer.tokenizer import Tokenizer
@@ -134,7 +135,7 @@ class ActorEngine:
         ray_init(resources=numa_resources())  # a local instance advertises the NUMA nodes
         self.plan = (plan_for(config, ckpt.args, ckpt.path, self.kv_blocks * config.block_size,
                               wants_gpu(config))
-                     or SparsePlan.dense(ckpt.args))
+                     or SparsePlan.dense(ckpt.args, dense_block(ckpt)))
         self._spin = spin_us
         self.restarts, self.last_failure, self.rebuild_failures = 0, None, 0
         self._failures_before = 0  # rebuild_failures when the current rebuild began

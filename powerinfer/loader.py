@@ -317,13 +317,15 @@ class TensorSource:
     # a converted copy's original K-quant tensors (Q4_K, Q6_K) under the same names, or None
     kquant: "TensorSource | None" = None
 
-    def kquant_rows(self, name: str, rows: tuple[int, int] | None = None) -> tuple[torch.Tensor, str] | None:
+    def kquant_rows(self, name: str, rows: tuple[int, int] | None = None,
+                    cols: tuple[int, int] | None = None) -> tuple[torch.Tensor, str] | None:
         """Rows lo:hi (None: all) of a tensor the original file stores in Q4_K or Q6_K, as its
-        bytes in the model's row order, and that type; None where it has no such tensor."""
+        bytes in the model's row order, and that type; None where it has no such tensor. cols:
+        only columns lo:hi, whole super-blocks of 256 (else None)."""
         k = self.kquant
         if k is None or name not in k.names:
             return None
-        return k.kquant_rows(name, rows)
+        return k.kquant_rows(name, rows, cols)
 
     def kind(self, name: str) -> str:
         """The stored type: a GGUF type name ("Q4_1", "BF16", ...) or a torch dtype's name."""
@@ -527,19 +529,22 @@ class GGUFSource(TensorSource):
         self._release(name)
         return out
 
-    def kquant_rows(self, name: str, rows: tuple[int, int] | None = None) -> tuple[torch.Tensor, str] | None:
+    def kquant_rows(self, name: str, rows: tuple[int, int] | None = None,
+                    cols: tuple[int, int] | None = None) -> tuple[torch.Tensor, str] | None:
         if self.kquant is not None:  # a converted copy: the original's
-            return super().kquant_rows(name, rows)
+            return super().kquant_rows(name, rows, cols)
         st = self._stored(name)
-        if st.kind not in ("Q4_K", "Q6_K"):
+        c0, c1 = cols or (0, st.shape[-1])
+        if st.kind not in ("Q4_K", "Q6_K") or c0 % 256 or (c1 % 256 and c1 != st.shape[-1]):
             return None
         lo, hi = rows or (0, st.shape[0])
         heads = self._heads(name)
         order = torch.arange(st.shape[0])
         order = order if heads is None else unpermute_rows(order, heads)  # q, k: the model's order
-        data = self._data(name)[order[lo:hi].numpy()]  # a copy of just these rows
+        per = st.nbytes // st.shape[0] // (st.shape[-1] // 256)  # bytes of one block of 256
+        data = self._data(name)[order[lo:hi].numpy(), c0 // 256 * per:-(-c1 // 256) * per]
         self._release(name)
-        return torch.from_numpy(data), st.kind
+        return torch.from_numpy(np.ascontiguousarray(data)), st.kind
 
     def q4(self, name: str):
         st = self._stored(name)

@@ -67,6 +67,18 @@ def kquant_linear(src: TensorSource, parts: list[tuple[str, tuple[int, int] | No
     return None if any(r is None for r in rows) else KQuantLinear(rows, dim, bias)
 
 
+def dense_block(ckpt) -> int:
+    """The neurons a dense split of this checkpoint's FFNs cuts at (`SparsePlan.block`): 256
+    where down is read in a K-quant file's own super-blocks of 256 columns, else a GGUF block."""
+    from .plan import BLOCK
+
+    src, a = ckpt.source, ckpt.args
+    kq = src.kquant if src is not None else None
+    if kq is None or a.ffn_dim % 256 or "0.down" not in kq.names:
+        return BLOCK
+    return 256
+
+
 def keep_kquant_blocks(model: Transformer, src: TensorSource) -> int:
     """The in-process engine's 4-bit configuration over a K-quant file (a Q4_K_M one): each
     projection still held in float whose tensors the file stores in Q4_K or Q6_K becomes a
@@ -205,6 +217,8 @@ def head_rows(head: nn.Module, lo: int, hi: int, shared: bool) -> nn.Module:
     """Rows lo:hi of a built output head (a KernelLinear or an nn.Linear). shared: its weights
     are the embedding's too (tied), so a view keeps nothing more alive; else the rows are
     copied and the rest of the head can be freed."""
+    if isinstance(head, KQuantLinear):  # its groups (copied where not shared: the rest is freed)
+        return head.rows(lo, hi, copy=not shared)
     keep = (lambda t: t) if shared else (lambda t: t.clone())
     bias = None if head.bias is None else keep(head.bias.detach()[lo:hi])
     if isinstance(head, KernelLinear):
@@ -233,8 +247,13 @@ def block_slice(src: TensorSource, a: ModelArgs, layer: int, idx: torch.Tensor,
     lo, hi = int(idx[0]), int(idx[-1]) + 1
     if lo % 32 or hi % 32 or not torch.equal(idx, torch.arange(lo, hi)):
         return None
-    w1 = _stacked_int4([src.q4_part(n, (lo, hi), (0, a.dim)) for n in names])
-    if src.kind(down) in Q4_TYPES:
+    # a K-quant file's own blocks where its original has them (down's columns: whole
+    # super-blocks of 256, as a plan for such a file cuts them: `dense_block`)
+    w1 = (kquant_linear(src, [(n, (lo, hi)) for n in names], a.dim, None)
+          or _stacked_int4([src.q4_part(n, (lo, hi), (0, a.dim)) for n in names]))
+    if (raw := src.kquant_rows(down, None, (lo, hi))) is not None and kernels.available():
+        w2 = KQuantLinear([raw], hi - lo, None)
+    elif src.kind(down) in Q4_TYPES:
         w2 = _stacked_int4([src.q4_part(down, (0, a.dim), (lo, hi))])
     elif src.kind(down) == "Q8_0":  # the columns' blocks, as stored
         rows = src.raw_rows(down, torch.arange(a.dim))
@@ -363,6 +382,9 @@ def hot_model(ckpt: ModelFile, dtype: torch.dtype, hot: list[torch.Tensor],
         model.tok_embeddings = nn.Identity()
         if a.tie_embeddings:
             model.output = nn.Identity()
+    head = None  # a K-quant file's untied head in its own blocks (Q6_K in a Q4_K_M file)
+    if int4 and not a.tie_embeddings and (head := kquant_linear(src, [("output", None)], a.dim, None)):
+        model.output = nn.Identity()
     model = model.to(dtype).to_empty(device="cpu")  # allocated in dtype, filled once below
     if a.tie_embeddings and embed_fmt is None:
         model.output.weight = model.tok_embeddings.weight
@@ -374,6 +396,8 @@ def hot_model(ckpt: ModelFile, dtype: torch.dtype, hot: list[torch.Tensor],
             block.attn = attention_slice(src, a, i, kv, dtype, int4)
     if embed_fmt is not None:
         stored_embedding(model, src, embed_fmt, dtype)
+    if head is not None:
+        model.output = head
     for i, block in enumerate(model.layers):
         idx = hot[i].nonzero().squeeze(-1)
         hot_set = read_neuron_set(src, a, i, idx, fmt, dtype, every_step)

@@ -29,10 +29,12 @@ class SparsePlan:
     mass: list[np.ndarray] | None  # per layer activation mass from the profile (shard balance)
     bundle: Path | None = None
     predictor_input: str | None = None  # "layer" (lookahead), "ffn" (same layer); None: all active
+    block: int = BLOCK  # a dense split's cuts, in neurons (256: whole K-quant super-blocks of down)
 
     @classmethod
-    def dense(cls, args: ModelArgs) -> "SparsePlan":
-        return cls(args.n_layers, args.ffn_dim, [0.0] * args.n_layers, None, None)
+    def dense(cls, args: ModelArgs, block: int = BLOCK) -> "SparsePlan":
+        """Every neuron computed at every step, split at multiples of `block` neurons."""
+        return cls(args.n_layers, args.ffn_dim, [0.0] * args.n_layers, None, None, block=block)
 
     @classmethod
     def layer_offload(cls, args: ModelArgs, k: int) -> "SparsePlan":
@@ -70,7 +72,7 @@ class SparsePlan:
         out = torch.zeros(self.ffn_dim, dtype=torch.bool)
         k = round(share * self.ffn_dim)
         if self.mass is None:  # neurons in order: a whole number of 4-bit blocks of down's rows
-            k = min(self.ffn_dim, round(k / BLOCK) * BLOCK)
+            k = min(self.ffn_dim, round(k / self.block) * self.block)
         out[order[:k]] = True
         return out
 
@@ -85,7 +87,8 @@ class SparsePlan:
         order = self.by_mass(layer)
         ranked = order[cold[order]]
         if self.mass is None:  # every neuron alike: n ranges of whole blocks, in order
-            cuts = [min(len(ranked), round(len(ranked) * k / n / BLOCK) * BLOCK) for k in range(n)]
+            cuts = [min(len(ranked), round(len(ranked) * k / n / self.block) * self.block)
+                    for k in range(n)]
             return [ranked[lo:hi] for lo, hi in zip(cuts, cuts[1:] + [len(ranked)])]
         return [ranked[k::n].sort().values for k in range(n)]
 

@@ -135,6 +135,19 @@ class KQuantLinear(nn.Module):
     def nbytes(self) -> int:
         return sum(getattr(self, name).numel() for name, _, _ in self.segments)
 
+    def rows(self, lo: int, hi: int, copy: bool = False) -> "KQuantLinear":
+        """Its output rows lo:hi (lo a multiple of 16, one run of one type): the groups that
+        hold them, a view of the same bytes (copied with `copy`, so the rest can be freed)."""
+        name, n, layout = self.segments[0]
+        assert len(self.segments) == 1 and lo % 16 == 0 and 0 <= lo < hi <= n, (self.segments, lo, hi)
+        out = KQuantLinear.__new__(KQuantLinear)
+        nn.Module.__init__(out)
+        out.in_features, out.out_features, out.segments = self.in_features, hi - lo, [(name, hi - lo, layout)]
+        keep = (lambda t: t.clone()) if copy else (lambda t: t)
+        out.register_buffer(name, keep(getattr(self, name)[lo // 16:-(-hi // 16)]))
+        out.bias = None if self.bias is None else nn.Parameter(keep(self.bias.detach()[lo:hi]), requires_grad=False)
+        return out
+
     def forward(self, x):
         xx = x if x.dtype in (torch.float32, torch.bfloat16) else x.float()
         ys = [kernels.linear_x16(xx, getattr(self, name), n, layout) for name, n, layout in self.segments]

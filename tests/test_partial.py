@@ -155,6 +155,44 @@ def test_a_dense_split_of_a_layer_with_an_8_bit_down(tmp_path):
         assert (y - dense).abs().max() <= 0.05 * dense.abs().max(), rows
 
 
+@pytest.mark.skipif(not kernels.available(), reason="the kernel library does not run here")
+def test_a_dense_split_of_a_k_quant_file_reads_its_own_blocks(tmp_path):
+    # a Q4_K_M file's converted copy: a range of whole super-blocks (as a plan for such a file
+    # cuts: `dense_block`) is a BlockSlice over the original's Q4_K gate and up rows and its
+    # down's columns (Q4_K, or Q6_K in the more-bits layers); a range of 32-blocks keeps the
+    # copy's down; each computes the file's FFN over its neurons, the two halves sum to it
+    from powerinfer.convert import kernel_ready
+    from powerinfer import Config
+    from powerinfer.partial import dense_block
+    from powerinfer.quant import KQuantLinear
+    from powerinfer.sparse import activate
+    m = write_synthetic(tmp_path / "m.gguf", preset="tiny", quant="q4_k_m", progress=False)
+    ck = kernel_ready(load_checkpoint(m.path, with_weights=False), Config(dtype="bfloat16", weights="int4"))
+    a, src = ck.args, ck.source
+    assert dense_block(ck) == 256 and src.kind("0.gate") == "Q4_1"
+    dense = load_checkpoint(m.path, torch.float32).weights
+    for layer, down_kind in ((1, "q4kx16"), (3, "q6kx16")):  # layer 3 gets more bits
+        gate, up, down = (dense[f"{layer}.{n}"] for n in ("gate", "up", "down"))
+        x = torch.randn(5, 1, a.dim)
+        xq = kernels.quantize_input(x)
+        total = 0
+        for lo, hi in ((0, 256), (256, a.ffn_dim)):
+            idx = torch.arange(lo, hi)
+            s = read_neuron_set(src, a, layer, idx, "q4_1", torch.float32, every_step=True)
+            assert isinstance(s, BlockSlice) and isinstance(s.w1, KQuantLinear)
+            assert isinstance(s.down, KQuantLinear) and s.down.segments[0][2] == down_kind
+            h = activate(a.ffn_act, xq @ gate[idx].t(), xq @ up[idx].t())[1]
+            want = kernels.quantize_input(h) @ down[:, idx].t()
+            got = s(x)
+            assert got.dtype == torch.float32 and got.shape == want.shape
+            assert (got - want).abs().max() <= 1e-3 * want.abs().max(), (layer, lo)
+            total = total + got
+        full = activate(a.ffn_act, xq @ gate.t(), xq @ up.t())[1] @ down.t()
+        assert (total - full).abs().max() <= 0.02 * full.abs().max(), layer
+        s = read_neuron_set(src, a, layer, torch.arange(32, 96), "q4_1", torch.float32, every_step=True)
+        assert isinstance(s.w1, KQuantLinear) and not isinstance(s.down, KQuantLinear)
+
+
 def test_what_the_driver_sends_its_actors_pickles(default_model_path):
     """The model file's table and the tokenizer travel to the executors and the scheduler on
     every start of a group, also after the tokenizer has rendered a chat template."""

@@ -212,6 +212,8 @@ def test_int4_dense_split_of_a_q4_k_m_file(ray_cluster, tmp_path):
         info = pi.engine.group.info
         assert info["cold.0"]["block_slices"] == ref.args.n_layers and info["cold.0"]["native"]
         assert info["cold.0"]["head_rows"] > 0 and info["cold.0"]["head"] == "KQuantLinear"
+        # its block slices' gate+up and down in the file's own blocks too (cut at 256 neurons)
+        assert info["cold.0"]["kquant_matrices"] >= 2 * ref.args.n_layers + 1
         for batch in ([prompts[0]], prompts[1:]):
             for p, want, got in zip(batch, decode(ref, batch, 16), decode(pi, batch, 16)):
                 assert_same_or_near_tie(ref, p, want, got, 0.25)  # bf16 sums in another order

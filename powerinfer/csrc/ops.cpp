@@ -648,10 +648,11 @@ static at::Tensor project(const Kernels& k, const at::Tensor& x, const at::Tenso
 // What a cold executor holds of each layer for `cold_serve` (one entry per layer in each list;
 // an empty tensor or a kind of 0 where the caller answers that layer's messages itself).
 struct ColdLayers {
-  at::TensorList ffn_w1, ffn_w2;  // block slice: q4x16 gate+up rows, down columns; records: w1
+  at::TensorList ffn_w1, ffn_w2;  // block slice: gate+up rows, down columns (16-row groups); records: w1
   at::IntArrayRef ffn_kind;       // 0 none, 1 block slice (ffn_n: its gate+up rows), 2 neuron records
   at::IntArrayRef ffn_n;          // (records: their format)
-  at::IntArrayRef ffn_down_fmt;   // block slice: its down's, -1 q4x16 or a kernel format (q8_0)
+  at::IntArrayRef ffn_down_fmt;   // block slice: its down's, < 0 16-row groups (see project) or a kernel format
+  at::IntArrayRef ffn_w1_fmt;     // block slice: its gate+up's, < 0 16-row groups (see project)
   at::TensorList qkv, wo, k_cache, v_cache;  // its heads: projections, paged pools (see paged_attention)
   at::IntArrayRef qkv_fmt, qkv_n, wo_fmt;    // < 0: 16-row groups (see project), else a kernel format
 };
@@ -666,7 +667,7 @@ static at::Tensor ffn_step(const Kernels& k, const ColdLayers& L, int64_t layer,
   }
   const bool gated = gated_act(act);
   const int64_t n = L.ffn_n[layer], kk = gated ? n / 2 : n;
-  at::Tensor y1 = project(k, x, L.ffn_w1[layer], -1, n);  // (rows, n): gate rows then up rows
+  at::Tensor y1 = project(k, x, L.ffn_w1[layer], L.ffn_w1_fmt[layer], n);  // (rows, n): gate rows then up rows
   at::Tensor h = at::empty({rows, kk}, x.options().dtype(at::kFloat));
   const float* yp = y1.data_ptr<float>();
   float* hp = h.data_ptr<float>();
@@ -703,7 +704,7 @@ static at::Tensor attention_step(const Kernels& k, const ColdLayers& L, int64_t 
 static std::vector<int64_t> cold_serve(at::Tensor& state, int64_t x_base, int64_t part_base, int64_t part_capacity,
                                        int64_t dim, bool bf16, double spin_us, at::IntArrayRef ops, int64_t act,
                                        at::TensorList ffn_w1, at::TensorList ffn_w2, at::IntArrayRef ffn_kind,
-                                       at::IntArrayRef ffn_n, at::IntArrayRef ffn_down_fmt, at::TensorList qkv,
+                                       at::IntArrayRef ffn_n, at::IntArrayRef ffn_down_fmt, at::IntArrayRef ffn_w1_fmt, at::TensorList qkv,
                                        at::IntArrayRef qkv_fmt,
                                        at::IntArrayRef qkv_n, at::TensorList wo, at::IntArrayRef wo_fmt,
                                        at::TensorList k_cache, at::TensorList v_cache, int64_t n_heads,
@@ -714,12 +715,12 @@ static std::vector<int64_t> cold_serve(at::Tensor& state, int64_t x_base, int64_
   TORCH_CHECK(state.scalar_type() == at::kLong && state.numel() == 2 && state.is_contiguous(), "state: int64 (2,)");
   const size_t n_layers = ffn_kind.size();
   TORCH_CHECK(ffn_w1.size() == n_layers && ffn_w2.size() == n_layers && ffn_n.size() == n_layers &&
-              ffn_down_fmt.size() == n_layers &&
+              ffn_down_fmt.size() == n_layers && ffn_w1_fmt.size() == n_layers &&
               qkv.size() == n_layers && qkv_fmt.size() == n_layers && qkv_n.size() == n_layers &&
               wo.size() == n_layers && wo_fmt.size() == n_layers && k_cache.size() == n_layers &&
               v_cache.size() == n_layers, "one entry per layer in every list");
   TORCH_CHECK(ops.size() == 3 && dim % 32 == 0, "ops: (decode, head, attention); dim a multiple of 32");
-  const ColdLayers L{ffn_w1, ffn_w2, ffn_kind, ffn_n, ffn_down_fmt, qkv, wo, k_cache, v_cache, qkv_fmt, qkv_n, wo_fmt};
+  const ColdLayers L{ffn_w1, ffn_w2, ffn_kind, ffn_n, ffn_down_fmt, ffn_w1_fmt, qkv, wo, k_cache, v_cache, qkv_fmt, qkv_n, wo_fmt};
   auto* xh = reinterpret_cast<ChannelHeader*>(x_base);
   char* xp = reinterpret_cast<char*>(x_base) + CH_HEADER;
   char* pp = reinterpret_cast<char*>(part_base) + CH_HEADER;
@@ -770,7 +771,7 @@ TORCH_LIBRARY(powerinfer, m) {
   m.def("ch_send(Tensor[] parts, int base, int capacity, int op, int layer, SymInt[] extra) -> Tensor");
   m.def("ch_recv(Tensor like, Tensor(a!) state, int base, int width, float spin_us) -> Tensor");
   m.def("cold_serve(Tensor(a!) state, int x_base, int part_base, int part_capacity, int dim, bool bf16, "
-        "float spin_us, int[] ops, int act, Tensor[] ffn_w1, Tensor[] ffn_w2, int[] ffn_kind, int[] ffn_n, int[] ffn_down_fmt, "
+        "float spin_us, int[] ops, int act, Tensor[] ffn_w1, Tensor[] ffn_w2, int[] ffn_kind, int[] ffn_n, int[] ffn_down_fmt, int[] ffn_w1_fmt, "
         "Tensor[] qkv, int[] qkv_fmt, int[] qkv_n, Tensor[] wo, int[] wo_fmt, Tensor[] k_cache, Tensor[] v_cache, "
         "int n_heads, Tensor? cos, Tensor? sin, int window, float scale, Tensor? head, int head_fmt) -> int[]");
   m.def("isa", &powerinfer::isa);
