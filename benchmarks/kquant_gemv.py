@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import time
 
 import torch
 from gguf import GGMLQuantizationType, dequantize
@@ -24,14 +23,7 @@ from powerinfer.convert import q4_k_to_q4_1
 from powerinfer.kquants import quantize
 from powerinfer.quant import KQuantLinear, KernelLinear, Q4Linear, q4_split
 
-
-def seconds(fn, n: int = 10) -> float:
-    fn()
-    fn()
-    t = time.perf_counter()
-    for _ in range(n):
-        fn()
-    return (time.perf_counter() - t) / n
+from gemv import seconds  # the same timing as the other GEMV benchmark
 
 
 def main():

@@ -823,17 +823,26 @@ inline void prefetch_ahead(const uint8_t* p, int64_t bytes) {
   for (int64_t o = 0; o < bytes; o += 64) _mm_prefetch((const char*)p + o, _MM_HINT_T0);
 }
 
-// One group's rows for input rows r0..r0+R-1: QV::LANES rows a pass (AVX2 makes two passes, the
-// second over the group's bytes in L1).
+// The passes over one group's rows for input rows r0..r0+R-1: QV::LANES rows a pass (AVX2
+// makes two, the second over the group's bytes in L1), their R rows of sums in registers;
+// body(part, acc) adds the group's blocks into acc, stored at the end of the pass.
+template <int R, typename Body>
+inline void group_passes(int64_t r0, int64_t n, int64_t g, float* y, Body&& body) {
+  for (int part = 0; part < 16 / QV::LANES; part++) {
+    QV::F acc[R];
+    for (int r = 0; r < R; r++) acc[r] = QV::fzero();
+    body(part, acc);
+    for (int r = 0; r < R; r++) QV::store(y + (r0 + r) * n + 16 * g + QV::LANES * part, acc[r]);
+  }
+}
+
 template <int R>
 inline void q4x16_group(const uint8_t* gw, const FFNArgs& a, int64_t r0, int64_t n, int64_t g,
                         float* y) {
   using F = QV::F;
   constexpr int L = QV::LANES;
   const int64_t nb = a.dim / 32, dim = a.dim;
-  for (int part = 0; part < 16 / L; part++) {
-    F acc[R];
-    for (int r = 0; r < R; r++) acc[r] = QV::fzero();
+  group_passes<R>(r0, n, g, y, [&](int part, F* acc) {
     for (int64_t blk = 0; blk < nb; blk++) {
       const uint8_t* b = gw + blk * Q4X16_BLOCK;
       if (part == 0) prefetch_ahead(b + Q4X16_PF * Q4X16_BLOCK, Q4X16_BLOCK);
@@ -847,8 +856,7 @@ inline void q4x16_group(const uint8_t* gw, const FFNArgs& a, int64_t r0, int64_t
         acc[r] = QV::fma(m, QV::fset(a.xs[row * nb + blk]), acc[r]);
       }
     }
-    for (int r = 0; r < R; r++) QV::store(y + (r0 + r) * n + 16 * g + L * part, acc[r]);
-  }
+  });
 }
 
 // ---- Q4_K and Q6_K rows interleaved by 16 (`q4kx16`, `q6kx16`): the K-quant files' GEMVs ----
@@ -880,9 +888,7 @@ inline void q4kx16_group(const uint8_t* gw, const FFNArgs& a, int64_t r0, int64_
   using F = QV::F;
   constexpr int L = QV::LANES;
   const int64_t nb = a.dim / 32, dim = a.dim;
-  for (int part = 0; part < 16 / L; part++) {
-    F acc[R];
-    for (int r = 0; r < R; r++) acc[r] = QV::fzero();
+  group_passes<R>(r0, n, g, y, [&](int part, F* acc) {
     for (int64_t s = 0; s < a.dim / 256; s++) {
       const uint8_t* sb = gw + s * Q4KX16_SB;
       const F d = QV::halves(sb + 2 * L * part), dmin = QV::halves(sb + 32 + 2 * L * part);
@@ -902,8 +908,7 @@ inline void q4kx16_group(const uint8_t* gw, const FFNArgs& a, int64_t r0, int64_
         }
       }
     }
-    for (int r = 0; r < R; r++) QV::store(y + (r0 + r) * n + 16 * g + L * part, acc[r]);
-  }
+  });
 }
 
 template <int R>
@@ -914,9 +919,7 @@ inline void q6kx16_group(const uint8_t* gw, const FFNArgs& a, int64_t r0, int64_
   constexpr int L = QV::LANES;
   const int64_t nb = a.dim / 32, dim = a.dim;
   const I m30 = QV::bytes(0x30);
-  for (int part = 0; part < 16 / L; part++) {
-    F acc[R];
-    for (int r = 0; r < R; r++) acc[r] = QV::fzero();
+  group_passes<R>(r0, n, g, y, [&](int part, F* acc) {
     for (int64_t s = 0; s < a.dim / 256; s++) {
       const uint8_t* sb = gw + s * Q6KX16_SB;
       const F d = QV::halves(sb + 2 * L * part);
@@ -953,8 +956,7 @@ inline void q6kx16_group(const uint8_t* gw, const FFNArgs& a, int64_t r0, int64_
         }
       }
     }
-    for (int r = 0; r < R; r++) QV::store(y + (r0 + r) * n + 16 * g + L * part, acc[r]);
-  }
+  });
 }
 
 // y[r, 16g..16g+15] = rows of group g . x[r] for groups [begin, end) of a matrix of n rows in the
