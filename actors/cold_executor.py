@@ -92,8 +92,8 @@ class ColdExecutor:
                 "head_rows": self.head_rows, "kv_heads": list(self.kv_heads),
                 "head": None if self.head is None else type(self.head).__name__,
                 "block_slices": sum(isinstance(s, BlockSlice) for s in self.sets),
-                "kquant_matrices": sum(isinstance(m, KQuantLinear) for part in (*self.sets, *self._head(), *self.attn)
-                                       for m in part.modules()),
+                "kquant_matrices": sum(isinstance(m, KQuantLinear) for part in
+                                       (*self.sets, *self._head(), *self.attn) for m in part.modules()),
                 "native": self.native is not None,
                 "numa_bytes": numa_pages(),
                 "node": node_of(self.cores), "node_id": node_id()}
@@ -212,7 +212,8 @@ class ColdExecutor:
 
 def _matrix(m) -> tuple[torch.Tensor, int] | None:
     """A projection as `cold_serve` takes it, (its weights, -1 - the layout's code for a matrix
-    of 16-row groups (-1 q4x16, -2 q4kx16, -3 q6kx16) or the kernel format's code), or None for one it cannot run (a bias, or no kernel-library matrix)."""
+    of 16-row groups (-1 q4x16, -2 q4kx16, -3 q6kx16) or the kernel format's code), or None for
+    one it cannot run (a bias, several runs of types, or no kernel-library matrix)."""
     if isinstance(m, Q4Linear) and m.bias is None:
         return m.packed, -1
     if isinstance(m, KQuantLinear) and m.bias is None and len(m.segments) == 1:
