@@ -198,6 +198,8 @@ def _pipeline_commands(sub):
     p.add_argument("--sparsity", type=float, default=None,
                    help="SwiGLU models: target share of neurons under the threshold "
                         "(default 0.15, the default model's operating point)")
+    p.add_argument("--calib-tokens", type=int, default=None,
+                   help="SwiGLU models: tokens run first to set the thresholds (default 8192)")
     p.add_argument("--window", type=int, default=512)
     p.add_argument("--dtype", default="float32")
     p.set_defaults(run=_profile)
@@ -277,8 +279,9 @@ def _profile(args) -> int:
     from .profile import ProfileOptions, profile
     from .report import sparsity
 
+    given = {"sparsity": args.sparsity, "calib_tokens": args.calib_tokens}
     opts = ProfileOptions(tokens=args.tokens, window=args.window, samples=args.samples,
-                          **({} if args.sparsity is None else {"sparsity": args.sparsity}))
+                          **{k: v for k, v in given.items() if v is not None})
     b = profile(args.model, args.corpus, args.out, opts, dtype=args.dtype)
     counts, _, tokens = b.stats()
     mean = sum(sparsity(c, tokens) for c in counts) / len(counts)

@@ -100,8 +100,10 @@ def calibrate_thresholds(model, windows, sparsity: float, progress: bool = True)
         pools[i].append(flat[torch.randint(len(flat), (min(len(flat), 1 << 16),), generator=gen)])
 
     _run(model, windows, on_w1, "calibrating thresholds", progress)
-    q = torch.linspace(0, 1, 101)
-    quantiles = np.stack([torch.quantile(torch.cat(p), q).numpy() for p in pools]).astype(np.float32)
+    # numpy's quantiles (a partition, the same linear interpolation): twice torch's speed over
+    # a layer's 2M scores
+    q = np.linspace(0, 1, 101)
+    quantiles = np.stack([np.quantile(torch.cat(p).numpy(), q) for p in pools]).astype(np.float32)
     return quantiles, threshold_at(quantiles, sparsity)
 
 

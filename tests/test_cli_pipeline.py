@@ -10,8 +10,10 @@ from powerinfer.cli import main
 def test_profile_train_solve_eval_report_on_the_default_model(tmp_path, default_model_path, capsys):
     b = str(tmp_path / "bundle")
     assert main(["profile", "--model", "smollm2-135m-instruct", "--tokens", "1024", "--window", "256",
-                 "--samples", "600", "--out", b]) == 0
+                 "--samples", "600", "--calib-tokens", "1024", "--out", b]) == 0
     assert "profiled 1024 tokens of lee" in capsys.readouterr().out
+    settings = json.loads((tmp_path / "bundle" / "manifest.json").read_text())["settings"]
+    assert settings["thresholds"]["calib_tokens"] == 1024  # SwiGLU: thresholds from 1,024 tokens
     assert main(["train-predictors", "--bundle", b, "--epochs", "2", "--ranks", "16,32"]) == 0
     out = capsys.readouterr().out
     assert "ffn input" in out and "layer input" in out
