@@ -95,6 +95,9 @@ class ColdExecutor:
                 "kquant_matrices": sum(isinstance(m, KQuantLinear) for part in
                                        (*self.sets, *self._head(), *self.attn) for m in part.modules()),
                 "native": self.native is not None,
+                # layers whose attention steps the native loop answers
+                "native_attention": self.native_attention if self.native is not None else 0,
+                "native_head": self.native is not None and self.native_head,
                 "numa_bytes": numa_pages(),
                 "node": node_of(self.cores), "node_id": node_id()}
 
@@ -116,17 +119,22 @@ class ColdExecutor:
                 ffn.append((s.records, empty, 2, kernels.FORMATS.index(s.fmt), 0, 0))
             else:
                 ffn.append((empty, empty, 0, 0, 0, 0))
-        attn = []  # per layer: qkv, qkv format, qkv rows, wo, wo format, k cache, v cache
-        # (the native loop runs one window, one RoPE table and no q/k norms for every layer)
+        # per layer: qkv, its format and rows, a second run of them (or none), wo, wo format, k
+        # cache, v cache (the native loop runs one window, one RoPE table and no q/k norms for
+        # every layer)
+        attn = []
         for m in (self.attn if self.args.uniform else []) or [None] * len(self.sets):
-            q, o = (None, None) if m is None else (_matrix(m.wqkv), _matrix(m.wo))
-            if q is None or o is None:
-                attn.append((empty, 0, 0, empty, 0, empty, empty))
+            q, o = (None, None) if m is None else (_runs(m.wqkv), _matrix(m.wo))
+            if q is None or len(q) > 2 or o is None:
+                attn.append((empty, 0, 0, empty, 0, 0, empty, 0, empty, empty))
             else:
-                attn.append((q[0], q[1], m.wqkv.out_features, o[0], o[1], m.kv_cache.k, m.kv_cache.v))
-        head = _matrix(self.head) if self.head is not None else None
+                attn.append((*q[0], *(q[1] if len(q) > 1 else (empty, 0, 0)), *o, m.kv_cache.k, m.kv_cache.v))
+        head = _runs(self.head) if self.head is not None else None
+        head = head[0] if head is not None and len(head) == 1 else None
+        self.native_attention = sum(x[0].numel() > 0 for x in attn)
+        self.native_head = head is not None
         if (not any(f[2] for f in ffn) and not any(x[0].numel() for x in attn)
-                and (head is None or head[1] < 0)):
+                and head is None):
             return None
         n_heads = self.attn[0].n_heads if self.attn else 0
         scale = self.attn[0].scale if self.attn else 1.0
@@ -135,8 +143,8 @@ class ColdExecutor:
         return (self.x.base, self.part.base, self.part.capacity, self.spec.dim,
                 dtype == torch.bfloat16, self.x.spin_us, [DECODE, HEAD, ATTN],
                 kernels.ACTS.index(act), *(cols(ffn, j) for j in range(6)),
-                *(cols(attn, j) for j in range(7)), n_heads, cos, sin, self.args.sliding_window,
-                scale, None if head is None or head[1] < 0 else head[0], 0 if head is None else head[1])
+                *(cols(attn, j) for j in range(10)), n_heads, cos, sin, self.args.sliding_window,
+                scale, *((None, 0, 0) if head is None else head))
 
     def _next(self) -> FFNInput:
         """The next message this loop answers in Python (the native loop answers the others)."""
@@ -210,15 +218,23 @@ class ColdExecutor:
         return [] if self.head is None else [self.head]
 
 
-def _matrix(m) -> tuple[torch.Tensor, int] | None:
-    """A projection as `cold_serve` takes it, (its weights, -1 - the layout's code for a matrix
-    of 16-row groups (-1 q4x16, -2 q4kx16, -3 q6kx16) or the kernel format's code), or None for
-    one it cannot run (a bias, several runs of types, or no kernel-library matrix)."""
-    if isinstance(m, Q4Linear) and m.bias is None:
-        return m.packed, -1
-    if isinstance(m, KQuantLinear) and m.bias is None and len(m.segments) == 1:
-        name, _, layout = m.segments[0]  # -1 - its layout's code: -2 q4kx16, -3 q6kx16
-        return getattr(m, name), -1 - kernels.LAYOUTS.index(layout)
-    if isinstance(m, KernelLinear) and m.bias is None:
-        return m.records, m.code
+def _runs(m) -> list[tuple[torch.Tensor, int, int]] | None:
+    """A projection as `cold_serve` takes it, per run of rows of one format: (its weights, -1 -
+    the layout's code for a matrix of 16-row groups (-1 q4x16, -2 q4kx16, -3 q6kx16) or the
+    kernel format's code, its rows); None for one it cannot run (a bias, or no kernel-library
+    matrix). A KQuantLinear has a run per type (q and k in Q4_K, v in Q6_K), the others one."""
+    if getattr(m, "bias", None) is not None:
+        return None
+    if isinstance(m, KQuantLinear):
+        return [(getattr(m, name), -1 - kernels.LAYOUTS.index(layout), n) for name, n, layout in m.segments]
+    if isinstance(m, Q4Linear):
+        return [(m.packed, -1, m.out_features)]
+    if isinstance(m, KernelLinear):
+        return [(m.records, m.code, m.out_features)]
     return None
+
+
+def _matrix(m) -> tuple[torch.Tensor, int] | None:
+    """A projection of one run (`_runs`) as (its weights, format code), else None."""
+    runs = _runs(m)
+    return None if runs is None or len(runs) != 1 else runs[0][:2]

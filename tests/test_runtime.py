@@ -192,11 +192,11 @@ def test_compiled_split_attention_equals_the_in_process_engine(ray_cluster, tmp_
 
 @pytest.mark.slow
 def test_int4_dense_split_of_a_q4_k_m_file(ray_cluster, tmp_path):
-    # a Q4_K_M file (llama.cpp's choice of type per tensor): its more-bits layers keep down in
-    # Q6_K (Q8_0 once converted), and each executor's share is still a block slice (the int4
-    # GEMV for gate and up, its columns of down one Q8_0 matrix); attention and the head are read
-    # in the file's own Q4_K/Q6_K blocks (the cold executor's head rows in its native loop);
-    # prompts of many tokens through widened rows; greedy tokens as the in-process engine's
+    # a Q4_K_M file (llama.cpp's choice of type per tensor; its more-bits layers keep v and down
+    # in Q6_K): each executor's share of the FFN is a block slice cut at 256 neurons, gate+up and
+    # down's columns in the file's own Q4_K/Q6_K blocks, and so are attention and the head; the
+    # cold executor answers its slices, its KV heads (q and k in Q4_K, v in Q6_K: two runs) and
+    # its head rows in its native loop; greedy tokens as the in-process engine's
     from powerinfer import kernels
     from powerinfer.quant import KQuantLinear
     from powerinfer.synthetic import write_synthetic
@@ -214,6 +214,9 @@ def test_int4_dense_split_of_a_q4_k_m_file(ray_cluster, tmp_path):
         assert info["cold.0"]["head_rows"] > 0 and info["cold.0"]["head"] == "KQuantLinear"
         # its block slices' gate+up and down in the file's own blocks too (cut at 256 neurons)
         assert info["cold.0"]["kquant_matrices"] >= 2 * ref.args.n_layers + 1
+        # its attention heads in every layer answered natively, q and k in Q4_K and v in Q6_K too
+        assert info["cold.0"]["kv_heads"][1] > info["cold.0"]["kv_heads"][0]
+        assert info["cold.0"]["native_attention"] == ref.args.n_layers and info["cold.0"]["native_head"]
         for batch in ([prompts[0]], prompts[1:]):
             for p, want, got in zip(batch, decode(ref, batch, 16), decode(pi, batch, 16)):
                 assert_same_or_near_tie(ref, p, want, got, 0.25)  # bf16 sums in another order

@@ -655,6 +655,10 @@ struct ColdLayers {
   at::IntArrayRef ffn_w1_fmt;     // block slice: its gate+up's, < 0 16-row groups (see project)
   at::TensorList qkv, wo, k_cache, v_cache;  // its heads: projections, paged pools (see paged_attention)
   at::IntArrayRef qkv_fmt, qkv_n, wo_fmt;    // < 0: 16-row groups (see project), else a kernel format
+  // a second run of q/k/v rows in another format, after the first (a Q4_K_M file's v in Q6_K
+  // beside q and k in Q4_K); an empty tensor where there is none
+  at::TensorList qkv2;
+  at::IntArrayRef qkv2_fmt, qkv2_n;
 };
 
 // A layer's decode step of its block slice or neuron records: (rows, dim) -> (rows, dim) f32
@@ -684,7 +688,10 @@ static at::Tensor attention_step(const Kernels& k, const ColdLayers& L, int64_t 
                                  const at::Tensor& pos, const at::Tensor& starts, const at::Tensor& tables,
                                  int64_t n_heads, const std::optional<at::Tensor>& cos,
                                  const std::optional<at::Tensor>& sin, int64_t window, double scale) {
-  at::Tensor qkv = project(k, x, L.qkv[layer], L.qkv_fmt[layer], L.qkv_n[layer]).to(x.scalar_type());
+  at::Tensor qkv = project(k, x, L.qkv[layer], L.qkv_fmt[layer], L.qkv_n[layer]);
+  if (L.qkv2[layer].numel())
+    qkv = at::cat({qkv, project(k, x, L.qkv2[layer], L.qkv2_fmt[layer], L.qkv2_n[layer])}, 1);
+  qkv = qkv.to(x.scalar_type());
   at::Tensor none = at::empty({0}, x.options().dtype(at::kFloat));
   at::Tensor c = cos ? cos->index_select(0, pos) : none, s = sin ? sin->index_select(0, pos) : none;
   at::Tensor y = paged_attention(qkv, c, s, L.k_cache[layer], L.v_cache[layer], tables, starts, pos, n_heads, window,
@@ -704,23 +711,26 @@ static at::Tensor attention_step(const Kernels& k, const ColdLayers& L, int64_t 
 static std::vector<int64_t> cold_serve(at::Tensor& state, int64_t x_base, int64_t part_base, int64_t part_capacity,
                                        int64_t dim, bool bf16, double spin_us, at::IntArrayRef ops, int64_t act,
                                        at::TensorList ffn_w1, at::TensorList ffn_w2, at::IntArrayRef ffn_kind,
-                                       at::IntArrayRef ffn_n, at::IntArrayRef ffn_down_fmt, at::IntArrayRef ffn_w1_fmt, at::TensorList qkv,
-                                       at::IntArrayRef qkv_fmt,
-                                       at::IntArrayRef qkv_n, at::TensorList wo, at::IntArrayRef wo_fmt,
+                                       at::IntArrayRef ffn_n, at::IntArrayRef ffn_down_fmt, at::IntArrayRef ffn_w1_fmt,
+                                       at::TensorList qkv, at::IntArrayRef qkv_fmt, at::IntArrayRef qkv_n,
+                                       at::TensorList qkv2, at::IntArrayRef qkv2_fmt, at::IntArrayRef qkv2_n,
+                                       at::TensorList wo, at::IntArrayRef wo_fmt,
                                        at::TensorList k_cache, at::TensorList v_cache, int64_t n_heads,
                                        const std::optional<at::Tensor>& cos, const std::optional<at::Tensor>& sin,
                                        int64_t window, double scale, const std::optional<at::Tensor>& head,
-                                       int64_t head_fmt) {
+                                       int64_t head_fmt, int64_t head_n) {
   const Kernels& k = active();
   TORCH_CHECK(state.scalar_type() == at::kLong && state.numel() == 2 && state.is_contiguous(), "state: int64 (2,)");
   const size_t n_layers = ffn_kind.size();
   TORCH_CHECK(ffn_w1.size() == n_layers && ffn_w2.size() == n_layers && ffn_n.size() == n_layers &&
               ffn_down_fmt.size() == n_layers && ffn_w1_fmt.size() == n_layers &&
               qkv.size() == n_layers && qkv_fmt.size() == n_layers && qkv_n.size() == n_layers &&
+              qkv2.size() == n_layers && qkv2_fmt.size() == n_layers && qkv2_n.size() == n_layers &&
               wo.size() == n_layers && wo_fmt.size() == n_layers && k_cache.size() == n_layers &&
               v_cache.size() == n_layers, "one entry per layer in every list");
   TORCH_CHECK(ops.size() == 3 && dim % 32 == 0, "ops: (decode, head, attention); dim a multiple of 32");
-  const ColdLayers L{ffn_w1, ffn_w2, ffn_kind, ffn_n, ffn_down_fmt, ffn_w1_fmt, qkv, wo, k_cache, v_cache, qkv_fmt, qkv_n, wo_fmt};
+  const ColdLayers L{ffn_w1, ffn_w2, ffn_kind, ffn_n, ffn_down_fmt, ffn_w1_fmt, qkv, wo, k_cache, v_cache,
+                     qkv_fmt, qkv_n, wo_fmt, qkv2, qkv2_fmt, qkv2_n};
   auto* xh = reinterpret_cast<ChannelHeader*>(x_base);
   char* xp = reinterpret_cast<char*>(x_base) + CH_HEADER;
   char* pp = reinterpret_cast<char*>(part_base) + CH_HEADER;
@@ -743,7 +753,7 @@ static std::vector<int64_t> cold_serve(at::Tensor& state, int64_t x_base, int64_
       y = attention_step(k, L, layer, at::from_blob(xp, {B, dim}, rows_type), pos, starts, tables, n_heads, cos, sin,
                          window, scale);
     } else if (T == 1 && B <= 64 && op == ops[1] && head && head->defined()) {
-      y = linear(at::from_blob(xp, {B, dim}, rows_type), *head, head_fmt);
+      y = project(k, at::from_blob(xp, {B, dim}, rows_type), *head, head_fmt, head_n);
       if (bf16) y = y.to(at::kBFloat16).to(at::kFloat);  // the head answers in the model's type
     } else {
       return {op, layer, B, T, w4, w5};
@@ -772,8 +782,8 @@ TORCH_LIBRARY(powerinfer, m) {
   m.def("ch_recv(Tensor like, Tensor(a!) state, int base, int width, float spin_us) -> Tensor");
   m.def("cold_serve(Tensor(a!) state, int x_base, int part_base, int part_capacity, int dim, bool bf16, "
         "float spin_us, int[] ops, int act, Tensor[] ffn_w1, Tensor[] ffn_w2, int[] ffn_kind, int[] ffn_n, int[] ffn_down_fmt, int[] ffn_w1_fmt, "
-        "Tensor[] qkv, int[] qkv_fmt, int[] qkv_n, Tensor[] wo, int[] wo_fmt, Tensor[] k_cache, Tensor[] v_cache, "
-        "int n_heads, Tensor? cos, Tensor? sin, int window, float scale, Tensor? head, int head_fmt) -> int[]");
+        "Tensor[] qkv, int[] qkv_fmt, int[] qkv_n, Tensor[] qkv2, int[] qkv2_fmt, int[] qkv2_n, Tensor[] wo, int[] wo_fmt, Tensor[] k_cache, Tensor[] v_cache, "
+        "int n_heads, Tensor? cos, Tensor? sin, int window, float scale, Tensor? head, int head_fmt, int head_n) -> int[]");
   m.def("isa", &powerinfer::isa);
   m.def("use_isa", &powerinfer::use_isa);
 }
