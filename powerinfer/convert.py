@@ -173,20 +173,15 @@ def q4_k_to_q4_1(raw: np.ndarray) -> np.ndarray:
     """Q4_K rows (rows, 144 bytes per 256 weights) -> Q4_1 rows (rows, 20 bytes per 32), the
     same 4-bit codes under each sub-block's own scale and minimum (ggml's block_q4_K layout:
     d, dmin (fp16), 12 bytes of 6-bit sub-block scales and minimums, 128 bytes of codes)."""
+    from .kernels import q4_k_codes
+
     rows = raw.shape[0]
-    b = raw.reshape(rows, -1, 144)
+    b = np.array(raw, np.uint8).reshape(rows, -1, 144)  # (a copy: the file's map is read-only)
     d = b[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
     dmin = b[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
-    q = b[..., 4:16].astype(np.uint8)
-    sc = np.empty(b.shape[:2] + (8,), np.uint8)
-    mn = np.empty_like(sc)
-    sc[..., :4], mn[..., :4] = q[..., 0:4] & 63, q[..., 4:8] & 63
-    sc[..., 4:] = (q[..., 8:12] & 15) | ((q[..., 0:4] >> 6) << 4)
-    mn[..., 4:] = (q[..., 8:12] >> 4) | ((q[..., 4:8] >> 6) << 4)
+    sc, mn, codes = (t.numpy() for t in q4_k_codes(torch.from_numpy(b)))
     scale = (d[..., None] * sc).astype(np.float16)  # (rows, blocks, 8 sub-blocks)
     minimum = (-dmin[..., None] * mn).astype(np.float16)
-    qs = b[..., 16:].reshape(rows, -1, 4, 32)  # 4 chunks of 32 bytes: sub-blocks 2c and 2c+1
-    codes = np.stack([qs & 15, qs >> 4], axis=3).reshape(rows, -1, 8, 32)
     packed = codes[..., :16] | (codes[..., 16:] << 4)  # Q4_1: weight i low, weight i+16 high
     out = np.concatenate([scale[..., None].view(np.uint8), minimum[..., None].view(np.uint8),
                           packed], axis=-1)

@@ -363,7 +363,6 @@ def _runs(q: torch.Tensor) -> torch.Tensor:
 
 LAYOUTS = ("q4x16", "q4kx16", "q6kx16")  # csrc/neuron_ffn.h's Layout
 KQUANT_LAYOUTS = {"Q4_K": "q4kx16", "Q6_K": "q6kx16"}  # GGUF type -> the layout that keeps it
-KQUANT_BLOCK = {"Q4_K": 144, "Q6_K": 210}  # bytes of one GGUF block of 256 weights
 Q4KX16_SB, Q6KX16_SB = 2368, 3360  # bytes of one super-block (256 weights) of 16 rows
 
 
@@ -395,16 +394,24 @@ def pack_q4kx16(raw: torch.Tensor) -> torch.Tensor:
     6-bit scales and minimums, and fp16 d and dmin, regrouped 16 rows at a time."""
     b, groups, nsb = _group_rows(raw, 144)
     dd = _by_row(b[..., 0:4].reshape(groups, 16, nsb, 2, 2))  # (groups, nsb, 2, 16, 2): d, dmin
-    p = b[..., 4:16]
-    sc = torch.cat([p[..., 0:4] & 63, (p[..., 8:12] & 15) | ((p[..., 0:4] >> 6) << 4)], -1)
-    mn = torch.cat([p[..., 4:8] & 63, (p[..., 8:12] >> 4) | ((p[..., 4:8] >> 6) << 4)], -1)
-    qs = b[..., 16:].reshape(groups, 16, nsb, 4, 32)  # chunk c: sub-blocks 2c (low), 2c+1 (high)
-    codes = torch.stack([qs & 15, qs >> 4], 4).reshape(groups, 16, nsb * 8, 32)
+    sc, mn, codes = q4_k_codes(b)
     # per sub-block: its 16 rows' scales, their minimums, its nibble runs
-    subs = torch.cat([_by_row(sc), _by_row(mn), _runs(codes).view(groups, nsb, 8, 256)], -1)
+    subs = torch.cat([_by_row(sc), _by_row(mn),
+                      _runs(codes.reshape(groups, 16, nsb * 8, 32)).view(groups, nsb, 8, 256)], -1)
     out = huge_empty((groups, nsb, Q4KX16_SB), torch.uint8)
     return torch.cat([dd.reshape(groups, nsb, 64), subs.reshape(groups, nsb, 2304)], -1,
                      out=out).view(groups, nsb * Q4KX16_SB)
+
+
+def q4_k_codes(b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Q4_K blocks (..., 144) uint8 -> their 6-bit sub-block scales and minimums (..., 8) and
+    4-bit codes (..., 8, 32) in weight order (w = d * sc[j] * q - dmin * mn[j] in sub-block j;
+    ggml's block_q4_K: d, dmin (fp16), 12 bytes of scales and minimums, 128 of codes)."""
+    p = b[..., 4:16]
+    sc = torch.cat([p[..., 0:4] & 63, (p[..., 8:12] & 15) | ((p[..., 0:4] >> 6) << 4)], -1)
+    mn = torch.cat([p[..., 4:8] & 63, (p[..., 8:12] >> 4) | ((p[..., 4:8] >> 6) << 4)], -1)
+    qs = b[..., 16:].reshape(*b.shape[:-1], 4, 32)  # chunk c: sub-blocks 2c (low), 2c+1 (high)
+    return sc, mn, torch.stack([qs & 15, qs >> 4], -2).reshape(*b.shape[:-1], 8, 32)
 
 
 def q6_k_codes(b: torch.Tensor) -> torch.Tensor:
