@@ -85,17 +85,6 @@ def file_sha256(path: Path, chunk: int = 1 << 24) -> str:
     return h.hexdigest()
 
 
-def _converted_from(path: Path) -> tuple[str, int, int] | None:
-    """(name, size, mtime in ns) of the file a converted copy was made from, from the report
-    written beside it (`convert.converted`), or None where `path` is no such copy."""
-    try:
-        stamp = json.loads(path.with_suffix(".json").read_text())["source"]
-        name, size, mtime = stamp.rsplit(":", 2)
-        return name, int(size), int(mtime)
-    except (OSError, ValueError, KeyError, TypeError, AttributeError):
-        return None
-
-
 class Bundle:
     def __init__(self, path: str | os.PathLike, manifest: Manifest):
         self.path, self.manifest = Path(path), manifest
@@ -151,7 +140,9 @@ class Bundle:
         model_path = Path(model_path)
         if model_size(model_path) == m["size"] and file_sha256(model_path) == m["sha256"]:
             return
-        source = _converted_from(model_path)
+        from .convert import converted_from
+
+        source = converted_from(model_path)
         if source is not None and source[:2] == (m["file"], m["size"]):
             original = model_path.parent.parent / m["file"]  # the copy beside its original
             if not original.is_file() or file_sha256(original) == m["sha256"]:

@@ -75,12 +75,8 @@ def converted(model: Path, progress: bool = True) -> Path:
     model = Path(model)
     out = cache_path(model)
     report = out.with_suffix(".json")
-    if out.is_file() and report.is_file():
-        try:
-            if json.loads(report.read_text()).get("source") == _stamp(model):
-                return out
-        except (OSError, ValueError):
-            pass
+    if out.is_file() and (made := _report(out)) is not None and made["source"] == _stamp(model):
+        return out
     summary = convert(model, out, progress)
     summary["model"] = str(model.resolve())  # where the K-quant blocks kept as they are live
     report.write_text(json.dumps(summary, indent=1))
@@ -91,16 +87,33 @@ def converted(model: Path, progress: bool = True) -> Path:
     return out
 
 
+def _report(copy: Path) -> dict | None:
+    """The report written beside a converted copy (`converted`), or None where there is none."""
+    try:
+        report = json.loads(Path(copy).with_suffix(".json").read_text())
+        return report if isinstance(report.get("source"), str) else None
+    except (OSError, ValueError, AttributeError):
+        return None
+
+
+def converted_from(copy: Path) -> tuple[str, int, int] | None:
+    """(name, size, mtime in ns) of the file a converted copy was made from, as its report
+    records it, or None where `copy` is no such copy."""
+    try:
+        name, size, mtime = _report(copy)["source"].rsplit(":", 2)
+        return name, int(size), int(mtime)
+    except (TypeError, ValueError):
+        return None
+
+
 def original_of(copy: Path) -> Path | None:
     """The file a converted copy was made from, where it is still there unchanged (its name,
     size and mtime as the copy's report records them): the path the report names, else the
     model beside the copy's bundle folder; None otherwise."""
     copy = Path(copy)
-    try:
-        report = json.loads(copy.with_suffix(".json").read_text())
-        stamp = report["source"]
-    except (OSError, ValueError, KeyError, TypeError):
+    if (report := _report(copy)) is None:
         return None
+    stamp = report["source"]
     candidates = [Path(report["model"])] if isinstance(report.get("model"), str) else []
     if copy.parent.name.endswith(".bundle"):
         candidates.append(copy.parent.parent / stamp.rsplit(":", 2)[0])

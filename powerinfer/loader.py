@@ -531,18 +531,20 @@ class GGUFSource(TensorSource):
 
     def kquant_rows(self, name: str, rows: tuple[int, int] | None = None,
                     cols: tuple[int, int] | None = None) -> tuple[torch.Tensor, str] | None:
+        from .kernels import KQUANT_LAYOUTS
+
         if self.kquant is not None:  # a converted copy: the original's
             return super().kquant_rows(name, rows, cols)
         st = self._stored(name)
-        c0, c1 = cols or (0, st.shape[-1])
-        if st.kind not in ("Q4_K", "Q6_K") or c0 % 256 or (c1 % 256 and c1 != st.shape[-1]):
+        c0, c1 = cols or (0, st.shape[-1])  # (a K-quant row is whole super-blocks of 256)
+        if st.kind not in KQUANT_LAYOUTS or c0 % 256 or c1 % 256:
             return None
         lo, hi = rows or (0, st.shape[0])
         heads = self._heads(name)
         order = torch.arange(st.shape[0])
         order = order if heads is None else unpermute_rows(order, heads)  # q, k: the model's order
         per = st.nbytes // st.shape[0] // (st.shape[-1] // 256)  # bytes of one block of 256
-        data = self._data(name)[order[lo:hi].numpy(), c0 // 256 * per:-(-c1 // 256) * per]
+        data = self._data(name)[order[lo:hi].numpy(), c0 // 256 * per:c1 // 256 * per]
         self._release(name)
         return torch.from_numpy(np.ascontiguousarray(data)), st.kind
 
