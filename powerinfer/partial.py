@@ -57,14 +57,23 @@ class LazyWeights(Mapping):
 
 
 def kquant_linear(src: TensorSource, parts: list[tuple[str, tuple[int, int] | None]], dim: int,
-                  bias: torch.Tensor | None) -> KQuantLinear | None:
+                  bias: torch.Tensor | None,
+                  cols: tuple[int, int] | None = None) -> KQuantLinear | None:
     """A fused projection over the rows (lo, hi) (None: all) of tensors a K-quant file stores in
-    Q4_K or Q6_K (`TensorSource.kquant_rows`: a converted copy's original), kept in those bytes;
-    None where a part is stored otherwise or the kernel library does not run here."""
+    Q4_K or Q6_K (`TensorSource.kquant_rows`: a converted copy's original), kept in those bytes,
+    over their columns `cols` (whole super-blocks; None: all `dim`); None where a part is stored
+    otherwise or the kernel library does not run here."""
     if not kernels.available() or dim % 256:
         return None
-    rows = [src.kquant_rows(n, r) for n, r in parts]
+    rows = [src.kquant_rows(n, r, cols) for n, r in parts]
     return None if any(r is None for r in rows) else KQuantLinear(rows, dim, bias)
+
+
+def kquant_head(src: TensorSource, a: ModelArgs,
+                rows: tuple[int, int] | None = None) -> KQuantLinear | None:
+    """Rows lo:hi (None: all) of an untied output head a K-quant file stores in its own blocks
+    (Q6_K in a Q4_K_M file), else None."""
+    return None if a.tie_embeddings else kquant_linear(src, [("output", rows)], a.dim, None)
 
 
 def dense_block(ckpt) -> int:
@@ -95,8 +104,7 @@ def keep_kquant_blocks(model: Transformer, src: TensorSource) -> int:
                                        None if m.bias is None else m.bias.detach())) is not None:
                 setattr(owner, attr, k)
                 done += 1
-    if (not model.args.tie_embeddings and isinstance(model.output, nn.Linear)
-            and (k := kquant_linear(src, [("output", None)], model.args.dim, None)) is not None):
+    if isinstance(model.output, nn.Linear) and (k := kquant_head(src, model.args)) is not None:
         model.output = k
         done += 1
     return done
@@ -201,8 +209,8 @@ def read_head(src: TensorSource, a: ModelArgs, lo: int, hi: int, dtype: torch.dt
     name = "embed" if tied else "output"
     idx = torch.arange(lo, hi)
     fmt = STORED_FORMATS.get(src.kind(name)) if int4 and tied else None
-    if int4 and not tied and (k := kquant_linear(src, [(name, (lo, hi))], a.dim, None)) is not None:
-        return k  # a K-quant file's Q6_K head as it is
+    if int4 and (k := kquant_head(src, a, (lo, hi))) is not None:
+        return k
     if fmt is not None:
         return KernelLinear.from_records(kernels.huge(src.raw_rows(name, idx)), fmt, a.dim)
     weight = src.rows(name, idx, dtype)
@@ -251,8 +259,8 @@ def block_slice(src: TensorSource, a: ModelArgs, layer: int, idx: torch.Tensor,
     # super-blocks of 256, as a plan for such a file cuts them: `dense_block`)
     w1 = (kquant_linear(src, [(n, (lo, hi)) for n in names], a.dim, None)
           or _stacked_int4([src.q4_part(n, (lo, hi), (0, a.dim)) for n in names]))
-    if (raw := src.kquant_rows(down, None, (lo, hi))) is not None and kernels.available():
-        w2 = KQuantLinear([raw], hi - lo, None)
+    if (k := kquant_linear(src, [(down, None)], hi - lo, None, (lo, hi))) is not None:
+        w2 = k
     elif src.kind(down) in Q4_TYPES:
         w2 = _stacked_int4([src.q4_part(down, (0, a.dim), (lo, hi))])
     elif src.kind(down) == "Q8_0":  # the columns' blocks, as stored
@@ -382,8 +390,8 @@ def hot_model(ckpt: ModelFile, dtype: torch.dtype, hot: list[torch.Tensor],
         model.tok_embeddings = nn.Identity()
         if a.tie_embeddings:
             model.output = nn.Identity()
-    head = None  # a K-quant file's untied head in its own blocks (Q6_K in a Q4_K_M file)
-    if int4 and not a.tie_embeddings and (head := kquant_linear(src, [("output", None)], a.dim, None)):
+    head = kquant_head(src, a) if int4 else None
+    if head is not None:
         model.output = nn.Identity()
     model = model.to(dtype).to_empty(device="cpu")  # allocated in dtype, filled once below
     if a.tie_embeddings and embed_fmt is None:
