@@ -154,8 +154,6 @@ def available() -> bool:
                 lambda x, w, sel, keep, bias, threshold, act, fmt: torch.empty_like(x))
             torch.library.register_fake("powerinfer::linear")(
                 lambda x, w, fmt: x.new_empty(x.shape[0], w.shape[0], dtype=torch.float32))
-            torch.library.register_fake("powerinfer::linear_q4x16")(
-                lambda x, w, n: x.new_empty(*x.shape[:-1], n))
             torch.library.register_fake("powerinfer::linear_x16")(
                 lambda x, w, n, layout: x.new_empty(*x.shape[:-1], n))
             torch.library.register_fake("powerinfer::rms_norm")(lambda x, w, eps: torch.empty_like(x))

@@ -431,12 +431,13 @@ def test_fused_ops_reject_bad_input():
     with pytest.raises(RuntimeError, match="w:"):
         torch.ops.powerinfer.rms_norm(torch.randn(2, 8), torch.ones(8, dtype=torch.bfloat16), 1e-5)
     w = torch.zeros(2, 2 * K.Q4X16_BLOCK, dtype=torch.uint8)  # 32 rows of 64
+    q4x16 = K.LAYOUTS.index("q4x16")
     with pytest.raises(RuntimeError, match="groups of 16 rows"):
-        torch.ops.powerinfer.linear_q4x16(torch.randn(1, 64), w, 40)
+        torch.ops.powerinfer.linear_x16(torch.randn(1, 64), w, 40, q4x16)
     with pytest.raises(RuntimeError, match="bytes per group"):
-        torch.ops.powerinfer.linear_q4x16(torch.randn(1, 96), w, 32)
+        torch.ops.powerinfer.linear_x16(torch.randn(1, 96), w, 32, q4x16)
     with pytest.raises(RuntimeError, match="1 to 64 rows"):
-        torch.ops.powerinfer.linear_q4x16(torch.randn(65, 64), w, 32)
+        torch.ops.powerinfer.linear_x16(torch.randn(65, 64), w, 32, q4x16)
 
 
 def test_a_kernel_built_beside_the_package_is_used_by_a_user_who_cannot_write_there(monkeypatch,

@@ -300,10 +300,6 @@ static at::Tensor linear_x16(const at::Tensor& x, const at::Tensor& w, int64_t n
   return y;
 }
 
-static at::Tensor linear_q4x16(const at::Tensor& x, const at::Tensor& w, int64_t n) {
-  return linear_x16(x, w, n, Q4X16);
-}
-
 // RMSNorm over the last axis of x, f32 or bf16 with a weight of the same type, as torch's CPU
 // rms_norm computes it (in float, rounded once at the end). One call in place of torch's
 // several: a decode step normalizes two rows of a few hundred values per layer, and dispatching
@@ -772,7 +768,6 @@ TORCH_LIBRARY(powerinfer, m) {
   m.def("widen(Tensor w, int fmt, int rows, int dim) -> Tensor");
   m.def("widen_out(Tensor w, int fmt, int rows, int dim, Tensor(a!) out) -> ()");
   m.def("linear(Tensor x, Tensor w, int fmt) -> Tensor");
-  m.def("linear_q4x16(Tensor x, Tensor w, int n) -> Tensor");
   m.def("linear_x16(Tensor x, Tensor w, int n, int layout) -> Tensor");
   m.def("rms_norm(Tensor x, Tensor w, float eps) -> Tensor");
   m.def("qk_norm(Tensor qkv, Tensor qw, Tensor kw, int n_heads, int n_kv, float eps) -> Tensor");
@@ -793,7 +788,6 @@ TORCH_LIBRARY_IMPL(powerinfer, CPU, m) {
   m.impl("widen", powerinfer::widen);
   m.impl("widen_out", powerinfer::widen_out);
   m.impl("linear", powerinfer::linear);
-  m.impl("linear_q4x16", powerinfer::linear_q4x16);
   m.impl("linear_x16", powerinfer::linear_x16);
   m.impl("rms_norm", powerinfer::rms_norm);
   m.impl("qk_norm", powerinfer::qk_norm);
