@@ -103,9 +103,9 @@ class ColdExecutor:
 
     def _native_args(self, act: str) -> tuple | None:
         """The arguments of the kernel library's `cold_serve` after its state (see there): the
-        layers it can answer in C++ (block slices over Q4Linears, neuron records without a
-        threshold or bias; heads whose projections are Q4Linears or KernelLinears without bias),
-        the others' entries empty; None where it can answer nothing."""
+        layers it can answer in C++ (block slices, neuron records without a threshold or bias;
+        heads whose projections `_runs` takes, q/k/v in up to two runs), and its head rows, the
+        others' entries empty; None where it can answer nothing."""
         dtype = self.spec.torch_dtype
         if not kernels.available() or dtype not in (torch.float32, torch.bfloat16):
             return None
