@@ -4,7 +4,7 @@ machine's read bandwidth and the torch path it replaces, in one run.
 
     .venv/bin/python benchmarks/kernel.py [--dim 4096] [--ffn 11008] [--layers 4] [--rows 1]
         [--formats bf16 i8 q4_0 q4_1] [--threads N] [--consecutive] [--also-isa avx512]
-        [--plot FILE] [--out FILE]
+        [--reads] [--plot FILE] [--out FILE]
 
 One FFN layer of the given shape per `--layers` (random weights, ReGLU: gate, up and down rows),
 rotated through so that no step finds its rows in the caches. For each share of active neurons
@@ -15,6 +15,12 @@ Baselines in the same run, on the same neurons: the torch path (`sparse.NeuronSe
 format: gathered gate/up rows, an embedding-bag over down rows) in bf16, and the dense bf16
 FFN as torch's matmuls (`dense`, every neuron). Bandwidth: `sparse_cpu.read_bandwidth` (a
 reduction over 1 GiB, best of 5).
+
+`--reads`: for each format, the same selected records read and nothing computed (every byte
+loaded once, XORed), by K records at a time per thread (K = 1, 2, 4, 8 streams side by side,
+the next K records prefetched into L2 over the pass), compiled here: what the memory gives
+for records of that size scattered as the selection scatters them, beside what the kernel
+gets from them.
 """
 from __future__ import annotations
 
@@ -33,6 +39,63 @@ from powerinfer.sparse import NeuronSet
 from sparse_cpu import read_bandwidth  # the same reading as the sparse decode benchmark
 
 SHARES = (0.01, 0.02, 0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0)
+STREAMS = (1, 2, 4, 8)
+
+READS = r"""
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+#include <algorithm>
+// Records sel[j] of w (k, bytes), K at a time per thread: their lines loaded side by side and
+// XORed; the next K records prefetched into L2 over the same pass. Returns the XOR (kept).
+template <int K>
+int64_t reads_k(const uint8_t* w, int64_t rb, const int64_t* sel, int64_t m) {
+  std::vector<int64_t> part(at::get_num_threads(), 0);
+  at::parallel_for(0, (m + K - 1) / K, 1, [&](int64_t g0, int64_t g1) {
+    __m256i acc = _mm256_setzero_si256();
+    for (int64_t g = g0; g < g1; g++) {
+      const uint8_t *r[K], *pf[K];
+      for (int k = 0; k < K; k++) {
+        const int64_t j = std::min(g * K + k, m - 1), jn = (g + 1) * K + k;
+        r[k] = w + sel[j] * rb;
+        pf[k] = g + 1 < g1 && jn < m ? w + sel[jn] * rb : nullptr;
+      }
+      for (int64_t o = 0; o + 64 <= rb; o += 64)
+        for (int k = 0; k < K; k++) {
+          if (pf[k]) _mm_prefetch((const char*)(pf[k] + o), _MM_HINT_T1);
+          acc = _mm256_xor_si256(acc, _mm256_xor_si256(_mm256_loadu_si256((const __m256i*)(r[k] + o)),
+                                                       _mm256_loadu_si256((const __m256i*)(r[k] + o + 32))));
+        }
+    }
+    alignas(32) int64_t v[4];
+    _mm256_store_si256((__m256i*)v, acc);
+    part[at::get_thread_num()] ^= v[0] ^ v[1] ^ v[2] ^ v[3];
+  });
+  int64_t x = 0;
+  for (int64_t p : part) x ^= p;
+  return x;
+}
+int64_t reads(torch::Tensor w, torch::Tensor sel, int64_t k) {
+  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == torch::kByte && w.is_contiguous() && w.size(1) % 64 == 0);
+  const uint8_t* p = w.data_ptr<uint8_t>();
+  const int64_t* s = sel.data_ptr<int64_t>();
+  switch (k) {
+    case 1: return reads_k<1>(p, w.size(1), s, sel.numel());
+    case 2: return reads_k<2>(p, w.size(1), s, sel.numel());
+    case 4: return reads_k<4>(p, w.size(1), s, sel.numel());
+    default: return reads_k<8>(p, w.size(1), s, sel.numel());
+  }
+}
+"""
+
+
+def reads_op():
+    """The record reader above, compiled for this machine (AVX2)."""
+    import tempfile
+    from torch.utils.cpp_extension import load_inline
+    return load_inline("kernel_reads", cpp_sources=[READS], functions=["reads"],
+                       extra_cflags=["-O3", "-mavx2", "-fopenmp"], build_directory=tempfile.mkdtemp(),
+                       verbose=False).reads
 
 
 def timed(fn, layers: int, reps: int) -> float:
@@ -61,6 +124,8 @@ def main():
     ap.add_argument("--also-isa", default=None, choices=kernels.ISAS,
                     help="time every kernel format under this instruction set as well (an A/B "
                          "in the same run: avx512 has no VNNI, avx512bf16 does)")
+    ap.add_argument("--reads", action="store_true",
+                    help="beside each format, the same records read with nothing computed")
     ap.add_argument("--plot", default=None, help="write the plot (PNG)")
     ap.add_argument("--out", default=None, help="write the results as JSON")
     args = ap.parse_args()
@@ -81,6 +146,7 @@ def main():
     dense = [torch.cat([w1[i], w2[i].t()]) for i in range(L)]  # the same bytes as one matmul
     del w1, w2
     results = []
+    reads = reads_op() if args.reads else None
     with torch.inference_mode():
         xb = x.bfloat16()
         t = timed(lambda i: (torch.relu(xb @ dense[i][:n].t()) * (xb @ dense[i][n:2 * n].t()))
@@ -107,6 +173,20 @@ def main():
                 method = "torch path bf16" if name == "torch" else f"kernel {fmt}"
                 results.append({"method": method + (f" ({isa})" if isa else ""),
                                 "share": share, "ms": t * 1e3, "gbs": nbytes / t / 1e9})
+                if reads is None or name == "torch" or isa:
+                    continue
+                recs = [s.records for s in ss]
+                rb = recs[0].shape[1]
+                if rb % 64:  # (the reader takes whole lines)
+                    continue
+                best = 0.0
+                for k in STREAMS:
+                    t = timed(lambda i: reads(recs[i], sel, k), L, args.reps)
+                    best = max(best, nbytes / t / 1e9)
+                    results.append({"method": f"reads {fmt}, {k} streams", "share": share,
+                                    "ms": t * 1e3, "gbs": nbytes / t / 1e9})
+                results.append({"method": f"kernel {fmt} / best reads", "share": share,
+                                "ratio": results[-1 - len(STREAMS)]["gbs"] / best})
     bw = read_bandwidth(torch.float32)
     print(f"# {datetime.date.today()} {platform.processor() or platform.machine()}, kernel ISA "
           f"{kernels.isa()}, {torch.get_num_threads()} threads, torch {torch.__version__}, "
@@ -119,6 +199,9 @@ def main():
         cells = []
         for m in methods:
             r = next(r for r in results if r["method"] == m and r["share"] == share)
+            if "ratio" in r:
+                cells.append(f"{r['ratio']:.0%}")
+                continue
             cells.append(f"{r['ms']:.2f} ms, {r['gbs']:.1f} GB/s ({r['gbs'] * 1e9 / bw:.0%})")
         print(f"| {share:.0%} | " + " | ".join(cells) + " |")
     dn = results[0]
@@ -138,7 +221,15 @@ def plot(results, methods, bw, args, path: Path):
     ax = fig.add_subplot()
     for m in methods:
         rs = [r for r in results if r["method"] == m]
-        ax.plot([r["share"] * 100 for r in rs], [r["gbs"] for r in rs], marker="o", label=m)
+        if m.startswith("reads") or "ratio" in rs[0]:
+            continue
+        line = ax.plot([r["share"] * 100 for r in rs], [r["gbs"] for r in rs], marker="o", label=m)
+        fmt = m.removeprefix("kernel ")
+        if any(r["method"].startswith(f"reads {fmt},") for r in results):  # --reads: its ceiling
+            best = [max(r["gbs"] for r in results
+                        if r["method"].startswith(f"reads {fmt},") and r["share"] == q["share"]) for q in rs]
+            ax.plot([r["share"] * 100 for r in rs], best, linestyle="--", color=line[0].get_color(),
+                    label=f"reads of the {fmt} records (best of {len(STREAMS)} stream counts)")
     ax.axhline(bw / 1e9, color="k", linestyle="--", label="read bandwidth")
     ax.axhline(results[0]["gbs"], color="gray", linestyle=":", label=results[0]["method"])
     ax.set_xscale("log")
