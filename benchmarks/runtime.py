@@ -18,6 +18,10 @@
    deep, every neuron computed) for each count of cold executors in `--cold`.
 4. Batching: total tokens/s of B concurrent greedy requests through the actor runtime, and of B
    prompts decoded together by the in-process engine (prefill included in both).
+5. Where an actor step's time goes (`step_breakdown`), per step of one more request, from the
+   actors' own counters: the scheduler's step (sent to answered), the hot executor's work and its
+   waits (for the cold executors' partial sums, for masks, and between steps for the scheduler),
+   each cold executor's busy time and wait; printed as a table per run.
 
 Both sides run the default configuration (`Config()` resolved for this machine and file: bf16
 with int4 weights and an 8-bit head on a CPU with native bf16 and a Q4 file); with `--compile`
@@ -125,6 +129,55 @@ def decode_speed(pi: PowerInfer, tokens: int) -> tuple[float, float]:
     return tok_s, statistics.median(starts)
 
 
+def step_breakdown(pi: PowerInfer, tokens: int) -> dict[str, float]:
+    """ms per step of one greedy request of `tokens` tokens through the actor runtime (its one
+    prefill step among them), from the counters' deltas over the request: `scheduler step` is
+    the scheduler's time from sending a step to having its tokens (its own share: that minus
+    the hot executor's step); `hot work` the hot executor's step less its waits; `hot waits
+    for cold` / `for masks` inside its step; `hot idle between steps` waiting for the next one;
+    per cold executor its wait for work (counted in the channel, natively too) and its busy time
+    as the step period (the request's wall time over its steps) less that wait: its native loop
+    answers a decode without returning to Python, where its own busy counter is kept."""
+    before = pi.engine.stats()["actors"]
+    t0 = time.perf_counter()
+    pi.generate(PROMPT, max_new_tokens=tokens, temperature=0, ignore_eos=True)
+    wall = time.perf_counter() - t0
+    after = pi.engine.stats()["actors"]
+
+    def d(name, key):
+        return after[name].get(key, 0.0) - before[name].get(key, 0.0)
+
+    steps = max(d("hot", "steps"), 1)
+    ms = lambda v: v / steps * 1e3  # noqa: E731
+    sched = d("scheduler", "decode_s") + d("scheduler", "prefill_s")
+    hot = d("hot", "step_s")
+    waits = d("hot", "part_wait_s") + d("hot", "mask_wait_s")
+    out = {"steps": steps, "step period": ms(wall), "scheduler step": ms(sched),
+           "scheduler's own share": ms(sched - hot),
+           "hot step": ms(hot), "hot work": ms(hot - waits),
+           "hot waits for cold": ms(d("hot", "part_wait_s")), "hot waits for masks": ms(d("hot", "mask_wait_s")),
+           "hot idle between steps": ms(d("hot", "ctl_wait_s"))}
+    for name in sorted(k for k in after if k.startswith("cold")):
+        out[f"{name} busy (period - waits)"] = ms(wall - d(name, "wait_s"))
+        out[f"{name} waits"] = ms(d(name, "wait_s"))
+    if "predictor" in after:
+        out["predictor busy"] = ms(d("predictor", "busy_s"))
+    return out
+
+
+def print_breakdown(rows: list[dict]):
+    """The step breakdowns of `compare`'s rows as one table (ms per step)."""
+    rows = [r for r in rows if "breakdown_ms_per_step" in r]
+    if not rows:
+        return
+    keys = list(dict.fromkeys(k for r in rows for k in r["breakdown_ms_per_step"] if k != "steps"))
+    print("| ms per step | " + " | ".join(f"{r['model']}, {r['cold_executors']} cold" for r in rows) + " |")
+    print("|---|" + "---:|" * len(rows))
+    for k in keys:
+        print(f"| {k} | " + " | ".join(f"{r['breakdown_ms_per_step'].get(k, float('nan')):.2f}" for r in rows) + " |")
+    print("| in process, ms per token | " + " | ".join(f"{1e3 / r['in_process_tok_s']:.2f}" for r in rows) + " |")
+
+
 def batched(pi: PowerInfer, batch: int, tokens: int, warm: bool = True) -> float:
     """Total tokens/s of `batch` concurrent greedy requests (prefill included), after one
     untimed round of the same shape (a compiled step compiles for it there)."""
@@ -190,6 +243,7 @@ def compare(model: str, base: dict, tokens: int, cold: list[int], batches: list[
             if "predictor" in st["actors"]:
                 p = st["actors"]["predictor"]
                 row["predictor_busy_ms_per_step"] = p.get("busy_s", 0) / max(hot["steps"], 1) * 1e3
+            row["breakdown_ms_per_step"] = step_breakdown(pi, 2 * tokens)
             if (n, predictor) == runs[0]:
                 row["batched_tok_s"] = {b: batched(pi, b, tokens) for b in batches}
                 row["in_process_batched_tok_s"] = local_batched
@@ -222,6 +276,7 @@ def main():
     print("hop latency (us):", json.dumps(result["hop_us"]), flush=True)
     base = dict(max_seq_len=256, bundle=args.bundle, compile=args.compile)
     result["default"] = compare(args.model, base, args.tokens, cold, batches)
+    print_breakdown(result["default"])
     if not args.skip_synthetic:
         from powerinfer.synthetic import write_synthetic
         with tempfile.TemporaryDirectory() as d:
@@ -230,6 +285,7 @@ def main():
             result["synthetic_7b"] = compare(str(path), dict(max_seq_len=256, dtype="bfloat16",
                                                              compile=args.compile),
                                              args.tokens // 2, cold, [1])
+        print_breakdown(result["synthetic_7b"])
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=1))
 
