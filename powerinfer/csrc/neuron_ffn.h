@@ -459,31 +459,43 @@ struct DotsOf<BF16, R> {
 template <int FMT, int R>
 using Dots = typename DotsOf<FMT, R>::type;
 
-// out[r, block] += h[r] * block of the row, for every row r of B with h[r] != 0
-template <int FMT>
-inline void axpy_block(const uint8_t* row, int64_t blk, const float* h, int64_t B, int64_t dim, float* out) {
-  V w[NV];
-  block<FMT>(row, blk, w);
+constexpr int MAXB = 64;  // input rows a call (kernels.MAX_ROWS)
+// down rows whose axpys share one pass over out (see range_fmt)
+constexpr int DOWNS = 4;
+
+// out[r, block] += h[n][r] * block of down row n, for n < DN (in that order) and every row r of
+// B with h[n][r] != 0: out's block loaded and stored once for the DN rows (a row at a time,
+// each axpy loaded and stored all of out: more bytes through L1 than the rows themselves)
+template <int FMT, int DN>
+inline void axpy_block(const uint8_t* const* rows, int64_t blk, const float (*h)[MAXB], int64_t B,
+                       int64_t dim, float* out) {
+  V w[DN][NV];
+  for (int n = 0; n < DN; n++) block<FMT>(rows[n], blk, w[n]);
   for (int64_t r = 0; r < B; r++) {
-    if (h[r] == 0.0f) continue;
-    const V hv = vset(h[r]);
     float* o = out + r * dim + 32 * blk;
-    for (int v = 0; v < NV; v++) vstore(o + v * W, vfma(hv, w[v], vload(o + v * W)));
+    V acc[NV];
+    for (int v = 0; v < NV; v++) acc[v] = vload(o + v * W);
+    for (int n = 0; n < DN; n++) {
+      if (h[n][r] == 0.0f) continue;
+      const V hv = vset(h[n][r]);
+      for (int v = 0; v < NV; v++) acc[v] = vfma(hv, w[n][v], acc[v]);
+    }
+    for (int v = 0; v < NV; v++) vstore(o + v * W, acc[v]);
   }
 }
 
 inline void prefetch_l2(const uint8_t* p) { _mm_prefetch((const char*)p, _MM_HINT_T1); }
 
-// One pass over the blocks of up to three rows of different neurons, side by side: the lead
-// row's dot products (G: the gate row, or the up row of a plain ReLU FFN), the up row's (U), and
-// the down row's axpy into out (D, over all B rows with their activations h). Input rows r0..
+// One pass over the blocks of rows of different neurons, side by side: the lead row's dot
+// products (G: the gate row, or the up row of a plain ReLU FFN), the up row's (U), and DN down
+// rows' axpys into out (downs[n] with activations h[n] over all B rows). Input rows r0..
 // r0+R-1 for the dot products. pf_a, pf_b: rows to bring into L2 over the same pass (or null).
 // Reading three streams at once and prefetching the next rows keeps a core's memory requests
 // in flight across the short rows of different neurons, where one stream at a time left the
 // prefetchers starting over at every row (a third of the read rate measured).
-template <int FMT, int DFMT, int R, bool G, bool U, bool D>
-void stage(const FFNArgs& a, int64_t r0, const uint8_t* lead, const uint8_t* upr, const uint8_t* down,
-           const float* h, const uint8_t* pf_a, const uint8_t* pf_b, float* gout, float* uout, float* out) {
+template <int FMT, int DFMT, int R, bool G, bool U, int DN>
+void stage(const FFNArgs& a, int64_t r0, const uint8_t* lead, const uint8_t* upr, const uint8_t* const* downs,
+           const float (*h)[MAXB], const uint8_t* pf_a, const uint8_t* pf_b, float* gout, float* uout, float* out) {
   Dots<FMT, R> g, u;
   if constexpr (G) g.zero();
   if constexpr (U) u.zero();
@@ -495,7 +507,7 @@ void stage(const FFNArgs& a, int64_t r0, const uint8_t* lead, const uint8_t* upr
     if (pf_b && (blk * db) % 64 < db) prefetch_l2(pf_b + blk * db);
     if constexpr (G) g.template add<P>(lead, blk, a, r0);
     if constexpr (U) u.template add<P>(upr, blk, a, r0);
-    if constexpr (D) axpy_block<DFMT>(down, blk, h, a.B, a.dim, out);
+    if constexpr (DN > 0) axpy_block<DFMT, DN>(downs, blk, h, a.B, a.dim, out);
   };
   int64_t blk = 0;
   for (; blk + 1 < nb; blk += 2) {
@@ -507,37 +519,49 @@ void stage(const FFNArgs& a, int64_t r0, const uint8_t* lead, const uint8_t* upr
   if constexpr (U) u.sum(uout + r0);
 }
 
-// stage() for every input row, R of them at a time (the down rows' axpy once, with the first
-// group, which also prefetches); G, U, D chosen at run time.
+template <typename F>
+inline void with_bool(bool b, F&& f) {
+  if (b)
+    f(std::true_type{});
+  else
+    f(std::false_type{});
+}
+
+// stage() for every input row, R of them at a time (the down rows' axpys once, with the first
+// group, which also prefetches); G, U and the number of down rows (0, 1 or DOWNS) chosen at
+// run time.
 template <int FMT, int DFMT>
-void stages(bool G, bool U, bool D, const FFNArgs& a, const uint8_t* lead, const uint8_t* upr,
-            const uint8_t* down, const float* h, const uint8_t* pf_a, const uint8_t* pf_b, float* gout,
-            float* uout, float* out) {
+void stages(bool G, bool U, int DN, const FFNArgs& a, const uint8_t* lead, const uint8_t* upr,
+            const uint8_t* const* downs, const float (*h)[MAXB], const uint8_t* pf_a, const uint8_t* pf_b,
+            float* gout, float* uout, float* out) {
   for (int64_t r0 = 0; r0 < a.B;) {
     const int64_t left = a.B - r0;
     const int R = left >= 4 ? 4 : left >= 2 ? 2 : 1;
-    const bool d = D && r0 == 0;
+    const int dn = r0 == 0 ? DN : 0;
     const uint8_t *pa = r0 == 0 ? pf_a : nullptr, *pb = r0 == 0 ? pf_b : nullptr;
-    const int which = (int)G * 4 + (int)U * 2 + (int)d;
-    auto go = [&](auto r) {
-      constexpr int RR = decltype(r)::value;
-      switch (which) {
-        case 1: return stage<FMT, DFMT, RR, false, false, true>(a, r0, lead, upr, down, h, pa, pb, gout, uout, out);
-        case 2: return stage<FMT, DFMT, RR, false, true, false>(a, r0, lead, upr, down, h, pa, pb, gout, uout, out);
-        case 3: return stage<FMT, DFMT, RR, false, true, true>(a, r0, lead, upr, down, h, pa, pb, gout, uout, out);
-        case 4: return stage<FMT, DFMT, RR, true, false, false>(a, r0, lead, upr, down, h, pa, pb, gout, uout, out);
-        case 5: return stage<FMT, DFMT, RR, true, false, true>(a, r0, lead, upr, down, h, pa, pb, gout, uout, out);
-        case 6: return stage<FMT, DFMT, RR, true, true, false>(a, r0, lead, upr, down, h, pa, pb, gout, uout, out);
-        case 7: return stage<FMT, DFMT, RR, true, true, true>(a, r0, lead, upr, down, h, pa, pb, gout, uout, out);
-        default: return;
-      }
+    auto go = [&](auto r, auto g, auto u, auto d) {
+      constexpr int RR = decltype(r)::value, DD = decltype(d)::value;
+      constexpr bool GG = decltype(g)::value, UU = decltype(u)::value;
+      if constexpr (GG || UU || DD > 0)
+        stage<FMT, DFMT, RR, GG, UU, DD>(a, r0, lead, upr, downs, h, pa, pb, gout, uout, out);
+    };
+    auto with_dn = [&](auto r, auto g, auto u) {
+      if (dn == DOWNS)
+        go(r, g, u, std::integral_constant<int, DOWNS>{});
+      else if (dn == 1)
+        go(r, g, u, std::integral_constant<int, 1>{});
+      else
+        go(r, g, u, std::integral_constant<int, 0>{});
+    };
+    auto with_rows = [&](auto r) {
+      with_bool(G, [&](auto g) { with_bool(U, [&](auto u) { with_dn(r, g, u); }); });
     };
     if (R == 4)
-      go(std::integral_constant<int, 4>{});
+      with_rows(std::integral_constant<int, 4>{});
     else if (R == 2)
-      go(std::integral_constant<int, 2>{});
+      with_rows(std::integral_constant<int, 2>{});
     else
-      go(std::integral_constant<int, 1>{});
+      with_rows(std::integral_constant<int, 1>{});
     r0 += R;
   }
 }
@@ -585,38 +609,44 @@ inline bool activations(const FFNArgs& a, int64_t jj, const float* g, const floa
 }
 
 // Neurons sel[begin:end] as a pipeline over the records: while the gate rows of neuron jj+1 are
-// read, so are the up rows of neuron jj (only if its gate can let it fire) and the down rows of
-// neuron jj-1 (only if it fired), and the lead rows of jj+2 and the down rows of jj are
-// prefetched. A plain ReLU FFN pipelines its up rows (the lead) with the down rows.
+// read, so are the up rows of neuron jj (only if its gate can let it fire), and the lead rows of
+// jj+2 and the down rows of jj are prefetched. The down rows of the neurons that fired wait
+// until DOWNS of them have, then are added in the next pass, together (one load and store of
+// out for the DOWNS, in the order the neurons come: the same sums as one at a time). A plain
+// ReLU FFN pipelines its up rows (the lead) with the down rows.
 template <int FMT, int DFMT = down_format(FMT)>
 void range_fmt(const FFNArgs& a, int64_t begin, int64_t end, float* out) {
-  constexpr int MAXB = 64;
   if (begin >= end) return;
   const bool gated = gated_act(a.act);
   const int64_t rb = row_bytes(FMT, a.dim), B = a.B;
   auto rec = [&](int64_t jj) { return jj < end ? a.w + a.sel[jj] * a.neuron_bytes : nullptr; };
-  float lead[2][MAXB], u[MAXB], h[MAXB];
+  float lead[2][MAXB], u[MAXB], h[DOWNS][MAXB];
   float *cur = lead[0], *next = lead[1];
-  stages<FMT, DFMT>(true, false, false, a, rec(begin), nullptr, nullptr, h, rec(begin + 1), nullptr, cur,
+  const uint8_t* downs[DOWNS];  // the down rows of the neurons that fired, not added yet (with h)
+  int n = 0;
+  stages<FMT, DFMT>(true, false, 0, a, rec(begin), nullptr, nullptr, h, rec(begin + 1), nullptr, cur,
                     nullptr, out);
-  const uint8_t* pending = nullptr;  // the down row of the last neuron, which fired with h
   for (int64_t jj = begin; jj < end; jj++) {
     const uint8_t *r = rec(jj), *nx = rec(jj + 1), *pf = rec(jj + 2);
     if (gated) {
       bool open = false;
       for (int64_t i = 0; i < B && !open; i++) open = kept(a, i, jj) && gate_open(a.act, cur[i], a.threshold);
-      stages<FMT, DFMT>(nx != nullptr, open, pending != nullptr, a, nx, r + rb, pending, h, pf,
-                        open ? r + 2 * rb : nullptr, next, u, out);
-      pending = open && activations(a, jj, cur, u, h) ? r + 2 * rb : nullptr;
+      const int dn = n == DOWNS ? DOWNS : 0;
+      stages<FMT, DFMT>(nx != nullptr, open, dn, a, nx, r + rb, downs, h, pf, open ? r + 2 * rb : nullptr,
+                        next, u, out);
+      if (dn) n = 0;
+      if (open && activations(a, jj, cur, u, h[n])) downs[n++] = r + 2 * rb;
     } else {
-      const uint8_t* down = activations(a, jj, nullptr, cur, h) ? r + rb : nullptr;
-      stages<FMT, DFMT>(nx != nullptr, false, down != nullptr, a, nx, nullptr, down, h, pf, nullptr, next,
-                        nullptr, out);
+      if (activations(a, jj, nullptr, cur, h[n])) downs[n++] = r + rb;
+      const int dn = n == DOWNS ? DOWNS : 0;
+      stages<FMT, DFMT>(nx != nullptr, false, dn, a, nx, nullptr, downs, h, pf, nullptr, next, nullptr, out);
+      if (dn) n = 0;
     }
     std::swap(cur, next);
   }
-  if (pending) stages<FMT, DFMT>(false, false, true, a, nullptr, nullptr, pending, h, nullptr, nullptr, nullptr,
-                                 nullptr, out);
+  for (int k = 0; k < n; k++)
+    stages<FMT, DFMT>(false, false, 1, a, nullptr, nullptr, downs + k, h + k, nullptr, nullptr, nullptr,
+                      nullptr, out);
 }
 
 // y[r, i] for rows [begin, end): each row's dot products in one pass, the row after next
@@ -624,12 +654,11 @@ void range_fmt(const FFNArgs& a, int64_t begin, int64_t end, float* out) {
 template <int FMT>
 inline void gemv_fmt(const uint8_t* w, const FFNArgs& a, int64_t n, int64_t begin, int64_t end,
                      float* y) {
-  constexpr int MAXB = 64;
   const int64_t rb = row_bytes(FMT, a.dim);
   float d[MAXB];
   for (int64_t i = begin; i < end; i++) {
     const uint8_t* pf = i + 2 < end ? w + (i + 2) * rb : nullptr;
-    stages<FMT, FMT>(true, false, false, a, w + i * rb, nullptr, nullptr, nullptr, pf, nullptr, d, nullptr,
+    stages<FMT, FMT>(true, false, 0, a, w + i * rb, nullptr, nullptr, nullptr, pf, nullptr, d, nullptr,
                      nullptr);
     for (int64_t r = 0; r < a.B; r++) y[r * n + i] = d[r];
   }
