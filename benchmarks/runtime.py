@@ -129,9 +129,10 @@ def decode_speed(pi: PowerInfer, tokens: int) -> tuple[float, float]:
     return tok_s, statistics.median(starts)
 
 
-def step_breakdown(pi: PowerInfer, tokens: int) -> dict[str, float]:
+def step_breakdown(pi: PowerInfer, tokens: int, batch: int = 1) -> dict[str, float]:
     """ms per step of one greedy request of `tokens` tokens through the actor runtime (its one
-    prefill step among them), from the counters' deltas over the request: `scheduler step` is
+    prefill step among them; with `batch`, that many concurrent requests, `batched`), from the
+    counters' deltas over the request: `scheduler step` is
     the scheduler's time from sending a step to having its tokens (its own share: that minus
     the hot executor's step); `hot work` the hot executor's step less its waits; `hot waits
     for cold` / `for masks` inside its step; `hot idle between steps` waiting for the next one;
@@ -140,7 +141,10 @@ def step_breakdown(pi: PowerInfer, tokens: int) -> dict[str, float]:
     answers a decode without returning to Python, where its own busy counter is kept."""
     before = pi.engine.stats()["actors"]
     t0 = time.perf_counter()
-    pi.generate(PROMPT, max_new_tokens=tokens, temperature=0, ignore_eos=True)
+    if batch == 1:
+        pi.generate(PROMPT, max_new_tokens=tokens, temperature=0, ignore_eos=True)
+    else:
+        batched(pi, batch, tokens, warm=False)
     wall = time.perf_counter() - t0
     after = pi.engine.stats()["actors"]
 
@@ -171,11 +175,14 @@ def print_breakdown(rows: list[dict]):
     if not rows:
         return
     keys = list(dict.fromkeys(k for r in rows for k in r["breakdown_ms_per_step"] if k != "steps"))
-    print("| ms per step | " + " | ".join(f"{r['model']}, {r['cold_executors']} cold" for r in rows) + " |")
-    print("|---|" + "---:|" * len(rows))
+    cols = [(r, r["breakdown_ms_per_step"], f"{r['model']}, {r['cold_executors']} cold") for r in rows]
+    cols += [(r, b, f"{r['model']}, {r['cold_executors']} cold, batch {n}")
+             for r in rows for n, b in r.get("batched_breakdown_ms_per_step", {}).items()]
+    keys += [k for _, b, _ in cols for k in b if k not in keys and k != "steps"]
+    print("| ms per step | " + " | ".join(c[2] for c in cols) + " |")
+    print("|---|" + "---:|" * len(cols))
     for k in keys:
-        print(f"| {k} | " + " | ".join(f"{r['breakdown_ms_per_step'].get(k, float('nan')):.2f}" for r in rows) + " |")
-    print("| in process, ms per token | " + " | ".join(f"{1e3 / r['in_process_tok_s']:.2f}" for r in rows) + " |")
+        print(f"| {k} | " + " | ".join(f"{b.get(k, float('nan')):.2f}" for _, b, _ in cols) + " |")
 
 
 def batched(pi: PowerInfer, batch: int, tokens: int, warm: bool = True) -> float:
@@ -248,6 +255,7 @@ def compare(model: str, base: dict, tokens: int, cold: list[int], batches: list[
                 row["batched_tok_s"] = {b: batched(pi, b, tokens) for b in batches}
                 row["in_process_batched_tok_s"] = local_batched
                 row["batched_ratio"] = {b: row["batched_tok_s"][b] / local_batched[b] for b in batches}
+                row["batched_breakdown_ms_per_step"] = {b: step_breakdown(pi, tokens, b) for b in batches if b > 1}
             rows.append(row)
             print(json.dumps(row), flush=True)
         finally:
