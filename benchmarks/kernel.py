@@ -171,8 +171,9 @@ def main():
                         torch.ops.powerinfer.use_isa(before)
                 nbytes = len(sel) * kernels.record_bytes(fmt, d, gated=True)
                 method = "torch path bf16" if name == "torch" else f"kernel {fmt}"
+                gbs = nbytes / t / 1e9
                 results.append({"method": method + (f" ({isa})" if isa else ""),
-                                "share": share, "ms": t * 1e3, "gbs": nbytes / t / 1e9})
+                                "share": share, "ms": t * 1e3, "gbs": gbs})
                 if reads is None or name == "torch" or isa:
                     continue
                 recs = [s.records for s in ss]
@@ -186,7 +187,7 @@ def main():
                     results.append({"method": f"reads {fmt}, {k} streams", "share": share,
                                     "ms": t * 1e3, "gbs": nbytes / t / 1e9})
                 results.append({"method": f"kernel {fmt} / best reads", "share": share,
-                                "ratio": results[-1 - len(STREAMS)]["gbs"] / best})
+                                "ratio": gbs / best})
     bw = read_bandwidth(torch.float32)
     print(f"# {datetime.date.today()} {platform.processor() or platform.machine()}, kernel ISA "
           f"{kernels.isa()}, {torch.get_num_threads()} threads, torch {torch.__version__}, "

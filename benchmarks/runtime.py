@@ -174,15 +174,14 @@ def print_breakdown(rows: list[dict]):
     rows = [r for r in rows if "breakdown_ms_per_step" in r]
     if not rows:
         return
-    keys = list(dict.fromkeys(k for r in rows for k in r["breakdown_ms_per_step"] if k != "steps"))
-    cols = [(r, r["breakdown_ms_per_step"], f"{r['model']}, {r['cold_executors']} cold") for r in rows]
-    cols += [(r, b, f"{r['model']}, {r['cold_executors']} cold, batch {n}")
+    cols = [(r["breakdown_ms_per_step"], f"{r['model']}, {r['cold_executors']} cold") for r in rows]
+    cols += [(b, f"{r['model']}, {r['cold_executors']} cold, batch {n}")
              for r in rows for n, b in r.get("batched_breakdown_ms_per_step", {}).items()]
-    keys += [k for _, b, _ in cols for k in b if k not in keys and k != "steps"]
-    print("| ms per step | " + " | ".join(c[2] for c in cols) + " |")
+    keys = list(dict.fromkeys(k for b, _ in cols for k in b if k != "steps"))
+    print("| ms per step | " + " | ".join(label for _, label in cols) + " |")
     print("|---|" + "---:|" * len(cols))
     for k in keys:
-        print(f"| {k} | " + " | ".join(f"{b.get(k, float('nan')):.2f}" for _, b, _ in cols) + " |")
+        print(f"| {k} | " + " | ".join(f"{b.get(k, float('nan')):.2f}" for b, _ in cols) + " |")
 
 
 def batched(pi: PowerInfer, batch: int, tokens: int, warm: bool = True) -> float:
