@@ -25,6 +25,7 @@ import os
 import time
 
 import torch
+from torch import nn
 
 from cluster.topology import node_of, numa_pages, pin, process_memory
 from powerinfer import kernels
@@ -109,26 +110,10 @@ class ColdExecutor:
         dtype = self.spec.torch_dtype
         if not kernels.available() or dtype not in (torch.float32, torch.bfloat16):
             return None
-        empty = torch.empty(0, dtype=torch.uint8)
-        ffn = []  # per layer: w1, w2, kind, n, down's format, w1's
-        for s, th in zip(self.sets, self.thresholds):
-            if (isinstance(s, BlockSlice) and s.up_b is None and (w1 := _matrix(s.w1))
-                    and w1[1] < 0 and (w2 := _matrix(s.down))):
-                ffn.append((w1[0], w2[0], 1, s.w1.out_features, w2[1], w1[1]))
-            elif isinstance(s, NeuronSet) and s.records is not None and s.bias32 is None and th <= 0:
-                ffn.append((s.records, empty, 2, kernels.FORMATS.index(s.fmt), 0, 0))
-            else:
-                ffn.append((empty, empty, 0, 0, 0, 0))
-        # per layer: qkv, its format and rows, a second run of them (or none), wo, wo format, k
-        # cache, v cache (the native loop runs one window, one RoPE table and no q/k norms for
-        # every layer)
-        attn = []
-        for m in (self.attn if self.args.uniform else []) or [None] * len(self.sets):
-            q, o = (None, None) if m is None else (_runs(m.wqkv), _matrix(m.wo))
-            if q is None or len(q) > 2 or o is None:
-                attn.append((empty, 0, 0, empty, 0, 0, empty, 0, empty, empty))
-            else:
-                attn.append((*q[0], *(q[1] if len(q) > 1 else (empty, 0, 0)), *o, m.kv_cache.k, m.kv_cache.v))
+        ffn = [ffn_entry(s, th) or NO_FFN for s, th in zip(self.sets, self.thresholds)]
+        # (the native loop runs one window, one RoPE table and no q/k norms for every layer)
+        attn = [(m is not None and attention_entry(m)) or NO_ATTENTION
+                for m in (self.attn if self.args.uniform else []) or [None] * len(self.sets)]
         head = _runs(self.head) if self.head is not None else None
         head = head[0] if head is not None and len(head) == 1 else None
         self.native_attention = sum(x[0].numel() > 0 for x in attn)
@@ -238,3 +223,31 @@ def _matrix(m) -> tuple[torch.Tensor, int] | None:
     """A projection of one run (`_runs`) as (its weights, format code), else None."""
     runs = _runs(m)
     return None if runs is None or len(runs) != 1 else runs[0][:2]
+
+
+_EMPTY = torch.empty(0, dtype=torch.uint8)
+# the entries of a layer the native loop leaves to Python (see ffn_entry, attention_entry)
+NO_FFN = (_EMPTY, _EMPTY, 0, 0, 0, 0)
+NO_ATTENTION = (_EMPTY, 0, 0, _EMPTY, 0, 0, _EMPTY, 0, _EMPTY, _EMPTY)
+
+
+def ffn_entry(s: nn.Module, threshold: float) -> tuple | None:
+    """A layer's neurons as the native loops take them (`cold_serve`, `hot_layers`): (w1, w2,
+    kind, n, down's format, w1's), kind 1 a block slice (n: its gate+up rows), 2 neuron records
+    (n: their format); None for a set they cannot run (a bias, a threshold, no kernel layout)."""
+    if (isinstance(s, BlockSlice) and s.up_b is None and (w1 := _matrix(s.w1))
+            and w1[1] < 0 and (w2 := _matrix(s.down))):
+        return w1[0], w2[0], 1, s.w1.out_features, w2[1], w1[1]
+    if isinstance(s, NeuronSet) and s.records is not None and s.bias32 is None and threshold <= 0:
+        return s.records, _EMPTY, 2, kernels.FORMATS.index(s.fmt), 0, 0
+    return None
+
+
+def attention_entry(m: nn.Module) -> tuple | None:
+    """A layer's heads (an `Attention`) as the native loops take them: (qkv, its format, rows,
+    a second run of q/k/v rows or none, wo, its format, k cache, v cache); None where its
+    projections are not runs `_runs` takes (a bias, more than two runs)."""
+    q, o = _runs(m.wqkv), _matrix(m.wo)
+    if q is None or len(q) > 2 or o is None:
+        return None
+    return (*q[0], *(q[1] if len(q) > 1 else (_EMPTY, 0, 0)), *o, m.kv_cache.k, m.kv_cache.v)

@@ -69,6 +69,10 @@ def test_dense_plan_equals_local_engine(ray_cluster, default_model_path):
         assert [pi.generate(p, **GREEDY) for p in PROMPTS] == want
         h = pi.engine.health()
         assert h["ok"] and h["restarts"] == 0, h
+        # its decode steps' layer loop in C++ where the kernel library runs (the same sums as its
+        # Python modules: the greedy strings above are equal in float32)
+        from powerinfer import kernels
+        assert pi.engine.group.info["hot"]["native"] == kernels.available()
         st = pi.engine.stats()["actors"]
         assert st["scheduler"]["finished"] == len(PROMPTS) + 1  # the probe too
         assert st["cold.0"]["messages"] > 0 and st["hot"]["steps"] > 0
@@ -138,6 +142,7 @@ def test_int4_dense_split_equals_the_in_process_engine(ray_cluster):
             kv = [info[r]["kv_heads"] for r in ("hot", "cold.0", "cold.1")]
             assert kv == [[0, 1], [1, 2], [2, 3]], kv
             assert info["cold.0"]["native"] and info["cold.1"]["native"]
+            assert info["hot"]["native"]  # its decode step's layer loop in C++ (`hot_layers`)
         rows = [info["hot"]["head_rows"], *(info[f"cold.{k}"]["head_rows"] for k in range(2))]
         assert sum(rows) == 49152 and min(rows) > 0  # every row of the head in one place
         assert_bf16_greedy_tracks(ref, pi)
@@ -217,6 +222,7 @@ def test_int4_dense_split_of_a_q4_k_m_file(ray_cluster, tmp_path):
         # its attention heads in every layer answered natively, q and k in Q4_K and v in Q6_K too
         assert info["cold.0"]["kv_heads"][1] > info["cold.0"]["kv_heads"][0]
         assert info["cold.0"]["native_attention"] == ref.args.n_layers and info["cold.0"]["native_head"]
+        assert info["hot"]["native"]  # and the hot executor's own heads and slices in C++ too
         for batch in ([prompts[0]], prompts[1:]):
             for p, want, got in zip(batch, decode(ref, batch, 16), decode(pi, batch, 16)):
                 assert_same_or_near_tie(ref, p, want, got, 0.25)  # bf16 sums in another order

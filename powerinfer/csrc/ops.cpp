@@ -547,10 +547,9 @@ static void publish(int64_t base, const int64_t* words, int n) {
 
 // parts[0] (rows, T, dim) or (rows, dim), and the other parts after it, each at the next
 // 64-byte boundary -> the channel's payload, and a message with the words (op, layer, rows, T,
-// *extra), extra padded with zeros to two words, as Channel.put + publish. Returns a copy of parts[0]: a compiled step reads what
-// follows the send from it, which keeps the send first.
-static at::Tensor ch_send(at::TensorList parts, int64_t base, int64_t capacity, int64_t op, int64_t layer,
-                          c10::SymIntArrayRef extra) {
+// *extra), extra padded with zeros to two words, as Channel.put + publish.
+static void send_message(at::TensorList parts, int64_t base, int64_t capacity, int64_t op, int64_t layer,
+                         const std::vector<int64_t>& extra) {
   TORCH_CHECK(!parts.empty() && (parts[0].dim() == 2 || parts[0].dim() == 3), "parts[0]: (rows, T, dim) or (rows, dim)");
   int64_t offset = 0;
   for (const at::Tensor& t : parts) {
@@ -563,10 +562,19 @@ static at::Tensor ch_send(at::TensorList parts, int64_t base, int64_t capacity, 
   const at::Tensor& x = parts[0];
   TORCH_CHECK(extra.size() <= 9, "at most 9 extra words");
   int64_t words[13] = {op, layer, x.size(0), x.dim() == 3 ? x.size(1) : 1};  // the rest 0
-  for (size_t i = 0; i < extra.size(); i++) words[4 + i] = extra[i].expect_int();
+  for (size_t i = 0; i < extra.size(); i++) words[4 + i] = extra[i];
   // at least the two words every reader reads after these: none left from an earlier message
   publish(base, words, 4 + std::max<int>(2, (int)extra.size()));
-  return x.contiguous().clone();
+}
+
+// send_message, returning a copy of parts[0]: a compiled step reads what follows the send from
+// it, which keeps the send first.
+static at::Tensor ch_send(at::TensorList parts, int64_t base, int64_t capacity, int64_t op, int64_t layer,
+                          c10::SymIntArrayRef extra) {
+  std::vector<int64_t> words;
+  for (const auto& e : extra) words.push_back(e.expect_int());
+  send_message(parts, base, capacity, op, layer, words);
+  return parts[0].contiguous().clone();
 }
 
 // Waits for the next message on the channel at `base`, as Channel.wait: spinning (yielding the
@@ -761,6 +769,83 @@ static std::vector<int64_t> cold_serve(at::Tensor& state, int64_t x_base, int64_
   }
 }
 
+
+// y (rows, dim) f32 plus each cold executor's answer on its `part` channel, in their order (as
+// ch_recv reads them: states, the readers' [messages consumed, nanoseconds waited]), rounded to
+// the model's type and added into the residual h (rows, dim) in place: the hot executor's
+// `y = own + part_0 + ...; h = h + y.to(h.dtype)`, the same operations in the same order.
+static void join_parts(at::Tensor& h, at::Tensor& y, at::IntArrayRef part_bases, at::TensorList part_states,
+                       double spin_us) {
+  float* yp = y.data_ptr<float>();
+  const int64_t n = y.numel();
+  for (size_t k = 0; k < part_bases.size(); k++) {
+    wait_message(part_bases[k], part_states[k].data_ptr<int64_t>(), spin_us);
+    const float* p = reinterpret_cast<const float*>(reinterpret_cast<char*>(part_bases[k]) + CH_HEADER);
+    for (int64_t i = 0; i < n; i++) yp[i] += p[i];
+  }
+  if (h.scalar_type() == at::kBFloat16) {
+    auto* hp = h.data_ptr<at::BFloat16>();
+    for (int64_t i = 0; i < n; i++) hp[i] = at::BFloat16((float)hp[i] + round_bf16(yp[i]));
+  } else {
+    float* hp = h.data_ptr<float>();
+    for (int64_t i = 0; i < n; i++) hp[i] += yp[i];
+  }
+}
+
+// The hot executor's layers of a decode step (one token a sequence, no masks; attention split
+// by KV heads), each as its Python modules run it: the normed rows go out to the cold executors
+// on `x` (attention: with positions, sequence starts and block tables), this process computes
+// its own heads and neurons (the lists as cold_serve takes them; an FFN kind 0: no neurons of
+// its own), then adds the executors' answers and the result into the residual. h (B, dim) the
+// embedded tokens in the model's type (f32 or bf16) -> the residual after the last layer.
+// norms: each layer's attention norm then FFN norm (RMSNorm, the model's type); ops: the
+// plane's op codes (decode, attention).
+static at::Tensor hot_layers(const at::Tensor& h_in, const at::Tensor& pos, const at::Tensor& starts,
+                             const at::Tensor& tables, int64_t x_base, int64_t x_capacity, at::IntArrayRef part_bases,
+                             at::TensorList part_states, double spin_us, at::IntArrayRef ops, int64_t act,
+                             at::TensorList norms, double eps, at::TensorList ffn_w1, at::TensorList ffn_w2,
+                             at::IntArrayRef ffn_kind, at::IntArrayRef ffn_n, at::IntArrayRef ffn_down_fmt,
+                             at::IntArrayRef ffn_w1_fmt, at::TensorList qkv, at::IntArrayRef qkv_fmt,
+                             at::IntArrayRef qkv_n, at::TensorList qkv2, at::IntArrayRef qkv2_fmt,
+                             at::IntArrayRef qkv2_n, at::TensorList wo, at::IntArrayRef wo_fmt,
+                             at::TensorList k_cache, at::TensorList v_cache, int64_t n_heads,
+                             const std::optional<at::Tensor>& cos, const std::optional<at::Tensor>& sin,
+                             int64_t window, double scale) {
+  const Kernels& k = active();
+  const size_t n_layers = ffn_kind.size();
+  TORCH_CHECK(ffn_w1.size() == n_layers && ffn_w2.size() == n_layers && ffn_n.size() == n_layers &&
+              ffn_down_fmt.size() == n_layers && ffn_w1_fmt.size() == n_layers &&
+              qkv.size() == n_layers && qkv_fmt.size() == n_layers && qkv_n.size() == n_layers &&
+              qkv2.size() == n_layers && qkv2_fmt.size() == n_layers && qkv2_n.size() == n_layers &&
+              wo.size() == n_layers && wo_fmt.size() == n_layers && k_cache.size() == n_layers &&
+              v_cache.size() == n_layers && norms.size() == 2 * n_layers, "one entry per layer in every list");
+  TORCH_CHECK(ops.size() == 2, "ops: (decode, attention)");
+  TORCH_CHECK(part_bases.size() == part_states.size(), "a state for each part channel");
+  for (const at::Tensor& st : part_states)
+    TORCH_CHECK(st.scalar_type() == at::kLong && st.numel() == 2 && st.is_contiguous(), "states: int64 (2,)");
+  TORCH_CHECK(h_in.dim() == 2 && (h_in.scalar_type() == at::kFloat || h_in.scalar_type() == at::kBFloat16),
+              "h: (B, dim) float32 or bfloat16");
+  TORCH_CHECK(pos.scalar_type() == at::kLong && pos.numel() == h_in.size(0), "pos: (B,) int64, one token a row");
+  TORCH_CHECK(starts.scalar_type() == at::kLong && tables.scalar_type() == at::kInt && tables.dim() == 2,
+              "starts: int64; tables: (S, M) int32");
+  const ColdLayers L{ffn_w1, ffn_w2, ffn_kind, ffn_n, ffn_down_fmt, ffn_w1_fmt, qkv, wo, k_cache, v_cache,
+                     qkv_fmt, qkv_n, wo_fmt, qkv2, qkv2_fmt, qkv2_n};
+  at::Tensor h = h_in.contiguous().clone();
+  const std::vector<int64_t> attn_words = {tables.size(0), tables.size(1)}, none;
+  for (size_t l = 0; l < n_layers; l++) {
+    const int64_t layer = (int64_t)l;
+    at::Tensor x = rms_norm(h, norms[2 * l], eps);
+    send_message({x, pos, starts, tables}, x_base, x_capacity, ops[1], layer, attn_words);
+    at::Tensor y = attention_step(k, L, layer, x, pos, starts, tables, n_heads, cos, sin, window, scale);
+    join_parts(h, y, part_bases, part_states, spin_us);
+    x = rms_norm(h, norms[2 * l + 1], eps);
+    send_message({x}, x_base, x_capacity, ops[0], layer, none);
+    y = ffn_kind[l] ? ffn_step(k, L, layer, x, act).contiguous() : at::zeros(x.sizes(), x.options().dtype(at::kFloat));
+    join_parts(h, y, part_bases, part_states, spin_us);
+  }
+  return h;
+}
+
 }  // namespace powerinfer
 
 TORCH_LIBRARY(powerinfer, m) {
@@ -779,6 +864,12 @@ TORCH_LIBRARY(powerinfer, m) {
         "float spin_us, int[] ops, int act, Tensor[] ffn_w1, Tensor[] ffn_w2, int[] ffn_kind, int[] ffn_n, int[] ffn_down_fmt, int[] ffn_w1_fmt, "
         "Tensor[] qkv, int[] qkv_fmt, int[] qkv_n, Tensor[] qkv2, int[] qkv2_fmt, int[] qkv2_n, Tensor[] wo, int[] wo_fmt, Tensor[] k_cache, Tensor[] v_cache, "
         "int n_heads, Tensor? cos, Tensor? sin, int window, float scale, Tensor? head, int head_fmt, int head_n) -> int[]");
+  m.def("hot_layers(Tensor h, Tensor pos, Tensor starts, Tensor tables, int x_base, int x_capacity, "
+        "int[] part_bases, Tensor[] part_states, float spin_us, int[] ops, int act, Tensor[] norms, float eps, "
+        "Tensor[] ffn_w1, Tensor[] ffn_w2, int[] ffn_kind, int[] ffn_n, int[] ffn_down_fmt, int[] ffn_w1_fmt, "
+        "Tensor[] qkv, int[] qkv_fmt, int[] qkv_n, Tensor[] qkv2, int[] qkv2_fmt, int[] qkv2_n, Tensor[] wo, "
+        "int[] wo_fmt, Tensor[] k_cache, Tensor[] v_cache, int n_heads, Tensor? cos, Tensor? sin, int window, "
+        "float scale) -> Tensor");
   m.def("isa", &powerinfer::isa);
   m.def("use_isa", &powerinfer::use_isa);
 }
@@ -795,4 +886,5 @@ TORCH_LIBRARY_IMPL(powerinfer, CPU, m) {
   m.impl("ch_send", powerinfer::ch_send);
   m.impl("ch_recv", powerinfer::ch_recv);
   m.impl("cold_serve", powerinfer::cold_serve);
+  m.impl("hot_layers", powerinfer::hot_layers);
 }
