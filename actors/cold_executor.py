@@ -205,7 +205,7 @@ class ColdExecutor:
 
 def _runs(m) -> list[tuple[torch.Tensor, int, int]] | None:
     """A projection as `cold_serve` takes it, per run of rows of one format: (its weights, -1 -
-    the layout's code for a matrix of 16-row groups (-1 q4x16, -2 q4kx16, -3 q6kx16) or the
+    the layout's code for a matrix of 16-row groups (-1 q4x16, -2 q4kx16, -3 q6kx16, -4 q8x16) or the
     kernel format's code, its rows); None for one it cannot run (a bias, or no kernel-library
     matrix). A KQuantLinear has a run per type (q and k in Q4_K, v in Q6_K), the others one."""
     if getattr(m, "bias", None) is not None:

@@ -359,15 +359,17 @@ def _runs(q: torch.Tensor) -> torch.Tensor:
 
 # ---- a K-quant file's Q4_K and Q6_K matrices, 16 rows at a time: their GEMVs ----
 
-LAYOUTS = ("q4x16", "q4kx16", "q6kx16")  # csrc/neuron_ffn.h's Layout
-KQUANT_LAYOUTS = {"Q4_K": "q4kx16", "Q6_K": "q6kx16"}  # GGUF type -> the layout that keeps it
+LAYOUTS = ("q4x16", "q4kx16", "q6kx16", "q8x16")  # csrc/neuron_ffn.h's Layout
+# GGUF type -> the layout that keeps its bytes 16 rows at a time
+KQUANT_LAYOUTS = {"Q4_K": "q4kx16", "Q6_K": "q6kx16", "Q8_0": "q8x16"}
 Q4KX16_SB, Q6KX16_SB = 2368, 3360  # bytes of one super-block (256 weights) of 16 rows
+Q8X16_BLOCK = 544  # bytes of one block of 32 weights of 16 rows
 
 
 def group_bytes(layout: str, dim: int) -> int:
     """Bytes of one group of 16 rows of `dim` columns in `layout`."""
     return {"q4x16": dim // 32 * Q4X16_BLOCK, "q4kx16": dim // 256 * Q4KX16_SB,
-            "q6kx16": dim // 256 * Q6KX16_SB}[layout]
+            "q6kx16": dim // 256 * Q6KX16_SB, "q8x16": dim // 32 * Q8X16_BLOCK}[layout]
 
 
 def _group_rows(raw: torch.Tensor, block: int) -> tuple[torch.Tensor, int, int]:
@@ -441,9 +443,23 @@ def pack_q6kx16(raw: torch.Tensor) -> torch.Tensor:
     return torch.cat([d, sc, blocks.reshape(groups, nsb, 3072)], -1, out=out).view(groups, nsb * Q6KX16_SB)
 
 
+def pack_q8x16(raw: torch.Tensor) -> torch.Tensor:
+    """Q8_0 rows as a GGUF file stores them, (n, dim / 32 * 34) uint8 -> (ceil(n / 16),
+    dim / 32 * 544) uint8 in the kernel's q8x16 layout (csrc/neuron_ffn.h): per block of 32
+    weights of 16 rows, their fp16 d, then eight 64-byte vectors of codes (row i's codes 4k..4k+3
+    at 4i in vector k), each code q + 128 as an unsigned byte."""
+    b, groups, nb = _group_rows(raw, 34)
+    d = _by_row(b[..., 0:2].reshape(groups, 16, nb, 1, 2)).reshape(groups, nb, 32)
+    q = (b[..., 2:].view(torch.int8).to(torch.int16) + 128).to(torch.uint8)  # (groups, 16, nb, 32)
+    codes = q.view(groups, 16, nb, 8, 4).permute(0, 2, 3, 1, 4).reshape(groups, nb, 512)
+    out = huge_empty((groups, nb, Q8X16_BLOCK), torch.uint8)
+    return torch.cat([d, codes], -1, out=out).view(groups, nb * Q8X16_BLOCK)
+
+
 def pack_kquant(raw: torch.Tensor, kind: str) -> torch.Tensor:
-    """A GGUF Q4_K or Q6_K matrix's bytes (n, row bytes) in its 16-row layout (KQUANT_LAYOUTS)."""
-    return (pack_q4kx16 if kind == "Q4_K" else pack_q6kx16)(raw)
+    """A GGUF Q4_K, Q6_K or Q8_0 matrix's bytes (n, row bytes) in its 16-row layout
+    (KQUANT_LAYOUTS)."""
+    return {"Q4_K": pack_q4kx16, "Q6_K": pack_q6kx16, "Q8_0": pack_q8x16}[kind](raw)
 
 
 def linear_x16(x: torch.Tensor, w: torch.Tensor, n: int, layout: str) -> torch.Tensor:

@@ -21,7 +21,7 @@ from torch import nn
 from . import kernels
 from .loader import ModelFile, TensorSource
 from .model import Attention, ModelArgs, Norm, Transformer
-from .quant import Q4_TYPES, KernelEmbedding, KernelLinear, KQuantLinear, int4_linear
+from .quant import Q4_TYPES, KernelEmbedding, KernelLinear, KQuantLinear, int4_linear, kernel_head
 from .sparse import BlockSlice, HybridFFN, NeuronSet
 
 # GGUF types whose rows the kernel reads as they are stored
@@ -162,7 +162,17 @@ def stored_embedding(model: Transformer, src: TensorSource, fmt: str, dtype: tor
     rows = kernels.huge(src.raw_rows("embed", torch.arange(a.vocab_size)))
     model.tok_embeddings = KernelEmbedding(rows, fmt, a.dim, dtype)
     if a.tie_embeddings:
-        model.output = KernelLinear.from_records(rows, fmt, a.dim)
+        model.output = stored_head(rows, fmt, a.dim)
+
+
+def stored_head(rows: torch.Tensor, fmt: str, dim: int) -> nn.Module:
+    """An output head over rows in a kernel format: Q8_0 rows regrouped 16 at a time (a
+    KQuantLinear in the q8x16 layout, a copy of the same bytes: a small model's head of short
+    rows reads at 5-7x the rate of the row GEMV, BENCHMARKS.md), else a KernelLinear over the
+    rows themselves."""
+    if fmt == "q8_0" and dim % 32 == 0:
+        return KQuantLinear([(rows, "Q8_0")], dim, None)
+    return KernelLinear.from_records(rows, fmt, dim)
 
 
 def read_neuron_set(src: TensorSource, a: ModelArgs, layer: int, idx: torch.Tensor,
@@ -212,10 +222,10 @@ def read_head(src: TensorSource, a: ModelArgs, lo: int, hi: int, dtype: torch.dt
     if int4 and (k := kquant_head(src, a, (lo, hi))) is not None:
         return k
     if fmt is not None:
-        return KernelLinear.from_records(kernels.huge(src.raw_rows(name, idx)), fmt, a.dim)
+        return stored_head(src.raw_rows(name, idx), fmt, a.dim)
     weight = src.rows(name, idx, dtype)
     if kernels.usable(weight) and dtype == torch.bfloat16:
-        return KernelLinear(weight, None, "q8_0" if int4 else "bf16")
+        return kernel_head(weight, "q8_0" if int4 else "bf16")
     lin = nn.Linear(a.dim, hi - lo, bias=False, device="meta")
     lin.weight = nn.Parameter(weight, requires_grad=False)
     return lin
@@ -225,8 +235,8 @@ def head_rows(head: nn.Module, lo: int, hi: int, shared: bool) -> nn.Module:
     """Rows lo:hi of a built output head (a KernelLinear or an nn.Linear). shared: its weights
     are the embedding's too (tied), so a view keeps nothing more alive; else the rows are
     copied and the rest of the head can be freed."""
-    if isinstance(head, KQuantLinear):  # its groups (copied where not shared: the rest is freed)
-        return head.rows(lo, hi, copy=not shared)
+    if isinstance(head, KQuantLinear):  # its groups, copied (a head's own bytes, never the
+        return head.rows(lo, hi, copy=True)  # embedding's: the rest is freed)
     keep = (lambda t: t) if shared else (lambda t: t.clone())
     bias = None if head.bias is None else keep(head.bias.detach()[lo:hi])
     if isinstance(head, KernelLinear):

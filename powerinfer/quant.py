@@ -109,7 +109,8 @@ class KQuantLinear(nn.Module):
     """y = x W^T (+ b) with W a K-quant file's rows as it stores them, Q4_K or Q6_K (a Q4_K_M
     file's two types), regrouped 16 rows at a time (`kernels.pack_kquant`: 4.625 and 6.5625 bits
     a weight, where the converted copy's Q4_1 and Q8_0 blocks take 5 and 8.5), run by the kernel
-    library's GEMVs over the input rounded to 8 bits per block of 32, MAX_ROWS rows a call.
+    library's GEMVs over the input rounded to 8 bits per block of 32, MAX_ROWS rows a call. Q8_0
+    rows (an 8-bit output head) are kept the same way (q8x16).
     `parts`: (rows, GGUF type) stacked in order, as a fused projection's q, k and v (v may be
     Q6_K beside a Q4_K q and k: one GEMV per run of parts of one type)."""
 
@@ -251,9 +252,19 @@ def apply_kernel_linears(model: "Transformer", head: str = "bf16") -> int:
                 setattr(owner, attr, KernelLinear(m.weight.detach(), m.bias, "bf16"))
                 done += 1
     if bf16(model.output):
-        model.output = KernelLinear(model.output.weight.detach(), model.output.bias, head)
+        w, b = model.output.weight.detach(), model.output.bias
+        model.output = kernel_head(w, head) if b is None else KernelLinear(w, b, head)
         done += 1
     return done
+
+
+def kernel_head(weight: torch.Tensor, fmt: str) -> nn.Module:
+    """An output head over a float weight in a kernel format: q8_0 rows regrouped 16 at a time
+    (the q8x16 layout: short rows, as a small model's head has, read at 5-7x the row GEMV's
+    rate), else a KernelLinear."""
+    if fmt == "q8_0" and weight.shape[1] % 32 == 0:
+        return KQuantLinear([(kernels.quantize_rows(weight, "q8_0"), "Q8_0")], weight.shape[1], None)
+    return KernelLinear(weight, None, fmt)
 
 
 def neuron_format(weights: str, info: dict, like: torch.Tensor) -> str | None:

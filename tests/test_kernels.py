@@ -3,6 +3,7 @@ per-row masks, thresholds and biases, on both instruction sets this CPU offers; 
 model with the kernel against the same model on the torch path."""
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -342,19 +343,26 @@ def test_q4x16_gemv_equals_a_matmul_over_the_files_weights(isa, kind, n):
         assert (got.float() - want).abs().max() <= 2**-8 * want.abs().max(), rows
 
 
-@pytest.mark.parametrize("kind", ["Q4_K", "Q6_K"])
+@pytest.mark.parametrize("kind", ["Q4_K", "Q6_K", "Q8_0"])
 @pytest.mark.parametrize("n", [32, 200])  # whole groups of 16 rows; a padded last group
 def test_kquant_gemv_equals_a_matmul_over_the_files_weights(isa, kind, n):
     # a Q4_K_M file's Q4_K and Q6_K matrices kept in their bytes, 16 rows at a time: x W^T over
     # exactly the weights the gguf package's dequantizer reads from the same blocks, with every
-    # scale and sign in play (wide rows: 6-bit scales near 63, Q6_K codes at both ends)
+    # scale and sign in play (wide rows: 6-bit scales near 63, Q6_K codes at both ends); and
+    # Q8_0 rows (an 8-bit output head, q8x16), codes at both ends of -127..127
     from gguf import GGMLQuantizationType, dequantize
+    from gguf import quantize as gguf_quantize
 
     from powerinfer.kquants import quantize
     torch.manual_seed(11)
     k = 512  # two super-blocks
     w0 = torch.randn(n, k) * torch.rand(n, 1) * 3 + torch.randn(n, k // 32).repeat_interleave(32, 1)
-    data = quantize(w0.numpy(), kind)
+    if kind == "Q8_0":
+        data = gguf_quantize(w0.numpy(), GGMLQuantizationType.Q8_0)
+        codes = data.reshape(n, k // 32, 34)[..., 2:].view(np.int8)
+        assert codes.min() == -127 and codes.max() == 127
+    else:
+        data = quantize(w0.numpy(), kind)
     held = torch.from_numpy(dequantize(data, getattr(GGMLQuantizationType, kind))).reshape(n, k)
     w = K.pack_kquant(torch.from_numpy(data), kind)
     layout = K.KQUANT_LAYOUTS[kind]

@@ -143,6 +143,8 @@ def test_int4_dense_split_equals_the_in_process_engine(ray_cluster):
             assert kv == [[0, 1], [1, 2], [2, 3]], kv
             assert info["cold.0"]["native"] and info["cold.1"]["native"]
             assert info["hot"]["native"]  # its decode step's layer loop in C++ (`hot_layers`)
+            # the tied 8-bit head's rows regrouped 16 at a time (q8x16) on every executor
+            assert info["cold.0"]["head"] == info["cold.1"]["head"] == "KQuantLinear"
         rows = [info["hot"]["head_rows"], *(info[f"cold.{k}"]["head_rows"] for k in range(2))]
         assert sum(rows) == 49152 and min(rows) > 0  # every row of the head in one place
         assert_bf16_greedy_tracks(ref, pi)

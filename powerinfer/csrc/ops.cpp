@@ -246,7 +246,7 @@ static const float* x16_rows(const Kernels& k, int64_t layout, const void* x, bo
   a.xq = xq.data();
   a.xd = xd.data();
   a.xs = xs.data();
-  if (layout == Q6KX16) {  // its q - 32 needs x's sums per 16
+  if (layout == Q6KX16 || layout == Q8X16) {  // their q - 32 and q - 128 need x's sums per 16
     x16.resize(B * dim / 16);
     for (int64_t i = 0; i < B * dim / 16; i++) {
       int32_t t = 0;
@@ -271,12 +271,12 @@ static const float* x16_rows(const Kernels& k, int64_t layout, const void* x, bo
 static at::Tensor linear_x16(const at::Tensor& x, const at::Tensor& w, int64_t n, int64_t layout) {
   const Kernels& k = active();
   const bool bf16 = x.scalar_type() == at::kBFloat16;
-  TORCH_CHECK(layout >= 0 && layout < N_LAYOUTS, "layout: 0 q4x16, 1 q4kx16, 2 q6kx16, got ", layout);
+  TORCH_CHECK(layout >= 0 && layout < N_LAYOUTS, "layout: 0 q4x16, 1 q4kx16, 2 q6kx16, 3 q8x16, got ", layout);
   TORCH_CHECK(x.dim() >= 1 && (bf16 || x.scalar_type() == at::kFloat) && x.is_contiguous(),
               "x: (..., dim) contiguous float32 or bfloat16");
   const int64_t dim = x.size(-1), B = dim ? x.numel() / dim : 0;
   TORCH_CHECK(B >= 1 && B <= 64, "the kernel takes 1 to 64 rows, got ", B);
-  const int64_t unit = layout == Q4X16 ? 32 : 256;
+  const int64_t unit = layout == Q4X16 || layout == Q8X16 ? 32 : 256;
   TORCH_CHECK(dim % unit == 0, "dim must be a multiple of ", unit, " in this layout, got ", dim);
   check_rows(w);
   const int64_t groups = (n + 15) / 16;
@@ -638,7 +638,7 @@ static float activation(int64_t act, float g, float u, bool bf16) {
 }
 
 // y (rows, n) f32 = x (rows, dim) times a matrix held as 16-row groups (fmt -1 - its Layout:
-// -1 q4x16, -2 q4kx16, -3 q6kx16; n rows) or as rows in a kernel format (fmt >= 0).
+// -1 q4x16, -2 q4kx16, -3 q6kx16, -4 q8x16; n rows) or as rows in a kernel format (fmt >= 0).
 static at::Tensor project(const Kernels& k, const at::Tensor& x, const at::Tensor& w, int64_t fmt, int64_t n) {
   if (fmt >= 0) return linear(x, w, fmt);
   TORCH_CHECK(-1 - fmt < N_LAYOUTS, "no matrix layout ", -1 - fmt);
