@@ -756,6 +756,10 @@ struct QV {
   static I dwords(int32_t v) { return _mm512_set1_epi32(v); }
   static I band(I a, I b) { return _mm512_and_si512(a, b); }
   static I bor(I a, I b) { return _mm512_or_si512(a, b); }
+  static I bxor(I a, I b) { return _mm512_xor_si512(a, b); }
+  static I abs8(I a) { return _mm512_abs_epi8(a); }
+  // x negated where s < 0 (psignb's product signs; AVX-512 has no such instruction)
+  static I sign8(I x, I s) { return _mm512_mask_sub_epi8(x, _mm512_movepi8_mask(s), _mm512_setzero_si512(), x); }
   static I shr4(I a) { return _mm512_srli_epi16(a, 4); }
   template <int S> static I shl16(I a) { return _mm512_slli_epi16(a, S); }
   template <int S> static I shr16(I a) { return _mm512_srli_epi16(a, S); }
@@ -796,6 +800,9 @@ struct QV {
   static I dwords(int32_t v) { return _mm256_set1_epi32(v); }
   static I band(I a, I b) { return _mm256_and_si256(a, b); }
   static I bor(I a, I b) { return _mm256_or_si256(a, b); }
+  static I bxor(I a, I b) { return _mm256_xor_si256(a, b); }
+  static I abs8(I a) { return _mm256_abs_epi8(a); }
+  static I sign8(I x, I s) { return _mm256_sign_epi8(x, s); }  // x negated where s < 0 (0 where 0)
   static I shr4(I a) { return _mm256_srli_epi16(a, 4); }
   template <int S> static I shl16(I a) { return _mm256_slli_epi16(a, S); }
   template <int S> static I shr16(I a) { return _mm256_srli_epi16(a, S); }
@@ -998,8 +1005,9 @@ inline void q6kx16_group(const uint8_t* gw, const FFNArgs& a, int64_t r0, int64_
 //   [0, 32) d: 16 f16, row 0 first
 //   [32, 544) eight 64-byte vectors of codes: row i's weights 4k..4k+3 at 4i in vector k, each
 //     q + 128 (0..255: the unsigned side of the byte products)
-// (q - 128) . x = q . x - 128 sum(x) in integers over x's 8-bit block (x's sums per 16), one
-// float multiply-add per block: the Q8_0 row GEMV's sums, in another order.
+// With VNNI (q + 128) . x - 128 sum(x) in integers over x's 8-bit block (x's sums per 16),
+// without it |q| . (x signed as q) in 16-bit pair sums; one float multiply-add per block: the
+// Q8_0 row GEMV's sums, in another order.
 #ifndef Q8X16_PF
 #define Q8X16_PF 8
 #endif
@@ -1018,8 +1026,12 @@ inline void q8x16_group(const uint8_t* gw, const FFNArgs& a, int64_t r0, int64_t
       const F d = QV::halves(b + 2 * L * part);
       I w[8];
       for (int k = 0; k < 8; k++) w[k] = QV::load(b + 32 + 64 * k + 4 * L * part);
-#if !defined(__AVX512VNNI__)  // 16-bit pair sums of a byte's nibbles (whole bytes would saturate)
-      const I mask = QV::bytes(0x0F);
+#if !defined(__AVX512VNNI__)  // the codes as signed bytes, |q| and its signs: q . x = |q| . (x sign q)
+      I sg[8];  // (16-bit pair sums of at most 2 * 127 * 127: no saturation)
+      for (int k = 0; k < 8; k++) {
+        sg[k] = QV::bxor(w[k], QV::bytes((int8_t)0x80));  // q + 128 -> q
+        w[k] = QV::abs8(sg[k]);
+      }
 #endif
       for (int r = 0; r < R; r++) {
         const int64_t row = r0 + r;
@@ -1027,17 +1039,11 @@ inline void q8x16_group(const uint8_t* gw, const FFNArgs& a, int64_t r0, int64_t
         I s = QV::izero();
 #if defined(__AVX512VNNI__)
         for (int k = 0; k < 8; k++) s = QV::dot4(s, w[k], QV::dwords(load4(xb + 4 * k)));
-#else
-        I hi = QV::izero();
-        for (int k = 0; k < 8; k++) {
-          const I xv = QV::dwords(load4(xb + 4 * k));
-          s = QV::dot4(s, QV::band(w[k], mask), xv);
-          hi = QV::dot4(hi, QV::band(QV::shr4(w[k]), mask), xv);
-        }
-        s = QV::add32(s, QV::mul32(hi, QV::dwords(16)));
-#endif
         const int32_t* xs = a.x16 + row * 2 * nb + 2 * blk;
         s = QV::sub32(s, QV::dwords(128 * (xs[0] + xs[1])));
+#else
+        for (int k = 0; k < 8; k++) s = QV::dot4(s, w[k], QV::sign8(QV::dwords(load4(xb + 4 * k)), sg[k]));
+#endif
         acc[r] = QV::fma(QV::i2f(s), QV::fmul(d, QV::fset(a.xd[row * nb + blk])), acc[r]);
       }
     }
