@@ -126,7 +126,7 @@ def keep_stored_blocks(model: Transformer, src: TensorSource, dtype: torch.dtype
             rows = q8_0_rows(src, [(n, None) for n in names])
             if rows is None:
                 continue
-            setattr(owner, attr, KernelLinear.from_records(rows, "q8_0", m.in_features))
+            setattr(owner, attr, q8_0_linear(rows, m.in_features))
             done += 1
     fmt = STORED_FORMATS.get(src.kind("embed")) if "embed" in src.names else None
     if fmt is not None and isinstance(model.tok_embeddings, nn.Embedding):
@@ -152,7 +152,7 @@ def q8_0_rows(src: TensorSource, parts: list[tuple[str, tuple[int, int] | None]]
             out.append(src.raw_rows(n, torch.arange(lo, hi)))
         else:  # 4-bit, or q/k whose rows a GGUF file stores permuted: read whole, in order
             out.append(kernels.quantize_rows(src.get(n, torch.float32)[lo:hi], "q8_0"))
-    return kernels.huge(torch.cat(out))
+    return torch.cat(out)  # (a matrix regroups them: `q8_0_linear`)
 
 
 def stored_embedding(model: Transformer, src: TensorSource, fmt: str, dtype: torch.dtype):
@@ -166,13 +166,17 @@ def stored_embedding(model: Transformer, src: TensorSource, fmt: str, dtype: tor
 
 
 def stored_head(rows: torch.Tensor, fmt: str, dim: int) -> nn.Module:
-    """An output head over rows in a kernel format: Q8_0 rows regrouped 16 at a time (a
-    KQuantLinear in the q8x16 layout, a copy of the same bytes: a small model's head of short
-    rows reads at 5-7x the rate of the row GEMV, BENCHMARKS.md), else a KernelLinear over the
-    rows themselves."""
-    if fmt == "q8_0" and dim % 32 == 0:
-        return KQuantLinear([(rows, "Q8_0")], dim, None)
-    return KernelLinear.from_records(rows, fmt, dim)
+    """An output head over rows in a kernel format: Q8_0 rows as `q8_0_linear` holds them (a
+    copy of the same bytes beside the embedding's), else a KernelLinear over the rows themselves."""
+    return q8_0_linear(rows, dim) if fmt == "q8_0" else KernelLinear.from_records(rows, fmt, dim)
+
+
+def q8_0_linear(rows: torch.Tensor, dim: int) -> nn.Module:
+    """A matrix over Q8_0 rows (n, dim / 32 * 34) uint8 for the kernel library: the same codes
+    and scales regrouped 16 rows at a time (a KQuantLinear in the q8x16 layout), which read at
+    1.35-3.6x the row GEMV's rate from 576 to 4,096 columns (`benchmarks/head_gemv.py`; the
+    short rows of a small model's head and projections gain most)."""
+    return KQuantLinear([(rows, "Q8_0")], dim, None)
 
 
 def read_neuron_set(src: TensorSource, a: ModelArgs, layer: int, idx: torch.Tensor,
@@ -275,11 +279,10 @@ def block_slice(src: TensorSource, a: ModelArgs, layer: int, idx: torch.Tensor,
         w2 = _stacked_int4([src.q4_part(down, (0, a.dim), (lo, hi))])
     elif src.kind(down) == "Q8_0":  # the columns' blocks, as stored
         rows = src.raw_rows(down, torch.arange(a.dim))
-        w2 = KernelLinear.from_records(kernels.huge(rows[:, lo // 32 * 34:hi // 32 * 34].contiguous()),
-                                       "q8_0", hi - lo)
+        w2 = q8_0_linear(rows[:, lo // 32 * 34:hi // 32 * 34].contiguous(), hi - lo)
     elif src.raw_rows(down, torch.arange(1)) is not None:  # another block type: onto Q8_0
         cols = src.get(down, torch.float32)[:, lo:hi]
-        w2 = KernelLinear.from_records(kernels.huge(kernels.quantize_rows(cols, "q8_0")), "q8_0", hi - lo)
+        w2 = q8_0_linear(kernels.quantize_rows(cols, "q8_0"), hi - lo)
     else:  # plain numbers
         return None
     up_b = src.rows(p + "up_b", idx, dtype) if p + "up_b" in src.names else None
@@ -312,7 +315,7 @@ def _stored_rows(src: TensorSource, parts: list[tuple[str, tuple[int, int] | Non
         return _stacked_int4([src.q4_part(n, r or (0, src.shape(n)[0]), (0, dim)) for n, r in parts],
                              bias)
     if bias is None and kernels.available() and (rows := q8_0_rows(src, parts)) is not None:
-        return KernelLinear.from_records(rows, "q8_0", dim)
+        return q8_0_linear(rows, dim)
     return None
 
 

@@ -123,7 +123,7 @@ def test_a_dense_split_of_a_layer_with_an_8_bit_down(tmp_path):
     # Q8_0 matrix of the file's own blocks; prompts of 1 to 70 tokens (the GEMV and widened rows)
     import gguf
     from checkpoints import build_hf_model, llama_family_config, write_llama_gguf
-    from powerinfer.quant import KernelLinear
+    from powerinfer.quant import KQuantLinear
     T = gguf.GGMLQuantizationType
     cfg = llama_family_config(hidden_size=128, intermediate_size=256, num_attention_heads=4,
                               num_key_value_heads=2)
@@ -138,8 +138,10 @@ def test_a_dense_split_of_a_layer_with_an_8_bit_down(tmp_path):
     for lo, hi in ((0, 96), (96, 256)):
         idx = torch.arange(lo, hi)
         s = read_neuron_set(src, a, 1, idx, "q4_0", torch.float32, every_step=True)
-        assert isinstance(s, BlockSlice) and isinstance(s.down, KernelLinear) and s.down.fmt == "q8_0"
-        assert s.down.records.shape == (128, (hi - lo) // 32 * 34)
+        # (its Q8_0 rows 16 at a time: 8.5 bits a weight, as stored)
+        assert isinstance(s, BlockSlice) and isinstance(s.down, KQuantLinear)
+        assert s.down.segments == [("packed0", 128, "q8x16")]
+        assert s.down.nbytes == 128 * (hi - lo) // 32 * 34
         for rows in (1, 5, 70):
             x = torch.randn(rows, 1, a.dim, generator=torch.Generator().manual_seed(rows))
             xq = kernels.quantize_input(x)
@@ -190,7 +192,11 @@ def test_a_dense_split_of_a_k_quant_file_reads_its_own_blocks(tmp_path):
         full = activate(a.ffn_act, xq @ gate.t(), xq @ up.t())[1] @ down.t()
         assert (total - full).abs().max() <= 0.02 * full.abs().max(), layer
         s = read_neuron_set(src, a, layer, torch.arange(32, 96), "q4_1", torch.float32, every_step=True)
-        assert isinstance(s.w1, KQuantLinear) and not isinstance(s.down, KQuantLinear)
+        # (down's columns not whole super-blocks: the converted copy's, Q4_1 as int4 groups,
+        # Q8_0 regrouped 16 rows at a time)
+        assert isinstance(s.w1, KQuantLinear)
+        held = s.down.segments[0][2] if isinstance(s.down, KQuantLinear) else type(s.down).__name__
+        assert held == ("Q4Linear" if down_kind == "q4kx16" else "q8x16"), (layer, held)
 
 
 def test_what_the_driver_sends_its_actors_pickles(default_model_path):
