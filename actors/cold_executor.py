@@ -25,7 +25,6 @@ import os
 import time
 
 import torch
-from torch import nn
 
 from cluster.topology import node_of, numa_pages, pin, process_memory
 from powerinfer import kernels
@@ -34,8 +33,9 @@ from powerinfer.loader import ModelFile
 from powerinfer.model import KVCache, KVTables, held_bytes, rope_tables
 from powerinfer.partial import attention_slice, read_head, read_neuron_set
 from powerinfer.plan import SparsePlan
-from powerinfer.quant import KernelLinear, KQuantLinear, Q4Linear, neuron_format
-from powerinfer.sparse import BlockSlice, NeuronSet, decode_rows
+from powerinfer.native import NO_ATTENTION, NO_FFN, attention_entry, ffn_entry, runs
+from powerinfer.quant import KQuantLinear, neuron_format
+from powerinfer.sparse import BlockSlice, decode_rows
 
 from .group_info import node_id
 from .channel import ChannelClosed, native_error
@@ -105,7 +105,7 @@ class ColdExecutor:
     def _native_args(self, act: str) -> tuple | None:
         """The arguments of the kernel library's `cold_serve` after its state (see there): the
         layers it can answer in C++ (block slices, neuron records without a threshold or bias;
-        heads whose projections `_runs` takes, q/k/v in up to two runs), and its head rows, the
+        heads whose projections `native.runs` takes, q/k/v in up to two runs), and its head rows, the
         others' entries empty; None where it can answer nothing."""
         dtype = self.spec.torch_dtype
         if not kernels.available() or dtype not in (torch.float32, torch.bfloat16):
@@ -114,7 +114,7 @@ class ColdExecutor:
         # (the native loop runs one window, one RoPE table and no q/k norms for every layer)
         attn = [(m is not None and attention_entry(m)) or NO_ATTENTION
                 for m in (self.attn if self.args.uniform else []) or [None] * len(self.sets)]
-        head = _runs(self.head) if self.head is not None else None
+        head = runs(self.head) if self.head is not None else None
         head = head[0] if head is not None and len(head) == 1 else None
         self.native_attention = sum(x[0].numel() > 0 for x in attn)
         self.native_head = head is not None
@@ -201,53 +201,3 @@ class ColdExecutor:
 
     def _head(self) -> list:
         return [] if self.head is None else [self.head]
-
-
-def _runs(m) -> list[tuple[torch.Tensor, int, int]] | None:
-    """A projection as `cold_serve` takes it, per run of rows of one format: (its weights, -1 -
-    the layout's code for a matrix of 16-row groups (-1 q4x16, -2 q4kx16, -3 q6kx16, -4 q8x16) or the
-    kernel format's code, its rows); None for one it cannot run (a bias, or no kernel-library
-    matrix). A KQuantLinear has a run per type (q and k in Q4_K, v in Q6_K), the others one."""
-    if getattr(m, "bias", None) is not None:
-        return None
-    if isinstance(m, KQuantLinear):
-        return [(getattr(m, name), -1 - kernels.LAYOUTS.index(layout), n) for name, n, layout in m.segments]
-    if isinstance(m, Q4Linear):
-        return [(m.packed, -1, m.out_features)]
-    if isinstance(m, KernelLinear):
-        return [(m.records, m.code, m.out_features)]
-    return None
-
-
-def _matrix(m) -> tuple[torch.Tensor, int] | None:
-    """A projection of one run (`_runs`) as (its weights, format code), else None."""
-    runs = _runs(m)
-    return None if runs is None or len(runs) != 1 else runs[0][:2]
-
-
-_EMPTY = torch.empty(0, dtype=torch.uint8)
-# the entries of a layer the native loop leaves to Python (see ffn_entry, attention_entry)
-NO_FFN = (_EMPTY, _EMPTY, 0, 0, 0, 0)
-NO_ATTENTION = (_EMPTY, 0, 0, _EMPTY, 0, 0, _EMPTY, 0, _EMPTY, _EMPTY)
-
-
-def ffn_entry(s: nn.Module, threshold: float) -> tuple | None:
-    """A layer's neurons as the native loops take them (`cold_serve`, `hot_layers`): (w1, w2,
-    kind, n, down's format, w1's), kind 1 a block slice (n: its gate+up rows), 2 neuron records
-    (n: their format); None for a set they cannot run (a bias, a threshold, no kernel layout)."""
-    if (isinstance(s, BlockSlice) and s.up_b is None and (w1 := _matrix(s.w1))
-            and w1[1] < 0 and (w2 := _matrix(s.down))):
-        return w1[0], w2[0], 1, s.w1.out_features, w2[1], w1[1]
-    if isinstance(s, NeuronSet) and s.records is not None and s.bias32 is None and threshold <= 0:
-        return s.records, _EMPTY, 2, kernels.FORMATS.index(s.fmt), 0, 0
-    return None
-
-
-def attention_entry(m: nn.Module) -> tuple | None:
-    """A layer's heads (an `Attention`) as the native loops take them: (qkv, its format, rows,
-    a second run of q/k/v rows or none, wo, its format, k cache, v cache); None where its
-    projections are not runs `_runs` takes (a bias, more than two runs)."""
-    q, o = _runs(m.wqkv), _matrix(m.wo)
-    if q is None or len(q) > 2 or o is None:
-        return None
-    return (*q[0], *(q[1] if len(q) > 1 else (_EMPTY, 0, 0)), *o, m.kv_cache.k, m.kv_cache.v)

@@ -35,6 +35,7 @@ from powerinfer import kernels
 from powerinfer.compat import compile_per_instance, trim_heap
 from powerinfer.loader import ModelFile
 from powerinfer.model import KVTables, held_bytes
+from powerinfer.native import NO_FFN, NativeDecode, attention_entry, ffn_entry, layer_args, rms_weight, uniform_llama
 from powerinfer.partial import head_rows, hot_model
 from powerinfer.plan import SparsePlan
 from powerinfer.quant import apply_kernel_linears, neuron_format
@@ -42,7 +43,6 @@ from powerinfer.sparse import HybridFFN
 
 from .group_info import node_id
 from .channel import ChannelClosed, PeerDied, native_error
-from .cold_executor import NO_FFN, attention_entry, ffn_entry
 from .plane import (ATTN, DECODE, ERROR, HEAD, OK, PREFILL, STOP, FFNInput, Masks, Partial,
                     PlaneSpec, PredictorInput, Reply, Step, head_ranges, receive, send, split_kv)
 
@@ -260,54 +260,35 @@ class HotExecutor:
         self.hot_neurons = sum(len(b.ffn.f.hot.idx) for b in model.layers)
         # the decode step's layer loop in C++ where every layer allows it (the eager step's
         # per-op dispatch is most of a small model's step otherwise)
-        self.native = None if self.compiled or kv is None else self._native_args(ckpt.args)
+        self.native = None if self.compiled or kv is None else self._native_step(ckpt.args)
         self.steps, self.step_s = 0, 0.0
 
-    def _native_args(self, a) -> tuple | None:
-        """The arguments of the kernel library's `hot_layers` after the step's rows and tables
-        (see there): a CPU group without a predictor whose attention is split by heads, a
-        LLaMA-family model whose every layer is alike (`ModelArgs.uniform`; no biases, no
-        layer norms, no post-norms, no parallel branches), every layer's heads and neurons in
-        layouts the native loops run; else None (the step runs its Python modules)."""
+    def _native_step(self, a) -> NativeDecode | None:
+        """The decode step with its layer loop in C++ (`native.NativeDecode`, exchanging with the
+        cold executors natively): a CPU group without a predictor whose attention is split by
+        heads, a model `hot_layers` runs (`native.uniform_llama`) without an output bias on its
+        attention nor a down bias, every layer's heads and neurons in layouts the native loops
+        run; else None (the step runs its Python modules)."""
         io, m, dtype = self.io, self.model, self.spec.torch_dtype
-        if (not io.native or not a.uniform or a.parallel or a.post_norms or a.layer_norm
-                or a.learned_pos or a.head_dim % 16 or dtype not in (torch.float32, torch.bfloat16)):
+        if not io.native or not uniform_llama(a, dtype):
             return None
         norms, ffn, attn = [], [], []
         for block in m.layers:
             f, att = block.ffn.f, block.attn
             if not isinstance(att, RemoteAttention) or att.o_bias is not None or f.down_b is not None:
                 return None
-            for norm in (block.attn_norm, f.norm):
-                if norm.layer_norm or norm.weight.dtype != dtype:
-                    return None
-                norms.append(norm.weight)
-            entry = attention_entry(att.own)
-            if entry is None:
+            pair = [rms_weight(block.attn_norm, dtype), rms_weight(f.norm, dtype)]
+            heads = attention_entry(att.own)
+            neurons = ffn_entry(f.hot, f.threshold) if len(f.hot.idx) else NO_FFN
+            if None in pair or heads is None or neurons is None:
                 return None
-            attn.append(entry)
-            entry = ffn_entry(f.hot, f.threshold) if len(f.hot.idx) else NO_FFN
-            if entry is None:
-                return None
-            ffn.append(entry)
-        own = m.layers[0].attn.own
-        cols = lambda rows, j: [r[j] for r in rows]  # noqa: E731
-        return (io.x.base, io.x.capacity, [p.base for p in io.parts], [p.state for p in io.parts],
-                io.parts[0].spin_us, [DECODE, ATTN], kernels.ACTS.index(a.ffn_act), norms,
-                a.norm_eps, *(cols(ffn, j) for j in range(6)), *(cols(attn, j) for j in range(10)),
-                own.n_heads, m.rope_cos, m.rope_sin, a.sliding_window, own.scale)
-
-    def _native_decode(self, tokens, pos, kv: KVTables, last):
-        """Transformer.forward of a decode step with the layer loop in C++ (`hot_layers`)."""
-        m, B = self.model, tokens.shape[0]
-        h = m.tok_embeddings(tokens)
-        if m.args.embed_scale:
-            h = h * torch.tensor(m.args.embed_scale, dtype=h.dtype)
-        h = torch.ops.powerinfer.hot_layers(h.reshape(B, -1), pos.reshape(-1), kv.starts, kv.tables,
-                                            *self.native)[last].unsqueeze(1)
-        if h.shape[0] == 0:  # nothing sampled this step
-            return h.new_zeros(0, 1, m.args.vocab_size, dtype=torch.float32)
-        return m.output(m.norm(h)).float()
+            norms += pair
+            attn.append(heads)
+            ffn.append(neurons)
+        exchange = (io.x.base, io.x.capacity, [p.base for p in io.parts], [p.state for p in io.parts],
+                    io.parts[0].spin_us, [DECODE, ATTN])
+        return NativeDecode(m, exchange, layer_args(a, norms, ffn, attn, m.layers[0].attn.own.n_heads,
+                                                    m.rope_cos, m.rope_sin))
 
     def _lookahead(self, layer: int):
         def hook(block, args):
@@ -347,7 +328,7 @@ class HotExecutor:
                 last = io.to_device(io.ctl.view(torch.int64, (step.K,), at.last))
                 run = self.model if step.op == PREFILL else self._decode
                 if step.op == DECODE and self.native is not None:
-                    run = self._native_decode
+                    run = self.native
                 try:
                     logits = run(tokens, pos, kv, last)
                 except (PeerDied, ChannelClosed):

@@ -16,6 +16,7 @@ from .config import Config, SamplingParams
 from .errors import InvalidRequestError
 from .kv import BlockManager, Blocks, describe, pool_blocks
 from .model import KVTables, Transformer
+from .native import NativeDecode
 from .tokenizer import Tokenizer
 
 log = logging.getLogger("powerinfer")
@@ -46,6 +47,10 @@ class Engine:
         self._decode = self._forward
         if config.compile:
             self._decode = compile_per_instance(self._forward, cpp_wrapper=self.device.type == "cpu")
+        # otherwise decode steps run their layer loop in C++ where the model allows it
+        self.native = None if config.compile else NativeDecode.of(model)
+        if self.native is not None:
+            self._decode = self.native
 
     def new_sequence(self, prompt: list[int], params: SamplingParams) -> Sequence:
         return new_sequence(prompt, params, self.tokenizer, self.model.args.vocab_size, self.max_seq)

@@ -796,7 +796,8 @@ static void join_parts(at::Tensor& h, at::Tensor& y, at::IntArrayRef part_bases,
 // by KV heads), each as its Python modules run it: the normed rows go out to the cold executors
 // on `x` (attention: with positions, sequence starts and block tables), this process computes
 // its own heads and neurons (the lists as cold_serve takes them; an FFN kind 0: no neurons of
-// its own), then adds the executors' answers and the result into the residual. h (B, dim) the
+// its own), then adds the executors' answers and the result into the residual. With no part
+// channels (the in-process engine) nothing is sent: the lists are the whole model's. h (B, dim) the
 // embedded tokens in the model's type (f32 or bf16) -> the residual after the last layer.
 // norms: each layer's attention norm then FFN norm (RMSNorm, the model's type); ops: the
 // plane's op codes (decode, attention).
@@ -830,16 +831,17 @@ static at::Tensor hot_layers(const at::Tensor& h_in, const at::Tensor& pos, cons
               "starts: int64; tables: (S, M) int32");
   const ColdLayers L{ffn_w1, ffn_w2, ffn_kind, ffn_n, ffn_down_fmt, ffn_w1_fmt, qkv, wo, k_cache, v_cache,
                      qkv_fmt, qkv_n, wo_fmt, qkv2, qkv2_fmt, qkv2_n};
+  const bool exchange = !part_bases.empty();  // none: the whole model in this process
   at::Tensor h = h_in.contiguous().clone();
   const std::vector<int64_t> attn_words = {tables.size(0), tables.size(1)}, none;
   for (size_t l = 0; l < n_layers; l++) {
     const int64_t layer = (int64_t)l;
     at::Tensor x = rms_norm(h, norms[2 * l], eps);
-    send_message({x, pos, starts, tables}, x_base, x_capacity, ops[1], layer, attn_words);
+    if (exchange) send_message({x, pos, starts, tables}, x_base, x_capacity, ops[1], layer, attn_words);
     at::Tensor y = attention_step(k, L, layer, x, pos, starts, tables, n_heads, cos, sin, window, scale);
     join_parts(h, y, part_bases, part_states, spin_us);
     x = rms_norm(h, norms[2 * l + 1], eps);
-    send_message({x}, x_base, x_capacity, ops[0], layer, none);
+    if (exchange) send_message({x}, x_base, x_capacity, ops[0], layer, none);
     y = ffn_kind[l] ? ffn_step(k, L, layer, x, act).contiguous() : at::zeros(x.sizes(), x.options().dtype(at::kFloat));
     join_parts(h, y, part_bases, part_states, spin_us);
   }

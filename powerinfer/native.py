@@ -1,0 +1,144 @@
+"""The kernel library's native decode loops, and what Python hands them: each layer's weights as
+the loops take them (`ffn_entry`, `attention_entry`: the actor runtime's cold executors answer
+with them in `cold_serve`, its hot executor runs its share of a decode step in `hot_layers`), and
+`NativeDecode`, a decode step whose layer loop is one C++ call, `hot_layers`: the in-process
+engine's (no executors to exchange with) and the hot executor's.
+
+A decode step of a small model run by its modules is mostly per-op dispatch (SmolLM2: about 20
+ops a layer, 30 layers); the loop runs the same operations in the same order (the norms, the
+fused q/k/v product, RoPE and attention over the paged cache, the output product, the FFN's
+products and activation, the residual adds, each rounded as the modules round), so a step's
+values are the modules' own. It runs where every layer allows it (`uniform_llama`, every
+projection a kernel-library matrix without a bias); elsewhere the modules run.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from . import kernels
+from .model import FFN, KVTables, ModelArgs, Transformer
+from .quant import KernelLinear, KQuantLinear, Q4Linear
+from .sparse import BlockSlice, NeuronSet
+
+
+def runs(m) -> list[tuple[torch.Tensor, int, int]] | None:
+    """A projection as the native loops take it, per run of rows of one format: (its weights,
+    -1 - the layout's code for a matrix of 16-row groups (-1 q4x16, -2 q4kx16, -3 q6kx16,
+    -4 q8x16) or the kernel format's code, its rows); None for one they cannot run (a bias, or no
+    kernel-library matrix). A KQuantLinear has a run per type (q and k in Q4_K, v in Q6_K), the
+    others one."""
+    if getattr(m, "bias", None) is not None:
+        return None
+    if isinstance(m, KQuantLinear):
+        return [(getattr(m, name), -1 - kernels.LAYOUTS.index(layout), n) for name, n, layout in m.segments]
+    if isinstance(m, Q4Linear):
+        return [(m.packed, -1, m.out_features)]
+    if isinstance(m, KernelLinear):
+        return [(m.records, m.code, m.out_features)]
+    return None
+
+
+def matrix(m) -> tuple[torch.Tensor, int] | None:
+    """A projection of one run (`runs`) as (its weights, format code), else None."""
+    r = runs(m)
+    return None if r is None or len(r) != 1 else r[0][:2]
+
+
+_EMPTY = torch.empty(0, dtype=torch.uint8)
+# the entries of a layer a native loop leaves to Python (see ffn_entry, attention_entry)
+NO_FFN = (_EMPTY, _EMPTY, 0, 0, 0, 0)
+NO_ATTENTION = (_EMPTY, 0, 0, _EMPTY, 0, 0, _EMPTY, 0, _EMPTY, _EMPTY)
+
+
+def ffn_entry(s: nn.Module, threshold: float = 0.0) -> tuple | None:
+    """A layer's neurons as the native loops take them: (w1, w2, kind, n, down's format, w1's),
+    kind 1 gate+up rows of 16-row groups and a down matrix (a block slice, or a whole dense FFN;
+    n: its gate+up rows), 2 neuron records (n: their format); None for what they cannot run (a
+    bias, a threshold, no kernel layout)."""
+    if isinstance(s, BlockSlice):
+        w1, w2, plain = s.w1, s.down, s.up_b is None
+    elif isinstance(s, FFN):
+        w1, w2, plain = s.w1, s.w2, True  # (a bias: `runs` refuses it)
+    elif isinstance(s, NeuronSet) and s.records is not None and s.bias32 is None and threshold <= 0:
+        return s.records, _EMPTY, 2, kernels.FORMATS.index(s.fmt), 0, 0
+    else:
+        return None
+    if plain and (a := matrix(w1)) and a[1] < 0 and (b := matrix(w2)):
+        return a[0], b[0], 1, w1.out_features, b[1], a[1]
+    return None
+
+
+def attention_entry(m: nn.Module) -> tuple | None:
+    """A layer's heads (an `Attention`, or a share of its heads) as the native loops take them:
+    (qkv, its format, rows, a second run of q/k/v rows or none, wo, its format, k cache, v
+    cache); None where its projections are not runs `runs` takes (a bias, more than two runs)."""
+    q, o = runs(m.wqkv), matrix(m.wo)
+    if q is None or len(q) > 2 or o is None or m.kv_cache is None:
+        return None
+    return (*q[0], *(q[1] if len(q) > 1 else (_EMPTY, 0, 0)), *o, m.kv_cache.k, m.kv_cache.v)
+
+
+def uniform_llama(a: ModelArgs, dtype: torch.dtype) -> bool:
+    """Whether `hot_layers` runs this model's layers: the LLaMA family with every layer alike
+    (one window, one RoPE table, no q/k norms), RMSNorm, pre-norms only, sequential branches, heads
+    of a multiple of 16, in float32 or bfloat16, on a CPU where the kernel library runs."""
+    return (kernels.available() and a.uniform and not (a.parallel or a.post_norms or a.layer_norm
+            or a.learned_pos) and a.head_dim % 16 == 0 and dtype in (torch.float32, torch.bfloat16))
+
+
+def rms_weight(norm: nn.Module, dtype: torch.dtype) -> torch.Tensor | None:
+    """An RMSNorm's weight where the loop computes it as the module does (`Norm` in the model's
+    type), else None."""
+    if getattr(norm, "layer_norm", True) or norm.weight.dtype != dtype:
+        return None
+    return norm.weight
+
+
+class NativeDecode:
+    """`Transformer.forward` of a decode step (one token a sequence) with its layer loop in C++:
+    `exchange` are `hot_layers`' channel arguments (the actor runtime's hot executor) or none (in
+    process), `layers` its per-layer ones (norms, eps, the FFN and attention entries' columns,
+    heads, RoPE tables, window, scale)."""
+
+    def __init__(self, model: Transformer, exchange: tuple, layers: tuple):
+        self.model, self.args = model, (*exchange, *layers)
+
+    @classmethod
+    def of(cls, model: Transformer) -> "NativeDecode | None":
+        """The in-process engine's: a whole model on the CPU whose every layer `hot_layers` runs
+        (its full attention, a dense FFN of 16-row groups), else None."""
+        a, dtype = model.args, model.norm.weight.dtype
+        if model.norm.weight.device.type != "cpu" or not uniform_llama(a, dtype):
+            return None
+        norms, ffn, attn = [], [], []
+        for block in model.layers:
+            pair = [rms_weight(block.attn_norm, dtype), rms_weight(block.ffn_norm, dtype)]
+            f, att = ffn_entry(block.ffn), attention_entry(block.attn)
+            if None in pair or f is None or att is None:
+                return None
+            norms += pair
+            ffn.append(f)
+            attn.append(att)
+        exchange = (0, 0, [], [], 0.0, [0, 0])  # no channels, no executors
+        return cls(model, exchange, layer_args(a, norms, ffn, attn, model.layers[0].attn.n_heads,
+                                               model.rope_cos, model.rope_sin))
+
+    def __call__(self, tokens, pos, kv: KVTables, last):
+        m, B = self.model, tokens.shape[0]
+        h = m.tok_embeddings(tokens)
+        if m.args.embed_scale:
+            h = h * torch.tensor(m.args.embed_scale, dtype=h.dtype)
+        h = torch.ops.powerinfer.hot_layers(h.reshape(B, -1), pos.reshape(-1), kv.starts, kv.tables,
+                                            *self.args)[last].unsqueeze(1)
+        if h.shape[0] == 0:  # nothing sampled this step
+            return h.new_zeros(0, 1, m.args.vocab_size, dtype=torch.float32)
+        return m.output(m.norm(h)).float()
+
+
+def layer_args(a: ModelArgs, norms: list, ffn: list, attn: list, n_heads: int, cos, sin) -> tuple:
+    """`hot_layers`' arguments after its channels: the activation, norms and eps, the entries'
+    columns, the heads, RoPE tables, window and scale."""
+    cols = lambda rows, j: [r[j] for r in rows]  # noqa: E731
+    return (kernels.ACTS.index(a.ffn_act), norms, a.norm_eps, *(cols(ffn, j) for j in range(6)),
+            *(cols(attn, j) for j in range(10)), n_heads, cos, sin, a.sliding_window, a.scale)
