@@ -7,7 +7,9 @@ The model is read from the file without its cold neurons (`partial.hot_model`): 
 attention, norms and the output head, and each FFN a `HybridFFN` (the in-process sparse
 engine's) holding only the hot neurons; the cold executors hold the rest. `RemoteFFN` sends the
 FFN input out first, computes the hot neurons while the cold executors work, then adds their
-partial sums.
+partial sums. A decode step of a LLaMA-family model whose every layer the kernel library's
+native loop runs takes that loop instead (`native.NativeDecode`: the same exchanges and sums in
+one C++ call, `hot_layers`); a step with prompt tokens runs the modules.
 
 On a GPU (`Config(device="cuda")`) the model is built on the host the same way and then moved
 to the device: the device holds embeddings, attention, the KV cache, the hot
@@ -35,7 +37,8 @@ from powerinfer import kernels
 from powerinfer.compat import compile_per_instance, trim_heap
 from powerinfer.loader import ModelFile
 from powerinfer.model import KVTables, held_bytes
-from powerinfer.native import NO_FFN, NativeDecode, attention_entry, ffn_entry, layer_args, rms_weight, uniform_llama
+from powerinfer.native import (NO_FFN, NativeDecode, attention_entry, ffn_entry, layer_args, rms_weight,
+                               uniform_llama)
 from powerinfer.partial import head_rows, hot_model
 from powerinfer.plan import SparsePlan
 from powerinfer.quant import apply_kernel_linears, neuron_format

@@ -665,6 +665,22 @@ struct ColdLayers {
   at::IntArrayRef qkv2_fmt, qkv2_n;
 };
 
+// The native loops' per-layer lists as one ColdLayers, each checked to hold an entry per layer.
+static ColdLayers per_layer(at::TensorList ffn_w1, at::TensorList ffn_w2, at::IntArrayRef ffn_kind,
+                            at::IntArrayRef ffn_n, at::IntArrayRef ffn_down_fmt, at::IntArrayRef ffn_w1_fmt,
+                            at::TensorList qkv, at::IntArrayRef qkv_fmt, at::IntArrayRef qkv_n, at::TensorList qkv2,
+                            at::IntArrayRef qkv2_fmt, at::IntArrayRef qkv2_n, at::TensorList wo,
+                            at::IntArrayRef wo_fmt, at::TensorList k_cache, at::TensorList v_cache) {
+  const size_t n = ffn_kind.size();
+  TORCH_CHECK(ffn_w1.size() == n && ffn_w2.size() == n && ffn_n.size() == n && ffn_down_fmt.size() == n &&
+              ffn_w1_fmt.size() == n && qkv.size() == n && qkv_fmt.size() == n && qkv_n.size() == n &&
+              qkv2.size() == n && qkv2_fmt.size() == n && qkv2_n.size() == n && wo.size() == n &&
+              wo_fmt.size() == n && k_cache.size() == n && v_cache.size() == n,
+              "one entry per layer in every list");
+  return ColdLayers{ffn_w1, ffn_w2, ffn_kind, ffn_n, ffn_down_fmt, ffn_w1_fmt, qkv, wo, k_cache, v_cache,
+                    qkv_fmt, qkv_n, wo_fmt, qkv2, qkv2_fmt, qkv2_n};
+}
+
 // A layer's decode step of its block slice or neuron records: (rows, dim) -> (rows, dim) f32
 static at::Tensor ffn_step(const Kernels& k, const ColdLayers& L, int64_t layer, const at::Tensor& x, int64_t act) {
   const bool bf16 = x.scalar_type() == at::kBFloat16;
@@ -725,16 +741,10 @@ static std::vector<int64_t> cold_serve(at::Tensor& state, int64_t x_base, int64_
                                        int64_t head_fmt, int64_t head_n) {
   const Kernels& k = active();
   TORCH_CHECK(state.scalar_type() == at::kLong && state.numel() == 2 && state.is_contiguous(), "state: int64 (2,)");
+  const ColdLayers L = per_layer(ffn_w1, ffn_w2, ffn_kind, ffn_n, ffn_down_fmt, ffn_w1_fmt, qkv, qkv_fmt, qkv_n,
+                                 qkv2, qkv2_fmt, qkv2_n, wo, wo_fmt, k_cache, v_cache);
   const size_t n_layers = ffn_kind.size();
-  TORCH_CHECK(ffn_w1.size() == n_layers && ffn_w2.size() == n_layers && ffn_n.size() == n_layers &&
-              ffn_down_fmt.size() == n_layers && ffn_w1_fmt.size() == n_layers &&
-              qkv.size() == n_layers && qkv_fmt.size() == n_layers && qkv_n.size() == n_layers &&
-              qkv2.size() == n_layers && qkv2_fmt.size() == n_layers && qkv2_n.size() == n_layers &&
-              wo.size() == n_layers && wo_fmt.size() == n_layers && k_cache.size() == n_layers &&
-              v_cache.size() == n_layers, "one entry per layer in every list");
   TORCH_CHECK(ops.size() == 3 && dim % 32 == 0, "ops: (decode, head, attention); dim a multiple of 32");
-  const ColdLayers L{ffn_w1, ffn_w2, ffn_kind, ffn_n, ffn_down_fmt, ffn_w1_fmt, qkv, wo, k_cache, v_cache,
-                     qkv_fmt, qkv_n, wo_fmt, qkv2, qkv2_fmt, qkv2_n};
   auto* xh = reinterpret_cast<ChannelHeader*>(x_base);
   char* xp = reinterpret_cast<char*>(x_base) + CH_HEADER;
   char* pp = reinterpret_cast<char*>(part_base) + CH_HEADER;
@@ -813,13 +823,10 @@ static at::Tensor hot_layers(const at::Tensor& h_in, const at::Tensor& pos, cons
                              const std::optional<at::Tensor>& cos, const std::optional<at::Tensor>& sin,
                              int64_t window, double scale) {
   const Kernels& k = active();
+  const ColdLayers L = per_layer(ffn_w1, ffn_w2, ffn_kind, ffn_n, ffn_down_fmt, ffn_w1_fmt, qkv, qkv_fmt, qkv_n,
+                                 qkv2, qkv2_fmt, qkv2_n, wo, wo_fmt, k_cache, v_cache);
   const size_t n_layers = ffn_kind.size();
-  TORCH_CHECK(ffn_w1.size() == n_layers && ffn_w2.size() == n_layers && ffn_n.size() == n_layers &&
-              ffn_down_fmt.size() == n_layers && ffn_w1_fmt.size() == n_layers &&
-              qkv.size() == n_layers && qkv_fmt.size() == n_layers && qkv_n.size() == n_layers &&
-              qkv2.size() == n_layers && qkv2_fmt.size() == n_layers && qkv2_n.size() == n_layers &&
-              wo.size() == n_layers && wo_fmt.size() == n_layers && k_cache.size() == n_layers &&
-              v_cache.size() == n_layers && norms.size() == 2 * n_layers, "one entry per layer in every list");
+  TORCH_CHECK(norms.size() == 2 * n_layers, "two norms per layer");
   TORCH_CHECK(ops.size() == 2, "ops: (decode, attention)");
   TORCH_CHECK(part_bases.size() == part_states.size(), "a state for each part channel");
   for (const at::Tensor& st : part_states)
@@ -829,8 +836,6 @@ static at::Tensor hot_layers(const at::Tensor& h_in, const at::Tensor& pos, cons
   TORCH_CHECK(pos.scalar_type() == at::kLong && pos.numel() == h_in.size(0), "pos: (B,) int64, one token a row");
   TORCH_CHECK(starts.scalar_type() == at::kLong && tables.scalar_type() == at::kInt && tables.dim() == 2,
               "starts: int64; tables: (S, M) int32");
-  const ColdLayers L{ffn_w1, ffn_w2, ffn_kind, ffn_n, ffn_down_fmt, ffn_w1_fmt, qkv, wo, k_cache, v_cache,
-                     qkv_fmt, qkv_n, wo_fmt, qkv2, qkv2_fmt, qkv2_n};
   const bool exchange = !part_bases.empty();  // none: the whole model in this process
   at::Tensor h = h_in.contiguous().clone();
   const std::vector<int64_t> attn_words = {tables.size(0), tables.size(1)}, none;
