@@ -112,8 +112,8 @@ class ColdExecutor:
             return None
         ffn = [ffn_entry(s, th) or NO_FFN for s, th in zip(self.sets, self.thresholds)]
         # (the native loop runs one window, one RoPE table and no q/k norms for every layer)
-        attn = [(m is not None and attention_entry(m)) or NO_ATTENTION
-                for m in (self.attn if self.args.uniform else []) or [None] * len(self.sets)]
+        attn = ([attention_entry(m) or NO_ATTENTION for m in self.attn] if self.args.uniform and self.attn
+                else [NO_ATTENTION] * len(self.sets))
         head = runs(self.head) if self.head is not None else None
         head = head[0] if head is not None and len(head) == 1 else None
         self.native_attention = sum(x[0].numel() > 0 for x in attn)

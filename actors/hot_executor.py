@@ -37,8 +37,7 @@ from powerinfer import kernels
 from powerinfer.compat import compile_per_instance, trim_heap
 from powerinfer.loader import ModelFile
 from powerinfer.model import KVTables, held_bytes
-from powerinfer.native import (NO_FFN, NativeDecode, attention_entry, ffn_entry, layer_args, rms_weight,
-                               uniform_llama)
+from powerinfer.native import NativeDecode, layer_args, uniform_llama
 from powerinfer.partial import head_rows, hot_model
 from powerinfer.plan import SparsePlan
 from powerinfer.quant import apply_kernel_linears, neuron_format
@@ -275,23 +274,16 @@ class HotExecutor:
         io, m, dtype = self.io, self.model, self.spec.torch_dtype
         if not io.native or not uniform_llama(a, dtype):
             return None
-        norms, ffn, attn = [], [], []
+        layers = []
         for block in m.layers:
             f, att = block.ffn.f, block.attn
             if not isinstance(att, RemoteAttention) or att.o_bias is not None or f.down_b is not None:
                 return None
-            pair = [rms_weight(block.attn_norm, dtype), rms_weight(f.norm, dtype)]
-            heads = attention_entry(att.own)
-            neurons = ffn_entry(f.hot, f.threshold) if len(f.hot.idx) else NO_FFN
-            if None in pair or heads is None or neurons is None:
-                return None
-            norms += pair
-            attn.append(heads)
-            ffn.append(neurons)
+            layers.append((block.attn_norm, f.norm, f.hot if len(f.hot.idx) else None, f.threshold, att.own))
+        args = layer_args(a, dtype, layers, m.layers[0].attn.own.n_heads, m.rope_cos, m.rope_sin)
         exchange = (io.x.base, io.x.capacity, [p.base for p in io.parts], [p.state for p in io.parts],
                     io.parts[0].spin_us, [DECODE, ATTN])
-        return NativeDecode(m, exchange, layer_args(a, norms, ffn, attn, m.layers[0].attn.own.n_heads,
-                                                    m.rope_cos, m.rope_sin))
+        return None if args is None else NativeDecode(m, exchange, args)
 
     def _lookahead(self, layer: int):
         def hook(block, args):

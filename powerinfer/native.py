@@ -111,18 +111,10 @@ class NativeDecode:
         a, dtype = model.args, model.norm.weight.dtype
         if model.norm.weight.device.type != "cpu" or not uniform_llama(a, dtype):
             return None
-        norms, ffn, attn = [], [], []
-        for block in model.layers:
-            pair = [rms_weight(block.attn_norm, dtype), rms_weight(block.ffn_norm, dtype)]
-            f, att = ffn_entry(block.ffn), attention_entry(block.attn)
-            if None in pair or f is None or att is None:
-                return None
-            norms += pair
-            ffn.append(f)
-            attn.append(att)
+        layers = layer_args(a, dtype, [(b.attn_norm, b.ffn_norm, b.ffn, 0.0, b.attn) for b in model.layers],
+                            model.layers[0].attn.n_heads, model.rope_cos, model.rope_sin)
         exchange = (0, 0, [], [], 0.0, [0, 0])  # no channels, no executors
-        return cls(model, exchange, layer_args(a, norms, ffn, attn, model.layers[0].attn.n_heads,
-                                               model.rope_cos, model.rope_sin))
+        return None if layers is None else cls(model, exchange, layers)
 
     def __call__(self, tokens, pos, kv: KVTables, last):
         m, B = self.model, tokens.shape[0]
@@ -136,9 +128,21 @@ class NativeDecode:
         return m.output(m.norm(h)).float()
 
 
-def layer_args(a: ModelArgs, norms: list, ffn: list, attn: list, n_heads: int, cos, sin) -> tuple:
-    """`hot_layers`' arguments after its channels: the activation, norms and eps, the entries'
-    columns, the heads, RoPE tables, window and scale."""
+def layer_args(a: ModelArgs, dtype: torch.dtype, layers, n_heads: int, cos, sin) -> tuple | None:
+    """`hot_layers`' arguments after its channels (the activation, norms and eps, the entries'
+    columns, the heads, RoPE tables, window and scale) from each layer's (attention norm, FFN
+    norm, the neurons this process computes or None for none, their threshold, its heads); None
+    where a layer has a part the loop cannot run."""
+    norms, ffn, attn = [], [], []
+    for attn_norm, ffn_norm, neurons, threshold, heads in layers:
+        pair = [rms_weight(attn_norm, dtype), rms_weight(ffn_norm, dtype)]
+        f = NO_FFN if neurons is None else ffn_entry(neurons, threshold)
+        h = attention_entry(heads)
+        if None in pair or f is None or h is None:
+            return None
+        norms += pair
+        ffn.append(f)
+        attn.append(h)
     cols = lambda rows, j: [r[j] for r in rows]  # noqa: E731
     return (kernels.ACTS.index(a.ffn_act), norms, a.norm_eps, *(cols(ffn, j) for j in range(6)),
             *(cols(attn, j) for j in range(10)), n_heads, cos, sin, a.sliding_window, a.scale)

@@ -21,7 +21,8 @@ from torch import nn
 from . import kernels
 from .loader import ModelFile, TensorSource
 from .model import Attention, ModelArgs, Norm, Transformer
-from .quant import Q4_TYPES, KernelEmbedding, KernelLinear, KQuantLinear, int4_linear, kernel_head
+from .quant import (Q4_TYPES, KernelEmbedding, KernelLinear, KQuantLinear, int4_linear, kernel_head,
+                    q8_0_linear)
 from .sparse import BlockSlice, HybridFFN, NeuronSet
 
 # GGUF types whose rows the kernel reads as they are stored
@@ -169,14 +170,6 @@ def stored_head(rows: torch.Tensor, fmt: str, dim: int) -> nn.Module:
     """An output head over rows in a kernel format: Q8_0 rows as `q8_0_linear` holds them (a
     copy of the same bytes beside the embedding's), else a KernelLinear over the rows themselves."""
     return q8_0_linear(rows, dim) if fmt == "q8_0" else KernelLinear.from_records(rows, fmt, dim)
-
-
-def q8_0_linear(rows: torch.Tensor, dim: int) -> nn.Module:
-    """A matrix over Q8_0 rows (n, dim / 32 * 34) uint8 for the kernel library: the same codes
-    and scales regrouped 16 rows at a time (a KQuantLinear in the q8x16 layout), which read at
-    1.35-3.6x the row GEMV's rate from 576 to 4,096 columns (`benchmarks/head_gemv.py`; the
-    short rows of a small model's head and projections gain most)."""
-    return KQuantLinear([(rows, "Q8_0")], dim, None)
 
 
 def read_neuron_set(src: TensorSource, a: ModelArgs, layer: int, idx: torch.Tensor,

@@ -259,12 +259,19 @@ def apply_kernel_linears(model: "Transformer", head: str = "bf16") -> int:
 
 
 def kernel_head(weight: torch.Tensor, fmt: str) -> nn.Module:
-    """An output head over a float weight in a kernel format: q8_0 rows regrouped 16 at a time
-    (the q8x16 layout: short rows, as a small model's head has, read at 5-7x the row GEMV's
-    rate), else a KernelLinear."""
+    """An output head over a float weight in a kernel format: q8_0 rows as `q8_0_linear` holds
+    them, else a KernelLinear."""
     if fmt == "q8_0" and weight.shape[1] % 32 == 0:
-        return KQuantLinear([(kernels.quantize_rows(weight, "q8_0"), "Q8_0")], weight.shape[1], None)
+        return q8_0_linear(kernels.quantize_rows(weight, "q8_0"), weight.shape[1])
     return KernelLinear(weight, None, fmt)
+
+
+def q8_0_linear(rows: torch.Tensor, dim: int) -> KQuantLinear:
+    """A matrix over Q8_0 rows (n, dim / 32 * 34) uint8 for the kernel library: the same codes
+    and scales regrouped 16 rows at a time (a KQuantLinear in the q8x16 layout), which read at
+    1.35-3.7x the row GEMV's rate from 576 to 4,096 columns (`benchmarks/head_gemv.py`; the
+    short rows of a small model's head and projections gain most)."""
+    return KQuantLinear([(rows, "Q8_0")], dim, None)
 
 
 def neuron_format(weights: str, info: dict, like: torch.Tensor) -> str | None:

@@ -649,8 +649,9 @@ static at::Tensor project(const Kernels& k, const at::Tensor& x, const at::Tenso
   return out;
 }
 
-// What a cold executor holds of each layer for `cold_serve` (one entry per layer in each list;
-// an empty tensor or a kind of 0 where the caller answers that layer's messages itself).
+// What a cold executor holds of each layer for `cold_serve`, or the hot executor (the in-process
+// engine) for `hot_layers` (one entry per layer in each list; an empty tensor or a kind of 0
+// where the caller answers that layer's messages itself, or holds no neurons of it).
 struct ColdLayers {
   at::TensorList ffn_w1, ffn_w2;  // block slice: gate+up rows, down columns (16-row groups); records: w1
   at::IntArrayRef ffn_kind;       // 0 none, 1 block slice (ffn_n: its gate+up rows), 2 neuron records
@@ -779,7 +780,6 @@ static std::vector<int64_t> cold_serve(at::Tensor& state, int64_t x_base, int64_
   }
 }
 
-
 // y (rows, dim) f32 plus each cold executor's answer on its `part` channel, in their order (as
 // ch_recv reads them: states, the readers' [messages consumed, nanoseconds waited]), rounded to
 // the model's type and added into the residual h (rows, dim) in place: the hot executor's
@@ -807,8 +807,8 @@ static void join_parts(at::Tensor& h, at::Tensor& y, at::IntArrayRef part_bases,
 // on `x` (attention: with positions, sequence starts and block tables), this process computes
 // its own heads and neurons (the lists as cold_serve takes them; an FFN kind 0: no neurons of
 // its own), then adds the executors' answers and the result into the residual. With no part
-// channels (the in-process engine) nothing is sent: the lists are the whole model's. h (B, dim) the
-// embedded tokens in the model's type (f32 or bf16) -> the residual after the last layer.
+// channels (the in-process engine) nothing is sent: the lists are the whole model's. h (B, dim)
+// the embedded tokens in the model's type (f32 or bf16) -> the residual after the last layer.
 // norms: each layer's attention norm then FFN norm (RMSNorm, the model's type); ops: the
 // plane's op codes (decode, attention).
 static at::Tensor hot_layers(const at::Tensor& h_in, const at::Tensor& pos, const at::Tensor& starts,
