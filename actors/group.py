@@ -10,7 +10,10 @@ then kill the actors and remove the placement group.
 """
 from __future__ import annotations
 
+import importlib.util
+import logging
 import time
+from dataclasses import replace
 
 import ray
 from ray.util.placement_group import placement_group, remove_placement_group
@@ -29,6 +32,8 @@ from .hot_executor import HotExecutor
 from .plane import SPIN_US, PlaneSpec
 from .predictor import PredictorActor
 from .scheduler import Scheduler
+
+log = logging.getLogger("powerinfer")
 
 # Ray's CPU accounting is nominal here: the group pins its actors to cores itself
 CPU_SHARE = 0.01
@@ -102,7 +107,19 @@ class ActorGroup:
                 node = {f"numa_node_{node_of(cores, topo)}": CPU_SHARE} if numa else {}
                 return {"CPU": CPU_SHARE, **node, **wanted, **extra}
 
+            # the predictor shares the hot executor's GPU (and bundle: one GPU, not any two
+            # of the node's) where it has one: CUDA IPC buffers between the two
+            spec, p = self.spec, self.plan
+            shared_gpu = gpu and p.predictor_input is not None and c.predictor_device == "auto"
+            if shared_gpu and importlib.util.find_spec("cupy") is None:
+                log.warning("the predictor runs on the CPU: sharing the GPU's buffers with the "
+                            "hot executor needs CuPy (pip install 'powerinfer[gpu]')")
+                shared_gpu = False
+            if shared_gpu:
+                spec = self.spec = replace(spec, device_predictor=True)
             bundles = [bundle(self.cores.hot, **({"GPU": 1} if gpu else {}))]
+            if shared_gpu:
+                bundles[0]["CPU"] += CPU_SHARE
             bundles += [bundle(g) for g in self.cores.cold]
             bundles += [bundle(self.cores.predictor), bundle(self.cores.hot)]  # predictor, scheduler
             self.pg = placement_group(bundles, strategy="STRICT_PACK")
@@ -113,17 +130,18 @@ class ActorGroup:
                     num_cpus=CPU_SHARE, max_concurrency=concurrency, max_restarts=0, **kw,
                     scheduling_strategy=PlacementGroupSchedulingStrategy(self.pg, i))
 
-            spec, p = self.spec, self.plan
             # on a CPU without a predictor the executors split attention by heads as well
             attention = not gpu and p.predictor_input is None
-            self.actors["hot"] = place(HotExecutor, 0, num_gpus=1 if gpu else 0).remote(
+            self.actors["hot"] = place(HotExecutor, 0,
+                                       num_gpus=(0.5 if shared_gpu else 1) if gpu else 0).remote(
                 spec, self.cores.hot, self.model, c, p, hot_share, attention)
             for k in range(n):
                 self.actors[f"cold.{k}"] = place(ColdExecutor, 1 + k).remote(
                     spec, k, self.cores.cold[k], self.model, p, hot_share, c.cpu_threads,
                     c.weights, head=not gpu, attention=attention)
             if p.predictor_input is not None:
-                self.actors["predictor"] = place(PredictorActor, n + 1).remote(
+                where = dict(i=0, num_gpus=0.5) if shared_gpu else dict(i=n + 1)
+                self.actors["predictor"] = place(PredictorActor, **where).remote(
                     spec, self.cores.predictor, p, c.cpu_threads)
             # every open stream is a call in flight: admission control is the scheduler's
             # queue, not Ray's
@@ -133,6 +151,9 @@ class ActorGroup:
             names = list(self.actors)
             infos = ray.get([a.ready.remote() for a in self.actors.values()], timeout=START_TIMEOUT_S)
             self.info = dict(zip(names, infos))
+            if shared_gpu:  # the predictor maps the hot executor's device buffers
+                ray.get(self.actors["predictor"].attach.remote(self.info["hot"]["device_buffers"]),
+                        timeout=START_TIMEOUT_S)
         except BaseException:
             self.stop()
             raise

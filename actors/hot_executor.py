@@ -18,7 +18,10 @@ cudaHostRegister. Device-to-host copies (the FFN input, the predictor's input, t
 synchronous, which orders them before the publish that lets a peer read them; host-to-device
 copies (tokens, masks, cold partial sums) are asynchronous on the one stream. A peer only
 rewrites those buffers after a later publish of ours, which a synchronous copy queued behind
-them precedes, so no copy can read a buffer being rewritten.
+them precedes, so no copy can read a buffer being rewritten. Where the predictor shares the
+GPU, the predictor input and the masks stay on the device (`device_buffers`: CUDA IPC buffers
+ordered by interprocess events); the host channels carry the headers and the cold executors'
+copy of the masks.
 """
 from __future__ import annotations
 
@@ -70,6 +73,11 @@ class DataPlane:
         if device.type == "cuda":
             for ch in self.channels():
                 ch.register_with_cuda()
+        # the predictor on this GPU: its input and the masks in device buffers (CUDA IPC)
+        self.buffers = None
+        if self.predicting and spec.device_predictor:
+            from .device_buffers import predictor_buffers
+            self.buffers = predictor_buffers(spec.batch, spec.dim, spec.ffn_dim)
 
     def channels(self):
         yield from (self.ctl, self.out, self.x, *self.parts)
@@ -95,13 +103,27 @@ class DataPlane:
 
     def send_predictor_input(self, layer: int, h: torch.Tensor):
         B = h.shape[0]
-        self.pred_in.put(h.reshape(B, -1).float())
+        if self.buffers is not None:  # queued on the device; the predictor's stream waits for it
+            buf = self.buffers["pred_in"]
+            buf.view(torch.float32, (B, self.spec.dim)).copy_(h.reshape(B, -1))
+            buf.publish()
+        else:
+            self.pred_in.put(h.reshape(B, -1).float())
         send(self.pred_in, PredictorInput(DECODE, layer, B))
 
     def recv_mask(self, B: int) -> torch.Tensor:
         got = receive(self.mask, Masks)
         assert got.B == B, (got, B)
         return self.mask.view(torch.bool, (B, self.spec.ffn_dim))  # on the host
+
+    def device_mask(self, rows: torch.Tensor) -> torch.Tensor:
+        """The masks `recv_mask` returned, on this process's device: the predictor's device
+        buffer where it shares the GPU (this stream waits for its writes), else a copy."""
+        if self.buffers is None:
+            return self.to_device(rows)
+        buf = self.buffers["mask"]
+        buf.consume()
+        return buf.view(torch.bool, rows.shape)
 
     def stop(self):
         self.x.publish(STOP)
@@ -138,7 +160,7 @@ class RemoteFFN(nn.Module):
         if masked:
             io.x.put(rows, io.spec.mask_offset(B * T))
         send(io.x, FFNInput(DECODE if T == 1 else PREFILL, f.layer, B, T, int(masked)))
-        rows = None if rows is None else io.to_device(rows)
+        rows = None if rows is None else io.device_mask(rows)
         y = f.hot_part(x, None if rows is None else rows.any(0), rows)  # union None: every neuron
         for p in io.parts:  # float32 partial sums add up before one rounding
             receive(p, Partial)
@@ -292,7 +314,9 @@ class HotExecutor:
         return hook
 
     def ready(self) -> dict:
+        buffers = self.io.buffers or {}
         return {"cores": list(self.cores), "hot_neurons": self.hot_neurons,
+                "device_buffers": {k: b.handle() for k, b in buffers.items()},
                 "head_rows": self.head_rows, "kv_heads": list(self.kv_heads),
                 "compiled": self.compiled, "native": self.native is not None,
                 "device": str(self.device), "pid": os.getpid(), "load_s": self.load_s,
@@ -302,8 +326,10 @@ class HotExecutor:
     def _memory(self) -> dict:
         if self.device.type != "cuda":
             return {}
-        return {"device_bytes": torch.cuda.memory_allocated(self.device),
-                "device_peak_bytes": torch.cuda.max_memory_allocated(self.device)}
+        shared = sum(b.nbytes for b in (self.io.buffers or {}).values())  # outside torch's pool
+        return {"device_bytes": torch.cuda.memory_allocated(self.device) + shared,
+                "device_peak_bytes": torch.cuda.max_memory_allocated(self.device) + shared,
+                "device_buffer_bytes": shared}
 
     @torch.inference_mode()
     def run(self) -> str:

@@ -5,7 +5,9 @@
                                      the sampled tokens' indices (at `ctl_layout`)
     out      hot -> scheduler        Reply; logits (K, vocab) fp32, or an error's text
     pred_in  hot -> predictor        PredictorInput (decode only); its input (B, dim) fp32
+                                     (in a device buffer where the two share a GPU)
     mask     predictor -> hot        Masks; per-row predicted-active neurons (B, ffn_dim) bool
+                                     (also in a device buffer where the two share a GPU)
     x        hot -> cold (all)       FFNInput; FFN input (B*T, dim) [, masks at `mask_offset`],
                                      or (op HEAD) the normed rows the output head reads, or
                                      (op ATTN) the attention input (B*T, dim), positions (B*T,),
@@ -172,6 +174,10 @@ class PlaneSpec:
     dtype: str  # activations on the channels, the model's compute dtype
     spin_us: float = SPIN_US
     paths: dict = field(default_factory=dict)
+    # the predictor shares the hot executor's GPU: the predictor input and the masks travel in
+    # device buffers (`device_buffers`), the host channels carry the headers and the masks'
+    # copy for the cold executors
+    device_predictor: bool = False
 
     @classmethod
     def new(cls, n_cold: int, batch: int, tokens: int, max_seq: int, num_blocks: int,

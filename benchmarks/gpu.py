@@ -55,6 +55,7 @@ import time
 from pathlib import Path
 
 import torch
+from torch import nn
 
 from powerinfer import Config, PowerInfer
 from powerinfer.predictor import train_predictors
@@ -70,8 +71,9 @@ def _to(device):
     def move(a):
         if isinstance(a, torch.Tensor):
             return a.to(device, non_blocking=True)
-        if isinstance(a, tuple):
-            return tuple(move(x) for x in a)
+        if isinstance(a, tuple):  # the KV tables are a NamedTuple: keep its type
+            moved = [move(x) for x in a]
+            return type(a)(*moved) if hasattr(a, "_fields") else tuple(moved)
         return a
     return move
 
@@ -80,9 +82,23 @@ def offload_layers(pi: PowerInfer, k: int, device: torch.device) -> PowerInfer:
     """llama.cpp's -ngl k on the in-process engine: blocks [0, k) with their KV cache on
     `device`; embeddings, the other blocks, the final norm and the output head on the host. Each
     block's inputs follow it to its device (a copy only where the device changes)."""
+    from powerinfer.quant import KernelLinear
+
     model = pi.model
     for b in model.layers[:k]:
+        # the CPU kernel's bf16 projections (the host's layers keep them) as torch Linears
+        for owner in list(b.modules()):
+            for name, child in list(owner.named_children()):
+                if isinstance(child, KernelLinear):
+                    lin = nn.Linear(child.in_features, child.out_features,
+                                    bias=child.bias is not None, device="meta")
+                    lin.weight = nn.Parameter(child.weight.to(device), requires_grad=False)
+                    if child.bias is not None:
+                        lin.bias = nn.Parameter(child.bias.to(device), requires_grad=False)
+                    setattr(owner, name, lin)
         b.to(device)
+    # the engine's C++ decode loop holds the host's tensors of every layer: the modules run
+    pi.engine.native, pi.engine._decode = None, pi.engine._forward
     for b in list(model.layers) + [model.norm]:
         dev = next(b.parameters()).device
         b.register_forward_pre_hook(lambda mod, args, m=_to(dev): m(args))
@@ -98,9 +114,10 @@ def layers_that_fit(args, budget: int, dtype_bytes: int) -> int:
     return min(args.n_layers, budget // block)
 
 
-def weight_bytes(pi: PowerInfer) -> int:
-    return sum(t.numel() * t.element_size() for t in
-               {id(p): p for p in pi.model.parameters()}.values())
+def weight_bytes(path: Path) -> int:
+    """The model's weights: the file's tensors (bf16 here), whatever modules hold them."""
+    from gguf import GGUFReader
+    return sum(int(t.n_bytes) for t in GGUFReader(path).tensors)
 
 
 SELECTIONS = (0.05, 0.10, 0.25, 0.50, 1.00)
@@ -176,6 +193,75 @@ def kernel_rows(preset: str, device: torch.device) -> dict:
     return out
 
 
+def breakdown(actors: dict, budget: int) -> dict:
+    """Where a hybrid decode step's time goes, per step (ms), from the actors' counters: the
+    hot executor's step (GPU work and its waits), its waits for masks and for the cold partial
+    sums, the predictor's work a call, each cold executor's work; and the hot executor's peak
+    device memory against the budget."""
+    hot, steps = actors["hot"], max(actors["hot"]["steps"], 1)
+    out = {"hot_neurons": hot["hot_neurons"], "steps": hot["steps"],
+           "hot_step_ms": hot["step_s"] / steps * 1e3,
+           "mask_wait_ms_per_step": hot.get("mask_wait_s", 0) / steps * 1e3,
+           "part_wait_ms_per_step": hot["part_wait_s"] / steps * 1e3,
+           "device_peak_bytes": hot.get("device_peak_bytes"),
+           "device_buffer_bytes": hot.get("device_buffer_bytes", 0),
+           "within_budget": (hot["device_peak_bytes"] <= budget
+                             if "device_peak_bytes" in hot else None)}
+    if "predictor" in actors:
+        p = actors["predictor"]
+        out.update(predictor_device=p.get("device"),
+                   predictor_ms_per_call=p["busy_s"] / max(p["calls"], 1) * 1e3,
+                   predictor_calls=p["calls"])
+    out["cold_busy_ms_per_step"] = [round(v.get("busy_s", 0) / steps * 1e3, 3)
+                                    for k, v in sorted(actors.items()) if k.startswith("cold.")]
+    return out
+
+
+SWEEP = [(bn, bk, nw) for bn in (8, 16, 32) for bk in (128, 512, 1024) for nw in (4, 8)]
+
+
+def sweep_rows(preset: str, device: torch.device, shares=(0.1, 1.0)) -> list[dict]:
+    """The Triton FFN kernel's decode-row tiles (`triton_ffn.TILE_PLAIN`, `TILE_BLOCKS`) timed
+    on one layer of `preset`'s width, bf16 and Q4_0 records, at `shares` of its neurons: which
+    default the kernel should take on this GPU."""
+    from powerinfer import kernels, triton_ffn
+    from powerinfer.synthetic import PRESETS
+
+    dim, ffn = PRESETS[preset].dim, PRESETS[preset].n_ff
+    copy = copy_bandwidth(device, 1 << 30)
+    g = torch.Generator(device=device).manual_seed(0)
+    gate, up, down = (torch.randn(ffn, dim, generator=g, device=device, dtype=torch.bfloat16)
+                      for _ in range(3))
+    x = torch.randn(1, dim, device=device, dtype=torch.bfloat16)
+    recs = {"bf16": kernels.pack(gate, up, down, "bf16"),
+            "q4_0": kernels.pack(gate.cpu(), up.cpu(), down.cpu(), "q4_0").to(device)}
+    masks = {sh: torch.rand(ffn, generator=g, device=device) < sh for sh in shares}
+    default = (triton_ffn.TILE_PLAIN, triton_ffn.TILE_BLOCKS)
+    rows = []
+    try:
+        for bn, bk, nw in SWEEP:
+            triton_ffn.TILE_PLAIN = triton_ffn.TILE_BLOCKS = (bn, bk, nw)
+            for fmt, rec in recs.items():
+                if fmt != "bf16" and (bk > 512 or nw != 4):
+                    continue
+                for sh, mask in masks.items():
+                    try:
+                        t = _timed(lambda: triton_ffn.neuron_ffn(x, rec, mask, None, None, 0.0,
+                                                                 "swiglu", fmt), device, 20)
+                    except Exception as e:  # a tile the compiler refuses (registers, shared memory)
+                        rows.append({"block_n": bn, "block_k": bk, "warps": nw, "fmt": fmt,
+                                     "selection": sh, "error": str(e)[:200]})
+                        continue
+                    read = int(mask.sum()) * rec.shape[1]
+                    r = {"block_n": bn, "block_k": bk, "warps": nw, "fmt": fmt, "selection": sh,
+                         "us": t * 1e6, "gb_s": read / t / 1e9, "of_copy": read / t / 1e9 / copy}
+                    rows.append(r)
+                    print(json.dumps(r), flush=True)
+    finally:
+        triton_ffn.TILE_PLAIN, triton_ffn.TILE_BLOCKS = default
+    return rows
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--preset", default="70b")
@@ -187,6 +273,8 @@ def main():
     ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     ap.add_argument("--out", default=None)
     ap.add_argument("--kernels", action="store_true", help="only the kernel rows")
+    ap.add_argument("--sweep", action="store_true",
+                    help="with --kernels: time the Triton FFN kernel's tile sizes too")
     a = ap.parse_args()
     if a.device == "cuda" and not torch.cuda.is_available():
         sys.exit("no CUDA device: this benchmark needs one (--device cpu only checks the flow); "
@@ -200,6 +288,8 @@ def main():
     if a.kernels:
         if runs_kernels:
             result = kernel_rows(a.preset, device)
+            if a.sweep:
+                result["sweep"] = sweep_rows(a.preset, device)
             if a.out:
                 Path(a.out).write_text(json.dumps(result, indent=1))
         return
@@ -217,7 +307,7 @@ def main():
                          dtype="bfloat16")
         train_predictors(bundle, "layer")
         pi = PowerInfer.from_pretrained(str(path), Config(**dense))
-        weights, args = weight_bytes(pi), pi.model.args
+        weights, args = weight_bytes(path), pi.model.args
         budget = int(a.budget_share * weights)
         placement = solve_bundle(bundle, budget / 2**30, batch=MAX_BATCH + 1, context=MAX_SEQ,
                                  dtype_bytes=2, predictor_input="layer")
@@ -226,40 +316,57 @@ def main():
         print(json.dumps({k: result[k] for k in ("weight_bytes", "budget_bytes", "pipeline_s")}),
               flush=True)
 
+        def save():  # what is measured so far survives a run cut short
+            if a.out:
+                Path(a.out).write_text(json.dumps(result, indent=1))
+
         k = layers_that_fit(args, budget, 2)
         offload_layers(pi, k, device)
-        result["layer_offload"] = {"layers_on_device": k, "tok_s": decode_speed(pi, a.tokens)}
+        tok_s, first_ms = decode_speed(pi, a.tokens)
+        result["layer_offload"] = {"layers_on_device": k, "tok_s": tok_s, "first_token_ms": first_ms}
         print("layer_offload", json.dumps(result["layer_offload"]), flush=True)
         del pi
+        save()
 
         pi = PowerInfer.from_pretrained(str(path), Config(**dense, device=a.device))
-        result["all_gpu"] = {"tok_s": decode_speed(pi, a.tokens)}
+        tok_s, first_ms = decode_speed(pi, a.tokens)
+        result["all_gpu"] = {"tok_s": tok_s, "first_token_ms": first_ms}
         print("all_gpu", json.dumps(result["all_gpu"]), flush=True)
         del pi
         if a.device == "cuda":
             torch.cuda.empty_cache()
+        save()
 
-        pi = PowerInfer.from_pretrained(str(path), Config(
-            **dense, device=a.device, runtime="actors", cold_executors=a.cold,
-            bundle=str(bundle.path), predictor="layer"))
-        try:
-            tok_s = decode_speed(pi, a.tokens)
-            st = pi.engine.stats()
-            hot = st["actors"]["hot"]
-            result["hybrid"] = {
-                "tok_s": tok_s, "cores": st["cores"], "hot_neurons": hot["hot_neurons"],
-                "device_peak_bytes": hot.get("device_peak_bytes"),
-                "within_budget": (hot["device_peak_bytes"] <= budget
-                                  if "device_peak_bytes" in hot else None),
-                "mask_wait_ms_per_step": hot.get("mask_wait_s", 0) / max(hot["steps"], 1) * 1e3,
-                "part_wait_ms_per_step": hot["part_wait_s"] / max(hot["steps"], 1) * 1e3}
-        finally:
-            pi.close()
-        print("hybrid", json.dumps(result["hybrid"]), flush=True)
-    h = result["hybrid"]["tok_s"]
-    result["ratios"] = {"hybrid_vs_layer_offload": h / result["layer_offload"]["tok_s"],
+        # the predictor on the hot executor's GPU (device buffers, CUDA IPC), then on the CPU
+        # (host channels): the hop's cost in the same run
+        for where in ("auto", "cpu") if a.device == "cuda" else ("auto",):
+            name = "hybrid" if where == "auto" else "hybrid_predictor_cpu"
+            pi = PowerInfer.from_pretrained(str(path), Config(
+                **dense, device=a.device, runtime="actors", cold_executors=a.cold,
+                bundle=str(bundle.path), predictor="layer", predictor_device=where))
+            try:
+                tok_s, first_ms = decode_speed(pi, a.tokens)
+                st = pi.engine.stats()
+                result[name] = dict(tok_s=tok_s, first_token_ms=first_ms, cores=st["cores"],
+                                    **breakdown(st["actors"], budget))
+            except Exception as e:  # the other configuration still runs; the error is the row
+                result[name] = {"error": f"{type(e).__name__}: {e}"[:2000]}
+            finally:
+                pi.close()
+            print(name, json.dumps(result[name]), flush=True)
+            save()
+    ok = [k for k in ("hybrid", "hybrid_predictor_cpu") if "tok_s" in result.get(k, {})]
+    if not ok:
+        save()
+        sys.exit("no hybrid configuration ran: " + json.dumps({k: result[k] for k in result
+                                                               if k.startswith("hybrid")}))
+    h = result[ok[0]]["tok_s"]
+    result["ratios"] = {"hybrid_row": ok[0],"hybrid_vs_layer_offload": h / result["layer_offload"]["tok_s"],
                         "hybrid_vs_all_gpu": h / result["all_gpu"]["tok_s"]}
+    if len(ok) == 2:
+        result["ratios"]["predictor_on_gpu_vs_cpu"] = h / result["hybrid_predictor_cpu"]["tok_s"]
     print(json.dumps(result["ratios"]), flush=True)
+    save()
     if runs_kernels:
         result["kernels"] = kernel_rows(a.preset, device)
     if a.out:

@@ -48,6 +48,10 @@ class Config:
         its predictors mark active, and the solver's placement splits hot from cold.
     predictor: which trained predictor to run: "layer" (lookahead, overlapping attention),
         "ffn" (same layer) or "auto" (lookahead when trained).
+    predictor_device: where the actor runtime's predictor runs beside a hot executor on a GPU:
+        "auto" (on that GPU, the predictor input and masks in device buffers the two actors
+        share through CUDA IPC; CuPy needed) or "cpu" (on its own cores, over host memory).
+        Without a GPU it runs on the CPU either way.
     weights: "dense", "int4" (a GGUF file's Q4_0/Q4_1 projections stay 4-bit, computed in
         bf16 on the CPU; a sparse FFN's neurons keep the file's 4-bit blocks, their down rows
         8-bit; the output head is 8-bit), or "auto" (default: int4 wherever it can run, else
@@ -79,6 +83,7 @@ class Config:
     weights: str = "auto"
     bundle: str = ""
     predictor: str = "auto"
+    predictor_device: str = "auto"
     cold_executors: int = 1
     max_queue: int = 64
     max_ppl_increase: float = 0.02
@@ -95,6 +100,8 @@ class Config:
             raise ConfigError(f"runtime must be 'local' or 'actors', got {self.runtime!r}")
         if self.predictor not in ("auto", "layer", "ffn"):
             raise ConfigError(f"predictor must be auto, layer or ffn, got {self.predictor!r}")
+        if self.predictor_device not in ("auto", "cpu"):
+            raise ConfigError(f"predictor_device must be auto or cpu, got {self.predictor_device!r}")
         if self.cores and not re.fullmatch(r"\d+(-\d+)?(,\d+(-\d+)?)*", self.cores):
             raise ConfigError(f"cores must be a cpulist like '0-15,32', got {self.cores!r}")
         if self.cold_executors < 1 or self.max_queue < 1:

@@ -339,7 +339,9 @@ class Transformer(nn.Module):
         """KVTables for a (B, T) step whose row b is sequence b, in the blocks `setup_cache` gave
         row b (or row slots[b])."""
         assert self.rows is not None, "setup_cache first (or pass tables from a block manager)"
-        dev = self.rows.device
+        dev = self.norm.weight.device
+        if self.rows.device != dev:  # (a plain attribute: a model moved after setup_cache)
+            self.rows = self.rows.to(dev)
         return KVTables(torch.arange(0, B * T + 1, T, device=dev),
                         self.rows[:B] if slots is None else self.rows[slots])
 

@@ -54,6 +54,10 @@ PLAIN_TYPES = {"f32": torch.float32, "bf16": torch.bfloat16, "f16": torch.float1
 FORMATS = (*PLAIN_TYPES, *BLOCK_FORMATS)  # record formats the FFN kernel reads
 MAX_ROWS = 64  # batch rows per call (more are run MAX_ROWS at a time)
 BLOCK_N, BLOCK_K = 16, 128  # neurons per program (more keep a GPU busy); columns a step (x32)
+# a decode row's (B = 1) tile of the FFN kernel, (neurons, columns a step, warps), by record
+# format, from `benchmarks/gpu.py --kernels --sweep` on an H200 (BENCHMARKS.md): plain records
+# read 1024 columns a step (4-8x the bytes in flight of 128), block formats 512 over 8 neurons
+TILE_PLAIN, TILE_BLOCKS = (16, 1024, 4), (8, 512, 4)
 
 
 def interpreted() -> bool:
@@ -462,13 +466,16 @@ def neuron_ffn(x: torch.Tensor, records: torch.Tensor, sel: torch.Tensor | None,
     block_b = 1 if B == 1 else max(16, _pow2(B))
     if programs == 0:
         return out.to(x.dtype)
-    _ffn_kernel[(triton.cdiv(programs, BLOCK_N),)](
+    # several rows multiply through tl.dot, whose operands must fit shared memory: the small tile
+    bn, bk, warps = (TILE_PLAIN if fmt in PLAIN_TYPES else TILE_BLOCKS) if B == 1 else \
+        (BLOCK_N, BLOCK_K, 4)
+    _ffn_kernel[(triton.cdiv(programs, bn),)](
         x.contiguous(), w, sel_t, cnt if cnt is not None else out, keep_t if keep_t is not None else out,
         bias if bias is not None else out, out, B, dim, k, stride,
         0 if keep_t is None else keep_t.shape[1], float(threshold),
         ACT=ACTS.index(act), FMT=f, DFMT=df, ROW_BYTES=rb, GATED=gated, SEL=sel_mode,
-        KEEP=keep_mode, HAS_BIAS=bias is not None, BLOCK_B=block_b, BLOCK_N=BLOCK_N,
-        BLOCK_K=BLOCK_K)
+        KEEP=keep_mode, HAS_BIAS=bias is not None, BLOCK_B=block_b, BLOCK_N=bn,
+        BLOCK_K=bk, num_warps=warps)
     return out.to(x.dtype)
 
 
