@@ -7,7 +7,10 @@ each row with coalesced loads), in their own format:
 - the file's 4-bit blocks (GGUF Q4_0/Q4_1, gate and up) with Q8_0 down rows, or Q8_0 rows
   throughout, dequantized in registers.
 
-One program takes BLOCK_N (16) selected neurons and every row of the batch (1 to 64):
+One program takes a tile of selected neurons and every row of the batch (1 to 64): for a decode
+row `TILE_PLAIN` / `TILE_BLOCKS` (16 neurons x 1024 columns a step for plain rows, 8 x 512 for
+blocks: the fastest of a sweep on an H200), for several rows BLOCK_N x BLOCK_K (16 x 128), whose
+`tl.dot` operands fit shared memory:
 1. gate dot products over the width, then the neurons whose gate cannot let them fire in any
    row (ReGLU, dReLU) are masked out of the next loads;
 2. up dot products (plus the up bias), the activation and the firing threshold, the per-row

@@ -375,7 +375,9 @@ def test_hot_executor_on_gpu_keeps_the_vram_budget(ray_cluster, bundle, tmp_path
     finally:
         pi.close()
     assert hot["device"].startswith("cuda"), hot
-    assert 0 < hot["device_peak_bytes"] <= budget_gb * 2**30, hot
+    # the placement's bytes within the budget; the peak adds activations and workspaces
+    assert 0 < hot["held_bytes"] <= budget_gb * 2**30, hot
+    assert hot["device_peak_bytes"] - hot["held_bytes"] < 64 << 20, hot
     # the same model and masks; the GPU sums in another order, so compare the first words only
     assert [g.split()[:2] for g in got] == [w.split()[:2] for w in cpu]
     assert not shm_segments()
