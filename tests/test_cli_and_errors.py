@@ -108,6 +108,14 @@ def test_cuda_without_a_gpu_is_a_config_error():
         PowerInfer.from_pretrained(config=Config(device="cuda"))
 
 
+def test_a_bad_predictor_device_is_a_config_error():
+    from powerinfer import Config, ConfigError
+
+    with pytest.raises(ConfigError, match="predictor_device must be auto or cpu, got 'gpu'"):
+        Config(predictor_device="gpu")
+    assert Config(predictor_device="cpu").predictor_device == "cpu"
+
+
 def test_the_library_imports_nothing_built_on_it():
     """powerinfer/ is the core: the actor runtime and the server depend on it and register
     themselves through entry points; no module of the library imports them."""
