@@ -16,10 +16,7 @@ Where the kernel library runs, the messages that need no Python (decode steps wi
 the layers held as block slices or neuron records, of its heads, and of the head's rows) are
 answered by its `cold_serve` loop, in C++ from one wait to the next; it hands back the first
 message that needs Python (prefill, masks, STOP). A layer's answer then costs its matrix
-products and the hand-off, not a dozen Python calls. As the group's one cold executor, with
-every layer's heads and neurons and its head rows answered there, it also runs mirrored decode
-steps (`plane.py`): it holds every layer's norms and the final one, and runs the step's layer
-loop over its own copy of the residual beside the hot executor's.
+products and the hand-off, not a dozen Python calls.
 """
 from __future__ import annotations
 
@@ -36,14 +33,14 @@ from powerinfer.loader import ModelFile
 from powerinfer.model import KVCache, KVTables, held_bytes, rope_tables
 from powerinfer.partial import attention_slice, read_head, read_neuron_set
 from powerinfer.plan import SparsePlan
-from powerinfer.native import NO_ATTENTION, NO_FFN, attention_entry, ffn_entry, runs, uniform_llama
+from powerinfer.native import NO_ATTENTION, NO_FFN, attention_entry, ffn_entry, runs
 from powerinfer.quant import KQuantLinear, neuron_format
 from powerinfer.sparse import BlockSlice, decode_rows
 
 from .group_info import node_id
 from .channel import ChannelClosed, native_error
-from .plane import (ATTN, DECODE, HEAD, LAYERS, STOP, FFNInput, Partial, PlaneSpec, head_ranges,
-                    mirror_halves, receive, send, split_kv)
+from .plane import (ATTN, DECODE, HEAD, STOP, FFNInput, Partial, PlaneSpec, head_ranges, receive,
+                    send, split_kv)
 
 
 class ColdExecutor:
@@ -79,11 +76,6 @@ class ColdExecutor:
                                      dtype, "cpu")
             # (global, local) tables: Gemma 3's sliding layers have their own RoPE base
             self.rope = None if a.learned_pos else rope_tables(a, spec.max_seq)
-        # the norms, for mirrored decode steps (it runs the layer loop beside the hot executor's)
-        self.norms = None
-        if spec.n_cold == 1 and self.attn and uniform_llama(a, dtype):
-            self.norms = ([src.get(f"{i}.{n}", dtype).contiguous() for i in range(a.n_layers)
-                           for n in ("attn_norm", "ffn_norm")], src.get("norm", dtype).contiguous())
         src.close()
         trim_heap()  # the load's transients, freed, stay resident otherwise
         self.load_s = time.perf_counter() - t0
@@ -91,7 +83,6 @@ class ColdExecutor:
         self.neurons = sum(len(s.idx) for s in self.sets)
         self.x, self.part = spec.open("x"), spec.open(f"part.{rank}", writer=True)
         self.busy_s, self.steps = 0.0, 0
-        self.mirrors = False  # (set by _native_args)
         self.native = self._native_args(a.ffn_act)
 
     def ready(self) -> dict:
@@ -108,7 +99,6 @@ class ColdExecutor:
                 # layers whose attention steps the native loop answers
                 "native_attention": self.native_attention if self.native is not None else 0,
                 "native_head": self.native is not None and self.native_head,
-                "mirror": self.mirrors,  # can run mirrored decode steps (actors/plane.py)
                 "numa_bytes": numa_pages(),
                 "node": node_of(self.cores), "node_id": node_id()}
 
@@ -135,22 +125,11 @@ class ColdExecutor:
         scale = self.attn[0].scale if self.attn else 1.0
         cos, sin = self.rope[0] if self.rope is not None else (None, None)
         cols = lambda rows, j: [r[j] for r in rows]  # noqa: E731
-        out = (self.x.base, self.part.base, self.part.capacity, self.spec.dim,
-               dtype == torch.bfloat16, self.x.spin_us, [DECODE, HEAD, ATTN, LAYERS],
-               kernels.ACTS.index(act), *(cols(ffn, j) for j in range(6)),
-               *(cols(attn, j) for j in range(10)), n_heads, cos, sin, self.args.sliding_window,
-               scale, *((None, 0, 0) if head is None else head))
-        # mirrored decode steps: every layer's heads and neurons answered natively (a layer
-        # without neurons answers zeros), its head rows too, and the messages fit the halves
-        halves = mirror_halves(self.spec, self.head_rows)
-        if (self.norms is not None and halves is not None
-                and self.native_attention == len(self.sets)
-                and all(f[2] or not len(s.idx) for f, s in zip(ffn, self.sets))
-                and (self.head is None or head is not None)):
-            self.mirrors = True
-            return out + (self.norms[0], self.norms[1] if self.head is not None else None,
-                          self.args.norm_eps, *halves)
-        return out + ([], None, 0.0, 0, 0)  # (no mirrored steps)
+        return (self.x.base, self.part.base, self.part.capacity, self.spec.dim,
+                dtype == torch.bfloat16, self.x.spin_us, [DECODE, HEAD, ATTN],
+                kernels.ACTS.index(act), *(cols(ffn, j) for j in range(6)),
+                *(cols(attn, j) for j in range(10)), n_heads, cos, sin, self.args.sliding_window,
+                scale, *((None, 0, 0) if head is None else head))
 
     def _next(self) -> FFNInput:
         """The next message this loop answers in Python (the native loop answers the others)."""

@@ -38,9 +38,6 @@ log = logging.getLogger("powerinfer")
 # Ray's CPU accounting is nominal here: the group pins its actors to cores itself
 CPU_SHARE = 0.01
 START_TIMEOUT_S = 300
-# decode steps of a group of one cold executor mirrored where both sides can (`plane.py`); the
-# tests turn it off to compare the two protocols, which compute the same sums
-MIRROR_DECODE = True
 
 
 def wants_gpu(config: Config) -> bool:
@@ -154,10 +151,6 @@ class ActorGroup:
             names = list(self.actors)
             infos = ray.get([a.ready.remote() for a in self.actors.values()], timeout=START_TIMEOUT_S)
             self.info = dict(zip(names, infos))
-            if MIRROR_DECODE and n == 1 and self.info["cold.0"].get("mirror"):  # mirrored decode steps
-                self.info["hot"]["mirrored"] = ray.get(
-                    self.actors["hot"].mirror.remote(self.info["cold.0"]["head_rows"]),
-                    timeout=START_TIMEOUT_S)
             if shared_gpu:  # the predictor maps the hot executor's device buffers
                 ray.get(self.actors["predictor"].attach.remote(self.info["hot"]["device_buffers"]),
                         timeout=START_TIMEOUT_S)

@@ -9,10 +9,7 @@ engine's) holding only the hot neurons; the cold executors hold the rest. `Remot
 FFN input out first, computes the hot neurons while the cold executors work, then adds their
 partial sums. A decode step of a LLaMA-family model whose every layer the kernel library's
 native loop runs takes that loop instead (`native.NativeDecode`: the same exchanges and sums in
-one C++ call, `hot_layers`); a step with prompt tokens runs the modules. With one cold executor
-that runs every layer natively too, that step is mirrored (`plane.py`): the cold executor runs the
-same loop over its own copy of the residual and each exchange swaps the two shares, so neither
-side waits while the other norms, and the head's rows come back unasked.
+one C++ call, `hot_layers`); a step with prompt tokens runs the modules.
 
 On a GPU (`Config(device="cuda")`) the model is built on the host the same way and then moved
 to the device: the device holds embeddings, attention, the KV cache, the hot
@@ -51,9 +48,8 @@ from powerinfer.sparse import HybridFFN
 
 from .group_info import node_id
 from .channel import ChannelClosed, PeerDied, native_error
-from .plane import (ATTN, DECODE, ERROR, HEAD, LAYERS, OK, PREFILL, STOP, FFNInput, Masks, Partial,
-                    PlaneSpec, PredictorInput, Reply, Step, head_ranges, mirror_halves, receive,
-                    send, split_kv)
+from .plane import (ATTN, DECODE, ERROR, HEAD, OK, PREFILL, STOP, FFNInput, Masks, Partial,
+                    PlaneSpec, PredictorInput, Reply, Step, head_ranges, receive, send, split_kv)
 
 log = logging.getLogger("powerinfer")
 
@@ -99,11 +95,11 @@ class DataPlane:
         return torch.ops.powerinfer.ch_send([x, *more], self.x.base, self.x.capacity, op, layer,
                                             list(words))
 
-    def partial(self, k: int, like: torch.Tensor, width: int, half: int = 0) -> torch.Tensor:
+    def partial(self, k: int, like: torch.Tensor, width: int) -> torch.Tensor:
         """Cold executor k's answer, float32 (like.shape[:-1], width) (native): read after
-        `like`, the hot side's own share of the work. half: a mirrored step's (`mirror_halves`)."""
+        `like`, the hot side's own share of the work."""
         p = self.parts[k]
-        return torch.ops.powerinfer.ch_recv(like, p.state, p.base, width, p.spin_us, half)
+        return torch.ops.powerinfer.ch_recv(like, p.state, p.base, width, p.spin_us)
 
     def send_predictor_input(self, layer: int, h: torch.Tensor):
         B = h.shape[0]
@@ -209,16 +205,6 @@ class RemoteHead(nn.Module):
         super().__init__()
         self.own, self.io, self.ranges = own, io, ranges
 
-    def mirrored(self, x, last, B: int, half: int):
-        """A mirrored decode step's logits: x (K, 1, dim) the final norm's rows of the sampled
-        tokens (flat indices `last` among the step's B rows); the cold executors computed their
-        rows for all B rows unasked (`actors/plane.py`)."""
-        io, n = self.io, x.shape[0]
-        parts = [self.own(x.reshape(n, -1)).float()]
-        like = parts[0].new_empty(B, 1)
-        parts += [io.partial(k, like, hi - lo, half)[last] for k, (lo, hi) in enumerate(self.ranges[1:])]
-        return torch.cat(parts, -1).view(n, 1, self.ranges[-1][1])
-
     def forward(self, x):  # (B, T, dim): the final norm's rows
         io, n = self.io, x.numel() // x.shape[-1]
         if io.native:
@@ -301,18 +287,6 @@ class HotExecutor:
         self.native = None if self.compiled or kv is None else self._native_step(ckpt.args)
         self.steps, self.step_s = 0, 0.0
 
-    def mirror(self, cold_head_rows: int) -> bool:
-        """Mirror the native decode step with the one cold executor (`actors/plane.py`), which
-        said it can (the group asks before the loops start); False where the step's messages do
-        not fit the channels' halves or there is no native step."""
-        halves = mirror_halves(self.spec, cold_head_rows)
-        if self.native is None or self.spec.n_cold != 1 or halves is None:
-            return False
-        out = self.model.output
-        head = (lambda x, last, B: out.mirrored(x, last, B, halves[1])) if isinstance(out, RemoteHead) else None
-        self.native = NativeDecode(self.model, self.native.exchange, self.native.layers, halves, head)
-        return True
-
     def _native_step(self, a) -> NativeDecode | None:
         """The decode step with its layer loop in C++ (`native.NativeDecode`, exchanging with the
         cold executors natively): a CPU group without a predictor whose attention is split by
@@ -330,7 +304,7 @@ class HotExecutor:
             layers.append((block.attn_norm, f.norm, f.hot if len(f.hot.idx) else None, f.threshold, att.own))
         args = layer_args(a, dtype, layers, m.layers[0].attn.own.n_heads, m.rope_cos, m.rope_sin)
         exchange = (io.x.base, io.x.capacity, [p.base for p in io.parts], [p.state for p in io.parts],
-                    io.parts[0].spin_us, [DECODE, ATTN, LAYERS])
+                    io.parts[0].spin_us, [DECODE, ATTN])
         return None if args is None else NativeDecode(m, exchange, args)
 
     def _lookahead(self, layer: int):
@@ -403,8 +377,7 @@ class HotExecutor:
         out = {"steps": self.steps, "step_s": self.step_s, "ctl_wait_s": io.ctl.wait_s,
                "part_wait_s": sum(p.wait_s for p in io.parts), "hot_neurons": self.hot_neurons,
                "device": str(self.device), "memory": process_memory(),
-               "held_bytes": held_bytes(self.model), **self._memory(),
-               "mirrored": self.native is not None and self.native.halves != (0, 0)}
+               "held_bytes": held_bytes(self.model), **self._memory()}
         if io.predicting:
             out["mask_wait_s"] = io.mask.wait_s
         return out

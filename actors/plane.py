@@ -33,16 +33,6 @@ sequences and its block tables' width), each executor computes the heads of its 
 own paged pool, at the same block ids) and their share of the output projection,
 and the shares add up on the hot side. Every reply proves the
 readers are done with the message before it, so the channels need one buffer each.
-
-A decode step of a group of one cold executor whose every layer both sides run natively is
-mirrored (`hot_layers`, `cold_serve`): the hot executor sends the step's embedded rows,
-positions, sequence starts and block tables once (op LAYERS); then both run the same layer loop,
-each over its own copy of the residual (its norms, its heads, its neurons), and each exchange
-swaps the two float32 shares (the hot executor's on `x`, the cold executor's on `part.0`), both
-sides adding the same sum. After the last layer the cold executor sends its rows of the head's
-logits, for every row of the step, unasked. These messages alternate halves of their channel's
-payload (`mirror_halves`): a side publishes its next share while the other may still read this
-one, which one buffer would not allow.
 """
 from __future__ import annotations
 
@@ -58,7 +48,7 @@ from powerinfer import kernels
 
 from .channel import Channel, align, create, segment_path
 
-PREFILL, DECODE, STOP, HEAD, ATTN, LAYERS = 1, 2, 3, 4, 5, 6
+PREFILL, DECODE, STOP, HEAD, ATTN = 1, 2, 3, 4, 5
 # How long a reader spins (yielding its core) before it sleeps. The layer loop's hand-offs come
 # every few hundred microseconds while a step runs, the next step within a millisecond of the
 # last: spinning through them keeps every hop in microseconds, and an idle group still sleeps.
@@ -96,21 +86,6 @@ def split_kv(n_kv: int, n_cold: int, hot_share: float, enabled: bool) -> list[tu
         return None
     ranges = kv_ranges(n_kv, n_cold, hot_share)
     return ranges if all(hi > lo for lo, hi in ranges) else None
-
-
-def mirror_halves(spec: "PlaneSpec", cold_head_rows: int) -> tuple[int, int] | None:
-    """The halves (bytes of `x`'s payload, of `part.0`'s) a mirrored decode step alternates, or
-    None where a step of the group's widest batch does not fit them: on `x` the step's rows,
-    positions, starts and tables, or a float32 share; on `part.0` a share or the cold executor's
-    head rows."""
-    caps = spec.capacities()
-    x_half, part_half = (caps["x"] // 2) // 64 * 64, (caps["part.0"] // 2) // 64 * 64
-    S, es = spec.batch, spec.torch_dtype.itemsize
-    first = 64 + sum(align(n) for n in (S * spec.dim * es, S * 8, (S + 1) * 8, S * spec.max_blocks * 4))
-    share = align(S * spec.dim * 4)
-    if max(first, share) > x_half or max(share, align(S * cold_head_rows * 4)) > part_half:
-        return None
-    return x_half, part_half
 
 
 class Step(NamedTuple):

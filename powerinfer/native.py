@@ -99,15 +99,10 @@ class NativeDecode:
     """`Transformer.forward` of a decode step (one token a sequence) with its layer loop in C++:
     `exchange` are `hot_layers`' channel arguments (the actor runtime's hot executor) or none (in
     process), `layers` its per-layer ones (norms, eps, the FFN and attention entries' columns,
-    heads, RoPE tables, window, scale). A mirrored step (the actor runtime's, `actors/plane.py`)
-    adds the halves its messages alternate and `head`, which takes the final norm's rows of the
-    sampled tokens, their indices and the step's rows and returns their logits (the hot
-    executor's rows and the ones the cold executor sends unasked)."""
+    heads, RoPE tables, window, scale)."""
 
-    def __init__(self, model: Transformer, exchange: tuple, layers: tuple,
-                 halves: tuple[int, int] = (0, 0), head=None):
-        self.model, self.args, self.halves, self.head = model, (*exchange, *layers), halves, head
-        self.exchange, self.layers = exchange, layers
+    def __init__(self, model: Transformer, exchange: tuple, layers: tuple):
+        self.model, self.args = model, (*exchange, *layers)
 
     @classmethod
     def of(cls, model: Transformer) -> "NativeDecode | None":
@@ -118,7 +113,7 @@ class NativeDecode:
             return None
         layers = layer_args(a, dtype, [(b.attn_norm, b.ffn_norm, b.ffn, 0.0, b.attn) for b in model.layers],
                             model.layers[0].attn.n_heads, model.rope_cos, model.rope_sin)
-        exchange = (0, 0, [], [], 0.0, [0, 0, 0])  # no channels, no executors
+        exchange = (0, 0, [], [], 0.0, [0, 0])  # no channels, no executors
         return None if layers is None else cls(model, exchange, layers)
 
     def __call__(self, tokens, pos, kv: KVTables, last):
@@ -127,9 +122,7 @@ class NativeDecode:
         if m.args.embed_scale:
             h = h * torch.tensor(m.args.embed_scale, dtype=h.dtype)
         h = torch.ops.powerinfer.hot_layers(h.reshape(B, -1), pos.reshape(-1), kv.starts, kv.tables,
-                                            *self.args, *self.halves)[last].unsqueeze(1)
-        if self.head is not None:  # (the cold executor's rows come whatever is sampled)
-            return self.head(m.norm(h), last, B)
+                                            *self.args)[last].unsqueeze(1)
         if h.shape[0] == 0:  # nothing sampled this step
             return h.new_zeros(0, 1, m.args.vocab_size, dtype=torch.float32)
         return m.output(m.norm(h)).float()

@@ -548,35 +548,15 @@ static void publish(int64_t base, const int64_t* words, int n) {
 // parts[0] (rows, T, dim) or (rows, dim), and the other parts after it, each at the next
 // 64-byte boundary -> the channel's payload, and a message with the words (op, layer, rows, T,
 // *extra), extra padded with zeros to two words, as Channel.put + publish.
-// A message's payload in a mirrored exchange (`hot_layers` with halves): the channel's payload as
-// two halves of `half` bytes, message n in half n % 2, so that a writer may publish its next
-// message while its reader still reads the last; half 0: the whole payload, every message.
-static char* slot(int64_t base, int64_t n, int64_t half) {
-  return reinterpret_cast<char*>(base) + CH_HEADER + (half ? (n % 2) * half : 0);
-}
-
-// A mirrored step's first message (op LAYERS) opens its half with these words: {MIRROR_TAG, its
-// message number, op, layer, rows, T, sequences, tables' width}. The hot executor publishes its
-// first share right after it, unanswered, so the reader may find the header's words already
-// the share's: it reads the message's own from here (a stale half carries an older number).
-constexpr int64_t MIRROR_TAG = 0x4d6972726f724c79;  // "MirrorLy"
-constexpr int64_t MIRROR_WORDS = 64;  // bytes before the message's tensors
-
-static int64_t next_message(int64_t base) {
-  return reinterpret_cast<ChannelHeader*>(base)->seq.load(std::memory_order_relaxed) + 1;
-}
-
 static void send_message(at::TensorList parts, int64_t base, int64_t capacity, int64_t op, int64_t layer,
-                         const std::vector<int64_t>& extra, int64_t half = 0) {
+                         const std::vector<int64_t>& extra) {
   TORCH_CHECK(!parts.empty() && (parts[0].dim() == 2 || parts[0].dim() == 3), "parts[0]: (rows, T, dim) or (rows, dim)");
-  if (half) capacity = half;
-  char* payload = slot(base, next_message(base), half);
   int64_t offset = 0;
   for (const at::Tensor& t : parts) {
     at::Tensor c = t.contiguous();
     TORCH_CHECK(offset + (int64_t)c.nbytes() <= capacity, "a message of ", offset + c.nbytes(),
                 " bytes on a channel of ", capacity);
-    std::memcpy(payload + offset, c.data_ptr(), c.nbytes());
+    std::memcpy(reinterpret_cast<char*>(base) + CH_HEADER + offset, c.data_ptr(), c.nbytes());
     offset = (offset + c.nbytes() + 63) / 64 * 64;
   }
   const at::Tensor& x = parts[0];
@@ -600,9 +580,7 @@ static at::Tensor ch_send(at::TensorList parts, int64_t base, int64_t capacity, 
 // Waits for the next message on the channel at `base`, as Channel.wait: spinning (yielding the
 // core) for spin_us, then asleep in the futex, checking the closed flag and the writer's
 // liveness. st: the reader's [messages consumed, nanoseconds waited].
-// ahead_ok: the writer may have published one message past this one (a mirrored exchange,
-// whose messages alternate halves: `slot`).
-static void wait_message(int64_t base, int64_t* st, double spin_us, bool ahead_ok = false) {
+static void wait_message(int64_t base, int64_t* st, double spin_us) {
   auto* h = reinterpret_cast<ChannelHeader*>(base);
   const int64_t target = st[0] + 1;
   using clock = std::chrono::steady_clock;
@@ -622,9 +600,8 @@ static void wait_message(int64_t base, int64_t* st, double spin_us, bool ahead_o
       slept = true;
     }
   }
-  const int64_t seq = h->seq.load();
-  TORCH_CHECK(seq == target || (ahead_ok && seq == target + 1), "channel out of lockstep: message ", seq, " where ",
-              target, " was due");
+  TORCH_CHECK(h->seq.load() == target, "channel out of lockstep: message ", h->seq.load(), " where ", target,
+              " was due");
   st[0] = target;
   st[1] += std::chrono::duration_cast<std::chrono::nanoseconds>(clock::now() - t0).count();
 }
@@ -632,17 +609,13 @@ static void wait_message(int64_t base, int64_t* st, double spin_us, bool ahead_o
 // The next message on the channel at `base` (see wait_message; state: the reader's int64
 // [messages consumed, nanoseconds waited]): a float32 copy of its payload, of shape
 // like.shape[:-1] + (width,).
-// half: the message's half of the payload (`slot`; a mirrored exchange's), 0 the whole.
-static at::Tensor ch_recv(const at::Tensor& like, at::Tensor& state, int64_t base, int64_t width, double spin_us,
-                          int64_t half) {
+static at::Tensor ch_recv(const at::Tensor& like, at::Tensor& state, int64_t base, int64_t width, double spin_us) {
   TORCH_CHECK(state.scalar_type() == at::kLong && state.numel() == 2 && state.is_contiguous(), "state: int64 (2,)");
-  int64_t* st = state.data_ptr<int64_t>();
-  wait_message(base, st, spin_us, half != 0);
+  wait_message(base, state.data_ptr<int64_t>(), spin_us);
   std::vector<int64_t> shape(like.sizes().begin(), like.sizes().end());
   shape.back() = width;
   at::Tensor out = at::empty(shape, like.options().dtype(at::kFloat));
-  TORCH_CHECK(!half || (int64_t)out.nbytes() <= half, "an answer over the channel's half");
-  std::memcpy(out.data_ptr(), slot(base, st[0], half), out.nbytes());
+  std::memcpy(out.data_ptr(), reinterpret_cast<char*>(base) + CH_HEADER, out.nbytes());
   return out;
 }
 
@@ -747,46 +720,6 @@ static at::Tensor attention_step(const Kernels& k, const ColdLayers& L, int64_t 
   return project(k, y.to(at::kFloat), L.wo[layer], L.wo_fmt[layer], x.size(1));
 }
 
-// y (rows, dim) f32 plus each cold executor's answer on its `part` channel, in their order (as
-// ch_recv reads them: states, the readers' [messages consumed, nanoseconds waited]), rounded to
-// the model's type and added into the residual h (rows, dim) in place: the hot executor's
-// `y = own + part_0 + ...; h = h + y.to(h.dtype)`, the same operations in the same order.
-static void join_parts(at::Tensor& h, at::Tensor& y, at::IntArrayRef part_bases, at::TensorList part_states,
-                       double spin_us) {
-  float* yp = y.data_ptr<float>();
-  const int64_t n = y.numel();
-  for (size_t k = 0; k < part_bases.size(); k++) {
-    wait_message(part_bases[k], part_states[k].data_ptr<int64_t>(), spin_us);
-    const float* p = reinterpret_cast<const float*>(reinterpret_cast<char*>(part_bases[k]) + CH_HEADER);
-    for (int64_t i = 0; i < n; i++) yp[i] += p[i];
-  }
-  if (h.scalar_type() == at::kBFloat16) {
-    auto* hp = h.data_ptr<at::BFloat16>();
-    for (int64_t i = 0; i < n; i++) hp[i] = at::BFloat16((float)hp[i] + round_bf16(yp[i]));
-  } else {
-    float* hp = h.data_ptr<float>();
-    for (int64_t i = 0; i < n; i++) hp[i] += yp[i];
-  }
-}
-
-// One exchange of a mirrored decode step, on either side: this process's share y (rows, dim) f32
-// goes out on `out_base` first, then the other side's is read from `in_base` (reader state st),
-// y + theirs (two addends: the same float32 sum on both sides, whichever comes first) is rounded
-// to the model's type and added into the residual h, as join_parts does. Messages alternate
-// halves (`slot`), so each side publishes its next share while the other may still read this one.
-static void mirror_exchange(at::Tensor& h, at::Tensor& y, int64_t out_base, int64_t out_half, int64_t layer,
-                            int64_t in_base, int64_t in_half, int64_t* st, double spin_us) {
-  TORCH_CHECK((int64_t)y.nbytes() <= out_half && (int64_t)y.nbytes() <= in_half, "a share over a channel's half");
-  std::memcpy(slot(out_base, next_message(out_base), out_half), y.data_ptr(), y.nbytes());
-  const int64_t words[2] = {layer, y.size(0)};
-  publish(out_base, words, 2);
-  wait_message(in_base, st, spin_us, true);
-  const float* p = reinterpret_cast<const float*>(slot(in_base, st[0], in_half));
-  float* yp = y.data_ptr<float>();
-  for (int64_t i = 0, n = y.numel(); i < n; i++) yp[i] += p[i];
-  join_parts(h, y, {}, {}, spin_us);  // (no more parts: the rounding and the residual add)
-}
-
 // A cold executor's loop over the messages it answers without Python, decode steps with no
 // masks: of the layers it holds as block slices or neuron records (a dense split), of its
 // attention heads, and of its rows of the output head. Waits for the next message on `x`
@@ -806,63 +739,25 @@ static std::vector<int64_t> cold_serve(at::Tensor& state, int64_t x_base, int64_
                                        at::TensorList k_cache, at::TensorList v_cache, int64_t n_heads,
                                        const std::optional<at::Tensor>& cos, const std::optional<at::Tensor>& sin,
                                        int64_t window, double scale, const std::optional<at::Tensor>& head,
-                                       int64_t head_fmt, int64_t head_n, at::TensorList norms,
-                                       const std::optional<at::Tensor>& final_norm, double eps, int64_t x_half,
-                                       int64_t part_half) {
+                                       int64_t head_fmt, int64_t head_n) {
   const Kernels& k = active();
   TORCH_CHECK(state.scalar_type() == at::kLong && state.numel() == 2 && state.is_contiguous(), "state: int64 (2,)");
   const ColdLayers L = per_layer(ffn_w1, ffn_w2, ffn_kind, ffn_n, ffn_down_fmt, ffn_w1_fmt, qkv, qkv_fmt, qkv_n,
                                  qkv2, qkv2_fmt, qkv2_n, wo, wo_fmt, k_cache, v_cache);
   const size_t n_layers = ffn_kind.size();
-  TORCH_CHECK(ops.size() == 4 && dim % 32 == 0, "ops: (decode, head, attention, layers); dim a multiple of 32");
-  // mirrored decode steps (see hot_layers): every layer's norms here, every layer's heads answered
-  // natively, and the final norm where this executor holds rows of the head
-  const bool mirrors = x_half && part_half && norms.size() == 2 * n_layers;
+  TORCH_CHECK(ops.size() == 3 && dim % 32 == 0, "ops: (decode, head, attention); dim a multiple of 32");
   auto* xh = reinterpret_cast<ChannelHeader*>(x_base);
   char* xp = reinterpret_cast<char*>(x_base) + CH_HEADER;
   char* pp = reinterpret_cast<char*>(part_base) + CH_HEADER;
   const auto rows_type = at::TensorOptions().dtype(bf16 ? at::kBFloat16 : at::kFloat);
   int64_t* st = state.data_ptr<int64_t>();
   while (true) {
-    wait_message(x_base, st, spin_us, mirrors);
-    const int64_t* mw = reinterpret_cast<const int64_t*>(slot(x_base, st[0], x_half));
-    const bool first = mirrors && mw[0] == MIRROR_TAG && mw[1] == st[0];  // a mirrored step's
-    TORCH_CHECK(first || xh->seq.load() == st[0], "channel out of lockstep: message ", xh->seq.load(), " where ",
-                st[0], " was due");
-    const int64_t* got = first ? mw + 2 : xh->words;
-    const int64_t op = got[0], layer = got[1], B = got[2], T = got[3], w4 = got[4], w5 = got[5];
+    wait_message(x_base, st, spin_us);
+    const int64_t op = xh->words[0], layer = xh->words[1], B = xh->words[2], T = xh->words[3], w4 = xh->words[4],
+                  w5 = xh->words[5];
     const bool in_layers = layer >= 0 && layer < (int64_t)n_layers;
     at::Tensor y;
-    if (T == 1 && B <= 64 && op == ops[3] && first) {  // a mirrored step's layers, then its head rows
-      auto up = [](int64_t n) { return (n + 63) / 64 * 64; };  // PlaneSpec.attn_layout
-      const int64_t at_pos = up(B * dim * (bf16 ? 2 : 4)), at_starts = at_pos + up(B * 8), at_tables = at_starts + up((w4 + 1) * 8);
-      // copied: the hot side's next share but one lands in this half
-      const char* src = slot(x_base, st[0], x_half) + MIRROR_WORDS;
-      const auto ints = at::TensorOptions().dtype(at::kLong);
-      at::Tensor h = at::from_blob(const_cast<char*>(src), {B, dim}, rows_type).clone();
-      at::Tensor pos = at::from_blob(const_cast<char*>(src + at_pos), {B}, ints).clone();
-      at::Tensor starts = at::from_blob(const_cast<char*>(src + at_starts), {w4 + 1}, ints).clone();
-      at::Tensor tables = at::from_blob(const_cast<char*>(src + at_tables), {w4, w5}, at::TensorOptions().dtype(at::kInt)).clone();
-      for (size_t l = 0; l < n_layers; l++) {
-        const int64_t li = (int64_t)l;
-        at::Tensor x = rms_norm(h, norms[2 * l], eps);
-        at::Tensor y = qkv[l].numel() ? attention_step(k, L, li, x, pos, starts, tables, n_heads, cos, sin, window, scale).contiguous()
-                                      : at::zeros({B, dim}, x.options().dtype(at::kFloat));
-        mirror_exchange(h, y, part_base, part_half, li, x_base, x_half, st, spin_us);
-        x = rms_norm(h, norms[2 * l + 1], eps);
-        y = ffn_kind[l] ? ffn_step(k, L, li, x, act).contiguous() : at::zeros({B, dim}, x.options().dtype(at::kFloat));
-        mirror_exchange(h, y, part_base, part_half, li, x_base, x_half, st, spin_us);
-      }
-      if (head && head->defined() && final_norm && final_norm->defined()) {
-        y = project(k, rms_norm(h, *final_norm, eps), *head, head_fmt, head_n);
-        if (bf16) y = y.to(at::kBFloat16).to(at::kFloat);  // the head answers in the model's type
-        TORCH_CHECK((int64_t)y.nbytes() <= part_half, "the head's rows over the channel's half");
-        std::memcpy(slot(part_base, next_message(part_base), part_half), y.contiguous().data_ptr<float>(), y.nbytes());
-        const int64_t words[2] = {-1, B};
-        publish(part_base, words, 2);
-      }
-      continue;
-    } else if (T == 1 && B <= 64 && op == ops[0] && !w4 && in_layers && ffn_kind[layer]) {
+    if (T == 1 && B <= 64 && op == ops[0] && !w4 && in_layers && ffn_kind[layer]) {
       y = ffn_step(k, L, layer, at::from_blob(xp, {B, dim}, rows_type), act);
     } else if (T == 1 && B <= 64 && op == ops[2] && in_layers && qkv[layer].numel()) {
       auto up = [](int64_t n) { return (n + 63) / 64 * 64; };  // PlaneSpec.attn_layout
@@ -885,6 +780,28 @@ static std::vector<int64_t> cold_serve(at::Tensor& state, int64_t x_base, int64_
   }
 }
 
+// y (rows, dim) f32 plus each cold executor's answer on its `part` channel, in their order (as
+// ch_recv reads them: states, the readers' [messages consumed, nanoseconds waited]), rounded to
+// the model's type and added into the residual h (rows, dim) in place: the hot executor's
+// `y = own + part_0 + ...; h = h + y.to(h.dtype)`, the same operations in the same order.
+static void join_parts(at::Tensor& h, at::Tensor& y, at::IntArrayRef part_bases, at::TensorList part_states,
+                       double spin_us) {
+  float* yp = y.data_ptr<float>();
+  const int64_t n = y.numel();
+  for (size_t k = 0; k < part_bases.size(); k++) {
+    wait_message(part_bases[k], part_states[k].data_ptr<int64_t>(), spin_us);
+    const float* p = reinterpret_cast<const float*>(reinterpret_cast<char*>(part_bases[k]) + CH_HEADER);
+    for (int64_t i = 0; i < n; i++) yp[i] += p[i];
+  }
+  if (h.scalar_type() == at::kBFloat16) {
+    auto* hp = h.data_ptr<at::BFloat16>();
+    for (int64_t i = 0; i < n; i++) hp[i] = at::BFloat16((float)hp[i] + round_bf16(yp[i]));
+  } else {
+    float* hp = h.data_ptr<float>();
+    for (int64_t i = 0; i < n; i++) hp[i] += yp[i];
+  }
+}
+
 // The hot executor's layers of a decode step (one token a sequence, no masks; attention split
 // by KV heads), each as its Python modules run it: the normed rows go out to the cold executors
 // on `x` (attention: with positions, sequence starts and block tables), this process computes
@@ -904,13 +821,13 @@ static at::Tensor hot_layers(const at::Tensor& h_in, const at::Tensor& pos, cons
                              at::IntArrayRef qkv2_n, at::TensorList wo, at::IntArrayRef wo_fmt,
                              at::TensorList k_cache, at::TensorList v_cache, int64_t n_heads,
                              const std::optional<at::Tensor>& cos, const std::optional<at::Tensor>& sin,
-                             int64_t window, double scale, int64_t x_half, int64_t part_half) {
+                             int64_t window, double scale) {
   const Kernels& k = active();
   const ColdLayers L = per_layer(ffn_w1, ffn_w2, ffn_kind, ffn_n, ffn_down_fmt, ffn_w1_fmt, qkv, qkv_fmt, qkv_n,
                                  qkv2, qkv2_fmt, qkv2_n, wo, wo_fmt, k_cache, v_cache);
   const size_t n_layers = ffn_kind.size();
   TORCH_CHECK(norms.size() == 2 * n_layers, "two norms per layer");
-  TORCH_CHECK(ops.size() == 3, "ops: (decode, attention, layers)");
+  TORCH_CHECK(ops.size() == 2, "ops: (decode, attention)");
   TORCH_CHECK(part_bases.size() == part_states.size(), "a state for each part channel");
   for (const at::Tensor& st : part_states)
     TORCH_CHECK(st.scalar_type() == at::kLong && st.numel() == 2 && st.is_contiguous(), "states: int64 (2,)");
@@ -922,29 +839,6 @@ static at::Tensor hot_layers(const at::Tensor& h_in, const at::Tensor& pos, cons
   const bool exchange = !part_bases.empty();  // none: the whole model in this process
   at::Tensor h = h_in.contiguous().clone();
   const std::vector<int64_t> attn_words = {tables.size(0), tables.size(1)}, none;
-  if (x_half && part_half) {
-    // mirrored: the one cold executor runs the same loop over its own copy of the residual (its
-    // norms, its heads and neurons); each exchange swaps the two shares, and both sides add the
-    // same sum. One message each way per exchange, and neither waits while the other norms.
-    TORCH_CHECK(part_bases.size() == 1, "a mirrored step has one cold executor");
-    at::Tensor words = at::zeros({MIRROR_WORDS / 8}, pos.options());
-    int64_t* w = words.data_ptr<int64_t>();
-    w[0] = MIRROR_TAG, w[1] = next_message(x_base), w[2] = ops[2], w[3] = 0, w[4] = h.size(0), w[5] = 1;
-    w[6] = tables.size(0), w[7] = tables.size(1);
-    send_message({words.view({1, MIRROR_WORDS / 8}), h, pos, starts, tables}, x_base, x_capacity, ops[2], 0,
-                 attn_words, x_half);
-    int64_t* st = part_states[0].data_ptr<int64_t>();
-    for (size_t l = 0; l < n_layers; l++) {
-      const int64_t layer = (int64_t)l;
-      at::Tensor y = attention_step(k, L, layer, rms_norm(h, norms[2 * l], eps), pos, starts, tables, n_heads, cos,
-                                    sin, window, scale).contiguous();
-      mirror_exchange(h, y, x_base, x_half, layer, part_bases[0], part_half, st, spin_us);
-      at::Tensor x = rms_norm(h, norms[2 * l + 1], eps);
-      y = ffn_kind[l] ? ffn_step(k, L, layer, x, act).contiguous() : at::zeros(x.sizes(), x.options().dtype(at::kFloat));
-      mirror_exchange(h, y, x_base, x_half, layer, part_bases[0], part_half, st, spin_us);
-    }
-    return h;
-  }
   for (size_t l = 0; l < n_layers; l++) {
     const int64_t layer = (int64_t)l;
     at::Tensor x = rms_norm(h, norms[2 * l], eps);
@@ -972,18 +866,17 @@ TORCH_LIBRARY(powerinfer, m) {
   m.def("paged_attention(Tensor qkv, Tensor cos, Tensor sin, Tensor(a!) k_pool, Tensor(b!) v_pool, Tensor tables, "
         "Tensor starts, Tensor pos, int n_heads, int window, float scale) -> Tensor");
   m.def("ch_send(Tensor[] parts, int base, int capacity, int op, int layer, SymInt[] extra) -> Tensor");
-  m.def("ch_recv(Tensor like, Tensor(a!) state, int base, int width, float spin_us, int half=0) -> Tensor");
+  m.def("ch_recv(Tensor like, Tensor(a!) state, int base, int width, float spin_us) -> Tensor");
   m.def("cold_serve(Tensor(a!) state, int x_base, int part_base, int part_capacity, int dim, bool bf16, "
         "float spin_us, int[] ops, int act, Tensor[] ffn_w1, Tensor[] ffn_w2, int[] ffn_kind, int[] ffn_n, int[] ffn_down_fmt, int[] ffn_w1_fmt, "
         "Tensor[] qkv, int[] qkv_fmt, int[] qkv_n, Tensor[] qkv2, int[] qkv2_fmt, int[] qkv2_n, Tensor[] wo, int[] wo_fmt, Tensor[] k_cache, Tensor[] v_cache, "
-        "int n_heads, Tensor? cos, Tensor? sin, int window, float scale, Tensor? head, int head_fmt, int head_n, "
-        "Tensor[] norms, Tensor? final_norm, float eps, int x_half, int part_half) -> int[]");
+        "int n_heads, Tensor? cos, Tensor? sin, int window, float scale, Tensor? head, int head_fmt, int head_n) -> int[]");
   m.def("hot_layers(Tensor h, Tensor pos, Tensor starts, Tensor tables, int x_base, int x_capacity, "
         "int[] part_bases, Tensor[] part_states, float spin_us, int[] ops, int act, Tensor[] norms, float eps, "
         "Tensor[] ffn_w1, Tensor[] ffn_w2, int[] ffn_kind, int[] ffn_n, int[] ffn_down_fmt, int[] ffn_w1_fmt, "
         "Tensor[] qkv, int[] qkv_fmt, int[] qkv_n, Tensor[] qkv2, int[] qkv2_fmt, int[] qkv2_n, Tensor[] wo, "
         "int[] wo_fmt, Tensor[] k_cache, Tensor[] v_cache, int n_heads, Tensor? cos, Tensor? sin, int window, "
-        "float scale, int x_half=0, int part_half=0) -> Tensor");
+        "float scale) -> Tensor");
   m.def("isa", &powerinfer::isa);
   m.def("use_isa", &powerinfer::use_isa);
 }
