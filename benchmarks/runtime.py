@@ -3,7 +3,7 @@
 
     .venv/bin/python benchmarks/runtime.py [--model M] [--bundle B] [--tokens 32]
         [--cold 1,2] [--batches 1,4,8] [--synthetic-layers 4] [--skip-synthetic] [--compile]
-        [--out FILE]
+        [--rounds 5] [--out FILE]
 
 1. Hop latency: a round trip over the shared-memory channels (one 576-float message each way)
    between two processes, spinning first and blocking at once, next to a Ray actor call.
@@ -18,7 +18,11 @@
    deep, every neuron computed) for each count of cold executors in `--cold`.
 4. Batching: total tokens/s of B concurrent greedy requests through the actor runtime, and of B
    prompts decoded together by the in-process engine (prefill included in both).
-5. Where an actor step's time goes (`step_breakdown`), per step of one more request, from the
+5. In turns (`--rounds`, the figure to quote on a shared VM): for the first configuration, the
+   in-process engine and the actor runtime alternately in the same process, a stream each and
+   then each batch, `--rounds` times; the ratios are medians of each turn's pair
+   (`interleaved`).
+6. Where an actor step's time goes (`step_breakdown`), per step of one more request, from the
    actors' own counters: the scheduler's step (sent to answered), the hot executor's work and its
    waits (for the cold executors' partial sums, for masks, and between steps for the scheduler),
    each cold executor's busy time and wait; printed as a table per run.
@@ -184,6 +188,21 @@ def print_breakdown(rows: list[dict]):
         print(f"| {k} | " + " | ".join(f"{b.get(k, float('nan')):.2f}" for b, _ in cols) + " |")
 
 
+def print_turns(rows: list[dict]):
+    """The measurement in turns (`interleaved`) as a table."""
+    for r in rows:
+        if "interleaved" not in r:
+            continue
+        t = r["interleaved"]
+        print(f"| {r['model']}, {r['cold_executors']} cold, {t['rounds']} turns | in process tok/s "
+              "| actors tok/s | actors / in process (median of turns) | each turn |")
+        print("|---|---:|---:|---:|---|")
+        for k, v in t.items():
+            if k != "rounds":
+                print(f"| {k} | {v['in_process_tok_s']:.1f} | {v['actors_tok_s']:.1f} | "
+                      f"{v['ratio']:.2f} | {', '.join(map(str, v['ratios']))} |")
+
+
 def batched(pi: PowerInfer, batch: int, tokens: int, warm: bool = True) -> float:
     """Total tokens/s of `batch` concurrent greedy requests (prefill included), after one
     untimed round of the same shape (a compiled step compiles for it there)."""
@@ -216,7 +235,39 @@ def batched_local(pi: PowerInfer, batch: int, tokens: int) -> float:
     return batch * tokens / (time.perf_counter() - t0)
 
 
-def compare(model: str, base: dict, tokens: int, cold: list[int], batches: list[int]) -> list[dict]:
+def stream_speed(pi: PowerInfer, tokens: int) -> float:
+    """Tokens/s of one greedy stream after its first token (no warm-up: see `interleaved`)."""
+    first, n = None, 0
+    for _ in pi.stream(PROMPT, max_new_tokens=tokens, temperature=0, ignore_eos=True):
+        n += 1
+        if first is None:
+            first = time.perf_counter()
+    return (n - 1) / (time.perf_counter() - first)
+
+
+def interleaved(local: PowerInfer, pi: PowerInfer, tokens: int, batches: list[int],
+                rounds: int) -> dict:
+    """The two engines measured in turns, `rounds` times, in this one process: a stream each
+    (decode), then `batches` concurrent requests each; the ratios are the medians of each
+    round's pair. Measurements minutes apart on a shared VM drift by more than the difference
+    looked for (BENCHMARKS.md); turns a second apart see the same machine. The idle engine
+    holds no core: the group's readers sleep after their spin, the in-process threads too."""
+    pairs = {"decode": []} | {f"batch {b}": [] for b in batches}
+    for _ in range(rounds):
+        pairs["decode"].append((stream_speed(local, tokens), stream_speed(pi, tokens)))
+        for b in batches:
+            pairs[f"batch {b}"].append((batched_local(local, b, tokens), batched(pi, b, tokens)))
+    out = {"rounds": rounds}
+    for k, v in pairs.items():
+        out[k] = {"in_process_tok_s": statistics.median(a for a, _ in v),
+                  "actors_tok_s": statistics.median(b for _, b in v),
+                  "ratio": statistics.median(b / a for a, b in v),
+                  "ratios": [round(b / a, 3) for a, b in v]}
+    return out
+
+
+def compare(model: str, base: dict, tokens: int, cold: list[int], batches: list[int],
+            rounds: int = 5) -> list[dict]:
     """Actor runtime against the in-process engine with the same plan, per cold-executor count;
     with a bundle also the same-layer predictor against the lookahead one (whether prediction
     stays off the critical path: the hot executor's wait for masks per step)."""
@@ -231,6 +282,7 @@ def compare(model: str, base: dict, tokens: int, cold: list[int], batches: list[
             refs[predictor] = decode_speed(local, tokens)  # (tok/s, first token ms)
             if (n, predictor) == runs[0]:
                 local_batched = {b: batched_local(local, b, tokens) for b in batches}
+                first_local = local  # kept for the measurement in turns
             del local
         ref, ref_start = refs[predictor]
         pi = PowerInfer.from_pretrained(model, Config(**base, runtime="actors", cold_executors=n,
@@ -255,6 +307,8 @@ def compare(model: str, base: dict, tokens: int, cold: list[int], batches: list[
                 row["in_process_batched_tok_s"] = local_batched
                 row["batched_ratio"] = {b: row["batched_tok_s"][b] / local_batched[b] for b in batches}
                 row["batched_breakdown_ms_per_step"] = {b: step_breakdown(pi, tokens, b) for b in batches if b > 1}
+                if rounds:
+                    row["interleaved"] = interleaved(first_local, pi, tokens, batches, rounds)
             rows.append(row)
             print(json.dumps(row), flush=True)
         finally:
@@ -273,6 +327,9 @@ def main():
     ap.add_argument("--skip-synthetic", action="store_true")
     ap.add_argument("--compile", action="store_true",
                     help="both sides compile their decode step (Config(compile=True))")
+    ap.add_argument("--rounds", type=int, default=5,
+                    help="turns of the in-process engine and the actor runtime measured "
+                         "alternately in one process (0: none)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     cold = [int(x) for x in args.cold.split(",")]
@@ -282,8 +339,9 @@ def main():
     result["hop_us"] = hop_latency()
     print("hop latency (us):", json.dumps(result["hop_us"]), flush=True)
     base = dict(max_seq_len=256, bundle=args.bundle, compile=args.compile)
-    result["default"] = compare(args.model, base, args.tokens, cold, batches)
+    result["default"] = compare(args.model, base, args.tokens, cold, batches, args.rounds)
     print_breakdown(result["default"])
+    print_turns(result["default"])
     if not args.skip_synthetic:
         from powerinfer.synthetic import write_synthetic
         with tempfile.TemporaryDirectory() as d:
@@ -291,8 +349,9 @@ def main():
             write_synthetic(path, "7b", n_layers=args.synthetic_layers, progress=False)
             result["synthetic_7b"] = compare(str(path), dict(max_seq_len=256, dtype="bfloat16",
                                                              compile=args.compile),
-                                             args.tokens // 2, cold, [1])
+                                             args.tokens // 2, cold, [1], args.rounds)
         print_breakdown(result["synthetic_7b"])
+        print_turns(result["synthetic_7b"])
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=1))
 
