@@ -16,7 +16,9 @@ exports its handle; the predictor opens it (`ipcOpenMemHandle`). Both see it as 
 (`__cuda_array_interface__`, no copy). Each buffer has an interprocess event: its writer records
 the event on its stream after the writes (`publish`) and then publishes on the host channel; its
 reader makes its stream wait for the event (`consume`) before reading: the order is kept on the
-device, and neither CPU waits for the GPU. A writer rewrites a buffer only after its reader has
+device, with no CPU waiting for it. (The predictor's copy of the masks to the host, which the
+cold executors need, is synchronous: its CPU waits there for the hot executor's stream to
+reach the input, and for its own kernels.) A writer rewrites a buffer only after its reader has
 answered the message that used it, and that answer comes after the reader's stream was done with
 the buffer (the predictor's answer follows its synchronous copy of the masks to the host; the hot
 executor's next input is recorded behind the layer that read the masks): one buffer each is
@@ -29,8 +31,10 @@ import torch
 try:  # the GPU extra
     import cupy
     from cupy.cuda import runtime as _rt
-except ImportError:  # pragma: no cover - CPU installs
+    _WHY = ""
+except ImportError as e:  # CPU installs; or a CuPy built for another CUDA
     cupy = _rt = None
+    _WHY = f"{type(e).__name__}: {e}"
 
 ALIGN = 256  # cudaMalloc's own alignment; every view starts on it
 
@@ -59,8 +63,9 @@ class DeviceBuffer:
 
     def __init__(self, nbytes: int, *, _opened: tuple | None = None):
         if cupy is None:
-            raise RuntimeError("device buffers need CuPy (the gpu extra: pip install "
-                               "'powerinfer[gpu]')")
+            raise RuntimeError(f"device buffers need CuPy (the gpu extra: pip install "
+                               f"'powerinfer[gpu]'), which did not import ({_WHY}); "
+                               f"Config(predictor_device='cpu') keeps the predictor off the GPU")
         self.device = torch.cuda.current_device()
         flags = _rt.eventDisableTiming | _rt.eventInterprocess
         if _opened is None:
@@ -118,7 +123,13 @@ class DeviceBuffer:
 
 
 def predictor_buffers(batch: int, dim: int, ffn_dim: int) -> dict[str, DeviceBuffer]:
-    """The hot executor's two buffers for `batch` rows (see the module's text)."""
+    """The hot executor's two buffers for `batch` rows (see the module's text). The peer closes
+    its mappings first (or exits); the owner frees them when it exits."""
     def size(n):
         return (n + ALIGN - 1) // ALIGN * ALIGN
-    return {"pred_in": DeviceBuffer(size(batch * dim * 4)), "mask": DeviceBuffer(size(batch * ffn_dim))}
+    pred_in = DeviceBuffer(size(batch * dim * 4))
+    try:
+        return {"pred_in": pred_in, "mask": DeviceBuffer(size(batch * ffn_dim))}
+    except BaseException:
+        pred_in.close()
+        raise

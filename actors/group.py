@@ -140,9 +140,12 @@ class ActorGroup:
                     spec, k, self.cores.cold[k], self.model, p, hot_share, c.cpu_threads,
                     c.weights, head=not gpu, attention=attention)
             if p.predictor_input is not None:
+                # on the GPU it mostly waits for the device: beside the hot executor, off the
+                # cold executors' cores
                 where = dict(i=0, num_gpus=0.5) if shared_gpu else dict(i=n + 1)
+                cores = self.cores.hot if shared_gpu else self.cores.predictor
                 self.actors["predictor"] = place(PredictorActor, **where).remote(
-                    spec, self.cores.predictor, p, c.cpu_threads)
+                    spec, cores, p, c.cpu_threads)
             # every open stream is a call in flight: admission control is the scheduler's
             # queue, not Ray's
             self.actors["scheduler"] = place(Scheduler, n + 2, concurrency=10_000).remote(
@@ -152,8 +155,14 @@ class ActorGroup:
             infos = ray.get([a.ready.remote() for a in self.actors.values()], timeout=START_TIMEOUT_S)
             self.info = dict(zip(names, infos))
             if shared_gpu:  # the predictor maps the hot executor's device buffers
-                ray.get(self.actors["predictor"].attach.remote(self.info["hot"]["device_buffers"]),
-                        timeout=START_TIMEOUT_S)
+                try:
+                    ray.get(self.actors["predictor"].attach.remote(self.info["hot"]["device_buffers"]),
+                            timeout=START_TIMEOUT_S)
+                except ray.exceptions.RayError as e:
+                    raise EngineFailedError(
+                        "the predictor could not map the hot executor's GPU buffers (CUDA IPC "
+                        f"between two processes on one GPU: {str(e).strip().splitlines()[-1][:300]}); "
+                        "Config(predictor_device='cpu') keeps the predictor on host cores") from e
         except BaseException:
             self.stop()
             raise

@@ -16,7 +16,8 @@ to the device: the device holds embeddings, attention, the KV cache, the hot
 neurons and lm_head, nothing else. Every channel this process maps is page-locked with
 cudaHostRegister. Device-to-host copies (the FFN input, the predictor's input, the logits) are
 synchronous, which orders them before the publish that lets a peer read them; host-to-device
-copies (tokens, masks, cold partial sums) are asynchronous on the one stream. A peer only
+copies (tokens, masks where the predictor is on the host, cold partial sums) are asynchronous on
+the one stream. A peer only
 rewrites those buffers after a later publish of ours, which a synchronous copy queued behind
 them precedes, so no copy can read a buffer being rewritten. Where the predictor shares the
 GPU, the predictor input and the masks stay on the device (`device_buffers`: CUDA IPC buffers

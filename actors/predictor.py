@@ -79,5 +79,9 @@ class PredictorActor:
             return "closed"
 
     def stats(self) -> dict:
-        return {"input": self.input, "device": str(self.device), "busy_s": self.busy_s, "wait_s": self.x.wait_s,
-                "calls": self.calls, "memory": process_memory()}
+        out = {"input": self.input, "device": str(self.device), "busy_s": self.busy_s,
+               "wait_s": self.x.wait_s, "calls": self.calls, "memory": process_memory()}
+        if self.device.type == "cuda":  # its matrices on the GPU, beside the hot executor's
+            out["device_bytes"] = torch.cuda.memory_allocated()
+            out["device_peak_bytes"] = torch.cuda.max_memory_allocated()
+        return out

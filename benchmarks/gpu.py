@@ -27,7 +27,8 @@ One command does everything, in a temporary directory:
      in its own actor on the same GPU (its input and masks in CUDA IPC device buffers);
    - `hybrid_predictor_cpu`: the same with `predictor_device="cpu"` (the predictor on host cores,
      its input and masks over the host channels): what the device buffers are worth;
-   and for each hybrid row the hot executor's peak device memory against the budget and where
+   and for each hybrid row the peak device memory (the hot executor's, and the predictor's where
+   it shares the GPU) against the budget and where
    a step goes (`breakdown`: the hot executor's step, its waits for masks and for the cold
    partial sums, the predictor's time a call, each cold executor's busy time a step; per step,
    the requests' prefill steps among them).
@@ -70,7 +71,7 @@ from powerinfer.predictor import train_predictors
 from powerinfer.profile import ProfileOptions, profile
 from powerinfer.solver import gpu_bytes, solve_bundle
 from powerinfer.synthetic import write_synthetic
-from runtime import decode_speed
+from runtime import decode_speed, step_breakdown
 
 MAX_SEQ, MAX_BATCH = 512, 1
 
@@ -100,9 +101,10 @@ def offload_layers(pi: PowerInfer, k: int, device: torch.device) -> PowerInfer:
                 if isinstance(child, KernelLinear):
                     lin = nn.Linear(child.in_features, child.out_features,
                                     bias=child.bias is not None, device="meta")
-                    lin.weight = nn.Parameter(child.weight.to(device), requires_grad=False)
+                    dtype = model.norm.weight.dtype  # (an 8-bit matrix widens to float32)
+                    lin.weight = nn.Parameter(child.weight.to(device, dtype), requires_grad=False)
                     if child.bias is not None:
-                        lin.bias = nn.Parameter(child.bias.to(device), requires_grad=False)
+                        lin.bias = nn.Parameter(child.bias.to(device, dtype), requires_grad=False)
                     setattr(owner, name, lin)
         b.to(device)
     # the engine's C++ decode loop holds the host's tensors of every layer: the modules run
@@ -207,14 +209,18 @@ def breakdown(actors: dict, budget: int) -> dict:
     sums, the predictor's work a call, each cold executor's work; and the hot executor's peak
     device memory against the budget."""
     hot, steps = actors["hot"], max(actors["hot"]["steps"], 1)
+    # the GPU's bytes: the hot executor's and, where it shares the GPU, the predictor's
+    peak = hot.get("device_peak_bytes")
+    if peak is not None:
+        peak += actors.get("predictor", {}).get("device_peak_bytes", 0)
     out = {"hot_neurons": hot["hot_neurons"], "steps": hot["steps"],
            "hot_step_ms": hot["step_s"] / steps * 1e3,
            "mask_wait_ms_per_step": hot.get("mask_wait_s", 0) / steps * 1e3,
            "part_wait_ms_per_step": hot["part_wait_s"] / steps * 1e3,
            "device_peak_bytes": hot.get("device_peak_bytes"),
+           "predictor_device_peak_bytes": actors.get("predictor", {}).get("device_peak_bytes"),
            "device_buffer_bytes": hot.get("device_buffer_bytes", 0),
-           "within_budget": (hot["device_peak_bytes"] <= budget
-                             if "device_peak_bytes" in hot else None)}
+           "within_budget": None if peak is None else peak <= budget}
     if "predictor" in actors:
         p = actors["predictor"]
         out.update(predictor_device=p.get("device"),
@@ -383,18 +389,22 @@ def main():
         # (host channels): the hop's cost in the same run
         for where in ("auto", "cpu") if a.device == "cuda" else ("auto",):
             name = "hybrid" if where == "auto" else "hybrid_predictor_cpu"
-            pi = PowerInfer.from_pretrained(str(path), Config(
-                **dense, device=a.device, runtime="actors", cold_executors=a.cold,
-                bundle=str(bundle.path), predictor="layer", predictor_device=where))
+            pi = None
             try:
+                pi = PowerInfer.from_pretrained(str(path), Config(
+                    **dense, device=a.device, runtime="actors", cold_executors=a.cold,
+                    bundle=str(bundle.path), predictor="layer", predictor_device=where))
                 tok_s, first_ms = decode_speed(pi, a.tokens)
                 st = pi.engine.stats()
                 result[name] = dict(tok_s=tok_s, first_token_ms=first_ms, cores=st["cores"],
                                     **breakdown(st["actors"], budget))
+                # the same counters over one more request's decode steps alone (no prefill)
+                result[name]["decode_step_ms"] = step_breakdown(pi, a.tokens)
             except Exception as e:  # the other configuration still runs; the error is the row
                 result[name] = {"error": f"{type(e).__name__}: {e}"[:2000]}
             finally:
-                pi.close()
+                if pi is not None:
+                    pi.close()
             print(name, json.dumps(result[name]), flush=True)
             save()
     ok = [k for k in ("hybrid", "hybrid_predictor_cpu") if "tok_s" in result.get(k, {})]
