@@ -35,6 +35,7 @@ class ModelSpec:
     prefill_pace: float = 3.0  # beside decoding streams, a step takes about this x a decode step
     cpu_threads: int = 0
     predictor: str = "auto"
+    predictor_device: str = "auto"  # beside a hot executor on a GPU: "auto" (that GPU) or "cpu"
     vram_budget_gb: float = 0.0
     cores: str = ""  # the cores its actor group is planned on (cpulist; "": every core)
     replicas: int = 1  # Serve replicas, each with its own actor group on its own share of cores
@@ -67,7 +68,7 @@ class ModelSpec:
                       kv_cache_gb=self.kv_cache_gb, prefix_cache=self.prefix_cache,
                       prefill_chunk=self.prefill_chunk, prefill_pace=self.prefill_pace,
                       cpu_threads=self.cpu_threads, predictor=self.predictor,
-                      vram_budget_gb=self.vram_budget_gb, cores=self.replica_cores(replica),
+                      predictor_device=self.predictor_device, vram_budget_gb=self.vram_budget_gb, cores=self.replica_cores(replica),
                       resources=tuple(sorted((str(k), float(v)) for k, v in self.resources.items())))
 
     def replica_cores(self, replica: int) -> str:

@@ -71,6 +71,7 @@ def test_the_serve_config_file_builds_the_application():
     ({"models": [{"name": "a", "model": "x"}, {"name": "a", "model": "y"}]}, "repeated: a"),
     ({"models": [{"name": "../x", "model": "x"}]}, "model name"),
     ({"models": [{"name": "a", "model": "x", "device": "tpu"}]}, "device"),
+    ({"models": [{"name": "a", "model": "x", "predictor_device": "gpu"}]}, "predictor_device"),
     ({"models": [{"name": "a", "model": "x"}], "max_body": 5}, "max_body"),
 ])
 def test_bad_serving_configs_name_the_problem(cfg, needle):
