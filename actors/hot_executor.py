@@ -14,7 +14,8 @@ one C++ call, `hot_layers`); a step with prompt tokens runs the modules.
 On a GPU (`Config(device="cuda")`) the model is built on the host the same way and then moved
 to the device: the device holds embeddings, attention, the KV cache, the hot
 neurons and lm_head, nothing else. Every channel this process maps is page-locked with
-cudaHostRegister. Device-to-host copies (the FFN input, the predictor's input, the logits) are
+cudaHostRegister. Device-to-host copies (the FFN input, the predictor's input where the
+predictor is on the host, the logits) are
 synchronous, which orders them before the publish that lets a peer read them; host-to-device
 copies (tokens, masks where the predictor is on the host, cold partial sums) are asynchronous on
 the one stream. A peer only
@@ -286,6 +287,8 @@ class HotExecutor:
         # the decode step's layer loop in C++ where every layer allows it (the eager step's
         # per-op dispatch is most of a small model's step otherwise)
         self.native = None if self.compiled or kv is None else self._native_step(ckpt.args)
+        if self.native is not None:
+            self._decode = self.native  # (as the in-process engine takes it)
         self.steps, self.step_s = 0, 0.0
 
     def _native_step(self, a) -> NativeDecode | None:
@@ -349,8 +352,6 @@ class HotExecutor:
                               io.to_device(io.ctl.view(torch.int32, (step.S, step.M), at.tables)))
                 last = io.to_device(io.ctl.view(torch.int64, (step.K,), at.last))
                 run = self.model if step.op == PREFILL else self._decode
-                if step.op == DECODE and self.native is not None:
-                    run = self.native
                 try:
                     logits = run(tokens, pos, kv, last)
                 except (PeerDied, ChannelClosed):

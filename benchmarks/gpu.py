@@ -152,9 +152,24 @@ def copy_bandwidth(device: torch.device, nbytes: int) -> float:
     return 2 * nbytes / _timed(lambda: b.copy_(a), device, 10) / 1e9
 
 
+def one_layer(dim: int, ffn: int, device: torch.device):
+    """One random SwiGLU layer (dim x ffn, bf16) for the kernel rows: the generator that drew it
+    (selections come from it next), its gate, up and down rows, a decode row, and its neuron
+    records in bf16 and in Q4_0 (Q8_0 down rows)."""
+    from powerinfer import kernels
+
+    g = torch.Generator(device=device).manual_seed(0)
+    gate, up, down = (torch.randn(ffn, dim, generator=g, device=device, dtype=torch.bfloat16)
+                      for _ in range(3))
+    x = torch.randn(1, dim, device=device, dtype=torch.bfloat16)
+    recs = {"bf16": kernels.pack(gate, up, down, "bf16"),
+            "q4_0": kernels.pack(gate.cpu(), up.cpu(), down.cpu(), "q4_0").to(device)}
+    return g, (gate, up, down), x, recs
+
+
 def kernel_rows(preset: str, device: torch.device) -> dict:
     """The hot-FFN kernels alone on one layer of `preset`'s width (see the module's text)."""
-    from powerinfer import kernels, triton_ffn
+    from powerinfer import triton_ffn
     from powerinfer.synthetic import PRESETS
 
     small = device.type == "cpu"  # the interpreter: a check of the script only
@@ -162,12 +177,7 @@ def kernel_rows(preset: str, device: torch.device) -> dict:
     reps = 2 if small else 20
     out = {"dim": dim, "ffn_dim": ffn, "interpreted": small,
            "copy_gb_s": copy_bandwidth(device, (1 << 20) if small else (1 << 30)), "rows": []}
-    g = torch.Generator(device=device).manual_seed(0)
-    gate, up, down = (torch.randn(ffn, dim, generator=g, device=device, dtype=torch.bfloat16)
-                      for _ in range(3))
-    x = torch.randn(1, dim, device=device, dtype=torch.bfloat16)
-    recs = {"bf16": kernels.pack(gate, up, down, "bf16")}
-    recs["q4_0"] = kernels.pack(gate.cpu(), up.cpu(), down.cpu(), "q4_0").to(device)
+    g, (gate, up, down), x, recs = one_layer(dim, ffn, device)
     w1 = torch.cat([gate, up])
 
     def torch_ffn(w1, down_t):  # w1 (2m, dim) gate and up rows; down_t (m, dim)
@@ -234,21 +244,15 @@ def breakdown(actors: dict, budget: int) -> dict:
 SWEEP = [(bn, bk, nw) for bn in (8, 16, 32) for bk in (128, 512, 1024) for nw in (4, 8)]
 
 
-def sweep_rows(preset: str, device: torch.device, shares=(0.1, 1.0)) -> list[dict]:
+def sweep_rows(preset: str, device: torch.device, copy: float, shares=(0.1, 1.0)) -> list[dict]:
     """The Triton FFN kernel's decode-row tiles (`triton_ffn.TILE_PLAIN`, `TILE_BLOCKS`) timed
     on one layer of `preset`'s width, bf16 and Q4_0 records, at `shares` of its neurons: which
-    default the kernel should take on this GPU."""
-    from powerinfer import kernels, triton_ffn
+    default the kernel should take on this GPU (copy: the device's copy rate, GB/s)."""
+    from powerinfer import triton_ffn
     from powerinfer.synthetic import PRESETS
 
     dim, ffn = PRESETS[preset].dim, PRESETS[preset].n_ff
-    copy = copy_bandwidth(device, 1 << 30)
-    g = torch.Generator(device=device).manual_seed(0)
-    gate, up, down = (torch.randn(ffn, dim, generator=g, device=device, dtype=torch.bfloat16)
-                      for _ in range(3))
-    x = torch.randn(1, dim, device=device, dtype=torch.bfloat16)
-    recs = {"bf16": kernels.pack(gate, up, down, "bf16"),
-            "q4_0": kernels.pack(gate.cpu(), up.cpu(), down.cpu(), "q4_0").to(device)}
+    g, _, x, recs = one_layer(dim, ffn, device)
     masks = {sh: torch.rand(ffn, generator=g, device=device) < sh for sh in shares}
     default = (triton_ffn.TILE_PLAIN, triton_ffn.TILE_BLOCKS)
     rows = []
@@ -337,7 +341,7 @@ def main():
         if runs_kernels:
             result = kernel_rows(a.preset, device)
             if a.sweep:
-                result["sweep"] = sweep_rows(a.preset, device)
+                result["sweep"] = sweep_rows(a.preset, device, result["copy_gb_s"])
             if a.out:
                 Path(a.out).write_text(json.dumps(result, indent=1))
         return

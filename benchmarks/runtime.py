@@ -118,13 +118,7 @@ def decode_speed(pi: PowerInfer, tokens: int) -> tuple[float, float]:
     step, and the way in and out)."""
     params = dict(max_new_tokens=tokens, temperature=0, ignore_eos=True)
     pi.generate(PROMPT, **dict(params, max_new_tokens=8))  # warm-up
-    first = None
-    n = 0
-    for _ in pi.stream(PROMPT, **params):
-        n += 1
-        if first is None:
-            first = time.perf_counter()
-    tok_s = (n - 1) / (time.perf_counter() - first)
+    tok_s = stream_speed(pi, tokens)
     starts = []
     for _ in range(5):
         t0 = time.perf_counter()

@@ -68,7 +68,8 @@ class ModelSpec:
                       kv_cache_gb=self.kv_cache_gb, prefix_cache=self.prefix_cache,
                       prefill_chunk=self.prefill_chunk, prefill_pace=self.prefill_pace,
                       cpu_threads=self.cpu_threads, predictor=self.predictor,
-                      predictor_device=self.predictor_device, vram_budget_gb=self.vram_budget_gb, cores=self.replica_cores(replica),
+                      predictor_device=self.predictor_device, vram_budget_gb=self.vram_budget_gb,
+                      cores=self.replica_cores(replica),
                       resources=tuple(sorted((str(k), float(v)) for k, v in self.resources.items())))
 
     def replica_cores(self, replica: int) -> str:
