@@ -1,5 +1,5 @@
 """Comparing greedy decodes of two implementations that sum in different orders: tokens agree
-until a near-tie, judged on the reference's own logits."""
+until a near-tie, judged on the logits the reference chose from."""
 import torch
 
 from powerinfer import PowerInfer
@@ -16,14 +16,47 @@ def last_logits(m: PowerInfer, ids: list[int]) -> torch.Tensor:
     return m.engine.logits(ids)
 
 
+def chosen_logits(m: PowerInfer, ids: list[int], n: int) -> tuple[torch.Tensor, list[int]] | None:
+    """The logits (n, V) an in-process engine chose its first n greedy tokens after `ids` from,
+    and those tokens: its prefill's for the first, its decode steps' after (a sparse engine's
+    prefill computes every neuron, its decode steps the predicted ones); None for the actor
+    runtime."""
+    eng = m.engine
+    if m.model is None or not hasattr(eng, "_step"):
+        return None
+    rows, step = [], eng._step
+
+    def record(part):
+        out = step(part)
+        rows.append(out)
+        return out
+
+    eng._step = record  # this instance only
+    try:
+        events = list(m._run([ids], n, dict(temperature=0, ignore_eos=True)))
+    finally:
+        del eng._step
+    logits, tokens = torch.cat(rows), [e.token for e in events]
+    assert len(logits) == n and logits.argmax(-1).tolist() == tokens, "not the greedy choices"
+    return logits, tokens
+
+
 def assert_same_or_near_tie(ref: PowerInfer, prompt: list[int], want: list[int], got: list[int],
                             tol: float):
     """Greedy tokens agree up to the first difference, and there the reference's logits hold the
-    two choices within `tol` of each other: a near-tie that rounding may flip on another CPU."""
+    two choices within `tol` of each other: a near-tie that rounding may flip on another CPU.
+    The logits are those the reference chose that token from (a sparse engine's decode step, not
+    a fresh prefill, which computes every neuron); where they cannot be had (the reference is
+    the actor runtime), a fresh prefill's."""
     k = next((i for i, (a, b) in enumerate(zip(want, got)) if a != b), None)
     if k is None:
         return
-    logits = last_logits(ref, prompt + want[:k])
+    chosen = chosen_logits(ref, prompt, k + 1)
+    if chosen is None:
+        logits = last_logits(ref, prompt + want[:k])
+    else:
+        assert chosen[1] == want[:k + 1], "the reference decodes otherwise on a second run"
+        logits = chosen[0][k]
     margin = float(logits[want[k]] - logits[got[k]])
     assert margin <= tol, f"token {k}: {want[k]} against {got[k]}, margin {margin:.4f} > {tol}"
 

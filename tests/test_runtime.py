@@ -55,11 +55,14 @@ def local(config: Config) -> list[str]:
 
 
 def assert_same_greedy(ref: PowerInfer, other: PowerInfer):
-    """Token for token, but for a near-tie (1e-3 in fp32 logits): the two sum the FFN's neurons
-    in another order once they are split over several executors."""
+    """Token for token, but for a near-tie (0.05 in the fp32 logits the reference chose from):
+    the two sum the FFN's neurons in another order once they are split over several executors,
+    and the predictor, seeing inputs that differ by that rounding (1e-5), may choose a neuron
+    near its threshold on one side only, which moves the next logits by up to about 1 (the
+    in-process engine against itself with 1 and 2 threads: one such step in 60)."""
     for p in PROMPTS:
         want, got = (greedy_tokens(m, p, GREEDY["max_new_tokens"]) for m in (ref, other))
-        assert_same_or_near_tie(ref, ref.tokenize(p), want, got, 1e-3)
+        assert_same_or_near_tie(ref, ref.tokenize(p), want, got, 0.05)
 
 
 def test_dense_plan_equals_local_engine(ray_cluster, default_model_path):
