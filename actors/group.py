@@ -40,6 +40,10 @@ CPU_SHARE = 0.01
 START_TIMEOUT_S = 300
 
 
+# the hot executor's cores where it has a GPU (see `ActorGroup.start`)
+GPU_HOT_CORES = 2
+
+
 def wants_gpu(config: Config) -> bool:
     """Whether the hot executor takes a GPU, decided against the cluster's GPUs (this process
     may see none: Ray hides GPUs from the processes it did not give one)."""
@@ -83,9 +87,14 @@ class ActorGroup:
                 topo = topo.within(parse_cpulist(c.cores))
             except ValueError as e:
                 raise ConfigError(f"cores={c.cores!r}: {e}") from None
-        self.cores = plan_cores(topo, n)
-        distinct_cold = {x for g in self.cores.cold for x in g} - set(self.cores.hot)
-        hot_share = len(self.cores.hot) / (len(self.cores.hot) + len(distinct_cold))
+        gpu, even = wants_gpu(c), plan_cores(topo, n)
+        # the hot executor's share of the work where no placement decides it: its cores' share
+        distinct_cold = {x for g in even.cold for x in g} - set(even.hot)
+        hot_share = len(even.hot) / (len(even.hot) + len(distinct_cold))
+        # on a GPU its cores launch kernels and wait on the device and the cold executors, with
+        # the predictor and the scheduler beside it: a few cores, and every other one to the
+        # cold executors, whose neurons bound the token
+        self.cores = plan_cores(topo, n, min(GPU_HOT_CORES, len(even.hot))) if gpu else even
         # a step: every running sequence and the probe, their decode rows and one prompt chunk
         # (a whole prompt where prefill is not chunked); the pool's blocks and the probe's
         chunk = c.prefill_chunk or self.max_seq
@@ -94,7 +103,6 @@ class ActorGroup:
                                   self.spin_us)
         self.spec.create_all()
         try:
-            gpu = wants_gpu(c)
             # with NUMA nodes advertised (`cluster.topology.numa_resources`), each actor's bundle
             # asks for the node its cores are on: Ray places the group on a host that has them
             numa = any(k.startswith("numa_node_") for k in ray.cluster_resources())

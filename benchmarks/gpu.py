@@ -27,6 +27,9 @@ One command does everything, in a temporary directory:
      in its own actor on the same GPU (its input and masks in CUDA IPC device buffers);
    - `hybrid_predictor_cpu`: the same with `predictor_device="cpu"` (the predictor on host cores,
      its input and masks over the host channels): what the device buffers are worth;
+   - `hybrid_hot_cores_even`: the hybrid with the hot executor on an even share of the cores
+     (1/(cold+1), the CPU runtime's plan) instead of `actors.group.GPU_HOT_CORES`: what giving
+     the cold executors those cores is worth;
    and for each hybrid row the peak device memory (the hot executor's, and the predictor's where
    it shares the GPU) against the budget and where
    a step goes (`breakdown`: the hot executor's step, its waits for masks and for the cold
@@ -43,6 +46,9 @@ neuron records in bf16 and in Q4_0 (Q8_0 down rows), a decode row, selections fr
 of its neurons. Each row gives the time of a call and the GB/s of the rows it had to read,
 against the device's measured copy bandwidth (a 1 GiB device-to-device copy):
 - `triton`: `triton_ffn.neuron_ffn` with a mask (compacted on the device, then the index list);
+- `triton graphed`: the same call's launches captured in a CUDA graph and replayed: the device's
+  time for it without Python's launch costs (a bound for a decode step launched as a graph;
+  the runtime launches its kernels one by one);
 - `torch dense`: two matmuls over every row (what the dense model reads whatever fires);
 - `torch gathered`: the rows gathered with index_select, then the same math (the path the
   GPU took before the Triton kernels);
@@ -145,6 +151,23 @@ def _timed(fn, device: torch.device, reps: int) -> float:
     return (time.perf_counter() - t0) / reps
 
 
+def graphed(fn, device: torch.device):
+    """fn's launches captured once in a CUDA graph (its inputs stay where they are): a replay
+    is one launch, so what a call costs on the device shows without Python's launch costs.
+    None off a GPU."""
+    if device.type != "cuda":
+        return None
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # compile and warm up outside the capture
+        fn(), fn()
+    torch.cuda.current_stream().wait_stream(side)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    return g.replay
+
+
 def copy_bandwidth(device: torch.device, nbytes: int) -> float:
     """GB/s of a device-to-device copy (bytes read plus bytes written)."""
     a = torch.empty(nbytes, dtype=torch.uint8, device=device)
@@ -189,11 +212,14 @@ def kernel_rows(preset: str, device: torch.device) -> dict:
         m = int(mask.sum())
         idx = mask.nonzero().squeeze(-1)
         for fmt, rec in recs.items():
-            t = _timed(lambda: triton_ffn.neuron_ffn(x, rec, mask, None, None, 0.0, "swiglu", fmt),
-                       device, reps)
+            call = lambda: triton_ffn.neuron_ffn(x, rec, mask, None, None, 0.0, "swiglu", fmt)  # noqa: E731
             read = m * rec.shape[1]
-            out["rows"].append({"path": "triton", "fmt": fmt, "selection": share, "neurons": m,
-                                "us": t * 1e6, "gb_s": read / t / 1e9})
+            for path, fn in (("triton", call), ("triton graphed", graphed(call, device))):
+                if fn is None:
+                    continue
+                t = _timed(fn, device, reps)
+                out["rows"].append({"path": path, "fmt": fmt, "selection": share, "neurons": m,
+                                    "us": t * 1e6, "gb_s": read / t / 1e9})
         t = _timed(lambda: torch_ffn(w1, down), device, reps)
         out["rows"].append({"path": "torch dense", "fmt": "bf16", "selection": share,
                             "neurons": ffn, "us": t * 1e6, "gb_s": 3 * ffn * dim * 2 / t / 1e9})
@@ -390,10 +416,16 @@ def main():
         save()
 
         # the predictor on the hot executor's GPU (device buffers, CUDA IPC), then on the CPU
-        # (host channels): the hop's cost in the same run
-        for where in ("auto", "cpu") if a.device == "cuda" else ("auto",):
-            name = "hybrid" if where == "auto" else "hybrid_predictor_cpu"
-            pi = None
+        # (host channels): the hop's cost in the same run; and the hot executor on an even
+        # share of the cores (the plan before `group.GPU_HOT_CORES`): what its cores are worth
+        from actors import group
+        runs = [("hybrid", "auto", group.GPU_HOT_CORES)]
+        if a.device == "cuda":
+            runs += [("hybrid_hot_cores_even", "auto", 1 << 20), ("hybrid_predictor_cpu", "cpu",
+                                                                  group.GPU_HOT_CORES)]
+        default_hot = group.GPU_HOT_CORES
+        for name, where, hot_cores in runs:
+            pi, group.GPU_HOT_CORES = None, hot_cores
             try:
                 pi = PowerInfer.from_pretrained(str(path), Config(
                     **dense, device=a.device, runtime="actors", cold_executors=a.cold,
@@ -407,6 +439,7 @@ def main():
             except Exception as e:  # the other configuration still runs; the error is the row
                 result[name] = {"error": f"{type(e).__name__}: {e}"[:2000]}
             finally:
+                group.GPU_HOT_CORES = default_hot
                 if pi is not None:
                     pi.close()
             print(name, json.dumps(result[name]), flush=True)
@@ -419,8 +452,10 @@ def main():
     h = result[ok[0]]["tok_s"]
     result["ratios"] = {"hybrid_row": ok[0],"hybrid_vs_layer_offload": h / result["layer_offload"]["tok_s"],
                         "hybrid_vs_all_gpu": h / result["all_gpu"]["tok_s"]}
-    if len(ok) == 2:
-        result["ratios"]["predictor_on_gpu_vs_cpu"] = h / result["hybrid_predictor_cpu"]["tok_s"]
+    for other, key in (("hybrid_predictor_cpu", "predictor_on_gpu_vs_cpu"),
+                       ("hybrid_hot_cores_even", "hot_cores_few_vs_even")):
+        if ok[0] == "hybrid" and "tok_s" in result.get(other, {}):
+            result["ratios"][key] = h / result[other]["tok_s"]
     print(json.dumps(result["ratios"]), flush=True)
     save()
     if runs_kernels:

@@ -391,14 +391,16 @@ def _check(*ts: torch.Tensor):
                                f"TRITON_INTERPRET=1), not on {t.device}")
 
 
-def compact(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def compact(mask: torch.Tensor, count: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """A (n,) bool mask -> (indices, count): int32 (n,) whose first count[0] entries are the
     set positions (grouped by blocks of 1024, in order within each), count int32 (1,); both
-    on the mask's device, made without a host round trip."""
+    on the mask's device, made without a host round trip. count: a zeroed (1,) int32 to count
+    in (the caller's, zeroed with its other buffers: one launch less)."""
     _check(mask)
     n = mask.shape[0]
     idx = torch.empty(n, dtype=torch.int32, device=mask.device)
-    count = torch.zeros(1, dtype=torch.int32, device=mask.device)
+    if count is None:
+        count = torch.zeros(1, dtype=torch.int32, device=mask.device)
     if n:
         block = 1024
         _compact_kernel[(triton.cdiv(n, block),)](mask.contiguous().view(torch.uint8), n, idx,
@@ -433,7 +435,10 @@ def neuron_ffn(x: torch.Tensor, records: torch.Tensor, sel: torch.Tensor | None,
     gated = act not in ("relu", "gelu")
     nrows = 3 if gated else 2
     k = records.shape[0]
-    out = torch.zeros(B, dim, dtype=torch.float32, device=x.device)
+    # the float32 sums and the compacted mask's count zeroed by one launch (a decode step's
+    # call is short enough that each launch shows)
+    zeroed = torch.zeros(B * dim + 1, dtype=torch.float32, device=x.device)
+    out = zeroed[:B * dim].view(B, dim)
     if B == 0 or k == 0:
         return out.to(x.dtype)
     keep_mode, keep_t = 0, None
@@ -442,7 +447,7 @@ def neuron_ffn(x: torch.Tensor, records: torch.Tensor, sel: torch.Tensor | None,
         if keep is not None:
             keep_mode, keep_t = 2, keep
     elif sel.dtype == torch.bool and not mask_path:  # the fast path: the mask as positions
-        sel_t, cnt = compact(sel)
+        sel_t, cnt = compact(sel, zeroed[B * dim:].view(torch.int32))
         sel_mode, programs = 1, k
         if keep is not None:
             keep_mode, keep_t = 2, keep
