@@ -352,6 +352,8 @@ class HotExecutor:
                               io.to_device(io.ctl.view(torch.int32, (step.S, step.M), at.tables)))
                 last = io.to_device(io.ctl.view(torch.int64, (step.K,), at.last))
                 run = self.model if step.op == PREFILL else self._decode
+                if step.op != PREFILL:
+                    self._profiling()
                 try:
                     logits = run(tokens, pos, kv, last)
                 except (PeerDied, ChannelClosed):
@@ -368,6 +370,35 @@ class HotExecutor:
         except (PeerDied, ChannelClosed) as e:
             self._error(str(e))
             return f"failed: {e}"
+
+    def profile(self, steps: int):
+        """Profile the next `steps` decode steps (torch.profiler: this process's ops and their
+        device kernels); `profile_table` has the result once they ran. A diagnostic: where the
+        step's time goes on the hot side (launches, copies, waits)."""
+        self._profile_left, self._profile_table = steps, None
+
+    def profile_table(self) -> str | None:
+        return getattr(self, "_profile_table", None)
+
+    def _profiling(self):
+        """Start, count or end the profile `profile` asked for, before a decode step."""
+        left, prof = getattr(self, "_profile_left", 0), getattr(self, "_profiler", None)
+        if prof is None and left > 0:
+            acts = [torch.profiler.ProfilerActivity.CPU]
+            if self.device.type == "cuda":
+                acts.append(torch.profiler.ProfilerActivity.CUDA)
+            self._profiler = torch.profiler.profile(activities=acts)
+            self._profiler.__enter__()
+        elif prof is not None and left > 0:
+            self._profile_left = left - 1
+            if left == 1:
+                prof.__exit__(None, None, None)
+                self._profiler = None
+                avg = prof.key_averages()
+                self._profile_table = avg.table(sort_by="self_cpu_time_total", row_limit=40)
+                if self.device.type == "cuda":
+                    self._profile_table += "\n" + avg.table(sort_by="self_device_time_total",
+                                                             row_limit=20)
 
     def _error(self, text: str):
         data = text.encode()[:self.io.out.capacity]

@@ -69,6 +69,7 @@ import tempfile
 import time
 from pathlib import Path
 
+import ray
 import torch
 from torch import nn
 
@@ -77,6 +78,7 @@ from powerinfer.predictor import train_predictors
 from powerinfer.profile import ProfileOptions, profile
 from powerinfer.solver import gpu_bytes, solve_bundle
 from powerinfer.synthetic import write_synthetic
+import runtime
 from runtime import decode_speed, step_breakdown
 
 MAX_SEQ, MAX_BATCH = 512, 1
@@ -350,6 +352,9 @@ def main():
                     help="draw --kernels results (LABEL=FILE ...) into PNG, and exit")
     ap.add_argument("--sweep", action="store_true",
                     help="with --kernels: time the Triton FFN kernel's tile sizes too")
+    ap.add_argument("--profile-hot", type=int, default=0, metavar="STEPS",
+                    help="a diagnostic run: the hybrid row alone (no baselines), with a "
+                         "torch.profiler table of the hot executor's next STEPS decode steps")
     a = ap.parse_args()
     if a.plot:
         runs = {k: json.loads(Path(v).read_text()) for k, v in (x.split("=", 1) for x in a.plot[1:])}
@@ -398,18 +403,19 @@ def main():
             if a.out:
                 Path(a.out).write_text(json.dumps(result, indent=1))
 
-        k = layers_that_fit(args, budget, 2)
-        offload_layers(pi, k, device)
-        tok_s, first_ms = decode_speed(pi, a.tokens)
-        result["layer_offload"] = {"layers_on_device": k, "tok_s": tok_s, "first_token_ms": first_ms}
-        print("layer_offload", json.dumps(result["layer_offload"]), flush=True)
-        del pi
-        save()
+        if not a.profile_hot:
+            k = layers_that_fit(args, budget, 2)
+            offload_layers(pi, k, device)
+            tok_s, first_ms = decode_speed(pi, a.tokens)
+            result["layer_offload"] = {"layers_on_device": k, "tok_s": tok_s, "first_token_ms": first_ms}
+            print("layer_offload", json.dumps(result["layer_offload"]), flush=True)
+            del pi
+            save()
 
-        pi = PowerInfer.from_pretrained(str(path), Config(**dense, device=a.device))
-        tok_s, first_ms = decode_speed(pi, a.tokens)
-        result["all_gpu"] = {"tok_s": tok_s, "first_token_ms": first_ms}
-        print("all_gpu", json.dumps(result["all_gpu"]), flush=True)
+            pi = PowerInfer.from_pretrained(str(path), Config(**dense, device=a.device))
+            tok_s, first_ms = decode_speed(pi, a.tokens)
+            result["all_gpu"] = {"tok_s": tok_s, "first_token_ms": first_ms}
+            print("all_gpu", json.dumps(result["all_gpu"]), flush=True)
         del pi
         if a.device == "cuda":
             torch.cuda.empty_cache()
@@ -420,7 +426,7 @@ def main():
         # share of the cores (the plan before `group.GPU_HOT_CORES`): what its cores are worth
         from actors import group
         runs = [("hybrid", "auto", group.GPU_HOT_CORES)]
-        if a.device == "cuda":
+        if a.device == "cuda" and not a.profile_hot:
             runs += [("hybrid_hot_cores_even", "auto", 1 << 20), ("hybrid_predictor_cpu", "cpu",
                                                                   group.GPU_HOT_CORES)]
         default_hot = group.GPU_HOT_CORES
@@ -436,14 +442,25 @@ def main():
                                     **breakdown(st["actors"], budget))
                 # the same counters over one more request's decode steps alone (no prefill)
                 result[name]["decode_step_ms"] = step_breakdown(pi, a.tokens)
+                if a.profile_hot:
+                    hot = pi.engine.group.actors["hot"]
+                    ray.get(hot.profile.remote(a.profile_hot))
+                    pi.generate(runtime.PROMPT, max_new_tokens=a.profile_hot + 4, temperature=0,
+                                ignore_eos=True)
+                    result[name]["hot_profile"] = ray.get(hot.profile_table.remote())
+                    print(result[name]["hot_profile"], flush=True)
             except Exception as e:  # the other configuration still runs; the error is the row
                 result[name] = {"error": f"{type(e).__name__}: {e}"[:2000]}
             finally:
                 group.GPU_HOT_CORES = default_hot
                 if pi is not None:
                     pi.close()
-            print(name, json.dumps(result[name]), flush=True)
+            print(name, json.dumps({k: v for k, v in result[name].items() if k != "hot_profile"}),
+                  flush=True)
             save()
+    if a.profile_hot:
+        save()
+        return
     ok = [k for k in ("hybrid", "hybrid_predictor_cpu") if "tok_s" in result.get(k, {})]
     if not ok:
         save()
