@@ -123,6 +123,23 @@ def offload_layers(pi: PowerInfer, k: int, device: torch.device) -> PowerInfer:
     return pi
 
 
+def memo_ratios(pi: PowerInfer, tokens: int, turns: int = 3) -> list[float]:
+    """Decode tok/s with the per-step memo (`model.STEP_MEMO`) over tok/s without it, one ratio
+    a turn, measured alternately on the same engine."""
+    from powerinfer import model
+
+    out = []
+    try:
+        for _ in range(turns):
+            with_memo = decode_speed(pi, tokens)[0]
+            model.STEP_MEMO = False
+            out.append(with_memo / decode_speed(pi, tokens)[0])
+            model.STEP_MEMO = True
+    finally:
+        model.STEP_MEMO = True
+    return out
+
+
 def layers_that_fit(args, budget: int, dtype_bytes: int) -> int:
     """Whole blocks (weights and their KV cache) that fit `budget` bytes."""
     per = gpu_bytes(args, dtype_bytes=dtype_bytes, batch=MAX_BATCH + 1, context=MAX_SEQ,
@@ -353,8 +370,9 @@ def main():
     ap.add_argument("--sweep", action="store_true",
                     help="with --kernels: time the Triton FFN kernel's tile sizes too")
     ap.add_argument("--profile-hot", type=int, default=0, metavar="STEPS",
-                    help="a diagnostic run: the hybrid row alone (no baselines), with a "
-                         "torch.profiler table of the hot executor's next STEPS decode steps")
+                    help="a diagnostic run: all-GPU and the hybrid row (no layer offload, no "
+                         "other hybrid rows), with a torch.profiler table of the hot executor's "
+                         "next STEPS decode steps")
     a = ap.parse_args()
     if a.plot:
         runs = {k: json.loads(Path(v).read_text()) for k, v in (x.split("=", 1) for x in a.plot[1:])}
@@ -409,13 +427,16 @@ def main():
             tok_s, first_ms = decode_speed(pi, a.tokens)
             result["layer_offload"] = {"layers_on_device": k, "tok_s": tok_s, "first_token_ms": first_ms}
             print("layer_offload", json.dumps(result["layer_offload"]), flush=True)
-            del pi
             save()
+        del pi
 
-            pi = PowerInfer.from_pretrained(str(path), Config(**dense, device=a.device))
-            tok_s, first_ms = decode_speed(pi, a.tokens)
-            result["all_gpu"] = {"tok_s": tok_s, "first_token_ms": first_ms}
-            print("all_gpu", json.dumps(result["all_gpu"]), flush=True)
+        pi = PowerInfer.from_pretrained(str(path), Config(**dense, device=a.device))
+        tok_s, first_ms = decode_speed(pi, a.tokens)
+        result["all_gpu"] = {"tok_s": tok_s, "first_token_ms": first_ms}
+        # the step's index work done once for its layers (KVTables.memo) against each layer
+        # doing it again, in turns on the same engine
+        result["all_gpu"]["step_memo_ratios"] = memo_ratios(pi, a.tokens)
+        print("all_gpu", json.dumps(result["all_gpu"]), flush=True)
         del pi
         if a.device == "cuda":
             torch.cuda.empty_cache()

@@ -102,12 +102,19 @@ def _zeros(shape, dtype, device) -> torch.Tensor:
     return torch.from_numpy(np.zeros(n, dtype=np.uint8)).view(dtype).view(shape)
 
 
+# Transformer.forward gives each step a KVTables.memo (False: none, as a baseline to time)
+STEP_MEMO = True
+
+
 class KVTables(NamedTuple):
     """Where a step's tokens sit in the paged KV cache. The step's tokens, flattened row-major
     from (B, T), go sequence by sequence: sequence s owns tokens starts[s] .. starts[s+1] - 1,
     and its position p is in block tables[s, p // block_size] of every layer's cache."""
     starts: torch.Tensor  # (S + 1,) int64
     tables: torch.Tensor  # (S, M) int32
+    # what every layer of the step would derive from these again (torch's `paged_attention`:
+    # cache slots, the decode mask), kept for the step's other layers; None: nothing kept
+    memo: dict | None = None
 
 
 class KVCache(nn.Module):
@@ -352,6 +359,8 @@ class Transformer(nn.Module):
         # (K, 1, vocab) at the flat token indices `last` (K,) (a prompt needs its last token's).
         B, T = tokens.shape
         kv = self.row_tables(B, T) if kv is None else kv
+        if STEP_MEMO and not torch.compiler.is_compiling():  # this step's memo, for its layers
+            kv = KVTables(kv.starts, kv.tables, {})
         flat = pos.reshape(-1)
         h = self.tok_embeddings(tokens)
         if self.args.embed_scale:  # in the activations' dtype, as Gemma's reference scales
@@ -483,28 +492,41 @@ def paged_attention(qkv, rope, pos, kv: KVTables, cache: KVCache, n_heads: int, 
         cos, sin = (r.unsqueeze(1) for r in rope)  # (N, 1, D)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
     S = kv.tables.shape[0]
-    seq = torch.repeat_interleave(torch.arange(S, device=pos.device), kv.starts.diff(),
-                                  output_size=N)
-    cache.write(kv.tables[seq, pos // bs].long(), pos % bs, k, v)
+    # the step's index work, the same for each layer: done by its first layer (on each device)
+    memo = {} if kv.memo is None else kv.memo
+    slots = memo.get(("slots", bs, pos.device))
+    if slots is None:
+        seq = torch.repeat_interleave(torch.arange(S, device=pos.device), kv.starts.diff(),
+                                      output_size=N)
+        slots = memo[("slots", bs, pos.device)] = (kv.tables[seq, pos // bs].long(), pos % bs)
+    cache.write(*slots, k, v)
 
-    def attend(q, pos, blocks):  # q (S', T', H, D), pos (S', T'), blocks (S', n)
-        keys, values = cache.gather(blocks.long())  # (S', Hkv, n * bs, D)
-        key_pos = torch.arange(keys.shape[-2], device=pos.device)
-        mask = key_pos <= pos[..., None]  # (S', T', L)
-        if window:
-            mask &= key_pos > pos[..., None] - window
+    def attend(q, pos, blocks, key=None):  # q (S', T', H, D), pos (S', T'), blocks (S', n) long
+        keys, values = cache.gather(blocks)  # (S', Hkv, n * bs, D)
+        mask = None if key is None else memo.get(key)
+        if mask is None:
+            key_pos = torch.arange(keys.shape[-2], device=pos.device)
+            mask = key_pos <= pos[..., None]  # (S', T', L)
+            if window:
+                mask &= key_pos > pos[..., None] - window
+            mask = mask.unsqueeze(1)
+            if key is not None:
+                memo[key] = mask
         y = F.scaled_dot_product_attention(q.transpose(1, 2), keys.to(q.dtype), values.to(q.dtype),
-                                           attn_mask=mask.unsqueeze(1), scale=scale,
-                                           enable_gqa=n_heads != Hkv)
+                                           attn_mask=mask, scale=scale, enable_gqa=n_heads != Hkv)
         return y.transpose(1, 2)  # (S', T', H, D)
 
     if N == S:  # one token a sequence (decode): one product over every sequence's blocks
-        return attend(q.unsqueeze(1), pos.unsqueeze(1), kv.tables).reshape(N, n_heads * D)
+        blocks = memo.get(("blocks", pos.device))
+        if blocks is None:
+            blocks = memo[("blocks", pos.device)] = kv.tables.long()
+        return attend(q.unsqueeze(1), pos.unsqueeze(1), blocks,
+                      ("mask", window, bs, pos.device)).reshape(N, n_heads * D)
     out, starts = [], kv.starts.tolist()
     for s, (a, b) in enumerate(zip(starts, starts[1:])):
         if b > a:
             n = -(-(int(pos[a:b].max()) + 1) // bs)
-            out.append(attend(q[None, a:b], pos[None, a:b], kv.tables[s:s + 1, :n])[0])
+            out.append(attend(q[None, a:b], pos[None, a:b], kv.tables[s:s + 1, :n].long())[0])
     return torch.cat(out).reshape(N, n_heads * D)
 
 

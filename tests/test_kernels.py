@@ -315,6 +315,34 @@ def test_paged_attention_equals_the_torch_path(isa, dtype, shape):
     assert (got.float() - want.float()).abs().max() <= tol * want.abs().max()
 
 
+@pytest.mark.parametrize("decode", [True, False])
+@pytest.mark.parametrize("window", [0, 7])
+def test_paged_attention_shares_a_steps_index_work_across_layers(decode, window):
+    # a step's layers share what they derive from its tables and positions (KVTables.memo): the
+    # second layer reuses the first's slots and mask, and every layer's output and cache equal
+    # what it computes alone, exactly
+    from powerinfer.model import KVCache, KVTables, paged_attention
+
+    H, Hkv, D, bs = 4, 2, 16, 16
+    seqs = [(20, 1), (5, 1), (0, 1)] if decode else [(0, 37), (20, 1), (33, 40)]
+    tables, starts, pos = paged_step(seqs, bs, 32)
+    g = torch.Generator().manual_seed(3)
+    step = KVTables(starts, tables, {})
+    for layer in range(2):
+        qkv = torch.randn(len(pos), (H + 2 * Hkv) * D, generator=g)
+        rope = torch.randn(len(pos), D, generator=g), torch.randn(len(pos), D, generator=g)
+        caches = [KVCache(32, Hkv, bs, D, torch.float32, "cpu") for _ in range(2)]
+        for c in caches:
+            c.k.copy_(torch.randn(c.k.shape, generator=torch.Generator().manual_seed(layer)))
+            c.v.copy_(torch.randn(c.v.shape, generator=torch.Generator().manual_seed(layer + 9)))
+        alone = paged_attention(qkv, rope, pos, KVTables(starts, tables), caches[0], H, window, 0.25)
+        shared = paged_attention(qkv, rope, pos, step, caches[1], H, window, 0.25)
+        assert torch.equal(alone, shared)
+        assert torch.equal(caches[0].k, caches[1].k) and torch.equal(caches[0].v, caches[1].v)
+    kinds = sorted(k[0] for k in step.memo)
+    assert kinds == (["blocks", "mask", "slots"] if decode else ["slots"]), kinds
+
+
 @pytest.mark.parametrize("kind", ["Q4_0", "Q4_1"])
 @pytest.mark.parametrize("n", [48, 200])  # whole groups of 16 rows; a padded last group
 def test_q4x16_gemv_equals_a_matmul_over_the_files_weights(isa, kind, n):
