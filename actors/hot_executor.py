@@ -353,7 +353,7 @@ class HotExecutor:
                 last = io.to_device(io.ctl.view(torch.int64, (step.K,), at.last))
                 run = self.model if step.op == PREFILL else self._decode
                 if step.op != PREFILL:
-                    self._profiling()
+                    self._profile_start()
                 try:
                     logits = run(tokens, pos, kv, last)
                 except (PeerDied, ChannelClosed):
@@ -367,38 +367,52 @@ class HotExecutor:
                 send(io.out, Reply(OK, step.K))
                 self.steps += 1
                 self.step_s += time.perf_counter() - t0
+                if step.op != PREFILL:
+                    self._profile_count()
         except (PeerDied, ChannelClosed) as e:
             self._error(str(e))
             return f"failed: {e}"
+        finally:
+            self._profile_stop()
 
     def profile(self, steps: int):
         """Profile the next `steps` decode steps (torch.profiler: this process's ops and their
-        device kernels); `profile_table` has the result once they ran. A diagnostic: where the
-        step's time goes on the hot side (launches, copies, waits)."""
+        device kernels); `profile_table` has the result once they ran (0 ends a profile now
+        running at its next step; a prefill that comes between them is recorded too). A
+        diagnostic: where the step's time goes on the hot side (launches, copies, waits)."""
         self._profile_left, self._profile_table = steps, None
 
     def profile_table(self) -> str | None:
         return getattr(self, "_profile_table", None)
 
-    def _profiling(self):
-        """Start, count or end the profile `profile` asked for, before a decode step."""
-        left, prof = getattr(self, "_profile_left", 0), getattr(self, "_profiler", None)
-        if prof is None and left > 0:
+    def _profile_start(self):
+        """Before a decode step: start the profile `profile` asked for."""
+        if getattr(self, "_profiler", None) is None and getattr(self, "_profile_left", 0) > 0:
             acts = [torch.profiler.ProfilerActivity.CPU]
             if self.device.type == "cuda":
                 acts.append(torch.profiler.ProfilerActivity.CUDA)
             self._profiler = torch.profiler.profile(activities=acts)
             self._profiler.__enter__()
-        elif prof is not None and left > 0:
-            self._profile_left = left - 1
-            if left == 1:
-                prof.__exit__(None, None, None)
-                self._profiler = None
-                avg = prof.key_averages()
-                self._profile_table = avg.table(sort_by="self_cpu_time_total", row_limit=40)
-                if self.device.type == "cuda":
-                    self._profile_table += "\n" + avg.table(sort_by="self_device_time_total",
-                                                             row_limit=20)
+
+    def _profile_count(self):
+        """After a decode step: count it; the last one asked for ends the profile."""
+        if getattr(self, "_profiler", None) is not None:
+            self._profile_left -= 1
+            if self._profile_left <= 0:
+                self._profile_stop()
+
+    def _profile_stop(self):
+        """End a running profile (its steps counted, or the loop ending) and keep its tables."""
+        prof, self._profiler = getattr(self, "_profiler", None), None
+        if prof is None:
+            return
+        self._profile_left = 0
+        prof.__exit__(None, None, None)
+        avg = prof.key_averages()
+        table = avg.table(sort_by="self_cpu_time_total", row_limit=80)
+        if self.device.type == "cuda":
+            table += "\n" + avg.table(sort_by="self_device_time_total", row_limit=25)
+        self._profile_table = table
 
     def _error(self, text: str):
         data = text.encode()[:self.io.out.capacity]

@@ -10,7 +10,7 @@ state). This script measures, in child processes on the same cores, one with one
 whatever the CPU has and one held to AVX-512 BF16 (`ONEDNN_MAX_CPU_ISA=AVX512_CORE_BF16`):
 
 - `probe`: the implementation oneDNN chose for a bf16 matmul (its verbose line names the ISA:
-  `brg_matmul:avx512_core_amx` is AMX);
+  an `amx` in it, `brg_matmul:avx10_1_512_amx` or `avx512_core_amx` by oneDNN's version, is AMX);
 - `gemm`: a prompt-sized bf16 matmul (prompt x dim @ dim x ffn), GFLOP/s;
 - `prefill`: the in-process engine's prefill of a `--prompt`-token prompt (one forward over it,
   fresh, `Engine.logits`) on a synthetic model of `--preset`'s shape (its first `--layers`
@@ -86,6 +86,7 @@ def child(a) -> dict:
 def probe(cap: str | None) -> str:
     """The oneDNN implementation of a bf16 matmul under `cap` (its verbose line), or why none."""
     env = dict(os.environ, ONEDNN_VERBOSE="1")
+    env.pop("ONEDNN_MAX_CPU_ISA", None)
     if cap:
         env["ONEDNN_MAX_CPU_ISA"] = cap
     code = ("import torch; a = torch.randn(64, 512, dtype=torch.bfloat16); "

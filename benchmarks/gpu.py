@@ -86,8 +86,8 @@ MAX_SEQ, MAX_BATCH = 512, 1
 
 def _to(device):
     def move(a):
-        if isinstance(a, torch.Tensor):
-            return a.to(device, non_blocking=True)
+        if isinstance(a, torch.Tensor):  # (to the host: a blocking copy, read at once)
+            return a.to(device, non_blocking=device.type != "cpu")
         if isinstance(a, tuple):  # the KV tables are a NamedTuple: keep its type
             moved = [move(x) for x in a]
             return type(a)(*moved) if hasattr(a, "_fields") else tuple(moved)
@@ -123,18 +123,19 @@ def offload_layers(pi: PowerInfer, k: int, device: torch.device) -> PowerInfer:
     return pi
 
 
-def memo_ratios(pi: PowerInfer, tokens: int, turns: int = 3) -> list[float]:
+def memo_ratios(pi: PowerInfer, tokens: int, turns: int = 4) -> list[float]:
     """Decode tok/s with the per-step memo (`model.STEP_MEMO`) over tok/s without it, one ratio
-    a turn, measured alternately on the same engine."""
+    a turn, measured alternately on the same engine (which goes first alternates too)."""
     from powerinfer import model
 
     out = []
     try:
-        for _ in range(turns):
-            with_memo = decode_speed(pi, tokens)[0]
-            model.STEP_MEMO = False
-            out.append(with_memo / decode_speed(pi, tokens)[0])
-            model.STEP_MEMO = True
+        for turn in range(turns):
+            speed = {}
+            for memo in ((True, False) if turn % 2 == 0 else (False, True)):
+                model.STEP_MEMO = memo
+                speed[memo] = decode_speed(pi, tokens)[0]
+            out.append(speed[True] / speed[False])
     finally:
         model.STEP_MEMO = True
     return out

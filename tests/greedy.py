@@ -24,7 +24,7 @@ def chosen_logits(m: PowerInfer, ids: list[int], n: int) -> tuple[torch.Tensor, 
     eng = m.engine
     if m.model is None or not hasattr(eng, "_step"):
         return None
-    rows, step = [], eng._step
+    rows, step, own = [], eng._step, eng.__dict__.get("_step")
 
     def record(part):
         out = step(part)
@@ -35,7 +35,10 @@ def chosen_logits(m: PowerInfer, ids: list[int], n: int) -> tuple[torch.Tensor, 
     try:
         events = list(m._run([ids], n, dict(temperature=0, ignore_eos=True)))
     finally:
-        del eng._step
+        if own is None:
+            del eng._step
+        else:
+            eng._step = own
     logits, tokens = torch.cat(rows), [e.token for e in events]
     assert len(logits) == n and logits.argmax(-1).tolist() == tokens, "not the greedy choices"
     return logits, tokens
