@@ -290,6 +290,8 @@ class HotExecutor:
         if self.native is not None:
             self._decode = self.native  # (as the in-process engine takes it)
         self.steps, self.step_s = 0, 0.0
+        # a profile `profile` asked for: decode steps left, the running profiler, its tables
+        self._profile_left, self._profiler, self._profile_table = 0, None, None
 
     def _native_step(self, a) -> NativeDecode | None:
         """The decode step with its layer loop in C++ (`native.NativeDecode`, exchanging with the
@@ -383,11 +385,11 @@ class HotExecutor:
         self._profile_left, self._profile_table = steps, None
 
     def profile_table(self) -> str | None:
-        return getattr(self, "_profile_table", None)
+        return self._profile_table
 
     def _profile_start(self):
         """Before a decode step: start the profile `profile` asked for."""
-        if getattr(self, "_profiler", None) is None and getattr(self, "_profile_left", 0) > 0:
+        if self._profiler is None and self._profile_left > 0:
             acts = [torch.profiler.ProfilerActivity.CPU]
             if self.device.type == "cuda":
                 acts.append(torch.profiler.ProfilerActivity.CUDA)
@@ -396,14 +398,14 @@ class HotExecutor:
 
     def _profile_count(self):
         """After a decode step: count it; the last one asked for ends the profile."""
-        if getattr(self, "_profiler", None) is not None:
+        if self._profiler is not None:
             self._profile_left -= 1
             if self._profile_left <= 0:
                 self._profile_stop()
 
     def _profile_stop(self):
         """End a running profile (its steps counted, or the loop ending) and keep its tables."""
-        prof, self._profiler = getattr(self, "_profiler", None), None
+        prof, self._profiler = self._profiler, None
         if prof is None:
             return
         self._profile_left = 0

@@ -125,7 +125,8 @@ def offload_layers(pi: PowerInfer, k: int, device: torch.device) -> PowerInfer:
 
 def memo_ratios(pi: PowerInfer, tokens: int, turns: int = 4) -> list[float]:
     """Decode tok/s with the per-step memo (`model.STEP_MEMO`) over tok/s without it, one ratio
-    a turn, measured alternately on the same engine (which goes first alternates too)."""
+    a turn, measured alternately on the same engine (which goes first alternates too); the
+    engine warmed up by `decode_speed` just before, each side is one stream."""
     from powerinfer import model
 
     out = []
@@ -134,7 +135,7 @@ def memo_ratios(pi: PowerInfer, tokens: int, turns: int = 4) -> list[float]:
             speed = {}
             for memo in ((True, False) if turn % 2 == 0 else (False, True)):
                 model.STEP_MEMO = memo
-                speed[memo] = decode_speed(pi, tokens)[0]
+                speed[memo] = runtime.stream_speed(pi, tokens)
             out.append(speed[True] / speed[False])
     finally:
         model.STEP_MEMO = True
@@ -267,14 +268,15 @@ def breakdown(actors: dict, budget: int) -> dict:
     hot, steps = actors["hot"], max(actors["hot"]["steps"], 1)
     # the GPU's bytes: the hot executor's and, where it shares the GPU, the predictor's
     peak = hot.get("device_peak_bytes")
+    pred_peak = actors.get("predictor", {}).get("device_peak_bytes")
     if peak is not None:
-        peak += actors.get("predictor", {}).get("device_peak_bytes", 0)
+        peak += pred_peak or 0
     out = {"hot_neurons": hot["hot_neurons"], "steps": hot["steps"],
            "hot_step_ms": hot["step_s"] / steps * 1e3,
            "mask_wait_ms_per_step": hot.get("mask_wait_s", 0) / steps * 1e3,
            "part_wait_ms_per_step": hot["part_wait_s"] / steps * 1e3,
            "device_peak_bytes": hot.get("device_peak_bytes"),
-           "predictor_device_peak_bytes": actors.get("predictor", {}).get("device_peak_bytes"),
+           "predictor_device_peak_bytes": pred_peak,
            "device_buffer_bytes": hot.get("device_buffer_bytes", 0),
            "within_budget": None if peak is None else peak <= budget}
     if "predictor" in actors:

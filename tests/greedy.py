@@ -7,7 +7,12 @@ from powerinfer import PowerInfer
 
 def greedy_tokens(m: PowerInfer, prompt: str, n: int) -> list[int]:
     """The n token ids m decodes greedily after `prompt` (either runtime)."""
-    events = m._run([m.tokenize(prompt)], n, dict(temperature=0, ignore_eos=True))
+    return greedy_ids(m, m.tokenize(prompt), n)
+
+
+def greedy_ids(m: PowerInfer, ids: list[int], n: int) -> list[int]:
+    """The n token ids m decodes greedily after the token ids `ids` (either runtime)."""
+    events = m._run([ids], n, dict(temperature=0, ignore_eos=True))
     return [ev.token for ev in events if ev.token >= 0]
 
 
@@ -33,13 +38,13 @@ def chosen_logits(m: PowerInfer, ids: list[int], n: int) -> tuple[torch.Tensor, 
 
     eng._step = record  # this instance only
     try:
-        events = list(m._run([ids], n, dict(temperature=0, ignore_eos=True)))
+        tokens = greedy_ids(m, ids, n)
     finally:
         if own is None:
             del eng._step
         else:
             eng._step = own
-    logits, tokens = torch.cat(rows), [e.token for e in events]
+    logits = torch.cat(rows)
     assert len(logits) == n and logits.argmax(-1).tolist() == tokens, "not the greedy choices"
     return logits, tokens
 
