@@ -3,7 +3,7 @@
 
     .venv/bin/python benchmarks/decode.py [--model NAME|FILE] [--tokens 128] [--prompt-tokens 128]
         [--threads N] [--configs fp32 bf16 bf16+int4 ... bf16+int4+compile] [--skip-llama]
-        [--out FILE]
+        [--turns N] [--out FILE]
 
 Ours, per config: prefill tok/s is the timed forward over the prompt (median over runs); decode
 tok/s is what a user sees through `Engine.run` with greedy sampling and ignore_eos (sampling,
@@ -12,6 +12,10 @@ same runs. The first run of each config is a warm-up (torch.compile happens ther
 llama.cpp runs through llama-cpp-python (installed into benchmarks/.llama-venv on first use) in a
 subprocess on the same token ids, thread count and token count, greedy.
 A per-token profile of our decode (module breakdown and top torch ops) is printed for one config.
+With --turns N each config is also measured against llama.cpp in N alternating turns (one
+generation of ours, then one llama.cpp run, each turn) while it is loaded: on a shared VM whose
+speed drifts by more than the difference looked for between runs minutes apart, the median of
+the turns' ratios is the figure to quote.
 """
 from __future__ import annotations
 
@@ -260,6 +264,30 @@ def top_ops(m: PowerInfer, ids: list[int], n: int, top: int = 15) -> str:
 
 
 # ---------------------------------------------------------------- report
+def in_turns(m: PowerInfer, model: str, ids: list[int], n: int, threads: int, turns: int) -> dict:
+    """Ours and llama.cpp decoding alternately, `turns` times: a generation of ours (the median of
+    two) then a llama.cpp run (its subprocess's warm-up, then one timed run), each turn's ratio."""
+    rows = []
+    for _ in range(turns):
+        ours = statistics.median(generate_once(m, ids, n)["decode_s"] for _ in range(2))
+        theirs = bench_llama(model, ids, n, threads, 1)["decode_s"]
+        rows.append(dict(ours_tok_s=1 / ours, llama_tok_s=1 / theirs, ratio=theirs / ours))
+    return dict(turns=rows, ratio=statistics.median(r["ratio"] for r in rows))
+
+
+def turns_table(turns: dict) -> str:
+    lines = ["In turns (ours, then llama.cpp, each turn; ratio: our decode tok/s over llama.cpp's):",
+             "", "| config | turns | ours tok/s (median) | llama.cpp tok/s (median) | ratio (median) | "
+             "each turn |", "|---|---:|---:|---:|---:|---|"]
+    for name, t in turns.items():
+        rows = t["turns"]
+        lines.append(f"| PowerInfer {name} | {len(rows)} | "
+                     f"{statistics.median(r['ours_tok_s'] for r in rows):.1f} | "
+                     f"{statistics.median(r['llama_tok_s'] for r in rows):.1f} | **{t['ratio']:.2f}x** | "
+                     + ", ".join(f"{r['ratio']:.2f}" for r in rows) + " |")
+    return "\n".join(lines)
+
+
 def table(results: dict, llama: dict | None, p: int, n: int, file: str = "") -> str:
     ref = llama["decode_s"] if llama else None
     lines = [f"Prompt {p} tokens, {n} generated tokens (greedy, ignore_eos). decode: through the "
@@ -298,6 +326,8 @@ def main():
     ap.add_argument("--profile", nargs="+",
                     help="configs to profile (default: the first eager one and the last one)")
     ap.add_argument("--skip-llama", action="store_true")
+    ap.add_argument("--turns", type=int, default=0,
+                    help="also measure each config against llama.cpp in this many alternating turns")
     ap.add_argument("--model", default="smollm2-135m-instruct",
                     help="a model file or an installed model's short name (gemma3-270m)")
     ap.add_argument("--out", help="also write the markdown section to this file")
@@ -308,7 +338,7 @@ def main():
 
     cpu0 = cpu_seconds()
     model_path = str(resolve_model(a.model))
-    results, llama = {}, None
+    results, llama, turns = {}, None, {}
     prof_names = a.profile or {next((c for c in a.configs if "compile" not in c), None),
                                a.configs[-1]}
     profiles = []
@@ -326,6 +356,9 @@ def main():
             r["others"] = others_share(c0)
             print(f"  load {load_s:.1f}s, warm-up {r['warmup_s']:.1f}s, "
                   f"decode {1 / r['decode_s']:.1f} tok/s", flush=True)
+            if a.turns and not a.skip_llama:
+                turns[name] = in_turns(m, model_path, ids, a.tokens, a.threads, a.turns)
+                print(f"  in turns with llama.cpp: {turns[name]['ratio']:.2f}x", flush=True)
             if name in prof_names:
                 k = min(a.tokens, 64)
                 parts = [] if m.config.compile else [module_breakdown(m, ids, k)]  # hooks: eager
@@ -351,6 +384,8 @@ def main():
                            len(r["out"])) for name, r in results.items() if "out" in r}
         body += "\n\nGreedy tokens identical to llama.cpp's: " + ", ".join(
             f"{k} {v}/{a.tokens}" for k, v in same.items()) + "."
+    if turns:
+        body += "\n\n" + turns_table(turns)
     section = "\n\n".join(x for x in (
         f"## Decode benchmark ({datetime.date.today()})",
         f"- Machine: {info}\n- Model: {Path(model_path).name}", body, *profiles) if x)

@@ -343,6 +343,29 @@ def test_paged_attention_shares_a_steps_index_work_across_layers(decode, window)
     assert kinds == (["blocks", "mask", "slots"] if decode else ["slots"]), kinds
 
 
+@pytest.mark.parametrize("dim", [64, 576, 4096, 96])  # 96: not whole pairs of blocks
+def test_bf16_gemv_of_one_row_equals_the_many_row_path_and_a_matmul(isa, dim):
+    # a decode row over bf16 rows runs its own path (four rows at a time where the CPU has
+    # AVX512_BF16) with every row count, split across threads at any row: its sums are the
+    # row-at-a-time path's in the same order (equal to a 2-row call's first row) and a matmul's
+    torch.manual_seed(3)
+    x2 = torch.randn(2, dim)
+    for n in (1, 3, 4, 5, 8, 37, 130):
+        w = torch.randn(n, dim).bfloat16()
+        rows = w.view(torch.uint8).reshape(n, dim * 2)
+        want = x2[:1].bfloat16().float() @ w.float().t()
+        for threads in (1, 2):
+            before = torch.get_num_threads()
+            torch.set_num_threads(threads)
+            try:
+                one = torch.ops.powerinfer.linear(x2[:1], rows, 1)
+                two = torch.ops.powerinfer.linear(x2, rows, 1)
+            finally:
+                torch.set_num_threads(before)
+            assert torch.equal(one[0], two[0]), (n, threads)
+            assert (one - want).abs().max() <= 1e-5 * want.abs().max() + 1e-6, (n, threads)
+
+
 @pytest.mark.parametrize("kind", ["Q4_0", "Q4_1"])
 @pytest.mark.parametrize("n", [48, 200])  # whole groups of 16 rows; a padded last group
 def test_q4x16_gemv_equals_a_matmul_over_the_files_weights(isa, kind, n):
