@@ -39,7 +39,7 @@ from powerinfer.sparse import BlockSlice, decode_rows
 
 from .group_info import node_id
 from .channel import ChannelClosed, native_error
-from .plane import (ATTN, DECODE, HEAD, STOP, FFNInput, Partial, PlaneSpec, head_ranges, receive,
+from .plane import (ATTN, DECODE, HEAD, PREFILL, STOP, FFNInput, Partial, PlaneSpec, head_ranges, receive,
                     send, split_kv)
 
 
@@ -126,7 +126,7 @@ class ColdExecutor:
         cos, sin = self.rope[0] if self.rope is not None else (None, None)
         cols = lambda rows, j: [r[j] for r in rows]  # noqa: E731
         return (self.x.base, self.part.base, self.part.capacity, self.spec.dim,
-                dtype == torch.bfloat16, self.x.spin_us, [DECODE, HEAD, ATTN],
+                dtype == torch.bfloat16, self.x.spin_us, [DECODE, HEAD, ATTN, PREFILL],
                 kernels.ACTS.index(act), *(cols(ffn, j) for j in range(6)),
                 *(cols(attn, j) for j in range(10)), n_heads, cos, sin, self.args.sliding_window,
                 scale, *((None, 0, 0) if head is None else head))

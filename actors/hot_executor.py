@@ -9,7 +9,8 @@ engine's) holding only the hot neurons; the cold executors hold the rest. `Remot
 FFN input out first, computes the hot neurons while the cold executors work, then adds their
 partial sums. A decode step of a LLaMA-family model whose every layer the kernel library's
 native loop runs takes that loop instead (`native.NativeDecode`: the same exchanges and sums in
-one C++ call, `hot_layers`); a step with prompt tokens runs the modules.
+one C++ call, `hot_layers`), and so does a step with prompt tokens where every layer's neurons
+and heads are in 16-row group layouts (else it runs the modules).
 
 On a GPU (`Config(device="cuda")`) the model is built on the host the same way and then moved
 to the device: the device holds embeddings, attention, the KV cache, the hot
@@ -290,6 +291,7 @@ class HotExecutor:
         if self.native is not None:
             self._decode = self.native  # (as the in-process engine takes it)
         self.steps, self.step_s = 0, 0.0
+        self.native_prompts, self.native_prompt_steps = True, 0  # (see `prompts_natively`)
         # a profile `profile` asked for: decode steps left, the running profiler, its tables
         self._profile_left, self._profiler, self._profile_table = 0, None, None
 
@@ -310,7 +312,7 @@ class HotExecutor:
             layers.append((block.attn_norm, f.norm, f.hot if len(f.hot.idx) else None, f.threshold, att.own))
         args = layer_args(a, dtype, layers, m.layers[0].attn.own.n_heads, m.rope_cos, m.rope_sin)
         exchange = (io.x.base, io.x.capacity, [p.base for p in io.parts], [p.state for p in io.parts],
-                    io.parts[0].spin_us, [DECODE, ATTN])
+                    io.parts[0].spin_us, [DECODE, ATTN, PREFILL])
         return None if args is None else NativeDecode(m, exchange, args)
 
     def _lookahead(self, layer: int):
@@ -353,7 +355,11 @@ class HotExecutor:
                 kv = KVTables(io.to_device(io.ctl.view(torch.int64, (step.S + 1,), at.starts)),
                               io.to_device(io.ctl.view(torch.int32, (step.S, step.M), at.tables)))
                 last = io.to_device(io.ctl.view(torch.int64, (step.K,), at.last))
-                run = self.model if step.op == PREFILL else self._decode
+                # a prompt's step through the native loop too where its layers allow it
+                prompt = step.op == PREFILL
+                native = self.native is not None and self.native.prompts and self.native_prompts
+                run = self.model if prompt and not native else self._decode
+                self.native_prompt_steps += prompt and native
                 if step.op != PREFILL:
                     self._profile_start()
                 try:
@@ -376,6 +382,11 @@ class HotExecutor:
             return f"failed: {e}"
         finally:
             self._profile_stop()
+
+    def prompts_natively(self, enabled: bool):
+        """Whether prompt steps take the native loop where it runs them (the default), or the
+        Python modules: a diagnostic, the reference the native loop's prompt steps must equal."""
+        self.native_prompts = bool(enabled)
 
     def profile(self, steps: int):
         """Profile the next `steps` decode steps (torch.profiler: this process's ops and their
@@ -424,6 +435,7 @@ class HotExecutor:
     def stats(self) -> dict:
         io = self.io
         out = {"steps": self.steps, "step_s": self.step_s, "ctl_wait_s": io.ctl.wait_s,
+               "native_prompt_steps": self.native_prompt_steps,
                "part_wait_s": sum(p.wait_s for p in io.parts), "hot_neurons": self.hot_neurons,
                "device": str(self.device), "memory": process_memory(),
                "held_bytes": held_bytes(self.model), **self._memory()}

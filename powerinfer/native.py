@@ -103,6 +103,13 @@ class NativeDecode:
 
     def __init__(self, model: Transformer, exchange: tuple, layers: tuple):
         self.model, self.args = model, (*exchange, *layers)
+        # whether a prompt's step runs here too: every layer's neurons and heads in 16-row group
+        # layouts, whose GEMVs the Python modules run for any number of rows as well (the C++
+        # check: prompt_rows_ffn, prompt_rows_attention)
+        kinds, _, down, w1, qkv, qkv_fmt, _, qkv2, qkv2_fmt, _, _, wo_fmt = layers[5:17]
+        self.prompts = all(k == 0 or (k == 1 and d < 0 and w < 0) for k, d, w in zip(kinds, down, w1)) and all(
+            not q.numel() or (f < 0 and (not q2.numel() or f2 < 0) and o < 0)
+            for q, f, q2, f2, o in zip(qkv, qkv_fmt, qkv2, qkv2_fmt, wo_fmt))
 
     @classmethod
     def of(cls, model: Transformer) -> "NativeDecode | None":
@@ -113,16 +120,18 @@ class NativeDecode:
             return None
         layers = layer_args(a, dtype, [(b.attn_norm, b.ffn_norm, b.ffn, 0.0, b.attn) for b in model.layers],
                             model.layers[0].attn.n_heads, model.rope_cos, model.rope_sin)
-        exchange = (0, 0, [], [], 0.0, [0, 0])  # no channels, no executors
+        exchange = (0, 0, [], [], 0.0, [0, 0, 0])  # no channels, no executors
         return None if layers is None else cls(model, exchange, layers)
 
     def __call__(self, tokens, pos, kv: KVTables, last):
-        m, B = self.model, tokens.shape[0]
+        # tokens (B, 1): a decode step; (1, N): a prompt step (its chunks and decode rows, as the
+        # modules take it), where `prompts` allows one; last: the sampled rows of the N
+        m, (B, T) = self.model, tokens.shape
         h = m.tok_embeddings(tokens)
         if m.args.embed_scale:
             h = h * torch.tensor(m.args.embed_scale, dtype=h.dtype)
-        h = torch.ops.powerinfer.hot_layers(h.reshape(B, -1), pos.reshape(-1), kv.starts, kv.tables,
-                                            *self.args)[last].unsqueeze(1)
+        h = torch.ops.powerinfer.hot_layers(h.reshape(B * T, -1), pos.reshape(-1), kv.starts, kv.tables,
+                                            *self.args, prompt=T > 1)[last].unsqueeze(1)
         if h.shape[0] == 0:  # nothing sampled this step
             return h.new_zeros(0, 1, m.args.vocab_size, dtype=torch.float32)
         return m.output(m.norm(h)).float()

@@ -158,6 +158,52 @@ def test_int4_dense_split_equals_the_in_process_engine(ray_cluster):
     assert not shm_segments()
 
 
+def test_prompt_steps_in_the_native_loop_equal_the_modules(ray_cluster):
+    # the shipped configuration's prompt steps run the hot executor's C++ layer loop where every
+    # layer is in 16-row group layouts: a prompt alone, then one that arrives while the first
+    # decodes (its chunk beside that decode row). Every sampled token's log-probabilities, prompt
+    # steps and the decode steps after them (over the KV cache the prompt steps wrote), equal
+    # those of the same requests with the hot executor's prompt steps through its Python modules,
+    # bit for bit. (The cold executor answers a prompt's rows in its native loop either way, with
+    # the C++ a prompt step runs in process: test_native.py checks that against the modules.)
+    from powerinfer import kernels
+    from powerinfer.config import SamplingParams
+    if not kernels.available():
+        pytest.skip("the kernel library does not run here: no native loop")
+    pi = PowerInfer.from_pretrained(MODEL, Config(runtime="actors", cold_executors=1,
+                                                  **dict(BASE, dtype="bfloat16", weights="int4")))
+    hot = pi.engine.group.actors["hot"]
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=3)
+    first, second = (pi.tokenize(p) for p in PROMPTS[:2])
+
+    def requests() -> list[list[tuple]]:
+        out = [[], []]
+
+        def run(i, ids):
+            for ev in pi.engine.generate(ids, params):
+                out[i].append((ev["token"], ev["logprob"], tuple(ev["top_logprobs"])))
+        later = threading.Thread(target=run, args=(1, second))
+        for ev in pi.engine.generate(first, params):
+            out[0].append((ev["token"], ev["logprob"], tuple(ev["top_logprobs"])))
+            if len(out[0]) == 2:
+                later.start()  # its prompt step beside this request's decode rows
+        later.join()
+        return out
+
+    try:
+        runs = {}
+        for native in (True, False):
+            ray.get(hot.prompts_natively.remote(native))
+            before = pi.engine.stats()["actors"]["hot"]["native_prompt_steps"]
+            runs[native] = requests(), pi.engine.stats()["actors"]["hot"]["native_prompt_steps"] - before
+        assert runs[True][1] >= 2 and runs[False][1] == 0, (runs[True][1], runs[False][1])
+        assert [len(r) for r in runs[True][0]] == [12, 12]
+        assert runs[True][0] == runs[False][0]
+    finally:
+        pi.close()
+    assert not shm_segments()
+
+
 def decode(m: PowerInfer, prompts: list[list[int]], n: int) -> list[list[int]]:
     """Greedy ids of `prompts` decoded together (one batch in the in-process engine, concurrent
     requests in the actor runtime's)."""

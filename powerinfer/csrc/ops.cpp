@@ -720,6 +720,20 @@ static at::Tensor attention_step(const Kernels& k, const ColdLayers& L, int64_t 
   return project(k, y.to(at::kFloat), L.wo[layer], L.wo_fmt[layer], x.size(1));
 }
 
+// Whether a layer's neurons (its heads) answer a prompt's rows, any number of them, natively:
+// a block slice (a whole dense FFN) whose gate+up and down are 16-row groups, heads whose
+// projections are: the GEMVs the Python modules run for those rows too (a projection in a row
+// format, `KernelLinear`, widens a many-row step's rows instead, and neuron records go through
+// the prompt path of the Python set), so the answers are theirs.
+static bool prompt_rows_ffn(const ColdLayers& L, int64_t layer) {
+  return L.ffn_kind[layer] == 1 && L.ffn_w1_fmt[layer] < 0 && L.ffn_down_fmt[layer] < 0;
+}
+
+static bool prompt_rows_attention(const ColdLayers& L, int64_t layer) {
+  return L.qkv[layer].numel() && L.qkv_fmt[layer] < 0 && (!L.qkv2[layer].numel() || L.qkv2_fmt[layer] < 0) &&
+         L.wo_fmt[layer] < 0;
+}
+
 // A cold executor's loop over the messages it answers without Python, decode steps with no
 // masks: of the layers it holds as block slices or neuron records (a dense split), of its
 // attention heads, and of its rows of the output head. Waits for the next message on `x`
@@ -728,7 +742,9 @@ static at::Tensor attention_step(const Kernels& k, const ColdLayers& L, int64_t 
 // the rows (rows, dim) in the model's type (bf16 or f32), for an attention step followed by
 // positions (int64), sequence starts (int64) and block tables (int32), each at the next 64-byte
 // boundary (its words 4 and 5: sequences and the tables' width); answers are f32.
-// ops: the plane's op codes (decode, head, attention; actors/plane.py).
+// ops: the plane's op codes (decode, head, attention, prefill; actors/plane.py). A prompt's
+// rows (a prefill message) are answered here where the layer's entries allow it
+// (prompt_rows_ffn, prompt_rows_attention), else left to the caller.
 static std::vector<int64_t> cold_serve(at::Tensor& state, int64_t x_base, int64_t part_base, int64_t part_capacity,
                                        int64_t dim, bool bf16, double spin_us, at::IntArrayRef ops, int64_t act,
                                        at::TensorList ffn_w1, at::TensorList ffn_w2, at::IntArrayRef ffn_kind,
@@ -745,7 +761,7 @@ static std::vector<int64_t> cold_serve(at::Tensor& state, int64_t x_base, int64_
   const ColdLayers L = per_layer(ffn_w1, ffn_w2, ffn_kind, ffn_n, ffn_down_fmt, ffn_w1_fmt, qkv, qkv_fmt, qkv_n,
                                  qkv2, qkv2_fmt, qkv2_n, wo, wo_fmt, k_cache, v_cache);
   const size_t n_layers = ffn_kind.size();
-  TORCH_CHECK(ops.size() == 3 && dim % 32 == 0, "ops: (decode, head, attention); dim a multiple of 32");
+  TORCH_CHECK(ops.size() == 4 && dim % 32 == 0, "ops: (decode, head, attention, prefill); dim a multiple of 32");
   auto* xh = reinterpret_cast<ChannelHeader*>(x_base);
   char* xp = reinterpret_cast<char*>(x_base) + CH_HEADER;
   char* pp = reinterpret_cast<char*>(part_base) + CH_HEADER;
@@ -756,18 +772,22 @@ static std::vector<int64_t> cold_serve(at::Tensor& state, int64_t x_base, int64_
     const int64_t op = xh->words[0], layer = xh->words[1], B = xh->words[2], T = xh->words[3], w4 = xh->words[4],
                   w5 = xh->words[5];
     const bool in_layers = layer >= 0 && layer < (int64_t)n_layers;
+    const bool decode_rows = T == 1 && B <= 64;  // else a prompt's rows: whole-row layouts only (below)
+    const int64_t rows = B * T;
     at::Tensor y;
-    if (T == 1 && B <= 64 && op == ops[0] && !w4 && in_layers && ffn_kind[layer]) {
+    if (decode_rows && op == ops[0] && !w4 && in_layers && ffn_kind[layer]) {
       y = ffn_step(k, L, layer, at::from_blob(xp, {B, dim}, rows_type), act);
-    } else if (T == 1 && B <= 64 && op == ops[2] && in_layers && qkv[layer].numel()) {
+    } else if (op == ops[3] && !w4 && in_layers && prompt_rows_ffn(L, layer)) {
+      y = ffn_step(k, L, layer, at::from_blob(xp, {rows, dim}, rows_type), act);
+    } else if (op == ops[2] && in_layers && qkv[layer].numel() && (decode_rows || prompt_rows_attention(L, layer))) {
       auto up = [](int64_t n) { return (n + 63) / 64 * 64; };  // PlaneSpec.attn_layout
-      const int64_t at_pos = up(B * dim * (bf16 ? 2 : 4)), at_starts = at_pos + up(B * 8), at_tables = at_starts + up((w4 + 1) * 8);
+      const int64_t at_pos = up(rows * dim * (bf16 ? 2 : 4)), at_starts = at_pos + up(rows * 8), at_tables = at_starts + up((w4 + 1) * 8);
       const auto ints = at::TensorOptions().dtype(at::kLong);
-      at::Tensor pos = at::from_blob(xp + at_pos, {B}, ints), starts = at::from_blob(xp + at_starts, {w4 + 1}, ints);
+      at::Tensor pos = at::from_blob(xp + at_pos, {rows}, ints), starts = at::from_blob(xp + at_starts, {w4 + 1}, ints);
       at::Tensor tables = at::from_blob(xp + at_tables, {w4, w5}, at::TensorOptions().dtype(at::kInt));
-      y = attention_step(k, L, layer, at::from_blob(xp, {B, dim}, rows_type), pos, starts, tables, n_heads, cos, sin,
+      y = attention_step(k, L, layer, at::from_blob(xp, {rows, dim}, rows_type), pos, starts, tables, n_heads, cos, sin,
                          window, scale);
-    } else if (T == 1 && B <= 64 && op == ops[1] && head && head->defined()) {
+    } else if (decode_rows && op == ops[1] && head && head->defined()) {
       y = project(k, at::from_blob(xp, {B, dim}, rows_type), *head, head_fmt, head_n);
       if (bf16) y = y.to(at::kBFloat16).to(at::kFloat);  // the head answers in the model's type
     } else {
@@ -810,7 +830,10 @@ static void join_parts(at::Tensor& h, at::Tensor& y, at::IntArrayRef part_bases,
 // channels (the in-process engine) nothing is sent: the lists are the whole model's. h (B, dim)
 // the embedded tokens in the model's type (f32 or bf16) -> the residual after the last layer.
 // norms: each layer's attention norm then FFN norm (RMSNorm, the model's type); ops: the
-// plane's op codes (decode, attention).
+// plane's op codes (decode, attention, prefill). `prompt`: the rows are a prompt step's tokens
+// (chunks and decode rows, `starts` telling the sequences apart), sent to the cold executors as
+// the Python modules send a prompt's; every layer's own entries in whole-row layouts
+// (prompt_rows_ffn, prompt_rows_attention).
 static at::Tensor hot_layers(const at::Tensor& h_in, const at::Tensor& pos, const at::Tensor& starts,
                              const at::Tensor& tables, int64_t x_base, int64_t x_capacity, at::IntArrayRef part_bases,
                              at::TensorList part_states, double spin_us, at::IntArrayRef ops, int64_t act,
@@ -821,13 +844,17 @@ static at::Tensor hot_layers(const at::Tensor& h_in, const at::Tensor& pos, cons
                              at::IntArrayRef qkv2_n, at::TensorList wo, at::IntArrayRef wo_fmt,
                              at::TensorList k_cache, at::TensorList v_cache, int64_t n_heads,
                              const std::optional<at::Tensor>& cos, const std::optional<at::Tensor>& sin,
-                             int64_t window, double scale) {
+                             int64_t window, double scale, bool prompt) {
   const Kernels& k = active();
   const ColdLayers L = per_layer(ffn_w1, ffn_w2, ffn_kind, ffn_n, ffn_down_fmt, ffn_w1_fmt, qkv, qkv_fmt, qkv_n,
                                  qkv2, qkv2_fmt, qkv2_n, wo, wo_fmt, k_cache, v_cache);
   const size_t n_layers = ffn_kind.size();
   TORCH_CHECK(norms.size() == 2 * n_layers, "two norms per layer");
-  TORCH_CHECK(ops.size() == 2, "ops: (decode, attention)");
+  TORCH_CHECK(ops.size() == 3, "ops: (decode, attention, prefill)");
+  if (prompt)
+    for (size_t l = 0; l < n_layers; l++)
+      TORCH_CHECK((!ffn_kind[l] || prompt_rows_ffn(L, l)) && (!qkv[l].numel() || prompt_rows_attention(L, l)),
+                  "layer ", l, ": a prompt's rows need 16-row group layouts");
   TORCH_CHECK(part_bases.size() == part_states.size(), "a state for each part channel");
   for (const at::Tensor& st : part_states)
     TORCH_CHECK(st.scalar_type() == at::kLong && st.numel() == 2 && st.is_contiguous(), "states: int64 (2,)");
@@ -839,14 +866,17 @@ static at::Tensor hot_layers(const at::Tensor& h_in, const at::Tensor& pos, cons
   const bool exchange = !part_bases.empty();  // none: the whole model in this process
   at::Tensor h = h_in.contiguous().clone();
   const std::vector<int64_t> attn_words = {tables.size(0), tables.size(1)}, none;
+  // a prompt's rows go out as the Python modules send them, (1, rows, dim), its FFN's as a prefill
+  const int64_t rows = h.size(0), dim = h.size(1);
+  auto sent = [&](const at::Tensor& x) { return prompt ? x.view({1, rows, dim}) : x; };
   for (size_t l = 0; l < n_layers; l++) {
     const int64_t layer = (int64_t)l;
     at::Tensor x = rms_norm(h, norms[2 * l], eps);
-    if (exchange) send_message({x, pos, starts, tables}, x_base, x_capacity, ops[1], layer, attn_words);
+    if (exchange) send_message({sent(x), pos, starts, tables}, x_base, x_capacity, ops[1], layer, attn_words);
     at::Tensor y = attention_step(k, L, layer, x, pos, starts, tables, n_heads, cos, sin, window, scale);
     join_parts(h, y, part_bases, part_states, spin_us);
     x = rms_norm(h, norms[2 * l + 1], eps);
-    if (exchange) send_message({x}, x_base, x_capacity, ops[0], layer, none);
+    if (exchange) send_message({sent(x)}, x_base, x_capacity, prompt ? ops[2] : ops[0], layer, none);
     y = ffn_kind[l] ? ffn_step(k, L, layer, x, act).contiguous() : at::zeros(x.sizes(), x.options().dtype(at::kFloat));
     join_parts(h, y, part_bases, part_states, spin_us);
   }
@@ -876,7 +906,7 @@ TORCH_LIBRARY(powerinfer, m) {
         "Tensor[] ffn_w1, Tensor[] ffn_w2, int[] ffn_kind, int[] ffn_n, int[] ffn_down_fmt, int[] ffn_w1_fmt, "
         "Tensor[] qkv, int[] qkv_fmt, int[] qkv_n, Tensor[] qkv2, int[] qkv2_fmt, int[] qkv2_n, Tensor[] wo, "
         "int[] wo_fmt, Tensor[] k_cache, Tensor[] v_cache, int n_heads, Tensor? cos, Tensor? sin, int window, "
-        "float scale) -> Tensor");
+        "float scale, bool prompt=False) -> Tensor");
   m.def("isa", &powerinfer::isa);
   m.def("use_isa", &powerinfer::use_isa);
 }
