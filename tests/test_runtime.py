@@ -131,6 +131,46 @@ def test_int4_actors_equal_the_int4_sparse_engine(ray_cluster, bundle):
 
 
 @pytest.mark.slow
+def assert_native_prompt_steps_equal_the_modules(pi: PowerInfer):
+    """The hot executor's prompt steps through its C++ layer loop (every layer in 16-row group
+    layouts): a prompt alone, then one that arrives while the first decodes (its chunk beside that
+    decode row). Every sampled token's log-probabilities, prompt steps and the decode steps after
+    them (over the KV cache the prompt steps wrote), equal those of the same requests with the hot
+    executor's prompt steps through its Python modules (`prompts_natively(False)`), bit for bit.
+    (The cold executors answer a prompt's rows in their native loop either way, with the C++ a
+    prompt step runs in process: test_native.py checks that against the modules.)"""
+    from powerinfer.config import SamplingParams
+    hot = pi.engine.group.actors["hot"]
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=3)
+    first, second = (pi.tokenize(p) for p in PROMPTS[:2])
+
+    def requests() -> list[list[tuple]]:
+        out = [[], []]
+
+        def run(i, ids):
+            for ev in pi.engine.generate(ids, params):
+                out[i].append((ev["token"], ev["logprob"], tuple(ev["top_logprobs"])))
+        later = threading.Thread(target=run, args=(1, second))
+        for ev in pi.engine.generate(first, params):
+            out[0].append((ev["token"], ev["logprob"], tuple(ev["top_logprobs"])))
+            if len(out[0]) == 2:
+                later.start()  # its prompt step beside this request's decode rows
+        later.join()
+        return out
+
+    runs = {}
+    try:
+        for native in (True, False):
+            ray.get(hot.prompts_natively.remote(native))
+            before = pi.engine.stats()["actors"]["hot"]["native_prompt_steps"]
+            runs[native] = requests(), pi.engine.stats()["actors"]["hot"]["native_prompt_steps"] - before
+    finally:
+        ray.get(hot.prompts_natively.remote(True))
+    assert runs[True][1] >= 2 and runs[False][1] == 0, (runs[True][1], runs[False][1])
+    assert [len(r) for r in runs[True][0]] == [12, 12]
+    assert runs[True][0] == runs[False][0]
+
+
 def test_int4_dense_split_equals_the_in_process_engine(ray_cluster):
     # the shipped configuration without a bundle: each executor's neurons are whole 4-bit blocks
     # of the file (BlockSlice: the int4 GEMV), its attention its KV heads' share, and the output
@@ -153,52 +193,8 @@ def test_int4_dense_split_equals_the_in_process_engine(ray_cluster):
         rows = [info["hot"]["head_rows"], *(info[f"cold.{k}"]["head_rows"] for k in range(2))]
         assert sum(rows) == 49152 and min(rows) > 0  # every row of the head in one place
         assert_bf16_greedy_tracks(ref, pi)
-    finally:
-        pi.close()
-    assert not shm_segments()
-
-
-def test_prompt_steps_in_the_native_loop_equal_the_modules(ray_cluster):
-    # the shipped configuration's prompt steps run the hot executor's C++ layer loop where every
-    # layer is in 16-row group layouts: a prompt alone, then one that arrives while the first
-    # decodes (its chunk beside that decode row). Every sampled token's log-probabilities, prompt
-    # steps and the decode steps after them (over the KV cache the prompt steps wrote), equal
-    # those of the same requests with the hot executor's prompt steps through its Python modules,
-    # bit for bit. (The cold executor answers a prompt's rows in its native loop either way, with
-    # the C++ a prompt step runs in process: test_native.py checks that against the modules.)
-    from powerinfer import kernels
-    from powerinfer.config import SamplingParams
-    if not kernels.available():
-        pytest.skip("the kernel library does not run here: no native loop")
-    pi = PowerInfer.from_pretrained(MODEL, Config(runtime="actors", cold_executors=1,
-                                                  **dict(BASE, dtype="bfloat16", weights="int4")))
-    hot = pi.engine.group.actors["hot"]
-    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=3)
-    first, second = (pi.tokenize(p) for p in PROMPTS[:2])
-
-    def requests() -> list[list[tuple]]:
-        out = [[], []]
-
-        def run(i, ids):
-            for ev in pi.engine.generate(ids, params):
-                out[i].append((ev["token"], ev["logprob"], tuple(ev["top_logprobs"])))
-        later = threading.Thread(target=run, args=(1, second))
-        for ev in pi.engine.generate(first, params):
-            out[0].append((ev["token"], ev["logprob"], tuple(ev["top_logprobs"])))
-            if len(out[0]) == 2:
-                later.start()  # its prompt step beside this request's decode rows
-        later.join()
-        return out
-
-    try:
-        runs = {}
-        for native in (True, False):
-            ray.get(hot.prompts_natively.remote(native))
-            before = pi.engine.stats()["actors"]["hot"]["native_prompt_steps"]
-            runs[native] = requests(), pi.engine.stats()["actors"]["hot"]["native_prompt_steps"] - before
-        assert runs[True][1] >= 2 and runs[False][1] == 0, (runs[True][1], runs[False][1])
-        assert [len(r) for r in runs[True][0]] == [12, 12]
-        assert runs[True][0] == runs[False][0]
+        if kernels.available():  # its prompt steps in the native loops too
+            assert_native_prompt_steps_equal_the_modules(pi)
     finally:
         pi.close()
     assert not shm_segments()
