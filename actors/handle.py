@@ -11,12 +11,14 @@ it sends the request again with those tokens to resume from: the scheduler repla
 prefills prompt and tokens, and the stream goes on where it stopped. The caller sees a pause.
 A request is resumed once per failure of the group it runs on, at most MAX_RESUMES times; it
 ends with a retryable `EngineFailedError` only if the rebuild fails or takes longer than
-RESUME_WAIT_S. One loop does this for every caller (`follow`, and `follow_sync` for the sync
-`generate`): the async one, the sync one and the Serve ingress (which streams from the scheduler
-itself and asks the model deployment for the group to resume on).
+RESUME_WAIT_S. One attempt's bookkeeping (`_Attempt`) does this for every caller, in two loops:
+`follow` for the async callers (`agenerate`, and the Serve ingress, which streams from the
+scheduler itself and asks the model deployment for the group to resume on) and `follow_sync` for
+the sync `generate`.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import secrets
@@ -99,9 +101,9 @@ class _Attempt:
         return self.at["scheduler"].generate.remote(f.rid, f.prompt, f.params, resume=f.sent or None)
 
     def received(self, events: list[dict]) -> list[dict]:
-        self.ended = True  # (an error event ends the request on the scheduler too)
         for ev in events:
             if "error" in ev:
+                self.ended = True  # (an error event ends the request on the scheduler too)
                 raise ERRORS.get(ev["error"], PowerInferError)(ev["message"])
             self.f.took(ev)
         self.ended = any(ev["finish_reason"] for ev in events)
@@ -196,8 +198,10 @@ class ActorEngine:
         """Stream events ({"text", "token", "finish_reason"}) for one request; raises a
         PowerInferError subclass on failure (retryable ones carry `retryable = True`)."""
         f, at = self.open(prompt, params, request_id)
-        for events in follow_sync(f, at, lambda failed, why: self.replacement(failed["id"], why)):
-            yield from events
+        # closed with this generator: a caller that stops early cancels the request at once
+        with contextlib.closing(follow_sync(f, at, lambda failed, why: self.replacement(failed["id"], why))) as events:
+            for batch in events:
+                yield from batch
 
     async def agenerate(self, prompt: list[int], params: SamplingParams,
                         request_id: str | None = None) -> AsyncIterator[list[dict]]:

@@ -357,8 +357,11 @@ def main():
             print(f"  load {load_s:.1f}s, warm-up {r['warmup_s']:.1f}s, "
                   f"decode {1 / r['decode_s']:.1f} tok/s", flush=True)
             if a.turns and not a.skip_llama:
-                turns[name] = in_turns(m, model_path, ids, a.tokens, a.threads, a.turns)
-                print(f"  in turns with llama.cpp: {turns[name]['ratio']:.2f}x", flush=True)
+                try:  # (a llama.cpp failure leaves this config's own results standing)
+                    turns[name] = in_turns(m, model_path, ids, a.tokens, a.threads, a.turns)
+                    print(f"  in turns with llama.cpp: {turns[name]['ratio']:.2f}x", flush=True)
+                except RuntimeError as e:
+                    print(f"  in turns: FAILED: {str(e).splitlines()[0][:200]}", flush=True)
             if name in prof_names:
                 k = min(a.tokens, 64)
                 parts = [] if m.config.compile else [module_breakdown(m, ids, k)]  # hooks: eager

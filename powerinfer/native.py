@@ -2,7 +2,8 @@
 the loops take them (`ffn_entry`, `attention_entry`: the actor runtime's cold executors answer
 with them in `cold_serve`, its hot executor runs its share of a decode step in `hot_layers`), and
 `NativeDecode`, a decode step whose layer loop is one C++ call, `hot_layers`: the in-process
-engine's (no executors to exchange with) and the hot executor's.
+engine's (no executors to exchange with) and the hot executor's, which runs its prompt steps
+through it too where every layer is in 16-row group layouts (`NativeDecode.prompts`).
 
 A decode step of a small model run by its modules is mostly per-op dispatch (SmolLM2: about 20
 ops a layer, 30 layers); the loop runs the same operations in the same order (the norms, the
@@ -96,7 +97,8 @@ def rms_weight(norm: nn.Module, dtype: torch.dtype) -> torch.Tensor | None:
 
 
 class NativeDecode:
-    """`Transformer.forward` of a decode step (one token a sequence) with its layer loop in C++:
+    """`Transformer.forward` of a decode step (one token a sequence), or where `prompts` of a
+    prompt step (chunks and decode rows, tokens (1, N)), with its layer loop in C++:
     `exchange` are `hot_layers`' channel arguments (the actor runtime's hot executor) or none (in
     process), `layers` its per-layer ones (norms, eps, the FFN and attention entries' columns,
     heads, RoPE tables, window, scale)."""

@@ -130,7 +130,6 @@ def test_int4_actors_equal_the_int4_sparse_engine(ray_cluster, bundle):
     assert not shm_segments()
 
 
-@pytest.mark.slow
 def assert_native_prompt_steps_equal_the_modules(pi: PowerInfer):
     """The hot executor's prompt steps through its C++ layer loop (every layer in 16-row group
     layouts): a prompt alone, then one that arrives while the first decodes (its chunk beside that
@@ -171,6 +170,7 @@ def assert_native_prompt_steps_equal_the_modules(pi: PowerInfer):
     assert runs[True][0] == runs[False][0]
 
 
+@pytest.mark.slow
 def test_int4_dense_split_equals_the_in_process_engine(ray_cluster):
     # the shipped configuration without a bundle: each executor's neurons are whole 4-bit blocks
     # of the file (BlockSlice: the int4 GEMV), its attention its KV heads' share, and the output

@@ -795,7 +795,7 @@ static std::vector<int64_t> cold_serve(at::Tensor& state, int64_t x_base, int64_
     }
     TORCH_CHECK((int64_t)y.nbytes() <= part_capacity, "an answer over the channel's capacity");
     std::memcpy(pp, y.contiguous().data_ptr<float>(), y.nbytes());
-    const int64_t words[2] = {op == ops[1] ? -1 : layer, B};
+    const int64_t words[2] = {op == ops[1] ? -1 : layer, rows};  // (as Partial: the answer's rows)
     publish(part_base, words, 2);
   }
 }
