@@ -360,7 +360,7 @@ class HotExecutor:
                 native = self.native is not None and self.native.prompts and self.native_prompts
                 run = self.model if prompt and not native else self._decode
                 self.native_prompt_steps += prompt and native
-                if step.op != PREFILL:
+                if not prompt:
                     self._profile_start()
                 try:
                     logits = run(tokens, pos, kv, last)
@@ -375,7 +375,7 @@ class HotExecutor:
                 send(io.out, Reply(OK, step.K))
                 self.steps += 1
                 self.step_s += time.perf_counter() - t0
-                if step.op != PREFILL:
+                if not prompt:
                     self._profile_count()
         except (PeerDied, ChannelClosed) as e:
             self._error(str(e))

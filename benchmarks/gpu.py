@@ -78,8 +78,7 @@ from powerinfer.predictor import train_predictors
 from powerinfer.profile import ProfileOptions, profile
 from powerinfer.solver import gpu_bytes, solve_bundle
 from powerinfer.synthetic import write_synthetic
-import runtime
-from runtime import decode_speed, step_breakdown
+from runtime import PROMPT, decode_speed, step_breakdown, stream_speed
 
 MAX_SEQ, MAX_BATCH = 512, 1
 
@@ -135,7 +134,7 @@ def memo_ratios(pi: PowerInfer, tokens: int, turns: int = 4) -> list[float]:
             speed = {}
             for memo in ((True, False) if turn % 2 == 0 else (False, True)):
                 model.STEP_MEMO = memo
-                speed[memo] = runtime.stream_speed(pi, tokens)
+                speed[memo] = stream_speed(pi, tokens)
             out.append(speed[True] / speed[False])
     finally:
         model.STEP_MEMO = True
@@ -469,7 +468,7 @@ def main():
                 if a.profile_hot:
                     hot = pi.engine.group.actors["hot"]
                     ray.get(hot.profile.remote(a.profile_hot))
-                    pi.generate(runtime.PROMPT, max_new_tokens=a.profile_hot + 4, temperature=0,
+                    pi.generate(PROMPT, max_new_tokens=a.profile_hot + 4, temperature=0,
                                 ignore_eos=True)
                     result[name]["hot_profile"] = ray.get(hot.profile_table.remote())
                     print(result[name]["hot_profile"], flush=True)

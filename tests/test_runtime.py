@@ -146,14 +146,13 @@ def assert_native_prompt_steps_equal_the_modules(pi: PowerInfer):
     def requests() -> list[list[tuple]]:
         out = [[], []]
 
-        def run(i, ids):
+        def run(i, ids, then=None):
             for ev in pi.engine.generate(ids, params):
                 out[i].append((ev["token"], ev["logprob"], tuple(ev["top_logprobs"])))
+                if then is not None and len(out[i]) == 2:
+                    then.start()  # its prompt step beside this request's decode rows
         later = threading.Thread(target=run, args=(1, second))
-        for ev in pi.engine.generate(first, params):
-            out[0].append((ev["token"], ev["logprob"], tuple(ev["top_logprobs"])))
-            if len(out[0]) == 2:
-                later.start()  # its prompt step beside this request's decode rows
+        run(0, first, later)
         later.join()
         return out
 

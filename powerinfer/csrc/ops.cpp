@@ -775,9 +775,8 @@ static std::vector<int64_t> cold_serve(at::Tensor& state, int64_t x_base, int64_
     const bool decode_rows = T == 1 && B <= 64;  // else a prompt's rows: whole-row layouts only (below)
     const int64_t rows = B * T;
     at::Tensor y;
-    if (decode_rows && op == ops[0] && !w4 && in_layers && ffn_kind[layer]) {
-      y = ffn_step(k, L, layer, at::from_blob(xp, {B, dim}, rows_type), act);
-    } else if (op == ops[3] && !w4 && in_layers && prompt_rows_ffn(L, layer)) {
+    if (!w4 && in_layers && ((decode_rows && op == ops[0] && ffn_kind[layer]) ||
+                             (op == ops[3] && prompt_rows_ffn(L, layer)))) {
       y = ffn_step(k, L, layer, at::from_blob(xp, {rows, dim}, rows_type), act);
     } else if (op == ops[2] && in_layers && qkv[layer].numel() && (decode_rows || prompt_rows_attention(L, layer))) {
       auto up = [](int64_t n) { return (n + 63) / 64 * 64; };  // PlaneSpec.attn_layout
