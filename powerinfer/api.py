@@ -13,7 +13,7 @@ from .convert import kernel_ready
 from .batching import context_length
 from .engine import Engine, Event
 from .errors import ModelLoadError
-from .loader import DEFAULT_MODEL, Checkpoint, build_model, load_checkpoint
+from .loader import DEFAULT_MODEL, Checkpoint, build_model, load_checkpoint, parsed_once
 from .budget import plan_for
 from .kv import pool_blocks
 from .partial import keep_kquant_blocks, keep_stored_blocks
@@ -71,7 +71,11 @@ class PowerInfer:
     def from_pretrained(cls, name_or_path: str | os.PathLike = DEFAULT_MODEL,
                         config: Config | None = None) -> "PowerInfer":
         """Load a GGUF file, a Hugging Face folder, or an installed model by short name."""
-        config = config or Config()
+        with parsed_once():
+            return cls._load(name_or_path, config or Config())
+
+    @classmethod
+    def _load(cls, name_or_path, config: Config) -> "PowerInfer":
         if config.runtime != "local" or "dense" != config.weights or config.dtype == "auto":
             # the file's header decides "auto"; block types the CPU kernel cannot read
             # (K-quants) are read from a converted copy, made once

@@ -6,6 +6,8 @@ names the file and the problem.
 """
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import importlib.util
 import json
 import math
@@ -279,9 +281,38 @@ def gguf_metadata(reader) -> dict:
     return meta
 
 
+_READERS: contextvars.ContextVar[dict | None] = contextvars.ContextVar("gguf_readers", default=None)
+
+
+@contextlib.contextmanager
+def parsed_once():
+    """Within it, `open_gguf` parses each file once: one load reads a file's header several
+    times over (its listing, its converted copy's, the original's blocks beside the copy). The
+    parsed headers are dropped on leaving (a large vocabulary's are tens of MB)."""
+    if _READERS.get() is not None:
+        yield
+        return
+    token = _READERS.set({})
+    try:
+        yield
+    finally:
+        _READERS.reset(token)
+
+
 def open_gguf(path: Path):
     if not path.is_file():
         raise ModelLoadError(path, "not a file")
+    cache = _READERS.get()
+    if cache is not None:
+        st = path.stat()
+        key = (str(path.resolve()), st.st_size, st.st_mtime_ns)
+        if key not in cache:
+            cache[key] = _open_gguf(path)
+        return cache[key]
+    return _open_gguf(path)
+
+
+def _open_gguf(path: Path):
     with open(path, "rb") as fh:
         magic = fh.read(4)
     if magic not in (b"GGUF", b"PWRI"):  # PWRI: the original PowerInfer's layout (pwri.py)
