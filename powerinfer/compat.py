@@ -144,8 +144,41 @@ def ray_init(runtime_env: dict | None = None, resources: dict | None = None):
     kw = {}
     if not os.environ.get("RAY_ADDRESS") and resources:  # custom resources of a local instance
         kw["resources"] = resources
-    ray.init(include_dashboard=False, logging_level="warning", log_to_driver=True,
-             runtime_env=runtime_env, **kw)
+    for attempt in (1, 2):
+        before = _descendants()
+        try:
+            ray.init(include_dashboard=False, logging_level="warning", log_to_driver=True,
+                     runtime_env=runtime_env, **kw)
+            return
+        except Exception as e:  # noqa: BLE001 - Ray raises a bare Exception for this one
+            # a local raylet that took over Ray's fixed 30 s to register (a loaded machine, or
+            # the last instance's processes still exiting): stop what this attempt started
+            # (Ray leaves a half-started node's processes running) and start afresh, once
+            if attempt == 2 or os.environ.get("RAY_ADDRESS") or \
+                    "timed out during startup" not in str(e):
+                raise
+            import logging
+            logging.getLogger("powerinfer").warning("a local Ray instance did not come up in "
+                                                    "time (%s); starting it again", e)
+            ray.shutdown()
+            _kill([p for pid, p in _descendants().items() if pid not in before])
+
+
+def _descendants() -> dict:
+    import psutil
+
+    return {p.pid: p for p in psutil.Process().children(recursive=True)}
+
+
+def _kill(procs) -> None:
+    import psutil
+
+    for p in procs:
+        try:
+            p.kill()
+        except psutil.NoSuchProcess:
+            pass
+    psutil.wait_procs(procs, timeout=10)
 
 
 def trim_heap() -> None:
