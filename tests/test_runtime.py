@@ -42,7 +42,8 @@ def ray_cluster():
 def bundle(default_model_path, tmp_path_factory):
     """A small but complete bundle: profile, both predictors, a placement (0.2 GiB)."""
     b = profile(MODEL, "lee", tmp_path_factory.mktemp("rt") / "bundle",
-                ProfileOptions(tokens=1024, window=256, samples=1000), progress=False)
+                ProfileOptions(tokens=1024, window=256, samples=1000, calib_tokens=1024),
+                progress=False)
     for inp in ("layer", "ffn"):
         train_predictors(b, inp, ranks=[64], epochs=4, progress=False)
     solve_bundle(b, 0.2, context=256)
@@ -233,11 +234,12 @@ def test_compiled_split_attention_equals_the_in_process_engine(ray_cluster, tmp_
         assert info["hot"]["compiled"] and info["cold.0"]["native"]
         assert info["hot"]["kv_heads"][0] == 0 and info["cold.0"]["kv_heads"][1] == 4
         assert info["hot"]["kv_heads"][1] == info["cold.0"]["kv_heads"][0] > 0  # both hold heads
-        for batch in ([prompts[0]], prompts):
-            for p, want, got in zip(batch, decode(ref, batch, 24), decode(pi, batch, 24)):
-                assert_same_or_near_tie(ref, p, want, got, 1e-3)
+        # two rows at two positions, one compile (a batch of one is a graph of its own, which
+        # tests/test_generation.py's in-process compiled step covers: 20 s more here)
+        for p, want, got in zip(prompts, decode(ref, prompts, 24), decode(pi, prompts, 24)):
+            assert_same_or_near_tie(ref, p, want, got, 1e-3)
         st = pi.engine.stats()["actors"]
-        assert st["cold.0"]["messages"] > 2 * 24 * 2  # attention and FFN of every layer's steps
+        assert st["cold.0"]["messages"] > 2 * 2 * 24  # attention and FFN of 2 layers, 24 steps
     finally:
         pi.close()
     assert not shm_segments()
