@@ -280,6 +280,8 @@ class HotExecutor:
         self._decode = model.forward
         self.compiled = config.compile and self.io.native
         if self.compiled:  # the model's method (Ray wraps the actor's own)
+            for ch in self.io.channels():  # fixed sizes: no guard ties them to a batch's
+                torch._dynamo.mark_static(ch.state)
             self._decode = compile_per_instance(model.forward, cpp_wrapper=True)
         elif config.compile:
             log.warning("the hot executor runs its decode step eagerly: it compiles on a CPU "

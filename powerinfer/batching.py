@@ -344,7 +344,10 @@ def make_step(rows: list[tuple[Sequence, int]]) -> Step:
         if s.computed + n == s.num_tokens:
             sampled.append(s)
             last.append(len(tokens) - 1)
-    width = max(len(s.blocks.table) for s in seqs)
+    # at least two blocks wide (zeros past a table's end, as for a shorter row's): a compiled
+    # step specializes a size of 1, and a table of one block would compile a second graph
+    # when its sequences reach a second block
+    width = max(2, *(len(s.blocks.table) for s in seqs))
     tables = np.zeros((len(seqs), width), dtype=np.int32)
     for i, s in enumerate(seqs):
         tables[i, :len(s.blocks.table)] = s.blocks.table

@@ -114,6 +114,9 @@ def compile_per_instance(method, cpp_wrapper: bool = False):
     Dynamo keeps one cache per code object, which every instance of a class shares: a second
     model would be handed the first model's graph. A copy of the code object gives this instance
     a cache of its own."""
+    # Dynamo guards that two sizes seen equal once stay equal ("duck sizing"): a batch of two
+    # over block tables two wide would compile again when the tables widen
+    torch.fx.experimental._config.use_duck_shape = False
     fn = method.__func__
     own = types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__,
                              fn.__defaults__, fn.__closure__)

@@ -42,8 +42,7 @@ def ray_cluster():
 def bundle(default_model_path, tmp_path_factory):
     """A small but complete bundle: profile, both predictors, a placement (0.2 GiB)."""
     b = profile(MODEL, "lee", tmp_path_factory.mktemp("rt") / "bundle",
-                ProfileOptions(tokens=1024, window=256, samples=1000, calib_tokens=1024),
-                progress=False)
+                ProfileOptions(tokens=1024, window=256, samples=1000), progress=False)
     for inp in ("layer", "ffn"):
         train_predictors(b, inp, ranks=[64], epochs=4, progress=False)
     solve_bundle(b, 0.2, context=256)
@@ -239,7 +238,8 @@ def test_compiled_split_attention_equals_the_in_process_engine(ray_cluster, tmp_
         for p, want, got in zip(prompts, decode(ref, prompts, 24), decode(pi, prompts, 24)):
             assert_same_or_near_tie(ref, p, want, got, 1e-3)
         st = pi.engine.stats()["actors"]
-        assert st["cold.0"]["messages"] > 2 * 2 * 24  # attention and FFN of 2 layers, 24 steps
+        # attention and FFN of 2 layers in each of 24 steps (the prompt's and 23 decode steps)
+        assert st["cold.0"]["messages"] >= 2 * 2 * 24
     finally:
         pi.close()
     assert not shm_segments()
