@@ -1,6 +1,7 @@
 """Workarounds for library versions and platforms, kept in one place."""
 from __future__ import annotations
 
+import functools
 import struct
 import types
 
@@ -23,6 +24,12 @@ def gguf_reader(path):
     were written for a ggml whose types ended with I8, I16, I32 = 16, 17, 18; today's ggml gives
     those numbers to IQ2_XXS, IQ2_XS, IQ3_XXS and numbers the integer types 24, 25, 26.
     """
+    return reader_class()(path, "r")
+
+
+@functools.cache
+def reader_class():
+    """The reader class `gguf_reader` makes (a subclass of `gguf.GGUFReader`), made once."""
     import gguf
 
     class _PlainViewReader(gguf.GGUFReader):
@@ -56,7 +63,7 @@ def gguf_reader(path):
             got = _array_field_parts(self, orig_offs)
             return super()._get_field_parts(orig_offs, raw_type) if got is None else got
 
-    return _PlainViewReader(path, "r")
+    return _PlainViewReader
 
 
 def _array_field_parts(reader, orig_offs: int):

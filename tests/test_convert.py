@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from powerinfer import Config, PowerInfer
+from powerinfer import Config, ModelLoadError, PowerInfer
 from powerinfer.convert import converted, needs_conversion
 from powerinfer.loader import load_checkpoint, open_gguf
 from powerinfer.pwri import raw_field, write_gguf
@@ -106,3 +106,30 @@ def test_the_converted_model_computes_what_the_original_does(kquant_file):
     assert (b - a).norm() / a.norm() < 0.05, float((b - a).norm() / a.norm())
     # weights="dense" reads the file as it is: no copy is involved
     assert ref.checkpoint.path == kquant_file
+
+
+def test_the_reader_gives_the_stock_readers_fields_part_for_part(default_model_path, tmp_path):
+    # the project's reader slices an array's elements from one view (a vocabulary's tokens,
+    # types and merges) where the stock reader reads them one call each; the same parts, dtypes
+    # and values, field by field, on the real default model (its arrays of strings and of
+    # int32); and a file cut inside its vocabulary is a load error naming it
+    ours, stock = open_gguf(default_model_path), gguf.GGUFReader(default_model_path)
+    assert list(ours.fields) == list(stock.fields)
+    kinds = set()
+    for name, a in ours.fields.items():
+        b = stock.fields[name]
+        assert (a.offset, a.name, a.data, a.types) == (b.offset, b.name, b.data, b.types), name
+        assert len(a.parts) == len(b.parts), name
+        for x, y in zip(a.parts, b.parts):
+            assert x.dtype == y.dtype and x.shape == y.shape and np.array_equal(x, y), name
+        assert a.contents() == b.contents(), name
+        kinds.add(tuple(a.types))
+    A, T = gguf.GGUFValueType.ARRAY, gguf.GGUFValueType
+    assert {(A, T.STRING), (A, T.INT32)} <= kinds, kinds
+    assert [(t.name, t.tensor_type, t.data_offset) for t in ours.tensors] == \
+        [(t.name, t.tensor_type, t.data_offset) for t in stock.tensors]
+    tokens = stock.fields["tokenizer.ggml.tokens"]
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(default_model_path.read_bytes()[:tokens.offset + 1000])
+    with pytest.raises(ModelLoadError, match="cut.gguf: corrupt or truncated GGUF"):
+        open_gguf(cut)
