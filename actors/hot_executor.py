@@ -443,5 +443,8 @@ class HotExecutor:
                "held_bytes": held_bytes(self.model), **self._memory()}
         if io.predicting:
             out["mask_wait_s"] = io.mask.wait_s
+        if self.compiled:  # graphs its decode step has compiled (one per batch shape)
+            from torch._dynamo.utils import counters
+            out["compiled_graphs"] = int(counters["stats"]["unique_graphs"])
         return out
 

@@ -195,8 +195,9 @@ class PlaneSpec:
 
     @property
     def max_blocks(self) -> int:
-        """The widest block table: a sequence at max_seq positions."""
-        return -(-self.max_seq // self.block_size)
+        """The widest block table: a sequence at max_seq positions, and never under two blocks
+        (a step's tables are at least two wide: `batching.make_step`)."""
+        return max(2, -(-self.max_seq // self.block_size))
 
     def capacities(self) -> dict[str, int]:
         S, N, M, es = self.batch, self.tokens, self.max_blocks, self.torch_dtype.itemsize

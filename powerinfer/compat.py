@@ -69,7 +69,7 @@ def reader_class():
 def _array_field_parts(reader, orig_offs: int):
     """`GGUFReader._get_field_parts` for an array of strings or numbers: the same parts (per
     element, views of the same bytes), made by slicing one view instead of a `_get` call per
-    element: a 262k-token vocabulary took 3 s a parse that way, paid by every actor loading the
+    element: a 262k-token vocabulary took 3 s a parse that way, paid by every load of the
     file. None for an array of arrays (the stock walk reads those)."""
     import gguf
 
@@ -79,10 +79,12 @@ def _array_field_parts(reader, orig_offs: int):
     alen = data[orig_offs + 4:orig_offs + 12].view(np.uint64)
     offs, itype, n = orig_offs + 12, int(raw_itype[0]), int(alen[0])
     parts = [raw_itype, alen]
+    if n == 0:  # as the stock walk: no element, so no element type
+        return 12, parts, [], [T.ARRAY]
     if itype == T.STRING:
         o = offs
         for _ in range(n):
-            (length,) = struct.unpack_from("<Q", data, o)
+            (length,) = struct.unpack_from("=Q", data, o)  # (byte_order "I": this host's)
             if o + 8 + length > len(data):
                 raise ValueError(f"a string at offset {o} runs past the end of the file")
             parts += (data[o:o + 8].view(np.uint64), data[o + 8:o + 8 + length])
@@ -121,15 +123,24 @@ def compile_per_instance(method, cpp_wrapper: bool = False):
     Dynamo keeps one cache per code object, which every instance of a class shares: a second
     model would be handed the first model's graph. A copy of the code object gives this instance
     a cache of its own."""
-    # Dynamo guards that two sizes seen equal once stay equal ("duck sizing"): a batch of two
-    # over block tables two wide would compile again when the tables widen
-    torch.fx.experimental._config.use_duck_shape = False
     fn = method.__func__
     own = types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__,
                              fn.__defaults__, fn.__closure__)
-    return torch.compile(types.MethodType(own, method.__self__), dynamic=True, options={
+    compiled = torch.compile(types.MethodType(own, method.__self__), dynamic=True, options={
         "guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe,
         "cpp_wrapper": cpp_wrapper})
+    cfg = torch.fx.experimental._config
+
+    def step(*args, **kwargs):
+        # No "duck sizing" while this traces (Dynamo guards that two sizes seen equal once stay
+        # equal: a batch of two over block tables two wide would compile again when the tables
+        # widen), for this function only; 4 us a call
+        prev, cfg.use_duck_shape = cfg.use_duck_shape, False
+        try:
+            return compiled(*args, **kwargs)
+        finally:
+            cfg.use_duck_shape = prev
+    return step
 
 
 def ray_init(runtime_env: dict | None = None, resources: dict | None = None):
@@ -171,13 +182,31 @@ def ray_init(runtime_env: dict | None = None, resources: dict | None = None):
             logging.getLogger("powerinfer").warning("a local Ray instance did not come up in "
                                                     "time (%s); starting it again", e)
             ray.shutdown()
-            _kill([p for pid, p in _descendants().items() if pid not in before])
+            _kill([p for pid, p in _descendants().items() if pid not in before and _ray_process(p)])
 
 
 def _descendants() -> dict:
     import psutil
 
     return {p.pid: p for p in psutil.Process().children(recursive=True)}
+
+
+# what a local Ray node runs: its GCS and raylet binaries, its Python services (log monitor,
+# dashboard agents, the reaper) and its workers ("ray::...")
+_RAY_PROCESSES = ("gcs_server", "raylet", "ray/_private/", "ray/dashboard/", "ray/autoscaler/",
+                  "ray::", "ray_process_reaper")
+
+
+def _ray_process(p) -> bool:
+    """Whether `p` is one of a Ray node's processes (other processes this one started while Ray
+    was starting, another thread's say, are not stopped with it)."""
+    import psutil
+
+    try:
+        cmd = " ".join(p.cmdline()) or p.name()
+    except psutil.Error:
+        return False
+    return any(k in cmd for k in _RAY_PROCESSES)
 
 
 def _kill(procs) -> None:

@@ -305,7 +305,7 @@ def open_gguf(path: Path):
     cache = _READERS.get()
     if cache is not None:
         st = path.stat()
-        key = (str(path.resolve()), st.st_size, st.st_mtime_ns)
+        key = (str(path.resolve()), st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
         if key not in cache:
             cache[key] = _open_gguf(path)
         return cache[key]

@@ -143,8 +143,11 @@ def test_a_local_ray_start_that_times_out_is_cleaned_up_and_tried_once_more(monk
 
     def init(**kw):
         calls.append(kw)
-        if len(calls) == 1:  # a process of the failed attempt (as its GCS would be)
-            started.append(subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"]))
+        if len(calls) == 1:  # a process of the failed attempt (named as Ray's log monitor),
+            # and one another thread started meanwhile, which is not Ray's to stop
+            sleep = [sys.executable, "-c", "import time; time.sleep(120)"]
+            started.append(subprocess.Popen(sleep + ["ray/_private/log_monitor.py"]))
+            started.append(subprocess.Popen(sleep))
             raise Exception("The current node timed out during startup. This could happen "
                             "because some of the raylet failed to startup or the GCS has "
                             "become overloaded.")
@@ -159,6 +162,9 @@ def test_a_local_ray_start_that_times_out_is_cleaned_up_and_tried_once_more(monk
     compat.ray_init()
     assert len(calls) == 2 and calls[1] == calls[0]
     started[0].wait(timeout=15)  # stopped, not left behind (it sleeps 120 s: TimeoutExpired)
+    assert started[1].poll() is None  # not Ray's: left running
+    started[1].kill()
+    started[1].wait()
     with pytest.raises(ValueError, match="something else"):
         compat.ray_init()
     assert len(calls) == 3

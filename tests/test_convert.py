@@ -133,3 +133,41 @@ def test_the_reader_gives_the_stock_readers_fields_part_for_part(default_model_p
     cut.write_bytes(default_model_path.read_bytes()[:tokens.offset + 1000])
     with pytest.raises(ModelLoadError, match="cut.gguf: corrupt or truncated GGUF"):
         open_gguf(cut)
+
+
+def test_the_reader_gives_the_stock_readers_fields_for_every_value_type(tmp_path):
+    # every kind of field, arrays of each element type among them: float32 (a SentencePiece
+    # vocabulary's scores), bools, int8, strings with empty and non-ASCII ones, arrays of
+    # arrays (the stock walk, with the fast path inside), and an empty array
+    import struct
+
+    w = gguf.GGUFWriter(tmp_path / "w.gguf", "llama")
+    w.add_array("t.f32", [1.5, -2.0, 3.25])
+    w.add_array("t.bools", [True, False, True])
+    w.add_array("t.i8", [1, -2, 3])
+    w.add_array("t.strs", ["a", "", "\u00fcn\u00ef"])
+    w.add_array("t.nested", [[1, 2], [3]])
+    w.add_bool("t.b", True)
+    w.add_float64("t.f64", 0.5)
+    w.add_tensor("w", np.zeros((2, 32), np.float32))
+    for write in (w.write_header_to_file, w.write_kv_data_to_file, w.write_tensors_to_file):
+        write()
+    w.close()
+    src = gguf.GGUFReader(tmp_path / "w.gguf")
+    empty = struct.pack("<Q", 7) + b"t.empty" + struct.pack("<IIQ", gguf.GGUFValueType.ARRAY,
+                                                              gguf.GGUFValueType.UINT32, 0)
+    kvs = [raw_field(src, f) for k, f in src.fields.items() if not k.startswith("GGUF.")]
+    t = src.tensors[0]
+    write_gguf(tmp_path / "all.gguf", b"GGUF", [*kvs, empty],
+               {"w": (tuple(int(x) for x in t.shape), int(t.tensor_type), np.asarray(t.data))})
+    ours, stock = open_gguf(tmp_path / "all.gguf"), gguf.GGUFReader(tmp_path / "all.gguf")
+    assert list(ours.fields) == list(stock.fields) and "t.empty" in ours.fields
+    for name, a in ours.fields.items():
+        b = stock.fields[name]
+        assert (a.offset, a.data, a.types) == (b.offset, b.data, b.types), name
+        assert [(x.dtype, x.shape, x.tobytes()) for x in a.parts] == \
+            [(y.dtype, y.shape, y.tobytes()) for y in b.parts], name
+        assert a.contents() == b.contents(), name
+    assert ours.fields["t.strs"].contents() == ["a", "", "\u00fcn\u00ef"]
+    assert ours.fields["t.nested"].contents() == stock.fields["t.nested"].contents()
+    assert ours.fields["t.empty"].contents() == []
