@@ -45,6 +45,7 @@ from typing import NamedTuple, TypeVar
 import torch
 
 from powerinfer import kernels
+from powerinfer.batching import MIN_TABLE_BLOCKS
 
 from .channel import Channel, align, create, segment_path
 
@@ -195,9 +196,9 @@ class PlaneSpec:
 
     @property
     def max_blocks(self) -> int:
-        """The widest block table: a sequence at max_seq positions, and never under two blocks
-        (a step's tables are at least two wide: `batching.make_step`)."""
-        return max(2, -(-self.max_seq // self.block_size))
+        """The widest block table: a sequence at max_seq positions, and never under a step's
+        least width (`batching.MIN_TABLE_BLOCKS`)."""
+        return max(MIN_TABLE_BLOCKS, -(-self.max_seq // self.block_size))
 
     def capacities(self) -> dict[str, int]:
         S, N, M, es = self.batch, self.tokens, self.max_blocks, self.torch_dtype.itemsize

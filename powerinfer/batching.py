@@ -330,6 +330,12 @@ def step_matchers(step: Step) -> list:
     return [s.matcher for s in step.sampled]
 
 
+# A step's block tables are at least this wide (zeros past a table's end, as for a shorter
+# row's): a compiled step specializes a size of 1, and a table of one block would compile a
+# second graph when its sequences reach a second block
+MIN_TABLE_BLOCKS = 2
+
+
 def make_step(rows: list[tuple[Sequence, int]]) -> Step:
     """A step of `n` new tokens of each (sequence, n): one-token rows first, then prompt chunks.
     Its tensors are built in numpy and wrapped: each torch call releases and takes back the GIL,
@@ -344,10 +350,7 @@ def make_step(rows: list[tuple[Sequence, int]]) -> Step:
         if s.computed + n == s.num_tokens:
             sampled.append(s)
             last.append(len(tokens) - 1)
-    # at least two blocks wide (zeros past a table's end, as for a shorter row's): a compiled
-    # step specializes a size of 1, and a table of one block would compile a second graph
-    # when its sequences reach a second block
-    width = max(2, *(len(s.blocks.table) for s in seqs))
+    width = max(MIN_TABLE_BLOCKS, *(len(s.blocks.table) for s in seqs))
     tables = np.zeros((len(seqs), width), dtype=np.int32)
     for i, s in enumerate(seqs):
         tables[i, :len(s.blocks.table)] = s.blocks.table

@@ -58,9 +58,8 @@ def reader_class():
             return field
 
         def _get_field_parts(self, orig_offs, raw_type):
-            if raw_type != gguf.GGUFValueType.ARRAY or self.byte_order != "I":
-                return super()._get_field_parts(orig_offs, raw_type)
-            got = _array_field_parts(self, orig_offs)
+            fast = raw_type == gguf.GGUFValueType.ARRAY and self.byte_order == "I"
+            got = _array_field_parts(self, orig_offs) if fast else None
             return super()._get_field_parts(orig_offs, raw_type) if got is None else got
 
     return _PlainViewReader
