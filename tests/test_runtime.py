@@ -4,6 +4,7 @@ cold executors, lookahead and same-layer), batched concurrent requests, admissio
 cancellation, health, and faults (every actor role killed mid-generation)."""
 import threading
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -30,22 +31,37 @@ def shm_segments():
     return sorted(p.name for p in Path("/dev/shm").glob("powerinfer-*"))
 
 
+THREADS = torch.get_num_threads()  # before any engine here sets it to 1
+
+
 @pytest.fixture(scope="module", autouse=True)
 def ray_cluster():
-    threads = torch.get_num_threads()
     yield
     ray.shutdown()
-    torch.set_num_threads(threads)  # the local engines here set it to 1
+    torch.set_num_threads(THREADS)
+
+
+@contextmanager
+def all_threads():
+    """Offline work (profiling, training, evaluation) on every thread, then back to the engines'
+    one: run after an engine here, it would otherwise run on one core (half the bundle's 50 s)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(THREADS)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="module")
 def bundle(default_model_path, tmp_path_factory):
     """A small but complete bundle: profile, both predictors, a placement (0.2 GiB)."""
-    b = profile(MODEL, "lee", tmp_path_factory.mktemp("rt") / "bundle",
-                ProfileOptions(tokens=1024, window=256, samples=1000), progress=False)
-    for inp in ("layer", "ffn"):
-        train_predictors(b, inp, ranks=[64], epochs=4, progress=False)
-    solve_bundle(b, 0.2, context=256)
+    with all_threads():
+        b = profile(MODEL, "lee", tmp_path_factory.mktemp("rt") / "bundle",
+                    ProfileOptions(tokens=1024, window=256, samples=1000), progress=False)
+        for inp in ("layer", "ffn"):
+            train_predictors(b, inp, ranks=[64], epochs=4, progress=False)
+        solve_bundle(b, 0.2, context=256)
     return str(b.path)
 
 
@@ -499,7 +515,8 @@ def test_a_bundle_that_costs_quality_warns_at_load(bundle, tmp_path, caplog):
     with caplog.at_level(logging.WARNING, logger="powerinfer"):
         PowerInfer.from_pretrained(MODEL, Config(bundle=str(b.path), **BASE))
     assert "never evaluated" in caplog.text and "powerinfer eval" in caplog.text
-    rows = evaluate(MODEL, b, tokens=128, progress=False)  # recorded in the bundle
+    with all_threads():
+        rows = evaluate(MODEL, b, tokens=128, progress=False)  # recorded in the bundle
     delta = next(r["ppl_delta"] for r in rows if r["label"] == "predicted (layer input)")
     line = check_quality(b, "layer", max(delta - 0.001, 0))
     assert line and f"{delta:+.1%}" in line and "--tokens" in line
