@@ -251,12 +251,37 @@ def dequantize_rows(b: torch.Tensor, fmt: str, dim: int) -> torch.Tensor:
     return torch.from_numpy(dequantize(b.numpy(), _GGML[fmt])).reshape(n, dim)
 
 
+Q4_FORMATS = ("q4_0", "q4_1")
+
+
+def split_rows(rows: torch.Tensor, fmt: str) -> torch.Tensor:
+    """(n, row_bytes) rows of GGUF Q4_0/Q4_1 blocks -> the same bytes as a record holds them: each
+    row's nibbles (16 bytes a block, block after block), then its f16 scales, then (Q4_1) its f16
+    minimums (csrc/neuron_ffn.h: one load then serves four blocks, one conversion 16 scales)."""
+    n, bb = rows.shape[0], 18 if fmt == "q4_0" else 20
+    b = rows.reshape(n, rows.shape[1] // bb, bb)
+    parts = [b[:, :, bb - 16:], b[:, :, :2]] + ([b[:, :, 2:4]] if fmt == "q4_1" else [])
+    return torch.cat([p.reshape(n, p.shape[1] * p.shape[2]) for p in parts], 1)
+
+
+def join_rows(rows: torch.Tensor, fmt: str) -> torch.Tensor:
+    """`split_rows` undone: a record's 4-bit rows as GGUF blocks."""
+    n, bb = rows.shape[0], 18 if fmt == "q4_0" else 20
+    nb = rows.shape[1] // bb
+    nib = rows[:, :16 * nb].reshape(n, nb, 16)
+    heads = [rows[:, 16 * nb + 2 * nb * i:16 * nb + 2 * nb * (i + 1)].reshape(n, nb, 2)
+             for i in range(bb // 2 - 8)]
+    return torch.cat(heads + [nib], 2).reshape(n, nb * bb)
+
+
 def pack(gate: torch.Tensor | None, up: torch.Tensor, down_t: torch.Tensor, fmt: str) -> torch.Tensor:
     """Rows (k, dim) of gate (None for plain ReLU), up and the transposed down -> the kernel's
     neuron-major records (k, record_bytes) uint8. Gate and up rows may come already in `fmt`
-    (uint8, a file's own blocks): they are copied as they are."""
+    (uint8, a file's own blocks). 4-bit rows are held split (`split_rows`)."""
     rows = [r if r.dtype == torch.uint8 else quantize_rows(r, fmt) for r in (gate, up)
             if r is not None]
+    if fmt in Q4_FORMATS:
+        rows = [split_rows(r, fmt) for r in rows]
     rows.append(quantize_rows(down_t, down_format(fmt)))
     shape = (rows[0].shape[0], sum(r.shape[1] for r in rows))
     dev = rows[0].device
@@ -276,7 +301,8 @@ def widen(w: torch.Tensor, fmt: str, rows: int, dim: int) -> torch.Tensor:
     if _loaded:
         return torch.ops.powerinfer.widen(w.contiguous(), FORMATS.index(fmt), rows, dim)
     rb, last = row_bytes(fmt, dim), fmt if rows == 1 else down_format(fmt)
-    return torch.stack([dequantize_rows(w[:, r * rb:(r + 1) * rb], fmt, dim) for r in range(rows - 1)]
+    lead = (lambda r: join_rows(r, fmt)) if fmt in Q4_FORMATS else (lambda r: r)  # noqa: E731
+    return torch.stack([dequantize_rows(lead(w[:, r * rb:(r + 1) * rb]), fmt, dim) for r in range(rows - 1)]
                        + [dequantize_rows(w[:, (rows - 1) * rb:], last, dim)], 1)
 
 

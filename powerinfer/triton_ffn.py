@@ -52,6 +52,10 @@ except ImportError:  # pragma: no cover - where triton is not installed
 
 ACTS = ("relu", "reglu", "dreglu", "swiglu", "geglu", "gelu")  # as kernels.ACTS
 PLAIN, Q4_0, Q4_1, Q8_0 = 0, 1, 2, 3
+# a record's 4-bit gate/up rows, held split (`kernels.split_rows`: nibbles, then scales, then
+# minimums); a plain matrix keeps GGUF's blocks
+Q4_0S, Q4_1S = 4, 5
+RECORD_CODES = {Q4_0: Q4_0S, Q4_1: Q4_1S}
 BLOCK_FORMATS = {"q4_0": Q4_0, "q4_1": Q4_1, "q8_0": Q8_0}
 PLAIN_TYPES = {"f32": torch.float32, "bf16": torch.bfloat16, "f16": torch.float16}
 FORMATS = (*PLAIN_TYPES, *BLOCK_FORMATS)  # record formats the FFN kernel reads
@@ -101,7 +105,8 @@ def format_for(weight: torch.Tensor, q4_type: str | None = None) -> str | None:
 
 
 def _row_bytes(fmt: int, dim: int) -> int:
-    return {Q4_0: dim // 32 * 18, Q4_1: dim // 32 * 20, Q8_0: dim // 32 * 34}[fmt]
+    return {Q4_0: dim // 32 * 18, Q4_1: dim // 32 * 20, Q8_0: dim // 32 * 34, Q4_0S: dim // 32 * 18,
+            Q4_1S: dim // 32 * 20}[fmt]
 
 
 def _pow2(n: int) -> int:
@@ -118,9 +123,10 @@ if triton is not None:
         return (lo | (hi << 8)).to(tl.float16, bitcast=True).to(tl.float32)
 
     @triton.jit
-    def _rows(w, rec, off, cols, mask, FMT: tl.constexpr):
+    def _rows(w, rec, off, cols, mask, nb, FMT: tl.constexpr):
         # rows starting `off` (elements for plain records, bytes for blocks) into records whose
-        # starts are `rec` (BLOCK_N, 1), columns `cols` (1, BLOCK_K) -> float32 (BLOCK_N, BLOCK_K)
+        # starts are `rec` (BLOCK_N, 1), columns `cols` (1, BLOCK_K) -> float32 (BLOCK_N, BLOCK_K);
+        # nb: blocks of 32 a row (where the split rows' scales start)
         # (constexpr branches, one return: the compiler types every statement after a return)
         if FMT == 0:
             v = tl.load(w + rec + off + cols, mask=mask, other=0).to(tl.float32)
@@ -135,10 +141,18 @@ if triton is not None:
                 b = w + rec + off + blk * 18
                 q = (tl.load(b + 2 + j % 16, mask=mask, other=0) >> ((j // 16) * 4)) & 15
                 v = (q.to(tl.float32) - 8.0) * _f16_at(b, mask)
-            else:  # Q4_1: f16 scale, f16 minimum, 16 bytes
+            elif FMT == 2:  # Q4_1: f16 scale, f16 minimum, 16 bytes
                 b = w + rec + off + blk * 20
                 q = (tl.load(b + 4 + j % 16, mask=mask, other=0) >> ((j // 16) * 4)) & 15
                 v = q.to(tl.float32) * _f16_at(b, mask) + _f16_at(b + 2, mask)
+            else:  # split Q4_0 (4) or Q4_1 (5): nibbles 16 bytes a block, then scales, then minimums
+                r = w + rec + off
+                q = (tl.load(r + blk * 16 + j % 16, mask=mask, other=0) >> ((j // 16) * 4)) & 15
+                d = _f16_at(r + nb * 16 + blk * 2, mask)
+                if FMT == 4:
+                    v = (q.to(tl.float32) - 8.0) * d
+                else:
+                    v = q.to(tl.float32) * d + _f16_at(r + nb * 18 + blk * 2, mask)
         return v
 
     @triton.jit
@@ -208,7 +222,7 @@ if triton is not None:
                     cols = k0 + tl.arange(0, BLOCK_K)
                     x = tl.load(x_ptr + rows[:, None] * dim + cols[None, :],
                                 mask=rmask[:, None] & (cols < dim)[None, :], other=0).to(tl.float32)
-                    wg = _rows(w_ptr, rec, 0, cols[None, :], valid[:, None] & (cols < dim)[None, :], FMT)
+                    wg = _rows(w_ptr, rec, 0, cols[None, :], valid[:, None] & (cols < dim)[None, :], dim // 32, FMT)
                     gate += _mm_t(x, wg, BLOCK_B)
                 # neurons no row's gate lets fire (ReGLU, dReLU, a threshold): no up or down read
                 # (`gate_open`): ReGLU's relu(g) and dReLU's g must pass 0 (and the threshold),
@@ -228,7 +242,7 @@ if triton is not None:
                 cols = k0 + tl.arange(0, BLOCK_K)
                 x = tl.load(x_ptr + rows[:, None] * dim + cols[None, :],
                             mask=rmask[:, None] & (cols < dim)[None, :], other=0).to(tl.float32)
-                wu = _rows(w_ptr, rec, up_off, cols[None, :], valid[:, None] & (cols < dim)[None, :], FMT)
+                wu = _rows(w_ptr, rec, up_off, cols[None, :], valid[:, None] & (cols < dim)[None, :], dim // 32, FMT)
                 up += _mm_t(x, wu, BLOCK_B)
             if HAS_BIAS:
                 up += tl.load(bias_ptr + neuron, mask=valid, other=0)[None, :]
@@ -267,7 +281,7 @@ if triton is not None:
             if tl.sum(fired.to(tl.int32)) > 0:
                 for k0 in range(0, dim, BLOCK_K):
                     cols = k0 + tl.arange(0, BLOCK_K)
-                    wd = _rows(w_ptr, rec, down_off, cols[None, :], fired[:, None] & (cols < dim)[None, :], DFMT)
+                    wd = _rows(w_ptr, rec, down_off, cols[None, :], fired[:, None] & (cols < dim)[None, :], dim // 32, DFMT)
                     part = _mm(h, wd, BLOCK_B)
                     tl.atomic_add(out_ptr + rows[:, None] * dim + cols[None, :], part,
                                   mask=rmask[:, None] & (cols < dim)[None, :])
@@ -295,9 +309,9 @@ if triton is not None:
         rec = (offs.to(tl.int64) * rec_stride)[:, None]
         for r in tl.static_range(NROWS):
             if r == NROWS - 1:
-                v = _rows(w_ptr, rec, r * ROW_BYTES, cols[None, :], mask, DFMT)
+                v = _rows(w_ptr, rec, r * ROW_BYTES, cols[None, :], mask, dim // 32, DFMT)
             else:
-                v = _rows(w_ptr, rec, r * ROW_BYTES, cols[None, :], mask, FMT)
+                v = _rows(w_ptr, rec, r * ROW_BYTES, cols[None, :], mask, dim // 32, FMT)
             tl.store(out_ptr + (offs.to(tl.int64)[:, None] * NROWS + r) * dim + cols[None, :], v, mask=mask)
 
     @triton.jit
@@ -468,8 +482,8 @@ def neuron_ffn(x: torch.Tensor, records: torch.Tensor, sel: torch.Tensor | None,
         w, f, df, rb, stride = _plain(records, fmt, nrows, dim), PLAIN, PLAIN, 0, nrows * dim
     else:
         assert dim % 32 == 0, dim
-        f = BLOCK_FORMATS[fmt]
-        df = Q8_0 if fmt in ("q4_0", "q4_1") else f
+        df = Q8_0 if fmt in ("q4_0", "q4_1") else BLOCK_FORMATS[fmt]
+        f = RECORD_CODES.get(BLOCK_FORMATS[fmt], df)
         w, rb, stride = records, _row_bytes(f, dim), records.shape[1]
     block_b = 1 if B == 1 else max(16, _pow2(B))
     if programs == 0:
@@ -497,6 +511,7 @@ def widen(records: torch.Tensor, fmt: str, rows: int, dim: int) -> torch.Tensor:
     out = torch.empty(n, rows, dim, dtype=torch.float32, device=records.device)
     f = BLOCK_FORMATS[fmt]
     df = f if rows == 1 else (Q8_0 if fmt in ("q4_0", "q4_1") else f)
+    f = RECORD_CODES.get(f, f)  # (a plain matrix, rows == 1, is read as its last row: df)
     if n:
         _widen_kernel[(triton.cdiv(n, BLOCK_N), triton.cdiv(dim, BLOCK_K))](
             records.contiguous(), out, n, dim, records.shape[1], NROWS=rows,

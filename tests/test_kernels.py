@@ -40,7 +40,7 @@ def reference(x, gate, up, down_t, sel, keep, bias, threshold, act):
 
 @pytest.mark.parametrize("fmt", K.FORMATS)
 @pytest.mark.parametrize("act", K.ACTS)
-@pytest.mark.parametrize("dim", [128, 160])  # an odd number of blocks: the pairs' tail
+@pytest.mark.parametrize("dim", [128, 160, 576])  # an odd number of blocks: the pairs' tail; 576: split 4-bit rows in a whole turn of 16 blocks and a tail of 2
 def test_kernel_equals_reference(isa, fmt, act, dim):
     torch.manual_seed(0)
     k = 200
@@ -113,6 +113,8 @@ def test_widening_records_equals_the_gguf_dequantizer(isa, fmt):
     for i, g in enumerate(got):
         f = fmt if i < 2 else K.down_format(fmt)
         raw = w[:, i * rb:(i + 1) * rb] if i < 2 else w[:, 2 * rb:]
+        if i < 2 and fmt in K.Q4_FORMATS:  # a record holds its 4-bit rows split
+            raw = K.join_rows(raw, fmt)
         assert torch.equal(g.float(), K.dequantize_rows(raw, f, dim)), (fmt, i)
 
 

@@ -65,7 +65,7 @@ def test_a_neuron_set_read_alone_equals_the_one_cut_from_the_dense_model(default
             assert torch.equal(x, y)
     elif fmt == "q4_1":  # gate and up are the file's own blocks; down is Q8_0 from the same values
         rb = kernels.row_bytes(fmt, a.dim)
-        assert torch.equal(got.records[:, rb:2 * rb], ck.source.raw_rows("2.up", idx))
+        assert torch.equal(got.records[:, rb:2 * rb], kernels.split_rows(ck.source.raw_rows("2.up", idx), fmt))
         for x, y in zip(want.rows(), got.rows()):
             torch.testing.assert_close(x.float(), y.float(), rtol=0, atol=1e-2)
     else:

@@ -87,10 +87,11 @@ static void check_rows(const at::Tensor& w) {
 // float formats; rounded to bf16 for bf16 rows (in float for most instruction sets, as bf16 for
 // native bf16 products); quantized to 8 bits per block for the block formats.
 struct Input {
-  at::Tensor xf, xb, xq, xd, xs;
+  at::Tensor xf, xb, xq, xd, xs, xp;
 };
 
-static void prepare_input(int64_t fmt, const at::Tensor& x, FFNArgs& a, Input& in) {
+// records: the rows are neuron records (whose 4-bit rows are split: the input permuted for them)
+static void prepare_input(int64_t fmt, const at::Tensor& x, FFNArgs& a, Input& in, bool records = false) {
   const bool bf16_in = x.scalar_type() == at::kBFloat16;
   if (fmt == BF16) {
     in.xb = bf16_in ? x : x.to(at::kBFloat16);
@@ -110,6 +111,12 @@ static void prepare_input(int64_t fmt, const at::Tensor& x, FFNArgs& a, Input& i
   a.xq = in.xq.data_ptr<int8_t>();
   a.xd = in.xd.data_ptr<float>();
   a.xs = in.xs.data_ptr<float>();
+  if (records && split4(record_format((int)fmt))) {
+    a.xp_stride = permuted_stride(x.size(1));
+    in.xp = at::empty({B, a.xp_stride}, in.xq.options());
+    permute_input(a.xq, B, x.size(1), in.xp.data_ptr<int8_t>());
+    a.xp = in.xp.data_ptr<int8_t>();
+  }
 }
 
 // x (B, dim) f32 or bf16; w (k, neuron_bytes) uint8 records; sel: the neurons to compute,
@@ -161,7 +168,7 @@ static at::Tensor neuron_ffn(const at::Tensor& x, const at::Tensor& w, const at:
     a.bias = bias->data_ptr<float>();
   }
   Input in;
-  prepare_input(fmt, x, a, in);
+  prepare_input(fmt, x, a, in, true);
   const int64_t nt = at::get_num_threads();
   at::Tensor part = at::zeros({nt, B, dim}, x.options().dtype(at::kFloat));
   float* pp = part.data_ptr<float>();
