@@ -592,6 +592,29 @@ constexpr int DOWNS = 4;
 template <int FMT, int DN>
 inline void axpy_block(const uint8_t* const* rows, int64_t blk, const float (*h)[MAXB], int64_t B,
                        int64_t dim, float* out) {
+  if constexpr (FMT == Q8_0) {
+    // the block's integers widened once, its scale folded into each row's activation (h d, one
+    // scalar product a row and neuron, in place of scaling the 32 weights)
+    V q[DN][NV];
+    float d[DN];
+    for (int n = 0; n < DN; n++) {
+      const uint8_t* b = rows[n] + blk * 34;
+      d[n] = half(b);
+      for (int v = 0; v < NV; v++) q[n][v] = i8_to_f32((const int8_t*)(b + 2) + v * W);
+    }
+    for (int64_t r = 0; r < B; r++) {
+      float* o = out + r * dim + 32 * blk;
+      V acc[NV];
+      for (int v = 0; v < NV; v++) acc[v] = vload(o + v * W);
+      for (int n = 0; n < DN; n++) {
+        if (h[n][r] == 0.0f) continue;
+        const V hv = vset(h[n][r] * d[n]);
+        for (int v = 0; v < NV; v++) acc[v] = vfma(hv, q[n][v], acc[v]);
+      }
+      for (int v = 0; v < NV; v++) vstore(o + v * W, acc[v]);
+    }
+    return;
+  }
   V w[DN][NV];
   for (int n = 0; n < DN; n++) block<FMT>(rows[n], blk, w[n]);
   for (int64_t r = 0; r < B; r++) {
