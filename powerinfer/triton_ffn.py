@@ -4,7 +4,8 @@ The FFN kernel reads the same neuron-major records the CPU kernel keeps (`kernel
 neuron [gate row][up row][down row], so a neuron's rows lie side by side and a program reads
 each row with coalesced loads), in their own format:
 - plain rows (float32, bfloat16; float16 too on a GPU);
-- the file's 4-bit blocks (GGUF Q4_0/Q4_1, gate and up) with Q8_0 down rows, or Q8_0 rows
+- the file's 4-bit blocks (GGUF Q4_0/Q4_1, gate and up, held split: `kernels.split_rows`) with
+  Q8_0 down rows, or Q8_0 rows
   throughout, dequantized in registers.
 
 One program takes a tile of selected neurons and every row of the batch (1 to 64): for a decode
