@@ -555,24 +555,20 @@ struct DotsOf<Q8_0, R> {
 };
 // split 4-bit rows (records): 16 blocks a call with VNNI, else a block at a time
 #if defined(__AVX512VNNI__)
-template <int R>
-struct DotsOf<Q4_0S, R> {
-  using type = SplitDots<Q4_0S, R>;
-};
-template <int R>
-struct DotsOf<Q4_1S, R> {
-  using type = SplitDots<Q4_1S, R>;
-};
+template <int FMT, int R>
+using SplitDotsOf = SplitDots<FMT, R>;
 #else
+template <int FMT, int R>
+using SplitDotsOf = IntDots<FMT, R>;
+#endif
 template <int R>
 struct DotsOf<Q4_0S, R> {
-  using type = IntDots<Q4_0S, R>;
+  using type = SplitDotsOf<Q4_0S, R>;
 };
 template <int R>
 struct DotsOf<Q4_1S, R> {
-  using type = IntDots<Q4_1S, R>;
+  using type = SplitDotsOf<Q4_1S, R>;
 };
-#endif
 #if defined(__AVX512BF16__)
 template <int R>
 struct DotsOf<BF16, R> {
