@@ -56,10 +56,13 @@ PLAIN_FORMATS = {"f32": torch.float32, "bf16": torch.bfloat16, "f16": torch.floa
 _loaded: str | None = None  # the library's path once loaded
 
 
+Q4_FORMATS = ("q4_0", "q4_1")
+
+
 def down_format(fmt: str) -> str:
     """The format of a neuron's down row: Q8_0 beside 4-bit gate/up rows (a 4-bit file's blocks
     run along the other axis of the down matrix: 4 bits again would round twice), else `fmt`."""
-    return "q8_0" if fmt in ("q4_0", "q4_1") else fmt
+    return "q8_0" if fmt in Q4_FORMATS else fmt
 
 
 def record_bytes(fmt: str, dim: int, gated: bool) -> int:
@@ -251,14 +254,11 @@ def dequantize_rows(b: torch.Tensor, fmt: str, dim: int) -> torch.Tensor:
     return torch.from_numpy(dequantize(b.numpy(), _GGML[fmt])).reshape(n, dim)
 
 
-Q4_FORMATS = ("q4_0", "q4_1")
-
-
 def split_rows(rows: torch.Tensor, fmt: str) -> torch.Tensor:
     """(n, row_bytes) rows of GGUF Q4_0/Q4_1 blocks -> the same bytes as a record holds them: each
     row's nibbles (16 bytes a block, block after block), then its f16 scales, then (Q4_1) its f16
     minimums (csrc/neuron_ffn.h: one load then serves four blocks, one conversion 16 scales)."""
-    n, bb = rows.shape[0], 18 if fmt == "q4_0" else 20
+    n, bb = rows.shape[0], row_bytes(fmt, 32)
     b = rows.reshape(n, rows.shape[1] // bb, bb)
     parts = [b[:, :, bb - 16:], b[:, :, :2]] + ([b[:, :, 2:4]] if fmt == "q4_1" else [])
     return torch.cat([p.reshape(n, p.shape[1] * p.shape[2]) for p in parts], 1)
@@ -266,7 +266,7 @@ def split_rows(rows: torch.Tensor, fmt: str) -> torch.Tensor:
 
 def join_rows(rows: torch.Tensor, fmt: str) -> torch.Tensor:
     """`split_rows` undone: a record's 4-bit rows as GGUF blocks."""
-    n, bb = rows.shape[0], 18 if fmt == "q4_0" else 20
+    n, bb = rows.shape[0], row_bytes(fmt, 32)
     nb = rows.shape[1] // bb
     nib = rows[:, :16 * nb].reshape(n, nb, 16)
     heads = [rows[:, 16 * nb + 2 * nb * i:16 * nb + 2 * nb * (i + 1)].reshape(n, nb, 2)

@@ -271,10 +271,29 @@ inline float half(const uint8_t* p) {
   return _cvtsh_ss(h);
 }
 
-// Weights [32 * blk, 32 * blk + 32) of a row, as NV vectors (nb: the row's blocks, read by the
-// split formats).
+// Block blk of a 4-bit row of nb blocks, as GGUF stores it or split: its 16 nibble bytes, its
+// scale d and its offset m (w = d * q + m; Q4_0's m = -8 d)
+struct Q4Block {
+  const uint8_t* q;
+  float d, m;
+};
 template <int FMT>
-inline void block(const uint8_t* row, int64_t blk, V* w, int64_t nb = 0) {
+inline Q4Block q4_block(const uint8_t* row, int64_t blk, int64_t nb) {
+  constexpr bool ZERO = FMT == Q4_0 || FMT == Q4_0S;
+  if constexpr (split4(FMT)) {
+    const float d = half(row + nb * 16 + 2 * blk);
+    return {row + blk * 16, d, ZERO ? -8.0f * d : half(row + nb * 18 + 2 * blk)};
+  } else {
+    constexpr int HDR = ZERO ? 2 : 4;
+    const uint8_t* b = row + blk * (HDR + 16);
+    const float d = half(b);
+    return {b + HDR, d, ZERO ? -8.0f * d : half(b + 2)};
+  }
+}
+
+// Weights [32 * blk, 32 * blk + 32) of a row of nb blocks, as NV vectors.
+template <int FMT>
+inline void block(const uint8_t* row, int64_t blk, int64_t nb, V* w) {
   if constexpr (FMT == F32) {
     const float* p = (const float*)row + 32 * blk;
     for (int v = 0; v < NV; v++) w[v] = vload(p + v * W);
@@ -293,14 +312,9 @@ inline void block(const uint8_t* row, int64_t blk, V* w, int64_t nb = 0) {
     const int8_t* p = (const int8_t*)(b + 2);
     for (int v = 0; v < NV; v++) w[v] = vmul(d, i8_to_f32(p + v * W));
   } else {
-    constexpr bool S = split4(FMT), ZERO = FMT == Q4_0 || FMT == Q4_0S;
-    constexpr int HDR = ZERO ? 2 : 4;
-    const uint8_t* b = S ? row + blk * 16 : row + blk * (HDR + 16);  // the nibbles
-    const uint8_t* dp = S ? row + nb * 16 + 2 * blk : b;
-    const uint8_t* mp = S ? row + nb * 18 + 2 * blk : b + 2;
-    const V d = vset(half(dp));
-    const V m = ZERO ? vset(-8.0f * half(dp)) : vset(half(mp));
-    __m128i q = _mm_loadu_si128((const __m128i*)(S ? b : b + HDR));
+    const Q4Block k = q4_block<FMT>(row, blk, nb);
+    const V d = vset(k.d), m = vset(k.m);
+    __m128i q = _mm_loadu_si128((const __m128i*)k.q);
     const __m128i mask = _mm_set1_epi8(0x0F);
     __m128i lo = _mm_and_si128(q, mask), hi = _mm_and_si128(_mm_srli_epi16(q, 4), mask);
 #if defined(__AVX512F__)
@@ -333,7 +347,7 @@ struct FloatDots {
   template <int P>
   inline void add(const uint8_t* row, int64_t blk, const FFNArgs& a, int64_t r0) {
     V w[NV];
-    block<FMT>(row, blk, w);
+    block<FMT>(row, blk, a.dim / 32, w);
     const float* x = a.x + r0 * a.dim + 32 * blk;
     for (int r = 0; r < R; r++)
       for (int v = 0; v < NV; v++) acc[r][P][v] = vfma(w[v], vload(x + r * a.dim + v * W), acc[r][P][v]);
@@ -399,13 +413,9 @@ struct IntDots {
       wsign = _mm256_loadu_si256((const __m256i*)(b + 2));
       w = _mm256_sign_epi8(wsign, wsign);  // |w|: the unsigned side of the products
     } else {
-      constexpr bool S = split4(FMT), ZERO = FMT == Q4_0 || FMT == Q4_0S;
-      constexpr int HDR = ZERO ? 2 : 4;
-      const uint8_t* b = S ? row + blk * 16 : row + blk * (HDR + 16) + HDR;  // the nibbles
-      const uint8_t* dp = S ? row + nb * 16 + 2 * blk : b - HDR;
-      d = half(dp);
-      m = ZERO ? -8.0f * d : half(S ? row + nb * 18 + 2 * blk : dp + 2);
-      const __m128i q = _mm_loadu_si128((const __m128i*)b), mask = _mm_set1_epi8(0x0F);
+      const Q4Block k = q4_block<FMT>(row, blk, nb);
+      d = k.d, m = k.m;
+      const __m128i q = _mm_loadu_si128((const __m128i*)k.q), mask = _mm_set1_epi8(0x0F);
       w = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(q, 4), mask), _mm_and_si128(q, mask));
     }
     for (int r = 0; r < R; r++) {
@@ -612,7 +622,7 @@ inline void axpy_block(const uint8_t* const* rows, int64_t blk, const float (*h)
     return;
   }
   V w[DN][NV];
-  for (int n = 0; n < DN; n++) block<FMT>(rows[n], blk, w[n]);
+  for (int n = 0; n < DN; n++) block<FMT>(rows[n], blk, dim / 32, w[n]);
   for (int64_t r = 0; r < B; r++) {
     float* o = out + r * dim + 32 * blk;
     V acc[NV];
@@ -882,7 +892,7 @@ template <int FMT, typename O>
 inline void widen_row(const uint8_t* row, int64_t dim, O* out) {
   V w[NV];
   for (int64_t blk = 0; blk < dim / 32; blk++) {
-    block<FMT>(row, blk, w, dim / 32);
+    block<FMT>(row, blk, dim / 32, w);
     for (int v = 0; v < NV; v++) {
       if constexpr (std::is_same_v<O, float>)
         vstore(out + 32 * blk + v * W, w[v]);
