@@ -428,6 +428,7 @@ struct IntDots {
     }
   }
   // blocks blk .. blk + n - 1, two chains alternating (the stage loop of split rows)
+  template <bool FULL>
   inline void chunk(const uint8_t* row, int64_t blk, int n, const FFNArgs& a, int64_t r0) {
     int k = 0;
     for (; k + 1 < n; k += 2) {
@@ -501,8 +502,12 @@ struct SplitDots {
   void zero() {
     for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps(), accm[r] = _mm512_setzero_ps();
   }
-  __attribute__((always_inline)) inline void chunk(const uint8_t* row, int64_t blk, int n, const FFNArgs& a,
+  // FULL: n is 16, known here, so that the groups unroll and their nibbles stay in registers (a
+  // count known only at run time left them spilled to the stack and a branch per group)
+  template <bool FULL>
+  __attribute__((always_inline)) inline void chunk(const uint8_t* row, int64_t blk, int n_, const FFNArgs& a,
                                                    int64_t r0) {
+    const int n = FULL ? 16 : n_;
     const int64_t nb = a.dim / 32;
     const __mmask16 bm = (__mmask16)((1u << n) - 1);
     const __m512 d16 = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(bm, row + nb * 16 + 2 * blk));
@@ -592,48 +597,49 @@ constexpr int MAXB = 64;  // input rows a call (kernels.MAX_ROWS)
 // down rows whose axpys share one pass over out (see range_fmt)
 constexpr int DOWNS = 4;
 
+template <typename F>
+inline void with_bool(bool b, F&& f) {
+  if (b)
+    f(std::true_type{});
+  else
+    f(std::false_type{});
+}
+
 // out[r, block] += h[n][r] * block of down row n, for n < DN (in that order) and every row r of
 // B with h[n][r] != 0: out's block loaded and stored once for the DN rows (a row at a time,
-// each axpy loaded and stored all of out: more bytes through L1 than the rows themselves)
+// each axpy loaded and stored all of out: more bytes through L1 than the rows themselves).
+// Q8_0: the block's integers widened once, its scale folded into each row's activation (h d,
+// one scalar product a row and neuron, in place of scaling the 32 weights). With one input row
+// no activation is tested: a down row waits only if its activation is nonzero (range_fmt).
 template <int FMT, int DN>
 inline void axpy_block(const uint8_t* const* rows, int64_t blk, const float (*h)[MAXB], int64_t B,
                        int64_t dim, float* out) {
-  if constexpr (FMT == Q8_0) {
-    // the block's integers widened once, its scale folded into each row's activation (h d, one
-    // scalar product a row and neuron, in place of scaling the 32 weights)
-    V q[DN][NV];
-    float d[DN];
-    for (int n = 0; n < DN; n++) {
+  V w[DN][NV];
+  float s[DN];
+  for (int n = 0; n < DN; n++) {
+    if constexpr (FMT == Q8_0) {
       const uint8_t* b = rows[n] + blk * 34;
-      d[n] = half(b);
-      for (int v = 0; v < NV; v++) q[n][v] = i8_to_f32((const int8_t*)(b + 2) + v * W);
+      s[n] = half(b);
+      for (int v = 0; v < NV; v++) w[n][v] = i8_to_f32((const int8_t*)(b + 2) + v * W);
+    } else {
+      s[n] = 1.0f;
+      block<FMT>(rows[n], blk, dim / 32, w[n]);
     }
-    for (int64_t r = 0; r < B; r++) {
+  }
+  with_bool(B == 1, [&](auto one) {
+    for (int64_t r = 0; r < (decltype(one)::value ? 1 : B); r++) {
       float* o = out + r * dim + 32 * blk;
       V acc[NV];
       for (int v = 0; v < NV; v++) acc[v] = vload(o + v * W);
       for (int n = 0; n < DN; n++) {
-        if (h[n][r] == 0.0f) continue;
-        const V hv = vset(h[n][r] * d[n]);
-        for (int v = 0; v < NV; v++) acc[v] = vfma(hv, q[n][v], acc[v]);
+        if constexpr (!decltype(one)::value)
+          if (h[n][r] == 0.0f) continue;
+        const V hv = vset(FMT == Q8_0 ? h[n][r] * s[n] : h[n][r]);
+        for (int v = 0; v < NV; v++) acc[v] = vfma(hv, w[n][v], acc[v]);
       }
       for (int v = 0; v < NV; v++) vstore(o + v * W, acc[v]);
     }
-    return;
-  }
-  V w[DN][NV];
-  for (int n = 0; n < DN; n++) block<FMT>(rows[n], blk, dim / 32, w[n]);
-  for (int64_t r = 0; r < B; r++) {
-    float* o = out + r * dim + 32 * blk;
-    V acc[NV];
-    for (int v = 0; v < NV; v++) acc[v] = vload(o + v * W);
-    for (int n = 0; n < DN; n++) {
-      if (h[n][r] == 0.0f) continue;
-      const V hv = vset(h[n][r]);
-      for (int v = 0; v < NV; v++) acc[v] = vfma(hv, w[n][v], acc[v]);
-    }
-    for (int v = 0; v < NV; v++) vstore(o + v * W, acc[v]);
-  }
+  });
 }
 
 inline void prefetch_l2(const uint8_t* p) { _mm_prefetch((const char*)p, _MM_HINT_T1); }
@@ -641,13 +647,15 @@ inline void prefetch_l2(const uint8_t* p) { _mm_prefetch((const char*)p, _MM_HIN
 // One pass over the blocks of rows of different neurons, side by side: the lead row's dot
 // products (G: the gate row, or the up row of a plain ReLU FFN), the up row's (U), and DN down
 // rows' axpys into out (downs[n] with activations h[n] over all B rows). Input rows r0..
-// r0+R-1 for the dot products. pf_a, pf_b: rows to bring into L2 over the same pass (or null).
+// r0+R-1 for the dot products. pf_a, pf_b: rows to bring into L2 over the same pass (or null):
+// pf_rows lead-format rows from pf_a on, one down-format row at pf_b.
 // Reading three streams at once and prefetching the next rows keeps a core's memory requests
 // in flight across the short rows of different neurons, where one stream at a time left the
 // prefetchers starting over at every row (a third of the read rate measured).
 template <int FMT, int DFMT, int R, bool G, bool U, int DN>
 void stage(const FFNArgs& a, int64_t r0, const uint8_t* lead, const uint8_t* upr, const uint8_t* const* downs,
-           const float (*h)[MAXB], const uint8_t* pf_a, const uint8_t* pf_b, float* gout, float* uout, float* out) {
+           const float (*h)[MAXB], const uint8_t* pf_a, int pf_rows, const uint8_t* pf_b, float* gout, float* uout,
+           float* out) {
   Dots<FMT, R> g, u;
   if constexpr (G) g.zero();
   if constexpr (U) u.zero();
@@ -655,7 +663,8 @@ void stage(const FFNArgs& a, int64_t r0, const uint8_t* lead, const uint8_t* upr
   const int64_t nb = a.dim / 32;
   auto body = [&](auto parity, int64_t blk) {
     constexpr int P = decltype(parity)::value;
-    if (pf_a && (blk * bb) % 64 < bb) prefetch_l2(pf_a + blk * bb);
+    if (pf_a && (blk * bb) % 64 < bb)
+      for (int k = 0; k < pf_rows; k++) prefetch_l2(pf_a + k * nb * bb + blk * bb);
     if (pf_b && (blk * db) % 64 < db) prefetch_l2(pf_b + blk * db);
     if constexpr (G) g.template add<P>(lead, blk, a, r0);
     if constexpr (U) u.template add<P>(upr, blk, a, r0);
@@ -668,11 +677,16 @@ void stage(const FFNArgs& a, int64_t r0, const uint8_t* lead, const uint8_t* upr
     for (; blk < nb; blk += 16) {
       const int n = (int)std::min<int64_t>(16, nb - blk);
       if (pf_a)
-        for (int64_t o = blk * bb / 64 * 64; o < (blk + n) * bb; o += 64) prefetch_l2(pf_a + o);
+        for (int k = 0; k < pf_rows; k++)
+          for (int64_t o = blk * bb / 64 * 64; o < (blk + n) * bb; o += 64) prefetch_l2(pf_a + k * nb * bb + o);
       if (pf_b)
         for (int64_t o = blk * db / 64 * 64; o < (blk + n) * db; o += 64) prefetch_l2(pf_b + o);
-      if constexpr (G) g.chunk(lead, blk, n, a, r0);
-      if constexpr (U) u.chunk(upr, blk, n, a, r0);
+      auto dots = [&](auto full) {
+        constexpr bool F = decltype(full)::value;
+        if constexpr (G) g.template chunk<F>(lead, blk, n, a, r0);
+        if constexpr (U) u.template chunk<F>(upr, blk, n, a, r0);
+      };
+      with_bool(n == 16, dots);
       if constexpr (DN > 0)
         for (int k = 0; k < n; k++) axpy_block<DFMT, DN>(downs, blk + k, h, a.B, a.dim, out);
     }
@@ -687,21 +701,13 @@ void stage(const FFNArgs& a, int64_t r0, const uint8_t* lead, const uint8_t* upr
   if constexpr (U) u.sum(uout + r0);
 }
 
-template <typename F>
-inline void with_bool(bool b, F&& f) {
-  if (b)
-    f(std::true_type{});
-  else
-    f(std::false_type{});
-}
-
 // stage() for every input row, R of them at a time (the down rows' axpys once, with the first
 // group, which also prefetches); G, U and the number of down rows (0, 1 or DOWNS) chosen at
 // run time.
 template <int FMT, int DFMT>
 void stages(bool G, bool U, int DN, const FFNArgs& a, const uint8_t* lead, const uint8_t* upr,
-            const uint8_t* const* downs, const float (*h)[MAXB], const uint8_t* pf_a, const uint8_t* pf_b,
-            float* gout, float* uout, float* out) {
+            const uint8_t* const* downs, const float (*h)[MAXB], const uint8_t* pf_a, int pf_rows,
+            const uint8_t* pf_b, float* gout, float* uout, float* out) {
   for (int64_t r0 = 0; r0 < a.B;) {
     const int64_t left = a.B - r0;
     const int R = left >= 4 ? 4 : left >= 2 ? 2 : 1;
@@ -711,7 +717,7 @@ void stages(bool G, bool U, int DN, const FFNArgs& a, const uint8_t* lead, const
       constexpr int RR = decltype(r)::value, DD = decltype(d)::value;
       constexpr bool GG = decltype(g)::value, UU = decltype(u)::value;
       if constexpr (GG || UU || DD > 0)
-        stage<FMT, DFMT, RR, GG, UU, DD>(a, r0, lead, upr, downs, h, pa, pb, gout, uout, out);
+        stage<FMT, DFMT, RR, GG, UU, DD>(a, r0, lead, upr, downs, h, pa, pf_rows, pb, gout, uout, out);
     };
     auto with_dn = [&](auto r, auto g, auto u) {
       if (dn == DOWNS)
@@ -778,7 +784,10 @@ inline bool activations(const FFNArgs& a, int64_t jj, const float* g, const floa
 
 // Neurons sel[begin:end] as a pipeline over the records: while the gate rows of neuron jj+1 are
 // read, so are the up rows of neuron jj (only if its gate can let it fire), and the lead rows of
-// jj+2 and the down rows of jj are prefetched. The down rows of the neurons that fired wait
+// jj+2 and the down rows of jj are prefetched; so are the up rows of jj+2 while at least half
+// the gates so far have opened (left to the hardware, an up row arrived while it was read: a
+// third of a 4-bit neuron's time, measured; prefetched behind gates that stay shut, it would
+// double what a sparse layer's unselected neurons read). The down rows of the neurons that fired wait
 // until DOWNS of them have, then are added in the next pass, together (one load and store of
 // out for the DOWNS, in the order the neurons come: the same sums as one at a time). A plain
 // ReLU FFN pipelines its up rows (the lead) with the down rows.
@@ -792,28 +801,30 @@ void range_fmt(const FFNArgs& a, int64_t begin, int64_t end, float* out) {
   float *cur = lead[0], *next = lead[1];
   const uint8_t* downs[DOWNS];  // the down rows of the neurons that fired, not added yet (with h)
   int n = 0;
-  stages<FMT, DFMT>(true, false, 0, a, rec(begin), nullptr, nullptr, h, rec(begin + 1), nullptr, cur,
-                    nullptr, out);
+  int64_t tried = 0, opened = 0;  // gates so far
+  stages<FMT, DFMT>(true, false, 0, a, rec(begin), nullptr, nullptr, h, rec(begin + 1), gated ? 2 : 1, nullptr,
+                    cur, nullptr, out);
   for (int64_t jj = begin; jj < end; jj++) {
     const uint8_t *r = rec(jj), *nx = rec(jj + 1), *pf = rec(jj + 2);
     if (gated) {
       bool open = false;
       for (int64_t i = 0; i < B && !open; i++) open = kept(a, i, jj) && gate_open(a.act, cur[i], a.threshold);
+      tried++, opened += open;
       const int dn = n == DOWNS ? DOWNS : 0;
-      stages<FMT, DFMT>(nx != nullptr, open, dn, a, nx, r + rb, downs, h, pf, open ? r + 2 * rb : nullptr,
-                        next, u, out);
+      stages<FMT, DFMT>(nx != nullptr, open, dn, a, nx, r + rb, downs, h, pf, 2 * opened >= tried ? 2 : 1,
+                        open ? r + 2 * rb : nullptr, next, u, out);
       if (dn) n = 0;
       if (open && activations(a, jj, cur, u, h[n])) downs[n++] = r + 2 * rb;
     } else {
       if (activations(a, jj, nullptr, cur, h[n])) downs[n++] = r + rb;
       const int dn = n == DOWNS ? DOWNS : 0;
-      stages<FMT, DFMT>(nx != nullptr, false, dn, a, nx, nullptr, downs, h, pf, nullptr, next, nullptr, out);
+      stages<FMT, DFMT>(nx != nullptr, false, dn, a, nx, nullptr, downs, h, pf, 1, nullptr, next, nullptr, out);
       if (dn) n = 0;
     }
     std::swap(cur, next);
   }
   for (int k = 0; k < n; k++)
-    stages<FMT, DFMT>(false, false, 1, a, nullptr, nullptr, downs + k, h + k, nullptr, nullptr, nullptr,
+    stages<FMT, DFMT>(false, false, 1, a, nullptr, nullptr, downs + k, h + k, nullptr, 0, nullptr, nullptr,
                       nullptr, out);
 }
 
@@ -826,7 +837,7 @@ inline void gemv_fmt(const uint8_t* w, const FFNArgs& a, int64_t n, int64_t begi
   float d[MAXB];
   for (int64_t i = begin; i < end; i++) {
     const uint8_t* pf = i + 2 < end ? w + (i + 2) * rb : nullptr;
-    stages<FMT, FMT>(true, false, 0, a, w + i * rb, nullptr, nullptr, nullptr, pf, nullptr, d, nullptr,
+    stages<FMT, FMT>(true, false, 0, a, w + i * rb, nullptr, nullptr, nullptr, pf, 1, nullptr, d, nullptr,
                      nullptr);
     for (int64_t r = 0; r < a.B; r++) y[r * n + i] = d[r];
   }
