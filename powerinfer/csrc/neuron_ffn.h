@@ -644,18 +644,23 @@ inline void axpy_block(const uint8_t* const* rows, int64_t blk, const float (*h)
 
 inline void prefetch_l2(const uint8_t* p) { _mm_prefetch((const char*)p, _MM_HINT_T1); }
 
+// Rows that a pass brings into L2 while it reads others (null: none): up to two rows in the
+// lead rows' format and one in the down rows'.
+struct Ahead {
+  const uint8_t* rows[2] = {nullptr, nullptr};
+  const uint8_t* down = nullptr;
+};
+
 // One pass over the blocks of rows of different neurons, side by side: the lead row's dot
 // products (G: the gate row, or the up row of a plain ReLU FFN), the up row's (U), and DN down
 // rows' axpys into out (downs[n] with activations h[n] over all B rows). Input rows r0..
-// r0+R-1 for the dot products. pf_a, pf_b: rows to bring into L2 over the same pass (or null):
-// pf_rows lead-format rows from pf_a on, one down-format row at pf_b.
+// r0+R-1 for the dot products; the rows of `pf` brought into L2 over the same pass.
 // Reading three streams at once and prefetching the next rows keeps a core's memory requests
 // in flight across the short rows of different neurons, where one stream at a time left the
 // prefetchers starting over at every row (a third of the read rate measured).
 template <int FMT, int DFMT, int R, bool G, bool U, int DN>
 void stage(const FFNArgs& a, int64_t r0, const uint8_t* lead, const uint8_t* upr, const uint8_t* const* downs,
-           const float (*h)[MAXB], const uint8_t* pf_a, int pf_rows, const uint8_t* pf_b, float* gout, float* uout,
-           float* out) {
+           const float (*h)[MAXB], const Ahead& pf, float* gout, float* uout, float* out) {
   Dots<FMT, R> g, u;
   if constexpr (G) g.zero();
   if constexpr (U) u.zero();
@@ -663,9 +668,10 @@ void stage(const FFNArgs& a, int64_t r0, const uint8_t* lead, const uint8_t* upr
   const int64_t nb = a.dim / 32;
   auto body = [&](auto parity, int64_t blk) {
     constexpr int P = decltype(parity)::value;
-    if (pf_a && (blk * bb) % 64 < bb)
-      for (int k = 0; k < pf_rows; k++) prefetch_l2(pf_a + k * nb * bb + blk * bb);
-    if (pf_b && (blk * db) % 64 < db) prefetch_l2(pf_b + blk * db);
+    if ((blk * bb) % 64 < bb)
+      for (const uint8_t* p : pf.rows)
+        if (p) prefetch_l2(p + blk * bb);
+    if (pf.down && (blk * db) % 64 < db) prefetch_l2(pf.down + blk * db);
     if constexpr (G) g.template add<P>(lead, blk, a, r0);
     if constexpr (U) u.template add<P>(upr, blk, a, r0);
     if constexpr (DN > 0) axpy_block<DFMT, DN>(downs, blk, h, a.B, a.dim, out);
@@ -676,11 +682,11 @@ void stage(const FFNArgs& a, int64_t r0, const uint8_t* lead, const uint8_t* upr
     // rows to prefetch that the turn's blocks span
     for (; blk < nb; blk += 16) {
       const int n = (int)std::min<int64_t>(16, nb - blk);
-      if (pf_a)
-        for (int k = 0; k < pf_rows; k++)
-          for (int64_t o = blk * bb / 64 * 64; o < (blk + n) * bb; o += 64) prefetch_l2(pf_a + k * nb * bb + o);
-      if (pf_b)
-        for (int64_t o = blk * db / 64 * 64; o < (blk + n) * db; o += 64) prefetch_l2(pf_b + o);
+      for (const uint8_t* p : pf.rows)
+        if (p)
+          for (int64_t o = blk * bb / 64 * 64; o < (blk + n) * bb; o += 64) prefetch_l2(p + o);
+      if (pf.down)
+        for (int64_t o = blk * db / 64 * 64; o < (blk + n) * db; o += 64) prefetch_l2(pf.down + o);
       auto dots = [&](auto full) {
         constexpr bool F = decltype(full)::value;
         if constexpr (G) g.template chunk<F>(lead, blk, n, a, r0);
@@ -706,18 +712,18 @@ void stage(const FFNArgs& a, int64_t r0, const uint8_t* lead, const uint8_t* upr
 // run time.
 template <int FMT, int DFMT>
 void stages(bool G, bool U, int DN, const FFNArgs& a, const uint8_t* lead, const uint8_t* upr,
-            const uint8_t* const* downs, const float (*h)[MAXB], const uint8_t* pf_a, int pf_rows,
-            const uint8_t* pf_b, float* gout, float* uout, float* out) {
+            const uint8_t* const* downs, const float (*h)[MAXB], const Ahead& pf, float* gout, float* uout,
+            float* out) {
+  const Ahead none;
   for (int64_t r0 = 0; r0 < a.B;) {
     const int64_t left = a.B - r0;
     const int R = left >= 4 ? 4 : left >= 2 ? 2 : 1;
     const int dn = r0 == 0 ? DN : 0;
-    const uint8_t *pa = r0 == 0 ? pf_a : nullptr, *pb = r0 == 0 ? pf_b : nullptr;
     auto go = [&](auto r, auto g, auto u, auto d) {
       constexpr int RR = decltype(r)::value, DD = decltype(d)::value;
       constexpr bool GG = decltype(g)::value, UU = decltype(u)::value;
       if constexpr (GG || UU || DD > 0)
-        stage<FMT, DFMT, RR, GG, UU, DD>(a, r0, lead, upr, downs, h, pa, pf_rows, pb, gout, uout, out);
+        stage<FMT, DFMT, RR, GG, UU, DD>(a, r0, lead, upr, downs, h, r0 == 0 ? pf : none, gout, uout, out);
     };
     auto with_dn = [&](auto r, auto g, auto u) {
       if (dn == DOWNS)
@@ -782,50 +788,54 @@ inline bool activations(const FFNArgs& a, int64_t jj, const float* g, const floa
   return any;
 }
 
-// Neurons sel[begin:end] as a pipeline over the records: while the gate rows of neuron jj+1 are
-// read, so are the up rows of neuron jj (only if its gate can let it fire), and the lead rows of
-// jj+2 and the down rows of jj are prefetched; so are the up rows of jj+2 while at least half
-// the gates so far have opened (left to the hardware, an up row arrived while it was read: a
-// third of a 4-bit neuron's time, measured; prefetched behind gates that stay shut, it would
-// double what a sparse layer's unselected neurons read). The down rows of the neurons that fired wait
-// until DOWNS of them have, then are added in the next pass, together (one load and store of
-// out for the DOWNS, in the order the neurons come: the same sums as one at a time). A plain
-// ReLU FFN pipelines its up rows (the lead) with the down rows.
+// Neurons sel[begin:end] as a pipeline over the records. Gated: the pass of neuron jj reads the
+// gate rows of jj+1 and the up rows of jj-1 (if its gate can let it fire), and brings into L2
+// the gate rows of jj+2 and, if jj's gate opened (known from the pass before), its up and down
+// rows: every row that will be read arrives ahead of its pass, and no up or down row behind a
+// gate that stays shut is fetched (an up row left to the hardware arrived while it was read, a
+// third of a 4-bit neuron's time measured; prefetched for every neuron it doubled what a shut
+// gate costs). A plain ReLU FFN pipelines its up rows (the lead) with the down rows. The down
+// rows of the neurons that fired wait until DOWNS of them have, then are added in the next
+// pass, together (one load and store of out for the DOWNS, in the order the neurons come: the
+// same sums as one at a time).
 template <int FMT, int DFMT = down_format(FMT)>
 void range_fmt(const FFNArgs& a, int64_t begin, int64_t end, float* out) {
   if (begin >= end) return;
-  const bool gated = gated_act(a.act);
   const int64_t rb = row_bytes(FMT, a.dim), B = a.B;
-  auto rec = [&](int64_t jj) { return jj < end ? a.w + a.sel[jj] * a.neuron_bytes : nullptr; };
-  float lead[2][MAXB], u[MAXB], h[DOWNS][MAXB];
-  float *cur = lead[0], *next = lead[1];
+  auto rec = [&](int64_t jj) { return jj >= begin && jj < end ? a.w + a.sel[jj] * a.neuron_bytes : nullptr; };
+  float lead[3][MAXB], u[MAXB], h[DOWNS][MAXB];
+  auto dots = [&](int64_t jj) { return lead[(jj - begin) % 3]; };  // the lead rows' dot products of jj
   const uint8_t* downs[DOWNS];  // the down rows of the neurons that fired, not added yet (with h)
   int n = 0;
-  int64_t tried = 0, opened = 0;  // gates so far
-  stages<FMT, DFMT>(true, false, 0, a, rec(begin), nullptr, nullptr, h, rec(begin + 1), gated ? 2 : 1, nullptr,
-                    cur, nullptr, out);
-  for (int64_t jj = begin; jj < end; jj++) {
-    const uint8_t *r = rec(jj), *nx = rec(jj + 1), *pf = rec(jj + 2);
-    if (gated) {
+  stages<FMT, DFMT>(true, false, 0, a, rec(begin), nullptr, nullptr, h, Ahead{{rec(begin + 1)}}, dots(begin),
+                    nullptr, out);
+  if (gated_act(a.act)) {
+    bool before = false;  // whether neuron jj-1's gate let it fire (its up row is read now)
+    for (int64_t jj = begin; jj <= end; jj++) {
+      const uint8_t *r = rec(jj), *nx = rec(jj + 1), *pr = rec(jj - 1);
       bool open = false;
-      for (int64_t i = 0; i < B && !open; i++) open = kept(a, i, jj) && gate_open(a.act, cur[i], a.threshold);
-      tried++, opened += open;
+      for (int64_t i = 0; r && i < B && !open; i++)
+        open = kept(a, i, jj) && gate_open(a.act, dots(jj)[i], a.threshold);
       const int dn = n == DOWNS ? DOWNS : 0;
-      stages<FMT, DFMT>(nx != nullptr, open, dn, a, nx, r + rb, downs, h, pf, 2 * opened >= tried ? 2 : 1,
-                        open ? r + 2 * rb : nullptr, next, u, out);
+      const Ahead ahead{{rec(jj + 2), open ? r + rb : nullptr}, open ? r + 2 * rb : nullptr};
+      stages<FMT, DFMT>(nx != nullptr, before, dn, a, nx, before ? pr + rb : nullptr, downs, h, ahead,
+                        dots(jj + 1), u, out);
       if (dn) n = 0;
-      if (open && activations(a, jj, cur, u, h[n])) downs[n++] = r + 2 * rb;
-    } else {
-      if (activations(a, jj, nullptr, cur, h[n])) downs[n++] = r + rb;
+      if (before && activations(a, jj - 1, dots(jj - 1), u, h[n])) downs[n++] = pr + 2 * rb;
+      before = open;
+    }
+  } else {
+    for (int64_t jj = begin; jj < end; jj++) {
+      const uint8_t *r = rec(jj), *nx = rec(jj + 1);
+      if (activations(a, jj, nullptr, dots(jj), h[n])) downs[n++] = r + rb;
       const int dn = n == DOWNS ? DOWNS : 0;
-      stages<FMT, DFMT>(nx != nullptr, false, dn, a, nx, nullptr, downs, h, pf, 1, nullptr, next, nullptr, out);
+      stages<FMT, DFMT>(nx != nullptr, false, dn, a, nx, nullptr, downs, h, Ahead{{rec(jj + 2)}}, dots(jj + 1),
+                        nullptr, out);
       if (dn) n = 0;
     }
-    std::swap(cur, next);
   }
   for (int k = 0; k < n; k++)
-    stages<FMT, DFMT>(false, false, 1, a, nullptr, nullptr, downs + k, h + k, nullptr, 0, nullptr, nullptr,
-                      nullptr, out);
+    stages<FMT, DFMT>(false, false, 1, a, nullptr, nullptr, downs + k, h + k, Ahead{}, nullptr, nullptr, out);
 }
 
 // y[r, i] for rows [begin, end): each row's dot products in one pass, the row after next
@@ -837,8 +847,7 @@ inline void gemv_fmt(const uint8_t* w, const FFNArgs& a, int64_t n, int64_t begi
   float d[MAXB];
   for (int64_t i = begin; i < end; i++) {
     const uint8_t* pf = i + 2 < end ? w + (i + 2) * rb : nullptr;
-    stages<FMT, FMT>(true, false, 0, a, w + i * rb, nullptr, nullptr, nullptr, pf, 1, nullptr, d, nullptr,
-                     nullptr);
+    stages<FMT, FMT>(true, false, 0, a, w + i * rb, nullptr, nullptr, nullptr, Ahead{{pf}}, d, nullptr, nullptr);
     for (int64_t r = 0; r < a.B; r++) y[r * n + i] = d[r];
   }
 }
