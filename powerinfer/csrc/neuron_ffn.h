@@ -112,18 +112,30 @@ constexpr bool integer_dots(int fmt) { return fmt == Q4_0 || fmt == Q4_1 || fmt 
 // x (B, dim) -> per block of 32: d = max |x| / 127, q = round(x / d) in [-127, 127], and d * sum(q)
 // (the Q8_0 rounding ggml applies to activations; d stays float32 here).
 // T: float, or a type that converts to it (c10::BFloat16: the input read as it is, no copy)
+// Written without libm calls (roundf, fmax): ops.cpp is built for the baseline ISA, where each
+// was a call per value (half of a one-neuron kernel call's 20 us, measured). The same values: a
+// NaN is skipped by the max as by fmax, and |x * id| <= 127 rounds half away from zero exactly
+// (x - trunc(x) is exact at that size).
 template <typename T>
 inline void quantize_input(const T* x, int64_t B, int64_t dim, int8_t* q, float* d, float* s) {
   for (int64_t i = 0; i < B * dim / 32; i++) {
     const T* xb = x + 32 * i;
+    float v[32];
+    for (int j = 0; j < 32; j++) v[j] = (float)xb[j];
     float amax = 0.0f;
-    for (int j = 0; j < 32; j++) amax = std::fmax(amax, std::fabs((float)xb[j]));
+    for (int j = 0; j < 32; j++) {
+      const float a = std::fabs(v[j]);
+      amax = a > amax ? a : amax;
+    }
     const float dd = amax / 127.0f, id = dd != 0.0f ? 1.0f / dd : 0.0f;
     int sum = 0;
     for (int j = 0; j < 32; j++) {
-      const int v = (int)std::roundf((float)xb[j] * id);
-      q[32 * i + j] = (int8_t)v;
-      sum += v;
+      const float y = v[j] * id;
+      const int t = (int)y;  // toward zero
+      const float r = y - (float)t;
+      const int qv = t + (r >= 0.5f) - (r <= -0.5f);
+      q[32 * i + j] = (int8_t)qv;
+      sum += qv;
     }
     d[i] = dd;
     s[i] = dd * (float)sum;
