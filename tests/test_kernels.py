@@ -181,6 +181,23 @@ def test_kernel_linear_equals_a_matmul_over_its_weights(isa, fmt):
         assert (got - want).abs().max() <= 1e-5 * want.abs().max(), shape
 
 
+def test_activations_round_half_away_from_zero(isa):
+    # the 8-bit input of the integer dot products rounds x / d half away from zero, as ggml does:
+    # one block whose max is 127 (d = 1) holding halves and the floats beside them, read back
+    # through Q8_0 rows that each pick one value (q = 127 at its position, d = f16(1 / 127))
+    half = float(np.float32(0.5))
+    below = float(np.nextafter(np.float32(0.5), np.float32(0)))
+    x = torch.tensor([127.0, 2.5, -2.5, 3.5, -3.5, half, -half, 1.5, -1.5, 126.5, -126.5, below, -below,
+                      float(np.nextafter(np.float32(2.5), np.float32(0))), 0.0, -127.0]
+                     + [0.25 * i - 4 for i in range(16)])
+    want = torch.tensor([127, 3, -3, 4, -4, 1, -1, 2, -2, 127, -127, 0, 0, 2, 0, -127]
+                        + [int(np.sign(v) * np.floor(abs(v) + 0.5)) for v in (0.25 * i - 4 for i in range(16))])
+    w = K.quantize_rows(torch.eye(32), "q8_0")
+    got = K.linear(x.unsqueeze(0), w, "q8_0")[0]
+    scale = float(np.float16(1 / 127)) * 127  # each row's d times its one code
+    assert torch.equal(torch.round(got / scale).long(), want)
+    assert torch.equal(K.quantize_input(x.unsqueeze(0))[0], want.float())  # the torch reference's
+
 def test_reformat_keeps_the_neurons_and_their_weights():
     from powerinfer.sparse import NeuronSet
     torch.manual_seed(4)
