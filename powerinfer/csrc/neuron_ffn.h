@@ -556,45 +556,26 @@ struct SplitDots {
 };
 #endif
 
-template <int FMT, int R>
-struct DotsOf {
-  using type = FloatDots<FMT, R>;
-};
-// 4-bit rows: VNNI's pairs of blocks where the build has it, else IntDots
+// 4-bit rows, GGUF blocks or split (records): with VNNI, pairs of blocks (Q4Dots) or 16 blocks
+// a call (SplitDots); else a block at a time (IntDots)
 #if defined(__AVX512VNNI__)
 template <int FMT, int R>
-using Q4DotsOf = Q4Dots<FMT, R>;
+using Q4DotsOf = std::conditional_t<split4(FMT), SplitDots<FMT, R>, Q4Dots<FMT, R>>;
 #else
 template <int FMT, int R>
 using Q4DotsOf = IntDots<FMT, R>;
 #endif
-template <int R>
-struct DotsOf<Q4_0, R> {
-  using type = Q4DotsOf<Q4_0, R>;
+template <int FMT, int R, typename = void>
+struct DotsOf {
+  using type = FloatDots<FMT, R>;
 };
-template <int R>
-struct DotsOf<Q4_1, R> {
-  using type = Q4DotsOf<Q4_1, R>;
+template <int FMT, int R>
+struct DotsOf<FMT, R, std::enable_if_t<FMT == Q4_0 || FMT == Q4_1 || split4(FMT)>> {
+  using type = Q4DotsOf<FMT, R>;
 };
 template <int R>
 struct DotsOf<Q8_0, R> {
   using type = IntDots<Q8_0, R>;
-};
-// split 4-bit rows (records): 16 blocks a call with VNNI, else a block at a time
-#if defined(__AVX512VNNI__)
-template <int FMT, int R>
-using SplitDotsOf = SplitDots<FMT, R>;
-#else
-template <int FMT, int R>
-using SplitDotsOf = IntDots<FMT, R>;
-#endif
-template <int R>
-struct DotsOf<Q4_0S, R> {
-  using type = SplitDotsOf<Q4_0S, R>;
-};
-template <int R>
-struct DotsOf<Q4_1S, R> {
-  using type = SplitDotsOf<Q4_1S, R>;
 };
 #if defined(__AVX512BF16__)
 template <int R>
