@@ -517,8 +517,9 @@ def quantize_input(x: torch.Tensor) -> torch.Tensor:
     b = x.float().reshape(*x.shape[:-1], -1, 32)
     d = b.abs().amax(-1, keepdim=True) / 127
     v = b * torch.where(d != 0, 1 / d, 0)
-    t = torch.trunc(v)  # v - t is exact: no rounding of v + 0.5 (0.49999997 + 0.5 is 1.0)
-    q = t + (v - t >= 0.5).float() - (v - t <= -0.5).float()
+    t = torch.trunc(v)
+    r = v - t  # exact: no rounding of v + 0.5 (0.49999997 + 0.5 is 1.0)
+    q = t + (r >= 0.5).float() - (r <= -0.5).float()
     return (q * d).reshape(x.shape)
 
 
