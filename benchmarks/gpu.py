@@ -69,7 +69,6 @@ import tempfile
 import time
 from pathlib import Path
 
-import ray
 import torch
 from torch import nn
 
@@ -232,14 +231,30 @@ def kernel_rows(preset: str, device: torch.device) -> dict:
         m = int(mask.sum())
         idx = mask.nonzero().squeeze(-1)
         for fmt, rec in recs.items():
-            call = lambda: triton_ffn.neuron_ffn(x, rec, mask, None, None, 0.0, "swiglu", fmt)  # noqa: E731
             read = m * rec.shape[1]
-            for path, fn in (("triton", call), ("triton graphed", graphed(call, device))):
-                if fn is None:
-                    continue
-                t = _timed(fn, device, reps)
-                out["rows"].append({"path": path, "fmt": fmt, "selection": share, "neurons": m,
-                                    "us": t * 1e6, "gb_s": read / t / 1e9})
+            # the two paths' sums on the device agree (float32, summed in other orders)
+            ys = {}
+            for split in (True, False):
+                default = triton_ffn.DECODE_SPLIT
+                triton_ffn.DECODE_SPLIT = {True: split, False: split}
+                ys[split] = triton_ffn.neuron_ffn(x.float(), rec, mask, None, None, 0.0, "swiglu", fmt)
+                triton_ffn.DECODE_SPLIT = default
+            diff = float((ys[True] - ys[False]).abs().max() / ys[False].abs().max().clamp_min(1e-30))
+            for split, name in ((True, "triton split"), (False, "triton fused")):
+                def call(split=split, rec=rec, fmt=fmt):
+                    default = triton_ffn.DECODE_SPLIT
+                    triton_ffn.DECODE_SPLIT = {True: split, False: split}
+                    try:
+                        return triton_ffn.neuron_ffn(x, rec, mask, None, None, 0.0, "swiglu", fmt)
+                    finally:
+                        triton_ffn.DECODE_SPLIT = default
+                for path, fn in ((name, call), (f"{name} graphed", graphed(call, device))):
+                    if fn is None:
+                        continue
+                    t = _timed(fn, device, reps)
+                    out["rows"].append({"path": path, "fmt": fmt, "selection": share,
+                                        "neurons": m, "us": t * 1e6, "gb_s": read / t / 1e9,
+                                        "split_vs_fused_max_rel": diff})
         t = _timed(lambda: torch_ffn(w1, down), device, reps)
         out["rows"].append({"path": "torch dense", "fmt": "bf16", "selection": share,
                             "neurons": ffn, "us": t * 1e6, "gb_s": 3 * ffn * dim * 2 / t / 1e9})
@@ -247,6 +262,21 @@ def kernel_rows(preset: str, device: torch.device) -> dict:
                                      down.index_select(0, idx)), device, reps)
         out["rows"].append({"path": "torch gathered", "fmt": "bf16", "selection": share,
                             "neurons": m, "us": t * 1e6, "gb_s": 3 * m * dim * 2 / t / 1e9})
+    if device.type == "cuda":  # where a split call's device time goes, kernel by kernel
+        from powerinfer import triton_ffn as T
+        default = T.DECODE_SPLIT
+        T.DECODE_SPLIT = {True: True, False: True}
+        try:
+            for share in (0.1, 1.0):
+                mask = torch.rand(ffn, generator=g, device=device) < share
+                for fmt, rec in recs.items():
+                    times = kernel_device_times(lambda: triton_ffn.neuron_ffn(
+                        x, rec, mask, None, None, 0.0, "swiglu", fmt))
+                    out.setdefault("split_kernels", []).append(
+                        {"fmt": fmt, "selection": share, "neurons": int(mask.sum()), "us": times})
+                    print(json.dumps(out["split_kernels"][-1]), flush=True)
+        finally:
+            T.DECODE_SPLIT = default
     rank = 32 if small else 1024
     fc1 = torch.randn(rank, dim, generator=g, device=device) / dim ** 0.5
     fc2 = torch.randn(ffn, rank, generator=g, device=device) / rank ** 0.5
@@ -327,6 +357,75 @@ def sweep_rows(preset: str, device: torch.device, copy: float, shares=(0.1, 1.0)
     return rows
 
 
+# the split decode row's settings: (gate/up tile, down tile, gate/up columns a program, down
+# programs a multiprocessor), tiles as (neurons, columns a step, warps); the first is
+# `triton_ffn`'s default, then one part varied at a time
+SPLIT_SWEEP = [((16, 256, 4), (16, 256, 4), 1024, 8),
+               ((16, 128, 4), (16, 256, 4), 1024, 8), ((32, 128, 8), (16, 256, 4), 1024, 8),
+               ((8, 512, 4), (16, 256, 4), 1024, 8),
+               ((16, 256, 4), (32, 256, 4), 1024, 8), ((16, 256, 4), (16, 512, 4), 1024, 8),
+               ((16, 256, 4), (32, 128, 4), 1024, 8), ((16, 256, 4), (64, 128, 8), 1024, 8),
+               ((16, 256, 4), (16, 256, 4), 512, 8), ((16, 256, 4), (16, 256, 4), 2048, 8),
+               ((16, 256, 4), (16, 256, 4), 1024, 4), ((16, 256, 4), (16, 256, 4), 1024, 16)]
+
+
+def split_sweep_rows(preset: str, device: torch.device, copy: float,
+                     shares=(0.1, 1.0)) -> list[dict]:
+    """The split decode row's settings (`triton_ffn.SPLIT_TILES`, `SPLIT_COLS`, `DOWN_PER_SM`)
+    timed as `sweep_rows` times the one-launch kernel's tiles, eager and as a CUDA graph."""
+    from powerinfer import triton_ffn as T
+    from powerinfer.synthetic import PRESETS
+
+    dim, ffn = PRESETS[preset].dim, PRESETS[preset].n_ff
+    g, _, x, recs = one_layer(dim, ffn, device)
+    masks = {sh: torch.rand(ffn, generator=g, device=device) < sh for sh in shares}
+    default = (T.DECODE_SPLIT, dict(T.SPLIT_TILES), T.SPLIT_COLS, T.DOWN_PER_SM)
+    rows = []
+    try:
+        T.DECODE_SPLIT = {True: True, False: True}
+        for gu, down, cols, per_sm in SPLIT_SWEEP:
+            T.SPLIT_TILES = {True: (gu, down), False: (gu, down)}
+            T.SPLIT_COLS, T.DOWN_PER_SM = cols, per_sm
+            for fmt, rec in recs.items():
+                for sh, mask in masks.items():
+                    call = lambda: T.neuron_ffn(x, rec, mask, None, None, 0.0,  # noqa: E731
+                                                "swiglu", fmt)
+                    r = {"gate_up": gu, "down": down, "cols": cols, "down_per_sm": per_sm,
+                         "fmt": fmt, "selection": sh}
+                    try:
+                        t, tg = _timed(call, device, 20), _timed(graphed(call, device), device, 20)
+                    except Exception as e:  # a tile the compiler refuses (registers, shared memory)
+                        rows.append({**r, "error": str(e)[:200]})
+                        continue
+                    read = int(mask.sum()) * rec.shape[1]
+                    r.update(us=t * 1e6, graphed_us=tg * 1e6, of_copy=read / t / 1e9 / copy,
+                             graphed_of_copy=read / tg / 1e9 / copy)
+                    rows.append(r)
+                    print(json.dumps(r), flush=True)
+    finally:
+        T.DECODE_SPLIT, T.SPLIT_TILES, T.SPLIT_COLS, T.DOWN_PER_SM = default
+    return rows
+
+
+def kernel_device_times(fn, reps: int = 10) -> dict[str, float]:
+    """Microseconds of device time a call of fn spends in each kernel it launches
+    (torch.profiler's CUDA activity, averaged over reps calls)."""
+    from torch.profiler import ProfilerActivity, profile as tprofile
+
+    fn(), fn()
+    torch.cuda.synchronize()
+    with tprofile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            fn()
+        torch.cuda.synchronize()
+    out: dict[str, float] = {}
+    for e in prof.key_averages():
+        t = getattr(e, "device_time_total", None) or getattr(e, "cuda_time_total", 0)
+        if t:
+            out[e.key[:60]] = round(t / reps, 2)
+    return out
+
+
 def plot_kernels(runs: dict[str, dict], path: str):
     """GB/s of the rows each path had to read against the share of neurons selected, one line
     per path and format, for each labelled `--kernels` result (the copy bandwidth drawn)."""
@@ -369,8 +468,9 @@ def main():
     ap.add_argument("--kernels", action="store_true", help="only the kernel rows")
     ap.add_argument("--plot", nargs="+", metavar=("PNG", "LABEL=JSON"),
                     help="draw --kernels results (LABEL=FILE ...) into PNG, and exit")
-    ap.add_argument("--sweep", action="store_true",
-                    help="with --kernels: time the Triton FFN kernel's tile sizes too")
+    ap.add_argument("--sweep", choices=["fused", "split"],
+                    help="with --kernels: time the Triton FFN kernel's tile sizes too, those of "
+                         "the one-launch kernel (fused) or of the split decode row's two")
     ap.add_argument("--profile-hot", type=int, default=0, metavar="STEPS",
                     help="a diagnostic run: all-GPU and the hybrid row (no layer offload, no "
                          "other hybrid rows), with a torch.profiler table of the hot executor's "
@@ -392,10 +492,13 @@ def main():
         if runs_kernels:
             result = kernel_rows(a.preset, device)
             if a.sweep:
-                result["sweep"] = sweep_rows(a.preset, device, result["copy_gb_s"])
+                sweep = sweep_rows if a.sweep == "fused" else split_sweep_rows
+                result["sweep"] = sweep(a.preset, device, result["copy_gb_s"])
             if a.out:
                 Path(a.out).write_text(json.dumps(result, indent=1))
         return
+    import ray  # (the kernel rows run where Ray is not installed)
+
     result = {"date": str(datetime.date.today()), "host": platform.processor() or platform.machine(),
               "cores": len(os.sched_getaffinity(0)),
               "device": torch.cuda.get_device_name() if a.device == "cuda" else "cpu",

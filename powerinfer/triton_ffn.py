@@ -8,10 +8,19 @@ each row with coalesced loads), in their own format:
   Q8_0 down rows, or Q8_0 rows
   throughout, dequantized in registers.
 
-One program takes a tile of selected neurons and every row of the batch (1 to 64): for a decode
-row `TILE_PLAIN` / `TILE_BLOCKS` (16 neurons x 1024 columns a step for plain rows, 8 x 512 for
-blocks: the fastest of a sweep on an H200), for several rows BLOCK_N x BLOCK_K (16 x 128), whose
-`tl.dot` operands fit shared memory:
+A decode row (one row of input) of block-format records is split over the width, in two
+launches (`DECODE_SPLIT`): a program of `_gate_up_kernel` adds its neurons' gate and up dot
+products over `SPLIT_COLS` columns to a float32 scratch (each block's bytes loaded as one run, its
+scale once, the input's columns met in the blocks' order), then a program of `_down_kernel`
+takes a slice of the output columns and a run of the selection: it applies the activation to
+the sums, accumulates the fired neurons' down rows in registers and adds them to the output
+once (an atomic add a column for each run, not one for each neuron tile).
+
+Otherwise (plain records, several rows, or `DECODE_SPLIT` off) one program takes a tile of
+selected neurons and every row of the batch (1 to 64): for a decode row `TILE_PLAIN` /
+`TILE_BLOCKS` (16 neurons x 1024 columns a step for plain rows, 8 x 512 for blocks: the fastest
+of a sweep on an H200), for several rows BLOCK_N x BLOCK_K (16 x 128), whose `tl.dot` operands
+fit shared memory:
 1. gate dot products over the width, then the neurons whose gate cannot let them fire in any
    row (ReGLU, dReLU) are masked out of the next loads;
 2. up dot products (plus the up bias), the activation and the firing threshold, the per-row
@@ -66,6 +75,27 @@ BLOCK_N, BLOCK_K = 16, 128  # neurons per program (more keep a GPU busy); column
 # format, from `benchmarks/gpu.py --kernels --sweep` on an H200 (BENCHMARKS.md): plain records
 # read 1024 columns a step (4-8x the bytes in flight of 128), block formats 512 over 8 neurons
 TILE_PLAIN, TILE_BLOCKS = (16, 1024, 4), (8, 512, 4)
+# a decode row split over the width (`_gate_up_kernel`, then `_down_kernel`): each gate/up
+# program takes SPLIT_COLS columns of its neurons' rows, each down program a slice of the output
+# and a run of the neurons; by record kind, plain [True] or block formats [False]: whether a
+# decode row takes this path, and its tiles (neurons, columns a step, warps) for gate/up and
+# for down. From `benchmarks/gpu.py --kernels --sweep split` on an H200 (BENCHMARKS.md): Q4_0
+# records 3.3-6.5x faster than in one launch; bf16 records faster in one launch (10%: 64 us
+# against 64-76, 100%: 390 against 400-460)
+DECODE_SPLIT = {True: False, False: True}
+SPLIT_COLS = 1024
+SPLIT_TILES = {True: ((32, 128, 8), (16, 256, 4)), False: ((8, 512, 4), (16, 256, 4))}
+
+
+DOWN_PER_SM = 8
+
+
+def down_programs(device: torch.device) -> int:
+    """Programs the split decode row's down kernel aims for (column slices x neuron groups):
+    DOWN_PER_SM a multiprocessor on a GPU, 16 under the interpreter (several groups still)."""
+    if device.type != "cuda":
+        return 16
+    return DOWN_PER_SM * torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def interpreted() -> bool:
@@ -185,6 +215,49 @@ if triton is not None:
         return g * _sigmoid(1.5957691216057308 * (g + 0.044715 * g * g * g))
 
     @triton.jit
+    def _activation(gate, up, threshold, ACT: tl.constexpr):
+        # the activation h, zero where its firing score does not pass a threshold > 0
+        # (csrc/neuron_ffn.h's `activations`); gate is unused for ReLU and GELU
+        if ACT == 0:  # ReLU
+            h = tl.maximum(up, 0.0)
+            score = h
+        elif ACT == 1:  # ReGLU
+            score = tl.maximum(gate, 0.0)
+            h = score * up
+        elif ACT == 2:  # dReLU
+            h = tl.maximum(gate, 0.0) * tl.maximum(up, 0.0)
+            score = h
+        elif ACT == 3:  # SwiGLU
+            s = gate * _sigmoid(gate)
+            score = tl.abs(s)
+            h = s * up
+        elif ACT == 4:  # GeGLU (tanh GELU)
+            s = _gelu_tanh(gate)
+            score = tl.abs(s)
+            h = s * up
+        else:  # GELU (erf)
+            h = 0.5 * up * (1.0 + tl.erf(up * 0.7071067811865476))
+            score = tl.abs(h)
+        if threshold > 0:
+            h = tl.where(score > threshold, h, 0.0)
+        return h
+
+    @triton.jit
+    def _selected(sel_ptr, count_ptr, pos, k, SEL: tl.constexpr):
+        # positions `pos` of a selection -> (valid, neuron): SEL 0 every neuron of the set, 1 an
+        # index list (its length at count_ptr), 2 a bool mask over the set
+        if SEL == 1:
+            valid = pos < tl.load(count_ptr)
+            neuron = tl.load(sel_ptr + pos, mask=valid, other=0).to(tl.int64)
+        elif SEL == 2:
+            valid = (pos < k) & (tl.load(sel_ptr + pos, mask=pos < k, other=0) != 0)
+            neuron = pos.to(tl.int64)
+        else:
+            valid = pos < k
+            neuron = pos.to(tl.int64)
+        return valid, neuron
+
+    @triton.jit
     def _ffn_kernel(x_ptr, w_ptr, sel_ptr, count_ptr, keep_ptr, bias_ptr, out_ptr,
                     B, dim, k, rec_stride, keep_stride, threshold,
                     ACT: tl.constexpr, FMT: tl.constexpr, DFMT: tl.constexpr,
@@ -195,16 +268,7 @@ if triton is not None:
         # KEEP: 0 none, 1 by position in the selection, 2 by neuron (keep_ptr (B, keep_stride))
         pid = tl.program_id(0)
         pos = pid * BLOCK_N + tl.arange(0, BLOCK_N)
-        if SEL == 1:
-            m = tl.load(count_ptr)
-            valid = pos < m
-            neuron = tl.load(sel_ptr + pos, mask=valid, other=0).to(tl.int64)
-        elif SEL == 2:
-            valid = (pos < k) & (tl.load(sel_ptr + pos, mask=pos < k, other=0) != 0)
-            neuron = pos.to(tl.int64)
-        else:
-            valid = pos < k
-            neuron = pos.to(tl.int64)
+        valid, neuron = _selected(sel_ptr, count_ptr, pos, k, SEL)
         if tl.sum(valid.to(tl.int32)) > 0:
             rows = tl.arange(0, BLOCK_B)
             rmask = rows < B
@@ -247,29 +311,7 @@ if triton is not None:
                 up += _mm_t(x, wu, BLOCK_B)
             if HAS_BIAS:
                 up += tl.load(bias_ptr + neuron, mask=valid, other=0)[None, :]
-            # the activation h and the firing score (csrc/neuron_ffn.h's `activations`)
-            if ACT == 0:  # ReLU
-                h = tl.maximum(up, 0.0)
-                score = h
-            elif ACT == 1:  # ReGLU
-                score = tl.maximum(gate, 0.0)
-                h = score * up
-            elif ACT == 2:  # dReLU
-                h = tl.maximum(gate, 0.0) * tl.maximum(up, 0.0)
-                score = h
-            elif ACT == 3:  # SwiGLU
-                s = gate * _sigmoid(gate)
-                score = tl.abs(s)
-                h = s * up
-            elif ACT == 4:  # GeGLU (tanh GELU)
-                s = _gelu_tanh(gate)
-                score = tl.abs(s)
-                h = s * up
-            else:  # GELU (erf)
-                h = 0.5 * up * (1.0 + tl.erf(up * 0.7071067811865476))
-                score = tl.abs(h)
-            if threshold > 0:
-                h = tl.where(score > threshold, h, 0.0)
+            h = _activation(gate, up, threshold, ACT)
             keep = rmask[:, None] & valid[None, :]
             if KEEP == 1:
                 keep &= tl.load(keep_ptr + rows[:, None] * keep_stride + pos[None, :],
@@ -286,6 +328,134 @@ if triton is not None:
                     part = _mm(h, wd, BLOCK_B)
                     tl.atomic_add(out_ptr + rows[:, None] * dim + cols[None, :], part,
                                   mask=rmask[:, None] & (cols < dim)[None, :])
+
+    @triton.jit
+    def _dot_step(r, c0, x_ptr, dim, valid, nb, FMT: tl.constexpr, BLOCK_K: tl.constexpr):
+        # a decode row's products with rows starting at byte or element pointers r (BLOCK_N, 1),
+        # columns c0 .. c0 + BLOCK_K: plain rows (BLOCK_N, BLOCK_K) products; block formats
+        # (BLOCK_N, BLOCK_K // 32) block sums, each block's bytes loaded as one run (its weights
+        # met by the input's columns in the same order) and its scale once
+        if FMT == 0:
+            cols = c0 + tl.arange(0, BLOCK_K)
+            cm = cols < dim
+            x = tl.load(x_ptr + cols, mask=cm, other=0).to(tl.float32)
+            p = tl.load(r + cols[None, :], mask=valid[:, None] & cm[None, :], other=0).to(tl.float32) * x[None, :]
+        else:
+            blk = c0 // 32 + tl.arange(0, BLOCK_K // 32)
+            bm = blk < nb
+            m2 = valid[:, None] & bm[None, :]
+            m3 = m2[:, :, None]
+            if FMT == 3:  # Q8_0 blocks: f16 scale, 32 int8
+                j = tl.arange(0, 32)
+                b = r + blk[None, :] * 34
+                q = tl.load(b[:, :, None] + 2 + j[None, None, :], mask=m3, other=0)
+                x = tl.load(x_ptr + blk[:, None] * 32 + j[None, :], mask=bm[:, None], other=0).to(tl.float32)
+                p = tl.sum(q.to(tl.int8, bitcast=True).to(tl.float32) * x[None, :, :], axis=2) * _f16_at(b, m2)
+            else:  # split 4-bit rows: block blk's 16 bytes hold weights i (low nibble) and 16 + i
+                i = tl.arange(0, 16)
+                q = tl.load(r[:, :, None] + blk[None, :, None] * 16 + i[None, None, :], mask=m3, other=0)
+                xo = x_ptr + blk[:, None] * 32 + i[None, :]
+                xlo = tl.load(xo, mask=bm[:, None], other=0).to(tl.float32)
+                xhi = tl.load(xo + 16, mask=bm[:, None], other=0).to(tl.float32)
+                s = tl.sum((q & 15).to(tl.float32) * xlo[None, :, :] + (q >> 4).to(tl.float32) * xhi[None, :, :], axis=2)
+                xs = tl.sum(xlo + xhi, axis=1)[None, :]  # (the offsets' share: -8 d or m a weight)
+                d = _f16_at(r + nb * 16 + blk[None, :] * 2, m2)
+                if FMT == 4:
+                    p = (s - 8.0 * xs) * d
+                else:
+                    p = s * d + _f16_at(r + nb * 18 + blk[None, :] * 2, m2) * xs
+        return p
+
+    @triton.jit
+    def _gate_up_kernel(x_ptr, w_ptr, sel_ptr, count_ptr, gu_ptr, dim, k, cap, rec_stride,
+                        FMT: tl.constexpr, ROW_BYTES: tl.constexpr, GATED: tl.constexpr,
+                        SEL: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                        COLS: tl.constexpr):
+        # a decode row, split: program (i, s) adds the gate and up dot products of the selection's
+        # neurons i*BLOCK_N .. over columns s*COLS .. (s+1)*COLS to gu (gate at [0, cap), up at
+        # [cap, 2 cap), by position; zeroed by the caller)
+        pos = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        valid, neuron = _selected(sel_ptr, count_ptr, pos, k, SEL)
+        if tl.sum(valid.to(tl.int32)) > 0:
+            r = w_ptr + (neuron * rec_stride)[:, None]
+            if FMT == 0:
+                up_off = dim if GATED else 0
+                accg = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+            else:
+                up_off = ROW_BYTES if GATED else 0
+                accg = tl.zeros((BLOCK_N, BLOCK_K // 32), dtype=tl.float32)
+            accu = tl.zeros_like(accg)
+            c_lo = tl.program_id(1) * COLS
+            for c in range(0, COLS, BLOCK_K):
+                if GATED:
+                    accg += _dot_step(r, c_lo + c, x_ptr, dim, valid, dim // 32, FMT, BLOCK_K)
+                accu += _dot_step(r + up_off, c_lo + c, x_ptr, dim, valid, dim // 32, FMT, BLOCK_K)
+            if GATED:
+                tl.atomic_add(gu_ptr + pos, tl.sum(accg, axis=1), mask=valid)
+            tl.atomic_add(gu_ptr + cap + pos, tl.sum(accu, axis=1), mask=valid)
+
+    @triton.jit
+    def _down_kernel(gu_ptr, w_ptr, sel_ptr, count_ptr, keep_ptr, bias_ptr, out_ptr, dim, k, cap,
+                     rec_stride, threshold, ACT: tl.constexpr, DFMT: tl.constexpr,
+                     ROW_BYTES: tl.constexpr, GATED: tl.constexpr, SEL: tl.constexpr,
+                     KEEP: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr,
+                     BLOCK_K: tl.constexpr, GROUPS):
+        # a decode row, split: program (s, g) owns output columns s*BLOCK_K .. and the g-th of
+        # GROUPS runs of the selection's positions; for each BLOCK_N of them it applies the
+        # activation to the summed gate and up (and bias), keeps the row's own (KEEP as
+        # `_ffn_kernel`'s), and accumulates the fired neurons' down rows times their activations
+        # in registers; one atomic add a column at the end (GROUPS adds a column in all, where
+        # one a neuron tile would make every program of a column wait on the same addresses)
+        if SEL == 1:
+            total = tl.load(count_ptr)
+        else:
+            total = k
+        per = tl.cdiv(tl.cdiv(total, GROUPS), BLOCK_N) * BLOCK_N
+        lo = tl.program_id(1) * per
+        hi = tl.minimum(lo + per, total)
+        if DFMT == 0:
+            down_off = 2 * dim if GATED else dim
+            cols = tl.program_id(0) * BLOCK_K + tl.arange(0, BLOCK_K)
+            cm = cols < dim
+            acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+        else:
+            down_off = 2 * ROW_BYTES if GATED else ROW_BYTES
+            blk = tl.program_id(0) * (BLOCK_K // 32) + tl.arange(0, BLOCK_K // 32)
+            bm = blk < dim // 32
+            j = tl.arange(0, 32)
+            acc = tl.zeros((BLOCK_N, BLOCK_K // 32, 32), dtype=tl.float32)
+        for n0 in range(lo, hi, BLOCK_N):
+            pos = n0 + tl.arange(0, BLOCK_N)
+            valid, neuron = _selected(sel_ptr, count_ptr, pos, k, SEL)
+            valid &= pos < hi
+            gate = tl.load(gu_ptr + pos, mask=valid, other=0)
+            up = tl.load(gu_ptr + cap + pos, mask=valid, other=0)
+            if HAS_BIAS:
+                up += tl.load(bias_ptr + neuron, mask=valid, other=0)
+            h = _activation(gate, up, threshold, ACT)
+            keep = valid
+            if KEEP == 1:
+                keep &= tl.load(keep_ptr + pos, mask=valid, other=0) != 0
+            elif KEEP == 2:
+                keep &= tl.load(keep_ptr + neuron, mask=valid, other=0) != 0
+            h = tl.where(keep, h, 0.0)
+            fired = tl.abs(h) > 0  # the down rows read only for these
+            r = w_ptr + (neuron * rec_stride)[:, None] + down_off
+            if DFMT == 0:
+                v = tl.load(r + cols[None, :], mask=fired[:, None] & cm[None, :], other=0)
+                acc += v.to(tl.float32) * h[:, None]
+            else:  # Q8_0 blocks: f16 scale, 32 int8; the scale folded into the activation
+                m2 = fired[:, None] & bm[None, :]
+                b = r + blk[None, :] * 34
+                q = tl.load(b[:, :, None] + 2 + j[None, None, :], mask=m2[:, :, None], other=0)
+                hd = h[:, None] * _f16_at(b, m2)
+                acc += q.to(tl.int8, bitcast=True).to(tl.float32) * hd[:, :, None]
+        if hi > lo:
+            part = tl.sum(acc, axis=0)
+            if DFMT == 0:
+                tl.atomic_add(out_ptr + cols, part, mask=cm)
+            else:
+                tl.atomic_add(out_ptr + blk[:, None] * 32 + j[None, :], part, mask=bm[:, None])
 
     @triton.jit
     def _compact_kernel(mask_ptr, n, idx_ptr, count_ptr, BLOCK: tl.constexpr):
@@ -450,33 +620,38 @@ def neuron_ffn(x: torch.Tensor, records: torch.Tensor, sel: torch.Tensor | None,
     gated = act not in ("relu", "gelu")
     nrows = 3 if gated else 2
     k = records.shape[0]
-    # the float32 sums and the compacted mask's count zeroed by one launch (a decode step's
-    # call is short enough that each launch shows)
-    zeroed = torch.zeros(B * dim + 1, dtype=torch.float32, device=x.device)
+    # positions the call's programs cover (an index list's length may be known only on the device)
+    cap = sel.shape[0] if sel is not None and sel.dtype != torch.bool else k
+    split = B == 1 and DECODE_SPLIT[fmt in PLAIN_TYPES]
+    # the float32 sums, the compacted mask's count and (split) the gate and up sums zeroed by
+    # one launch (a decode step's call is short enough that each launch shows)
+    zeroed = torch.zeros(B * dim + 1 + (2 * cap if split else 0), dtype=torch.float32,
+                         device=x.device)
     out = zeroed[:B * dim].view(B, dim)
     if B == 0 or k == 0:
         return out.to(x.dtype)
     keep_mode, keep_t = 0, None
     if sel is None:  # (keep: by neuron, which is by position here)
-        sel_mode, sel_t, cnt, programs = 0, records, None, k
+        sel_mode, sel_t, cnt = 0, records, None
         if keep is not None:
             keep_mode, keep_t = 2, keep
     elif sel.dtype == torch.bool and not mask_path:  # the fast path: the mask as positions
-        sel_t, cnt = compact(sel, zeroed[B * dim:].view(torch.int32))
-        sel_mode, programs = 1, k
+        sel_t, cnt = compact(sel, zeroed[B * dim:B * dim + 1].view(torch.int32))
+        sel_mode = 1
         if keep is not None:
             keep_mode, keep_t = 2, keep
     elif sel.dtype == torch.bool:
-        sel_mode, sel_t, cnt, programs = 2, sel.contiguous().view(torch.uint8), None, k
+        sel_mode, sel_t, cnt = 2, sel.contiguous().view(torch.uint8), None
         if keep is not None:
             keep_mode, keep_t = 2, keep
     else:
-        sel_mode, programs = 1, sel.shape[0]
-        sel_t = sel.contiguous()
+        sel_mode, sel_t = 1, sel.contiguous()
         cnt = (count if count is not None
                else torch.tensor([sel.shape[0]], dtype=torch.int32, device=x.device))
         if keep is not None:
             keep_mode, keep_t = 1, keep
+    if cap == 0:
+        return out.to(x.dtype)
     if keep_t is not None:
         keep_t = keep_t.reshape(B, -1).contiguous().view(torch.uint8)
     if fmt in PLAIN_TYPES:
@@ -486,15 +661,31 @@ def neuron_ffn(x: torch.Tensor, records: torch.Tensor, sel: torch.Tensor | None,
         df = Q8_0 if fmt in ("q4_0", "q4_1") else BLOCK_FORMATS[fmt]
         f = RECORD_CODES.get(BLOCK_FORMATS[fmt], df)
         w, rb, stride = records, _row_bytes(f, dim), records.shape[1]
-    block_b = 1 if B == 1 else max(16, _pow2(B))
-    if programs == 0:
+    cnt_t = cnt if cnt is not None else out
+    keep_p = keep_t if keep_t is not None else out
+    bias_p = bias if bias is not None else out
+    x = x.contiguous()
+    if split:
+        gu = zeroed[B * dim + 1:]
+        cols = SPLIT_COLS
+        (bn, bk, warps), (dbn, dbk, dwarps) = SPLIT_TILES[fmt in PLAIN_TYPES]
+        _gate_up_kernel[(triton.cdiv(cap, bn), triton.cdiv(dim, cols))](
+            x, w, sel_t, cnt_t, gu, dim, k, cap, stride, FMT=f, ROW_BYTES=rb, GATED=gated,
+            SEL=sel_mode, BLOCK_N=bn, BLOCK_K=bk, COLS=cols, num_warps=warps)
+        slices = triton.cdiv(dim, dbk)
+        groups = max(1, min(triton.cdiv(cap, dbn), down_programs(x.device) // slices))
+        _down_kernel[(slices, groups)](
+            gu, w, sel_t, cnt_t, keep_p, bias_p, out, dim, k, cap, stride, float(threshold),
+            ACT=ACTS.index(act), DFMT=df, ROW_BYTES=rb, GATED=gated, SEL=sel_mode,
+            KEEP=keep_mode, HAS_BIAS=bias is not None, BLOCK_N=dbn, BLOCK_K=dbk, GROUPS=groups,
+            num_warps=dwarps)
         return out.to(x.dtype)
+    block_b = 1 if B == 1 else max(16, _pow2(B))
     # several rows multiply through tl.dot, whose operands must fit shared memory: the small tile
     bn, bk, warps = (TILE_PLAIN if fmt in PLAIN_TYPES else TILE_BLOCKS) if B == 1 else \
         (BLOCK_N, BLOCK_K, 4)
-    _ffn_kernel[(triton.cdiv(programs, bn),)](
-        x.contiguous(), w, sel_t, cnt if cnt is not None else out, keep_t if keep_t is not None else out,
-        bias if bias is not None else out, out, B, dim, k, stride,
+    _ffn_kernel[(triton.cdiv(cap, bn),)](
+        x, w, sel_t, cnt_t, keep_p, bias_p, out, B, dim, k, stride,
         0 if keep_t is None else keep_t.shape[1], float(threshold),
         ACT=ACTS.index(act), FMT=f, DFMT=df, ROW_BYTES=rb, GATED=gated, SEL=sel_mode,
         KEEP=keep_mode, HAS_BIAS=bias is not None, BLOCK_B=block_b, BLOCK_N=bn,

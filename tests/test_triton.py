@@ -1,6 +1,7 @@
 """The GPU path's Triton kernels (`powerinfer.triton_ffn`) against torch references of the same
 math. Where no GPU is present they run on the CPU under Triton's interpreter: the environment
 variable is set here, before anything imports triton, so every machine checks them."""
+import contextlib
 import os
 
 import pytest
@@ -49,6 +50,19 @@ def reference(x, rows, act, sel_mask, keep, bias, threshold):
     return h @ down
 
 
+@contextlib.contextmanager
+def split_as(split: bool, cols: int):
+    # the decode row's path (`T.DECODE_SPLIT`) and its programs' columns, tiles of 32 columns a
+    # step so that `cols` holds several
+    saved = T.DECODE_SPLIT, T.SPLIT_COLS, T.SPLIT_TILES
+    T.DECODE_SPLIT, T.SPLIT_COLS = {True: split, False: split}, cols
+    T.SPLIT_TILES = {p: ((16, 32, 4), (16, 32, 4)) for p in (True, False)}
+    try:
+        yield
+    finally:
+        T.DECODE_SPLIT, T.SPLIT_COLS, T.SPLIT_TILES = saved
+
+
 def selections(k: int, g: torch.Generator) -> dict[str, torch.Tensor]:
     one = torch.zeros(k, dtype=torch.bool)
     one[k // 3] = True
@@ -66,7 +80,8 @@ def test_ffn_kernel_equals_torch_on_its_rows(fmt, dim, acts):
     # blocks); k = 100 neurons, past six programs of 16; every activation in float32, each
     # other format with a gated and an ungated one; selections of none, one neuron, about 10%
     # and all, as a mask (the about-10% one also as positions and through the mask path);
-    # batch 1, and batch 5 where each row keeps its own neurons
+    # batch 1 (split over the width, and in one launch), and batch 5 where each row keeps its
+    # own neurons
     g = torch.Generator().manual_seed(len(fmt) * 100 + dim)
     k = 100
     tol = 1e-4
@@ -92,6 +107,14 @@ def test_ffn_kernel_equals_torch_on_its_rows(fmt, dim, acts):
                 if name == "all":
                     got["every neuron"] = T.neuron_ffn(d(x), rec, None, None if keep is None else
                                                        d(keep), d(bias), threshold, act, fmt)
+                if B == 1 and name in ("10%", "all"):
+                    # a decode row in one launch, and split over the width (its gate and up
+                    # over several column slices of a program each)
+                    for how, split, cols in (("one launch", False, T.SPLIT_COLS),
+                                             ("split, 64-column slices", True, 64)):
+                        with split_as(split, cols):
+                            got[how] = T.neuron_ffn(d(x), rec, d(mask), None, d(bias), threshold,
+                                                    act, fmt)
                 for how, y in got.items():
                     assert y.shape == (B, dim) and y.dtype == torch.float32
                     err = float((y.cpu().double() - want).abs().max())
@@ -247,5 +270,5 @@ def test_kernels_compile_for_an_h100(tmp_path):
                        env=env, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
     out = json.loads(r.stdout.splitlines()[-1])
-    assert out["capability"] == 90 and out["kernels"] == 18
-    assert len(list(tmp_path.rglob("*.cubin"))) == 18  # one cubin a variant
+    assert out["capability"] == 90 and out["kernels"] == 26
+    assert len(list(tmp_path.rglob("*.cubin"))) == 26  # one cubin a variant

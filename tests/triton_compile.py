@@ -42,6 +42,26 @@ def variants():
     yield ffn("*bf16", "*u8", "reglu", T.Q4_0, T.Q8_0, q4, True, 1, 1, False, 1)
     yield ffn("*bf16", "*u8", "dreglu", T.Q4_1, T.Q8_0, 4096 // 32 * 20, True, 1, 0, False, 16)
     yield ffn("*fp32", "*u8", "gelu", T.Q8_0, T.Q8_0, 4096 // 32 * 34, False, 0, 0, True, 1)
+    for fmt, gated, sel in ((T.PLAIN, True, 1), (T.Q4_0S, True, 1), (T.Q4_1S, False, 0),
+                            (T.Q8_0, True, 2)):
+        (bn, bk, nw), _ = T.SPLIT_TILES[fmt == T.PLAIN]
+        yield ("_gate_up_kernel",
+               dict(x_ptr="*bf16", w_ptr="*bf16" if fmt == T.PLAIN else "*u8",
+                    sel_ptr="*i32" if sel == 1 else "*u8", count_ptr="*i32", gu_ptr="*fp32",
+                    dim=I32, k=I32, cap=I32, rec_stride=I32),
+               dict(FMT=fmt, ROW_BYTES=0 if fmt == T.PLAIN else T._row_bytes(fmt, 4096),
+                    GATED=gated, SEL=sel, BLOCK_N=bn, BLOCK_K=bk, COLS=T.SPLIT_COLS))
+    for act, dfmt, sel, keep, bias in (("swiglu", T.PLAIN, 1, 1, False), ("reglu", T.Q8_0, 1, 2, False),
+                                       ("gelu", T.Q8_0, 0, 0, True), ("dreglu", T.PLAIN, 2, 2, False)):
+        _, (bn, bk, nw) = T.SPLIT_TILES[dfmt == T.PLAIN]
+        yield ("_down_kernel",
+               dict(gu_ptr="*fp32", w_ptr="*bf16" if dfmt == T.PLAIN else "*u8",
+                    sel_ptr="*i32" if sel == 1 else "*u8", count_ptr="*i32", keep_ptr="*u8",
+                    bias_ptr="*fp32", out_ptr="*fp32", dim=I32, k=I32, cap=I32, rec_stride=I32,
+                    threshold="fp32", GROUPS=I32),
+               dict(ACT=T.ACTS.index(act), DFMT=dfmt, ROW_BYTES=4096 // 32 * 18,
+                    GATED=act != "gelu", SEL=sel, KEEP=keep, HAS_BIAS=bias, BLOCK_N=bn,
+                    BLOCK_K=bk))
     yield "_compact_kernel", dict(mask_ptr="*u8", n=I32, idx_ptr="*i32", count_ptr="*i32"), \
         dict(BLOCK=1024)
     for rows, fmt, dfmt in ((3, T.Q4_0, T.Q8_0), (2, T.Q4_1, T.Q8_0), (1, T.Q8_0, T.Q8_0)):
