@@ -289,6 +289,46 @@ def kernel_rows(preset: str, device: torch.device) -> dict:
     return out
 
 
+def attention_rows(preset: str, device: torch.device, contexts=(64, 512, 2048)) -> list[dict]:
+    """A decode step's attention over the paged cache for one layer of `preset` (its heads, bf16,
+    blocks of 16), one sequence at each context length and 8 at 512: torch's ops
+    (`model.paged_attention`, its index work done fresh, as a step's first layer does) against
+    the one-launch kernel (`triton_attention`), eager and as a CUDA graph."""
+    from powerinfer import model as M
+    from powerinfer.synthetic import PRESETS
+
+    p = PRESETS[preset]
+    small = device.type == "cpu"
+    H, hkv, D = (4, 2, 16) if small else (p.n_heads, p.n_kv_heads, p.dim // p.n_heads)
+    bs, rows = 16, []
+    for S, ctx in ([(1, c) for c in (contexts[:1] if small else contexts)] + [(8, 512)]):
+        M_ = -(-ctx // bs) + 1
+        g = torch.Generator(device=device).manual_seed(S * ctx)
+        cache = M.KVCache(S * M_, hkv, bs, D, torch.bfloat16, device)
+        cache.k.normal_(generator=g), cache.v.normal_(generator=g)
+        tables = torch.arange(S * M_, device=device, dtype=torch.int32).view(S, M_)
+        pos = torch.full((S,), ctx - 1, device=device, dtype=torch.long)
+        qkv = torch.randn(S, (H + 2 * hkv) * D, generator=g, device=device).bfloat16()
+        cos, sin = torch.randn(S, D, device=device), torch.randn(S, D, device=device)
+        starts = torch.arange(S + 1, device=device)
+        for on in (False, True):
+            def call(on=on):
+                M.TRITON_ATTENTION = on
+                try:
+                    return M.paged_attention(qkv, (cos, sin), pos, M.KVTables(starts, tables, None),
+                                             cache, H, 0, D ** -0.5)
+                finally:
+                    M.TRITON_ATTENTION = True
+            r = {"path": "triton" if on else "torch", "sequences": S, "context": ctx,
+                 "heads": H, "kv_heads": hkv, "head_dim": D,
+                 "us": _timed(call, device, 2 if small else 50) * 1e6}
+            if (fn := graphed(call, device)) is not None:
+                r["graphed_us"] = _timed(fn, device, 50) * 1e6
+            rows.append(r)
+            print(json.dumps(r), flush=True)
+    return rows
+
+
 def breakdown(actors: dict, budget: int) -> dict:
     """Where a hybrid decode step's time goes, per step (ms), from the actors' counters: the
     hot executor's step (GPU work and its waits), its waits for masks and for the cold partial
@@ -491,6 +531,7 @@ def main():
     if a.kernels:
         if runs_kernels:
             result = kernel_rows(a.preset, device)
+            result["attention"] = attention_rows(a.preset, device)
             if a.sweep:
                 sweep = sweep_rows if a.sweep == "fused" else split_sweep_rows
                 result["sweep"] = sweep(a.preset, device, result["copy_gb_s"])

@@ -104,6 +104,9 @@ def _zeros(shape, dtype, device) -> torch.Tensor:
 
 # Transformer.forward gives each step a KVTables.memo (False: none, as a baseline to time)
 STEP_MEMO = True
+# a decode step's attention where the Triton kernels run: one launch (`triton_attention`;
+# False: torch's ops, as a baseline to time)
+TRITON_ATTENTION = True
 
 
 class KVTables(NamedTuple):
@@ -223,7 +226,9 @@ class Attention(nn.Module):
         qkv = self.wqkv(x).view(B * T, -1)
         if self.q_norm is not None:
             qkv = self._qk_normed(qkv)
-        if _fused_cpu(x) and self.head_dim % 16 == 0:  # rope, the cache's update, attention: one call
+        # rope, the cache's update, attention: one call (the kernel library's on a CPU; for a
+        # decode step where the Triton kernels run, `triton_attention`'s, in `paged_attention`)
+        if _fused_cpu(x) and self.head_dim % 16 == 0 and not kernels.on_triton(x):
             none = qkv.new_empty(0, dtype=torch.float32)
             cos, sin = (none, none) if rope is None else rope
             c = self.kv_cache
@@ -486,6 +491,12 @@ def paged_attention(qkv, rope, pos, kv: KVTables, cache: KVCache, n_heads: int, 
     (N,): each token sees positions [pos - window + 1, pos] (window 0: [0, pos]) -> (N, H D)."""
     N, (Hkv, D) = qkv.shape[0], cache.k.shape[1:3]
     bs = cache.block_size
+    if (TRITON_ATTENTION and N == kv.tables.shape[0] and qkv.dtype == cache.k.dtype
+            and kernels.on_triton(qkv)):
+        from . import triton_attention  # a decode step on a GPU: one launch (its module's text)
+        if triton_attention.fits(D, bs):
+            return triton_attention.decode_attention(qkv, rope, pos, kv.tables, cache.k, cache.v,
+                                                     n_heads, window, scale)
     q, k, v = qkv.split([n_heads * D, Hkv * D, Hkv * D], dim=-1)
     q, k, v = q.view(N, n_heads, D), k.view(N, Hkv, D), v.view(N, Hkv, D)
     if rope is not None:

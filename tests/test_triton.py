@@ -203,6 +203,47 @@ def test_predictors_dispatch_to_the_kernels(monkeypatch):
     assert torch.equal(got[~near], want[~near])
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_decode_attention_equals_torch_paged_attention(dtype):
+    # one launch for a decode step's attention (`triton_attention`) against torch's
+    # `paged_attention` on the same pools: three sequences at positions in their first, third
+    # and seventh blocks; query heads grouped 3 to a KV head (SmolLM2's), one to one, and 4 to
+    # one with a sliding window; with RoPE and without. The token's key and value land in its
+    # block (the kernel's store is the cache's), and the heads' outputs agree: float32 to its
+    # rounding, bfloat16 to a few of its steps (the interpreter rounds to bfloat16 by
+    # truncation, a GPU to nearest)
+    from powerinfer import triton_attention as TA
+    from powerinfer.model import KVCache, KVTables, paged_attention
+    g = torch.Generator().manual_seed(5)
+    bs, nb, S, M = 16, 40, 3, 8
+    pos = torch.tensor([5, 37, 100])
+    tables = torch.randperm(nb, generator=g)[:S * M].view(S, M).int()
+    for H, hkv, D, window, rope in ((9, 3, 64, 0, True), (4, 4, 32, 0, False), (8, 2, 64, 40, True)):
+        pools = (torch.randn(nb, hkv, D, bs, generator=g).to(dtype),
+                 torch.randn(nb, hkv, bs, D, generator=g).to(dtype))
+        caches = [KVCache(nb, hkv, bs, D, dtype, "cpu") for _ in range(2)]
+        for c in caches:
+            c.k.copy_(pools[0]), c.v.copy_(pools[1])
+        qkv = torch.randn(S, (H + 2 * hkv) * D, generator=g).to(dtype)
+        r = (torch.randn(S, D, generator=g), torch.randn(S, D, generator=g)) if rope else None
+        want = paged_attention(qkv, r, pos, KVTables(torch.arange(S + 1), tables, None), caches[0],
+                               H, window, D ** -0.5)
+        d = lambda t: t.to(DEV)  # noqa: E731
+        k_dev, v_dev = d(caches[1].k), d(caches[1].v)
+        got = TA.decode_attention(d(qkv), None if r is None else tuple(map(d, r)), d(pos),
+                                  d(tables), k_dev, v_dev, H, window, D ** -0.5).cpu()
+        assert got.shape == want.shape and got.dtype == dtype
+        scale = float(want.float().abs().max())
+        err = float((got.float() - want.float()).abs().max())
+        assert err <= (1e-5 if dtype == torch.float32 else 2 ** -5) * scale, (H, hkv, window, err)
+        for mine, theirs in ((k_dev.cpu(), caches[0].k), (v_dev.cpu(), caches[0].v)):
+            diff = (mine.float() - theirs.float()).abs()
+            assert diff.max() <= (0 if dtype == torch.float32 or not rope else
+                                  2 ** -7 * float(theirs.float().abs().max()))
+            assert (diff > 0).sum() <= S * hkv * D  # only the step's keys and values moved
+    assert not TA.fits(80, 16) and not TA.fits(64, 8) and TA.fits(128, 16)
+
+
 def random_model(seed: int) -> Transformer:
     # a dReLU model: its FFN is exactly sparse, so an oracle's masks reproduce the dense output
     torch.manual_seed(seed)
@@ -217,7 +258,8 @@ def random_model(seed: int) -> Transformer:
 
 
 def test_layers_with_the_ffn_on_triton_equal_the_dense_model(monkeypatch):
-    # attention in torch, each FFN's hot and cold sets on the Triton kernel (records in f32),
+    # decode steps' attention on its Triton kernel, each FFN's hot and cold sets on the FFN
+    # kernel (records in f32),
     # with the oracle's per-row masks given as predictions: two sequences, each keeping its own
     # neurons, equal the dense model
     monkeypatch.setattr(kernels, "TRITON_ON_CPU", True)
@@ -232,9 +274,13 @@ def test_layers_with_the_ffn_on_triton_equal_the_dense_model(monkeypatch):
     hot = [torch.rand(256, generator=g) < 0.3 for _ in range(3)]
     apply_hybrid_ffn(sparse, oracle, [h.to(DEV) for h in hot], fmt="auto")
     assert all(b.ffn.hot.fmt == "f32" and b.ffn.cold.fmt == "f32" for b in sparse.layers)
-    calls = []
+    calls, attention = [], []
     real = T.neuron_ffn
     monkeypatch.setattr(T, "neuron_ffn", lambda *a, **kw: calls.append(a[2]) or real(*a, **kw))
+    from powerinfer import triton_attention as TA
+    real_attention = TA.decode_attention
+    monkeypatch.setattr(TA, "decode_attention",
+                        lambda *a, **kw: attention.append(1) or real_attention(*a, **kw))
     prompts = torch.tensor([[1, 5, 9, 13], [4, 200, 17, 99]], device=DEV)
     out = []
     with torch.inference_mode():
@@ -247,6 +293,7 @@ def test_layers_with_the_ffn_on_triton_equal_the_dense_model(monkeypatch):
             out.append(torch.stack(steps).cpu())
     a, b = out
     assert len(calls) == 4 * 3 * 2  # every decode step, layer and set ran on the kernel
+    assert len(attention) == 4 * 3 * 2  # and each decode step's attention, in both models
     assert all(c is not None and c.dtype == torch.bool for c in calls)  # (a mask: compacted)
     shares = [float(c.float().mean()) for c in calls]
     assert 0 < min(shares) and max(shares) < 0.9  # the oracle leaves neurons out
@@ -270,5 +317,5 @@ def test_kernels_compile_for_an_h100(tmp_path):
                        env=env, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
     out = json.loads(r.stdout.splitlines()[-1])
-    assert out["capability"] == 90 and out["kernels"] == 26
-    assert len(list(tmp_path.rglob("*.cubin"))) == 26  # one cubin a variant
+    assert out["capability"] == 90 and out["kernels"] == 29
+    assert len(list(tmp_path.rglob("*.cubin"))) == 29  # one cubin a variant

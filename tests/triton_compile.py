@@ -17,7 +17,7 @@ assert os.environ.get("TRITON_INTERPRET", "0") != "1", "unset TRITON_INTERPRET t
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource, compile as triton_compile  # noqa: E402
 
-from powerinfer import triton_ffn as T  # noqa: E402
+from powerinfer import triton_attention as TA, triton_ffn as T  # noqa: E402
 
 I32 = "i32"
 
@@ -81,8 +81,21 @@ def variants():
         dict(BLOCK_B=8, BLOCK_N=64)
 
 
+def attention_variants():
+    for qkv, cache, H, hkv, D, rope in (("*bf16", "*bf16", 64, 8, 128, True),
+                                         ("*fp32", "*fp32", 9, 3, 64, False),
+                                         ("*fp16", "*fp16", 32, 32, 128, True)):
+        g = H // hkv
+        yield ("_decode_attention_kernel",
+               dict(qkv_ptr=qkv, cos_ptr="*fp32", sin_ptr="*fp32", k_ptr=cache, v_ptr=cache,
+                    tables_ptr="*i32", pos_ptr="*i64", out_ptr=qkv, qkv_stride=I32,
+                    out_stride=I32, M=I32, window=I32, scale="fp32", k_sb=I32, k_sh=I32,
+                    v_sb=I32, v_sh=I32),
+               dict(H=H, HKV=hkv, D=D, BS=16, G=g, GP=max(16, TA._pow2(g)), ROPE=rope))
+
+
 def compile_one(name, args, constexprs, capability):
-    fn = getattr(T, name)
+    fn = getattr(TA if name == "_decode_attention_kernel" else T, name)
     names = fn.arg_names
     assert set(names) == set(args) | set(constexprs), (name, set(names) ^ (set(args) | set(constexprs)))
     sig = {n: args.get(n, "constexpr") for n in names}
@@ -105,7 +118,7 @@ def main(capabilities):
     with ProcessPoolExecutor(len(os.sched_getaffinity(0))) as pool:
         for cap in capabilities:
             t0 = time.perf_counter()
-            done = list(pool.map(compile_entry, [(v, cap) for v in variants()]))
+            done = list(pool.map(compile_entry, [(v, cap) for v in (*variants(), *attention_variants())]))
             print(json.dumps({"capability": cap, "kernels": len(done), "seconds":
                               round(time.perf_counter() - t0, 1), "variants": done}), flush=True)
 
