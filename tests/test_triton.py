@@ -237,9 +237,10 @@ def test_decode_attention_equals_torch_paged_attention(dtype):
         err = float((got.float() - want.float()).abs().max())
         assert err <= (1e-5 if dtype == torch.float32 else 2 ** -5) * scale, (H, hkv, window, err)
         for mine, theirs in ((k_dev.cpu(), caches[0].k), (v_dev.cpu(), caches[0].v)):
+            # (a GPU fuses RoPE's multiply-adds: a float32 key may differ in its last bit)
             diff = (mine.float() - theirs.float()).abs()
-            assert diff.max() <= (0 if dtype == torch.float32 or not rope else
-                                  2 ** -7 * float(theirs.float().abs().max()))
+            step = 2 ** -22 if dtype == torch.float32 else 2 ** -7
+            assert diff.max() <= (0 if not rope else step * float(theirs.float().abs().max()))
             assert (diff > 0).sum() <= S * hkv * D  # only the step's keys and values moved
     assert not TA.fits(80, 16) and not TA.fits(64, 8) and TA.fits(128, 16)
 
