@@ -3,7 +3,7 @@
 
     .venv/bin/python benchmarks/gpu.py [--preset 70b] [--layers 8] [--budget-share 0.3]
         [--cold 2] [--tokens 64] [--device cuda] [--out FILE]
-    .venv/bin/python benchmarks/gpu.py --kernels [--sweep] [--out FILE]
+    .venv/bin/python benchmarks/gpu.py --kernels [--sweep fused|split] [--out FILE]
     .venv/bin/python benchmarks/gpu.py --plot PNG LABEL=KERNELS.json ...
 
 One command does everything, in a temporary directory:
@@ -45,14 +45,19 @@ Then the kernels alone (`--kernels` runs only these): one FFN layer of the prese
 neuron records in bf16 and in Q4_0 (Q8_0 down rows), a decode row, selections from 5% to 100%
 of its neurons. Each row gives the time of a call and the GB/s of the rows it had to read,
 against the device's measured copy bandwidth (a 1 GiB device-to-device copy):
-- `triton`: `triton_ffn.neuron_ffn` with a mask (compacted on the device, then the index list);
-- `triton graphed`: the same call's launches captured in a CUDA graph and replayed: the device's
+- `triton split` / `triton fused`: `triton_ffn.neuron_ffn` with a mask (compacted on the
+  device, then the index list), the decode row split over the width in two launches, or in
+  one (`triton_ffn.DECODE_SPLIT`), with how far the two paths' outputs differ;
+- `... graphed`: the same call's launches captured in a CUDA graph and replayed: the device's
   time for it without Python's launch costs (a bound for a decode step launched as a graph;
   the runtime launches its kernels one by one);
 - `torch dense`: two matmuls over every row (what the dense model reads whatever fires);
 - `torch gathered`: the rows gathered with index_select, then the same math (the path the
   GPU took before the Triton kernels);
 - `predictor`: `triton_ffn.predict` for a rank-1024 predictor of the layer (its rows read).
+Then torch.profiler's device time for each kernel of a split call (`split_kernels`), and
+(`attention`) a decode step's attention over the paged cache for one layer of the preset's
+heads: torch's ops against the one-launch kernel (`triton_attention`), eager and graphed.
 Target: the Triton kernel at 70% of the copy bandwidth or better at 10% selection. Without a GPU
 the kernel rows are skipped, saying so; under TRITON_INTERPRET=1, `--kernels --device cpu` runs
 them on a small shape on the CPU, a check of the script, not a measurement.
@@ -60,6 +65,7 @@ them on a small shape on the CPU, a check of the script, not a measurement.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import json
 import os
@@ -158,6 +164,19 @@ def weight_bytes(path: Path) -> int:
 SELECTIONS = (0.05, 0.10, 0.25, 0.50, 1.00)
 
 
+@contextlib.contextmanager
+def decode_split(on: bool):
+    """`triton_ffn.DECODE_SPLIT` for every record kind (a decode row split over the width or in
+    one launch) for the duration."""
+    from powerinfer import triton_ffn
+    default = triton_ffn.DECODE_SPLIT
+    triton_ffn.DECODE_SPLIT = {True: on, False: on}
+    try:
+        yield
+    finally:
+        triton_ffn.DECODE_SPLIT = default
+
+
 def _timed(fn, device: torch.device, reps: int) -> float:
     """Seconds per call of fn, after two warm-up calls."""
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
@@ -235,19 +254,14 @@ def kernel_rows(preset: str, device: torch.device) -> dict:
             # the two paths' sums on the device agree (float32, summed in other orders)
             ys = {}
             for split in (True, False):
-                default = triton_ffn.DECODE_SPLIT
-                triton_ffn.DECODE_SPLIT = {True: split, False: split}
-                ys[split] = triton_ffn.neuron_ffn(x.float(), rec, mask, None, None, 0.0, "swiglu", fmt)
-                triton_ffn.DECODE_SPLIT = default
+                with decode_split(split):
+                    ys[split] = triton_ffn.neuron_ffn(x.float(), rec, mask, None, None, 0.0,
+                                                      "swiglu", fmt)
             diff = float((ys[True] - ys[False]).abs().max() / ys[False].abs().max().clamp_min(1e-30))
             for split, name in ((True, "triton split"), (False, "triton fused")):
                 def call(split=split, rec=rec, fmt=fmt):
-                    default = triton_ffn.DECODE_SPLIT
-                    triton_ffn.DECODE_SPLIT = {True: split, False: split}
-                    try:
+                    with decode_split(split):
                         return triton_ffn.neuron_ffn(x, rec, mask, None, None, 0.0, "swiglu", fmt)
-                    finally:
-                        triton_ffn.DECODE_SPLIT = default
                 for path, fn in ((name, call), (f"{name} graphed", graphed(call, device))):
                     if fn is None:
                         continue
@@ -263,10 +277,7 @@ def kernel_rows(preset: str, device: torch.device) -> dict:
         out["rows"].append({"path": "torch gathered", "fmt": "bf16", "selection": share,
                             "neurons": m, "us": t * 1e6, "gb_s": 3 * m * dim * 2 / t / 1e9})
     if device.type == "cuda":  # where a split call's device time goes, kernel by kernel
-        from powerinfer import triton_ffn as T
-        default = T.DECODE_SPLIT
-        T.DECODE_SPLIT = {True: True, False: True}
-        try:
+        with decode_split(True):
             for share in (0.1, 1.0):
                 mask = torch.rand(ffn, generator=g, device=device) < share
                 for fmt, rec in recs.items():
@@ -275,8 +286,6 @@ def kernel_rows(preset: str, device: torch.device) -> dict:
                     out.setdefault("split_kernels", []).append(
                         {"fmt": fmt, "selection": share, "neurons": int(mask.sum()), "us": times})
                     print(json.dumps(out["split_kernels"][-1]), flush=True)
-        finally:
-            T.DECODE_SPLIT = default
     rank = 32 if small else 1024
     fc1 = torch.randn(rank, dim, generator=g, device=device) / dim ** 0.5
     fc2 = torch.randn(ffn, rank, generator=g, device=device) / rank ** 0.5
@@ -398,8 +407,8 @@ def sweep_rows(preset: str, device: torch.device, copy: float, shares=(0.1, 1.0)
 
 
 # the split decode row's settings: (gate/up tile, down tile, gate/up columns a program, down
-# programs a multiprocessor), tiles as (neurons, columns a step, warps); the first is
-# `triton_ffn`'s default, then one part varied at a time
+# programs a multiprocessor), tiles as (neurons, columns a step, warps); the first is the
+# starting point of the sweep in BENCHMARKS.md, then one part varied at a time
 SPLIT_SWEEP = [((16, 256, 4), (16, 256, 4), 1024, 8),
                ((16, 128, 4), (16, 256, 4), 1024, 8), ((32, 128, 8), (16, 256, 4), 1024, 8),
                ((8, 512, 4), (16, 256, 4), 1024, 8),
@@ -419,17 +428,17 @@ def split_sweep_rows(preset: str, device: torch.device, copy: float,
     dim, ffn = PRESETS[preset].dim, PRESETS[preset].n_ff
     g, _, x, recs = one_layer(dim, ffn, device)
     masks = {sh: torch.rand(ffn, generator=g, device=device) < sh for sh in shares}
-    default = (T.DECODE_SPLIT, dict(T.SPLIT_TILES), T.SPLIT_COLS, T.DOWN_PER_SM)
+    default = (dict(T.SPLIT_TILES), T.SPLIT_COLS, T.DOWN_PER_SM)
     rows = []
     try:
-        T.DECODE_SPLIT = {True: True, False: True}
         for gu, down, cols, per_sm in SPLIT_SWEEP:
             T.SPLIT_TILES = {True: (gu, down), False: (gu, down)}
             T.SPLIT_COLS, T.DOWN_PER_SM = cols, per_sm
             for fmt, rec in recs.items():
                 for sh, mask in masks.items():
-                    call = lambda: T.neuron_ffn(x, rec, mask, None, None, 0.0,  # noqa: E731
-                                                "swiglu", fmt)
+                    def call(rec=rec, fmt=fmt, mask=mask):
+                        with decode_split(True):
+                            return T.neuron_ffn(x, rec, mask, None, None, 0.0, "swiglu", fmt)
                     r = {"gate_up": gu, "down": down, "cols": cols, "down_per_sm": per_sm,
                          "fmt": fmt, "selection": sh}
                     try:
@@ -443,7 +452,7 @@ def split_sweep_rows(preset: str, device: torch.device, copy: float,
                     rows.append(r)
                     print(json.dumps(r), flush=True)
     finally:
-        T.DECODE_SPLIT, T.SPLIT_TILES, T.SPLIT_COLS, T.DOWN_PER_SM = default
+        T.SPLIT_TILES, T.SPLIT_COLS, T.DOWN_PER_SM = default
     return rows
 
 

@@ -79,14 +79,13 @@ TILE_PLAIN, TILE_BLOCKS = (16, 1024, 4), (8, 512, 4)
 # program takes SPLIT_COLS columns of its neurons' rows, each down program a slice of the output
 # and a run of the neurons; by record kind, plain [True] or block formats [False]: whether a
 # decode row takes this path, and its tiles (neurons, columns a step, warps) for gate/up and
-# for down. From `benchmarks/gpu.py --kernels --sweep split` on an H200 (BENCHMARKS.md): Q4_0
-# records 3.3-6.5x faster than in one launch; bf16 records faster in one launch (10%: 64 us
-# against 64-76, 100%: 390 against 400-460)
+# for down; the down kernel's programs a multiprocessor. From `benchmarks/gpu.py --kernels
+# --sweep split` on an H200 (BENCHMARKS.md): Q4_0 records 4.5x faster than in one launch at 10%
+# selected, 6.8x at 100%; bf16 records as fast split as in one launch on the device, but one
+# launch more from Python (10% selected: 215 against 128 us), so they keep one launch
 DECODE_SPLIT = {True: False, False: True}
 SPLIT_COLS = 1024
 SPLIT_TILES = {True: ((32, 128, 8), (16, 256, 4)), False: ((8, 512, 4), (16, 256, 4))}
-
-
 DOWN_PER_SM = 8
 
 
