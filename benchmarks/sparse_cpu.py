@@ -13,7 +13,11 @@ operators at the true sparsity, as with a perfect predictor that costs nothing);
 replay on the torch path (gathered gate/up rows, an embedding-bag over down rows), the operator
 the CPU kernel replaced (a 4-bit file's sparse model is the engine's own, loaded with the bundle:
 its neuron sets in the file's 4-bit blocks, down rows 8-bit). Sparse decode otherwise runs the CPU kernel (`powerinfer.kernels`),
-which reads each computed neuron's gate/up rows and, when it fires, its down row, in place.
+which reads each computed neuron's gate/up rows and, when it fires, its down row, in place;
+with predicted masks each layer's predictor and neurons are one kernel call
+(`kernels.predicted_ffn`), and a last row (`op by op`) times the same with the modules' ops one
+at a time (`sparse.FUSED_DECODE` off). Each configuration first decodes once counting what is
+computed (the modules' path), then is timed with nothing counted.
 Bytes per token: every weight read (attention, norms, lm_head, the predictors, the embedding
 row), the KV cache read at the mean context, and for the FFN the three rows of each neuron
 computed (recorded per step; for predicted masks this counts down rows the kernel skips, so the
@@ -47,6 +51,7 @@ from powerinfer import Config, PowerInfer
 from powerinfer.bundle import Bundle
 from powerinfer.predictor import load_predictors, run_dtype
 from powerinfer.solver import neuron_bytes
+from powerinfer import sparse
 from powerinfer.sparse import LayerStats, apply_hybrid_ffn, hybrid_layers
 
 WARMUP = 16  # tokens decoded before timing
@@ -143,12 +148,13 @@ def measure(label: str, pi, ids: list[int], n: int, extra: dict | None = None) -
     decode(pi.model, ids, WARMUP)  # warm-up: the first calls after loading run several times slower
     ffns = hybrid_layers(pi.model)
     stats = [LayerStats() for _ in ffns]
-    for f, s in zip(ffns, stats):
+    for f, s in zip(ffns, stats):  # a pass counting what is computed (the modules' path)
         f.stats = s
-    times, toks = decode(pi.model, ids, n)
+    decode(pi.model, ids, n)
     for f in ffns:
         f.stats = None
-    spent, handles = ffn_timer(pi.model)  # a second pass, timing the FFNs alone
+    times, toks = decode(pi.model, ids, n)  # timed as the engine runs it, with nothing counted
+    spent, handles = ffn_timer(pi.model)  # a third pass, timing the FFNs alone
     decode(pi.model, ids, n)
     for h in handles:
         h.remove()
@@ -233,10 +239,14 @@ def run_model(name: str, bundle_path: str, args) -> list[dict]:
                          thresholds=bundle.thresholds())
     rows.append(measure(f"sparse, predicted ({args.input} input)", pi, ids, args.tokens,
                         {"predictors": pred_bytes}))
+    sparse.FUSED_DECODE = False  # the same, each layer's predictor and neurons op by op
+    by_op = measure(f"sparse, predicted ({args.input} input), op by op", pi, ids, args.tokens,
+                    {"predictors": pred_bytes})
+    sparse.FUSED_DECODE = True
     replay = Replay()
     for f in hybrid_layers(pi.model):  # record the oracle's masks on the calls `measure` makes
         f.masks, f.active = None, replay.record(f)
-    for n in (WARMUP, args.tokens, args.tokens):
+    for n in (WARMUP, args.tokens, args.tokens, args.tokens):  # (the calls `measure` makes)
         decode(pi.model, ids, n)
     for f in hybrid_layers(pi.model):
         del f.active
@@ -249,6 +259,7 @@ def run_model(name: str, bundle_path: str, args) -> list[dict]:
     if args.llama:
         # (the file as given: llama.cpp reads K-quants itself, where ours reads a converted copy)
         rows.append(llama_decode(Path(name), ids, args.tokens, torch.get_num_threads(), rows[0]))
+    rows.append(by_op)  # (last: the rows above are read by position)
     for r in rows[1:]:
         r["same_tokens_as_dense"] = sum(x == y for x, y in zip(rows[0]["tokens"], r["tokens"]))
     # the FFN's bytes a token cannot do without (see the module docstring), per configuration
@@ -263,6 +274,7 @@ def run_model(name: str, bundle_path: str, args) -> list[dict]:
     rows[3]["ffn_bytes"] = rows[3]["ffn_density"] * n * rows[3]["row_bytes"]
     if args.llama:
         rows[4]["ffn_bytes"] = rows[0]["ffn_bytes"]
+    rows[-1]["ffn_bytes"] = rows[1]["ffn_bytes"]  # (op by op: the predicted row's bytes)
     return rows
 
 

@@ -155,6 +155,9 @@ def available() -> bool:
             # shapes for torch.compile's tracing: (B, dim) float32, like x
             torch.library.register_fake("powerinfer::neuron_ffn")(
                 lambda x, w, sel, keep, bias, threshold, act, fmt: torch.empty_like(x))
+            torch.library.register_fake("powerinfer::predicted_ffn")(
+                lambda x, p, fc1, fc2, pred_fmt, pred_threshold, w, bias, threshold, act, fmt:
+                torch.empty_like(x))
             torch.library.register_fake("powerinfer::linear")(
                 lambda x, w, fmt: x.new_empty(x.shape[0], w.shape[0], dtype=torch.float32))
             torch.library.register_fake("powerinfer::linear_x16")(
@@ -586,6 +589,21 @@ def neuron_ffn(x: torch.Tensor, w: torch.Tensor, sel: torch.Tensor, keep: torch.
                                      threshold, act, fmt) for r in range(0, x.shape[0], MAX_ROWS)])
     return torch.ops.powerinfer.neuron_ffn(x, w, sel, keep, bias, float(threshold),
                                            ACTS.index(act), FORMATS.index(fmt))
+
+
+def predicted_ffn(x: torch.Tensor, p: torch.Tensor, fc1: torch.Tensor, fc2: torch.Tensor,
+                  pred_fmt: str, pred_threshold: float, w: torch.Tensor, bias: torch.Tensor | None,
+                  threshold: float, act: str, fmt: str) -> torch.Tensor:
+    """A decode step of every neuron of a layer's records w with a predictor, in one call: the
+    rows of x (B, dim) with B <= MAX_ROWS; p (B, dim) the predictor's input; fc1 (r, dim) and
+    fc2 (k, r) its matrices in pred_fmt (plain bf16 or f32); each row's neurons are those whose
+    logit relu(p fc1^T) fc2^T is >= pred_threshold -> (B, dim) in x's type, as
+    `neuron_ffn(x, w, union, rows, ...)` over `linear`'s logits gives it."""
+    assert x.shape[0] <= MAX_ROWS, x.shape
+    u8 = lambda m: m.view(torch.uint8) if m.dtype != torch.uint8 else m  # noqa: E731
+    return torch.ops.powerinfer.predicted_ffn(
+        x, p, u8(fc1), u8(fc2), FORMATS.index(pred_fmt), float(pred_threshold), w, bias,
+        float(threshold), ACTS.index(act), FORMATS.index(fmt))
 
 
 if __name__ == "__main__":  # `python -m powerinfer.kernels`: build now (make's setup step)

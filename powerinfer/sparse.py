@@ -31,6 +31,9 @@ from .model import FFN, UNGATED, Transformer
 
 # (layer, predictor input (..., dim)) -> per-row active neurons (..., ffn_dim) bool
 MaskSource = Callable[[int, torch.Tensor], torch.Tensor]
+# a decode step with a predictor in one kernel call where it can (`HybridFFN._fused_decode`;
+# False: the modules' ops one at a time, as a baseline to time)
+FUSED_DECODE = True
 
 
 def activate(act: str, gate: torch.Tensor | None, up: torch.Tensor):
@@ -257,6 +260,8 @@ class HybridFFN(nn.Module):
         self.down_b = down_b
         self.token_masks = False
         self.stats: LayerStats | None = None  # set to a LayerStats to record what is computed
+        self._fused = None  # ((masks, hot, cold), what `_fused_decode` calls or None), found at
+        # its first call and again when one of the three changes
 
     def drop_cold(self):
         """Free the cold neurons: another process computes them (the actor runtime's cold
@@ -288,6 +293,8 @@ class HybridFFN(nn.Module):
             y = self.hot_part(x) + self.cold(x)
         elif x.shape[1] != 1:  # every token with its own mask (evaluation)
             y = self._token_masked(h, x, layer_input)
+        elif (y := self._fused_decode(h, x, layer_input)) is not None:
+            pass  # decode, the predictor and the neurons in one kernel call
         else:  # decode: the predicted-active neurons (the union over the batch's rows)
             active = self.active(h, x, layer_input).flatten(0, -2)  # (B, ffn_dim)
             union = active[0] if active.shape[0] == 1 else active.any(0)
@@ -298,6 +305,43 @@ class HybridFFN(nn.Module):
             if self.stats is not None:
                 self.stats.add(rows=1, computed=int(union.sum()))
         return y if self.down_b is None else y + self.down_b
+
+    def _fused_decode(self, h, x, layer_input):
+        """A decode step as `kernels.predicted_ffn` computes it (the predictor's logits, the
+        rule, the neuron kernel: the values of the modules' path below, in one call), where the
+        layer's neurons are one set of kernel records in the layer's order and its masks come
+        from a `Predictors` the kernel's GEMV runs; None elsewhere (and while `stats` records)."""
+        parts = (self.masks, self.hot, self.cold)  # found again whenever one of these changes
+        if self._fused is None or any(a is not b for a, b in zip(self._fused[0], parts)):
+            self._fused = (parts, self._fusable())
+        B = x.shape[0] * x.shape[1]
+        if not FUSED_DECODE or self._fused[1] is None or self.stats is not None or B > kernels.MAX_ROWS or \
+                x.dtype not in (torch.float32, torch.bfloat16):
+            return None
+        s, preds, fmt = self._fused[1]
+        p = (layer_input if self.predictor_input == "layer" else h).reshape(B, -1)
+        if p.dtype not in (torch.float32, torch.bfloat16) or not kernels.usable(s.records):
+            return None
+        y = kernels.predicted_ffn(x.reshape(B, -1), p, preds.fc1[self.layer], preds.fc2[self.layer],
+                                  fmt, preds.threshold, s.records, s.bias32, self.threshold, s.act,
+                                  s.fmt)
+        return y.to(x.dtype).view(*x.shape[:2], -1)
+
+    def _fusable(self):
+        from .predictor import Predictors
+        preds = getattr(self.masks, "__self__", None)
+        if not isinstance(preds, Predictors) or getattr(self.masks, "__func__", None) is not Predictors.active:
+            return None
+        sets = [s for s in (self.hot, self.cold) if s is not None and len(s.idx)]
+        if len(sets) != 1 or sets[0].records is None or len(sets[0].idx) != self.ffn_dim:
+            return None
+        s, fc1, fc2 = sets[0], preds.fc1[self.layer], preds.fc2[self.layer]
+        fmt = {torch.bfloat16: "bf16", torch.float32: "f32"}.get(fc1.dtype)
+        if (fmt is None or not kernels.usable(fc1) or not kernels.usable(s.records)
+                or kernels.on_triton(s.records) or fc1.shape[1] % 32 or fc2.shape[1] % 32
+                or not torch.equal(s.idx, torch.arange(self.ffn_dim, device=s.idx.device))):
+            return None
+        return s, preds, fmt
 
     def _token_masked(self, h, x, layer_input):
         # computes every neuron, then keeps per token those both fired and predicted: the same

@@ -100,3 +100,61 @@ def test_mask_source_reads_the_pre_norm_input_it_names(source):
     assert len(seen) == len(decode_inputs) == 2 * 3
     for (i, x), (j, y) in zip(seen, decode_inputs):
         assert i == j and torch.equal(x, y)
+
+
+@pytest.mark.parametrize("dtype,source,threshold", [(torch.float32, "ffn", 0.0),
+                                                    (torch.bfloat16, "layer", 0.05)])
+def test_predicted_decode_in_one_kernel_call_equals_the_modules(monkeypatch, dtype, source,
+                                                                threshold):
+    # a decode step whose predictor, rule and neurons run as one kernel call
+    # (`kernels.predicted_ffn`) gives the logits of the modules' own path (the predictor's
+    # GEMVs, the masks, the neuron kernel, one op at a time), for one sequence and for two
+    # (each keeping its own predicted neurons); while `stats` records, the modules' path runs
+    from powerinfer import kernels, sparse
+    from powerinfer.predictor import Predictors, run_dtype
+    if not kernels.available():
+        pytest.skip("the kernel library is not built here")
+    g = torch.Generator().manual_seed(3)
+    pdt = run_dtype(dtype)
+    preds = Predictors([(torch.randn(32, 64, generator=g) / 8).to(pdt) for _ in range(3)],
+                       [torch.randn(256, 32, generator=g).to(pdt) for _ in range(3)], source,
+                       threshold=0.5)
+    models = []  # the same model twice: one decoding in one call a layer, one op by op
+    for _ in range(2):
+        m = random_model("reglu").to(dtype)
+        m.setup_cache(2, 64)
+        apply_hybrid_ffn(m, preds.active, predictor_input=source, thresholds=[threshold] * 3)
+        models.append(m)
+    calls = []
+    real = kernels.predicted_ffn
+    monkeypatch.setattr(kernels, "predicted_ffn", lambda *a: calls.append(a[0].shape[0]) or real(*a))
+    for tokens in ([[1, 5, 9, 13]], [[1, 5, 9, 13], [4, 200, 17, 99]]):
+        calls.clear()
+        fused = decode_logits(models[0], tokens, 4)
+        assert calls == [len(tokens)] * 4 * 3  # every decode step and layer, in one call
+        monkeypatch.setattr(sparse, "FUSED_DECODE", False)  # the modules' path
+        modules = decode_logits(models[1], tokens, 4)
+        monkeypatch.setattr(sparse, "FUSED_DECODE", True)
+        assert len(calls) == 4 * 3  # (none more)
+        assert torch.equal(fused, modules)
+        assert float(fused.float().std()) > 0.1  # logits with a spread
+    f = models[0].layers[0].ffn
+    assert f._fused[1] is not None and f._fused[1][0] is f.cold and len(f.cold.idx) == 256
+    # the share of neurons the predictor picks is neither none nor all
+    share = float(preds.active(0, torch.randn(8, 64, generator=g).to(dtype)).float().mean())
+    assert 0.05 < share < 0.95
+    from powerinfer.sparse import LayerStats
+    calls.clear()
+    for b in models[0].layers:
+        b.ffn.stats = LayerStats()
+    decode_logits(models[0], [[1, 5, 9, 13]], 2)
+    assert calls == [] and models[0].layers[0].ffn.stats.computed > 0
+    # other masks (an oracle's), then the predictor's again: found again each time
+    for b in models[0].layers:
+        b.ffn.stats, b.ffn.masks = None, lambda i, x: torch.ones(*x.shape[:-1], 256, dtype=torch.bool)
+    decode_logits(models[0], [[1, 5, 9, 13]], 2)
+    assert calls == [] and models[0].layers[0].ffn._fused[1] is None
+    for b in models[0].layers:
+        b.ffn.masks = preds.active
+    decode_logits(models[0], [[1, 5, 9, 13]], 2)
+    assert calls == [1] * 2 * 3

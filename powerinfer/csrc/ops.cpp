@@ -224,6 +224,25 @@ static at::Tensor linear(const at::Tensor& x, const at::Tensor& w, int64_t fmt) 
   return y;
 }
 
+// A decode step of a layer's neurons as the sparse engine's modules run it with a predictor
+// (`sparse.HybridFFN` over `predictor.Predictors`), in one call where the modules take about
+// fifteen: the logits relu(p fc1^T) fc2^T on the GEMV (p: the predictor's input rows, fc1/fc2
+// rows in pred_fmt), each row's neurons with a logit >= pred_threshold, their union computed by
+// `neuron_ffn` over the records w (each row keeping its own where there are several) -> (B, dim)
+// in x's type, the values the modules give.
+static at::Tensor predicted_ffn(const at::Tensor& x, const at::Tensor& p, const at::Tensor& fc1,
+                                const at::Tensor& fc2, int64_t pred_fmt, double pred_threshold,
+                                const at::Tensor& w, const std::optional<at::Tensor>& bias,
+                                double threshold, int64_t act, int64_t fmt) {
+  TORCH_CHECK(x.dim() == 2 && p.dim() == 2 && p.size(0) == x.size(0), "x, p: (B, dim) each");
+  const at::Tensor rows = linear(linear(p.contiguous(), fc1, pred_fmt).relu_(), fc2, pred_fmt).ge(pred_threshold);
+  TORCH_CHECK(rows.size(1) == w.size(0), "the predictor's neurons are the records'");
+  const bool one = rows.size(0) == 1;
+  const at::Tensor uni = one ? rows[0].contiguous() : rows.any(0);
+  return neuron_ffn(x.contiguous(), w, uni, one ? std::nullopt : std::optional<at::Tensor>(rows), bias,
+                    threshold, act, fmt);
+}
+
 // y (B, ceil(n/16) * 16) f32 = rows x (B, dim) f32 or bf16 times a matrix w of n rows in a
 // Layout (q4x16, q4kx16, q6kx16), over x rounded to 8 bits per block of 32; in this thread's
 // scratch (valid until its next call)
@@ -896,6 +915,8 @@ TORCH_LIBRARY(powerinfer, m) {
   m.def("widen(Tensor w, int fmt, int rows, int dim) -> Tensor");
   m.def("widen_out(Tensor w, int fmt, int rows, int dim, Tensor(a!) out) -> ()");
   m.def("linear(Tensor x, Tensor w, int fmt) -> Tensor");
+  m.def("predicted_ffn(Tensor x, Tensor p, Tensor fc1, Tensor fc2, int pred_fmt, float pred_threshold, Tensor w, "
+        "Tensor? bias, float threshold, int act, int fmt) -> Tensor");
   m.def("linear_x16(Tensor x, Tensor w, int n, int layout) -> Tensor");
   m.def("rms_norm(Tensor x, Tensor w, float eps) -> Tensor");
   m.def("qk_norm(Tensor qkv, Tensor qw, Tensor kw, int n_heads, int n_kv, float eps) -> Tensor");
@@ -922,6 +943,7 @@ TORCH_LIBRARY_IMPL(powerinfer, CPU, m) {
   m.impl("widen", powerinfer::widen);
   m.impl("widen_out", powerinfer::widen_out);
   m.impl("linear", powerinfer::linear);
+  m.impl("predicted_ffn", powerinfer::predicted_ffn);
   m.impl("linear_x16", powerinfer::linear_x16);
   m.impl("rms_norm", powerinfer::rms_norm);
   m.impl("qk_norm", powerinfer::qk_norm);
