@@ -2,7 +2,7 @@
 """The hybrid runtime on a GPU against layer offload and the whole model on the GPU, one run.
 
     .venv/bin/python benchmarks/gpu.py [--preset 70b] [--layers 8] [--budget-share 0.3]
-        [--cold 2] [--tokens 64] [--device cuda] [--out FILE]
+        [--cold 2] [--tokens 64] [--device cuda] [--rows hybrid,layer_offload,...] [--out FILE]
     .venv/bin/python benchmarks/gpu.py --kernels [--sweep fused|split] [--out FILE]
     .venv/bin/python benchmarks/gpu.py --plot PNG LABEL=KERNELS.json ...
 
@@ -504,6 +504,10 @@ def plot_kernels(runs: dict[str, dict], path: str):
     fig.savefig(path, dpi=120)
 
 
+ROWS = ("layer_offload", "all_gpu", "hybrid", "hybrid_hot_cores_even", "hybrid_predictor_cpu",
+        "kernels")
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--preset", default="70b")
@@ -520,11 +524,17 @@ def main():
     ap.add_argument("--sweep", choices=["fused", "split"],
                     help="with --kernels: time the Triton FFN kernel's tile sizes too, those of "
                          "the one-launch kernel (fused) or of the split decode row's two")
+    ap.add_argument("--rows", default=",".join(ROWS),
+                    help="the configurations to run, comma-separated, of " + ", ".join(ROWS) +
+                         " (default: all; `kernels`: the kernel rows after them)")
     ap.add_argument("--profile-hot", type=int, default=0, metavar="STEPS",
                     help="a diagnostic run: all-GPU and the hybrid row (no layer offload, no "
                          "other hybrid rows), with a torch.profiler table of the hot executor's "
                          "next STEPS decode steps")
     a = ap.parse_args()
+    want = set(a.rows.split(","))
+    if want - set(ROWS):
+        ap.error(f"--rows: unknown {', '.join(sorted(want - set(ROWS)))} (of {', '.join(ROWS)})")
     if a.plot:
         runs = {k: json.loads(Path(v).read_text()) for k, v in (x.split("=", 1) for x in a.plot[1:])}
         return plot_kernels(runs, a.plot[0])
@@ -576,7 +586,7 @@ def main():
             if a.out:
                 Path(a.out).write_text(json.dumps(result, indent=1))
 
-        if not a.profile_hot:
+        if not a.profile_hot and "layer_offload" in want:
             k = layers_that_fit(args, budget, 2)
             offload_layers(pi, k, device)
             tok_s, first_ms = decode_speed(pi, a.tokens)
@@ -585,17 +595,18 @@ def main():
             save()
         del pi
 
-        pi = PowerInfer.from_pretrained(str(path), Config(**dense, device=a.device))
-        tok_s, first_ms = decode_speed(pi, a.tokens)
-        result["all_gpu"] = {"tok_s": tok_s, "first_token_ms": first_ms}
-        # the step's index work done once for its layers (KVTables.memo) against each layer
-        # doing it again, in turns on the same engine
-        result["all_gpu"]["step_memo_ratios"] = memo_ratios(pi, a.tokens)
-        print("all_gpu", json.dumps(result["all_gpu"]), flush=True)
-        del pi
-        if a.device == "cuda":
-            torch.cuda.empty_cache()
-        save()
+        if "all_gpu" in want:
+            pi = PowerInfer.from_pretrained(str(path), Config(**dense, device=a.device))
+            tok_s, first_ms = decode_speed(pi, a.tokens)
+            result["all_gpu"] = {"tok_s": tok_s, "first_token_ms": first_ms}
+            # the step's index work done once for its layers (KVTables.memo) against each layer
+            # doing it again, in turns on the same engine
+            result["all_gpu"]["step_memo_ratios"] = memo_ratios(pi, a.tokens)
+            print("all_gpu", json.dumps(result["all_gpu"]), flush=True)
+            del pi
+            if a.device == "cuda":
+                torch.cuda.empty_cache()
+            save()
 
         # the predictor on the hot executor's GPU (device buffers, CUDA IPC), then on the CPU
         # (host channels): the hop's cost in the same run; and the hot executor on an even
@@ -605,6 +616,7 @@ def main():
         if a.device == "cuda" and not a.profile_hot:
             runs += [("hybrid_hot_cores_even", "auto", 1 << 20), ("hybrid_predictor_cpu", "cpu",
                                                                   group.GPU_HOT_CORES)]
+        runs = [r for r in runs if r[0] in want]
         default_hot = group.GPU_HOT_CORES
         for name, where, hot_cores in runs:
             pi, group.GPU_HOT_CORES = None, hot_cores
@@ -643,15 +655,17 @@ def main():
         sys.exit("no hybrid configuration ran: " + json.dumps({k: result[k] for k in result
                                                                if k.startswith("hybrid")}))
     h = result[ok[0]]["tok_s"]
-    result["ratios"] = {"hybrid_row": ok[0],"hybrid_vs_layer_offload": h / result["layer_offload"]["tok_s"],
-                        "hybrid_vs_all_gpu": h / result["all_gpu"]["tok_s"]}
+    result["ratios"] = {"hybrid_row": ok[0]}
+    for base in ("layer_offload", "all_gpu"):
+        if base in result:
+            result["ratios"][f"hybrid_vs_{base}"] = h / result[base]["tok_s"]
     for other, key in (("hybrid_predictor_cpu", "predictor_on_gpu_vs_cpu"),
                        ("hybrid_hot_cores_even", "hot_cores_few_vs_even")):
         if ok[0] == "hybrid" and "tok_s" in result.get(other, {}):
             result["ratios"][key] = h / result[other]["tok_s"]
     print(json.dumps(result["ratios"]), flush=True)
     save()
-    if runs_kernels:
+    if runs_kernels and "kernels" in want:
         result["kernels"] = kernel_rows(a.preset, device)
     if a.out:
         Path(a.out).write_text(json.dumps(result, indent=1))
