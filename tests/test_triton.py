@@ -115,6 +115,18 @@ def test_ffn_kernel_equals_torch_on_its_rows(fmt, dim, acts):
                         with split_as(split, cols):
                             got[how] = T.neuron_ffn(d(x), rec, d(mask), None, d(bias), threshold,
                                                     act, fmt)
+                if B == 1 and name == "10%":  # a decode row keeping only some of its neurons,
+                    # by neuron (with the mask) and by position (with positions), split
+                    mine = torch.rand(1, k, generator=g) < 0.5
+                    want_kept = reference(x, rows, act, mask, mine, bias, threshold)
+                    with split_as(True, 64):
+                        kept = {"by neuron": T.neuron_ffn(d(x), rec, d(mask), d(mine), d(bias),
+                                                          threshold, act, fmt),
+                                "by position": T.neuron_ffn(d(x), rec, d(idx), d(mine[:, idx]),
+                                                            d(bias), threshold, act, fmt)}
+                    for how, y in kept.items():
+                        err = float((y.cpu().double() - want_kept).abs().max())
+                        assert err <= tol * scale, (fmt, act, how, err)
                 for how, y in got.items():
                     assert y.shape == (B, dim) and y.dtype == torch.float32
                     err = float((y.cpu().double() - want).abs().max())
