@@ -23,11 +23,7 @@ from __future__ import annotations
 
 import torch
 
-from .triton_ffn import _check, triton, tl
-
-
-def _pow2(n: int) -> int:
-    return 1 << max(n - 1, 0).bit_length()
+from .triton_ffn import _check, _pow2, triton, tl
 
 
 if triton is not None:

@@ -47,6 +47,7 @@ set before this module is imported) on CPU tensors: that is how the tests check 
 """
 from __future__ import annotations
 
+import functools
 import logging
 import os
 
@@ -94,7 +95,13 @@ def down_programs(device: torch.device) -> int:
     DOWN_PER_SM a multiprocessor on a GPU, 16 under the interpreter (several groups still)."""
     if device.type != "cuda":
         return 16
-    return DOWN_PER_SM * torch.cuda.get_device_properties(device).multi_processor_count
+    return DOWN_PER_SM * _multiprocessors(torch.cuda.current_device() if device.index is None
+                                          else device.index)
+
+
+@functools.cache
+def _multiprocessors(index: int) -> int:  # (asked once a device, not at every decode call)
+    return torch.cuda.get_device_properties(index).multi_processor_count
 
 
 def interpreted() -> bool:
@@ -329,6 +336,15 @@ if triton is not None:
                                   mask=rmask[:, None] & (cols < dim)[None, :])
 
     @triton.jit
+    def _q8_0_blocks(r, blk, mask):
+        # Q8_0 blocks blk (NB,) of rows at byte pointers r (BLOCK_N, 1), mask (BLOCK_N, NB) ->
+        # their 32 int8 weights each as float32 (BLOCK_N, NB, 32) and their f16 scales (BLOCK_N, NB)
+        b = r + blk[None, :] * 34
+        j = tl.arange(0, 32)
+        q = tl.load(b[:, :, None] + 2 + j[None, None, :], mask=mask[:, :, None], other=0)
+        return q.to(tl.int8, bitcast=True).to(tl.float32), _f16_at(b, mask)
+
+    @triton.jit
     def _dot_step(r, c0, x_ptr, dim, valid, nb, FMT: tl.constexpr, BLOCK_K: tl.constexpr):
         # a decode row's products with rows starting at byte or element pointers r (BLOCK_N, 1),
         # columns c0 .. c0 + BLOCK_K: plain rows (BLOCK_N, BLOCK_K) products; block formats
@@ -343,16 +359,15 @@ if triton is not None:
             blk = c0 // 32 + tl.arange(0, BLOCK_K // 32)
             bm = blk < nb
             m2 = valid[:, None] & bm[None, :]
-            m3 = m2[:, :, None]
-            if FMT == 3:  # Q8_0 blocks: f16 scale, 32 int8
+            if FMT == 3:  # Q8_0 blocks
                 j = tl.arange(0, 32)
-                b = r + blk[None, :] * 34
-                q = tl.load(b[:, :, None] + 2 + j[None, None, :], mask=m3, other=0)
+                q, d = _q8_0_blocks(r, blk, m2)
                 x = tl.load(x_ptr + blk[:, None] * 32 + j[None, :], mask=bm[:, None], other=0).to(tl.float32)
-                p = tl.sum(q.to(tl.int8, bitcast=True).to(tl.float32) * x[None, :, :], axis=2) * _f16_at(b, m2)
+                p = tl.sum(q * x[None, :, :], axis=2) * d
             else:  # split 4-bit rows: block blk's 16 bytes hold weights i (low nibble) and 16 + i
                 i = tl.arange(0, 16)
-                q = tl.load(r[:, :, None] + blk[None, :, None] * 16 + i[None, None, :], mask=m3, other=0)
+                q = tl.load(r[:, :, None] + blk[None, :, None] * 16 + i[None, None, :],
+                            mask=m2[:, :, None], other=0)
                 xo = x_ptr + blk[:, None] * 32 + i[None, :]
                 xlo = tl.load(xo, mask=bm[:, None], other=0).to(tl.float32)
                 xhi = tl.load(xo + 16, mask=bm[:, None], other=0).to(tl.float32)
@@ -443,12 +458,9 @@ if triton is not None:
             if DFMT == 0:
                 v = tl.load(r + cols[None, :], mask=fired[:, None] & cm[None, :], other=0)
                 acc += v.to(tl.float32) * h[:, None]
-            else:  # Q8_0 blocks: f16 scale, 32 int8; the scale folded into the activation
-                m2 = fired[:, None] & bm[None, :]
-                b = r + blk[None, :] * 34
-                q = tl.load(b[:, :, None] + 2 + j[None, None, :], mask=m2[:, :, None], other=0)
-                hd = h[:, None] * _f16_at(b, m2)
-                acc += q.to(tl.int8, bitcast=True).to(tl.float32) * hd[:, :, None]
+            else:  # Q8_0 blocks, the scale folded into the activation
+                q, d = _q8_0_blocks(r, blk, fired[:, None] & bm[None, :])
+                acc += q * (h[:, None] * d)[:, :, None]
         if hi > lo:
             part = tl.sum(acc, axis=0)
             if DFMT == 0:

@@ -91,7 +91,7 @@ def attention_variants():
                     tables_ptr="*i32", pos_ptr="*i64", out_ptr=qkv, qkv_stride=I32,
                     out_stride=I32, M=I32, window=I32, scale="fp32", k_sb=I32, k_sh=I32,
                     v_sb=I32, v_sh=I32),
-               dict(H=H, HKV=hkv, D=D, BS=16, G=g, GP=max(16, TA._pow2(g)), ROPE=rope))
+               dict(H=H, HKV=hkv, D=D, BS=16, G=g, GP=max(16, T._pow2(g)), ROPE=rope))
 
 
 def compile_one(name, args, constexprs, capability):
