@@ -47,11 +47,10 @@ from pathlib import Path
 
 import torch
 
-from powerinfer import Config, PowerInfer
+from powerinfer import Config, PowerInfer, sparse
 from powerinfer.bundle import Bundle
 from powerinfer.predictor import load_predictors, run_dtype
 from powerinfer.solver import neuron_bytes
-from powerinfer import sparse
 from powerinfer.sparse import LayerStats, apply_hybrid_ffn, hybrid_layers
 
 WARMUP = 16  # tokens decoded before timing

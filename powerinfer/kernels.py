@@ -571,10 +571,15 @@ def linear(x: torch.Tensor, w: torch.Tensor, fmt: str) -> torch.Tensor:
     """x (B, dim) float32 or bfloat16, B <= MAX_ROWS; w (n, row_bytes) rows in `fmt` (a plain
     bf16 or f32 matrix is its own rows: pass it as it is) -> (B, n) float32 = x W^T, reading
     each row once (x as `dot_input` gives it)."""
+    return torch.ops.powerinfer.linear(x.contiguous(), _as_rows(w, fmt), FORMATS.index(fmt))
+
+
+def _as_rows(w: torch.Tensor, fmt: str) -> torch.Tensor:
+    # rows in `fmt` as the kernel takes them: uint8 records, or a plain bf16/f32 matrix's bytes
     if w.dtype != torch.uint8:
         assert w.dtype == PLAIN_FORMATS[fmt] and w.is_contiguous(), (w.dtype, fmt)
         w = w.view(torch.uint8)
-    return torch.ops.powerinfer.linear(x.contiguous(), w, FORMATS.index(fmt))
+    return w
 
 
 def neuron_ffn(x: torch.Tensor, w: torch.Tensor, sel: torch.Tensor, keep: torch.Tensor | None,
@@ -600,10 +605,9 @@ def predicted_ffn(x: torch.Tensor, p: torch.Tensor, fc1: torch.Tensor, fc2: torc
     logit relu(p fc1^T) fc2^T is >= pred_threshold -> (B, dim) in x's type, as
     `neuron_ffn(x, w, union, rows, ...)` over `linear`'s logits gives it."""
     assert x.shape[0] <= MAX_ROWS, x.shape
-    u8 = lambda m: m.view(torch.uint8) if m.dtype != torch.uint8 else m  # noqa: E731
     return torch.ops.powerinfer.predicted_ffn(
-        x, p, u8(fc1), u8(fc2), FORMATS.index(pred_fmt), float(pred_threshold), w, bias,
-        float(threshold), ACTS.index(act), FORMATS.index(fmt))
+        x, p, _as_rows(fc1, pred_fmt), _as_rows(fc2, pred_fmt), FORMATS.index(pred_fmt),
+        float(pred_threshold), w, bias, float(threshold), ACTS.index(act), FORMATS.index(fmt))
 
 
 if __name__ == "__main__":  # `python -m powerinfer.kernels`: build now (make's setup step)

@@ -304,16 +304,23 @@ class Predictors(nn.Module):
         if self._triton(rows):
             from . import triton_ffn
             return triton_ffn.predictor_logits(rows, fc1, fc2).view(*x.shape[:-1], -1)
-        fmt = {torch.bfloat16: "bf16", torch.float32: "f32"}.get(fc1.dtype)
-        if (fmt and kernels.usable(fc1)
-                and x.dtype in (torch.float32, torch.bfloat16) and rows.shape[0] <= kernels.MAX_ROWS
-                and fc1.shape[1] % 32 == 0 and fc2.shape[1] % 32 == 0):  # the kernel's widths
+        fmt = self.kernel_format(layer)
+        if fmt and x.dtype in (torch.float32, torch.bfloat16) and rows.shape[0] <= kernels.MAX_ROWS:
             # decode rows on the kernel's GEMV, which reads the weights at the memory's rate
             # where torch's bf16 GEMV reaches a third of it (float32 logits either way), and
             # computes each row alone: a row's masks do not depend on the rows beside it
             y = kernels.linear(kernels.linear(rows, fc1, fmt).relu_(), fc2, fmt)
             return y.view(*x.shape[:-1], -1)
         return F.relu(x.to(fc1.dtype) @ fc1.T) @ fc2.T
+
+    def kernel_format(self, layer: int) -> str | None:
+        """The kernel library's GEMV format ("bf16", "f32") this layer's matrices run in for
+        decode rows: on a CPU where the library runs, in those precisions, both widths a
+        multiple of 32 (the kernel's); else None (torch's matmuls)."""
+        fc1, fc2 = self.fc1[layer], self.fc2[layer]
+        fmt = {torch.bfloat16: "bf16", torch.float32: "f32"}.get(fc1.dtype)
+        ok = fmt and kernels.usable(fc1) and fc1.shape[1] % 32 == 0 and fc2.shape[1] % 32 == 0
+        return fmt if ok else None
 
     def active(self, layer: int, x: torch.Tensor) -> torch.Tensor:
         # x: (..., dim) -> per-row predicted-active neurons (..., ffn_dim) bool

@@ -335,13 +335,11 @@ class HybridFFN(nn.Module):
         sets = [s for s in (self.hot, self.cold) if s is not None and len(s.idx)]
         if len(sets) != 1 or sets[0].records is None or len(sets[0].idx) != self.ffn_dim:
             return None
-        s, fc1, fc2 = sets[0], preds.fc1[self.layer], preds.fc2[self.layer]
-        fmt = {torch.bfloat16: "bf16", torch.float32: "f32"}.get(fc1.dtype)
-        if (fmt is None or not kernels.usable(fc1) or not kernels.usable(s.records)
-                or kernels.on_triton(s.records) or fc1.shape[1] % 32 or fc2.shape[1] % 32
+        s, fmt = sets[0], preds.kernel_format(self.layer)
+        if (fmt is None or kernels.on_triton(s.records)
                 or not torch.equal(s.idx, torch.arange(self.ffn_dim, device=s.idx.device))):
             return None
-        return s, preds, fmt
+        return s, preds, fmt  # (the records' device is checked at each call)
 
     def _token_masked(self, h, x, layer_input):
         # computes every neuron, then keeps per token those both fired and predicted: the same
