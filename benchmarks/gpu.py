@@ -298,19 +298,30 @@ def kernel_rows(preset: str, device: torch.device) -> dict:
     return out
 
 
-def attention_rows(preset: str, device: torch.device, contexts=(64, 512, 2048)) -> list[dict]:
+ATTENTION_SWEEP = [(per_sm, least) for per_sm in (1, 2, 4, 8) for least in (1, 2, 4, 8)]
+
+
+def attention_rows(preset: str, device: torch.device, contexts=(64, 512, 2048, 8192),
+                   sweep: bool = False) -> list[dict]:
     """A decode step's attention over the paged cache for one layer of `preset` (its heads, bf16,
-    blocks of 16), one sequence at each context length and 8 at 512: torch's ops
+    blocks of 16), one sequence at each context length and 8 at 512 and 2,048: torch's ops
     (`model.paged_attention`, its index work done fresh, as a step's first layer does) against
-    the one-launch kernel (`triton_attention`), eager and as a CUDA graph."""
-    from powerinfer import model as M
+    the one-launch kernel (`triton_attention`) with one program a sequence and KV head and
+    split over the context as it chooses (`splits_for`), eager and as a CUDA graph. `sweep`:
+    the split's two constants (SPLIT_PER_SM, SPLIT_MIN_BLOCKS) over ATTENTION_SWEEP too."""
+    from powerinfer import model as M, triton_attention as TA
     from powerinfer.synthetic import PRESETS
 
     p = PRESETS[preset]
     small = device.type == "cpu"
     H, hkv, D = (4, 2, 16) if small else (p.n_heads, p.n_kv_heads, p.dim // p.n_heads)
     bs, rows = 16, []
-    for S, ctx in ([(1, c) for c in (contexts[:1] if small else contexts)] + [(8, 512)]):
+    chosen = (TA.SPLIT_PER_SM, TA.SPLIT_MIN_BLOCKS)
+    paths = [("torch", None), ("triton one program a head", (0, 1)), ("triton", chosen)]
+    if sweep:
+        paths += [(f"triton split {a}/SM, >={b} blocks", (a, b)) for a, b in ATTENTION_SWEEP]
+    for S, ctx in ([(1, c) for c in (contexts[:1] if small else contexts)]
+                   + [(8, 512)] + ([] if small else [(8, 2048)])):
         M_ = -(-ctx // bs) + 1
         g = torch.Generator(device=device).manual_seed(S * ctx)
         cache = M.KVCache(S * M_, hkv, bs, D, torch.bfloat16, device)
@@ -320,17 +331,23 @@ def attention_rows(preset: str, device: torch.device, contexts=(64, 512, 2048)) 
         qkv = torch.randn(S, (H + 2 * hkv) * D, generator=g, device=device).bfloat16()
         cos, sin = torch.randn(S, D, device=device), torch.randn(S, D, device=device)
         starts = torch.arange(S + 1, device=device)
-        for on in (False, True):
-            def call(on=on):
-                M.TRITON_ATTENTION = on
+        for path, split in paths:
+            def call(split=split):
+                M.TRITON_ATTENTION = split is not None
+                TA.SPLIT_PER_SM, TA.SPLIT_MIN_BLOCKS = split or chosen
                 try:
                     return M.paged_attention(qkv, (cos, sin), pos, M.KVTables(starts, tables, None),
                                              cache, H, 0, D ** -0.5)
                 finally:
                     M.TRITON_ATTENTION = True
-            r = {"path": "triton" if on else "torch", "sequences": S, "context": ctx,
-                 "heads": H, "kv_heads": hkv, "head_dim": D,
-                 "us": _timed(call, device, 2 if small else 50) * 1e6}
+                    TA.SPLIT_PER_SM, TA.SPLIT_MIN_BLOCKS = chosen
+            r = {"path": path, "sequences": S, "context": ctx, "splits": 1,
+                 "heads": H, "kv_heads": hkv, "head_dim": D}
+            if split is not None:
+                TA.SPLIT_PER_SM, TA.SPLIT_MIN_BLOCKS = split
+                r["splits"] = TA.splits_for(S, hkv, M_, device)
+                TA.SPLIT_PER_SM, TA.SPLIT_MIN_BLOCKS = chosen
+            r["us"] = _timed(call, device, 2 if small else 50) * 1e6
             if (fn := graphed(call, device)) is not None:
                 r["graphed_us"] = _timed(fn, device, 50) * 1e6
             rows.append(r)
@@ -519,11 +536,14 @@ def main():
     ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     ap.add_argument("--out", default=None)
     ap.add_argument("--kernels", action="store_true", help="only the kernel rows")
+    ap.add_argument("--kernel-part", choices=["all", "ffn", "attention"], default="all",
+                    help="with --kernels: the FFN and predictor rows, the attention rows, or both")
     ap.add_argument("--plot", nargs="+", metavar=("PNG", "LABEL=JSON"),
                     help="draw --kernels results (LABEL=FILE ...) into PNG, and exit")
-    ap.add_argument("--sweep", choices=["fused", "split"],
+    ap.add_argument("--sweep", choices=["fused", "split", "attention"],
                     help="with --kernels: time the Triton FFN kernel's tile sizes too, those of "
-                         "the one-launch kernel (fused) or of the split decode row's two")
+                         "the one-launch kernel (fused) or of the split decode row's two; or the "
+                         "attention kernel's split constants")
     ap.add_argument("--rows", default=",".join(ROWS),
                     help="the configurations to run, comma-separated, of " + ", ".join(ROWS) +
                          " (default: all; `kernels`: the kernel rows after them)")
@@ -549,9 +569,11 @@ def main():
               flush=True)
     if a.kernels:
         if runs_kernels:
-            result = kernel_rows(a.preset, device)
-            result["attention"] = attention_rows(a.preset, device)
-            if a.sweep:
+            result = {} if a.kernel_part == "attention" else kernel_rows(a.preset, device)
+            if a.kernel_part != "ffn":
+                result["attention"] = attention_rows(a.preset, device,
+                                                     sweep=a.sweep == "attention")
+            if a.sweep in ("fused", "split"):
                 sweep = sweep_rows if a.sweep == "fused" else split_sweep_rows
                 result["sweep"] = sweep(a.preset, device, result["copy_gb_s"])
             if a.out:

@@ -215,15 +215,19 @@ def test_predictors_dispatch_to_the_kernels(monkeypatch):
     assert torch.equal(got[~near], want[~near])
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_decode_attention_equals_torch_paged_attention(dtype):
+@pytest.mark.parametrize("dtype,splits", [(torch.float32, None), (torch.bfloat16, None),
+                                          (torch.float32, 3), (torch.bfloat16, 5)])
+def test_decode_attention_equals_torch_paged_attention(dtype, splits):
     # one launch for a decode step's attention (`triton_attention`) against torch's
     # `paged_attention` on the same pools: three sequences at positions in their first, third
     # and seventh blocks; query heads grouped 3 to a KV head (SmolLM2's), one to one, and 4 to
     # one with a sliding window; with RoPE and without. The token's key and value land in its
     # block (the kernel's store is the cache's), and the heads' outputs agree: float32 to its
     # rounding, bfloat16 to a few of its steps (the interpreter rounds to bfloat16 by
-    # truncation, a GPU to nearest)
+    # truncation, a GPU to nearest). Split over 3 and 5 programs a sequence and head (the
+    # first sequence's one block leaves all but one split empty; 5 splits over the window's 4
+    # blocks, one), merged by the last split to finish, twice in a row (the counters it
+    # zeroes serve the next call)
     from powerinfer import triton_attention as TA
     from powerinfer.model import KVCache, KVTables, paged_attention
     g = torch.Generator().manual_seed(5)
@@ -242,8 +246,10 @@ def test_decode_attention_equals_torch_paged_attention(dtype):
                                H, window, D ** -0.5)
         d = lambda t: t.to(DEV)  # noqa: E731
         k_dev, v_dev = d(caches[1].k), d(caches[1].v)
-        got = TA.decode_attention(d(qkv), None if r is None else tuple(map(d, r)), d(pos),
-                                  d(tables), k_dev, v_dev, H, window, D ** -0.5).cpu()
+        for _ in range(1 if splits is None else 2):
+            got = TA.decode_attention(d(qkv), None if r is None else tuple(map(d, r)), d(pos),
+                                      d(tables), k_dev, v_dev, H, window, D ** -0.5,
+                                      splits).cpu()
         assert got.shape == want.shape and got.dtype == dtype
         scale = float(want.float().abs().max())
         err = float((got.float() - want.float()).abs().max())
@@ -255,6 +261,9 @@ def test_decode_attention_equals_torch_paged_attention(dtype):
             assert diff.max() <= (0 if not rope else step * float(theirs.float().abs().max()))
             assert (diff > 0).sum() <= S * hkv * D  # only the step's keys and values moved
     assert not TA.fits(80, 16) and not TA.fits(64, 8) and TA.fits(128, 16)
+    cpu = torch.device("cpu")  # (the interpreter's 8 multiprocessors: 16 programs in all)
+    assert TA.splits_for(1, 2, 64, cpu) == 8 and TA.splits_for(1, 2, 8, cpu) == 2
+    assert TA.splits_for(8, 8, 512, cpu) == 1 and TA.splits_for(1, 1, 3, cpu) == 1
 
 
 def random_model(seed: int) -> Transformer:
@@ -330,5 +339,5 @@ def test_kernels_compile_for_an_h100(tmp_path):
                        env=env, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
     out = json.loads(r.stdout.splitlines()[-1])
-    assert out["capability"] == 90 and out["kernels"] == 29
-    assert len(list(tmp_path.rglob("*.cubin"))) == 29  # one cubin a variant
+    assert out["capability"] == 90 and out["kernels"] == 30
+    assert len(list(tmp_path.rglob("*.cubin"))) == 30  # one cubin a variant

@@ -82,16 +82,18 @@ def variants():
 
 
 def attention_variants():
-    for qkv, cache, H, hkv, D, rope in (("*bf16", "*bf16", 64, 8, 128, True),
-                                         ("*fp32", "*fp32", 9, 3, 64, False),
-                                         ("*fp16", "*fp16", 32, 32, 128, True)):
+    for qkv, cache, H, hkv, D, rope, splits in (("*bf16", "*bf16", 64, 8, 128, True, 1),
+                                                 ("*bf16", "*bf16", 64, 8, 128, True, 32),
+                                                 ("*fp32", "*fp32", 9, 3, 64, False, 3),
+                                                 ("*fp16", "*fp16", 32, 32, 128, True, 1)):
         g = H // hkv
         yield ("_decode_attention_kernel",
                dict(qkv_ptr=qkv, cos_ptr="*fp32", sin_ptr="*fp32", k_ptr=cache, v_ptr=cache,
-                    tables_ptr="*i32", pos_ptr="*i64", out_ptr=qkv, qkv_stride=I32,
-                    out_stride=I32, M=I32, window=I32, scale="fp32", k_sb=I32, k_sh=I32,
-                    v_sb=I32, v_sh=I32),
-               dict(H=H, HKV=hkv, D=D, BS=16, G=g, GP=max(16, T._pow2(g)), ROPE=rope))
+                    tables_ptr="*i32", pos_ptr="*i64", out_ptr=qkv, part_ptr="*fp32",
+                    count_ptr="*i32", qkv_stride=I32, out_stride=I32, M=I32, window=I32,
+                    scale="fp32", k_sb=I32, k_sh=I32, v_sb=I32, v_sh=I32, splits=I32),
+               dict(H=H, HKV=hkv, D=D, BS=16, G=g, GP=max(16, T._pow2(g)), ROPE=rope,
+                    SPLIT=splits > 1))
 
 
 def compile_one(name, args, constexprs, capability):
