@@ -521,6 +521,37 @@ def plot_kernels(runs: dict[str, dict], path: str):
     fig.savefig(path, dpi=120)
 
 
+def plot_attention(res: dict, path: str):
+    """us per decode step's attention against the context, one sequence (lines) and 8 (the
+    same paths' markers at their context), for torch's ops and the kernel unsplit and split:
+    graphed (solid) and launched one by one (dashed)."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [r for r in res["attention"] if not r["path"].startswith("triton split")]
+    fig, ax = plt.subplots(figsize=(8, 5))
+    for i, p in enumerate(dict.fromkeys(r["path"] for r in rows)):
+        color = f"C{i}"
+        for key, ls, how in (("graphed_us", "-", "graphed"), ("us", "--", "eager")):
+            one = sorted((r["context"], r[key]) for r in rows if r["path"] == p and r["sequences"] == 1)
+            ax.plot([c for c, _ in one], [u for _, u in one], ls, color=color, marker="o",
+                    label=f"{p}, {how}")
+            eight = [(r["context"], r[key]) for r in rows if r["path"] == p and r["sequences"] == 8]
+            ax.plot([c for c, _ in eight], [u for _, u in eight], "s" if how == "graphed" else "x",
+                    color=color, ms=8, linestyle="none")
+    h = rows[0]
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("context (positions); squares and crosses: 8 sequences")
+    ax.set_ylabel("us per call")
+    ax.set_title(f"a decode step's attention, one layer ({h['heads']} query, {h['kv_heads']} KV "
+                 f"heads of {h['head_dim']}), bf16")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
 ROWS = ("layer_offload", "all_gpu", "hybrid", "hybrid_hot_cores_even", "hybrid_predictor_cpu",
         "kernels")
 
@@ -539,7 +570,8 @@ def main():
     ap.add_argument("--kernel-part", choices=["all", "ffn", "attention"], default="all",
                     help="with --kernels: the FFN and predictor rows, the attention rows, or both")
     ap.add_argument("--plot", nargs="+", metavar=("PNG", "LABEL=JSON"),
-                    help="draw --kernels results (LABEL=FILE ...) into PNG, and exit")
+                    help="draw --kernels results (LABEL=FILE ...) into PNG, and exit (a "
+                         "--kernel-part attention result: its attention rows)")
     ap.add_argument("--sweep", choices=["fused", "split", "attention"],
                     help="with --kernels: time the Triton FFN kernel's tile sizes too, those of "
                          "the one-launch kernel (fused) or of the split decode row's two; or the "
@@ -557,6 +589,8 @@ def main():
         ap.error(f"--rows: unknown {', '.join(sorted(want - set(ROWS)))} (of {', '.join(ROWS)})")
     if a.plot:
         runs = {k: json.loads(Path(v).read_text()) for k, v in (x.split("=", 1) for x in a.plot[1:])}
+        if all("rows" not in r for r in runs.values()):  # --kernel-part attention results
+            return plot_attention(next(iter(runs.values())), a.plot[0])
         return plot_kernels(runs, a.plot[0])
     if a.device == "cuda" and not torch.cuda.is_available():
         sys.exit("no CUDA device: this benchmark needs one (--device cpu only checks the flow); "
