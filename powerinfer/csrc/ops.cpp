@@ -441,34 +441,30 @@ static void place_token(float* x, const float* cos, const float* sin, T* kb, T* 
 // tables (S, M) int32: sequence s's position p is in block tables[s][p / BS]; pos (N,) each
 // token's position: it sees positions [pos - window + 1, pos] (window 0: [0, pos]), every one
 // of them in the cache or in this step -> (N, H D) of qkv's type.
-static at::Tensor paged_attention(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin,
-                                  const at::Tensor& k_pool, const at::Tensor& v_pool, const at::Tensor& tables,
-                                  const at::Tensor& starts, const at::Tensor& pos, int64_t n_heads, int64_t window,
-                                  double scale) {
-  const Kernels& kern = active();
+// The step's checks (shapes, types, positions inside their tables, blocks inside the pool).
+static void check_attention(const at::Tensor& qkv, const at::Tensor& k_pool, const at::Tensor& v_pool,
+                            const at::Tensor& tables, const at::Tensor& starts, const at::Tensor& pos,
+                            int64_t n_heads, at::ScalarType qkv_type) {
   TORCH_CHECK(k_pool.dim() == 4 && v_pool.dim() == 4 && k_pool.is_contiguous() && v_pool.is_contiguous(),
               "pools: keys (NB, Hkv, D, BS) and values (NB, Hkv, BS, D), contiguous");
   const int64_t NB = k_pool.size(0), Hkv = k_pool.size(1), D = k_pool.size(2), BS = k_pool.size(3);
   TORCH_CHECK(v_pool.size(0) == NB && v_pool.size(1) == Hkv && v_pool.size(2) == BS && v_pool.size(3) == D,
               "the value pool's shape does not match the keys'");
   const auto dt = k_pool.scalar_type();
-  TORCH_CHECK((dt == at::kFloat || dt == at::kBFloat16) && v_pool.scalar_type() == dt && qkv.scalar_type() == dt,
+  TORCH_CHECK((dt == at::kFloat || dt == at::kBFloat16) && v_pool.scalar_type() == dt && qkv_type == dt,
               "qkv and the pools: one type, float32 or bfloat16");
   const int64_t H = n_heads, N = qkv.size(0);
   TORCH_CHECK(qkv.dim() == 2 && qkv.size(1) == (H + 2 * Hkv) * D, "qkv: (N, (H + 2 Hkv) D)");
   TORCH_CHECK(H % Hkv == 0 && D % 16 == 0 && BS % 16 == 0 && BS <= ATTN_MAX_BS,
               "head sizes and block sizes: D and BS multiples of 16, BS at most 64");
-  const bool roped = cos.numel() > 0;
-  if (roped)
-    TORCH_CHECK(cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat && cos.dim() == 2 &&
-                cos.size(0) == N && cos.size(1) == D && sin.sizes() == cos.sizes(), "cos, sin: (N, D) float32");
-  TORCH_CHECK(tables.scalar_type() == at::kInt && tables.dim() == 2, "tables: (S, M) int32");
+  TORCH_CHECK(tables.scalar_type() == at::kInt && tables.dim() == 2 && tables.is_contiguous(),
+              "tables: (S, M) int32");
   const int64_t S = tables.size(0), M = tables.size(1);
-  TORCH_CHECK(starts.scalar_type() == at::kLong && starts.numel() == S + 1 && pos.scalar_type() == at::kLong &&
-              pos.numel() == N, "starts: (S + 1,) int64, pos: (N,) int64");
-  at::Tensor tc = tables.contiguous(), sc = starts.contiguous(), pc = pos.contiguous();
-  const int32_t* tp = tc.data_ptr<int32_t>();
-  const int64_t *st = sc.data_ptr<int64_t>(), *pp = pc.data_ptr<int64_t>();
+  TORCH_CHECK(starts.scalar_type() == at::kLong && starts.numel() == S + 1 && starts.is_contiguous() &&
+              pos.scalar_type() == at::kLong && pos.numel() == N && pos.is_contiguous(),
+              "starts: (S + 1,) int64, pos: (N,) int64");
+  const int32_t* tp = tables.data_ptr<int32_t>();
+  const int64_t *st = starts.data_ptr<int64_t>(), *pp = pos.data_ptr<int64_t>();
   TORCH_CHECK(st[0] == 0 && st[S] == N, "starts must run from 0 to N");
   for (int64_t s = 0; s < S; s++) {
     TORCH_CHECK(st[s] <= st[s + 1], "starts must not decrease");
@@ -480,9 +476,22 @@ static at::Tensor paged_attention(const at::Tensor& qkv, const at::Tensor& cos, 
     for (int64_t b = 0; b <= last; b++)
       TORCH_CHECK(tp[s * M + b] >= 0 && tp[s * M + b] < NB, "block ", tp[s * M + b], " outside the pool");
   }
-  at::Tensor x = qkv.to(at::kFloat, false, true).contiguous();  // (N, (H + 2 Hkv) D), our own copy
-  at::Tensor cc, snc;
-  if (roped) cc = cos.contiguous(), snc = sin.contiguous();
+}
+
+// The attention of `check_attention`'s step over x (N, (H + 2 Hkv) D) float32, the projections'
+// values as the pools' type holds them, in place (RoPE'd there): the new keys and values go into
+// the pools, -> (N, H D) float32. cos, sin: null (no RoPE), or the rows of token t at
+// cos + at(t) * D, where at(t) is t (rows per token) or pos[t] (`by_pos`: a table by position).
+static at::Tensor attend_rows(at::Tensor& x, const float* cos, const float* sin, bool by_pos,
+                              const at::Tensor& k_pool, const at::Tensor& v_pool, const at::Tensor& tables,
+                              const at::Tensor& starts, const at::Tensor& pos, int64_t n_heads, int64_t window,
+                              double scale) {
+  const Kernels& kern = active();
+  const int64_t Hkv = k_pool.size(1), D = k_pool.size(2), BS = k_pool.size(3);
+  const auto dt = k_pool.scalar_type();
+  const int64_t H = n_heads, N = x.size(0), S = tables.size(0), M = tables.size(1);
+  const int32_t* tp = tables.data_ptr<int32_t>();
+  const int64_t *st = starts.data_ptr<int64_t>(), *pp = pos.data_ptr<int64_t>();
   float* xp = x.data_ptr<float>();
   const int64_t row = (H + 2 * Hkv) * D, hs = D * BS, es = dt == at::kFloat ? 4 : 2;
   char* kbase = static_cast<char*>(k_pool.data_ptr());
@@ -491,9 +500,9 @@ static at::Tensor paged_attention(const at::Tensor& qkv, const at::Tensor& cos, 
   at::parallel_for(0, S, 1, [&](int64_t s0, int64_t s1) {
     for (int64_t s = s0; s < s1; s++)
       for (int64_t t = st[s]; t < st[s + 1]; t++) {
-        const int64_t blk = tp[s * M + pp[t] / BS], off = pp[t] % BS;
-        const float* c = roped ? cc.data_ptr<float>() + t * D : nullptr;
-        const float* sn = roped ? snc.data_ptr<float>() + t * D : nullptr;
+        const int64_t blk = tp[s * M + pp[t] / BS], off = pp[t] % BS, at_row = (by_pos ? pp[t] : t) * D;
+        const float* c = cos ? cos + at_row : nullptr;
+        const float* sn = cos ? sin + at_row : nullptr;
         const int64_t kat = blk * Hkv * hs + off, vat = (blk * Hkv * BS + off) * D;
         if (dt == at::kFloat)
           place_token(xp + t * row, c, sn, (float*)kbase + kat, (float*)vbase + vat, H, Hkv, D, BS, hs);
@@ -532,6 +541,26 @@ static at::Tensor paged_attention(const at::Tensor& qkv, const at::Tensor& cos, 
         std::memcpy(op + t * H * D + h * G * D, o.data() + (t - t0) * G * D, G * D * sizeof(float));
     }
   });
+  return out;
+}
+
+static at::Tensor paged_attention(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin,
+                                  const at::Tensor& k_pool, const at::Tensor& v_pool, const at::Tensor& tables,
+                                  const at::Tensor& starts, const at::Tensor& pos, int64_t n_heads, int64_t window,
+                                  double scale) {
+  const at::Tensor tc = tables.contiguous(), sc = starts.contiguous(), pc = pos.contiguous();
+  check_attention(qkv, k_pool, v_pool, tc, sc, pc, n_heads, qkv.scalar_type());
+  const int64_t N = qkv.size(0), D = k_pool.size(2);
+  const bool roped = cos.numel() > 0;
+  if (roped)
+    TORCH_CHECK(cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat && cos.dim() == 2 &&
+                cos.size(0) == N && cos.size(1) == D && sin.sizes() == cos.sizes(), "cos, sin: (N, D) float32");
+  at::Tensor x = qkv.to(at::kFloat, false, true).contiguous();  // (N, (H + 2 Hkv) D), our own copy
+  at::Tensor cc, snc;
+  if (roped) cc = cos.contiguous(), snc = sin.contiguous();
+  at::Tensor out = attend_rows(x, roped ? cc.data_ptr<float>() : nullptr, roped ? snc.data_ptr<float>() : nullptr,
+                               false, k_pool, v_pool, tc, sc, pc, n_heads, window, scale);
+  const auto dt = k_pool.scalar_type();
   return dt == at::kFloat ? out : out.to(dt);
 }
 
@@ -735,15 +764,36 @@ static at::Tensor attention_step(const Kernels& k, const ColdLayers& L, int64_t 
                                  const at::Tensor& pos, const at::Tensor& starts, const at::Tensor& tables,
                                  int64_t n_heads, const std::optional<at::Tensor>& cos,
                                  const std::optional<at::Tensor>& sin, int64_t window, double scale) {
+  const at::Tensor tables_c = tables.contiguous(), starts_c = starts.contiguous(), pos_c = pos.contiguous();
+  // (the values paged_attention would see and return, with no copies between: the projection
+  // rounded to the model's type in place, the RoPE tables read at each position, the output
+  // rounded as the model's type holds it)
   at::Tensor qkv = project(k, x, L.qkv[layer], L.qkv_fmt[layer], L.qkv_n[layer]);
   if (L.qkv2[layer].numel())
     qkv = at::cat({qkv, project(k, x, L.qkv2[layer], L.qkv2_fmt[layer], L.qkv2_n[layer])}, 1);
-  qkv = qkv.to(x.scalar_type());
-  at::Tensor none = at::empty({0}, x.options().dtype(at::kFloat));
-  at::Tensor c = cos ? cos->index_select(0, pos) : none, s = sin ? sin->index_select(0, pos) : none;
-  at::Tensor y = paged_attention(qkv, c, s, L.k_cache[layer], L.v_cache[layer], tables, starts, pos, n_heads, window,
-                                 scale);
-  return project(k, y.to(at::kFloat), L.wo[layer], L.wo_fmt[layer], x.size(1));
+  const bool bf16 = x.scalar_type() == at::kBFloat16;
+  auto round_rows = [&](at::Tensor& t) {
+    if (!bf16) return;
+    float* p = t.data_ptr<float>();
+    for (int64_t i = 0, n = t.numel(); i < n; i++) p[i] = round_bf16(p[i]);
+  };
+  qkv = qkv.contiguous();
+  round_rows(qkv);
+  check_attention(qkv, L.k_cache[layer], L.v_cache[layer], tables_c, starts_c, pos_c, n_heads, x.scalar_type());
+  const bool roped = cos && cos->defined() && cos->numel();
+  if (roped) {
+    TORCH_CHECK(sin && cos->scalar_type() == at::kFloat && sin->scalar_type() == at::kFloat && cos->dim() == 2 &&
+                    cos->is_contiguous() && sin->is_contiguous() && sin->sizes() == cos->sizes() &&
+                    cos->size(1) == L.k_cache[layer].size(2),
+                "cos, sin: (positions, D) float32 tables");
+    const int64_t* pp = pos_c.data_ptr<int64_t>();
+    for (int64_t t = 0; t < pos_c.numel(); t++)
+      TORCH_CHECK(pp[t] < cos->size(0), "position ", pp[t], " past the RoPE tables");
+  }
+  at::Tensor y = attend_rows(qkv, roped ? cos->data_ptr<float>() : nullptr, roped ? sin->data_ptr<float>() : nullptr,
+                             true, L.k_cache[layer], L.v_cache[layer], tables_c, starts_c, pos_c, n_heads, window, scale);
+  round_rows(y);
+  return project(k, y, L.wo[layer], L.wo_fmt[layer], x.size(1));
 }
 
 // Whether a layer's neurons (its heads) answer a prompt's rows, any number of them, natively:
