@@ -146,7 +146,7 @@ class ActorGroup:
             for k in range(n):
                 self.actors[f"cold.{k}"] = place(ColdExecutor, 1 + k).remote(
                     spec, k, self.cores.cold[k], self.model, p, hot_share, c.cpu_threads,
-                    c.weights, head=not gpu, attention=attention)
+                    c.cold_weights, head=not gpu, attention=attention)
             if p.predictor_input is not None:
                 # on the GPU it mostly waits for the device: beside the hot executor, off the
                 # cold executors' cores

@@ -35,8 +35,8 @@ from powerinfer.compat import ray_init
 from powerinfer.config import Config, SamplingParams
 from powerinfer.batching import context_length
 from powerinfer.kv import BlockManager, describe, pool_blocks
-from powerinfer.errors import (EngineFailedError, InvalidRequestError, OverloadedError,
-                               PowerInferError)
+from powerinfer.errors import (EngineFailedError, InvalidRequestError, ModelLoadError,
+                               OverloadedError, PowerInferError)
 from powerinfer.convert import kernel_ready
 from powerinfer.loader import load_checkpoint
 from powerinfer.budget import plan_for
@@ -162,6 +162,9 @@ class ActorEngine:
         # block types the CPU kernel cannot read (K-quants): a converted copy, made once
         ckpt = kernel_ready(load_checkpoint(model, with_weights=False), config)
         config = config.resolve(has_q4(ckpt.info))  # every actor gets the decided configuration
+        if config.cold_weights == "int4" and not has_q4(ckpt.info):
+            raise ModelLoadError(ckpt.path, "cold_weights='int4' needs a GGUF file with Q4_0/Q4_1 "
+                                            "projections")
         self.tokenizer = Tokenizer.from_source(ckpt.tokenizer_source)
         self.args, self.config, self.path = ckpt.args, config, ckpt.path
         self.model = ckpt.model_file()  # parsed once here; the executors read through it

@@ -56,6 +56,11 @@ class Config:
         bf16 on the CPU; a sparse FFN's neurons keep the file's 4-bit blocks, their down rows
         8-bit; the output head is 8-bit), or "auto" (default: int4 wherever it can run, else
         dense).
+    cold_weights: the actor runtime's cold executors' weights (they run on the host's cores):
+        "dense", "int4" (as `weights`), or "auto" (default: as `weights`, except beside a hot
+        executor on a GPU, which widens a 4-bit file to the model's type: int4 there wherever
+        the host can run it, unless weights is "dense"). So a 4-bit file's cold neurons stay
+        4-bit in host memory and are read as such, whatever the GPU holds.
     cold_executors: cold-neuron executor actors (runtime "actors").
     cores: the cores the actor group's executors are planned on, as a cpulist ("0-15,32")
         (runtime "actors"; "": every core this process may use). Give each model of a host its
@@ -81,6 +86,7 @@ class Config:
     compile: bool = False
     runtime: str = "local"
     weights: str = "auto"
+    cold_weights: str = "auto"
     bundle: str = ""
     predictor: str = "auto"
     predictor_device: str = "auto"
@@ -109,8 +115,12 @@ class Config:
         if min(self.vram_budget_gb, self.cpu_threads, self.max_seq_len, self.max_ppl_increase) < 0:
             raise ConfigError("vram_budget_gb, cpu_threads, max_seq_len and max_ppl_increase "
                               "must be >= 0")
-        if self.weights not in ("dense", "int4", "auto"):
-            raise ConfigError(f"weights must be 'dense', 'int4' or 'auto', got {self.weights!r}")
+        for name in ("weights", "cold_weights"):
+            if getattr(self, name) not in ("dense", "int4", "auto"):
+                raise ConfigError(f"{name} must be 'dense', 'int4' or 'auto', got "
+                                  f"{getattr(self, name)!r}")
+        if self.cold_weights == "int4" and DTYPES.get(self.dtype) not in (torch.bfloat16, None):
+            raise ConfigError("cold_weights='int4' runs in bfloat16: set dtype='bfloat16' or 'auto'")
         if self.weights == "int4" and (DTYPES.get(self.dtype) != torch.bfloat16
                                        or self.device == "cuda"):
             raise ConfigError("weights='int4' runs on the CPU in bfloat16: set dtype='bfloat16' "
@@ -139,10 +149,18 @@ class Config:
         if dtype == "auto":
             dtype = "bfloat16" if on_gpu or native_bf16() else "float32"
         weights = self.weights
+        host_int4 = has_q4 and DTYPES[dtype] == torch.bfloat16  # (bf16 on the host: native_bf16)
         if weights == "auto":
-            int4 = has_q4 and not on_gpu and DTYPES[dtype] == torch.bfloat16
-            weights = "int4" if int4 else "dense"
-        return replace(self, dtype=dtype, weights=weights)
+            weights = "int4" if host_int4 and not on_gpu else "dense"
+        cold = self.cold_weights
+        if cold == "auto":  # the host's share: int4 beside a GPU too, unless dense was asked for
+            beside_gpu = on_gpu and self.runtime == "actors"
+            cold = "int4" if beside_gpu and host_int4 and native_bf16() and self.weights != "dense" \
+                else weights
+        if cold == "int4" and DTYPES[dtype] != torch.bfloat16:
+            raise ConfigError("cold_weights='int4' runs in bfloat16, and this configuration "
+                              f"resolves to {dtype}: set dtype='bfloat16'")
+        return replace(self, dtype=dtype, weights=weights, cold_weights=cold)
 
     @property
     def torch_device(self) -> torch.device:

@@ -210,10 +210,11 @@ def _progress(enabled: bool, total: int, name: str):
 def kernel_ready(ck, config, progress: bool = True):
     """The checkpoint (header only) a load with `config` reads: `ck`, or its converted copy's
     where the file has block types the kernel cannot read and the configuration keeps weights
-    quantized (weights "int4", or "auto" where that chooses 4-bit blocks on this machine:
-    `Config.resolve`)."""
+    quantized (weights or cold_weights "int4", or "auto" where that chooses 4-bit blocks on this
+    machine: `Config.resolve`)."""
     from .loader import load_checkpoint
 
-    if config.resolve(True).weights != "int4" or not needs_conversion(ck.info):
+    decided = config.resolve(True)
+    if "int4" not in (decided.weights, decided.cold_weights) or not needs_conversion(ck.info):
         return ck
     return load_checkpoint(converted(ck.path, progress), with_weights=False)

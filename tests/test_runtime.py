@@ -146,6 +146,60 @@ def test_int4_actors_equal_the_int4_sparse_engine(ray_cluster, bundle):
     assert not shm_segments()
 
 
+@pytest.mark.slow
+def test_cold_executors_keep_the_files_blocks_beside_a_dense_hot_executor(ray_cluster, bundle):
+    # what a group beside a GPU runs (the hot executor widens the file to bf16, the cold
+    # executors keep its 4-bit blocks: `Config.cold_weights`), here with both sides on the CPU.
+    # Each side's numerics are the ones the int4 and dense groups' equality tests check; mixed,
+    # a decode follows the dense engine only to its first close call (this model and bundle
+    # flip on small differences), so what is checked is what would break: the cold neurons held
+    # and read as the file's Q4_1 blocks (about 0.4 of the bytes of bf16 records), every
+    # prompt's first token (a prefill, every neuron) that of the dense bf16 engine, and an
+    # answer that still knows its facts
+    cfg = dict(BASE, dtype="bfloat16", bundle=bundle)
+    ref = PowerInfer.from_pretrained(MODEL, Config(**cfg))
+    held = {}
+    for cold in ("dense", "int4"):
+        pi = PowerInfer.from_pretrained(MODEL, Config(runtime="actors", cold_weights=cold, **cfg))
+        try:
+            assert (pi.config.weights, pi.config.cold_weights) == ("dense", cold)
+            assert pi.engine.group.info["cold.0"]["format"] == ("q4_1" if cold == "int4" else "bf16")
+            held[cold] = pi.engine.stats()["actors"]["cold.0"]["held_bytes"]
+            if cold == "int4":
+                for p in PROMPTS:
+                    assert greedy_tokens(pi, p, 1) == greedy_tokens(ref, p, 1), p
+                assert "Paris" in pi.generate("The capital of France is", **GREEDY)
+        finally:
+            pi.close()
+    assert held["int4"] < 0.45 * held["dense"], held
+    assert not shm_segments()
+
+
+def test_cold_weights_follow_the_host(monkeypatch):
+    # the cold executors' weights: as `weights` on a CPU; beside a GPU (which widens a 4-bit
+    # file), the file's 4-bit blocks where the host runs bf16 natively, unless dense was asked
+    # for; the in-process engine has no cold executors
+    from powerinfer import compat
+    from powerinfer.errors import ConfigError
+    for native in (True, False):
+        monkeypatch.setattr(compat, "native_bf16", lambda native=native: native)
+        gpu = Config(runtime="actors", device="cuda").resolve(has_q4=True)
+        assert (gpu.dtype, gpu.weights, gpu.cold_weights) == \
+            ("bfloat16", "dense", "int4" if native else "dense")
+    monkeypatch.undo()
+    assert Config(runtime="actors", device="cuda").resolve(has_q4=False).cold_weights == "dense"
+    assert Config(runtime="actors", device="cuda", weights="dense").resolve(True).cold_weights == "dense"
+    assert Config(device="cuda").resolve(has_q4=True).cold_weights == "dense"  # in process
+    cpu = Config(runtime="actors").resolve(has_q4=True)
+    assert cpu.cold_weights == cpu.weights
+    assert Config(runtime="actors", weights="dense", cold_weights="int4",
+                  dtype="bfloat16").resolve(True).cold_weights == "int4"
+    with pytest.raises(ConfigError, match="cold_weights='int4' runs in bfloat16"):
+        Config(cold_weights="int4", dtype="float32")
+    with pytest.raises(ConfigError, match="cold_weights must be"):
+        Config(cold_weights="int8")
+
+
 def assert_native_prompt_steps_equal_the_modules(pi: PowerInfer):
     """The hot executor's prompt steps through its C++ layer loop (every layer in 16-row group
     layouts): a prompt alone, then one that arrives while the first decodes (its chunk beside that
