@@ -3,13 +3,16 @@
 
     .venv/bin/python benchmarks/gpu.py [--preset 70b] [--layers 8] [--budget-share 0.3]
         [--cold 2] [--tokens 64] [--device cuda] [--rows hybrid,layer_offload,...] [--out FILE]
-    .venv/bin/python benchmarks/gpu.py --kernels [--sweep fused|split] [--out FILE]
+        [--quant q4_0|q4_k_m|q8_0 --budget-gb GB]
+    .venv/bin/python benchmarks/gpu.py --kernels [--kernel-part attention] [--sweep fused|split|attention] [--out FILE]
     .venv/bin/python benchmarks/gpu.py --plot PNG LABEL=KERNELS.json ...
 
 One command does everything, in a temporary directory:
 
-1. writes a synthetic ReLU model of a real shape (`powerinfer.synthetic`, bf16, a planted
-   power-law activation profile), by default the first 8 blocks of a LLaMA-70B shape: with
+1. writes a synthetic ReLU model of a real shape (`powerinfer.synthetic`, bf16 or `--quant`'s
+   GGUF blocks, a planted power-law activation profile; the GPU widens a 4-bit file to bf16, the
+   host keeps its blocks: layer offload's host blocks and the hybrid's cold executors,
+   `Config.cold_weights`), by default the first 8 blocks of a LLaMA-70B shape: with
    grouped-query attention a 30% budget holds attention, the KV cache, embeddings, lm_head and
    still about a tenth of the FFN neurons, where in the 7B shape attention alone is 33% of the
    weights;
@@ -99,13 +102,31 @@ def _to(device):
     return move
 
 
-def offload_layers(pi: PowerInfer, k: int, device: torch.device) -> PowerInfer:
+def offload_layers(pi: PowerInfer, k: int, device: torch.device, path: Path | None = None) -> PowerInfer:
     """llama.cpp's -ngl k on the in-process engine: blocks [0, k) with their KV cache on
     `device`; embeddings, the other blocks, the final norm and the output head on the host. Each
-    block's inputs follow it to its device (a copy only where the device changes)."""
+    block's inputs follow it to its device (a copy only where the device changes). A 4-bit file's
+    projections (the host's 4-bit modules) go to the device widened to the model's type, read
+    again from the file at `path` (the GPU path widens a 4-bit file: `Config.weights`)."""
+    from powerinfer.loader import load_checkpoint
     from powerinfer.quant import KernelLinear
 
     model = pi.model
+    dtype = model.norm.weight.dtype
+    source = None
+    for i in range(k):
+        for owner, attr, names in model.projections(i):
+            mod = getattr(owner, attr)
+            if isinstance(mod, (nn.Linear, KernelLinear)):
+                continue
+            if source is None:
+                source = load_checkpoint(str(path), with_weights=False).source
+            w = torch.cat([source.get(n, dtype) for n in names])
+            lin = nn.Linear(w.shape[1], w.shape[0], bias=mod.bias is not None, device="meta")
+            lin.weight = nn.Parameter(w, requires_grad=False)
+            if mod.bias is not None:
+                lin.bias = nn.Parameter(mod.bias.detach().to(dtype), requires_grad=False)
+            setattr(owner, attr, lin)
     for b in model.layers[:k]:
         # the CPU kernel's bf16 projections (the host's layers keep them) as torch Linears
         for owner in list(b.modules()):
@@ -562,6 +583,12 @@ def main():
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--budget-share", type=float, default=0.3)
     ap.add_argument("--cold", type=int, default=2, help="cold executors of the hybrid runtime")
+    ap.add_argument("--quant", choices=["q4_0", "q4_k_m", "q8_0"],
+                    help="write the model's matrices in these GGUF blocks (default bf16): the "
+                         "host keeps them (layer offload's host blocks, the cold executors), the "
+                         "GPU widens them")
+    ap.add_argument("--budget-gb", type=float, default=0.0,
+                    help="the VRAM budget in GiB (default: --budget-share of the file's bytes)")
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--profile-tokens", type=int, default=4096)
     ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
@@ -618,19 +645,22 @@ def main():
     result = {"date": str(datetime.date.today()), "host": platform.processor() or platform.machine(),
               "cores": len(os.sched_getaffinity(0)),
               "device": torch.cuda.get_device_name() if a.device == "cuda" else "cpu",
-              "preset": a.preset, "layers": a.layers, "budget_share": a.budget_share}
+              "preset": a.preset, "layers": a.layers, "budget_share": a.budget_share,
+              "quant": a.quant or "bf16", "budget_gb": a.budget_gb}
     dense = dict(dtype="bfloat16", max_seq_len=MAX_SEQ, max_batch=MAX_BATCH)
     with tempfile.TemporaryDirectory() as d:
         t0 = time.perf_counter()
         path = Path(d) / f"synthetic-{a.preset}.gguf"
-        write_synthetic(path, a.preset, n_layers=a.layers)
+        write_synthetic(path, a.preset, n_layers=a.layers, quant=a.quant)
         bundle = profile(str(path), "lee", Path(d) / "bundle",
                          ProfileOptions(tokens=a.profile_tokens, window=256, samples=4000),
                          dtype="bfloat16")
         train_predictors(bundle, "layer")
         pi = PowerInfer.from_pretrained(str(path), Config(**dense))
         weights, args = weight_bytes(path), pi.model.args
-        budget = int(a.budget_share * weights)
+        # (a 4-bit file widens to bf16 on the GPU: a share of its own bytes would not hold the
+        # attention; --budget-gb gives the budget outright)
+        budget = int(a.budget_gb * 2**30) if a.budget_gb else int(a.budget_share * weights)
         placement = solve_bundle(bundle, budget / 2**30, batch=MAX_BATCH + 1, context=MAX_SEQ,
                                  dtype_bytes=2, predictor_input="layer")
         result.update(weight_bytes=weights, budget_bytes=budget, pipeline_s=time.perf_counter() - t0,
@@ -644,7 +674,7 @@ def main():
 
         if not a.profile_hot and "layer_offload" in want:
             k = layers_that_fit(args, budget, 2)
-            offload_layers(pi, k, device)
+            offload_layers(pi, k, device, path)
             tok_s, first_ms = decode_speed(pi, a.tokens)
             result["layer_offload"] = {"layers_on_device": k, "tok_s": tok_s, "first_token_ms": first_ms}
             print("layer_offload", json.dumps(result["layer_offload"]), flush=True)
@@ -683,6 +713,7 @@ def main():
                 tok_s, first_ms = decode_speed(pi, a.tokens)
                 st = pi.engine.stats()
                 result[name] = dict(tok_s=tok_s, first_token_ms=first_ms, cores=st["cores"],
+                                    weights=pi.config.weights, cold_weights=pi.config.cold_weights,
                                     **breakdown(st["actors"], budget))
                 # the same counters over one more request's decode steps alone (no prefill)
                 result[name]["decode_step_ms"] = step_breakdown(pi, a.tokens)
