@@ -264,13 +264,14 @@ def interleaved(local: PowerInfer, pi: PowerInfer, tokens: int, batches: list[in
 
 
 def compare(model: str, base: dict, tokens: int, cold: list[int], batches: list[int],
-            rounds: int = 5) -> list[dict]:
+            rounds: int = 5, predictors: tuple[str, ...] = ("layer", "ffn")) -> list[dict]:
     """Actor runtime against the in-process engine with the same plan, per cold-executor count;
     with a bundle also the same-layer predictor against the lookahead one (whether prediction
-    stays off the critical path: the hot executor's wait for masks per step)."""
-    runs = [(n, "layer" if base.get("bundle") else "auto") for n in cold]
-    if base.get("bundle"):
-        runs.append((cold[0], "ffn"))
+    stays off the critical path: the hot executor's wait for masks per step), of `predictors`
+    (the bundle's trained ones)."""
+    runs = [(n, predictors[0] if base.get("bundle") else "auto") for n in cold]
+    if base.get("bundle") and len(predictors) > 1:
+        runs.append((cold[0], predictors[1]))
     refs, rows = {}, []
     for n, predictor in runs:
         if predictor not in refs:
@@ -327,6 +328,13 @@ def main():
     ap.add_argument("--rounds", type=int, default=5,
                     help="turns of the in-process engine and the actor runtime measured "
                          "alternately in one process (0: none)")
+    ap.add_argument("--weights", default="auto", choices=["auto", "dense", "int4"],
+                    help="Config.weights on both sides")
+    ap.add_argument("--cold-weights", default="auto", choices=["auto", "dense", "int4"],
+                    help="Config.cold_weights of the actor runtime (a dense hot executor beside "
+                         "4-bit cold executors: what a GPU group runs)")
+    ap.add_argument("--predictors", default="layer,ffn",
+                    help="with --bundle: the predictor of every run, then the one compared with it")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     cold = [int(x) for x in args.cold.split(",")]
@@ -335,8 +343,10 @@ def main():
               "cores": len(os.sched_getaffinity(0))}
     result["hop_us"] = hop_latency()
     print("hop latency (us):", json.dumps(result["hop_us"]), flush=True)
-    base = dict(max_seq_len=256, bundle=args.bundle, compile=args.compile)
-    result["default"] = compare(args.model, base, args.tokens, cold, batches, args.rounds)
+    base = dict(max_seq_len=256, bundle=args.bundle, compile=args.compile, weights=args.weights,
+                cold_weights=args.cold_weights)
+    result["default"] = compare(args.model, base, args.tokens, cold, batches, args.rounds,
+                                tuple(args.predictors.split(",")))
     print_breakdown(result["default"])
     print_turns(result["default"])
     if not args.skip_synthetic:
