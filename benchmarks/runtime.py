@@ -3,7 +3,7 @@
 
     .venv/bin/python benchmarks/runtime.py [--model M] [--bundle B] [--tokens 32]
         [--cold 1,2] [--batches 1,4,8] [--synthetic-layers 4] [--skip-synthetic] [--compile]
-        [--rounds 5] [--out FILE]
+        [--rounds 5] [--weights W] [--cold-weights W] [--predictors layer,ffn] [--out FILE]
 
 1. Hop latency: a round trip over the shared-memory channels (one 576-float message each way)
    between two processes, spinning first and blocking at once, next to a Ray actor call.
