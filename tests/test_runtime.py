@@ -175,7 +175,7 @@ def test_cold_executors_keep_the_files_blocks_beside_a_dense_hot_executor(ray_cl
     assert not shm_segments()
 
 
-def test_cold_weights_follow_the_host(monkeypatch):
+def test_cold_weights_follow_the_host(monkeypatch, tmp_path):
     # the cold executors' weights: as `weights` on a CPU; beside a GPU (which widens a 4-bit
     # file), the file's 4-bit blocks where the host runs bf16 natively, unless dense was asked
     # for; the in-process engine has no cold executors
@@ -198,6 +198,14 @@ def test_cold_weights_follow_the_host(monkeypatch):
         Config(cold_weights="int4", dtype="float32")
     with pytest.raises(ConfigError, match="cold_weights must be"):
         Config(cold_weights="int8")
+    # asked for on a file with nothing 4-bit: named at load, before any actor starts
+    from powerinfer.errors import ModelLoadError
+    from powerinfer.synthetic import write_synthetic
+    path = tmp_path / "bf16.gguf"
+    write_synthetic(path, "tiny", n_layers=1, progress=False)
+    with pytest.raises(ModelLoadError, match="cold_weights='int4' needs a GGUF file with Q4_0/Q4_1"):
+        PowerInfer.from_pretrained(str(path), Config(runtime="actors", dtype="bfloat16",
+                                                     cold_weights="int4"))
 
 
 def assert_native_prompt_steps_equal_the_modules(pi: PowerInfer):
