@@ -149,7 +149,7 @@ class Config:
         if dtype == "auto":
             dtype = "bfloat16" if on_gpu or native_bf16() else "float32"
         weights = self.weights
-        host_int4 = has_q4 and DTYPES[dtype] == torch.bfloat16  # (bf16 on the host: native_bf16)
+        host_int4 = has_q4 and DTYPES[dtype] == torch.bfloat16  # 4-bit blocks the kernel can keep
         if weights == "auto":
             weights = "int4" if host_int4 and not on_gpu else "dense"
         cold = self.cold_weights
