@@ -18,7 +18,10 @@ def engine_class(runtime: str):
     found = {ep.name: ep for ep in entry_points(group=RUNTIMES)}
     if runtime not in found:
         raise ConfigError(f"runtime {runtime!r} is not installed (installed: "
-                          f"{', '.join(sorted(found)) or 'none'}; 'local' is built in)")
+                          f"{', '.join(sorted(found)) or 'none'}; 'local' is built in). Runtimes "
+                          "register when their package is installed: for 'actors', this "
+                          "project's (`pip install -e .` in its checkout, which `make setup` "
+                          "does); a checkout on the import path alone registers none")
     return found[runtime].load()
 
 

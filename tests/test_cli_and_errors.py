@@ -128,8 +128,13 @@ def test_the_library_imports_nothing_built_on_it():
                 [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level else []
             assert not any(n.split(".")[0] in ("actors", "serve_app", "cluster") for n in names), \
                 (f.name, names)
+    from powerinfer.errors import ConfigError
     from powerinfer.runtimes import engine_class
     assert engine_class("actors").__name__ == "ActorEngine"  # found through its entry point
+    # one not registered: the error lists those that are and says how one registers
+    with pytest.raises(ConfigError, match=r"runtime 'mpi' is not installed \(installed: actors;"
+                                          r".*pip install -e \."):
+        engine_class("mpi")
 
 
 def test_a_local_ray_start_that_times_out_is_cleaned_up_and_tried_once_more(monkeypatch):
