@@ -161,8 +161,9 @@ class ActorEngine:
     def __init__(self, model: str, config: Config, spin_us: float = SPIN_US):
         # block types the CPU kernel cannot read (K-quants): a converted copy, made once
         ckpt = kernel_ready(load_checkpoint(model, with_weights=False), config)
-        config = config.resolve(has_q4(ckpt.info))  # every actor gets the decided configuration
-        if config.cold_weights == "int4" and not has_q4(ckpt.info):
+        four_bit = has_q4(ckpt.info)
+        config = config.resolve(four_bit)  # every actor gets the decided configuration
+        if config.cold_weights == "int4" and not four_bit:
             raise ModelLoadError(ckpt.path, "cold_weights='int4' needs a GGUF file with Q4_0/Q4_1 "
                                             "projections")
         self.tokenizer = Tokenizer.from_source(ckpt.tokenizer_source)

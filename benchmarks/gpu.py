@@ -102,6 +102,16 @@ def _to(device):
     return move
 
 
+def _linear(weight: torch.Tensor, bias: torch.Tensor | None, device: torch.device,
+            dtype: torch.dtype) -> nn.Linear:
+    """A torch Linear holding weight (out, in) and bias on `device` in `dtype`."""
+    lin = nn.Linear(weight.shape[1], weight.shape[0], bias=bias is not None, device="meta")
+    lin.weight = nn.Parameter(weight.detach().to(device, dtype), requires_grad=False)
+    if bias is not None:
+        lin.bias = nn.Parameter(bias.detach().to(device, dtype), requires_grad=False)
+    return lin
+
+
 def offload_layers(pi: PowerInfer, k: int, device: torch.device, path: Path | None = None) -> PowerInfer:
     """llama.cpp's -ngl k on the in-process engine: blocks [0, k) with their KV cache on
     `device`; embeddings, the other blocks, the final norm and the output head on the host. Each
@@ -122,23 +132,14 @@ def offload_layers(pi: PowerInfer, k: int, device: torch.device, path: Path | No
             if source is None:
                 source = load_checkpoint(str(path), with_weights=False).source
             w = torch.cat([source.get(n, dtype) for n in names])
-            lin = nn.Linear(w.shape[1], w.shape[0], bias=mod.bias is not None, device="meta")
-            lin.weight = nn.Parameter(w, requires_grad=False)
-            if mod.bias is not None:
-                lin.bias = nn.Parameter(mod.bias.detach().to(dtype), requires_grad=False)
-            setattr(owner, attr, lin)
+            setattr(owner, attr, _linear(w, mod.bias, device, dtype))
     for b in model.layers[:k]:
-        # the CPU kernel's bf16 projections (the host's layers keep them) as torch Linears
+        # the CPU kernel's bf16 projections (the host's layers keep them) as torch Linears (an
+        # 8-bit matrix widens to float32: to the model's type here)
         for owner in list(b.modules()):
             for name, child in list(owner.named_children()):
                 if isinstance(child, KernelLinear):
-                    lin = nn.Linear(child.in_features, child.out_features,
-                                    bias=child.bias is not None, device="meta")
-                    dtype = model.norm.weight.dtype  # (an 8-bit matrix widens to float32)
-                    lin.weight = nn.Parameter(child.weight.to(device, dtype), requires_grad=False)
-                    if child.bias is not None:
-                        lin.bias = nn.Parameter(child.bias.to(device, dtype), requires_grad=False)
-                    setattr(owner, name, lin)
+                    setattr(owner, name, _linear(child.weight, child.bias, device, dtype))
         b.to(device)
     # the engine's C++ decode loop holds the host's tensors of every layer: the modules run
     pi.engine.native, pi.engine._decode = None, pi.engine._forward

@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import torch
 
-from .triton_ffn import _check, _multiprocessors, _pow2, triton, tl
+from .triton_ffn import _check, _pow2, multiprocessors, triton, tl
 
 
 if triton is not None:
@@ -150,8 +150,7 @@ def splits_for(S: int, hkv: int, width: int, device: torch.device) -> int:
     """Programs per (sequence, KV head) for a decode step: enough for SPLIT_PER_SM programs on
     each multiprocessor (16 programs in all under the interpreter), each reading at least
     SPLIT_MIN_BLOCKS of the table's `width` blocks; 1 (no split) for short tables."""
-    sms = 8 if device.type != "cuda" else _multiprocessors(
-        torch.cuda.current_device() if device.index is None else device.index)
+    sms = 8 if device.type != "cuda" else multiprocessors(device)
     want = SPLIT_PER_SM * sms // max(S * hkv, 1)
     return max(1, min(want, width // SPLIT_MIN_BLOCKS))
 

@@ -93,10 +93,12 @@ DOWN_PER_SM = 8
 def down_programs(device: torch.device) -> int:
     """Programs the split decode row's down kernel aims for (column slices x neuron groups):
     DOWN_PER_SM a multiprocessor on a GPU, 16 under the interpreter (several groups still)."""
-    if device.type != "cuda":
-        return 16
-    return DOWN_PER_SM * _multiprocessors(torch.cuda.current_device() if device.index is None
-                                          else device.index)
+    return 16 if device.type != "cuda" else DOWN_PER_SM * multiprocessors(device)
+
+
+def multiprocessors(device: torch.device) -> int:
+    """The multiprocessors of a CUDA device (the current one for a device without an index)."""
+    return _multiprocessors(torch.cuda.current_device() if device.index is None else device.index)
 
 
 @functools.cache
