@@ -5,8 +5,8 @@ bandwidth floor of the bytes each actually touches per token.
     .venv/bin/python benchmarks/sparse_cpu.py --model M --bundle B [--model M2 --bundle B2 ...]
         [--tokens 32] [--dtype float32] [--threads N] [--input ffn] [--llama] [--out FILE]
 
-Per model, four configurations decode the same prompt greedily, token by token through the
-model's forward (no sampling), after a warm-up; the median token time is reported: the dense
+Per model, four configurations decode the same prompt greedily, token by token as the engine
+steps (no sampling), after a warm-up; the median token time is reported: the dense
 model; the hybrid FFN (every neuron cold, thresholds from the bundle) with masks from the bundle's
 predictors; the hybrid FFN replaying the oracle's masks recorded on the same tokens (the sparse
 operators at the true sparsity, as with a perfect predictor that costs nothing); and the same
@@ -15,16 +15,19 @@ the CPU kernel replaced (a 4-bit file's sparse model is the engine's own, loaded
 its neuron sets in the file's 4-bit blocks, down rows 8-bit). Sparse decode otherwise runs the CPU kernel (`powerinfer.kernels`),
 which reads each computed neuron's gate/up rows and, when it fires, its down row, in place;
 with predicted masks each layer's predictor and neurons are one kernel call
-(`kernels.predicted_ffn`), and a last row (`op by op`) times the same with the modules' ops one
-at a time (`sparse.FUSED_DECODE` off). Each configuration first decodes once counting what is
-computed (the modules' path), then is timed with nothing counted.
+(`kernels.predicted_ffn`). A decode step runs its layer loop in C++ where the engine's does
+(`native.NativeDecode`: the dense model, and the sparse one with predicted masks, each layer's
+predictor and neurons inside the loop); two last rows time the predicted configuration with the
+layers run by the model's modules (`modules' loop`), and with the modules' ops one at a time
+as well (`op by op`, `sparse.FUSED_DECODE` off). Each configuration first decodes once counting
+what is computed (the modules' path), then is timed with nothing counted.
 Bytes per token: every weight read (attention, norms, lm_head, the predictors, the embedding
 row), the KV cache read at the mean context, and for the FFN the three rows of each neuron
 computed (recorded per step; for predicted masks this counts down rows the kernel skips, so the
 floor is an upper bound there). The floor is those bytes at the read bandwidth measured in the
 same run (a large tensor reduction, best of 5). A second pass of each configuration times the
-FFN modules alone (hooks around each block's FFN, the predictors inside them), the part sparsity
-changes; attention and lm_head stay dense. The FFN's own floor counts the bytes it cannot do
+FFN modules alone (hooks around each block's FFN, the predictors inside them; the modules' loop,
+where hooks see each layer), the part sparsity changes; attention and lm_head stay dense. The FFN's own floor counts the bytes it cannot do
 without: each computed neuron's gate row, the up and down rows of those that fire (the kernel
 skips the others' after the gate; with predicted masks the neurons that fire among those
 computed are the oracle's share times the predictors' recall by count, from the bundle), and
@@ -49,6 +52,7 @@ import torch
 
 from powerinfer import Config, PowerInfer, sparse
 from powerinfer.bundle import Bundle
+from powerinfer.native import NativeDecode
 from powerinfer.predictor import load_predictors, run_dtype
 from powerinfer.solver import neuron_bytes
 from powerinfer.sparse import LayerStats, apply_hybrid_ffn, hybrid_layers
@@ -69,17 +73,20 @@ def read_bandwidth(dtype) -> float:
     return x.numel() * dtype.itemsize / best
 
 
-def decode(model, ids: list[int], n: int) -> tuple[list[float], list[int]]:
-    """Greedy decode n tokens after a prefill; returns per-token seconds and the tokens."""
+def decode(model, ids: list[int], n: int, step=None) -> tuple[list[float], list[int]]:
+    """Greedy decode n tokens after a prefill, each step through `step` (a NativeDecode of the
+    model) or the model's modules; returns per-token seconds and the tokens."""
     times, out = [], []
     model.setup_cache(1, len(ids) + n)  # one sequence in its own blocks (the model alone)
+    step = step or model
     with torch.inference_mode():
         T = len(ids)
         logits = model(torch.tensor([ids]), torch.arange(T)[None], last=torch.tensor([T - 1]))
         tok = int(logits[0, -1].argmax())
+        one = torch.tensor([0])
         for s in range(n):
             t = time.perf_counter()
-            logits = model(torch.tensor([[tok]]), torch.tensor([[T + s]]))
+            logits = step(torch.tensor([[tok]]), torch.tensor([[T + s]]), model.row_tables(1, 1), one)
             tok = int(logits[0, -1].argmax())
             times.append(time.perf_counter() - t)
             out.append(tok)
@@ -143,8 +150,10 @@ def ffn_timer(model) -> tuple[list[float], list]:
     return spent, handles
 
 
-def measure(label: str, pi, ids: list[int], n: int, extra: dict | None = None) -> dict:
-    decode(pi.model, ids, WARMUP)  # warm-up: the first calls after loading run several times slower
+def measure(label: str, pi, ids: list[int], n: int, extra: dict | None = None, native: bool = True) -> dict:
+    # decode steps as the engine's: its layer loop in C++ where the model allows it (native)
+    step = NativeDecode.of(pi.model) if native else None
+    decode(pi.model, ids, WARMUP, step)  # warm-up: the first calls after loading run several times slower
     ffns = hybrid_layers(pi.model)
     stats = [LayerStats() for _ in ffns]
     for f, s in zip(ffns, stats):  # a pass counting what is computed (the modules' path)
@@ -152,7 +161,7 @@ def measure(label: str, pi, ids: list[int], n: int, extra: dict | None = None) -
     decode(pi.model, ids, n)
     for f in ffns:
         f.stats = None
-    times, toks = decode(pi.model, ids, n)  # timed as the engine runs it, with nothing counted
+    times, toks = decode(pi.model, ids, n, step)  # timed as the engine runs it, with nothing counted
     spent, handles = ffn_timer(pi.model)  # a third pass, timing the FFNs alone
     decode(pi.model, ids, n)
     for h in handles:
@@ -177,6 +186,7 @@ def measure(label: str, pi, ids: list[int], n: int, extra: dict | None = None) -
     b.update(extra or {})
     t = statistics.median(times)
     return {"model": pi.checkpoint.path.name, "config": label, "ms_per_token": t * 1e3,
+            "layer_loop": "native" if step is not None else "modules",
             "row_bytes": row_bytes,
             "ffn_ms_per_token": spent[0] / n * 1e3,
             "tok_s": 1 / t, "bytes": b, "bytes_total": sum(b.values()), "ffn_density": density,
@@ -238,9 +248,11 @@ def run_model(name: str, bundle_path: str, args) -> list[dict]:
                          thresholds=bundle.thresholds())
     rows.append(measure(f"sparse, predicted ({args.input} input)", pi, ids, args.tokens,
                         {"predictors": pred_bytes}))
+    modules_loop = measure(f"sparse, predicted ({args.input} input), modules' loop", pi, ids, args.tokens,
+                           {"predictors": pred_bytes}, native=False)
     sparse.FUSED_DECODE = False  # the same, each layer's predictor and neurons op by op
     by_op = measure(f"sparse, predicted ({args.input} input), op by op", pi, ids, args.tokens,
-                    {"predictors": pred_bytes})
+                    {"predictors": pred_bytes}, native=False)
     sparse.FUSED_DECODE = True
     replay = Replay()
     for f in hybrid_layers(pi.model):  # record the oracle's masks on the calls `measure` makes
@@ -258,7 +270,7 @@ def run_model(name: str, bundle_path: str, args) -> list[dict]:
     if args.llama:
         # (the file as given: llama.cpp reads K-quants itself, where ours reads a converted copy)
         rows.append(llama_decode(Path(name), ids, args.tokens, torch.get_num_threads(), rows[0]))
-    rows.append(by_op)  # (last: the rows above are read by position)
+    rows += [modules_loop, by_op]  # (last: the rows above are read by position)
     for r in rows[1:]:
         r["same_tokens_as_dense"] = sum(x == y for x, y in zip(rows[0]["tokens"], r["tokens"]))
     # the FFN's bytes a token cannot do without (see the module docstring), per configuration
@@ -273,7 +285,8 @@ def run_model(name: str, bundle_path: str, args) -> list[dict]:
     rows[3]["ffn_bytes"] = rows[3]["ffn_density"] * n * rows[3]["row_bytes"]
     if args.llama:
         rows[4]["ffn_bytes"] = rows[0]["ffn_bytes"]
-    rows[-1]["ffn_bytes"] = rows[1]["ffn_bytes"]  # (op by op: the predicted row's bytes)
+    for r in rows[-2:]:  # (the modules' loop, op by op: the predicted row's bytes)
+        r["ffn_bytes"] = rows[1]["ffn_bytes"]
     return rows
 
 
@@ -298,15 +311,16 @@ def main():
     print(f"# {datetime.date.today()} {platform.processor() or platform.machine()}, "
           f"{torch.get_num_threads()} threads, torch {torch.__version__}, read bandwidth "
           f"{bw / 1e9:.1f} GB/s, {args.dtype}, {args.tokens} tokens, predictor input {args.input}")
-    print("| model | config | decode tok/s | ms/token | FFN rows computed | MB/token | "
+    print("| model | config | layer loop | decode tok/s | ms/token | FFN rows computed | MB/token | "
           "floor ms | % of floor | vs dense | FFN ms/token | FFN vs dense |")
-    print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    print("|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for r in results:
         base = next(b for b in results if b["model"] == r["model"] and b["config"] == "dense")
         floor = r["bytes_total"] / bw * 1e3
         r["floor_ms"], r["pct_of_floor"] = floor, floor / r["ms_per_token"]
         r["speedup"] = base["ms_per_token"] / r["ms_per_token"]
-        print(f"| {r['model']} | {r['config']} | {r['tok_s']:.1f} | {r['ms_per_token']:.2f} | "
+        print(f"| {r['model']} | {r['config']} | {r.get('layer_loop', '-')} | {r['tok_s']:.1f} | "
+              f"{r['ms_per_token']:.2f} | "
               f"{r['ffn_density']:.1%} | {r['bytes_total'] / 1e6:.1f} | {floor:.2f} | "
               f"{r['pct_of_floor']:.0%} | {r['speedup']:.2f}x | {r['ffn_ms_per_token']:.2f} | "
               f"{base['ffn_ms_per_token'] / r['ffn_ms_per_token']:.2f}x"

@@ -19,8 +19,9 @@ from torch import nn
 
 from . import kernels
 from .model import FFN, KVTables, ModelArgs, Transformer
+from . import sparse
 from .quant import KernelLinear, KQuantLinear, Q4Linear
-from .sparse import BlockSlice, NeuronSet
+from .sparse import BlockSlice, HybridFFN, NeuronSet
 
 
 def runs(m) -> list[tuple[torch.Tensor, int, int]] | None:
@@ -70,6 +71,23 @@ def ffn_entry(s: nn.Module, threshold: float = 0.0) -> tuple | None:
     return None
 
 
+def predicted_entry(f: HybridFFN) -> tuple | None:
+    """A sparse layer's neurons with their predictor as `hot_layers` takes them in process (the
+    decode step `HybridFFN` runs in one `kernels.predicted_ffn` call): (its `ffn_entry` of kind
+    3, the records with the predictor's first matrix; the predictor's second; the neurons'
+    threshold; the predictor's rule threshold; whether it reads the layer's input); None where
+    the layer's step is not that call (see `HybridFFN.predicted_records`) or has a bias."""
+    found = f.predicted_records()
+    if found is None or f.down_b is not None:
+        return None
+    s, preds, fmt = found
+    if s.bias32 is not None or not kernels.usable(s.records):
+        return None
+    fc1, fc2 = (kernels._as_rows(m[f.layer], fmt) for m in (preds.fc1, preds.fc2))
+    entry = (s.records, fc1, 3, kernels.FORMATS.index(s.fmt), kernels.FORMATS.index(fmt), 0)
+    return entry, fc2, f.threshold, float(preds.threshold), f.predictor_input == "layer"
+
+
 def attention_entry(m: nn.Module) -> tuple | None:
     """A layer's heads (an `Attention`, or a share of its heads) as the native loops take them:
     (qkv, its format, rows, a second run of q/k/v rows or none, wo, its format, k cache, v
@@ -105,6 +123,11 @@ class NativeDecode:
 
     def __init__(self, model: Transformer, exchange: tuple, layers: tuple):
         self.model, self.args = model, (*exchange, *layers)
+        # the sparse layers whose neurons and predictor the loop runs (kind 3), with what it took
+        # of each: a step leaves them to the modules once one of those changes (another mask
+        # source, neuron sets or threshold), or while one records `stats`, or with
+        # sparse.FUSED_DECODE off (the modules' ops one at a time), or past the kernel's rows
+        self.sparse = [(b.ffn, _parts(b.ffn)) for b, k in zip(model.layers, layers[5]) if k == 3]
         # whether a prompt's step runs here too: every layer's neurons and heads in 16-row group
         # layouts, whose GEMVs the Python modules run for any number of rows as well (the C++
         # check: prompt_rows_ffn, prompt_rows_attention)
@@ -118,9 +141,12 @@ class NativeDecode:
         """The in-process engine's: a whole model on the CPU whose every layer `hot_layers` runs
         (its full attention, a dense FFN of 16-row groups), else None."""
         a, dtype = model.args, model.norm.weight.dtype
-        if model.norm.weight.device.type != "cpu" or not uniform_llama(a, dtype):
+        if model.norm.weight.device.type != "cpu" or not uniform_llama(a, dtype) or \
+                getattr(model, "rope_cos", None) is None or model.rope_cos.dtype != torch.float32:
             return None
-        layers = layer_args(a, dtype, [(b.attn_norm, b.ffn_norm, b.ffn, 0.0, b.attn) for b in model.layers],
+        # a sparse layer (`HybridFFN`) holds its FFN norm, the block an identity in its place
+        layers = layer_args(a, dtype, [(b.attn_norm, b.ffn.norm if isinstance(b.ffn, HybridFFN) else b.ffn_norm,
+                                        b.ffn, 0.0, b.attn) for b in model.layers],
                             model.layers[0].attn.n_heads, model.rope_cos, model.rope_sin)
         exchange = (0, 0, [], [], 0.0, [0, 0, 0])  # no channels, no executors
         return None if layers is None else cls(model, exchange, layers)
@@ -129,6 +155,8 @@ class NativeDecode:
         # tokens (B, 1): a decode step; (1, N): a prompt step (its chunks and decode rows, as the
         # modules take it), where `prompts` allows one; last: the sampled rows of the N
         m, (B, T) = self.model, tokens.shape
+        if self.sparse and not self._sparse_ok(B * T):
+            return m(tokens, pos, kv, last)
         h = m.tok_embeddings(tokens)
         if m.args.embed_scale:
             h = h * torch.tensor(m.args.embed_scale, dtype=h.dtype)
@@ -138,22 +166,44 @@ class NativeDecode:
             return h.new_zeros(0, 1, m.args.vocab_size, dtype=torch.float32)
         return m.output(m.norm(h)).float()
 
+    def _sparse_ok(self, rows: int) -> bool:
+        return sparse.FUSED_DECODE and rows <= kernels.MAX_ROWS and all(
+            f.stats is None and all(a is b for a, b in zip(_parts(f), parts)) for f, parts in self.sparse)
+
+
+def _parts(f: HybridFFN) -> tuple:
+    """What a sparse layer's step in the native loop took from its module (compared by identity)."""
+    return f.masks, f.hot, f.cold, f.threshold, f.predictor_input, f.down_b
+
 
 def layer_args(a: ModelArgs, dtype: torch.dtype, layers, n_heads: int, cos, sin) -> tuple | None:
     """`hot_layers`' arguments after its channels (the activation, norms and eps, the entries'
-    columns, the heads, RoPE tables, window and scale) from each layer's (attention norm, FFN
-    norm, the neurons this process computes or None for none, their threshold, its heads); None
-    where a layer has a part the loop cannot run."""
-    norms, ffn, attn = [], [], []
+    columns, the heads, RoPE tables, window and scale, the predictors' (see `predicted_entry`))
+    from each layer's (attention norm, FFN norm, the neurons this process computes or None for
+    none, their threshold, its heads); None where a layer has a part the loop cannot run. The
+    neurons may be a `HybridFFN` (in process): its neurons with their predictor."""
+    norms, ffn, attn, fc2, thresholds, rules = [], [], [], [], [], set()
     for attn_norm, ffn_norm, neurons, threshold, heads in layers:
         pair = [rms_weight(attn_norm, dtype), rms_weight(ffn_norm, dtype)]
-        f = NO_FFN if neurons is None else ffn_entry(neurons, threshold)
+        second, t = _EMPTY, 0.0
+        if isinstance(neurons, HybridFFN):
+            p = predicted_entry(neurons)
+            f = None if p is None else p[0]
+            if p is not None:
+                second, t = p[1], p[2]
+                rules.add(p[3:])
+        else:
+            f = NO_FFN if neurons is None else ffn_entry(neurons, threshold)
         h = attention_entry(heads)
-        if None in pair or f is None or h is None:
+        if None in pair or f is None or h is None or len(rules) > 1:
             return None
         norms += pair
         ffn.append(f)
         attn.append(h)
+        fc2.append(second)
+        thresholds.append(t)
     cols = lambda rows, j: [r[j] for r in rows]  # noqa: E731
+    rule = rules.pop() if rules else (0.0, False)  # (one predictor for every layer)
     return (kernels.ACTS.index(a.ffn_act), norms, a.norm_eps, *(cols(ffn, j) for j in range(6)),
-            *(cols(attn, j) for j in range(10)), n_heads, cos, sin, a.sliding_window, a.scale)
+            *(cols(attn, j) for j in range(10)), n_heads, cos, sin, a.sliding_window, a.scale,
+            fc2, thresholds, *rule)

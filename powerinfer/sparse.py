@@ -313,7 +313,7 @@ class HybridFFN(nn.Module):
         from a `Predictors` the kernel's GEMV runs; None elsewhere (and while `stats` records)."""
         parts = (self.masks, self.hot, self.cold)  # found again whenever one of these changes
         if self._fused is None or any(a is not b for a, b in zip(self._fused[0], parts)):
-            self._fused = (parts, self._fusable())
+            self._fused = (parts, self.predicted_records())
         B = x.shape[0] * x.shape[1]
         if not FUSED_DECODE or self._fused[1] is None or self.stats is not None or B > kernels.MAX_ROWS or \
                 x.dtype not in (torch.float32, torch.bfloat16):
@@ -327,7 +327,10 @@ class HybridFFN(nn.Module):
                                   s.fmt)
         return y.to(x.dtype).view(*x.shape[:2], -1)
 
-    def _fusable(self):
+    def predicted_records(self):
+        """(the neuron set, its `Predictors`, their kernel format) where a decode step can run
+        as one `kernels.predicted_ffn` call (one set of kernel records in the layer's order, masks
+        from a `Predictors` on the kernel's GEMV), else None."""
         from .predictor import Predictors
         preds = getattr(self.masks, "__self__", None)
         if not isinstance(preds, Predictors) or getattr(self.masks, "__func__", None) is not Predictors.active:

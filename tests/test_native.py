@@ -100,3 +100,90 @@ def test_models_it_cannot_run_keep_their_modules():
                                     config=Config(dtype="float32", weights="dense", max_seq_len=64))
     assert pi.engine.native is None
     assert "Paris" in pi.generate("The capital of France is", max_new_tokens=8, temperature=0)
+
+
+def sparse_model(dtype: torch.dtype, source: str, threshold: float):
+    """A small LLaMA-shaped model made sparse: each FFN a HybridFFN over one set of kernel records
+    with a `Predictors` on the kernel's GEMV (what the in-process sparse engine holds on a CPU),
+    its attention's projections kernel-library matrices; and the predictors."""
+    from test_sparse import random_model
+
+    from powerinfer.predictor import Predictors, run_dtype
+    from powerinfer.quant import KernelLinear
+    from powerinfer.sparse import apply_hybrid_ffn
+    g = torch.Generator().manual_seed(5)
+    pdt = run_dtype(dtype)
+    preds = Predictors([(torch.randn(32, 64, generator=g) / 8).to(pdt) for _ in range(3)],
+                       [torch.randn(256, 32, generator=g).to(pdt) for _ in range(3)], source,
+                       threshold=0.5)
+    m = random_model("reglu").to(dtype)
+    m.rows = None
+    m.setup_cache(2, 64)  # again: the cache in the model's type, the RoPE tables in float32
+    apply_hybrid_ffn(m, preds.active, predictor_input=source, thresholds=[threshold] * 3)
+    fmt = {torch.float32: "f32", torch.bfloat16: "bf16"}[dtype]
+    for b in m.layers:
+        b.attn.wqkv = KernelLinear(b.attn.wqkv.weight.detach(), None, fmt)
+        b.attn.wo = KernelLinear(b.attn.wo.weight.detach(), None, fmt)
+    return m, preds
+
+
+@pytest.mark.parametrize("dtype,source,threshold", [(torch.float32, "ffn", 0.0),
+                                                    (torch.bfloat16, "layer", 0.05)])
+def test_sparse_decode_natively_equals_the_modules(monkeypatch, dtype, source, threshold):
+    # the in-process sparse engine's decode step: each layer's predictor, rule and neurons run in
+    # the native loop (no Python between layers) and give the modules' logits and cache, for one
+    # sequence and for two (each keeping its own predicted neurons); the loop leaves a step to
+    # the modules while a layer records stats, with sparse.FUSED_DECODE off, and once a layer's
+    # mask source changes
+    from powerinfer import sparse
+    from powerinfer.sparse import LayerStats
+    m, preds = sparse_model(dtype, source, threshold)
+    native = NativeDecode.of(m)
+    assert native is not None and len(native.sparse) == 3 and not native.prompts
+    calls = []  # the modules' one-call path, counted
+    real = kernels.predicted_ffn
+    monkeypatch.setattr(kernels, "predicted_ffn", lambda *a: calls.append(a[0].shape[0]) or real(*a))
+    tol = 1e-5 if dtype == torch.float32 else 2**-7
+
+    def step(B: int, s: int, run):
+        tokens = torch.tensor([[(7 * s + 3 * b + 1) % 300] for b in range(B)])
+        return run(tokens, torch.full((B, 1), 4 + s), m.row_tables(B, 1), torch.arange(B))
+
+    with torch.inference_mode():
+        for B in (1, 2):
+            m(torch.tensor([[1, 5, 9, 13]] * B), torch.arange(4).expand(B, 4))  # the prompts
+            for s in range(4):
+                caches = [(b.attn.kv_cache.k.clone(), b.attn.kv_cache.v.clone()) for b in m.layers]
+                calls.clear()
+                want = step(B, s, m)
+                assert calls == [B] * 3  # the modules: one kernel call a layer
+                written = [(b.attn.kv_cache.k.clone(), b.attn.kv_cache.v.clone()) for b in m.layers]
+                for b, (k, v) in zip(m.layers, caches):
+                    b.attn.kv_cache.k.copy_(k)
+                    b.attn.kv_cache.v.copy_(v)
+                calls.clear()
+                got = step(B, s, native)
+                assert calls == []  # the loop in C++ took every layer
+                assert got.shape == want.shape == (B, 1, 300)
+                assert (got - want).abs().max() <= tol * want.abs().max()
+                assert torch.equal(got.argmax(-1), want.argmax(-1))
+                for b, (k, v) in zip(m.layers, written):
+                    assert torch.equal(b.attn.kv_cache.k, k) and torch.equal(b.attn.kv_cache.v, v)
+        # the predictor's picks are neither none nor all of a layer's neurons
+        share = float(preds.active(0, torch.randn(8, 64).to(dtype)).float().mean())
+        assert 0.05 < share < 0.95
+        # left to the modules: while a layer records what it computes ...
+        m.layers[1].ffn.stats = LayerStats()
+        calls.clear()
+        step(1, 0, native)
+        assert calls == [1, 1] and m.layers[1].ffn.stats.computed > 0  # (that layer op by op)
+        m.layers[1].ffn.stats = None
+        # ... with the one-call path off, and once a layer's masks are another source's
+        monkeypatch.setattr(sparse, "FUSED_DECODE", False)
+        calls.clear()
+        step(1, 0, native)
+        assert calls == []
+        monkeypatch.setattr(sparse, "FUSED_DECODE", True)
+        m.layers[2].ffn.masks = lambda i, x: torch.ones(*x.shape[:-1], 256, dtype=torch.bool)
+        step(1, 0, native)
+        assert calls == [1, 1]

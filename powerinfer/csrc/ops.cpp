@@ -709,9 +709,11 @@ static at::Tensor project(const Kernels& k, const at::Tensor& x, const at::Tenso
 // where the caller answers that layer's messages itself, or holds no neurons of it).
 struct ColdLayers {
   at::TensorList ffn_w1, ffn_w2;  // block slice: gate+up rows, down columns (16-row groups); records: w1
-  at::IntArrayRef ffn_kind;       // 0 none, 1 block slice (ffn_n: its gate+up rows), 2 neuron records
+  at::IntArrayRef ffn_kind;       // 0 none, 1 block slice (ffn_n: its gate+up rows), 2 neuron records,
+                                  // 3 neuron records with their predictor (w2: its fc1; see Predicted)
   at::IntArrayRef ffn_n;          // (records: their format)
-  at::IntArrayRef ffn_down_fmt;   // block slice: its down's, < 0 16-row groups (see project) or a kernel format
+  at::IntArrayRef ffn_down_fmt;   // block slice: its down's, < 0 16-row groups (see project) or a kernel
+                                  // format; kind 3: the predictor's format
   at::IntArrayRef ffn_w1_fmt;     // block slice: its gate+up's, < 0 16-row groups (see project)
   at::TensorList qkv, wo, k_cache, v_cache;  // its heads: projections, paged pools (see paged_attention)
   at::IntArrayRef qkv_fmt, qkv_n, wo_fmt;    // < 0: 16-row groups (see project), else a kernel format
@@ -737,10 +739,28 @@ static ColdLayers per_layer(at::TensorList ffn_w1, at::TensorList ffn_w2, at::In
                     qkv_fmt, qkv_n, wo_fmt, qkv2, qkv2_fmt, qkv2_n};
 }
 
-// A layer's decode step of its block slice or neuron records: (rows, dim) -> (rows, dim) f32
-static at::Tensor ffn_step(const Kernels& k, const ColdLayers& L, int64_t layer, const at::Tensor& x, int64_t act) {
+// A layer's predictor beside its neuron records (ffn kind 3, `hot_layers` in process only): its
+// second matrix (its first is the layer's ffn_w2), the neurons' firing threshold, and the
+// predictor's rule and input, as `predicted_ffn` takes them.
+struct Predicted {
+  at::TensorList fc2;
+  at::ArrayRef<double> threshold;  // each layer's neurons' (HybridFFN.threshold)
+  double pred_threshold;           // a logit at least this picks a neuron
+  bool layer_input;                // the predictor reads the layer's input, else the FFN's residual
+};
+
+// A layer's decode step of its block slice or neuron records: (rows, dim) -> (rows, dim) f32;
+// for predicted records (kind 3) p is the predictor's input rows
+static at::Tensor ffn_step(const Kernels& k, const ColdLayers& L, int64_t layer, const at::Tensor& x, int64_t act,
+                           const Predicted* pred = nullptr, const at::Tensor* p = nullptr) {
   const bool bf16 = x.scalar_type() == at::kBFloat16;
   const int64_t rows = x.size(0), dim = x.size(1);
+  if (L.ffn_kind[layer] == 3) {  // records (w1) and the predictor (w2 its fc1) in one call
+    TORCH_CHECK(pred && p, "predicted neurons need their predictor");
+    return predicted_ffn(x, *p, L.ffn_w2[layer], pred->fc2[layer], L.ffn_down_fmt[layer], pred->pred_threshold,
+                         L.ffn_w1[layer], std::nullopt, pred->threshold[layer], act, L.ffn_n[layer])
+        .to(at::kFloat);
+  }
   if (L.ffn_kind[layer] == 2) {  // every neuron of the records, through the neuron kernel
     at::Tensor all = at::ones({L.ffn_w1[layer].size(0)}, x.options().dtype(at::kBool));
     return neuron_ffn(x, L.ffn_w1[layer], all, std::nullopt, std::nullopt, 0.0, act, L.ffn_n[layer]).to(at::kFloat);
@@ -838,6 +858,7 @@ static std::vector<int64_t> cold_serve(at::Tensor& state, int64_t x_base, int64_
                                  qkv2, qkv2_fmt, qkv2_n, wo, wo_fmt, k_cache, v_cache);
   const size_t n_layers = ffn_kind.size();
   TORCH_CHECK(ops.size() == 4 && dim % 32 == 0, "ops: (decode, head, attention, prefill); dim a multiple of 32");
+  for (int64_t kind : ffn_kind) TORCH_CHECK(kind >= 0 && kind <= 2, "a cold executor's neurons are of kind 0-2");
   auto* xh = reinterpret_cast<ChannelHeader*>(x_base);
   char* xp = reinterpret_cast<char*>(x_base) + CH_HEADER;
   char* pp = reinterpret_cast<char*>(part_base) + CH_HEADER;
@@ -908,7 +929,9 @@ static void join_parts(at::Tensor& h, at::Tensor& y, at::IntArrayRef part_bases,
 // plane's op codes (decode, attention, prefill). `prompt`: the rows are a prompt step's tokens
 // (chunks and decode rows, `starts` telling the sequences apart), sent to the cold executors as
 // the Python modules send a prompt's; every layer's own entries in whole-row layouts
-// (prompt_rows_ffn, prompt_rows_attention).
+// (prompt_rows_ffn, prompt_rows_attention). In process, a layer's neurons may be records with
+// their predictor (ffn kind 3: the sparse engine's decode step, `predicted_ffn`; pred_fc2,
+// ffn_threshold: per layer, empty where there are none), at most 64 rows.
 static at::Tensor hot_layers(const at::Tensor& h_in, const at::Tensor& pos, const at::Tensor& starts,
                              const at::Tensor& tables, int64_t x_base, int64_t x_capacity, at::IntArrayRef part_bases,
                              at::TensorList part_states, double spin_us, at::IntArrayRef ops, int64_t act,
@@ -919,7 +942,9 @@ static at::Tensor hot_layers(const at::Tensor& h_in, const at::Tensor& pos, cons
                              at::IntArrayRef qkv2_n, at::TensorList wo, at::IntArrayRef wo_fmt,
                              at::TensorList k_cache, at::TensorList v_cache, int64_t n_heads,
                              const std::optional<at::Tensor>& cos, const std::optional<at::Tensor>& sin,
-                             int64_t window, double scale, bool prompt) {
+                             int64_t window, double scale, at::TensorList pred_fc2,
+                             at::ArrayRef<double> ffn_threshold, double pred_threshold, bool pred_layer_input,
+                             bool prompt) {
   const Kernels& k = active();
   const ColdLayers L = per_layer(ffn_w1, ffn_w2, ffn_kind, ffn_n, ffn_down_fmt, ffn_w1_fmt, qkv, qkv_fmt, qkv_n,
                                  qkv2, qkv2_fmt, qkv2_n, wo, wo_fmt, k_cache, v_cache);
@@ -931,6 +956,16 @@ static at::Tensor hot_layers(const at::Tensor& h_in, const at::Tensor& pos, cons
       TORCH_CHECK((!ffn_kind[l] || prompt_rows_ffn(L, l)) && (!qkv[l].numel() || prompt_rows_attention(L, l)),
                   "layer ", l, ": a prompt's rows need 16-row group layouts");
   TORCH_CHECK(part_bases.size() == part_states.size(), "a state for each part channel");
+  bool predicted = false;  // a layer of neurons with their predictor (kind 3): in process only
+  for (size_t l = 0; l < n_layers; l++) {
+    TORCH_CHECK(ffn_kind[l] >= 0 && ffn_kind[l] <= 3, "layer ", l, ": no FFN kind ", ffn_kind[l]);
+    predicted = predicted || ffn_kind[l] == 3;
+  }
+  TORCH_CHECK(!predicted || (part_bases.empty() && pred_fc2.size() == n_layers && ffn_threshold.size() == n_layers &&
+                             h_in.size(0) <= 64),
+              "predicted neurons: in process, with a second predictor matrix and a threshold per layer, "
+              "at most 64 rows");
+  const Predicted pred{pred_fc2, ffn_threshold, pred_threshold, pred_layer_input};
   for (const at::Tensor& st : part_states)
     TORCH_CHECK(st.scalar_type() == at::kLong && st.numel() == 2 && st.is_contiguous(), "states: int64 (2,)");
   TORCH_CHECK(h_in.dim() == 2 && (h_in.scalar_type() == at::kFloat || h_in.scalar_type() == at::kBFloat16),
@@ -946,13 +981,17 @@ static at::Tensor hot_layers(const at::Tensor& h_in, const at::Tensor& pos, cons
   auto sent = [&](const at::Tensor& x) { return prompt ? x.view({1, rows, dim}) : x; };
   for (size_t l = 0; l < n_layers; l++) {
     const int64_t layer = (int64_t)l;
+    // the predictor's input: the layer's, as it was before the attention's sum, or (h itself,
+    // which that sum updates in place) the residual entering the FFN
+    const at::Tensor layer_in = ffn_kind[l] == 3 && pred_layer_input ? h.clone() : h;
     at::Tensor x = rms_norm(h, norms[2 * l], eps);
     if (exchange) send_message({sent(x), pos, starts, tables}, x_base, x_capacity, ops[1], layer, attn_words);
     at::Tensor y = attention_step(k, L, layer, x, pos, starts, tables, n_heads, cos, sin, window, scale);
     join_parts(h, y, part_bases, part_states, spin_us);
     x = rms_norm(h, norms[2 * l + 1], eps);
     if (exchange) send_message({sent(x)}, x_base, x_capacity, prompt ? ops[2] : ops[0], layer, none);
-    y = ffn_kind[l] ? ffn_step(k, L, layer, x, act).contiguous() : at::zeros(x.sizes(), x.options().dtype(at::kFloat));
+    y = ffn_kind[l] ? ffn_step(k, L, layer, x, act, &pred, &layer_in).contiguous()
+                    : at::zeros(x.sizes(), x.options().dtype(at::kFloat));
     join_parts(h, y, part_bases, part_states, spin_us);
   }
   return h;
@@ -983,7 +1022,8 @@ TORCH_LIBRARY(powerinfer, m) {
         "Tensor[] ffn_w1, Tensor[] ffn_w2, int[] ffn_kind, int[] ffn_n, int[] ffn_down_fmt, int[] ffn_w1_fmt, "
         "Tensor[] qkv, int[] qkv_fmt, int[] qkv_n, Tensor[] qkv2, int[] qkv2_fmt, int[] qkv2_n, Tensor[] wo, "
         "int[] wo_fmt, Tensor[] k_cache, Tensor[] v_cache, int n_heads, Tensor? cos, Tensor? sin, int window, "
-        "float scale, bool prompt=False) -> Tensor");
+        "float scale, Tensor[] pred_fc2, float[] ffn_threshold, float pred_threshold, bool pred_layer_input, "
+        "bool prompt=False) -> Tensor");
   m.def("isa", &powerinfer::isa);
   m.def("use_isa", &powerinfer::use_isa);
 }
