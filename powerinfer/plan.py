@@ -92,9 +92,13 @@ class SparsePlan:
             return [ranked[lo:hi] for lo, hi in zip(cuts, cuts[1:] + [len(ranked)])]
         return [ranked[k::n].sort().values for k in range(n)]
 
-    def apply(self, model: Transformer, hot_share: float = 0.0, fmt: str | None = "auto") -> Transformer:
+    def apply(self, model: Transformer, fmt: str | None = "auto") -> Transformer:
         """The in-process sparse engine: swap every FFN for a HybridFFN under this plan, its
-        neuron sets in kernel format `fmt` (see `apply_hybrid_ffn`)."""
+        neuron sets in kernel format `fmt` (see `apply_hybrid_ffn`). Every neuron of a layer is
+        in one set: in one process they all sit where the model does, so a placement (which
+        splits them between a GPU and the host in the actor runtime) would only split a decode
+        step's kernel call in two, and keep it from the one-call step and the native layer loop
+        (SmolLM2 with a solved placement: 1.47x the decode speed in one set)."""
         if self.predictor_input is not None:
             from .predictor import run_dtype
             w = model.norm.weight
@@ -103,9 +107,7 @@ class SparsePlan:
         else:
             masks = lambda i, x: torch.ones(*x.shape[:-1], self.ffn_dim, dtype=torch.bool,  # noqa: E731
                                             device=x.device)
-        hot = [self.hot_mask(i, hot_share) for i in range(self.n_layers)]
-        return apply_hybrid_ffn(model, masks, hot, self.predictor_input or "ffn", self.thresholds,
-                                fmt)
+        return apply_hybrid_ffn(model, masks, None, self.predictor_input or "ffn", self.thresholds, fmt)
 
 
 def check_quality(b: Bundle, predictor: str, max_ppl_increase: float) -> str | None:
