@@ -847,10 +847,11 @@ inline void gemv_fmt(const uint8_t* w, const FFNArgs& a, int64_t n, int64_t begi
 
 #if defined(__AVX512BF16__)
 // bf16 rows times one input row (decode): four rows at a time, each input block loaded once for
-// the four and the next four rows prefetched into L2 over the pass. Four streams in flight read
-// 1.11-1.19x faster than a row at a time (12,288 x 4,096 matrices, 2 threads, alternated in one
-// process); the sums are the same as gemv_fmt's, in the same order (blocks alternate between two
-// accumulators). dim a multiple of 64.
+// the four; the sums are the same as gemv_fmt's, in the same order (blocks alternate between two
+// accumulators). dim a multiple of 64. The next four rows were once prefetched into L2 over the
+// pass (1.11-1.19x a row at a time, 12,288 x 4,096 matrices, 2 threads); on the same kind of VM
+// later, with its memory reading faster, that prefetch cost 13-19% (benchmarks/gemv.py, the two
+// builds alternated), and the hardware's own prefetchers keep four streams fed.
 inline void gemv_bf16_x4(const uint8_t* w, const FFNArgs& a, int64_t n, int64_t begin, int64_t end, float* y) {
   const int64_t rb = a.dim * 2, nb = a.dim / 32;
   int64_t i = begin;
@@ -858,16 +859,11 @@ inline void gemv_bf16_x4(const uint8_t* w, const FFNArgs& a, int64_t n, int64_t 
     __m512 acc[4][2];
     for (int r = 0; r < 4; r++) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
     const uint8_t* rows = w + i * rb;
-    const uint8_t* pf = i + 8 <= end ? rows + 4 * rb : nullptr;
     for (int64_t b = 0; b < nb; b += 2) {
       const __m512bh x0 = (__m512bh)_mm512_loadu_si512((const void*)(a.xb + 32 * b));
       const __m512bh x1 = (__m512bh)_mm512_loadu_si512((const void*)(a.xb + 32 * b + 32));
       for (int r = 0; r < 4; r++) {
         const uint8_t* p = rows + r * rb + 64 * b;
-        if (pf) {
-          prefetch_l2(pf + r * rb + 64 * b);
-          prefetch_l2(pf + r * rb + 64 * b + 64);
-        }
         acc[r][0] = _mm512_dpbf16_ps(acc[r][0], (__m512bh)_mm512_loadu_si512((const void*)p), x0);
         acc[r][1] = _mm512_dpbf16_ps(acc[r][1], (__m512bh)_mm512_loadu_si512((const void*)(p + 64)), x1);
       }
