@@ -17,9 +17,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from . import kernels
+from . import kernels, sparse
 from .model import FFN, KVTables, ModelArgs, Transformer
-from . import sparse
 from .quant import KernelLinear, KQuantLinear, Q4Linear
 from .sparse import BlockSlice, HybridFFN, NeuronSet
 

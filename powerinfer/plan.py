@@ -98,7 +98,7 @@ class SparsePlan:
         in one set: in one process they all sit where the model does, so a placement (which
         splits them between a GPU and the host in the actor runtime) would only split a decode
         step's kernel call in two, and keep it from the one-call step and the native layer loop
-        (SmolLM2 with a solved placement: 1.47x the decode speed in one set)."""
+        (SmolLM2 with a solved placement: 1.33-1.60x the decode speed, BENCHMARKS.md)."""
         if self.predictor_input is not None:
             from .predictor import run_dtype
             w = model.norm.weight
