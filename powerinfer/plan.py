@@ -52,6 +52,7 @@ class SparsePlan:
         predictor = b.predictor_input(predictor)
         b.require(f"predictors.{predictor}", "train-predictors")
         check_quality(b, predictor, max_ppl_increase)
+        check_share(b, predictor)
         th = [float(t) for t in b.thresholds()]
         hot = b.placement() if b.has("placement") else None
         mass = b.stats()[1] if b.has("stats") else None
@@ -108,6 +109,31 @@ class SparsePlan:
             masks = lambda i, x: torch.ones(*x.shape[:-1], self.ffn_dim, dtype=torch.bool,  # noqa: E731
                                             device=x.device)
         return apply_hybrid_ffn(model, masks, None, self.predictor_input or "ffn", self.thresholds, fmt)
+
+
+# the share of a layer's neurons a bundle's predictors pick, on average, above which loading
+# warns: a sparse step computing more than half its FFN's neurons, plus its predictor, saves less
+# than half the FFN's reads, and on a narrow FFN the neuron kernel costs more per neuron than the
+# dense GEMVs (SmolLM2: its predictors pick about 80%, and it decodes at 0.52-0.63x dense)
+MOSTLY_DENSE = 0.5
+
+
+def check_share(b: Bundle, predictor: str) -> str | None:
+    """Warn (one line, logger "powerinfer") when the bundle's predictors pick more than
+    MOSTLY_DENSE of a layer's neurons on average (their training record's active share, on
+    held-out calibration tokens); returns the line."""
+    import logging
+
+    rows = b.load_json(f"predictors.{predictor}.json")
+    shares = [r["active_share"] for r in rows if "active_share" in r]
+    if not shares or (share := sum(shares) / len(shares)) <= MOSTLY_DENSE:
+        return None
+    line = (f"sparsity bundle {b.path}: its {predictor}-input predictors pick {share:.0%} of the FFN "
+            f"neurons on average, so a sparse decode step computes most of them and gains little; "
+            f"on a narrow FFN it is slower than the dense model (`benchmarks/sparse_layer.py` "
+            f"takes a layer's step apart): compare with a load without the bundle")
+    logging.getLogger("powerinfer").warning(line)
+    return line
 
 
 def check_quality(b: Bundle, predictor: str, max_ppl_increase: float) -> str | None:

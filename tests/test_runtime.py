@@ -623,3 +623,27 @@ def test_a_bundle_that_costs_quality_warns_at_load(bundle, tmp_path, caplog):
     line = check_quality(b, "layer", max(delta - 0.001, 0))
     assert line and f"{delta:+.1%}" in line and "--tokens" in line
     assert check_quality(b, "layer", delta + 0.001) is None
+
+
+def test_a_bundle_whose_predictors_pick_most_neurons_warns_at_load(bundle, tmp_path, caplog):
+    # SmolLM2's predictors pick most of a layer's neurons (its FFN is narrow and SwiGLU with
+    # calibrated thresholds): loading says so, with the share from their training record; a
+    # bundle whose predictors pick few does not warn
+    import json
+    import logging
+    import shutil
+
+    from powerinfer.bundle import Bundle
+    from powerinfer.plan import MOSTLY_DENSE, check_share
+
+    b = Bundle.open(shutil.copytree(bundle, tmp_path / "bundle"))
+    rows = b.load_json("predictors.ffn.json")
+    share = sum(r["active_share"] for r in rows) / len(rows)
+    assert share > MOSTLY_DENSE
+    with caplog.at_level(logging.WARNING, logger="powerinfer"):
+        PowerInfer.from_pretrained(MODEL, Config(bundle=str(b.path), predictor="ffn", **BASE))
+    assert f"pick {share:.0%} of the FFN neurons" in caplog.text and "without the bundle" in caplog.text
+    for r in rows:
+        r["active_share"] = 0.1
+    (b.path / "predictors.ffn.json").write_text(json.dumps(rows))
+    assert check_share(b, "ffn") is None
