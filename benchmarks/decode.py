@@ -5,7 +5,8 @@
         [--threads N] [--configs fp32 bf16 bf16+int4 ... bf16+int4+compile] [--skip-llama]
         [--turns N] [--out FILE]
 
-Ours, per config: prefill tok/s is the timed forward over the prompt (median over runs); decode
+Ours, per config: prefill tok/s is the timed forward over the whole prompt (median over runs; the prefix
+cache off, so no run reuses the one before); decode
 tok/s is what a user sees through `Engine.run` with greedy sampling and ignore_eos (sampling,
 detokenizing, Python bookkeeping included), and "step" is the model call alone, timed inside the
 same runs. The first run of each config is a warm-up (torch.compile happens there), reported apart.
@@ -153,8 +154,11 @@ def bench_llama(model: str, ids: list[int], n: int, threads: int, runs: int) -> 
 # ---------------------------------------------------------------- ours
 def load(name: str, threads: int, model: str) -> PowerInfer:
     dtype, *flags = name.split("+")
+    # no prefix cache: each run prefills the same prompt, and a cached prefix would leave the
+    # timed prefill a block's worth of tokens (what a new user's prompt costs is the whole of it)
     config = Config(dtype=dtype, cpu_threads=threads, compile="compile" in flags,
-                    weights="int4" if "int4" in flags else "dense", max_batch=1, max_seq_len=2048)
+                    weights="int4" if "int4" in flags else "dense", max_batch=1, max_seq_len=2048,
+                    prefix_cache=False)
     return PowerInfer.from_pretrained(model, config=config)
 
 
