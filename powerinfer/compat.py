@@ -149,7 +149,9 @@ def ray_init(runtime_env: dict | None = None, resources: dict | None = None):
     raylet and workers listen on every interface whatever `--node-ip-address` says, and without
     a token anyone who reaches this machine's address can run code in the cluster. Ray writes
     the token to ~/.ray/auth_token, readable by this user only. A cluster this process joins keeps
-    its own setting."""
+    its own setting. Without RAY_ADDRESS it is a new instance even where a `ray start` cluster is
+    recorded on the machine (/tmp/ray/ray_current_cluster), which `ray.init()` with no address
+    would join: perhaps one started without authentication, or another user's."""
     import os
 
     import ray
@@ -162,8 +164,10 @@ def ray_init(runtime_env: dict | None = None, resources: dict | None = None):
         from ray._raylet import Config
         Config.initialize("")
     kw = {}
-    if not os.environ.get("RAY_ADDRESS") and resources:  # custom resources of a local instance
-        kw["resources"] = resources
+    if not os.environ.get("RAY_ADDRESS"):
+        kw["address"] = "local"  # this process's own instance, not a cluster found on the machine
+        if resources:  # custom resources of a local instance
+            kw["resources"] = resources
     for attempt in (1, 2):
         before = _descendants()
         try:
