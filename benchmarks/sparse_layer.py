@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import time
+from dataclasses import replace
 
 import torch
 
@@ -55,8 +56,7 @@ def main():
     args = ap.parse_args()
     base = Config(max_batch=1, max_seq_len=256)
     dense = PowerInfer.from_pretrained(args.model, base)
-    sp = PowerInfer.from_pretrained(args.model, Config(max_batch=1, max_seq_len=256, bundle=args.bundle,
-                                                       predictor=args.predictor))
+    sp = PowerInfer.from_pretrained(args.model, replace(base, bundle=args.bundle, predictor=args.predictor))
     f = sp.model.layers[args.layer].ffn
     assert isinstance(f, HybridFFN), "the bundle's model has no sparse layers"
     found = f.predicted_records()

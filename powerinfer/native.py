@@ -122,15 +122,15 @@ class NativeDecode:
 
     def __init__(self, model: Transformer, exchange: tuple, layers: tuple):
         self.model, self.args = model, (*exchange, *layers)
+        kinds, _, down, w1, qkv, qkv_fmt, _, qkv2, qkv2_fmt, _, _, wo_fmt = layers[5:17]
         # the sparse layers whose neurons and predictor the loop runs (kind 3), with what it took
         # of each: a step leaves them to the modules once one of those changes (another mask
         # source, neuron sets or threshold), or while one records `stats`, or with
         # sparse.FUSED_DECODE off (the modules' ops one at a time), or past the kernel's rows
-        self.sparse = [(b.ffn, _parts(b.ffn)) for b, k in zip(model.layers, layers[5]) if k == 3]
+        self.sparse = [(b.ffn, _parts(b.ffn)) for b, k in zip(model.layers, kinds) if k == 3]
         # whether a prompt's step runs here too: every layer's neurons and heads in 16-row group
         # layouts, whose GEMVs the Python modules run for any number of rows as well (the C++
         # check: prompt_rows_ffn, prompt_rows_attention)
-        kinds, _, down, w1, qkv, qkv_fmt, _, qkv2, qkv2_fmt, _, _, wo_fmt = layers[5:17]
         self.prompts = all(k == 0 or (k == 1 and d < 0 and w < 0) for k, d, w in zip(kinds, down, w1)) and all(
             not q.numel() or (f < 0 and (not q2.numel() or f2 < 0) and o < 0)
             for q, f, q2, f2, o in zip(qkv, qkv_fmt, qkv2, qkv2_fmt, wo_fmt))
