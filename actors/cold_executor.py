@@ -12,11 +12,11 @@ holds, per layer, the attention of its KV heads and their query heads (`partial.
 with their paged KV cache (the same block ids as every other executor's), and answers each ATTN
 message with their share of the output projection.
 
-Where the kernel library runs, the messages that need no Python (decode steps with no masks of
-the layers held as block slices or neuron records, of its heads, and of the head's rows) are
-answered by its `cold_serve` loop, in C++ from one wait to the next; it hands back the first
-message that needs Python (prefill, masks, STOP). A layer's answer then costs its matrix
-products and the hand-off, not a dozen Python calls.
+Where the kernel library runs, the messages that need no Python (decode steps of the layers
+held as block slices or neuron records, with a predictor's masks or without, of its heads, and
+of the head's rows) are answered by its `cold_serve` loop, in C++ from one wait to the next; it
+hands back the first message that needs Python (a prompt's rows in other layouts, STOP). A
+layer's answer then costs its matrix products and the hand-off, not a dozen Python calls.
 """
 from __future__ import annotations
 
@@ -104,7 +104,8 @@ class ColdExecutor:
 
     def _native_args(self, act: str) -> tuple | None:
         """The arguments of the kernel library's `cold_serve` after its state (see there): the
-        layers it can answer in C++ (block slices, neuron records without a threshold or bias;
+        layers it can answer in C++ (block slices, neuron records without a bias, with a
+        predictor's masks or without;
         heads whose projections `native.runs` takes, q/k/v in up to two runs), and its head rows, the
         others' entries empty; None where it can answer nothing."""
         dtype = self.spec.torch_dtype
@@ -127,7 +128,7 @@ class ColdExecutor:
         cols = lambda rows, j: [r[j] for r in rows]  # noqa: E731
         return (self.x.base, self.part.base, self.part.capacity, self.spec.dim,
                 dtype == torch.bfloat16, self.x.spin_us, [DECODE, HEAD, ATTN, PREFILL],
-                kernels.ACTS.index(act), *(cols(ffn, j) for j in range(6)),
+                kernels.ACTS.index(act), *(cols(ffn, j) for j in range(8)), self.spec.ffn_dim,
                 *(cols(attn, j) for j in range(10)), n_heads, cos, sin, self.args.sliding_window,
                 scale, *((None, 0, 0) if head is None else head))
 

@@ -66,6 +66,7 @@ class ActorGroup:
         self.pg = None
         self.spec: PlaneSpec | None = None
         self.info: dict = {}
+        self.hot_share: float | None = None  # the hot executor's share of the work, once started
 
     @property
     def scheduler(self):
@@ -117,6 +118,13 @@ class ActorGroup:
 
             # the predictor shares the hot executor's GPU (and bundle: one GPU, not any two
             # of the node's) where it has one: CUDA IPC buffers between the two
+            # on a CPU a solved placement (what a GPU's memory holds) places nothing: the
+            # executors share each layer's neurons as a dense split does, the hot executor its
+            # cores' share of the most active ones, the cold executors the rest dealt out by
+            # activation mass (a placement's uneven layers kept one side waiting on the other)
+            if not gpu and self.plan.hot is not None:
+                self.plan = replace(self.plan, hot=None)
+            self.hot_share = hot_share
             spec, p = self.spec, self.plan
             shared_gpu = gpu and p.predictor_input is not None and c.predictor_device == "auto"
             if shared_gpu and importlib.util.find_spec("cupy") is None:

@@ -61,7 +61,9 @@ class DataPlane:
     """The hot executor's ends of the channels, with the per-layer timing it records. `native`:
     the FFN and head exchanges go through the kernel library's channel ops (`ch_send`,
     `ch_recv`): one C++ call each, which a compiled step calls from its generated code (on a
-    CPU with the library loaded and no predictor; masks still travel through Python)."""
+    CPU with the library loaded and no predictor). `native_masks`: with a predictor on the host
+    and a CPU hot executor, a decode step's native layer loop exchanges the predictor's input
+    and masks itself (its modules' path sends them from Python)."""
 
     def __init__(self, spec: PlaneSpec, predictor_input: str | None, device: torch.device):
         self.spec, self.device = spec, device
@@ -71,6 +73,10 @@ class DataPlane:
         self.predicting = predictor_input is not None
         self.lookahead = predictor_input == "layer"
         self.native = device.type == "cpu" and not self.predicting and kernels.available()
+        # a predictor on the host beside a CPU hot executor: the decode step's layer loop in
+        # C++ sends the predictor's input and reads its masks too (`hot_layers`' `predict`)
+        self.native_masks = (device.type == "cpu" and self.predicting and not spec.device_predictor
+                             and kernels.available())
         if self.predicting:
             self.pred_in, self.mask = spec.open("pred_in", writer=True), spec.open("mask")
         if device.type == "cuda":
@@ -289,7 +295,8 @@ class HotExecutor:
         self.hot_neurons = sum(len(b.ffn.f.hot.idx) for b in model.layers)
         # the decode step's layer loop in C++ where every layer allows it (the eager step's
         # per-op dispatch is most of a small model's step otherwise)
-        self.native = None if self.compiled or kv is None else self._native_step(ckpt.args)
+        self.native = None if self.compiled or (kv is None and not self.io.native_masks) \
+            else self._native_step(ckpt.args)
         if self.native is not None:
             self._decode = self.native  # (as the in-process engine takes it)
         self.steps, self.step_s = 0, 0.0
@@ -300,21 +307,30 @@ class HotExecutor:
     def _native_step(self, a) -> NativeDecode | None:
         """The decode step with its layer loop in C++ (`native.NativeDecode`, exchanging with the
         cold executors natively): a CPU group without a predictor whose attention is split by
-        heads, a model `hot_layers` runs (`native.uniform_llama`) without an output bias on its
-        attention nor a down bias, every layer's heads and neurons in layouts the native loops
-        run; else None (the step runs its Python modules)."""
+        heads, or with a predictor on the host (its input and masks exchanged in the loop as
+        well; attention all here), a model `hot_layers` runs (`native.uniform_llama`) without an
+        output bias on its attention nor a down bias, every layer's heads and neurons in layouts
+        the native loops run; else None (the step runs its Python modules)."""
         io, m, dtype = self.io, self.model, self.spec.torch_dtype
-        if not io.native or not uniform_llama(a, dtype):
+        if not (io.native or io.native_masks) or not uniform_llama(a, dtype):
             return None
         layers = []
         for block in m.layers:
             f, att = block.ffn.f, block.attn
-            if not isinstance(att, RemoteAttention) or att.o_bias is not None or f.down_b is not None:
+            if isinstance(att, RemoteAttention):
+                att = None if att.o_bias is not None else att.own
+            elif not io.native_masks:  # (a group without a predictor splits every layer's heads)
+                att = None
+            if att is None or f.down_b is not None:
                 return None
-            layers.append((block.attn_norm, f.norm, f.hot if len(f.hot.idx) else None, f.threshold, att.own))
-        args = layer_args(a, dtype, layers, m.layers[0].attn.own.n_heads, m.rope_cos, m.rope_sin)
+            layers.append((block.attn_norm, f.norm, f.hot if len(f.hot.idx) else None, f.threshold, att))
+        args = layer_args(a, dtype, layers, layers[0][4].n_heads, m.rope_cos, m.rope_sin)
+        predict, mask_state = [], None
+        if io.native_masks:
+            predict = [io.pred_in.base, io.pred_in.capacity, io.mask.base, int(io.lookahead), self.spec.ffn_dim]
+            mask_state = io.mask.state
         exchange = (io.x.base, io.x.capacity, [p.base for p in io.parts], [p.state for p in io.parts],
-                    io.parts[0].spin_us, [DECODE, ATTN, PREFILL])
+                    io.parts[0].spin_us, [DECODE, ATTN, PREFILL], predict, mask_state)
         return None if args is None else NativeDecode(m, exchange, args)
 
     def _lookahead(self, layer: int):

@@ -31,7 +31,9 @@ theirs. Without a predictor on a CPU, attention is split too (`kv_ranges`): befo
 layer's attention the hot executor sends its input (op ATTN, words 5 and 6 the step's
 sequences and its block tables' width), each executor computes the heads of its KV heads (in its
 own paged pool, at the same block ids) and their share of the output projection,
-and the shares add up on the hot side. Every reply proves the
+and the shares add up on the hot side. With a predictor on a CPU every process answers a decode
+step's messages in the kernel library's native loops (`hot_layers`, `cold_serve`,
+`pred_serve`), with the same headers and payloads as the Python loops. Every reply proves the
 readers are done with the message before it, so the channels need one buffer each.
 """
 from __future__ import annotations

@@ -8,6 +8,10 @@ its input from and writing the masks to device buffers the hot executor allocate
 In lookahead mode its input is the layer input, sent before attention, so the masks are computed
 while the hot executor runs attention; in same-layer mode it is the residual entering the FFN,
 and the hot executor waits for it. `stats()` reports how long the hot side waited for masks.
+
+On a CPU where the kernel library runs and every layer's predictor runs on its GEMV
+(`Predictors.kernel_format`), the loop is the library's `pred_serve`: each layer's masks in C++
+from one wait to the next, the values `Predictors.active` gives.
 """
 from __future__ import annotations
 
@@ -17,12 +21,13 @@ import time
 import torch
 
 from cluster.topology import pin, process_memory
+from powerinfer import kernels
 from powerinfer.plan import SparsePlan
 from powerinfer.predictor import run_dtype
 
 from .group_info import node_id
-from .channel import ChannelClosed
-from .plane import STOP, Masks, PlaneSpec, PredictorInput, receive, send
+from .channel import ChannelClosed, native_error
+from .plane import DECODE, STOP, Masks, PlaneSpec, PredictorInput, receive, send
 
 
 class PredictorActor:
@@ -39,10 +44,35 @@ class PredictorActor:
             self.mask.register_with_cuda()  # the masks' copy for the cold executors: DMA
         self.buffers = None  # the hot executor's device buffers, once attached
         self.busy_s, self.calls = 0.0, 0
+        # the native loop's [messages answered, nanoseconds on them], which it adds to as it runs
+        self.counts = torch.zeros(2, dtype=torch.int64)
+        self.native = self._native_args()
+
+    def _native_args(self) -> tuple | None:
+        """`pred_serve`'s arguments after its state, where every layer's predictor runs on the
+        kernel library's GEMV in one format; else None (the loop runs in Python)."""
+        preds, fmts = self.preds, {self.preds.kernel_format(i) for i in range(len(self.preds.fc1))}
+        if self.device.type != "cpu" or not kernels.available() or len(fmts) != 1 or None in fmts:
+            return None
+        fmt = fmts.pop()
+        rows = lambda ms: [kernels._as_rows(m, fmt) for m in ms]  # noqa: E731
+        return (self.x.base, self.mask.base, self.mask.capacity, self.spec.dim, self.x.spin_us, DECODE,
+                rows(preds.fc1), rows(preds.fc2), kernels.FORMATS.index(fmt), float(preds.threshold))
 
     def ready(self) -> dict:
         return {"cores": list(self.cores), "input": self.input, "ranks": self.preds.ranks,
-                "device": str(self.device), "pid": os.getpid(), "node_id": node_id()}
+                "device": str(self.device), "pid": os.getpid(), "node_id": node_id(),
+                "native": self.native is not None}
+
+    def _next(self) -> PredictorInput:
+        """The next message this loop answers in Python (the native loop answers the others)."""
+        if self.native is None:
+            return receive(self.x, PredictorInput)
+        try:
+            words = torch.ops.powerinfer.pred_serve(self.x.state, self.counts, *self.native)
+        except RuntimeError as e:
+            raise (native_error(e) or e) from None
+        return PredictorInput(*words)
 
     def attach(self, handles: dict) -> bool:
         """Map the hot executor's device buffers (`device_buffers`), before the loop starts."""
@@ -65,7 +95,7 @@ class PredictorActor:
     def run(self) -> str:
         try:
             while True:
-                got = receive(self.x, PredictorInput)
+                got = self._next()
                 if got.op == STOP:
                     return "stopped"
                 t0 = time.perf_counter()
@@ -79,8 +109,10 @@ class PredictorActor:
             return "closed"
 
     def stats(self) -> dict:
-        out = {"input": self.input, "device": str(self.device), "busy_s": self.busy_s,
-               "wait_s": self.x.wait_s, "calls": self.calls, "memory": process_memory()}
+        out = {"input": self.input, "device": str(self.device),
+               "busy_s": self.busy_s + float(self.counts[1]) * 1e-9, "wait_s": self.x.wait_s,
+               "calls": self.calls + int(self.counts[0]), "native": self.native is not None,
+               "memory": process_memory()}
         if self.device.type == "cuda":  # its matrices on the GPU, beside the hot executor's
             out["device_bytes"] = torch.cuda.memory_allocated()
             out["device_peak_bytes"] = torch.cuda.max_memory_allocated()

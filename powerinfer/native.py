@@ -47,26 +47,29 @@ def matrix(m) -> tuple[torch.Tensor, int] | None:
 
 
 _EMPTY = torch.empty(0, dtype=torch.uint8)
+_NO_IDX = torch.empty(0, dtype=torch.int64)
 # the entries of a layer a native loop leaves to Python (see ffn_entry, attention_entry)
-NO_FFN = (_EMPTY, _EMPTY, 0, 0, 0, 0)
+NO_FFN = (_EMPTY, _EMPTY, 0, 0, 0, 0, _NO_IDX, 0.0)
 NO_ATTENTION = (_EMPTY, 0, 0, _EMPTY, 0, 0, _EMPTY, 0, _EMPTY, _EMPTY)
 
 
 def ffn_entry(s: nn.Module, threshold: float = 0.0) -> tuple | None:
-    """A layer's neurons as the native loops take them: (w1, w2, kind, n, down's format, w1's),
-    kind 1 gate+up rows of 16-row groups and a down matrix (a block slice, or a whole dense FFN;
-    n: its gate+up rows), 2 neuron records (n: their format); None for what they cannot run (a
-    bias, a threshold, no kernel layout)."""
+    """A layer's neurons as the native loops take them: (w1, w2, kind, n, down's format, w1's,
+    the neurons' indices in the layer, their threshold), kind 1 gate+up rows of 16-row groups and
+    a down matrix (a block slice, or a whole dense FFN; n: its gate+up rows), 2
+    neuron records (n: their format; the indices select them from a predictor's masks); None for
+    what they cannot run (a bias, no kernel layout)."""
     if isinstance(s, BlockSlice):
         w1, w2, plain = s.w1, s.down, s.up_b is None
     elif isinstance(s, FFN):
         w1, w2, plain = s.w1, s.w2, True  # (a bias: `runs` refuses it)
-    elif isinstance(s, NeuronSet) and s.records is not None and s.bias32 is None and threshold <= 0:
-        return s.records, _EMPTY, 2, kernels.FORMATS.index(s.fmt), 0, 0
+    elif isinstance(s, NeuronSet) and s.records is not None and s.bias32 is None:
+        return (s.records, _EMPTY, 2, kernels.FORMATS.index(s.fmt), 0, 0, s.idx.to(torch.int64).contiguous(),
+                float(threshold))
     else:
         return None
     if plain and (a := matrix(w1)) and a[1] < 0 and (b := matrix(w2)):
-        return a[0], b[0], 1, w1.out_features, b[1], a[1]
+        return a[0], b[0], 1, w1.out_features, b[1], a[1], _NO_IDX, 0.0
     return None
 
 
@@ -83,8 +86,9 @@ def predicted_entry(f: HybridFFN) -> tuple | None:
     if s.bias32 is not None or not kernels.usable(s.records):
         return None
     fc1, fc2 = (kernels._as_rows(m[f.layer], fmt) for m in (preds.fc1, preds.fc2))
-    entry = (s.records, fc1, 3, kernels.FORMATS.index(s.fmt), kernels.FORMATS.index(fmt), 0)
-    return entry, fc2, f.threshold, float(preds.threshold), f.predictor_input == "layer"
+    entry = (s.records, fc1, 3, kernels.FORMATS.index(s.fmt), kernels.FORMATS.index(fmt), 0, _NO_IDX,
+             float(f.threshold))
+    return entry, fc2, float(preds.threshold), f.predictor_input == "layer"
 
 
 def attention_entry(m: nn.Module) -> tuple | None:
@@ -122,7 +126,10 @@ class NativeDecode:
 
     def __init__(self, model: Transformer, exchange: tuple, layers: tuple):
         self.model, self.args = model, (*exchange, *layers)
-        kinds, _, down, w1, qkv, qkv_fmt, _, qkv2, qkv2_fmt, _, _, wo_fmt = layers[5:17]
+        # a predictor actor's masks read in the loop (the hot executor's `predict`): at most the
+        # kernel's rows a step, the modules' path past them
+        self.masked = bool(exchange[6])
+        kinds, _, down, w1, _, _, qkv, qkv_fmt, _, qkv2, qkv2_fmt, _, _, wo_fmt = layers[5:19]
         # the sparse layers whose neurons and predictor the loop runs (kind 3), with what it took
         # of each: a step leaves them to the modules once one of those changes (another mask
         # source, neuron sets or threshold), or while one records `stats`, or with
@@ -147,14 +154,14 @@ class NativeDecode:
         layers = layer_args(a, dtype, [(b.attn_norm, b.ffn.norm if isinstance(b.ffn, HybridFFN) else b.ffn_norm,
                                         b.ffn, 0.0, b.attn) for b in model.layers],
                             model.layers[0].attn.n_heads, model.rope_cos, model.rope_sin)
-        exchange = (0, 0, [], [], 0.0, [0, 0, 0])  # no channels, no executors
+        exchange = (0, 0, [], [], 0.0, [0, 0, 0], [], None)  # no channels, no executors, no predictor
         return None if layers is None else cls(model, exchange, layers)
 
     def __call__(self, tokens, pos, kv: KVTables, last):
         # tokens (B, 1): a decode step; (1, N): a prompt step (its chunks and decode rows, as the
         # modules take it), where `prompts` allows one; last: the sampled rows of the N
         m, (B, T) = self.model, tokens.shape
-        if self.sparse and not self._sparse_ok(B * T):
+        if (self.sparse and not self._sparse_ok(B * T)) or (self.masked and B * T > kernels.MAX_ROWS):
             return m(tokens, pos, kv, last)
         h = m.tok_embeddings(tokens)
         if m.args.embed_scale:
@@ -181,16 +188,16 @@ def layer_args(a: ModelArgs, dtype: torch.dtype, layers, n_heads: int, cos, sin)
     from each layer's (attention norm, FFN norm, the neurons this process computes or None for
     none, their threshold, its heads); None where a layer has a part the loop cannot run. The
     neurons may be a `HybridFFN` (in process): its neurons with their predictor."""
-    norms, ffn, attn, fc2, thresholds, rules = [], [], [], [], [], set()
+    norms, ffn, attn, fc2, rules = [], [], [], [], set()
     for attn_norm, ffn_norm, neurons, threshold, heads in layers:
         pair = [rms_weight(attn_norm, dtype), rms_weight(ffn_norm, dtype)]
-        second, t = _EMPTY, 0.0
+        second = _EMPTY
         if isinstance(neurons, HybridFFN):
             p = predicted_entry(neurons)
             f = None if p is None else p[0]
             if p is not None:
-                second, t = p[1], p[2]
-                rules.add(p[3:])
+                second = p[1]
+                rules.add(p[2:])
         else:
             f = NO_FFN if neurons is None else ffn_entry(neurons, threshold)
         h = attention_entry(heads)
@@ -200,9 +207,8 @@ def layer_args(a: ModelArgs, dtype: torch.dtype, layers, n_heads: int, cos, sin)
         ffn.append(f)
         attn.append(h)
         fc2.append(second)
-        thresholds.append(t)
     cols = lambda rows, j: [r[j] for r in rows]  # noqa: E731
     rule = rules.pop() if rules else (0.0, False)  # (one predictor for every layer)
-    return (kernels.ACTS.index(a.ffn_act), norms, a.norm_eps, *(cols(ffn, j) for j in range(6)),
+    return (kernels.ACTS.index(a.ffn_act), norms, a.norm_eps, *(cols(ffn, j) for j in range(8)),
             *(cols(attn, j) for j in range(10)), n_heads, cos, sin, a.sliding_window, a.scale,
-            fc2, thresholds, *rule)
+            fc2, *rule)

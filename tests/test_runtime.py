@@ -149,34 +149,43 @@ def assert_bf16_greedy_tracks(ref: PowerInfer, pi: PowerInfer):
     assert "Paris" in pi.generate("The capital of France is", **GREEDY)
 
 
-def split_as_placed(ref: PowerInfer, bundle: str) -> PowerInfer:
-    """The in-process sparse engine with each layer's neurons in the two sets the actors hold
-    with one cold executor (the bundle's placement: the hot executor's, the rest): it computes
-    every layer's neurons in one set, and in bf16 a predictor reading a residual one rounding
-    apart picks another neuron near its threshold now and then (here from the second token on),
-    where the same two sets decode as the actors do, token for token."""
-    from powerinfer.bundle import Bundle
+def split_as_the_group(ref: PowerInfer, group) -> PowerInfer:
+    """The in-process sparse engine with each layer's neurons in the two sets an actor group
+    with one cold executor holds (the hot executor's share, the rest): it computes every layer's
+    neurons in one set, and in bf16 a predictor reading a residual one rounding apart picks
+    another neuron near its threshold now and then (here from the second token on), where the
+    same two sets decode as the actors do, token for token."""
     from powerinfer.sparse import NeuronSet, hybrid_layers
-    for f, hot in zip(hybrid_layers(ref.model), Bundle.open(bundle).placement()):
-        s = f.cold
-        parts = [torch.from_numpy(m).nonzero().squeeze(-1) for m in (hot, ~hot)]
+    for i, f in enumerate(hybrid_layers(ref.model)):
+        s, hot = f.cold, group.plan.hot_mask(i, group.hot_share)
         f.hot, f.cold = (NeuronSet.from_rows(s.act, idx, s.fmt, s.dtype, s.dim, records=s.records[idx])
-                         for idx in parts)
+                         for idx in (hot.nonzero().squeeze(-1), (~hot).nonzero().squeeze(-1)))
     return ref
 
 
 @pytest.mark.slow
-def test_int4_actors_equal_the_int4_sparse_engine(ray_cluster, bundle):
+@pytest.mark.parametrize("predictor", ["layer", "ffn"])
+def test_int4_actors_equal_the_int4_sparse_engine(ray_cluster, bundle, predictor):
     # the fast configuration: 4-bit attention, neurons in the file's 4-bit blocks on the CPU
     # kernel (down rows 8-bit), an 8-bit output head, in bf16 on both sides; bf16 sums in
-    # another order tie-break differently, hence the bf16 near-tie tolerance
-    cfg = dict(BASE, dtype="bfloat16", weights="int4", bundle=bundle)
-    ref = split_as_placed(PowerInfer.from_pretrained(MODEL, Config(**cfg)), bundle)
+    # another order tie-break differently, hence the bf16 near-tie tolerance. Every process's
+    # decode step runs in the kernel library's native loops (the predictor's too), which send
+    # the predictor the layer's input before attention (lookahead) or the FFN's after it
+    cfg = dict(BASE, dtype="bfloat16", weights="int4", bundle=bundle, predictor=predictor)
     pi = PowerInfer.from_pretrained(MODEL, Config(runtime="actors", **cfg))
     try:
-        info = pi.engine.group.info
+        group = pi.engine.group
+        ref = split_as_the_group(PowerInfer.from_pretrained(MODEL, Config(**cfg)), group)
+        info = group.info
         assert info["cold.0"]["format"] == "q4_1"  # the file's blocks, not a wider copy
+        from powerinfer import kernels
+        if kernels.available():
+            assert info["hot"]["native"] and info["cold.0"]["native"] and info["predictor"]["native"]
+        # on a CPU the placement places nothing: the hot executor holds its cores' share
+        assert group.plan.hot is None and 0 < info["hot"]["hot_neurons"] < 30 * 1536
         assert_bf16_greedy_tracks(ref, pi)
+        st = pi.engine.stats()["actors"]
+        assert st["predictor"]["calls"] > 0 and st["predictor"]["busy_s"] > 0
     finally:
         pi.close()
     assert not shm_segments()
@@ -465,9 +474,13 @@ def test_streams_survive_the_death_of_any_actor(sparse_actors, roles, undisturbe
     # an actor of the group is killed, and another once they have resumed on the new group:
     # none fails, each pauses while the group is rebuilt and resumes where it stopped (its
     # output computed again as the sparse model decoded it), and ends with the tokens the same
-    # requests give undisturbed: token for token, but for a close call (in float32 a prompt's
-    # keys round apart in a batch of other sizes, and greedy picks and seeded draws near a
-    # boundary may fall the other way a few tokens later)
+    # requests give undisturbed: token for token, but for a close call. In float32 a prompt's
+    # keys round apart in a batch of other sizes, and the rebuilt group batches them otherwise;
+    # a predictor reading residuals that far apart may choose a neuron near its threshold on
+    # one side only, which moves the next logits by up to about 1 (see assert_same_greedy), and
+    # greedy picks and seeded draws near a boundary fall the other way a few tokens later. So a
+    # close call here is both tokens among both runs' most likely, within 1.0 of each other's
+    # log-probabilities: a stream resumed from the wrong place or state parts at once and far
     from powerinfer.config import SamplingParams
 
     pi, e = sparse_actors, sparse_actors.engine
@@ -520,7 +533,7 @@ def test_streams_survive_the_death_of_any_actor(sparse_actors, roles, undisturbe
     assert len(running) == 2 and min(running) >= 2, running
     for w, g, text in zip(want, got, texts):
         assert len(g) == 24 and text == pi.detokenize([ev["token"] for ev in g])
-        assert_same_until_a_close_call(w, g, 0.05)
+        assert_same_until_a_close_call(w, g, 1.0)
     assert e.health()["ok"]
     assert not shm_segments()
 

@@ -715,6 +715,9 @@ struct ColdLayers {
   at::IntArrayRef ffn_down_fmt;   // block slice: its down's, < 0 16-row groups (see project) or a kernel
                                   // format; kind 3: the predictor's format
   at::IntArrayRef ffn_w1_fmt;     // block slice: its gate+up's, < 0 16-row groups (see project)
+  at::TensorList ffn_idx;         // records: the layer's neurons they hold, in order (int64), which a
+                                  // predictor's masks over the layer's neurons select from
+  at::ArrayRef<double> ffn_threshold;  // records: a neuron's firing threshold (0: none)
   at::TensorList qkv, wo, k_cache, v_cache;  // its heads: projections, paged pools (see paged_attention)
   at::IntArrayRef qkv_fmt, qkv_n, wo_fmt;    // < 0: 16-row groups (see project), else a kernel format
   // a second run of q/k/v rows in another format, after the first (a Q4_K_M file's v in Q6_K
@@ -726,45 +729,67 @@ struct ColdLayers {
 // The native loops' per-layer lists as one ColdLayers, each checked to hold an entry per layer.
 static ColdLayers per_layer(at::TensorList ffn_w1, at::TensorList ffn_w2, at::IntArrayRef ffn_kind,
                             at::IntArrayRef ffn_n, at::IntArrayRef ffn_down_fmt, at::IntArrayRef ffn_w1_fmt,
-                            at::TensorList qkv, at::IntArrayRef qkv_fmt, at::IntArrayRef qkv_n, at::TensorList qkv2,
+                            at::TensorList ffn_idx, at::ArrayRef<double> ffn_threshold, at::TensorList qkv, at::IntArrayRef qkv_fmt, at::IntArrayRef qkv_n, at::TensorList qkv2,
                             at::IntArrayRef qkv2_fmt, at::IntArrayRef qkv2_n, at::TensorList wo,
                             at::IntArrayRef wo_fmt, at::TensorList k_cache, at::TensorList v_cache) {
   const size_t n = ffn_kind.size();
   TORCH_CHECK(ffn_w1.size() == n && ffn_w2.size() == n && ffn_n.size() == n && ffn_down_fmt.size() == n &&
-              ffn_w1_fmt.size() == n && qkv.size() == n && qkv_fmt.size() == n && qkv_n.size() == n &&
+              ffn_w1_fmt.size() == n && ffn_idx.size() == n && ffn_threshold.size() == n && qkv.size() == n && qkv_fmt.size() == n && qkv_n.size() == n &&
               qkv2.size() == n && qkv2_fmt.size() == n && qkv2_n.size() == n && wo.size() == n &&
               wo_fmt.size() == n && k_cache.size() == n && v_cache.size() == n,
               "one entry per layer in every list");
-  return ColdLayers{ffn_w1, ffn_w2, ffn_kind, ffn_n, ffn_down_fmt, ffn_w1_fmt, qkv, wo, k_cache, v_cache,
-                    qkv_fmt, qkv_n, wo_fmt, qkv2, qkv2_fmt, qkv2_n};
+  for (size_t l = 0; l < n; l++)
+    TORCH_CHECK(!ffn_idx[l].numel() || (ffn_idx[l].scalar_type() == at::kLong && ffn_idx[l].dim() == 1 &&
+                                        ffn_idx[l].numel() == ffn_w1[l].size(0)),
+                "layer ", l, ": ffn_idx holds one int64 neuron index per record");
+  return ColdLayers{ffn_w1, ffn_w2, ffn_kind, ffn_n, ffn_down_fmt, ffn_w1_fmt, ffn_idx, ffn_threshold, qkv, wo,
+                    k_cache, v_cache, qkv_fmt, qkv_n, wo_fmt, qkv2, qkv2_fmt, qkv2_n};
 }
 
 // A layer's predictor beside its neuron records (ffn kind 3, `hot_layers` in process only): its
-// second matrix (its first is the layer's ffn_w2), the neurons' firing threshold, and the
-// predictor's rule and input, as `predicted_ffn` takes them.
+// second matrix (its first is the layer's ffn_w2), and the predictor's rule and input, as
+// `predicted_ffn` takes them.
 struct Predicted {
   at::TensorList fc2;
-  at::ArrayRef<double> threshold;  // each layer's neurons' (HybridFFN.threshold)
-  double pred_threshold;           // a logit at least this picks a neuron
-  bool layer_input;                // the predictor reads the layer's input, else the FFN's residual
+  double pred_threshold;  // a logit at least this picks a neuron
+  bool layer_input;       // the predictor reads the layer's input, else the FFN's residual
 };
 
+// A decode step of neuron records under a predictor's per-row masks over the layer's neurons,
+// as `sparse.decode_rows` runs it: x (B, dim); w the records of neurons idx (int64, in order);
+// mask (B, ffn_dim) bool -> (B, dim) in x's type: the neurons any row predicts, each row keeping
+// its own (one row: the row's mask is the selection).
+static at::Tensor masked_records(const at::Tensor& x, const at::Tensor& w, const at::Tensor& idx,
+                                 const at::Tensor& mask, double threshold, int64_t act, int64_t fmt) {
+  TORCH_CHECK(mask.scalar_type() == at::kBool && mask.dim() == 2 && mask.size(0) == x.size(0),
+              "masks: (B, ffn_dim) bool, one row per input row");
+  TORCH_CHECK(idx.numel() == w.size(0), "masks need the records' neuron indices");
+  const at::Tensor cols = idx.numel() == mask.size(1) ? mask : mask.index_select(1, idx);  // (B, k)
+  if (x.size(0) == 1) return neuron_ffn(x, w, cols[0].contiguous(), std::nullopt, std::nullopt, threshold, act, fmt);
+  return neuron_ffn(x, w, cols.any(0), cols.contiguous(), std::nullopt, threshold, act, fmt);
+}
+
 // A layer's decode step of its block slice or neuron records: (rows, dim) -> (rows, dim) f32;
-// for predicted records (kind 3) p is the predictor's input rows
+// for predicted records (kind 3) p is the predictor's input rows; for records (kind 2) `mask`
+// the rows' masks over the layer's neurons (see masked_records), or null: every neuron
 static at::Tensor ffn_step(const Kernels& k, const ColdLayers& L, int64_t layer, const at::Tensor& x, int64_t act,
-                           const Predicted* pred = nullptr, const at::Tensor* p = nullptr) {
+                           const Predicted* pred = nullptr, const at::Tensor* p = nullptr,
+                           const at::Tensor* mask = nullptr) {
   const bool bf16 = x.scalar_type() == at::kBFloat16;
   const int64_t rows = x.size(0), dim = x.size(1);
+  const double threshold = L.ffn_threshold[layer];
   if (L.ffn_kind[layer] == 3) {  // records (w1) and the predictor (w2 its fc1) in one call
     TORCH_CHECK(pred && p, "predicted neurons need their predictor");
     return predicted_ffn(x, *p, L.ffn_w2[layer], pred->fc2[layer], L.ffn_down_fmt[layer], pred->pred_threshold,
-                         L.ffn_w1[layer], std::nullopt, pred->threshold[layer], act, L.ffn_n[layer])
+                         L.ffn_w1[layer], std::nullopt, threshold, act, L.ffn_n[layer])
         .to(at::kFloat);
   }
-  if (L.ffn_kind[layer] == 2) {  // every neuron of the records, through the neuron kernel
+  if (L.ffn_kind[layer] == 2) {  // the records through the neuron kernel: the masks' neurons, or all
+    if (mask) return masked_records(x, L.ffn_w1[layer], L.ffn_idx[layer], *mask, threshold, act, L.ffn_n[layer]).to(at::kFloat);
     at::Tensor all = at::ones({L.ffn_w1[layer].size(0)}, x.options().dtype(at::kBool));
-    return neuron_ffn(x, L.ffn_w1[layer], all, std::nullopt, std::nullopt, 0.0, act, L.ffn_n[layer]).to(at::kFloat);
+    return neuron_ffn(x, L.ffn_w1[layer], all, std::nullopt, std::nullopt, threshold, act, L.ffn_n[layer]).to(at::kFloat);
   }
+  TORCH_CHECK(!mask, "layer ", layer, ": masks for neurons held as a block slice");
   const bool gated = gated_act(act);
   const int64_t n = L.ffn_n[layer], kk = gated ? n / 2 : n;
   at::Tensor y1 = project(k, x, L.ffn_w1[layer], L.ffn_w1_fmt[layer], n);  // (rows, n): gate rows then up rows
@@ -830,14 +855,16 @@ static bool prompt_rows_attention(const ColdLayers& L, int64_t layer) {
          L.wo_fmt[layer] < 0;
 }
 
-// A cold executor's loop over the messages it answers without Python, decode steps with no
-// masks: of the layers it holds as block slices or neuron records (a dense split), of its
-// attention heads, and of its rows of the output head. Waits for the next message on `x`
-// (state: its reader state), answers it on `part` and waits again; returns the words of the
-// first message it leaves to the caller, consumed (its payload is on `x`). x's payload holds
-// the rows (rows, dim) in the model's type (bf16 or f32), for an attention step followed by
-// positions (int64), sequence starts (int64) and block tables (int32), each at the next 64-byte
-// boundary (its words 4 and 5: sequences and the tables' width); answers are f32.
+// A cold executor's loop over the messages it answers without Python: decode steps of the
+// layers it holds as block slices (no masks: a dense split) or neuron records (with a
+// predictor's masks or without), of its attention heads, and of its rows of the output head.
+// Waits for the next message on `x` (state: its reader state), answers it on `part` and waits
+// again; returns the words of the first message it leaves to the caller, consumed (its payload
+// is on `x`). x's payload holds the rows (rows, dim) in the model's type (bf16 or f32), followed
+// at the next 64-byte boundary by, for a decode step with masks (word 4 set), the rows' masks
+// (rows, ffn_dim) bool, for an attention step positions (int64), sequence starts (int64) and
+// block tables (int32), each at the next 64-byte boundary (its words 4 and 5: sequences and the
+// tables' width); answers are f32.
 // ops: the plane's op codes (decode, head, attention, prefill; actors/plane.py). A prompt's
 // rows (a prefill message) are answered here where the layer's entries allow it
 // (prompt_rows_ffn, prompt_rows_attention), else left to the caller.
@@ -845,6 +872,7 @@ static std::vector<int64_t> cold_serve(at::Tensor& state, int64_t x_base, int64_
                                        int64_t dim, bool bf16, double spin_us, at::IntArrayRef ops, int64_t act,
                                        at::TensorList ffn_w1, at::TensorList ffn_w2, at::IntArrayRef ffn_kind,
                                        at::IntArrayRef ffn_n, at::IntArrayRef ffn_down_fmt, at::IntArrayRef ffn_w1_fmt,
+                                       at::TensorList ffn_idx, at::ArrayRef<double> ffn_threshold, int64_t ffn_dim,
                                        at::TensorList qkv, at::IntArrayRef qkv_fmt, at::IntArrayRef qkv_n,
                                        at::TensorList qkv2, at::IntArrayRef qkv2_fmt, at::IntArrayRef qkv2_n,
                                        at::TensorList wo, at::IntArrayRef wo_fmt,
@@ -854,8 +882,8 @@ static std::vector<int64_t> cold_serve(at::Tensor& state, int64_t x_base, int64_
                                        int64_t head_fmt, int64_t head_n) {
   const Kernels& k = active();
   TORCH_CHECK(state.scalar_type() == at::kLong && state.numel() == 2 && state.is_contiguous(), "state: int64 (2,)");
-  const ColdLayers L = per_layer(ffn_w1, ffn_w2, ffn_kind, ffn_n, ffn_down_fmt, ffn_w1_fmt, qkv, qkv_fmt, qkv_n,
-                                 qkv2, qkv2_fmt, qkv2_n, wo, wo_fmt, k_cache, v_cache);
+  const ColdLayers L = per_layer(ffn_w1, ffn_w2, ffn_kind, ffn_n, ffn_down_fmt, ffn_w1_fmt, ffn_idx, ffn_threshold,
+                                 qkv, qkv_fmt, qkv_n, qkv2, qkv2_fmt, qkv2_n, wo, wo_fmt, k_cache, v_cache);
   const size_t n_layers = ffn_kind.size();
   TORCH_CHECK(ops.size() == 4 && dim % 32 == 0, "ops: (decode, head, attention, prefill); dim a multiple of 32");
   for (int64_t kind : ffn_kind) TORCH_CHECK(kind >= 0 && kind <= 2, "a cold executor's neurons are of kind 0-2");
@@ -872,8 +900,13 @@ static std::vector<int64_t> cold_serve(at::Tensor& state, int64_t x_base, int64_
     const bool decode_rows = T == 1 && B <= 64;  // else a prompt's rows: whole-row layouts only (below)
     const int64_t rows = B * T;
     at::Tensor y;
-    if (!w4 && in_layers && ((decode_rows && op == ops[0] && ffn_kind[layer]) ||
-                             (op == ops[3] && prompt_rows_ffn(L, layer)))) {
+    if (w4 && in_layers && decode_rows && op == ops[0] && ffn_kind[layer] == 2 && ffn_dim > 0) {
+      // the predictor's masks after the rows (PlaneSpec.mask_offset)
+      const at::Tensor mask = at::from_blob(xp + (rows * dim * (bf16 ? 2 : 4) + 63) / 64 * 64, {rows, ffn_dim},
+                                            at::TensorOptions().dtype(at::kBool));
+      y = ffn_step(k, L, layer, at::from_blob(xp, {rows, dim}, rows_type), act, nullptr, nullptr, &mask);
+    } else if (!w4 && in_layers && ((decode_rows && op == ops[0] && ffn_kind[layer]) ||
+                                    (op == ops[3] && prompt_rows_ffn(L, layer)))) {
       y = ffn_step(k, L, layer, at::from_blob(xp, {rows, dim}, rows_type), act);
     } else if (op == ops[2] && in_layers && qkv[layer].numel() && (decode_rows || prompt_rows_attention(L, layer))) {
       auto up = [](int64_t n) { return (n + 63) / 64 * 64; };  // PlaneSpec.attn_layout
@@ -918,36 +951,44 @@ static void join_parts(at::Tensor& h, at::Tensor& y, at::IntArrayRef part_bases,
   }
 }
 
-// The hot executor's layers of a decode step (one token a sequence, no masks; attention split
-// by KV heads), each as its Python modules run it: the normed rows go out to the cold executors
-// on `x` (attention: with positions, sequence starts and block tables), this process computes
-// its own heads and neurons (the lists as cold_serve takes them; an FFN kind 0: no neurons of
-// its own), then adds the executors' answers and the result into the residual. With no part
-// channels (the in-process engine) nothing is sent: the lists are the whole model's. h (B, dim)
-// the embedded tokens in the model's type (f32 or bf16) -> the residual after the last layer.
-// norms: each layer's attention norm then FFN norm (RMSNorm, the model's type); ops: the
-// plane's op codes (decode, attention, prefill). `prompt`: the rows are a prompt step's tokens
-// (chunks and decode rows, `starts` telling the sequences apart), sent to the cold executors as
-// the Python modules send a prompt's; every layer's own entries in whole-row layouts
-// (prompt_rows_ffn, prompt_rows_attention). In process, a layer's neurons may be records with
-// their predictor (ffn kind 3: the sparse engine's decode step, `predicted_ffn`; pred_fc2,
-// ffn_threshold: per layer, empty where there are none), at most 64 rows.
+// The hot executor's layers of a decode step (one token a sequence; attention split by KV
+// heads, or with a predictor whole here), each as its Python modules run it: the normed rows go
+// out to the cold executors on `x` (attention: with positions, sequence starts and block
+// tables), this process computes its own heads and neurons (the lists as cold_serve takes them;
+// an FFN kind 0: no neurons of its own), then adds the executors' answers and the result into
+// the residual. With no part channels (the in-process engine) nothing is sent: the lists are the
+// whole model's. h (B, dim) the embedded tokens in the model's type (f32 or bf16) -> the
+// residual after the last layer. norms: each layer's attention norm then FFN norm (RMSNorm, the
+// model's type); ops: the plane's op codes (decode, attention, prefill). `prompt`: the rows are
+// a prompt step's tokens (chunks and decode rows, `starts` telling the sequences apart), sent to
+// the cold executors as the Python modules send a prompt's; every layer's own entries in
+// whole-row layouts (prompt_rows_ffn, prompt_rows_attention).
+// `predict` (a group with a predictor actor, decode steps only; empty: none): the channels
+// [pred_in's address, its capacity, mask's address], whether the predictor reads the layer's
+// input (sent before attention: lookahead) or the residual entering the FFN (sent after it), and
+// the layer's neurons; mask_state the reader state of `mask`. Each layer's predictor input goes
+// out float32 (a PredictorInput), its masks (B, ffn_dim) come back (Masks), go out after the
+// FFN's rows to the cold executors, and select this process's records (kind 2).
+// In process, a layer's neurons may be records with their predictor (ffn kind 3: the sparse
+// engine's decode step, `predicted_ffn`; pred_fc2: per layer, empty where there are none), at
+// most 64 rows.
 static at::Tensor hot_layers(const at::Tensor& h_in, const at::Tensor& pos, const at::Tensor& starts,
                              const at::Tensor& tables, int64_t x_base, int64_t x_capacity, at::IntArrayRef part_bases,
-                             at::TensorList part_states, double spin_us, at::IntArrayRef ops, int64_t act,
+                             at::TensorList part_states, double spin_us, at::IntArrayRef ops, at::IntArrayRef predict,
+                             const std::optional<at::Tensor>& mask_state, int64_t act,
                              at::TensorList norms, double eps, at::TensorList ffn_w1, at::TensorList ffn_w2,
                              at::IntArrayRef ffn_kind, at::IntArrayRef ffn_n, at::IntArrayRef ffn_down_fmt,
-                             at::IntArrayRef ffn_w1_fmt, at::TensorList qkv, at::IntArrayRef qkv_fmt,
+                             at::IntArrayRef ffn_w1_fmt, at::TensorList ffn_idx, at::ArrayRef<double> ffn_threshold,
+                             at::TensorList qkv, at::IntArrayRef qkv_fmt,
                              at::IntArrayRef qkv_n, at::TensorList qkv2, at::IntArrayRef qkv2_fmt,
                              at::IntArrayRef qkv2_n, at::TensorList wo, at::IntArrayRef wo_fmt,
                              at::TensorList k_cache, at::TensorList v_cache, int64_t n_heads,
                              const std::optional<at::Tensor>& cos, const std::optional<at::Tensor>& sin,
-                             int64_t window, double scale, at::TensorList pred_fc2,
-                             at::ArrayRef<double> ffn_threshold, double pred_threshold, bool pred_layer_input,
-                             bool prompt) {
+                             int64_t window, double scale, at::TensorList pred_fc2, double pred_threshold,
+                             bool pred_layer_input, bool prompt) {
   const Kernels& k = active();
-  const ColdLayers L = per_layer(ffn_w1, ffn_w2, ffn_kind, ffn_n, ffn_down_fmt, ffn_w1_fmt, qkv, qkv_fmt, qkv_n,
-                                 qkv2, qkv2_fmt, qkv2_n, wo, wo_fmt, k_cache, v_cache);
+  const ColdLayers L = per_layer(ffn_w1, ffn_w2, ffn_kind, ffn_n, ffn_down_fmt, ffn_w1_fmt, ffn_idx, ffn_threshold,
+                                 qkv, qkv_fmt, qkv_n, qkv2, qkv2_fmt, qkv2_n, wo, wo_fmt, k_cache, v_cache);
   const size_t n_layers = ffn_kind.size();
   TORCH_CHECK(norms.size() == 2 * n_layers, "two norms per layer");
   TORCH_CHECK(ops.size() == 3, "ops: (decode, attention, prefill)");
@@ -961,11 +1002,18 @@ static at::Tensor hot_layers(const at::Tensor& h_in, const at::Tensor& pos, cons
     TORCH_CHECK(ffn_kind[l] >= 0 && ffn_kind[l] <= 3, "layer ", l, ": no FFN kind ", ffn_kind[l]);
     predicted = predicted || ffn_kind[l] == 3;
   }
-  TORCH_CHECK(!predicted || (part_bases.empty() && pred_fc2.size() == n_layers && ffn_threshold.size() == n_layers &&
-                             h_in.size(0) <= 64),
-              "predicted neurons: in process, with a second predictor matrix and a threshold per layer, "
-              "at most 64 rows");
-  const Predicted pred{pred_fc2, ffn_threshold, pred_threshold, pred_layer_input};
+  TORCH_CHECK(!predicted || (part_bases.empty() && pred_fc2.size() == n_layers && h_in.size(0) <= 64),
+              "predicted neurons: in process, with a second predictor matrix per layer, at most 64 rows");
+  const Predicted pred{pred_fc2, pred_threshold, pred_layer_input};
+  // a predictor actor's masks (see above): decode steps of at most 64 rows, attention all here
+  const bool masked = !predict.empty();
+  TORCH_CHECK(!masked || (predict.size() == 5 && mask_state && mask_state->scalar_type() == at::kLong &&
+                          mask_state->numel() == 2 && mask_state->is_contiguous() && !prompt && !predicted &&
+                          h_in.size(0) <= 64),
+              "predict: [pred_in, its capacity, mask, lookahead, ffn_dim] with the mask's reader state, for "
+              "a decode step of at most 64 rows");
+  for (size_t l = 0; masked && l < n_layers; l++)
+    TORCH_CHECK(ffn_kind[l] != 1, "layer ", l, ": masks for neurons held as a block slice");
   for (const at::Tensor& st : part_states)
     TORCH_CHECK(st.scalar_type() == at::kLong && st.numel() == 2 && st.is_contiguous(), "states: int64 (2,)");
   TORCH_CHECK(h_in.dim() == 2 && (h_in.scalar_type() == at::kFloat || h_in.scalar_type() == at::kBFloat16),
@@ -974,27 +1022,89 @@ static at::Tensor hot_layers(const at::Tensor& h_in, const at::Tensor& pos, cons
   TORCH_CHECK(starts.scalar_type() == at::kLong && tables.scalar_type() == at::kInt && tables.dim() == 2,
               "starts: int64; tables: (S, M) int32");
   const bool exchange = !part_bases.empty();  // none: the whole model in this process
+  const bool split_attention = exchange && !masked;  // (a group with a predictor keeps its heads here)
+  const std::vector<int64_t> no_bases;
+  const std::vector<at::Tensor> no_states;
   at::Tensor h = h_in.contiguous().clone();
-  const std::vector<int64_t> attn_words = {tables.size(0), tables.size(1)}, none;
+  const std::vector<int64_t> attn_words = {tables.size(0), tables.size(1)}, none, with_masks = {1};
   // a prompt's rows go out as the Python modules send them, (1, rows, dim), its FFN's as a prefill
   const int64_t rows = h.size(0), dim = h.size(1);
   auto sent = [&](const at::Tensor& x) { return prompt ? x.view({1, rows, dim}) : x; };
+  // the predictor's input, float32, and its answer: the masks (rows, ffn_dim) on `mask`
+  auto to_predictor = [&](int64_t layer) {
+    send_message({h.to(at::kFloat)}, predict[0], predict[1], ops[0], layer, none);
+  };
+  auto masks_of = [&](int64_t layer) {
+    wait_message(predict[2], mask_state->data_ptr<int64_t>(), spin_us);
+    const auto* mh = reinterpret_cast<const ChannelHeader*>(predict[2]);
+    TORCH_CHECK(mh->words[0] == layer && mh->words[1] == rows, "the predictor answered layer ", mh->words[0],
+                " for ", mh->words[1], " rows where layer ", layer, " with ", rows, " was due");
+    return at::from_blob(reinterpret_cast<char*>(predict[2]) + CH_HEADER, {rows, predict[4]},
+                         at::TensorOptions().dtype(at::kBool));
+  };
   for (size_t l = 0; l < n_layers; l++) {
     const int64_t layer = (int64_t)l;
+    if (masked && predict[3]) to_predictor(layer);  // lookahead: the layer's input, before attention
     // the predictor's input: the layer's, as it was before the attention's sum, or (h itself,
     // which that sum updates in place) the residual entering the FFN
     const at::Tensor layer_in = ffn_kind[l] == 3 && pred_layer_input ? h.clone() : h;
     at::Tensor x = rms_norm(h, norms[2 * l], eps);
-    if (exchange) send_message({sent(x), pos, starts, tables}, x_base, x_capacity, ops[1], layer, attn_words);
+    if (split_attention) send_message({sent(x), pos, starts, tables}, x_base, x_capacity, ops[1], layer, attn_words);
     at::Tensor y = attention_step(k, L, layer, x, pos, starts, tables, n_heads, cos, sin, window, scale);
-    join_parts(h, y, part_bases, part_states, spin_us);
+    if (split_attention)
+      join_parts(h, y, part_bases, part_states, spin_us);
+    else
+      join_parts(h, y, no_bases, no_states, spin_us);
     x = rms_norm(h, norms[2 * l + 1], eps);
-    if (exchange) send_message({sent(x)}, x_base, x_capacity, prompt ? ops[2] : ops[0], layer, none);
-    y = ffn_kind[l] ? ffn_step(k, L, layer, x, act, &pred, &layer_in).contiguous()
-                    : at::zeros(x.sizes(), x.options().dtype(at::kFloat));
+    if (masked) {
+      if (!predict[3]) to_predictor(layer);  // the residual entering the FFN
+      const at::Tensor mask = masks_of(layer);  // (valid until the next PredictorInput)
+      send_message({x, mask}, x_base, x_capacity, ops[0], layer, with_masks);
+      y = ffn_kind[l] ? ffn_step(k, L, layer, x, act, nullptr, nullptr, &mask).contiguous()
+                      : at::zeros(x.sizes(), x.options().dtype(at::kFloat));
+    } else {
+      if (exchange) send_message({sent(x)}, x_base, x_capacity, prompt ? ops[2] : ops[0], layer, none);
+      y = ffn_kind[l] ? ffn_step(k, L, layer, x, act, &pred, &layer_in).contiguous()
+                      : at::zeros(x.sizes(), x.options().dtype(at::kFloat));
+    }
     join_parts(h, y, part_bases, part_states, spin_us);
   }
   return h;
+}
+
+// The predictor actor's loop: each decode message on `pred_in` (its input rows (B, dim) float32,
+// a PredictorInput: op, layer, B) answered on `mask` with the rows' predicted neurons, as
+// `predictor.Predictors.active` computes them on the kernel's GEMV (relu(p fc1^T) fc2^T >=
+// threshold, fc1/fc2 rows in `fmt`), (B, ffn_dim) bool, and a Masks message (layer, B). state:
+// its reader state of `pred_in`; counts: int64 [messages answered, nanoseconds spent on them],
+// added to as it goes (read by another thread for stats); returns the words of the first
+// message it leaves to the caller (any other op: STOP), consumed.
+static std::vector<int64_t> pred_serve(at::Tensor& state, at::Tensor& counts, int64_t in_base, int64_t mask_base,
+                                       int64_t mask_capacity, int64_t dim, double spin_us, int64_t decode_op,
+                                       at::TensorList fc1, at::TensorList fc2, int64_t fmt, double threshold) {
+  TORCH_CHECK(state.scalar_type() == at::kLong && state.numel() == 2 && state.is_contiguous(), "state: int64 (2,)");
+  TORCH_CHECK(counts.scalar_type() == at::kLong && counts.numel() == 2 && counts.is_contiguous(), "counts: int64 (2,)");
+  TORCH_CHECK(fc1.size() == fc2.size() && !fc1.empty(), "fc1, fc2: one matrix each per layer");
+  auto* xh = reinterpret_cast<ChannelHeader*>(in_base);
+  char* xp = reinterpret_cast<char*>(in_base) + CH_HEADER;
+  int64_t *st = state.data_ptr<int64_t>(), *ct = counts.data_ptr<int64_t>();
+  const auto f32 = at::TensorOptions().dtype(at::kFloat);
+  using clock = std::chrono::steady_clock;
+  while (true) {
+    wait_message(in_base, st, spin_us);
+    const auto t0 = clock::now();
+    const int64_t op = xh->words[0], layer = xh->words[1], B = xh->words[2];
+    if (op != decode_op || layer < 0 || layer >= (int64_t)fc1.size() || B < 1 || B > 64)
+      return {op, layer, B};
+    const at::Tensor rows =
+        linear(linear(at::from_blob(xp, {B, dim}, f32), fc1[layer], fmt).relu_(), fc2[layer], fmt).ge(threshold);
+    TORCH_CHECK((int64_t)rows.nbytes() <= mask_capacity, "masks over the channel's capacity");
+    std::memcpy(reinterpret_cast<char*>(mask_base) + CH_HEADER, rows.data_ptr<bool>(), rows.nbytes());
+    const int64_t words[2] = {layer, B};  // (as Masks)
+    publish(mask_base, words, 2);
+    ct[0] += 1;
+    ct[1] += std::chrono::duration_cast<std::chrono::nanoseconds>(clock::now() - t0).count();
+  }
 }
 
 }  // namespace powerinfer
@@ -1015,15 +1125,20 @@ TORCH_LIBRARY(powerinfer, m) {
   m.def("ch_recv(Tensor like, Tensor(a!) state, int base, int width, float spin_us) -> Tensor");
   m.def("cold_serve(Tensor(a!) state, int x_base, int part_base, int part_capacity, int dim, bool bf16, "
         "float spin_us, int[] ops, int act, Tensor[] ffn_w1, Tensor[] ffn_w2, int[] ffn_kind, int[] ffn_n, int[] ffn_down_fmt, int[] ffn_w1_fmt, "
+        "Tensor[] ffn_idx, float[] ffn_threshold, int ffn_dim, "
         "Tensor[] qkv, int[] qkv_fmt, int[] qkv_n, Tensor[] qkv2, int[] qkv2_fmt, int[] qkv2_n, Tensor[] wo, int[] wo_fmt, Tensor[] k_cache, Tensor[] v_cache, "
         "int n_heads, Tensor? cos, Tensor? sin, int window, float scale, Tensor? head, int head_fmt, int head_n) -> int[]");
   m.def("hot_layers(Tensor h, Tensor pos, Tensor starts, Tensor tables, int x_base, int x_capacity, "
-        "int[] part_bases, Tensor[] part_states, float spin_us, int[] ops, int act, Tensor[] norms, float eps, "
+        "int[] part_bases, Tensor[] part_states, float spin_us, int[] ops, int[] predict, Tensor? mask_state, "
+        "int act, Tensor[] norms, float eps, "
         "Tensor[] ffn_w1, Tensor[] ffn_w2, int[] ffn_kind, int[] ffn_n, int[] ffn_down_fmt, int[] ffn_w1_fmt, "
+        "Tensor[] ffn_idx, float[] ffn_threshold, "
         "Tensor[] qkv, int[] qkv_fmt, int[] qkv_n, Tensor[] qkv2, int[] qkv2_fmt, int[] qkv2_n, Tensor[] wo, "
         "int[] wo_fmt, Tensor[] k_cache, Tensor[] v_cache, int n_heads, Tensor? cos, Tensor? sin, int window, "
-        "float scale, Tensor[] pred_fc2, float[] ffn_threshold, float pred_threshold, bool pred_layer_input, "
+        "float scale, Tensor[] pred_fc2, float pred_threshold, bool pred_layer_input, "
         "bool prompt=False) -> Tensor");
+  m.def("pred_serve(Tensor(a!) state, Tensor(b!) counts, int in_base, int mask_base, int mask_capacity, int dim, float spin_us, "
+        "int decode_op, Tensor[] fc1, Tensor[] fc2, int fmt, float threshold) -> int[]");
   m.def("isa", &powerinfer::isa);
   m.def("use_isa", &powerinfer::use_isa);
 }
@@ -1042,4 +1157,5 @@ TORCH_LIBRARY_IMPL(powerinfer, CPU, m) {
   m.impl("ch_recv", powerinfer::ch_recv);
   m.impl("cold_serve", powerinfer::cold_serve);
   m.impl("hot_layers", powerinfer::hot_layers);
+  m.impl("pred_serve", powerinfer::pred_serve);
 }
