@@ -7,7 +7,7 @@ records: in the model's precision, or in the file's 4-bit blocks with weights "i
 computes the neurons active in any row and keeps, per row, the ones that row's predictor chose
 (`sparse.decode_rows`, the in-process engine's operator, on the kernel).
 
-Where the group splits attention (a CPU group without a predictor, `plane.split_kv`), it also
+Where the group splits attention (a CPU group, `plane.splits_attention`, `plane.split_kv`), it also
 holds, per layer, the attention of its KV heads and their query heads (`partial.attention_slice`)
 with their paged KV cache (the same block ids as every other executor's), and answers each ATTN
 message with their share of the output projection.

@@ -29,7 +29,7 @@ from powerinfer.plan import SparsePlan
 from .channel import sweep
 from .cold_executor import ColdExecutor
 from .hot_executor import HotExecutor
-from .plane import SPIN_US, PlaneSpec
+from .plane import SPIN_US, PlaneSpec, splits_attention
 from .predictor import PredictorActor
 from .scheduler import Scheduler
 
@@ -118,12 +118,11 @@ class ActorGroup:
 
             # the predictor shares the hot executor's GPU (and bundle: one GPU, not any two
             # of the node's) where it has one: CUDA IPC buffers between the two
-            # on a CPU a solved placement (what a GPU's memory holds) places nothing: the
-            # executors share each layer's neurons as a dense split does, the hot executor its
-            # cores' share of the most active ones, the cold executors the rest dealt out by
-            # activation mass (a placement's uneven layers kept one side waiting on the other)
-            if not gpu and self.plan.hot is not None:
-                self.plan = replace(self.plan, hot=None)
+            # on a CPU the executors share each layer's neurons by their cores' shares of the
+            # work (`SparsePlan.dealt`): a solved placement (what a GPU's memory holds) places
+            # nothing there, and its uneven layers kept one side waiting on the other
+            if not gpu:
+                self.plan = self.plan.dealt(hot_share)
             self.hot_share = hot_share
             spec, p = self.spec, self.plan
             shared_gpu = gpu and p.predictor_input is not None and c.predictor_device == "auto"
@@ -146,8 +145,9 @@ class ActorGroup:
                     num_cpus=CPU_SHARE, max_concurrency=concurrency, max_restarts=0, **kw,
                     scheduling_strategy=PlacementGroupSchedulingStrategy(self.pg, i))
 
-            # on a CPU without a predictor the executors split attention by heads as well
-            attention = not gpu and p.predictor_input is None
+            # on a CPU the executors split attention by heads as well, with a predictor where
+            # its heads outweigh the neurons it picks (`plane.splits_attention`)
+            attention = not gpu and splits_attention(self.args, p)
             self.actors["hot"] = place(HotExecutor, 0,
                                        num_gpus=(0.5 if shared_gpu else 1) if gpu else 0).remote(
                 spec, self.cores.hot, self.model, c, p, hot_share, attention)

@@ -246,8 +246,9 @@ class HotExecutor:
         dtype = config.torch_dtype
         fmt = neuron_format(config.weights, ckpt.info, torch.empty(0, dtype=dtype, device=self.device))
         self.io = DataPlane(spec, plan.predictor_input, self.device)
-        # attention split by KV heads over the executors (a CPU group without a predictor)
-        kv = split_kv(ckpt.args.n_kv_heads, spec.n_cold, hot_share, attention and self.io.native)
+        # attention split by KV heads over the executors (a CPU group)
+        kv = split_kv(ckpt.args.n_kv_heads, spec.n_cold, hot_share,
+                      attention and (self.io.native or self.io.native_masks))
         self.kv_heads = (0, ckpt.args.n_kv_heads) if kv is None else kv[0]
         # read from the file without the cold neurons (nor the cold executors' heads); with int4
         # on the CPU the embedding stays in the file's blocks (and a tied head reads the same rows)
@@ -306,20 +307,21 @@ class HotExecutor:
 
     def _native_step(self, a) -> NativeDecode | None:
         """The decode step with its layer loop in C++ (`native.NativeDecode`, exchanging with the
-        cold executors natively): a CPU group without a predictor whose attention is split by
-        heads, or with a predictor on the host (its input and masks exchanged in the loop as
-        well; attention all here), a model `hot_layers` runs (`native.uniform_llama`) without an
+        cold executors natively): a CPU group whose attention is split by heads, or one with a
+        predictor on the host (its input and masks exchanged in the loop as well; its heads
+        split or all here), a model `hot_layers` runs (`native.uniform_llama`) without an
         output bias on its attention nor a down bias, every layer's heads and neurons in layouts
         the native loops run; else None (the step runs its Python modules)."""
         io, m, dtype = self.io, self.model, self.spec.torch_dtype
         if not (io.native or io.native_masks) or not uniform_llama(a, dtype):
             return None
+        kv_split = isinstance(m.layers[0].attn, RemoteAttention)
         layers = []
         for block in m.layers:
             f, att = block.ffn.f, block.attn
             if isinstance(att, RemoteAttention):
                 att = None if att.o_bias is not None else att.own
-            elif not io.native_masks:  # (a group without a predictor splits every layer's heads)
+            elif kv_split:  # (every layer's heads split, or none)
                 att = None
             if att is None or f.down_b is not None:
                 return None
@@ -327,7 +329,8 @@ class HotExecutor:
         args = layer_args(a, dtype, layers, layers[0][4].n_heads, m.rope_cos, m.rope_sin)
         predict, mask_state = [], None
         if io.native_masks:
-            predict = [io.pred_in.base, io.pred_in.capacity, io.mask.base, int(io.lookahead), self.spec.ffn_dim]
+            predict = [io.pred_in.base, io.pred_in.capacity, io.mask.base, int(io.lookahead), self.spec.ffn_dim,
+                       int(kv_split)]
             mask_state = io.mask.state
         exchange = (io.x.base, io.x.capacity, [p.base for p in io.parts], [p.state for p in io.parts],
                     io.parts[0].spin_us, [DECODE, ATTN, PREFILL], predict, mask_state)

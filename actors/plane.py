@@ -27,7 +27,8 @@ after attention in same-layer mode), reads the masks after attention, sends the 
 the masks on `x`, computes its hot neurons, and adds every `part.k`. On a CPU the output head is
 split the same way by vocabulary rows (`head_ranges`): after the last layer the hot executor
 sends the normed rows with op HEAD and computes its share while the cold executors compute
-theirs. Without a predictor on a CPU, attention is split too (`kv_ranges`): before each
+theirs. On a CPU attention is split too (`kv_ranges`; with a predictor where `splits_attention`
+says so): before each
 layer's attention the hot executor sends its input (op ATTN, words 5 and 6 the step's
 sequences and its block tables' width), each executor computes the heads of its KV heads (in its
 own paged pool, at the same block ids) and their share of the output projection,
@@ -82,13 +83,28 @@ def kv_ranges(n_kv: int, n_cold: int, hot_share: float) -> list[tuple[int, int]]
 
 def split_kv(n_kv: int, n_cold: int, hot_share: float, enabled: bool) -> list[tuple[int, int]] | None:
     """Each executor's KV heads (hot first, `kv_ranges`) when the group splits attention, else
-    None: it does where `enabled` (the group's decision: a CPU group without a predictor, whose
+    None: it does where `enabled` (the group's decision: a CPU group, `splits_attention`, whose
     exchanges run natively) with the kernel library loaded, and where every executor gets at
     least one KV head (an executor with none would still have to answer every message)."""
     if not enabled or not kernels.available():
         return None
     ranges = kv_ranges(n_kv, n_cold, hot_share)
     return ranges if all(hi > lo for lo, hi in ranges) else None
+
+
+def splits_attention(args, plan) -> bool:
+    """Whether a CPU group splits attention by KV heads over its executors (`split_kv` decides
+    where it can): always without a predictor (every neuron computed); with one where attention's
+    weights outweigh half of the FFN's that the predictors pick on average, the work unsplit
+    heads would leave the hot executor beyond the others' (a 7B shape's, 3x, needs the split:
+    0.82-0.84x in-process against 0.75x; SmolLM2's, 0.4x, decodes faster whole, 0.81-0.92x
+    against 0.75-0.82x: the split's exchange and its uneven share of 3 heads cost more)."""
+    if plan.predictor_input is None:
+        return True
+    a = args
+    heads = a.dim * a.head_dim * 2 * (a.n_heads + a.n_kv_heads)  # q, k, v, o
+    ffn = (3 if a.gated else 2) * a.dim * a.ffn_dim
+    return heads > ffn * (plan.active_share if plan.active_share is not None else 1.0) / 2
 
 
 class Step(NamedTuple):

@@ -7,7 +7,7 @@ cold executors.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -30,6 +30,7 @@ class SparsePlan:
     bundle: Path | None = None
     predictor_input: str | None = None  # "layer" (lookahead), "ffn" (same layer); None: all active
     block: int = BLOCK  # a dense split's cuts, in neurons (256: whole K-quant super-blocks of down)
+    active_share: float | None = None  # the predictors' average share of a layer's neurons, held out
 
     @classmethod
     def dense(cls, args: ModelArgs, block: int = BLOCK) -> "SparsePlan":
@@ -52,11 +53,11 @@ class SparsePlan:
         predictor = b.predictor_input(predictor)
         b.require(f"predictors.{predictor}", "train-predictors")
         check_quality(b, predictor, max_ppl_increase)
-        check_share(b, predictor)
+        share = check_share(b, predictor)[1]
         th = [float(t) for t in b.thresholds()]
         hot = b.placement() if b.has("placement") else None
         mass = b.stats()[1] if b.has("stats") else None
-        return cls(args.n_layers, args.ffn_dim, th, hot, mass, Path(path), predictor)
+        return cls(args.n_layers, args.ffn_dim, th, hot, mass, Path(path), predictor, active_share=share)
 
     def load_predictors(self, dtype=torch.float32, device="cpu"):
         from .predictor import load_predictors
@@ -65,8 +66,9 @@ class SparsePlan:
         return load_predictors(Bundle.open(self.bundle), self.predictor_input, dtype, device)
 
     def hot_mask(self, layer: int, share: float) -> torch.Tensor:
-        """Layer's (ffn_dim,) bool hot set: the solver's placement, or else the `share` of the
-        neurons with the most activation mass (the hot executor's part of the work on a CPU)."""
+        """Layer's (ffn_dim,) bool hot set: the solver's placement (or a CPU group's, `dealt`),
+        or else the `share` of the neurons with the most activation mass, or without a profile
+        the first `share` of them in whole blocks."""
         if self.hot is not None:
             return torch.from_numpy(self.hot[layer].copy())
         order = self.by_mass(layer)
@@ -76,6 +78,25 @@ class SparsePlan:
             k = min(self.ffn_dim, round(k / self.block) * self.block)
         out[order[:k]] = True
         return out
+
+    def dealt(self, share: float) -> "SparsePlan":
+        """The plan as a group of CPU executors runs it, the hot executor doing `share` of each
+        layer's FFN work (its cores' share): with a profile, each layer's neurons dealt out by
+        descending activation mass, the neuron of rank r to the hot executor where
+        floor((r + 1) share) passes floor(r share), so that each side expects its share of the
+        neurons that fire (the most active neurons all on one side left the other waiting);
+        without one, every neuron alike (`hot_mask`'s block-aligned share). A solved
+        placement, what a GPU's memory holds, places nothing on a CPU and is dropped."""
+        if self.mass is None:
+            return replace(self, hot=None)
+        hot = []
+        for i in range(self.n_layers):
+            ranks = np.arange(self.ffn_dim)
+            pick = np.floor((ranks + 1) * share) > np.floor(ranks * share)
+            h = np.zeros(self.ffn_dim, dtype=bool)
+            h[self.by_mass(i).numpy()[pick]] = True
+            hot.append(h)
+        return replace(self, hot=hot)
 
     def by_mass(self, layer: int) -> torch.Tensor:
         if self.mass is None:
@@ -118,22 +139,24 @@ class SparsePlan:
 MOSTLY_DENSE = 0.5
 
 
-def check_share(b: Bundle, predictor: str) -> str | None:
+def check_share(b: Bundle, predictor: str) -> tuple[str | None, float | None]:
     """Warn (one line, logger "powerinfer") when the bundle's predictors pick more than
     MOSTLY_DENSE of a layer's neurons on average (their training record's active share, on
-    held-out calibration tokens); returns the line."""
+    held-out calibration tokens); returns the line (None: no warning) and that share (None
+    where the record has none)."""
     import logging
 
     rows = b.load_json(f"predictors.{predictor}.json")
     shares = [r["active_share"] for r in rows if "active_share" in r]
-    if not shares or (share := sum(shares) / len(shares)) <= MOSTLY_DENSE:
-        return None
+    share = sum(shares) / len(shares) if shares else None
+    if share is None or share <= MOSTLY_DENSE:
+        return None, share
     line = (f"sparsity bundle {b.path}: its {predictor}-input predictors pick {share:.0%} of the FFN "
             f"neurons on average, so a sparse decode step computes most of them and gains little; "
             f"on a narrow FFN it is slower than the dense model (`benchmarks/sparse_layer.py` "
             f"takes a layer's step apart): compare with a load without the bundle")
     logging.getLogger("powerinfer").warning(line)
-    return line
+    return line, share
 
 
 def check_quality(b: Bundle, predictor: str, max_ppl_increase: float) -> str | None:

@@ -952,7 +952,7 @@ static void join_parts(at::Tensor& h, at::Tensor& y, at::IntArrayRef part_bases,
 }
 
 // The hot executor's layers of a decode step (one token a sequence; attention split by KV
-// heads, or with a predictor whole here), each as its Python modules run it: the normed rows go
+// heads, or with a predictor possibly whole here), each as its Python modules run it: the normed rows go
 // out to the cold executors on `x` (attention: with positions, sequence starts and block
 // tables), this process computes its own heads and neurons (the lists as cold_serve takes them;
 // an FFN kind 0: no neurons of its own), then adds the executors' answers and the result into
@@ -965,8 +965,9 @@ static void join_parts(at::Tensor& h, at::Tensor& y, at::IntArrayRef part_bases,
 // whole-row layouts (prompt_rows_ffn, prompt_rows_attention).
 // `predict` (a group with a predictor actor, decode steps only; empty: none): the channels
 // [pred_in's address, its capacity, mask's address], whether the predictor reads the layer's
-// input (sent before attention: lookahead) or the residual entering the FFN (sent after it), and
-// the layer's neurons; mask_state the reader state of `mask`. Each layer's predictor input goes
+// input (sent before attention: lookahead) or the residual entering the FFN (sent after it), the
+// layer's neurons, and whether attention is split (else this process holds every head);
+// mask_state the reader state of `mask`. Each layer's predictor input goes
 // out float32 (a PredictorInput), its masks (B, ffn_dim) come back (Masks), go out after the
 // FFN's rows to the cold executors, and select this process's records (kind 2).
 // In process, a layer's neurons may be records with their predictor (ffn kind 3: the sparse
@@ -1007,10 +1008,11 @@ static at::Tensor hot_layers(const at::Tensor& h_in, const at::Tensor& pos, cons
   const Predicted pred{pred_fc2, pred_threshold, pred_layer_input};
   // a predictor actor's masks (see above): decode steps of at most 64 rows, attention all here
   const bool masked = !predict.empty();
-  TORCH_CHECK(!masked || (predict.size() == 5 && mask_state && mask_state->scalar_type() == at::kLong &&
+  TORCH_CHECK(!masked || (predict.size() == 6 && mask_state && mask_state->scalar_type() == at::kLong &&
                           mask_state->numel() == 2 && mask_state->is_contiguous() && !prompt && !predicted &&
                           h_in.size(0) <= 64),
-              "predict: [pred_in, its capacity, mask, lookahead, ffn_dim] with the mask's reader state, for "
+              "predict: [pred_in, its capacity, mask, lookahead, ffn_dim, attention split] with the mask's "
+              "reader state, for "
               "a decode step of at most 64 rows");
   for (size_t l = 0; masked && l < n_layers; l++)
     TORCH_CHECK(ffn_kind[l] != 1, "layer ", l, ": masks for neurons held as a block slice");
@@ -1022,7 +1024,8 @@ static at::Tensor hot_layers(const at::Tensor& h_in, const at::Tensor& pos, cons
   TORCH_CHECK(starts.scalar_type() == at::kLong && tables.scalar_type() == at::kInt && tables.dim() == 2,
               "starts: int64; tables: (S, M) int32");
   const bool exchange = !part_bases.empty();  // none: the whole model in this process
-  const bool split_attention = exchange && !masked;  // (a group with a predictor keeps its heads here)
+  // attention split by KV heads over the executors (a group with a predictor may keep them here)
+  const bool split_attention = exchange && (!masked || predict[5]);
   const std::vector<int64_t> no_bases;
   const std::vector<at::Tensor> no_states;
   at::Tensor h = h_in.contiguous().clone();
