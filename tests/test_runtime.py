@@ -543,6 +543,47 @@ def test_streams_survive_the_death_of_any_actor(sparse_actors, roles, undisturbe
     assert not shm_segments()
 
 
+@pytest.mark.slow
+def test_a_stream_survives_the_predictor_dying_under_the_native_loops(ray_cluster, bundle):
+    # the fast configuration, where the hot executor's native loop waits for the predictor's
+    # masks in C++: a predictor killed mid-stream is named as the cause, the group is rebuilt,
+    # and the stream goes on to its last token
+    from powerinfer import kernels
+    from powerinfer.config import SamplingParams
+    if not kernels.available():
+        pytest.skip("the kernel library does not run here (needs g++ and AVX2)")
+    pi = PowerInfer.from_pretrained(MODEL, Config(runtime="actors", **dict(BASE, dtype="bfloat16", weights="int4",
+                                                                        bundle=bundle)))
+    e = pi.engine
+    try:
+        assert e.group.info["hot"]["native"] and e.group.info["predictor"]["native"]
+        got, failures = [], []
+
+        def consume():
+            try:
+                for ev in e.generate(pi.tokenize("Tell me a long story"),
+                                     SamplingParams(max_tokens=32, temperature=0, ignore_eos=True)):
+                    got.append(ev["token"])
+            except Exception as ex:  # noqa: BLE001 - asserted below
+                failures.append(ex)
+
+        t = threading.Thread(target=consume)
+        t.start()
+        deadline = time.time() + 60
+        while len(got) < 4 and time.time() < deadline:
+            time.sleep(0.01)
+        restarts = e.restarts
+        ray.kill(e.group.actors["predictor"], no_restart=True)
+        t.join(timeout=120)
+        assert not t.is_alive() and not failures, failures
+        assert len([x for x in got if x >= 0]) == 32
+        assert e.restarts == restarts + 1 and "died" in str(e.last_failure), e.last_failure
+        assert "Paris" in pi.generate("The capital of France is", **GREEDY)
+    finally:
+        pi.close()
+    assert not shm_segments()
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(),
                     reason="needs a CUDA device: the hot executor's GPU path")
 def test_hot_executor_on_gpu_keeps_the_vram_budget(ray_cluster, bundle, tmp_path):
