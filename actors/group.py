@@ -116,14 +116,14 @@ class ActorGroup:
                 node = {f"numa_node_{node_of(cores, topo)}": CPU_SHARE} if numa else {}
                 return {"CPU": CPU_SHARE, **node, **wanted, **extra}
 
-            # the predictor shares the hot executor's GPU (and bundle: one GPU, not any two
-            # of the node's) where it has one: CUDA IPC buffers between the two
             # on a CPU the executors share each layer's neurons by their cores' shares of the
             # work (`SparsePlan.dealt`): a solved placement (what a GPU's memory holds) places
             # nothing there, and its uneven layers kept one side waiting on the other
             if not gpu:
                 self.plan = self.plan.dealt(hot_share)
             self.hot_share = hot_share
+            # the predictor shares the hot executor's GPU (and bundle: one GPU, not any two
+            # of the node's) where it has one: CUDA IPC buffers between the two
             spec, p = self.spec, self.plan
             shared_gpu = gpu and p.predictor_input is not None and c.predictor_device == "auto"
             if shared_gpu and importlib.util.find_spec("cupy") is None:

@@ -27,15 +27,14 @@ after attention in same-layer mode), reads the masks after attention, sends the 
 the masks on `x`, computes its hot neurons, and adds every `part.k`. On a CPU the output head is
 split the same way by vocabulary rows (`head_ranges`): after the last layer the hot executor
 sends the normed rows with op HEAD and computes its share while the cold executors compute
-theirs. On a CPU attention is split too (`kv_ranges`; with a predictor where `splits_attention`
-says so): before each
-layer's attention the hot executor sends its input (op ATTN, words 5 and 6 the step's
-sequences and its block tables' width), each executor computes the heads of its KV heads (in its
-own paged pool, at the same block ids) and their share of the output projection,
-and the shares add up on the hot side. With a predictor on a CPU every process answers a decode
-step's messages in the kernel library's native loops (`hot_layers`, `cold_serve`,
-`pred_serve`), with the same headers and payloads as the Python loops. Every reply proves the
-readers are done with the message before it, so the channels need one buffer each.
+theirs. On a CPU attention is split too (`kv_ranges`; with a predictor where
+`splits_attention` says so): before each layer's attention the hot executor sends its input (op
+ATTN, words 5 and 6 the step's sequences and its block tables' width), each executor computes
+the heads of its KV heads (in its own paged pool, at the same block ids) and their share of the
+output projection, and the shares add up on the hot side. With a predictor on a CPU every
+process answers a decode step's messages in the kernel library's native loops (`hot_layers`,
+`cold_serve`, `pred_serve`), with the same headers and payloads as the Python loops. Every reply
+proves the readers are done with the message before it, so the channels need one buffer each.
 """
 from __future__ import annotations
 

@@ -56,9 +56,9 @@ NO_ATTENTION = (_EMPTY, 0, 0, _EMPTY, 0, 0, _EMPTY, 0, _EMPTY, _EMPTY)
 def ffn_entry(s: nn.Module, threshold: float = 0.0) -> tuple | None:
     """A layer's neurons as the native loops take them: (w1, w2, kind, n, down's format, w1's,
     the neurons' indices in the layer, their threshold), kind 1 gate+up rows of 16-row groups and
-    a down matrix (a block slice, or a whole dense FFN; n: its gate+up rows), 2
-    neuron records (n: their format; the indices select them from a predictor's masks); None for
-    what they cannot run (a bias, no kernel layout)."""
+    a down matrix (a block slice, or a whole dense FFN; n: its gate+up rows), 2 neuron records
+    (n: their format; the indices select them from a predictor's masks); None for what they
+    cannot run (a bias, no kernel layout)."""
     if isinstance(s, BlockSlice):
         w1, w2, plain = s.w1, s.down, s.up_b is None
     elif isinstance(s, FFN):

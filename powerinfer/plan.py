@@ -89,10 +89,10 @@ class SparsePlan:
         placement, what a GPU's memory holds, places nothing on a CPU and is dropped."""
         if self.mass is None:
             return replace(self, hot=None)
+        ranks = np.arange(self.ffn_dim)
+        pick = np.floor((ranks + 1) * share) > np.floor(ranks * share)  # the ranks it takes
         hot = []
         for i in range(self.n_layers):
-            ranks = np.arange(self.ffn_dim)
-            pick = np.floor((ranks + 1) * share) > np.floor(ranks * share)
             h = np.zeros(self.ffn_dim, dtype=bool)
             h[self.by_mass(i).numpy()[pick]] = True
             hot.append(h)

@@ -268,3 +268,29 @@ def test_a_k_quant_files_projections_are_read_in_their_own_blocks(tmp_path):
     assert file_bytes <= kq < 1.03 * file_bytes < copy_bytes
     ids = int4.tokenize("a b c d")
     assert torch.allclose(int4.engine.logits(ids), dense.engine.logits(ids), atol=0.5, rtol=0.1)
+
+
+def test_a_cpu_group_deals_each_layers_neurons_by_mass():
+    # on a CPU the executors share each layer's neurons by their cores' shares of the work: the
+    # hot executor's share of the neurons and of their activation mass (what fires), whatever
+    # the bundle's placement, which is dropped; the cold executors' shards the rest, each
+    # expecting the same mass. Without a profile, a dense plan's block-aligned split stands
+    import numpy as np
+    rng = np.random.default_rng(0)
+    mass = [rng.pareto(1.5, 1536) for _ in range(3)]  # a power law, as profiles show
+    placed = [np.arange(1536) < 700 for _ in range(3)]  # uneven, and most of the mass on one side
+    plan = SparsePlan(3, 1536, [0.0] * 3, placed, mass, predictor_input="ffn")
+    for share in (0.5, 1 / 3):
+        dealt = plan.dealt(share)
+        for i in range(3):
+            hot = dealt.hot_mask(i, share)
+            assert abs(int(hot.sum()) - share * 1536) <= 1
+            got = mass[i][hot.numpy()].sum() / mass[i].sum()
+            # dealt by rank: off the share by at most the largest neuron's mass
+            assert abs(got - share) <= mass[i].max() / mass[i].sum() + 1e-9, (share, i, got)
+            shards = dealt.shards(i, ~hot, 2)
+            assert sorted(torch.cat([hot.nonzero().squeeze(-1), *shards]).tolist()) == list(range(1536))
+    assert not np.array_equal(plan.dealt(0.5).hot[0], placed[0])  # the placement dropped
+    dense = SparsePlan(3, 1536, [0.0] * 3, None, None)
+    assert dense.dealt(0.5).hot is None
+    assert torch.equal(dense.dealt(0.5).hot_mask(0, 0.5), dense.hot_mask(0, 0.5))

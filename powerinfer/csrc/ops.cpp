@@ -729,12 +729,13 @@ struct ColdLayers {
 // The native loops' per-layer lists as one ColdLayers, each checked to hold an entry per layer.
 static ColdLayers per_layer(at::TensorList ffn_w1, at::TensorList ffn_w2, at::IntArrayRef ffn_kind,
                             at::IntArrayRef ffn_n, at::IntArrayRef ffn_down_fmt, at::IntArrayRef ffn_w1_fmt,
-                            at::TensorList ffn_idx, at::ArrayRef<double> ffn_threshold, at::TensorList qkv, at::IntArrayRef qkv_fmt, at::IntArrayRef qkv_n, at::TensorList qkv2,
-                            at::IntArrayRef qkv2_fmt, at::IntArrayRef qkv2_n, at::TensorList wo,
+                            at::TensorList ffn_idx, at::ArrayRef<double> ffn_threshold, at::TensorList qkv,
+                            at::IntArrayRef qkv_fmt, at::IntArrayRef qkv_n, at::TensorList qkv2, at::IntArrayRef qkv2_fmt, at::IntArrayRef qkv2_n, at::TensorList wo,
                             at::IntArrayRef wo_fmt, at::TensorList k_cache, at::TensorList v_cache) {
   const size_t n = ffn_kind.size();
   TORCH_CHECK(ffn_w1.size() == n && ffn_w2.size() == n && ffn_n.size() == n && ffn_down_fmt.size() == n &&
-              ffn_w1_fmt.size() == n && ffn_idx.size() == n && ffn_threshold.size() == n && qkv.size() == n && qkv_fmt.size() == n && qkv_n.size() == n &&
+              ffn_w1_fmt.size() == n && ffn_idx.size() == n && ffn_threshold.size() == n && qkv.size() == n &&
+              qkv_fmt.size() == n && qkv_n.size() == n &&
               qkv2.size() == n && qkv2_fmt.size() == n && qkv2_n.size() == n && wo.size() == n &&
               wo_fmt.size() == n && k_cache.size() == n && v_cache.size() == n,
               "one entry per layer in every list");
@@ -785,9 +786,10 @@ static at::Tensor ffn_step(const Kernels& k, const ColdLayers& L, int64_t layer,
         .to(at::kFloat);
   }
   if (L.ffn_kind[layer] == 2) {  // the records through the neuron kernel: the masks' neurons, or all
-    if (mask) return masked_records(x, L.ffn_w1[layer], L.ffn_idx[layer], *mask, threshold, act, L.ffn_n[layer]).to(at::kFloat);
-    at::Tensor all = at::ones({L.ffn_w1[layer].size(0)}, x.options().dtype(at::kBool));
-    return neuron_ffn(x, L.ffn_w1[layer], all, std::nullopt, std::nullopt, threshold, act, L.ffn_n[layer]).to(at::kFloat);
+    const at::Tensor& w = L.ffn_w1[layer];
+    if (mask) return masked_records(x, w, L.ffn_idx[layer], *mask, threshold, act, L.ffn_n[layer]).to(at::kFloat);
+    at::Tensor all = at::ones({w.size(0)}, x.options().dtype(at::kBool));
+    return neuron_ffn(x, w, all, std::nullopt, std::nullopt, threshold, act, L.ffn_n[layer]).to(at::kFloat);
   }
   TORCH_CHECK(!mask, "layer ", layer, ": masks for neurons held as a block slice");
   const bool gated = gated_act(act);
@@ -952,9 +954,9 @@ static void join_parts(at::Tensor& h, at::Tensor& y, at::IntArrayRef part_bases,
 }
 
 // The hot executor's layers of a decode step (one token a sequence; attention split by KV
-// heads, or with a predictor possibly whole here), each as its Python modules run it: the normed rows go
-// out to the cold executors on `x` (attention: with positions, sequence starts and block
-// tables), this process computes its own heads and neurons (the lists as cold_serve takes them;
+// heads, or all here in a group with a predictor that keeps them whole), each as its Python
+// modules run it: the normed rows go out to the cold executors on `x` (attention: with
+// positions, sequence starts and block tables), this process computes its own heads and neurons (the lists as cold_serve takes them;
 // an FFN kind 0: no neurons of its own), then adds the executors' answers and the result into
 // the residual. With no part channels (the in-process engine) nothing is sent: the lists are the
 // whole model's. h (B, dim) the embedded tokens in the model's type (f32 or bf16) -> the
@@ -967,9 +969,9 @@ static void join_parts(at::Tensor& h, at::Tensor& y, at::IntArrayRef part_bases,
 // [pred_in's address, its capacity, mask's address], whether the predictor reads the layer's
 // input (sent before attention: lookahead) or the residual entering the FFN (sent after it), the
 // layer's neurons, and whether attention is split (else this process holds every head);
-// mask_state the reader state of `mask`. Each layer's predictor input goes
-// out float32 (a PredictorInput), its masks (B, ffn_dim) come back (Masks), go out after the
-// FFN's rows to the cold executors, and select this process's records (kind 2).
+// mask_state the reader state of `mask`. Each layer's predictor input goes out float32 (a
+// PredictorInput), its masks (B, ffn_dim) come back (Masks), go out after the FFN's rows to the
+// cold executors, and select this process's records (kind 2).
 // In process, a layer's neurons may be records with their predictor (ffn kind 3: the sparse
 // engine's decode step, `predicted_ffn`; pred_fc2: per layer, empty where there are none), at
 // most 64 rows.
@@ -1006,14 +1008,13 @@ static at::Tensor hot_layers(const at::Tensor& h_in, const at::Tensor& pos, cons
   TORCH_CHECK(!predicted || (part_bases.empty() && pred_fc2.size() == n_layers && h_in.size(0) <= 64),
               "predicted neurons: in process, with a second predictor matrix per layer, at most 64 rows");
   const Predicted pred{pred_fc2, pred_threshold, pred_layer_input};
-  // a predictor actor's masks (see above): decode steps of at most 64 rows, attention all here
+  // a predictor actor's masks (see above): decode steps of at most 64 rows
   const bool masked = !predict.empty();
   TORCH_CHECK(!masked || (predict.size() == 6 && mask_state && mask_state->scalar_type() == at::kLong &&
                           mask_state->numel() == 2 && mask_state->is_contiguous() && !prompt && !predicted &&
                           h_in.size(0) <= 64),
               "predict: [pred_in, its capacity, mask, lookahead, ffn_dim, attention split] with the mask's "
-              "reader state, for "
-              "a decode step of at most 64 rows");
+              "reader state, for a decode step of at most 64 rows");
   for (size_t l = 0; masked && l < n_layers; l++)
     TORCH_CHECK(ffn_kind[l] != 1, "layer ", l, ": masks for neurons held as a block slice");
   for (const at::Tensor& st : part_states)
@@ -1026,8 +1027,8 @@ static at::Tensor hot_layers(const at::Tensor& h_in, const at::Tensor& pos, cons
   const bool exchange = !part_bases.empty();  // none: the whole model in this process
   // attention split by KV heads over the executors (a group with a predictor may keep them here)
   const bool split_attention = exchange && (!masked || predict[5]);
-  const std::vector<int64_t> no_bases;
-  const std::vector<at::Tensor> no_states;
+  const at::IntArrayRef attn_bases = split_attention ? part_bases : at::IntArrayRef();  // whose answers to add
+  const at::TensorList attn_states = split_attention ? part_states : at::TensorList();
   at::Tensor h = h_in.contiguous().clone();
   const std::vector<int64_t> attn_words = {tables.size(0), tables.size(1)}, none, with_masks = {1};
   // a prompt's rows go out as the Python modules send them, (1, rows, dim), its FFN's as a prefill
@@ -1054,10 +1055,7 @@ static at::Tensor hot_layers(const at::Tensor& h_in, const at::Tensor& pos, cons
     at::Tensor x = rms_norm(h, norms[2 * l], eps);
     if (split_attention) send_message({sent(x), pos, starts, tables}, x_base, x_capacity, ops[1], layer, attn_words);
     at::Tensor y = attention_step(k, L, layer, x, pos, starts, tables, n_heads, cos, sin, window, scale);
-    if (split_attention)
-      join_parts(h, y, part_bases, part_states, spin_us);
-    else
-      join_parts(h, y, no_bases, no_states, spin_us);
+    join_parts(h, y, attn_bases, attn_states, spin_us);
     x = rms_norm(h, norms[2 * l + 1], eps);
     if (masked) {
       if (!predict[3]) to_predictor(layer);  // the residual entering the FFN
@@ -1140,8 +1138,8 @@ TORCH_LIBRARY(powerinfer, m) {
         "int[] wo_fmt, Tensor[] k_cache, Tensor[] v_cache, int n_heads, Tensor? cos, Tensor? sin, int window, "
         "float scale, Tensor[] pred_fc2, float pred_threshold, bool pred_layer_input, "
         "bool prompt=False) -> Tensor");
-  m.def("pred_serve(Tensor(a!) state, Tensor(b!) counts, int in_base, int mask_base, int mask_capacity, int dim, float spin_us, "
-        "int decode_op, Tensor[] fc1, Tensor[] fc2, int fmt, float threshold) -> int[]");
+  m.def("pred_serve(Tensor(a!) state, Tensor(b!) counts, int in_base, int mask_base, int mask_capacity, int dim, "
+        "float spin_us, int decode_op, Tensor[] fc1, Tensor[] fc2, int fmt, float threshold) -> int[]");
   m.def("isa", &powerinfer::isa);
   m.def("use_isa", &powerinfer::use_isa);
 }
