@@ -34,10 +34,19 @@ APP = "powerinfer"
 POWERINFER = Path(sys.executable).with_name("powerinfer")
 
 
+# ports the Ray instance the server starts listens on by default, whatever is free when the test
+# picks its own: the GCS, the dashboard, Ray Client and the dashboard agent (a gRPC port picked as
+# 52365 once lost it to the agent, and the server could not start)
+RAY_PORTS = {6379, 8265, 10001, 52365}
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    while True:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        if port not in RAY_PORTS:
+            return port
 
 
 def ray_pids() -> set[int]:
