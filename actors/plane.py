@@ -96,8 +96,9 @@ def splits_attention(args, plan) -> bool:
     where it can): always without a predictor (every neuron computed); with one where attention's
     weights outweigh half of the FFN's that the predictors pick on average, the work unsplit
     heads would leave the hot executor beyond the others' (a 7B shape's, 3x, needs the split:
-    0.82-0.84x in-process against 0.75x; SmolLM2's, 0.4x, decodes faster whole, 0.81-0.92x
-    against 0.75-0.82x: the split's exchange and its uneven share of 3 heads cost more)."""
+    0.87-0.93x in-process against 0.69-0.87x whole; SmolLM2's, 0.4x, decodes faster whole,
+    0.81-0.92x against 0.75-0.82x split: the split's exchange and its uneven share of 3 heads
+    cost more; BENCHMARKS.md)."""
     if plan.predictor_input is None:
         return True
     a = args
