@@ -75,8 +75,7 @@ class DataPlane:
         self.native = device.type == "cpu" and not self.predicting and kernels.available()
         # a predictor on the host beside a CPU hot executor: the decode step's layer loop in
         # C++ sends the predictor's input and reads its masks too (`hot_layers`' `predict`)
-        self.native_masks = (device.type == "cpu" and self.predicting and not spec.device_predictor
-                             and kernels.available())
+        self.native_masks = device.type == "cpu" and self.predicting and kernels.available()
         if self.predicting:
             self.pred_in, self.mask = spec.open("pred_in", writer=True), spec.open("mask")
         if device.type == "cuda":

@@ -76,9 +76,9 @@ def ffn_entry(s: nn.Module, threshold: float = 0.0) -> tuple | None:
 def predicted_entry(f: HybridFFN) -> tuple | None:
     """A sparse layer's neurons with their predictor as `hot_layers` takes them in process (the
     decode step `HybridFFN` runs in one `kernels.predicted_ffn` call): (its `ffn_entry` of kind
-    3, the records with the predictor's first matrix; the predictor's second; the neurons'
-    threshold; the predictor's rule threshold; whether it reads the layer's input); None where
-    the layer's step is not that call (see `HybridFFN.predicted_records`) or has a bias."""
+    3, the records with the predictor's first matrix and the neurons' threshold; the predictor's
+    second; the predictor's rule threshold; whether it reads the layer's input); None where the
+    layer's step is not that call (see `HybridFFN.predicted_records`) or has a bias."""
     found = f.predicted_records()
     if found is None or f.down_b is not None:
         return None

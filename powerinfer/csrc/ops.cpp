@@ -224,23 +224,45 @@ static at::Tensor linear(const at::Tensor& x, const at::Tensor& w, int64_t fmt) 
   return y;
 }
 
+// The rows' predicted neurons as `predictor.Predictors.active` computes them on the GEMV: the
+// logits relu(p fc1^T) fc2^T (p: the predictor's input rows (B, dim), fc1/fc2 rows in fmt), a
+// neuron picked where its logit is at least `threshold` -> (B, ffn_dim) bool
+static at::Tensor predicted_rows(const at::Tensor& p, const at::Tensor& fc1, const at::Tensor& fc2, int64_t fmt,
+                                 double threshold) {
+  return linear(linear(p.contiguous(), fc1, fmt).relu_(), fc2, fmt).ge(threshold);
+}
+
+// A decode step of neuron records under a predictor's per-row masks over the layer's neurons,
+// as `sparse.decode_rows` runs it: x (B, dim); w the records of neurons idx (int64, in order;
+// undefined or empty: the layer's every neuron, in order); mask (B, ffn_dim) bool; bias (k,) f32 or None ->
+// (B, dim) in x's type: the neurons any row predicts, each row keeping its own (one row: the
+// row's mask is the selection).
+static at::Tensor masked_records(const at::Tensor& x, const at::Tensor& w, const at::Tensor& idx,
+                                 const at::Tensor& mask, const std::optional<at::Tensor>& bias, double threshold,
+                                 int64_t act, int64_t fmt) {
+  TORCH_CHECK(mask.scalar_type() == at::kBool && mask.dim() == 2 && mask.size(0) == x.size(0),
+              "masks: (B, ffn_dim) bool, one row per input row");
+  const int64_t k = idx.defined() ? idx.numel() : 0;
+  TORCH_CHECK((k ? k : mask.size(1)) == w.size(0), "the masks' neurons are the records'");
+  const bool whole = !k || k == mask.size(1);
+  const at::Tensor cols = whole ? mask : mask.index_select(1, idx);  // (B, k)
+  if (x.size(0) == 1) return neuron_ffn(x, w, cols[0].contiguous(), std::nullopt, bias, threshold, act, fmt);
+  return neuron_ffn(x, w, cols.any(0), cols.contiguous(), bias, threshold, act, fmt);
+}
+
 // A decode step of a layer's neurons as the sparse engine's modules run it with a predictor
 // (`sparse.HybridFFN` over `predictor.Predictors`), in one call where the modules take about
-// fifteen: the logits relu(p fc1^T) fc2^T on the GEMV (p: the predictor's input rows, fc1/fc2
-// rows in pred_fmt), each row's neurons with a logit >= pred_threshold, their union computed by
-// `neuron_ffn` over the records w (each row keeping its own where there are several) -> (B, dim)
-// in x's type, the values the modules give.
+// fifteen: each row's predicted neurons (`predicted_rows`, pred_fmt and pred_threshold its
+// format and rule), their union computed by `neuron_ffn` over the records w, the layer's every
+// neuron in order (each row keeping its own where there are several) -> (B, dim) in x's type,
+// the values the modules give.
 static at::Tensor predicted_ffn(const at::Tensor& x, const at::Tensor& p, const at::Tensor& fc1,
                                 const at::Tensor& fc2, int64_t pred_fmt, double pred_threshold,
                                 const at::Tensor& w, const std::optional<at::Tensor>& bias,
                                 double threshold, int64_t act, int64_t fmt) {
   TORCH_CHECK(x.dim() == 2 && p.dim() == 2 && p.size(0) == x.size(0), "x, p: (B, dim) each");
-  const at::Tensor rows = linear(linear(p.contiguous(), fc1, pred_fmt).relu_(), fc2, pred_fmt).ge(pred_threshold);
-  TORCH_CHECK(rows.size(1) == w.size(0), "the predictor's neurons are the records'");
-  const bool one = rows.size(0) == 1;
-  const at::Tensor uni = one ? rows[0].contiguous() : rows.any(0);
-  return neuron_ffn(x.contiguous(), w, uni, one ? std::nullopt : std::optional<at::Tensor>(rows), bias,
-                    threshold, act, fmt);
+  return masked_records(x.contiguous(), w, at::Tensor(), predicted_rows(p, fc1, fc2, pred_fmt, pred_threshold),
+                        bias, threshold, act, fmt);
 }
 
 // y (B, ceil(n/16) * 16) f32 = rows x (B, dim) f32 or bf16 times a matrix w of n rows in a
@@ -756,20 +778,6 @@ struct Predicted {
   bool layer_input;       // the predictor reads the layer's input, else the FFN's residual
 };
 
-// A decode step of neuron records under a predictor's per-row masks over the layer's neurons,
-// as `sparse.decode_rows` runs it: x (B, dim); w the records of neurons idx (int64, in order);
-// mask (B, ffn_dim) bool -> (B, dim) in x's type: the neurons any row predicts, each row keeping
-// its own (one row: the row's mask is the selection).
-static at::Tensor masked_records(const at::Tensor& x, const at::Tensor& w, const at::Tensor& idx,
-                                 const at::Tensor& mask, double threshold, int64_t act, int64_t fmt) {
-  TORCH_CHECK(mask.scalar_type() == at::kBool && mask.dim() == 2 && mask.size(0) == x.size(0),
-              "masks: (B, ffn_dim) bool, one row per input row");
-  TORCH_CHECK(idx.numel() == w.size(0), "masks need the records' neuron indices");
-  const at::Tensor cols = idx.numel() == mask.size(1) ? mask : mask.index_select(1, idx);  // (B, k)
-  if (x.size(0) == 1) return neuron_ffn(x, w, cols[0].contiguous(), std::nullopt, std::nullopt, threshold, act, fmt);
-  return neuron_ffn(x, w, cols.any(0), cols.contiguous(), std::nullopt, threshold, act, fmt);
-}
-
 // A layer's decode step of its block slice or neuron records: (rows, dim) -> (rows, dim) f32;
 // for predicted records (kind 3) p is the predictor's input rows; for records (kind 2) `mask`
 // the rows' masks over the layer's neurons (see masked_records), or null: every neuron
@@ -787,7 +795,8 @@ static at::Tensor ffn_step(const Kernels& k, const ColdLayers& L, int64_t layer,
   }
   if (L.ffn_kind[layer] == 2) {  // the records through the neuron kernel: the masks' neurons, or all
     const at::Tensor& w = L.ffn_w1[layer];
-    if (mask) return masked_records(x, w, L.ffn_idx[layer], *mask, threshold, act, L.ffn_n[layer]).to(at::kFloat);
+    if (mask)
+      return masked_records(x, w, L.ffn_idx[layer], *mask, std::nullopt, threshold, act, L.ffn_n[layer]).to(at::kFloat);
     at::Tensor all = at::ones({w.size(0)}, x.options().dtype(at::kBool));
     return neuron_ffn(x, w, all, std::nullopt, std::nullopt, threshold, act, L.ffn_n[layer]).to(at::kFloat);
   }
@@ -901,17 +910,18 @@ static std::vector<int64_t> cold_serve(at::Tensor& state, int64_t x_base, int64_
     const bool in_layers = layer >= 0 && layer < (int64_t)n_layers;
     const bool decode_rows = T == 1 && B <= 64;  // else a prompt's rows: whole-row layouts only (below)
     const int64_t rows = B * T;
+    auto up = [](int64_t n) { return (n + 63) / 64 * 64; };  // the payload's parts' boundaries
     at::Tensor y;
     if (w4 && in_layers && decode_rows && op == ops[0] && ffn_kind[layer] == 2 && ffn_dim > 0) {
       // the predictor's masks after the rows (PlaneSpec.mask_offset)
-      const at::Tensor mask = at::from_blob(xp + (rows * dim * (bf16 ? 2 : 4) + 63) / 64 * 64, {rows, ffn_dim},
+      const at::Tensor mask = at::from_blob(xp + up(rows * dim * (bf16 ? 2 : 4)), {rows, ffn_dim},
                                             at::TensorOptions().dtype(at::kBool));
       y = ffn_step(k, L, layer, at::from_blob(xp, {rows, dim}, rows_type), act, nullptr, nullptr, &mask);
     } else if (!w4 && in_layers && ((decode_rows && op == ops[0] && ffn_kind[layer]) ||
                                     (op == ops[3] && prompt_rows_ffn(L, layer)))) {
       y = ffn_step(k, L, layer, at::from_blob(xp, {rows, dim}, rows_type), act);
     } else if (op == ops[2] && in_layers && qkv[layer].numel() && (decode_rows || prompt_rows_attention(L, layer))) {
-      auto up = [](int64_t n) { return (n + 63) / 64 * 64; };  // PlaneSpec.attn_layout
+      // (PlaneSpec.attn_layout)
       const int64_t at_pos = up(rows * dim * (bf16 ? 2 : 4)), at_starts = at_pos + up(rows * 8), at_tables = at_starts + up((w4 + 1) * 8);
       const auto ints = at::TensorOptions().dtype(at::kLong);
       at::Tensor pos = at::from_blob(xp + at_pos, {rows}, ints), starts = at::from_blob(xp + at_starts, {w4 + 1}, ints);
@@ -1097,8 +1107,7 @@ static std::vector<int64_t> pred_serve(at::Tensor& state, at::Tensor& counts, in
     const int64_t op = xh->words[0], layer = xh->words[1], B = xh->words[2];
     if (op != decode_op || layer < 0 || layer >= (int64_t)fc1.size() || B < 1 || B > 64)
       return {op, layer, B};
-    const at::Tensor rows =
-        linear(linear(at::from_blob(xp, {B, dim}, f32), fc1[layer], fmt).relu_(), fc2[layer], fmt).ge(threshold);
+    const at::Tensor rows = predicted_rows(at::from_blob(xp, {B, dim}, f32), fc1[layer], fc2[layer], fmt, threshold);
     TORCH_CHECK((int64_t)rows.nbytes() <= mask_capacity, "masks over the channel's capacity");
     std::memcpy(reinterpret_cast<char*>(mask_base) + CH_HEADER, rows.data_ptr<bool>(), rows.nbytes());
     const int64_t words[2] = {layer, B};  // (as Masks)
