@@ -131,6 +131,7 @@ def convert(model: Path, out: Path, progress: bool = True) -> dict:
     import gguf
 
     from .kernels import quantize_rows
+    from .kquants import dequantize
     from .loader import open_gguf
     from .pwri import GGUF_VERSION, STR, kv_record, raw_field, write_gguf
 
@@ -145,15 +146,15 @@ def convert(model: Path, out: Path, progress: bool = True) -> dict:
 
     def produce(t, to):
         def run():
-            shape = tuple(int(x) for x in reversed(t.shape))
-            w = np.asarray(gguf.quants.dequantize(t.data, t.tensor_type), np.float32)
-            w = w.reshape(-1, shape[-1])
+            n = int(t.shape[0])  # a row's values (ggml's shape is reversed)
+            w = dequantize(t.data, t.tensor_type.name, n)
             if t.tensor_type.name == "Q4_K":
                 q = q4_k_to_q4_1(np.asarray(t.data, np.uint8).reshape(w.shape[0], -1))
             else:
-                q = quantize_rows(torch.from_numpy(w), to.lower()).numpy()
-            back = gguf.quants.dequantize(q, gguf.GGMLQuantizationType[to]).reshape(w.shape)
-            errors[t.name] = float(np.linalg.norm(back - w) / max(np.linalg.norm(w), 1e-30))
+                q = quantize_rows(w, to.lower()).numpy()
+            back = dequantize(q, to, n)
+            errors[t.name] = float(torch.linalg.vector_norm(back - w)
+                                   / max(float(torch.linalg.vector_norm(w)), 1e-30))
             bar.update(1)
             return q
         return run

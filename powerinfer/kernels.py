@@ -36,7 +36,7 @@ from pathlib import Path
 
 import torch
 from gguf import GGMLQuantizationType
-from gguf.quants import dequantize, quantize
+from . import kquants
 
 log = logging.getLogger("powerinfer")
 
@@ -224,8 +224,8 @@ def huge(t: torch.Tensor) -> torch.Tensor:
 # ---- formats: rows of weights <-> bytes ----
 
 def quantize_rows(w: torch.Tensor, fmt: str) -> torch.Tensor:
-    """(n, dim) float weights -> (n, row_bytes) uint8 in `fmt` (the gguf package's quantizer
-    for Q4_0/Q4_1, so the blocks are those llama.cpp would write)."""
+    """(n, dim) float weights -> (n, row_bytes) uint8 in `fmt` (for Q4_0/Q4_1/Q8_0 the blocks
+    that the gguf package's quantizer, and llama.cpp's, would write: `kquants.quantize`)."""
     n, dim = w.shape
     assert dim % 32 == 0 or fmt in PLAIN_FORMATS, dim  # (blocks of 32)
     if n == 0:
@@ -239,7 +239,7 @@ def quantize_rows(w: torch.Tensor, fmt: str) -> torch.Tensor:
         return torch.cat([scale.view(torch.uint8), q.view(torch.uint8)], 1)
     if fmt not in _GGML:
         raise ValueError(f"format must be one of {FORMATS}, got {fmt!r}")
-    return torch.from_numpy(quantize(w.numpy(), _GGML[fmt]))
+    return torch.from_numpy(kquants.quantize(w.cpu().numpy(), _GGML[fmt].name))
 
 
 def dequantize_rows(b: torch.Tensor, fmt: str, dim: int) -> torch.Tensor:
@@ -254,7 +254,7 @@ def dequantize_rows(b: torch.Tensor, fmt: str, dim: int) -> torch.Tensor:
         return b.view(PLAIN_FORMATS[fmt]).reshape(n, dim).float()
     if fmt == "i8":
         return b[:, 4:].view(torch.int8).float() * b[:, :4].contiguous().view(torch.float32)
-    return torch.from_numpy(dequantize(b.numpy(), _GGML[fmt])).reshape(n, dim)
+    return kquants.dequantize(b.cpu().numpy(), _GGML[fmt].name, dim)
 
 
 def split_rows(rows: torch.Tensor, fmt: str) -> torch.Tensor:

@@ -495,10 +495,9 @@ class GGUFSource(TensorSource):
 
     def _dequantize(self, name: str, raw: np.ndarray) -> torch.Tensor:
         """Rows of a block-quantized tensor's bytes -> (rows, k) float32."""
-        import gguf
+        from .kquants import dequantize
 
-        w = gguf.quants.dequantize(raw, gguf.GGMLQuantizationType[self.kind(name)])
-        return torch.from_numpy(np.asarray(w, dtype=np.float32)).reshape(-1, self.shape(name)[-1])
+        return dequantize(raw, self.kind(name), self.shape(name)[-1])
 
     def read_into(self, name: str, out: torch.Tensor):
         """Copy the whole tensor into `out` (its shape, any dtype): one copy for plain numbers."""

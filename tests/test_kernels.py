@@ -465,6 +465,53 @@ def test_q6_k_codes_are_the_gguf_dequantizers():
     assert torch.equal(d * sc * q, torch.from_numpy(want))
 
 
+@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q8_0"])
+def test_the_torch_quantizers_write_the_gguf_packages_bytes(kind):
+    # kquants.quantize's torch ops against gguf's numpy (ggml's reference arithmetic), byte for
+    # byte, with the blocks where rounding and ties decide: all zero, all one value, the largest
+    # magnitude twice with both signs, values on a half step of the grid, one huge value
+    from gguf import GGMLQuantizationType
+    from gguf import quantize as gguf_quantize
+
+    from powerinfer.kquants import quantize
+    torch.manual_seed(5)
+    x = torch.randn(64, 256) * torch.rand(64, 1) * 4
+    x[0, :32] = 0
+    x[1, :32] = 0.75
+    x[2, :32] = torch.linspace(-1, 1, 32)
+    x[2, 5], x[2, 9] = -3.0, 3.0
+    x[3, :32] = torch.arange(32).float() / 16 - 1 + 1 / 32  # on half steps
+    x[4, 40] = 1e4
+    x[5, :32] = torch.arange(32).float() - 15.5  # Q8_0: codes on half steps (1/d exactly 1)
+    x[5, 0] = 127.0
+    want = gguf_quantize(x.numpy(), getattr(GGMLQuantizationType, kind))
+    got = quantize(x.numpy(), kind)
+    assert got.dtype == np.uint8 and np.array_equal(got, want)
+
+
+@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q6_K"])
+def test_the_torch_dequantizer_reads_what_the_gguf_package_reads(kind):
+    # kquants.dequantize (the loader's and the converter's) on blocks of random bytes, every code
+    # and scale bit in play, the fp16 scales made finite: the same float32 values as gguf's
+    from gguf import GGMLQuantizationType
+    from gguf import dequantize as gguf_dequantize
+
+    from powerinfer.kquants import BLOCK_BYTES, dequantize
+    g = torch.Generator().manual_seed(6)
+    bb = BLOCK_BYTES[kind]
+    per = 32 if bb < 100 else 256
+    rows, n = 24, 2 * per
+    raw = torch.randint(0, 256, (rows * n // per, bb), dtype=torch.uint8, generator=g)
+    scales = {"Q4_0": [0], "Q4_1": [0, 2], "Q8_0": [0], "Q4_K": [0, 2], "Q6_K": [208]}[kind]
+    for at in scales:  # finite fp16 scales of either sign (NaN would not compare)
+        raw[:, at:at + 2] = (torch.randn(raw.shape[0], 1, generator=g) * 0.1).half().view(torch.uint8)
+    raw = raw.numpy().reshape(rows, -1)
+    want = gguf_dequantize(raw, getattr(GGMLQuantizationType, kind)).reshape(rows, n)
+    got = dequantize(raw, kind, n)
+    assert got.shape == (rows, n) and got.dtype == torch.float32
+    assert torch.equal(got, torch.from_numpy(np.ascontiguousarray(want, np.float32)))
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_qk_norm_equals_the_per_head_norms(dtype):
     # Qwen3's and Gemma 3's q/k norms in one call: each q head through q_norm, each k head
