@@ -192,6 +192,23 @@ def isa() -> str:
     return torch.ops.powerinfer.isa() if available() else "none"
 
 
+# the native layer loop's phases (csrc/ops.cpp, prof::Phase), in order
+LOOP_PHASES = ("norms", "sends to the executors", "q/k/v projection", "attention (RoPE, cache, softmax)",
+               "output projection", "waits for the executors' attention", "their attention added",
+               "FFN", "waits for the executors' FFN", "their FFN added", "predictor input and masks")
+
+
+def loop_profile(mode: str = "read") -> dict:
+    """The native layer loop's time by phase in this process (`hot_layers` and its attention
+    steps), for benchmarks: "start" zeroes and starts the count (two clock reads a phase while on),
+    "read" reads it, "stop" reads and stops it. Returns {"calls": loops run, phase: seconds}
+    (`LOOP_PHASES`), the totals before the call; empty where the kernel library is not loaded."""
+    if not available():
+        return {}
+    t = torch.ops.powerinfer.loop_profile({"read": 0, "start": 1, "stop": 2}[mode]).tolist()
+    return {"calls": t[-1], **{name: ns / 1e9 for name, ns in zip(LOOP_PHASES, t)}}
+
+
 # ---- weights on 2 MiB pages ----
 
 HUGE_MIN_BYTES = 4 << 20  # smaller tensors stay where torch puts them

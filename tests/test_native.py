@@ -3,6 +3,8 @@ model's own modules: the in-process engine's decode steps take it on the default
 configuration and give the modules' logits, for one sequence and for a batch of sequences at
 different positions in the paged cache, and so does a prompt step (chunks and decode rows);
 models it cannot run keep their modules."""
+import time
+
 import pytest
 import torch
 
@@ -26,6 +28,30 @@ def smol():
 def test_the_engine_decodes_natively_with_the_defaults(smol):
     assert isinstance(smol.engine.native, NativeDecode)
     assert "Paris" in smol.generate("The capital of France is", max_new_tokens=8, temperature=0)
+
+
+def test_the_loop_profile_counts_the_native_steps_phases_only_while_on(smol):
+    # kernels.loop_profile (benchmarks/phases.py): the decode loop's phases add up while it is
+    # on, within the step's own time, and nothing is counted before "start" or after "stop"
+    def steps(n):
+        t0 = time.perf_counter()
+        smol.generate("The capital of France is", max_new_tokens=n, temperature=0, ignore_eos=True)
+        return time.perf_counter() - t0
+
+    kernels.loop_profile("stop")
+    steps(4)
+    kernels.loop_profile("start")
+    assert kernels.loop_profile("read")["calls"] == 0
+    took = steps(6)
+    on = kernels.loop_profile("stop")
+    assert on["calls"] >= 5  # six tokens: five decode steps (and the prompt's, where it runs there)
+    assert set(on) == {"calls", *kernels.LOOP_PHASES}
+    for phase in ("norms", "q/k/v projection", "attention (RoPE, cache, softmax)", "output projection", "FFN"):
+        assert on[phase] > 0, phase
+    assert on["waits for the executors' FFN"] == 0  # (in process: no executors)
+    assert sum(v for k, v in on.items() if k != "calls") < took
+    steps(3)
+    assert kernels.loop_profile("read") == on
 
 
 def test_native_decode_equals_the_modules(smol):

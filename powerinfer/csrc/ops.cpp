@@ -813,6 +813,58 @@ static at::Tensor ffn_step(const Kernels& k, const ColdLayers& L, int64_t layer,
   return project(k, h, L.ffn_w2[layer], L.ffn_down_fmt[layer], dim);
 }
 
+// The native layer loop's time by phase (`loop_profile`, for benchmarks; off unless asked for,
+// then two clock reads a phase): nanoseconds per phase of `hot_layers` and the `attention_step`s
+// it runs, added up over every call in this process, and the calls counted.
+namespace prof {
+enum Phase { NORM, SEND, QKV, ATTEND, WO, WAIT_ATTN, ADD_ATTN, FFN, WAIT_FFN, ADD_FFN, PREDICT, CALLS, N };
+static std::atomic<bool> on{false};
+static std::array<std::atomic<int64_t>, N> ns;  // (static: zeroed)
+using clock = std::chrono::steady_clock;
+
+struct Laps {
+  const bool active = on.load(std::memory_order_relaxed);
+  clock::time_point t = active ? clock::now() : clock::time_point();
+  int64_t since() {  // ns since the last lap, and a new lap starts
+    const auto n = clock::now();
+    const int64_t d = std::chrono::duration_cast<std::chrono::nanoseconds>(n - t).count();
+    t = n;
+    return d;
+  }
+  void lap(Phase p) {
+    if (active) ns[p] += since();
+  }
+  void skip() {  // (time another Laps counted)
+    if (active) t = clock::now();
+  }
+  // a join of the executors' answers: `waited` ns (their reader states' growth) of it waiting
+  void join(Phase wait, Phase add, int64_t waited) {
+    if (!active) return;
+    const int64_t d = since();
+    ns[wait] += waited;
+    ns[add] += d - waited;
+  }
+};
+
+static int64_t waited(at::TensorList states) {  // the readers' nanoseconds waited, all channels
+  int64_t w = 0;
+  for (const at::Tensor& st : states) w += st.data_ptr<int64_t>()[1];
+  return w;
+}
+}  // namespace prof
+
+// mode 1: reset and start; 0: read; 2: stop. Returns the totals as they were before the call
+// (int64, prof::Phase's order: nanoseconds per phase, then CALLS, the hot_layers calls counted).
+static at::Tensor loop_profile(int64_t mode) {
+  at::Tensor out = at::empty({prof::N}, at::TensorOptions().dtype(at::kLong));
+  int64_t* o = out.data_ptr<int64_t>();
+  for (int i = 0; i < prof::N; i++) o[i] = prof::ns[i].load();
+  if (mode == 1)
+    for (auto& v : prof::ns) v.store(0);
+  if (mode == 1 || mode == 2) prof::on.store(mode == 1);
+  return out;
+}
+
 // A layer's decode step of its heads: x (rows, dim) in the model's type; pos (rows,), starts,
 // tables: where the rows sit in the paged cache (see paged_attention) -> (rows, dim) f32, their
 // share of the output projection (as Attention(partial=True)).
@@ -820,6 +872,7 @@ static at::Tensor attention_step(const Kernels& k, const ColdLayers& L, int64_t 
                                  const at::Tensor& pos, const at::Tensor& starts, const at::Tensor& tables,
                                  int64_t n_heads, const std::optional<at::Tensor>& cos,
                                  const std::optional<at::Tensor>& sin, int64_t window, double scale) {
+  prof::Laps laps;
   const at::Tensor tables_c = tables.contiguous(), starts_c = starts.contiguous(), pos_c = pos.contiguous();
   // (the values paged_attention would see and return, with no copies between: the projection
   // rounded to the model's type in place, the RoPE tables read at each position, the output
@@ -835,6 +888,7 @@ static at::Tensor attention_step(const Kernels& k, const ColdLayers& L, int64_t 
   };
   qkv = qkv.contiguous();
   round_rows(qkv);
+  laps.lap(prof::QKV);
   check_attention(qkv, L.k_cache[layer], L.v_cache[layer], tables_c, starts_c, pos_c, n_heads, x.scalar_type());
   const bool roped = cos && cos->defined() && cos->numel();
   if (roped) {
@@ -849,7 +903,10 @@ static at::Tensor attention_step(const Kernels& k, const ColdLayers& L, int64_t 
   at::Tensor y = attend_rows(qkv, roped ? cos->data_ptr<float>() : nullptr, roped ? sin->data_ptr<float>() : nullptr,
                              true, L.k_cache[layer], L.v_cache[layer], tables_c, starts_c, pos_c, n_heads, window, scale);
   round_rows(y);
-  return project(k, y, L.wo[layer], L.wo_fmt[layer], x.size(1));
+  laps.lap(prof::ATTEND);
+  at::Tensor out = project(k, y, L.wo[layer], L.wo_fmt[layer], x.size(1));
+  laps.lap(prof::WO);
+  return out;
 }
 
 // Whether a layer's neurons (its heads) answer a prompt's rows, any number of them, natively:
@@ -1056,29 +1113,44 @@ static at::Tensor hot_layers(const at::Tensor& h_in, const at::Tensor& pos, cons
     return at::from_blob(reinterpret_cast<char*>(predict[2]) + CH_HEADER, {rows, predict[4]},
                          at::TensorOptions().dtype(at::kBool));
   };
+  prof::Laps laps;
+  if (laps.active) prof::ns[prof::CALLS] += 1;
   for (size_t l = 0; l < n_layers; l++) {
     const int64_t layer = (int64_t)l;
     if (masked && predict[3]) to_predictor(layer);  // lookahead: the layer's input, before attention
+    laps.lap(prof::PREDICT);
     // the predictor's input: the layer's, as it was before the attention's sum, or (h itself,
     // which that sum updates in place) the residual entering the FFN
     const at::Tensor layer_in = ffn_kind[l] == 3 && pred_layer_input ? h.clone() : h;
     at::Tensor x = rms_norm(h, norms[2 * l], eps);
+    laps.lap(prof::NORM);
     if (split_attention) send_message({sent(x), pos, starts, tables}, x_base, x_capacity, ops[1], layer, attn_words);
+    laps.lap(prof::SEND);
     at::Tensor y = attention_step(k, L, layer, x, pos, starts, tables, n_heads, cos, sin, window, scale);
+    laps.skip();  // (its own laps)
+    int64_t w0 = laps.active ? prof::waited(attn_states) : 0;
     join_parts(h, y, attn_bases, attn_states, spin_us);
+    laps.join(prof::WAIT_ATTN, prof::ADD_ATTN, laps.active ? prof::waited(attn_states) - w0 : 0);
     x = rms_norm(h, norms[2 * l + 1], eps);
+    laps.lap(prof::NORM);
     if (masked) {
       if (!predict[3]) to_predictor(layer);  // the residual entering the FFN
       const at::Tensor mask = masks_of(layer);  // (valid until the next PredictorInput)
+      laps.lap(prof::PREDICT);
       send_message({x, mask}, x_base, x_capacity, ops[0], layer, with_masks);
+      laps.lap(prof::SEND);
       y = ffn_kind[l] ? ffn_step(k, L, layer, x, act, nullptr, nullptr, &mask).contiguous()
                       : at::zeros(x.sizes(), x.options().dtype(at::kFloat));
     } else {
       if (exchange) send_message({sent(x)}, x_base, x_capacity, prompt ? ops[2] : ops[0], layer, none);
+      laps.lap(prof::SEND);
       y = ffn_kind[l] ? ffn_step(k, L, layer, x, act, &pred, &layer_in).contiguous()
                       : at::zeros(x.sizes(), x.options().dtype(at::kFloat));
     }
+    laps.lap(prof::FFN);
+    w0 = laps.active ? prof::waited(part_states) : 0;
     join_parts(h, y, part_bases, part_states, spin_us);
+    laps.join(prof::WAIT_FFN, prof::ADD_FFN, laps.active ? prof::waited(part_states) - w0 : 0);
   }
   return h;
 }
@@ -1149,6 +1221,7 @@ TORCH_LIBRARY(powerinfer, m) {
         "bool prompt=False) -> Tensor");
   m.def("pred_serve(Tensor(a!) state, Tensor(b!) counts, int in_base, int mask_base, int mask_capacity, int dim, "
         "float spin_us, int decode_op, Tensor[] fc1, Tensor[] fc2, int fmt, float threshold) -> int[]");
+  m.def("loop_profile", &powerinfer::loop_profile);
   m.def("isa", &powerinfer::isa);
   m.def("use_isa", &powerinfer::use_isa);
 }

@@ -1,0 +1,110 @@
+#!/usr/bin/env python3
+"""Where a dense decode token's time goes inside the native layer loop, against its floor.
+
+    .venv/bin/python benchmarks/phases.py [--model M] [--tokens 64] [--turns 3] [--out FILE]
+
+The in-process engine's decode step with the default configuration (`Config()` resolved for
+this machine and file) runs every layer in one native call (`hot_layers`). Its phases are timed
+inside the kernel library (`kernels.loop_profile`: two clock reads a phase, on only while this
+measures): the norms, the q/k/v projection, the attention (RoPE, the cache, the softmax), the
+output projection, the FFN, and (in the actor runtime's hot executor) the exchanges. The output
+head is timed by hooks around it; what is left of the token (embedding, the final norm, the
+step's Python, sampling) is the rest. Each turn decodes `--tokens` greedy tokens after a prompt,
+after a warm-up.
+
+The floor is the bytes a token reads (every weight the step holds, the KV cache at the mean
+context) at the read bandwidth of a reduction over 1 GiB, measured before each turn; each
+part's GB/s is its bytes over its time.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import platform
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from powerinfer import Config, PowerInfer, kernels
+from powerinfer.native import NativeDecode
+from sparse_cpu import PROMPT, decode, dense_bytes, module_bytes, read_bandwidth
+
+
+def head_timer(model):
+    """Hooks that add up the output head's seconds: (timer dict, the hooks' handles)."""
+    t = {"s": 0.0, "t0": 0.0}
+
+    def pre(mod, args):
+        t["t0"] = time.perf_counter()
+
+    def post(mod, args, out):
+        t["s"] += time.perf_counter() - t["t0"]
+
+    return t, [model.output.register_forward_pre_hook(pre), model.output.register_forward_hook(post)]
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", default=None, help="a model file (default: the default model)")
+    ap.add_argument("--tokens", type=int, default=64)
+    ap.add_argument("--turns", type=int, default=3)
+    ap.add_argument("--out", default=None)
+    a = ap.parse_args()
+    pi = PowerInfer.from_pretrained(*([a.model] if a.model else []), config=Config())
+    model = pi.model
+    step = NativeDecode.of(model)
+    if step is None or not kernels.available():
+        raise SystemExit("this model's decode step does not run in the native loop here")
+    ids = pi.tokenizer.encode(PROMPT)
+    decode(model, ids, 16, step)  # warm-up
+    kv_len = len(ids) + a.tokens / 2
+    parts = dense_bytes(model, kv_len)
+    parts["FFN"] = sum(module_bytes(b.ffn) for b in model.layers)
+    total_bytes = sum(parts.values())
+    turns = []
+    for _ in range(a.turns):
+        bw = read_bandwidth(torch.float32)
+        timer, hooks = head_timer(model)
+        kernels.loop_profile("start")
+        times, _ = decode(model, ids, a.tokens, step)
+        prof = kernels.loop_profile("stop")
+        for h in hooks:
+            h.remove()
+        n = len(times)
+        ms = {k: v / n * 1e3 for k, v in prof.items() if k != "calls" and v}
+        ms["output head"] = timer["s"] / n * 1e3
+        token = sum(times) / n * 1e3
+        ms["the rest (embedding, final norm, the step's Python, sampling)"] = token - sum(ms.values())
+        turns.append({"bandwidth_gb_s": bw / 1e9, "token_ms": token, "floor_ms": total_bytes / bw * 1e3,
+                      "loops_per_token": prof["calls"] / n, "ms": ms})
+        print(f"turn: {token:.2f} ms a token, floor {total_bytes / bw * 1e3:.2f} ms "
+              f"({total_bytes / bw * 1e3 / token:.0%}), read bandwidth {bw / 1e9:.1f} GB/s", flush=True)
+    med = {k: statistics.median(t["ms"][k] for t in turns) for k in turns[0]["ms"]}
+    token = statistics.median(t["token_ms"] for t in turns)
+    bw = statistics.median(t["bandwidth_gb_s"] for t in turns)
+    attn_ms = sum(med.get(k, 0.0) for k in ("q/k/v projection", "output projection"))
+    rate = {"FFN": (parts["FFN"], med.get("FFN", 0.0)),
+            "q/k/v and output projections": (parts["attention"], attn_ms),
+            "output head": (parts["lm_head"], med["output head"])}
+    name = Path(a.model).name if a.model else "default model"
+    print(f"\n{name}: {token:.2f} ms a token (median of {a.turns} turns of {a.tokens} tokens); "
+          f"floor {total_bytes / 1e6:.1f} MB at {bw:.1f} GB/s = {total_bytes / bw / 1e6:.2f} ms "
+          f"({total_bytes / bw / 1e6 / token:.0%} of the token)\n")
+    print("| phase | ms a token | share |\n|---|---:|---:|")
+    for k, v in med.items():
+        print(f"| {k} | {v:.3f} | {v / token:.1%} |")
+    print("\n| part | MB a token | ms | GB/s | % of the read bandwidth |\n|---|---:|---:|---:|---:|")
+    for k, (b, t) in rate.items():
+        if t > 0:
+            print(f"| {k} | {b / 1e6:.1f} | {t:.3f} | {b / t / 1e6:.1f} | {b / t / 1e6 / bw:.0%} |")
+    if a.out:
+        Path(a.out).write_text(json.dumps({
+            "date": str(datetime.date.today()), "host": platform.processor() or platform.machine(),
+            "model": name, "threads": torch.get_num_threads(), "bytes": parts, "turns": turns}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
