@@ -30,7 +30,26 @@ import torch
 
 from powerinfer import Config, PowerInfer, kernels
 from powerinfer.native import NativeDecode
-from sparse_cpu import PROMPT, decode, dense_bytes, module_bytes, read_bandwidth
+from sparse_cpu import PROMPT, dense_bytes, module_bytes, read_bandwidth
+
+
+def decode_profiled(model, step, ids: list[int], n: int) -> tuple[list[float], dict]:
+    """Greedy decode of n tokens after the prompt (as `sparse_cpu.decode`), the loop's phases
+    counted over the decode steps alone: (each step's seconds, `kernels.loop_profile`)."""
+    model.setup_cache(1, len(ids) + n)
+    times = []
+    with torch.inference_mode():
+        T = len(ids)
+        logits = model(torch.tensor([ids]), torch.arange(T)[None], last=torch.tensor([T - 1]))
+        tok = int(logits[0, -1].argmax())
+        one = torch.tensor([0])
+        kernels.loop_profile("start")
+        for s in range(n):
+            t = time.perf_counter()
+            logits = step(torch.tensor([[tok]]), torch.tensor([[T + s]]), model.row_tables(1, 1), one)
+            tok = int(logits[0, -1].argmax())
+            times.append(time.perf_counter() - t)
+        return times, kernels.loop_profile("stop")
 
 
 def head_timer(model):
@@ -59,7 +78,7 @@ def main():
     if step is None or not kernels.available():
         raise SystemExit("this model's decode step does not run in the native loop here")
     ids = pi.tokenizer.encode(PROMPT)
-    decode(model, ids, 16, step)  # warm-up
+    decode_profiled(model, step, ids, 16)  # warm-up
     kv_len = len(ids) + a.tokens / 2
     parts = dense_bytes(model, kv_len)
     parts["FFN"] = sum(module_bytes(b.ffn) for b in model.layers)
@@ -68,9 +87,7 @@ def main():
     for _ in range(a.turns):
         bw = read_bandwidth(torch.float32)
         timer, hooks = head_timer(model)
-        kernels.loop_profile("start")
-        times, _ = decode(model, ids, a.tokens, step)
-        prof = kernels.loop_profile("stop")
+        times, prof = decode_profiled(model, step, ids, a.tokens)
         for h in hooks:
             h.remove()
         n = len(times)

@@ -193,8 +193,8 @@ def isa() -> str:
 
 
 # the native layer loop's phases (csrc/ops.cpp, prof::Phase), in order
-LOOP_PHASES = ("norms", "sends to the executors", "q/k/v projection", "attention (RoPE, cache, softmax)",
-               "output projection", "waits for the executors' attention", "their attention added",
+LOOP_PHASES = ("norms", "sends to the executors", "q/k/v projection", "RoPE, new keys and values placed",
+               "attention over the cache", "output projection", "waits for the executors' attention", "their attention added",
                "FFN", "waits for the executors' FFN", "their FFN added", "predictor input and masks")
 
 

@@ -305,9 +305,10 @@ def paged_step(seqs, block_size, n_blocks, seed=0):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("shape", [(6, 2, 64, 16, 0), (6, 2, 64, 16, 7), (4, 4, 32, 32, 0),
+@pytest.mark.parametrize("shape", [(6, 2, 64, 16, 0), (6, 2, 64, 16, 7), (4, 4, 32, 32, 0), (4, 2, 48, 16, 0),
                                    (8, 1, 128, 64, 0)])  # heads, KV heads, head size, block, window
-def test_paged_attention_equals_the_torch_path(isa, dtype, shape):
+@pytest.mark.parametrize("roped", [True, False])
+def test_paged_attention_equals_the_torch_path(isa, dtype, shape, roped):
     # one step mixing prompt chunks (from position 0 and after cached positions) and decode rows
     # over blocks dealt out of order: the kernel's keys and values land where torch's do, and
     # its attention over the blocks in place equals torch's over gathered copies
@@ -325,10 +326,12 @@ def test_paged_attention_equals_the_torch_path(isa, dtype, shape):
         g = torch.Generator().manual_seed(2)
         c.k.copy_(torch.randn(c.k.shape, generator=g))
         c.v.copy_(torch.randn(c.v.shape, generator=g))
+    if not roped:  # (a model without RoPE: q and the keys as the projection gave them)
+        cos = sin = torch.empty(0)
     got = torch.ops.powerinfer.paged_attention(qkv, cos, sin, caches[0].k, caches[0].v, tables,
                                                starts, pos, H, window, D ** -0.5)
-    want = paged_attention(qkv, (cos, sin), pos, KVTables(starts, tables), caches[1], H, window,
-                           D ** -0.5)
+    want = paged_attention(qkv, (cos, sin) if roped else None, pos, KVTables(starts, tables), caches[1], H,
+                           window, D ** -0.5)
     assert torch.equal(caches[0].k, caches[1].k) and torch.equal(caches[0].v, caches[1].v)
     tol = 1e-5 if dtype == torch.float32 else 2 ** -7
     assert (got.float() - want.float()).abs().max() <= tol * want.abs().max()

@@ -423,6 +423,46 @@ static at::Tensor qk_norm(const at::Tensor& qkv, const at::Tensor& qw, const at:
 
 // ---- attention over the paged KV cache (the tile kernel: attention.h) ----
 
+// The native layer loop's time by phase (`loop_profile`, for benchmarks; off unless asked for,
+// then two clock reads a phase): nanoseconds per phase of `hot_layers`, the `attention_step`s
+// it runs and their `attend_rows`, added up over every call in this process, and the loops counted.
+namespace prof {
+enum Phase { NORM, SEND, QKV, PLACE, ATTEND, WO, WAIT_ATTN, ADD_ATTN, FFN, WAIT_FFN, ADD_FFN, PREDICT, CALLS, N };
+static std::atomic<bool> on{false};
+static std::array<std::atomic<int64_t>, N> ns;  // (static: zeroed)
+using clock = std::chrono::steady_clock;
+
+struct Laps {
+  const bool active = on.load(std::memory_order_relaxed);
+  clock::time_point t = active ? clock::now() : clock::time_point();
+  int64_t since() {  // ns since the last lap, and a new lap starts
+    const auto n = clock::now();
+    const int64_t d = std::chrono::duration_cast<std::chrono::nanoseconds>(n - t).count();
+    t = n;
+    return d;
+  }
+  void lap(Phase p) {
+    if (active) ns[p] += since();
+  }
+  void skip() {  // (time another Laps counted)
+    if (active) t = clock::now();
+  }
+  // a join of the executors' answers: `waited` ns (their reader states' growth) of it waiting
+  void join(Phase wait, Phase add, int64_t waited) {
+    if (!active) return;
+    const int64_t d = since();
+    ns[wait] += waited;
+    ns[add] += d - waited;
+  }
+};
+
+static int64_t waited(at::TensorList states) {  // the readers' nanoseconds waited, all channels
+  int64_t w = 0;
+  for (const at::Tensor& st : states) w += st.data_ptr<int64_t>()[1];
+  return w;
+}
+}  // namespace prof
+
 // x (D,) in place: the half-rotation rotary embedding (HF's rotate_half) at one position, in
 // float, rounded to T as torch's apply_rope leaves it.
 template <typename T>
@@ -518,6 +558,7 @@ static at::Tensor attend_rows(at::Tensor& x, const float* cos, const float* sin,
   const int64_t row = (H + 2 * Hkv) * D, hs = D * BS, es = dt == at::kFloat ? 4 : 2;
   char* kbase = static_cast<char*>(k_pool.data_ptr());
   char* vbase = static_cast<char*>(v_pool.data_ptr());
+  prof::Laps laps;
   // 1. every token's new key and value in place, before anyone reads them
   at::parallel_for(0, S, 1, [&](int64_t s0, int64_t s1) {
     for (int64_t s = s0; s < s1; s++)
@@ -532,6 +573,7 @@ static at::Tensor attend_rows(at::Tensor& x, const float* cos, const float* sin,
           place_token(xp + t * row, c, sn, (at::BFloat16*)kbase + kat, (at::BFloat16*)vbase + vat, H, Hkv, D, BS, hs);
       }
   });
+  laps.lap(prof::PLACE);
   // 2. tiles: a sequence's tokens in runs of `per` for one KV head and its G query heads
   const int64_t G = H / Hkv, per = std::max<int64_t>(1, std::min<int64_t>(16, ATTN_MAX_TILE / G));
   std::vector<std::array<int64_t, 4>> tasks;  // (sequence, KV head, first token, end)
@@ -563,6 +605,7 @@ static at::Tensor attend_rows(at::Tensor& x, const float* cos, const float* sin,
         std::memcpy(op + t * H * D + h * G * D, o.data() + (t - t0) * G * D, G * D * sizeof(float));
     }
   });
+  laps.lap(prof::ATTEND);
   return out;
 }
 
@@ -813,46 +856,6 @@ static at::Tensor ffn_step(const Kernels& k, const ColdLayers& L, int64_t layer,
   return project(k, h, L.ffn_w2[layer], L.ffn_down_fmt[layer], dim);
 }
 
-// The native layer loop's time by phase (`loop_profile`, for benchmarks; off unless asked for,
-// then two clock reads a phase): nanoseconds per phase of `hot_layers` and the `attention_step`s
-// it runs, added up over every call in this process, and the calls counted.
-namespace prof {
-enum Phase { NORM, SEND, QKV, ATTEND, WO, WAIT_ATTN, ADD_ATTN, FFN, WAIT_FFN, ADD_FFN, PREDICT, CALLS, N };
-static std::atomic<bool> on{false};
-static std::array<std::atomic<int64_t>, N> ns;  // (static: zeroed)
-using clock = std::chrono::steady_clock;
-
-struct Laps {
-  const bool active = on.load(std::memory_order_relaxed);
-  clock::time_point t = active ? clock::now() : clock::time_point();
-  int64_t since() {  // ns since the last lap, and a new lap starts
-    const auto n = clock::now();
-    const int64_t d = std::chrono::duration_cast<std::chrono::nanoseconds>(n - t).count();
-    t = n;
-    return d;
-  }
-  void lap(Phase p) {
-    if (active) ns[p] += since();
-  }
-  void skip() {  // (time another Laps counted)
-    if (active) t = clock::now();
-  }
-  // a join of the executors' answers: `waited` ns (their reader states' growth) of it waiting
-  void join(Phase wait, Phase add, int64_t waited) {
-    if (!active) return;
-    const int64_t d = since();
-    ns[wait] += waited;
-    ns[add] += d - waited;
-  }
-};
-
-static int64_t waited(at::TensorList states) {  // the readers' nanoseconds waited, all channels
-  int64_t w = 0;
-  for (const at::Tensor& st : states) w += st.data_ptr<int64_t>()[1];
-  return w;
-}
-}  // namespace prof
-
 // mode 1: reset and start; 0: read; 2: stop. Returns the totals as they were before the call
 // (int64, prof::Phase's order: nanoseconds per phase, then CALLS, the hot_layers calls counted).
 static at::Tensor loop_profile(int64_t mode) {
@@ -900,8 +903,10 @@ static at::Tensor attention_step(const Kernels& k, const ColdLayers& L, int64_t 
     for (int64_t t = 0; t < pos_c.numel(); t++)
       TORCH_CHECK(pp[t] < cos->size(0), "position ", pp[t], " past the RoPE tables");
   }
+  laps.lap(prof::ATTEND);
   at::Tensor y = attend_rows(qkv, roped ? cos->data_ptr<float>() : nullptr, roped ? sin->data_ptr<float>() : nullptr,
                              true, L.k_cache[layer], L.v_cache[layer], tables_c, starts_c, pos_c, n_heads, window, scale);
+  laps.skip();  // (its own laps)
   round_rows(y);
   laps.lap(prof::ATTEND);
   at::Tensor out = project(k, y, L.wo[layer], L.wo_fmt[layer], x.size(1));
