@@ -195,6 +195,11 @@ class ColdExecutor:
         except ChannelClosed:
             return "closed"
 
+    def loop_profile(self, mode: str = "read") -> dict:
+        """This process's native loop by phase (`kernels.loop_profile`: "start", "read", "stop"),
+        a diagnostic: how long its answers take and how long it waits for the next message."""
+        return kernels.loop_profile(mode)
+
     def stats(self) -> dict:
         return {"rank": self.rank, "busy_s": self.busy_s, "wait_s": self.x.wait_s,
                 "messages": self.steps, "neurons": self.neurons, "memory": process_memory(),

@@ -418,6 +418,12 @@ class HotExecutor:
     def profile_table(self) -> str | None:
         return self._profile_table
 
+    def loop_profile(self, mode: str = "read") -> dict:
+        """This process's native layer loop by phase (`kernels.loop_profile`: "start", "read",
+        "stop"), a diagnostic: where the hot executor's steps go, its waits for the cold
+        executors' answers apart for attention and for the FFN."""
+        return kernels.loop_profile(mode)
+
     def _profile_start(self):
         """Before a decode step: start the profile `profile` asked for."""
         if self._profiler is None and self._profile_left > 0:

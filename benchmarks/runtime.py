@@ -25,7 +25,9 @@
 6. Where an actor step's time goes (`step_breakdown`), per step of one more request, from the
    actors' own counters: the scheduler's step (sent to answered), the hot executor's work and its
    waits (for the cold executors' partial sums, for masks, and between steps for the scheduler),
-   each cold executor's busy time and wait; printed as a table per run.
+   each cold executor's busy time and wait; printed as a table per run. Then the hot
+   executor's native layer loop by phase over one more request (`hot_phases`: its projections,
+   attention, FFN, and its waits for the cold executors' answers, for attention and for the FFN).
 
 Both sides run the default configuration (`Config()` resolved for this machine and file: bf16
 with int4 weights and an 8-bit head on a CPU with native bf16 and a Q4 file); with `--compile`
@@ -170,6 +172,27 @@ def step_breakdown(pi: PowerInfer, tokens: int, batch: int = 1) -> dict[str, flo
     return out
 
 
+def hot_phases(pi: PowerInfer, tokens: int) -> dict[str, float]:
+    """ms per native loop call of the hot executor by phase (`kernels.loop_profile` in its
+    process), and each cold executor's loop (its waits for messages and its answers, per hot
+    loop call), over one more greedy request of `tokens` tokens (its prompt's step among them
+    where that runs in the loop); empty where the hot executor's loop is not native."""
+    import ray
+
+    actors = pi.engine.group.actors
+    cold = [a for name, a in sorted(actors.items()) if name.startswith("cold")]
+    ray.get([a.loop_profile.remote("start") for a in [actors["hot"], *cold]])
+    pi.generate(PROMPT, max_new_tokens=tokens, temperature=0, ignore_eos=True)
+    prof = ray.get(actors["hot"].loop_profile.remote("stop"))
+    calls = prof.pop("calls", 0)
+    out = {"calls": calls, **{k: v / calls * 1e3 for k, v in prof.items() if v}} if calls else {}
+    for i, a in enumerate(cold):  # per hot loop call: a step's layers
+        c = ray.get(a.loop_profile.remote("stop"))
+        out.update({f"cold.{i} {k[len('cold: '):]}" if k.startswith("cold: ") else f"cold.{i} {k}":
+                    v / calls * 1e3 for k, v in c.items() if k != "calls" and v and calls})
+    return out
+
+
 def print_breakdown(rows: list[dict]):
     """The step breakdowns of `compare`'s rows as one table (ms per step)."""
     rows = [r for r in rows if "breakdown_ms_per_step" in r]
@@ -183,6 +206,13 @@ def print_breakdown(rows: list[dict]):
     print("|---|" + "---:|" * len(cols))
     for k in keys:
         print(f"| {k} | " + " | ".join(f"{b.get(k, float('nan')):.2f}" for b, _ in cols) + " |")
+    cols = [(r["hot_loop_ms_per_call"], f"{r['model']}, {r['cold_executors']} cold") for r in rows
+            if r.get("hot_loop_ms_per_call")]
+    if cols:
+        print("\n| the hot executor's loop, ms per call | " + " | ".join(label for _, label in cols) + " |")
+        print("|---|" + "---:|" * len(cols))
+        for k in dict.fromkeys(k for b, _ in cols for k in b if k != "calls"):
+            print(f"| {k} | " + " | ".join(f"{b.get(k, 0.0):.3f}" for b, _ in cols) + " |")
 
 
 def print_turns(rows: list[dict]):
@@ -300,6 +330,7 @@ def compare(model: str, base: dict, tokens: int, cold: list[int], batches: list[
                 p = st["actors"]["predictor"]
                 row["predictor_busy_ms_per_step"] = p.get("busy_s", 0) / max(hot["steps"], 1) * 1e3
             row["breakdown_ms_per_step"] = step_breakdown(pi, 2 * tokens)
+            row["hot_loop_ms_per_call"] = hot_phases(pi, 2 * tokens)
             if (n, predictor) == runs[0]:
                 row["batched_tok_s"] = {b: batched(pi, b, tokens) for b in batches}
                 row["in_process_batched_tok_s"] = local_batched

@@ -195,14 +195,19 @@ def isa() -> str:
 # the native layer loop's phases (csrc/ops.cpp, prof::Phase), in order
 LOOP_PHASES = ("norms", "sends to the executors", "q/k/v projection", "RoPE, new keys and values placed",
                "attention over the cache", "output projection", "waits for the executors' attention", "their attention added",
-               "FFN", "waits for the executors' FFN", "their FFN added", "predictor input and masks")
+               "FFN", "waits for the executors' FFN", "their FFN added", "predictor input and masks",
+               # a cold executor's loop (`cold_serve`; its attention answers hold the projections
+               # and attention above)
+               "cold: waits for messages", "cold: attention answered", "cold: FFN answered",
+               "cold: head rows answered")
 
 
 def loop_profile(mode: str = "read") -> dict:
-    """The native layer loop's time by phase in this process (`hot_layers` and its attention
-    steps), for benchmarks: "start" zeroes and starts the count (two clock reads a phase while on),
-    "read" reads it, "stop" reads and stops it. Returns {"calls": loops run, phase: seconds}
-    (`LOOP_PHASES`), the totals before the call; empty where the kernel library is not loaded."""
+    """The native loops' time by phase in this process (`hot_layers` and its attention steps,
+    or a cold executor's `cold_serve`), for benchmarks: "start" zeroes and starts the count (two
+    clock reads a phase while on), "read" reads it, "stop" reads and stops it. Returns {"calls":
+    hot_layers calls, phase: seconds} (`LOOP_PHASES`), the totals before the call; empty where
+    the kernel library is not loaded."""
     if not available():
         return {}
     t = torch.ops.powerinfer.loop_profile({"read": 0, "start": 1, "stop": 2}[mode]).tolist()

@@ -322,9 +322,32 @@ def test_int4_dense_split_equals_the_in_process_engine(ray_cluster):
         assert_bf16_greedy_tracks(ref, pi)
         if kernels.available():  # its prompt steps in the native loops too
             assert_native_prompt_steps_equal_the_modules(pi)
+            assert_each_loop_profiles_its_phases(pi)
     finally:
         pi.close()
     assert not shm_segments()
+
+
+def assert_each_loop_profiles_its_phases(pi: PowerInfer):
+    # each executor's native loop by phase (benchmarks/runtime.py's `hot_phases`), counted only
+    # while asked for: the hot executor's own work and its waits for the cold executors, and
+    # each cold executor's answers (its attention's projections inside them) and waits
+    actors = pi.engine.group.actors
+    execs = [actors["hot"], *(actors[f"cold.{k}"] for k in range(pi.config.cold_executors))]
+    ray.get([a.loop_profile.remote("start") for a in execs])
+    pi.generate("The capital of France is", max_new_tokens=6, temperature=0, ignore_eos=True)
+    hot, *cold = ray.get([a.loop_profile.remote("stop") for a in execs])
+    assert hot["calls"] >= 5
+    for phase in ("q/k/v projection", "FFN", "waits for the executors' attention",
+                  "waits for the executors' FFN", "sends to the executors"):
+        assert hot[phase] > 0, phase
+    assert hot["cold: FFN answered"] == 0
+    for c in cold:
+        assert c["calls"] == 0 and c["FFN"] == 0  # (no hot_layers there)
+        for phase in ("cold: waits for messages", "cold: FFN answered", "cold: head rows answered"):
+            assert c[phase] > 0, phase
+        assert c["cold: attention answered"] >= c["q/k/v projection"] > 0
+    assert ray.get(actors["hot"].loop_profile.remote("read")) == hot  # stopped: nothing more counted
 
 
 def decode(m: PowerInfer, prompts: list[list[int]], n: int) -> list[list[int]]:

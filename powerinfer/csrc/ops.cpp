@@ -424,10 +424,15 @@ static at::Tensor qk_norm(const at::Tensor& qkv, const at::Tensor& qw, const at:
 // ---- attention over the paged KV cache (the tile kernel: attention.h) ----
 
 // The native layer loop's time by phase (`loop_profile`, for benchmarks; off unless asked for,
-// then two clock reads a phase): nanoseconds per phase of `hot_layers`, the `attention_step`s
-// it runs and their `attend_rows`, added up over every call in this process, and the loops counted.
+// then two clock reads a phase): nanoseconds per phase of `hot_layers` (a hot executor, the
+// in-process engine) or `cold_serve` (a cold executor), the `attention_step`s they run and
+// their `attend_rows`, added up over every call in this process; hot_layers' calls counted.
 namespace prof {
-enum Phase { NORM, SEND, QKV, PLACE, ATTEND, WO, WAIT_ATTN, ADD_ATTN, FFN, WAIT_FFN, ADD_FFN, PREDICT, CALLS, N };
+enum Phase {
+  NORM, SEND, QKV, PLACE, ATTEND, WO, WAIT_ATTN, ADD_ATTN, FFN, WAIT_FFN, ADD_FFN, PREDICT,  // hot_layers
+  WAIT_MSG, ANSWER_ATTN, ANSWER_FFN, ANSWER_HEAD,  // cold_serve (an attention answer holds QKV .. WO)
+  CALLS, N
+};
 static std::atomic<bool> on{false};
 static std::array<std::atomic<int64_t>, N> ns;  // (static: zeroed)
 using clock = std::chrono::steady_clock;
@@ -966,7 +971,10 @@ static std::vector<int64_t> cold_serve(at::Tensor& state, int64_t x_base, int64_
   const auto rows_type = at::TensorOptions().dtype(bf16 ? at::kBFloat16 : at::kFloat);
   int64_t* st = state.data_ptr<int64_t>();
   while (true) {
+    const int64_t waited = st[1];
     wait_message(x_base, st, spin_us);
+    prof::Laps laps;
+    if (laps.active) prof::ns[prof::WAIT_MSG] += st[1] - waited;
     const int64_t op = xh->words[0], layer = xh->words[1], B = xh->words[2], T = xh->words[3], w4 = xh->words[4],
                   w5 = xh->words[5];
     const bool in_layers = layer >= 0 && layer < (int64_t)n_layers;
@@ -1000,6 +1008,7 @@ static std::vector<int64_t> cold_serve(at::Tensor& state, int64_t x_base, int64_
     std::memcpy(pp, y.contiguous().data_ptr<float>(), y.nbytes());
     const int64_t words[2] = {op == ops[1] ? -1 : layer, rows};  // (as Partial: the answer's rows)
     publish(part_base, words, 2);
+    laps.lap(op == ops[2] ? prof::ANSWER_ATTN : op == ops[1] ? prof::ANSWER_HEAD : prof::ANSWER_FFN);
   }
 }
 
