@@ -25,9 +25,11 @@
 6. Where an actor step's time goes (`step_breakdown`), per step of one more request, from the
    actors' own counters: the scheduler's step (sent to answered), the hot executor's work and its
    waits (for the cold executors' partial sums, for masks, and between steps for the scheduler),
-   each cold executor's busy time and wait; printed as a table per run. Then the hot
-   executor's native layer loop by phase over one more request (`hot_phases`: its projections,
-   attention, FFN, and its waits for the cold executors' answers, for attention and for the FFN).
+   each cold executor's busy time and wait, and each process's CPU time a step (every thread:
+   the executors' spinning waits count, they hold their cores); printed as a table per run.
+   Then the hot executor's native layer loop by phase over one more request (`hot_phases`: its
+   projections, attention, FFN, and its waits for the cold executors' answers, for attention
+   and for the FFN), and each cold executor's answers and waits.
 
 Both sides run the default configuration (`Config()` resolved for this machine and file: bf16
 with int4 weights and an 8-bit head on a CPU with native bf16 and a Q4 file); with `--compile`
@@ -132,6 +134,18 @@ def decode_speed(pi: PowerInfer, tokens: int) -> tuple[float, float]:
     return tok_s, statistics.median(starts)
 
 
+def cpu_s(pid: int) -> float:
+    """Seconds on a CPU of every thread of process `pid` so far (/proc/PID/task/*/schedstat;
+    0 where it is gone). An executor's spinning waits count: they hold their core."""
+    total = 0
+    for task in Path(f"/proc/{pid}/task").glob("*"):
+        try:
+            total += int((task / "schedstat").read_text().split()[0])
+        except (OSError, ValueError, IndexError):
+            pass
+    return total * 1e-9
+
+
 def step_breakdown(pi: PowerInfer, tokens: int, batch: int = 1) -> dict[str, float]:
     """ms per step of one greedy request of `tokens` tokens through the actor runtime (its one
     prefill step among them; with `batch`, that many concurrent requests, `batched`), from the
@@ -141,7 +155,11 @@ def step_breakdown(pi: PowerInfer, tokens: int, batch: int = 1) -> dict[str, flo
     for cold` / `for masks` inside its step; `hot idle between steps` waiting for the next one;
     per cold executor its wait for work (counted in the channel, natively too) and its busy time
     as the step period (the request's wall time over its steps) less that wait: its native loop
-    answers a decode without returning to Python, where its own busy counter is kept."""
+    answers a decode without returning to Python, where its own busy counter is kept.
+    Then each process's CPU time a step (`cpu_s`: every thread; this one's as the caller's)."""
+    pids = {name: pid for name, pid in pi.engine.stats()["pids"].items() if pid}
+    pids["caller (this process)"] = os.getpid()
+    cpu0 = {name: cpu_s(pid) for name, pid in pids.items()}
     before = pi.engine.stats()["actors"]
     t0 = time.perf_counter()
     if batch == 1:
@@ -149,6 +167,7 @@ def step_breakdown(pi: PowerInfer, tokens: int, batch: int = 1) -> dict[str, flo
     else:
         batched(pi, batch, tokens, warm=False)
     wall = time.perf_counter() - t0
+    cpu1 = {name: cpu_s(pid) for name, pid in pids.items()}
     after = pi.engine.stats()["actors"]
 
     def d(name, key):
@@ -169,6 +188,8 @@ def step_breakdown(pi: PowerInfer, tokens: int, batch: int = 1) -> dict[str, flo
         out[f"{name} waits"] = ms(d(name, "wait_s"))
     if "predictor" in after:
         out["predictor busy"] = ms(d("predictor", "busy_s"))
+    for name in pids:
+        out[f"CPU: {name}"] = ms(cpu1[name] - cpu0[name])
     return out
 
 
