@@ -46,7 +46,8 @@ def decode_profiled(model, step, ids: list[int], n: int) -> tuple[list[float], d
         kernels.loop_profile("start")
         for s in range(n):
             t = time.perf_counter()
-            logits = step(torch.tensor([[tok]]), torch.tensor([[T + s]]), model.row_tables(1, 1), one)
+            logits = step(torch.tensor([[tok]]), torch.tensor([[T + s]]), model.row_tables(1, 1),
+                          one)
             tok = int(logits[0, -1].argmax())
             times.append(time.perf_counter() - t)
         return times, kernels.loop_profile("stop")
@@ -62,7 +63,8 @@ def head_timer(model):
     def post(mod, args, out):
         t["s"] += time.perf_counter() - t["t0"]
 
-    return t, [model.output.register_forward_pre_hook(pre), model.output.register_forward_hook(post)]
+    out = model.output
+    return t, [out.register_forward_pre_hook(pre), out.register_forward_hook(post)]
 
 
 def main():
@@ -94,11 +96,13 @@ def main():
         ms = {k: v / n * 1e3 for k, v in prof.items() if k != "calls" and v}
         ms["output head"] = timer["s"] / n * 1e3
         token = sum(times) / n * 1e3
-        ms["the rest (embedding, final norm, the step's Python, sampling)"] = token - sum(ms.values())
-        turns.append({"bandwidth_gb_s": bw / 1e9, "token_ms": token, "floor_ms": total_bytes / bw * 1e3,
+        rest = "the rest (embedding, final norm, the step's Python, sampling)"
+        ms[rest] = token - sum(ms.values())
+        floor = total_bytes / bw * 1e3
+        turns.append({"bandwidth_gb_s": bw / 1e9, "token_ms": token, "floor_ms": floor,
                       "loops_per_token": prof["calls"] / n, "ms": ms})
-        print(f"turn: {token:.2f} ms a token, floor {total_bytes / bw * 1e3:.2f} ms "
-              f"({total_bytes / bw * 1e3 / token:.0%}), read bandwidth {bw / 1e9:.1f} GB/s", flush=True)
+        print(f"turn: {token:.2f} ms a token, floor {floor:.2f} ms ({floor / token:.0%}), "
+              f"read bandwidth {bw / 1e9:.1f} GB/s", flush=True)
     med = {k: statistics.median(t["ms"][k] for t in turns) for k in turns[0]["ms"]}
     token = statistics.median(t["token_ms"] for t in turns)
     bw = statistics.median(t["bandwidth_gb_s"] for t in turns)
@@ -113,14 +117,16 @@ def main():
     print("| phase | ms a token | share |\n|---|---:|---:|")
     for k, v in med.items():
         print(f"| {k} | {v:.3f} | {v / token:.1%} |")
-    print("\n| part | MB a token | ms | GB/s | % of the read bandwidth |\n|---|---:|---:|---:|---:|")
+    print("\n| part | MB a token | ms | GB/s | % of the read bandwidth |")
+    print("|---|---:|---:|---:|---:|")
     for k, (b, t) in rate.items():
         if t > 0:
             print(f"| {k} | {b / 1e6:.1f} | {t:.3f} | {b / t / 1e6:.1f} | {b / t / 1e6 / bw:.0%} |")
     if a.out:
         Path(a.out).write_text(json.dumps({
             "date": str(datetime.date.today()), "host": platform.processor() or platform.machine(),
-            "model": name, "threads": torch.get_num_threads(), "bytes": parts, "turns": turns}, indent=1))
+            "model": name, "threads": torch.get_num_threads(), "bytes": parts, "turns": turns},
+            indent=1))
 
 
 if __name__ == "__main__":

@@ -230,7 +230,8 @@ def print_breakdown(rows: list[dict]):
     cols = [(r["hot_loop_ms_per_call"], f"{r['model']}, {r['cold_executors']} cold") for r in rows
             if r.get("hot_loop_ms_per_call")]
     if cols:
-        print("\n| the hot executor's loop, ms per call | " + " | ".join(label for _, label in cols) + " |")
+        print("\n| the hot executor's loop, ms per call | "
+              + " | ".join(label for _, label in cols) + " |")
         print("|---|" + "---:|" * len(cols))
         for k in dict.fromkeys(k for b, _ in cols for k in b if k != "calls"):
             print(f"| {k} | " + " | ".join(f"{b.get(k, 0.0):.3f}" for b, _ in cols) + " |")

@@ -192,12 +192,13 @@ def isa() -> str:
     return torch.ops.powerinfer.isa() if available() else "none"
 
 
-# the native layer loop's phases (csrc/ops.cpp, prof::Phase), in order
-LOOP_PHASES = ("norms", "sends to the executors", "q/k/v projection", "RoPE, new keys and values placed",
-               "attention over the cache", "output projection", "waits for the executors' attention", "their attention added",
-               "FFN", "waits for the executors' FFN", "their FFN added", "predictor input and masks",
-               # a cold executor's loop (`cold_serve`; its attention answers hold the projections
-               # and attention above)
+# the native loops' phases (csrc/ops.cpp, prof::Phase), in order: `hot_layers`' ...
+LOOP_PHASES = ("norms", "sends to the executors", "q/k/v projection",
+               "RoPE, new keys and values placed", "attention over the cache", "output projection",
+               "waits for the executors' attention", "their attention added", "FFN",
+               "waits for the executors' FFN", "their FFN added", "predictor input and masks",
+               # ... and a cold executor's (`cold_serve`; its attention answers hold the
+               # projections and attention above)
                "cold: waits for messages", "cold: attention answered", "cold: FFN answered",
                "cold: head rows answered")
 

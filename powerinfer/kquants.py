@@ -1,7 +1,7 @@
-"""Quantizers for the GGUF block types the `gguf` package reads but cannot write: Q4_K and Q6_K,
-the two types of llama.cpp's Q4_K_M files. Vectorized over rows of float32 weights (Q4_K in
-numpy, Q6_K in torch); the bytes are GGUF's (ggml's `block_q4_K` and `block_q6_K`), checked against `gguf.quants.dequantize`
-in the tests.
+"""GGUF blocks written and read. First the quantizers for the block types the `gguf` package
+reads but cannot write: Q4_K and Q6_K, the two types of llama.cpp's Q4_K_M files. Vectorized
+over rows of float32 weights (Q4_K in numpy, Q6_K in torch); the bytes are GGUF's (ggml's
+`block_q4_K` and `block_q6_K`), checked against `gguf.quants.dequantize` in the tests.
 
 The scales are chosen the simple way (each sub-block's range, then the super-block's scale of
 the scales), not by llama.cpp's iterative search: the error is within the format's bound (half a

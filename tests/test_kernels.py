@@ -305,8 +305,9 @@ def paged_step(seqs, block_size, n_blocks, seed=0):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("shape", [(6, 2, 64, 16, 0), (6, 2, 64, 16, 7), (4, 4, 32, 32, 0), (4, 2, 48, 16, 0),
-                                   (8, 1, 128, 64, 0)])  # heads, KV heads, head size, block, window
+@pytest.mark.parametrize("shape", [(6, 2, 64, 16, 0), (6, 2, 64, 16, 7), (4, 4, 32, 32, 0),
+                                   (4, 2, 48, 16, 0), (8, 1, 128, 64, 0)])
+# (heads, KV heads, head size, block, window)
 @pytest.mark.parametrize("roped", [True, False])
 def test_paged_attention_equals_the_torch_path(isa, dtype, shape, roped):
     # one step mixing prompt chunks (from position 0 and after cached positions) and decode rows
@@ -330,8 +331,8 @@ def test_paged_attention_equals_the_torch_path(isa, dtype, shape, roped):
         cos = sin = torch.empty(0)
     got = torch.ops.powerinfer.paged_attention(qkv, cos, sin, caches[0].k, caches[0].v, tables,
                                                starts, pos, H, window, D ** -0.5)
-    want = paged_attention(qkv, (cos, sin) if roped else None, pos, KVTables(starts, tables), caches[1], H,
-                           window, D ** -0.5)
+    want = paged_attention(qkv, (cos, sin) if roped else None, pos, KVTables(starts, tables),
+                           caches[1], H, window, D ** -0.5)
     assert torch.equal(caches[0].k, caches[1].k) and torch.equal(caches[0].v, caches[1].v)
     tol = 1e-5 if dtype == torch.float32 else 2 ** -7
     assert (got.float() - want.float()).abs().max() <= tol * want.abs().max()
@@ -507,7 +508,8 @@ def test_the_torch_dequantizer_reads_what_the_gguf_package_reads(kind):
     raw = torch.randint(0, 256, (rows * n // per, bb), dtype=torch.uint8, generator=g)
     scales = {"Q4_0": [0], "Q4_1": [0, 2], "Q8_0": [0], "Q4_K": [0, 2], "Q6_K": [208]}[kind]
     for at in scales:  # finite fp16 scales of either sign (NaN would not compare)
-        raw[:, at:at + 2] = (torch.randn(raw.shape[0], 1, generator=g) * 0.1).half().view(torch.uint8)
+        scale = (torch.randn(raw.shape[0], 1, generator=g) * 0.1).half()
+        raw[:, at:at + 2] = scale.view(torch.uint8)
     raw = raw.numpy().reshape(rows, -1)
     want = gguf_dequantize(raw, getattr(GGMLQuantizationType, kind)).reshape(rows, n)
     got = dequantize(raw, kind, n)

@@ -46,8 +46,8 @@ def test_the_loop_profile_counts_the_native_steps_phases_only_while_on(smol):
     on = kernels.loop_profile("stop")
     assert on["calls"] >= 5  # six tokens: five decode steps (and the prompt's, where it runs there)
     assert set(on) == {"calls", *kernels.LOOP_PHASES}
-    for phase in ("norms", "q/k/v projection", "RoPE, new keys and values placed", "attention over the cache",
-                  "output projection", "FFN"):
+    for phase in ("norms", "q/k/v projection", "RoPE, new keys and values placed",
+                  "attention over the cache", "output projection", "FFN"):
         assert on[phase] > 0, phase
     assert on["waits for the executors' FFN"] == 0  # (in process: no executors)
     assert sum(v for k, v in on.items() if k != "calls") < took

@@ -347,7 +347,8 @@ def assert_each_loop_profiles_its_phases(pi: PowerInfer):
         for phase in ("cold: waits for messages", "cold: FFN answered", "cold: head rows answered"):
             assert c[phase] > 0, phase
         assert c["cold: attention answered"] >= c["q/k/v projection"] > 0
-    assert ray.get(actors["hot"].loop_profile.remote("read")) == hot  # stopped: nothing more counted
+    # stopped: nothing more is counted
+    assert ray.get(actors["hot"].loop_profile.remote("read")) == hot
 
 
 def decode(m: PowerInfer, prompts: list[list[int]], n: int) -> list[list[int]]:
