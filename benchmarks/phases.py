@@ -30,27 +30,14 @@ import torch
 
 from powerinfer import Config, PowerInfer, kernels
 from powerinfer.native import NativeDecode
-from sparse_cpu import PROMPT, dense_bytes, module_bytes, read_bandwidth
+from sparse_cpu import PROMPT, decode, dense_bytes, module_bytes, read_bandwidth
 
 
 def decode_profiled(model, step, ids: list[int], n: int) -> tuple[list[float], dict]:
-    """Greedy decode of n tokens after the prompt (as `sparse_cpu.decode`), the loop's phases
-    counted over the decode steps alone: (each step's seconds, `kernels.loop_profile`)."""
-    model.setup_cache(1, len(ids) + n)
-    times = []
-    with torch.inference_mode():
-        T = len(ids)
-        logits = model(torch.tensor([ids]), torch.arange(T)[None], last=torch.tensor([T - 1]))
-        tok = int(logits[0, -1].argmax())
-        one = torch.tensor([0])
-        kernels.loop_profile("start")
-        for s in range(n):
-            t = time.perf_counter()
-            logits = step(torch.tensor([[tok]]), torch.tensor([[T + s]]), model.row_tables(1, 1),
-                          one)
-            tok = int(logits[0, -1].argmax())
-            times.append(time.perf_counter() - t)
-        return times, kernels.loop_profile("stop")
+    """`sparse_cpu.decode` with the loop's phases counted over its decode steps alone (not the
+    prompt's): (each step's seconds, `kernels.loop_profile`)."""
+    times, _ = decode(model, ids, n, step, before_steps=lambda: kernels.loop_profile("start"))
+    return times, kernels.loop_profile("stop")
 
 
 def head_timer(model):

@@ -202,15 +202,18 @@ def hot_phases(pi: PowerInfer, tokens: int) -> dict[str, float]:
 
     actors = pi.engine.group.actors
     cold = [a for name, a in sorted(actors.items()) if name.startswith("cold")]
-    ray.get([a.loop_profile.remote("start") for a in [actors["hot"], *cold]])
+    execs = [actors["hot"], *cold]
+    ray.get([a.loop_profile.remote("start") for a in execs])
     pi.generate(PROMPT, max_new_tokens=tokens, temperature=0, ignore_eos=True)
-    prof = ray.get(actors["hot"].loop_profile.remote("stop"))
-    calls = prof.pop("calls", 0)
-    out = {"calls": calls, **{k: v / calls * 1e3 for k, v in prof.items() if v}} if calls else {}
-    for i, a in enumerate(cold):  # per hot loop call: a step's layers
-        c = ray.get(a.loop_profile.remote("stop"))
-        out.update({f"cold.{i} {k[len('cold: '):]}" if k.startswith("cold: ") else f"cold.{i} {k}":
-                    v / calls * 1e3 for k, v in c.items() if k != "calls" and v and calls})
+    hot, *colds = ray.get([a.loop_profile.remote("stop") for a in execs])
+    calls = hot.pop("calls", 0)
+    if not calls:
+        return {}
+    per_call = lambda v: v / calls * 1e3  # noqa: E731  (a cold executor's too: a step's layers)
+    out = {"calls": calls, **{k: per_call(v) for k, v in hot.items() if v}}
+    for i, c in enumerate(colds):
+        out.update({f"cold.{i} {k.removeprefix('cold: ')}": per_call(v) for k, v in c.items()
+                    if k != "calls" and v})
     return out
 
 

@@ -73,9 +73,11 @@ def read_bandwidth(dtype) -> float:
     return x.numel() * dtype.itemsize / best
 
 
-def decode(model, ids: list[int], n: int, step=None) -> tuple[list[float], list[int]]:
+def decode(model, ids: list[int], n: int, step=None,
+           before_steps=None) -> tuple[list[float], list[int]]:
     """Greedy decode n tokens after a prefill, each step through `step` (a NativeDecode of the
-    model) or the model's modules; returns per-token seconds and the tokens."""
+    model) or the model's modules; returns per-token seconds and the tokens. `before_steps` is
+    called between the prefill and the first decode step (`phases.py` starts its count there)."""
     times, out = [], []
     model.setup_cache(1, len(ids) + n)  # one sequence in its own blocks (the model alone)
     step = step or model
@@ -84,6 +86,8 @@ def decode(model, ids: list[int], n: int, step=None) -> tuple[list[float], list[
         logits = model(torch.tensor([ids]), torch.arange(T)[None], last=torch.tensor([T - 1]))
         tok = int(logits[0, -1].argmax())
         one = torch.tensor([0])
+        if before_steps is not None:
+            before_steps()
         for s in range(n):
             t = time.perf_counter()
             logits = step(torch.tensor([[tok]]), torch.tensor([[T + s]]), model.row_tables(1, 1), one)

@@ -26,6 +26,14 @@ BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34, "Q4_K": 144, "Q6_K": 210}
 CHUNK = 1 << 20  # values a step, so a step's temporaries stay a few MB
 
 
+def _by_chunks(fn, src: torch.Tensor, out: torch.Tensor, per: int) -> torch.Tensor:
+    """out[i] = fn(src[i]) over src's rows (blocks of `per` values each), CHUNK values a call."""
+    step = max(1, CHUNK // per)
+    for lo in range(0, src.shape[0], step):
+        out[lo:lo + step] = fn(src[lo:lo + step])
+    return out
+
+
 def _f16(x: np.ndarray) -> np.ndarray:
     return x.astype(np.float16)
 
@@ -69,10 +77,7 @@ def quantize_q6_k(x: np.ndarray) -> np.ndarray:
         raise ValueError(f"Q6_K needs rows of a multiple of {QK_K} values, got {n}")
     src = torch.from_numpy(np.ascontiguousarray(x, dtype=np.float32)).reshape(-1, 16, 16)
     out = torch.empty(src.shape[0], 210, dtype=torch.uint8)
-    step = CHUNK // QK_K
-    for lo in range(0, out.shape[0], step):
-        out[lo:lo + step] = _q6_k_blocks(src[lo:lo + step])
-    return out.numpy().reshape(rows, -1)
+    return _by_chunks(_q6_k_blocks, src, out, QK_K).numpy().reshape(rows, -1)
 
 
 def _q6_k_blocks(b: torch.Tensor) -> torch.Tensor:
@@ -135,10 +140,7 @@ def quantize(x: np.ndarray, name: str) -> np.ndarray:
             raise ValueError(f"{name} needs rows of a multiple of 32 values, got {n}")
         src = torch.from_numpy(np.ascontiguousarray(x, dtype=np.float32)).reshape(-1, 32)
         out = torch.empty(src.shape[0], BLOCK_BYTES[name], dtype=torch.uint8)
-        step = CHUNK // 32
-        for lo in range(0, src.shape[0], step):
-            out[lo:lo + step] = _blocks32(src[lo:lo + step], name)
-        return out.numpy().reshape(rows, -1)
+        return _by_chunks(lambda c: _blocks32(c, name), src, out, 32).numpy().reshape(rows, -1)
     import gguf
 
     return gguf.quants.quantize(x, gguf.GGMLQuantizationType[name])
@@ -187,8 +189,4 @@ def dequantize(raw: np.ndarray, name: str, n: int) -> torch.Tensor:
     with warnings.catch_warnings():  # a file's read-only map: nothing here writes to it
         warnings.simplefilter("ignore", UserWarning)
         b = torch.from_numpy(np.ascontiguousarray(raw).view(np.uint8)).reshape(-1, bb)
-    out = torch.empty(b.shape[0], per)
-    step = CHUNK // per
-    for lo in range(0, b.shape[0], step):
-        out[lo:lo + step] = _widen(b[lo:lo + step], name)
-    return out.view(-1, n)
+    return _by_chunks(lambda c: _widen(c, name), b, torch.empty(b.shape[0], per), per).view(-1, n)
