@@ -3,11 +3,12 @@
 
     .venv/bin/python benchmarks/gpu.py [--preset 70b] [--layers 8] [--budget-share 0.3]
         [--cold 2] [--tokens 64] [--device cuda] [--rows hybrid,layer_offload,...] [--out FILE]
-        [--quant q4_0|q4_k_m|q8_0 --budget-gb GB]
+        [--quant q4_0|q4_k_m|q8_0 --budget-gb GB] [--workdir DIR]
     .venv/bin/python benchmarks/gpu.py --kernels [--kernel-part attention] [--sweep fused|split|attention] [--out FILE]
     .venv/bin/python benchmarks/gpu.py --plot PNG LABEL=KERNELS.json ...
 
-One command does everything, in a temporary directory:
+One command does everything, in a temporary directory (`--workdir DIR`: in DIR, where a later
+run reuses the file and bundle an earlier one completed, so the rows can run in separate calls):
 
 1. writes a synthetic ReLU model of a real shape (`powerinfer.synthetic`, bf16 or `--quant`'s
    GGUF blocks, a planted power-law activation profile; the GPU widens a 4-bit file to bf16, the
@@ -578,6 +579,23 @@ ROWS = ("layer_offload", "all_gpu", "hybrid", "hybrid_hot_cores_even", "hybrid_p
         "kernels")
 
 
+def reused(path: Path, bundle_path: Path):
+    """The bundle of an earlier run's model in --workdir, when its file and trained layer-input
+    predictors are complete there (the file appears under its name only once written, the
+    predictors part is marked last); else None, and a partial bundle is removed."""
+    from powerinfer.bundle import Bundle
+
+    if path.exists() and (bundle_path / "manifest.json").exists():
+        b = Bundle.open(bundle_path)
+        if b.has("predictors.layer"):
+            print(f"reusing {path.name} and its bundle", flush=True)
+            return b
+    if bundle_path.exists():
+        import shutil
+        shutil.rmtree(bundle_path)
+    return None
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--preset", default="70b")
@@ -594,6 +612,9 @@ def main():
     ap.add_argument("--profile-tokens", type=int, default=4096)
     ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     ap.add_argument("--out", default=None)
+    ap.add_argument("--workdir", default=None,
+                    help="keep the synthetic file and its bundle here (not in a temporary "
+                         "directory), and reuse them when an earlier run completed them")
     ap.add_argument("--kernels", action="store_true", help="only the kernel rows")
     ap.add_argument("--kernel-part", choices=["all", "ffn", "attention"], default="all",
                     help="with --kernels: the FFN and predictor rows, the attention rows, or both")
@@ -649,14 +670,17 @@ def main():
               "preset": a.preset, "layers": a.layers, "budget_share": a.budget_share,
               "quant": a.quant or "bf16", "budget_gb": a.budget_gb}
     dense = dict(dtype="bfloat16", max_seq_len=MAX_SEQ, max_batch=MAX_BATCH)
-    with tempfile.TemporaryDirectory() as d:
+    with (contextlib.nullcontext(a.workdir) if a.workdir else tempfile.TemporaryDirectory()) as d:
         t0 = time.perf_counter()
-        path = Path(d) / f"synthetic-{a.preset}.gguf"
-        write_synthetic(path, a.preset, n_layers=a.layers, quant=a.quant)
-        bundle = profile(str(path), "lee", Path(d) / "bundle",
-                         ProfileOptions(tokens=a.profile_tokens, window=256, samples=4000),
-                         dtype="bfloat16")
-        train_predictors(bundle, "layer")
+        path = Path(d) / f"synthetic-{a.preset}-{a.layers}-{a.quant or 'bf16'}.gguf"
+        bundle = reused(path, Path(d) / f"{path.stem}.bundle")
+        result["reused_pipeline"] = bundle is not None
+        if bundle is None:
+            write_synthetic(path, a.preset, n_layers=a.layers, quant=a.quant)
+            bundle = profile(str(path), "lee", Path(d) / f"{path.stem}.bundle",
+                             ProfileOptions(tokens=a.profile_tokens, window=256, samples=4000),
+                             dtype="bfloat16")
+            train_predictors(bundle, "layer")
         weights = weight_bytes(path)
         # (a 4-bit file widens to bf16 on the GPU: a share of its own bytes would not hold the
         # attention; --budget-gb gives the budget outright)
