@@ -42,6 +42,7 @@ from powerinfer.tokenizer import Tokenizer
 from .group_info import node_id
 from .channel import ChannelClosed, PeerDied
 from .plane import DECODE, ERROR, PREFILL, STOP, PlaneSpec, Reply, Step, receive, send
+from .tokens import TokenRing, ends
 
 
 @dataclass(eq=False)
@@ -52,8 +53,13 @@ class Request:
     loop: asyncio.AbstractEventLoop
     cancelled: bool = False
     arrived: float = field(default_factory=time.perf_counter)
+    ring: TokenRing | None = None  # a caller on this node reads the events there
 
     def emit(self, event: dict):
+        if self.ring is not None and self.ring.append(event):
+            if ends(event):  # the stream's end, for the Ray call to return
+                self.loop.call_soon_threadsafe(self.events.put_nowait, None)
+            return
         self.loop.call_soon_threadsafe(self.events.put_nowait, event)
 
     def fail(self, kind: str, message: str, retryable: bool):
@@ -96,7 +102,7 @@ class Scheduler:
         self.cv = threading.Condition()
         self.broken: str | None = None
         self.stopping = False
-        self.counters = {"requests": 0, "finished": 0, "cancelled": 0, "rejected": 0,
+        self.counters = {"requests": 0, "ring_requests": 0, "finished": 0, "cancelled": 0, "rejected": 0,
                          "failed": 0, "tokens": 0, "prefill_steps": 0, "decode_steps": 0,
                          "decode_rows": 0, "prefill_tokens": 0, "prefill_s": 0.0,
                          "decode_s": 0.0}
@@ -117,8 +123,17 @@ class Scheduler:
 
     # ---- requests (event-loop side) ----
     async def generate(self, rid: str, prompt: list[int], params: SamplingParams,
-                       probe: bool = False, resume: list[int] | None = None):
+                       probe: bool = False, resume: list[int] | None = None,
+                       ring: str | None = None):
+        # ring: a caller on this node reads the events from that `TokenRing` (this stream then
+        # yields only what the ring could not hold) and the call returns when the request ends
         loop = asyncio.get_running_loop()
+        out = None
+        try:
+            out = TokenRing.open(ring) if ring else None
+        except (OSError, ValueError) as e:  # (the caller learns it here: the call ends)
+            yield [{"error": "invalid_request", "message": f"token ring: {e}", "retryable": False}]
+            return
         try:
             if params.grammar is None:
                 seq = new_sequence(prompt, params, self.tokenizer, self.vocab, self.max_seq)
@@ -130,9 +145,11 @@ class Scheduler:
                 if seq.finished or seq.num_tokens > self.max_seq:
                     raise InvalidRequestError("a resumed request had already ended")
         except InvalidRequestError as e:
-            yield [{"error": "invalid_request", "message": str(e), "retryable": False}]
+            problem = {"error": "invalid_request", "message": str(e), "retryable": False}
+            if out is None or not out.append(problem):
+                yield [problem]
             return
-        req = Request(rid, seq, asyncio.Queue(), loop)
+        req = Request(rid, seq, asyncio.Queue(), loop, ring=out)
         seq.key = req
         if probe:  # its own block, outside the pool: a probe is admitted even when it is full
             seq.blocks = Blocks([self.probe_block], reserved=True)
@@ -142,9 +159,11 @@ class Scheduler:
                 self.by_id[rid] = req
                 self.batcher.add(seq, front=probe)
                 self.counters["requests"] += 1
+                self.counters["ring_requests"] += out is not None
                 self.cv.notify()
         if problem is not None:
-            yield [problem]
+            if out is None or not out.append(problem):
+                yield [problem]
             return
         ended = False
         try:
@@ -152,8 +171,10 @@ class Scheduler:
                 batch = [await req.events.get()]
                 while not req.events.empty():
                     batch.append(req.events.get_nowait())
-                ended = any(e.get("finish_reason") or "error" in e for e in batch)
-                yield batch
+                ended = any(e is None or ends(e) for e in batch)  # None: it ended in the ring
+                batch = [e for e in batch if e is not None]
+                if batch:
+                    yield batch
         finally:
             if not ended:  # the caller went away: free the slot
                 self._cancel(rid)

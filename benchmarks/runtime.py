@@ -21,7 +21,9 @@
 5. In turns (`--rounds`, the figure to quote on a shared VM): for the first configuration, the
    in-process engine and the actor runtime alternately in the same process, a stream each and
    then each batch, `--rounds` times; the ratios are medians of each turn's pair
-   (`interleaved`).
+   (`interleaved`). Then one stream with its events read from the scheduler's token ring (this
+   process is on its node) and from Ray's stream alone, in turns, with each process's CPU time
+   a token (`stream_paths`).
 6. Where an actor step's time goes (`step_breakdown`), per step of one more request, from the
    actors' own counters: the scheduler's step (sent to answered), the hot executor's work and its
    waits (for the cold executors' partial sums, for masks, and between steps for the scheduler),
@@ -253,6 +255,16 @@ def print_turns(rows: list[dict]):
             if k != "rounds":
                 print(f"| {k} | {v['in_process_tok_s']:.1f} | {v['actors_tok_s']:.1f} | "
                       f"{v['ratio']:.2f} | {', '.join(map(str, v['ratios']))} |")
+        if "stream_paths" in r:
+            sp = r["stream_paths"]
+            procs = list(sp["ring"]["cpu_ms_per_token"])
+            print(f"| one stream's events ({sp['ring_vs_ray']:.2f}x through the ring) | tok/s | "
+                  "each turn | " + " | ".join(f"CPU ms/token: {p}" for p in procs) + " |")
+            print("|---|---:|---|" + "---:|" * len(procs))
+            for k in ("ring", "ray stream"):
+                v = sp[k]
+                print(f"| {k} | {v['tok_s']:.1f} | {', '.join(map(str, v['turns']))} | " +
+                      " | ".join(f"{v['cpu_ms_per_token'][p]:.2f}" for p in procs) + " |")
 
 
 def batched(pi: PowerInfer, batch: int, tokens: int, warm: bool = True) -> float:
@@ -318,6 +330,33 @@ def interleaved(local: PowerInfer, pi: PowerInfer, tokens: int, batches: list[in
     return out
 
 
+def stream_paths(pi: PowerInfer, tokens: int, rounds: int) -> dict:
+    """One stream's tokens/s with its events read from the scheduler's `TokenRing` (a caller on
+    its node, the default) and from Ray's stream alone (as a caller on another node reads them),
+    in turns, `rounds` times, with each process's CPU time a token over the turn."""
+    import actors.handle as handle
+
+    node = handle._node
+    pids = dict(pi.engine.stats()["pids"], caller=os.getpid())
+    got = {"ring": [], "ray stream": []}
+    cpu = {k: {p: [] for p in pids} for k in got}
+    try:
+        for r in range(rounds):
+            for path in list(got)[::1 if r % 2 == 0 else -1]:  # which goes first alternates
+                handle._node = node if path == "ring" else (lambda: None)
+                before = {p: cpu_s(pid) for p, pid in pids.items()}
+                got[path].append(stream_speed(pi, tokens))
+                for p, pid in pids.items():
+                    cpu[path][p].append((cpu_s(pid) - before[p]) / tokens * 1e3)
+    finally:
+        handle._node = node
+    out = {k: {"tok_s": statistics.median(v), "turns": [round(x, 1) for x in v],
+               "cpu_ms_per_token": {p: round(statistics.median(c), 3) for p, c in cpu[k].items()}}
+           for k, v in got.items()}
+    out["ring_vs_ray"] = statistics.median(a / b for a, b in zip(got["ring"], got["ray stream"]))
+    return out
+
+
 def compare(model: str, base: dict, tokens: int, cold: list[int], batches: list[int],
             rounds: int = 5, predictors: tuple[str, ...] = ("layer", "ffn")) -> list[dict]:
     """Actor runtime against the in-process engine with the same plan, per cold-executor count;
@@ -363,6 +402,7 @@ def compare(model: str, base: dict, tokens: int, cold: list[int], batches: list[
                 row["batched_breakdown_ms_per_step"] = {b: step_breakdown(pi, tokens, b) for b in batches if b > 1}
                 if rounds:
                     row["interleaved"] = interleaved(first_local, pi, tokens, batches, rounds)
+                    row["stream_paths"] = stream_paths(pi, 2 * tokens, rounds)
             rows.append(row)
             print(json.dumps(row), flush=True)
         finally:

@@ -459,6 +459,60 @@ def test_batched_concurrent_requests_equal_each_alone(bundle, sparse_actors):
         st["cold.0"]["neurons"] + st["cold.1"]["neurons"] + st["hot"]["hot_neurons"] == 30 * 1536
 
 
+def test_a_caller_on_the_schedulers_node_reads_its_events_from_a_token_ring(sparse_actors,
+                                                                            monkeypatch):
+    # the same requests through Ray's stream alone (a caller on another node) and through the
+    # ring, whole and with a log too small for them: the same events, logprobs and all (to
+    # float32 rounding: each request's steps may batch and sum otherwise); the scheduler
+    # counted the ring's requests, and no segment is left behind
+    import actors.handle as handle
+    import actors.tokens as tokens
+    from powerinfer.config import SamplingParams
+
+    e = sparse_actors.engine
+    ids = sparse_actors.tokenize("Once upon a time")
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=5)
+
+    def events(capacity=None):
+        monkeypatch.setattr(tokens, "CAPACITY", capacity or tokens.CAPACITY)
+        before = e.stats()["actors"]["scheduler"]["ring_requests"]
+        got = list(e.generate(ids, params))
+        return got, e.stats()["actors"]["scheduler"]["ring_requests"] - before
+
+    ring, n_ring = events()
+    spilled, n_spilled = events(capacity=700)  # a few events: the rest over Ray
+    with monkeypatch.context() as m:
+        m.setattr(handle, "_node", lambda: "another node")
+        over_ray, n_ray = events()
+    assert (n_ring, n_spilled, n_ray) == (1, 1, 0)
+    assert len(over_ray) == 12 and over_ray[-1]["finish_reason"] == "length"
+    assert all(len(ev["top_logprobs"]) == 5 for ev in over_ray)
+    for got in (ring, spilled):
+        assert [(ev["token"], ev["text"], ev["finish_reason"]) for ev in got] == \
+            [(ev["token"], ev["text"], ev["finish_reason"]) for ev in over_ray]
+        for a, b in zip(got, over_ray):
+            assert [t for t, _ in a["top_logprobs"]] == [t for t, _ in b["top_logprobs"]]
+            assert torch.allclose(torch.tensor([lp for _, lp in a["top_logprobs"]] + [a["logprob"]]),
+                                  torch.tensor([lp for _, lp in b["top_logprobs"]] + [b["logprob"]]),
+                                  atol=1e-3)
+            assert all(isinstance(p, tuple) for p in a["top_logprobs"])
+    assert not [s for s in shm_segments() if "-ring-" in s]
+
+
+def test_the_scheduler_opens_no_file_but_a_token_ring(sparse_actors):
+    # a caller names the ring; anything else (another file, a path out of shared memory) ends
+    # the request with an invalid_request error on the Ray stream, and the scheduler serves on
+    from powerinfer.config import SamplingParams
+
+    scheduler = sparse_actors.engine.group.actors["scheduler"]
+    params = SamplingParams(max_tokens=2, temperature=0)
+    for name in ("/etc/hostname", "/dev/shm/../etc/hostname", "/dev/shm/powerinfer-1-ring-gone"):
+        items = [ray.get(ref) for ref in scheduler.generate.remote("r", [1, 2], params, ring=name)]
+        assert items[0][0]["error"] == "invalid_request" and "token ring" in items[0][0]["message"]
+    assert "Paris" in sparse_actors.generate("The capital of France is", max_new_tokens=8,
+                                             temperature=0)
+
+
 def test_overloaded_queue_and_cancellation(sparse_actors):
     e = sparse_actors.engine
     ids = sparse_actors.tokenize("Tell me a long story")
