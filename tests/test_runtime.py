@@ -2,6 +2,7 @@
 in-process engine's (dense, and sparse with the same predictors and placement, for 1, 2 and 4
 cold executors, lookahead and same-layer), batched concurrent requests, admission control,
 cancellation, health, and faults (every actor role killed mid-generation)."""
+import asyncio
 import threading
 import time
 from contextlib import contextmanager
@@ -479,15 +480,25 @@ def test_a_caller_on_the_schedulers_node_reads_its_events_from_a_token_ring(spar
         got = list(e.generate(ids, params))
         return got, e.stats()["actors"]["scheduler"]["ring_requests"] - before
 
+    def async_events(capacity=None):  # the event loop's reader (the Serve ingress's)
+        async def run():
+            return [ev async for evs in e.agenerate(ids, params) for ev in evs]
+        monkeypatch.setattr(tokens, "CAPACITY", capacity or tokens.CAPACITY)
+        before = e.stats()["actors"]["scheduler"]["ring_requests"]
+        got = asyncio.run(run())
+        return got, e.stats()["actors"]["scheduler"]["ring_requests"] - before
+
     ring, n_ring = events()
     spilled, n_spilled = events(capacity=700)  # a few events: the rest over Ray
+    async_ring, n_async = async_events()
+    async_spilled, n_async_spilled = async_events(capacity=700)
     with monkeypatch.context() as m:
         m.setattr(handle, "_node", lambda: "another node")
         over_ray, n_ray = events()
-    assert (n_ring, n_spilled, n_ray) == (1, 1, 0)
+    assert (n_ring, n_spilled, n_async, n_async_spilled, n_ray) == (1, 1, 1, 1, 0)
     assert len(over_ray) == 12 and over_ray[-1]["finish_reason"] == "length"
     assert all(len(ev["top_logprobs"]) == 5 for ev in over_ray)
-    for got in (ring, spilled):
+    for got in (ring, spilled, async_ring, async_spilled):
         assert [(ev["token"], ev["text"], ev["finish_reason"]) for ev in got] == \
             [(ev["token"], ev["text"], ev["finish_reason"]) for ev in over_ray]
         for a, b in zip(got, over_ray):
