@@ -66,11 +66,15 @@ class TokenRing:
         hdr, ts = self.ch._hdr, _Timespec(0, 50_000_000)
         seen = 0
         while True:
+            slept = False
             while hdr[0] == seen:  # sleep at once: a spinning caller takes an executor's core
-                if finished() and hdr[0] == seen:
+                # the call is asked about only after 50 ms without an event (not each token:
+                # `ray.wait` costs more than the token's hand-over)
+                if slept and finished() and hdr[0] == seen:
                     return
                 _libc.syscall(_SYS_FUTEX, ctypes.c_void_p(self.ch.base), _FUTEX_WAIT,
                               ctypes.c_uint32(seen & 0xFFFFFFFF), ctypes.byref(ts), None, 0)
+                slept = True
             seen = int(hdr[0])
             # full before end: the end stored with it is no older than the one read after
             full, end = bool(hdr[3 + FULL]), int(hdr[3 + END])
