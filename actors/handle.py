@@ -25,7 +25,7 @@ import secrets
 import threading
 import time
 import uuid
-from typing import AsyncIterator, Iterator
+from typing import AsyncIterator, Callable, Iterator
 
 import ray
 from ray.exceptions import RayActorError, RayTaskError, TaskCancelledError
@@ -166,10 +166,10 @@ async def _ring_events(ring: TokenRing, stream) -> AsyncIterator[list[dict]]:
     import asyncio
 
     loop, got = asyncio.get_running_loop(), asyncio.Queue()
-    stop, done = threading.Event(), stream.completed()
+    stop, ended = threading.Event(), _call_ended(stream)
 
     def finished() -> bool:
-        return stop.is_set() or bool(ray.wait([done], timeout=0)[0])
+        return stop.is_set() or ended()
 
     def read():
         try:
@@ -201,9 +201,7 @@ def follow_sync(f: _Flight, at: dict, replace) -> Iterator[list[dict]]:
             try:
                 stream = attempt.stream(ring)
                 if ring is not None:
-                    def finished(done=stream.completed()):
-                        return bool(ray.wait([done], timeout=0)[0])
-                    for events in ring.events(finished):
+                    for events in ring.events(_call_ended(stream)):
                         yield attempt.received(events)
                     if attempt.ended:
                         return
@@ -218,6 +216,12 @@ def follow_sync(f: _Flight, at: dict, replace) -> Iterator[list[dict]]:
 
 def _node() -> str | None:
     return ray.get_runtime_context().get_node_id() if ray.is_initialized() else None
+
+
+def _call_ended(stream) -> Callable[[], bool]:
+    """Whether the scheduler's call behind `stream` has returned (or failed), asked at once."""
+    done = stream.completed()
+    return lambda: bool(ray.wait([done], timeout=0)[0])
 
 
 class ActorEngine:

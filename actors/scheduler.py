@@ -102,10 +102,10 @@ class Scheduler:
         self.cv = threading.Condition()
         self.broken: str | None = None
         self.stopping = False
-        self.counters = {"requests": 0, "ring_requests": 0, "finished": 0, "cancelled": 0, "rejected": 0,
-                         "failed": 0, "tokens": 0, "prefill_steps": 0, "decode_steps": 0,
-                         "decode_rows": 0, "prefill_tokens": 0, "prefill_s": 0.0,
-                         "decode_s": 0.0}
+        self.counters = {"requests": 0, "ring_requests": 0, "finished": 0, "cancelled": 0,
+                         "rejected": 0, "failed": 0, "tokens": 0, "prefill_steps": 0,
+                         "decode_steps": 0, "decode_rows": 0, "prefill_tokens": 0,
+                         "prefill_s": 0.0, "decode_s": 0.0}
         self.done: asyncio.Future | None = None
         self.thread = threading.Thread(target=self._loop, name="scheduler", daemon=True)
         self.thread.start()

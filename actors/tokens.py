@@ -44,8 +44,7 @@ class TokenRing:
     """The caller's end (`create`) or the scheduler's (`open`) of one request's ring."""
 
     def __init__(self, path: Path, writer: bool):
-        self.path, self.writer = path, writer
-        self.ch = Channel(path, writer=writer)
+        self.path, self.ch = path, Channel(path, writer=writer)
         self.end = 0  # the writer's end of the log, or how far the reader has read
         self.full = False
 

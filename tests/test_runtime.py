@@ -448,10 +448,33 @@ def sparse_actors(ray_cluster, bundle):
 
 
 def test_batched_concurrent_requests_equal_each_alone(bundle, sparse_actors):
-    want = local(Config(bundle=bundle, **BASE))  # each request alone
-    before = sparse_actors.engine.stats()["actors"]["scheduler"]
-    assert sparse_actors.generate(PROMPTS, **GREEDY) == want  # concurrent, continuously batched
-    after = sparse_actors.engine.stats()["actors"]["scheduler"]
+    # concurrent requests, continuously batched, against each alone in process: token for token
+    # but for a near-tie. Which steps the requests share depends on when each arrives, and a
+    # prompt prefilled beside another goes through matrix products of another height, which
+    # round otherwise (float32; about one run in four parted on a near-tie before this rule)
+    from powerinfer.config import SamplingParams
+
+    ref = PowerInfer.from_pretrained(MODEL, Config(bundle=bundle, **BASE))
+    n = GREEDY["max_new_tokens"]
+    want = [greedy_tokens(ref, p, n) for p in PROMPTS]  # each request alone
+    e = sparse_actors.engine
+    params = SamplingParams(max_tokens=n, temperature=0, ignore_eos=True)
+    got = [[] for _ in PROMPTS]
+
+    def run(i):
+        got[i] = [ev["token"] for ev in e.generate(sparse_actors.tokenize(PROMPTS[i]), params)
+                  if ev["token"] >= 0]
+
+    before = e.stats()["actors"]["scheduler"]
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(PROMPTS))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    for p, w, g in zip(PROMPTS, want, got):
+        assert len(g) == n
+        assert_same_or_near_tie(ref, ref.tokenize(p), w, g, 0.05)
+    after = e.stats()["actors"]["scheduler"]
     steps = after["decode_steps"] - before["decode_steps"]
     rows = after["decode_rows"] - before["decode_rows"]
     assert rows / steps > 1.5, (rows, steps)  # they really shared decode steps
