@@ -2,7 +2,7 @@
 
 Through Ray, each stream item a scheduler yields costs it a wake-up of its event loop, a hop to
 the thread pool that reports the item, and the report itself; the caller pays the receipt and a
-deserialization. On one SmolLM2 stream on 2 cores that was about 1.1 ms of CPU a token between
+deserialization. On one SmolLM2 stream on 2 cores that was about 1.3 ms of CPU a token between
 the two processes, taken from the executors' cores (BENCHMARKS.md). A caller on the scheduler's
 node instead creates a `TokenRing` for its request and passes its name with the request: the
 scheduler's loop appends each event to it (msgpack, a few microseconds) and wakes the reader with
