@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
+import os
 import secrets
 import threading
 import time
@@ -56,6 +57,9 @@ REBUILD_WAIT_S = 300
 RESUME_WAIT_S = 120  # a request in flight waits this long for the rebuilt group
 NEW_WAIT_S = 30  # a new request waits this long (less than a client's usual timeout)
 MAX_RESUMES = 3  # a request that fails every group it runs on is not resumed forever
+# a caller on the scheduler's node reads its events from a `TokenRing`; POWERINFER_TOKEN_RING=0
+# reads them from Ray's stream, as a caller on another node does (a comparison)
+TOKEN_RING = os.environ.get("POWERINFER_TOKEN_RING", "1") != "0"
 
 
 @dataclasses.dataclass(eq=False)
@@ -143,7 +147,7 @@ async def follow(f: _Flight, at: dict, replace) -> AsyncIterator[list[dict]]:
     could not hold, and the failures); elsewhere through Ray's stream."""
     while True:
         with _Attempt(f, at) as attempt:
-            ring = TokenRing.create() if at.get("node") == _node() else None
+            ring = TokenRing.create() if _local(at) else None
             try:
                 stream = attempt.stream(ring)
                 if ring is not None:
@@ -197,7 +201,7 @@ def follow_sync(f: _Flight, at: dict, replace) -> Iterator[list[dict]]:
     0.7 (one SmolLM2 stream on 2 cores, where that time comes out of the executors' cores)."""
     while True:
         with _Attempt(f, at) as attempt:
-            ring = TokenRing.create() if at.get("node") == _node() else None
+            ring = TokenRing.create() if _local(at) else None
             try:
                 stream = attempt.stream(ring)
                 if ring is not None:
@@ -216,6 +220,11 @@ def follow_sync(f: _Flight, at: dict, replace) -> Iterator[list[dict]]:
 
 def _node() -> str | None:
     return ray.get_runtime_context().get_node_id() if ray.is_initialized() else None
+
+
+def _local(at: dict) -> bool:
+    """Whether this caller reads the events of a request to target `at` from a token ring."""
+    return TOKEN_RING and at.get("node") == _node()
 
 
 def _call_ended(stream) -> Callable[[], bool]:

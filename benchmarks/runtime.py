@@ -336,20 +336,20 @@ def stream_paths(pi: PowerInfer, tokens: int, rounds: int) -> dict:
     in turns, `rounds` times, with each process's CPU time a token over the turn."""
     import actors.handle as handle
 
-    node = handle._node
+    default = handle.TOKEN_RING
     pids = dict(pi.engine.stats()["pids"], caller=os.getpid())
     got = {"ring": [], "ray stream": []}
     cpu = {k: {p: [] for p in pids} for k in got}
     try:
         for r in range(rounds):
             for path in list(got)[::1 if r % 2 == 0 else -1]:  # which goes first alternates
-                handle._node = node if path == "ring" else (lambda: None)
+                handle.TOKEN_RING = path == "ring"
                 before = {p: cpu_s(pid) for p, pid in pids.items()}
                 got[path].append(stream_speed(pi, tokens))
                 for p, pid in pids.items():
                     cpu[path][p].append((cpu_s(pid) - before[p]) / tokens * 1e3)
     finally:
-        handle._node = node
+        handle.TOKEN_RING = default
     out = {k: {"tok_s": statistics.median(v), "turns": [round(x, 1) for x in v],
                "cpu_ms_per_token": {p: round(statistics.median(c), 3) for p, c in cpu[k].items()}}
            for k, v in got.items()}
