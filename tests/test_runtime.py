@@ -518,7 +518,11 @@ def test_a_caller_on_the_schedulers_node_reads_its_events_from_a_token_ring(spar
     with monkeypatch.context() as m:
         m.setattr(handle, "_node", lambda: "another node")
         over_ray, n_ray = events()
-    assert (n_ring, n_spilled, n_async, n_async_spilled, n_ray) == (1, 1, 1, 1, 0)
+    with monkeypatch.context() as m:  # POWERINFER_TOKEN_RING=0
+        m.setattr(handle, "TOKEN_RING", False)
+        asked_off, n_off = events()
+    assert (n_ring, n_spilled, n_async, n_async_spilled, n_ray, n_off) == (1, 1, 1, 1, 0, 0)
+    assert [ev["token"] for ev in asked_off] == [ev["token"] for ev in over_ray]
     assert len(over_ray) == 12 and over_ray[-1]["finish_reason"] == "length"
     assert all(len(ev["top_logprobs"]) == 5 for ev in over_ray)
     for got in (ring, spilled, async_ring, async_spilled):
