@@ -497,19 +497,19 @@ def test_a_caller_on_the_schedulers_node_reads_its_events_from_a_token_ring(spar
     ids = sparse_actors.tokenize("Once upon a time")
     params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=5)
 
-    def events(capacity=None):
+    def counted(read, capacity):  # the events, and how many requests the ring carried
         monkeypatch.setattr(tokens, "CAPACITY", capacity or tokens.CAPACITY)
         before = e.stats()["actors"]["scheduler"]["ring_requests"]
-        got = list(e.generate(ids, params))
+        got = read()
         return got, e.stats()["actors"]["scheduler"]["ring_requests"] - before
+
+    def events(capacity=None):
+        return counted(lambda: list(e.generate(ids, params)), capacity)
 
     def async_events(capacity=None):  # the event loop's reader (the Serve ingress's)
         async def run():
             return [ev async for evs in e.agenerate(ids, params) for ev in evs]
-        monkeypatch.setattr(tokens, "CAPACITY", capacity or tokens.CAPACITY)
-        before = e.stats()["actors"]["scheduler"]["ring_requests"]
-        got = asyncio.run(run())
-        return got, e.stats()["actors"]["scheduler"]["ring_requests"] - before
+        return counted(lambda: asyncio.run(run()), capacity)
 
     ring, n_ring = events()
     spilled, n_spilled = events(capacity=700)  # a few events: the rest over Ray
@@ -530,9 +530,9 @@ def test_a_caller_on_the_schedulers_node_reads_its_events_from_a_token_ring(spar
             [(ev["token"], ev["text"], ev["finish_reason"]) for ev in over_ray]
         for a, b in zip(got, over_ray):
             assert [t for t, _ in a["top_logprobs"]] == [t for t, _ in b["top_logprobs"]]
-            assert torch.allclose(torch.tensor([lp for _, lp in a["top_logprobs"]] + [a["logprob"]]),
-                                  torch.tensor([lp for _, lp in b["top_logprobs"]] + [b["logprob"]]),
-                                  atol=1e-3)
+            lps = [torch.tensor([lp for _, lp in ev["top_logprobs"]] + [ev["logprob"]])
+                   for ev in (a, b)]
+            assert torch.allclose(*lps, atol=1e-3)
             assert all(isinstance(p, tuple) for p in a["top_logprobs"])
     assert not [s for s in shm_segments() if "-ring-" in s]
 
