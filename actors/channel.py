@@ -55,6 +55,9 @@ class _Timespec(ctypes.Structure):
     _fields_ = [("tv_sec", ctypes.c_long), ("tv_nsec", ctypes.c_long)]
 
 
+_DOZE = _Timespec(0, 50_000_000)  # a futex wait's limit (`Channel.doze`)
+
+
 class ChannelClosed(Exception):
     """The group closed the channel (shutdown)."""
 
@@ -190,9 +193,14 @@ class Channel:
         self._st[0] = target
         return hdr[3:3 + WORDS]
 
+    def doze(self, seen: int):
+        """Sleep while the count of messages published is `seen` (a futex wait on it), for at
+        most 50 ms: a waiter's turn to look at anything else (its peer's liveness)."""
+        _libc.syscall(_SYS_FUTEX, ctypes.c_void_p(self._addr), _FUTEX_WAIT,
+                      ctypes.c_uint32(seen & 0xFFFFFFFF), ctypes.byref(_DOZE), None, 0)
+
     def _sleep(self, target: int, t0: float, timeout: float | None):
-        hdr, ts = self._hdr, _Timespec(0, 50_000_000)  # re-check liveness every 50 ms
-        expect = ctypes.c_uint32((target - 1) & 0xFFFFFFFF).value
+        hdr = self._hdr
         slept = False
         while hdr[0] < target:
             if hdr[2]:
@@ -204,8 +212,7 @@ class Channel:
                                f"(pid {pid}) died")
             if timeout is not None and time.perf_counter() - t0 > timeout:
                 raise TimeoutError(f"no message on {self.path.name} within {timeout:.1f} s")
-            _libc.syscall(_SYS_FUTEX, ctypes.c_void_p(self._addr), _FUTEX_WAIT,
-                          ctypes.c_uint32(expect), ctypes.byref(ts), None, 0)
+            self.doze(target - 1)  # re-check liveness every 50 ms
             slept = True
 
     def view(self, dtype: torch.dtype, shape, offset: int = 0) -> torch.Tensor:

@@ -97,13 +97,15 @@ class _Attempt:
     scheduler's stream (`follow`, `follow_sync`): `received` takes each list of events (the
     request's own error event is raised, as a PowerInferError, and ends it); the group's failure
     is kept as `why` and leaves the block quietly (the request is to be resumed, counted on f);
-    a caller that stops reading before the end cancels the request."""
+    a caller that stops reading before the end cancels the request. On the scheduler's node the
+    attempt holds the request's `TokenRing` (`ring`, else None), closed when the block ends."""
 
     def __init__(self, f: _Flight, at: dict):
         self.f, self.at, self.ended, self.why = f, at, False, None
+        self.ring: TokenRing | None = None
 
-    def stream(self, ring: TokenRing | None = None):
-        f = self.f
+    def stream(self):
+        f, ring = self.f, self.ring
         return self.at["scheduler"].generate.remote(f.rid, f.prompt, f.params, resume=f.sent or None,
                                                     ring=None if ring is None else str(ring.path))
 
@@ -117,9 +119,12 @@ class _Attempt:
         return events
 
     def __enter__(self) -> "_Attempt":
+        self.ring = TokenRing.create() if _local(self.at) else None
         return self
 
     def __exit__(self, kind, e, tb) -> bool:
+        if self.ring is not None:
+            self.ring.close()
         if kind is None:  # the stream ended
             return False
         if issubclass(kind, EngineFailedError):
@@ -147,19 +152,14 @@ async def follow(f: _Flight, at: dict, replace) -> AsyncIterator[list[dict]]:
     could not hold, and the failures); elsewhere through Ray's stream."""
     while True:
         with _Attempt(f, at) as attempt:
-            ring = TokenRing.create() if _local(at) else None
-            try:
-                stream = attempt.stream(ring)
-                if ring is not None:
-                    async for events in _ring_events(ring, stream):
-                        yield attempt.received(events)
-                    if attempt.ended:
-                        return
-                async for ref in stream:
-                    yield attempt.received(await ref)
-            finally:
-                if ring is not None:
-                    ring.close()
+            stream = attempt.stream()
+            if attempt.ring is not None:
+                async for events in _ring_events(attempt.ring, stream):
+                    yield attempt.received(events)
+                if attempt.ended:
+                    return
+            async for ref in stream:
+                yield attempt.received(await ref)
             return
         at = await replace(at, attempt.why)
 
@@ -201,19 +201,14 @@ def follow_sync(f: _Flight, at: dict, replace) -> Iterator[list[dict]]:
     0.7 (one SmolLM2 stream on 2 cores, where that time comes out of the executors' cores)."""
     while True:
         with _Attempt(f, at) as attempt:
-            ring = TokenRing.create() if _local(at) else None
-            try:
-                stream = attempt.stream(ring)
-                if ring is not None:
-                    for events in ring.events(_call_ended(stream)):
-                        yield attempt.received(events)
-                    if attempt.ended:
-                        return
-                for ref in stream:
-                    yield attempt.received(ray.get(ref))
-            finally:
-                if ring is not None:
-                    ring.close()
+            stream = attempt.stream()
+            if attempt.ring is not None:
+                for events in attempt.ring.events(_call_ended(stream)):
+                    yield attempt.received(events)
+                if attempt.ended:
+                    return
+            for ref in stream:
+                yield attempt.received(ray.get(ref))
             return
         at = replace(at, attempt.why)
 

@@ -18,7 +18,6 @@ all, is not cut short).
 """
 from __future__ import annotations
 
-import ctypes
 import os
 import struct
 import uuid
@@ -27,8 +26,7 @@ from typing import Callable
 
 import msgpack
 
-from .channel import (_FUTEX_WAIT, _SYS_FUTEX, HEADER, PREFIX, SHM_DIR, Channel, _libc, _Timespec,
-                      create, segment_path)
+from .channel import HEADER, PREFIX, SHM_DIR, Channel, create, segment_path
 
 CAPACITY = 4 << 20  # tmpfs pages are allocated as the log reaches them
 _LEN = struct.Struct("<I")
@@ -62,7 +60,7 @@ class TokenRing:
         without it, when the log filled up or the call that carries the request ended first
         (`finished()`, asked while no event comes: the scheduler could not open the ring, or
         died): the rest, or what went wrong, is on the Ray stream."""
-        hdr, ts = self.ch._hdr, _Timespec(0, 50_000_000)
+        hdr = self.ch._hdr
         seen = 0
         while True:
             slept = False
@@ -71,8 +69,7 @@ class TokenRing:
                 # `ray.wait` costs more than the token's hand-over)
                 if slept and finished() and hdr[0] == seen:
                     return
-                _libc.syscall(_SYS_FUTEX, ctypes.c_void_p(self.ch.base), _FUTEX_WAIT,
-                              ctypes.c_uint32(seen & 0xFFFFFFFF), ctypes.byref(ts), None, 0)
+                self.ch.doze(seen)
                 slept = True
             seen = int(hdr[0])
             # full before end: the end stored with it is no older than the one read after
