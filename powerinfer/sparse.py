@@ -303,8 +303,24 @@ class HybridFFN(nn.Module):
             if len(self.cold.idx):
                 y = y + decode_rows(self.cold, x, union, rows, self.threshold)
             if self.stats is not None:
-                self.stats.add(rows=1, computed=int(union.sum()))
+                self._count_decode(x, active, union)
         return y if self.down_b is None else y + self.down_b
+
+    def _count_decode(self, x, active, union):
+        # a decode step's record: the neurons computed (the batch's union), those whose score
+        # passes the threshold in some row, and those that also are in that row's mask (whose up
+        # and down rows the kernel reads); the activation mass of each
+        fired = torch.zeros_like(active)
+        mag = torch.zeros(active.shape, dtype=torch.float32, device=active.device)
+        for s in (self.hot, self.cold):
+            if len(s.idx):
+                score, act = s._pre(x, None)
+                fired[:, s.idx] = (score > self.threshold).flatten(0, -2)
+                mag[:, s.idx] = act.abs().float().flatten(0, -2)
+        keep = fired & active
+        self.stats.add(rows=1, computed=int(union.sum()), fired=int(fired.any(0).sum()),
+                       hit=int(keep.any(0).sum()), mass_fired=float((mag * fired).sum()),
+                       mass_hit=float((mag * keep).sum()))
 
     def _fused_decode(self, h, x, layer_input):
         """A decode step as `kernels.predicted_ffn` computes it (the predictor's logits, the
