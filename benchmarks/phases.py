@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
-"""Where a dense decode token's time goes inside the native layer loop, against its floor.
+"""Where a decode token's time goes inside the native layer loop, against its floor.
 
-    .venv/bin/python benchmarks/phases.py [--model M] [--tokens 64] [--turns 3] [--out FILE]
+    .venv/bin/python benchmarks/phases.py [--model M] [--bundle B] [--tokens 64] [--turns 3] [--out FILE]
 
 The in-process engine's decode step with the default configuration (`Config()` resolved for
 this machine and file) runs every layer in one native call (`hot_layers`). Its phases are timed
@@ -15,6 +15,12 @@ after a warm-up.
 The floor is the bytes a token reads (every weight the step holds, the KV cache at the mean
 context) at the read bandwidth of a reduction over 1 GiB, measured before each turn; each
 part's GB/s is its bytes over its time.
+
+`--bundle`: the sparse model as the engine loads it with that bundle (`Config(bundle=...)`, the
+predictors on the FFN's input), each layer's predictor and neurons one step of the same loop.
+Its FFN bytes are counted, not assumed: a pass through the modules before the turns records,
+per layer, the neurons computed (their gate rows are read) and those that fired among them
+(their up and down rows are read too); the predictors' weights are added.
 """
 from __future__ import annotations
 
@@ -30,6 +36,7 @@ import torch
 
 from powerinfer import Config, PowerInfer, kernels
 from powerinfer.native import NativeDecode
+from powerinfer.sparse import LayerStats, hybrid_layers
 from sparse_cpu import PROMPT, decode, dense_bytes, module_bytes, read_bandwidth
 
 
@@ -54,14 +61,37 @@ def head_timer(model):
     return t, [out.register_forward_pre_hook(pre), out.register_forward_hook(post)]
 
 
+def sparse_ffn_bytes(model, ids: list[int], n: int) -> float:
+    """Bytes a decode token's sparse FFNs read, counted over n greedy tokens through the modules:
+    gate rows of the neurons computed, up and down rows of those that fired among them, and the
+    predictors' weights."""
+    ffns = hybrid_layers(model)
+    stats = [LayerStats() for _ in ffns]
+    for f, s in zip(ffns, stats):
+        f.stats = s
+    decode(model, ids, n)
+    for f in ffns:
+        f.stats = None
+    total = 0.0
+    for f, s in zip(ffns, stats):
+        fmt = next(x for x in (f.hot, f.cold) if x is not None and len(x.idx)).fmt
+        lead = kernels.row_bytes(fmt, model.args.dim)
+        rest = lead + kernels.row_bytes(kernels.down_format(fmt), model.args.dim)
+        total += (s.computed * lead + s.hit * rest) / s.rows
+    preds = {id(p): p for f in ffns if (p := getattr(f.masks, "__self__", None)) is not None}
+    return total + sum(module_bytes(p) for p in preds.values())
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", default=None, help="a model file (default: the default model)")
+    ap.add_argument("--bundle", default=None, help="a sparsity bundle: the sparse model's decode")
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--turns", type=int, default=3)
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
-    pi = PowerInfer.from_pretrained(*([a.model] if a.model else []), config=Config())
+    config = Config(bundle=a.bundle, predictor="ffn") if a.bundle else Config()
+    pi = PowerInfer.from_pretrained(*([a.model] if a.model else []), config=config)
     model = pi.model
     step = NativeDecode.of(model)
     if step is None or not kernels.available():
@@ -70,7 +100,8 @@ def main():
     decode_profiled(model, step, ids, 16)  # warm-up
     kv_len = len(ids) + a.tokens / 2
     parts = dense_bytes(model, kv_len)
-    parts["FFN"] = sum(module_bytes(b.ffn) for b in model.layers)
+    parts["FFN"] = (sparse_ffn_bytes(model, ids, a.tokens) if a.bundle
+                    else sum(module_bytes(b.ffn) for b in model.layers))
     total_bytes = sum(parts.values())
     turns = []
     for _ in range(a.turns):
@@ -98,6 +129,8 @@ def main():
             "q/k/v and output projections": (parts["attention"], attn_ms),
             "output head": (parts["lm_head"], med["output head"])}
     name = Path(a.model).name if a.model else "default model"
+    if a.bundle:
+        name += f", sparse ({Path(a.bundle).name})"
     print(f"\n{name}: {token:.2f} ms a token (median of {a.turns} turns of {a.tokens} tokens); "
           f"floor {total_bytes / 1e6:.1f} MB at {bw:.1f} GB/s = {total_bytes / bw / 1e6:.2f} ms "
           f"({total_bytes / bw / 1e6 / token:.0%} of the token)\n")
