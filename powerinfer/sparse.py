@@ -309,14 +309,15 @@ class HybridFFN(nn.Module):
     def _count_decode(self, x, active, union):
         # a decode step's record: the neurons computed (the batch's union), those whose score
         # passes the threshold in some row, and those that also are in that row's mask (whose up
-        # and down rows the kernel reads); the activation mass of each
+        # and down rows the kernel reads); the activation mass of each. The rows are widened a
+        # block at a time (`_blocks`), as `scores` does, not all of a layer's at once
         fired = torch.zeros_like(active)
         mag = torch.zeros(active.shape, dtype=torch.float32, device=active.device)
         for s in (self.hot, self.cold):
-            if len(s.idx):
-                score, act = s._pre(x, None)
-                fired[:, s.idx] = (score > self.threshold).flatten(0, -2)
-                mag[:, s.idx] = act.abs().float().flatten(0, -2)
+            for lo, hi, w in s._blocks() if len(s.idx) else ():
+                score, act = s._pre(x, None, lo, hi, w)
+                fired[:, s.idx[lo:hi]] = (score > self.threshold).flatten(0, -2)
+                mag[:, s.idx[lo:hi]] = act.abs().float().flatten(0, -2)
         keep = fired & active
         self.stats.add(rows=1, computed=int(union.sum()), fired=int(fired.any(0).sum()),
                        hit=int(keep.any(0).sum()), mass_fired=float((mag * fired).sum()),
