@@ -14,6 +14,8 @@ loops over the same records:
 - `compute`: the same loop with independent FMAs a line and no loads, over one record (no
   memory);
 - `both`: the loads and the FMAs.
+- `compute on the data` and `both on the data`: the same, but the FMAs take the line's bytes
+  (widened to float) as their input, as a dot product's do, so each waits for its line.
 
 If the core overlaps the two, `both` takes about the longer of the other two; if it does not,
 their sum. The FMAs a line (8, 16, 32 or 64) are the count whose `compute` comes closest to
@@ -38,7 +40,7 @@ SRC = r"""
 // records sel[j] of w (k, rb), the next one prefetched into L2 a line at a time; per line a
 // load (LOAD) and W FMAs on 8 independent accumulators. fixed >= 0: that record only, nothing
 // prefetched (the compute alone, in cache).
-template <bool LOAD, int W>
+template <bool LOAD, int W, bool DEP = false>
 double walk(const uint8_t* w, int64_t rb, const int64_t* sel, int64_t m, int64_t fixed) {
   __m256 acc[8];
   for (int i = 0; i < 8; i++) acc[i] = _mm256_set1_ps(1.0f);
@@ -52,7 +54,12 @@ double walk(const uint8_t* w, int64_t rb, const int64_t* sel, int64_t m, int64_t
       if (LOAD)
         x = _mm256_xor_si256(x, _mm256_xor_si256(_mm256_loadu_si256((const __m256i*)(r + o)),
                                                  _mm256_loadu_si256((const __m256i*)(r + o + 32))));
-      for (int q = 0; q < W; q++) acc[q % 8] = _mm256_fmadd_ps(acc[q % 8], k, c);
+      if (DEP) {  // the FMAs take the line's bytes as their input, as a dot product's do
+        const __m256 v = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)(r + o))));
+        for (int q = 0; q < W; q++) acc[q % 8] = _mm256_fmadd_ps(v, k, acc[q % 8]);
+      } else {
+        for (int q = 0; q < W; q++) acc[q % 8] = _mm256_fmadd_ps(acc[q % 8], k, c);
+      }
     }
   }
   __m256 s = acc[0];
@@ -65,16 +72,93 @@ double walk(const uint8_t* w, int64_t rb, const int64_t* sel, int64_t m, int64_t
   for (int i = 0; i < 8; i++) t += f[i] + v[i];
   return t;  // (kept, so nothing is optimized away)
 }
-// mode 0: reads; 1: compute (fmas a line); 2: both
+// The kernel's order (csrc/neuron_ffn.h, range_fmt, every neuron firing): pass j reads the gate
+// row of record j+1, the up row of record j-1 and, every fourth pass, the down rows of the four
+// records before, side by side a line at a time; it brings into L2 the gate row of j+2 and the
+// up and down rows of j, one prefetch for each line read. W FMAs on each line's bytes (DEP).
+template <bool LOAD, int W>
+double walk_kernel(const uint8_t* w, int64_t rb, int64_t gb, const int64_t* sel, int64_t m, int64_t fixed) {
+  __m256 acc[8];
+  for (int i = 0; i < 8; i++) acc[i] = _mm256_set1_ps(1.0f);
+  const __m256 k = _mm256_set1_ps(0.5f);
+  __m256i x = _mm256_setzero_si256();
+  const int64_t db = rb - 2 * gb;
+  auto rec = [&](int64_t j) -> const uint8_t* {
+    return j < 0 || j >= m ? nullptr : w + (fixed >= 0 ? fixed : sel[j]) * rb;
+  };
+  for (int64_t j = 0; j <= m; j++) {
+    const uint8_t* rows[6];
+    int64_t len[6];
+    int nr = 0;
+    if (auto r = rec(j + 1)) rows[nr] = r, len[nr++] = gb;
+    if (auto r = rec(j - 1)) rows[nr] = r + gb, len[nr++] = gb;
+    if (j % 4 == 0)
+      for (int64_t d = j - 4; d < j; d++)
+        if (auto r = rec(d)) rows[nr] = r + 2 * gb, len[nr++] = db;
+    const uint8_t* pf[3];
+    int64_t plen[3];
+    int np = 0;
+    if (fixed < 0) {
+      if (auto r = rec(j + 2)) pf[np] = r, plen[np++] = gb;
+      if (auto r = rec(j)) pf[np] = r + gb, plen[np++] = gb + db;
+    }
+    int64_t total = 0, ptotal = 0, done = 0, issued = 0;
+    for (int i = 0; i < nr; i++) total += len[i] / 64;
+    for (int i = 0; i < np; i++) ptotal += (plen[i] + 63) / 64;
+    auto prefetch_next = [&]() {
+      int64_t q = issued++;
+      for (int i = 0; i < np; i++) {
+        const int64_t n = (plen[i] + 63) / 64;
+        if (q < n) { _mm_prefetch((const char*)(pf[i] + 64 * q), _MM_HINT_T1); return; }
+        q -= n;
+      }
+    };
+    for (int64_t o = 0; done < total; o += 64)
+      for (int i = 0; i < nr; i++) {
+        if (o >= len[i]) continue;
+        const uint8_t* l = rows[i] + o;
+        done++;
+        while (issued < ptotal && issued * total < done * ptotal) prefetch_next();
+        if (LOAD) {
+          x = _mm256_xor_si256(x, _mm256_xor_si256(_mm256_loadu_si256((const __m256i*)l),
+                                                   _mm256_loadu_si256((const __m256i*)(l + 32))));
+          const __m256 v = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)l)));
+          for (int q = 0; q < W; q++) acc[q % 8] = _mm256_fmadd_ps(v, k, acc[q % 8]);
+        } else {
+          const __m256 v = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)w)));
+          for (int q = 0; q < W; q++) acc[q % 8] = _mm256_fmadd_ps(v, k, acc[q % 8]);
+        }
+      }
+  }
+  __m256 s = acc[0];
+  for (int i = 1; i < 8; i++) s = _mm256_add_ps(s, acc[i]);
+  alignas(32) float f[8];
+  alignas(32) int32_t v[8];
+  _mm256_store_ps(f, s);
+  _mm256_store_si256((__m256i*)v, x);
+  double t = 0;
+  for (int i = 0; i < 8; i++) t += f[i] + v[i];
+  return t;
+}
+// mode 0: reads; 1: compute (fmas a line); 2: both; 3, 4: compute, both, the FMAs on the line's bytes
 double run(torch::Tensor w, torch::Tensor sel, int64_t mode, int64_t fmas) {
   const uint8_t* p = w.data_ptr<uint8_t>();
   const int64_t* s = sel.data_ptr<int64_t>();
   const int64_t rb = w.size(1), m = sel.numel();
   auto go = [&](auto n) -> double {
     constexpr int W = decltype(n)::value;
-    return mode == 1 ? walk<false, W>(p, rb, s, m, 0) : walk<true, W>(p, rb, s, m, -1);
+    switch (mode) {
+      case 1: return walk<false, W>(p, rb, s, m, 0);
+      case 2: return walk<true, W>(p, rb, s, m, -1);
+      case 3: return walk<false, W, true>(p, rb, s, m, 0);
+      default: return walk<true, W, true>(p, rb, s, m, -1);
+    }
   };
   if (mode == 0) return walk<true, 0>(p, rb, s, m, -1);
+  if (mode >= 5) {  // the kernel's order: 5 reads, 6 compute, 7 both (gate rows of GATE bytes)
+    if (mode == 5) return walk_kernel<true, 0>(p, rb, GATE, s, m, -1);
+    return mode == 6 ? walk_kernel<false, 16>(p, rb, GATE, s, m, 0) : walk_kernel<true, 16>(p, rb, GATE, s, m, -1);
+  }
   switch (fmas) {
     case 8: return go(std::integral_constant<int, 8>{});
     case 16: return go(std::integral_constant<int, 16>{});
@@ -85,6 +169,7 @@ double run(torch::Tensor w, torch::Tensor sel, int64_t mode, int64_t fmas) {
 """
 FMAS = (8, 16, 32, 64)  # per 64-byte line; the one whose compute comes closest to the reads is used
 N_FF, RECORD = 11008, kernels.record_bytes("q4_1", 4096, gated=True)
+GATE = kernels.row_bytes("q4_1", 4096)
 
 
 def main():
@@ -94,7 +179,7 @@ def main():
     ap.add_argument("--rounds", type=int, default=3)
     a = ap.parse_args()
     from torch.utils.cpp_extension import load_inline
-    op = load_inline("overlap", cpp_sources=[SRC], functions=["run"],
+    op = load_inline("overlap", cpp_sources=[SRC.replace("GATE", str(GATE))], functions=["run"],
                      extra_cflags=["-O3", "-mavx2", "-mfma"], build_directory=tempfile.mkdtemp(),
                      verbose=False).run
     torch.set_num_threads(1)
@@ -116,12 +201,18 @@ def main():
     fmas = min(FMAS, key=lambda f: abs(timed(1, f) - r0))
     print(f"# {datetime.date.today()} {platform.processor() or platform.machine()}, 1 thread, "
           f"{m} of {N_FF} records of {RECORD} bytes, {a.layers} layers rotated, {fmas} FMAs a line")
-    print("| round | reads, us | GB/s | compute, us | both, us | their sum | the longer | both / longer |")
-    print("|---:|---:|---:|---:|---:|---:|---:|---:|")
+    print("| round | FMAs' input | reads, us | GB/s | compute, us | both, us | their sum | the longer | "
+          "both / longer |")
+    print("|---:|---|---:|---:|---:|---:|---:|---:|---:|")
     for i in range(a.rounds):
-        r, c, b = timed(0), timed(1, fmas), timed(2, fmas)
-        print(f"| {i + 1} | {r:.0f} | {m * RECORD / r / 1e3:.1f} | {c:.0f} | {b:.0f} | {r + c:.0f} | "
-              f"{max(r, c):.0f} | {b / max(r, c):.2f} |")
+        r = timed(0)
+        for label, mode in (("registers", 1), ("the line's bytes", 3)):
+            c, b = timed(mode, fmas), timed(mode + 1, fmas)
+            print(f"| {i + 1} | {label} | {r:.0f} | {m * RECORD / r / 1e3:.1f} | {c:.0f} | {b:.0f} | "
+                  f"{r + c:.0f} | {max(r, c):.0f} | {b / max(r, c):.2f} |")
+        r, c, b = timed(5), timed(6), timed(7)
+        print(f"| {i + 1} | the line's bytes, in the kernel's order | {r:.0f} | {m * RECORD / r / 1e3:.1f} | "
+              f"{c:.0f} | {b:.0f} | {r + c:.0f} | {max(r, c):.0f} | {b / max(r, c):.2f} |")
 
 
 if __name__ == "__main__":
