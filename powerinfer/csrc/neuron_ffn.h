@@ -644,6 +644,11 @@ struct Ahead {
   const uint8_t* down = nullptr;
 };
 
+// The blocks [lo, hi) of the down rows that a pass adds (hi < 0: to the row's end)
+struct Span {
+  int64_t lo = 0, hi = -1;
+};
+
 // One pass over the blocks of rows of different neurons, side by side: the lead row's dot
 // products (G: the gate row, or the up row of a plain ReLU FFN), the up row's (U), and DN down
 // rows' axpys into out (downs[n] with activations h[n] over all B rows). Input rows r0..
@@ -653,12 +658,12 @@ struct Ahead {
 // prefetchers starting over at every row (a third of the read rate measured).
 template <int FMT, int DFMT, int R, bool G, bool U, int DN>
 void stage(const FFNArgs& a, int64_t r0, const uint8_t* lead, const uint8_t* upr, const uint8_t* const* downs,
-           const float (*h)[MAXB], const Ahead& pf, float* gout, float* uout, float* out) {
+           const float (*h)[MAXB], const Ahead& pf, float* gout, float* uout, float* out, Span ds) {
   Dots<FMT, R> g, u;
   if constexpr (G) g.zero();
   if constexpr (U) u.zero();
   constexpr int64_t bb = block_bytes<FMT>(), db = block_bytes<DFMT>();
-  const int64_t nb = a.dim / 32;
+  const int64_t nb = a.dim / 32, dlo = ds.lo, dhi = ds.hi < 0 ? nb : ds.hi;
   auto body = [&](auto parity, int64_t blk) {
     constexpr int P = decltype(parity)::value;
     if ((blk * bb) % 64 < bb)
@@ -667,7 +672,8 @@ void stage(const FFNArgs& a, int64_t r0, const uint8_t* lead, const uint8_t* upr
     if (pf.down && (blk * db) % 64 < db) prefetch_l2(pf.down + blk * db);
     if constexpr (G) g.template add<P>(lead, blk, a, r0);
     if constexpr (U) u.template add<P>(upr, blk, a, r0);
-    if constexpr (DN > 0) axpy_block<DFMT, DN>(downs, blk, h, a.B, a.dim, out);
+    if constexpr (DN > 0)
+      if (blk >= dlo && blk < dhi) axpy_block<DFMT, DN>(downs, blk, h, a.B, a.dim, out);
   };
   int64_t blk = 0;
   if constexpr (split4(FMT)) {
@@ -686,8 +692,11 @@ void stage(const FFNArgs& a, int64_t r0, const uint8_t* lead, const uint8_t* upr
         if constexpr (U) u.template chunk<F>(upr, blk, n, a, r0);
       };
       with_bool(n == 16, dots);
-      if constexpr (DN > 0)
-        for (int k = 0; k < n; k++) axpy_block<DFMT, DN>(downs, blk + k, h, a.B, a.dim, out);
+      if constexpr (DN > 0) {  // the span's blocks spread evenly over the turns
+        const int64_t turns = (nb + 15) / 16, t = blk / 16, span = dhi - dlo;
+        for (int64_t b = dlo + t * span / turns; b < dlo + (t + 1) * span / turns; b++)
+          axpy_block<DFMT, DN>(downs, b, h, a.B, a.dim, out);
+      }
     }
   } else {
     for (; blk + 1 < nb; blk += 2) {
@@ -706,7 +715,7 @@ void stage(const FFNArgs& a, int64_t r0, const uint8_t* lead, const uint8_t* upr
 template <int FMT, int DFMT>
 void stages(bool G, bool U, int DN, const FFNArgs& a, const uint8_t* lead, const uint8_t* upr,
             const uint8_t* const* downs, const float (*h)[MAXB], const Ahead& pf, float* gout, float* uout,
-            float* out) {
+            float* out, Span ds = {}) {
   const Ahead none;
   for (int64_t r0 = 0; r0 < a.B;) {
     const int64_t left = a.B - r0;
@@ -716,7 +725,7 @@ void stages(bool G, bool U, int DN, const FFNArgs& a, const uint8_t* lead, const
       constexpr int RR = decltype(r)::value, DD = decltype(d)::value;
       constexpr bool GG = decltype(g)::value, UU = decltype(u)::value;
       if constexpr (GG || UU || DD > 0)
-        stage<FMT, DFMT, RR, GG, UU, DD>(a, r0, lead, upr, downs, h, r0 == 0 ? pf : none, gout, uout, out);
+        stage<FMT, DFMT, RR, GG, UU, DD>(a, r0, lead, upr, downs, h, r0 == 0 ? pf : none, gout, uout, out, ds);
     };
     auto with_dn = [&](auto r, auto g, auto u) {
       if (dn == DOWNS)
@@ -788,9 +797,13 @@ inline bool activations(const FFNArgs& a, int64_t jj, const float* g, const floa
 // gate that stays shut is fetched (an up row left to the hardware arrived while it was read, a
 // third of a 4-bit neuron's time measured; prefetched for every neuron it doubled what a shut
 // gate costs). A plain ReLU FFN pipelines its up rows (the lead) with the down rows. The down
-// rows of the neurons that fired wait until DOWNS of them have, then are added in the next
-// pass, together (one load and store of out for the DOWNS, in the order the neurons come: the
-// same sums as one at a time).
+// rows of the neurons that fired wait until DOWNS of them have, then are added together (one
+// load and store of out for the DOWNS, in the order the neurons come: the same sums as one at
+// a time). With split 4-bit rows a gated FFN adds such a group a quarter of its blocks a pass,
+// over the next DOWNS passes, so that every pass reads about a record's bytes: all four rows
+// in one pass out of four made that pass 2.5 times the others, and the records read in that
+// order came 14-16% slower than one after another (benchmarks/overlap.py); spread, 1.03-1.24x
+// the kernel's speed measured.
 template <int FMT, int DFMT = down_format(FMT)>
 void range_fmt(const FFNArgs& a, int64_t begin, int64_t end, float* out) {
   if (begin >= end) return;
@@ -803,20 +816,33 @@ void range_fmt(const FFNArgs& a, int64_t begin, int64_t end, float* out) {
   stages<FMT, DFMT>(true, false, 0, a, rec(begin), nullptr, nullptr, h, Ahead{{rec(begin + 1)}}, dots(begin),
                     nullptr, out);
   if (gated_act(a.act)) {
+    const int64_t nb = a.dim / 32, quarters = split4(FMT) ? DOWNS : 1, qs = (nb + quarters - 1) / quarters;
+    const uint8_t* adowns[DOWNS];  // a full group of down rows being added, a part a pass
+    float ah[DOWNS][MAXB];
+    int64_t aq = quarters;  // the next part of the group being added (quarters: none)
     bool before = false;  // whether neuron jj-1's gate let it fire (its up row is read now)
     for (int64_t jj = begin; jj <= end; jj++) {
       const uint8_t *r = rec(jj), *nx = rec(jj + 1), *pr = rec(jj - 1);
       bool open = false;
       for (int64_t i = 0; r && i < B && !open; i++)
         open = kept(a, i, jj) && gate_open(a.act, dots(jj)[i], a.threshold);
-      const int dn = n == DOWNS ? DOWNS : 0;
+      if (n == DOWNS && aq == quarters) {  // the next group starts
+        std::copy(downs, downs + DOWNS, adowns);
+        for (int k = 0; k < DOWNS; k++) std::copy(h[k], h[k] + B, ah[k]);
+        n = 0, aq = 0;
+      }
+      const int dn = aq < quarters ? DOWNS : 0;
+      const Span part{aq * qs, std::min(nb, (aq + 1) * qs)};
       const Ahead ahead{{rec(jj + 2), open ? r + rb : nullptr}, open ? r + 2 * rb : nullptr};
-      stages<FMT, DFMT>(nx != nullptr, before, dn, a, nx, before ? pr + rb : nullptr, downs, h, ahead,
-                        dots(jj + 1), u, out);
-      if (dn) n = 0;
+      stages<FMT, DFMT>(nx != nullptr, before, dn, a, nx, before ? pr + rb : nullptr, adowns, ah, ahead,
+                        dots(jj + 1), u, out, part);
+      if (dn) aq++;
       if (before && activations(a, jj - 1, dots(jj - 1), u, h[n])) downs[n++] = pr + 2 * rb;
       before = open;
     }
+    if (aq < quarters)  // the rest of the group being added
+      stages<FMT, DFMT>(false, false, DOWNS, a, nullptr, nullptr, adowns, ah, Ahead{}, nullptr, nullptr, out,
+                        Span{aq * qs, nb});
   } else {
     for (int64_t jj = begin; jj < end; jj++) {
       const uint8_t *r = rec(jj), *nx = rec(jj + 1);
