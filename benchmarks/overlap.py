@@ -16,6 +16,9 @@ loops over the same records:
 - `both`: the loads and the FMAs.
 - `compute on the data` and `both on the data`: the same, but the FMAs take the line's bytes
   (widened to float) as their input, as a dot product's do, so each waits for its line.
+- the kernel's order (`csrc/neuron_ffn.h`, `range_fmt`, every neuron firing), with the four down
+  rows of a group read in one pass (the kernel before it spread them) or a quarter of each in
+  each of four passes (the kernel now).
 
 If the core overlaps the two, `both` takes about the longer of the other two; if it does not,
 their sum. The FMAs a line (8, 16, 32 or 64) are the count whose `compute` comes closest to
@@ -37,6 +40,7 @@ from powerinfer import kernels
 SRC = r"""
 #include <torch/extension.h>
 #include <immintrin.h>
+#include <algorithm>
 // records sel[j] of w (k, rb), the next one prefetched into L2 a line at a time; per line a
 // load (LOAD) and W FMAs on 8 independent accumulators. fixed >= 0: that record only, nothing
 // prefetched (the compute alone, in cache).
@@ -76,7 +80,7 @@ double walk(const uint8_t* w, int64_t rb, const int64_t* sel, int64_t m, int64_t
 // row of record j+1, the up row of record j-1 and, every fourth pass, the down rows of the four
 // records before, side by side a line at a time; it brings into L2 the gate row of j+2 and the
 // up and down rows of j, one prefetch for each line read. W FMAs on each line's bytes (DEP).
-template <bool LOAD, int W>
+template <bool LOAD, int W, bool SPREAD>
 double walk_kernel(const uint8_t* w, int64_t rb, int64_t gb, const int64_t* sel, int64_t m, int64_t fixed) {
   __m256 acc[8];
   for (int i = 0; i < 8; i++) acc[i] = _mm256_set1_ps(1.0f);
@@ -92,9 +96,15 @@ double walk_kernel(const uint8_t* w, int64_t rb, int64_t gb, const int64_t* sel,
     int nr = 0;
     if (auto r = rec(j + 1)) rows[nr] = r, len[nr++] = gb;
     if (auto r = rec(j - 1)) rows[nr] = r + gb, len[nr++] = gb;
-    if (j % 4 == 0)
+    if (!SPREAD && j % 4 == 0)
       for (int64_t d = j - 4; d < j; d++)
         if (auto r = rec(d)) rows[nr] = r + 2 * gb, len[nr++] = db;
+    if (SPREAD) {  // the four down rows before this window of four passes, a quarter a pass
+      const int64_t g0 = j / 4 * 4 - 4, ql = (db / 64 + 3) / 4 * 64, lo = j % 4 * ql;
+      const int64_t hi = std::min(db / 64 * 64, lo + ql);
+      for (int64_t d = g0; d < g0 + 4 && hi > lo; d++)
+        if (auto r = rec(d)) rows[nr] = r + 2 * gb + lo, len[nr++] = hi - lo;
+    }
     const uint8_t* pf[3];
     int64_t plen[3];
     int np = 0;
@@ -155,9 +165,15 @@ double run(torch::Tensor w, torch::Tensor sel, int64_t mode, int64_t fmas) {
     }
   };
   if (mode == 0) return walk<true, 0>(p, rb, s, m, -1);
-  if (mode >= 5) {  // the kernel's order: 5 reads, 6 compute, 7 both (gate rows of GATE bytes)
-    if (mode == 5) return walk_kernel<true, 0>(p, rb, GATE, s, m, -1);
-    return mode == 6 ? walk_kernel<false, 16>(p, rb, GATE, s, m, 0) : walk_kernel<true, 16>(p, rb, GATE, s, m, -1);
+  if (mode >= 5) {  // the kernel's order: 5 reads, 6 compute, 7 both (gate rows of GATE bytes);
+    // fmas 1: the down rows spread, a quarter of the four a pass
+    auto order = [&](auto spread) -> double {
+      constexpr bool S = decltype(spread)::value;
+      if (mode == 5) return walk_kernel<true, 0, S>(p, rb, GATE, s, m, -1);
+      return mode == 6 ? walk_kernel<false, 16, S>(p, rb, GATE, s, m, 0)
+                       : walk_kernel<true, 16, S>(p, rb, GATE, s, m, -1);
+    };
+    return fmas == 1 ? order(std::true_type{}) : order(std::false_type{});
   }
   switch (fmas) {
     case 8: return go(std::integral_constant<int, 8>{});
@@ -210,9 +226,11 @@ def main():
             c, b = timed(mode, fmas), timed(mode + 1, fmas)
             print(f"| {i + 1} | {label} | {r:.0f} | {m * RECORD / r / 1e3:.1f} | {c:.0f} | {b:.0f} | "
                   f"{r + c:.0f} | {max(r, c):.0f} | {b / max(r, c):.2f} |")
-        r, c, b = timed(5), timed(6), timed(7)
-        print(f"| {i + 1} | the line's bytes, in the kernel's order | {r:.0f} | {m * RECORD / r / 1e3:.1f} | "
-              f"{c:.0f} | {b:.0f} | {r + c:.0f} | {max(r, c):.0f} | {b / max(r, c):.2f} |")
+        for label, spread in (("the line's bytes, in the kernel's order, four down rows in one pass", 0),
+                              ("the same, the four down rows a quarter a pass", 1)):
+            r, c, b = timed(5, spread), timed(6, spread), timed(7, spread)
+            print(f"| {i + 1} | {label} | {r:.0f} | {m * RECORD / r / 1e3:.1f} | "
+                  f"{c:.0f} | {b:.0f} | {r + c:.0f} | {max(r, c):.0f} | {b / max(r, c):.2f} |")
 
 
 if __name__ == "__main__":
