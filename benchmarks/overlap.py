@@ -41,6 +41,19 @@ SRC = r"""
 #include <torch/extension.h>
 #include <immintrin.h>
 #include <algorithm>
+// the accumulators and the XOR of what was loaded, summed and returned so that nothing is
+// optimized away
+inline double kept(const __m256* acc, __m256i x) {
+  __m256 s = acc[0];
+  for (int i = 1; i < 8; i++) s = _mm256_add_ps(s, acc[i]);
+  alignas(32) float f[8];
+  alignas(32) int32_t v[8];
+  _mm256_store_ps(f, s);
+  _mm256_store_si256((__m256i*)v, x);
+  double t = 0;
+  for (int i = 0; i < 8; i++) t += f[i] + v[i];
+  return t;
+}
 // records sel[j] of w (k, rb), the next one prefetched into L2 a line at a time; per line a
 // load (LOAD) and W FMAs on 8 independent accumulators. fixed >= 0: that record only, nothing
 // prefetched (the compute alone, in cache).
@@ -66,15 +79,7 @@ double walk(const uint8_t* w, int64_t rb, const int64_t* sel, int64_t m, int64_t
       }
     }
   }
-  __m256 s = acc[0];
-  for (int i = 1; i < 8; i++) s = _mm256_add_ps(s, acc[i]);
-  alignas(32) float f[8];
-  alignas(32) int32_t v[8];
-  _mm256_store_ps(f, s);
-  _mm256_store_si256((__m256i*)v, x);
-  double t = 0;
-  for (int i = 0; i < 8; i++) t += f[i] + v[i];
-  return t;  // (kept, so nothing is optimized away)
+  return kept(acc, x);
 }
 // The kernel's order (csrc/neuron_ffn.h, range_fmt, every neuron firing): pass j reads the gate
 // row of record j+1, the up row of record j-1 and, every fourth pass, the down rows of the four
@@ -140,15 +145,7 @@ double walk_kernel(const uint8_t* w, int64_t rb, int64_t gb, const int64_t* sel,
         }
       }
   }
-  __m256 s = acc[0];
-  for (int i = 1; i < 8; i++) s = _mm256_add_ps(s, acc[i]);
-  alignas(32) float f[8];
-  alignas(32) int32_t v[8];
-  _mm256_store_ps(f, s);
-  _mm256_store_si256((__m256i*)v, x);
-  double t = 0;
-  for (int i = 0; i < 8; i++) t += f[i] + v[i];
-  return t;
+  return kept(acc, x);
 }
 // mode 0: reads; 1: compute (fmas a line); 2: both; 3, 4: compute, both, the FMAs on the line's bytes
 double run(torch::Tensor w, torch::Tensor sel, int64_t mode, int64_t fmas) {

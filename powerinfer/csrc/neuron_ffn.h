@@ -826,7 +826,9 @@ void range_fmt(const FFNArgs& a, int64_t begin, int64_t end, float* out) {
       bool open = false;
       for (int64_t i = 0; r && i < B && !open; i++)
         open = kept(a, i, jj) && gate_open(a.act, dots(jj)[i], a.threshold);
-      if (n == DOWNS && aq == quarters) {  // the next group starts
+      // the next group starts (the one before has ended: a group is added over as many passes
+      // as the next takes at least to fill, and so n never passes DOWNS)
+      if (n == DOWNS && aq == quarters) {
         std::copy(downs, downs + DOWNS, adowns);
         for (int k = 0; k < DOWNS; k++) std::copy(h[k], h[k] + B, ah[k]);
         n = 0, aq = 0;
