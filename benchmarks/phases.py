@@ -36,8 +36,7 @@ import torch
 
 from powerinfer import Config, PowerInfer, kernels
 from powerinfer.native import NativeDecode
-from powerinfer.sparse import LayerStats, hybrid_layers
-from sparse_cpu import PROMPT, decode, dense_bytes, module_bytes, read_bandwidth
+from sparse_cpu import PROMPT, counting_pass, decode, dense_bytes, module_bytes, read_bandwidth
 
 
 def decode_profiled(model, step, ids: list[int], n: int) -> tuple[list[float], dict]:
@@ -65,13 +64,7 @@ def sparse_ffn_bytes(model, ids: list[int], n: int) -> float:
     """Bytes a decode token's sparse FFNs read, counted over n greedy tokens through the modules:
     gate rows of the neurons computed, up and down rows of those that fired among them, and the
     predictors' weights."""
-    ffns = hybrid_layers(model)
-    stats = [LayerStats() for _ in ffns]
-    for f, s in zip(ffns, stats):
-        f.stats = s
-    decode(model, ids, n)
-    for f in ffns:
-        f.stats = None
+    ffns, stats = counting_pass(model, ids, n)
     total = 0.0
     for f, s in zip(ffns, stats):
         fmt = next(x for x in (f.hot, f.cold) if x is not None and len(x.idx)).fmt

@@ -154,17 +154,24 @@ def ffn_timer(model) -> tuple[list[float], list]:
     return spent, handles
 
 
+def counting_pass(model, ids: list[int], n: int) -> tuple[list, list[LayerStats]]:
+    """The model's sparse FFNs and what each computed over n greedy tokens through the modules
+    (a pass with their `stats` recording)."""
+    ffns = hybrid_layers(model)
+    stats = [LayerStats() for _ in ffns]
+    for f, s in zip(ffns, stats):
+        f.stats = s
+    decode(model, ids, n)
+    for f in ffns:
+        f.stats = None
+    return ffns, stats
+
+
 def measure(label: str, pi, ids: list[int], n: int, extra: dict | None = None, native: bool = True) -> dict:
     # decode steps as the engine's: its layer loop in C++ where the model allows it (native)
     step = NativeDecode.of(pi.model) if native else None
     decode(pi.model, ids, WARMUP, step)  # warm-up: the first calls after loading run several times slower
-    ffns = hybrid_layers(pi.model)
-    stats = [LayerStats() for _ in ffns]
-    for f, s in zip(ffns, stats):  # a pass counting what is computed (the modules' path)
-        f.stats = s
-    decode(pi.model, ids, n)
-    for f in ffns:
-        f.stats = None
+    ffns, stats = counting_pass(pi.model, ids, n)
     times, toks = decode(pi.model, ids, n, step)  # timed as the engine runs it, with nothing counted
     spent, handles = ffn_timer(pi.model)  # a third pass, timing the FFNs alone
     decode(pi.model, ids, n)
