@@ -147,37 +147,36 @@ double walk_kernel(const uint8_t* w, int64_t rb, int64_t gb, const int64_t* sel,
   }
   return kept(acc, x);
 }
-// mode 0: reads; 1: compute (fmas a line); 2: both; 3, 4: compute, both, the FMAs on the line's bytes
-double run(torch::Tensor w, torch::Tensor sel, int64_t mode, int64_t fmas) {
+// mode 0: reads; 1: compute (fmas a line); 2: both; 3, 4: compute, both, the FMAs on the line's
+// bytes; 5, 6, 7: reads, compute, both in the kernel's order (gate rows of GATE bytes), its down
+// rows spread a quarter a pass where `spread`
+double run(torch::Tensor w, torch::Tensor sel, int64_t mode, int64_t fmas, bool spread) {
   const uint8_t* p = w.data_ptr<uint8_t>();
   const int64_t* s = sel.data_ptr<int64_t>();
   const int64_t rb = w.size(1), m = sel.numel();
-  auto go = [&](auto n) -> double {
+  auto go = [&](auto n, auto sp) -> double {
     constexpr int W = decltype(n)::value;
+    constexpr bool S = decltype(sp)::value;
     switch (mode) {
+      case 0: return walk<true, 0>(p, rb, s, m, -1);
       case 1: return walk<false, W>(p, rb, s, m, 0);
       case 2: return walk<true, W>(p, rb, s, m, -1);
       case 3: return walk<false, W, true>(p, rb, s, m, 0);
-      default: return walk<true, W, true>(p, rb, s, m, -1);
+      case 4: return walk<true, W, true>(p, rb, s, m, -1);
+      case 5: return walk_kernel<true, 0, S>(p, rb, GATE, s, m, -1);
+      case 6: return walk_kernel<false, W, S>(p, rb, GATE, s, m, 0);
+      default: return walk_kernel<true, W, S>(p, rb, GATE, s, m, -1);
     }
   };
-  if (mode == 0) return walk<true, 0>(p, rb, s, m, -1);
-  if (mode >= 5) {  // the kernel's order: 5 reads, 6 compute, 7 both (gate rows of GATE bytes);
-    // fmas 1: the down rows spread, a quarter of the four a pass
-    auto order = [&](auto spread) -> double {
-      constexpr bool S = decltype(spread)::value;
-      if (mode == 5) return walk_kernel<true, 0, S>(p, rb, GATE, s, m, -1);
-      return mode == 6 ? walk_kernel<false, 16, S>(p, rb, GATE, s, m, 0)
-                       : walk_kernel<true, 16, S>(p, rb, GATE, s, m, -1);
-    };
-    return fmas == 1 ? order(std::true_type{}) : order(std::false_type{});
-  }
-  switch (fmas) {
-    case 8: return go(std::integral_constant<int, 8>{});
-    case 16: return go(std::integral_constant<int, 16>{});
-    case 32: return go(std::integral_constant<int, 32>{});
-    default: return go(std::integral_constant<int, 64>{});
-  }
+  auto with_w = [&](auto sp) -> double {
+    switch (fmas) {
+      case 8: return go(std::integral_constant<int, 8>{}, sp);
+      case 16: return go(std::integral_constant<int, 16>{}, sp);
+      case 32: return go(std::integral_constant<int, 32>{}, sp);
+      default: return go(std::integral_constant<int, 64>{}, sp);
+    }
+  };
+  return spread ? with_w(std::true_type{}) : with_w(std::false_type{});
 }
 """
 FMAS = (8, 16, 32, 64)  # per 64-byte line; the one whose compute comes closest to the reads is used
@@ -202,11 +201,11 @@ def main():
     m = round(a.share * N_FF)
     sels = [torch.randperm(N_FF, generator=g)[:m].sort().values + i * N_FF for i in range(a.layers)]
 
-    def timed(mode: int, fmas: int = 8) -> float:
+    def timed(mode: int, fmas: int = 8, spread: bool = False) -> float:
         ts = []
         for r in range(3 * a.layers):
             t = time.perf_counter()
-            op(w, sels[r % a.layers], mode, fmas)
+            op(w, sels[r % a.layers], mode, fmas, spread)
             ts.append(time.perf_counter() - t)
         return statistics.median(ts) * 1e6
 
@@ -223,9 +222,9 @@ def main():
             c, b = timed(mode, fmas), timed(mode + 1, fmas)
             print(f"| {i + 1} | {label} | {r:.0f} | {m * RECORD / r / 1e3:.1f} | {c:.0f} | {b:.0f} | "
                   f"{r + c:.0f} | {max(r, c):.0f} | {b / max(r, c):.2f} |")
-        for label, spread in (("the line's bytes, in the kernel's order, four down rows in one pass", 0),
-                              ("the same, the four down rows a quarter a pass", 1)):
-            r, c, b = timed(5, spread), timed(6, spread), timed(7, spread)
+        for label, spread in (("the line's bytes, in the kernel's order, four down rows in one pass", False),
+                              ("the same, the four down rows a quarter a pass", True)):
+            r, c, b = timed(5, fmas, spread), timed(6, fmas, spread), timed(7, fmas, spread)
             print(f"| {i + 1} | {label} | {r:.0f} | {m * RECORD / r / 1e3:.1f} | "
                   f"{c:.0f} | {b:.0f} | {r + c:.0f} | {max(r, c):.0f} | {b / max(r, c):.2f} |")
 
