@@ -49,6 +49,7 @@ from powerinfer.plan import SparsePlan
 from powerinfer.quant import apply_kernel_linears, neuron_format
 from powerinfer.sparse import HybridFFN
 
+from .graphs import SegmentedDecode
 from .group_info import node_id
 from .channel import ChannelClosed, PeerDied, native_error
 from .plane import (ATTN, DECODE, ERROR, HEAD, OK, PREFILL, STOP, FFNInput, Masks, Partial,
@@ -299,6 +300,16 @@ class HotExecutor:
             else self._native_step(ckpt.args)
         if self.native is not None:
             self._decode = self.native  # (as the in-process engine takes it)
+        # the decode step in segments between the host exchanges (`graphs`), replayed as CUDA
+        # graphs on a GPU; on a CPU a diagnostic (`steps_in_segments`), launched op by op
+        self.segments = None
+        if self.native is None and not self.compiled and SegmentedDecode.supports(model, self.io) is None:
+            graphs = self.device.type == "cuda" and config.cuda_graphs
+            self.segments = SegmentedDecode(model, self.io, -(-spec.max_seq // spec.block_size),
+                                            capture=graphs)
+            if graphs:
+                self._decode = self.segments
+        self._default_decode = self._decode
         self.steps, self.step_s = 0, 0.0
         self.native_prompts, self.native_prompt_steps = True, 0  # (see `prompts_natively`)
         # a profile `profile` asked for: decode steps left, the running profiler, its tables
@@ -378,7 +389,7 @@ class HotExecutor:
                 # a prompt's step through the native loop too where its layers allow it
                 prompt = step.op == PREFILL
                 native = self.native is not None and self.native.prompts and self.native_prompts
-                run = self.model if prompt and not native else self._decode
+                run = (self.native if native else self.model) if prompt else self._decode
                 self.native_prompt_steps += prompt and native
                 if not prompt:
                     self._profile_start()
@@ -407,6 +418,15 @@ class HotExecutor:
         """Whether prompt steps take the native loop where it runs them (the default), or the
         Python modules: a diagnostic, the reference the native loop's prompt steps must equal."""
         self.native_prompts = bool(enabled)
+
+    def steps_in_segments(self, enabled: bool):
+        """Whether decode steps run in `graphs.SegmentedDecode`'s segments launched op by op (a
+        diagnostic on a CPU: the sequence the GPU's CUDA graphs replay, checked against the
+        modules' path), or as the executor chose (the default). False where it cannot."""
+        if self.segments is None:
+            return False
+        self._decode = self.segments if enabled else self._default_decode
+        return True
 
     def profile(self, steps: int):
         """Profile the next `steps` decode steps (torch.profiler: this process's ops and their
@@ -467,6 +487,8 @@ class HotExecutor:
                "held_bytes": held_bytes(self.model), **self._memory()}
         if io.predicting:
             out["mask_wait_s"] = io.mask.wait_s
+        if self.segments is not None:  # the decode steps in segments: replayed, launched
+            out["graphs"] = self.segments.stats()
         if self.compiled:  # graphs its decode step has compiled (one per batch shape)
             from torch._dynamo.utils import counters
             out["compiled_graphs"] = int(counters["stats"]["unique_graphs"])

@@ -29,6 +29,9 @@ run reuses the file and bundle an earlier one completed, so the rows can run in 
    - `hybrid`: the actor runtime: hot neurons, attention, KV cache, embeddings and lm_head on the
      device under the solver's placement, cold neurons in `--cold` CPU executors, the predictor
      in its own actor on the same GPU (its input and masks in CUDA IPC device buffers);
+   - `hybrid_eager`: the hybrid with `cuda_graphs=False` (the hot executor's decode step
+     launched op by op instead of replayed as CUDA graphs, `actors/graphs.py`): what the graphs
+     are worth;
    - `hybrid_predictor_cpu`: the same with `predictor_device="cpu"` (the predictor on host cores,
      its input and masks over the host channels): what the device buffers are worth;
    - `hybrid_hot_cores_even`: the hybrid with the hot executor on an even share of the cores
@@ -575,8 +578,8 @@ def plot_attention(res: dict, path: str):
     fig.savefig(path, dpi=120)
 
 
-ROWS = ("layer_offload", "all_gpu", "hybrid", "hybrid_hot_cores_even", "hybrid_predictor_cpu",
-        "kernels")
+ROWS = ("layer_offload", "all_gpu", "hybrid", "hybrid_eager", "hybrid_hot_cores_even",
+        "hybrid_predictor_cpu", "kernels")
 
 
 def reused(path: Path, bundle_path: Path):
@@ -723,22 +726,25 @@ def main():
         # (host channels): the hop's cost in the same run; and the hot executor on an even
         # share of the cores (the plan before `group.GPU_HOT_CORES`): what its cores are worth
         from actors import group
-        runs = [("hybrid", "auto", group.GPU_HOT_CORES)]
+        runs = [("hybrid", "auto", group.GPU_HOT_CORES, True)]
         if a.device == "cuda" and not a.profile_hot:
-            runs += [("hybrid_hot_cores_even", "auto", 1 << 20), ("hybrid_predictor_cpu", "cpu",
-                                                                  group.GPU_HOT_CORES)]
+            runs += [("hybrid_eager", "auto", group.GPU_HOT_CORES, False),
+                     ("hybrid_hot_cores_even", "auto", 1 << 20, True),
+                     ("hybrid_predictor_cpu", "cpu", group.GPU_HOT_CORES, True)]
         runs = [r for r in runs if r[0] in want]
         default_hot = group.GPU_HOT_CORES
-        for name, where, hot_cores in runs:
+        for name, where, hot_cores, graphs in runs:
             pi, group.GPU_HOT_CORES = None, hot_cores
             try:
                 pi = PowerInfer.from_pretrained(str(path), Config(
                     **dense, device=a.device, runtime="actors", cold_executors=a.cold,
-                    bundle=str(bundle.path), predictor="layer", predictor_device=where))
+                    bundle=str(bundle.path), predictor="layer", predictor_device=where,
+                    cuda_graphs=graphs))
                 tok_s, first_ms = decode_speed(pi, a.tokens)
                 st = pi.engine.stats()
                 result[name] = dict(tok_s=tok_s, first_token_ms=first_ms, cores=st["cores"],
                                     weights=pi.config.weights, cold_weights=pi.config.cold_weights,
+                                    graphs=st["actors"]["hot"].get("graphs"),
                                     **breakdown(st["actors"], budget))
                 # the same counters over one more request's decode steps alone (no prefill)
                 result[name]["decode_step_ms"] = step_breakdown(pi, a.tokens)
@@ -772,6 +778,7 @@ def main():
         if base in result:
             result["ratios"][f"hybrid_vs_{base}"] = h / result[base]["tok_s"]
     for other, key in (("hybrid_predictor_cpu", "predictor_on_gpu_vs_cpu"),
+                       ("hybrid_eager", "cuda_graphs_vs_eager"),
                        ("hybrid_hot_cores_even", "hot_cores_few_vs_even")):
         if ok[0] == "hybrid" and "tok_s" in result.get(other, {}):
             result["ratios"][key] = h / result[other]["tok_s"]

@@ -42,6 +42,9 @@ class Config:
         streams' gap between tokens grows by this factor at most while a long prompt is
         prefilled; 0: chunks of prefill_chunk tokens whatever they cost.
     compile: compile the decode step with torch.compile (slow first call, faster tokens).
+    cuda_graphs: the actor runtime's hot executor on a GPU replays its decode step as CUDA
+        graphs, one a stretch between its exchanges with the predictor and the cold executors
+        (captured at a batch height's second step); False launches it op by op.
     runtime: "local" (in-process) or "actors" (the Ray actor runtime: scheduler, predictor,
         hot executor and `cold_executors` cold-neuron executors over shared memory).
     bundle: a sparsity bundle (`powerinfer profile` ...): with it, FFNs compute only the neurons
@@ -84,6 +87,7 @@ class Config:
     prefill_chunk: int = 512
     prefill_pace: float = 3.0
     compile: bool = False
+    cuda_graphs: bool = True
     runtime: str = "local"
     weights: str = "auto"
     cold_weights: str = "auto"

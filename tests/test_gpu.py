@@ -83,7 +83,8 @@ def synthetic(tmp_path_factory):
 def test_hybrid_on_gpu_equals_the_in_process_engine(synthetic):
     """The actor runtime with its hot executor and predictor on the GPU (device buffers between
     them) decodes greedily as the in-process engine on the GPU does, up to a near-tie; with the
-    predictor on the CPU (host channels) too; the hot executor keeps the VRAM budget."""
+    predictor on the CPU (host channels) too, and with its decode step replayed as CUDA graphs
+    or launched op by op; the hot executor keeps the VRAM budget."""
     from powerinfer import Config, PowerInfer
 
     from greedy import assert_same_or_near_tie, greedy_tokens
@@ -93,9 +94,11 @@ def test_hybrid_on_gpu_equals_the_in_process_engine(synthetic):
                 predictor="layer")
     ref = PowerInfer.from_pretrained(path, Config(**base))
     want = {p: greedy_tokens(ref, p, N) for p in PROMPTS}
-    for where in ("auto", "cpu"):
+    # the decode step replayed as CUDA graphs (the default), with the predictor on the GPU and
+    # on the host; and launched op by op
+    for where, graphs in (("auto", True), ("cpu", True), ("auto", False)):
         pi = PowerInfer.from_pretrained(path, Config(**base, runtime="actors", cold_executors=2,
-                                                     predictor_device=where))
+                                                     predictor_device=where, cuda_graphs=graphs))
         try:
             got = {p: greedy_tokens(pi, p, N) for p in PROMPTS}
             st = pi.engine.stats()["actors"]
@@ -115,5 +118,9 @@ def test_hybrid_on_gpu_equals_the_in_process_engine(synthetic):
         else:
             assert pred["device"] == "cpu" and not info["hot"]["device_buffers"], (pred, info)
         assert pred["calls"] >= N * 4, pred  # every decode layer asked it
+        g = hot["graphs"]  # one eager step at height 1, then captured and replayed
+        assert g["off"] is None and g["fallback"] == 0, g
+        assert (g["replayed"] >= len(PROMPTS) * (N - 2) and g["captured"]) if graphs else \
+            (g["replayed"] == 0 and g["eager"] == 0), g
         for p in PROMPTS:
             assert_same_or_near_tie(ref, ref.tokenize(p), want[p], got[p], 0.1)

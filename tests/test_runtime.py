@@ -486,6 +486,51 @@ def test_batched_concurrent_requests_equal_each_alone(bundle, sparse_actors):
         st["cold.0"]["neurons"] + st["cold.1"]["neurons"] + st["hot"]["hot_neurons"] == 30 * 1536
 
 
+def concurrent_greedy(pi: PowerInfer, n: int) -> list[list[int]]:
+    """PROMPTS' greedy tokens, the requests sent together (continuously batched)."""
+    from powerinfer.config import SamplingParams
+
+    params = SamplingParams(max_tokens=n, temperature=0, ignore_eos=True)
+    got = [[] for _ in PROMPTS]
+
+    def run(i):
+        got[i] = [ev["token"] for ev in pi.engine.generate(pi.tokenize(PROMPTS[i]), params)
+                  if ev["token"] >= 0]
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(PROMPTS))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=180)
+    return got
+
+
+@pytest.mark.slow
+def test_decode_steps_in_the_gpus_segments_equal_the_modules(bundle, sparse_actors):
+    """The decode step as the GPU's CUDA graphs replay it (`actors.graphs`: segments between the
+    host exchanges, inputs in tensors that stay put, block tables padded to a width bucket),
+    launched op by op on the CPU: alone and batched, it decodes as the in-process engine does
+    (the lookahead predictor's input published from the segments, the masks read in them)."""
+    ref = PowerInfer.from_pretrained(MODEL, Config(bundle=bundle, **BASE))
+    n = GREEDY["max_new_tokens"]
+    want = [greedy_tokens(ref, p, n) for p in PROMPTS]
+    hot = sparse_actors.engine.group.actors["hot"]
+    assert ray.get(hot.steps_in_segments.remote(True))
+    try:
+        alone = [greedy_tokens(sparse_actors, p, n) for p in PROMPTS]
+        together = concurrent_greedy(sparse_actors, n)
+        st = sparse_actors.engine.stats()["actors"]["hot"]["graphs"]
+    finally:
+        ray.get(hot.steps_in_segments.remote(False))
+    for p, w, a, t in zip(PROMPTS, want, alone, together):
+        assert len(a) == len(t) == n
+        assert_same_or_near_tie(ref, ref.tokenize(p), w, a, 0.25)  # (see the test above)
+        assert_same_or_near_tie(ref, ref.tokenize(p), w, t, 0.25)
+    # every decode step ran the segments, none captured on a CPU; heights 1 and 2 or 3
+    assert st["eager"] >= 2 * len(PROMPTS) * (n - 1) // 2 and st["fallback"] == 0, st
+    assert st["replayed"] == 0 and st["captured"] == [] and st["off"] is None, st
+
+
 def test_a_caller_on_the_schedulers_node_reads_its_events_from_a_token_ring(sparse_actors,
                                                                             monkeypatch):
     # the same requests through Ray's stream alone (a caller on another node) and through the
