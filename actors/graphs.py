@@ -155,8 +155,9 @@ class _Set:
         m = o.model
         host = mode != "capture"
         graphs = {} if mode == "capture" else self.graphs
-        if mode == "capture":  # the set's segments share one memory pool, replayed in order
-            pool, stream = torch.cuda.graph_pool_handle(), torch.cuda.Stream(io.device)
+        if mode == "capture":  # the set's segments share one memory pool, replayed in order;
+            # captured on the stream the steps run on (one cuBLAS workspace: see `HotExecutor.run`)
+            pool, stream = torch.cuda.graph_pool_handle(), torch.cuda.current_stream(io.device)
 
         def seg(name, fn, *args):
             if mode == "eager":
