@@ -27,7 +27,8 @@ copied into tensors that stay where they are; the tables are padded to a width b
 of two, 16 blocks or more, up to a sequence's most), so that a batch height needs few captures
 (`SegmentedDecode.sets`). A segment's outputs stay where its capture put them and the next
 segment reads them there. The first step of a (height, width) runs the segments launch by
-launch (the kernels compile then, outside a capture); the second captures them and replays.
+launch (the kernels compile then, outside a capture); the second captures them and replays
+(for MAX_CAPTURED sets at most: the others keep running launch by launch).
 Where a capture fails the reason is logged and kept in `stats`, and every step after takes the
 module path.
 
@@ -49,6 +50,11 @@ from .plane import DECODE, FFNInput, Partial, PredictorInput, receive, send
 log = logging.getLogger("powerinfer")
 
 MIN_WIDTH = 16  # blocks: the narrowest table a capture is made for
+# captured (height, width) sets at most: each holds its segments' tensors (its logits alone are
+# height x vocab float32, 33 MB at 64 rows of a 128k vocabulary) outside the placement's budget;
+# the sets past it run op by op. The first ones seen are kept: the small heights, where the
+# launches cost the most against the device's work
+MAX_CAPTURED = 8
 
 
 def width_bucket(m: int, most: int) -> int:
@@ -95,6 +101,9 @@ class SegmentedDecode:
         s.load(tokens, pos, kv, last)
         return s.step()
 
+    def captured(self) -> int:
+        return sum(s.graphs is not None for s in self.sets.values())
+
     def stats(self) -> dict:
         return {"replayed": self.replayed, "eager": self.eager, "fallback": self.fallback,
                 "captured": sorted(k for k, s in self.sets.items() if s.graphs is not None),
@@ -127,7 +136,7 @@ class _Set:
 
     def step(self) -> torch.Tensor:
         o = self.owner
-        if o.capture and self.graphs is None and self.runs:
+        if o.capture and self.graphs is None and self.runs and o.captured() < MAX_CAPTURED:
             t0 = time.perf_counter()
             try:
                 self._run("capture")
