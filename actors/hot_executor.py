@@ -24,7 +24,9 @@ rewrites those buffers after a later publish of ours, which a synchronous copy q
 them precedes, so no copy can read a buffer being rewritten. Where the predictor shares the
 GPU, the predictor input and the masks stay on the device (`device_buffers`: CUDA IPC buffers
 ordered by interprocess events); the host channels carry the headers and the cold executors'
-copy of the masks.
+copy of the masks. A decode step on a GPU is replayed as CUDA graphs, one for each stretch
+between these exchanges (`graphs.SegmentedDecode`, `Config.cuda_graphs`), on a stream of this
+process's own.
 """
 from __future__ import annotations
 
