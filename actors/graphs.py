@@ -91,7 +91,7 @@ class SegmentedDecode:
 
     def __call__(self, tokens, pos, kv: KVTables, last):
         B, T = tokens.shape
-        if T != 1 or last.shape[0] != B or self.off is not None:
+        if T != 1 or last.shape[0] != B or kv.tables.shape[0] != B or self.off is not None:
             self.fallback += 1
             return self.model(tokens, pos, kv, last)
         key = (B, width_bucket(kv.tables.shape[1], self.most))
