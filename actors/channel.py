@@ -159,11 +159,12 @@ class Channel:
         return float(self._st[1]) * 1e-9
 
     # writer side
-    def put(self, t: torch.Tensor, offset: int = 0) -> int:
-        """Copy t into the payload at offset; returns the next aligned offset."""
+    def put(self, t: torch.Tensor, offset: int = 0, non_blocking: bool = False) -> int:
+        """Copy t into the payload at offset; returns the next aligned offset. non_blocking: a
+        device tensor's copy queued on its stream (the writer synchronizes before it publishes)."""
         n = t.numel() * t.element_size()
         assert offset % ALIGN == 0 and offset + n <= self.capacity, (offset, n, self.capacity)
-        self.view(t.dtype, t.shape, offset).copy_(t)
+        self.view(t.dtype, t.shape, offset).copy_(t, non_blocking=non_blocking)
         return align(offset + n)
 
     def put_bytes(self, data: bytes, offset: int = 0) -> int:

@@ -45,7 +45,7 @@ import torch
 from powerinfer import model as model_mod
 from powerinfer.model import KVTables
 
-from .plane import DECODE, FFNInput, Partial, PredictorInput, receive, send
+from .plane import DECODE, FFNInput, Partial, receive, send
 
 log = logging.getLogger("powerinfer")
 
@@ -115,7 +115,7 @@ class _Set:
     pass on (`t`), and the segments' graphs once captured."""
 
     def __init__(self, owner: SegmentedDecode, B: int, width: int):
-        self.owner, self.B, self.width = owner, B, width
+        self.owner, self.B = owner, B
         dev = owner.io.device
         self.tokens = torch.zeros(B, 1, dtype=torch.int64, device=dev)
         self.pos = torch.zeros(B, 1, dtype=torch.int64, device=dev)
@@ -217,7 +217,7 @@ class _Set:
         t["ropes"] = m.ropes(t["flat"])
         t["h"] = h
         if self.owner.io.predicting and self.owner.io.lookahead:
-            self._predictor_input(h)
+            self.owner.io.put_predictor_input(h, non_blocking=True)
 
     def _attn(self, i: int):
         o, t = self.owner, self.t
@@ -233,18 +233,16 @@ class _Set:
         h = x + y
         x = f.norm(h)
         t["h"], t["x"] = h, x
-        o.io.x.view(x.dtype, x.shape).copy_(x, non_blocking=True)
+        o.io.x.put(x, non_blocking=True)
         if o.io.predicting and not o.io.lookahead:
-            self._predictor_input(h)
+            o.io.put_predictor_input(h, non_blocking=True)
 
     def _hot(self, i: int):
         io, t = self.owner.io, self.t
         f = self.owner.model.layers[i].ffn.f
         rows = None
-        if io.predicting:
-            shape = (self.B, io.spec.ffn_dim)
-            rows = (io.buffers["mask"].view(torch.bool, shape) if io.buffers is not None
-                    else io.mask.view(torch.bool, shape).to(io.device, non_blocking=True))
+        if io.predicting:  # (its wait for the predictor's writes is the host's, in `_exchange`)
+            rows = io.device_mask(io.mask.view(torch.bool, (self.B, io.spec.ffn_dim)), wait=False)
         t["y"] = f.hot_part(t["x"], None if rows is None else rows.any(0), rows)
 
     def _add(self, i: int, hot: bool):
@@ -261,22 +259,12 @@ class _Set:
             y = block.post_ffn_norm(y)
         t["h"] = t["h"] + y
         if io.predicting and io.lookahead and i + 1 < len(self.owner.model.layers):
-            self._predictor_input(t["h"])
+            io.put_predictor_input(t["h"], non_blocking=True)
 
     def _head(self):
         m, t = self.owner.model, self.t
         h = t["h"].reshape(self.B, -1)[self.last].unsqueeze(1)
         t["logits"] = m.output(m.norm(h)).float()
-
-    def _predictor_input(self, h):
-        """The predictor's input rows into its buffer: the device buffer where it shares the
-        GPU, else the host channel (published after the segment: `_publish_predictor_input`)."""
-        io, B = self.owner.io, self.B
-        if io.buffers is not None:
-            io.buffers["pred_in"].view(torch.float32, (B, io.spec.dim)).copy_(h.reshape(B, -1))
-        else:
-            io.pred_in.view(torch.float32, (B, io.spec.dim)).copy_(h.reshape(B, -1).float(),
-                                                                 non_blocking=True)
 
     # the host's part between segments
     def _sync(self):
@@ -284,12 +272,11 @@ class _Set:
             torch.cuda.current_stream(self.owner.io.device).synchronize()
 
     def _publish_predictor_input(self, layer: int):
-        io = self.owner.io
-        if io.buffers is not None:  # the predictor's stream waits for this point of ours
-            io.buffers["pred_in"].publish()
-        else:
+        """The input a segment put (`DataPlane.put_predictor_input`), published: on the host
+        channel once its copy is done; in the device buffer at this point of the stream."""
+        if self.owner.io.buffers is None:
             self._sync()
-        send(io.pred_in, PredictorInput(DECODE, layer, self.B))
+        self.owner.io.publish_predictor_input(layer, self.B)
 
     def _exchange(self, i: int):
         """After attn i: the FFN's input out to the cold executors, with the masks."""

@@ -114,13 +114,21 @@ class DataPlane:
         return torch.ops.powerinfer.ch_recv(like, p.state, p.base, width, p.spin_us)
 
     def send_predictor_input(self, layer: int, h: torch.Tensor):
+        self.put_predictor_input(h)
+        self.publish_predictor_input(layer, h.shape[0])
+
+    def put_predictor_input(self, h: torch.Tensor, non_blocking: bool = False):
+        """The predictor's input rows (B, ..., dim) into its device buffer where it shares the
+        GPU, else into the host channel (non_blocking: queued, synchronized before publishing)."""
         B = h.shape[0]
-        if self.buffers is not None:  # queued on the device; the predictor's stream waits for it
-            buf = self.buffers["pred_in"]
-            buf.view(torch.float32, (B, self.spec.dim)).copy_(h.reshape(B, -1))
-            buf.publish()
+        if self.buffers is not None:
+            self.buffers["pred_in"].view(torch.float32, (B, self.spec.dim)).copy_(h.reshape(B, -1))
         else:
-            self.pred_in.put(h.reshape(B, -1).float())
+            self.pred_in.put(h.reshape(B, -1).float(), non_blocking=non_blocking)
+
+    def publish_predictor_input(self, layer: int, B: int):
+        if self.buffers is not None:  # queued on the device; the predictor's stream waits for it
+            self.buffers["pred_in"].publish()
         send(self.pred_in, PredictorInput(DECODE, layer, B))
 
     def recv_mask(self, B: int) -> torch.Tensor:
@@ -128,13 +136,15 @@ class DataPlane:
         assert got.B == B, (got, B)
         return self.mask.view(torch.bool, (B, self.spec.ffn_dim))  # on the host
 
-    def device_mask(self, rows: torch.Tensor) -> torch.Tensor:
+    def device_mask(self, rows: torch.Tensor, wait: bool = True) -> torch.Tensor:
         """The masks `recv_mask` returned, on this process's device: the predictor's device
-        buffer where it shares the GPU (this stream waits for its writes), else a copy."""
+        buffer where it shares the GPU (this stream waits for its writes, unless `wait` is
+        False: the caller made it wait), else a copy."""
         if self.buffers is None:
             return self.to_device(rows)
         buf = self.buffers["mask"]
-        buf.consume()
+        if wait:
+            buf.consume()
         return buf.view(torch.bool, rows.shape)
 
     def stop(self):
