@@ -447,47 +447,9 @@ def sparse_actors(ray_cluster, bundle):
     assert not shm_segments()
 
 
-def test_batched_concurrent_requests_equal_each_alone(bundle, sparse_actors):
-    # concurrent requests, continuously batched, against each alone in process: token for token
-    # but for a near-tie. Which steps the requests share depends on when each arrives, and a
-    # prompt prefilled beside another goes through matrix products of another height, which
-    # round otherwise (float32; about one run in four parted on a near-tie before this rule).
-    # The predictors' rule is a threshold: a neuron whose logit sits on it can be picked in one
-    # run and not the other, and that moves the later logits by more than float32 rounding
-    # would (one run in eleven parted with a margin of 0.22), hence the bf16 tests' 0.25
-    from powerinfer.config import SamplingParams
-
-    ref = PowerInfer.from_pretrained(MODEL, Config(bundle=bundle, **BASE))
-    n = GREEDY["max_new_tokens"]
-    want = [greedy_tokens(ref, p, n) for p in PROMPTS]  # each request alone
-    e = sparse_actors.engine
-    params = SamplingParams(max_tokens=n, temperature=0, ignore_eos=True)
-    got = [[] for _ in PROMPTS]
-
-    def run(i):
-        got[i] = [ev["token"] for ev in e.generate(sparse_actors.tokenize(PROMPTS[i]), params)
-                  if ev["token"] >= 0]
-
-    before = e.stats()["actors"]["scheduler"]
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(PROMPTS))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=120)
-    for p, w, g in zip(PROMPTS, want, got):
-        assert len(g) == n
-        assert_same_or_near_tie(ref, ref.tokenize(p), w, g, 0.25)
-    after = e.stats()["actors"]["scheduler"]
-    steps = after["decode_steps"] - before["decode_steps"]
-    rows = after["decode_rows"] - before["decode_rows"]
-    assert rows / steps > 1.5, (rows, steps)  # they really shared decode steps
-    st = sparse_actors.engine.stats()["actors"]  # (2 cold executors; 1 and 4 are above)
-    assert st["predictor"]["input"] == "layer" and \
-        st["cold.0"]["neurons"] + st["cold.1"]["neurons"] + st["hot"]["hot_neurons"] == 30 * 1536
-
-
-def concurrent_greedy(pi: PowerInfer, n: int) -> list[list[int]]:
-    """PROMPTS' greedy tokens, the requests sent together (continuously batched)."""
+def concurrent_greedy(pi: PowerInfer, n: int, timeout: float) -> list[list[int]]:
+    """PROMPTS' greedy tokens, the requests sent together (continuously batched), each thread
+    waited for `timeout` seconds at most."""
     from powerinfer.config import SamplingParams
 
     params = SamplingParams(max_tokens=n, temperature=0, ignore_eos=True)
@@ -501,8 +463,34 @@ def concurrent_greedy(pi: PowerInfer, n: int) -> list[list[int]]:
     for t in threads:
         t.start()
     for t in threads:
-        t.join(timeout=180)
+        t.join(timeout=timeout)
     return got
+
+
+def test_batched_concurrent_requests_equal_each_alone(bundle, sparse_actors):
+    # concurrent requests, continuously batched, against each alone in process: token for token
+    # but for a near-tie. Which steps the requests share depends on when each arrives, and a
+    # prompt prefilled beside another goes through matrix products of another height, which
+    # round otherwise (float32; about one run in four parted on a near-tie before this rule).
+    # The predictors' rule is a threshold: a neuron whose logit sits on it can be picked in one
+    # run and not the other, and that moves the later logits by more than float32 rounding
+    # would (one run in eleven parted with a margin of 0.22), hence the bf16 tests' 0.25
+    ref = PowerInfer.from_pretrained(MODEL, Config(bundle=bundle, **BASE))
+    n = GREEDY["max_new_tokens"]
+    want = [greedy_tokens(ref, p, n) for p in PROMPTS]  # each request alone
+    e = sparse_actors.engine
+    before = e.stats()["actors"]["scheduler"]
+    got = concurrent_greedy(sparse_actors, n, timeout=120)
+    for p, w, g in zip(PROMPTS, want, got):
+        assert len(g) == n
+        assert_same_or_near_tie(ref, ref.tokenize(p), w, g, 0.25)
+    after = e.stats()["actors"]["scheduler"]
+    steps = after["decode_steps"] - before["decode_steps"]
+    rows = after["decode_rows"] - before["decode_rows"]
+    assert rows / steps > 1.5, (rows, steps)  # they really shared decode steps
+    st = sparse_actors.engine.stats()["actors"]  # (2 cold executors; 1 and 4 are above)
+    assert st["predictor"]["input"] == "layer" and \
+        st["cold.0"]["neurons"] + st["cold.1"]["neurons"] + st["hot"]["hot_neurons"] == 30 * 1536
 
 
 @pytest.mark.slow
@@ -518,7 +506,7 @@ def test_decode_steps_in_the_gpus_segments_equal_the_modules(bundle, sparse_acto
     assert ray.get(hot.steps_in_segments.remote(True))
     try:
         alone = [greedy_tokens(sparse_actors, p, n) for p in PROMPTS]
-        together = concurrent_greedy(sparse_actors, n)
+        together = concurrent_greedy(sparse_actors, n, timeout=180)
         st = sparse_actors.engine.stats()["actors"]["hot"]["graphs"]
     finally:
         ray.get(hot.steps_in_segments.remote(False))
