@@ -47,9 +47,9 @@ from powerinfer.compat import compile_per_instance, trim_heap
 from powerinfer.loader import ModelFile
 from powerinfer.model import KVTables, held_bytes
 from powerinfer.native import NativeDecode, layer_args, uniform_llama
-from powerinfer.partial import head_rows, hot_model
+from powerinfer.partial import head_rows, hot_formats, hot_model
 from powerinfer.plan import SparsePlan
-from powerinfer.quant import apply_kernel_linears, neuron_format
+from powerinfer.quant import apply_kernel_linears
 from powerinfer.sparse import HybridFFN
 
 from .graphs import SegmentedDecode
@@ -249,15 +249,16 @@ class HotExecutor:
         faulthandler.enable()  # a native crash (the CPU kernel) leaves its Python stack in the log
         pin(cores, config.cpu_threads)
         self.spec, self.cores, self.device = spec, cores, config.torch_device
-        int4 = config.weights == "int4"
         t0, c0 = time.perf_counter(), time.process_time()
         ckpt = model  # the driver's table of the file's tensors: nothing to parse here
         hot = [plan.hot_mask(i, hot_share) for i in range(plan.n_layers)]
         # the hot neurons' records: on a CPU for the kernel the cold executors run, on a GPU for
-        # the Triton kernels (torch's gathered rows where Triton is missing)
+        # the Triton kernels (torch's gathered rows where Triton is missing); with int4 in the
+        # file's blocks, and on a CPU its attention and head 4-bit too (on a GPU they widen)
         on_cpu = self.device.type == "cpu"
         dtype = config.torch_dtype
-        fmt = neuron_format(config.weights, ckpt.info, torch.empty(0, dtype=dtype, device=self.device))
+        fmt, int4 = hot_formats(config.weights, ckpt.info, dtype, self.device)
+        self.neuron_format = fmt or str(dtype).removeprefix("torch.")  # (None: torch's rows)
         self.io = DataPlane(spec, plan.predictor_input, self.device)
         # attention split by KV heads over the executors (a CPU group)
         kv = split_kv(ckpt.args.n_kv_heads, spec.n_cold, hot_share,
@@ -266,7 +267,7 @@ class HotExecutor:
         # read from the file without the cold neurons (nor the cold executors' heads); with int4
         # on the CPU the embedding stays in the file's blocks (and a tied head reads the same rows)
         model = hot_model(ckpt, dtype, hot, plan.predictor_input or "ffn", plan.thresholds, fmt,
-                          int4, quantized_embedding=int4 and on_cpu,
+                          int4, quantized_embedding=int4,
                           every_step=plan.predictor_input is None,
                           kv=None if kv is None else kv[0])
         o_bias = [ckpt.source.get(f"{i}.o_b", dtype) if kv is not None and ckpt.args.o_bias
@@ -506,7 +507,7 @@ class HotExecutor:
         out = {"steps": self.steps, "step_s": self.step_s, "ctl_wait_s": io.ctl.wait_s,
                "native_prompt_steps": self.native_prompt_steps,
                "part_wait_s": sum(p.wait_s for p in io.parts), "hot_neurons": self.hot_neurons,
-               "device": str(self.device), "memory": process_memory(),
+               "neuron_format": self.neuron_format, "device": str(self.device), "memory": process_memory(),
                "held_bytes": held_bytes(self.model), **self._memory()}
         if io.predicting:
             out["mask_wait_s"] = io.mask.wait_s

@@ -48,19 +48,20 @@ class PowerInfer:
         kv_blocks, why = pool_blocks(checkpoint.args, config, context_length(checkpoint.args, config),
                                      config.torch_dtype.itemsize)
         plan = plan_for(config, checkpoint.args, checkpoint.path, kv_blocks * config.block_size,
-                        on_gpu=device.type == "cuda")
+                        on_gpu=device.type == "cuda", info=checkpoint.info)
         if plan is not None and plan.bundle is not None:  # the in-process sparse engine
             plan.apply(self.model, fmt=neuron_format(config.weights, checkpoint.info,
                                                      self.model.tok_embeddings.weight))
         elif plan is not None and device.type == "cuda":  # layer offload
             offload_ffns(self.model, plan.hot)
-        int4 = config.weights == "int4"
+        # the 4-bit matrices run on the CPU (on a GPU, int4 is the neuron sets' records above)
+        int4 = config.weights == "int4" and device.type == "cpu"
         # a K-quant file's Q4_K/Q6_K projections in their own bytes, then the 4-bit rest
-        kept = keep_kquant_blocks(self.model, checkpoint.source) if int4 and device.type == "cpu" else 0
+        kept = keep_kquant_blocks(self.model, checkpoint.source) if int4 else 0
         if int4 and not apply_int4(self.model, checkpoint.q4) and not kept:
             raise ModelLoadError(checkpoint.path, "weights='int4' needs a GGUF file with "
                                                   "Q4_0/Q4_1 projections")
-        if int4 and device.type == "cpu":  # the file's Q8_0 blocks (projections, embedding) kept
+        if int4:  # the file's Q8_0 blocks (projections, embedding) kept
             keep_stored_blocks(self.model, checkpoint.source, config.torch_dtype)
         apply_kernel_linears(self.model, head="q8_0" if int4 else "bf16")  # what is left in bf16
         checkpoint.q4 = {}  # the model holds them now
@@ -84,7 +85,8 @@ class PowerInfer:
             if config.runtime != "local":  # its processes load the weights
                 return cls(ck, config)
         return cls(load_checkpoint(name_or_path, config.torch_dtype, with_weights=True,
-                                   keep_int4=config.weights == "int4"), config)
+                                   keep_int4=config.weights == "int4"
+                                   and config.torch_device.type == "cpu"), config)
 
     @property
     def args(self):

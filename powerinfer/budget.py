@@ -39,9 +39,11 @@ def find_bundle(config: Config, model_path: Path) -> str:
 
 
 def plan_for(config: Config, args: ModelArgs, model_path: Path, kv_tokens: int,
-             on_gpu: bool) -> SparsePlan | None:
+             on_gpu: bool, info: dict | None = None) -> SparsePlan | None:
     """The sparse plan a load runs (None: the dense model, nothing to place); kv_tokens: the
-    positions its paged KV cache holds (the placement counts their bytes)."""
+    positions its paged KV cache holds (the placement counts their bytes); info: the file's
+    (`Checkpoint.info`), whose block types the hot neurons keep on a GPU under
+    `Config(weights="int4")`, the placement counting them at their records' bytes."""
     bundle = find_bundle(config, model_path)
     budget = int(config.vram_budget_gb * 2**30)
     plan = (SparsePlan.from_bundle(bundle, args, model_path, config.predictor,
@@ -63,15 +65,26 @@ def plan_for(config: Config, args: ModelArgs, model_path: Path, kv_tokens: int,
                  if plan.hot is not None else "every neuron is cold", where)
         return plan
     t0 = time.perf_counter()
+    fmt = gpu_neuron_format(config, info or {}) if on_gpu else None
     hot, cached = cached_placement(b, config.vram_budget_gb,
                                    1, kv_tokens, dtype_bytes,
-                                   plan.predictor_input or "ffn")
+                                   plan.predictor_input or "ffn", fmt)
     plan.hot = hot
     share = sum(int(h.sum()) for h in hot) / (args.n_layers * args.ffn_dim)
-    log.info("VRAM budget %.2f GB: %.1f%% of FFN neurons hot, placement %s in %.1f s (%s)%s",
-             config.vram_budget_gb, 100 * share, "read from the cache" if cached else "solved",
-             time.perf_counter() - t0, bundle, where)
+    log.info("VRAM budget %.2f GB: %.1f%% of FFN neurons hot (%s), placement %s in %.1f s "
+             "(%s)%s", config.vram_budget_gb, 100 * share,
+             f"in {fmt.upper()} records" if fmt else config.dtype, "read from the cache"
+             if cached else "solved", time.perf_counter() - t0, bundle, where)
     return plan
+
+
+def gpu_neuron_format(config: Config, info: dict) -> str | None:
+    """The block format ("q4_0", "q4_1", "q8_0") a GPU keeps the hot neurons' records in: the
+    file's, with `Config(weights="int4")` (`quant.block_format`); None: the model's type."""
+    from .quant import block_format
+
+    fmt = block_format(config.weights, info)
+    return fmt.lower() if fmt else None
 
 
 def ffn_layers_that_fit(args: ModelArgs, budget: int, dtype_bytes: int, batch: int,
@@ -85,17 +98,21 @@ def ffn_layers_that_fit(args: ModelArgs, budget: int, dtype_bytes: int, batch: i
 
 
 def cached_placement(bundle: Bundle, budget_gb: float, batch: int, context: int,
-                     dtype_bytes: int, predictor_input: str) -> tuple[list[np.ndarray], bool]:
-    """The bundle's placement for these settings, solved once and kept in `placements/`."""
+                     dtype_bytes: int, predictor_input: str,
+                     neuron_fmt: str | None = None) -> tuple[list[np.ndarray], bool]:
+    """The bundle's placement for these settings, solved once and kept in `placements/`
+    (neuron_fmt: the hot neurons' block format on the GPU, None: the model's type)."""
     from .solver import solve_for_bundle
 
     key = f"{budget_gb:g}GB-ctx{context}-batch{batch}-{dtype_bytes}B-{predictor_input}"
+    key += f"-{neuron_fmt}" if neuron_fmt else ""
     name = f"placements/{key}.safetensors"
     if (bundle.path / name).is_file():
         t = bundle.load_tensors(name)
         return [t[f"hot.{i}"].astype(bool) for i in range(bundle.n_layers)], True
     p, _ = solve_for_bundle(bundle, budget_gb, batch=batch, context=context,
-                            dtype_bytes=dtype_bytes, predictor_input=predictor_input)
+                            dtype_bytes=dtype_bytes, predictor_input=predictor_input,
+                            neuron_fmt=neuron_fmt)
     bundle.save_tensors(name, {f"hot.{i}": h.astype(np.uint8) for i, h in enumerate(p.hot)})
     bundle.save_json(f"placements/{key}.json", p.report())
     return p.hot, False

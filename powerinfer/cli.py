@@ -62,8 +62,9 @@ def _model_args(p: argparse.ArgumentParser):
                    help="memory of the paged KV cache (0: auto, from the host's free memory)")
     p.add_argument("--compile", action="store_true", help="torch.compile the decode step")
     p.add_argument("--weights", default="auto", choices=["auto", "dense", "int4"],
-                   help="int4: keep the file's Q4_0/Q4_1 weights 4-bit (bf16 on the CPU); auto: "
-                        "int4 wherever it runs")
+                   help="int4: keep the file's Q4_0/Q4_1 weights 4-bit (bf16 on the CPU; on a "
+                        "GPU a sparse FFN's hot neurons, read by the Triton kernels); auto: int4 "
+                        "on the CPU where it runs")
     p.add_argument("--runtime", default="local", choices=["local", "actors"],
                    help="actors: the Ray actor runtime (scheduler, predictor, hot and cold executors)")
     p.add_argument("--bundle", "--predictor-path", dest="bundle", default="",

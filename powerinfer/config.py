@@ -57,8 +57,11 @@ class Config:
         Without a GPU it runs on the CPU either way.
     weights: "dense", "int4" (a GGUF file's Q4_0/Q4_1 projections stay 4-bit, computed in
         bf16 on the CPU; a sparse FFN's neurons keep the file's 4-bit blocks, their down rows
-        8-bit; the output head is 8-bit), or "auto" (default: int4 wherever it can run, else
-        dense).
+        8-bit; the output head is 8-bit), or "auto" (default: int4 on the CPU where it can run,
+        else dense). On a GPU, int4 keeps a sparse FFN's neurons in those records, read by the
+        Triton kernels (the `gpu` extra), and the placement counts them at their bytes (about
+        a third of bf16's, so about three times the hot neurons in a budget); attention, the
+        embedding and the head are widened to the model's type there.
     cold_weights: the actor runtime's cold executors' weights (they run on the host's cores):
         "dense", "int4" (as `weights`), or "auto" (default: as `weights`, except beside a hot
         executor on a GPU, which widens a 4-bit file to the model's type: int4 there wherever
@@ -125,10 +128,8 @@ class Config:
                                   f"{getattr(self, name)!r}")
         if self.cold_weights == "int4" and DTYPES.get(self.dtype) not in (torch.bfloat16, None):
             raise ConfigError("cold_weights='int4' runs in bfloat16: set dtype='bfloat16' or 'auto'")
-        if self.weights == "int4" and (DTYPES.get(self.dtype) != torch.bfloat16
-                                       or self.device == "cuda"):
-            raise ConfigError("weights='int4' runs on the CPU in bfloat16: set dtype='bfloat16' "
-                              "and device='cpu' or 'auto'")
+        if self.weights == "int4" and DTYPES.get(self.dtype) != torch.bfloat16:
+            raise ConfigError("weights='int4' runs in bfloat16: set dtype='bfloat16'")
         if self.max_batch < 1:
             raise ConfigError("max_batch must be >= 1")
         if self.block_size not in (16, 32, 64):

@@ -309,8 +309,9 @@ def pack(gate: torch.Tensor | None, up: torch.Tensor, down_t: torch.Tensor, fmt:
     if fmt in Q4_FORMATS:
         rows = [split_rows(r, fmt) for r in rows]
     rows.append(quantize_rows(down_t, down_format(fmt)))
+    dev = up.device  # (the blocks are quantized on the host: the records go where the rows were)
+    rows = [r.to(dev) for r in rows]
     shape = (rows[0].shape[0], sum(r.shape[1] for r in rows))
-    dev = rows[0].device
     out = huge_empty(shape, torch.uint8) if dev.type == "cpu" else torch.empty(shape, dtype=torch.uint8, device=dev)
     return torch.cat(rows, 1, out=out)
 

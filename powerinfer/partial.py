@@ -21,8 +21,8 @@ from torch import nn
 from . import kernels
 from .loader import ModelFile, TensorSource
 from .model import Attention, ModelArgs, Norm, Transformer
-from .quant import (Q4_TYPES, KernelEmbedding, KernelLinear, KQuantLinear, int4_linear, kernel_head,
-                    q8_0_linear)
+from .quant import (Q4_TYPES, KernelEmbedding, KernelLinear, KQuantLinear, block_format,
+                    int4_linear, kernel_head, neuron_format, q8_0_linear)
 from .sparse import BlockSlice, HybridFFN, NeuronSet
 
 # GGUF types whose rows the kernel reads as they are stored
@@ -363,6 +363,26 @@ def _plain_linear(w: torch.Tensor, bias: torch.Tensor | None) -> nn.Module:
     if bias is not None:
         lin.bias = nn.Parameter(bias, requires_grad=False)
     return lin
+
+
+def hot_formats(weights: str, info: dict, dtype: torch.dtype,
+                device: torch.device) -> tuple[str | None, bool]:
+    """What a hot executor on `device` keeps under `Config.weights`: its neuron sets' kernel
+    format (`quant.neuron_format`), and whether its attention and head keep a 4-bit file's
+    blocks too. They do on the CPU kernel; where the neuron sets run on the Triton kernels (a
+    GPU), "int4" is the neurons' records alone and those matrices are widened to `dtype`. A
+    4-bit file's neurons on a GPU where the Triton kernels do not run are a ConfigError: the
+    placement counted them at their records' bytes (`budget.gpu_neuron_format`)."""
+    from .errors import ConfigError
+
+    like = torch.empty(0, dtype=dtype, device=device)
+    fmt = neuron_format(weights, info, like)
+    want = block_format(weights, info)
+    if device.type != "cpu" and want is not None and fmt != want.lower():
+        raise ConfigError(f"weights='int4' on a GPU keeps the hot neurons in the file's {want} "
+                          f"records for the Triton kernels, and they do not run on {device} "
+                          f"here (install the `gpu` extra, or use weights='dense')")
+    return fmt, weights == "int4" and not kernels.on_triton(like)
 
 
 def hot_model(ckpt: ModelFile, dtype: torch.dtype, hot: list[torch.Tensor],

@@ -274,17 +274,24 @@ def q8_0_linear(rows: torch.Tensor, dim: int) -> KQuantLinear:
     return KQuantLinear([(rows, "Q8_0")], dim, None)
 
 
-def neuron_format(weights: str, info: dict, like: torch.Tensor) -> str | None:
-    """The kernel format of a sparse FFN's neuron sets (`kernels.format_for`): with weights
-    "int4", the block type of the file's FFN tensors where the kernel reads it as it is (Q4_0,
-    Q4_1, Q8_0: `info["ffn_type"]`; else the file's main 4-bit type), otherwise the precision of
-    `like`."""
+def block_format(weights: str, info: dict) -> str | None:
+    """The GGUF block type a sparse FFN's neuron records keep under `weights` ("int4": that of
+    the file's FFN tensors where the kernels read it as it is, Q4_0, Q4_1 or Q8_0
+    (`info["ffn_type"]`), else the file's main 4-bit type; None: the model's type)."""
     if weights != "int4":
-        return kernels.format_for(like)
+        return None
     ffn = info.get("ffn_type")
     if ffn in (*Q4_TYPES, "Q8_0"):
-        return kernels.format_for(like, ffn)
-    return kernels.format_for(like, None if ffn else q4_type(info))
+        return ffn
+    return None if ffn else q4_type(info)
+
+
+def neuron_format(weights: str, info: dict, like: torch.Tensor) -> str | None:
+    """The kernel format of a sparse FFN's neuron sets (`kernels.format_for`): with weights
+    "int4", the file's block type (`block_format`), otherwise the precision of `like`."""
+    if weights != "int4":
+        return kernels.format_for(like)
+    return kernels.format_for(like, block_format(weights, info))
 
 
 def apply_int4(model: "Transformer", q4: dict[str, tuple[np.ndarray, np.ndarray, np.ndarray]]) -> int:

@@ -4,7 +4,8 @@ The budget counts every byte the GPU holds (`gpu_bytes`): attention weights and 
 norm, the KV cache for the configured batch and context, the fp32 RoPE tables, the predictors,
 the embeddings and lm_head where placed (once when tied), OPT's learned positions, and the FFN's
 down-projection bias; what is left holds hot neurons at `neuron_bytes` each (the neuron's gate,
-up and down rows, and its gate/up biases).
+up and down rows, and its gate/up biases; in the 4-bit records the Triton kernels read where the
+GPU keeps a 4-bit file's neurons in its blocks, `Config(weights="int4")`).
 
 Formulation (an integer program solved by HiGHS through `scipy.optimize.milp`):
 
@@ -60,10 +61,16 @@ if TYPE_CHECKING:
 _MILP_STATUS = {0: "optimal", 1: "time limit", 2: "infeasible", 3: "unbounded", 4: "error"}
 
 
-def neuron_bytes(args: ModelArgs, dtype_bytes: int = 2) -> int:
-    """Bytes of one FFN neuron: its gate (gated FFNs), up and down rows, and its gate/up biases."""
+def neuron_bytes(args: ModelArgs, dtype_bytes: int = 2, fmt: str | None = None) -> int:
+    """Bytes of one FFN neuron: its gate (gated FFNs), up and down rows, and its gate/up biases;
+    with `fmt` a block format ("q4_0", "q4_1", "q8_0": `Config(weights="int4")` on a GPU) the
+    rows as its record holds them (`kernels.record_bytes`: 4-bit gate/up rows, 8-bit down rows),
+    the biases in the model's type."""
     rows = 3 if args.gated else 2
     biases = (2 if args.gated else 1) if args.ffn_bias else 0
+    if fmt is not None:
+        from .kernels import record_bytes
+        return record_bytes(fmt, args.dim, args.gated) + biases * dtype_bytes
     return (rows * args.dim + biases) * dtype_bytes
 
 
@@ -170,12 +177,13 @@ class Placement:
 
 
 def solve(mass: list[np.ndarray], args: ModelArgs, budget_bytes: int, *,
-          fixed: dict[str, int] | None = None, dtype_bytes: int = 2, group: int = 64,
-          min_share: float = 0.1, floor_share: float = 0.0, time_limit: float = 60.0,
-          mip_rel_gap: float = 1e-4) -> Placement:
+          fixed: dict[str, int] | None = None, dtype_bytes: int = 2, neuron_fmt: str | None = None,
+          group: int = 64, min_share: float = 0.1, floor_share: float = 0.0,
+          time_limit: float = 60.0, mip_rel_gap: float = 1e-4) -> Placement:
     """Choose the hot neurons of every layer. `mass[l]` is layer l's (ffn_dim,) activation mass
-    (or count); `fixed` is the `gpu_bytes` breakdown (default: `gpu_bytes(args, dtype_bytes=...)`).
-    Raises ConfigError when the fixed parts, or the per-layer floor, do not fit the budget."""
+    (or count); `fixed` is the `gpu_bytes` breakdown (default: `gpu_bytes(args, dtype_bytes=...)`);
+    `neuron_fmt` the block format the GPU keeps the neurons in (`neuron_bytes`; None: the model's
+    type). Raises ConfigError when the fixed parts, or the per-layer floor, do not fit the budget."""
     L, n = args.n_layers, args.ffn_dim
     if len(mass) != L or any(np.shape(m) != (n,) for m in mass):
         raise ConfigError(f"mass must be {L} arrays of shape ({n},), "
@@ -187,7 +195,7 @@ def solve(mass: list[np.ndarray], args: ModelArgs, budget_bytes: int, *,
         raise ConfigError(f"need group >= 1 and shares in [0, 1], "
                           f"got group={group}, min_share={min_share}, floor_share={floor_share}")
     fixed = gpu_bytes(args, dtype_bytes=dtype_bytes) if fixed is None else dict(fixed)
-    nb = neuron_bytes(args, dtype_bytes)
+    nb = neuron_bytes(args, dtype_bytes, neuron_fmt)
     fixed_total = sum(fixed.values())
     if fixed_total > budget_bytes:
         parts = ", ".join(f"{k} {v}" for k, v in fixed.items() if v)
@@ -302,9 +310,11 @@ def _mib(b: int) -> str:
 
 
 def solve_for_bundle(bundle, budget_gb: float, *, batch: int, context: int, dtype_bytes: int,
-                     predictor_input: str, **options) -> tuple[Placement, list[int] | None]:
+                     predictor_input: str, neuron_fmt: str | None = None,
+                     **options) -> tuple[Placement, list[int] | None]:
     """The placement for a bundle's profiled mass, counting the GPU's share of everything else
-    (its `predictor_input` predictors' ranks included, when trained); and those ranks."""
+    (its `predictor_input` predictors' ranks included, when trained), the hot neurons in
+    `neuron_fmt`'s records (None: the model's type); and those ranks."""
     from .model import ModelArgs
 
     _, mass, _ = bundle.stats()
@@ -315,21 +325,25 @@ def solve_for_bundle(bundle, budget_gb: float, *, batch: int, context: int, dtyp
     fixed = gpu_bytes(args, dtype_bytes=dtype_bytes, batch=batch, context=context,
                       predictor_ranks=ranks)
     return solve(mass, args, int(budget_gb * 2**30), fixed=fixed, dtype_bytes=dtype_bytes,
-                 **options), ranks
+                 neuron_fmt=neuron_fmt, **options), ranks
 
 
 def solve_bundle(bundle, budget_gb: float, *, batch: int = 1, context: int = 2048,
-                 dtype_bytes: int = 2, predictor_input: str = "auto", **options) -> Placement:
+                 dtype_bytes: int = 2, predictor_input: str = "auto", neuron_fmt: str | None = None,
+                 **options) -> Placement:
     """Solve for a bundle's profiled mass and write placement.safetensors/.json into it.
     predictor_input: whose predictors the GPU holds, "ffn", "layer", or "auto" (as the runtimes
-    choose: the lookahead ones when trained)."""
+    choose: the lookahead ones when trained); neuron_fmt: the block format the GPU keeps the hot
+    neurons in (a 4-bit file under `Config(weights="int4")`; None: the model's type)."""
     predictor_input = bundle.predictor_input(predictor_input)
     p, ranks = solve_for_bundle(bundle, budget_gb, batch=batch, context=context,
-                                dtype_bytes=dtype_bytes, predictor_input=predictor_input, **options)
+                                dtype_bytes=dtype_bytes, predictor_input=predictor_input,
+                                neuron_fmt=neuron_fmt, **options)
     bundle.save_tensors("placement.safetensors",
                         {f"hot.{i}": h.astype(np.uint8) for i, h in enumerate(p.hot)})
     bundle.save_json("placement.json", {**p.report(), "vram_budget_gb": budget_gb, "batch": batch,
                                         "context": context, "dtype_bytes": dtype_bytes,
+                                        "neuron_fmt": neuron_fmt,
                                         "predictor_input": predictor_input if ranks else None})
     bundle.mark("placement", {"vram_budget_gb": budget_gb, "batch": batch, "context": context})
     return p

@@ -160,3 +160,26 @@ def test_all_fit_returns_all_hot():
     mass = power_law(2, 24)
     p = solve(mass, args, 10**9)
     assert all(h.all() for h in p.hot) and p.share == 1.0 and p.source == "all"
+
+
+@pytest.mark.parametrize("fmt", ["q4_0", "q4_1", "q8_0"])
+def test_neurons_kept_in_a_files_blocks_count_their_records_bytes(fmt):
+    # Config(weights="int4") on a GPU: a hot neuron is the Triton kernels' record (4-bit gate and
+    # up rows, an 8-bit down row; Q8_0 throughout): the placement counts exactly what
+    # `kernels.pack` makes, and the same free bytes hold that many more neurons
+    from powerinfer import kernels
+    args = ModelArgs(arch="llama", vocab_size=10, dim=64, n_layers=2, n_heads=2, n_kv_heads=1,
+                     ffn_dim=96, ffn_act="reglu")
+    g = torch.Generator().manual_seed(0)
+    rec = kernels.pack(*(torch.randn(5, 64, generator=g) for _ in range(3)), fmt)
+    nb = neuron_bytes(args, 2, fmt)
+    assert rec.shape == (5, nb) and nb < neuron_bytes(args, 2) * (0.6 if fmt == "q8_0" else 0.4)
+    mass, fixed = power_law(2, 96), gpu_bytes(args)
+    budget = sum(fixed.values()) + 40 * neuron_bytes(args, 2)
+    wide = solve(mass, args, budget, fixed=fixed, group=8, min_share=0.0)
+    blocks = solve(mass, args, budget, fixed=fixed, group=8, min_share=0.0, neuron_fmt=fmt)
+    assert sum(wide.hot_counts) == 40 and blocks.neuron_bytes == nb
+    assert blocks.used_bytes == sum(fixed.values()) + nb * sum(blocks.hot_counts) <= budget
+    assert sum(blocks.hot_counts) == 8 * ((budget - sum(fixed.values())) // nb // 8)
+    assert blocks.share > wide.share
+    assert neuron_bytes(OPT, 2, fmt) == kernels.record_bytes(fmt, OPT.dim, False) + 2  # up bias

@@ -341,3 +341,56 @@ def test_kernels_compile_for_an_h100(tmp_path):
     out = json.loads(r.stdout.splitlines()[-1])
     assert out["capability"] == 90 and out["kernels"] == 30
     assert len(list(tmp_path.rglob("*.cubin"))) == 30  # one cubin a variant
+
+
+@pytest.mark.skipif(not kernels.available(), reason="the kernel library does not run here")
+def test_a_gpus_hot_model_keeps_a_4bit_files_neurons_in_its_blocks(tmp_path, monkeypatch):
+    # Config(weights="int4") with the hot executor on a GPU (here the Triton kernels on CPU
+    # tensors): the hot executor's model there keeps each hot neuron as the file's Q4_0 blocks
+    # with a Q8_0 down row, at the bytes the placement counts, and widens attention, the
+    # embedding and the head to the model's type (on the CPU kernel they stay 4-bit); a decode
+    # step of each layer's hot neurons runs on the kernel and equals the file's FFN over them
+    from powerinfer import Config
+    from powerinfer.budget import gpu_neuron_format
+    from powerinfer.loader import load_checkpoint
+    from powerinfer.partial import hot_formats, hot_model
+    from powerinfer.solver import neuron_bytes
+    from powerinfer.synthetic import write_synthetic
+
+    m = write_synthetic(tmp_path / "m.gguf", preset="tiny", quant="q4_0", progress=False)
+    ck = load_checkpoint(m.path, with_weights=False)
+    a, cpu = ck.args, torch.device("cpu")
+    assert hot_formats("int4", ck.info, torch.bfloat16, cpu) == ("q4_0", True)  # the CPU kernel's
+    monkeypatch.setattr(kernels, "TRITON_ON_CPU", True)
+    fmt, int4 = hot_formats("int4", ck.info, torch.float32, cpu)
+    assert (fmt, int4) == ("q4_0", False)
+    assert hot_formats("dense", ck.info, torch.float32, cpu) == ("f32", False)
+    assert fmt == gpu_neuron_format(Config(dtype="bfloat16", weights="int4"), ck.info)
+    assert gpu_neuron_format(Config(dtype="bfloat16", weights="dense"), ck.info) is None
+    from powerinfer.errors import ConfigError
+    with pytest.raises(ConfigError, match="Triton kernels, and they do not run on meta"):
+        hot_formats("int4", ck.info, torch.bfloat16, torch.device("meta"))  # (not a GPU of theirs)
+    g = torch.Generator().manual_seed(0)
+    hot = [torch.rand(a.ffn_dim, generator=g) < 0.4 for _ in range(a.n_layers)]
+    model = hot_model(ck.model_file(), torch.float32, hot, "ffn", None, fmt, int4,
+                      quantized_embedding=int4)
+    from powerinfer.model import Linear
+    for mod in (model.layers[0].attn.wqkv, model.layers[0].attn.wo, model.output):
+        assert type(mod) is Linear and mod.weight.dtype == torch.float32, mod  # (not 4-bit)
+    assert model.tok_embeddings.weight.dtype == torch.float32
+    dense = load_checkpoint(m.path, torch.float32).weights
+    calls = []
+    real = T.neuron_ffn
+    monkeypatch.setattr(T, "neuron_ffn", lambda *a, **kw: calls.append(a[2]) or real(*a, **kw))
+    union = torch.ones(a.ffn_dim, dtype=torch.bool)
+    for i, block in enumerate(model.layers):
+        s, idx = block.ffn.hot, hot[i].nonzero().squeeze(-1)
+        assert s.fmt == "q4_0" and torch.equal(s.idx, idx)
+        assert s.records.shape == (len(idx), neuron_bytes(a, 4, "q4_0"))
+        x = torch.randn(1, 1, a.dim, generator=g)
+        got = block.ffn.hot_part(x, union, None)
+        gate, up = dense[f"{i}.gate"][idx], dense[f"{i}.up"][idx]
+        want = activate(a.ffn_act, x @ gate.T, x @ up.T)[1] @ dense[f"{i}.down"][:, idx].T
+        scale = float(want.abs().max())
+        assert scale > 0 and float((got - want).abs().max()) <= 1e-2 * scale, i  # (Q8_0 down)
+    assert len(calls) == a.n_layers  # every layer's step ran on the kernel
