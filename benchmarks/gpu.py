@@ -34,6 +34,12 @@ run reuses the file and bundle an earlier one completed, so the rows can run in 
      are worth;
    - `hybrid_predictor_cpu`: the same with `predictor_device="cpu"` (the predictor on host cores,
      its input and masks over the host channels): what the device buffers are worth;
+   - `hybrid_int4` (a 4-bit `--quant` file): the hybrid with `Config(weights="int4")`, the hot
+     neurons kept on the device as the file's 4-bit records (Q8_0 down rows) that the Triton
+     kernels read, its placement solved for their bytes (about 2.7x bf16's neurons in the same
+     budget); attention, embeddings and the head stay bf16. Layer offload's blocks are bf16 on
+     the device, so this row is compared with the hybrid row (`int4_neurons_vs_bf16`), not with
+     layer offload;
    - `hybrid_hot_cores_even`: the hybrid with the hot executor on an even share of the cores
      (1/(cold+1), the CPU runtime's plan) instead of `actors.group.GPU_HOT_CORES`: what giving
      the cold executors those cores is worth;
@@ -579,7 +585,20 @@ def plot_attention(res: dict, path: str):
 
 
 ROWS = ("layer_offload", "all_gpu", "hybrid", "hybrid_eager", "hybrid_hot_cores_even",
-        "hybrid_predictor_cpu", "kernels")
+        "hybrid_predictor_cpu", "hybrid_int4", "kernels")
+
+
+def neuron_format_of(path: Path) -> str | None:
+    """The 4-bit records `Config(weights="int4")` keeps a file's hot neurons in on a GPU (the
+    kernel-ready copy's, for a K-quant file); None for a file without 4-bit FFN blocks."""
+    from powerinfer.budget import gpu_neuron_format
+    from powerinfer.convert import kernel_ready
+    from powerinfer.loader import load_checkpoint
+
+    config = Config(dtype="bfloat16", weights="int4")
+    info = kernel_ready(load_checkpoint(str(path), with_weights=False), config).info
+    fmt = gpu_neuron_format(config, info)
+    return fmt if fmt in ("q4_0", "q4_1") else None
 
 
 def reused(path: Path, bundle_path: Path):
@@ -688,8 +707,13 @@ def main():
         # (a 4-bit file widens to bf16 on the GPU: a share of its own bytes would not hold the
         # attention; --budget-gb gives the budget outright)
         budget = int(a.budget_gb * 2**30) if a.budget_gb else int(a.budget_share * weights)
-        placement = solve_bundle(bundle, budget / 2**30, batch=MAX_BATCH + 1, context=MAX_SEQ,
-                                 dtype_bytes=2, predictor_input="layer")
+
+        def place(neuron_fmt=None):  # the bundle's placement for this budget, the hot neurons
+            # in the model's type or in `neuron_fmt`'s records
+            return solve_bundle(bundle, budget / 2**30, batch=MAX_BATCH + 1, context=MAX_SEQ,
+                                dtype_bytes=2, predictor_input="layer", neuron_fmt=neuron_fmt)
+
+        placement = place()
         result.update(weight_bytes=weights, budget_bytes=budget, pipeline_s=time.perf_counter() - t0,
                       placement=placement.report())
         print(json.dumps({k: result[k] for k in ("weight_bytes", "budget_bytes", "pipeline_s")}),
@@ -731,19 +755,27 @@ def main():
             runs += [("hybrid_eager", "auto", group.GPU_HOT_CORES, False),
                      ("hybrid_hot_cores_even", "auto", 1 << 20, True),
                      ("hybrid_predictor_cpu", "cpu", group.GPU_HOT_CORES, True)]
+        # the hot neurons in the file's 4-bit records (a 4-bit file), last: its own placement
+        four_bit = neuron_format_of(path)
+        if four_bit is not None and not a.profile_hot:
+            runs.append(("hybrid_int4", "auto", group.GPU_HOT_CORES, True))
         runs = [r for r in runs if r[0] in want]
         default_hot = group.GPU_HOT_CORES
         for name, where, hot_cores, graphs in runs:
             pi, group.GPU_HOT_CORES = None, hot_cores
+            int4 = name == "hybrid_int4"
             try:
+                if int4:
+                    result["placement_int4"] = place(four_bit).report()
                 pi = PowerInfer.from_pretrained(str(path), Config(
                     **dense, device=a.device, runtime="actors", cold_executors=a.cold,
                     bundle=str(bundle.path), predictor="layer", predictor_device=where,
-                    cuda_graphs=graphs))
+                    cuda_graphs=graphs, **({"weights": "int4"} if int4 else {})))
                 tok_s, first_ms = decode_speed(pi, a.tokens)
                 st = pi.engine.stats()
                 result[name] = dict(tok_s=tok_s, first_token_ms=first_ms, cores=st["cores"],
                                     weights=pi.config.weights, cold_weights=pi.config.cold_weights,
+                                    neuron_format=st["actors"]["hot"].get("neuron_format"),
                                     graphs=st["actors"]["hot"].get("graphs"),
                                     **breakdown(st["actors"], budget))
                 # the same counters over one more request's decode steps alone (no prefill)
@@ -761,6 +793,8 @@ def main():
                 group.GPU_HOT_CORES = default_hot
                 if pi is not None:
                     pi.close()
+                if int4:  # (a later run reusing --workdir finds the model type's placement)
+                    place()
             print(name, json.dumps({k: v for k, v in result[name].items() if k != "hot_profile"}),
                   flush=True)
             save()
@@ -782,6 +816,11 @@ def main():
                        ("hybrid_hot_cores_even", "hot_cores_few_vs_even")):
         if ok[0] == "hybrid" and "tok_s" in result.get(other, {}):
             result["ratios"][key] = h / result[other]["tok_s"]
+    if ok[0] == "hybrid" and "tok_s" in result.get("hybrid_int4", {}):
+        result["ratios"]["int4_neurons_vs_bf16"] = result["hybrid_int4"]["tok_s"] / h
+        if "all_gpu" in result:
+            result["ratios"]["hybrid_int4_vs_all_gpu"] = \
+                result["hybrid_int4"]["tok_s"] / result["all_gpu"]["tok_s"]
     print(json.dumps(result["ratios"]), flush=True)
     save()
     if runs_kernels and "kernels" in want:
