@@ -257,7 +257,7 @@ class HotExecutor:
         # file's blocks, and on a CPU its attention and head 4-bit too (on a GPU they widen)
         on_cpu = self.device.type == "cpu"
         dtype = config.torch_dtype
-        fmt, int4 = hot_formats(config.weights, ckpt.info, dtype, self.device)
+        fmt, int4, device_blocks = hot_formats(config.weights, ckpt.info, dtype, self.device)
         self.neuron_format = fmt or str(dtype).removeprefix("torch.")  # (None: torch's rows)
         self.io = DataPlane(spec, plan.predictor_input, self.device)
         # attention split by KV heads over the executors (a CPU group)
@@ -269,7 +269,7 @@ class HotExecutor:
         model = hot_model(ckpt, dtype, hot, plan.predictor_input or "ffn", plan.thresholds, fmt,
                           int4, quantized_embedding=int4,
                           every_step=plan.predictor_input is None,
-                          kv=None if kv is None else kv[0])
+                          kv=None if kv is None else kv[0], device_blocks=device_blocks)
         o_bias = [ckpt.source.get(f"{i}.o_b", dtype) if kv is not None and ckpt.args.o_bias
                   else None for i in range(ckpt.args.n_layers)]
         if on_cpu:  # the model is built on the host: the device decides

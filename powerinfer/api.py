@@ -8,6 +8,7 @@ from typing import Iterator
 
 import torch
 
+from . import kernels
 from .config import Config, sampling_params
 from .convert import kernel_ready
 from .batching import context_length
@@ -16,7 +17,7 @@ from .errors import ModelLoadError
 from .loader import DEFAULT_MODEL, Checkpoint, build_model, load_checkpoint, parsed_once
 from .budget import plan_for
 from .kv import pool_blocks
-from .partial import keep_kquant_blocks, keep_stored_blocks
+from .partial import keep_device_blocks, keep_kquant_blocks, keep_stored_blocks
 from .quant import apply_int4, apply_kernel_linears, has_q4, neuron_format
 from .sparse import offload_ffns
 from .runtimes import engine_class
@@ -54,8 +55,10 @@ class PowerInfer:
                                                      self.model.tok_embeddings.weight))
         elif plan is not None and device.type == "cuda":  # layer offload
             offload_ffns(self.model, plan.hot)
-        # the 4-bit matrices run on the CPU (on a GPU, int4 is the neuron sets' records above)
-        int4 = config.weights == "int4" and device.type == "cpu"
+        # the 4-bit matrices run on the CPU kernel; where the Triton kernels run (a GPU) int4
+        # is the neuron sets' records above and the matrices' blocks below
+        triton = kernels.on_triton(self.model.norm.weight)
+        int4 = config.weights == "int4" and device.type == "cpu" and not triton
         # a K-quant file's Q4_K/Q6_K projections in their own bytes, then the 4-bit rest
         kept = keep_kquant_blocks(self.model, checkpoint.source) if int4 else 0
         if int4 and not apply_int4(self.model, checkpoint.q4) and not kept:
@@ -63,6 +66,12 @@ class PowerInfer:
                                                   "Q4_0/Q4_1 projections")
         if int4:  # the file's Q8_0 blocks (projections, embedding) kept
             keep_stored_blocks(self.model, checkpoint.source, config.torch_dtype)
+        elif config.weights == "int4" and triton:
+            # a GPU's matrices in the file's blocks, for the Triton kernels (its neuron sets are
+            # `plan.apply`'s records above)
+            keep_device_blocks(self.model, checkpoint.source, config.torch_dtype)
+            if device.type == "cuda":
+                torch.cuda.empty_cache()  # (the widened matrices they replace)
         apply_kernel_linears(self.model, head="q8_0" if int4 else "bf16")  # what is left in bf16
         checkpoint.q4 = {}  # the model holds them now
         self.engine = Engine(self.model, self.tokenizer, config, (kv_blocks, why),

@@ -58,10 +58,11 @@ class Config:
     weights: "dense", "int4" (a GGUF file's Q4_0/Q4_1 projections stay 4-bit, computed in
         bf16 on the CPU; a sparse FFN's neurons keep the file's 4-bit blocks, their down rows
         8-bit; the output head is 8-bit), or "auto" (default: int4 on the CPU where it can run,
-        else dense). On a GPU, int4 keeps a sparse FFN's neurons in those records, read by the
-        Triton kernels (the `gpu` extra), and the placement counts them at their bytes (about
-        a third of bf16's, so about three times the hot neurons in a budget); attention, the
-        embedding and the head are widened to the model's type there.
+        else dense). On a GPU, int4 keeps a sparse FFN's neurons in those records and the
+        projections (attention's, a dense FFN's) in the file's Q4_0/Q4_1/Q8_0 blocks, read by
+        the Triton kernels (the `gpu` extra); the placement counts them at those bytes (a 4-bit
+        neuron about a third of bf16's, so about three times the hot neurons in a budget, and
+        more for attention's share freed); the embedding and the head are widened there.
     cold_weights: the actor runtime's cold executors' weights (they run on the host's cores):
         "dense", "int4" (as `weights`), or "auto" (default: as `weights`, except beside a hot
         executor on a GPU, which widens a 4-bit file to the model's type: int4 there wherever

@@ -385,6 +385,11 @@ class TensorSource:
         """`rows` written into `out` (len(idx), k), which may be a strided view."""
         out.copy_(self.rows(name, idx, out.dtype))
 
+    def block_rows(self, name: str) -> torch.Tensor | None:
+        """Every row of a block-quantized tensor as the file's bytes, in the model's row order
+        (q and k unpermuted), (n, row bytes) uint8; None where it is not stored in blocks."""
+        return None
+
     def columns(self, name: str, idx: torch.Tensor, dtype: torch.dtype,
                 out: torch.Tensor | None = None) -> torch.Tensor:
         """Columns idx of a (n, k) tensor, transposed: (len(idx), n) (into `out` if given)."""
@@ -534,6 +539,15 @@ class GGUFSource(TensorSource):
         if self.kind(name) in _PLAIN:
             return None
         return torch.from_numpy(self._data_rows(name, idx))
+
+    def block_rows(self, name: str) -> torch.Tensor | None:
+        if self.kind(name) in _PLAIN:
+            return None
+        heads = self._heads(name)
+        data = self._data(name)
+        out = torch.from_numpy(np.array(data if heads is None else unpermute_rows(data, heads)))
+        self._release(name)
+        return out
 
     def rows_into(self, name: str, idx: torch.Tensor, out: torch.Tensor):
         if self.kind(name) in _PLAIN and out.dtype == _TORCH[self.kind(name)] and len(idx):

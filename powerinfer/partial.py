@@ -365,13 +365,73 @@ def _plain_linear(w: torch.Tensor, bias: torch.Tensor | None) -> nn.Module:
     return lin
 
 
+def device_projection(src: TensorSource, names: tuple[str, ...],
+                      dtype: torch.dtype) -> nn.Module | None:
+    """A projection kept in the file's blocks for the Triton kernels (`triton_linear`): where
+    every fused tensor is Q4_0, Q4_1 or Q8_0 (each part in its own); else None (the model's
+    type, as `device_attention_bytes` counts it)."""
+    from .triton_linear import BlockLinear
+
+    fmts = [STORED_FORMATS.get(src.kind(n)) for n in names]
+    if None in fmts:
+        return None
+    bias = None
+    if all(n + "_b" in src.names for n in names):
+        bias = torch.cat([src.get(n + "_b", dtype) for n in names])
+    return BlockLinear([(src.block_rows(n), f) for n, f in zip(names, fmts)],
+                       src.shape(names[0])[1], bias)
+
+
+def keep_device_blocks(model: Transformer, src: TensorSource, dtype: torch.dtype,
+                       layers: range | None = None) -> int:
+    """Each projection of `layers` (default: all) still a plain matrix (attention's, and a
+    dense FFN's; not a HybridFFN's neuron sets) made a `device_projection` over the file's
+    blocks, on the device its matrix was; the others stay. Returns the number replaced."""
+    replaced = 0
+    for i in range(len(model.layers)) if layers is None else layers:
+        for owner, attr, names in model.projections(i):
+            old = getattr(owner, attr, None)
+            if not isinstance(old, nn.Linear):
+                continue
+            m = device_projection(src, names, dtype)
+            if m is not None:
+                setattr(owner, attr, m.to(old.weight.device))
+                replaced += 1
+    return replaced
+
+
+def device_bytes(src: TensorSource, projections: list[tuple[str, ...]], dtype_bytes: int) -> int:
+    """Bytes of fused projections (each a tuple of tensor names) as a GPU holds them under
+    `Config(weights="int4")` (`device_projection`: one whose tensors are all Q4_0/Q4_1/Q8_0 in
+    their blocks, any other in the model's type), with their biases."""
+    total = 0
+    for names in projections:
+        blocks = all(src.kind(n) in STORED_FORMATS for n in names)
+        for n in names:
+            rows, dim = src.shape(n)
+            total += (rows * kernels.row_bytes(STORED_FORMATS[src.kind(n)], dim) if blocks
+                      else rows * dim * dtype_bytes)
+            total += src.shape(n + "_b")[0] * dtype_bytes if n + "_b" in src.names else 0
+    return total
+
+
+def device_attention_bytes(src: TensorSource, a: ModelArgs, dtype_bytes: int) -> int:
+    """Bytes of every layer's attention matrices as a GPU's hot executor holds them under
+    `Config(weights="int4")` (`device_bytes`)."""
+    return device_bytes(src, [names for i in range(a.n_layers)
+                              for names in ((f"{i}.q", f"{i}.k", f"{i}.v"), (f"{i}.o",))],
+                        dtype_bytes)
+
+
 def hot_formats(weights: str, info: dict, dtype: torch.dtype,
-                device: torch.device) -> tuple[str | None, bool]:
-    """What a hot executor on `device` keeps under `Config.weights`: its neuron sets' kernel
-    format (`quant.neuron_format`), and whether its attention and head keep a 4-bit file's
-    blocks too. They do on the CPU kernel; where the neuron sets run on the Triton kernels (a
-    GPU), "int4" is the neurons' records alone and those matrices are widened to `dtype`. A
-    4-bit file's neurons on a GPU where the Triton kernels do not run are a ConfigError: the
+                device: torch.device) -> tuple[str | None, bool, bool]:
+    """What a hot executor on `device` keeps under `Config.weights`: (its neuron sets' kernel
+    format (`quant.neuron_format`), whether its attention and head keep a 4-bit file's blocks
+    on the CPU kernel, whether attention keeps them for the Triton kernels). Where the neuron
+    sets run on the Triton kernels (a GPU), "int4" is the neurons' records and attention's
+    matrices in the file's blocks (`device_projection`), the embedding and the head widened to
+    `dtype`. A 4-bit
+    file's neurons on a GPU where the Triton kernels do not run are a ConfigError: the
     placement counted them at their records' bytes (`budget.gpu_neuron_format`)."""
     from .errors import ConfigError
 
@@ -382,19 +442,22 @@ def hot_formats(weights: str, info: dict, dtype: torch.dtype,
         raise ConfigError(f"weights='int4' on a GPU keeps the hot neurons in the file's {want} "
                           f"records for the Triton kernels, and they do not run on {device} "
                           f"here (install the `gpu` extra, or use weights='dense')")
-    return fmt, weights == "int4" and not kernels.on_triton(like)
+    triton = kernels.on_triton(like)
+    return fmt, weights == "int4" and not triton, triton and want is not None
 
 
 def hot_model(ckpt: ModelFile, dtype: torch.dtype, hot: list[torch.Tensor],
               predictor_input: str, thresholds, fmt: str | None, int4: bool,
               quantized_embedding: bool, every_step: bool = False,
-              kv: tuple[int, int] | None = None) -> Transformer:
+              kv: tuple[int, int] | None = None, device_blocks: bool = False) -> Transformer:
     """The model the hot executor runs, read from the file without its cold neurons: each
     layer's FFN a HybridFFN holding only the neurons hot[i] marks (no cold set), attention in
     4-bit blocks with `int4` (where the file has them), and with `quantized_embedding` a
     token embedding kept in the file's Q8_0/4-bit blocks (tied: the output head over the same
     rows). With `kv`, each layer's attention holds only KV heads kv[0]..kv[1] and their query
-    heads (`attention_slice`: the cold executors hold the others). Built on the CPU in `dtype`."""
+    heads (`attention_slice`: the cold executors hold the others). With `device_blocks`,
+    attention's matrices stay in the file's blocks for the Triton kernels (`device_projection`:
+    a GPU's, `Config(weights="int4")`). Built on the CPU in `dtype`."""
     a, src = ckpt.args, ckpt.source
     with torch.device("meta"):
         model = Transformer(a)
@@ -404,10 +467,11 @@ def hot_model(ckpt: ModelFile, dtype: torch.dtype, hot: list[torch.Tensor],
     if kv is not None:  # a slice of each layer's heads, built below
         for block in model.layers:
             block.attn = nn.Identity()
-    elif int4:
+    elif int4 or device_blocks:
+        stored = _stored_projection if int4 else device_projection
         for i in range(a.n_layers):
             for owner, attr, names in model.projections(i)[:2]:  # attention's
-                m = _stored_projection(src, names, dtype)
+                m = stored(src, names, dtype)
                 if m is not None:
                     setattr(owner, attr, nn.Identity())  # placed after the others are loaded
                     int4_layers[(i, attr)] = m

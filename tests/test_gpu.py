@@ -129,7 +129,10 @@ def test_hybrid_on_gpu_equals_the_in_process_engine(synthetic):
 @pytest.fixture(scope="module")
 def synthetic_q4(tmp_path_factory):
     """The tiny synthetic model in Q4_0 blocks, with its bundle and a placement that counts the
-    hot neurons at their 4-bit records' bytes (`Config(weights="int4")` on a GPU)."""
+    hot neurons at their 4-bit records' bytes and attention at its blocks' bytes
+    (`Config(weights="int4")` on a GPU)."""
+    from powerinfer.loader import load_checkpoint
+    from powerinfer.partial import device_attention_bytes
     from powerinfer.predictor import train_predictors
     from powerinfer.profile import ProfileOptions, profile
     from powerinfer.solver import solve_bundle
@@ -141,8 +144,9 @@ def synthetic_q4(tmp_path_factory):
                                                                  samples=1000), progress=False)
     train_predictors(b, "layer", ranks=[64], epochs=4, progress=False)
     budget_gb = 8.5 / 1024
+    ck = load_checkpoint(str(m.path), with_weights=False)
     solve_bundle(b, budget_gb, batch=2, context=256, dtype_bytes=2, predictor_input="layer",
-                 neuron_fmt="q4_0")
+                 neuron_fmt="q4_0", attention_bytes=device_attention_bytes(ck.source, ck.args, 2))
     yield str(m.path), str(b.path), budget_gb
     import ray
     ray.shutdown()
@@ -150,9 +154,10 @@ def synthetic_q4(tmp_path_factory):
 
 def test_hybrid_on_gpu_keeps_a_4bit_files_hot_neurons_in_its_blocks(synthetic_q4):
     """Config(weights="int4") on the GPU: the hot executor holds its hot neurons as the file's
-    Q4_0 records (the placement counted them so), the Triton kernels read them in graphed decode
-    steps, and greedy decoding matches the in-process engine on the GPU (its neuron sets in the
-    same records there) up to a near-tie; the budget holds."""
+    Q4_0 records and attention's matrices in their blocks (the placement counted them so), the
+    Triton kernels read them in graphed decode steps, and greedy decoding matches the in-process
+    engine on the GPU (its neuron sets in the same records there, attention in bf16) up to a
+    near-tie; the budget holds."""
     from powerinfer import Config, PowerInfer
     from powerinfer.bundle import Bundle
     from powerinfer.sparse import hybrid_layers

@@ -820,31 +820,37 @@ def test_a_gpus_placement_counts_the_files_4bit_records_with_int4(bundle, defaul
                                                                    tmp_path):
     """Config(weights="int4") with the hot executor on a GPU: the placement counts each hot
     neuron at the bytes of the file's Q4_1 record that the Triton kernels read (under half of
-    bf16's), is cached under a key of its own, and holds more neurons and more of the activation
-    mass in the same budget; with the hot executor on the CPU it is the model type's, as before."""
+    bf16's) and attention at its blocks' bytes, is cached under a key of its own, and holds more
+    neurons and more of the activation mass in the same budget; with the hot executor on the
+    CPU it is the model type's, as before."""
     import json
     import shutil
 
     from powerinfer.budget import plan_for
     from powerinfer.loader import load_checkpoint
-    from powerinfer.solver import neuron_bytes
+    from powerinfer.partial import device_attention_bytes
+    from powerinfer.solver import gpu_bytes, neuron_bytes
 
     b = Path(shutil.copytree(bundle, tmp_path / "bundle"))
     ck = load_checkpoint(default_model_path, with_weights=False)
     hot = {}
     for weights, on_gpu in (("dense", True), ("int4", True), ("int4", False)):
         cfg = Config(**dict(BASE, dtype="bfloat16", weights=weights, bundle=str(b),
-                            vram_budget_gb=0.15))
+                            vram_budget_gb=0.13))
         plan = plan_for(cfg, ck.args, ck.path, 256, on_gpu, ck.info)
         hot[weights, on_gpu] = [h.copy() for h in plan.hot]
     reports = {p.name: json.loads(p.read_text()) for p in (b / "placements").glob("*.json")}
     assert len(reports) == 2, sorted(reports)  # int4 on the CPU reused the model type's
-    (wide_name, wide), = [(k, v) for k, v in reports.items() if not k.endswith("-q4_1.json")]
-    blocks = reports[wide_name[:-len(".json")] + "-q4_1.json"]
+    (wide_name, wide), = [(k, v) for k, v in reports.items() if "-q4_1" not in k]
+    attention = device_attention_bytes(ck.source, ck.args, 2)
+    blocks = reports[wide_name[:-len(".json")] + f"-q4_1-attn{attention}.json"]
+    assert wide["fixed_bytes"]["attention"] == gpu_bytes(ck.args)["attention"]
+    # (q, k, v and o in Q4_1: 20 bytes a block of 32 weights, against 64 in bf16)
+    assert blocks["fixed_bytes"]["attention"] == attention == wide["fixed_bytes"]["attention"] * 20 // 64
     assert wide["neuron_bytes"] == neuron_bytes(ck.args, 2) == 3 * 576 * 2
     assert blocks["neuron_bytes"] == neuron_bytes(ck.args, 2, "q4_1") < wide["neuron_bytes"] / 2
     for r in (wide, blocks):
-        assert r["used_bytes"] <= 0.15 * 2**30 and r["status"] != "all fit", r
+        assert r["used_bytes"] <= 0.13 * 2**30 and r["status"] != "all fit", r
     assert sum(blocks["hot_counts"]) > 2 * sum(wide["hot_counts"]) > 0
     assert blocks["share"] > wide["share"]
     assert [h.sum() for h in hot["int4", True]] == blocks["hot_counts"]

@@ -323,6 +323,61 @@ def test_layers_with_the_ffn_on_triton_equal_the_dense_model(monkeypatch):
     assert float((a - b).abs().max()) <= 1e-4 * float(a.abs().max())
 
 
+def test_block_linear_equals_the_files_matrix(monkeypatch):
+    # a fused projection of parts in Q4_0, Q4_1 and Q8_0 blocks (`triton_linear.BlockLinear`):
+    # x W^T + b over the weights the blocks hold, for a decode row, KERNEL_ROWS rows (the kernel
+    # for each), and a prompt (widened a few rows at a time, slices that do not divide the rows)
+    from powerinfer import triton_linear as TL
+    monkeypatch.setattr(TL, "WIDEN_BYTES", 4 * 160 * 16)  # (16 rows a slice: 3 of the 40)
+    g = torch.Generator().manual_seed(2)
+    dim, parts, ref = 160, [], []
+    for fmt, n in (("q4_0", 40), ("q4_1", 33), ("q8_0", 19)):
+        raw = kernels.quantize_rows(torch.randn(n, dim, generator=g), fmt)
+        parts.append((raw, fmt))
+        ref.append(kernels.dequantize_rows(raw, fmt, dim))
+    bias = torch.randn(92, generator=g)
+    m = TL.BlockLinear(parts, dim, bias).to(DEV)
+    w = torch.cat(ref).double()
+    for shape in ((1, 1, dim), (TL.KERNEL_ROWS, dim), (2, 25, dim)):
+        x = torch.randn(*shape, generator=g)
+        want = x.double() @ w.T + bias.double()
+        got = m(x.to(DEV)).cpu()
+        assert got.shape == (*shape[:-1], 92) and got.dtype == torch.float32
+        assert float((got - want).abs().max()) <= 1e-5 * float(want.abs().max()), shape
+    y = m(torch.randn(1, dim, generator=g).bfloat16().to(DEV))  # rounded once to the input's type
+    assert y.dtype == torch.bfloat16
+
+
+@pytest.mark.skipif(not kernels.available(), reason="the kernel library does not run here")
+def test_the_in_process_engine_keeps_a_4bit_files_blocks_where_triton_runs(tmp_path, monkeypatch):
+    # Config(weights="int4") where the Triton kernels run (a GPU; here the CPU, interpreted):
+    # every projection of the model stays in the file's Q4_0 blocks (`BlockLinear`), the
+    # embedding and the head in bf16, and greedy decoding follows the dense bf16 engine's over
+    # the same file up to a near-tie
+    from powerinfer import Config, PowerInfer
+    from powerinfer.synthetic import write_synthetic
+    from powerinfer.triton_linear import BlockLinear
+
+    from greedy import assert_same_or_near_tie, greedy_ids
+
+    m = write_synthetic(tmp_path / "m.gguf", preset="tiny", seed=1, quant="q4_0", progress=False)
+    base = dict(dtype="bfloat16", max_seq_len=128, max_batch=1)
+    dense = PowerInfer.from_pretrained(str(m.path), Config(weights="dense", **base))
+    ids = [1, 5, 9, 13, 17, 21]
+    want = greedy_ids(dense, ids, 4)
+    monkeypatch.setattr(kernels, "TRITON_ON_CPU", True)
+    # (64 rows a program: an eighth of the interpreter's programs)
+    monkeypatch.setattr(T, "SPLIT_TILES", {True: T.SPLIT_TILES[True],
+                                           False: ((64, 256, 4), T.SPLIT_TILES[False][1])})
+    pi = PowerInfer.from_pretrained(str(m.path), Config(weights="int4", **base))
+    for i in range(pi.args.n_layers):
+        mods = [getattr(owner, attr) for owner, attr, _ in pi.model.projections(i)]
+        assert all(type(mod) is BlockLinear and set(mod.fmts) == {"q4_0"} for mod in mods), mods
+    assert pi.model.tok_embeddings.weight.dtype == torch.bfloat16
+    got = greedy_ids(pi, ids, 4)
+    assert_same_or_near_tie(dense, ids, want, got, 0.1)
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU the tests above compile and run "
                     "the kernels themselves")
 def test_kernels_compile_for_an_h100(tmp_path):
@@ -339,32 +394,36 @@ def test_kernels_compile_for_an_h100(tmp_path):
                        env=env, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
     out = json.loads(r.stdout.splitlines()[-1])
-    assert out["capability"] == 90 and out["kernels"] == 30
-    assert len(list(tmp_path.rglob("*.cubin"))) == 30  # one cubin a variant
+    assert out["capability"] == 90 and out["kernels"] == 34
+    assert len(list(tmp_path.rglob("*.cubin"))) == 34  # one cubin a variant
 
 
 @pytest.mark.skipif(not kernels.available(), reason="the kernel library does not run here")
 def test_a_gpus_hot_model_keeps_a_4bit_files_neurons_in_its_blocks(tmp_path, monkeypatch):
     # Config(weights="int4") with the hot executor on a GPU (here the Triton kernels on CPU
     # tensors): the hot executor's model there keeps each hot neuron as the file's Q4_0 blocks
-    # with a Q8_0 down row, at the bytes the placement counts, and widens attention, the
-    # embedding and the head to the model's type (on the CPU kernel they stay 4-bit); a decode
-    # step of each layer's hot neurons runs on the kernel and equals the file's FFN over them
+    # with a Q8_0 down row, and attention's matrices in their blocks, at the bytes the placement
+    # counts, and widens the embedding and the head to the model's type (on the CPU kernel they
+    # all stay 4-bit); a decode step of each layer's hot neurons runs on the kernel and equals
+    # the file's FFN over them, and its projections (one input row, and a prompt's) equal the
+    # file's matrices, q and k in the model's row order
     from powerinfer import Config
     from powerinfer.budget import gpu_neuron_format
     from powerinfer.loader import load_checkpoint
-    from powerinfer.partial import hot_formats, hot_model
+    from powerinfer.model import held_bytes
+    from powerinfer.partial import device_attention_bytes, hot_formats, hot_model
+    from powerinfer.triton_linear import BlockLinear
     from powerinfer.solver import neuron_bytes
     from powerinfer.synthetic import write_synthetic
 
     m = write_synthetic(tmp_path / "m.gguf", preset="tiny", quant="q4_0", progress=False)
     ck = load_checkpoint(m.path, with_weights=False)
     a, cpu = ck.args, torch.device("cpu")
-    assert hot_formats("int4", ck.info, torch.bfloat16, cpu) == ("q4_0", True)  # the CPU kernel's
+    assert hot_formats("int4", ck.info, torch.bfloat16, cpu) == ("q4_0", True, False)  # the CPU's
     monkeypatch.setattr(kernels, "TRITON_ON_CPU", True)
-    fmt, int4 = hot_formats("int4", ck.info, torch.float32, cpu)
-    assert (fmt, int4) == ("q4_0", False)
-    assert hot_formats("dense", ck.info, torch.float32, cpu) == ("f32", False)
+    fmt, int4, blocks = hot_formats("int4", ck.info, torch.float32, cpu)
+    assert (fmt, int4, blocks) == ("q4_0", False, True)
+    assert hot_formats("dense", ck.info, torch.float32, cpu) == ("f32", False, False)
     assert fmt == gpu_neuron_format(Config(dtype="bfloat16", weights="int4"), ck.info)
     assert gpu_neuron_format(Config(dtype="bfloat16", weights="dense"), ck.info) is None
     from powerinfer.errors import ConfigError
@@ -373,12 +432,25 @@ def test_a_gpus_hot_model_keeps_a_4bit_files_neurons_in_its_blocks(tmp_path, mon
     g = torch.Generator().manual_seed(0)
     hot = [torch.rand(a.ffn_dim, generator=g) < 0.4 for _ in range(a.n_layers)]
     model = hot_model(ck.model_file(), torch.float32, hot, "ffn", None, fmt, int4,
-                      quantized_embedding=int4)
+                      quantized_embedding=int4, device_blocks=blocks)
     from powerinfer.model import Linear
-    for mod in (model.layers[0].attn.wqkv, model.layers[0].attn.wo, model.output):
-        assert type(mod) is Linear and mod.weight.dtype == torch.float32, mod  # (not 4-bit)
+    assert type(model.output) is Linear and model.output.weight.dtype == torch.float32
     assert model.tok_embeddings.weight.dtype == torch.float32
+    attention = [b.attn for b in model.layers]
+    assert all(type(m) is BlockLinear and m.fmts == ["q4_0"] * (3 if m is at.wqkv else 1)
+               for at in attention for m in (at.wqkv, at.wo))
+    assert held_bytes(*attention) == device_attention_bytes(ck.source, a, 4)
     dense = load_checkpoint(m.path, torch.float32).weights
+    for i in (0, a.n_layers - 1):
+        wqkv = torch.cat([dense[f"{i}.{n}"] for n in "qkv"])
+        for rows in (1, 7):  # the decode kernel, then widened rows and a matmul
+            x = torch.randn(rows, a.dim, generator=g)
+            for mod, w in ((attention[i].wqkv, wqkv), (attention[i].wo, dense[f"{i}.o"])):
+                x_in = x[:, :w.shape[1]]
+                want = x_in.double() @ w.double().T
+                got = mod(x_in)
+                assert got.dtype == torch.float32 and got.shape == want.shape
+                assert float((got - want).abs().max()) <= 1e-4 * float(want.abs().max()), (i, rows)
     calls = []
     real = T.neuron_ffn
     monkeypatch.setattr(T, "neuron_ffn", lambda *a, **kw: calls.append(a[2]) or real(*a, **kw))

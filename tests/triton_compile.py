@@ -42,8 +42,9 @@ def variants():
     yield ffn("*bf16", "*u8", "reglu", T.Q4_0, T.Q8_0, q4, True, 1, 1, False, 1)
     yield ffn("*bf16", "*u8", "dreglu", T.Q4_1, T.Q8_0, 4096 // 32 * 20, True, 1, 0, False, 16)
     yield ffn("*fp32", "*u8", "gelu", T.Q8_0, T.Q8_0, 4096 // 32 * 34, False, 0, 0, True, 1)
+    # (ungated, every row: `triton_linear`'s matrices, a row a record)
     for fmt, gated, sel in ((T.PLAIN, True, 1), (T.Q4_0S, True, 1), (T.Q4_1S, False, 0),
-                            (T.Q8_0, True, 2)):
+                            (T.Q8_0, True, 2), (T.Q4_0S, False, 0), (T.Q8_0, False, 0)):
         (bn, bk, nw), _ = T.SPLIT_TILES[fmt == T.PLAIN]
         yield ("_gate_up_kernel",
                dict(x_ptr="*bf16", w_ptr="*bf16" if fmt == T.PLAIN else "*u8",
@@ -64,7 +65,8 @@ def variants():
                     BLOCK_K=bk))
     yield "_compact_kernel", dict(mask_ptr="*u8", n=I32, idx_ptr="*i32", count_ptr="*i32"), \
         dict(BLOCK=1024)
-    for rows, fmt, dfmt in ((3, T.Q4_0, T.Q8_0), (2, T.Q4_1, T.Q8_0), (1, T.Q8_0, T.Q8_0)):
+    for rows, fmt, dfmt in ((3, T.Q4_0, T.Q8_0), (2, T.Q4_1, T.Q8_0), (1, T.Q8_0, T.Q8_0),
+                            (1, T.Q4_0S, T.Q4_0S), (1, T.Q4_1S, T.Q4_1S)):  # (split: a matrix)
         yield "_widen_kernel", dict(w_ptr="*u8", out_ptr="*fp32", n=I32, dim=I32, rec_stride=I32), \
             dict(NROWS=rows, ROW_BYTES=q4, FMT=fmt, DFMT=dfmt, BLOCK_N=T.BLOCK_N, BLOCK_K=T.BLOCK_K)
     for x, block_b in (("*fp32", 1), ("*bf16", 16)):
