@@ -34,12 +34,15 @@ run reuses the file and bundle an earlier one completed, so the rows can run in 
      are worth;
    - `hybrid_predictor_cpu`: the same with `predictor_device="cpu"` (the predictor on host cores,
      its input and masks over the host channels): what the device buffers are worth;
-   - `hybrid_int4` (a 4-bit `--quant` file): the hybrid with `Config(weights="int4")`, the hot
-     neurons kept on the device as the file's 4-bit records (Q8_0 down rows) that the Triton
-     kernels read, its placement solved for their bytes (about 2.7x bf16's neurons in the same
-     budget); attention, embeddings and the head stay bf16. Layer offload's blocks are bf16 on
-     the device, so this row is compared with the hybrid row (`int4_neurons_vs_bf16`), not with
-     layer offload;
+   - with a 4-bit `--quant` file, the same three in the file's blocks on the device
+     (`Config(weights="int4")`, read by Triton kernels; llama.cpp's own setting for such a file):
+     `layer_offload_int4` (the device's blocks' matrices in the file's blocks, so more of them
+     fit), `all_gpu_int4` (every matrix so) and `hybrid_int4` (the hot neurons as 4-bit records
+     with Q8_0 down rows, attention's matrices in their blocks, its placement solved for those
+     bytes: on the 70B shape attention takes 0.68 GB instead of 2.42, a neuron 17.5 KiB instead
+     of 48); embeddings and the head stay bf16. Its ratios are taken against the int4
+     baselines (`hybrid_int4_vs_layer_offload_int4`, `hybrid_int4_vs_all_gpu_int4`), and against
+     the bf16 hybrid (`int4_vs_bf16`);
    - `hybrid_hot_cores_even`: the hybrid with the hot executor on an even share of the cores
      (1/(cold+1), the CPU runtime's plan) instead of `actors.group.GPU_HOT_CORES`: what giving
      the cold executors those cores is worth;
@@ -122,13 +125,16 @@ def _linear(weight: torch.Tensor, bias: torch.Tensor | None, device: torch.devic
     return lin
 
 
-def offload_layers(pi: PowerInfer, k: int, device: torch.device, path: Path | None = None) -> PowerInfer:
+def offload_layers(pi: PowerInfer, k: int, device: torch.device, path: Path | None = None,
+                   blocks: bool = False) -> PowerInfer:
     """llama.cpp's -ngl k on the in-process engine: blocks [0, k) with their KV cache on
     `device`; embeddings, the other blocks, the final norm and the output head on the host. Each
     block's inputs follow it to its device (a copy only where the device changes). A 4-bit file's
     projections (the host's 4-bit modules) go to the device widened to the model's type, read
-    again from the file at `path` (the GPU path widens a 4-bit file: `Config.weights`)."""
+    again from the file at `path` (the GPU path widens a 4-bit file: `Config.weights`), or with
+    `blocks` in the file's blocks for the Triton kernels (`Config(weights="int4")` on a GPU)."""
     from powerinfer.loader import load_checkpoint
+    from powerinfer.partial import device_projection
     from powerinfer.quant import KernelLinear
 
     model = pi.model
@@ -137,10 +143,15 @@ def offload_layers(pi: PowerInfer, k: int, device: torch.device, path: Path | No
     for i in range(k):
         for owner, attr, names in model.projections(i):
             mod = getattr(owner, attr)
-            if isinstance(mod, (nn.Linear, KernelLinear)):
+            if isinstance(mod, (nn.Linear, KernelLinear)) and not blocks:
                 continue
             if source is None:
                 source = load_checkpoint(str(path), with_weights=False).source
+            if blocks and (m := device_projection(source, names, dtype)) is not None:
+                setattr(owner, attr, m.to(device))
+                continue
+            if isinstance(mod, (nn.Linear, KernelLinear)):
+                continue
             w = torch.cat([source.get(n, dtype) for n in names])
             setattr(owner, attr, _linear(w, mod.bias, device, dtype))
     for b in model.layers[:k]:
@@ -185,6 +196,27 @@ def layers_that_fit(args, budget: int, dtype_bytes: int) -> int:
     block = (per["attention"] + per["norms"] + per["kv_cache"]) // args.n_layers \
         + 3 * args.dim * args.ffn_dim * dtype_bytes
     return min(args.n_layers, budget // block)
+
+
+def layers_that_fit_blocks(path: Path, args, budget: int) -> int:
+    """`layers_that_fit` with the blocks' matrices in the file's blocks (`partial.device_bytes`,
+    `Config(weights="int4")` on a GPU): whole blocks in order while their bytes fit."""
+    from powerinfer.loader import load_checkpoint
+    from powerinfer.partial import device_bytes
+
+    src = load_checkpoint(str(path), with_weights=False).source
+    per = gpu_bytes(args, dtype_bytes=2, batch=MAX_BATCH + 1, context=MAX_SEQ,
+                    embeddings_on_gpu=False, lm_head_on_gpu=False)
+    rest = (per["norms"] + per["kv_cache"]) // args.n_layers
+    used, k = 0, 0
+    for i in range(args.n_layers):
+        ffn = (f"{i}.gate", f"{i}.up") if args.gated else (f"{i}.up",)
+        used += rest + device_bytes(src, [(f"{i}.q", f"{i}.k", f"{i}.v"), (f"{i}.o",), ffn,
+                                          (f"{i}.down",)], 2)
+        if used > budget:
+            break
+        k += 1
+    return k
 
 
 def weight_bytes(path: Path) -> int:
@@ -585,7 +617,7 @@ def plot_attention(res: dict, path: str):
 
 
 ROWS = ("layer_offload", "all_gpu", "hybrid", "hybrid_eager", "hybrid_hot_cores_even",
-        "hybrid_predictor_cpu", "hybrid_int4", "kernels")
+        "hybrid_predictor_cpu", "layer_offload_int4", "all_gpu_int4", "hybrid_int4", "kernels")
 
 
 def neuron_format_of(path: Path) -> str | None:
@@ -709,9 +741,17 @@ def main():
         budget = int(a.budget_gb * 2**30) if a.budget_gb else int(a.budget_share * weights)
 
         def place(neuron_fmt=None):  # the bundle's placement for this budget, the hot neurons
-            # in the model's type or in `neuron_fmt`'s records
+            # (and attention) in the model's type, or in `neuron_fmt`'s records (and the file's
+            # blocks: `Config(weights="int4")` on a GPU)
+            attention = None
+            if neuron_fmt is not None:
+                from powerinfer.loader import load_checkpoint
+                from powerinfer.partial import device_attention_bytes
+                ck = load_checkpoint(str(path), with_weights=False)
+                attention = device_attention_bytes(ck.source, ck.args, 2)
             return solve_bundle(bundle, budget / 2**30, batch=MAX_BATCH + 1, context=MAX_SEQ,
-                                dtype_bytes=2, predictor_input="layer", neuron_fmt=neuron_fmt)
+                                dtype_bytes=2, predictor_input="layer", neuron_fmt=neuron_fmt,
+                                attention_bytes=attention)
 
         placement = place()
         result.update(weight_bytes=weights, budget_bytes=budget, pipeline_s=time.perf_counter() - t0,
@@ -723,24 +763,38 @@ def main():
             if a.out:
                 Path(a.out).write_text(json.dumps(result, indent=1))
 
-        if not a.profile_hot and "layer_offload" in want:  # (the only row that loads it here)
+        # the hot neurons, attention (and the baselines' matrices) in the file's 4-bit blocks
+        # on the device: the int4 rows (a 4-bit file; the baselines' blocks need the Triton
+        # kernels on the device)
+        four_bit = neuron_format_of(path)
+        blocks_run = four_bit is not None and runs_kernels
+        if four_bit is not None and not runs_kernels and want & {"layer_offload_int4", "all_gpu_int4"}:
+            print("layer_offload_int4, all_gpu_int4 skipped: the Triton kernels do not run here",
+                  flush=True)
+        for name, blocks in (("layer_offload", False), ("layer_offload_int4", True)):
+            if a.profile_hot or name not in want or (blocks and not blocks_run):
+                continue  # (the only rows that load it here)
             pi = PowerInfer.from_pretrained(str(path), Config(**dense))
-            k = layers_that_fit(pi.model.args, budget, 2)
-            offload_layers(pi, k, device, path)
+            k = (layers_that_fit_blocks(path, pi.model.args, budget) if blocks
+                 else layers_that_fit(pi.model.args, budget, 2))
+            offload_layers(pi, k, device, path, blocks)
             tok_s, first_ms = decode_speed(pi, a.tokens)
-            result["layer_offload"] = {"layers_on_device": k, "tok_s": tok_s, "first_token_ms": first_ms}
-            print("layer_offload", json.dumps(result["layer_offload"]), flush=True)
+            result[name] = {"layers_on_device": k, "tok_s": tok_s, "first_token_ms": first_ms}
+            print(name, json.dumps(result[name]), flush=True)
             save()
             del pi
 
-        if "all_gpu" in want:
-            pi = PowerInfer.from_pretrained(str(path), Config(**dense, device=a.device))
+        for name, weights in (("all_gpu", {}), ("all_gpu_int4", {"weights": "int4"})):
+            if name not in want or (weights and not blocks_run):
+                continue
+            pi = PowerInfer.from_pretrained(str(path), Config(**dense, device=a.device, **weights))
             tok_s, first_ms = decode_speed(pi, a.tokens)
-            result["all_gpu"] = {"tok_s": tok_s, "first_token_ms": first_ms}
-            # the step's index work done once for its layers (KVTables.memo) against each layer
-            # doing it again, in turns on the same engine
-            result["all_gpu"]["step_memo_ratios"] = memo_ratios(pi, a.tokens)
-            print("all_gpu", json.dumps(result["all_gpu"]), flush=True)
+            result[name] = {"tok_s": tok_s, "first_token_ms": first_ms}
+            if not weights:
+                # the step's index work done once for its layers (KVTables.memo) against each
+                # layer doing it again, in turns on the same engine
+                result[name]["step_memo_ratios"] = memo_ratios(pi, a.tokens)
+            print(name, json.dumps(result[name]), flush=True)
             del pi
             if a.device == "cuda":
                 torch.cuda.empty_cache()
@@ -756,7 +810,6 @@ def main():
                      ("hybrid_hot_cores_even", "auto", 1 << 20, True),
                      ("hybrid_predictor_cpu", "cpu", group.GPU_HOT_CORES, True)]
         # the hot neurons in the file's 4-bit records (a 4-bit file), last: its own placement
-        four_bit = neuron_format_of(path)
         if four_bit is not None and not a.profile_hot:
             runs.append(("hybrid_int4", "auto", group.GPU_HOT_CORES, True))
         runs = [r for r in runs if r[0] in want]
@@ -802,25 +855,28 @@ def main():
         save()
         return
     ok = [k for k in ("hybrid", "hybrid_predictor_cpu") if "tok_s" in result.get(k, {})]
-    if not ok:
+    int4 = "tok_s" in result.get("hybrid_int4", {})
+    if not ok and not int4:
         save()
         sys.exit("no hybrid configuration ran: " + json.dumps({k: result[k] for k in result
                                                                if k.startswith("hybrid")}))
-    h = result[ok[0]]["tok_s"]
-    result["ratios"] = {"hybrid_row": ok[0]}
+    result["ratios"] = {"hybrid_row": ok[0] if ok else None}
+    h = result[ok[0]]["tok_s"] if ok else None
     for base in ("layer_offload", "all_gpu"):
-        if base in result:
+        if ok and "tok_s" in result.get(base, {}):
             result["ratios"][f"hybrid_vs_{base}"] = h / result[base]["tok_s"]
     for other, key in (("hybrid_predictor_cpu", "predictor_on_gpu_vs_cpu"),
                        ("hybrid_eager", "cuda_graphs_vs_eager"),
                        ("hybrid_hot_cores_even", "hot_cores_few_vs_even")):
-        if ok[0] == "hybrid" and "tok_s" in result.get(other, {}):
+        if ok and ok[0] == "hybrid" and "tok_s" in result.get(other, {}):
             result["ratios"][key] = h / result[other]["tok_s"]
-    if ok[0] == "hybrid" and "tok_s" in result.get("hybrid_int4", {}):
-        result["ratios"]["int4_neurons_vs_bf16"] = result["hybrid_int4"]["tok_s"] / h
-        if "all_gpu" in result:
-            result["ratios"]["hybrid_int4_vs_all_gpu"] = \
-                result["hybrid_int4"]["tok_s"] / result["all_gpu"]["tok_s"]
+    if int4:  # against the baselines in the same blocks
+        h4 = result["hybrid_int4"]["tok_s"]
+        if ok and ok[0] == "hybrid":
+            result["ratios"]["int4_vs_bf16"] = h4 / h
+        for base in ("layer_offload_int4", "all_gpu_int4"):
+            if "tok_s" in result.get(base, {}):
+                result["ratios"][f"hybrid_int4_vs_{base}"] = h4 / result[base]["tok_s"]
     print(json.dumps(result["ratios"]), flush=True)
     save()
     if runs_kernels and "kernels" in want:
