@@ -66,15 +66,15 @@ def plan_for(config: Config, args: ModelArgs, model_path: Path, kv_tokens: int,
         return plan
     t0 = time.perf_counter()
     fmt = gpu_neuron_format(config, info or {}) if on_gpu else None
-    attention = None
-    if fmt is not None:  # attention's matrices in the file's blocks too (`hot_formats`)
+    blocks = None
+    if fmt is not None:  # attention's matrices (an untied head's) in the file's blocks too
         from .loader import load_checkpoint
-        from .partial import device_attention_bytes
+        from .partial import device_fixed_bytes
         src = load_checkpoint(str(model_path), with_weights=False).source
-        attention = device_attention_bytes(src, args, dtype_bytes)
+        blocks = device_fixed_bytes(src, args, dtype_bytes)
     hot, cached = cached_placement(b, config.vram_budget_gb,
                                    1, kv_tokens, dtype_bytes,
-                                   plan.predictor_input or "ffn", fmt, attention)
+                                   plan.predictor_input or "ffn", fmt, blocks)
     plan.hot = hot
     share = sum(int(h.sum()) for h in hot) / (args.n_layers * args.ffn_dim)
     log.info("VRAM budget %.2f GB: %.1f%% of FFN neurons hot (%s), placement %s in %.1f s "
@@ -105,21 +105,22 @@ def ffn_layers_that_fit(args: ModelArgs, budget: int, dtype_bytes: int, batch: i
 
 def cached_placement(bundle: Bundle, budget_gb: float, batch: int, context: int,
                      dtype_bytes: int, predictor_input: str, neuron_fmt: str | None = None,
-                     attention_bytes: int | None = None) -> tuple[list[np.ndarray], bool]:
+                     fixed_bytes: dict[str, int] | None = None) -> tuple[list[np.ndarray], bool]:
     """The bundle's placement for these settings, solved once and kept in `placements/`
-    (neuron_fmt, attention_bytes: the hot neurons' block format on the GPU and its attention's
-    bytes in the file's blocks, None: the model's type)."""
+    (neuron_fmt, fixed_bytes: the hot neurons' block format on the GPU and the parts it keeps
+    in the file's blocks, `partial.device_fixed_bytes`; None: the model's type)."""
     from .solver import solve_for_bundle
 
     key = f"{budget_gb:g}GB-ctx{context}-batch{batch}-{dtype_bytes}B-{predictor_input}"
-    key += f"-{neuron_fmt}-attn{attention_bytes}" if neuron_fmt else ""
+    key += f"-{neuron_fmt}" if neuron_fmt else ""
+    key += "".join(f"-{k}{v}" for k, v in sorted((fixed_bytes or {}).items()))
     name = f"placements/{key}.safetensors"
     if (bundle.path / name).is_file():
         t = bundle.load_tensors(name)
         return [t[f"hot.{i}"].astype(bool) for i in range(bundle.n_layers)], True
     p, _ = solve_for_bundle(bundle, budget_gb, batch=batch, context=context,
                             dtype_bytes=dtype_bytes, predictor_input=predictor_input,
-                            neuron_fmt=neuron_fmt, attention_bytes=attention_bytes)
+                            neuron_fmt=neuron_fmt, fixed_bytes=fixed_bytes)
     bundle.save_tensors(name, {f"hot.{i}": h.astype(np.uint8) for i, h in enumerate(p.hot)})
     bundle.save_json(f"placements/{key}.json", p.report())
     return p.hot, False

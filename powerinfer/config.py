@@ -59,10 +59,10 @@ class Config:
         bf16 on the CPU; a sparse FFN's neurons keep the file's 4-bit blocks, their down rows
         8-bit; the output head is 8-bit), or "auto" (default: int4 on the CPU where it can run,
         else dense). On a GPU, int4 keeps a sparse FFN's neurons in those records and the
-        projections (attention's, a dense FFN's) in the file's Q4_0/Q4_1/Q8_0 blocks, read by
-        the Triton kernels (the `gpu` extra); the placement counts them at those bytes (a 4-bit
-        neuron about a third of bf16's, so about three times the hot neurons in a budget, and
-        more for attention's share freed); the embedding and the head are widened there.
+        projections (attention's, a dense FFN's, an untied head) in the file's Q4_0/Q4_1/Q8_0
+        blocks, read by the Triton kernels (the `gpu` extra); the placement counts them at
+        those bytes (a 4-bit neuron about a third of bf16's, so about three times the hot
+        neurons in a budget, and more for attention's share freed); the embedding is widened.
     cold_weights: the actor runtime's cold executors' weights (they run on the host's cores):
         "dense", "int4" (as `weights`), or "auto" (default: as `weights`, except beside a hot
         executor on a GPU, which widens a 4-bit file to the model's type: int4 there wherever

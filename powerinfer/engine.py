@@ -65,7 +65,6 @@ class Engine:
         for i, s in enumerate(seqs):
             s.key = i
             batcher.add(s)
-        dev = self.device
         try:
             while (step := batcher.schedule()) is not None:
                 t0 = time.perf_counter()

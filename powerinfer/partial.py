@@ -369,7 +369,7 @@ def device_projection(src: TensorSource, names: tuple[str, ...],
                       dtype: torch.dtype) -> nn.Module | None:
     """A projection kept in the file's blocks for the Triton kernels (`triton_linear`): where
     every fused tensor is Q4_0, Q4_1 or Q8_0 (each part in its own); else None (the model's
-    type, as `device_attention_bytes` counts it)."""
+    type, as `device_fixed_bytes` counts it)."""
     from .triton_linear import BlockLinear
 
     fmts = [STORED_FORMATS.get(src.kind(n)) for n in names]
@@ -382,21 +382,23 @@ def device_projection(src: TensorSource, names: tuple[str, ...],
                        src.shape(names[0])[1], bias)
 
 
-def keep_device_blocks(model: Transformer, src: TensorSource, dtype: torch.dtype,
-                       layers: range | None = None) -> int:
-    """Each projection of `layers` (default: all) still a plain matrix (attention's, and a
-    dense FFN's; not a HybridFFN's neuron sets) made a `device_projection` over the file's
-    blocks, on the device its matrix was; the others stay. Returns the number replaced."""
+def keep_device_blocks(model: Transformer, src: TensorSource, dtype: torch.dtype) -> int:
+    """Each projection still a plain matrix (attention's, a dense FFN's and an untied head; not
+    a HybridFFN's neuron sets) made a `device_projection` over the file's blocks, on the device
+    its matrix was; the others stay. Returns the number replaced."""
+    mats = [(owner, attr, names) for i in range(len(model.layers))
+            for owner, attr, names in model.projections(i)]
+    if not model.args.tie_embeddings:
+        mats.append((model, "output", ("output",)))
     replaced = 0
-    for i in range(len(model.layers)) if layers is None else layers:
-        for owner, attr, names in model.projections(i):
-            old = getattr(owner, attr, None)
-            if not isinstance(old, nn.Linear):
-                continue
-            m = device_projection(src, names, dtype)
-            if m is not None:
-                setattr(owner, attr, m.to(old.weight.device))
-                replaced += 1
+    for owner, attr, names in mats:
+        old = getattr(owner, attr, None)
+        if not isinstance(old, nn.Linear):
+            continue
+        m = device_projection(src, names, dtype)
+        if m is not None:
+            setattr(owner, attr, m.to(old.weight.device))
+            replaced += 1
     return replaced
 
 
@@ -415,23 +417,26 @@ def device_bytes(src: TensorSource, projections: list[tuple[str, ...]], dtype_by
     return total
 
 
-def device_attention_bytes(src: TensorSource, a: ModelArgs, dtype_bytes: int) -> int:
-    """Bytes of every layer's attention matrices as a GPU's hot executor holds them under
-    `Config(weights="int4")` (`device_bytes`)."""
-    return device_bytes(src, [names for i in range(a.n_layers)
-                              for names in ((f"{i}.q", f"{i}.k", f"{i}.v"), (f"{i}.o",))],
-                        dtype_bytes)
+def device_fixed_bytes(src: TensorSource, a: ModelArgs, dtype_bytes: int) -> dict[str, int]:
+    """The parts of `solver.gpu_bytes` a GPU's hot executor holds in the file's blocks under
+    `Config(weights="int4")` (`device_bytes`): every layer's attention matrices, and an untied
+    output head ("lm_head")."""
+    out = {"attention": device_bytes(src, [names for i in range(a.n_layers) for names in
+                                           ((f"{i}.q", f"{i}.k", f"{i}.v"), (f"{i}.o",))],
+                                     dtype_bytes)}
+    if not a.tie_embeddings:
+        out["lm_head"] = device_bytes(src, [("output",)], dtype_bytes)
+    return out
 
 
 def hot_formats(weights: str, info: dict, dtype: torch.dtype,
                 device: torch.device) -> tuple[str | None, bool, bool]:
     """What a hot executor on `device` keeps under `Config.weights`: (its neuron sets' kernel
     format (`quant.neuron_format`), whether its attention and head keep a 4-bit file's blocks
-    on the CPU kernel, whether attention keeps them for the Triton kernels). Where the neuron
-    sets run on the Triton kernels (a GPU), "int4" is the neurons' records and attention's
-    matrices in the file's blocks (`device_projection`), the embedding and the head widened to
-    `dtype`. A 4-bit
-    file's neurons on a GPU where the Triton kernels do not run are a ConfigError: the
+    on the CPU kernel, whether attention and an untied head keep them for the Triton kernels).
+    Where the neuron sets run on the Triton kernels (a GPU), "int4" is the neurons' records and
+    those matrices in the file's blocks (`device_projection`), the embedding widened to `dtype`.
+    A 4-bit file's neurons on a GPU where the Triton kernels do not run are a ConfigError: the
     placement counted them at their records' bytes (`budget.gpu_neuron_format`)."""
     from .errors import ConfigError
 
@@ -456,8 +461,8 @@ def hot_model(ckpt: ModelFile, dtype: torch.dtype, hot: list[torch.Tensor],
     token embedding kept in the file's Q8_0/4-bit blocks (tied: the output head over the same
     rows). With `kv`, each layer's attention holds only KV heads kv[0]..kv[1] and their query
     heads (`attention_slice`: the cold executors hold the others). With `device_blocks`,
-    attention's matrices stay in the file's blocks for the Triton kernels (`device_projection`:
-    a GPU's, `Config(weights="int4")`). Built on the CPU in `dtype`."""
+    attention's matrices and an untied head stay in the file's blocks for the Triton kernels
+    (`device_projection`: a GPU's, `Config(weights="int4")`). Built on the CPU in `dtype`."""
     a, src = ckpt.args, ckpt.source
     with torch.device("meta"):
         model = Transformer(a)
@@ -481,6 +486,8 @@ def hot_model(ckpt: ModelFile, dtype: torch.dtype, hot: list[torch.Tensor],
         if a.tie_embeddings:
             model.output = nn.Identity()
     head = kquant_head(src, a) if int4 else None
+    if device_blocks and not a.tie_embeddings:  # (a tied head is the embedding's rows)
+        head = device_projection(src, ("output",), dtype)
     if head is not None:
         model.output = nn.Identity()
     model = model.to(dtype).to_empty(device="cpu")  # allocated in dtype, filled once below

@@ -6,7 +6,7 @@ the embeddings and lm_head where placed (once when tied), OPT's learned position
 down-projection bias; what is left holds hot neurons at `neuron_bytes` each (the neuron's gate,
 up and down rows, and its gate/up biases; in the 4-bit records the Triton kernels read where the
 GPU keeps a 4-bit file's neurons in its blocks, `Config(weights="int4")`, which keeps attention's
-matrices in them too: `solve_for_bundle`'s attention_bytes).
+matrices and an untied head in them too: `solve_for_bundle`'s fixed_bytes).
 
 Formulation (an integer program solved by HiGHS through `scipy.optimize.milp`):
 
@@ -312,13 +312,13 @@ def _mib(b: int) -> str:
 
 def solve_for_bundle(bundle, budget_gb: float, *, batch: int, context: int, dtype_bytes: int,
                      predictor_input: str, neuron_fmt: str | None = None,
-                     attention_bytes: int | None = None,
+                     fixed_bytes: dict[str, int] | None = None,
                      **options) -> tuple[Placement, list[int] | None]:
     """The placement for a bundle's profiled mass, counting the GPU's share of everything else
     (its `predictor_input` predictors' ranks included, when trained), the hot neurons in
-    `neuron_fmt`'s records (None: the model's type) and attention at `attention_bytes` (None:
-    in the model's type; `partial.device_attention_bytes` where the GPU keeps the file's
-    blocks); and those ranks."""
+    `neuron_fmt`'s records (None: the model's type), and the parts `fixed_bytes` gives at those
+    bytes (`partial.device_fixed_bytes`: attention and an untied head, where the GPU keeps them
+    in the file's blocks); and those ranks."""
     from .model import ModelArgs
 
     _, mass, _ = bundle.stats()
@@ -328,24 +328,23 @@ def solve_for_bundle(bundle, budget_gb: float, *, batch: int, context: int, dtyp
         ranks = [r["rank"] for r in bundle.load_json(f"predictors.{predictor_input}.json")]
     fixed = gpu_bytes(args, dtype_bytes=dtype_bytes, batch=batch, context=context,
                       predictor_ranks=ranks)
-    if attention_bytes is not None:
-        fixed["attention"] = attention_bytes
+    fixed.update(fixed_bytes or {})
     return solve(mass, args, int(budget_gb * 2**30), fixed=fixed, dtype_bytes=dtype_bytes,
                  neuron_fmt=neuron_fmt, **options), ranks
 
 
 def solve_bundle(bundle, budget_gb: float, *, batch: int = 1, context: int = 2048,
                  dtype_bytes: int = 2, predictor_input: str = "auto", neuron_fmt: str | None = None,
-                 attention_bytes: int | None = None, **options) -> Placement:
+                 fixed_bytes: dict[str, int] | None = None, **options) -> Placement:
     """Solve for a bundle's profiled mass and write placement.safetensors/.json into it.
     predictor_input: whose predictors the GPU holds, "ffn", "layer", or "auto" (as the runtimes
-    choose: the lookahead ones when trained); neuron_fmt, attention_bytes: the block format the
-    GPU keeps the hot neurons in and the bytes of its attention (a 4-bit file under
-    `Config(weights="int4")`; None: the model's type)."""
+    choose: the lookahead ones when trained); neuron_fmt, fixed_bytes: the block format the GPU
+    keeps the hot neurons in and the parts it keeps in the file's blocks (a 4-bit file under
+    `Config(weights="int4")`: `partial.device_fixed_bytes`; None: the model's type)."""
     predictor_input = bundle.predictor_input(predictor_input)
     p, ranks = solve_for_bundle(bundle, budget_gb, batch=batch, context=context,
                                 dtype_bytes=dtype_bytes, predictor_input=predictor_input,
-                                neuron_fmt=neuron_fmt, attention_bytes=attention_bytes, **options)
+                                neuron_fmt=neuron_fmt, fixed_bytes=fixed_bytes, **options)
     bundle.save_tensors("placement.safetensors",
                         {f"hot.{i}": h.astype(np.uint8) for i, h in enumerate(p.hot)})
     bundle.save_json("placement.json", {**p.report(), "vram_budget_gb": budget_gb, "batch": batch,

@@ -131,8 +131,10 @@ def synthetic_q4(tmp_path_factory):
     """The tiny synthetic model in Q4_0 blocks, with its bundle and a placement that counts the
     hot neurons at their 4-bit records' bytes and attention at its blocks' bytes
     (`Config(weights="int4")` on a GPU)."""
+    from powerinfer import Config
+    from powerinfer.convert import kernel_ready
     from powerinfer.loader import load_checkpoint
-    from powerinfer.partial import device_attention_bytes
+    from powerinfer.partial import device_fixed_bytes
     from powerinfer.predictor import train_predictors
     from powerinfer.profile import ProfileOptions, profile
     from powerinfer.solver import solve_bundle
@@ -144,9 +146,10 @@ def synthetic_q4(tmp_path_factory):
                                                                  samples=1000), progress=False)
     train_predictors(b, "layer", ranks=[64], epochs=4, progress=False)
     budget_gb = 8.5 / 1024
-    ck = load_checkpoint(str(m.path), with_weights=False)
+    ck = kernel_ready(load_checkpoint(str(m.path), with_weights=False),
+                      Config(dtype="bfloat16", weights="int4"))  # (the copy the runtime reads)
     solve_bundle(b, budget_gb, batch=2, context=256, dtype_bytes=2, predictor_input="layer",
-                 neuron_fmt="q4_0", attention_bytes=device_attention_bytes(ck.source, ck.args, 2))
+                 neuron_fmt="q4_0", fixed_bytes=device_fixed_bytes(ck.source, ck.args, 2))
     yield str(m.path), str(b.path), budget_gb
     import ray
     ray.shutdown()

@@ -828,7 +828,7 @@ def test_a_gpus_placement_counts_the_files_4bit_records_with_int4(bundle, defaul
 
     from powerinfer.budget import plan_for
     from powerinfer.loader import load_checkpoint
-    from powerinfer.partial import device_attention_bytes
+    from powerinfer.partial import device_fixed_bytes
     from powerinfer.solver import gpu_bytes, neuron_bytes
 
     b = Path(shutil.copytree(bundle, tmp_path / "bundle"))
@@ -842,8 +842,10 @@ def test_a_gpus_placement_counts_the_files_4bit_records_with_int4(bundle, defaul
     reports = {p.name: json.loads(p.read_text()) for p in (b / "placements").glob("*.json")}
     assert len(reports) == 2, sorted(reports)  # int4 on the CPU reused the model type's
     (wide_name, wide), = [(k, v) for k, v in reports.items() if "-q4_1" not in k]
-    attention = device_attention_bytes(ck.source, ck.args, 2)
-    blocks = reports[wide_name[:-len(".json")] + f"-q4_1-attn{attention}.json"]
+    fixed = device_fixed_bytes(ck.source, ck.args, 2)  # (tied: no head of its own)
+    attention = fixed["attention"]
+    assert set(fixed) == {"attention"} and ck.args.tie_embeddings
+    blocks = reports[wide_name[:-len(".json")] + f"-q4_1-attention{attention}.json"]
     assert wide["fixed_bytes"]["attention"] == gpu_bytes(ck.args)["attention"]
     # (q, k, v and o in Q4_1: 20 bytes a block of 32 weights, against 64 in bf16)
     assert blocks["fixed_bytes"]["attention"] == attention == wide["fixed_bytes"]["attention"] * 20 // 64

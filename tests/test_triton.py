@@ -351,9 +351,9 @@ def test_block_linear_equals_the_files_matrix(monkeypatch):
 @pytest.mark.skipif(not kernels.available(), reason="the kernel library does not run here")
 def test_the_in_process_engine_keeps_a_4bit_files_blocks_where_triton_runs(tmp_path, monkeypatch):
     # Config(weights="int4") where the Triton kernels run (a GPU; here the CPU, interpreted):
-    # every projection of the model stays in the file's Q4_0 blocks (`BlockLinear`), the
-    # embedding and the head in bf16, and greedy decoding follows the dense bf16 engine's over
-    # the same file up to a near-tie
+    # every projection of the model stays in the file's Q4_0 blocks (`BlockLinear`), the head
+    # in the converted copy's Q8_0 ones (the file's Q6_K), the embedding in bf16, and greedy
+    # decoding follows the dense bf16 engine's over the same file up to a near-tie
     from powerinfer import Config, PowerInfer
     from powerinfer.synthetic import write_synthetic
     from powerinfer.triton_linear import BlockLinear
@@ -373,6 +373,7 @@ def test_the_in_process_engine_keeps_a_4bit_files_blocks_where_triton_runs(tmp_p
     for i in range(pi.args.n_layers):
         mods = [getattr(owner, attr) for owner, attr, _ in pi.model.projections(i)]
         assert all(type(mod) is BlockLinear and set(mod.fmts) == {"q4_0"} for mod in mods), mods
+    assert type(pi.model.output) is BlockLinear and pi.model.output.fmts == ["q8_0"]
     assert pi.model.tok_embeddings.weight.dtype == torch.bfloat16
     got = greedy_ids(pi, ids, 4)
     assert_same_or_near_tie(dense, ids, want, got, 0.1)
@@ -402,23 +403,27 @@ def test_kernels_compile_for_an_h100(tmp_path):
 def test_a_gpus_hot_model_keeps_a_4bit_files_neurons_in_its_blocks(tmp_path, monkeypatch):
     # Config(weights="int4") with the hot executor on a GPU (here the Triton kernels on CPU
     # tensors): the hot executor's model there keeps each hot neuron as the file's Q4_0 blocks
-    # with a Q8_0 down row, and attention's matrices in their blocks, at the bytes the placement
-    # counts, and widens the embedding and the head to the model's type (on the CPU kernel they
-    # all stay 4-bit); a decode step of each layer's hot neurons runs on the kernel and equals
-    # the file's FFN over them, and its projections (one input row, and a prompt's) equal the
-    # file's matrices, q and k in the model's row order
+    # with a Q8_0 down row, and attention's matrices and the (untied) head in their blocks (the
+    # head's Q6_K as the converted copy's Q8_0), at the bytes the placement counts, and widens
+    # the embedding to the model's type (on the CPU kernel they all stay 4-bit); a decode step
+    # of each layer's hot neurons runs on the kernel and equals the file's FFN over them, and
+    # its projections (one input row, and a prompt's) equal the file's matrices, q and k in the
+    # model's row order
     from powerinfer import Config
     from powerinfer.budget import gpu_neuron_format
+    from powerinfer.convert import kernel_ready
     from powerinfer.loader import load_checkpoint
     from powerinfer.model import held_bytes
-    from powerinfer.partial import device_attention_bytes, hot_formats, hot_model
+    from powerinfer.partial import device_fixed_bytes, hot_formats, hot_model
     from powerinfer.triton_linear import BlockLinear
     from powerinfer.solver import neuron_bytes
     from powerinfer.synthetic import write_synthetic
 
     m = write_synthetic(tmp_path / "m.gguf", preset="tiny", quant="q4_0", progress=False)
-    ck = load_checkpoint(m.path, with_weights=False)
+    ck = kernel_ready(load_checkpoint(m.path, with_weights=False),
+                      Config(dtype="bfloat16", weights="int4"), progress=False)
     a, cpu = ck.args, torch.device("cpu")
+    assert ck.path != m.path and ck.source.kind("output") == "Q8_0" and not a.tie_embeddings
     assert hot_formats("int4", ck.info, torch.bfloat16, cpu) == ("q4_0", True, False)  # the CPU's
     monkeypatch.setattr(kernels, "TRITON_ON_CPU", True)
     fmt, int4, blocks = hot_formats("int4", ck.info, torch.float32, cpu)
@@ -433,19 +438,20 @@ def test_a_gpus_hot_model_keeps_a_4bit_files_neurons_in_its_blocks(tmp_path, mon
     hot = [torch.rand(a.ffn_dim, generator=g) < 0.4 for _ in range(a.n_layers)]
     model = hot_model(ck.model_file(), torch.float32, hot, "ffn", None, fmt, int4,
                       quantized_embedding=int4, device_blocks=blocks)
-    from powerinfer.model import Linear
-    assert type(model.output) is Linear and model.output.weight.dtype == torch.float32
     assert model.tok_embeddings.weight.dtype == torch.float32
+    assert type(model.output) is BlockLinear and model.output.fmts == ["q8_0"]
     attention = [b.attn for b in model.layers]
     assert all(type(m) is BlockLinear and m.fmts == ["q4_0"] * (3 if m is at.wqkv else 1)
                for at in attention for m in (at.wqkv, at.wo))
-    assert held_bytes(*attention) == device_attention_bytes(ck.source, a, 4)
-    dense = load_checkpoint(m.path, torch.float32).weights
+    fixed = device_fixed_bytes(ck.source, a, 4)
+    assert held_bytes(*attention) == fixed["attention"] and held_bytes(model.output) == fixed["lm_head"]
+    dense = load_checkpoint(ck.path, torch.float32).weights
     for i in (0, a.n_layers - 1):
         wqkv = torch.cat([dense[f"{i}.{n}"] for n in "qkv"])
         for rows in (1, 7):  # the decode kernel, then widened rows and a matmul
             x = torch.randn(rows, a.dim, generator=g)
-            for mod, w in ((attention[i].wqkv, wqkv), (attention[i].wo, dense[f"{i}.o"])):
+            mats = [(attention[i].wqkv, wqkv), (attention[i].wo, dense[f"{i}.o"])]
+            for mod, w in mats + ([(model.output, dense["output"])] if i == 0 else []):
                 x_in = x[:, :w.shape[1]]
                 want = x_in.double() @ w.double().T
                 got = mod(x_in)
