@@ -42,6 +42,11 @@ def variants():
     yield ffn("*bf16", "*u8", "reglu", T.Q4_0, T.Q8_0, q4, True, 1, 1, False, 1)
     yield ffn("*bf16", "*u8", "dreglu", T.Q4_1, T.Q8_0, 4096 // 32 * 20, True, 1, 0, False, 16)
     yield ffn("*fp32", "*u8", "gelu", T.Q8_0, T.Q8_0, 4096 // 32 * 34, False, 0, 0, True, 1)
+    # records' split 4-bit rows (`Config(weights="int4")` on a GPU): a decode row in one launch,
+    # and several rows through tl.dot
+    yield ffn("*bf16", "*u8", "swiglu", T.Q4_0S, T.Q8_0, q4, True, 1, 0, False, 1)
+    yield ffn("*bf16", "*u8", "reglu", T.Q4_0S, T.Q8_0, q4, True, 2, 2, False, 16)
+    yield ffn("*bf16", "*u8", "relu", T.Q4_1S, T.Q8_0, 4096 // 32 * 20, False, 1, 1, True, 64)
     # (ungated, every row: `triton_linear`'s matrices, a row a record)
     for fmt, gated, sel in ((T.PLAIN, True, 1), (T.Q4_0S, True, 1), (T.Q4_1S, False, 0),
                             (T.Q8_0, True, 2), (T.Q4_0S, False, 0), (T.Q8_0, False, 0)):
