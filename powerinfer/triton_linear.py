@@ -3,7 +3,8 @@
 `BlockLinear` is what `Config(weights="int4")` makes of attention's projections in the hot
 executor on a GPU (`partial.hot_model`): a 70B layer's q, k, v and output matrices take 85 MB
 in Q4_0 blocks where they took 302 MB in bf16, and the VRAM budget holds hot neurons in the
-difference. Each part of a fused projection keeps one tensor's rows in its own type:
+difference. Each part of a fused projection keeps one tensor's rows in its own type (neighbouring
+parts of one type as one matrix, one launch):
 - Q4_0/Q4_1 rows held split as a neuron record's gate and up rows are (`kernels.split_rows`:
   a row's nibbles, then its scales, then its minimums), Q8_0 rows as the file has them;
 - a step of up to KERNEL_ROWS rows of input (decode): each input row's products with every
@@ -70,15 +71,24 @@ def linear(x: torch.Tensor, rows: torch.Tensor, fmt: str, dim: int) -> torch.Ten
 
 class BlockLinear(nn.Module):
     """x W^T + b over a fused projection's parts, each a tensor's rows in the file's Q4_0, Q4_1
-    or Q8_0 blocks, on the device the Triton kernels run on (`linear`)."""
+    or Q8_0 blocks, on the device the Triton kernels run on (`linear`, one call for each run of
+    parts of one type: `fmts`)."""
 
     def __init__(self, parts: list[tuple[torch.Tensor, str]], dim: int,
                  bias: torch.Tensor | None = None):
         super().__init__()
-        self.in_features, self.fmts = dim, [fmt for _, fmt in parts]
-        for i, (rows, fmt) in enumerate(parts):
+        # neighbouring parts of one type held as one matrix: one launch for them (q, k and v
+        # of a Q4_0 file, gate and up)
+        runs: list[tuple[list[torch.Tensor], str]] = []
+        for rows, fmt in parts:
             assert fmt in FORMATS, fmt
-            self.register_buffer(f"rows{i}", held_rows(rows, fmt).contiguous())
+            if runs and runs[-1][1] == fmt:
+                runs[-1][0].append(rows)
+            else:
+                runs.append(([rows], fmt))
+        self.in_features, self.fmts = dim, [fmt for _, fmt in runs]
+        for i, (rows, fmt) in enumerate(runs):
+            self.register_buffer(f"rows{i}", held_rows(torch.cat(rows), fmt).contiguous())
         self.out_features = sum(rows.shape[0] for rows, _ in parts)
         self.register_buffer("bias", bias)
 

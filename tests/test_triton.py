@@ -328,21 +328,22 @@ def test_block_linear_equals_the_files_matrix(monkeypatch):
     # x W^T + b over the weights the blocks hold, for a decode row, KERNEL_ROWS rows (the kernel
     # for each), and a prompt (widened a few rows at a time, slices that do not divide the rows)
     from powerinfer import triton_linear as TL
-    monkeypatch.setattr(TL, "WIDEN_BYTES", 4 * 160 * 16)  # (16 rows a slice: 3 of the 40)
+    monkeypatch.setattr(TL, "WIDEN_BYTES", 4 * 160 * 16)  # (16 rows a slice: 3 of the 48)
     g = torch.Generator().manual_seed(2)
     dim, parts, ref = 160, [], []
-    for fmt, n in (("q4_0", 40), ("q4_1", 33), ("q8_0", 19)):
+    for fmt, n in (("q4_0", 40), ("q4_0", 8), ("q4_1", 33), ("q8_0", 19)):
         raw = kernels.quantize_rows(torch.randn(n, dim, generator=g), fmt)
         parts.append((raw, fmt))
         ref.append(kernels.dequantize_rows(raw, fmt, dim))
-    bias = torch.randn(92, generator=g)
+    bias = torch.randn(100, generator=g)
     m = TL.BlockLinear(parts, dim, bias).to(DEV)
+    assert m.fmts == ["q4_0", "q4_1", "q8_0"]  # (the two Q4_0 parts: one matrix, one launch)
     w = torch.cat(ref).double()
     for shape in ((1, 1, dim), (TL.KERNEL_ROWS, dim), (2, 25, dim)):
         x = torch.randn(*shape, generator=g)
         want = x.double() @ w.T + bias.double()
         got = m(x.to(DEV)).cpu()
-        assert got.shape == (*shape[:-1], 92) and got.dtype == torch.float32
+        assert got.shape == (*shape[:-1], 100) and got.dtype == torch.float32
         assert float((got - want).abs().max()) <= 1e-5 * float(want.abs().max()), shape
     y = m(torch.randn(1, dim, generator=g).bfloat16().to(DEV))  # rounded once to the input's type
     assert y.dtype == torch.bfloat16
@@ -441,7 +442,7 @@ def test_a_gpus_hot_model_keeps_a_4bit_files_neurons_in_its_blocks(tmp_path, mon
     assert model.tok_embeddings.weight.dtype == torch.float32
     assert type(model.output) is BlockLinear and model.output.fmts == ["q8_0"]
     attention = [b.attn for b in model.layers]
-    assert all(type(m) is BlockLinear and m.fmts == ["q4_0"] * (3 if m is at.wqkv else 1)
+    assert all(type(m) is BlockLinear and m.fmts == ["q4_0"]  # (q, k and v: one matrix)
                for at in attention for m in (at.wqkv, at.wo))
     fixed = device_fixed_bytes(ck.source, a, 4)
     assert held_bytes(*attention) == fixed["attention"] and held_bytes(model.output) == fixed["lm_head"]
