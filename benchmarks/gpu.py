@@ -71,7 +71,8 @@ against the device's measured copy bandwidth (a 1 GiB device-to-device copy):
 - `torch dense`: two matmuls over every row (what the dense model reads whatever fires);
 - `torch gathered`: the rows gathered with index_select, then the same math (the path the
   GPU took before the Triton kernels);
-- `predictor`: `triton_ffn.predict` for a rank-1024 predictor of the layer (its rows read).
+- `predictor`: `triton_ffn.predict` for a rank-1024 predictor of the layer (its rows read), its
+  matrices in float32 and in bf16 (what runs beside a bf16 model: `predictor.run_dtype`).
 Then torch.profiler's device time for each kernel of a split call (`split_kernels`), and
 (`attention`) a decode step's attention over the paged cache for one layer of the preset's
 heads: torch's ops against the one-launch kernel (`triton_attention`), eager and graphed.
@@ -354,9 +355,12 @@ def kernel_rows(preset: str, device: torch.device) -> dict:
     rank = 32 if small else 1024
     fc1 = torch.randn(rank, dim, generator=g, device=device) / dim ** 0.5
     fc2 = torch.randn(ffn, rank, generator=g, device=device) / rank ** 0.5
-    t = _timed(lambda: triton_ffn.predict(x.float(), fc1, fc2), device, reps)
-    out["rows"].append({"path": "predictor", "fmt": "f32", "selection": None, "neurons": ffn,
-                        "us": t * 1e6, "gb_s": (fc1.numel() + fc2.numel()) * 4 / t / 1e9})
+    # in float32, and in bf16 as beside a bf16 model (`predictor.run_dtype`)
+    for fmt, dt in (("f32", torch.float32), ("bf16", torch.bfloat16)):
+        w1, w2 = fc1.to(dt), fc2.to(dt)
+        t = _timed(lambda: triton_ffn.predict(x.to(dt), w1, w2), device, reps)
+        out["rows"].append({"path": "predictor", "fmt": fmt, "selection": None, "neurons": ffn,
+                            "us": t * 1e6, "gb_s": (w1.numel() + w2.numel()) * dt.itemsize / t / 1e9})
     for r in out["rows"]:
         r["of_copy"] = r["gb_s"] / out["copy_gb_s"]
         print(json.dumps(r), flush=True)

@@ -344,10 +344,15 @@ class Predictors(nn.Module):
 
 def run_dtype(compute_dtype: torch.dtype, device: str | torch.device = "cpu") -> torch.dtype:
     """The dtype predictors run in beside a model computing in `compute_dtype`: bf16 with a bf16
-    model on a CPU where the kernel library runs (its bf16 GEMV; the logits still float32), else
-    float32. Both runtimes take it from here, so they predict the same masks."""
-    if compute_dtype == torch.bfloat16 and torch.device(device).type == "cpu" and kernels.available():
+    model on a CPU where the kernel library runs (its bf16 GEMV; the logits still float32); on a
+    GPU the model's own 16-bit type (the Triton kernels widen each weight as they read it and
+    sum in float32: half the bytes of float32 matrices, in the VRAM budget and read at every
+    step); else float32. Both runtimes take it from here, so they predict the same masks."""
+    kind = torch.device(device).type
+    if compute_dtype == torch.bfloat16 and kind == "cpu" and kernels.available():
         return torch.bfloat16
+    if kind != "cpu" and compute_dtype in (torch.bfloat16, torch.float16):
+        return compute_dtype
     return torch.float32
 
 

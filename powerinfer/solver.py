@@ -99,9 +99,9 @@ def gpu_bytes(args: ModelArgs, *, dtype_bytes: int = 2, batch: int = 1, context:
         "lm_head": table if lm_head_on_gpu and not tied_elsewhere else 0,
     }
     out = {k: v * dtype_bytes for k, v in parts.items()}
-    # the predictors run in float32 on a GPU (`predictor.run_dtype`), in their own process
-    # (with predictor_device="cpu" they do not sit there: the placement then leaves this unused)
-    out["predictors"] = parts["predictors"] * 4
+    # the predictors run in the model's type on a GPU, 16-bit or float32 (`predictor.run_dtype`),
+    # in their own process (with predictor_device="cpu" they do not sit there: the placement then
+    # leaves this unused)
     out["rope"] = 0 if a.learned_pos else 2 * context * a.head_dim * 4  # fp32 cos/sin tables
     return out
 

@@ -194,6 +194,15 @@ def test_predictor_kernels_select_as_the_torch_predictor(B):
         keep_k.cpu().any(0).nonzero().squeeze(-1).tolist()
     # an edge: k = n keeps everything
     assert bool(T.predict(x.to(DEV), fc1.to(DEV), fc2.to(DEV), top_k=n)[0].all())
+    # bf16 matrices (`predictor.run_dtype` beside a bf16 model on a GPU): the kernels widen each
+    # weight and sum in float32, the logits of the widened matrices
+    w1, w2 = fc1.bfloat16(), fc2.bfloat16()
+    want = torch.relu(x.bfloat16().double() @ w1.double().T) @ w2.double().T
+    keep16, _, _, lg16 = T.predict(x.bfloat16().to(DEV), w1.to(DEV), w2.to(DEV), 0.25,
+                                   store_logits=True)
+    assert float((lg16.cpu() - want).abs().max()) <= 1e-4 * float(want.abs().max())
+    near = (want - 0.25).abs() < 1e-4 * float(want.abs().max())
+    assert torch.equal(keep16.cpu()[~near], (want >= 0.25)[~near])
 
 
 def test_predictors_dispatch_to_the_kernels(monkeypatch):
@@ -396,8 +405,8 @@ def test_kernels_compile_for_an_h100(tmp_path):
                        env=env, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
     out = json.loads(r.stdout.splitlines()[-1])
-    assert out["capability"] == 90 and out["kernels"] == 37
-    assert len(list(tmp_path.rglob("*.cubin"))) == 37  # one cubin a variant
+    assert out["capability"] == 90 and out["kernels"] == 38
+    assert len(list(tmp_path.rglob("*.cubin"))) == 38  # one cubin a variant
 
 
 @pytest.mark.skipif(not kernels.available(), reason="the kernel library does not run here")

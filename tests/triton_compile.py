@@ -74,11 +74,13 @@ def variants():
                             (1, T.Q4_0S, T.Q4_0S), (1, T.Q4_1S, T.Q4_1S)):  # (split: a matrix)
         yield "_widen_kernel", dict(w_ptr="*u8", out_ptr="*fp32", n=I32, dim=I32, rec_stride=I32), \
             dict(NROWS=rows, ROW_BYTES=q4, FMT=fmt, DFMT=dfmt, BLOCK_N=T.BLOCK_N, BLOCK_K=T.BLOCK_K)
-    for x, block_b in (("*fp32", 1), ("*bf16", 16)):
-        yield "_hidden_kernel", dict(x_ptr=x, fc1_ptr="*fp32", out_ptr="*fp32", B=I32, dim=I32,
+    # (the predictors' matrices in float32 beside a float32 model, else in its 16-bit type)
+    for x, fc, block_b in (("*fp32", "*fp32", 1), ("*bf16", "*bf16", 1), ("*bf16", "*bf16", 16)):
+        yield "_hidden_kernel", dict(x_ptr=x, fc1_ptr=fc, out_ptr="*fp32", B=I32, dim=I32,
                                      r=I32), dict(BLOCK_B=block_b, BLOCK_N=32, BLOCK_K=T.BLOCK_K)
-    for block_b, select, store in ((1, True, False), (16, True, True), (16, False, True)):
-        yield "_logits_kernel", dict(h_ptr="*fp32", fc2_ptr="*fp32", thr_ptr="*fp32",
+    for fc, block_b, select, store in (("*bf16", 1, True, False), ("*fp32", 16, True, True),
+                                       ("*bf16", 16, False, True)):
+        yield "_logits_kernel", dict(h_ptr="*fp32", fc2_ptr=fc, thr_ptr="*fp32",
                                      logits_ptr="*fp32", keep_ptr="*i8", idx_ptr="*i32",
                                      count_ptr="*i32", B=I32, r=I32, n=I32), \
             dict(BLOCK_B=block_b, BLOCK_N=64, BLOCK_K=64, SELECT=select, STORE=store)
