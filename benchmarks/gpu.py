@@ -41,9 +41,8 @@ run reuses the file and bundle an earlier one completed, so the rows can run in 
      with Q8_0 down rows, attention's matrices and the head in their blocks, its placement
      solved for those bytes: on the 70B shape attention takes 0.68 GB instead of 2.42, the head
      0.28 instead of 0.52, a neuron 17.5 KiB instead of 48); the embeddings stay bf16. Its
-     ratios are taken against the int4
-     baselines (`hybrid_int4_vs_layer_offload_int4`, `hybrid_int4_vs_all_gpu_int4`), and against
-     the bf16 hybrid (`int4_vs_bf16`);
+     ratios are taken against the int4 baselines (`hybrid_int4_vs_layer_offload_int4`,
+     `hybrid_int4_vs_all_gpu_int4`), and against the bf16 hybrid (`int4_vs_bf16`);
    - `hybrid_hot_cores_even`: the hybrid with the hot executor on an even share of the cores
      (1/(cold+1), the CPU runtime's plan) instead of `actors.group.GPU_HOT_CORES`: what giving
      the cold executors those cores is worth;
