@@ -7,10 +7,12 @@ difference. Each part of a fused projection keeps one tensor's rows in its own t
 parts of one type as one matrix, one launch):
 - Q4_0/Q4_1 rows held split as a neuron record's gate and up rows are (`kernels.split_rows`:
   a row's nibbles, then its scales, then its minimums), Q8_0 rows as the file has them;
-- a step of up to KERNEL_ROWS rows of input (decode): each input row's products with every
-  matrix row by the FFN kernels' `_gate_up_kernel` (each matrix row an ungated record of one
-  row, all of them selected), split over the width, SPLIT_COLS columns a program, the partial
-  sums added in float32: the bytes are read once, in runs, with no widened copy;
+- one row of input (a decode step of one sequence): its products with every matrix row by the
+  FFN kernels' `_gate_up_kernel` (each matrix row an ungated record of one row, all of them
+  selected), split over the width, SPLIT_COLS columns a program, the partial sums added in
+  float32: the bytes are read once, in runs, with no widened copy;
+- up to MAX_ROWS rows (a batch's decode step): `_linear_kernel`, each program a tile of matrix
+  rows dequantized in registers against every input row (`tl.dot`), the matrix read once;
 - more rows (a prompt): the matrix widened to float32 WIDEN_BYTES at a time (`_widen_kernel`),
   each slice multiplied by the rows in one matmul.
 The result is rounded once to the input's type, with the bias (in the model's type) added in
@@ -26,8 +28,31 @@ from . import kernels, triton_ffn as T
 
 FORMATS = ("q4_0", "q4_1", "q8_0")  # the block types kept (others are widened at load)
 CODES = {"q4_0": T.Q4_0S, "q4_1": T.Q4_1S, "q8_0": T.Q8_0}  # their row codes in the kernels
-KERNEL_ROWS = 4  # up to this many input rows, each row's products by the kernel (decode)
+MAX_ROWS = T.MAX_ROWS  # up to this many input rows, the kernels; more are widened (a prompt)
+BLOCK_N, BLOCK_K = 16, 128  # `_linear_kernel`'s tile: matrix rows, columns a step
 WIDEN_BYTES = 8 << 20  # float32 rows a many-row step widens at a time
+
+if T.triton is not None:
+    from .triton_ffn import _mm_t, _rows, tl, triton
+
+    @triton.jit
+    def _linear_kernel(x_ptr, w_ptr, out_ptr, B, dim, n, row_bytes, FMT: tl.constexpr,
+                       BLOCK_B: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        # x (B, dim) -> out (B, n) float32 = x W^T, W's rows `row_bytes` apart in FMT's blocks:
+        # program i takes rows i*BLOCK_N .. against every row of x
+        offs = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        rows = tl.arange(0, BLOCK_B)
+        rec = (offs.to(tl.int64) * row_bytes)[:, None]
+        nm, bm = offs < n, rows < B
+        acc = tl.zeros((BLOCK_B, BLOCK_N), dtype=tl.float32)
+        for k0 in range(0, dim, BLOCK_K):
+            cols = k0 + tl.arange(0, BLOCK_K)
+            cm = cols < dim
+            x = tl.load(x_ptr + rows[:, None] * dim + cols[None, :], mask=bm[:, None] & cm[None, :],
+                        other=0).to(tl.float32)
+            w = _rows(w_ptr, rec, 0, cols[None, :], nm[:, None] & cm[None, :], dim // 32, FMT)
+            acc += _mm_t(x, w, BLOCK_B)
+        tl.store(out_ptr + rows[:, None] * n + offs[None, :], acc, mask=bm[:, None] & nm[None, :])
 
 
 def held_rows(rows: torch.Tensor, fmt: str) -> torch.Tensor:
@@ -44,7 +69,7 @@ def linear(x: torch.Tensor, rows: torch.Tensor, fmt: str, dim: int) -> torch.Ten
     f = CODES[fmt]
     rb = T._row_bytes(f, dim)
     assert rows.shape[1] == rb, (rows.shape, rb)
-    if B > KERNEL_ROWS:  # a prompt: widened slices, one matmul each
+    if B > MAX_ROWS:  # a prompt: widened slices, one matmul each
         x32, out = x.float(), torch.empty(B, n, dtype=torch.float32, device=x.device)
         step = max(T.BLOCK_N, WIDEN_BYTES // (4 * dim) // T.BLOCK_N * T.BLOCK_N)
         for lo in range(0, n, step):
@@ -57,16 +82,20 @@ def linear(x: torch.Tensor, rows: torch.Tensor, fmt: str, dim: int) -> torch.Ten
             out[:, lo:lo + k] = x32 @ w.t()
         return out
     x = x.contiguous()
-    # each row's sums at [n, 2n) of its own scratch row (the kernel's gate half, unused here)
-    sums = torch.zeros(B, 2 * n, dtype=torch.float32, device=x.device)
+    if B > 1:  # a batch's decode step: each tile of the matrix against every row
+        out = torch.empty(B, n, dtype=torch.float32, device=x.device)
+        _linear_kernel[(T.triton.cdiv(n, BLOCK_N),)](
+            x, rows, out, B, dim, n, rb, FMT=f, BLOCK_B=max(16, T._pow2(B)), BLOCK_N=BLOCK_N,
+            BLOCK_K=BLOCK_K)
+        return out
+    # the sums at [n, 2n) of a scratch row (the kernel's gate half, unused here)
+    sums = torch.zeros(2 * n, dtype=torch.float32, device=x.device)
     (bn, bk, warps), _ = T.SPLIT_TILES[False]
     cols = T.SPLIT_COLS
-    grid = (T.triton.cdiv(n, bn), T.triton.cdiv(dim, cols))
-    for b in range(B):
-        T._gate_up_kernel[grid](x[b], rows, rows, sums, sums[b], dim, n, n, rb, FMT=f,
-                                ROW_BYTES=rb, GATED=False, SEL=0, BLOCK_N=bn, BLOCK_K=bk,
-                                COLS=cols, num_warps=warps)
-    return sums[:, n:]
+    T._gate_up_kernel[(T.triton.cdiv(n, bn), T.triton.cdiv(dim, cols))](
+        x, rows, rows, sums, sums, dim, n, n, rb, FMT=f, ROW_BYTES=rb, GATED=False, SEL=0,
+        BLOCK_N=bn, BLOCK_K=bk, COLS=cols, num_warps=warps)
+    return sums[n:].view(1, n)
 
 
 class BlockLinear(nn.Module):

@@ -334,8 +334,9 @@ def test_layers_with_the_ffn_on_triton_equal_the_dense_model(monkeypatch):
 
 def test_block_linear_equals_the_files_matrix(monkeypatch):
     # a fused projection of parts in Q4_0, Q4_1 and Q8_0 blocks (`triton_linear.BlockLinear`):
-    # x W^T + b over the weights the blocks hold, for a decode row, KERNEL_ROWS rows (the kernel
-    # for each), and a prompt (widened a few rows at a time, slices that do not divide the rows)
+    # x W^T + b over the weights the blocks hold, for a decode row (split over the width), a
+    # batch's rows (2 and MAX_ROWS: `_linear_kernel`), and a prompt (widened a few rows at a
+    # time, slices that do not divide the rows)
     from powerinfer import triton_linear as TL
     monkeypatch.setattr(TL, "WIDEN_BYTES", 4 * 160 * 16)  # (16 rows a slice: 3 of the 48)
     g = torch.Generator().manual_seed(2)
@@ -348,7 +349,7 @@ def test_block_linear_equals_the_files_matrix(monkeypatch):
     m = TL.BlockLinear(parts, dim, bias).to(DEV)
     assert m.fmts == ["q4_0", "q4_1", "q8_0"]  # (the two Q4_0 parts: one matrix, one launch)
     w = torch.cat(ref).double()
-    for shape in ((1, 1, dim), (TL.KERNEL_ROWS, dim), (2, 25, dim)):
+    for shape in ((1, 1, dim), (2, dim), (TL.MAX_ROWS, dim), (2, 40, dim)):
         x = torch.randn(*shape, generator=g)
         want = x.double() @ w.T + bias.double()
         got = m(x.to(DEV)).cpu()
@@ -405,8 +406,8 @@ def test_kernels_compile_for_an_h100(tmp_path):
                        env=env, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
     out = json.loads(r.stdout.splitlines()[-1])
-    assert out["capability"] == 90 and out["kernels"] == 38
-    assert len(list(tmp_path.rglob("*.cubin"))) == 38  # one cubin a variant
+    assert out["capability"] == 90 and out["kernels"] == 41
+    assert len(list(tmp_path.rglob("*.cubin"))) == 41  # one cubin a variant
 
 
 @pytest.mark.skipif(not kernels.available(), reason="the kernel library does not run here")

@@ -1,4 +1,5 @@
-"""Compile the Triton kernels of `powerinfer.triton_ffn` for NVIDIA targets, with no GPU here:
+"""Compile the Triton kernels of `powerinfer.triton_ffn` (and `triton_attention`,
+`triton_linear`) for NVIDIA targets, with no GPU here:
 Triton's compiler lowers each kernel to PTX and runs ptxas (shipped in the triton wheel) to a
 cubin, which catches what the interpreter never checks (types of every constexpr branch, what
 the code generator accepts, register and shared-memory limits). Each variant is chosen so that
@@ -17,7 +18,7 @@ assert os.environ.get("TRITON_INTERPRET", "0") != "1", "unset TRITON_INTERPRET t
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource, compile as triton_compile  # noqa: E402
 
-from powerinfer import triton_attention as TA, triton_ffn as T  # noqa: E402
+from powerinfer import triton_attention as TA, triton_ffn as T, triton_linear as TL  # noqa: E402
 
 I32 = "i32"
 
@@ -85,6 +86,10 @@ def variants():
                                      count_ptr="*i32", B=I32, r=I32, n=I32), \
             dict(BLOCK_B=block_b, BLOCK_N=64, BLOCK_K=64, SELECT=select, STORE=store)
     yield "_kth_kernel", dict(logits_ptr="*fp32", thr_ptr="*fp32", n=I32, k=I32), dict(BLOCK=1024)
+    for fmt, block_b in ((T.Q4_0S, 16), (T.Q4_1S, 64), (T.Q8_0, 32)):  # (a batch's decode rows)
+        yield "_linear_kernel", dict(x_ptr="*bf16", w_ptr="*u8", out_ptr="*fp32", B=I32, dim=I32,
+                                     n=I32, row_bytes=I32), \
+            dict(FMT=fmt, BLOCK_B=block_b, BLOCK_N=TL.BLOCK_N, BLOCK_K=TL.BLOCK_K)
     yield "_select_kernel", dict(logits_ptr="*fp32", thr_ptr="*fp32", keep_ptr="*i8",
                                  idx_ptr="*i32", count_ptr="*i32", B=I32, n=I32), \
         dict(BLOCK_B=8, BLOCK_N=64)
@@ -106,7 +111,8 @@ def attention_variants():
 
 
 def compile_one(name, args, constexprs, capability):
-    fn = getattr(TA if name == "_decode_attention_kernel" else T, name)
+    fn = getattr(TA if name == "_decode_attention_kernel" else TL if name == "_linear_kernel"
+                 else T, name)
     names = fn.arg_names
     assert set(names) == set(args) | set(constexprs), (name, set(names) ^ (set(args) | set(constexprs)))
     sig = {n: args.get(n, "constexpr") for n in names}
