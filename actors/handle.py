@@ -247,7 +247,7 @@ class ActorEngine:
                  describe(self.kv_blocks, ckpt.args, config, elt), why, self.max_seq)
         ray_init(resources=numa_resources())  # a local instance advertises the NUMA nodes
         self.plan = (plan_for(config, ckpt.args, ckpt.path, self.kv_blocks * config.block_size,
-                              wants_gpu(config), ckpt.info)
+                              wants_gpu(config), ckpt)
                      or SparsePlan.dense(ckpt.args, dense_block(ckpt)))
         self._spin = spin_us
         self.restarts, self.last_failure, self.rebuild_failures = 0, None, 0

@@ -49,7 +49,7 @@ class PowerInfer:
         kv_blocks, why = pool_blocks(checkpoint.args, config, context_length(checkpoint.args, config),
                                      config.torch_dtype.itemsize)
         plan = plan_for(config, checkpoint.args, checkpoint.path, kv_blocks * config.block_size,
-                        on_gpu=device.type == "cuda", info=checkpoint.info)
+                        on_gpu=device.type == "cuda", checkpoint=checkpoint)
         if plan is not None and plan.bundle is not None:  # the in-process sparse engine
             plan.apply(self.model, fmt=neuron_format(config.weights, checkpoint.info,
                                                      self.model.tok_embeddings.weight))

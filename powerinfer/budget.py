@@ -39,11 +39,12 @@ def find_bundle(config: Config, model_path: Path) -> str:
 
 
 def plan_for(config: Config, args: ModelArgs, model_path: Path, kv_tokens: int,
-             on_gpu: bool, info: dict | None = None) -> SparsePlan | None:
+             on_gpu: bool, checkpoint=None) -> SparsePlan | None:
     """The sparse plan a load runs (None: the dense model, nothing to place); kv_tokens: the
-    positions its paged KV cache holds (the placement counts their bytes); info: the file's
-    (`Checkpoint.info`), whose block types the hot neurons and attention's matrices keep on a
-    GPU under `Config(weights="int4")`, the placement counting them at those bytes."""
+    positions its paged KV cache holds (the placement counts their bytes); checkpoint: the
+    file's (`Checkpoint`: its `info` and `source`), whose blocks the hot neurons and attention's
+    matrices keep on a GPU under `Config(weights="int4")`, the placement counting them at
+    those bytes."""
     bundle = find_bundle(config, model_path)
     budget = int(config.vram_budget_gb * 2**30)
     plan = (SparsePlan.from_bundle(bundle, args, model_path, config.predictor,
@@ -65,13 +66,13 @@ def plan_for(config: Config, args: ModelArgs, model_path: Path, kv_tokens: int,
                  if plan.hot is not None else "every neuron is cold", where)
         return plan
     t0 = time.perf_counter()
-    fmt = gpu_neuron_format(config, info or {}) if on_gpu else None
+    fmt = None
+    if on_gpu and checkpoint is not None:
+        fmt = gpu_neuron_format(config, checkpoint.info)
     blocks = None
     if fmt is not None:  # attention's matrices (an untied head's) in the file's blocks too
-        from .loader import load_checkpoint
         from .partial import device_fixed_bytes
-        src = load_checkpoint(str(model_path), with_weights=False).source
-        blocks = device_fixed_bytes(src, args, dtype_bytes)
+        blocks = device_fixed_bytes(checkpoint.source, args, dtype_bytes)
     hot, cached = cached_placement(b, config.vram_budget_gb,
                                    1, kv_tokens, dtype_bytes,
                                    plan.predictor_input or "ffn", fmt, blocks)

@@ -837,7 +837,7 @@ def test_a_gpus_placement_counts_the_files_4bit_records_with_int4(bundle, defaul
     for weights, on_gpu in (("dense", True), ("int4", True), ("int4", False)):
         cfg = Config(**dict(BASE, dtype="bfloat16", weights=weights, bundle=str(b),
                             vram_budget_gb=0.13))
-        plan = plan_for(cfg, ck.args, ck.path, 256, on_gpu, ck.info)
+        plan = plan_for(cfg, ck.args, ck.path, 256, on_gpu, ck)
         hot[weights, on_gpu] = [h.copy() for h in plan.hot]
     reports = {p.name: json.loads(p.read_text()) for p in (b / "placements").glob("*.json")}
     assert len(reports) == 2, sorted(reports)  # int4 on the CPU reused the model type's
