@@ -624,17 +624,22 @@ ROWS = ("layer_offload", "all_gpu", "hybrid", "hybrid_eager", "hybrid_hot_cores_
         "hybrid_predictor_cpu", "layer_offload_int4", "all_gpu_int4", "hybrid_int4", "kernels")
 
 
-def neuron_format_of(path: Path) -> str | None:
-    """The 4-bit records `Config(weights="int4")` keeps a file's hot neurons in on a GPU (the
-    kernel-ready copy's, for a K-quant file); None for a file without 4-bit FFN blocks."""
+def int4_parts(path: Path) -> tuple[str | None, dict[str, int] | None]:
+    """What `Config(weights="int4")` keeps of a file on a GPU, as its placement counts it: the
+    4-bit records of the hot neurons and the parts held in the file's blocks
+    (`partial.device_fixed_bytes`), read from the kernel-ready copy (a K-quant file's converted
+    one); (None, None) for a file without 4-bit FFN blocks."""
     from powerinfer.budget import gpu_neuron_format
     from powerinfer.convert import kernel_ready
     from powerinfer.loader import load_checkpoint
+    from powerinfer.partial import device_fixed_bytes
 
     config = Config(dtype="bfloat16", weights="int4")
-    info = kernel_ready(load_checkpoint(str(path), with_weights=False), config).info
-    fmt = gpu_neuron_format(config, info)
-    return fmt if fmt in ("q4_0", "q4_1") else None
+    ck = kernel_ready(load_checkpoint(str(path), with_weights=False), config)
+    fmt = gpu_neuron_format(config, ck.info)
+    if fmt not in ("q4_0", "q4_1"):
+        return None, None
+    return fmt, device_fixed_bytes(ck.source, ck.args, 2)
 
 
 def reused(path: Path, bundle_path: Path):
@@ -744,20 +749,17 @@ def main():
         # attention; --budget-gb gives the budget outright)
         budget = int(a.budget_gb * 2**30) if a.budget_gb else int(a.budget_share * weights)
 
-        def place(neuron_fmt=None):  # the bundle's placement for this budget, the hot neurons
-            # (and attention) in the model's type, or in `neuron_fmt`'s records (and the file's
-            # blocks: `Config(weights="int4")` on a GPU)
-            blocks = None
-            if neuron_fmt is not None:
-                from powerinfer.convert import kernel_ready
-                from powerinfer.loader import load_checkpoint
-                from powerinfer.partial import device_fixed_bytes
-                ck = kernel_ready(load_checkpoint(str(path), with_weights=False),
-                                  Config(dtype="bfloat16", weights="int4"))
-                blocks = device_fixed_bytes(ck.source, ck.args, 2)
+        # the hot neurons, attention (and the baselines' matrices) in the file's 4-bit blocks
+        # on the device: the int4 rows (a 4-bit file)
+        four_bit, int4_fixed = int4_parts(path)
+
+        def place(int4: bool = False):  # the bundle's placement for this budget, the hot
+            # neurons (and attention) in the model's type, or as `Config(weights="int4")` keeps
+            # them on a GPU
             return solve_bundle(bundle, budget / 2**30, batch=MAX_BATCH + 1, context=MAX_SEQ,
-                                dtype_bytes=2, predictor_input="layer", neuron_fmt=neuron_fmt,
-                                fixed_bytes=blocks)
+                                dtype_bytes=2, predictor_input="layer",
+                                neuron_fmt=four_bit if int4 else None,
+                                fixed_bytes=int4_fixed if int4 else None)
 
         placement = place()
         result.update(weight_bytes=weights, budget_bytes=budget, pipeline_s=time.perf_counter() - t0,
@@ -769,10 +771,7 @@ def main():
             if a.out:
                 Path(a.out).write_text(json.dumps(result, indent=1))
 
-        # the hot neurons, attention (and the baselines' matrices) in the file's 4-bit blocks
-        # on the device: the int4 rows (a 4-bit file; the baselines' blocks need the Triton
-        # kernels on the device)
-        four_bit = neuron_format_of(path)
+        # (the int4 baselines' blocks need the Triton kernels on the device)
         blocks_run = four_bit is not None and runs_kernels
         if four_bit is not None and not runs_kernels and want & {"layer_offload_int4", "all_gpu_int4"}:
             print("layer_offload_int4, all_gpu_int4 skipped: the Triton kernels do not run here",
@@ -825,7 +824,7 @@ def main():
             int4 = name == "hybrid_int4"
             try:
                 if int4:
-                    result["placement_int4"] = place(four_bit).report()
+                    result["placement_int4"] = place(int4=True).report()
                 pi = PowerInfer.from_pretrained(str(path), Config(
                     **dense, device=a.device, runtime="actors", cold_executors=a.cold,
                     bundle=str(bundle.path), predictor="layer", predictor_device=where,
