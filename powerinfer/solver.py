@@ -94,14 +94,14 @@ def gpu_bytes(args: ModelArgs, *, dtype_bytes: int = 2, batch: int = 1, context:
         "norms": (2 * L + 1) * norm,
         "ffn_bias": L * d if a.ffn_bias else 0,  # the down bias, added once after the merge
         "kv_cache": 2 * L * batch * context * kv,
-        "predictors": sum(r * (d + a.ffn_dim) for r in ranks),  # fc1 (r, d), fc2 (ffn_dim, r)
+        # fc1 (r, d), fc2 (ffn_dim, r), in the model's type on a GPU, 16-bit or float32
+        # (`predictor.run_dtype`), in their own process (with predictor_device="cpu" they do not
+        # sit there: the placement then leaves this unused)
+        "predictors": sum(r * (d + a.ffn_dim) for r in ranks),
         "embeddings": table + positions if embeddings_on_gpu else 0,
         "lm_head": table if lm_head_on_gpu and not tied_elsewhere else 0,
     }
     out = {k: v * dtype_bytes for k, v in parts.items()}
-    # the predictors run in the model's type on a GPU, 16-bit or float32 (`predictor.run_dtype`),
-    # in their own process (with predictor_device="cpu" they do not sit there: the placement then
-    # leaves this unused)
     out["rope"] = 0 if a.learned_pos else 2 * context * a.head_dim * 4  # fp32 cos/sin tables
     return out
 
