@@ -499,21 +499,28 @@ if triton is not None:
             tl.store(out_ptr + (offs.to(tl.int64)[:, None] * NROWS + r) * dim + cols[None, :], v, mask=mask)
 
     @triton.jit
-    def _hidden_kernel(x_ptr, fc1_ptr, out_ptr, B, dim, r, BLOCK_B: tl.constexpr,
-                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-        # relu(x fc1^T): x (B, dim), fc1 (r, dim) -> (B, r) float32
+    def _linear_kernel(x_ptr, w_ptr, out_ptr, B, dim, n, row_stride, FMT: tl.constexpr,
+                       RELU: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_N: tl.constexpr,
+                       BLOCK_K: tl.constexpr):
+        # x (B, dim) -> out (B, n) float32 = x W^T (RELU: relu of it), W's rows `row_stride`
+        # apart (elements for plain rows, bytes for blocks) in FMT (`_rows`): program i takes
+        # rows i*BLOCK_N .. against every row of x. The predictor's first matrix (plain rows),
+        # and `triton_linear`'s matrices in a file's blocks for a batch's rows
         offs = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         rows = tl.arange(0, BLOCK_B)
+        rec = (offs.to(tl.int64) * row_stride)[:, None]
+        nm, bm = offs < n, rows < B
         acc = tl.zeros((BLOCK_B, BLOCK_N), dtype=tl.float32)
         for k0 in range(0, dim, BLOCK_K):
             cols = k0 + tl.arange(0, BLOCK_K)
-            x = tl.load(x_ptr + rows[:, None] * dim + cols[None, :],
-                        mask=(rows < B)[:, None] & (cols < dim)[None, :], other=0).to(tl.float32)
-            w = tl.load(fc1_ptr + offs.to(tl.int64)[:, None] * dim + cols[None, :],
-                        mask=(offs < r)[:, None] & (cols < dim)[None, :], other=0).to(tl.float32)
+            cm = cols < dim
+            x = tl.load(x_ptr + rows[:, None] * dim + cols[None, :], mask=bm[:, None] & cm[None, :],
+                        other=0).to(tl.float32)
+            w = _rows(w_ptr, rec, 0, cols[None, :], nm[:, None] & cm[None, :], dim // 32, FMT)
             acc += _mm_t(x, w, BLOCK_B)
-        tl.store(out_ptr + rows[:, None] * r + offs[None, :], tl.maximum(acc, 0.0),
-                 mask=(rows < B)[:, None] & (offs < r)[None, :])
+        if RELU:
+            acc = tl.maximum(acc, 0.0)
+        tl.store(out_ptr + rows[:, None] * n + offs[None, :], acc, mask=bm[:, None] & nm[None, :])
 
     @triton.jit
     def _logits_kernel(h_ptr, fc2_ptr, thr_ptr, logits_ptr, keep_ptr, idx_ptr, count_ptr,
@@ -744,8 +751,9 @@ def predict(x: torch.Tensor, fc1: torch.Tensor, fc2: torch.Tensor, threshold: fl
     dev = x.device
     block_b = 1 if B == 1 else max(16, _pow2(B))
     hidden = torch.empty(B, r, dtype=torch.float32, device=dev)
-    _hidden_kernel[(triton.cdiv(r, 32),)](x.contiguous(), fc1.contiguous(), hidden, B, dim, r,
-                                          BLOCK_B=block_b, BLOCK_N=32, BLOCK_K=BLOCK_K)
+    _linear_kernel[(triton.cdiv(r, 32),)](x.contiguous(), fc1.contiguous(), hidden, B, dim, r,
+                                          dim, FMT=PLAIN, RELU=True, BLOCK_B=block_b, BLOCK_N=32,
+                                          BLOCK_K=BLOCK_K)
     keep = torch.zeros(B, n, dtype=torch.bool, device=dev)
     idx = torch.empty(n, dtype=torch.int32, device=dev)
     count = torch.zeros(1, dtype=torch.int32, device=dev)

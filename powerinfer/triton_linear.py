@@ -11,8 +11,9 @@ parts of one type as one matrix, one launch):
   FFN kernels' `_gate_up_kernel` (each matrix row an ungated record of one row, all of them
   selected), split over the width, SPLIT_COLS columns a program, the partial sums added in
   float32: the bytes are read once, in runs, with no widened copy;
-- up to MAX_ROWS rows (a batch's decode step): `_linear_kernel`, each program a tile of matrix
-  rows dequantized in registers against every input row (`tl.dot`), the matrix read once;
+- up to MAX_ROWS rows (a batch's decode step): `triton_ffn._linear_kernel`, each program a tile
+  of matrix rows dequantized in registers against every input row (`tl.dot`), the matrix read
+  once;
 - more rows (a prompt): the matrix widened to float32 WIDEN_BYTES at a time (`_widen_kernel`),
   each slice multiplied by the rows in one matmul.
 The result is rounded once to the input's type, with the bias (in the model's type) added in
@@ -31,28 +32,6 @@ CODES = {"q4_0": T.Q4_0S, "q4_1": T.Q4_1S, "q8_0": T.Q8_0}  # their row codes in
 MAX_ROWS = T.MAX_ROWS  # up to this many input rows, the kernels; more are widened (a prompt)
 BLOCK_N, BLOCK_K = 16, 128  # `_linear_kernel`'s tile: matrix rows, columns a step
 WIDEN_BYTES = 8 << 20  # float32 rows a many-row step widens at a time
-
-if T.triton is not None:
-    from .triton_ffn import _mm_t, _rows, tl, triton
-
-    @triton.jit
-    def _linear_kernel(x_ptr, w_ptr, out_ptr, B, dim, n, row_bytes, FMT: tl.constexpr,
-                       BLOCK_B: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-        # x (B, dim) -> out (B, n) float32 = x W^T, W's rows `row_bytes` apart in FMT's blocks:
-        # program i takes rows i*BLOCK_N .. against every row of x
-        offs = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-        rows = tl.arange(0, BLOCK_B)
-        rec = (offs.to(tl.int64) * row_bytes)[:, None]
-        nm, bm = offs < n, rows < B
-        acc = tl.zeros((BLOCK_B, BLOCK_N), dtype=tl.float32)
-        for k0 in range(0, dim, BLOCK_K):
-            cols = k0 + tl.arange(0, BLOCK_K)
-            cm = cols < dim
-            x = tl.load(x_ptr + rows[:, None] * dim + cols[None, :], mask=bm[:, None] & cm[None, :],
-                        other=0).to(tl.float32)
-            w = _rows(w_ptr, rec, 0, cols[None, :], nm[:, None] & cm[None, :], dim // 32, FMT)
-            acc += _mm_t(x, w, BLOCK_B)
-        tl.store(out_ptr + rows[:, None] * n + offs[None, :], acc, mask=bm[:, None] & nm[None, :])
 
 
 def held_rows(rows: torch.Tensor, fmt: str) -> torch.Tensor:
@@ -84,9 +63,9 @@ def linear(x: torch.Tensor, rows: torch.Tensor, fmt: str, dim: int) -> torch.Ten
     x = x.contiguous()
     if B > 1:  # a batch's decode step: each tile of the matrix against every row
         out = torch.empty(B, n, dtype=torch.float32, device=x.device)
-        _linear_kernel[(T.triton.cdiv(n, BLOCK_N),)](
-            x, rows, out, B, dim, n, rb, FMT=f, BLOCK_B=max(16, T._pow2(B)), BLOCK_N=BLOCK_N,
-            BLOCK_K=BLOCK_K)
+        T._linear_kernel[(T.triton.cdiv(n, BLOCK_N),)](
+            x, rows, out, B, dim, n, rb, FMT=f, RELU=False, BLOCK_B=max(16, T._pow2(B)),
+            BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K)
         return out
     # the sums at [n, 2n) of a scratch row (the kernel's gate half, unused here)
     sums = torch.zeros(2 * n, dtype=torch.float32, device=x.device)

@@ -77,8 +77,9 @@ def variants():
             dict(NROWS=rows, ROW_BYTES=q4, FMT=fmt, DFMT=dfmt, BLOCK_N=T.BLOCK_N, BLOCK_K=T.BLOCK_K)
     # (the predictors' matrices in float32 beside a float32 model, else in its 16-bit type)
     for x, fc, block_b in (("*fp32", "*fp32", 1), ("*bf16", "*bf16", 1), ("*bf16", "*bf16", 16)):
-        yield "_hidden_kernel", dict(x_ptr=x, fc1_ptr=fc, out_ptr="*fp32", B=I32, dim=I32,
-                                     r=I32), dict(BLOCK_B=block_b, BLOCK_N=32, BLOCK_K=T.BLOCK_K)
+        yield "_linear_kernel", dict(x_ptr=x, w_ptr=fc, out_ptr="*fp32", B=I32, dim=I32, n=I32,
+                                     row_stride=I32), \
+            dict(FMT=T.PLAIN, RELU=True, BLOCK_B=block_b, BLOCK_N=32, BLOCK_K=T.BLOCK_K)
     for fc, block_b, select, store in (("*bf16", 1, True, False), ("*fp32", 16, True, True),
                                        ("*bf16", 16, False, True)):
         yield "_logits_kernel", dict(h_ptr="*fp32", fc2_ptr=fc, thr_ptr="*fp32",
@@ -88,8 +89,8 @@ def variants():
     yield "_kth_kernel", dict(logits_ptr="*fp32", thr_ptr="*fp32", n=I32, k=I32), dict(BLOCK=1024)
     for fmt, block_b in ((T.Q4_0S, 16), (T.Q4_1S, 64), (T.Q8_0, 32)):  # (a batch's decode rows)
         yield "_linear_kernel", dict(x_ptr="*bf16", w_ptr="*u8", out_ptr="*fp32", B=I32, dim=I32,
-                                     n=I32, row_bytes=I32), \
-            dict(FMT=fmt, BLOCK_B=block_b, BLOCK_N=TL.BLOCK_N, BLOCK_K=TL.BLOCK_K)
+                                     n=I32, row_stride=I32), \
+            dict(FMT=fmt, RELU=False, BLOCK_B=block_b, BLOCK_N=TL.BLOCK_N, BLOCK_K=TL.BLOCK_K)
     yield "_select_kernel", dict(logits_ptr="*fp32", thr_ptr="*fp32", keep_ptr="*i8",
                                  idx_ptr="*i32", count_ptr="*i32", B=I32, n=I32), \
         dict(BLOCK_B=8, BLOCK_N=64)
@@ -111,8 +112,7 @@ def attention_variants():
 
 
 def compile_one(name, args, constexprs, capability):
-    fn = getattr(TA if name == "_decode_attention_kernel" else TL if name == "_linear_kernel"
-                 else T, name)
+    fn = getattr(TA if name == "_decode_attention_kernel" else T, name)
     names = fn.arg_names
     assert set(names) == set(args) | set(constexprs), (name, set(names) ^ (set(args) | set(constexprs)))
     sig = {n: args.get(n, "constexpr") for n in names}
