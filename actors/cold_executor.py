@@ -49,6 +49,7 @@ class ColdExecutor:
                  head: bool = True, attention: bool = False):
         faulthandler.enable()  # a native crash (the CPU kernel) leaves its Python stack in the log
         pin(cores, threads)
+        kernels.hold(spec.isa)  # the model's instruction-set class
         self.spec, self.rank, self.cores = spec, rank, cores
         t0, c0 = time.perf_counter(), time.process_time()
         a, src, dtype = model.args, model.source, spec.torch_dtype  # the driver's table: no parse
@@ -88,6 +89,7 @@ class ColdExecutor:
     def ready(self) -> dict:
         return {"rank": self.rank, "cores": list(self.cores), "neurons": self.neurons,
                 "format": self.fmt or "torch", "pid": os.getpid(), "load_s": self.load_s,
+                "isa": kernels.isa(),
                 "load_cpu_s": self.load_cpu_s,
                 "held_bytes": held_bytes(*self.sets, *self._head(), *self.attn),
                 "head_rows": self.head_rows, "kv_heads": list(self.kv_heads),

@@ -101,7 +101,7 @@ class ActorGroup:
         chunk = c.prefill_chunk or self.max_seq
         self.spec = PlaneSpec.new(n, c.max_batch + 1, c.max_batch + 1 + chunk, self.max_seq,
                                   self.num_blocks + 1, c.block_size, self.args, c.torch_dtype,
-                                  self.spin_us)
+                                  self.spin_us, c.cpu_isa)
         self.spec.create_all()
         try:
             # with NUMA nodes advertised (`cluster.topology.numa_resources`), each actor's bundle

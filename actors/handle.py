@@ -39,7 +39,7 @@ from powerinfer.kv import BlockManager, describe, pool_blocks
 from powerinfer.errors import (EngineFailedError, InvalidRequestError, ModelLoadError,
                                OverloadedError, PowerInferError)
 from powerinfer.convert import kernel_ready
-from powerinfer.loader import load_checkpoint
+from powerinfer.loader import load_checkpoint, tensor_types
 from powerinfer.budget import plan_for
 from powerinfer.partial import dense_block
 from powerinfer.plan import SparsePlan
@@ -237,6 +237,8 @@ class ActorEngine:
         if config.cold_weights == "int4" and not four_bit:
             raise ModelLoadError(ckpt.path, "cold_weights='int4' needs a GGUF file with Q4_0/Q4_1 "
                                             "projections")
+        log.info("%s: %s; the file's tensors: %s", ckpt.path.name, config.summary(),
+                 tensor_types(ckpt.info))
         self.tokenizer = Tokenizer.from_source(ckpt.tokenizer_source)
         self.args, self.config, self.path = ckpt.args, config, ckpt.path
         self.model = ckpt.model_file()  # parsed once here; the executors read through it
@@ -339,6 +341,7 @@ class ActorEngine:
                 "cores": group.cores.describe() if group.cores else None,
                 "pids": {name: info.get("pid") for name, info in group.info.items()},
                 "nodes": {name: info.get("node_id") for name, info in group.info.items()},
+                "isa": {name: info["isa"] for name, info in group.info.items() if "isa" in info},
                 "actors": group.stats()}
 
     def shutdown(self):

@@ -248,6 +248,7 @@ class HotExecutor:
                  plan: SparsePlan, hot_share: float, attention: bool = False):
         faulthandler.enable()  # a native crash (the CPU kernel) leaves its Python stack in the log
         pin(cores, config.cpu_threads)
+        kernels.hold(spec.isa)  # the model's instruction-set class
         self.spec, self.cores, self.device = spec, cores, config.torch_device
         t0, c0 = time.perf_counter(), time.process_time()
         ckpt = model  # the driver's table of the file's tensors: nothing to parse here
@@ -373,7 +374,7 @@ class HotExecutor:
                 "head_rows": self.head_rows, "kv_heads": list(self.kv_heads),
                 "compiled": self.compiled, "native": self.native is not None,
                 "device": str(self.device), "pid": os.getpid(), "load_s": self.load_s,
-                "load_cpu_s": self.load_cpu_s, "node_id": node_id(),
+                "load_cpu_s": self.load_cpu_s, "node_id": node_id(), "isa": kernels.isa(),
                 **self._memory()}
 
     def _memory(self) -> dict:

@@ -197,13 +197,16 @@ class PlaneSpec:
     # device buffers (`device_buffers`), the host channels carry the headers and the masks'
     # copy for the cold executors
     device_predictor: bool = False
+    # the CPU kernel's instruction-set class every actor holds (`Config.cpu_isa`, resolved)
+    isa: str = "auto"
 
     @classmethod
     def new(cls, n_cold: int, batch: int, tokens: int, max_seq: int, num_blocks: int,
-            block_size: int, args, dtype: torch.dtype, spin_us: float = SPIN_US) -> "PlaneSpec":
+            block_size: int, args, dtype: torch.dtype, spin_us: float = SPIN_US,
+            isa: str = "auto") -> "PlaneSpec":
         spec = cls(os.getpid(), uuid.uuid4().hex[:8], n_cold, batch, tokens, max_seq, num_blocks,
                    block_size, args.dim, args.ffn_dim, args.vocab_size,
-                   str(dtype).removeprefix("torch."), spin_us)
+                   str(dtype).removeprefix("torch."), spin_us, isa=isa)
         for name in spec.capacities():
             spec.paths[name] = str(segment_path(spec.owner, spec.group, name))
         return spec

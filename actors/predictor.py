@@ -33,6 +33,7 @@ from .plane import DECODE, STOP, Masks, PlaneSpec, PredictorInput, receive, send
 class PredictorActor:
     def __init__(self, spec: PlaneSpec, cores: tuple[int, ...], plan: SparsePlan, threads: int = 0):
         pin(cores, threads)
+        kernels.hold(spec.isa)  # the model's instruction-set class
         self.spec, self.cores = spec, cores
         # on the hot executor's GPU where it shares it (`spec.device_predictor`), else the host
         self.device = torch.device("cuda" if spec.device_predictor else "cpu")
@@ -62,7 +63,7 @@ class PredictorActor:
     def ready(self) -> dict:
         return {"cores": list(self.cores), "input": self.input, "ranks": self.preds.ranks,
                 "device": str(self.device), "pid": os.getpid(), "node_id": node_id(),
-                "native": self.native is not None}
+                "native": self.native is not None, "isa": kernels.isa()}
 
     def _next(self) -> PredictorInput:
         """The next message this loop answers in Python (the native loop answers the others)."""

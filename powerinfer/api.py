@@ -1,6 +1,7 @@
 """The Python API: `PowerInfer.from_pretrained(name_or_path, config=Config(...))`."""
 from __future__ import annotations
 
+import logging
 import os
 import queue
 import threading
@@ -14,7 +15,8 @@ from .convert import kernel_ready
 from .batching import context_length
 from .engine import Engine, Event
 from .errors import ModelLoadError
-from .loader import DEFAULT_MODEL, Checkpoint, build_model, load_checkpoint, parsed_once
+from .loader import (DEFAULT_MODEL, Checkpoint, build_model, load_checkpoint, parsed_once,
+                     tensor_types)
 from .budget import plan_for
 from .kv import pool_blocks
 from .partial import keep_device_blocks, keep_kquant_blocks, keep_stored_blocks
@@ -23,6 +25,7 @@ from .sparse import offload_ffns
 from .runtimes import engine_class
 
 Messages = list[dict]
+log = logging.getLogger("powerinfer")
 
 
 class PowerInfer:
@@ -37,6 +40,9 @@ class PowerInfer:
     def __init__(self, checkpoint: Checkpoint, config: Config):
         config = config.resolve(bool(checkpoint.q4))  # already decided by from_pretrained
         self.config, self.checkpoint = config, checkpoint
+        kernels.hold(config.cpu_isa)
+        log.info("%s: %s; the file's tensors: %s", checkpoint.path.name, config.summary(),
+                 tensor_types(checkpoint.info))
         if config.cpu_threads:
             torch.set_num_threads(config.cpu_threads)
         if config.runtime != "local":  # its processes load the weights; this one tokenizes

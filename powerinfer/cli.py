@@ -7,7 +7,8 @@ import logging
 import sys
 import time
 
-from .config import Config
+from .config import DTYPE_HELP, ISA_HELP, Config
+from .kernels import ISAS
 from .errors import PowerInferError
 from .loader import DEFAULT_MODEL
 from .runtimes import add_commands
@@ -51,8 +52,8 @@ def main(argv: list[str] | None = None) -> int:
 def _model_args(p: argparse.ArgumentParser):
     p.add_argument("--model", "-m", default=DEFAULT_MODEL,
                    help=f"GGUF file, Hugging Face folder or installed model name (default {DEFAULT_MODEL})")
-    p.add_argument("--dtype", default="auto",
-                   help="auto (bf16 where the CPU has it, else fp32), float32 or bfloat16")
+    p.add_argument("--dtype", default="auto", help=DTYPE_HELP)
+    p.add_argument("--cpu-isa", default="auto", choices=["auto", *ISAS], help=ISA_HELP)
     p.add_argument("--threads", "-t", type=int, default=0, help="CPU threads (0: all)")
     p.add_argument("--ctx-size", "-c", "--ctx", dest="ctx", type=int, default=0,
                    help="positions a sequence may reach (0: the model's context)")
@@ -62,9 +63,9 @@ def _model_args(p: argparse.ArgumentParser):
                    help="memory of the paged KV cache (0: auto, from the host's free memory)")
     p.add_argument("--compile", action="store_true", help="torch.compile the decode step")
     p.add_argument("--weights", default="auto", choices=["auto", "dense", "int4"],
-                   help="int4: keep the file's Q4_0/Q4_1 weights 4-bit (bf16 on the CPU; on a "
-                        "GPU a sparse FFN's hot neurons, read by the Triton kernels); auto: int4 "
-                        "on the CPU where it runs")
+                   help="int4: keep the file's Q4_0/Q4_1 weights 4-bit (on a GPU a sparse "
+                        "FFN's hot neurons, read by the Triton kernels); auto: int4 on the CPU "
+                        "where the kernel runs")
     p.add_argument("--runtime", default="local", choices=["local", "actors"],
                    help="actors: the Ray actor runtime (scheduler, predictor, hot and cold executors)")
     p.add_argument("--bundle", "--predictor-path", dest="bundle", default="",
@@ -89,7 +90,8 @@ def _load(args):
     from .api import PowerInfer
 
     t0 = time.perf_counter()
-    config = Config(dtype=args.dtype, cpu_threads=args.threads, max_seq_len=args.ctx,
+    config = Config(dtype=args.dtype, cpu_isa=args.cpu_isa, cpu_threads=args.threads,
+                    max_seq_len=args.ctx,
                     max_batch=1, compile=args.compile, weights=args.weights, runtime=args.runtime,
                     bundle=args.bundle, cold_executors=args.cold_executors,
                     vram_budget_gb=args.vram_budget, kv_cache_gb=args.kv_cache_gb)

@@ -6,10 +6,19 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from . import kernels
+from .compat import native_bf16
 from .errors import ConfigError, InvalidRequestError
 from .grammar import Grammar
+from .kernels import ISAS
 
 MAX_LOGPROBS = 20
+# the command line's help for the two settings (`powerinfer generate`, `powerinfer serve`)
+DTYPE_HELP = ("auto (bf16 where the file's 4-bit blocks run on the CPU kernel or the CPU has "
+              "native bf16, else fp32), float32 or bfloat16")
+ISA_HELP = ("the CPU kernel's instruction-set class (auto: the best this CPU has; a lower one "
+            "runs an older CPU's paths)")
+INT4_DTYPES = ("bfloat16", "bf16", "float32", "fp32")  # the activations 4-bit weights run with
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
           "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
 
@@ -23,7 +32,9 @@ class Config:
     cpu_threads: torch intra-op threads for CPU work (0: all cores of this process; with
         runtime "actors", per actor, at most one per core it is pinned to).
     dtype: compute dtype: "float32" (the reference), "bfloat16", or "auto" (default: bfloat16
-        on a GPU or a CPU with native bf16 instructions, else float32).
+        on a GPU, on a CPU with native bf16 instructions, and wherever the file's 4-bit blocks
+        run on the CPU kernel (any `cpu_isa` class: its integer dot products never see the
+        activations' type, and bf16 halves the KV cache's bytes); else float32).
     device: "cpu", "cuda" or "auto" (cuda when available).
     max_seq_len: positions a sequence may reach (0: the model's own context; a value only
         lowers it).
@@ -56,9 +67,9 @@ class Config:
         share through CUDA IPC; CuPy needed) or "cpu" (on its own cores, over host memory).
         Without a GPU it runs on the CPU either way.
     weights: "dense", "int4" (a GGUF file's Q4_0/Q4_1 projections stay 4-bit, computed in
-        bf16 on the CPU; a sparse FFN's neurons keep the file's 4-bit blocks, their down rows
+        bf16 or float32 on the CPU (bf16 on a GPU); a sparse FFN's neurons keep the file's 4-bit blocks, their down rows
         8-bit; the output head is 8-bit), or "auto" (default: int4 on the CPU where it can run,
-        else dense). On a GPU, int4 keeps a sparse FFN's neurons in those records and the
+        else dense; dtype "float32" asked for is the dense reference). On a GPU, int4 keeps a sparse FFN's neurons in those records and the
         projections (attention's, a dense FFN's, an untied head) in the file's Q4_0/Q4_1/Q8_0
         blocks, read by the Triton kernels (the `gpu` extra); the placement counts them at
         those bytes (a 4-bit neuron about a third of bf16's, so about three times the hot
@@ -69,6 +80,13 @@ class Config:
         the host can run it, unless weights is "dense"). So a 4-bit file's cold neurons stay
         4-bit in host memory and are read as such, whatever the GPU holds.
     cold_executors: cold-neuron executor actors (runtime "actors").
+    cpu_isa: the instruction-set class the CPU kernel runs at, and that "auto" decides by:
+        "auto" (the best this CPU has), or "avx2", "avx512", "avx512bf16" (each a superset of
+        the one before) to hold it to a lower class than the CPU has (how a newer CPU runs, and
+        tests, the paths of an older one; a class above the CPU's is a ConfigError at load).
+        One class a process: the last model loaded sets it (the actor runtime's processes get
+        the model's). torch's own operators keep the CPU's instructions (ATEN_CPU_CAPABILITY and
+        ONEDNN_MAX_CPU_ISA, set before the process starts, hold those).
     cores: the cores the actor group's executors are planned on, as a cpulist ("0-15,32")
         (runtime "actors"; "": every core this process may use). Give each model of a host its
         own set (`powerinfer plan` lays them out) and their groups do not share cores.
@@ -103,6 +121,7 @@ class Config:
     max_ppl_increase: float = 0.02
     cores: str = ""
     resources: tuple = ()
+    cpu_isa: str = "auto"
 
     def __post_init__(self):
         if self.dtype not in DTYPES and self.dtype != "auto":
@@ -127,10 +146,13 @@ class Config:
             if getattr(self, name) not in ("dense", "int4", "auto"):
                 raise ConfigError(f"{name} must be 'dense', 'int4' or 'auto', got "
                                   f"{getattr(self, name)!r}")
-        if self.cold_weights == "int4" and DTYPES.get(self.dtype) not in (torch.bfloat16, None):
-            raise ConfigError("cold_weights='int4' runs in bfloat16: set dtype='bfloat16' or 'auto'")
-        if self.weights == "int4" and DTYPES.get(self.dtype) != torch.bfloat16:
-            raise ConfigError("weights='int4' runs in bfloat16: set dtype='bfloat16'")
+        for name in ("weights", "cold_weights"):
+            if getattr(self, name) == "int4" and self.dtype not in ("auto", *INT4_DTYPES):
+                raise ConfigError(f"{name}='int4' runs in bfloat16 or float32, got dtype "
+                                  f"{self.dtype!r}")
+        if self.cpu_isa not in ("auto", *ISAS):
+            raise ConfigError(f"cpu_isa must be 'auto' or one of {', '.join(ISAS)}, got "
+                              f"{self.cpu_isa!r}")
         if self.max_batch < 1:
             raise ConfigError("max_batch must be >= 1")
         if self.block_size not in (16, 32, 64):
@@ -147,26 +169,40 @@ class Config:
 
     def resolve(self, has_q4: bool) -> "Config":
         """This configuration with "auto" decided for this machine and a model file (has_q4:
-        it has Q4_0/Q4_1 projections): the fastest setting that needs no warm-up."""
-        from .compat import native_bf16
-
+        it has Q4_0/Q4_1 projections): the fastest setting that needs no warm-up. `cpu_isa`
+        becomes the class the kernel runs at (`kernels.cpu_class`), which decides the rest: the
+        4-bit path on every class (AVX2 `maddubs`, AVX-512, VNNI), in bf16, where the file has
+        it; bf16 dense where bf16 is native (avx512bf16), float32 dense elsewhere."""
+        isa = kernels.cpu_class(self.cpu_isa)  # "none": the kernel does not run here
         on_gpu = self.device == "cuda" or (self.device == "auto" and torch.cuda.is_available())
+        native = isa == "avx512bf16" or (isa == "none" and native_bf16())
+        host_int4 = has_q4 and isa != "none"  # 4-bit blocks the CPU kernel keeps
         dtype = self.dtype
         if dtype == "auto":
-            dtype = "bfloat16" if on_gpu or native_bf16() else "float32"
+            four_bit = host_int4 and "dense" not in (self.weights, self.cold_weights)
+            dtype = "bfloat16" if on_gpu or native or four_bit else "float32"
         weights = self.weights
-        host_int4 = has_q4 and DTYPES[dtype] == torch.bfloat16  # 4-bit blocks the kernel can keep
-        if weights == "auto":
-            weights = "int4" if host_int4 and not on_gpu else "dense"
+        if weights == "auto":  # (float32 asked for: the dense reference)
+            weights = "int4" if host_int4 and self.dtype != "float32" and not on_gpu else "dense"
+        if on_gpu and weights == "int4" and dtype != "bfloat16":
+            raise ConfigError(f"weights='int4' runs in bfloat16 on a GPU, got dtype {dtype!r}")
         cold = self.cold_weights
         if cold == "auto":  # the host's share: int4 beside a GPU too, unless dense was asked for
             beside_gpu = on_gpu and self.runtime == "actors"
-            cold = "int4" if beside_gpu and host_int4 and native_bf16() and self.weights != "dense" \
-                else weights
-        if cold == "int4" and DTYPES[dtype] != torch.bfloat16:
-            raise ConfigError("cold_weights='int4' runs in bfloat16, and this configuration "
-                              f"resolves to {dtype}: set dtype='bfloat16'")
-        return replace(self, dtype=dtype, weights=weights, cold_weights=cold)
+            cold = "int4" if beside_gpu and host_int4 and self.weights != "dense" \
+                and self.dtype != "float32" else weights
+        return replace(self, dtype=dtype, weights=weights, cold_weights=cold,
+                       cpu_isa=self.cpu_isa if isa == "none" else isa)
+
+    def summary(self) -> str:
+        """What a resolved configuration runs, in one line for the load's log: the CPU kernel's
+        class, the activations' type, the weights (and the cold executors' where they differ)."""
+        where = "a GPU" if self.device != "cpu" else "the CPU"
+        line = (f"on {where}, CPU kernel {self.cpu_isa}, {self.dtype} activations, "
+                f"{self.weights} weights")
+        if self.runtime == "actors" and self.cold_weights != self.weights:
+            line += f" ({self.cold_weights} in the cold executors)"
+        return line
 
     @property
     def torch_device(self) -> torch.device:

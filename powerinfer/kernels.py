@@ -37,6 +37,7 @@ from pathlib import Path
 import torch
 from gguf import GGMLQuantizationType
 from . import kquants
+from .errors import ConfigError
 
 log = logging.getLogger("powerinfer")
 
@@ -190,6 +191,36 @@ def available() -> bool:
 def isa() -> str:
     """The instruction set the kernel runs with here ("avx512", "avx2"), or "none"."""
     return torch.ops.powerinfer.isa() if available() else "none"
+
+
+def best_isa() -> str:
+    """The best instruction set this CPU offers the kernel, or "none"."""
+    return torch.ops.powerinfer.best_isa() if available() else "none"
+
+
+def cpu_class(cap: str = "auto") -> str:
+    """The instruction-set class the kernel runs at when held to `cap` ("auto": the best this
+    CPU has; else one of ISAS): "none" where the kernel does not run here; a ConfigError for a
+    class this CPU lacks."""
+    best = best_isa()
+    if cap == "auto" or best == "none":
+        if cap != "auto":
+            raise ConfigError(f"cpu_isa={cap!r}: the CPU kernel does not run here (it needs an "
+                              "x86 CPU with AVX2 and FMA, and g++ to build it)")
+        return best
+    if cap not in ISAS:
+        raise ConfigError(f"cpu_isa must be 'auto' or one of {', '.join(ISAS)}, got {cap!r}")
+    if ISAS.index(cap) > ISAS.index(best):
+        raise ConfigError(f"cpu_isa={cap!r}: this CPU runs at most {best!r}")
+    return cap
+
+
+def hold(cap: str = "auto") -> str:
+    """Run the kernel at `cpu_class(cap)` in this process from now on; returns that class."""
+    got = cpu_class(cap)
+    if got != "none":
+        torch.ops.powerinfer.use_isa(got)
+    return got
 
 
 # the native loops' phases (csrc/ops.cpp, prof::Phase), in order: `hot_layers`' ...

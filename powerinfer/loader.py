@@ -207,6 +207,12 @@ def load_checkpoint(name_or_path: str | Path, dtype: torch.dtype = torch.float32
         raise ModelLoadError(path, f"{type(e).__name__}: {e}") from e
 
 
+def tensor_types(info: dict) -> str:
+    """A checkpoint's tensor types with their counts, most first ("Q4_1 210, F32 61, Q8_0 1")."""
+    types = sorted(info.get("tensor_types", {}).items(), key=lambda kv: -kv[1])
+    return ", ".join(f"{k} {v}" for k, v in types) or "unknown"
+
+
 def build_model(ck: Checkpoint, dtype: torch.dtype, device="cpu"):
     """The dense model and the tokenizer of a loaded checkpoint (its weights are moved into the
     model); a file whose tensors do not fit the architecture is a ModelLoadError."""

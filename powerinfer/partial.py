@@ -221,7 +221,7 @@ def read_head(src: TensorSource, a: ModelArgs, lo: int, hi: int, dtype: torch.dt
     if fmt is not None:
         return stored_head(src.raw_rows(name, idx), fmt, a.dim)
     weight = src.rows(name, idx, dtype)
-    if kernels.usable(weight) and dtype == torch.bfloat16:
+    if kernels.usable(weight) and (int4 or dtype == torch.bfloat16):
         return kernel_head(weight, "q8_0" if int4 else "bf16")
     lin = nn.Linear(a.dim, hi - lo, bias=False, device="meta")
     lin.weight = nn.Parameter(weight, requires_grad=False)

@@ -61,7 +61,8 @@ def q4_split(kind: str, n: int, k: int, data: np.ndarray) -> tuple[np.ndarray, n
 
 
 class Int4Linear(nn.Module):
-    """y = x W^T (+ b) with W stored as packed int4 groups of 32; x: (..., K) bfloat16."""
+    """y = x W^T (+ b) with W stored as packed int4 groups of 32; x: (..., K), computed in
+    bfloat16."""
 
     def __init__(self, q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor,
                  bias: torch.Tensor | None):
@@ -76,11 +77,11 @@ class Int4Linear(nn.Module):
         self.bias = None if bias is None else nn.Parameter(bias.to(torch.bfloat16), requires_grad=False)
 
     def forward(self, x):
-        shape = x.shape
-        y = torch._weight_int4pack_mm_for_cpu(x.reshape(-1, shape[-1]), self.packed, GROUP,
-                                              self.scales_zeros)
-        y = y.view(*shape[:-1], self.out_features)
-        return y if self.bias is None else y + self.bias
+        shape = x.shape  # (torch's kernel takes bf16: float32 activations are rounded to it)
+        y = torch._weight_int4pack_mm_for_cpu(x.reshape(-1, shape[-1]).bfloat16(), self.packed,
+                                              GROUP, self.scales_zeros)
+        y = y.view(*shape[:-1], self.out_features).to(x.dtype)
+        return y if self.bias is None else y + self.bias.to(x.dtype)
 
 
 class Q4Linear(nn.Module):
@@ -251,7 +252,8 @@ def apply_kernel_linears(model: "Transformer", head: str = "bf16") -> int:
             if bf16(m):
                 setattr(owner, attr, KernelLinear(m.weight.detach(), m.bias, "bf16"))
                 done += 1
-    if bf16(model.output):
+    # (an 8-bit head with float32 activations too: int4's, which keeps no float matrix)
+    if bf16(model.output) or (head == "q8_0" and isinstance(model.output, nn.Linear)):
         w, b = model.output.weight.detach(), model.output.bias
         model.output = kernel_head(w, head) if b is None else KernelLinear(w, b, head)
         done += 1

@@ -17,7 +17,9 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
+from powerinfer.config import DTYPE_HELP, ISA_HELP
 from powerinfer.errors import ConfigError
+from powerinfer.kernels import ISAS
 from powerinfer.loader import DEFAULT_MODEL
 
 from .settings import ServeSettings
@@ -208,8 +210,8 @@ def add_command(sub):
                    help="require 'Authorization: Bearer KEY' (default: $POWERINFER_API_KEY)")
     p.add_argument("--cold-executors", type=int, default=1)
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda", "auto"])
-    p.add_argument("--dtype", default="auto",
-                   help="auto (bf16 where the CPU has it, else fp32), float32 or bfloat16")
+    p.add_argument("--dtype", default="auto", help=DTYPE_HELP)
+    p.add_argument("--cpu-isa", default="auto", choices=["auto", *ISAS], help=ISA_HELP)
     p.add_argument("--threads", type=int, default=0, help="CPU threads per actor (0: its cores)")
     p.add_argument("--ctx", type=int, default=0,
                    help="positions a sequence may reach (0: the model's context)")
@@ -246,7 +248,8 @@ def _run(args) -> int:
         name = args.name or (Path(model).stem if Path(model).exists() else model)
         d = {"models": [dict(name=name, model=model, bundle=args.bundle,
                              cold_executors=args.cold_executors, device=args.device,
-                             dtype=args.dtype, cpu_threads=args.threads, max_seq_len=args.ctx,
+                             dtype=args.dtype, cpu_isa=args.cpu_isa,
+                             cpu_threads=args.threads, max_seq_len=args.ctx,
                              max_batch=args.max_batch, max_queue=args.max_queue,
                              kv_cache_gb=args.kv_cache_gb, prefix_cache=args.prefix_cache,
                              prefill_chunk=args.prefill_chunk,

@@ -26,6 +26,7 @@ class ModelSpec:
     cold_executors: int = 1
     device: str = "cpu"
     dtype: str = "auto"
+    cpu_isa: str = "auto"  # the CPU kernel's instruction-set class (`Config.cpu_isa`)
     max_batch: int = 64
     max_queue: int = 256
     max_seq_len: int = 0
@@ -63,7 +64,8 @@ class ModelSpec:
         """The runtime configuration of replica `replica` (Serve's local rank on its node):
         with several replicas each takes its own slice of the model's cores."""
         return Config(runtime="actors", bundle=self.bundle, cold_executors=self.cold_executors,
-                      device=self.device, dtype=self.dtype, max_batch=self.max_batch,
+                      device=self.device, dtype=self.dtype, cpu_isa=self.cpu_isa,
+                      max_batch=self.max_batch,
                       max_queue=self.max_queue, max_seq_len=self.max_seq_len,
                       kv_cache_gb=self.kv_cache_gb, prefix_cache=self.prefix_cache,
                       prefill_chunk=self.prefill_chunk, prefill_pace=self.prefill_pace,

@@ -6,13 +6,17 @@ import pytest
 import torch
 
 from checkpoints import build_hf_model, llama_family_config, write_llama_gguf
+from greedy import assert_same_or_near_tie
 from powerinfer import Config, PowerInfer
+from powerinfer.errors import ConfigError
 from powerinfer.compat import gguf_reader
 from powerinfer.loader import dequantize
 from powerinfer import kernels
 from powerinfer.quant import Int4Linear, Q4Linear, q4_blocks
 
 FOUR_BIT = (Int4Linear, Q4Linear)
+CPU_CLASSES = kernels.ISAS[:kernels.ISAS.index(kernels.best_isa()) + 1] \
+    if kernels.available() else []  # every class this CPU runs
 
 Q = gguf.GGMLQuantizationType
 
@@ -68,9 +72,9 @@ def test_int4_model_tracks_dense_model(q4_file):
     assert (a - b).abs().max() <= 0.03 * a.abs().max()
 
 
-def test_int4_needs_bf16_and_4bit_weights(tmp_path):
-    with pytest.raises(ValueError, match="bfloat16"):
-        Config(weights="int4")
+def test_int4_needs_bf16_or_float32_and_4bit_weights(tmp_path):
+    with pytest.raises(ValueError, match="bfloat16 or float32"):
+        Config(weights="int4", dtype="float16")
     cfg = llama_family_config(hidden_size=64, intermediate_size=128, num_hidden_layers=1,
                               num_attention_heads=4, num_key_value_heads=2)
     path = tmp_path / "f32.gguf"
@@ -90,16 +94,49 @@ def test_int4_real_model_answers_and_agrees_with_dense():
     assert "Paris" in int4.generate("The capital of France is", max_new_tokens=8, temperature=0)
 
 
-def test_defaults_are_the_fastest_setting_without_warm_up():
-    from powerinfer.compat import native_bf16
+@pytest.mark.parametrize("isa", CPU_CLASSES)
+def test_defaults_are_the_fastest_setting_without_warm_up(isa, caplog):
+    # on every class the kernel builds for (held to each below this CPU's best), a 4-bit file
+    # runs its blocks with bf16 activations (measured fastest on AVX2 as well as with native bf16,
+    # BENCHMARKS.md); a file with nothing 4-bit runs bf16 where bf16 is native, else float32
+    at = lambda **kw: Config(cpu_isa=isa, **kw).resolve(has_q4=True)  # noqa: E731
+    assert (at().dtype, at().weights, at().cpu_isa) == ("bfloat16", "int4", isa)
+    plain = Config(cpu_isa=isa).resolve(has_q4=False)
+    assert (plain.dtype, plain.weights) == ("bfloat16" if isa == "avx512bf16" else "float32", "dense")
+    assert at(runtime="actors").weights == "int4"  # the actor runtime runs int4 too
+    assert at(dtype="float32").weights == "dense"  # the reference, asked for
+    assert at(weights="dense").dtype == plain.dtype  # dense asked for: as a plain file
+    with caplog.at_level("INFO", logger="powerinfer"):
+        pi = PowerInfer.from_pretrained(config=Config(cpu_isa=isa))  # the default model, Q4_1
+    assert (pi.config.dtype, pi.config.weights, pi.config.compile) == ("bfloat16", "int4", False)
+    assert kernels.isa() == isa  # the process runs the class asked for
+    assert any(isinstance(m, FOUR_BIT) for m in pi.model.modules())
+    # the load's log line says what it runs
+    assert f"CPU kernel {isa}, bfloat16 activations, int4 weights" in caplog.text
+    assert "Q4_1 210" in caplog.text
 
-    fast = "bfloat16" if native_bf16() else "float32"
-    assert (Config().resolve(has_q4=True).dtype, Config().resolve(has_q4=True).weights) == \
-        (fast, "int4" if fast == "bfloat16" else "dense")
-    assert Config().resolve(has_q4=False).weights == "dense"  # nothing 4-bit to keep
-    assert Config(runtime="actors").resolve(has_q4=True).weights == \
-        Config().resolve(has_q4=True).weights  # the actor runtime runs int4 too
-    assert Config(dtype="float32").resolve(has_q4=True).weights == "dense"  # the reference
-    pi = PowerInfer.from_pretrained()  # the default model, a Q4_1 file
-    assert pi.config.dtype == fast and pi.config.compile is False
-    assert any(isinstance(m, FOUR_BIT) for m in pi.model.modules()) == (fast == "bfloat16")
+
+def test_a_class_the_cpu_lacks_is_refused_at_load():
+    with pytest.raises(ConfigError, match="cpu_isa"):
+        Config(cpu_isa="avx1024")
+    above = kernels.ISAS[kernels.ISAS.index(kernels.best_isa()) + 1:]
+    if not above:
+        pytest.skip("this CPU runs every class the kernel builds for")
+    with pytest.raises(ConfigError, match=f"runs at most {kernels.best_isa()!r}"):
+        Config(cpu_isa=above[0]).resolve(has_q4=True)
+
+
+@pytest.mark.parametrize("isa", CPU_CLASSES)
+def test_float32_activations_over_4_bit_weights(default_model_path, isa):
+    # float32 activations with the file's 4-bit blocks (asked for): the kernel's integer dot
+    # products are the same, so the same greedy tokens as bf16 activations up to near ties, and
+    # the KV cache is float32
+    ref = PowerInfer.from_pretrained(config=Config(cpu_isa=isa, max_batch=1, max_seq_len=256))
+    f32 = PowerInfer.from_pretrained(config=Config(cpu_isa=isa, dtype="float32", weights="int4",
+                                                   max_batch=1, max_seq_len=256))
+    assert any(isinstance(m, FOUR_BIT) for m in f32.model.modules())
+    assert f32.model.layers[0].attn.kv_cache.k.dtype == torch.float32
+    ids = f32.tokenize("Water boils at a temperature of")
+    want = [e.token for e in ref._run([ids], 16, dict(temperature=0, ignore_eos=True))]
+    got = [e.token for e in f32._run([ids], 16, dict(temperature=0, ignore_eos=True))]
+    assert_same_or_near_tie(ref, ids, want, got, 0.5)

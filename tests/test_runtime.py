@@ -228,15 +228,16 @@ def test_cold_executors_keep_the_files_blocks_beside_a_dense_hot_executor(ray_cl
 
 def test_cold_weights_follow_the_host(monkeypatch, tmp_path):
     # the cold executors' weights: as `weights` on a CPU; beside a GPU (which widens a 4-bit
-    # file), the file's 4-bit blocks where the host runs bf16 natively, unless dense was asked
-    # for; the in-process engine has no cold executors
-    from powerinfer import compat
+    # file), the file's 4-bit blocks wherever the host's kernel runs, on every class, unless
+    # dense was asked for; the in-process engine has no cold executors
+    from powerinfer import kernels
     from powerinfer.errors import ConfigError
-    for native in (True, False):
-        monkeypatch.setattr(compat, "native_bf16", lambda native=native: native)
-        gpu = Config(runtime="actors", device="cuda").resolve(has_q4=True)
-        assert (gpu.dtype, gpu.weights, gpu.cold_weights) == \
-            ("bfloat16", "dense", "int4" if native else "dense")
+    for isa in kernels.ISAS[:kernels.ISAS.index(kernels.best_isa()) + 1]:
+        gpu = Config(runtime="actors", device="cuda", cpu_isa=isa).resolve(has_q4=True)
+        assert (gpu.dtype, gpu.weights, gpu.cold_weights) == ("bfloat16", "dense", "int4")
+    monkeypatch.setattr(kernels, "best_isa", lambda: "none")  # a host the kernel cannot run on
+    gpu = Config(runtime="actors", device="cuda").resolve(has_q4=True)
+    assert (gpu.dtype, gpu.weights, gpu.cold_weights) == ("bfloat16", "dense", "dense")
     monkeypatch.undo()
     assert Config(runtime="actors", device="cuda").resolve(has_q4=False).cold_weights == "dense"
     assert Config(runtime="actors", device="cuda", weights="dense").resolve(True).cold_weights == "dense"
@@ -245,8 +246,8 @@ def test_cold_weights_follow_the_host(monkeypatch, tmp_path):
     assert cpu.cold_weights == cpu.weights
     assert Config(runtime="actors", weights="dense", cold_weights="int4",
                   dtype="bfloat16").resolve(True).cold_weights == "int4"
-    with pytest.raises(ConfigError, match="cold_weights='int4' runs in bfloat16"):
-        Config(cold_weights="int4", dtype="float32")
+    with pytest.raises(ConfigError, match="cold_weights='int4' runs in bfloat16 or float32"):
+        Config(cold_weights="int4", dtype="float16")
     with pytest.raises(ConfigError, match="cold_weights must be"):
         Config(cold_weights="int8")
     # asked for on a file with nothing 4-bit: named at load, before any actor starts

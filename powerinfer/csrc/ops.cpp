@@ -43,6 +43,7 @@ static const std::string BEST = pick_isa();
 static std::string ISA = BEST;
 
 static std::string isa() { return ISA; }
+static std::string best_isa() { return BEST; }
 
 static int64_t rank(const std::string& isa) {
   return std::find(ISAS.begin(), ISAS.end(), isa) - ISAS.begin();
@@ -1238,6 +1239,7 @@ TORCH_LIBRARY(powerinfer, m) {
   m.def("loop_profile", &powerinfer::loop_profile);
   m.def("isa", &powerinfer::isa);
   m.def("use_isa", &powerinfer::use_isa);
+  m.def("best_isa", &powerinfer::best_isa);
 }
 
 TORCH_LIBRARY_IMPL(powerinfer, CPU, m) {
