@@ -109,6 +109,37 @@ def uniform_llama(a: ModelArgs, dtype: torch.dtype) -> bool:
             or a.learned_pos) and a.head_dim % 16 == 0 and dtype in (torch.float32, torch.bfloat16))
 
 
+def native_model(a: ModelArgs, dtype: torch.dtype) -> bool:
+    """Whether `hot_layers` runs this model's layers in process: as `uniform_llama`, and also
+    with each layer's own variants (`layer_variants`: Gemma 3's post-norms, sliding windows and
+    local RoPE table, q/k norms)."""
+    return (kernels.available() and not (a.parallel or a.layer_norm or a.learned_pos)
+            and a.head_dim % 16 == 0 and dtype in (torch.float32, torch.bfloat16))
+
+
+VARIANTS = ("qk_norms", "post_norms", "layer_cos", "layer_sin", "layer_window")  # their order
+
+
+def layer_variants(model: Transformer, dtype: torch.dtype) -> dict | None:
+    """`hot_layers`' keyword arguments for the layers' own variants (none for a uniform model):
+    q/k norms and post-norms two a layer (an empty tensor where a layer has none), each layer's
+    RoPE table and window; None where a norm is not one the loop computes (`rms_weight`)."""
+    a, out = model.args, {}
+    for key, on, pairs in (("qk_norms", a.qk_norm, lambda b: (b.attn.q_norm, b.attn.k_norm)),
+                           ("post_norms", a.post_norms, lambda b: (b.post_attn_norm, b.post_ffn_norm))):
+        if on:
+            ws = [rms_weight(n, dtype) for b in model.layers for n in pairs(b)]
+            if any(w is None for w in ws):
+                return None
+            out[key] = ws
+    if not a.uniform:
+        local = [a.local(i) for i in range(a.n_layers)]
+        out["layer_cos"] = [model.rope_cos_local if x else model.rope_cos for x in local]
+        out["layer_sin"] = [model.rope_sin_local if x else model.rope_sin for x in local]
+        out["layer_window"] = [a.window(i) for i in range(a.n_layers)]
+    return out
+
+
 def rms_weight(norm: nn.Module, dtype: torch.dtype) -> torch.Tensor | None:
     """An RMSNorm's weight where the loop computes it as the module does (`Norm` in the model's
     type), else None."""
@@ -124,8 +155,10 @@ class NativeDecode:
     process), `layers` its per-layer ones (norms, eps, the FFN and attention entries' columns,
     heads, RoPE tables, window, scale)."""
 
-    def __init__(self, model: Transformer, exchange: tuple, layers: tuple):
-        self.model, self.args = model, (*exchange, *layers)
+    def __init__(self, model: Transformer, exchange: tuple, layers: tuple, variants: dict | None = None):
+        # (the layers' variants: none where the caller gives none)
+        variants = {k: [] for k in VARIANTS} | (variants or {})
+        self.model, self.args = model, (*exchange, *layers, *(variants[k] for k in VARIANTS))
         # a predictor actor's masks read in the loop (the hot executor's `predict`): at most the
         # kernel's rows a step, the modules' path past them
         self.masked = bool(exchange[6])
@@ -147,15 +180,18 @@ class NativeDecode:
         """The in-process engine's: a whole model on the CPU whose every layer `hot_layers` runs
         (its full attention, a dense FFN of 16-row groups), else None."""
         a, dtype = model.args, model.norm.weight.dtype
-        if model.norm.weight.device.type != "cpu" or not uniform_llama(a, dtype) or \
+        if model.norm.weight.device.type != "cpu" or not native_model(a, dtype) or \
                 getattr(model, "rope_cos", None) is None or model.rope_cos.dtype != torch.float32:
+            return None
+        variants = layer_variants(model, dtype)
+        if variants is None:
             return None
         # a sparse layer (`HybridFFN`) holds its FFN norm, the block an identity in its place
         layers = layer_args(a, dtype, [(b.attn_norm, b.ffn.norm if isinstance(b.ffn, HybridFFN) else b.ffn_norm,
                                         b.ffn, 0.0, b.attn) for b in model.layers],
                             model.layers[0].attn.n_heads, model.rope_cos, model.rope_sin)
         exchange = (0, 0, [], [], 0.0, [0, 0, 0], [], None)  # no channels, no executors, no predictor
-        return None if layers is None else cls(model, exchange, layers)
+        return None if layers is None else cls(model, exchange, layers, variants)
 
     def __call__(self, tokens, pos, kv: KVTables, last):
         # tokens (B, 1): a decode step; (1, N): a prompt step (its chunks and decode rows, as the

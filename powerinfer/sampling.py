@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 
+import numpy as np
 import torch
 
 from .config import SamplingParams
@@ -22,10 +23,14 @@ def apply_repetition_penalty(logits: torch.Tensor, history: list[int], p: Sampli
 def sample(logits: torch.Tensor, p: SamplingParams, history: list[int],
            generator: torch.Generator | None) -> int:
     """Pick the next token from one row of logits (V,)."""
+    if p.greedy and (p.repetition_penalty == 1.0 or not history):
+        # numpy's argmax (the same first maximum, NaN first as torch's): torch's took 530 us
+        # over Gemma 3's 262,144 logits, numpy's 37 us
+        return int(np.argmax(logits.float().numpy()))
     logits = logits.float().clone()
     apply_repetition_penalty(logits, history, p)
     if p.greedy:
-        return int(logits.argmax())
+        return int(np.argmax(logits.numpy()))
     if 0 < p.top_k < logits.numel():
         vals, idx = logits.topk(p.top_k)  # sorted, largest first
     else:

@@ -353,8 +353,13 @@ static at::Tensor linear_x16(const at::Tensor& x, const at::Tensor& w, int64_t n
 // rms_norm computes it (in float, rounded once at the end). One call in place of torch's
 // several: a decode step normalizes two rows of a few hundred values per layer, and dispatching
 // the ops cost more than their arithmetic (2.2 against 10.1 us for one row of 576 in bf16).
-template <typename T>
-static void rms_rows(const T* x, const T* w, T* y, int64_t dim, double eps, int64_t begin, int64_t end) {
+inline float round_bf16(float v) { return (float)c10::BFloat16(v); }
+
+// (also x and y float32 holding values of w's type, bf16 (`round`: each result rounded to it) or
+// float: the values the model's type would hold, with no copies to that type and back)
+template <typename T, typename W = T, typename Y = T>
+static void rms_rows(const T* x, const W* w, Y* y, int64_t dim, double eps, int64_t begin, int64_t end,
+                     bool round = false) {
   for (int64_t i = begin; i < end; i++) {
     const T* xi = x + i * dim;
     T* yi = y + i * dim;
@@ -368,8 +373,21 @@ static void rms_rows(const T* x, const T* w, T* y, int64_t dim, double eps, int6
     for (; j < dim; j++) s[0] += (float)xi[j] * (float)xi[j];
     const float ss = ((s[0] + s[1]) + (s[2] + s[3])) + ((s[4] + s[5]) + (s[6] + s[7]));
     const float r = 1.0f / std::sqrt(ss / (float)dim + (float)eps);
-    for (j = 0; j < dim; j++) yi[j] = (T)((float)xi[j] * r * (float)w[j]);
+    for (j = 0; j < dim; j++) {
+      const float v = (float)xi[j] * r * (float)w[j];
+      yi[j] = round ? (Y)round_bf16(v) : (Y)v;
+    }
   }
+}
+
+// rms_rows over `rows` rows of x (float32, values of w's type), in place, with w (dim,) bf16 or
+// float32: rms_norm of x held in w's type, without the copies.
+static void rms_in_place(float* x, const at::Tensor& w, int64_t rows, double eps) {
+  const int64_t dim = w.numel();
+  if (w.scalar_type() == at::kBFloat16)
+    rms_rows<float, at::BFloat16, float>(x, w.data_ptr<at::BFloat16>(), x, dim, eps, 0, rows, true);
+  else
+    rms_rows<float, float, float>(x, w.data_ptr<float>(), x, dim, eps, 0, rows);
 }
 
 static at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps) {
@@ -745,8 +763,6 @@ static at::Tensor ch_recv(const at::Tensor& like, at::Tensor& state, int64_t bas
   return out;
 }
 
-inline float round_bf16(float v) { return (float)c10::BFloat16(v); }
-
 // h = act(gate, up) over pre-activations from the model's projection (rounded to bf16 first
 // where the model computes in bf16), each step rounded as torch rounds a bf16 tensor op's
 // result: the values a block slice's Python path computes.
@@ -856,9 +872,13 @@ static at::Tensor ffn_step(const Kernels& k, const ColdLayers& L, int64_t layer,
   at::Tensor h = at::empty({rows, kk}, x.options().dtype(at::kFloat));
   const float* yp = y1.data_ptr<float>();
   float* hp = h.data_ptr<float>();
-  for (int64_t r = 0; r < rows; r++)
-    for (int64_t j = 0; j < kk; j++)
-      hp[r * kk + j] = activation(act, gated ? yp[r * n + j] : 0.0f, yp[r * n + (gated ? kk + j : j)], bf16);
+  // over the threads: a GELU's tanh a value costs about what its rows' GEMV does (Gemma 3)
+  at::parallel_for(0, rows * kk, 256, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; i++) {
+      const int64_t r = i / kk, j = i % kk;
+      hp[i] = activation(act, gated ? yp[r * n + j] : 0.0f, yp[r * n + (gated ? kk + j : j)], bf16);
+    }
+  });
   return project(k, h, L.ffn_w2[layer], L.ffn_down_fmt[layer], dim);
 }
 
@@ -874,13 +894,22 @@ static at::Tensor loop_profile(int64_t mode) {
   return out;
 }
 
+// A layer's q/k norms (Qwen3, Gemma 3): each head's q and k through RMSNorm with these weights
+// (D,) of the model's type, as `qk_norm` computes them.
+struct QKNorms {
+  const at::Tensor& q;
+  const at::Tensor& k;
+  double eps;
+};
+
 // A layer's decode step of its heads: x (rows, dim) in the model's type; pos (rows,), starts,
 // tables: where the rows sit in the paged cache (see paged_attention) -> (rows, dim) f32, their
-// share of the output projection (as Attention(partial=True)).
+// share of the output projection (as Attention(partial=True)). qk: the layer's q/k norms, or null.
 static at::Tensor attention_step(const Kernels& k, const ColdLayers& L, int64_t layer, const at::Tensor& x,
                                  const at::Tensor& pos, const at::Tensor& starts, const at::Tensor& tables,
                                  int64_t n_heads, const std::optional<at::Tensor>& cos,
-                                 const std::optional<at::Tensor>& sin, int64_t window, double scale) {
+                                 const std::optional<at::Tensor>& sin, int64_t window, double scale,
+                                 const QKNorms* qk = nullptr) {
   prof::Laps laps;
   const at::Tensor tables_c = tables.contiguous(), starts_c = starts.contiguous(), pos_c = pos.contiguous();
   // (the values paged_attention would see and return, with no copies between: the projection
@@ -897,6 +926,14 @@ static at::Tensor attention_step(const Kernels& k, const ColdLayers& L, int64_t 
   };
   qkv = qkv.contiguous();
   round_rows(qkv);
+  if (qk) {  // in the model's type, as the module norms the projection's rounded output (qk_norm)
+    const int64_t D = qk->q.numel(), Hkv = L.k_cache[layer].size(1), W = qkv.size(1);
+    float* p = qkv.data_ptr<float>();
+    for (int64_t n = 0; n < qkv.size(0); n++) {
+      rms_in_place(p + n * W, qk->q, n_heads, qk->eps);
+      rms_in_place(p + n * W + n_heads * D, qk->k, Hkv, qk->eps);
+    }
+  }
   laps.lap(prof::QKV);
   check_attention(qkv, L.k_cache[layer], L.v_cache[layer], tables_c, starts_c, pos_c, n_heads, x.scalar_type());
   const bool roped = cos && cos->defined() && cos->numel();
@@ -1017,14 +1054,21 @@ static std::vector<int64_t> cold_serve(at::Tensor& state, int64_t x_base, int64_
 // ch_recv reads them: states, the readers' [messages consumed, nanoseconds waited]), rounded to
 // the model's type and added into the residual h (rows, dim) in place: the hot executor's
 // `y = own + part_0 + ...; h = h + y.to(h.dtype)`, the same operations in the same order.
+// post: the branch's own norm before it joins the residual (Gemma 3's post-norms: RMSNorm of y
+// in the model's type, weight (dim,) of that type), or null.
 static void join_parts(at::Tensor& h, at::Tensor& y, at::IntArrayRef part_bases, at::TensorList part_states,
-                       double spin_us) {
+                       double spin_us, const at::Tensor* post = nullptr, double eps = 0.0) {
   float* yp = y.data_ptr<float>();
   const int64_t n = y.numel();
   for (size_t k = 0; k < part_bases.size(); k++) {
     wait_message(part_bases[k], part_states[k].data_ptr<int64_t>(), spin_us);
     const float* p = reinterpret_cast<const float*>(reinterpret_cast<char*>(part_bases[k]) + CH_HEADER);
     for (int64_t i = 0; i < n; i++) yp[i] += p[i];
+  }
+  if (post) {  // rms_norm(y.to(h.dtype)): values of the model's type, which the rounding below keeps
+    if (h.scalar_type() == at::kBFloat16)
+      for (int64_t i = 0; i < n; i++) yp[i] = round_bf16(yp[i]);
+    rms_in_place(yp, *post, n / post->numel(), eps);
   }
   if (h.scalar_type() == at::kBFloat16) {
     auto* hp = h.data_ptr<at::BFloat16>();
@@ -1070,7 +1114,9 @@ static at::Tensor hot_layers(const at::Tensor& h_in, const at::Tensor& pos, cons
                              at::TensorList k_cache, at::TensorList v_cache, int64_t n_heads,
                              const std::optional<at::Tensor>& cos, const std::optional<at::Tensor>& sin,
                              int64_t window, double scale, at::TensorList pred_fc2, double pred_threshold,
-                             bool pred_layer_input, bool prompt) {
+                             bool pred_layer_input, at::TensorList qk_norms, at::TensorList post_norms,
+                             at::TensorList layer_cos, at::TensorList layer_sin, at::IntArrayRef layer_window,
+                             bool prompt) {
   const Kernels& k = active();
   const ColdLayers L = per_layer(ffn_w1, ffn_w2, ffn_kind, ffn_n, ffn_down_fmt, ffn_w1_fmt, ffn_idx, ffn_threshold,
                                  qkv, qkv_fmt, qkv_n, qkv2, qkv2_fmt, qkv2_n, wo, wo_fmt, k_cache, v_cache);
@@ -1082,6 +1128,16 @@ static at::Tensor hot_layers(const at::Tensor& h_in, const at::Tensor& pos, cons
       TORCH_CHECK((!ffn_kind[l] || prompt_rows_ffn(L, l)) && (!qkv[l].numel() || prompt_rows_attention(L, l)),
                   "layer ", l, ": a prompt's rows need 16-row group layouts");
   TORCH_CHECK(part_bases.size() == part_states.size(), "a state for each part channel");
+  // the layers' own variants (Gemma 3, Qwen3), each list empty (none) or per layer: q/k norms and
+  // post-norms two a layer (an empty tensor: none in that layer), RoPE tables and windows
+  TORCH_CHECK(qk_norms.empty() || qk_norms.size() == 2 * n_layers, "qk_norms: none, or q's and k's per layer");
+  TORCH_CHECK(post_norms.empty() || post_norms.size() == 2 * n_layers,
+              "post_norms: none, or the attention's and the FFN's per layer");
+  TORCH_CHECK(layer_cos.size() == layer_sin.size() && (layer_cos.empty() || layer_cos.size() == n_layers) &&
+                  (layer_window.empty() || layer_window.size() == n_layers),
+              "layer_cos, layer_sin, layer_window: none, or one a layer");
+  TORCH_CHECK((qk_norms.empty() && post_norms.empty() && layer_cos.empty() && layer_window.empty()) || part_bases.empty(),
+              "the layers' own variants run in process only");
   bool predicted = false;  // a layer of neurons with their predictor (kind 3): in process only
   for (size_t l = 0; l < n_layers; l++) {
     TORCH_CHECK(ffn_kind[l] >= 0 && ffn_kind[l] <= 3, "layer ", l, ": no FFN kind ", ffn_kind[l]);
@@ -1141,10 +1197,19 @@ static at::Tensor hot_layers(const at::Tensor& h_in, const at::Tensor& pos, cons
     laps.lap(prof::NORM);
     if (split_attention) send_message({sent(x), pos, starts, tables}, x_base, x_capacity, ops[1], layer, attn_words);
     laps.lap(prof::SEND);
-    at::Tensor y = attention_step(k, L, layer, x, pos, starts, tables, n_heads, cos, sin, window, scale);
+    const bool own_rope = !layer_cos.empty();
+    const std::optional<at::Tensor> lcos = own_rope ? std::optional<at::Tensor>(layer_cos[l]) : cos;
+    const std::optional<at::Tensor> lsin = own_rope ? std::optional<at::Tensor>(layer_sin[l]) : sin;
+    const bool has_qk = !qk_norms.empty() && qk_norms[2 * l].numel();
+    const QKNorms qk{has_qk ? qk_norms[2 * l] : h, has_qk ? qk_norms[2 * l + 1] : h, eps};
+    at::Tensor y = attention_step(k, L, layer, x, pos, starts, tables, n_heads, lcos, lsin,
+                                  layer_window.empty() ? window : layer_window[l], scale, has_qk ? &qk : nullptr);
     laps.skip();  // (its own laps)
     int64_t w0 = laps.active ? prof::waited(attn_states) : 0;
-    join_parts(h, y, attn_bases, attn_states, spin_us);
+    auto post = [&](int i) -> const at::Tensor* {
+      return !post_norms.empty() && post_norms[2 * l + i].numel() ? &post_norms[2 * l + i] : nullptr;
+    };
+    join_parts(h, y, attn_bases, attn_states, spin_us, post(0), eps);
     laps.join(prof::WAIT_ATTN, prof::ADD_ATTN, laps.active ? prof::waited(attn_states) - w0 : 0);
     x = rms_norm(h, norms[2 * l + 1], eps);
     laps.lap(prof::NORM);
@@ -1164,7 +1229,7 @@ static at::Tensor hot_layers(const at::Tensor& h_in, const at::Tensor& pos, cons
     }
     laps.lap(prof::FFN);
     w0 = laps.active ? prof::waited(part_states) : 0;
-    join_parts(h, y, part_bases, part_states, spin_us);
+    join_parts(h, y, part_bases, part_states, spin_us, post(1), eps);
     laps.join(prof::WAIT_FFN, prof::ADD_FFN, laps.active ? prof::waited(part_states) - w0 : 0);
   }
   return h;
@@ -1233,6 +1298,7 @@ TORCH_LIBRARY(powerinfer, m) {
         "Tensor[] qkv, int[] qkv_fmt, int[] qkv_n, Tensor[] qkv2, int[] qkv2_fmt, int[] qkv2_n, Tensor[] wo, "
         "int[] wo_fmt, Tensor[] k_cache, Tensor[] v_cache, int n_heads, Tensor? cos, Tensor? sin, int window, "
         "float scale, Tensor[] pred_fc2, float pred_threshold, bool pred_layer_input, "
+        "Tensor[] qk_norms, Tensor[] post_norms, Tensor[] layer_cos, Tensor[] layer_sin, int[] layer_window, "
         "bool prompt=False) -> Tensor");
   m.def("pred_serve(Tensor(a!) state, Tensor(b!) counts, int in_base, int mask_base, int mask_capacity, int dim, "
         "float spin_us, int decode_op, Tensor[] fc1, Tensor[] fc2, int fmt, float threshold) -> int[]");
