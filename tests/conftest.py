@@ -10,6 +10,16 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 import pytest  # noqa: E402
 
 
+def _cpu_classes() -> list[str]:
+    """Every instruction-set class the CPU kernel runs at on this CPU (`Config.cpu_isa`; each a
+    superset of the one before), or none where it does not run."""
+    from powerinfer import kernels
+    return kernels.ISAS[:kernels.ISAS.index(kernels.best_isa()) + 1] if kernels.available() else []
+
+
+CPU_CLASSES = _cpu_classes()
+
+
 @pytest.fixture(scope="session")
 def default_model_path():
     """Path of the default GGUF model (SmolLM2-135M-Instruct, Q4_1); skips if not installed."""

@@ -10,6 +10,7 @@ from checkpoints import hf_from_gguf
 from greedy import assert_same_or_near_tie
 from powerinfer import Config, PowerInfer
 from powerinfer.model import Transformer
+from conftest import CPU_CLASSES
 
 PROMPT = "The capital of France is"
 LONG = ("Water boils at 100 degrees Celsius at sea level. At higher altitudes the air pressure is "
@@ -57,22 +58,27 @@ def test_greedy_matches_transformers_for_32_tokens(ours, hf):
 
 
 @pytest.mark.slow
-def test_the_shipped_configuration_tracks_fp32(gemma_model_path, ours):
-    # defaults: the K-quants converted once to Q8_0/Q4_1 blocks, bf16 activations, 4-bit where
-    # the blocks are, the tied 8-bit head over the file's Q8_0 embedding rows
-    pi = PowerInfer.from_pretrained(gemma_model_path, Config(max_seq_len=1024))
-    assert pi.config.weights == "int4"
-    ids = ours.tokenize(PROMPT)
-    want = [e.token for e in ours._run([ids], 24, dict(temperature=0, ignore_eos=True))
-            if e.token >= 0]
-    got = [e.token for e in pi._run([ids], 24, dict(temperature=0, ignore_eos=True))
-           if e.token >= 0]
-    assert_same_or_near_tie(ours, ids, want, got, 0.5)
+@pytest.mark.parametrize("isa", CPU_CLASSES or ["auto"])
+def test_the_shipped_configuration_tracks_fp32(gemma_model_path, ours, isa):
+    # defaults, on every class this CPU runs (each held to below its best): the K-quants
+    # converted once to Q8_0/Q4_1 blocks, bf16 activations, 4-bit where the blocks are, the tied
+    # 8-bit head over the file's Q8_0 embedding rows; its decode steps in the native loop, here
+    # past the sliding layers' 512 positions (each layer's window and RoPE table its own)
+    pi = PowerInfer.from_pretrained(gemma_model_path, Config(max_seq_len=1024, cpu_isa=isa))
     from powerinfer import kernels
     from powerinfer.quant import neuron_format
-    if kernels.available():  # neuron sets (sparse, or the actor group's split) keep Q8_0 rows
+    if kernels.available():
+        assert (pi.config.weights, pi.config.dtype, kernels.isa()) == ("int4", "bfloat16", isa)
+        assert pi.engine.native is not None
+        # neuron sets (sparse, or the actor group's split) keep Q8_0 rows
         assert pi.checkpoint.info["ffn_type"] == "Q8_0"
         assert neuron_format("int4", pi.checkpoint.info, torch.empty(0, dtype=torch.bfloat16)) == "q8_0"
+    for ids, n in ((ours.tokenize(PROMPT), 24), (ours.tokenize(LONG)[:560], 8)):
+        want = [e.token for e in ours._run([ids], n, dict(temperature=0, ignore_eos=True))
+                if e.token >= 0]
+        got = [e.token for e in pi._run([ids], n, dict(temperature=0, ignore_eos=True))
+               if e.token >= 0]
+        assert_same_or_near_tie(ours, ids, want, got, 0.5)
     chat = pi.tokenizer.apply_chat_template([{"role": "user", "content": "Hi"}])
     assert chat == "<bos><start_of_turn>user\nHi<end_of_turn>\n<start_of_turn>model\n"
     assert pi.tokenizer.encode("<end_of_turn>")[-1] in pi.tokenizer.eog_ids

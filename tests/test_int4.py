@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from checkpoints import build_hf_model, llama_family_config, write_llama_gguf
+from conftest import CPU_CLASSES
 from greedy import assert_same_or_near_tie
 from powerinfer import Config, PowerInfer
 from powerinfer.errors import ConfigError
@@ -15,8 +16,6 @@ from powerinfer import kernels
 from powerinfer.quant import Int4Linear, Q4Linear, q4_blocks
 
 FOUR_BIT = (Int4Linear, Q4Linear)
-CPU_CLASSES = kernels.ISAS[:kernels.ISAS.index(kernels.best_isa()) + 1] \
-    if kernels.available() else []  # every class this CPU runs
 
 Q = gguf.GGMLQuantizationType
 

@@ -9,6 +9,7 @@ server with SIGTERM and checks that nothing is left behind.
 """
 import json
 import os
+import random
 import re
 import signal
 import socket
@@ -41,12 +42,21 @@ RAY_PORTS = {6379, 8265, 10001, 52365}
 
 
 def free_port() -> int:
+    """A free port that no process can take before the server binds it: below Linux's range for
+    ports handed out to binds of port 0 (every Ray process's own gRPC servers bind those: one took
+    the test's HTTP port before the server did) and above Ray's worker ports (10002-19999)."""
+    low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0]) \
+        if Path("/proc/sys/net/ipv4/ip_local_port_range").exists() else 32768
     while True:
+        port = random.randrange(20000, max(low, 20001))
+        if port in RAY_PORTS:
+            continue
         with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        if port not in RAY_PORTS:
-            return port
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        return port
 
 
 def ray_pids() -> set[int]:
