@@ -2,7 +2,8 @@
 """Prefill and decode throughput of PowerInfer beside llama.cpp in one run (default model, or --model).
 
     .venv/bin/python benchmarks/decode.py [--model NAME|FILE] [--tokens 128] [--prompt-tokens 128]
-        [--threads N] [--configs fp32 bf16 bf16+int4 ... bf16+int4+compile] [--skip-llama]
+        [--threads N] [--configs default fp32 bf16 bf16+int4 ... bf16+int4+compile] [--skip-llama]
+        [--cpu-isa avx2|avx512|avx512bf16]
         [--turns N] [--out FILE]
 
 Ours, per config: prefill tok/s is the timed forward over the whole prompt (median over runs; the prefix
@@ -93,6 +94,8 @@ def machine_info(threads: int) -> str:
                    if line.startswith("model name"))
     except (OSError, StopIteration):
         pass
+    from powerinfer import kernels
+    cpu += f" (kernel classes: up to {kernels.best_isa()})"
     return (f"{cpu} · {os.cpu_count()} cores, {threads} threads used · "
             f"torch {torch.__version__} · Python {platform.python_version()} · "
             f"load average {os.getloadavg()[0]:.2f} at start")
@@ -152,13 +155,16 @@ def bench_llama(model: str, ids: list[int], n: int, threads: int, runs: int) -> 
 
 
 # ---------------------------------------------------------------- ours
-def load(name: str, threads: int, model: str) -> PowerInfer:
+def load(name: str, threads: int, model: str, isa: str = "auto") -> PowerInfer:
     dtype, *flags = name.split("+")
     # no prefix cache: each run prefills the same prompt, and a cached prefix would leave the
     # timed prefill a block's worth of tokens (what a new user's prompt costs is the whole of it)
-    config = Config(dtype=dtype, cpu_threads=threads, compile="compile" in flags,
-                    weights="int4" if "int4" in flags else "dense", max_batch=1, max_seq_len=2048,
-                    prefix_cache=False)
+    base = dict(cpu_threads=threads, max_batch=1, max_seq_len=2048, prefix_cache=False, cpu_isa=isa)
+    if dtype == "default":  # what a new user gets: dtype and weights "auto", decided here
+        config = Config(compile="compile" in flags, **base)
+    else:
+        config = Config(dtype=dtype, compile="compile" in flags,
+                        weights="int4" if "int4" in flags else "dense", **base)
     return PowerInfer.from_pretrained(model, config=config)
 
 
@@ -285,7 +291,7 @@ def turns_table(turns: dict) -> str:
              "each turn |", "|---|---:|---:|---:|---:|---|"]
     for name, t in turns.items():
         rows = t["turns"]
-        lines.append(f"| PowerInfer {name} | {len(rows)} | "
+        lines.append(f"| PowerInfer {t['label']} | {len(rows)} | "
                      f"{statistics.median(r['ours_tok_s'] for r in rows):.1f} | "
                      f"{statistics.median(r['llama_tok_s'] for r in rows):.1f} | **{t['ratio']:.2f}x** | "
                      + ", ".join(f"{r['ratio']:.2f}" for r in rows) + " |")
@@ -311,7 +317,7 @@ def table(results: dict, llama: dict | None, p: int, n: int, file: str = "") -> 
             lines.append(f"| PowerInfer {name} | failed: {r['error']} | | | | | | |")
             continue
         ratio = f"{ref / r['decode_s']:.2f}x" if ref else "-"
-        lines.append(f"| PowerInfer {name} | {p / r['prefill_s']:.1f} | {1 / r['decode_s']:.1f} | "
+        lines.append(f"| PowerInfer {r['label']} | {p / r['prefill_s']:.1f} | {1 / r['decode_s']:.1f} | "
                      f"{1 / r['step_s']:.1f} | {r['decode_s'] * 1e3:.2f} | {ratio} | "
                      f"{r['warmup_s']:.1f} | {r['others']:.0f}% |")
     return "\n".join(lines)
@@ -323,9 +329,13 @@ def main():
     ap.add_argument("--prompt-tokens", type=int, default=128)
     ap.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
     ap.add_argument("--configs", nargs="+",
-                    default=["fp32", "bf16", "bf16+int4", "fp32+compile", "bf16+compile",
+                    default=["default", "fp32", "bf16", "bf16+int4", "fp32+compile", "bf16+compile",
                              "bf16+int4+compile"],
-                    help="dtype (fp32, bf16), optionally +int4 (4-bit weights kept) and +compile")
+                    help="default (Config()'s auto choices for this machine and file), or a "
+                         "dtype (fp32, bf16), optionally +int4 (4-bit weights kept); +compile")
+    ap.add_argument("--cpu-isa", default="auto",
+                    help="hold the CPU kernel to this class (avx2, avx512, avx512bf16: an older "
+                         "CPU's paths; Config.cpu_isa)")
     ap.add_argument("--runs", type=int, default=3, help="timed runs per config, after one warm-up")
     ap.add_argument("--profile", nargs="+",
                     help="configs to profile (default: the first eager one and the last one)")
@@ -352,17 +362,20 @@ def main():
         c0 = cpu_seconds()
         try:
             t = time.perf_counter()
-            m = load(name, a.threads, a.model)
+            m = load(name, a.threads, a.model, a.cpu_isa)
             load_s = time.perf_counter() - t
             if ids is None:  # the prompt, cut to an exact length with our tokenizer
                 ids = m.tokenize(TEXT * (a.prompt_tokens // 20 + 2))[:a.prompt_tokens]
             results[name] = r = bench_ours(m, ids, a.tokens, a.runs)
             r["others"] = others_share(c0)
+            c = m.config  # what it resolved to (a default's choices on this machine)
+            r["label"] = f"{name} ({c.dtype}, {c.weights} weights, kernel {c.cpu_isa})"
             print(f"  load {load_s:.1f}s, warm-up {r['warmup_s']:.1f}s, "
                   f"decode {1 / r['decode_s']:.1f} tok/s", flush=True)
             if a.turns and not a.skip_llama:
                 try:  # (a llama.cpp failure leaves this config's own results standing)
                     turns[name] = in_turns(m, model_path, ids, a.tokens, a.threads, a.turns)
+                    turns[name]["label"] = r["label"]
                     print(f"  in turns with llama.cpp: {turns[name]['ratio']:.2f}x", flush=True)
                 except RuntimeError as e:
                     print(f"  in turns: FAILED: {str(e).splitlines()[0][:200]}", flush=True)
