@@ -12,6 +12,7 @@ import pytest
 import ray
 import torch
 
+from conftest import CPU_CLASSES
 from powerinfer import Config, PowerInfer
 from powerinfer.errors import OverloadedError
 from powerinfer.predictor import train_predictors
@@ -303,14 +304,17 @@ def assert_native_prompt_steps_equal_the_modules(pi: PowerInfer):
 def test_int4_dense_split_equals_the_in_process_engine(ray_cluster):
     # the shipped configuration without a bundle: each executor's neurons are whole 4-bit blocks
     # of the file (BlockSlice: the int4 GEMV), its attention its KV heads' share, and the output
-    # head is split by vocabulary rows between the hot executor and the two cold executors
+    # head is split by vocabulary rows between the hot executor and the two cold executors; held
+    # to the lowest class the kernel builds for (AVX2), which every actor of the group runs
     from powerinfer import kernels
-    cfg = dict(BASE, dtype="bfloat16", weights="int4")
+    low = CPU_CLASSES[0] if CPU_CLASSES else "auto"
+    cfg = dict(BASE, dtype="bfloat16", weights="int4", cpu_isa=low)
     ref = PowerInfer.from_pretrained(MODEL, Config(**cfg))
     pi = PowerInfer.from_pretrained(MODEL, Config(runtime="actors", cold_executors=2, **cfg))
     try:
         info = pi.engine.group.info
         if kernels.available():
+            assert pi.engine.stats()["isa"] == {"hot": low, "cold.0": low, "cold.1": low}
             assert [info[f"cold.{k}"]["block_slices"] for k in range(2)] == [30, 30]
             # attention split by KV heads too (3 of them: one each), answered natively
             kv = [info[r]["kv_heads"] for r in ("hot", "cold.0", "cold.1")]

@@ -371,7 +371,9 @@ def test_the_in_process_engine_keeps_a_4bit_files_blocks_where_triton_runs(tmp_p
 
     from greedy import assert_same_or_near_tie, greedy_ids
 
-    m = write_synthetic(tmp_path / "m.gguf", preset="tiny", seed=1, quant="q4_0", progress=False)
+    # (two layers: every part of a layer and the head, at half the interpreter's time of four)
+    m = write_synthetic(tmp_path / "m.gguf", preset="tiny", n_layers=2, seed=1, quant="q4_0",
+                        progress=False)
     base = dict(dtype="bfloat16", max_seq_len=128, max_batch=1)
     dense = PowerInfer.from_pretrained(str(m.path), Config(weights="dense", **base))
     ids = [1, 5, 9, 13, 17, 21]
@@ -430,7 +432,7 @@ def test_a_gpus_hot_model_keeps_a_4bit_files_neurons_in_its_blocks(tmp_path, mon
     from powerinfer.solver import neuron_bytes
     from powerinfer.synthetic import write_synthetic
 
-    m = write_synthetic(tmp_path / "m.gguf", preset="tiny", quant="q4_0", progress=False)
+    m = write_synthetic(tmp_path / "m.gguf", preset="tiny", n_layers=2, quant="q4_0", progress=False)
     ck = kernel_ready(load_checkpoint(m.path, with_weights=False),
                       Config(dtype="bfloat16", weights="int4"), progress=False)
     a, cpu = ck.args, torch.device("cpu")
