@@ -33,7 +33,7 @@ from pathlib import Path
 
 import torch
 
-from powerinfer import Config, PowerInfer
+from powerinfer import Config, PowerInfer, kernels
 from powerinfer.config import sampling_params
 from powerinfer.loader import load_checkpoint, resolve_model
 
@@ -94,7 +94,6 @@ def machine_info(threads: int) -> str:
                    if line.startswith("model name"))
     except (OSError, StopIteration):
         pass
-    from powerinfer import kernels
     cpu += f" (kernel classes: up to {kernels.best_isa()})"
     return (f"{cpu} · {os.cpu_count()} cores, {threads} threads used · "
             f"torch {torch.__version__} · Python {platform.python_version()} · "
@@ -369,7 +368,7 @@ def main():
             results[name] = r = bench_ours(m, ids, a.tokens, a.runs)
             r["others"] = others_share(c0)
             c = m.config  # what it resolved to (a default's choices on this machine)
-            r["label"] = f"{name} ({c.dtype}, {c.weights} weights, kernel {c.cpu_isa})"
+            r["label"] = f"{name} ({c.dtype}, {c.weights} weights, kernel {kernels.isa()})"
             print(f"  load {load_s:.1f}s, warm-up {r['warmup_s']:.1f}s, "
                   f"decode {1 / r['decode_s']:.1f} tok/s", flush=True)
             if a.turns and not a.skip_llama:

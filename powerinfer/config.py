@@ -169,10 +169,12 @@ class Config:
 
     def resolve(self, has_q4: bool) -> "Config":
         """This configuration with "auto" decided for this machine and a model file (has_q4:
-        it has Q4_0/Q4_1 projections): the fastest setting that needs no warm-up. `cpu_isa`
-        becomes the class the kernel runs at (`kernels.cpu_class`), which decides the rest: the
-        4-bit path on every class (AVX2 `maddubs`, AVX-512, VNNI), in bf16, where the file has
-        it; bf16 dense where bf16 is native (avx512bf16), float32 dense elsewhere."""
+        it has Q4_0/Q4_1 projections): the fastest setting that needs no warm-up, decided by the
+        class the kernel runs at here (`kernels.cpu_class(cpu_isa)`): the 4-bit path on every
+        class (AVX2 `maddubs`, AVX-512, VNNI), in bf16, where the file has it; bf16 dense where
+        bf16 is native (avx512bf16), float32 dense elsewhere. `cpu_isa` itself stays as asked:
+        "auto" is each process's own best (an actor on another host of a cluster may have
+        another), a class asked for is held everywhere."""
         isa = kernels.cpu_class(self.cpu_isa)  # "none": the kernel does not run here
         on_gpu = self.device == "cuda" or (self.device == "auto" and torch.cuda.is_available())
         native = isa == "avx512bf16" or (isa == "none" and native_bf16())
@@ -191,15 +193,14 @@ class Config:
             beside_gpu = on_gpu and self.runtime == "actors"
             cold = "int4" if beside_gpu and host_int4 and self.weights != "dense" \
                 and self.dtype != "float32" else weights
-        return replace(self, dtype=dtype, weights=weights, cold_weights=cold,
-                       cpu_isa=self.cpu_isa if isa == "none" else isa)
+        return replace(self, dtype=dtype, weights=weights, cold_weights=cold)
 
     def summary(self) -> str:
         """What a resolved configuration runs, in one line for the load's log: the CPU kernel's
         class, the activations' type, the weights (and the cold executors' where they differ)."""
         where = "a GPU" if self.device != "cpu" else "the CPU"
-        line = (f"on {where}, CPU kernel {self.cpu_isa}, {self.dtype} activations, "
-                f"{self.weights} weights")
+        line = (f"on {where}, CPU kernel {kernels.cpu_class(self.cpu_isa)}, {self.dtype} "
+                f"activations, {self.weights} weights")
         if self.runtime == "actors" and self.cold_weights != self.weights:
             line += f" ({self.cold_weights} in the cold executors)"
         return line

@@ -53,18 +53,3 @@ def gemma_fp32(gemma_model_path):
     return PowerInfer.from_pretrained(gemma_model_path, Config(dtype="float32", weights="dense",
                                                                 max_seq_len=1024, max_batch=2))
 
-
-# Modules that start Ray, actor groups or servers, or make and check shared-memory segments:
-# under pytest-xdist (`make test` runs two workers, `--dist loadgroup`) they run one after another
-# in one worker, so that no two Ray instances, servers or groups share the cores (and /dev/shm)
-# at once, while the other worker takes the rest (Triton's interpreter, the oracles, the
-# kernels), which needs neither.
-SERIAL_MODULES = {"test_architectures", "test_channel", "test_cli_and_errors", "test_cluster",
-                  "test_deploy", "test_gpu", "test_int4", "test_memory", "test_placement",
-                  "test_replicas", "test_runtime", "test_serve", "test_serve_config"}
-
-
-def pytest_collection_modifyitems(config, items):
-    for item in items:
-        if item.module.__name__ in SERIAL_MODULES:
-            item.add_marker(pytest.mark.xdist_group("ray"))

@@ -100,6 +100,7 @@ def test_defaults_are_the_fastest_setting_without_warm_up(isa, caplog):
     # BENCHMARKS.md); a file with nothing 4-bit runs bf16 where bf16 is native, else float32
     at = lambda **kw: Config(cpu_isa=isa, **kw).resolve(has_q4=True)  # noqa: E731
     assert (at().dtype, at().weights, at().cpu_isa) == ("bfloat16", "int4", isa)
+    assert Config().resolve(has_q4=True).cpu_isa == "auto"  # each process's own best
     plain = Config(cpu_isa=isa).resolve(has_q4=False)
     assert (plain.dtype, plain.weights) == ("bfloat16" if isa == "avx512bf16" else "float32", "dense")
     assert at(runtime="actors").weights == "int4"  # the actor runtime runs int4 too
