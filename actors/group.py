@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import importlib.util
 import logging
+import re
 import time
 from dataclasses import replace
 
@@ -207,6 +208,15 @@ class ActorGroup:
             return f"{name}: {ray.get(done[0])}"
         except Exception as e:  # noqa: BLE001 - its death is the answer
             return f"{name}: {type(e).__name__}: {str(e).strip().splitlines()[-1][:300]}"
+
+    def name_failure(self, why: str) -> str:
+        """`why` led by the role of the actor it names by pid, where it names one only so (the
+        native loops see a peer's process gone before Ray reports the actor dead)."""
+        for pid in re.findall(r"\bpid (\d+)", why):
+            for name, info in self.info.items():
+                if str(info.get("pid")) == pid and not why.startswith(f"{name}:"):
+                    return f"{name}: {why}"
+        return why
 
     def stop(self):
         if "scheduler" in self.actors and self.loops and not self.broken():

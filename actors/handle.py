@@ -380,7 +380,7 @@ class ActorEngine:
             if broken is not self.group or not self._ready.is_set() or self._closed:
                 return
             self._ready.clear()
-            self.last_failure, self._failures_before = why, self.rebuild_failures
+            self.last_failure, self._failures_before = broken.name_failure(why), self.rebuild_failures
         threading.Thread(target=self._replace, args=(broken,), daemon=True).start()
 
     def _replace(self, broken: ActorGroup):
