@@ -23,6 +23,7 @@ from .bundle import Bundle
 from .config import Config
 from .model import ModelArgs
 from .plan import SparsePlan
+from .solver import gpu_bytes, neuron_bytes, solve_for_bundle
 
 log = logging.getLogger("powerinfer")
 BUNDLE_SUFFIX = ".bundle"
@@ -55,9 +56,14 @@ def plan_for(config: Config, args: ModelArgs, model_path: Path, kv_tokens: int,
     where = "" if on_gpu else "; this machine has no GPU: nothing is placed on one"
     if plan is None:
         k = ffn_layers_that_fit(args, budget, dtype_bytes, 1, kv_tokens)
+        fixed = gpu_bytes(args, dtype_bytes=dtype_bytes, batch=1, context=kv_tokens)
+        layers = k * args.ffn_dim * neuron_bytes(args, dtype_bytes)
         log.info("VRAM budget %.2f GB, no sparsity bundle: layer offload, attention, embeddings, "
-                 "lm_head and %d of %d FFN layers on the GPU%s", config.vram_budget_gb, k,
-                 args.n_layers, where)
+                 "lm_head and %d of %d FFN layers on the GPU; GPU %s%s", config.vram_budget_gb, k,
+                 args.n_layers, bytes_line({"fixed_bytes": fixed, "hot_neuron_bytes": layers,
+                                            "used_bytes": sum(fixed.values()) + layers,
+                                            "budget_bytes": budget}).replace(
+                     "hot neurons", "FFN layers"), where)
         return SparsePlan.layer_offload(args, k)
     b = Bundle.open(bundle)
     if not b.has("stats"):  # an imported bundle: its own placement, if any, stands
@@ -73,16 +79,35 @@ def plan_for(config: Config, args: ModelArgs, model_path: Path, kv_tokens: int,
     if fmt is not None:  # attention's matrices (an untied head's) in the file's blocks too
         from .partial import device_fixed_bytes
         blocks = device_fixed_bytes(checkpoint.source, args, dtype_bytes)
-    hot, cached = cached_placement(b, config.vram_budget_gb,
-                                   1, kv_tokens, dtype_bytes,
-                                   plan.predictor_input or "ffn", fmt, blocks)
+    hot, cached, report = cached_placement(b, config.vram_budget_gb,
+                                           1, kv_tokens, dtype_bytes,
+                                           plan.predictor_input or "ffn", fmt, blocks)
     plan.hot = hot
-    share = sum(int(h.sum()) for h in hot) / (args.n_layers * args.ffn_dim)
-    log.info("VRAM budget %.2f GB: %.1f%% of FFN neurons hot (%s), placement %s in %.1f s "
-             "(%s)%s", config.vram_budget_gb, 100 * share,
-             f"in {fmt.upper()} records" if fmt else config.dtype, "read from the cache"
-             if cached else "solved", time.perf_counter() - t0, bundle, where)
+    n_hot, total = sum(int(h.sum()) for h in hot), args.n_layers * args.ffn_dim
+    log.info("VRAM budget %.2f GB: %.1f%% of FFN neurons hot (%s of %s, %s), %s; GPU %s; "
+             "placement %s in %.1f s (%s)%s", config.vram_budget_gb, 100 * n_hot / total,
+             f"{n_hot:,}", f"{total:,}", f"in {fmt.upper()} records" if fmt else config.dtype,
+             mass_line(report), bytes_line(report), "read from the cache" if cached else "solved",
+             time.perf_counter() - t0, bundle, where)
     return plan
+
+
+def mass_line(report: dict) -> str:
+    """The predicted share of the FFN's activation mass the hot neurons carry (the solver's
+    objective over the profile), as the load's line says it."""
+    share = report.get("share")
+    return "activation mass on the GPU unknown" if share is None else \
+        f"{100 * share:.1f}% of the predicted activation mass on the GPU"
+
+
+def bytes_line(report: dict) -> str:
+    """What the placement puts on the GPU, MiB by part, and the total against the budget."""
+    parts = {k: v for k, v in report.get("fixed_bytes", {}).items() if v}
+    parts["hot neurons"] = report.get("hot_neuron_bytes", 0)
+    mib = lambda b: f"{b / 2**20:,.1f}"  # noqa: E731
+    return (f"MiB: {', '.join(f'{k} {mib(v)}' for k, v in parts.items())}; "
+            f"{mib(report.get('used_bytes', sum(parts.values())))} of "
+            f"{mib(report.get('budget_bytes', 0))}")
 
 
 def gpu_neuron_format(config: Config, info: dict) -> str | None:
@@ -97,8 +122,6 @@ def gpu_neuron_format(config: Config, info: dict) -> str | None:
 def ffn_layers_that_fit(args: ModelArgs, budget: int, dtype_bytes: int, batch: int,
                         context: int) -> int:
     """Whole FFN layers that fit the budget after everything else the GPU holds."""
-    from .solver import gpu_bytes, neuron_bytes
-
     fixed = sum(gpu_bytes(args, dtype_bytes=dtype_bytes, batch=batch, context=context).values())
     per_layer = args.ffn_dim * neuron_bytes(args, dtype_bytes)
     return max(0, min(args.n_layers, (budget - fixed) // per_layer))
@@ -106,22 +129,24 @@ def ffn_layers_that_fit(args: ModelArgs, budget: int, dtype_bytes: int, batch: i
 
 def cached_placement(bundle: Bundle, budget_gb: float, batch: int, context: int,
                      dtype_bytes: int, predictor_input: str, neuron_fmt: str | None = None,
-                     fixed_bytes: dict[str, int] | None = None) -> tuple[list[np.ndarray], bool]:
+                     fixed_bytes: dict[str, int] | None = None
+                     ) -> tuple[list[np.ndarray], bool, dict]:
     """The bundle's placement for these settings, solved once and kept in `placements/`
     (neuron_fmt, fixed_bytes: the hot neurons' block format on the GPU and the parts it keeps
-    in the file's blocks, `partial.device_fixed_bytes`; None: the model's type)."""
-    from .solver import solve_for_bundle
-
+    in the file's blocks, `partial.device_fixed_bytes`; None: the model's type): the hot masks,
+    whether they were cached, and the solver's report (`Placement.report`)."""
     key = f"{budget_gb:g}GB-ctx{context}-batch{batch}-{dtype_bytes}B-{predictor_input}"
     key += f"-{neuron_fmt}" if neuron_fmt else ""
     key += "".join(f"-{k}{v}" for k, v in sorted((fixed_bytes or {}).items()))
     name = f"placements/{key}.safetensors"
     if (bundle.path / name).is_file():
         t = bundle.load_tensors(name)
-        return [t[f"hot.{i}"].astype(bool) for i in range(bundle.n_layers)], True
+        report = bundle.load_json(f"placements/{key}.json") \
+            if (bundle.path / f"placements/{key}.json").is_file() else {}
+        return [t[f"hot.{i}"].astype(bool) for i in range(bundle.n_layers)], True, report
     p, _ = solve_for_bundle(bundle, budget_gb, batch=batch, context=context,
                             dtype_bytes=dtype_bytes, predictor_input=predictor_input,
                             neuron_fmt=neuron_fmt, fixed_bytes=fixed_bytes)
     bundle.save_tensors(name, {f"hot.{i}": h.astype(np.uint8) for i, h in enumerate(p.hot)})
     bundle.save_json(f"placements/{key}.json", p.report())
-    return p.hot, False
+    return p.hot, False, p.report()

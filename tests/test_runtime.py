@@ -802,6 +802,15 @@ def test_vram_budget_plans_the_placement_and_caches_it(bundle, default_model_pat
     assert 0 < report["used_bytes"] <= 0.4 * 2**30
     share = sum(report["hot_counts"]) / (30 * 1536)
     assert 0 < share < 1 and f"{100 * share:.1f}% of FFN neurons hot" in lines[1]  # the cached placement
+    # one line says what went where: neurons hot, the predicted activation mass they carry, and
+    # the GPU's MiB by part against the budget, the same from the cache as when solved
+    assert lines[0].split("; placement")[0] == lines[1].split("; placement")[0], lines
+    assert f"({sum(report['hot_counts']):,} of {30 * 1536:,}, float32)" in lines[1]
+    assert f"{100 * report['share']:.1f}% of the predicted activation mass on the GPU" in lines[1]
+    mib = lambda b: f"{b / 2**20:,.1f}"  # noqa: E731
+    assert f"attention {mib(report['fixed_bytes']['attention'])}" in lines[1]
+    assert f"hot neurons {mib(report['hot_neuron_bytes'])}; {mib(report['used_bytes'])} of " \
+        f"{mib(0.4 * 2**30)}" in lines[1]
     # (in one process every neuron sits where the model does: each layer's in one set, whatever
     # the placement, which splits them between a GPU and the host in the actor runtime)
     from powerinfer.sparse import hybrid_layers
@@ -817,6 +826,8 @@ def test_vram_budget_plans_the_placement_and_caches_it(bundle, default_model_pat
     fixed = sum(gpu_bytes(args, dtype_bytes=4, batch=1, context=pool).values())
     assert 0 < k < args.n_layers and fixed + k * 3 * args.dim * args.ffn_dim * 4 <= 0.4 * 2**30
     assert f"layer offload, attention, embeddings, lm_head and {k} of 30 FFN layers" in line
+    ffn = k * 3 * args.dim * args.ffn_dim * 4
+    assert f"FFN layers {ffn / 2**20:,.1f}; {(fixed + ffn) / 2**20:,.1f} of" in line, line
 
 
 def test_a_gpus_placement_counts_the_files_4bit_records_with_int4(bundle, default_model_path,
