@@ -13,10 +13,10 @@ run: $(STAMP) $(STUBS)
 	$(VENV)/bin/powerinfer serve --model smollm2-135m-instruct --demo
 
 test: $(STAMP) $(STUBS)
-	$(PY) -m pytest -q --durations=15
+	$(PY) -m pytest -q -rs --durations=15
 
 test-fast: $(STAMP) $(STUBS)
-	$(PY) -m pytest -q -m "not slow"
+	$(PY) -m pytest -q -rs -m "not slow"
 
 setup: $(STAMP) $(STUBS)
 

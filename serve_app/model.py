@@ -117,7 +117,7 @@ class ModelServer:
         st = await asyncio.get_running_loop().run_in_executor(None, engine.stats)
         sched = st["actors"].get("scheduler", {})
         return {"restarts": engine.restarts, "running": sched.get("running", 0),
-                "waiting": sched.get("waiting", 0), "max_batch": self.spec.max_batch,
+                "waiting": sched.get("waiting", 0), "max_batch": self.spec.base.max_batch,
                 **{k: sched.get(k, 0) for k in ("kv_usage", "kv_blocks", "prefix_queries",
                                                 "prefix_hits", "preemptions")},
                 "cancelled": sched.get("cancelled", 0), "finished": sched.get("finished", 0),

@@ -212,6 +212,10 @@ def add_command(sub):
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda", "auto"])
     p.add_argument("--dtype", default="auto", help=DTYPE_HELP)
     p.add_argument("--cpu-isa", default="auto", choices=["auto", *ISAS], help=ISA_HELP)
+    p.add_argument("--vram-budget", type=float, default=0.0, metavar="GB",
+                   help="GPU memory the hot neurons' placement may use (with --device cuda; the "
+                        "bundle MODEL_FILE.bundle beside the model is used when --bundle is not "
+                        "given); its log line says what went where")
     p.add_argument("--threads", type=int, default=0, help="CPU threads per actor (0: its cores)")
     p.add_argument("--ctx", type=int, default=0,
                    help="positions a sequence may reach (0: the model's context)")
@@ -253,7 +257,8 @@ def _run(args) -> int:
                              max_batch=args.max_batch, max_queue=args.max_queue,
                              kv_cache_gb=args.kv_cache_gb, prefix_cache=args.prefix_cache,
                              prefill_chunk=args.prefill_chunk,
-                             prefill_pace=args.prefill_pace)]}
+                             prefill_pace=args.prefill_pace,
+                             vram_budget_gb=args.vram_budget)]}
     if args.api_key:
         d["api_key"] = args.api_key
     settings = ServeSettings.from_dict(d)

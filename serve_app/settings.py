@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import os
 import re
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 
 from powerinfer.config import Config
 from powerinfer.errors import ConfigError
@@ -15,32 +15,29 @@ CONTROL_CALLS = 32  # a model replica's room for calls that are not generations
 NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:-]{0,63}")
 
 
-@dataclass(frozen=True, slots=True)
+# what a served model's entry sets beside its name and file: any field of `Config` but those the
+# server decides (the runtime: always the actor runtime) or the entry holds in its own form
+# (cores: split between replicas; resources: a mapping), with the server's defaults where they
+# differ from an in-process engine's
+SERVER_DEFAULTS = {"max_queue": 256}
+SPEC_FIELDS = ("name", "model", "cores", "replicas", "resources")
+CONFIG_FIELDS = tuple(f.name for f in fields(Config) if f.name not in ("runtime", "cores", "resources"))
+
+
+@dataclass(frozen=True)
 class ModelSpec:
     """One served model. `name` is what requests put in `model`; `model` is a GGUF file, a
-    Hugging Face folder or an installed model's short name (never taken from a request)."""
+    Hugging Face folder or an installed model's short name (never taken from a request);
+    `cores`: the cores its actor groups are planned on (cpulist; "": every core), split between
+    `replicas` (Serve replicas, each with its own group); `resources`: Ray resources its group's
+    node must have; `settings`: how it runs, any `Config` field (`CONFIG_FIELDS`)."""
 
     name: str
     model: str
-    bundle: str = ""
-    cold_executors: int = 1
-    device: str = "cpu"
-    dtype: str = "auto"
-    cpu_isa: str = "auto"  # the CPU kernel's instruction-set class (`Config.cpu_isa`)
-    max_batch: int = 64
-    max_queue: int = 256
-    max_seq_len: int = 0
-    kv_cache_gb: float = 0.0  # the paged KV cache (0: auto, from the host's memory)
-    prefix_cache: bool = True
-    prefill_chunk: int = 512  # prompt tokens a step at most (0: a prompt in one step)
-    prefill_pace: float = 3.0  # beside decoding streams, a step takes about this x a decode step
-    cpu_threads: int = 0
-    predictor: str = "auto"
-    predictor_device: str = "auto"  # beside a hot executor on a GPU: "auto" (that GPU) or "cpu"
-    vram_budget_gb: float = 0.0
-    cores: str = ""  # the cores its actor group is planned on (cpulist; "": every core)
-    replicas: int = 1  # Serve replicas, each with its own actor group on its own share of cores
-    resources: dict = field(default_factory=dict)  # Ray resources its group's node must have
+    cores: str = ""
+    replicas: int = 1
+    resources: dict = field(default_factory=dict)
+    settings: dict = field(default_factory=dict)
 
     def __post_init__(self):
         if not isinstance(self.name, str) or not NAME.fullmatch(self.name):
@@ -50,7 +47,24 @@ class ModelSpec:
                               "names to amounts")
         if not isinstance(self.replicas, int) or self.replicas < 1:
             raise ConfigError(f"model {self.name!r}: replicas must be a positive integer")
+        bad = set(self.settings) - set(CONFIG_FIELDS)
+        if bad:
+            raise ConfigError(f"model {self.name!r}: unknown setting(s) {', '.join(sorted(bad))}")
         self.config()  # validates the runtime settings
+
+    @classmethod
+    def from_entry(cls, m: dict) -> "ModelSpec":
+        """From a YAML entry: {name, model, cores, replicas, resources, and Config's fields}."""
+        if not isinstance(m, dict) or "name" not in m or "model" not in m:
+            raise ConfigError(f"each model needs a 'name' and a 'model' (file or installed "
+                              f"name), got {m!r}")
+        return cls(**{k: m[k] for k in SPEC_FIELDS if k in m},
+                   settings={k: v for k, v in m.items() if k not in SPEC_FIELDS})
+
+    @property
+    def base(self) -> Config:
+        """Its runtime configuration, cores and resources aside."""
+        return Config(runtime="actors", **{**SERVER_DEFAULTS, **self.settings})
 
     @property
     def max_ongoing_requests(self) -> int:
@@ -58,21 +72,13 @@ class ModelSpec:
         (max_batch running, max_queue waiting), and room for the status, metrics and tokenize
         calls beside them, so that /health answers under full load. Beyond it Serve queues,
         and the scheduler's own bound answers 429 first."""
-        return self.max_batch + self.max_queue + CONTROL_CALLS
+        return self.base.max_batch + self.base.max_queue + CONTROL_CALLS
 
     def config(self, replica: int = 0) -> Config:
         """The runtime configuration of replica `replica` (Serve's local rank on its node):
         with several replicas each takes its own slice of the model's cores."""
-        return Config(runtime="actors", bundle=self.bundle, cold_executors=self.cold_executors,
-                      device=self.device, dtype=self.dtype, cpu_isa=self.cpu_isa,
-                      max_batch=self.max_batch,
-                      max_queue=self.max_queue, max_seq_len=self.max_seq_len,
-                      kv_cache_gb=self.kv_cache_gb, prefix_cache=self.prefix_cache,
-                      prefill_chunk=self.prefill_chunk, prefill_pace=self.prefill_pace,
-                      cpu_threads=self.cpu_threads, predictor=self.predictor,
-                      predictor_device=self.predictor_device, vram_budget_gb=self.vram_budget_gb,
-                      cores=self.replica_cores(replica),
-                      resources=tuple(sorted((str(k), float(v)) for k, v in self.resources.items())))
+        return replace(self.base, cores=self.replica_cores(replica),
+                       resources=tuple(sorted((str(k), float(v)) for k, v in self.resources.items())))
 
     def replica_cores(self, replica: int) -> str:
         """This replica's slice of `cores` (of every core this process may use when none are
@@ -137,17 +143,7 @@ class ServeSettings:
         models = d.get("models")
         if not isinstance(models, list):
             raise ConfigError("'models' must be a list of {name, model, ...}")
-        spec_fields = {f.name for f in fields(ModelSpec)}
-        specs = []
-        for m in models:
-            if not isinstance(m, dict) or "name" not in m or "model" not in m:
-                raise ConfigError(f"each model needs a 'name' and a 'model' (file or installed "
-                                  f"name), got {m!r}")
-            bad = set(m) - spec_fields
-            if bad:
-                raise ConfigError(f"model {m['name']!r}: unknown setting(s) "
-                                  f"{', '.join(sorted(bad))}")
-            specs.append(ModelSpec(**m))
+        specs = [ModelSpec.from_entry(m) for m in models]
         kw = {k: d[k] for k in known if k in d}
         kw["api_key"] = str(kw.get("api_key") or os.environ.get(API_KEY_ENV, ""))
         return cls(models=tuple(specs), **kw)

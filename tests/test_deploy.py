@@ -63,7 +63,7 @@ def test_both_serve_configs_follow_serves_conventions():
         assert scaling is not None and scaling.max_replicas > scaling.min_replicas >= 1
         for spec in settings.models:
             model = ingress.init_args[0][spec.name]._bound_deployment
-            assert model.max_ongoing_requests == spec.max_batch + spec.max_queue + CONTROL_CALLS
+            assert model.max_ongoing_requests == spec.base.max_batch + spec.base.max_queue + CONTROL_CALLS
     args = {"models": [{"name": "m", "model": "smollm2-135m-instruct"}]}
     assert build(ServeSettings.from_dict(args))._bound_deployment.num_replicas == 1
     with pytest.raises(ConfigError, match="ingress_autoscaling"):

@@ -23,7 +23,6 @@ import torch
 
 import checkpoints as C
 from powerinfer import Config, PowerInfer, SamplingParams
-from powerinfer.errors import ModelLoadError
 from powerinfer.loader import load_checkpoint
 from powerinfer.model import Transformer
 
@@ -278,6 +277,22 @@ def test_gguf_ffn_variant_matches_transformers(tmp_path, act, qtype, tied):
     assert_close(ours, full, loose, f"{qtype.name} vs full-precision model")
 
 
+def test_a_bamboo_file_is_drelu_llama_as_transformers_computes_it(tmp_path):
+    """`general.architecture = bamboo` (PowerInfer's ReLU-fied Mistral): a LLaMA layout whose FFN
+    is dReLU by its architecture name alone (no powerinfer.ffn_activation key), against
+    transformers' LLaMA with relu on the gate and a relu hook on up."""
+    hf = llama_variant("dreglu", seed=41)
+    path = tmp_path / "bamboo.gguf"
+    C.write_llama_gguf(path, hf, None, Q.F32, arch="bamboo")
+    assert "powerinfer.ffn_activation" not in gguf.GGUFReader(path).fields
+    ck = load_checkpoint(path)
+    assert ck.args.ffn_act == "dreglu"
+    ids = random_ids(2, 24, seed=5)
+    ref = hf_logits(hf, ids)
+    assert ref.std() > 1.0
+    assert_close(ours_logits(load_ours(path), ids), ref, TOL)
+
+
 @pytest.mark.parametrize("qtype,tied", [(Q.F32, False), (Q.F16, True), (Q.Q8_0, False)],
                          ids=["F32", "F16-tied", "Q8_0"])
 def test_gguf_file_read_by_transformers_gguf_loader(tmp_path, qtype, tied):
@@ -362,19 +377,17 @@ def test_hf_folder_bf16_sharded_checkpoint_matches_transformers(tmp_path):
 
 
 @pytest.mark.parametrize("case", ["llama-attention_bias", "mistral-sliding_window"])
-def test_hf_folder_unsupported_feature_is_rejected_or_exact(tmp_path, case):
-    """Features outside the common path: loading must either refuse (ModelLoadError) or give
-    transformers' logits, never silently compute something else."""
+def test_hf_folder_features_off_the_common_path_are_exact(tmp_path, case):
+    """Features outside the common path, both supported: q/k/v and o biases in transformers'
+    LLaMA, and a sliding window shorter than the input. They load, and give transformers'
+    logits (a refusal fails too: the loader supports them)."""
     if case == "llama-attention_bias":  # biases on q, k, v AND o_proj in transformers' LLaMA
         cfg = C.llama_family_config("llama", eos_token_id=None, attention_bias=True)
     else:  # a window shorter than the input: transformers masks keys older than 8 positions
         cfg = C.llama_family_config("mistral", eos_token_id=None, sliding_window=8)
     hf = C.build_hf_model(cfg, seed=31)
     folder = C.save_hf(hf, tmp_path / "hf", tokenizer=False)
-    try:
-        model = load_ours(folder)
-    except ModelLoadError:
-        return
+    model = load_ours(folder)
     ids = random_ids(1, 24, seed=7)
     assert_close(ours_logits(model, ids), hf_logits(hf, ids), TOL,
                  f"{case}: loaded without error but")

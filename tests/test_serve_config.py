@@ -139,3 +139,27 @@ def test_replicas_split_their_models_cores():
         Spec(name="m", model="x", replicas=0)
     with pytest.raises(ConfigError, match="cores must be a cpulist"):
         Spec(name="m", model="x", cores="zero")
+
+
+def test_a_models_entry_sets_any_config_field_and_nothing_else():
+    # the entry's settings are Config's own fields (derived, not copied: a field Config gains is
+    # a setting at once), with the server's defaults where they differ; the runtime is the
+    # server's, and a name Config does not know is refused with the model named
+    from dataclasses import fields
+
+    from powerinfer.config import Config
+    from serve_app.settings import CONFIG_FIELDS, ServeSettings
+
+    assert set(CONFIG_FIELDS) == {f.name for f in fields(Config)} - {"runtime", "cores", "resources"}
+    entry = {"name": "m", "model": "x", "weights": "dense", "cuda_graphs": False,
+             "vram_budget_gb": 2.5, "max_batch": 4, "cores": "0", "resources": {"gpu-box": 1}}
+    spec, = ServeSettings.from_dict({"models": [entry]}).models
+    c = spec.config()
+    assert (c.runtime, c.weights, c.cuda_graphs, c.vram_budget_gb, c.max_batch, c.cores) == \
+        ("actors", "dense", False, 2.5, 4, "0")
+    assert c.resources == (("gpu-box", 1.0),) and c.max_queue == 256  # the server's default
+    for bad, needle in (({"runtime": "local"}, "unknown setting.*runtime"),
+                        ({"dtpye": "float32"}, "model 'm': unknown setting.*dtpye"),
+                        ({"weights": "int3"}, "weights")):
+        with pytest.raises(ConfigError, match=needle):
+            ServeSettings.from_dict({"models": [{"name": "m", "model": "x", **bad}]})
