@@ -91,7 +91,7 @@ def test_this_machine_from_sysfs_and_the_command_line(tmp_path, default_model_pa
     assert out.returncode == 0, out.stderr
     (smol,) = ServeSettings.from_dict(yaml.safe_load(written.read_text())).models
     group = plan(Host.from_yaml(EPYC), [spec]).groups[0]
-    assert smol.model == str(default_model_path) and smol.cold_executors == 1
+    assert smol.model == str(default_model_path) and smol.base.cold_executors == 1
     assert set(parse_cpulist(smol.cores)) == set(group.cores())
     out = subprocess.run([str(POWERINFER), "plan", "--host", str(tmp_path / "nope.yaml"),
                           "--models", str(models)], capture_output=True, text=True, timeout=120)

@@ -607,14 +607,21 @@ def test_two_real_families_at_once_equal_their_in_process_engines(server, local_
 
 def test_metrics(server):
     from prometheus_client.parser import text_string_to_metric_families
-    r = httpx.get(server.url + "/metrics")  # no key needed
-    assert r.status_code == 200
-    samples = {}
-    for family in text_string_to_metric_families(r.text):
-        for s in family.samples:
-            samples[(s.name, tuple(sorted(s.labels.items())))] = s.value
     smol = (("model_name", SMOL),)
     p = "powerinfer:"
+    gauges = ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc")
+
+    def scrape() -> dict:
+        r = httpx.get(server.url + "/metrics")  # no key needed
+        assert r.status_code == 200
+        return {(s.name, tuple(sorted(s.labels.items()))): s.value
+                for family in text_string_to_metric_families(r.text) for s in family.samples}
+
+    # at rest the gauges read 0: a request an earlier test left (a client gone mid-stream is
+    # cancelled at the scheduler's next step) ends within seconds, and one that never did fails
+    deadline = time.time() + 30
+    while any((samples := scrape())[(p + g, smol)] for g in gauges) and time.time() < deadline:
+        time.sleep(0.5)
     assert samples[(p + "time_to_first_token_seconds_count", smol)] > 0
     assert samples[(p + "inter_token_latency_seconds_count", smol)] > 0
     assert samples[(p + "e2e_request_latency_seconds_count", smol)] > 0
@@ -622,8 +629,8 @@ def test_metrics(server):
     assert samples[(p + "generation_tokens_total", smol)] >= 12
     assert samples[(p + "prompt_tokens_total", smol)] > 0
     assert samples[(p + "request_success_total", (("finished_reason", "length"),) + smol)] > 0
-    for gauge in ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc"):
-        assert samples[(p + gauge, smol)] == 0
+    for gauge in gauges:
+        assert samples[(p + gauge, smol)] == 0, gauge
     assert samples[(p + "prefix_cache_queries_total", smol)] > 0
     assert 0 <= samples[(p + "prefix_cache_hits_total", smol)] <= \
         samples[(p + "prefix_cache_queries_total", smol)]
