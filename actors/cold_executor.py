@@ -38,12 +38,12 @@ from powerinfer.quant import KQuantLinear, neuron_format
 from powerinfer.sparse import BlockSlice, decode_rows
 
 from .group_info import node_id
-from .channel import ChannelClosed, native_error
-from .plane import (ATTN, DECODE, HEAD, PREFILL, STOP, FFNInput, Partial, PlaneSpec, head_ranges, receive,
+from .channel import native_error
+from .plane import (ATTN, DECODE, HEAD, PREFILL, Answering, FFNInput, Partial, PlaneSpec, head_ranges, receive,
                     send, split_kv)
 
 
-class ColdExecutor:
+class ColdExecutor(Answering):
     def __init__(self, spec: PlaneSpec, rank: int, cores: tuple[int, ...], model: ModelFile,
                  plan: SparsePlan, hot_share: float, threads: int = 0, weights: str = "dense",
                  head: bool = True, attention: bool = False):
@@ -149,53 +149,39 @@ class ColdExecutor:
             self.busy_s += time.perf_counter() - t0 - (self.x.wait_s - waited)
         return FFNInput(*words)
 
-    @torch.inference_mode()
-    def run(self) -> str:
-        """The loop: until STOP or the group closes the channel."""
+    def _answer(self, got: FFNInput):
+        """One message: its rows of the logits (HEAD), its heads' share of a layer's attention
+        (ATTN), or its neurons' share of a layer's FFN (decode rows with or without masks, a
+        prompt's rows), on `part`."""
         spec, ffn_dim = self.spec, self.spec.ffn_dim
-        try:
-            while True:
-                got = self._next()
-                if got.op == STOP:
-                    return "stopped"
-                t0 = time.perf_counter()
-                if got.op == HEAD:  # its rows of the logits, for the rows the hot side sent
-                    if self.head is not None:  # (an empty range among several: nothing to put)
-                        x = self.x.view(spec.torch_dtype, (got.B, spec.dim))
-                        self.part.put(self.head(x).float())
-                    send(self.part, Partial(-1, got.B))
-                    self.busy_s += time.perf_counter() - t0
-                    continue
-                B, T = got.B, got.T
-                if got.op == ATTN:  # its heads' share of the attention output
-                    S, at = got.extra, spec.attn_layout(B * T, got.extra)
-                    pos = self.x.view(torch.int64, (B * T,), at.positions)
-                    kv = KVTables(self.x.view(torch.int64, (S + 1,), at.starts),
-                                  self.x.view(torch.int32, (S, got.width), at.tables))
-                    rope = None if self.rope is None else tuple(
-                        t[pos] for t in self.rope[self.args.local(got.layer)])
-                    y = self.attn[got.layer](self.x.view(spec.torch_dtype, (B, T, spec.dim)),
-                                             rope, pos, kv)
-                    self.part.put(y.float())
-                    send(self.part, Partial(got.layer, B * T))
-                    self.busy_s += time.perf_counter() - t0
-                    self.steps += 1
-                    continue
-                x = self.x.view(spec.torch_dtype, (B, T, spec.dim))
-                s = self.sets[got.layer]
-                if T == 1:  # decode (and one-token prompts), as the in-process HybridFFN
-                    off = spec.mask_offset(B * T)
-                    rows = self.x.view(torch.bool, (B, ffn_dim), off) if got.extra else None
-                    union = rows.any(0) if got.extra else None  # None: every neuron
-                    y = decode_rows(s, x, union, rows, self.thresholds[got.layer])
-                else:
-                    y = s(x)
-                self.part.put(y.float())
-                send(self.part, Partial(got.layer, B * T))
-                self.busy_s += time.perf_counter() - t0
-                self.steps += 1
-        except ChannelClosed:
-            return "closed"
+        if got.op == HEAD:  # its rows of the logits, for the rows the hot side sent
+            if self.head is not None:  # (an empty range among several: nothing to put)
+                x = self.x.view(spec.torch_dtype, (got.B, spec.dim))
+                self.part.put(self.head(x).float())
+            send(self.part, Partial(-1, got.B))
+            return
+        B, T = got.B, got.T
+        if got.op == ATTN:  # its heads' share of the attention output
+            S, at = got.extra, spec.attn_layout(B * T, got.extra)
+            pos = self.x.view(torch.int64, (B * T,), at.positions)
+            kv = KVTables(self.x.view(torch.int64, (S + 1,), at.starts),
+                          self.x.view(torch.int32, (S, got.width), at.tables))
+            rope = None if self.rope is None else tuple(
+                t[pos] for t in self.rope[self.args.local(got.layer)])
+            y = self.attn[got.layer](self.x.view(spec.torch_dtype, (B, T, spec.dim)), rope, pos, kv)
+        else:
+            x = self.x.view(spec.torch_dtype, (B, T, spec.dim))
+            s = self.sets[got.layer]
+            if T == 1:  # decode (and one-token prompts), as the in-process HybridFFN
+                off = spec.mask_offset(B * T)
+                rows = self.x.view(torch.bool, (B, ffn_dim), off) if got.extra else None
+                union = rows.any(0) if got.extra else None  # None: every neuron
+                y = decode_rows(s, x, union, rows, self.thresholds[got.layer])
+            else:
+                y = s(x)
+        self.part.put(y.float())
+        send(self.part, Partial(got.layer, B * T))
+        self.steps += 1
 
     def loop_profile(self, mode: str = "read") -> dict:
         """This process's native loop by phase (`kernels.loop_profile`: "start", "read", "stop"),

@@ -81,105 +81,20 @@ class ActorGroup:
         """Place and start the group's actors. wait_for_resources=False fails at once, with
         the resources named, when no live node offers what the group asks for (a rebuild
         after the model's node is gone: it retries, and requests are not kept waiting)."""
-        c, n = self.config, self.config.cold_executors
         sweep()
-        topo = Topology.read()
-        if c.cores:  # this model's own cores on a host shared with other models
-            try:
-                topo = topo.within(parse_cpulist(c.cores))
-            except ValueError as e:
-                raise ConfigError(f"cores={c.cores!r}: {e}") from None
-        gpu, even = wants_gpu(c), plan_cores(topo, n)
-        # the hot executor's share of the work where no placement decides it: its cores' share
-        distinct_cold = {x for g in even.cold for x in g} - set(even.hot)
-        hot_share = len(even.hot) / (len(even.hot) + len(distinct_cold))
-        # on a GPU its cores launch kernels and wait on the device and the cold executors, with
-        # the predictor and the scheduler beside it: a few cores, and every other one to the
-        # cold executors, whose neurons bound the token
-        self.cores = plan_cores(topo, n, min(GPU_HOT_CORES, len(even.hot))) if gpu else even
-        # a step: every running sequence and the probe, their decode rows and one prompt chunk
-        # (a whole prompt where prefill is not chunked); the pool's blocks and the probe's
-        chunk = c.prefill_chunk or self.max_seq
-        self.spec = PlaneSpec.new(n, c.max_batch + 1, c.max_batch + 1 + chunk, self.max_seq,
-                                  self.num_blocks + 1, c.block_size, self.args, c.torch_dtype,
-                                  self.spin_us, c.cpu_isa)
-        self.spec.create_all()
+        gpu = wants_gpu(self.config)
+        self.hot_share = self._plan_cores(gpu)
+        self._create_plane()
         try:
-            # with NUMA nodes advertised (`cluster.topology.numa_resources`), each actor's bundle
-            # asks for the node its cores are on: Ray places the group on a host that has them
-            numa = any(k.startswith("numa_node_") for k in ray.cluster_resources())
-            topo = Topology.read()  # node indices as numa_resources numbers them
-
-            # and for the resources the model asks for (a model pinned to some hosts)
-            wanted = {k: CPU_SHARE for k, _ in c.resources}
-
-            def bundle(cores, **extra):
-                node = {f"numa_node_{node_of(cores, topo)}": CPU_SHARE} if numa else {}
-                return {"CPU": CPU_SHARE, **node, **wanted, **extra}
-
             # on a CPU the executors share each layer's neurons by their cores' shares of the
             # work (`SparsePlan.dealt`): a solved placement (what a GPU's memory holds) places
             # nothing there, and its uneven layers kept one side waiting on the other
             if not gpu:
-                self.plan = self.plan.dealt(hot_share)
-            self.hot_share = hot_share
-            # the predictor shares the hot executor's GPU (and bundle: one GPU, not any two
-            # of the node's) where it has one: CUDA IPC buffers between the two
-            spec, p = self.spec, self.plan
-            shared_gpu = gpu and p.predictor_input is not None and c.predictor_device == "auto"
-            if shared_gpu and importlib.util.find_spec("cupy") is None:
-                log.warning("the predictor runs on the CPU: sharing the GPU's buffers with the "
-                            "hot executor needs CuPy (pip install 'powerinfer[gpu]')")
-                shared_gpu = False
-            if shared_gpu:
-                spec = self.spec = replace(spec, device_predictor=True)
-            bundles = [bundle(self.cores.hot, **({"GPU": 1} if gpu else {}))]
-            if shared_gpu:
-                bundles[0]["CPU"] += CPU_SHARE
-            bundles += [bundle(g) for g in self.cores.cold]
-            bundles += [bundle(self.cores.predictor), bundle(self.cores.hot)]  # predictor, scheduler
-            self.pg = placement_group(bundles, strategy="STRICT_PACK")
-            self._placed(self.pg, bundles, wait_for_resources)
-
-            def place(cls, i, concurrency=4, **kw):
-                return ray.remote(cls).options(
-                    num_cpus=CPU_SHARE, max_concurrency=concurrency, max_restarts=0, **kw,
-                    scheduling_strategy=PlacementGroupSchedulingStrategy(self.pg, i))
-
-            # on a CPU the executors split attention by heads as well, with a predictor where
-            # its heads outweigh the neurons it picks (`plane.splits_attention`)
-            attention = not gpu and splits_attention(self.args, p)
-            self.actors["hot"] = place(HotExecutor, 0,
-                                       num_gpus=(0.5 if shared_gpu else 1) if gpu else 0).remote(
-                spec, self.cores.hot, self.model, c, p, hot_share, attention)
-            for k in range(n):
-                self.actors[f"cold.{k}"] = place(ColdExecutor, 1 + k).remote(
-                    spec, k, self.cores.cold[k], self.model, p, hot_share, c.cpu_threads,
-                    c.cold_weights, head=not gpu, attention=attention)
-            if p.predictor_input is not None:
-                # on the GPU it mostly waits for the device: beside the hot executor, off the
-                # cold executors' cores
-                where = dict(i=0, num_gpus=0.5) if shared_gpu else dict(i=n + 1)
-                cores = self.cores.hot if shared_gpu else self.cores.predictor
-                self.actors["predictor"] = place(PredictorActor, **where).remote(
-                    spec, cores, p, c.cpu_threads)
-            # every open stream is a call in flight: admission control is the scheduler's
-            # queue, not Ray's
-            self.actors["scheduler"] = place(Scheduler, n + 2, concurrency=10_000).remote(
-                spec, self.model, self.tokenizer, c, self.cores.hot, self._spare(),
-                sparse=p.bundle is not None)
-            names = list(self.actors)
-            infos = ray.get([a.ready.remote() for a in self.actors.values()], timeout=START_TIMEOUT_S)
-            self.info = dict(zip(names, infos))
-            if shared_gpu:  # the predictor maps the hot executor's device buffers
-                try:
-                    ray.get(self.actors["predictor"].attach.remote(self.info["hot"]["device_buffers"]),
-                            timeout=START_TIMEOUT_S)
-                except ray.exceptions.RayError as e:
-                    raise EngineFailedError(
-                        "the predictor could not map the hot executor's GPU buffers (CUDA IPC "
-                        f"between two processes on one GPU: {str(e).strip().splitlines()[-1][:300]}); "
-                        "Config(predictor_device='cpu') keeps the predictor on host cores") from e
+                self.plan = self.plan.dealt(self.hot_share)
+            shared_gpu = self._shares_gpu(gpu)
+            self._place_bundles(gpu, shared_gpu, wait_for_resources)
+            self._start_actors(gpu, shared_gpu)
+            self._handshake(shared_gpu)
         except BaseException:
             self.stop()
             raise
@@ -187,6 +102,118 @@ class ActorGroup:
             self.spec.unlink_all()  # every actor has mapped them, or the start failed
         self.loops = [a.run.remote() for a in self.actors.values()]
         return self
+
+    def _plan_cores(self, gpu: bool) -> float:
+        """The cores of each actor (`self.cores`) within the model's own, and the hot
+        executor's share of the work where no placement decides it: its cores' share."""
+        c, n = self.config, self.config.cold_executors
+        topo = Topology.read()
+        if c.cores:  # this model's own cores on a host shared with other models
+            try:
+                topo = topo.within(parse_cpulist(c.cores))
+            except ValueError as e:
+                raise ConfigError(f"cores={c.cores!r}: {e}") from None
+        even = plan_cores(topo, n)
+        distinct_cold = {x for g in even.cold for x in g} - set(even.hot)
+        # on a GPU its cores launch kernels and wait on the device and the cold executors, with
+        # the predictor and the scheduler beside it: a few cores, and every other one to the
+        # cold executors, whose neurons bound the token
+        self.cores = plan_cores(topo, n, min(GPU_HOT_CORES, len(even.hot))) if gpu else even
+        return len(even.hot) / (len(even.hot) + len(distinct_cold))
+
+    def _create_plane(self):
+        """The shared-memory data plane (`PlaneSpec`): sized for a step of every running
+        sequence and the probe, their decode rows and one prompt chunk (a whole prompt where
+        prefill is not chunked), and the pool's blocks and the probe's."""
+        c = self.config
+        chunk = c.prefill_chunk or self.max_seq
+        self.spec = PlaneSpec.new(c.cold_executors, c.max_batch + 1, c.max_batch + 1 + chunk,
+                                  self.max_seq, self.num_blocks + 1, c.block_size, self.args,
+                                  c.torch_dtype, self.spin_us, c.cpu_isa)
+        self.spec.create_all()
+
+    def _shares_gpu(self, gpu: bool) -> bool:
+        """Whether the predictor shares the hot executor's GPU (and bundle: one GPU, not any
+        two of the node's), with CUDA IPC buffers between the two."""
+        shared = gpu and self.plan.predictor_input is not None and \
+            self.config.predictor_device == "auto"
+        if shared and importlib.util.find_spec("cupy") is None:
+            log.warning("the predictor runs on the CPU: sharing the GPU's buffers with the "
+                        "hot executor needs CuPy (pip install 'powerinfer[gpu]')")
+            shared = False
+        if shared:
+            self.spec = replace(self.spec, device_predictor=True)
+        return shared
+
+    def _place_bundles(self, gpu: bool, shared_gpu: bool, wait_for_resources: bool):
+        """The placement group: a bundle per actor (hot, each cold executor, predictor,
+        scheduler), each asking for the NUMA node its cores are on where the cluster advertises
+        them (`cluster.topology.numa_resources`: Ray places the group on a host that has them)
+        and for the resources the model asks for (a model pinned to some hosts)."""
+        numa = any(k.startswith("numa_node_") for k in ray.cluster_resources())
+        topo = Topology.read()  # node indices as numa_resources numbers them
+        wanted = {k: CPU_SHARE for k, _ in self.config.resources}
+
+        def bundle(cores, **extra):
+            node = {f"numa_node_{node_of(cores, topo)}": CPU_SHARE} if numa else {}
+            return {"CPU": CPU_SHARE, **node, **wanted, **extra}
+
+        bundles = [bundle(self.cores.hot, **({"GPU": 1} if gpu else {}))]
+        if shared_gpu:
+            bundles[0]["CPU"] += CPU_SHARE
+        bundles += [bundle(g) for g in self.cores.cold]
+        bundles += [bundle(self.cores.predictor), bundle(self.cores.hot)]  # predictor, scheduler
+        self.pg = placement_group(bundles, strategy="STRICT_PACK")
+        self._placed(self.pg, bundles, wait_for_resources)
+
+    def _start_actors(self, gpu: bool, shared_gpu: bool):
+        """The actors, each in its bundle: the hot executor, the cold executors, the predictor
+        (with a bundle) and the scheduler."""
+        c, n, spec, p = self.config, self.config.cold_executors, self.spec, self.plan
+
+        def place(cls, i, concurrency=4, **kw):
+            return ray.remote(cls).options(
+                num_cpus=CPU_SHARE, max_concurrency=concurrency, max_restarts=0, **kw,
+                scheduling_strategy=PlacementGroupSchedulingStrategy(self.pg, i))
+
+        # on a CPU the executors split attention by heads as well, with a predictor where
+        # its heads outweigh the neurons it picks (`plane.splits_attention`)
+        attention = not gpu and splits_attention(self.args, p)
+        self.actors["hot"] = place(HotExecutor, 0,
+                                   num_gpus=(0.5 if shared_gpu else 1) if gpu else 0).remote(
+            spec, self.cores.hot, self.model, c, p, self.hot_share, attention)
+        for k in range(n):
+            self.actors[f"cold.{k}"] = place(ColdExecutor, 1 + k).remote(
+                spec, k, self.cores.cold[k], self.model, p, self.hot_share, c.cpu_threads,
+                c.cold_weights, head=not gpu, attention=attention)
+        if p.predictor_input is not None:
+            # on the GPU it mostly waits for the device: beside the hot executor, off the
+            # cold executors' cores
+            where = dict(i=0, num_gpus=0.5) if shared_gpu else dict(i=n + 1)
+            cores = self.cores.hot if shared_gpu else self.cores.predictor
+            self.actors["predictor"] = place(PredictorActor, **where).remote(
+                spec, cores, p, c.cpu_threads)
+        # every open stream is a call in flight: admission control is the scheduler's
+        # queue, not Ray's
+        self.actors["scheduler"] = place(Scheduler, n + 2, concurrency=10_000).remote(
+            spec, self.model, self.tokenizer, c, self.cores.hot, self._spare(),
+            sparse=p.bundle is not None)
+
+    def _handshake(self, shared_gpu: bool):
+        """Each actor's `ready` (what it holds, where: `self.info`), and the predictor's mapping
+        of the hot executor's device buffers where they share a GPU."""
+        names = list(self.actors)
+        infos = ray.get([a.ready.remote() for a in self.actors.values()], timeout=START_TIMEOUT_S)
+        self.info = dict(zip(names, infos))
+        if shared_gpu:
+            try:
+                ray.get(self.actors["predictor"].attach.remote(self.info["hot"]["device_buffers"]),
+                        timeout=START_TIMEOUT_S)
+            except ray.exceptions.RayError as e:
+                raise EngineFailedError(
+                    "the predictor could not map the hot executor's GPU buffers (CUDA IPC "
+                    f"between two processes on one GPU: {str(e).strip().splitlines()[-1][:300]}); "
+                    "Config(predictor_device='cpu') keeps the predictor on host cores") from e
 
     def _spare(self) -> tuple[int, ...]:
         """The group's cores other than the hot executor's: the cold executors (and the

@@ -39,6 +39,7 @@ proves the readers are done with the message before it, so the channels need one
 from __future__ import annotations
 
 import os
+import time
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -49,7 +50,7 @@ import torch
 from powerinfer import kernels
 from powerinfer.batching import MIN_TABLE_BLOCKS
 
-from .channel import Channel, align, create, segment_path
+from .channel import Channel, ChannelClosed, align, create, segment_path
 
 PREFILL, DECODE, STOP, HEAD, ATTN = 1, 2, 3, 4, 5
 # How long a reader spins (yielding its core) before it sleeps. The layer loop's hand-offs come
@@ -173,6 +174,35 @@ def send(ch: Channel, header: NamedTuple):
 def receive(ch: Channel, kind: type[Header], timeout: float | None = None) -> Header:
     """Wait for the next message on ch and read its header as `kind`."""
     return kind(*(int(v) for v in ch.wait(timeout)[:len(kind._fields)]))
+
+
+class Answering:
+    """The loop of an actor that answers the messages of one channel (a cold executor, the
+    predictor): `_next` waits for the next message it answers in Python (its native loop, where
+    it has one, answers the others inside that wait), `_answer` answers it; the seconds spent
+    answering add up in `busy_s`. Runs until STOP ("stopped") or the group closes the channel
+    ("closed"), the value its `run` call returns to the group."""
+
+    busy_s: float = 0.0
+
+    def _next(self):
+        raise NotImplementedError
+
+    def _answer(self, got):
+        raise NotImplementedError
+
+    @torch.inference_mode()
+    def run(self) -> str:
+        try:
+            while True:
+                got = self._next()
+                if got.op == STOP:
+                    return "stopped"
+                t0 = time.perf_counter()
+                self._answer(got)
+                self.busy_s += time.perf_counter() - t0
+        except ChannelClosed:
+            return "closed"
 
 
 @dataclass(frozen=True)

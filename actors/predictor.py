@@ -16,7 +16,6 @@ from one wait to the next, the values `Predictors.active` gives.
 from __future__ import annotations
 
 import os
-import time
 
 import torch
 
@@ -26,11 +25,11 @@ from powerinfer.plan import SparsePlan
 from powerinfer.predictor import run_dtype
 
 from .group_info import node_id
-from .channel import ChannelClosed, native_error
-from .plane import DECODE, STOP, Masks, PlaneSpec, PredictorInput, receive, send
+from .channel import native_error
+from .plane import DECODE, Answering, Masks, PlaneSpec, PredictorInput, receive, send
 
 
-class PredictorActor:
+class PredictorActor(Answering):
     def __init__(self, spec: PlaneSpec, cores: tuple[int, ...], plan: SparsePlan, threads: int = 0):
         pin(cores, threads)
         kernels.hold(spec.isa)  # the model's instruction-set class
@@ -92,22 +91,12 @@ class PredictorActor:
         mask.publish()
         return keep
 
-    @torch.inference_mode()
-    def run(self) -> str:
-        try:
-            while True:
-                got = self._next()
-                if got.op == STOP:
-                    return "stopped"
-                t0 = time.perf_counter()
-                # the host copy (synchronous from a device: the reads of pred_in are done
-                # before the answer lets the hot executor write it again)
-                self.mask.put(self._predict(got))
-                send(self.mask, Masks(got.layer, got.B))
-                self.busy_s += time.perf_counter() - t0
-                self.calls += 1
-        except ChannelClosed:
-            return "closed"
+    def _answer(self, got: PredictorInput):
+        # the host copy (synchronous from a device: the reads of pred_in are done before the
+        # answer lets the hot executor write it again)
+        self.mask.put(self._predict(got))
+        send(self.mask, Masks(got.layer, got.B))
+        self.calls += 1
 
     def stats(self) -> dict:
         out = {"input": self.input, "device": str(self.device),
