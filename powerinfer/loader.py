@@ -671,8 +671,30 @@ def _load_gguf(path: Path, dtype, with_weights: bool, keep_int4: bool) -> Checkp
     if arch not in GGUF_ARCHS:
         raise ModelLoadError(path, f"unknown architecture {arch!r} "
                              f"(supported: {', '.join(GGUF_ARCHS)})")
-    default_act, permuted = GGUF_ARCHS[arch]
     pwri = reader.magic == b"PWRI"
+    tensors = {t.name: t for t in reader.tensors}
+    args = _gguf_args(path, arch, meta, tensors, pwri)
+    permuted = GGUF_ARCHS[arch][1]
+    names, found, extra = _gguf_tensor_table(arch, args, tensors)
+    table = {c: Stored(t.tensor_type.name, tuple(int(x) for x in reversed(t.shape)),
+                       int(t.data_offset), int(t.n_bytes)) for c, t in found.items()}
+    table = split_fused(table, args, lambda st, sub, lo, hi: _stored_rows(st, lo, hi))
+    source = GGUFSource(path, table, args if permuted else None)
+    source.kquant = _kquant_source(path, meta, found, args if permuted else None)
+    weights, q4 = _gguf_weights(source, dtype, keep_int4) if with_weights else ({}, {})
+    info = {"format": "PWRI" if pwri else "GGUF", "gguf_arch": arch,
+            "file_bytes": path.stat().st_size,
+            "n_params": sum(int(np.prod(t.shape)) for n, t in tensors.items() if n in names),
+            "tensor_types": dict(Counter(t.tensor_type.name for t in reader.tensors)),
+            "ffn_type": source.kind("0.up") if "0.up" in source.names else None,
+            "name": meta.get("general.name", path.stem)}
+    return Checkpoint(path, args, weights, ("gguf", meta), info, extra, q4, source)
+
+
+def _gguf_args(path: Path, arch: str, meta: dict, tensors: dict, pwri: bool) -> ModelArgs:
+    """The model's shape and switches from a GGUF file's metadata (`{arch}.*` keys) and which
+    tensors it holds; ModelLoadError for what is not supported."""
+    default_act = GGUF_ARCHS[arch][0]
     if pwri and arch == "llama":
         default_act = "reglu"  # the original runs a PWRI file's LLaMA FFN as relu(gate) * up
 
@@ -682,7 +704,6 @@ def _load_gguf(path: Path, dtype, with_weights: bool, keep_int4: bool) -> Checkp
             raise ModelLoadError(path, f"missing metadata key {arch}.{name}")
         return v
 
-    tensors = {t.name: t for t in reader.tensors}
     n_heads = int(key("attention.head_count"))
     dim = int(key("embedding_length"))
     n_vocab = len(meta.get("tokenizer.ggml.tokens", ())) or int(tensors["token_embd.weight"].shape[1])
@@ -717,7 +738,7 @@ def _load_gguf(path: Path, dtype, with_weights: bool, keep_int4: bool) -> Checkp
         extra_args = dict(parallel=True, layer_norm=True)
     eps = (float(key("attention.layer_norm_epsilon")) if falcon
            else float(key("attention.layer_norm_rms_epsilon")))
-    args = ModelArgs(
+    return ModelArgs(
         arch="llama", vocab_size=int(meta.get(f"{arch}.vocab_size", n_vocab)), dim=dim,
         n_layers=n_layers, n_heads=n_heads,
         n_kv_heads=int(meta.get(f"{arch}.attention.head_count_kv", n_heads)),
@@ -729,8 +750,14 @@ def _load_gguf(path: Path, dtype, with_weights: bool, keep_int4: bool) -> Checkp
         o_bias="blk.0.attn_output.bias" in tensors,
         sliding_window=window, tie_embeddings="output.weight" not in tensors, **extra_args,
     )
+
+
+def _gguf_tensor_table(arch: str, args: ModelArgs, tensors: dict) -> tuple[dict, dict, dict]:
+    """The file's tensors by the model's canonical names: (the GGUF name -> canonical names
+    map, canonical name -> tensor, and the tensors no canonical name takes, read on demand by
+    whoever needs them, e.g. the sparse bundle)."""
     renames = dict(GGUF_RENAMES.get(arch, {}))
-    if falcon:  # Falcon-40B: attention reads attn_norm_2, the FFN attn_norm; Falcon-7B: one norm
+    if arch == "falcon":  # Falcon-40B: attention reads attn_norm_2, the FFN attn_norm; Falcon-7B: one norm
         two = "blk.0.attn_norm_2.weight" in tensors
         for end, suffix in (("weight", ""), ("bias", "_b")):
             renames[f"{{i}}.attn_norm{suffix}"] = f"blk.{{i}}.attn_norm{'_2' if two else ''}.{end}"
@@ -740,35 +767,29 @@ def _load_gguf(path: Path, dtype, with_weights: bool, keep_int4: bool) -> Checkp
     for name, t in tensors.items():
         canons = names.get(name)
         if canons is None:
-            extra[name] = t  # read on demand by whoever needs it (e.g. the sparse bundle)
+            extra[name] = t
         for canon in canons or ():
             found[canon] = t
     for i in range(args.n_layers):  # PWRI files hold the down projection transposed
         down_t = extra.get(f"blk.{i}.ffn_down_t.weight")
         if down_t is not None:
             found[f"{i}.down_t"] = down_t
-    table = {c: Stored(t.tensor_type.name, tuple(int(x) for x in reversed(t.shape)),
-                       int(t.data_offset), int(t.n_bytes)) for c, t in found.items()}
-    table = split_fused(table, args, lambda st, sub, lo, hi: _stored_rows(st, lo, hi))
-    source = GGUFSource(path, table, args if permuted else None)
-    source.kquant = _kquant_source(path, meta, found, args if permuted else None)
+    return names, found, extra
+
+
+def _gguf_weights(source: "GGUFSource", dtype, keep_int4: bool) -> tuple[dict, dict]:
+    """Every tensor in `dtype` (a transposed down projection turned back), and with keep_int4
+    the 4-bit ones' blocks as they are (`q4_split`)."""
     weights, q4 = {}, {}
-    if with_weights:
-        for canon in source.names:
-            if canon.endswith(".down_t"):
-                if canon[:-2] not in source.names:  # only that way: the model wants it untransposed
-                    weights[canon[:-2]] = source.get(canon, dtype).t().contiguous()
-                continue
-            weights[canon] = source.get(canon, dtype)
-            if keep_int4 and source.kind(canon) in Q4_TYPES:
-                q4[canon] = source.q4(canon)
-    info = {"format": "PWRI" if pwri else "GGUF", "gguf_arch": arch,
-            "file_bytes": path.stat().st_size,
-            "n_params": sum(int(np.prod(t.shape)) for n, t in tensors.items() if n in names),
-            "tensor_types": dict(Counter(t.tensor_type.name for t in reader.tensors)),
-            "ffn_type": source.kind("0.up") if "0.up" in source.names else None,
-            "name": meta.get("general.name", path.stem)}
-    return Checkpoint(path, args, weights, ("gguf", meta), info, extra, q4, source)
+    for canon in source.names:
+        if canon.endswith(".down_t"):
+            if canon[:-2] not in source.names:  # only that way: the model wants it untransposed
+                weights[canon[:-2]] = source.get(canon, dtype).t().contiguous()
+            continue
+        weights[canon] = source.get(canon, dtype)
+        if keep_int4 and source.kind(canon) in Q4_TYPES:
+            q4[canon] = source.q4(canon)
+    return weights, q4
 
 
 def _kquant_source(path: Path, meta: dict, found: dict, permute_args) -> "GGUFSource | None":
@@ -853,95 +874,112 @@ def _hf_rope(path: Path, cfg: dict, rope: dict) -> tuple | None:
 def _hf_args(path: Path, cfg: dict) -> tuple[ModelArgs, int, dict]:
     """(ModelArgs, the TENSOR_NAMES column, the architecture's renames) of a config.json."""
     mtype = cfg.get("model_type")
-    get = cfg.get
     if mtype in HF_LLAMA_TYPES:
-        gemma = mtype == "gemma3_text"
-        if get("mlp_bias"):
-            raise ModelLoadError(path, "mlp_bias=True is not supported")
-        act_name = get("ffn_activation") or get("hidden_activation") or get("hidden_act", "silu")
-        if act_name not in HF_ACTS:
-            raise ModelLoadError(path, f"unsupported hidden_act {act_name!r}")
-        rope = get("rope_parameters") or {}  # transformers >= 5 keeps rope settings here
-        local = {}
-        if gemma and "full_attention" in rope:  # per layer type
-            rope, local = rope["full_attention"], rope.get("sliding_attention", {})
-        n_heads = get("num_attention_heads")
-        if mtype in ("qwen2", "qwen3") and get("use_sliding_window"):
-            raise ModelLoadError(path, f"{mtype} with use_sliding_window=True is not supported")
-        if (get("partial_rotary_factor") or rope.get("partial_rotary_factor") or 1.0) != 1.0:
-            raise ModelLoadError(path, "partial rotary embedding is not supported")
-        if get("final_logit_softcapping") or get("attn_logit_softcapping"):
-            raise ModelLoadError(path, "logit soft-capping is not supported")
-        window = (get("sliding_window") or 0) if mtype in ("mistral", "phi3", "gemma3_text") else 0
-        extra = {}
-        if gemma:
-            types = get("layer_types") or [
-                "full_attention" if (i + 1) % get("sliding_window_pattern", 6) == 0
-                else "sliding_attention" for i in range(get("num_hidden_layers"))]
-            pattern = _pattern_of([t == "sliding_attention" for t in types], path)
-            head_dim = get("head_dim") or get("hidden_size") // n_heads
-            extra = dict(swa_pattern=pattern if window else 0, qk_norm=True, post_norms=True,
-                         embed_scale=get("hidden_size") ** 0.5,
-                         attn_scale=float(get("query_pre_attn_scalar") or head_dim) ** -0.5,
-                         rope_base_local=float(local.get("rope_theta") or get("rope_local_base_freq")
-                                               or 10000.0) if window else 0.0)
-        elif mtype == "qwen3":
-            extra = dict(qk_norm=True)
-        args = ModelArgs(
-            arch="llama", vocab_size=get("vocab_size"), dim=get("hidden_size"),
-            n_layers=get("num_hidden_layers"), n_heads=n_heads,
-            n_kv_heads=get("num_key_value_heads") or n_heads, ffn_dim=get("intermediate_size"),
-            head_dim=get("head_dim") or 0, ffn_act=HF_ACTS[act_name],
-            norm_eps=get("rms_norm_eps", 1e-6),
-            rope_base=get("rope_theta") or rope.get("rope_theta", 10000.0),
-            rope_scaling=_hf_rope(path, cfg, rope),
-            max_seq_len=get("max_position_embeddings", 2048),
-            qkv_bias=mtype == "qwen2" or bool(get("attention_bias")),
-            o_bias=bool(get("attention_bias")), sliding_window=window,
-            tie_embeddings=bool(get("tie_word_embeddings", gemma)), **extra,
-        )
-        return args, HF_LLAMA, HF_RENAMES.get(mtype, {})
+        return _hf_llama_args(path, cfg), HF_LLAMA, HF_RENAMES.get(mtype, {})
     if mtype == "falcon":
-        if get("alibi") or not get("parallel_attn", True) or get("bias"):
-            raise ModelLoadError(path, "only Falcon with RoPE, parallel attention and no biases "
-                                 "is supported")
-        new = bool(get("new_decoder_architecture"))
-        if not new and not get("multi_query", True):
-            raise ModelLoadError(path, "Falcon with per-head interleaved q/k/v is not supported")
-        n_heads = get("num_attention_heads")
-        act = get("activation", "gelu")
-        if act not in ("gelu", "relu"):
-            raise ModelLoadError(path, f"unsupported Falcon activation {act!r}")
-        rope = get("rope_parameters") or {}
-        dim = get("hidden_size")
-        return ModelArgs(
-            arch="llama", vocab_size=get("vocab_size"), dim=dim, n_layers=get("num_hidden_layers"),
-            n_heads=n_heads, n_kv_heads=(get("num_kv_heads") or n_heads) if new else 1,
-            ffn_dim=get("ffn_hidden_size") or 4 * dim, ffn_act=act,
-            norm_eps=get("layer_norm_epsilon", 1e-5),
-            rope_base=get("rope_theta") or rope.get("rope_theta", 10000.0),
-            rope_scaling=_hf_rope(path, cfg, rope),
-            max_seq_len=get("max_position_embeddings", 2048), layer_norm=True, parallel=True,
-            tie_embeddings=bool(get("tie_word_embeddings", True)),
-        ), HF_LLAMA, {"only": _falcon_hf_names(cfg)}
+        return _hf_falcon_args(path, cfg), HF_LLAMA, {"only": _falcon_hf_names(cfg)}
     if mtype == "opt":
-        if not get("do_layer_norm_before", True):
-            raise ModelLoadError(path, "OPT with post-layer-norm (do_layer_norm_before=False) "
-                                 "is not supported")
-        if get("word_embed_proj_dim", get("hidden_size")) != get("hidden_size"):
-            raise ModelLoadError(path, "OPT with word_embed_proj_dim != hidden_size is not supported")
-        if get("activation_function", "relu") != "relu" or not get("enable_bias", True):
-            raise ModelLoadError(path, "only OPT with ReLU and biases is supported")
-        return ModelArgs(
-            arch="opt", vocab_size=get("vocab_size"), dim=get("hidden_size"),
-            n_layers=get("num_hidden_layers"), n_heads=get("num_attention_heads"),
-            n_kv_heads=get("num_attention_heads"), ffn_dim=get("ffn_dim"), ffn_act="relu",
-            norm_eps=1e-5, max_seq_len=get("max_position_embeddings", 2048), qkv_bias=True,
-            o_bias=True, ffn_bias=True, tie_embeddings=bool(get("tie_word_embeddings", True)),
-            layer_norm=True, learned_pos=True,
-        ), HF_OPT, {}
+        return _hf_opt_args(path, cfg), HF_OPT, {}
     raise ModelLoadError(path, f"unknown architecture model_type={mtype!r} "
                          f"(supported: {', '.join(HF_TYPES)})")
+
+
+def _hf_llama_args(path: Path, cfg: dict) -> ModelArgs:
+    """The LLaMA family's (LLaMA, Mistral, Qwen2/3, Phi-3, Gemma 3) ModelArgs."""
+    mtype = cfg.get("model_type")
+    get = cfg.get
+    gemma = mtype == "gemma3_text"
+    if get("mlp_bias"):
+        raise ModelLoadError(path, "mlp_bias=True is not supported")
+    act_name = get("ffn_activation") or get("hidden_activation") or get("hidden_act", "silu")
+    if act_name not in HF_ACTS:
+        raise ModelLoadError(path, f"unsupported hidden_act {act_name!r}")
+    rope = get("rope_parameters") or {}  # transformers >= 5 keeps rope settings here
+    local = {}
+    if gemma and "full_attention" in rope:  # per layer type
+        rope, local = rope["full_attention"], rope.get("sliding_attention", {})
+    n_heads = get("num_attention_heads")
+    if mtype in ("qwen2", "qwen3") and get("use_sliding_window"):
+        raise ModelLoadError(path, f"{mtype} with use_sliding_window=True is not supported")
+    if (get("partial_rotary_factor") or rope.get("partial_rotary_factor") or 1.0) != 1.0:
+        raise ModelLoadError(path, "partial rotary embedding is not supported")
+    if get("final_logit_softcapping") or get("attn_logit_softcapping"):
+        raise ModelLoadError(path, "logit soft-capping is not supported")
+    window = (get("sliding_window") or 0) if mtype in ("mistral", "phi3", "gemma3_text") else 0
+    extra = {}
+    if gemma:
+        types = get("layer_types") or [
+            "full_attention" if (i + 1) % get("sliding_window_pattern", 6) == 0
+            else "sliding_attention" for i in range(get("num_hidden_layers"))]
+        pattern = _pattern_of([t == "sliding_attention" for t in types], path)
+        head_dim = get("head_dim") or get("hidden_size") // n_heads
+        extra = dict(swa_pattern=pattern if window else 0, qk_norm=True, post_norms=True,
+                     embed_scale=get("hidden_size") ** 0.5,
+                     attn_scale=float(get("query_pre_attn_scalar") or head_dim) ** -0.5,
+                     rope_base_local=float(local.get("rope_theta") or get("rope_local_base_freq")
+                                           or 10000.0) if window else 0.0)
+    elif mtype == "qwen3":
+        extra = dict(qk_norm=True)
+    return ModelArgs(
+        arch="llama", vocab_size=get("vocab_size"), dim=get("hidden_size"),
+        n_layers=get("num_hidden_layers"), n_heads=n_heads,
+        n_kv_heads=get("num_key_value_heads") or n_heads, ffn_dim=get("intermediate_size"),
+        head_dim=get("head_dim") or 0, ffn_act=HF_ACTS[act_name],
+        norm_eps=get("rms_norm_eps", 1e-6),
+        rope_base=get("rope_theta") or rope.get("rope_theta", 10000.0),
+        rope_scaling=_hf_rope(path, cfg, rope),
+        max_seq_len=get("max_position_embeddings", 2048),
+        qkv_bias=mtype == "qwen2" or bool(get("attention_bias")),
+        o_bias=bool(get("attention_bias")), sliding_window=window,
+        tie_embeddings=bool(get("tie_word_embeddings", gemma)), **extra,
+    )
+
+
+def _hf_falcon_args(path: Path, cfg: dict) -> ModelArgs:
+    """Falcon's ModelArgs (RoPE, parallel attention, no biases: its 7B and 40B layouts)."""
+    get = cfg.get
+    if get("alibi") or not get("parallel_attn", True) or get("bias"):
+        raise ModelLoadError(path, "only Falcon with RoPE, parallel attention and no biases "
+                             "is supported")
+    new = bool(get("new_decoder_architecture"))
+    if not new and not get("multi_query", True):
+        raise ModelLoadError(path, "Falcon with per-head interleaved q/k/v is not supported")
+    n_heads = get("num_attention_heads")
+    act = get("activation", "gelu")
+    if act not in ("gelu", "relu"):
+        raise ModelLoadError(path, f"unsupported Falcon activation {act!r}")
+    rope = get("rope_parameters") or {}
+    dim = get("hidden_size")
+    return ModelArgs(
+        arch="llama", vocab_size=get("vocab_size"), dim=dim, n_layers=get("num_hidden_layers"),
+        n_heads=n_heads, n_kv_heads=(get("num_kv_heads") or n_heads) if new else 1,
+        ffn_dim=get("ffn_hidden_size") or 4 * dim, ffn_act=act,
+        norm_eps=get("layer_norm_epsilon", 1e-5),
+        rope_base=get("rope_theta") or rope.get("rope_theta", 10000.0),
+        rope_scaling=_hf_rope(path, cfg, rope),
+        max_seq_len=get("max_position_embeddings", 2048), layer_norm=True, parallel=True,
+        tie_embeddings=bool(get("tie_word_embeddings", True)),
+    )
+
+
+def _hf_opt_args(path: Path, cfg: dict) -> ModelArgs:
+    """OPT's ModelArgs (pre-layer-norm, ReLU, biases, learned positions)."""
+    get = cfg.get
+    if not get("do_layer_norm_before", True):
+        raise ModelLoadError(path, "OPT with post-layer-norm (do_layer_norm_before=False) "
+                             "is not supported")
+    if get("word_embed_proj_dim", get("hidden_size")) != get("hidden_size"):
+        raise ModelLoadError(path, "OPT with word_embed_proj_dim != hidden_size is not supported")
+    if get("activation_function", "relu") != "relu" or not get("enable_bias", True):
+        raise ModelLoadError(path, "only OPT with ReLU and biases is supported")
+    return ModelArgs(
+        arch="opt", vocab_size=get("vocab_size"), dim=get("hidden_size"),
+        n_layers=get("num_hidden_layers"), n_heads=get("num_attention_heads"),
+        n_kv_heads=get("num_attention_heads"), ffn_dim=get("ffn_dim"), ffn_act="relu",
+        norm_eps=1e-5, max_seq_len=get("max_position_embeddings", 2048), qkv_bias=True,
+        o_bias=True, ffn_bias=True, tie_embeddings=bool(get("tie_word_embeddings", True)),
+        layer_norm=True, learned_pos=True,
+    )
 
 
 def _falcon_qkv_rows(a: ModelArgs, new: bool) -> dict[str, torch.Tensor]:

@@ -48,7 +48,7 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
 from scipy.optimize import Bounds, LinearConstraint, milp
@@ -186,6 +186,66 @@ def solve(mass: list[np.ndarray], args: ModelArgs, budget_bytes: int, *,
     `neuron_fmt` the block format the GPU keeps the neurons in (`neuron_bytes`; None: the model's
     type). Raises ConfigError when the fixed parts, or the per-layer floor, do not fit the budget."""
     L, n = args.n_layers, args.ffn_dim
+    mass = _checked_mass(mass, L, n, group, min_share, floor_share)
+    fixed = gpu_bytes(args, dtype_bytes=dtype_bytes) if fixed is None else dict(fixed)
+    nb = neuron_bytes(args, dtype_bytes, neuron_fmt)
+    fixed_total = sum(fixed.values())
+    if fixed_total > budget_bytes:
+        parts = ", ".join(f"{k} {v}" for k, v in fixed.items() if v)
+        raise ConfigError(f"GPU budget of {budget_bytes} bytes is below the {fixed_total} bytes "
+                          f"the GPU must hold besides FFN neurons ({parts})")
+    cap = (budget_bytes - fixed_total) // nb  # neurons that fit
+    it = _items(mass, n, min(group, n), min_share, floor_share)
+    if it.mandatory and L * it.first > cap:
+        raise ConfigError(f"the per-layer floor of {it.first} GPU neurons needs "
+                          f"{L * it.first * nb} bytes but a budget of {budget_bytes} bytes leaves "
+                          f"{budget_bytes - fixed_total} after the {fixed_total} fixed bytes")
+
+    def placement(taken, **report) -> Placement:
+        counts = it.bounds[taken]  # taken[l]: items of layer l on the GPU -> neurons
+        hot = []
+        for o, c in zip(it.order, counts):
+            h = np.zeros(n, dtype=bool)
+            h[o[:c]] = True
+            hot.append(h)
+        assert counts.sum() <= cap and all(c == 0 or c >= it.first for c in counts)
+        gpu = np.array([m[h].sum() for m, h in zip(mass, hot)])
+        return Placement(hot=hot, layer_mass=np.array([m.sum() for m in mass]),
+                         layer_gpu_mass=gpu, budget_bytes=budget_bytes, fixed=fixed,
+                         neuron_bytes=nb, objective=float(gpu.sum()), group=min(group, n),
+                         min_neurons=it.first, **report)
+
+    total = float(it.cums[:, -1].sum())
+    if n * L <= cap:
+        return placement(np.full(L, len(it.sizes)), bound=total, gap=0.0, greedy_objective=total,
+                         solve_s=0.0, status="all fit", source="all", n_binaries=0)
+
+    def value(taken):  # mass of the first taken[l] items of every layer
+        return float(sum(it.item_mass[l, :t].sum() for l, t in enumerate(taken)))
+
+    greedy = _greedy(it.item_mass, it.sizes, cap, it.mandatory)
+    greedy_obj = value(greedy)
+    t0 = time.perf_counter()
+    scale = 1e6 / max(total, 1e-300)
+    res = _milp(it.item_mass * scale, it.sizes, cap, it.mandatory, time_limit, mip_rel_gap)
+    solve_s = time.perf_counter() - t0
+    taken, source = greedy, "greedy"
+    if res.x is not None:
+        x = np.round(res.x).astype(bool).reshape(it.item_mass.shape)
+        milp_taken = x.sum(1)
+        assert (x == (np.arange(len(it.sizes)) < milp_taken[:, None])).all()  # prefixes
+        if value(milp_taken) >= greedy_obj - 1e-9 * total:  # ties up to rounding: the MILP's
+            taken, source = milp_taken, "milp"
+    objective = value(taken)
+    bound, gap = _bound_and_gap(mass, cap, res, scale, objective, source)
+    return placement(taken, bound=bound, gap=gap, greedy_objective=greedy_obj, solve_s=solve_s,
+                     status=_MILP_STATUS.get(res.status, "error"), source=source,
+                     n_binaries=it.item_mass.size)
+
+
+def _checked_mass(mass: list, L: int, n: int, group: int, min_share: float,
+                  floor_share: float) -> list[np.ndarray]:
+    """`mass` as float64 arrays, or ConfigError naming what is wrong with it or the options."""
     if len(mass) != L or any(np.shape(m) != (n,) for m in mass):
         raise ConfigError(f"mass must be {L} arrays of shape ({n},), "
                           f"got {[np.shape(m) for m in mass]}")
@@ -195,79 +255,45 @@ def solve(mass: list[np.ndarray], args: ModelArgs, budget_bytes: int, *,
     if group < 1 or not 0 <= min_share <= 1 or not 0 <= floor_share <= 1:
         raise ConfigError(f"need group >= 1 and shares in [0, 1], "
                           f"got group={group}, min_share={min_share}, floor_share={floor_share}")
-    fixed = gpu_bytes(args, dtype_bytes=dtype_bytes) if fixed is None else dict(fixed)
-    nb = neuron_bytes(args, dtype_bytes, neuron_fmt)
-    fixed_total = sum(fixed.values())
-    if fixed_total > budget_bytes:
-        parts = ", ".join(f"{k} {v}" for k, v in fixed.items() if v)
-        raise ConfigError(f"GPU budget of {budget_bytes} bytes is below the {fixed_total} bytes "
-                          f"the GPU must hold besides FFN neurons ({parts})")
-    cap = (budget_bytes - fixed_total) // nb  # neurons that fit
+    return mass
 
-    # items: per layer the first chunk (>= the minimum, whole groups), then single groups
-    group = min(group, n)
+
+class _Items(NamedTuple):
+    """The solver's items, the same in every layer: its neurons by mass, the first item (at
+    least the minimum share, whole groups) then single groups."""
+    first: int  # neurons of a layer's first item: the fewest a layer holds on the GPU, if any
+    mandatory: bool  # every layer must take its first item (a floor share)
+    bounds: np.ndarray  # (I + 1,) item boundaries in neurons
+    sizes: np.ndarray  # (I,) neurons per item
+    order: list  # per layer, its neurons by mass, largest first
+    cums: np.ndarray  # (L, n + 1) cumulative mass in that order
+    item_mass: np.ndarray  # (L, I)
+
+
+def _items(mass: list[np.ndarray], n: int, group: int, min_share: float,
+           floor_share: float) -> _Items:
     floor = math.ceil(floor_share * n)
     first = min(n, group * max(1, math.ceil(max(math.ceil(min_share * n), floor) / group)))
     bounds = np.array([0, *range(first, n, group), n])
-    sizes = np.diff(bounds)  # (I,) neurons per item, the same in every layer
     order = [np.argsort(-m, kind="stable") for m in mass]
     cums = np.stack([np.concatenate([[0.0], np.cumsum(m[o])]) for m, o in zip(mass, order)])
-    item_mass = cums[:, bounds[1:]] - cums[:, bounds[:-1]]  # (L, I)
-    mandatory = floor > 0
-    if mandatory and L * first > cap:
-        raise ConfigError(f"the per-layer floor of {first} GPU neurons needs {L * first * nb} "
-                          f"bytes but a budget of {budget_bytes} bytes leaves "
-                          f"{budget_bytes - fixed_total} after the {fixed_total} fixed bytes")
+    return _Items(first, floor > 0, bounds, np.diff(bounds), order, cums,
+                  cums[:, bounds[1:]] - cums[:, bounds[:-1]])
 
-    def placement(taken, **report) -> Placement:
-        counts = bounds[taken]  # taken[l]: items of layer l on the GPU -> neurons
-        hot = []
-        for o, c in zip(order, counts):
-            h = np.zeros(n, dtype=bool)
-            h[o[:c]] = True
-            hot.append(h)
-        assert counts.sum() <= cap and all(c == 0 or c >= first for c in counts)
-        gpu = np.array([m[h].sum() for m, h in zip(mass, hot)])
-        return Placement(hot=hot, layer_mass=np.array([m.sum() for m in mass]),
-                         layer_gpu_mass=gpu, budget_bytes=budget_bytes, fixed=fixed,
-                         neuron_bytes=nb, objective=float(gpu.sum()), group=group,
-                         min_neurons=first, **report)
 
-    total = float(cums[:, -1].sum())
-    if n * L <= cap:
-        return placement(np.full(L, len(sizes)), bound=total, gap=0.0, greedy_objective=total,
-                         solve_s=0.0, status="all fit", source="all", n_binaries=0)
-
-    def value(taken):  # mass of the first taken[l] items of every layer
-        return float(sum(item_mass[l, :t].sum() for l, t in enumerate(taken)))
-
-    greedy = _greedy(item_mass, sizes, cap, mandatory)
-    greedy_obj = value(greedy)
-    t0 = time.perf_counter()
-    scale = 1e6 / max(total, 1e-300)
-    res = _milp(item_mass * scale, sizes, cap, mandatory, time_limit, mip_rel_gap)
-    solve_s = time.perf_counter() - t0
-    taken, source = greedy, "greedy"
-    if res.x is not None:
-        x = np.round(res.x).astype(bool).reshape(item_mass.shape)
-        milp_taken = x.sum(1)
-        assert (x == (np.arange(len(sizes)) < milp_taken[:, None])).all()  # prefixes
-        if value(milp_taken) >= greedy_obj - 1e-9 * total:  # ties up to rounding: the MILP's
-            taken, source = milp_taken, "milp"
-    objective = value(taken)
-    # upper bounds: the solver's dual bound, and the `cap` largest masses of the whole model
+def _bound_and_gap(mass: list[np.ndarray], cap: int, res, scale: float, objective: float,
+                   source: str) -> tuple[float, float]:
+    """An upper bound on the mass any placement reaches (the solver's dual bound, and the `cap`
+    largest masses of the whole model), and the chosen placement's gap to it (the MILP's own
+    where it was chosen)."""
     bound = float(np.sort(np.concatenate(mass))[::-1][:cap].sum())
     dual = res.get("mip_dual_bound")  # of the scaled minimisation
     if dual is not None and np.isfinite(dual):
         bound = min(bound, -dual / scale)
     bound = max(bound, objective)
     if source == "milp" and res.get("mip_gap") is not None:
-        gap = float(res.mip_gap)
-    else:
-        gap = (bound - objective) / objective if objective > 0 else 0.0
-    return placement(taken, bound=bound, gap=gap, greedy_objective=greedy_obj, solve_s=solve_s,
-                     status=_MILP_STATUS.get(res.status, "error"), source=source,
-                     n_binaries=item_mass.size)
+        return bound, float(res.mip_gap)
+    return bound, (bound - objective) / objective if objective > 0 else 0.0
 
 
 def _greedy(item_mass: np.ndarray, sizes: np.ndarray, cap: int, mandatory: bool) -> np.ndarray:
