@@ -322,61 +322,17 @@ def _tensors(s: Shape, planted: np.ndarray, seed: int, calib_tokens: int, calib_
     kv = KVTables(torch.arange(0, B * T + 1, T), torch.arange(B * per, dtype=torch.int32).view(B, per))
     pos = torch.arange(T).repeat(B)  # (B*T,)
     rope = tuple(t[pos] for t in rope_table(args, T))  # (B*T, head_dim) each
-    branch_std = (2 * s.n_layers) ** -0.5
     ones = torch.ones(d)
 
     for i in range(s.n_layers):
-        p = f"blk.{i}."
-        with torch.inference_mode():
-            xa = block.attn_norm(h)
-            # q . k / sqrt(head_dim) has std SCORE_STD: attention picks a few positions
-            qk_std = (SCORE_STD / xa[..., 1:].pow(2).sum(-1).mean()).sqrt().item()
-        q = _randn(seed, p + "attn_q.weight", (d, d), qk_std, in_col0=0.0)
-        k = _randn(seed, p + "attn_k.weight", (args.n_kv_heads * s.head_dim, d), qk_std, in_col0=0.0)
-        v = _randn(seed, p + "attn_v.weight", k.shape, d ** -0.5, in_col0=0.0)
-        o = writes(p + "attn_output.weight", d)  # never writes the bias channel
-        with torch.inference_mode():
-            # q and k are drawn in the file's (llama.cpp) row order; the model uses the loader's
-            block.attn.wqkv.weight.copy_(torch.cat([unpermute_rows(q, s.n_heads),
-                                                    unpermute_rows(k, s.n_kv_heads), v]))
-            block.attn.wo.weight.copy_(o)
-            a = block.attn(xa, rope, pos, kv)  # (B, T, dim)
-            scale = branch_std / a[..., 1:].pow(2).mean().sqrt().item()
-            h = h + scale * a
-        o *= scale
-        yield from [(p + "attn_norm.weight", ones), (p + "attn_q.weight", q),
-                    (p + "attn_k.weight", k), (p + "attn_v.weight", v), (p + "attn_output.weight", o)]
-        del q, k, v, o
-
-        if subspace:  # rows in a subspace of rank r off the bias channel; same scale of gate . x
-            basis = torch.linalg.qr(_randn(seed, p + "ffn_gate.basis",
-                                           (residual_rank or d - 1, subspace)))[0]
-            if V is not None:  # inside the residual stream's subspace
-                basis = V @ basis
-            gate = _randn(seed, p + "ffn_gate.weight", (s.n_ff, subspace), subspace ** -0.5)
-            gate = torch.cat([torch.zeros(s.n_ff, 1), gate @ basis.t()], 1)  # (n_ff, d)
-        else:
-            gate = _randn(seed, p + "ffn_gate.weight", (s.n_ff, d), d ** -0.5, in_col0=0.0)
-        up = _randn(seed, p + "ffn_up.weight", (s.n_ff, d), d ** -0.5, in_col0=0.0)
-        down = writes(p + "ffn_down.weight", s.n_ff)
-        with torch.inference_mode():
-            x = block.ffn_norm(h).flatten(0, 1)  # (N, dim) the FFN inputs
-            z = x @ gate.t()  # (N, n_ff) gate pre-activations, bias column still zero
-            std, mean = torch.std_mean(z, dim=0)
-            bias = std * torch.special.ndtri(torch.from_numpy(planted[i]).double()).float() - mean
-            gate[:, 0] = bias / x[:, 0].mean()
-            z += x[:, :1] * gate[:, 0]  # now x @ gate.t(), as the model computes it
-            act = torch.relu(z) * (x @ up.t())  # (N, n_ff) ReGLU
-            del z
-            calib_firing.append((act != 0).float().mean(0))
-            f = act @ down.t()  # (N, dim)
-            scale = branch_std / f[:, 1:].pow(2).mean().sqrt().item()
-            h = h + scale * f.view(B, T, d)
-            del act, f
-        down *= scale
-        yield from [(p + "ffn_norm.weight", ones), (p + "ffn_gate.weight", gate),
-                    (p + "ffn_up.weight", up), (p + "ffn_down.weight", down)]
-        del gate, up, down
+        tensors, h = _attention_part(s, block, h, f"blk.{i}.", seed, writes, (rope, pos, kv))
+        yield from tensors
+        del tensors
+        tensors, h, firing = _ffn_part(s, block, h, f"blk.{i}.", seed, writes, planted[i],
+                                       subspace, residual_rank, V)
+        calib_firing.append(firing)
+        yield from tensors
+        del tensors
 
     # logits = out . norm(h): with N(0, 1) rows their std is the norm of norm(h) off channel 0
     hn = torch.nn.functional.rms_norm(h, (d,), eps=args.norm_eps)
@@ -384,6 +340,71 @@ def _tensors(s: Shape, planted: np.ndarray, seed: int, calib_tokens: int, calib_
     out = _randn(seed, "output.weight", (s.vocab, d), std, in_col0=0.0)
     yield "output_norm.weight", ones
     yield "output.weight", out
+
+
+def _attention_part(s: Shape, block, h: torch.Tensor, p: str, seed: int, writes, where):
+    """A layer's attention tensors, scaled so that its branch adds `branch_std` to the
+    calibration batch's residual `h`: ([(name, tensor)], the residual after it)."""
+    rope, pos, kv = where
+    d, n_kv = s.dim, s.model_args().n_kv_heads
+    branch_std = (2 * s.n_layers) ** -0.5
+    with torch.inference_mode():
+        xa = block.attn_norm(h)
+        # q . k / sqrt(head_dim) has std SCORE_STD: attention picks a few positions
+        qk_std = (SCORE_STD / xa[..., 1:].pow(2).sum(-1).mean()).sqrt().item()
+    q = _randn(seed, p + "attn_q.weight", (d, d), qk_std, in_col0=0.0)
+    k = _randn(seed, p + "attn_k.weight", (n_kv * s.head_dim, d), qk_std, in_col0=0.0)
+    v = _randn(seed, p + "attn_v.weight", k.shape, d ** -0.5, in_col0=0.0)
+    o = writes(p + "attn_output.weight", d)  # never writes the bias channel
+    with torch.inference_mode():
+        # q and k are drawn in the file's (llama.cpp) row order; the model uses the loader's
+        block.attn.wqkv.weight.copy_(torch.cat([unpermute_rows(q, s.n_heads),
+                                                unpermute_rows(k, s.n_kv_heads), v]))
+        block.attn.wo.weight.copy_(o)
+        a = block.attn(xa, rope, pos, kv)  # (B, T, dim)
+        scale = branch_std / a[..., 1:].pow(2).mean().sqrt().item()
+        h = h + scale * a
+    o *= scale
+    return [(p + "attn_norm.weight", torch.ones(d)), (p + "attn_q.weight", q),
+            (p + "attn_k.weight", k), (p + "attn_v.weight", v), (p + "attn_output.weight", o)], h
+
+
+def _ffn_part(s: Shape, block, h: torch.Tensor, p: str, seed: int, writes, planted: np.ndarray,
+              subspace: int, residual_rank: int, V):
+    """A layer's FFN tensors: gate biases that plant its neurons' firing rates (`planted`) on
+    the calibration batch, the branch scaled as attention's: ([(name, tensor)], the residual
+    after it, each neuron's firing rate on the batch)."""
+    d = s.dim
+    B, T = h.shape[:2]
+    branch_std = (2 * s.n_layers) ** -0.5
+    if subspace:  # rows in a subspace of rank r off the bias channel; same scale of gate . x
+        basis = torch.linalg.qr(_randn(seed, p + "ffn_gate.basis",
+                                       (residual_rank or d - 1, subspace)))[0]
+        if V is not None:  # inside the residual stream's subspace
+            basis = V @ basis
+        gate = _randn(seed, p + "ffn_gate.weight", (s.n_ff, subspace), subspace ** -0.5)
+        gate = torch.cat([torch.zeros(s.n_ff, 1), gate @ basis.t()], 1)  # (n_ff, d)
+    else:
+        gate = _randn(seed, p + "ffn_gate.weight", (s.n_ff, d), d ** -0.5, in_col0=0.0)
+    up = _randn(seed, p + "ffn_up.weight", (s.n_ff, d), d ** -0.5, in_col0=0.0)
+    down = writes(p + "ffn_down.weight", s.n_ff)
+    with torch.inference_mode():
+        x = block.ffn_norm(h).flatten(0, 1)  # (N, dim) the FFN inputs
+        z = x @ gate.t()  # (N, n_ff) gate pre-activations, bias column still zero
+        std, mean = torch.std_mean(z, dim=0)
+        bias = std * torch.special.ndtri(torch.from_numpy(planted).double()).float() - mean
+        gate[:, 0] = bias / x[:, 0].mean()
+        z += x[:, :1] * gate[:, 0]  # now x @ gate.t(), as the model computes it
+        act = torch.relu(z) * (x @ up.t())  # (N, n_ff) ReGLU
+        del z
+        firing = (act != 0).float().mean(0)
+        f = act @ down.t()  # (N, dim)
+        scale = branch_std / f[:, 1:].pow(2).mean().sqrt().item()
+        h = h + scale * f.view(B, T, d)
+        del act, f
+    down *= scale
+    return [(p + "ffn_norm.weight", torch.ones(d)), (p + "ffn_gate.weight", gate),
+            (p + "ffn_up.weight", up), (p + "ffn_down.weight", down)], h, firing
 
 
 def _generator(seed: int, name: str) -> torch.Generator:
