@@ -251,41 +251,60 @@ class HotExecutor:
         kernels.hold(spec.isa)  # the model's instruction-set class
         self.spec, self.cores, self.device = spec, cores, config.torch_device
         t0, c0 = time.perf_counter(), time.process_time()
-        ckpt = model  # the driver's table of the file's tensors: nothing to parse here
+        self.io = DataPlane(spec, plan.predictor_input, self.device)
+        # attention split by KV heads over the executors (a CPU group)
+        kv = split_kv(model.args.n_kv_heads, spec.n_cold, hot_share,
+                      attention and (self.io.native or self.io.native_masks))
+        self.kv_heads = (0, model.args.n_kv_heads) if kv is None else kv[0]
+        m, o_bias = self._load(model, config, plan, hot_share, kv)
+        self.load_s = time.perf_counter() - t0
+        self.load_cpu_s = time.process_time() - c0  # without the time other processes took
+        self.model = self._wire(m, model.args, hot_share, kv, o_bias)
+        self.hot_neurons = sum(len(b.ffn.f.hot.idx) for b in m.layers)
+        self._decode = self._choose_decode(config, model.args, kv)
+        self._default_decode = self._decode
+        self.steps, self.step_s = 0, 0.0
+        self.native_prompts, self.native_prompt_steps = True, 0  # (see `prompts_natively`)
+        # a profile `profile` asked for: decode steps left, the running profiler, its tables
+        self._profile_left, self._profiler, self._profile_table = 0, None, None
+
+    def _load(self, ckpt: ModelFile, config: Config, plan: SparsePlan, hot_share: float, kv):
+        """The model this executor runs, read from the file without the cold neurons (nor the
+        cold executors' heads), and each layer's output-projection bias where attention is
+        split (added once, here)."""
         hot = [plan.hot_mask(i, hot_share) for i in range(plan.n_layers)]
         # the hot neurons' records: on a CPU for the kernel the cold executors run, on a GPU for
         # the Triton kernels (torch's gathered rows where Triton is missing); with int4 in the
         # file's blocks, and on a CPU its attention and head 4-bit too (on a GPU they widen)
-        on_cpu = self.device.type == "cpu"
         dtype = config.torch_dtype
         fmt, int4, device_blocks = hot_formats(config.weights, ckpt.info, dtype, self.device)
         self.neuron_format = fmt or str(dtype).removeprefix("torch.")  # (None: torch's rows)
-        self.io = DataPlane(spec, plan.predictor_input, self.device)
-        # attention split by KV heads over the executors (a CPU group)
-        kv = split_kv(ckpt.args.n_kv_heads, spec.n_cold, hot_share,
-                      attention and (self.io.native or self.io.native_masks))
-        self.kv_heads = (0, ckpt.args.n_kv_heads) if kv is None else kv[0]
-        # read from the file without the cold neurons (nor the cold executors' heads); with int4
-        # on the CPU the embedding stays in the file's blocks (and a tied head reads the same rows)
+        # with int4 on the CPU the embedding stays in the file's blocks (and a tied head reads
+        # the same rows)
         model = hot_model(ckpt, dtype, hot, plan.predictor_input or "ffn", plan.thresholds, fmt,
                           int4, quantized_embedding=int4,
                           every_step=plan.predictor_input is None,
                           kv=None if kv is None else kv[0], device_blocks=device_blocks)
         o_bias = [ckpt.source.get(f"{i}.o_b", dtype) if kv is not None and ckpt.args.o_bias
                   else None for i in range(ckpt.args.n_layers)]
-        if on_cpu:  # the model is built on the host: the device decides
+        if self.device.type == "cpu":  # the model is built on the host: the device decides
             apply_kernel_linears(model, head="q8_0" if int4 else "bf16")  # what is left in bf16
         ckpt.source.close()
         trim_heap()  # the load's transients, freed, stay resident otherwise
-        self.load_s = time.perf_counter() - t0
-        self.load_cpu_s = time.process_time() - c0  # without the time other processes took
+        return model, o_bias
+
+    def _wire(self, model, args, hot_share: float, kv, o_bias):
+        """The model's parts that exchange with the other actors: the head's rows split as the
+        FFN's neurons are (no split where the cold executors share the hot executor's cores:
+        its share is then every row), each FFN's cold neurons and each layer's attention heads
+        (where split) answered by the cold executors, the lookahead predictor's input sent
+        before attention; on the device, with its paged KV pool."""
+        spec = self.spec
         self.head_rows = spec.vocab
         ranges = head_ranges(spec.vocab, spec.n_cold, hot_share)
-        # the head's rows split as the FFN's neurons are (no split where the cold executors share
-        # the hot executor's cores: its share is then every row)
-        if on_cpu and ranges[0][1] < spec.vocab:
+        if self.device.type == "cpu" and ranges[0][1] < spec.vocab:
             model.output = RemoteHead(head_rows(model.output, *ranges[0],
-                                                shared=ckpt.args.tie_embeddings), self.io, ranges)
+                                                shared=args.tie_embeddings), self.io, ranges)
             self.head_rows = ranges[0][1]
         for i, block in enumerate(model.layers):
             block.ffn = RemoteFFN(block.ffn, self.io)  # drops the cold neurons
@@ -296,39 +315,37 @@ class HotExecutor:
         if kv is not None:  # (the cache is its heads')
             for i, block in enumerate(model.layers):
                 block.attn = RemoteAttention(block.attn, self.io, i, o_bias[i])
-        self.model = model
-        # the compiled decode step (Inductor's C++ calling the kernels and the channel ops);
-        # prefill stays eager, as in the in-process engine
-        self._decode = model.forward
+        return model
+
+    def _choose_decode(self, config: Config, args, kv):
+        """The decode step: compiled (Inductor's C++ calling the kernels and the channel ops;
+        prefill stays eager, as in the in-process engine), its layer loop in C++ where every
+        layer allows it (the eager step's per-op dispatch is most of a small model's step
+        otherwise), in segments between the host exchanges (`graphs`: replayed as CUDA graphs
+        on a GPU; on a CPU a diagnostic, `steps_in_segments`, launched op by op), or the
+        modules' forward."""
+        model, spec = self.model, self.spec
+        decode = model.forward
         self.compiled = config.compile and self.io.native
         if self.compiled:  # the model's method (Ray wraps the actor's own)
             for ch in self.io.channels():  # fixed sizes: no guard ties them to a batch's
                 torch._dynamo.mark_static(ch.state)
-            self._decode = compile_per_instance(model.forward, cpp_wrapper=True)
+            decode = compile_per_instance(model.forward, cpp_wrapper=True)
         elif config.compile:
             log.warning("the hot executor runs its decode step eagerly: it compiles on a CPU "
                         "without a predictor only")
-        self.hot_neurons = sum(len(b.ffn.f.hot.idx) for b in model.layers)
-        # the decode step's layer loop in C++ where every layer allows it (the eager step's
-        # per-op dispatch is most of a small model's step otherwise)
         self.native = None if self.compiled or (kv is None and not self.io.native_masks) \
-            else self._native_step(ckpt.args)
+            else self._native_step(args)
         if self.native is not None:
-            self._decode = self.native  # (as the in-process engine takes it)
-        # the decode step in segments between the host exchanges (`graphs`), replayed as CUDA
-        # graphs on a GPU; on a CPU a diagnostic (`steps_in_segments`), launched op by op
+            decode = self.native  # (as the in-process engine takes it)
         self.segments = None
         if self.native is None and not self.compiled and SegmentedDecode.supports(model, self.io) is None:
             graphs = self.device.type == "cuda" and config.cuda_graphs
             self.segments = SegmentedDecode(model, self.io, -(-spec.max_seq // spec.block_size),
                                             capture=graphs)
             if graphs:
-                self._decode = self.segments
-        self._default_decode = self._decode
-        self.steps, self.step_s = 0, 0.0
-        self.native_prompts, self.native_prompt_steps = True, 0  # (see `prompts_natively`)
-        # a profile `profile` asked for: decode steps left, the running profiler, its tables
-        self._profile_left, self._profiler, self._profile_table = 0, None, None
+                decode = self.segments
+        return decode
 
     def _native_step(self, a) -> NativeDecode | None:
         """The decode step with its layer loop in C++ (`native.NativeDecode`, exchanging with the
