@@ -1,0 +1,34 @@
+"""The packages' layering, as pyproject.toml's import-linter contracts state it: a lower package
+never imports a higher one, even through a function-level import."""
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def lint_imports(*args: str) -> subprocess.CompletedProcess:
+    exe = Path(sys.executable).parent / "lint-imports"
+    return subprocess.run([str(exe), *args], cwd=ROOT, capture_output=True, text=True, timeout=300)
+
+
+def test_the_packages_keep_their_layers():
+    r = lint_imports("--no-cache")
+    assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-2000:]
+    assert "1 kept, 0 broken" in r.stdout, r.stdout[-2000:]
+
+
+def test_a_back_edge_is_caught(tmp_path):
+    # the same contracts over a copy of the library with one import that breaks them: the
+    # check fails, naming the import (a contract that cannot fail would prove nothing)
+    import shutil
+    for pkg in ("serve_app", "actors", "cluster", "powerinfer"):
+        shutil.copytree(ROOT / pkg, tmp_path / pkg, ignore=shutil.ignore_patterns(
+            "__pycache__", "_ext", "csrc"))
+    (tmp_path / "pyproject.toml").write_text((ROOT / "pyproject.toml").read_text())
+    with open(tmp_path / "powerinfer" / "errors.py", "a") as f:
+        f.write("\n\ndef _back_edge():\n    from actors import handle  # noqa: F401\n")
+    exe = Path(sys.executable).parent / "lint-imports"
+    r = subprocess.run([str(exe), "--no-cache"], cwd=tmp_path, capture_output=True, text=True,
+                       timeout=300, env={"PYTHONPATH": str(tmp_path), "PATH": "/usr/bin:/bin"})
+    assert r.returncode != 0 and "powerinfer.errors -> actors.handle" in r.stdout, r.stdout[-3000:]
