@@ -187,7 +187,7 @@ def q4_k_to_q4_1(raw: np.ndarray) -> np.ndarray:
     """Q4_K rows (rows, 144 bytes per 256 weights) -> Q4_1 rows (rows, 20 bytes per 32), the
     same 4-bit codes under each sub-block's own scale and minimum (ggml's block_q4_K layout:
     d, dmin (fp16), 12 bytes of 6-bit sub-block scales and minimums, 128 bytes of codes)."""
-    from .kernels import q4_k_codes
+    from .kquants import q4_k_codes
 
     rows = raw.shape[0]
     b = np.array(raw, np.uint8).reshape(rows, -1, 144)  # (a copy: the file's map is read-only)

@@ -163,17 +163,36 @@ def _widen(b: torch.Tensor, name: str) -> torch.Tensor:
         return f16(0, 2) * low_high(b[:, 4:]).float() + f16(2, 4)
     n = b.shape[0]
     if name == "Q4_K":
-        from .kernels import q4_k_codes
-
         sc, mn, q = q4_k_codes(b)
         d = (f16(0, 2) * sc.float()).view(n, 8, 1)
         dm = (f16(2, 4) * mn.float()).view(n, 8, 1)
         return (d * q.float() - dm).view(n, QK_K)
-    from .kernels import q6_k_codes  # Q6_K
-
+    # Q6_K
     d = (f16(208, 210) * b[:, 192:208].contiguous().view(torch.int8).float()).view(n, 16, 1)
     q = (q6_k_codes(b).to(torch.int8) - 32).float().view(n, 16, 16)
     return (d * q).view(n, QK_K)
+
+
+def q4_k_codes(b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Q4_K blocks (..., 144) uint8 -> their 6-bit sub-block scales and minimums (..., 8) and
+    4-bit codes (..., 8, 32) in weight order (w = d * sc[j] * q - dmin * mn[j] in sub-block j;
+    ggml's block_q4_K: d, dmin (fp16), 12 bytes of scales and minimums, 128 of codes)."""
+    p = b[..., 4:16]
+    sc = torch.cat([p[..., 0:4] & 63, (p[..., 8:12] & 15) | ((p[..., 0:4] >> 6) << 4)], -1)
+    mn = torch.cat([p[..., 4:8] & 63, (p[..., 8:12] >> 4) | ((p[..., 4:8] >> 6) << 4)], -1)
+    qs = b[..., 16:].reshape(*b.shape[:-1], 4, 32)  # chunk c: sub-blocks 2c (low), 2c+1 (high)
+    return sc, mn, torch.stack([qs & 15, qs >> 4], -2).reshape(*b.shape[:-1], 8, 32)
+
+
+def q6_k_codes(b: torch.Tensor) -> torch.Tensor:
+    """Q6_K blocks (..., 210) uint8 -> their 6-bit codes (..., 256) in 0..63 in weight order
+    (w = d * sc[i // 16] * (q - 32); ggml's block_q6_K: ql[128], qh[64], scales[16], d)."""
+    ql, qh = b[..., 0:128].reshape(*b.shape[:-1], 2, 2, 32), b[..., 128:192].reshape(*b.shape[:-1], 2, 1, 32)
+    # per half of 128 weights, l in 0..31: weights l, l+32, l+64, l+96 from ql[l], ql[32+l]
+    # (low, then high nibbles) and qh[l]'s bit pairs 0, 2, 4, 6
+    low = torch.cat([ql & 15, ql >> 4], -2)  # (..., 2, 4, 32): quarter t of each half
+    high = torch.cat([(qh >> s) & 3 for s in (0, 2, 4, 6)], -2)
+    return (low | (high << 4)).reshape(*b.shape[:-1], 256)
 
 
 def dequantize(raw: np.ndarray, name: str, n: int) -> torch.Tensor:
