@@ -1276,8 +1276,11 @@ def main() -> int:
         print(f"\nscenarios that failed: {', '.join(failed)}")
     if args.out:
         Path(args.out).write_text(json.dumps({
-            "date": f"{started:%Y-%m-%d %H:%M}", "machine": machine(), "model": gguf,
-            "argv": sys.argv[1:], "failed": failed, "scenarios": results}, indent=1,
+            "date": f"{started:%Y-%m-%d %H:%M}", "machine": machine(), "model": Path(gguf).name,
+            # (a path given names only its file: a results file says nothing of the machine's
+            # folders)
+            "argv": [Path(a).name if os.sep in a else a for a in sys.argv[1:]],
+            "failed": failed, "scenarios": results}, indent=1,
             default=str))
     return 1 if failed else 0
 
