@@ -62,8 +62,7 @@ def plan_for(config: Config, args: ModelArgs, model_path: Path, kv_tokens: int,
                  "lm_head and %d of %d FFN layers on the GPU; GPU %s%s", config.vram_budget_gb, k,
                  args.n_layers, bytes_line({"fixed_bytes": fixed, "hot_neuron_bytes": layers,
                                             "used_bytes": sum(fixed.values()) + layers,
-                                            "budget_bytes": budget}).replace(
-                     "hot neurons", "FFN layers"), where)
+                                            "budget_bytes": budget}, "FFN layers"), where)
         return SparsePlan.layer_offload(args, k)
     b = Bundle.open(bundle)
     if not b.has("stats"):  # an imported bundle: its own placement, if any, stands
@@ -100,10 +99,11 @@ def mass_line(report: dict) -> str:
         f"{100 * share:.1f}% of the predicted activation mass on the GPU"
 
 
-def bytes_line(report: dict) -> str:
-    """What the placement puts on the GPU, MiB by part, and the total against the budget."""
+def bytes_line(report: dict, neurons: str = "hot neurons") -> str:
+    """What the placement puts on the GPU, MiB by part (the FFN's part named `neurons`), and
+    the total against the budget."""
     parts = {k: v for k, v in report.get("fixed_bytes", {}).items() if v}
-    parts["hot neurons"] = report.get("hot_neuron_bytes", 0)
+    parts[neurons] = report.get("hot_neuron_bytes", 0)
     mib = lambda b: f"{b / 2**20:,.1f}"  # noqa: E731
     return (f"MiB: {', '.join(f'{k} {mib(v)}' for k, v in parts.items())}; "
             f"{mib(report.get('used_bytes', sum(parts.values())))} of "

@@ -195,7 +195,8 @@ def solve(mass: list[np.ndarray], args: ModelArgs, budget_bytes: int, *,
         raise ConfigError(f"GPU budget of {budget_bytes} bytes is below the {fixed_total} bytes "
                           f"the GPU must hold besides FFN neurons ({parts})")
     cap = (budget_bytes - fixed_total) // nb  # neurons that fit
-    it = _items(mass, n, min(group, n), min_share, floor_share)
+    group = min(group, n)
+    it = _items(mass, n, group, min_share, floor_share)
     if it.mandatory and L * it.first > cap:
         raise ConfigError(f"the per-layer floor of {it.first} GPU neurons needs "
                           f"{L * it.first * nb} bytes but a budget of {budget_bytes} bytes leaves "
@@ -212,7 +213,7 @@ def solve(mass: list[np.ndarray], args: ModelArgs, budget_bytes: int, *,
         gpu = np.array([m[h].sum() for m, h in zip(mass, hot)])
         return Placement(hot=hot, layer_mass=np.array([m.sum() for m in mass]),
                          layer_gpu_mass=gpu, budget_bytes=budget_bytes, fixed=fixed,
-                         neuron_bytes=nb, objective=float(gpu.sum()), group=min(group, n),
+                         neuron_bytes=nb, objective=float(gpu.sum()), group=group,
                          min_neurons=it.first, **report)
 
     total = float(it.cums[:, -1].sum())

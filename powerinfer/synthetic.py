@@ -342,12 +342,17 @@ def _tensors(s: Shape, planted: np.ndarray, seed: int, calib_tokens: int, calib_
     yield "output.weight", out
 
 
+def _branch_std(s: Shape) -> float:
+    """What each branch (a layer's attention, its FFN) adds to the residual stream's std: the
+    2 x n_layers branches together keep it near 1."""
+    return (2 * s.n_layers) ** -0.5
+
+
 def _attention_part(s: Shape, block, h: torch.Tensor, p: str, seed: int, writes, where):
-    """A layer's attention tensors, scaled so that its branch adds `branch_std` to the
+    """A layer's attention tensors, scaled so that its branch adds `_branch_std(s)` to the
     calibration batch's residual `h`: ([(name, tensor)], the residual after it)."""
     rope, pos, kv = where
-    d, n_kv = s.dim, s.model_args().n_kv_heads
-    branch_std = (2 * s.n_layers) ** -0.5
+    d, n_kv = s.dim, s.n_kv_heads
     with torch.inference_mode():
         xa = block.attn_norm(h)
         # q . k / sqrt(head_dim) has std SCORE_STD: attention picks a few positions
@@ -362,7 +367,7 @@ def _attention_part(s: Shape, block, h: torch.Tensor, p: str, seed: int, writes,
                                                 unpermute_rows(k, s.n_kv_heads), v]))
         block.attn.wo.weight.copy_(o)
         a = block.attn(xa, rope, pos, kv)  # (B, T, dim)
-        scale = branch_std / a[..., 1:].pow(2).mean().sqrt().item()
+        scale = _branch_std(s) / a[..., 1:].pow(2).mean().sqrt().item()
         h = h + scale * a
     o *= scale
     return [(p + "attn_norm.weight", torch.ones(d)), (p + "attn_q.weight", q),
@@ -376,7 +381,6 @@ def _ffn_part(s: Shape, block, h: torch.Tensor, p: str, seed: int, writes, plant
     after it, each neuron's firing rate on the batch)."""
     d = s.dim
     B, T = h.shape[:2]
-    branch_std = (2 * s.n_layers) ** -0.5
     if subspace:  # rows in a subspace of rank r off the bias channel; same scale of gate . x
         basis = torch.linalg.qr(_randn(seed, p + "ffn_gate.basis",
                                        (residual_rank or d - 1, subspace)))[0]
@@ -399,7 +403,7 @@ def _ffn_part(s: Shape, block, h: torch.Tensor, p: str, seed: int, writes, plant
         del z
         firing = (act != 0).float().mean(0)
         f = act @ down.t()  # (N, dim)
-        scale = branch_std / f[:, 1:].pow(2).mean().sqrt().item()
+        scale = _branch_std(s) / f[:, 1:].pow(2).mean().sqrt().item()
         h = h + scale * f.view(B, T, d)
         del act, f
     down *= scale

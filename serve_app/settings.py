@@ -3,6 +3,7 @@ front end's own settings. Read from a YAML file (`powerinfer serve --config`) or
 of a Ray Serve config file's application."""
 from __future__ import annotations
 
+import functools
 import os
 import re
 from dataclasses import dataclass, field, fields, replace
@@ -61,9 +62,10 @@ class ModelSpec:
         return cls(**{k: m[k] for k in SPEC_FIELDS if k in m},
                    settings={k: v for k, v in m.items() if k not in SPEC_FIELDS})
 
-    @property
+    @functools.cached_property
     def base(self) -> Config:
-        """Its runtime configuration, cores and resources aside."""
+        """Its runtime configuration, cores and resources aside (made once: the entry is
+        frozen)."""
         return Config(runtime="actors", **{**SERVER_DEFAULTS, **self.settings})
 
     @property
