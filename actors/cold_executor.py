@@ -29,13 +29,13 @@ import torch
 from cluster.topology import node_of, numa_pages, pin, process_memory
 from powerinfer import kernels
 from powerinfer.compat import trim_heap
-from powerinfer.loader import ModelFile
-from powerinfer.model import KVCache, KVTables, held_bytes, rope_tables
-from powerinfer.partial import attention_slice, read_head, read_neuron_set
-from powerinfer.plan import SparsePlan
-from powerinfer.native import NO_ATTENTION, NO_FFN, attention_entry, ffn_entry, runs
-from powerinfer.quant import KQuantLinear, neuron_format
-from powerinfer.sparse import BlockSlice, decode_rows
+from powerinfer.formats.source import ModelFile
+from powerinfer.model.transformer import KVCache, KVTables, held_bytes, rope_tables
+from powerinfer.engine.partial import attention_slice, read_head, read_neuron_set
+from powerinfer.engine.plan import SparsePlan
+from powerinfer.engine.native import NO_ATTENTION, NO_FFN, attention_entry, ffn_entry, runs
+from powerinfer.model.quant import KQuantLinear, neuron_format
+from powerinfer.model.sparse import BlockSlice, decode_rows
 
 from .group_info import node_id
 from .channel import native_error

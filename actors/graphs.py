@@ -42,8 +42,8 @@ import time
 
 import torch
 
-from powerinfer import model as model_mod
-from powerinfer.model import KVTables
+from powerinfer.model import transformer as model_mod
+from powerinfer.model.transformer import KVTables
 
 from .plane import DECODE, FFNInput, Partial, receive, send
 

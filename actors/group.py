@@ -24,8 +24,8 @@ from cluster.topology import (CorePlan, Topology, node_of, parse_cpulist, plan_c
                               process_memory)
 from powerinfer.config import Config
 from powerinfer.errors import ConfigError, EngineFailedError
-from powerinfer.loader import ModelFile
-from powerinfer.plan import SparsePlan
+from powerinfer.formats.source import ModelFile
+from powerinfer.engine.plan import SparsePlan
 
 from .channel import sweep
 from .cold_executor import ColdExecutor

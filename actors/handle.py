@@ -33,18 +33,20 @@ from ray.exceptions import RayActorError, RayTaskError, TaskCancelledError
 
 from cluster.topology import numa_resources
 from powerinfer.compat import ray_init
-from powerinfer.config import Config, SamplingParams
-from powerinfer.batching import context_length
-from powerinfer.kv import BlockManager, describe, pool_blocks
+from powerinfer.config import Config
+from powerinfer.engine.sampling import SamplingParams
+from powerinfer.engine.batching import context_length
+from powerinfer.engine.kv import BlockManager, describe, pool_blocks
 from powerinfer.errors import (EngineFailedError, InvalidRequestError, ModelLoadError,
-                               OverloadedError, PowerInferError)
-from powerinfer.convert import kernel_ready
-from powerinfer.loader import load_checkpoint, tensor_types
-from powerinfer.budget import plan_for
-from powerinfer.partial import dense_block
-from powerinfer.plan import SparsePlan
-from powerinfer.quant import has_q4
-from powerinfer.tokenizer import Tokenizer
+    OverloadedError, PowerInferError)
+from powerinfer.model.convert import kernel_ready
+from powerinfer.formats.loader import load_checkpoint
+from powerinfer.formats.source import tensor_types
+from powerinfer.engine.budget import plan_for
+from powerinfer.engine.partial import dense_block
+from powerinfer.engine.plan import SparsePlan
+from powerinfer.formats.q4 import has_q4
+from powerinfer.formats.tokenizer import Tokenizer
 
 from .group import ActorGroup, wants_gpu
 from .plane import SPIN_US

@@ -44,13 +44,13 @@ from cluster.topology import pin, process_memory
 from powerinfer.config import Config
 from powerinfer import kernels
 from powerinfer.compat import compile_per_instance, trim_heap
-from powerinfer.loader import ModelFile
-from powerinfer.model import KVTables, held_bytes
-from powerinfer.native import NativeDecode, layer_args, uniform_llama
-from powerinfer.partial import head_rows, hot_formats, hot_model
-from powerinfer.plan import SparsePlan
-from powerinfer.quant import apply_kernel_linears
-from powerinfer.sparse import HybridFFN
+from powerinfer.formats.source import ModelFile
+from powerinfer.model.transformer import KVTables, held_bytes
+from powerinfer.engine.native import NativeDecode, layer_args, uniform_llama
+from powerinfer.engine.partial import head_rows, hot_formats, hot_model
+from powerinfer.engine.plan import SparsePlan
+from powerinfer.model.quant import apply_kernel_linears
+from powerinfer.model.sparse import HybridFFN
 
 from .graphs import SegmentedDecode
 from .group_info import node_id

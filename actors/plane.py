@@ -48,7 +48,7 @@ from typing import NamedTuple, TypeVar
 import torch
 
 from powerinfer import kernels
-from powerinfer.batching import MIN_TABLE_BLOCKS
+from powerinfer.engine.batching import MIN_TABLE_BLOCKS
 
 from .channel import Channel, ChannelClosed, align, create, segment_path
 

@@ -21,8 +21,8 @@ import torch
 
 from cluster.topology import pin, process_memory
 from powerinfer import kernels
-from powerinfer.plan import SparsePlan
-from powerinfer.predictor import run_dtype
+from powerinfer.engine.plan import SparsePlan
+from powerinfer.model.predictor import run_dtype
 
 from .group_info import node_id
 from .channel import native_error

@@ -30,14 +30,15 @@ import torch
 
 from cluster.topology import pin_threads, process_memory
 
-from powerinfer.config import Config, SamplingParams
-from powerinfer import batching
-from powerinfer import grammar
-from powerinfer.batching import Batcher, Output, Sequence, new_sequence, step_matchers
+from powerinfer.config import Config
+from powerinfer.engine.sampling import SamplingParams
+from powerinfer.engine import batching
+from powerinfer.engine import grammar
+from powerinfer.engine.batching import Batcher, Output, Sequence, new_sequence, step_matchers
 from powerinfer.errors import InvalidRequestError
-from powerinfer.kv import BlockManager, Blocks
-from powerinfer.loader import ModelFile
-from powerinfer.tokenizer import Tokenizer
+from powerinfer.engine.kv import BlockManager, Blocks
+from powerinfer.formats.source import ModelFile
+from powerinfer.formats.tokenizer import Tokenizer
 
 from .group_info import node_id
 from .channel import ChannelClosed, PeerDied

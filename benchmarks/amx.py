@@ -122,7 +122,7 @@ def main():
               "prompt": a.prompt, "runs": {}}
     import torch
     result["torch"] = torch.__version__
-    from powerinfer.synthetic import write_synthetic
+    from powerinfer.sparsity.synthetic import write_synthetic
     with tempfile.TemporaryDirectory() as d:
         model = Path(d) / f"synthetic-{a.preset}.gguf"
         write_synthetic(model, a.preset, n_layers=a.layers)

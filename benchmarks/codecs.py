@@ -28,7 +28,7 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from powerinfer import kquants  # noqa: E402
+from powerinfer.formats import kquants
 
 QUANTIZE = ("Q4_0", "Q4_1", "Q8_0")
 DEQUANTIZE = ("Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q6_K")

@@ -34,8 +34,8 @@ from pathlib import Path
 import torch
 
 from powerinfer import Config, PowerInfer, kernels
-from powerinfer.config import sampling_params
-from powerinfer.loader import load_checkpoint, resolve_model
+from powerinfer.engine.sampling import sampling_params
+from powerinfer.formats.loader import load_checkpoint, resolve_model
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -21,8 +21,8 @@ import torch
 import torch.nn.functional as F
 
 from powerinfer import Config, PowerInfer, kernels
-from powerinfer.corpus import load_corpus
-from powerinfer.sparse import apply_hybrid_ffn
+from powerinfer.sparsity.corpus import load_corpus
+from powerinfer.model.sparse import apply_hybrid_ffn
 
 WINDOW = 256
 

@@ -23,7 +23,7 @@ import time
 import torch
 
 from powerinfer import kernels
-from powerinfer.quant import KernelLinear, Q4Linear
+from powerinfer.model.quant import KernelLinear, Q4Linear
 
 
 def seconds(fn, n: int = 10) -> float:

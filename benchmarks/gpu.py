@@ -96,10 +96,10 @@ import torch
 from torch import nn
 
 from powerinfer import Config, PowerInfer
-from powerinfer.predictor import train_predictors
-from powerinfer.profile import ProfileOptions, profile
-from powerinfer.solver import gpu_bytes, solve_bundle
-from powerinfer.synthetic import write_synthetic
+from powerinfer.sparsity.train import train_predictors
+from powerinfer.sparsity.profile import ProfileOptions, profile
+from powerinfer.sparsity.solver import gpu_bytes, solve_bundle
+from powerinfer.sparsity.synthetic import write_synthetic
 from runtime import PROMPT, decode_speed, step_breakdown, stream_speed
 
 MAX_SEQ, MAX_BATCH = 512, 1
@@ -134,9 +134,9 @@ def offload_layers(pi: PowerInfer, k: int, device: torch.device, path: Path | No
     projections (the host's 4-bit modules) go to the device widened to the model's type, read
     again from the file at `path` (the GPU path widens a 4-bit file: `Config.weights`), or with
     `blocks` in the file's blocks for the Triton kernels (`Config(weights="int4")` on a GPU)."""
-    from powerinfer.loader import load_checkpoint
-    from powerinfer.partial import device_projection
-    from powerinfer.quant import KernelLinear
+    from powerinfer.formats.loader import load_checkpoint
+    from powerinfer.engine.partial import device_projection
+    from powerinfer.model.quant import KernelLinear
 
     model = pi.model
     dtype = model.norm.weight.dtype
@@ -175,7 +175,7 @@ def memo_ratios(pi: PowerInfer, tokens: int, turns: int = 4) -> list[float]:
     """Decode tok/s with the per-step memo (`model.STEP_MEMO`) over tok/s without it, one ratio
     a turn, measured alternately on the same engine (which goes first alternates too); the
     engine warmed up by `decode_speed` just before, each side is one stream."""
-    from powerinfer import model
+    from powerinfer.model import transformer as model
 
     out = []
     try:
@@ -202,8 +202,8 @@ def layers_that_fit(args, budget: int, dtype_bytes: int) -> int:
 def layers_that_fit_blocks(path: Path, args, budget: int) -> int:
     """`layers_that_fit` with the blocks' matrices in the file's blocks (`partial.device_bytes`,
     `Config(weights="int4")` on a GPU): whole blocks in order while their bytes fit."""
-    from powerinfer.loader import load_checkpoint
-    from powerinfer.partial import device_bytes
+    from powerinfer.formats.loader import load_checkpoint
+    from powerinfer.engine.partial import device_bytes
 
     src = load_checkpoint(str(path), with_weights=False).source
     per = gpu_bytes(args, dtype_bytes=2, batch=MAX_BATCH + 1, context=MAX_SEQ,
@@ -233,7 +233,7 @@ SELECTIONS = (0.05, 0.10, 0.25, 0.50, 1.00)
 def decode_split(on: bool):
     """`triton_ffn.DECODE_SPLIT` for every record kind (a decode row split over the width or in
     one launch) for the duration."""
-    from powerinfer import triton_ffn
+    from powerinfer.kernels import triton_ffn
     default = triton_ffn.DECODE_SPLIT
     triton_ffn.DECODE_SPLIT = {True: on, False: on}
     try:
@@ -295,8 +295,8 @@ def one_layer(dim: int, ffn: int, device: torch.device):
 
 def kernel_rows(preset: str, device: torch.device) -> dict:
     """The hot-FFN kernels alone on one layer of `preset`'s width (see the module's text)."""
-    from powerinfer import triton_ffn
-    from powerinfer.synthetic import PRESETS
+    from powerinfer.kernels import triton_ffn
+    from powerinfer.sparsity.synthetic import PRESETS
 
     small = device.type == "cpu"  # the interpreter: a check of the script only
     dim, ffn = (128, 256) if small else (PRESETS[preset].dim, PRESETS[preset].n_ff)
@@ -377,8 +377,9 @@ def attention_rows(preset: str, device: torch.device, contexts=(64, 512, 2048, 8
     the one-launch kernel (`triton_attention`) with one program a sequence and KV head and
     split over the context as it chooses (`splits_for`), eager and as a CUDA graph. `sweep`:
     the split's two constants (SPLIT_PER_SM, SPLIT_MIN_BLOCKS) over ATTENTION_SWEEP too."""
-    from powerinfer import model as M, triton_attention as TA
-    from powerinfer.synthetic import PRESETS
+    from powerinfer.model import transformer as M
+    from powerinfer.kernels import triton_attention as TA
+    from powerinfer.sparsity.synthetic import PRESETS
 
     p = PRESETS[preset]
     small = device.type == "cpu"
@@ -459,8 +460,8 @@ def sweep_rows(preset: str, device: torch.device, copy: float, shares=(0.1, 1.0)
     """The Triton FFN kernel's decode-row tiles (`triton_ffn.TILE_PLAIN`, `TILE_BLOCKS`) timed
     on one layer of `preset`'s width, bf16 and Q4_0 records, at `shares` of its neurons: which
     default the kernel should take on this GPU (copy: the device's copy rate, GB/s)."""
-    from powerinfer import triton_ffn
-    from powerinfer.synthetic import PRESETS
+    from powerinfer.kernels import triton_ffn
+    from powerinfer.sparsity.synthetic import PRESETS
 
     dim, ffn = PRESETS[preset].dim, PRESETS[preset].n_ff
     g, _, x, recs = one_layer(dim, ffn, device)
@@ -507,8 +508,8 @@ def split_sweep_rows(preset: str, device: torch.device, copy: float,
                      shares=(0.1, 1.0)) -> list[dict]:
     """The split decode row's settings (`triton_ffn.SPLIT_TILES`, `SPLIT_COLS`, `DOWN_PER_SM`)
     timed as `sweep_rows` times the one-launch kernel's tiles, eager and as a CUDA graph."""
-    from powerinfer import triton_ffn as T
-    from powerinfer.synthetic import PRESETS
+    from powerinfer.kernels import triton_ffn as T
+    from powerinfer.sparsity.synthetic import PRESETS
 
     dim, ffn = PRESETS[preset].dim, PRESETS[preset].n_ff
     g, _, x, recs = one_layer(dim, ffn, device)
@@ -629,10 +630,10 @@ def int4_parts(path: Path) -> tuple[str | None, dict[str, int] | None]:
     4-bit records of the hot neurons and the parts held in the file's blocks
     (`partial.device_fixed_bytes`), read from the kernel-ready copy (a K-quant file's converted
     one); (None, None) for a file without 4-bit FFN blocks."""
-    from powerinfer.budget import gpu_neuron_format
-    from powerinfer.convert import kernel_ready
-    from powerinfer.loader import load_checkpoint
-    from powerinfer.partial import device_fixed_bytes
+    from powerinfer.engine.budget import gpu_neuron_format
+    from powerinfer.model.convert import kernel_ready
+    from powerinfer.formats.loader import load_checkpoint
+    from powerinfer.engine.partial import device_fixed_bytes
 
     config = Config(dtype="bfloat16", weights="int4")
     ck = kernel_ready(load_checkpoint(str(path), with_weights=False), config)
@@ -646,7 +647,7 @@ def reused(path: Path, bundle_path: Path):
     """The bundle of an earlier run's model in --workdir, when its file and trained layer-input
     predictors are complete there (the file appears under its name only once written, the
     predictors part is marked last); else None, and a partial bundle is removed."""
-    from powerinfer.bundle import Bundle
+    from powerinfer.formats.bundle import Bundle
 
     if path.exists() and (bundle_path / "manifest.json").exists():
         b = Bundle.open(bundle_path)
@@ -708,7 +709,7 @@ def main():
         sys.exit("no CUDA device: this benchmark needs one (--device cpu only checks the flow); "
                  "the Triton kernel rows are skipped too")
     device = torch.device(a.device)
-    from powerinfer import triton_ffn
+    from powerinfer.kernels import triton_ffn
     runs_kernels = triton_ffn.available(device)
     if not runs_kernels:
         print(f"Triton kernel rows skipped: {'triton is not installed' if triton_ffn.triton is None else 'no GPU (set TRITON_INTERPRET=1 to check them on the CPU)'}",

@@ -20,7 +20,7 @@ import os
 import torch
 
 from powerinfer import kernels
-from powerinfer.quant import KQuantLinear, KernelLinear
+from powerinfer.model.quant import KQuantLinear, KernelLinear
 
 from gemv import seconds  # the same timing as the other GEMV benchmarks
 

@@ -37,7 +37,7 @@ from pathlib import Path
 import torch
 
 from powerinfer import kernels
-from powerinfer.sparse import NeuronSet
+from powerinfer.model.sparse import NeuronSet
 from sparse_cpu import read_bandwidth  # the same reading as the sparse decode benchmark
 
 SHARES = (0.01, 0.02, 0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0)

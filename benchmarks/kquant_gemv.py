@@ -19,9 +19,10 @@ import torch
 from gguf import GGMLQuantizationType, dequantize
 
 from powerinfer import kernels
-from powerinfer.convert import q4_k_to_q4_1
-from powerinfer.kquants import quantize
-from powerinfer.quant import KQuantLinear, KernelLinear, Q4Linear, q4_split
+from powerinfer.model.convert import q4_k_to_q4_1
+from powerinfer.formats.kquants import KQUANT_LAYOUTS, quantize
+from powerinfer.model.quant import KQuantLinear, KernelLinear, Q4Linear
+from powerinfer.formats.q4 import q4_split
 
 from gemv import seconds  # the same timing as the other GEMV benchmark
 
@@ -58,7 +59,7 @@ def main():
         s = seconds(lambda: [m(x) for m in kept])
         nbytes = sum(m.nbytes for m in kept)
         for name, t, b in ((conv_name, base, conv_bytes),
-                           (f"{kernels.KQUANT_LAYOUTS[kind]} (its own blocks)", s, nbytes)):
+                           (f"{KQUANT_LAYOUTS[kind]} (its own blocks)", s, nbytes)):
             print(f"| {kind} | {name} | {b / 2**20:.0f} MiB | {t * 1e3:.2f} ms | {b / t / 1e9:.1f} | "
                   f"{b / t / 1e9 / read_gbs:.0%} | {t / base:.2f}x |")
 

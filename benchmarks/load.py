@@ -66,7 +66,8 @@ def timed(fn) -> float:
 
 def measure(model: str, turns: int) -> list[dict]:
     from powerinfer import Config, PowerInfer
-    from powerinfer.loader import open_gguf, resolve_model
+    from powerinfer.formats.gguf import open_gguf
+    from powerinfer.formats.loader import resolve_model
 
     path = resolve_model(model)
     cases = {

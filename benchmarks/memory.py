@@ -41,9 +41,9 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from cluster.topology import process_memory  # noqa: E402
-from powerinfer import Config, PowerInfer  # noqa: E402
-from powerinfer.loader import DEFAULT_MODEL, load_checkpoint, resolve_model  # noqa: E402
-from powerinfer.solver import gpu_bytes  # noqa: E402
+from powerinfer import Config, PowerInfer
+from powerinfer.formats.loader import DEFAULT_MODEL, load_checkpoint, resolve_model
+from powerinfer.sparsity.solver import gpu_bytes
 
 MiB = 1 << 20
 MAX_SEQ, MAX_BATCH = 512, 4
@@ -215,7 +215,7 @@ def main() -> int:
     ap.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
-    from powerinfer.synthetic import write_synthetic
+    from powerinfer.sparsity.synthetic import write_synthetic
 
     cold = [int(x) for x in args.cold.split(",")]
     out = {"date": str(datetime.date.today()), "machine": platform.processor() or platform.machine(),

@@ -35,7 +35,7 @@ from pathlib import Path
 import torch
 
 from powerinfer import Config, PowerInfer, kernels
-from powerinfer.native import NativeDecode
+from powerinfer.engine.native import NativeDecode
 from sparse_cpu import PROMPT, counting_pass, decode, dense_bytes, module_bytes, read_bandwidth
 
 

@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 from powerinfer import kernels
-from powerinfer.sparse import NeuronSet
+from powerinfer.model.sparse import NeuronSet
 
 
 def timed(fn, reps: int) -> float:

@@ -22,7 +22,7 @@ import torch
 from torch.utils.cpp_extension import load_inline
 
 from powerinfer import kernels
-from powerinfer.quant import KernelLinear
+from powerinfer.model.quant import KernelLinear
 
 SOURCE = r"""
 #include <torch/extension.h>

@@ -59,7 +59,7 @@ import torch
 
 from actors.channel import Channel, create, segment_path
 from powerinfer import Config, PowerInfer
-from powerinfer.config import SamplingParams
+from powerinfer.engine.sampling import SamplingParams
 
 PROMPT = "Write a short story about a lighthouse keeper who finds a message in a bottle."
 
@@ -446,7 +446,7 @@ def main():
     print_breakdown(result["default"])
     print_turns(result["default"])
     if not args.skip_synthetic:
-        from powerinfer.synthetic import write_synthetic
+        from powerinfer.sparsity.synthetic import write_synthetic
         with tempfile.TemporaryDirectory() as d:
             path = Path(d) / "syn7b.gguf"
             write_synthetic(path, "7b", n_layers=args.synthetic_layers, progress=False)

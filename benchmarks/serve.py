@@ -486,7 +486,8 @@ def bench_handle(args, levels: list[int], rounds: int,
     """The same load on the engine handle in this process (its own Ray instance): no proxy, no
     ingress, no replica; the server's defaults."""
     from actors.handle import ActorEngine
-    from powerinfer.config import Config, SamplingParams
+    from powerinfer.config import Config
+    from powerinfer.engine.sampling import SamplingParams
 
     engine = ActorEngine(args.model, Config(runtime="actors", max_queue=256))
     tok = engine.tokenizer
@@ -725,8 +726,8 @@ TURNS = ["I have a question about {t}. What should I know first?",
 
 @functools.cache
 def tokenizer(gguf: str):
-    from powerinfer.loader import load_checkpoint
-    from powerinfer.tokenizer import Tokenizer
+    from powerinfer.formats.loader import load_checkpoint
+    from powerinfer.formats.tokenizer import Tokenizer
     return Tokenizer.from_source(load_checkpoint(gguf, with_weights=False).tokenizer_source)
 
 
@@ -1257,7 +1258,7 @@ def main() -> int:
     if args.chat_turns < 2:
         ap.error("--chat-turns: at least 2")
 
-    from powerinfer.loader import resolve_model
+    from powerinfer.formats.loader import resolve_model
     gguf = str(resolve_model(args.model))
     started = datetime.datetime.now()
     results, failed = {}, []

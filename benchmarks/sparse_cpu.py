@@ -50,12 +50,13 @@ from pathlib import Path
 
 import torch
 
-from powerinfer import Config, PowerInfer, sparse
-from powerinfer.bundle import Bundle
-from powerinfer.native import NativeDecode
-from powerinfer.predictor import load_predictors, run_dtype
-from powerinfer.solver import neuron_bytes
-from powerinfer.sparse import LayerStats, apply_hybrid_ffn, hybrid_layers
+from powerinfer import Config, PowerInfer
+from powerinfer.model import sparse
+from powerinfer.formats.bundle import Bundle
+from powerinfer.engine.native import NativeDecode
+from powerinfer.model.predictor import load_predictors, run_dtype
+from powerinfer.sparsity.solver import neuron_bytes
+from powerinfer.model.sparse import LayerStats, apply_hybrid_ffn, hybrid_layers
 
 WARMUP = 16  # tokens decoded before timing
 PROMPT = ("The history of computing is a story of ideas that took decades to mature. Early machines "

@@ -20,7 +20,7 @@ from dataclasses import replace
 import torch
 
 from powerinfer import Config, PowerInfer, kernels
-from powerinfer.sparse import HybridFFN
+from powerinfer.model.sparse import HybridFFN
 
 PROMPT = "The history of computing is a story of ideas that took decades to mature."
 

@@ -22,7 +22,8 @@ import time
 
 import torch
 
-from powerinfer import Config, PowerInfer, batching, grammar
+from powerinfer import Config, PowerInfer
+from powerinfer.engine import batching, grammar
 
 SCHEMA = {"type": "object", "required": ["title", "items"], "additionalProperties": False,
           "properties": {"title": {"type": "string", "maxLength": 40},

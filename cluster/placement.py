@@ -158,8 +158,8 @@ def _sizes_from_file(model: str) -> tuple[float, float, float, float]:
     import numpy as np
 
     from powerinfer.kernels import down_format, row_bytes
-    from powerinfer.loader import load_checkpoint
-    from powerinfer.solver import gpu_bytes
+    from powerinfer.formats.loader import load_checkpoint
+    from powerinfer.sparsity.solver import gpu_bytes
 
     ck = load_checkpoint(model, with_weights=False)
     src, a = ck.source, ck.args

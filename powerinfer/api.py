@@ -10,22 +10,28 @@ from typing import Iterator
 import torch
 
 from . import kernels
-from .config import Config, sampling_params
-from .convert import kernel_ready
-from .batching import context_length
-from .engine import Engine, Event
+from .config import Config
+from .engine.batching import context_length
+from .engine.budget import plan_for
+from .engine.inprocess import Engine, Event
+from .engine.kv import pool_blocks
+from .engine.partial import keep_device_blocks, keep_kquant_blocks, keep_stored_blocks
+from .engine.sampling import sampling_params
 from .errors import ModelLoadError
-from .loader import (DEFAULT_MODEL, Checkpoint, build_model, load_checkpoint, parsed_once,
-                     tensor_types)
-from .budget import plan_for
-from .kv import pool_blocks
-from .partial import keep_device_blocks, keep_kquant_blocks, keep_stored_blocks
-from .quant import apply_int4, apply_kernel_linears, has_q4, neuron_format
-from .sparse import offload_ffns
+from .formats.gguf import parsed_once
+from .formats.loader import DEFAULT_MODEL, load_checkpoint
+from .formats.q4 import has_q4
+from .formats.source import Checkpoint, tensor_types
+from .model.convert import kernel_ready
+from .model.load import build_model
+from .model.quant import apply_int4, apply_kernel_linears, neuron_format
+from .model.sparse import offload_ffns
 from .runtimes import engine_class
 
-Messages = list[dict]
 log = logging.getLogger("powerinfer")
+
+
+Messages = list[dict]
 
 
 class PowerInfer:

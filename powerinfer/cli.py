@@ -8,9 +8,9 @@ import sys
 import time
 
 from .config import DTYPE_HELP, ISA_HELP, Config
-from .kernels import ISAS
 from .errors import PowerInferError
-from .loader import DEFAULT_MODEL
+from .formats.loader import DEFAULT_MODEL
+from .kernels import ISAS
 from .runtimes import add_commands
 
 
@@ -156,7 +156,7 @@ def _chat(args) -> int:
 
 
 def _info(args) -> int:
-    from .loader import load_checkpoint
+    from .formats.loader import load_checkpoint
 
     ck = load_checkpoint(args.model, with_weights=False)
     a, info = ck.args, ck.info
@@ -279,8 +279,8 @@ def _pipeline_commands(sub):
 
 
 def _profile(args) -> int:
-    from .profile import ProfileOptions, profile
-    from .report import sparsity
+    from .sparsity.profile import ProfileOptions, profile
+    from .sparsity.report import sparsity
 
     given = {"sparsity": args.sparsity, "calib_tokens": args.calib_tokens}
     opts = ProfileOptions(tokens=args.tokens, window=args.window, samples=args.samples,
@@ -294,8 +294,8 @@ def _profile(args) -> int:
 
 
 def _train(args) -> int:
-    from .bundle import Bundle
-    from .predictor import format_table, train_predictors
+    from .formats.bundle import Bundle
+    from .sparsity.train import format_table, train_predictors
 
     b = Bundle.open(args.bundle)
     for inp in (["ffn", "layer"] if args.input == "both" else [args.input]):
@@ -309,8 +309,8 @@ def _train(args) -> int:
 
 
 def _solve(args) -> int:
-    from .bundle import Bundle
-    from .solver import solve_bundle
+    from .formats.bundle import Bundle
+    from .sparsity.solver import solve_bundle
 
     p = solve_bundle(Bundle.open(args.bundle), args.vram_budget, batch=args.batch,
                      context=args.context, group=args.group, min_share=args.min_share,
@@ -320,8 +320,8 @@ def _solve(args) -> int:
 
 
 def _eval(args) -> int:
-    from .bundle import Bundle
-    from .evaluate import evaluate, format_rows, per_layer_table
+    from .formats.bundle import Bundle
+    from .sparsity.evaluate import evaluate, format_rows, per_layer_table
 
     rows = evaluate(args.model, Bundle.open(args.bundle), tokens=args.tokens, window=args.window,
                     corpus=args.corpus)
@@ -336,8 +336,8 @@ def _eval(args) -> int:
 def _report(args) -> int:
     from pathlib import Path
 
-    from .bundle import Bundle
-    from .report import summary_text, write_report
+    from .formats.bundle import Bundle
+    from .sparsity.report import summary_text, write_report
 
     b = Bundle.open(args.bundle)
     print(summary_text(b))
@@ -349,8 +349,8 @@ def _report(args) -> int:
 def _export(args) -> int:
     from pathlib import Path
 
-    from .bundle import Bundle
-    from .pwri import export_gpu_index, export_pwri
+    from .formats.bundle import Bundle
+    from .formats.pwri import export_gpu_index, export_pwri
 
     b = Bundle.open(args.bundle)
     out = Path(args.out)
@@ -367,7 +367,7 @@ def _export(args) -> int:
 def _import(args) -> int:
     from pathlib import Path
 
-    from .pwri import import_pwri
+    from .formats.pwri import import_pwri
 
     b = import_pwri(Path(args.model), Path(args.out),
                     Path(args.gpu_index) if args.gpu_index else None)
@@ -376,7 +376,7 @@ def _import(args) -> int:
 
 
 def _synthetic(args) -> int:
-    from .synthetic import write_synthetic
+    from .sparsity.synthetic import write_synthetic
 
     info = write_synthetic(args.out, preset=args.preset, n_layers=args.layers,
                            sparsity=args.sparsity, seed=args.seed, subspace=args.subspace,

@@ -8,7 +8,6 @@ import types
 import numpy as np
 import torch
 
-
 _PWRI_INT_TYPES = {16: 24, 17: 25, 18: 26}  # I8, I16, I32: the original's ggml -> today's
 
 

@@ -6,8 +6,7 @@ gRPC methods into a status code. Messages name the cause and never carry a trace
 """
 from __future__ import annotations
 
-from powerinfer.errors import (InvalidRequestError, OverloadedError, PowerInferError,
-                               RetryableError)
+from powerinfer.errors import InvalidRequestError, OverloadedError, PowerInferError, RetryableError
 
 # kind: (HTTP status, gRPC status code name, OpenAI error type)
 KINDS = {

@@ -34,7 +34,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from . import openai_schema as oa
 from actors.handle import follow
 from powerinfer.errors import InvalidRequestError, PowerInferError
-from powerinfer.grammar import Grammar
+from powerinfer.engine.grammar import Grammar
 
 from .errors import RETRY_AFTER_S, ApiError, error_value
 from .metrics import Metrics

@@ -27,9 +27,9 @@ from dataclasses import dataclass
 from ray import serve
 from ray.exceptions import TaskCancelledError
 
-from powerinfer import tools
-from powerinfer.config import sampling_params
-from powerinfer.tools import render as render_tools
+from powerinfer.engine import tools
+from powerinfer.engine.sampling import sampling_params
+from powerinfer.engine.tools import render as render_tools
 from powerinfer.errors import InvalidRequestError, PowerInferError
 
 from .errors import ModelUnavailableError, error_value

@@ -15,8 +15,8 @@ from typing import Annotated, Literal
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, model_validator
 
 from powerinfer.errors import InvalidRequestError
-from powerinfer import tools
-from powerinfer.grammar import Grammar
+from powerinfer.engine import tools
+from powerinfer.engine.grammar import Grammar
 
 MAX_CHOICES = 16  # prompts x n in one request
 MAX_TOP_LOGPROBS = 5

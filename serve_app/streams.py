@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from functools import partial
 from typing import AsyncIterator
 
-from powerinfer import tools
+from powerinfer.engine import tools
 
 from . import openai_schema as oa
 from .errors import ApiError

@@ -24,7 +24,7 @@ CPU_CLASSES = _cpu_classes()
 def default_model_path():
     """Path of the default GGUF model (SmolLM2-135M-Instruct, Q4_1); skips if not installed."""
     from powerinfer.errors import ModelNotFoundError
-    from powerinfer.loader import DEFAULT_MODEL, resolve_model
+    from powerinfer.formats.loader import DEFAULT_MODEL, resolve_model
 
     try:
         return resolve_model(DEFAULT_MODEL)
@@ -37,7 +37,7 @@ def gemma_model_path():
     """Path of Gemma 3 270M (Q4_K_M GGUF, joined from its packages at setup); skips if not
     installed."""
     from powerinfer.errors import ModelNotFoundError
-    from powerinfer.loader import resolve_model
+    from powerinfer.formats.loader import resolve_model
 
     try:
         return resolve_model("gemma3-270m")

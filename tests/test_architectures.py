@@ -22,8 +22,8 @@ import checkpoints as C
 from greedy import assert_same_or_near_tie
 from powerinfer import Config, PowerInfer
 from powerinfer.errors import ModelLoadError
-from powerinfer.loader import load_checkpoint
-from powerinfer.model import Transformer
+from powerinfer.formats.loader import load_checkpoint
+from powerinfer.model.transformer import Transformer
 
 ARCHS = ["gemma3", "qwen3", "phi3", "falcon", "falcon-7b"]
 TOL = 1e-3
@@ -176,9 +176,9 @@ def test_the_sparsity_pipeline_on_geglu_with_a_residual_past_float16(tmp_path):
     # Gemma's residual stream grows past float16's range (65504) on the real model: embeddings
     # scaled up here do the same. Thresholds calibrated on |gelu_tanh(gate x)|, samples kept
     # exact, predictors trained on them, the bundle's sparse model evaluated.
-    from powerinfer.evaluate import evaluate
-    from powerinfer.predictor import train_predictors
-    from powerinfer.profile import ProfileOptions, profile
+    from powerinfer.sparsity.evaluate import evaluate
+    from powerinfer.sparsity.train import train_predictors
+    from powerinfer.sparsity.profile import ProfileOptions, profile
 
     hf = C.build_hf_model(C.arch_config("gemma3", tie_word_embeddings=False), seed=3)
     with torch.no_grad():  # (untied: the head keeps its scale)

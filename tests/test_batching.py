@@ -3,11 +3,11 @@ model, logits made up to steer the sampler."""
 import pytest
 import torch
 
-from powerinfer.batching import Batcher, new_sequence
-from powerinfer.config import SamplingParams
-from powerinfer.kv import BlockManager, Blocks
-from powerinfer.loader import load_checkpoint
-from powerinfer.tokenizer import Tokenizer
+from powerinfer.engine.batching import Batcher, new_sequence
+from powerinfer.engine.sampling import SamplingParams
+from powerinfer.engine.kv import BlockManager, Blocks
+from powerinfer.formats.loader import load_checkpoint
+from powerinfer.formats.tokenizer import Tokenizer
 
 
 @pytest.fixture(scope="module")

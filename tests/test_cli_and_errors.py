@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from powerinfer import ModelLoadError
-from powerinfer.loader import load_checkpoint, resolve_model
+from powerinfer.formats.loader import load_checkpoint, resolve_model
 
 CLI = [sys.executable, "-m", "powerinfer.cli"]
 

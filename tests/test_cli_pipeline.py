@@ -34,7 +34,7 @@ def test_profile_train_solve_eval_report_on_the_default_model(tmp_path, default_
                  "quality.png"):
         assert (tmp_path / "bundle" / "report" / name).stat().st_size > 10_000, name
     # a bundle made for another model is refused, naming the model it was made for
-    from powerinfer.synthetic import write_synthetic
+    from powerinfer.sparsity.synthetic import write_synthetic
     other = write_synthetic(tmp_path / "other.gguf", "tiny", seed=0, progress=False).path
     assert main(["eval", "--model", str(other), "--bundle", b, "--tokens", "64"]) == 1
     err = capsys.readouterr().err

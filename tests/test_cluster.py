@@ -8,7 +8,7 @@ import httpx2 as httpx
 import pytest
 import ray
 
-from powerinfer.synthetic import write_synthetic
+from powerinfer.sparsity.synthetic import write_synthetic
 
 from test_serve import free_port, wait_for
 

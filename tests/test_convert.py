@@ -10,10 +10,11 @@ import pytest
 import torch
 
 from powerinfer import Config, ModelLoadError, PowerInfer
-from powerinfer.convert import converted, needs_conversion
-from powerinfer.loader import load_checkpoint, open_gguf
-from powerinfer.pwri import raw_field, write_gguf
-from powerinfer.synthetic import write_synthetic
+from powerinfer.model.convert import converted, needs_conversion
+from powerinfer.formats.loader import load_checkpoint
+from powerinfer.formats.gguf import open_gguf
+from powerinfer.formats.pwri import raw_field, write_gguf
+from powerinfer.sparsity.synthetic import write_synthetic
 
 from greedy import last_logits
 

@@ -9,7 +9,7 @@ import torch
 from checkpoints import hf_from_gguf
 from greedy import assert_same_or_near_tie
 from powerinfer import Config, PowerInfer
-from powerinfer.model import Transformer
+from powerinfer.model.transformer import Transformer
 from conftest import CPU_CLASSES
 
 PROMPT = "The capital of France is"
@@ -66,7 +66,7 @@ def test_the_shipped_configuration_tracks_fp32(gemma_model_path, ours, isa):
     # past the sliding layers' 512 positions (each layer's window and RoPE table its own)
     pi = PowerInfer.from_pretrained(gemma_model_path, Config(max_seq_len=1024, cpu_isa=isa))
     from powerinfer import kernels
-    from powerinfer.quant import neuron_format
+    from powerinfer.model.quant import neuron_format
     if kernels.available():
         assert (pi.config.weights, pi.config.dtype, kernels.isa()) == ("int4", "bfloat16", isa)
         assert pi.engine.native is not None

@@ -4,8 +4,8 @@ import pytest
 import torch
 
 from powerinfer import Config, InvalidRequestError, PowerInfer
-from powerinfer.config import SamplingParams
-from powerinfer.sampling import sample
+from powerinfer.engine.sampling import SamplingParams
+from powerinfer.engine.sampling import sample
 
 from greedy import assert_same_or_near_tie
 
@@ -141,7 +141,7 @@ def test_compiled_decode_matches_eager(tmp_path):
             assert_same_or_near_tie(eager, prompt, want, got, tol)
     # what the configuration holds
     from powerinfer import kernels
-    from powerinfer.quant import Int4Linear, KernelEmbedding, Q4Linear
+    from powerinfer.model.quant import Int4Linear, KernelEmbedding, Q4Linear
     assert isinstance(eager.model.layers[0].attn.wqkv, (Q4Linear, Int4Linear))
     if kernels.available():
         assert isinstance(eager.model.tok_embeddings, KernelEmbedding)

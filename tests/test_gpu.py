@@ -63,10 +63,10 @@ def test_device_buffers_cross_two_processes():
 def synthetic(tmp_path_factory):
     """A tiny synthetic model with a bundle: profile, lookahead predictors, and a placement
     whose budget holds attention, embeddings and the head and about a third of the FFN."""
-    from powerinfer.predictor import train_predictors
-    from powerinfer.profile import ProfileOptions, profile
-    from powerinfer.solver import solve_bundle
-    from powerinfer.synthetic import write_synthetic
+    from powerinfer.sparsity.train import train_predictors
+    from powerinfer.sparsity.profile import ProfileOptions, profile
+    from powerinfer.sparsity.solver import solve_bundle
+    from powerinfer.sparsity.synthetic import write_synthetic
 
     d = tmp_path_factory.mktemp("gpu")
     m = write_synthetic(d / "tiny.gguf", "tiny", seed=0, progress=False)
@@ -132,13 +132,13 @@ def synthetic_q4(tmp_path_factory):
     hot neurons at their 4-bit records' bytes and attention at its blocks' bytes
     (`Config(weights="int4")` on a GPU)."""
     from powerinfer import Config
-    from powerinfer.convert import kernel_ready
-    from powerinfer.loader import load_checkpoint
-    from powerinfer.partial import device_fixed_bytes
-    from powerinfer.predictor import train_predictors
-    from powerinfer.profile import ProfileOptions, profile
-    from powerinfer.solver import solve_bundle
-    from powerinfer.synthetic import write_synthetic
+    from powerinfer.model.convert import kernel_ready
+    from powerinfer.formats.loader import load_checkpoint
+    from powerinfer.engine.partial import device_fixed_bytes
+    from powerinfer.sparsity.train import train_predictors
+    from powerinfer.sparsity.profile import ProfileOptions, profile
+    from powerinfer.sparsity.solver import solve_bundle
+    from powerinfer.sparsity.synthetic import write_synthetic
 
     d = tmp_path_factory.mktemp("gpu_q4")
     m = write_synthetic(d / "tiny-q4_0.gguf", "tiny", seed=0, quant="q4_0", progress=False)
@@ -162,8 +162,8 @@ def test_hybrid_on_gpu_keeps_a_4bit_files_hot_neurons_in_its_blocks(synthetic_q4
     engine on the GPU (its neuron sets in the same records there, attention in bf16) up to a
     near-tie; the budget holds."""
     from powerinfer import Config, PowerInfer
-    from powerinfer.bundle import Bundle
-    from powerinfer.sparse import hybrid_layers
+    from powerinfer.formats.bundle import Bundle
+    from powerinfer.model.sparse import hybrid_layers
 
     from greedy import assert_same_or_near_tie, greedy_tokens
 

@@ -11,9 +11,10 @@ from greedy import assert_same_or_near_tie
 from powerinfer import Config, PowerInfer
 from powerinfer.errors import ConfigError
 from powerinfer.compat import gguf_reader
-from powerinfer.loader import dequantize
+from powerinfer.formats.gguf import dequantize
 from powerinfer import kernels
-from powerinfer.quant import Int4Linear, Q4Linear, q4_blocks
+from powerinfer.model.quant import Int4Linear, Q4Linear
+from powerinfer.formats.q4 import q4_blocks
 
 FOUR_BIT = (Int4Linear, Q4Linear)
 

@@ -9,8 +9,9 @@ import torch
 import torch.nn.functional as F
 
 from powerinfer import kernels as K
-from powerinfer.model import UNGATED
-from powerinfer.sparse import activate, apply_hybrid_ffn
+from powerinfer.formats.args import UNGATED
+from powerinfer.formats.kquants import KQUANT_LAYOUTS
+from powerinfer.model.sparse import activate, apply_hybrid_ffn
 
 from test_sparse import random_model
 
@@ -166,7 +167,7 @@ def test_sparse_model_on_the_kernel_equals_the_torch_path(isa, act, threshold):
 def test_kernel_linear_equals_a_matmul_over_its_weights(isa, fmt):
     # decode rows through the kernel's GEMV, many rows (prefill) through widened chunks: both
     # equal x W^T over the weights the format holds
-    from powerinfer.quant import KernelLinear
+    from powerinfer.model.quant import KernelLinear
     torch.manual_seed(3)
     w, b = torch.randn(300, 128), torch.randn(300)
     lin = KernelLinear(w, b, fmt)
@@ -199,7 +200,7 @@ def test_activations_round_half_away_from_zero(isa):
     assert torch.equal(K.quantize_input(x.unsqueeze(0))[0], want.float())  # the torch reference's
 
 def test_reformat_keeps_the_neurons_and_their_weights():
-    from powerinfer.sparse import NeuronSet
+    from powerinfer.model.sparse import NeuronSet
     torch.manual_seed(4)
     w1, w2, idx = torch.randn(2 * 64, 32), torch.randn(32, 64), torch.tensor([3, 9, 40, 63])
     ref = NeuronSet("reglu", w1, None, w2, idx)
@@ -235,7 +236,7 @@ def test_many_token_steps_over_quantized_records(isa, fmt, dtype):
     # a prompt's step over quantized records: a few tokens through the decode kernel, more
     # through the rows widened a block at a time into one reused buffer (here several blocks);
     # both equal the torch path over the same rows, with a threshold and per-token masks
-    from powerinfer.sparse import NeuronSet
+    from powerinfer.model.sparse import NeuronSet
     torch.manual_seed(5)
     n, dim = 200, 64
     w1, w2 = torch.randn(2 * n, dim) * 0.3, torch.randn(dim, n) * 0.3
@@ -271,7 +272,7 @@ def decode_steps(m, slots: torch.Tensor, steps: int = 6) -> torch.Tensor:
 def test_fused_decode_ops_equal_the_torch_path(arch, dtype, monkeypatch):
     # a model's steps with its norms and attention (rope, the cache's update, softmax over the
     # blocks read in place) in the kernel library against torch's ops on the same model
-    import powerinfer.model as M
+    import powerinfer.model.transformer as M
 
     m = random_model("swiglu" if arch == "llama" else "relu").to(dtype)
     if arch == "llama":
@@ -313,7 +314,7 @@ def test_paged_attention_equals_the_torch_path(isa, dtype, shape, roped):
     # one step mixing prompt chunks (from position 0 and after cached positions) and decode rows
     # over blocks dealt out of order: the kernel's keys and values land where torch's do, and
     # its attention over the blocks in place equals torch's over gathered copies
-    from powerinfer.model import KVCache, KVTables, paged_attention
+    from powerinfer.model.transformer import KVCache, KVTables, paged_attention
 
     H, Hkv, D, bs, window = shape
     seqs = [(0, 37), (20, 1), (5, 1), (33, 40), (0, 1), (16, 1), (15, 1)]
@@ -344,7 +345,7 @@ def test_paged_attention_shares_a_steps_index_work_across_layers(decode, window)
     # a step's layers share what they derive from its tables and positions (KVTables.memo): the
     # second layer reuses the first's slots and mask, and every layer's output and cache equal
     # what it computes alone, exactly
-    from powerinfer.model import KVCache, KVTables, paged_attention
+    from powerinfer.model.transformer import KVCache, KVTables, paged_attention
 
     H, Hkv, D, bs = 4, 2, 16, 16
     seqs = [(20, 1), (5, 1), (0, 1)] if decode else [(0, 37), (20, 1), (33, 40)]
@@ -396,7 +397,7 @@ def test_q4x16_gemv_equals_a_matmul_over_the_files_weights(isa, kind, n):
     # blocks hold (the GGUF dequantizer's), with x rounded to 8 bits per block as the kernel does
     from gguf import GGMLQuantizationType, quantize
 
-    from powerinfer.quant import q4_split
+    from powerinfer.formats.q4 import q4_split
     torch.manual_seed(7)
     k = 192
     data = quantize(torch.randn(n, k).numpy(), getattr(GGMLQuantizationType, kind))
@@ -427,7 +428,7 @@ def test_kquant_gemv_equals_a_matmul_over_the_files_weights(isa, kind, n):
     from gguf import GGMLQuantizationType, dequantize
     from gguf import quantize as gguf_quantize
 
-    from powerinfer.kquants import quantize
+    from powerinfer.formats.kquants import quantize
     torch.manual_seed(11)
     k = 512  # two super-blocks
     w0 = torch.randn(n, k) * torch.rand(n, 1) * 3 + torch.randn(n, k // 32).repeat_interleave(32, 1)
@@ -439,7 +440,7 @@ def test_kquant_gemv_equals_a_matmul_over_the_files_weights(isa, kind, n):
         data = quantize(w0.numpy(), kind)
     held = torch.from_numpy(dequantize(data, getattr(GGMLQuantizationType, kind))).reshape(n, k)
     w = K.pack_kquant(torch.from_numpy(data), kind)
-    layout = K.KQUANT_LAYOUTS[kind]
+    layout = KQUANT_LAYOUTS[kind]
     assert w.shape == (-(-n // 16), K.group_bytes(layout, k))
     # the file's bytes regrouped (Q4_K's 6-bit scales and minimums a byte each: 4 more a block)
     assert w.numel() == -(-n // 16) * 16 * (data.shape[1] + (4 * k // 256 if kind == "Q4_K" else 0))
@@ -459,7 +460,7 @@ def test_kquant_gemv_equals_a_matmul_over_the_files_weights(isa, kind, n):
 def test_q6_k_codes_are_the_gguf_dequantizers():
     from gguf import GGMLQuantizationType, dequantize
 
-    from powerinfer.kquants import quantize
+    from powerinfer.formats.kquants import quantize
     data = quantize(torch.randn(4, 512).numpy(), "Q6_K")
     b = torch.from_numpy(data).view(4, 2, 210)
     q = K.q6_k_codes(b).float() - 32
@@ -477,7 +478,7 @@ def test_the_torch_quantizers_write_the_gguf_packages_bytes(kind):
     from gguf import GGMLQuantizationType
     from gguf import quantize as gguf_quantize
 
-    from powerinfer.kquants import quantize
+    from powerinfer.formats.kquants import quantize
     torch.manual_seed(5)
     x = torch.randn(64, 256) * torch.rand(64, 1) * 4
     x[0, :32] = 0
@@ -500,7 +501,7 @@ def test_the_torch_dequantizer_reads_what_the_gguf_package_reads(kind):
     from gguf import GGMLQuantizationType
     from gguf import dequantize as gguf_dequantize
 
-    from powerinfer.kquants import BLOCK_BYTES, dequantize
+    from powerinfer.formats.kquants import BLOCK_BYTES, dequantize
     g = torch.Generator().manual_seed(6)
     bb = BLOCK_BYTES[kind]
     per = 32 if bb < 100 else 256

@@ -5,7 +5,7 @@ import pytest
 from hypothesis import given, settings, strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from powerinfer.kv import BlockManager, Blocks, block_key, pool_blocks
+from powerinfer.engine.kv import BlockManager, Blocks, block_key, pool_blocks
 
 BS = 16
 
@@ -157,7 +157,7 @@ def test_caching_off_keeps_nothing():
 
 def test_pool_size_from_a_setting_or_from_memory():
     from powerinfer.config import Config
-    from powerinfer.model import ModelArgs
+    from powerinfer.formats.args import ModelArgs
 
     a = ModelArgs("llama", 100, 64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=128,
                   max_seq_len=512)

@@ -9,8 +9,8 @@ import pytest
 import ray
 
 from powerinfer import Config, PowerInfer
-from powerinfer.solver import gpu_bytes
-from powerinfer.synthetic import write_synthetic
+from powerinfer.sparsity.solver import gpu_bytes
+from powerinfer.sparsity.synthetic import write_synthetic
 
 MiB = 1 << 20
 CFG = dict(runtime="actors", cold_executors=2, max_seq_len=512, max_batch=4)
@@ -45,7 +45,7 @@ def kv_bytes(args, config: Config) -> int:
 
 
 def test_a_group_holds_the_model_about_once(default_model_path, tmp_path):
-    from powerinfer.loader import load_checkpoint
+    from powerinfer.formats.loader import load_checkpoint
 
     tiny = tmp_path / "tiny.gguf"
     write_synthetic(tiny, "tiny", progress=False)

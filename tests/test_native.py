@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from powerinfer import Config, PowerInfer, kernels
-from powerinfer.model import KVTables
-from powerinfer.native import NativeDecode
+from powerinfer.model.transformer import KVTables
+from powerinfer.engine.native import NativeDecode
 
 pytestmark = pytest.mark.skipif(not kernels.available(), reason="the kernel library does not "
                                                                 "run here (needs g++ and AVX2)")
@@ -144,9 +144,9 @@ def sparse_model(dtype: torch.dtype, source: str, threshold: float):
     its attention's projections kernel-library matrices; and the predictors."""
     from test_sparse import random_model
 
-    from powerinfer.predictor import Predictors, run_dtype
-    from powerinfer.quant import KernelLinear
-    from powerinfer.sparse import apply_hybrid_ffn
+    from powerinfer.model.predictor import Predictors, run_dtype
+    from powerinfer.model.quant import KernelLinear
+    from powerinfer.model.sparse import apply_hybrid_ffn
     g = torch.Generator().manual_seed(5)
     pdt = run_dtype(dtype)
     preds = Predictors([(torch.randn(32, 64, generator=g) / 8).to(pdt) for _ in range(3)],
@@ -171,8 +171,8 @@ def test_sparse_decode_natively_equals_the_modules(monkeypatch, dtype, source, t
     # sequence and for two (each keeping its own predicted neurons); the loop leaves a step to
     # the modules while a layer records stats, with sparse.FUSED_DECODE off, and once a layer's
     # mask source changes
-    from powerinfer import sparse
-    from powerinfer.sparse import LayerStats
+    from powerinfer.model import sparse
+    from powerinfer.model.sparse import LayerStats
     m, preds = sparse_model(dtype, source, threshold)
     native = NativeDecode.of(m)
     assert native is not None and len(native.sparse) == 3 and not native.prompts

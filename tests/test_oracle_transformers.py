@@ -23,8 +23,8 @@ import torch
 
 import checkpoints as C
 from powerinfer import Config, PowerInfer, SamplingParams
-from powerinfer.loader import load_checkpoint
-from powerinfer.model import Transformer
+from powerinfer.formats.loader import load_checkpoint
+from powerinfer.model.transformer import Transformer
 
 Q = gguf.GGMLQuantizationType
 TOL = 1e-4  # fp32, random small models

@@ -8,11 +8,12 @@ import pytest
 import torch
 
 from powerinfer import kernels
-from powerinfer.loader import load_checkpoint, open_gguf
-from powerinfer.partial import read_neuron_set
-from powerinfer.plan import SparsePlan
-from powerinfer.sparse import BlockSlice, NeuronSet
-from powerinfer.synthetic import write_synthetic
+from powerinfer.formats.loader import load_checkpoint
+from powerinfer.formats.gguf import open_gguf
+from powerinfer.engine.partial import read_neuron_set
+from powerinfer.engine.plan import SparsePlan
+from powerinfer.model.sparse import BlockSlice, NeuronSet
+from powerinfer.sparsity.synthetic import write_synthetic
 
 
 @pytest.fixture(scope="module")
@@ -123,7 +124,7 @@ def test_a_dense_split_of_a_layer_with_an_8_bit_down(tmp_path):
     # Q8_0 matrix of the file's own blocks; prompts of 1 to 70 tokens (the GEMV and widened rows)
     import gguf
     from checkpoints import build_hf_model, llama_family_config, write_llama_gguf
-    from powerinfer.quant import KQuantLinear
+    from powerinfer.model.quant import KQuantLinear
     T = gguf.GGMLQuantizationType
     cfg = llama_family_config(hidden_size=128, intermediate_size=256, num_attention_heads=4,
                               num_key_value_heads=2)
@@ -163,11 +164,11 @@ def test_a_dense_split_of_a_k_quant_file_reads_its_own_blocks(tmp_path):
     # cuts: `dense_block`) is a BlockSlice over the original's Q4_K gate and up rows and its
     # down's columns (Q4_K, or Q6_K in the more-bits layers); a range of 32-blocks keeps the
     # copy's down; each computes the file's FFN over its neurons, the two halves sum to it
-    from powerinfer.convert import kernel_ready
+    from powerinfer.model.convert import kernel_ready
     from powerinfer import Config
-    from powerinfer.partial import dense_block
-    from powerinfer.quant import KQuantLinear
-    from powerinfer.sparse import activate
+    from powerinfer.engine.partial import dense_block
+    from powerinfer.model.quant import KQuantLinear
+    from powerinfer.model.sparse import activate
     m = write_synthetic(tmp_path / "m.gguf", preset="tiny", quant="q4_k_m", progress=False)
     ck = kernel_ready(load_checkpoint(m.path, with_weights=False), Config(dtype="bfloat16", weights="int4"))
     a, src = ck.args, ck.source
@@ -202,7 +203,7 @@ def test_a_dense_split_of_a_k_quant_file_reads_its_own_blocks(tmp_path):
 def test_what_the_driver_sends_its_actors_pickles(default_model_path):
     """The model file's table and the tokenizer travel to the executors and the scheduler on
     every start of a group, also after the tokenizer has rendered a chat template."""
-    from powerinfer.tokenizer import Tokenizer
+    from powerinfer.formats.tokenizer import Tokenizer
 
     ck = load_checkpoint(default_model_path, with_weights=False)
     tok = Tokenizer.from_source(ck.tokenizer_source)
@@ -223,9 +224,9 @@ def test_a_k_quant_files_projections_are_read_in_their_own_blocks(tmp_path):
     attention slices; each computes x W^T over exactly the weights the file holds (the dense
     load's), and it reads fewer bytes than the converted copy's Q4_1/Q8_0 blocks would."""
     from powerinfer import Config, PowerInfer
-    from powerinfer.convert import kernel_ready
-    from powerinfer.partial import attention_slice, read_head
-    from powerinfer.quant import KQuantLinear, Q4Linear
+    from powerinfer.model.convert import kernel_ready
+    from powerinfer.engine.partial import attention_slice, read_head
+    from powerinfer.model.quant import KQuantLinear, Q4Linear
 
     m = write_synthetic(tmp_path / "m.gguf", preset="tiny", quant="q4_k_m", progress=False)
     dense = PowerInfer.from_pretrained(m.path, Config(dtype="float32", weights="dense"))

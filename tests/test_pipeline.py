@@ -8,10 +8,10 @@ import torch
 
 import checkpoints as C
 from powerinfer import Config, PowerInfer
-from powerinfer.bundle import Bundle, BundleError
-from powerinfer.corpus import CorpusError, load_corpus, token_windows
-from powerinfer.evaluate import evaluate
-from powerinfer.profile import ProfileOptions, profile
+from powerinfer.formats.bundle import Bundle, BundleError
+from powerinfer.sparsity.corpus import CorpusError, load_corpus, token_windows
+from powerinfer.sparsity.evaluate import evaluate
+from powerinfer.sparsity.profile import ProfileOptions, profile
 
 
 @pytest.fixture(scope="module")

@@ -5,10 +5,12 @@ import numpy as np
 import pytest
 import torch
 
-from powerinfer.bundle import Bundle, BundleError
-from powerinfer.model import ModelArgs, Transformer
-from powerinfer.predictor import (Predictors, format_table, layer_metrics, layer_samples,
-                                  load_predictors, search_rank, train_layer, train_predictors)
+from powerinfer.formats.bundle import Bundle, BundleError
+from powerinfer.formats.args import ModelArgs
+from powerinfer.model.transformer import Transformer
+from powerinfer.model.predictor import Predictors, load_predictors
+from powerinfer.sparsity.train import (format_table, layer_metrics, layer_samples, search_rank,
+    train_layer, train_predictors)
 
 DIM, FFN, LAYERS, HELD_OUT = 64, 256, 3, 600
 RANKS = [4, 8, 16, 32, 64]

@@ -8,12 +8,13 @@ import pytest
 import torch
 
 import checkpoints as C
-from powerinfer import pwri
-from powerinfer.bundle import Bundle, BundleError, file_sha256
+from powerinfer.formats import pwri
+from powerinfer.formats.bundle import Bundle, BundleError, file_sha256
 from powerinfer.compat import gguf_reader
 from powerinfer.errors import ModelLoadError
-from powerinfer.loader import dequantize, load_checkpoint
-from powerinfer.model import Transformer
+from powerinfer.formats.gguf import dequantize
+from powerinfer.formats.loader import load_checkpoint
+from powerinfer.model.transformer import Transformer
 
 Q = gguf.GGMLQuantizationType
 V = gguf.GGUFValueType
@@ -179,8 +180,8 @@ def test_import_without_split_file(files, tmp_path):
 def test_an_imported_model_runs_and_evaluates_in_one_step(files, tmp_path):
     """The original's main workflow: a published PowerInfer model, its predictors inside."""
     from powerinfer import Config, PowerInfer
-    from powerinfer.evaluate import evaluate
-    from powerinfer.predictor import load_predictors
+    from powerinfer.sparsity.evaluate import evaluate
+    from powerinfer.model.predictor import load_predictors
 
     out = files["out"]
     b = pwri.import_pwri(out, tmp_path / "b")

@@ -3,18 +3,15 @@ spread over both (a real `powerinfer serve` process, real HTTP, each group's own
 import os
 import signal
 import subprocess
-import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import httpx2 as httpx
 import pytest
 import yaml
-
-from powerinfer.synthetic import write_synthetic
-
 from test_serve import APP, KEY, POWERINFER, allowed_cores, free_port
+
+from powerinfer.sparsity.synthetic import write_synthetic
 
 pytestmark = [pytest.mark.slow,
               pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2,

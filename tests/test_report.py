@@ -5,8 +5,8 @@ import matplotlib.image as mpimg
 import numpy as np
 import pytest
 
-from powerinfer.bundle import Bundle, BundleError
-from powerinfer.report import DPI, SIZES, summary_text, write_report
+from powerinfer.formats.bundle import Bundle, BundleError
+from powerinfer.sparsity.report import DPI, SIZES, summary_text, write_report
 
 L, FFN, TOKENS = 4, 512, 2000
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"

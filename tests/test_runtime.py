@@ -15,9 +15,9 @@ import torch
 from conftest import CPU_CLASSES
 from powerinfer import Config, PowerInfer
 from powerinfer.errors import OverloadedError
-from powerinfer.predictor import train_predictors
-from powerinfer.profile import ProfileOptions, profile
-from powerinfer.solver import solve_bundle
+from powerinfer.sparsity.train import train_predictors
+from powerinfer.sparsity.profile import ProfileOptions, profile
+from powerinfer.sparsity.solver import solve_bundle
 
 from greedy import assert_same_or_near_tie, assert_same_until_a_close_call, greedy_tokens
 
@@ -113,7 +113,7 @@ def split_as_the_group(ref: PowerInfer, group) -> PowerInfer:
     layer's neurons in one set, and a predictor reading a residual one rounding apart picks
     another neuron near its threshold now and then (in bf16 here from the second token on), where
     the same two sets decode as the actors do, token for token."""
-    from powerinfer.sparse import NeuronSet, hybrid_layers
+    from powerinfer.model.sparse import NeuronSet, hybrid_layers
     for i, f in enumerate(hybrid_layers(ref.model)):
         s, hot = f.cold, group.plan.hot_mask(i, group.hot_share)
         f.hot, f.cold = (NeuronSet.from_rows(s.act, idx, s.fmt, s.dtype, s.dim, records=s.records[idx])
@@ -148,7 +148,7 @@ def test_the_in_process_sparse_engine_decodes_in_the_native_loop(bundle):
     # predictor on the kernel's GEMV): its decode steps run every layer's predictor and neurons
     # inside the C++ layer loop, and decode what the model's modules decode
     from powerinfer import kernels
-    from powerinfer.native import NativeDecode
+    from powerinfer.engine.native import NativeDecode
     if not kernels.available():
         pytest.skip("the kernel library does not run here (needs g++ and AVX2)")
     pi = PowerInfer.from_pretrained(MODEL, Config(**dict(BASE, dtype="bfloat16", weights="int4", bundle=bundle,
@@ -208,7 +208,7 @@ def assert_a_stream_survives_the_predictor_dying(pi: PowerInfer):
     # the fast configuration, where the hot executor's native loop waits for the predictor's
     # masks in C++: a predictor killed mid-stream is named as the cause, the group is rebuilt,
     # and the stream goes on to its last token
-    from powerinfer.config import SamplingParams
+    from powerinfer.engine.sampling import SamplingParams
     e = pi.engine
     assert e.group.info["hot"]["native"] and e.group.info["predictor"]["native"]
     got, failures = [], []
@@ -294,7 +294,7 @@ def test_cold_weights_follow_the_host(monkeypatch, tmp_path):
         Config(cold_weights="int8")
     # asked for on a file with nothing 4-bit: named at load, before any actor starts
     from powerinfer.errors import ModelLoadError
-    from powerinfer.synthetic import write_synthetic
+    from powerinfer.sparsity.synthetic import write_synthetic
     path = tmp_path / "bf16.gguf"
     write_synthetic(path, "tiny", n_layers=1, progress=False)
     with pytest.raises(ModelLoadError, match="cold_weights='int4' needs a GGUF file with Q4_0/Q4_1"):
@@ -310,7 +310,7 @@ def assert_native_prompt_steps_equal_the_modules(pi: PowerInfer):
     executor's prompt steps through its Python modules (`prompts_natively(False)`), bit for bit.
     (The cold executors answer a prompt's rows in their native loop either way, with the C++ a
     prompt step runs in process: test_native.py checks that against the modules.)"""
-    from powerinfer.config import SamplingParams
+    from powerinfer.engine.sampling import SamplingParams
     hot = pi.engine.group.actors["hot"]
     params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=3)
     first, second = (pi.tokenize(p) for p in PROMPTS[:2])
@@ -456,8 +456,8 @@ def test_int4_dense_split_of_a_q4_k_m_file(ray_cluster, tmp_path):
     # cold executor answers its slices, its KV heads (q and k in Q4_K, v in Q6_K: two runs) and
     # its head rows in its native loop; greedy tokens as the in-process engine's
     from powerinfer import kernels
-    from powerinfer.quant import KQuantLinear
-    from powerinfer.synthetic import write_synthetic
+    from powerinfer.model.quant import KQuantLinear
+    from powerinfer.sparsity.synthetic import write_synthetic
     if not kernels.available():
         pytest.skip("the kernel library does not run here: no block slices")
     model = write_synthetic(tmp_path / "m.gguf", preset="tiny", quant="q4_k_m", progress=False).path
@@ -496,7 +496,7 @@ def sparse_actors(ray_cluster, bundle):
 def concurrent_greedy(pi: PowerInfer, n: int, timeout: float) -> list[list[int]]:
     """PROMPTS' greedy tokens, the requests sent together (continuously batched), each thread
     waited for `timeout` seconds at most."""
-    from powerinfer.config import SamplingParams
+    from powerinfer.engine.sampling import SamplingParams
 
     params = SamplingParams(max_tokens=n, temperature=0, ignore_eos=True)
     got = [[] for _ in PROMPTS]
@@ -573,7 +573,7 @@ def test_a_caller_on_the_schedulers_node_reads_its_events_from_a_token_ring(spar
     # counted the ring's requests, and no segment is left behind
     import actors.handle as handle
     import actors.tokens as tokens
-    from powerinfer.config import SamplingParams
+    from powerinfer.engine.sampling import SamplingParams
 
     e = sparse_actors.engine
     ids = sparse_actors.tokenize("Once upon a time")
@@ -622,7 +622,7 @@ def test_a_caller_on_the_schedulers_node_reads_its_events_from_a_token_ring(spar
 def test_the_scheduler_opens_no_file_but_a_token_ring(sparse_actors):
     # a caller names the ring; anything else (another file, a path out of shared memory) ends
     # the request with an invalid_request error on the Ray stream, and the scheduler serves on
-    from powerinfer.config import SamplingParams
+    from powerinfer.engine.sampling import SamplingParams
 
     scheduler = sparse_actors.engine.group.actors["scheduler"]
     params = SamplingParams(max_tokens=2, temperature=0)
@@ -636,7 +636,7 @@ def test_the_scheduler_opens_no_file_but_a_token_ring(sparse_actors):
 def test_overloaded_queue_and_cancellation(sparse_actors):
     e = sparse_actors.engine
     ids = sparse_actors.tokenize("Tell me a long story")
-    from powerinfer.config import SamplingParams
+    from powerinfer.engine.sampling import SamplingParams
     long = SamplingParams(max_tokens=200, temperature=0, ignore_eos=True)
     streams = [e.generate(ids, long) for _ in range(4)]  # max_batch=4: they all run
     for s in streams:
@@ -684,7 +684,7 @@ def test_streams_survive_the_death_of_any_actor(sparse_actors, roles, undisturbe
     # greedy picks and seeded draws near a boundary fall the other way a few tokens later. So a
     # close call here is both tokens among both runs' most likely, within 1.0 of each other's
     # log-probabilities: a stream resumed from the wrong place or state parts at once and far
-    from powerinfer.config import SamplingParams
+    from powerinfer.engine.sampling import SamplingParams
 
     pi, e = sparse_actors, sparse_actors.engine
     prompts = [pi.tokenize(p) for p in ("Tell me a long story", "Once upon a time", "def f(x):")]
@@ -748,8 +748,8 @@ def test_hot_executor_on_gpu_keeps_the_vram_budget(ray_cluster, bundle, tmp_path
     solver's hot neurons, and its measured peak device memory stays within the budget."""
     import shutil
 
-    from powerinfer.bundle import Bundle
-    from powerinfer.solver import solve_bundle
+    from powerinfer.formats.bundle import Bundle
+    from powerinfer.sparsity.solver import solve_bundle
     copy = shutil.copytree(bundle, tmp_path / "bundle")  # its own placement, bf16 sizes
     budget_gb = 0.25
     solve_bundle(Bundle.open(copy), budget_gb, batch=BASE["max_batch"] + 1,
@@ -780,8 +780,8 @@ def test_vram_budget_plans_the_placement_and_caches_it(bundle, default_model_pat
     import logging
     import shutil
 
-    from powerinfer.budget import ffn_layers_that_fit
-    from powerinfer.solver import gpu_bytes
+    from powerinfer.engine.budget import ffn_layers_that_fit
+    from powerinfer.sparsity.solver import gpu_bytes
 
     model = tmp_path / default_model_path.name
     shutil.copy(default_model_path, model)
@@ -797,7 +797,7 @@ def test_vram_budget_plans_the_placement_and_caches_it(bundle, default_model_pat
     assert "no GPU" in lines[0]
     cached = list((Path(str(model) + ".bundle") / "placements").glob("*.json"))
     # the KV cache it counts: the pool's positions (auto: max_batch x the context)
-    from powerinfer.kv import pool_blocks
+    from powerinfer.engine.kv import pool_blocks
     pool = pool_blocks(pi.args, Config(**cfg), 256, 4)[0] * 16
     assert len(cached) == 1 and f"0.4GB-ctx{pool}-batch1" in cached[0].name
     report = __import__("json").loads(cached[0].read_text())
@@ -815,7 +815,7 @@ def test_vram_budget_plans_the_placement_and_caches_it(bundle, default_model_pat
         f"{mib(0.4 * 2**30)}" in lines[1]
     # (in one process every neuron sits where the model does: each layer's in one set, whatever
     # the placement, which splits them between a GPU and the host in the actor runtime)
-    from powerinfer.sparse import hybrid_layers
+    from powerinfer.model.sparse import hybrid_layers
     assert all(not len(f.hot.idx) and len(f.cold.idx) == 1536 for f in hybrid_layers(pi.model))
     assert "Paris" in pi.generate("The capital of France is", max_new_tokens=8, temperature=0)
 
@@ -842,10 +842,10 @@ def test_a_gpus_placement_counts_the_files_4bit_records_with_int4(bundle, defaul
     import json
     import shutil
 
-    from powerinfer.budget import plan_for
-    from powerinfer.loader import load_checkpoint
-    from powerinfer.partial import device_fixed_bytes
-    from powerinfer.solver import gpu_bytes, neuron_bytes
+    from powerinfer.engine.budget import plan_for
+    from powerinfer.formats.loader import load_checkpoint
+    from powerinfer.engine.partial import device_fixed_bytes
+    from powerinfer.sparsity.solver import gpu_bytes, neuron_bytes
 
     b = Path(shutil.copytree(bundle, tmp_path / "bundle"))
     ck = load_checkpoint(default_model_path, with_weights=False)
@@ -879,9 +879,9 @@ def test_a_bundle_that_costs_quality_warns_at_load(bundle, tmp_path, caplog):
     import logging
     import shutil
 
-    from powerinfer.bundle import Bundle
-    from powerinfer.evaluate import evaluate
-    from powerinfer.plan import check_quality
+    from powerinfer.formats.bundle import Bundle
+    from powerinfer.sparsity.evaluate import evaluate
+    from powerinfer.engine.plan import check_quality
 
     b = Bundle.open(shutil.copytree(bundle, tmp_path / "bundle"))
     with caplog.at_level(logging.WARNING, logger="powerinfer"):
@@ -903,8 +903,8 @@ def test_a_bundle_whose_predictors_pick_most_neurons_warns_at_load(bundle, tmp_p
     import logging
     import shutil
 
-    from powerinfer.bundle import Bundle
-    from powerinfer.plan import MOSTLY_DENSE, check_share
+    from powerinfer.formats.bundle import Bundle
+    from powerinfer.engine.plan import MOSTLY_DENSE, check_share
 
     b = Bundle.open(shutil.copytree(bundle, tmp_path / "bundle"))
     rows = b.load_json("predictors.ffn.json")

@@ -26,7 +26,7 @@ import torch
 import yaml
 
 from powerinfer import Config, PowerInfer
-from powerinfer.synthetic import write_synthetic
+from powerinfer.sparsity.synthetic import write_synthetic
 
 SMOL, TINY, BROKEN, GEMMA = "smollm2", "tiny", "broken", "gemma3"
 KEY = "test-key-5d1f0c"
@@ -109,7 +109,7 @@ def installed_gemma() -> Path | None:
     """Gemma 3 270M's file, or None where its packages are not installed (the server then runs
     without it, and only the checks that ask it something skip)."""
     from powerinfer.errors import ModelNotFoundError
-    from powerinfer.loader import resolve_model
+    from powerinfer.formats.loader import resolve_model
     try:
         return resolve_model("gemma3-270m")
     except ModelNotFoundError:

@@ -8,8 +8,9 @@ import pytest
 import torch
 
 from powerinfer.errors import ConfigError
-from powerinfer.model import ModelArgs, Transformer
-from powerinfer.solver import gpu_bytes, neuron_bytes, solve
+from powerinfer.formats.args import ModelArgs
+from powerinfer.model.transformer import Transformer
+from powerinfer.sparsity.solver import gpu_bytes, neuron_bytes, solve
 
 LLAMA_GQA = ModelArgs(arch="llama", vocab_size=97, dim=48, n_layers=3, n_heads=6, n_kv_heads=2,
                       ffn_dim=40, ffn_act="reglu", qkv_bias=True, tie_embeddings=True)
@@ -48,7 +49,7 @@ def test_bytes_match_the_model(args):
         assert got[k] == parts[k], k
     assert got["kv_cache"] == kv and got["rope"] == rope
     # the predictors in the dtype they run in on a GPU, whatever the model's
-    from powerinfer.predictor import run_dtype
+    from powerinfer.model.predictor import run_dtype
     assert got["predictors"] == sum(r * (args.dim + args.ffn_dim) for r in ranks) * \
         run_dtype(torch.bfloat16, "cuda").itemsize
     assert parts["ffn"] == args.n_layers * args.ffn_dim * neuron_bytes(args, 2)

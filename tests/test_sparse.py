@@ -4,8 +4,9 @@ import torch
 
 import checkpoints as C
 from powerinfer import Config, PowerInfer, SamplingParams
-from powerinfer.model import ModelArgs, Transformer
-from powerinfer.sparse import HybridFFN, apply_hybrid_ffn
+from powerinfer.formats.args import ModelArgs
+from powerinfer.model.transformer import Transformer
+from powerinfer.model.sparse import HybridFFN, apply_hybrid_ffn
 
 
 def random_model(act: str, seed: int = 0) -> Transformer:
@@ -110,8 +111,9 @@ def test_predicted_decode_in_one_kernel_call_equals_the_modules(monkeypatch, dty
     # (`kernels.predicted_ffn`) gives the logits of the modules' own path (the predictor's
     # GEMVs, the masks, the neuron kernel, one op at a time), for one sequence and for two
     # (each keeping its own predicted neurons); while `stats` records, the modules' path runs
-    from powerinfer import kernels, sparse
-    from powerinfer.predictor import Predictors, run_dtype
+    from powerinfer import kernels
+    from powerinfer.model import sparse
+    from powerinfer.model.predictor import Predictors, run_dtype
     if not kernels.available():
         pytest.skip("the kernel library is not built here")
     g = torch.Generator().manual_seed(3)
@@ -143,7 +145,7 @@ def test_predicted_decode_in_one_kernel_call_equals_the_modules(monkeypatch, dty
     # the share of neurons the predictor picks is neither none nor all
     share = float(preds.active(0, torch.randn(8, 64, generator=g).to(dtype)).float().mean())
     assert 0.05 < share < 0.95
-    from powerinfer.sparse import LayerStats
+    from powerinfer.model.sparse import LayerStats
     calls.clear()
     for b in models[0].layers:
         b.ffn.stats = LayerStats()

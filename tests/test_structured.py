@@ -8,9 +8,9 @@ import jsonschema
 import pytest
 
 from powerinfer import Config, InvalidRequestError, PowerInfer
-from powerinfer.config import sampling_params
-from powerinfer.grammar import Grammar
-from powerinfer.grammar import matcher as matcher_for
+from powerinfer.engine.sampling import sampling_params
+from powerinfer.engine.grammar import Grammar
+from powerinfer.engine.grammar import matcher as matcher_for
 
 PERSON = {"type": "object", "additionalProperties": False, "required": ["name", "age", "tags"],
           "properties": {"name": {"type": "string", "maxLength": 24},
@@ -90,7 +90,7 @@ def test_each_tool_format_round_trips_through_its_grammar_and_parser(smol):
     """For every family's format: calls as the model writes them are accepted by the call
     grammar of "required" (and refused by a named function's grammar when they call another)
     and parse back to the same calls; plain text is content."""
-    from powerinfer import tools
+    from powerinfer.engine import tools
 
     fs = tools.functions([
         {"type": "function", "function": {"name": "get_weather", "parameters": {

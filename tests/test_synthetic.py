@@ -7,11 +7,12 @@ import pytest
 import torch
 
 from powerinfer import Config, PowerInfer
-from powerinfer.config import sampling_params
-from powerinfer.loader import load_checkpoint
-from powerinfer.model import Transformer
-from powerinfer.synthetic import (PRESETS, firing_rates, main, planted_profile, random_tokens,
-                                  rank_correlation, top_share, write_synthetic)
+from powerinfer.engine.sampling import sampling_params
+from powerinfer.formats.loader import load_checkpoint
+from powerinfer.model.transformer import Transformer
+from powerinfer.sparsity.synthetic import (PRESETS, firing_rates, main, planted_profile,
+    random_tokens, rank_correlation, write_synthetic)
+from powerinfer.sparsity.profile import top_share
 
 
 @pytest.fixture(scope="module")
@@ -89,8 +90,8 @@ def test_subspace_gates_make_firing_predictable(tmp_path):
     # gate rows in a rank-16 subspace: a rank-32 predictor keeps 99% of the activation mass while
     # marking under 2x the neurons that fire; isotropic gates (the default) cost it more marks,
     # and a residual stream of rank 64 holding the gates' subspace fewer still
-    from powerinfer.predictor import train_predictors
-    from powerinfer.profile import ProfileOptions, profile
+    from powerinfer.sparsity.train import train_predictors
+    from powerinfer.sparsity.profile import ProfileOptions, profile
 
     marked = {}
     for r, R in ((0, 0), (16, 0), (16, 64)):
@@ -113,7 +114,7 @@ def test_quantized_synthetic_files_hold_the_bf16_weights_within_their_formats_er
     has none), each matrix within its format's error of the bf16 file's, and the file loads."""
     import gguf
 
-    from powerinfer.synthetic import quant_type
+    from powerinfer.sparsity.synthetic import quant_type
 
     ref = write_synthetic(tmp_path / "bf16.gguf", preset="tiny", seed=3, progress=False)
     q = write_synthetic(tmp_path / f"{quant}.gguf", preset="tiny", seed=3, progress=False,
@@ -153,9 +154,9 @@ def test_a_bundle_of_a_k_quant_file_serves_its_converted_copy(tmp_path):
     """Most files people have are Q4_K_M: a bundle profiled on one loads with the file for the
     sparse engine, which reads the copy converted to the kernel's block types (the bundle is
     checked through the original beside it), and is still refused for another file."""
-    from powerinfer.bundle import Bundle, BundleError
-    from powerinfer.predictor import train_predictors
-    from powerinfer.profile import ProfileOptions, profile
+    from powerinfer.formats.bundle import Bundle, BundleError
+    from powerinfer.sparsity.train import train_predictors
+    from powerinfer.sparsity.profile import ProfileOptions, profile
 
     q = write_synthetic(tmp_path / "k.gguf", preset="tiny", seed=4, progress=False, quant="q4_k_m")
     b = profile(str(q.path), "lee", tmp_path / "k.bundle",

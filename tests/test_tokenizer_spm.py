@@ -7,8 +7,8 @@ import pytest
 
 spm = pytest.importorskip("sentencepiece")
 
-from powerinfer.tokenizer import (TYPE_BYTE, TYPE_CONTROL, TYPE_NORMAL, TYPE_UNKNOWN,  # noqa: E402
-                                  Tokenizer)
+from powerinfer.formats.tokenizer import (TYPE_BYTE, TYPE_CONTROL, TYPE_NORMAL, TYPE_UNKNOWN,
+    Tokenizer)
 
 TEXTS = [
     "Hello world",

@@ -12,10 +12,12 @@ if not torch.cuda.is_available():
 
 pytest.importorskip("triton", reason="the Triton kernels need the triton package (`gpu` extra)")
 
-from powerinfer import kernels, triton_ffn as T  # noqa: E402
-from powerinfer.model import ModelArgs, Transformer  # noqa: E402
-from powerinfer.predictor import Predictors  # noqa: E402
-from powerinfer.sparse import activate, apply_hybrid_ffn  # noqa: E402
+from powerinfer import kernels
+from powerinfer.kernels import triton_ffn as T
+from powerinfer.formats.args import ModelArgs
+from powerinfer.model.transformer import Transformer
+from powerinfer.model.predictor import Predictors
+from powerinfer.model.sparse import activate, apply_hybrid_ffn
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 GATED = ("swiglu", "reglu", "dreglu", "geglu")
@@ -239,8 +241,8 @@ def test_decode_attention_equals_torch_paged_attention(dtype, splits):
     # first sequence's one block leaves all but one split empty; 5 splits over the window's 4
     # blocks, one), merged by the last split to finish, twice in a row (the counters it
     # zeroes serve the next call)
-    from powerinfer import triton_attention as TA
-    from powerinfer.model import KVCache, KVTables, paged_attention
+    from powerinfer.kernels import triton_attention as TA
+    from powerinfer.model.transformer import KVCache, KVTables, paged_attention
     g = torch.Generator().manual_seed(5)
     bs, nb, S, M = 16, 40, 3, 8
     pos = torch.tensor([5, 37, 100])
@@ -310,7 +312,7 @@ def test_layers_with_the_ffn_on_triton_equal_the_dense_model(monkeypatch):
     calls, attention = [], []
     real = T.neuron_ffn
     monkeypatch.setattr(T, "neuron_ffn", lambda *a, **kw: calls.append(a[2]) or real(*a, **kw))
-    from powerinfer import triton_attention as TA
+    from powerinfer.kernels import triton_attention as TA
     real_attention = TA.decode_attention
     monkeypatch.setattr(TA, "decode_attention",
                         lambda *a, **kw: attention.append(1) or real_attention(*a, **kw))
@@ -339,7 +341,7 @@ def test_block_linear_equals_the_files_matrix(monkeypatch):
     # x W^T + b over the weights the blocks hold, for a decode row (split over the width), a
     # batch's rows (2 and MAX_ROWS: `_linear_kernel`), and a prompt (widened a few rows at a
     # time, slices that do not divide the rows)
-    from powerinfer import triton_linear as TL
+    from powerinfer.kernels import triton_linear as TL
     monkeypatch.setattr(TL, "WIDEN_BYTES", 4 * 160 * 16)  # (16 rows a slice: 3 of the 48)
     g = torch.Generator().manual_seed(2)
     dim, parts, ref = 160, [], []
@@ -368,8 +370,8 @@ def test_the_in_process_engine_keeps_a_4bit_files_blocks_where_triton_runs(tmp_p
     # in the converted copy's Q8_0 ones (the file's Q6_K), the embedding in bf16, and greedy
     # decoding follows the dense bf16 engine's over the same file up to a near-tie
     from powerinfer import Config, PowerInfer
-    from powerinfer.synthetic import write_synthetic
-    from powerinfer.triton_linear import BlockLinear
+    from powerinfer.sparsity.synthetic import write_synthetic
+    from powerinfer.kernels.triton_linear import BlockLinear
 
     from greedy import assert_same_or_near_tie, greedy_ids
 
@@ -425,14 +427,14 @@ def test_a_gpus_hot_model_keeps_a_4bit_files_neurons_in_its_blocks(tmp_path, mon
     # its projections (one input row, and a prompt's) equal the file's matrices, q and k in the
     # model's row order
     from powerinfer import Config
-    from powerinfer.budget import gpu_neuron_format
-    from powerinfer.convert import kernel_ready
-    from powerinfer.loader import load_checkpoint
-    from powerinfer.model import held_bytes
-    from powerinfer.partial import device_fixed_bytes, hot_formats, hot_model
-    from powerinfer.triton_linear import BlockLinear
-    from powerinfer.solver import neuron_bytes
-    from powerinfer.synthetic import write_synthetic
+    from powerinfer.engine.budget import gpu_neuron_format
+    from powerinfer.model.convert import kernel_ready
+    from powerinfer.formats.loader import load_checkpoint
+    from powerinfer.model.transformer import held_bytes
+    from powerinfer.engine.partial import device_fixed_bytes, hot_formats, hot_model
+    from powerinfer.kernels.triton_linear import BlockLinear
+    from powerinfer.sparsity.solver import neuron_bytes
+    from powerinfer.sparsity.synthetic import write_synthetic
 
     m = write_synthetic(tmp_path / "m.gguf", preset="tiny", n_layers=2, quant="q4_0", progress=False)
     ck = kernel_ready(load_checkpoint(m.path, with_weights=False),

@@ -18,7 +18,7 @@ assert os.environ.get("TRITON_INTERPRET", "0") != "1", "unset TRITON_INTERPRET t
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource, compile as triton_compile  # noqa: E402
 
-from powerinfer import triton_attention as TA, triton_ffn as T, triton_linear as TL  # noqa: E402
+from powerinfer.kernels import triton_attention as TA, triton_ffn as T, triton_linear as TL
 
 I32 = "i32"
 

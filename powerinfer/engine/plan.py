@@ -1,0 +1,183 @@
+"""What a runtime needs from a sparsity bundle: per-layer thresholds, the hot/cold placement,
+the predictors and the input they read. Both runtimes (in-process and actors) build from it, so
+they compute with the same masks.
+
+Without a bundle every neuron is active: the FFN is exact, split between the hot side and the
+cold executors.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from ..formats.args import ModelArgs
+from ..formats.bundle import Bundle, BundleError
+from ..model.predictor import load_predictors, run_dtype
+from ..model.sparse import apply_hybrid_ffn
+from ..model.transformer import Transformer
+
+BLOCK = 32  # weights in a GGUF block: a dense split cuts neurons at whole blocks of down's rows
+
+
+@dataclass
+class SparsePlan:
+    n_layers: int
+    ffn_dim: int
+    thresholds: list[float]
+    hot: list[np.ndarray] | None  # per layer (ffn_dim,) bool from the solver; None: not solved
+    mass: list[np.ndarray] | None  # per layer activation mass from the profile (shard balance)
+    bundle: Path | None = None
+    predictor_input: str | None = None  # "layer" (lookahead), "ffn" (same layer); None: all active
+    block: int = BLOCK  # a dense split's cuts, in neurons (256: whole K-quant super-blocks of down)
+    active_share: float | None = None  # the predictors' average share of a layer's neurons, held out
+
+    @classmethod
+    def dense(cls, args: ModelArgs, block: int = BLOCK) -> "SparsePlan":
+        """Every neuron computed at every step, split at multiples of `block` neurons."""
+        return cls(args.n_layers, args.ffn_dim, [0.0] * args.n_layers, None, None, block=block)
+
+    @classmethod
+    def layer_offload(cls, args: ModelArgs, k: int) -> "SparsePlan":
+        """The first k FFN layers hot (all their neurons), the others cold; no predictor."""
+        hot = [np.full(args.ffn_dim, i < k) for i in range(args.n_layers)]
+        return cls(args.n_layers, args.ffn_dim, [0.0] * args.n_layers, hot, None)
+
+    @classmethod
+    def from_bundle(cls, path: str | Path, args: ModelArgs, model_path: Path,
+                    predictor: str = "auto", max_ppl_increase: float = 0.02) -> "SparsePlan":
+        """predictor: "layer", "ffn", or "auto" (lookahead when trained, else same layer);
+        max_ppl_increase: the held-out perplexity over dense above which loading warns."""
+        b = Bundle.open(path)
+        b.check_model(model_path)
+        predictor = b.predictor_input(predictor)
+        b.require(f"predictors.{predictor}", "train-predictors")
+        check_quality(b, predictor, max_ppl_increase)
+        share = check_share(b, predictor)[1]
+        th = [float(t) for t in b.thresholds()]
+        hot = b.placement() if b.has("placement") else None
+        mass = b.stats()[1] if b.has("stats") else None
+        return cls(args.n_layers, args.ffn_dim, th, hot, mass, Path(path), predictor, active_share=share)
+
+    def load_predictors(self, dtype=torch.float32, device="cpu"):
+        if self.predictor_input is None:
+            raise BundleError(self.bundle or "-", "no predictors in a dense plan")
+        return load_predictors(Bundle.open(self.bundle), self.predictor_input, dtype, device)
+
+    def hot_mask(self, layer: int, share: float) -> torch.Tensor:
+        """Layer's (ffn_dim,) bool hot set: the solver's placement (or a CPU group's, `dealt`),
+        or else the `share` of the neurons with the most activation mass, or without a profile
+        the first `share` of them in whole blocks."""
+        if self.hot is not None:
+            return torch.from_numpy(self.hot[layer].copy())
+        order = self.by_mass(layer)
+        out = torch.zeros(self.ffn_dim, dtype=torch.bool)
+        k = round(share * self.ffn_dim)
+        if self.mass is None:  # neurons in order: a whole number of 4-bit blocks of down's rows
+            k = min(self.ffn_dim, round(k / self.block) * self.block)
+        out[order[:k]] = True
+        return out
+
+    def dealt(self, share: float) -> "SparsePlan":
+        """The plan as a group of CPU executors runs it, the hot executor doing `share` of each
+        layer's FFN work (its cores' share): with a profile, each layer's neurons dealt out by
+        descending activation mass, the neuron of rank r to the hot executor where
+        floor((r + 1) share) passes floor(r share), so that each side expects its share of the
+        neurons that fire (the most active neurons all on one side left the other waiting);
+        without one, every neuron alike (`hot_mask`'s block-aligned share). A solved
+        placement, what a GPU's memory holds, places nothing on a CPU and is dropped."""
+        if self.mass is None:
+            return replace(self, hot=None)
+        ranks = np.arange(self.ffn_dim)
+        pick = np.floor((ranks + 1) * share) > np.floor(ranks * share)  # the ranks it takes
+        hot = []
+        for i in range(self.n_layers):
+            h = np.zeros(self.ffn_dim, dtype=bool)
+            h[self.by_mass(i).numpy()[pick]] = True
+            hot.append(h)
+        return replace(self, hot=hot)
+
+    def by_mass(self, layer: int) -> torch.Tensor:
+        if self.mass is None:
+            return torch.arange(self.ffn_dim)
+        return torch.from_numpy(np.argsort(-self.mass[layer], kind="stable").copy())
+
+    def shards(self, layer: int, cold: torch.Tensor, n: int) -> list[torch.Tensor]:
+        """Deal the cold neurons out to n executors by descending mass, so that each shard
+        expects the same work; each shard's indices sorted."""
+        order = self.by_mass(layer)
+        ranked = order[cold[order]]
+        if self.mass is None:  # every neuron alike: n ranges of whole blocks, in order
+            cuts = [min(len(ranked), round(len(ranked) * k / n / self.block) * self.block)
+                    for k in range(n)]
+            return [ranked[lo:hi] for lo, hi in zip(cuts, cuts[1:] + [len(ranked)])]
+        return [ranked[k::n].sort().values for k in range(n)]
+
+    def apply(self, model: Transformer, fmt: str | None = "auto") -> Transformer:
+        """The in-process sparse engine: swap every FFN for a HybridFFN under this plan, its
+        neuron sets in kernel format `fmt` (see `apply_hybrid_ffn`). Every neuron of a layer is
+        in one set: in one process they all sit where the model does, so a placement (which
+        splits them between a GPU and the host in the actor runtime) would only split a decode
+        step's kernel call in two, and keep it from the one-call step and the native layer loop
+        (SmolLM2 with a solved placement: 1.33-1.60x the decode speed, BENCHMARKS.md)."""
+        if self.predictor_input is not None:
+            w = model.norm.weight
+            preds = self.load_predictors(run_dtype(w.dtype, w.device), w.device)
+            masks = preds.active
+        else:
+            masks = lambda i, x: torch.ones(*x.shape[:-1], self.ffn_dim, dtype=torch.bool,  # noqa: E731
+                                            device=x.device)
+        return apply_hybrid_ffn(model, masks, None, self.predictor_input or "ffn", self.thresholds, fmt)
+
+
+# the share of a layer's neurons a bundle's predictors pick, on average, above which loading
+# warns: a sparse step computing more than half its FFN's neurons, plus its predictor, saves less
+# than half the FFN's reads, and on a narrow FFN the neuron kernel costs more per neuron than the
+# dense GEMVs (SmolLM2: its predictors pick about 80%, and it decodes at 0.52-0.63x dense)
+MOSTLY_DENSE = 0.5
+
+
+def check_share(b: Bundle, predictor: str) -> tuple[str | None, float | None]:
+    """Warn (one line, logger "powerinfer") when the bundle's predictors pick more than
+    MOSTLY_DENSE of a layer's neurons on average (their training record's active share, on
+    held-out calibration tokens); returns the line (None: no warning) and that share (None
+    where the record has none)."""
+    import logging
+
+    rows = b.load_json(f"predictors.{predictor}.json")
+    shares = [r["active_share"] for r in rows if "active_share" in r]
+    share = sum(shares) / len(shares) if shares else None
+    if share is None or share <= MOSTLY_DENSE:
+        return None, share
+    line = (f"sparsity bundle {b.path}: its {predictor}-input predictors pick {share:.0%} of the FFN "
+            f"neurons on average, so a sparse decode step computes most of them and gains little; "
+            f"on a narrow FFN it is slower than the dense model (`benchmarks/sparse_layer.py` "
+            f"takes a layer's step apart): compare with a load without the bundle")
+    logging.getLogger("powerinfer").warning(line)
+    return line, share
+
+
+def check_quality(b: Bundle, predictor: str, max_ppl_increase: float) -> str | None:
+    """Warn (one line, logger "powerinfer") when the bundle's recorded evaluation shows its
+    predictors costing more perplexity than `max_ppl_increase`, or when it was never evaluated;
+    returns the line."""
+    import logging
+
+    label = f"predicted ({predictor} input)"
+    rows = b.load_json("eval.json").get("rows", []) if b.has("eval") else []
+    row = next((r for r in rows if r.get("label") == label), None)
+    if row is None:
+        line = (f"sparsity bundle {b.path}: its {predictor}-input predictors were never "
+                f"evaluated, so what they cost in quality is unknown; run `powerinfer eval`")
+    elif row["ppl_delta"] > max_ppl_increase:
+        line = (f"sparsity bundle {b.path}: its {predictor}-input predictors raise held-out "
+                f"perplexity by {row['ppl_delta']:+.1%} over the dense model (bound "
+                f"{max_ppl_increase:+.0%}); profile more tokens or samples (`powerinfer profile "
+                f"--tokens/--samples`), train for a higher recall (`train-predictors --recall`), "
+                f"or run without predictors")
+    else:
+        return None
+    logging.getLogger("powerinfer").warning(line)
+    return line

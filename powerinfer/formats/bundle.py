@@ -1,0 +1,290 @@
+"""The sparsity bundle: what the offline pipeline writes next to a model and the engine reads.
+
+A bundle is a directory:
+
+    manifest.json                   format, version, model (file, sha256, shapes), corpus, settings,
+                                    and the parts written so far with their settings
+    stats.safetensors               count.{i} (ffn_dim,) int64  tokens on which neuron fired
+                                    mass.{i}  (ffn_dim,) float64 sum over tokens of |activation|
+    thresholds.safetensors          threshold (n_layers,) float32: a neuron fires when
+                                    |act(gate x)| > threshold (0 for ReLU-family models)
+    samples/layer_{i:03d}.safetensors   predictor training samples of layer i, N rows:
+                                    x_layer (N, dim) f16   the layer input (pre-norm residual; f32 where f16 cannot hold it)
+                                    x_ffn   (N, dim) f16   the residual entering the FFN (pre-norm; f32 likewise)
+                                    fired   (N, ceil(ffn_dim/8)) uint8  np.packbits(mask, axis=1)
+                                    mag     (N, ffn_dim) f16  |activation|, held-out rows only
+                                    (the last `held_out` rows of the file; see manifest)
+    predictors.{input}.safetensors  fc1.{i} (r_i, dim), fc2.{i} (ffn_dim, r_i), f32;
+                                    input is "ffn" or "layer"; active when fc2 relu(fc1 x) >= 0
+    predictors.{input}.json         per-layer table: rank, recall by count and by mass, precision
+    placement.safetensors           hot.{i} (ffn_dim,) uint8: 1 = neuron lives on the GPU
+    placement.json                  budget, byte breakdown, objective, gap, solve time, greedy
+
+Every file is written to a temporary name and renamed into place, and the manifest is updated
+last, so an interrupted run leaves the previous state of the bundle intact.
+
+The same folder beside the model (`<model>.bundle/`) holds the model's converted copy where it has
+block types the CPU kernel cannot read (`model.convert`); the records here say where that copy
+lives and which file it was made from (`converted_from`, `original_of`).
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+from safetensors.numpy import load_file, save_file
+
+from ..errors import PowerInferError
+
+log = logging.getLogger("powerinfer")
+
+
+BUNDLE_SUFFIX = ".bundle"
+
+
+FORMAT, VERSION = "powerinfer-bundle", 1
+
+
+class BundleError(PowerInferError):
+    def __init__(self, path, problem: str):
+        self.path, self.problem = Path(path), problem
+        super().__init__(f"sparsity bundle {path}: {problem}")
+
+
+@dataclass
+class Manifest:
+    model: dict  # file, sha256, size, arch, n_layers, dim, ffn_dim, ffn_act
+    corpus: dict = field(default_factory=dict)  # name, source, split, tokens
+    settings: dict = field(default_factory=dict)  # per part: the options it was made with
+    parts: list[str] = field(default_factory=list)  # stats, thresholds, samples, predictors.*, placement
+    format: str = FORMAT
+    version: int = VERSION
+    created: str = field(default_factory=lambda: time.strftime("%Y-%m-%dT%H:%M:%S%z"))
+
+
+def model_files(path: Path) -> list[Path]:
+    """The files that make a model: the GGUF file, or a folder's config and weights."""
+    if path.is_dir():
+        return sorted(f for f in path.iterdir() if f.name == "config.json" or f.suffix == ".safetensors")
+    return [path]
+
+
+def model_size(path: Path) -> int:
+    return sum(f.stat().st_size for f in model_files(path))
+
+
+def model_record(path: Path, args) -> dict:
+    """What a bundle records of the model it was made for (checked by `check_model`)."""
+    return {"file": path.name, "sha256": file_sha256(path), "size": model_size(path),
+            "arch": args.arch, "n_layers": args.n_layers, "dim": args.dim,
+            "ffn_dim": args.ffn_dim, "ffn_act": args.ffn_act, "args": asdict(args)}
+
+
+def file_sha256(path: Path, chunk: int = 1 << 24) -> str:
+    """sha256 of a model file, or of a folder's model files in name order."""
+    h = hashlib.sha256()
+    for f in model_files(path):
+        with open(f, "rb") as fh:
+            while block := fh.read(chunk):
+                h.update(block)
+    return h.hexdigest()
+
+
+class Bundle:
+    def __init__(self, path: str | os.PathLike, manifest: Manifest):
+        self.path, self.manifest = Path(path), manifest
+
+    @classmethod
+    def create(cls, path, model: dict) -> "Bundle":
+        path = Path(path)
+        path.mkdir(parents=True, exist_ok=True)
+        b = cls(path, Manifest(model=model))
+        b.save_manifest()
+        return b
+
+    @classmethod
+    def open(cls, path) -> "Bundle":
+        path = Path(path)
+        f = path / "manifest.json"
+        if not f.is_file():
+            raise BundleError(path, "no manifest.json (not a bundle, or profiling never finished a part)")
+        try:
+            raw = json.loads(f.read_text())
+        except json.JSONDecodeError as e:
+            raise BundleError(path, f"manifest.json is not valid JSON ({e})") from None
+        if raw.get("format") != FORMAT:
+            raise BundleError(path, f"manifest format is {raw.get('format')!r}, expected {FORMAT!r}")
+        if raw.get("version") != VERSION:
+            raise BundleError(path, f"format version {raw.get('version')} (this build reads {VERSION})")
+        return cls(path, Manifest(**raw))
+
+    @property
+    def n_layers(self) -> int:
+        return int(self.manifest.model["n_layers"])
+
+    def has(self, part: str) -> bool:
+        return part in self.manifest.parts
+
+    def predictor_input(self, choice: str) -> str:
+        """"layer", "ffn", or for "auto" the runtimes' choice: the lookahead predictors when
+        trained, else the same-layer ones."""
+        if choice != "auto":
+            return choice
+        return "layer" if self.has("predictors.layer") else "ffn"
+
+    def require(self, part: str, made_by: str):
+        if not self.has(part):
+            raise BundleError(self.path, f"has no {part!r} yet; run `powerinfer {made_by}` first")
+
+    def check_model(self, model_path: Path):
+        """Raise unless model_path is the file this bundle was made from (size, then sha256), or
+        the copy of it the CPU kernel reads (`convert.converted`: a K-quant file's blocks
+        converted once), checked through the original beside it, else by the name and size the
+        copy records of its source."""
+        m = self.manifest.model
+        model_path = Path(model_path)
+        if model_size(model_path) == m["size"] and file_sha256(model_path) == m["sha256"]:
+            return
+        source = converted_from(model_path)
+        if source is not None and source[:2] == (m["file"], m["size"]):
+            original = model_path.parent.parent / m["file"]  # the copy beside its original
+            if not original.is_file() or file_sha256(original) == m["sha256"]:
+                return
+        raise BundleError(self.path, f"was made for {m['file']} (sha256 {m['sha256'][:12]}…), "
+                                     f"not for {model_path}")
+
+    def save_manifest(self):
+        _atomic(self.path / "manifest.json",
+                lambda tmp: tmp.write_text(json.dumps(asdict(self.manifest), indent=1)))
+
+    def mark(self, part: str, settings: dict | None = None):
+        """Record that `part` is complete (after its files are in place)."""
+        if part not in self.manifest.parts:
+            self.manifest.parts.append(part)
+        if settings is not None:
+            self.manifest.settings[part] = settings
+        self.save_manifest()
+
+    def save_tensors(self, name: str, tensors: dict[str, np.ndarray]):
+        f = self.path / name
+        f.parent.mkdir(parents=True, exist_ok=True)
+        _atomic(f, lambda tmp: save_file({k: np.ascontiguousarray(v) for k, v in tensors.items()},
+                                         str(tmp)))
+
+    def load_tensors(self, name: str) -> dict[str, np.ndarray]:
+        f = self.path / name
+        if not f.is_file():
+            raise BundleError(self.path, f"missing {name}")
+        try:
+            return load_file(str(f))
+        except Exception as e:  # safetensors raises its own error types
+            raise BundleError(self.path, f"{name} is unreadable ({e})") from None
+
+    def save_json(self, name: str, obj):
+        _atomic(self.path / name, lambda tmp: tmp.write_text(json.dumps(obj, indent=1)))
+
+    def load_json(self, name: str):
+        f = self.path / name
+        if not f.is_file():
+            raise BundleError(self.path, f"missing {name}")
+        return json.loads(f.read_text())
+
+    # typed accessors for the parts
+    def stats(self) -> tuple[list[np.ndarray], list[np.ndarray], int]:
+        """Per-layer firing counts and activation mass, and the number of tokens profiled."""
+        self.require("stats", "profile")
+        t = self.load_tensors("stats.safetensors")
+        L = self.n_layers
+        return ([t[f"count.{i}"] for i in range(L)], [t[f"mass.{i}"] for i in range(L)],
+                int(self.manifest.corpus["tokens"]))
+
+    def thresholds(self) -> np.ndarray:
+        self.require("thresholds", "profile")
+        return self.load_tensors("thresholds.safetensors")["threshold"]
+
+    def samples(self, layer: int) -> dict[str, np.ndarray]:
+        self.require("samples", "profile")
+        return self.load_tensors(f"samples/layer_{layer:03d}.safetensors")
+
+    def placement(self) -> list[np.ndarray]:
+        self.require("placement", "solve")
+        t = self.load_tensors("placement.safetensors")
+        return [t[f"hot.{i}"].astype(bool) for i in range(self.n_layers)]
+
+
+def _atomic(path: Path, write):
+    tmp = path.with_name(path.name + ".tmp")
+    try:
+        write(tmp)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+CONVERTED_NAME = "kernel-formats"
+
+
+SOURCE_KEY = "powerinfer.converted_from"
+
+
+def source_stamp(path: Path) -> str:
+    st = path.stat()
+    return f"{path.name}:{st.st_size}:{st.st_mtime_ns}"
+
+
+def cache_path(model: Path) -> Path:
+    beside = Path(str(model) + BUNDLE_SUFFIX)
+    try:
+        beside.mkdir(exist_ok=True)
+        if os.access(beside, os.W_OK):
+            return beside / f"{CONVERTED_NAME}.gguf"
+    except OSError:
+        pass
+    home = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "powerinfer"
+    home.mkdir(parents=True, exist_ok=True)
+    return home / f"{model.name}.{CONVERTED_NAME}.gguf"
+
+
+def converted_report(copy: Path) -> dict | None:
+    """The report written beside a converted copy (`converted`), or None where there is none."""
+    try:
+        report = json.loads(Path(copy).with_suffix(".json").read_text())
+        return report if isinstance(report.get("source"), str) else None
+    except (OSError, ValueError, AttributeError):
+        return None
+
+
+def converted_from(copy: Path) -> tuple[str, int, int] | None:
+    """(name, size, mtime in ns) of the file a converted copy was made from, as its report
+    records it, or None where `copy` is no such copy."""
+    try:
+        name, size, mtime = converted_report(copy)["source"].rsplit(":", 2)
+        return name, int(size), int(mtime)
+    except (TypeError, ValueError):
+        return None
+
+
+def original_of(copy: Path) -> Path | None:
+    """The file a converted copy was made from, where it is still there unchanged (its name,
+    size and mtime as the copy's report records them): the path the report names, else the
+    model beside the copy's bundle folder; None otherwise."""
+    copy = Path(copy)
+    if (report := converted_report(copy)) is None:
+        return None
+    stamp = report["source"]
+    candidates = [Path(report["model"])] if isinstance(report.get("model"), str) else []
+    if copy.parent.name.endswith(".bundle"):
+        candidates.append(copy.parent.parent / stamp.rsplit(":", 2)[0])
+    for c in candidates:
+        try:
+            if source_stamp(c) == stamp:
+                return c
+        except OSError:
+            continue
+    return None

@@ -1,0 +1,658 @@
+"""The neuron-aware CPU FFN kernel (`csrc/`): its build, its weight formats and their packing.
+The GPU's Triton kernels are this package's `triton_ffn`, `triton_attention` and `triton_linear`.
+
+One decode step of a neuron set reads, for each selected neuron, its gate and up rows once from a
+neuron-major record ([gate][up][down row], see `csrc/neuron_ffn.h`), applies the activation and
+the firing threshold, and adds its down row scaled by the activation into per-thread partial
+outputs, which are then summed: no gathered copies, no per-neuron Python. The neurons are a
+pipeline: the gate rows of one neuron are read beside the up rows of the one before (only if its
+gate lets it fire) and the down rows of the one before that (only if it fired), with the next
+rows prefetched, so a core keeps its memory busy across short rows. The weights stay in their
+format (f32, bf16, int8 with a per-row scale, GGUF's Q4_0, Q4_1 and Q8_0 blocks) and, where they
+are large, on 2 MiB pages (`huge_empty`). The C++ is compiled once per machine by `build()`
+(`make` runs it at setup) with g++ into a torch operator library; AVX-512 with bf16 dot products,
+AVX-512 or AVX2 is chosen when it loads.
+
+With the block formats (Q4_0, Q4_1, Q8_0) the gate/up dot products run in integers over the input
+quantized to 8 bits per block of 32 (`quantize_input`, as ggml does); bf16 rows meet the input
+rounded to bf16 (as ggml's bf16 dot products do); `dot_input` gives the input as each format
+sees it. The down rows are always added in float. The torch path (`sparse.NeuronSet` without a format) is the reference it is
+tested against.
+"""
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import logging
+import math
+import mmap
+import os
+import shutil
+import subprocess
+import tempfile
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import torch
+from gguf import GGMLQuantizationType
+
+from ..errors import ConfigError
+from ..formats import kquants
+from ..formats.kquants import q4_k_codes, q6_k_codes
+
+log = logging.getLogger("powerinfer")
+
+
+FORMATS = ("f32", "bf16", "i8", "q4_0", "q4_1", "q8_0")
+
+
+ACTS = ("relu", "reglu", "dreglu", "swiglu", "geglu", "gelu")  # csrc/neuron_ffn.h's Act
+
+
+SRC = Path(__file__).parent / "csrc"
+
+
+MAX_ROWS = 64  # rows per kernel call (csrc/neuron_ffn.h's MAXB)
+
+
+# per translation unit: the instruction sets it is compiled for
+_AVX512 = ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mfma", "-mf16c"]
+
+
+UNITS = {"ops.cpp": [], "neuron_ffn_avx512bf16.cpp": [*_AVX512, "-mavx512bf16", "-mavx512vnni"],
+         "neuron_ffn_avx512.cpp": _AVX512, "neuron_ffn_avx2.cpp": ["-mavx2", "-mfma", "-mf16c"]}
+
+
+ISAS = ("avx2", "avx512", "avx512bf16")  # each a superset of the one before
+
+
+_GGML = {"q4_0": GGMLQuantizationType.Q4_0, "q4_1": GGMLQuantizationType.Q4_1,
+         "q8_0": GGMLQuantizationType.Q8_0}
+
+
+# formats whose rows are plain tensors (f16: the GPU's Triton kernels only)
+PLAIN_FORMATS = {"f32": torch.float32, "bf16": torch.bfloat16, "f16": torch.float16}
+
+
+_loaded: str | None = None  # the library's path once loaded
+
+
+Q4_FORMATS = ("q4_0", "q4_1")
+
+
+def down_format(fmt: str) -> str:
+    """The format of a neuron's down row: Q8_0 beside 4-bit gate/up rows (a 4-bit file's blocks
+    run along the other axis of the down matrix: 4 bits again would round twice), else `fmt`."""
+    return "q8_0" if fmt in Q4_FORMATS else fmt
+
+
+def record_bytes(fmt: str, dim: int, gated: bool) -> int:
+    """Bytes of one neuron's record."""
+    return (2 if gated else 1) * row_bytes(fmt, dim) + row_bytes(down_format(fmt), dim)
+
+
+def row_bytes(fmt: str, dim: int) -> int:
+    return {"f32": 4 * dim, "bf16": 2 * dim, "f16": 2 * dim, "i8": 4 + dim, "q4_0": dim // 32 * 18,
+            "q4_1": dim // 32 * 20, "q8_0": dim // 32 * 34}[fmt]
+
+
+def _ext_dir() -> Path:
+    here = Path(__file__).parent / "_ext"
+    try:
+        here.mkdir(exist_ok=True)
+        if os.access(here, os.W_OK):
+            return here
+    except OSError:
+        pass
+    return Path.home() / ".cache" / "powerinfer" / "ext"
+
+
+def _library_path() -> Path:
+    h = hashlib.sha256(torch.__version__.encode())
+    for f in sorted(SRC.iterdir()):
+        h.update(f.name.encode() + f.read_bytes())
+    for unit, flags in UNITS.items():
+        h.update((unit + " ".join(flags)).encode())
+    name = f"neuron_ffn-{h.hexdigest()[:12]}.so"
+    # one built beside the package (an image builds it there, then runs as a user who cannot
+    # write there) is used as it is
+    shipped = Path(__file__).parent / "_ext" / name
+    return shipped if shipped.exists() else _ext_dir() / name
+
+
+def build() -> Path:
+    """Compile the kernel library for this torch if it is not built yet; returns its path.
+    Safe to call from several processes at once (one builds, the others wait)."""
+    from torch.utils import cpp_extension
+
+    out = _library_path()
+    if out.exists():
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    cxx = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
+    if cxx is None:
+        raise RuntimeError("building the CPU FFN kernel needs a C++ compiler (g++)")
+    with open(out.parent / ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if out.exists():
+            return out
+        abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
+        inc = [f"-I{p}" for p in cpp_extension.include_paths()]
+        common = ["-O3", "-std=c++17", "-fPIC", "-fopenmp", f"-D_GLIBCXX_USE_CXX11_ABI={abi}"]
+        with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
+            def compile_unit(unit):
+                obj = Path(tmp) / (unit + ".o")
+                cmd = [cxx, *common, *UNITS[unit], *(inc if unit == "ops.cpp" else []), "-c",
+                       str(SRC / unit), "-o", str(obj)]
+                run = subprocess.run(cmd, capture_output=True, text=True)
+                if run.returncode:
+                    raise RuntimeError(f"compiling {unit} failed:\n{run.stderr[-4000:]}")
+                return str(obj)
+
+            log.info("building the CPU FFN kernel (once per machine and torch version)")
+            with ThreadPoolExecutor(len(UNITS)) as pool:
+                objs = list(pool.map(compile_unit, UNITS))
+            lib = cpp_extension.library_paths()[0]
+            so = Path(tmp) / out.name
+            cmd = [cxx, "-shared", "-fopenmp", *objs, f"-L{lib}", f"-Wl,-rpath,{lib}", "-ltorch",
+                   "-ltorch_cpu", "-lc10", "-o", str(so)]
+            run = subprocess.run(cmd, capture_output=True, text=True)
+            if run.returncode:
+                raise RuntimeError(f"linking the CPU FFN kernel failed:\n{run.stderr[-4000:]}")
+            os.replace(so, out)
+        for old in out.parent.glob("neuron_ffn-*.so"):  # builds for other sources or torches
+            if old != out:
+                old.unlink(missing_ok=True)
+    return out
+
+
+def available() -> bool:
+    """Load the kernel (building it if needed) once; False where it cannot run here."""
+    global _loaded
+    if _loaded is None:
+        try:
+            path = build()
+            torch.ops.load_library(str(path))
+            # shapes for torch.compile's tracing: (B, dim) float32, like x
+            torch.library.register_fake("powerinfer::neuron_ffn")(
+                lambda x, w, sel, keep, bias, threshold, act, fmt: torch.empty_like(x))
+            torch.library.register_fake("powerinfer::predicted_ffn")(
+                lambda x, p, fc1, fc2, pred_fmt, pred_threshold, w, bias, threshold, act, fmt:
+                torch.empty_like(x))
+            torch.library.register_fake("powerinfer::linear")(
+                lambda x, w, fmt: x.new_empty(x.shape[0], w.shape[0], dtype=torch.float32))
+            torch.library.register_fake("powerinfer::linear_x16")(
+                lambda x, w, n, layout: x.new_empty(*x.shape[:-1], n))
+            torch.library.register_fake("powerinfer::rms_norm")(lambda x, w, eps: torch.empty_like(x))
+            torch.library.register_fake("powerinfer::qk_norm")(
+                lambda qkv, qw, kw, n_heads, n_kv, eps: torch.empty_like(qkv))
+            torch.library.register_fake("powerinfer::ch_send")(
+                lambda parts, base, capacity, op, layer, extra:
+                torch.empty_like(parts[0], memory_format=torch.contiguous_format))
+            torch.library.register_fake("powerinfer::ch_recv")(
+                lambda like, state, base, width, spin_us:
+                like.new_empty(*like.shape[:-1], width, dtype=torch.float32))
+            torch.library.register_fake("powerinfer::paged_attention")(
+                lambda qkv, cos, sin, k, v, tables, starts, pos, n_heads, window, scale:
+                qkv.new_empty(qkv.shape[0], n_heads * k.shape[2]))
+            torch.library.register_fake("powerinfer::widen_out")(lambda w, fmt, rows, dim, out: None)
+            torch.library.register_fake("powerinfer::widen")(
+                lambda w, fmt, rows, dim: w.new_empty(w.shape[0], rows, dim, dtype=torch.float32))
+            _loaded = str(path)
+            if torch.ops.powerinfer.isa() == "none":
+                log.warning("the CPU FFN kernel needs AVX2 and FMA; the torch path runs instead")
+                _loaded = ""
+        except (RuntimeError, OSError) as e:
+            log.warning("the CPU FFN kernel is unavailable (%s); the torch path runs instead", e)
+            _loaded = ""
+    return bool(_loaded)
+
+
+def isa() -> str:
+    """The instruction set the kernel runs with here ("avx512", "avx2"), or "none"."""
+    return torch.ops.powerinfer.isa() if available() else "none"
+
+
+def best_isa() -> str:
+    """The best instruction set this CPU offers the kernel, or "none"."""
+    return torch.ops.powerinfer.best_isa() if available() else "none"
+
+
+def cpu_class(cap: str = "auto") -> str:
+    """The instruction-set class the kernel runs at when held to `cap` ("auto": the best this
+    CPU has; else one of ISAS): "none" where the kernel does not run here; a ConfigError for a
+    class this CPU lacks."""
+    best = best_isa()
+    if cap == "auto" or best == "none":
+        if cap != "auto":
+            raise ConfigError(f"cpu_isa={cap!r}: the CPU kernel does not run here (it needs an "
+                              "x86 CPU with AVX2 and FMA, and g++ to build it)")
+        return best
+    if cap not in ISAS:
+        raise ConfigError(f"cpu_isa must be 'auto' or one of {', '.join(ISAS)}, got {cap!r}")
+    if ISAS.index(cap) > ISAS.index(best):
+        raise ConfigError(f"cpu_isa={cap!r}: this CPU runs at most {best!r}")
+    return cap
+
+
+def hold(cap: str = "auto") -> str:
+    """Run the kernel at `cpu_class(cap)` in this process from now on; returns that class."""
+    got = cpu_class(cap)
+    if got != "none":
+        torch.ops.powerinfer.use_isa(got)
+    return got
+
+
+# the native loops' phases (csrc/ops.cpp, prof::Phase), in order: `hot_layers`' ...
+LOOP_PHASES = ("norms", "sends to the executors", "q/k/v projection",
+               "RoPE, new keys and values placed", "attention over the cache", "output projection",
+               "waits for the executors' attention", "their attention added", "FFN",
+               "waits for the executors' FFN", "their FFN added", "predictor input and masks",
+               # ... and a cold executor's (`cold_serve`; its attention answers hold the
+               # projections and attention above)
+               "cold: waits for messages", "cold: attention answered", "cold: FFN answered",
+               "cold: head rows answered")
+
+
+def loop_profile(mode: str = "read") -> dict:
+    """The native loops' time by phase in this process (`hot_layers` and its attention steps,
+    or a cold executor's `cold_serve`), for benchmarks: "start" zeroes and starts the count (two
+    clock reads a phase while on), "read" reads it, "stop" reads and stops it. Returns {"calls":
+    hot_layers calls, phase: seconds} (`LOOP_PHASES`), the totals before the call; empty where
+    the kernel library is not loaded."""
+    if not available():
+        return {}
+    t = torch.ops.powerinfer.loop_profile({"read": 0, "start": 1, "stop": 2}[mode]).tolist()
+    return {"calls": t[-1], **{name: ns / 1e9 for name, ns in zip(LOOP_PHASES, t)}}
+
+
+HUGE_MIN_BYTES = 4 << 20  # smaller tensors stay where torch puts them
+
+
+def huge_empty(shape, dtype: torch.dtype) -> torch.Tensor:
+    """An uninitialised tensor in fresh anonymous memory marked for 2 MiB pages (madvise
+    MADV_HUGEPAGE; Linux's transparent huge pages back it at first touch where they are enabled
+    or set to "madvise"), for weights a decode step streams through: with 4 KiB pages each
+    neuron's short rows cross page boundaries where the hardware prefetchers start over and the
+    TLB misses; measured 20.5 against 17.3 GB/s reading 10% of a 7B layer's records on one core
+    (and 30 against 25 GB/s for one long stream). Small tensors come from torch.empty."""
+    n = math.prod(shape) * dtype.itemsize
+    if n < HUGE_MIN_BYTES or not hasattr(mmap, "MADV_HUGEPAGE"):
+        return torch.empty(shape, dtype=dtype)
+    region = mmap.mmap(-1, n, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)  # (shared memory has no THP)
+    region.madvise(mmap.MADV_HUGEPAGE)
+    return torch.frombuffer(region, dtype=torch.uint8, count=n).view(dtype).view(shape)
+
+
+def huge(t: torch.Tensor) -> torch.Tensor:
+    """t, moved to 2 MiB pages if it is large enough (see `huge_empty`); a CPU tensor only."""
+    if t.nbytes < HUGE_MIN_BYTES or t.device.type != "cpu":
+        return t
+    out = huge_empty(t.shape, t.dtype)
+    out.copy_(t)
+    return out
+
+
+def quantize_rows(w: torch.Tensor, fmt: str) -> torch.Tensor:
+    """(n, dim) float weights -> (n, row_bytes) uint8 in `fmt` (for Q4_0/Q4_1/Q8_0 the blocks
+    that the gguf package's quantizer, and llama.cpp's, would write: `kquants.quantize`)."""
+    n, dim = w.shape
+    assert dim % 32 == 0 or fmt in PLAIN_FORMATS, dim  # (blocks of 32)
+    if n == 0:
+        return torch.empty(0, row_bytes(fmt, dim), dtype=torch.uint8, device=w.device)
+    if fmt in PLAIN_FORMATS:  # the same numbers: a view of w's storage when it already has the type
+        return w.detach().to(PLAIN_FORMATS[fmt]).contiguous().view(torch.uint8).reshape(n, -1)
+    w = w.detach().float()
+    if fmt == "i8":
+        scale = w.abs().amax(1, keepdim=True) / 127
+        q = torch.where(scale > 0, w / scale.clamp_min(1e-30), 0).round().clamp(-127, 127).to(torch.int8)
+        return torch.cat([scale.view(torch.uint8), q.view(torch.uint8)], 1)
+    if fmt not in _GGML:
+        raise ValueError(f"format must be one of {FORMATS}, got {fmt!r}")
+    return torch.from_numpy(kquants.quantize(w.cpu().numpy(), _GGML[fmt].name))
+
+
+def dequantize_rows(b: torch.Tensor, fmt: str, dim: int) -> torch.Tensor:
+    """(n, row_bytes) uint8 in `fmt` -> (n, dim) float32: the weights the kernel computes with."""
+    n = b.shape[0]
+    b = b.contiguous()
+    if n == 0:
+        return torch.empty(0, dim)
+    if fmt == "f32":
+        return b.view(torch.float32).reshape(n, dim).clone()
+    if fmt in ("bf16", "f16"):
+        return b.view(PLAIN_FORMATS[fmt]).reshape(n, dim).float()
+    if fmt == "i8":
+        return b[:, 4:].view(torch.int8).float() * b[:, :4].contiguous().view(torch.float32)
+    return kquants.dequantize(b.cpu().numpy(), _GGML[fmt].name, dim)
+
+
+def split_rows(rows: torch.Tensor, fmt: str) -> torch.Tensor:
+    """(n, row_bytes) rows of GGUF Q4_0/Q4_1 blocks -> the same bytes as a record holds them: each
+    row's nibbles (16 bytes a block, block after block), then its f16 scales, then (Q4_1) its f16
+    minimums (csrc/neuron_ffn.h: one load then serves four blocks, one conversion 16 scales)."""
+    n, bb = rows.shape[0], row_bytes(fmt, 32)
+    b = rows.reshape(n, rows.shape[1] // bb, bb)
+    parts = [b[:, :, bb - 16:], b[:, :, :2]] + ([b[:, :, 2:4]] if fmt == "q4_1" else [])
+    return torch.cat([p.reshape(n, p.shape[1] * p.shape[2]) for p in parts], 1)
+
+
+def join_rows(rows: torch.Tensor, fmt: str) -> torch.Tensor:
+    """`split_rows` undone: a record's 4-bit rows as GGUF blocks."""
+    n, bb = rows.shape[0], row_bytes(fmt, 32)
+    nb = rows.shape[1] // bb
+    nib = rows[:, :16 * nb].reshape(n, nb, 16)
+    heads = [rows[:, 16 * nb + 2 * nb * i:16 * nb + 2 * nb * (i + 1)].reshape(n, nb, 2)
+             for i in range(bb // 2 - 8)]
+    return torch.cat(heads + [nib], 2).reshape(n, nb * bb)
+
+
+def pack(gate: torch.Tensor | None, up: torch.Tensor, down_t: torch.Tensor, fmt: str) -> torch.Tensor:
+    """Rows (k, dim) of gate (None for plain ReLU), up and the transposed down -> the kernel's
+    neuron-major records (k, record_bytes) uint8. Gate and up rows may come already in `fmt`
+    (uint8, a file's own blocks). 4-bit rows are held split (`split_rows`)."""
+    rows = [r if r.dtype == torch.uint8 else quantize_rows(r, fmt) for r in (gate, up)
+            if r is not None]
+    if fmt in Q4_FORMATS:
+        rows = [split_rows(r, fmt) for r in rows]
+    rows.append(quantize_rows(down_t, down_format(fmt)))
+    dev = up.device  # (the blocks are quantized on the host: the records go where the rows were)
+    rows = [r.to(dev) for r in rows]
+    shape = (rows[0].shape[0], sum(r.shape[1] for r in rows))
+    out = huge_empty(shape, torch.uint8) if dev.type == "cpu" else torch.empty(shape, dtype=torch.uint8, device=dev)
+    return torch.cat(rows, 1, out=out)
+
+
+def widen(w: torch.Tensor, fmt: str, rows: int, dim: int) -> torch.Tensor:
+    """Records of `rows` rows each in `fmt` (the last in `down_format` unless it is the only one:
+    a plain matrix), (n, bytes) -> (n, rows, dim): a view for f32 and bf16, else widened to
+    float32 (by the kernel library where it is loaded)."""
+    if fmt in PLAIN_FORMATS:
+        return w.view(PLAIN_FORMATS[fmt]).view(w.shape[0], rows, dim)
+    if w.device.type != "cpu":  # records on a GPU: widened there
+        from . import triton_ffn
+        return triton_ffn.widen(w, fmt, rows, dim)
+    if _loaded:
+        return torch.ops.powerinfer.widen(w.contiguous(), FORMATS.index(fmt), rows, dim)
+    rb, last = row_bytes(fmt, dim), fmt if rows == 1 else down_format(fmt)
+    lead = (lambda r: join_rows(r, fmt)) if fmt in Q4_FORMATS else (lambda r: r)  # noqa: E731
+    return torch.stack([dequantize_rows(lead(w[:, r * rb:(r + 1) * rb]), fmt, dim) for r in range(rows - 1)]
+                       + [dequantize_rows(w[:, (rows - 1) * rb:], last, dim)], 1)
+
+
+def widen_into(w: torch.Tensor, fmt: str, rows: int, dim: int, out: torch.Tensor) -> torch.Tensor:
+    """`widen` written into out (a contiguous float32 or bf16 tensor of (n, rows, dim) values,
+    bf16 rounded to nearest even), which a many-token step reuses chunk after chunk: a fresh
+    tensor's first touch of its pages cost more than the widening. Returns out viewed (n, rows, dim)."""
+    out = out.view(w.shape[0], rows, dim)
+    if fmt in PLAIN_FORMATS or w.device.type != "cpu" or not _loaded:
+        return out.copy_(widen(w, fmt, rows, dim))
+    torch.ops.powerinfer.widen_out(w.contiguous(), FORMATS.index(fmt), rows, dim, out)
+    return out
+
+
+def widened(w: torch.Tensor, fmt: str, rows: int, dim: int, dtype: torch.dtype, budget: int):
+    """(lo, hi, records lo:hi widened to (hi - lo, rows, dim) in dtype) over w's records, `budget`
+    bytes of widened rows at a time (16 records at least), each chunk written into this
+    thread's one reused buffer (`scratch`): valid until the next chunk is asked for."""
+    n = w.shape[0]
+    step = max(16, budget // (rows * dim * dtype.itemsize))
+    buf = scratch(min(step, n) * rows * dim, dtype, w.device)
+    for lo in range(0, n, step):
+        hi = min(lo + step, n)
+        yield lo, hi, widen_into(w[lo:hi], fmt, rows, dim, buf[:(hi - lo) * rows * dim])
+
+
+_scratch = threading.local()
+
+
+def scratch(numel: int, dtype: torch.dtype, device: torch.device | str = "cpu") -> torch.Tensor:
+    """A buffer of at least `numel` values of `dtype` on `device`, this thread's, reused by every
+    call (the next call may hand out the same memory: use it before calling again)."""
+    held = getattr(_scratch, "buffers", None)
+    if held is None:
+        held = _scratch.buffers = {}
+    key = (dtype, torch.device(device))
+    buf = held.get(key)
+    if buf is None or buf.numel() < numel:
+        buf = held[key] = torch.empty(numel, dtype=dtype, device=device)
+    return buf[:numel]
+
+
+def unpack(w: torch.Tensor, fmt: str, dim: int, gated: bool):
+    """The kernel's records -> (gate or None, up, down_t), each (k, dim) (see `widen`)."""
+    t = widen(w, fmt, 3 if gated else 2, dim)
+    return (t[:, 0] if gated else None), t[:, -2], t[:, -1]
+
+
+Q4X16_BLOCK = 320  # bytes of one block of 32 weights of 16 rows (see csrc/neuron_ffn.h)
+
+
+def pack_q4x16(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
+    """An (n, k) 4-bit matrix as `quant.q4_split` gives it (q in 0..15; per block of 32 a scale d
+    and zero z: w = d * (q - 8) + z) -> (ceil(n / 16), k / 32 * 320) uint8 in the kernel's q4x16
+    layout: per group of 16 rows and block, their 16 f16 scales, 16 f16 offsets m = z - 8 d (a
+    Q4_0 block's m = -8 d exactly; a Q4_1 block's own m), then the 16 rows' 4-byte runs of
+    nibbles side by side. Rows past n (up to a multiple of 16) are zero."""
+    n, k = q.shape
+    assert k % 32 == 0 and scale.shape == zero.shape == (n, k // 32), (q.shape, scale.shape)
+    nb, groups = k // 32, -(-n // 16)
+    pad = groups * 16 - n
+    q = torch.nn.functional.pad(q.to(torch.uint8), (0, 0, 0, pad)).view(groups, 16, nb, 32)
+    d = torch.nn.functional.pad(scale.float(), (0, 0, 0, pad))
+    m = torch.nn.functional.pad(zero.float() - 8 * scale.float(), (0, 0, 0, pad))
+    halves = lambda t: t.view(groups, 16, nb).transpose(1, 2).half().contiguous().view(torch.uint8)
+    out = huge_empty((groups, nb, Q4X16_BLOCK), torch.uint8)
+    return torch.cat([halves(d), halves(m), _runs(q)], -1, out=out).view(groups, nb * Q4X16_BLOCK)
+
+
+def _runs(q: torch.Tensor) -> torch.Tensor:
+    """4-bit codes (groups, 16, nb, 32) of 16 rows' blocks of 32 -> (groups, nb, 256): per block
+    the q4x16 layout's four 64-byte vectors of nibble runs (row i's bytes 4k..4k+3 at 4i in vector
+    k; a byte's low nibble weight t, its high one t + 16, GGUF's order in a block)."""
+    groups, _, nb, _ = q.shape
+    nibbles = q[..., :16] | (q[..., 16:] << 4)  # (groups, 16, nb, 16)
+    return nibbles.view(groups, 16, nb, 4, 4).permute(0, 2, 3, 1, 4).reshape(groups, nb, 256)
+
+
+LAYOUTS = ("q4x16", "q4kx16", "q6kx16", "q8x16")  # csrc/neuron_ffn.h's Layout
+
+
+Q4KX16_SB, Q6KX16_SB = 2368, 3360  # bytes of one super-block (256 weights) of 16 rows
+
+
+Q8X16_BLOCK = 544  # bytes of one block of 32 weights of 16 rows
+
+
+def group_bytes(layout: str, dim: int) -> int:
+    """Bytes of one group of 16 rows of `dim` columns in `layout`."""
+    return {"q4x16": dim // 32 * Q4X16_BLOCK, "q4kx16": dim // 256 * Q4KX16_SB,
+            "q6kx16": dim // 256 * Q6KX16_SB, "q8x16": dim // 32 * Q8X16_BLOCK}[layout]
+
+
+def _group_rows(raw: torch.Tensor, block: int) -> tuple[torch.Tensor, int, int]:
+    """A K-quant matrix's bytes (n, nsb * block) -> (groups, 16, nsb, block), zero rows padding n
+    to a multiple of 16 (their d is 0: they sum to 0)."""
+    n, nsb = raw.shape[0], raw.shape[1] // block
+    assert raw.dtype == torch.uint8 and raw.shape[1] == nsb * block, (raw.dtype, raw.shape, block)
+    groups = -(-n // 16)
+    raw = torch.nn.functional.pad(raw, (0, 0, 0, groups * 16 - n))
+    return raw.view(groups, 16, nsb, block), groups, nsb
+
+
+def _by_row(t: torch.Tensor) -> torch.Tensor:
+    """(groups, 16, nsb, k, ...) -> (groups, nsb, k, 16, ...): one byte (or half) per row, row 0
+    first, for each of the super-block's k entries."""
+    return t.movedim(1, 3).contiguous()
+
+
+def pack_q4kx16(raw: torch.Tensor) -> torch.Tensor:
+    """Q4_K rows as a GGUF file stores them, (n, dim / 256 * 144) uint8 -> (ceil(n / 16),
+    dim / 256 * 2368) uint8 in the kernel's q4kx16 layout (csrc/neuron_ffn.h): the same codes,
+    6-bit scales and minimums, and fp16 d and dmin, regrouped 16 rows at a time."""
+    b, groups, nsb = _group_rows(raw, 144)
+    dd = _by_row(b[..., 0:4].reshape(groups, 16, nsb, 2, 2))  # (groups, nsb, 2, 16, 2): d, dmin
+    sc, mn, codes = q4_k_codes(b)
+    # per sub-block: its 16 rows' scales, their minimums, its nibble runs
+    subs = torch.cat([_by_row(sc), _by_row(mn),
+                      _runs(codes.reshape(groups, 16, nsb * 8, 32)).view(groups, nsb, 8, 256)], -1)
+    out = huge_empty((groups, nsb, Q4KX16_SB), torch.uint8)
+    return torch.cat([dd.reshape(groups, nsb, 64), subs.reshape(groups, nsb, 2304)], -1,
+                     out=out).view(groups, nsb * Q4KX16_SB)
+
+
+def pack_q6kx16(raw: torch.Tensor) -> torch.Tensor:
+    """Q6_K rows as a GGUF file stores them, (n, dim / 256 * 210) uint8 -> (ceil(n / 16),
+    dim / 256 * 3360) uint8 in the kernel's q6kx16 layout (csrc/neuron_ffn.h): the same 6-bit
+    codes, int8 scales and fp16 d, regrouped 16 rows at a time."""
+    b, groups, nsb = _group_rows(raw, 210)
+    q = q6_k_codes(b).view(groups, 16, nsb * 8, 32)
+    runs = _runs(q & 15).view(groups, nsb * 8, 4, 16, 4)  # vector k, row i, byte j
+    top = (q >> 4).view(groups, 16, nsb * 8, 2, 4, 4).permute(0, 2, 4, 1, 5, 3)  # blk, k, i, j, lo/hi
+    top = top.reshape(groups, nsb * 8, 2, 2, 64, 2)  # vector pair (k 0-1, 2-3), k within, byte p
+    fields = top[:, :, :, 0, :, 0] | (top[:, :, :, 0, :, 1] << 2) | (top[:, :, :, 1, :, 0] << 4) \
+        | (top[:, :, :, 1, :, 1] << 6)  # (groups, nblocks, 2, 64)
+    blocks = torch.cat([runs.reshape(groups, nsb, 8, 256), fields.reshape(groups, nsb, 8, 128)], -1)
+    d = _by_row(b[..., 208:210].reshape(groups, 16, nsb, 1, 2)).reshape(groups, nsb, 32)
+    sc = _by_row(b[..., 192:208]).reshape(groups, nsb, 256)
+    out = huge_empty((groups, nsb, Q6KX16_SB), torch.uint8)
+    return torch.cat([d, sc, blocks.reshape(groups, nsb, 3072)], -1, out=out).view(groups, nsb * Q6KX16_SB)
+
+
+def pack_q8x16(raw: torch.Tensor) -> torch.Tensor:
+    """Q8_0 rows as a GGUF file stores them, (n, dim / 32 * 34) uint8 -> (ceil(n / 16),
+    dim / 32 * 544) uint8 in the kernel's q8x16 layout (csrc/neuron_ffn.h): per block of 32
+    weights of 16 rows, their fp16 d, then eight 64-byte vectors of codes (row i's codes 4k..4k+3
+    at 4i in vector k), each code q + 128 as an unsigned byte."""
+    b, groups, nb = _group_rows(raw, 34)
+    d = _by_row(b[..., 0:2].reshape(groups, 16, nb, 1, 2)).reshape(groups, nb, 32)
+    q = (b[..., 2:].view(torch.int8).to(torch.int16) + 128).to(torch.uint8)  # (groups, 16, nb, 32)
+    codes = q.view(groups, 16, nb, 8, 4).permute(0, 2, 3, 1, 4).reshape(groups, nb, 512)
+    out = huge_empty((groups, nb, Q8X16_BLOCK), torch.uint8)
+    return torch.cat([d, codes], -1, out=out).view(groups, nb * Q8X16_BLOCK)
+
+
+def pack_kquant(raw: torch.Tensor, kind: str) -> torch.Tensor:
+    """A GGUF Q4_K, Q6_K or Q8_0 matrix's bytes (n, row bytes) in its 16-row layout
+    (KQUANT_LAYOUTS)."""
+    return {"Q4_K": pack_q4kx16, "Q6_K": pack_q6kx16, "Q8_0": pack_q8x16}[kind](raw)
+
+
+def linear_x16(x: torch.Tensor, w: torch.Tensor, n: int, layout: str) -> torch.Tensor:
+    """x (..., k) float32 or bfloat16 -> (..., n) in x's type = x W^T for W of n rows packed in
+    `layout` (q4x16, q4kx16, q6kx16), over x rounded to 8 bits per block (`quantize_input`),
+    MAX_ROWS rows a call."""
+    op, code = torch.ops.powerinfer.linear_x16.default, LAYOUTS.index(layout)
+    x = x.contiguous()
+    if x.numel() <= MAX_ROWS * x.shape[-1]:
+        return op(x, w, n, code)
+    rows = x.reshape(-1, x.shape[-1])
+    y = torch.cat([op(rows[r:r + MAX_ROWS], w, n, code) for r in range(0, rows.shape[0], MAX_ROWS)])
+    return y.view(*x.shape[:-1], n)
+
+
+def linear_q4x16(x: torch.Tensor, w: torch.Tensor, n: int) -> torch.Tensor:
+    """x (..., k) float32 or bfloat16 -> (..., n) in x's type = x W^T for W packed by
+    `pack_q4x16` (`linear_x16`)."""
+    return linear_x16(x, w, n, "q4x16")
+
+
+INTEGER_DOTS = ("q4_0", "q4_1", "q8_0")  # formats whose dot products run in integers
+
+
+def quantize_input(x: torch.Tensor) -> torch.Tensor:
+    """The input (..., dim) as the kernel's dot products see it with a block format
+    (INTEGER_DOTS): 8 bits per block of 32 with scale max|x| / 127, rounded half away from zero
+    (ggml's activation rounding), widened back to float32."""
+    b = x.float().reshape(*x.shape[:-1], -1, 32)
+    d = b.abs().amax(-1, keepdim=True) / 127
+    v = b * torch.where(d != 0, 1 / d, 0)
+    t = torch.trunc(v)
+    r = v - t  # exact: no rounding of v + 0.5 (0.49999997 + 0.5 is 1.0)
+    q = t + (r >= 0.5).float() - (r <= -0.5).float()
+    return (q * d).reshape(x.shape)
+
+
+def dot_input(x: torch.Tensor, fmt: str) -> torch.Tensor:
+    """The input (..., dim) as format `fmt`'s dot products see it, in float32: quantized per
+    block for the block formats (`quantize_input`), rounded to bf16 for bf16 rows (native bf16
+    products where the CPU has them, and the same values on every instruction set), else x."""
+    if fmt in INTEGER_DOTS:
+        return quantize_input(x)
+    return x.bfloat16().float() if fmt == "bf16" else x.float()
+
+
+TRITON_ON_CPU = False  # run the GPU's Triton kernels on CPU tensors (tests, TRITON_INTERPRET=1)
+
+
+def on_triton(t: torch.Tensor) -> bool:
+    """Whether neuron sets and predictors over tensors like `t` run on the Triton kernels
+    (`triton_ffn`): on a GPU where Triton is installed, or on the CPU with TRITON_ON_CPU."""
+    if t.device.type == "cpu" and not TRITON_ON_CPU:
+        return False
+    from . import triton_ffn
+    return triton_ffn.available(t.device)
+
+
+def format_for(weight: torch.Tensor, q4_type: str | None = None) -> str | None:
+    """The kernel format for neuron sets made from weights like `weight` (its dtype and device):
+    the file's 4-bit type when it is kept (q4_type "Q4_0"/"Q4_1"), else the weights' own
+    precision; on a GPU the Triton kernels' (`triton_ffn.format_for`); None (the torch path)
+    for float16 on a CPU, or where no kernel runs."""
+    if weight.device.type != "cpu" or TRITON_ON_CPU:
+        from . import triton_ffn
+        return triton_ffn.format_for(weight, q4_type)
+    if not usable(weight):
+        return None
+    if q4_type is not None:  # (or "Q8_0": a file's 8-bit blocks, kept as they are)
+        return q4_type.lower()
+    return next((f for f, dt in PLAIN_FORMATS.items() if dt == weight.dtype and f in FORMATS), None)
+
+
+def usable(t: torch.Tensor) -> bool:
+    """Whether the kernel can compute with tensors like `t` here (on the CPU, library loaded)."""
+    return t.device.type == "cpu" and available()
+
+
+def linear(x: torch.Tensor, w: torch.Tensor, fmt: str) -> torch.Tensor:
+    """x (B, dim) float32 or bfloat16, B <= MAX_ROWS; w (n, row_bytes) rows in `fmt` (a plain
+    bf16 or f32 matrix is its own rows: pass it as it is) -> (B, n) float32 = x W^T, reading
+    each row once (x as `dot_input` gives it)."""
+    return torch.ops.powerinfer.linear(x.contiguous(), _as_rows(w, fmt), FORMATS.index(fmt))
+
+
+def _as_rows(w: torch.Tensor, fmt: str) -> torch.Tensor:
+    # rows in `fmt` as the kernel takes them: uint8 records, or a plain bf16/f32 matrix's bytes
+    if w.dtype != torch.uint8:
+        assert w.dtype == PLAIN_FORMATS[fmt] and w.is_contiguous(), (w.dtype, fmt)
+        w = w.view(torch.uint8)
+    return w
+
+
+def neuron_ffn(x: torch.Tensor, w: torch.Tensor, sel: torch.Tensor, keep: torch.Tensor | None,
+               bias: torch.Tensor | None, threshold: float, act: str, fmt: str) -> torch.Tensor:
+    """x (B, dim) float32 or bfloat16; w the (k, bytes) records; sel the neurons to compute:
+    (m,) int64 indices, or a (k,) bool mask; keep per-row masks or None: (B, m) bool with
+    indices, (B, k) with a mask; bias (k,) float32 or None -> (B, dim) in x's type (summed in
+    float32, rounded once)."""
+    if x.shape[0] > MAX_ROWS:  # the kernel keeps a row's sums in registers: MAX_ROWS at a time
+        return torch.cat([neuron_ffn(x[r:r + MAX_ROWS], w, sel,
+                                     None if keep is None else keep[r:r + MAX_ROWS], bias,
+                                     threshold, act, fmt) for r in range(0, x.shape[0], MAX_ROWS)])
+    return torch.ops.powerinfer.neuron_ffn(x, w, sel, keep, bias, float(threshold),
+                                           ACTS.index(act), FORMATS.index(fmt))
+
+
+def predicted_ffn(x: torch.Tensor, p: torch.Tensor, fc1: torch.Tensor, fc2: torch.Tensor,
+                  pred_fmt: str, pred_threshold: float, w: torch.Tensor, bias: torch.Tensor | None,
+                  threshold: float, act: str, fmt: str) -> torch.Tensor:
+    """A decode step of every neuron of a layer's records w with a predictor, in one call: the
+    rows of x (B, dim) with B <= MAX_ROWS; p (B, dim) the predictor's input; fc1 (r, dim) and
+    fc2 (k, r) its matrices in pred_fmt (plain bf16 or f32); each row's neurons are those whose
+    logit relu(p fc1^T) fc2^T is >= pred_threshold -> (B, dim) in x's type, as
+    `neuron_ffn(x, w, union, rows, ...)` over `linear`'s logits gives it."""
+    assert x.shape[0] <= MAX_ROWS, x.shape
+    return torch.ops.powerinfer.predicted_ffn(
+        x, p, _as_rows(fc1, pred_fmt), _as_rows(fc2, pred_fmt), FORMATS.index(pred_fmt),
+        float(pred_threshold), w, bias, float(threshold), ACTS.index(act), FORMATS.index(fmt))

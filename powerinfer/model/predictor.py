@@ -1,0 +1,111 @@
+"""The activation predictors at run time: per layer a low-rank MLP whose logits say which
+FFN neurons fire (`Predictors`), loaded from a bundle (`sparsity.train` trains them)."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .. import kernels
+from ..formats.bundle import Bundle, BundleError
+
+INPUTS = ("ffn", "layer")
+
+
+def predict(fc1: torch.Tensor, fc2: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    # x: (N, dim) -> (N, ffn_dim) bool, PowerInfer's rule
+    return F.relu(x @ fc1.T) @ fc2.T >= 0
+
+
+class Predictors(nn.Module):
+    """The per-layer predictors of one input ("ffn" or "layer"), ready to run."""
+
+    def __init__(self, fc1: list[torch.Tensor], fc2: list[torch.Tensor], input: str,
+                 threshold: float = 0.0):
+        super().__init__()
+        assert input in INPUTS and len(fc1) == len(fc2), (input, len(fc1), len(fc2))
+        self.input, self.threshold = input, float(threshold)  # active: logit >= threshold
+        self.fc1 = nn.ParameterList(nn.Parameter(w, requires_grad=False) for w in fc1)
+        self.fc2 = nn.ParameterList(nn.Parameter(w, requires_grad=False) for w in fc2)
+
+    @property
+    def ranks(self) -> list[int]:
+        return [w.shape[0] for w in self.fc1]
+
+    def logits(self, layer: int, x: torch.Tensor) -> torch.Tensor:
+        # x: (..., dim) -> (..., ffn_dim)
+        fc1, fc2 = self.fc1[layer], self.fc2[layer]
+        rows = x.reshape(-1, x.shape[-1])
+        if self._triton(rows):
+            from ..kernels import triton_ffn
+            return triton_ffn.predictor_logits(rows, fc1, fc2).view(*x.shape[:-1], -1)
+        fmt = self.kernel_format(layer)
+        if fmt and x.dtype in (torch.float32, torch.bfloat16) and rows.shape[0] <= kernels.MAX_ROWS:
+            # decode rows on the kernel's GEMV, which reads the weights at the memory's rate
+            # where torch's bf16 GEMV reaches a third of it (float32 logits either way), and
+            # computes each row alone: a row's masks do not depend on the rows beside it
+            y = kernels.linear(kernels.linear(rows, fc1, fmt).relu_(), fc2, fmt)
+            return y.view(*x.shape[:-1], -1)
+        return F.relu(x.to(fc1.dtype) @ fc1.T) @ fc2.T
+
+    def kernel_format(self, layer: int) -> str | None:
+        """The kernel library's GEMV format ("bf16", "f32") this layer's matrices run in for
+        decode rows: on a CPU where the library runs, in those precisions, both widths a
+        multiple of 32 (the kernel's); else None (torch's matmuls)."""
+        fc1, fc2 = self.fc1[layer], self.fc2[layer]
+        fmt = {torch.bfloat16: "bf16", torch.float32: "f32"}.get(fc1.dtype)
+        ok = fmt and kernels.usable(fc1) and fc1.shape[1] % 32 == 0 and fc2.shape[1] % 32 == 0
+        return fmt if ok else None
+
+    def active(self, layer: int, x: torch.Tensor) -> torch.Tensor:
+        # x: (..., dim) -> per-row predicted-active neurons (..., ffn_dim) bool
+        rows = x.reshape(-1, x.shape[-1])
+        if self._triton(rows):  # the MLP and the rule in two kernels on the device
+            from ..kernels import triton_ffn
+            keep = triton_ffn.predict(rows, self.fc1[layer], self.fc2[layer], self.threshold)[0]
+            return keep.view(*x.shape[:-1], -1)
+        return self.logits(layer, x) >= self.threshold
+
+    def _triton(self, rows: torch.Tensor) -> bool:
+        # decode rows on a GPU (Triton installed): the predictor kernels (`triton_ffn.predict`)
+        return (rows.shape[0] <= kernels.MAX_ROWS and kernels.on_triton(self.fc1[0])
+                and rows.device == self.fc1[0].device)
+
+    def mask(self, layer: int, x: torch.Tensor) -> torch.Tensor:
+        """(ffn_dim,) bool: the neurons predicted active for any row of x ((B, T, dim) or
+        (N, dim))."""
+        return self.active(layer, x.reshape(-1, x.shape[-1])).any(0)
+
+
+def run_dtype(compute_dtype: torch.dtype, device: str | torch.device = "cpu") -> torch.dtype:
+    """The dtype predictors run in beside a model computing in `compute_dtype`: bf16 with a bf16
+    model on a CPU where the kernel library runs (its bf16 GEMV; the logits still float32); on a
+    GPU the model's own 16-bit type (the Triton kernels widen each weight as they read it and
+    sum in float32: half the bytes of float32 matrices, in the VRAM budget and read at every
+    step); else float32. Both runtimes take it from here, so they predict the same masks."""
+    kind = torch.device(device).type
+    if compute_dtype == torch.bfloat16 and kind == "cpu" and kernels.available():
+        return torch.bfloat16
+    if kind != "cpu" and compute_dtype in (torch.bfloat16, torch.float16):
+        return compute_dtype
+    return torch.float32
+
+
+def load_predictors(bundle: Bundle, input: str = "ffn", dtype: torch.dtype = torch.float32,
+                    device: str | torch.device = "cpu") -> Predictors:
+    """The bundle's predictors for `input`; BundleError if they were never trained."""
+    if input not in INPUTS:
+        raise ValueError(f"predictor input {input!r}: one of {', '.join(INPUTS)}")
+    bundle.require(f"predictors.{input}", "train-predictors")
+    t = bundle.load_tensors(f"predictors.{input}.safetensors")
+    names = [f"fc{j}.{i}" for i in range(bundle.n_layers) for j in (1, 2)]
+    if missing := [n for n in names if n not in t]:
+        raise BundleError(bundle.path, f"predictors.{input}.safetensors lacks {missing[0]}")
+
+    def tensor(name):
+        return torch.from_numpy(t[name]).to(device=device, dtype=dtype)
+
+    L = bundle.n_layers
+    threshold = bundle.manifest.settings.get(f"predictors.{input}", {}).get("threshold", 0.0)
+    return Predictors([tensor(f"fc1.{i}") for i in range(L)],
+                      [tensor(f"fc2.{i}") for i in range(L)], input, threshold)

@@ -1,0 +1,207 @@
+"""The activation profiler (`powerinfer profile`): run the dense model over a calibration corpus and
+write a bundle with per-neuron firing counts and activation mass, the firing thresholds, and
+predictor training samples.
+
+For SwiGLU models a first pass over the start of the corpus records the distribution of
+|silu(gate x)| per layer (101 quantiles) and sets each layer's threshold at the target sparsity
+(CATS); the quantiles are kept so other operating points need no new profile. ReLU-family models
+fire on their natural zeros (threshold 0).
+
+Samples are token positions drawn uniformly from the corpus without replacement; per position and
+layer they keep the layer input, the residual entering the FFN, the fired mask, and, for the last
+tenth (the latest text: the held-out rows), each neuron's |activation|.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from tqdm import tqdm
+
+from ..config import DTYPES
+from ..formats.bundle import Bundle, model_record
+from ..model.load import load_model
+from ..model.sparse import activate
+from .corpus import Corpus, load_corpus, token_windows
+
+SAMPLE_MEMORY = 2 << 30  # bytes of samples held in RAM before writing
+
+
+@dataclass(frozen=True, slots=True)
+class ProfileOptions:
+    tokens: int = 0  # 0: the whole calibration corpus
+    window: int = 512
+    samples: int = 16384  # per layer (fewer when they would exceed SAMPLE_MEMORY)
+    held_out: float = 0.1
+    # SwiGLU only: the target share of neurons under the threshold; 0.15 is the default
+    # model's operating point (+0.3% held-out perplexity, see BENCHMARKS.md)
+    sparsity: float = 0.15
+    calib_tokens: int = 8192
+    seed: int = 0
+
+
+def is_relu_family(act: str) -> bool:
+    return act in ("relu", "reglu", "dreglu")
+
+
+class _Taps:
+    """Forward hooks on every block: the layer input, the residual entering the FFN, and the
+    output of w1 (the pre-activations), handed to `on_w1(layer, x_layer, x_ffn, gate, up)`."""
+
+    def __init__(self, model, on_w1):
+        self.handles, self.x_layer, self.x_ffn = [], {}, {}
+        n = model.args.ffn_dim
+        for i, b in enumerate(model.layers):
+            self.handles.append(b.register_forward_pre_hook(self._keep(self.x_layer, i)))
+            self.handles.append(b.ffn_norm.register_forward_pre_hook(self._keep(self.x_ffn, i)))
+
+            def w1_hook(mod, args, out, i=i, gated=model.args.gated):
+                gate, up = out.split(n, dim=-1) if gated else (None, out)
+                on_w1(i, self.x_layer[i], self.x_ffn[i], gate, up)
+            self.handles.append(b.ffn.w1.register_forward_hook(w1_hook))
+
+    @staticmethod
+    def _keep(store, i):
+        def hook(mod, args):
+            store[i] = args[0]
+        return hook
+
+    def close(self):
+        for h in self.handles:
+            h.remove()
+
+
+def _run(model, windows, on_w1, desc: str, progress: bool, after_window=None):
+    """One prefill per window with the taps on; after_window(len) runs after each window."""
+    taps = _Taps(model, on_w1)
+    try:
+        with torch.inference_mode(), tqdm(total=sum(map(len, windows)), desc=desc, unit="tok",
+                                          disable=not progress) as bar:
+            for w in windows:
+                model(torch.tensor([w]), torch.arange(len(w))[None],
+                      last=torch.tensor([len(w) - 1]))
+                if after_window is not None:
+                    after_window(len(w))
+                bar.update(len(w))
+    finally:
+        taps.close()
+
+
+def calibrate_thresholds(model, windows, sparsity: float, progress: bool = True):
+    """Per-layer quantiles (L, 101) of |act(gate x)| and the thresholds at `sparsity`."""
+    act, L = model.args.ffn_act, model.args.n_layers
+    pools: list[list[torch.Tensor]] = [[] for _ in range(L)]
+    gen = torch.Generator().manual_seed(0)
+
+    def on_w1(i, x_layer, x_ffn, gate, up):
+        score, _ = activate(act, gate, up)
+        flat = score.flatten().float()
+        pools[i].append(flat[torch.randint(len(flat), (min(len(flat), 1 << 16),), generator=gen)])
+
+    _run(model, windows, on_w1, "calibrating thresholds", progress)
+    # numpy's quantiles (a partition, the same linear interpolation): twice torch's speed over
+    # a layer's 2M scores
+    q = np.linspace(0, 1, 101)
+    quantiles = np.stack([np.quantile(torch.cat(p).numpy(), q) for p in pools]).astype(np.float32)
+    return quantiles, threshold_at(quantiles, sparsity)
+
+
+def top_share(mass: np.ndarray, frac: float) -> float:
+    """Share of the total mass carried by the top ceil(frac * n) neurons by mass."""
+    m = np.sort(np.asarray(mass, np.float64))[::-1]
+    k = int(np.ceil(frac * m.size))
+    return float(m[:k].sum() / max(m.sum(), 1e-300))
+
+
+def threshold_at(quantiles: np.ndarray, sparsity: float) -> np.ndarray:
+    """Thresholds (L,) that leave `sparsity` of the scores under them, from (L, 101) quantiles."""
+    grid = np.linspace(0, 1, quantiles.shape[1])
+    return np.array([np.interp(sparsity, grid, q) for q in quantiles], dtype=np.float32)
+
+
+def _compact(a: np.ndarray) -> np.ndarray:
+    """float16 where every value fits it (half the bundle), else float32 as it is."""
+    return a.astype(np.float16) if np.abs(a).max(initial=0) < 60000 else a
+
+
+def profile(model_name: str, corpus: str, out: str | Path, opts: ProfileOptions = ProfileOptions(),
+            dtype: str = "float32", progress: bool = True) -> Bundle:
+
+    t0 = time.perf_counter()
+    model, tokenizer, path = load_model(model_name, DTYPES[dtype])
+    model.setup_cache(1, opts.window)
+    a = model.args
+    text: Corpus = load_corpus(corpus, "calibration")
+    windows = token_windows(tokenizer, text, opts.window, opts.tokens)
+    total = sum(map(len, windows))
+    bundle = Bundle.create(out, model_record(path, a))  # a fresh manifest: no parts
+
+    L, d, n = a.n_layers, a.dim, a.ffn_dim
+    relu = is_relu_family(a.ffn_act)
+    if relu:
+        quantiles, thresholds = None, np.zeros(L, np.float32)
+    else:
+        calib = token_windows(tokenizer, text, opts.window, opts.calib_tokens)
+        quantiles, thresholds = calibrate_thresholds(model, calib, opts.sparsity, progress)
+
+    per_sample = 2 * d * 4 + (n + 7) // 8
+    N = min(opts.samples, total, SAMPLE_MEMORY // (L * per_sample))
+    H = max(1, int(N * opts.held_out))
+    rng = np.random.default_rng(opts.seed)
+    picks = np.sort(rng.choice(total, N, replace=False))  # positions in the token stream
+    counts = [torch.zeros(n, dtype=torch.float64) for _ in range(L)]
+    mass = [torch.zeros(n, dtype=torch.float64) for _ in range(L)]
+    # float32 while profiling, written as float16 where that holds them (Gemma's residual stream
+    # reaches past float16's range)
+    xs_layer = np.zeros((L, N, d), np.float32)
+    xs_ffn = np.zeros((L, N, d), np.float32)
+    fired_bits = np.zeros((L, N, (n + 7) // 8), np.uint8)
+    mags = np.zeros((L, H, n), np.float32)
+    cursor = {"start": 0, "row": 0}  # the current window's first stream position and sample row
+
+    def on_w1(i, x_layer, x_ffn, gate, up):
+        score, h = activate(a.ffn_act, gate, up)
+        fired = score[0] > float(thresholds[i])  # (T, n)
+        counts[i] += fired.sum(0, dtype=torch.float64)
+        mass[i] += (h[0].abs() * fired).sum(0, dtype=torch.float64)
+        start, row = cursor["start"], cursor["row"]
+        T = fired.shape[0]
+        lo, hi = np.searchsorted(picks, [start, start + T])
+        if hi > lo:
+            pos = torch.from_numpy(picks[lo:hi] - start)
+            xs_layer[i, row:row + hi - lo] = x_layer[0, pos].float().numpy()
+            xs_ffn[i, row:row + hi - lo] = x_ffn[0, pos].float().numpy()
+            fired_bits[i, row:row + hi - lo] = np.packbits(fired[pos].numpy(), axis=1)
+            for r, p in zip(range(row, row + hi - lo), pos.tolist()):
+                if r >= N - H:
+                    mags[i, r - (N - H)] = (h[0, p].abs() * fired[p]).float().numpy()
+
+    def next_window(T):
+        lo, hi = np.searchsorted(picks, [cursor["start"], cursor["start"] + T])
+        cursor["start"] += T
+        cursor["row"] += hi - lo
+
+    _run(model, windows, on_w1, "profiling", progress, next_window)
+
+    for i in tqdm(range(L), desc="writing samples", disable=not progress):
+        bundle.save_tensors(f"samples/layer_{i:03d}.safetensors",
+                            {"x_layer": _compact(xs_layer[i]), "x_ffn": _compact(xs_ffn[i]),
+                             "fired": fired_bits[i], "mag": _compact(mags[i])})
+    bundle.save_tensors("stats.safetensors",
+                        {**{f"count.{i}": counts[i].numpy().astype(np.int64) for i in range(L)},
+                         **{f"mass.{i}": mass[i].numpy() for i in range(L)}})
+    th = {"threshold": thresholds}
+    if quantiles is not None:
+        th["quantiles"] = quantiles
+    bundle.save_tensors("thresholds.safetensors", th)
+    bundle.manifest.corpus = {**text.describe(), "tokens": total, "window": opts.window}
+    bundle.mark("thresholds", {"kind": "natural zeros" if relu else "CATS |act(gate x)|",
+                               "sparsity": None if relu else opts.sparsity,
+                               "calib_tokens": None if relu else opts.calib_tokens})
+    bundle.mark("samples", {"rows": N, "held_out": H, "seed": opts.seed})
+    bundle.mark("stats", {"tokens": total, "dtype": dtype,
+                          "seconds": round(time.perf_counter() - t0, 1)})
+    return bundle
