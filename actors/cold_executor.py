@@ -30,7 +30,7 @@ from cluster.topology import node_of, numa_pages, pin, process_memory
 from powerinfer import kernels
 from powerinfer.compat import trim_heap
 from powerinfer.formats.source import ModelFile
-from powerinfer.model.transformer import KVCache, KVTables, held_bytes, rope_tables
+from powerinfer.model.transformer import KVCache, KVTables, held_bytes, host_parts, rope_tables
 from powerinfer.engine.partial import attention_slice, read_head, read_neuron_set
 from powerinfer.engine.plan import SparsePlan
 from powerinfer.engine.native import NO_ATTENTION, NO_FFN, attention_entry, ffn_entry, runs
@@ -191,7 +191,8 @@ class ColdExecutor(Answering):
     def stats(self) -> dict:
         return {"rank": self.rank, "busy_s": self.busy_s, "wait_s": self.x.wait_s,
                 "messages": self.steps, "neurons": self.neurons, "memory": process_memory(),
-                "held_bytes": held_bytes(*self.sets, *self._head())}
+                "held_bytes": held_bytes(*self.sets, *self._head()),
+                **host_parts(*self.sets, *self._head(), *self.attn)}
 
     def _head(self) -> list:
         return [] if self.head is None else [self.head]

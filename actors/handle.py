@@ -346,6 +346,20 @@ class ActorEngine:
                 "isa": {name: info["isa"] for name, info in group.info.items() if "isa" in info},
                 "actors": group.stats()}
 
+    def memory(self) -> dict:
+        """What the model's group costs in host memory, from each actor's own report: per
+        process its proportional set size (`pss`: a page shared between processes, a mapped
+        file's or a library's, divided among them; its resident size where /proc does not say)
+        and what it holds of the model in host memory, the weights and the KV cache's blocks
+        (`host_parts`); the rest of a process is its own cost (Python, torch, Ray's worker)."""
+        out = {}
+        for name, s in self._group().stats().items():
+            if "memory" in s:
+                out[name] = {"pss": s["memory"].get("pss", s["memory"]["rss"]),
+                             **{k: s.get(f"{k}_bytes", 0) for k in ("weight", "kv")},
+                             **{f"{k}_resident": s.get(f"{k}_resident", 0) for k in ("weight", "kv")}}
+        return out
+
     def shutdown(self):
         """Stop the group (after a rebuild in progress, so that it leaves nothing behind)."""
         self._ready.wait(REBUILD_WAIT_S)

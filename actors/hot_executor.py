@@ -45,7 +45,7 @@ from powerinfer.config import Config
 from powerinfer import kernels
 from powerinfer.compat import compile_per_instance, trim_heap
 from powerinfer.formats.source import ModelFile
-from powerinfer.model.transformer import KVTables, held_bytes
+from powerinfer.model.transformer import KVTables, held_bytes, host_parts
 from powerinfer.engine.native import NativeDecode, layer_args, uniform_llama
 from powerinfer.engine.partial import head_rows, hot_formats, hot_model
 from powerinfer.engine.plan import SparsePlan
@@ -526,7 +526,7 @@ class HotExecutor:
                "native_prompt_steps": self.native_prompt_steps,
                "part_wait_s": sum(p.wait_s for p in io.parts), "hot_neurons": self.hot_neurons,
                "neuron_format": self.neuron_format, "device": str(self.device), "memory": process_memory(),
-               "held_bytes": held_bytes(self.model), **self._memory()}
+               "held_bytes": held_bytes(self.model), **host_parts(self.model), **self._memory()}
         if io.predicting:
             out["mask_wait_s"] = io.mask.wait_s
         if self.segments is not None:  # the decode steps in segments: replayed, launched

@@ -23,6 +23,7 @@ from cluster.topology import pin, process_memory
 from powerinfer import kernels
 from powerinfer.engine.plan import SparsePlan
 from powerinfer.model.predictor import run_dtype
+from powerinfer.model.transformer import host_parts
 
 from .group_info import node_id
 from .channel import native_error
@@ -102,7 +103,7 @@ class PredictorActor(Answering):
         out = {"input": self.input, "device": str(self.device),
                "busy_s": self.busy_s + float(self.counts[1]) * 1e-9, "wait_s": self.x.wait_s,
                "calls": self.calls + int(self.counts[0]), "native": self.native is not None,
-               "memory": process_memory()}
+               "memory": process_memory(), **host_parts(self.preds)}
         if self.device.type == "cuda":  # its matrices on the GPU, beside the hot executor's
             out["device_bytes"] = torch.cuda.memory_allocated()
             out["device_peak_bytes"] = torch.cuda.max_memory_allocated()

@@ -118,7 +118,9 @@ def pin_threads(cores: tuple[int, ...]) -> None:
 def process_memory(pid: int | str = "self") -> dict[str, int]:
     """This (or another) process's memory from /proc/PID/status, in bytes: rss (resident now:
     anonymous + file-backed + shared memory), hwm (the peak of rss), and its anon, file and
-    shmem parts."""
+    shmem parts; and from /proc/PID/smaps_rollup, where it can be read, pss: its proportional
+    share (each resident page divided by the processes that map it: a model file's pages, the
+    KV pool's shared memory and the libraries counted once over all of them)."""
     keys = {"VmRSS": "rss", "VmHWM": "hwm", "RssAnon": "anon", "RssFile": "file",
             "RssShmem": "shmem"}
     out = {}
@@ -126,6 +128,13 @@ def process_memory(pid: int | str = "self") -> dict[str, int]:
         k, _, v = line.partition(":")
         if k in keys:
             out[keys[k]] = int(v.split()[0]) * 1024
+    try:
+        for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines():
+            k, _, v = line.partition(":")
+            if k == "Pss":
+                out["pss"] = int(v.split()[0]) * 1024
+    except OSError:  # another user's process, or a kernel without it
+        pass
     return out
 
 

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from ray import serve
 from ray.exceptions import TaskCancelledError
 
+from cluster.topology import process_memory
 from powerinfer.engine import tools
 from powerinfer.engine.sampling import sampling_params
 from powerinfer.engine.tools import render as render_tools
@@ -125,6 +126,16 @@ class ModelServer:
                                                 "decode_rows", "decode_s")},
                 "pids": st["pids"], "nodes": st["nodes"], "replica": self.replica,
                 "requests": sched.get("requests", 0)}
+
+    async def memory(self) -> dict:
+        """The host memory this replica's model costs (`ActorEngine.memory`, each process of its
+        group, and this replica's own process as "replica"); {} unless ready."""
+        if self._state() != "ready":
+            return {}
+        out = await asyncio.get_running_loop().run_in_executor(None, self.engine.memory)
+        mine = process_memory()
+        return {**out, "replica": {"pss": mine.get("pss", mine["rss"]), "weight": 0, "kv": 0,
+                                   "weight_resident": 0, "kv_resident": 0}}
 
     # ---- the interface the ingress uses ----
     def _ready_engine(self):

@@ -89,13 +89,19 @@ def serve_forever(settings: ServeSettings, front: Frontend, demo: bool = False) 
         statuses = _wait_loaded(front)
         _wait_replicas(settings)
         ready = [s for s in statuses if s["status"] == "ready"]
+        costs = {}
         for s in statuses:
             line = f"  {s['id']}: {s['status']}"
-            say(line + (f" ({s['error']})" if s.get("error") else
-                        f", context {s['max_model_len']}"))
+            line += f" ({s['error']})" if s.get("error") else f", context {s['max_model_len']}"
+            if s["status"] == "ready":
+                costs[s["id"]], memory = _model_memory(settings, s["id"])
+                line += "\n" + memory
+            say(line)  # (one write: Ray's forwarded logs go between lines, not into these)
         if not ready:
             say("error: no model loaded", file=sys.stderr)
             return 1
+        if not joined:  # this host's processes are this server's
+            say(_host_memory(sum(costs.values())))
         say(f"HTTP (OpenAI API): {front.local_url}/v1   gRPC (powerinfer.v1.Inference): "
             f"{front.local_url.split('//')[1].rsplit(':', 1)[0]}:{front.grpc_port}")
         say("try:\n  " + _curl(front, settings, ready[0]["id"]))
@@ -162,6 +168,52 @@ def _wait_replicas(settings: ServeSettings, timeout_s: float = 120.0):
             say(f"  {m.name}: {sum(v != 'loading' for v in seen.values())} of {m.replicas} "
                 f"replicas answered as loaded within {timeout_s:.0f} s; the others are still "
                 "loading or not placed")
+
+
+def _gib(n: float) -> str:
+    return f"{n / 2**30:.2f}"
+
+
+def _model_memory(settings: ServeSettings, name: str) -> tuple[int, str]:
+    """A ready model's host memory (a replica's, `ModelServer.memory`): its bytes (every
+    replica's, as much as the one asked) and a line with its processes' PSS, of which the
+    weights and the KV cache they hold, and each process's own cost beside them."""
+    from ray import serve
+
+    replicas = next((m.replicas for m in settings.models if m.name == name), 1)
+    try:
+        procs = serve.get_deployment_handle(f"Model:{name}", app_name=APP_NAME).memory.remote() \
+            .result(timeout_s=60)
+    except Exception as e:  # noqa: BLE001 - a report: the model serves either way
+        return 0, f"    memory: not reported ({type(e).__name__}: {str(e).strip()[:200]})"
+    total = sum(p["pss"] for p in procs.values())
+    weights, kv, kv_now = (sum(p[k] for p in procs.values())
+                           for k in ("weight", "kv", "kv_resident"))
+    own = ", ".join(f"{k} {_gib(max(p['pss'] - p['weight_resident'] - p['kv_resident'], 0))}"
+                    for k, p in procs.items())
+    per = f" a replica ({replicas} replicas)" if replicas > 1 else ""
+    return total * replicas, (
+        f"    memory{per}: {_gib(total)} GiB now (PSS of its {len(procs)} processes), "
+        f"{_gib(total - kv_now + kv)} with its KV cache full: weights {_gib(weights)}, KV cache "
+        f"{_gib(kv_now)} in use of {_gib(kv)}, each process's own {own}")
+
+
+def _host_memory(models: int) -> str:
+    """The host's total for this server: the PSS of this process and every process it started
+    (Ray's GCS, raylet and agents, Serve's controller and proxy, the replicas, the groups)."""
+    import psutil
+
+    from cluster.topology import process_memory
+
+    procs, total = [psutil.Process(), *psutil.Process().children(recursive=True)], 0
+    for p in procs:
+        try:
+            m = process_memory(p.pid)
+            total += m.get("pss", m["rss"])
+        except (OSError, psutil.Error):  # ended meanwhile
+            pass
+    return (f"  host: {_gib(total)} GiB in {len(procs)} processes (PSS): the models "
+            f"{_gib(models)}, Ray, Serve and this process {_gib(max(total - models, 0))}")
 
 
 def _curl(front: Frontend, settings: ServeSettings, model: str) -> str:

@@ -212,6 +212,37 @@ def test_startup_reports_every_model(server):
     assert health["status"] == "degraded"  # the broken model is reported; the others serve
     states = {m["id"]: m["status"] for m in health["models"]}
     assert states == {**{m: "ready" for m in ready}, BROKEN: "failed"}
+    assert_memory_is_reported(server.log.read_text(errors="replace"), ready)
+
+
+def assert_memory_is_reported(out: str, ready: list[str]):
+    # once ready, each model's host memory (its processes' PSS now, and with its KV cache full:
+    # the weights and the KV cache they hold, each process's own) and the host's total, which
+    # holds every model's
+    lines = out.splitlines()
+    costs, parts = {}, {}
+    for m in ready:
+        at = lines.index(f"  {m}: ready, context 512")
+        got = re.fullmatch(r"    memory: ([\d.]+) GiB now \(PSS of its (\d+) processes\), "
+                           r"([\d.]+) with its KV cache full: weights ([\d.]+), KV cache "
+                           r"([\d.]+) in use of ([\d.]+), each process's own (.+)", lines[at + 1])
+        assert got, lines[at:at + 2]  # (the two lines in one write: nothing between them)
+        now, n, full, weights, kv_now, kv = float(got[1]), int(got[2]), *map(float, got.groups()[2:6])
+        own = {k: float(v) for k, v in (part.split(" ") for part in got[7].split(", "))}
+        assert set(own) >= {"hot", "cold.0", "scheduler", "replica"} and len(own) == n, own
+        assert kv_now <= kv and full == pytest.approx(now - kv_now + kv, abs=0.02)
+        assert weights < now and all(0 < v < 1.5 for v in own.values()), lines[at + 1]
+        costs[m], parts[m] = now, (weights, kv)
+    # SmolLM2 in float32 holds about its 135M parameters' 0.5 GiB, and a KV pool of 0.18 GiB
+    # (4,160 positions of 30 layers' 3 KV heads of 64 floats, twice), as its load logged it
+    smol_kv = re.search(rf"{SMOL} \S+ -- KV cache: .*?, ([\d.]+) GiB", out)
+    assert 0.35 < parts[SMOL][0] < 0.8 and smol_kv, (parts, out[-3000:])
+    assert abs(parts[SMOL][1] - float(smol_kv[1])) <= 0.02, (parts, smol_kv[0])
+    host = re.search(r"  host: ([\d.]+) GiB in (\d+) processes \(PSS\): the models ([\d.]+), "
+                     r"Ray, Serve and this process ([\d.]+)", out)
+    assert host, out[-3000:]
+    assert float(host[3]) == pytest.approx(sum(costs.values()), abs=0.02)
+    assert float(host[1]) > float(host[3]) and int(host[2]) >= 4 * len(ready)
 
 
 

@@ -10,7 +10,10 @@ and OPT (LayerNorm, learned positions, ReLU FFN with biases). The sparse engine 
 """
 from __future__ import annotations
 
+import ctypes
 import math
+import os
+import sys
 from typing import NamedTuple
 
 import numpy as np
@@ -402,17 +405,61 @@ class Transformer(nn.Module):
         return [(owner, attr, tuple(p + n for n in names)) for owner, attr, names in parts]
 
 
-def held_bytes(*modules: nn.Module) -> int:
+def held_bytes(*modules: nn.Module, device: str | None = None) -> int:
     """Bytes of the distinct tensor storages (parameters and buffers) the modules hold: what a
-    process keeps of a model, a tied or shared tensor counted once."""
+    process keeps of a model, a tied or shared tensor counted once (with `device`, only those on
+    that kind of device: "cpu" for host memory)."""
     seen, total = set(), 0
     for m in modules:
         for t in [*m.parameters(), *m.buffers()]:
             st = t.untyped_storage()
-            if st.data_ptr() not in seen and t.device.type != "meta":
+            if st.data_ptr() not in seen and t.device.type != "meta" and \
+                    device in (None, t.device.type):
                 seen.add(st.data_ptr())
                 total += st.nbytes()
     return total
+
+
+def host_parts(*modules: nn.Module) -> dict[str, int]:
+    """The host memory the modules hold, as `held_bytes` counts it, in two parts: the KV cache's
+    blocks (`KVCache` buffers) and the rest (weights, norms, RoPE tables); and of each the bytes
+    in RAM now (`resident_bytes`: a KV cache's untouched blocks, or a mapped file's pages not
+    yet read, are not)."""
+    caches = [c for m in modules for c in m.modules() if isinstance(c, KVCache)]
+    kv, everything = _host_storages(*caches), _host_storages(*modules)
+    weights = [st for st in everything if st.data_ptr() not in {s.data_ptr() for s in kv}]
+    return {"weight_bytes": sum(st.nbytes() for st in weights),
+            "kv_bytes": sum(st.nbytes() for st in kv),
+            "weight_resident": sum(map(resident_bytes, weights)),
+            "kv_resident": sum(map(resident_bytes, kv))}
+
+
+def _host_storages(*modules: nn.Module) -> list:
+    """The distinct host storages of the modules' parameters and buffers (as `held_bytes`)."""
+    out = {}
+    for m in modules:
+        for t in [*m.parameters(), *m.buffers()]:
+            if t.device.type == "cpu":
+                out.setdefault(t.untyped_storage().data_ptr(), t.untyped_storage())
+    return list(out.values())
+
+
+_PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
+
+
+def resident_bytes(storage) -> int:
+    """Bytes of a host storage's pages in RAM now (mincore(2); its size where that cannot say)."""
+    n = storage.nbytes()
+    if n == 0 or not sys.platform.startswith("linux"):
+        return n
+    start = storage.data_ptr() & ~(_PAGE - 1)
+    pages = (storage.data_ptr() + n - start + _PAGE - 1) // _PAGE
+    vec = np.zeros(pages, np.uint8)
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.mincore(ctypes.c_void_p(start), ctypes.c_size_t(pages * _PAGE),
+                    vec.ctypes.data_as(ctypes.c_void_p)) != 0:
+        return n
+    return min(int(np.count_nonzero(vec & 1)) * _PAGE, n)
 
 
 def paged_attention(qkv, rope, pos, kv: KVTables, cache: KVCache, n_heads: int, window: int,
