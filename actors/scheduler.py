@@ -1,7 +1,7 @@
 """Scheduler actor: the request queue and admission control, cancellation, and token streaming
-back to callers, around the batching core the in-process engine runs too (`powerinfer.batching`:
+back to callers, around the batching core the in-process engine runs too (`powerinfer.engine.batching`:
 continuous batching over the paged KV cache, prefix caching, chunked prefill, sampling and stop
-rules). It holds the pool's bookkeeping (`powerinfer.kv`); the executors hold the blocks.
+rules). It holds the pool's bookkeeping (`powerinfer.engine.kv`); the executors hold the blocks.
 
 Each iteration runs the core's next step: every running sequence's next token or prompt chunk,
 and the waiting requests that fit. Steps go to the hot executor on `ctl` and logits come back

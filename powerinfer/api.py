@@ -39,7 +39,7 @@ class PowerInfer:
 
     Sampling keywords (all methods): max_new_tokens, temperature, top_k, top_p, min_p,
     repetition_penalty, seed, stop, stop_token_ids, ignore_eos, and grammar (a
-    `powerinfer.grammar.Grammar`: the output held to a JSON schema, a regex, choices or a Lark
+    `powerinfer.engine.grammar.Grammar`: the output held to a JSON schema, a regex, choices or a Lark
     grammar, e.g. `grammar=Grammar.json_schema({...})`).
     """
 

@@ -190,7 +190,7 @@ class ModelServer:
         return self._format
 
     async def tool_format(self) -> dict:
-        """How this model writes tool calls (`powerinfer.tools`), for the ingress to parse them."""
+        """How this model writes tool calls (`powerinfer.engine.tools`), for the ingress to parse them."""
         try:
             return {"format": self._tool_format(self._ready_engine())}
         except PowerInferError as e:

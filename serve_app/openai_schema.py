@@ -5,7 +5,7 @@ sampling fields as extras (top_k, min_p, repetition_penalty, ignore_eos, stop_to
 unknown fields are ignored. OpenAI fields the engine cannot honour (penalties other than 0,
 echo, suffix, best_of > n) are refused with a message that says so. Structured output
 (`response_format`, vLLM's `guided_*`) becomes the request's `Grammar`; tools and tool
-messages become a tool spec for the model deployment (`powerinfer.tools`).
+messages become a tool spec for the model deployment (`powerinfer.engine.tools`).
 """
 from __future__ import annotations
 

@@ -119,7 +119,7 @@ async def primed(streams) -> AsyncIterator[Piece]:
 
 @dataclass
 class ToolCalls:
-    """How to find a chat request's tool calls in its choices' text (`powerinfer.tools`)."""
+    """How to find a chat request's tool calls in its choices' text (`powerinfer.engine.tools`)."""
     format: str
     names: list[str]
     parallel: bool = True

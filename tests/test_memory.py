@@ -74,21 +74,24 @@ def test_a_group_holds_the_model_about_once(default_model_path, tmp_path):
 
 def test_a_kv_cache_counts_in_memory_as_its_blocks_are_written():
     # what the server's memory report reads in each actor: the KV cache's blocks apart from the
-    # weights, each as held and as resident now. A fresh cache's large buffers are untouched
-    # zero pages (calloc maps blocks past glibc's largest mmap threshold, 32 MiB, afresh; smaller
-    # ones may come from freed memory that is resident already, as after other tests here)
-    import numpy as np
-    import torch
-
-    from powerinfer.model.transformer import KVCache, Linear, host_parts
-    freed = np.ones(30 * MiB, np.uint8)  # a large block freed: glibc's threshold rises
-    del freed
-    cache = KVCache(4096, 4, 16, 64, torch.float32, "cpu")  # 64 MiB of keys, 64 of values
-    layer = torch.nn.ModuleDict({"cache": cache, "proj": Linear(1024, 1024, bias=False)})
-    fresh = host_parts(layer)
+    # weights, each as held and as resident now. In a fresh process, as an actor allocates its
+    # cache: a fresh cache's buffers are untouched zero pages (a long-lived process may hand out
+    # freed memory that is resident already, as pytest's own does after other tests)
+    import json
+    import subprocess
+    import sys
+    code = """if True:
+        import json, torch
+        from powerinfer.model.transformer import KVCache, Linear, host_parts
+        cache = KVCache(4096, 4, 16, 64, torch.float32, "cpu")  # 64 MiB of keys, 64 of values
+        layer = torch.nn.ModuleDict({"cache": cache, "proj": Linear(1024, 1024, bias=False)})
+        fresh = host_parts(layer)
+        cache.k[:2048] = 1.0  # half the keys' blocks written
+        print(json.dumps([fresh, host_parts(layer)]))"""
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+    fresh, half = json.loads(r.stdout.splitlines()[-1])
     assert fresh["kv_bytes"] == 128 * MiB and fresh["weight_bytes"] == 4 * MiB
     assert fresh["kv_resident"] < 0.1 * fresh["kv_bytes"]  # allocated, not yet in RAM
     assert fresh["weight_resident"] == fresh["weight_bytes"]  # (initialized: written)
-    cache.k[:2048] = 1.0  # half the keys' blocks written
-    half = host_parts(layer)
     assert abs(half["kv_resident"] - 32 * MiB) <= 0.1 * 32 * MiB + fresh["kv_resident"]

@@ -56,7 +56,7 @@ class KVTables(NamedTuple):
 
 class KVCache(nn.Module):
     """One layer's paged KV cache, of the heads its attention holds: blocks of `block_size`
-    positions, shared by every sequence through their block tables (`powerinfer.kv` deals the
+    positions, shared by every sequence through their block tables (`powerinfer.engine.kv` deals the
     blocks out). Keys are stored transposed per block, (head_dim, block_size), values as rows:
     the CPU kernel then reads a query's scores over a block as vector multiply-adds, with no
     horizontal sums (csrc/attention.h)."""
