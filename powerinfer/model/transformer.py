@@ -405,19 +405,10 @@ class Transformer(nn.Module):
         return [(owner, attr, tuple(p + n for n in names)) for owner, attr, names in parts]
 
 
-def held_bytes(*modules: nn.Module, device: str | None = None) -> int:
+def held_bytes(*modules: nn.Module) -> int:
     """Bytes of the distinct tensor storages (parameters and buffers) the modules hold: what a
-    process keeps of a model, a tied or shared tensor counted once (with `device`, only those on
-    that kind of device: "cpu" for host memory)."""
-    seen, total = set(), 0
-    for m in modules:
-        for t in [*m.parameters(), *m.buffers()]:
-            st = t.untyped_storage()
-            if st.data_ptr() not in seen and t.device.type != "meta" and \
-                    device in (None, t.device.type):
-                seen.add(st.data_ptr())
-                total += st.nbytes()
-    return total
+    process keeps of a model, a tied or shared tensor counted once."""
+    return sum(st.nbytes() for st in _storages(*modules).values())
 
 
 def host_parts(*modules: nn.Module) -> dict[str, int]:
@@ -426,22 +417,23 @@ def host_parts(*modules: nn.Module) -> dict[str, int]:
     in RAM now (`resident_bytes`: a KV cache's untouched blocks, or a mapped file's pages not
     yet read, are not)."""
     caches = [c for m in modules for c in m.modules() if isinstance(c, KVCache)]
-    kv, everything = _host_storages(*caches), _host_storages(*modules)
-    weights = [st for st in everything if st.data_ptr() not in {s.data_ptr() for s in kv}]
+    kv = _storages(*caches, device="cpu")
+    weights = [st for ptr, st in _storages(*modules, device="cpu").items() if ptr not in kv]
     return {"weight_bytes": sum(st.nbytes() for st in weights),
-            "kv_bytes": sum(st.nbytes() for st in kv),
+            "kv_bytes": sum(st.nbytes() for st in kv.values()),
             "weight_resident": sum(map(resident_bytes, weights)),
-            "kv_resident": sum(map(resident_bytes, kv))}
+            "kv_resident": sum(map(resident_bytes, kv.values()))}
 
 
-def _host_storages(*modules: nn.Module) -> list:
-    """The distinct host storages of the modules' parameters and buffers (as `held_bytes`)."""
+def _storages(*modules: nn.Module, device: str | None = None) -> dict:
+    """The distinct storages of the modules' parameters and buffers, by address (none on
+    "meta"; with `device`, only those on that kind of device)."""
     out = {}
     for m in modules:
         for t in [*m.parameters(), *m.buffers()]:
-            if t.device.type == "cpu":
+            if t.device.type != "meta" and device in (None, t.device.type):
                 out.setdefault(t.untyped_storage().data_ptr(), t.untyped_storage())
-    return list(out.values())
+    return out
 
 
 _PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
