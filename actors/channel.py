@@ -18,8 +18,10 @@ microseconds on a VM; the hot executor's attention between two layers outlasts a
 Readers use the payload in place (no copy). A compiled step sends and receives through the kernel
 library's `ch_send`/`ch_recv`, which do the same from C++ over the same mapping (`base`) and the
 reader's `state` ([messages consumed, nanoseconds waited], shared with this class). Channels
-carry no acknowledgement: every use in the runtime is lockstep (a writer publishes message n+1 only after a reply that proves its readers
-are done with message n), so one buffer per channel is enough.
+carry no acknowledgement: every use in the runtime is lockstep (a writer publishes message n+1
+only after a reply that proves its readers are done with message n), so one buffer per channel is
+enough. torch is imported only when a tensor is asked for (`view`, `put`, `state`): a token
+ring's reader (the Serve ingress) maps its channel without it.
 
 Ordering: the payload is stored before `seq`, and x86 keeps stores in order (TSO); a weaker
 memory model would need a release fence before the bump.
@@ -31,14 +33,18 @@ anywhere leaves nothing behind. `sweep()` removes segments of owners that died d
 from __future__ import annotations
 
 import ctypes
+import functools
 import mmap
 import os
 import platform
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
+
+if TYPE_CHECKING:
+    import torch
 
 SHM_DIR = Path("/dev/shm")
 PREFIX = "powerinfer-"
@@ -133,16 +139,25 @@ class Channel:
             os.close(fd)
         self.path, self.capacity, self.spin = path, size - HEADER, spin_us * 1e-6
         self._hdr = np.frombuffer(self._map, dtype=np.int64, count=HEADER // 8)
-        self._bytes = torch.frombuffer(self._map, dtype=torch.uint8, offset=HEADER)
         self._addr = self._hdr.ctypes.data
         self._views: dict[tuple, torch.Tensor] = {}  # building a view costs ~7 us; reuse them
-        # [messages consumed (reader) or published (writer), nanoseconds waited]: a tensor the
-        # native ops update too; segments start fresh
-        self.state = torch.zeros(2, dtype=torch.int64)
-        self._st = self.state.numpy()
+        # [messages consumed (reader) or published (writer), nanoseconds waited]; segments start
+        # fresh
+        self._st = np.zeros(2, np.int64)
         self.spin_us = spin_us
         if writer:
             self._hdr[1] = os.getpid()
+
+    @functools.cached_property
+    def state(self) -> torch.Tensor:
+        """`_st` as a tensor (the same memory), which the native ops update too."""
+        import torch
+        return torch.from_numpy(self._st)
+
+    @functools.cached_property
+    def _bytes(self) -> torch.Tensor:
+        import torch
+        return torch.frombuffer(self._map, dtype=torch.uint8, offset=HEADER)
 
     @property
     def base(self) -> int:
@@ -168,6 +183,7 @@ class Channel:
         return align(offset + n)
 
     def put_bytes(self, data: bytes, offset: int = 0) -> int:
+        import torch
         return self.put(torch.frombuffer(bytearray(data), dtype=torch.uint8), offset) if data else offset
 
     def publish(self, *words: int):
@@ -235,6 +251,7 @@ class Channel:
         between it and device memory are DMA transfers, asynchronous when asked."""
         if getattr(self, "_cuda_registered", False):
             return
+        import torch
         err = int(torch.cuda.cudart().cudaHostRegister(self._addr, len(self._map), 0))
         if err != 0:
             raise RuntimeError(f"cudaHostRegister of {self.path.name} failed with CUDA error {err}")
@@ -243,9 +260,11 @@ class Channel:
     def release(self):
         """Drop this process's mapping (the views into it must be gone)."""
         if getattr(self, "_cuda_registered", False):
+            import torch
             torch.cuda.cudart().cudaHostUnregister(self._addr)
             self._cuda_registered = False
-        del self._hdr, self._bytes, self._views
+        del self._hdr, self._views
+        self.__dict__.pop("_bytes", None)
         try:
             self._map.close()
         except BufferError:  # a payload view is still alive; process exit releases it

@@ -34,7 +34,7 @@ from pathlib import Path
 import torch
 
 from powerinfer import Config, PowerInfer, kernels
-from powerinfer.engine.sampling import sampling_params
+from powerinfer.engine.params import sampling_params
 from powerinfer.formats.loader import load_checkpoint, resolve_model
 
 ROOT = Path(__file__).resolve().parent.parent

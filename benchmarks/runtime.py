@@ -59,7 +59,7 @@ import torch
 
 from actors.channel import Channel, create, segment_path
 from powerinfer import Config, PowerInfer
-from powerinfer.engine.sampling import SamplingParams
+from powerinfer.engine.params import SamplingParams
 
 PROMPT = "Write a short story about a lighthouse keeper who finds a message in a bottle."
 
@@ -334,22 +334,22 @@ def stream_paths(pi: PowerInfer, tokens: int, rounds: int) -> dict:
     """One stream's tokens/s with its events read from the scheduler's `TokenRing` (a caller on
     its node, the default) and from Ray's stream alone (as a caller on another node reads them),
     in turns, `rounds` times, with each process's CPU time a token over the turn."""
-    import actors.handle as handle
+    import actors.follow as follow
 
-    default = handle.TOKEN_RING
+    default = follow.TOKEN_RING
     pids = dict(pi.engine.stats()["pids"], caller=os.getpid())
     got = {"ring": [], "ray stream": []}
     cpu = {k: {p: [] for p in pids} for k in got}
     try:
         for r in range(rounds):
             for path in list(got)[::1 if r % 2 == 0 else -1]:  # which goes first alternates
-                handle.TOKEN_RING = path == "ring"
+                follow.TOKEN_RING = path == "ring"
                 before = {p: cpu_s(pid) for p, pid in pids.items()}
                 got[path].append(stream_speed(pi, tokens))
                 for p, pid in pids.items():
                     cpu[path][p].append((cpu_s(pid) - before[p]) / tokens * 1e3)
     finally:
-        handle.TOKEN_RING = default
+        follow.TOKEN_RING = default
     out = {k: {"tok_s": statistics.median(v), "turns": [round(x, 1) for x in v],
                "cpu_ms_per_token": {p: round(statistics.median(c), 3) for p, c in cpu[k].items()}}
            for k, v in got.items()}

@@ -487,7 +487,7 @@ def bench_handle(args, levels: list[int], rounds: int,
     ingress, no replica; the server's defaults."""
     from actors.handle import ActorEngine
     from powerinfer.config import Config
-    from powerinfer.engine.sampling import SamplingParams
+    from powerinfer.engine.params import SamplingParams
 
     engine = ActorEngine(args.model, Config(runtime="actors", max_queue=256))
     tok = engine.tokenizer
@@ -1115,7 +1115,7 @@ def cpu_report(before: dict, after: dict, tokens: int) -> list[dict]:
 
 async def serve_handle_load(handle, tokens: int, n: int) -> tuple[list[dict], float]:
     """Hop (b), in the Ray agent: requests through the model deployment's Serve handle."""
-    from serve_app.model import GenerationRequest
+    from serve_app.request import GenerationRequest
 
     handle = handle.options(stream=True)
     sampling = {"max_tokens": tokens, "temperature": 0, "ignore_eos": True}

@@ -16,7 +16,7 @@ from .engine.budget import plan_for
 from .engine.inprocess import Engine, Event
 from .engine.kv import pool_blocks
 from .engine.partial import keep_device_blocks, keep_kquant_blocks, keep_stored_blocks
-from .engine.sampling import sampling_params
+from .engine.params import sampling_params
 from .errors import ModelLoadError
 from .formats.gguf import parsed_once
 from .formats.loader import DEFAULT_MODEL, load_checkpoint

@@ -5,10 +5,10 @@ name here), both routed by the request's model name to the model deployments.
 Every request becomes one stream per choice; both protocols share that path, its metrics and its
 errors. The model deployment (`model.py`) prepares a choice (prompt tokens, sampling, a seed) and
 names its group's scheduler, and the ingress streams the tokens from the scheduler itself
-(`actors.handle.follow`): a token crosses one Ray hop to the ingress, not two, and the model
-deployment is asked again only to resume a stream after the group fails. A request for
-top_logprobs streams through the model deployment, which names their tokens. An error before the first token is a status code
-(HTTP 4xx/5xx with an OpenAI error body; a gRPC status); after it, an SSE event with the error
+(`actors.follow`): a token crosses one Ray hop to the ingress, not two, and the model deployment is
+asked again only to resume a stream after the group fails. A request for top_logprobs streams
+through the model deployment, which names their tokens. An error before the first token is a status
+code (HTTP 4xx/5xx with an OpenAI error body; a gRPC status); after it, an SSE event with the error
 object followed by [DONE], or the gRPC status at the end of the stream. A client that goes away
 cancels its streams, which frees their batch slots in the scheduler.
 """
@@ -32,13 +32,13 @@ from ray.serve.exceptions import BackPressureError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from . import openai_schema as oa
-from actors.handle import follow
+from actors.follow import follow
 from powerinfer.errors import InvalidRequestError, PowerInferError
 from powerinfer.engine.grammar import Grammar
 
 from .errors import RETRY_AFTER_S, ApiError, error_value
 from .metrics import Metrics
-from .model import GenerationRequest
+from .request import GenerationRequest
 from .streams import OpenAIFormat, Piece, ToolCalls, collect, primed
 
 logger = logging.getLogger("ray.serve")

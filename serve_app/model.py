@@ -9,9 +9,10 @@ flight pause and resume on the new group, and new ones wait for it (`actors.hand
 periodic `check_health` runs the engine's data-path probe (one token through every actor); a
 probe that fails while the handle is not already rebuilding makes Serve replace this replica.
 
-`open` prepares a request for the ingress to stream from the scheduler itself and `reopen`
-names the group to resume it on after a failure (`actors.handle.follow`); `generate` streams
-through this deployment (the ingress uses it for requests with top_logprobs). It yields dicts: the first {"prompt_tokens": n, "events": [...]}, then {"events": [...]};
+`open` prepares a request for the ingress to stream from the scheduler itself and `reopen` names
+the group to resume it on after a failure (`actors.follow`); `generate` streams through this
+deployment (the ingress uses it for requests with top_logprobs). It yields dicts: the first
+{"prompt_tokens": n, "events": [...]}, then {"events": [...]};
 an event is the scheduler's ({"text", "token", "finish_reason"}, "queue_s" on the first, and
 "logprob"/"top_logprobs" with the token texts when asked). A failure ends the stream with
 {"error": {"kind", "message"}} (see `errors.py`), before or after the first events.
@@ -22,34 +23,22 @@ import asyncio
 import logging
 import threading
 import time
-from dataclasses import dataclass
 
 from ray import serve
 from ray.exceptions import TaskCancelledError
 
 from cluster.topology import process_memory
 from powerinfer.engine import tools
-from powerinfer.engine.sampling import sampling_params
+from powerinfer.engine.params import sampling_params
 from powerinfer.engine.tools import render as render_tools
 from powerinfer.errors import InvalidRequestError, PowerInferError
 
 from .errors import ModelUnavailableError, error_value
+from .request import GenerationRequest
 from .settings import ModelSpec
 
 logger = logging.getLogger("ray.serve")
 PROBE_TIMEOUT_S = 20.0
-
-
-@dataclass(frozen=True, slots=True)
-class GenerationRequest:
-    """prompt: text, token ids, or chat messages ({"role", "content"}) for the model's chat
-    template. sampling: SamplingParams keywords; max_tokens absent or None means up to the end
-    of the context, and any max_tokens is capped by the room the context leaves."""
-
-    prompt: str | list[int] | list[dict]
-    sampling: dict
-    request_id: str
-    tools: dict | None = None  # chat with tools: {"functions", "choice", "parallel"}
 
 
 @serve.deployment(max_ongoing_requests=10_000, health_check_period_s=10,
@@ -198,7 +187,7 @@ class ModelServer:
 
     async def open(self, req: GenerationRequest) -> dict:
         """A request for the ingress to stream from the group's scheduler itself (one hop less
-        for every token): {"prompt_tokens", "flight", "target"} (`actors.handle.follow`), or
+        for every token): {"prompt_tokens", "flight", "target"} (`actors.follow`), or
         {"error"}. During a rebuild it waits for the new group, as `generate` does."""
         try:
             engine, ids, params = self._prepare(req)

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from powerinfer.engine.batching import Batcher, new_sequence
-from powerinfer.engine.sampling import SamplingParams
+from powerinfer.engine.params import SamplingParams
 from powerinfer.engine.kv import BlockManager, Blocks
 from powerinfer.formats.loader import load_checkpoint
 from powerinfer.formats.tokenizer import Tokenizer

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from powerinfer import Config, InvalidRequestError, PowerInfer
-from powerinfer.engine.sampling import SamplingParams
+from powerinfer.engine.params import SamplingParams
 from powerinfer.engine.sampling import sample
 
 from greedy import assert_same_or_near_tie

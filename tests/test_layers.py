@@ -41,3 +41,22 @@ def test_a_back_edge_is_caught(tmp_path):
     assert r.returncode != 0 and "powerinfer.errors -> actors.handle" in r.stdout, r.stdout[-3000:]
     assert "powerinfer.formats.bundle -> powerinfer.engine.budget" in r.stdout, r.stdout[-3000:]
     assert "0 kept, 3 broken" in r.stdout and "powerinfer.engine.kv" in r.stdout, r.stdout[-3000:]
+
+
+def test_the_front_imports_no_engine():
+    # what a process that only forwards requests loads: the Serve ingress, the caller's side of
+    # a stream it runs, and the scheduler's actor class (Ray imports the class's module wherever
+    # a handle to the actor arrives: the ingress holds the scheduler's) import neither torch nor
+    # the placement solver's scipy, nor the library's API, the package's `__init__` included;
+    # the scheduler's work (in its own process) imports no solver
+    code = ("import sys\n"
+            "import serve_app.ingress, actors.follow, actors.scheduler, powerinfer\n"
+            "bad = [m for m in ('torch', 'scipy', 'powerinfer.api') if m in sys.modules]\n"
+            "assert not bad, bad\n"
+            "import actors.batch_loop\n"
+            "assert 'scipy' not in sys.modules\n"
+            "from powerinfer import PowerInfer, SamplingParams\n"  # (still there, when asked for)
+            "assert 'powerinfer.api' in sys.modules and SamplingParams.__module__.endswith('params')\n")
+    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 0, r.stderr[-3000:]

@@ -208,7 +208,7 @@ def assert_a_stream_survives_the_predictor_dying(pi: PowerInfer):
     # the fast configuration, where the hot executor's native loop waits for the predictor's
     # masks in C++: a predictor killed mid-stream is named as the cause, the group is rebuilt,
     # and the stream goes on to its last token
-    from powerinfer.engine.sampling import SamplingParams
+    from powerinfer.engine.params import SamplingParams
     e = pi.engine
     assert e.group.info["hot"]["native"] and e.group.info["predictor"]["native"]
     got, failures = [], []
@@ -310,7 +310,7 @@ def assert_native_prompt_steps_equal_the_modules(pi: PowerInfer):
     executor's prompt steps through its Python modules (`prompts_natively(False)`), bit for bit.
     (The cold executors answer a prompt's rows in their native loop either way, with the C++ a
     prompt step runs in process: test_native.py checks that against the modules.)"""
-    from powerinfer.engine.sampling import SamplingParams
+    from powerinfer.engine.params import SamplingParams
     hot = pi.engine.group.actors["hot"]
     params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=3)
     first, second = (pi.tokenize(p) for p in PROMPTS[:2])
@@ -496,7 +496,7 @@ def sparse_actors(ray_cluster, bundle):
 def concurrent_greedy(pi: PowerInfer, n: int, timeout: float) -> list[list[int]]:
     """PROMPTS' greedy tokens, the requests sent together (continuously batched), each thread
     waited for `timeout` seconds at most."""
-    from powerinfer.engine.sampling import SamplingParams
+    from powerinfer.engine.params import SamplingParams
 
     params = SamplingParams(max_tokens=n, temperature=0, ignore_eos=True)
     got = [[] for _ in PROMPTS]
@@ -571,9 +571,9 @@ def test_a_caller_on_the_schedulers_node_reads_its_events_from_a_token_ring(spar
     # ring, whole and with a log too small for them: the same events, logprobs and all (to
     # float32 rounding: each request's steps may batch and sum otherwise); the scheduler
     # counted the ring's requests, and no segment is left behind
-    import actors.handle as handle
+    import actors.follow as follow
     import actors.tokens as tokens
-    from powerinfer.engine.sampling import SamplingParams
+    from powerinfer.engine.params import SamplingParams
 
     e = sparse_actors.engine
     ids = sparse_actors.tokenize("Once upon a time")
@@ -598,10 +598,10 @@ def test_a_caller_on_the_schedulers_node_reads_its_events_from_a_token_ring(spar
     async_ring, n_async = async_events()
     async_spilled, n_async_spilled = async_events(capacity=700)
     with monkeypatch.context() as m:
-        m.setattr(handle, "_node", lambda: "another node")
+        m.setattr(follow, "_node", lambda: "another node")
         over_ray, n_ray = events()
     with monkeypatch.context() as m:  # POWERINFER_TOKEN_RING=0
-        m.setattr(handle, "TOKEN_RING", False)
+        m.setattr(follow, "TOKEN_RING", False)
         asked_off, n_off = events()
     assert (n_ring, n_spilled, n_async, n_async_spilled, n_ray, n_off) == (1, 1, 1, 1, 0, 0)
     assert [ev["token"] for ev in asked_off] == [ev["token"] for ev in over_ray]
@@ -622,7 +622,7 @@ def test_a_caller_on_the_schedulers_node_reads_its_events_from_a_token_ring(spar
 def test_the_scheduler_opens_no_file_but_a_token_ring(sparse_actors):
     # a caller names the ring; anything else (another file, a path out of shared memory) ends
     # the request with an invalid_request error on the Ray stream, and the scheduler serves on
-    from powerinfer.engine.sampling import SamplingParams
+    from powerinfer.engine.params import SamplingParams
 
     scheduler = sparse_actors.engine.group.actors["scheduler"]
     params = SamplingParams(max_tokens=2, temperature=0)
@@ -636,7 +636,7 @@ def test_the_scheduler_opens_no_file_but_a_token_ring(sparse_actors):
 def test_overloaded_queue_and_cancellation(sparse_actors):
     e = sparse_actors.engine
     ids = sparse_actors.tokenize("Tell me a long story")
-    from powerinfer.engine.sampling import SamplingParams
+    from powerinfer.engine.params import SamplingParams
     long = SamplingParams(max_tokens=200, temperature=0, ignore_eos=True)
     streams = [e.generate(ids, long) for _ in range(4)]  # max_batch=4: they all run
     for s in streams:
@@ -684,7 +684,7 @@ def test_streams_survive_the_death_of_any_actor(sparse_actors, roles, undisturbe
     # greedy picks and seeded draws near a boundary fall the other way a few tokens later. So a
     # close call here is both tokens among both runs' most likely, within 1.0 of each other's
     # log-probabilities: a stream resumed from the wrong place or state parts at once and far
-    from powerinfer.engine.sampling import SamplingParams
+    from powerinfer.engine.params import SamplingParams
 
     pi, e = sparse_actors, sparse_actors.engine
     prompts = [pi.tokenize(p) for p in ("Tell me a long story", "Once upon a time", "def f(x):")]

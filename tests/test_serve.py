@@ -465,6 +465,27 @@ def test_structured_output_batched_with_free_text(server, local_smol):
     assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "not valid JSON" in e.value.details()
 
 
+def test_the_ingress_runs_without_torch(server):
+    # the ingress (HTTP and gRPC, streams read from the schedulers' token rings, structured
+    # output checked, choices merged) loads nothing of the engine: after the requests above,
+    # with a schema, streamed and over gRPC, no ingress process has torch's library mapped
+    # (about 0.1 GiB of a process's own memory, once per host), while a model's replica does
+    ingress, replicas = [], []
+    for p in Path("/proc").iterdir():
+        try:
+            cmd = (p / "cmdline").read_bytes()
+        except (OSError, ValueError):
+            continue
+        if b"ServeReplica:powerinfer:Ingress" in cmd:
+            ingress.append(p)
+        elif b"ServeReplica:powerinfer:Model:" in cmd:
+            replicas.append(p)
+    assert ingress and replicas, (ingress, replicas)
+    for p in ingress:
+        assert "libtorch" not in (p / "maps").read_text(), p
+    assert any("libtorch" in (p / "maps").read_text() for p in replicas)
+
+
 WEATHER = [{"type": "function", "function": {
     "name": "get_weather", "description": "The current weather of a city",
     "parameters": {"type": "object", "required": ["city"], "properties": {

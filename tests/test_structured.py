@@ -8,7 +8,7 @@ import jsonschema
 import pytest
 
 from powerinfer import Config, InvalidRequestError, PowerInfer
-from powerinfer.engine.sampling import sampling_params
+from powerinfer.engine.params import sampling_params
 from powerinfer.engine.grammar import Grammar
 from powerinfer.engine.grammar import matcher as matcher_for
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from powerinfer import Config, PowerInfer
-from powerinfer.engine.sampling import sampling_params
+from powerinfer.engine.params import sampling_params
 from powerinfer.formats.loader import load_checkpoint
 from powerinfer.model.transformer import Transformer
 from powerinfer.sparsity.synthetic import (PRESETS, firing_rates, main, planted_profile,

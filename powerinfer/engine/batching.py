@@ -35,7 +35,8 @@ from ..formats.tokenizer import StreamDecoder, Tokenizer
 from . import grammar
 from .grammar import matcher
 from .kv import BlockManager, Blocks
-from .sampling import SamplingParams, logprobs, sample, token_generator
+from .params import SamplingParams
+from .sampling import logprobs, sample, token_generator
 
 
 @dataclass(eq=False)  # identity: two requests with the same prompt are two sequences

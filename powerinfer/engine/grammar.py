@@ -10,8 +10,9 @@ vocabulary, 2-4 s for Gemma 3's 262k) into a matcher that follows the sequence's
 sampling step `masks()` computes the allowed tokens of every constrained row of the batch in one
 parallel call (a runtime may do it while the step runs: it needs only the matchers) and
 `apply()` sets the other tokens' logits to -inf, so that greedy and sampled requests alike can
-only produce text of the grammar; unconstrained rows of the same batch are left as they are. The sequence ends (finish reason "stop") as soon as the grammar is complete
-and admits nothing more.
+only produce text of the grammar; unconstrained rows of the same batch are left as they are.
+The sequence ends (finish reason "stop") as soon as the grammar is complete and admits nothing
+more.
 
 JSON is written compact, as `json.dumps` writes it (", " and ": " between items, no other
 whitespace): a small model cannot then loop on whitespace, and the output parses the same.
@@ -23,11 +24,14 @@ import threading
 import weakref
 from dataclasses import dataclass
 from functools import lru_cache
+from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
 
 from ..errors import InvalidRequestError
+
+if TYPE_CHECKING:
+    import torch
 
 KINDS = ("json", "regex", "choice", "lark")
 
@@ -198,7 +202,7 @@ class Masks:
     """The allowed tokens of a batch's constrained rows: bit i of words[j] is token i of row
     rows[j] (llguidance's layout)."""
     rows: list[int]
-    words: torch.Tensor  # (len(rows), ceil(V / 32)) int32
+    words: np.ndarray  # (len(rows), ceil(V / 32)) int32
 
 
 def masks(matchers: list, vocab_size: int) -> Masks | None:
@@ -209,9 +213,9 @@ def masks(matchers: list, vocab_size: int) -> Masks | None:
     if not rows:
         return None
     n = (vocab_size + 31) // 32
-    words = torch.zeros(len(rows), n, dtype=torch.int32)
+    words = np.zeros((len(rows), n), np.int32)
     _executor().unsafe_compute_mask_ptr([(matchers[k], i) for i, k in enumerate(rows)],
-                                        words.data_ptr(), n * 4, len(rows))
+                                        words.ctypes.data, n * 4, len(rows))
     return Masks(rows, words)
 
 
@@ -220,8 +224,10 @@ def apply(m: Masks | None, logits: torch.Tensor) -> torch.Tensor:
     itself when no row is constrained)."""
     if m is None:
         return logits
+    import torch  # (where logits are, torch is loaded; this module is used without it too)
+
     K, V = logits.shape
-    bits = np.unpackbits(m.words.numpy().view(np.uint8), axis=1, bitorder="little")[:, :V]
+    bits = np.unpackbits(m.words.view(np.uint8), axis=1, bitorder="little")[:, :V]
     forbidden = ~torch.from_numpy(bits.view(np.bool_))
     if len(m.rows) == K:
         return logits.masked_fill(forbidden, float("-inf"))

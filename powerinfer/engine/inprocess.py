@@ -18,7 +18,7 @@ from ..model.transformer import KVTables, Transformer
 from .batching import Batcher, Sequence, context_length, new_sequence
 from .kv import BlockManager, Blocks, describe, pool_blocks
 from .native import NativeDecode
-from .sampling import SamplingParams
+from .params import SamplingParams
 
 log = logging.getLogger("powerinfer")
 

@@ -51,8 +51,6 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 import numpy as np
-from scipy.optimize import Bounds, LinearConstraint, milp
-from scipy.sparse import csr_array
 
 from ..errors import ConfigError
 from ..formats.args import ModelArgs
@@ -312,6 +310,9 @@ def _greedy(item_mass: np.ndarray, sizes: np.ndarray, cap: int, mandatory: bool)
 
 def _milp(value: np.ndarray, sizes: np.ndarray, cap: int, mandatory: bool, time_limit: float,
           mip_rel_gap: float):
+    # imported here: every process that plans a placement imports this module, few solve one
+    from scipy.optimize import Bounds, LinearConstraint, milp
+    from scipy.sparse import csr_array
     # value: (L, I) scaled mass of each item; variable l * I + i is item i of layer l
     L, I = value.shape
     N = L * I
