@@ -9,6 +9,7 @@
         long:  [--long-tokens 2000] [--long-streams 8] [--long-stream-tokens 400]
         kill:  [--kill-seconds 40] [--kill-clients 8] (and --tokens)
         hops:  [--hop-requests 3] (and --tokens)
+        memory: [--memory-streams 8] (and --tokens)
 
     # a quick check of every code path (minutes, not a measurement):
     .venv/bin/python benchmarks/serve.py --concurrency 1 2 --tokens 16 --rounds 1 \
@@ -86,6 +87,12 @@ Scenarios (`--scenarios`, default all, in this order):
    every process on the machine took, named by its command line (ray::ServeReplica:...:Ingress,
    ...:Model:m, ray::ProxyActor, ray::Scheduler, ray::HotExecutor, ray::ColdExecutor, raylet,
    gcs_server, this benchmark, ...), in ms of CPU per generated token, sorted.
+6. memory: after `--memory-streams` (8) concurrent streams of `--tokens` tokens, the PSS
+   (/proc/PID/smaps_rollup) of every process of the server's tree, by role, in three parts: the
+   model's (its replica, scheduler, executors, predictor), Serve's and the driver's (controller,
+   proxy, ingress, `powerinfer serve` itself: once per host, however many models) and Ray's own
+   (GCS, raylet, dashboard, idle workers); whether each maps torch's library; the server's own
+   memory lines; llama-server's one process after the same load (`--parallel` the same).
 
 llama-server is built with CMake from the llama.cpp sources vendored in the llama-cpp-python
 0.3.36 sdist into `benchmarks/.llama-server` on first use (5-6 minutes on 2 cores): -march=native
@@ -1220,8 +1227,94 @@ def scenario_hops(args, gguf: str) -> dict:
 
 # ---------------------------------------------------------------------------------- report
 
+# ------------------------------------------------------------------------------- memory
+
+def pss_mib(pid: int) -> float | None:
+    """A process's proportional set size (its own pages, plus its share of those it shares)."""
+    try:
+        for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines():
+            if line.startswith("Pss:"):
+                return int(line.split()[1]) / 1024
+    except OSError:
+        return None
+    return None
+
+
+def maps_torch(pid: int) -> bool:
+    try:
+        return "libtorch" in Path(f"/proc/{pid}/maps").read_text()
+    except OSError:
+        return False
+
+
+ROLES = (("ServeReplica:powerinfer:Ingress", "ingress", "serve"),
+         ("ServeReplica:powerinfer:Model:", "model replica", "model"),
+         ("ray::Scheduler", "scheduler", "model"), ("ray::HotExecutor", "hot executor", "model"),
+         ("ray::ColdExecutor", "cold executor", "model"),
+         ("ray::PredictorActor", "predictor", "model"),
+         ("ray::ProxyActor", "Serve proxy", "serve"),
+         ("ray::ServeController", "Serve controller", "serve"),
+         (" serve --model", "powerinfer serve (driver)", "serve"))
+
+
+def role_of(cmd: str) -> tuple[str, str]:
+    """(role, part) of a process of the server's tree: part "model" (one model's), "serve"
+    (Serve's and the driver's: once per host), or "ray" (Ray's own)."""
+    for needle, role, part in ROLES:
+        if needle in cmd:
+            return role, part
+    words = cmd.split(" ")
+    word = words[1] if Path(words[0]).name.startswith("python") and len(words) > 1 else words[0]
+    return f"Ray: {Path(word).name}"[:40], "ray"
+
+
+def scenario_memory(args, gguf: str) -> dict:
+    """PSS of every process of `powerinfer serve` (defaults) after `--memory-streams` streams of
+    `--tokens` tokens, by role, and whether each maps torch; beside llama-server's one process
+    after the same load."""
+    rows, printed = [], []
+    with our_server(args) as server:
+        asyncio.run(http_load(server.url, args.tokens, args.memory_streams, 1, warm=True))
+        time.sleep(2)
+        tree = {server.proc.pid: " ".join(server.proc.args), **descendants(server.proc.pid)}
+        for pid, cmd in sorted(tree.items()):
+            pss = pss_mib(pid)
+            if pss is None or pss < 1:  # (gone, or a shell's wrapper)
+                continue
+            role, part = role_of(cmd)
+            rows.append({"pid": pid, "role": role, "part": part, "pss_mib": round(pss, 1),
+                         "torch": maps_torch(pid)})
+        printed = [line.strip() for line in server.log.read_text(errors="replace").splitlines()
+                   if line.strip().startswith(("memory:", "host:"))]
+    llama = None
+    if not args.skip_llama:
+        n = args.memory_streams
+        with llama_server(args, gguf, n, 2048 * n) as url:
+            asyncio.run(http_load(url, args.tokens, n, 1, warm=True))
+            pid = int(next(p for p, (_, cmd) in processes().items()
+                           if cmd.split(" ")[0].endswith("llama-server") and url.rsplit(":", 1)[1] in cmd))
+            llama = pss_mib(pid)
+    by_part = {k: sum(r["pss_mib"] for r in rows if r["part"] == k) for k in ("model", "serve", "ray")}
+    out = ["| process | part | PSS MiB | maps torch |", "|---|---|---:|---|"]
+    for r in sorted(rows, key=lambda r: (r["part"], -r["pss_mib"])):
+        out.append(f"| {r['role']} | {r['part']} | {r['pss_mib']:.0f} | "
+                   f"{'yes' if r['torch'] else 'no'} |")
+    out.append(f"| **one model's processes** | model | {by_part['model']:.0f} | |")
+    out.append(f"| **Serve, its proxy and ingress, the driver** | serve | {by_part['serve']:.0f} | |")
+    out.append(f"| **Ray's own** | ray | {by_part['ray']:.0f} | |")
+    out.append(f"| **all** | | {sum(by_part.values()):.0f} | |")
+    if llama is not None:
+        out.append(f"| {LLAMA_NAME} (one process) | | {llama:.0f} | no |")
+    notes = [f"- the server's own lines at start: {'; '.join(printed)}"] if printed else []
+    settings = (f"memory: `powerinfer serve --model M` (defaults), PSS read from "
+                f"/proc/PID/smaps_rollup after {args.memory_streams} concurrent streams of "
+                f"{args.tokens} tokens; llama-server --parallel {args.memory_streams}")
+    return {"settings": settings, "table": "\n".join(out + [""] + notes),
+            "rows": rows, "by_part_mib": by_part, "llama_mib": llama, "printed": printed}
+
+
 SCENARIOS = {"load": scenario_load, "chat": scenario_chat, "long": scenario_long,
-             "kill": scenario_kill, "hops": scenario_hops}
+             "kill": scenario_kill, "hops": scenario_hops, "memory": scenario_memory}
 
 
 def machine() -> str:
@@ -1254,6 +1347,7 @@ def main() -> int:
     ap.add_argument("--kill-seconds", type=float, default=40)
     ap.add_argument("--kill-clients", type=int, default=8)
     ap.add_argument("--hop-requests", type=int, default=3)
+    ap.add_argument("--memory-streams", type=int, default=8)
     args = ap.parse_args()
     if args.chat_turns < 2:
         ap.error("--chat-turns: at least 2")

@@ -10,7 +10,7 @@ import time
 from .config import DTYPE_HELP, ISA_HELP, Config
 from .errors import PowerInferError
 from .formats.loader import DEFAULT_MODEL
-from .kernels import ISAS
+from .cpu import ISAS
 from .runtimes import add_commands
 
 

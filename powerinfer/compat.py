@@ -6,7 +6,6 @@ import struct
 import types
 
 import numpy as np
-import torch
 
 _PWRI_INT_TYPES = {16: 24, 17: 25, 18: 26}  # I8, I16, I32: the original's ggml -> today's
 
@@ -99,16 +98,6 @@ def _array_field_parts(reader, orig_offs: int):
     return 12 + size, parts, list(range(2, 2 + n)), [T.ARRAY, T(itype)]
 
 
-def native_bf16() -> bool:
-    """Whether this CPU computes bf16 natively (AVX-512 BF16 or AMX): there bf16 GEMMs beat
-    fp32; elsewhere torch emulates bf16 and fp32 is faster."""
-    try:
-        flags = open("/proc/cpuinfo").read()
-    except OSError:  # not Linux: assume the safe choice
-        return False
-    return " avx512_bf16" in flags or " amx_bf16" in flags
-
-
 def compile_per_instance(method, cpp_wrapper: bool = False):
     """torch.compile a bound method with its own compiled-code cache, and without re-checking
     the module state on every call. cpp_wrapper: Inductor calls the compiled kernels from
@@ -124,6 +113,8 @@ def compile_per_instance(method, cpp_wrapper: bool = False):
     fn = method.__func__
     own = types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__,
                              fn.__defaults__, fn.__closure__)
+    import torch
+
     compiled = torch.compile(types.MethodType(own, method.__self__), dynamic=True, options={
         "guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe,
         "cpp_wrapper": cpp_wrapper})

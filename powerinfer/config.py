@@ -3,13 +3,13 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
 
-import torch
-
-from . import kernels
-from .compat import native_bf16
+from .cpu import ISAS, native_bf16
 from .errors import ConfigError
-from .kernels import ISAS
+
+if TYPE_CHECKING:
+    import torch
 
 # the command line's help for the two settings (`powerinfer generate`, `powerinfer serve`)
 DTYPE_HELP = ("auto (bf16 where the file's 4-bit blocks run on the CPU kernel or the CPU has "
@@ -23,8 +23,14 @@ ISA_HELP = ("the CPU kernel's instruction-set class (auto: the best this CPU has
 INT4_DTYPES = ("bfloat16", "bf16", "float32", "fp32")  # the activations 4-bit weights run with
 
 
-DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
-          "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
+# each name a setting takes -> torch's (a configuration is built without torch: the serve driver)
+DTYPES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16",
+          "float16": "float16", "fp16": "float16"}
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    import torch
+    return getattr(torch, DTYPES[name])
 
 
 @dataclass(frozen=True, slots=True)
@@ -169,7 +175,7 @@ class Config:
     @property
     def torch_dtype(self) -> torch.dtype:
         assert self.dtype != "auto", "dtype 'auto' is decided by Config.resolve at load"
-        return DTYPES[self.dtype]
+        return torch_dtype(self.dtype)
 
     def resolve(self, has_q4: bool) -> "Config":
         """This configuration with "auto" decided for this machine and a model file (has_q4:
@@ -179,6 +185,9 @@ class Config:
         bf16 is native (avx512bf16), float32 dense elsewhere. `cpu_isa` itself stays as asked:
         "auto" is each process's own best (an actor on another host of a cluster may have
         another), a class asked for is held everywhere."""
+        import torch
+
+        from . import kernels
         isa = kernels.cpu_class(self.cpu_isa)  # "none": the kernel does not run here
         on_gpu = self.device == "cuda" or (self.device == "auto" and torch.cuda.is_available())
         native = isa == "avx512bf16" or (isa == "none" and native_bf16())
@@ -202,6 +211,7 @@ class Config:
     def summary(self) -> str:
         """What a resolved configuration runs, in one line for the load's log: the CPU kernel's
         class, the activations' type, the weights (and the cold executors' where they differ)."""
+        from . import kernels
         where = "a GPU" if self.device != "cpu" else "the CPU"
         line = (f"on {where}, CPU kernel {kernels.cpu_class(self.cpu_isa)}, {self.dtype} "
                 f"activations, {self.weights} weights")
@@ -212,6 +222,7 @@ class Config:
     @property
     def torch_device(self) -> torch.device:
         """The device this process computes on; a typed error where "cuda" finds no device."""
+        import torch
         if self.device == "auto":
             return torch.device("cuda" if torch.cuda.is_available() else "cpu")
         if self.device == "cuda" and not torch.cuda.is_available():

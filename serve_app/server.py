@@ -19,7 +19,7 @@ from pathlib import Path
 
 from powerinfer.config import DTYPE_HELP, ISA_HELP
 from powerinfer.errors import ConfigError
-from powerinfer.kernels import ISAS
+from powerinfer.cpu import ISAS
 from powerinfer.formats.loader import DEFAULT_MODEL
 
 from .settings import ServeSettings

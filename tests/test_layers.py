@@ -44,13 +44,17 @@ def test_a_back_edge_is_caught(tmp_path):
 
 
 def test_the_front_imports_no_engine():
-    # what a process that only forwards requests loads: the Serve ingress, the caller's side of
-    # a stream it runs, and the scheduler's actor class (Ray imports the class's module wherever
+    # what a process that only forwards requests loads: the Serve ingress, the `powerinfer serve`
+    # driver (its command line, the app and its models' configurations), the caller's side of a
+    # stream the ingress runs, and the scheduler's actor class (Ray imports the class's module wherever
     # a handle to the actor arrives: the ingress holds the scheduler's) import neither torch nor
     # the placement solver's scipy, nor the library's API, the package's `__init__` included;
     # the scheduler's work (in its own process) imports no solver
     code = ("import sys\n"
-            "import serve_app.ingress, actors.follow, actors.scheduler, powerinfer\n"
+            "import serve_app.ingress, serve_app.app, serve_app.server, powerinfer.cli\n"
+            "import actors.follow, actors.scheduler, powerinfer\n"
+            "from powerinfer.config import Config\n"
+            "Config(dtype='bf16', cpu_isa='avx2')\n"
             "bad = [m for m in ('torch', 'scipy', 'powerinfer.api') if m in sys.modules]\n"
             "assert not bad, bad\n"
             "import actors.batch_loop\n"

@@ -5,13 +5,14 @@ from __future__ import annotations
 import importlib.util
 import os
 from pathlib import Path
-
-import torch
+from typing import TYPE_CHECKING
 
 from ..errors import ModelLoadError, ModelNotFoundError
-from .gguf import load_gguf
-from .hf import load_hf
-from .source import Checkpoint
+
+if TYPE_CHECKING:
+    import torch
+
+    from .source import Checkpoint
 
 # short names of models that registry packages install: (module, file in it, package to install)
 KNOWN_MODELS = {
@@ -63,10 +64,16 @@ def _assembled(module: str, path: Path) -> Path | None:
         raise ModelNotFoundError(path, f"cannot assemble the model from {module}'s parts: {e}") from e
 
 
-def load_checkpoint(name_or_path: str | Path, dtype: torch.dtype = torch.float32,
+def load_checkpoint(name_or_path: str | Path, dtype: torch.dtype | None = None,
                     with_weights: bool = True, keep_int4: bool = False) -> Checkpoint:
-    """Read a checkpoint; with_weights=False reads only its configuration and tensor listing;
-    keep_int4 also keeps GGUF Q4_0/Q4_1 tensors as 4-bit blocks (Checkpoint.q4)."""
+    """Read a checkpoint (dtype: the weights', float32 by default); with_weights=False reads
+    only its configuration and tensor listing; keep_int4 also keeps GGUF Q4_0/Q4_1 tensors as
+    4-bit blocks (Checkpoint.q4)."""
+    import torch  # (here: the model registry above is read without it, by the serve driver)
+
+    from .gguf import load_gguf
+    from .hf import load_hf
+    dtype = torch.float32 if dtype is None else dtype
     path = resolve_model(str(name_or_path))
     try:
         if path.is_dir():

@@ -37,6 +37,7 @@ from pathlib import Path
 import torch
 from gguf import GGMLQuantizationType
 
+from ..cpu import ISAS
 from ..errors import ConfigError
 from ..formats import kquants
 from ..formats.kquants import q4_k_codes, q6_k_codes
@@ -62,9 +63,6 @@ _AVX512 = ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mfma", "-mf16c"]
 
 UNITS = {"ops.cpp": [], "neuron_ffn_avx512bf16.cpp": [*_AVX512, "-mavx512bf16", "-mavx512vnni"],
          "neuron_ffn_avx512.cpp": _AVX512, "neuron_ffn_avx2.cpp": ["-mavx2", "-mfma", "-mf16c"]}
-
-
-ISAS = ("avx2", "avx512", "avx512bf16")  # each a superset of the one before
 
 
 _GGML = {"q4_0": GGMLQuantizationType.Q4_0, "q4_1": GGMLQuantizationType.Q4_1,

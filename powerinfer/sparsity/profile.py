@@ -21,7 +21,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from ..config import DTYPES
+from ..config import torch_dtype
 from ..formats.bundle import Bundle, model_record
 from ..model.load import load_model
 from ..model.sparse import activate
@@ -131,7 +131,7 @@ def profile(model_name: str, corpus: str, out: str | Path, opts: ProfileOptions 
             dtype: str = "float32", progress: bool = True) -> Bundle:
 
     t0 = time.perf_counter()
-    model, tokenizer, path = load_model(model_name, DTYPES[dtype])
+    model, tokenizer, path = load_model(model_name, torch_dtype(dtype))
     model.setup_cache(1, opts.window)
     a = model.args
     text: Corpus = load_corpus(corpus, "calibration")
