@@ -199,7 +199,13 @@ class ModelServer:
 
     async def reopen(self, failed: str, why: str) -> dict:
         """The target to resume on after the group whose scheduler is `failed` failed, once it
-        is rebuilt: {"target"} or {"error"} (retryable)."""
+        is rebuilt: {"target"} or {"error"} (retryable). A replica still loading (the one Serve
+        started after the group's replica died, and the group with it) is waited for as long as
+        a rebuilt group is, so that the streams in flight resume on it."""
+        from actors.handle import RESUME_WAIT_S
+        deadline = time.monotonic() + RESUME_WAIT_S
+        while self._state() == "loading" and time.monotonic() < deadline:
+            await asyncio.sleep(0.25)
         try:
             engine = self._ready_engine()
             at = await asyncio.get_running_loop().run_in_executor(None, engine.replacement,

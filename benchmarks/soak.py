@@ -1,0 +1,487 @@
+#!/usr/bin/env python3
+"""An hour of faults: a served model under steady load while faults come one at a time, every
+request accounted for, the server's resources back where they were, and the run as a plot.
+
+    .venv/bin/python benchmarks/soak.py [--minutes 60] [--fault-every 300] [--streams 32]
+        [--model smollm2-135m-instruct] [--flags "SERVE FLAGS"] [--faults KIND ...]
+        [--out FILE] [--plot FILE]
+
+    # the suite's variant (tests/test_soak.py): 3 minutes, a fault every 20 s, 8 streams
+    .venv/bin/python benchmarks/soak.py --minutes 3 --fault-every 20 --streams 8
+
+`powerinfer serve --model M` (its defaults, and `--flags`) serves `--streams` clients, each
+sending streaming chat completions back to back for `--minutes`: mixed lengths (16, 48 or 128
+tokens, `ignore_eos`), three in five greedy over a fixed prompt set, the rest sampled with a
+seed. Before the load, each prompt's greedy answer of 128 tokens is asked once on the idle
+server: the undisturbed run every greedy request of the load must reproduce (its first tokens).
+
+Every `--fault-every` seconds one fault, in turn (`--faults`, default all, in this order):
+
+- `cold`, `hot`, `scheduler`, `predictor`: SIGKILL that actor of the model's group (its pid from
+  the model deployment's stats(); `predictor` only where the group has one);
+- `hangup`: a client reads three chunks of a stream and closes the connection: its batch slot
+  must come free (the scheduler's cancelled count rises);
+- `burst`: `--burst` non-streaming requests at once, past the queue: each answered 200 or 429;
+- `malformed`: bodies that are not JSON, of the wrong types, or for a model that is not served:
+  each a 4xx, never a 5xx;
+- `long`: a prompt longer than the model's context: a 400 that says so;
+- `ingress`: SIGKILL the ingress replica (Serve starts another; the streams it carried are cut:
+  a client has to send them again);
+- `replica`: SIGKILL the model deployment's replica process (Serve starts another; its group
+  goes with it, and the streams in flight resume on the new one once it has loaded).
+
+A load request ends in one of: `ok` (its [DONE], every token it asked for, and for a greedy one
+the undisturbed text), `clean` (an HTTP status with an error body, or an error event and then
+[DONE]: the client can retry), `lost` (the connection dropped, or the stream ended without its
+[DONE] or a token count short of what it asked for, with no error), `corrupt` (completed with
+other text than the undisturbed run's, for a greedy request). Each client's requests are
+counted while faults run; those cut by an ingress kill are reported apart (`cut_by_ingress`).
+
+Every 5 s the run samples the model's stats() (running, waiting, KV usage, restarts) and the PSS
+of the server's process tree. After the load it waits for the queue to drain and then checks
+that nothing is left over: the KV blocks in use back to the baseline's, the server's PSS within
+`--pss-slack` (default 25%) of the baseline's, no `/dev/shm/powerinfer-*` segment, and one
+process of each actor of the group (none of a replaced group left running).
+
+Output: a summary table printed (and `--out` JSON with every request and sample); `--plot`
+(default `benchmarks/plots/soak.png`): tokens/s and TTFT p50 over time, faults marked. The exit
+status is 1 when a request was lost or corrupt, or something was left over.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import datetime
+import json
+import os
+import random
+import signal
+import statistics
+import sys
+import threading
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import serve as sv  # noqa: E402 - the server, the load generator's client and /proc readers
+
+FAULTS = ("cold", "hangup", "hot", "burst", "scheduler", "malformed", "predictor", "long",
+          "ingress", "replica")
+PROMPTS = sv.PROMPTS
+LENGTHS = (16, 48, 128)
+SAMPLE_S = 5.0
+
+
+# ------------------------------------------------------------------------------ requests
+
+def body(prompt: str, tokens: int, greedy: bool, seed: int) -> dict:
+    b = {"model": "m", "messages": [{"role": "user", "content": prompt}], "max_tokens": tokens,
+         "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+    b.update({"temperature": 0} if greedy else {"temperature": 0.8, "seed": seed})
+    return b
+
+
+async def stream(client, url: str, b: dict, rec: dict) -> dict:
+    """One streaming request into `rec`: its chunks' times and text, its usage, whether [DONE]
+    came, and how it ended (`classify` names the outcome)."""
+    rec.update(t0=time.time(), stamps=[], text="", usage=None, done=False, status=None,
+               error=None, dropped=None)
+    try:
+        await _read(client, url, b, rec)
+    except Exception as e:  # noqa: BLE001 - the connection dropped: classified below
+        rec["dropped"] = f"{type(e).__name__}: {e}"[:200]
+    rec["t1"] = time.time()
+    return rec
+
+
+async def _read(client, url: str, b: dict, rec: dict):
+    async with client.stream("POST", url + sv.CHAT, json=b) as r:
+        rec["status"] = r.status_code
+        if r.status_code != 200:
+            rec["error"] = (await r.aread()).decode(errors="replace")[:200]
+            return
+        async for line in r.aiter_lines():
+            if line == "data: [DONE]":
+                rec["done"] = True
+            elif line.startswith("data: "):
+                chunk = json.loads(line[6:])
+                if "error" in chunk:
+                    rec["error"] = json.dumps(chunk["error"])[:200]
+                    continue
+                for c in chunk.get("choices") or ():
+                    piece = (c.get("delta") or {}).get("content")
+                    if piece:
+                        rec["stamps"].append(time.time())
+                        rec["text"] += piece
+                rec["usage"] = chunk.get("usage") or rec["usage"]
+
+
+def classify(rec: dict, reference: dict[str, str]) -> str:
+    if rec["status"] is not None and rec["status"] != 200 and rec["error"] is not None:
+        return "clean"  # a status code with its error body, before any token
+    if rec["dropped"] or not rec["done"]:
+        return "lost"
+    if rec["error"]:
+        return "clean"  # an error event, then [DONE]
+    got = (rec["usage"] or {}).get("completion_tokens")
+    if got != rec["tokens"]:
+        return "lost"
+    if rec["greedy"] and not reference[rec["prompt"]].startswith(rec["text"]):
+        return "corrupt"
+    return "ok"
+
+
+# -------------------------------------------------------------------------------- faults
+
+def group_pid(server, role: str) -> int | None:
+    return sv.ready_stats(server)["pids"].get(role)
+
+
+def tree(server) -> dict[int, str]:
+    return {server.proc.pid: " ".join(server.proc.args), **sv.descendants(server.proc.pid)}
+
+
+def pid_of(server, needle: str) -> int | None:
+    return next((p for p, cmd in tree(server).items() if needle in cmd), None)
+
+
+def kill(pid: int | None) -> str:
+    if pid is None:
+        return "skipped: no such process"
+    os.kill(pid, signal.SIGKILL)
+    return f"SIGKILL pid {pid}"
+
+
+async def hangup(server, client) -> str:
+    before = (await asyncio.to_thread(sv.ready_stats, server)).get("cancelled", 0)
+    async with client.stream("POST", server.url + sv.CHAT,
+                             json=body(PROMPTS[0], 128, True, 0)) as r:
+        n = 0
+        async for line in r.aiter_lines():
+            n += line.startswith("data: {")
+            if n >= 3:
+                break  # leaving the block closes the connection mid-stream
+    deadline = time.time() + 60
+    while time.time() < deadline:
+        if (await asyncio.to_thread(sv.ready_stats, server)).get("cancelled", 0) > before:
+            return "ok: the scheduler cancelled it"
+        await asyncio.sleep(0.5)
+    return "failed: not cancelled within 60 s"
+
+
+async def burst(server, client, n: int) -> str:
+    b = {"model": "m", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2,
+         "temperature": 0}
+
+    async def one():
+        try:
+            return (await client.post(server.url + sv.CHAT, json=b)).status_code
+        except Exception as e:  # noqa: BLE001 - counted
+            return type(e).__name__
+
+    codes = await asyncio.gather(*(one() for _ in range(n)))
+    count = {str(c): codes.count(c) for c in set(codes)}
+    bad = {c: k for c, k in count.items() if c not in ("200", "429")}
+    return ("ok: " if not bad else "failed: ") + json.dumps(count, sort_keys=True)
+
+
+async def malformed(server, client) -> str:
+    url, h = server.url + sv.CHAT, {"content-type": "application/json"}
+    cases = [("not JSON", dict(content=b"{not json", headers=h)),
+             ("wrong types", dict(json={"model": "m", "messages": "hello", "max_tokens": "x"})),
+             ("no messages", dict(json={"model": "m"})),
+             ("unknown model", dict(json={"model": "nope", "messages": [
+                 {"role": "user", "content": "hi"}]}))]
+    got = {}
+    for name, kw in cases:
+        got[name] = (await client.post(url, **kw)).status_code
+    bad = {k: v for k, v in got.items() if not 400 <= v < 500}
+    return ("ok: " if not bad else "failed: ") + json.dumps(got)
+
+
+async def long_prompt(server, client) -> str:
+    text = "the quick brown fox jumps over the lazy dog " * 3000  # ~27k tokens
+    r = await client.post(server.url + sv.CHAT, json={
+        "model": "m", "messages": [{"role": "user", "content": text}], "max_tokens": 4})
+    ok = r.status_code == 400 and "context" in r.text
+    return ("ok: " if ok else "failed: ") + f"HTTP {r.status_code} {r.text[:120]}"
+
+
+async def fault(kind: str, server, client, args) -> str:
+    # (what blocks, a stats() call through the Ray agent or a walk of /proc, runs in a thread:
+    # the load's streams are read on this event loop)
+    if kind in ("cold", "hot", "scheduler", "predictor"):
+        role = "cold.0" if kind == "cold" else kind
+        return kill(await asyncio.to_thread(group_pid, server, role))
+    needle = {"replica": "ServeReplica:powerinfer:Model:",
+              "ingress": "ServeReplica:powerinfer:Ingress"}
+    if kind in needle:
+        return kill(await asyncio.to_thread(pid_of, server, needle[kind]))
+    if kind == "hangup":
+        return await hangup(server, client)
+    if kind == "burst":
+        return await burst(server, client, args.burst)
+    if kind == "malformed":
+        return await malformed(server, client)
+    if kind == "long":
+        return await long_prompt(server, client)
+    raise ValueError(kind)
+
+
+# ------------------------------------------------------------------------------- the run
+
+def server_pss(server) -> float:
+    return sum(sv.pss_mib(p) or 0 for p in tree(server))
+
+
+def leftovers(server, baseline: dict) -> dict:
+    """What the run left behind, against the baseline's."""
+    roles = [sv.role_of(cmd)[0] for cmd in tree(server).values()]
+    actors = {r: roles.count(r) for r in ("hot executor", "cold executor", "scheduler",
+                                          "predictor", "model replica", "ingress")}
+    return {"shm_segments": sorted(p.name for p in Path("/dev/shm").glob("powerinfer-*")),
+            "actors": actors, "extra_actors": {r: n for r, n in actors.items()
+                                               if n > baseline["actors"].get(r, 0)}}
+
+
+def settle(server, baseline: dict, wait: float = 120) -> dict:
+    """Once the queue is empty and the group ready: the KV blocks in use and the PSS against the
+    baseline's (the prefix cache's blocks are evictable: they count as free)."""
+    deadline = time.time() + wait
+    st = {}
+    while time.time() < deadline:
+        with contextlib.suppress(Exception):
+            st = sv.ready_stats(server, wait=30)
+            if st.get("running", 1) == 0 and st.get("waiting", 1) == 0 \
+                    and st.get("kv_usage", 1) <= baseline["kv_usage"] + 1e-9:
+                break
+        time.sleep(1)
+    return {"kv_usage": st.get("kv_usage"), "running": st.get("running"),
+            "waiting": st.get("waiting"), "restarts": st.get("restarts"),
+            "pss_mib": server_pss(server), **leftovers(server, baseline)}
+
+
+async def run_load(server, args, reference: dict, t_end: float, records: list, faults: list,
+                   kinds: list[str]):
+    async with sv.http_client() as client:
+        async def client_loop(k: int):
+            rng = random.Random(k)
+            while time.time() < t_end:
+                p = rng.randrange(len(PROMPTS))
+                greedy = rng.random() < 0.6
+                rec = {"client": k, "prompt": PROMPTS[p], "greedy": greedy,
+                       "tokens": rng.choice(LENGTHS)}
+                records.append(rec)
+                await stream(client, server.url, body(PROMPTS[p], rec["tokens"], greedy,
+                                                      rng.randrange(1 << 30)), rec)
+                if rec["status"] not in (None, 200):
+                    await asyncio.sleep(1)  # a 429 or 503: back off, as a client would
+
+        async def fault_loop():
+            i = 0
+            t0 = time.time()
+            while True:
+                at = t0 + (i + 1) * args.fault_every
+                if at > t_end - min(args.fault_every / 2, 30):
+                    return
+                await asyncio.sleep(max(0.0, at - time.time()))
+                kind = kinds[i % len(kinds)]
+                ev = {"kind": kind, "t": time.time()}
+                try:
+                    ev["result"] = await fault(kind, server, client, args)
+                except Exception as e:  # noqa: BLE001 - reported
+                    ev["result"] = f"failed: {type(e).__name__}: {e}"[:300]
+                ev["t_end"] = time.time()
+                faults.append(ev)
+                print(f"  {ev['t'] - t0:6.0f} s  fault {kind}: {ev['result']}", flush=True)
+                i += 1
+
+        await asyncio.gather(fault_loop(), *(client_loop(k) for k in range(args.streams)))
+
+
+def sampler(server, stop: threading.Event, samples: list):
+    while not stop.wait(SAMPLE_S):
+        s = {"t": time.time(), "pss_mib": server_pss(server)}
+        with contextlib.suppress(Exception):
+            st = server.stats(10)
+            s.update({k: st.get(k) for k in ("running", "waiting", "kv_usage", "restarts")})
+        s["replica"] = pid_of(server, "ServeReplica:powerinfer:Model:")  # (its pid)
+        samples.append(s)
+
+
+def rebuilds(samples: list[dict]) -> tuple[int, int]:
+    """(group rebuilds, replica restarts) seen in the samples: a new replica starts its count of
+    rebuilds again."""
+    groups, replicas, last = 0, 0, None
+    for s in samples:
+        if s.get("restarts") is None:
+            continue
+        if last is not None and s.get("replica") != last.get("replica"):
+            replicas += 1
+        elif last is not None:
+            groups += max(0, s["restarts"] - last["restarts"])
+        last = s
+    return groups, replicas
+
+
+def buckets(records: list, t0: float, t1: float) -> list[dict]:
+    """Tokens/s and TTFT p50 over time, in about 120 windows (5 s at least)."""
+    width = max(5.0, (t1 - t0) / 120)
+    out = []
+    t = t0
+    while t < t1:
+        toks = sum(1 for r in records for s in r["stamps"] if t <= s < t + width)
+        ttft = [r["stamps"][0] - r["t0"] for r in records
+                if r["stamps"] and t <= r["t0"] < t + width]
+        out.append({"t": t - t0 + width / 2, "tok_s": toks / width,
+                    "ttft_p50": statistics.median(ttft) if ttft else None})
+        t += width
+    return out
+
+
+def plot(path: Path, series: list[dict], faults: list[dict], t0: float, title: str):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (a, b) = plt.subplots(2, 1, figsize=(11, 6), sharex=True)
+    x = [s["t"] / 60 for s in series]
+    a.plot(x, [s["tok_s"] for s in series], color="tab:blue")
+    a.set_ylabel("tokens/s (all streams)")
+    b.plot([s["t"] / 60 for s in series if s["ttft_p50"] is not None],
+           [s["ttft_p50"] for s in series if s["ttft_p50"] is not None], color="tab:orange")
+    b.set_ylabel("TTFT p50 (s)")
+    b.set_xlabel("minutes")
+    for f in faults:
+        for ax in (a, b):
+            ax.axvline((f["t"] - t0) / 60, color="tab:red", alpha=0.4, lw=1)
+        a.annotate(f["kind"], ((f["t"] - t0) / 60, a.get_ylim()[1]), rotation=90, fontsize=7,
+                   va="top", ha="right", color="tab:red")
+    a.set_title(title, fontsize=9)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="smollm2-135m-instruct")
+    ap.add_argument("--flags", default="", help="extra `powerinfer serve` flags (one string)")
+    ap.add_argument("--minutes", type=float, default=60)
+    ap.add_argument("--fault-every", type=float, default=300, help="seconds between faults")
+    ap.add_argument("--streams", type=int, default=32)
+    ap.add_argument("--burst", type=int, default=400, help="requests of the burst fault")
+    ap.add_argument("--faults", nargs="+", default=list(FAULTS), choices=FAULTS)
+    ap.add_argument("--pss-slack", type=float, default=0.25)
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--plot", default=str(Path(__file__).parent / "plots" / "soak.png"))
+    args = ap.parse_args()
+    started = datetime.datetime.now()
+    records, faults, samples = [], [], []
+    with sv.our_server(args, args.flags.split()) as server:
+        kinds = [k for k in args.faults if k != "predictor" or group_pid(server, "predictor")]
+        print(f"  undisturbed run: {len(PROMPTS)} greedy answers of {max(LENGTHS)} tokens",
+              flush=True)
+
+        async def undisturbed() -> dict:
+            async with sv.http_client() as client:
+                out = {}
+                for p in PROMPTS:
+                    rec = await stream(client, server.url, body(p, max(LENGTHS), True, 0), {})
+                    assert rec["done"] and not rec["error"], rec
+                    out[p] = rec["text"]
+                return out
+
+        reference = asyncio.run(undisturbed())
+        st = sv.ready_stats(server)
+        baseline = {"kv_usage": st.get("kv_usage", 0.0), "restarts": st.get("restarts", 0),
+                    "pss_mib": server_pss(server)}
+        baseline.update(leftovers(server, {"actors": {}}))
+        stop = threading.Event()
+        sampling = threading.Thread(target=sampler, args=(server, stop, samples), daemon=True)
+        sampling.start()
+        t0 = time.time()
+        t_end = t0 + args.minutes * 60
+        print(f"  load: {args.streams} streams for {args.minutes:g} min, a fault every "
+              f"{args.fault_every:g} s ({', '.join(kinds)})", flush=True)
+        asyncio.run(run_load(server, args, reference, t_end, records, faults, kinds))
+        t1 = time.time()
+        after = settle(server, baseline)
+        stop.set()
+        sampling.join(timeout=30)
+    outcomes = {k: 0 for k in ("ok", "clean", "lost", "corrupt")}
+    ingress_kills = [(f["t"], f["t_end"]) for f in faults if f["kind"] == "ingress"
+                     and f["result"].startswith("SIGKILL")]
+    cut = 0
+    for r in records:
+        r["outcome"] = classify(r, reference)
+        # a stream through the ingress that was killed: cut by design (the client resends)
+        if r["outcome"] == "lost" and any(r["t0"] <= a and r["t1"] >= a for a, _ in ingress_kills):
+            r["outcome"], cut = "cut_by_ingress", cut + 1
+            continue
+        outcomes[r["outcome"]] += 1
+    tokens = sum(len(r["stamps"]) for r in records)
+    series = buckets(records, t0, t1)
+    failed_faults = [f for f in faults if f["result"].startswith("failed")]
+    left = {"shm_segments": after["shm_segments"], "extra_actors": after["extra_actors"],
+            "kv_usage_after": after["kv_usage"], "kv_usage_before": baseline["kv_usage"],
+            "pss_before_mib": round(baseline["pss_mib"]), "pss_after_mib": round(after["pss_mib"])}
+    clean_up = (not after["shm_segments"] and not after["extra_actors"]
+                and after["kv_usage"] is not None
+                and after["kv_usage"] <= baseline["kv_usage"] + 1e-9
+                and after["pss_mib"] <= baseline["pss_mib"] * (1 + args.pss_slack))
+    groups, replicas = rebuilds(samples)
+    summary = {"requests": len(records), **outcomes, "cut_by_ingress": cut, "tokens": tokens,
+               "tok_s": tokens / (t1 - t0), "faults": len(faults),
+               "faults_failed": len(failed_faults), "group_rebuilds": groups,
+               "replica_restarts": replicas, "clean_up": clean_up, **left}
+    title = (f"soak: {args.model}, {args.streams} streams, {args.minutes:g} min, a fault every "
+             f"{args.fault_every:g} s; {sv.machine()}, {started:%Y-%m-%d}")
+    if args.plot:
+        plot(Path(args.plot), series, faults, t0, title)
+    print(f"\n### soak\n\n- Date: {started:%Y-%m-%d}; machine: {sv.machine()}; model: "
+          f"{args.model}; {args.streams} streams of mixed lengths ({', '.join(map(str, LENGTHS))} "
+          f"tokens, 3 in 5 greedy) for {args.minutes:g} min, a fault every {args.fault_every:g} s"
+          f"; `powerinfer serve` defaults{' + ' + args.flags if args.flags else ''}\n")
+    print("| requests | ok | clean errors | lost | corrupt | cut by an ingress kill | tok/s | "
+          "faults (failed) | groups rebuilt, replicas restarted | left over |")
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|---|---|")
+    print(f"| {len(records)} | {outcomes['ok']} | {outcomes['clean']} | {outcomes['lost']} | "
+          f"{outcomes['corrupt']} | {cut} | {summary['tok_s']:.1f} | {len(faults)} "
+          f"({len(failed_faults)}) | {groups}, {replicas} | "
+          f"{'nothing' if clean_up else json.dumps(left)} |")
+    print("\n| at s | fault | result |\n|---:|---|---|")
+    for f in faults:
+        print(f"| {f['t'] - t0:.0f} | {f['kind']} | {f['result']} |")
+    print(f"\n- PSS of the server's tree: {left['pss_before_mib']} MiB before the load, "
+          f"{left['pss_after_mib']} after it; KV usage {left['kv_usage_before']} -> "
+          f"{left['kv_usage_after']}")
+    clean = sorted({(r["status"], (r["error"] or "")[:90]) for r in records
+                    if r["outcome"] == "clean"}, key=str)
+    if clean:
+        print(f"- clean errors (status, message): {clean[:8]}")
+    for kind in ("lost", "corrupt"):
+        bad = [r for r in records if r["outcome"] == kind]
+        if bad:
+            print(f"- {kind}: " + "; ".join(
+                f"t={r['t0'] - t0:.0f} s status {r['status']} done {r['done']} tokens "
+                f"{(r['usage'] or {}).get('completion_tokens')}/{r['tokens']} "
+                f"{r['dropped'] or r['error'] or ''}" for r in bad[:6]))
+    if args.plot:
+        print(f"- plot: {args.plot}")
+    if args.out:
+        Path(args.out).write_text(json.dumps({
+            "date": f"{started:%Y-%m-%d %H:%M}", "machine": sv.machine(), "model": args.model,
+            "argv": [Path(a).name if os.sep in a else a for a in sys.argv[1:]],
+            "summary": summary, "faults": [{**f, "t": f["t"] - t0, "t_end": f["t_end"] - t0}
+                                           for f in faults],
+            "series": series, "samples": [{**s, "t": s["t"] - t0} for s in samples],
+            "requests": [{k: v for k, v in r.items() if k != "stamps"} | {
+                "t0": r["t0"] - t0, "t1": r.get("t1", r["t0"]) - t0, "n_stamps": len(r["stamps"])}
+                for r in records]}, indent=1, default=str))
+    return 0 if outcomes["lost"] == outcomes["corrupt"] == 0 and clean_up else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
