@@ -178,7 +178,7 @@ class ActorEngine:
         out = {}
         for name, s in self._group().stats().items():
             if "memory" in s:
-                out[name] = {"pss": s["memory"].get("pss", s["memory"]["rss"]),
+                out[name] = {"pss": s["memory"]["pss"],
                              **{k: s.get(f"{k}_bytes", 0) for k in ("weight", "kv")},
                              **{f"{k}_resident": s.get(f"{k}_resident", 0) for k in ("weight", "kv")}}
         return out

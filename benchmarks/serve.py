@@ -370,7 +370,8 @@ def gcs_address(pid: int) -> str:
 
 def ray_agent(address: str, conn):
     """A child process joined to a server's Ray instance, answering (id, command, keywords) on
-    `conn`: "stats" (the model deployment's stats()), "hop" (requests through its Serve handle),
+    `conn`: "stats" and "memory" (the model deployment's stats() and memory()), "hop" (requests
+    through its Serve handle),
     "close". A process of its own for each server: Serve's handles keep routers and their
     replicas in process-wide state that outlives ray.shutdown(), so that a second server reached
     from one process would be routed to the first one's dead replica. `powerinfer serve` starts
@@ -387,8 +388,8 @@ def ray_agent(address: str, conn):
             if cmd == "close":
                 break
             try:
-                if cmd == "stats":
-                    out = handle.stats.remote().result(timeout_s=kw["timeout"])
+                if cmd in ("stats", "memory"):  # (the model deployment's methods of that name)
+                    out = getattr(handle, cmd).remote().result(timeout_s=kw["timeout"])
                 else:
                     out = asyncio.run(serve_handle_load(handle, **kw))
                 conn.send((rid, True, out))

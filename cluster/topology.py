@@ -120,7 +120,8 @@ def process_memory(pid: int | str = "self") -> dict[str, int]:
     anonymous + file-backed + shared memory), hwm (the peak of rss), and its anon, file and
     shmem parts; and from /proc/PID/smaps_rollup, where it can be read, pss: its proportional
     share (each resident page divided by the processes that map it: a model file's pages, the
-    KV pool's shared memory and the libraries counted once over all of them)."""
+    KV pool's shared memory and the libraries counted once over all of them), rss where it
+    cannot be read."""
     keys = {"VmRSS": "rss", "VmHWM": "hwm", "RssAnon": "anon", "RssFile": "file",
             "RssShmem": "shmem"}
     out = {}
@@ -134,7 +135,7 @@ def process_memory(pid: int | str = "self") -> dict[str, int]:
             if k == "Pss":
                 out["pss"] = int(v.split()[0]) * 1024
     except OSError:  # another user's process, or a kernel without it
-        pass
+        out["pss"] = out.get("rss", 0)
     return out
 
 

@@ -123,7 +123,7 @@ class ModelServer:
             return {}
         out = await asyncio.get_running_loop().run_in_executor(None, self.engine.memory)
         mine = process_memory()
-        return {**out, "replica": {"pss": mine.get("pss", mine["rss"]), "weight": 0, "kv": 0,
+        return {**out, "replica": {"pss": mine["pss"], "weight": 0, "kv": 0,
                                    "weight_resident": 0, "kv_resident": 0}}
 
     # ---- the interface the ingress uses ----

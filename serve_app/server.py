@@ -209,7 +209,7 @@ def _host_memory(models: int) -> str:
     for p in procs:
         try:
             m = process_memory(p.pid)
-            total += m.get("pss", m["rss"])
+            total += m["pss"]
         except (OSError, psutil.Error):  # ended meanwhile
             pass
     return (f"  host: {_gib(total)} GiB in {len(procs)} processes (PSS): the models "

@@ -10,7 +10,7 @@ from powerinfer.formats.args import ModelArgs
 from powerinfer.model.transformer import Transformer
 from powerinfer.model.predictor import Predictors, load_predictors
 from powerinfer.sparsity.train import (format_table, layer_metrics, layer_samples, search_rank,
-    train_layer, train_predictors)
+                                        train_layer, train_predictors)
 
 DIM, FFN, LAYERS, HELD_OUT = 64, 256, 3, 600
 RANKS = [4, 8, 16, 32, 64]

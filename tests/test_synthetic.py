@@ -11,7 +11,7 @@ from powerinfer.engine.params import sampling_params
 from powerinfer.formats.loader import load_checkpoint
 from powerinfer.model.transformer import Transformer
 from powerinfer.sparsity.synthetic import (PRESETS, firing_rates, main, planted_profile,
-    random_tokens, rank_correlation, write_synthetic)
+                                            random_tokens, rank_correlation, write_synthetic)
 from powerinfer.sparsity.profile import top_share
 
 

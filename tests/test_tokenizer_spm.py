@@ -8,7 +8,7 @@ import pytest
 spm = pytest.importorskip("sentencepiece")
 
 from powerinfer.formats.tokenizer import (TYPE_BYTE, TYPE_CONTROL, TYPE_NORMAL, TYPE_UNKNOWN,
-    Tokenizer)
+                                          Tokenizer)
 
 TEXTS = [
     "Hello world",
