@@ -203,8 +203,9 @@ def chat_body(messages: list[dict] | str, tokens: int) -> dict:
 
 
 def new_record() -> dict:
-    return {"t0": None, "stamps": [], "text": "", "chunks": 0, "usage": None, "timings": None,
-            "error": None}
+    return {"t0": None, "t1": None, "stamps": [], "text": "", "chunks": 0, "usage": None,
+            "timings": None, "error": None, "status": None, "body": None, "done": False,
+            "dropped": None}
 
 
 async def sse_request(client, url: str, body: dict, rec: dict | None = None,
@@ -212,15 +213,21 @@ async def sse_request(client, url: str, body: dict, rec: dict | None = None,
     """One streaming request, recorded into `rec` as it goes (a cancelled request keeps what it
     had): the time of each chunk with text, the text, the chunks with a choice, the usage and
     llama-server's timings of the last chunk that had them, an error (status, error event,
-    exception). Chunks that hold text back (an incomplete character) have no stamp."""
+    exception); apart, the status and the body of a response other than 200, whether [DONE]
+    came, the exception that dropped the connection, and when it ended. Chunks that hold text
+    back (an incomplete character) have no stamp."""
     rec = new_record() if rec is None else rec
     rec["t0"] = time.perf_counter()
     try:
         async with client.stream("POST", url + CHAT, json=body) as r:
+            rec["status"] = r.status_code
             if r.status_code != 200:
-                rec["error"] = f"HTTP {r.status_code}: {(await r.aread())[:200]!r}"
+                rec["body"] = (await r.aread()).decode(errors="replace")[:200]
+                rec["error"] = f"HTTP {r.status_code}: {rec['body']}"
                 return rec
             async for line in r.aiter_lines():
+                if line == "data: [DONE]":
+                    rec["done"] = True
                 if not line.startswith("data: ") or line == "data: [DONE]":
                     continue
                 chunk = json.loads(line[6:])
@@ -239,7 +246,9 @@ async def sse_request(client, url: str, body: dict, rec: dict | None = None,
                 rec["usage"] = chunk.get("usage") or rec["usage"]
                 rec["timings"] = chunk.get("timings") or rec["timings"]
     except Exception as e:  # noqa: BLE001 - counted as an error of this request
-        rec["error"] = f"{type(e).__name__}: {e}"
+        rec["error"] = rec["dropped"] = f"{type(e).__name__}: {e}"
+    finally:
+        rec["t1"] = time.perf_counter()
     return rec
 
 
@@ -1241,6 +1250,11 @@ def pss_mib(pid: int) -> float | None:
     return None
 
 
+def server_tree(server) -> dict[int, str]:
+    """pid -> command line of a server started by `our_server` and of its descendants."""
+    return {server.proc.pid: " ".join(server.proc.args), **descendants(server.proc.pid)}
+
+
 def maps_torch(pid: int) -> bool:
     try:
         return "libtorch" in Path(f"/proc/{pid}/maps").read_text()
@@ -1277,8 +1291,7 @@ def scenario_memory(args, gguf: str) -> dict:
     with our_server(args) as server:
         asyncio.run(http_load(server.url, args.tokens, args.memory_streams, 1, warm=True))
         time.sleep(2)
-        tree = {server.proc.pid: " ".join(server.proc.args), **descendants(server.proc.pid)}
-        for pid, cmd in sorted(tree.items()):
+        for pid, cmd in sorted(server_tree(server).items()):
             pss = pss_mib(pid)
             if pss is None or pss < 1:  # (gone, or a shell's wrapper)
                 continue
@@ -1292,8 +1305,9 @@ def scenario_memory(args, gguf: str) -> dict:
         n = args.memory_streams
         with llama_server(args, gguf, n, 2048 * n) as url:
             asyncio.run(http_load(url, args.tokens, n, 1, warm=True))
-            pid = int(next(p for p, (_, cmd) in processes().items()
-                           if cmd.split(" ")[0].endswith("llama-server") and url.rsplit(":", 1)[1] in cmd))
+            port = url.rsplit(":", 1)[1]
+            pid = next(p for p, (_, cmd) in processes().items()
+                       if cmd.split(" ")[0].endswith("llama-server") and port in cmd)
             llama = pss_mib(pid)
     by_part = {k: sum(r["pss_mib"] for r in rows if r["part"] == k) for k in ("model", "serve", "ray")}
     out = ["| process | part | PSS MiB | maps torch |", "|---|---|---:|---|"]

@@ -88,46 +88,11 @@ def body(prompt: str, tokens: int, greedy: bool, seed: int) -> dict:
     return b
 
 
-async def stream(client, url: str, b: dict, rec: dict) -> dict:
-    """One streaming request into `rec`: its chunks' times and text, its usage, whether [DONE]
-    came, and how it ended (`classify` names the outcome)."""
-    rec.update(t0=time.time(), stamps=[], text="", usage=None, done=False, status=None,
-               error=None, dropped=None)
-    try:
-        await _read(client, url, b, rec)
-    except Exception as e:  # noqa: BLE001 - the connection dropped: classified below
-        rec["dropped"] = f"{type(e).__name__}: {e}"[:200]
-    rec["t1"] = time.time()
-    return rec
-
-
-async def _read(client, url: str, b: dict, rec: dict):
-    async with client.stream("POST", url + sv.CHAT, json=b) as r:
-        rec["status"] = r.status_code
-        if r.status_code != 200:
-            rec["error"] = (await r.aread()).decode(errors="replace")[:200]
-            return
-        async for line in r.aiter_lines():
-            if line == "data: [DONE]":
-                rec["done"] = True
-            elif line.startswith("data: "):
-                chunk = json.loads(line[6:])
-                if "error" in chunk:
-                    rec["error"] = json.dumps(chunk["error"])[:200]
-                    continue
-                for c in chunk.get("choices") or ():
-                    piece = (c.get("delta") or {}).get("content")
-                    if piece:
-                        rec["stamps"].append(time.time())
-                        rec["text"] += piece
-                rec["usage"] = chunk.get("usage") or rec["usage"]
-
-
 def classify(rec: dict, reference: dict[str, str]) -> str:
     if rec["status"] is not None and rec["status"] != 200:
         # a status code with the server's error body (OpenAI's shape), before any token; not
         # a bare one (say, a 500 of Serve's proxy itself)
-        return "clean" if (rec["error"] or "").lstrip().startswith('{"error"') else "lost"
+        return "clean" if (rec["body"] or "").lstrip().startswith('{"error"') else "lost"
     if rec["dropped"] or not rec["done"]:
         return "lost"
     if rec["error"]:
@@ -146,12 +111,8 @@ def group_pid(server, role: str) -> int | None:
     return sv.ready_stats(server)["pids"].get(role)
 
 
-def tree(server) -> dict[int, str]:
-    return {server.proc.pid: " ".join(server.proc.args), **sv.descendants(server.proc.pid)}
-
-
 def pid_of(server, needle: str) -> int | None:
-    return next((p for p, cmd in tree(server).items() if needle in cmd), None)
+    return next((p for p, cmd in sv.server_tree(server).items() if needle in cmd), None)
 
 
 def kill(pid: int | None) -> str:
@@ -170,8 +131,8 @@ async def hangup(server, client) -> str:
             n += line.startswith("data: {")
             if n >= 3:
                 break  # leaving the block closes the connection mid-stream
-    deadline = time.time() + 60
-    while time.time() < deadline:
+    deadline = time.perf_counter() + 60
+    while time.perf_counter() < deadline:
         if (await asyncio.to_thread(sv.ready_stats, server)).get("cancelled", 0) > before:
             return "ok: the scheduler cancelled it"
         await asyncio.sleep(0.5)
@@ -240,7 +201,7 @@ async def fault(kind: str, server, client, args) -> str:
 # ------------------------------------------------------------------------------- the run
 
 def server_pss(server) -> float:
-    return sum(sv.pss_mib(p) or 0 for p in tree(server))
+    return sum(sv.pss_mib(p) or 0 for p in sv.server_tree(server))
 
 
 def kv_resident_mib(server) -> float | None:
@@ -267,7 +228,7 @@ def pss_less_kv(server, tries: int = 10) -> tuple[float, float | None]:
 
 def leftovers(server, baseline: dict) -> dict:
     """What the run left behind, against the baseline's."""
-    roles = [sv.role_of(cmd)[0] for cmd in tree(server).values()]
+    roles = [sv.role_of(cmd)[0] for cmd in sv.server_tree(server).values()]
     actors = {r: roles.count(r) for r in ("hot executor", "cold executor", "scheduler",
                                           "predictor", "model replica", "ingress")}
     return {"shm_segments": sorted(p.name for p in Path("/dev/shm").glob("powerinfer-*")),
@@ -278,9 +239,9 @@ def leftovers(server, baseline: dict) -> dict:
 def settle(server, baseline: dict, wait: float = 120) -> dict:
     """Once the queue is empty and the group ready: the KV blocks in use and the PSS against the
     baseline's (the prefix cache's blocks are evictable: they count as free)."""
-    deadline = time.time() + wait
+    deadline = time.perf_counter() + wait
     st = {}
-    while time.time() < deadline:
+    while time.perf_counter() < deadline:
         with contextlib.suppress(Exception):
             st = sv.ready_stats(server, wait=30)
             if st.get("running", 1) == 0 and st.get("waiting", 1) == 0 \
@@ -298,32 +259,33 @@ async def run_load(server, args, reference: dict, t_end: float, records: list, f
     async with sv.http_client() as client:
         async def client_loop(k: int):
             rng = random.Random(k)
-            while time.time() < t_end:
+            while time.perf_counter() < t_end:
                 p = rng.randrange(len(PROMPTS))
                 greedy = rng.random() < 0.6
                 rec = {"client": k, "prompt": PROMPTS[p], "greedy": greedy,
                        "tokens": rng.choice(LENGTHS)}
                 records.append(rec)
-                await stream(client, server.url, body(PROMPTS[p], rec["tokens"], greedy,
-                                                      rng.randrange(1 << 30)), rec)
+                rec.update(sv.new_record())
+                await sv.sse_request(client, server.url, body(PROMPTS[p], rec["tokens"], greedy,
+                                                              rng.randrange(1 << 30)), rec)
                 if rec["status"] not in (None, 200):
                     await asyncio.sleep(1)  # a 429 or 503: back off, as a client would
 
         async def fault_loop():
             i = 0
-            t0 = time.time()
+            t0 = time.perf_counter()
             while True:
                 at = t0 + (i + 1) * args.fault_every
                 if at > t_end - min(args.fault_every / 2, 30):
                     return
-                await asyncio.sleep(max(0.0, at - time.time()))
+                await asyncio.sleep(max(0.0, at - time.perf_counter()))
                 kind = kinds[i % len(kinds)]
-                ev = {"kind": kind, "t": time.time()}
+                ev = {"kind": kind, "t": time.perf_counter()}
                 try:
                     ev["result"] = await fault(kind, server, client, args)
                 except Exception as e:  # noqa: BLE001 - reported
                     ev["result"] = f"failed: {type(e).__name__}: {e}"[:300]
-                ev["t_end"] = time.time()
+                ev["t_end"] = time.perf_counter()
                 faults.append(ev)
                 print(f"  {ev['t'] - t0:6.0f} s  fault {kind}: {ev['result']}", flush=True)
                 i += 1
@@ -334,7 +296,7 @@ async def run_load(server, args, reference: dict, t_end: float, records: list, f
 def sampler(server, stop: threading.Event, samples: list):
     n = 0
     while not stop.wait(SAMPLE_S):
-        s = {"t": time.time(), "pss_mib": server_pss(server)}
+        s = {"t": time.perf_counter(), "pss_mib": server_pss(server)}
         n += 1
         if n % 6 == 0:
             kv = kv_resident_mib(server)
@@ -433,7 +395,7 @@ def main() -> int:
             async with sv.http_client() as client:
                 out = {}
                 for p in PROMPTS:
-                    rec = await stream(client, server.url, body(p, max(LENGTHS), True, 0), {})
+                    rec = await sv.sse_request(client, server.url, body(p, max(LENGTHS), True, 0))
                     assert rec["done"] and not rec["error"], rec
                     out[p] = rec["text"]
                 return out
@@ -447,12 +409,12 @@ def main() -> int:
         stop = threading.Event()
         sampling = threading.Thread(target=sampler, args=(server, stop, samples), daemon=True)
         sampling.start()
-        t0 = time.time()
+        t0 = time.perf_counter()
         t_end = t0 + args.minutes * 60
         print(f"  load: {args.streams} streams for {args.minutes:g} min, a fault every "
               f"{args.fault_every:g} s ({', '.join(kinds)})", flush=True)
         asyncio.run(run_load(server, args, reference, t_end, records, faults, kinds))
-        t1 = time.time()
+        t1 = time.perf_counter()
         after = settle(server, baseline)
         stop.set()
         sampling.join(timeout=30)

@@ -1,8 +1,8 @@
 """Neuron-aware LLM inference in the spirit of PowerInfer.
 
 The names below are loaded on first use (PEP 562): a process that needs only a part of the
-library (the Serve ingress, the scheduler actor: the errors, the config, the token ring) does not
-import torch and the engine through this package's `__init__`."""
+library (the Serve ingress and the `powerinfer serve` driver: the errors, the configuration,
+a request's settings) does not import torch and the engine through this package's `__init__`."""
 from __future__ import annotations
 
 import importlib
