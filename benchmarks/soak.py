@@ -201,17 +201,30 @@ async def fault(kind: str, server, client, args) -> str:
 # ------------------------------------------------------------------------------- the run
 
 def server_pss(server) -> float:
-    return sum(sv.pss_mib(p) or 0 for p in sv.server_tree(server))
+    return sum(pss_by_role(server).values())
 
 
-def kv_resident_mib(server) -> float | None:
-    """The KV cache's pages in RAM, over the model's processes (their own reports)."""
+def pss_by_role(server) -> dict[str, float]:
+    """The server's tree's PSS by role (`serve.py`'s roles: each actor kind, Serve's processes,
+    Ray's own by program): where a growth is, when the total grows."""
+    out: dict[str, float] = {}
+    for pid, cmd in sv.server_tree(server).items():
+        role = sv.role_of(cmd)[0]
+        out[role] = out.get(role, 0.0) + (sv.pss_mib(pid) or 0.0)
+    return out
+
+
+def kv_resident_mib(server, by_actor: dict | None = None) -> float | None:
+    """The KV cache's pages in RAM, over the model's processes (their own reports); each
+    actor's into `by_actor`."""
     try:
         mem = server.agent.call("memory", 60, timeout=60)
     except Exception:  # noqa: BLE001 - loading or rebuilding: not known now
         return None
     if not mem:
         return None
+    if by_actor is not None:
+        by_actor.update({k: p.get("kv_resident", 0) / 2**20 for k, p in mem.items()})
     return sum(p.get("kv_resident", 0) for p in mem.values()) / 2**20
 
 
@@ -249,7 +262,8 @@ def settle(server, baseline: dict, wait: float = 120) -> dict:
                 break
         time.sleep(1)
     pss, rest = pss_less_kv(server)
-    return {"kv_usage": st.get("kv_usage"), "running": st.get("running"),
+    return {"pss_by_role": pss_by_role(server), "kv_usage": st.get("kv_usage"),
+            "running": st.get("running"),
             "waiting": st.get("waiting"), "restarts": st.get("restarts"),
             "pss_mib": pss, "pss_less_kv_mib": rest, **leftovers(server, baseline)}
 
@@ -296,10 +310,12 @@ async def run_load(server, args, reference: dict, t_end: float, records: list, f
 def sampler(server, stop: threading.Event, samples: list):
     n = 0
     while not stop.wait(SAMPLE_S):
-        s = {"t": time.perf_counter(), "pss_mib": server_pss(server)}
+        roles = pss_by_role(server)
+        s = {"t": time.perf_counter(), "pss_mib": sum(roles.values()), "pss_by_role": roles}
         n += 1
         if n % 6 == 0:
-            kv = kv_resident_mib(server)
+            s["kv_by_actor"] = {}
+            kv = kv_resident_mib(server, s["kv_by_actor"])
             if kv is not None:
                 s["kv_resident_mib"] = kv
         with contextlib.suppress(Exception):
@@ -404,7 +420,7 @@ def main() -> int:
         st = sv.ready_stats(server)
         pss, rest = pss_less_kv(server)
         baseline = {"kv_usage": st.get("kv_usage", 0.0), "restarts": st.get("restarts", 0),
-                    "pss_mib": pss, "pss_less_kv_mib": rest}
+                    "pss_mib": pss, "pss_less_kv_mib": rest, "pss_by_role": pss_by_role(server)}
         baseline.update(leftovers(server, {"actors": {}}))
         stop = threading.Event()
         sampling = threading.Thread(target=sampler, args=(server, stop, samples), daemon=True)
@@ -437,7 +453,9 @@ def main() -> int:
             "kv_usage_after": after["kv_usage"], "kv_usage_before": baseline["kv_usage"],
             "pss_before_mib": round(baseline["pss_mib"]), "pss_after_mib": round(after["pss_mib"]),
             "pss_less_kv_before_mib": baseline["pss_less_kv_mib"],
-            "pss_less_kv_after_mib": after["pss_less_kv_mib"]}
+            "pss_less_kv_after_mib": after["pss_less_kv_mib"],
+            "pss_by_role_before_mib": baseline["pss_by_role"],
+            "pss_by_role_after_mib": after["pss_by_role"]}
     clean_up = (not after["shm_segments"] and not after["extra_actors"]
                 and after["kv_usage"] is not None
                 and after["kv_usage"] <= baseline["kv_usage"] + 1e-9
@@ -456,13 +474,14 @@ def main() -> int:
           f"{args.model}; {args.streams} streams of mixed lengths ({', '.join(map(str, LENGTHS))} "
           f"tokens, 3 in 5 greedy) for {args.minutes:g} min, a fault every {args.fault_every:g} s"
           f"; `powerinfer serve` defaults{' + ' + args.flags if args.flags else ''}\n")
+    without_roles = {k: v for k, v in left.items() if "role" not in k}
     print("| requests | ok | clean errors | lost | corrupt | cut by an ingress kill | tok/s | "
           "faults (failed) | groups rebuilt, replicas restarted | left over |")
     print("|---:|---:|---:|---:|---:|---:|---:|---:|---|---|")
     print(f"| {len(records)} | {outcomes['ok']} | {outcomes['clean']} | {outcomes['lost']} | "
           f"{outcomes['corrupt']} | {cut} | {summary['tok_s']:.1f} | {len(faults)} "
           f"({len(failed_faults)}) | {groups}, {replicas} | "
-          f"{'nothing' if clean_up else json.dumps(left)} |")
+          f"{'nothing' if clean_up else json.dumps(without_roles)} |")
     print("\n| at s | fault | result |\n|---:|---|---|")
     for f in faults:
         print(f"| {f['t'] - t0:.0f} | {f['kind']} | {f['result']} |")
@@ -472,6 +491,11 @@ def main() -> int:
           f"{left['pss_after_mib']} after it; less the KV cache's resident pages "
           f"{mib(left['pss_less_kv_before_mib'])} -> {mib(left['pss_less_kv_after_mib'])}; "
           f"KV usage {left['kv_usage_before']} -> {left['kv_usage_after']}")
+    before, now = left["pss_by_role_before_mib"], left["pss_by_role_after_mib"]
+    print("- PSS by role, MiB before -> after (the hot and cold executors' include their KV "
+          "pages): " + ", ".join(f"{r} {before.get(r, 0):.0f} -> {now.get(r, 0):.0f}"
+                                 for r in sorted(set(before) | set(now),
+                                                 key=lambda r: -now.get(r, 0))))
     clean = sorted({(r["status"], (r["error"] or "")[:90]) for r in records
                     if r["outcome"] == "clean"}, key=str)
     if clean:

@@ -7,7 +7,7 @@ import logging
 import sys
 import time
 
-from .config import DTYPE_HELP, ISA_HELP, Config
+from .config import DTYPE_HELP, ISA_HELP, Config, device_for
 from .errors import PowerInferError
 from .formats.loader import DEFAULT_MODEL
 from .cpu import ISAS
@@ -59,6 +59,8 @@ def _model_args(p: argparse.ArgumentParser):
                    help="positions a sequence may reach (0: the model's context)")
     p.add_argument("--vram-budget", type=float, default=0.0, metavar="GB",
                    help="GPU memory the hot neurons' placement may use")
+    p.add_argument("--device", default=None, choices=["cpu", "cuda", "auto"],
+                   help="default: auto (the GPU where there is one) with --vram-budget, else cpu")
     p.add_argument("--kv-cache-gb", type=float, default=0.0,
                    help="memory of the paged KV cache (0: auto, from the host's free memory)")
     p.add_argument("--compile", action="store_true", help="torch.compile the decode step")
@@ -94,7 +96,8 @@ def _load(args):
                     max_seq_len=args.ctx,
                     max_batch=1, compile=args.compile, weights=args.weights, runtime=args.runtime,
                     bundle=args.bundle, cold_executors=args.cold_executors,
-                    vram_budget_gb=args.vram_budget, kv_cache_gb=args.kv_cache_gb)
+                    vram_budget_gb=args.vram_budget, kv_cache_gb=args.kv_cache_gb,
+                    device=device_for(args.vram_budget, args.device))
     model = PowerInfer.from_pretrained(args.model, config=config)
     if args.verbose:
         print(f"[loaded {args.model} in {time.perf_counter() - t0:.1f} s]", file=sys.stderr)

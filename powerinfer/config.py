@@ -33,6 +33,13 @@ def torch_dtype(name: str) -> torch.dtype:
     return getattr(torch, DTYPES[name])
 
 
+def device_for(vram_budget_gb: float, device: str | None = None) -> str:
+    """The device the front doors (`powerinfer serve`, the CLI, a served model's entry) give a
+    model: the one asked for, else "auto" (the GPU where there is one) when a VRAM budget is
+    given, which only a GPU can use, else "cpu"."""
+    return device or ("auto" if vram_budget_gb > 0 else "cpu")
+
+
 @dataclass(frozen=True, slots=True)
 class Config:
     """How to run a model.

@@ -17,7 +17,7 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
-from powerinfer.config import DTYPE_HELP, ISA_HELP
+from powerinfer.config import DTYPE_HELP, ISA_HELP, device_for
 from powerinfer.errors import ConfigError
 from powerinfer.cpu import ISAS
 from powerinfer.formats.loader import DEFAULT_MODEL
@@ -261,7 +261,8 @@ def add_command(sub):
     p.add_argument("--api-key", default=None,
                    help="require 'Authorization: Bearer KEY' (default: $POWERINFER_API_KEY)")
     p.add_argument("--cold-executors", type=int, default=1)
-    p.add_argument("--device", default="cpu", choices=["cpu", "cuda", "auto"])
+    p.add_argument("--device", default=None, choices=["cpu", "cuda", "auto"],
+                   help="default: auto (the GPU where there is one) with --vram-budget, else cpu")
     p.add_argument("--dtype", default="auto", help=DTYPE_HELP)
     p.add_argument("--cpu-isa", default="auto", choices=["auto", *ISAS], help=ISA_HELP)
     p.add_argument("--vram-budget", type=float, default=0.0, metavar="GB",
@@ -303,7 +304,8 @@ def _run(args) -> int:
         model = args.model or DEFAULT_MODEL
         name = args.name or (Path(model).stem if Path(model).exists() else model)
         d = {"models": [dict(name=name, model=model, bundle=args.bundle,
-                             cold_executors=args.cold_executors, device=args.device,
+                             cold_executors=args.cold_executors,
+                             device=device_for(args.vram_budget, args.device),
                              dtype=args.dtype, cpu_isa=args.cpu_isa,
                              cpu_threads=args.threads, max_seq_len=args.ctx,
                              max_batch=args.max_batch, max_queue=args.max_queue,

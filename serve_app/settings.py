@@ -8,7 +8,7 @@ import os
 import re
 from dataclasses import dataclass, field, fields, replace
 
-from powerinfer.config import Config
+from powerinfer.config import Config, device_for
 from powerinfer.errors import ConfigError
 
 API_KEY_ENV = "POWERINFER_API_KEY"
@@ -66,7 +66,8 @@ class ModelSpec:
     def base(self) -> Config:
         """Its runtime configuration, cores and resources aside (made once: the entry is
         frozen)."""
-        return Config(runtime="actors", **{**SERVER_DEFAULTS, **self.settings})
+        device = device_for(self.settings.get("vram_budget_gb") or 0, self.settings.get("device"))
+        return Config(runtime="actors", **{**SERVER_DEFAULTS, **self.settings, "device": device})
 
     @property
     def max_ongoing_requests(self) -> int:

@@ -163,3 +163,22 @@ def test_a_models_entry_sets_any_config_field_and_nothing_else():
                         ({"weights": "int3"}, "weights")):
         with pytest.raises(ConfigError, match=needle):
             ServeSettings.from_dict({"models": [{"name": "m", "model": "x", **bad}]})
+
+
+def test_a_vram_budget_asks_for_the_gpu_where_there_is_one():
+    # `powerinfer serve --model X --vram-budget N` (and an entry with vram_budget_gb) on a GPU
+    # host needs no --device: a budget only a GPU can use makes the device "auto" (the GPU
+    # where there is one, this CPU here); a device named stays, and without a budget it is cpu
+    import torch
+
+    from powerinfer.config import Config
+
+    def device(**entry):
+        spec, = ServeSettings.from_dict({"models": [{"name": "m", "model": "x", **entry}]}).models
+        return spec.config().device
+
+    assert device(vram_budget_gb=2.0) == "auto"
+    assert device(vram_budget_gb=2.0, device="cpu") == "cpu"
+    assert device() == "cpu" and device(device="cuda") == "cuda"
+    resolved = Config(device="auto", vram_budget_gb=2.0).resolve(has_q4=True)
+    assert resolved.torch_device.type == ("cuda" if torch.cuda.is_available() else "cpu")
