@@ -18,6 +18,9 @@ the prefix cache); with `SamplingParams.logprobs` set, token events have "logpro
 "top_logprobs" ([(token, logprob)], most likely first). A request may bring `resume`, tokens it
 was sampled before on a group that failed: they are replayed (not sent again) and prefilled with
 its prompt, and the stream goes on from there.
+
+No torch here: the step's arrays, the logits and the sampling are numpy's, so the scheduler's
+process costs a model none of torch's import time and memory (`tests/test_layers.py`).
 """
 from __future__ import annotations
 
@@ -27,7 +30,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-import torch
+import numpy as np
 
 from cluster.topology import pin_threads, process_memory
 
@@ -38,7 +41,6 @@ from powerinfer.engine import grammar
 from powerinfer.engine.batching import Batcher, Output, Sequence, new_sequence, step_matchers
 from powerinfer.errors import InvalidRequestError
 from powerinfer.engine.kv import BlockManager, Blocks
-from powerinfer.formats.source import ModelFile
 from powerinfer.formats.tokenizer import Tokenizer
 
 from .group_info import node_id
@@ -85,15 +87,16 @@ class GroupFailure(Exception):
 
 
 class BatchLoop:
-    def __init__(self, spec: PlaneSpec, model: ModelFile, tokenizer: Tokenizer, config: Config,
+    def __init__(self, spec: PlaneSpec, vocab: int, tokenizer: Tokenizer, config: Config,
                  cores: tuple[int, ...] = (), spare: tuple[int, ...] = (), sparse: bool = False):
         # sparse: decode rows compute their predicted neurons only: steps mixing them with
         # prompt chunks run as two (`batching.Step.parts`)
-        # the driver's tokenizer and tensor table: this process never parses the model file
+        # the driver's tokenizer and the vocabulary's size: this process never parses the
+        # model file, and never imports torch (its steps and logits are numpy arrays)
         self.tokenizer, self.cores, self.sparse = tokenizer, cores, sparse
         if spare:  # Ray's threads and the event loop that streams tokens out: off the hot core
             pin_threads(spare)
-        self.spec, self.config, self.vocab = spec, config, model.args.vocab_size
+        self.spec, self.config, self.vocab = spec, config, vocab
         self.max_seq = spec.max_seq
         self.ctl, self.out = spec.open("ctl", writer=True), spec.open("out")
         self.probe_block = spec.num_blocks - 1  # reserved for health probes
@@ -270,7 +273,7 @@ class BatchLoop:
                 # grammar masks of the step's constrained rows, computed while it runs
                 masks = Later(lambda: grammar.masks(step_matchers(step), self.vocab))
                 logits = self._run(parts[0], masks) if len(parts) == 1 else \
-                    torch.cat([self._run(p, masks).clone() for p in parts])
+                    np.concatenate([self._run(p, masks).copy() for p in parts])
                 with self.cv:
                     outs = self.batcher.postprocess(step, logits, masks.value())
                 self._emit(outs, t0)
@@ -316,7 +319,7 @@ class BatchLoop:
                 with self.cv:
                     self.by_id.pop(req.id, None)
 
-    def _run(self, step: batching.Step, meanwhile: "Later") -> torch.Tensor:
+    def _run(self, step: batching.Step, meanwhile: "Later") -> np.ndarray:
         """The step on the hot executor; its logits (K, vocab), a view of `out`. `meanwhile`
         is done while the executors compute."""
         B, T = step.tokens.shape
@@ -334,6 +337,6 @@ class BatchLoop:
         except (PeerDied, ChannelClosed) as e:
             raise GroupFailure(f"hot executor: {e}") from None
         if reply.status == ERROR:
-            text = bytes(self.out.view(torch.uint8, (reply.n,)).numpy())
+            text = bytes(self.out.array(np.uint8, (reply.n,)))
             raise GroupFailure(text.decode(errors="replace"))
-        return self.out.view(torch.float32, (K, self.vocab))
+        return self.out.array(np.float32, (K, self.vocab))

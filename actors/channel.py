@@ -174,9 +174,15 @@ class Channel:
         return float(self._st[1]) * 1e-9
 
     # writer side
-    def put(self, t: torch.Tensor, offset: int = 0, non_blocking: bool = False) -> int:
-        """Copy t into the payload at offset; returns the next aligned offset. non_blocking: a
-        device tensor's copy queued on its stream (the writer synchronizes before it publishes)."""
+    def put(self, t, offset: int = 0, non_blocking: bool = False) -> int:
+        """Copy t (a tensor, or a numpy array: a process without torch) into the payload at
+        offset; returns the next aligned offset. non_blocking: a device tensor's copy queued on
+        its stream (the writer synchronizes before it publishes)."""
+        if isinstance(t, np.ndarray):
+            n = t.nbytes
+            assert offset % ALIGN == 0 and offset + n <= self.capacity, (offset, n, self.capacity)
+            self.array(t.dtype, t.shape, offset)[...] = t
+            return align(offset + n)
         n = t.numel() * t.element_size()
         assert offset % ALIGN == 0 and offset + n <= self.capacity, (offset, n, self.capacity)
         self.view(t.dtype, t.shape, offset).copy_(t, non_blocking=non_blocking)
@@ -239,6 +245,17 @@ class Channel:
         if v is None:
             size = dtype.itemsize * int(np.prod(shape))
             v = self._views[key] = self._bytes[offset:offset + size].view(dtype).view(shape)
+        return v
+
+    def array(self, dtype, shape, offset: int = 0) -> np.ndarray:
+        """The payload at offset as a numpy array of dtype and shape (no copy), as `view` gives
+        a tensor."""
+        dtype = np.dtype(dtype)
+        key = ("numpy", dtype, tuple(shape), offset)
+        v = self._views.get(key)
+        if v is None:
+            v = self._views[key] = np.frombuffer(self._map, dtype, int(np.prod(shape)),
+                                                 HEADER + offset).reshape(shape)
         return v
 
     def close_all(self):

@@ -196,7 +196,7 @@ class ActorGroup:
         # every open stream is a call in flight: admission control is the scheduler's
         # queue, not Ray's
         self.actors["scheduler"] = place(Scheduler, n + 2, concurrency=10_000).remote(
-            spec, self.model, self.tokenizer, c, self.cores.hot, self._spare(),
+            spec, self.model.args.vocab_size, self.tokenizer, c, self.cores.hot, self._spare(),
             sparse=p.bundle is not None)
 
     def _handshake(self, shared_gpu: bool):

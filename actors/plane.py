@@ -45,9 +45,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import NamedTuple, TypeVar
 
-import torch
-
-from powerinfer import kernels
 from powerinfer.engine.batching import MIN_TABLE_BLOCKS
 
 from .channel import Channel, ChannelClosed, align, create, segment_path
@@ -86,6 +83,7 @@ def split_kv(n_kv: int, n_cold: int, hot_share: float, enabled: bool) -> list[tu
     None: it does where `enabled` (the group's decision: a CPU group, `splits_attention`, whose
     exchanges run natively) with the kernel library loaded, and where every executor gets at
     least one KV head (an executor with none would still have to answer every message)."""
+    from powerinfer import kernels
     if not enabled or not kernels.available():
         return None
     ranges = kv_ranges(n_kv, n_cold, hot_share)
@@ -164,6 +162,8 @@ class CtlLayout(NamedTuple):
     last: int  # (K,) int64: flat indices of the tokens whose logits are wanted
 
 
+ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2}  # a group's activation types' bytes
+
 Header = TypeVar("Header", Step, Reply, PredictorInput, Masks, FFNInput, Partial)
 
 
@@ -191,8 +191,12 @@ class Answering:
     def _answer(self, got):
         raise NotImplementedError
 
-    @torch.inference_mode()
     def run(self) -> str:
+        import torch  # (the answering actors compute with torch; the scheduler never runs this)
+        with torch.inference_mode():
+            return self._answer_all()
+
+    def _answer_all(self) -> str:
         try:
             while True:
                 got = self._next()
@@ -232,7 +236,7 @@ class PlaneSpec:
 
     @classmethod
     def new(cls, n_cold: int, batch: int, tokens: int, max_seq: int, num_blocks: int,
-            block_size: int, args, dtype: torch.dtype, spin_us: float = SPIN_US,
+            block_size: int, args, dtype: "torch.dtype", spin_us: float = SPIN_US,
             isa: str = "auto") -> "PlaneSpec":
         spec = cls(os.getpid(), uuid.uuid4().hex[:8], n_cold, batch, tokens, max_seq, num_blocks,
                    block_size, args.dim, args.ffn_dim, args.vocab_size,
@@ -242,8 +246,14 @@ class PlaneSpec:
         return spec
 
     @property
-    def torch_dtype(self) -> torch.dtype:
+    def torch_dtype(self) -> "torch.dtype":
+        import torch
         return getattr(torch, self.dtype)
+
+    @property
+    def itemsize(self) -> int:
+        """Bytes of an activation of the group's type (without torch: the scheduler's sizes)."""
+        return ITEMSIZE[self.dtype]
 
     @property
     def max_blocks(self) -> int:
@@ -252,7 +262,7 @@ class PlaneSpec:
         return max(MIN_TABLE_BLOCKS, -(-self.max_seq // self.block_size))
 
     def capacities(self) -> dict[str, int]:
-        S, N, M, es = self.batch, self.tokens, self.max_blocks, self.torch_dtype.itemsize
+        S, N, M, es = self.batch, self.tokens, self.max_blocks, self.itemsize
         where = align(N * 8) + align((S + 1) * 8) + align(S * M * 4)  # positions, starts, tables
         caps = {"ctl": align(N * 8) + where + align(S * 8),
                 "out": max(align(S * self.vocab * 4), ERROR_BYTES),
@@ -273,13 +283,13 @@ class PlaneSpec:
         return CtlLayout(0, pos, starts, tables, tables + align(S * M * 4))
 
     def attn_layout(self, N: int, S: int) -> AttnLayout:
-        positions = align(N * self.dim * self.torch_dtype.itemsize)
+        positions = align(N * self.dim * self.itemsize)
         starts = positions + align(N * 8)
         return AttnLayout(0, positions, starts, starts + align((S + 1) * 8))
 
     def mask_offset(self, rows: int) -> int:
         """Where the masks start on `x`, after `rows` rows of FFN input."""
-        return align(rows * self.dim * self.torch_dtype.itemsize)
+        return align(rows * self.dim * self.itemsize)
 
     def create_all(self):
         for name, cap in self.capacities().items():

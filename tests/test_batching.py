@@ -1,6 +1,7 @@
 """The batching core both runtimes run (schedule, run, postprocess), as bookkeeping alone: no
 model, logits made up to steer the sampler."""
 import pytest
+import numpy as np
 import torch
 
 from powerinfer.engine.batching import Batcher, new_sequence
@@ -41,7 +42,7 @@ def test_admission_by_max_batch_then_decode_steps(tok):
     assert step.tokens.tolist() == [[1, 2, 3, 4, 5]] and step.positions.tolist() == [[0, 1, 2, 0, 1]]
     assert step.starts.tolist() == [0, 3, 5] and step.last.tolist() == [2, 4]
     assert step.sampled == [a, c]
-    assert a.blocks.table != c.blocks.table and step.tables.dtype == torch.int32
+    assert a.blocks.table != c.blocks.table and step.tables.dtype == np.int32
     outs = b.postprocess(step, greedy(step, 42))
     assert [(o.token, o.first) for o in outs] == [(42, True), (42, True)]
     step = b.schedule()  # d waits: max_batch runs; one decode step over the two

@@ -1,5 +1,6 @@
 """Generation on the real default model: sampling rules, stop rules, streaming, batching, chat."""
 import gguf
+import numpy as np
 import pytest
 import torch
 
@@ -100,7 +101,7 @@ def test_invalid_requests_are_typed_errors(smol):
 def test_sampling_filters():
     p = SamplingParams(temperature=1.0, top_k=0, top_p=1.0, min_p=0.5)
     logits = torch.tensor([4.0, 3.9, 0.0, -1.0])  # min_p 0.5 keeps only the first two
-    g = torch.Generator().manual_seed(0)
+    g = np.random.default_rng(0)
     assert {sample(logits, p, [], g) for _ in range(200)} == {0, 1}
     p = SamplingParams(temperature=1.0, top_k=0, top_p=0.5, min_p=0.0)
     assert {sample(torch.tensor([3.0, 2.0, 1.0]), p, [], g) for _ in range(50)} == {0}
@@ -109,6 +110,19 @@ def test_sampling_filters():
     p = SamplingParams(temperature=0, repetition_penalty=2.0)
     assert sample(torch.tensor([2.0, 1.5]), p, [0], None) == 1  # 2.0/2 < 1.5
     assert sample(torch.tensor([2.0, 1.5]), p, [1], None) == 0
+    # the draws follow the distribution (the scheduler samples in numpy, a row as an array or a
+    # tensor): 4,000 draws of softmax([2, 1, 0]) within 3% of each probability
+    p = SamplingParams(temperature=1.0, top_k=0, top_p=1.0, min_p=0.0)
+    x = np.array([2.0, 1.0, 0.0], np.float32)
+    counts = np.bincount([sample(x, p, [], g) for _ in range(4000)], minlength=3) / 4000
+    assert np.allclose(counts, np.exp(x) / np.exp(x).sum(), atol=0.03), counts
+    # top-k keeps the k largest, ties to the lower index; a row without a finite logit fails
+    p = SamplingParams(temperature=1.0, top_k=2, top_p=1.0, min_p=0.0)
+    assert {sample(np.array([1.0, 5.0, 5.0, 5.0], np.float32), p, [], g) for _ in range(100)} \
+        == {1, 2}
+    for bad in (np.full(3, np.nan, np.float32), np.full(3, -np.inf, np.float32)):
+        with pytest.raises(RuntimeError):
+            sample(bad, SamplingParams(temperature=1.0), [], g)
 
 
 @pytest.mark.slow

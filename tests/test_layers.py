@@ -49,7 +49,8 @@ def test_the_front_imports_no_engine():
     # stream the ingress runs, and the scheduler's actor class (Ray imports the class's module wherever
     # a handle to the actor arrives: the ingress holds the scheduler's) import neither torch nor
     # the placement solver's scipy, nor the library's API, the package's `__init__` included;
-    # the scheduler's work (in its own process) imports no solver
+    # the scheduler's work (in its own process: the batching core, sampling, grammar masks)
+    # imports neither torch nor the solver
     code = ("import sys\n"
             "import serve_app.ingress, serve_app.app, serve_app.server, powerinfer.cli\n"
             "import actors.follow, actors.scheduler, powerinfer\n"
@@ -58,7 +59,7 @@ def test_the_front_imports_no_engine():
             "bad = [m for m in ('torch', 'scipy', 'powerinfer.api') if m in sys.modules]\n"
             "assert not bad, bad\n"
             "import actors.batch_loop\n"
-            "assert 'scipy' not in sys.modules\n"
+            "assert 'scipy' not in sys.modules and 'torch' not in sys.modules\n"
             "from powerinfer import PowerInfer, SamplingParams\n"  # (still there, when asked for)
             "assert 'powerinfer.api' in sys.modules and SamplingParams.__module__.endswith('params')\n")
     r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,

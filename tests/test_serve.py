@@ -465,11 +465,17 @@ def test_structured_output_batched_with_free_text(server, local_smol):
     assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "not valid JSON" in e.value.details()
 
 
-def test_the_ingress_runs_without_torch(server):
+def test_the_ingress_and_the_schedulers_run_without_torch(server):
     # the ingress (HTTP and gRPC, streams read from the schedulers' token rings, structured
     # output checked, choices merged) loads nothing of the engine: after the requests above,
     # with a schema, streamed and over gRPC, no ingress process has torch's library mapped
-    # (about 0.1 GiB of a process's own memory, once per host), while a model's replica does
+    # (about 0.1 GiB of a process's own memory, once per host), while a model's replica does;
+    # nor does any model's scheduler (batching, sampling and grammar masks in numpy: a process
+    # of every model that costs none of torch's memory), while its executors do
+    for name in (SMOL, TINY):
+        pids = server.model_stats(name)["pids"]
+        assert "libtorch" not in Path(f"/proc/{pids['scheduler']}/maps").read_text(), name
+        assert "libtorch" in Path(f"/proc/{pids['hot']}/maps").read_text(), name
     ingress, replicas = [], []
     for p in Path("/proc").iterdir():
         try:

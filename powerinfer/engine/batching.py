@@ -18,7 +18,7 @@ prefilled again from its tokens (recomputation, as vLLM does); nobody fails.
 `schedule()` returns the next `Step`, a runtime runs it (the in-process `Engine`, or the actor
 runtime's scheduler through the hot executor), and `postprocess(step, logits)` samples the rows
 that are due, applies the stop rules, frees the blocks of finished sequences and returns what
-each produced. Plain Python bookkeeping and small CPU tensors: no model, no device.
+each produced. Plain Python bookkeeping and small numpy arrays: no model, no device, no torch.
 """
 from __future__ import annotations
 
@@ -27,7 +27,6 @@ from collections import deque
 from dataclasses import dataclass, field
 
 import numpy as np
-import torch
 
 from ..config import Config
 from ..errors import InvalidRequestError
@@ -36,7 +35,7 @@ from . import grammar
 from .grammar import matcher
 from .kv import BlockManager, Blocks
 from .params import SamplingParams
-from .sampling import logprobs, sample, token_generator
+from .sampling import host_array, logprobs, sample, token_generator
 
 
 @dataclass(eq=False)  # identity: two requests with the same prompt are two sequences
@@ -110,12 +109,12 @@ class Step:
     """One step: `counts[i]` new tokens of seqs[i], flat, sequence by sequence."""
     seqs: list[Sequence]
     counts: list[int]
-    tokens: torch.Tensor  # (S, 1) int64 when every sequence brings one token (decode), else (1, N)
-    positions: torch.Tensor  # like tokens
-    starts: torch.Tensor  # (S + 1,) int64: sequence i's tokens are starts[i] .. starts[i+1] - 1
-    tables: torch.Tensor  # (S, M) int32 block tables
+    tokens: np.ndarray  # (S, 1) int64 when every sequence brings one token (decode), else (1, N)
+    positions: np.ndarray  # like tokens
+    starts: np.ndarray  # (S + 1,) int64: sequence i's tokens are starts[i] .. starts[i+1] - 1
+    tables: np.ndarray  # (S, M) int32 block tables
     sampled: list[Sequence]  # the sequences whose tokens are all computed after it: one logits row each
-    last: torch.Tensor  # (K,) int64: the flat index of each sampled sequence's last token
+    last: np.ndarray  # (K,) int64: the flat index of each sampled sequence's last token
 
     @property
     def decode(self) -> bool:
@@ -295,10 +294,12 @@ class Batcher:
         self.waiting.appendleft(s)
         self.preemptions += 1
 
-    def postprocess(self, step: Step, logits: torch.Tensor,
+    def postprocess(self, step: Step, logits,
                     allowed: "grammar.Masks | None | bool" = False) -> list[Output]:
-        # logits: (K, vocab) on the CPU, one row per step.sampled; allowed: the constrained
-        # rows' masks if the runtime computed them already (`grammar.masks(step_matchers(step))`)
+        # logits: (K, vocab) float32 on the host, one row per step.sampled (a numpy array, or
+        # a CPU tensor read as one); allowed: the constrained rows' masks if the runtime
+        # computed them already (`grammar.masks(step_matchers(step))`)
+        logits = host_array(logits)
         for s, n in zip(step.seqs, step.counts):
             s.computed += n
             keyed = self._keyed(s)
@@ -341,9 +342,8 @@ MIN_TABLE_BLOCKS = 2
 
 def make_step(rows: list[tuple[Sequence, int]]) -> Step:
     """A step of `n` new tokens of each (sequence, n): one-token rows first, then prompt chunks.
-    Its tensors are built in numpy and wrapped: each torch call releases and takes back the GIL,
-    and in the actor runtime's scheduler, where other threads want it, a step's dozen such
-    calls cost half a millisecond of hand-overs on the critical path."""
+    Its arrays are numpy's (the in-process engine wraps them as tensors without a copy; the
+    actor runtime's scheduler copies them into its channel without torch)."""
     rows = sorted(rows, key=lambda r: r[1] > 1)  # (stable)
     seqs, counts = [s for s, _ in rows], [n for _, n in rows]
     tokens, positions, sampled, last = [], [], [], []
@@ -360,9 +360,9 @@ def make_step(rows: list[tuple[Sequence, int]]) -> Step:
     shape = (len(seqs), 1) if all(n == 1 for n in counts) else (1, len(tokens))
     starts = np.zeros(len(seqs) + 1, dtype=np.int64)
     np.cumsum(counts, out=starts[1:])
-    ints = lambda v: torch.from_numpy(np.asarray(v, dtype=np.int64))  # noqa: E731
-    return Step(seqs, counts, ints(tokens).view(shape), ints(positions).view(shape),
-                torch.from_numpy(starts), torch.from_numpy(tables), sampled, ints(last))
+    ints = lambda v: np.asarray(v, dtype=np.int64)  # noqa: E731
+    return Step(seqs, counts, ints(tokens).reshape(shape), ints(positions).reshape(shape),
+                starts, tables, sampled, ints(last))
 
 
 def context_length(args, config: Config) -> int:
@@ -388,7 +388,7 @@ def new_sequence(prompt: list[int], params: SamplingParams, tokenizer: Tokenizer
     return seq
 
 
-def sample_next(s: Sequence, logits: torch.Tensor) -> tuple[int, str]:
+def sample_next(s: Sequence, logits: np.ndarray) -> tuple[int, str]:
     """Sample s's next token from its logits (vocab,); returns it and the text now final."""
     history = s.recent(s.params.repetition_window) if s.params.repetition_penalty != 1 else []
     generator = None if s.params.greedy else token_generator(s.seed, len(s.output))

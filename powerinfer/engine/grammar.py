@@ -24,14 +24,9 @@ import threading
 import weakref
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import TYPE_CHECKING
-
 import numpy as np
 
 from ..errors import InvalidRequestError
-
-if TYPE_CHECKING:
-    import torch
 
 KINDS = ("json", "regex", "choice", "lark")
 
@@ -219,18 +214,13 @@ def masks(matchers: list, vocab_size: int) -> Masks | None:
     return Masks(rows, words)
 
 
-def apply(m: Masks | None, logits: torch.Tensor) -> torch.Tensor:
+def apply(m: Masks | None, logits: np.ndarray) -> np.ndarray:
     """logits (K, V) with the tokens each constrained row forbids at -inf (a copy; logits
     itself when no row is constrained)."""
     if m is None:
         return logits
-    import torch  # (where logits are, torch is loaded; this module is used without it too)
-
-    K, V = logits.shape
+    V = logits.shape[1]
     bits = np.unpackbits(m.words.view(np.uint8), axis=1, bitorder="little")[:, :V]
-    forbidden = ~torch.from_numpy(bits.view(np.bool_))
-    if len(m.rows) == K:
-        return logits.masked_fill(forbidden, float("-inf"))
-    out = logits.clone()
-    out[m.rows] = logits[m.rows].masked_fill(forbidden, float("-inf"))
+    out = logits.copy()
+    out[m.rows] = np.where(bits.view(np.bool_), logits[m.rows], np.float32(-np.inf))
     return out

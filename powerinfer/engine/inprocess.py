@@ -99,8 +99,9 @@ class Engine:
         """A step's logits (K, vocab) on the CPU, one row per sampled sequence."""
         dev = self.device
         run = self._decode if step.decode else self._forward
-        logits = run(step.tokens.to(dev), step.positions.to(dev),
-                     KVTables(step.starts.to(dev), step.tables.to(dev)), step.last.to(dev))
+        t = lambda a: torch.from_numpy(a).to(dev)  # noqa: E731 - the step's numpy arrays
+        logits = run(t(step.tokens), t(step.positions), KVTables(t(step.starts), t(step.tables)),
+                     t(step.last))
         return logits[:, -1].cpu()
 
     def _forward(self, tokens, pos, kv, last):
