@@ -43,9 +43,12 @@ import time
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import NamedTuple, TypeVar
+from typing import TYPE_CHECKING, NamedTuple, TypeVar
 
 from powerinfer.engine.batching import MIN_TABLE_BLOCKS
+
+if TYPE_CHECKING:
+    import torch
 
 from .channel import Channel, ChannelClosed, align, create, segment_path
 
