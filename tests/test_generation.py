@@ -125,6 +125,39 @@ def test_sampling_filters():
             sample(bad, SamplingParams(temperature=1.0), [], g)
 
 
+def reference_kept(x: np.ndarray, p: SamplingParams) -> list[int]:
+    """The tokens top-k, top-p and min-p keep, by the book: the whole row sorted."""
+    order = np.lexsort((np.arange(len(x)), -x))  # largest first, ties by index
+    if 0 < p.top_k < len(x):
+        order = order[:p.top_k]
+    e = np.exp(x[order].astype(np.float64) - x[order[0]])
+    probs = e / e.sum()
+    before = np.concatenate([[0.0], np.cumsum(probs)[:-1]])  # the mass ahead of each
+    keep = (before < p.top_p) if p.top_p < 1 else np.ones(len(order), bool)
+    if p.min_p > 0:
+        keep &= probs >= p.min_p * probs[0]
+    keep[0] = True
+    return list(order[keep])
+
+
+def test_the_filters_keep_what_a_whole_sort_keeps():
+    # `kept` sorts only the tokens that can be kept (past min-p's bar, or the fewest largest
+    # reaching top-p's mass); over flat and peaked rows of a real vocabulary's size it keeps the
+    # tokens a sort of the whole row does, largest first
+    from powerinfer.engine.sampling import kept
+    rng = np.random.default_rng(1)
+    for scale in (0.5, 2.0, 6.0):
+        x = (rng.standard_normal(49152) * scale).astype(np.float32)
+        for top_k, top_p, min_p in ((0, 0.9, 0.0), (0, 0.5, 0.0), (0, 1.0, 0.05), (0, 0.95, 0.02),
+                                    (40, 0.95, 0.05), (40, 1.0, 0.0), (0, 0.999, 0.0)):
+            p = SamplingParams(temperature=0.8, top_k=top_k, top_p=top_p, min_p=min_p)
+            got = kept(x, x.max(), p)
+            got = range(len(x)) if got is None else got  # (nothing filters: every token)
+            want = reference_kept(x, p)
+            assert list(got) == list(want) or (top_p == 1 and min_p == 0 and not top_k and
+                                               sorted(want) == list(got)), (scale, top_k, top_p)
+
+
 @pytest.mark.slow
 def test_compiled_decode_matches_eager(tmp_path):
     # The compiled step takes other code paths (multiply-reduce GEMV, decode attention, C++
