@@ -42,7 +42,9 @@ Scenarios (`--scenarios`, default all, in this order):
    server; the same load on the engine handle in this process (`ActorEngine.agenerate` with the
    server's defaults, Config(runtime="actors", max_queue=256): the difference is the cost of the
    Serve hops); `llama-server` (`--parallel` = c, `-c` = 256 * c); and the "tuned" server with
-   `--tuned`. Columns: aggregate tok/s, ratio to llama-server, TTFT p50/p99, ITL p50/p99, the
+   `--tuned`; `--temperature T` samples every request at T (each system's own defaults for the
+   other filters: ours the OpenAI API's, llama-server's its own; the handle's rows stay greedy).
+   Columns: aggregate tok/s, ratio to llama-server, TTFT p50/p99, ITL p50/p99, the
    scheduler's mean prefill step (its counters), errors. While the server runs the highest level,
    stats() is sampled every 0.5 s: the peak share of KV blocks held (and of how many), the peak of
    running sequences, preemptions, and the requests that waited while blocks were free (the peak
@@ -194,10 +196,10 @@ def http_client():
     return httpx.AsyncClient(timeout=600, limits=limits)
 
 
-def chat_body(messages: list[dict] | str, tokens: int) -> dict:
+def chat_body(messages: list[dict] | str, tokens: int, temperature: float = 0.0) -> dict:
     if isinstance(messages, str):
         messages = [{"role": "user", "content": messages}]
-    return {"model": "m", "max_tokens": tokens, "temperature": 0, "ignore_eos": True,
+    return {"model": "m", "max_tokens": tokens, "temperature": temperature, "ignore_eos": True,
             "stream": True, "stream_options": {"include_usage": True}, "cache_prompt": True,
             "messages": messages}
 
@@ -273,12 +275,12 @@ def prompt_tokens(rec: dict) -> int | None:
 
 
 async def http_load(url: str, tokens: int, c: int, rounds: int,
-                    warm: bool) -> tuple[list[dict], float]:
+                    warm: bool, temperature: float = 0.0) -> tuple[list[dict], float]:
     """Streaming chat requests to an OpenAI-compatible server (after one unmeasured if warm)."""
     async with http_client() as client:
         async def one(i: int) -> dict:
             return outcome(await sse_request(client, url, chat_body(PROMPTS[i % len(PROMPTS)],
-                                                                    tokens)))
+                                                                    tokens, temperature)))
 
         if warm:
             await one(0)
@@ -612,7 +614,8 @@ def load_ours(args, server, label: str, levels: list[int]) -> tuple[list[dict], 
         if sampler:
             sampler.start()
         results, wall = asyncio.run(http_load(server.url, args.tokens, c, args.rounds,
-                                              warm=c == levels[0]))
+                                              warm=c == levels[0],
+                                              temperature=args.temperature))
         samples = sampler.finish() if sampler else []
         after = server.stats()
         row = summarize(label, c, results, wall)
@@ -654,7 +657,7 @@ def scenario_load(args, gguf: str) -> dict:
             # 256 positions a slot: the chat prompt (under 64 tokens) and the output
             with llama_server(args, gguf, c, 256 * c) as url:
                 results, wall = asyncio.run(http_load(url, args.tokens, c, args.rounds,
-                                                      warm=True))
+                                                      warm=True, temperature=args.temperature))
             rows.append(summarize(LLAMA_NAME, c, results, wall))
             print(json.dumps(rows[-1]), flush=True)
 
@@ -1351,6 +1354,9 @@ def main() -> int:
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32, 64])
     ap.add_argument("--tokens", type=int, default=128, help="output tokens a request (load, kill, "
                                                            "hops)")
+    ap.add_argument("--temperature", type=float, default=0.0,
+                    help="the load scenario's requests sampled at this temperature (each system "
+                         "with its own defaults for top-k, top-p and min-p; 0: greedy)")
     ap.add_argument("--rounds", type=int, default=2, help="requests per client, one after another")
     ap.add_argument("--chat-conversations", type=int, default=8)
     ap.add_argument("--chat-turns", type=int, default=4)
