@@ -10,6 +10,7 @@ then kill the actors and remove the placement group.
 """
 from __future__ import annotations
 
+import functools
 import importlib.util
 import logging
 import re
@@ -55,10 +56,30 @@ def wants_gpu(config: Config) -> bool:
     return config.device == "cuda" or (config.device == "auto" and gpus >= 1)
 
 
+def store_once(**objects) -> dict:
+    """Each object put in Ray's store, for every group an engine starts to pass to its actors:
+    an argument passed by value is serialized into the store again at every actor's creation
+    (the model's table and tokenizer, a few MiB, twice a group), and the pages the owner wrote
+    there count in its memory: a model replica grew by about 8 MiB at each group rebuild."""
+    return {k: ray.put(v) for k, v in objects.items()}
+
+
+@functools.cache
+def remote_class(cls):
+    """`ray.remote(cls)`, made once a process: each call makes a new actor class, which Ray's
+    worker keeps (its tracing wrappers, its export), so a model replica that made one at every
+    group rebuild grew by about 5 MiB a rebuild."""
+    return ray.remote(cls)
+
+
 class ActorGroup:
     def __init__(self, model: ModelFile, tokenizer, config: Config, plan: SparsePlan,
-                 max_seq: int, num_blocks: int, spin_us: float = SPIN_US):
+                 max_seq: int, num_blocks: int, spin_us: float = SPIN_US,
+                 stored: dict | None = None):
+        # stored: the model's table and tokenizer as objects in Ray's store (`store_once`),
+        # passed to the actors in their place
         self.model, self.tokenizer, self.args = model, tokenizer, model.args
+        self.stored = stored or {}
         self.config, self.plan = config, plan
         self.max_seq, self.num_blocks, self.spin_us = max_seq, num_blocks, spin_us
         self.cores: CorePlan | None = None
@@ -172,7 +193,7 @@ class ActorGroup:
         c, n, spec, p = self.config, self.config.cold_executors, self.spec, self.plan
 
         def place(cls, i, concurrency=4, **kw):
-            return ray.remote(cls).options(
+            return remote_class(cls).options(
                 num_cpus=CPU_SHARE, max_concurrency=concurrency, max_restarts=0, **kw,
                 scheduling_strategy=PlacementGroupSchedulingStrategy(self.pg, i))
 
@@ -181,10 +202,12 @@ class ActorGroup:
         attention = not gpu and splits_attention(self.args, p)
         self.actors["hot"] = place(HotExecutor, 0,
                                    num_gpus=(0.5 if shared_gpu else 1) if gpu else 0).remote(
-            spec, self.cores.hot, self.model, c, p, self.hot_share, attention)
+            spec, self.cores.hot, self.stored.get("model", self.model), c, p, self.hot_share,
+            attention)
         for k in range(n):
             self.actors[f"cold.{k}"] = place(ColdExecutor, 1 + k).remote(
-                spec, k, self.cores.cold[k], self.model, p, self.hot_share, c.cpu_threads,
+                spec, k, self.cores.cold[k], self.stored.get("model", self.model), p,
+                self.hot_share, c.cpu_threads,
                 c.cold_weights, head=not gpu, attention=attention)
         if p.predictor_input is not None:
             # on the GPU it mostly waits for the device: beside the hot executor, off the
@@ -196,7 +219,8 @@ class ActorGroup:
         # every open stream is a call in flight: admission control is the scheduler's
         # queue, not Ray's
         self.actors["scheduler"] = place(Scheduler, n + 2, concurrency=10_000).remote(
-            spec, self.model.args.vocab_size, self.tokenizer, c, self.cores.hot, self._spare(),
+            spec, self.model.args.vocab_size, self.stored.get("tokenizer", self.tokenizer), c,
+            self.cores.hot, self._spare(),
             sparse=p.bundle is not None)
 
     def _handshake(self, shared_gpu: bool):

@@ -45,7 +45,7 @@ from powerinfer.formats.q4 import has_q4
 from powerinfer.formats.tokenizer import Tokenizer
 
 from .follow import Flight, follow, follow_sync, target
-from .group import ActorGroup, wants_gpu
+from .group import ActorGroup, store_once, wants_gpu
 from .plane import SPIN_US
 
 log = logging.getLogger("powerinfer")
@@ -77,6 +77,7 @@ class ActorEngine:
                               wants_gpu(config), ckpt)
                      or SparsePlan.dense(ckpt.args, dense_block(ckpt)))
         self._spin = spin_us
+        self._stored: dict | None = None  # the model's table and tokenizer in Ray's store
         self.restarts, self.last_failure, self.rebuild_failures = 0, None, 0
         self._failures_before = 0  # rebuild_failures when the current rebuild began
         self._lock = threading.Lock()
@@ -88,8 +89,10 @@ class ActorEngine:
         self._monitor.start()
 
     def _new_group(self, wait_for_resources: bool = True) -> ActorGroup:
+        if self._stored is None:
+            self._stored = store_once(model=self.model, tokenizer=self.tokenizer)
         return ActorGroup(self.model, self.tokenizer, self.config, self.plan, self.max_seq,
-                          self.kv_blocks, self._spin).start(wait_for_resources)
+                          self.kv_blocks, self._spin, self._stored).start(wait_for_resources)
 
     # ---- the interface ----
     def tokenize(self, text: str, add_bos: bool | None = None) -> list[int]:
