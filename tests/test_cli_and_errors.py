@@ -1,5 +1,4 @@
 """The console script and load errors, run as a user would."""
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -136,38 +135,6 @@ def test_the_library_imports_nothing_built_on_it():
     with pytest.raises(ConfigError, match=r"runtime 'mpi' is not installed \(installed: actors;"
                                           r".*pip install -e \."):
         engine_class("mpi")
-
-
-@pytest.mark.slow
-def test_a_local_start_does_not_join_a_cluster_recorded_on_the_machine(monkeypatch):
-    # `ray.init()` with no address joins the cluster a `ray start` recorded on the machine
-    # (/tmp/ray/ray_current_cluster): perhaps one started without authentication, or another
-    # user's. Without RAY_ADDRESS the project's processes start their own instance beside it
-    import ray
-    from ray._private.authentication.authentication_token_setup import ensure_token_if_auth_enabled
-    from ray._private.utils import read_ray_address
-    from ray._raylet import Config
-    from ray.cluster_utils import Cluster
-
-    monkeypatch.setenv("RAY_AUTH_MODE", "token")  # (this user's token: joining it would work)
-    Config.initialize("")
-    ensure_token_if_auth_enabled()
-    ray.shutdown()
-    c = Cluster(initialize_head=True, head_node_args={"num_cpus": 1})
-    try:
-        assert read_ray_address() == c.address  # recorded where ray.init() looks
-        env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
-        code = ("import ray\n"
-                "from powerinfer.compat import ray_init\n"
-                "ray_init()\n"
-                "print('GCS', ray.get_runtime_context().gcs_address, flush=True)\n"
-                "ray.shutdown()\n")
-        r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
-                           timeout=180)
-        gcs = [line.split()[1] for line in r.stdout.splitlines() if line.startswith("GCS ")]
-        assert gcs and gcs[0] != c.address, r.stdout + r.stderr[-2000:]
-    finally:
-        c.shutdown()
 
 
 def test_a_local_ray_start_that_times_out_is_cleaned_up_and_tried_once_more(monkeypatch):

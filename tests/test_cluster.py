@@ -1,7 +1,8 @@
 """The Serve application on a real two-node Ray cluster (two raylets on this machine, token
 authentication on): one model's actor group is pinned to node 2 by a custom resource and serves
 from there, the other model's to the head; removing node 2 leaves the other model serving and
-makes the pinned one report unavailable, until a node with the resource returns."""
+makes the pinned one report unavailable, until a node with the resource returns. And a local
+start beside a cluster recorded on the machine (this one) does not join it."""
 import os
 
 import httpx2 as httpx
@@ -98,3 +99,26 @@ def test_a_model_pinned_to_node_2_serves_from_there_and_survives_losing_it(clust
     assert set(b["nodes"].values()) == {node3.node_id}, b
     assert complete("a") == 200
     http.close()
+
+
+def test_a_local_start_does_not_join_a_cluster_recorded_on_the_machine(cluster):
+    # `ray.init()` with no address joins the cluster a `ray start` recorded on the machine
+    # (/tmp/ray/ray_current_cluster; this module's cluster is recorded there): perhaps one
+    # started without authentication, or another user's. Without RAY_ADDRESS the project's
+    # processes start their own instance beside it (with this user's token, joining would work)
+    import subprocess
+    import sys
+
+    from ray._private.utils import read_ray_address
+    c = cluster[0]
+    assert read_ray_address() == c.address  # recorded where ray.init() looks
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    code = ("import ray\n"
+            "from powerinfer.compat import ray_init\n"
+            "ray_init()\n"
+            "print('GCS', ray.get_runtime_context().gcs_address, flush=True)\n"
+            "ray.shutdown()\n")
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                       timeout=180)
+    gcs = [line.split()[1] for line in r.stdout.splitlines() if line.startswith("GCS ")]
+    assert gcs and gcs[0] != c.address, r.stdout + r.stderr[-2000:]
