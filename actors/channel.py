@@ -178,14 +178,13 @@ class Channel:
         """Copy t (a tensor, or a numpy array: a process without torch) into the payload at
         offset; returns the next aligned offset. non_blocking: a device tensor's copy queued on
         its stream (the writer synchronizes before it publishes)."""
-        if isinstance(t, np.ndarray):
-            n = t.nbytes
-            assert offset % ALIGN == 0 and offset + n <= self.capacity, (offset, n, self.capacity)
-            self.array(t.dtype, t.shape, offset)[...] = t
-            return align(offset + n)
-        n = t.numel() * t.element_size()
+        array = isinstance(t, np.ndarray)
+        n = t.nbytes if array else t.numel() * t.element_size()
         assert offset % ALIGN == 0 and offset + n <= self.capacity, (offset, n, self.capacity)
-        self.view(t.dtype, t.shape, offset).copy_(t, non_blocking=non_blocking)
+        if array:
+            self.array(t.dtype, t.shape, offset)[...] = t
+        else:
+            self.view(t.dtype, t.shape, offset).copy_(t, non_blocking=non_blocking)
         return align(offset + n)
 
     def put_bytes(self, data: bytes, offset: int = 0) -> int:

@@ -17,7 +17,7 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
-from powerinfer.config import DTYPE_HELP, ISA_HELP, device_for
+from powerinfer.config import DTYPE_HELP, ISA_HELP
 from powerinfer.errors import ConfigError
 from powerinfer.cpu import ISAS
 from powerinfer.formats.loader import DEFAULT_MODEL
@@ -305,7 +305,8 @@ def _run(args) -> int:
         name = args.name or (Path(model).stem if Path(model).exists() else model)
         d = {"models": [dict(name=name, model=model, bundle=args.bundle,
                              cold_executors=args.cold_executors,
-                             device=device_for(args.vram_budget, args.device),
+                             # (none named: the entry's rule, `settings.ModelSpec.base`)
+                             **({"device": args.device} if args.device else {}),
                              dtype=args.dtype, cpu_isa=args.cpu_isa,
                              cpu_threads=args.threads, max_seq_len=args.ctx,
                              max_batch=args.max_batch, max_queue=args.max_queue,
