@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
-"""The serving engine under load, beside llama.cpp's own `llama-server`: five scenarios, one run.
+"""The serving engine under load, beside llama.cpp's own `llama-server`: seven scenarios, one run.
 
-    .venv/bin/python benchmarks/serve.py [--scenarios load chat long kill hops]
+    .venv/bin/python benchmarks/serve.py [--scenarios load chat long kill hops memory models]
         [--model smollm2-135m-instruct] [--threads N] [--tuned "SERVE FLAGS"] [--skip-llama]
         [--skip-handle] [--out FILE]
         load:  [--concurrency 1 8 32 64] [--tokens 128] [--rounds 2]
@@ -10,6 +10,8 @@
         kill:  [--kill-seconds 40] [--kill-clients 8] (and --tokens)
         hops:  [--hop-requests 3] (and --tokens)
         memory: [--memory-streams 8] (and --tokens)
+        models: [--models smollm2-135m-instruct smollm2-135m-instruct gemma3-270m gemma3-270m]
+                (and --memory-streams, --tokens)
 
     # a quick check of every code path (minutes, not a measurement):
     .venv/bin/python benchmarks/serve.py --concurrency 1 2 --tokens 16 --rounds 1 \
@@ -95,6 +97,12 @@ Scenarios (`--scenarios`, default all, in this order):
    proxy, ingress, `powerinfer serve` itself: once per host, however many models) and Ray's own
    (GCS, raylet, dashboard, idle workers); whether each maps torch's library; the server's own
    memory lines; llama-server's one process after the same load (`--parallel` the same).
+7. models: several models in one `powerinfer serve --config` (`--models`, by default SmolLM2
+   and Gemma 3 270M, each twice, every setting the server's default), `--memory-streams` streams
+   of `--tokens` tokens to every model at once: each model's tok/s and errors, then each one's
+   PSS (its group's processes and its replica, from the deployment's memory()) against its bound
+   (weights + KV cache pages in use + 512 MiB), and the rest of the server's tree (Ray, Serve,
+   the driver) against 1 GiB.
 
 llama-server is built with CMake from the llama.cpp sources vendored in the llama-cpp-python
 0.3.36 sdist into `benchmarks/.llama-server` on first use (5-6 minutes on 2 cores): -march=native
@@ -196,10 +204,11 @@ def http_client():
     return httpx.AsyncClient(timeout=600, limits=limits)
 
 
-def chat_body(messages: list[dict] | str, tokens: int, temperature: float = 0.0) -> dict:
+def chat_body(messages: list[dict] | str, tokens: int, temperature: float = 0.0,
+              model: str = "m") -> dict:
     if isinstance(messages, str):
         messages = [{"role": "user", "content": messages}]
-    return {"model": "m", "max_tokens": tokens, "temperature": temperature, "ignore_eos": True,
+    return {"model": model, "max_tokens": tokens, "temperature": temperature, "ignore_eos": True,
             "stream": True, "stream_options": {"include_usage": True}, "cache_prompt": True,
             "messages": messages}
 
@@ -275,12 +284,13 @@ def prompt_tokens(rec: dict) -> int | None:
 
 
 async def http_load(url: str, tokens: int, c: int, rounds: int,
-                    warm: bool, temperature: float = 0.0) -> tuple[list[dict], float]:
+                    warm: bool, temperature: float = 0.0, model: str = "m"
+                    ) -> tuple[list[dict], float]:
     """Streaming chat requests to an OpenAI-compatible server (after one unmeasured if warm)."""
     async with http_client() as client:
         async def one(i: int) -> dict:
             return outcome(await sse_request(client, url, chat_body(PROMPTS[i % len(PROMPTS)],
-                                                                    tokens, temperature)))
+                                                                    tokens, temperature, model)))
 
         if warm:
             await one(0)
@@ -381,9 +391,8 @@ def gcs_address(pid: int) -> str:
 
 def ray_agent(address: str, conn):
     """A child process joined to a server's Ray instance, answering (id, command, keywords) on
-    `conn`: "stats" and "memory" (the model deployment's stats() and memory()), "hop" (requests
-    through its Serve handle),
-    "close". A process of its own for each server: Serve's handles keep routers and their
+    `conn`: "stats" and "memory" (a model deployment's stats() and memory(): the keyword
+    `model`, default "m", names it), "hop" (requests through its Serve handle), "close". A process of its own for each server: Serve's handles keep routers and their
     replicas in process-wide state that outlives ray.shutdown(), so that a second server reached
     from one process would be routed to the first one's dead replica. `powerinfer serve` starts
     Ray with token authentication: a client has to be in token mode too (the token is this
@@ -392,13 +401,20 @@ def ray_agent(address: str, conn):
     import ray
     from ray import serve
     ray.init(address=address, logging_level="error")
-    handle = serve.get_deployment_handle("Model:m", app_name="powerinfer")
+    handles = {}
+
+    def handle_of(model: str):
+        if model not in handles:
+            handles[model] = serve.get_deployment_handle(f"Model:{model}", app_name="powerinfer")
+        return handles[model]
+
     try:
         while True:
             rid, cmd, kw = conn.recv()
             if cmd == "close":
                 break
             try:
+                handle = handle_of(kw.pop("model", "m"))
                 if cmd in ("stats", "memory"):  # (the model deployment's methods of that name)
                     out = getattr(handle, cmd).remote().result(timeout_s=kw["timeout"])
                 else:
@@ -451,13 +467,15 @@ class RayAgent:
 
 
 @contextlib.contextmanager
-def our_server(args, flags: list[str] = ()):
-    """A `powerinfer serve --model M` (defaults, and `flags`), with a Ray agent joined to its Ray
-    instance for the model deployment's stats(); both stopped on the way out."""
+def our_server(args, flags: list[str] = (), config: Path | None = None):
+    """A `powerinfer serve --model M` (defaults, and `flags`; or the models file `config`), with
+    a Ray agent joined to its Ray instance for the model deployments' stats(); both stopped on
+    the way out."""
     port, grpc_port = free_port(), free_port()
     log = LOG_DIR / f"powerinfer-bench-serve-{port}.log"
-    cmd = [str(Path(sys.executable).with_name("powerinfer")), "serve", "--model", args.model,
-           "--name", "m", "--port", str(port), "--grpc-port", str(grpc_port), *flags]
+    what = ["--config", str(config)] if config else ["--model", args.model, "--name", "m"]
+    cmd = [str(Path(sys.executable).with_name("powerinfer")), "serve", *what,
+           "--port", str(port), "--grpc-port", str(grpc_port), *flags]
     print(f"  starting: {shlex.join(cmd[1:])} (log {log})", flush=True)
     with open(log, "w") as f:
         proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
@@ -1331,8 +1349,109 @@ def scenario_memory(args, gguf: str) -> dict:
             "rows": rows, "by_part_mib": by_part, "llama_mib": llama, "printed": printed}
 
 
+def wait_models_ready(url: str, names: list[str], proc: subprocess.Popen, timeout: float = 900):
+    """Until /health reports every model of `names` ready (a failed one raises)."""
+    import httpx2 as httpx
+    deadline, states = time.time() + timeout, {}
+    while time.time() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"the server exited with {proc.returncode}")
+        with contextlib.suppress(Exception):
+            states = {m["id"]: m["status"] for m in httpx.get(f"{url}/health").json()["models"]}
+        if any(states.get(n) == "failed" for n in names):
+            raise RuntimeError(f"a model failed to load: {states}")
+        if all(states.get(n) == "ready" for n in names):
+            return
+        time.sleep(1)
+    raise RuntimeError(f"not every model ready after {timeout} s: {states}")
+
+
+def scenario_models(args, gguf: str) -> dict:
+    """Several models served by one `powerinfer serve` (`--models`: by default two families, two
+    of each, every setting the server's default), all under load at once (`--memory-streams`
+    streams of `--tokens` tokens to each): each one's rate and errors, then each one's memory
+    (PSS of its processes: its group's and its replica's) against the issue's bound (its weights
+    + its KV cache's pages in use + 0.5 GiB), and the rest of the server's tree (Ray, Serve, the
+    driver) against 1 GiB a host."""
+    from powerinfer.formats.loader import resolve_model
+    names, seen = [], {}
+    for m in args.models:
+        seen[m] = seen.get(m, 0) + 1
+        names.append(f"{Path(m).stem.split('-')[0]}-{seen[m]}")
+    d = Path(tempfile.mkdtemp(prefix="powerinfer-bench-models-"))
+    config = d / "models.yaml"
+    import yaml
+    config.write_text(yaml.safe_dump({"models": [
+        {"name": n, "model": str(resolve_model(m))} for n, m in zip(names, args.models)]}))
+    rows = []
+    with our_server(args, config=config) as server:
+        wait_models_ready(server.url, names, server.proc)
+        for n in names:  # one unmeasured request each
+            asyncio.run(http_load(server.url, 8, 1, 1, warm=False, model=n))
+
+        async def everyone():
+            return await asyncio.gather(*(http_load(server.url, args.tokens, args.memory_streams,
+                                                    1, warm=False, model=n) for n in names))
+
+        t0 = time.perf_counter()
+        loads = asyncio.run(everyone())
+        wall = time.perf_counter() - t0
+        time.sleep(2)
+        tree = {pid: pss_mib(pid) for pid in server_tree(server)}
+        total = sum(v for v in tree.values() if v)
+        for n, (results, w) in zip(names, loads):
+            mem = server.agent.call("memory", 120, timeout=120, model=n)
+            s = summarize(n, args.memory_streams, results, w)
+            pss = sum(p["pss"] for p in mem.values()) / 2**20
+            weights = sum(p["weight"] for p in mem.values()) / 2**20
+            kv = sum(p["kv_resident"] for p in mem.values()) / 2**20
+            bound = weights + kv + 512
+            rows.append({"model": n, "processes": len(mem), "tok_s": s["tok_s"],
+                         "errors": s["errors"], "ttft_p50_ms": s["ttft_p50_ms"],
+                         "pss_mib": pss, "weights_mib": weights, "kv_used_mib": kv,
+                         "bound_mib": bound, "over_mib": pss - bound,
+                         "own_mib": {k: round((p["pss"] - p["weight"] - p["kv_resident"]) / 2**20)
+                                     for k, p in mem.items()}})
+        printed = [line.strip() for line in server.log.read_text(errors="replace").splitlines()
+                   if line.strip().startswith(("memory:", "host:"))]
+    shutil_rmtree(d)
+    models_mib = sum(r["pss_mib"] for r in rows)
+    rest = total - models_mib
+    out = ["| model | processes | tok/s under load | errors | PSS MiB | weights | KV in use | "
+           "bound (weights + KV + 512) | over the bound | each process's own MiB |",
+           "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
+    for r in rows:
+        own = ", ".join(f"{k} {v}" for k, v in r["own_mib"].items())
+        out.append(f"| {r['model']} | {r['processes']} | {r['tok_s']:.1f} | {r['errors']} | "
+                   f"{r['pss_mib']:.0f} | {r['weights_mib']:.0f} | {r['kv_used_mib']:.0f} | "
+                   f"{r['bound_mib']:.0f} | {r['over_mib']:+.0f} | {own} |")
+    bounds = sum(r["bound_mib"] for r in rows)
+    out.append(f"| **the models** | {sum(r['processes'] for r in rows)} | "
+               f"{sum(r['tok_s'] for r in rows):.1f} | {sum(r['errors'] for r in rows)} | "
+               f"{models_mib:.0f} | | | {bounds:.0f} | {models_mib - bounds:+.0f} | |")
+    out.append(f"| **Ray, Serve, the driver** (the rest of the tree) | | | | {rest:.0f} | | | "
+               f"1024 | {rest - 1024:+.0f} | |")
+    out.append(f"| **the server's tree** | {len(tree)} | | | {total:.0f} | | | "
+               f"{bounds + 1024:.0f} | {total - bounds - 1024:+.0f} | |")
+    notes = [f"- all {len(names)} models under load together for {wall:.1f} s"]
+    if printed:
+        notes.append(f"- the server's own lines at start: {'; '.join(printed)}")
+    settings = (f"models: `powerinfer serve --config` with {', '.join(names)} (files "
+                f"{', '.join(dict.fromkeys(args.models))}), every setting the default; "
+                f"{args.memory_streams} streams of {args.tokens} tokens to each model at once; "
+                f"PSS from /proc/PID/smaps_rollup after the load")
+    return {"settings": settings, "table": "\n".join(out + [""] + notes), "rows": rows,
+            "total_mib": total, "rest_mib": rest, "wall_s": wall}
+
+
+def shutil_rmtree(d: Path):
+    import shutil
+    shutil.rmtree(d, ignore_errors=True)
+
+
 SCENARIOS = {"load": scenario_load, "chat": scenario_chat, "long": scenario_long,
-             "kill": scenario_kill, "hops": scenario_hops, "memory": scenario_memory}
+             "kill": scenario_kill, "hops": scenario_hops, "memory": scenario_memory,
+             "models": scenario_models}
 
 
 def machine() -> str:
@@ -1369,6 +1488,8 @@ def main() -> int:
     ap.add_argument("--kill-clients", type=int, default=8)
     ap.add_argument("--hop-requests", type=int, default=3)
     ap.add_argument("--memory-streams", type=int, default=8)
+    ap.add_argument("--models", nargs="+", default=["smollm2-135m-instruct"] * 2 + ["gemma3-270m"] * 2,
+                    help="the models scenario's models, one entry each (a name twice: served twice)")
     args = ap.parse_args()
     if args.chat_turns < 2:
         ap.error("--chat-turns: at least 2")
