@@ -29,7 +29,7 @@ import ray
 from ray.exceptions import RayActorError, RayTaskError
 
 from cluster.topology import numa_resources
-from powerinfer.compat import ray_init
+from powerinfer.compat import ray_init, trim_heap
 from powerinfer.config import Config
 from powerinfer.engine.params import SamplingParams
 from powerinfer.engine.batching import context_length
@@ -84,6 +84,7 @@ class ActorEngine:
         self._ready = threading.Event()
         self._closed = False
         self.group = self._new_group()
+        trim_heap()  # the tokenizer's build and the table's parse, freed, stay resident otherwise
         self._ready.set()
         self._monitor = threading.Thread(target=self._watch, name="group-monitor", daemon=True)
         self._monitor.start()
