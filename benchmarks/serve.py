@@ -392,9 +392,10 @@ def gcs_address(pid: int) -> str:
 def ray_agent(address: str, conn):
     """A child process joined to a server's Ray instance, answering (id, command, keywords) on
     `conn`: "stats" and "memory" (a model deployment's stats() and memory(): the keyword
-    `model`, default "m", names it), "hop" (requests through its Serve handle), "close". A process of its own for each server: Serve's handles keep routers and their
-    replicas in process-wide state that outlives ray.shutdown(), so that a second server reached
-    from one process would be routed to the first one's dead replica. `powerinfer serve` starts
+    `model`, default "m", names it), "hop" (requests through its Serve handle), "close". A
+    process of its own for each server: Serve's handles keep routers and their replicas in
+    process-wide state that outlives ray.shutdown(), so that a second server reached from one
+    process would be routed to the first one's dead replica. `powerinfer serve` starts
     Ray with token authentication: a client has to be in token mode too (the token is this
     user's ~/.ray/auth_token)."""
     os.environ["RAY_AUTH_MODE"] = "token"
@@ -1378,13 +1379,17 @@ def scenario_models(args, gguf: str) -> dict:
     for m in args.models:
         seen[m] = seen.get(m, 0) + 1
         names.append(f"{Path(m).stem.split('-')[0]}-{seen[m]}")
-    d = Path(tempfile.mkdtemp(prefix="powerinfer-bench-models-"))
-    config = d / "models.yaml"
     import yaml
-    config.write_text(yaml.safe_dump({"models": [
-        {"name": n, "model": str(resolve_model(m))} for n, m in zip(names, args.models)]}))
+
+    def models_file(d: str) -> Path:
+        config = Path(d) / "models.yaml"
+        config.write_text(yaml.safe_dump({"models": [
+            {"name": n, "model": str(resolve_model(m))} for n, m in zip(names, args.models)]}))
+        return config
+
     rows = []
-    with our_server(args, config=config) as server:
+    with tempfile.TemporaryDirectory(prefix="powerinfer-bench-models-") as d, \
+            our_server(args, config=models_file(d)) as server:
         wait_models_ready(server.url, names, server.proc)
         for n in names:  # one unmeasured request each
             asyncio.run(http_load(server.url, 8, 1, 1, warm=False, model=n))
@@ -1414,7 +1419,6 @@ def scenario_models(args, gguf: str) -> dict:
                                      for k, p in mem.items()}})
         printed = [line.strip() for line in server.log.read_text(errors="replace").splitlines()
                    if line.strip().startswith(("memory:", "host:"))]
-    shutil_rmtree(d)
     models_mib = sum(r["pss_mib"] for r in rows)
     rest = total - models_mib
     out = ["| model | processes | tok/s under load | errors | PSS MiB | weights | KV in use | "
@@ -1442,11 +1446,6 @@ def scenario_models(args, gguf: str) -> dict:
                 f"PSS from /proc/PID/smaps_rollup after the load")
     return {"settings": settings, "table": "\n".join(out + [""] + notes), "rows": rows,
             "total_mib": total, "rest_mib": rest, "wall_s": wall}
-
-
-def shutil_rmtree(d: Path):
-    import shutil
-    shutil.rmtree(d, ignore_errors=True)
 
 
 SCENARIOS = {"load": scenario_load, "chat": scenario_chat, "long": scenario_long,
@@ -1488,8 +1487,9 @@ def main() -> int:
     ap.add_argument("--kill-clients", type=int, default=8)
     ap.add_argument("--hop-requests", type=int, default=3)
     ap.add_argument("--memory-streams", type=int, default=8)
-    ap.add_argument("--models", nargs="+", default=["smollm2-135m-instruct"] * 2 + ["gemma3-270m"] * 2,
-                    help="the models scenario's models, one entry each (a name twice: served twice)")
+    ap.add_argument("--models", nargs="+",
+                    default=["smollm2-135m-instruct"] * 2 + ["gemma3-270m"] * 2,
+                    help="the models scenario's models, one entry each (twice: served twice)")
     args = ap.parse_args()
     if args.chat_turns < 2:
         ap.error("--chat-turns: at least 2")
