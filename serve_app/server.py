@@ -73,6 +73,11 @@ def serve_forever(settings: ServeSettings, front: Frontend, demo: bool = False) 
     ray_init(runtime_env={"worker_process_setup_hook": "serve_app.grpc_host.setup_serve_worker",
                           "env_vars": {GRPC_HOST_ENV: front.host}},
              resources=numa_resources())  # a local instance advertises the NUMA nodes
+    # the cluster's address, for an operator's `ray status` or another node's `ray start` (and
+    # for a client that joins this server's instance rather than another one on the machine)
+    gcs = ray.get_runtime_context().gcs_address
+    say(f"Ray: {'joined the cluster' if joined else 'a local instance'} at {gcs}"
+        f"{'' if joined else ' (token authentication on)'}")
     # SIGTERM stops the server as Ctrl-C does (a handler that only raises takes no lock that
     # the interrupted code may hold)
     signal.signal(signal.SIGTERM, _interrupt)

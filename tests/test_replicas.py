@@ -9,7 +9,7 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx2 as httpx
 import pytest
 import yaml
-from test_serve import APP, KEY, POWERINFER, allowed_cores, free_port
+from test_serve import APP, KEY, POWERINFER, allowed_cores, free_port, join_servers_ray
 
 from powerinfer.sparsity.synthetic import write_synthetic
 
@@ -35,12 +35,9 @@ def server(tmp_path_factory):
     while "HTTP (OpenAI API)" not in log.read_text(errors="replace"):
         assert proc.poll() is None and time.time() < deadline, log.read_text()[-3000:]
         time.sleep(0.5)
-    import ray
-    ray.shutdown()
-    ray.init(address="auto", logging_level="warning")
-    from ray.serve.context import _disconnect  # a previous cluster's client (see test_serve)
-    _disconnect()
+    join_servers_ray(log)
     yield f"http://127.0.0.1:{port}", set(cores)
+    import ray
     ray.shutdown()
     proc.send_signal(signal.SIGTERM)
     proc.wait(timeout=120)

@@ -105,6 +105,22 @@ class Server:
             timeout_s=60)
 
 
+def join_servers_ray(log: Path):
+    """Join the Ray instance the server logged it started (with this user's token: allowed).
+    Not `address="auto"`: Ray caches the GCS addresses it found on the machine for the life of
+    the process, so that a second server's test joined a server stopped by an earlier module,
+    and the test process exited when that GCS did not answer within a minute."""
+    import ray
+    gcs = re.search(r"^Ray: a local instance at (\S+) ", log.read_text(errors="replace"), re.M)
+    assert gcs, log.read_text(errors="replace")[-3000:]
+    ray.shutdown()  # another module's local instance, if any
+    ray.init(address=gcs[1], logging_level="warning")
+    # Serve caches its controller client by job id, which repeats across the clusters one
+    # process joins in turn (each server here is a new cluster): forget the last one's
+    from ray.serve.context import _disconnect
+    _disconnect()
+
+
 def installed_gemma() -> Path | None:
     """Gemma 3 270M's file, or None where its packages are not installed (the server then runs
     without it, and only the checks that ask it something skip)."""
@@ -158,14 +174,9 @@ def server(tmp_path_factory, default_model_path):
         assert proc.poll() is None, f"the server exited:\n{s.tail()}"
         assert time.time() < deadline, f"the server did not start:\n{s.tail()}"
         time.sleep(0.5)
-    import ray
-    ray.shutdown()  # another module's local instance, if any
-    ray.init(address="auto", logging_level="warning")  # with this user's token: allowed
-    # Serve caches its controller client by job id, which repeats across the clusters one
-    # process joins in turn (each server here is a new cluster): forget the last one's
-    from ray.serve.context import _disconnect
-    _disconnect()
+    join_servers_ray(log)
     yield s
+    import ray
     ray.shutdown()
     s.channel.close()
     if proc.poll() is None:
