@@ -114,6 +114,11 @@ def join_servers_ray(log: Path):
     gcs = re.search(r"^Ray: a local instance at (\S+) ", log.read_text(errors="replace"), re.M)
     assert gcs, log.read_text(errors="replace")[-3000:]
     ray.shutdown()  # another module's local instance, if any
+    # the server's instance asks for Ray's token: a client has to be in token mode too (Ray reads
+    # the mode once, at import; reloaded as in powerinfer.compat.ray_init)
+    os.environ["RAY_AUTH_MODE"] = "token"
+    from ray._raylet import Config as RayConfig
+    RayConfig.initialize("")
     ray.init(address=gcs[1], logging_level="warning")
     # Serve caches its controller client by job id, which repeats across the clusters one
     # process joins in turn (each server here is a new cluster): forget the last one's
