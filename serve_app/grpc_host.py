@@ -28,6 +28,7 @@ def setup_serve_worker():
     def patch(module):
         import logging
         logging.getLogger("ray.serve").addFilter(_status_codes_in_one_line)
+        _trim_heap_after_growth()
         add = module.add_grpc_address
 
         def add_grpc_address(server, address: str):
@@ -36,6 +37,59 @@ def setup_serve_worker():
         module.add_grpc_address = add_grpc_address
 
     _after_import("ray.serve._private.default_impl", patch)
+
+
+TRIM_EVERY_S, TRIM_GROWTH = 30.0, 4 << 20
+
+
+def _trim_heap_after_growth(every_s: float = TRIM_EVERY_S, growth: int = TRIM_GROWTH):
+    """In a Serve process (the proxy, the controller, the ingress and model replicas), a thread
+    that gives the heap's freed pages back to the system: every `every_s` s, where the process
+    has grown by `growth` bytes over the least it has held since its start and its heap holds at
+    least that much freed (glibc's mallinfo2 and malloc_trim); where a trim gives little back,
+    what grew is in use, and the floor rises to it.
+
+    A burst of requests leaves its buffers freed but resident: 400 requests at once took Serve's
+    proxy from 85 to 101 MiB and the ingress from 91 to 116, and a trim gave back about half
+    (93 and 103; the rest is Python's own arenas, which it frees as they empty). Without it,
+    each burst's high-water mark stays for the life of the process. A no-op off glibc."""
+    import ctypes
+    import os
+    import threading
+    import time
+
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        trim, info = libc.malloc_trim, libc.mallinfo2
+    except (OSError, AttributeError):  # (mallinfo2: glibc 2.33 and later)
+        return
+    class MallInfo2(ctypes.Structure):
+        _fields_ = [(name, ctypes.c_size_t) for name in (
+            "arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks",
+            "fordblks", "keepcost")]
+
+    info.restype = MallInfo2
+    page = os.sysconf("SC_PAGE_SIZE")
+
+    def rss() -> int:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * page
+
+    def run():
+        time.sleep(every_s)
+        floor = rss()  # settled after its start
+        while True:
+            time.sleep(every_s)
+            now = rss()
+            # grown since the least it has held, and the heap holds that much freed (a trim in
+            # the middle of a burst leaves the floor: the burst's end is trimmed too)
+            if now > floor + growth and info().fordblks >= growth:
+                trim(0)  # (tens of ms on a fragmented heap, holding its locks)
+                if now - rss() < growth // 2:  # what grew is in use: the floor from now
+                    floor = rss()
+            floor = min(floor, rss())
+
+    threading.Thread(target=run, name="powerinfer-heap-trim", daemon=True).start()
 
 
 def add_inference_servicer(servicer, server):

@@ -35,7 +35,7 @@ def server(tmp_path_factory):
     while "HTTP (OpenAI API)" not in log.read_text(errors="replace"):
         assert proc.poll() is None and time.time() < deadline, log.read_text()[-3000:]
         time.sleep(0.5)
-    join_servers_ray(log)
+    join_servers_ray(log, proc)
     yield f"http://127.0.0.1:{port}", set(cores)
     import ray
     ray.shutdown()

@@ -105,21 +105,27 @@ class Server:
             timeout_s=60)
 
 
-def join_servers_ray(log: Path):
-    """Join the Ray instance the server logged it started (with this user's token: allowed).
+def join_servers_ray(log: Path, proc: subprocess.Popen):
+    """Join the Ray instance the server logged it started (with this user's token: allowed);
+    where that fails, stop the server (a fixture that raises has no teardown to do it).
     Not `address="auto"`: Ray caches the GCS addresses it found on the machine for the life of
     the process, so that a second server's test joined a server stopped by an earlier module,
     and the test process exited when that GCS did not answer within a minute."""
     import ray
-    gcs = re.search(r"^Ray: a local instance at (\S+) ", log.read_text(errors="replace"), re.M)
-    assert gcs, log.read_text(errors="replace")[-3000:]
-    ray.shutdown()  # another module's local instance, if any
-    # the server's instance asks for Ray's token: a client has to be in token mode too (Ray reads
-    # the mode once, at import; reloaded as in powerinfer.compat.ray_init)
-    os.environ["RAY_AUTH_MODE"] = "token"
-    from ray._raylet import Config as RayConfig
-    RayConfig.initialize("")
-    ray.init(address=gcs[1], logging_level="warning")
+    try:
+        gcs = re.search(r"^Ray: a local instance at (\S+) ", log.read_text(errors="replace"), re.M)
+        assert gcs, log.read_text(errors="replace")[-3000:]
+        ray.shutdown()  # another module's local instance, if any
+        # the server's instance asks for Ray's token: a client has to be in token mode too (Ray
+        # reads the mode once, at import; reloaded as in powerinfer.compat.ray_init)
+        os.environ["RAY_AUTH_MODE"] = "token"
+        from ray._raylet import Config as RayConfig
+        RayConfig.initialize("")
+        ray.init(address=gcs[1], logging_level="warning")
+    except BaseException:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=120)
+        raise
     # Serve caches its controller client by job id, which repeats across the clusters one
     # process joins in turn (each server here is a new cluster): forget the last one's
     from ray.serve.context import _disconnect
@@ -179,7 +185,7 @@ def server(tmp_path_factory, default_model_path):
         assert proc.poll() is None, f"the server exited:\n{s.tail()}"
         assert time.time() < deadline, f"the server did not start:\n{s.tail()}"
         time.sleep(0.5)
-    join_servers_ray(log)
+    join_servers_ray(log, proc)
     yield s
     import ray
     ray.shutdown()
