@@ -1,0 +1,132 @@
+#!/usr/bin/env python3
+"""What activation sparsity in every projection's input costs in quality on the real models
+(TEAL's method, `powerinfer.sparsity.input_sparsity`), before any kernel reads fewer columns.
+
+    .venv/bin/python benchmarks/input_sparsity.py [--models smollm2-135m-instruct gemma3-270m]
+        [--sparsity 0.25 0.4 0.5] [--calib-tokens 8192] [--tokens 8192] [--window 256]
+        [--greedy-tokens 32] [--out FILE] [--plot FILE]
+
+Per model (float32, dense, every setting else the file's): thresholds calibrated on the Lee
+corpus's calibration part (`--calib-tokens`), one per projection input and layer at each target
+(the uniform allocation); measured on its held-out part, which the calibration did not see
+(`--tokens`, in windows of `--window`): perplexity against the dense model's, top-1 agreement
+and KL divergence of the next-token distribution, and the realised model-wide sparsity (the
+projections' weights not read). Two variants a target:
+- `attention + gate/up`: q/k/v, the output projection, and the FFN's gate/up inputs;
+- `+ down`: the FFN's down input too (its neuron activations: the FFN's neuron sparsity, by
+  magnitude, an oracle of a predictor's).
+And greedy agreement with dense decoding over a fixed set of prompts (each prompt dense, then
+`--greedy-tokens` decode steps with sparse inputs): the tokens before the first difference, and
+the share of continuations equal throughout. A plot of the curves.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import platform
+import time
+from pathlib import Path
+
+import torch
+
+from powerinfer.model.load import load_model
+from powerinfer.sparsity.corpus import load_corpus, token_windows
+from powerinfer.sparsity.input_sparsity import (PARTS, calibrate, greedy, held_out_quality,
+                                                model_wide, sample_magnitudes, weights_of)
+
+PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village,",
+           "The three laws of thermodynamics are", "To make a cup of tea, first",
+           "import numpy as np\n\ndef softmax(x):", "The largest planet in the solar system",
+           "Dear Sir or Madam, I am writing to"]
+VARIANTS = {"attention + gate/up": ("qkv", "o", "gate_up"), "+ down": PARTS}
+
+
+def run_model(name: str, args) -> dict:
+    t0 = time.time()
+    model, tok, path = load_model(name)
+    calib = token_windows(tok, load_corpus("lee", "calibration"), args.window, args.calib_tokens)
+    held = token_windows(tok, load_corpus("lee", "held_out"), args.window, args.tokens)
+    hists = sample_magnitudes(model, calib)
+    weights = weights_of(model)
+    variants, meta = {}, {"dense": ("dense", 0.0, ())}
+    for target in args.sparsity:
+        for label, parts in VARIANTS.items():
+            vname = f"{label} @ {target:.0%}"
+            variants[vname], meta[vname] = calibrate(hists, target, parts), (label, target, parts)
+    quality = held_out_quality(model, held, variants)
+    prompts = [tok.encode(p, parse_special=False) for p in PROMPTS]
+    want = [greedy(model, p, args.greedy_tokens) for p in prompts]
+    rows = []
+    for vname, row in quality.items():
+        label, target, parts = meta[vname]
+        th = variants.get(vname)
+        agree = []
+        for p, w in zip(prompts, want):
+            got = w if th is None else greedy(model, p, args.greedy_tokens, th)
+            agree.append(next((i for i, (a, b) in enumerate(zip(got, w)) if a != b), len(w)))
+        rows.append({"variant": label, "target": target, "parts": list(parts),
+                     "calibrated": model_wide({k: target for k in th}, weights) if th else 0.0,
+                     **row, "greedy_before_difference": sum(agree) / len(agree),
+                     "greedy_equal": sum(a == args.greedy_tokens for a in agree) / len(agree)})
+        r = rows[-1]
+        print(f"  {name:<24} {vname:<28} ppl {r['ppl']:8.3f} ({r['ppl_delta']:+6.1%})  top-1 "
+              f"{r['top1']:6.1%}  KL {r['kl']:.4f}  realised {r['realised']:5.1%}  greedy equal "
+              f"{r['greedy_equal']:4.0%}, {r['greedy_before_difference']:4.1f} tokens before a "
+              f"difference", flush=True)
+    return {"model": name, "file": path.name, "layers": model.args.n_layers,
+            "calib_tokens": sum(map(len, calib)), "held_out_tokens": sum(map(len, held)),
+            "seconds": round(time.time() - t0, 1), "rows": rows}
+
+
+def plot(results: list[dict], path: str):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4.2))
+    for res in results:
+        for label, style in zip(VARIANTS, ("-o", "--s")):
+            rows = [r for r in res["rows"] if r["variant"] in ("dense", label)]
+            xs = [r["realised"] * 100 for r in rows]
+            a.plot(xs, [r["ppl_delta"] * 100 for r in rows], style,
+                   label=f"{res['model']}: {label}")
+            b.plot(xs, [r["greedy_before_difference"] for r in rows], style,
+                   label=f"{res['model']}: {label}")
+    a.axhline(2, color="grey", lw=0.8, ls=":")
+    a.text(1, 2.3, "+2% (the bundles' guardrail)", fontsize=8, color="grey")
+    a.set_xlabel("realised model-wide input sparsity, % of the projections' weights")
+    a.set_ylabel("held-out perplexity, % over dense")
+    b.set_xlabel("realised model-wide input sparsity, %")
+    b.set_ylabel("greedy tokens before the first difference (of 32)")
+    a.legend(fontsize=7)
+    fig.suptitle("Input sparsity in every projection (TEAL, uniform allocation): quality")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--models", nargs="+", default=["smollm2-135m-instruct", "gemma3-270m"])
+    ap.add_argument("--sparsity", nargs="+", type=float, default=[0.25, 0.4, 0.5])
+    ap.add_argument("--calib-tokens", type=int, default=8192)
+    ap.add_argument("--tokens", type=int, default=8192)
+    ap.add_argument("--window", type=int, default=256)
+    ap.add_argument("--greedy-tokens", type=int, default=32)
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--plot", default=str(Path(__file__).parent / "plots" / "input_sparsity.png"))
+    args = ap.parse_args()
+    results = [run_model(m, args) for m in args.models]
+    out = {"date": datetime.date.today().isoformat(),
+           "machine": platform.processor() or platform.machine(), "torch": torch.__version__,
+           "threads": torch.get_num_threads(), "args": vars(args),
+           "results": results}
+    if args.out:
+        Path(args.out).write_text(json.dumps(out, indent=1))
+    if args.plot:
+        plot(results, args.plot)
+        print(f"plot: {args.plot}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,209 @@
+"""Activation sparsity in every projection's input (TEAL: Liu et al., "Training-Free Activation
+Sparsity in Large Language Models", ICLR 2025), calibrated offline and measured for quality.
+
+An entry of a projection's input whose magnitude is at most its threshold is zeroed before the
+projection reads it, so that input channel's weight column need not be read. Per layer, four
+inputs (`PARTS`): attention's q/k/v (one input, shared), its output projection, the FFN's gate
+and up (one input) and the FFN's down (its neuron activations: magnitude sparsity there is the
+FFN's own neuron sparsity, as an oracle of it). Decode steps only: the rows of a prompt stay
+dense (`Sparsifier(dense_rows=...)`).
+
+Thresholds come from the calibration text's inputs (`sample_magnitudes`: a histogram of each
+input's |x| over every token, in log space), one per input and layer: the magnitude under which
+the asked-for share of that input's entries falls (`calibrate`, the uniform allocation; TEAL's
+greedy per-layer allocation is not done here). The model-wide sparsity is the share of the
+projections' weights not read, each input weighted by the weights it multiplies (`model_wide`).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from tqdm import tqdm
+
+PARTS = ("qkv", "o", "gate_up", "down")
+LOG_LO, LOG_HI, BINS = -9.0, 4.0, 6500  # log10 |x| histogram: 0.002 decades a bin
+
+
+def projections(model) -> dict[tuple[int, str], torch.nn.Module]:
+    """(layer, part) -> the module whose input that part is."""
+    out = {}
+    for i, b in enumerate(model.layers):
+        out[(i, "qkv")], out[(i, "o")] = b.attn.wqkv, b.attn.wo
+        out[(i, "gate_up")], out[(i, "down")] = b.ffn.w1, b.ffn.w2
+    return out
+
+
+def weights_of(model) -> dict[tuple[int, str], int]:
+    """(layer, part) -> how many weights its projection holds (what a zero input column saves,
+    per row of that input)."""
+    return {k: m.weight.numel() for k, m in projections(model).items()}
+
+
+def model_wide(sparsity: dict[tuple[int, str], float],
+               weights: dict[tuple[int, str], int]) -> float:
+    """The share of the projections' weights (of the inputs in `sparsity`) not read."""
+    total = sum(weights[k] for k in sparsity)
+    return sum(s * weights[k] for k, s in sparsity.items()) / total if total else 0.0
+
+
+@torch.inference_mode()
+def sample_magnitudes(model, windows: list[list[int]], progress: bool = True
+                      ) -> dict[tuple[int, str], np.ndarray]:
+    """Each projection input's |x| over every token of `windows`, as a histogram of log10 |x|
+    (`BINS` bins over [LOG_LO, LOG_HI]; exact zeros in the first)."""
+    hist = {k: torch.zeros(BINS, dtype=torch.float64) for k in projections(model)}
+
+    def hook(key):
+        def pre(_module, args):
+            x = args[0].detach().float().abs().flatten()
+            hist[key] += torch.histc(torch.log10(x.clamp_min(10 ** LOG_LO)), BINS, LOG_LO,
+                                     LOG_HI).double()
+        return pre
+
+    handles = [m.register_forward_pre_hook(hook(k)) for k, m in projections(model).items()]
+    try:
+        model.setup_cache(1, max(len(w) for w in windows))
+        for w in tqdm(windows, desc="calibrating input sparsity", unit="window",
+                      disable=not progress):
+            model(torch.tensor([w]), torch.arange(len(w))[None])
+    finally:
+        for h in handles:
+            h.remove()
+    return {k: v.numpy() for k, v in hist.items()}
+
+
+def threshold_for(hist: np.ndarray, sparsity: float) -> float:
+    """The magnitude under which `sparsity` of the histogram's entries fall (0: none)."""
+    if sparsity <= 0:
+        return 0.0
+    cum = np.cumsum(hist) / hist.sum()
+    b = int(np.searchsorted(cum, sparsity))
+    return float(10 ** (LOG_LO + (b + 1) * (LOG_HI - LOG_LO) / BINS))  # the bin's upper edge
+
+
+def calibrate(hists: dict[tuple[int, str], np.ndarray], sparsity: float,
+              parts: tuple[str, ...] = PARTS) -> dict[tuple[int, str], float]:
+    """Uniform allocation: every input in `parts` at `sparsity` (its own threshold each)."""
+    return {k: threshold_for(h, sparsity) for k, h in hists.items() if k[1] in parts}
+
+
+@dataclass
+class Counts:
+    zeroed: int = 0
+    entries: int = 0
+    per_key: dict = field(default_factory=dict)  # (layer, part) -> [zeroed, entries]
+
+
+class Sparsifier:
+    """Forward pre-hooks that zero each projection input's entries at or under its threshold,
+    in the rows from `dense_rows` on (the positions before are a prompt's, dense), and count what
+    they zeroed. Use as a context manager."""
+
+    def __init__(self, model, thresholds: dict[tuple[int, str], float], dense_rows: int = 0):
+        self.model, self.thresholds, self.dense_rows = model, thresholds, dense_rows
+        self.counts, self.handles = Counts(), []
+
+    def __enter__(self):
+        mods = projections(self.model)
+        for key, t in self.thresholds.items():
+            if t > 0:
+                self.handles.append(mods[key].register_forward_pre_hook(self._hook(key, t)))
+        return self
+
+    def __exit__(self, *exc):
+        for h in self.handles:
+            h.remove()
+        self.handles = []
+
+    def _hook(self, key, t: float):
+        def pre(_module, args):
+            x = args[0]
+            sparse = x[:, self.dense_rows:] if x.dim() == 3 else x
+            keep = sparse.abs() > t
+            c = self.counts.per_key.setdefault(key, [0, 0])
+            n, z = keep.numel(), int(keep.numel() - keep.sum())
+            c[0] += z
+            c[1] += n
+            self.counts.zeroed += z
+            self.counts.entries += n
+            if x.dim() == 3 and self.dense_rows:
+                x = x.clone()
+                x[:, self.dense_rows:] = sparse * keep
+                return (x, *args[1:])
+            return (x * keep, *args[1:])
+        return pre
+
+    def realised(self, weights: dict[tuple[int, str], int]) -> float:
+        """The model-wide sparsity these hooks realised (weights not read, per input row)."""
+        return model_wide({k: z / n for k, (z, n) in self.counts.per_key.items() if n}, weights)
+
+
+@dataclass
+class Quality:
+    nll: float = 0.0
+    kl: float = 0.0
+    top1: int = 0
+    tokens: int = 0
+
+    def row(self, dense_ppl: float | None = None) -> dict:
+        ppl = math.exp(self.nll / self.tokens)
+        return {"ppl": ppl, "ppl_delta": (ppl / dense_ppl - 1) if dense_ppl else 0.0,
+                "top1": self.top1 / self.tokens, "kl": self.kl / self.tokens}
+
+
+@torch.inference_mode()
+def held_out_quality(model, windows: list[list[int]], variants: dict[str, dict],
+                     progress: bool = True) -> dict[str, dict]:
+    """Perplexity on `windows` of the dense model and of each variant (name -> thresholds), with
+    every token's inputs sparsified (teacher-forced decoding: each position as a decode step
+    whose earlier positions were decoded sparsely too), and each variant's top-1 agreement and
+    KL divergence from the dense model's next-token distribution, and its realised sparsity."""
+    weights = weights_of(model)
+    model.setup_cache(1, max(len(w) for w in windows))
+    q = {name: Quality() for name in ("dense", *variants)}
+    realised = {name: Sparsifier(model, {}) for name in variants}
+    for w in tqdm(windows, desc="held-out perplexity", unit="window", disable=not progress):
+        ids, pos = torch.tensor([w]), torch.arange(len(w))[None]
+        target = ids[0, 1:]
+        ref = F.log_softmax(model(ids, pos)[0, :-1], -1)
+        for name in q:
+            if name == "dense":
+                logp = ref
+            else:
+                s = Sparsifier(model, variants[name])
+                s.counts = realised[name].counts
+                with s:
+                    logp = F.log_softmax(model(ids, pos)[0, :-1], -1)
+            v = q[name]
+            v.nll -= float(logp.gather(-1, target[:, None]).sum())
+            v.kl += float((ref.exp() * (ref - logp)).sum())
+            v.top1 += int((logp.argmax(-1) == ref.argmax(-1)).sum())
+            v.tokens += len(w) - 1
+    dense_ppl = math.exp(q["dense"].nll / q["dense"].tokens)
+    out = {name: v.row(dense_ppl) for name, v in q.items()}
+    for name in variants:
+        out[name]["realised"] = realised[name].realised(weights)
+    out["dense"]["realised"] = 0.0
+    return out
+
+
+@torch.inference_mode()
+def greedy(model, prompt: list[int], n: int, thresholds: dict | None = None) -> list[int]:
+    """n greedy tokens after `prompt`, the prompt's rows dense and every decode step's inputs
+    sparsified (each step recomputes the sequence: its earlier decode rows sparse again, the same
+    values a KV cache of sparse steps holds)."""
+    ids = list(prompt)
+    model.setup_cache(1, len(prompt) + n)
+    for _ in range(n):
+        x, pos = torch.tensor([ids]), torch.arange(len(ids))[None]
+        if thresholds:
+            with Sparsifier(model, thresholds, dense_rows=len(prompt)):
+                logits = model(x, pos)[0, -1]
+        else:
+            logits = model(x, pos)[0, -1]
+        ids.append(int(logits.argmax()))
+    return ids[len(prompt):]
