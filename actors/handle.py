@@ -246,6 +246,10 @@ class ActorEngine:
     def _watch(self):
         while not self._closed:
             time.sleep(0.5)
+            # the caller shut Ray down under an engine it did not close: a call into Ray's worker
+            # after its shutdown ends the whole process (exit 1, from Ray's C++), so stop here
+            if not ray.is_initialized():
+                return
             group = self.group
             try:
                 why = group.broken() if self._ready.is_set() else None
