@@ -85,9 +85,11 @@ def _trim_heap_after_growth(every_s: float = TRIM_EVERY_S, growth: int = TRIM_GR
             # the middle of a burst leaves the floor: the burst's end is trimmed too)
             if now > floor + growth and info().fordblks >= growth:
                 trim(0)  # (tens of ms on a fragmented heap, holding its locks)
-                if now - rss() < growth // 2:  # what grew is in use: the floor from now
-                    floor = rss()
-            floor = min(floor, rss())
+                after = rss()
+                if now - after < growth // 2:  # what grew is in use: the floor from now
+                    floor = after
+                now = after
+            floor = min(floor, now)
 
     threading.Thread(target=run, name="powerinfer-heap-trim", daemon=True).start()
 

@@ -108,9 +108,9 @@ class Server:
 def join_servers_ray(log: Path, proc: subprocess.Popen):
     """Join the Ray instance the server logged it started (with this user's token: allowed);
     where that fails, stop the server (a fixture that raises has no teardown to do it).
-    Not `address="auto"`: Ray caches the GCS addresses it found on the machine for the life of
-    the process, so that a second server's test joined a server stopped by an earlier module,
-    and the test process exited when that GCS did not answer within a minute."""
+    Not `address="auto"`: that joins whichever GCS Ray finds named in a process's command line
+    on the machine (any of several, where another instance's processes are still about), not
+    necessarily this server's."""
     import ray
     try:
         gcs = re.search(r"^Ray: a local instance at (\S+) ", log.read_text(errors="replace"), re.M)
