@@ -83,6 +83,7 @@ class ActorEngine:
         self._lock = threading.Lock()
         self._ready = threading.Event()
         self._closed = False
+        self._closing = threading.Event()  # wakes the monitor at once when the engine closes
         self.group = self._new_group()
         trim_heap()  # the tokenizer's build and the table's parse, freed, stay resident otherwise
         self._ready.set()
@@ -192,6 +193,12 @@ class ActorEngine:
         self._ready.wait(REBUILD_WAIT_S)
         with self._lock:
             self._closed = True
+        # the monitor is gone before this returns: a caller may shut Ray down next, and a call
+        # into Ray's worker during or after its shutdown ends the whole process (from its C++)
+        self._closing.set()
+        if threading.current_thread() is not self._monitor:
+            self._monitor.join()
+        with self._lock:
             self.group.stop()
 
     # ---- supervision ----
@@ -244,11 +251,10 @@ class ActorEngine:
                 group.stop()
 
     def _watch(self):
-        while not self._closed:
-            time.sleep(0.5)
+        while not self._closing.wait(0.5):
             # the caller shut Ray down under an engine it did not close: a call into Ray's worker
             # after its shutdown ends the whole process (exit 1, from Ray's C++), so stop here
-            if not ray.is_initialized():
+            if self._closed or not ray.is_initialized():
                 return
             group = self.group
             try:
