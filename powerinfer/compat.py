@@ -132,6 +132,13 @@ def compile_per_instance(method, cpp_wrapper: bool = False):
     return step
 
 
+# a local instance's GCS keeps the events of this many tasks (Ray's default: 100,000) for its
+# state API (`ray list tasks`), about 3 KiB each: a server's every request is a few actor tasks
+# and Serve's control loop adds its own, so a server under load grew by tens of MB an hour
+# (`benchmarks/gcs_memory.py`); nothing of this project reads them
+LOCAL_RAY_CONFIG = {"task_events_max_num_task_in_gcs": 1_000}
+
+
 def ray_init(runtime_env: dict | None = None, resources: dict | None = None):
     """Connect to the Ray cluster in RAY_ADDRESS, or start a local one for this process.
 
@@ -158,6 +165,7 @@ def ray_init(runtime_env: dict | None = None, resources: dict | None = None):
         kw["address"] = "local"  # this process's own instance, not a cluster found on the machine
         if resources:  # custom resources of a local instance
             kw["resources"] = resources
+        kw["_system_config"] = dict(LOCAL_RAY_CONFIG)  # (a copy: Ray adds its own keys to it)
     for attempt in (1, 2):
         before = _descendants()
         try:

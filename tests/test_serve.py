@@ -1037,6 +1037,17 @@ def test_streams_survive_an_actor_killed_under_them(server):
     server.wait_healthy(timeout=60)
 
 
+def test_the_servers_ray_keeps_few_tasks_events(server):
+    # the server's own Ray instance keeps the events of few tasks (Ray's default: 100,000 tasks,
+    # about 3 KiB each in its GCS, tens of MB an hour under load); this process joined that
+    # instance and reads its settings
+    from ray._raylet import Config
+
+    from powerinfer.compat import LOCAL_RAY_CONFIG
+    cap = LOCAL_RAY_CONFIG["task_events_max_num_task_in_gcs"]
+    assert Config.task_events_max_num_task_in_gcs() == cap <= 10_000
+
+
 # ----------------------------------------------------------------------------------- security
 
 def test_ray_refuses_a_process_without_the_token(server, tmp_path):
