@@ -26,7 +26,7 @@ def gcs_memory() -> dict:
     import psutil
     for p in psutil.Process().children(recursive=True):
         try:
-            if "gcs_server" in p.name() or any("gcs_server" in a for a in p.cmdline()[:1]):
+            if p.name() == "gcs_server":
                 m = p.memory_full_info()
                 return {"rss_mib": m.rss / 2**20, "pss_mib": m.pss / 2**20}
         except (psutil.NoSuchProcess, psutil.AccessDenied):
