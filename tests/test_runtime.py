@@ -122,15 +122,18 @@ def split_as_the_group(ref: PowerInfer, group) -> PowerInfer:
 
 
 @pytest.mark.slow
-# lookahead with one cold executor; the same-layer predictor with four (one group start less)
-@pytest.mark.parametrize("n_cold,predictor", [(1, "layer"), (4, "ffn")])
-def test_sparse_equals_local_sparse_engine(ray_cluster, bundle, n_cold, predictor):
+# lookahead with two cold executors (the module's shared group); the same-layer predictor with
+# four (one cold executor: the int4 groups below)
+@pytest.mark.parametrize("n_cold,predictor", [(2, "layer"), (4, "ffn")])
+def test_sparse_equals_local_sparse_engine(request, ray_cluster, bundle, n_cold, predictor):
     # the in-process engine with each layer's neurons in the group's hot set and the rest (its
     # cold executors' shards in one set): the same sums in the same order but for the shards'
     # partial sums (the near-tie tolerance); in one set, another order of the same sums makes
     # the predictors flip a near-threshold neuron now and then, past any near-tie
     cfg = dict(BASE, bundle=bundle, predictor=predictor)
-    pi = PowerInfer.from_pretrained(MODEL, Config(runtime="actors", cold_executors=n_cold, **cfg))
+    shared = n_cold == 2  # sparse_actors: BASE with the bundle, lookahead (the default)
+    pi = request.getfixturevalue("sparse_actors") if shared else \
+        PowerInfer.from_pretrained(MODEL, Config(runtime="actors", cold_executors=n_cold, **cfg))
     try:
         ref = split_as_the_group(PowerInfer.from_pretrained(MODEL, Config(**cfg)), pi.engine.group)
         assert_same_greedy(ref, pi)
@@ -139,8 +142,10 @@ def test_sparse_equals_local_sparse_engine(ray_cluster, bundle, n_cold, predicto
         assert sum(st[f"cold.{k}"]["neurons"] for k in range(n_cold)) + st["hot"]["hot_neurons"] \
             == 30 * 1536  # every neuron in exactly one place
     finally:
-        pi.close()
-    assert not shm_segments()
+        if not shared:
+            pi.close()
+    if not shared:
+        assert not shm_segments()
 
 
 def test_the_in_process_sparse_engine_decodes_in_the_native_loop(bundle):
@@ -493,6 +498,14 @@ def sparse_actors(ray_cluster, bundle):
     assert not shm_segments()
 
 
+@pytest.fixture(scope="module")
+def sparse_alone(bundle) -> tuple[PowerInfer, list[list[int]]]:
+    """The in-process engine of sparse_actors' configuration, and PROMPTS' greedy tokens from it,
+    each request alone."""
+    ref = PowerInfer.from_pretrained(MODEL, Config(bundle=bundle, **BASE))
+    return ref, [greedy_tokens(ref, p, GREEDY["max_new_tokens"]) for p in PROMPTS]
+
+
 def concurrent_greedy(pi: PowerInfer, n: int, timeout: float) -> list[list[int]]:
     """PROMPTS' greedy tokens, the requests sent together (continuously batched), each thread
     waited for `timeout` seconds at most."""
@@ -513,7 +526,7 @@ def concurrent_greedy(pi: PowerInfer, n: int, timeout: float) -> list[list[int]]
     return got
 
 
-def test_batched_concurrent_requests_equal_each_alone(bundle, sparse_actors):
+def test_batched_concurrent_requests_equal_each_alone(sparse_alone, sparse_actors):
     # concurrent requests, continuously batched, against each alone in process: token for token
     # but for a near-tie. Which steps the requests share depends on when each arrives, and a
     # prompt prefilled beside another goes through matrix products of another height, which
@@ -521,9 +534,8 @@ def test_batched_concurrent_requests_equal_each_alone(bundle, sparse_actors):
     # The predictors' rule is a threshold: a neuron whose logit sits on it can be picked in one
     # run and not the other, and that moves the later logits by more than float32 rounding
     # would (one run in eleven parted with a margin of 0.22), hence the bf16 tests' 0.25
-    ref = PowerInfer.from_pretrained(MODEL, Config(bundle=bundle, **BASE))
+    ref, want = sparse_alone  # each request alone
     n = GREEDY["max_new_tokens"]
-    want = [greedy_tokens(ref, p, n) for p in PROMPTS]  # each request alone
     e = sparse_actors.engine
     before = e.stats()["actors"]["scheduler"]
     got = concurrent_greedy(sparse_actors, n, timeout=120)
@@ -534,20 +546,19 @@ def test_batched_concurrent_requests_equal_each_alone(bundle, sparse_actors):
     steps = after["decode_steps"] - before["decode_steps"]
     rows = after["decode_rows"] - before["decode_rows"]
     assert rows / steps > 1.5, (rows, steps)  # they really shared decode steps
-    st = sparse_actors.engine.stats()["actors"]  # (2 cold executors; 1 and 4 are above)
+    st = sparse_actors.engine.stats()["actors"]  # (2 cold executors; 4 above, 1 in the int4 groups)
     assert st["predictor"]["input"] == "layer" and \
         st["cold.0"]["neurons"] + st["cold.1"]["neurons"] + st["hot"]["hot_neurons"] == 30 * 1536
 
 
 @pytest.mark.slow
-def test_decode_steps_in_the_gpus_segments_equal_the_modules(bundle, sparse_actors):
+def test_decode_steps_in_the_gpus_segments_equal_the_modules(sparse_alone, sparse_actors):
     """The decode step as the GPU's CUDA graphs replay it (`actors.graphs`: segments between the
     host exchanges, inputs in tensors that stay put, block tables padded to a width bucket),
     launched op by op on the CPU: alone and batched, it decodes as the in-process engine does
     (the lookahead predictor's input published from the segments, the masks read in them)."""
-    ref = PowerInfer.from_pretrained(MODEL, Config(bundle=bundle, **BASE))
+    ref, want = sparse_alone
     n = GREEDY["max_new_tokens"]
-    want = [greedy_tokens(ref, p, n) for p in PROMPTS]
     hot = sparse_actors.engine.group.actors["hot"]
     assert ray.get(hot.steps_in_segments.remote(True))
     try:

@@ -1,5 +1,6 @@
-"""The server as its users meet it: `powerinfer serve` started as a process with three models
-from one config (the default model, a small synthetic one, and a corrupt file), driven by the
+"""The server as its users meet it: `powerinfer serve` started as a process with several models
+from one config (the default model, Gemma 3, a small synthetic one, a synthetic one with two
+replicas on disjoint cores, and a corrupt file), driven by the
 official `openai` client, a gRPC client built from the generated stubs, raw HTTP, and a fuzzer;
 faults are real (an actor process killed mid-stream, a client hanging up), and so is the
 security check (a process without Ray's token is refused by the cluster's GCS).
@@ -28,7 +29,7 @@ import yaml
 from powerinfer import Config, PowerInfer
 from powerinfer.sparsity.synthetic import write_synthetic
 
-SMOL, TINY, BROKEN, GEMMA = "smollm2", "tiny", "broken", "gemma3"
+SMOL, TINY, BROKEN, GEMMA, TWIN = "smollm2", "tiny", "broken", "gemma3", "twin"
 KEY = "test-key-5d1f0c"
 MAX_BODY = 65536
 APP = "powerinfer"
@@ -169,6 +170,10 @@ def server(tmp_path_factory, default_model_path):
         models.append({"name": GEMMA, "model": str(gemma_model_path),  # model's cores
                        "max_seq_len": 512, "max_batch": 4, "cpu_threads": 1, "dtype": "float32",
                        "cores": cpulist(tiny_cores)})
+    if len(cores) > 1:  # a model with two replicas: two groups, each on its slice of two cores
+        write_synthetic(d / "twin.gguf", preset="tiny", seed=1, progress=False)
+        models.append({"name": TWIN, "model": str(d / "twin.gguf"), "max_seq_len": 512,
+                       "max_batch": 2, "replicas": 2, "cores": cpulist(cores[:2])})
     config.write_text(yaml.safe_dump({"max_body_bytes": MAX_BODY, "models": models}))
     port, grpc_port = free_port(), free_port()
     log = d / "server.log"
@@ -178,7 +183,8 @@ def server(tmp_path_factory, default_model_path):
                             stdout=open(log, "w"), stderr=subprocess.STDOUT, start_new_session=True)
     s = Server(proc, port, grpc_port, log)
     s.ray_before = before
-    s.cores = {SMOL: set(smol_cores), TINY: set(tiny_cores), GEMMA: set(tiny_cores)}
+    s.cores = {SMOL: set(smol_cores), TINY: set(tiny_cores), GEMMA: set(tiny_cores),
+               TWIN: set(cores[:2])}
     s.models = [m["name"] for m in models]
     deadline = time.time() + 300
     while "HTTP (OpenAI API)" not in log.read_text(errors="replace"):
@@ -245,7 +251,9 @@ def assert_memory_is_reported(out: str, ready: list[str]):
     costs, parts = {}, {}
     for m in ready:
         at = lines.index(f"  {m}: ready, context 512")
-        got = re.fullmatch(r"    memory: ([\d.]+) GiB now \(PSS of its (\d+) processes\), "
+        per = " a replica (2 replicas)" if m == TWIN else ""  # (the host counts both)
+        got = re.fullmatch(rf"    memory{re.escape(per)}: ([\d.]+) GiB now "
+                           r"\(PSS of its (\d+) processes\), "
                            r"([\d.]+) with its KV cache full: weights ([\d.]+), KV cache "
                            r"([\d.]+) in use of ([\d.]+), each process's own (.+)", lines[at + 1])
         assert got, lines[at:at + 2]  # (the two lines in one write: nothing between them)
@@ -258,7 +266,7 @@ def assert_memory_is_reported(out: str, ready: list[str]):
         # worker and the tokenizer (Gemma 3's was 0.34 GiB while the tokenizer's freed parse
         # buffers stayed resident, 0.17 since they are given back)
         assert own["scheduler"] < 0.25, lines[at + 1]
-        costs[m], parts[m] = now, (weights, kv)
+        costs[m], parts[m] = now * (2 if per else 1), (weights, kv)
     # SmolLM2 in float32 holds about its 135M parameters' 0.5 GiB, and a KV pool of 0.18 GiB
     # (4,160 positions of 30 layers' 3 KV heads of 64 floats, twice), as its load logged it
     smol_kv = re.search(rf"{SMOL} \S+ -- KV cache: .*?, ([\d.]+) GiB", out)
@@ -290,6 +298,35 @@ def test_each_models_executors_run_on_its_own_cores(server):
         pinned[name] = set().union(*executors.values())
     if server.cores[SMOL] != server.cores[TINY]:  # more than one core here
         assert not pinned[SMOL] & pinned[TINY], pinned
+
+
+def test_two_replicas_hold_two_groups_on_disjoint_cores_and_share_the_load(server):
+    # a model with two Serve replicas on one host: two actor groups, each on its slice of the
+    # model's cores, with requests spread over both (each group's own counters)
+    from concurrent.futures import ThreadPoolExecutor
+    if TWIN not in server.models:
+        pytest.skip("two replicas on disjoint cores need two cores")
+
+    def one(i):
+        r = server.http.post("/v1/completions", json={"model": TWIN, "prompt": f"hello {i}",
+                                                       "max_tokens": 8, "ignore_eos": True})
+        assert r.status_code == 200, r.text
+    with ThreadPoolExecutor(8) as pool:
+        list(pool.map(one, range(24)))
+    seen = {}
+    for _ in range(60):  # each call reaches one replica; collect both
+        st = server.model_stats(TWIN)
+        seen[st["replica"]] = st
+        if len(seen) == 2:
+            break
+    assert sorted(seen) == [0, 1], seen
+    pinned = []
+    for st in seen.values():
+        assert st["requests"] > 0, seen  # each group served some of the requests
+        pinned.append(set().union(*(allowed_cores(p) for k, p in st["pids"].items()
+                                    if k == "hot" or k.startswith("cold"))))
+    assert not pinned[0] & pinned[1] and pinned[0] | pinned[1] <= server.cores[TWIN], pinned
+    assert seen[0]["pids"]["scheduler"] != seen[1]["pids"]["scheduler"]
 
 def test_openai_client_chat_and_completions(server, local_smol):
     from openai import OpenAI
@@ -981,8 +1018,10 @@ def test_streams_survive_an_actor_killed_under_them(server):
         return {"model": SMOL, "prompt": p, "max_tokens": 32, "temperature": 0,
                 "ignore_eos": True, "stream": stream}
 
-    want = [h.post("/v1/completions", json=body(p)).json()["choices"][0]["text"]
-            for p in STORY_PROMPTS]
+    from concurrent.futures import ThreadPoolExecutor
+    with ThreadPoolExecutor(len(STORY_PROMPTS)) as pool:  # undisturbed, batched as below
+        want = list(pool.map(lambda p: h.post("/v1/completions", json=body(p)).json()[
+            "choices"][0]["text"], STORY_PROMPTS))
     tiny_restarts = server.model_stats(TINY)["restarts"]
     other = []
 
