@@ -375,9 +375,12 @@ def test_the_in_process_engine_keeps_a_4bit_files_blocks_where_triton_runs(tmp_p
 
     from greedy import assert_same_or_near_tie, greedy_ids
 
-    # (two layers: every part of a layer and the head, at half the interpreter's time of four)
-    m = write_synthetic(tmp_path / "m.gguf", preset="tiny", n_layers=2, seed=1, quant="q4_0",
-                        progress=False)
+    # (two layers of the tiny shape with a quarter of its FFN: every part of a layer and the
+    # head, at a fifth of the interpreter's time of four whole layers)
+    from dataclasses import replace
+    from powerinfer.sparsity.synthetic import PRESETS
+    m = write_synthetic(tmp_path / "m.gguf", preset=replace(PRESETS["tiny"], n_ff=256),
+                        n_layers=2, seed=1, quant="q4_0", progress=False)
     base = dict(dtype="bfloat16", max_seq_len=128, max_batch=1)
     dense = PowerInfer.from_pretrained(str(m.path), Config(weights="dense", **base))
     ids = [1, 5, 9, 13, 17, 21]
@@ -436,7 +439,11 @@ def test_a_gpus_hot_model_keeps_a_4bit_files_neurons_in_its_blocks(tmp_path, mon
     from powerinfer.sparsity.solver import neuron_bytes
     from powerinfer.sparsity.synthetic import write_synthetic
 
-    m = write_synthetic(tmp_path / "m.gguf", preset="tiny", n_layers=2, quant="q4_0", progress=False)
+    from dataclasses import replace
+    from powerinfer.sparsity.synthetic import PRESETS
+    # (a quarter of the tiny shape's FFN: the interpreter's time)
+    m = write_synthetic(tmp_path / "m.gguf", preset=replace(PRESETS["tiny"], n_ff=256), n_layers=2,
+                        quant="q4_0", progress=False)
     ck = kernel_ready(load_checkpoint(m.path, with_weights=False),
                       Config(dtype="bfloat16", weights="int4"), progress=False)
     a, cpu = ck.args, torch.device("cpu")
