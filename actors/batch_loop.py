@@ -237,11 +237,9 @@ class BatchLoop:
         with self.cv:
             c = dict(self.counters)
             b, kv = self.batcher, self.blocks
-            # requests only: a health probe (its reserved block, outside the pool) is counted
-            # apart, so that a server at rest reads 0 running whatever its probes do
-            probes = sum(s.blocks.reserved for s in (*b.waiting, *b.running))
-            c.update(waiting=sum(not s.blocks.reserved for s in b.waiting),
-                     running=sum(not s.blocks.reserved for s in b.running), probes=probes,
+            # requests only: a health probe is counted apart, so that a server at rest reads 0
+            # running whatever its probes do
+            c.update(waiting=b.waiting_requests, running=b.running_requests, probes=b.probes,
                      broken=self.broken,
                      preemptions=b.preemptions, kv_blocks=kv.num_blocks,
                      kv_blocks_free=kv.available, kv_usage=kv.usage,

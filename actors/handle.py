@@ -82,8 +82,7 @@ class ActorEngine:
         self._failures_before = 0  # rebuild_failures when the current rebuild began
         self._lock = threading.Lock()
         self._ready = threading.Event()
-        self._closed = False
-        self._closing = threading.Event()  # wakes the monitor at once when the engine closes
+        self._closing = threading.Event()  # set once by shutdown(): wakes the monitor at once
         self.group = self._new_group()
         trim_heap()  # the tokenizer's build and the table's parse, freed, stay resident otherwise
         self._ready.set()
@@ -192,14 +191,17 @@ class ActorEngine:
         """Stop the group (after a rebuild in progress, so that it leaves nothing behind)."""
         self._ready.wait(REBUILD_WAIT_S)
         with self._lock:
-            self._closed = True
+            self._closing.set()
         # the monitor is gone before this returns: a caller may shut Ray down next, and a call
         # into Ray's worker during or after its shutdown ends the whole process (from its C++)
-        self._closing.set()
         if threading.current_thread() is not self._monitor:
             self._monitor.join()
         with self._lock:
             self.group.stop()
+
+    @property
+    def _closed(self) -> bool:
+        return self._closing.is_set()
 
     # ---- supervision ----
     def _group(self, wait_s: float = REBUILD_WAIT_S, failed: ActorGroup | None = None

@@ -31,6 +31,25 @@ def batcher(blocks=64, max_batch=8, max_seq=256, chunk=0, caching=True):
     return Batcher(BlockManager(blocks, 16, caching), max_batch, max_seq, chunk)
 
 
+def test_a_probe_is_admitted_over_max_batch_and_counted_apart(tok):
+    # a health probe (a block its owner reserved outside the pool) runs beside max_batch
+    # requests, is not a request in the counts, and never makes a request wait or be refused
+    b = batcher(blocks=7, max_batch=1)  # the probe's block 7 outside the pool
+    r1, r2, probe = seq(tok, [1, 2, 3]), seq(tok, [4, 5]), seq(tok, [6])
+    probe.blocks = Blocks([7], reserved=True)
+    b.add(r1)
+    b.add(r2)
+    b.add(probe, front=True)
+    assert (b.running_requests, b.waiting_requests, b.probes, b.queued) == (0, 2, 1, 1)
+    step = b.schedule()
+    assert step.seqs == [probe, r1]  # the probe over max_batch, r2 waits
+    assert (b.running_requests, b.waiting_requests, b.probes, b.queued) == (1, 1, 1, 1)
+    b.remove(r1)
+    assert b.queued == 0  # r2 is next, whatever the probe does
+    step = b.schedule()
+    assert r2 in step.seqs and (b.running_requests, b.probes) == (1, 1)
+
+
 def test_admission_by_max_batch_then_decode_steps(tok):
     b = batcher(max_batch=2)
     a, c, d = seq(tok, [1, 2, 3]), seq(tok, [4, 5]), seq(tok, [6])

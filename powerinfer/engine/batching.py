@@ -183,10 +183,25 @@ class Batcher:
         ahead of the others and over max_batch)."""
         (self.waiting.appendleft if front else self.waiting.append)(seq)
 
+    # a health probe holds a block its owner reserved outside the pool and is admitted over
+    # max_batch: it is not a request, and is counted apart
+    @property
+    def running_requests(self) -> int:
+        return sum(not s.blocks.reserved for s in self.running)
+
+    @property
+    def waiting_requests(self) -> int:
+        return sum(not s.blocks.reserved for s in self.waiting)
+
+    @property
+    def probes(self) -> int:
+        return len(self.running) + len(self.waiting) - self.running_requests - self.waiting_requests
+
     @property
     def queued(self) -> int:
-        """Sequences that will still wait once the next steps admit what max_batch allows."""
-        return len(self.waiting) - max(0, self.max_batch - len(self.running))
+        """Requests that will still wait once the next steps admit what max_batch allows (a
+        waiting probe is admitted over it: not counted)."""
+        return self.waiting_requests - max(0, self.max_batch - self.running_requests)
 
     @property
     def idle(self) -> bool:
@@ -246,7 +261,7 @@ class Batcher:
                 rows.append((s, n))
                 budget -= n if n > 1 else 0
                 i += 1
-        running = sum(not s.blocks.reserved for s in self.running)  # (a probe is extra)
+        running = self.running_requests  # (a probe is extra)
         while self.waiting and not preempted:  # then the waiting that fit, in order
             s = self.waiting[0]
             if not s.blocks.reserved and (running >= self.max_batch or budget < 1):
