@@ -18,6 +18,7 @@ import subprocess
 import sys
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import grpc
@@ -303,7 +304,6 @@ def test_each_models_executors_run_on_its_own_cores(server):
 def test_two_replicas_hold_two_groups_on_disjoint_cores_and_share_the_load(server):
     # a model with two Serve replicas on one host: two actor groups, each on its slice of the
     # model's cores, with requests spread over both (each group's own counters)
-    from concurrent.futures import ThreadPoolExecutor
     if TWIN not in server.models:
         pytest.skip("two replicas on disjoint cores need two cores")
 
@@ -1018,7 +1018,6 @@ def test_streams_survive_an_actor_killed_under_them(server):
         return {"model": SMOL, "prompt": p, "max_tokens": 32, "temperature": 0,
                 "ignore_eos": True, "stream": stream}
 
-    from concurrent.futures import ThreadPoolExecutor
     with ThreadPoolExecutor(len(STORY_PROMPTS)) as pool:  # undisturbed, batched as below
         want = list(pool.map(lambda p: h.post("/v1/completions", json=body(p)).json()[
             "choices"][0]["text"], STORY_PROMPTS))

@@ -3,6 +3,7 @@ math. Where no GPU is present they run on the CPU under Triton's interpreter: th
 variable is set here, before anything imports triton, so every machine checks them."""
 import contextlib
 import os
+from dataclasses import replace
 
 import pytest
 import torch
@@ -18,6 +19,11 @@ from powerinfer.formats.args import ModelArgs
 from powerinfer.model.transformer import Transformer
 from powerinfer.model.predictor import Predictors
 from powerinfer.model.sparse import activate, apply_hybrid_ffn
+from powerinfer.sparsity.synthetic import PRESETS
+
+# the tiny shape with a quarter of its FFN, for the engine tests under the interpreter: its time
+# is the FFN's programs (49 s -> 30 s for a two-layer engine's greedy decode)
+SMALL_FFN = replace(PRESETS["tiny"], n_ff=256)
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 GATED = ("swiglu", "reglu", "dreglu", "geglu")
@@ -375,12 +381,9 @@ def test_the_in_process_engine_keeps_a_4bit_files_blocks_where_triton_runs(tmp_p
 
     from greedy import assert_same_or_near_tie, greedy_ids
 
-    # (two layers of the tiny shape with a quarter of its FFN: every part of a layer and the
-    # head, at a fifth of the interpreter's time of four whole layers)
-    from dataclasses import replace
-    from powerinfer.sparsity.synthetic import PRESETS
-    m = write_synthetic(tmp_path / "m.gguf", preset=replace(PRESETS["tiny"], n_ff=256),
-                        n_layers=2, seed=1, quant="q4_0", progress=False)
+    # (two layers: every part of a layer and the head)
+    m = write_synthetic(tmp_path / "m.gguf", preset=SMALL_FFN, n_layers=2, seed=1, quant="q4_0",
+                        progress=False)
     base = dict(dtype="bfloat16", max_seq_len=128, max_batch=1)
     dense = PowerInfer.from_pretrained(str(m.path), Config(weights="dense", **base))
     ids = [1, 5, 9, 13, 17, 21]
@@ -439,11 +442,8 @@ def test_a_gpus_hot_model_keeps_a_4bit_files_neurons_in_its_blocks(tmp_path, mon
     from powerinfer.sparsity.solver import neuron_bytes
     from powerinfer.sparsity.synthetic import write_synthetic
 
-    from dataclasses import replace
-    from powerinfer.sparsity.synthetic import PRESETS
-    # (a quarter of the tiny shape's FFN: the interpreter's time)
-    m = write_synthetic(tmp_path / "m.gguf", preset=replace(PRESETS["tiny"], n_ff=256), n_layers=2,
-                        quant="q4_0", progress=False)
+    m = write_synthetic(tmp_path / "m.gguf", preset=SMALL_FFN, n_layers=2, quant="q4_0",
+                        progress=False)
     ck = kernel_ready(load_checkpoint(m.path, with_weights=False),
                       Config(dtype="bfloat16", weights="int4"), progress=False)
     a, cpu = ck.args, torch.device("cpu")
