@@ -17,6 +17,10 @@ held as block slices or neuron records, with a predictor's masks or without, of 
 of the head's rows) are answered by its `cold_serve` loop, in C++ from one wait to the next; it
 hands back the first message that needs Python (a prompt's rows in other layouts, STOP). A
 layer's answer then costs its matrix products and the hand-off, not a dozen Python calls.
+With lookahead masks (the predictor reads the layer's input, before attention), that loop
+watches the predictor's `mask` channel while it waits and warms the records a layer's masks
+select into its caches before the FFN input arrives: the hot side's attention hides the
+reads, and the step's answer computes from the caches.
 """
 from __future__ import annotations
 
@@ -83,6 +87,11 @@ class ColdExecutor(Answering):
         self.load_cpu_s = time.process_time() - c0  # without the time other processes took
         self.neurons = sum(len(s.idx) for s in self.sets)
         self.x, self.part = spec.open("x"), spec.open(f"part.{rank}", writer=True)
+        # the predictor's masks, watched (never consumed: the hot executor is their reader) where
+        # they come out before attention (lookahead): the records they select are warmed while
+        # the hot side attends (`cold_serve`'s `ahead`)
+        self.ahead = spec.open("mask") if plan.predictor_input == "layer" and spec.warm_ahead \
+            else None
         self.busy_s, self.steps = 0.0, 0
         self.native = self._native_args(a.ffn_act)
 
@@ -132,7 +141,8 @@ class ColdExecutor(Answering):
                 dtype == torch.bfloat16, self.x.spin_us, [DECODE, HEAD, ATTN, PREFILL],
                 kernels.ACTS.index(act), *(cols(ffn, j) for j in range(8)), self.spec.ffn_dim,
                 *(cols(attn, j) for j in range(10)), n_heads, cos, sin, self.args.sliding_window,
-                scale, *((None, 0, 0) if head is None else head))
+                scale, *((None, 0, 0) if head is None else head),
+                self.ahead.base if self.ahead is not None else 0)
 
     def _next(self) -> FFNInput:
         """The next message this loop answers in Python (the native loop answers the others)."""

@@ -7,7 +7,9 @@
     pred_in  hot -> predictor        PredictorInput (decode only); its input (B, dim) fp32
                                      (in a device buffer where the two share a GPU)
     mask     predictor -> hot        Masks; per-row predicted-active neurons (B, ffn_dim) bool
-                                     (also in a device buffer where the two share a GPU)
+                                     (also in a device buffer where the two share a GPU); with
+                                     lookahead the cold executors watch it too, unconsumed, to
+                                     warm the records it selects (`cold_serve`'s `ahead`)
     x        hot -> cold (all)       FFNInput; FFN input (B*T, dim) [, masks at `mask_offset`],
                                      or (op HEAD) the normed rows the output head reads, or
                                      (op ATTN) the attention input (B*T, dim), positions (B*T,),
@@ -236,6 +238,11 @@ class PlaneSpec:
     device_predictor: bool = False
     # the CPU kernel's instruction-set class every actor holds (`Config.cpu_isa`, resolved)
     isa: str = "auto"
+    # with lookahead masks, each cold executor warms the records they select into its caches
+    # while the hot side attends (`cold_serve`'s `ahead`); POWERINFER_WARM_AHEAD=0 turns it off
+    # (a diagnostic: the step's breakdown with and without)
+    warm_ahead: bool = field(
+        default_factory=lambda: os.environ.get("POWERINFER_WARM_AHEAD", "1") != "0")
 
     @classmethod
     def new(cls, n_cold: int, batch: int, tokens: int, max_seq: int, num_blocks: int,

@@ -4,6 +4,7 @@
     .venv/bin/python benchmarks/runtime.py [--model M] [--bundle B] [--tokens 32]
         [--cold 1,2] [--batches 1,4,8] [--synthetic-layers 4] [--skip-synthetic] [--compile]
         [--rounds 5] [--weights W] [--cold-weights W] [--predictors layer,ffn] [--out FILE]
+        [--warm-ahead [--workdir DIR]]
 
 1. Hop latency: a round trip over the shared-memory channels (one 576-float message each way)
    between two processes, spinning first and blocking at once, next to a Ray actor call.
@@ -32,6 +33,12 @@
    Then the hot executor's native layer loop by phase over one more request (`hot_phases`: its
    projections, attention, FFN, and its waits for the cold executors' answers, for attention
    and for the FFN), and each cold executor's answers and waits.
+7. `--warm-ahead` (alone): the cold executors warming the records the lookahead masks select
+   while the hot side attends, against not, in turns (`warm_ahead`): on --model with --bundle,
+   and on a synthetic 7B shape in Q4_0 with a bundle made for it (`--workdir` keeps both):
+
+    .venv/bin/python benchmarks/runtime.py --warm-ahead --bundle smol.bundle --cold 1 \
+        --synthetic-layers 2 --rounds 5 --workdir warm
 
 Both sides run the default configuration (`Config()` resolved for this machine and file: bf16
 with int4 weights and an 8-bit head on a CPU with native bf16 and a Q4 file); with `--compile`
@@ -58,7 +65,7 @@ from pathlib import Path
 import torch
 
 from actors.channel import Channel, create, segment_path
-from powerinfer import Config, PowerInfer
+from powerinfer import Config, PowerInfer, kernels
 from powerinfer.engine.params import SamplingParams
 
 PROMPT = "Write a short story about a lighthouse keeper who finds a message in a bottle."
@@ -211,10 +218,11 @@ def hot_phases(pi: PowerInfer, tokens: int) -> dict[str, float]:
     calls = hot.pop("calls", 0)
     if not calls:
         return {}
-    per_call = lambda v: v / calls * 1e3  # noqa: E731  (a cold executor's too: a step's layers)
-    out = {"calls": calls, **{k: per_call(v) for k, v in hot.items() if v}}
+    # (a cold executor's too: a step's layers; a count per call where it counts)
+    per_call = lambda k, v: v / calls * (1 if k in kernels.COUNTS else 1e3)  # noqa: E731
+    out = {"calls": calls, **{k: per_call(k, v) for k, v in hot.items() if v}}
     for i, c in enumerate(colds):
-        out.update({f"cold.{i} {k.removeprefix('cold: ')}": per_call(v) for k, v in c.items()
+        out.update({f"cold.{i} {k.removeprefix('cold: ')}": per_call(k, v) for k, v in c.items()
                     if k != "calls" and v})
     return out
 
@@ -357,6 +365,82 @@ def stream_paths(pi: PowerInfer, tokens: int, rounds: int) -> dict:
     return out
 
 
+def warm_ahead(model: str, base: dict, tokens: int, rounds: int, cold: int = 1) -> dict:
+    """The cold executors warming the records of the lookahead masks ahead of the step (the
+    default) against not (`POWERINFER_WARM_AHEAD=0`), with a bundle: two groups of the same
+    configuration, measured in turns (`rounds` streams each, which goes first alternating; the
+    idle group's readers sleep), then each one's step breakdown and native loop phases (the
+    cold executors' warming and records warmed among them) over one more request."""
+    env = os.environ.get("POWERINFER_WARM_AHEAD")
+    groups = {}
+    try:
+        for name, flag in (("off", "0"), ("on", "1")):
+            os.environ["POWERINFER_WARM_AHEAD"] = flag
+            groups[name] = PowerInfer.from_pretrained(model, Config(
+                **base, runtime="actors", cold_executors=cold, predictor="layer"))
+            assert groups[name].engine.group.spec.warm_ahead == (flag == "1")
+            groups[name].generate(PROMPT, max_new_tokens=tokens, temperature=0, ignore_eos=True)
+        speeds = {k: [] for k in groups}
+        for r in range(rounds):
+            for k in list(groups)[::1 if r % 2 == 0 else -1]:
+                speeds[k].append(stream_speed(groups[k], tokens))
+        out = {"rounds": rounds, "cold_executors": cold}
+        for k, pi in groups.items():
+            # (a short request first: the waits in progress since the group was last busy end
+            # there, outside the counters' window)
+            pi.generate(PROMPT, max_new_tokens=2, temperature=0, ignore_eos=True)
+            out[k] = {"tok_s": statistics.median(speeds[k]),
+                      "turns": [round(x, 2) for x in speeds[k]],
+                      "breakdown_ms_per_step": step_breakdown(pi, 2 * tokens),
+                      "loop_ms_per_call": hot_phases(pi, 2 * tokens)}
+        out["on_vs_off"] = statistics.median(a / b for a, b in zip(speeds["on"], speeds["off"]))
+        return out
+    finally:
+        for pi in groups.values():
+            pi.close()
+        if env is None:
+            os.environ.pop("POWERINFER_WARM_AHEAD", None)
+        else:
+            os.environ["POWERINFER_WARM_AHEAD"] = env
+
+
+def synthetic_with_bundle(layers: int, workdir: str) -> tuple[Path, Path]:
+    """A synthetic 7B-shape ReLU model of `layers` layers in Q4_0 (90% of its neurons idle a
+    token) and a bundle for it (profiled on the calibration corpus, lookahead predictors
+    trained), in `workdir` (reused when there) or a fresh temporary directory."""
+    from powerinfer.formats.bundle import Bundle
+    from powerinfer.sparsity.profile import ProfileOptions, profile
+    from powerinfer.sparsity.synthetic import write_synthetic
+    from powerinfer.sparsity.train import train_predictors
+
+    d = Path(workdir or tempfile.mkdtemp(prefix="powerinfer-warm-"))
+    d.mkdir(parents=True, exist_ok=True)
+    path, bundle = d / f"synthetic-7b-{layers}-q4_0.gguf", d / f"synthetic-7b-{layers}-q4_0.bundle"
+    if not path.exists():
+        write_synthetic(path, "7b", n_layers=layers, quant="q4_0")
+    if not (bundle / "predictors.layer.json").exists():
+        b = profile(str(path), "lee", bundle, ProfileOptions(tokens=2048, window=256, samples=4000),
+                    dtype="bfloat16")
+        train_predictors(b, "layer")
+    Bundle.open(bundle)  # (complete)
+    return path, bundle
+
+
+def print_warm(w: dict, label: str):
+    """`warm_ahead`'s result as two tables: tok/s, and ms per step (and per loop call) by part."""
+    print(f"| {label}, {w['cold_executors']} cold, {w['rounds']} turns | tok/s | each turn |")
+    print("|---|---:|---|")
+    for k in ("off", "on"):
+        print(f"| warming {k} | {w[k]['tok_s']:.2f} | {', '.join(map(str, w[k]['turns']))} |")
+    print(f"| on / off (median of turns) | {w['on_vs_off']:.3f} | |")
+    for part in ("breakdown_ms_per_step", "loop_ms_per_call"):
+        keys = list(dict.fromkeys(k for s in ("off", "on") for k in w[s][part]))
+        print(f"\n| {part} | warming off | warming on |\n|---|---:|---:|")
+        for k in keys:
+            cells = (f"{w[s][part].get(k, float('nan')):.3f}" for s in ("off", "on"))
+            print(f"| {k} | " + " | ".join(cells) + " |")
+
+
 def compare(model: str, base: dict, tokens: int, cold: list[int], batches: list[int],
             rounds: int = 5, predictors: tuple[str, ...] = ("layer", "ffn")) -> list[dict]:
     """Actor runtime against the in-process engine with the same plan, per cold-executor count;
@@ -431,6 +515,13 @@ def main():
                          "4-bit cold executors: what a GPU group runs)")
     ap.add_argument("--predictors", default="layer,ffn",
                     help="with --bundle: the predictor of every run, then the one compared with it")
+    ap.add_argument("--warm-ahead", action="store_true",
+                    help="only the cold executors' warming off against on (`warm_ahead`): "
+                         "--model with --bundle, and (unless --skip-synthetic) a synthetic 7B "
+                         "shape in Q4_0 with a bundle made for it (profile, lookahead predictors)")
+    ap.add_argument("--workdir", default="",
+                    help="with --warm-ahead: keep the synthetic file and its bundle here, and "
+                         "reuse them when they are there")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     cold = [int(x) for x in args.cold.split(",")]
@@ -441,6 +532,21 @@ def main():
     print("hop latency (us):", json.dumps(result["hop_us"]), flush=True)
     base = dict(max_seq_len=256, bundle=args.bundle, compile=args.compile, weights=args.weights,
                 cold_weights=args.cold_weights)
+    if args.warm_ahead:
+        result["warm_ahead"] = {}
+        if args.bundle:
+            w = result["warm_ahead"][args.model] = warm_ahead(args.model, base, args.tokens,
+                                                              args.rounds, cold[0])
+            print_warm(w, args.model)
+        if not args.skip_synthetic:
+            path, bundle = synthetic_with_bundle(args.synthetic_layers, args.workdir)
+            w = result["warm_ahead"]["synthetic_7b"] = warm_ahead(
+                str(path), dict(base, bundle=str(bundle), dtype="bfloat16"), args.tokens // 2,
+                args.rounds, cold[0])
+            print_warm(w, f"synthetic 7B shape, {args.synthetic_layers} layers, Q4_0")
+        if args.out:
+            Path(args.out).write_text(json.dumps(result, indent=1))
+        return
     result["default"] = compare(args.model, base, args.tokens, cold, batches, args.rounds,
                                 tuple(args.predictors.split(",")))
     print_breakdown(result["default"])

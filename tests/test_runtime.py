@@ -134,9 +134,18 @@ def test_sparse_equals_local_sparse_engine(request, ray_cluster, bundle, n_cold,
     shared = n_cold == 2  # sparse_actors: BASE with the bundle, lookahead (the default)
     pi = request.getfixturevalue("sparse_actors") if shared else \
         PowerInfer.from_pretrained(MODEL, Config(runtime="actors", cold_executors=n_cold, **cfg))
+    group = pi.engine.group
+    colds = [a for name, a in sorted(group.actors.items()) if name.startswith("cold")]
+    # lookahead masks come out before attention: the cold executors' native loops warm the
+    # records they select while they wait for the layer's FFN input (`cold_serve`'s `ahead`)
+    warms = predictor == "layer" and group.spec.warm_ahead and group.info["cold.0"]["native"]
     try:
-        ref = split_as_the_group(PowerInfer.from_pretrained(MODEL, Config(**cfg)), pi.engine.group)
-        assert_same_greedy(ref, pi)
+        ref = split_as_the_group(PowerInfer.from_pretrained(MODEL, Config(**cfg)), group)
+        ray.get([a.loop_profile.remote("start") for a in colds])
+        assert_same_greedy(ref, pi)  # (the warmed answers are the same sums)
+        warmed = [p.get("cold: records warmed", 0) for p in
+                  ray.get([a.loop_profile.remote("stop") for a in colds])]
+        assert all(w > 0 for w in warmed) if warms else not any(warmed), warmed
         st = pi.engine.stats()["actors"]
         assert st["predictor"]["input"] == predictor and st["predictor"]["calls"] > 0
         assert sum(st[f"cold.{k}"]["neurons"] for k in range(n_cold)) + st["hot"]["hot_neurons"] \

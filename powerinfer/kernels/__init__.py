@@ -250,19 +250,24 @@ LOOP_PHASES = ("norms", "sends to the executors", "q/k/v projection",
                # ... and a cold executor's (`cold_serve`; its attention answers hold the
                # projections and attention above)
                "cold: waits for messages", "cold: attention answered", "cold: FFN answered",
-               "cold: head rows answered")
+               "cold: head rows answered",
+               # (within its waits: warming the records of the predictor's newest masks, and
+               # how many records it warmed, a count)
+               "cold: warming records ahead", "cold: records warmed")
+COUNTS = {"cold: records warmed"}  # loop_profile's entries that count, not nanoseconds
 
 
 def loop_profile(mode: str = "read") -> dict:
     """The native loops' time by phase in this process (`hot_layers` and its attention steps,
     or a cold executor's `cold_serve`), for benchmarks: "start" zeroes and starts the count (two
     clock reads a phase while on), "read" reads it, "stop" reads and stops it. Returns {"calls":
-    hot_layers calls, phase: seconds} (`LOOP_PHASES`), the totals before the call; empty where
-    the kernel library is not loaded."""
+    hot_layers calls, phase: seconds (a count for `COUNTS`)} (`LOOP_PHASES`), the totals before
+    the call; empty where the kernel library is not loaded."""
     if not available():
         return {}
     t = torch.ops.powerinfer.loop_profile({"read": 0, "start": 1, "stop": 2}[mode]).tolist()
-    return {"calls": t[-1], **{name: ns / 1e9 for name, ns in zip(LOOP_PHASES, t)}}
+    return {"calls": t[-1], **{name: v if name in COUNTS else v / 1e9
+                               for name, v in zip(LOOP_PHASES, t)}}
 
 
 HUGE_MIN_BYTES = 4 << 20  # smaller tensors stay where torch puts them

@@ -450,6 +450,8 @@ namespace prof {
 enum Phase {
   NORM, SEND, QKV, PLACE, ATTEND, WO, WAIT_ATTN, ADD_ATTN, FFN, WAIT_FFN, ADD_FFN, PREDICT,  // hot_layers
   WAIT_MSG, ANSWER_ATTN, ANSWER_FFN, ANSWER_HEAD,  // cold_serve (an attention answer holds QKV .. WO)
+  WARM,  // cold_serve: the records of the predictor's newest masks warmed (within WAIT_MSG)
+  WARMED,  // (a count, not nanoseconds: the records warmed)
   CALLS, N
 };
 static std::atomic<bool> on{false};
@@ -984,6 +986,74 @@ static bool prompt_rows_attention(const ColdLayers& L, int64_t layer) {
 // ops: the plane's op codes (decode, head, attention, prefill; actors/plane.py). A prompt's
 // rows (a prefill message) are answered here where the layer's entries allow it
 // (prompt_rows_ffn, prompt_rows_attention), else left to the caller.
+// The records of a layer that a predictor's masks select (rows (rows, ffn_dim) bool, any row's),
+// warmed into this core's caches with software prefetches, a line at a time, until `x` holds
+// message `target` (checked every 8 records): a cold executor's idle time while the hot side
+// attends, spent on the reads of the step it will answer next. Its FFN then reads them from the
+// caches (the last level's, where they outgrow the core's own), not from memory. Only a hint: a
+// record it misses is read as before. Returns the records it warmed.
+static int64_t warm_records(const ColdLayers& L, int64_t layer, const bool* rows_mask, int64_t rows, int64_t ffn_dim,
+                            const ChannelHeader* xh, int64_t target) {
+  const at::Tensor& w = L.ffn_w1[layer];
+  const at::Tensor& idx = L.ffn_idx[layer];
+  const char* base = static_cast<const char*>(w.data_ptr());
+  const int64_t n = w.size(0), stride = w.stride(0) * w.element_size(), bytes = w.size(1) * w.element_size();
+  const int64_t* ip = idx.numel() ? idx.data_ptr<int64_t>() : nullptr;
+  int64_t warmed = 0;
+  for (int64_t j = 0; j < n; j++) {
+    if ((j & 7) == 0 && xh->seq.load(std::memory_order_relaxed) >= target) break;  // the step is here
+    const int64_t neuron = ip ? ip[j] : j;
+    if (neuron < 0 || neuron >= ffn_dim) continue;
+    bool on = false;
+    for (int64_t r = 0; r < rows && !on; r++) on = rows_mask[r * ffn_dim + neuron];
+    if (!on) continue;
+    const char* rec = base + j * stride;
+    for (int64_t o = 0; o < bytes; o += 64) __builtin_prefetch(rec + o, 0, 1);
+    warmed++;
+  }
+  return warmed;
+}
+
+// cold_serve's wait for the message after `st`'s with the predictor's mask channel beside it
+// (`ahead`: its mapping; the masks of a layer come out before the hot side attends, lookahead):
+// for up to spin_us, each new set of masks for a layer of neuron records is warmed
+// (warm_records) while `x` holds nothing new; then the plain wait. The warming counts as waiting
+// (the executor is not answering); loop_profile reports it apart (WARM, WARMED). The masks'
+// payload stays in place until this executor answers their layer (the hot side sends the next
+// layer's predictor input only after it has every answer), so reading it here races nothing.
+static void wait_warming(const ColdLayers& L, int64_t x_base, int64_t* st, double spin_us, int64_t ahead,
+                         int64_t& ahead_seen, int64_t ffn_dim) {
+  auto* xh = reinterpret_cast<ChannelHeader*>(x_base);
+  const auto* mh = reinterpret_cast<const ChannelHeader*>(ahead);
+  const int64_t target = st[0] + 1;
+  using clock = std::chrono::steady_clock;
+  const auto t0 = clock::now(), end = t0 + std::chrono::nanoseconds((int64_t)(spin_us * 1e3));
+  int64_t warm_ns = 0, warmed = 0;
+  while (xh->seq.load(std::memory_order_acquire) < target && clock::now() < end) {
+    const int64_t seq = mh->seq.load(std::memory_order_acquire);
+    if (seq == ahead_seen) {
+      sched_yield();
+      continue;
+    }
+    ahead_seen = seq;
+    const int64_t layer = mh->words[0], rows = mh->words[1];
+    if (layer < 0 || layer >= (int64_t)L.ffn_kind.size() || L.ffn_kind[layer] != 2 || rows < 1 || rows > 64)
+      continue;
+    const auto w0 = clock::now();
+    warmed += warm_records(L, layer, reinterpret_cast<const bool*>(reinterpret_cast<const char*>(ahead) + CH_HEADER),
+                           rows, ffn_dim, xh, target);
+    warm_ns += std::chrono::duration_cast<std::chrono::nanoseconds>(clock::now() - w0).count();
+  }
+  const int64_t before = st[1];
+  const auto since = [&] { return std::chrono::duration_cast<std::chrono::nanoseconds>(clock::now() - t0).count(); };
+  wait_message(x_base, st, std::max(0.0, spin_us - 1e-3 * since()));  // the spin's rest, then asleep
+  st[1] = before + since();  // (the warming above waited too)
+  if (prof::on.load(std::memory_order_relaxed)) {
+    prof::ns[prof::WARM] += warm_ns;
+    prof::ns[prof::WARMED] += warmed;
+  }
+}
+
 static std::vector<int64_t> cold_serve(at::Tensor& state, int64_t x_base, int64_t part_base, int64_t part_capacity,
                                        int64_t dim, bool bf16, double spin_us, at::IntArrayRef ops, int64_t act,
                                        at::TensorList ffn_w1, at::TensorList ffn_w2, at::IntArrayRef ffn_kind,
@@ -995,7 +1065,7 @@ static std::vector<int64_t> cold_serve(at::Tensor& state, int64_t x_base, int64_
                                        at::TensorList k_cache, at::TensorList v_cache, int64_t n_heads,
                                        const std::optional<at::Tensor>& cos, const std::optional<at::Tensor>& sin,
                                        int64_t window, double scale, const std::optional<at::Tensor>& head,
-                                       int64_t head_fmt, int64_t head_n) {
+                                       int64_t head_fmt, int64_t head_n, int64_t ahead) {
   const Kernels& k = active();
   TORCH_CHECK(state.scalar_type() == at::kLong && state.numel() == 2 && state.is_contiguous(), "state: int64 (2,)");
   const ColdLayers L = per_layer(ffn_w1, ffn_w2, ffn_kind, ffn_n, ffn_down_fmt, ffn_w1_fmt, ffn_idx, ffn_threshold,
@@ -1008,9 +1078,16 @@ static std::vector<int64_t> cold_serve(at::Tensor& state, int64_t x_base, int64_
   char* pp = reinterpret_cast<char*>(part_base) + CH_HEADER;
   const auto rows_type = at::TensorOptions().dtype(bf16 ? at::kBFloat16 : at::kFloat);
   int64_t* st = state.data_ptr<int64_t>();
+  const bool warming = ahead && ffn_dim > 0 &&
+                       std::any_of(ffn_kind.begin(), ffn_kind.end(), [](int64_t kind) { return kind == 2; });
+  // the masks already seen: those before this call belong to steps answered
+  int64_t ahead_seen = warming ? reinterpret_cast<const ChannelHeader*>(ahead)->seq.load() : 0;
   while (true) {
     const int64_t waited = st[1];
-    wait_message(x_base, st, spin_us);
+    if (warming)
+      wait_warming(L, x_base, st, spin_us, ahead, ahead_seen, ffn_dim);
+    else
+      wait_message(x_base, st, spin_us);
     prof::Laps laps;
     if (laps.active) prof::ns[prof::WAIT_MSG] += st[1] - waited;
     const int64_t op = xh->words[0], layer = xh->words[1], B = xh->words[2], T = xh->words[3], w4 = xh->words[4],
@@ -1289,7 +1366,8 @@ TORCH_LIBRARY(powerinfer, m) {
         "float spin_us, int[] ops, int act, Tensor[] ffn_w1, Tensor[] ffn_w2, int[] ffn_kind, int[] ffn_n, int[] ffn_down_fmt, int[] ffn_w1_fmt, "
         "Tensor[] ffn_idx, float[] ffn_threshold, int ffn_dim, "
         "Tensor[] qkv, int[] qkv_fmt, int[] qkv_n, Tensor[] qkv2, int[] qkv2_fmt, int[] qkv2_n, Tensor[] wo, int[] wo_fmt, Tensor[] k_cache, Tensor[] v_cache, "
-        "int n_heads, Tensor? cos, Tensor? sin, int window, float scale, Tensor? head, int head_fmt, int head_n) -> int[]");
+        "int n_heads, Tensor? cos, Tensor? sin, int window, float scale, Tensor? head, int head_fmt, int head_n, "
+        "int ahead=0) -> int[]");
   m.def("hot_layers(Tensor h, Tensor pos, Tensor starts, Tensor tables, int x_base, int x_capacity, "
         "int[] part_bases, Tensor[] part_states, float spin_us, int[] ops, int[] predict, Tensor? mask_state, "
         "int act, Tensor[] norms, float eps, "
