@@ -409,9 +409,12 @@ template <int FMT, int R>
 struct IntDots {
   __m256 acc[R][2];
   float accm[R][2];
+  __m256 accv[R];  // split rows' offsets, 8 blocks a lane set (see chunk)
   void zero() {
-    for (int r = 0; r < R; r++)
+    for (int r = 0; r < R; r++) {
       for (int p = 0; p < 2; p++) acc[r][p] = _mm256_setzero_ps(), accm[r][p] = 0.0f;
+      accv[r] = _mm256_setzero_ps();
+    }
   }
   template <int P>
   inline void add(const uint8_t* row, int64_t blk, const FFNArgs& a, int64_t r0) {
@@ -439,9 +442,59 @@ struct IntDots {
       if constexpr (FMT != Q8_0) accm[r][P] += m * a.xs[row_i * nb + blk];
     }
   }
-  // blocks blk .. blk + n - 1, two chains alternating (the stage loop of split rows)
+  // blocks blk .. blk + n - 1, two chains alternating (the stage loop of split rows). A whole
+  // chunk of split rows (16 blocks, their scales side by side after the nibbles) has its scales
+  // widened 8 at a time, each block's scale times the input block's computed as vectors (a
+  // broadcast from memory a block) and the offsets (Q4_0's -8 d, Q4_1's m) times the input
+  // blocks' sums added as vectors: a block a row at a time widened its scale, multiplied and
+  // broadcast it and added its offset in a scalar chain, about half of its instructions.
   template <bool FULL>
   inline void chunk(const uint8_t* row, int64_t blk, int n, const FFNArgs& a, int64_t r0) {
+    if constexpr (FULL && split4(FMT)) {
+      const int64_t nb = a.dim / 32;
+      const uint8_t* sc = row + nb * 16 + 2 * blk;
+      const __m256 d0 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)sc)),
+                   d1 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(sc + 16)));
+      __m256 m0, m1;
+      if constexpr (FMT == Q4_1S) {
+        const uint8_t* ms = row + nb * 18 + 2 * blk;
+        m0 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)ms));
+        m1 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(ms + 16)));
+      } else {
+        m0 = _mm256_mul_ps(d0, _mm256_set1_ps(-8.0f));
+        m1 = _mm256_mul_ps(d1, _mm256_set1_ps(-8.0f));
+      }
+      alignas(32) float sc_x[R][16];  // block k's weight scale times row r's input scale
+      const int8_t* xq[R];
+      __m256 c0[R], c1[R];  // (in registers over the chunk: every index below is a constant)
+      for (int r = 0; r < R; r++) {
+        const float* xd = a.xd + (r0 + r) * nb + blk;
+        const float* xs = a.xs + (r0 + r) * nb + blk;
+        _mm256_store_ps(sc_x[r], _mm256_mul_ps(d0, _mm256_loadu_ps(xd)));
+        _mm256_store_ps(sc_x[r] + 8, _mm256_mul_ps(d1, _mm256_loadu_ps(xd + 8)));
+        accv[r] = _mm256_fmadd_ps(m1, _mm256_loadu_ps(xs + 8), _mm256_fmadd_ps(m0, _mm256_loadu_ps(xs), accv[r]));
+        xq[r] = a.xq + (r0 + r) * a.dim + 32 * blk;
+        c0[r] = acc[r][0], c1[r] = acc[r][1];
+      }
+      const __m256i ones = _mm256_set1_epi16(1);
+      const __m128i mask = _mm_set1_epi8(0x0F);
+      const uint8_t* qs = row + blk * 16;
+      auto one = [&](int k, __m256* c) __attribute__((always_inline)) {
+        const __m128i q = _mm_loadu_si128((const __m128i*)(qs + k * 16));
+        const __m256i w = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(q, 4), mask), _mm_and_si128(q, mask));
+        for (int r = 0; r < R; r++) {
+          const __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(w, _mm256_loadu_si256((const __m256i*)(xq[r] + 32 * k))), ones);
+          c[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_broadcast_ss(&sc_x[r][k]), c[r]);
+        }
+      };
+#pragma GCC unroll 8
+      for (int k = 0; k < 16; k += 2) {
+        one(k, c0);
+        one(k + 1, c1);
+      }
+      for (int r = 0; r < R; r++) acc[r][0] = c0[r], acc[r][1] = c1[r];
+      return;
+    }
     int k = 0;
     for (; k + 1 < n; k += 2) {
       add<0>(row, blk + k, a, r0);
@@ -451,7 +504,7 @@ struct IntDots {
   }
   void sum(float* out) const {
     for (int r = 0; r < R; r++)
-      out[r] = hsum8(_mm256_add_ps(acc[r][0], acc[r][1])) + (accm[r][0] + accm[r][1]);
+      out[r] = hsum8(_mm256_add_ps(acc[r][0], acc[r][1])) + (accm[r][0] + accm[r][1]) + hsum8(accv[r]);
   }
 };
 
@@ -607,6 +660,26 @@ inline void with_bool(bool b, F&& f) {
 template <int FMT, int DN>
 inline void axpy_block(const uint8_t* const* rows, int64_t blk, const float (*h)[MAXB], int64_t B,
                        int64_t dim, float* out) {
+  if constexpr (FMT == Q8_0 && NV > 2) {
+    if (B == 1) {  // one row (a decode step): each vector of weights widened as it is added, the
+      // same products in the same order as below, without DN x NV widened vectors live at once
+      // (more than AVX2's 16 registers hold: they went to the stack and back)
+      V hv[DN];
+      const int8_t* q[DN];
+      for (int n = 0; n < DN; n++) {
+        const uint8_t* b = rows[n] + blk * 34;
+        hv[n] = vset(h[n][0] * half(b));
+        q[n] = (const int8_t*)(b + 2);
+      }
+      float* o = out + 32 * blk;
+      for (int v = 0; v < NV; v++) {
+        V acc = vload(o + v * W);
+        for (int n = 0; n < DN; n++) acc = vfma(hv[n], i8_to_f32(q[n] + v * W), acc);
+        vstore(o + v * W, acc);
+      }
+      return;
+    }
+  }
   V w[DN][NV];
   float s[DN];
   for (int n = 0; n < DN; n++) {
