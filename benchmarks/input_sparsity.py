@@ -4,14 +4,17 @@
 
     .venv/bin/python benchmarks/input_sparsity.py [--models smollm2-135m-instruct gemma3-270m]
         [--sparsity 0.25 0.4 0.5] [--calib-tokens 8192] [--tokens 8192] [--window 256]
-        [--greedy-tokens 32] [--out FILE] [--plot FILE]
+        [--greedy-tokens 32] [--allocations uniform greedy] [--greedy-calib-tokens 1024]
+        [--variants "attention + gate/up" "+ down"] [--out FILE] [--plot FILE]
 
 Per model (float32, dense, every setting else the file's): thresholds calibrated on the Lee
-corpus's calibration part (`--calib-tokens`), one per projection input and layer at each target
-(the uniform allocation); measured on its held-out part, which the calibration did not see
-(`--tokens`, in windows of `--window`): perplexity against the dense model's, top-1 agreement
-and KL divergence of the next-token distribution, and the realised model-wide sparsity (the
-projections' weights not read). Two variants a target:
+corpus's calibration part (`--calib-tokens`), one per projection input and layer at each target:
+every input at the target (`uniform`), or TEAL's block-wise greedy allocation (`greedy`: within
+each block the share raised where the block's output loses least per weight saved, each block
+run alone over `--greedy-calib-tokens` of the calibration text); measured on its held-out part,
+which the calibration did not see (`--tokens`, in windows of `--window`): perplexity against the
+dense model's, top-1 agreement and KL divergence of the next-token distribution, and the realised
+model-wide sparsity (the projections' weights not read). Two variants a target:
 - `attention + gate/up`: q/k/v, the output projection, and the FFN's gate/up inputs;
 - `+ down`: the FFN's down input too (its neuron activations: the FFN's neuron sparsity, by
   magnitude, an oracle of a predictor's).
@@ -32,8 +35,8 @@ import torch
 
 from powerinfer.model.load import load_model
 from powerinfer.sparsity.corpus import load_corpus, token_windows
-from powerinfer.sparsity.input_sparsity import (PARTS, calibrate, greedy, held_out_quality,
-                                                model_wide, sample_magnitudes, weights_of)
+from powerinfer.sparsity.input_sparsity import (PARTS, calibrate, greedy, greedy_allocation,
+                                                held_out_quality, sample_magnitudes)
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village,",
            "The three laws of thermodynamics are", "To make a cup of tea, first",
@@ -48,12 +51,24 @@ def run_model(name: str, args) -> dict:
     calib = token_windows(tok, load_corpus("lee", "calibration"), args.window, args.calib_tokens)
     held = token_windows(tok, load_corpus("lee", "held_out"), args.window, args.tokens)
     hists = sample_magnitudes(model, calib)
-    weights = weights_of(model)
     variants, meta = {}, {"dense": ("dense", 0.0, ())}
+    chosen = {k: v for k, v in VARIANTS.items() if k in args.variants}
+    allocated = {}
+    if "greedy" in args.allocations:  # one greedy path per set of inputs, every target on it
+        few = calib[:max(1, args.greedy_calib_tokens // args.window)]
+        t1 = time.time()
+        allocated = {label: greedy_allocation(model, few, hists, args.sparsity, parts)
+                     for label, parts in chosen.items()}
+        print(f"  {name}: greedy allocation over {sum(map(len, few))} tokens in "
+              f"{time.time() - t1:.0f} s", flush=True)
     for target in args.sparsity:
-        for label, parts in VARIANTS.items():
-            vname = f"{label} @ {target:.0%}"
-            variants[vname], meta[vname] = calibrate(hists, target, parts), (label, target, parts)
+        for label, parts in chosen.items():
+            for alloc in args.allocations:
+                full = label if alloc == "uniform" else f"greedy: {label}"
+                vname = f"{full} @ {target:.0%}"
+                variants[vname] = (calibrate(hists, target, parts) if alloc == "uniform"
+                                   else allocated[label][target])
+                meta[vname] = (full, target, parts)
     quality = held_out_quality(model, held, variants)
     prompts = [tok.encode(p, parse_special=False) for p in PROMPTS]
     want = [greedy(model, p, args.greedy_tokens) for p in prompts]
@@ -66,7 +81,7 @@ def run_model(name: str, args) -> dict:
             got = w if th is None else greedy(model, p, args.greedy_tokens, th)
             agree.append(next((i for i, (a, b) in enumerate(zip(got, w)) if a != b), len(w)))
         rows.append({"variant": label, "target": target, "parts": list(parts),
-                     "calibrated": model_wide({k: target for k in th}, weights) if th else 0.0,
+                     "calibrated": target if th else 0.0,
                      **row, "greedy_before_difference": sum(agree) / len(agree),
                      "greedy_equal": sum(a == args.greedy_tokens for a in agree) / len(agree)})
         r = rows[-1]
@@ -85,7 +100,8 @@ def plot(results: list[dict], path: str):
     import matplotlib.pyplot as plt
     fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4.2))
     for res in results:
-        for label, style in zip(VARIANTS, ("-o", "--s")):
+        labels = list(dict.fromkeys(r["variant"] for r in res["rows"] if r["variant"] != "dense"))
+        for label, style in zip(labels, ("-o", "--s", "-.^", ":v")):
             rows = [r for r in res["rows"] if r["variant"] in ("dense", label)]
             xs = [r["realised"] * 100 for r in rows]
             a.plot(xs, [r["ppl_delta"] * 100 for r in rows], style,
@@ -99,7 +115,7 @@ def plot(results: list[dict], path: str):
     b.set_xlabel("realised model-wide input sparsity, %")
     b.set_ylabel("greedy tokens before the first difference (of 32)")
     a.legend(fontsize=7)
-    fig.suptitle("Input sparsity in every projection (TEAL, uniform allocation): quality")
+    fig.suptitle("Input sparsity in every projection (TEAL): quality, by allocation")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 
@@ -112,6 +128,12 @@ def main() -> int:
     ap.add_argument("--tokens", type=int, default=8192)
     ap.add_argument("--window", type=int, default=256)
     ap.add_argument("--greedy-tokens", type=int, default=32)
+    ap.add_argument("--allocations", nargs="+", default=["uniform", "greedy"],
+                    choices=["uniform", "greedy"],
+                    help="every input at the target, or TEAL's block-wise greedy allocation")
+    ap.add_argument("--greedy-calib-tokens", type=int, default=1024,
+                    help="the calibration tokens the greedy allocation runs each block over")
+    ap.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
     ap.add_argument("--out", default=None)
     ap.add_argument("--plot", default=str(Path(__file__).parent / "plots" / "input_sparsity.png"))
     args = ap.parse_args()

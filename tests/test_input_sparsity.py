@@ -1,15 +1,16 @@
 """Input sparsity in every projection (TEAL's method) on the real default model: thresholds from
 the calibration text give about the asked-for share of zeros on text the calibration did not
 see, a zero threshold changes nothing, a prompt's rows stay dense, and the quality it costs
-rises with the sparsity."""
+rises with the sparsity; TEAL's block-wise greedy allocation reaches its targets where a block
+loses least."""
 import pytest
 import torch
 
 from powerinfer.model.load import load_model
 from powerinfer.sparsity.corpus import load_corpus, token_windows
-from powerinfer.sparsity.input_sparsity import (PARTS, Sparsifier, calibrate, held_out_quality,
-                                                model_wide, projections, sample_magnitudes,
-                                                weights_of)
+from powerinfer.sparsity.input_sparsity import (PARTS, Sparsifier, calibrate, greedy_allocation,
+                                                held_out_quality, model_wide, projections,
+                                                sample_magnitudes, share_under, weights_of)
 
 
 @pytest.fixture(scope="module")
@@ -72,3 +73,39 @@ def test_quality_falls_as_sparsity_rises(smol):
     assert 0 < lo["kl"] < hi["kl"] and lo["top1"] > hi["top1"]
     assert lo["ppl"] < hi["ppl"]
     assert 0.2 < lo["realised"] < 0.3 and 0.45 < hi["realised"] < 0.55
+
+
+def test_the_greedy_allocation_reaches_each_target_where_a_block_loses_least(smol):
+    # TEAL's block-wise greedy allocation on two layers over one short window: each block at
+    # (or a step past) each target, its inputs at unequal shares, and its output further from
+    # the dense block's under the uniform allocation than under the greedy one
+    model, tok, hists, _ = smol
+    window = [tok.encode("The capital of France is Paris. " * 12, parse_special=False)[:96]]
+    parts, layers = ("qkv", "o", "gate_up"), [1, 20]
+    got = greedy_allocation(model, window, hists, [0.25, 0.4], parts, layers=layers,
+                            progress=False)
+    w = weights_of(model)
+    captured = {}
+    hooks = [model.layers[i].register_forward_pre_hook(
+        lambda _m, a, i=i: captured.setdefault(i, (a[0].clone(), *a[1:]))) for i in layers]
+    with torch.inference_mode():
+        model.setup_cache(1, len(window[0]))
+        model(torch.tensor(window), torch.arange(len(window[0]))[None])
+    for h in hooks:
+        h.remove()
+    for target, th in got.items():
+        assert set(th) == {(i, p) for i in layers for p in parts}
+        for i in layers:
+            shares = {p: share_under(hists[(i, p)], th[(i, p)]) for p in parts}
+            block = model_wide({(i, p): s for p, s in shares.items()}, w)
+            assert target - 0.01 <= block < target + 0.1, (target, i, shares)
+            assert max(shares.values()) - min(shares.values()) > 0.05, shares  # not uniform
+
+            def error(thresholds, i=i):
+                with torch.inference_mode(), Sparsifier(model, thresholds):
+                    y = model.layers[i](*captured[i])
+                with torch.inference_mode():
+                    ref = model.layers[i](*captured[i])
+                return float((y - ref).pow(2).sum())
+            uniform = {(i, p): t for (j, p), t in calibrate(hists, block, parts).items() if j == i}
+            assert error({(i, p): th[(i, p)] for p in parts}) < error(uniform), (target, i)

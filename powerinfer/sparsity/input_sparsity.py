@@ -10,9 +10,11 @@ dense (`Sparsifier(dense_rows=...)`).
 
 Thresholds come from the calibration text's inputs (`sample_magnitudes`: a histogram of each
 input's |x| over every token, in log space), one per input and layer: the magnitude under which
-the asked-for share of that input's entries falls (`calibrate`, the uniform allocation; TEAL's
-greedy per-layer allocation is not done here). The model-wide sparsity is the share of the
-projections' weights not read, each input weighted by the weights it multiplies (`model_wide`).
+the asked-for share of that input's entries falls: every input at the target (`calibrate`, the
+uniform allocation), or TEAL's block-wise greedy allocation (`greedy_allocation`: within each
+block, the share raised where it costs the block's output least per weight saved). The
+model-wide sparsity is the share of the projections' weights not read, each input weighted by
+the weights it multiplies (`model_wide`).
 """
 from __future__ import annotations
 
@@ -85,10 +87,96 @@ def threshold_for(hist: np.ndarray, sparsity: float) -> float:
     return float(10 ** (LOG_LO + (b + 1) * (LOG_HI - LOG_LO) / BINS))  # the bin's upper edge
 
 
+def share_under(hist: np.ndarray, threshold: float) -> float:
+    """The share of the histogram's entries at or under `threshold` (threshold_for's inverse, to
+    the bin)."""
+    if threshold <= 0:
+        return 0.0
+    b = int(round((math.log10(threshold) - LOG_LO) * BINS / (LOG_HI - LOG_LO))) - 1
+    return float(np.cumsum(hist)[min(max(b, 0), BINS - 1)] / hist.sum())
+
+
 def calibrate(hists: dict[tuple[int, str], np.ndarray], sparsity: float,
               parts: tuple[str, ...] = PARTS) -> dict[tuple[int, str], float]:
     """Uniform allocation: every input in `parts` at `sparsity` (its own threshold each)."""
     return {k: threshold_for(h, sparsity) for k, h in hists.items() if k[1] in parts}
+
+
+@torch.inference_mode()
+def greedy_allocation(model, windows: list[list[int]], hists: dict[tuple[int, str], np.ndarray],
+                      targets: list[float], parts: tuple[str, ...] = PARTS, step: float = 0.1,
+                      layers: list[int] | None = None, progress: bool = True
+                      ) -> dict[float, dict[tuple[int, str], float]]:
+    """TEAL's block-wise greedy allocation: per layer, from dense, the share of one input at a
+    time is raised by `step` (its own entries' share, threshold from `hists`), the input whose
+    step costs the least error in the block's output per weight it saves (the block run alone on
+    its dense inputs from `windows`, only its own inputs sparsified), until the block's
+    weight-weighted sparsity reaches each of `targets`. Every block reaches the same share, so
+    the model-wide sparsity is the target's, spread within each block where it costs least.
+    Returns target -> thresholds ((layer, part) -> magnitude), as `calibrate` does; `layers`:
+    only these layers' (the others' inputs stay dense)."""
+    weights = weights_of(model)
+    captured: dict[int, list] = {i: [] for i in range(len(model.layers))}
+
+    def keep_input(i):
+        def pre(_module, args):
+            captured[i].append((args[0].clone(), *args[1:]))
+        return pre
+
+    handles = [b.register_forward_pre_hook(keep_input(i)) for i, b in enumerate(model.layers)]
+    try:
+        model.setup_cache(1, max(len(w) for w in windows))
+        for w in windows:
+            model(torch.tensor([w]), torch.arange(len(w))[None])
+    finally:
+        for h in handles:
+            h.remove()
+    out: dict[float, dict[tuple[int, str], float]] = {t: {} for t in targets}
+    goal = max(targets)
+    chosen = range(len(model.layers)) if layers is None else layers
+    for i in tqdm(chosen, desc="allocating input sparsity", unit="layer", disable=not progress):
+        block = model.layers[i]
+        # (a window's block run rewrites its own positions of the layer's KV cache first)
+        ref = [block(*a) for a in captured[i]]
+        W = {p: weights[(i, p)] for p in parts}
+        total = sum(W.values())
+
+        def error(share: dict[str, float]) -> float:
+            th = {(i, p): threshold_for(hists[(i, p)], s) for p, s in share.items()}
+            with Sparsifier(model, th):
+                return sum(float((block(*a) - r).float().pow(2).sum())
+                           for a, r in zip(captured[i], ref))
+
+        share = {p: 0.0 for p in parts}
+        now, sparsity = 0.0, 0.0
+        due = sorted(targets)
+
+        def reached(t: float):
+            out[t].update({(i, p): threshold_for(hists[(i, p)], s) for p, s in share.items()})
+
+        while due:
+            while due and sparsity >= due[0] - 1e-9:
+                reached(due.pop(0))
+            if not due:
+                break
+            best = None
+            for p in parts:
+                if share[p] + step > 0.99:
+                    continue
+                trial = dict(share, **{p: share[p] + step})
+                e = error(trial)
+                cost = (e - now) / (step * W[p])  # error added per weight no longer read
+                if best is None or cost < best[0]:
+                    best = (cost, e, trial)
+            if best is None:  # every input at its limit: the targets left as far as it got
+                for t in due:
+                    reached(t)
+                break
+            _, now, share = best
+            sparsity = sum(share[p] * W[p] for p in parts) / total
+    captured.clear()
+    assert goal in out
+    return out
 
 
 @dataclass
