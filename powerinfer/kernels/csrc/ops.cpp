@@ -973,19 +973,6 @@ static bool prompt_rows_attention(const ColdLayers& L, int64_t layer) {
          L.wo_fmt[layer] < 0;
 }
 
-// A cold executor's loop over the messages it answers without Python: decode steps of the
-// layers it holds as block slices (no masks: a dense split) or neuron records (with a
-// predictor's masks or without), of its attention heads, and of its rows of the output head.
-// Waits for the next message on `x` (state: its reader state), answers it on `part` and waits
-// again; returns the words of the first message it leaves to the caller, consumed (its payload
-// is on `x`). x's payload holds the rows (rows, dim) in the model's type (bf16 or f32), followed
-// at the next 64-byte boundary by, for a decode step with masks (word 4 set), the rows' masks
-// (rows, ffn_dim) bool, for an attention step positions (int64), sequence starts (int64) and
-// block tables (int32), each at the next 64-byte boundary (its words 4 and 5: sequences and the
-// tables' width); answers are f32.
-// ops: the plane's op codes (decode, head, attention, prefill; actors/plane.py). A prompt's
-// rows (a prefill message) are answered here where the layer's entries allow it
-// (prompt_rows_ffn, prompt_rows_attention), else left to the caller.
 // The records of a layer that a predictor's masks select (rows (rows, ffn_dim) bool, any row's),
 // warmed into this core's caches with software prefetches, a line at a time, until `x` holds
 // message `target` (checked every 8 records): a cold executor's idle time while the hot side
@@ -1054,6 +1041,19 @@ static void wait_warming(const ColdLayers& L, int64_t x_base, int64_t* st, doubl
   }
 }
 
+// A cold executor's loop over the messages it answers without Python: decode steps of the
+// layers it holds as block slices (no masks: a dense split) or neuron records (with a
+// predictor's masks or without), of its attention heads, and of its rows of the output head.
+// Waits for the next message on `x` (state: its reader state), answers it on `part` and waits
+// again; returns the words of the first message it leaves to the caller, consumed (its payload
+// is on `x`). x's payload holds the rows (rows, dim) in the model's type (bf16 or f32), followed
+// at the next 64-byte boundary by, for a decode step with masks (word 4 set), the rows' masks
+// (rows, ffn_dim) bool, for an attention step positions (int64), sequence starts (int64) and
+// block tables (int32), each at the next 64-byte boundary (its words 4 and 5: sequences and the
+// tables' width); answers are f32.
+// ops: the plane's op codes (decode, head, attention, prefill; actors/plane.py). A prompt's
+// rows (a prefill message) are answered here where the layer's entries allow it
+// (prompt_rows_ffn, prompt_rows_attention), else left to the caller.
 static std::vector<int64_t> cold_serve(at::Tensor& state, int64_t x_base, int64_t part_base, int64_t part_capacity,
                                        int64_t dim, bool bf16, double spin_us, at::IntArrayRef ops, int64_t act,
                                        at::TensorList ffn_w1, at::TensorList ffn_w2, at::IntArrayRef ffn_kind,
