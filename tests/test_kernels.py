@@ -418,6 +418,50 @@ def test_q4x16_gemv_equals_a_matmul_over_the_files_weights(isa, kind, n):
         assert (got.float() - want).abs().max() <= 2**-8 * want.abs().max(), rows
 
 
+@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1"])
+@pytest.mark.parametrize("n", [64, 200])  # whole passes of 64 rows; padded rows past n
+def test_input_sparse_product_reads_the_kept_channels_of_the_files_weights(isa, kind, n):
+    # the file's 4-bit blocks held by input channel (q4c): x' W^T over exactly the weights the
+    # blocks hold, where x' is x with the channels at or below the threshold zeroed and rounded to
+    # 8 bits per block as the dense q4x16 product rounds its input (the two agree to a float
+    # sum's order); 288 channels: 9 blocks, split between the threads unevenly
+    from gguf import GGMLQuantizationType, quantize
+
+    from powerinfer.formats.q4 import q4_split
+    torch.manual_seed(11)
+    k = 288
+    data = quantize(torch.randn(n, k).numpy(), getattr(GGMLQuantizationType, kind))
+    held = K.dequantize_rows(torch.from_numpy(data), kind.lower(), k)
+    parts = [torch.from_numpy(a) for a in q4_split(kind, n, k, data)]
+    w, offsets = K.pack_q4c(*parts)
+    assert offsets == (kind == "Q4_1")  # a Q4_0 matrix keeps no offsets: 18 bytes a block of a row
+    assert w.numel() == k // 32 * K.q4c_rows(n) * (20 if offsets else 18)
+    dense = K.pack_q4x16(*parts)
+    for rows, threshold in [(1, 0.0), (1, 0.7), (3, 1.2), (70, 0.4), (1, 1e9)]:
+        x = torch.randn(rows, k)
+        x[0, 32:64] = 0.1  # a block whose every channel is under the thresholds but the first
+        kept = torch.where(x.abs() > threshold, x, 0.0)
+        want = K.quantize_input(kept) @ held.t()
+        stats = torch.zeros(2, dtype=torch.long)
+        got = K.linear_q4c(x, w, n, offsets, threshold, stats)
+        assert got.shape == want.shape
+        assert (got - want).abs().max() <= 1e-5 * want.abs().max() + 1e-6, (rows, threshold)
+        assert torch.allclose(got, K.linear_q4x16(kept, dense, n), rtol=0, atol=1e-5 * want.abs().max() + 1e-6)
+        # the channels kept: those over the threshold that 8 bits do not round to 0
+        assert stats.tolist() == [int((K.quantize_input(kept) != 0).sum()), rows * k]
+        if threshold >= 1e9:
+            assert not got.any() and stats[0] == 0
+        xb = x.bfloat16()  # read as bf16 (compared with the threshold in float), answered in bf16
+        want = K.quantize_input(torch.where(xb.float().abs() > threshold, xb.float(), 0.0)) @ held.t()
+        got = K.linear_q4c(xb, w, n, offsets, threshold)
+        assert got.dtype == torch.bfloat16
+        assert (got.float() - want).abs().max() <= 2**-8 * want.abs().max() + 1e-6, (rows, threshold)
+    with pytest.raises(RuntimeError, match="q4c matrix"):
+        K.linear_q4c(torch.randn(1, k), w, n + 64, offsets, 0.0)
+    with pytest.raises(RuntimeError, match="multiple of 32"):
+        K.linear_q4c(torch.randn(1, 100), w, n, offsets, 0.0)
+
+
 @pytest.mark.parametrize("kind", ["Q4_K", "Q6_K", "Q8_0"])
 @pytest.mark.parametrize("n", [32, 200])  # whole groups of 16 rows; a padded last group
 def test_kquant_gemv_equals_a_matmul_over_the_files_weights(isa, kind, n):

@@ -182,6 +182,8 @@ def available() -> bool:
                 lambda x, w, fmt: x.new_empty(x.shape[0], w.shape[0], dtype=torch.float32))
             torch.library.register_fake("powerinfer::linear_x16")(
                 lambda x, w, n, layout: x.new_empty(*x.shape[:-1], n))
+            torch.library.register_fake("powerinfer::linear_q4c")(
+                lambda x, w, n, offsets, threshold, stats: x.new_empty(*x.shape[:-1], n))
             torch.library.register_fake("powerinfer::rms_norm")(lambda x, w, eps: torch.empty_like(x))
             torch.library.register_fake("powerinfer::qk_norm")(
                 lambda qkv, qw, kw, n_heads, n_kv, eps: torch.empty_like(qkv))
@@ -559,6 +561,50 @@ def linear_q4x16(x: torch.Tensor, w: torch.Tensor, n: int) -> torch.Tensor:
     """x (..., k) float32 or bfloat16 -> (..., n) in x's type = x W^T for W packed by
     `pack_q4x16` (`linear_x16`)."""
     return linear_x16(x, w, n, "q4x16")
+
+
+def q4c_rows(n: int) -> int:
+    """Rows a q4c matrix of n rows holds: n up to a multiple of 64 (csrc/neuron_ffn.h)."""
+    return -(-n // 64) * 64
+
+
+def pack_q4c(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> tuple[torch.Tensor, bool]:
+    """An (n, k) 4-bit matrix as `quant.q4_split` gives it (q in 0..15; per block of 32 a scale d
+    and zero z: w = d * (q - 8) + z) -> (bytes, offsets): the kernel's q4c layout
+    (csrc/input_sparse.h), which keeps each input channel's weights together so that an
+    input-sparse product (`linear_q4c`) reads only the channels in use. The same codes, f16
+    scales and offsets as `pack_q4x16`; the offsets m = z - 8 d are kept only where some z is not
+    0 (Q4_1; a Q4_0 block's w = d * (q - 8)). Rows past n (to a multiple of 64) are zero."""
+    n, k = q.shape
+    assert k % 32 == 0 and scale.shape == zero.shape == (n, k // 32), (q.shape, scale.shape)
+    nb, rows = k // 32, q4c_rows(n)
+    offsets = bool((zero != 0).any())
+    pad = rows - n
+    q = torch.nn.functional.pad(q.to(torch.uint8), (0, 0, 0, pad))
+    halves = lambda t: torch.nn.functional.pad(t.float(), (0, 0, 0, pad)).half().t().contiguous().view(torch.uint8)
+    # (rows, k) -> (nb, 32 channels, rows / 64, nibble half, v & 1, l // 8, l % 8) for row 16v + l
+    c = q.view(rows, nb, 32).permute(1, 2, 0).reshape(nb, 32, rows // 64, 2, 2, 2, 8)
+    runs = (c[:, :, :, 0] | (c[:, :, :, 1] << 4)).permute(0, 1, 2, 4, 3, 5).reshape(nb, 16 * rows)
+    parts = [halves(scale)] + ([halves(zero.float() - 8 * scale.float())] if offsets else []) + [runs]
+    out = huge_empty((nb, sum(p.shape[1] for p in parts)), torch.uint8)
+    return torch.cat(parts, 1, out=out).view(-1), offsets
+
+
+def linear_q4c(x: torch.Tensor, w: torch.Tensor, n: int, offsets: bool, threshold: float,
+               stats: torch.Tensor | None = None) -> torch.Tensor:
+    """x (..., k) float32 or bfloat16 -> (..., n) in x's type = x' W^T for W of n rows packed by
+    `pack_q4c`, where x' is x with every entry of magnitude <= threshold set to 0 (input
+    sparsity: those channels' weights are not read), rounded to 8 bits per block as the q4x16
+    product rounds its input. Each row keeps its own channels. `stats` (int64, 2), where given,
+    gains the channels kept and the channels seen."""
+    op = torch.ops.powerinfer.linear_q4c.default
+    x = x.contiguous()
+    if x.numel() <= MAX_ROWS * x.shape[-1]:
+        return op(x, w, n, offsets, threshold, stats)
+    rows = x.reshape(-1, x.shape[-1])
+    y = torch.cat([op(rows[r:r + MAX_ROWS], w, n, offsets, threshold, stats)
+                   for r in range(0, rows.shape[0], MAX_ROWS)])
+    return y.view(*x.shape[:-1], n)
 
 
 INTEGER_DOTS = ("q4_0", "q4_1", "q8_0")  # formats whose dot products run in integers

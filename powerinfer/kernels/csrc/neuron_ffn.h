@@ -209,6 +209,32 @@ struct AttnTile {
 };
 using AttendFn = void (*)(const AttnTile&);
 
+// The input-sparse products' 4-bit matrices held by input channel (`q4c`; input_sparse.h has the
+// layout and the kernel). n rows are held as q4c_rows(n): a multiple of 64, the extra rows zero.
+inline int64_t q4c_rows(int64_t n) { return (n + 63) / 64 * 64; }
+// bytes of one block (32 input channels) of a matrix of np held rows
+inline int64_t q4c_region(int64_t np, bool offsets) { return np * (offsets ? 4 : 2) + 16 * np; }
+// bytes of an (n, k) matrix
+inline int64_t q4c_bytes(int64_t n, int64_t k, bool offsets) { return k / 32 * q4c_region(q4c_rows(n), offsets); }
+
+// Two kept channels of a block and their 8-bit inputs (x1 = 0 for an odd one out)
+struct Q4CPair {
+  uint8_t j0, j1;
+  int8_t x0, x1;
+};
+
+struct Q4CArgs {
+  const uint8_t* w;
+  int64_t n, k;
+  bool offsets;
+  const float* xd;       // (k / 32) the input blocks' scales
+  const float* xs;       // (k / 32) xd * the sum of the block's kept 8-bit inputs
+  const Q4CPair* pairs;  // block b's pairs: pairs[first[b] .. first[b + 1])
+  const int32_t* first;  // (k / 32 + 1)
+};
+// adds blocks [b0, b1)'s share of the product into y (q4c_rows(n) floats)
+using Q4CFn = void (*)(const Q4CArgs& a, int64_t b0, int64_t b1, float* y);
+
 // One instruction set's entry points (neuron_ffn_avx512.cpp, neuron_ffn_avx2.cpp).
 struct Kernels {
   RangeFn range;
@@ -216,6 +242,7 @@ struct Kernels {
   WidenFn widen;
   GemvFn gemv_x16[N_LAYOUTS];  // over groups of 16 rows of a matrix in a Layout (begin, end: groups)
   AttendFn attend;
+  Q4CFn q4c;  // over blocks of input channels of a q4c matrix
 };
 extern const Kernels kernels_avx512bf16;
 extern const Kernels kernels_avx512;
@@ -1402,6 +1429,7 @@ inline void range(const FFNArgs& a, int64_t begin, int64_t end, float* out) {
 }
 
 #include "attention.h"
+#include "input_sparse.h"
 
 }  // namespace ISA_NS
 }  // namespace powerinfer

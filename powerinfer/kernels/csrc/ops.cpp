@@ -349,6 +349,94 @@ static at::Tensor linear_x16(const at::Tensor& x, const at::Tensor& w, int64_t n
   return y;
 }
 
+// The rows of x (..., k) f32 or bf16, at most 64 (each alone: its own channels), with every input
+// channel at or below `threshold` in magnitude set to 0 (TEAL's input sparsity), times a matrix
+// of n rows held by input channel (q4c, input_sparse.h; `offsets`: Q4_1's, else Q4_0's) -> (..., n)
+// in x's type, over the kept values rounded to 8 bits per block of 32 (the q4x16 product's
+// rounding of the same sparse input). Only the kept channels' weights are read. stats, where
+// given (int64, 2), gains the channels kept and the channels seen.
+static at::Tensor linear_q4c(const at::Tensor& x, const at::Tensor& w, int64_t n, bool offsets, double threshold,
+                             const std::optional<at::Tensor>& stats) {
+  const Kernels& kk = active();
+  const bool bf16 = x.scalar_type() == at::kBFloat16;
+  TORCH_CHECK(x.dim() >= 1 && (bf16 || x.scalar_type() == at::kFloat) && x.is_contiguous(),
+              "x: (..., k) contiguous float32 or bfloat16");
+  const int64_t k = x.size(-1), B = k ? x.numel() / k : 0;
+  TORCH_CHECK(B >= 1 && B <= 64, "the kernel takes 1 to 64 rows, got ", B);
+  TORCH_CHECK(k % 32 == 0, "k must be a multiple of 32, got ", k);
+  TORCH_CHECK(n >= 1 && w.dim() == 1 && w.scalar_type() == at::kByte && w.is_contiguous() &&
+                  w.numel() == q4c_bytes(n, k, offsets),
+              "w: ", q4c_bytes(n, k, offsets), " contiguous uint8 bytes expected for a q4c matrix of (", n, ", ", k,
+              ")", offsets ? " with offsets" : "", ", got ", w.sizes());
+  if (stats) TORCH_CHECK(stats->scalar_type() == at::kLong && stats->numel() == 2 && stats->is_contiguous(),
+                         "stats: 2 int64");
+  const int64_t nb = k / 32, np = q4c_rows(n);
+  // threads take blocks (whole runs), each into its own rows of sums, added at the end
+  const int64_t parts = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), nb)), grain = (nb + parts - 1) / parts;
+  thread_local std::vector<float> xf, xd, xs, yf;
+  thread_local std::vector<int8_t> xq;
+  thread_local std::vector<Q4CPair> pairs;
+  thread_local std::vector<int32_t> first;
+  xf.resize(k);
+  xq.resize(k);
+  xd.resize(nb);
+  xs.resize(nb);
+  first.resize(nb + 1);
+  pairs.resize(nb * 16);
+  yf.resize(parts * np);
+  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
+  shape.back() = n;
+  at::Tensor y = at::empty(shape, x.options());
+  const float t = (float)threshold;
+  int64_t kept = 0;
+  const c10::BFloat16* xb = bf16 ? x.data_ptr<c10::BFloat16>() : nullptr;
+  const float* xp = bf16 ? nullptr : x.data_ptr<float>();
+  for (int64_t r = 0; r < B; r++) {
+    for (int64_t j = 0; j < k; j++) {
+      const float v = bf16 ? (float)xb[r * k + j] : xp[r * k + j];
+      xf[j] = std::fabs(v) > t ? v : 0.0f;
+    }
+    quantize_input(xf.data(), 1, k, xq.data(), xd.data(), xs.data());
+    int32_t npairs = 0;
+    for (int64_t b = 0; b < nb; b++) {
+      first[b] = npairs;
+      int pending = -1;
+      for (int j = 0; j < 32; j++) {
+        const int8_t q = xq[32 * b + j];
+        if (q == 0) continue;
+        kept++;
+        if (pending < 0) {
+          pending = j;
+        } else {
+          pairs[npairs++] = Q4CPair{(uint8_t)pending, (uint8_t)j, xq[32 * b + pending], q};
+          pending = -1;
+        }
+      }
+      if (pending >= 0) pairs[npairs++] = Q4CPair{(uint8_t)pending, (uint8_t)pending, xq[32 * b + pending], 0};
+    }
+    first[nb] = npairs;
+    const Q4CArgs a{w.data_ptr<uint8_t>(), n, k, offsets, xd.data(), xs.data(), pairs.data(), first.data()};
+    float* yp = yf.data();
+    std::fill(yf.begin(), yf.end(), 0.0f);
+    at::parallel_for(0, parts, 1, [&](int64_t c0, int64_t c1) {
+      for (int64_t c = c0; c < c1; c++) kk.q4c(a, c * grain, std::min(nb, (c + 1) * grain), yp + c * np);
+    });
+    for (int64_t c = 1; c < parts; c++)
+      for (int64_t i = 0; i < n; i++) yp[i] += yp[c * np + i];
+    if (bf16) {
+      c10::BFloat16* dst = y.data_ptr<c10::BFloat16>() + r * n;
+      for (int64_t i = 0; i < n; i++) dst[i] = c10::BFloat16(yp[i]);
+    } else {
+      std::memcpy(y.data_ptr<float>() + r * n, yp, n * sizeof(float));
+    }
+  }
+  if (stats) {
+    stats->data_ptr<int64_t>()[0] += kept;
+    stats->data_ptr<int64_t>()[1] += B * k;
+  }
+  return y;
+}
+
 // RMSNorm over the last axis of x, f32 or bf16 with a weight of the same type, as torch's CPU
 // rms_norm computes it (in float, rounded once at the end). One call in place of torch's
 // several: a decode step normalizes two rows of a few hundred values per layer, and dispatching
@@ -1356,6 +1444,7 @@ TORCH_LIBRARY(powerinfer, m) {
   m.def("predicted_ffn(Tensor x, Tensor p, Tensor fc1, Tensor fc2, int pred_fmt, float pred_threshold, Tensor w, "
         "Tensor? bias, float threshold, int act, int fmt) -> Tensor");
   m.def("linear_x16(Tensor x, Tensor w, int n, int layout) -> Tensor");
+  m.def("linear_q4c(Tensor x, Tensor w, int n, bool offsets, float threshold, Tensor(a!)? stats) -> Tensor");
   m.def("rms_norm(Tensor x, Tensor w, float eps) -> Tensor");
   m.def("qk_norm(Tensor qkv, Tensor qw, Tensor kw, int n_heads, int n_kv, float eps) -> Tensor");
   m.def("paged_attention(Tensor qkv, Tensor cos, Tensor sin, Tensor(a!) k_pool, Tensor(b!) v_pool, Tensor tables, "
@@ -1393,6 +1482,7 @@ TORCH_LIBRARY_IMPL(powerinfer, CPU, m) {
   m.impl("linear", powerinfer::linear);
   m.impl("predicted_ffn", powerinfer::predicted_ffn);
   m.impl("linear_x16", powerinfer::linear_x16);
+  m.impl("linear_q4c", powerinfer::linear_q4c);
   m.impl("rms_norm", powerinfer::rms_norm);
   m.impl("qk_norm", powerinfer::qk_norm);
   m.impl("paged_attention", powerinfer::paged_attention);

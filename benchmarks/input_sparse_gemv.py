@@ -1,0 +1,140 @@
+#!/usr/bin/env python3
+"""Input-sparse 4-bit products on the CPU: the q4c product (`kernels.linear_q4c`, each input
+channel's weights together, only the kept channels read) against the dense q4x16 GEMV that the
+default path runs (`kernels.linear_q4x16`), the same Q4_0 matrices, in one run, in turns.
+
+    .venv/bin/python benchmarks/input_sparse_gemv.py [--threads N] [--shapes 7b smollm2]
+        [--sparsity 0 0.25 0.4 0.5 0.7] [--turns 3] [--json FILE]
+
+Each shape is a decode step's projections that share an input (TEAL sparsifies each input once):
+q/k/v fused, the output projection, gate/up fused (the 7B shape's 4096 -> 12288, 4096, 22016;
+SmolLM2's 576 -> 960, 576, 3072). Four distinct copies of each, so that the products read from
+memory (SmolLM2's are given 64 copies). The input is Gaussian with its channels below the
+sparsity's quantile in magnitude zeroed by the kernel's threshold, so each row keeps 1 - s of
+its channels. "floor" is the bytes a product must read (every scale of a block with a kept
+channel and the kept channels' codes; the dense one all of them) at the read rate of a plain
+sum over 256 MiB, measured in the same run.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from powerinfer import kernels
+
+SHAPES = {  # name: (k, [(projection, rows)])
+    "7b": (4096, [("qkv", 12288), ("o", 4096), ("gate_up", 22016)]),
+    "smollm2": (576, [("qkv", 960), ("o", 576), ("gate_up", 3072)]),
+}
+
+
+def seconds(fn, n: int) -> float:
+    fn()
+    t = time.perf_counter()
+    for _ in range(n):
+        fn()
+    return (time.perf_counter() - t) / n
+
+
+def q4c_read_bytes(n: int, k: int, x: torch.Tensor, threshold: float) -> int:
+    """Bytes the q4c product reads for one row x: each block with a kept channel reads its rows'
+    scales and its kept channels' codes."""
+    rows = kernels.q4c_rows(n)
+    kept = (x.abs() > threshold).view(-1, 32)
+    blocks = int(kept.any(1).sum())
+    return blocks * rows * 2 + int(kept.sum()) * rows // 2
+
+
+def gaps(mib: int = 256):
+    """One core reading half of a buffer in pieces kept at random, against reading it all: the
+    kept bytes' rate by piece size, with and without a software prefetch two pieces ahead."""
+    src = Path(__file__).with_name("read_gaps.cpp")
+    with tempfile.TemporaryDirectory() as tmp:
+        exe = Path(tmp) / "read_gaps"
+        subprocess.run(["g++", "-O2", "-mavx2", str(src), "-o", str(exe)], check=True)
+        rate = lambda keep, piece, ahead: float(subprocess.run(
+            [str(exe), str(mib), str(keep), str(piece), str(ahead)], check=True,
+            capture_output=True, text=True).stdout.split()[0])
+        whole = rate(1.0, 4096, 0)
+        print(f"one core reading {mib} MiB whole: {whole:.1f} GB/s\n")
+        print("| piece | half kept: GB/s of kept bytes | time against reading it all "
+              "| with a prefetch 2 pieces ahead | time against reading it all |")
+        print("|---:|---:|---:|---:|---:|")
+        for piece in (128, 512, 1024, 2048, 4096, 8192):
+            r0, r2 = rate(0.5, piece, 0), rate(0.5, piece, 2)
+            print(f"| {piece} B | {r0:.1f} | {0.5 * whole / r0:.2f} | {r2:.1f} | {0.5 * whole / r2:.2f} |",
+                  flush=True)
+        print()
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
+    ap.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
+    ap.add_argument("--sparsity", type=float, nargs="+", default=[0.0, 0.25, 0.4, 0.5, 0.7])
+    ap.add_argument("--turns", type=int, default=3)
+    ap.add_argument("--json", help="write the rows here")
+    ap.add_argument("--gaps", action="store_true",
+                    help="first, one core's read rate of a buffer read in pieces with gaps "
+                         "(benchmarks/read_gaps.cpp, built with g++): why q4c keeps whole columns")
+    a = ap.parse_args()
+    if a.gaps:
+        gaps()
+    assert kernels.available(), "the CPU kernel cannot run here"
+    torch.set_num_threads(a.threads)
+    torch.manual_seed(0)
+    big = torch.randn(64 * 2**20)
+    read_gbs = big.numel() * 4 / seconds(big.sum, 10) / 1e9
+    del big
+    print(f"threads {a.threads}, kernel ISA {kernels.isa()}; read rate (sum over 256 MiB): "
+          f"{read_gbs:.1f} GB/s; {a.turns} turns, the median\n")
+    print("| shape | projection (rows x k) | sparsity | dense q4x16 ms | q4c ms | q4c vs dense "
+          "| q4c bytes | q4c at its floor |")
+    print("|---|---|---:|---:|---:|---:|---:|---:|")
+    rows_out = []
+    for shape in a.shapes:
+        k, projs = SHAPES[shape]
+        for name, n in projs:
+            copies = 4 if shape == "7b" else 64
+            mats = []
+            for _ in range(copies):
+                q = torch.randint(0, 16, (n, k), dtype=torch.uint8)
+                scale = torch.rand(n, k // 32) * 0.01 + 0.001
+                zero = torch.zeros(n, k // 32)
+                mats.append((kernels.pack_q4x16(q, scale, zero), kernels.pack_q4c(q, scale, zero)[0]))
+            dense_bytes = n * k * 9 // 16  # Q4_0: 4.5 bits a weight
+            x = torch.randn(1, k)
+            calls = max(3, int(2e8 // (dense_bytes * copies)))
+            for s in a.sparsity:
+                t = float(x.abs().quantile(s)) if s > 0 else 0.0
+                dense_in = torch.where(x.abs() > t, x, 0.0)  # the same kept values, read densely
+                turns = []
+                for _ in range(a.turns):
+                    td = seconds(lambda: [kernels.linear_q4x16(dense_in, wd, n) for wd, _ in mats], calls)
+                    tc = seconds(lambda: [kernels.linear_q4c(x, wc, n, False, t) for _, wc in mats], calls)
+                    turns.append((td / copies, tc / copies))
+                td, tc = (statistics.median(v) for v in zip(*turns))
+                nbytes = q4c_read_bytes(n, k, x, t)
+                floor = nbytes / (read_gbs * 1e9)
+                row = dict(shape=shape, projection=name, rows=n, k=k, sparsity=s, threads=a.threads,
+                           dense_ms=td * 1e3, q4c_ms=tc * 1e3, ratio=td / tc, q4c_bytes=nbytes,
+                           dense_bytes=dense_bytes, floor_share=floor / tc, read_gbs=read_gbs,
+                           dense_floor_share=dense_bytes / (read_gbs * 1e9) / td)
+                rows_out.append(row)
+                print(f"| {shape} | {name} ({n} x {k}) | {s:.0%} | {td * 1e3:.3f} | {tc * 1e3:.3f} | "
+                      f"{td / tc:.2f}x | {nbytes / 1e6:.2f} MB | {floor / tc:.0%} |", flush=True)
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(dict(isa=kernels.isa(), read_gbs=read_gbs, rows=rows_out), f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
