@@ -17,7 +17,7 @@ from .engine.inprocess import Engine, Event
 from .engine.kv import pool_blocks
 from .engine.partial import keep_device_blocks, keep_kquant_blocks, keep_stored_blocks
 from .engine.params import sampling_params
-from .errors import ModelLoadError
+from .errors import ConfigError, ModelLoadError
 from .formats.gguf import parsed_once
 from .formats.loader import DEFAULT_MODEL, load_checkpoint
 from .formats.q4 import has_q4
@@ -52,6 +52,9 @@ class PowerInfer:
         if config.cpu_threads:
             torch.set_num_threads(config.cpu_threads)
         if config.runtime != "local":  # its processes load the weights; this one tokenizes
+            if config.input_sparsity not in ("auto", "off"):
+                raise ConfigError("input_sparsity runs in the in-process engine (runtime='local') "
+                                  "so far, not in the actor runtime")
             self.model = None
             self.engine = engine_class(config.runtime)(str(checkpoint.path), config)
             self.tokenizer = self.engine.tokenizer
@@ -86,8 +89,15 @@ class PowerInfer:
                 torch.cuda.empty_cache()  # (the widened matrices they replace)
         apply_kernel_linears(self.model, head="q8_0" if int4 else "bf16")  # what is left in bf16
         checkpoint.q4 = {}  # the model holds them now
+        self.input_sparsity = apply_input_sparsity(self.model, config, int4)
         self.engine = Engine(self.model, self.tokenizer, config, (kv_blocks, why),
                              sparse=plan is not None and plan.bundle is not None)
+
+    def input_sparsity_stats(self) -> tuple[int, int]:
+        """Input sparsity so far (decode steps in this process): (input channels kept, channels
+        seen) over every sparse projection; (0, 0) where it is off."""
+        s = getattr(self.model, "input_sparse_stats", None)
+        return (0, 0) if s is None else (int(s[0]), int(s[1]))
 
     @classmethod
     def from_pretrained(cls, name_or_path: str | os.PathLike = DEFAULT_MODEL,
@@ -179,3 +189,40 @@ def _concurrently(engine, prompts: list[list[int]], params) -> Iterator[Event]:
             if isinstance(item, BaseException):
                 raise item
             yield item
+
+
+def apply_input_sparsity(model, config: Config, int4: bool) -> dict | None:
+    """Input sparsity from `config.input_sparsity` (see Config): the bundle's thresholds
+    attached to the model's 4-bit projections (`input_sparsity.attach`). Returns the bundle's
+    record of them (target, quality) where it is on, else None. A bundle named for it that cannot
+    serve it (no thresholds, no 4-bit projections) is an error; "auto" passes over one quietly."""
+    choice = config.input_sparsity
+    if choice == "off" or (choice == "auto" and not config.bundle):
+        return None
+    from .formats.bundle import Bundle
+    from .sparsity import input_sparsity as isp
+    source = config.bundle if choice == "auto" else choice
+    if choice == "auto" and not Bundle.open(source).has("input_sparsity"):
+        return None
+    thresholds, rec = isp.bundle_thresholds(source)
+    if not int4:
+        if choice == "auto":
+            log.info("input sparsity: the bundle's thresholds are for the 4-bit CPU path "
+                     "(weights='int4'); this load runs %s weights, dense", config.weights)
+            return None
+        raise ConfigError("input_sparsity runs on the 4-bit CPU path: weights='int4' (or auto) "
+                          f"with a Q4_0/Q4_1 file on the CPU; this load runs {config.weights} weights")
+    n, small, _ = isp.attach(model, thresholds)
+    if n == 0 and small == 0:
+        raise ConfigError(f"input_sparsity: none of the model's projections reads the bundle's "
+                          f"thresholds (4-bit Q4_0/Q4_1 projections: {source})")
+    q = rec.get("quality", {})
+    log.info("input sparsity: %d projections read only the input channels over their thresholds "
+             "(target %.0f%% of each input; held-out perplexity %+.1f%% in calibration); %d stay "
+             "dense, under %d rows, where skipping channels saves no reads", n, 100 * rec["target"],
+             100 * q.get("ppl_increase", float("nan")), small, isp.MIN_ROWS)
+    if q.get("ppl_increase", 0.0) > config.max_ppl_increase:
+        log.warning("input sparsity: the bundle's thresholds raised held-out perplexity by %.1f%% "
+                    "in calibration, over max_ppl_increase (%.1f%%)", 100 * q["ppl_increase"],
+                    100 * config.max_ppl_increase)
+    return rec

@@ -110,6 +110,11 @@ class Config:
     resources: Ray custom resources, ((name, amount), ...), that the node hosting the actor
         group must have (runtime "actors"): a model pinned to some hosts of a cluster.
     max_queue: requests waiting for a batch slot before new ones get an "overloaded" error.
+    input_sparsity: activation sparsity in the projections' inputs (TEAL; `powerinfer
+        calibrate-input`): "auto" (the bundle's thresholds where `bundle` has them), "off", or a
+        bundle to take them from (alone: the FFNs stay dense). Decode steps of one row on the
+        4-bit CPU path (weights="int4", a Q4_0/Q4_1 file) read only the input channels over
+        each threshold; the prompt's rows stay dense. Off unless a bundle has them.
     max_ppl_increase: a bundle whose evaluation (`powerinfer eval`) shows its predictors raising
         held-out perplexity by more than this share warns at load, as one never evaluated does.
     """
@@ -139,6 +144,7 @@ class Config:
     cores: str = ""
     resources: tuple = ()
     cpu_isa: str = "auto"
+    input_sparsity: str = "auto"
 
     def __post_init__(self):
         if self.dtype not in DTYPES and self.dtype != "auto":

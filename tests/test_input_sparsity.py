@@ -2,11 +2,19 @@
 the calibration text give about the asked-for share of zeros on text the calibration did not
 see, a zero threshold changes nothing, a prompt's rows stay dense, and the quality it costs
 rises with the sparsity; TEAL's block-wise greedy allocation reaches its targets where a block
-loses least."""
+loses least. The pipeline's step writes the thresholds and their quality into a bundle, and the
+engine's decode steps then read only the kept channels' weights (the q4c kernel), giving the
+tokens of the dense 4-bit projections over the same zeroed inputs."""
 import pytest
 import torch
 
+from greedy import assert_same_or_near_tie, greedy_ids
+from powerinfer import Config, PowerInfer
+from powerinfer.errors import ConfigError
+from powerinfer.formats.bundle import Bundle, BundleError
 from powerinfer.model.load import load_model
+from powerinfer.model.quant import Q4Linear
+from powerinfer.sparsity import input_sparsity as isp
 from powerinfer.sparsity.corpus import load_corpus, token_windows
 from powerinfer.sparsity.input_sparsity import (PARTS, Sparsifier, calibrate, greedy_allocation,
                                                 held_out_quality, model_wide, projections,
@@ -109,3 +117,89 @@ def test_the_greedy_allocation_reaches_each_target_where_a_block_loses_least(smo
                 return float((y - ref).pow(2).sum())
             uniform = {(i, p): t for (j, p), t in calibrate(hists, block, parts).items() if j == i}
             assert error({(i, p): th[(i, p)] for p in parts}) < error(uniform), (target, i)
+
+
+@pytest.fixture(scope="module")
+def input_bundle(default_model_path, tmp_path_factory):
+    """The pipeline's step on the default model, small: 1,024 calibration tokens, 512 held out."""
+    path = tmp_path_factory.mktemp("input") / "bundle"
+    isp.calibrate_bundle(str(default_model_path), str(path), 0.25, tokens=1024, held_out=512,
+                         window=128, progress=False)
+    return str(path)
+
+
+def test_the_bundle_step_writes_thresholds_and_their_quality(input_bundle, tmp_path):
+    th, rec = isp.bundle_thresholds(input_bundle)
+    assert set(th) == {(i, p) for i in range(30) for p in isp.KERNEL_PARTS}
+    assert all(t > 0 for t in th.values())
+    q = rec["quality"]
+    assert rec["target"] == 0.25 and rec["calibration"]["tokens"] >= 1024
+    assert q["held_out_tokens"] >= 512 and q["ppl"] > q["dense_ppl"] > 1
+    assert abs(q["realised"] - 0.25) < 0.06  # on text the calibration did not see
+    assert q["ppl_increase"] == pytest.approx(q["ppl"] / q["dense_ppl"] - 1)
+    Bundle.create(tmp_path / "b", {"file": "x.gguf", "size": 1, "sha256": "0", "n_layers": 30})
+    with pytest.raises(BundleError, match="calibrate-input"):  # a bundle without the step
+        isp.bundle_thresholds(str(tmp_path / "b"))
+
+
+LOAD = dict(max_seq_len=256, max_batch=2, cpu_threads=1)  # (the 4-bit path: weights "auto")
+PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time"]
+
+
+def test_decode_steps_read_only_the_kept_channels(input_bundle, monkeypatch):
+    """The engine with the bundle's input sparsity (every projection: SmolLM2's are under the
+    size where it pays, MIN_ROWS) decodes as the dense 4-bit projections do over the same zeroed
+    inputs (forward pre-hooks on the modules): the q4c product gives the q4x16 product's floats,
+    so the tokens agree (a near-tie allowed where another CPU's kernels round otherwise); its own
+    modules' path gives the native loop's tokens; the prompt's rows stay dense: the counter sees
+    exactly the decode steps' inputs, about three quarters of them kept."""
+    monkeypatch.setattr(isp, "MIN_ROWS", 0)
+    th, _ = isp.bundle_thresholds(input_bundle)
+    sparse = PowerInfer.from_pretrained("smollm2-135m-instruct", Config(input_sparsity=input_bundle, **LOAD))
+    assert sparse.config.weights == "int4" and sparse.engine.native.input_sparse[0]
+    ref = PowerInfer.from_pretrained("smollm2-135m-instruct", Config(input_sparsity="off", **LOAD))
+    ref.engine._decode = ref.engine._forward  # the modules, with hooks that zero a decode row's inputs
+
+    def zeroed(mod, args, t):
+        x = args[0]
+        if x.numel() == mod.in_features:  # (compared in float, as the kernel compares)
+            return (torch.where(x.float().abs() > t, x, torch.zeros_like(x)),)
+
+    hooks = []
+    for i, b in enumerate(ref.model.layers):
+        for part, m in (("qkv", b.attn.wqkv), ("o", b.attn.wo), ("gate_up", b.ffn.w1)):
+            assert isinstance(m, Q4Linear)
+            hooks.append(m.register_forward_pre_hook(lambda mod, args, t=th[(i, part)]: zeroed(mod, args, t)))
+    n, per_step = 16, 30 * 3 * sparse.model.args.dim
+    try:
+        for p in PROMPTS:
+            ids = sparse.tokenize(p)
+            before = sparse.input_sparsity_stats()
+            got = greedy_ids(sparse, ids, n)
+            kept, seen = (a - b for a, b in zip(sparse.input_sparsity_stats(), before))
+            assert seen == (n - 1) * per_step  # decode steps only: the prefill's rows are dense
+            assert 0.6 < kept / seen < 0.9, kept / seen  # about the bundle's 25% zeroed
+            assert_same_or_near_tie(ref, ids, greedy_ids(ref, ids, n), got, 0.05)
+            sparse.engine._decode = sparse.engine._forward  # its modules' path (Q4Linear's own)
+            try:
+                assert_same_or_near_tie(sparse, ids, got, greedy_ids(sparse, ids, n), 0.05)
+            finally:
+                sparse.engine._decode = sparse.engine.native
+    finally:
+        for h in hooks:
+            h.remove()
+
+
+def test_input_sparsity_asks_for_the_4bit_cpu_path(input_bundle):
+    with pytest.raises(ConfigError, match="4-bit CPU path"):
+        PowerInfer.from_pretrained("smollm2-135m-instruct",
+                                   Config(input_sparsity=input_bundle, **{**LOAD, "weights": "dense"}))
+    with pytest.raises(ConfigError, match="actor runtime"):
+        PowerInfer.from_pretrained("smollm2-135m-instruct",
+                                   Config(input_sparsity=input_bundle, runtime="actors", **LOAD))
+    # the default: SmolLM2's projections are all under MIN_ROWS, so the bundle leaves them dense
+    m = PowerInfer.from_pretrained("smollm2-135m-instruct", Config(input_sparsity=input_bundle, **LOAD))
+    assert m.input_sparsity["target"] == 0.25
+    assert not m.engine.native.input_sparse[0]
+    m.generate("Hello", max_new_tokens=4, temperature=0)
+    assert m.input_sparsity_stats() == (0, 0)

@@ -167,6 +167,7 @@ class NativeDecode:
         # (the layers' variants: none where the caller gives none)
         variants = {k: [] for k in VARIANTS} | (variants or {})
         self.model, self.args = model, (*exchange, *layers, *(variants[k] for k in VARIANTS))
+        self.input_sparse = ([], [], None)  # no input sparsity unless `of` finds it
         # a predictor actor's masks read in the loop (the hot executor's `predict`): at most the
         # kernel's rows a step, the modules' path past them
         self.masked = bool(exchange[6])
@@ -199,7 +200,11 @@ class NativeDecode:
                                         b.ffn, 0.0, b.attn) for b in model.layers],
                             model.layers[0].attn.n_heads, model.rope_cos, model.rope_sin)
         exchange = (0, 0, [], [], 0.0, [0, 0, 0], [], None)  # no channels, no executors, no predictor
-        return None if layers is None else cls(model, exchange, layers, variants)
+        if layers is None:
+            return None
+        step = cls(model, exchange, layers, variants)
+        step.input_sparse = input_sparse_args(model)
+        return step
 
     def __call__(self, tokens, pos, kv: KVTables, last):
         # tokens (B, 1): a decode step; (1, N): a prompt step (its chunks and decode rows, as the
@@ -211,7 +216,7 @@ class NativeDecode:
         if m.args.embed_scale:
             h = h * torch.tensor(m.args.embed_scale, dtype=h.dtype)
         h = torch.ops.powerinfer.hot_layers(h.reshape(B * T, -1), pos.reshape(-1), kv.starts, kv.tables,
-                                            *self.args, prompt=T > 1)[last].unsqueeze(1)
+                                            *self.args, T > 1, *self.input_sparse)[last].unsqueeze(1)
         if h.shape[0] == 0:  # nothing sampled this step
             return h.new_zeros(0, 1, m.args.vocab_size, dtype=torch.float32)
         return m.output(m.norm(h)).float()
@@ -219,6 +224,23 @@ class NativeDecode:
     def _sparse_ok(self, rows: int) -> bool:
         return sparse.FUSED_DECODE and rows <= kernels.MAX_ROWS and all(
             f.stats is None and all(a is b for a, b in zip(_parts(f), parts)) for f, parts in self.sparse)
+
+
+def input_sparse_args(model: Transformer) -> tuple:
+    """`hot_layers`' input-sparsity arguments for the model's decode steps: per layer the q4c
+    copies (`Q4Linear.sparsify_input`) of q/k/v, of the output projection and of a dense FFN's
+    gate+up (an empty tensor where that input stays dense) with their thresholds, and the
+    model's counter of the channels kept and seen; empty where no projection has a copy."""
+    copies, thresholds = [], []
+    for b in model.layers:
+        w1 = b.ffn.w1 if isinstance(b.ffn, FFN) else None
+        for m in (b.attn.wqkv, b.attn.wo, w1):
+            sparse = getattr(m, "sparse", None)
+            copies.append(_EMPTY if sparse is None else sparse[0])
+            thresholds.append(0.0 if sparse is None else sparse[2])
+    if not any(c.numel() for c in copies):
+        return [], [], None
+    return copies, thresholds, getattr(model, "input_sparse_stats", None)
 
 
 def _parts(f: HybridFFN) -> tuple:

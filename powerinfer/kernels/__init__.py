@@ -577,17 +577,39 @@ def pack_q4c(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> tuple[
     0 (Q4_1; a Q4_0 block's w = d * (q - 8)). Rows past n (to a multiple of 64) are zero."""
     n, k = q.shape
     assert k % 32 == 0 and scale.shape == zero.shape == (n, k // 32), (q.shape, scale.shape)
-    nb, rows = k // 32, q4c_rows(n)
     offsets = bool((zero != 0).any())
+    m = (zero.float() - 8 * scale.float()).half() if offsets else None
+    return _pack_q4c(q, scale.float().half(), m), offsets
+
+
+def _pack_q4c(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None) -> torch.Tensor:
+    """q (n, k) codes, d and m (n, k / 32) f16 (m None: Q4_0's -8 d) -> the q4c bytes."""
+    n, k = q.shape
+    nb, rows = k // 32, q4c_rows(n)
     pad = rows - n
     q = torch.nn.functional.pad(q.to(torch.uint8), (0, 0, 0, pad))
-    halves = lambda t: torch.nn.functional.pad(t.float(), (0, 0, 0, pad)).half().t().contiguous().view(torch.uint8)
+    halves = lambda t: torch.nn.functional.pad(t, (0, 0, 0, pad)).t().contiguous().view(torch.uint8)
     # (rows, k) -> (nb, 32 channels, rows / 64, nibble half, v & 1, l // 8, l % 8) for row 16v + l
     c = q.view(rows, nb, 32).permute(1, 2, 0).reshape(nb, 32, rows // 64, 2, 2, 2, 8)
     runs = (c[:, :, :, 0] | (c[:, :, :, 1] << 4)).permute(0, 1, 2, 4, 3, 5).reshape(nb, 16 * rows)
-    parts = [halves(scale)] + ([halves(zero.float() - 8 * scale.float())] if offsets else []) + [runs]
+    parts = [halves(d)] + ([halves(m)] if m is not None else []) + [runs]
     out = huge_empty((nb, sum(p.shape[1] for p in parts)), torch.uint8)
-    return torch.cat(parts, 1, out=out).view(-1), offsets
+    return torch.cat(parts, 1, out=out).view(-1)
+
+
+def q4c_of_q4x16(packed: torch.Tensor, n: int, k: int) -> tuple[torch.Tensor, bool]:
+    """A matrix packed by `pack_q4x16` -> the same codes, scales and offsets in the q4c layout
+    (`pack_q4c`), without widening: the f16 values as they are."""
+    groups, nb = packed.shape[0], k // 32
+    b = packed.view(groups, nb, Q4X16_BLOCK)
+    halves = lambda lo, hi: b[:, :, lo:hi].contiguous().view(torch.float16).view(groups, nb, 16)  # noqa: E731
+    d = halves(0, 32).transpose(1, 2).reshape(groups * 16, nb)[:n]
+    m = halves(32, 64).transpose(1, 2).reshape(groups * 16, nb)[:n]
+    # the nibble runs (see `_runs`): vector j of a block holds row i's bytes 4j..4j+3 at 4i
+    runs = b[:, :, 64:].reshape(groups, nb, 4, 16, 4).permute(0, 3, 1, 2, 4).reshape(groups * 16, nb, 16)
+    q = torch.cat([runs & 0xF, runs >> 4], -1).reshape(groups * 16, k)[:n]
+    offsets = not torch.equal(m.float(), -8 * d.float())  # Q4_0's m is -8 d exactly
+    return _pack_q4c(q, d, m if offsets else None), offsets
 
 
 def linear_q4c(x: torch.Tensor, w: torch.Tensor, n: int, offsets: bool, threshold: float,

@@ -54,6 +54,11 @@ class Q4Linear(nn.Module):
     kernel library's int4 GEMV over the input rounded to 8 bits per block of 32 (ggml's
     activation rounding) for any number of rows (prefill runs it MAX_ROWS rows at a time)."""
 
+    # input sparsity (`sparsify_input`): (the same matrix in the q4c layout, whether it keeps
+    # offsets, the input's threshold) and the channels kept and seen (int64, 2), or None
+    sparse: tuple | None = None
+    sparse_stats: torch.Tensor | None = None
+
     def __init__(self, q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor,
                  bias: torch.Tensor | None):
         super().__init__()
@@ -62,8 +67,22 @@ class Q4Linear(nn.Module):
         self.register_buffer("packed", kernels.pack_q4x16(q, scale, zero))
         self.bias = None if bias is None else nn.Parameter(bias.detach().clone(), requires_grad=False)
 
+    def sparsify_input(self, threshold: float | None, stats: torch.Tensor | None = None):
+        """Input sparsity (TEAL) from now on: a one-row step (decode) zeroes the input entries at
+        or under `threshold` and reads only the other channels' weights, from a copy of the
+        matrix held by input channel (`kernels.pack_q4c`: the same bytes again); stats, where
+        given, counts the channels kept and seen. None: dense again (the copy dropped)."""
+        if threshold is None:
+            self.sparse = self.sparse_stats = None
+            return
+        w, offsets = kernels.q4c_of_q4x16(self.packed, self.out_features, self.in_features)
+        self.sparse, self.sparse_stats = (w, offsets, float(threshold)), stats
+
     def forward(self, x):
-        if x.dtype in (torch.float32, torch.bfloat16):
+        if self.sparse is not None and x.numel() == self.in_features and x.dtype in (torch.float32, torch.bfloat16):
+            w, offsets, t = self.sparse
+            y = kernels.linear_q4c(x, w, self.out_features, offsets, t, self.sparse_stats)
+        elif x.dtype in (torch.float32, torch.bfloat16):
             y = kernels.linear_q4x16(x, self.packed, self.out_features)  # in x's type
         else:
             y = kernels.linear_q4x16(x.float(), self.packed, self.out_features).to(x.dtype)

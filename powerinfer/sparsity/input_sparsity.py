@@ -19,7 +19,9 @@ the weights it multiplies (`model_wide`).
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -293,3 +295,92 @@ def greedy(model, prompt: list[int], n: int, thresholds: dict | None = None) -> 
             logits = model(x, pos)[0, -1]
         ids.append(int(logits.argmax()))
     return ids[len(prompt):]
+
+
+# ---- the bundle's step and the engine's side ----
+
+KERNEL_PARTS = ("qkv", "o", "gate_up")  # the inputs the q4c kernel serves (down's is the FFN's)
+BUNDLE_FILE = "input_sparsity.json"
+
+
+def calibrate_bundle(model_name: str, out: str, sparsity: float = 0.25, corpus: str = "lee",
+                     tokens: int = 8192, held_out: int = 4096, window: int = 256,
+                     progress: bool = True):
+    """The pipeline's input-sparsity step: thresholds for attention's q/k/v, its output
+    projection and the FFN's gate/up at `sparsity` each (the uniform allocation, which held
+    quality best on the real models: BENCHMARKS.md), from `tokens` of the corpus's calibration
+    part, and their quality on `held_out` tokens of its held-out part (perplexity against the
+    dense model, teacher-forced decode steps). Written into the bundle at `out` as
+    input_sparsity.json (a new bundle where there is none). Returns the bundle."""
+    from ..formats.bundle import Bundle, BundleError, model_record
+    from ..model.load import load_model
+    from .corpus import load_corpus, token_windows
+
+    if not 0 < sparsity < 1:
+        raise ValueError(f"sparsity must be in (0, 1), got {sparsity}")
+    model, tok, path = load_model(model_name)
+    try:
+        b = Bundle.open(out)
+        b.check_model(path)
+    except BundleError as e:
+        if (Path(out) / "manifest.json").exists():
+            raise e
+        b = Bundle.create(out, model_record(path, model.args))
+    calib = token_windows(tok, load_corpus(corpus, "calibration"), window, tokens)
+    held = token_windows(tok, load_corpus(corpus, "held_out"), window, held_out)
+    thresholds = calibrate(sample_magnitudes(model, calib, progress), sparsity, KERNEL_PARTS)
+    q = held_out_quality(model, held, {"sparse": thresholds}, progress)
+    b.save_json(BUNDLE_FILE, {
+        "target": sparsity, "allocation": "uniform", "parts": list(KERNEL_PARTS),
+        "thresholds": [[i, part, t] for (i, part), t in sorted(thresholds.items())],
+        "calibration": {"corpus": corpus, "tokens": sum(map(len, calib)), "window": window},
+        "quality": {"held_out_tokens": sum(map(len, held)), "dense_ppl": q["dense"]["ppl"],
+                    "ppl": q["sparse"]["ppl"], "ppl_increase": q["sparse"]["ppl_delta"],
+                    "top1": q["sparse"]["top1"], "realised": q["sparse"]["realised"]}})
+    b.mark("input_sparsity", {"sparsity": sparsity, "tokens": tokens, "corpus": corpus})
+    return b
+
+
+def bundle_thresholds(path: str) -> tuple[dict[tuple[int, str], float], dict]:
+    """A bundle's input-sparsity thresholds ((layer, part) -> magnitude) and its file's record
+    (target, quality, ...); BundleError where the bundle has none."""
+    from ..formats.bundle import Bundle
+    b = Bundle.open(path)
+    b.require("input_sparsity", "calibrate-input")
+    rec = b.load_json(BUNDLE_FILE)
+    return {(int(i), str(p)): float(t) for i, p, t in rec["thresholds"]}, rec
+
+
+# A projection of fewer output rows stays dense: its channels' runs (rows / 2 bytes each) are too
+# short for skipping them to save reads. On an AVX2 EPYC, half of a buffer read in 4 KB pieces
+# took 0.71-0.86 of the whole's time, in 1-2 KB pieces 0.90-1.22, in 128 bytes 1.38; the q4c
+# product at 25% sparsity ran 1.11-1.21x the dense one over 12,288 and 22,016 rows and 0.92x over
+# 4,096, 0.54-0.72x over SmolLM2's 576-3,072 (`benchmarks/input_sparse_gemv.py`).
+# POWERINFER_INPUT_SPARSE_MIN_ROWS sets it (0: every projection with a threshold, to measure).
+MIN_ROWS = int(os.environ.get("POWERINFER_INPUT_SPARSE_MIN_ROWS", "8192"))
+
+
+def attach(model, thresholds: dict[tuple[int, str], float], min_rows: int | None = None
+           ) -> tuple[int, int, torch.Tensor]:
+    """Input sparsity in the model's decode steps: each 4-bit projection (`Q4Linear`) whose
+    input has a threshold and that has at least `min_rows` output rows (default `MIN_ROWS`)
+    reads only the input channels over it (`Q4Linear.sparsify_input`: a copy of its matrix held
+    by input channel). Returns how many projections took it, how many with a threshold stayed
+    dense for their size, and the counter of the channels the sparse ones kept and saw (int64
+    (2,), also `model.input_sparse_stats`, which the native loop adds to as well)."""
+    from ..model.quant import Q4Linear
+    min_rows = MIN_ROWS if min_rows is None else min_rows
+    stats = torch.zeros(2, dtype=torch.long)
+    n = small = 0
+    for i, b in enumerate(model.layers):
+        mods = {"qkv": b.attn.wqkv, "o": b.attn.wo, "gate_up": getattr(b.ffn, "w1", None)}
+        for part, m in mods.items():
+            t = thresholds.get((i, part), 0.0)
+            if isinstance(m, Q4Linear) and t > 0:
+                if m.out_features < min_rows:
+                    small += 1
+                    continue
+                m.sparsify_input(t, stats)
+                n += 1
+    model.input_sparse_stats = stats
+    return n, small, stats

@@ -232,8 +232,8 @@ struct Q4CArgs {
   const Q4CPair* pairs;  // block b's pairs: pairs[first[b] .. first[b + 1])
   const int32_t* first;  // (k / 32 + 1)
 };
-// adds blocks [b0, b1)'s share of the product into y (q4c_rows(n) floats)
-using Q4CFn = void (*)(const Q4CArgs& a, int64_t b0, int64_t b1, float* y);
+// adds rows [64 p0, 64 p1) of the product into y (q4c_rows(n) floats, zeroed)
+using Q4CFn = void (*)(const Q4CArgs& a, int64_t p0, int64_t p1, float* y);
 
 // One instruction set's entry points (neuron_ffn_avx512.cpp, neuron_ffn_avx2.cpp).
 struct Kernels {
@@ -242,7 +242,7 @@ struct Kernels {
   WidenFn widen;
   GemvFn gemv_x16[N_LAYOUTS];  // over groups of 16 rows of a matrix in a Layout (begin, end: groups)
   AttendFn attend;
-  Q4CFn q4c;  // over blocks of input channels of a q4c matrix
+  Q4CFn q4c;  // over runs of 64 rows of a q4c matrix
 };
 extern const Kernels kernels_avx512bf16;
 extern const Kernels kernels_avx512;

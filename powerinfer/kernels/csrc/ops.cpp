@@ -349,31 +349,16 @@ static at::Tensor linear_x16(const at::Tensor& x, const at::Tensor& w, int64_t n
   return y;
 }
 
-// The rows of x (..., k) f32 or bf16, at most 64 (each alone: its own channels), with every input
-// channel at or below `threshold` in magnitude set to 0 (TEAL's input sparsity), times a matrix
-// of n rows held by input channel (q4c, input_sparse.h; `offsets`: Q4_1's, else Q4_0's) -> (..., n)
-// in x's type, over the kept values rounded to 8 bits per block of 32 (the q4x16 product's
-// rounding of the same sparse input). Only the kept channels' weights are read. stats, where
-// given (int64, 2), gains the channels kept and the channels seen.
-static at::Tensor linear_q4c(const at::Tensor& x, const at::Tensor& w, int64_t n, bool offsets, double threshold,
-                             const std::optional<at::Tensor>& stats) {
-  const Kernels& kk = active();
-  const bool bf16 = x.scalar_type() == at::kBFloat16;
-  TORCH_CHECK(x.dim() >= 1 && (bf16 || x.scalar_type() == at::kFloat) && x.is_contiguous(),
-              "x: (..., k) contiguous float32 or bfloat16");
-  const int64_t k = x.size(-1), B = k ? x.numel() / k : 0;
-  TORCH_CHECK(B >= 1 && B <= 64, "the kernel takes 1 to 64 rows, got ", B);
-  TORCH_CHECK(k % 32 == 0, "k must be a multiple of 32, got ", k);
-  TORCH_CHECK(n >= 1 && w.dim() == 1 && w.scalar_type() == at::kByte && w.is_contiguous() &&
-                  w.numel() == q4c_bytes(n, k, offsets),
-              "w: ", q4c_bytes(n, k, offsets), " contiguous uint8 bytes expected for a q4c matrix of (", n, ", ", k,
-              ")", offsets ? " with offsets" : "", ", got ", w.sizes());
-  if (stats) TORCH_CHECK(stats->scalar_type() == at::kLong && stats->numel() == 2 && stats->is_contiguous(),
-                         "stats: 2 int64");
-  const int64_t nb = k / 32, np = q4c_rows(n);
-  // threads take blocks (whole runs), each into its own rows of sums, added at the end
-  const int64_t parts = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), nb)), grain = (nb + parts - 1) / parts;
-  thread_local std::vector<float> xf, xd, xs, yf;
+// The rows of x (B, k) f32 or bf16 (each alone: its own channels), with every input channel at
+// or below `t` in magnitude set to 0 (TEAL's input sparsity), times a matrix w of n rows held by
+// input channel (q4c, input_sparse.h; `offsets`: Q4_1's, else Q4_0's) -> (B, n) f32 in this
+// thread's scratch (valid until its next call), over the kept values rounded to 8 bits per block
+// of 32: the floats the q4x16 product gives for the same sparse input. Only the kept channels'
+// runs are read. Adds the channels kept to *kept.
+static const float* q4c_product(const Kernels& kk, const void* x, bool bf16, int64_t B, int64_t k,
+                                const uint8_t* w, int64_t n, bool offsets, float t, int64_t* kept) {
+  const int64_t nb = k / 32, np = q4c_rows(n), passes = np / 64;
+  thread_local std::vector<float> xf, xd, xs, out;
   thread_local std::vector<int8_t> xq;
   thread_local std::vector<Q4CPair> pairs;
   thread_local std::vector<int32_t> first;
@@ -383,14 +368,9 @@ static at::Tensor linear_q4c(const at::Tensor& x, const at::Tensor& w, int64_t n
   xs.resize(nb);
   first.resize(nb + 1);
   pairs.resize(nb * 16);
-  yf.resize(parts * np);
-  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
-  shape.back() = n;
-  at::Tensor y = at::empty(shape, x.options());
-  const float t = (float)threshold;
-  int64_t kept = 0;
-  const c10::BFloat16* xb = bf16 ? x.data_ptr<c10::BFloat16>() : nullptr;
-  const float* xp = bf16 ? nullptr : x.data_ptr<float>();
+  out.resize((B - 1) * n + np);  // (the last row's padding rows too)
+  const c10::BFloat16* xb = bf16 ? static_cast<const c10::BFloat16*>(x) : nullptr;
+  const float* xp = bf16 ? nullptr : static_cast<const float*>(x);
   for (int64_t r = 0; r < B; r++) {
     for (int64_t j = 0; j < k; j++) {
       const float v = bf16 ? (float)xb[r * k + j] : xp[r * k + j];
@@ -404,7 +384,7 @@ static at::Tensor linear_q4c(const at::Tensor& x, const at::Tensor& w, int64_t n
       for (int j = 0; j < 32; j++) {
         const int8_t q = xq[32 * b + j];
         if (q == 0) continue;
-        kept++;
+        ++*kept;
         if (pending < 0) {
           pending = j;
         } else {
@@ -415,20 +395,49 @@ static at::Tensor linear_q4c(const at::Tensor& x, const at::Tensor& w, int64_t n
       if (pending >= 0) pairs[npairs++] = Q4CPair{(uint8_t)pending, (uint8_t)pending, xq[32 * b + pending], 0};
     }
     first[nb] = npairs;
-    const Q4CArgs a{w.data_ptr<uint8_t>(), n, k, offsets, xd.data(), xs.data(), pairs.data(), first.data()};
-    float* yp = yf.data();
-    std::fill(yf.begin(), yf.end(), 0.0f);
-    at::parallel_for(0, parts, 1, [&](int64_t c0, int64_t c1) {
-      for (int64_t c = c0; c < c1; c++) kk.q4c(a, c * grain, std::min(nb, (c + 1) * grain), yp + c * np);
-    });
-    for (int64_t c = 1; c < parts; c++)
-      for (int64_t i = 0; i < n; i++) yp[i] += yp[c * np + i];
-    if (bf16) {
-      c10::BFloat16* dst = y.data_ptr<c10::BFloat16>() + r * n;
-      for (int64_t i = 0; i < n; i++) dst[i] = c10::BFloat16(yp[i]);
-    } else {
-      std::memcpy(y.data_ptr<float>() + r * n, yp, n * sizeof(float));
-    }
+    const Q4CArgs a{w, n, k, offsets, xd.data(), xs.data(), pairs.data(), first.data()};
+    // rows r * n .. (row r's sums; each row's padding rows are overwritten by the next row's)
+    float* yp = out.data() + r * n;
+    std::fill(yp, yp + np, 0.0f);
+    at::parallel_for(0, passes, std::max<int64_t>(1, passes / std::max(1, at::get_num_threads())),
+                     [&](int64_t p0, int64_t p1) { kk.q4c(a, p0, p1, yp); });
+  }
+  return out.data();
+}
+
+// Whether w holds a q4c matrix of (n, k) with offsets (Q4_1's), by its size; fails for neither.
+static bool q4c_offsets(const at::Tensor& w, int64_t n, int64_t k) {
+  TORCH_CHECK(n >= 1 && w.dim() == 1 && w.scalar_type() == at::kByte && w.is_contiguous() &&
+                  (w.numel() == q4c_bytes(n, k, false) || w.numel() == q4c_bytes(n, k, true)),
+              "w: ", q4c_bytes(n, k, false), " or ", q4c_bytes(n, k, true),
+              " contiguous uint8 bytes expected for a q4c matrix of (", n, ", ", k, "), got ", w.sizes());
+  return w.numel() == q4c_bytes(n, k, true);
+}
+
+// x (..., k) f32 or bf16, at most 64 rows, times a q4c matrix of n rows with its input channels
+// at or below `threshold` zeroed (q4c_product) -> (..., n) in x's type. stats, where given
+// (int64, 2), gains the channels kept and the channels seen.
+static at::Tensor linear_q4c(const at::Tensor& x, const at::Tensor& w, int64_t n, bool offsets, double threshold,
+                             const std::optional<at::Tensor>& stats) {
+  const bool bf16 = x.scalar_type() == at::kBFloat16;
+  TORCH_CHECK(x.dim() >= 1 && (bf16 || x.scalar_type() == at::kFloat) && x.is_contiguous(),
+              "x: (..., k) contiguous float32 or bfloat16");
+  const int64_t k = x.size(-1), B = k ? x.numel() / k : 0;
+  TORCH_CHECK(B >= 1 && B <= 64, "the kernel takes 1 to 64 rows, got ", B);
+  TORCH_CHECK(k % 32 == 0, "k must be a multiple of 32, got ", k);
+  TORCH_CHECK(q4c_offsets(w, n, k) == offsets, "w: a q4c matrix ", offsets ? "without" : "with", " offsets");
+  if (stats) TORCH_CHECK(stats->scalar_type() == at::kLong && stats->numel() == 2 && stats->is_contiguous(),
+                         "stats: 2 int64");
+  int64_t kept = 0;
+  const float* yp = q4c_product(active(), x.data_ptr(), bf16, B, k, w.data_ptr<uint8_t>(), n, offsets, (float)threshold, &kept);
+  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
+  shape.back() = n;
+  at::Tensor y = at::empty(shape, x.options());
+  if (bf16) {
+    c10::BFloat16* dst = y.data_ptr<c10::BFloat16>();
+    for (int64_t i = 0; i < B * n; i++) dst[i] = c10::BFloat16(yp[i]);
+  } else {
+    std::memcpy(y.data_ptr<float>(), yp, B * n * sizeof(float));
   }
   if (stats) {
     stats->data_ptr<int64_t>()[0] += kept;
@@ -871,7 +880,23 @@ static float activation(int64_t act, float g, float u, bool bf16) {
 
 // y (rows, n) f32 = x (rows, dim) times a matrix held as 16-row groups (fmt -1 - its Layout:
 // -1 q4x16, -2 q4kx16, -3 q6kx16, -4 q8x16; n rows) or as rows in a kernel format (fmt >= 0).
-static at::Tensor project(const Kernels& k, const at::Tensor& x, const at::Tensor& w, int64_t fmt, int64_t n) {
+// A one-row step (decode) with `sparse` given (a q4c copy of the same matrix, a non-empty tensor)
+// reads only the input channels over `threshold` (q4c_product), adding them and the channels
+// seen to stats[0] and stats[1] where given.
+static at::Tensor project(const Kernels& k, const at::Tensor& x, const at::Tensor& w, int64_t fmt, int64_t n,
+                          const at::Tensor* sparse = nullptr, double threshold = 0.0, int64_t* stats = nullptr) {
+  if (sparse && sparse->numel() && x.size(0) == 1) {
+    const int64_t dim = x.size(1);
+    TORCH_CHECK(x.is_contiguous() && (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16),
+                "x: contiguous float32 or bfloat16");
+    int64_t kept = 0;
+    const float* y = q4c_product(k, x.data_ptr(), x.scalar_type() == at::kBFloat16, 1, dim, sparse->data_ptr<uint8_t>(),
+                                 n, q4c_offsets(*sparse, n, dim), (float)threshold, &kept);
+    if (stats) stats[0] += kept, stats[1] += dim;
+    at::Tensor out = at::empty({1, n}, x.options().dtype(at::kFloat));
+    std::memcpy(out.data_ptr<float>(), y, n * 4);
+    return out;
+  }
   if (fmt >= 0) return linear(x, w, fmt);
   TORCH_CHECK(-1 - fmt < N_LAYOUTS, "no matrix layout ", -1 - fmt);
   const int64_t rows = x.size(0), dim = x.size(1), npad = (n + 15) / 16 * 16;
@@ -901,6 +926,20 @@ struct ColdLayers {
   // beside q and k in Q4_K); an empty tensor where there is none
   at::TensorList qkv2;
   at::IntArrayRef qkv2_fmt, qkv2_n;
+  // input sparsity (hot_layers' decode steps only): three a layer (q/k/v, the output projection,
+  // a block slice's gate+up), a q4c copy of the projection (see project; an empty tensor: dense)
+  // and its input's threshold; empty lists where none
+  at::TensorList sparse = {};
+  at::ArrayRef<double> sparse_threshold = {};
+  int64_t* sparse_stats = nullptr;  // the channels kept and seen, where counted
+
+  // the projection's sparse copy (slot 0 q/k/v, 1 output, 2 gate+up) or null
+  const at::Tensor* sparse_of(int64_t layer, int slot) const {
+    if (sparse.empty()) return nullptr;
+    const at::Tensor& t = sparse[3 * layer + slot];
+    return t.numel() ? &t : nullptr;
+  }
+  double threshold_of(int64_t layer, int slot) const { return sparse.empty() ? 0.0 : sparse_threshold[3 * layer + slot]; }
 };
 
 // The native loops' per-layer lists as one ColdLayers, each checked to hold an entry per layer.
@@ -958,7 +997,8 @@ static at::Tensor ffn_step(const Kernels& k, const ColdLayers& L, int64_t layer,
   TORCH_CHECK(!mask, "layer ", layer, ": masks for neurons held as a block slice");
   const bool gated = gated_act(act);
   const int64_t n = L.ffn_n[layer], kk = gated ? n / 2 : n;
-  at::Tensor y1 = project(k, x, L.ffn_w1[layer], L.ffn_w1_fmt[layer], n);  // (rows, n): gate rows then up rows
+  at::Tensor y1 = project(k, x, L.ffn_w1[layer], L.ffn_w1_fmt[layer], n,  // (rows, n): gate rows then up rows
+                          L.sparse_of(layer, 2), L.threshold_of(layer, 2), L.sparse_stats);
   at::Tensor h = at::empty({rows, kk}, x.options().dtype(at::kFloat));
   const float* yp = y1.data_ptr<float>();
   float* hp = h.data_ptr<float>();
@@ -1005,7 +1045,8 @@ static at::Tensor attention_step(const Kernels& k, const ColdLayers& L, int64_t 
   // (the values paged_attention would see and return, with no copies between: the projection
   // rounded to the model's type in place, the RoPE tables read at each position, the output
   // rounded as the model's type holds it)
-  at::Tensor qkv = project(k, x, L.qkv[layer], L.qkv_fmt[layer], L.qkv_n[layer]);
+  at::Tensor qkv = project(k, x, L.qkv[layer], L.qkv_fmt[layer], L.qkv_n[layer], L.sparse_of(layer, 0),
+                           L.threshold_of(layer, 0), L.sparse_stats);
   if (L.qkv2[layer].numel())
     qkv = at::cat({qkv, project(k, x, L.qkv2[layer], L.qkv2_fmt[layer], L.qkv2_n[layer])}, 1);
   const bool bf16 = x.scalar_type() == at::kBFloat16;
@@ -1042,7 +1083,8 @@ static at::Tensor attention_step(const Kernels& k, const ColdLayers& L, int64_t 
   laps.skip();  // (its own laps)
   round_rows(y);
   laps.lap(prof::ATTEND);
-  at::Tensor out = project(k, y, L.wo[layer], L.wo_fmt[layer], x.size(1));
+  at::Tensor out = project(k, y, L.wo[layer], L.wo_fmt[layer], x.size(1), L.sparse_of(layer, 1), L.threshold_of(layer, 1),
+                           L.sparse_stats);
   laps.lap(prof::WO);
   return out;
 }
@@ -1281,11 +1323,27 @@ static at::Tensor hot_layers(const at::Tensor& h_in, const at::Tensor& pos, cons
                              int64_t window, double scale, at::TensorList pred_fc2, double pred_threshold,
                              bool pred_layer_input, at::TensorList qk_norms, at::TensorList post_norms,
                              at::TensorList layer_cos, at::TensorList layer_sin, at::IntArrayRef layer_window,
-                             bool prompt) {
+                             bool prompt, at::TensorList sparse, at::ArrayRef<double> sparse_threshold,
+                             const std::optional<at::Tensor>& sparse_stats) {
   const Kernels& k = active();
-  const ColdLayers L = per_layer(ffn_w1, ffn_w2, ffn_kind, ffn_n, ffn_down_fmt, ffn_w1_fmt, ffn_idx, ffn_threshold,
-                                 qkv, qkv_fmt, qkv_n, qkv2, qkv2_fmt, qkv2_n, wo, wo_fmt, k_cache, v_cache);
+  ColdLayers L = per_layer(ffn_w1, ffn_w2, ffn_kind, ffn_n, ffn_down_fmt, ffn_w1_fmt, ffn_idx, ffn_threshold,
+                           qkv, qkv_fmt, qkv_n, qkv2, qkv2_fmt, qkv2_n, wo, wo_fmt, k_cache, v_cache);
   const size_t n_layers = ffn_kind.size();
+  // input sparsity: decode steps only (a prompt's rows stay dense)
+  TORCH_CHECK(sparse.empty() || (sparse.size() == 3 * n_layers && sparse_threshold.size() == 3 * n_layers),
+              "sparse: none, or three q4c copies (or empty tensors) and thresholds per layer");
+  for (size_t i = 0; i < sparse.size(); i++)
+    TORCH_CHECK(!sparse[i].numel() || (i % 3 != 0 || !qkv2[i / 3].numel()),
+                "layer ", i / 3, ": a sparse q/k/v copy needs q/k/v in one run");
+  if (!prompt && !sparse.empty()) {
+    L.sparse = sparse;
+    L.sparse_threshold = sparse_threshold;
+    if (sparse_stats) {
+      TORCH_CHECK(sparse_stats->scalar_type() == at::kLong && sparse_stats->numel() == 2 && sparse_stats->is_contiguous(),
+                  "sparse_stats: 2 int64");
+      L.sparse_stats = sparse_stats->data_ptr<int64_t>();
+    }
+  }
   TORCH_CHECK(norms.size() == 2 * n_layers, "two norms per layer");
   TORCH_CHECK(ops.size() == 3, "ops: (decode, attention, prefill)");
   if (prompt)
@@ -1466,7 +1524,7 @@ TORCH_LIBRARY(powerinfer, m) {
         "int[] wo_fmt, Tensor[] k_cache, Tensor[] v_cache, int n_heads, Tensor? cos, Tensor? sin, int window, "
         "float scale, Tensor[] pred_fc2, float pred_threshold, bool pred_layer_input, "
         "Tensor[] qk_norms, Tensor[] post_norms, Tensor[] layer_cos, Tensor[] layer_sin, int[] layer_window, "
-        "bool prompt=False) -> Tensor");
+        "bool prompt, Tensor[] sparse, float[] sparse_threshold, Tensor(a!)? sparse_stats) -> Tensor");
   m.def("pred_serve(Tensor(a!) state, Tensor(b!) counts, int in_base, int mask_base, int mask_capacity, int dim, "
         "float spin_us, int decode_op, Tensor[] fc1, Tensor[] fc2, int fmt, float threshold) -> int[]");
   m.def("loop_profile", &powerinfer::loop_profile);
