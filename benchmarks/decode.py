@@ -154,11 +154,15 @@ def bench_llama(model: str, ids: list[int], n: int, threads: int, runs: int) -> 
 
 
 # ---------------------------------------------------------------- ours
+INPUT_SPARSITY = "off"  # --input-sparsity: the bundle a config with "+input" takes it from
+
+
 def load(name: str, threads: int, model: str, isa: str = "auto") -> PowerInfer:
     dtype, *flags = name.split("+")
     # no prefix cache: each run prefills the same prompt, and a cached prefix would leave the
     # timed prefill a block's worth of tokens (what a new user's prompt costs is the whole of it)
-    base = dict(cpu_threads=threads, max_batch=1, max_seq_len=2048, prefix_cache=False, cpu_isa=isa)
+    base = dict(cpu_threads=threads, max_batch=1, max_seq_len=2048, prefix_cache=False, cpu_isa=isa,
+                input_sparsity=INPUT_SPARSITY if "input" in flags else "off")
     if dtype == "default":  # what a new user gets: dtype and weights "auto", decided here
         config = Config(compile="compile" in flags, **base)
     else:
@@ -331,7 +335,8 @@ def main():
                     default=["default", "fp32", "bf16", "bf16+int4", "fp32+compile", "bf16+compile",
                              "bf16+int4+compile"],
                     help="default (Config()'s auto choices for this machine and file), or a "
-                         "dtype (fp32, bf16), optionally +int4 (4-bit weights kept); +compile")
+                         "dtype (fp32, bf16), optionally +int4 (4-bit weights kept); +compile; +input "
+                         "(input sparsity from --input-sparsity)")
     ap.add_argument("--cpu-isa", default="auto",
                     help="hold the CPU kernel to this class (avx2, avx512, avx512bf16: an older "
                          "CPU's paths; Config.cpu_isa)")
@@ -344,7 +349,12 @@ def main():
     ap.add_argument("--model", default="smollm2-135m-instruct",
                     help="a model file or an installed model's short name (gemma3-270m)")
     ap.add_argument("--out", help="also write the markdown section to this file")
+    ap.add_argument("--input-sparsity", default="off", metavar="BUNDLE",
+                    help="the bundle (powerinfer calibrate-input) a config with +input reads its "
+                         "input sparsity from, e.g. --configs default default+input")
     a = ap.parse_args()
+    global INPUT_SPARSITY
+    INPUT_SPARSITY = a.input_sparsity
     torch.set_num_threads(a.threads)
     info = machine_info(a.threads)
     print(datetime.datetime.now().isoformat(" ", "seconds"), info, flush=True)

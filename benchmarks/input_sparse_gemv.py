@@ -60,9 +60,11 @@ def gaps(mib: int = 256):
     with tempfile.TemporaryDirectory() as tmp:
         exe = Path(tmp) / "read_gaps"
         subprocess.run(["g++", "-O2", "-mavx2", str(src), "-o", str(exe)], check=True)
-        rate = lambda keep, piece, ahead: float(subprocess.run(
-            [str(exe), str(mib), str(keep), str(piece), str(ahead)], check=True,
-            capture_output=True, text=True).stdout.split()[0])
+
+        def rate(keep: float, piece: int, ahead: int) -> float:
+            return float(subprocess.run([str(exe), str(mib), str(keep), str(piece), str(ahead)],
+                                        check=True, capture_output=True, text=True).stdout.split()[0])
+
         whole = rate(1.0, 4096, 0)
         print(f"one core reading {mib} MiB whole: {whole:.1f} GB/s\n")
         print("| piece | half kept: GB/s of kept bytes | time against reading it all "

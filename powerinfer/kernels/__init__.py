@@ -588,7 +588,9 @@ def _pack_q4c(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None) -> torch
     nb, rows = k // 32, q4c_rows(n)
     pad = rows - n
     q = torch.nn.functional.pad(q.to(torch.uint8), (0, 0, 0, pad))
-    halves = lambda t: torch.nn.functional.pad(t, (0, 0, 0, pad)).t().contiguous().view(torch.uint8)
+
+    def halves(t):  # (n, nb) f16 -> (nb, rows * 2) bytes, each block's rows in order
+        return torch.nn.functional.pad(t, (0, 0, 0, pad)).t().contiguous().view(torch.uint8)
     # (rows, k) -> (nb, 32 channels, rows / 64, nibble half, v & 1, l // 8, l % 8) for row 16v + l
     c = q.view(rows, nb, 32).permute(1, 2, 0).reshape(nb, 32, rows // 64, 2, 2, 2, 8)
     runs = (c[:, :, :, 0] | (c[:, :, :, 1] << 4)).permute(0, 1, 2, 4, 3, 5).reshape(nb, 16 * rows)

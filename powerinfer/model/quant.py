@@ -79,7 +79,8 @@ class Q4Linear(nn.Module):
         self.sparse, self.sparse_stats = (w, offsets, float(threshold)), stats
 
     def forward(self, x):
-        if self.sparse is not None and x.numel() == self.in_features and x.dtype in (torch.float32, torch.bfloat16):
+        one_row = x.numel() == self.in_features
+        if self.sparse is not None and one_row and x.dtype in (torch.float32, torch.bfloat16):
             w, offsets, t = self.sparse
             y = kernels.linear_q4c(x, w, self.out_features, offsets, t, self.sparse_stats)
         elif x.dtype in (torch.float32, torch.bfloat16):

@@ -353,10 +353,11 @@ def bundle_thresholds(path: str) -> tuple[dict[tuple[int, str], float], dict]:
 
 # A projection of fewer output rows stays dense: its channels' runs (rows / 2 bytes each) are too
 # short for skipping them to save reads. On an AVX2 EPYC, half of a buffer read in 4 KB pieces
-# took 0.71-0.86 of the whole's time, in 1-2 KB pieces 0.90-1.22, in 128 bytes 1.38; the q4c
-# product at 25% sparsity ran 1.11-1.21x the dense one over 12,288 and 22,016 rows and 0.92x over
-# 4,096, 0.54-0.72x over SmolLM2's 576-3,072 (`benchmarks/input_sparse_gemv.py`).
-# POWERINFER_INPUT_SPARSE_MIN_ROWS sets it (0: every projection with a threshold, to measure).
+# took 0.57-0.86 of the whole's time (two runs), in 1-2 KB pieces 0.73-1.22, in 128 bytes
+# 1.06-1.46; the q4c product at 25% sparsity ran 1.02-1.21x the dense one over 12,288 and 22,016
+# rows, 0.80-0.92x over 4,096 and 0.48-0.72x over SmolLM2's 576-3,072 (`benchmarks/
+# input_sparse_gemv.py`). POWERINFER_INPUT_SPARSE_MIN_ROWS sets it (0: every projection with a
+# threshold, to measure).
 MIN_ROWS = int(os.environ.get("POWERINFER_INPUT_SPARSE_MIN_ROWS", "8192"))
 
 

@@ -7,7 +7,7 @@
 // rows are one run of bytes, read or not as a whole: runs of a few kilobytes, because memory
 // read in shorter pieces with gaps between them is hardly faster than read whole (on an AVX2
 // EPYC, half of a buffer read in 128-byte pieces took longer than all of it, in 4 KB pieces
-// 0.7-0.85 of the time: benchmarks/input_sparse_gemv.py --gaps).
+// 0.57-0.86 of the time: benchmarks/input_sparse_gemv.py --gaps).
 //
 // An (n, k) Q4_0 or Q4_1 matrix (the file's codes, scales and offsets, the same bytes as q4x16's)
 // is held as np = q4c_rows(n) rows (the extra rows zero). Block b (input channels 32b..32b+31) is
