@@ -89,7 +89,7 @@ class PowerInfer:
                 torch.cuda.empty_cache()  # (the widened matrices they replace)
         apply_kernel_linears(self.model, head="q8_0" if int4 else "bf16")  # what is left in bf16
         checkpoint.q4 = {}  # the model holds them now
-        self.input_sparsity = apply_input_sparsity(self.model, config, int4)
+        self.input_sparsity = apply_input_sparsity(self.model, config, int4, checkpoint.path)
         self.engine = Engine(self.model, self.tokenizer, config, (kv_blocks, why),
                              sparse=plan is not None and plan.bundle is not None)
 
@@ -191,11 +191,12 @@ def _concurrently(engine, prompts: list[list[int]], params) -> Iterator[Event]:
             yield item
 
 
-def apply_input_sparsity(model, config: Config, int4: bool) -> dict | None:
+def apply_input_sparsity(model, config: Config, int4: bool, model_path) -> dict | None:
     """Input sparsity from `config.input_sparsity` (see Config): the bundle's thresholds
     attached to the model's 4-bit projections (`input_sparsity.attach`). Returns the bundle's
     record of them (target, quality) where it is on, else None. A bundle named for it that cannot
-    serve it (no thresholds, no 4-bit projections) is an error; "auto" passes over one quietly."""
+    serve it (made for another model, no thresholds, no 4-bit projections) is an error; "auto"
+    passes over one without thresholds quietly."""
     choice = config.input_sparsity
     if choice == "off" or (choice == "auto" and not config.bundle):
         return None
@@ -204,6 +205,7 @@ def apply_input_sparsity(model, config: Config, int4: bool) -> dict | None:
     source = config.bundle if choice == "auto" else choice
     if choice == "auto" and not Bundle.open(source).has("input_sparsity"):
         return None
+    Bundle.open(source).check_model(model_path)  # (thresholds of another model's inputs)
     thresholds, rec = isp.bundle_thresholds(source)
     if not int4:
         if choice == "auto":

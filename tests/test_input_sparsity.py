@@ -190,7 +190,12 @@ def test_decode_steps_read_only_the_kept_channels(input_bundle, monkeypatch):
             h.remove()
 
 
-def test_input_sparsity_asks_for_the_4bit_cpu_path(input_bundle):
+def test_input_sparsity_asks_for_the_4bit_cpu_path(input_bundle, tmp_path):
+    from powerinfer.sparsity.synthetic import write_synthetic
+    other = tmp_path / "tiny.gguf"  # another model: the bundle's thresholds are not its inputs'
+    write_synthetic(other, preset="tiny", seed=0, progress=False)
+    with pytest.raises(BundleError, match="was made for"):
+        PowerInfer.from_pretrained(str(other), Config(input_sparsity=input_bundle, **LOAD))
     with pytest.raises(ConfigError, match="4-bit CPU path"):
         PowerInfer.from_pretrained("smollm2-135m-instruct",
                                    Config(input_sparsity=input_bundle, **{**LOAD, "weights": "dense"}))
