@@ -23,25 +23,18 @@ import os
 import statistics
 import subprocess
 import tempfile
-import time
 from pathlib import Path
 
 import torch
 
 from powerinfer import kernels
 
+from gemv import seconds  # the same timing as the other GEMV benchmarks
+
 SHAPES = {  # name: (k, [(projection, rows)])
     "7b": (4096, [("qkv", 12288), ("o", 4096), ("gate_up", 22016)]),
     "smollm2": (576, [("qkv", 960), ("o", 576), ("gate_up", 3072)]),
 }
-
-
-def seconds(fn, n: int) -> float:
-    fn()
-    t = time.perf_counter()
-    for _ in range(n):
-        fn()
-    return (time.perf_counter() - t) / n
 
 
 def q4c_read_bytes(n: int, k: int, x: torch.Tensor, threshold: float) -> int:

@@ -202,10 +202,10 @@ def apply_input_sparsity(model, config: Config, int4: bool, model_path) -> dict 
         return None
     from .formats.bundle import Bundle
     from .sparsity import input_sparsity as isp
-    source = config.bundle if choice == "auto" else choice
-    if choice == "auto" and not Bundle.open(source).has("input_sparsity"):
+    source = Bundle.open(config.bundle if choice == "auto" else choice)
+    if choice == "auto" and not source.has("input_sparsity"):
         return None
-    Bundle.open(source).check_model(model_path)  # (thresholds of another model's inputs)
+    source.check_model(model_path)  # (thresholds of another model's inputs)
     thresholds, rec = isp.bundle_thresholds(source)
     if not int4:
         if choice == "auto":
@@ -217,7 +217,7 @@ def apply_input_sparsity(model, config: Config, int4: bool, model_path) -> dict 
     n, small, _ = isp.attach(model, thresholds)
     if n == 0 and small == 0:
         raise ConfigError(f"input_sparsity: none of the model's projections reads the bundle's "
-                          f"thresholds (4-bit Q4_0/Q4_1 projections: {source})")
+                          f"thresholds (4-bit Q4_0/Q4_1 projections: {source.path})")
     q = rec.get("quality", {})
     log.info("input sparsity: %d projections read only the input channels over their thresholds "
              "(target %.0f%% of each input; held-out perplexity %+.1f%% in calibration); %d stay "

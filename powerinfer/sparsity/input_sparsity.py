@@ -341,11 +341,11 @@ def calibrate_bundle(model_name: str, out: str, sparsity: float = 0.25, corpus: 
     return b
 
 
-def bundle_thresholds(path: str) -> tuple[dict[tuple[int, str], float], dict]:
-    """A bundle's input-sparsity thresholds ((layer, part) -> magnitude) and its file's record
-    (target, quality, ...); BundleError where the bundle has none."""
+def bundle_thresholds(bundle) -> tuple[dict[tuple[int, str], float], dict]:
+    """A bundle's (a `Bundle`, or its path) input-sparsity thresholds ((layer, part) ->
+    magnitude) and its file's record (target, quality, ...); BundleError where it has none."""
     from ..formats.bundle import Bundle
-    b = Bundle.open(path)
+    b = bundle if isinstance(bundle, Bundle) else Bundle.open(bundle)
     b.require("input_sparsity", "calibrate-input")
     rec = b.load_json(BUNDLE_FILE)
     return {(int(i), str(p)): float(t) for i, p, t in rec["thresholds"]}, rec
