@@ -82,6 +82,14 @@ class DataPlane:
         self.native_masks = device.type == "cpu" and self.predicting and kernels.available()
         if self.predicting:
             self.pred_in, self.mask = spec.open("pred_in", writer=True), spec.open("mask")
+        # what a compiled step names the x channel and each part channel by: a slot number,
+        # the same in every hot executor and run (so that Inductor's caches find a rebuilt
+        # group's step compiled before), not the mapping's address (one plane a process)
+        self.x_ref, self.part_refs = self.x.base, [p.base for p in self.parts]
+        if self.native:
+            for slot, ch in enumerate((self.x, *self.parts), start=1):
+                torch.ops.powerinfer.ch_slot(slot, ch.base)
+            self.x_ref, self.part_refs = 1, list(range(2, 2 + len(self.parts)))
         if device.type == "cuda":
             for ch in self.channels():
                 ch.register_with_cuda()
@@ -104,14 +112,14 @@ class DataPlane:
         """x (rows, T, dim) and `more` (see `PlaneSpec.attn_layout`) to every cold executor on
         `x` with the message's further `words` (native); returns the copy of x that later work
         must read, which keeps the send ahead of it in a compiled step."""
-        return torch.ops.powerinfer.ch_send([x, *more], self.x.base, self.x.capacity, op, layer,
+        return torch.ops.powerinfer.ch_send([x, *more], self.x_ref, self.x.capacity, op, layer,
                                             list(words))
 
     def partial(self, k: int, like: torch.Tensor, width: int) -> torch.Tensor:
         """Cold executor k's answer, float32 (like.shape[:-1], width) (native): read after
         `like`, the hot side's own share of the work."""
         p = self.parts[k]
-        return torch.ops.powerinfer.ch_recv(like, p.state, p.base, width, p.spin_us)
+        return torch.ops.powerinfer.ch_recv(like, p.state, self.part_refs[k], width, p.spin_us)
 
     def send_predictor_input(self, layer: int, h: torch.Tensor):
         self.put_predictor_input(h)

@@ -91,7 +91,9 @@ def test_close_wakes_a_waiting_reader_and_timeouts_name_the_channel(segments):
 
 def test_native_ops_speak_the_channel_protocol(segments):
     # the compiled step's ends (ch_send, ch_recv) against Python's on the other side: words,
-    # payloads and counts agree, and a dead writer or a closed channel raise what Python's do
+    # payloads and counts agree, with each channel named by its address or by the slot number
+    # it was given (`ch_slot`, what a compiled step holds), and a dead writer, a closed channel
+    # or a slot that names nothing raise what they should
     from powerinfer import kernels
     if not kernels.available():
         pytest.skip("the kernel library does not run here")
@@ -100,11 +102,14 @@ def test_native_ops_speak_the_channel_protocol(segments):
     p = mp.get_context("spawn").Process(target=_double, args=(a, b, n))
     p.start()
     ca, cb = Channel(a, writer=True), Channel(b)
+    torch.ops.powerinfer.ch_slot(5, ca.base)
+    torch.ops.powerinfer.ch_slot(6, cb.base)
     for i in range(n):
         x = torch.randn(1 + i % 3, 4 + 4 * (i % 2))
-        sent = torch.ops.powerinfer.ch_send([x], ca.base, ca.capacity, 7, i, [x.shape[1]])
+        to, frm = (ca.base, cb.base) if i % 2 else (5, 6)
+        sent = torch.ops.powerinfer.ch_send([x], to, ca.capacity, 7, i, [x.shape[1]])
         assert torch.equal(sent, x)
-        y = torch.ops.powerinfer.ch_recv(x, cb.state, cb.base, x.shape[1], 100.0)
+        y = torch.ops.powerinfer.ch_recv(x, cb.state, frm, x.shape[1], 100.0)
         assert torch.equal(y, x * 2) and int(cb._hdr[3]) == i
     assert cb.seen == n and cb.wait_s > 0
     p.join(10)
@@ -117,6 +122,10 @@ def test_native_ops_speak_the_channel_protocol(segments):
     with pytest.raises(RuntimeError) as closed:
         torch.ops.powerinfer.ch_recv(x, r.state, r.base, 4, 0.0)
     assert isinstance(native_error(closed.value), ChannelClosed)
+    with pytest.raises(RuntimeError, match="slot 63 names no mapping"):
+        torch.ops.powerinfer.ch_recv(x, r.state, 63, 4, 0.0)
+    with pytest.raises(RuntimeError, match="out of 1..63"):
+        torch.ops.powerinfer.ch_slot(64, r.base)
 
 
 def test_sweep_removes_only_segments_of_dead_owners(segments):

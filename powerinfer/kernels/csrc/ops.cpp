@@ -810,10 +810,31 @@ static void send_message(at::TensorList parts, int64_t base, int64_t capacity, i
   publish(base, words, 4 + std::max<int>(2, (int)extra.size()));
 }
 
+// A channel's mapping named by a small slot number (ch_slot) rather than by its address: a
+// compiled step holds the number as a constant of its graph, the same in every process and
+// run, so Inductor's caches find the step compiled before (an address differs every time).
+// ch_send and ch_recv take either; an address is never below CH_SLOTS.
+constexpr int64_t CH_SLOTS = 64;
+static std::atomic<int64_t> g_slots[CH_SLOTS];
+
+static void ch_slot(int64_t slot, int64_t base) {
+  TORCH_CHECK(slot > 0 && slot < CH_SLOTS, "ch_slot: slot ", slot, " out of 1..", CH_SLOTS - 1);
+  TORCH_CHECK(base >= CH_SLOTS, "ch_slot: not a mapping's address: ", base);
+  g_slots[slot].store(base);
+}
+
+static int64_t channel_base(int64_t base) {
+  if (base >= CH_SLOTS) return base;
+  const int64_t b = base > 0 ? g_slots[base].load() : 0;
+  TORCH_CHECK(b, "channel slot ", base, " names no mapping (ch_slot)");
+  return b;
+}
+
 // send_message, returning a copy of parts[0]: a compiled step reads what follows the send from
 // it, which keeps the send first.
 static at::Tensor ch_send(at::TensorList parts, int64_t base, int64_t capacity, int64_t op, int64_t layer,
                           c10::SymIntArrayRef extra) {
+  base = channel_base(base);
   std::vector<int64_t> words;
   for (const auto& e : extra) words.push_back(e.expect_int());
   send_message(parts, base, capacity, op, layer, words);
@@ -854,6 +875,7 @@ static void wait_message(int64_t base, int64_t* st, double spin_us) {
 // like.shape[:-1] + (width,).
 static at::Tensor ch_recv(const at::Tensor& like, at::Tensor& state, int64_t base, int64_t width, double spin_us) {
   TORCH_CHECK(state.scalar_type() == at::kLong && state.numel() == 2 && state.is_contiguous(), "state: int64 (2,)");
+  base = channel_base(base);
   wait_message(base, state.data_ptr<int64_t>(), spin_us);
   std::vector<int64_t> shape(like.sizes().begin(), like.sizes().end());
   shape.back() = width;
@@ -1509,6 +1531,7 @@ TORCH_LIBRARY(powerinfer, m) {
         "Tensor starts, Tensor pos, int n_heads, int window, float scale) -> Tensor");
   m.def("ch_send(Tensor[] parts, int base, int capacity, int op, int layer, SymInt[] extra) -> Tensor");
   m.def("ch_recv(Tensor like, Tensor(a!) state, int base, int width, float spin_us) -> Tensor");
+  m.def("ch_slot(int slot, int base) -> ()", &powerinfer::ch_slot);  // no tensor: every backend
   m.def("cold_serve(Tensor(a!) state, int x_base, int part_base, int part_capacity, int dim, bool bf16, "
         "float spin_us, int[] ops, int act, Tensor[] ffn_w1, Tensor[] ffn_w2, int[] ffn_kind, int[] ffn_n, int[] ffn_down_fmt, int[] ffn_w1_fmt, "
         "Tensor[] ffn_idx, float[] ffn_threshold, int ffn_dim, "
