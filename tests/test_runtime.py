@@ -699,7 +699,8 @@ def test_overloaded_queue_and_cancellation(sparse_actors, sparse_alone):
     from powerinfer.engine.params import SamplingParams
     # as long as the context allows: on this small model they could otherwise end (and admit
     # the queued ones) before the request that finds the queue full is sent
-    long = SamplingParams(max_tokens=256 - len(ids) - 1, temperature=0, ignore_eos=True)
+    long = SamplingParams(max_tokens=BASE["max_seq_len"] - len(ids) - 1, temperature=0,
+                          ignore_eos=True)
     streams = [e.generate(ids, long) for _ in range(4)]  # max_batch=4: they all run
     for s in streams:
         next(s)
