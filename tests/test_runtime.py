@@ -119,11 +119,17 @@ def assert_same_greedy(ref: PowerInfer, other: PowerInfer):
         assert_same_or_near_tie(ref, ref.tokenize(p), want, got, 0.05)
 
 
-def test_dense_plan_equals_local_engine(ray_cluster, default_model_path):
-    want = local(Config(**BASE))
-    pi = PowerInfer.from_pretrained(MODEL, Config(runtime="actors", **BASE))
+def test_dense_plan_equals_local_engine(ray_cluster, tiny):
+    # without a bundle every neuron is computed, in two shares (the hot executor's, the cold
+    # executor's): float32 sums equal to the in-process engine's, token for token (on the small
+    # synthetic model: the real model's groups are the 4-bit ones below)
+    ref = PowerInfer.from_pretrained(tiny, Config(**BASE))
+    want = [greedy_tokens(ref, p, GREEDY["max_new_tokens"]) for p in PROMPTS]
+    pi = PowerInfer.from_pretrained(tiny, Config(runtime="actors", **BASE))
     try:
-        assert [pi.generate(p, **GREEDY) for p in PROMPTS] == want
+        assert [greedy_tokens(pi, p, GREEDY["max_new_tokens"]) for p in PROMPTS] == want
+        assert [pi.generate(p, **GREEDY) for p in PROMPTS[:1]] == \
+            [ref.generate(p, **GREEDY) for p in PROMPTS[:1]]  # (and as text)
         h = pi.engine.health()
         assert h["ok"] and h["restarts"] == 0, h
         # its decode steps' layer loop in C++ where the kernel library runs (the same sums as its
@@ -131,7 +137,7 @@ def test_dense_plan_equals_local_engine(ray_cluster, default_model_path):
         from powerinfer import kernels
         assert pi.engine.group.info["hot"]["native"] == kernels.available()
         st = pi.engine.stats()["actors"]
-        assert st["scheduler"]["finished"] == len(PROMPTS) + 1  # the probe too
+        assert st["scheduler"]["finished"] == len(PROMPTS) + 2  # the text's and the probe too
         assert st["cold.0"]["messages"] > 0 and st["hot"]["steps"] > 0
         assert "predictor" not in st  # no bundle: every neuron computed, nothing to predict
     finally:
@@ -948,7 +954,9 @@ def test_a_gpus_placement_counts_the_files_4bit_records_with_int4(bundle, defaul
     assert all((a == c).all() for a, c in zip(hot["dense", True], hot["int4", False]))
 
 
-def test_a_bundle_that_costs_quality_warns_at_load(bundle, tmp_path, caplog):
+def test_a_bundle_that_costs_quality_warns_at_load(tiny, tiny_bundle, tmp_path, caplog):
+    # (the warning's mechanism, on the small synthetic model's bundle; the real model's
+    # figures are the pipeline's own tests')
     import logging
     import shutil
 
@@ -956,12 +964,12 @@ def test_a_bundle_that_costs_quality_warns_at_load(bundle, tmp_path, caplog):
     from powerinfer.sparsity.evaluate import evaluate
     from powerinfer.engine.plan import check_quality
 
-    b = Bundle.open(shutil.copytree(bundle, tmp_path / "bundle"))
+    b = Bundle.open(shutil.copytree(tiny_bundle, tmp_path / "bundle"))
     with caplog.at_level(logging.WARNING, logger="powerinfer"):
-        PowerInfer.from_pretrained(MODEL, Config(bundle=str(b.path), **BASE))
+        PowerInfer.from_pretrained(tiny, Config(bundle=str(b.path), **BASE))
     assert "never evaluated" in caplog.text and "powerinfer eval" in caplog.text
     with all_threads():
-        rows = evaluate(MODEL, b, tokens=128, progress=False)  # recorded in the bundle
+        rows = evaluate(tiny, b, tokens=128, progress=False)  # recorded in the bundle
     delta = next(r["ppl_delta"] for r in rows if r["label"] == "predicted (layer input)")
     line = check_quality(b, "layer", max(delta - 0.001, 0))
     assert line and f"{delta:+.1%}" in line and "--tokens" in line
