@@ -1086,6 +1086,18 @@ def test_the_servers_ray_keeps_few_tasks_events(server):
     assert Config.task_events_max_num_task_in_gcs() == cap <= 10_000
 
 
+def test_serves_controller_loops_once_a_second(server):
+    # Serve's controller process runs with the server's control-loop interval (1 s, not Serve's
+    # 0.1 s: its idle CPU a third), passed to it in the job's environment
+    from serve_app.server import CONTROL_LOOP_ENV, CONTROL_LOOP_S
+    pids = [pid for pid in ray_pids() - server.ray_before
+            if b"ray::ServeController" in Path(f"/proc/{pid}/cmdline").read_bytes()]
+    assert len(pids) == 1, pids
+    env = dict(kv.split(b"=", 1) for kv in Path(f"/proc/{pids[0]}/environ").read_bytes()
+               .split(b"\0") if b"=" in kv)
+    assert env[CONTROL_LOOP_ENV.encode()] == CONTROL_LOOP_S.encode() == b"1.0"
+
+
 # ----------------------------------------------------------------------------------- security
 
 def test_ray_refuses_a_process_without_the_token(server, tmp_path):
