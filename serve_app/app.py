@@ -23,7 +23,8 @@ def build(settings: ServeSettings) -> Application:
     scale = ({"autoscaling_config": dict(settings.ingress_autoscaling)}
              if settings.ingress_autoscaling else {"num_replicas": settings.ingress_replicas})
     return Ingress.options(**scale, **where).bind(models, settings.api_key,
-                                                  settings.max_body_bytes)
+                                                  settings.max_body_bytes,
+                                                  settings.stream_interval_ms)
 
 
 def build_app(args: dict) -> Application:

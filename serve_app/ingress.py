@@ -33,12 +33,14 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from . import openai_schema as oa
 from actors.follow import follow
+from actors.tokens import ends
 from powerinfer.errors import InvalidRequestError, PowerInferError
 from powerinfer.engine.grammar import Grammar
 
 from .errors import RETRY_AFTER_S, ApiError, error_value
 from .metrics import Metrics
 from .request import GenerationRequest
+from .settings import STREAM_INTERVAL_MS
 from .streams import OpenAIFormat, Piece, ToolCalls, collect, primed
 
 logger = logging.getLogger("ray.serve")
@@ -46,6 +48,60 @@ STATUS_TIMEOUT_S = 5.0
 WATCH_POLL_S = 1.0  # grpc.health.v1 Watch: how often a watched status is looked at
 SERVICE = "powerinfer.v1.Inference"
 FINISH = {"stop": 1, "length": 2}  # powerinfer.v1.FinishReason
+
+
+async def gathered(source: AsyncIterator[list], interval: float) -> AsyncIterator[list]:
+    """The lists of events `source` yields, sent on at most once per `interval` seconds: what
+    arrives meanwhile is joined to the next list sent. The first goes at once (the time to the
+    first token is not changed), and so does a list with the stream's last event."""
+    if interval <= 0:
+        try:
+            async for item in source:
+                yield item
+        finally:  # (a reader that stops early closes the source now, not when it is collected)
+            await source.aclose()
+        return
+    loop, queue, done = asyncio.get_running_loop(), asyncio.Queue(), object()
+
+    async def pump():
+        try:
+            async for item in source:
+                queue.put_nowait(item)
+            queue.put_nowait(done)
+        except asyncio.CancelledError:
+            raise
+        except BaseException as e:  # noqa: BLE001 - raised to the reader
+            queue.put_nowait(e)
+
+    task = asyncio.create_task(pump())
+    sent, held = -interval, None
+    try:
+        while True:
+            item = held if held is not None else await queue.get()
+            held = None
+            if item is done:
+                return
+            if isinstance(item, BaseException):
+                raise item
+            batch = list(item)
+            while not ends(batch[-1]):
+                left = sent + interval - loop.time()
+                if queue.empty() and left <= 0:
+                    break
+                try:
+                    more = queue.get_nowait() if not queue.empty() else \
+                        await asyncio.wait_for(queue.get(), left)
+                except asyncio.TimeoutError:
+                    break
+                if more is done or isinstance(more, BaseException):
+                    held = more
+                    break
+                batch.extend(more)
+            yield batch
+            sent = loop.time()
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
 
 
 def _pb():
@@ -205,10 +261,12 @@ class _NoClientErrorTracebacks(logging.Filter):
 @serve.deployment(max_ongoing_requests=4096, ray_actor_options={"num_cpus": 0})
 @serve.ingress(app)
 class Ingress:
-    def __init__(self, models: dict, api_key: str = "", max_body_bytes: int = 1 << 20):
+    def __init__(self, models: dict, api_key: str = "", max_body_bytes: int = 1 << 20,
+                 stream_interval_ms: float = STREAM_INTERVAL_MS):
         self.models = models  # name -> DeploymentHandle of its ModelServer
         self.api_key = api_key.encode()
         self.max_body_bytes = max_body_bytes
+        self.stream_interval = stream_interval_ms / 1000
         self.metrics = Metrics()
         self.tool_formats: dict[str, str] = {}  # model -> how it writes tool calls
         logger.addFilter(_NoClientErrorTracebacks())
@@ -498,11 +556,11 @@ class Ingress:
                 streams.append(self._stream(handle, model, req, p * n + j, arrived))
         return streams
 
-    @staticmethod
-    async def _direct(handle, req: GenerationRequest) -> AsyncIterator[dict]:
+    async def _direct(self, handle, req: GenerationRequest) -> AsyncIterator[dict]:
         """A request's items ({"prompt_tokens"} on the first, "events") streamed from the model
         group's scheduler itself: the model deployment prepares the request (tokens, sampling)
-        and names the scheduler, and is asked again only to resume after the group fails."""
+        and names the scheduler, and is asked again only to resume after the group fails. Its
+        events go on at most once per `stream_interval` (`gathered`)."""
         opened = await handle.open.remote(req)
         if "error" in opened:
             raise ApiError.from_value(opened["error"])
@@ -515,7 +573,8 @@ class Ingress:
 
         first = {"prompt_tokens": opened["prompt_tokens"]}
         try:
-            async for events in follow(opened["flight"], opened["target"], replace):
+            async for events in gathered(follow(opened["flight"], opened["target"], replace),
+                                         self.stream_interval):
                 yield {**first, "events": events}
                 first = {}
         except PowerInferError as e:

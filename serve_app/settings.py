@@ -98,6 +98,15 @@ class ModelSpec:
         return ",".join(map(str, cores[lo:lo + q + (replica < r)]))
 
 
+# A stream's tokens go to its client at most once per this many milliseconds (the ingress's
+# `stream_interval_ms`; 0: each as it comes). Each chunk costs the ingress and Serve's proxy
+# about 2-3 ms of CPU each, whatever it carries (one stream of SmolLM2 on 2 cores); at 50 ms a
+# stream faster than 20 tokens a second sends several a chunk, and the two took about 40% less
+# CPU a token (Ray Serve's LLM app batches its streams every 50 ms by default). Off until its
+# effect on throughput is measured apart from this VM's noise.
+STREAM_INTERVAL_MS = 0.0
+
+
 @dataclass(frozen=True, slots=True)
 class ServeSettings:
     """models: served models, routed by name. api_key: required on every request but /health and
@@ -107,7 +116,10 @@ class ServeSettings:
     `autoscaling_config` for it (min_replicas, max_replicas, target_ongoing_requests...).
     replica_resources: Ray resources the nodes
     running the ingress and the model deployments must have (on a cluster, e.g. {"head": 0.01}
-    keeps them on the head while model groups run where their `resources` say)."""
+    keeps them on the head while model groups run where their `resources` say).
+    stream_interval_ms: a stream's tokens go to its client at most once per this many
+    milliseconds, those generated meanwhile in one chunk (0: each as it comes); the first
+    token and the last are never held."""
 
     models: tuple[ModelSpec, ...]
     api_key: str = ""
@@ -115,6 +127,7 @@ class ServeSettings:
     ingress_replicas: int = 1
     ingress_autoscaling: dict = field(default_factory=dict)  # Serve's autoscaling_config
     replica_resources: dict = field(default_factory=dict)
+    stream_interval_ms: float = STREAM_INTERVAL_MS
 
     def __post_init__(self):
         if not self.models:
@@ -125,6 +138,9 @@ class ServeSettings:
             raise ConfigError(f"model names must be unique; repeated: {', '.join(sorted(dup))}")
         if self.max_body_bytes < 1024 or self.ingress_replicas < 1:
             raise ConfigError("max_body_bytes must be >= 1024 and ingress_replicas >= 1")
+        if not 0 <= self.stream_interval_ms <= 1000:
+            raise ConfigError(f"stream_interval_ms must be between 0 and 1000 (milliseconds); "
+                              f"got {self.stream_interval_ms}")
         if self.ingress_autoscaling:
             if self.ingress_replicas != 1:
                 raise ConfigError("give ingress_replicas or ingress_autoscaling, not both")

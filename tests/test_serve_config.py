@@ -73,6 +73,7 @@ def test_the_serve_config_file_builds_the_application():
     ({"models": [{"name": "a", "model": "x", "device": "tpu"}]}, "device"),
     ({"models": [{"name": "a", "model": "x", "predictor_device": "gpu"}]}, "predictor_device"),
     ({"models": [{"name": "a", "model": "x"}], "max_body": 5}, "max_body"),
+    ({"models": [{"name": "a", "model": "x"}], "stream_interval_ms": -1}, "stream_interval_ms"),
 ])
 def test_bad_serving_configs_name_the_problem(cfg, needle):
     with pytest.raises(ConfigError, match=needle.replace(".", r"\.")):
@@ -218,3 +219,71 @@ def test_a_serve_process_gives_a_bursts_freed_heap_back():
         got[mode] = [int(v) for v in r.stdout.split()]  # MiB: the burst, a second after its frees
     assert got["none"][1] > 150, got  # freed, still resident
     assert got["trim"][0] > 150 and got["trim"][1] < 30, got
+
+
+def test_a_streams_events_are_gathered_once_per_interval():
+    # the ingress sends a stream's events on at most once per interval: what arrives meanwhile
+    # is joined into the next list, nothing lost or reordered; the first list goes at once (the
+    # time to the first token) and so does the one with the last event; an error from the
+    # source is raised after what came before it, and a reader that stops early closes it
+    import asyncio
+
+    from serve_app.ingress import gathered
+
+    async def source(gaps, fail=False, log=None):
+        try:
+            for i, gap in enumerate(gaps):
+                await asyncio.sleep(gap)
+                last = i == len(gaps) - 1 and not fail
+                yield [{"text": str(i), "token": i, "finish_reason": "length" if last else None}]
+            if fail:
+                raise ValueError("the group failed")
+        finally:
+            if log is not None:
+                log.append("closed")
+
+    async def read(src, interval):
+        loop, out = asyncio.get_running_loop(), []
+        t0 = loop.time()
+        async for batch in gathered(src, interval):
+            out.append((loop.time() - t0, [e["token"] for e in batch]))
+        return out
+
+    # 30 events 10 ms apart, a 50 ms interval: joined, in order, sent 50 ms apart or more
+    got = asyncio.run(read(source([0.01] * 30), 0.05))
+    assert [t for _, b in got for t in b] == list(range(30))
+    assert len(got) < 30 and max(len(b) for _, b in got) > 1, got
+    gaps = [b[0] - a[0] for a, b in zip(got, got[1:-1])]
+    assert all(g >= 0.045 for g in gaps), gaps
+    # a 1 s interval holds back neither the first event nor the last
+    got = asyncio.run(read(source([0.0, 0.3]), 1.0))
+    assert [b for _, b in got] == [[0], [1]] and got[0][0] < 0.25 and got[1][0] < 0.9, got
+    # interval 0: the source's lists as they come
+    got = asyncio.run(read(source([0.001] * 5), 0))
+    assert [b for _, b in got] == [[i] for i in range(5)]
+
+    async def failing():
+        out = []
+        with pytest.raises(ValueError, match="the group failed"):
+            async for batch in gathered(source([0.01] * 6, fail=True), 0.05):
+                out.extend(e["token"] for e in batch)
+        return out
+    assert asyncio.run(failing()) == list(range(6))
+
+    async def early():
+        log = []
+        agen = gathered(source([0.01] * 100, log=log), 0.05)
+        async for _ in agen:
+            break
+        await agen.aclose()
+        return log
+    assert asyncio.run(early()) == ["closed"]
+
+    async def early_unheld():
+        log = []
+        agen = gathered(source([0.01] * 100, log=log), 0)
+        async for _ in agen:
+            break
+        await agen.aclose()
+        return log
+    assert asyncio.run(early_unheld()) == ["closed"]
