@@ -68,9 +68,7 @@ async def gathered(source: AsyncIterator[list], interval: float) -> AsyncIterato
             async for item in source:
                 queue.put_nowait(item)
             queue.put_nowait(done)
-        except asyncio.CancelledError:
-            raise
-        except BaseException as e:  # noqa: BLE001 - raised to the reader
+        except Exception as e:  # noqa: BLE001 - raised to the reader (not a cancellation)
             queue.put_nowait(e)
 
     task = asyncio.create_task(pump())

@@ -270,20 +270,12 @@ def test_a_streams_events_are_gathered_once_per_interval():
         return out
     assert asyncio.run(failing()) == list(range(6))
 
-    async def early():
+    async def early(interval):
         log = []
-        agen = gathered(source([0.01] * 100, log=log), 0.05)
+        agen = gathered(source([0.01] * 100, log=log), interval)
         async for _ in agen:
             break
         await agen.aclose()
         return log
-    assert asyncio.run(early()) == ["closed"]
-
-    async def early_unheld():
-        log = []
-        agen = gathered(source([0.01] * 100, log=log), 0)
-        async for _ in agen:
-            break
-        await agen.aclose()
-        return log
-    assert asyncio.run(early_unheld()) == ["closed"]
+    for interval in (0.05, 0):
+        assert asyncio.run(early(interval)) == ["closed"], interval
