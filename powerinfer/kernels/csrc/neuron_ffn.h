@@ -97,7 +97,7 @@ struct FFNArgs {
   const uint16_t* xb = nullptr;
   // with the q6kx16 layout: the sums of x's 8-bit values per 16 (B, dim/16)
   const int32_t* x16 = nullptr;
-  // with split 4-bit rows and VNNI: xq permuted per group of 4 blocks (`permute_input`), rows
+  // with split 4-bit rows (records): xq permuted per group of 4 blocks (`permute_input`), rows
   // of xp_stride values
   const int8_t* xp = nullptr;
   int64_t xp_stride = 0;
@@ -470,11 +470,14 @@ struct IntDots {
     }
   }
   // blocks blk .. blk + n - 1, two chains alternating (the stage loop of split rows). A whole
-  // chunk of split rows (16 blocks, their scales side by side after the nibbles) has its scales
-  // widened 8 at a time, each block's scale times the input block's computed as vectors (a
-  // broadcast from memory a block) and the offsets (Q4_0's -8 d, Q4_1's m) times the input
-  // blocks' sums added as vectors: a block a row at a time widened its scale, multiplied and
-  // broadcast it and added its offset in a scalar chain, about half of its instructions.
+  // chunk of split rows (16 blocks, their scales side by side after the nibbles) takes its blocks
+  // two at a time: one 32-byte load of both blocks' nibbles, their low nibbles (each block's first
+  // 16 weights) and high nibbles (its last 16) against the input permuted to match (a.xp, as the
+  // VNNI kernel reads it), the two products' pairs added in 16 bits and summed into 8 lanes in one
+  // `madd` (lanes 0-3 block k, 4-7 block k + 1), scaled per lane by the block's scale times the
+  // input block's (16 computed as two vectors, each pair's lanes picked with one permute). The
+  // offsets (Q4_0's -8 d, Q4_1's m) times the input blocks' sums are added as vectors. A block at
+  // a time took twice the shuffles and products: the chunk's dot products bound a record on AVX2.
   template <bool FULL>
   inline void chunk(const uint8_t* row, int64_t blk, int n, const FFNArgs& a, int64_t r0) {
     if constexpr (FULL && split4(FMT)) {
@@ -491,33 +494,38 @@ struct IntDots {
         m0 = _mm256_mul_ps(d0, _mm256_set1_ps(-8.0f));
         m1 = _mm256_mul_ps(d1, _mm256_set1_ps(-8.0f));
       }
-      alignas(32) float sc_x[R][16];  // block k's weight scale times row r's input scale
-      const int8_t* xq[R];
+      __m256 s0[R], s1[R];  // blocks 0-7's and 8-15's weight scale times row r's input scale
+      const int8_t* xp[R];  // the chunk's input, permuted (blk is a multiple of 16: whole groups)
       __m256 c0[R], c1[R];  // (in registers over the chunk: every index below is a constant)
       for (int r = 0; r < R; r++) {
         const float* xd = a.xd + (r0 + r) * nb + blk;
         const float* xs = a.xs + (r0 + r) * nb + blk;
-        _mm256_store_ps(sc_x[r], _mm256_mul_ps(d0, _mm256_loadu_ps(xd)));
-        _mm256_store_ps(sc_x[r] + 8, _mm256_mul_ps(d1, _mm256_loadu_ps(xd + 8)));
+        s0[r] = _mm256_mul_ps(d0, _mm256_loadu_ps(xd));
+        s1[r] = _mm256_mul_ps(d1, _mm256_loadu_ps(xd + 8));
         accv[r] = _mm256_fmadd_ps(m1, _mm256_loadu_ps(xs + 8), _mm256_fmadd_ps(m0, _mm256_loadu_ps(xs), accv[r]));
-        xq[r] = a.xq + (r0 + r) * a.dim + 32 * blk;
+        xp[r] = a.xp + (r0 + r) * a.xp_stride + 32 * blk;
         c0[r] = acc[r][0], c1[r] = acc[r][1];
       }
-      const __m256i ones = _mm256_set1_epi16(1);
-      const __m128i mask = _mm_set1_epi8(0x0F);
+      const __m256i ones = _mm256_set1_epi16(1), mask = _mm256_set1_epi8(0x0F);
       const uint8_t* qs = row + blk * 16;
-      auto one = [&](int k, __m256* c) __attribute__((always_inline)) {
-        const __m128i q = _mm_loadu_si128((const __m128i*)(qs + k * 16));
-        const __m256i w = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(q, 4), mask), _mm_and_si128(q, mask));
+      auto two = [&](int p, __m256* c) __attribute__((always_inline)) {  // blocks 2p and 2p + 1
+        const __m256i q = _mm256_loadu_si256((const __m256i*)(qs + p * 32));
+        const __m256i lo = _mm256_and_si256(q, mask), hi = _mm256_and_si256(_mm256_srli_epi16(q, 4), mask);
+        const int e = 2 * (p % 4);  // the pair's first block among its vector's 8 scales
+        const __m256i pick = _mm256_set_epi32(e + 1, e + 1, e + 1, e + 1, e, e, e, e);
+        const int at = 128 * (p / 2) + 32 * (p % 2);  // its first 16 values' place in a.xp's group
         for (int r = 0; r < R; r++) {
-          const __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(w, _mm256_loadu_si256((const __m256i*)(xq[r] + 32 * k))), ones);
-          c[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_broadcast_ss(&sc_x[r][k]), c[r]);
+          const __m256i lp = _mm256_maddubs_epi16(lo, _mm256_loadu_si256((const __m256i*)(xp[r] + at)));
+          const __m256i hp = _mm256_maddubs_epi16(hi, _mm256_loadu_si256((const __m256i*)(xp[r] + at + 64)));
+          const __m256i s = _mm256_madd_epi16(_mm256_add_epi16(lp, hp), ones);  // |sum| <= 4 * 3,810
+          const __m256 scale = _mm256_permutevar8x32_ps(p < 4 ? s0[r] : s1[r], pick);
+          c[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), scale, c[r]);
         }
       };
-#pragma GCC unroll 8
-      for (int k = 0; k < 16; k += 2) {
-        one(k, c0);
-        one(k + 1, c1);
+#pragma GCC unroll 4
+      for (int p = 0; p < 8; p += 2) {
+        two(p, c0);
+        two(p + 1, c1);
       }
       for (int r = 0; r < R; r++) acc[r][0] = c0[r], acc[r][1] = c1[r];
       return;
