@@ -304,9 +304,9 @@ def add_command(sub):
                         "cancels it (0: no limit)")
     p.add_argument("--stream-interval-ms", type=float, default=None, metavar="MS",
                    help="a stream's tokens go to its client at most once per MS milliseconds, "
-                        "those generated meanwhile in one chunk (default 0: each token as it "
-                        "comes; 50 saves Serve's hops CPU at one fast stream); the first token "
-                        "and the last are never held")
+                        "those generated meanwhile in one chunk (default 50; 0: each token as "
+                        "it comes, at more CPU in Serve's hops a token); the first token and "
+                        "the last are never held")
     p.add_argument("--log-requests", action="store_true", help="Serve's access log")
     p.add_argument("--demo", action="store_true",
                    help="once ready, send one chat request through the HTTP API and print it")

@@ -102,9 +102,11 @@ class ModelSpec:
 # `stream_interval_ms`; 0: each as it comes). Each chunk costs the ingress and Serve's proxy
 # about 2-3 ms of CPU each, whatever it carries (one stream of SmolLM2 on 2 cores); at 50 ms a
 # stream faster than 20 tokens a second sends several a chunk, and the two took about 40% less
-# CPU a token (Ray Serve's LLM app batches its streams every 50 ms by default). Off until its
-# effect on throughput is measured apart from this VM's noise.
-STREAM_INTERVAL_MS = 0.0
+# CPU a token (Ray Serve's LLM app batches its streams every 50 ms by default). Measured with
+# `benchmarks/serve.py --scenarios load` on 2 cores, three runs against 0: one stream 1.11-1.27x
+# the tok/s (0.79-0.99x llama-server against 0.71-0.78x), TTFT p50 level over 8 requests (141
+# against 143 ms), 8 streams 0.95-0.96x in two runs (1.31x llama-server against 1.37x).
+STREAM_INTERVAL_MS = 50.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -118,8 +120,8 @@ class ServeSettings:
     running the ingress and the model deployments must have (on a cluster, e.g. {"head": 0.01}
     keeps them on the head while model groups run where their `resources` say).
     stream_interval_ms: a stream's tokens go to its client at most once per this many
-    milliseconds, those generated meanwhile in one chunk (0: each as it comes); the first
-    token and the last are never held."""
+    milliseconds, those generated meanwhile in one chunk (default 50; 0: each as it comes);
+    the first token and the last are never held."""
 
     models: tuple[ModelSpec, ...]
     api_key: str = ""
