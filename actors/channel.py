@@ -191,13 +191,17 @@ class Channel:
         import torch
         return self.put(torch.frombuffer(bytearray(data), dtype=torch.uint8), offset) if data else offset
 
-    def publish(self, *words: int):
+    def publish(self, *words: int, wake: bool = True):
+        """Stores the message's words and bumps `seq`; wakes the readers asleep on it unless
+        `wake` is false (a reader that said it sleeps out a while, `tokens.TokenRing`: it reads
+        the message when it wakes on its own)."""
         assert len(words) <= WORDS, words
         self._hdr[3:3 + len(words)] = words
         n = int(self._hdr[0]) + 1  # the writer alone counts; a native send may have too
         self._st[0] = n
         self._hdr[0] = n
-        _libc.syscall(_SYS_FUTEX, ctypes.c_void_p(self._addr), _FUTEX_WAKE, 0x7FFFFFFF, None, None, 0)
+        if wake:
+            _libc.syscall(_SYS_FUTEX, ctypes.c_void_p(self._addr), _FUTEX_WAKE, 0x7FFFFFFF, None, None, 0)
 
     # reader side
     def wait(self, timeout: float | None = None) -> np.ndarray:
@@ -215,11 +219,13 @@ class Channel:
         self._st[0] = target
         return hdr[3:3 + WORDS]
 
-    def doze(self, seen: int):
+    def doze(self, seen: int, timeout: float | None = None):
         """Sleep while the count of messages published is `seen` (a futex wait on it), for at
-        most 50 ms: a waiter's turn to look at anything else (its peer's liveness)."""
+        most 50 ms (or `timeout` seconds): a waiter's turn to look at anything else (its peer's
+        liveness)."""
+        limit = _DOZE if timeout is None else _Timespec(int(timeout), int(timeout % 1 * 1e9))
         _libc.syscall(_SYS_FUTEX, ctypes.c_void_p(self._addr), _FUTEX_WAIT,
-                      ctypes.c_uint32(seen & 0xFFFFFFFF), ctypes.byref(_DOZE), None, 0)
+                      ctypes.c_uint32(seen & 0xFFFFFFFF), ctypes.byref(limit), None, 0)
 
     def _sleep(self, target: int, t0: float, timeout: float | None):
         hdr = self._hdr

@@ -113,7 +113,7 @@ class _Attempt:
         return True
 
 
-async def follow(f: Flight, at: dict, replace) -> AsyncIterator[list[dict]]:
+async def follow(f: Flight, at: dict, replace, interval: float = 0.0) -> AsyncIterator[list[dict]]:
     """The events of request f, in the lists its scheduler sends them in, from the target `at`
     (`target`), and after its group fails (an actor died, or the scheduler reports the group
     broken) from the target `await replace(at, why)` gives, resumed where they stopped: the
@@ -121,12 +121,14 @@ async def follow(f: Flight, at: dict, replace) -> AsyncIterator[list[dict]]:
     the end cancels the request. The request's own errors end it, as PowerInferErrors; a
     failure of the group ends it only when it cannot be resumed (a retryable error). On the
     scheduler's node the events come through a `TokenRing` (Ray's stream carries what the ring
-    could not hold, and the failures); elsewhere through Ray's stream."""
+    could not hold, and the failures); elsewhere through Ray's stream. `interval` (seconds): the
+    ring's reader sends a list on at most once per interval (`TokenRing.events`), asleep between
+    them; Ray's stream is not gathered here (the caller does it)."""
     while True:
         with _Attempt(f, at) as attempt:
             stream = attempt.stream()
             if attempt.ring is not None:
-                async for events in _ring_events(attempt.ring, stream):
+                async for events in _ring_events(attempt.ring, stream, interval):
                     yield attempt.received(events)
                 if attempt.ended:
                     return
@@ -136,7 +138,7 @@ async def follow(f: Flight, at: dict, replace) -> AsyncIterator[list[dict]]:
         at = await replace(at, attempt.why)
 
 
-async def _ring_events(ring: TokenRing, stream) -> AsyncIterator[list[dict]]:
+async def _ring_events(ring: TokenRing, stream, interval: float = 0.0) -> AsyncIterator[list[dict]]:
     """`ring.events` for an event loop: a thread sleeps on the ring and hands each list over.
     It stops when the events end, when the call ends first, or when this reader stops."""
     import asyncio
@@ -149,7 +151,7 @@ async def _ring_events(ring: TokenRing, stream) -> AsyncIterator[list[dict]]:
 
     def read():
         try:
-            for events in ring.events(finished):
+            for events in ring.events(finished, interval):
                 loop.call_soon_threadsafe(got.put_nowait, events)
         except BaseException as e:  # noqa: BLE001 - handed to the reader
             loop.call_soon_threadsafe(got.put_nowait, e)

@@ -14,12 +14,15 @@ The ring is a channel segment (`actors.channel`, its header: messages published,
 pid, closed, words) whose payload is an append-only log of records, each a 4-byte length and a
 msgpack map: word 0 is the log's end in bytes, word 1 set means the log is full and the rest of
 the request's events come on the Ray stream (a request longer than the log holds, logprobs and
-all, is not cut short).
+all, is not cut short); word 2 is the reader's: set, it sleeps out an interval between two lists
+it sends on (the Serve ingress's gathering), and the writer wakes it only for the request's last
+event (so it wakes once a list, not once a token).
 """
 from __future__ import annotations
 
 import os
 import struct
+import time
 import uuid
 from pathlib import Path
 from typing import Callable
@@ -30,7 +33,9 @@ from .channel import HEADER, PREFIX, SHM_DIR, Channel, create, segment_path
 
 CAPACITY = 4 << 20  # tmpfs pages are allocated as the log reaches them
 _LEN = struct.Struct("<I")
-END, FULL = 0, 1  # the words
+# the words: the log's end in bytes, whether it is full (the writer's), and whether the reader
+# sleeps out an interval, woken by the request's last event only (the reader's)
+END, FULL, HUSH = 0, 1, 2
 
 
 def ends(event: dict) -> bool:
@@ -55,28 +60,42 @@ class TokenRing:
         create(path, capacity or CAPACITY)
         return cls(path, writer=False)
 
-    def events(self, finished: Callable[[], bool]):
+    def events(self, finished: Callable[[], bool], interval: float = 0.0):
         """The events in the lists they arrived in, until the request's last. Returns early,
         without it, when the log filled up or the call that carries the request ended first
         (`finished()`, asked while no event comes: the scheduler could not open the ring, or
-        died): the rest, or what went wrong, is on the Ray stream."""
+        died): the rest, or what went wrong, is on the Ray stream.
+        With an `interval` (seconds), a list goes out at most once per interval, the events
+        that came meanwhile joined in it: the first and a list with the request's last event
+        at once. Between two lists this reader sleeps out the interval, and the writer wakes it
+        for the last event only (`HUSH`), so that it wakes once a list rather than once a token."""
         hdr = self.ch._hdr
-        seen = 0
+        seen, batch, due = 0, [], None  # due: when the next list may go out (gathering)
         while True:
-            slept = False
-            while hdr[0] == seen:  # sleep at once: a spinning caller takes an executor's core
-                # the call is asked about only after 50 ms without an event (not each token:
-                # `ray.wait` costs more than the token's hand-over)
-                if slept and finished() and hdr[0] == seen:
-                    return
-                self.ch.doze(seen)
-                slept = True
+            if hdr[0] == seen:
+                left = None if due is None else due - time.monotonic()
+                if left is not None and left > 0:  # woken early only by the last event
+                    self.ch.doze(seen, left)
+                    continue
+                if batch:  # (read while asleep, the interval now out)
+                    yield batch
+                    batch, due = [], time.monotonic() + interval
+                    continue
+                hdr[3 + HUSH], due = 0, None  # the next event is sent on as it comes
+                slept = False
+                while hdr[0] == seen:  # sleep at once: a spinning caller takes an executor's core
+                    # the call is asked about only after 50 ms without an event (not each
+                    # token: `ray.wait` costs more than the token's hand-over)
+                    if slept and finished() and hdr[0] == seen:
+                        return
+                    self.ch.doze(seen)
+                    slept = True
             seen = int(hdr[0])
             # full before end: the end stored with it is no older than the one read after
             full, end = bool(hdr[3 + FULL]), int(hdr[3 + END])
             data = self.ch._map[HEADER + self.end:HEADER + end]  # (a copy)
             self.end = end
-            batch, at = [], 0
+            at = 0
             while at < len(data):
                 (n,) = _LEN.unpack_from(data, at)
                 ev = msgpack.unpackb(data[at + 4:at + 4 + n])
@@ -84,10 +103,15 @@ class TokenRing:
                     ev["top_logprobs"] = [tuple(p) for p in ev["top_logprobs"]]
                 batch.append(ev)
                 at += 4 + n
-            if batch:
+            last = bool(batch) and ends(batch[-1])
+            if batch and (last or full or due is None or time.monotonic() >= due):
                 yield batch
-                if ends(batch[-1]):
+                if last:
                     return
+                batch = []
+                if interval > 0:  # asleep until the interval is out, unless the end comes
+                    due = time.monotonic() + interval
+                    hdr[3 + HUSH] = 1
             if full:
                 return
 
@@ -121,5 +145,5 @@ class TokenRing:
             return False
         self.ch._map[HEADER + at:HEADER + at + n] = _LEN.pack(len(data)) + data
         self.end = at + n
-        self.ch.publish(self.end, 0)
+        self.ch.publish(self.end, 0, wake=ends(event) or not self.ch._hdr[3 + HUSH])
         return True

@@ -571,8 +571,10 @@ class Ingress:
 
         first = {"prompt_tokens": opened["prompt_tokens"]}
         try:
-            async for events in gathered(follow(opened["flight"], opened["target"], replace),
-                                         self.stream_interval):
+            # on the scheduler's node the ring's reader gathers already, asleep between lists
+            # (it wakes once a list, not once a token); `gathered` does it for Ray's stream
+            async for events in gathered(follow(opened["flight"], opened["target"], replace,
+                                                self.stream_interval), self.stream_interval):
                 yield {**first, "events": events}
                 first = {}
         except PowerInferError as e:

@@ -1,6 +1,7 @@
 """The data plane's channels between real processes, and the host topology's core plans."""
 import multiprocessing as mp
 import os
+import threading
 import time
 
 import pytest
@@ -65,6 +66,58 @@ def test_messages_cross_processes_in_order(segments, spin):
         assert torch.equal(cb.view(torch.float32, (k,)), torch.arange(k, dtype=torch.float32) * 2)
     p.join(10)
     assert p.exitcode == 0
+
+
+def _ring_writer(name, n, gap):
+    from actors.tokens import TokenRing
+    ring = TokenRing.open(name)
+    for i in range(n):
+        time.sleep(gap)
+        last = i == n - 1
+        ring.append({"text": str(i), "token": i, "finish_reason": "length" if last else None,
+                     "at": time.monotonic()})
+
+
+def _wakes() -> int:
+    """This thread's voluntary context switches so far (each sleep it woke from)."""
+    with open(f"/proc/self/task/{threading.get_native_id()}/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("voluntary_ctxt_switches"))
+
+
+@pytest.mark.parametrize("interval", [0.0, 0.06])
+def test_a_token_rings_reader_gathers_asleep(interval):
+    # a request's events through a token ring from another process, 40 events 10 ms apart: in
+    # order, none lost. Without an interval each comes as its own list; with one the reader sends
+    # a list at most once per interval, the first at once and the last as soon as it is written
+    # (the writer wakes the reader for it), and it sleeps out the interval between lists: it
+    # wakes about once a list, not once an event
+    from actors.tokens import TokenRing
+    n, gap = 40, 0.01
+    ring = TokenRing.create()
+    p = mp.get_context("spawn").Process(target=_ring_writer, args=(str(ring.path), n, gap))
+    try:
+        p.start()
+        got, w0 = [], 0
+        for batch in ring.events(lambda: not p.is_alive(), interval):
+            got.append((time.monotonic(), batch))
+            w0 = w0 or _wakes()  # (from the first list: the writer's start aside)
+        wakes = _wakes() - w0
+        p.join(10)
+        assert p.exitcode == 0
+    finally:
+        ring.close()
+    assert [e["token"] for _, b in got for e in b] == list(range(n))
+    if not interval:
+        assert all(len(b) == 1 for _, b in got)
+        assert wakes >= n - 3, wakes
+        return
+    assert len(got) < n / 3, [len(b) for _, b in got]
+    assert len(got[0][1]) <= 2  # the first at once
+    gaps = [b[0] - a[0] for a, b in zip(got, got[1:-1])]
+    assert all(g >= interval * 0.95 for g in gaps), gaps
+    t_last, batch = got[-1]
+    assert t_last - batch[-1]["at"] < interval / 2, t_last - batch[-1]["at"]
+    assert wakes <= len(got) + 4, (wakes, len(got))
 
 
 def test_reader_learns_the_writer_died(segments):
