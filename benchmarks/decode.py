@@ -3,7 +3,7 @@
 
     .venv/bin/python benchmarks/decode.py [--model NAME|FILE] [--tokens 128] [--prompt-tokens 128]
         [--threads N] [--configs default fp32 bf16 bf16+int4 ... bf16+int4+compile] [--skip-llama]
-        [--cpu-isa avx2|avx512|avx512bf16]
+        [--cpu-isa avx2|avx512|avx512bf16] [--llama-isa match|native|avx2|avx512]
         [--turns N] [--out FILE]
 
 Ours, per config: prefill tok/s is the timed forward over the whole prompt (median over runs; the prefix
@@ -51,18 +51,21 @@ import llama_cpp, llama_cpp.llama_cpp as C
 from llama_cpp import Llama
 cfg = json.load(sys.stdin)
 ids, n, t = cfg["ids"], cfg["tokens"], cfg["threads"]
-# AMX extra buffer types crash on some CPUs. Llama() silently swallows unknown kwargs, so turn
-# them off in the model params it builds (llama.py calls C.llama_model_default_params).
+# its extra buffer types (weights repacked for this CPU's dot products, e.g. Q4_K rows 8 at a
+# time) as llama.cpp's own default, unless asked otherwise (`--llama-no-repack`). Llama() silently
+# swallows unknown kwargs, so the choice goes into the model params it builds (llama.py calls
+# C.llama_model_default_params). (An AMX build's AMX buffer type crashed on Xeons with AMX: our
+# builds leave AMX out, NO_AMX.)
 default_params = C.llama_model_default_params
-def no_extra_bufts():
+def with_choice():
     p = default_params()
-    p.use_extra_bufts = False
+    p.use_extra_bufts = cfg["extra_bufts"]
     return p
-C.llama_model_default_params = no_extra_bufts
+C.llama_model_default_params = with_choice
 llm = Llama(cfg["model"], n_ctx=len(ids) + n + 16, n_batch=512, n_ubatch=512, n_threads=t,
             n_threads_batch=t, verbose=False)
 C.llama_model_default_params = default_params
-assert not llm.model_params.use_extra_bufts
+assert llm.model_params.use_extra_bufts == cfg["extra_bufts"]
 ctx, vocab = llm._ctx.ctx, llm.n_vocab()
 def greedy():  # argmax of the last evaluated token's logits
     return int(np.argmax(np.ctypeslib.as_array(C.llama_get_logits_ith(ctx, -1), shape=(vocab,))))
@@ -122,30 +125,41 @@ def others_share(since: tuple) -> float:
 NO_AMX = "-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
 LLAMA_CMAKE_ARGS = (f'-DLLAMA_CURL=OFF -DGGML_NATIVE=ON "-DCMAKE_C_FLAGS={NO_AMX}" '
                     f'"-DCMAKE_CXX_FLAGS={NO_AMX}"')
+# llama.cpp held to an older class, as our kernel is with --cpu-isa (the class's own CPU would
+# build these with GGML_NATIVE): avx2 an EPYC Rome/Milan's, avx512 a Cascade Lake's (AVX-512
+# F/BW/VL with VNNI, no BF16); each its own venv (`--llama-isa`)
+_OLDER = "-DLLAMA_CURL=OFF -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON"
+LLAMA_BUILDS = {"native": LLAMA_CMAKE_ARGS, "avx2": _OLDER,
+                "avx512": _OLDER + " -DGGML_AVX512=ON -DGGML_AVX512_VNNI=ON"}
+LLAMA_ISA = "native"  # --llama-isa
+LLAMA_REPACK = True  # --llama-no-repack: False
 
 
-def llama_python() -> Path:
-    """The python of benchmarks/.llama-venv, creating it (a ~4 minute source build) if missing
-    or built with other flags."""
-    py = LLAMA_VENV / "bin" / "python"
-    stamp = LLAMA_VENV / "powerinfer-cmake-args"
+def llama_python(isa: str | None = None) -> Path:
+    """The python of benchmarks/.llama-venv (-<isa> for a build held to an older class),
+    creating it (a ~4 minute source build) if missing or built with other flags."""
+    isa = isa or LLAMA_ISA
+    venv = LLAMA_VENV if isa == "native" else LLAMA_VENV.with_name(f"{LLAMA_VENV.name}-{isa}")
+    args = LLAMA_BUILDS[isa]
+    py = venv / "bin" / "python"
+    stamp = venv / "powerinfer-cmake-args"
     built = stamp.read_text() if stamp.exists() else ""
-    if built == LLAMA_CMAKE_ARGS and not subprocess.run(
+    if built == args and not subprocess.run(
             [py, "-c", "import llama_cpp"], capture_output=True).returncode:
         return py
-    print(f"installing llama-cpp-python=={LLAMA_VERSION} into {LLAMA_VENV} (a source build, "
-          f"CMAKE_ARGS={LLAMA_CMAKE_ARGS}) ...", flush=True)
+    print(f"installing llama-cpp-python=={LLAMA_VERSION} into {venv} (a source build, "
+          f"CMAKE_ARGS={args}) ...", flush=True)
     if not py.exists():
-        subprocess.run(["python3", "-m", "venv", LLAMA_VENV], check=True)
-    env = dict(os.environ, CMAKE_ARGS=LLAMA_CMAKE_ARGS)  # scikit-build-core splits it with shlex
+        subprocess.run(["python3", "-m", "venv", venv], check=True)
+    env = dict(os.environ, CMAKE_ARGS=args)  # scikit-build-core splits it with shlex
     subprocess.run([py, "-m", "pip", "install", "-q", "--force-reinstall", "--no-cache-dir",
                     f"llama-cpp-python=={LLAMA_VERSION}"], check=True, env=env)
-    stamp.write_text(LLAMA_CMAKE_ARGS)
+    stamp.write_text(args)
     return py
 
 
 def bench_llama(model: str, ids: list[int], n: int, threads: int, runs: int) -> dict:
-    cfg = dict(model=model, ids=ids, tokens=n, threads=threads, runs=runs)
+    cfg = dict(model=model, ids=ids, tokens=n, threads=threads, runs=runs, extra_bufts=LLAMA_REPACK)
     proc = subprocess.run([llama_python(), "-c", LLAMA_SCRIPT], input=json.dumps(cfg),
                           capture_output=True, text=True)
     if proc.returncode != 0:
@@ -340,6 +354,13 @@ def main():
     ap.add_argument("--cpu-isa", default="auto",
                     help="hold the CPU kernel to this class (avx2, avx512, avx512bf16: an older "
                          "CPU's paths; Config.cpu_isa)")
+    ap.add_argument("--llama-isa", choices=["match", *LLAMA_BUILDS], default="match",
+                    help="the class llama.cpp is built for: native (this CPU's, without AMX), "
+                         "avx2 or avx512 (an older CPU's, each its own build); match (default): "
+                         "--cpu-isa's class where it holds the kernel lower, else native")
+    ap.add_argument("--llama-no-repack", action="store_true",
+                    help="llama.cpp without its extra buffer types (no weights repacked for this "
+                         "CPU: the baseline of runs before 2026-11-30)")
     ap.add_argument("--runs", type=int, default=3, help="timed runs per config, after one warm-up")
     ap.add_argument("--profile", nargs="+",
                     help="configs to profile (default: the first eager one and the last one)")
@@ -353,10 +374,14 @@ def main():
                     help="the bundle (powerinfer calibrate-input) a config with +input reads its "
                          "input sparsity from, e.g. --configs default default+input")
     a = ap.parse_args()
-    global INPUT_SPARSITY
+    global INPUT_SPARSITY, LLAMA_ISA, LLAMA_REPACK
     INPUT_SPARSITY = a.input_sparsity
+    LLAMA_REPACK = not a.llama_no_repack
+    LLAMA_ISA = a.llama_isa if a.llama_isa != "match" else (
+        a.cpu_isa if a.cpu_isa in LLAMA_BUILDS and a.cpu_isa != kernels.best_isa() else "native")
     torch.set_num_threads(a.threads)
-    info = machine_info(a.threads)
+    info = machine_info(a.threads) + (f" · llama.cpp built for {LLAMA_ISA} ({LLAMA_BUILDS[LLAMA_ISA]}), "
+                                      f"weights {'repacked' if LLAMA_REPACK else 'not repacked'}")
     print(datetime.datetime.now().isoformat(" ", "seconds"), info, flush=True)
 
     cpu0 = cpu_seconds()

@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """Where a decode token's time goes inside the native layer loop, against its floor.
 
-    .venv/bin/python benchmarks/phases.py [--model M] [--bundle B] [--tokens 64] [--turns 3] [--out FILE]
+    .venv/bin/python benchmarks/phases.py [--model M] [--bundle B] [--tokens 64] [--turns 3]
+        [--cpu-isa avx2|avx512|avx512bf16] [--out FILE]
 
 The in-process engine's decode step with the default configuration (`Config()` resolved for
 this machine and file) runs every layer in one native call (`hot_layers`). Its phases are timed
@@ -82,8 +83,11 @@ def main():
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--turns", type=int, default=3)
     ap.add_argument("--out", default=None)
+    ap.add_argument("--cpu-isa", default="auto",
+                    help="hold the CPU kernel to this class (avx2, avx512, avx512bf16; Config.cpu_isa)")
     a = ap.parse_args()
-    config = Config(bundle=a.bundle, predictor="ffn") if a.bundle else Config()
+    config = Config(bundle=a.bundle, predictor="ffn", cpu_isa=a.cpu_isa) if a.bundle else \
+        Config(cpu_isa=a.cpu_isa)
     pi = PowerInfer.from_pretrained(*([a.model] if a.model else []), config=config)
     model = pi.model
     step = NativeDecode.of(model)
@@ -124,7 +128,7 @@ def main():
     name = Path(a.model).name if a.model else "default model"
     if a.bundle:
         name += f", sparse ({Path(a.bundle).name})"
-    print(f"\n{name}: {token:.2f} ms a token (median of {a.turns} turns of {a.tokens} tokens); "
+    print(f"\nkernel class {kernels.isa()}; {name}: {token:.2f} ms a token (median of {a.turns} turns of {a.tokens} tokens); "
           f"floor {total_bytes / 1e6:.1f} MB at {bw:.1f} GB/s = {total_bytes / bw / 1e6:.2f} ms "
           f"({total_bytes / bw / 1e6 / token:.0%} of the token)\n")
     print("| phase | ms a token | share |\n|---|---:|---:|")

@@ -564,13 +564,24 @@ NO_AMX = "-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
 LLAMA_CMAKE = ["-DCMAKE_BUILD_TYPE=Release", "-DLLAMA_CURL=OFF", "-DGGML_NATIVE=ON",
                "-DLLAMA_BUILD_SERVER=ON", "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF",
                f"-DCMAKE_C_FLAGS={NO_AMX}", f"-DCMAKE_CXX_FLAGS={NO_AMX}"]
+# llama-server held to an older class (`--llama-isa`), as `--tuned "--cpu-isa avx2"` holds ours:
+# an EPYC Rome/Milan's (avx2) or a Cascade Lake's (avx512: AVX-512 F/BW/VL with VNNI, no BF16)
+_OLDER = ["-DGGML_NATIVE=OFF", "-DGGML_AVX=ON", "-DGGML_AVX2=ON", "-DGGML_FMA=ON", "-DGGML_F16C=ON",
+          "-DGGML_BMI2=ON"]
+LLAMA_ISAS = {"native": [], "avx2": _OLDER, "avx512": _OLDER + ["-DGGML_AVX512=ON",
+                                                                "-DGGML_AVX512_VNNI=ON"]}
+LLAMA_ISA = "native"  # --llama-isa
+LLAMA_NO_REPACK = False  # --llama-no-repack
 
 
 def llama_server_binary() -> Path:
     """llama.cpp's server, built from the sources vendored in the llama-cpp-python sdist, in a
-    build directory named after the CMake flags (a build made with other flags is not reused)."""
+    build directory named after the CMake flags (a build made with other flags is not reused);
+    for `LLAMA_ISA`'s class (this CPU's without AMX, or an older one's)."""
     src = LLAMA_DIR / f"llama_cpp_python-{LLAMA_VERSION}" / "vendor" / "llama.cpp"
-    build = "build-" + hashlib.sha1(" ".join(LLAMA_CMAKE).encode()).hexdigest()[:10]
+    flags = [f for f in LLAMA_CMAKE if LLAMA_ISA == "native" or f != "-DGGML_NATIVE=ON"]
+    flags += LLAMA_ISAS[LLAMA_ISA]
+    build = "build-" + hashlib.sha1(" ".join(flags).encode()).hexdigest()[:10]
     binary = src / build / "bin" / "llama-server"
     if binary.exists():
         return binary
@@ -584,7 +595,7 @@ def llama_server_binary() -> Path:
                        check=True)
     if not (src / "CMakeLists.txt").exists():
         subprocess.run(["tar", "xzf", sdist.name], cwd=LLAMA_DIR, check=True)
-    subprocess.run(["cmake", "-S", ".", "-B", build, *LLAMA_CMAKE], cwd=src, check=True,
+    subprocess.run(["cmake", "-S", ".", "-B", build, *flags], cwd=src, check=True,
                    stdout=subprocess.DEVNULL)
     subprocess.run(["cmake", "--build", build, "--target", "llama-server", "-j",
                     str(os.cpu_count())], cwd=src, check=True, stdout=subprocess.DEVNULL)
@@ -606,9 +617,8 @@ def llama_server(args, gguf: str, parallel: int, ctx: int):
     cmd = [str(binary), "-m", gguf, "-t", str(args.threads), "--parallel", str(parallel),
            "-c", str(ctx), "--host", "127.0.0.1", "--port", str(port), "--no-webui",
            *llama_flags(binary)]
-    if "amx_tile" in Path("/proc/cpuinfo").read_text():
-        # its AMX repacking crashed on the Xeons we tried; not retried since the build dropped
-        # AMX (no such machine at hand), so kept
+    if LLAMA_NO_REPACK:  # (its weights repacked for this CPU is llama.cpp's default; an AMX
+        # build's AMX repacking crashed on Xeons with AMX, and our builds leave AMX out)
         cmd.append("--no-repack")
     print(f"  starting: llama-server {shlex.join(cmd[1:])} (log {log})", flush=True)
     with open(log, "w") as f:
@@ -1467,6 +1477,12 @@ def main() -> int:
     ap.add_argument("--tuned", default="", help="extra `powerinfer serve` flags (one string) "
                                                 "for a labelled 'tuned' row in load")
     ap.add_argument("--skip-llama", action="store_true")
+    ap.add_argument("--llama-isa", choices=list(LLAMA_ISAS), default="native",
+                    help="the class llama-server is built for: native (this CPU's, without AMX), "
+                         "or avx2 / avx512 (an older CPU's, beside --tuned \"--cpu-isa ...\")")
+    ap.add_argument("--llama-no-repack", action="store_true",
+                    help="llama-server --no-repack (its weights not repacked for this CPU: what "
+                         "runs on Xeons with AMX did before 2026-11-30)")
     ap.add_argument("--skip-handle", action="store_true", help="no in-process engine rows in load")
     ap.add_argument("--out", default=None, help="write every scenario's results as JSON here")
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32, 64])
@@ -1493,6 +1509,8 @@ def main() -> int:
     args = ap.parse_args()
     if args.chat_turns < 2:
         ap.error("--chat-turns: at least 2")
+    global LLAMA_ISA, LLAMA_NO_REPACK
+    LLAMA_ISA, LLAMA_NO_REPACK = args.llama_isa, args.llama_no_repack
 
     from powerinfer.formats.loader import resolve_model
     gguf = str(resolve_model(args.model))
@@ -1507,7 +1525,8 @@ def main() -> int:
             failed.append(name)
     for name, r in results.items():
         print(f"\n### {name}\n\n- Date: {started:%Y-%m-%d}; machine: {machine()}; model: "
-              f"{Path(gguf).name}; {r['settings']}\n")
+              f"{Path(gguf).name}; llama-server built for {LLAMA_ISA}"
+              f"{', --no-repack' if LLAMA_NO_REPACK else ''}; {r['settings']}\n")
         print(r["table"])
     if failed:
         print(f"\nscenarios that failed: {', '.join(failed)}")
