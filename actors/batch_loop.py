@@ -14,7 +14,9 @@ dead or failed executor ends every request with a retryable error that says how 
 Stream items are lists of events (what arrived since the caller last read), each a dict:
 {"text", "token", "finish_reason"} or {"error", "message", "retryable"}. A request's first token
 event also has "queue_s" (its wait to be admitted) and "cached_tokens" (prompt tokens found in
-the prefix cache); with `SamplingParams.logprobs` set, token events have "logprob" and
+the prefix cache); its last, where input sparsity skipped channels in its decode steps,
+"input_sparsity" ({"kept", "seen"}: the input channels the hot executor's projections read and
+had); with `SamplingParams.logprobs` set, token events have "logprob" and
 "top_logprobs" ([(token, logprob)], most likely first). A request may bring `resume`, tokens it
 was sampled before on a group that failed: they are replayed (not sent again) and prefilled with
 its prompt, and the stream goes on from there.
@@ -59,6 +61,10 @@ class Request:
     cancelled: bool = False
     arrived: float = field(default_factory=time.perf_counter)
     ring: TokenRing | None = None  # a caller on this node reads the events there
+    # input sparsity: the input channels its decode steps' sparse projections kept and saw (the
+    # hot executor's count, one-row steps: a batch's rows stay dense)
+    kept: int = 0
+    seen: int = 0
 
     def emit(self, event: dict):
         if self.ring is not None and self.ring.append(event):
@@ -314,6 +320,8 @@ class BatchLoop:
                 req.fail("invalid_request", out.error, False)
             else:
                 event = {"text": out.text, "token": out.token, "finish_reason": out.finish_reason}
+                if out.finish_reason and req.seen:
+                    event["input_sparsity"] = {"kept": req.kept, "seen": req.seen}
                 if out.first:
                     event["queue_s"] = t0 - req.arrived
                     event["cached_tokens"] = out.seq.cached
@@ -346,4 +354,7 @@ class BatchLoop:
         if reply.status == ERROR:
             text = bytes(self.out.array(np.uint8, (reply.n,)))
             raise GroupFailure(text.decode(errors="replace"))
+        if reply.seen and step.decode and len(step.seqs) == 1:  # (only one-row steps skip channels)
+            req = step.seqs[0].key
+            req.kept, req.seen = req.kept + reply.kept, req.seen + reply.seen
         return self.out.array(np.float32, (K, self.vocab))

@@ -37,9 +37,11 @@ from powerinfer.formats.source import ModelFile
 from powerinfer.model.transformer import KVCache, KVTables, held_bytes, host_parts, rope_tables
 from powerinfer.engine.partial import attention_slice, read_head, read_neuron_set
 from powerinfer.engine.plan import SparsePlan
-from powerinfer.engine.native import NO_ATTENTION, NO_FFN, attention_entry, ffn_entry, runs
+from powerinfer.engine.native import (NO_ATTENTION, NO_FFN, attention_entry, ffn_entry, input_sparse_args,
+                                     runs)
 from powerinfer.model.quant import KQuantLinear, neuron_format
-from powerinfer.model.sparse import BlockSlice, decode_rows
+from powerinfer.model.sparse import BlockSlice, decode_rows, ffn_w1
+from powerinfer.sparsity.input_sparsity import attach_parts
 
 from .group_info import node_id
 from .channel import native_error
@@ -81,6 +83,14 @@ class ColdExecutor(Answering):
                                      dtype, "cpu")
             # (global, local) tables: Gemma 3's sliding layers have their own RoPE base
             self.rope = None if a.learned_pos else rope_tables(a, spec.max_seq)
+        # input sparsity: its 4-bit projections read only the input channels over their
+        # thresholds in decode steps (its heads' q/k/v and output columns, a dense split's
+        # gate+up rows), as the hot executor's do
+        self.input_sparse, self.input_stats = (0, 0), None
+        if plan.inputs is not None and weights == "int4":
+            parts = [(i, p, m) for i, att in enumerate(self.attn) for p, m in (("qkv", att.wqkv), ("o", att.wo))]
+            parts += [(i, "gate_up", ffn_w1(s)) for i, s in enumerate(self.sets)]
+            *self.input_sparse, self.input_stats = attach_parts(parts, *plan.inputs)
         src.close()
         trim_heap()  # the load's transients, freed, stay resident otherwise
         self.load_s = time.perf_counter() - t0
@@ -111,7 +121,8 @@ class ColdExecutor(Answering):
                 "native_attention": self.native_attention if self.native is not None else 0,
                 "native_head": self.native is not None and self.native_head,
                 "numa_bytes": numa_pages(),
-                "node": node_of(self.cores), "node_id": node_id()}
+                "node": node_of(self.cores), "node_id": node_id(),
+                "input_sparse": list(self.input_sparse)}
 
     def _native_args(self, act: str) -> tuple | None:
         """The arguments of the kernel library's `cold_serve` after its state (see there): the
@@ -142,7 +153,8 @@ class ColdExecutor(Answering):
                 kernels.ACTS.index(act), *(cols(ffn, j) for j in range(8)), self.spec.ffn_dim,
                 *(cols(attn, j) for j in range(10)), n_heads, cos, sin, self.args.sliding_window,
                 scale, *((None, 0, 0) if head is None else head),
-                self.ahead.base if self.ahead is not None else 0)
+                self.ahead.base if self.ahead is not None else 0,
+                *input_sparse_args(zip(self.attn or [None] * len(self.sets), self.sets), self.input_stats))
 
     def _next(self) -> FFNInput:
         """The next message this loop answers in Python (the native loop answers the others)."""
@@ -199,10 +211,13 @@ class ColdExecutor(Answering):
         return kernels.loop_profile(mode)
 
     def stats(self) -> dict:
-        return {"rank": self.rank, "busy_s": self.busy_s, "wait_s": self.x.wait_s,
-                "messages": self.steps, "neurons": self.neurons, "memory": process_memory(),
-                "held_bytes": held_bytes(*self.sets, *self._head()),
-                **host_parts(*self.sets, *self._head(), *self.attn)}
+        out = {"rank": self.rank, "busy_s": self.busy_s, "wait_s": self.x.wait_s,
+               "messages": self.steps, "neurons": self.neurons, "memory": process_memory(),
+               "held_bytes": held_bytes(*self.sets, *self._head()),
+               **host_parts(*self.sets, *self._head(), *self.attn)}
+        if self.input_stats is not None:
+            out["input_sparse_stats"] = [int(self.input_stats[0]), int(self.input_stats[1])]
+        return out
 
     def _head(self) -> list:
         return [] if self.head is None else [self.head]

@@ -34,13 +34,13 @@ from powerinfer.config import Config
 from powerinfer.engine.params import SamplingParams
 from powerinfer.engine.batching import context_length
 from powerinfer.engine.kv import BlockManager, describe, pool_blocks
-from powerinfer.errors import EngineFailedError, ModelLoadError
+from powerinfer.errors import ConfigError, EngineFailedError, ModelLoadError
 from powerinfer.model.convert import kernel_ready
 from powerinfer.formats.loader import load_checkpoint
 from powerinfer.formats.source import tensor_types
 from powerinfer.engine.budget import plan_for
 from powerinfer.engine.partial import dense_block
-from powerinfer.engine.plan import SparsePlan
+from powerinfer.engine.plan import SparsePlan, input_thresholds, log_input_sparsity
 from powerinfer.formats.q4 import has_q4
 from powerinfer.formats.tokenizer import Tokenizer
 
@@ -76,6 +76,13 @@ class ActorEngine:
         self.plan = (plan_for(config, ckpt.args, ckpt.path, self.kv_blocks * config.block_size,
                               wants_gpu(config), ckpt)
                      or SparsePlan.dense(ckpt.args, dense_block(ckpt)))
+        # input sparsity: the bundle's thresholds, applied by each executor to the 4-bit
+        # projections it holds on the host (on a GPU host the hot side's widen: none there)
+        got = input_thresholds(config, ckpt.path, config.weights == "int4" and not wants_gpu(config))
+        self.input_sparsity = None if got is None else got[1]
+        if got is not None:
+            from powerinfer.sparsity.input_sparsity import MIN_ROWS
+            self.plan = dataclasses.replace(self.plan, inputs=(got[0], MIN_ROWS))
         self._spin = spin_us
         self._stored: dict | None = None  # the model's table and tokenizer in Ray's store
         self.restarts, self.last_failure, self.rebuild_failures = 0, None, 0
@@ -84,6 +91,15 @@ class ActorEngine:
         self._ready = threading.Event()
         self._closing = threading.Event()  # set once by shutdown(): wakes the monitor at once
         self.group = self._new_group()
+        if got is not None:  # what the executors took of the thresholds
+            taken = [i.get("input_sparse", (0, 0)) for i in self.group.info.values()]
+            try:
+                log_input_sparsity(got[1], sum(t[0] for t in taken), sum(t[1] for t in taken),
+                                   config.bundle if config.input_sparsity == "auto"
+                                   else config.input_sparsity)
+            except ConfigError:
+                self.group.stop()
+                raise
         trim_heap()  # the tokenizer's build and the table's parse, freed, stay resident otherwise
         self._ready.set()
         self._monitor = threading.Thread(target=self._watch, name="group-monitor", daemon=True)
@@ -172,6 +188,15 @@ class ActorEngine:
                 "nodes": {name: info.get("node_id") for name, info in group.info.items()},
                 "isa": {name: info["isa"] for name, info in group.info.items() if "isa" in info},
                 "actors": group.stats()}
+
+    def input_sparsity_stats(self) -> tuple[int, int]:
+        """Input sparsity so far in the executors' decode steps: (input channels kept, channels
+        seen) over every sparse projection they hold; (0, 0) where it is off."""
+        kept = seen = 0
+        for s in self._group().stats().values():
+            k, n = s.get("input_sparse_stats", (0, 0))
+            kept, seen = kept + k, seen + n
+        return kept, seen
 
     def memory(self) -> dict:
         """What the model's group costs in host memory, from each actor's own report: per

@@ -46,11 +46,12 @@ from powerinfer import kernels
 from powerinfer.compat import compile_per_instance, trim_heap
 from powerinfer.formats.source import ModelFile
 from powerinfer.model.transformer import KVTables, held_bytes, host_parts
-from powerinfer.engine.native import NativeDecode, layer_args, uniform_llama
+from powerinfer.engine.native import NativeDecode, input_sparse_args, layer_args, uniform_llama
 from powerinfer.engine.partial import head_rows, hot_formats, hot_model
 from powerinfer.engine.plan import SparsePlan
 from powerinfer.model.quant import apply_kernel_linears
 from powerinfer.model.sparse import HybridFFN
+from powerinfer.sparsity.input_sparsity import attach
 
 from .graphs import SegmentedDecode
 from .group_info import node_id
@@ -272,6 +273,7 @@ class HotExecutor:
         self._decode = self._choose_decode(config, model.args, kv)
         self._default_decode = self._decode
         self.steps, self.step_s = 0, 0.0
+        self._counted = (0, 0)  # the input-sparsity counter at the last step's end
         self.native_prompts, self.native_prompt_steps = True, 0  # (see `prompts_natively`)
         # a profile `profile` asked for: decode steps left, the running profiler, its tables
         self._profile_left, self._profiler, self._profile_table = 0, None, None
@@ -297,6 +299,12 @@ class HotExecutor:
                   else None for i in range(ckpt.args.n_layers)]
         if self.device.type == "cpu":  # the model is built on the host: the device decides
             apply_kernel_linears(model, head="q8_0" if int4 else "bf16")  # what is left in bf16
+        # input sparsity: its 4-bit projections on the host read only the channels over their
+        # thresholds in decode steps (its heads' q/k/v and output columns, a dense split's
+        # gate+up rows; the cold executors do the same with theirs)
+        self.input_sparse = (0, 0)
+        if plan.inputs is not None and int4 and self.device.type == "cpu":
+            self.input_sparse = attach(model, *plan.inputs)[:2]
         ckpt.source.close()
         trim_heap()  # the load's transients, freed, stay resident otherwise
         return model, o_bias
@@ -384,7 +392,12 @@ class HotExecutor:
             mask_state = io.mask.state
         exchange = (io.x.base, io.x.capacity, [p.base for p in io.parts], [p.state for p in io.parts],
                     io.parts[0].spin_us, [DECODE, ATTN, PREFILL], predict, mask_state)
-        return None if args is None else NativeDecode(m, exchange, args)
+        if args is None:
+            return None
+        step = NativeDecode(m, exchange, args)
+        step.input_sparse = input_sparse_args([(getattr(b.attn, "own", b.attn), b.ffn.f) for b in m.layers],
+                                              getattr(m, "input_sparse_stats", None))
+        return step
 
     def _lookahead(self, layer: int):
         def hook(block, args):
@@ -400,6 +413,7 @@ class HotExecutor:
                 "compiled": self.compiled, "native": self.native is not None,
                 "device": str(self.device), "pid": os.getpid(), "load_s": self.load_s,
                 "load_cpu_s": self.load_cpu_s, "node_id": node_id(), "isa": kernels.isa(),
+                "input_sparse": list(self.input_sparse),
                 **self._memory()}
 
     def _memory(self) -> dict:
@@ -453,7 +467,7 @@ class HotExecutor:
                     self._error(f"{type(e).__name__}: {e}\n{traceback.format_exc(limit=4)}")
                     raise
                 io.out.put(logits.reshape(step.K, spec.vocab))
-                send(io.out, Reply(OK, step.K))
+                send(io.out, Reply(OK, step.K, *self._input_counts()))
                 self.steps += 1
                 self.step_s += time.perf_counter() - t0
                 if not prompt:
@@ -463,6 +477,16 @@ class HotExecutor:
             return f"failed: {e}"
         finally:
             self._profile_stop()
+
+    def _input_counts(self) -> tuple[int, int]:
+        """The input channels this executor's sparse projections kept and saw in the step just
+        run (the counter's growth since the step before)."""
+        stats = getattr(self.model, "input_sparse_stats", None)
+        if stats is None:
+            return 0, 0
+        kept, seen = int(stats[0]), int(stats[1])
+        before, self._counted = self._counted, (kept, seen)
+        return kept - before[0], seen - before[1]
 
     def prompts_natively(self, enabled: bool):
         """Whether prompt steps take the native loop where it runs them (the default), or the
@@ -535,6 +559,8 @@ class HotExecutor:
                "part_wait_s": sum(p.wait_s for p in io.parts), "hot_neurons": self.hot_neurons,
                "neuron_format": self.neuron_format, "device": str(self.device), "memory": process_memory(),
                "held_bytes": held_bytes(self.model), **host_parts(self.model), **self._memory()}
+        if (counter := getattr(self.model, "input_sparse_stats", None)) is not None:
+            out["input_sparse_stats"] = [int(counter[0]), int(counter[1])]
         if io.predicting:
             out["mask_wait_s"] = io.mask.wait_s
         if self.segments is not None:  # the decode steps in segments: replayed, launched

@@ -123,6 +123,10 @@ class Step(NamedTuple):
 class Reply(NamedTuple):
     status: int  # OK or ERROR
     n: int  # rows of logits, or the error text's bytes
+    # input sparsity: the input channels the hot executor's sparse projections kept and saw in
+    # the step (decode steps of one row; 0 where it is off)
+    kept: int = 0
+    seen: int = 0
 
 
 class PredictorInput(NamedTuple):

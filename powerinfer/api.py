@@ -17,7 +17,8 @@ from .engine.inprocess import Engine, Event
 from .engine.kv import pool_blocks
 from .engine.partial import keep_device_blocks, keep_kquant_blocks, keep_stored_blocks
 from .engine.params import sampling_params
-from .errors import ConfigError, ModelLoadError
+from .engine.plan import input_thresholds, log_input_sparsity
+from .errors import ModelLoadError
 from .formats.gguf import parsed_once
 from .formats.loader import DEFAULT_MODEL, load_checkpoint
 from .formats.q4 import has_q4
@@ -52,12 +53,10 @@ class PowerInfer:
         if config.cpu_threads:
             torch.set_num_threads(config.cpu_threads)
         if config.runtime != "local":  # its processes load the weights; this one tokenizes
-            if config.input_sparsity not in ("auto", "off"):
-                raise ConfigError("input_sparsity runs in the in-process engine (runtime='local') "
-                                  "so far, not in the actor runtime")
             self.model = None
             self.engine = engine_class(config.runtime)(str(checkpoint.path), config)
             self.tokenizer = self.engine.tokenizer
+            self.input_sparsity = self.engine.input_sparsity
             return
         device = config.torch_device  # a ConfigError of its own, not a load error
         self.model, self.tokenizer = build_model(checkpoint, config.torch_dtype, device)
@@ -95,7 +94,10 @@ class PowerInfer:
 
     def input_sparsity_stats(self) -> tuple[int, int]:
         """Input sparsity so far (decode steps in this process): (input channels kept, channels
-        seen) over every sparse projection; (0, 0) where it is off."""
+        seen) over every sparse projection; (0, 0) where it is off. In the actor runtime, the
+        executors' counts added up."""
+        if self.model is None:
+            return self.engine.input_sparsity_stats()
         s = getattr(self.model, "input_sparse_stats", None)
         return (0, 0) if s is None else (int(s[0]), int(s[1]))
 
@@ -192,39 +194,15 @@ def _concurrently(engine, prompts: list[list[int]], params) -> Iterator[Event]:
 
 
 def apply_input_sparsity(model, config: Config, int4: bool, model_path) -> dict | None:
-    """Input sparsity from `config.input_sparsity` (see Config): the bundle's thresholds
-    attached to the model's 4-bit projections (`input_sparsity.attach`). Returns the bundle's
-    record of them (target, quality) where it is on, else None. A bundle named for it that cannot
-    serve it (made for another model, no thresholds, no 4-bit projections) is an error; "auto"
-    passes over one without thresholds quietly."""
-    choice = config.input_sparsity
-    if choice == "off" or (choice == "auto" and not config.bundle):
+    """Input sparsity from `config.input_sparsity` (see Config, `plan.input_thresholds`): the
+    bundle's thresholds attached to the model's 4-bit projections (`input_sparsity.attach`).
+    Returns the bundle's record of them (target, quality) where it is on, else None."""
+    got = input_thresholds(config, model_path, int4)
+    if got is None:
         return None
-    from .formats.bundle import Bundle
     from .sparsity import input_sparsity as isp
-    source = Bundle.open(config.bundle if choice == "auto" else choice)
-    if choice == "auto" and not source.has("input_sparsity"):
-        return None
-    source.check_model(model_path)  # (thresholds of another model's inputs)
-    thresholds, rec = isp.bundle_thresholds(source)
-    if not int4:
-        if choice == "auto":
-            log.info("input sparsity: the bundle's thresholds are for the 4-bit CPU path "
-                     "(weights='int4'); this load runs %s weights, dense", config.weights)
-            return None
-        raise ConfigError("input_sparsity runs on the 4-bit CPU path: weights='int4' (or auto) "
-                          f"with a Q4_0/Q4_1 file on the CPU; this load runs {config.weights} weights")
+    thresholds, rec = got
     n, small, _ = isp.attach(model, thresholds)
-    if n == 0 and small == 0:
-        raise ConfigError(f"input_sparsity: none of the model's projections reads the bundle's "
-                          f"thresholds (4-bit Q4_0/Q4_1 projections: {source.path})")
-    q = rec.get("quality", {})
-    log.info("input sparsity: %d projections read only the input channels over their thresholds "
-             "(target %.0f%% of each input; held-out perplexity %+.1f%% in calibration); %d stay "
-             "dense, under %d rows, where skipping channels saves no reads", n, 100 * rec["target"],
-             100 * q.get("ppl_increase", float("nan")), small, isp.MIN_ROWS)
-    if q.get("ppl_increase", 0.0) > config.max_ppl_increase:
-        log.warning("input sparsity: the bundle's thresholds raised held-out perplexity by %.1f%% "
-                    "in calibration, over max_ppl_increase (%.1f%%)", 100 * q["ppl_increase"],
-                    100 * config.max_ppl_increase)
+    log_input_sparsity(rec, n, small, config.bundle if config.input_sparsity == "auto"
+                       else config.input_sparsity)
     return rec

@@ -114,7 +114,9 @@ class Config:
         calibrate-input`): "auto" (the bundle's thresholds where `bundle` has them), "off", or a
         bundle to take them from (alone: the FFNs stay dense). Decode steps of one row on the
         4-bit CPU path (weights="int4", a Q4_0/Q4_1 file) read only the input channels over
-        each threshold; the prompt's rows stay dense. Off unless a bundle has them.
+        each threshold; the prompt's rows stay dense. Off unless a bundle has them. Both
+        runtimes: in the actor runtime each executor applies them to the projections it holds
+        (its heads, its neurons), and a request's last event says what its steps kept.
     max_ppl_increase: a bundle whose evaluation (`powerinfer eval`) shows its predictors raising
         held-out perplexity by more than this share warns at load, as one never evaluated does.
     """

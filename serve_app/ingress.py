@@ -600,6 +600,8 @@ class Ingress:
                 ended = finish is not None
                 if ended:
                     track.finished(finish)
+                    if (sp := events[-1].get("input_sparsity")) is not None:
+                        track.input_sparsity(sp["kept"], sp["seen"])
                 cached = next((ev["cached_tokens"] for ev in events if "cached_tokens" in ev), None)
                 yield Piece(index, "".join(ev["text"] for ev in events), events, finish,
                             item.get("prompt_tokens"), cached)

@@ -15,6 +15,7 @@ LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5
                    1.5, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0)
 REQUEST_BUCKETS = (0.1, 0.3, 0.5, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 60.0, 120.0,
                    300.0)
+SHARE_BUCKETS = tuple(i / 20 for i in range(1, 21))  # 0.05 .. 1
 
 
 class Metrics:
@@ -37,6 +38,10 @@ class Metrics:
                                m + ["finished_reason"], registry=r)
         self.failure = Counter(P + "request_failure", "Failed requests", m + ["kind"],
                                registry=r)
+        self.input_sparsity = Histogram(
+            P + "input_sparsity_realised", "Share of the projections' input channels a request's "
+            "decode steps skipped (input sparsity; the hot executor's count, one-row steps)",
+            m, buckets=SHARE_BUCKETS, registry=r)
         self.engines: dict[str, dict] = {}  # model name -> ModelServer.stats(), set at scrape
         r.register(_EngineCollector(self))
 
@@ -76,6 +81,11 @@ class RequestMetrics:
             self.done = True
             self.m.e2e.labels(self.model).observe(time.perf_counter() - self.arrived)
             self.m.success.labels(self.model, reason).inc()
+
+    def input_sparsity(self, kept: int, seen: int):
+        """The request's realised input sparsity: the channels its decode steps skipped."""
+        if seen > 0:
+            self.m.input_sparsity.labels(self.model).observe(1 - kept / seen)
 
     def failed(self, kind: str):
         if not self.done:

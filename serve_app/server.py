@@ -268,6 +268,12 @@ def add_command(sub):
                                                  "short name or file name)")
     p.add_argument("--config", default=None, help="YAML file listing the models to serve")
     p.add_argument("--bundle", default="", help="sparsity bundle of --model")
+    p.add_argument("--input-sparsity", default="auto", metavar="auto|off|BUNDLE",
+                   help="input sparsity in the projections (TEAL, `powerinfer calibrate-input`): "
+                        "auto: the --bundle's thresholds where it has them; off; or a bundle's "
+                        "(/metrics: powerinfer:input_sparsity_realised, per request)")
+    p.add_argument("--no-input-sparsity", dest="input_sparsity", action="store_const", const="off",
+                   help="the same as --input-sparsity off")
     p.add_argument("--host", default="127.0.0.1", help="address of the HTTP and gRPC front ends")
     p.add_argument("--port", type=int, default=8000, help="HTTP port")
     p.add_argument("--grpc-port", type=int, default=9000, help="gRPC port")
@@ -326,7 +332,7 @@ def _run(args) -> int:
                              # (none named: the entry's rule, `settings.ModelSpec.base`)
                              **({"device": args.device} if args.device else {}),
                              dtype=args.dtype, cpu_isa=args.cpu_isa,
-                             cpu_threads=args.threads, max_seq_len=args.ctx,
+                             input_sparsity=args.input_sparsity, cpu_threads=args.threads, max_seq_len=args.ctx,
                              max_batch=args.max_batch, max_queue=args.max_queue,
                              kv_cache_gb=args.kv_cache_gb, prefix_cache=args.prefix_cache,
                              prefill_chunk=args.prefill_chunk,

@@ -10,6 +10,7 @@ import torch
 
 from greedy import assert_same_or_near_tie, greedy_ids
 from powerinfer import Config, PowerInfer
+from powerinfer.engine.params import sampling_params
 from powerinfer.errors import ConfigError
 from powerinfer.formats.bundle import Bundle, BundleError
 from powerinfer.model.load import load_model
@@ -200,12 +201,58 @@ def test_input_sparsity_asks_for_the_4bit_cpu_path(input_bundle, tmp_path):
     with pytest.raises(ConfigError, match="4-bit CPU path"):
         PowerInfer.from_pretrained("smollm2-135m-instruct",
                                    Config(input_sparsity=input_bundle, **{**LOAD, "weights": "dense"}))
-    with pytest.raises(ConfigError, match="actor runtime"):
-        PowerInfer.from_pretrained("smollm2-135m-instruct",
-                                   Config(input_sparsity=input_bundle, runtime="actors", **LOAD))
     # the default: SmolLM2's projections are all under MIN_ROWS, so the bundle leaves them dense
     m = PowerInfer.from_pretrained("smollm2-135m-instruct", Config(input_sparsity=input_bundle, **LOAD))
     assert m.input_sparsity["target"] == 0.25
     assert not m.engine.native.input_sparse[0]
     m.generate("Hello", max_new_tokens=4, temperature=0)
     assert m.input_sparsity_stats() == (0, 0)
+
+
+def test_the_actor_runtime_reads_only_the_kept_channels(input_bundle, monkeypatch):
+    """The actor runtime with the bundle's input sparsity (every projection: MIN_ROWS 0 here, which
+    the plan carries to the executors) on a dense split (a hot and a cold executor, each with some
+    KV heads and some neurons, their q/k/v, output and gate+up shares read by input channel in
+    their native loops) decodes the in-process engine's tokens with the same thresholds; both
+    executors count the channels, about three quarters kept; a request's last event carries what
+    its decode steps kept, and the server's metrics report it per request. In float32: a
+    threshold is a step in the input, so the split's other order of sums, in bf16's coarse
+    rounding, moves an entry near its threshold across it now and then, and a decode may part
+    from the in-process one by more than a near-tie (seen on SmolLM2: a 0.375 margin)."""
+    from serve_app.metrics import Metrics
+    monkeypatch.setattr(isp, "MIN_ROWS", 0)
+    load = {**LOAD, "dtype": "float32"}
+    local = PowerInfer.from_pretrained("smollm2-135m-instruct", Config(input_sparsity=input_bundle, **load))
+    actors = PowerInfer.from_pretrained("smollm2-135m-instruct",
+                                        Config(input_sparsity=input_bundle, runtime="actors",
+                                               cold_executors=1, **load))
+    try:
+        info = actors.engine.group.info
+        assert info["hot"]["native"] and info["cold.0"]["native_attention"] == 30, info
+        # each executor's q/k/v and output share and its gate+up rows of every layer
+        assert info["hot"]["input_sparse"] == [90, 0] and info["cold.0"]["input_sparse"] == [90, 0]
+        assert actors.input_sparsity["target"] == 0.25
+        n = 12
+        for p in PROMPTS:
+            ids = local.tokenize(p)
+            assert_same_or_near_tie(local, ids, greedy_ids(local, ids, n), greedy_ids(actors, ids, n), 0.05)
+        stats = actors.engine.stats()["actors"]
+        for name in ("hot", "cold.0"):
+            kept, seen = stats[name]["input_sparse_stats"]
+            assert seen > 0 and 0.6 < kept / seen < 0.9, (name, kept, seen)
+        assert actors.input_sparsity_stats() == tuple(
+            sum(stats[k]["input_sparse_stats"][j] for k in ("hot", "cold.0")) for j in (0, 1))
+        events = list(actors.engine.generate(local.tokenize(PROMPTS[2]),
+                                             sampling_params(max_tokens=8, temperature=0, ignore_eos=True)))
+        assert all("input_sparsity" not in e for e in events[:-1])
+        got = events[-1]["input_sparsity"]  # its 7 decode steps' inputs, the hot executor's
+        per_step = 30 * (2 * 576 + 64 * 3 * (info["hot"]["kv_heads"][1] - info["hot"]["kv_heads"][0]))
+        assert got["seen"] == 7 * per_step and 0.6 < got["kept"] / got["seen"] < 0.9, got
+        metrics = Metrics()
+        metrics.request("smol", 0.0).input_sparsity(got["kept"], got["seen"])
+        text = metrics.render({}).decode()
+        assert 'powerinfer:input_sparsity_realised_count{model_name="smol"} 1.0' in text
+        share = float(text.split('powerinfer:input_sparsity_realised_sum{model_name="smol"} ')[1].split()[0])
+        assert share == pytest.approx(1 - got["kept"] / got["seen"])
+    finally:
+        actors.close()

@@ -21,7 +21,7 @@ from .. import kernels
 from ..formats.args import ModelArgs
 from ..model import sparse
 from ..model.quant import KernelLinear, KQuantLinear, Q4Linear
-from ..model.sparse import BlockSlice, HybridFFN, NeuronSet
+from ..model.sparse import BlockSlice, HybridFFN, NeuronSet, ffn_w1
 from ..model.transformer import FFN, KVTables, Transformer
 
 
@@ -203,7 +203,8 @@ class NativeDecode:
         if layers is None:
             return None
         step = cls(model, exchange, layers, variants)
-        step.input_sparse = input_sparse_args(model)
+        step.input_sparse = input_sparse_args([(b.attn, b.ffn) for b in model.layers],
+                                              getattr(model, "input_sparse_stats", None))
         return step
 
     def __call__(self, tokens, pos, kv: KVTables, last):
@@ -226,21 +227,24 @@ class NativeDecode:
             f.stats is None and all(a is b for a, b in zip(_parts(f), parts)) for f, parts in self.sparse)
 
 
-def input_sparse_args(model: Transformer) -> tuple:
-    """`hot_layers`' input-sparsity arguments for the model's decode steps: per layer the q4c
-    copies (`Q4Linear.sparsify_input`) of q/k/v, of the output projection and of a dense FFN's
-    gate+up (an empty tensor where that input stays dense) with their thresholds, and the
-    model's counter of the channels kept and seen; empty where no projection has a copy."""
+def input_sparse_args(layers, stats: torch.Tensor | None) -> tuple:
+    """`hot_layers`' (or `cold_serve`'s) input-sparsity arguments for decode steps: per layer
+    (`layers`: its attention and its FFN modules, either None) the q4c copies
+    (`Q4Linear.sparsify_input`) of q/k/v, of the output projection and of a gate+up that
+    computes every neuron (a dense FFN's, a block slice's) with their thresholds (an empty tensor
+    and 0 where that input stays dense), and `stats`, the counter of the channels kept and seen;
+    empty where no projection has a copy."""
     copies, thresholds = [], []
-    for b in model.layers:
-        w1 = b.ffn.w1 if isinstance(b.ffn, FFN) else None
-        for m in (b.attn.wqkv, b.attn.wo, w1):
+    for attn, ffn in layers:
+        mods = (getattr(attn, "wqkv", None), getattr(attn, "wo", None),
+                None if ffn is None else ffn_w1(ffn))
+        for m in mods:
             sparse = getattr(m, "sparse", None)
             copies.append(_EMPTY if sparse is None else sparse[0])
             thresholds.append(0.0 if sparse is None else sparse[2])
     if not any(c.numel() for c in copies):
         return [], [], None
-    return copies, thresholds, getattr(model, "input_sparse_stats", None)
+    return copies, thresholds, stats
 
 
 def _parts(f: HybridFFN) -> tuple:

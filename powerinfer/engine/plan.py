@@ -33,6 +33,9 @@ class SparsePlan:
     predictor_input: str | None = None  # "layer" (lookahead), "ffn" (same layer); None: all active
     block: int = BLOCK  # a dense split's cuts, in neurons (256: whole K-quant super-blocks of down)
     active_share: float | None = None  # the predictors' average share of a layer's neurons, held out
+    # input sparsity (`input_thresholds`): each input's threshold ((layer, part) -> magnitude),
+    # and the smallest projection (output rows) that skips channels; None: off
+    inputs: tuple[dict, int] | None = None
 
     @classmethod
     def dense(cls, args: ModelArgs, block: int = BLOCK) -> "SparsePlan":
@@ -181,3 +184,60 @@ def check_quality(b: Bundle, predictor: str, max_ppl_increase: float) -> str | N
         return None
     logging.getLogger("powerinfer").warning(line)
     return line
+
+
+def input_thresholds(config, model_path, int4: bool) -> tuple[dict, dict] | None:
+    """Input sparsity as `config.input_sparsity` asks for it (see Config): the bundle's
+    thresholds ((layer, part) -> magnitude) and its record of them (target, quality), or None
+    where it is off. `int4`: whether the load's projections are 4-bit on the CPU, the only ones
+    the q4c kernel reads. A bundle named for it that cannot serve it (made for another model, no
+    thresholds, weights other than int4) is an error; "auto" passes over one without thresholds,
+    or a load of other weights, with a log line at most. Warns where the bundle's calibration
+    raised held-out perplexity over `config.max_ppl_increase`."""
+    import logging
+
+    from ..errors import ConfigError
+    from ..sparsity import input_sparsity as isp
+
+    log = logging.getLogger("powerinfer")
+    choice = config.input_sparsity
+    if choice == "off" or (choice == "auto" and not config.bundle):
+        return None
+    source = Bundle.open(config.bundle if choice == "auto" else choice)
+    if choice == "auto" and not source.has("input_sparsity"):
+        return None
+    source.check_model(model_path)  # (thresholds of another model's inputs)
+    thresholds, rec = isp.bundle_thresholds(source)
+    if not int4:
+        if choice == "auto":
+            log.info("input sparsity: the bundle's thresholds are for the 4-bit CPU path "
+                     "(weights='int4'); this load runs %s weights, dense", config.weights)
+            return None
+        raise ConfigError("input_sparsity runs on the 4-bit CPU path: weights='int4' (or auto) "
+                          f"with a Q4_0/Q4_1 file on the CPU; this load runs {config.weights} weights")
+    q = rec.get("quality", {})
+    if q.get("ppl_increase", 0.0) > config.max_ppl_increase:
+        log.warning("input sparsity: the bundle's thresholds raised held-out perplexity by %.1f%% "
+                    "in calibration, over max_ppl_increase (%.1f%%)", 100 * q["ppl_increase"],
+                    100 * config.max_ppl_increase)
+    return thresholds, rec
+
+
+def log_input_sparsity(rec: dict, taken: int, small: int, source) -> None:
+    """The load's line on input sparsity: how many projections read only the input channels
+    over their thresholds (`taken`), how many stay dense for their size (`small`); a
+    ConfigError where no projection of the model reads the thresholds at all."""
+    import logging
+
+    from ..errors import ConfigError
+    from ..sparsity import input_sparsity as isp
+
+    if taken == 0 and small == 0:
+        raise ConfigError(f"input_sparsity: none of the model's projections reads the bundle's "
+                          f"thresholds (4-bit Q4_0/Q4_1 projections: {source})")
+    q = rec.get("quality", {})
+    logging.getLogger("powerinfer").info(
+        "input sparsity: %d projections read only the input channels over their thresholds "
+        "(target %.0f%% of each input; held-out perplexity %+.1f%% in calibration); %d stay "
+        "dense, under %d rows, where skipping channels saves no reads", taken,
+        100 * rec["target"], 100 * q.get("ppl_increase", float("nan")), small, isp.MIN_ROWS)

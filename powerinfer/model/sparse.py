@@ -229,6 +229,15 @@ class BlockSlice(nn.Module):
         return self.down(activate(self.act, gate, up)[1].float())  # same 8-bit blocks of h
 
 
+def ffn_w1(ffn: nn.Module) -> nn.Module | None:
+    """The gate+up projection of an FFN that computes every neuron: a dense FFN's, a block
+    slice's (the actor runtime's dense split), a HybridFFN's hot block slice; None for neuron
+    sets (a predictor picks their rows) and anything else."""
+    if isinstance(ffn, HybridFFN):
+        ffn = ffn.hot
+    return ffn.w1 if isinstance(ffn, (BlockSlice, FFN)) else None
+
+
 class HybridFFN(nn.Module):
     """Replaces `Block.ffn` (and takes over `Block.ffn_norm`, so that it sees the pre-norm
     residual a predictor reads): hot set + cold set, computing predicted-active neurons only."""

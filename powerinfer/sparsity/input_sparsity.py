@@ -369,19 +369,31 @@ def attach(model, thresholds: dict[tuple[int, str], float], min_rows: int | None
     by input channel). Returns how many projections took it, how many with a threshold stayed
     dense for their size, and the counter of the channels the sparse ones kept and saw (int64
     (2,), also `model.input_sparse_stats`, which the native loop adds to as well)."""
+    from ..model.sparse import ffn_w1
+    parts = []
+    for i, b in enumerate(model.layers):
+        parts += [(i, "qkv", b.attn.wqkv), (i, "o", b.attn.wo), (i, "gate_up", ffn_w1(b.ffn))]
+    n, small, stats = attach_parts(parts, thresholds, min_rows)
+    model.input_sparse_stats = stats
+    return n, small, stats
+
+
+def attach_parts(parts, thresholds: dict[tuple[int, str], float], min_rows: int | None = None
+                 ) -> tuple[int, int, torch.Tensor]:
+    """`attach` over (layer, part, module) triples: a process's share of the model (an actor
+    group's executor holds some heads' q/k/v rows and output columns, some neurons' gate and up
+    rows; a threshold is of each input entry, so every share applies it to the entries it
+    reads). Returns the same three."""
     from ..model.quant import Q4Linear
     min_rows = MIN_ROWS if min_rows is None else min_rows
     stats = torch.zeros(2, dtype=torch.long)
     n = small = 0
-    for i, b in enumerate(model.layers):
-        mods = {"qkv": b.attn.wqkv, "o": b.attn.wo, "gate_up": getattr(b.ffn, "w1", None)}
-        for part, m in mods.items():
-            t = thresholds.get((i, part), 0.0)
-            if isinstance(m, Q4Linear) and t > 0:
-                if m.out_features < min_rows:
-                    small += 1
-                    continue
-                m.sparsify_input(t, stats)
-                n += 1
-    model.input_sparse_stats = stats
+    for i, part, m in parts:
+        t = thresholds.get((i, part), 0.0)
+        if isinstance(m, Q4Linear) and t > 0:
+            if m.out_features < min_rows:
+                small += 1
+                continue
+            m.sparsify_input(t, stats)
+            n += 1
     return n, small, stats

@@ -948,7 +948,7 @@ struct ColdLayers {
   // beside q and k in Q4_K); an empty tensor where there is none
   at::TensorList qkv2;
   at::IntArrayRef qkv2_fmt, qkv2_n;
-  // input sparsity (hot_layers' decode steps only): three a layer (q/k/v, the output projection,
+  // input sparsity (the native loops' decode steps, set_sparse): three a layer (q/k/v, the output projection,
   // a block slice's gate+up), a q4c copy of the projection (see project; an empty tensor: dense)
   // and its input's threshold; empty lists where none
   at::TensorList sparse = {};
@@ -1153,6 +1153,27 @@ static int64_t warm_records(const ColdLayers& L, int64_t layer, const bool* rows
   return warmed;
 }
 
+// Input sparsity for a native loop's decode steps (see ColdLayers): none (empty lists), or three
+// q4c copies (or empty tensors) and thresholds per layer, and the counter of the channels kept
+// and seen (2 int64) where given. A one-row step's projection with a copy reads only the input
+// channels over its threshold (project).
+static void set_sparse(ColdLayers& L, size_t n_layers, at::TensorList sparse, at::ArrayRef<double> sparse_threshold,
+                       const std::optional<at::Tensor>& sparse_stats, at::TensorList qkv2) {
+  TORCH_CHECK(sparse.empty() || (sparse.size() == 3 * n_layers && sparse_threshold.size() == 3 * n_layers),
+              "sparse: none, or three q4c copies (or empty tensors) and thresholds per layer");
+  for (size_t i = 0; i < sparse.size(); i++)
+    TORCH_CHECK(!sparse[i].numel() || (i % 3 != 0 || !qkv2[i / 3].numel()),
+                "layer ", i / 3, ": a sparse q/k/v copy needs q/k/v in one run");
+  if (sparse.empty()) return;
+  L.sparse = sparse;
+  L.sparse_threshold = sparse_threshold;
+  if (sparse_stats) {
+    TORCH_CHECK(sparse_stats->scalar_type() == at::kLong && sparse_stats->numel() == 2 && sparse_stats->is_contiguous(),
+                "sparse_stats: 2 int64");
+    L.sparse_stats = sparse_stats->data_ptr<int64_t>();
+  }
+}
+
 // cold_serve's wait for the message after `st`'s with the predictor's mask channel beside it
 // (`ahead`: its mapping; the masks of a layer come out before the hot side attends, lookahead):
 // for up to spin_us, each new set of masks for a layer of neuron records is warmed
@@ -1205,7 +1226,8 @@ static void wait_warming(const ColdLayers& L, int64_t x_base, int64_t* st, doubl
 // tables' width); answers are f32.
 // ops: the plane's op codes (decode, head, attention, prefill; actors/plane.py). A prompt's
 // rows (a prefill message) are answered here where the layer's entries allow it
-// (prompt_rows_ffn, prompt_rows_attention), else left to the caller.
+// (prompt_rows_ffn, prompt_rows_attention), else left to the caller. sparse, sparse_threshold,
+// sparse_stats: input sparsity in its one-row steps (set_sparse; empty: none).
 static std::vector<int64_t> cold_serve(at::Tensor& state, int64_t x_base, int64_t part_base, int64_t part_capacity,
                                        int64_t dim, bool bf16, double spin_us, at::IntArrayRef ops, int64_t act,
                                        at::TensorList ffn_w1, at::TensorList ffn_w2, at::IntArrayRef ffn_kind,
@@ -1217,12 +1239,15 @@ static std::vector<int64_t> cold_serve(at::Tensor& state, int64_t x_base, int64_
                                        at::TensorList k_cache, at::TensorList v_cache, int64_t n_heads,
                                        const std::optional<at::Tensor>& cos, const std::optional<at::Tensor>& sin,
                                        int64_t window, double scale, const std::optional<at::Tensor>& head,
-                                       int64_t head_fmt, int64_t head_n, int64_t ahead) {
+                                       int64_t head_fmt, int64_t head_n, int64_t ahead, at::TensorList sparse,
+                                       at::ArrayRef<double> sparse_threshold,
+                                       const std::optional<at::Tensor>& sparse_stats) {
   const Kernels& k = active();
   TORCH_CHECK(state.scalar_type() == at::kLong && state.numel() == 2 && state.is_contiguous(), "state: int64 (2,)");
-  const ColdLayers L = per_layer(ffn_w1, ffn_w2, ffn_kind, ffn_n, ffn_down_fmt, ffn_w1_fmt, ffn_idx, ffn_threshold,
-                                 qkv, qkv_fmt, qkv_n, qkv2, qkv2_fmt, qkv2_n, wo, wo_fmt, k_cache, v_cache);
+  ColdLayers L = per_layer(ffn_w1, ffn_w2, ffn_kind, ffn_n, ffn_down_fmt, ffn_w1_fmt, ffn_idx, ffn_threshold,
+                           qkv, qkv_fmt, qkv_n, qkv2, qkv2_fmt, qkv2_n, wo, wo_fmt, k_cache, v_cache);
   const size_t n_layers = ffn_kind.size();
+  set_sparse(L, n_layers, sparse, sparse_threshold, sparse_stats, qkv2);
   TORCH_CHECK(ops.size() == 4 && dim % 32 == 0, "ops: (decode, head, attention, prefill); dim a multiple of 32");
   for (int64_t kind : ffn_kind) TORCH_CHECK(kind >= 0 && kind <= 2, "a cold executor's neurons are of kind 0-2");
   auto* xh = reinterpret_cast<ChannelHeader*>(x_base);
@@ -1352,20 +1377,7 @@ static at::Tensor hot_layers(const at::Tensor& h_in, const at::Tensor& pos, cons
                            qkv, qkv_fmt, qkv_n, qkv2, qkv2_fmt, qkv2_n, wo, wo_fmt, k_cache, v_cache);
   const size_t n_layers = ffn_kind.size();
   // input sparsity: decode steps only (a prompt's rows stay dense)
-  TORCH_CHECK(sparse.empty() || (sparse.size() == 3 * n_layers && sparse_threshold.size() == 3 * n_layers),
-              "sparse: none, or three q4c copies (or empty tensors) and thresholds per layer");
-  for (size_t i = 0; i < sparse.size(); i++)
-    TORCH_CHECK(!sparse[i].numel() || (i % 3 != 0 || !qkv2[i / 3].numel()),
-                "layer ", i / 3, ": a sparse q/k/v copy needs q/k/v in one run");
-  if (!prompt && !sparse.empty()) {
-    L.sparse = sparse;
-    L.sparse_threshold = sparse_threshold;
-    if (sparse_stats) {
-      TORCH_CHECK(sparse_stats->scalar_type() == at::kLong && sparse_stats->numel() == 2 && sparse_stats->is_contiguous(),
-                  "sparse_stats: 2 int64");
-      L.sparse_stats = sparse_stats->data_ptr<int64_t>();
-    }
-  }
+  if (!prompt) set_sparse(L, n_layers, sparse, sparse_threshold, sparse_stats, qkv2);
   TORCH_CHECK(norms.size() == 2 * n_layers, "two norms per layer");
   TORCH_CHECK(ops.size() == 3, "ops: (decode, attention, prefill)");
   if (prompt)
@@ -1537,7 +1549,7 @@ TORCH_LIBRARY(powerinfer, m) {
         "Tensor[] ffn_idx, float[] ffn_threshold, int ffn_dim, "
         "Tensor[] qkv, int[] qkv_fmt, int[] qkv_n, Tensor[] qkv2, int[] qkv2_fmt, int[] qkv2_n, Tensor[] wo, int[] wo_fmt, Tensor[] k_cache, Tensor[] v_cache, "
         "int n_heads, Tensor? cos, Tensor? sin, int window, float scale, Tensor? head, int head_fmt, int head_n, "
-        "int ahead=0) -> int[]");
+        "int ahead, Tensor[] sparse, float[] sparse_threshold, Tensor(a!)? sparse_stats) -> int[]");
   m.def("hot_layers(Tensor h, Tensor pos, Tensor starts, Tensor tables, int x_base, int x_capacity, "
         "int[] part_bases, Tensor[] part_states, float spin_us, int[] ops, int[] predict, Tensor? mask_state, "
         "int act, Tensor[] norms, float eps, "
