@@ -90,7 +90,8 @@ class ColdExecutor(Answering):
         if plan.inputs is not None and weights == "int4":
             parts = [(i, p, m) for i, att in enumerate(self.attn) for p, m in (("qkv", att.wqkv), ("o", att.wo))]
             parts += [(i, "gate_up", ffn_w1(s)) for i, s in enumerate(self.sets)]
-            *self.input_sparse, self.input_stats = attach_parts(parts, *plan.inputs)
+            taken, small, self.input_stats = attach_parts(parts, *plan.inputs)
+            self.input_sparse = (taken, small)
         src.close()
         trim_heap()  # the load's transients, freed, stay resident otherwise
         self.load_s = time.perf_counter() - t0

@@ -94,9 +94,7 @@ class ActorEngine:
         if got is not None:  # what the executors took of the thresholds
             taken = [i.get("input_sparse", (0, 0)) for i in self.group.info.values()]
             try:
-                log_input_sparsity(got[1], sum(t[0] for t in taken), sum(t[1] for t in taken),
-                                   config.bundle if config.input_sparsity == "auto"
-                                   else config.input_sparsity)
+                log_input_sparsity(got[1], sum(t[0] for t in taken), sum(t[1] for t in taken), config)
             except ConfigError:
                 self.group.stop()
                 raise

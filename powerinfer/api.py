@@ -203,6 +203,5 @@ def apply_input_sparsity(model, config: Config, int4: bool, model_path) -> dict 
     from .sparsity import input_sparsity as isp
     thresholds, rec = got
     n, small, _ = isp.attach(model, thresholds)
-    log_input_sparsity(rec, n, small, config.bundle if config.input_sparsity == "auto"
-                       else config.input_sparsity)
+    log_input_sparsity(rec, n, small, config)
     return rec

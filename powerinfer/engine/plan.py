@@ -203,7 +203,7 @@ def input_thresholds(config, model_path, int4: bool) -> tuple[dict, dict] | None
     choice = config.input_sparsity
     if choice == "off" or (choice == "auto" and not config.bundle):
         return None
-    source = Bundle.open(config.bundle if choice == "auto" else choice)
+    source = Bundle.open(input_source(config))
     if choice == "auto" and not source.has("input_sparsity"):
         return None
     source.check_model(model_path)  # (thresholds of another model's inputs)
@@ -223,7 +223,12 @@ def input_thresholds(config, model_path, int4: bool) -> tuple[dict, dict] | None
     return thresholds, rec
 
 
-def log_input_sparsity(rec: dict, taken: int, small: int, source) -> None:
+def input_source(config) -> str:
+    """The bundle `config.input_sparsity` takes its thresholds from: `config.bundle` for "auto"."""
+    return config.bundle if config.input_sparsity == "auto" else config.input_sparsity
+
+
+def log_input_sparsity(rec: dict, taken: int, small: int, config) -> None:
     """The load's line on input sparsity: how many projections read only the input channels
     over their thresholds (`taken`), how many stay dense for their size (`small`); a
     ConfigError where no projection of the model reads the thresholds at all."""
@@ -234,7 +239,7 @@ def log_input_sparsity(rec: dict, taken: int, small: int, source) -> None:
 
     if taken == 0 and small == 0:
         raise ConfigError(f"input_sparsity: none of the model's projections reads the bundle's "
-                          f"thresholds (4-bit Q4_0/Q4_1 projections: {source})")
+                          f"thresholds (4-bit Q4_0/Q4_1 projections: {input_source(config)})")
     q = rec.get("quality", {})
     logging.getLogger("powerinfer").info(
         "input sparsity: %d projections read only the input channels over their thresholds "
