@@ -4,6 +4,7 @@ from __future__ import annotations
 import functools
 import struct
 import types
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -58,16 +59,87 @@ def reader_class():
         def _get_field_parts(self, orig_offs, raw_type):
             fast = raw_type == gguf.GGUFValueType.ARRAY and self.byte_order == "I"
             got = _array_field_parts(self, orig_offs) if fast else None
+            if got is not None and isinstance(got[1], ArrayParts):  # (inside another array)
+                got = (got[0], list(got[1]), *got[2:])
             return super()._get_field_parts(orig_offs, raw_type) if got is None else got
+
+        def _build_fields(self, offs, count):
+            """The stock walk over the key-value pairs, but an array of strings or numbers
+            keeps its parts as an `ArrayParts` (made when asked for) rather than a list."""
+            if self.byte_order != "I":
+                return super()._build_fields(offs, count)
+            for _ in range(count):
+                orig_offs = offs
+                kv_klen, kv_kdata = self._get_str(offs)
+                offs += int(kv_klen.nbytes + kv_kdata.nbytes)
+                raw_kv_type = self._get(offs, np.uint32)
+                offs += int(raw_kv_type.nbytes)
+                head = [kv_klen, kv_kdata, raw_kv_type]
+                got = _array_field_parts(self, offs) \
+                    if raw_kv_type[0] == gguf.GGUFValueType.ARRAY else None
+                size, parts, idxs, types = \
+                    super()._get_field_parts(offs, raw_kv_type[0]) if got is None else got
+                if isinstance(parts, ArrayParts):
+                    parts.head = head + parts.head
+                else:
+                    parts = head + parts
+                self._push_field(gguf.ReaderField(
+                    orig_offs, str(bytes(kv_kdata), encoding="utf-8"), parts,
+                    [i + len(head) for i in idxs], types), skip_sum=True)
+                offs += size
+            return offs
 
     return _PlainViewReader
 
 
+class ArrayParts(Sequence):
+    """A GGUF array field's parts as `GGUFReader` lists them (its head: the key's and the
+    element type's and count's views; then each element's: a string's length and bytes, a
+    number's one-element view), each view made when it is asked for: a 262k-token vocabulary
+    is about a million of them, which took a second a parse to make. `contents()` decodes the
+    whole array at once."""
+
+    def __init__(self, head, data, starts=None, lengths=None, values=None):
+        self.head, self._data = head, data
+        self._starts, self._lengths, self._values = starts, lengths, values
+        self._each = 1 if values is not None else 2
+
+    def __len__(self):
+        n = len(self._values) if self._values is not None else len(self._starts)
+        return len(self.head) + self._each * n
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            return [self[k] for k in range(*i.indices(len(self)))]
+        if i < 0:
+            i += len(self)
+        if not 0 <= i < len(self):
+            raise IndexError(i)
+        if i < len(self.head):
+            return self.head[i]
+        k = i - len(self.head)
+        if self._values is not None:
+            return self._values[k:k + 1]
+        o = self._starts[k // 2]
+        if k % 2 == 0:
+            return self._data[o:o + 8].view(np.uint64)
+        return self._data[o + 8:o + 8 + self._lengths[k // 2]]
+
+    def contents(self) -> list:
+        """The elements, decoded (as `ReaderField.contents()` gives them)."""
+        if self._values is not None:
+            return self._values.tolist()
+        first = self._starts[0]
+        raw = self._data[first:self._starts[-1] + 8 + self._lengths[-1]].tobytes()
+        return [str(raw[o - first + 8:o - first + 8 + n], encoding="utf-8")
+                for o, n in zip(self._starts, self._lengths)]
+
+
 def _array_field_parts(reader, orig_offs: int):
     """`GGUFReader._get_field_parts` for an array of strings or numbers: the same parts (per
-    element, views of the same bytes), made by slicing one view instead of a `_get` call per
-    element: a 262k-token vocabulary took 3 s a parse that way, paid by every load of the
-    file. None for an array of arrays (the stock walk reads those)."""
+    element, views of the same bytes) as an `ArrayParts`, found by one walk over the lengths
+    instead of a `_get` call per element: a 262k-token vocabulary took 3 s a parse that way,
+    paid by every load of the file. None for an array of arrays (the stock walk reads those)."""
     import gguf
 
     T = gguf.GGUFValueType
@@ -75,18 +147,21 @@ def _array_field_parts(reader, orig_offs: int):
     raw_itype = data[orig_offs:orig_offs + 4].view(np.uint32)
     alen = data[orig_offs + 4:orig_offs + 12].view(np.uint64)
     offs, itype, n = orig_offs + 12, int(raw_itype[0]), int(alen[0])
-    parts = [raw_itype, alen]
+    head = [raw_itype, alen]
     if n == 0:  # as the stock walk: no element, so no element type
-        return 12, parts, [], [T.ARRAY]
+        return 12, head, [], [T.ARRAY]
     if itype == T.STRING:
-        o = offs
+        starts, lengths = [], []
+        o, end, unpack, buf = offs, len(data), struct.Struct("=Q").unpack_from, memoryview(data)
         for _ in range(n):
-            (length,) = struct.unpack_from("=Q", data, o)  # (byte_order "I": this host's)
-            if o + 8 + length > len(data):
-                raise ValueError(f"a string at offset {o} runs past the end of the file")
-            parts += (data[o:o + 8].view(np.uint64), data[o + 8:o + 8 + length])
+            (length,) = unpack(buf, o)  # (byte_order "I": this host's)
+            starts.append(o)
+            lengths.append(length)
             o += 8 + length
-        return o - orig_offs, parts, list(range(3, 3 + 2 * n, 2)), [T.ARRAY, T.STRING]
+        if o > end:
+            raise ValueError(f"a string at offset {starts[-1]} runs past the end of the file")
+        return o - orig_offs, ArrayParts(head, data, starts, lengths), \
+            list(range(3, 3 + 2 * n, 2)), [T.ARRAY, T.STRING]
     nptype = reader.gguf_scalar_to_np.get(T(itype))
     if nptype is None:
         return None
@@ -94,8 +169,8 @@ def _array_field_parts(reader, orig_offs: int):
     if offs + size > len(data):
         raise ValueError(f"an array at offset {orig_offs} runs past the end of the file")
     values = data[offs:offs + size].view(nptype)
-    parts += (values[k:k + 1] for k in range(n))
-    return 12 + size, parts, list(range(2, 2 + n)), [T.ARRAY, T(itype)]
+    return 12 + size, ArrayParts(head, data, values=values), list(range(2, 2 + n)), \
+        [T.ARRAY, T(itype)]
 
 
 def compile_per_instance(method, cpp_wrapper: bool = False):

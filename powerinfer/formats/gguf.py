@@ -18,7 +18,7 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from ..compat import gguf_reader
+from ..compat import ArrayParts, gguf_reader
 from ..errors import ModelLoadError
 from . import kquants
 from .args import ModelArgs
@@ -42,15 +42,22 @@ GGUF_RENAMES = {
 
 
 def gguf_metadata(reader) -> dict:
-    meta = {}
-    for key, f in reader.fields.items():
-        if key.startswith("GGUF."):
-            continue
-        try:
-            meta[key] = f.contents()
-        except Exception:  # a value type the reader cannot decode: skip it
-            continue
-    return meta
+    """The file's key-value pairs, decoded (once a reader: a load asks for them several times;
+    an array read by the project's reader decoded whole, `compat.ArrayParts`). The caller gets
+    its own dict; the values are shared."""
+    meta = getattr(reader, "_powerinfer_meta", None)
+    if meta is None:
+        meta = {}
+        for key, f in reader.fields.items():
+            if key.startswith("GGUF."):
+                continue
+            try:
+                meta[key] = f.parts.contents() if isinstance(f.parts, ArrayParts) and \
+                    len(f.types) == 2 else f.contents()
+            except Exception:  # a value type the reader cannot decode: skip it
+                continue
+        reader._powerinfer_meta = meta
+    return dict(meta)
 
 
 _READERS: contextvars.ContextVar[dict | None] = contextvars.ContextVar("gguf_readers", default=None)
