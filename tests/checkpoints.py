@@ -187,20 +187,28 @@ def hf_from_gguf(path: Path):
     tensors); here that reader is the project's (`compat.reader_class`, a subclass with its
     arrays sliced from one view), which gives the same fields part for part
     (tests/test_convert.py checks it against the stock reader on the real default model) in
-    a tenth of the time: Gemma 3's 262k-token vocabulary took 11 s a parse. What the oracle
-    makes of the fields (configuration, tensor names, permutations, the model) is transformers'."""
+    a tenth of the time: Gemma 3's 262k-token vocabulary took 11 s a parse. And transformers
+    asks `gguf.get_tensor_name_map` for the same (architecture, block count) once a module of
+    the model, about 400 times, each building the same table again (6-9 s of the oracle's
+    load); here each is built once and handed out again (transformers only reads it). What the
+    oracle makes of the fields (configuration, tensor names, permutations, the model) is
+    transformers'."""
+    import functools
+
     import gguf
     from transformers import AutoModelForCausalLM
 
     from powerinfer.compat import reader_class
 
-    stock, gguf.GGUFReader = gguf.GGUFReader, reader_class()
+    stock = gguf.GGUFReader, gguf.get_tensor_name_map
+    gguf.GGUFReader = reader_class()
+    gguf.get_tensor_name_map = functools.cache(stock[1])
     try:
         model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
                                                      dtype=torch.float32,
                                                      attn_implementation="eager")
     finally:
-        gguf.GGUFReader = stock
+        gguf.GGUFReader, gguf.get_tensor_name_map = stock
     return model.eval()
 
 
