@@ -4,16 +4,16 @@ channel's weights together, only the kept channels read) against the dense q4x16
 default path runs (`kernels.linear_q4x16`), the same Q4_0 matrices, in one run, in turns.
 
     .venv/bin/python benchmarks/input_sparse_gemv.py [--threads N] [--shapes 7b smollm2]
-        [--sparsity 0 0.25 0.4 0.5 0.7] [--turns 3] [--json FILE]
+        [--sparsity 0 0.25 0.4 0.5 0.7] [--turns 3] [--cpu-isa avx2] [--json FILE]
 
 Each shape is a decode step's projections that share an input (TEAL sparsifies each input once):
 q/k/v fused, the output projection, gate/up fused (the 7B shape's 4096 -> 12288, 4096, 22016;
-SmolLM2's 576 -> 960, 576, 3072). Four distinct copies of each, so that the products read from
-memory (SmolLM2's are given 64 copies). The input is Gaussian with its channels below the
-sparsity's quantile in magnitude zeroed by the kernel's threshold, so each row keeps 1 - s of
-its channels. "floor" is the bytes a product must read (every scale of a block with a kept
+SmolLM2's 576 -> 960, 576, 3072). Distinct copies of each that fill twice the last level cache
+(at least 4 of a 7B matrix, 64 of a SmolLM2 one), so that the products read from memory. The
+input is Gaussian with its channels below the sparsity's quantile in magnitude zeroed by the
+kernel's threshold, so each row keeps 1 - s of its channels. "floor" is the bytes a product must read (every scale of a block with a kept
 channel and the kept channels' codes; the dense one all of them) at the read rate of a plain
-sum over 256 MiB, measured in the same run.
+sum over 256 MiB or 4x the last level cache (`gemv.read_rate`), measured in the same run.
 """
 from __future__ import annotations
 
@@ -29,7 +29,7 @@ import torch
 
 from powerinfer import kernels
 
-from gemv import seconds  # the same timing as the other GEMV benchmarks
+from gemv import last_level_cache, read_rate, seconds  # the other GEMV benchmarks' timing
 
 SHAPES = {  # name: (k, [(projection, rows)])
     "7b": (4096, [("qkv", 12288), ("o", 4096), ("gate_up", 22016)]),
@@ -77,6 +77,9 @@ def main():
     ap.add_argument("--sparsity", type=float, nargs="+", default=[0.0, 0.25, 0.4, 0.5, 0.7])
     ap.add_argument("--turns", type=int, default=3)
     ap.add_argument("--json", help="write the rows here")
+    ap.add_argument("--cpu-isa", default="auto", choices=["auto", *kernels.ISAS],
+                    help="hold the kernel to this class (a lower one than the CPU's best: "
+                         "labelled as such in the output)")
     ap.add_argument("--gaps", action="store_true",
                     help="first, one core's read rate of a buffer read in pieces with gaps "
                          "(benchmarks/read_gaps.cpp, built with g++): why q4c keeps whole columns")
@@ -84,13 +87,15 @@ def main():
     if a.gaps:
         gaps()
     assert kernels.available(), "the CPU kernel cannot run here"
+    kernels.hold(a.cpu_isa)
     torch.set_num_threads(a.threads)
     torch.manual_seed(0)
-    big = torch.randn(64 * 2**20)
-    read_gbs = big.numel() * 4 / seconds(big.sum, 10) / 1e9
-    del big
-    print(f"threads {a.threads}, kernel ISA {kernels.isa()}; read rate (sum over 256 MiB): "
-          f"{read_gbs:.1f} GB/s; {a.turns} turns, the median\n")
+    rate, read_bytes = read_rate()
+    read_gbs, llc = rate / 1e9, last_level_cache()
+    held = f" (held; this CPU's best: {kernels.best_isa()})" if kernels.isa() != kernels.best_isa() else ""
+    print(f"threads {a.threads}, kernel ISA {kernels.isa()}{held}; read rate (sum over "
+          f"{read_bytes / 2**20:.0f} MiB): {read_gbs:.1f} GB/s; last level cache "
+          f"{llc / 2**20:.0f} MiB; {a.turns} turns, the median\n")
     print("| shape | projection (rows x k) | sparsity | dense q4x16 ms | q4c ms | q4c vs dense "
           "| q4c bytes | q4c at its floor |")
     print("|---|---|---:|---:|---:|---:|---:|---:|")
@@ -98,14 +103,16 @@ def main():
     for shape in a.shapes:
         k, projs = SHAPES[shape]
         for name, n in projs:
-            copies = 4 if shape == "7b" else 64
+            # distinct copies that together fill twice the last level cache (at least 4 of a
+            # 7B matrix, 64 of a SmolLM2 one), so that the products read from memory
+            dense_bytes = n * k * 9 // 16  # Q4_0: 4.5 bits a weight
+            copies = max(4 if shape == "7b" else 64, -(-2 * llc // dense_bytes))
             mats = []
             for _ in range(copies):
                 q = torch.randint(0, 16, (n, k), dtype=torch.uint8)
                 scale = torch.rand(n, k // 32) * 0.01 + 0.001
                 zero = torch.zeros(n, k // 32)
                 mats.append((kernels.pack_q4x16(q, scale, zero), kernels.pack_q4c(q, scale, zero)[0]))
-            dense_bytes = n * k * 9 // 16  # Q4_0: 4.5 bits a weight
             x = torch.randn(1, k)
             calls = max(3, int(2e8 // (dense_bytes * copies)))
             for s in a.sparsity:

@@ -33,8 +33,8 @@
 #define Q4C_AHEAD 8  // rows / 64 between a run's prefetch and its use
 #endif
 
-inline void q4c_passes(const Q4CArgs& a, int64_t p_begin, int64_t p_end, float* y) {
-  const int64_t nb = a.k / 32, np = q4c_rows(a.n), half_n = np / 2, passes = np / 64;
+inline void q4c_passes_256(const Q4CArgs& a, int64_t p_begin, int64_t p_end, float* y) {
+  const int64_t nb = a.k / 32, np = q4c_rows(a.n), half_n = np / 2;
   const __m256i mask = _mm256_set1_epi8(0x0F);
   const uint8_t* ra[16];  // a block's runs, two a pair
   const uint8_t* rb[16];
@@ -96,3 +96,89 @@ inline void q4c_passes(const Q4CArgs& a, int64_t p_begin, int64_t p_end, float* 
     }
   }
 }
+
+#if defined(__AVX512BW__)
+// The same product two passes (128 rows) at a time in 512-bit registers: a run's 64 bytes for
+// rows 64p..64p+127 are passes p and p+1 side by side, and every byte operation above works
+// within 128-bit lanes, so each 256-bit half of a register holds what the 256-bit code holds for
+// its pass (acc[v]'s halves: rows 16v..16v+15 of pass p, then of p+1). The same integer sums,
+// and the same float operations on each row, so the same floats.
+inline void q4c_passes_512(const Q4CArgs& a, int64_t p_begin, int64_t p_end, float* y) {
+  const int64_t nb = a.k / 32, np = q4c_rows(a.n), half_n = np / 2;  // (p_end - p_begin even)
+  const __m512i mask = _mm512_set1_epi8(0x0F);
+  const uint8_t* ra[16];
+  const uint8_t* rb[16];
+  __m512i xs[16];
+  for (int64_t b = 0; b < nb; b++) {
+    const int32_t first = a.first[b], cnt = a.first[b + 1] - first;
+    if (cnt == 0) continue;
+    const uint8_t* r = a.w + b * q4c_region(np, a.offsets);
+    const uint8_t* nib = r + (a.offsets ? 4 : 2) * np;
+    for (int i = 0; i < cnt; i++) {
+      const Q4CPair c = a.pairs[first + i];
+      ra[i] = nib + c.j0 * half_n;
+      rb[i] = nib + c.j1 * half_n;
+      xs[i] = _mm512_set1_epi16((int16_t)(uint16_t)((uint8_t)c.x0 | ((uint16_t)(uint8_t)c.x1 << 8)));
+    }
+    const __m512 vxd = _mm512_set1_ps(a.xd[b]), vxs = _mm512_set1_ps(a.xs[b]);
+    for (int64_t p = p_begin; p < p_end; p += 2) {
+      const bool ahead = p + 1 + Q4C_AHEAD < p_end;
+      if (ahead) {  // the scales (and offsets) of 128 rows: four lines each
+        for (int64_t o = 0; o < 256; o += 64) {
+          _mm_prefetch((const char*)r + 128 * (p + Q4C_AHEAD) + o, _MM_HINT_T0);
+          if (a.offsets) _mm_prefetch((const char*)r + 2 * np + 128 * (p + Q4C_AHEAD) + o, _MM_HINT_T0);
+        }
+      }
+      __m512i sum[8];  // sum[2v + h]: rows 64 (p + h) + 16v .. + 15, in 32 bits
+      for (int i = 0; i < 8; i++) sum[i] = _mm512_setzero_si512();
+      for (int s = 0; s < cnt; s += 8) {
+        const int e = std::min(s + 8, cnt);
+        __m512i acc[4] = {_mm512_setzero_si512(), _mm512_setzero_si512(), _mm512_setzero_si512(),
+                          _mm512_setzero_si512()};
+        for (int i = s; i < e; i++) {
+          const uint8_t *pa = ra[i] + 32 * p, *pb = rb[i] + 32 * p;
+          if (ahead) {  // (a run's 64 bytes may straddle two lines)
+            _mm_prefetch((const char*)pa + 32 * Q4C_AHEAD, _MM_HINT_T0);
+            _mm_prefetch((const char*)pa + 32 * Q4C_AHEAD + 63, _MM_HINT_T0);
+            _mm_prefetch((const char*)pb + 32 * Q4C_AHEAD, _MM_HINT_T0);
+            _mm_prefetch((const char*)pb + 32 * Q4C_AHEAD + 63, _MM_HINT_T0);
+          }
+          const __m512i va = _mm512_loadu_si512((const void*)pa), vb = _mm512_loadu_si512((const void*)pb);
+          const __m512i xx = xs[i];
+          const __m512i alo = _mm512_and_si512(va, mask), ahi = _mm512_and_si512(_mm512_srli_epi16(va, 4), mask);
+          const __m512i blo = _mm512_and_si512(vb, mask), bhi = _mm512_and_si512(_mm512_srli_epi16(vb, 4), mask);
+          acc[0] = _mm512_add_epi16(acc[0], _mm512_maddubs_epi16(_mm512_unpacklo_epi8(alo, blo), xx));
+          acc[1] = _mm512_add_epi16(acc[1], _mm512_maddubs_epi16(_mm512_unpackhi_epi8(alo, blo), xx));
+          acc[2] = _mm512_add_epi16(acc[2], _mm512_maddubs_epi16(_mm512_unpacklo_epi8(ahi, bhi), xx));
+          acc[3] = _mm512_add_epi16(acc[3], _mm512_maddubs_epi16(_mm512_unpackhi_epi8(ahi, bhi), xx));
+        }
+        for (int v = 0; v < 4; v++) {
+          sum[2 * v] = _mm512_add_epi32(sum[2 * v], _mm512_cvtepi16_epi32(_mm512_castsi512_si256(acc[v])));
+          sum[2 * v + 1] = _mm512_add_epi32(sum[2 * v + 1], _mm512_cvtepi16_epi32(_mm512_extracti64x4_epi64(acc[v], 1)));
+        }
+      }
+      for (int v = 0; v < 4; v++) {
+        for (int h = 0; h < 2; h++) {
+          const int64_t row = 64 * (p + h) + 16 * v;
+          const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(r + 2 * row)));
+          const __m512 m = a.offsets ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(r + 2 * np + 2 * row)))
+                                     : _mm512_mul_ps(d, _mm512_set1_ps(-8.0f));
+          __m512 acc_y = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum[2 * v + h]), _mm512_mul_ps(d, vxd), _mm512_loadu_ps(y + row));
+          _mm512_storeu_ps(y + row, _mm512_fmadd_ps(m, vxs, acc_y));
+        }
+      }
+    }
+  }
+}
+
+// 512-bit over pairs of passes, the last odd one 256-bit (its rows' sums are the same either way)
+inline void q4c_passes(const Q4CArgs& a, int64_t p_begin, int64_t p_end, float* y) {
+  const int64_t even = p_begin + (p_end - p_begin) / 2 * 2;
+  if (even > p_begin) q4c_passes_512(a, p_begin, even, y);
+  if (even < p_end) q4c_passes_256(a, even, p_end, y);
+}
+#else
+inline void q4c_passes(const Q4CArgs& a, int64_t p_begin, int64_t p_end, float* y) {
+  q4c_passes_256(a, p_begin, p_end, y);
+}
+#endif
