@@ -13,10 +13,12 @@ page cache for both):
   copy: three files' headers, some more than once);
 - `load, fp32 dense`: `Config(dtype="float32", weights="dense")`, one file.
 
-Each is measured two ways: `before`, the reader as it was (a `gguf.GGUFReader` call per array
-element: a vocabulary's tokens, scores and merges one at a time, and every open parsed anew), and
-`now` (an array's elements sliced from one view; one load parses each file once). Reported: the
-median of the turns of each and their ratio. A vocabulary's size decides the gap: SmolLM2 has
+Each is measured three ways (`reader`): `stock`, the stock reader (a `gguf.GGUFReader` call per
+array element: a vocabulary's tokens, scores and merges one at a time, and every open parsed
+anew); `views` (an array's elements sliced from one view, all of them at the parse; one load
+parses each file once; the metadata decoded at every ask); and `now` (the elements' views made
+when asked for, an array decoded whole, a reader's metadata decoded once). Reported: the median
+of the turns of each and the ratios. A vocabulary's size decides the gap: SmolLM2 has
 49,152 tokens and 48,900 merges, Gemma 3 262,144 tokens.
 """
 from __future__ import annotations
@@ -36,22 +38,39 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 
+WAYS = ("stock", "views", "now")
+
+
 @contextlib.contextmanager
-def reader_before():
-    """The reader as it was: the stock element-by-element walk over arrays, no parse shared
-    within a load."""
+def reader(way: str):
+    """The header's reader as it was (`stock`: gguf's element-by-element walk over arrays, no parse
+    shared within a load, the metadata decoded at every ask; `views`: an array's elements sliced
+    from one view, all made at the parse, a parse shared within a load, the metadata decoded at
+    every ask) or as it is (`now`: the elements' views made when asked for, an array decoded
+    whole, a reader's metadata decoded once)."""
     import gguf
 
     from powerinfer import api, compat
+    from powerinfer.formats import gguf as ours
 
+    if way == "now":
+        yield
+        return
     cls = compat.reader_class()
-    saved = cls._get_field_parts, api.parsed_once
-    cls._get_field_parts = gguf.GGUFReader._get_field_parts  # the stock walk, with no wrapper
-    api.parsed_once = contextlib.nullcontext
+    saved = cls._build_fields, cls._get_field_parts, api.parsed_once, ours.gguf_metadata
+    cls._build_fields = gguf.GGUFReader._build_fields
+
+    def decoded_each_time(reader) -> dict:
+        return {k: f.contents() for k, f in reader.fields.items() if not k.startswith("GGUF.")}
+
+    ours.gguf_metadata = decoded_each_time
+    if way == "stock":
+        cls._get_field_parts = gguf.GGUFReader._get_field_parts  # the stock walk, no wrapper
+        api.parsed_once = contextlib.nullcontext
     try:
         yield
     finally:
-        cls._get_field_parts, api.parsed_once = saved
+        cls._build_fields, cls._get_field_parts, api.parsed_once, ours.gguf_metadata = saved
 
 
 def timed(fn) -> float:
@@ -77,19 +96,20 @@ def measure(model: str, turns: int) -> list[dict]:
             path, Config(dtype="float32", weights="dense")),
     }
     cases["load, defaults"]()  # a converted copy, where the file needs one, made before timing
-    times = {(c, w): [] for c in cases for w in ("before", "now")}
+    times = {(c, w): [] for c in cases for w in WAYS}
     for turn in range(turns):
         for case, fn in cases.items():
-            for which in (("before", "now") if turn % 2 == 0 else ("now", "before")):
-                with reader_before() if which == "before" else contextlib.nullcontext():
-                    times[case, which].append(timed(fn))
+            for way in (WAYS if turn % 2 == 0 else WAYS[::-1]):
+                with reader(way):
+                    times[case, way].append(timed(fn))
         print(f"{model}: turn {turn + 1}/{turns} done", file=sys.stderr, flush=True)
     rows = []
     for case in cases:
-        b, n = (statistics.median(times[case, w]) for w in ("before", "now"))
-        rows.append({"model": model, "case": case, "before_s": round(b, 3), "now_s": round(n, 3),
-                     "speedup": round(b / n, 2), "turns": {w: [round(x, 3) for x in times[case, w]]
-                                                           for w in ("before", "now")}})
+        med = {w: statistics.median(times[case, w]) for w in WAYS}
+        rows.append({"model": model, "case": case, **{f"{w}_s": round(med[w], 3) for w in WAYS},
+                     "speedup": round(med["stock"] / med["now"], 2),
+                     "speedup_views": round(med["views"] / med["now"], 2),
+                     "turns": {w: [round(x, 3) for x in times[case, w]] for w in WAYS}})
     return rows
 
 
@@ -102,10 +122,11 @@ def main() -> None:
     rows = [r for m in a.models.split(",") for r in measure(m, a.turns)]
     print(f"\n{platform.processor() or platform.machine()}, {datetime.date.today()}, "
           f"median of {a.turns} turns\n")
-    print("| model | case | before (s) | now (s) | speedup |\n|---|---|---:|---:|---:|")
+    print("| model | case | stock (s) | views (s) | now (s) | now vs stock | now vs views |\n"
+          "|---|---|---:|---:|---:|---:|---:|")
     for r in rows:
-        print(f"| {r['model']} | {r['case']} | {r['before_s']:.2f} | {r['now_s']:.2f} | "
-              f"**{r['speedup']:.2f}x** |")
+        print(f"| {r['model']} | {r['case']} | {r['stock_s']:.2f} | {r['views_s']:.2f} | "
+              f"{r['now_s']:.2f} | **{r['speedup']:.2f}x** | **{r['speedup_views']:.2f}x** |")
     if a.out:
         Path(a.out).write_text(json.dumps(rows, indent=1))
 
