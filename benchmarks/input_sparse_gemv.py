@@ -8,12 +8,13 @@ default path runs (`kernels.linear_q4x16`), the same Q4_0 matrices, in one run, 
 
 Each shape is a decode step's projections that share an input (TEAL sparsifies each input once):
 q/k/v fused, the output projection, gate/up fused (the 7B shape's 4096 -> 12288, 4096, 22016;
-SmolLM2's 576 -> 960, 576, 3072). Distinct copies of each that fill twice the last level cache
-(at least 4 of a 7B matrix, 64 of a SmolLM2 one), so that the products read from memory. The
-input is Gaussian with its channels below the sparsity's quantile in magnitude zeroed by the
-kernel's threshold, so each row keeps 1 - s of its channels. "floor" is the bytes a product must read (every scale of a block with a kept
-channel and the kept channels' codes; the dense one all of them) at the read rate of a plain
-sum over 256 MiB or 4x the last level cache (`gemv.read_rate`), measured in the same run.
+SmolLM2's 576 -> 960, 576, 3072). Distinct copies of each that fill twice the last level cache (at
+least 4 of a 7B matrix, 64 of a SmolLM2 one), so that the products read from memory. The input is
+Gaussian with its channels below the sparsity's quantile in magnitude zeroed by the kernel's
+threshold, so each row keeps 1 - s of its channels. "floor" is the bytes a product must read (every
+scale of a block with a kept channel and the kept channels' codes; the dense one all of them) at
+the read rate of a plain sum over 256 MiB or 4x the last level cache (`gemv.read_rate`), measured
+in the same run.
 """
 from __future__ import annotations
 
@@ -92,7 +93,8 @@ def main():
     torch.manual_seed(0)
     rate, read_bytes = read_rate()
     read_gbs, llc = rate / 1e9, last_level_cache()
-    held = f" (held; this CPU's best: {kernels.best_isa()})" if kernels.isa() != kernels.best_isa() else ""
+    held = "" if kernels.isa() == kernels.best_isa() else \
+        f" (held; this CPU's best: {kernels.best_isa()})"
     print(f"threads {a.threads}, kernel ISA {kernels.isa()}{held}; read rate (sum over "
           f"{read_bytes / 2**20:.0f} MiB): {read_gbs:.1f} GB/s; last level cache "
           f"{llc / 2**20:.0f} MiB; {a.turns} turns, the median\n")

@@ -70,7 +70,8 @@ def test_greedy_matches_transformers_for_32_tokens(ours, hf):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("isa", CPU_CLASSES or ["auto"])
-def test_the_shipped_configuration_tracks_fp32(gemma_model_path, ours, fp32_tracks, isa):
+def test_the_shipped_configuration_tracks_fp32(gemma_model_path, ours, fp32_tracks,
+                                                 isa):
     # defaults, on every class this CPU runs (each held to below its best): the K-quants
     # converted once to Q8_0/Q4_1 blocks, bf16 activations, 4-bit where the blocks are, the tied
     # 8-bit head over the file's Q8_0 embedding rows; its decode steps in the native loop, here
