@@ -1,7 +1,7 @@
 """The server as its users meet it: `powerinfer serve` started as a process with several models
 from one config (the default model, Gemma 3, a small synthetic one, a synthetic one with two
-replicas on disjoint cores, and a corrupt file), driven by the
-official `openai` client, a gRPC client built from the generated stubs, raw HTTP, and a fuzzer;
+replicas on disjoint cores (4-bit, its inputs sparse by its bundle), and a corrupt file), driven
+by the official `openai` client, a gRPC client built from the generated stubs, raw HTTP, and a fuzzer;
 faults are real (an actor process killed mid-stream, a client hanging up), and so is the
 security check (a process without Ray's token is refused by the cluster's GCS).
 
@@ -172,16 +172,23 @@ def server(tmp_path_factory, default_model_path):
                        "max_seq_len": 512, "max_batch": 4, "cpu_threads": 1, "dtype": "float32",
                        "cores": cpulist(tiny_cores)})
     if len(cores) > 1:  # a model with two replicas: two groups, each on its slice of two cores
-        write_synthetic(d / "twin.gguf", preset="tiny", seed=1, progress=False)
+        # (4-bit, with input sparsity from its bundle on every projection: the server's
+        # POWERINFER_INPUT_SPARSE_MIN_ROWS below takes the tiny ones too)
+        from powerinfer.sparsity.input_sparsity import calibrate_bundle
+        write_synthetic(d / "twin.gguf", preset="tiny", seed=1, quant="q4_0", progress=False)
+        calibrate_bundle(str(d / "twin.gguf"), str(d / "twin.bundle"), 0.25, tokens=512,
+                         held_out=256, window=128, progress=False)
         models.append({"name": TWIN, "model": str(d / "twin.gguf"), "max_seq_len": 512,
-                       "max_batch": 2, "replicas": 2, "cores": cpulist(cores[:2])})
+                       "max_batch": 2, "replicas": 2, "cores": cpulist(cores[:2]),
+                       "input_sparsity": str(d / "twin.bundle")})
     config.write_text(yaml.safe_dump({"max_body_bytes": MAX_BODY, "models": models}))
     port, grpc_port = free_port(), free_port()
     log = d / "server.log"
     before = ray_pids()
     proc = subprocess.Popen([str(POWERINFER), "serve", "--config", str(config), "--port", str(port),
                              "--grpc-port", str(grpc_port), "--api-key", KEY],
-                            stdout=open(log, "w"), stderr=subprocess.STDOUT, start_new_session=True)
+                            stdout=open(log, "w"), stderr=subprocess.STDOUT, start_new_session=True,
+                            env={**os.environ, "POWERINFER_INPUT_SPARSE_MIN_ROWS": "0"})
     s = Server(proc, port, grpc_port, log)
     s.ray_before = before
     s.cores = {SMOL: set(smol_cores), TINY: set(tiny_cores), GEMMA: set(tiny_cores),
@@ -330,6 +337,35 @@ def test_two_replicas_hold_two_groups_on_disjoint_cores_and_share_the_load(serve
                                     if k == "hot" or k.startswith("cold"))))
     assert not pinned[0] & pinned[1] and pinned[0] | pinned[1] <= server.cores[TWIN], pinned
     assert seen[0]["pids"]["scheduler"] != seen[1]["pids"]["scheduler"]
+
+def test_each_requests_input_sparsity_reaches_the_metrics(server):
+    # the twin model serves with its bundle's input sparsity: each request's decode steps read
+    # only the input channels over the thresholds, and /metrics observes the share they skipped
+    # once a request (whichever replica served it), about the bundle's 25%
+    if TWIN not in server.models:
+        pytest.skip("the two-replica model needs two cores")
+    from prometheus_client.parser import text_string_to_metric_families
+    name = "powerinfer:input_sparsity_realised"
+
+    def scrape() -> dict:
+        text = httpx.get(server.url + "/metrics").text
+        return {s.name: s.value for family in text_string_to_metric_families(text)
+                for s in family.samples if s.name.startswith(name)
+                and s.labels.get("model_name") == TWIN and "le" not in s.labels}
+
+    before = scrape()
+    for i in range(4):
+        r = server.http.post("/v1/completions", json={"model": TWIN, "prompt": f"a story {i}",
+                                                       "max_tokens": 8, "temperature": 0,
+                                                       "ignore_eos": True})
+        assert r.status_code == 200, r.text
+    assert wait_for(lambda: scrape().get(name + "_count", 0) >= before.get(name + "_count", 0) + 4,
+                    timeout=30), scrape()
+    after = scrape()
+    n = after[name + "_count"] - before.get(name + "_count", 0)
+    share = (after[name + "_sum"] - before.get(name + "_sum", 0)) / n
+    assert n == 4 and 0.1 < share < 0.5, (n, share)
+
 
 def test_openai_client_chat_and_completions(server, local_smol):
     from openai import OpenAI
