@@ -1,8 +1,8 @@
 """The server as its users meet it: `powerinfer serve` started as a process with several models
 from one config (the default model, Gemma 3, a small synthetic one, a synthetic one with two
 replicas on disjoint cores (4-bit, its inputs sparse by its bundle), and a corrupt file), driven
-by the official `openai` client, a gRPC client built from the generated stubs, raw HTTP, and a fuzzer;
-faults are real (an actor process killed mid-stream, a client hanging up), and so is the
+by the official `openai` client, a gRPC client built from the generated stubs, raw HTTP, and a
+fuzzer; faults are real (an actor process killed mid-stream, a client hanging up), and so is the
 security check (a process without Ray's token is refused by the cluster's GCS).
 
 The tests run in file order: the fault tests rebuild actor groups, the last one stops the
