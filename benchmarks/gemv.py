@@ -59,6 +59,13 @@ def read_rate() -> tuple[float, int]:
     return rate, nbytes
 
 
+def cache_note() -> str:
+    """A line for a benchmark's header: how large the last level cache is, and that weights
+    which take less than twice it read (partly) from cache rather than memory."""
+    return (f"; last level cache {last_level_cache() / 2**20:.0f} MiB: weights under twice that "
+            "read partly from cache, not memory")
+
+
 @torch.compile(dynamic=False)
 def multiply_reduce(x, w):  # what powerinfer.model.Linear does for one token under compile
     return (w.float() * x.float()).sum(-1)
@@ -72,7 +79,7 @@ def main():
     rate, nbytes = read_rate()
     read_gbs = rate / 1e9
     print(f"threads {a.threads}; read bandwidth (sum over {nbytes / 2**20:.0f} MiB): "
-          f"{read_gbs:.1f} GB/s\n")
+          f"{read_gbs:.1f} GB/s{cache_note()}\n")
     print("| weights | way | bytes read | time | GB/s | share of read bandwidth |")
     print("|---|---|---:|---:|---:|---:|")
     assert kernels.available(), "the CPU kernel cannot run here"

@@ -22,7 +22,7 @@ import torch
 from powerinfer import kernels
 from powerinfer.model.quant import KQuantLinear, KernelLinear
 
-from gemv import seconds  # the same timing as the other GEMV benchmarks
+from gemv import cache_note, read_rate, seconds  # the other GEMV benchmarks' timing
 
 HEADS = {"SmolLM2-135M": (49152, 576), "Gemma 3 270M": (262144, 640), "7B shape": (32000, 4096)}
 
@@ -35,9 +35,10 @@ def main():
     a = ap.parse_args()
     assert kernels.available(), "the CPU kernel cannot run here"
     torch.set_num_threads(a.threads)
-    big = torch.randn(64 * 2**20)
-    read_gbs = big.numel() * 4 / seconds(big.sum) / 1e9
-    print(f"threads {a.threads}; read bandwidth (sum over 256 MiB): {read_gbs:.1f} GB/s\n")
+    rate, read_bytes = read_rate()
+    read_gbs = rate / 1e9
+    print(f"threads {a.threads}; read bandwidth (sum over {read_bytes / 2**20:.0f} MiB): "
+          f"{read_gbs:.1f} GB/s{cache_note()}\n")
     print("| head | rows x dim | ISA | input rows | Q8_0 rows, row GEMV | q8x16 | GB/s (q8x16) "
           "| share of read bandwidth | speed-up | max difference |")
     print("|---|---|---|---:|---:|---:|---:|---:|---:|---:|")

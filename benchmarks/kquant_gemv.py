@@ -24,7 +24,7 @@ from powerinfer.formats.kquants import KQUANT_LAYOUTS, quantize
 from powerinfer.model.quant import KQuantLinear, KernelLinear, Q4Linear
 from powerinfer.formats.q4 import q4_split
 
-from gemv import seconds  # the same timing as the other GEMV benchmark
+from gemv import cache_note, read_rate, seconds  # the other GEMV benchmarks' timing
 
 
 def main():
@@ -36,10 +36,10 @@ def main():
     assert kernels.available(), "the CPU kernel cannot run here"
     torch.set_num_threads(a.threads)
     n, k, count = a.rows, a.cols, 4
-    big = torch.randn(64 * 2**20)
-    read_gbs = big.numel() * 4 / seconds(big.sum) / 1e9
-    print(f"threads {a.threads}, kernel ISA {kernels.isa()}; read bandwidth (sum over 256 MiB): "
-          f"{read_gbs:.1f} GB/s\n")
+    rate, read_bytes = read_rate()
+    read_gbs = rate / 1e9
+    print(f"threads {a.threads}; kernel ISA {kernels.isa()}; read bandwidth (sum over {read_bytes / 2**20:.0f} MiB): "
+          f"{read_gbs:.1f} GB/s{cache_note()}\n")
     print("| file's type | held as | bytes read | time | GB/s | share of read bandwidth | time vs converted |")
     print("|---|---|---:|---:|---:|---:|---:|")
     x = torch.randn(1, k).bfloat16()
