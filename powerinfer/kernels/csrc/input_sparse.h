@@ -33,23 +33,44 @@
 #define Q4C_AHEAD 8  // rows / 64 between a run's prefetch and its use
 #endif
 
-inline void q4c_passes_256(const Q4CArgs& a, int64_t p_begin, int64_t p_end, float* y) {
-  const int64_t nb = a.k / 32, np = q4c_rows(a.n), half_n = np / 2;
-  const __m256i mask = _mm256_set1_epi8(0x0F);
-  const uint8_t* ra[16];  // a block's runs, two a pair
+// Block b's kept channels for the products below: its region, and per pair its two channels'
+// runs and their two 8-bit inputs as one 16-bit word (x0 the low byte); the pair count (0:
+// no channel of the block kept, and q4x16 adds 0 * d xd + m * 0 there)
+struct Q4CBlock {
+  const uint8_t* r;
+  int cnt;
+  const uint8_t* ra[16];
   const uint8_t* rb[16];
-  __m256i xs[16];  // and their inputs, two bytes a pair
+  int16_t x[16];
+};
+
+inline int q4c_block(const Q4CArgs& a, int64_t b, int64_t np, Q4CBlock& k) {
+  const int32_t first = a.first[b];
+  k.cnt = a.first[b + 1] - first;
+  if (k.cnt == 0) return 0;
+  k.r = a.w + b * q4c_region(np, a.offsets);
+  const uint8_t* nib = k.r + (a.offsets ? 4 : 2) * np;
+  for (int i = 0; i < k.cnt; i++) {
+    const Q4CPair c = a.pairs[first + i];
+    k.ra[i] = nib + c.j0 * (np / 2);
+    k.rb[i] = nib + c.j1 * (np / 2);
+    k.x[i] = (int16_t)(uint16_t)((uint8_t)c.x0 | ((uint16_t)(uint8_t)c.x1 << 8));
+  }
+  return k.cnt;
+}
+
+inline void q4c_passes_256(const Q4CArgs& a, int64_t p_begin, int64_t p_end, float* y) {
+  const int64_t nb = a.k / 32, np = q4c_rows(a.n);
+  const __m256i mask = _mm256_set1_epi8(0x0F);
+  Q4CBlock k;
+  __m256i xs[16];  // the pairs' inputs, two bytes a pair
   for (int64_t b = 0; b < nb; b++) {
-    const int32_t first = a.first[b], cnt = a.first[b + 1] - first;
-    if (cnt == 0) continue;  // no channel of the block kept: q4x16 adds 0 * d xd + m * 0 there
-    const uint8_t* r = a.w + b * q4c_region(np, a.offsets);
-    const uint8_t* nib = r + (a.offsets ? 4 : 2) * np;
-    for (int i = 0; i < cnt; i++) {
-      const Q4CPair c = a.pairs[first + i];
-      ra[i] = nib + c.j0 * half_n;
-      rb[i] = nib + c.j1 * half_n;
-      xs[i] = _mm256_set1_epi16((int16_t)(uint16_t)((uint8_t)c.x0 | ((uint16_t)(uint8_t)c.x1 << 8)));
-    }
+    if (q4c_block(a, b, np, k) == 0) continue;
+    const int cnt = k.cnt;
+    const uint8_t* r = k.r;
+    const uint8_t* const* ra = k.ra;
+    const uint8_t* const* rb = k.rb;
+    for (int i = 0; i < cnt; i++) xs[i] = _mm256_set1_epi16(k.x[i]);
     const __m256 vxd = _mm256_set1_ps(a.xd[b]), vxs = _mm256_set1_ps(a.xs[b]);
     for (int64_t p = p_begin; p < p_end; p++) {
       const bool ahead = p + Q4C_AHEAD < p_end;
@@ -104,22 +125,17 @@ inline void q4c_passes_256(const Q4CArgs& a, int64_t p_begin, int64_t p_end, flo
 // its pass (acc[v]'s halves: rows 16v..16v+15 of pass p, then of p+1). The same integer sums,
 // and the same float operations on each row, so the same floats.
 inline void q4c_passes_512(const Q4CArgs& a, int64_t p_begin, int64_t p_end, float* y) {
-  const int64_t nb = a.k / 32, np = q4c_rows(a.n), half_n = np / 2;  // (p_end - p_begin even)
+  const int64_t nb = a.k / 32, np = q4c_rows(a.n);  // (p_end - p_begin even)
   const __m512i mask = _mm512_set1_epi8(0x0F);
-  const uint8_t* ra[16];
-  const uint8_t* rb[16];
+  Q4CBlock k;
   __m512i xs[16];
   for (int64_t b = 0; b < nb; b++) {
-    const int32_t first = a.first[b], cnt = a.first[b + 1] - first;
-    if (cnt == 0) continue;
-    const uint8_t* r = a.w + b * q4c_region(np, a.offsets);
-    const uint8_t* nib = r + (a.offsets ? 4 : 2) * np;
-    for (int i = 0; i < cnt; i++) {
-      const Q4CPair c = a.pairs[first + i];
-      ra[i] = nib + c.j0 * half_n;
-      rb[i] = nib + c.j1 * half_n;
-      xs[i] = _mm512_set1_epi16((int16_t)(uint16_t)((uint8_t)c.x0 | ((uint16_t)(uint8_t)c.x1 << 8)));
-    }
+    if (q4c_block(a, b, np, k) == 0) continue;
+    const int cnt = k.cnt;
+    const uint8_t* r = k.r;
+    const uint8_t* const* ra = k.ra;
+    const uint8_t* const* rb = k.rb;
+    for (int i = 0; i < cnt; i++) xs[i] = _mm512_set1_epi16(k.x[i]);
     const __m512 vxd = _mm512_set1_ps(a.xd[b]), vxs = _mm512_set1_ps(a.xs[b]);
     for (int64_t p = p_begin; p < p_end; p += 2) {
       const bool ahead = p + 1 + Q4C_AHEAD < p_end;
