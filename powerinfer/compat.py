@@ -59,8 +59,7 @@ def reader_class():
         def _get_field_parts(self, orig_offs, raw_type):
             fast = raw_type == gguf.GGUFValueType.ARRAY and self.byte_order == "I"
             got = _array_field_parts(self, orig_offs) if fast else None
-            if got is not None and isinstance(got[1], ArrayParts):  # (inside another array)
-                got = (got[0], list(got[1]), *got[2:])
+            # (inside another array, the stock walk adds an ArrayParts' parts to its list)
             return super()._get_field_parts(orig_offs, raw_type) if got is None else got
 
         def _build_fields(self, offs, count):
@@ -75,10 +74,7 @@ def reader_class():
                 raw_kv_type = self._get(offs, np.uint32)
                 offs += int(raw_kv_type.nbytes)
                 head = [kv_klen, kv_kdata, raw_kv_type]
-                got = _array_field_parts(self, offs) \
-                    if raw_kv_type[0] == gguf.GGUFValueType.ARRAY else None
-                size, parts, idxs, types = \
-                    super()._get_field_parts(offs, raw_kv_type[0]) if got is None else got
+                size, parts, idxs, types = self._get_field_parts(offs, raw_kv_type[0])
                 if isinstance(parts, ArrayParts):
                     parts.head = head + parts.head
                 else:

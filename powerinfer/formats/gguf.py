@@ -52,8 +52,8 @@ def gguf_metadata(reader) -> dict:
             if key.startswith("GGUF."):
                 continue
             try:
-                meta[key] = f.parts.contents() if isinstance(f.parts, ArrayParts) and \
-                    len(f.types) == 2 else f.contents()
+                meta[key] = f.parts.contents() if isinstance(f.parts, ArrayParts) \
+                    else f.contents()
             except Exception:  # a value type the reader cannot decode: skip it
                 continue
         reader._powerinfer_meta = meta
