@@ -49,7 +49,7 @@ from .plane import (ATTN, DECODE, HEAD, PREFILL, Answering, FFNInput, Partial, P
                     send, split_kv)
 
 
-class ColdExecutor(Answering):
+class ColdExecutorImpl(Answering):
     def __init__(self, spec: PlaneSpec, rank: int, cores: tuple[int, ...], model: ModelFile,
                  plan: SparsePlan, hot_share: float, threads: int = 0, weights: str = "dense",
                  head: bool = True, attention: bool = False):

@@ -23,16 +23,14 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from cluster.topology import (CorePlan, Topology, node_of, parse_cpulist, plan_cores,
                               process_memory)
-from powerinfer.config import Config
+from powerinfer.config import DTYPES, Config
 from powerinfer.errors import ConfigError, EngineFailedError
-from powerinfer.formats.source import ModelFile
+from powerinfer.formats.args import ModelArgs
 from powerinfer.engine.plan import SparsePlan
 
 from .channel import sweep
-from .cold_executor import ColdExecutor
-from .hot_executor import HotExecutor
 from .plane import SPIN_US, PlaneSpec, splits_attention
-from .predictor import PredictorActor
+from .roles import ColdExecutor, HotExecutor, PredictorActor
 from .scheduler import Scheduler
 
 log = logging.getLogger("powerinfer")
@@ -56,14 +54,6 @@ def wants_gpu(config: Config) -> bool:
     return config.device == "cuda" or (config.device == "auto" and gpus >= 1)
 
 
-def store_once(**objects) -> dict:
-    """Each object put in Ray's store, for every group an engine starts to pass to its actors:
-    an argument passed by value is serialized into the store again at every actor's creation
-    (the model's table and tokenizer, a few MiB, twice a group), and the pages the owner wrote
-    there count in its memory: a model replica grew by about 8 MiB at each group rebuild."""
-    return {k: ray.put(v) for k, v in objects.items()}
-
-
 @functools.cache
 def remote_class(cls):
     """`ray.remote(cls)`, made once a process: each call makes a new actor class, which Ray's
@@ -73,13 +63,14 @@ def remote_class(cls):
 
 
 class ActorGroup:
-    def __init__(self, model: ModelFile, tokenizer, config: Config, plan: SparsePlan,
-                 max_seq: int, num_blocks: int, spin_us: float = SPIN_US,
-                 stored: dict | None = None):
-        # stored: the model's table and tokenizer as objects in Ray's store (`store_once`),
-        # passed to the actors in their place
-        self.model, self.tokenizer, self.args = model, tokenizer, model.args
-        self.stored = stored or {}
+    def __init__(self, args: ModelArgs, stored: dict, config: Config, plan: SparsePlan,
+                 max_seq: int, num_blocks: int, spin_us: float = SPIN_US):
+        # stored: the model's table ("model", a `ModelFile`) and its "tokenizer" as objects in
+        # Ray's store, put there once per engine (`prepare.prepared`) and passed to the actors by
+        # reference: an argument passed by value is serialized into the store again at every
+        # actor's creation (a few MiB, twice a group), and the pages the owner wrote there count
+        # in its memory (a replica grew by about 8 MiB at each group rebuild)
+        self.args, self.stored = args, stored
         self.config, self.plan = config, plan
         self.max_seq, self.num_blocks, self.spin_us = max_seq, num_blocks, spin_us
         self.cores: CorePlan | None = None
@@ -150,7 +141,7 @@ class ActorGroup:
         chunk = c.prefill_chunk or self.max_seq
         self.spec = PlaneSpec.new(c.cold_executors, c.max_batch + 1, c.max_batch + 1 + chunk,
                                   self.max_seq, self.num_blocks + 1, c.block_size, self.args,
-                                  c.torch_dtype, self.spin_us, c.cpu_isa)
+                                  DTYPES[c.dtype], self.spin_us, c.cpu_isa)
         self.spec.create_all()
 
     def _shares_gpu(self, gpu: bool) -> bool:
@@ -202,11 +193,11 @@ class ActorGroup:
         attention = not gpu and splits_attention(self.args, p)
         self.actors["hot"] = place(HotExecutor, 0,
                                    num_gpus=(0.5 if shared_gpu else 1) if gpu else 0).remote(
-            spec, self.cores.hot, self.stored.get("model", self.model), c, p, self.hot_share,
+            spec, self.cores.hot, self.stored["model"], c, p, self.hot_share,
             attention)
         for k in range(n):
             self.actors[f"cold.{k}"] = place(ColdExecutor, 1 + k).remote(
-                spec, k, self.cores.cold[k], self.stored.get("model", self.model), p,
+                spec, k, self.cores.cold[k], self.stored["model"], p,
                 self.hot_share, c.cpu_threads,
                 c.cold_weights, head=not gpu, attention=attention)
         if p.predictor_input is not None:
@@ -219,7 +210,7 @@ class ActorGroup:
         # every open stream is a call in flight: admission control is the scheduler's
         # queue, not Ray's
         self.actors["scheduler"] = place(Scheduler, n + 2, concurrency=10_000).remote(
-            spec, self.model.args.vocab_size, self.stored.get("tokenizer", self.tokenizer), c,
+            spec, self.args.vocab_size, self.stored["tokenizer"], c,
             self.cores.hot, self._spare(),
             sparse=p.bundle is not None)
 

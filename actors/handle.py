@@ -32,21 +32,13 @@ from cluster.topology import numa_resources
 from powerinfer.compat import ray_init, trim_heap
 from powerinfer.config import Config
 from powerinfer.engine.params import SamplingParams
-from powerinfer.engine.batching import context_length
-from powerinfer.engine.kv import BlockManager, describe, pool_blocks
-from powerinfer.errors import ConfigError, EngineFailedError, ModelLoadError
-from powerinfer.model.convert import kernel_ready
-from powerinfer.formats.loader import load_checkpoint
-from powerinfer.formats.source import tensor_types
-from powerinfer.engine.budget import plan_for
-from powerinfer.engine.partial import dense_block
-from powerinfer.engine.plan import SparsePlan, input_thresholds, log_input_sparsity
-from powerinfer.formats.q4 import has_q4
-from powerinfer.formats.tokenizer import Tokenizer
+from powerinfer.engine.plan import log_input_sparsity
+from powerinfer.errors import ConfigError, EngineFailedError
 
 from .follow import Flight, follow, follow_sync, target
-from .group import ActorGroup, store_once, wants_gpu
+from .group import ActorGroup, wants_gpu
 from .plane import SPIN_US
+from .prepare import prepared
 
 log = logging.getLogger("powerinfer")
 REBUILD_WAIT_S = 300
@@ -55,46 +47,26 @@ NEW_WAIT_S = 30  # a new request waits this long (less than a client's usual tim
 
 class ActorEngine:
     def __init__(self, model: str, config: Config, spin_us: float = SPIN_US):
-        # block types the CPU kernel cannot read (K-quants): a converted copy, made once
-        ckpt = kernel_ready(load_checkpoint(model, with_weights=False), config)
-        four_bit = has_q4(ckpt.info)
-        config = config.resolve(four_bit)  # every actor gets the decided configuration
-        if config.cold_weights == "int4" and not four_bit:
-            raise ModelLoadError(ckpt.path, "cold_weights='int4' needs a GGUF file with Q4_0/Q4_1 "
-                                            "projections")
-        log.info("%s: %s; the file's tensors: %s", ckpt.path.name, config.summary(),
-                 tensor_types(ckpt.info))
-        self.tokenizer = Tokenizer.from_source(ckpt.tokenizer_source)
-        self.args, self.config, self.path = ckpt.args, config, ckpt.path
-        self.model = ckpt.model_file()  # parsed once here; the executors read through it
-        context, elt = context_length(ckpt.args, config), config.torch_dtype.itemsize
-        self.kv_blocks, why = pool_blocks(ckpt.args, config, context, elt)
-        self.max_seq = min(context, BlockManager(self.kv_blocks, config.block_size).capacity)
-        log.info("KV cache: %s (%s), a sequence reaches %d positions",
-                 describe(self.kv_blocks, ckpt.args, config, elt), why, self.max_seq)
         ray_init(resources=numa_resources())  # a local instance advertises the NUMA nodes
-        self.plan = (plan_for(config, ckpt.args, ckpt.path, self.kv_blocks * config.block_size,
-                              wants_gpu(config), ckpt)
-                     or SparsePlan.dense(ckpt.args, dense_block(ckpt)))
-        # input sparsity: the bundle's thresholds, applied by each executor to the 4-bit
-        # projections it holds on the host (on a GPU host the hot side's widen: none there)
-        got = input_thresholds(config, ckpt.path, config.weights == "int4" and not wants_gpu(config))
-        self.input_sparsity = None if got is None else got[1]
-        if got is not None:
-            from powerinfer.sparsity.input_sparsity import MIN_ROWS
-            self.plan = dataclasses.replace(self.plan, inputs=(got[0], MIN_ROWS))
+        # the configuration decided, the file's table, tokenizer and plan (`prepare`: in a task
+        # where this process has no torch, as a served model's replica has not)
+        done, table, stored_tokenizer, self.tokenizer = prepared(model, config, wants_gpu(config))
+        self.config, self.args, self.path, self.plan = done.config, done.args, done.path, done.plan
+        self.kv_blocks, self.max_seq, self.input_sparsity = done.kv_blocks, done.max_seq, \
+            done.input_sparsity
+        self._stored = {"model": table, "tokenizer": stored_tokenizer}  # to every group's actors
         self._spin = spin_us
-        self._stored: dict | None = None  # the model's table and tokenizer in Ray's store
         self.restarts, self.last_failure, self.rebuild_failures = 0, None, 0
         self._failures_before = 0  # rebuild_failures when the current rebuild began
         self._lock = threading.Lock()
         self._ready = threading.Event()
         self._closing = threading.Event()  # set once by shutdown(): wakes the monitor at once
         self.group = self._new_group()
-        if got is not None:  # what the executors took of the thresholds
+        if self.input_sparsity is not None:  # what the executors took of the thresholds
             taken = [i.get("input_sparse", (0, 0)) for i in self.group.info.values()]
             try:
-                log_input_sparsity(got[1], sum(t[0] for t in taken), sum(t[1] for t in taken), config)
+                log_input_sparsity(self.input_sparsity, sum(t[0] for t in taken),
+                                   sum(t[1] for t in taken), self.config, self.plan.inputs[1])
             except ConfigError:
                 self.group.stop()
                 raise
@@ -104,10 +76,8 @@ class ActorEngine:
         self._monitor.start()
 
     def _new_group(self, wait_for_resources: bool = True) -> ActorGroup:
-        if self._stored is None:
-            self._stored = store_once(model=self.model, tokenizer=self.tokenizer)
-        return ActorGroup(self.model, self.tokenizer, self.config, self.plan, self.max_seq,
-                          self.kv_blocks, self._spin, self._stored).start(wait_for_resources)
+        return ActorGroup(self.args, self._stored, self.config, self.plan, self.max_seq,
+                          self.kv_blocks, self._spin).start(wait_for_resources)
 
     # ---- the interface ----
     def tokenize(self, text: str, add_bos: bool | None = None) -> list[int]:

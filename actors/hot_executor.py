@@ -252,7 +252,7 @@ class RemoteHead(nn.Module):
         return torch.cat(parts, -1).view(*x.shape[:-1], self.ranges[-1][1])
 
 
-class HotExecutor:
+class HotExecutorImpl:
     def __init__(self, spec: PlaneSpec, cores: tuple[int, ...], model: ModelFile, config: Config,
                  plan: SparsePlan, hot_share: float, attention: bool = False):
         faulthandler.enable()  # a native crash (the CPU kernel) leaves its Python stack in the log

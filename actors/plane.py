@@ -250,7 +250,7 @@ class PlaneSpec:
 
     @classmethod
     def new(cls, n_cold: int, batch: int, tokens: int, max_seq: int, num_blocks: int,
-            block_size: int, args, dtype: "torch.dtype", spin_us: float = SPIN_US,
+            block_size: int, args, dtype: "torch.dtype | str", spin_us: float = SPIN_US,
             isa: str = "auto") -> "PlaneSpec":
         spec = cls(os.getpid(), uuid.uuid4().hex[:8], n_cold, batch, tokens, max_seq, num_blocks,
                    block_size, args.dim, args.ffn_dim, args.vocab_size,

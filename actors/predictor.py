@@ -30,7 +30,7 @@ from .channel import native_error
 from .plane import DECODE, Answering, Masks, PlaneSpec, PredictorInput, receive, send
 
 
-class PredictorActor(Answering):
+class PredictorImpl(Answering):
     def __init__(self, spec: PlaneSpec, cores: tuple[int, ...], plan: SparsePlan, threads: int = 0):
         pin(cores, threads)
         kernels.hold(spec.isa)  # the model's instruction-set class

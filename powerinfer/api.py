@@ -203,5 +203,5 @@ def apply_input_sparsity(model, config: Config, int4: bool, model_path) -> dict 
     from .sparsity import input_sparsity as isp
     thresholds, rec = got
     n, small, _ = isp.attach(model, thresholds)
-    log_input_sparsity(rec, n, small, config)
+    log_input_sparsity(rec, n, small, config, isp.MIN_ROWS)
     return rec

@@ -13,6 +13,9 @@ class ModelLoadError(PowerInferError):
         self.path, self.problem = str(path), problem
         super().__init__(f"cannot load model {self.path}: {problem}")
 
+    def __reduce__(self):  # pickled as its arguments: raised again as itself across processes
+        return type(self), (self.path, self.problem)
+
 
 class ModelNotFoundError(ModelLoadError):
     """Neither a path nor the short name of an installed model."""

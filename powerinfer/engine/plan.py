@@ -4,20 +4,30 @@ they compute with the same masks.
 
 Without a bundle every neuron is active: the FFN is exact, split between the hot side and the
 cold executors.
+
+A plan is made, checked and dealt out without torch (numpy and the bundle's files): the process
+that starts an actor group (a served model's replica) never imports it. Only the methods that
+build a process's tensors (masks, shards, predictors, the in-process model) do.
 """
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
 
+from ..errors import ConfigError
 from ..formats.args import ModelArgs
 from ..formats.bundle import Bundle, BundleError
-from ..model.predictor import load_predictors, run_dtype
-from ..model.sparse import apply_hybrid_ffn
-from ..model.transformer import Transformer
+
+if TYPE_CHECKING:
+    import torch
+
+    from ..model.transformer import Transformer
+
+log = logging.getLogger("powerinfer")
 
 BLOCK = 32  # weights in a GGUF block: a dense split cuts neurons at whole blocks of down's rows
 
@@ -64,15 +74,20 @@ class SparsePlan:
         mass = b.stats()[1] if b.has("stats") else None
         return cls(args.n_layers, args.ffn_dim, th, hot, mass, Path(path), predictor, active_share=share)
 
-    def load_predictors(self, dtype=torch.float32, device="cpu"):
+    def load_predictors(self, dtype: torch.dtype | None = None, device="cpu"):
+        import torch
+
+        from ..model.predictor import load_predictors
         if self.predictor_input is None:
             raise BundleError(self.bundle or "-", "no predictors in a dense plan")
-        return load_predictors(Bundle.open(self.bundle), self.predictor_input, dtype, device)
+        return load_predictors(Bundle.open(self.bundle), self.predictor_input,
+                               torch.float32 if dtype is None else dtype, device)
 
     def hot_mask(self, layer: int, share: float) -> torch.Tensor:
         """Layer's (ffn_dim,) bool hot set: the solver's placement (or a CPU group's, `dealt`),
         or else the `share` of the neurons with the most activation mass, or without a profile
         the first `share` of them in whole blocks."""
+        import torch
         if self.hot is not None:
             return torch.from_numpy(self.hot[layer].copy())
         order = self.by_mass(layer)
@@ -98,14 +113,19 @@ class SparsePlan:
         hot = []
         for i in range(self.n_layers):
             h = np.zeros(self.ffn_dim, dtype=bool)
-            h[self.by_mass(i).numpy()[pick]] = True
+            h[self.order_by_mass(i)[pick]] = True
             hot.append(h)
         return replace(self, hot=hot)
 
-    def by_mass(self, layer: int) -> torch.Tensor:
+    def order_by_mass(self, layer: int) -> np.ndarray:
+        """Layer's neurons by descending activation mass (stable), or in order without a profile."""
         if self.mass is None:
-            return torch.arange(self.ffn_dim)
-        return torch.from_numpy(np.argsort(-self.mass[layer], kind="stable").copy())
+            return np.arange(self.ffn_dim)
+        return np.argsort(-self.mass[layer], kind="stable")
+
+    def by_mass(self, layer: int) -> torch.Tensor:
+        import torch
+        return torch.from_numpy(self.order_by_mass(layer).copy())
 
     def shards(self, layer: int, cold: torch.Tensor, n: int) -> list[torch.Tensor]:
         """Deal the cold neurons out to n executors by descending mass, so that each shard
@@ -125,6 +145,10 @@ class SparsePlan:
         splits them between a GPU and the host in the actor runtime) would only split a decode
         step's kernel call in two, and keep it from the one-call step and the native layer loop
         (SmolLM2 with a solved placement: 1.33-1.60x the decode speed, BENCHMARKS.md)."""
+        import torch
+
+        from ..model.predictor import run_dtype
+        from ..model.sparse import apply_hybrid_ffn
         if self.predictor_input is not None:
             w = model.norm.weight
             preds = self.load_predictors(run_dtype(w.dtype, w.device), w.device)
@@ -147,8 +171,6 @@ def check_share(b: Bundle, predictor: str) -> tuple[str | None, float | None]:
     MOSTLY_DENSE of a layer's neurons on average (their training record's active share, on
     held-out calibration tokens); returns the line (None: no warning) and that share (None
     where the record has none)."""
-    import logging
-
     rows = b.load_json(f"predictors.{predictor}.json")
     shares = [r["active_share"] for r in rows if "active_share" in r]
     share = sum(shares) / len(shares) if shares else None
@@ -158,7 +180,7 @@ def check_share(b: Bundle, predictor: str) -> tuple[str | None, float | None]:
             f"neurons on average, so a sparse decode step computes most of them and gains little; "
             f"on a narrow FFN it is slower than the dense model (`benchmarks/sparse_layer.py` "
             f"takes a layer's step apart): compare with a load without the bundle")
-    logging.getLogger("powerinfer").warning(line)
+    log.warning(line)
     return line, share
 
 
@@ -166,8 +188,6 @@ def check_quality(b: Bundle, predictor: str, max_ppl_increase: float) -> str | N
     """Warn (one line, logger "powerinfer") when the bundle's recorded evaluation shows its
     predictors costing more perplexity than `max_ppl_increase`, or when it was never evaluated;
     returns the line."""
-    import logging
-
     label = f"predicted ({predictor} input)"
     rows = b.load_json("eval.json").get("rows", []) if b.has("eval") else []
     row = next((r for r in rows if r.get("label") == label), None)
@@ -182,7 +202,7 @@ def check_quality(b: Bundle, predictor: str, max_ppl_increase: float) -> str | N
                 f"or run without predictors")
     else:
         return None
-    logging.getLogger("powerinfer").warning(line)
+    log.warning(line)
     return line
 
 
@@ -194,12 +214,8 @@ def input_thresholds(config, model_path, int4: bool) -> tuple[dict, dict] | None
     thresholds, weights other than int4) is an error; "auto" passes over one without thresholds,
     or a load of other weights, with a log line at most. Warns where the bundle's calibration
     raised held-out perplexity over `config.max_ppl_increase`."""
-    import logging
-
-    from ..errors import ConfigError
     from ..sparsity import input_sparsity as isp
 
-    log = logging.getLogger("powerinfer")
     choice = config.input_sparsity
     if choice == "off" or (choice == "auto" and not config.bundle):
         return None
@@ -228,21 +244,17 @@ def input_source(config) -> str:
     return config.bundle if config.input_sparsity == "auto" else config.input_sparsity
 
 
-def log_input_sparsity(rec: dict, taken: int, small: int, config) -> None:
+def log_input_sparsity(rec: dict, taken: int, small: int, config, min_rows: int) -> None:
     """The load's line on input sparsity: how many projections read only the input channels
-    over their thresholds (`taken`), how many stay dense for their size (`small`); a
-    ConfigError where no projection of the model reads the thresholds at all."""
-    import logging
-
-    from ..errors import ConfigError
-    from ..sparsity import input_sparsity as isp
-
+    over their thresholds (`taken`), how many stay dense for their size (`small`: under
+    `min_rows` output rows); a ConfigError where no projection of the model reads the
+    thresholds at all."""
     if taken == 0 and small == 0:
         raise ConfigError(f"input_sparsity: none of the model's projections reads the bundle's "
                           f"thresholds (4-bit Q4_0/Q4_1 projections: {input_source(config)})")
     q = rec.get("quality", {})
-    logging.getLogger("powerinfer").info(
+    log.info(
         "input sparsity: %d projections read only the input channels over their thresholds "
         "(target %.0f%% of each input; held-out perplexity %+.1f%% in calibration); %d stay "
         "dense, under %d rows, where skipping channels saves no reads", taken,
-        100 * rec["target"], 100 * q.get("ppl_increase", float("nan")), small, isp.MIN_ROWS)
+        100 * rec["target"], 100 * q.get("ppl_increase", float("nan")), small, min_rows)

@@ -56,6 +56,9 @@ class BundleError(PowerInferError):
         self.path, self.problem = Path(path), problem
         super().__init__(f"sparsity bundle {path}: {problem}")
 
+    def __reduce__(self):  # pickled as its arguments: raised again as itself across processes
+        return type(self), (self.path, self.problem)
+
 
 @dataclass
 class Manifest:

@@ -19,6 +19,7 @@ summary, which is also logged. It is made again if the model file changes (size 
 """
 from __future__ import annotations
 
+import fcntl
 import json
 import logging
 from pathlib import Path
@@ -57,15 +58,19 @@ def needs_conversion(info: dict) -> bool:
 
 
 def converted(model: Path, progress: bool = True) -> Path:
-    """The model's converted copy, made now if it is missing or stale."""
+    """The model's converted copy, made now if it is missing or stale. Processes loading the
+    model at once (a model's replicas) make it once: one converts, the others wait for it."""
     model = Path(model)
     out = cache_path(model)
     report = out.with_suffix(".json")
-    if out.is_file() and (made := converted_report(out)) is not None and made["source"] == source_stamp(model):
-        return out
-    summary = convert(model, out, progress)
-    summary["model"] = str(model.resolve())  # where the K-quant blocks kept as they are live
-    report.write_text(json.dumps(summary, indent=1))
+    with open(out.with_name(out.name + ".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if out.is_file() and (made := converted_report(out)) is not None and \
+                made["source"] == source_stamp(model):
+            return out
+        summary = convert(model, out, progress)
+        summary["model"] = str(model.resolve())  # where the K-quant blocks kept as they are live
+        report.write_text(json.dumps(summary, indent=1))
     log.info("%s has block types the CPU kernel cannot read: converted once to %s (%s); "
              "relative RMS error over the converted tensors: mean %.2f%%, worst %.2f%% (%s)",
              model.name, out, ", ".join(f"{k}->{v}" for k, v in summary["types"].items()),
