@@ -23,13 +23,11 @@ import ray
 from ray.exceptions import RayTaskError
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from powerinfer.config import DTYPES, Config
+from powerinfer.config import Config
 from powerinfer.engine.batching import context_length
 from powerinfer.engine.kv import BlockManager, describe, pool_blocks
 from powerinfer.engine.plan import SparsePlan
 from powerinfer.formats.args import ModelArgs
-
-from .plane import ITEMSIZE
 
 log = logging.getLogger("powerinfer")
 
@@ -49,8 +47,6 @@ class Prepared:
 def prepare(model: str, config: Config, gpu: bool):
     """(Prepared, the model's table, its tokenizer); gpu: the hot executor takes a GPU
     (`group.wants_gpu`, decided against the cluster by the caller)."""
-    import dataclasses
-
     from powerinfer.engine.budget import plan_for
     from powerinfer.engine.partial import dense_block
     from powerinfer.engine.plan import input_thresholds
@@ -72,7 +68,7 @@ def prepare(model: str, config: Config, gpu: bool):
     log.info("%s: %s; the file's tensors: %s", ckpt.path.name, config.summary(),
              tensor_types(ckpt.info))
     tokenizer = Tokenizer.from_source(ckpt.tokenizer_source)
-    context, elt = context_length(ckpt.args, config), ITEMSIZE[DTYPES[config.dtype]]
+    context, elt = context_length(ckpt.args, config), config.torch_dtype.itemsize
     kv_blocks, why = pool_blocks(ckpt.args, config, context, elt)
     max_seq = min(context, BlockManager(kv_blocks, config.block_size).capacity)
     log.info("KV cache: %s (%s), a sequence reaches %d positions",
@@ -83,7 +79,7 @@ def prepare(model: str, config: Config, gpu: bool):
     # projections it holds on the host (on a GPU host the hot side's widen: none there)
     got = input_thresholds(config, ckpt.path, config.weights == "int4" and not gpu)
     if got is not None:
-        plan = dataclasses.replace(plan, inputs=(got[0], MIN_ROWS))
+        plan = replace(plan, inputs=(got[0], MIN_ROWS))
     done = Prepared(config, ckpt.args, ckpt.path, kv_blocks, max_seq, plan,
                     None if got is None else got[1], [])
     return done, ckpt.model_file(), tokenizer

@@ -10,17 +10,30 @@ control calls (start, stats, profiles); the layer loop runs over shared memory, 
 them."""
 from __future__ import annotations
 
+import importlib
 
-class HotExecutor:
+
+class _Role:
+    """Builds IMPL (a module of this package, a class in it) in this process; the calls every
+    role answers."""
+    IMPL: tuple[str, str]
+
     def __init__(self, *args, **kwargs):
-        from .hot_executor import HotExecutorImpl
-        self.impl = HotExecutorImpl(*args, **kwargs)
+        module, name = self.IMPL
+        self.impl = getattr(importlib.import_module(module, __package__), name)(*args, **kwargs)
 
     def ready(self) -> dict:
         return self.impl.ready()
 
     def run(self) -> str:
         return self.impl.run()
+
+    def stats(self) -> dict:
+        return self.impl.stats()
+
+
+class HotExecutor(_Role):
+    IMPL = ".hot_executor", "HotExecutorImpl"
 
     def prompts_natively(self, enabled: bool):
         return self.impl.prompts_natively(enabled)
@@ -37,41 +50,16 @@ class HotExecutor:
     def loop_profile(self, mode: str = "read") -> dict:
         return self.impl.loop_profile(mode)
 
-    def stats(self) -> dict:
-        return self.impl.stats()
 
-
-class ColdExecutor:
-    def __init__(self, *args, **kwargs):
-        from .cold_executor import ColdExecutorImpl
-        self.impl = ColdExecutorImpl(*args, **kwargs)
-
-    def ready(self) -> dict:
-        return self.impl.ready()
-
-    def run(self) -> str:
-        return self.impl.run()
+class ColdExecutor(_Role):
+    IMPL = ".cold_executor", "ColdExecutorImpl"
 
     def loop_profile(self, mode: str = "read") -> dict:
         return self.impl.loop_profile(mode)
 
-    def stats(self) -> dict:
-        return self.impl.stats()
 
-
-class PredictorActor:
-    def __init__(self, *args, **kwargs):
-        from .predictor import PredictorImpl
-        self.impl = PredictorImpl(*args, **kwargs)
-
-    def ready(self) -> dict:
-        return self.impl.ready()
-
-    def run(self) -> str:
-        return self.impl.run()
+class PredictorActor(_Role):
+    IMPL = ".predictor", "PredictorImpl"
 
     def attach(self, handles: dict) -> bool:
         return self.impl.attach(handles)
-
-    def stats(self) -> dict:
-        return self.impl.stats()
