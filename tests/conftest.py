@@ -53,3 +53,13 @@ def gemma_fp32(gemma_model_path):
     return PowerInfer.from_pretrained(gemma_model_path, Config(dtype="float32", weights="dense",
                                                                 max_seq_len=1024, max_batch=2))
 
+
+@pytest.fixture(autouse=True, scope="module")
+def _all_threads_again():
+    """Each module starts with torch on the threads it started with: an engine made with
+    `cpu_threads=1` sets the process's count, which every later module would inherit (the
+    transformers oracle, the native loops and the kernels' tests ran on one core of two)."""
+    import torch
+    threads = torch.get_num_threads()
+    yield
+    torch.set_num_threads(threads)
