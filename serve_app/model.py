@@ -41,9 +41,11 @@ logger = logging.getLogger("ray.serve")
 PROBE_TIMEOUT_S = 20.0
 
 
+# a replica being stopped looks for requests still running every quarter second (Serve's default,
+# 2 s, was most of the time a stop took), and waits for them up to a minute
 @serve.deployment(max_ongoing_requests=10_000, health_check_period_s=10,
                   health_check_timeout_s=60, graceful_shutdown_timeout_s=60,
-                  ray_actor_options={"num_cpus": 0})
+                  graceful_shutdown_wait_loop_s=0.25, ray_actor_options={"num_cpus": 0})
 class ModelServer:
     def __init__(self, spec: ModelSpec):
         library = logging.getLogger("powerinfer")  # what the load decides, in this replica's log
