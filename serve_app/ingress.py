@@ -257,7 +257,8 @@ class _NoClientErrorTracebacks(logging.Filter):
 
 
 @serve.deployment(max_ongoing_requests=4096, graceful_shutdown_wait_loop_s=0.25,
-                  ray_actor_options={"num_cpus": 0})  # (the stop's poll: as the models')
+                  health_check_period_s=2,  # (as the models': a dead one replaced promptly)
+                  ray_actor_options={"num_cpus": 0})
 @serve.ingress(app)
 class Ingress:
     def __init__(self, models: dict, api_key: str = "", max_body_bytes: int = 1 << 20,
