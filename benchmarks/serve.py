@@ -1458,9 +1458,51 @@ def scenario_models(args, gguf: str) -> dict:
             "total_mib": total, "rest_mib": rest, "wall_s": wall}
 
 
+def answered_after(url: str, t0: float, timeout: float = 300) -> float:
+    """Seconds from t0 until a one-token completion is answered 200 (asked every 0.1 s)."""
+    import httpx2 as httpx
+    body = {"model": "m", "prompt": "Hello", "max_tokens": 1}
+    deadline = time.perf_counter() + timeout
+    while time.perf_counter() < deadline:
+        with contextlib.suppress(httpx.HTTPError):
+            if httpx.post(url + "/v1/completions", json=body, timeout=10).status_code == 200:
+                return time.perf_counter() - t0
+        time.sleep(0.1)
+    raise TimeoutError(f"no answer from {url} in {timeout} s")
+
+
+def scenario_lifecycle(args, gguf: str) -> dict:
+    """What an operator waits for: from the command to the first answer, from SIGKILL of the
+    model's replica (Serve starts another, which builds a new actor group) to the next answer,
+    and from SIGTERM to the server's exit; --lifecycle-turns servers one after another."""
+    rows = []
+    for turn in range(args.lifecycle_turns):
+        t0 = time.perf_counter()
+        with our_server(args) as server:
+            start = answered_after(server.url, t0)
+            replica = next(p for p, cmd in descendants(server.proc.pid).items()
+                           if "ServeReplica:powerinfer:Model:" in cmd)
+            t1 = time.perf_counter()
+            os.kill(replica, signal.SIGKILL)
+            back = answered_after(server.url, t1)
+            t2 = time.perf_counter()
+            server.proc.send_signal(signal.SIGTERM)
+            code = server.proc.wait(timeout=120)
+            rows.append({"start_s": start, "replica_back_s": back,
+                         "stop_s": time.perf_counter() - t2, "exit_code": code})
+        print(f"  turn {turn + 1}: {rows[-1]}", flush=True)
+    out = ["| turn | command to first answer, s | replica SIGKILLed to next answer, s | "
+           "SIGTERM to exit, s (code) |", "|---:|---:|---:|---:|"]
+    out += [f"| {i + 1} | {r['start_s']:.1f} | {r['replica_back_s']:.1f} | {r['stop_s']:.1f} "
+            f"({r['exit_code']}) |" for i, r in enumerate(rows)]
+    return {"settings": f"lifecycle: `powerinfer serve --model M` (defaults), "
+                        f"{args.lifecycle_turns} servers one after another",
+            "table": "\n".join(out), "rows": rows}
+
+
 SCENARIOS = {"load": scenario_load, "chat": scenario_chat, "long": scenario_long,
              "kill": scenario_kill, "hops": scenario_hops, "memory": scenario_memory,
-             "models": scenario_models}
+             "models": scenario_models, "lifecycle": scenario_lifecycle}
 
 
 def machine() -> str:
@@ -1503,6 +1545,7 @@ def main() -> int:
     ap.add_argument("--kill-clients", type=int, default=8)
     ap.add_argument("--hop-requests", type=int, default=3)
     ap.add_argument("--memory-streams", type=int, default=8)
+    ap.add_argument("--lifecycle-turns", type=int, default=3)
     ap.add_argument("--models", nargs="+",
                     default=["smollm2-135m-instruct"] * 2 + ["gemma3-270m"] * 2,
                     help="the models scenario's models, one entry each (twice: served twice)")
