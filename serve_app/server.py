@@ -27,6 +27,9 @@ from .settings import ServeSettings
 APP_NAME = "powerinfer"
 REQUEST_TIMEOUT_S = 600.0  # Serve's proxies cancel a request after this (a stream included)
 LOAD_POLL_S = 1.0
+# at start, a model whose replica is not answering (its process died: Serve starts another) or
+# whose group is being rebuilt is waited for this long at a stretch before it is reported down
+UNAVAILABLE_WAIT_S = 120.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -148,12 +151,23 @@ def _get(url: str, timeout: float = 10.0) -> tuple[int, dict]:
 
 
 def _wait_loaded(front: Frontend) -> list[dict]:
-    """Poll /health until no model is still loading."""
+    """Poll /health until every model is ready or has failed to load. A model that is not
+    answering or is rebuilding its group is waited for up to UNAVAILABLE_WAIT_S at a stretch: a
+    replica that died as the server started is replaced by Serve, and the server must not give
+    up on it ("no model loaded") while it is."""
+    down_since: dict[str, float] = {}
     while True:
         try:
             _, body = _get(front.local_url + "/health")
             statuses = body.get("models", [])
-            if statuses and all(s["status"] != "loading" for s in statuses):
+            now, waiting = time.monotonic(), False
+            for s in statuses:
+                if s["status"] in ("unavailable", "rebuilding"):
+                    waiting |= now - down_since.setdefault(s["id"], now) < UNAVAILABLE_WAIT_S
+                else:
+                    down_since.pop(s["id"], None)
+                    waiting |= s["status"] == "loading"
+            if statuses and not waiting:
                 return statuses
         except (urllib.error.URLError, OSError, ValueError):
             pass  # the proxy or the ingress is still starting

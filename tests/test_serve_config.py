@@ -279,3 +279,70 @@ def test_a_streams_events_are_gathered_once_per_interval():
         return log
     for interval in (0.05, 0):
         assert asyncio.run(early(interval)) == ["closed"], interval
+
+
+def _health_server(answers: list[list[dict]]):
+    """A real HTTP server whose /health gives each of `answers` in turn (the last one again)."""
+    import json
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    asked = []
+
+    class Health(BaseHTTPRequestHandler):
+        def do_GET(self):
+            models = answers[min(len(asked), len(answers) - 1)]
+            asked.append(self.path)
+            body = json.dumps({"status": "?", "models": models}).encode()
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), Health)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    return httpd, asked
+
+
+@pytest.mark.parametrize("down", ["unavailable", "rebuilding"])
+def test_the_start_waits_for_a_replica_that_died_as_it_loaded(monkeypatch, down):
+    # a model's replica killed as the server starts: /health says the model is not answering
+    # (or rebuilding its group) while Serve starts another replica, which loads and is ready.
+    # The start waits for it rather than report "no model loaded" and exit; a model that failed
+    # to load is final, and one down past UNAVAILABLE_WAIT_S is reported as it is
+    from types import SimpleNamespace
+
+    from serve_app import server
+
+    def st(status):
+        return {"id": "m", "status": status}
+
+    monkeypatch.setattr(server, "LOAD_POLL_S", 0.01)
+    httpd, asked = _health_server([[st("ready"), st("loading")], [st("ready"), st(down)],
+                                   [st("ready"), st(down)], [st("ready"), st("loading")],
+                                   [st("ready"), st("ready")]])
+    try:
+        front = SimpleNamespace(local_url=f"http://127.0.0.1:{httpd.server_port}")
+        assert [s["status"] for s in server._wait_loaded(front)] == ["ready", "ready"]
+        assert len(asked) == 5
+    finally:
+        httpd.shutdown()
+    httpd, asked = _health_server([[st("ready"), st("failed")]])
+    try:
+        front = SimpleNamespace(local_url=f"http://127.0.0.1:{httpd.server_port}")
+        assert [s["status"] for s in server._wait_loaded(front)] == ["ready", "failed"]
+        assert len(asked) == 1
+    finally:
+        httpd.shutdown()
+    monkeypatch.setattr(server, "UNAVAILABLE_WAIT_S", 0.3)
+    httpd, asked = _health_server([[st(down)]])
+    try:
+        front = SimpleNamespace(local_url=f"http://127.0.0.1:{httpd.server_port}")
+        assert [s["status"] for s in server._wait_loaded(front)] == [down]
+        assert len(asked) > 3
+    finally:
+        httpd.shutdown()
