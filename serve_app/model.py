@@ -40,8 +40,8 @@ from .settings import ModelSpec
 logger = logging.getLogger("ray.serve")
 PROBE_TIMEOUT_S = 20.0
 # Serve asks a replica for its health every 2 s: the call failing is how its controller learns
-# that the replica's process died (at Serve's 10 s it took 4 s on average to start a new one); the
-# probe of the group behind it runs at most every GROUP_PROBE_S
+# that the replica's process died (at Serve's default of 10 s, about 5 s passed on average before
+# it started another); the probe of the group behind it runs at most every GROUP_PROBE_S
 GROUP_PROBE_S = 10.0
 
 
