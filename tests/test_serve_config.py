@@ -1,6 +1,7 @@
 """The serving contract without a server: the generated gRPC stubs match the .proto, serving
 configs are validated with errors that name the problem, and request bodies are checked at the
 edge the way the OpenAI API checks them."""
+import contextlib
 import subprocess
 import sys
 from pathlib import Path
@@ -281,11 +282,15 @@ def test_a_streams_events_are_gathered_once_per_interval():
         assert asyncio.run(early(interval)) == ["closed"], interval
 
 
+
+@contextlib.contextmanager
 def _health_server(answers: list[list[dict]]):
-    """A real HTTP server whose /health gives each of `answers` in turn (the last one again)."""
+    """A real HTTP server whose /health gives each of `answers` in turn (the last one again):
+    yields (what `_wait_loaded` takes as the front, the paths asked so far)."""
     import json
     import threading
     from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+    from types import SimpleNamespace
 
     asked = []
 
@@ -305,7 +310,10 @@ def _health_server(answers: list[list[dict]]):
 
     httpd = ThreadingHTTPServer(("127.0.0.1", 0), Health)
     threading.Thread(target=httpd.serve_forever, daemon=True).start()
-    return httpd, asked
+    try:
+        yield SimpleNamespace(local_url=f"http://127.0.0.1:{httpd.server_port}"), asked
+    finally:
+        httpd.shutdown()
 
 
 @pytest.mark.parametrize("down", ["unavailable", "rebuilding"])
@@ -314,35 +322,21 @@ def test_the_start_waits_for_a_replica_that_died_as_it_loaded(monkeypatch, down)
     # (or rebuilding its group) while Serve starts another replica, which loads and is ready.
     # The start waits for it rather than report "no model loaded" and exit; a model that failed
     # to load is final, and one down past UNAVAILABLE_WAIT_S is reported as it is
-    from types import SimpleNamespace
-
     from serve_app import server
 
-    def st(status):
-        return {"id": "m", "status": status}
+    def models(a, b=None):  # model "a" (and "b") in these states
+        return [{"id": i, "status": st} for i, st in (("a", a), ("b", b)) if st]
 
     monkeypatch.setattr(server, "LOAD_POLL_S", 0.01)
-    httpd, asked = _health_server([[st("ready"), st("loading")], [st("ready"), st(down)],
-                                   [st("ready"), st(down)], [st("ready"), st("loading")],
-                                   [st("ready"), st("ready")]])
-    try:
-        front = SimpleNamespace(local_url=f"http://127.0.0.1:{httpd.server_port}")
+    with _health_server([models("ready", "loading"), models("ready", down),
+                         models("ready", down), models("ready", "loading"),
+                         models("ready", "ready")]) as (front, asked):
         assert [s["status"] for s in server._wait_loaded(front)] == ["ready", "ready"]
         assert len(asked) == 5
-    finally:
-        httpd.shutdown()
-    httpd, asked = _health_server([[st("ready"), st("failed")]])
-    try:
-        front = SimpleNamespace(local_url=f"http://127.0.0.1:{httpd.server_port}")
+    with _health_server([models("ready", "failed")]) as (front, asked):
         assert [s["status"] for s in server._wait_loaded(front)] == ["ready", "failed"]
         assert len(asked) == 1
-    finally:
-        httpd.shutdown()
     monkeypatch.setattr(server, "UNAVAILABLE_WAIT_S", 0.3)
-    httpd, asked = _health_server([[st(down)]])
-    try:
-        front = SimpleNamespace(local_url=f"http://127.0.0.1:{httpd.server_port}")
-        assert [s["status"] for s in server._wait_loaded(front)] == [down]
+    with _health_server([models("ready", down)]) as (front, asked):
+        assert [s["status"] for s in server._wait_loaded(front)] == ["ready", down]
         assert len(asked) > 3
-    finally:
-        httpd.shutdown()
