@@ -50,6 +50,41 @@ def test_rows_columns_and_blocks_equal_the_whole_tensor(model):
     assert torch.equal(src.get("0.q", torch.float32), ck.weights["0.q"])
 
 
+def _mapping_of(t: torch.Tensor) -> str:
+    """The name /proc/self/maps gives the mapping that holds t's first byte ("" anonymous)."""
+    p = t.untyped_storage().data_ptr()
+    with open("/proc/self/maps") as f:
+        for line in f:
+            fields = line.split()
+            lo, hi = (int(x, 16) for x in fields[0].split("-"))
+            if lo <= p < hi:
+                return fields[5] if len(fields) > 5 else ""
+    raise AssertionError(f"{p:#x} is in no mapping")
+
+
+def test_the_embedding_reads_the_files_own_pages(default_model_path):
+    """A quantized embedding is looked up in the file's pages, not in a copy of the whole table
+    (a copy cost each process that embeds the table's size: Gemma 3's is 170 MiB), and its rows
+    equal the file's rows widened; the tied Q8_0 head still answers as the file's rows do."""
+    from powerinfer import Config, PowerInfer
+    from powerinfer.model.quant import KernelEmbedding
+
+    pi = PowerInfer.from_pretrained(default_model_path, Config(max_seq_len=64, max_batch=1))
+    emb = pi.engine.model.tok_embeddings
+    assert isinstance(emb, KernelEmbedding), type(emb)
+    assert _mapping_of(emb.records) == str(default_model_path.resolve())
+    src = load_checkpoint(default_model_path, with_weights=False).source
+    tokens = torch.tensor([0, 1, 17, 4242, src.shape("embed")[0] - 1])
+    rows = kernels.dequantize_rows(src.raw_rows("embed", tokens), emb.fmt, emb.dim)
+    assert torch.equal(emb(tokens).float(), rows.to(emb.dtype).float())
+    # the head over the same rows: the top token of the file's rows times a hidden state
+    h = torch.randn(1, emb.dim, generator=torch.Generator().manual_seed(0))
+    logits = pi.engine.model.output(h.to(emb.dtype)).float()
+    ref = h @ src.get("embed", torch.float32).t()
+    assert torch.corrcoef(torch.stack([logits[0], ref[0]]))[0, 1] > 0.999
+    pi.close()
+
+
 @pytest.mark.parametrize("fmt", [None, "f32", "bf16", "q4_1"])
 def test_a_neuron_set_read_alone_equals_the_one_cut_from_the_dense_model(default_model_path, fmt):
     if fmt is not None and not kernels.available():

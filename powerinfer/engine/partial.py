@@ -169,10 +169,17 @@ def q8_0_rows(src: TensorSource, parts: list[tuple[str, tuple[int, int] | None]]
 
 def stored_embedding(model: Transformer, src: TensorSource, fmt: str, dtype: torch.dtype):
     """The token embedding as the file's `fmt` blocks (a KernelEmbedding widening to `dtype`),
-    and a tied output head over the same rows."""
+    and a tied output head over the same rows. The embedding reads the file's pages where the
+    source maps them (a step looks up a few rows; a copy cost a model its whole table, 170 MiB
+    for Gemma 3's 262,144 rows, in every process that embeds), unless a tied 4-bit head reads
+    the same rows: then both share one copy (its GEMV reads every row at every step)."""
     a = model.args
-    rows = kernels.huge(src.raw_rows("embed", torch.arange(a.vocab_size)))
-    model.tok_embeddings = KernelEmbedding(rows, fmt, a.dim, dtype)
+    shared = a.tie_embeddings and fmt != "q8_0"  # (a Q8_0 head regroups its rows: a copy)
+    mapped = None if shared else src.mapped_rows("embed")
+    rows = None
+    if mapped is None or a.tie_embeddings:
+        rows = kernels.huge(src.raw_rows("embed", torch.arange(a.vocab_size)))
+    model.tok_embeddings = KernelEmbedding(rows if mapped is None else mapped, fmt, a.dim, dtype)
     if a.tie_embeddings:
         model.output = stored_head(rows, fmt, a.dim)
 

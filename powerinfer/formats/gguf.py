@@ -232,6 +232,13 @@ class GGUFSource(TensorSource):
             return None
         return torch.from_numpy(self._data_rows(name, idx))
 
+    def mapped_rows(self, name: str) -> torch.Tensor | None:
+        if self.kind(name) in _PLAIN or self._heads(name) is not None:
+            return None
+        with warnings.catch_warnings():  # the map is read-only: nothing reads it to write
+            warnings.simplefilter("ignore", UserWarning)
+            return torch.from_numpy(self._data(name))
+
     def block_rows(self, name: str) -> torch.Tensor | None:
         if self.kind(name) in _PLAIN:
             return None

@@ -183,6 +183,13 @@ class TensorSource:
         """`rows` written into `out` (len(idx), k), which may be a strided view."""
         out.copy_(self.rows(name, idx, out.dtype))
 
+    def mapped_rows(self, name: str) -> torch.Tensor | None:
+        """Every row of a block-quantized tensor as a read-only view of the file's own pages,
+        (n, row bytes) uint8, in the file's row order: nothing copied, and only the rows read
+        later become resident (shared with every process that maps the file). None where the
+        source has no such view or the tensor is not stored in blocks."""
+        return None
+
     def block_rows(self, name: str) -> torch.Tensor | None:
         """Every row of a block-quantized tensor as the file's bytes, in the model's row order
         (q and k unpermuted), (n, row bytes) uint8; None where it is not stored in blocks."""
