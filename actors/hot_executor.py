@@ -445,6 +445,9 @@ class HotExecutorImpl:
                     return "stopped"
                 t0 = time.perf_counter()
                 B, T, at = step.B, step.T, spec.ctl_layout(step.B * step.T, step.S, step.M)
+                # the RoPE tables' rows up to the step's positions, before any path reads them
+                # (the native loop's, a compiled step's; the cold executors hold their own)
+                self.model.rope_ensure(io.ctl.view(torch.int64, (B * T,), at.positions))
                 tokens, pos = (io.to_device(io.ctl.view(torch.int64, (B, T), o))
                                for o in (at.tokens, at.positions))
                 kv = KVTables(io.to_device(io.ctl.view(torch.int64, (step.S + 1,), at.starts)),

@@ -86,6 +86,29 @@ def test_chat_applies_template_and_stops_at_end_of_turn(smol):
     assert seq.finish_reason == "stop" and seq.output[-1] in smol.tokenizer.eog_ids
 
 
+def test_rope_tables_fill_as_positions_are_reached(smol):
+    """The RoPE tables hold rows only up to the positions steps have reached (whole chunks),
+    each row the bits of the whole table's, and a position past them is filled before it is
+    read: a long context costs its tables' memory only when it is used."""
+    from powerinfer.model.transformer import ROPE_CHUNK, rope_table
+
+    m = smol.engine.model
+    assert m.max_seq > 2 * ROPE_CHUNK, m.max_seq
+    smol.generate("The capital of France is", max_new_tokens=4, temperature=0)
+    assert m.rope_filled == ROPE_CHUNK, m.rope_filled
+    cos, sin = rope_table(m.args, m.max_seq)
+    assert torch.equal(m.rope_cos[:ROPE_CHUNK], cos[:ROPE_CHUNK])
+    assert torch.equal(m.rope_sin[:ROPE_CHUNK], sin[:ROPE_CHUNK])
+    # a prompt past the first chunk: its steps fill the rows they read before reading them
+    # (the rows are the whole table's; unfilled rows would have lost the answer)
+    long = "The capital of France is Paris. " * 200  # about 1,400 tokens
+    first = smol.generate(long + "The capital of France is", max_new_tokens=6, temperature=0)
+    assert ROPE_CHUNK < m.rope_filled < m.max_seq, m.rope_filled
+    n = m.rope_filled
+    assert torch.equal(m.rope_cos[:n], cos[:n]) and torch.equal(m.rope_sin[:n], sin[:n])
+    assert "Paris" in first
+
+
 def test_invalid_requests_are_typed_errors(smol):
     with pytest.raises(InvalidRequestError, match="temperature"):
         smol.generate("hi", temperature=-1)

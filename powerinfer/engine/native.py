@@ -213,6 +213,7 @@ class NativeDecode:
         m, (B, T) = self.model, tokens.shape
         if (self.sparse and not self._sparse_ok(B * T)) or (self.masked and B * T > kernels.MAX_ROWS):
             return m(tokens, pos, kv, last)
+        m.rope_ensure(pos)  # (the loop reads the tables' rows at these positions)
         h = m.tok_embeddings(tokens)
         if m.args.embed_scale:
             h = h * torch.tensor(m.args.embed_scale, dtype=h.dtype)

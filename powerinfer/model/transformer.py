@@ -265,10 +265,17 @@ class Transformer(nn.Module):
                                       w.dtype, w.device)
         self.max_seq, self.rows = max_seq, None
         if not a.learned_pos:
-            tables = rope_tables(a, max_seq)
-            for end, (cos, sin) in zip(("", "_local"), tables[:2 if a.rope_base_local else 1]):
-                self.register_buffer("rope_cos" + end, cos.to(w.device), persistent=False)
-                self.register_buffer("rope_sin" + end, sin.to(w.device), persistent=False)
+            # the tables' rows are filled as steps reach their positions (`rope_ensure`): a
+            # model's whole context took its tables' size in every process that attends, read or
+            # not (Gemma 3: cos and sin of two bases for 32,768 positions, 128 MiB); a device's
+            # tables are filled whole (its CUDA graphs read them without a step's check)
+            for end in ("", "_local")[:2 if a.rope_base_local else 1]:
+                for kind in ("rope_cos", "rope_sin"):
+                    self.register_buffer(kind + end, torch.empty(max_seq, a.head_dim, device=w.device),
+                                         persistent=False)
+            self.rope_filled = 0
+            if w.device.type != "cpu":
+                self.rope_ensure(max_seq - 1)
 
     def setup_cache(self, max_batch: int, max_seq: int, block_size: int = 16):
         """A KV cache for `max_batch` rows of `max_seq` positions, each row its own blocks: what
@@ -315,11 +322,33 @@ class Transformer(nn.Module):
                 return h.new_zeros(0, 1, self.args.vocab_size, dtype=torch.float32)
         return self.output(self.norm(h)).float()
 
+    def rope_ensure(self, pos: "torch.Tensor | np.ndarray | int"):
+        """Fill the RoPE tables' rows up to the largest of the positions `pos` (a step's), in
+        whole chunks of ROPE_CHUNK rows: every step calls it before its layers read the rows
+        (`ropes`; the native loops' and the compiled steps' callers)."""
+        if getattr(self, "rope_filled", self.max_seq) >= self.max_seq:
+            return
+        if not isinstance(pos, int):
+            if pos.size == 0 if isinstance(pos, np.ndarray) else pos.numel() == 0:
+                return
+            pos = int(pos.max())
+        if pos < self.rope_filled:
+            return
+        lo, hi = self.rope_filled, min(self.max_seq, (pos // ROPE_CHUNK + 1) * ROPE_CHUNK)
+        a = self.args
+        for end, local in (("", False), ("_local", True))[:2 if a.rope_base_local else 1]:
+            cos, sin = rope_table(a, self.max_seq, local, lo, hi)
+            getattr(self, "rope_cos" + end)[lo:hi].copy_(cos)
+            getattr(self, "rope_sin" + end)[lo:hi].copy_(sin)
+        self.rope_filled = hi
+
     def ropes(self, flat: torch.Tensor) -> tuple:
         """(global, local) (cos, sin) rows at positions `flat` (local: the sliding layers' own
         table, or the global one again); (None, None) with learned positions."""
         if self.pos_embeddings is not None:
             return None, None
+        if not torch.compiler.is_compiling():  # (a compiled step's caller fills them)
+            self.rope_ensure(flat)
         rope = (self.rope_cos[flat].float(), self.rope_sin[flat].float())
         if not self.args.rope_base_local:
             return rope, rope
@@ -512,6 +541,9 @@ def paged_attention(qkv, rope, pos, kv: KVTables, cache: KVCache, n_heads: int, 
     return torch.cat(out).reshape(N, n_heads * D)
 
 
+ROPE_CHUNK = 1024  # rows of the RoPE tables computed at a time (`Transformer.rope_ensure`)
+
+
 def rope_tables(a: ModelArgs, max_seq: int) -> tuple:
     """(global, local) `rope_table`s, as `Block.rope` indexes them: local is the global one
     unless the sliding layers have their own base."""
@@ -519,9 +551,23 @@ def rope_tables(a: ModelArgs, max_seq: int) -> tuple:
     return glob, rope_table(a, max_seq, True) if a.rope_base_local else glob
 
 
-def rope_table(a: ModelArgs, max_seq: int, local: bool = False):
-    """cos/sin tables (max_seq, head_dim) in the half-rotation layout (HF's rotate_half); local:
-    the sliding layers' table (base `rope_base_local`, never scaled, as Gemma 3's)."""
+def rope_table(a: ModelArgs, max_seq: int, local: bool = False, lo: int = 0, hi: int | None = None):
+    """cos/sin tables (max_seq, head_dim) float32 in the half-rotation layout (HF's rotate_half),
+    or their rows [lo, hi); local: the sliding layers' table (base `rope_base_local`, never
+    scaled, as Gemma 3's). Computed in whole chunks of ROPE_CHUNK rows, so that a row has the
+    same bits whether its table was made whole or filled as positions were reached."""
+    hi = max_seq if hi is None else hi
+    c0 = lo // ROPE_CHUNK * ROPE_CHUNK
+    parts = [_rope_rows(a, max_seq, local, c, min(max_seq, c + ROPE_CHUNK))
+             for c in range(c0, hi, ROPE_CHUNK)]
+    if not parts:
+        return torch.empty(0, a.head_dim), torch.empty(0, a.head_dim)
+    cos, sin = (torch.cat([p[k] for p in parts]) if len(parts) > 1 else parts[0][k] for k in (0, 1))
+    return cos[lo - c0:hi - c0], sin[lo - c0:hi - c0]
+
+
+def _rope_rows(a: ModelArgs, max_seq: int, local: bool, lo: int, hi: int):
+    """Rows [lo, hi) of a `rope_table` of max_seq rows."""
     d = a.head_dim
     base = a.rope_base_local if local else a.rope_base
     inv_freq = 1.0 / (base ** (torch.arange(0, d, 2, dtype=torch.float64) / d))
@@ -536,7 +582,7 @@ def rope_table(a: ModelArgs, max_seq: int, local: bool = False):
         short, long, original, mscale = scaling[1:]
         factors = long if max_seq > original else short
         inv_freq = inv_freq / torch.tensor(factors, dtype=torch.float64)
-    t = torch.arange(max_seq, dtype=torch.float64)
+    t = torch.arange(lo, hi, dtype=torch.float64)
     freqs = torch.outer(t, inv_freq)
     emb = torch.cat([freqs, freqs], dim=-1)
     return (emb.cos() * mscale).float(), (emb.sin() * mscale).float()
