@@ -81,8 +81,10 @@ class ColdExecutorImpl(Answering):
             for m in self.attn:
                 m.kv_cache = KVCache(spec.num_blocks, m.n_kv_heads, spec.block_size, m.head_dim,
                                      dtype, "cpu")
-            # (global, local) tables: Gemma 3's sliding layers have their own RoPE base
-            self.rope = None if a.learned_pos else rope_tables(a, spec.max_seq)
+            # (global, local) tables: Gemma 3's sliding layers have their own RoPE base; the
+            # group's, whose rows the hot executor fills before it sends a step that reads them
+            # (its own, whole, where the shared-memory filesystem has no room for them)
+            self.rope = spec.rope_tables() or (None if a.learned_pos else rope_tables(a, spec.max_seq))
         # input sparsity: its 4-bit projections read only the input channels over their
         # thresholds in decode steps (its heads' q/k/v and output columns, a dense split's
         # gate+up rows), as the hot executor's do

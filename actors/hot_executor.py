@@ -327,7 +327,9 @@ class HotExecutorImpl:
             if self.io.lookahead:  # the layer input goes to the predictor before attention
                 block.register_forward_pre_hook(self._lookahead(i))
         model.to(self.device)
-        model.setup_pool(spec.num_blocks, spec.block_size, spec.max_seq)  # (its heads' share)
+        # (its heads' share of the cache; the RoPE tables in the group's segment, which it fills
+        # as steps reach their rows and the cold executors read)
+        model.setup_pool(spec.num_blocks, spec.block_size, spec.max_seq, spec.rope_tables(writer=True))
         if kv is not None:  # (the cache is its heads')
             for i, block in enumerate(model.layers):
                 block.attn = RemoteAttention(block.attn, self.io, i, o_bias[i])

@@ -40,19 +40,23 @@ proves the readers are done with the message before it, so the channels need one
 """
 from __future__ import annotations
 
+import mmap
 import os
 import time
 import uuid
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, NamedTuple, TypeVar
+
+import numpy as np
 
 from powerinfer.engine.batching import MIN_TABLE_BLOCKS
 
 if TYPE_CHECKING:
     import torch
 
-from .channel import Channel, ChannelClosed, align, create, segment_path
+from .channel import HEADER, SHM_DIR, Channel, ChannelClosed, align, create, segment_path
 
 PREFILL, DECODE, STOP, HEAD, ATTN = 1, 2, 3, 4, 5
 # How long a reader spins (yielding its core) before it sleeps. The layer loop's hand-offs come
@@ -218,6 +222,12 @@ class Answering:
             return "closed"
 
 
+def shm_room() -> int:
+    """Bytes free on the filesystem the segments live on."""
+    st = os.statvfs(SHM_DIR)
+    return st.f_bavail * st.f_frsize
+
+
 @dataclass(frozen=True)
 class PlaneSpec:
     """Sizes and segment paths of a group's channels, and of the paged KV cache every
@@ -247,14 +257,26 @@ class PlaneSpec:
     # (a diagnostic: the step's breakdown with and without)
     warm_ahead: bool = field(
         default_factory=lambda: os.environ.get("POWERINFER_WARM_AHEAD", "1") != "0")
+    # the RoPE tables (0, 1, or 2 where the sliding layers have their own base; cos and sin of
+    # max_seq rows of head_dim float32 each) in a segment of their own: the hot executor fills
+    # their rows as steps reach them (`Transformer.rope_ensure`, before it sends a step on) and
+    # the cold executors that attend read the same pages, one copy a group, only what was reached
+    ropes: int = 0
+    head_dim: int = 0
 
     @classmethod
     def new(cls, n_cold: int, batch: int, tokens: int, max_seq: int, num_blocks: int,
             block_size: int, args, dtype: "torch.dtype | str", spin_us: float = SPIN_US,
             isa: str = "auto") -> "PlaneSpec":
+        ropes = 0 if args.learned_pos else 2 if args.rope_base_local else 1
+        if ropes * 2 * max_seq * args.head_dim * 4 > shm_room() // 2:
+            # a small shared-memory filesystem (a container's 64 MiB /dev/shm): a write past its
+            # size would kill the writer (SIGBUS), so each executor holds its own tables
+            ropes = 0
         spec = cls(os.getpid(), uuid.uuid4().hex[:8], n_cold, batch, tokens, max_seq, num_blocks,
                    block_size, args.dim, args.ffn_dim, args.vocab_size,
-                   str(dtype).removeprefix("torch."), spin_us, isa=isa)
+                   str(dtype).removeprefix("torch."), spin_us, isa=isa, ropes=ropes,
+                   head_dim=args.head_dim)
         for name in spec.capacities():
             spec.paths[name] = str(segment_path(spec.owner, spec.group, name))
         return spec
@@ -287,6 +309,8 @@ class PlaneSpec:
         # partial sums in float32 at most, or a cold executor's rows of the head (at most all)
         part = max(align(N * self.dim * 4), align(S * self.vocab * 4))
         caps.update({f"part.{k}": part for k in range(self.n_cold)})
+        if self.ropes:  # (tmpfs: a page costs memory once it is written)
+            caps["rope"] = self.ropes * 2 * self.max_seq * self.head_dim * 4
         return caps
 
     @staticmethod
@@ -312,6 +336,28 @@ class PlaneSpec:
     def unlink_all(self):
         for p in self.paths.values():
             Path(p).unlink(missing_ok=True)
+
+    def rope_tables(self, writer: bool = False) -> tuple | None:
+        """The group's RoPE tables over their segment, as `transformer.rope_tables` gives them:
+        (global, local) (cos, sin) float32 tensors (max_seq, head_dim), local the global pair
+        again where the model has one base; None without RoPE. writer: the hot executor's, which
+        fills their rows; the others map them read-only."""
+        if not self.ropes:
+            return None
+        import torch
+        fd = os.open(self.paths["rope"], os.O_RDWR if writer else os.O_RDONLY)
+        try:
+            m = mmap.mmap(fd, 0, access=mmap.ACCESS_WRITE if writer else mmap.ACCESS_READ)
+        finally:
+            os.close(fd)
+        rows = self.max_seq * self.head_dim
+        with warnings.catch_warnings():  # (a reader's map is read-only: it only reads)
+            warnings.simplefilter("ignore", UserWarning)
+            t = [torch.from_numpy(np.frombuffer(m, np.float32, rows, HEADER + 4 * rows * k)
+                                  .reshape(self.max_seq, self.head_dim))
+                 for k in range(2 * self.ropes)]
+        glob = (t[0], t[1])
+        return glob, (t[2], t[3]) if self.ropes > 1 else glob
 
     def open(self, name: str, writer: bool = False) -> Channel:
         return Channel(Path(self.paths[name]), writer,

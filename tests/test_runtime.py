@@ -145,6 +145,29 @@ def test_dense_plan_equals_local_engine(ray_cluster, tiny):
     assert not shm_segments()
 
 
+def test_a_prompt_past_the_first_rope_chunk_decodes_as_in_process(ray_cluster):
+    """The RoPE tables are one segment a group: the hot executor fills their rows as steps reach
+    them, before it sends a step on, and a cold executor attending with its share of the heads
+    reads the same rows. A prompt past the first chunk of rows (the real model, its KV heads
+    split between the hot and the cold executor) decodes as the in-process engine does."""
+    from greedy import greedy_ids
+    from powerinfer.model.transformer import ROPE_CHUNK
+
+    cfg = dict(BASE, max_seq_len=ROPE_CHUNK + 512)
+    ref = PowerInfer.from_pretrained(MODEL, Config(**cfg))
+    ids = ref.tokenize("The capital of France is Paris. " * 180 + "The capital of France is")
+    assert ROPE_CHUNK < len(ids) < ROPE_CHUNK + 400, len(ids)
+    want = greedy_ids(ref, ids, 8)
+    pi = PowerInfer.from_pretrained(MODEL, Config(runtime="actors", **cfg))
+    try:
+        info = pi.engine.group.info
+        assert info["cold.0"]["kv_heads"][1] > info["cold.0"]["kv_heads"][0], info["cold.0"]
+        assert_same_or_near_tie(ref, ids, want, greedy_ids(pi, ids, 8), 0.05)
+    finally:
+        pi.close()
+    assert not shm_segments()
+
+
 def split_as_the_group(ref: PowerInfer, group) -> PowerInfer:
     """The in-process sparse engine with each layer's neurons in two sets as an actor group holds
     them (the hot executor's share, the rest: with one cold executor, its set): it computes every

@@ -256,9 +256,12 @@ class Transformer(nn.Module):
         self.max_seq = 0
         self.rows: torch.Tensor | None = None  # setup_cache's blocks of each batch row
 
-    def setup_pool(self, num_blocks: int, block_size: int, max_seq: int):
+    def setup_pool(self, num_blocks: int, block_size: int, max_seq: int,
+                   ropes: tuple | None = None):
         """Allocate every layer's paged KV cache: `num_blocks` blocks of `block_size` positions
-        (each attention caches only the KV heads it holds), for positions below max_seq."""
+        (each attention caches only the KV heads it holds), for positions below max_seq. ropes:
+        the memory of the RoPE tables where the caller has it (an actor group's segment, which
+        the cold executors read too: `rope_tables`' shapes, rows not yet filled), on a CPU."""
         a, w = self.args, self.norm.weight  # the model's dtype and device
         for b in self.layers:
             b.attn.kv_cache = KVCache(num_blocks, b.attn.n_kv_heads, block_size, b.attn.head_dim,
@@ -269,10 +272,12 @@ class Transformer(nn.Module):
             # model's whole context took its tables' size in every process that attends, read or
             # not (Gemma 3: cos and sin of two bases for 32,768 positions, 128 MiB); a device's
             # tables are filled whole (its CUDA graphs read them without a step's check)
-            for end in ("", "_local")[:2 if a.rope_base_local else 1]:
-                for kind in ("rope_cos", "rope_sin"):
-                    self.register_buffer(kind + end, torch.empty(max_seq, a.head_dim, device=w.device),
-                                         persistent=False)
+            given = ropes if ropes is not None and w.device.type == "cpu" else None
+            for k, end in enumerate(("", "_local")[:2 if a.rope_base_local else 1]):
+                for j, kind in enumerate(("rope_cos", "rope_sin")):
+                    t = torch.empty(max_seq, a.head_dim, device=w.device) if given is None \
+                        else given[k][j]
+                    self.register_buffer(kind + end, t, persistent=False)
             self.rope_filled = 0
             if w.device.type != "cpu":
                 self.rope_ensure(max_seq - 1)
