@@ -86,13 +86,15 @@ def test_chat_applies_template_and_stops_at_end_of_turn(smol):
     assert seq.finish_reason == "stop" and seq.output[-1] in smol.tokenizer.eog_ids
 
 
-def test_rope_tables_fill_as_positions_are_reached(smol):
+def test_rope_tables_fill_as_positions_are_reached():
     """The RoPE tables hold rows only up to the positions steps have reached (whole chunks),
     each row the bits of the whole table's, and a position past them is filled before it is
     read: a long context costs its tables' memory only when it is used."""
     from powerinfer.model.transformer import ROPE_CHUNK, rope_table
 
+    smol = PowerInfer.from_pretrained("smollm2-135m-instruct", config=Config(dtype="float32", max_batch=1))
     m = smol.engine.model
+    assert m.rope_filled == 0
     assert m.max_seq > 2 * ROPE_CHUNK, m.max_seq
     smol.generate("The capital of France is", max_new_tokens=4, temperature=0)
     assert m.rope_filled == ROPE_CHUNK, m.rope_filled

@@ -70,19 +70,21 @@ def test_the_embedding_reads_the_files_own_pages(default_model_path):
     from powerinfer.model.quant import KernelEmbedding
 
     pi = PowerInfer.from_pretrained(default_model_path, Config(max_seq_len=64, max_batch=1))
-    emb = pi.engine.model.tok_embeddings
-    assert isinstance(emb, KernelEmbedding), type(emb)
-    assert _mapping_of(emb.records) == str(default_model_path.resolve())
-    src = load_checkpoint(default_model_path, with_weights=False).source
-    tokens = torch.tensor([0, 1, 17, 4242, src.shape("embed")[0] - 1])
-    rows = kernels.dequantize_rows(src.raw_rows("embed", tokens), emb.fmt, emb.dim)
-    assert torch.equal(emb(tokens).float(), rows.to(emb.dtype).float())
-    # the head over the same rows: the top token of the file's rows times a hidden state
-    h = torch.randn(1, emb.dim, generator=torch.Generator().manual_seed(0))
-    logits = pi.engine.model.output(h.to(emb.dtype)).float()
-    ref = h @ src.get("embed", torch.float32).t()
-    assert torch.corrcoef(torch.stack([logits[0], ref[0]]))[0, 1] > 0.999
-    pi.close()
+    try:
+        emb = pi.engine.model.tok_embeddings
+        assert isinstance(emb, KernelEmbedding), type(emb)
+        assert _mapping_of(emb.records) == str(default_model_path.resolve())
+        src = load_checkpoint(default_model_path, with_weights=False).source
+        tokens = torch.tensor([0, 1, 17, 4242, src.shape("embed")[0] - 1])
+        rows = kernels.dequantize_rows(src.raw_rows("embed", tokens), emb.fmt, emb.dim)
+        assert torch.equal(emb(tokens).float(), rows.to(emb.dtype).float())
+        # the head over the same rows: its logits against the file's rows times a hidden state
+        h = torch.randn(1, emb.dim, generator=torch.Generator().manual_seed(0))
+        logits = pi.engine.model.output(h.to(emb.dtype)).float()
+        ref = h @ src.get("embed", torch.float32).t()
+        assert torch.corrcoef(torch.stack([logits[0], ref[0]]))[0, 1] > 0.999
+    finally:
+        pi.close()
 
 
 @pytest.mark.parametrize("fmt", [None, "f32", "bf16", "q4_1"])

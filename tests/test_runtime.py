@@ -162,6 +162,7 @@ def test_a_prompt_past_the_first_rope_chunk_decodes_as_in_process(ray_cluster):
     try:
         info = pi.engine.group.info
         assert info["cold.0"]["kv_heads"][1] > info["cold.0"]["kv_heads"][0], info["cold.0"]
+        assert pi.engine.group.spec.ropes == 1  # (the shared segment, not each one's own)
         assert_same_or_near_tie(ref, ids, want, greedy_ids(pi, ids, 8), 0.05)
     finally:
         pi.close()

@@ -263,6 +263,8 @@ class Transformer(nn.Module):
         the memory of the RoPE tables where the caller has it (an actor group's segment, which
         the cold executors read too: `rope_tables`' shapes, rows not yet filled), on a CPU."""
         a, w = self.args, self.norm.weight  # the model's dtype and device
+        if getattr(self, "rope_filled", None) is not None:  # set up again: a native step made
+            self.rope_ensure(self.max_seq - 1)  # on the old tables reads them still, so whole
         for b in self.layers:
             b.attn.kv_cache = KVCache(num_blocks, b.attn.n_kv_heads, block_size, b.attn.head_dim,
                                       w.dtype, w.device)
@@ -341,10 +343,11 @@ class Transformer(nn.Module):
             return
         lo, hi = self.rope_filled, min(self.max_seq, (pos // ROPE_CHUNK + 1) * ROPE_CHUNK)
         a = self.args
-        for end, local in (("", False), ("_local", True))[:2 if a.rope_base_local else 1]:
-            cos, sin = rope_table(a, self.max_seq, local, lo, hi)
-            getattr(self, "rope_cos" + end)[lo:hi].copy_(cos)
-            getattr(self, "rope_sin" + end)[lo:hi].copy_(sin)
+        with torch.inference_mode():  # (tables made under it are written only under it)
+            for end, local in (("", False), ("_local", True))[:2 if a.rope_base_local else 1]:
+                cos, sin = rope_table(a, self.max_seq, local, lo, hi)
+                getattr(self, "rope_cos" + end)[lo:hi].copy_(cos)
+                getattr(self, "rope_sin" + end)[lo:hi].copy_(sin)
         self.rope_filled = hi
 
     def ropes(self, flat: torch.Tensor) -> tuple:
