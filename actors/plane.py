@@ -222,6 +222,11 @@ class Answering:
             return "closed"
 
 
+def rope_bytes(tables: int, max_seq: int, head_dim: int) -> int:
+    """Bytes of `tables` RoPE tables, cos and sin of max_seq rows of head_dim float32 each."""
+    return tables * 2 * max_seq * head_dim * 4
+
+
 def shm_room() -> int:
     """Bytes free on the filesystem the segments live on."""
     st = os.statvfs(SHM_DIR)
@@ -269,7 +274,7 @@ class PlaneSpec:
             block_size: int, args, dtype: "torch.dtype | str", spin_us: float = SPIN_US,
             isa: str = "auto") -> "PlaneSpec":
         ropes = 0 if args.learned_pos else 2 if args.rope_base_local else 1
-        if ropes * 2 * max_seq * args.head_dim * 4 > shm_room() // 2:
+        if rope_bytes(ropes, max_seq, args.head_dim) > shm_room() // 2:
             # a small shared-memory filesystem (a container's 64 MiB /dev/shm): a write past its
             # size would kill the writer (SIGBUS), so each executor holds its own tables
             ropes = 0
@@ -310,7 +315,7 @@ class PlaneSpec:
         part = max(align(N * self.dim * 4), align(S * self.vocab * 4))
         caps.update({f"part.{k}": part for k in range(self.n_cold)})
         if self.ropes:  # (tmpfs: a page costs memory once it is written)
-            caps["rope"] = self.ropes * 2 * self.max_seq * self.head_dim * 4
+            caps["rope"] = rope_bytes(self.ropes, self.max_seq, self.head_dim)
         return caps
 
     @staticmethod
