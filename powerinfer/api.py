@@ -15,14 +15,16 @@ from .engine.batching import context_length
 from .engine.budget import plan_for
 from .engine.inprocess import Engine, Event
 from .engine.kv import pool_blocks
-from .engine.partial import keep_device_blocks, keep_kquant_blocks, keep_stored_blocks
+from .engine.partial import (LazyWeights, deferred_model, keep_device_blocks, keep_kquant_blocks,
+                             keep_stored_blocks)
 from .engine.params import sampling_params
 from .engine.plan import input_thresholds, log_input_sparsity
 from .errors import ModelLoadError
 from .formats.gguf import parsed_once
 from .formats.loader import DEFAULT_MODEL, load_checkpoint
-from .formats.q4 import has_q4
+from .formats.q4 import Q4_TYPES, has_q4
 from .formats.source import Checkpoint, tensor_types
+from .formats.tokenizer import Tokenizer
 from .model.convert import kernel_ready
 from .model.load import build_model
 from .model.quant import apply_int4, apply_kernel_linears, neuron_format
@@ -59,11 +61,20 @@ class PowerInfer:
             self.input_sparsity = self.engine.input_sparsity
             return
         device = config.torch_device  # a ConfigError of its own, not a load error
-        self.model, self.tokenizer = build_model(checkpoint, config.torch_dtype, device)
         kv_blocks, why = pool_blocks(checkpoint.args, config, context_length(checkpoint.args, config),
                                      config.torch_dtype.itemsize)
         plan = plan_for(config, checkpoint.args, checkpoint.path, kv_blocks * config.block_size,
                         on_gpu=device.type == "cuda", checkpoint=checkpoint)
+        later = set()  # tensors the 4-bit configuration reads as blocks or after (`_load`)
+        if checkpoint.weights or not _blocks_read_late(checkpoint, config):
+            self.model, self.tokenizer = build_model(checkpoint, config.torch_dtype, device)
+        else:
+            try:
+                self.model, later = deferred_model(checkpoint, config.torch_dtype,
+                                                   ffn=plan is not None and plan.bundle is not None)
+                self.tokenizer = Tokenizer.from_source(checkpoint.tokenizer_source)
+            except (ValueError, KeyError, FileNotFoundError) as e:
+                raise ModelLoadError(checkpoint.path, str(e)) from e
         if plan is not None and plan.bundle is not None:  # the in-process sparse engine
             plan.apply(self.model, fmt=neuron_format(config.weights, checkpoint.info,
                                                      self.model.tok_embeddings.weight))
@@ -75,11 +86,16 @@ class PowerInfer:
         int4 = config.weights == "int4" and device.type == "cpu" and not triton
         # a K-quant file's Q4_K/Q6_K projections in their own bytes, then the 4-bit rest
         kept = keep_kquant_blocks(self.model, checkpoint.source) if int4 else 0
+        if int4 and later:  # the file's 4-bit blocks of the projections still to be placed
+            checkpoint.q4 = _q4_blocks(self.model, checkpoint.source)
         if int4 and not apply_int4(self.model, checkpoint.q4) and not kept:
             raise ModelLoadError(checkpoint.path, "weights='int4' needs a GGUF file with "
                                                   "Q4_0/Q4_1 projections")
         if int4:  # the file's Q8_0 blocks (projections, embedding) kept
             keep_stored_blocks(self.model, checkpoint.source, config.torch_dtype)
+        if later:  # what no block format took: widened now, as the eager load does
+            self.model.load_weights(LazyWeights(checkpoint.source, config.torch_dtype),
+                                    skip=lambda n: n not in later)
         elif config.weights == "int4" and triton:
             # a GPU's matrices in the file's blocks, for the Triton kernels (its neuron sets are
             # `plan.apply`'s records above)
@@ -116,6 +132,8 @@ class PowerInfer:
             ck = kernel_ready(load_checkpoint(name_or_path, with_weights=False), config)
             name_or_path, config = ck.path, config.resolve(has_q4(ck.info))
             if config.runtime != "local":  # its processes load the weights
+                return cls(ck, config)
+            if _blocks_read_late(ck, config):  # read as the model is built (`deferred_model`)
                 return cls(ck, config)
         return cls(load_checkpoint(name_or_path, config.torch_dtype, with_weights=True,
                                    keep_int4=config.weights == "int4"
@@ -169,6 +187,26 @@ class PowerInfer:
             return _concurrently(self.engine, prompts, params)
         seqs = [self.engine.new_sequence(p, params) for p in prompts]
         return self.engine.run(seqs)
+
+
+def _blocks_read_late(ck: Checkpoint, config: Config) -> bool:
+    """Whether the in-process model is built from the file's tensors as it needs them
+    (`deferred_model`): the 4-bit configuration on the CPU kernel, over a GGUF file."""
+    return (config.runtime == "local" and config.weights == "int4"
+            and config.torch_device.type == "cpu" and not kernels.TRITON_ON_CPU
+            and ck.source is not None and ck.info.get("format") in ("GGUF", "PWRI"))
+
+
+def _q4_blocks(model, source) -> dict:
+    """The file's 4-bit blocks (`GGUFSource.q4`) of the tensors of every projection the model
+    still holds as a float matrix, where all its parts are 4-bit (what `apply_int4` takes)."""
+    out = {}
+    for i in range(len(model.layers)):
+        for owner, attr, names in model.projections(i):
+            if isinstance(getattr(owner, attr, None), torch.nn.Linear) and \
+                    all(n in source.names and source.kind(n) in Q4_TYPES for n in names):
+                out.update((n, source.q4(n)) for n in names)
+    return out
 
 
 def _concurrently(engine, prompts: list[list[int]], params) -> Iterator[Event]:

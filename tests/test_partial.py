@@ -87,6 +87,33 @@ def test_the_embedding_reads_the_files_own_pages(default_model_path):
         pi.close()
 
 
+def test_the_4bit_load_never_widens_what_it_holds_as_blocks(default_model_path, monkeypatch):
+    """The in-process 4-bit configuration reads each projection, the embedding and the tied head
+    as the file's blocks: none of them is widened to 16 bits at load (a whole model widened and
+    then dropped cost a 7B-shape file its resident size seven times over at the peak). Only
+    what no block format takes (the norms) is read widened, and the model answers as one
+    loaded the eager way (the file's tensors widened first, then replaced)."""
+    from powerinfer import Config, PowerInfer
+    from powerinfer import api
+    from powerinfer.formats.gguf import GGUFSource
+
+    if not kernels.available():
+        pytest.skip("the CPU kernel does not run here: the 4-bit configuration needs it")
+    widened = []
+    read_into = GGUFSource.read_into
+    monkeypatch.setattr(GGUFSource, "read_into",
+                        lambda self, name, out: widened.append(name) or read_into(self, name, out))
+    cfg = Config(dtype="bfloat16", weights="int4", max_seq_len=64, max_batch=1)
+    pi = PowerInfer.from_pretrained(default_model_path, cfg)
+    names = {n.split(".")[-1] for n in widened}
+    assert names and names <= {"attn_norm", "ffn_norm", "norm"}, sorted(names)
+    monkeypatch.setattr(api, "_blocks_read_late", lambda ck, config: False)  # the eager load
+    eager = PowerInfer.from_pretrained(default_model_path, cfg)
+    assert {"q", "gate", "down", "embed"} <= {n.split(".")[-1] for n in widened}
+    ids = pi.tokenize("The capital of France is Paris, and the capital of Italy is")
+    assert torch.equal(pi.engine.logits(ids), eager.engine.logits(ids))
+
+
 @pytest.mark.parametrize("fmt", [None, "f32", "bf16", "q4_1"])
 def test_a_neuron_set_read_alone_equals_the_one_cut_from_the_dense_model(default_model_path, fmt):
     if fmt is not None and not kernels.available():

@@ -372,15 +372,17 @@ class Transformer(nn.Module):
         model.load_weights(weights)
         return model.eval().requires_grad_(False)
 
-    def load_weights(self, w: dict[str, torch.Tensor]):
+    def load_weights(self, w: dict[str, torch.Tensor], skip=None):
         """Copy canonical weights (see loader.TENSOR_NAMES) into the model, fusing q/k/v and
         gate/up. Raises ValueError naming the tensor on a missing name or a shape mismatch.
         Parts already held another way (a quantized embedding or projection, a FFN replaced by
-        neuron sets) are skipped: their module has no plain weight or is no `nn.Linear`."""
+        neuron sets) are skipped: their module has no plain weight or is no `nn.Linear`. So is
+        a parameter whose first canonical tensor `skip` (a predicate on names) holds: left as
+        it is, to be replaced or loaded by a later call."""
         a = self.args
 
         def put(param: torch.Tensor | None, *parts: str):
-            if param is None:
+            if param is None or (skip is not None and skip(parts[0])):
                 return
             missing = [p for p in parts if p not in w]
             if missing:
