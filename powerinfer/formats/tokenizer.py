@@ -207,14 +207,17 @@ def _sentencepiece_bpe(tokens: list[str], scores: list[float], types: list[int],
     vocab = {t: i for i, t in enumerate(tokens)}
     # merges from the vocabulary: every split of a piece into two pieces that exist, ranked by
     # the merged piece's score (higher first), as SentencePiece's BPE applies them
-    ranked = []
+    # (a right part is looked up only after its left one is found: Gemma 3's 262,144 pieces
+    # have 1.2 million splits, 2.0 -> 1.4 s)
+    ranked, get = [], vocab.get
     for piece, pid in vocab.items():
         if types[pid] != TYPE_NORMAL:
             continue
+        score = -scores[pid]
         for k in range(1, len(piece)):
-            left, right = piece[:k], piece[k:]
-            if left in vocab and right in vocab:
-                ranked.append((-scores[pid], vocab[left], vocab[right], left, right))
+            left = piece[:k]
+            if (li := get(left)) is not None and (ri := get(right := piece[k:])) is not None:
+                ranked.append((score, li, ri, left, right))
     ranked.sort()
     tok = HFTokenizer(models.BPE(vocab, [(r[3], r[4]) for r in ranked], unk_token=tokens[unk_id],
                                  fuse_unk=True, byte_fallback=True))
