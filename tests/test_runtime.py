@@ -145,20 +145,26 @@ def test_dense_plan_equals_local_engine(ray_cluster, tiny):
     assert not shm_segments()
 
 
-def test_a_prompt_past_the_first_rope_chunk_decodes_as_in_process(ray_cluster):
+def test_a_prompt_past_the_first_rope_chunk_decodes_as_in_process(ray_cluster, tmp_path):
     """The RoPE tables are one segment a group: the hot executor fills their rows as steps reach
     them, before it sends a step on, and a cold executor attending with its share of the heads
-    reads the same rows. A prompt past the first chunk of rows (the real model, its KV heads
-    split between the hot and the cold executor) decodes as the in-process engine does."""
+    reads the same rows. A prompt past the first chunk of rows (a small synthetic model of a
+    longer context, its KV heads split between the hot and the cold executor) decodes as the
+    in-process engine does."""
+    from dataclasses import replace
+
     from greedy import greedy_ids
     from powerinfer.model.transformer import ROPE_CHUNK
+    from powerinfer.sparsity.synthetic import PRESETS, write_synthetic
 
+    shape = replace(PRESETS["tiny"], context=ROPE_CHUNK + 1024)
+    path = str(write_synthetic(tmp_path / "long.gguf", shape, seed=3, progress=False).path)
     cfg = dict(BASE, max_seq_len=ROPE_CHUNK + 512)
-    ref = PowerInfer.from_pretrained(MODEL, Config(**cfg))
-    ids = ref.tokenize("The capital of France is Paris. " * 180 + "The capital of France is")
-    assert ROPE_CHUNK < len(ids) < ROPE_CHUNK + 400, len(ids)
+    ref = PowerInfer.from_pretrained(path, Config(**cfg))
+    ids = torch.randint(3, ref.args.vocab_size, (ROPE_CHUNK + 200,),
+                        generator=torch.Generator().manual_seed(0)).tolist()
     want = greedy_ids(ref, ids, 8)
-    pi = PowerInfer.from_pretrained(MODEL, Config(runtime="actors", **cfg))
+    pi = PowerInfer.from_pretrained(path, Config(runtime="actors", **cfg))
     try:
         info = pi.engine.group.info
         assert info["cold.0"]["kv_heads"][1] > info["cold.0"]["kv_heads"][0], info["cold.0"]
