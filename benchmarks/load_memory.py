@@ -3,19 +3,21 @@
 widens every tensor first, in turns.
 
     .venv/bin/python benchmarks/load_memory.py [--models smollm2-135m-instruct,gemma3-270m,FILE]
-        [--turns 3] [--config default|int4] [--out FILE]
+        [--turns 3] [--config default|int4|fp32] [--out FILE]
 
 Each load runs in a fresh process (so that its peak is its own), `PowerInfer.from_pretrained`
 with the configuration given (`default`: `Config()`; `int4`: bf16 activations over the file's
-4-bit blocks, the default where the kernel runs), in two ways, alternating within a turn:
+4-bit blocks, the default where the kernel runs; `fp32`: float32 dense), in two ways,
+alternating within a turn:
 
-- `now`: the 4-bit configuration reads the projections, the output head and a stored embedding
-  as the file's blocks, and widens only what no block format takes (`partial.deferred_model`);
-- `eager`: the load before it: every tensor widened to the model's type, the model built, and
-  then its matrices replaced by the file's blocks.
+- `now`: each tensor read straight into its parameter; the 4-bit configuration reads the
+  projections, the output head and a stored embedding as the file's blocks, and widens only
+  what no block format takes (`partial.deferred_model`);
+- `eager`: the load before it: every tensor widened to the model's type into a dict, the model
+  built from it, and then (4-bit) its matrices replaced by the file's blocks.
 
 Reported per model and way: the median load time, the process's peak resident memory
-(`ru_maxrss`) and its resident memory after the load, and the ratios now / eager.
+(VmHWM) and its resident memory after the load, and the ratios now / eager.
 """
 from __future__ import annotations
 
@@ -32,19 +34,21 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 
 CHILD = r"""
-import json, resource, sys, time
+import json, sys, time
 sys.path.insert(0, sys.argv[1])
 from powerinfer import Config, PowerInfer, api
 if sys.argv[3] == "eager":
-    api._blocks_read_late = lambda ck, config: False
-cfg = Config(max_seq_len=256, max_batch=1) if sys.argv[4] == "default" else \
-    Config(dtype="bfloat16", weights="int4", max_seq_len=256, max_batch=1)
+    api._read_in_place = lambda ck, config: False
+cfg = Config(max_seq_len=256, max_batch=1, **{"default": {},
+             "int4": dict(dtype="bfloat16", weights="int4"),
+             "fp32": dict(dtype="float32", weights="dense")}[sys.argv[4]])
 t = time.perf_counter()
 pi = PowerInfer.from_pretrained(sys.argv[2], cfg)
 s = time.perf_counter() - t
-rss = int(open("/proc/self/statm").read().split()[1]) * 4096
-print(json.dumps({"load_s": s, "peak_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
-                  "after_mib": rss / 2 ** 20, "config": pi.config.summary()}))
+st = dict(line.split(":", 1) for line in open("/proc/self/status").read().splitlines())
+mib = lambda k: int(st[k].split()[0]) / 1024  # (VmHWM: this process's own peak)
+print(json.dumps({"load_s": s, "peak_mib": mib("VmHWM"), "after_mib": mib("VmRSS"),
+                  "config": pi.config.summary()}))
 """
 
 
@@ -60,7 +64,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--models", default="smollm2-135m-instruct,gemma3-270m")
     ap.add_argument("--turns", type=int, default=3)
-    ap.add_argument("--config", choices=("default", "int4"), default="default")
+    ap.add_argument("--config", choices=("default", "int4", "fp32"), default="default")
     ap.add_argument("--out")
     args = ap.parse_args()
     rows, raw = [], {}

@@ -66,12 +66,13 @@ class PowerInfer:
         plan = plan_for(config, checkpoint.args, checkpoint.path, kv_blocks * config.block_size,
                         on_gpu=device.type == "cuda", checkpoint=checkpoint)
         later = set()  # tensors the 4-bit configuration reads as blocks or after (`_load`)
-        if checkpoint.weights or not _blocks_read_late(checkpoint, config):
+        if checkpoint.weights or not _read_in_place(checkpoint, config):
             self.model, self.tokenizer = build_model(checkpoint, config.torch_dtype, device)
         else:
             try:
-                self.model, later = deferred_model(checkpoint, config.torch_dtype,
-                                                   ffn=plan is not None and plan.bundle is not None)
+                self.model, later = deferred_model(
+                    checkpoint, config.torch_dtype, blocks=config.weights == "int4",
+                    ffn=plan is not None and plan.bundle is not None)
                 self.tokenizer = Tokenizer.from_source(checkpoint.tokenizer_source)
             except (ValueError, KeyError, FileNotFoundError) as e:
                 raise ModelLoadError(checkpoint.path, str(e)) from e
@@ -133,8 +134,10 @@ class PowerInfer:
             name_or_path, config = ck.path, config.resolve(has_q4(ck.info))
             if config.runtime != "local":  # its processes load the weights
                 return cls(ck, config)
-            if _blocks_read_late(ck, config):  # read as the model is built (`deferred_model`)
-                return cls(ck, config)
+        else:  # the header only, for what follows
+            ck = load_checkpoint(name_or_path, with_weights=False)
+        if _read_in_place(ck, config):  # read as the model is built (`deferred_model`)
+            return cls(ck, config)
         return cls(load_checkpoint(name_or_path, config.torch_dtype, with_weights=True,
                                    keep_int4=config.weights == "int4"
                                    and config.torch_device.type == "cpu"), config)
@@ -189,12 +192,15 @@ class PowerInfer:
         return self.engine.run(seqs)
 
 
-def _blocks_read_late(ck: Checkpoint, config: Config) -> bool:
-    """Whether the in-process model is built from the file's tensors as it needs them
-    (`deferred_model`): the 4-bit configuration on the CPU kernel, over a GGUF file."""
-    return (config.runtime == "local" and config.weights == "int4"
-            and config.torch_device.type == "cpu" and not kernels.TRITON_ON_CPU
-            and ck.source is not None and ck.info.get("format") in ("GGUF", "PWRI"))
+def _read_in_place(ck: Checkpoint, config: Config) -> bool:
+    """Whether the in-process model is built from the file's tensors as it needs them, each
+    read straight into its parameter (`deferred_model`; the 4-bit configuration's blocks never
+    widened): a GGUF file on the CPU. Elsewhere (a Hugging Face folder, a file that stores down
+    transposed, a GPU, the Triton kernels on the CPU) every tensor is read first, then the model
+    built from them."""
+    return (config.runtime == "local" and config.torch_device.type == "cpu" and not kernels.TRITON_ON_CPU
+            and ck.source is not None and ck.info.get("format") == "GGUF"
+            and not any(n.endswith(".down_t") for n in ck.source.names))  # (transposed: eager)
 
 
 def _q4_blocks(model, source) -> dict:

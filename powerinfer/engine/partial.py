@@ -69,24 +69,27 @@ class LazyWeights(Mapping):
         self.source.read_into(name, out)
 
 
-def deferred_model(ckpt, dtype: torch.dtype, ffn: bool) -> tuple[Transformer, set[str]]:
-    """The in-process engine's 4-bit configuration, loaded without widening what it holds as
-    the file's blocks: (the model, the canonical tensors not read yet). Each tensor is read (and
-    widened to `dtype`) straight into place, except the projections' matrices (with `ffn`, the
-    FFN's are read: a bundle's neuron sets are made from them), the output head, and a token
-    embedding stored in a kernel format: their parameters are allocated and left untouched (not
-    resident) for what replaces them with the file's blocks (`keep_kquant_blocks`, `apply_int4`,
-    `keep_stored_blocks`); `load_weights(..., skip=)` reads the rest of them afterwards. A whole
-    model widened to 16 bits at load and then dropped cost SmolLM2 0.9 s, and a 7B-shape file
-    its resident size seven times over at the peak."""
+def deferred_model(ckpt, dtype: torch.dtype, blocks: bool, ffn: bool) -> tuple[Transformer, set[str]]:
+    """The in-process model over the file's tensors, each read (and widened to `dtype`) straight
+    into its parameter: (the model, the canonical tensors not read yet). With `blocks` (the 4-bit
+    configuration) what it holds as the file's blocks is not read: the projections' matrices
+    (with `ffn`, the FFN's are read: a bundle's neuron sets are made from them), the output head,
+    and a token embedding stored in a kernel format; their parameters are allocated and left
+    untouched (not resident) for what replaces them with the file's blocks
+    (`keep_kquant_blocks`, `apply_int4`, `keep_stored_blocks`), and `load_weights(..., skip=)`
+    reads the rest of them afterwards. A whole model widened to 16 bits at load and then
+    dropped cost SmolLM2 0.9 s, and a 7B-shape file its resident size seven times over at the
+    peak; a dense model read into a dict of tensors first held it twice."""
     a, src = ckpt.args, ckpt.source
     with torch.device("meta"):
         model = Transformer(a)
-    later = {n for i in range(a.n_layers) for _, attr, parts in model.projections(i)
-             if not (ffn and attr in ("w1", "w2")) for n in parts}
-    later.add("output")
-    if kernels.available() and "embed" in src.names and src.kind("embed") in STORED_FORMATS:
-        later.add("embed")
+    later = set()
+    if blocks:
+        later = {n for i in range(a.n_layers) for _, attr, parts in model.projections(i)
+                 if not (ffn and attr in ("w1", "w2")) for n in parts}
+        later.add("output")
+        if kernels.available() and "embed" in src.names and src.kind("embed") in STORED_FORMATS:
+            later.add("embed")
     model = model.to(dtype).to_empty(device="cpu")  # allocated in dtype, filled below
     if a.tie_embeddings:
         model.output.weight = model.tok_embeddings.weight
