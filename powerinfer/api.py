@@ -94,15 +94,15 @@ class PowerInfer:
                                                   "Q4_0/Q4_1 projections")
         if int4:  # the file's Q8_0 blocks (projections, embedding) kept
             keep_stored_blocks(self.model, checkpoint.source, config.torch_dtype)
-        if later:  # what no block format took: widened now, as the eager load does
-            self.model.load_weights(LazyWeights(checkpoint.source, config.torch_dtype),
-                                    skip=lambda n: n not in later)
         elif config.weights == "int4" and triton:
             # a GPU's matrices in the file's blocks, for the Triton kernels (its neuron sets are
             # `plan.apply`'s records above)
             keep_device_blocks(self.model, checkpoint.source, config.torch_dtype)
             if device.type == "cuda":
                 torch.cuda.empty_cache()  # (the widened matrices they replace)
+        if later:  # what no block format took: widened now, as the eager load does
+            self.model.load_weights(LazyWeights(checkpoint.source, config.torch_dtype),
+                                    skip=lambda n: n not in later)
         apply_kernel_linears(self.model, head="q8_0" if int4 else "bf16")  # what is left in bf16
         checkpoint.q4 = {}  # the model holds them now
         self.input_sparsity = apply_input_sparsity(self.model, config, int4, checkpoint.path)
@@ -198,8 +198,8 @@ def _read_in_place(ck: Checkpoint, config: Config) -> bool:
     widened): a GGUF file on the CPU. Elsewhere (a Hugging Face folder, a file that stores down
     transposed, a GPU, the Triton kernels on the CPU) every tensor is read first, then the model
     built from them."""
-    return (config.runtime == "local" and config.torch_device.type == "cpu" and not kernels.TRITON_ON_CPU
-            and ck.source is not None and ck.info.get("format") == "GGUF"
+    return (config.runtime == "local" and config.torch_device.type == "cpu"
+            and not kernels.TRITON_ON_CPU and ck.source is not None and ck.info.get("format") == "GGUF"
             and not any(n.endswith(".down_t") for n in ck.source.names))  # (transposed: eager)
 
 
