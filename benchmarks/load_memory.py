@@ -11,8 +11,8 @@ with the configuration given (`default`: `Config()`; `int4`: bf16 activations ov
 alternating within a turn:
 
 - `now`: each tensor read straight into its parameter; the 4-bit configuration reads the
-  projections, the output head and a stored embedding as the file's blocks, and widens only
-  what no block format takes (`partial.deferred_model`);
+  projections, a stored embedding (and the tied head over it, or a K-quant file's head) as the
+  file's blocks, and widens only what no block format takes (`partial.deferred_model`);
 - `eager`: the load before it: every tensor widened to the model's type into a dict, the model
   built from it, and then (4-bit) its matrices replaced by the file's blocks.
 

@@ -5,6 +5,7 @@ import logging
 import os
 import queue
 import threading
+from contextlib import contextmanager
 from typing import Iterator
 
 import torch
@@ -69,13 +70,11 @@ class PowerInfer:
         if checkpoint.weights or not _read_in_place(checkpoint, config):
             self.model, self.tokenizer = build_model(checkpoint, config.torch_dtype, device)
         else:
-            try:
+            with _load_errors(checkpoint):
                 self.model, later = deferred_model(
                     checkpoint, config.torch_dtype, blocks=config.weights == "int4",
                     ffn=plan is not None and plan.bundle is not None)
                 self.tokenizer = Tokenizer.from_source(checkpoint.tokenizer_source)
-            except (ValueError, KeyError, FileNotFoundError) as e:
-                raise ModelLoadError(checkpoint.path, str(e)) from e
         if plan is not None and plan.bundle is not None:  # the in-process sparse engine
             plan.apply(self.model, fmt=neuron_format(config.weights, checkpoint.info,
                                                      self.model.tok_embeddings.weight))
@@ -101,8 +100,15 @@ class PowerInfer:
             if device.type == "cuda":
                 torch.cuda.empty_cache()  # (the widened matrices they replace)
         if later:  # what no block format took: widened now, as the eager load does
-            self.model.load_weights(LazyWeights(checkpoint.source, config.torch_dtype),
-                                    skip=lambda n: n not in later)
+            with _load_errors(checkpoint):
+                self.model.load_weights(LazyWeights(checkpoint.source, config.torch_dtype),
+                                        skip=lambda n: n not in later)
+        if not checkpoint.weights and _read_in_place(checkpoint, config):
+            # the pool's automatic share of the available memory, counted once the model is
+            # resident (above, before it was read; its plan on the CPU places nothing by it)
+            kv_blocks, why = pool_blocks(checkpoint.args, config,
+                                         context_length(checkpoint.args, config),
+                                         config.torch_dtype.itemsize)
         apply_kernel_linears(self.model, head="q8_0" if int4 else "bf16")  # what is left in bf16
         checkpoint.q4 = {}  # the model holds them now
         self.input_sparsity = apply_input_sparsity(self.model, config, int4, checkpoint.path)
@@ -201,6 +207,19 @@ def _read_in_place(ck: Checkpoint, config: Config) -> bool:
     return (config.runtime == "local" and config.torch_device.type == "cpu"
             and not kernels.TRITON_ON_CPU and ck.source is not None and ck.info.get("format") == "GGUF"
             and not any(n.endswith(".down_t") for n in ck.source.names))  # (transposed: eager)
+
+
+@contextmanager
+def _load_errors(ck: Checkpoint):
+    """A failure while reading the file's tensors into the model, as `load_checkpoint` reports
+    one: a ModelLoadError naming the file (a missing or misshapen tensor, a corrupt block)."""
+    try:
+        yield
+    except ModelLoadError:
+        raise
+    except Exception as e:  # noqa: BLE001 - a library's error deep in a read: keep its text
+        raise ModelLoadError(ck.path, str(e) if isinstance(e, ValueError)
+                             else f"{type(e).__name__}: {e}") from e
 
 
 def _q4_blocks(model, source) -> dict:

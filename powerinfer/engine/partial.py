@@ -72,12 +72,14 @@ class LazyWeights(Mapping):
 def deferred_model(ckpt, dtype: torch.dtype, blocks: bool, ffn: bool) -> tuple[Transformer, set[str]]:
     """The in-process model over the file's tensors, each read (and widened to `dtype`) straight
     into its parameter: (the model, the canonical tensors not read yet). With `blocks` (the 4-bit
-    configuration) what it holds as the file's blocks is not read: the projections' matrices
-    (with `ffn`, the FFN's are read: a bundle's neuron sets are made from them), the output head,
-    and a token embedding stored in a kernel format; their parameters are allocated and left
-    untouched (not resident) for what replaces them with the file's blocks
-    (`keep_kquant_blocks`, `apply_int4`, `keep_stored_blocks`), and `load_weights(..., skip=)`
-    reads the rest of them afterwards. A whole model widened to 16 bits at load and then
+    configuration) what it may hold as the file's blocks is not read yet: the projections'
+    matrices (with `ffn`, the FFN's are read: a bundle's neuron sets are made from them), the
+    output head, and a token embedding stored in a kernel format; their parameters are allocated
+    and left untouched (not resident) for what replaces them with the file's blocks
+    (`keep_kquant_blocks`, `apply_int4`, `keep_stored_blocks`: a tied head goes with the
+    embedding, an untied one in a K-quant file's Q6_K), and `load_weights(..., skip=)` reads
+    what none of them took afterwards (an untied Q8_0 or 4-bit head, widened and then made
+    8-bit by `apply_kernel_linears`, as before). A whole model widened to 16 bits at load and then
     dropped cost SmolLM2 0.9 s, and a 7B-shape file its resident size seven times over at the
     peak; a dense model read into a dict of tensors first held it twice."""
     a, src = ckpt.args, ckpt.source
