@@ -16,14 +16,14 @@ from .engine.batching import context_length
 from .engine.budget import plan_for
 from .engine.inprocess import Engine, Event
 from .engine.kv import pool_blocks
-from .engine.partial import (LazyWeights, deferred_model, keep_device_blocks, keep_kquant_blocks,
-                             keep_stored_blocks)
+from .engine.partial import (LazyWeights, StoredQ4, deferred_model, keep_device_blocks,
+                             keep_kquant_blocks, keep_stored_blocks)
 from .engine.params import sampling_params
 from .engine.plan import input_thresholds, log_input_sparsity
 from .errors import ModelLoadError
 from .formats.gguf import parsed_once
 from .formats.loader import DEFAULT_MODEL, load_checkpoint
-from .formats.q4 import Q4_TYPES, has_q4
+from .formats.q4 import has_q4
 from .formats.source import Checkpoint, tensor_types
 from .formats.tokenizer import Tokenizer
 from .model.convert import kernel_ready
@@ -62,12 +62,13 @@ class PowerInfer:
             self.input_sparsity = self.engine.input_sparsity
             return
         device = config.torch_device  # a ConfigError of its own, not a load error
-        kv_blocks, why = pool_blocks(checkpoint.args, config, context_length(checkpoint.args, config),
-                                     config.torch_dtype.itemsize)
+        context = context_length(checkpoint.args, config)
+        kv_blocks, why = pool_blocks(checkpoint.args, config, context, config.torch_dtype.itemsize)
         plan = plan_for(config, checkpoint.args, checkpoint.path, kv_blocks * config.block_size,
                         on_gpu=device.type == "cuda", checkpoint=checkpoint)
-        later = set()  # tensors the 4-bit configuration reads as blocks or after (`_load`)
-        if checkpoint.weights or not _read_in_place(checkpoint, config):
+        in_place = not checkpoint.weights and _read_in_place(checkpoint, config)  # (`_load`)
+        later = set()  # tensors the 4-bit configuration reads as blocks or after
+        if not in_place:
             self.model, self.tokenizer = build_model(checkpoint, config.torch_dtype, device)
         else:
             with _load_errors(checkpoint):
@@ -86,8 +87,8 @@ class PowerInfer:
         int4 = config.weights == "int4" and device.type == "cpu" and not triton
         # a K-quant file's Q4_K/Q6_K projections in their own bytes, then the 4-bit rest
         kept = keep_kquant_blocks(self.model, checkpoint.source) if int4 else 0
-        if int4 and later:  # the file's 4-bit blocks of the projections still to be placed
-            checkpoint.q4 = _q4_blocks(self.model, checkpoint.source)
+        if int4 and later:  # the file's 4-bit blocks, read as each projection is placed
+            checkpoint.q4 = StoredQ4(checkpoint.source)
         if int4 and not apply_int4(self.model, checkpoint.q4) and not kept:
             raise ModelLoadError(checkpoint.path, "weights='int4' needs a GGUF file with "
                                                   "Q4_0/Q4_1 projections")
@@ -103,11 +104,10 @@ class PowerInfer:
             with _load_errors(checkpoint):
                 self.model.load_weights(LazyWeights(checkpoint.source, config.torch_dtype),
                                         skip=lambda n: n not in later)
-        if not checkpoint.weights and _read_in_place(checkpoint, config):
+        if in_place:
             # the pool's automatic share of the available memory, counted once the model is
             # resident (above, before it was read; its plan on the CPU places nothing by it)
-            kv_blocks, why = pool_blocks(checkpoint.args, config,
-                                         context_length(checkpoint.args, config),
+            kv_blocks, why = pool_blocks(checkpoint.args, config, context,
                                          config.torch_dtype.itemsize)
         apply_kernel_linears(self.model, head="q8_0" if int4 else "bf16")  # what is left in bf16
         checkpoint.q4 = {}  # the model holds them now
@@ -220,18 +220,6 @@ def _load_errors(ck: Checkpoint):
     except Exception as e:  # noqa: BLE001 - a library's error deep in a read: keep its text
         raise ModelLoadError(ck.path, str(e) if isinstance(e, ValueError)
                              else f"{type(e).__name__}: {e}") from e
-
-
-def _q4_blocks(model, source) -> dict:
-    """The file's 4-bit blocks (`GGUFSource.q4`) of the tensors of every projection the model
-    still holds as a float matrix, where all its parts are 4-bit (what `apply_int4` takes)."""
-    out = {}
-    for i in range(len(model.layers)):
-        for owner, attr, names in model.projections(i):
-            if isinstance(getattr(owner, attr, None), torch.nn.Linear) and \
-                    all(n in source.names and source.kind(n) in Q4_TYPES for n in names):
-                out.update((n, source.q4(n)) for n in names)
-    return out
 
 
 def _concurrently(engine, prompts: list[list[int]], params) -> Iterator[Event]:

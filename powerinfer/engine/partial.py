@@ -69,6 +69,28 @@ class LazyWeights(Mapping):
         self.source.read_into(name, out)
 
 
+class StoredQ4(Mapping):
+    """A TensorSource's 4-bit tensors as the name -> `q4_blocks` triple mapping `apply_int4`
+    reads: each read from the file (`TensorSource.q4`) when asked for, and not kept."""
+
+    def __init__(self, source: TensorSource):
+        self.source = source
+
+    def __getitem__(self, name: str):
+        if name not in self:
+            raise KeyError(name)
+        return self.source.q4(name)
+
+    def __contains__(self, name) -> bool:
+        return name in self.source.names and self.source.kind(name) in Q4_TYPES
+
+    def __iter__(self):
+        return (n for n in self.source.names if n in self)
+
+    def __len__(self) -> int:
+        return sum(1 for _ in self)
+
+
 def deferred_model(ckpt, dtype: torch.dtype, blocks: bool, ffn: bool) -> tuple[Transformer, set[str]]:
     """The in-process model over the file's tensors, each read (and widened to `dtype`) straight
     into its parameter: (the model, the canonical tensors not read yet). With `blocks` (the 4-bit

@@ -284,13 +284,14 @@ def apply_int4(model: "Transformer", q4: dict[str, tuple[np.ndarray, np.ndarray,
     """Replace each projection whose source tensors are all 4-bit with a 4-bit one (`int4_linear`).
 
     q4 maps canonical tensor names (loader.TENSOR_NAMES) to `q4_blocks` triples, rows already in
-    the model's order. Returns the number of layers replaced."""
+    the model's order (a dict, or `partial.StoredQ4` reading them from the file when asked). Returns the number of layers replaced."""
     replaced = 0
     for i in range(len(model.layers)):
         for owner, attr, names in model.projections(i):
             if not all(n in q4 for n in names) or not isinstance(getattr(owner, attr, None), nn.Linear):
                 continue  # kept in float, or no longer a linear layer (a HybridFFN's neuron sets)
-            q, scale, zero = (torch.from_numpy(np.concatenate([q4[n][j] for n in names]))
+            parts = [q4[n] for n in names]  # (each read once: q4 may read them when asked)
+            q, scale, zero = (torch.from_numpy(np.concatenate([b[j] for b in parts]))
                               for j in range(3))
             dense = getattr(owner, attr)
             assert q.shape == dense.weight.shape, (names, q.shape, dense.weight.shape)
