@@ -36,6 +36,7 @@ ROOT = Path(__file__).resolve().parent.parent
 CHILD = r"""
 import json, sys, time
 sys.path.insert(0, sys.argv[1])
+from cluster.topology import process_memory
 from powerinfer import Config, PowerInfer, api
 if sys.argv[3] == "eager":
     api._read_in_place = lambda ck, config: False
@@ -45,9 +46,8 @@ cfg = Config(max_seq_len=256, max_batch=1, **{"default": {},
 t = time.perf_counter()
 pi = PowerInfer.from_pretrained(sys.argv[2], cfg)
 s = time.perf_counter() - t
-st = dict(line.split(":", 1) for line in open("/proc/self/status").read().splitlines())
-mib = lambda k: int(st[k].split()[0]) / 1024  # (VmHWM: this process's own peak)
-print(json.dumps({"load_s": s, "peak_mib": mib("VmHWM"), "after_mib": mib("VmRSS"),
+m = process_memory()  # (hwm, VmHWM: this process's own peak)
+print(json.dumps({"load_s": s, "peak_mib": m["hwm"] / 2 ** 20, "after_mib": m["rss"] / 2 ** 20,
                   "config": pi.config.summary()}))
 """
 

@@ -125,14 +125,13 @@ def test_a_dense_load_holds_the_model_once(default_model_path):
     import sys
 
     code = ("import json, sys\n"
+            "from cluster.topology import process_memory\n"
             "from powerinfer import Config, PowerInfer\n"
             "from powerinfer.model.transformer import held_bytes\n"
             "pi = PowerInfer.from_pretrained(sys.argv[1], Config(dtype='float32', "
             "weights='dense', max_seq_len=64, max_batch=1))\n"
-            "st = dict(l.split(':', 1) for l in open('/proc/self/status').read().splitlines())\n"
-            "kib = lambda k: int(st[k].split()[0]) * 1024\n"
-            "print(json.dumps({'peak': kib('VmHWM'), 'after': kib('VmRSS'),"
-            " 'held': held_bytes(pi.model)}))\n")
+            "m = process_memory()\n"
+            "print(json.dumps({'peak': m['hwm'], 'after': m['rss'], 'held': held_bytes(pi.model)}))\n")
     r = subprocess.run([sys.executable, "-c", code, str(default_model_path)], capture_output=True,
                        text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
