@@ -402,24 +402,44 @@ def test_the_in_process_engine_keeps_a_4bit_files_blocks_where_triton_runs(tmp_p
     assert_same_or_near_tie(dense, ids, want, got, 0.1)
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU the tests above compile and run "
-                    "the kernels themselves")
-def test_kernels_compile_for_an_h100(tmp_path):
-    # the interpreter never runs Triton's compiler: every kernel variant is lowered for sm_90
-    # (PTX, then a cubin by the ptxas in the triton wheel) in a process without TRITON_INTERPRET
-    import json
+COMPILE = "test_kernels_compile_for_an_h100"
+
+
+@pytest.fixture(scope="module", autouse=True)
+def h100_compile(request, tmp_path_factory):
+    """Triton's compiler lowering every kernel variant for sm_90 (PTX, then a cubin by the ptxas
+    in the triton wheel), in a process without TRITON_INTERPRET, started with this module's first
+    test: the interpreter's tests run on one core, and the compile (20 s on two cores) takes the
+    other one meanwhile. Started only where its test is selected and no GPU runs the kernels."""
     import subprocess
     import sys
     from pathlib import Path
+    if torch.cuda.is_available() or not any(i.name == COMPILE for i in request.session.items):
+        yield None
+        return
+    cache = tmp_path_factory.mktemp("triton-cache")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env.update(TRITON_CACHE_DIR=str(tmp_path), TRITON_DEFAULT_FP_FUSION="1",
+    env.update(TRITON_CACHE_DIR=str(cache), TRITON_DEFAULT_FP_FUSION="1",
                PYTHONPATH=str(Path(__file__).parent.parent))
-    r = subprocess.run([sys.executable, str(Path(__file__).parent / "triton_compile.py"), "90"],
-                       env=env, capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0, r.stderr[-3000:]
-    out = json.loads(r.stdout.splitlines()[-1])
-    assert out["capability"] == 90 and out["kernels"] == 41
-    assert len(list(tmp_path.rglob("*.cubin"))) == 41  # one cubin a variant
+    proc = subprocess.Popen([sys.executable, str(Path(__file__).parent / "triton_compile.py"), "90"],
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    yield proc, cache
+    if proc.poll() is None:  # its test deselected by a failure before it, or interrupted
+        proc.kill()
+    proc.communicate()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU the tests above compile and run "
+                    "the kernels themselves")
+def test_kernels_compile_for_an_h100(h100_compile):
+    # the interpreter never runs Triton's compiler: every kernel variant compiles for an H100
+    import json
+    proc, cache = h100_compile
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0, err[-3000:]
+    got = json.loads(out.splitlines()[-1])
+    assert got["capability"] == 90 and got["kernels"] == 41
+    assert len(list(cache.rglob("*.cubin"))) == 41  # one cubin a variant
 
 
 @pytest.mark.skipif(not kernels.available(), reason="the kernel library does not run here")
