@@ -114,6 +114,7 @@ class ColdExecutorImpl(Answering):
                 "isa": kernels.isa(),
                 "load_cpu_s": self.load_cpu_s,
                 "held_bytes": held_bytes(*self.sets, *self._head(), *self.attn),
+                "neuron_bytes": held_bytes(*self.sets),  # the cold neurons' records alone
                 "head_rows": self.head_rows, "kv_heads": list(self.kv_heads),
                 "head": None if self.head is None else type(self.head).__name__,
                 "block_slices": sum(isinstance(s, BlockSlice) for s in self.sets),
