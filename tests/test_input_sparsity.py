@@ -192,6 +192,65 @@ def test_decode_steps_read_only_the_kept_channels(input_bundle, monkeypatch):
             h.remove()
 
 
+def test_a_k_quant_files_q4_k_projections_read_only_the_kept_channels(tmp_path, monkeypatch):
+    """A Q4_K_M file (a synthetic model of the tiny shape: its thresholds calibrated on it, a
+    speed-and-numerics check, no quality claim): each projection of Q4_K rows keeps the file's
+    bits in its q4c copy (6-bit scales and minimums, f16 super-block scales: the bytes of its
+    dense copy) and decodes as the dense Q4_K product does over the same zeroed inputs; a fused
+    q/k/v with a Q6_K v (two of this file's layers, as llama.cpp's Q4_K_M mix does) stays dense.
+    The native loop's tokens are its modules' tokens, and its counter sees exactly the sparse
+    projections' decode-step inputs."""
+    from powerinfer.model.quant import KQuantLinear
+    from powerinfer.sparsity.synthetic import write_synthetic
+    monkeypatch.setattr(isp, "MIN_ROWS", 0)
+    m = write_synthetic(tmp_path / "m.gguf", preset="tiny", quant="q4_k_m", progress=False).path
+    bundle = tmp_path / "bundle"
+    isp.calibrate_bundle(str(m), str(bundle), 0.25, tokens=512, held_out=256, window=128,
+                         progress=False)
+    th, _ = isp.bundle_thresholds(str(bundle))
+    sparse = PowerInfer.from_pretrained(str(m), Config(input_sparsity=str(bundle), **LOAD))
+    ref = PowerInfer.from_pretrained(str(m), Config(input_sparsity="off", **LOAD))
+    ref.engine._decode = ref.engine._forward  # the modules, with hooks that zero a decode row's inputs
+
+    def zeroed(mod, args, t):
+        x = args[0]
+        if x.numel() == mod.in_features:
+            return (torch.where(x.float().abs() > t, x, torch.zeros_like(x)),)
+
+    hooks, per_step, dense = [], 0, []
+    for i, (b, mine) in enumerate(zip(ref.model.layers, sparse.model.layers)):
+        for part, r, s in (("qkv", b.attn.wqkv, mine.attn.wqkv), ("o", b.attn.wo, mine.attn.wo),
+                           ("gate_up", b.ffn.w1, mine.ffn.w1)):
+            assert isinstance(s, KQuantLinear) and (s.sparse is not None) == s.q4_k
+            if not s.q4_k:
+                dense.append((i, part))
+                continue
+            w, kind, _ = s.sparse
+            assert kind == 2 and w.numel() == s.nbytes + s.in_features // 32 * 16 * (
+                -(-s.out_features // 64) * 64 - s.out_features) // 2  # (its padded rows' codes)
+            per_step += s.in_features
+            hooks.append(r.register_forward_pre_hook(lambda mod, args, t=th[(i, part)]: zeroed(mod, args, t)))
+    assert dense == [(2, "qkv"), (3, "qkv")]
+    n = 12
+    try:
+        for p in PROMPTS:
+            ids = sparse.tokenize(p)
+            before = sparse.input_sparsity_stats()
+            got = greedy_ids(sparse, ids, n)
+            kept, seen = (a - b for a, b in zip(sparse.input_sparsity_stats(), before))
+            assert seen == (n - 1) * per_step  # decode steps only, the sparse projections' inputs
+            assert 0.6 < kept / seen < 0.9, kept / seen
+            assert_same_or_near_tie(ref, ids, greedy_ids(ref, ids, n), got, 0.05)
+            sparse.engine._decode = sparse.engine._forward  # its modules' path
+            try:
+                assert_same_or_near_tie(sparse, ids, got, greedy_ids(sparse, ids, n), 0.05)
+            finally:
+                sparse.engine._decode = sparse.engine.native
+    finally:
+        for h in hooks:
+            h.remove()
+
+
 def test_input_sparsity_asks_for_the_4bit_cpu_path(input_bundle, tmp_path):
     from powerinfer.sparsity.synthetic import write_synthetic
     other = tmp_path / "tiny.gguf"  # another model: the bundle's thresholds are not its inputs'

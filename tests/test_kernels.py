@@ -418,27 +418,40 @@ def test_q4x16_gemv_equals_a_matmul_over_the_files_weights(isa, kind, n):
         assert (got.float() - want).abs().max() <= 2**-8 * want.abs().max(), rows
 
 
-@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1"])
+@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q4_K"])
 # whole passes of 64 rows; padded rows past n; with two threads an odd share of passes (the
 # AVX-512 classes take them two at a time, the last one alone)
 @pytest.mark.parametrize("n", [64, 200, 300])
 def test_input_sparse_product_reads_the_kept_channels_of_the_files_weights(isa, kind, n):
     # the file's 4-bit blocks held by input channel (q4c): x' W^T over exactly the weights the
     # blocks hold, where x' is x with the channels at or below the threshold zeroed and rounded to
-    # 8 bits per block as the dense q4x16 product rounds its input: the same floats as it gives
-    # for the zeroed input; 288 channels: 9 blocks
-    from gguf import GGMLQuantizationType, quantize
+    # 8 bits per block as the dense q4x16 (q4kx16) product rounds its input: the same floats as it
+    # gives for the zeroed input; 288 channels: 9 blocks (Q4_K: 512, two super-blocks of 8)
+    from gguf import GGMLQuantizationType, dequantize, quantize
 
+    from powerinfer.formats import kquants
     from powerinfer.formats.q4 import q4_split
     torch.manual_seed(11)
-    k = 288
-    data = quantize(torch.randn(n, k).numpy(), getattr(GGMLQuantizationType, kind))
-    held = K.dequantize_rows(torch.from_numpy(data), kind.lower(), k)
-    parts = [torch.from_numpy(a) for a in q4_split(kind, n, k, data)]
-    w, offsets = K.pack_q4c(*parts)
-    assert offsets == (kind == "Q4_1")  # a Q4_0 matrix keeps no offsets: 18 bytes a block of a row
-    assert w.numel() == k // 32 * K.q4c_rows(n) * (20 if offsets else 18)
-    dense = K.pack_q4x16(*parts)
+    if kind == "Q4_K":  # 6-bit scales and minimums a block, f16 d and dmin a super-block
+        k = 512
+        w0 = torch.randn(n, k) * torch.rand(n, 1) * 3 + torch.randn(n, k // 32).repeat_interleave(32, 1)
+        data = kquants.quantize(w0.numpy(), kind)
+        held = torch.from_numpy(dequantize(data, GGMLQuantizationType.Q4_K)).reshape(n, k)
+        dense = K.pack_kquant(torch.from_numpy(data), kind)
+        w, offsets = K.q4kc_of_q4kx16(dense, n, k), K.Q4C_KINDS.index("q4_k")
+        # the q4kx16 bytes: a byte of scale and of minimum a row and block, 2 f16 a super-block
+        assert w.numel() == K.q4c_rows(n) * (k // 32 * 18 + k // 256 * 4)
+        dense_product = lambda x: K.linear_x16(x, dense, n, "q4kx16")  # noqa: E731
+    else:
+        k = 288
+        data = quantize(torch.randn(n, k).numpy(), getattr(GGMLQuantizationType, kind))
+        held = K.dequantize_rows(torch.from_numpy(data), kind.lower(), k)
+        parts = [torch.from_numpy(a) for a in q4_split(kind, n, k, data)]
+        w, offsets = K.pack_q4c(*parts)
+        assert offsets == (kind == "Q4_1")  # a Q4_0 matrix keeps no offsets: 18 bytes a block of a row
+        assert w.numel() == k // 32 * K.q4c_rows(n) * (20 if offsets else 18)
+        dense = K.pack_q4x16(*parts)
+        dense_product = lambda x: K.linear_q4x16(x, dense, n)  # noqa: E731
     for rows, threshold in [(1, 0.0), (1, 0.7), (3, 1.2), (70, 0.4), (1, 1e9)]:
         x = torch.randn(rows, k)
         x[0, 32:64] = 0.1  # a block whose every channel is under the thresholds but the first
@@ -448,7 +461,7 @@ def test_input_sparse_product_reads_the_kept_channels_of_the_files_weights(isa, 
         got = K.linear_q4c(x, w, n, offsets, threshold, stats)
         assert got.shape == want.shape
         assert (got - want).abs().max() <= 1e-5 * want.abs().max() + 1e-6, (rows, threshold)
-        assert torch.equal(got, K.linear_q4x16(kept, dense, n))  # the same floats, summed alike
+        assert torch.equal(got, dense_product(kept))  # the same floats, summed alike
         # the channels kept: those over the threshold that 8 bits do not round to 0
         assert stats.tolist() == [int((K.quantize_input(kept) != 0).sum()), rows * k]
         if threshold >= 1e9:
@@ -457,10 +470,12 @@ def test_input_sparse_product_reads_the_kept_channels_of_the_files_weights(isa, 
         kept = torch.where(xb.float().abs() > threshold, xb, torch.zeros_like(xb))
         want = K.quantize_input(kept) @ held.t()
         got = K.linear_q4c(xb, w, n, offsets, threshold)
-        assert got.dtype == torch.bfloat16 and torch.equal(got, K.linear_q4x16(kept, dense, n))
+        assert got.dtype == torch.bfloat16 and torch.equal(got, dense_product(kept))
         assert (got.float() - want).abs().max() <= 2**-8 * want.abs().max() + 1e-6, (rows, threshold)
     with pytest.raises(RuntimeError, match="q4c matrix"):
         K.linear_q4c(torch.randn(1, k), w, n + 64, offsets, 0.0)
+    with pytest.raises(RuntimeError, match="not kind"):  # its kind checked against its size
+        K.linear_q4c(torch.randn(1, k), w, n, (offsets + 1) % 3, 0.0)
     with pytest.raises(RuntimeError, match="multiple of 32"):
         K.linear_q4c(torch.randn(1, 100), w, n, offsets, 0.0)
 

@@ -183,7 +183,7 @@ def available() -> bool:
             torch.library.register_fake("powerinfer::linear_x16")(
                 lambda x, w, n, layout: x.new_empty(*x.shape[:-1], n))
             torch.library.register_fake("powerinfer::linear_q4c")(
-                lambda x, w, n, offsets, threshold, stats: x.new_empty(*x.shape[:-1], n))
+                lambda x, w, n, kind, threshold, stats: x.new_empty(*x.shape[:-1], n))
             torch.library.register_fake("powerinfer::rms_norm")(lambda x, w, eps: torch.empty_like(x))
             torch.library.register_fake("powerinfer::qk_norm")(
                 lambda qkv, qw, kw, n_heads, n_kv, eps: torch.empty_like(qkv))
@@ -582,21 +582,46 @@ def pack_q4c(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> tuple[
     return _pack_q4c(q, scale.float().half(), m), offsets
 
 
+Q4C_KINDS = ("q4_0", "q4_1", "q4_k")  # a q4c matrix's kind, by its code (csrc: Q4CKind)
+
+
+def _by_block(t: torch.Tensor, rows: int) -> torch.Tensor:
+    """(n, blocks) values a row -> (blocks, rows * itemsize) bytes: each block's rows in order,
+    the rows past n zero."""
+    return torch.nn.functional.pad(t, (0, 0, 0, rows - t.shape[0])).t().contiguous().view(torch.uint8)
+
+
+def _q4c_runs(q: torch.Tensor, rows: int) -> torch.Tensor:
+    """q (n, k) 4-bit codes -> (k / 32, 16 rows) bytes: each block's 32 channel runs (see
+    csrc/input_sparse.h)."""
+    n, k = q.shape
+    nb = k // 32
+    q = torch.nn.functional.pad(q.to(torch.uint8), (0, 0, 0, rows - n))
+    # (rows, k) -> (nb, 32 channels, rows / 64, nibble half, v & 1, l // 8, l % 8) for row 16v + l
+    c = q.view(rows, nb, 32).permute(1, 2, 0).reshape(nb, 32, rows // 64, 2, 2, 2, 8)
+    return (c[:, :, :, 0] | (c[:, :, :, 1] << 4)).permute(0, 1, 2, 4, 3, 5).reshape(nb, 16 * rows)
+
+
 def _pack_q4c(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None) -> torch.Tensor:
     """q (n, k) codes, d and m (n, k / 32) f16 (m None: Q4_0's -8 d) -> the q4c bytes."""
     n, k = q.shape
-    nb, rows = k // 32, q4c_rows(n)
-    pad = rows - n
-    q = torch.nn.functional.pad(q.to(torch.uint8), (0, 0, 0, pad))
-
-    def halves(t):  # (n, nb) f16 -> (nb, rows * 2) bytes, each block's rows in order
-        return torch.nn.functional.pad(t, (0, 0, 0, pad)).t().contiguous().view(torch.uint8)
-    # (rows, k) -> (nb, 32 channels, rows / 64, nibble half, v & 1, l // 8, l % 8) for row 16v + l
-    c = q.view(rows, nb, 32).permute(1, 2, 0).reshape(nb, 32, rows // 64, 2, 2, 2, 8)
-    runs = (c[:, :, :, 0] | (c[:, :, :, 1] << 4)).permute(0, 1, 2, 4, 3, 5).reshape(nb, 16 * rows)
-    parts = [halves(d)] + ([halves(m)] if m is not None else []) + [runs]
-    out = huge_empty((nb, sum(p.shape[1] for p in parts)), torch.uint8)
+    rows = q4c_rows(n)
+    parts = [_by_block(d, rows)] + ([_by_block(m, rows)] if m is not None else []) + [_q4c_runs(q, rows)]
+    out = huge_empty((k // 32, sum(p.shape[1] for p in parts)), torch.uint8)
     return torch.cat(parts, 1, out=out).view(-1)
+
+
+def _pack_q4kc(q: torch.Tensor, sc: torch.Tensor, mn: torch.Tensor, d: torch.Tensor,
+               dmin: torch.Tensor) -> torch.Tensor:
+    """q (n, k) codes, sc and mn (n, k / 32) uint8 (each block's 6-bit scale and minimum), d and
+    dmin (n, k / 256) f16 (each super-block's) -> the bytes of a Q4_K q4c matrix: the blocks'
+    regions, then per super-block its rows' d and dmin."""
+    n, k = q.shape
+    rows = q4c_rows(n)
+    regions = torch.cat([_by_block(sc, rows), _by_block(mn, rows), _q4c_runs(q, rows)], 1)
+    tail = torch.cat([_by_block(d, rows), _by_block(dmin, rows)], 1)  # (k / 256, 4 rows)
+    out = huge_empty((regions.numel() + tail.numel(),), torch.uint8)
+    return torch.cat([regions.view(-1), tail.view(-1)], out=out)
 
 
 def q4c_of_q4x16(packed: torch.Tensor, n: int, k: int) -> tuple[torch.Tensor, bool]:
@@ -614,19 +639,39 @@ def q4c_of_q4x16(packed: torch.Tensor, n: int, k: int) -> tuple[torch.Tensor, bo
     return _pack_q4c(q, d, m if offsets else None), offsets
 
 
-def linear_q4c(x: torch.Tensor, w: torch.Tensor, n: int, offsets: bool, threshold: float,
+def q4kc_of_q4kx16(packed: torch.Tensor, n: int, k: int) -> torch.Tensor:
+    """A Q4_K matrix packed by `pack_q4kx16` -> the same codes, 6-bit scales and minimums and f16
+    d and dmin in the q4c layout (kind q4_k: csrc/input_sparse.h), without widening: 4.625 bits
+    a weight, as q4kx16."""
+    groups, nsb = packed.shape[0], k // 256
+    sb = packed.reshape(groups, nsb, Q4KX16_SB)
+
+    def by_row(t, width):  # (groups, nsb, ..., 16) values of 16 rows -> (n, nsb * width)
+        return t.reshape(groups, nsb * width, 16).transpose(1, 2).reshape(groups * 16, nsb * width)[:n]
+    halves = lambda lo: by_row(sb[:, :, lo:lo + 32].contiguous().view(torch.float16), 1)  # noqa: E731
+    subs = sb[:, :, 64:].reshape(groups, nsb, 8, 288)
+    sc, mn = by_row(subs[..., 0:16], 8), by_row(subs[..., 16:32], 8)
+    # the nibble runs (see `_runs`): vector j of a block holds row i's bytes 4j..4j+3 at 4i
+    runs = subs[..., 32:].reshape(groups, nsb * 8, 4, 16, 4).permute(0, 3, 1, 2, 4)
+    runs = runs.reshape(groups * 16, nsb * 8, 16)
+    q = torch.cat([runs & 0xF, runs >> 4], -1).reshape(groups * 16, k)[:n]
+    return _pack_q4kc(q, sc, mn, halves(0), halves(32))
+
+
+def linear_q4c(x: torch.Tensor, w: torch.Tensor, n: int, kind: int, threshold: float,
                stats: torch.Tensor | None = None) -> torch.Tensor:
     """x (..., k) float32 or bfloat16 -> (..., n) in x's type = x' W^T for W of n rows packed by
-    `pack_q4c`, where x' is x with every entry of magnitude <= threshold set to 0 (input
-    sparsity: those channels' weights are not read), rounded to 8 bits per block as the q4x16
-    product rounds its input. Each row keeps its own channels. `stats` (int64, 2), where given,
-    gains the channels kept and the channels seen."""
-    op = torch.ops.powerinfer.linear_q4c.default
+    `pack_q4c` or `q4kc_of_q4kx16`, where x' is x with every entry of magnitude <= threshold set
+    to 0 (input sparsity: those channels' weights are not read), rounded to 8 bits per block as
+    the q4x16 product rounds its input. kind: the matrix's (0 Q4_0, 1 Q4_1: `pack_q4c`'s
+    `offsets`; 2 Q4_K), checked against its size. Each row keeps its own channels. `stats`
+    (int64, 2), where given, gains the channels kept and the channels seen."""
+    op, kind = torch.ops.powerinfer.linear_q4c.default, int(kind)
     x = x.contiguous()
     if x.numel() <= MAX_ROWS * x.shape[-1]:
-        return op(x, w, n, offsets, threshold, stats)
+        return op(x, w, n, kind, threshold, stats)
     rows = x.reshape(-1, x.shape[-1])
-    y = torch.cat([op(rows[r:r + MAX_ROWS], w, n, offsets, threshold, stats)
+    y = torch.cat([op(rows[r:r + MAX_ROWS], w, n, kind, threshold, stats)
                    for r in range(0, rows.shape[0], MAX_ROWS)])
     return y.view(*x.shape[:-1], n)
 

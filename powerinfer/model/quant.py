@@ -116,10 +116,28 @@ class KQuantLinear(nn.Module):
             self.segments.append((f"packed{i}", raw.shape[0], KQUANT_LAYOUTS[kind]))
         self.out_features = sum(n for _, n, _ in self.segments)
         self.bias = None if bias is None else nn.Parameter(bias.detach().clone(), requires_grad=False)
+        self.sparse = self.sparse_stats = None
 
     @property
     def nbytes(self) -> int:
         return sum(getattr(self, name).numel() for name, _, _ in self.segments)
+
+    @property
+    def q4_k(self) -> bool:
+        """Whether its rows are one run of Q4_K (what input sparsity's q4c copy can hold)."""
+        return len(self.segments) == 1 and self.segments[0][2] == KQUANT_LAYOUTS["Q4_K"]
+
+    def sparsify_input(self, threshold: float | None, stats: torch.Tensor | None = None):
+        """Input sparsity, as `Q4Linear.sparsify_input`, for Q4_K rows (`q4_k`): the copy held
+        by input channel keeps the file's codes, 6-bit scales and minimums and f16 super-block
+        scales (`kernels.q4kc_of_q4kx16`, 4.625 bits a weight). None: dense again."""
+        if threshold is None:
+            self.sparse = self.sparse_stats = None
+            return
+        assert self.q4_k, self.segments
+        name, n, _ = self.segments[0]
+        w = kernels.q4kc_of_q4kx16(getattr(self, name), n, self.in_features)
+        self.sparse, self.sparse_stats = (w, kernels.Q4C_KINDS.index("q4_k"), float(threshold)), stats
 
     def rows(self, lo: int, hi: int, copy: bool = False) -> "KQuantLinear":
         """Its output rows lo:hi (lo a multiple of 16, one run of one type): the groups that
@@ -132,9 +150,15 @@ class KQuantLinear(nn.Module):
         keep = (lambda t: t.clone()) if copy else (lambda t: t)
         out.register_buffer(name, keep(getattr(self, name)[lo // 16:-(-hi // 16)]))
         out.bias = None if self.bias is None else nn.Parameter(keep(self.bias.detach()[lo:hi]), requires_grad=False)
+        out.sparse = out.sparse_stats = None
         return out
 
     def forward(self, x):
+        if self.sparse is not None and x.numel() == self.in_features and \
+                x.dtype in (torch.float32, torch.bfloat16):
+            w, kind, t = self.sparse
+            y = kernels.linear_q4c(x, w, self.out_features, kind, t, self.sparse_stats)
+            return y if self.bias is None else y + self.bias
         xx = x if x.dtype in (torch.float32, torch.bfloat16) else x.float()
         ys = [kernels.linear_x16(xx, getattr(self, name), n, layout) for name, n, layout in self.segments]
         y = (ys[0] if len(ys) == 1 else torch.cat(ys, -1)).to(x.dtype)

@@ -9,16 +9,23 @@
 // EPYC, half of a buffer read in 128-byte pieces took longer than all of it, in 4 KB pieces
 // 0.57-0.86 of the time: benchmarks/input_sparse_gemv.py --gaps).
 //
-// An (n, k) Q4_0 or Q4_1 matrix (the file's codes, scales and offsets, the same bytes as q4x16's)
-// is held as np = q4c_rows(n) rows (the extra rows zero). Block b (input channels 32b..32b+31) is
-// one region:
+// An (n, k) Q4_0, Q4_1 or Q4_K matrix (the file's codes, scales and offsets, the same bytes as
+// q4x16's and q4kx16's) is held as np = q4c_rows(n) rows (the extra rows zero). Block b (input
+// channels 32b..32b+31) is one region:
 //   [0, 2 np)           d: np f16 scales, row 0 first
 //   [2 np, 4 np)        m: np f16 offsets (w = d * q + m; only in a matrix with offsets, Q4_1's;
 //                       a Q4_0 block's w = d * (q - 8) needs none)
+// or, for Q4_K (w = d * sc * q - dmin * mn, the block's 6-bit sc and mn, the super-block's d
+// and dmin):
+//   [0, np)             sc: np bytes, row 0 first
+//   [np, 2 np)          mn: np bytes
 //   then 32 runs of np/2 bytes, channel 0 first: channel j's codes for every row, 32 bytes per
 //   64 rows. In those 32 bytes, row 16v + l (v = 0..3, l = 0..15) is at byte
 //   (v & 1) * 8 + (l < 8 ? l : l + 8), in the low nibble for v < 2 and the high one for v >= 2:
 //   the order in which AVX2's in-lane byte interleaves leave them (below).
+// After the k / 32 regions a Q4_K matrix holds per super-block (256 channels) its rows' d (np f16)
+// then their dmin (np f16): a row's block scale is d * sc, its offset -dmin * mn, computed in
+// float as the q4kx16 product computes them (4.625 bits a weight, the q4kx16 bytes).
 //
 // The product pairs the kept channels of a block (an odd one with itself, its second input 0):
 // the two channels' 32 bytes of 64 rows are split into nibbles and interleaved byte by byte, so
@@ -48,8 +55,8 @@ inline int q4c_block(const Q4CArgs& a, int64_t b, int64_t np, Q4CBlock& k) {
   const int32_t first = a.first[b];
   k.cnt = a.first[b + 1] - first;
   if (k.cnt == 0) return 0;
-  k.r = a.w + b * q4c_region(np, a.offsets);
-  const uint8_t* nib = k.r + (a.offsets ? 4 : 2) * np;
+  k.r = a.w + b * q4c_region(np, a.kind);
+  const uint8_t* nib = k.r + (a.kind == Q4C_Q4_1 ? 4 : 2) * np;
   for (int i = 0; i < k.cnt; i++) {
     const Q4CPair c = a.pairs[first + i];
     k.ra[i] = nib + c.j0 * (np / 2);
@@ -59,27 +66,51 @@ inline int q4c_block(const Q4CArgs& a, int64_t b, int64_t np, Q4CBlock& k) {
   return k.cnt;
 }
 
+// A Q4_K matrix's super-blocks' d and dmin, after its blocks (the end of the blocks otherwise)
+inline const uint8_t* q4c_tail(const Q4CArgs& a, int64_t np) { return a.w + a.k / 32 * q4c_region(np, a.kind); }
+
+// The lines of block b's scales (and offsets) for `passes` passes of 64 rows from pass p
+inline void q4c_prefetch_scales(const Q4CArgs& a, const uint8_t* r, const uint8_t* kt, int64_t np, int64_t b,
+                                int64_t p, int passes) {
+  if (a.kind == Q4C_Q4_K) {  // a byte a row of sc and of mn; a f16 a row of d and dmin (cached
+    // after the super-block's first block)
+    const uint8_t* ks = kt + 4 * np * (b / 8);
+    for (int64_t o = 0; o < 64 * passes; o += 64) {
+      _mm_prefetch((const char*)r + 64 * p + o, _MM_HINT_T0);
+      _mm_prefetch((const char*)r + np + 64 * p + o, _MM_HINT_T0);
+    }
+    if (b % 8 == 0) {
+      for (int64_t o = 0; o < 128 * passes; o += 64) {
+        _mm_prefetch((const char*)ks + 128 * p + o, _MM_HINT_T0);
+        _mm_prefetch((const char*)ks + 2 * np + 128 * p + o, _MM_HINT_T0);
+      }
+    }
+    return;
+  }
+  for (int64_t o = 0; o < 128 * passes; o += 64) {
+    _mm_prefetch((const char*)r + 128 * p + o, _MM_HINT_T0);
+    if (a.kind == Q4C_Q4_1) _mm_prefetch((const char*)r + 2 * np + 128 * p + o, _MM_HINT_T0);
+  }
+}
+
 inline void q4c_passes_256(const Q4CArgs& a, int64_t p_begin, int64_t p_end, float* y) {
   const int64_t nb = a.k / 32, np = q4c_rows(a.n);
   const __m256i mask = _mm256_set1_epi8(0x0F);
   Q4CBlock k;
+  const uint8_t* kt = q4c_tail(a, np);
   __m256i xs[16];  // the pairs' inputs, two bytes a pair
   for (int64_t b = 0; b < nb; b++) {
     if (q4c_block(a, b, np, k) == 0) continue;
     const int cnt = k.cnt;
     const uint8_t* r = k.r;
+    const uint8_t* ks = kt + 4 * np * (b / 8);  // a Q4_K matrix's d and dmin of this super-block
     const uint8_t* const* ra = k.ra;
     const uint8_t* const* rb = k.rb;
     for (int i = 0; i < cnt; i++) xs[i] = _mm256_set1_epi16(k.x[i]);
     const __m256 vxd = _mm256_set1_ps(a.xd[b]), vxs = _mm256_set1_ps(a.xs[b]);
     for (int64_t p = p_begin; p < p_end; p++) {
       const bool ahead = p + Q4C_AHEAD < p_end;
-      if (ahead) {  // the scales (and offsets) of 64 rows: two lines each
-        for (int64_t o = 0; o < 128; o += 64) {
-          _mm_prefetch((const char*)r + 128 * (p + Q4C_AHEAD) + o, _MM_HINT_T0);
-          if (a.offsets) _mm_prefetch((const char*)r + 2 * np + 128 * (p + Q4C_AHEAD) + o, _MM_HINT_T0);
-        }
-      }
+      if (ahead) q4c_prefetch_scales(a, r, kt, np, b, p + Q4C_AHEAD, 1);
       __m256i sum[8];  // rows 64p + 8i .. + 7, in 32 bits
       for (int i = 0; i < 8; i++) sum[i] = _mm256_setzero_si256();
       for (int s = 0; s < cnt; s += 8) {
@@ -108,9 +139,18 @@ inline void q4c_passes_256(const Q4CArgs& a, int64_t p_begin, int64_t p_end, flo
       }
       for (int i = 0; i < 8; i++) {
         const int64_t row = 64 * p + 8 * i;
-        const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(r + 2 * row)));
-        const __m256 m = a.offsets ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(r + 2 * np + 2 * row)))
-                                   : _mm256_mul_ps(d, _mm256_set1_ps(-8.0f));
+        __m256 d, m;
+        if (a.kind == Q4C_Q4_K) {  // d * sc and -dmin * mn
+          const __m256 sd = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(ks + 2 * row)));
+          const __m256 sm = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(ks + 2 * np + 2 * row)));
+          d = _mm256_mul_ps(sd, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)(r + row)))));
+          m = _mm256_xor_ps(_mm256_mul_ps(sm, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(
+                  _mm_loadl_epi64((const __m128i*)(r + np + row))))), _mm256_set1_ps(-0.0f));
+        } else {
+          d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(r + 2 * row)));
+          m = a.kind == Q4C_Q4_1 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(r + 2 * np + 2 * row)))
+                                 : _mm256_mul_ps(d, _mm256_set1_ps(-8.0f));
+        }
         __m256 acc_y = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum[i]), _mm256_mul_ps(d, vxd), _mm256_loadu_ps(y + row));
         _mm256_storeu_ps(y + row, _mm256_fmadd_ps(m, vxs, acc_y));
       }
@@ -128,23 +168,20 @@ inline void q4c_passes_512(const Q4CArgs& a, int64_t p_begin, int64_t p_end, flo
   const int64_t nb = a.k / 32, np = q4c_rows(a.n);  // (p_end - p_begin even)
   const __m512i mask = _mm512_set1_epi8(0x0F);
   Q4CBlock k;
+  const uint8_t* kt = q4c_tail(a, np);
   __m512i xs[16];
   for (int64_t b = 0; b < nb; b++) {
     if (q4c_block(a, b, np, k) == 0) continue;
     const int cnt = k.cnt;
     const uint8_t* r = k.r;
+    const uint8_t* ks = kt + 4 * np * (b / 8);  // a Q4_K matrix's d and dmin of this super-block
     const uint8_t* const* ra = k.ra;
     const uint8_t* const* rb = k.rb;
     for (int i = 0; i < cnt; i++) xs[i] = _mm512_set1_epi16(k.x[i]);
     const __m512 vxd = _mm512_set1_ps(a.xd[b]), vxs = _mm512_set1_ps(a.xs[b]);
     for (int64_t p = p_begin; p < p_end; p += 2) {
       const bool ahead = p + 1 + Q4C_AHEAD < p_end;
-      if (ahead) {  // the scales (and offsets) of 128 rows: four lines each
-        for (int64_t o = 0; o < 256; o += 64) {
-          _mm_prefetch((const char*)r + 128 * (p + Q4C_AHEAD) + o, _MM_HINT_T0);
-          if (a.offsets) _mm_prefetch((const char*)r + 2 * np + 128 * (p + Q4C_AHEAD) + o, _MM_HINT_T0);
-        }
-      }
+      if (ahead) q4c_prefetch_scales(a, r, kt, np, b, p + Q4C_AHEAD, 2);
       __m512i sum[8];  // sum[2v + h]: rows 64 (p + h) + 16v .. + 15, in 32 bits
       for (int i = 0; i < 8; i++) sum[i] = _mm512_setzero_si512();
       for (int s = 0; s < cnt; s += 8) {
@@ -176,9 +213,18 @@ inline void q4c_passes_512(const Q4CArgs& a, int64_t p_begin, int64_t p_end, flo
       for (int v = 0; v < 4; v++) {
         for (int h = 0; h < 2; h++) {
           const int64_t row = 64 * (p + h) + 16 * v;
-          const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(r + 2 * row)));
-          const __m512 m = a.offsets ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(r + 2 * np + 2 * row)))
-                                     : _mm512_mul_ps(d, _mm512_set1_ps(-8.0f));
+          __m512 d, m;
+          if (a.kind == Q4C_Q4_K) {  // d * sc and -dmin * mn
+            const __m512 sd = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(ks + 2 * row)));
+            const __m512 sm = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(ks + 2 * np + 2 * row)));
+            d = _mm512_mul_ps(sd, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(r + row)))));
+            m = _mm512_sub_ps(_mm512_setzero_ps(), _mm512_mul_ps(sm, _mm512_cvtepi32_ps(
+                    _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(r + np + row))))));
+          } else {
+            d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(r + 2 * row)));
+            m = a.kind == Q4C_Q4_1 ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(r + 2 * np + 2 * row)))
+                                   : _mm512_mul_ps(d, _mm512_set1_ps(-8.0f));
+          }
           __m512 acc_y = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum[2 * v + h]), _mm512_mul_ps(d, vxd), _mm512_loadu_ps(y + row));
           _mm512_storeu_ps(y + row, _mm512_fmadd_ps(m, vxs, acc_y));
         }

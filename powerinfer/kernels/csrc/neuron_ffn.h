@@ -212,10 +212,17 @@ using AttendFn = void (*)(const AttnTile&);
 // The input-sparse products' 4-bit matrices held by input channel (`q4c`; input_sparse.h has the
 // layout and the kernel). n rows are held as q4c_rows(n): a multiple of 64, the extra rows zero.
 inline int64_t q4c_rows(int64_t n) { return (n + 63) / 64 * 64; }
+// The kinds of q4c matrix: a Q4_0 file's (a f16 scale a row and block), a Q4_1 file's (and a f16
+// offset), a Q4_K file's (its 6-bit scale and minimum a row and block as bytes, its f16 d and dmin
+// a row and super-block of 256 channels after the blocks)
+enum Q4CKind { Q4C_Q4_0 = 0, Q4C_Q4_1 = 1, Q4C_Q4_K = 2 };
 // bytes of one block (32 input channels) of a matrix of np held rows
-inline int64_t q4c_region(int64_t np, bool offsets) { return np * (offsets ? 4 : 2) + 16 * np; }
-// bytes of an (n, k) matrix
-inline int64_t q4c_bytes(int64_t n, int64_t k, bool offsets) { return k / 32 * q4c_region(q4c_rows(n), offsets); }
+inline int64_t q4c_region(int64_t np, int kind) { return np * (kind == Q4C_Q4_1 ? 4 : 2) + 16 * np; }
+// bytes of an (n, k) matrix (a Q4_K one: k a multiple of 256)
+inline int64_t q4c_bytes(int64_t n, int64_t k, int kind) {
+  const int64_t np = q4c_rows(n);
+  return k / 32 * q4c_region(np, kind) + (kind == Q4C_Q4_K ? k / 256 * 4 * np : 0);
+}
 
 // Two kept channels of a block and their 8-bit inputs (x1 = 0 for an odd one out)
 struct Q4CPair {
@@ -226,7 +233,7 @@ struct Q4CPair {
 struct Q4CArgs {
   const uint8_t* w;
   int64_t n, k;
-  bool offsets;
+  int kind;              // Q4CKind
   const float* xd;       // (k / 32) the input blocks' scales
   const float* xs;       // (k / 32) xd * the sum of the block's kept 8-bit inputs
   const Q4CPair* pairs;  // block b's pairs: pairs[first[b] .. first[b + 1])

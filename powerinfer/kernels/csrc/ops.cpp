@@ -351,12 +351,12 @@ static at::Tensor linear_x16(const at::Tensor& x, const at::Tensor& w, int64_t n
 
 // The rows of x (B, k) f32 or bf16 (each alone: its own channels), with every input channel at
 // or below `t` in magnitude set to 0 (TEAL's input sparsity), times a matrix w of n rows held by
-// input channel (q4c, input_sparse.h; `offsets`: Q4_1's, else Q4_0's) -> (B, n) f32 in this
+// input channel (q4c, input_sparse.h; `kind`: a Q4CKind) -> (B, n) f32 in this
 // thread's scratch (valid until its next call), over the kept values rounded to 8 bits per block
-// of 32: the floats the q4x16 product gives for the same sparse input. Only the kept channels'
-// runs are read. Adds the channels kept to *kept.
+// of 32: the floats the q4x16 product (q4kx16's for Q4_K, to the order of its sums) gives for
+// the same sparse input. Only the kept channels' runs are read. Adds the channels kept to *kept.
 static const float* q4c_product(const Kernels& kk, const void* x, bool bf16, int64_t B, int64_t k,
-                                const uint8_t* w, int64_t n, bool offsets, float t, int64_t* kept) {
+                                const uint8_t* w, int64_t n, int kind, float t, int64_t* kept) {
   const int64_t nb = k / 32, np = q4c_rows(n), passes = np / 64;
   thread_local std::vector<float> xf, xd, xs, out;
   thread_local std::vector<int8_t> xq;
@@ -395,7 +395,7 @@ static const float* q4c_product(const Kernels& kk, const void* x, bool bf16, int
       if (pending >= 0) pairs[npairs++] = Q4CPair{(uint8_t)pending, (uint8_t)pending, xq[32 * b + pending], 0};
     }
     first[nb] = npairs;
-    const Q4CArgs a{w, n, k, offsets, xd.data(), xs.data(), pairs.data(), first.data()};
+    const Q4CArgs a{w, n, k, kind, xd.data(), xs.data(), pairs.data(), first.data()};
     // rows r * n .. (row r's sums; each row's padding rows are overwritten by the next row's)
     float* yp = out.data() + r * n;
     std::fill(yp, yp + np, 0.0f);
@@ -405,19 +405,22 @@ static const float* q4c_product(const Kernels& kk, const void* x, bool bf16, int
   return out.data();
 }
 
-// Whether w holds a q4c matrix of (n, k) with offsets (Q4_1's), by its size; fails for neither.
-static bool q4c_offsets(const at::Tensor& w, int64_t n, int64_t k) {
-  TORCH_CHECK(n >= 1 && w.dim() == 1 && w.scalar_type() == at::kByte && w.is_contiguous() &&
-                  (w.numel() == q4c_bytes(n, k, false) || w.numel() == q4c_bytes(n, k, true)),
-              "w: ", q4c_bytes(n, k, false), " or ", q4c_bytes(n, k, true),
-              " contiguous uint8 bytes expected for a q4c matrix of (", n, ", ", k, "), got ", w.sizes());
-  return w.numel() == q4c_bytes(n, k, true);
+// The kind of q4c matrix of (n, k) that w holds (a Q4CKind), by its size; fails for none.
+static int q4c_kind(const at::Tensor& w, int64_t n, int64_t k) {
+  TORCH_CHECK(n >= 1 && w.dim() == 1 && w.scalar_type() == at::kByte && w.is_contiguous(),
+              "w: contiguous uint8 bytes expected for a q4c matrix, got ", w.sizes());
+  for (int kind : {Q4C_Q4_0, Q4C_Q4_1, Q4C_Q4_K})
+    if ((kind != Q4C_Q4_K || k % 256 == 0) && w.numel() == q4c_bytes(n, k, kind)) return kind;
+  TORCH_CHECK(false, "w: ", q4c_bytes(n, k, Q4C_Q4_0), ", ", q4c_bytes(n, k, Q4C_Q4_1),
+              (k % 256 == 0 ? " or " + std::to_string(q4c_bytes(n, k, Q4C_Q4_K)) : std::string()),
+              " bytes expected for a q4c matrix of (", n, ", ", k, "), got ", w.numel());
+  return -1;
 }
 
 // x (..., k) f32 or bf16, at most 64 rows, times a q4c matrix of n rows with its input channels
 // at or below `threshold` zeroed (q4c_product) -> (..., n) in x's type. stats, where given
 // (int64, 2), gains the channels kept and the channels seen.
-static at::Tensor linear_q4c(const at::Tensor& x, const at::Tensor& w, int64_t n, bool offsets, double threshold,
+static at::Tensor linear_q4c(const at::Tensor& x, const at::Tensor& w, int64_t n, int64_t kind, double threshold,
                              const std::optional<at::Tensor>& stats) {
   const bool bf16 = x.scalar_type() == at::kBFloat16;
   TORCH_CHECK(x.dim() >= 1 && (bf16 || x.scalar_type() == at::kFloat) && x.is_contiguous(),
@@ -425,11 +428,13 @@ static at::Tensor linear_q4c(const at::Tensor& x, const at::Tensor& w, int64_t n
   const int64_t k = x.size(-1), B = k ? x.numel() / k : 0;
   TORCH_CHECK(B >= 1 && B <= 64, "the kernel takes 1 to 64 rows, got ", B);
   TORCH_CHECK(k % 32 == 0, "k must be a multiple of 32, got ", k);
-  TORCH_CHECK(q4c_offsets(w, n, k) == offsets, "w: a q4c matrix ", offsets ? "without" : "with", " offsets");
+  const int held = q4c_kind(w, n, k);
+  static const char* const names[] = {"Q4_0", "Q4_1", "Q4_K"};
+  TORCH_CHECK(held == kind, "w: a q4c matrix of ", names[held], " blocks, not kind ", kind);
   if (stats) TORCH_CHECK(stats->scalar_type() == at::kLong && stats->numel() == 2 && stats->is_contiguous(),
                          "stats: 2 int64");
   int64_t kept = 0;
-  const float* yp = q4c_product(active(), x.data_ptr(), bf16, B, k, w.data_ptr<uint8_t>(), n, offsets, (float)threshold, &kept);
+  const float* yp = q4c_product(active(), x.data_ptr(), bf16, B, k, w.data_ptr<uint8_t>(), n, held, (float)threshold, &kept);
   std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
   shape.back() = n;
   at::Tensor y = at::empty(shape, x.options());
@@ -913,7 +918,7 @@ static at::Tensor project(const Kernels& k, const at::Tensor& x, const at::Tenso
                 "x: contiguous float32 or bfloat16");
     int64_t kept = 0;
     const float* y = q4c_product(k, x.data_ptr(), x.scalar_type() == at::kBFloat16, 1, dim, sparse->data_ptr<uint8_t>(),
-                                 n, q4c_offsets(*sparse, n, dim), (float)threshold, &kept);
+                                 n, q4c_kind(*sparse, n, dim), (float)threshold, &kept);
     if (stats) stats[0] += kept, stats[1] += dim;
     at::Tensor out = at::empty({1, n}, x.options().dtype(at::kFloat));
     std::memcpy(out.data_ptr<float>(), y, n * 4);
@@ -1536,7 +1541,7 @@ TORCH_LIBRARY(powerinfer, m) {
   m.def("predicted_ffn(Tensor x, Tensor p, Tensor fc1, Tensor fc2, int pred_fmt, float pred_threshold, Tensor w, "
         "Tensor? bias, float threshold, int act, int fmt) -> Tensor");
   m.def("linear_x16(Tensor x, Tensor w, int n, int layout) -> Tensor");
-  m.def("linear_q4c(Tensor x, Tensor w, int n, bool offsets, float threshold, Tensor(a!)? stats) -> Tensor");
+  m.def("linear_q4c(Tensor x, Tensor w, int n, int kind, float threshold, Tensor(a!)? stats) -> Tensor");
   m.def("rms_norm(Tensor x, Tensor w, float eps) -> Tensor");
   m.def("qk_norm(Tensor qkv, Tensor qw, Tensor kw, int n_heads, int n_kv, float eps) -> Tensor");
   m.def("paged_attention(Tensor qkv, Tensor cos, Tensor sin, Tensor(a!) k_pool, Tensor(b!) v_pool, Tensor tables, "
