@@ -1,10 +1,12 @@
 #!/usr/bin/env python3
 """Input-sparse 4-bit products on the CPU: the q4c product (`kernels.linear_q4c`, each input
-channel's weights together, only the kept channels read) against the dense q4x16 GEMV that the
-default path runs (`kernels.linear_q4x16`), the same Q4_0 matrices, in one run, in turns.
+channel's weights together, only the kept channels read) against the dense GEMV that the
+default path runs (`kernels.linear_q4x16`, or q4kx16 for a K-quant file's Q4_K rows), the same
+matrices, in one run, in turns.
 
     .venv/bin/python benchmarks/input_sparse_gemv.py [--threads N] [--shapes 7b smollm2]
-        [--sparsity 0 0.25 0.4 0.5 0.7] [--turns 3] [--cpu-isa avx2] [--json FILE]
+        [--quant q4_0|q4_k] [--sparsity 0 0.25 0.4 0.5 0.7] [--turns 3] [--cpu-isa avx2]
+        [--json FILE]
 
 Each shape is a decode step's projections that share an input (TEAL sparsifies each input once):
 q/k/v fused, the output projection, gate/up fused (the 7B shape's 4096 -> 12288, 4096, 22016;
@@ -40,11 +42,31 @@ SHAPES = {  # name: (k, [(projection, rows)])
 
 def q4c_read_bytes(n: int, k: int, x: torch.Tensor, threshold: float) -> int:
     """Bytes the q4c product reads for one row x: each block with a kept channel reads its rows'
-    scales and its kept channels' codes."""
+    scales and its kept channels' codes (a Q4_K matrix's: a byte of scale and one of minimum a
+    row and block, and each super-block's f16 d and dmin a row)."""
     rows = kernels.q4c_rows(n)
     kept = (x.abs() > threshold).view(-1, 32)
     blocks = int(kept.any(1).sum())
-    return blocks * rows * 2 + int(kept.sum()) * rows // 2
+    super_blocks = int(kept.view(-1, 8 * 32).any(1).sum()) if QUANT == "q4_k" else 0
+    return blocks * rows * 2 + int(kept.sum()) * rows // 2 + super_blocks * rows * 4
+
+
+QUANT = "q4_0"  # --quant
+
+
+def matrices(n: int, k: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """A random (n, k) matrix in the dense layout (q4x16, or q4kx16 for Q4_K), its q4c copy, and
+    the bytes the dense product reads."""
+    if QUANT == "q4_k":  # random codes, 6-bit scales and minimums; small f16 d and dmin
+        sb = torch.randint(0, 256, (n, k // 256, 144), dtype=torch.uint8)
+        dd = (torch.rand(n, k // 256, 2) * 0.01 + 0.001).half().view(torch.uint8)
+        sb[..., 0:4] = dd.view(n, k // 256, 4)
+        dense = kernels.pack_kquant(sb.view(n, -1), "Q4_K")
+        return dense, kernels.q4kc_of_q4kx16(dense, n, k), dense.numel()
+    q = torch.randint(0, 16, (n, k), dtype=torch.uint8)
+    scale = torch.rand(n, k // 32) * 0.01 + 0.001
+    zero = torch.zeros(n, k // 32)
+    return kernels.pack_q4x16(q, scale, zero), kernels.pack_q4c(q, scale, zero)[0], n * k * 9 // 16
 
 
 def gaps(mib: int = 256):
@@ -77,6 +99,8 @@ def main():
     ap.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
     ap.add_argument("--sparsity", type=float, nargs="+", default=[0.0, 0.25, 0.4, 0.5, 0.7])
     ap.add_argument("--turns", type=int, default=3)
+    ap.add_argument("--quant", default="q4_0", choices=["q4_0", "q4_k"],
+                    help="the matrices' blocks: a Q4_0 file's, or a Q4_K_M file's Q4_K rows")
     ap.add_argument("--json", help="write the rows here")
     ap.add_argument("--cpu-isa", default="auto", choices=["auto", *kernels.ISAS],
                     help="hold the kernel to this class (a lower one than the CPU's best: "
@@ -85,6 +109,8 @@ def main():
                     help="first, one core's read rate of a buffer read in pieces with gaps "
                          "(benchmarks/read_gaps.cpp, built with g++): why q4c keeps whole columns")
     a = ap.parse_args()
+    global QUANT
+    QUANT = a.quant
     if a.gaps:
         gaps()
     assert kernels.available(), "the CPU kernel cannot run here"
@@ -97,8 +123,9 @@ def main():
         f" (held; this CPU's best: {kernels.best_isa()})"
     print(f"threads {a.threads}, kernel ISA {kernels.isa()}{held}; read rate (sum over "
           f"{read_bytes / 2**20:.0f} MiB): {read_gbs:.1f} GB/s; last level cache "
-          f"{llc / 2**20:.0f} MiB; {a.turns} turns, the median\n")
-    print("| shape | projection (rows x k) | sparsity | dense q4x16 ms | q4c ms | q4c vs dense "
+          f"{llc / 2**20:.0f} MiB; {a.turns} turns, the median; {a.quant} blocks\n")
+    dense_layout = "q4kx16" if a.quant == "q4_k" else "q4x16"
+    print(f"| shape | projection (rows x k) | sparsity | dense {dense_layout} ms | q4c ms | q4c vs dense "
           "| q4c bytes | q4c at its floor |")
     print("|---|---|---:|---:|---:|---:|---:|---:|")
     rows_out = []
@@ -107,14 +134,13 @@ def main():
         for name, n in projs:
             # distinct copies that together fill twice the last level cache (at least 4 of a
             # 7B matrix, 64 of a SmolLM2 one), so that the products read from memory
-            dense_bytes = n * k * 9 // 16  # Q4_0: 4.5 bits a weight
+            dense_bytes = n * k * 9 // 16  # Q4_0: 4.5 bits a weight (Q4_K as held: 4.625)
             copies = max(4 if shape == "7b" else 64, -(-2 * llc // dense_bytes))
             mats = []
             for _ in range(copies):
-                q = torch.randint(0, 16, (n, k), dtype=torch.uint8)
-                scale = torch.rand(n, k // 32) * 0.01 + 0.001
-                zero = torch.zeros(n, k // 32)
-                mats.append((kernels.pack_q4x16(q, scale, zero), kernels.pack_q4c(q, scale, zero)[0]))
+                wd, wc, dense_bytes = matrices(n, k)
+                mats.append((wd, wc))
+            kind = kernels.Q4C_KINDS.index(a.quant)
             x = torch.randn(1, k)
             calls = max(3, int(2e8 // (dense_bytes * copies)))
             for s in a.sparsity:
@@ -122,13 +148,13 @@ def main():
                 dense_in = torch.where(x.abs() > t, x, 0.0)  # the same kept values, read densely
                 turns = []
                 for _ in range(a.turns):
-                    td = seconds(lambda: [kernels.linear_q4x16(dense_in, wd, n) for wd, _ in mats], calls)
-                    tc = seconds(lambda: [kernels.linear_q4c(x, wc, n, False, t) for _, wc in mats], calls)
+                    td = seconds(lambda: [kernels.linear_x16(dense_in, wd, n, dense_layout) for wd, _ in mats], calls)
+                    tc = seconds(lambda: [kernels.linear_q4c(x, wc, n, kind, t) for _, wc in mats], calls)
                     turns.append((td / copies, tc / copies))
                 td, tc = (statistics.median(v) for v in zip(*turns))
                 nbytes = q4c_read_bytes(n, k, x, t)
                 floor = nbytes / (read_gbs * 1e9)
-                row = dict(shape=shape, projection=name, rows=n, k=k, sparsity=s, threads=a.threads,
+                row = dict(shape=shape, projection=name, rows=n, k=k, sparsity=s, threads=a.threads, quant=a.quant,
                            dense_ms=td * 1e3, q4c_ms=tc * 1e3, ratio=td / tc, q4c_bytes=nbytes,
                            dense_bytes=dense_bytes, floor_share=floor / tc, read_gbs=read_gbs,
                            dense_floor_share=dense_bytes / (read_gbs * 1e9) / td)
