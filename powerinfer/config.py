@@ -113,7 +113,8 @@ class Config:
     input_sparsity: activation sparsity in the projections' inputs (TEAL; `powerinfer
         calibrate-input`): "auto" (the bundle's thresholds where `bundle` has them), "off", or a
         bundle to take them from (alone: the FFNs stay dense). Decode steps of one row on the
-        4-bit CPU path (weights="int4", a Q4_0/Q4_1 file) read only the input channels over
+        4-bit CPU path (weights="int4", a Q4_0/Q4_1 file or a Q4_K_M file's Q4_K projections)
+        read only the input channels over
         each threshold; the prompt's rows stay dense. Off unless a bundle has them. Both
         runtimes: in the actor runtime each executor applies them to the projections it holds
         (its heads, its neurons), and a request's last event says what its steps kept.

@@ -225,9 +225,10 @@ def test_a_k_quant_files_q4_k_projections_read_only_the_kept_channels(tmp_path, 
             if not s.q4_k:
                 dense.append((i, part))
                 continue
-            w, kind, _ = s.sparse
-            assert kind == 2 and w.numel() == s.nbytes + s.in_features // 32 * 16 * (
-                -(-s.out_features // 64) * 64 - s.out_features) // 2  # (its padded rows' codes)
+            w, kind, _ = s.sparse  # the q4kx16 bytes a row (18.5 a block), its rows padded to 64
+            k, rows64, rows16 = s.in_features, -(-s.out_features // 64) * 64, -(-s.out_features // 16) * 16
+            assert kind == 2 and w.numel() == rows64 * (k // 32 * 18 + k // 256 * 4)
+            assert w.numel() // rows64 == s.nbytes // rows16
             per_step += s.in_features
             hooks.append(r.register_forward_pre_hook(lambda mod, args, t=th[(i, part)]: zeroed(mod, args, t)))
     assert dense == [(2, "qkv"), (3, "qkv")]

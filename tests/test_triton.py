@@ -3,6 +3,7 @@ math. Where no GPU is present they run on the CPU under Triton's interpreter: th
 variable is set here, before anything imports triton, so every machine checks them."""
 import contextlib
 import os
+import signal
 from dataclasses import replace
 
 import pytest
@@ -417,16 +418,20 @@ def h100_compile(request, tmp_path_factory):
     if torch.cuda.is_available() or not any(i.name == COMPILE for i in request.session.items):
         yield None
         return
-    cache = tmp_path_factory.mktemp("triton-cache")
+    d = tmp_path_factory.mktemp("h100")
+    cache, out, err = d / "cache", d / "stdout", d / "stderr"
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env.update(TRITON_CACHE_DIR=str(cache), TRITON_DEFAULT_FP_FUSION="1",
                PYTHONPATH=str(Path(__file__).parent.parent))
-    proc = subprocess.Popen([sys.executable, str(Path(__file__).parent / "triton_compile.py"), "90"],
-                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    yield proc, cache
+    # its output to files (a pipe read only at the end would stall it once full); its own
+    # session, so that the compilers it starts go with it
+    with open(out, "w") as o, open(err, "w") as e:
+        proc = subprocess.Popen([sys.executable, str(Path(__file__).parent / "triton_compile.py"),
+                                 "90"], env=env, stdout=o, stderr=e, start_new_session=True)
+    yield proc, cache, out, err
     if proc.poll() is None:  # its test deselected by a failure before it, or interrupted
-        proc.kill()
-    proc.communicate()
+        os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU the tests above compile and run "
@@ -434,10 +439,10 @@ def h100_compile(request, tmp_path_factory):
 def test_kernels_compile_for_an_h100(h100_compile):
     # the interpreter never runs Triton's compiler: every kernel variant compiles for an H100
     import json
-    proc, cache = h100_compile
-    out, err = proc.communicate(timeout=300)
-    assert proc.returncode == 0, err[-3000:]
-    got = json.loads(out.splitlines()[-1])
+    proc, cache, out, err = h100_compile
+    proc.wait(timeout=300)
+    assert proc.returncode == 0, err.read_text()[-3000:]
+    got = json.loads(out.read_text().splitlines()[-1])
     assert got["capability"] == 90 and got["kernels"] == 41
     assert len(list(cache.rglob("*.cubin"))) == 41  # one cubin a variant
 

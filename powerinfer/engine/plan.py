@@ -230,7 +230,7 @@ def input_thresholds(config, model_path, int4: bool) -> tuple[dict, dict] | None
                      "(weights='int4'); this load runs %s weights, dense", config.weights)
             return None
         raise ConfigError("input_sparsity runs on the 4-bit CPU path: weights='int4' (or auto) "
-                          f"with a Q4_0/Q4_1 file on the CPU; this load runs {config.weights} weights")
+                          f"with a Q4_0/Q4_1 or Q4_K_M file on the CPU; this load runs {config.weights} weights")
     q = rec.get("quality", {})
     if q.get("ppl_increase", 0.0) > config.max_ppl_increase:
         log.warning("input sparsity: the bundle's thresholds raised held-out perplexity by %.1f%% "
@@ -251,7 +251,7 @@ def log_input_sparsity(rec: dict, taken: int, small: int, config, min_rows: int)
     thresholds at all."""
     if taken == 0 and small == 0:
         raise ConfigError(f"input_sparsity: none of the model's projections reads the bundle's "
-                          f"thresholds (4-bit Q4_0/Q4_1 projections: {input_source(config)})")
+                          f"thresholds (4-bit Q4_0/Q4_1/Q4_K projections: {input_source(config)})")
     q = rec.get("quality", {})
     log.info(
         "input sparsity: %d projections read only the input channels over their thresholds "

@@ -69,17 +69,17 @@ inline int q4c_block(const Q4CArgs& a, int64_t b, int64_t np, Q4CBlock& k) {
 // A Q4_K matrix's super-blocks' d and dmin, after its blocks (the end of the blocks otherwise)
 inline const uint8_t* q4c_tail(const Q4CArgs& a, int64_t np) { return a.w + a.k / 32 * q4c_region(np, a.kind); }
 
-// The lines of block b's scales (and offsets) for `passes` passes of 64 rows from pass p
-inline void q4c_prefetch_scales(const Q4CArgs& a, const uint8_t* r, const uint8_t* kt, int64_t np, int64_t b,
+// The lines of a block's scales (and offsets) for `passes` passes of 64 rows from pass p (r: the
+// block's region); with ks (a Q4_K matrix's d and dmin of the block's super-block, given at the
+// first block of it the product reads) theirs too, which the super-block's later blocks find cached
+inline void q4c_prefetch_scales(const Q4CArgs& a, const uint8_t* r, const uint8_t* ks, int64_t np,
                                 int64_t p, int passes) {
-  if (a.kind == Q4C_Q4_K) {  // a byte a row of sc and of mn; a f16 a row of d and dmin (cached
-    // after the super-block's first block)
-    const uint8_t* ks = kt + 4 * np * (b / 8);
+  if (a.kind == Q4C_Q4_K) {  // a byte a row of sc and of mn; a f16 a row of d and dmin
     for (int64_t o = 0; o < 64 * passes; o += 64) {
       _mm_prefetch((const char*)r + 64 * p + o, _MM_HINT_T0);
       _mm_prefetch((const char*)r + np + 64 * p + o, _MM_HINT_T0);
     }
-    if (b % 8 == 0) {
+    if (ks) {
       for (int64_t o = 0; o < 128 * passes; o += 64) {
         _mm_prefetch((const char*)ks + 128 * p + o, _MM_HINT_T0);
         _mm_prefetch((const char*)ks + 2 * np + 128 * p + o, _MM_HINT_T0);
@@ -97,20 +97,23 @@ inline void q4c_passes_256(const Q4CArgs& a, int64_t p_begin, int64_t p_end, flo
   const int64_t nb = a.k / 32, np = q4c_rows(a.n);
   const __m256i mask = _mm256_set1_epi8(0x0F);
   Q4CBlock k;
-  const uint8_t* kt = q4c_tail(a, np);
+  const uint8_t* kt = a.kind == Q4C_Q4_K ? q4c_tail(a, np) : nullptr;
+  int64_t sb_read = -1;  // the last super-block whose d and dmin were asked for
   __m256i xs[16];  // the pairs' inputs, two bytes a pair
   for (int64_t b = 0; b < nb; b++) {
     if (q4c_block(a, b, np, k) == 0) continue;
     const int cnt = k.cnt;
     const uint8_t* r = k.r;
-    const uint8_t* ks = kt + 4 * np * (b / 8);  // a Q4_K matrix's d and dmin of this super-block
+    const uint8_t* ks = kt ? kt + 4 * np * (b / 8) : nullptr;  // a Q4_K matrix's d and dmin here
+    const uint8_t* ks_new = ks && b / 8 != sb_read ? ks : nullptr;
+    sb_read = b / 8;
     const uint8_t* const* ra = k.ra;
     const uint8_t* const* rb = k.rb;
     for (int i = 0; i < cnt; i++) xs[i] = _mm256_set1_epi16(k.x[i]);
     const __m256 vxd = _mm256_set1_ps(a.xd[b]), vxs = _mm256_set1_ps(a.xs[b]);
     for (int64_t p = p_begin; p < p_end; p++) {
       const bool ahead = p + Q4C_AHEAD < p_end;
-      if (ahead) q4c_prefetch_scales(a, r, kt, np, b, p + Q4C_AHEAD, 1);
+      if (ahead) q4c_prefetch_scales(a, r, ks_new, np, p + Q4C_AHEAD, 1);
       __m256i sum[8];  // rows 64p + 8i .. + 7, in 32 bits
       for (int i = 0; i < 8; i++) sum[i] = _mm256_setzero_si256();
       for (int s = 0; s < cnt; s += 8) {
@@ -168,20 +171,23 @@ inline void q4c_passes_512(const Q4CArgs& a, int64_t p_begin, int64_t p_end, flo
   const int64_t nb = a.k / 32, np = q4c_rows(a.n);  // (p_end - p_begin even)
   const __m512i mask = _mm512_set1_epi8(0x0F);
   Q4CBlock k;
-  const uint8_t* kt = q4c_tail(a, np);
+  const uint8_t* kt = a.kind == Q4C_Q4_K ? q4c_tail(a, np) : nullptr;
+  int64_t sb_read = -1;  // the last super-block whose d and dmin were asked for
   __m512i xs[16];
   for (int64_t b = 0; b < nb; b++) {
     if (q4c_block(a, b, np, k) == 0) continue;
     const int cnt = k.cnt;
     const uint8_t* r = k.r;
-    const uint8_t* ks = kt + 4 * np * (b / 8);  // a Q4_K matrix's d and dmin of this super-block
+    const uint8_t* ks = kt ? kt + 4 * np * (b / 8) : nullptr;  // a Q4_K matrix's d and dmin here
+    const uint8_t* ks_new = ks && b / 8 != sb_read ? ks : nullptr;
+    sb_read = b / 8;
     const uint8_t* const* ra = k.ra;
     const uint8_t* const* rb = k.rb;
     for (int i = 0; i < cnt; i++) xs[i] = _mm512_set1_epi16(k.x[i]);
     const __m512 vxd = _mm512_set1_ps(a.xd[b]), vxs = _mm512_set1_ps(a.xs[b]);
     for (int64_t p = p_begin; p < p_end; p += 2) {
       const bool ahead = p + 1 + Q4C_AHEAD < p_end;
-      if (ahead) q4c_prefetch_scales(a, r, kt, np, b, p + Q4C_AHEAD, 2);
+      if (ahead) q4c_prefetch_scales(a, r, ks_new, np, p + Q4C_AHEAD, 2);
       __m512i sum[8];  // sum[2v + h]: rows 64 (p + h) + 16v .. + 15, in 32 bits
       for (int i = 0; i < 8; i++) sum[i] = _mm512_setzero_si512();
       for (int s = 0; s < cnt; s += 8) {
