@@ -199,7 +199,8 @@ def test_a_k_quant_files_q4_k_projections_read_only_the_kept_channels(tmp_path, 
     dense copy) and decodes as the dense Q4_K product does over the same zeroed inputs; a fused
     q/k/v with a Q6_K v (two of this file's layers, as llama.cpp's Q4_K_M mix does) stays dense.
     The native loop's tokens are its modules' tokens, and its counter sees exactly the sparse
-    projections' decode-step inputs."""
+    projections' decode-step inputs. The actor runtime's executors take copies of their shares
+    and decode the in-process engine's tokens."""
     from powerinfer.model.quant import KQuantLinear
     from powerinfer.sparsity.synthetic import write_synthetic
     monkeypatch.setattr(isp, "MIN_ROWS", 0)
@@ -250,6 +251,23 @@ def test_a_k_quant_files_q4_k_projections_read_only_the_kept_channels(tmp_path, 
     finally:
         for h in hooks:
             h.remove()
+    # the actor runtime: each executor's Q4_K shares (its KV heads' q/k/v rows and output
+    # columns, its neurons' gate+up rows) take copies, and it decodes the in-process engine's
+    # tokens (in float32: see the test below)
+    load = {**LOAD, "dtype": "float32"}
+    local = PowerInfer.from_pretrained(str(m), Config(input_sparsity=str(bundle), **load))
+    actors = PowerInfer.from_pretrained(str(m), Config(input_sparsity=str(bundle), runtime="actors",
+                                                       **load))
+    try:
+        info = actors.engine.group.info
+        assert info["hot"]["input_sparse"] == info["cold.0"]["input_sparse"] == [10, 0], info
+        for p in PROMPTS:
+            ids = local.tokenize(p)
+            assert_same_or_near_tie(local, ids, greedy_ids(local, ids, n), greedy_ids(actors, ids, n), 0.05)
+        stats = actors.engine.stats()["actors"]
+        assert all(stats[r]["input_sparse_stats"][0] > 0 for r in ("hot", "cold.0")), stats
+    finally:
+        actors.close()
 
 
 def test_input_sparsity_asks_for_the_4bit_cpu_path(input_bundle, tmp_path):
