@@ -148,6 +148,36 @@ LOAD = dict(max_seq_len=256, max_batch=2, cpu_threads=1, weights="int4", dtype="
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time"]
 
 
+def zeroed_under(t: float):
+    """A forward pre-hook zeroing a decode row's input entries at or under t (compared in float,
+    as the kernel compares): a dense projection given what the sparse one reads."""
+    def hook(mod, args):
+        x = args[0]
+        if x.numel() == mod.in_features:
+            return (torch.where(x.float().abs() > t, x, torch.zeros_like(x)),)
+    return hook
+
+
+def assert_decodes_as_zeroed_dense(sparse: PowerInfer, ref: PowerInfer, n: int, per_step: int):
+    """PROMPTS' n greedy tokens from `sparse` (its native loop) are those of `ref` (its modules,
+    hooked by `zeroed_under`) and of `sparse`'s own modules, a near-tie allowed; its counter sees
+    exactly `per_step` input channels a decode step (the prefill's rows stay dense), about three
+    quarters of them kept."""
+    for p in PROMPTS:
+        ids = sparse.tokenize(p)
+        before = sparse.input_sparsity_stats()
+        got = greedy_ids(sparse, ids, n)
+        kept, seen = (a - b for a, b in zip(sparse.input_sparsity_stats(), before))
+        assert seen == (n - 1) * per_step  # decode steps only: the prefill's rows are dense
+        assert 0.6 < kept / seen < 0.9, kept / seen  # about the bundle's 25% zeroed
+        assert_same_or_near_tie(ref, ids, greedy_ids(ref, ids, n), got, 0.05)
+        sparse.engine._decode = sparse.engine._forward  # its modules' path
+        try:
+            assert_same_or_near_tie(sparse, ids, got, greedy_ids(sparse, ids, n), 0.05)
+        finally:
+            sparse.engine._decode = sparse.engine.native
+
+
 def test_decode_steps_read_only_the_kept_channels(input_bundle, monkeypatch):
     """The engine with the bundle's input sparsity (every projection: SmolLM2's are under the
     size where it pays, MIN_ROWS) decodes as the dense 4-bit projections do over the same zeroed
@@ -161,32 +191,13 @@ def test_decode_steps_read_only_the_kept_channels(input_bundle, monkeypatch):
     assert sparse.config.weights == "int4" and sparse.engine.native.input_sparse[0]
     ref = PowerInfer.from_pretrained("smollm2-135m-instruct", Config(input_sparsity="off", **LOAD))
     ref.engine._decode = ref.engine._forward  # the modules, with hooks that zero a decode row's inputs
-
-    def zeroed(mod, args, t):
-        x = args[0]
-        if x.numel() == mod.in_features:  # (compared in float, as the kernel compares)
-            return (torch.where(x.float().abs() > t, x, torch.zeros_like(x)),)
-
     hooks = []
     for i, b in enumerate(ref.model.layers):
         for part, m in (("qkv", b.attn.wqkv), ("o", b.attn.wo), ("gate_up", b.ffn.w1)):
             assert isinstance(m, Q4Linear)
-            hooks.append(m.register_forward_pre_hook(lambda mod, args, t=th[(i, part)]: zeroed(mod, args, t)))
-    n, per_step = 16, 30 * 3 * sparse.model.args.dim
+            hooks.append(m.register_forward_pre_hook(zeroed_under(th[(i, part)])))
     try:
-        for p in PROMPTS:
-            ids = sparse.tokenize(p)
-            before = sparse.input_sparsity_stats()
-            got = greedy_ids(sparse, ids, n)
-            kept, seen = (a - b for a, b in zip(sparse.input_sparsity_stats(), before))
-            assert seen == (n - 1) * per_step  # decode steps only: the prefill's rows are dense
-            assert 0.6 < kept / seen < 0.9, kept / seen  # about the bundle's 25% zeroed
-            assert_same_or_near_tie(ref, ids, greedy_ids(ref, ids, n), got, 0.05)
-            sparse.engine._decode = sparse.engine._forward  # its modules' path (Q4Linear's own)
-            try:
-                assert_same_or_near_tie(sparse, ids, got, greedy_ids(sparse, ids, n), 0.05)
-            finally:
-                sparse.engine._decode = sparse.engine.native
+        assert_decodes_as_zeroed_dense(sparse, ref, 16, 30 * 3 * sparse.model.args.dim)
     finally:
         for h in hooks:
             h.remove()
@@ -212,18 +223,12 @@ def test_a_k_quant_files_q4_k_projections_read_only_the_kept_channels(tmp_path, 
     sparse = PowerInfer.from_pretrained(str(m), Config(input_sparsity=str(bundle), **LOAD))
     ref = PowerInfer.from_pretrained(str(m), Config(input_sparsity="off", **LOAD))
     ref.engine._decode = ref.engine._forward  # the modules, with hooks that zero a decode row's inputs
-
-    def zeroed(mod, args, t):
-        x = args[0]
-        if x.numel() == mod.in_features:
-            return (torch.where(x.float().abs() > t, x, torch.zeros_like(x)),)
-
     hooks, per_step, dense = [], 0, []
     for i, (b, mine) in enumerate(zip(ref.model.layers, sparse.model.layers)):
         for part, r, s in (("qkv", b.attn.wqkv, mine.attn.wqkv), ("o", b.attn.wo, mine.attn.wo),
                            ("gate_up", b.ffn.w1, mine.ffn.w1)):
-            assert isinstance(s, KQuantLinear) and (s.sparse is not None) == s.q4_k
-            if not s.q4_k:
+            assert isinstance(s, KQuantLinear) and (s.sparse is not None) == s.sparsifiable
+            if not s.sparsifiable:
                 dense.append((i, part))
                 continue
             w, kind, _ = s.sparse  # the q4kx16 bytes a row (18.5 a block), its rows padded to 64
@@ -231,23 +236,11 @@ def test_a_k_quant_files_q4_k_projections_read_only_the_kept_channels(tmp_path, 
             assert kind == 2 and w.numel() == rows64 * (k // 32 * 18 + k // 256 * 4)
             assert w.numel() // rows64 == s.nbytes // rows16
             per_step += s.in_features
-            hooks.append(r.register_forward_pre_hook(lambda mod, args, t=th[(i, part)]: zeroed(mod, args, t)))
+            hooks.append(r.register_forward_pre_hook(zeroed_under(th[(i, part)])))
     assert dense == [(2, "qkv"), (3, "qkv")]
     n = 12
     try:
-        for p in PROMPTS:
-            ids = sparse.tokenize(p)
-            before = sparse.input_sparsity_stats()
-            got = greedy_ids(sparse, ids, n)
-            kept, seen = (a - b for a, b in zip(sparse.input_sparsity_stats(), before))
-            assert seen == (n - 1) * per_step  # decode steps only, the sparse projections' inputs
-            assert 0.6 < kept / seen < 0.9, kept / seen
-            assert_same_or_near_tie(ref, ids, greedy_ids(ref, ids, n), got, 0.05)
-            sparse.engine._decode = sparse.engine._forward  # its modules' path
-            try:
-                assert_same_or_near_tie(sparse, ids, got, greedy_ids(sparse, ids, n), 0.05)
-            finally:
-                sparse.engine._decode = sparse.engine.native
+        assert_decodes_as_zeroed_dense(sparse, ref, n, per_step)  # (the sparse projections' inputs)
     finally:
         for h in hooks:
             h.remove()

@@ -231,7 +231,7 @@ class NativeDecode:
 def input_sparse_args(layers, stats: torch.Tensor | None) -> tuple:
     """`hot_layers`' (or `cold_serve`'s) input-sparsity arguments for decode steps: per layer
     (`layers`: its attention and its FFN modules, either None) the q4c copies
-    (`Q4Linear.sparsify_input`, `KQuantLinear.sparsify_input`) of q/k/v, of the output projection and of a gate+up that
+    (`InputSparse.sparsify_input`) of q/k/v, of the output projection and of a gate+up that
     computes every neuron (a dense FFN's, a block slice's) with their thresholds (an empty tensor
     and 0 where that input stays dense), and `stats`, the counter of the channels kept and seen;
     empty where no projection has a copy."""

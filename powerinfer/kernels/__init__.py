@@ -624,19 +624,28 @@ def _pack_q4kc(q: torch.Tensor, sc: torch.Tensor, mn: torch.Tensor, d: torch.Ten
     return torch.cat([regions.view(-1), tail.view(-1)], out=out)
 
 
+def _of_groups(t: torch.Tensor, n: int) -> torch.Tensor:
+    """Values of 16-row groups, (groups, ..., 16) with one value a row last -> (n, ...) flattened
+    per row: each row's values in order (the inverse of `_by_row`'s grouping)."""
+    groups = t.shape[0]
+    return t.reshape(groups, -1, 16).transpose(1, 2).reshape(groups * 16, -1)[:n]
+
+
+def _codes_of_runs(runs: torch.Tensor, n: int) -> torch.Tensor:
+    """The q4x16 layout's nibble runs, (groups, blocks, 256) bytes (see `_runs`: vector j of a
+    block holds row i's bytes 4j..4j+3 at 4i) -> the 4-bit codes (n, blocks * 32)."""
+    groups, nb = runs.shape[0], runs.shape[1]
+    r = runs.reshape(groups, nb, 4, 16, 4).permute(0, 3, 1, 2, 4).reshape(groups * 16, nb, 16)
+    return torch.cat([r & 0xF, r >> 4], -1).reshape(groups * 16, nb * 32)[:n]
+
+
 def q4c_of_q4x16(packed: torch.Tensor, n: int, k: int) -> tuple[torch.Tensor, bool]:
     """A matrix packed by `pack_q4x16` -> the same codes, scales and offsets in the q4c layout
     (`pack_q4c`), without widening: the f16 values as they are."""
-    groups, nb = packed.shape[0], k // 32
-    b = packed.view(groups, nb, Q4X16_BLOCK)
-    halves = lambda lo, hi: b[:, :, lo:hi].contiguous().view(torch.float16).view(groups, nb, 16)  # noqa: E731
-    d = halves(0, 32).transpose(1, 2).reshape(groups * 16, nb)[:n]
-    m = halves(32, 64).transpose(1, 2).reshape(groups * 16, nb)[:n]
-    # the nibble runs (see `_runs`): vector j of a block holds row i's bytes 4j..4j+3 at 4i
-    runs = b[:, :, 64:].reshape(groups, nb, 4, 16, 4).permute(0, 3, 1, 2, 4).reshape(groups * 16, nb, 16)
-    q = torch.cat([runs & 0xF, runs >> 4], -1).reshape(groups * 16, k)[:n]
+    b = packed.view(packed.shape[0], k // 32, Q4X16_BLOCK)
+    d, m = (_of_groups(b[:, :, lo:lo + 32].contiguous().view(torch.float16), n) for lo in (0, 32))
     offsets = not torch.equal(m.float(), -8 * d.float())  # Q4_0's m is -8 d exactly
-    return _pack_q4c(q, d, m if offsets else None), offsets
+    return _pack_q4c(_codes_of_runs(b[:, :, 64:], n), d, m if offsets else None), offsets
 
 
 def q4kc_of_q4kx16(packed: torch.Tensor, n: int, k: int) -> torch.Tensor:
@@ -645,17 +654,10 @@ def q4kc_of_q4kx16(packed: torch.Tensor, n: int, k: int) -> torch.Tensor:
     a weight, as q4kx16."""
     groups, nsb = packed.shape[0], k // 256
     sb = packed.reshape(groups, nsb, Q4KX16_SB)
-
-    def by_row(t, width):  # (groups, nsb, ..., 16) values of 16 rows -> (n, nsb * width)
-        return t.reshape(groups, nsb * width, 16).transpose(1, 2).reshape(groups * 16, nsb * width)[:n]
-    halves = lambda lo: by_row(sb[:, :, lo:lo + 32].contiguous().view(torch.float16), 1)  # noqa: E731
-    subs = sb[:, :, 64:].reshape(groups, nsb, 8, 288)
-    sc, mn = by_row(subs[..., 0:16], 8), by_row(subs[..., 16:32], 8)
-    # the nibble runs (see `_runs`): vector j of a block holds row i's bytes 4j..4j+3 at 4i
-    runs = subs[..., 32:].reshape(groups, nsb * 8, 4, 16, 4).permute(0, 3, 1, 2, 4)
-    runs = runs.reshape(groups * 16, nsb * 8, 16)
-    q = torch.cat([runs & 0xF, runs >> 4], -1).reshape(groups * 16, k)[:n]
-    return _pack_q4kc(q, sc, mn, halves(0), halves(32))
+    d, dmin = (_of_groups(sb[:, :, lo:lo + 32].contiguous().view(torch.float16), n) for lo in (0, 32))
+    subs = sb[:, :, 64:].reshape(groups, nsb * 8, 288)  # per block: 16 scales, 16 minimums, runs
+    sc, mn = _of_groups(subs[..., 0:16], n), _of_groups(subs[..., 16:32], n)
+    return _pack_q4kc(_codes_of_runs(subs[..., 32:], n), sc, mn, d, dmin)
 
 
 def linear_q4c(x: torch.Tensor, w: torch.Tensor, n: int, kind: int, threshold: float,

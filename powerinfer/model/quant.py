@@ -48,16 +48,48 @@ class Int4Linear(nn.Module):
         return y if self.bias is None else y + self.bias.to(x.dtype)
 
 
-class Q4Linear(nn.Module):
+class InputSparse:
+    """Input sparsity (TEAL) for a 4-bit projection that can hold its matrix in the q4c layout
+    (`_q4c`): `sparsify_input` makes the copy, `sparse_product` runs a one-row step on it."""
+
+    # (the same matrix in the q4c layout, its kind (`kernels.Q4C_KINDS`), the input's threshold)
+    # and the channels kept and seen (int64, 2), or None
+    sparse: tuple | None = None
+    sparse_stats: torch.Tensor | None = None
+    sparsifiable = True  # whether `_q4c` can hold this matrix
+
+    def _q4c(self) -> tuple[torch.Tensor, int]:
+        """The matrix in the q4c layout, and its kind."""
+        raise NotImplementedError
+
+    def sparsify_input(self, threshold: float | None, stats: torch.Tensor | None = None):
+        """Input sparsity from now on: a one-row step (decode) zeroes the input entries at or
+        under `threshold` and reads only the other channels' weights, from a copy of the matrix
+        held by input channel (the same bytes again); stats, where given, counts the channels
+        kept and seen. None: dense again (the copy dropped)."""
+        if threshold is None:
+            self.sparse = self.sparse_stats = None
+            return
+        assert self.sparsifiable, self
+        w, kind = self._q4c()
+        self.sparse, self.sparse_stats = (w, int(kind), float(threshold)), stats
+
+    def sparse_product(self, x: torch.Tensor) -> torch.Tensor | None:
+        """x W^T (no bias) from the q4c copy where x is one float row and the copy is made,
+        else None (the dense product's turn)."""
+        if self.sparse is None or x.numel() != self.in_features or \
+                x.dtype not in (torch.float32, torch.bfloat16):
+            return None
+        w, kind, t = self.sparse
+        return kernels.linear_q4c(x, w, self.out_features, kind, t, self.sparse_stats)
+
+
+class Q4Linear(InputSparse, nn.Module):
     """y = x W^T (+ b) with W a file's Q4_0/Q4_1 blocks regrouped 16 rows at a time
     (`kernels.pack_q4x16`: the same 4-bit codes, scales and offsets, the same bytes), run by the
     kernel library's int4 GEMV over the input rounded to 8 bits per block of 32 (ggml's
-    activation rounding) for any number of rows (prefill runs it MAX_ROWS rows at a time)."""
-
-    # input sparsity (`sparsify_input`): (the same matrix in the q4c layout, whether it keeps
-    # offsets, the input's threshold) and the channels kept and seen (int64, 2), or None
-    sparse: tuple | None = None
-    sparse_stats: torch.Tensor | None = None
+    activation rounding) for any number of rows (prefill runs it MAX_ROWS rows at a time). Its
+    q4c copy (input sparsity): `kernels.q4c_of_q4x16`."""
 
     def __init__(self, q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor,
                  bias: torch.Tensor | None):
@@ -67,30 +99,18 @@ class Q4Linear(nn.Module):
         self.register_buffer("packed", kernels.pack_q4x16(q, scale, zero))
         self.bias = None if bias is None else nn.Parameter(bias.detach().clone(), requires_grad=False)
 
-    def sparsify_input(self, threshold: float | None, stats: torch.Tensor | None = None):
-        """Input sparsity (TEAL) from now on: a one-row step (decode) zeroes the input entries at
-        or under `threshold` and reads only the other channels' weights, from a copy of the
-        matrix held by input channel (`kernels.pack_q4c`: the same bytes again); stats, where
-        given, counts the channels kept and seen. None: dense again (the copy dropped)."""
-        if threshold is None:
-            self.sparse = self.sparse_stats = None
-            return
+    def _q4c(self) -> tuple[torch.Tensor, int]:
         w, offsets = kernels.q4c_of_q4x16(self.packed, self.out_features, self.in_features)
-        self.sparse, self.sparse_stats = (w, offsets, float(threshold)), stats
+        return w, int(offsets)  # (Q4_1's kind has offsets, Q4_0's none)
 
     def forward(self, x):
-        one_row = x.numel() == self.in_features
-        if self.sparse is not None and one_row and x.dtype in (torch.float32, torch.bfloat16):
-            w, offsets, t = self.sparse
-            y = kernels.linear_q4c(x, w, self.out_features, offsets, t, self.sparse_stats)
-        elif x.dtype in (torch.float32, torch.bfloat16):
-            y = kernels.linear_q4x16(x, self.packed, self.out_features)  # in x's type
-        else:
-            y = kernels.linear_q4x16(x.float(), self.packed, self.out_features).to(x.dtype)
+        if (y := self.sparse_product(x)) is None:
+            xx = x if x.dtype in (torch.float32, torch.bfloat16) else x.float()
+            y = kernels.linear_q4x16(xx, self.packed, self.out_features).to(x.dtype)  # in x's type
         return y if self.bias is None else y + self.bias
 
 
-class KQuantLinear(nn.Module):
+class KQuantLinear(InputSparse, nn.Module):
     """y = x W^T (+ b) with W a K-quant file's rows as it stores them, Q4_K or Q6_K (a Q4_K_M
     file's two types), regrouped 16 rows at a time (`kernels.pack_kquant`: 4.625 and 6.5625 bits
     a weight, where the converted copy's Q4_1 and Q8_0 blocks take 5 and 8.5), run by the kernel
@@ -116,28 +136,23 @@ class KQuantLinear(nn.Module):
             self.segments.append((f"packed{i}", raw.shape[0], KQUANT_LAYOUTS[kind]))
         self.out_features = sum(n for _, n, _ in self.segments)
         self.bias = None if bias is None else nn.Parameter(bias.detach().clone(), requires_grad=False)
-        self.sparse = self.sparse_stats = None
 
     @property
     def nbytes(self) -> int:
         return sum(getattr(self, name).numel() for name, _, _ in self.segments)
 
     @property
-    def q4_k(self) -> bool:
-        """Whether its rows are one run of Q4_K (what input sparsity's q4c copy can hold)."""
+    def sparsifiable(self) -> bool:
+        """Whether its rows are one run of Q4_K, which a q4c copy can hold (a fused q/k/v with
+        a Q6_K v stays dense)."""
         return len(self.segments) == 1 and self.segments[0][2] == KQUANT_LAYOUTS["Q4_K"]
 
-    def sparsify_input(self, threshold: float | None, stats: torch.Tensor | None = None):
-        """Input sparsity, as `Q4Linear.sparsify_input`, for Q4_K rows (`q4_k`): the copy held
-        by input channel keeps the file's codes, 6-bit scales and minimums and f16 super-block
-        scales (`kernels.q4kc_of_q4kx16`, 4.625 bits a weight). None: dense again."""
-        if threshold is None:
-            self.sparse = self.sparse_stats = None
-            return
-        assert self.q4_k, self.segments
+    def _q4c(self) -> tuple[torch.Tensor, int]:
+        # the file's codes, 6-bit scales and minimums and f16 super-block scales, 4.625 bits a
+        # weight (`kernels.q4kc_of_q4kx16`)
         name, n, _ = self.segments[0]
-        w = kernels.q4kc_of_q4kx16(getattr(self, name), n, self.in_features)
-        self.sparse, self.sparse_stats = (w, kernels.Q4C_KINDS.index("q4_k"), float(threshold)), stats
+        return kernels.q4kc_of_q4kx16(getattr(self, name), n, self.in_features), \
+            kernels.Q4C_KINDS.index("q4_k")
 
     def rows(self, lo: int, hi: int, copy: bool = False) -> "KQuantLinear":
         """Its output rows lo:hi (lo a multiple of 16, one run of one type): the groups that
@@ -150,14 +165,10 @@ class KQuantLinear(nn.Module):
         keep = (lambda t: t.clone()) if copy else (lambda t: t)
         out.register_buffer(name, keep(getattr(self, name)[lo // 16:-(-hi // 16)]))
         out.bias = None if self.bias is None else nn.Parameter(keep(self.bias.detach()[lo:hi]), requires_grad=False)
-        out.sparse = out.sparse_stats = None
         return out
 
     def forward(self, x):
-        if self.sparse is not None and x.numel() == self.in_features and \
-                x.dtype in (torch.float32, torch.bfloat16):
-            w, kind, t = self.sparse
-            y = kernels.linear_q4c(x, w, self.out_features, kind, t, self.sparse_stats)
+        if (y := self.sparse_product(x)) is not None:
             return y if self.bias is None else y + self.bias
         xx = x if x.dtype in (torch.float32, torch.bfloat16) else x.float()
         ys = [kernels.linear_x16(xx, getattr(self, name), n, layout) for name, n, layout in self.segments]

@@ -364,11 +364,12 @@ MIN_ROWS = int(os.environ.get("POWERINFER_INPUT_SPARSE_MIN_ROWS", "8192"))
 def attach(model, thresholds: dict[tuple[int, str], float], min_rows: int | None = None
            ) -> tuple[int, int, torch.Tensor]:
     """Input sparsity in the model's decode steps: each 4-bit projection (`Q4Linear`, or a
-    `KQuantLinear` of Q4_K rows) whose input has a threshold and that has at least `min_rows`
-    output rows (default `MIN_ROWS`) reads only the input channels over it (`sparsify_input`: a
-    copy of its matrix held by input channel). Returns how many projections took it, how many with a threshold stayed
-    dense for their size, and the counter of the channels the sparse ones kept and saw (int64
-    (2,), also `model.input_sparse_stats`, which the native loop adds to as well)."""
+    `KQuantLinear` of Q4_K rows: `InputSparse.sparsifiable`) whose input has a threshold and that
+    has at least `min_rows` output rows (default `MIN_ROWS`) reads only the input channels over
+    it (`sparsify_input`: a copy of its matrix held by input channel). Returns how many
+    projections took it, how many with a threshold stayed dense for their size, and the counter
+    of the channels the sparse ones kept and saw (int64 (2,), also `model.input_sparse_stats`,
+    which the native loop adds to as well)."""
     from ..model.sparse import ffn_w1
     parts = []
     for i, b in enumerate(model.layers):
@@ -384,7 +385,7 @@ def attach_parts(parts, thresholds: dict[tuple[int, str], float], min_rows: int 
     group's executor holds some heads' q/k/v rows and output columns, some neurons' gate and up
     rows; a threshold is of each input entry, so every share applies it to the entries it
     reads). Returns the same three."""
-    from ..model.quant import KQuantLinear, Q4Linear
+    from ..model.quant import InputSparse
     min_rows = MIN_ROWS if min_rows is None else min_rows
     stats = torch.zeros(2, dtype=torch.long)
     n = small = 0
@@ -392,7 +393,7 @@ def attach_parts(parts, thresholds: dict[tuple[int, str], float], min_rows: int 
         t = thresholds.get((i, part), 0.0)
         # the file's Q4_0/Q4_1 blocks, or a K-quant file's Q4_K rows (a fused q/k/v with a Q6_K
         # v, as a Q4_K_M file has in some layers, stays dense)
-        if (isinstance(m, Q4Linear) or isinstance(m, KQuantLinear) and m.q4_k) and t > 0:
+        if isinstance(m, InputSparse) and m.sparsifiable and t > 0:
             if m.out_features < min_rows:
                 small += 1
                 continue
