@@ -81,14 +81,21 @@ class _Attempt:
         return self.at["scheduler"].generate.remote(f.rid, f.prompt, f.params, resume=f.sent or None,
                                                     ring=None if ring is None else str(ring.path))
 
-    def received(self, events: list[dict]) -> list[dict]:
-        for ev in events:
+    def received(self, events: list[dict]) -> Iterator[list[dict]]:
+        """The caller's lists of one list of events read: the list, its tokens counted on f. An
+        error event is raised after the events before it, which go to the caller first: the
+        scheduler reports its group's failure in the same list as the tokens it sampled just
+        before (its ring's reader or Ray's stream join them), and the request resumes after
+        those, which its caller must have had."""
+        for k, ev in enumerate(events):
             if "error" in ev:
                 self.ended = True  # (an error event ends the request on the scheduler too)
+                if k:
+                    yield events[:k]
                 raise ERRORS.get(ev["error"], PowerInferError)(ev["message"])
             self.f.took(ev)
         self.ended = any(ev["finish_reason"] for ev in events)
-        return events
+        yield events
 
     def __enter__(self) -> "_Attempt":
         self.ring = TokenRing.create() if _local(self.at) else None
@@ -129,11 +136,13 @@ async def follow(f: Flight, at: dict, replace, interval: float = 0.0) -> AsyncIt
             stream = attempt.stream()
             if attempt.ring is not None:
                 async for events in _ring_events(attempt.ring, stream, interval):
-                    yield attempt.received(events)
+                    for got in attempt.received(events):
+                        yield got
                 if attempt.ended:
                     return
             async for ref in stream:
-                yield attempt.received(await ref)
+                for got in attempt.received(await ref):
+                    yield got
             return
         at = await replace(at, attempt.why)
 
@@ -178,11 +187,11 @@ def follow_sync(f: Flight, at: dict, replace) -> Iterator[list[dict]]:
             stream = attempt.stream()
             if attempt.ring is not None:
                 for events in attempt.ring.events(_call_ended(stream)):
-                    yield attempt.received(events)
+                    yield from attempt.received(events)
                 if attempt.ended:
                     return
             for ref in stream:
-                yield attempt.received(ray.get(ref))
+                yield from attempt.received(ray.get(ref))
             return
         at = replace(at, attempt.why)
 
