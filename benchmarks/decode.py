@@ -4,7 +4,7 @@
     .venv/bin/python benchmarks/decode.py [--model NAME|FILE] [--tokens 128] [--prompt-tokens 128]
         [--threads N] [--configs default fp32 bf16 bf16+int4 ... bf16+int4+compile] [--skip-llama]
         [--cpu-isa avx2|avx512|avx512bf16] [--llama-isa match|native|avx2|avx512]
-        [--turns N] [--out FILE]
+        [--turns N] [--bundle B] [--input-sparsity B] [--out FILE]
 
 Ours, per config: prefill tok/s is the timed forward over the whole prompt (median over runs; the prefix
 cache off, so no run reuses the one before); decode
@@ -169,6 +169,7 @@ def bench_llama(model: str, ids: list[int], n: int, threads: int, runs: int) -> 
 
 # ---------------------------------------------------------------- ours
 INPUT_SPARSITY = "off"  # --input-sparsity: the bundle a config with "+input" takes it from
+BUNDLE = ""  # --bundle: the FFN sparsity bundle a config with "+sparse" loads (its predictors)
 
 
 def load(name: str, threads: int, model: str, isa: str = "auto") -> PowerInfer:
@@ -176,7 +177,8 @@ def load(name: str, threads: int, model: str, isa: str = "auto") -> PowerInfer:
     # no prefix cache: each run prefills the same prompt, and a cached prefix would leave the
     # timed prefill a block's worth of tokens (what a new user's prompt costs is the whole of it)
     base = dict(cpu_threads=threads, max_batch=1, max_seq_len=2048, prefix_cache=False, cpu_isa=isa,
-                input_sparsity=INPUT_SPARSITY if "input" in flags else "off")
+                input_sparsity=INPUT_SPARSITY if "input" in flags else "off",
+                bundle=BUNDLE if "sparse" in flags else "")
     if dtype == "default":  # what a new user gets: dtype and weights "auto", decided here
         config = Config(compile="compile" in flags, **base)
     else:
@@ -350,7 +352,8 @@ def main():
                              "bf16+int4+compile"],
                     help="default (Config()'s auto choices for this machine and file), or a "
                          "dtype (fp32, bf16), optionally +int4 (4-bit weights kept); +compile; +input "
-                         "(input sparsity from --input-sparsity)")
+                         "(input sparsity from --input-sparsity); +sparse (the FFN's sparsity "
+                         "from --bundle)")
     ap.add_argument("--cpu-isa", default="auto",
                     help="hold the CPU kernel to this class (avx2, avx512, avx512bf16: an older "
                          "CPU's paths; Config.cpu_isa)")
@@ -373,9 +376,14 @@ def main():
     ap.add_argument("--input-sparsity", default="off", metavar="BUNDLE",
                     help="the bundle (powerinfer calibrate-input) a config with +input reads its "
                          "input sparsity from, e.g. --configs default default+input")
+    ap.add_argument("--bundle", default="",
+                    help="the sparsity bundle a config with +sparse loads (its FFNs compute the "
+                         "neurons its predictors choose), e.g. --configs default default+sparse "
+                         "default+sparse+input with --input-sparsity the same bundle calibrated "
+                         "by `powerinfer calibrate-input`")
     a = ap.parse_args()
-    global INPUT_SPARSITY, LLAMA_ISA, LLAMA_REPACK
-    INPUT_SPARSITY = a.input_sparsity
+    global INPUT_SPARSITY, LLAMA_ISA, LLAMA_REPACK, BUNDLE
+    INPUT_SPARSITY, BUNDLE = a.input_sparsity, a.bundle
     LLAMA_REPACK = not a.llama_no_repack
     LLAMA_ISA = a.llama_isa if a.llama_isa != "match" else (
         a.cpu_isa if a.cpu_isa in LLAMA_BUILDS and a.cpu_isa != kernels.best_isa() else "native")
@@ -403,7 +411,8 @@ def main():
             results[name] = r = bench_ours(m, ids, a.tokens, a.runs)
             r["others"] = others_share(c0)
             c = m.config  # what it resolved to (a default's choices on this machine)
-            r["label"] = f"{name} ({c.dtype}, {c.weights} weights, kernel {kernels.isa()})"
+            r["label"] = (f"{name} ({c.dtype}, {c.weights} weights, kernel {kernels.isa()}"
+                          f"{', FFN sparse by the bundle' if c.bundle else ''})")
             print(f"  load {load_s:.1f}s, warm-up {r['warmup_s']:.1f}s, "
                   f"decode {1 / r['decode_s']:.1f} tok/s", flush=True)
             if a.turns and not a.skip_llama:

@@ -1,8 +1,8 @@
 #!/usr/bin/env python3
 """Where a decode token's time goes inside the native layer loop, against its floor.
 
-    .venv/bin/python benchmarks/phases.py [--model M] [--bundle B] [--tokens 64] [--turns 3]
-        [--cpu-isa avx2|avx512|avx512bf16] [--out FILE]
+    .venv/bin/python benchmarks/phases.py [--model M] [--bundle B] [--input-sparsity B]
+        [--tokens 64] [--turns 3] [--cpu-isa avx2|avx512|avx512bf16] [--out FILE]
 
 The in-process engine's decode step with the default configuration (`Config()` resolved for
 this machine and file) runs every layer in one native call (`hot_layers`). Its phases are timed
@@ -22,6 +22,11 @@ predictors on the FFN's input), each layer's predictor and neurons one step of t
 Its FFN bytes are counted, not assumed: a pass through the modules before the turns records,
 per layer, the neurons computed (their gate rows are read) and those that fired among them
 (their up and down rows are read too); the predictors' weights are added.
+
+`--input-sparsity`: the projections' input sparsity from that bundle (`powerinfer
+calibrate-input`; `Config(input_sparsity=...)`): a projection that took it reads, of its weights,
+the share of input channels kept, as the warm-up's decode steps counted them
+(`PowerInfer.input_sparsity_stats`, over every sparse projection).
 """
 from __future__ import annotations
 
@@ -85,9 +90,12 @@ def main():
     ap.add_argument("--out", default=None)
     ap.add_argument("--cpu-isa", default="auto",
                     help="hold the CPU kernel to this class (avx2, avx512, avx512bf16; Config.cpu_isa)")
+    ap.add_argument("--input-sparsity", default="off", metavar="BUNDLE",
+                    help="the projections' input sparsity from this bundle (calibrate-input)")
     a = ap.parse_args()
-    config = Config(bundle=a.bundle, predictor="ffn", cpu_isa=a.cpu_isa) if a.bundle else \
-        Config(cpu_isa=a.cpu_isa)
+    config = Config(bundle=a.bundle, predictor="ffn", cpu_isa=a.cpu_isa,
+                    input_sparsity=a.input_sparsity) if a.bundle else \
+        Config(cpu_isa=a.cpu_isa, input_sparsity=a.input_sparsity)
     pi = PowerInfer.from_pretrained(*([a.model] if a.model else []), config=config)
     model = pi.model
     step = NativeDecode.of(model)
@@ -99,6 +107,13 @@ def main():
     parts = dense_bytes(model, kv_len)
     parts["FFN"] = (sparse_ffn_bytes(model, ids, a.tokens) if a.bundle
                     else sum(module_bytes(b.ffn) for b in model.layers))
+    kept, seen = pi.input_sparsity_stats()  # (the warm-up's decode steps)
+    for i in range(model.args.n_layers if seen else 0):  # what the sparse projections skip
+        for owner, attr, _ in model.projections(i):
+            m = getattr(owner, attr, None)  # (a sparse FFN holds neuron sets instead)
+            if getattr(m, "sparse", None) is not None:
+                part = "attention" if owner is model.layers[i].attn else "FFN"
+                parts[part] -= module_bytes(m) * (1 - kept / seen)
     total_bytes = sum(parts.values())
     turns = []
     for _ in range(a.turns):
@@ -128,6 +143,8 @@ def main():
     name = Path(a.model).name if a.model else "default model"
     if a.bundle:
         name += f", sparse ({Path(a.bundle).name})"
+    if seen:
+        name += f", input sparsity {1 - kept / seen:.1%} of the sparse projections' channels"
     print(f"\nkernel class {kernels.isa()}; {name}: {token:.2f} ms a token (median of {a.turns} turns of {a.tokens} tokens); "
           f"floor {total_bytes / 1e6:.1f} MB at {bw:.1f} GB/s = {total_bytes / bw / 1e6:.2f} ms "
           f"({total_bytes / bw / 1e6 / token:.0%} of the token)\n")
