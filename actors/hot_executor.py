@@ -299,11 +299,12 @@ class HotExecutorImpl:
                   else None for i in range(ckpt.args.n_layers)]
         if self.device.type == "cpu":  # the model is built on the host: the device decides
             apply_kernel_linears(model, head="q8_0" if int4 else "bf16")  # what is left in bf16
-        # input sparsity: its 4-bit projections on the host read only the channels over their
-        # thresholds in decode steps (its heads' q/k/v and output columns, a dense split's
-        # gate+up rows; the cold executors do the same with theirs)
+        # input sparsity: its 4-bit projections read only the channels over their thresholds in
+        # decode steps (its heads' q/k/v and output columns, a dense split's gate+up rows; on a
+        # GPU the Q4_0/Q4_1 `BlockLinear`s, by `triton_linear.q4c_linear`; the cold executors do
+        # the same with theirs)
         self.input_sparse = (0, 0)
-        if plan.inputs is not None and int4 and self.device.type == "cpu":
+        if plan.inputs is not None and int4:
             self.input_sparse = attach(model, *plan.inputs)[:2]
         ckpt.source.close()
         trim_heap()  # the load's transients, freed, stay resident otherwise

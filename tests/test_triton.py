@@ -370,6 +370,53 @@ def test_block_linear_equals_the_files_matrix(monkeypatch):
     assert y.dtype == torch.bfloat16
 
 
+@pytest.mark.parametrize("fmt", ["q4_0", "q4_1"])
+def test_block_linear_with_input_sparsity_reads_only_the_kept_channels(fmt, monkeypatch):
+    # input sparsity on the GPU (`triton_linear.q4c_linear`): a projection's one-row step takes
+    # the input with every entry at or under the threshold zeroed, and its q4c copy's kernel
+    # loads only the kept channels' codes (and the scales of blocks with one kept). It equals the
+    # dense product over the zeroed input, for rows that are not a multiple of 64 and for
+    # inputs past one program's channels; a batch's rows stay dense; the channels kept are
+    # counted; nothing kept gives zeros; a mixed projection takes none
+    from powerinfer.kernels import triton_linear as TL
+    monkeypatch.setattr(TL, "Q4C_CHUNK", 64)  # (three programs over the input's channels)
+    g = torch.Generator().manual_seed(3)
+    dim, n = 2 * TL.Q4C_CHUNK + 64, 100
+    raw = kernels.quantize_rows(torch.randn(n, dim, generator=g), fmt)
+    w = kernels.dequantize_rows(raw, fmt, dim).double()
+    bias = torch.randn(n, generator=g)
+    m = TL.BlockLinear([(raw, fmt)], dim, bias).to(DEV)
+    assert m.sparsifiable
+    stats = torch.zeros(2, dtype=torch.long, device=DEV)
+    t = 0.7
+    m.sparsify_input(t, stats)
+    assert m.sparse[1] == kernels.Q4C_KINDS.index(fmt) and m.sparse[0].device.type == DEV
+    seen = kept = 0
+    for shape in ((1, 1, dim), (1, dim)):
+        x = torch.randn(*shape, generator=g)
+        zeroed = torch.where(x.abs() > t, x, torch.zeros_like(x))
+        want = zeroed.double() @ w.T + bias.double()
+        got = m(x.to(DEV)).cpu()
+        assert got.shape == (*shape[:-1], n) and got.dtype == torch.float32
+        assert float((got - want).abs().max()) <= 1e-5 * float(want.abs().max()), shape
+        seen, kept = seen + dim, kept + int((x.abs() > t).sum())
+    assert 0.3 < kept / seen < 0.7 and stats.tolist() == [kept, seen]
+    quiet = torch.full((1, dim), 0.5 * t)  # every channel under the threshold: the bias alone
+    assert torch.allclose(m(quiet.to(DEV)).cpu(), bias.unsqueeze(0), atol=1e-6)
+    if fmt == "q4_0":  # (the dense kernels' own test has both types; interpreted, they are slow)
+        x = torch.randn(2, dim, generator=g)  # a batch's step: dense, nothing skipped
+        assert torch.allclose(m(x.to(DEV)).cpu().double(), x.double() @ w.T + bias.double(),
+                              rtol=1e-5, atol=1e-4)
+        assert stats.tolist() == [kept, seen + dim]  # (quiet: seen, none kept)
+        m.sparsify_input(None)  # dense again
+        x = torch.randn(1, dim, generator=g)
+        assert torch.allclose(m(x.to(DEV)).cpu().double(), x.double() @ w.T + bias.double(),
+                              rtol=1e-5, atol=1e-4)
+    mixed = TL.BlockLinear([(raw, fmt), (kernels.quantize_rows(torch.randn(8, dim), "q8_0"),
+                                         "q8_0")], dim)
+    assert not mixed.sparsifiable
+
+
 @pytest.mark.skipif(not kernels.available(), reason="the kernel library does not run here")
 def test_the_in_process_engine_keeps_a_4bit_files_blocks_where_triton_runs(tmp_path, monkeypatch):
     # Config(weights="int4") where the Triton kernels run (a GPU; here the CPU, interpreted):

@@ -17,7 +17,8 @@ parts of one type as one matrix, one launch):
 - more rows (a prompt): the matrix widened to float32 WIDEN_BYTES at a time (`_widen_kernel`),
   each slice multiplied by the rows in one matmul.
 The result is rounded once to the input's type, with the bias (in the model's type) added in
-float32 first. On a machine without a GPU these kernels run under Triton's interpreter on CPU
+float32 first. With input sparsity (`InputSparse.sparsify_input`, one run of Q4_0/Q4_1 rows) a
+one-row step reads a copy of the matrix held by input channel instead (`q4c_linear`). On a machine without a GPU these kernels run under Triton's interpreter on CPU
 tensors (`kernels.TRITON_ON_CPU`, tests).
 """
 from __future__ import annotations
@@ -26,6 +27,8 @@ import torch
 from torch import nn
 
 from .. import kernels
+from ..formats.q4 import q4_split
+from ..model.quant import InputSparse
 from . import triton_ffn as T
 
 FORMATS = ("q4_0", "q4_1", "q8_0")  # the block types kept (others are widened at load)
@@ -86,10 +89,11 @@ def linear(x: torch.Tensor, rows: torch.Tensor, fmt: str, dim: int) -> torch.Ten
     return sums[n:].view(1, n)
 
 
-class BlockLinear(nn.Module):
+class BlockLinear(InputSparse, nn.Module):
     """x W^T + b over a fused projection's parts, each a tensor's rows in the file's Q4_0, Q4_1
     or Q8_0 blocks, on the device the Triton kernels run on (`linear`, one call for each run of
-    parts of one type: `fmts`)."""
+    parts of one type: `fmts`). One run of Q4_0 or Q4_1 rows takes input sparsity
+    (`InputSparse.sparsify_input`): its one-row steps then read a q4c copy by `q4c_linear`."""
 
     def __init__(self, parts: list[tuple[torch.Tensor, str]], dim: int,
                  bias: torch.Tensor | None = None):
@@ -109,14 +113,115 @@ class BlockLinear(nn.Module):
         self.out_features = sum(rows.shape[0] for rows, _ in parts)
         self.register_buffer("bias", bias)
 
+    @property
+    def sparsifiable(self) -> bool:  # (the Triton kernel's q4c kinds)
+        return len(self.fmts) == 1 and self.fmts[0] in ("q4_0", "q4_1")
+
+    def _q4c(self) -> tuple[torch.Tensor, int]:
+        # the rows' codes, scales and offsets (the file's blocks again) in the CPU kernel's q4c
+        # layout, made on the host and held where the rows are
+        fmt, rows = self.fmts[0], self.rows0
+        q, d, z = q4_split(fmt.upper(), self.out_features, self.in_features,
+                           kernels.join_rows(rows.cpu(), fmt).numpy())
+        w, offsets = kernels.pack_q4c(*(torch.from_numpy(a) for a in (q, d, z)))
+        return w.to(rows.device), int(offsets)
+
+    def sparse_product(self, x: torch.Tensor) -> torch.Tensor | None:
+        """x W^T (float32, no bias) from the q4c copy where x is one row and the copy is made,
+        else None. The channels kept are counted where the counter is on x's device (a host
+        counter beside a GPU's step would wait for the device each step: not counted there)."""
+        if self.sparse is None or x.numel() != self.in_features or not x.dtype.is_floating_point:
+            return None
+        w, kind, t = self.sparse
+        y = q4c_linear(x, w, self.out_features, kind, t)
+        st = self.sparse_stats
+        if st is not None and st.device == x.device:
+            st[0] += int((x.abs() > t).sum())
+            st[1] += x.numel()
+        return y
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x2 = x.reshape(-1, self.in_features)
-        y = [linear(x2, getattr(self, f"rows{i}"), f, self.in_features)
-             for i, f in enumerate(self.fmts)]
-        y = y[0] if len(y) == 1 else torch.cat(y, -1)
+        y = self.sparse_product(x2) if x2.shape[0] == 1 else None
+        if y is None:
+            y = [linear(x2, getattr(self, f"rows{i}"), f, self.in_features)
+                 for i, f in enumerate(self.fmts)]
+            y = y[0] if len(y) == 1 else torch.cat(y, -1)
         if self.bias is not None:
             y = y + self.bias.float()
         return y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, {'+'.join(self.fmts)}"
+
+
+# ---------------------------------------------------------------- input sparsity (TEAL) on the GPU
+
+Q4C_KINDS = (0, 1)  # the q4c kinds the Triton kernel reads (`kernels.Q4C_KINDS`: Q4_0, Q4_1)
+Q4C_CHUNK = 512  # input channels a program adds up (its partial sums added atomically)
+
+
+def q4c_linear(x: torch.Tensor, w: torch.Tensor, n: int, kind: int, threshold: float) -> torch.Tensor:
+    """x (1, k) float -> (1, n) float32 = x' W^T, x' the input with every entry at or under
+    `threshold` in magnitude zeroed, W an (n, k) Q4_0/Q4_1 matrix in the CPU kernel's q4c layout
+    (`kernels.pack_q4c`, csrc/input_sparse.h: per block of 32 input channels the rows' f16
+    scales (and offsets), then each channel's 4-bit codes for every row as one run). The input-
+    sparse product of the GPU: each program takes 64 rows of Q4C_CHUNK channels and loads, of
+    each channel's run, the 32 bytes of its rows only where the channel is kept, and a block's
+    scales only where one of its channels is: the masked lanes issue no memory request, so the
+    bytes read follow the kept channels (a channel's 32 bytes are one 32-byte sector). No
+    host synchronisation (the kept channels are not gathered first), so a CUDA graph holds it.
+    Its sums are the dense product's over the zeroed input up to float32 rounding (added in
+    another order)."""
+    k = x.shape[-1]
+    assert kind in Q4C_KINDS and k % 32 == 0 and x.numel() == k, (kind, x.shape)
+    rows = kernels.q4c_rows(n)
+    head = 2 * rows * (2 if kind == 1 else 1)
+    block_bytes = head + 16 * rows
+    assert w.numel() == k // 32 * block_bytes, (w.numel(), k, n, kind)
+    y = torch.zeros(1, rows, dtype=torch.float32, device=x.device)
+    chunk = min(Q4C_CHUNK, k)
+    _q4c_kernel[(rows // 64, T.triton.cdiv(k, chunk))](
+        x.reshape(-1).contiguous(), w, y, k, rows, block_bytes, head, float(threshold),
+        OFFSETS=kind == 1, CHUNK=chunk)
+    return y[:, :n]
+
+
+if T.triton is not None:
+    triton, tl = T.triton, T.tl
+
+    @triton.jit
+    def _q4c_kernel(x, w, y, k, rows, block_bytes, head, threshold, OFFSETS: tl.constexpr,
+                    CHUNK: tl.constexpr):
+        # rows 64 g .. 64 g + 63 over channels [CHUNK s, CHUNK (s + 1)); a run's byte j holds
+        # rows lo(j) (low nibble) and lo(j) + 32 (high) of its group (kernels._q4c_runs)
+        g, s = tl.program_id(0), tl.program_id(1)
+        j = tl.arange(0, 32)
+        r_lo = g * 64 + ((j // 8) % 2) * 16 + (j // 16) * 8 + j % 8
+        r_hi = r_lo + 32
+        ch = tl.arange(0, 32)
+        acc_lo = tl.zeros([32], dtype=tl.float32)
+        acc_hi = tl.zeros([32], dtype=tl.float32)
+        for c0 in range(s * CHUNK, tl.minimum(k, (s + 1) * CHUNK), 32):
+            xv = tl.load(x + c0 + ch).to(tl.float32)
+            keep = tl.abs(xv) > threshold
+            xs = tl.where(keep, xv, 0.0)
+            base = (c0 // 32) * block_bytes  # (under 2 GiB: a 70B gate+up is 0.3)
+            codes = tl.load(w + base + head + ch[:, None] * (rows // 2) + g * 32 + j[None, :],
+                            mask=keep[:, None], other=0).to(tl.int32)
+            s_lo = tl.sum(xs[:, None] * (codes & 15).to(tl.float32), axis=0)
+            s_hi = tl.sum(xs[:, None] * (codes >> 4).to(tl.float32), axis=0)
+            total = tl.sum(xs, axis=0)
+            some = j < 32 * tl.max(keep.to(tl.int32), axis=0)  # any channel of the block kept
+            d_lo = T._f16_at(w + base + 2 * r_lo, some)
+            d_hi = T._f16_at(w + base + 2 * r_hi, some)
+            if OFFSETS:  # Q4_1: w = d q + m
+                m_lo = T._f16_at(w + base + 2 * rows + 2 * r_lo, some)
+                m_hi = T._f16_at(w + base + 2 * rows + 2 * r_hi, some)
+                acc_lo += d_lo * s_lo + m_lo * total
+                acc_hi += d_hi * s_hi + m_hi * total
+            else:  # Q4_0: w = d (q - 8)
+                acc_lo += d_lo * (s_lo - 8.0 * total)
+                acc_hi += d_hi * (s_hi - 8.0 * total)
+        tl.atomic_add(y + r_lo, acc_lo)
+        tl.atomic_add(y + r_hi, acc_hi)
