@@ -94,6 +94,10 @@ def variants():
     yield "_select_kernel", dict(logits_ptr="*fp32", thr_ptr="*fp32", keep_ptr="*i8",
                                  idx_ptr="*i32", count_ptr="*i32", B=I32, n=I32), \
         dict(BLOCK_B=8, BLOCK_N=64)
+    for x, offsets in (("*bf16", False), ("*fp32", True)):  # input sparsity's one-row product
+        yield "_q4c_kernel", dict(x=x, w="*u8", y="*fp32", k=I32, rows=I32, block_bytes=I32,
+                                  head=I32, threshold="fp32"), \
+            dict(OFFSETS=offsets, CHUNK=TL.Q4C_CHUNK)
 
 
 def attention_variants():
@@ -112,7 +116,8 @@ def attention_variants():
 
 
 def compile_one(name, args, constexprs, capability):
-    fn = getattr(TA if name == "_decode_attention_kernel" else T, name)
+    fn = getattr(TA if name == "_decode_attention_kernel" else TL if name == "_q4c_kernel" else T,
+                 name)
     names = fn.arg_names
     assert set(names) == set(args) | set(constexprs), (name, set(names) ^ (set(args) | set(constexprs)))
     sig = {n: args.get(n, "constexpr") for n in names}
