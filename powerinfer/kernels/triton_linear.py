@@ -28,8 +28,8 @@ from torch import nn
 
 from .. import kernels
 from ..formats.q4 import q4_split
-from ..model.quant import InputSparse
 from . import triton_ffn as T
+from .input_sparse import InputSparse
 
 FORMATS = ("q4_0", "q4_1", "q8_0")  # the block types kept (others are widened at load)
 

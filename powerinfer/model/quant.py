@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from .. import kernels
+from ..kernels.input_sparse import InputSparse
 from ..formats.kquants import KQUANT_LAYOUTS
 from ..formats.q4 import GROUP, Q4_TYPES, q4_type
 
@@ -46,42 +47,6 @@ class Int4Linear(nn.Module):
                                               GROUP, self.scales_zeros)
         y = y.view(*shape[:-1], self.out_features).to(x.dtype)
         return y if self.bias is None else y + self.bias.to(x.dtype)
-
-
-class InputSparse:
-    """Input sparsity (TEAL) for a 4-bit projection that can hold its matrix in the q4c layout
-    (`_q4c`): `sparsify_input` makes the copy, `sparse_product` runs a one-row step on it."""
-
-    # (the same matrix in the q4c layout, its kind (`kernels.Q4C_KINDS`), the input's threshold)
-    # and the channels kept and seen (int64, 2), or None
-    sparse: tuple | None = None
-    sparse_stats: torch.Tensor | None = None
-    sparsifiable = True  # whether `_q4c` can hold this matrix
-
-    def _q4c(self) -> tuple[torch.Tensor, int]:
-        """The matrix in the q4c layout, and its kind."""
-        raise NotImplementedError
-
-    def sparsify_input(self, threshold: float | None, stats: torch.Tensor | None = None):
-        """Input sparsity from now on: a one-row step (decode) zeroes the input entries at or
-        under `threshold` and reads only the other channels' weights, from a copy of the matrix
-        held by input channel (the same bytes again); stats, where given, counts the channels
-        kept and seen. None: dense again (the copy dropped)."""
-        if threshold is None:
-            self.sparse = self.sparse_stats = None
-            return
-        assert self.sparsifiable, self
-        w, kind = self._q4c()
-        self.sparse, self.sparse_stats = (w, int(kind), float(threshold)), stats
-
-    def sparse_product(self, x: torch.Tensor) -> torch.Tensor | None:
-        """x W^T (no bias) from the q4c copy where x is one float row and the copy is made,
-        else None (the dense product's turn)."""
-        if self.sparse is None or x.numel() != self.in_features or \
-                x.dtype not in (torch.float32, torch.bfloat16):
-            return None
-        w, kind, t = self.sparse
-        return kernels.linear_q4c(x, w, self.out_features, kind, t, self.sparse_stats)
 
 
 class Q4Linear(InputSparse, nn.Module):

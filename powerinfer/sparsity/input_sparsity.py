@@ -385,7 +385,7 @@ def attach_parts(parts, thresholds: dict[tuple[int, str], float], min_rows: int 
     group's executor holds some heads' q/k/v rows and output columns, some neurons' gate and up
     rows; a threshold is of each input entry, so every share applies it to the entries it
     reads). Returns the same three."""
-    from ..model.quant import InputSparse
+    from ..kernels.input_sparse import InputSparse
     min_rows = MIN_ROWS if min_rows is None else min_rows
     stats = torch.zeros(2, dtype=torch.long)
     n = small = 0
