@@ -116,8 +116,7 @@ def attention_variants():
 
 
 def compile_one(name, args, constexprs, capability):
-    fn = getattr(TA if name == "_decode_attention_kernel" else TL if name == "_q4c_kernel" else T,
-                 name)
+    fn = next(getattr(m, name) for m in (T, TA, TL) if hasattr(m, name))
     names = fn.arg_names
     assert set(names) == set(args) | set(constexprs), (name, set(names) ^ (set(args) | set(constexprs)))
     sig = {n: args.get(n, "constexpr") for n in names}

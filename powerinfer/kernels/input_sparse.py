@@ -34,11 +34,16 @@ class InputSparse:
         w, kind = self._q4c()
         self.sparse, self.sparse_stats = (w, int(kind), float(threshold)), stats
 
+    q4c_dtypes = (torch.float32, torch.bfloat16)  # the inputs `_q4c_product` takes
+
     def sparse_product(self, x: torch.Tensor) -> torch.Tensor | None:
-        """x W^T (no bias) from the q4c copy where x is one float row and the copy is made,
-        else None (the dense product's turn)."""
-        if self.sparse is None or x.numel() != self.in_features or \
-                x.dtype not in (torch.float32, torch.bfloat16):
+        """x W^T (no bias) from the q4c copy where x is one row of `q4c_dtypes` and the copy is
+        made, else None (the dense product's turn)."""
+        if self.sparse is None or x.numel() != self.in_features or x.dtype not in self.q4c_dtypes:
             return None
         w, kind, t = self.sparse
+        return self._q4c_product(x, w, kind, t)
+
+    def _q4c_product(self, x: torch.Tensor, w: torch.Tensor, kind: int, t: float) -> torch.Tensor:
+        """The one-row product over the copy (the CPU kernel's, which counts the channels)."""
         return kernels.linear_q4c(x, w, self.out_features, kind, t, self.sparse_stats)

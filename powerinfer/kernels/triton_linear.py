@@ -18,8 +18,9 @@ parts of one type as one matrix, one launch):
   each slice multiplied by the rows in one matmul.
 The result is rounded once to the input's type, with the bias (in the model's type) added in
 float32 first. With input sparsity (`InputSparse.sparsify_input`, one run of Q4_0/Q4_1 rows) a
-one-row step reads a copy of the matrix held by input channel instead (`q4c_linear`). On a machine without a GPU these kernels run under Triton's interpreter on CPU
-tensors (`kernels.TRITON_ON_CPU`, tests).
+one-row step reads a copy of the matrix held by input channel instead (`q4c_linear`). On a
+machine without a GPU these kernels run under Triton's interpreter on CPU tensors
+(`kernels.TRITON_ON_CPU`, tests).
 """
 from __future__ import annotations
 
@@ -115,7 +116,7 @@ class BlockLinear(InputSparse, nn.Module):
 
     @property
     def sparsifiable(self) -> bool:  # (the Triton kernel's q4c kinds)
-        return len(self.fmts) == 1 and self.fmts[0] in ("q4_0", "q4_1")
+        return len(self.fmts) == 1 and self.fmts[0] in Q4C_FORMATS
 
     def _q4c(self) -> tuple[torch.Tensor, int]:
         # the rows' codes, scales and offsets (the file's blocks again) in the CPU kernel's q4c
@@ -126,13 +127,12 @@ class BlockLinear(InputSparse, nn.Module):
         w, offsets = kernels.pack_q4c(*(torch.from_numpy(a) for a in (q, d, z)))
         return w.to(rows.device), int(offsets)
 
-    def sparse_product(self, x: torch.Tensor) -> torch.Tensor | None:
-        """x W^T (float32, no bias) from the q4c copy where x is one row and the copy is made,
-        else None. The channels kept are counted where the counter is on x's device (a host
-        counter beside a GPU's step would wait for the device each step: not counted there)."""
-        if self.sparse is None or x.numel() != self.in_features or not x.dtype.is_floating_point:
-            return None
-        w, kind, t = self.sparse
+    q4c_dtypes = (torch.float32, torch.bfloat16, torch.float16)
+
+    def _q4c_product(self, x: torch.Tensor, w: torch.Tensor, kind: int, t: float) -> torch.Tensor:
+        """`q4c_linear` (float32). The channels kept are counted where the counter is on x's
+        device (a host counter beside a GPU's step would wait for the device each step: not
+        counted there)."""
         y = q4c_linear(x, w, self.out_features, kind, t)
         st = self.sparse_stats
         if st is not None and st.device == x.device:
@@ -157,7 +157,7 @@ class BlockLinear(InputSparse, nn.Module):
 
 # ---------------------------------------------------------------- input sparsity (TEAL) on the GPU
 
-Q4C_KINDS = (0, 1)  # the q4c kinds the Triton kernel reads (`kernels.Q4C_KINDS`: Q4_0, Q4_1)
+Q4C_FORMATS = ("q4_0", "q4_1")  # the q4c kinds (`kernels.Q4C_KINDS`) the Triton kernel takes
 Q4C_CHUNK = 512  # input channels a program adds up (its partial sums added atomically)
 
 
@@ -174,7 +174,8 @@ def q4c_linear(x: torch.Tensor, w: torch.Tensor, n: int, kind: int, threshold: f
     Its sums are the dense product's over the zeroed input up to float32 rounding (added in
     another order)."""
     k = x.shape[-1]
-    assert kind in Q4C_KINDS and k % 32 == 0 and x.numel() == k, (kind, x.shape)
+    assert kernels.Q4C_KINDS[kind] in Q4C_FORMATS and k % 32 == 0 and x.numel() == k, \
+        (kind, x.shape)
     rows = kernels.q4c_rows(n)
     head = 2 * rows * (2 if kind == 1 else 1)
     block_bytes = head + 16 * rows
