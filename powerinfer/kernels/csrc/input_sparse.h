@@ -66,6 +66,19 @@ inline int q4c_block(const Q4CArgs& a, int64_t b, int64_t np, Q4CBlock& k) {
   return k.cnt;
 }
 
+// The first block after b with a kept channel (k filled; k.cnt 0 where none is left), and its
+// Q4_K super-block's d and dmin where the product has not asked for them yet (else null)
+inline void q4c_next(const Q4CArgs& a, int64_t b, int64_t np, const uint8_t* kt, Q4CBlock& k,
+                     const uint8_t*& ks) {
+  const int64_t nb = a.k / 32;
+  k.cnt = 0, ks = nullptr;
+  for (int64_t c = b + 1; c < nb; c++)
+    if (q4c_block(a, c, np, k)) {
+      if (kt && c / 8 != b / 8) ks = kt + 4 * np * (c / 8);
+      return;
+    }
+}
+
 // A Q4_K matrix's super-blocks' d and dmin, after its blocks (the end of the blocks otherwise)
 inline const uint8_t* q4c_tail(const Q4CArgs& a, int64_t np) { return a.w + a.k / 32 * q4c_region(np, a.kind); }
 
@@ -100,6 +113,8 @@ inline void q4c_passes_256(const Q4CArgs& a, int64_t p_begin, int64_t p_end, flo
   const uint8_t* kt = a.kind == Q4C_Q4_K ? q4c_tail(a, np) : nullptr;
   int64_t sb_read = -1;  // the last super-block whose d and dmin were asked for
   __m256i xs[16];  // the pairs' inputs, two bytes a pair
+  Q4CBlock nk;  // the next block with a kept channel
+  const uint8_t* nks;
   for (int64_t b = 0; b < nb; b++) {
     if (q4c_block(a, b, np, k) == 0) continue;
     const int cnt = k.cnt;
@@ -111,9 +126,22 @@ inline void q4c_passes_256(const Q4CArgs& a, int64_t p_begin, int64_t p_end, flo
     const uint8_t* const* rb = k.rb;
     for (int i = 0; i < cnt; i++) xs[i] = _mm256_set1_epi16(k.x[i]);
     const __m256 vxd = _mm256_set1_ps(a.xd[b]), vxs = _mm256_set1_ps(a.xs[b]);
+    // the next block's first passes are asked for over this one's last: a thread's share of a
+    // run can be a few passes (the output projection's 4,096 rows: 32 a thread of two), and
+    // without them a quarter of its bytes came unannounced, at every block
+    q4c_next(a, b, np, kt, nk, nks);
     for (int64_t p = p_begin; p < p_end; p++) {
       const bool ahead = p + Q4C_AHEAD < p_end;
-      if (ahead) q4c_prefetch_scales(a, r, ks_new, np, p + Q4C_AHEAD, 1);
+      if (ahead) {
+        q4c_prefetch_scales(a, r, ks_new, np, p + Q4C_AHEAD, 1);
+      } else if (nk.cnt && p + Q4C_AHEAD - p_end + p_begin < p_end) {
+        const int64_t pn = p + Q4C_AHEAD - p_end + p_begin;
+        q4c_prefetch_scales(a, nk.r, nks, np, pn, 1);
+        for (int i = 0; i < nk.cnt; i++) {
+          _mm_prefetch((const char*)nk.ra[i] + 32 * pn, _MM_HINT_T0);
+          _mm_prefetch((const char*)nk.rb[i] + 32 * pn, _MM_HINT_T0);
+        }
+      }
       __m256i sum[8];  // rows 64p + 8i .. + 7, in 32 bits
       for (int i = 0; i < 8; i++) sum[i] = _mm256_setzero_si256();
       for (int s = 0; s < cnt; s += 8) {
@@ -174,6 +202,8 @@ inline void q4c_passes_512(const Q4CArgs& a, int64_t p_begin, int64_t p_end, flo
   const uint8_t* kt = a.kind == Q4C_Q4_K ? q4c_tail(a, np) : nullptr;
   int64_t sb_read = -1;  // the last super-block whose d and dmin were asked for
   __m512i xs[16];
+  Q4CBlock nk;  // the next block with a kept channel
+  const uint8_t* nks;
   for (int64_t b = 0; b < nb; b++) {
     if (q4c_block(a, b, np, k) == 0) continue;
     const int cnt = k.cnt;
@@ -185,9 +215,21 @@ inline void q4c_passes_512(const Q4CArgs& a, int64_t p_begin, int64_t p_end, flo
     const uint8_t* const* rb = k.rb;
     for (int i = 0; i < cnt; i++) xs[i] = _mm512_set1_epi16(k.x[i]);
     const __m512 vxd = _mm512_set1_ps(a.xd[b]), vxs = _mm512_set1_ps(a.xs[b]);
+    q4c_next(a, b, np, kt, nk, nks);  // (as above)
     for (int64_t p = p_begin; p < p_end; p += 2) {
       const bool ahead = p + 1 + Q4C_AHEAD < p_end;
-      if (ahead) q4c_prefetch_scales(a, r, ks_new, np, p + Q4C_AHEAD, 2);
+      if (ahead) {
+        q4c_prefetch_scales(a, r, ks_new, np, p + Q4C_AHEAD, 2);
+      } else if (nk.cnt && p + Q4C_AHEAD - p_end + p_begin + 1 < p_end) {
+        const int64_t pn = p + Q4C_AHEAD - p_end + p_begin;
+        q4c_prefetch_scales(a, nk.r, nks, np, pn, 2);
+        for (int i = 0; i < nk.cnt; i++) {
+          _mm_prefetch((const char*)nk.ra[i] + 32 * pn, _MM_HINT_T0);
+          _mm_prefetch((const char*)nk.ra[i] + 32 * pn + 63, _MM_HINT_T0);
+          _mm_prefetch((const char*)nk.rb[i] + 32 * pn, _MM_HINT_T0);
+          _mm_prefetch((const char*)nk.rb[i] + 32 * pn + 63, _MM_HINT_T0);
+        }
+      }
       __m512i sum[8];  // sum[2v + h]: rows 64 (p + h) + 16v .. + 15, in 32 bits
       for (int i = 0; i < 8; i++) sum[i] = _mm512_setzero_si512();
       for (int s = 0; s < cnt; s += 8) {
