@@ -38,12 +38,17 @@ import torch
 
 from powerinfer import kernels
 from powerinfer.model.sparse import NeuronSet
+from gemv import last_level_cache  # the other benchmarks' reading of the cache's size
 from sparse_cpu import read_bandwidth  # the same reading as the sparse decode benchmark
 
 SHARES = (0.01, 0.02, 0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0)
 # selections drawn for each share, a new one each turn over the layers: with one selection for
 # every turn, a share's records for all the layers (83 MB at 10% of 8 7B layers in Q4_0) came
-# back from the last level cache, read faster than the machine's read bandwidth
+# back from the last level cache, read faster than the machine's read bandwidth. At least
+# SUBSETS, and as many as make one cycle through them read twice the last level cache
+# (`subsets`): a server CPU's L3 holds hundreds of MiB (300 MiB on an Emerald Rapids Xeon), and
+# four selections of 8 layers at 1-5% (8-170 MB) came back from it, at up to twice the read
+# bandwidth.
 SUBSETS = 4
 STREAMS = (1, 2, 4, 8)
 
@@ -104,11 +109,19 @@ def reads_op():
                        verbose=False).reads
 
 
-def timed(fn, layers: int, reps: int) -> float:
+def subsets(layers: int, active: int, record: int, llc: int) -> int:
+    """Selections of `active` neurons for one share: at least SUBSETS, and enough that a cycle
+    over them and the layers reads twice the last level cache (`llc` bytes) in records of
+    `record` bytes, so that no timed step finds its records still cached from the last cycle."""
+    return max(SUBSETS, -(-2 * llc // (layers * active * record)))
+
+
+def timed(fn, layers: int, reps: int, turns: int) -> float:
     """The median time of fn(i), i counting the steps (layer i % layers, turn i // layers),
-    after SUBSETS warm-up turns over the layers: every selection's records read once before
-    (a record's first read since the weights were written took up to 3x as long here)."""
-    warm = layers * SUBSETS
+    after `turns` warm-up turns over the layers (one a selection): every selection's records
+    read once before (a record's first read since the weights were written took up to 3x as
+    long here), and the timed steps' the longest ago."""
+    warm = layers * turns
     for i in range(warm):
         fn(i)
     times = []
@@ -157,17 +170,21 @@ def main():
     del w1, w2
     results = []
     reads = reads_op() if args.reads else None
+    llc = last_level_cache()
+    smallest = min(kernels.record_bytes(f, d, gated=True)
+                   for f in args.formats)
     with torch.inference_mode():
         xb = x.bfloat16()
         t = timed(lambda i: (torch.relu(xb @ dense[i % L][:n].t()) * (xb @ dense[i % L][n:2 * n].t()))
-                  @ dense[i % L][2 * n:], L, args.reps)
+                  @ dense[i % L][2 * n:], L, args.reps, SUBSETS)
         dense_bytes = 3 * n * d * 2
         results.append({"method": "dense bf16 (torch matmul)", "share": 1.0, "ms": t * 1e3,
                         "gbs": dense_bytes / t / 1e9})
         for share in SHARES:
             m = max(1, round(share * n))
             sels = [torch.arange(m)] if args.consecutive else \
-                [torch.randperm(n, generator=g)[:m].sort().values for _ in range(SUBSETS)]
+                [torch.randperm(n, generator=g)[:m].sort().values
+                 for _ in range(subsets(L, m, smallest, llc))]
 
             def sel(i):  # step i's selection: a new one each turn over the layers
                 return sels[i // L % len(sels)]
@@ -179,7 +196,7 @@ def main():
                 xin = xb if name == "torch" else x
                 before = torch.ops.powerinfer.use_isa(isa) if isa else None
                 try:
-                    t = timed(lambda i: ss[i % L](xin, sel(i)), L, args.reps)
+                    t = timed(lambda i: ss[i % L](xin, sel(i)), L, args.reps, len(sels))
                 finally:
                     if isa:
                         torch.ops.powerinfer.use_isa(before)
@@ -196,7 +213,7 @@ def main():
                     continue
                 best = 0.0
                 for k in STREAMS:
-                    t = timed(lambda i: reads(recs[i % L], sel(i), k), L, args.reps)
+                    t = timed(lambda i: reads(recs[i % L], sel(i), k), L, args.reps, len(sels))
                     best = max(best, nbytes / t / 1e9)
                     results.append({"method": f"reads {fmt}, {k} streams", "share": share,
                                     "ms": t * 1e3, "gbs": nbytes / t / 1e9})
