@@ -36,7 +36,7 @@ import numpy as np
 
 from cluster.topology import pin_threads, process_memory
 
-from powerinfer.compat import trim_heap
+from powerinfer.compat import HeapTrim, trim_heap
 from powerinfer.config import Config
 from powerinfer.engine.params import SamplingParams
 from powerinfer.engine import batching
@@ -122,6 +122,7 @@ class BatchLoop:
         # the tokenizer's unpickling leaves its parse's buffers freed but resident (Gemma 3's
         # 262,144 pieces and 513,511 merges: about 220 MiB): given back
         trim_heap()
+        self.heap = HeapTrim()  # a burst's freed heap, given back when the loop goes idle
         self.thread = threading.Thread(target=self._loop, name="scheduler", daemon=True)
         self.thread.start()
 
@@ -270,6 +271,8 @@ class BatchLoop:
             os.sched_setaffinity(0, self.cores)
         try:
             while True:
+                if self.batcher.idle:  # (a hint, read unlocked) no step to run: nothing waits on
+                    self.heap(idle=True)  # the trim
                 with self.cv:
                     while self.batcher.idle and not self.stopping:
                         self.cv.wait()

@@ -302,3 +302,71 @@ def trim_heap() -> None:
         ctypes.CDLL("libc.so.6").malloc_trim(0)
     except (OSError, AttributeError):
         pass
+
+
+def _anon_bytes() -> int | None:
+    """This process's anonymous resident memory (RssAnon), or None where /proc does not say."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("RssAnon:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+class HeapTrim:
+    """`trim_heap` once the process's anonymous memory has grown by `grow` bytes since the last
+    trim (or since it went down to its least) and then stopped growing: a served process's
+    burst of requests (hundreds of streams at once: their buffers, bodies and events) leaves
+    its freed blocks resident in glibc's arenas. After a burst of 400, a model's ingress stayed
+    88 MiB up, its scheduler 29 and Serve's proxy 53, until a trim gave back 50, 16 and 30 of
+    them (a collection of Python's garbage first gave back nothing more). Trimmed while the
+    burst still grew, the rest of it stayed. Calling it costs a read of /proc/self/status
+    (microseconds); a trim, a walk of the heap (1-5 ms)."""
+
+    def __init__(self, grow: int = 8 << 20):
+        self.grow = grow
+        self.level = self.last = _anon_bytes()
+
+    def __call__(self, idle: bool = False) -> bool:
+        """Whether it trimmed. idle: the caller knows the work is over (a scheduler with nothing
+        to run), so the growth has stopped whatever the last call saw."""
+        now = _anon_bytes()
+        if now is None or self.level is None:
+            return False
+        settled = idle or now <= self.last + (1 << 20)
+        self.last = now
+        if now < self.level + self.grow:
+            self.level = min(self.level, now)
+            return False
+        if not settled:  # still growing: trimmed now, the rest of the burst would stay
+            return False
+        trim_heap()
+        self.level = self.last = _anon_bytes() or now
+        return True
+
+
+def trim_heap_every(seconds: float, then=None, grow: int = 8 << 20):
+    """A daemon thread that runs a `HeapTrim` every `seconds` (for a process whose work has no
+    idle moment of its own to do it in: a Serve replica's), and `then()` after each trim that
+    gave memory back. ctypes lets go of the GIL for the trim; the process's other threads wait
+    only where they allocate meanwhile."""
+    import threading
+    import time
+
+    trim = HeapTrim(grow)
+
+    def run():
+        while True:
+            time.sleep(seconds)
+            if trim() and then is not None:
+                try:
+                    then()
+                except Exception:  # noqa: BLE001 - a courtesy to others; never this thread's end
+                    pass
+
+    t = threading.Thread(target=run, name="heap-trim", daemon=True)
+    t.start()
+    return t

@@ -28,6 +28,7 @@ from ray import serve
 from ray.exceptions import TaskCancelledError
 
 from cluster.topology import process_memory
+from powerinfer.compat import trim_heap_every
 from powerinfer.engine import tools
 from powerinfer.engine.params import sampling_params
 from powerinfer.engine.tools import render as render_tools
@@ -35,7 +36,7 @@ from powerinfer.errors import InvalidRequestError, PowerInferError
 
 from .errors import ModelUnavailableError, error_value
 from .request import GenerationRequest
-from .settings import ModelSpec
+from .settings import HEAP_TRIM_S, ModelSpec
 
 logger = logging.getLogger("ray.serve")
 PROBE_TIMEOUT_S = 20.0
@@ -67,6 +68,7 @@ class ModelServer:
         self._probed = 0.0  # when check_health last probed the group (monotonic)
         self._loader = threading.Thread(target=self._load, name=f"load-{spec.name}", daemon=True)
         self._loader.start()
+        trim_heap_every(HEAP_TRIM_S)  # a burst's freed heap given back
 
     def _load(self):
         from actors.handle import ActorEngine

@@ -107,6 +107,9 @@ class ModelSpec:
 # the tok/s (0.79-0.99x llama-server against 0.71-0.78x), TTFT p50 level over 8 requests (141
 # against 143 ms), 8 streams 0.95-0.96x in two runs (1.31x llama-server against 1.37x).
 STREAM_INTERVAL_MS = 50.0
+# how often the ingress and each model replica look whether a burst of requests left their heap
+# grown, and give its freed blocks back (`powerinfer.compat.trim_heap_every`)
+HEAP_TRIM_S = 10.0
 
 
 @dataclass(frozen=True, slots=True)

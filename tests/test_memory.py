@@ -100,3 +100,44 @@ def test_a_kv_cache_counts_in_memory_as_its_blocks_are_written():
     assert fresh["kv_resident"] < 0.1 * fresh["kv_bytes"]  # allocated, not yet in RAM
     assert fresh["weight_resident"] == fresh["weight_bytes"]  # (initialized: written)
     assert abs(half["kv_resident"] - 32 * MiB) <= 0.1 * 32 * MiB + fresh["kv_resident"]
+
+
+def test_a_bursts_freed_heap_is_given_back_once_it_stops_growing():
+    # a fresh process's heap grown by 80 MiB of 4 KiB blocks (a burst's bodies and buffers),
+    # all but one in 40 freed: glibc keeps the freed blocks resident between the kept ones.
+    # HeapTrim trims nothing while the memory still grows (the call that sees the growth first),
+    # then gives most of it back; a caller that knows the work is over (`idle`) trims at once
+    import subprocess
+    import sys
+
+    code = r"""
+import json
+from powerinfer.compat import HeapTrim, _anon_bytes
+MiB = 1 << 20
+out = {}
+trim, now = HeapTrim(grow=8 * MiB), HeapTrim(grow=8 * MiB)
+out["quiet"] = trim()
+blocks = [bytearray(4096) for _ in range(20_000)]
+kept = blocks[::40]
+del blocks
+out["freed"] = _anon_bytes() / MiB
+out["first"] = trim()
+out["after_first"] = _anon_bytes() / MiB
+out["second"] = trim()
+out["after_second"] = _anon_bytes() / MiB
+out["third"] = trim()
+more = [bytearray(4096) for _ in range(20_000)]
+kept += more[::40]
+del more
+out["idle"] = now(idle=True)
+out["after_idle"] = _anon_bytes() / MiB
+print(json.dumps(out))
+"""
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr[-2000:]
+    got = __import__("json").loads(r.stdout)
+    assert got["quiet"] is False and got["first"] is False, got  # no growth; still growing
+    assert got["after_first"] > got["freed"] - 8, got  # (nothing given back by the first look)
+    assert got["second"] is True and got["after_second"] < got["freed"] - 50, got
+    assert got["third"] is False, got  # given back: nothing grew since
+    assert got["idle"] is True and got["after_idle"] < got["after_first"] - 50, got
