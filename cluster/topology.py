@@ -10,6 +10,8 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from powerinfer.compat import process_memory  # noqa: F401 - re-exported: the actors read it here
+
 SYS_NODE = Path("/sys/devices/system/node")
 
 
@@ -113,30 +115,6 @@ def pin_threads(cores: tuple[int, ...]) -> None:
             os.sched_setaffinity(int(tid), cores)
         except OSError:  # the thread has ended
             pass
-
-
-def process_memory(pid: int | str = "self") -> dict[str, int]:
-    """This (or another) process's memory from /proc/PID/status, in bytes: rss (resident now:
-    anonymous + file-backed + shared memory), hwm (the peak of rss), and its anon, file and
-    shmem parts; and from /proc/PID/smaps_rollup, where it can be read, pss: its proportional
-    share (each resident page divided by the processes that map it: a model file's pages, the
-    KV pool's shared memory and the libraries counted once over all of them), rss where it
-    cannot be read."""
-    keys = {"VmRSS": "rss", "VmHWM": "hwm", "RssAnon": "anon", "RssFile": "file",
-            "RssShmem": "shmem"}
-    out = {}
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        k, _, v = line.partition(":")
-        if k in keys:
-            out[keys[k]] = int(v.split()[0]) * 1024
-    try:
-        for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines():
-            k, _, v = line.partition(":")
-            if k == "Pss":
-                out["pss"] = int(v.split()[0]) * 1024
-    except OSError:  # another user's process, or a kernel without it
-        out["pss"] = out.get("rss", 0)
-    return out
 
 
 def numa_resources(topo: Topology | None = None) -> dict[str, float]:

@@ -5,6 +5,7 @@ import functools
 import struct
 import types
 from collections.abc import Sequence
+from pathlib import Path
 
 import numpy as np
 
@@ -304,16 +305,39 @@ def trim_heap() -> None:
         pass
 
 
+def process_memory(pid: int | str = "self", pss: bool = True) -> dict[str, int]:
+    """This (or another) process's memory from /proc/PID/status, in bytes: rss (resident now:
+    anonymous + file-backed + shared memory), hwm (the peak of rss), and its anon, file and
+    shmem parts; and from /proc/PID/smaps_rollup, where it can be read, pss: its proportional
+    share (each resident page divided by the processes that map it: a model file's pages, the
+    KV pool's shared memory and the libraries counted once over all of them), rss where it
+    cannot be read. pss=False skips smaps_rollup (a walk of every mapping: up to milliseconds in a
+    large process) for a caller that needs only the status lines."""
+    keys = {"VmRSS": "rss", "VmHWM": "hwm", "RssAnon": "anon", "RssFile": "file",
+            "RssShmem": "shmem"}
+    out = {}
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        k, _, v = line.partition(":")
+        if k in keys:
+            out[keys[k]] = int(v.split()[0]) * 1024
+    if not pss:
+        return out
+    try:
+        for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines():
+            k, _, v = line.partition(":")
+            if k == "Pss":
+                out["pss"] = int(v.split()[0]) * 1024
+    except OSError:  # another user's process, or a kernel without it
+        out["pss"] = out.get("rss", 0)
+    return out
+
+
 def _anon_bytes() -> int | None:
     """This process's anonymous resident memory (RssAnon), or None where /proc does not say."""
     try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("RssAnon:"):
-                    return int(line.split()[1]) * 1024
+        return process_memory(pss=False).get("anon")
     except OSError:
-        pass
-    return None
+        return None
 
 
 class HeapTrim:

@@ -106,6 +106,21 @@ inline void q4c_prefetch_scales(const Q4CArgs& a, const uint8_t* r, const uint8_
   }
 }
 
+// All of a block's lines for `passes` passes of 64 rows from pass p: its scales (as above) and
+// each kept channel's run of nibbles (32 bytes a pass; two passes may straddle two lines)
+inline void q4c_prefetch_block(const Q4CArgs& a, const Q4CBlock& k, const uint8_t* ks, int64_t np,
+                               int64_t p, int passes) {
+  q4c_prefetch_scales(a, k.r, ks, np, p, passes);
+  for (int i = 0; i < k.cnt; i++) {
+    _mm_prefetch((const char*)k.ra[i] + 32 * p, _MM_HINT_T0);
+    _mm_prefetch((const char*)k.rb[i] + 32 * p, _MM_HINT_T0);
+    if (passes == 2) {
+      _mm_prefetch((const char*)k.ra[i] + 32 * p + 63, _MM_HINT_T0);
+      _mm_prefetch((const char*)k.rb[i] + 32 * p + 63, _MM_HINT_T0);
+    }
+  }
+}
+
 inline void q4c_passes_256(const Q4CArgs& a, int64_t p_begin, int64_t p_end, float* y) {
   const int64_t nb = a.k / 32, np = q4c_rows(a.n);
   const __m256i mask = _mm256_set1_epi8(0x0F);
@@ -136,11 +151,7 @@ inline void q4c_passes_256(const Q4CArgs& a, int64_t p_begin, int64_t p_end, flo
         q4c_prefetch_scales(a, r, ks_new, np, p + Q4C_AHEAD, 1);
       } else if (nk.cnt && p + Q4C_AHEAD - p_end + p_begin < p_end) {
         const int64_t pn = p + Q4C_AHEAD - p_end + p_begin;
-        q4c_prefetch_scales(a, nk.r, nks, np, pn, 1);
-        for (int i = 0; i < nk.cnt; i++) {
-          _mm_prefetch((const char*)nk.ra[i] + 32 * pn, _MM_HINT_T0);
-          _mm_prefetch((const char*)nk.rb[i] + 32 * pn, _MM_HINT_T0);
-        }
+        q4c_prefetch_block(a, nk, nks, np, pn, 1);
       }
       __m256i sum[8];  // rows 64p + 8i .. + 7, in 32 bits
       for (int i = 0; i < 8; i++) sum[i] = _mm256_setzero_si256();
@@ -222,13 +233,7 @@ inline void q4c_passes_512(const Q4CArgs& a, int64_t p_begin, int64_t p_end, flo
         q4c_prefetch_scales(a, r, ks_new, np, p + Q4C_AHEAD, 2);
       } else if (nk.cnt && p + Q4C_AHEAD - p_end + p_begin + 1 < p_end) {
         const int64_t pn = p + Q4C_AHEAD - p_end + p_begin;
-        q4c_prefetch_scales(a, nk.r, nks, np, pn, 2);
-        for (int i = 0; i < nk.cnt; i++) {
-          _mm_prefetch((const char*)nk.ra[i] + 32 * pn, _MM_HINT_T0);
-          _mm_prefetch((const char*)nk.ra[i] + 32 * pn + 63, _MM_HINT_T0);
-          _mm_prefetch((const char*)nk.rb[i] + 32 * pn, _MM_HINT_T0);
-          _mm_prefetch((const char*)nk.rb[i] + 32 * pn + 63, _MM_HINT_T0);
-        }
+        q4c_prefetch_block(a, nk, nks, np, pn, 2);
       }
       __m512i sum[8];  // sum[2v + h]: rows 64 (p + h) + 16v .. + 15, in 32 bits
       for (int i = 0; i < 8; i++) sum[i] = _mm512_setzero_si512();
