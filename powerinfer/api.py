@@ -5,31 +5,21 @@ import logging
 import os
 import queue
 import threading
-from contextlib import contextmanager
 from typing import Iterator
 
 import torch
 
 from . import kernels
 from .config import Config
-from .engine.batching import context_length
-from .engine.budget import plan_for
 from .engine.inprocess import Engine, Event
-from .engine.kv import pool_blocks
-from .engine.partial import (LazyWeights, StoredQ4, deferred_model, keep_device_blocks,
-                             keep_kquant_blocks, keep_stored_blocks)
+from .engine.load import load_model
+from .engine.load import read_in_place as _read_in_place  # (a test holds it to the eager load)
 from .engine.params import sampling_params
-from .engine.plan import input_thresholds, log_input_sparsity
-from .errors import ModelLoadError
 from .formats.gguf import parsed_once
 from .formats.loader import DEFAULT_MODEL, load_checkpoint
 from .formats.q4 import has_q4
 from .formats.source import Checkpoint, tensor_types
-from .formats.tokenizer import Tokenizer
 from .model.convert import kernel_ready
-from .model.load import build_model
-from .model.quant import apply_int4, apply_kernel_linears, neuron_format
-from .model.sparse import offload_ffns
 from .runtimes import engine_class
 
 log = logging.getLogger("powerinfer")
@@ -61,59 +51,10 @@ class PowerInfer:
             self.tokenizer = self.engine.tokenizer
             self.input_sparsity = self.engine.input_sparsity
             return
-        device = config.torch_device  # a ConfigError of its own, not a load error
-        context = context_length(checkpoint.args, config)
-        kv_blocks, why = pool_blocks(checkpoint.args, config, context, config.torch_dtype.itemsize)
-        plan = plan_for(config, checkpoint.args, checkpoint.path, kv_blocks * config.block_size,
-                        on_gpu=device.type == "cuda", checkpoint=checkpoint)
-        in_place = not checkpoint.weights and _read_in_place(checkpoint, config)  # (`_load`)
-        later = set()  # tensors the 4-bit configuration reads as blocks or after
-        if not in_place:
-            self.model, self.tokenizer = build_model(checkpoint, config.torch_dtype, device)
-        else:
-            with _load_errors(checkpoint):
-                self.model, later = deferred_model(
-                    checkpoint, config.torch_dtype, blocks=config.weights == "int4",
-                    ffn=plan is not None and plan.bundle is not None)
-                self.tokenizer = Tokenizer.from_source(checkpoint.tokenizer_source)
-        if plan is not None and plan.bundle is not None:  # the in-process sparse engine
-            plan.apply(self.model, fmt=neuron_format(config.weights, checkpoint.info,
-                                                     self.model.tok_embeddings.weight))
-        elif plan is not None and device.type == "cuda":  # layer offload
-            offload_ffns(self.model, plan.hot)
-        # the 4-bit matrices run on the CPU kernel; where the Triton kernels run (a GPU) int4
-        # is the neuron sets' records above and the matrices' blocks below
-        triton = kernels.on_triton(self.model.norm.weight)
-        int4 = config.weights == "int4" and device.type == "cpu" and not triton
-        # a K-quant file's Q4_K/Q6_K projections in their own bytes, then the 4-bit rest
-        kept = keep_kquant_blocks(self.model, checkpoint.source) if int4 else 0
-        if int4 and later:  # the file's 4-bit blocks, read as each projection is placed
-            checkpoint.q4 = StoredQ4(checkpoint.source)
-        if int4 and not apply_int4(self.model, checkpoint.q4) and not kept:
-            raise ModelLoadError(checkpoint.path, "weights='int4' needs a GGUF file with "
-                                                  "Q4_0/Q4_1 projections")
-        if int4:  # the file's Q8_0 blocks (projections, embedding) kept
-            keep_stored_blocks(self.model, checkpoint.source, config.torch_dtype)
-        elif config.weights == "int4" and triton:
-            # a GPU's matrices in the file's blocks, for the Triton kernels (its neuron sets are
-            # `plan.apply`'s records above)
-            keep_device_blocks(self.model, checkpoint.source, config.torch_dtype)
-            if device.type == "cuda":
-                torch.cuda.empty_cache()  # (the widened matrices they replace)
-        if later:  # what no block format took: widened now, as the eager load does
-            with _load_errors(checkpoint):
-                self.model.load_weights(LazyWeights(checkpoint.source, config.torch_dtype),
-                                        skip=lambda n: n not in later)
-        if in_place:
-            # the pool's automatic share of the available memory, counted once the model is
-            # resident (above, before it was read; its plan on the CPU places nothing by it)
-            kv_blocks, why = pool_blocks(checkpoint.args, config, context,
-                                         config.torch_dtype.itemsize)
-        apply_kernel_linears(self.model, head="q8_0" if int4 else "bf16")  # what is left in bf16
-        checkpoint.q4 = {}  # the model holds them now
-        self.input_sparsity = apply_input_sparsity(self.model, config, int4, checkpoint.path)
-        self.engine = Engine(self.model, self.tokenizer, config, (kv_blocks, why),
-                             sparse=plan is not None and plan.bundle is not None)
+        loaded = load_model(checkpoint, config)
+        self.model, self.tokenizer = loaded.model, loaded.tokenizer
+        self.input_sparsity = loaded.input_sparsity
+        self.engine = Engine(self.model, self.tokenizer, config, loaded.pool, sparse=loaded.sparse)
 
     def input_sparsity_stats(self) -> tuple[int, int]:
         """Input sparsity so far (decode steps in this process): (input channels kept, channels
@@ -198,30 +139,6 @@ class PowerInfer:
         return self.engine.run(seqs)
 
 
-def _read_in_place(ck: Checkpoint, config: Config) -> bool:
-    """Whether the in-process model is built from the file's tensors as it needs them, each
-    read straight into its parameter (`deferred_model`; the 4-bit configuration's blocks never
-    widened): a GGUF file on the CPU. Elsewhere (a Hugging Face folder, a file that stores down
-    transposed, a GPU, the Triton kernels on the CPU) every tensor is read first, then the model
-    built from them."""
-    return (config.runtime == "local" and config.torch_device.type == "cpu"
-            and not kernels.TRITON_ON_CPU and ck.source is not None and ck.info.get("format") == "GGUF"
-            and not any(n.endswith(".down_t") for n in ck.source.names))  # (transposed: eager)
-
-
-@contextmanager
-def _load_errors(ck: Checkpoint):
-    """A failure while reading the file's tensors into the model, as `load_checkpoint` reports
-    one: a ModelLoadError naming the file (a missing or misshapen tensor, a corrupt block)."""
-    try:
-        yield
-    except ModelLoadError:
-        raise
-    except Exception as e:  # noqa: BLE001 - a library's error deep in a read: keep its text
-        raise ModelLoadError(ck.path, str(e) if isinstance(e, ValueError)
-                             else f"{type(e).__name__}: {e}") from e
-
-
 def _concurrently(engine, prompts: list[list[int]], params) -> Iterator[Event]:
     """The actor runtime's streams of several requests, interleaved as their events arrive."""
     q: queue.Queue = queue.Queue()
@@ -242,17 +159,3 @@ def _concurrently(engine, prompts: list[list[int]], params) -> Iterator[Event]:
             if isinstance(item, BaseException):
                 raise item
             yield item
-
-
-def apply_input_sparsity(model, config: Config, int4: bool, model_path) -> dict | None:
-    """Input sparsity from `config.input_sparsity` (see Config, `plan.input_thresholds`): the
-    bundle's thresholds attached to the model's 4-bit projections (`input_sparsity.attach`).
-    Returns the bundle's record of them (target, quality) where it is on, else None."""
-    got = input_thresholds(config, model_path, int4)
-    if got is None:
-        return None
-    from .sparsity import input_sparsity as isp
-    thresholds, rec = got
-    n, small, _ = isp.attach(model, thresholds)
-    log_input_sparsity(rec, n, small, config, isp.MIN_ROWS)
-    return rec
