@@ -95,6 +95,10 @@ class ActorGroup:
         after the model's node is gone: it retries, and requests are not kept waiting)."""
         sweep()
         gpu = wants_gpu(self.config)
+        if self.config.cold_executors == 0 and (gpu or self.plan.bundle is not None):
+            raise ConfigError("cold_executors=0 (one executor with the whole model) runs a "
+                              "dense model on the CPU: a sparsity bundle or a GPU needs cold "
+                              "executors")
         self.hot_share = self._plan_cores(gpu)
         self._create_plane()
         try:
@@ -131,7 +135,7 @@ class ActorGroup:
         # the predictor and the scheduler beside it: a few cores, and every other one to the
         # cold executors, whose neurons bound the token
         self.cores = plan_cores(topo, n, min(GPU_HOT_CORES, len(even.hot))) if gpu else even
-        return len(even.hot) / (len(even.hot) + len(distinct_cold))
+        return len(even.hot) / (len(even.hot) + len(distinct_cold)) if n else 1.0
 
     def _create_plane(self):
         """The shared-memory data plane (`PlaneSpec`): sized for a step of every running
@@ -174,7 +178,8 @@ class ActorGroup:
         if shared_gpu:
             bundles[0]["CPU"] += CPU_SHARE
         bundles += [bundle(g) for g in self.cores.cold]
-        bundles += [bundle(self.cores.predictor), bundle(self.cores.hot)]  # predictor, scheduler
+        bundles += [bundle(self.cores.predictor or self.cores.hot),  # predictor, scheduler
+                    bundle(self.cores.hot)]
         self.pg = placement_group(bundles, strategy="STRICT_PACK")
         self._placed(self.pg, bundles, wait_for_resources)
 

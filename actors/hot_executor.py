@@ -44,7 +44,9 @@ from cluster.topology import pin, process_memory
 from powerinfer.config import Config
 from powerinfer import kernels
 from powerinfer.compat import compile_per_instance, trim_heap
-from powerinfer.formats.source import ModelFile
+from powerinfer.engine.load import load_model, read_in_place
+from powerinfer.formats.loader import load_checkpoint
+from powerinfer.formats.source import Checkpoint, ModelFile
 from powerinfer.model.transformer import KVTables, held_bytes, host_parts
 from powerinfer.engine.native import NativeDecode, input_sparse_args, layer_args, uniform_llama
 from powerinfer.engine.partial import head_rows, hot_formats, hot_model
@@ -261,6 +263,11 @@ class HotExecutorImpl:
         self.spec, self.cores, self.device = spec, cores, config.torch_device
         t0, c0 = time.perf_counter(), time.process_time()
         self.io = DataPlane(spec, plan.predictor_input, self.device)
+        if spec.n_cold == 0:  # the group's one executor: the whole model
+            self._whole(model, config, plan)
+            self.load_s = time.perf_counter() - t0
+            self.load_cpu_s = time.process_time() - c0
+            return
         # attention split by KV heads over the executors (a CPU group)
         kv = split_kv(model.args.n_kv_heads, spec.n_cold, hot_share,
                       attention and (self.io.native or self.io.native_masks))
@@ -276,6 +283,36 @@ class HotExecutorImpl:
         self._counted = (0, 0)  # the input-sparsity counter at the last step's end
         self.native_prompts, self.native_prompt_steps = True, 0  # (see `prompts_natively`)
         # a profile `profile` asked for: decode steps left, the running profiler, its tables
+        self._profile_left, self._profiler, self._profile_table = 0, None, None
+
+    def _whole(self, ckpt: ModelFile, config: Config, plan: SparsePlan):
+        """A one-executor group's model (`Config(cold_executors=0)`): the in-process engine's
+        (`engine.load.load_model`: every neuron, the file's 4-bit blocks kept, its layer loop in
+        C++), over the group's KV pool and RoPE tables, stepped as the scheduler asks. Nothing
+        is exchanged inside a step."""
+        ck = Checkpoint(ckpt.path, ckpt.args, {}, None, dict(ckpt.info), source=ckpt.source)
+        if not read_in_place(ck, config):  # (a Hugging Face folder: its tensors read first)
+            ck = load_checkpoint(ckpt.path, config.torch_dtype, with_weights=True,
+                                 keep_int4=config.weights == "int4" and self.device.type == "cpu")
+        m = load_model(ck, config, tokenizer=False, input_sparsity=False).model
+        int4 = config.weights == "int4"
+        self.input_sparse = attach(m, *plan.inputs)[:2] if plan.inputs is not None and int4 \
+            else (0, 0)
+        ck.source.close()
+        m.setup_pool(self.spec.num_blocks, self.spec.block_size, self.spec.max_seq,
+                     self.spec.rope_tables(writer=True))
+        trim_heap()  # the load's transients, freed, stay resident otherwise
+        a = ckpt.args
+        self.model, self.kv_heads, self.head_rows = m, (0, a.n_kv_heads), self.spec.vocab
+        self.hot_neurons, self.neuron_format = a.n_layers * a.ffn_dim, config.weights
+        self.compiled, self.segments = config.compile, None
+        self.native = None if config.compile else NativeDecode.of(m)
+        self._decode = self.native or m.forward
+        if config.compile:
+            self._decode = compile_per_instance(m.forward, cpp_wrapper=True)
+        self._default_decode = self._decode
+        self.steps, self.step_s, self._counted = 0, 0.0, (0, 0)
+        self.native_prompts, self.native_prompt_steps = True, 0
         self._profile_left, self._profiler, self._profile_table = 0, None, None
 
     def _load(self, ckpt: ModelFile, config: Config, plan: SparsePlan, hot_share: float, kv):

@@ -69,7 +69,8 @@ class CorePlan:
 
 
 def plan_cores(topo: Topology, n_cold: int, hot_cores: int = 0) -> CorePlan:
-    """Core sets for the hot executor and n_cold cold executors.
+    """Core sets for the hot executor and n_cold cold executors (none: the hot executor runs
+    the whole model on every core).
 
     The hot executor takes `hot_cores` cores of node 0 (default: a 1/(n_cold+1) share, at least
     one). Cold executors split the rest node by node, so that with one executor per NUMA node
@@ -78,6 +79,8 @@ def plan_cores(topo: Topology, n_cold: int, hot_cores: int = 0) -> CorePlan:
     attention to finish); the scheduler is not pinned.
     """
     cores = topo.cores
+    if n_cold == 0:  # one executor, every core (`Config(cold_executors=0)`)
+        return CorePlan(tuple(cores), (), tuple(cores))
     k = hot_cores or max(1, len(cores) // (n_cold + 1))
     hot = tuple(cores[:k]) if len(cores) > 1 else tuple(cores)
     rest = [c for c in cores if c not in hot] or cores

@@ -96,7 +96,9 @@ class Config:
         executor on a GPU, which widens a 4-bit file to the model's type: int4 there wherever
         the host can run it, unless weights is "dense"). So a 4-bit file's cold neurons stay
         4-bit in host memory and are read as such, whatever the GPU holds.
-    cold_executors: cold-neuron executor actors (runtime "actors").
+    cold_executors: cold-neuron executor actors (runtime "actors"); 0: none, the hot executor
+        runs the whole model on every core of the group as the in-process engine does (a
+        dense model on the CPU: a process and its torch fewer, about 300 MiB a model).
     cpu_isa: the instruction-set class the CPU kernel runs at, and that "auto" decides by:
         "auto" (the best this CPU has), or "avx2", "avx512", "avx512bf16" (each a superset of
         the one before) to hold it to a lower class than the CPU has (how a newer CPU runs, and
@@ -163,8 +165,12 @@ class Config:
             raise ConfigError(f"predictor_device must be auto or cpu, got {self.predictor_device!r}")
         if self.cores and not re.fullmatch(r"\d+(-\d+)?(,\d+(-\d+)?)*", self.cores):
             raise ConfigError(f"cores must be a cpulist like '0-15,32', got {self.cores!r}")
-        if self.cold_executors < 1 or self.max_queue < 1:
-            raise ConfigError("cold_executors and max_queue must be >= 1")
+        if self.cold_executors < 0 or self.max_queue < 1:
+            raise ConfigError("cold_executors must be >= 0 and max_queue >= 1")
+        if self.cold_executors == 0 and (self.bundle or self.device == "cuda"):
+            raise ConfigError("cold_executors=0 (one executor with the whole model) runs a "
+                              "dense model on the CPU: a sparsity bundle or a GPU needs cold "
+                              "executors")
         if min(self.vram_budget_gb, self.cpu_threads, self.max_seq_len, self.max_ppl_increase) < 0:
             raise ConfigError("vram_budget_gb, cpu_threads, max_seq_len and max_ppl_increase "
                               "must be >= 0")

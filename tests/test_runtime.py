@@ -145,6 +145,62 @@ def test_dense_plan_equals_local_engine(ray_cluster, tiny):
     assert not shm_segments()
 
 
+def test_one_executor_runs_the_whole_model_as_the_in_process_engine(ray_cluster, tiny):
+    """Config(cold_executors=0): the group's one executor holds the whole model as the
+    in-process engine builds it (its layer loop in C++) over the group's shared-memory plane,
+    a process and its torch fewer; float32 tokens equal the in-process engine's. A stream whose
+    executor is killed under it resumes on the rebuilt group with the tokens it had coming,
+    but for a close call. A bundle or a GPU with it is refused by name."""
+    from powerinfer.engine.params import SamplingParams
+    from powerinfer.errors import ConfigError
+
+    ref = PowerInfer.from_pretrained(tiny, Config(**BASE))
+    want = [greedy_tokens(ref, p, GREEDY["max_new_tokens"]) for p in PROMPTS]
+    pi = PowerInfer.from_pretrained(tiny, Config(runtime="actors", cold_executors=0, **BASE))
+    try:
+        assert [greedy_tokens(pi, p, GREEDY["max_new_tokens"]) for p in PROMPTS] == want
+        e = pi.engine
+        assert set(e.group.actors) == {"hot", "scheduler"}
+        # its decode step where the in-process engine's runs (the C++ loop, or the modules)
+        assert e.group.info["hot"]["native"] == (ref.engine.native is not None)
+        st = e.stats()["actors"]["hot"]
+        assert st["hot_neurons"] == n_neurons(pi) and st["part_wait_s"] == 0 and st["steps"] > 0
+
+        N = 120
+        sp = SamplingParams(max_tokens=N, temperature=0, ignore_eos=True, logprobs=20)
+        ids = pi.tokenize("Once upon a time")
+        calm = [ev for ev in e.generate(ids, sp) if ev["token"] >= 0]
+        got, restarts = [], e.restarts
+        for ev in e.generate(ids, sp):
+            if ev["token"] >= 0:
+                got.append(ev)
+            if len(got) == 10 and e.restarts == restarts:
+                ray.kill(e.group.actors["hot"], no_restart=True)
+        assert e.restarts == restarts + 1, e.last_failure
+        assert len(got) == N
+        assert_same_until_a_close_call(calm, got, 1.0)
+        assert e.health()["ok"]
+    finally:
+        pi.close()
+    assert not shm_segments()
+    with pytest.raises(ConfigError, match="cold_executors=0"):
+        Config(runtime="actors", cold_executors=0, bundle="some.bundle")
+
+
+def test_one_executor_decodes_the_real_model_natively_as_in_process(ray_cluster):
+    """The same on the real model with the defaults (its 4-bit blocks, the native loop), one
+    thread each side: the same computation, so the same tokens."""
+    cfg = dict(max_seq_len=256, max_batch=2, cpu_threads=1)
+    ref = PowerInfer.from_pretrained(MODEL, Config(**cfg))
+    want = greedy_tokens(ref, PROMPTS[0], 24)
+    pi = PowerInfer.from_pretrained(MODEL, Config(runtime="actors", cold_executors=0, **cfg))
+    try:
+        assert pi.engine.group.info["hot"]["native"] and ref.engine.native is not None
+        assert greedy_tokens(pi, PROMPTS[0], 24) == want
+    finally:
+        pi.close()
+
+
 def test_a_prompt_past_the_first_rope_chunk_decodes_as_in_process(ray_cluster, tmp_path):
     """The RoPE tables are one segment a group: the hot executor fills their rows as steps reach
     them, before it sends a step on, and a cold executor attending with its share of the heads
