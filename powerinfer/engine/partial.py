@@ -34,7 +34,7 @@ from ..model.quant import (
     q8_0_linear,
 )
 from ..model.sparse import BlockSlice, HybridFFN, NeuronSet
-from ..model.transformer import Attention, Norm, Transformer
+from ..model.transformer import Attention, Norm, Transformer, allocated
 from .plan import BLOCK
 
 # GGUF types whose rows the kernel reads as they are stored
@@ -114,7 +114,7 @@ def deferred_model(ckpt, dtype: torch.dtype, blocks: bool, ffn: bool) -> tuple[T
         later.add("output")
         if kernels.available() and "embed" in src.names and src.kind("embed") in STORED_FORMATS:
             later.add("embed")
-    model = model.to(dtype).to_empty(device="cpu")  # allocated in dtype, filled below
+    model = allocated(model, dtype, "cpu")  # allocated in dtype, filled below
     if a.tie_embeddings:
         model.output.weight = model.tok_embeddings.weight
     model.load_weights(LazyWeights(src, dtype), skip=later.__contains__)

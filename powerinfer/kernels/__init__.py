@@ -122,11 +122,11 @@ def _library_path() -> Path:
 def build() -> Path:
     """Compile the kernel library for this torch if it is not built yet; returns its path.
     Safe to call from several processes at once (one builds, the others wait)."""
-    from torch.utils import cpp_extension
-
     out = _library_path()
     if out.exists():
         return out
+    from torch.utils import cpp_extension  # (setuptools with it: 5 MiB a process that loads)
+
     out.parent.mkdir(parents=True, exist_ok=True)
     cxx = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
     if cxx is None:

@@ -366,8 +366,8 @@ class Transformer(nn.Module):
     def from_weights(cls, args: ModelArgs, weights: dict[str, torch.Tensor], dtype, device):
         with torch.device("meta"):
             model = cls(args)
-        model = model.to(dtype).to_empty(device=device)  # allocated in dtype, never touched
-        if args.tie_embeddings:  # to_empty gives each module its own storage: tie again
+        model = allocated(model, dtype, device)  # allocated in dtype, never touched
+        if args.tie_embeddings:  # each module has its own storage now: tie again
             model.output.weight = model.tok_embeddings.weight
         model.load_weights(weights)
         return model.eval().requires_grad_(False)
@@ -442,6 +442,24 @@ class Transformer(nn.Module):
         parts = [(b.attn, "wqkv", ("q", "k", "v")), (b.attn, "wo", ("o",)),
                  (b.ffn, "w1", ("gate", "up") if a.gated else ("up",)), (b.ffn, "w2", ("down",))]
         return [(owner, attr, tuple(p + n for n in names)) for owner, attr, names in parts]
+
+
+def allocated(model: nn.Module, dtype: torch.dtype, device) -> nn.Module:
+    """A model built on the meta device with its parameters and buffers allocated on `device`
+    (floating point ones in `dtype`), uninitialized and so not resident until written: what
+    `model.to(dtype).to_empty(device=device)` gives, without its path through torch's Python
+    references for meta tensors, which imports torch.fx's symbolic shapes and sympy (34 MiB of
+    a process's own memory, in every process that builds a model)."""
+    for m in model.modules():
+        for table in (m._parameters, m._buffers):
+            for name, t in table.items():
+                if t is None:
+                    continue
+                new = torch.empty(t.shape, dtype=dtype if t.is_floating_point() else t.dtype,
+                                  device=device)
+                table[name] = nn.Parameter(new, t.requires_grad) if isinstance(t, nn.Parameter) \
+                    else new
+    return model
 
 
 def held_bytes(*modules: nn.Module) -> int:
