@@ -24,7 +24,7 @@ for the default model): `powerinfer serve --model M` as a new user starts it (no
 --max-batch: dtype auto, max_batch 64, max_queue 256, prefix cache on, prefill chunks of 512,
 the model's own context), started afresh for each scenario (and each variant of a scenario) and
 stopped, with its Ray instance, when it ends. `--tuned "FLAGS"` adds one labelled "tuned" row to
-the load scenario: a server started with those extra `powerinfer serve` flags (`--tuned
+the load scenario (and a table to the memory scenario): a server started with those extra `powerinfer serve` flags (`--tuned
 "--max-batch 8 --dtype float32"`; one flag alone as `--tuned=--no-prefix-cache`). Requests are
 streaming chat completions (`/v1/chat/completions`, "stream_options": {"include_usage": true}),
 greedy, with `ignore_eos` so that every output has its fixed length. Times are measured by the
@@ -1315,12 +1315,11 @@ def role_of(cmd: str) -> tuple[str, str]:
     return f"Ray: {Path(word).name}"[:40], "ray"
 
 
-def scenario_memory(args, gguf: str) -> dict:
-    """PSS of every process of `powerinfer serve` (defaults) after `--memory-streams` streams of
-    `--tokens` tokens, by role, and whether each maps torch; beside llama-server's one process
-    after the same load."""
-    rows, printed = [], []
-    with our_server(args) as server:
+def served_memory(args, flags: list[str] = ()) -> tuple[list[dict], list[str]]:
+    """PSS of every process of `powerinfer serve` (defaults and `flags`) after the load, by role,
+    and the server's own memory lines."""
+    rows = []
+    with our_server(args, flags) as server:
         asyncio.run(http_load(server.url, args.tokens, args.memory_streams, 1, warm=True))
         time.sleep(2)
         for pid, cmd in sorted(server_tree(server).items()):
@@ -1332,15 +1331,10 @@ def scenario_memory(args, gguf: str) -> dict:
                          "torch": maps_torch(pid)})
         printed = [line.strip() for line in server.log.read_text(errors="replace").splitlines()
                    if line.strip().startswith(("memory:", "host:"))]
-    llama = None
-    if not args.skip_llama:
-        n = args.memory_streams
-        with llama_server(args, gguf, n, 2048 * n) as url:
-            asyncio.run(http_load(url, args.tokens, n, 1, warm=True))
-            port = url.rsplit(":", 1)[1]
-            pid = next(p for p, (_, cmd) in processes().items()
-                       if cmd.split(" ")[0].endswith("llama-server") and port in cmd)
-            llama = pss_mib(pid)
+    return rows, printed
+
+
+def memory_table(rows: list[dict]) -> tuple[list[str], dict]:
     by_part = {k: sum(r["pss_mib"] for r in rows if r["part"] == k) for k in ("model", "serve", "ray")}
     out = ["| process | part | PSS MiB | maps torch |", "|---|---|---:|---|"]
     for r in sorted(rows, key=lambda r: (r["part"], -r["pss_mib"])):
@@ -1350,14 +1344,41 @@ def scenario_memory(args, gguf: str) -> dict:
     out.append(f"| **Serve, its proxy and ingress, the driver** | serve | {by_part['serve']:.0f} | |")
     out.append(f"| **Ray's own** | ray | {by_part['ray']:.0f} | |")
     out.append(f"| **all** | | {sum(by_part.values()):.0f} | |")
+    return out, by_part
+
+
+def scenario_memory(args, gguf: str) -> dict:
+    """PSS of every process of `powerinfer serve` (defaults) after `--memory-streams` streams of
+    `--tokens` tokens, by role, and whether each maps torch; the same for a server with the
+    `--tuned` flags where given (its own table, labelled); beside llama-server's one process
+    after the same load."""
+    rows, printed = served_memory(args)
+    tuned = served_memory(args, shlex.split(args.tuned)) if args.tuned else None
+    llama = None
+    if not args.skip_llama:
+        n = args.memory_streams
+        with llama_server(args, gguf, n, 2048 * n) as url:
+            asyncio.run(http_load(url, args.tokens, n, 1, warm=True))
+            port = url.rsplit(":", 1)[1]
+            pid = next(p for p, (_, cmd) in processes().items()
+                       if cmd.split(" ")[0].endswith("llama-server") and port in cmd)
+            llama = pss_mib(pid)
+    out, by_part = memory_table(rows)
     if llama is not None:
         out.append(f"| {LLAMA_NAME} (one process) | | {llama:.0f} | no |")
     notes = [f"- the server's own lines at start: {'; '.join(printed)}"] if printed else []
+    result = {"rows": rows, "by_part_mib": by_part, "llama_mib": llama, "printed": printed}
+    if tuned is not None:
+        t_out, t_by_part = memory_table(tuned[0])
+        notes += ["", f"tuned: `powerinfer serve --model M {args.tuned}`", "", *t_out, ""]
+        if tuned[1]:
+            notes.append(f"- the tuned server's own lines at start: {'; '.join(tuned[1])}")
+        result["tuned"] = {"flags": args.tuned, "rows": tuned[0], "by_part_mib": t_by_part,
+                           "printed": tuned[1]}
     settings = (f"memory: `powerinfer serve --model M` (defaults), PSS read from "
                 f"/proc/PID/smaps_rollup after {args.memory_streams} concurrent streams of "
                 f"{args.tokens} tokens; llama-server --parallel {args.memory_streams}")
-    return {"settings": settings, "table": "\n".join(out + [""] + notes),
-            "rows": rows, "by_part_mib": by_part, "llama_mib": llama, "printed": printed}
+    return {"settings": settings, "table": "\n".join(out + [""] + notes), **result}
 
 
 def wait_models_ready(url: str, names: list[str], proc: subprocess.Popen, timeout: float = 900):
@@ -1517,7 +1538,7 @@ def main() -> int:
     ap.add_argument("--model", default="smollm2-135m-instruct")
     ap.add_argument("--threads", type=int, default=os.cpu_count(), help="llama-server's -t")
     ap.add_argument("--tuned", default="", help="extra `powerinfer serve` flags (one string) "
-                                                "for a labelled 'tuned' row in load")
+                                                "for a labelled 'tuned' row in load and memory")
     ap.add_argument("--skip-llama", action="store_true")
     ap.add_argument("--llama-isa", choices=list(LLAMA_ISAS), default="native",
                     help="the class llama-server is built for: native (this CPU's, without AMX), "
