@@ -11,7 +11,31 @@ them."""
 from __future__ import annotations
 
 import importlib
-from concurrent.futures import ThreadPoolExecutor
+import queue
+import threading
+from concurrent.futures import Future
+
+
+class _ComputeThread:
+    """Runs the calls given to it one at a time on one daemon thread of its own (a daemon: a
+    loop still waiting on its channels never holds up the process's exit)."""
+
+    def __init__(self):
+        self.calls: queue.SimpleQueue = queue.SimpleQueue()
+        threading.Thread(target=self._serve, name="compute", daemon=True).start()
+
+    def _serve(self):
+        while True:
+            fn, args, kwargs, done = self.calls.get()
+            try:
+                done.set_result(fn(*args, **kwargs))
+            except BaseException as e:  # noqa: BLE001 - the caller's to raise
+                done.set_exception(e)
+
+    def call(self, fn, *args, **kwargs):
+        done = Future()
+        self.calls.put((fn, args, kwargs, done))
+        return done.result()
 
 
 class _Role:
@@ -29,15 +53,15 @@ class _Role:
 
     def __init__(self, *args, **kwargs):
         module, name = self.IMPL
-        self.compute = ThreadPoolExecutor(1, thread_name_prefix="compute")
+        self.compute = _ComputeThread()
         cls = getattr(importlib.import_module(module, __package__), name)
-        self.impl = self.compute.submit(cls, *args, **kwargs).result()
+        self.impl = self.compute.call(cls, *args, **kwargs)
 
     def ready(self) -> dict:
         return self.impl.ready()
 
     def run(self) -> str:
-        return self.compute.submit(self.impl.run).result()
+        return self.compute.call(self.impl.run)
 
     def stats(self) -> dict:
         return self.impl.stats()
