@@ -34,6 +34,7 @@ import contextlib
 import faulthandler
 import logging
 import os
+import threading
 import time
 import traceback
 
@@ -258,6 +259,8 @@ class HotExecutorImpl:
     def __init__(self, spec: PlaneSpec, cores: tuple[int, ...], model: ModelFile, config: Config,
                  plan: SparsePlan, hot_share: float, attention: bool = False):
         faulthandler.enable()  # a native crash (the CPU kernel) leaves its Python stack in the log
+        # the threads it loaded and loops on: one (`roles._Role.compute`: one OpenMP team)
+        self.threads = {"load": threading.get_native_id()}
         pin(cores, config.cpu_threads)
         kernels.hold(spec.isa)  # the model's instruction-set class
         self.spec, self.cores, self.device = spec, cores, config.torch_device
@@ -466,6 +469,7 @@ class HotExecutorImpl:
 
     @torch.inference_mode()
     def run(self) -> str:
+        self.threads["loop"] = threading.get_native_id()
         # on a GPU the steps run on a stream of their own, the one their CUDA graphs are captured
         # on: a capture on a second stream would hold a second cuBLAS workspace (32 MiB on an H200)
         stream = None
@@ -598,6 +602,7 @@ class HotExecutorImpl:
     def stats(self) -> dict:
         io = self.io
         out = {"steps": self.steps, "step_s": self.step_s, "ctl_wait_s": io.ctl.wait_s,
+               "threads": dict(self.threads),
                "native_prompt_steps": self.native_prompt_steps,
                "part_wait_s": sum(p.wait_s for p in io.parts), "hot_neurons": self.hot_neurons,
                "neuron_format": self.neuron_format, "device": str(self.device), "memory": process_memory(),

@@ -165,6 +165,8 @@ def test_one_executor_runs_the_whole_model_as_the_in_process_engine(ray_cluster,
         assert e.group.info["hot"]["native"] == (ref.engine.native is not None)
         st = e.stats()["actors"]["hot"]
         assert st["hot_neurons"] == n_neurons(pi) and st["part_wait_s"] == 0 and st["steps"] > 0
+        # loaded and looping on one thread: one OpenMP team, whatever thread Ray calls it on
+        assert st["threads"]["load"] == st["threads"]["loop"], st["threads"]
 
         N = 120
         sp = SamplingParams(max_tokens=N, temperature=0, ignore_eos=True, logprobs=20)
