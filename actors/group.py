@@ -23,7 +23,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from cluster.topology import (CorePlan, Topology, node_of, parse_cpulist, plan_cores,
                               process_memory)
-from powerinfer.config import DTYPES, Config
+from powerinfer.config import DTYPES, ONE_EXECUTOR, Config
 from powerinfer.errors import ConfigError, EngineFailedError
 from powerinfer.formats.args import ModelArgs
 from powerinfer.engine.plan import SparsePlan
@@ -96,9 +96,7 @@ class ActorGroup:
         sweep()
         gpu = wants_gpu(self.config)
         if self.config.cold_executors == 0 and (gpu or self.plan.bundle is not None):
-            raise ConfigError("cold_executors=0 (one executor with the whole model) runs a "
-                              "dense model on the CPU: a sparsity bundle or a GPU needs cold "
-                              "executors")
+            raise ConfigError(ONE_EXECUTOR)
         self.hot_share = self._plan_cores(gpu)
         self._create_plane()
         try:

@@ -45,9 +45,8 @@ from cluster.topology import pin, process_memory
 from powerinfer.config import Config
 from powerinfer import kernels
 from powerinfer.compat import compile_per_instance, trim_heap
-from powerinfer.engine.load import load_model, read_in_place
-from powerinfer.formats.loader import load_checkpoint
-from powerinfer.formats.source import Checkpoint, ModelFile
+from powerinfer.engine.load import checkpoint_of, whole_model
+from powerinfer.formats.source import ModelFile
 from powerinfer.model.transformer import KVTables, held_bytes, host_parts
 from powerinfer.engine.native import NativeDecode, input_sparse_args, layer_args, uniform_llama
 from powerinfer.engine.partial import head_rows, hot_formats, hot_model
@@ -268,19 +267,17 @@ class HotExecutorImpl:
         self.io = DataPlane(spec, plan.predictor_input, self.device)
         if spec.n_cold == 0:  # the group's one executor: the whole model
             self._whole(model, config, plan)
-            self.load_s = time.perf_counter() - t0
-            self.load_cpu_s = time.process_time() - c0
-            return
-        # attention split by KV heads over the executors (a CPU group)
-        kv = split_kv(model.args.n_kv_heads, spec.n_cold, hot_share,
-                      attention and (self.io.native or self.io.native_masks))
-        self.kv_heads = (0, model.args.n_kv_heads) if kv is None else kv[0]
-        m, o_bias = self._load(model, config, plan, hot_share, kv)
+        else:
+            # attention split by KV heads over the executors (a CPU group)
+            kv = split_kv(model.args.n_kv_heads, spec.n_cold, hot_share,
+                          attention and (self.io.native or self.io.native_masks))
+            self.kv_heads = (0, model.args.n_kv_heads) if kv is None else kv[0]
+            m, o_bias = self._load(model, config, plan, hot_share, kv)
+            self.model = self._wire(m, model.args, hot_share, kv, o_bias)
+            self.hot_neurons = sum(len(b.ffn.f.hot.idx) for b in m.layers)
+            self._decode = self._choose_decode(config, model.args, kv)
         self.load_s = time.perf_counter() - t0
         self.load_cpu_s = time.process_time() - c0  # without the time other processes took
-        self.model = self._wire(m, model.args, hot_share, kv, o_bias)
-        self.hot_neurons = sum(len(b.ffn.f.hot.idx) for b in m.layers)
-        self._decode = self._choose_decode(config, model.args, kv)
         self._default_decode = self._decode
         self.steps, self.step_s = 0, 0.0
         self._counted = (0, 0)  # the input-sparsity counter at the last step's end
@@ -290,33 +287,34 @@ class HotExecutorImpl:
 
     def _whole(self, ckpt: ModelFile, config: Config, plan: SparsePlan):
         """A one-executor group's model (`Config(cold_executors=0)`): the in-process engine's
-        (`engine.load.load_model`: every neuron, the file's 4-bit blocks kept, its layer loop in
+        (`engine.load.whole_model`: every neuron, the file's 4-bit blocks kept, its layer loop in
         C++), over the group's KV pool and RoPE tables, stepped as the scheduler asks. Nothing
         is exchanged inside a step."""
-        ck = Checkpoint(ckpt.path, ckpt.args, {}, None, dict(ckpt.info), source=ckpt.source)
-        if not read_in_place(ck, config):  # (a Hugging Face folder: its tensors read first)
-            ck = load_checkpoint(ckpt.path, config.torch_dtype, with_weights=True,
-                                 keep_int4=config.weights == "int4" and self.device.type == "cpu")
-        m = load_model(ck, config, tokenizer=False, input_sparsity=False).model
-        int4 = config.weights == "int4"
-        self.input_sparse = attach(m, *plan.inputs)[:2] if plan.inputs is not None and int4 \
-            else (0, 0)
+        ck = checkpoint_of(ckpt, config)
+        m = whole_model(ck, config, tokenizer=False, input_sparsity=False, plan=False).model
+        self._attach_input_sparsity(m, plan, config.weights == "int4")
         ck.source.close()
         m.setup_pool(self.spec.num_blocks, self.spec.block_size, self.spec.max_seq,
                      self.spec.rope_tables(writer=True))
         trim_heap()  # the load's transients, freed, stay resident otherwise
         a = ckpt.args
         self.model, self.kv_heads, self.head_rows = m, (0, a.n_kv_heads), self.spec.vocab
-        self.hot_neurons, self.neuron_format = a.n_layers * a.ffn_dim, config.weights
+        self.hot_neurons = a.n_layers * a.ffn_dim
+        self.neuron_format = f"the whole model ({config.weights})"
         self.compiled, self.segments = config.compile, None
         self.native = None if config.compile else NativeDecode.of(m)
         self._decode = self.native or m.forward
         if config.compile:
             self._decode = compile_per_instance(m.forward, cpp_wrapper=True)
-        self._default_decode = self._decode
-        self.steps, self.step_s, self._counted = 0, 0.0, (0, 0)
-        self.native_prompts, self.native_prompt_steps = True, 0
-        self._profile_left, self._profiler, self._profile_table = 0, None, None
+
+    def _attach_input_sparsity(self, model, plan: SparsePlan, int4: bool):
+        """Input sparsity: its 4-bit projections read only the channels over their thresholds in
+        decode steps (its heads' q/k/v and output columns, a dense split's gate+up rows; on a
+        GPU the Q4_0/Q4_1 `BlockLinear`s, by `triton_linear.q4c_linear`; the cold executors do
+        the same with theirs)."""
+        self.input_sparse = (0, 0)
+        if plan.inputs is not None and int4:
+            self.input_sparse = attach(model, *plan.inputs)[:2]
 
     def _load(self, ckpt: ModelFile, config: Config, plan: SparsePlan, hot_share: float, kv):
         """The model this executor runs, read from the file without the cold neurons (nor the
@@ -339,13 +337,7 @@ class HotExecutorImpl:
                   else None for i in range(ckpt.args.n_layers)]
         if self.device.type == "cpu":  # the model is built on the host: the device decides
             apply_kernel_linears(model, head="q8_0" if int4 else "bf16")  # what is left in bf16
-        # input sparsity: its 4-bit projections read only the channels over their thresholds in
-        # decode steps (its heads' q/k/v and output columns, a dense split's gate+up rows; on a
-        # GPU the Q4_0/Q4_1 `BlockLinear`s, by `triton_linear.q4c_linear`; the cold executors do
-        # the same with theirs)
-        self.input_sparse = (0, 0)
-        if plan.inputs is not None and int4:
-            self.input_sparse = attach(model, *plan.inputs)[:2]
+        self._attach_input_sparsity(model, plan, int4)
         ckpt.source.close()
         trim_heap()  # the load's transients, freed, stay resident otherwise
         return model, o_bias
@@ -367,7 +359,8 @@ class HotExecutorImpl:
             block.ffn = RemoteFFN(block.ffn, self.io)  # drops the cold neurons
             if self.io.lookahead:  # the layer input goes to the predictor before attention
                 block.register_forward_pre_hook(self._lookahead(i))
-        model.to(self.device)
+        if self.device.type != "cpu":  # (Module.to imports torch's fake tensors, and sympy)
+            model.to(self.device)
         # (its heads' share of the cache; the RoPE tables in the group's segment, which it fills
         # as steps reach their rows and the cold executors read)
         model.setup_pool(spec.num_blocks, spec.block_size, spec.max_seq, spec.rope_tables(writer=True))

@@ -405,7 +405,9 @@ def main() -> int:
     started = datetime.datetime.now()
     records, faults, samples = [], [], []
     with sv.our_server(args, args.flags.split()) as server:
-        kinds = [k for k in args.faults if k != "predictor" or group_pid(server, "predictor")]
+        # (a group without a predictor, or without cold executors, has none of them to kill)
+        kinds = [k for k in args.faults if k not in ("predictor", "cold")
+                 or group_pid(server, "cold.0" if k == "cold" else k)]
         print(f"  undisturbed run: {len(PROMPTS)} greedy answers of {max(LENGTHS)} tokens",
               flush=True)
 

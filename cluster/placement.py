@@ -304,7 +304,7 @@ def _place(host: Host, m: ModelSpec, free: dict, mem: dict, vram: dict) -> Group
     hot_host = PROCESS_GB + m.embeddings_gb + (0 if gpu is not None else m.attention_gb + m.kv_gb)
     cold_each = (m.ffn_gb - on_gpu) / max(1, m.cold_executors) + PROCESS_GB
     if gpu is None:  # the hot executor computes its share of the FFN on its own cores
-        share = m.hot_cores / (m.hot_cores + m.cold_executors * m.cores_per_cold)
+        share = m.hot_cores / max(1, m.hot_cores + m.cold_executors * m.cores_per_cold)
         hot_host += m.ffn_gb * share
         cold_each = m.ffn_gb * (1 - share) / max(1, m.cold_executors) + PROCESS_GB
 

@@ -80,7 +80,7 @@ def plan_cores(topo: Topology, n_cold: int, hot_cores: int = 0) -> CorePlan:
     """
     cores = topo.cores
     if n_cold == 0:  # one executor, every core (`Config(cold_executors=0)`)
-        return CorePlan(tuple(cores), (), tuple(cores))
+        return CorePlan(tuple(cores), (), ())
     k = hot_cores or max(1, len(cores) // (n_cold + 1))
     hot = tuple(cores[:k]) if len(cores) > 1 else tuple(cores)
     rest = [c for c in cores if c not in hot] or cores
@@ -102,9 +102,10 @@ def plan_cores(topo: Topology, n_cold: int, hot_cores: int = 0) -> CorePlan:
 
 
 def pin(cores: tuple[int, ...], threads: int = 0) -> None:
-    """Pin this process to cores and size torch's thread pool to them (or to `threads`, at most
-    one per core). Call before allocating the memory the process will work on, so that first
-    touch places it on the local node."""
+    """Pin the calling thread (and the threads it starts later: torch's workers) to cores and
+    size torch's thread pool to them (or to `threads`, at most one per core). Call on the thread
+    that will compute (an actor's `roles._Role.compute`), before allocating the memory the
+    process will work on, so that first touch places it on the local node."""
     import torch
     os.sched_setaffinity(0, cores)
     torch.set_num_threads(min(threads, len(cores)) if threads else len(cores))

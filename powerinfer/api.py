@@ -12,7 +12,7 @@ import torch
 from . import kernels
 from .config import Config
 from .engine.inprocess import Engine, Event
-from .engine.load import load_model
+from .engine.load import read_whole, whole_model
 from .engine.load import read_in_place as _read_in_place  # (a test holds it to the eager load)
 from .engine.params import sampling_params
 from .formats.gguf import parsed_once
@@ -51,7 +51,7 @@ class PowerInfer:
             self.tokenizer = self.engine.tokenizer
             self.input_sparsity = self.engine.input_sparsity
             return
-        loaded = load_model(checkpoint, config)
+        loaded = whole_model(checkpoint, config)
         self.model, self.tokenizer = loaded.model, loaded.tokenizer
         self.input_sparsity = loaded.input_sparsity
         self.engine = Engine(self.model, self.tokenizer, config, loaded.pool, sparse=loaded.sparse)
@@ -85,9 +85,7 @@ class PowerInfer:
             ck = load_checkpoint(name_or_path, with_weights=False)
         if _read_in_place(ck, config):  # read as the model is built (`deferred_model`)
             return cls(ck, config)
-        return cls(load_checkpoint(name_or_path, config.torch_dtype, with_weights=True,
-                                   keep_int4=config.weights == "int4"
-                                   and config.torch_device.type == "cpu"), config)
+        return cls(read_whole(name_or_path, config), config)
 
     @property
     def args(self):

@@ -295,7 +295,7 @@ def add_command(sub):
                    help="require 'Authorization: Bearer KEY' (default: $POWERINFER_API_KEY)")
     p.add_argument("--cold-executors", type=int, default=1,
                    help="cold-neuron executors a model; 0: one executor with the whole model (a "
-                        "dense model on the CPU: a process fewer, about 0.2 GiB less a model)")
+                        "dense model on the CPU: a process fewer, about 0.25 GiB less a model)")
     p.add_argument("--device", default=None, choices=["cpu", "cuda", "auto"],
                    help="default: auto (the GPU where there is one) with --vram-budget, else cpu")
     p.add_argument("--dtype", default="auto", help=DTYPE_HELP)

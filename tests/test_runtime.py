@@ -187,6 +187,8 @@ def test_one_executor_runs_the_whole_model_as_the_in_process_engine(ray_cluster,
     assert not shm_segments()
     with pytest.raises(ConfigError, match="cold_executors=0"):
         Config(runtime="actors", cold_executors=0, bundle="some.bundle")
+    with pytest.raises(ConfigError, match="VRAM budget"):
+        Config(runtime="actors", cold_executors=0, vram_budget_gb=4)
 
 
 def test_one_executor_decodes_the_real_model_natively_as_in_process(ray_cluster):

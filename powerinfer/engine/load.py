@@ -1,6 +1,6 @@
 """A whole model built for one process: what the in-process engine runs (`PowerInfer` with
 `runtime="local"`), and what a one-executor actor group's executor runs (`Config(cold_executors=0)`:
-the same model over the group's shared-memory plane). `load_model` reads the file's tensors
+the same model over the group's shared-memory plane). `whole_model` reads the file's tensors
 into it (as each is needed, from a GGUF file on the CPU; else from a checkpoint read whole),
 keeps the 4-bit configuration's blocks as the file stores them, applies a bundle's sparse plan
 and input sparsity, and counts the KV pool's blocks."""
@@ -15,7 +15,8 @@ import torch
 from .. import kernels
 from ..config import Config
 from ..errors import ModelLoadError
-from ..formats.source import Checkpoint
+from ..formats.loader import load_checkpoint
+from ..formats.source import Checkpoint, ModelFile
 from ..formats.tokenizer import Tokenizer
 from ..model.load import build_model
 from ..model.quant import apply_int4, apply_kernel_linears, neuron_format
@@ -64,21 +65,39 @@ def load_errors(ck: Checkpoint):
                              else f"{type(e).__name__}: {e}") from e
 
 
-def load_model(checkpoint: Checkpoint, config: Config, tokenizer: bool = True,
-               input_sparsity: bool = True) -> LoadedModel:
+def checkpoint_of(mf: ModelFile, config: Config) -> Checkpoint:
+    """The checkpoint `whole_model` reads for a file whose header was parsed elsewhere (an actor
+    group's driver): the header alone where `read_in_place`, else the file read whole."""
+    ck = Checkpoint(mf.path, mf.args, {}, None, dict(mf.info), source=mf.source)
+    if read_in_place(ck, config):
+        return ck
+    mf.source.close()
+    return read_whole(mf.path, config)
+
+
+def read_whole(path, config: Config) -> Checkpoint:
+    """The file's tensors read, for a model built from them (not `read_in_place`): widened to
+    the model's type, a 4-bit file's blocks kept packed where the CPU kernel runs them."""
+    return load_checkpoint(path, config.torch_dtype, with_weights=True,
+                           keep_int4=config.weights == "int4" and config.torch_device.type == "cpu")
+
+
+def whole_model(checkpoint: Checkpoint, config: Config, tokenizer: bool = True,
+                input_sparsity: bool = True, plan: bool = True) -> LoadedModel:
     """The model of `checkpoint` (its header alone where `read_in_place`, else its tensors read)
-    for a resolved `config`; without its tokenizer, or without the thresholds of
-    `config.input_sparsity` (a caller that attaches its own), where asked."""
+    for a resolved `config`; without its tokenizer, without the thresholds of
+    `config.input_sparsity` (a caller that attaches its own), or without a sparse plan or a
+    placement (a caller that has decided there is none), where asked."""
     device = config.torch_device  # a ConfigError of its own, not a load error
     context = context_length(checkpoint.args, config)
     kv_blocks, why = pool_blocks(checkpoint.args, config, context, config.torch_dtype.itemsize)
     plan = plan_for(config, checkpoint.args, checkpoint.path, kv_blocks * config.block_size,
-                    on_gpu=device.type == "cuda", checkpoint=checkpoint)
+                    on_gpu=device.type == "cuda", checkpoint=checkpoint) if plan else None
     in_place = not checkpoint.weights and read_in_place(checkpoint, config)
     later = set()  # tensors the 4-bit configuration reads as blocks or after
     tok = None
     if not in_place:
-        model, tok = build_model(checkpoint, config.torch_dtype, device)
+        model, tok = build_model(checkpoint, config.torch_dtype, device, tokenizer)
     else:
         with load_errors(checkpoint):
             model, later = deferred_model(

@@ -559,7 +559,7 @@ def hot_model(ckpt: ModelFile, dtype: torch.dtype, hot: list[torch.Tensor],
         head = device_projection(src, ("output",), dtype)
     if head is not None:
         model.output = nn.Identity()
-    model = model.to(dtype).to_empty(device="cpu")  # allocated in dtype, filled once below
+    model = allocated(model, dtype, "cpu")  # allocated in dtype, filled once below
     if a.tie_embeddings and embed_fmt is None:
         model.output.weight = model.tok_embeddings.weight
     model.load_weights(LazyWeights(src, dtype))

@@ -12,13 +12,14 @@ from ..formats.tokenizer import Tokenizer
 from .transformer import Transformer
 
 
-def build_model(ck: Checkpoint, dtype: torch.dtype, device="cpu"):
+def build_model(ck: Checkpoint, dtype: torch.dtype, device="cpu", tokenizer: bool = True):
     """The dense model and the tokenizer of a loaded checkpoint (its weights are moved into the
-    model); a file whose tensors do not fit the architecture is a ModelLoadError."""
+    model; no tokenizer, None, where not asked for); a file whose tensors do not fit the
+    architecture is a ModelLoadError."""
 
     try:
         model = Transformer.from_weights(ck.args, ck.weights, dtype, device)
-        tokenizer = Tokenizer.from_source(ck.tokenizer_source)
+        tokenizer = Tokenizer.from_source(ck.tokenizer_source) if tokenizer else None
     except (ValueError, KeyError, FileNotFoundError) as e:
         raise ModelLoadError(ck.path, str(e)) from e
     ck.weights = {}  # the model holds them now
