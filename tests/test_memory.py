@@ -26,10 +26,23 @@ def ray_cluster():
     ray.shutdown()
 
 
+# modules no process of a group needs: torch.fx's symbolic shapes pull in sympy (34 MiB of a
+# process's own memory) through `Module.to` and `to_empty`, which the loads avoid
+HEAVY = ("sympy", "torch.fx.experimental.symbolic_shapes")
+
+
 def group_memory(model) -> tuple[dict, Config]:
     pi = PowerInfer.from_pretrained(model, Config(**CFG))
     try:
         assert pi.generate("The capital of France is", max_new_tokens=4, temperature=0)
+        heavy = HEAVY
+
+        def heavy_imports(_actor) -> list[str]:  # (local: pickled by value into the actor)
+            import sys
+            return [m for m in heavy if m in sys.modules]
+
+        for name, actor in pi.engine.group.actors.items():
+            assert ray.get(actor.__ray_call__.remote(heavy_imports)) == [], name
         st = pi.engine.stats()["actors"]
         for name, info in pi.engine.group.info.items():
             if name.startswith("cold"):  # first touch after pinning: its rows on its own node
@@ -75,6 +88,24 @@ def test_a_group_holds_the_model_about_once(default_model_path, tmp_path):
                              {n: round(v / MiB) for n, v in overhead.items()})
     peak = sum(p["hwm"] for p in procs.values())
     assert peak <= 1.5 * steady, (peak / MiB, steady / MiB, table)
+
+
+def test_a_load_in_process_imports_no_symbolic_shapes(default_model_path):
+    """The in-process engine's load and a few tokens (the defaults, and float32 dense) import
+    neither sympy nor torch.fx's symbolic shapes: a fresh process, its modules read after."""
+    import json
+    import subprocess
+    import sys
+
+    code = ("import json, sys\n"
+            "from powerinfer import Config, PowerInfer\n"
+            "for c in (Config(max_seq_len=64), Config(dtype='float32', weights='dense', max_seq_len=64)):\n"
+            "    PowerInfer.from_pretrained(sys.argv[1], c).generate('Hi', max_new_tokens=3)\n"
+            f"print(json.dumps([m for m in {HEAVY!r} if m in sys.modules]))\n")
+    r = subprocess.run([sys.executable, "-c", code, str(default_model_path)], capture_output=True,
+                       text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert json.loads(r.stdout.splitlines()[-1]) == []
 
 
 def test_a_kv_cache_counts_in_memory_as_its_blocks_are_written():
