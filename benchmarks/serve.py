@@ -11,7 +11,7 @@
         hops:  [--hop-requests 3] (and --tokens)
         memory: [--memory-streams 8] (and --tokens)
         models: [--models smollm2-135m-instruct smollm2-135m-instruct gemma3-270m gemma3-270m]
-                (and --memory-streams, --tokens)
+                [--model-setting cold_executors=0] (and --memory-streams, --tokens)
 
     # a quick check of every code path (minutes, not a measurement):
     .venv/bin/python benchmarks/serve.py --concurrency 1 2 --tokens 16 --rounds 1 \
@@ -1406,16 +1406,19 @@ def scenario_models(args, gguf: str) -> dict:
     + its KV cache's pages in use + 0.5 GiB), and the rest of the server's tree (Ray, Serve, the
     driver) against 1 GiB a host."""
     from powerinfer.formats.loader import resolve_model
+    import yaml
+    # --model-setting KEY=VALUE: a setting of every model (a value read as YAML: 0, true, a name)
+    settings = {k: yaml.safe_load(v) for k, _, v in (s.partition("=") for s in args.model_setting)}
     names, seen = [], {}
     for m in args.models:
         seen[m] = seen.get(m, 0) + 1
         names.append(f"{Path(m).stem.split('-')[0]}-{seen[m]}")
-    import yaml
 
     def models_file(d: str) -> Path:
         config = Path(d) / "models.yaml"
         config.write_text(yaml.safe_dump({"models": [
-            {"name": n, "model": str(resolve_model(m))} for n, m in zip(names, args.models)]}))
+            {"name": n, "model": str(resolve_model(m)), **settings}
+            for n, m in zip(names, args.models)]}))
         return config
 
     rows = []
@@ -1472,7 +1475,9 @@ def scenario_models(args, gguf: str) -> dict:
     if printed:
         notes.append(f"- the server's own lines at start: {'; '.join(printed)}")
     settings = (f"models: `powerinfer serve --config` with {', '.join(names)} (files "
-                f"{', '.join(dict.fromkeys(args.models))}), every setting the default; "
+                f"{', '.join(dict.fromkeys(args.models))}), "
+                + (f"every model with {settings}, " if settings else "")
+                + "every other setting the default; "
                 f"{args.memory_streams} streams of {args.tokens} tokens to each model at once; "
                 f"PSS from /proc/PID/smaps_rollup after the load")
     return {"settings": settings, "table": "\n".join(out + [""] + notes), "rows": rows,
@@ -1570,6 +1575,9 @@ def main() -> int:
     ap.add_argument("--models", nargs="+",
                     default=["smollm2-135m-instruct"] * 2 + ["gemma3-270m"] * 2,
                     help="the models scenario's models, one entry each (twice: served twice)")
+    ap.add_argument("--model-setting", action="append", default=[], metavar="KEY=VALUE",
+                    help="the models scenario: a setting of every model in its models file "
+                         "(e.g. cold_executors=0); repeat for more")
     args = ap.parse_args()
     if args.chat_turns < 2:
         ap.error("--chat-turns: at least 2")
