@@ -102,12 +102,14 @@ def plan_cores(topo: Topology, n_cold: int, hot_cores: int = 0) -> CorePlan:
 
 
 def pin(cores: tuple[int, ...], threads: int = 0) -> None:
-    """Pin the calling thread (and the threads it starts later: torch's workers) to cores and
-    size torch's thread pool to them (or to `threads`, at most one per core). Call on the thread
-    that will compute (an actor's `roles._Role.compute`), before allocating the memory the
-    process will work on, so that first touch places it on the local node."""
+    """Pin this process, every thread it has and the threads they start later (torch's workers),
+    to cores, and size torch's thread pool to them (or to `threads`, at most one per core). Call
+    on the thread that will compute (an actor's `roles._Role.compute`: the pool's size is that
+    thread's), before allocating the memory the process will work on, so that first touch places
+    it on the local node."""
     import torch
     os.sched_setaffinity(0, cores)
+    pin_threads(cores)  # (the call above pins the calling thread only)
     torch.set_num_threads(min(threads, len(cores)) if threads else len(cores))
 
 
