@@ -24,8 +24,9 @@ for the default model): `powerinfer serve --model M` as a new user starts it (no
 --max-batch: dtype auto, max_batch 64, max_queue 256, prefix cache on, prefill chunks of 512,
 the model's own context), started afresh for each scenario (and each variant of a scenario) and
 stopped, with its Ray instance, when it ends. `--tuned "FLAGS"` adds one labelled "tuned" row to
-the load scenario (and a table to the memory scenario): a server started with those extra `powerinfer serve` flags (`--tuned
-"--max-batch 8 --dtype float32"`; one flag alone as `--tuned=--no-prefix-cache`). Requests are
+the load scenario (and a table to the memory scenario): a server started with those extra
+`powerinfer serve` flags (`--tuned "--max-batch 8 --dtype float32"`; one flag alone as
+`--tuned=--no-prefix-cache`). Requests are
 streaming chat completions (`/v1/chat/completions`, "stream_options": {"include_usage": true}),
 greedy, with `ignore_eos` so that every output has its fixed length. Times are measured by the
 client: TTFT from sending a request to its first streamed token, ITL the gaps between its

@@ -108,8 +108,7 @@ def pin(cores: tuple[int, ...], threads: int = 0) -> None:
     thread's), before allocating the memory the process will work on, so that first touch places
     it on the local node."""
     import torch
-    os.sched_setaffinity(0, cores)
-    pin_threads(cores)  # (the call above pins the calling thread only)
+    pin_threads(cores)  # (sched_setaffinity of pid 0 would pin the calling thread only)
     torch.set_num_threads(min(threads, len(cores)) if threads else len(cores))
 
 

@@ -139,7 +139,7 @@ def whole_model(checkpoint: Checkpoint, config: Config, tokenizer: bool = True,
         kv_blocks, why = pool_blocks(checkpoint.args, config, context, config.torch_dtype.itemsize)
     apply_kernel_linears(model, head="q8_0" if int4 else "bf16")  # what is left in bf16
     checkpoint.q4 = {}  # the model holds them now
-    return LoadedModel(model, tok if tokenizer else None, (kv_blocks, why),
+    return LoadedModel(model, tok, (kv_blocks, why),
                        plan is not None and plan.bundle is not None,
                        apply_input_sparsity(model, config, int4, checkpoint.path)
                        if input_sparsity else None)
