@@ -26,6 +26,19 @@ def parse_cpulist(text: str) -> list[int]:
     return out
 
 
+def format_cpulist(cores) -> str:
+    """[0, 1, 2, 3, 8, 10, 11] -> "0-3,8,10-11" (parse_cpulist's inverse)"""
+    out, run = [], []
+    for c in sorted(cores):
+        if run and c != run[-1] + 1:
+            out.append(f"{run[0]}-{run[-1]}" if len(run) > 1 else str(run[0]))
+            run = []
+        run.append(c)
+    if run:
+        out.append(f"{run[0]}-{run[-1]}" if len(run) > 1 else str(run[0]))
+    return ",".join(out)
+
+
 @dataclass(frozen=True)
 class Topology:
     nodes: tuple[tuple[int, ...], ...]  # per NUMA node, the usable cores

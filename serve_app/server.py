@@ -293,9 +293,10 @@ def add_command(sub):
     p.add_argument("--grpc-port", type=int, default=9000, help="gRPC port")
     p.add_argument("--api-key", default=None,
                    help="require 'Authorization: Bearer KEY' (default: $POWERINFER_API_KEY)")
-    p.add_argument("--cold-executors", type=int, default=1,
-                   help="cold-neuron executors a model; 0: one executor with the whole model (a "
-                        "dense model on the CPU: a process fewer, about 0.25 GiB less a model)")
+    p.add_argument("--cold-executors", type=int, default=None,
+                   help="cold-neuron executors a model (default 1, or 0 where its group would "
+                        "have fewer cores than executors); 0: one executor with the whole model "
+                        "(a dense model on the CPU: a process fewer, about 0.25 GiB less a model)")
     p.add_argument("--device", default=None, choices=["cpu", "cuda", "auto"],
                    help="default: auto (the GPU where there is one) with --vram-budget, else cpu")
     p.add_argument("--dtype", default="auto", help=DTYPE_HELP)
@@ -344,9 +345,11 @@ def _run(args) -> int:
         model = args.model or DEFAULT_MODEL
         name = args.name or (Path(model).stem if Path(model).exists() else model)
         d = {"models": [dict(name=name, model=model, bundle=args.bundle,
-                             cold_executors=args.cold_executors,
-                             # (none named: the entry's rule, `settings.ModelSpec.base`)
+                             # (none named: the entry's rules, `settings.ModelSpec.base` and
+                             # `settings.share_cores`)
                              **({"device": args.device} if args.device else {}),
+                             **({"cold_executors": args.cold_executors}
+                                if args.cold_executors is not None else {}),
                              dtype=args.dtype, cpu_isa=args.cpu_isa,
                              input_sparsity=args.input_sparsity, cpu_threads=args.threads, max_seq_len=args.ctx,
                              max_batch=args.max_batch, max_queue=args.max_queue,
@@ -359,6 +362,9 @@ def _run(args) -> int:
     if args.stream_interval_ms is not None:  # (over a models file's own)
         d["stream_interval_ms"] = args.stream_interval_ms
     settings = ServeSettings.from_dict(d)
+    for m in settings.models:
+        if m.chosen:
+            say(f"{m.name}: {m.chosen}")
     if args.request_timeout < 0:
         raise ConfigError("--request-timeout must be >= 0 (0: no limit)")
     return serve_forever(settings, Frontend(args.host, args.port, args.grpc_port,

@@ -39,6 +39,9 @@ class ModelSpec:
     replicas: int = 1
     resources: dict = field(default_factory=dict)
     settings: dict = field(default_factory=dict)
+    # what the server chose for it where its entry left the choice open (`share_cores`), said
+    # once at start
+    chosen: str = field(default="", compare=False)
 
     def __post_init__(self):
         if not isinstance(self.name, str) or not NAME.fullmatch(self.name):
@@ -97,6 +100,55 @@ class ModelSpec:
         lo = replica * q + min(replica, r)
         return ",".join(map(str, cores[lo:lo + q + (replica < r)]))
 
+    def core_sets(self) -> list[frozenset[int]]:
+        """Each replica's cores (every core this process may use where none are named)."""
+        from cluster.topology import parse_cpulist
+        return [frozenset(parse_cpulist(c) if c else os.sched_getaffinity(0))
+                for c in map(self.replica_cores, range(self.replicas))]
+
+
+def share_cores(models: tuple[ModelSpec, ...]) -> tuple[ModelSpec, ...]:
+    """Models whose groups would have fewer cores than executors, because their cores are shared
+    with other models' groups (or are one core), run each as one executor with the whole model
+    (`cold_executors: 0`) on `cpu_threads` = the shared cores over the groups sharing them (at
+    least one), where their entries leave both open and the model can run so (a dense model on
+    the CPU: no sparsity bundle, no GPU, no VRAM budget). The default group's two executors each
+    spin on the plane while the other computes; with more of them than cores they wait for each
+    other's time slices. On 2 cores, four models served so ran 2.4x the defaults' tok/s together,
+    and each within its memory bound (BENCHMARKS.md, "One executor with the whole model").
+
+    Groups count as sharing when their cores overlap and their `resources` are the same (the
+    same kind of node: models sent to different nodes by their resources do not compete)."""
+    groups = [(m, cores, tuple(sorted(m.resources.items())))
+              for m in models for cores in m.core_sets()]
+    out = []
+    for m in models:
+        b = m.base
+        if ("cold_executors" in m.settings or b.device != "cpu" or b.bundle
+                or b.vram_budget_gb > 0):
+            out.append(m)
+            continue
+        where = tuple(sorted(m.resources.items()))
+        worst = None  # (executors over the cores, cores, groups sharing them)
+        for cores in m.core_sets():
+            sharing = [(o, c) for o, c, r in groups if r == where and c & cores]
+            executors = sum(o.base.cold_executors + 1 for o, _ in sharing)
+            if executors > len(cores) and (worst is None or executors / len(cores) > worst[0]):
+                worst = (executors / len(cores), cores, len(sharing))
+        if worst is None:
+            out.append(m)
+            continue
+        _, cores, k = worst
+        threads = m.settings.get("cpu_threads") or max(1, len(cores) // k)
+        from cluster.topology import format_cpulist
+        why = (f"{k} groups share" if k > 1 else "its group has") + \
+            f" {len(cores)} core{'s' if len(cores) > 1 else ''} ({format_cpulist(cores)})"
+        out.append(replace(m, settings={**m.settings, "cold_executors": 0, "cpu_threads": threads},
+                           chosen=f"one executor with the whole model, {threads} thread"
+                                  f"{'s' if threads > 1 else ''} ({why}; set cold_executors in "
+                                  "its entry to choose)"))
+    return tuple(out)
+
 
 # A stream's tokens go to its client at most once per this many milliseconds (the ingress's
 # `stream_interval_ms`; 0: each as it comes). Each chunk costs the ingress and Serve's proxy
@@ -137,6 +189,7 @@ class ServeSettings:
     def __post_init__(self):
         if not self.models:
             raise ConfigError("the server needs at least one model")
+        object.__setattr__(self, "models", share_cores(tuple(self.models)))
         names = [m.name for m in self.models]
         dup = {n for n in names if names.count(n) > 1}
         if dup:

@@ -162,8 +162,11 @@ def server(tmp_path_factory, default_model_path):
     smol_cores, tiny_cores = (cores[:1], cores[1:]) if len(cores) > 1 else (cores, cores)
     cpulist = lambda cs: ",".join(map(str, cs))  # noqa: E731
     models = [
+        # (a cold executor of its own, named: the fault tests kill it; the other models' entries
+        # leave it open, and on their shared cores each runs as one executor)
         {"name": SMOL, "model": str(default_model_path), "max_seq_len": 512, "max_batch": 8,
-         "max_queue": 8, "cpu_threads": 1, "dtype": "float32", "cores": cpulist(smol_cores)},
+         "max_queue": 8, "cpu_threads": 1, "dtype": "float32", "cores": cpulist(smol_cores),
+         "cold_executors": 1},
         {"name": TINY, "model": str(d / "tiny.gguf"), "max_seq_len": 512, "max_batch": 2,
          "max_queue": 1, "cores": cpulist(tiny_cores)},
         {"name": BROKEN, "model": str(d / "broken.gguf")}]
@@ -194,6 +197,11 @@ def server(tmp_path_factory, default_model_path):
     s.cores = {SMOL: set(smol_cores), TINY: set(tiny_cores), GEMMA: set(tiny_cores),
                TWIN: set(cores[:2])}
     s.models = [m["name"] for m in models]
+    # the models the server runs as one executor each (their entries leave it open and their
+    # groups would have more executors than their shared cores: `settings.share_cores`)
+    from serve_app.settings import ServeSettings
+    s.one_executor = {m.name for m in ServeSettings.from_dict({"models": models}).models
+                      if m.chosen}
     deadline = time.time() + 300
     while "HTTP (OpenAI API)" not in log.read_text(errors="replace"):
         assert proc.poll() is None, f"the server exited:\n{s.tail()}"
@@ -248,10 +256,10 @@ def test_startup_reports_every_model(server):
     assert health["status"] == "degraded"  # the broken model is reported; the others serve
     states = {m["id"]: m["status"] for m in health["models"]}
     assert states == {**{m: "ready" for m in ready}, BROKEN: "failed"}
-    assert_memory_is_reported(server.log.read_text(errors="replace"), ready)
+    assert_memory_is_reported(server.log.read_text(errors="replace"), ready, server.one_executor)
 
 
-def assert_memory_is_reported(out: str, ready: list[str]):
+def assert_memory_is_reported(out: str, ready: list[str], one: set[str]):
     # once ready, each model's host memory (its processes' PSS now, and with its KV cache full:
     # the weights and the KV cache they hold, each process's own) and the host's total, which
     # holds every model's
@@ -267,7 +275,8 @@ def assert_memory_is_reported(out: str, ready: list[str]):
         assert got, lines[at:at + 2]  # (the two lines in one write: nothing between them)
         now, n, full, weights, kv_now, kv = float(got[1]), int(got[2]), *map(float, got.groups()[2:6])
         own = {k: float(v) for k, v in (part.split(" ") for part in got[7].split(", "))}
-        assert set(own) >= {"hot", "cold.0", "scheduler", "replica"} and len(own) == n, own
+        roles = {"hot", "scheduler", "replica"} | (set() if m in one else {"cold.0"})
+        assert set(own) == roles and len(own) == n, own
         assert kv_now <= kv and full == pytest.approx(now - kv_now + kv, abs=0.02)
         assert weights < now and all(0 < v < 1.5 for v in own.values()), lines[at + 1]
         # the scheduler holds no weights and imports no torch: its own cost is Python, Ray's
@@ -312,6 +321,25 @@ def test_each_models_executors_run_on_its_own_cores(server):
         pinned[name] = set().union(*executors.values())
     if server.cores[SMOL] != server.cores[TINY]:  # more than one core here
         assert not pinned[SMOL] & pinned[TINY], pinned
+
+
+def test_models_on_shared_cores_run_as_one_executor_each(server):
+    # the server said at start which models it runs as one executor with the whole model and
+    # why (their groups would have had more executors than cores: `settings.share_cores`), and
+    # their groups hold no cold executor, while the model whose entry asks for one has it. On a
+    # host of up to 4 cores the tiny model's are shared by at least 4 groups, and are chosen
+    out = server.log.read_text(errors="replace")
+    if len(os.sched_getaffinity(0)) <= 4:
+        assert TINY in server.one_executor and SMOL not in server.one_executor
+    for name in (m for m in server.models if m != BROKEN):
+        roles = set(server.model_stats(name)["pids"])
+        said = re.search(rf"^{name}: one executor with the whole model, \d+ threads? \((\d+ "
+                         rf"groups share|its group has) \d+ cores? \([\d,-]+\); set "
+                         rf"cold_executors in its entry to choose\)$", out, re.M)
+        if name in server.one_executor:
+            assert said and not any(r.startswith("cold") for r in roles), (name, roles)
+        else:
+            assert not said and "cold.0" in roles, (name, roles)
 
 
 def test_two_replicas_hold_two_groups_on_disjoint_cores_and_share_the_load(server):

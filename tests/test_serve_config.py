@@ -143,6 +143,51 @@ def test_replicas_split_their_models_cores():
         Spec(name="m", model="x", cores="zero")
 
 
+def test_models_that_share_too_few_cores_run_as_one_executor_each():
+    # the default group is two executors that spin on the plane while the other computes; where
+    # models' groups together have more executors than their shared cores (or a group has one
+    # core), each model whose entry leaves it open runs as one executor with the whole model, on
+    # its share of the cores; an entry's own cold_executors, a bundle, a GPU or a VRAM budget,
+    # and groups on disjoint cores or sent elsewhere by their resources, stay as they are
+    from serve_app.settings import ModelSpec as Spec
+
+    def chosen(*entries):
+        models = ServeSettings.from_dict({"models": [{"model": "x", **e} for e in entries]}).models
+        return {m.name: (m.base.cold_executors, m.base.cpu_threads, m.chosen) for m in models}
+
+    alone = chosen({"name": "a", "cores": "0,1"})
+    assert alone == {"a": (1, 0, "")}
+    four = chosen(*({"name": f"m{i}", "cores": "0,1"} for i in range(4)))
+    assert {v[:2] for v in four.values()} == {(0, 1)}
+    assert four["m0"][2] == ("one executor with the whole model, 1 thread (4 groups share 2 "
+                             "cores (0-1); set cold_executors in its entry to choose)")
+    # four groups on 16 cores have cores enough; two on 3 split them (at least one thread each)
+    assert {v[:2] for v in chosen(*({"name": f"m{i}", "cores": "0-15"}
+                                    for i in range(4))).values()} == {(1, 0)}
+    assert {v[:2] for v in chosen({"name": "a", "cores": "0-2"}, {"name": "b", "cores": "1-3"},
+                                  {"name": "c", "cores": "2"}).values()} == {(0, 1)}
+    assert chosen({"name": "a", "cores": "0-3"}, {"name": "b", "cores": "0-3", "cpu_threads": 3},
+                  {"name": "c", "cores": "0-3"})["b"][:2] == (0, 3)
+    one_core = chosen({"name": "a", "cores": "5"})["a"]
+    assert one_core[:2] == (0, 1) and "its group has 1 core (5)" in one_core[2]
+    # each of two replicas on one core of its own
+    assert chosen({"name": "r", "cores": "0,1", "replicas": 2})["r"][:2] == (0, 1)
+    kept = chosen({"name": "a", "cores": "0,1", "cold_executors": 1},
+                  {"name": "b", "cores": "0,1", "bundle": "b.bundle"},
+                  {"name": "c", "cores": "0,1", "vram_budget_gb": 1.0},
+                  {"name": "d", "cores": "0,1", "device": "cuda"})
+    assert {k: v[0] for k, v in kept.items()} == {"a": 1, "b": 1, "c": 1, "d": 1}
+    assert chosen({"name": "a", "cores": "0,1"}, {"name": "b", "cores": "2,3"}) == \
+        {"a": (1, 0, ""), "b": (1, 0, "")}
+    assert chosen({"name": "a", "cores": "0,1"},
+                  {"name": "b", "cores": "0,1", "resources": {"big-box": 1}})["a"][0] == 1
+    # resolved once: a spec already chosen keeps its setting when settings are built again
+    # (Serve's application gets them pickled; a config file's args are read again)
+    again = ServeSettings(models=ServeSettings.from_dict({"models": [
+        {"name": "a", "model": "x", "cores": "0"}]}).models)
+    assert again.models[0].base.cold_executors == 0 and isinstance(again.models[0], Spec)
+
+
 def test_a_models_entry_sets_any_config_field_and_nothing_else():
     # the entry's settings are Config's own fields (derived, not copied: a field Config gains is
     # a setting at once), with the server's defaults where they differ; the runtime is the
