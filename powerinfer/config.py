@@ -105,7 +105,9 @@ class Config:
     cold_executors: cold-neuron executor actors (runtime "actors"); 0: none, the hot executor
         runs the whole model on every core of the group as the in-process engine does (a
         dense model on the CPU: a process and its torch fewer, about 0.25 GiB a served model,
-        at about 0.9x its tokens/s on two cores).
+        at about 0.9x its tokens/s on two cores). The server chooses 0 for a model whose entry
+        leaves it open where its groups would have more executors than cores
+        (`serve_app.settings.share_cores`).
     cpu_isa: the instruction-set class the CPU kernel runs at, and that "auto" decides by:
         "auto" (the best this CPU has), or "avx2", "avx512", "avx512bf16" (each a superset of
         the one before) to hold it to a lower class than the CPU has (how a newer CPU runs, and
