@@ -1061,7 +1061,8 @@ async def kill_load(url: str, args, t0: float) -> list[dict]:
 
 def scenario_kill(args, gguf: str) -> dict:
     times = [args.kill_seconds * 10 / 40, args.kill_seconds * 25 / 40]
-    with our_server(args) as server:
+    # (a cold executor named: it is killed; on one core the server would run one executor)
+    with our_server(args, ["--cold-executors", "1"]) as server:
         asyncio.run(http_load(server.url, 8, 1, 1, warm=False))  # warm-up
         before = server.stats()
         log: list[dict] = []

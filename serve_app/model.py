@@ -57,6 +57,8 @@ class ModelServer:
         library.setLevel(logging.INFO)
         library.handlers = list(logger.handlers)
         self.spec = spec
+        if spec.chosen:  # (also where no `powerinfer serve` printed it: `serve run`)
+            logger.info("%s: %s", spec.name, spec.chosen)
         context = serve.get_replica_context()
         rank = getattr(context, "rank", None)
         self.replica = getattr(rank, "local_rank", 0) or 0  # its slice of the model's cores

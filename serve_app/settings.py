@@ -110,43 +110,52 @@ class ModelSpec:
 def share_cores(models: tuple[ModelSpec, ...]) -> tuple[ModelSpec, ...]:
     """Models whose groups would have fewer cores than executors, because their cores are shared
     with other models' groups (or are one core), run each as one executor with the whole model
-    (`cold_executors: 0`) on `cpu_threads` = the shared cores over the groups sharing them (at
-    least one), where their entries leave both open and the model can run so (a dense model on
-    the CPU: no sparsity bundle, no GPU, no VRAM budget). The default group's two executors each
-    spin on the plane while the other computes; with more of them than cores they wait for each
-    other's time slices. On 2 cores, four models served so ran 2.4x the defaults' tok/s together,
-    and each within its memory bound (BENCHMARKS.md, "One executor with the whole model").
+    (`cold_executors: 0`), where their entries leave `cold_executors` open and the model can run
+    so (a dense model on the CPU: no sparsity bundle, no GPU, no VRAM budget). Each takes its
+    share of the shared cores as `cpu_threads` (the cores left over to the first models in the
+    file, and at least one), unless its entry sets `cpu_threads`. The default group's two
+    executors each spin on the plane while the other computes; with more of them than cores they
+    wait for each other's time slices. On 2 cores, four models served so ran 2.2-2.4x the
+    two-executor groups' tok/s together, two models 1.66x, and each model kept within its memory
+    bound (BENCHMARKS.md, "Models that share their cores run as one executor each").
 
     Groups count as sharing when their cores overlap and their `resources` are the same (the
-    same kind of node: models sent to different nodes by their resources do not compete)."""
+    same kind of node: models sent to different nodes by their resources do not compete). A
+    model that names no `cores` is counted on this process's cores, and is left as it is where
+    its `resources` send it to another kind of node, whose cores are not known here. Every
+    listed model counts, one that will fail to load too."""
+    from cluster.topology import format_cpulist
+
     groups = [(m, cores, tuple(sorted(m.resources.items())))
               for m in models for cores in m.core_sets()]
     out = []
     for m in models:
         b = m.base
         if ("cold_executors" in m.settings or b.device != "cpu" or b.bundle
-                or b.vram_budget_gb > 0):
+                or b.vram_budget_gb > 0 or (m.resources and not m.cores)):
             out.append(m)
             continue
         where = tuple(sorted(m.resources.items()))
-        worst = None  # (executors over the cores, cores, groups sharing them)
+        worst = None  # (executors over the cores, cores, the groups sharing them)
         for cores in m.core_sets():
-            sharing = [(o, c) for o, c, r in groups if r == where and c & cores]
-            executors = sum(o.base.cold_executors + 1 for o, _ in sharing)
+            sharing = [o for o, c, r in groups if r == where and c & cores]
+            executors = sum(o.base.cold_executors + 1 for o in sharing)
             if executors > len(cores) and (worst is None or executors / len(cores) > worst[0]):
-                worst = (executors / len(cores), cores, len(sharing))
+                worst = (executors / len(cores), cores, sharing)
         if worst is None:
             out.append(m)
             continue
-        _, cores, k = worst
-        threads = m.settings.get("cpu_threads") or max(1, len(cores) // k)
-        from cluster.topology import format_cpulist
+        _, cores, sharing = worst
+        q, r = divmod(len(cores), len(sharing))
+        rank = next(i for i, o in enumerate(sharing) if o is m)
+        threads = m.settings.get("cpu_threads") or max(1, q + (rank < r))
+        k = len(sharing)
         why = (f"{k} groups share" if k > 1 else "its group has") + \
             f" {len(cores)} core{'s' if len(cores) > 1 else ''} ({format_cpulist(cores)})"
         out.append(replace(m, settings={**m.settings, "cold_executors": 0, "cpu_threads": threads},
                            chosen=f"one executor with the whole model, {threads} thread"
-                                  f"{'s' if threads > 1 else ''} ({why}; set cold_executors in "
-                                  "its entry to choose)"))
+                                  f"{'s' if threads > 1 else ''} ({why}; cold_executors, or "
+                                  "--cold-executors, chooses)"))
     return tuple(out)
 
 

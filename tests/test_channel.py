@@ -9,7 +9,7 @@ import torch
 
 from actors.channel import (Channel, ChannelClosed, PeerDied, create, native_error, segment_path,
                             sweep)
-from cluster.topology import Topology, parse_cpulist, plan_cores
+from cluster.topology import Topology, format_cpulist, parse_cpulist, plan_cores
 
 
 def _echo(a, b, n, spin):
@@ -194,6 +194,8 @@ def test_sweep_removes_only_segments_of_dead_owners(segments):
 
 def test_topology_and_core_plans():
     assert parse_cpulist("0-3,8,10-11\n") == [0, 1, 2, 3, 8, 10, 11]
+    assert format_cpulist({11, 0, 2, 1, 3, 8, 10}) == "0-3,8,10-11" and format_cpulist([]) == ""
+    assert format_cpulist([5]) == "5" and format_cpulist([4, 5]) == "4-5"
     real = Topology.read()
     assert set(real.cores) <= os.sched_getaffinity(0) and real.cores
     two_nodes = Topology(((0, 1, 2, 3, 4, 5, 6, 7), (8, 9, 10, 11, 12, 13, 14, 15)))

@@ -181,9 +181,11 @@ def server(tmp_path_factory, default_model_path):
         write_synthetic(d / "twin.gguf", preset="tiny", seed=1, quant="q4_0", progress=False)
         calibrate_bundle(str(d / "twin.gguf"), str(d / "twin.bundle"), 0.25, tokens=512,
                          held_out=256, window=128, progress=False)
+        # (a cold executor each, named: their input-sparse projections and their pinning are
+        # tested across processes)
         models.append({"name": TWIN, "model": str(d / "twin.gguf"), "max_seq_len": 512,
                        "max_batch": 2, "replicas": 2, "cores": cpulist(cores[:2]),
-                       "input_sparsity": str(d / "twin.bundle")})
+                       "input_sparsity": str(d / "twin.bundle"), "cold_executors": 1})
     config.write_text(yaml.safe_dump({"max_body_bytes": MAX_BODY, "models": models}))
     port, grpc_port = free_port(), free_port()
     log = d / "server.log"
@@ -334,8 +336,8 @@ def test_models_on_shared_cores_run_as_one_executor_each(server):
     for name in (m for m in server.models if m != BROKEN):
         roles = set(server.model_stats(name)["pids"])
         said = re.search(rf"^{name}: one executor with the whole model, \d+ threads? \((\d+ "
-                         rf"groups share|its group has) \d+ cores? \([\d,-]+\); set "
-                         rf"cold_executors in its entry to choose\)$", out, re.M)
+                         rf"groups share|its group has) \d+ cores? \([\d,-]+\); "
+                         rf"cold_executors, or --cold-executors, chooses\)$", out, re.M)
         if name in server.one_executor:
             assert said and not any(r.startswith("cold") for r in roles), (name, roles)
         else:

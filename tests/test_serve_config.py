@@ -160,7 +160,7 @@ def test_models_that_share_too_few_cores_run_as_one_executor_each():
     four = chosen(*({"name": f"m{i}", "cores": "0,1"} for i in range(4)))
     assert {v[:2] for v in four.values()} == {(0, 1)}
     assert four["m0"][2] == ("one executor with the whole model, 1 thread (4 groups share 2 "
-                             "cores (0-1); set cold_executors in its entry to choose)")
+                             "cores (0-1); cold_executors, or --cold-executors, chooses)")
     # four groups on 16 cores have cores enough; two on 3 split them (at least one thread each)
     assert {v[:2] for v in chosen(*({"name": f"m{i}", "cores": "0-15"}
                                     for i in range(4))).values()} == {(1, 0)}
@@ -168,6 +168,9 @@ def test_models_that_share_too_few_cores_run_as_one_executor_each():
                                   {"name": "c", "cores": "2"}).values()} == {(0, 1)}
     assert chosen({"name": "a", "cores": "0-3"}, {"name": "b", "cores": "0-3", "cpu_threads": 3},
                   {"name": "c", "cores": "0-3"})["b"][:2] == (0, 3)
+    # the cores left over go to the first models: none idle, none shared by two threads
+    five = chosen(*({"name": f"m{i}", "cores": "0-7"} for i in range(5)))
+    assert [v[:2] for v in five.values()] == [(0, 2)] * 3 + [(0, 1)] * 2
     one_core = chosen({"name": "a", "cores": "5"})["a"]
     assert one_core[:2] == (0, 1) and "its group has 1 core (5)" in one_core[2]
     # each of two replicas on one core of its own
@@ -181,11 +184,20 @@ def test_models_that_share_too_few_cores_run_as_one_executor_each():
         {"a": (1, 0, ""), "b": (1, 0, "")}
     assert chosen({"name": "a", "cores": "0,1"},
                   {"name": "b", "cores": "0,1", "resources": {"big-box": 1}})["a"][0] == 1
+    # no cores named and resources that send it to another kind of node: its cores are not
+    # this process's, and it is left as it is
+    assert {v[0] for v in chosen({"name": "a", "resources": {"big-box": 1}},
+                                 {"name": "b", "resources": {"big-box": 1}}).values()} == {1}
     # resolved once: a spec already chosen keeps its setting when settings are built again
     # (Serve's application gets them pickled; a config file's args are read again)
-    again = ServeSettings(models=ServeSettings.from_dict({"models": [
-        {"name": "a", "model": "x", "cores": "0"}]}).models)
-    assert again.models[0].base.cold_executors == 0 and isinstance(again.models[0], Spec)
+    import pickle
+    first = ServeSettings.from_dict({"models": [{"name": "a", "model": "x", "cores": "0"},
+                                                {"name": "b", "model": "x", "cores": "0"}]})
+    again = ServeSettings(models=pickle.loads(pickle.dumps(first.models)))
+    assert [(m.settings, m.chosen) for m in again.models] == \
+        [(m.settings, m.chosen) for m in first.models]
+    assert all(isinstance(m, Spec) and m.base.cold_executors == 0 and m.chosen
+               for m in again.models)
 
 
 def test_a_models_entry_sets_any_config_field_and_nothing_else():
