@@ -113,7 +113,9 @@ def share_cores(models: tuple[ModelSpec, ...]) -> tuple[ModelSpec, ...]:
     (`cold_executors: 0`), where their entries leave `cold_executors` open and the model can run
     so (a dense model on the CPU: no sparsity bundle, no GPU, no VRAM budget). Each takes its
     share of the shared cores as `cpu_threads` (the cores left over to the first models in the
-    file, and at least one), unless its entry sets `cpu_threads`. The default group's two
+    file, and at least one), unless its entry sets `cpu_threads` (0 counts as not set). The
+    share divides the cores among every group sharing them, those that keep two executors too.
+    The default group's two
     executors each spin on the plane while the other computes; with more of them than cores they
     wait for each other's time slices. On 2 cores, four models served so ran 2.2-2.4x the
     two-executor groups' tok/s together, two models 1.66x, and each model kept within its memory
@@ -126,8 +128,10 @@ def share_cores(models: tuple[ModelSpec, ...]) -> tuple[ModelSpec, ...]:
     listed model counts, one that will fail to load too."""
     from cluster.topology import format_cpulist
 
+    # (a model that names no cores but resources for another kind of node: its cores are not
+    # known here, and it competes for none of those counted)
     groups = [(m, cores, tuple(sorted(m.resources.items())))
-              for m in models for cores in m.core_sets()]
+              for m in models if m.cores or not m.resources for cores in m.core_sets()]
     out = []
     for m in models:
         b = m.base
@@ -154,8 +158,8 @@ def share_cores(models: tuple[ModelSpec, ...]) -> tuple[ModelSpec, ...]:
             f" {len(cores)} core{'s' if len(cores) > 1 else ''} ({format_cpulist(cores)})"
         out.append(replace(m, settings={**m.settings, "cold_executors": 0, "cpu_threads": threads},
                            chosen=f"one executor with the whole model, {threads} thread"
-                                  f"{'s' if threads > 1 else ''} ({why}; cold_executors, or "
-                                  "--cold-executors, chooses)"))
+                                  f"{'s' if threads > 1 else ''} ({why}; a models file's "
+                                  "cold_executors, or --cold-executors with --model, chooses)"))
     return tuple(out)
 
 

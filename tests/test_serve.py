@@ -329,15 +329,16 @@ def test_models_on_shared_cores_run_as_one_executor_each(server):
     # the server said at start which models it runs as one executor with the whole model and
     # why (their groups would have had more executors than cores: `settings.share_cores`), and
     # their groups hold no cold executor, while the model whose entry asks for one has it. On a
-    # host of up to 4 cores the tiny model's are shared by at least 4 groups, and are chosen
+    # host of up to 4 cores the tiny model's are shared by at least 3 groups, and are chosen
     out = server.log.read_text(errors="replace")
     if len(os.sched_getaffinity(0)) <= 4:
         assert TINY in server.one_executor and SMOL not in server.one_executor
     for name in (m for m in server.models if m != BROKEN):
         roles = set(server.model_stats(name)["pids"])
         said = re.search(rf"^{name}: one executor with the whole model, \d+ threads? \((\d+ "
-                         rf"groups share|its group has) \d+ cores? \([\d,-]+\); "
-                         rf"cold_executors, or --cold-executors, chooses\)$", out, re.M)
+                         rf"groups share|its group has) \d+ cores? \([\d,-]+\); a models "
+                         rf"file's cold_executors, or --cold-executors with --model, "
+                         rf"chooses\)$", out, re.M)
         if name in server.one_executor:
             assert said and not any(r.startswith("cold") for r in roles), (name, roles)
         else:

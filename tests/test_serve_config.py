@@ -160,7 +160,8 @@ def test_models_that_share_too_few_cores_run_as_one_executor_each():
     four = chosen(*({"name": f"m{i}", "cores": "0,1"} for i in range(4)))
     assert {v[:2] for v in four.values()} == {(0, 1)}
     assert four["m0"][2] == ("one executor with the whole model, 1 thread (4 groups share 2 "
-                             "cores (0-1); cold_executors, or --cold-executors, chooses)")
+                             "cores (0-1); a models file's cold_executors, or --cold-executors "
+                             "with --model, chooses)")
     # four groups on 16 cores have cores enough; two on 3 split them (at least one thread each)
     assert {v[:2] for v in chosen(*({"name": f"m{i}", "cores": "0-15"}
                                     for i in range(4))).values()} == {(1, 0)}
@@ -168,7 +169,8 @@ def test_models_that_share_too_few_cores_run_as_one_executor_each():
                                   {"name": "c", "cores": "2"}).values()} == {(0, 1)}
     assert chosen({"name": "a", "cores": "0-3"}, {"name": "b", "cores": "0-3", "cpu_threads": 3},
                   {"name": "c", "cores": "0-3"})["b"][:2] == (0, 3)
-    # the cores left over go to the first models: none idle, none shared by two threads
+    # the cores left over go to the first models: where every group sharing them is chosen,
+    # none idle and none shared by two threads
     five = chosen(*({"name": f"m{i}", "cores": "0-7"} for i in range(5)))
     assert [v[:2] for v in five.values()] == [(0, 2)] * 3 + [(0, 1)] * 2
     one_core = chosen({"name": "a", "cores": "5"})["a"]
@@ -188,6 +190,9 @@ def test_models_that_share_too_few_cores_run_as_one_executor_each():
     # this process's, and it is left as it is
     assert {v[0] for v in chosen({"name": "a", "resources": {"big-box": 1}},
                                  {"name": "b", "resources": {"big-box": 1}}).values()} == {1}
+    # nor is it counted against a model of the same resources that names its cores
+    assert chosen({"name": "a", "resources": {"big-box": 1}},
+                  {"name": "b", "cores": "0,1", "resources": {"big-box": 1}})["b"][0] == 1
     # resolved once: a spec already chosen keeps its setting when settings are built again
     # (Serve's application gets them pickled; a config file's args are read again)
     import pickle
