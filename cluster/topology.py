@@ -6,6 +6,7 @@ often allow fewer than the machine has).
 """
 from __future__ import annotations
 
+import itertools
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,14 +29,11 @@ def parse_cpulist(text: str) -> list[int]:
 
 def format_cpulist(cores) -> str:
     """[0, 1, 2, 3, 8, 10, 11] -> "0-3,8,10-11" (parse_cpulist's inverse)"""
-    out, run = [], []
-    for c in sorted(cores):
-        if run and c != run[-1] + 1:
-            out.append(f"{run[0]}-{run[-1]}" if len(run) > 1 else str(run[0]))
-            run = []
-        run.append(c)
-    if run:
-        out.append(f"{run[0]}-{run[-1]}" if len(run) > 1 else str(run[0]))
+    out = []
+    # (consecutive cores have the same difference from their index in the sorted list)
+    for _, run in itertools.groupby(enumerate(sorted(cores)), lambda ic: ic[1] - ic[0]):
+        run = [c for _, c in run]
+        out.append(str(run[0]) if len(run) == 1 else f"{run[0]}-{run[-1]}")
     return ",".join(out)
 
 

@@ -77,8 +77,9 @@ def _model_args(p: argparse.ArgumentParser):
                         "auto: the --bundle's thresholds where it has them; off; or a bundle's")
     p.add_argument("--no-input-sparsity", dest="input_sparsity", action="store_const", const="off",
                    help="the same as --input-sparsity off")
-    p.add_argument("--cold-executors", type=int, default=1, help="cold-neuron executors (--runtime actors; 0: one executor with the "
-                        "whole model, a dense model on the CPU)")
+    p.add_argument("--cold-executors", type=int, default=1,
+                   help="cold-neuron executors (--runtime actors; 0: one executor with the whole "
+                        "model, a dense model on the CPU)")
     p.add_argument("--verbose", "-v", action="store_true", help="print timings to stderr")
 
 

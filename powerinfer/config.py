@@ -176,8 +176,7 @@ class Config:
             raise ConfigError(f"cores must be a cpulist like '0-15,32', got {self.cores!r}")
         if self.cold_executors < 0 or self.max_queue < 1:
             raise ConfigError("cold_executors must be >= 0 and max_queue >= 1")
-        if self.cold_executors == 0 and (self.bundle or self.device == "cuda"
-                                         or self.vram_budget_gb > 0):
+        if self.cold_executors == 0 and self.needs_cold_executors:
             raise ConfigError(ONE_EXECUTOR)
         if min(self.vram_budget_gb, self.cpu_threads, self.max_seq_len, self.max_ppl_increase) < 0:
             raise ConfigError("vram_budget_gb, cpu_threads, max_seq_len and max_ppl_increase "
@@ -201,6 +200,12 @@ class Config:
             raise ConfigError("kv_cache_gb and prefill_chunk must be >= 0")
         if self.prefill_pace != 0 and self.prefill_pace <= 1:
             raise ConfigError(f"prefill_pace must be 0 (off) or over 1, got {self.prefill_pace}")
+
+    @property
+    def needs_cold_executors(self) -> bool:
+        """What one executor with the whole model cannot run, as far as the configuration says
+        (`ONE_EXECUTOR`): a sparsity bundle, a GPU named, or a VRAM budget."""
+        return bool(self.bundle) or self.device == "cuda" or self.vram_budget_gb > 0
 
     @property
     def torch_dtype(self) -> torch.dtype:

@@ -135,8 +135,8 @@ def share_cores(models: tuple[ModelSpec, ...]) -> tuple[ModelSpec, ...]:
     out = []
     for m in models:
         b = m.base
-        if ("cold_executors" in m.settings or b.device != "cpu" or b.bundle
-                or b.vram_budget_gb > 0 or (m.resources and not m.cores)):
+        if ("cold_executors" in m.settings or b.needs_cold_executors or b.device != "cpu"
+                or (m.resources and not m.cores)):
             out.append(m)
             continue
         where = tuple(sorted(m.resources.items()))
