@@ -199,6 +199,22 @@ def test_activations_round_half_away_from_zero(isa):
     assert torch.equal(torch.round(got / scale).long(), want)
     assert torch.equal(K.quantize_input(x.unsqueeze(0))[0], want.float())  # the torch reference's
 
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_input_quantized_as_the_reference_on_every_row(isa, dtype):
+    # every row's 8-bit input, scale and block sum as the torch reference computes them, through
+    # Q8_0 identity rows (each output one value: its block's d times its code times the row's
+    # scale), wide rows of several magnitudes with exact halves and zero blocks among them
+    torch.manual_seed(11)
+    x = torch.randn(3, 1024) * torch.tensor([1e-3, 1.0, 300.0]).unsqueeze(1)
+    x[1, 64:96] = 0.0  # a zero block: d 0, codes 0
+    x[2, :32] = torch.arange(32) - 15.5  # max 16.5: halves of d to round
+    x = x.to(dtype)
+    scale = float(np.float16(1 / 127)) * 127
+    got = K.linear(x, K.quantize_rows(torch.eye(1024), "q8_0"), "q8_0")
+    want = K.quantize_input(x) * scale
+    assert torch.allclose(got, want, rtol=2e-6, atol=0), (got - want).abs().max()
+
 def test_reformat_keeps_the_neurons_and_their_weights():
     from powerinfer.model.sparse import NeuronSet
     torch.manual_seed(4)
