@@ -4,7 +4,7 @@ machine's read bandwidth and the torch path it replaces, in one run.
 
     .venv/bin/python benchmarks/kernel.py [--dim 4096] [--ffn 11008] [--layers 4] [--rows 1]
         [--formats bf16 i8 q4_0 q4_1] [--threads N] [--consecutive] [--also-isa avx512]
-        [--reads] [--plot FILE] [--out FILE]
+        [--reads] [--call-cost] [--plot FILE] [--out FILE]
 
 One FFN layer of the given shape per `--layers` (random weights, ReGLU: gate, up and down rows),
 rotated through so that no step finds its rows in the caches. For each share of active neurons
@@ -22,7 +22,10 @@ reduction over 1 GiB, best of 5).
 loaded once, XORed), by K records at a time per thread (K = 1, 2, 4, 8 streams side by side,
 the next K records prefetched into L2 over the pass), compiled here: what the memory gives
 for records of that size scattered as the selection scatters them, beside what the kernel
-gets from them.
+gets from them; and the kernel's steps as a native caller makes them (`native caller`: a turn
+over the layers in one call, each step through torch's dispatcher with no Python between, as a
+cold executor's `cold_serve` loop runs them), whose time per step leaves out the 5-10 us a call
+from Python costs the module's column.
 """
 from __future__ import annotations
 
@@ -54,6 +57,7 @@ STREAMS = (1, 2, 4, 8)
 
 READS = r"""
 #include <torch/extension.h>
+#include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 #include <algorithm>
@@ -86,6 +90,14 @@ int64_t reads_k(const uint8_t* w, int64_t rb, const int64_t* sel, int64_t m) {
   for (int64_t p : part) x ^= p;
   return x;
 }
+// One turn over the layers as a native caller makes it (a cold executor's loop, `cold_serve`):
+// each layer's step through the dispatcher, with no Python between them
+void steps(torch::Tensor x, std::vector<torch::Tensor> recs, torch::Tensor sel, int64_t act, int64_t fmt) {
+  static auto op = c10::Dispatcher::singleton().findSchemaOrThrow("powerinfer::neuron_ffn", "")
+      .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&,
+                        const std::optional<at::Tensor>&, double, int64_t, int64_t)>();
+  for (const auto& w : recs) op.call(x, w, sel, std::nullopt, std::nullopt, 0.0, act, fmt);
+}
 int64_t reads(torch::Tensor w, torch::Tensor sel, int64_t k) {
   TORCH_CHECK(w.dim() == 2 && w.scalar_type() == torch::kByte && w.is_contiguous() && w.size(1) % 64 == 0);
   const uint8_t* p = w.data_ptr<uint8_t>();
@@ -101,12 +113,12 @@ int64_t reads(torch::Tensor w, torch::Tensor sel, int64_t k) {
 
 
 def reads_op():
-    """The record reader above, compiled for this machine (AVX2)."""
+    """The record reader and the native caller above, compiled for this machine (AVX2)."""
     import tempfile
     from torch.utils.cpp_extension import load_inline
-    return load_inline("kernel_reads", cpp_sources=[READS], functions=["reads"],
+    return load_inline("kernel_reads", cpp_sources=[READS], functions=["reads", "steps"],
                        extra_cflags=["-O3", "-mavx2", "-fopenmp"], build_directory=tempfile.mkdtemp(),
-                       verbose=False).reads
+                       verbose=False)
 
 
 def subsets(layers: int, active: int, record: int, llc: int) -> int:
@@ -149,6 +161,10 @@ def main():
                          "in the same run: avx512 has no VNNI, avx512bf16 does)")
     ap.add_argument("--reads", action="store_true",
                     help="beside each format, the same records read with nothing computed")
+    ap.add_argument("--call-cost", action="store_true",
+                    help="only what a call costs apart from its records: one neuron's step, its "
+                         "record in cache, by index and by mask, from Python and from a native "
+                         "caller (median of 20,000 each)")
     ap.add_argument("--plot", default=None, help="write the plot (PNG)")
     ap.add_argument("--out", default=None, help="write the results as JSON")
     args = ap.parse_args()
@@ -166,10 +182,13 @@ def main():
     sets = {"torch": [NeuronSet("reglu", w1[i], None, w2[i], everyone) for i in range(L)]}
     for f in args.formats:
         sets[f] = [NeuronSet("reglu", w1[i], None, w2[i], everyone, f) for i in range(L)]
+    if args.call_cost:
+        return call_cost(sets, x.reshape(B, d), args)
     dense = [torch.cat([w1[i], w2[i].t()]) for i in range(L)]  # the same bytes as one matmul
     del w1, w2
     results = []
-    reads = reads_op() if args.reads else None
+    ext = reads_op() if args.reads else None
+    reads = ext.reads if ext else None
     llc = last_level_cache()
     smallest = min(kernels.record_bytes(f, d, gated=True)
                    for f in args.formats)
@@ -211,6 +230,14 @@ def main():
                 rb = recs[0].shape[1]
                 if rb % 64:  # (the reader takes whole lines)
                     continue
+                # the same steps with no Python between them, as a cold executor's native loop
+                # calls the kernel: a turn over the layers at once, its time per step
+                x2 = x.reshape(B, d)
+                act, fid = kernels.ACTS.index("reglu"), kernels.FORMATS.index(fmt)
+                tn = timed(lambda i: ext.steps(x2, recs, sel(i * L), act, fid), 1,
+                           max(3, args.reps // L), len(sels)) / L
+                results.append({"method": f"kernel {fmt}, native caller", "share": share,
+                                "ms": tn * 1e3, "gbs": nbytes / tn / 1e9})
                 best = 0.0
                 for k in STREAMS:
                     t = timed(lambda i: reads(recs[i % L], sel(i), k), L, args.reps, len(sels))
@@ -219,6 +246,8 @@ def main():
                                     "ms": t * 1e3, "gbs": nbytes / t / 1e9})
                 results.append({"method": f"kernel {fmt} / best reads", "share": share,
                                 "ratio": gbs / best})
+                results.append({"method": f"kernel {fmt}, native caller / best reads",
+                                "share": share, "ratio": nbytes / tn / 1e9 / best})
     bw = read_bandwidth(torch.float32)
     print(f"# {datetime.date.today()} {platform.processor() or platform.machine()}, kernel ISA "
           f"{kernels.isa()}, {torch.get_num_threads()} threads, torch {torch.__version__}, "
@@ -244,6 +273,46 @@ def main():
     if args.out:
         Path(args.out).write_text(json.dumps({"bandwidth": bw, "isa": kernels.isa(),
                                               "results": results}, indent=1))
+
+
+def call_cost(sets, x, args):
+    """A step of one neuron (record 5 of the first layer, in cache after the first call) by
+    each way a caller asks for it: what a call costs beside reading its records."""
+    ext = reads_op()
+    n = sets[args.formats[0]][0].records.shape[0]
+    one, mask = torch.tensor([5]), torch.zeros(n, dtype=torch.bool)
+    mask[5] = True
+    act = kernels.ACTS.index("reglu")
+
+    def median_us(fn, reps=20000):
+        for _ in range(1000):
+            fn()
+        times = []
+        for _ in range(reps):
+            t = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t)
+        return statistics.median(times) * 1e6
+
+    results = []
+    print(f"# {datetime.date.today()} {platform.processor() or platform.machine()}, kernel ISA "
+          f"{kernels.isa()}, {torch.get_num_threads()} threads, torch {torch.__version__}; "
+          f"one neuron's step of {x.shape[1]} inputs, its record in cache, median us")
+    print("| format | from Python, by index | by mask | native caller, by index | by mask |")
+    print("|---|---:|---:|---:|---:|")
+    with torch.inference_mode():
+        for f in args.formats:
+            w, fid = sets[f][0].records, kernels.FORMATS.index(f)
+            row = {"format": f}
+            for how, sel in (("index", one), ("mask", mask)):
+                row[f"python {how}"] = median_us(lambda: kernels.neuron_ffn(x, w, sel, None, None, 0.0, "reglu", f))
+                # a turn of 100 steps in one call, its time per step
+                row[f"native {how}"] = median_us(lambda: ext.steps(x, [w] * 100, sel, act, fid), 400) / 100
+            results.append(row)
+            print(f"| {f} | {row['python index']:.2f} | {row['python mask']:.2f} | "
+                  f"{row['native index']:.2f} | {row['native mask']:.2f} |")
+    if args.out:
+        Path(args.out).write_text(json.dumps({"isa": kernels.isa(), "call_cost_us": results}, indent=1))
 
 
 def plot(results, methods, bw, args, path: Path):
