@@ -298,19 +298,24 @@ def call_cost(sets, x, args):
     print(f"# {datetime.date.today()} {platform.processor() or platform.machine()}, kernel ISA "
           f"{kernels.isa()}, {torch.get_num_threads()} threads, torch {torch.__version__}; "
           f"one neuron's step of {x.shape[1]} inputs, its record in cache, median us")
-    print("| format | from Python, by index | by mask | native caller, by index | by mask |")
-    print("|---|---:|---:|---:|---:|")
+    print("| format | kernel ISA | from Python, by index | by mask | native caller, by index | by mask |")
+    print("|---|---|---:|---:|---:|---:|")
     with torch.inference_mode():
-        for f in args.formats:
-            w, fid = sets[f][0].records, kernels.FORMATS.index(f)
-            row = {"format": f}
-            for how, sel in (("index", one), ("mask", mask)):
-                row[f"python {how}"] = median_us(lambda: kernels.neuron_ffn(x, w, sel, None, None, 0.0, "reglu", f))
-                # a turn of 100 steps in one call, its time per step
-                row[f"native {how}"] = median_us(lambda: ext.steps(x, [w] * 100, sel, act, fid), 400) / 100
-            results.append(row)
-            print(f"| {f} | {row['python index']:.2f} | {row['python mask']:.2f} | "
-                  f"{row['native index']:.2f} | {row['native mask']:.2f} |")
+        for isa in dict.fromkeys([kernels.isa(), args.also_isa or kernels.isa()]):
+            before = torch.ops.powerinfer.use_isa(isa)
+            for f in args.formats:
+                w, fid = sets[f][0].records, kernels.FORMATS.index(f)
+                row = {"format": f, "isa": isa}
+                for how, sel in (("index", one), ("mask", mask)):
+                    row[f"python {how}"] = median_us(
+                        lambda: kernels.neuron_ffn(x, w, sel, None, None, 0.0, "reglu", f))
+                    # a turn of 100 steps in one call, its time per step
+                    row[f"native {how}"] = median_us(lambda: ext.steps(x, [w] * 100, sel, act, fid),
+                                                     400) / 100
+                results.append(row)
+                print(f"| {f} | {isa} | {row['python index']:.2f} | {row['python mask']:.2f} | "
+                      f"{row['native index']:.2f} | {row['native mask']:.2f} |")
+            torch.ops.powerinfer.use_isa(before)
     if args.out:
         Path(args.out).write_text(json.dumps({"isa": kernels.isa(), "call_cost_us": results}, indent=1))
 
