@@ -794,7 +794,7 @@ inline void axpy_block(const uint8_t* const* rows, int64_t blk, const float (*h)
 }
 
 // A line of a row a pass will read, asked for into every level of the caches (prefetcht0). Into
-// L2 only (prefetcht1), the records kernel took 1.17-1.32x as long on a Zen 5 core at 5-100%
+// L2 only (prefetcht1), the records kernel took 1.10-1.38x as long on a Zen 5 VM at 5-100%
 // active, 2 threads (prefetchnta as fast as t0); on Zen 3 the three were not distinguishable.
 inline void prefetch_line(const uint8_t* p) { _mm_prefetch((const char*)p, _MM_HINT_T0); }
 
