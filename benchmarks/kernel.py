@@ -20,9 +20,9 @@ reduction over 1 GiB, best of 5).
 
 `--reads`: for each format, the same selected records read and nothing computed (every byte
 loaded once, XORed), by K records at a time per thread (K = 1, 2, 4, 8 streams side by side,
-the next K records prefetched into L2 over the pass), compiled here: what the memory gives
-for records of that size scattered as the selection scatters them, beside what the kernel
-gets from them; and the kernel's steps as a native caller makes them (`native caller`: a turn
+the next K records prefetched over the pass with prefetcht0, as the kernel asks for its rows),
+compiled here: what the memory gives for records of that size scattered as the selection
+scatters them, beside what the kernel gets from them; and the kernel's steps as a native caller makes them (`native caller`: a turn
 over the layers in one call, each step through torch's dispatcher with no Python between, as a
 cold executor's `cold_serve` loop runs them), whose time per step leaves out the 5-10 us a call
 from Python costs the module's column, timed in turns with the same reads made the same way (a
@@ -65,7 +65,8 @@ READS = r"""
 #include <immintrin.h>
 #include <algorithm>
 // Records sel[j] of w (k, bytes), K at a time per thread: their lines loaded side by side and
-// XORed; the next K records prefetched into L2 over the same pass. Returns the XOR (kept).
+// XORed; the next K records prefetched over the same pass (prefetcht0, as the kernel does: on a
+// Zen 5 VM t1 read 1.1-1.4x slower). Returns the XOR (kept).
 template <int K>
 int64_t reads_k(const uint8_t* w, int64_t rb, const int64_t* sel, int64_t m) {
   std::vector<int64_t> part(at::get_num_threads(), 0);
@@ -80,7 +81,7 @@ int64_t reads_k(const uint8_t* w, int64_t rb, const int64_t* sel, int64_t m) {
       }
       for (int64_t o = 0; o + 64 <= rb; o += 64)
         for (int k = 0; k < K; k++) {
-          if (pf[k]) _mm_prefetch((const char*)(pf[k] + o), _MM_HINT_T1);
+          if (pf[k]) _mm_prefetch((const char*)(pf[k] + o), _MM_HINT_T0);
           acc = _mm256_xor_si256(acc, _mm256_xor_si256(_mm256_loadu_si256((const __m256i*)(r[k] + o)),
                                                        _mm256_loadu_si256((const __m256i*)(r[k] + o + 32))));
         }
@@ -100,6 +101,23 @@ void steps(torch::Tensor x, std::vector<torch::Tensor> recs, torch::Tensor sel, 
       .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&,
                         const std::optional<at::Tensor>&, double, int64_t, int64_t)>();
   for (const auto& w : recs) op.call(x, w, sel, std::nullopt, std::nullopt, 0.0, act, fmt);
+}
+// A shard's step as a cold executor makes it: the masks over the layer's neurons, the shard's
+// (ascending) indices, n steps; and the same as it was made before (the masks' columns gathered
+// at the shard's indices with index_select, then the kernel by mask), for the same-run ratio
+void shard_steps(torch::Tensor x, torch::Tensor w, torch::Tensor idx, torch::Tensor mask, int64_t n,
+                 int64_t act, int64_t fmt, bool gathered) {
+  static auto masked = c10::Dispatcher::singleton().findSchemaOrThrow("powerinfer::masked_records", "")
+      .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                        const std::optional<at::Tensor>&, double, int64_t, int64_t)>();
+  static auto op = c10::Dispatcher::singleton().findSchemaOrThrow("powerinfer::neuron_ffn", "")
+      .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&,
+                        const std::optional<at::Tensor>&, double, int64_t, int64_t)>();
+  for (int64_t i = 0; i < n; i++)
+    if (gathered)
+      op.call(x, w, mask.index_select(1, idx)[0].contiguous(), std::nullopt, std::nullopt, 0.0, act, fmt);
+    else
+      masked.call(x, w, idx, mask, std::nullopt, 0.0, act, fmt);
 }
 int64_t reads(torch::Tensor w, torch::Tensor sel, int64_t k);
 // The reads above over the layers in one call (as `steps` calls the kernel)
@@ -126,7 +144,7 @@ def reads_op():
     """The record reader and the native caller above, compiled for this machine (AVX2)."""
     import tempfile
     from torch.utils.cpp_extension import load_inline
-    return load_inline("kernel_reads", cpp_sources=[READS], functions=["reads", "steps", "reads_steps"],
+    return load_inline("kernel_reads", cpp_sources=[READS], functions=["reads", "steps", "reads_steps", "shard_steps"],
                        extra_cflags=["-O3", "-mavx2", "-fopenmp"], build_directory=tempfile.mkdtemp(),
                        verbose=False)
 
@@ -333,8 +351,12 @@ def call_cost(sets, x, args):
     print(f"# {datetime.date.today()} {platform.processor() or platform.machine()}, kernel ISA "
           f"{kernels.isa()}, {torch.get_num_threads()} threads, torch {torch.__version__}; "
           f"one neuron's step of {x.shape[1]} inputs, its record in cache, median us")
-    print("| format | kernel ISA | from Python, by index | by mask | native caller, by index | by mask |")
-    print("|---|---|---:|---:|---:|---:|")
+    # a shard: the records held as the first n of a layer of 1.5 n neurons (its masks that wide)
+    idx, wide = torch.arange(n), torch.zeros(1, n + n // 2, dtype=torch.bool)
+    wide[0, 5] = True
+    print("| format | kernel ISA | from Python, by index | by mask | native caller, by index | by mask "
+          "| a shard's mask (a cold executor's step) | the same, its columns gathered first (before) |")
+    print("|---|---|---:|---:|---:|---:|---:|---:|")
     with torch.inference_mode():
         for isa in dict.fromkeys([kernels.isa(), args.also_isa or kernels.isa()]):
             before = torch.ops.powerinfer.use_isa(isa)
@@ -347,9 +369,13 @@ def call_cost(sets, x, args):
                     # a turn of 100 steps in one call, its time per step
                     row[f"native {how}"] = median_us(lambda: ext.steps(x, [w] * 100, sel, act, fid),
                                                      400) / 100
+                for how, gathered in (("native shard mask", False), ("native shard gathered", True)):
+                    row[how] = median_us(lambda: ext.shard_steps(x, w, idx, wide, 100, act, fid, gathered),
+                                         400) / 100
                 results.append(row)
                 print(f"| {f} | {isa} | {row['python index']:.2f} | {row['python mask']:.2f} | "
-                      f"{row['native index']:.2f} | {row['native mask']:.2f} |")
+                      f"{row['native index']:.2f} | {row['native mask']:.2f} | "
+                      f"{row['native shard mask']:.2f} | {row['native shard gathered']:.2f} |")
             torch.ops.powerinfer.use_isa(before)
     if args.out:
         Path(args.out).write_text(json.dumps({"isa": kernels.isa(), "call_cost_us": results}, indent=1))

@@ -202,18 +202,54 @@ def test_activations_round_half_away_from_zero(isa):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_input_quantized_as_the_reference_on_every_row(isa, dtype):
-    # every row's 8-bit input, scale and block sum as the torch reference computes them, through
-    # Q8_0 identity rows (each output one value: its block's d times its code times the row's
-    # scale), wide rows of several magnitudes with exact halves and zero blocks among them
+    # every row's 8-bit codes, block scales d and block sums d * sum(q), bit for bit as the torch
+    # reference's rule gives them, over wide rows of several magnitudes with a zero block and a
+    # block of exact halves, read back exactly: Q8_0 rows of 127 at one place (d 1.0, code 127:
+    # each output 127 q times the input block's d, one rounding) for the codes and scales, and
+    # Q4_1 rows of ones over one block (d 0, m 1.0: each output the block's sum)
     torch.manual_seed(11)
-    x = torch.randn(3, 1024) * torch.tensor([1e-3, 1.0, 300.0]).unsqueeze(1)
+    dim = 1024
+    x = torch.randn(3, dim) * torch.tensor([1e-3, 1.0, 300.0]).unsqueeze(1)
     x[1, 64:96] = 0.0  # a zero block: d 0, codes 0
-    x[2, :32] = torch.arange(32) - 15.5  # max 16.5: halves of d to round
+    x[2, :31] = torch.arange(31) - 15.5
+    x[2, 31] = 127.0  # d = 1: every other value of the block a half, rounded away from zero
     x = x.to(dtype)
-    scale = float(np.float16(1 / 127)) * 127
-    got = K.linear(x, K.quantize_rows(torch.eye(1024), "q8_0"), "q8_0")
-    want = K.quantize_input(x) * scale
-    assert torch.allclose(got, want, rtol=2e-6, atol=0), (got - want).abs().max()
+    b = x.float().reshape(3, -1, 32)
+    d = b.abs().amax(-1, keepdim=True) / 127
+    v = b * torch.where(d != 0, 1 / d, 0)
+    t = torch.trunc(v)
+    q = (t + (v - t >= 0.5).float() - (v - t <= -0.5).float()).to(torch.int32)
+    assert (q[2, 0, :31].abs() == (torch.arange(31) - 15.5).abs().add(0.5).int()).all()
+    got = K.linear(x, K.quantize_rows(127 * torch.eye(dim), "q8_0"), "q8_0")
+    assert torch.equal(got, ((127 * q).float() * d).reshape(3, dim))
+    ones = torch.zeros(dim // 32, dim)  # row i: ones over block i
+    for i in range(dim // 32):
+        ones[i, 32 * i:32 * i + 32] = 1.0
+    got = K.linear(x, K.quantize_rows(ones, "q4_1"), "q4_1")
+    assert torch.equal(got, d[..., 0] * q.sum(-1).float())
+
+
+def test_a_shards_masked_records_are_the_masks_neurons_it_holds(isa):
+    # a cold executor's step: the predictor's masks over the layer's neurons (one row a
+    # sequence), its records a shard of them (ascending indices); the neurons any row selects
+    # among those it holds, each row keeping its own, as the masks' columns gathered at the
+    # shard's indices select them (the same sums in the same order)
+    from powerinfer.model.sparse import NeuronSet
+    torch.manual_seed(5)
+    ffn, dim = 300, 64
+    idx = torch.randperm(ffn)[:170].sort().values
+    s = NeuronSet("reglu", torch.randn(2 * ffn, dim), None, torch.randn(dim, ffn), idx, "q4_0")
+    act, fmt = K.ACTS.index("reglu"), K.FORMATS.index("q4_0")
+    for rows, share in ((1, 0.1), (3, 0.1), (5, 0.6), (2, 0.0)):
+        x = torch.randn(rows, dim)
+        mask = torch.rand(rows, ffn) < share
+        got = torch.ops.powerinfer.masked_records(x, s.records, idx, mask, None, 0.0, act, fmt)
+        cols = mask[:, idx]
+        want = K.neuron_ffn(x, s.records, cols.any(0), cols if rows > 1 else None, None, 0.0,
+                            "reglu", "q4_0")
+        assert torch.equal(got, want), (rows, share)
+        if share:
+            assert cols.any() and mask[:, torch.ones(ffn, dtype=torch.bool).index_fill_(0, idx, False)].any()
 
 def test_reformat_keeps_the_neurons_and_their_weights():
     from powerinfer.model.sparse import NeuronSet

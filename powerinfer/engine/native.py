@@ -72,8 +72,10 @@ def ffn_entry(s: nn.Module, threshold: float = 0.0) -> tuple | None:
     elif isinstance(s, FFN):
         w1, w2, plain = s.w1, s.w2, True  # (a bias: `runs` refuses it)
     elif isinstance(s, NeuronSet) and s.records is not None and s.bias32 is None:
-        return (s.records, _EMPTY, 2, kernels.FORMATS.index(s.fmt), 0, 0, s.idx.to(torch.int64).contiguous(),
-                float(threshold))
+        idx = s.idx.to(torch.int64).contiguous()
+        if len(idx) > 1 and not bool((idx[1:] > idx[:-1]).all()):
+            return None  # (the loops find a mask's neurons by a search: in order only)
+        return (s.records, _EMPTY, 2, kernels.FORMATS.index(s.fmt), 0, 0, idx, float(threshold))
     else:
         return None
     if plain and (a := matrix(w1)) and a[1] < 0 and (b := matrix(w2)):

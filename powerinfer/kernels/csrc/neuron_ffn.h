@@ -283,9 +283,11 @@ constexpr int NV = 32 / W;  // vectors per 32-weight block
 // The input rows (B, dim) as the integer dot products read them (see `Input` above): per block
 // of 32, d = max |x| / 127, q = round(x / d) in [-127, 127] half away from zero (the Q8_0
 // rounding ggml applies to activations; d stays float32 here), and d * sum(q). x float32, or bf16
-// (as uint16_t) where `bf16`, read as it is. A NaN is skipped by the max (as fmax skips it), and
-// |x / d| <= 127 rounds exactly (x - trunc(x) is exact at that size): the values the torch
-// reference (`kernels.quantize_input`) gives. A block at a time in vectors, compiled per
+// (as uint16_t) where `bf16`, read as it is. |x / d| <= 127 rounds exactly (x - trunc(x) is
+// exact at that size): for finite blocks the values the torch reference
+// (`kernels.quantize_input`) gives. (A NaN is skipped by the max, as fmax skips it; a block with a
+// NaN or an infinity, or whose max is below about 4e-37 so that 1 / d overflows, gets codes that
+// differ between the instruction sets and from the reference: no finite answer comes of it.) A block at a time in vectors, compiled per
 // instruction set: built for the baseline ISA in ops.cpp this was 3.3 of a one-neuron call's 8.5
 // us on a 4,096-wide input (measured).
 inline void quantize(const void* x, bool bf16, int64_t B, int64_t dim, int8_t* q, float* d, float* s) {

@@ -194,17 +194,19 @@ static at::Tensor neuron_ffn(const at::Tensor& x, const at::Tensor& w, const at:
     used[t] = 1;
     k.range(a, begin, end, o);
   });
-  int64_t first = -1;
-  for (int64_t t = 0; t < nt; t++) {
-    if (!used[t]) continue;
-    if (first < 0) {
-      first = t;
-      continue;
-    }
-    float *dst = pp + first * B * dim, *src = pp + t * B * dim;
-    for (int64_t i = 0; i < B * dim; i++) dst[i] += src[i];
+  std::vector<int64_t> wrote;
+  for (int64_t t = 0; t < nt; t++)
+    if (used[t]) wrote.push_back(t);
+  if (wrote.size() > 1) {  // into the first, in the threads' order (a prompt's rows: in parallel)
+    float* dst = pp + wrote[0] * B * dim;
+    at::parallel_for(0, B * dim, 16384, [&](int64_t i0, int64_t i1) {
+      for (size_t t = 1; t < wrote.size(); t++) {
+        const float* src = pp + wrote[t] * B * dim;
+        for (int64_t i = i0; i < i1; i++) dst[i] += src[i];
+      }
+    });
   }
-  at::Tensor y = first < 0 ? at::zeros({B, dim}, part.options()) : part[first];
+  at::Tensor y = wrote.empty() ? at::zeros({B, dim}, part.options()) : part[wrote[0]];
   return x.scalar_type() == at::kFloat ? y : y.to(x.scalar_type());
 }
 
@@ -272,11 +274,52 @@ static at::Tensor masked_records(const at::Tensor& x, const at::Tensor& w, const
   TORCH_CHECK(mask.scalar_type() == at::kBool && mask.dim() == 2 && mask.size(0) == x.size(0),
               "masks: (B, ffn_dim) bool, one row per input row");
   const int64_t k = idx.defined() ? idx.numel() : 0;
+  TORCH_CHECK(!k || (idx.scalar_type() == at::kLong && idx.dim() == 1), "idx: (k,) int64, ascending");
   TORCH_CHECK((k ? k : mask.size(1)) == w.size(0), "the masks' neurons are the records'");
   const bool whole = !k || k == mask.size(1);
-  const at::Tensor cols = whole ? mask : mask.index_select(1, idx);  // (B, k)
-  if (x.size(0) == 1) return neuron_ffn(x, w, cols[0].contiguous(), std::nullopt, bias, threshold, act, fmt);
-  return neuron_ffn(x, w, cols.any(0), cols.contiguous(), bias, threshold, act, fmt);
+  if (whole) {
+    if (x.size(0) == 1) return neuron_ffn(x, w, mask[0].contiguous(), std::nullopt, bias, threshold, act, fmt);
+    return neuron_ffn(x, w, mask.any(0), mask.contiguous(), bias, threshold, act, fmt);
+  }
+  // a shard of the layer's neurons (a cold executor's, idx ascending: `native.ffn_entry` holds
+  // none other): the positions of the neurons any row's mask selects, found by a search in idx
+  // for each (the masks read eight flags a load), and each row's own among them. The masks'
+  // columns gathered at every index of the shard (index_select) cost 14 us a 7B layer's step
+  // (7,700 of 11,008 neurons), more than a 1% share's records take to read.
+  const at::Tensor masks = mask.contiguous(), ids = idx.contiguous();
+  const bool* mp = masks.data_ptr<bool>();
+  const int64_t* ip = ids.data_ptr<int64_t>();
+  const int64_t B = mask.size(0), D = mask.size(1);
+  std::vector<int64_t> pos, js;  // positions in the shard and the neurons they hold
+  int64_t lo = 0;
+  for (int64_t j0 = 0; j0 < D && lo < k; j0 += 8) {
+    const int64_t n8 = std::min<int64_t>(8, D - j0);
+    uint64_t any = n8 < 8;  // (the last few flags: each read below)
+    for (int64_t r = 0; r < B && n8 == 8; r++) {
+      uint64_t word;
+      std::memcpy(&word, mp + r * D + j0, 8);
+      any |= word;
+    }
+    if (!any) continue;
+    for (int64_t j = j0; j < j0 + n8 && lo < k; j++) {
+      bool set = false;
+      for (int64_t r = 0; r < B && !set; r++) set = mp[r * D + j];
+      if (!set) continue;
+      lo = std::lower_bound(ip + lo, ip + k, j) - ip;
+      if (lo < k && ip[lo] == j) {
+        pos.push_back(lo);
+        js.push_back(j);
+      }
+    }
+  }
+  const int64_t m = (int64_t)pos.size();
+  const at::Tensor sel = at::from_blob(pos.data(), {m}, at::TensorOptions().dtype(at::kLong));
+  if (B == 1) return neuron_ffn(x, w, sel, std::nullopt, bias, threshold, act, fmt);
+  at::Tensor keep = at::empty({B, m}, masks.options());
+  bool* kp = keep.data_ptr<bool>();
+  for (int64_t r = 0; r < B; r++)
+    for (int64_t i = 0; i < m; i++) kp[r * m + i] = mp[r * D + js[i]];
+  return neuron_ffn(x, w, sel, keep, bias, threshold, act, fmt);
 }
 
 // A decode step of a layer's neurons as the sparse engine's modules run it with a predictor
@@ -1565,6 +1608,8 @@ TORCH_LIBRARY(powerinfer, m) {
   m.def("linear(Tensor x, Tensor w, int fmt) -> Tensor");
   m.def("predicted_ffn(Tensor x, Tensor p, Tensor fc1, Tensor fc2, int pred_fmt, float pred_threshold, Tensor w, "
         "Tensor? bias, float threshold, int act, int fmt) -> Tensor");
+  m.def("masked_records(Tensor x, Tensor w, Tensor idx, Tensor mask, Tensor? bias, float threshold, int act, "
+        "int fmt) -> Tensor");
   m.def("linear_x16(Tensor x, Tensor w, int n, int layout) -> Tensor");
   m.def("linear_q4c(Tensor x, Tensor w, int n, int kind, float threshold, Tensor(a!)? stats) -> Tensor");
   m.def("rms_norm(Tensor x, Tensor w, float eps) -> Tensor");
@@ -1604,6 +1649,7 @@ TORCH_LIBRARY_IMPL(powerinfer, CPU, m) {
   m.impl("widen_out", powerinfer::widen_out);
   m.impl("linear", powerinfer::linear);
   m.impl("predicted_ffn", powerinfer::predicted_ffn);
+  m.impl("masked_records", powerinfer::masked_records);
   m.impl("linear_x16", powerinfer::linear_x16);
   m.impl("linear_q4c", powerinfer::linear_q4c);
   m.impl("rms_norm", powerinfer::rms_norm);
