@@ -307,8 +307,10 @@ def main():
 
 def interleaved(fns, sels, turns: int) -> list[float]:
     """The median time of each fn(selection), the fns called in turns: call c reads selection
-    c % len(sels) (each fn a different one from the fn before, so that none finds the records the
-    last call read still cached), after a warm-up that reads every selection once."""
+    c % len(sels), each fn another one than the fn before it, after a warm-up that reads every
+    selection once. Random selections share about the active share of their records, and with
+    `--consecutive` there is one selection: those records may come from the caches, to every fn
+    alike."""
     calls = 0
 
     def call(fn):
