@@ -4,7 +4,7 @@ machine's read bandwidth and the torch path it replaces, in one run.
 
     .venv/bin/python benchmarks/kernel.py [--dim 4096] [--ffn 11008] [--layers 4] [--rows 1]
         [--formats bf16 i8 q4_0 q4_1] [--threads N] [--consecutive] [--also-isa avx512]
-        [--reads] [--call-cost] [--plot FILE] [--out FILE]
+        [--cpu-isa CLASS] [--reads] [--call-cost] [--plot FILE] [--out FILE]
 
 One FFN layer of the given shape per `--layers` (random weights, ReGLU: gate, up and down rows),
 rotated through so that no step finds its rows in the caches. For each share of active neurons
@@ -187,6 +187,8 @@ def main():
     ap.add_argument("--also-isa", default=None, choices=kernels.ISAS,
                     help="time every kernel format under this instruction set as well (an A/B "
                          "in the same run: avx512 has no VNNI, avx512bf16 does)")
+    ap.add_argument("--cpu-isa", default="auto", choices=("auto", *kernels.ISAS),
+                    help="hold the kernel to this class for the whole run (as Config.cpu_isa)")
     ap.add_argument("--reads", action="store_true",
                     help="beside each format, the same records read with nothing computed")
     ap.add_argument("--call-cost", action="store_true",
@@ -199,6 +201,7 @@ def main():
     if args.threads:
         torch.set_num_threads(args.threads)
     assert kernels.available(), "the CPU FFN kernel cannot run here"
+    kernels.hold(args.cpu_isa)
     d, n, L, B = args.dim, args.ffn, args.layers, args.rows
     g = torch.Generator().manual_seed(0)
     # (L, 2n, d) [gate; up] and (L, d, n) down, bf16; the input makes every gate and up positive
