@@ -22,13 +22,13 @@ reduction over 1 GiB, best of 5).
 loaded once, XORed), by K records at a time per thread (K = 1, 2, 4, 8 streams side by side,
 the next K records prefetched over the pass with prefetcht0, as the kernel asks for its rows),
 compiled here: what the memory gives for records of that size scattered as the selection
-scatters them, beside what the kernel gets from them; and the kernel's steps as a native caller makes them (`native caller`: a turn
-over the layers in one call, each step through torch's dispatcher with no Python between, as a
-cold executor's `cold_serve` loop runs them), whose time per step leaves out the 5-10 us a call
-from Python costs the module's column, timed in turns with the same reads made the same way (a
-turn over the layers in one call, for each stream count): the ratio "native caller / best reads
-in turns" compares two timings of the same minutes, where this VM's read bandwidth moved between
-48 and 80 GB/s within minutes.
+scatters them, beside what the kernel gets from them; and the kernel's steps as a native caller
+makes them (`native caller`: a turn over the layers in one call, each step through torch's
+dispatcher with no Python between, as a cold executor's `cold_serve` loop runs them), whose time
+per step leaves out the 5-10 us a call from Python costs the module's column, timed in turns
+with the same reads made the same way (a turn over the layers in one call, for each stream
+count): the ratio "native caller / best reads in turns" compares two timings of the same
+minutes, where this VM's read bandwidth moved between 48 and 80 GB/s within minutes.
 """
 from __future__ import annotations
 
@@ -94,12 +94,19 @@ int64_t reads_k(const uint8_t* w, int64_t rb, const int64_t* sel, int64_t m) {
   for (int64_t p : part) x ^= p;
   return x;
 }
+// The kernel library's ops through the dispatcher, as its native loops call the kernel
+using T = const at::Tensor&;
+using Opt = const std::optional<at::Tensor>&;
+using NeuronFFN = at::Tensor(T, T, T, Opt, Opt, double, int64_t, int64_t);  // x w sel keep bias ...
+using MaskedRecords = at::Tensor(T, T, T, T, Opt, double, int64_t, int64_t);  // x w idx mask bias ...
+template <typename Sig>
+c10::TypedOperatorHandle<Sig> kernel_op(const char* name) {
+  return c10::Dispatcher::singleton().findSchemaOrThrow(name, "").typed<Sig>();
+}
 // One turn over the layers as a native caller makes it (a cold executor's loop, `cold_serve`):
 // each layer's step through the dispatcher, with no Python between them
 void steps(torch::Tensor x, std::vector<torch::Tensor> recs, torch::Tensor sel, int64_t act, int64_t fmt) {
-  static auto op = c10::Dispatcher::singleton().findSchemaOrThrow("powerinfer::neuron_ffn", "")
-      .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&,
-                        const std::optional<at::Tensor>&, double, int64_t, int64_t)>();
+  static auto op = kernel_op<NeuronFFN>("powerinfer::neuron_ffn");
   for (const auto& w : recs) op.call(x, w, sel, std::nullopt, std::nullopt, 0.0, act, fmt);
 }
 // A shard's step as a cold executor makes it: the masks over the layer's neurons, the shard's
@@ -107,12 +114,8 @@ void steps(torch::Tensor x, std::vector<torch::Tensor> recs, torch::Tensor sel, 
 // at the shard's indices with index_select, then the kernel by mask), for the same-run ratio
 void shard_steps(torch::Tensor x, torch::Tensor w, torch::Tensor idx, torch::Tensor mask, int64_t n,
                  int64_t act, int64_t fmt, bool gathered) {
-  static auto masked = c10::Dispatcher::singleton().findSchemaOrThrow("powerinfer::masked_records", "")
-      .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                        const std::optional<at::Tensor>&, double, int64_t, int64_t)>();
-  static auto op = c10::Dispatcher::singleton().findSchemaOrThrow("powerinfer::neuron_ffn", "")
-      .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&,
-                        const std::optional<at::Tensor>&, double, int64_t, int64_t)>();
+  static auto op = kernel_op<NeuronFFN>("powerinfer::neuron_ffn");
+  static auto masked = kernel_op<MaskedRecords>("powerinfer::masked_records");
   for (int64_t i = 0; i < n; i++)
     if (gathered)
       op.call(x, w, mask.index_select(1, idx)[0].contiguous(), std::nullopt, std::nullopt, 0.0, act, fmt);
@@ -144,7 +147,8 @@ def reads_op():
     """The record reader and the native caller above, compiled for this machine (AVX2)."""
     import tempfile
     from torch.utils.cpp_extension import load_inline
-    return load_inline("kernel_reads", cpp_sources=[READS], functions=["reads", "steps", "reads_steps", "shard_steps"],
+    return load_inline("kernel_reads", cpp_sources=[READS],
+                       functions=["reads", "steps", "reads_steps", "shard_steps"],
                        extra_cflags=["-O3", "-mavx2", "-fopenmp"], build_directory=tempfile.mkdtemp(),
                        verbose=False)
 
@@ -342,15 +346,8 @@ def call_cost(sets, x, args):
     mask[5] = True
     act = kernels.ACTS.index("reglu")
 
-    def median_us(fn, reps=20000):
-        for _ in range(1000):
-            fn()
-        times = []
-        for _ in range(reps):
-            t = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - t)
-        return statistics.median(times) * 1e6
+    def median_us(fn, reps=20000):  # (after 1,000 calls)
+        return timed(lambda i: fn(), 1, reps, 1000) * 1e6
 
     results = []
     print(f"# {datetime.date.today()} {platform.processor() or platform.machine()}, kernel ISA "
@@ -359,8 +356,9 @@ def call_cost(sets, x, args):
     # a shard: the records held as the first n of a layer of 1.5 n neurons (its masks that wide)
     idx, wide = torch.arange(n), torch.zeros(1, n + n // 2, dtype=torch.bool)
     wide[0, 5] = True
-    print("| format | kernel ISA | from Python, by index | by mask | native caller, by index | by mask "
-          "| a shard's mask (a cold executor's step) | the same, its columns gathered first (before) |")
+    print("| format | kernel ISA | from Python, by index | by mask | native caller, by index "
+          "| by mask | a shard's mask (a cold executor's step) "
+          "| the same, its columns gathered first (before) |")
     print("|---|---|---:|---:|---:|---:|---:|---:|")
     with torch.inference_mode():
         for isa in dict.fromkeys([kernels.isa(), args.also_isa or kernels.isa()]):
@@ -374,16 +372,18 @@ def call_cost(sets, x, args):
                     # a turn of 100 steps in one call, its time per step
                     row[f"native {how}"] = median_us(lambda: ext.steps(x, [w] * 100, sel, act, fid),
                                                      400) / 100
-                for how, gathered in (("native shard mask", False), ("native shard gathered", True)):
-                    row[how] = median_us(lambda: ext.shard_steps(x, w, idx, wide, 100, act, fid, gathered),
-                                         400) / 100
+                for how, gathered in (("native shard mask", False),
+                                      ("native shard gathered", True)):
+                    row[how] = median_us(
+                        lambda: ext.shard_steps(x, w, idx, wide, 100, act, fid, gathered), 400) / 100
                 results.append(row)
                 print(f"| {f} | {isa} | {row['python index']:.2f} | {row['python mask']:.2f} | "
                       f"{row['native index']:.2f} | {row['native mask']:.2f} | "
                       f"{row['native shard mask']:.2f} | {row['native shard gathered']:.2f} |")
             torch.ops.powerinfer.use_isa(before)
     if args.out:
-        Path(args.out).write_text(json.dumps({"isa": kernels.isa(), "call_cost_us": results}, indent=1))
+        Path(args.out).write_text(json.dumps({"isa": kernels.isa(), "call_cost_us": results},
+                                             indent=1))
 
 
 def plot(results, methods, bw, args, path: Path):

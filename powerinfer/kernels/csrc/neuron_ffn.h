@@ -287,9 +287,9 @@ constexpr int NV = 32 / W;  // vectors per 32-weight block
 // exact at that size): for finite blocks the values the torch reference
 // (`kernels.quantize_input`) gives. (A NaN is skipped by the max, as fmax skips it; a block with a
 // NaN or an infinity, or whose max is below about 4e-37 so that 1 / d overflows, gets codes that
-// differ between the instruction sets and from the reference: no finite answer comes of it.) A block at a time in vectors, compiled per
-// instruction set: built for the baseline ISA in ops.cpp this was 3.3 of a one-neuron call's 8.5
-// us on a 4,096-wide input (measured).
+// differ between the instruction sets and from the reference: no finite answer comes of it.) A
+// block at a time in vectors, compiled per instruction set: built for the baseline ISA in ops.cpp
+// this was 3.3 of a one-neuron call's 8.5 us on a 4,096-wide input (measured).
 inline void quantize(const void* x, bool bf16, int64_t B, int64_t dim, int8_t* q, float* d, float* s) {
   for (int64_t i = 0; i < B * dim / 32; i++) {
     V v[NV];
@@ -800,8 +800,8 @@ inline void axpy_block(const uint8_t* const* rows, int64_t blk, const float (*h)
 // active, 2 threads (prefetchnta as fast as t0); on Zen 3 the three were not distinguishable.
 inline void prefetch_line(const uint8_t* p) { _mm_prefetch((const char*)p, _MM_HINT_T0); }
 
-// Rows that a pass brings into the caches while it reads others (null: none): up to two rows in the
-// lead rows' format and one in the down rows'.
+// Rows that a pass brings into the caches while it reads others (null: none): up to two rows in
+// the lead rows' format and one in the down rows'.
 struct Ahead {
   const uint8_t* rows[2] = {nullptr, nullptr};
   const uint8_t* down = nullptr;
@@ -956,8 +956,8 @@ inline bool activations(const FFNArgs& a, int64_t jj, const float* g, const floa
 // Neurons sel[begin:end] as a pipeline over the records. Gated: the pass of neuron jj reads the
 // gate rows of jj+1 and the up rows of jj-1 (if its gate can let it fire), and brings into the
 // caches the gate rows of jj+2 and, if jj's gate opened (known from the pass before), its up and
-// down rows: every row that will be read arrives ahead of its pass, and no up or down row behind a
-// gate that stays shut is fetched (an up row left to the hardware arrived while it was read, a
+// down rows: every row that will be read arrives ahead of its pass, and no up or down row behind
+// a gate that stays shut is fetched (an up row left to the hardware arrived while it was read, a
 // third of a 4-bit neuron's time measured; prefetched for every neuron it doubled what a shut
 // gate costs). A plain ReLU FFN pipelines its up rows (the lead) with the down rows. The down
 // rows of the neurons that fired wait until DOWNS of them have, then are added together (one
