@@ -4,7 +4,7 @@ machine's read bandwidth and the torch path it replaces, in one run.
 
     .venv/bin/python benchmarks/kernel.py [--dim 4096] [--ffn 11008] [--layers 4] [--rows 1]
         [--formats bf16 i8 q4_0 q4_1] [--threads N] [--consecutive] [--also-isa avx512]
-        [--cpu-isa CLASS] [--reads] [--call-cost] [--plot FILE] [--out FILE]
+        [--cpu-isa CLASS] [--reads] [--call-cost] [--runs N] [--plot FILE] [--out FILE]
 
 One FFN layer of the given shape per `--layers` (random weights, ReGLU: gate, up and down rows),
 rotated through so that no step finds its rows in the caches. For each share of active neurons
@@ -37,6 +37,9 @@ import datetime
 import json
 import platform
 import statistics
+import subprocess
+import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -199,9 +202,16 @@ def main():
                     help="only what a call costs apart from its records: one neuron's step, its "
                          "record in cache, by index and by mask, from Python and from a native "
                          "caller (median of 20,000 each)")
+    ap.add_argument("--runs", type=int, default=1,
+                    help="the whole measurement in this many processes, one after another, and "
+                         "each ratio's median and range over them (a process's records sit where "
+                         "its allocations put them: on a VM the ratios moved 45-80%% between "
+                         "processes at the same share)")
     ap.add_argument("--plot", default=None, help="write the plot (PNG)")
     ap.add_argument("--out", default=None, help="write the results as JSON")
     args = ap.parse_args()
+    if args.runs > 1:
+        return over_runs(args)
     if args.threads:
         torch.set_num_threads(args.threads)
     assert kernels.available(), "the CPU FFN kernel cannot run here"
@@ -310,6 +320,41 @@ def main():
     if args.out:
         Path(args.out).write_text(json.dumps({"bandwidth": bw, "isa": kernels.isa(),
                                               "results": results}, indent=1))
+
+
+def over_runs(args):
+    """`--runs N`: this script run N times as it was called (less --runs, --plot and --out), each
+    process's tables printed, then each ratio's median (min-max) over the runs."""
+    argv, given = [], iter(sys.argv[1:])
+    for a in given:
+        if a.split("=")[0] in ("--runs", "--plot", "--out"):
+            if "=" not in a:
+                next(given, None)  # its value
+            continue
+        argv.append(a)
+    runs = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for i in range(args.runs):
+            out = Path(tmp) / f"run{i}.json"
+            print(f"## run {i + 1} of {args.runs}", flush=True)
+            subprocess.run([sys.executable, __file__, *argv, "--out", str(out)], check=True)
+            runs.append(json.loads(out.read_text()))
+    ratios = {}
+    for run in runs:
+        for r in run["results"]:
+            if "ratio" in r:
+                ratios.setdefault(r["method"], {}).setdefault(r["share"], []).append(r["ratio"])
+    print(f"# each ratio over {args.runs} processes: median (min-max)")
+    methods = list(ratios)
+    print("| active | " + " | ".join(methods) + " |")
+    print("|---:|" + "---:|" * len(methods))
+    for share in SHARES:
+        cells = [f"{statistics.median(v):.0%} ({min(v):.0%}-{max(v):.0%})"
+                 for v in (ratios[m].get(share, [float("nan")]) for m in methods)]
+        print(f"| {share:.0%} | " + " | ".join(cells) + " |")
+    if args.out:
+        Path(args.out).write_text(json.dumps({"runs": runs, "ratios": {
+            m: {str(k): v for k, v in by.items()} for m, by in ratios.items()}}, indent=1))
 
 
 def interleaved(fns, sels, turns: int) -> list[float]:
