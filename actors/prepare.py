@@ -79,7 +79,7 @@ def prepare(model: str, config: Config, gpu: bool):
     # projections it holds on the host (on a GPU host the hot side's widen: none there)
     got = input_thresholds(config, ckpt.path, config.weights == "int4" and not gpu)
     if got is not None:
-        plan = replace(plan, inputs=(got[0], MIN_ROWS))
+        plan = replace(plan, inputs=(got[0], MIN_ROWS, got[1].get("target")))
     done = Prepared(config, ckpt.args, ckpt.path, kv_blocks, max_seq, plan,
                     None if got is None else got[1], [])
     return done, ckpt.model_file(), tokenizer

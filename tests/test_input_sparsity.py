@@ -327,3 +327,51 @@ def test_the_actor_runtime_reads_only_the_kept_channels(input_bundle, monkeypatc
         assert share == pytest.approx(1 - got["kept"] / got["seen"])
     finally:
         actors.close()
+
+
+def test_a_size_not_faster_sparse_on_this_cpu_stays_dense(monkeypatch, caplog):
+    """At load each size of projection that may skip channels (here three 8,192-row Q4_0
+    matrices, MIN_ROWS by default) is timed sparse against dense on inputs a quarter under their
+    thresholds, and the load's log says what it found. A size not faster sparse stays dense (its
+    q4c copy dropped, nothing counted); a faster one reads by channel and counts from its first
+    step on, not the timing's steps. With MIN_ROWS 0 (every projection, to measure) nothing is
+    timed."""
+    import logging
+    g = torch.Generator().manual_seed(0)
+    n, k = 8192, 256
+
+    def q4():
+        return Q4Linear(torch.randint(0, 16, (n, k), generator=g, dtype=torch.uint8),
+                        torch.rand(n, k // 32, generator=g) * 0.01, torch.zeros(n, k // 32), None)
+    mods = [q4() for _ in range(3)]
+    parts = [(i, "qkv", m) for i, m in enumerate(mods)]
+    th = {(i, "qkv"): 0.5 for i in range(3)}
+    real, verdict, calls = isp._sparse_pays, {}, []
+
+    def timed(group, share):
+        calls.append(share)
+        found = real(group, share)  # the real timing, its verdict then overridden
+        assert all(m.sparse is not None for _, m in group)  # each left as it was made
+        return verdict["pays"] if "pays" in verdict else found
+    monkeypatch.setattr(isp, "_sparse_pays", timed)
+    with caplog.at_level(logging.INFO, logger="powerinfer"):
+        verdict["pays"] = False
+        taken, dense, stats = isp.attach_parts(parts, th)
+    assert (taken, dense, calls) == (0, 3, [isp.MEASURE_SHARE])
+    assert all(m.sparse is None for m in mods) and stats.tolist() == [0, 0]
+    assert "qkv, 8192 x 256 (3 projections): the sparse product at 25% of the input" in caplog.text
+    verdict["pays"] = True
+    taken, dense, stats = isp.attach_parts(parts, th, None, 0.5)
+    assert (taken, dense, calls[-1]) == (3, 0, 0.5) and stats.tolist() == [0, 0]
+    assert all(m.sparse is not None and m.sparse_stats is stats for m in mods)
+    x = torch.full((1, k), 1.0)
+    x[0, ::4] = 0.1  # a quarter under the threshold
+    with torch.inference_mode():
+        y = mods[0](x)
+    assert stats.tolist() == [3 * k // 4, k]
+    for m in mods:
+        m.sparsify_input(None)
+    with torch.inference_mode():
+        assert torch.allclose(y, mods[0](x.masked_fill(x <= 0.5, 0)), rtol=1e-3, atol=1e-3)
+    monkeypatch.setattr(isp, "MIN_ROWS", 0)
+    assert isp.attach_parts(parts, th)[:2] == (3, 0) and len(calls) == 2

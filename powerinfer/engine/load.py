@@ -154,6 +154,6 @@ def apply_input_sparsity(model, config: Config, int4: bool, model_path) -> dict 
         return None
     from ..sparsity import input_sparsity as isp
     thresholds, rec = got
-    n, small, _ = isp.attach(model, thresholds)
+    n, small, _ = isp.attach(model, thresholds, None, rec.get("target"))
     log_input_sparsity(rec, n, small, config, isp.MIN_ROWS)
     return rec

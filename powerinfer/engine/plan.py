@@ -44,8 +44,9 @@ class SparsePlan:
     block: int = BLOCK  # a dense split's cuts, in neurons (256: whole K-quant super-blocks of down)
     active_share: float | None = None  # the predictors' average share of a layer's neurons, held out
     # input sparsity (`input_thresholds`): each input's threshold ((layer, part) -> magnitude),
-    # and the smallest projection (output rows) that skips channels; None: off
-    inputs: tuple[dict, int] | None = None
+    # the smallest projection (output rows) that skips channels, and the bundle's target share
+    # (the load's timing of sparse against dense, `input_sparsity.attach`); None: off
+    inputs: tuple[dict, int, float | None] | None = None
 
     @classmethod
     def dense(cls, args: ModelArgs, block: int = BLOCK) -> "SparsePlan":
@@ -247,7 +248,8 @@ def input_source(config) -> str:
 def log_input_sparsity(rec: dict, taken: int, small: int, config, min_rows: int) -> None:
     """The load's line on input sparsity: how many projections read only the input channels
     over their thresholds (`taken`), how many stay dense for their size (`small`: under
-    `min_rows` output rows); a ConfigError where no projection of the model reads the
+    `min_rows` output rows, or measured at load as not faster than the dense product on this
+    CPU: `input_sparsity.attach`); a ConfigError where no projection of the model reads the
     thresholds at all."""
     if taken == 0 and small == 0:
         raise ConfigError(f"input_sparsity: none of the model's projections reads the bundle's "
@@ -256,5 +258,6 @@ def log_input_sparsity(rec: dict, taken: int, small: int, config, min_rows: int)
     log.info(
         "input sparsity: %d projections read only the input channels over their thresholds "
         "(target %.0f%% of each input; held-out perplexity %+.1f%% in calibration); %d stay "
-        "dense, under %d rows, where skipping channels saves no reads", taken,
+        "dense: under %d rows, where skipping channels saves no reads, or not faster sparse on "
+        "this CPU", taken,
         100 * rec["target"], 100 * q.get("ppl_increase", float("nan")), small, min_rows)
