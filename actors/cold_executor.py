@@ -88,11 +88,12 @@ class ColdExecutorImpl(Answering):
         # input sparsity: its 4-bit projections read only the input channels over their
         # thresholds in decode steps (its heads' q/k/v and output columns, a dense split's
         # gate+up rows), as the hot executor's do
-        self.input_sparse, self.input_stats = (0, 0), None
+        self.input_sparse, self.input_stats, self.input_timings = (0, 0), None, []
         if plan.inputs is not None and weights == "int4":
             parts = [(i, p, m) for i, att in enumerate(self.attn) for p, m in (("qkv", att.wqkv), ("o", att.wo))]
             parts += [(i, "gate_up", ffn_w1(s)) for i, s in enumerate(self.sets)]
-            taken, small, self.input_stats = attach_parts(parts, *plan.inputs)
+            taken, small, self.input_stats = attach_parts(parts, *plan.inputs,
+                                                          timings=self.input_timings)
             self.input_sparse = (taken, small)
         src.close()
         trim_heap()  # the load's transients, freed, stay resident otherwise
@@ -126,7 +127,7 @@ class ColdExecutorImpl(Answering):
                 "native_head": self.native is not None and self.native_head,
                 "numa_bytes": numa_pages(),
                 "node": node_of(self.cores), "node_id": node_id(),
-                "input_sparse": list(self.input_sparse)}
+                "input_sparse": list(self.input_sparse), "input_timings": self.input_timings}
 
     def _native_args(self, act: str) -> tuple | None:
         """The arguments of the kernel library's `cold_serve` after its state (see there): the

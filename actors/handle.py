@@ -64,6 +64,9 @@ class ActorEngine:
         self.group = self._new_group()
         if self.input_sparsity is not None:  # what the executors took of the thresholds
             taken = [i.get("input_sparse", (0, 0)) for i in self.group.info.values()]
+            for role, i in self.group.info.items():  # each size's timing (`attach`), per executor
+                for line in i.get("input_timings", ()):
+                    log.info("%s: %s", role, line)
             try:
                 log_input_sparsity(self.input_sparsity, sum(t[0] for t in taken),
                                    sum(t[1] for t in taken), self.config, self.plan.inputs[1])

@@ -312,9 +312,9 @@ class HotExecutorImpl:
         decode steps (its heads' q/k/v and output columns, a dense split's gate+up rows; on a
         GPU the Q4_0/Q4_1 `BlockLinear`s, by `triton_linear.q4c_linear`; the cold executors do
         the same with theirs)."""
-        self.input_sparse = (0, 0)
+        self.input_sparse, self.input_timings = (0, 0), []
         if plan.inputs is not None and int4:
-            self.input_sparse = attach(model, *plan.inputs)[:2]
+            self.input_sparse = attach(model, *plan.inputs, timings=self.input_timings)[:2]
 
     def _load(self, ckpt: ModelFile, config: Config, plan: SparsePlan, hot_share: float, kv):
         """The model this executor runs, read from the file without the cold neurons (nor the
@@ -449,7 +449,7 @@ class HotExecutorImpl:
                 "compiled": self.compiled, "native": self.native is not None,
                 "device": str(self.device), "pid": os.getpid(), "load_s": self.load_s,
                 "load_cpu_s": self.load_cpu_s, "node_id": node_id(), "isa": kernels.isa(),
-                "input_sparse": list(self.input_sparse),
+                "input_sparse": list(self.input_sparse), "input_timings": self.input_timings,
                 **self._memory()}
 
     def _memory(self) -> dict:

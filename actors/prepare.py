@@ -56,7 +56,7 @@ def prepare(model: str, config: Config, gpu: bool):
     from powerinfer.formats.source import tensor_types
     from powerinfer.formats.tokenizer import Tokenizer
     from powerinfer.model.convert import kernel_ready
-    from powerinfer.sparsity.input_sparsity import MIN_ROWS
+    from powerinfer.sparsity.input_sparsity import MEASURE, MIN_ROWS
 
     # block types the CPU kernel cannot read (K-quants): a converted copy, made once
     ckpt = kernel_ready(load_checkpoint(model, with_weights=False), config)
@@ -79,7 +79,7 @@ def prepare(model: str, config: Config, gpu: bool):
     # projections it holds on the host (on a GPU host the hot side's widen: none there)
     got = input_thresholds(config, ckpt.path, config.weights == "int4" and not gpu)
     if got is not None:
-        plan = replace(plan, inputs=(got[0], MIN_ROWS, got[1].get("target")))
+        plan = replace(plan, inputs=(got[0], MIN_ROWS, got[1].get("target"), MEASURE))
     done = Prepared(config, ckpt.args, ckpt.path, kv_blocks, max_seq, plan,
                     None if got is None else got[1], [])
     return done, ckpt.model_file(), tokenizer

@@ -330,48 +330,62 @@ def test_the_actor_runtime_reads_only_the_kept_channels(input_bundle, monkeypatc
 
 
 def test_a_size_not_faster_sparse_on_this_cpu_stays_dense(monkeypatch, caplog):
-    """At load each size of projection that may skip channels (here three 8,192-row Q4_0
-    matrices, MIN_ROWS by default) is timed sparse against dense on inputs a quarter under their
-    thresholds, and the load's log says what it found. A size not faster sparse stays dense (its
-    q4c copy dropped, nothing counted); a faster one reads by channel and counts from its first
-    step on, not the timing's steps. With MIN_ROWS 0 (every projection, to measure) nothing is
-    timed."""
+    """At load each size of projection that may skip channels (8,192-row Q4_0 matrices here,
+    MIN_ROWS by default) is timed sparse against dense on inputs a share under their
+    thresholds, and the load's log (or an executor's list) says what it found. A size whose
+    sparse product is not faster stays dense (its q4c copies dropped, nothing counted); a size
+    whose sparse product is faster reads by channel and counts from its first step on, not the
+    timing's steps. The kernels are slowed here, the sparse one on 256-wide inputs and the
+    dense one on 512-wide ones, so each verdict is known on any CPU. With MIN_ROWS 0 (every
+    projection, to measure) or measuring off nothing is timed."""
     import logging
-    g = torch.Generator().manual_seed(0)
-    n, k = 8192, 256
+    import time
 
-    def q4():
+    from powerinfer import kernels
+    g = torch.Generator().manual_seed(0)
+
+    def q4(n, k):
         return Q4Linear(torch.randint(0, 16, (n, k), generator=g, dtype=torch.uint8),
                         torch.rand(n, k // 32, generator=g) * 0.01, torch.zeros(n, k // 32), None)
-    mods = [q4() for _ in range(3)]
-    parts = [(i, "qkv", m) for i, m in enumerate(mods)]
-    th = {(i, "qkv"): 0.5 for i in range(3)}
-    real, verdict, calls = isp._sparse_pays, {}, []
 
-    def timed(group, share):
-        calls.append(share)
-        found = real(group, share)  # the real timing, its verdict then overridden
-        assert all(m.sparse is not None for _, m in group)  # each left as it was made
-        return verdict["pays"] if "pays" in verdict else found
-    monkeypatch.setattr(isp, "_sparse_pays", timed)
+    def slowed(fn, width):
+        def slow(x, *a, **kw):
+            if x.shape[-1] == width:
+                time.sleep(0.002)
+            return fn(x, *a, **kw)
+        return slow
+    monkeypatch.setattr(kernels, "linear_q4c", slowed(kernels.linear_q4c, 256))
+    monkeypatch.setattr(kernels, "linear_q4x16", slowed(kernels.linear_q4x16, 512))
+    narrow, wide = [q4(8192, 256) for _ in range(3)], [q4(8192, 512) for _ in range(2)]
+    parts = [(i, "qkv", m) for i, m in enumerate(narrow)] + \
+        [(i, "gate_up", m) for i, m in enumerate(wide)]
+    th = {(i, p): 0.5 for i in range(3) for p in ("qkv", "gate_up")}
+    calls = []
+    real = isp._sparse_pays
+    monkeypatch.setattr(isp, "_sparse_pays",
+                        lambda group, share: calls.append(share) or real(group, share))
     with caplog.at_level(logging.INFO, logger="powerinfer"):
-        verdict["pays"] = False
         taken, dense, stats = isp.attach_parts(parts, th)
-    assert (taken, dense, calls) == (0, 3, [isp.MEASURE_SHARE])
-    assert all(m.sparse is None for m in mods) and stats.tolist() == [0, 0]
-    assert "qkv, 8192 x 256 (3 projections): the sparse product at 25% of the input" in caplog.text
-    verdict["pays"] = True
-    taken, dense, stats = isp.attach_parts(parts, th, None, 0.5)
-    assert (taken, dense, calls[-1]) == (3, 0, 0.5) and stats.tolist() == [0, 0]
-    assert all(m.sparse is not None and m.sparse_stats is stats for m in mods)
-    x = torch.full((1, k), 1.0)
+    assert (taken, dense, calls) == (2, 3, [isp.MEASURE_SHARE, isp.MEASURE_SHARE])
+    assert all(m.sparse is None and m.sparse_stats is None for m in narrow)
+    assert all(m.sparse is not None and m.sparse_stats is stats for m in wide)
+    assert stats.tolist() == [0, 0]  # (the timing's steps not counted)
+    assert "qkv, 8192 x 256 (3 timed): the sparse product at 25% of the input" in caplog.text
+    assert "dense (not faster on this CPU)" in caplog.text
+    assert "gate_up, 8192 x 512 (2 timed)" in caplog.text and "ms: sparse" in caplog.text
+    x = torch.full((1, 512), 1.0)
     x[0, ::4] = 0.1  # a quarter under the threshold
     with torch.inference_mode():
-        y = mods[0](x)
-    assert stats.tolist() == [3 * k // 4, k]
-    for m in mods:
-        m.sparsify_input(None)
+        y = wide[0](x)
+    assert stats.tolist() == [3 * 512 // 4, 512]
+    wide[0].sparsify_input(None)
     with torch.inference_mode():
-        assert torch.allclose(y, mods[0](x.masked_fill(x <= 0.5, 0)), rtol=1e-3, atol=1e-3)
+        assert torch.allclose(y, wide[0](x.masked_fill(x <= 0.5, 0)), rtol=1e-3, atol=1e-3)
+    # an executor's list instead of the log, and the bundle's share
+    lines = []
+    assert isp.attach_parts(parts, th, None, 0.5, timings=lines)[:2] == (2, 3)
+    assert calls[-1] == 0.5 and len(lines) == 2 and "at 50% of the input" in lines[0]
+    # nothing timed: measuring off, or MIN_ROWS 0
+    assert isp.attach_parts(parts, th, measure=False)[:2] == (5, 0) and len(calls) == 4
     monkeypatch.setattr(isp, "MIN_ROWS", 0)
-    assert isp.attach_parts(parts, th)[:2] == (3, 0) and len(calls) == 2
+    assert isp.attach_parts(parts, th)[:2] == (5, 0) and len(calls) == 4

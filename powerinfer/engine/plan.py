@@ -44,9 +44,10 @@ class SparsePlan:
     block: int = BLOCK  # a dense split's cuts, in neurons (256: whole K-quant super-blocks of down)
     active_share: float | None = None  # the predictors' average share of a layer's neurons, held out
     # input sparsity (`input_thresholds`): each input's threshold ((layer, part) -> magnitude),
-    # the smallest projection (output rows) that skips channels, and the bundle's target share
-    # (the load's timing of sparse against dense, `input_sparsity.attach`); None: off
-    inputs: tuple[dict, int, float | None] | None = None
+    # the smallest projection (output rows) that skips channels, the bundle's target share and
+    # whether each size is timed sparse against dense at load (`input_sparsity.attach`, which
+    # takes the four in this order); None: off
+    inputs: tuple[dict, int, float | None, bool] | None = None
 
     @classmethod
     def dense(cls, args: ModelArgs, block: int = BLOCK) -> "SparsePlan":

@@ -368,43 +368,51 @@ MIN_ROWS = int(os.environ.get("POWERINFER_INPUT_SPARSE_MIN_ROWS", "8192"))
 # and the size left dense where it is not faster on this CPU (`_sparse_pays`): at 25% the 7B
 # shape's q/k/v and gate/up products ran 0.86-0.95x the dense GEMVs on a Zen 5 EPYC and
 # 1.04-1.37x on an Emerald Rapids Xeon (BENCHMARKS.md). Not with MIN_ROWS 0 (every projection
-# with a threshold, to measure) nor POWERINFER_INPUT_SPARSE_MEASURE=0.
+# with a threshold, to measure) nor POWERINFER_INPUT_SPARSE_MEASURE=0 (the plan carries both to
+# the actors).
 MEASURE = os.environ.get("POWERINFER_INPUT_SPARSE_MEASURE", "1") != "0"
 # the share of input entries under threshold the timing's inputs hold where the bundle names
-# none, and the projections of one size timed in turn (their bytes together past the caches)
-MEASURE_SHARE, MEASURE_MODULES, MEASURE_ROUNDS = 0.25, 8, 5
+# none; the projections of one size timed in turn (their bytes together past the caches of most
+# CPUs, as a token's are); the rounds; and how much faster sparse must be to be taken (a size
+# near a tie stays dense, the same either way from one load to the next)
+MEASURE_SHARE, MEASURE_MODULES, MEASURE_ROUNDS, MEASURE_MARGIN = 0.25, 8, 5, 0.95
 
 
 def attach(model, thresholds: dict[tuple[int, str], float], min_rows: int | None = None,
-           share: float | None = None) -> tuple[int, int, torch.Tensor]:
+           share: float | None = None, measure: bool | None = None,
+           timings: list[str] | None = None) -> tuple[int, int, torch.Tensor]:
     """Input sparsity in the model's decode steps: each 4-bit projection (`Q4Linear`, or a
     `KQuantLinear` of Q4_K rows: `InputSparse.sparsifiable`) whose input has a threshold and that
     has at least `min_rows` output rows (default `MIN_ROWS`) reads only the input channels over
     it (`sparsify_input`: a copy of its matrix held by input channel), where that is faster on
-    this CPU than the dense product (`_sparse_pays`, timed with `share` of each input under its
-    threshold: the bundle's target). Returns how many projections took it, how many with a
-    threshold stayed dense (for their size, or as slower here), and the counter of the channels
-    the sparse ones kept and saw (int64 (2,), also `model.input_sparse_stats`, which the native
-    loop adds to as well)."""
+    this CPU than the dense product (`measure`, default `MEASURE`: `_sparse_pays`, timed with
+    `share` of each input under its threshold, the bundle's target; each size's times are logged,
+    or appended to `timings` where given, for a process whose log is not the user's). Returns how
+    many projections took it, how many with a threshold stayed dense (for their size, or as not
+    faster here), and the counter of the channels the sparse ones kept and saw (int64 (2,), also
+    `model.input_sparse_stats`, which the native loop adds to as well)."""
     from ..model.sparse import ffn_w1
     parts = []
     for i, b in enumerate(model.layers):
         parts += [(i, "qkv", b.attn.wqkv), (i, "o", b.attn.wo), (i, "gate_up", ffn_w1(b.ffn))]
-    n, dense, stats = attach_parts(parts, thresholds, min_rows, share)
+    n, dense, stats = attach_parts(parts, thresholds, min_rows, share, measure, timings)
     model.input_sparse_stats = stats
     return n, dense, stats
 
 
 def attach_parts(parts, thresholds: dict[tuple[int, str], float], min_rows: int | None = None,
-                 share: float | None = None) -> tuple[int, int, torch.Tensor]:
+                 share: float | None = None, measure: bool | None = None,
+                 timings: list[str] | None = None) -> tuple[int, int, torch.Tensor]:
     """`attach` over (layer, part, module) triples: a process's share of the model (an actor
     group's executor holds some heads' q/k/v rows and output columns, some neurons' gate and up
     rows; a threshold is of each input entry, so every share applies it to the entries it
     reads). Returns the same three."""
     from ..kernels.input_sparse import InputSparse
     min_rows = MIN_ROWS if min_rows is None else min_rows
+    measure = (MEASURE if measure is None else measure) and min_rows > 0
     stats = torch.zeros(2, dtype=torch.long)
-    taken, dense = [], 0
+    sizes: dict[tuple, list] = {}  # (type, rows, columns) -> [(part, module, threshold)]
+    dense = 0
     for i, part, m in parts:
         t = thresholds.get((i, part), 0.0)
         # the file's Q4_0/Q4_1 blocks, or a K-quant file's Q4_K rows (a fused q/k/v with a Q6_K
@@ -413,36 +421,46 @@ def attach_parts(parts, thresholds: dict[tuple[int, str], float], min_rows: int 
             if m.out_features < min_rows:
                 dense += 1
                 continue
-            m.sparsify_input(t, None)  # (counted from the first step on, not in the timing)
-            taken.append((part, m))
-    if MEASURE and min_rows > 0:
-        sizes: dict[tuple, list] = {}
-        for part, m in taken:
-            sizes.setdefault((type(m), m.out_features, m.in_features, m.sparse[1]), []).append((part, m))
-        for group in sizes.values():
-            if not _sparse_pays(group, MEASURE_SHARE if share is None else share):
-                for _, m in group:
-                    m.sparsify_input(None)
+            sizes.setdefault((type(m), m.out_features, m.in_features), []).append((part, m, t))
+    taken = 0
+    for group in sizes.values():
+        timed = group[:MEASURE_MODULES] if measure else group
+        for _, m, t in timed:  # (counted from the first step on, not in the timing)
+            m.sparsify_input(t, None)
+        if measure:
+            pays, line = _sparse_pays(timed, MEASURE_SHARE if share is None else share)
+            if timings is not None:
+                timings.append(line)
+            else:
+                log.info(line)
+            if not pays:
+                for _, m, _ in timed:
+                    m.sparsify_input(None)  # (its copy dropped)
                 dense += len(group)
-                taken = [(p, m) for p, m in taken if all(m is not g for _, g in group)]
-    for _, m in taken:
-        m.sparse_stats = stats
-    return len(taken), dense, stats
+                continue
+            for _, m, t in group[len(timed):]:
+                m.sparsify_input(t, None)
+        for _, m, _ in group:
+            m.sparse_stats = stats
+        taken += len(group)
+    return taken, dense, stats
 
 
-def _sparse_pays(group, share: float) -> bool:
+def _sparse_pays(group, share: float) -> tuple[bool, str]:
     """Whether the sparse one-row product over these projections of one size (each with its q4c
-    copy made) is faster on this CPU than their dense one: up to MEASURE_MODULES of them
-    (distinct matrices, so that a round reads past the caches, as a token does), each on an
-    input whose `share` of entries are under its threshold, the two ways in turns for
-    MEASURE_ROUNDS rounds after one of warm-up; the medians compared. Logged. Where the product
+    copy made) is faster on this CPU than their dense one, by MEASURE_MARGIN: each (distinct
+    matrices, so that a round reads past the caches, as a token does) on an input whose `share`
+    of entries are under its threshold, the two ways in turns for MEASURE_ROUNDS rounds after
+    one of warm-up; the medians compared. Returns it and a line that says so. Where the product
     is not the CPU kernel's (the Triton one's, `BlockLinear`) or the matrices are not on the
     host, True (not timed here)."""
     from ..kernels.input_sparse import InputSparse
-    mods = [m for _, m in group][:MEASURE_MODULES]
+    mods = [m for _, m, _ in group]
+    parts = "/".join(sorted({p for p, _, _ in group}))
+    size = f"{parts}, {mods[0].out_features} x {mods[0].in_features}"
     if type(mods[0])._q4c_product is not InputSparse._q4c_product or \
             any(b.device.type != "cpu" for m in mods for b in m.buffers()):
-        return True
+        return True, f"input sparsity: {size}: not timed here (not the CPU kernel's product)"
     g = torch.Generator().manual_seed(0)
     xs = []
     for m in mods:
@@ -455,16 +473,17 @@ def _sparse_pays(group, share: float) -> bool:
     kept = [m.sparse for m in mods]
 
     def round_of(sparse: bool) -> float:
-        for m, s in zip(mods, kept):
-            m.sparse = s if sparse else None
-        t0 = time.perf_counter()
-        with torch.inference_mode():
-            for m, x in zip(mods, xs):
-                m(x)
-        dt = time.perf_counter() - t0
-        for m, s in zip(mods, kept):
-            m.sparse = s
-        return dt
+        try:
+            for m, s in zip(mods, kept):
+                m.sparse = s if sparse else None
+            t0 = time.perf_counter()
+            with torch.inference_mode():
+                for m, x in zip(mods, xs):
+                    m(x)
+            return time.perf_counter() - t0
+        finally:
+            for m, s in zip(mods, kept):
+                m.sparse = s
 
     times = {True: [], False: []}
     for r in range(MEASURE_ROUNDS + 1):
@@ -473,9 +492,8 @@ def _sparse_pays(group, share: float) -> bool:
             if r:
                 times[sparse].append(dt)
     ts, td = statistics.median(times[True]), statistics.median(times[False])
-    parts = sorted({p for p, _ in group})
-    log.info("input sparsity: %s, %d x %d (%d projections): the sparse product at %.0f%% of the "
-             "input %.3f ms, the dense %.3f ms: %s", "/".join(parts), mods[0].out_features,
-             mods[0].in_features, len(group), 100 * share, 1e3 * ts / len(mods),
-             1e3 * td / len(mods), "sparse" if ts < td else "dense (not faster on this CPU)")
-    return ts < td
+    pays = ts < MEASURE_MARGIN * td
+    return pays, (f"input sparsity: {size} ({len(mods)} timed): the sparse product at "
+                  f"{100 * share:.0f}% of the input {1e3 * ts / len(mods):.3f} ms, the dense "
+                  f"{1e3 * td / len(mods):.3f} ms: "
+                  + ("sparse" if pays else "dense (not faster on this CPU)"))
