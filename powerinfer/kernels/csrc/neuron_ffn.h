@@ -799,12 +799,18 @@ inline void axpy_block(const uint8_t* const* rows, int64_t blk, const float (*h)
 // L2 only (prefetcht1), the records kernel took 1.10-1.38x as long on a Zen 5 VM at 5-100%
 // active, 2 threads (prefetchnta as fast as t0); on Zen 3 the three were not distinguishable.
 inline void prefetch_line(const uint8_t* p) { _mm_prefetch((const char*)p, _MM_HINT_T0); }
+// A line of a row the pass after next will read, asked for into L2 (prefetcht1): it is asked for
+// into every level again the pass before it is read (`gated_split`).
+inline void prefetch_l2(const uint8_t* p) { _mm_prefetch((const char*)p, _MM_HINT_T1); }
 
 // Rows that a pass brings into the caches while it reads others (null: none): up to two rows in
-// the lead rows' format and one in the down rows'.
+// the lead rows' format and one in the down rows'; with split 4-bit rows also as many into L2
+// alone (`far`, `far_down`: for the pass after next).
 struct Ahead {
   const uint8_t* rows[2] = {nullptr, nullptr};
   const uint8_t* down = nullptr;
+  const uint8_t* far[2] = {nullptr, nullptr};
+  const uint8_t* far_down = nullptr;
 };
 
 // The blocks [lo, hi) of the down rows that a pass adds (hi < 0: to the row's end)
@@ -849,6 +855,11 @@ void stage(const FFNArgs& a, int64_t r0, const uint8_t* lead, const uint8_t* upr
           for (int64_t o = blk * bb / 64 * 64; o < (blk + n) * bb; o += 64) prefetch_line(p + o);
       if (pf.down)
         for (int64_t o = blk * db / 64 * 64; o < (blk + n) * db; o += 64) prefetch_line(pf.down + o);
+      for (const uint8_t* p : pf.far)
+        if (p)
+          for (int64_t o = blk * bb / 64 * 64; o < (blk + n) * bb; o += 64) prefetch_l2(p + o);
+      if (pf.far_down)
+        for (int64_t o = blk * db / 64 * 64; o < (blk + n) * db; o += 64) prefetch_l2(pf.far_down + o);
       auto dots = [&](auto full) {
         constexpr bool F = decltype(full)::value;
         if constexpr (G) g.template chunk<F>(lead, blk, n, a, r0);
@@ -967,9 +978,14 @@ inline bool activations(const FFNArgs& a, int64_t jj, const float* g, const floa
 // in one pass out of four made that pass 2.5 times the others, and the records read in that
 // order came 14-16% slower than one after another (benchmarks/overlap.py); spread, 1.03-1.24x
 // the kernel's speed measured.
+template <int FMT, int DFMT>
+void gated_split(const FFNArgs& a, int64_t begin, int64_t end, float* out);
+
 template <int FMT, int DFMT = down_format(FMT)>
 void range_fmt(const FFNArgs& a, int64_t begin, int64_t end, float* out) {
   if (begin >= end) return;
+  if constexpr (split4(FMT))
+    if (gated_act(a.act)) return gated_split<FMT, DFMT>(a, begin, end, out);
   const int64_t rb = row_bytes(FMT, a.dim), B = a.B;
   auto rec = [&](int64_t jj) { return jj >= begin && jj < end ? a.w + a.sel[jj] * a.neuron_bytes : nullptr; };
   float lead[3][MAXB], u[MAXB], h[DOWNS][MAXB];
@@ -1018,6 +1034,72 @@ void range_fmt(const FFNArgs& a, int64_t begin, int64_t end, float* out) {
       if (dn) n = 0;
     }
   }
+  for (int k = 0; k < n; k++)
+    stages<FMT, DFMT>(false, false, 1, a, nullptr, nullptr, downs + k, h + k, Ahead{}, nullptr, nullptr, out);
+}
+
+// range_fmt's gated pipeline one pass deeper, for split 4-bit records (a 4-bit file's gated FFN,
+// the default's): the pass of neuron p computes the gate of p+2, reads the up row of p-1 and a
+// part of a group of down rows, and asks for each row twice, two passes ahead into L2 and one
+// pass ahead into every level: the gate rows of p+4 and p+3, and the up and down rows of p+1
+// and p (whose gates are known by then: no row behind a shut gate is fetched). Asked for once,
+// a pass ahead, the rows came at about the rate one reader of a record at a time gets (two or
+// four side by side read 1.3-1.9x faster); asked for twice, the kernel took 0.91-1.03x the
+// time on 2 threads of a Zen 5 EPYC (5-9% less from 2% to 100% active with a third of the
+// computed gates shut, 2-6% with every gate open), and one pass deeper alone 1.00-1.04x
+// (BENCHMARKS.md, "The records kernel on two threads over processes").
+template <int FMT, int DFMT>
+void gated_split(const FFNArgs& a, int64_t begin, int64_t end, float* out) {
+  const int64_t rb = row_bytes(FMT, a.dim), B = a.B;
+  auto rec = [&](int64_t jj) { return jj >= begin && jj < end ? a.w + a.sel[jj] * a.neuron_bytes : nullptr; };
+  float lead[4][MAXB], u[MAXB], h[DOWNS][MAXB];
+  auto dots = [&](int64_t jj) { return lead[(jj - begin) % 4]; };  // the gate rows' dot products of jj
+  auto opened = [&](int64_t jj) {  // whether jj's gate lets it fire in some row (its dots computed)
+    if (!rec(jj)) return false;
+    for (int64_t i = 0; i < B; i++)
+      if (kept(a, i, jj) && gate_open(a.act, dots(jj)[i], a.threshold)) return true;
+    return false;
+  };
+  auto up = [&](int64_t jj, bool open) { return open ? rec(jj) + rb : nullptr; };
+  auto down = [&](int64_t jj, bool open) { return open ? rec(jj) + 2 * rb : nullptr; };
+  // the passes before the first: the gates of begin and begin + 1
+  Ahead first{{rec(begin + 1)}};
+  first.far[0] = rec(begin + 2);
+  stages<FMT, DFMT>(true, false, 0, a, rec(begin), nullptr, nullptr, h, first, dots(begin), nullptr, out);
+  const bool open0 = opened(begin);
+  if (rec(begin + 1)) {
+    Ahead second{{rec(begin + 2)}};
+    second.far[0] = rec(begin + 3), second.far[1] = up(begin, open0), second.far_down = down(begin, open0);
+    stages<FMT, DFMT>(true, false, 0, a, rec(begin + 1), nullptr, nullptr, h, second, dots(begin + 1), nullptr,
+                      out);
+  }
+  const int64_t nb = a.dim / 32, qs = (nb + DOWNS - 1) / DOWNS;
+  const uint8_t* downs[DOWNS];  // the down rows of the neurons that fired, not added yet (with h)
+  const uint8_t* adowns[DOWNS];  // a full group of down rows being added, a quarter a pass
+  float ah[DOWNS][MAXB];
+  int n = 0;
+  int64_t aq = DOWNS;  // the next quarter of the group being added (DOWNS: none)
+  bool before = false, now = open0;  // whether the gates of p - 1 and p opened
+  for (int64_t p = begin; p <= end; p++) {
+    const uint8_t *lead_row = rec(p + 2), *pr = rec(p - 1);
+    const bool next = opened(p + 1);  // (its dots computed in the pass before)
+    if (n == DOWNS && aq == DOWNS) {  // the next group starts (see range_fmt)
+      std::copy(downs, downs + DOWNS, adowns);
+      for (int k = 0; k < DOWNS; k++) std::copy(h[k], h[k] + B, ah[k]);
+      n = 0, aq = 0;
+    }
+    const int dn = aq < DOWNS ? DOWNS : 0;
+    Ahead ahead{{rec(p + 3), up(p, now)}, down(p, now)};
+    ahead.far[0] = rec(p + 4), ahead.far[1] = up(p + 1, next), ahead.far_down = down(p + 1, next);
+    stages<FMT, DFMT>(lead_row != nullptr, before, dn, a, lead_row, before ? pr + rb : nullptr, adowns, ah,
+                      ahead, dots(p + 2), u, out, Span{aq * qs, std::min(nb, (aq + 1) * qs)});
+    if (dn) aq++;
+    if (before && activations(a, p - 1, dots(p - 1), u, h[n])) downs[n++] = pr + 2 * rb;
+    before = now, now = next;
+  }
+  if (aq < DOWNS)  // the rest of the group being added
+    stages<FMT, DFMT>(false, false, DOWNS, a, nullptr, nullptr, adowns, ah, Ahead{}, nullptr, nullptr, out,
+                      Span{aq * qs, nb});
   for (int k = 0; k < n; k++)
     stages<FMT, DFMT>(false, false, 1, a, nullptr, nullptr, downs + k, h + k, Ahead{}, nullptr, nullptr, out);
 }
