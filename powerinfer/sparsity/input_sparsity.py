@@ -367,7 +367,7 @@ MIN_ROWS = int(os.environ.get("POWERINFER_INPUT_SPARSE_MIN_ROWS", "8192"))
 # Whether the sparse product over a size's projections is timed against the dense one at load,
 # and the size left dense where it is not faster on this CPU (`_sparse_pays`): at 25% the 7B
 # shape's q/k/v and gate/up products ran 0.86-0.95x the dense GEMVs on a Zen 5 EPYC and
-# 1.04-1.37x on an Emerald Rapids Xeon (BENCHMARKS.md). Not with MIN_ROWS 0 (every projection
+# 1.04-1.68x on an Emerald Rapids Xeon (BENCHMARKS.md). Not with MIN_ROWS 0 (every projection
 # with a threshold, to measure) nor POWERINFER_INPUT_SPARSE_MEASURE=0 (the plan carries both to
 # the actors).
 MEASURE = os.environ.get("POWERINFER_INPUT_SPARSE_MEASURE", "1") != "0"

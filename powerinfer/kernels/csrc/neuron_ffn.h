@@ -1044,10 +1044,10 @@ void range_fmt(const FFNArgs& a, int64_t begin, int64_t end, float* out) {
 // pass ahead into every level: the gate rows of p+4 and p+3, and the up and down rows of p+1
 // and p (whose gates are known by then: no row behind a shut gate is fetched). Asked for once,
 // a pass ahead, the rows came at about the rate one reader of a record at a time gets (two or
-// four side by side read 1.3-1.9x faster); asked for twice, the kernel took 0.91-1.03x the
-// time on 2 threads of a Zen 5 EPYC (5-9% less from 2% to 100% active with a third of the
-// computed gates shut, 2-6% with every gate open), and one pass deeper alone 1.00-1.04x
-// (BENCHMARKS.md, "The records kernel on two threads over processes").
+// four side by side read 1.2-2.2x faster); asked for twice, the kernel took 4-9% less time from
+// 2% to 100% active on 2 threads of a Zen 5 EPYC with a third of the computed gates shut, up to
+// 6% less with every gate open, where one pass deeper alone took 0-4% more (BENCHMARKS.md, "The
+// records kernel on two threads over processes").
 template <int FMT, int DFMT>
 void gated_split(const FFNArgs& a, int64_t begin, int64_t end, float* out) {
   const int64_t rb = row_bytes(FMT, a.dim), B = a.B;
