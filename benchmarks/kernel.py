@@ -28,7 +28,7 @@ dispatcher with no Python between, as a cold executor's `cold_serve` loop runs t
 per step leaves out the 5-10 us a call from Python costs the module's column, timed in turns
 with the same reads made the same way (a turn over the layers in one call, for each stream
 count): the ratio "native caller / best reads in turns" compares two timings of the same
-minutes, where this VM's read bandwidth moved between 48 and 80 GB/s within minutes.
+minutes, where a 2-core VM's read bandwidth moved between 48 and 80 GB/s within minutes.
 """
 from __future__ import annotations
 
@@ -204,9 +204,8 @@ def main():
                          "caller (median of 20,000 each)")
     ap.add_argument("--runs", type=int, default=1,
                     help="the whole measurement in this many processes, one after another, and "
-                         "each ratio's median and range over them (a process's records sit where "
-                         "its allocations put them: on a VM the ratios moved 45-80%% between "
-                         "processes at the same share)")
+                         "each ratio's median and range over them (on a 2-core VM single runs "
+                         "minutes apart gave 43-87%% at the same share)")
     ap.add_argument("--fire", type=float, default=1.0,
                     help="the share of the computed neurons whose gate opens (the others' gate "
                          "rows negated: they read their gate row alone, as a predictor's false "

@@ -813,7 +813,8 @@ struct Ahead {
   const uint8_t* far_down = nullptr;
 };
 
-// The blocks [lo, hi) of the down rows that a pass adds (hi < 0: to the row's end)
+// The blocks [lo, hi) of the down rows that a pass over split rows adds (hi < 0: to the row's
+// end; `gated_split`'s groups, a quarter a pass); a pass over other rows adds all of them
 struct Span {
   int64_t lo = 0, hi = -1;
 };
@@ -841,8 +842,7 @@ void stage(const FFNArgs& a, int64_t r0, const uint8_t* lead, const uint8_t* upr
     if (pf.down && (blk * db) % 64 < db) prefetch_line(pf.down + blk * db);
     if constexpr (G) g.template add<P>(lead, blk, a, r0);
     if constexpr (U) u.template add<P>(upr, blk, a, r0);
-    if constexpr (DN > 0)
-      if (blk >= dlo && blk < dhi) axpy_block<DFMT, DN>(downs, blk, h, a.B, a.dim, out);
+    if constexpr (DN > 0) axpy_block<DFMT, DN>(downs, blk, h, a.B, a.dim, out);
   };
   int64_t blk = 0;
   if constexpr (split4(FMT)) {
@@ -973,11 +973,11 @@ inline bool activations(const FFNArgs& a, int64_t jj, const float* g, const floa
 // gate costs). A plain ReLU FFN pipelines its up rows (the lead) with the down rows. The down
 // rows of the neurons that fired wait until DOWNS of them have, then are added together (one
 // load and store of out for the DOWNS, in the order the neurons come: the same sums as one at
-// a time). With split 4-bit rows a gated FFN adds such a group a quarter of its blocks a pass,
-// over the next DOWNS passes, so that every pass reads about a record's bytes: all four rows
-// in one pass out of four made that pass 2.5 times the others, and the records read in that
-// order came 14-16% slower than one after another (benchmarks/overlap.py); spread, 1.03-1.24x
-// the kernel's speed measured.
+// a time). A gated FFN over split 4-bit rows runs `gated_split`, which adds such a group a
+// quarter of its blocks a pass, over the next DOWNS passes, so that every pass reads about a
+// record's bytes: all four rows in one pass out of four made that pass 2.5 times the others, and
+// the records read in that order came 14-16% slower than one after another
+// (benchmarks/overlap.py); spread, 1.03-1.24x the kernel's speed measured.
 template <int FMT, int DFMT>
 void gated_split(const FFNArgs& a, int64_t begin, int64_t end, float* out);
 
@@ -995,35 +995,20 @@ void range_fmt(const FFNArgs& a, int64_t begin, int64_t end, float* out) {
   stages<FMT, DFMT>(true, false, 0, a, rec(begin), nullptr, nullptr, h, Ahead{{rec(begin + 1)}}, dots(begin),
                     nullptr, out);
   if (gated_act(a.act)) {
-    const int64_t nb = a.dim / 32, quarters = split4(FMT) ? DOWNS : 1, qs = (nb + quarters - 1) / quarters;
-    const uint8_t* adowns[DOWNS];  // a full group of down rows being added, a part a pass
-    float ah[DOWNS][MAXB];
-    int64_t aq = quarters;  // the next part of the group being added (quarters: none)
     bool before = false;  // whether neuron jj-1's gate let it fire (its up row is read now)
     for (int64_t jj = begin; jj <= end; jj++) {
       const uint8_t *r = rec(jj), *nx = rec(jj + 1), *pr = rec(jj - 1);
       bool open = false;
       for (int64_t i = 0; r && i < B && !open; i++)
         open = kept(a, i, jj) && gate_open(a.act, dots(jj)[i], a.threshold);
-      // the next group starts (the one before has ended: a group is added over as many passes
-      // as the next takes at least to fill, and so n never passes DOWNS)
-      if (n == DOWNS && aq == quarters) {
-        std::copy(downs, downs + DOWNS, adowns);
-        for (int k = 0; k < DOWNS; k++) std::copy(h[k], h[k] + B, ah[k]);
-        n = 0, aq = 0;
-      }
-      const int dn = aq < quarters ? DOWNS : 0;
-      const Span part{aq * qs, std::min(nb, (aq + 1) * qs)};
+      const int dn = n == DOWNS ? DOWNS : 0;  // a full group, added over this pass
       const Ahead ahead{{rec(jj + 2), open ? r + rb : nullptr}, open ? r + 2 * rb : nullptr};
-      stages<FMT, DFMT>(nx != nullptr, before, dn, a, nx, before ? pr + rb : nullptr, adowns, ah, ahead,
-                        dots(jj + 1), u, out, part);
-      if (dn) aq++;
+      stages<FMT, DFMT>(nx != nullptr, before, dn, a, nx, before ? pr + rb : nullptr, downs, h, ahead,
+                        dots(jj + 1), u, out);
+      if (dn) n = 0;
       if (before && activations(a, jj - 1, dots(jj - 1), u, h[n])) downs[n++] = pr + 2 * rb;
       before = open;
     }
-    if (aq < quarters)  // the rest of the group being added
-      stages<FMT, DFMT>(false, false, DOWNS, a, nullptr, nullptr, adowns, ah, Ahead{}, nullptr, nullptr, out,
-                        Span{aq * qs, nb});
   } else {
     for (int64_t jj = begin; jj < end; jj++) {
       const uint8_t *r = rec(jj), *nx = rec(jj + 1);
