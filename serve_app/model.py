@@ -57,7 +57,7 @@ class ModelServer:
         library.setLevel(logging.INFO)
         library.handlers = list(logger.handlers)
         self.spec = spec
-        if spec.chosen:  # (also where no `powerinfer serve` printed it: `serve run`)
+        if spec.chosen:  # (where no `powerinfer serve` printed it first: `serve run`)
             logger.info("%s: %s", spec.name, spec.chosen)
         context = serve.get_replica_context()
         rank = getattr(context, "rank", None)

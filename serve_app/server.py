@@ -14,7 +14,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from powerinfer.config import DTYPE_HELP, ISA_HELP
@@ -365,6 +365,8 @@ def _run(args) -> int:
     for m in settings.models:
         if m.chosen:
             say(f"{m.name}: {m.chosen}")
+    # said here once: the replicas (whose logs Ray forwards to this console) need not say it again
+    settings = replace(settings, models=tuple(replace(m, chosen="") for m in settings.models))
     if args.request_timeout < 0:
         raise ConfigError("--request-timeout must be >= 0 (0: no limit)")
     return serve_forever(settings, Frontend(args.host, args.port, args.grpc_port,

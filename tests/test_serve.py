@@ -341,6 +341,8 @@ def test_models_on_shared_cores_run_as_one_executor_each(server):
                          rf"chooses\)$", out, re.M)
         if name in server.one_executor:
             assert said and not any(r.startswith("cold") for r in roles), (name, roles)
+            # once: the replica, whose log Ray forwards to the server's console, does not repeat it
+            assert out.count(f"{name}: one executor with the whole model") == 1, name
         else:
             assert not said and "cold.0" in roles, (name, roles)
 
