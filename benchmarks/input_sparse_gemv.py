@@ -6,14 +6,17 @@ matrices, in one run, in turns.
 
     .venv/bin/python benchmarks/input_sparse_gemv.py [--threads N] [--shapes 7b smollm2]
         [--quant q4_0|q4_k] [--sparsity 0 0.25 0.4 0.5 0.7] [--turns 3] [--cpu-isa avx2]
-        [--json FILE]
+        [--from-cache] [--json FILE]
 
 Each shape is a decode step's projections that share an input (TEAL sparsifies each input once):
 q/k/v fused, the output projection, gate/up fused (the 7B shape's 4096 -> 12288, 4096, 22016;
 SmolLM2's 576 -> 960, 576, 3072). Distinct copies of each that fill twice the last level cache (at
 least 4 of a 7B matrix, 64 of a SmolLM2 one), so that the products read from memory. The input is
 Gaussian with its channels below the sparsity's quantile in magnitude zeroed by the kernel's
-threshold, so each row keeps 1 - s of its channels. "floor" is the bytes a product must read (every
+threshold, so each row keeps 1 - s of its channels. With --from-cache, each product is also timed on a matrix of the same width whose rows fit in a
+quarter of the last level cache, read again and again: its rate of work without the memory's
+latency (the bytes it reads over its time), beside the read rate; where that rate is near the
+read rate, skipping bytes saves little time. "floor" is the bytes a product must read (every
 scale of a block with a kept channel and the kept channels' codes; the dense one all of them) at
 the read rate of a plain sum over 256 MiB or 4x the last level cache (`gemv.read_rate`), measured
 in the same run.
@@ -105,6 +108,10 @@ def main():
     ap.add_argument("--cpu-isa", default="auto", choices=["auto", *kernels.ISAS],
                     help="hold the kernel to this class (a lower one than the CPU's best: "
                          "labelled as such in the output)")
+    ap.add_argument("--from-cache", action="store_true",
+                    help="also time each product on one copy of its matrices, read again and "
+                         "again from the last level cache (where the matrix fits in half of it): "
+                         "the products' own rate of work, beside the memory's")
     ap.add_argument("--gaps", action="store_true",
                     help="first, one core's read rate of a buffer read in pieces with gaps "
                          "(benchmarks/read_gaps.cpp, built with g++): why q4c keeps whole columns")
@@ -125,9 +132,13 @@ def main():
           f"{read_bytes / 2**20:.0f} MiB): {read_gbs:.1f} GB/s; last level cache "
           f"{llc / 2**20:.0f} MiB; {a.turns} turns, the median; {a.quant} blocks\n")
     dense_layout = "q4kx16" if a.quant == "q4_k" else "q4x16"
+    if a.from_cache:
+        print("(from the cache: the first rows of each matrix that fit in a quarter of the last "
+              "level cache, a multiple of 64, read again and again: the products' own rate)\n")
     print(f"| shape | projection (rows x k) | sparsity | dense {dense_layout} ms | q4c ms | q4c vs dense "
-          "| q4c bytes | q4c at its floor |")
-    print("|---|---|---:|---:|---:|---:|---:|---:|")
+          "| q4c bytes | q4c at its floor |"
+          + (" dense from the cache, GB/s | q4c from the cache, GB/s |" if a.from_cache else ""))
+    print("|---|---|---:|---:|---:|---:|---:|---:|" + ("---:|---:|" if a.from_cache else ""))
     rows_out = []
     for shape in a.shapes:
         k, projs = SHAPES[shape]
@@ -140,6 +151,9 @@ def main():
             for _ in range(copies):
                 wd, wc, dense_bytes = matrices(n, k)
                 mats.append((wd, wc))
+            if a.from_cache:  # the matrix, or its first rows (a multiple of 64), in a quarter of the cache
+                n_c = min(n, max(64, llc // 4 // (dense_bytes // n) // 64 * 64))
+                cached = matrices(n_c, k)[:2]
             kind = kernels.Q4C_KINDS.index(a.quant)
             x = torch.randn(1, k)
             calls = max(3, int(2e8 // (dense_bytes * copies)))
@@ -158,9 +172,20 @@ def main():
                            dense_ms=td * 1e3, q4c_ms=tc * 1e3, ratio=td / tc, q4c_bytes=nbytes,
                            dense_bytes=dense_bytes, floor_share=floor / tc, read_gbs=read_gbs,
                            dense_floor_share=dense_bytes / (read_gbs * 1e9) / td)
+                if a.from_cache:  # the same products read again and again from the cache, in turns
+                    wd, wc = cached
+                    reps = max(20, int(4e8 // (dense_bytes * n_c // n)))
+                    hot = [(seconds(lambda: kernels.linear_x16(dense_in, wd, n_c, dense_layout), reps),
+                            seconds(lambda: kernels.linear_q4c(x, wc, n_c, kind, t), reps))
+                           for _ in range(a.turns)]
+                    hd, hc = (statistics.median(v) for v in zip(*hot))
+                    row.update(cached_rows=n_c, cached_dense_gbs=dense_bytes * n_c / n / hd / 1e9,
+                               cached_q4c_gbs=q4c_read_bytes(n_c, k, x, t) / hc / 1e9)
                 rows_out.append(row)
                 print(f"| {shape} | {name} ({n} x {k}) | {s:.0%} | {td * 1e3:.3f} | {tc * 1e3:.3f} | "
-                      f"{td / tc:.2f}x | {nbytes / 1e6:.2f} MB | {floor / tc:.0%} |", flush=True)
+                      f"{td / tc:.2f}x | {nbytes / 1e6:.2f} MB | {floor / tc:.0%} |"
+                      + (f" {row['cached_dense_gbs']:.1f} | {row['cached_q4c_gbs']:.1f} |"
+                         if a.from_cache else ""), flush=True)
     if a.json:
         with open(a.json, "w") as f:
             json.dump(dict(isa=kernels.isa(), read_gbs=read_gbs, rows=rows_out), f, indent=1)
