@@ -145,6 +145,13 @@ static void each_set(const bool* rows, int64_t B, int64_t stride, int64_t n, F&&
   }
 }
 
+// Floats left between one thread's sums and the next thread's (past the first's end, rounded
+// to a line). With the two threads' sums side by side (a 7B layer's: 16 KiB each) the records
+// kernel took up to 1.18x the time it takes with them 2 KiB or more apart, 1.00-1.09x in other
+// processes (a 2-core Zen 5 VM, benchmarks/kernel.py, switched per call in one process): each
+// core's prefetchers likely take lines of the other's sums as it writes them.
+constexpr int64_t PART_GAP = 1024;
+
 // x (B, dim) f32 or bf16; w (k, neuron_bytes) uint8 records; sel: the neurons to compute,
 // (m,) int64 indices, or a (k,) bool mask over the records; keep: per-row masks, (B, m) bool
 // for indices or (B, k) for a mask, or None; bias (k,) f32 or None -> (B, dim) in x's type:
@@ -198,12 +205,13 @@ static at::Tensor neuron_ffn(const at::Tensor& x, const at::Tensor& w, const at:
   // written added up: a few neurons take one thread, and with zeroed rows for every thread and
   // a reduction over them all a one-neuron call on 2 threads cost 2 us more than on one
   const int64_t nt = at::get_num_threads();
-  at::Tensor part = at::empty({nt, B, dim}, x.options().dtype(at::kFloat));
+  const int64_t stride = (B * dim + 15) / 16 * 16 + PART_GAP;
+  at::Tensor part = at::empty({nt, stride}, x.options().dtype(at::kFloat));
   float* pp = part.data_ptr<float>();
   std::vector<char> used(nt, 0);
   at::parallel_for(0, m, 8, [&](int64_t begin, int64_t end) {
     const int64_t t = at::get_thread_num();
-    float* o = pp + t * B * dim;
+    float* o = pp + t * stride;
     if (!used[t]) std::fill(o, o + B * dim, 0.0f);
     used[t] = 1;
     k.range(a, begin, end, o);
@@ -212,15 +220,16 @@ static at::Tensor neuron_ffn(const at::Tensor& x, const at::Tensor& w, const at:
   for (int64_t t = 0; t < nt; t++)
     if (used[t]) wrote.push_back(t);
   if (wrote.size() > 1) {  // into the first, in the threads' order (a prompt's rows: in parallel)
-    float* dst = pp + wrote[0] * B * dim;
+    float* dst = pp + wrote[0] * stride;
     at::parallel_for(0, B * dim, 16384, [&](int64_t i0, int64_t i1) {
       for (size_t t = 1; t < wrote.size(); t++) {
-        const float* src = pp + wrote[t] * B * dim;
+        const float* src = pp + wrote[t] * stride;
         for (int64_t i = i0; i < i1; i++) dst[i] += src[i];
       }
     });
   }
-  at::Tensor y = wrote.empty() ? at::zeros({B, dim}, part.options()) : part[wrote[0]];
+  at::Tensor y = wrote.empty() ? at::zeros({B, dim}, part.options())
+                              : part[wrote[0]].narrow(0, 0, B * dim).view({B, dim});
   return x.scalar_type() == at::kFloat ? y : y.to(x.scalar_type());
 }
 
