@@ -13,13 +13,13 @@ q/k/v fused, the output projection, gate/up fused (the 7B shape's 4096 -> 12288,
 SmolLM2's 576 -> 960, 576, 3072). Distinct copies of each that fill twice the last level cache (at
 least 4 of a 7B matrix, 64 of a SmolLM2 one), so that the products read from memory. The input is
 Gaussian with its channels below the sparsity's quantile in magnitude zeroed by the kernel's
-threshold, so each row keeps 1 - s of its channels. With --from-cache, each product is also timed on a matrix of the same width whose rows fit in a
-quarter of the last level cache, read again and again: its rate of work without the memory's
-latency (the bytes it reads over its time), beside the read rate; where that rate is near the
-read rate, skipping bytes saves little time. "floor" is the bytes a product must read (every
-scale of a block with a kept channel and the kept channels' codes; the dense one all of them) at
-the read rate of a plain sum over 256 MiB or 4x the last level cache (`gemv.read_rate`), measured
-in the same run.
+threshold, so each row keeps 1 - s of its channels. With --from-cache, each product is also
+timed on a matrix of the same width whose rows fit in a quarter of the last level cache, read
+again and again: its rate of work without the memory's latency (the bytes it reads over its
+time), beside the read rate; where that rate is near the read rate, skipping bytes saves little
+time. "floor" is the bytes a product must read (every scale of a block with a kept channel and
+the kept channels' codes; the dense one all of them) at the read rate of a plain sum over 256 MiB
+or 4x the last level cache (`gemv.read_rate`), measured in the same run.
 """
 from __future__ import annotations
 
@@ -109,9 +109,9 @@ def main():
                     help="hold the kernel to this class (a lower one than the CPU's best: "
                          "labelled as such in the output)")
     ap.add_argument("--from-cache", action="store_true",
-                    help="also time each product on one copy of its matrices, read again and "
-                         "again from the last level cache (where the matrix fits in half of it): "
-                         "the products' own rate of work, beside the memory's")
+                    help="also time each product on the first rows of its matrix that fit in a "
+                         "quarter of the last level cache, read again and again: the products' "
+                         "own rate of work, beside the memory's")
     ap.add_argument("--gaps", action="store_true",
                     help="first, one core's read rate of a buffer read in pieces with gaps "
                          "(benchmarks/read_gaps.cpp, built with g++): why q4c keeps whole columns")
@@ -151,7 +151,7 @@ def main():
             for _ in range(copies):
                 wd, wc, dense_bytes = matrices(n, k)
                 mats.append((wd, wc))
-            if a.from_cache:  # the matrix, or its first rows (a multiple of 64), in a quarter of the cache
+            if a.from_cache:  # its first rows (a multiple of 64) that fit in a quarter of the cache
                 n_c = min(n, max(64, llc // 4 // (dense_bytes // n) // 64 * 64))
                 cached = matrices(n_c, k)[:2]
             kind = kernels.Q4C_KINDS.index(a.quant)
@@ -175,7 +175,8 @@ def main():
                 if a.from_cache:  # the same products read again and again from the cache, in turns
                     wd, wc = cached
                     reps = max(20, int(4e8 // (dense_bytes * n_c // n)))
-                    hot = [(seconds(lambda: kernels.linear_x16(dense_in, wd, n_c, dense_layout), reps),
+                    hot = [(seconds(lambda: kernels.linear_x16(dense_in, wd, n_c, dense_layout),
+                                    reps),
                             seconds(lambda: kernels.linear_q4c(x, wc, n_c, kind, t), reps))
                            for _ in range(a.turns)]
                     hd, hc = (statistics.median(v) for v in zip(*hot))

@@ -94,7 +94,7 @@ inline const uint8_t* q4c_tail(const Q4CArgs& a, int64_t np) { return a.w + a.k 
 // block's region); with ks (a Q4_K matrix's d and dmin of the block's super-block, given at the
 // first block of it the product reads) theirs too, which the super-block's later blocks find cached
 PREFETCHES void q4c_prefetch_scales(const Q4CArgs& a, const uint8_t* r, const uint8_t* ks, int64_t np,
-                                int64_t p, int passes) {
+                                    int64_t p, int passes) {
   if (a.kind == Q4C_Q4_K) {  // a byte a row of sc and of mn; a f16 a row of d and dmin
     for (int64_t o = 0; o < 64 * passes; o += 64) {
       _mm_prefetch((const char*)r + 64 * p + o, _MM_HINT_T0);
@@ -117,7 +117,7 @@ PREFETCHES void q4c_prefetch_scales(const Q4CArgs& a, const uint8_t* r, const ui
 // All of a block's lines for `passes` passes of 64 rows from pass p: its scales (as above) and
 // each kept channel's run of nibbles (32 bytes a pass; two passes may straddle two lines)
 PREFETCHES void q4c_prefetch_block(const Q4CArgs& a, const Q4CBlock& k, const uint8_t* ks, int64_t np,
-                               int64_t p, int passes) {
+                                   int64_t p, int passes) {
   q4c_prefetch_scales(a, k.r, ks, np, p, passes);
   for (int i = 0; i < k.cnt; i++) {
     _mm_prefetch((const char*)k.ra[i] + 32 * p, _MM_HINT_T0);
