@@ -228,8 +228,10 @@ static at::Tensor neuron_ffn(const at::Tensor& x, const at::Tensor& w, const at:
       }
     });
   }
+  // (one view of the first written thread's rows: selected, narrowed and viewed, three
+  // operators through the dispatcher, a one-neuron step took 5.6 against 4.8 us from Python)
   at::Tensor y = wrote.empty() ? at::zeros({B, dim}, part.options())
-                              : part[wrote[0]].narrow(0, 0, B * dim).view({B, dim});
+                              : part.as_strided({B, dim}, {dim, 1}, wrote[0] * stride);
   return x.scalar_type() == at::kFloat ? y : y.to(x.scalar_type());
 }
 
