@@ -493,7 +493,8 @@ def _sparse_pays(group, share: float) -> tuple[bool, str]:
                 times[sparse].append(dt)
     ts, td = statistics.median(times[True]), statistics.median(times[False])
     pays = ts < MEASURE_MARGIN * td
+    margin = f"{100 * (1 - MEASURE_MARGIN):.0f}%"
     return pays, (f"input sparsity: {size} ({len(mods)} timed): the sparse product at "
                   f"{100 * share:.0f}% of the input {1e3 * ts / len(mods):.3f} ms, the dense "
                   f"{1e3 * td / len(mods):.3f} ms: "
-                  + ("sparse" if pays else f"dense (sparse not {100 * (1 - MEASURE_MARGIN):.0f}% faster on this CPU)"))
+                  + ("sparse" if pays else f"dense (sparse not {margin} faster on this CPU)"))
