@@ -64,10 +64,11 @@ def test_kernel_equals_reference(isa, fmt, act, dim):
         assert (got - want).abs().max() <= 1e-5 * want.abs().max(), (B, threshold)
 
 
-@pytest.mark.parametrize("fmt", ["f32", "bf16", "q4_1"])
+@pytest.mark.parametrize("fmt", ["f32", "bf16", "q4_0", "q4_1"])
 def test_masks_and_bf16_rows_ask_for_the_same_as_indices(isa, fmt):
     # a (k,) bool mask selects what its indices do, with per-row masks over every record; a bf16
-    # input is read as it is and answered in bf16, rounded once from the float32 answer
+    # input is read as it is (the 4-bit records' 8-bit input quantized from its bf16 values, no
+    # float copy) and answered in bf16, rounded once from the float32 answer
     torch.manual_seed(5)
     dim, k, B = 96, 150, 3
     w = K.pack(torch.randn(k, dim), torch.randn(k, dim), torch.randn(k, dim), fmt)
