@@ -55,10 +55,10 @@ class PredictorImpl(Answering):
         preds, fmts = self.preds, {self.preds.kernel_format(i) for i in range(len(self.preds.fc1))}
         if self.device.type != "cpu" or not kernels.available() or len(fmts) != 1 or None in fmts:
             return None
-        fmt = fmts.pop()
-        rows = lambda ms: [kernels._as_rows(m, fmt) for m in ms]  # noqa: E731
+        rows = [preds.kernel_rows(i) for i in range(len(preds.fc1))]
         return (self.x.base, self.mask.base, self.mask.capacity, self.spec.dim, self.x.spin_us, DECODE,
-                rows(preds.fc1), rows(preds.fc2), kernels.FORMATS.index(fmt), float(preds.threshold))
+                [r[0] for r in rows], [r[1] for r in rows], kernels.pred_code(fmts.pop()),
+                float(preds.threshold))
 
     def ready(self) -> dict:
         return {"cores": list(self.cores), "input": self.input, "ranks": self.preds.ranks,

@@ -21,7 +21,8 @@ part's GB/s is its bytes over its time.
 predictors on the FFN's input), each layer's predictor and neurons one step of the same loop.
 Its FFN bytes are counted, not assumed: a pass through the modules before the turns records,
 per layer, the neurons computed (their gate rows are read) and those that fired among them
-(their up and down rows are read too); the predictors' weights are added.
+(their up and down rows are read too); the predictors' weights as a decode step reads them
+are added (`Predictors.decode_bytes`).
 
 `--input-sparsity`: the projections' input sparsity from that bundle (`powerinfer
 calibrate-input`; `Config(input_sparsity=...)`): a projection that took it reads, of its weights,
@@ -78,7 +79,7 @@ def sparse_ffn_bytes(model, ids: list[int], n: int) -> float:
         rest = lead + kernels.row_bytes(kernels.down_format(fmt), model.args.dim)
         total += (s.computed * lead + s.hit * rest) / s.rows
     preds = {id(p): p for f in ffns if (p := getattr(f.masks, "__self__", None)) is not None}
-    return total + sum(module_bytes(p) for p in preds.values())
+    return total + sum(p.decode_bytes() for p in preds.values())
 
 
 def main():

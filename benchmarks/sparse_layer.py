@@ -66,18 +66,15 @@ def main():
         h, layer_in = ffn_inputs(sp, args.layer)
         p = layer_in if args.predictor == "layer" else h
         x = f.norm(h)
-        code = kernels.FORMATS.index(fmt)
-        fc1, fc2 = (kernels._as_rows(m[args.layer], fmt) for m in (preds.fc1, preds.fc2))
+        fc1, fc2, fmt = preds.kernel_rows(args.layer)
         picked = preds.active(args.layer, p)[0]
         every = torch.ones_like(picked)
         dense_ffn = dense.model.layers[args.layer].ffn
         xd = dense.model.layers[args.layer].ffn_norm(h).view(1, 1, -1)
         rows = {
             "predicted step (predictor + kernel, one call)": lambda: kernels.predicted_ffn(
-                x, p, preds.fc1[args.layer], preds.fc2[args.layer], fmt, preds.threshold, s.records, None,
-                f.threshold, s.act, s.fmt),
-            "the predictor's two GEMVs": lambda: torch.ops.powerinfer.linear(
-                torch.ops.powerinfer.linear(p, fc1, code).relu_(), fc2, code),
+                x, p, fc1, fc2, fmt, preds.threshold, s.records, None, f.threshold, s.act, s.fmt),
+            "the predictor's two GEMVs": lambda: kernels.pred_logits(p, fc1, fc2, fmt),
             "the neuron kernel, the picked neurons": lambda: kernels.neuron_ffn(
                 x, s.records, picked, None, None, f.threshold, s.act, s.fmt),
             "the neuron kernel, every neuron": lambda: kernels.neuron_ffn(

@@ -169,3 +169,51 @@ def test_bundle_without_samples_says_to_profile(tmp_path):
         load_predictors(bundle, "ffn")
     with pytest.raises(ValueError, match="ffn, layer"):
         train_predictors(bundle, "attn", progress=False)
+
+
+@pytest.mark.parametrize("source", ["ffn", "layer"])
+def test_bf16_predictors_run_on_8bit_groups_as_their_rounded_matrices(monkeypatch, source):
+    # bf16 predictors on the CPU kernel (the default beside a bf16 model) hold each matrix as
+    # Q8_0 blocks in 16-row groups (q8x16), about half the bytes a decode step reads; their
+    # logits are those of the blocks' weights over the input rounded to 8 bits a block, both
+    # GEMVs; the masks the modules compute are the native loops' (`pred_logits`); with
+    # POWERINFER_PREDICTOR_ROWS=model the bf16 rows run as before; float32 predictors and shapes
+    # the groups cannot hold (neurons not a multiple of 16) keep their own rows
+    from powerinfer import kernels
+    from powerinfer.model import predictor as P
+    if not kernels.available():
+        pytest.skip("the kernel library is not built here")
+    g = torch.Generator().manual_seed(1)
+    fc1 = [(torch.randn(64, 96, generator=g) / 8).bfloat16() for _ in range(2)]
+    fc2 = [torch.randn(208, 64, generator=g).bfloat16() for _ in range(2)]
+    preds = Predictors(fc1, fc2, source, threshold=0.1)
+    assert preds.held_x16 and preds.kernel_format(1) == "q8x16"
+    w1, w2, fmt = preds.kernel_rows(1)
+    assert fmt == "q8x16" and w1.dtype == torch.uint8 and w1.shape == (64 // 16, 96 // 32 * 544)
+    assert w1.nbytes + w2.nbytes < 0.55 * (fc1[1].nbytes + fc2[1].nbytes)
+    x = torch.randn(5, 96, generator=g).bfloat16()
+    d1 = kernels.dequantize_rows(kernels.quantize_rows(fc1[1], "q8_0"), "q8_0", 96)
+    d2 = kernels.dequantize_rows(kernels.quantize_rows(fc2[1], "q8_0"), "q8_0", 64)
+    want = kernels.quantize_input(torch.relu(kernels.quantize_input(x) @ d1.T)) @ d2.T
+    got = preds.logits(1, x)
+    assert got.dtype == torch.float32
+    assert (got - want).abs().max() <= 1e-5 * want.abs().max()
+    assert torch.equal(preds.active(1, x), got >= 0.1)
+    # the bf16 rows' logits are near: the decisions differ only near the threshold
+    exact = torch.relu(x.double() @ fc1[1].double().T) @ fc2[1].double().T
+    assert (got - exact).abs().max() <= 0.02 * exact.abs().max()
+    near = (exact - 0.1).abs() < 0.02 * exact.abs().max()
+    assert torch.equal(preds.active(1, x)[~near], (exact >= 0.1)[~near])
+    # what a process holds counts them, and a decode step reads them, not the bf16 rows
+    from powerinfer.model.transformer import held_bytes
+    bf16 = sum(t.nbytes for t in (*fc1, *fc2))
+    assert held_bytes(preds) == bf16 + sum(w.nbytes for i in range(2) for w in preds.kernel_rows(i)[:2])
+    assert preds.decode_bytes() < 0.55 * bf16
+    monkeypatch.setattr(P, "ROWS", "model")  # the switch: the bf16 rows
+    plain = Predictors(fc1, fc2, source, threshold=0.1)
+    assert not plain.held_x16 and plain.kernel_format(1) == "bf16" and plain.decode_bytes() == bf16
+    assert torch.equal(plain.logits(1, x), kernels.pred_logits(x, fc1[1], fc2[1], "bf16"))
+    monkeypatch.setattr(P, "ROWS", "q8x16")
+    assert Predictors([w.float() for w in fc1], [w.float() for w in fc2], source).kernel_format(0) == "f32"
+    odd = Predictors([torch.randn(64, 96).bfloat16()], [torch.randn(200, 64).bfloat16()], source)
+    assert not odd.held_x16 and odd.kernel_format(0) == "bf16"

@@ -95,8 +95,8 @@ def predicted_entry(f: HybridFFN) -> tuple | None:
     s, preds, fmt = found
     if s.bias32 is not None or not kernels.usable(s.records):
         return None
-    fc1, fc2 = (kernels._as_rows(m[f.layer], fmt) for m in (preds.fc1, preds.fc2))
-    entry = (s.records, fc1, 3, kernels.FORMATS.index(s.fmt), kernels.FORMATS.index(fmt), 0, _NO_IDX,
+    fc1, fc2, fmt = preds.kernel_rows(f.layer)
+    entry = (s.records, fc1, 3, kernels.FORMATS.index(s.fmt), kernels.pred_code(fmt), 0, _NO_IDX,
              float(f.threshold))
     return entry, fc2, float(preds.threshold), f.predictor_input == "layer"
 

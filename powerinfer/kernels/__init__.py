@@ -182,6 +182,9 @@ def available() -> bool:
                 lambda x, w, fmt: x.new_empty(x.shape[0], w.shape[0], dtype=torch.float32))
             torch.library.register_fake("powerinfer::linear_x16")(
                 lambda x, w, n, layout: x.new_empty(*x.shape[:-1], n))
+            torch.library.register_fake("powerinfer::pred_logits")(
+                lambda p, fc1, fc2, fmt: p.new_empty(p.shape[0], fc2.shape[0] * (16 if fmt < 0 else 1),
+                                                     dtype=torch.float32))
             torch.library.register_fake("powerinfer::linear_q4c")(
                 lambda x, w, n, kind, threshold, stats: x.new_empty(*x.shape[:-1], n))
             torch.library.register_fake("powerinfer::rms_norm")(lambda x, w, eps: torch.empty_like(x))
@@ -743,7 +746,8 @@ def linear(x: torch.Tensor, w: torch.Tensor, fmt: str) -> torch.Tensor:
 
 
 def _as_rows(w: torch.Tensor, fmt: str) -> torch.Tensor:
-    # rows in `fmt` as the kernel takes them: uint8 records, or a plain bf16/f32 matrix's bytes
+    # rows in `fmt` as the kernel takes them: uint8 records or groups, or a plain bf16/f32
+    # matrix's bytes
     if w.dtype != torch.uint8:
         assert w.dtype == PLAIN_FORMATS[fmt] and w.is_contiguous(), (w.dtype, fmt)
         w = w.view(torch.uint8)
@@ -764,15 +768,28 @@ def neuron_ffn(x: torch.Tensor, w: torch.Tensor, sel: torch.Tensor, keep: torch.
                                            ACTS.index(act), FORMATS.index(fmt))
 
 
+def pred_code(fmt: str) -> int:
+    """The kernel's code of a predictor's matrices' format: a row format's index in FORMATS
+    (plain bf16 or f32 rows), or -1 - its index in LAYOUTS for 16-row groups (q8x16)."""
+    return FORMATS.index(fmt) if fmt in FORMATS else -1 - LAYOUTS.index(fmt)
+
+
+def pred_logits(p: torch.Tensor, fc1: torch.Tensor, fc2: torch.Tensor, fmt: str) -> torch.Tensor:
+    """A predictor's logits relu(p fc1^T) fc2^T for p (B, dim) float32 or bfloat16, B <=
+    MAX_ROWS, its matrices in `fmt` (plain bf16 or f32 rows, or q8x16 groups: `pack_q8x16` of
+    their Q8_0 rows) -> (B, ffn_dim) float32: the logits the native loops pick neurons from."""
+    return torch.ops.powerinfer.pred_logits(p, _as_rows(fc1, fmt), _as_rows(fc2, fmt), pred_code(fmt))
+
+
 def predicted_ffn(x: torch.Tensor, p: torch.Tensor, fc1: torch.Tensor, fc2: torch.Tensor,
                   pred_fmt: str, pred_threshold: float, w: torch.Tensor, bias: torch.Tensor | None,
                   threshold: float, act: str, fmt: str) -> torch.Tensor:
     """A decode step of every neuron of a layer's records w with a predictor, in one call: the
     rows of x (B, dim) with B <= MAX_ROWS; p (B, dim) the predictor's input; fc1 (r, dim) and
-    fc2 (k, r) its matrices in pred_fmt (plain bf16 or f32); each row's neurons are those whose
+    fc2 (k, r) its matrices in pred_fmt (see `pred_logits`); each row's neurons are those whose
     logit relu(p fc1^T) fc2^T is >= pred_threshold -> (B, dim) in x's type, as
-    `neuron_ffn(x, w, union, rows, ...)` over `linear`'s logits gives it."""
+    `neuron_ffn(x, w, union, rows, ...)` over `pred_logits` gives it."""
     assert x.shape[0] <= MAX_ROWS, x.shape
     return torch.ops.powerinfer.predicted_ffn(
-        x, p, _as_rows(fc1, pred_fmt), _as_rows(fc2, pred_fmt), FORMATS.index(pred_fmt),
+        x, p, _as_rows(fc1, pred_fmt), _as_rows(fc2, pred_fmt), pred_code(pred_fmt),
         float(pred_threshold), w, bias, float(threshold), ACTS.index(act), FORMATS.index(fmt))

@@ -2,6 +2,8 @@
 FFN neurons fire (`Predictors`), loaded from a bundle (`sparsity.train` trains them)."""
 from __future__ import annotations
 
+import os
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -10,6 +12,12 @@ from .. import kernels
 from ..formats.bundle import Bundle, BundleError
 
 INPUTS = ("ffn", "layer")
+
+# How a CPU holds the predictors it runs in bf16 on the kernel's GEMV for decode rows: "q8x16"
+# (each matrix also as 8-bit codes, 16 rows a group: read at about twice the rate of its bf16
+# rows; see `Predictors.kernel_rows`) or "model" (the bf16 rows). A measurement switch:
+# POWERINFER_PREDICTOR_ROWS=model.
+ROWS = os.environ.get("POWERINFER_PREDICTOR_ROWS", "q8x16")
 
 
 def predict(fc1: torch.Tensor, fc2: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
@@ -27,6 +35,11 @@ class Predictors(nn.Module):
         self.input, self.threshold = input, float(threshold)  # active: logit >= threshold
         self.fc1 = nn.ParameterList(nn.Parameter(w, requires_grad=False) for w in fc1)
         self.fc2 = nn.ParameterList(nn.Parameter(w, requires_grad=False) for w in fc2)
+        packs = self._pack_x16()  # buffers, so that a process's held bytes count them
+        self.held_x16 = packs is not None
+        for i, (a, b) in enumerate(packs or []):
+            self.register_buffer(f"x16_fc1_{i}", a, persistent=False)
+            self.register_buffer(f"x16_fc2_{i}", b, persistent=False)
 
     @property
     def ranks(self) -> list[int]:
@@ -44,18 +57,53 @@ class Predictors(nn.Module):
             # decode rows on the kernel's GEMV, which reads the weights at the memory's rate
             # where torch's bf16 GEMV reaches a third of it (float32 logits either way), and
             # computes each row alone: a row's masks do not depend on the rows beside it
-            y = kernels.linear(kernels.linear(rows, fc1, fmt).relu_(), fc2, fmt)
-            return y.view(*x.shape[:-1], -1)
+            w1, w2, fmt = self.kernel_rows(layer)
+            return kernels.pred_logits(rows, w1, w2, fmt).view(*x.shape[:-1], -1)
         return F.relu(x.to(fc1.dtype) @ fc1.T) @ fc2.T
 
     def kernel_format(self, layer: int) -> str | None:
-        """The kernel library's GEMV format ("bf16", "f32") this layer's matrices run in for
-        decode rows: on a CPU where the library runs, in those precisions, both widths a
-        multiple of 32 (the kernel's); else None (torch's matmuls)."""
+        """The kernel library's GEMV format this layer's matrices run in for decode rows: on a
+        CPU where the library runs, both widths a multiple of 32 (the kernel's), "q8x16" for bf16
+        matrices held so (`held_x16`), else their own precision ("bf16", "f32"); None elsewhere
+        (torch's matmuls)."""
         fc1, fc2 = self.fc1[layer], self.fc2[layer]
         fmt = {torch.bfloat16: "bf16", torch.float32: "f32"}.get(fc1.dtype)
         ok = fmt and kernels.usable(fc1) and fc1.shape[1] % 32 == 0 and fc2.shape[1] % 32 == 0
-        return fmt if ok else None
+        return None if not ok else "q8x16" if self.held_x16 else fmt
+
+    def kernel_rows(self, layer: int) -> tuple[torch.Tensor, torch.Tensor, str]:
+        """This layer's two matrices as the kernel's GEMV reads them, and their format (see
+        `kernel_format`; a layer the kernel runs)."""
+        fmt = self.kernel_format(layer)
+        if fmt == "q8x16":
+            return getattr(self, f"x16_fc1_{layer}"), getattr(self, f"x16_fc2_{layer}"), fmt
+        return kernels._as_rows(self.fc1[layer], fmt), kernels._as_rows(self.fc2[layer], fmt), fmt
+
+    def decode_bytes(self) -> int:
+        """The bytes of every layer's matrices that a decode step reads (`kernel_rows` where the
+        kernel runs them, else the matrices)."""
+        return sum(w.nbytes for i in range(len(self.fc1))
+                   for w in (self.kernel_rows(i)[:2] if self.kernel_format(i) else
+                             (self.fc1[i], self.fc2[i])))
+
+    def _pack_x16(self) -> list[tuple[torch.Tensor, torch.Tensor]] | None:
+        """Each layer's matrices as Q8_0 blocks (the gguf package's rounding, a scale per 32
+        weights) in the kernel's 16-row groups (`kernels.pack_q8x16`), where decode rows run on
+        the CPU kernel in bf16 (`run_dtype`) and the shapes allow (widths a multiple of 32, the
+        neurons of 16): 1.06 bytes a weight where bf16 rows take 2, and the q8x16
+        GEMV reads them at about twice the rate (a rank-128 7B-shape layer's 3.9 MB: 0.096 ->
+        0.047 ms on a Zen 5 VM, `benchmarks/predictor_rows.py`). Else None. The bf16 matrices
+        stay (a prompt's rows run on torch's matmuls)."""
+        if ROWS != "q8x16" or not self.fc1:
+            return None
+        for fc1, fc2 in zip(self.fc1, self.fc2):
+            r, dim = fc1.shape
+            if (fc1.dtype != torch.bfloat16 or not kernels.usable(fc1) or dim % 32 or r % 32
+                    or fc2.shape[0] % 16):
+                return None
+        return [(kernels.pack_q8x16(kernels.quantize_rows(fc1, "q8_0")),
+                 kernels.pack_q8x16(kernels.quantize_rows(fc2, "q8_0")))
+                for fc1, fc2 in zip(self.fc1, self.fc2)]
 
     def active(self, layer: int, x: torch.Tensor) -> torch.Tensor:
         # x: (..., dim) -> per-row predicted-active neurons (..., ffn_dim) bool

@@ -348,13 +348,13 @@ class HybridFFN(nn.Module):
         if not FUSED_DECODE or self._fused[1] is None or self.stats is not None or B > kernels.MAX_ROWS or \
                 x.dtype not in (torch.float32, torch.bfloat16):
             return None
-        s, preds, fmt = self._fused[1]
+        s, preds, _ = self._fused[1]
         p = (layer_input if self.predictor_input == "layer" else h).reshape(B, -1)
         if p.dtype not in (torch.float32, torch.bfloat16) or not kernels.usable(s.records):
             return None
-        y = kernels.predicted_ffn(x.reshape(B, -1), p, preds.fc1[self.layer], preds.fc2[self.layer],
-                                  fmt, preds.threshold, s.records, s.bias32, self.threshold, s.act,
-                                  s.fmt)
+        w1, w2, fmt = preds.kernel_rows(self.layer)
+        y = kernels.predicted_ffn(x.reshape(B, -1), p, w1, w2, fmt, preds.threshold, s.records,
+                                  s.bias32, self.threshold, s.act, s.fmt)
         return y.to(x.dtype).view(*x.shape[:2], -1)
 
     def predicted_records(self):

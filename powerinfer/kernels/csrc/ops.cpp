@@ -286,13 +286,10 @@ static at::Tensor linear(const at::Tensor& x, const at::Tensor& w, int64_t fmt) 
   return y;
 }
 
-// The rows' predicted neurons as `predictor.Predictors.active` computes them on the GEMV: the
-// logits relu(p fc1^T) fc2^T (p: the predictor's input rows (B, dim), fc1/fc2 rows in fmt), a
-// neuron picked where its logit is at least `threshold` -> (B, ffn_dim) bool
+
+// (below, after the GEMVs it runs on)
 static at::Tensor predicted_rows(const at::Tensor& p, const at::Tensor& fc1, const at::Tensor& fc2, int64_t fmt,
-                                 double threshold) {
-  return linear(linear(p.contiguous(), fc1, fmt).relu_(), fc2, fmt).ge(threshold);
-}
+                                 double threshold);
 
 // A decode step of neuron records under a predictor's per-row masks over the layer's neurons,
 // as `sparse.decode_rows` runs it: x (B, dim); w the records of neurons idx (int64, in order;
@@ -434,6 +431,42 @@ static at::Tensor linear_x16(const at::Tensor& x, const at::Tensor& w, int64_t n
   }
   return y;
 }
+
+// x (B, dim) f32 or bf16 times one of a predictor's matrices -> (B, n) f32: w rows in a format
+// (fmt >= 0, as `linear` takes them), or groups of 16 rows in a Layout (fmt = -1 - layout; n =
+// 16 a group: q8x16, 8-bit codes, about half the bytes of bf16 rows and read at twice their
+// rate, where a Q8_0 row of a rank-128 predictor's second matrix, 4 blocks, costs more in its
+// row's sums than in its bytes)
+static at::Tensor pred_linear(const at::Tensor& x, const at::Tensor& w, int64_t fmt) {
+  if (fmt >= 0) return linear(x, w, fmt);
+  const int64_t layout = -1 - fmt;
+  TORCH_CHECK(layout < N_LAYOUTS, "no matrix layout ", layout);
+  check_input(x, true);
+  check_rows(w);
+  const int64_t B = x.size(0), dim = x.size(1), n = w.size(0) * 16;
+  TORCH_CHECK(w.size(1) == group_bytes(layout, dim), "w: ", w.size(1), " bytes per group, expected ",
+              group_bytes(layout, dim), " for dim ", dim);
+  const float* y = x16_rows(active(), layout, x.data_ptr(), x.scalar_type() == at::kBFloat16, B, dim,
+                            w.data_ptr<uint8_t>(), n);
+  at::Tensor out = at::empty({B, n}, x.options().dtype(at::kFloat));
+  std::memcpy(out.data_ptr<float>(), y, B * n * sizeof(float));
+  return out;
+}
+
+// A predictor's logits relu(p fc1^T) fc2^T on the kernel's GEMV (p: its input rows (B, dim);
+// fc1, fc2 in fmt, see pred_linear) -> (B, ffn_dim) f32: `predictor.Predictors.logits` for
+// decode rows, and what the native loops pick neurons from
+static at::Tensor pred_logits(const at::Tensor& p, const at::Tensor& fc1, const at::Tensor& fc2, int64_t fmt) {
+  return pred_linear(pred_linear(p.contiguous(), fc1, fmt).relu_(), fc2, fmt);
+}
+
+// The rows' predicted neurons as `predictor.Predictors.active` computes them: a neuron picked
+// where its logit (pred_logits) is at least `threshold` -> (B, ffn_dim) bool
+static at::Tensor predicted_rows(const at::Tensor& p, const at::Tensor& fc1, const at::Tensor& fc2, int64_t fmt,
+                                 double threshold) {
+  return pred_logits(p, fc1, fc2, fmt).ge(threshold);
+}
+
 
 // The rows of x (B, k) f32 or bf16 (each alone: its own channels), with every input channel at
 // or below `t` in magnitude set to 0 (TEAL's input sparsity), times a matrix w of n rows held by
@@ -1629,6 +1662,7 @@ TORCH_LIBRARY(powerinfer, m) {
   m.def("masked_records(Tensor x, Tensor w, Tensor idx, Tensor mask, Tensor? bias, float threshold, int act, "
         "int fmt) -> Tensor");
   m.def("linear_x16(Tensor x, Tensor w, int n, int layout) -> Tensor");
+  m.def("pred_logits(Tensor p, Tensor fc1, Tensor fc2, int fmt) -> Tensor");
   m.def("linear_q4c(Tensor x, Tensor w, int n, int kind, float threshold, Tensor(a!)? stats) -> Tensor");
   m.def("rms_norm(Tensor x, Tensor w, float eps) -> Tensor");
   m.def("qk_norm(Tensor qkv, Tensor qw, Tensor kw, int n_heads, int n_kv, float eps) -> Tensor");
@@ -1669,6 +1703,7 @@ TORCH_LIBRARY_IMPL(powerinfer, CPU, m) {
   m.impl("predicted_ffn", powerinfer::predicted_ffn);
   m.impl("masked_records", powerinfer::masked_records);
   m.impl("linear_x16", powerinfer::linear_x16);
+  m.impl("pred_logits", powerinfer::pred_logits);
   m.impl("linear_q4c", powerinfer::linear_q4c);
   m.impl("rms_norm", powerinfer::rms_norm);
   m.impl("qk_norm", powerinfer::qk_norm);
