@@ -1,0 +1,124 @@
+#!/usr/bin/env python3
+"""A sparse model's decode-step FFN calls, caught and replayed: where the sparse FFN's time goes
+between its predictor, its neuron records and the two together, from memory and from the caches.
+
+    .venv/bin/python benchmarks/ffn_replay.py --model M --bundle B [--tokens 24] [--rounds 8]
+        [--predictor ffn|layer] [--json FILE]
+
+The in-process engine decodes `--tokens` greedy tokens through its modules (not the native loop,
+so that each layer's `kernels.predicted_ffn` call is seen), and every call's arguments are kept.
+Then, in turns, each way over all the calls in their order (every layer's records in turn, as a
+token reads them: from memory), per token:
+- the fused step: the predictor, its rule and the records in one call (what a decode runs);
+- its two halves one after the other for each layer (`pred_logits`, then `neuron_ffn` over the
+  mask): whether the fused op costs more than its parts;
+- the predictors alone, and the records alone over the masks the predictors gave;
+- one layer's records over its first mask, called as many times: the same work with its records
+  mostly in the last level cache, the kernel's rate without the memory's.
+The read rate of a reduction over 1 GiB is measured before and after the rounds.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import torch
+
+from powerinfer import Config, PowerInfer, kernels
+
+from sparse_cpu import read_bandwidth  # (a reduction over 1 GiB, as phases.py measures it)
+
+PROMPT = "Explain how a CPU cache works."
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--bundle", required=True)
+    ap.add_argument("--predictor", default="ffn", choices=["ffn", "layer"])
+    ap.add_argument("--tokens", type=int, default=24)
+    ap.add_argument("--rounds", type=int, default=8)
+    ap.add_argument("--json")
+    a = ap.parse_args()
+    assert kernels.available(), "the CPU kernel cannot run here"
+    pi = PowerInfer.from_pretrained(a.model, config=Config(bundle=a.bundle, predictor=a.predictor))
+    pi.engine._decode = pi.engine._forward  # the modules: each layer's call goes through Python
+    caught, real = [], kernels.predicted_ffn
+
+    def spy(*args):
+        caught.append(tuple(t.clone() if isinstance(t, torch.Tensor) and t.numel() < 1 << 17 else t
+                            for t in args))
+        return real(*args)
+
+    kernels.predicted_ffn = spy
+    try:
+        for _ in pi._run([pi._ids(PROMPT)], a.tokens, dict(temperature=0.0, ignore_eos=True)):
+            pass
+    finally:
+        kernels.predicted_ffn = real
+    steps = [c for c in caught if c[0].shape[0] == 1]  # decode rows (a prompt's are not caught)
+    assert steps, "no decode step ran through kernels.predicted_ffn (see HybridFFN.predicted_records)"
+    layers = pi.model.args.n_layers
+    tokens = len(steps) / layers
+    masks = [(kernels.pred_logits(p, w1, w2, pf) >= pt)[0] for (_, p, w1, w2, pf, pt, *_) in steps]
+
+    def records(x, rec, m, bias, thr, act, fmt):
+        kernels.neuron_ffn(x, rec, m, None, bias, thr, act, fmt)
+
+    def fused():
+        for s in steps:
+            real(*s)
+
+    def halves():
+        for (x, p, w1, w2, pf, pt, rec, bias, thr, act, fmt) in steps:
+            records(x, rec, (kernels.pred_logits(p, w1, w2, pf) >= pt)[0], bias, thr, act, fmt)
+
+    def predictors():
+        for (_, p, w1, w2, pf, *_) in steps:
+            kernels.pred_logits(p, w1, w2, pf)
+
+    def records_alone():
+        for (x, _, _, _, _, _, rec, bias, thr, act, fmt), m in zip(steps, masks):
+            records(x, rec, m, bias, thr, act, fmt)
+
+    def one_layer():
+        x, _, _, _, _, _, rec, bias, thr, act, fmt = steps[0]
+        for _ in steps:
+            records(x, rec, masks[0], bias, thr, act, fmt)
+
+    ways = {"the fused step (predictor, rule, records)": fused,
+            "its halves, one after the other a layer": halves,
+            "the predictors alone": predictors,
+            "the records alone, over the predictors' masks": records_alone,
+            "one layer's records, again and again (from the caches)": one_layer}
+    times = {k: [] for k in ways}
+    before = read_bandwidth(torch.float32) / 1e9
+    for r in range(a.rounds + 1):
+        for k, fn in ways.items():
+            t0 = time.perf_counter()
+            fn()
+            if r:  # (the first round warms up)
+                times[k].append((time.perf_counter() - t0) / tokens)
+    after = read_bandwidth(torch.float32) / 1e9
+    picked = statistics.mean(int(m.sum()) for m in masks)
+    print(f"{a.model}, {layers} layers, {len(steps)} layer steps of {a.tokens} tokens; "
+          f"{picked:.0f} of {masks[0].numel()} neurons picked a layer step; kernel {kernels.isa()}, "
+          f"{torch.get_num_threads()} threads; {a.rounds} rounds in turns (median); read rate "
+          f"{before:.1f} GB/s before, {after:.1f} after\n")
+    print("| way | ms a token |")
+    print("|---|---:|")
+    out = {}
+    for k, v in times.items():
+        out[k] = statistics.median(v) * 1e3
+        print(f"| {k} | {out[k]:.3f} |")
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(dict(isa=kernels.isa(), layer_steps=len(steps), picked=picked,
+                           read_gbs=[before, after],
+                           ms_a_token=out, rounds=times), f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
