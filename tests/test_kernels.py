@@ -534,6 +534,29 @@ def test_input_sparse_product_reads_the_kept_channels_of_the_files_weights(isa, 
         K.linear_q4c(torch.randn(1, 100), w, n, offsets, 0.0)
 
 
+def test_predictor_logits_on_8bit_groups(isa):
+    # a predictor's two GEMVs on q8x16 groups (`pred_logits`, what every native loop picks
+    # neurons from, a bf16 predictor's decode rows on the CPU): the first over the input rounded
+    # to 8 bits a block, the second over its relu rounded again, each against the Q8_0 blocks'
+    # weights; on bf16 rows, `linear`'s two products
+    g = torch.Generator().manual_seed(4)
+    fc1 = (torch.randn(64, 128, generator=g) / 8).bfloat16()
+    fc2 = torch.randn(160, 64, generator=g).bfloat16()
+    q1, q2 = K.quantize_rows(fc1, "q8_0"), K.quantize_rows(fc2, "q8_0")
+    w1, w2 = K.pack_q8x16(q1), K.pack_q8x16(q2)
+    d1, d2 = K.dequantize_rows(q1, "q8_0", 128), K.dequantize_rows(q2, "q8_0", 64)
+    for rows in (1, 3):
+        x = torch.randn(rows, 128, generator=g).bfloat16()
+        h = K.linear_x16(x.float(), w1, 64, "q8x16")  # the first GEMV's floats
+        assert (h - K.quantize_input(x) @ d1.T).abs().max() <= 1e-5 * h.abs().max()
+        got = K.pred_logits(x, w1, w2, "q8x16")
+        want = K.quantize_input(torch.relu(h)) @ d2.T
+        assert got.dtype == torch.float32 and got.shape == (rows, 160)
+        assert (got - want).abs().max() <= 1e-5 * want.abs().max(), rows
+        assert torch.equal(K.pred_logits(x, fc1, fc2, "bf16"),
+                           K.linear(K.linear(x, fc1, "bf16").relu_(), fc2, "bf16"))
+
+
 @pytest.mark.parametrize("kind", ["Q4_K", "Q6_K", "Q8_0"])
 @pytest.mark.parametrize("n", [32, 200])  # whole groups of 16 rows; a padded last group
 def test_kquant_gemv_equals_a_matmul_over_the_files_weights(isa, kind, n):
