@@ -286,8 +286,7 @@ static at::Tensor linear(const at::Tensor& x, const at::Tensor& w, int64_t fmt) 
   return y;
 }
 
-
-// (below, after the GEMVs it runs on)
+// (below, after `project`, which it runs its GEMVs on)
 static at::Tensor predicted_rows(const at::Tensor& p, const at::Tensor& fc1, const at::Tensor& fc2, int64_t fmt,
                                  double threshold);
 
@@ -431,42 +430,6 @@ static at::Tensor linear_x16(const at::Tensor& x, const at::Tensor& w, int64_t n
   }
   return y;
 }
-
-// x (B, dim) f32 or bf16 times one of a predictor's matrices -> (B, n) f32: w rows in a format
-// (fmt >= 0, as `linear` takes them), or groups of 16 rows in a Layout (fmt = -1 - layout; n =
-// 16 a group: q8x16, 8-bit codes, about half the bytes of bf16 rows and read at twice their
-// rate, where a Q8_0 row of a rank-128 predictor's second matrix, 4 blocks, costs more in its
-// row's sums than in its bytes)
-static at::Tensor pred_linear(const at::Tensor& x, const at::Tensor& w, int64_t fmt) {
-  if (fmt >= 0) return linear(x, w, fmt);
-  const int64_t layout = -1 - fmt;
-  TORCH_CHECK(layout < N_LAYOUTS, "no matrix layout ", layout);
-  check_input(x, true);
-  check_rows(w);
-  const int64_t B = x.size(0), dim = x.size(1), n = w.size(0) * 16;
-  TORCH_CHECK(w.size(1) == group_bytes(layout, dim), "w: ", w.size(1), " bytes per group, expected ",
-              group_bytes(layout, dim), " for dim ", dim);
-  const float* y = x16_rows(active(), layout, x.data_ptr(), x.scalar_type() == at::kBFloat16, B, dim,
-                            w.data_ptr<uint8_t>(), n);
-  at::Tensor out = at::empty({B, n}, x.options().dtype(at::kFloat));
-  std::memcpy(out.data_ptr<float>(), y, B * n * sizeof(float));
-  return out;
-}
-
-// A predictor's logits relu(p fc1^T) fc2^T on the kernel's GEMV (p: its input rows (B, dim);
-// fc1, fc2 in fmt, see pred_linear) -> (B, ffn_dim) f32: `predictor.Predictors.logits` for
-// decode rows, and what the native loops pick neurons from
-static at::Tensor pred_logits(const at::Tensor& p, const at::Tensor& fc1, const at::Tensor& fc2, int64_t fmt) {
-  return pred_linear(pred_linear(p.contiguous(), fc1, fmt).relu_(), fc2, fmt);
-}
-
-// The rows' predicted neurons as `predictor.Predictors.active` computes them: a neuron picked
-// where its logit (pred_logits) is at least `threshold` -> (B, ffn_dim) bool
-static at::Tensor predicted_rows(const at::Tensor& p, const at::Tensor& fc1, const at::Tensor& fc2, int64_t fmt,
-                                 double threshold) {
-  return pred_logits(p, fc1, fc2, fmt).ge(threshold);
-}
-
 
 // The rows of x (B, k) f32 or bf16 (each alone: its own channels), with every input channel at
 // or below `t` in magnitude set to 0 (TEAL's input sparsity), times a matrix w of n rows held by
@@ -1050,6 +1013,36 @@ static at::Tensor project(const Kernels& k, const at::Tensor& x, const at::Tenso
   at::Tensor out = at::empty({rows, n}, x.options().dtype(at::kFloat));
   for (int64_t r = 0; r < rows; r++) std::memcpy(out.data_ptr<float>() + r * n, y + r * npad, n * 4);
   return out;
+}
+
+// x (B, dim) f32 or bf16 times one of a predictor's matrices -> (B, n) f32 (`project`): w rows
+// in a format (fmt >= 0), or groups of 16 rows in a Layout (fmt = -1 - layout; n = 16 a group:
+// q8x16, 8-bit codes, about half the bytes of bf16 rows and read at twice their rate, where a
+// Q8_0 row of a rank-128 predictor's second matrix, 4 blocks, costs more in its row's sums than
+// in its bytes). A public op's tensors: the groups' shapes checked here (`linear` checks rows).
+static at::Tensor pred_linear(const at::Tensor& x, const at::Tensor& w, int64_t fmt) {
+  if (fmt < 0) {
+    TORCH_CHECK(-1 - fmt < N_LAYOUTS, "no matrix layout ", -1 - fmt);
+    check_input(x, true);
+    check_rows(w);
+    TORCH_CHECK(w.size(1) == group_bytes(-1 - fmt, x.size(1)), "w: ", w.size(1), " bytes per group, expected ",
+                group_bytes(-1 - fmt, x.size(1)), " for dim ", x.size(1));
+  }
+  return project(active(), x, w, fmt, fmt < 0 ? w.size(0) * 16 : w.size(0));
+}
+
+// A predictor's logits relu(p fc1^T) fc2^T on the kernel's GEMV (p: its input rows (B, dim);
+// fc1, fc2 in fmt, see pred_linear) -> (B, ffn_dim) f32: `predictor.Predictors.logits` for
+// decode rows, and what the native loops pick neurons from
+static at::Tensor pred_logits(const at::Tensor& p, const at::Tensor& fc1, const at::Tensor& fc2, int64_t fmt) {
+  return pred_linear(pred_linear(p.contiguous(), fc1, fmt).relu_(), fc2, fmt);
+}
+
+// The rows' predicted neurons as `predictor.Predictors.active` computes them: a neuron picked
+// where its logit (pred_logits) is at least `threshold` -> (B, ffn_dim) bool
+static at::Tensor predicted_rows(const at::Tensor& p, const at::Tensor& fc1, const at::Tensor& fc2, int64_t fmt,
+                                 double threshold) {
+  return pred_logits(p, fc1, fc2, fmt).ge(threshold);
 }
 
 // What a cold executor holds of each layer for `cold_serve`, or the hot executor (the in-process
