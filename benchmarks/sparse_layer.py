@@ -61,12 +61,11 @@ def main():
     assert isinstance(f, HybridFFN), "the bundle's model has no sparse layers"
     found = f.predicted_records()
     assert found is not None, "this layer's decode step is not one kernel call (see HybridFFN.predicted_records)"
-    s, preds, fmt = found
+    s, preds, (fc1, fc2, fmt) = found
     with torch.inference_mode():
         h, layer_in = ffn_inputs(sp, args.layer)
         p = layer_in if args.predictor == "layer" else h
         x = f.norm(h)
-        fc1, fc2, fmt = preds.kernel_rows(args.layer)
         picked = preds.active(args.layer, p)[0]
         every = torch.ones_like(picked)
         dense_ffn = dense.model.layers[args.layer].ffn

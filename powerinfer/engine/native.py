@@ -92,10 +92,9 @@ def predicted_entry(f: HybridFFN) -> tuple | None:
     found = f.predicted_records()
     if found is None or f.down_b is not None:
         return None
-    s, preds, fmt = found
+    s, preds, (fc1, fc2, fmt) = found
     if s.bias32 is not None or not kernels.usable(s.records):
         return None
-    fc1, fc2, fmt = preds.kernel_rows(f.layer)
     entry = (s.records, fc1, 3, kernels.FORMATS.index(s.fmt), kernels.pred_code(fmt), 0, _NO_IDX,
              float(f.threshold))
     return entry, fc2, float(preds.threshold), f.predictor_input == "layer"

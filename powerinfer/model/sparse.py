@@ -348,19 +348,19 @@ class HybridFFN(nn.Module):
         if not FUSED_DECODE or self._fused[1] is None or self.stats is not None or B > kernels.MAX_ROWS or \
                 x.dtype not in (torch.float32, torch.bfloat16):
             return None
-        s, preds, _ = self._fused[1]
+        s, preds, (w1, w2, fmt) = self._fused[1]
         p = (layer_input if self.predictor_input == "layer" else h).reshape(B, -1)
         if p.dtype not in (torch.float32, torch.bfloat16) or not kernels.usable(s.records):
             return None
-        w1, w2, fmt = preds.kernel_rows(self.layer)
         y = kernels.predicted_ffn(x.reshape(B, -1), p, w1, w2, fmt, preds.threshold, s.records,
                                   s.bias32, self.threshold, s.act, s.fmt)
         return y.to(x.dtype).view(*x.shape[:2], -1)
 
     def predicted_records(self):
-        """(the neuron set, its `Predictors`, their kernel format) where a decode step can run
-        as one `kernels.predicted_ffn` call (one set of kernel records in the layer's order, masks
-        from a `Predictors` on the kernel's GEMV), else None."""
+        """(the neuron set, its `Predictors`, the predictor's matrices as the kernel reads them
+        and their format: `Predictors.kernel_rows`) where a decode step can run as one
+        `kernels.predicted_ffn` call (one set of kernel records in the layer's order, masks from a
+        `Predictors` on the kernel's GEMV), else None."""
         preds = getattr(self.masks, "__self__", None)
         if not isinstance(preds, Predictors) or getattr(self.masks, "__func__", None) is not Predictors.active:
             return None
@@ -371,7 +371,7 @@ class HybridFFN(nn.Module):
         if (fmt is None or kernels.on_triton(s.records)
                 or not torch.equal(s.idx, torch.arange(self.ffn_dim, device=s.idx.device))):
             return None
-        return s, preds, fmt  # (the records' device is checked at each call)
+        return s, preds, preds.kernel_rows(self.layer)  # (the records' device: checked each call)
 
     def _token_masked(self, h, x, layer_input):
         # computes every neuron, then keeps per token those both fired and predicted: the same
