@@ -21,6 +21,7 @@
 #include <cstdio>
 #include <cmath>
 #include <cstring>
+#include <deque>
 #include <memory>
 #include <string>
 #include <vector>
@@ -1358,7 +1359,9 @@ static std::vector<int64_t> cold_serve(at::Tensor& state, int64_t x_base, int64_
                                        int64_t window, double scale, const std::optional<at::Tensor>& head,
                                        int64_t head_fmt, int64_t head_n, int64_t ahead, at::TensorList sparse,
                                        at::ArrayRef<double> sparse_threshold,
-                                       const std::optional<at::Tensor>& sparse_stats) {
+                                       const std::optional<at::Tensor>& sparse_stats, at::TensorList qk_norms,
+                                       at::TensorList layer_cos, at::TensorList layer_sin,
+                                       at::IntArrayRef layer_window, double eps) {
   const Kernels& k = active();
   TORCH_CHECK(state.scalar_type() == at::kLong && state.numel() == 2 && state.is_contiguous(), "state: int64 (2,)");
   ColdLayers L = per_layer(ffn_w1, ffn_w2, ffn_kind, ffn_n, ffn_down_fmt, ffn_w1_fmt, ffn_idx, ffn_threshold,
@@ -1366,6 +1369,12 @@ static std::vector<int64_t> cold_serve(at::Tensor& state, int64_t x_base, int64_
   const size_t n_layers = ffn_kind.size();
   set_sparse(L, n_layers, sparse, sparse_threshold, sparse_stats, qkv2);
   TORCH_CHECK(ops.size() == 4 && dim % 32 == 0, "ops: (decode, head, attention, prefill); dim a multiple of 32");
+  // the layers' own variants (Gemma 3, Qwen3), as hot_layers takes them: each list empty (none)
+  // or per layer, q/k norms two a layer (an empty tensor where a layer has none)
+  TORCH_CHECK(qk_norms.empty() || qk_norms.size() == 2 * n_layers, "qk_norms: none, or q's and k's per layer");
+  TORCH_CHECK(layer_cos.size() == layer_sin.size() && (layer_cos.empty() || layer_cos.size() == n_layers) &&
+                  (layer_window.empty() || layer_window.size() == n_layers),
+              "layer_cos, layer_sin, layer_window: none, or one a layer");
   for (int64_t kind : ffn_kind) TORCH_CHECK(kind >= 0 && kind <= 2, "a cold executor's neurons are of kind 0-2");
   auto* xh = reinterpret_cast<ChannelHeader*>(x_base);
   char* xp = reinterpret_cast<char*>(x_base) + CH_HEADER;
@@ -1397,7 +1406,8 @@ static std::vector<int64_t> cold_serve(at::Tensor& state, int64_t x_base, int64_
                                             at::TensorOptions().dtype(at::kBool));
       y = ffn_step(k, L, layer, at::from_blob(xp, {rows, dim}, rows_type), act, nullptr, nullptr, &mask);
     } else if (!w4 && in_layers && ((decode_rows && op == ops[0] && ffn_kind[layer]) ||
-                                    (op == ops[3] && prompt_rows_ffn(L, layer)))) {
+                                    ((op == ops[3] || op == ops[0]) && prompt_rows_ffn(L, layer)))) {
+      // (a decode step of more rows than a GEMV's batch runs as a prompt's rows do)
       y = ffn_step(k, L, layer, at::from_blob(xp, {rows, dim}, rows_type), act);
     } else if (op == ops[2] && in_layers && qkv[layer].numel() && (decode_rows || prompt_rows_attention(L, layer))) {
       // (PlaneSpec.attn_layout)
@@ -1405,9 +1415,13 @@ static std::vector<int64_t> cold_serve(at::Tensor& state, int64_t x_base, int64_
       const auto ints = at::TensorOptions().dtype(at::kLong);
       at::Tensor pos = at::from_blob(xp + at_pos, {rows}, ints), starts = at::from_blob(xp + at_starts, {w4 + 1}, ints);
       at::Tensor tables = at::from_blob(xp + at_tables, {w4, w5}, at::TensorOptions().dtype(at::kInt));
-      y = attention_step(k, L, layer, at::from_blob(xp, {rows, dim}, rows_type), pos, starts, tables, n_heads, cos, sin,
-                         window, scale);
-    } else if (decode_rows && op == ops[1] && head && head->defined()) {
+      const bool own_rope = !layer_cos.empty(), has_qk = !qk_norms.empty() && qk_norms[2 * layer].numel();
+      const QKNorms qk{has_qk ? qk_norms[2 * layer] : pos, has_qk ? qk_norms[2 * layer + 1] : pos, eps};
+      y = attention_step(k, L, layer, at::from_blob(xp, {rows, dim}, rows_type), pos, starts, tables, n_heads,
+                         own_rope ? std::optional<at::Tensor>(layer_cos[layer]) : cos,
+                         own_rope ? std::optional<at::Tensor>(layer_sin[layer]) : sin,
+                         layer_window.empty() ? window : layer_window[layer], scale, has_qk ? &qk : nullptr);
+    } else if ((decode_rows || head_fmt < 0) && op == ops[1] && head && head->defined()) {
       y = project(k, at::from_blob(xp, {B, dim}, rows_type), *head, head_fmt, head_n);
       if (bf16) y = y.to(at::kBFloat16).to(at::kFloat);  // the head answers in the model's type
     } else {
@@ -1669,7 +1683,8 @@ TORCH_LIBRARY(powerinfer, m) {
         "Tensor[] ffn_idx, float[] ffn_threshold, int ffn_dim, "
         "Tensor[] qkv, int[] qkv_fmt, int[] qkv_n, Tensor[] qkv2, int[] qkv2_fmt, int[] qkv2_n, Tensor[] wo, int[] wo_fmt, Tensor[] k_cache, Tensor[] v_cache, "
         "int n_heads, Tensor? cos, Tensor? sin, int window, float scale, Tensor? head, int head_fmt, int head_n, "
-        "int ahead, Tensor[] sparse, float[] sparse_threshold, Tensor(a!)? sparse_stats) -> int[]");
+        "int ahead, Tensor[] sparse, float[] sparse_threshold, Tensor(a!)? sparse_stats, Tensor[] qk_norms, "
+        "Tensor[] layer_cos, Tensor[] layer_sin, int[] layer_window, float eps) -> int[]");
   m.def("hot_layers(Tensor h, Tensor pos, Tensor starts, Tensor tables, int x_base, int x_capacity, "
         "int[] part_bases, Tensor[] part_states, float spin_us, int[] ops, int[] predict, Tensor? mask_state, "
         "int act, Tensor[] norms, float eps, "
@@ -1707,3 +1722,5 @@ TORCH_LIBRARY_IMPL(powerinfer, CPU, m) {
   m.impl("hot_layers", powerinfer::hot_layers);
   m.impl("pred_serve", powerinfer::pred_serve);
 }
+
+#include "capi.h"

@@ -1,0 +1,197 @@
+// The library's C entry points, for a process that loads it with ctypes rather than through
+// torch's Python module (`powerinfer/kernels/capi.py`): a cold executor whose every message the
+// native loop answers never imports torch, about 0.1 GiB of its own memory and seconds of CPU at
+// each start. The ops are the same functions the torch operators run; only their arguments come
+// as a flat array of tagged values (PiArg) instead of torch's boxed ones. Included at the end of
+// ops.cpp (the same translation unit: the ops stay static).
+
+namespace powerinfer {
+
+// One argument: an int or bool, a float, a tensor (its data, dtype, shape and strides in
+// elements), no tensor (an optional one left out), or a list of tensors, ints or floats.
+enum PiKind : int64_t { PI_INT = 0, PI_FLOAT, PI_TENSOR, PI_NONE, PI_TENSORS, PI_INTS, PI_FLOATS };
+
+struct PiArg {
+  int64_t kind;
+  int64_t i;    // the int or bool; a list's length; a tensor's dtype (PI_DTYPES' index)
+  double f;     // the float
+  void* data;   // a tensor's first element; a list's items (PiArg, int64_t or double)
+  int64_t ndim;
+  int64_t shape[4];
+  int64_t strides[4];
+};
+
+static const at::ScalarType PI_DTYPES[] = {at::kByte, at::kChar, at::kShort, at::kInt,  at::kLong,
+                                           at::kHalf, at::kBFloat16, at::kFloat, at::kBool};
+
+// Reads the arguments in order, each checked against the kind its parameter takes; the tensor
+// lists it builds live as long as it does (the call's).
+class PiArgs {
+ public:
+  PiArgs(const PiArg* args, int64_t n) : args_(args), n_(n) {}
+
+  int64_t integer() { return take(PI_INT, "an int").i; }
+  bool boolean() { return take(PI_INT, "a bool").i != 0; }
+  double real() {
+    const PiArg& a = take(-1, "a float");
+    TORCH_CHECK(a.kind == PI_FLOAT || a.kind == PI_INT, where(), ": a float expected");
+    return a.kind == PI_FLOAT ? a.f : (double)a.i;
+  }
+  at::Tensor tensor() { return of(take(PI_TENSOR, "a tensor")); }
+  std::optional<at::Tensor> optional() {
+    const PiArg& a = take(-1, "a tensor or none");
+    TORCH_CHECK(a.kind == PI_TENSOR || a.kind == PI_NONE, where(), ": a tensor or none expected");
+    if (a.kind == PI_NONE) return std::nullopt;
+    return of(a);
+  }
+  at::TensorList tensors() {
+    const PiArg& a = list(PI_TENSORS, "a list of tensors");
+    lists_.emplace_back();
+    auto& out = lists_.back();
+    const auto* items = static_cast<const PiArg*>(a.data);
+    for (int64_t j = 0; j < a.i; j++) {
+      TORCH_CHECK(items[j].kind == PI_TENSOR, where(), ": item ", j, " is not a tensor");
+      out.push_back(of(items[j]));
+    }
+    return out;
+  }
+  at::IntArrayRef ints() {
+    const PiArg& a = list(PI_INTS, "a list of ints");
+    return at::IntArrayRef(static_cast<const int64_t*>(a.data), (size_t)a.i);
+  }
+  at::ArrayRef<double> reals() {
+    const PiArg& a = list(PI_FLOATS, "a list of floats");
+    return at::ArrayRef<double>(static_cast<const double*>(a.data), (size_t)a.i);
+  }
+  void done() const { TORCH_CHECK(at_ == n_, n_, " arguments given, ", at_, " taken"); }
+
+ private:
+  const PiArg& take(int64_t kind, const char* what) {
+    TORCH_CHECK(at_ < n_, "argument ", at_, ": ", what, " expected, the arguments ended");
+    const PiArg& a = args_[at_++];
+    TORCH_CHECK(kind < 0 || a.kind == kind, where(), ": ", what, " expected (kind ", a.kind, ")");
+    return a;
+  }
+  const PiArg& list(int64_t kind, const char* what) {  // (an empty list is any list)
+    const PiArg& a = take(-1, what);
+    TORCH_CHECK(a.kind == kind || (a.i == 0 && (a.kind == PI_TENSORS || a.kind == PI_INTS || a.kind == PI_FLOATS)),
+                where(), ": ", what, " expected (kind ", a.kind, ")");
+    TORCH_CHECK(a.i == 0 || a.data, where(), ": a list without items");
+    return a;
+  }
+  std::string where() const { return "argument " + std::to_string(at_ - 1); }
+  at::Tensor of(const PiArg& a) {
+    TORCH_CHECK(a.i >= 0 && a.i < (int64_t)(sizeof PI_DTYPES / sizeof PI_DTYPES[0]), where(), ": dtype code ", a.i);
+    TORCH_CHECK(a.ndim >= 0 && a.ndim <= 4, where(), ": up to 4 dimensions");
+    const auto opts = at::TensorOptions().dtype(PI_DTYPES[a.i]);
+    std::vector<int64_t> shape(a.shape, a.shape + a.ndim), strides(a.strides, a.strides + a.ndim);
+    int64_t numel = 1;
+    for (int64_t d : shape) numel *= d;
+    if (numel == 0) return at::empty(shape, opts);
+    TORCH_CHECK(a.data, where(), ": a tensor without data");
+    return at::from_blob(a.data, shape, strides, opts);
+  }
+
+  const PiArg* args_;
+  int64_t n_, at_ = 0;
+  std::deque<std::vector<at::Tensor>> lists_;  // (a deque: the lists handed out stay where they are)
+};
+
+static void pi_error(const std::exception& e, char* err, int64_t len) {
+  const auto* c10e = dynamic_cast<const c10::Error*>(&e);
+  const char* text = c10e ? c10e->what_without_backtrace() : e.what();
+  if (err && len > 0) {
+    std::strncpy(err, text, (size_t)len - 1);
+    err[len - 1] = 0;
+  }
+}
+
+static void pi_text(const std::string& s, char* out, int64_t len) {
+  if (out && len > 0) {
+    std::strncpy(out, s.c_str(), (size_t)len - 1);
+    out[len - 1] = 0;
+  }
+}
+
+}  // namespace powerinfer
+
+extern "C" {
+
+// cold_serve with its arguments as the torch operator takes them, in order; the words of the
+// message it leaves to the caller into words (6). Returns 0, or 1 with the error's text in err.
+int64_t pi_cold_serve(const powerinfer::PiArg* args, int64_t n, int64_t* words, char* err, int64_t err_len) {
+  using namespace powerinfer;
+  try {
+    PiArgs a(args, n);
+    at::Tensor state = a.tensor();
+    const int64_t x_base = a.integer(), part_base = a.integer(), part_capacity = a.integer(), dim = a.integer();
+    const bool bf16 = a.boolean();
+    const double spin_us = a.real();
+    const at::IntArrayRef ops = a.ints();
+    const int64_t act = a.integer();
+    const at::TensorList ffn_w1 = a.tensors(), ffn_w2 = a.tensors();
+    const at::IntArrayRef ffn_kind = a.ints(), ffn_n = a.ints(), ffn_down_fmt = a.ints(), ffn_w1_fmt = a.ints();
+    const at::TensorList ffn_idx = a.tensors();
+    const at::ArrayRef<double> ffn_threshold = a.reals();
+    const int64_t ffn_dim = a.integer();
+    const at::TensorList qkv = a.tensors();
+    const at::IntArrayRef qkv_fmt = a.ints(), qkv_n = a.ints();
+    const at::TensorList qkv2 = a.tensors();
+    const at::IntArrayRef qkv2_fmt = a.ints(), qkv2_n = a.ints();
+    const at::TensorList wo = a.tensors();
+    const at::IntArrayRef wo_fmt = a.ints();
+    const at::TensorList k_cache = a.tensors(), v_cache = a.tensors();
+    const int64_t n_heads = a.integer();
+    const std::optional<at::Tensor> cos = a.optional(), sin = a.optional();
+    const int64_t window = a.integer();
+    const double scale = a.real();
+    const std::optional<at::Tensor> head = a.optional();
+    const int64_t head_fmt = a.integer(), head_n = a.integer(), ahead = a.integer();
+    const at::TensorList sparse = a.tensors();
+    const at::ArrayRef<double> sparse_threshold = a.reals();
+    const std::optional<at::Tensor> sparse_stats = a.optional();
+    const at::TensorList qk_norms = a.tensors(), layer_cos = a.tensors(), layer_sin = a.tensors();
+    const at::IntArrayRef layer_window = a.ints();
+    const double eps = a.real();
+    a.done();
+    const std::vector<int64_t> out =
+        cold_serve(state, x_base, part_base, part_capacity, dim, bf16, spin_us, ops, act, ffn_w1, ffn_w2, ffn_kind,
+                   ffn_n, ffn_down_fmt, ffn_w1_fmt, ffn_idx, ffn_threshold, ffn_dim, qkv, qkv_fmt, qkv_n, qkv2,
+                   qkv2_fmt, qkv2_n, wo, wo_fmt, k_cache, v_cache, n_heads, cos, sin, window, scale, head, head_fmt,
+                   head_n, ahead, sparse, sparse_threshold, sparse_stats, qk_norms, layer_cos, layer_sin,
+                   layer_window, eps);
+    std::copy(out.begin(), out.end(), words);
+    return 0;
+  } catch (const std::exception& e) {
+    pi_error(e, err, err_len);
+    return 1;
+  }
+}
+
+// The instruction-set class in use, the best this CPU has ("none": the kernel cannot run here).
+void pi_isa(char* out, int64_t len) { powerinfer::pi_text(powerinfer::isa(), out, len); }
+void pi_best_isa(char* out, int64_t len) { powerinfer::pi_text(powerinfer::best_isa(), out, len); }
+
+// Run at class `want` from now on (use_isa); 0, or 1 with the error's text in err.
+int64_t pi_use_isa(const char* want, char* err, int64_t err_len) {
+  try {
+    powerinfer::use_isa(want);
+    return 0;
+  } catch (const std::exception& e) {
+    powerinfer::pi_error(e, err, err_len);
+    return 1;
+  }
+}
+
+// The calling thread's parallel loops run on n threads (at::set_num_threads: OpenMP's, per thread).
+void pi_set_threads(int64_t n) { at::set_num_threads((int)n); }
+
+// loop_profile's totals into out (up to len); returns how many there are.
+int64_t pi_loop_profile(int64_t mode, int64_t* out, int64_t len) {
+  const at::Tensor t = powerinfer::loop_profile(mode);
+  const int64_t n = t.numel();
+  std::copy(t.data_ptr<int64_t>(), t.data_ptr<int64_t>() + std::min(n, len), out);
+  return n;
+}
+
+}  // extern "C"
