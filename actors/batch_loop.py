@@ -116,7 +116,7 @@ class BatchLoop:
         self.stopping = False
         self.counters = {"requests": 0, "ring_requests": 0, "finished": 0, "cancelled": 0,
                          "rejected": 0, "failed": 0, "tokens": 0, "prefill_steps": 0,
-                         "decode_steps": 0, "decode_rows": 0, "prefill_tokens": 0,
+                         "decode_steps": 0, "decode_rows": 0, "widest_decode": 0, "prefill_tokens": 0,
                          "prefill_s": 0.0, "decode_s": 0.0}
         self.done: asyncio.Future | None = None
         # the tokenizer's unpickling leaves its parse's buffers freed but resident (Gemma 3's
@@ -298,6 +298,8 @@ class BatchLoop:
                 self.counters[f"{kind}_steps"] += 1
                 self.counters[f"{kind}_s"] += took
                 self.counters["decode_rows"] += len(step.seqs) if step.decode else 0
+                if step.decode:  # (the most rows one decode step ran)
+                    self.counters["widest_decode"] = max(self.counters["widest_decode"], len(step.seqs))
                 self.counters["prefill_tokens"] += step.prefill_tokens
             self.ctl.publish(STOP)
         except GroupFailure as e:

@@ -26,6 +26,8 @@ from __future__ import annotations
 
 import faulthandler
 import os
+import pickle
+import sys
 import time
 
 import torch
@@ -38,13 +40,15 @@ from powerinfer.model.transformer import KVCache, KVTables, held_bytes, host_par
 from powerinfer.engine.partial import attention_slice, read_head, read_neuron_set
 from powerinfer.engine.plan import SparsePlan
 from powerinfer.engine.native import (NO_ATTENTION, NO_FFN, attention_entry, ffn_entry, input_sparse_args,
-                                     runs)
+                                     rms_weight, runs)
 from powerinfer.model.quant import KQuantLinear, neuron_format
 from powerinfer.model.sparse import BlockSlice, decode_rows, ffn_w1
 from powerinfer.sparsity.input_sparsity import attach_parts
 
 from .group_info import node_id
+from .prepare import unseal
 from .channel import native_error
+from .cold_native import AHEAD, DTYPES, ROPE, Packed, Slot, Zeros
 from .plane import (ATTN, DECODE, HEAD, PREFILL, Answering, FFNInput, Partial, PlaneSpec, head_ranges, receive,
                     send, split_kv)
 
@@ -52,11 +56,14 @@ from .plane import (ATTN, DECODE, HEAD, PREFILL, Answering, FFNInput, Partial, P
 class ColdExecutorImpl(Answering):
     def __init__(self, spec: PlaneSpec, rank: int, cores: tuple[int, ...], model: ModelFile,
                  plan: SparsePlan, hot_share: float, threads: int = 0, weights: str = "dense",
-                 head: bool = True, attention: bool = False):
+                 head: bool = True, attention: bool = False, packing: bool = False):
+        """packing: load for a torch-free executor (`cold_native`), which maps no channel here:
+        the KV cache and the channels' addresses are its own (`pack`)."""
         faulthandler.enable()  # a native crash (the CPU kernel) leaves its Python stack in the log
         pin(cores, threads)
         kernels.hold(spec.isa)  # the model's instruction-set class
-        self.spec, self.rank, self.cores = spec, rank, cores
+        model = unseal(model)
+        self.spec, self.rank, self.cores, self.packing = spec, rank, cores, packing
         t0, c0 = time.perf_counter(), time.process_time()
         a, src, dtype = model.args, model.source, spec.torch_dtype  # the driver's table: no parse
         self.fmt = neuron_format(weights, model.info, torch.empty(0, dtype=dtype))
@@ -80,11 +87,12 @@ class ColdExecutorImpl(Answering):
                          for i in range(a.n_layers)]
             for m in self.attn:
                 m.kv_cache = KVCache(spec.num_blocks, m.n_kv_heads, spec.block_size, m.head_dim,
-                                     dtype, "cpu")
+                                     dtype, "meta" if packing else "cpu")
             # (global, local) tables: Gemma 3's sliding layers have their own RoPE base; the
             # group's, whose rows the hot executor fills before it sends a step that reads them
             # (its own, whole, where the shared-memory filesystem has no room for them)
-            self.rope = spec.rope_tables() or (None if a.learned_pos else rope_tables(a, spec.max_seq))
+            self.rope = (ROPE if packing and spec.ropes else spec.rope_tables()) or \
+                (None if a.learned_pos else rope_tables(a, spec.max_seq))
         # input sparsity: its 4-bit projections read only the input channels over their
         # thresholds in decode steps (its heads' q/k/v and output columns, a dense split's
         # gate+up rows), as the hot executor's do
@@ -100,21 +108,33 @@ class ColdExecutorImpl(Answering):
         self.load_s = time.perf_counter() - t0
         self.load_cpu_s = time.process_time() - c0  # without the time other processes took
         self.neurons = sum(len(s.idx) for s in self.sets)
-        self.x, self.part = spec.open("x"), spec.open(f"part.{rank}", writer=True)
         # the predictor's masks, watched (never consumed: the hot executor is their reader) where
         # they come out before attention (lookahead): the records they select are warmed while
         # the hot side attends (`cold_serve`'s `ahead`)
-        self.ahead = spec.open("mask") if plan.predictor_input == "layer" and spec.warm_ahead \
-            else None
+        ahead = plan.predictor_input == "layer" and spec.warm_ahead
+        if packing:
+            self.x = self.part = None
+            self.ahead = AHEAD if ahead else None
+        else:
+            self.x, self.part = spec.open("x"), spec.open(f"part.{rank}", writer=True)
+            self.ahead = spec.open("mask") if ahead else None
         self.busy_s, self.steps = 0.0, 0
         self.native = self._native_args(a.ffn_act)
 
     def ready(self) -> dict:
-        return {"rank": self.rank, "cores": list(self.cores), "neurons": self.neurons,
-                "format": self.fmt or "torch", "pid": os.getpid(), "load_s": self.load_s,
-                "isa": kernels.isa(),
-                "load_cpu_s": self.load_cpu_s,
+        return {**self._described(), "pid": os.getpid(), "load_s": self.load_s,
+                "isa": kernels.isa(), "load_cpu_s": self.load_cpu_s,
                 "held_bytes": held_bytes(*self.sets, *self._head(), *self.attn),
+                "numa_bytes": numa_pages(),
+                "node": node_of(self.cores), "node_id": node_id(),
+                # whether this process imported torch, and why it holds its shard with it
+                # (`cold_native.cold_executor`)
+                "torch": "torch" in sys.modules, "torch_why": getattr(self, "torch_why", "")}
+
+    def _described(self) -> dict:
+        """What `ready` says of the shard (the torch-free executor says the same)."""
+        return {"rank": self.rank, "cores": list(self.cores), "neurons": self.neurons,
+                "format": self.fmt or "torch",
                 "neuron_bytes": held_bytes(*self.sets),  # the cold neurons' records alone
                 "head_rows": self.head_rows, "kv_heads": list(self.kv_heads),
                 "head": None if self.head is None else type(self.head).__name__,
@@ -125,9 +145,60 @@ class ColdExecutorImpl(Answering):
                 # layers whose attention steps the native loop answers
                 "native_attention": self.native_attention if self.native is not None else 0,
                 "native_head": self.native is not None and self.native_head,
-                "numa_bytes": numa_pages(),
-                "node": node_of(self.cores), "node_id": node_id(),
                 "input_sparse": list(self.input_sparse), "input_timings": self.input_timings}
+
+    def native_only(self) -> str | None:
+        """Why some message this executor can be sent is answered in Python (with its torch
+        modules), or None where `cold_serve` answers every one, prompts and batches of any size
+        included: a dense split's block slices and heads whose projections are 16-row groups, a
+        head of 16-row groups (or steps of at most 64 rows). Then a torch-free executor can hold
+        the shard (`cold_native`)."""
+        if self.native is None:
+            return "the native loop answers none of its messages"
+        for i, (s, th) in enumerate(zip(self.sets, self.thresholds)):
+            e = ffn_entry(s, th)
+            if e is None or e[2] != 1 or e[4] >= 0 or e[5] >= 0:
+                return f"layer {i}'s neurons answer a prompt's rows in Python"
+        if self.attn and self._variants() is None:
+            return "its q/k norms are not RMSNorms of the model's type"
+        for i, m in enumerate(self.attn):
+            e = attention_entry(m)
+            if e is None or e[1] >= 0 or (e[3].numel() and e[4] >= 0) or e[7] >= 0:
+                return f"layer {i}'s heads answer a prompt's rows in Python"
+        if self.head is not None:
+            r = runs(self.head)
+            if not self.native_head or (r[0][1] >= 0 and self.spec.batch > 64):
+                return "its rows of the output head are answered in Python"
+        return None
+
+    def pack(self, fd: int) -> dict:
+        """For a torch-free executor (`cold_native`, this process its loading child): the native
+        loop's arguments with every tensor written into the memory file fd (`Packed`; a KV cache
+        as `Zeros`, what only the executor knows as `Slot`s), and what `ready` and `stats` say;
+        or {"why": ...} where some message needs Python (`native_only`)."""
+        why = self.native_only()
+        if why is not None:
+            return {"why": why}
+        end = 0
+
+        def put(v):
+            nonlocal end
+            if isinstance(v, list):
+                return [put(x) for x in v]
+            if not isinstance(v, torch.Tensor):
+                return v
+            if v is self.input_stats:
+                return Slot("sparse_stats")
+            packed, end = packed_tensor(v, fd, end)
+            return packed
+
+        args = tuple(put(v) for v in self.native)
+        weights = held_bytes(*self.sets, *self._head(),
+                             *(p for m in self.attn for p in (m.wqkv, m.wo)))
+        return {"args": args, "size": end, "library": kernels.library(), "isa": kernels.isa(),
+                "ahead": self.ahead is not None, "sparse_stats": self.input_stats is not None,
+                "ready": {**self._described(), "held_bytes": weights},
+                "parts": {"held_bytes": held_bytes(*self.sets, *self._head())}}
 
     def _native_args(self, act: str) -> tuple | None:
         """The arguments of the kernel library's `cold_serve` after its state (see there): the
@@ -139,8 +210,8 @@ class ColdExecutorImpl(Answering):
         if not kernels.available() or dtype not in (torch.float32, torch.bfloat16):
             return None
         ffn = [ffn_entry(s, th) or NO_FFN for s, th in zip(self.sets, self.thresholds)]
-        # (the native loop runs one window, one RoPE table and no q/k norms for every layer)
-        attn = ([attention_entry(m) or NO_ATTENTION for m in self.attn] if self.args.uniform and self.attn
+        variants = self._variants() if self.attn else None  # (None: Python attends)
+        attn = ([attention_entry(m) or NO_ATTENTION for m in self.attn] if variants is not None
                 else [NO_ATTENTION] * len(self.sets))
         head = runs(self.head) if self.head is not None else None
         head = head[0] if head is not None and len(head) == 1 else None
@@ -153,13 +224,34 @@ class ColdExecutorImpl(Answering):
         scale = self.attn[0].scale if self.attn else 1.0
         cos, sin = self.rope[0] if self.rope is not None else (None, None)
         cols = lambda rows, j: [r[j] for r in rows]  # noqa: E731
-        return (self.x.base, self.part.base, self.part.capacity, self.spec.dim,
-                dtype == torch.bfloat16, self.x.spin_us, [DECODE, HEAD, ATTN, PREFILL],
+        x, part = self.x, self.part
+        where = (Slot("x_base"), Slot("part_base"), Slot("part_capacity"), Slot("spin_us")) \
+            if self.packing else (x.base, part.base, part.capacity, x.spin_us)
+        return (where[0], where[1], where[2], self.spec.dim,
+                dtype == torch.bfloat16, where[3], [DECODE, HEAD, ATTN, PREFILL],
                 kernels.ACTS.index(act), *(cols(ffn, j) for j in range(8)), self.spec.ffn_dim,
                 *(cols(attn, j) for j in range(10)), n_heads, cos, sin, self.args.sliding_window,
                 scale, *((None, 0, 0) if head is None else head),
-                self.ahead.base if self.ahead is not None else 0,
-                *input_sparse_args(zip(self.attn or [None] * len(self.sets), self.sets), self.input_stats))
+                (self.ahead if self.packing else self.ahead.base) if self.ahead is not None else 0,
+                *input_sparse_args(zip(self.attn or [None] * len(self.sets), self.sets), self.input_stats),
+                *(variants or ([], [], [], [])), self.args.norm_eps)
+
+    def _variants(self) -> tuple | None:
+        """`cold_serve`'s lists of the layers' own attention variants, as `hot_layers` takes them
+        (Gemma 3's sliding windows and local RoPE table, q/k norms; empty lists for a uniform
+        model): (q/k norms, RoPE cos and sin tables, windows); None where a norm is not one the
+        loop computes."""
+        a, dtype = self.args, self.spec.torch_dtype
+        norms = []
+        if a.qk_norm:
+            norms = [rms_weight(n, dtype) for m in self.attn for n in (m.q_norm, m.k_norm)]
+            if any(w is None for w in norms):
+                return None
+        if a.uniform or self.rope is None:
+            return norms, [], [], []
+        tables = [self.rope[a.local(i)] for i in range(a.n_layers)]
+        return (norms, [t[0] for t in tables], [t[1] for t in tables],
+                [a.window(i) for i in range(a.n_layers)])
 
     def _next(self) -> FFNInput:
         """The next message this loop answers in Python (the native loop answers the others)."""
@@ -226,3 +318,45 @@ class ColdExecutorImpl(Answering):
 
     def _head(self) -> list:
         return [] if self.head is None else [self.head]
+
+
+def packed_tensor(t: torch.Tensor, fd: int, at: int) -> tuple[object, int]:
+    """t written into the file fd at `at` or after (aligned), as `cold_native` maps it back: its
+    `Packed` and where the file's next tensor may start; a tensor without memory (meta: a KV
+    cache the executor allocates) as `Zeros`."""
+    code = DTYPES.index(str(t.dtype).removeprefix("torch."))
+    if t.device.type == "meta":
+        return Zeros(code, tuple(t.shape)), at
+    t = t.detach().contiguous()
+    n = t.numel() * t.element_size()
+    at = -(-at // (4096 if n >= 1 << 20 else 64)) * (4096 if n >= 1 << 20 else 64)
+    if n:
+        data = memoryview(t.reshape(-1).view(torch.uint8).numpy())
+        done = 0
+        while done < n:
+            done += os.pwrite(fd, data[done:], at + done)
+    return Packed(at, code, tuple(t.shape)), at + n
+
+
+def pack_main():
+    """`python -m actors.cold_executor FD`: a torch-free executor's loading child
+    (`cold_native`). Reads ColdExecutorImpl's arguments (pickled) from stdin, loads the shard,
+    writes it into the memory file FD (`pack`) and what it says of it (pickled) to stdout, or
+    the load's error; the load's prints and logs go to stderr."""
+    out = os.fdopen(os.dup(1), "wb")
+    os.dup2(2, 1)
+    try:
+        kwargs = pickle.load(sys.stdin.buffer)
+        got = ColdExecutorImpl(**kwargs, packing=True).pack(int(sys.argv[1]))
+    except Exception as e:  # noqa: BLE001 - the executor's to raise
+        try:
+            pickle.loads(pickle.dumps(e))
+            got = {"error": e}
+        except Exception:  # noqa: BLE001 - (an error that does not pickle: its text)
+            got = {"error": RuntimeError(f"{type(e).__name__}: {e}")}
+    out.write(pickle.dumps(got))
+    out.close()
+
+
+if __name__ == "__main__":
+    pack_main()

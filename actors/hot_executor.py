@@ -57,6 +57,7 @@ from powerinfer.sparsity.input_sparsity import attach
 
 from .graphs import SegmentedDecode
 from .group_info import node_id
+from .prepare import unseal
 from .channel import ChannelClosed, PeerDied, native_error
 from .plane import (ATTN, DECODE, ERROR, HEAD, OK, PREFILL, STOP, FFNInput, Masks, Partial,
                     PlaneSpec, PredictorInput, Reply, Step, head_ranges, receive, send, split_kv)
@@ -262,6 +263,7 @@ class HotExecutorImpl:
         self.threads = {"load": threading.get_native_id()}
         pin(cores, config.cpu_threads)
         kernels.hold(spec.isa)  # the model's instruction-set class
+        model = unseal(model)
         self.spec, self.cores, self.device = spec, cores, config.torch_device
         t0, c0 = time.perf_counter(), time.process_time()
         self.io = DataPlane(spec, plan.predictor_input, self.device)

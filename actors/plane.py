@@ -347,20 +347,26 @@ class PlaneSpec:
         (global, local) (cos, sin) float32 tensors (max_seq, head_dim), local the global pair
         again where the model has one base; None without RoPE. writer: the hot executor's, which
         fills their rows; the others map them read-only."""
-        if not self.ropes:
+        arrays = self.rope_arrays(writer)
+        if arrays is None:
             return None
         import torch
+        with warnings.catch_warnings():  # (a reader's map is read-only: it only reads)
+            warnings.simplefilter("ignore", UserWarning)
+            return tuple(tuple(torch.from_numpy(a) for a in pair) for pair in arrays)
+
+    def rope_arrays(self, writer: bool = False) -> tuple | None:
+        """`rope_tables` as numpy arrays (a process without torch: `cold_native`)."""
+        if not self.ropes:
+            return None
         fd = os.open(self.paths["rope"], os.O_RDWR if writer else os.O_RDONLY)
         try:
             m = mmap.mmap(fd, 0, access=mmap.ACCESS_WRITE if writer else mmap.ACCESS_READ)
         finally:
             os.close(fd)
         rows = self.max_seq * self.head_dim
-        with warnings.catch_warnings():  # (a reader's map is read-only: it only reads)
-            warnings.simplefilter("ignore", UserWarning)
-            t = [torch.from_numpy(np.frombuffer(m, np.float32, rows, HEADER + 4 * rows * k)
-                                  .reshape(self.max_seq, self.head_dim))
-                 for k in range(2 * self.ropes)]
+        t = [np.frombuffer(m, np.float32, rows, HEADER + 4 * rows * k).reshape(self.max_seq, self.head_dim)
+             for k in range(2 * self.ropes)]
         glob = (t[0], t[1])
         return glob, (t[2], t[3]) if self.ropes > 1 else glob
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import pickle
 import sys
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -42,6 +43,27 @@ class Prepared:
     plan: SparsePlan
     input_sparsity: dict | None  # the bundle's record of its thresholds, where they are on
     logged: list[tuple[int, str]]  # the decisions' log records (level, message), in order
+
+
+@dataclass(frozen=True)
+class Sealed:
+    """A model's table (`ModelFile`) pickled once, its architecture beside it: unpickling the
+    table imports torch (its readers'), so a process that computes without torch (a torch-free
+    cold executor, `cold_native`) receives it sealed and hands the bytes to its loading child."""
+    args: ModelArgs
+    data: bytes
+
+    @classmethod
+    def of(cls, table) -> "Sealed":
+        return cls(table.args, pickle.dumps(table))
+
+    def open(self):
+        return pickle.loads(self.data)
+
+
+def unseal(model):
+    """The table of a `Sealed` one, or model as it is."""
+    return model.open() if isinstance(model, Sealed) else model
 
 
 def prepare(model: str, config: Config, gpu: bool):
@@ -103,7 +125,7 @@ def _prepare_logged(model: str, config: Config, gpu: bool):
     records = _Records()
     lib.addHandler(records)
     done, table, tokenizer = prepare(model, config, gpu)
-    return replace(done, logged=records.records), table, tokenizer
+    return replace(done, logged=records.records), Sealed.of(table), tokenizer
 
 
 @functools.cache
@@ -113,12 +135,12 @@ def _remote():
 
 
 def prepared(model: str, config: Config, gpu: bool):
-    """(Prepared, the table and the tokenizer as objects in Ray's store (refs the caller owns),
+    """(Prepared, the table (`Sealed`) and the tokenizer as objects in Ray's store (refs the caller owns),
     the tokenizer): `prepare`d here where this process has torch, else in a one-off task on
     this node."""
     if "torch" in sys.modules:
         done, table, tokenizer = prepare(model, config, gpu)
-        return done, ray.put(table), ray.put(tokenizer), tokenizer
+        return done, ray.put(Sealed.of(table)), ray.put(tokenizer), tokenizer
     task = _remote().options(
         num_cpus=0, num_returns=3, max_retries=0,
         scheduling_strategy=NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(),

@@ -87,7 +87,7 @@ class HotExecutor(_Role):
 
 
 class ColdExecutor(_Role):
-    IMPL = ".cold_executor", "ColdExecutorImpl"
+    IMPL = ".cold_native", "cold_executor"  # (torch-free where its loop answers all: see there)
 
     def loop_profile(self, mode: str = "read") -> dict:
         return self.impl.loop_profile(mode)

@@ -6,6 +6,20 @@ from __future__ import annotations
 
 ISAS = ("avx2", "avx512", "avx512bf16")  # the CPU kernel's classes, each a superset of the one before
 
+# the native loops' phases (csrc/ops.cpp, prof::Phase), in order: `hot_layers`' ...
+LOOP_PHASES = ("norms", "sends to the executors", "q/k/v projection",
+               "RoPE, new keys and values placed", "attention over the cache", "output projection",
+               "waits for the executors' attention", "their attention added", "FFN",
+               "waits for the executors' FFN", "their FFN added", "predictor input and masks",
+               # ... and a cold executor's (`cold_serve`; its attention answers hold the
+               # projections and attention above)
+               "cold: waits for messages", "cold: attention answered", "cold: FFN answered",
+               "cold: head rows answered",
+               # (within its waits: warming the records of the predictor's newest masks, and
+               # how many records it warmed, a count)
+               "cold: warming records ahead", "cold: records warmed")
+COUNTS = {"cold: records warmed"}  # loop_profile's entries that count, not nanoseconds
+
 
 def native_bf16() -> bool:
     """Whether this CPU computes bf16 natively (AVX-512 BF16 or AMX): there bf16 GEMMs beat

@@ -517,6 +517,39 @@ def test_int4_dense_split_equals_the_in_process_engine(ray_cluster):
     assert not shm_segments()
 
 
+@pytest.mark.slow
+def test_a_torch_free_cold_executor_answers_every_step(ray_cluster):
+    # the shipped dense split (4-bit block slices, heads and head rows in 16-row groups): its
+    # cold executor holds the shard without torch (`cold_native`: loaded by a child process,
+    # answered by the native loop through the library's C entry points) and answers every step
+    # there, prompts and a decode step wider than a GEMV's batch (65 rows and up) included: 66
+    # copies of a prompt decoded together give each the tokens it gives alone, and those track
+    # the in-process engine's
+    from powerinfer import kernels
+    if not kernels.available():
+        pytest.skip("the CPU kernel does not run here: the cold executors compute with torch")
+    cfg = dict(BASE, dtype="bfloat16", weights="int4", max_batch=66)
+    pi = PowerInfer.from_pretrained(MODEL, Config(runtime="actors", **cfg))
+    try:
+        cold = pi.engine.group.info["cold.0"]
+        assert cold["torch"] is False and cold["torch_why"] == "", cold
+        assert cold["block_slices"] == 30 and cold["native_attention"] == 30
+        ids = pi.tokenize(PROMPTS[0])
+        alone = decode(pi, [ids], 24)[0]
+        together = decode(pi, [ids] * 66, 24)
+        assert all(t == alone for t in together)
+        sched = ray.get(pi.engine.group.actors["scheduler"].stats.remote())
+        assert sched["widest_decode"] > 64, sched
+        # its memory is counted as the torch one's: its shard's weights, its KV blocks as written
+        mem = pi.engine.memory()["cold.0"]
+        assert 0 < mem["weight_resident"] <= mem["weight"] and 0 < mem["kv_resident"] < mem["kv"]
+        ref = PowerInfer.from_pretrained(MODEL, Config(**cfg))
+        assert_bf16_greedy_tracks(ref, pi)
+    finally:
+        pi.close()
+    assert not shm_segments()
+
+
 def assert_each_loop_profiles_its_phases(pi: PowerInfer):
     # each executor's native loop by phase (benchmarks/runtime.py's `hot_phases`), counted only
     # while asked for: the hot executor's own work and its waits for the cold executors, and

@@ -37,7 +37,7 @@ from pathlib import Path
 import torch
 from gguf import GGMLQuantizationType
 
-from ..cpu import ISAS
+from ..cpu import COUNTS, ISAS, LOOP_PHASES
 from ..errors import ConfigError
 from ..formats import kquants
 from ..formats.kquants import q4_k_codes, q6_k_codes
@@ -212,6 +212,11 @@ def available() -> bool:
     return bool(_loaded)
 
 
+def library() -> str:
+    """The kernel library's path once loaded, or "" where it does not run here."""
+    return _loaded if available() else ""
+
+
 def isa() -> str:
     """The instruction set the kernel runs with here ("avx512", "avx2"), or "none"."""
     return torch.ops.powerinfer.isa() if available() else "none"
@@ -247,19 +252,6 @@ def hold(cap: str = "auto") -> str:
     return got
 
 
-# the native loops' phases (csrc/ops.cpp, prof::Phase), in order: `hot_layers`' ...
-LOOP_PHASES = ("norms", "sends to the executors", "q/k/v projection",
-               "RoPE, new keys and values placed", "attention over the cache", "output projection",
-               "waits for the executors' attention", "their attention added", "FFN",
-               "waits for the executors' FFN", "their FFN added", "predictor input and masks",
-               # ... and a cold executor's (`cold_serve`; its attention answers hold the
-               # projections and attention above)
-               "cold: waits for messages", "cold: attention answered", "cold: FFN answered",
-               "cold: head rows answered",
-               # (within its waits: warming the records of the predictor's newest masks, and
-               # how many records it warmed, a count)
-               "cold: warming records ahead", "cold: records warmed")
-COUNTS = {"cold: records warmed"}  # loop_profile's entries that count, not nanoseconds
 
 
 def loop_profile(mode: str = "read") -> dict:
