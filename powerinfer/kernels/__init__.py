@@ -61,6 +61,7 @@ MAX_ROWS = 64  # rows per kernel call (csrc/neuron_ffn.h's MAXB)
 _AVX512 = ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mfma", "-mf16c"]
 
 
+LITE = "ops.cpp (lite)"  # the torch-free build's unit: ops.cpp with -DPOWERINFER_LITE (see lite_path)
 UNITS = {"ops.cpp": [], "neuron_ffn_avx512bf16.cpp": [*_AVX512, "-mavx512bf16", "-mavx512vnni"],
          "neuron_ffn_avx512.cpp": _AVX512, "neuron_ffn_avx2.cpp": ["-mavx2", "-mfma", "-mf16c"]}
 
@@ -119,11 +120,19 @@ def _library_path() -> Path:
     return shipped if shipped.exists() else _ext_dir() / name
 
 
+def lite_path(path: Path) -> Path:
+    """The torch-free build beside the library at `path` (csrc/lite.h: the same ops over a
+    stand-in for the parts of ATen they use, with the C entry points only), which a cold executor
+    without torch loads (`actors/cold_native.py`)."""
+    return path.with_name(path.name.replace("neuron_ffn-", "neuron_ffn_lite-"))
+
+
 def build() -> Path:
-    """Compile the kernel library for this torch if it is not built yet; returns its path.
-    Safe to call from several processes at once (one builds, the others wait)."""
+    """Compile the kernel library for this torch if it is not built yet, and its torch-free
+    build beside it (`lite_path`); returns the library's path. Safe to call from several
+    processes at once (one builds, the others wait)."""
     out = _library_path()
-    if out.exists():
+    if out.exists() and lite_path(out).exists():
         return out
     from torch.utils import cpp_extension  # (setuptools with it: 5 MiB a process that loads)
 
@@ -133,34 +142,43 @@ def build() -> Path:
         raise RuntimeError("building the CPU FFN kernel needs a C++ compiler (g++)")
     with open(out.parent / ".lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
-        if out.exists():
+        if out.exists() and lite_path(out).exists():
             return out
         abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
         inc = [f"-I{p}" for p in cpp_extension.include_paths()]
         common = ["-O3", "-std=c++17", "-fPIC", "-fopenmp", f"-D_GLIBCXX_USE_CXX11_ABI={abi}"]
         with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
             def compile_unit(unit):
-                obj = Path(tmp) / (unit + ".o")
-                cmd = [cxx, *common, *UNITS[unit], *(inc if unit == "ops.cpp" else []), "-c",
-                       str(SRC / unit), "-o", str(obj)]
+                lite = unit == LITE
+                src = "ops.cpp" if lite else unit
+                obj = Path(tmp) / ("ops_lite.o" if lite else unit + ".o")
+                extra = ["-DPOWERINFER_LITE"] if lite else inc if unit == "ops.cpp" else UNITS[unit]
+                cmd = [cxx, *common, *extra, "-c", str(SRC / src), "-o", str(obj)]
                 run = subprocess.run(cmd, capture_output=True, text=True)
                 if run.returncode:
                     raise RuntimeError(f"compiling {unit} failed:\n{run.stderr[-4000:]}")
                 return str(obj)
 
+            def link(objs, so, libs):
+                run = subprocess.run([cxx, "-shared", "-fopenmp", *objs, *libs, "-o", str(so)],
+                                     capture_output=True, text=True)
+                if run.returncode:
+                    raise RuntimeError(f"linking the CPU FFN kernel failed:\n{run.stderr[-4000:]}")
+
             log.info("building the CPU FFN kernel (once per machine and torch version)")
-            with ThreadPoolExecutor(len(UNITS)) as pool:
-                objs = list(pool.map(compile_unit, UNITS))
+            units = [*UNITS, LITE]
+            with ThreadPoolExecutor(len(units)) as pool:
+                objs = dict(zip(units, pool.map(compile_unit, units)))
             lib = cpp_extension.library_paths()[0]
-            so = Path(tmp) / out.name
-            cmd = [cxx, "-shared", "-fopenmp", *objs, f"-L{lib}", f"-Wl,-rpath,{lib}", "-ltorch",
-                   "-ltorch_cpu", "-lc10", "-o", str(so)]
-            run = subprocess.run(cmd, capture_output=True, text=True)
-            if run.returncode:
-                raise RuntimeError(f"linking the CPU FFN kernel failed:\n{run.stderr[-4000:]}")
+            kernels = [objs[u] for u in UNITS if u != "ops.cpp"]
+            so, so_lite = Path(tmp) / out.name, Path(tmp) / lite_path(out).name
+            link([objs["ops.cpp"], *kernels], so,
+                 [f"-L{lib}", f"-Wl,-rpath,{lib}", "-ltorch", "-ltorch_cpu", "-lc10"])
+            link([objs[LITE], *kernels], so_lite, [])
+            os.replace(so_lite, lite_path(out))
             os.replace(so, out)
-        for old in out.parent.glob("neuron_ffn-*.so"):  # builds for other sources or torches
-            if old != out:
+        for old in [*out.parent.glob("neuron_ffn-*.so"), *out.parent.glob("neuron_ffn_lite-*.so")]:
+            if old not in (out, lite_path(out)):  # builds for other sources or torches
                 old.unlink(missing_ok=True)
     return out
 
@@ -212,9 +230,12 @@ def available() -> bool:
     return bool(_loaded)
 
 
-def library() -> str:
-    """The kernel library's path once loaded, or "" where it does not run here."""
-    return _loaded if available() else ""
+def library(lite: bool = False) -> str:
+    """The kernel library's path once loaded (lite: its torch-free build's, `lite_path`), or ""
+    where it does not run here."""
+    if not available():
+        return ""
+    return str(lite_path(Path(_loaded))) if lite else _loaded
 
 
 def isa() -> str:

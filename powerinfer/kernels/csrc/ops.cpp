@@ -2,9 +2,13 @@
 // once at load by what the CPU supports, parallel over neurons with ATen's thread pool: each
 // thread accumulates its neurons' down rows into its own partial output, then the partials are
 // summed.
+#ifdef POWERINFER_LITE  // (the torch-free build: lite.h)
+#include "lite.h"
+#else
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
+#endif
 
 #include <immintrin.h>
 #include <linux/futex.h>
@@ -920,6 +924,7 @@ static int64_t channel_base(int64_t base) {
 
 // send_message, returning a copy of parts[0]: a compiled step reads what follows the send from
 // it, which keeps the send first.
+#ifndef POWERINFER_LITE
 static at::Tensor ch_send(at::TensorList parts, int64_t base, int64_t capacity, int64_t op, int64_t layer,
                           c10::SymIntArrayRef extra) {
   base = channel_base(base);
@@ -928,6 +933,7 @@ static at::Tensor ch_send(at::TensorList parts, int64_t base, int64_t capacity, 
   send_message(parts, base, capacity, op, layer, words);
   return parts[0].contiguous().clone();
 }
+#endif
 
 // Waits for the next message on the channel at `base`, as Channel.wait: spinning (yielding the
 // core) for spin_us, then asleep in the futex, checking the closed flag and the writer's
@@ -1659,6 +1665,7 @@ static std::vector<int64_t> pred_serve(at::Tensor& state, at::Tensor& counts, in
 
 }  // namespace powerinfer
 
+#ifndef POWERINFER_LITE
 TORCH_LIBRARY(powerinfer, m) {
   m.def("neuron_ffn(Tensor x, Tensor w, Tensor sel, Tensor? keep, Tensor? bias, float threshold, int act, int fmt) -> Tensor");
   m.def("widen(Tensor w, int fmt, int rows, int dim) -> Tensor");
@@ -1722,5 +1729,6 @@ TORCH_LIBRARY_IMPL(powerinfer, CPU, m) {
   m.impl("hot_layers", powerinfer::hot_layers);
   m.impl("pred_serve", powerinfer::pred_serve);
 }
+#endif  // POWERINFER_LITE
 
 #include "capi.h"
