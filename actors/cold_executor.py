@@ -46,7 +46,7 @@ from powerinfer.model.sparse import BlockSlice, decode_rows, ffn_w1
 from powerinfer.sparsity.input_sparsity import attach_parts
 
 from .group_info import node_id
-from .prepare import unseal
+from .sealed import unseal
 from .channel import native_error
 from .cold_native import AHEAD, DTYPES, ROPE, Packed, Slot, Zeros
 from .plane import (ATTN, DECODE, HEAD, PREFILL, Answering, FFNInput, Partial, PlaneSpec, head_ranges, receive,
@@ -195,7 +195,7 @@ class ColdExecutorImpl(Answering):
         args = tuple(put(v) for v in self.native)
         weights = held_bytes(*self.sets, *self._head(),
                              *(p for m in self.attn for p in (m.wqkv, m.wo)))
-        return {"args": args, "size": end, "library": kernels.library(), "isa": kernels.isa(),
+        return {"args": args, "size": end, "library": kernels.library(lite=True), "isa": kernels.isa(),
                 "ahead": self.ahead is not None, "sparse_stats": self.input_stats is not None,
                 "ready": {**self._described(), "held_bytes": weights},
                 "parts": {"held_bytes": held_bytes(*self.sets, *self._head())}}

@@ -1,11 +1,13 @@
 """A cold executor without torch: where the kernel library's `cold_serve` loop answers every
 message a cold executor can be sent, the process that answers them never imports torch.
 
-`import torch` costs a process about 0.2 GiB of its own memory (its Python modules and
-libtorch's), and a served model's default group on a CPU runs two executors (`group`), so torch
-in the cold one was about a third of what a model costs beyond its weights and KV cache. The
-kernel library itself is libtorch's C++ (about 0.06 GiB a process); it is loaded here with ctypes
-through its C entry points (`csrc/capi.h`), which run the same ops as the torch operators.
+`import torch` costs a process about 0.15 GiB of its own memory (its Python modules and
+libtorch's static initialisers), and a served model's default group on a CPU runs two executors
+(`group`), so torch in the cold one was most of what a model cost beyond its weights, KV cache
+and 0.5 GB. Here the kernel library's torch-free build (`kernels.lite_path`: the same ops.cpp over
+`csrc/lite.h`, a stand-in for the parts of ATen it uses) is loaded with ctypes and called through
+its C entry points (`csrc/capi.h`); it gives the torch operators' floats bit for bit
+(tests/test_cold_native.py).
 
 How it loads: the shard is read and laid out by the same code as always (`cold_executor`, which
 imports torch), run in a child process that writes every tensor the native loop takes into a
@@ -34,6 +36,7 @@ from typing import NamedTuple
 import numpy as np
 
 from cluster.topology import node_of, numa_pages, pin_threads, process_memory
+from powerinfer.compat import trim_heap
 from powerinfer.cpu import COUNTS, LOOP_PHASES
 
 from .channel import ChannelClosed, native_error
@@ -130,7 +133,7 @@ class PiArgs:
 
 
 class Library:
-    """The kernel library loaded without torch's Python module (libtorch's C++ comes with it)."""
+    """The kernel library's torch-free build, loaded with ctypes."""
 
     def __init__(self, path: str):
         self.lib = lib = ctypes.CDLL(path)
@@ -247,6 +250,7 @@ class ColdNativeImpl(Answering):
             impl._init(spec, rank, cores, threads, got, fd)
         finally:
             os.close(fd)
+        trim_heap()  # (the child's report and its unpickling, freed)
         child1 = resource.getrusage(resource.RUSAGE_CHILDREN)
         impl.load_s = time.perf_counter() - t0
         impl.load_cpu_s = time.process_time() - c0 + (child1.ru_utime - child0.ru_utime) + \

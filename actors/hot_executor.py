@@ -57,7 +57,7 @@ from powerinfer.sparsity.input_sparsity import attach
 
 from .graphs import SegmentedDecode
 from .group_info import node_id
-from .prepare import unseal
+from .sealed import unseal
 from .channel import ChannelClosed, PeerDied, native_error
 from .plane import (ATTN, DECODE, ERROR, HEAD, OK, PREFILL, STOP, FFNInput, Masks, Partial,
                     PlaneSpec, PredictorInput, Reply, Step, head_ranges, receive, send, split_kv)

@@ -51,7 +51,6 @@ from typing import TYPE_CHECKING, NamedTuple, TypeVar
 
 import numpy as np
 
-from powerinfer.engine.batching import MIN_TABLE_BLOCKS
 
 if TYPE_CHECKING:
     import torch
@@ -300,6 +299,8 @@ class PlaneSpec:
     def max_blocks(self) -> int:
         """The widest block table: a sequence at max_seq positions, and never under a step's
         least width (`batching.MIN_TABLE_BLOCKS`)."""
+        from powerinfer.engine.batching import MIN_TABLE_BLOCKS  # (the scheduler's module: the
+        # executors that map the plane need none of it)
         return max(MIN_TABLE_BLOCKS, -(-self.max_seq // self.block_size))
 
     def capacities(self) -> dict[str, int]:

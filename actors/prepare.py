@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import functools
 import logging
-import pickle
 import sys
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -30,6 +29,8 @@ from powerinfer.engine.kv import BlockManager, describe, pool_blocks
 from powerinfer.engine.plan import SparsePlan
 from powerinfer.formats.args import ModelArgs
 
+from .sealed import Sealed
+
 log = logging.getLogger("powerinfer")
 
 
@@ -43,27 +44,6 @@ class Prepared:
     plan: SparsePlan
     input_sparsity: dict | None  # the bundle's record of its thresholds, where they are on
     logged: list[tuple[int, str]]  # the decisions' log records (level, message), in order
-
-
-@dataclass(frozen=True)
-class Sealed:
-    """A model's table (`ModelFile`) pickled once, its architecture beside it: unpickling the
-    table imports torch (its readers'), so a process that computes without torch (a torch-free
-    cold executor, `cold_native`) receives it sealed and hands the bytes to its loading child."""
-    args: ModelArgs
-    data: bytes
-
-    @classmethod
-    def of(cls, table) -> "Sealed":
-        return cls(table.args, pickle.dumps(table))
-
-    def open(self):
-        return pickle.loads(self.data)
-
-
-def unseal(model):
-    """The table of a `Sealed` one, or model as it is."""
-    return model.open() if isinstance(model, Sealed) else model
 
 
 def prepare(model: str, config: Config, gpu: bool):

@@ -1,0 +1,143 @@
+"""The torch-free cold executor (`actors/cold_native.py`: its shard loaded by a child process, its
+messages answered by the kernel library's torch-free build through the C entry points) against
+the torch one, each driven over its own channels as the hot executor drives them, with no Ray:
+every kind of message the native loop answers gives the same floats, bit for bit."""
+from __future__ import annotations
+
+import os
+import threading
+
+import numpy as np
+import pytest
+import torch
+
+from actors.cold_native import ColdNativeImpl, cold_executor
+from actors.plane import ATTN, DECODE, HEAD, PREFILL, STOP, FFNInput, Partial, PlaneSpec, receive, send
+from actors.sealed import Sealed
+from powerinfer import kernels
+from powerinfer.config import Config
+from powerinfer.model.transformer import rope_tables
+
+MODEL = "smollm2-135m-instruct"
+
+pytestmark = pytest.mark.skipif(not kernels.available(),
+                                reason="the CPU kernel does not run here: no torch-free executor")
+
+
+class Side:
+    """One executor, built and run on a thread of its own (as `roles._Role.compute`: its
+    threads' count is that thread's), and the hot executor's end of its channels."""
+
+    def __init__(self, spec: PlaneSpec, build):
+        self.spec, self.impl, self.result, self.error = spec, None, None, None
+        self.ready = threading.Event()
+        self.thread = threading.Thread(target=self._main, args=(build,), daemon=True)
+        self.thread.start()
+        assert self.ready.wait(300) and self.error is None, self.error
+        self.x, self.part = spec.open("x", writer=True), spec.open("part.0")
+
+    def _main(self, build):
+        try:
+            self.impl = build()
+        except Exception as e:  # noqa: BLE001 - the test's to raise
+            self.error = e
+        self.ready.set()
+        if self.impl is not None:
+            self.result = self.impl.run()
+
+    def ask(self, words: FFNInput, parts: list[tuple[int, torch.Tensor]], cols: int) -> np.ndarray:
+        for offset, t in parts:
+            self.x.put(t, offset)
+        send(self.x, words)
+        got = receive(self.part, Partial, timeout=60)
+        return self.part.array(np.float32, (got.rows, cols)).copy()
+
+
+def test_the_torch_free_executor_answers_as_the_torch_one_bit_for_bit(tmp_path):
+    from actors.cold_executor import ColdExecutorImpl
+    from actors.prepare import prepare
+    done, table, _ = prepare(MODEL, Config(runtime="actors", dtype="bfloat16", weights="int4"), False)
+    a = table.args
+    cores, threads = tuple(sorted(os.sched_getaffinity(0))), torch.get_num_threads()
+    specs = [PlaneSpec.new(1, 72, 128, 256, 64, 16, a, torch.bfloat16) for _ in range(2)]
+    for spec in specs:
+        spec.create_all()
+        if spec.ropes:  # (the hot executor's to fill)
+            for mine, want in zip(spec.rope_tables(writer=True), rope_tables(a, spec.max_seq)):
+                for t, w in zip(mine, want):
+                    t.copy_(w)
+    args = dict(rank=0, cores=cores, plan=done.plan, hot_share=0.5, threads=0, weights="int4",
+                head=True, attention=True)
+    sides = []
+    try:
+        sides.append(Side(specs[0], lambda: ColdExecutorImpl(specs[0], model=table, **args)))
+        sides.append(Side(specs[1], lambda: cold_executor(specs[1], model=Sealed.of(table), **args)))
+        torch_side, native_side = sides
+        assert isinstance(native_side.impl, ColdNativeImpl)
+        info = native_side.impl.info  # (what its `ready` says of the shard, the child's word)
+        assert info["kv_heads"] == torch_side.impl._described()["kv_heads"] != [0, 0]
+        assert info["block_slices"] == a.n_layers and info["native_attention"] == a.n_layers
+
+        dim, spec, head_rows = a.dim, specs[0], info["head_rows"]
+        gen = torch.Generator().manual_seed(0)
+        rows = lambda n: torch.randn(n, dim, generator=gen).to(torch.bfloat16)  # noqa: E731
+
+        def attn(layer, B, T, x, pos, starts, tables):  # (an ATTN message: spec.attn_layout)
+            at = spec.attn_layout(B * T, len(starts) - 1)
+            parts = [(at.rows, x), (at.positions, torch.tensor(pos)), (at.starts, torch.tensor(starts)),
+                     (at.tables, torch.tensor(tables, dtype=torch.int32))]
+            return FFNInput(ATTN, layer, B, T, len(starts) - 1, len(tables[0])), parts
+
+        M = spec.max_blocks  # (two sequences' blocks, apart)
+        assert 2 * M <= spec.num_blocks
+        table0, table1 = [list(range(M))], [list(range(M)), list(range(M, 2 * M))]
+        prompt = rows(6)
+        steps = []
+        for layer in (0, a.n_layers - 1):
+            steps += [attn(layer, 1, 6, prompt, list(range(6)), [0, 6], table0),  # a prompt's heads
+                      (FFNInput(PREFILL, layer, 1, 6, 0), [(0, prompt)]),  # its neurons
+                      attn(layer, 2, 1, rows(2), [6, 0], [0, 1, 2], table1),  # decode: two sequences
+                      (FFNInput(DECODE, layer, 3, 1, 0), [(0, rows(3))]),
+                      (FFNInput(DECODE, layer, 70, 1, 0), [(0, rows(70))])]  # past a GEMV's batch
+        wide = rows(70)
+        heads = [(FFNInput(HEAD, -1, 1, 1, 0), [(0, wide[:1])]), (FFNInput(HEAD, -1, 70, 1, 0), [(0, wide)])]
+        for words, parts in steps + heads:
+            cols = head_rows if words.op == HEAD else dim
+            want, got = (s.ask(words, parts, cols) for s in sides)
+            assert np.isfinite(want).all() and np.abs(want).max() > 0, words
+            assert np.array_equal(want, got), (words, np.abs(want - got).max())
+        for s in sides:
+            send(s.x, FFNInput(STOP, 0, 0, 0, 0))
+            s.thread.join(30)
+        assert [s.result for s in sides] == ["stopped", "stopped"]
+        # (counted as the loop hands back: its answers, and what it holds as the torch one does)
+        stats = [s.impl.stats() for s in sides]
+        assert stats[0]["messages"] == stats[1]["messages"] == len(steps) + len(heads)
+        assert stats[0]["held_bytes"] == stats[1]["held_bytes"] > 0
+        assert stats[1]["kv_resident"] > 0 and stats[1]["weight_resident"] > 0
+    finally:
+        torch.set_num_threads(threads)
+        for spec in specs:
+            spec.unlink_all()
+
+
+def test_a_shard_the_child_cannot_load_raises_its_error_here(tmp_path):
+    # the loading child's error comes back as itself, naming the cause; no segment is left
+    import shutil
+
+    from actors.prepare import prepare
+    from powerinfer.formats.loader import resolve_model
+    path = tmp_path / "copy.gguf"
+    shutil.copy(resolve_model(MODEL), path)
+    done, table, _ = prepare(str(path), Config(runtime="actors", dtype="bfloat16", weights="int4"), False)
+    path.unlink()  # (gone between the table's parse and the executor's load)
+    spec = PlaneSpec.new(1, 4, 64, 256, 16, 16, table.args, torch.bfloat16)
+    spec.create_all()
+    threads = torch.get_num_threads()
+    try:
+        with pytest.raises(OSError, match="copy.gguf"):
+            cold_executor(spec, 0, tuple(sorted(os.sched_getaffinity(0))), Sealed.of(table), done.plan,
+                          0.5, 0, "int4", True, True)
+    finally:
+        torch.set_num_threads(threads)
+        spec.unlink_all()
