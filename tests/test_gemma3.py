@@ -93,3 +93,33 @@ def test_the_shipped_configuration_tracks_fp32(gemma_model_path, ours, fp32_trac
     chat = pi.tokenizer.apply_chat_template([{"role": "user", "content": "Hi"}])
     assert chat == "<bos><start_of_turn>user\nHi<end_of_turn>\n<start_of_turn>model\n"
     assert pi.tokenizer.encode("<end_of_turn>")[-1] in pi.tokenizer.eog_ids
+
+
+@pytest.mark.slow
+def test_the_actor_groups_cold_executor_holds_its_shard_without_torch(gemma_model_path, ours,
+                                                                      fp32_tracks):
+    # the actor runtime's default split of Gemma 3 (a hot and a cold executor): each one's share
+    # of every layer's FFN a block slice of the file's Q8_0 rows (one GEMV of 16-row groups, as
+    # the whole model's projections are held), so the cold executor's native loop answers every
+    # message and it runs without torch (`actors/cold_native.py`); greedy tracks fp32 as the
+    # in-process engine does, past the sliding window too
+    from powerinfer import kernels
+    if not kernels.available():
+        pytest.skip("the CPU kernel does not run here: the cold executor computes with torch")
+    threads = torch.get_num_threads()
+    pi = PowerInfer.from_pretrained(gemma_model_path, Config(runtime="actors", max_seq_len=1024,
+                                                             cpu_threads=1))
+    try:
+        cold = pi.engine.group.info["cold.0"]
+        assert cold["torch"] is False and cold["torch_why"] == "", cold
+        assert cold["block_slices"] == pi.engine.args.n_layers == 18
+        for (prompt, n), want in fp32_tracks.items():
+            ids = list(prompt)
+            got = [e.token for e in pi._run([ids], n, dict(temperature=0, ignore_eos=True))
+                   if e.token >= 0]
+            assert_same_or_near_tie(ours, ids, list(want), got, 0.5)
+    finally:
+        pi.close()
+        import ray
+        ray.shutdown()
+        torch.set_num_threads(threads)

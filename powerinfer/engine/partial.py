@@ -318,24 +318,27 @@ def head_rows(head: nn.Module, lo: int, hi: int, shared: bool) -> nn.Module:
 def block_slice(src: TensorSource, a: ModelArgs, layer: int, idx: torch.Tensor,
                 fmt: str | None, dtype: torch.dtype) -> BlockSlice | None:
     """Neurons idx as a BlockSlice when they are a range lo..hi of whole blocks, the layer's
-    gate and up are 4-bit in the file, and the kernel library runs them (fmt: a 4-bit kernel
-    format): gate and up one int4 GEMV over the file's own blocks; down's columns lo..hi the
-    same where down is 4-bit too, else one Q8_0 matrix (a Q4_K_M file's more-bits layers keep
-    down in Q6_K, which a bundle stores as Q8_0: its bytes as they are); else None."""
+    gate and up are 4-bit or Q8_0 in the file, and the kernel library runs them (fmt: a kernel
+    format of the file's blocks): gate and up one GEMV of 16-row groups over the file's own
+    blocks (`_stored_rows`: int4 where both are 4-bit, else one Q8_0 matrix, as the whole
+    model's projections are held: Gemma 3 270M's FFNs are mostly Q8_0); down's columns lo..hi
+    the same where down is 4-bit too, else one Q8_0 matrix (a Q4_K_M file's more-bits layers
+    keep down in Q6_K, which a bundle stores as Q8_0: its bytes as they are); else None."""
     p = f"{layer}."
     names = [p + "gate", p + "up"] if a.gated else [p + "up"]
     down = p + "down"
-    if (fmt not in ("q4_0", "q4_1") or not kernels.available() or len(idx) == 0
+    if (fmt not in ("q4_0", "q4_1", "q8_0") or not kernels.available() or len(idx) == 0
             or down not in src.names
-            or any(n not in src.names or src.kind(n) not in Q4_TYPES for n in names)):
+            or any(n not in src.names or src.kind(n) not in (*Q4_TYPES, "Q8_0") for n in names)):
         return None
     lo, hi = int(idx[0]), int(idx[-1]) + 1
     if lo % 32 or hi % 32 or not torch.equal(idx, torch.arange(lo, hi)):
         return None
     # a K-quant file's own blocks where its original has them (down's columns: whole
     # super-blocks of 256, as a plan for such a file cuts them: `dense_block`)
-    w1 = (kquant_linear(src, [(n, (lo, hi)) for n in names], a.dim, None)
-          or _stacked_int4([src.q4_part(n, (lo, hi), (0, a.dim)) for n in names]))
+    w1 = _stored_rows(src, [(n, (lo, hi)) for n in names], a.dim, None)
+    if w1 is None:
+        return None
     if (k := kquant_linear(src, [(down, None)], hi - lo, None, (lo, hi))) is not None:
         w2 = k
     elif src.kind(down) in Q4_TYPES:
