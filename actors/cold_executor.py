@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import faulthandler
 import os
-import pickle
 import sys
 import time
 
@@ -48,7 +47,7 @@ from powerinfer.sparsity.input_sparsity import attach_parts
 from .group_info import node_id
 from .sealed import unseal
 from .channel import native_error
-from .cold_native import AHEAD, DTYPES, ROPE, Packed, Slot, Zeros
+from .cold_native import AHEAD, ROPE, Slot
 from .plane import (ATTN, DECODE, HEAD, PREFILL, Answering, FFNInput, Partial, PlaneSpec, head_ranges, receive,
                     send, split_kv)
 
@@ -176,23 +175,12 @@ class ColdExecutorImpl(Answering):
         loop's arguments with every tensor written into the memory file fd (`Packed`; a KV cache
         as `Zeros`, what only the executor knows as `Slot`s), and what `ready` and `stats` say;
         or {"why": ...} where some message needs Python (`native_only`)."""
+        from .pack import pack_args
         why = self.native_only()
         if why is not None:
             return {"why": why}
-        end = 0
-
-        def put(v):
-            nonlocal end
-            if isinstance(v, list):
-                return [put(x) for x in v]
-            if not isinstance(v, torch.Tensor):
-                return v
-            if v is self.input_stats:
-                return Slot("sparse_stats")
-            packed, end = packed_tensor(v, fd, end)
-            return packed
-
-        args = tuple(put(v) for v in self.native)
+        slots = {} if self.input_stats is None else {id(self.input_stats): "sparse_stats"}
+        args, end = pack_args(self.native, fd, slots)
         weights = held_bytes(*self.sets, *self._head(),
                              *(p for m in self.attn for p in (m.wqkv, m.wo)))
         return {"args": args, "size": end, "library": kernels.library(lite=True), "isa": kernels.isa(),
@@ -319,44 +307,3 @@ class ColdExecutorImpl(Answering):
     def _head(self) -> list:
         return [] if self.head is None else [self.head]
 
-
-def packed_tensor(t: torch.Tensor, fd: int, at: int) -> tuple[object, int]:
-    """t written into the file fd at `at` or after (aligned), as `cold_native` maps it back: its
-    `Packed` and where the file's next tensor may start; a tensor without memory (meta: a KV
-    cache the executor allocates) as `Zeros`."""
-    code = DTYPES.index(str(t.dtype).removeprefix("torch."))
-    if t.device.type == "meta":
-        return Zeros(code, tuple(t.shape)), at
-    t = t.detach().contiguous()
-    n = t.numel() * t.element_size()
-    at = -(-at // (4096 if n >= 1 << 20 else 64)) * (4096 if n >= 1 << 20 else 64)
-    if n:
-        data = memoryview(t.reshape(-1).view(torch.uint8).numpy())
-        done = 0
-        while done < n:
-            done += os.pwrite(fd, data[done:], at + done)
-    return Packed(at, code, tuple(t.shape)), at + n
-
-
-def pack_main():
-    """`python -m actors.cold_executor FD`: a torch-free executor's loading child
-    (`cold_native`). Reads ColdExecutorImpl's arguments (pickled) from stdin, loads the shard,
-    writes it into the memory file FD (`pack`) and what it says of it (pickled) to stdout, or
-    the load's error; the load's prints and logs go to stderr."""
-    out = os.fdopen(os.dup(1), "wb")
-    os.dup2(2, 1)
-    try:
-        kwargs = pickle.load(sys.stdin.buffer)
-        got = ColdExecutorImpl(**kwargs, packing=True).pack(int(sys.argv[1]))
-    except Exception as e:  # noqa: BLE001 - the executor's to raise
-        try:
-            pickle.loads(pickle.dumps(e))
-            got = {"error": e}
-        except Exception:  # noqa: BLE001 - (an error that does not pickle: its text)
-            got = {"error": RuntimeError(f"{type(e).__name__}: {e}")}
-    out.write(pickle.dumps(got))
-    out.close()
-
-
-if __name__ == "__main__":
-    pack_main()

@@ -10,8 +10,8 @@ its C entry points (`csrc/capi.h`); it gives the torch operators' floats bit for
 (tests/test_cold_native.py).
 
 How it loads: the shard is read and laid out by the same code as always (`cold_executor`, which
-imports torch), run in a child process that writes every tensor the native loop takes into a
-memory file and exits. This process copies them into memory of its own (pinned first: first touch
+imports torch), run in a child process (`actors.pack`) that writes every tensor the native loop
+takes into a memory file and exits. This process copies them into memory of its own (pinned first: first touch
 puts them on its NUMA node, on 2 MiB pages), allocates its KV cache, maps its channels and the
 group's RoPE tables, and from then on answers in C++. The child says whether the loop answers
 everything: a dense split's block slices and heads whose projections are 16-row groups (a 4-bit
@@ -344,12 +344,12 @@ def _address(m: mmap.mmap) -> int:
     return np.frombuffer(m, np.uint8, 1).ctypes.data if len(m) else 0
 
 
-def _run_child(fd: int, kwargs: dict) -> dict:
-    """The shard loaded and written into the memory file fd by a child process with torch
-    (`cold_executor.pack_main`); what it says of it. Its errors (a typed load error) are raised
-    here as themselves."""
+def _run_child(fd: int, kwargs: dict, role: str = "actors.cold_executor:ColdExecutorImpl") -> dict:
+    """What `role` holds, loaded and written into the memory file fd by a child process with
+    torch (`actors.pack`); what it says of it. Its errors (a typed load error) are raised here as
+    themselves."""
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
-    run = subprocess.run([sys.executable, "-m", "actors.cold_executor", str(fd)],
+    run = subprocess.run([sys.executable, "-m", "actors.pack", role, str(fd)],
                          input=pickle.dumps(kwargs), stdout=subprocess.PIPE, pass_fds=(fd,),
                          env=env, check=False)
     try:
