@@ -221,3 +221,23 @@ def test_bf16_predictors_run_on_8bit_groups_as_their_rounded_matrices(monkeypatc
     assert Predictors([w.float() for w in fc1], [w.float() for w in fc2], source).kernel_format(0) == "f32"
     odd = Predictors([torch.randn(64, 96).bfloat16()], [torch.randn(200, 64).bfloat16()], source)
     assert not odd.held_x16 and odd.kernel_format(0) == "bf16"
+
+
+def test_a_rows_masks_do_not_depend_on_its_batch_past_64_rows():
+    # decode rows on the kernel's GEMV compute each row alone; past 64 rows (a batch of 64
+    # sequences and the health probe's) they run 64 at a time on it too, not through torch's
+    # matmul: a row's logits and masks are the ones it gets alone, in any batch, in process and
+    # in the predictor actor's native loop alike
+    from powerinfer import kernels
+    if not kernels.available():
+        pytest.skip("the kernel library is not built here")
+    g = torch.Generator().manual_seed(2)
+    fc1 = [(torch.randn(64, 96, generator=g) / 8).bfloat16()]
+    fc2 = [torch.randn(208, 64, generator=g).bfloat16()]
+    for preds in (Predictors(fc1, fc2, "layer", threshold=0.1),
+                  Predictors([w.float() for w in fc1], [w.float() for w in fc2], "layer", threshold=0.1)):
+        x = torch.randn(70, 96, generator=g).bfloat16()
+        whole = preds.logits(0, x)
+        alone = torch.cat([preds.logits(0, x[i:i + 1]) for i in range(70)])
+        assert torch.equal(whole, alone)
+        assert torch.equal(preds.active(0, x), alone >= 0.1)

@@ -53,12 +53,17 @@ class Predictors(nn.Module):
             from ..kernels import triton_ffn
             return triton_ffn.predictor_logits(rows, fc1, fc2).view(*x.shape[:-1], -1)
         fmt = self.kernel_format(layer)
-        if fmt and x.dtype in (torch.float32, torch.bfloat16) and rows.shape[0] <= kernels.MAX_ROWS:
+        if fmt and x.dtype in (torch.float32, torch.bfloat16):
             # decode rows on the kernel's GEMV, which reads the weights at the memory's rate
             # where torch's bf16 GEMV reaches a third of it (float32 logits either way), and
-            # computes each row alone: a row's masks do not depend on the rows beside it
+            # computes each row alone: a row's masks do not depend on the rows beside it, nor,
+            # run MAX_ROWS at a time (as the predictor actor's native loop runs them), on the
+            # batch's size
             w1, w2, fmt = self.kernel_rows(layer)
-            return kernels.pred_logits(rows, w1, w2, fmt).view(*x.shape[:-1], -1)
+            n = kernels.MAX_ROWS
+            out = [kernels.pred_logits(rows[i:i + n], w1, w2, fmt)
+                   for i in range(0, max(rows.shape[0], 1), n)]
+            return (out[0] if len(out) == 1 else torch.cat(out)).view(*x.shape[:-1], -1)
         return F.relu(x.to(fc1.dtype) @ fc1.T) @ fc2.T
 
     def kernel_format(self, layer: int) -> str | None:
