@@ -36,7 +36,7 @@ from typing import NamedTuple
 import numpy as np
 
 from cluster.topology import node_of, numa_pages, pin_threads, process_memory
-from powerinfer.compat import trim_heap
+from powerinfer.compat import resident, trim_heap
 from powerinfer.cpu import COUNTS, LOOP_PHASES
 
 from .channel import ChannelClosed, native_error
@@ -174,21 +174,6 @@ class Library:
         out = (ctypes.c_int64 * 64)()
         n = self.lib.pi_loop_profile(mode, out, 64)
         return list(out[:min(n, 64)])
-
-
-def resident(address: int, size: int) -> int:
-    """Bytes of [address, address + size) in RAM now (mincore(2); size where it cannot say)."""
-    page = mmap.PAGESIZE
-    if size <= 0:
-        return 0
-    start = address & ~(page - 1)
-    pages = (address + size - start + page - 1) // page
-    vec = np.zeros(pages, np.uint8)
-    libc = ctypes.CDLL(None, use_errno=True)
-    if libc.mincore(ctypes.c_void_p(start), ctypes.c_size_t(pages * page),
-                    vec.ctypes.data_as(ctypes.c_void_p)) != 0:
-        return size
-    return min(int(np.count_nonzero(vec & 1)) * page, size)
 
 
 # ---- the executor ----

@@ -293,6 +293,26 @@ def _kill(procs) -> None:
     psutil.wait_procs(procs, timeout=10)
 
 
+def resident(address: int, size: int) -> int:
+    """Bytes of [address, address + size) in RAM now (mincore(2); size where that cannot say):
+    a KV cache's untouched blocks, or a mapped file's pages not yet read, are not."""
+    import ctypes
+    import os
+    import sys
+
+    if size <= 0 or not sys.platform.startswith("linux"):
+        return max(size, 0)
+    page = os.sysconf("SC_PAGE_SIZE")
+    start = address & ~(page - 1)
+    pages = (address + size - start + page - 1) // page
+    vec = np.zeros(pages, np.uint8)
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.mincore(ctypes.c_void_p(start), ctypes.c_size_t(pages * page),
+                    vec.ctypes.data_as(ctypes.c_void_p)) != 0:
+        return size
+    return min(int(np.count_nonzero(vec & 1)) * page, size)
+
+
 def trim_heap() -> None:
     """Give the memory freed after loading back to the system. glibc keeps freed blocks of the
     sizes a load allocates and frees (per-layer transients: dequantized rows, repacked blocks)

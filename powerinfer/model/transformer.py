@@ -10,10 +10,7 @@ and OPT (LayerNorm, learned positions, ReLU FFN with biases). The sparse engine 
 """
 from __future__ import annotations
 
-import ctypes
 import math
-import os
-import sys
 from typing import NamedTuple
 
 import numpy as np
@@ -22,6 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .. import kernels
+from ..compat import resident
 from ..formats.args import ModelArgs
 
 
@@ -493,22 +491,9 @@ def _storages(*modules: nn.Module, device: str | None = None) -> dict:
     return out
 
 
-_PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
-
-
 def resident_bytes(storage) -> int:
-    """Bytes of a host storage's pages in RAM now (mincore(2); its size where that cannot say)."""
-    n = storage.nbytes()
-    if n == 0 or not sys.platform.startswith("linux"):
-        return n
-    start = storage.data_ptr() & ~(_PAGE - 1)
-    pages = (storage.data_ptr() + n - start + _PAGE - 1) // _PAGE
-    vec = np.zeros(pages, np.uint8)
-    libc = ctypes.CDLL(None, use_errno=True)
-    if libc.mincore(ctypes.c_void_p(start), ctypes.c_size_t(pages * _PAGE),
-                    vec.ctypes.data_as(ctypes.c_void_p)) != 0:
-        return n
-    return min(int(np.count_nonzero(vec & 1)) * _PAGE, n)
+    """Bytes of a host storage's pages in RAM now (`compat.resident`)."""
+    return resident(storage.data_ptr(), storage.nbytes())
 
 
 def paged_attention(qkv, rope, pos, kv: KVTables, cache: KVCache, n_heads: int, window: int,
