@@ -47,7 +47,7 @@ from powerinfer.sparsity.input_sparsity import attach_parts
 from .group_info import node_id
 from .sealed import unseal
 from .channel import native_error
-from .cold_native import AHEAD, ROPE, Slot
+from .packed import AHEAD, ROPE, Slot
 from .plane import (ATTN, DECODE, HEAD, PREFILL, Answering, FFNInput, Partial, PlaneSpec, head_ranges, receive,
                     send, split_kv)
 

@@ -41,36 +41,13 @@ from powerinfer.cpu import COUNTS, LOOP_PHASES
 
 from .channel import ChannelClosed, native_error
 from .group_info import node_id
-from .plane import STOP, Answering, PlaneSpec
+from .packed import Packed, Slot, Zeros
+from .plane import STOP, PlaneSpec
 
 log = logging.getLogger("powerinfer")
 
-# tensor element types by code, the order of csrc/capi.h's PI_DTYPES (bfloat16 held as uint16)
-DTYPES = ("uint8", "int8", "int16", "int32", "int64", "float16", "bfloat16", "float32", "bool")
+# numpy's type for each of `packed.DTYPES` (bfloat16 held as uint16)
 _NP = (np.uint8, np.int8, np.int16, np.int32, np.int64, np.float16, np.uint16, np.float32, np.bool_)
-
-
-class Slot(str):
-    """A value of the loop's arguments that only the process that runs it knows: a channel's
-    address or size, the group's RoPE tables (mapped), the input-sparsity counters."""
-
-
-# (the child's placeholders for the RoPE tables and the masks' channel)
-ROPE = ((Slot("rope_cos"), Slot("rope_sin")), (Slot("rope_cos_local"), Slot("rope_sin_local")))
-AHEAD = Slot("ahead")
-
-
-class Packed(NamedTuple):
-    """A tensor the child wrote: its offset in the memory file, element type, shape (C order)."""
-    offset: int
-    dtype: int
-    shape: tuple[int, ...]
-
-
-class Zeros(NamedTuple):
-    """A tensor this process allocates zeroed (a KV cache: resident as its blocks are written)."""
-    dtype: int
-    shape: tuple[int, ...]
 
 
 class Arr(NamedTuple):
@@ -210,7 +187,7 @@ def torch_needed(plan, weights: str) -> str | None:
     return None
 
 
-class ColdNativeImpl(Answering):
+class ColdNativeImpl:
     """The executor: its shard in memory of its own, answered by `cold_serve` through the C
     entry points. Its calls are the torch executor's (`ready`, `run`, `stats`, `loop_profile`)."""
 

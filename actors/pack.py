@@ -13,7 +13,7 @@ import sys
 
 import torch
 
-from .cold_native import DTYPES, Packed, Slot, Zeros
+from .packed import DTYPES, Packed, Slot, Zeros
 
 
 def packed_tensor(t: torch.Tensor, fd: int, at: int) -> tuple[object, int]:
