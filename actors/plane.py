@@ -51,7 +51,6 @@ from typing import TYPE_CHECKING, NamedTuple, TypeVar
 
 import numpy as np
 
-
 if TYPE_CHECKING:
     import torch
 

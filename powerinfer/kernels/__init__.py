@@ -273,8 +273,6 @@ def hold(cap: str = "auto") -> str:
     return got
 
 
-
-
 def loop_profile(mode: str = "read") -> dict:
     """The native loops' time by phase in this process (`hot_layers` and its attention steps,
     or a cold executor's `cold_serve`), for benchmarks: "start" zeroes and starts the count (two
