@@ -37,7 +37,7 @@ import numpy as np
 
 from cluster.topology import node_of, numa_pages, pin_threads, process_memory
 from powerinfer.compat import resident, trim_heap
-from powerinfer.cpu import COUNTS, LOOP_PHASES
+from powerinfer.cpu import LOOP_MODES, loop_times
 
 from .channel import ChannelClosed, native_error
 from .group_info import node_id
@@ -286,9 +286,7 @@ class ColdNativeImpl:
 
     def loop_profile(self, mode: str = "read") -> dict:
         """As the torch executor's (`kernels.loop_profile`)."""
-        t = self.lib.loop_profile({"read": 0, "start": 1, "stop": 2}[mode])
-        return {"calls": t[-1], **{name: v if name in COUNTS else v / 1e9
-                                   for name, v in zip(LOOP_PHASES, t)}}
+        return loop_times(self.lib.loop_profile(LOOP_MODES[mode]))
 
     def stats(self) -> dict:
         out = {"rank": self.rank, "busy_s": self.busy_s, "wait_s": self.x.wait_s,

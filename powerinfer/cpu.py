@@ -19,6 +19,14 @@ LOOP_PHASES = ("norms", "sends to the executors", "q/k/v projection",
                # how many records it warmed, a count)
                "cold: warming records ahead", "cold: records warmed")
 COUNTS = {"cold: records warmed"}  # loop_profile's entries that count, not nanoseconds
+LOOP_MODES = {"read": 0, "start": 1, "stop": 2}  # loop_profile's modes, as the library codes them
+
+
+def loop_times(totals: list[int]) -> dict:
+    """The library's loop_profile totals (nanoseconds per phase in `LOOP_PHASES`' order, then
+    the hot_layers calls) as {"calls": calls, phase: seconds (a count for `COUNTS`)}."""
+    return {"calls": totals[-1], **{name: v if name in COUNTS else v / 1e9
+                                    for name, v in zip(LOOP_PHASES, totals)}}
 
 
 def native_bf16() -> bool:

@@ -37,7 +37,7 @@ from pathlib import Path
 import torch
 from gguf import GGMLQuantizationType
 
-from ..cpu import COUNTS, ISAS, LOOP_PHASES
+from ..cpu import COUNTS, ISAS, LOOP_MODES, LOOP_PHASES, loop_times  # noqa: F401 - (re-exported)
 from ..errors import ConfigError
 from ..formats import kquants
 from ..formats.kquants import q4_k_codes, q6_k_codes
@@ -281,9 +281,7 @@ def loop_profile(mode: str = "read") -> dict:
     the call; empty where the kernel library is not loaded."""
     if not available():
         return {}
-    t = torch.ops.powerinfer.loop_profile({"read": 0, "start": 1, "stop": 2}[mode]).tolist()
-    return {"calls": t[-1], **{name: v if name in COUNTS else v / 1e9
-                               for name, v in zip(LOOP_PHASES, t)}}
+    return loop_times(torch.ops.powerinfer.loop_profile(LOOP_MODES[mode]).tolist())
 
 
 HUGE_MIN_BYTES = 4 << 20  # smaller tensors stay where torch puts them
