@@ -27,43 +27,70 @@ from powerinfer.model.transformer import host_parts
 
 from .group_info import node_id
 from .channel import native_error
+from .packed import Slot
 from .plane import DECODE, Answering, Masks, PlaneSpec, PredictorInput, receive, send
 
 
 class PredictorImpl(Answering):
-    def __init__(self, spec: PlaneSpec, cores: tuple[int, ...], plan: SparsePlan, threads: int = 0):
+    def __init__(self, spec: PlaneSpec, cores: tuple[int, ...], plan: SparsePlan, threads: int = 0,
+                 packing: bool = False):
+        """packing: load for a torch-free predictor (`pred_native`), which maps no channel here:
+        this process is its loading child (`pack` writes what the native loop takes)."""
         pin(cores, threads)
         kernels.hold(spec.isa)  # the model's instruction-set class
-        self.spec, self.cores = spec, cores
+        self.spec, self.cores, self.packing = spec, cores, packing
         # on the hot executor's GPU where it shares it (`spec.device_predictor`), else the host
         self.device = torch.device("cuda" if spec.device_predictor else "cpu")
         # the dtype the in-process engine runs them in on the same device: the same masks
         self.preds = plan.load_predictors(run_dtype(spec.torch_dtype, self.device), self.device)
         self.input = self.preds.input
-        self.x, self.mask = spec.open("pred_in"), spec.open("mask", writer=True)
-        if self.device.type == "cuda":
-            self.mask.register_with_cuda()  # the masks' copy for the cold executors: DMA
         self.buffers = None  # the hot executor's device buffers, once attached
         self.busy_s, self.calls = 0.0, 0
         # the native loop's [messages answered, nanoseconds on them], which it adds to as it runs
         self.counts = torch.zeros(2, dtype=torch.int64)
-        self.native = self._native_args()
+        if packing:
+            self.native = self._native_args((Slot("in_base"), Slot("mask_base"),
+                                             Slot("mask_capacity"), Slot("spin_us")))
+            return
+        self.x, self.mask = spec.open("pred_in"), spec.open("mask", writer=True)
+        if self.device.type == "cuda":
+            self.mask.register_with_cuda()  # the masks' copy for the cold executors: DMA
+        self.native = self._native_args((self.x.base, self.mask.base, self.mask.capacity,
+                                         self.x.spin_us))
 
-    def _native_args(self) -> tuple | None:
-        """`pred_serve`'s arguments after its state, where every layer's predictor runs on the
-        kernel library's GEMV in one format; else None (the loop runs in Python)."""
+    def _native_args(self, channels: tuple) -> tuple | None:
+        """`pred_serve`'s arguments after its state and counts (`channels`: the input's base,
+        the masks' base and capacity, the input's spin), where every layer's predictor runs on
+        the kernel library's GEMV in one format; else None (the loop runs in Python)."""
         preds, fmts = self.preds, {self.preds.kernel_format(i) for i in range(len(self.preds.fc1))}
         if self.device.type != "cpu" or not kernels.available() or len(fmts) != 1 or None in fmts:
             return None
         rows = [preds.kernel_rows(i) for i in range(len(preds.fc1))]
-        return (self.x.base, self.mask.base, self.mask.capacity, self.spec.dim, self.x.spin_us, DECODE,
+        in_base, mask_base, capacity, spin_us = channels
+        return (in_base, mask_base, capacity, self.spec.dim, spin_us, DECODE,
                 [r[0] for r in rows], [r[1] for r in rows], kernels.pred_code(fmts.pop()),
                 float(preds.threshold))
 
-    def ready(self) -> dict:
+    def pack(self, fd: int) -> dict:
+        """For a torch-free predictor (`pred_native`, this process its loading child): the native
+        loop's arguments with every tensor written into the memory file fd, and what `ready` and
+        `stats` say; or {"why": ...} where the loop cannot answer every step."""
+        from .pack import pack_args
+        if self.native is None:
+            return {"why": "its predictors do not all run on the kernel library's GEMV in one "
+                           "format (or run on a GPU)"}
+        args, end = pack_args(self.native, fd, {})
+        rows = sum(t.nbytes for t in (*self.native[6], *self.native[7]))
+        return {"args": args, "size": end, "library": kernels.library(lite=True),
+                "isa": kernels.isa(), "ready": self._described(), "decode_bytes": rows}
+
+    def _described(self) -> dict:
         return {"cores": list(self.cores), "input": self.input, "ranks": self.preds.ranks,
-                "device": str(self.device), "pid": os.getpid(), "node_id": node_id(),
-                "native": self.native is not None, "isa": kernels.isa()}
+                "device": str(self.device), "native": self.native is not None, "isa": kernels.isa()}
+
+    def ready(self) -> dict:
+        return {**self._described(), "pid": os.getpid(), "node_id": node_id(), "torch": True,
+                "torch_why": getattr(self, "torch_why", "")}
 
     def _next(self) -> PredictorInput:
         """The next message this loop answers in Python (the native loop answers the others)."""

@@ -1,6 +1,7 @@
 """The executors and the predictor as Ray sees them: classes that import nothing of torch, each
-building its role's implementation (`hot_executor`, `cold_executor`, `predictor`, which do) in
-its own process, and passing its calls through.
+building its role's implementation (`hot_executor`, `cold_executor`, `predictor`, which do, or
+their torch-free kinds `cold_native` and `pred_native`, which do not) in its own process, and
+passing its calls through.
 
 The process that starts a group (a served model's replica, `actors.handle`) needs the classes,
 not what they compute: with these it never imports torch, which costs a process about 0.15 GiB
@@ -94,7 +95,7 @@ class ColdExecutor(_Role):
 
 
 class PredictorActor(_Role):
-    IMPL = ".predictor", "PredictorImpl"
+    IMPL = ".pred_native", "predictor"  # (torch-free where its loop answers all: see there)
 
     def attach(self, handles: dict) -> bool:
         return self.impl.attach(handles)

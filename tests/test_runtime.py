@@ -268,6 +268,9 @@ def test_sparse_equals_local_sparse_engine(request, ray_cluster, tiny, tiny_bund
     # lookahead masks come out before attention: the cold executors' native loops warm the
     # records they select while they wait for the layer's FFN input (`cold_serve`'s `ahead`)
     warms = predictor == "layer" and group.spec.warm_ahead and group.info["cold.0"]["native"]
+    # the predictor's every step in its native loop, in a process without torch (`pred_native`)
+    from powerinfer import kernels
+    assert group.info["predictor"]["torch"] is not kernels.available(), group.info["predictor"]
     try:
         ref = split_as_the_group(PowerInfer.from_pretrained(tiny, Config(**cfg)), group)
         ray.get([a.loop_profile.remote("start") for a in colds])

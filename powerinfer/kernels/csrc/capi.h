@@ -1,7 +1,7 @@
 // The library's C entry points, for a process that loads it with ctypes rather than through
-// torch (`actors/cold_native.py`): a cold executor whose every message the native loop answers
-// never imports torch, and loads the library's torch-free build (POWERINFER_LITE, lite.h), which
-// maps no libtorch either. The ops are the same functions the torch operators run; only their
+// torch (`actors/cold_native.py`, `actors/pred_native.py`): a cold executor or predictor whose
+// every message the native loop answers never imports torch, and loads the library's torch-free
+// build (POWERINFER_LITE, lite.h), which maps no libtorch either. The ops are the same functions the torch operators run; only their
 // arguments come as a flat array of tagged values (PiArg) instead of torch's boxed ones. Included
 // at the end of ops.cpp (the same translation unit: the ops stay static), in both builds.
 
@@ -160,6 +160,30 @@ int64_t pi_cold_serve(const powerinfer::PiArg* args, int64_t n, int64_t* words, 
                    qkv2_fmt, qkv2_n, wo, wo_fmt, k_cache, v_cache, n_heads, cos, sin, window, scale, head, head_fmt,
                    head_n, ahead, sparse, sparse_threshold, sparse_stats, qk_norms, layer_cos, layer_sin,
                    layer_window, eps);
+    std::copy(out.begin(), out.end(), words);
+    return 0;
+  } catch (const std::exception& e) {
+    pi_error(e, err, err_len);
+    return 1;
+  }
+}
+
+// pred_serve likewise (the predictor actor's loop, `actors/pred_native.py`): the words of the
+// message it leaves to the caller into words (3). Returns 0, or 1 with the error's text in err.
+int64_t pi_pred_serve(const powerinfer::PiArg* args, int64_t n, int64_t* words, char* err, int64_t err_len) {
+  using namespace powerinfer;
+  try {
+    PiArgs a(args, n);
+    at::Tensor state = a.tensor(), counts = a.tensor();
+    const int64_t in_base = a.integer(), mask_base = a.integer(), mask_capacity = a.integer(), dim = a.integer();
+    const double spin_us = a.real();
+    const int64_t decode_op = a.integer();
+    const at::TensorList fc1 = a.tensors(), fc2 = a.tensors();
+    const int64_t fmt = a.integer();
+    const double threshold = a.real();
+    a.done();
+    const std::vector<int64_t> out =
+        pred_serve(state, counts, in_base, mask_base, mask_capacity, dim, spin_us, decode_op, fc1, fc2, fmt, threshold);
     std::copy(out.begin(), out.end(), words);
     return 0;
   } catch (const std::exception& e) {

@@ -1635,7 +1635,7 @@ static at::Tensor hot_layers(const at::Tensor& h_in, const at::Tensor& pos, cons
 // threshold, fc1/fc2 rows in `fmt`), (B, ffn_dim) bool, and a Masks message (layer, B). state:
 // its reader state of `pred_in`; counts: int64 [messages answered, nanoseconds spent on them],
 // added to as it goes (read by another thread for stats); returns the words of the first
-// message it leaves to the caller (any other op: STOP), consumed.
+// message it leaves to the caller (any other op: STOP), consumed. Steps of any number of rows.
 static std::vector<int64_t> pred_serve(at::Tensor& state, at::Tensor& counts, int64_t in_base, int64_t mask_base,
                                        int64_t mask_capacity, int64_t dim, double spin_us, int64_t decode_op,
                                        at::TensorList fc1, at::TensorList fc2, int64_t fmt, double threshold) {
@@ -1651,11 +1651,20 @@ static std::vector<int64_t> pred_serve(at::Tensor& state, at::Tensor& counts, in
     wait_message(in_base, st, spin_us);
     const auto t0 = clock::now();
     const int64_t op = xh->words[0], layer = xh->words[1], B = xh->words[2];
-    if (op != decode_op || layer < 0 || layer >= (int64_t)fc1.size() || B < 1 || B > 64)
-      return {op, layer, B};
-    const at::Tensor rows = predicted_rows(at::from_blob(xp, {B, dim}, f32), fc1[layer], fc2[layer], fmt, threshold);
-    TORCH_CHECK((int64_t)rows.nbytes() <= mask_capacity, "masks over the channel's capacity");
-    std::memcpy(reinterpret_cast<char*>(mask_base) + CH_HEADER, rows.data_ptr<bool>(), rows.nbytes());
+    if (op != decode_op || layer < 0 || layer >= (int64_t)fc1.size() || B < 1) return {op, layer, B};
+    // 64 rows a call (the GEMV's most), as `Predictors.logits` runs them: a row's masks do not
+    // depend on its batch
+    char* out = reinterpret_cast<char*>(mask_base) + CH_HEADER;
+    for (int64_t r = 0; r < B; r += 64) {
+      const int64_t n = std::min<int64_t>(64, B - r);
+      const at::Tensor rows =
+          predicted_rows(at::from_blob(xp + r * dim * 4, {n, dim}, f32), fc1[layer], fc2[layer], fmt, threshold);
+      TORCH_CHECK((int64_t)(out - reinterpret_cast<char*>(mask_base)) - CH_HEADER + (int64_t)rows.nbytes() <=
+                      mask_capacity,
+                  "masks over the channel's capacity");
+      std::memcpy(out, rows.data_ptr<bool>(), rows.nbytes());
+      out += rows.nbytes();
+    }
     const int64_t words[2] = {layer, B};  // (as Masks)
     publish(mask_base, words, 2);
     ct[0] += 1;
