@@ -216,9 +216,11 @@ def pss_by_role(server) -> dict[str, float]:
     return out
 
 
-def kv_resident_mib(server, by_actor: dict | None = None) -> float | None:
+def kv_resident_mib(server, by_actor: dict | None = None,
+                   weights: dict | None = None) -> float | None:
     """The KV cache's pages in RAM, over the model's processes (their own reports); each
-    actor's into `by_actor`."""
+    actor's into `by_actor`, and the weights' pages in RAM (a mapped file's as they are first
+    read: bounded by the weights) into `weights["mib"]`."""
     try:
         mem = server.agent.call("memory", 60, timeout=60)
     except Exception:  # noqa: BLE001 - loading or rebuilding: not known now
@@ -227,13 +229,16 @@ def kv_resident_mib(server, by_actor: dict | None = None) -> float | None:
         return None
     if by_actor is not None:
         by_actor.update({k: p.get("kv_resident", 0) / 2**20 for k, p in mem.items()})
+    if weights is not None:
+        weights["mib"] = sum(p.get("weight_resident", 0) for p in mem.values()) / 2**20
     return sum(p.get("kv_resident", 0) for p in mem.values()) / 2**20
 
 
-def pss_less_kv(server, tries: int = 10) -> tuple[float, float | None]:
-    """(the tree's PSS, the same less the KV cache's resident pages), read together."""
+def pss_less_kv(server, tries: int = 10, weights: dict | None = None) -> tuple[float, float | None]:
+    """(the tree's PSS, the same less the KV cache's resident pages), read together; the
+    weights' resident pages into `weights["mib"]` where given."""
     for _ in range(tries):
-        kv = kv_resident_mib(server)
+        kv = kv_resident_mib(server, weights=weights)
         pss = server_pss(server)
         if kv is not None:
             return pss, pss - kv
@@ -263,8 +268,10 @@ def settle(server, baseline: dict, wait: float = 120) -> dict:
                     and st.get("kv_usage", 1) <= baseline["kv_usage"] + 1e-9:
                 break
         time.sleep(1)
-    pss, rest = pss_less_kv(server)
+    weights = {}
+    pss, rest = pss_less_kv(server, weights=weights)
     return {"pss_by_role": pss_by_role(server), "kv_usage": st.get("kv_usage"),
+            "weight_resident_mib": weights.get("mib"),
             "running": st.get("running"),
             "waiting": st.get("waiting"), "restarts": st.get("restarts"),
             "pss_mib": pss, "pss_less_kv_mib": rest, **leftovers(server, baseline)}
@@ -421,9 +428,11 @@ def main() -> int:
 
         reference = asyncio.run(undisturbed())
         st = sv.ready_stats(server)
-        pss, rest = pss_less_kv(server)
+        weights = {}
+        pss, rest = pss_less_kv(server, weights=weights)
         baseline = {"kv_usage": st.get("kv_usage", 0.0), "restarts": st.get("restarts", 0),
-                    "pss_mib": pss, "pss_less_kv_mib": rest, "pss_by_role": pss_by_role(server)}
+                    "pss_mib": pss, "pss_less_kv_mib": rest, "pss_by_role": pss_by_role(server),
+                    "weight_resident_mib": weights.get("mib")}
         baseline.update(leftovers(server, {"actors": {}}))
         stop = threading.Event()
         sampling = threading.Thread(target=sampler, args=(server, stop, samples), daemon=True)
@@ -457,6 +466,8 @@ def main() -> int:
             "pss_before_mib": round(baseline["pss_mib"]), "pss_after_mib": round(after["pss_mib"]),
             "pss_less_kv_before_mib": baseline["pss_less_kv_mib"],
             "pss_less_kv_after_mib": after["pss_less_kv_mib"],
+            "weight_resident_before_mib": baseline["weight_resident_mib"],
+            "weight_resident_after_mib": after["weight_resident_mib"],
             "pss_by_role_before_mib": baseline["pss_by_role"],
             "pss_by_role_after_mib": after["pss_by_role"]}
     clean_up = (not after["shm_segments"] and not after["extra_actors"]
@@ -493,7 +504,10 @@ def main() -> int:
     print(f"\n- PSS of the server's tree: {left['pss_before_mib']} MiB before the load, "
           f"{left['pss_after_mib']} after it; less the KV cache's resident pages "
           f"{mib(left['pss_less_kv_before_mib'])} -> {mib(left['pss_less_kv_after_mib'])}; "
-          f"KV usage {left['kv_usage_before']} -> {left['kv_usage_after']}")
+          f"KV usage {left['kv_usage_before']} -> {left['kv_usage_after']}; of the rest, the "
+          f"weights' pages in RAM (a mapped file's, as they are first read: bounded by the "
+          f"weights) {mib(left['weight_resident_before_mib'])} -> "
+          f"{mib(left['weight_resident_after_mib'])}")
     before, now = left["pss_by_role_before_mib"], left["pss_by_role_after_mib"]
     print("- PSS by role, MiB before -> after (the hot and cold executors' include their KV "
           "pages): " + ", ".join(f"{r} {before.get(r, 0):.0f} -> {now.get(r, 0):.0f}"
