@@ -1,9 +1,9 @@
-"""The loading child of a torch-free actor (`cold_native`): `python -m actors.pack MODULE:CLASS FD`
-reads the role's arguments (pickled) from stdin, builds the role's torch implementation in its
-packing mode (it loads what it holds with the same code as ever, and maps no channel), and has it
-write the tensors of its native loop's arguments into the memory file FD (`pack`), what it says
-of itself going back pickled on stdout; or the load's error, as itself. The load's prints and
-logs go to stderr."""
+"""The loading child of a torch-free actor (`cold_native`, `pred_native`, through `clib.load`):
+`python -m actors.pack MODULE:CLASS FD` reads the role's arguments (pickled) from stdin, builds
+the role's torch implementation in its packing mode (it loads what it holds with the same code as
+ever, and maps no channel), and has it write the tensors of its native loop's arguments into the
+memory file FD (`pack`), what it says of itself going back pickled on stdout; or the load's
+error, as itself. The load's prints and logs go to stderr."""
 from __future__ import annotations
 
 import importlib

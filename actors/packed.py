@@ -1,4 +1,4 @@
-"""What a torch-free actor's loading child hands it (`actors.pack` writes it, `cold_native`
+"""What a torch-free actor's loading child hands it (`actors.pack` writes it, `clib.unpack`
 reads it): the native loop's arguments with every tensor as `Packed` (in the memory file),
 `Zeros` (allocated by the actor: a KV cache) or a `Slot` (a value only the running process knows).
 A module of its own, with neither torch nor the loader behind it, so that the child, the torch

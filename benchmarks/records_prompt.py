@@ -1,0 +1,81 @@
+#!/usr/bin/env python3
+"""A prompt's rows over a layer's neuron records, the two ways a cold executor could run them.
+
+    .venv/bin/python benchmarks/records_prompt.py --bundle B [--model M] [--rows 64 256 512]
+        [--turns 5] [--threads 2]
+
+Loads M with the bundle in process (bf16, the file's 4-bit blocks as the CPU kernel's neuron
+records) and takes the layer whose neuron set is largest. For each row count T it times, in
+turns, a prompt's T rows through every neuron of the set:
+- widened: the records widened into bf16 rows a block at a time and multiplied by torch's
+  matmuls (`NeuronSet.forward`, what a cold executor with torch runs);
+- records kernel: the decode kernel (`kernels.neuron_ffn`) 64 rows a call, every neuron
+  selected (what a cold executor without torch could run with the kernel library alone).
+Prints the best time of each and their ratio, and the largest difference between the two
+answers against the largest value.
+"""
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+
+from powerinfer import Config, PowerInfer, kernels
+from powerinfer.model.sparse import NeuronSet
+
+
+def best_of(fn, turns: int) -> float:
+    out = []
+    for _ in range(turns):
+        t0 = time.perf_counter()
+        fn()
+        out.append(time.perf_counter() - t0)
+    return min(out)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="smollm2-135m-instruct")
+    ap.add_argument("--bundle", required=True)
+    ap.add_argument("--rows", type=int, nargs="+", default=[64, 256, 512])
+    ap.add_argument("--turns", type=int, default=5)
+    ap.add_argument("--threads", type=int, default=2)
+    args = ap.parse_args()
+    pi = PowerInfer.from_pretrained(args.model, Config(bundle=args.bundle, dtype="bfloat16",
+                                                       weights="int4"))
+    sets = [m for m in pi.engine.model.modules() if isinstance(m, NeuronSet) and m.records is not None]
+    s = max(sets, key=lambda m: len(m.idx))
+    torch.set_num_threads(args.threads)
+    print(f"{args.model}: the largest neuron set, {len(s.idx)} neurons in {s.fmt}, dim {s.dim}; "
+          f"{args.threads} threads, best of {args.turns} in turns\n")
+    print("| rows | widened, torch's bf16 matmul (ms) | records kernel, 64 rows a call (ms) | "
+          "kernel / widened | max difference / max value |")
+    print("|---:|---:|---:|---:|---:|")
+    gen = torch.Generator().manual_seed(0)
+    for T in args.rows:
+        x = torch.randn(1, T, s.dim, generator=gen).to(torch.bfloat16)
+        rows = x.reshape(T, -1)
+
+        def widened():
+            return s(x).reshape(T, -1)
+
+        def kernel():
+            return torch.cat([kernels.neuron_ffn(rows[i:i + 64].contiguous(), s.records, s.all, None,
+                                                 s.bias32, 0.0, s.act, s.fmt)
+                              for i in range(0, T, 64)])
+
+        a, b = widened(), kernel()
+        diff = (a.float() - b.float()).abs().max().item() / a.float().abs().max().item()
+        tw, tk = [], []
+        for _ in range(args.turns):
+            tw.append(best_of(widened, 1))
+            tk.append(best_of(kernel, 1))
+        print(f"| {T} | {1e3 * min(tw):.2f} | {1e3 * min(tk):.2f} | {min(tk) / min(tw):.2f}x | "
+              f"{diff:.4f} |")
+    pi.close()
+
+
+if __name__ == "__main__":
+    main()
