@@ -44,7 +44,8 @@ class PiArg(ctypes.Structure):
 
 
 class PiArgs:
-    """Arguments as `pi_cold_serve` reads them, built once (the arrays they point at are kept)."""
+    """Arguments as the C entry points read them (`pi_cold_serve`, `pi_pred_serve`), built once
+    (the arrays they point at are kept)."""
 
     def __init__(self, values: tuple):
         self.keep: list = []
@@ -120,15 +121,16 @@ class Library:
     def cold_serve(self, args: PiArgs) -> list[int]:
         """`cold_serve` (see csrc/ops.cpp): the words of the message it leaves to the caller; a
         RuntimeError with the library's text for its errors (a channel closed, a peer died)."""
-        words, err = (ctypes.c_int64 * 6)(), ctypes.create_string_buffer(4096)
-        if self.lib.pi_cold_serve(args.array, len(args.array), words, err, 4096):
-            raise RuntimeError(err.value.decode(errors="replace"))
-        return list(words)
+        return self._serve(self.lib.pi_cold_serve, args, 6)
 
     def pred_serve(self, args: PiArgs) -> list[int]:
-        """`pred_serve` (csrc/ops.cpp): as `cold_serve`, the words of the message it leaves."""
-        words, err = (ctypes.c_int64 * 3)(), ctypes.create_string_buffer(4096)
-        if self.lib.pi_pred_serve(args.array, len(args.array), words, err, 4096):
+        """`pred_serve` (csrc/ops.cpp), as `cold_serve`: the words of the message it leaves."""
+        return self._serve(self.lib.pi_pred_serve, args, 3)
+
+    @staticmethod
+    def _serve(fn, args: PiArgs, n_words: int) -> list[int]:
+        words, err = (ctypes.c_int64 * n_words)(), ctypes.create_string_buffer(4096)
+        if fn(args.array, len(args.array), words, err, 4096):
             raise RuntimeError(err.value.decode(errors="replace"))
         return list(words)
 
