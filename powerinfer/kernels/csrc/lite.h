@@ -280,6 +280,22 @@ inline double Tensor::get(const char* p) const {
 inline Tensor Tensor::copy_as(ScalarType t) const {
   Tensor out = empty(sizes_, TensorOptions{t});
   const int64_t n = numel(), es = element_size(), nd = dim();
+  // a contiguous tensor as it is, or between float32 and bf16 (a head's rows, 0.8 M values a
+  // step: the element-wise walk below took 3 ms of it), in one flat loop
+  if (is_contiguous() && (t == dtype_ || (t == kBFloat16 && dtype_ == kFloat) || (t == kFloat && dtype_ == kBFloat16))) {
+    if (t == dtype_) {
+      std::memcpy(out.data_ptr(), data_, n * es);
+    } else if (t == kBFloat16) {
+      const float* src = static_cast<const float*>(data_);
+      uint16_t* dst = static_cast<uint16_t*>(out.data_ptr());
+      for (int64_t i = 0; i < n; i++) dst[i] = BFloat16::round(src[i]);
+    } else {
+      const uint16_t* src = static_cast<const uint16_t*>(data_);
+      uint32_t* dst = static_cast<uint32_t*>(out.data_ptr());
+      for (int64_t i = 0; i < n; i++) dst[i] = (uint32_t)src[i] << 16;
+    }
+    return out;
+  }
   std::vector<int64_t> idx(nd, 0);
   char* dst = static_cast<char*>(out.data_ptr());
   const int64_t ds = out.element_size();
