@@ -104,6 +104,16 @@ class Library:
         lib.pi_loop_profile.argtypes = [ctypes.c_int64, ctypes.POINTER(ctypes.c_int64), ctypes.c_int64]
         lib.pi_loop_profile.restype = ctypes.c_int64
 
+    @classmethod
+    def started(cls, got: dict, cores, threads: int) -> "Library":
+        """The build a loading child named (`got`: its `pack` report), at the child's
+        instruction-set class, the calling thread's loops on `threads` of `cores` (0: all), as
+        `cluster.topology.pin` sizes torch's."""
+        lib = cls(got["library"])
+        lib.use_isa(got["isa"])
+        lib.set_threads(min(threads, len(cores)) if threads else len(cores))
+        return lib
+
     def isa(self) -> str:
         out = ctypes.create_string_buffer(32)
         self.lib.pi_isa(out, 32)

@@ -96,9 +96,7 @@ class ColdNativeImpl:
         got = loaded.got
         self.spec, self.rank, self.cores = spec, rank, tuple(cores)
         self.load_s, self.load_cpu_s = loaded.load_s, loaded.load_cpu_s
-        self.lib = clib.Library(got["library"])
-        self.lib.use_isa(got["isa"])
-        self.lib.set_threads(min(threads, len(cores)) if threads else len(cores))
+        self.lib = clib.Library.started(got, cores, threads)
         self.info, self.parts = got["ready"], got["parts"]
         self.memory = loaded.memory
         self.x, self.part = spec.open("x"), spec.open(f"part.{rank}", writer=True)

@@ -77,10 +77,8 @@ class PredNativeImpl:
         got = loaded.got
         self.spec, self.cores = spec, tuple(cores)
         self.load_s, self.load_cpu_s = loaded.load_s, loaded.load_cpu_s
-        self.lib = clib.Library(got["library"])
-        self.lib.use_isa(got["isa"])
-        self.lib.set_threads(min(threads, len(cores)) if threads else len(cores))
-        self.info, self.decode_bytes = got["ready"], got["decode_bytes"]
+        self.lib = clib.Library.started(got, cores, threads)
+        self.info = got["ready"]
         self.memory = loaded.memory
         self.x, self.mask = spec.open("pred_in"), spec.open("mask", writer=True)
         # the loop's [messages answered, nanoseconds on them], which it adds to as it runs

@@ -38,7 +38,7 @@ class PredictorImpl(Answering):
         this process is its loading child (`pack` writes what the native loop takes)."""
         pin(cores, threads)
         kernels.hold(spec.isa)  # the model's instruction-set class
-        self.spec, self.cores, self.packing = spec, cores, packing
+        self.spec, self.cores = spec, cores
         # on the hot executor's GPU where it shares it (`spec.device_predictor`), else the host
         self.device = torch.device("cuda" if spec.device_predictor else "cpu")
         # the dtype the in-process engine runs them in on the same device: the same masks
@@ -80,9 +80,8 @@ class PredictorImpl(Answering):
             return {"why": "its predictors do not all run on the kernel library's GEMV in one "
                            "format (or run on a GPU)"}
         args, end = pack_args(self.native, fd, {})
-        rows = sum(t.nbytes for t in (*self.native[6], *self.native[7]))
         return {"args": args, "size": end, "library": kernels.library(lite=True),
-                "isa": kernels.isa(), "ready": self._described(), "decode_bytes": rows}
+                "isa": kernels.isa(), "ready": self._described()}
 
     def _described(self) -> dict:
         return {"cores": list(self.cores), "input": self.input, "ranks": self.preds.ranks,

@@ -5,7 +5,6 @@ every kind of message the native loop answers gives the same floats, bit for bit
 from __future__ import annotations
 
 import os
-import threading
 
 import numpy as np
 import pytest
@@ -14,6 +13,7 @@ import torch
 from actors.cold_native import ColdNativeImpl, cold_executor
 from actors.plane import ATTN, DECODE, HEAD, PREFILL, STOP, FFNInput, Partial, PlaneSpec, receive, send
 from actors.sealed import Sealed
+from on_thread import OnThread
 from powerinfer import kernels
 from powerinfer.config import Config
 from powerinfer.model.transformer import rope_tables
@@ -24,26 +24,13 @@ pytestmark = pytest.mark.skipif(not kernels.available(),
                                 reason="the CPU kernel does not run here: no torch-free executor")
 
 
-class Side:
-    """One executor, built and run on a thread of its own (as `roles._Role.compute`: its
-    threads' count is that thread's), and the hot executor's end of its channels."""
+class Side(OnThread):
+    """One executor on its thread (`OnThread`) and the hot executor's end of its channels."""
 
     def __init__(self, spec: PlaneSpec, build):
-        self.spec, self.impl, self.result, self.error = spec, None, None, None
-        self.ready = threading.Event()
-        self.thread = threading.Thread(target=self._main, args=(build,), daemon=True)
-        self.thread.start()
-        assert self.ready.wait(300) and self.error is None, self.error
+        super().__init__(build)
+        self.spec = spec
         self.x, self.part = spec.open("x", writer=True), spec.open("part.0")
-
-    def _main(self, build):
-        try:
-            self.impl = build()
-        except Exception as e:  # noqa: BLE001 - the test's to raise
-            self.error = e
-        self.ready.set()
-        if self.impl is not None:
-            self.result = self.impl.run()
 
     def ask(self, words: FFNInput, parts: list[tuple[int, torch.Tensor]], cols: int) -> np.ndarray:
         for offset, t in parts:

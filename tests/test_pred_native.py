@@ -5,13 +5,13 @@ them, with no Ray: the same masks, bit for bit, as `Predictors.active` gives the
 from __future__ import annotations
 
 import os
-import threading
 
 import numpy as np
 import pytest
 import torch
 
 from actors.plane import DECODE, STOP, Masks, PlaneSpec, PredictorInput, receive, send
+from on_thread import OnThread
 from powerinfer import kernels
 from powerinfer.config import Config
 
@@ -35,26 +35,13 @@ def tiny(tmp_path_factory) -> tuple[str, str]:
     return model, str(b.path)
 
 
-class Side:
-    """One predictor, built and run on a thread of its own (as `roles._Role.compute`), and the
-    hot executor's end of its channels."""
+class Side(OnThread):
+    """One predictor on its thread (`OnThread`) and the hot executor's end of its channels."""
 
     def __init__(self, spec: PlaneSpec, build):
-        self.spec, self.impl, self.result, self.error = spec, None, None, None
-        self.ready = threading.Event()
-        self.thread = threading.Thread(target=self._main, args=(build,), daemon=True)
-        self.thread.start()
-        assert self.ready.wait(300) and self.error is None, self.error
+        super().__init__(build)
+        self.spec = spec
         self.x, self.mask = spec.open("pred_in", writer=True), spec.open("mask")
-
-    def _main(self, build):
-        try:
-            self.impl = build()
-        except Exception as e:  # noqa: BLE001 - the test's to raise
-            self.error = e
-        self.ready.set()
-        if self.impl is not None:
-            self.result = self.impl.run()
 
     def ask(self, layer: int, rows: torch.Tensor, ffn_dim: int) -> np.ndarray:
         self.x.put(rows)

@@ -1,9 +1,10 @@
 // The library's C entry points, for a process that loads it with ctypes rather than through
 // torch (`actors/cold_native.py`, `actors/pred_native.py`): a cold executor or predictor whose
 // every message the native loop answers never imports torch, and loads the library's torch-free
-// build (POWERINFER_LITE, lite.h), which maps no libtorch either. The ops are the same functions the torch operators run; only their
-// arguments come as a flat array of tagged values (PiArg) instead of torch's boxed ones. Included
-// at the end of ops.cpp (the same translation unit: the ops stay static), in both builds.
+// build (POWERINFER_LITE, lite.h), which maps no libtorch either. The ops are the same functions
+// the torch operators run; only their arguments come as a flat array of tagged values (PiArg)
+// instead of torch's boxed ones. Included at the end of ops.cpp (the same translation unit: the
+// ops stay static), in both builds.
 
 namespace powerinfer {
 

@@ -1662,16 +1662,14 @@ static std::vector<int64_t> pred_serve(at::Tensor& state, at::Tensor& counts, in
     if (op != decode_op || layer < 0 || layer >= (int64_t)fc1.size() || B < 1) return {op, layer, B};
     // 64 rows a call (the GEMV's most), as `Predictors.logits` runs them: a row's masks do not
     // depend on its batch
-    char* out = reinterpret_cast<char*>(mask_base) + CH_HEADER;
+    int64_t put = 0;  // (bytes of masks written)
     for (int64_t r = 0; r < B; r += 64) {
       const int64_t n = std::min<int64_t>(64, B - r);
       const at::Tensor rows =
           predicted_rows(at::from_blob(xp + r * dim * 4, {n, dim}, f32), fc1[layer], fc2[layer], fmt, threshold);
-      TORCH_CHECK((int64_t)(out - reinterpret_cast<char*>(mask_base)) - CH_HEADER + (int64_t)rows.nbytes() <=
-                      mask_capacity,
-                  "masks over the channel's capacity");
-      std::memcpy(out, rows.data_ptr<bool>(), rows.nbytes());
-      out += rows.nbytes();
+      TORCH_CHECK(put + (int64_t)rows.nbytes() <= mask_capacity, "masks over the channel's capacity");
+      std::memcpy(reinterpret_cast<char*>(mask_base) + CH_HEADER + put, rows.data_ptr<bool>(), rows.nbytes());
+      put += rows.nbytes();
     }
     const int64_t words[2] = {layer, B};  // (as Masks)
     publish(mask_base, words, 2);
