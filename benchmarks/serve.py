@@ -250,6 +250,9 @@ async def sse_request(client, url: str, body: dict, rec: dict | None = None,
                 if chunk.get("choices"):
                     rec["chunks"] += 1
                     piece = chunk["choices"][0].get("delta", {}).get("content")
+                    logprobs = (chunk["choices"][0].get("logprobs") or {}).get("content")
+                    if logprobs:  # (where the request asked for them)
+                        rec.setdefault("logprobs", []).extend(logprobs)
                     if piece:
                         rec["stamps"].append(time.perf_counter())
                         rec["text"] += piece
