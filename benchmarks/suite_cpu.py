@@ -27,6 +27,8 @@ import subprocess
 import sys
 import time
 
+import serve as sv
+
 # (kind, pattern in the command line): the first that matches names the process
 KINDS = (
     ("the command (the test process)", None),  # the pid run here
@@ -54,23 +56,12 @@ def kind(cmd: str, pid: int, root: int) -> str:
 
 
 def processes() -> dict[str, tuple[float, str, int]]:
-    """key "pid:start" -> (CPU seconds, command line, pid) of every process now."""
+    """key "pid:start" -> (CPU seconds, command line, pid) of every process now (a pid can be
+    used again in a long run; with its start time it names one process)."""
     tick = os.sysconf("SC_CLK_TCK")
-    out = {}
-    for d in os.listdir("/proc"):
-        if not d.isdigit():
-            continue
-        try:
-            with open(f"/proc/{d}/stat") as f:
-                st = f.read()
-            with open(f"/proc/{d}/cmdline", "rb") as f:
-                cmd = f.read().replace(b"\0", b" ").decode(errors="replace").strip()
-        except OSError:
-            continue
-        rest = st[st.rfind(")") + 2:].split()
-        out[f"{d}:{rest[19]}"] = ((int(rest[11]) + int(rest[12])) / tick,
-                                  cmd or st[st.find("(") + 1:st.rfind(")")], int(d))
-    return out
+    return {f"{pid}:{fields[19]}": ((int(fields[11]) + int(fields[12])) / tick,
+                                    " ".join(argv) or stat[stat.find("(") + 1:stat.rfind(")")], pid)
+            for pid, stat, fields, argv in sv.proc_entries()}
 
 
 def cpu_name() -> str:
