@@ -253,6 +253,41 @@ def test_a_shards_masked_records_are_the_masks_neurons_it_holds(isa):
             outside = torch.ones(ffn, dtype=torch.bool).index_fill_(0, idx, False)
             assert cols.any() and mask[:, outside].any()
 
+@pytest.mark.parametrize("fmt", ["q4_0", "q4_1", "bf16"])
+def test_a_rows_answer_does_not_depend_on_its_batch(isa, fmt):
+    # a decode row computes the neurons any row of its batch selects, keeping its own: its
+    # answer is the same floats alone (its mask the selection) or beside any other rows, on two
+    # threads (the split of the work may not move with the batch's union), for a whole layer's
+    # records and for a shard of them (a cold executor's, `masked_records`)
+    torch.manual_seed(7)
+    dim, ffn, B = 128, 512, 6
+    w = K.pack(torch.randn(ffn, dim), torch.randn(ffn, dim), torch.randn(ffn, dim), fmt)
+    idx = torch.randperm(ffn)[:300].sort().values
+    shard = w[idx].contiguous()
+    act, code = K.ACTS.index("swiglu"), K.FORMATS.index(fmt)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        for dtype in (torch.float32, torch.bfloat16):
+            x = torch.randn(B, dim).to(dtype)
+            rows = torch.rand(B, ffn) < 0.3
+            batched = K.neuron_ffn(x, w, rows.any(0), rows, None, 0.0, "swiglu", fmt)
+            sharded = torch.ops.powerinfer.masked_records(x, shard, idx, rows, None, 0.0, act, code)
+            assert batched.float().abs().max() > 1
+            for r in range(B):
+                alone = K.neuron_ffn(x[r:r + 1], w, rows[r], None, None, 0.0, "swiglu", fmt)
+                assert torch.equal(alone, batched[r:r + 1]), (dtype, r)
+                pair = [r, (r + 1) % B]
+                two = K.neuron_ffn(x[pair], w, rows[pair].any(0), rows[pair].contiguous(), None,
+                                   0.0, "swiglu", fmt)
+                assert torch.equal(two[:1], alone), (dtype, r)
+                one = torch.ops.powerinfer.masked_records(x[r:r + 1], shard, idx, rows[r:r + 1],
+                                                          None, 0.0, act, code)
+                assert torch.equal(one, sharded[r:r + 1]), (dtype, r)
+    finally:
+        torch.set_num_threads(threads)
+
+
 def test_reformat_keeps_the_neurons_and_their_weights():
     from powerinfer.model.sparse import NeuronSet
     torch.manual_seed(4)

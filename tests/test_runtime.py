@@ -297,16 +297,24 @@ def test_the_in_process_sparse_engine_decodes_in_the_native_loop(bundle):
     from powerinfer.engine.native import NativeDecode
     if not kernels.available():
         pytest.skip("the kernel library does not run here (needs g++ and AVX2)")
+    # (two threads: the kernel's work split between them, below)
     pi = PowerInfer.from_pretrained(MODEL, Config(**dict(BASE, dtype="bfloat16", weights="int4", bundle=bundle,
-                                                         predictor="ffn")))
+                                                         predictor="ffn", cpu_threads=2)))
     native = pi.engine.native
     assert isinstance(native, NativeDecode) and native.sparse and len(native.sparse) == 30
     got = [greedy_tokens(pi, p, GREEDY["max_new_tokens"]) for p in PROMPTS]
-    pi.engine._decode = pi.engine._forward  # the modules' layer loop, as a reference
+    decode, pi.engine._decode = pi.engine._decode, pi.engine._forward  # the modules' loop
     for p, ids in zip(PROMPTS, got):
         want = greedy_tokens(pi, p, GREEDY["max_new_tokens"])
         assert_same_or_near_tie(pi, pi.tokenize(p), want, ids, 0.05)
     assert "Paris" in pi.detokenize(got[0])
+    # batched, each sequence decodes what it decodes alone, to the last bit: a row keeps its own
+    # predicted neurons, and the kernel's split of the work does not move with the batch's union
+    pi.engine._decode = decode
+    ids = [pi.tokenize(p) for p in PROMPTS]
+    events = list(pi._run(ids, GREEDY["max_new_tokens"], dict(temperature=0, ignore_eos=True)))
+    for i, want in enumerate(got):
+        assert [ev.token for ev in events if ev.index == i and ev.token >= 0] == want, i
 
 
 def assert_bf16_greedy_tracks(ref: PowerInfer, pi: PowerInfer):

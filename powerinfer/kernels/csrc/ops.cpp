@@ -212,25 +212,37 @@ static at::Tensor neuron_ffn(const at::Tensor& x, const at::Tensor& w, const at:
   }
   Input in;
   prepare_input(fmt, x, a, in, true);
-  // each thread's sums in its own rows, zeroed by the thread that writes them, and only the rows
-  // written added up: a few neurons take one thread, and with zeroed rows for every thread and
-  // a reduction over them all a one-neuron call on 2 threads cost 2 us more than on one
+  // The records split into parts at fixed places of their order, [n t / P, n (t+1) / P) for P
+  // the thread count, each part's sums in its own rows (zeroed by the thread that writes them,
+  // and only parts with neurons written), then added in the parts' order: a row's answer is its
+  // own neurons summed in one order whatever the other rows of its batch select, so a sequence
+  // decodes the same tokens alone or batched. A split of the selection by its count moved with
+  // the batch's union, and with it which neurons each partial sum held (a float's last bits).
+  // With indices not in ascending order the selection is split by count.
   const int64_t nt = at::get_num_threads();
+  const int64_t* sp = a.sel;
+  bool ascending = true;
+  for (int64_t i = 1; i < m && ascending; i++) ascending = sp[i - 1] < sp[i];
+  std::vector<int64_t> cut(nt + 1, m);
+  cut[0] = 0;
+  for (int64_t t = 1; t < nt; t++)
+    cut[t] = ascending ? std::lower_bound(sp, sp + m, n * t / nt) - sp : m * t / nt;
   const int64_t stride = (B * dim + 15) / 16 * 16 + PART_GAP;
   at::Tensor part = at::empty({nt, stride}, x.options().dtype(at::kFloat));
   float* pp = part.data_ptr<float>();
-  std::vector<char> used(nt, 0);
-  at::parallel_for(0, m, 8, [&](int64_t begin, int64_t end) {
-    const int64_t t = at::get_thread_num();
-    float* o = pp + t * stride;
-    if (!used[t]) std::fill(o, o + B * dim, 0.0f);
-    used[t] = 1;
-    k.range(a, begin, end, o);
+  // a few neurons take one thread, which computes every part (2 us a one-neuron call saved)
+  at::parallel_for(0, nt, m <= 8 ? nt : 1, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; t++) {
+      if (cut[t] == cut[t + 1]) continue;
+      float* o = pp + t * stride;
+      std::fill(o, o + B * dim, 0.0f);
+      k.range(a, cut[t], cut[t + 1], o);
+    }
   });
   std::vector<int64_t> wrote;
   for (int64_t t = 0; t < nt; t++)
-    if (used[t]) wrote.push_back(t);
-  if (wrote.size() > 1) {  // into the first, in the threads' order (a prompt's rows: in parallel)
+    if (cut[t] < cut[t + 1]) wrote.push_back(t);
+  if (wrote.size() > 1) {  // into the first, in the parts' order (a prompt's rows: in parallel)
     float* dst = pp + wrote[0] * stride;
     at::parallel_for(0, B * dim, 16384, [&](int64_t i0, int64_t i1) {
       for (size_t t = 1; t < wrote.size(); t++) {
@@ -239,7 +251,7 @@ static at::Tensor neuron_ffn(const at::Tensor& x, const at::Tensor& w, const at:
       }
     });
   }
-  // (one view of the first written thread's rows: selected, narrowed and viewed, three
+  // (one view of the first written part's rows: selected, narrowed and viewed, three
   // operators through the dispatcher, a one-neuron step took 5.6 against 4.8 us from Python)
   at::Tensor y = wrote.empty() ? at::zeros({B, dim}, part.options())
                               : part.as_strided({B, dim}, {dim, 1}, wrote[0] * stride);
