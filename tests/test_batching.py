@@ -202,6 +202,34 @@ def test_a_sparse_model_computes_output_again_as_decode_rows(tok):
     assert len(b.blocks.by_key) == 2  # its output's blocks were not keyed
 
 
+def test_a_sparse_models_prompt_chunks_are_never_one_token(tok):
+    # a prompt token alone in its step would run as a decode row (its predicted neurons), where
+    # among others it runs every neuron: neither a chunk nor a cached prefix leaves a sparse
+    # model's prompt one token to compute (a dense model's may: its rows are the same either way)
+    for sparse in (True, False):
+        b = Batcher(BlockManager(64, 16), 8, 256, 16, sparse=sparse)
+        s = seq(tok, list(range(300, 317)))  # 17 tokens, chunks of 16
+        b.add(s)
+        got = []
+        while s.computed < len(s.prompt):
+            got.append((step := b.schedule()).counts)
+            b.postprocess(step, greedy(step, 5))
+        assert got == ([[17]] if sparse else [[16], [1]]), got
+        # a second prompt whose first 16 tokens are cached: the sparse model gives a block back
+        b.remove(s)
+        t = seq(tok, list(range(300, 317)))
+        b.add(t)
+        assert b.schedule().counts == ([17] if sparse else [1]), sparse
+    b = Batcher(BlockManager(64, 16), 8, 256, 1, sparse=True)  # chunks of one token asked for
+    s = seq(tok, [1, 2, 3, 4, 5])
+    b.add(s)
+    counts = []
+    while s.computed < len(s.prompt):
+        counts += (step := b.schedule()).counts
+        b.postprocess(step, greedy(step, 5))
+    assert counts == [2, 3], counts
+
+
 def test_paced_chunks_keep_a_step_near_a_decode_step(tok):
     # the runner's times: a decode step 30 ms, a prompt token 2 ms beyond it; pace 3 allows a
     # step of 90 ms beside decoding streams, 30 prompt tokens, raised to the 32 a step makes

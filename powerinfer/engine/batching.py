@@ -267,6 +267,8 @@ class Batcher:
             if not s.blocks.reserved and (running >= self.max_batch or budget < 1):
                 break
             hit = [] if s.blocks.reserved else self.blocks.match(self._keyed(s))
+            if self.sparse and hit and len(s.prompt) - len(hit) * self.blocks.block_size == 1:
+                hit.pop()  # (a sparse model's prompt tail is never one token: `_next_count`)
             n = self._next_count(s, len(hit) * self.blocks.block_size, budget)
             if n == 0:
                 break
@@ -295,7 +297,15 @@ class Batcher:
         if n > 1:
             if self.sparse:  # the prompt alone is prefilled
                 n = len(s.prompt) - computed
+            rest = n
             n = int(min(n, budget))
+            if self.sparse and n > 0:
+                # a sparse model's chunk of one prompt token would run as a decode row (its
+                # predicted neurons), where the same token among others runs every neuron:
+                # no chunk, nor what a chunk leaves, is one token (one past the budget)
+                n = max(n, 2)
+                if rest - n == 1:
+                    n = rest
         return n
 
     def _keyed(self, s: Sequence) -> list[int]:

@@ -13,9 +13,10 @@ computed but score under the threshold are zeroed, so the sparse model is the th
 Which neurons are active comes from a mask source: the oracle (the true scores) or the
 predictors, reading either the residual entering the FFN or the layer input (lookahead).
 
-Prefill stays dense (every neuron, no threshold) unless `token_masks` is set, which applies each
-token's own mask in a many-token pass: evaluation uses it to measure the sparse model's perplexity
-in one teacher-forced pass.
+Prefill stays dense (every neuron, no threshold; its matmuls `NeuronSet.PROMPT_ROWS` tokens at a
+time, so that a token's answer does not depend on the tokens beside it) unless `token_masks` is
+set, which applies each token's own mask in a many-token pass: evaluation uses it to measure the
+sparse model's perplexity in one teacher-forced pass.
 """
 from __future__ import annotations
 
@@ -68,9 +69,15 @@ class NeuronSet(nn.Module):
     # layer's 5,504 Q4_0 neurons, 15 tokens: 287 ms in 2,048-neuron float32 chunks, 86 ms in
     # 512 KiB of bf16, 20 ms in 8 MiB; more gained nothing)
     WIDEN_BYTES = 8 << 20
-    # up to this many rows (tokens) the decode kernel runs a many-token step, each row reading
-    # the records (the same layer: 11 ms for 4 rows against 12 ms widened, 24 against 16 for 8)
-    KERNEL_ROWS = 4
+    # rows (tokens) of every matmul of a many-token step: a prompt's tokens in chunks of this
+    # many, the last padded with zeros, so that each product has one shape. torch's bf16 matmul
+    # picks its kernel by the row count, and a row's sums then differ in their last bits with
+    # the rows it is multiplied beside (a prompt's tail after a cached prefix, a chunk of a
+    # prompt, several prompts in one step); a sparse model's predictor turns such bits into
+    # other neurons. At one shape a row's product is the same floats wherever it sits (tested).
+    # A small step pays the chunk's arithmetic, a little beside widening the rows (SmolLM2's
+    # layer: 0.79 ms for 5 rows, 1.07 for 64)
+    PROMPT_ROWS = 64
 
     def __init__(self, act: str, w1: torch.Tensor, b1: torch.Tensor | None, w2: torch.Tensor,
                  idx: torch.Tensor, fmt: str | None = None):
@@ -150,6 +157,39 @@ class NeuronSet(nn.Module):
     def scores(self, x):  # x: (..., dim) -> firing scores (..., k)
         return torch.cat([self._pre(x, None, lo, hi, w)[0] for lo, hi, w in self._blocks()], -1)
 
+    def _prompt_rows(self, x, threshold: float, keep):
+        """Every neuron for many tokens x (B, T, dim) (keep: (B, T, k) or None): dense matmuls,
+        a block of the set's rows at a time, over PROMPT_ROWS rows at a time (the last chunk
+        padded), each row's answer the same floats whatever rows share its step."""
+        dim, C = x.shape[-1], self.PROMPT_ROWS
+        rows = x.reshape(-1, dim)
+        n = rows.shape[0]
+        pad = -n % C
+        if pad:
+            rows = torch.cat([rows, rows.new_zeros(pad, dim)])
+        if keep is not None:
+            keep = keep.reshape(n, -1)
+            keep = torch.cat([keep, keep.new_zeros(pad, keep.shape[-1])]) if pad else keep
+        y = None
+        for lo, hi, w in self._blocks():
+            for c in range(0, n + pad, C):
+                score, h = self._pre(rows[c:c + C], None, lo, hi, w)
+                if threshold > 0:
+                    h = h * (score > threshold)
+                if keep is not None:
+                    h = h * keep[c:c + C, lo:hi]
+                part = h @ w[2]
+                if y is None:
+                    y = part.new_empty(n + pad, dim)
+                    y[c:c + C] = part
+                elif lo == 0:
+                    y[c:c + C] = part
+                else:
+                    y[c:c + C] += part
+        if y is None:  # an empty set
+            return x.new_zeros(x.shape)
+        return y[:n].view(x.shape)
+
     def _pre(self, x, sel, lo=0, hi=None, rows=None):
         # rows: (gate, up, down_t) of neurons lo:hi (None: the whole set's)
         # index_select, not w[sel]: the advanced-indexing kernel is ~3x slower at gathering rows
@@ -167,8 +207,7 @@ class NeuronSet(nn.Module):
         if x.shape[0] == 0:  # an empty batch: nothing to compute
             return x.new_zeros(x.shape)
         B, T = x.shape[:2]
-        few = T > 1 and B * T <= self.KERNEL_ROWS  # a few tokens: each its own row of the kernel
-        if self.records is not None and (T == 1 or few and not kernels.on_triton(self.records)):
+        if self.records is not None and T == 1:
             k = None if keep is None else keep.reshape(B * T, -1).contiguous()
             rows = x.reshape(B * T, -1)
             if kernels.on_triton(self.records):  # decode over a GPU's records: the Triton kernel
@@ -182,15 +221,7 @@ class NeuronSet(nn.Module):
                                    k, self.bias32, threshold, self.act, self.fmt)
             return y.to(x.dtype).view(B, T, -1)
         if sel is None:  # every neuron, many tokens: dense matmuls (a block at a time)
-            y = 0
-            for lo, hi, w in self._blocks():
-                score, h = self._pre(x, None, lo, hi, w)
-                if threshold > 0:
-                    h = h * (score > threshold)
-                if keep is not None:
-                    h = h * keep[..., lo:hi]
-                y = y + h @ w[2]
-            return y
+            return self._prompt_rows(x, threshold, keep)
         score, h = self._pre(x, sel)
         if threshold > 0:
             h = h * (score > threshold)
