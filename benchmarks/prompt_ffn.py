@@ -2,8 +2,8 @@
 """A prompt's FFN step over neuron records: the time of one many-token step of one layer's share
 of neurons (`sparse.NeuronSet` over every neuron, as a prompt runs it) for each record format,
 beside the same neurons held in bf16 (the rows already wide: no widening, torch's matmuls) and
-beside the path a 4-bit set took before (widened to float32 2,048 neurons at a time into fresh
-tensors, then rounded to bf16), in one run.
+beside the step as one product over all its rows (`unchunked`: what it ran before its products
+took `NeuronSet.PROMPT_ROWS` rows at a time, and up to 4 rows the decode kernel), in one run.
 
     .venv/bin/python benchmarks/prompt_ffn.py [--dim 4096] [--neurons 5504] [--tokens 1 2 4 8 15 64 256]
         [--formats q4_0 q4_1 q8_0] [--threads N] [--out FILE]
@@ -37,15 +37,18 @@ def timed(fn, reps: int) -> float:
     return statistics.median(times) * 1e3
 
 
-def previous(s: NeuronSet, x: torch.Tensor) -> torch.Tensor:
-    """The many-token path as it was: 2,048 neurons widened to float32 in a fresh tensor, the
-    rows rounded to the set's dtype, then the matmuls."""
-    y = 0
-    for lo in range(0, len(s.idx), 2048):
-        w = kernels.widen(s.records[lo:lo + 2048], s.fmt, 3, s.dim).to(s.dtype)
-        g, u = x @ w[:, 0].t(), x @ w[:, 1].t()
-        y = y + (torch.nn.functional.silu(g) * u) @ w[:, 2]
-    return y
+def unchunked(s: NeuronSet, x: torch.Tensor) -> torch.Tensor:
+    """The many-token step as it was: up to 4 rows through the decode kernel, more in one
+    product over all of them (whose floats moved with the row count)."""
+    n = x.shape[0] * x.shape[1]
+    if n <= 4:
+        return kernels.neuron_ffn(x.reshape(n, -1), s.records, s.all, None, s.bias32, 0.0, s.act,
+                                  s.fmt)
+    s.PROMPT_ROWS = n
+    try:
+        return s(x)
+    finally:
+        del s.PROMPT_ROWS
 
 
 def main():
@@ -70,7 +73,7 @@ def main():
     result = {"date": str(datetime.date.today()), "machine": platform.processor() or platform.machine(),
               "threads": torch.get_num_threads(), "dim": dim, "neurons": k, "rows": []}
     print("| tokens | bf16 rows (ms) | " + " | ".join(
-        f"{f} (ms) | x bf16 | {f} before (ms)" for f in args.formats) + " |")
+        f"{f} (ms) | x bf16 | {f} unchunked (ms) | chunked / unchunked" for f in args.formats) + " |")
     for T in args.tokens:
         x = torch.randn(1, T, dim).bfloat16()
         base = timed(lambda: sets["bf16"](x), args.reps)
@@ -78,9 +81,10 @@ def main():
         cells = [f"{base:.1f}"]
         for f in args.formats:
             now = timed(lambda: sets[f](x), args.reps)
-            before = timed(lambda: previous(sets[f], x), max(2, args.reps // 2)) if T > 1 else None
-            row[f] = {"ms": now, "ratio_to_bf16": now / base, "before_ms": before}
-            cells += [f"{now:.1f}", f"{now / base:.2f}", "-" if before is None else f"{before:.1f}"]
+            before = timed(lambda: unchunked(sets[f], x), args.reps) if T > 1 else None
+            row[f] = {"ms": now, "ratio_to_bf16": now / base, "unchunked_ms": before}
+            cells += [f"{now:.1f}", f"{now / base:.2f}", "-" if before is None else f"{before:.1f}",
+                      "-" if before is None else f"{now / before:.2f}"]
         result["rows"].append(row)
         print(f"| {T} | " + " | ".join(cells) + " |", flush=True)
     if args.out:
