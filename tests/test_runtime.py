@@ -353,6 +353,12 @@ def test_int4_actors_equal_the_int4_sparse_engine(ray_cluster, bundle, predictor
         assert st["predictor"]["calls"] > 0 and st["predictor"]["busy_s"] > 0
         if predictor == "layer" and kernels.available():
             assert_a_stream_survives_the_predictor_dying(pi)
+        else:  # streams at once: each decodes, to the last bit, what it decodes alone
+            alone = [greedy_tokens(pi, p, GREEDY["max_new_tokens"]) for p in PROMPTS]
+            events = list(pi._run([pi.tokenize(p) for p in PROMPTS], GREEDY["max_new_tokens"],
+                                  dict(temperature=0, ignore_eos=True)))
+            for i, want in enumerate(alone):
+                assert [ev.token for ev in events if ev.index == i and ev.token >= 0] == want, i
     finally:
         pi.close()
     assert not shm_segments()
