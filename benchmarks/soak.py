@@ -33,8 +33,9 @@ Every `--fault-every` seconds one fault, in turn (`--faults`, default all, in th
 A load request ends in one of: `ok` (its [DONE], every token it asked for, and for a greedy one
 the undisturbed text, or a text that parts from it at a close call: the two runs' tokens there
 each among the other's 5 likeliest, within 1.0 of its pick, as a sum rounded in a batch of
-another size moves a near-tie, and a sparse model's predictor can turn such a rounding into
-another token), `clean` (an HTTP status with the server's error body, or an error event and
+another size moves a near-tie where the kernels are not batch-invariant (a GPU's; on a CPU, with
+the defaults or a bundle, a sequence's tokens do not depend on its batch, and a served model's
+runs count none), `clean` (an HTTP status with the server's error body, or an error event and
 then [DONE]: the client can retry), `lost` (the connection dropped, a status without the
 server's error body, or a stream that ended without its [DONE] or short of the tokens it asked
 for, with no error), `corrupt` (completed with other text than the undisturbed run's that does
@@ -112,8 +113,7 @@ def close_call(want: dict, got: dict) -> bool:
 def parting(rec: dict, want: dict) -> str | None:
     """For a greedy request whose text is not the undisturbed run's: "close" where the two
     part at a close call (`close_call`: a sum in another order, as a batch of another size
-    rounds it, moved a near-tie; a sparse model's predictor can turn such a rounding into a
-    neuron chosen on one side only, and from there the two decode apart), else None. A stream
+    rounds it where the kernels are not batch-invariant, moved a near-tie), else None. A stream
     resumed from the wrong place or state parts at once and far."""
     mine, theirs = rec.get("logprobs") or [], want.get("logprobs") or []
     for i, (a, b) in enumerate(zip(theirs, mine)):
