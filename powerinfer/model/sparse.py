@@ -160,10 +160,12 @@ class NeuronSet(nn.Module):
     def _prompt_rows(self, x, threshold: float, keep):
         """Every neuron for many tokens x (B, T, dim) (keep: (B, T, k) or None): dense matmuls,
         a block of the set's rows at a time, over PROMPT_ROWS rows at a time (the last chunk
-        padded), each row's answer the same floats whatever rows share its step."""
-        dim, C = x.shape[-1], self.PROMPT_ROWS
+        padded), each row's answer the same floats whatever rows share its step. On a GPU in one
+        product: its decode kernels add with atomics, so its sequences are not held to that."""
+        dim = x.shape[-1]
         rows = x.reshape(-1, dim)
         n = rows.shape[0]
+        C = self.PROMPT_ROWS if x.device.type == "cpu" else max(n, 1)
         pad = -n % C
         if pad:
             rows = torch.cat([rows, rows.new_zeros(pad, dim)])
