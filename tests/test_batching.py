@@ -228,6 +228,13 @@ def test_a_sparse_models_prompt_chunks_are_never_one_token(tok):
         counts += (step := b.schedule()).counts
         b.postprocess(step, greedy(step, 5))
     assert counts == [2, 3], counts
+    # a one-token prompt computed again (resumed after two tokens): its prompt is one token,
+    # then its output comes back as decode rows, not as a chunk of two
+    b = Batcher(BlockManager(64, 16), 8, 256, 1, sparse=True)
+    s = seq(tok, [5])
+    s.replay([7, 8])
+    b.add(s)
+    assert b.schedule().counts == [1]
 
 
 def test_paced_chunks_keep_a_step_near_a_decode_step(tok):

@@ -302,8 +302,9 @@ class Batcher:
             if self.sparse and n > 0:
                 # a sparse model's chunk of one prompt token would run as a decode row (its
                 # predicted neurons), where the same token among others runs every neuron:
-                # no chunk, nor what a chunk leaves, is one token (one past the budget)
-                n = max(n, 2)
+                # no chunk, nor what a chunk leaves, is one token (one past the budget), unless
+                # one is all there is
+                n = min(max(n, 2), rest)
                 if rest - n == 1:
                     n = rest
         return n
