@@ -311,9 +311,15 @@ def test_the_in_process_sparse_engine_decodes_in_the_native_loop(bundle):
     # batched, each sequence decodes what it decodes alone, to the last bit: a row keeps its own
     # predicted neurons, and the kernel's split of the work does not move with the batch's union
     pi.engine._decode = decode
-    ids = [pi.tokenize(p) for p in PROMPTS]
-    events = list(pi._run(ids, GREEDY["max_new_tokens"], dict(temperature=0, ignore_eos=True)))
-    for i, want in enumerate(got):
+    assert_at_once_as_alone(pi, got)
+
+
+def assert_at_once_as_alone(pi: PowerInfer, alone: list[list[int]]):
+    # PROMPTS decoded greedily at once: each sequence's tokens are `alone[i]`, what it decodes
+    # alone, to the last bit
+    events = list(pi._run([pi.tokenize(p) for p in PROMPTS], GREEDY["max_new_tokens"],
+                          dict(temperature=0, ignore_eos=True)))
+    for i, want in enumerate(alone):
         assert [ev.token for ev in events if ev.index == i and ev.token >= 0] == want, i
 
 
@@ -354,11 +360,8 @@ def test_int4_actors_equal_the_int4_sparse_engine(ray_cluster, bundle, predictor
         if predictor == "layer" and kernels.available():
             assert_a_stream_survives_the_predictor_dying(pi)
         else:  # streams at once: each decodes, to the last bit, what it decodes alone
-            alone = [greedy_tokens(pi, p, GREEDY["max_new_tokens"]) for p in PROMPTS]
-            events = list(pi._run([pi.tokenize(p) for p in PROMPTS], GREEDY["max_new_tokens"],
-                                  dict(temperature=0, ignore_eos=True)))
-            for i, want in enumerate(alone):
-                assert [ev.token for ev in events if ev.index == i and ev.token >= 0] == want, i
+            assert_at_once_as_alone(pi, [greedy_tokens(pi, p, GREEDY["max_new_tokens"])
+                                         for p in PROMPTS])
     finally:
         pi.close()
     assert not shm_segments()

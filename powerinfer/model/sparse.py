@@ -181,14 +181,13 @@ class NeuronSet(nn.Module):
                 if keep is not None:
                     h = h * keep[c:c + C, lo:hi]
                 part = h @ w[2]
-                if y is None:
+                if y is None:  # (in the products' dtype)
                     y = part.new_empty(n + pad, dim)
-                    y[c:c + C] = part
-                elif lo == 0:
+                if lo == 0:
                     y[c:c + C] = part
                 else:
                     y[c:c + C] += part
-        if y is None:  # an empty set
+        if y is None:  # no rows
             return x.new_zeros(x.shape)
         return y[:n].view(x.shape)
 
