@@ -21,7 +21,6 @@ import collections
 import datetime
 import json
 import os
-import platform
 import re
 import subprocess
 import sys
@@ -64,14 +63,6 @@ def processes() -> dict[str, tuple[float, str, int]]:
             for pid, stat, fields, argv in sv.proc_entries()}
 
 
-def cpu_name() -> str:
-    with open("/proc/cpuinfo") as f:
-        for line in f:
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    return platform.machine()
-
-
 def machine_times() -> tuple[int, int]:
     with open("/proc/stat") as f:
         v = [int(x) for x in f.readline().split()[1:]]
@@ -111,7 +102,7 @@ def main() -> int:
         count[k] += 1
     total = sum(by_kind.values())
     print(f"\n## CPU by kind of process ({datetime.date.today()})\n")
-    print(f"- Machine: {cpu_name()}, {os.cpu_count()} CPUs; "
+    print(f"- Machine: {sv.machine()}; "
           f"command exit status {proc.returncode}")
     print(f"- Wall {wall:.0f} s; the machine busy {busy:.0f} s of CPU, idle {idle:.0f} s "
           f"({100 * busy / max(busy + idle, 1e-9):.0f}% busy); the processes the run started "
@@ -122,7 +113,7 @@ def main() -> int:
         print(f"| {k} | {count[k]} | {v:.1f} | {100 * v / max(total, 1e-9):.0f}% |")
     if args.out:
         with open(args.out, "w") as f:
-            json.dump({"date": str(datetime.date.today()), "machine": cpu_name(), "wall_s": wall,
+            json.dump({"date": str(datetime.date.today()), "machine": sv.machine(), "wall_s": wall,
                        "busy_s": busy, "idle_s": idle, "cpus": os.cpu_count(),
                        "returncode": proc.returncode,
                        "by_kind": {k: {"processes": count[k], "cpu_s": round(v, 2)}
