@@ -218,11 +218,11 @@ static at::Tensor neuron_ffn(const at::Tensor& x, const at::Tensor& w, const at:
   // own neurons summed in one order whatever the other rows of its batch select, so a sequence
   // decodes the same tokens alone or batched. A split of the selection by its count moved with
   // the batch's union, and with it which neurons each partial sum held (a float's last bits).
-  // With indices not in ascending order the selection is split by count.
+  // With indices not in ascending order the selection is split by count (a mask's are).
   const int64_t nt = at::get_num_threads();
   const int64_t* sp = a.sel;
   bool ascending = true;
-  for (int64_t i = 1; i < m && ascending; i++) ascending = sp[i - 1] < sp[i];
+  for (int64_t i = 1; i < m && ascending && !by_mask; i++) ascending = sp[i - 1] < sp[i];
   std::vector<int64_t> cut(nt + 1, m);
   cut[0] = 0;
   for (int64_t t = 1; t < nt; t++)
