@@ -9,10 +9,13 @@ records) and takes the layer whose neuron set is largest. For each row count T i
 turns, a prompt's T rows through every neuron of the set:
 - widened: the records widened into bf16 rows a block at a time and multiplied by torch's
   matmuls (`NeuronSet.forward`, what a cold executor with torch runs);
-- records kernel: the decode kernel (`kernels.neuron_ffn`) 64 rows a call, every neuron
-  selected (what a cold executor without torch could run with the kernel library alone).
-Prints the best time of each and their ratio, and the largest difference between the two
-answers against the largest value.
+- decode kernel: the decode kernel (`kernels.neuron_ffn`) 64 rows a call, every neuron
+  selected;
+- records_rows: the kernel library's product for a prompt's rows (`kernels.records_rows`: the
+  records widened a block at a time and multiplied as matrices), what a cold executor with or
+  without torch runs for a prompt step, and the in-process set's prompt path.
+Prints the best time of each, their ratios to the widened matmuls, and the largest difference of
+each kernel's answer from the widened matmuls' against the largest value.
 """
 from __future__ import annotations
 
@@ -50,30 +53,36 @@ def main():
     torch.set_num_threads(args.threads)
     print(f"{args.model}: the largest neuron set, {len(s.idx)} neurons in {s.fmt}, dim {s.dim}; "
           f"{args.threads} threads, best of {args.turns} in turns\n")
-    print("| rows | widened, torch's bf16 matmul (ms) | records kernel, 64 rows a call (ms) | "
-          "kernel / widened | max difference / max value |")
-    print("|---:|---:|---:|---:|---:|")
+    print("| rows | widened, torch's bf16 matmul (ms) | decode kernel, 64 rows a call (ms) | "
+          "records_rows (ms) | decode kernel / widened | records_rows / widened | "
+          "max difference / max value (decode kernel, records_rows) |")
+    print("|---:|---:|---:|---:|---:|---:|---:|")
     gen = torch.Generator().manual_seed(0)
     for T in args.rows:
         x = torch.randn(1, T, s.dim, generator=gen).to(torch.bfloat16)
         rows = x.reshape(T, -1)
 
         def widened():
-            return s(x).reshape(T, -1)
+            return s._widened_rows(x, 0.0, None).reshape(T, -1)
 
         def kernel():
             return torch.cat([kernels.neuron_ffn(rows[i:i + 64].contiguous(), s.records, s.all, None,
                                                  s.bias32, 0.0, s.act, s.fmt)
                               for i in range(0, T, 64)])
 
-        a, b = widened(), kernel()
-        diff = (a.float() - b.float()).abs().max().item() / a.float().abs().max().item()
-        tw, tk = [], []
+        def product():
+            return kernels.records_rows(rows, s.records, s.bias32, 0.0, s.act, s.fmt)
+
+        a, b, c = widened(), kernel(), product()
+        top = a.float().abs().max().item()
+        diff = [(a.float() - o.float()).abs().max().item() / top for o in (b, c)]
+        tw, tk, tp = [], [], []
         for _ in range(args.turns):
             tw.append(best_of(widened, 1))
             tk.append(best_of(kernel, 1))
-        print(f"| {T} | {1e3 * min(tw):.2f} | {1e3 * min(tk):.2f} | {min(tk) / min(tw):.2f}x | "
-              f"{diff:.4f} |")
+            tp.append(best_of(product, 1))
+        print(f"| {T} | {1e3 * min(tw):.2f} | {1e3 * min(tk):.2f} | {1e3 * min(tp):.2f} | "
+              f"{min(tk) / min(tw):.2f}x | {min(tp) / min(tw):.2f}x | {diff[0]:.4f}, {diff[1]:.4f} |")
     pi.close()
 
 

@@ -351,6 +351,65 @@ def test_many_token_steps_over_quantized_records(isa, fmt, dtype):
             assert torch.equal(s(pair, None, 0.05, None)[0, 0], whole[0, t]), (B, T, t)
 
 
+@pytest.mark.parametrize("amx", [True, False])
+@pytest.mark.parametrize("fmt", K.FORMATS)
+@pytest.mark.parametrize("act", ["swiglu", "geglu", "reglu", "relu", "gelu"])
+def test_a_prompts_rows_over_records_equal_the_reference(isa, amx, fmt, act):
+    # `records_rows` (a prompt step's product over every record: widened a block at a time,
+    # multiplied as matrices; on AMX's tiles where the CPU has them and they are allowed) against
+    # the reference over the weights the format holds, with a bias and a threshold; a row's answer
+    # the same floats alone, in a longer call at any place, and across the tiles' and the calls'
+    # row boundaries, on two threads (the records split at fixed places)
+    on = torch.ops.powerinfer.rows_amx(int(amx))
+    if amx and not on:
+        pytest.skip(f"no AMX tiles with the {isa} kernels on this CPU")
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        torch.manual_seed(11)
+        k, dim = 203, 160  # (a last block of records and a last tile of columns not whole)
+        gated = act not in UNGATED
+        w = K.pack(torch.randn(k, dim) if gated else None, torch.randn(k, dim),
+                   torch.randn(k, dim) * 0.2, fmt)
+        G, U, D = K.unpack(w, fmt, dim, gated)
+        G = None if G is None else G.float()
+        bias = torch.randn(k) if act == "gelu" else None
+        threshold = 0.4 if act in ("swiglu", "reglu") else 0.0
+        for dtype in (torch.float32, torch.bfloat16):
+            x = torch.randn(41, dim).to(dtype)
+            got = K.records_rows(x, w, bias, threshold, act, fmt)
+            assert got.dtype == dtype and got.shape == (41, dim)
+            want = reference(x.float(), G, U.float(), D.float(), torch.arange(k), None, bias, threshold, act)
+            tol = 0.03 if dtype == torch.bfloat16 else 1e-4
+            assert (got.float() - want).abs().max() <= tol * want.abs().max(), (dtype, fmt, act)
+            for lo, hi in ((0, 1), (7, 8), (40, 41), (3, 20), (16, 33), (5, 41)):
+                part = K.records_rows(x[lo:hi].contiguous(), w, bias, threshold, act, fmt)
+                assert torch.equal(part, got[lo:hi]), (dtype, lo, hi)
+    finally:
+        torch.set_num_threads(threads)
+        torch.ops.powerinfer.rows_amx(1)
+
+
+def test_a_prompts_rows_over_a_models_records_run_one_call(monkeypatch):
+    # a neuron set's prompt step over records on the CPU is the one records_rows call (what a
+    # torch-free cold executor runs too), its answer the same floats; per-token masks (an
+    # evaluation's) keep the widened torch path
+    from powerinfer.model.sparse import NeuronSet
+    torch.manual_seed(3)
+    n, dim = 96, 64
+    w1, w2 = torch.randn(2 * n, dim) * 0.3, torch.randn(dim, n) * 0.3
+    s = NeuronSet("swiglu", w1.to(torch.bfloat16), None, w2.to(torch.bfloat16), torch.arange(n), "q4_0")
+    x = torch.randn(2, 9, dim).to(torch.bfloat16)
+    calls = []
+    real = K.records_rows
+    monkeypatch.setattr(K, "records_rows", lambda *a: calls.append(a[0].shape) or real(*a))
+    got = s(x)
+    assert calls == [(18, dim)]
+    assert torch.equal(got.view(18, dim), real(x.view(18, dim), s.records, None, 0.0, "swiglu", "q4_0"))
+    s(x, None, 0.0, torch.rand(2, 9, n) > 0.5)
+    assert len(calls) == 1
+
+
 def decode_steps(m, slots: torch.Tensor, steps: int = 6) -> torch.Tensor:
     # prefill two prompts into the blocks of cache rows `slots`, then feed fixed tokens one at a time
     tokens = torch.tensor([[5, 9, 3, 1, 7], [2, 8, 4, 6, 0]])

@@ -193,6 +193,8 @@ def available() -> bool:
             # shapes for torch.compile's tracing: (B, dim) float32, like x
             torch.library.register_fake("powerinfer::neuron_ffn")(
                 lambda x, w, sel, keep, bias, threshold, act, fmt: torch.empty_like(x))
+            torch.library.register_fake("powerinfer::records_rows")(
+                lambda x, w, bias, threshold, act, fmt: torch.empty_like(x))
             torch.library.register_fake("powerinfer::predicted_ffn")(
                 lambda x, p, fc1, fc2, pred_fmt, pred_threshold, w, bias, threshold, act, fmt:
                 torch.empty_like(x))
@@ -775,6 +777,16 @@ def neuron_ffn(x: torch.Tensor, w: torch.Tensor, sel: torch.Tensor, keep: torch.
                                      threshold, act, fmt) for r in range(0, x.shape[0], MAX_ROWS)])
     return torch.ops.powerinfer.neuron_ffn(x, w, sel, keep, bias, float(threshold),
                                            ACTS.index(act), FORMATS.index(fmt))
+
+
+def records_rows(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, threshold: float,
+                 act: str, fmt: str) -> torch.Tensor:
+    """x (T, dim) float32 or bfloat16; w the (k, bytes) records -> (T, dim) in x's type: every
+    record for every row (a prompt step over a neuron set: the records widened a block at a time
+    and multiplied as matrices, csrc/records_rows.h), summed in float32 and rounded once. A row's
+    answer is the same floats whatever rows share the call."""
+    return torch.ops.powerinfer.records_rows(x, w, bias, float(threshold), ACTS.index(act),
+                                             FORMATS.index(fmt))
 
 
 def pred_code(fmt: str) -> int:

@@ -13,8 +13,9 @@ computed but score under the threshold are zeroed, so the sparse model is the th
 Which neurons are active comes from a mask source: the oracle (the true scores) or the
 predictors, reading either the residual entering the FFN or the layer input (lookahead).
 
-Prefill stays dense (every neuron, no threshold; its matmuls `NeuronSet.PROMPT_ROWS` tokens at a
-time, so that a token's answer does not depend on the tokens beside it) unless `token_masks` is
+Prefill stays dense (every neuron, no threshold; over records on the CPU the kernel library's
+product for many rows, else torch's matmuls `NeuronSet.PROMPT_ROWS` tokens at a time, so that a
+token's answer does not depend on the tokens beside it) unless `token_masks` is
 set, which applies each token's own mask in a many-token pass: evaluation uses it to measure the
 sparse model's perplexity in one teacher-forced pass.
 """
@@ -69,8 +70,9 @@ class NeuronSet(nn.Module):
     # layer's 5,504 Q4_0 neurons, 15 tokens: 287 ms in 2,048-neuron float32 chunks, 86 ms in
     # 512 KiB of bf16, 20 ms in 8 MiB; more gained nothing)
     WIDEN_BYTES = 8 << 20
-    # rows (tokens) of every matmul of a many-token step: a prompt's tokens in chunks of this
-    # many, the last padded with zeros, so that each product has one shape. torch's bf16 matmul
+    # rows (tokens) of every matmul of a many-token step in torch (`_widened_rows`: a set
+    # without records on the CPU kernel, a GPU's, per-token masks): a prompt's tokens in chunks of
+    # this many, the last padded with zeros, so that each product has one shape. torch's bf16 matmul
     # picks its kernel by the row count, and a row's sums then differ in their last bits with
     # the rows it is multiplied beside (a prompt's tail after a cached prefix, a chunk of a
     # prompt, several prompts in one step); a sparse model's predictor turns such bits into
@@ -158,10 +160,21 @@ class NeuronSet(nn.Module):
         return torch.cat([self._pre(x, None, lo, hi, w)[0] for lo, hi, w in self._blocks()], -1)
 
     def _prompt_rows(self, x, threshold: float, keep):
-        """Every neuron for many tokens x (B, T, dim) (keep: (B, T, k) or None): dense matmuls,
-        a block of the set's rows at a time, over PROMPT_ROWS rows at a time (the last chunk
-        padded), each row's answer the same floats whatever rows share its step. On a GPU in one
-        product: its decode kernels add with atomics, so its sequences are not held to that."""
+        """Every neuron for many tokens x (B, T, dim) (keep: (B, T, k) or None): over records on
+        the CPU the kernel library's product (`kernels.records_rows`, the records widened a block
+        at a time), which a cold executor without torch runs too; else `_widened_rows`. Either
+        way each row's answer is the same floats whatever rows share its step."""
+        if (keep is None and self.records is not None and kernels.usable(self.records)
+                and x.dtype in (torch.float32, torch.bfloat16)):
+            rows = x.reshape(-1, x.shape[-1]).contiguous()
+            return kernels.records_rows(rows, self.records, self.bias32, threshold, self.act,
+                                        self.fmt).view(x.shape)
+        return self._widened_rows(x, threshold, keep)
+
+    def _widened_rows(self, x, threshold: float, keep):
+        """`_prompt_rows` in torch: dense matmuls, a block of the set's rows at a time, over
+        PROMPT_ROWS rows at a time (the last chunk padded). On a GPU in one product: its decode
+        kernels add with atomics, so its sequences are not held to that."""
         dim = x.shape[-1]
         rows = x.reshape(-1, dim)
         n = rows.shape[0]

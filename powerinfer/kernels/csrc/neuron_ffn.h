@@ -29,6 +29,10 @@
 #include <cstdint>
 #include <cstring>
 #include <type_traits>
+#include <atomic>
+#include <cpuid.h>
+#include <sys/syscall.h>
+#include <unistd.h>
 
 // A helper whose only effect is to ask for lines (prefetches). GCC finds such a function pure
 // (a prefetch changes no state it models), and a call to it that the early inliner has not
@@ -219,6 +223,33 @@ using Q4CFn = void (*)(const Q4CArgs& a, int64_t p0, int64_t p1, float* y);
 // `quantize` in the kernel body)
 using QuantizeFn = void (*)(const void* x, bool bf16, int64_t B, int64_t dim, int8_t* q, float* d, float* s);
 
+// Every record [begin, end) for many input rows, added into out (records_rows.h)
+constexpr int64_t RR_BLOCK = 16;  // records widened at a time
+
+struct RowsArgs {
+  const void* x;        // (T, dim): bf16 (uint16_t) where bf16_dots, else float32
+  int64_t T, dim;
+  bool bf16_dots;       // the dot products in bf16 pairs (AVX512_BF16; the lead rows widened to bf16)
+  bool bf16_model;      // the activations rounded as a bf16 model holds them
+  const uint8_t* w;     // (k, neuron_bytes) records
+  int64_t neuron_bytes;
+  const float* bias;    // (k,) up bias or null
+  float threshold;      // > 0: zero an activation whose score is not above it
+  int act, fmt;         // fmt: the records' format (Q4_0, not Q4_0S)
+};
+
+// The bytes of scratch one call of records_rows needs for `rows` rows (the vector path's, or the
+// AMX path's: its packed tiles, a block's rows widened, and a tile of rows padded).
+inline int64_t rows_scratch(int64_t dim, int64_t rows) {
+  return std::max(RR_BLOCK * dim * (2 * 4 + 4) + rows * RR_BLOCK * 3 * 4, 512 * dim + 32768) + 512;
+}
+// Whether records_rows may use the CPU's AMX tiles where it has them (`rows_amx` in ops.cpp: a
+// switch for measurements and tests; the AVX512_BF16 path otherwise)
+inline std::atomic<bool> rows_amx_allowed{true};
+
+using RowsFn = void (*)(const RowsArgs& a, int64_t begin, int64_t end, float* out, uint8_t* scratch);
+using RowsBf16Fn = bool (*)(bool bf16_input);
+
 // One instruction set's entry points (neuron_ffn_avx512.cpp, neuron_ffn_avx2.cpp).
 struct Kernels {
   RangeFn range;
@@ -228,6 +259,9 @@ struct Kernels {
   AttendFn attend;
   Q4CFn q4c;  // over runs of 64 rows of a q4c matrix
   QuantizeFn quantize;  // the input rows of the integer dot products
+  RowsFn rows;          // a prompt's rows over records (records_rows.h)
+  RowsBf16Fn rows_bf16;  // whether those multiply a bf16 input in bf16 pairs
+  bool (*rows_amx)();    // whether they run on AMX tiles here (records_rows.h)
 };
 extern const Kernels kernels_avx512bf16;
 extern const Kernels kernels_avx512;
@@ -1564,6 +1598,7 @@ inline void range(const FFNArgs& a, int64_t begin, int64_t end, float* out) {
 
 #include "attention.h"
 #include "input_sparse.h"
+#include "records_rows.h"
 
 }  // namespace ISA_NS
 }  // namespace powerinfer

@@ -76,12 +76,12 @@ static void check_format(int64_t fmt) {
 }
 
 // x: (B, dim) contiguous float32 (or bfloat16 where `bf16_ok`), 1 to 64 rows (the kernels'
-// MAXB), dim a multiple of 32
-static void check_input(const at::Tensor& x, bool bf16_ok = false) {
+// MAXB; any number where `many`), dim a multiple of 32
+static void check_input(const at::Tensor& x, bool bf16_ok = false, bool many = false) {
   const bool type_ok = x.scalar_type() == at::kFloat || (bf16_ok && x.scalar_type() == at::kBFloat16);
   TORCH_CHECK(x.dim() == 2 && type_ok && x.is_contiguous(),
               bf16_ok ? "x: (B, dim) contiguous float32 or bfloat16" : "x: (B, dim) contiguous float32");
-  TORCH_CHECK(x.size(0) >= 1 && x.size(0) <= 64, "the kernel takes 1 to 64 rows, got ", x.size(0));
+  TORCH_CHECK(x.size(0) >= 1 && (many || x.size(0) <= 64), "the kernel takes 1 to 64 rows, got ", x.size(0));
   TORCH_CHECK(x.size(1) % 32 == 0, "dim must be a multiple of 32, got ", x.size(1));
 }
 
@@ -256,6 +256,72 @@ static at::Tensor neuron_ffn(const at::Tensor& x, const at::Tensor& w, const at:
   at::Tensor y = wrote.empty() ? at::zeros({B, dim}, part.options())
                               : part.as_strided({B, dim}, {dim, 1}, wrote[0] * stride);
   return x.scalar_type() == at::kFloat ? y : y.to(x.scalar_type());
+}
+
+// x (T, dim) f32 or bf16; w (k, neuron_bytes) uint8 records; bias (k,) f32 or None -> (T, dim) in
+// x's type: every record for every row, as a prompt step computes a neuron set (records_rows.h),
+// summed in float and rounded once. As neuron_ffn's, the records split into parts at fixed places,
+// [k t / P, k (t+1) / P) for P the thread count, each part's sums in its own rows, added in the
+// parts' order; the rows run ROWS_CHUNK at a time. A row's answer is then the same floats
+// whatever rows share the call and wherever it sits among them.
+static at::Tensor records_rows(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias,
+                               double threshold, int64_t act, int64_t fmt) {
+  const Kernels& k = active();
+  check_input(x, true, true);
+  check_rows(w);
+  check_format(fmt);
+  TORCH_CHECK(act >= RELU && act <= GELU, "unknown activation ", act);
+  const int64_t T = x.size(0), dim = x.size(1), n = w.size(0);
+  const int64_t nb = (gated_act(act) ? 2 : 1) * row_bytes(fmt, dim) + row_bytes(down_format(fmt), dim);
+  TORCH_CHECK(w.size(1) == nb, "w: ", w.size(1), " bytes per neuron, expected ", nb);
+  const bool bf16_in = x.scalar_type() == at::kBFloat16, pairs = k.rows_bf16(bf16_in);
+  const at::Tensor xin = pairs ? x.contiguous() : x.to(at::kFloat).contiguous();
+  RowsArgs a{xin.data_ptr(), T, dim, pairs, bf16_in, w.data_ptr<uint8_t>(), w.size(1), nullptr, (float)threshold,
+             (int)act, (int)fmt};
+  if (bias && bias->defined()) {
+    TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->numel() == n && bias->is_contiguous(),
+                "bias: (k,) float32");
+    a.bias = bias->data_ptr<float>();
+  }
+  // rows a pass over the records: their input and sums within about a megabyte
+  const int64_t chunk = std::max<int64_t>(32, std::min<int64_t>(256, (1 << 20) / (dim * 6)) / 4 * 4);
+  const int64_t nt = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), n));
+  const int64_t stride = (T * dim + 15) / 16 * 16 + PART_GAP;
+  at::Tensor part = at::empty({nt, stride}, x.options().dtype(at::kFloat));
+  float* pp = part.data_ptr<float>();
+  const int64_t esize = pairs ? 2 : 4;
+  at::parallel_for(0, nt, 1, [&](int64_t t0, int64_t t1) {
+    std::vector<uint8_t> scratch(rows_scratch(dim, std::min(chunk, T)));
+    for (int64_t t = t0; t < t1; t++) {
+      float* o = pp + t * stride;
+      std::fill(o, o + T * dim, 0.0f);
+      for (int64_t r0 = 0; r0 < T; r0 += chunk) {
+        RowsArgs c = a;
+        c.x = (const uint8_t*)a.x + r0 * dim * esize;
+        c.T = std::min(chunk, T - r0);
+        k.rows(c, n * t / nt, n * (t + 1) / nt, o + r0 * dim, scratch.data());
+      }
+    }
+  });
+  if (nt > 1) {
+    float* dst = pp;
+    at::parallel_for(0, T * dim, 16384, [&](int64_t i0, int64_t i1) {
+      for (int64_t t = 1; t < nt; t++) {
+        const float* src = pp + t * stride;
+        for (int64_t i = i0; i < i1; i++) dst[i] += src[i];
+      }
+    });
+  }
+  at::Tensor y = part.as_strided({T, dim}, {dim, 1}, 0);
+  return x.scalar_type() == at::kFloat ? y : y.to(x.scalar_type());
+}
+
+// records_rows on AMX tiles where the CPU has them: mode 0 forbids it, 1 allows it (the
+// default), -1 leaves it; returns whether a bf16 input runs on them now (the active instruction
+// set's kernels: AVX512_BF16 and AMX's tiles)
+static bool rows_amx(int64_t mode) {
+  if (mode >= 0) rows_amx_allowed.store(mode > 0);
+  return active().rows_amx();
 }
 
 // w (k, neuron_bytes) records of `rows` rows each (1: a plain matrix) -> (k, rows, dim) float32
@@ -1432,9 +1498,17 @@ static std::vector<int64_t> cold_serve(at::Tensor& state, int64_t x_base, int64_
                                             at::TensorOptions().dtype(at::kBool));
       y = ffn_step(k, L, layer, at::from_blob(xp, {rows, dim}, rows_type), act, nullptr, nullptr, &mask);
     } else if (!w4 && in_layers && ((decode_rows && op == ops[0] && ffn_kind[layer]) ||
-                                    ((op == ops[3] || op == ops[0]) && prompt_rows_ffn(L, layer)))) {
-      // (a decode step of more rows than a GEMV's batch runs as a prompt's rows do)
+                                    ((op == ops[3] || op == ops[0]) && prompt_rows_ffn(L, layer)) ||
+                                    (decode_rows && op == ops[3] && ffn_kind[layer] == 2))) {
+      // (a decode step of more rows than a GEMV's batch runs as a prompt's rows do; a one-token
+      // prompt over records as a decode row, as the Python set computes it)
       y = ffn_step(k, L, layer, at::from_blob(xp, {rows, dim}, rows_type), act);
+    } else if (!w4 && in_layers && T > 1 && (op == ops[3] || op == ops[0]) && ffn_kind[layer] == 2) {
+      // a prompt's rows over neuron records: every record, no threshold (the Python set's
+      // prompt path, `NeuronSet._prompt_rows`, which runs the same product)
+      y = records_rows(at::from_blob(xp, {rows, dim}, rows_type), L.ffn_w1[layer], std::nullopt, 0.0, act,
+                       L.ffn_n[layer])
+              .to(at::kFloat);
     } else if (op == ops[2] && in_layers && qkv[layer].numel() && (decode_rows || prompt_rows_attention(L, layer))) {
       // (PlaneSpec.attn_layout)
       const int64_t at_pos = up(rows * dim * (bf16 ? 2 : 4)), at_starts = at_pos + up(rows * 8), at_tables = at_starts + up((w4 + 1) * 8);
@@ -1695,6 +1769,8 @@ static std::vector<int64_t> pred_serve(at::Tensor& state, at::Tensor& counts, in
 #ifndef POWERINFER_LITE
 TORCH_LIBRARY(powerinfer, m) {
   m.def("neuron_ffn(Tensor x, Tensor w, Tensor sel, Tensor? keep, Tensor? bias, float threshold, int act, int fmt) -> Tensor");
+  m.def("records_rows(Tensor x, Tensor w, Tensor? bias, float threshold, int act, int fmt) -> Tensor");
+  m.def("rows_amx", &powerinfer::rows_amx);
   m.def("widen(Tensor w, int fmt, int rows, int dim) -> Tensor");
   m.def("widen_out(Tensor w, int fmt, int rows, int dim, Tensor(a!) out) -> ()");
   m.def("linear(Tensor x, Tensor w, int fmt) -> Tensor");
@@ -1739,6 +1815,7 @@ TORCH_LIBRARY(powerinfer, m) {
 
 TORCH_LIBRARY_IMPL(powerinfer, CPU, m) {
   m.impl("neuron_ffn", powerinfer::neuron_ffn);
+  m.impl("records_rows", powerinfer::records_rows);
   m.impl("widen", powerinfer::widen);
   m.impl("widen_out", powerinfer::widen_out);
   m.impl("linear", powerinfer::linear);
