@@ -149,15 +149,18 @@ class ColdExecutorImpl(Answering):
     def native_only(self) -> str | None:
         """Why some message this executor can be sent is answered in Python (with its torch
         modules), or None where `cold_serve` answers every one, prompts and batches of any size
-        included: a dense split's block slices and heads whose projections are 16-row groups, a
-        head of 16-row groups (or steps of at most 64 rows). Then a torch-free executor can hold
-        the shard (`cold_native`)."""
+        included: a dense split's block slices and heads whose projections are 16-row groups,
+        neuron records without a bias (a bundle's; prompts through `kernels.records_rows`,
+        decode steps of at most 64 rows), a head of 16-row groups (or steps of at most 64 rows).
+        Then a torch-free executor can hold the shard (`cold_native`)."""
         if self.native is None:
             return "the native loop answers none of its messages"
         for i, (s, th) in enumerate(zip(self.sets, self.thresholds)):
             e = ffn_entry(s, th)
-            if e is None or e[2] != 1 or e[4] >= 0 or e[5] >= 0:
+            if e is None or (e[2] == 1 and (e[4] >= 0 or e[5] >= 0)) or e[2] not in (1, 2):
                 return f"layer {i}'s neurons answer a prompt's rows in Python"
+            if e[2] == 2 and self.spec.batch > kernels.MAX_ROWS:
+                return f"layer {i}'s neurons answer decode steps of over {kernels.MAX_ROWS} rows in Python"
         if self.attn and self._variants() is None:
             return "its q/k norms are not RMSNorms of the model's type"
         for i, m in enumerate(self.attn):

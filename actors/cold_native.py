@@ -15,9 +15,11 @@ takes into a memory file and exits. This process copies them into memory of its 
 puts them on its NUMA node, on 2 MiB pages), allocates its KV cache, maps its channels and the
 group's RoPE tables, and from then on answers in C++. The child says whether the loop answers
 everything: a dense split's block slices and heads whose projections are 16-row groups (a 4-bit
-file with `weights="int4"`, a uniform model) do, prompts included; neuron records (a bundle's
-predictor) and layers the loop leaves to Python do not, and for those the executor is the torch
-one (`cold_executor.ColdExecutorImpl`), which the log says with the reason.
+file with `weights="int4"`, a uniform model) do, prompts included, and so do a bundle's neuron
+records (a prompt's rows through `kernels.records_rows`, the product the in-process set runs);
+layers the loop leaves to Python do not (a bias, more than 64 rows a decode step), and for those
+the executor is the torch one (`cold_executor.ColdExecutorImpl`), which the log says with the
+reason.
 `POWERINFER_COLD_EXECUTOR=torch` asks for the torch one always."""
 from __future__ import annotations
 
@@ -45,7 +47,7 @@ def cold_executor(spec: PlaneSpec, rank: int, cores: tuple[int, ...], model, pla
                   attention: bool = False):
     """A cold executor for these arguments (`cold_executor.ColdExecutorImpl`'s): torch-free
     where the native loop answers every message it can be sent, else the torch one."""
-    why = torch_needed(plan, weights)
+    why = torch_needed(weights)
     if why is None:
         got = ColdNativeImpl.load(spec, rank, cores, model, plan, hot_share, threads, weights,
                                   head, attention)
@@ -60,13 +62,11 @@ def cold_executor(spec: PlaneSpec, rank: int, cores: tuple[int, ...], model, pla
     return impl
 
 
-def torch_needed(plan, weights: str) -> str | None:
+def torch_needed(weights: str) -> str | None:
     """Why the executor must be the torch one, where that is plain without loading (else the
     child's load says, `ColdExecutorImpl.native_only`); None where it may not need it."""
     if os.environ.get("POWERINFER_COLD_EXECUTOR", "auto") == "torch":
         return "POWERINFER_COLD_EXECUTOR=torch"
-    if plan.predictor_input is not None:
-        return "a predictor's neuron records answer a prompt's rows in Python"
     if weights != "int4":
         return f"its neurons in {weights!r} weights answer a prompt's rows in Python"
     return None

@@ -54,6 +54,30 @@ def gemma_fp32(gemma_model_path):
                                                                 max_seq_len=1024, max_batch=2))
 
 
+@pytest.fixture(scope="session")
+def bundle(default_model_path, tmp_path_factory):
+    """SmolLM2's small but complete bundle: profile, both predictors, a placement (0.2 GiB), its
+    thresholds from the profile's own 1,024 tokens (the default's 8,192 took 23 of its 33 s);
+    built on every thread, once for the modules that take it."""
+    import torch
+
+    from powerinfer.sparsity.profile import ProfileOptions, profile
+    from powerinfer.sparsity.solver import solve_bundle
+    from powerinfer.sparsity.train import train_predictors
+    before = torch.get_num_threads()
+    torch.set_num_threads(len(os.sched_getaffinity(0)))
+    try:
+        b = profile("smollm2-135m-instruct", "lee", tmp_path_factory.mktemp("rt") / "bundle",
+                    ProfileOptions(tokens=1024, window=256, samples=1000, calib_tokens=2048),
+                    progress=False)
+        for inp in ("layer", "ffn"):
+            train_predictors(b, inp, ranks=[64], epochs=4, progress=False)
+        solve_bundle(b, 0.2, context=256)
+    finally:
+        torch.set_num_threads(before)
+    return str(b.path)
+
+
 @pytest.fixture(autouse=True, scope="module")
 def _all_threads_again():
     """Each module starts with torch on the threads it started with: an engine made with

@@ -108,6 +108,55 @@ def test_the_torch_free_executor_answers_as_the_torch_one_bit_for_bit(tmp_path):
             spec.unlink_all()
 
 
+def test_a_bundles_records_answer_without_torch_as_with_it(bundle):
+    # a sparse model's cold executor (neuron records and a predictor's masks) runs without torch
+    # too: a prompt's rows over its records (the kernel library's product, the one the torch
+    # executor's set runs), a one-token prompt, decode rows with the predictor's masks and
+    # without, bit for bit as the torch executor answers them
+    from actors.cold_executor import ColdExecutorImpl
+    from actors.prepare import prepare
+    done, table, _ = prepare(MODEL, Config(runtime="actors", dtype="bfloat16", weights="int4",
+                                           bundle=bundle), False)
+    a = table.args
+    cores, threads = tuple(sorted(os.sched_getaffinity(0))), torch.get_num_threads()
+    specs = [PlaneSpec.new(1, 8, 64, 256, 16, 16, a, torch.bfloat16) for _ in range(2)]
+    for spec in specs:
+        spec.create_all()
+    args = dict(rank=0, cores=cores, plan=done.plan, hot_share=0.5, threads=0, weights="int4",
+                head=False, attention=False)
+    sides = []
+    try:
+        sides.append(Side(specs[0], lambda: ColdExecutorImpl(specs[0], model=table, **args)))
+        sides.append(Side(specs[1], lambda: cold_executor(specs[1], model=Sealed.of(table), **args)))
+        torch_side, native_side = sides
+        assert isinstance(native_side.impl, ColdNativeImpl), getattr(native_side.impl, "torch_why", "")
+        spec, dim, ffn = specs[0], a.dim, a.ffn_dim
+        gen = torch.Generator().manual_seed(1)
+        rows = lambda n: torch.randn(n, dim, generator=gen).to(torch.bfloat16)  # noqa: E731
+        masks = torch.rand(5, ffn, generator=gen) < 0.4
+        held = [i for i, st in enumerate(torch_side.impl.sets) if st is not None and len(st.idx)]
+        assert held, "the shard holds no layer's neurons"
+        steps = []
+        for layer in (held[0], held[-1]):
+            steps += [(FFNInput(PREFILL, layer, 1, 37, 0), [(0, rows(37))]),  # a prompt's rows
+                      (FFNInput(PREFILL, layer, 1, 1, 0), [(0, rows(1))]),  # a one-token prompt
+                      (FFNInput(DECODE, layer, 5, 1, 1), [(0, rows(5)), (spec.mask_offset(5), masks)]),
+                      (FFNInput(DECODE, layer, 3, 1, 0), [(0, rows(3))])]
+        for words, parts in steps:
+            want, got = (s.ask(words, parts, dim) for s in sides)
+            assert np.isfinite(want).all() and np.abs(want).max() > 0, words
+            assert np.array_equal(want, got), (words, np.abs(want - got).max())
+        for s in sides:
+            send(s.x, FFNInput(STOP, 0, 0, 0, 0))
+            s.thread.join(30)
+        assert [s.result for s in sides] == ["stopped", "stopped"]
+        assert sides[0].impl.stats()["held_bytes"] == sides[1].impl.stats()["held_bytes"] > 0
+    finally:
+        torch.set_num_threads(threads)
+        for spec in specs:
+            spec.unlink_all()
+
+
 def test_a_shard_the_child_cannot_load_raises_its_error_here(tmp_path):
     # the loading child's error comes back as itself, naming the cause; no segment is left
     import shutil

@@ -63,20 +63,6 @@ def all_threads():
 
 
 @pytest.fixture(scope="module")
-def bundle(default_model_path, tmp_path_factory):
-    """A small but complete bundle: profile, both predictors, a placement (0.2 GiB). SmolLM2's
-    thresholds from the profile's own 1,024 tokens (the default's 8,192 took 23 of its 33 s)."""
-    with all_threads():
-        b = profile(MODEL, "lee", tmp_path_factory.mktemp("rt") / "bundle",
-                    ProfileOptions(tokens=1024, window=256, samples=1000, calib_tokens=2048),
-                    progress=False)
-        for inp in ("layer", "ffn"):
-            train_predictors(b, inp, ranks=[64], epochs=4, progress=False)
-        solve_bundle(b, 0.2, context=256)
-    return str(b.path)
-
-
-@pytest.fixture(scope="module")
 def tiny(tmp_path_factory) -> str:
     """A synthetic model of the tiny preset (float32 sums, gate rows in a rank-16 subspace: its
     neurons' firing is predictable, as a trained model's is)."""
@@ -351,6 +337,8 @@ def test_int4_actors_equal_the_int4_sparse_engine(ray_cluster, bundle, predictor
         from powerinfer import kernels
         if kernels.available():
             assert info["hot"]["native"] and info["cold.0"]["native"] and info["predictor"]["native"]
+            # the cold executor without torch: a prompt over its records in the kernel library
+            assert info["cold.0"]["torch"] is False and info["cold.0"]["torch_why"] == "", info["cold.0"]
         # on a CPU the placement places nothing: the hot executor holds its cores' share of
         # each layer's neurons, dealt by activation mass (`SparsePlan.dealt`)
         assert abs(info["hot"]["hot_neurons"] - group.hot_share * 30 * 1536) <= 30
