@@ -151,7 +151,7 @@ class ColdExecutorImpl(Answering):
         modules), or None where `cold_serve` answers every one, prompts and batches of any size
         included: a dense split's block slices and heads whose projections are 16-row groups,
         neuron records without a bias (a bundle's; prompts through `kernels.records_rows`,
-        decode steps of at most 64 rows), a head of 16-row groups (or steps of at most 64 rows).
+        decode steps 64 rows a call), a head of 16-row groups (or steps of at most 64 rows).
         Then a torch-free executor can hold the shard (`cold_native`)."""
         if self.native is None:
             return "the native loop answers none of its messages"
@@ -159,8 +159,6 @@ class ColdExecutorImpl(Answering):
             e = ffn_entry(s, th)
             if e is None or (e[2] == 1 and (e[4] >= 0 or e[5] >= 0)) or e[2] not in (1, 2):
                 return f"layer {i}'s neurons answer a prompt's rows in Python"
-            if e[2] == 2 and self.spec.batch > kernels.MAX_ROWS:
-                return f"layer {i}'s neurons answer decode steps of over {kernels.MAX_ROWS} rows in Python"
         if self.attn and self._variants() is None:
             return "its q/k norms are not RMSNorms of the model's type"
         for i, m in enumerate(self.attn):

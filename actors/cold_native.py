@@ -17,7 +17,7 @@ group's RoPE tables, and from then on answers in C++. The child says whether the
 everything: a dense split's block slices and heads whose projections are 16-row groups (a 4-bit
 file with `weights="int4"`, a uniform model) do, prompts included, and so do a bundle's neuron
 records (a prompt's rows through `kernels.records_rows`, the product the in-process set runs);
-layers the loop leaves to Python do not (a bias, more than 64 rows a decode step), and for those
+layers the loop leaves to Python do not (e.g. a bias), and for those
 the executor is the torch one (`cold_executor.ColdExecutorImpl`), which the log says with the
 reason.
 `POWERINFER_COLD_EXECUTOR=torch` asks for the torch one always."""

@@ -112,14 +112,14 @@ def test_a_bundles_records_answer_without_torch_as_with_it(bundle):
     # a sparse model's cold executor (neuron records and a predictor's masks) runs without torch
     # too: a prompt's rows over its records (the kernel library's product, the one the torch
     # executor's set runs), a one-token prompt, decode rows with the predictor's masks and
-    # without, bit for bit as the torch executor answers them
+    # without, up to a call's 64 rows and past them, bit for bit as the torch executor answers them
     from actors.cold_executor import ColdExecutorImpl
     from actors.prepare import prepare
     done, table, _ = prepare(MODEL, Config(runtime="actors", dtype="bfloat16", weights="int4",
                                            bundle=bundle), False)
     a = table.args
     cores, threads = tuple(sorted(os.sched_getaffinity(0))), torch.get_num_threads()
-    specs = [PlaneSpec.new(1, 8, 64, 256, 16, 16, a, torch.bfloat16) for _ in range(2)]
+    specs = [PlaneSpec.new(1, 72, 128, 256, 16, 16, a, torch.bfloat16) for _ in range(2)]
     for spec in specs:
         spec.create_all()
     args = dict(rank=0, cores=cores, plan=done.plan, hot_share=0.5, threads=0, weights="int4",
@@ -133,15 +133,18 @@ def test_a_bundles_records_answer_without_torch_as_with_it(bundle):
         spec, dim, ffn = specs[0], a.dim, a.ffn_dim
         gen = torch.Generator().manual_seed(1)
         rows = lambda n: torch.randn(n, dim, generator=gen).to(torch.bfloat16)  # noqa: E731
-        masks = torch.rand(5, ffn, generator=gen) < 0.4
+        masks = torch.rand(70, ffn, generator=gen) < 0.4
         held = [i for i, st in enumerate(torch_side.impl.sets) if st is not None and len(st.idx)]
         assert held, "the shard holds no layer's neurons"
         steps = []
         for layer in (held[0], held[-1]):
             steps += [(FFNInput(PREFILL, layer, 1, 37, 0), [(0, rows(37))]),  # a prompt's rows
                       (FFNInput(PREFILL, layer, 1, 1, 0), [(0, rows(1))]),  # a one-token prompt
-                      (FFNInput(DECODE, layer, 5, 1, 1), [(0, rows(5)), (spec.mask_offset(5), masks)]),
-                      (FFNInput(DECODE, layer, 3, 1, 0), [(0, rows(3))])]
+                      (FFNInput(DECODE, layer, 5, 1, 1), [(0, rows(5)), (spec.mask_offset(5), masks[:5])]),
+                      (FFNInput(DECODE, layer, 3, 1, 0), [(0, rows(3))]),
+                      # past a call's 64 rows (a group's batch is its max_batch + 1)
+                      (FFNInput(DECODE, layer, 70, 1, 1), [(0, rows(70)), (spec.mask_offset(70), masks)]),
+                      (FFNInput(DECODE, layer, 70, 1, 0), [(0, rows(70))])]
         for words, parts in steps:
             want, got = (s.ask(words, parts, dim) for s in sides)
             assert np.isfinite(want).all() and np.abs(want).max() > 0, words

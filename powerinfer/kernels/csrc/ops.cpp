@@ -1492,16 +1492,33 @@ static std::vector<int64_t> cold_serve(at::Tensor& state, int64_t x_base, int64_
     const int64_t rows = B * T;
     auto up = [](int64_t n) { return (n + 63) / 64 * 64; };  // the payload's parts' boundaries
     at::Tensor y;
-    if (w4 && in_layers && decode_rows && op == ops[0] && ffn_kind[layer] == 2 && ffn_dim > 0) {
+    // a decode step over records, 64 rows a call (a row's answer is its own neurons' sums
+    // whatever rows share the call: the Python set's, which splits its rows the same way)
+    auto records_decode = [&](const bool* masks) {
+      const int64_t es = bf16 ? 2 : 4;
+      at::Tensor out;
+      for (int64_t r0 = 0; r0 < rows; r0 += 64) {
+        const int64_t n = std::min<int64_t>(64, rows - r0);
+        const at::Tensor x = at::from_blob(xp + r0 * dim * es, {n, dim}, rows_type);
+        const at::Tensor m = masks ? at::from_blob((void*)(masks + r0 * ffn_dim), {n, ffn_dim},
+                                                   at::TensorOptions().dtype(at::kBool))
+                                   : at::Tensor();
+        at::Tensor part = ffn_step(k, L, layer, x, act, nullptr, nullptr, masks ? &m : nullptr).contiguous();
+        if (n == rows) return part;
+        if (!out.defined()) out = at::empty({rows, dim}, part.options());
+        std::memcpy(out.data_ptr<float>() + r0 * dim, part.data_ptr<float>(), n * dim * 4);
+      }
+      return out;
+    };
+    if (w4 && in_layers && T == 1 && op == ops[0] && ffn_kind[layer] == 2 && ffn_dim > 0) {
       // the predictor's masks after the rows (PlaneSpec.mask_offset)
-      const at::Tensor mask = at::from_blob(xp + up(rows * dim * (bf16 ? 2 : 4)), {rows, ffn_dim},
-                                            at::TensorOptions().dtype(at::kBool));
-      y = ffn_step(k, L, layer, at::from_blob(xp, {rows, dim}, rows_type), act, nullptr, nullptr, &mask);
+      y = records_decode(reinterpret_cast<const bool*>(xp + up(rows * dim * (bf16 ? 2 : 4))));
+    } else if (!w4 && in_layers && T == 1 && (op == ops[0] || op == ops[3]) && ffn_kind[layer] == 2) {
+      // every record (a one-token prompt as a decode row, as the Python set computes it)
+      y = records_decode(nullptr);
     } else if (!w4 && in_layers && ((decode_rows && op == ops[0] && ffn_kind[layer]) ||
-                                    ((op == ops[3] || op == ops[0]) && prompt_rows_ffn(L, layer)) ||
-                                    (decode_rows && op == ops[3] && ffn_kind[layer] == 2))) {
-      // (a decode step of more rows than a GEMV's batch runs as a prompt's rows do; a one-token
-      // prompt over records as a decode row, as the Python set computes it)
+                                    ((op == ops[3] || op == ops[0]) && prompt_rows_ffn(L, layer)))) {
+      // (a decode step of more rows than a GEMV's batch runs as a prompt's rows do)
       y = ffn_step(k, L, layer, at::from_blob(xp, {rows, dim}, rows_type), act);
     } else if (!w4 && in_layers && T > 1 && (op == ops[3] || op == ops[0]) && ffn_kind[layer] == 2) {
       // a prompt's rows over neuron records: every record, no threshold (the Python set's
