@@ -2,7 +2,12 @@
 """A prompt's rows over a layer's neuron records, the two ways a cold executor could run them.
 
     .venv/bin/python benchmarks/records_prompt.py --bundle B [--model M] [--rows 64 256 512]
-        [--turns 5] [--threads 2]
+        [--turns 5] [--threads 2] [--cpu-isa avx2|avx512|avx512bf16] [--no-amx]
+
+`--cpu-isa` holds the kernel library to a lower class and `--no-amx` keeps records_rows off AMX's
+tiles; torch's own matmuls are held with oneDNN's variable (e.g. ONEDNN_MAX_CPU_ISA=AVX2, or
+AVX512_CORE_BF16 for a CPU with AVX-512 BF16 and no AMX) to measure what another class's CPU
+would see.
 
 Loads M with the bundle in process (bf16, the file's 4-bit blocks as the CPU kernel's neuron
 records) and takes the layer whose neuron set is largest. For each row count T it times, in
@@ -20,6 +25,7 @@ each kernel's answer from the widened matmuls' against the largest value.
 from __future__ import annotations
 
 import argparse
+import os
 import time
 
 import torch
@@ -45,14 +51,21 @@ def main():
     ap.add_argument("--rows", type=int, nargs="+", default=[64, 256, 512])
     ap.add_argument("--turns", type=int, default=5)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--cpu-isa", default="auto", help="hold the kernels to this class")
+    ap.add_argument("--no-amx", action="store_true", help="records_rows off AMX's tiles")
     args = ap.parse_args()
     pi = PowerInfer.from_pretrained(args.model, Config(bundle=args.bundle, dtype="bfloat16",
                                                        weights="int4"))
+    if args.cpu_isa != "auto":
+        torch.ops.powerinfer.use_isa(args.cpu_isa)
+    amx = torch.ops.powerinfer.rows_amx(0 if args.no_amx else 1)
     sets = [m for m in pi.engine.model.modules() if isinstance(m, NeuronSet) and m.records is not None]
     s = max(sets, key=lambda m: len(m.idx))
     torch.set_num_threads(args.threads)
     print(f"{args.model}: the largest neuron set, {len(s.idx)} neurons in {s.fmt}, dim {s.dim}; "
-          f"{args.threads} threads, best of {args.turns} in turns\n")
+          f"{args.threads} threads, best of {args.turns} in turns; kernels {kernels.isa()}, "
+          f"records_rows on AMX tiles: {amx}; ONEDNN_MAX_CPU_ISA="
+          f"{os.environ.get('ONEDNN_MAX_CPU_ISA', '(unset)')}\n")
     print("| rows | widened, torch's bf16 matmul (ms) | decode kernel, 64 rows a call (ms) | "
           "records_rows (ms) | decode kernel / widened | records_rows / widened | "
           "max difference / max value (decode kernel, records_rows) |")
