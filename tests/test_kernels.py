@@ -351,18 +351,20 @@ def test_many_token_steps_over_quantized_records(isa, fmt, dtype):
             assert torch.equal(s(pair, None, 0.05, None)[0, 0], whole[0, t]), (B, T, t)
 
 
-@pytest.mark.parametrize("amx", [True, False])
 @pytest.mark.parametrize("fmt", K.FORMATS)
 @pytest.mark.parametrize("act", ["swiglu", "geglu", "reglu", "relu", "gelu"])
-def test_a_prompts_rows_over_records_equal_the_reference(isa, amx, fmt, act):
+def test_a_prompts_rows_over_records_equal_the_reference(isa, fmt, act):
     # `records_rows` (a prompt step's product over every record: widened a block at a time,
-    # multiplied as matrices; on AMX's tiles where the CPU has them and they are allowed) against
-    # the reference over the weights the format holds, with a bias and a threshold; a row's answer
-    # the same floats alone, in a longer call at any place, and across the tiles' and the calls'
-    # row boundaries, on two threads (the records split at fixed places)
-    on = torch.ops.powerinfer.rows_amx(int(amx))
-    if amx and not on:
-        pytest.skip(f"no AMX tiles with the {isa} kernels on this CPU")
+    # multiplied as matrices; on AMX's tiles where the CPU has them and they are allowed, and
+    # then off them too) against the reference over the weights the format holds, with a bias and
+    # a threshold; a row's answer the same floats alone, in a longer call at any place, and across
+    # the tiles' and the calls' row boundaries, on two threads (the records split at fixed places)
+    for amx in (1, 0) if torch.ops.powerinfer.rows_amx(1) else (1,):
+        torch.ops.powerinfer.rows_amx(amx)
+        prompt_rows_against_the_reference(fmt, act)
+
+
+def prompt_rows_against_the_reference(fmt, act):
     threads = torch.get_num_threads()
     torch.set_num_threads(2)
     try:
