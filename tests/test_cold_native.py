@@ -5,6 +5,7 @@ every kind of message the native loop answers gives the same floats, bit for bit
 from __future__ import annotations
 
 import os
+from contextlib import contextmanager
 
 import numpy as np
 import pytest
@@ -40,32 +41,58 @@ class Side(OnThread):
         return self.part.array(np.float32, (got.rows, cols)).copy()
 
 
-def test_the_torch_free_executor_answers_as_the_torch_one_bit_for_bit(tmp_path):
+@contextmanager
+def torch_and_native(config: Config, num_blocks: int, head: bool, attention: bool):
+    """The torch executor and the torch-free one over the same shard of `config`'s model, each
+    on its own channels (RoPE tables filled as the hot executor fills them): (the model's args,
+    the torch side, the native side); their channels unlinked after."""
     from actors.cold_executor import ColdExecutorImpl
     from actors.prepare import prepare
-    done, table, _ = prepare(MODEL, Config(runtime="actors", dtype="bfloat16", weights="int4"), False)
+    done, table, _ = prepare(MODEL, config, False)
     a = table.args
     cores, threads = tuple(sorted(os.sched_getaffinity(0))), torch.get_num_threads()
-    specs = [PlaneSpec.new(1, 72, 128, 256, 64, 16, a, torch.bfloat16) for _ in range(2)]
+    specs = [PlaneSpec.new(1, 72, 128, 256, num_blocks, 16, a, torch.bfloat16) for _ in range(2)]
     for spec in specs:
         spec.create_all()
-        if spec.ropes:  # (the hot executor's to fill)
+        if spec.ropes and attention:  # (the hot executor's to fill)
             for mine, want in zip(spec.rope_tables(writer=True), rope_tables(a, spec.max_seq)):
                 for t, w in zip(mine, want):
                     t.copy_(w)
     args = dict(rank=0, cores=cores, plan=done.plan, hot_share=0.5, threads=0, weights="int4",
-                head=True, attention=True)
-    sides = []
+                head=head, attention=attention)
     try:
-        sides.append(Side(specs[0], lambda: ColdExecutorImpl(specs[0], model=table, **args)))
-        sides.append(Side(specs[1], lambda: cold_executor(specs[1], model=Sealed.of(table), **args)))
-        torch_side, native_side = sides
-        assert isinstance(native_side.impl, ColdNativeImpl)
+        torch_side = Side(specs[0], lambda: ColdExecutorImpl(specs[0], model=table, **args))
+        native_side = Side(specs[1], lambda: cold_executor(specs[1], model=Sealed.of(table), **args))
+        assert isinstance(native_side.impl, ColdNativeImpl), getattr(native_side.impl, "torch_why", "")
+        yield a, torch_side, native_side
+    finally:
+        torch.set_num_threads(threads)
+        for spec in specs:
+            spec.unlink_all()
+
+
+def answer_alike(sides: list[Side], steps: list, cols: dict | None = None):
+    """Each message of `steps` to both sides: the same floats, finite and not all zero; then
+    both stopped."""
+    for words, parts in steps:
+        width = (cols or {}).get(words.op, sides[0].spec.dim)
+        want, got = (s.ask(words, parts, width) for s in sides)
+        assert np.isfinite(want).all() and np.abs(want).max() > 0, words
+        assert np.array_equal(want, got), (words, np.abs(want - got).max())
+    for s in sides:
+        send(s.x, FFNInput(STOP, 0, 0, 0, 0))
+        s.thread.join(30)
+    assert [s.result for s in sides] == ["stopped", "stopped"]
+
+
+def test_the_torch_free_executor_answers_as_the_torch_one_bit_for_bit(tmp_path):
+    config = Config(runtime="actors", dtype="bfloat16", weights="int4")
+    with torch_and_native(config, 64, head=True, attention=True) as (a, torch_side, native_side):
         info = native_side.impl.info  # (what its `ready` says of the shard, the child's word)
         assert info["kv_heads"] == torch_side.impl._described()["kv_heads"] != [0, 0]
         assert info["block_slices"] == a.n_layers and info["native_attention"] == a.n_layers
 
-        dim, spec, head_rows = a.dim, specs[0], info["head_rows"]
+        dim, spec, head_rows = a.dim, torch_side.spec, info["head_rows"]
         gen = torch.Generator().manual_seed(0)
         rows = lambda n: torch.randn(n, dim, generator=gen).to(torch.bfloat16)  # noqa: E731
 
@@ -88,24 +115,13 @@ def test_the_torch_free_executor_answers_as_the_torch_one_bit_for_bit(tmp_path):
                       (FFNInput(DECODE, layer, 70, 1, 0), [(0, rows(70))])]  # past a GEMV's batch
         wide = rows(70)
         heads = [(FFNInput(HEAD, -1, 1, 1, 0), [(0, wide[:1])]), (FFNInput(HEAD, -1, 70, 1, 0), [(0, wide)])]
-        for words, parts in steps + heads:
-            cols = head_rows if words.op == HEAD else dim
-            want, got = (s.ask(words, parts, cols) for s in sides)
-            assert np.isfinite(want).all() and np.abs(want).max() > 0, words
-            assert np.array_equal(want, got), (words, np.abs(want - got).max())
-        for s in sides:
-            send(s.x, FFNInput(STOP, 0, 0, 0, 0))
-            s.thread.join(30)
-        assert [s.result for s in sides] == ["stopped", "stopped"]
+        sides = [torch_side, native_side]
+        answer_alike(sides, steps + heads, {HEAD: head_rows})
         # (counted as the loop hands back: its answers, and what it holds as the torch one does)
         stats = [s.impl.stats() for s in sides]
         assert stats[0]["messages"] == stats[1]["messages"] == len(steps) + len(heads)
         assert stats[0]["held_bytes"] == stats[1]["held_bytes"] > 0
         assert stats[1]["kv_resident"] > 0 and stats[1]["weight_resident"] > 0
-    finally:
-        torch.set_num_threads(threads)
-        for spec in specs:
-            spec.unlink_all()
 
 
 def test_a_bundles_records_answer_without_torch_as_with_it(bundle):
@@ -113,27 +129,12 @@ def test_a_bundles_records_answer_without_torch_as_with_it(bundle):
     # too: a prompt's rows over its records (the kernel library's product, the one the torch
     # executor's set runs), a one-token prompt, decode rows with the predictor's masks and
     # without, up to a call's 64 rows and past them, bit for bit as the torch executor answers them
-    from actors.cold_executor import ColdExecutorImpl
-    from actors.prepare import prepare
-    done, table, _ = prepare(MODEL, Config(runtime="actors", dtype="bfloat16", weights="int4",
-                                           bundle=bundle), False)
-    a = table.args
-    cores, threads = tuple(sorted(os.sched_getaffinity(0))), torch.get_num_threads()
-    specs = [PlaneSpec.new(1, 72, 128, 256, 16, 16, a, torch.bfloat16) for _ in range(2)]
-    for spec in specs:
-        spec.create_all()
-    args = dict(rank=0, cores=cores, plan=done.plan, hot_share=0.5, threads=0, weights="int4",
-                head=False, attention=False)
-    sides = []
-    try:
-        sides.append(Side(specs[0], lambda: ColdExecutorImpl(specs[0], model=table, **args)))
-        sides.append(Side(specs[1], lambda: cold_executor(specs[1], model=Sealed.of(table), **args)))
-        torch_side, native_side = sides
-        assert isinstance(native_side.impl, ColdNativeImpl), getattr(native_side.impl, "torch_why", "")
-        spec, dim, ffn = specs[0], a.dim, a.ffn_dim
+    config = Config(runtime="actors", dtype="bfloat16", weights="int4", bundle=bundle)
+    with torch_and_native(config, 16, head=False, attention=False) as (a, torch_side, native_side):
+        spec, dim = torch_side.spec, a.dim
         gen = torch.Generator().manual_seed(1)
         rows = lambda n: torch.randn(n, dim, generator=gen).to(torch.bfloat16)  # noqa: E731
-        masks = torch.rand(70, ffn, generator=gen) < 0.4
+        masks = torch.rand(70, a.ffn_dim, generator=gen) < 0.4
         held = [i for i, st in enumerate(torch_side.impl.sets) if st is not None and len(st.idx)]
         assert held, "the shard holds no layer's neurons"
         steps = []
@@ -145,19 +146,8 @@ def test_a_bundles_records_answer_without_torch_as_with_it(bundle):
                       # past a call's 64 rows (a group's batch is its max_batch + 1)
                       (FFNInput(DECODE, layer, 70, 1, 1), [(0, rows(70)), (spec.mask_offset(70), masks)]),
                       (FFNInput(DECODE, layer, 70, 1, 0), [(0, rows(70))])]
-        for words, parts in steps:
-            want, got = (s.ask(words, parts, dim) for s in sides)
-            assert np.isfinite(want).all() and np.abs(want).max() > 0, words
-            assert np.array_equal(want, got), (words, np.abs(want - got).max())
-        for s in sides:
-            send(s.x, FFNInput(STOP, 0, 0, 0, 0))
-            s.thread.join(30)
-        assert [s.result for s in sides] == ["stopped", "stopped"]
-        assert sides[0].impl.stats()["held_bytes"] == sides[1].impl.stats()["held_bytes"] > 0
-    finally:
-        torch.set_num_threads(threads)
-        for spec in specs:
-            spec.unlink_all()
+        answer_alike([torch_side, native_side], steps)
+        assert torch_side.impl.stats()["held_bytes"] == native_side.impl.stats()["held_bytes"] > 0
 
 
 def test_a_shard_the_child_cannot_load_raises_its_error_here(tmp_path):
