@@ -1179,6 +1179,22 @@ inline void gemv(const uint8_t* w, const FFNArgs& a, int64_t n, int64_t begin, i
   with_format(a.fmt, [&](auto f) { gemv_fmt<decltype(f)::value>(w, a, n, begin, end, y); });
 }
 
+// v's bits with the rounding to bf16 (to nearest even; finite values) added: the bf16 value in
+// each lane's high half
+#if defined(__AVX512F__)
+inline __m512i bf16_bits(V v) {
+  const __m512i i = _mm512_castps_si512(v);
+  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(i, 16), _mm512_set1_epi32(1));
+  return _mm512_add_epi32(i, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF)));
+}
+#else
+inline __m256i bf16_bits(V v) {
+  const __m256i i = _mm256_castps_si256(v);
+  const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(i, 16), _mm256_set1_epi32(1));
+  return _mm256_add_epi32(i, _mm256_add_epi32(odd, _mm256_set1_epi32(0x7FFF)));
+}
+#endif
+
 // v rounded to bf16 (to nearest even; the weights are finite) and stored at p: AVX512_BF16's one
 // instruction where the build has it (the same values but that it flushes a denormal to zero;
 // the six integer operations took most of a prompt's product over records at 16 rows, widening
@@ -1187,16 +1203,20 @@ inline void store_bf16(uint16_t* p, V v) {
 #if defined(__AVX512BF16__)
   _mm256_storeu_si256((__m256i*)p, (__m256i)_mm512_cvtneps_pbh(v));
 #elif defined(__AVX512F__)
-  __m512i i = _mm512_castps_si512(v);
-  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(i, 16), _mm512_set1_epi32(1));
-  i = _mm512_srli_epi32(_mm512_add_epi32(i, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF))), 16);
-  _mm256_storeu_si256((__m256i*)p, _mm512_cvtepi32_epi16(i));
+  _mm256_storeu_si256((__m256i*)p, _mm512_cvtepi32_epi16(_mm512_srli_epi32(bf16_bits(v), 16)));
 #else
-  __m256i i = _mm256_castps_si256(v);
-  const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(i, 16), _mm256_set1_epi32(1));
-  i = _mm256_srli_epi32(_mm256_add_epi32(i, _mm256_add_epi32(odd, _mm256_set1_epi32(0x7FFF))), 16);
+  const __m256i i = _mm256_srli_epi32(bf16_bits(v), 16);
   const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(i, i), 0x08);
   _mm_storeu_si128((__m128i*)p, _mm256_castsi256_si128(packed));
+#endif
+}
+
+// v rounded to bf16 and held as float32 (the low halves zero)
+inline V vround_bf16(V v) {
+#if defined(__AVX512F__)
+  return _mm512_castsi512_ps(_mm512_and_si512(bf16_bits(v), _mm512_set1_epi32((int)0xFFFF0000u)));
+#else
+  return _mm256_castsi256_ps(_mm256_and_si256(bf16_bits(v), _mm256_set1_epi32((int)0xFFFF0000u)));
 #endif
 }
 

@@ -27,6 +27,7 @@
 #include <cstring>
 #include <deque>
 #include <memory>
+#include <numeric>
 #include <string>
 #include <vector>
 
@@ -156,12 +157,33 @@ static void each_set(const bool* rows, int64_t B, int64_t stride, int64_t n, F&&
   }
 }
 
+// w: records of a gated or plain FFN in format fmt for inputs of dim (gate and up rows, or the
+// up row alone, then the down row), and a known activation
+static void check_records(const at::Tensor& w, int64_t act, int64_t fmt, int64_t dim) {
+  TORCH_CHECK(act >= RELU && act <= GELU, "unknown activation ", act);
+  const int64_t nb = (gated_act(act) ? 2 : 1) * row_bytes(fmt, dim) + row_bytes(down_format(fmt), dim);
+  TORCH_CHECK(w.size(1) == nb, "w: ", w.size(1), " bytes per neuron, expected ", nb);
+}
+
 // Floats left between one thread's sums and the next thread's (past the first's end, rounded
 // to a line). With the two threads' sums side by side (a 7B layer's: 16 KiB each) the records
 // kernel took up to 1.18x the time it takes with them 2 KiB or more apart, 1.00-1.09x in other
 // processes (a 2-core Zen 5 VM, benchmarks/kernel.py, switched per call in one process): each
 // core's prefetchers likely take lines of the other's sums as it writes them.
 constexpr int64_t PART_GAP = 1024;
+
+// Parts `parts` of n floats each (part t at pp + t * stride) added into the first, in their
+// order (a prompt's rows: in parallel)
+static void add_parts(float* pp, int64_t stride, const std::vector<int64_t>& parts, int64_t n) {
+  if (parts.size() < 2) return;
+  float* dst = pp + parts[0] * stride;
+  at::parallel_for(0, n, 16384, [&](int64_t i0, int64_t i1) {
+    for (size_t t = 1; t < parts.size(); t++) {
+      const float* src = pp + parts[t] * stride;
+      for (int64_t i = i0; i < i1; i++) dst[i] += src[i];
+    }
+  });
+}
 
 // x (B, dim) f32 or bf16; w (k, neuron_bytes) uint8 records; sel: the neurons to compute,
 // (m,) int64 indices, or a (k,) bool mask over the records; keep: per-row masks, (B, m) bool
@@ -178,10 +200,8 @@ static at::Tensor neuron_ffn(const at::Tensor& x, const at::Tensor& w, const at:
   TORCH_CHECK(sel.dim() == 1 && sel.is_contiguous() &&
               (sel.scalar_type() == at::kLong || sel.scalar_type() == at::kBool),
               "sel: (m,) int64 or (k,) bool");
-  TORCH_CHECK(act >= RELU && act <= GELU, "unknown activation ", act);
+  check_records(w, act, fmt, x.size(1));
   const int64_t B = x.size(0), dim = x.size(1), n = w.size(0);
-  const int64_t nb = (gated_act(act) ? 2 : 1) * row_bytes(fmt, dim) + row_bytes(down_format(fmt), dim);
-  TORCH_CHECK(w.size(1) == nb, "w: ", w.size(1), " bytes per neuron, expected ", nb);
   std::vector<int64_t> picked;  // a mask's neurons
   const bool by_mask = sel.scalar_type() == at::kBool;
   if (by_mask) {
@@ -242,15 +262,7 @@ static at::Tensor neuron_ffn(const at::Tensor& x, const at::Tensor& w, const at:
   std::vector<int64_t> wrote;
   for (int64_t t = 0; t < nt; t++)
     if (cut[t] < cut[t + 1]) wrote.push_back(t);
-  if (wrote.size() > 1) {  // into the first, in the parts' order (a prompt's rows: in parallel)
-    float* dst = pp + wrote[0] * stride;
-    at::parallel_for(0, B * dim, 16384, [&](int64_t i0, int64_t i1) {
-      for (size_t t = 1; t < wrote.size(); t++) {
-        const float* src = pp + wrote[t] * stride;
-        for (int64_t i = i0; i < i1; i++) dst[i] += src[i];
-      }
-    });
-  }
+  add_parts(pp, stride, wrote, B * dim);
   // (one view of the first written part's rows: selected, narrowed and viewed, three
   // operators through the dispatcher, a one-neuron step took 5.6 against 4.8 us from Python)
   at::Tensor y = wrote.empty() ? at::zeros({B, dim}, part.options())
@@ -270,12 +282,10 @@ static at::Tensor records_rows(const at::Tensor& x, const at::Tensor& w, const s
   check_input(x, true, true);
   check_rows(w);
   check_format(fmt);
-  TORCH_CHECK(act >= RELU && act <= GELU, "unknown activation ", act);
+  check_records(w, act, fmt, x.size(1));
   const int64_t T = x.size(0), dim = x.size(1), n = w.size(0);
-  const int64_t nb = (gated_act(act) ? 2 : 1) * row_bytes(fmt, dim) + row_bytes(down_format(fmt), dim);
-  TORCH_CHECK(w.size(1) == nb, "w: ", w.size(1), " bytes per neuron, expected ", nb);
   const bool bf16_in = x.scalar_type() == at::kBFloat16, pairs = k.rows_bf16(bf16_in);
-  const at::Tensor xin = pairs ? x.contiguous() : x.to(at::kFloat).contiguous();
+  const at::Tensor xin = pairs ? x : x.to(at::kFloat);  // (x contiguous: check_input)
   RowsArgs a{xin.data_ptr(), T, dim, pairs, bf16_in, w.data_ptr<uint8_t>(), w.size(1), nullptr, (float)threshold,
              (int)act, (int)fmt};
   if (bias && bias->defined()) {
@@ -305,15 +315,9 @@ static at::Tensor records_rows(const at::Tensor& x, const at::Tensor& w, const s
       }
     }
   });
-  if (nt > 1) {
-    float* dst = pp;
-    at::parallel_for(0, T * dim, 16384, [&](int64_t i0, int64_t i1) {
-      for (int64_t t = 1; t < nt; t++) {
-        const float* src = pp + t * stride;
-        for (int64_t i = i0; i < i1; i++) dst[i] += src[i];
-      }
-    });
-  }
+  std::vector<int64_t> parts(nt);
+  std::iota(parts.begin(), parts.end(), 0);
+  add_parts(pp, stride, parts, T * dim);
   at::Tensor y = part.as_strided({T, dim}, {dim, 1}, 0);
   return x.scalar_type() == at::kFloat ? y : y.to(x.scalar_type());
 }

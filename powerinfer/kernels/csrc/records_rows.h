@@ -47,12 +47,6 @@ inline V vabs(V a) { return _mm512_abs_ps(a); }
 inline V vkeep_above(V v, V score, V t) {  // v where score > t, else 0
   return _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(score, t, _CMP_GT_OQ), v);
 }
-inline V vround_bf16(V v) {
-  __m512i i = _mm512_castps_si512(v);
-  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(i, 16), _mm512_set1_epi32(1));
-  i = _mm512_add_epi32(i, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF)));
-  return _mm512_castsi512_ps(_mm512_and_si512(i, _mm512_set1_epi32((int)0xFFFF0000u)));
-}
 #else
 constexpr int RT = 2, JT = 4, CT = 4;
 inline V lane_sums(const V* v) {
@@ -65,12 +59,6 @@ inline V vmin(V a, V b) { return _mm256_min_ps(a, b); }
 inline V vdiv(V a, V b) { return _mm256_div_ps(a, b); }
 inline V vabs(V a) { return _mm256_andnot_ps(_mm256_set1_ps(-0.0f), a); }
 inline V vkeep_above(V v, V score, V t) { return _mm256_and_ps(v, _mm256_cmp_ps(score, t, _CMP_GT_OQ)); }
-inline V vround_bf16(V v) {
-  __m256i i = _mm256_castps_si256(v);
-  const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(i, 16), _mm256_set1_epi32(1));
-  i = _mm256_add_epi32(i, _mm256_add_epi32(odd, _mm256_set1_epi32(0x7FFF)));
-  return _mm256_castsi256_ps(_mm256_and_si256(i, _mm256_set1_epi32((int)0xFFFF0000u)));
-}
 #endif
 static_assert(RT * JT == W, "a dot tile's sums fill one vector");
 
@@ -200,6 +188,45 @@ inline void with_rows(int64_t n, F&& f) {  // f(R) for the tile of n <= RT rows
   f(std::integral_constant<int, 1>{});
 }
 
+// Row `row` of records [b0, b0 + n) (0 the gate, 1 the up row of a gated record, its last the
+// down row, in format fmt) widened into out, record j's at out + j * stride; the records past the
+// first nj zero (a block's missing ones)
+template <typename O>
+inline void widen_block(const RowsArgs& a, int64_t b0, int64_t nj, int64_t n, int row, int fmt, O* out,
+                        int64_t stride) {
+  const int64_t rb = row_bytes(record_format(a.fmt), a.dim);
+  for (int64_t j = 0; j < n; j++) {
+    O* o = out + j * stride;
+    if (j >= nj) {
+      std::memset(o, 0, a.dim * sizeof(O));
+      continue;
+    }
+    with_format(fmt, [&](auto f) {
+      widen_row<decltype(f)::value>(a.w + (b0 + j) * a.neuron_bytes + row * rb, a.dim, o);
+    });
+  }
+}
+
+// The activations of one row for the block's records [j, j + W) (b0 the block's first record, the
+// first nj of them real, the rest zero): act(g, u + bias) with the threshold (g, u: the row's sums)
+inline V block_acts(const RowsArgs& a, bool gated, const float* g, const float* u, int64_t b0, int64_t j,
+                    int64_t nj) {
+  V uu = vload(u + j);
+  if (a.bias) {
+    alignas(64) float bv[W];
+    for (int i = 0; i < W; i++) bv[i] = j + i < nj ? a.bias[b0 + j + i] : 0.0f;
+    uu = vadd(uu, vload(bv));
+  }
+  V hv = act_vec(a.act, gated ? vload(g + j) : vzero(), uu, a.threshold, a.bf16_model);
+  if (nj - j < W) {
+    alignas(64) float t[W];
+    vstore(t, hv);
+    for (int64_t i = std::max<int64_t>(nj - j, 0); i < W; i++) t[i] = 0.0f;
+    hv = vload(t);
+  }
+  return hv;
+}
+
 // Records [begin, end) for every row of a.x, their sums added into out (T, dim) float32. scratch:
 // rows_scratch(dim, a.T) bytes.
 template <bool BF>
@@ -207,7 +234,6 @@ void records_rows_t(const RowsArgs& a, int64_t begin, int64_t end, float* out, u
   const int64_t dim = a.dim, T = a.T;
   const bool gated = gated_act(a.act);
   const int lead_fmt = record_format(a.fmt), dfmt = down_format(a.fmt);
-  const int64_t rb = row_bytes(lead_fmt, dim);
   const int64_t ls = (int64_t)2 * dim;  // a record's lead rows: gate, then up (gated)
   // scratch: lead rows (RR_BLOCK, 2, dim) in the dots' type, down rows (RR_BLOCK, dim) float32,
   // then g, u and h (T, RR_BLOCK) float32; each on a line
@@ -219,30 +245,16 @@ void records_rows_t(const RowsArgs& a, int64_t begin, int64_t end, float* out, u
   float* h = u + T * RR_BLOCK;
   for (int64_t b0 = begin; b0 < end; b0 += RR_BLOCK) {
     const int64_t nj = std::min(RR_BLOCK, end - b0);
-    for (int64_t j = 0; j < RR_BLOCK; j++) {  // widened, the block's missing records zero
-      const uint8_t* rec = a.w + (b0 + j) * a.neuron_bytes;
-      for (int row = 0; row < (gated ? 2 : 1); row++) {
-        void* o = BF ? (void*)((uint16_t*)lead + j * ls + row * dim) : (void*)((float*)lead + j * ls + row * dim);
-        if (j >= nj) {
-          std::memset(o, 0, dim * (BF ? 2 : 4));
-          continue;
-        }
-        with_format(lead_fmt, [&](auto f) {
-          constexpr int FF = decltype(f)::value;
-          if constexpr (BF)
-            widen_row<FF>(rec + row * rb, dim, (uint16_t*)o);
-          else
-            widen_row<FF>(rec + row * rb, dim, (float*)o);
-        });
-      }
-      if (j >= nj) {
-        std::memset(down + j * dim, 0, dim * 4);
-        continue;
-      }
-      with_format(dfmt, [&](auto f) {
-        widen_row<decltype(f)::value>(rec + (gated ? 2 : 1) * rb, dim, down + j * dim);
-      });
-    }
+    // widened, the block's missing records zero: the lead rows (gate, up) side by side a record
+    auto widen_lead = [&](auto* rows) {
+      if (gated) widen_block(a, b0, nj, RR_BLOCK, 0, lead_fmt, rows, ls);
+      widen_block(a, b0, nj, RR_BLOCK, gated ? 1 : 0, lead_fmt, rows + (gated ? dim : 0), ls);
+    };
+    if constexpr (BF)
+      widen_lead((uint16_t*)lead);
+    else
+      widen_lead((float*)lead);
+    widen_block(a, b0, nj, RR_BLOCK, gated ? 2 : 1, dfmt, down, dim);
     // the dot products: the gate rows (gated), then the up rows
     const void* gate_rows = lead;
     const void* up_rows = gated ? (const void*)((const uint8_t*)lead + dim * (BF ? 2 : 4)) : lead;
@@ -254,17 +266,8 @@ void records_rows_t(const RowsArgs& a, int64_t begin, int64_t end, float* out, u
       });
     // the activations, a vector of records at a time
     for (int64_t r = 0; r < T; r++)
-      for (int64_t j = 0; j < RR_BLOCK; j += W) {
-        V uu = vload(u + r * RR_BLOCK + j);
-        if (a.bias) {
-          alignas(64) float bv[W];
-          for (int i = 0; i < W; i++) bv[i] = b0 + j + i < end ? a.bias[b0 + j + i] : 0.0f;
-          uu = vadd(uu, vload(bv));
-        }
-        V hv = act_vec(a.act, gated ? vload(g + r * RR_BLOCK + j) : vzero(), uu, a.threshold, a.bf16_model);
-        vstore(h + r * RR_BLOCK + j, hv);
-        for (int64_t i = std::max<int64_t>(nj - j, 0); i < W; i++) h[r * RR_BLOCK + j + i] = 0.0f;
-      }
+      for (int64_t j = 0; j < RR_BLOCK; j += W)
+        vstore(h + r * RR_BLOCK + j, block_acts(a, gated, g + r * RR_BLOCK, u + r * RR_BLOCK, b0, j, nj));
     for (int64_t r0 = 0; r0 < T; r0 += RT)
       with_rows(std::min<int64_t>(RT, T - r0), [&](auto rr) {
         down_tile<decltype(rr)::value>(a, r0, h, down, nj, out);
@@ -428,7 +431,6 @@ inline void records_rows_amx(const RowsArgs& a, int64_t begin, int64_t end, floa
   const int64_t dim = a.dim, T = a.T;
   const bool gated = gated_act(a.act);
   const int lead_fmt = record_format(a.fmt), dfmt = down_format(a.fmt);
-  const int64_t rb = row_bytes(lead_fmt, dim);
   auto line = [](uint8_t* p) { return (uint8_t*)(((uintptr_t)p + 63) & ~(uintptr_t)63); };
   // scratch: packed gate and up (dim * 64 bytes each), packed down (dim * 64), the block's rows
   // widened (AMX_BLOCK x dim bf16, reused for each of the three), g and u (16 x 32 float32), h
@@ -443,27 +445,16 @@ inline void records_rows_amx(const RowsArgs& a, int64_t begin, int64_t end, floa
   uint16_t* xpad = (uint16_t*)line((uint8_t*)(hb + 16 * AMX_BLOCK));
   float* opad = (float*)line((uint8_t*)(xpad + 16 * dim));
   const uint16_t* x = (const uint16_t*)a.x;
-  auto widen_block = [&](int64_t b0, int64_t nj, int row, int fmt) {
-    for (int64_t j = 0; j < AMX_BLOCK; j++) {
-      if (j >= nj) {
-        std::memset(wide + j * dim, 0, dim * 2);
-        continue;
-      }
-      with_format(fmt, [&](auto f) {
-        widen_row<decltype(f)::value>(a.w + (b0 + j) * a.neuron_bytes + row * rb, dim, wide + j * dim);
-      });
-    }
-  };
   amx_config();
   for (int64_t b0 = begin; b0 < end; b0 += AMX_BLOCK) {
     const int64_t nj = std::min(AMX_BLOCK, end - b0);
     if (gated) {
-      widen_block(b0, nj, 0, lead_fmt);
+      widen_block(a, b0, nj, AMX_BLOCK, 0, lead_fmt, wide, dim);
       pack_lead(wide, dim, gate_p);
     }
-    widen_block(b0, nj, gated ? 1 : 0, lead_fmt);
+    widen_block(a, b0, nj, AMX_BLOCK, gated ? 1 : 0, lead_fmt, wide, dim);
     pack_lead(wide, dim, up_p);
-    widen_block(b0, nj, gated ? 2 : 1, dfmt);
+    widen_block(a, b0, nj, AMX_BLOCK, gated ? 2 : 1, dfmt, wide, dim);
     pack_down(wide, dim, down_p);
     for (int64_t r0 = 0; r0 < T; r0 += 16) {
       const int64_t nr = std::min<int64_t>(16, T - r0);
@@ -477,17 +468,8 @@ inline void records_rows_amx(const RowsArgs& a, int64_t begin, int64_t end, floa
       }
       amx_dots(xt, dim, gate_p, up_p, gated, g, u);
       for (int64_t r = 0; r < 16; r++)
-        for (int64_t j = 0; j < AMX_BLOCK; j += W) {
-          V uu = vload(u + r * AMX_BLOCK + j);
-          if (a.bias) {
-            alignas(64) float bv[W];
-            for (int i = 0; i < W; i++) bv[i] = b0 + j + i < end ? a.bias[b0 + j + i] : 0.0f;
-            uu = vadd(uu, vload(bv));
-          }
-          const V hv = act_vec(a.act, gated ? vload(g + r * AMX_BLOCK + j) : vzero(), uu, a.threshold, true);
-          store_bf16(hb + r * AMX_BLOCK + j, hv);
-          for (int64_t i = std::max<int64_t>(nj - j, 0); i < W; i++) hb[r * AMX_BLOCK + j + i] = 0;
-        }
+        for (int64_t j = 0; j < AMX_BLOCK; j += W)
+          store_bf16(hb + r * AMX_BLOCK + j, block_acts(a, gated, g + r * AMX_BLOCK, u + r * AMX_BLOCK, b0, j, nj));
       amx_down(hb, down_p, dim, ot);
       if (nr < 16) std::memcpy(out + r0 * dim, opad, nr * dim * 4);
     }
