@@ -157,7 +157,7 @@ class ColdExecutorImpl(Answering):
             return "the native loop answers none of its messages"
         for i, (s, th) in enumerate(zip(self.sets, self.thresholds)):
             e = ffn_entry(s, th)
-            if e is None or (e[2] == 1 and (e[4] >= 0 or e[5] >= 0)) or e[2] not in (1, 2):
+            if e is None or e[2] not in (1, 2) or (e[2] == 1 and (e[4] >= 0 or e[5] >= 0)):
                 return f"layer {i}'s neurons answer a prompt's rows in Python"
         if self.attn and self._variants() is None:
             return "its q/k norms are not RMSNorms of the model's type"

@@ -1,9 +1,11 @@
 #!/usr/bin/env python3
 """A prompt's FFN step over neuron records: the time of one many-token step of one layer's share
-of neurons (`sparse.NeuronSet` over every neuron, as a prompt runs it) for each record format,
-beside the same neurons held in bf16 (the rows already wide: no widening, torch's matmuls) and
-beside the step as one product over all its rows (`unchunked`: what it ran before its products
-took `NeuronSet.PROMPT_ROWS` rows at a time, and up to 4 rows the decode kernel), in one run.
+of neurons (`sparse.NeuronSet` over every neuron, as a prompt runs it: on the CPU the kernel
+library's `records_rows`) for each record format, beside two torch paths over the same neurons,
+in one run: the rows held in bf16 (already wide: no widening, torch's matmuls
+`NeuronSet.PROMPT_ROWS` rows at a time, `NeuronSet._widened_rows`), and each format's rows
+widened and multiplied in one product over all the step's rows (`unchunked`: what the step ran
+before its products took PROMPT_ROWS rows at a time, and up to 4 rows the decode kernel).
 
     .venv/bin/python benchmarks/prompt_ffn.py [--dim 4096] [--neurons 5504] [--tokens 1 2 4 8 15 64 256]
         [--formats q4_0 q4_1 q8_0] [--threads N] [--out FILE]
@@ -38,15 +40,16 @@ def timed(fn, reps: int) -> float:
 
 
 def unchunked(s: NeuronSet, x: torch.Tensor) -> torch.Tensor:
-    """The many-token step as it was: up to 4 rows through the decode kernel, more in one
-    product over all of them (whose floats moved with the row count)."""
+    """The many-token step as it was before its products took PROMPT_ROWS rows at a time: up to
+    4 rows through the decode kernel, more widened in one product over all of them (whose floats
+    moved with the row count)."""
     n = x.shape[0] * x.shape[1]
     if n <= 4:
         return kernels.neuron_ffn(x.reshape(n, -1), s.records, s.all, None, s.bias32, 0.0, s.act,
                                   s.fmt)
     s.PROMPT_ROWS = n
     try:
-        return s(x)
+        return s._widened_rows(x, 0.0, None)
     finally:
         del s.PROMPT_ROWS
 
@@ -72,11 +75,11 @@ def main():
             for f in ["bf16", *args.formats]}
     result = {"date": str(datetime.date.today()), "machine": platform.processor() or platform.machine(),
               "threads": torch.get_num_threads(), "dim": dim, "neurons": k, "rows": []}
-    print("| tokens | bf16 rows (ms) | " + " | ".join(
-        f"{f} (ms) | x bf16 | {f} unchunked (ms) | chunked / unchunked" for f in args.formats) + " |")
+    print("| tokens | bf16 rows, torch (ms) | " + " | ".join(
+        f"{f} (ms) | x bf16 | {f} unchunked (ms) | {f} / unchunked" for f in args.formats) + " |")
     for T in args.tokens:
         x = torch.randn(1, T, dim).bfloat16()
-        base = timed(lambda: sets["bf16"](x), args.reps)
+        base = timed(lambda: sets["bf16"]._widened_rows(x, 0.0, None), args.reps)
         row = {"tokens": T, "bf16_ms": base}
         cells = [f"{base:.1f}"]
         for f in args.formats:

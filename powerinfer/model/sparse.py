@@ -234,7 +234,7 @@ class NeuronSet(nn.Module):
             y = kernels.neuron_ffn(rows.contiguous(), self.records, self.all if sel is None else sel,
                                    k, self.bias32, threshold, self.act, self.fmt)
             return y.to(x.dtype).view(B, T, -1)
-        if sel is None:  # every neuron, many tokens: dense matmuls (a block at a time)
+        if sel is None:  # every neuron, many tokens (a prompt's step)
             return self._prompt_rows(x, threshold, keep)
         score, h = self._pre(x, sel)
         if threshold > 0:
