@@ -20,6 +20,7 @@ import numpy as np
 from cluster.topology import pin_threads
 from powerinfer.compat import trim_heap
 
+from . import shard_cache
 from .packed import Packed, Slot, Zeros
 
 # numpy's type for each of `packed.DTYPES` (bfloat16 held as uint16)
@@ -170,14 +171,28 @@ def load(role: str, kwargs: dict, cores, name: str, what: str) -> Loaded | str:
     t0, c0 = time.perf_counter(), time.process_time()
     child0 = resource.getrusage(resource.RUSAGE_CHILDREN)
     pin_threads(cores)  # (the child inherits it; the memory below is touched here first)
-    fd = os.memfd_create(f"powerinfer-{name}", os.MFD_CLOEXEC)
-    try:
-        got = run_child(fd, kwargs, role, what)
+    entry = shard_cache.key(role, kwargs)
+    hit = shard_cache.lookup(entry)
+    if hit is not None:  # (what a child packed for the same shard before)
+        got, path, at = hit
         if "why" in got:
             return got["why"]
-        memory = copy_out(fd, got["size"], what)
-    finally:
-        os.close(fd)
+        memory = shard_cache.read(path, at, got["size"])
+        got = {**got, "cached": True}
+        if "cores" in got.get("ready", {}):
+            got["ready"] = {**got["ready"], "cores": list(cores)}
+    else:
+        fd = os.memfd_create(f"powerinfer-{name}", os.MFD_CLOEXEC)
+        try:
+            got = run_child(fd, kwargs, role, what)
+            if "why" not in got:
+                memory = copy_out(fd, got["size"], what)
+        finally:
+            os.close(fd)
+        shard_cache.store(entry, got, None if "why" in got else memory, got.get("size", 0))
+        if "why" in got:
+            return got["why"]
+        got["cached"] = False
     trim_heap()  # (the child's report and its unpickling, freed)
     child1 = resource.getrusage(resource.RUSAGE_CHILDREN)
     cpu = time.process_time() - c0 + (child1.ru_utime - child0.ru_utime) + \
@@ -194,7 +209,7 @@ def unpack(v, memory: mmap.mmap, slots: dict, zeros: list):
         n = int(np.prod(v.shape))
         return Arr(np.frombuffer(memory, NP[v.dtype], n, v.offset).reshape(v.shape), v.dtype)
     if isinstance(v, Zeros):  # (calloc's fresh pages: resident as they are written)
-        a = np.zeros(v.shape, NP[v.dtype])
+        a = np.zeros([slots[d] if isinstance(d, Slot) else d for d in v.shape], NP[v.dtype])
         zeros.append(a)
         return Arr(a, v.dtype)
     if isinstance(v, list):

@@ -96,6 +96,7 @@ class ColdNativeImpl:
         got = loaded.got
         self.spec, self.rank, self.cores = spec, rank, tuple(cores)
         self.load_s, self.load_cpu_s = loaded.load_s, loaded.load_cpu_s
+        self.cached = got["cached"]  # (read from the shard cache, not packed by a child)
         self.lib = clib.Library.started(got, cores, threads)
         self.info, self.parts = got["ready"], got["parts"]
         self.memory = loaded.memory
@@ -106,6 +107,7 @@ class ColdNativeImpl:
         rope = spec.rope_arrays() if spec.ropes else None
         slots = {"x_base": self.x.base, "part_base": self.part.base,
                  "part_capacity": self.part.capacity, "spin_us": self.x.spin_us,
+                 "num_blocks": spec.num_blocks,
                  "ahead": self.ahead.base if self.ahead is not None else 0,
                  **{f"rope_{part}{kind}": None if rope is None else clib.Arr(rope[i][j], 7)
                     for i, kind in enumerate(("", "_local")) for j, part in enumerate(("cos", "sin"))},
@@ -118,7 +120,7 @@ class ColdNativeImpl:
     def ready(self) -> dict:
         kv = sum(a.nbytes for a in self.kv)
         return {**self.info, "pid": os.getpid(), "load_s": self.load_s,
-                "load_cpu_s": self.load_cpu_s, "isa": self.lib.isa(),
+                "load_cpu_s": self.load_cpu_s, "shard_cached": self.cached, "isa": self.lib.isa(),
                 "held_bytes": self.info["held_bytes"] + kv, "numa_bytes": numa_pages(),
                 "node": node_of(self.cores), "node_id": node_id(),
                 "torch": "torch" in sys.modules, "torch_why": ""}

@@ -13,16 +13,16 @@ import sys
 
 import torch
 
-from .packed import DTYPES, Packed, Slot, Zeros
+from .packed import BLOCKS, DTYPES, Packed, Slot, Zeros
 
 
 def packed_tensor(t: torch.Tensor, fd: int, at: int) -> tuple[object, int]:
     """t written into the file fd at `at` or after (aligned), as `cold_native` maps it back: its
     `Packed` and where the file's next tensor may start; a tensor without memory (meta: a KV
-    cache the executor allocates) as `Zeros`."""
+    cache the executor allocates, its blocks first) as `Zeros`."""
     code = DTYPES.index(str(t.dtype).removeprefix("torch."))
     if t.device.type == "meta":
-        return Zeros(code, tuple(t.shape)), at
+        return Zeros(code, (BLOCKS, *t.shape[1:])), at
     t = t.detach().contiguous()
     n = t.numel() * t.element_size()
     align = 4096 if n >= 1 << 20 else 64

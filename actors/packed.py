@@ -29,6 +29,11 @@ class Packed(NamedTuple):
 
 
 class Zeros(NamedTuple):
-    """A tensor the actor allocates zeroed (a KV cache: resident as its blocks are written)."""
+    """A tensor the actor allocates zeroed (a KV cache: resident as its blocks are written); its
+    first dimension `BLOCKS`, the plane's KV block count, which the actor knows (so what a child
+    packed holds for a pool of any size: `shard_cache`)."""
     dtype: int
-    shape: tuple[int, ...]
+    shape: tuple
+
+
+BLOCKS = Slot("num_blocks")

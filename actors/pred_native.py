@@ -77,6 +77,7 @@ class PredNativeImpl:
         got = loaded.got
         self.spec, self.cores = spec, tuple(cores)
         self.load_s, self.load_cpu_s = loaded.load_s, loaded.load_cpu_s
+        self.cached = got["cached"]  # (read from the shard cache, not packed by a child)
         self.lib = clib.Library.started(got, cores, threads)
         self.info = got["ready"]
         self.memory = loaded.memory
@@ -93,7 +94,7 @@ class PredNativeImpl:
 
     def ready(self) -> dict:
         return {**self.info, "pid": os.getpid(), "node_id": node_id(), "load_s": self.load_s,
-                "load_cpu_s": self.load_cpu_s, "isa": self.lib.isa(),
+                "load_cpu_s": self.load_cpu_s, "shard_cached": self.cached, "isa": self.lib.isa(),
                 "torch": "torch" in sys.modules, "torch_why": ""}
 
     def run(self) -> str:

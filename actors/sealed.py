@@ -16,10 +16,14 @@ class Sealed:
     cold executor, `cold_native`) receives it sealed and hands the bytes to its loading child."""
     args: ModelArgs
     data: bytes
+    # the files the table reads (the model's, a converted copy's): what a shard cache entry of
+    # it follows from beside the bytes (`shard_cache.key`)
+    files: tuple = ()
 
     @classmethod
     def of(cls, table) -> "Sealed":
-        return cls(table.args, pickle.dumps(table))
+        from .shard_cache import named_files
+        return cls(table.args, pickle.dumps(table), tuple(sorted(named_files(table), key=str)))
 
     def open(self):
         return pickle.loads(self.data)

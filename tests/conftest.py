@@ -7,6 +7,16 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
+# the torch-free actors' shard cache (`actors/shard_cache.py`) of this run alone, shared by its
+# tests and the servers they start, removed at its end: the user's own cache is not touched
+import atexit  # noqa: E402
+import shutil  # noqa: E402
+import tempfile  # noqa: E402
+
+if "POWERINFER_SHARD_CACHE" not in os.environ:
+    os.environ["POWERINFER_SHARD_CACHE"] = tempfile.mkdtemp(prefix="powerinfer-test-shards-")
+    atexit.register(shutil.rmtree, os.environ["POWERINFER_SHARD_CACHE"], True)
+
 import pytest  # noqa: E402
 
 

@@ -170,3 +170,94 @@ def test_a_shard_the_child_cannot_load_raises_its_error_here(tmp_path):
     finally:
         torch.set_num_threads(threads)
         spec.unlink_all()
+
+
+def shard_kwargs(config: Config):
+    """(the model's args, a cold executor's arguments but its plane) for `config`'s model."""
+    from actors.prepare import prepare
+    done, table, _ = prepare(MODEL, config, False)
+    return table.args, dict(rank=0, cores=tuple(sorted(os.sched_getaffinity(0))), model=Sealed.of(table),
+                            plan=done.plan, hot_share=0.5, threads=0, weights="int4", head=True,
+                            attention=True)
+
+
+def test_a_shards_second_load_reads_the_cache_and_answers_as_the_first(tmp_path, monkeypatch, caplog):
+    # a torch-free executor loaded again with the same shard (a group built again after a death)
+    # starts no child: the cache gives it what the first load's child packed, and it answers the
+    # same floats; an entry that does not read back whole is dropped and the shard packed again
+    import resource
+    monkeypatch.setenv("POWERINFER_SHARD_CACHE", str(tmp_path / "shards"))
+    a, kw = shard_kwargs(Config(runtime="actors", dtype="bfloat16", weights="int4"))
+    threads = torch.get_num_threads()
+    # (the second plane's KV pool of another size, as a pool sized from the memory free at start)
+    specs = [PlaneSpec.new(1, 8, 64, 256, blocks, 16, a, torch.bfloat16) for blocks in (16, 24, 16)]
+    children = lambda: resource.getrusage(resource.RUSAGE_CHILDREN).ru_utime  # noqa: E731
+    try:
+        sides = []
+        for spec in specs[:2]:
+            spec.create_all()
+            before = children()
+            sides.append(Side(spec, lambda spec=spec: cold_executor(spec, **kw)))
+            sides[-1].ran_child = children() > before
+        assert [s.impl.ready()["shard_cached"] for s in sides] == [False, True]
+        assert [s.ran_child for s in sides] == [True, False]
+        assert [s.impl.kv[0].shape[0] for s in sides] == [16, 24]  # (each its own plane's pool)
+        gen = torch.Generator().manual_seed(2)
+        rows = lambda n: torch.randn(n, a.dim, generator=gen).to(torch.bfloat16)  # noqa: E731
+        steps = [(FFNInput(PREFILL, 3, 1, 9, 0), [(0, rows(9))]),
+                 (FFNInput(DECODE, 3, 4, 1, 0), [(0, rows(4))]),
+                 (FFNInput(HEAD, -1, 2, 1, 0), [(0, rows(2))])]
+        answer_alike(sides, steps, {HEAD: sides[0].impl.info["head_rows"]})
+
+        entry, = (tmp_path / "shards").glob("*.shard")
+        with open(entry, "r+b") as f:  # (a disk that lost the entry's end)
+            f.truncate(entry.stat().st_size - 4096)
+        specs[2].create_all()
+        with caplog.at_level("WARNING", logger="powerinfer"):
+            again = cold_executor(specs[2], **kw)
+        assert not again.ready()["shard_cached"], "a short entry was read"
+        assert "dropped" in caplog.text and entry.name in caplog.text
+        assert entry.stat().st_size > 4096 and len(list((tmp_path / "shards").iterdir())) == 1
+    finally:
+        torch.set_num_threads(threads)
+        for spec in specs:
+            spec.unlink_all()
+
+
+def test_a_shard_cache_entry_follows_its_files_and_arguments_not_its_plane_or_cores(tmp_path, monkeypatch):
+    # the key: another plane (segment names) or other cores keep it; another shard, a model file
+    # written since, another POWERINFER_ setting do not; a forged entry is refused, not run
+    import dataclasses
+    import pickle
+
+    from actors import shard_cache
+    monkeypatch.setenv("POWERINFER_SHARD_CACHE", str(tmp_path / "shards"))
+    a, kw = shard_kwargs(Config(runtime="actors", dtype="bfloat16", weights="int4"))
+    spec = PlaneSpec.new(1, 8, 64, 256, 16, 16, a, torch.bfloat16)
+    role = "actors.cold_executor:ColdExecutorImpl"
+    key = lambda **change: shard_cache.key(role, {"spec": spec, **kw, **change})  # noqa: E731
+    assert key() == key(cores=(0,), spec=PlaneSpec.new(1, 8, 64, 256, 16, 16, a, torch.bfloat16))
+    assert key() != key(rank=1) != key(hot_share=0.25)
+    assert key() == key(spec=dataclasses.replace(spec, num_blocks=99))  # (its KV cache a Slot)
+    assert key() != key(spec=dataclasses.replace(spec, batch=9))
+    model = tmp_path / "m.gguf"
+    model.write_bytes(b"x")
+    sealed = dataclasses.replace(kw["model"], files=(model,))
+    first = key(model=sealed)
+    os.utime(model, ns=(1, 1))
+    assert key(model=sealed) != first
+    base = key()
+    monkeypatch.setenv("POWERINFER_KV_SOMETHING", "1")
+    assert key() != base
+
+    class Run:  # (what an entry must never be able to do when read)
+        def __reduce__(self):
+            return (os.system, ("touch " + str(tmp_path / "ran"),))
+    head = pickle.dumps({"size": 0, "why": Run()}, protocol=4)
+    forged = tmp_path / "shards" / "forged.shard"
+    forged.parent.mkdir(exist_ok=True, mode=0o700)
+    forged.write_bytes(shard_cache.HEAD.pack(shard_cache.MAGIC, len(head), 0) + head.ljust(4096 - 24, b"\0"))
+    assert shard_cache.lookup("forged") is None
+    assert not (tmp_path / "ran").exists() and not forged.exists()
+    os.chmod(tmp_path / "shards", 0o777)  # (others could write entries: no cache)
+    assert shard_cache.directory() is None
