@@ -208,7 +208,8 @@ def test_a_k_quant_files_q4_k_projections_read_only_the_kept_channels(tmp_path, 
     speed-and-numerics check, no quality claim): each projection of Q4_K rows keeps the file's
     bits in its q4c copy (6-bit scales and minimums, f16 super-block scales: the bytes of its
     dense copy) and decodes as the dense Q4_K product does over the same zeroed inputs; a fused
-    q/k/v with a Q6_K v (two of this file's layers, as llama.cpp's Q4_K_M mix does) stays dense.
+    q/k/v with a Q6_K v (two of this file's layers, as llama.cpp's Q4_K_M mix does) takes its q
+    and k from the copy and its v from the dense Q6_K product over the same zeroed input.
     The native loop's tokens are its modules' tokens, and its counter sees exactly the sparse
     projections' decode-step inputs. The actor runtime's executors take copies of their shares
     and decode the in-process engine's tokens."""
@@ -223,7 +224,7 @@ def test_a_k_quant_files_q4_k_projections_read_only_the_kept_channels(tmp_path, 
     sparse = PowerInfer.from_pretrained(str(m), Config(input_sparsity=str(bundle), **LOAD))
     ref = PowerInfer.from_pretrained(str(m), Config(input_sparsity="off", **LOAD))
     ref.engine._decode = ref.engine._forward  # the modules, with hooks that zero a decode row's inputs
-    hooks, per_step, dense = [], 0, []
+    hooks, per_step, dense, mixed = [], 0, [], []
     for i, (b, mine) in enumerate(zip(ref.model.layers, sparse.model.layers)):
         for part, r, s in (("qkv", b.attn.wqkv, mine.attn.wqkv), ("o", b.attn.wo, mine.attn.wo),
                            ("gate_up", b.ffn.w1, mine.ffn.w1)):
@@ -231,13 +232,34 @@ def test_a_k_quant_files_q4_k_projections_read_only_the_kept_channels(tmp_path, 
             if not s.sparsifiable:
                 dense.append((i, part))
                 continue
-            w, kind, _ = s.sparse  # the q4kx16 bytes a row (18.5 a block), its rows padded to 64
-            k, rows64, rows16 = s.in_features, -(-s.out_features // 64) * 64, -(-s.out_features // 16) * 16
+            if len(s.segments) > 1:
+                mixed.append((i, part, s.sparse_rows, s.out_features))
+                # the whole product is the dense one over the zeroed input, bit for bit (v's
+                # too: over the input as given, it is not)
+                t = th[(i, part)]
+                x = torch.randn(1, s.in_features, generator=torch.Generator().manual_seed(i)) * 2 * t
+                x = x.to(torch.bfloat16)
+                zeroed = x.masked_fill(x.float().abs() <= t, 0)
+                got, kept = s(x), s.sparse
+                try:
+                    s.sparse = None
+                    assert torch.equal(got, s(zeroed))
+                    assert not torch.equal(got[:, s.sparse_rows:], s(x)[:, s.sparse_rows:])
+                finally:
+                    s.sparse = kept
+            # the q4kx16 bytes a row of its Q4_K run (18.5 a block), its rows padded to 64
+            w, kind, _ = s.sparse
+            n = s.sparse_rows
+            k, rows64, rows16 = s.in_features, -(-n // 64) * 64, -(-n // 16) * 16
             assert kind == 2 and w.numel() == rows64 * (k // 32 * 18 + k // 256 * 4)
-            assert w.numel() // rows64 == s.nbytes // rows16
+            assert w.numel() // rows64 == getattr(s, s.segments[0][0]).numel() // rows16
             per_step += s.in_features
             hooks.append(r.register_forward_pre_hook(zeroed_under(th[(i, part)])))
-    assert dense == [(2, "qkv"), (3, "qkv")]
+    assert dense == []
+    a = sparse.model.args  # (the layers whose v is Q6_K: q and k rows from the copy, v after)
+    q_k = (a.n_heads + a.n_kv_heads) * a.head_dim
+    assert mixed == [(2, "qkv", q_k, q_k + a.n_kv_heads * a.head_dim),
+                     (3, "qkv", q_k, q_k + a.n_kv_heads * a.head_dim)], mixed
     n = 12
     try:
         assert_decodes_as_zeroed_dense(sparse, ref, n, per_step)  # (the sparse projections' inputs)
@@ -253,7 +275,8 @@ def test_a_k_quant_files_q4_k_projections_read_only_the_kept_channels(tmp_path, 
                                                        **load))
     try:
         info = actors.engine.group.info
-        assert info["hot"]["input_sparse"] == info["cold.0"]["input_sparse"] == [10, 0], info
+        # (every layer's q/k/v, output and gate+up share, the two with a Q6_K v included)
+        assert info["hot"]["input_sparse"] == info["cold.0"]["input_sparse"] == [12, 0], info
         for p in PROMPTS:
             ids = local.tokenize(p)
             assert_same_or_near_tie(local, ids, greedy_ids(local, ids, n), greedy_ids(actors, ids, n), 0.05)

@@ -44,6 +44,12 @@ class InputSparse:
         w, kind, t = self.sparse
         return self._q4c_product(x, w, kind, t)
 
+    @property
+    def sparse_rows(self) -> int:
+        """The output rows the q4c copy holds (the first rows; all of them but where a subclass
+        computes the rest densely over the zeroed input: `KQuantLinear`)."""
+        return self.out_features
+
     def _q4c_product(self, x: torch.Tensor, w: torch.Tensor, kind: int, t: float) -> torch.Tensor:
         """The one-row product over the copy (the CPU kernel's, which counts the channels)."""
-        return kernels.linear_q4c(x, w, self.out_features, kind, t, self.sparse_stats)
+        return kernels.linear_q4c(x, w, self.sparse_rows, kind, t, self.sparse_stats)

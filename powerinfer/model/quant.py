@@ -108,16 +108,34 @@ class KQuantLinear(InputSparse, nn.Module):
 
     @property
     def sparsifiable(self) -> bool:
-        """Whether its rows are one run of Q4_K, which a q4c copy can hold (a fused q/k/v with
-        a Q6_K v stays dense)."""
-        return len(self.segments) == 1 and self.segments[0][2] == KQUANT_LAYOUTS["Q4_K"]
+        """Whether its first run of rows is Q4_K, which a q4c copy can hold. The runs after it (a
+        fused q/k/v's Q6_K v, as a Q4_K_M file has in half its layers) are computed densely over
+        the same zeroed input (`sparse_product`)."""
+        return self.segments[0][2] == KQUANT_LAYOUTS["Q4_K"]
+
+    @property
+    def sparse_rows(self) -> int:
+        return self.segments[0][1]
 
     def _q4c(self) -> tuple[torch.Tensor, int]:
         # the file's codes, 6-bit scales and minimums and f16 super-block scales, 4.625 bits a
-        # weight (`kernels.q4kc_of_q4kx16`)
+        # weight (`kernels.q4kc_of_q4kx16`), of the first run's rows
         name, n, _ = self.segments[0]
         return kernels.q4kc_of_q4kx16(getattr(self, name), n, self.in_features), \
             kernels.Q4C_KINDS.index("q4_k")
+
+    def sparse_product(self, x: torch.Tensor) -> torch.Tensor | None:
+        """As `InputSparse.sparse_product`; the runs after the first (no q4c copy) are the dense
+        products over x with the entries at or under the threshold zeroed, as the copy reads it,
+        so the whole is the dense product over one zeroed input (the native loops do the same)."""
+        y = super().sparse_product(x)
+        if y is None or len(self.segments) == 1:
+            return y
+        t = self.sparse[2]
+        xz = x.masked_fill(x.float().abs() <= t, 0).reshape(1, self.in_features)
+        rest = [kernels.linear_x16(xz, getattr(self, name), n, layout).to(x.dtype)
+                for name, n, layout in self.segments[1:]]
+        return torch.cat([y.reshape(1, -1), *rest], -1).reshape(*x.shape[:-1], self.out_features)
 
     def rows(self, lo: int, hi: int, copy: bool = False) -> "KQuantLinear":
         """Its output rows lo:hi (lo a multiple of 16, one run of one type): the groups that

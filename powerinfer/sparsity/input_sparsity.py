@@ -416,12 +416,14 @@ def attach_parts(parts, thresholds: dict[tuple[int, str], float], min_rows: int 
     for i, part, m in parts:
         t = thresholds.get((i, part), 0.0)
         # the file's Q4_0/Q4_1 blocks, or a K-quant file's Q4_K rows (a fused q/k/v with a Q6_K
-        # v, as a Q4_K_M file has in some layers, stays dense)
+        # v, as a Q4_K_M file has in some layers: its q and k from the copy, its v dense over the
+        # zeroed input; timed apart from the q/k/v of one run)
         if isinstance(m, InputSparse) and m.sparsifiable and t > 0:
             if m.out_features < min_rows:
                 dense += 1
                 continue
-            sizes.setdefault((type(m), m.out_features, m.in_features), []).append((part, m, t))
+            size = (type(m), m.out_features, m.in_features, m.sparse_rows)
+            sizes.setdefault(size, []).append((part, m, t))
     taken = 0
     for group in sizes.values():
         timed = group[:MEASURE_MODULES] if measure else group

@@ -1157,8 +1157,9 @@ struct ColdLayers {
   at::TensorList qkv2;
   at::IntArrayRef qkv2_fmt, qkv2_n;
   // input sparsity (the native loops' decode steps, set_sparse): three a layer (q/k/v, the output projection,
-  // a block slice's gate+up), a q4c copy of the projection (see project; an empty tensor: dense)
-  // and its input's threshold; empty lists where none
+  // a block slice's gate+up), a q4c copy of the projection (see project; an empty tensor: dense;
+  // of q/k/v's first run only, where there is a second: attention_step) and its input's
+  // threshold; empty lists where none
   at::TensorList sparse = {};
   at::ArrayRef<double> sparse_threshold = {};
   int64_t* sparse_stats = nullptr;  // the channels kept and seen, where counted
@@ -1265,6 +1266,28 @@ struct QKNorms {
 // A layer's decode step of its heads: x (rows, dim) in the model's type; pos (rows,), starts,
 // tables: where the rows sit in the paged cache (see paged_attention) -> (rows, dim) f32, their
 // share of the output projection (as Attention(partial=True)). qk: the layer's q/k norms, or null.
+// x (1, dim) f32 or bf16 with every entry of magnitude at or under `threshold` set to 0 (a copy):
+// the input a q4c copy reads (`q4c_product`), for the runs of a projection that have no copy
+static at::Tensor zeroed_under(const at::Tensor& x, double threshold) {
+  at::Tensor out = x.contiguous().clone();
+  const int64_t n = out.numel();
+  const float t = (float)threshold;
+  if (out.scalar_type() == at::kBFloat16) {
+    uint16_t* p = reinterpret_cast<uint16_t*>(out.data_ptr());
+    for (int64_t i = 0; i < n; i++) {
+      uint32_t bits = (uint32_t)p[i] << 16;
+      float v;
+      std::memcpy(&v, &bits, 4);
+      if (std::fabs(v) <= t) p[i] = 0;
+    }
+  } else {
+    float* p = out.data_ptr<float>();
+    for (int64_t i = 0; i < n; i++)
+      if (std::fabs(p[i]) <= t) p[i] = 0.0f;
+  }
+  return out;
+}
+
 static at::Tensor attention_step(const Kernels& k, const ColdLayers& L, int64_t layer, const at::Tensor& x,
                                  const at::Tensor& pos, const at::Tensor& starts, const at::Tensor& tables,
                                  int64_t n_heads, const std::optional<at::Tensor>& cos,
@@ -1275,10 +1298,18 @@ static at::Tensor attention_step(const Kernels& k, const ColdLayers& L, int64_t 
   // (the values paged_attention would see and return, with no copies between: the projection
   // rounded to the model's type in place, the RoPE tables read at each position, the output
   // rounded as the model's type holds it)
-  at::Tensor qkv = project(k, x, L.qkv[layer], L.qkv_fmt[layer], L.qkv_n[layer], L.sparse_of(layer, 0),
-                           L.threshold_of(layer, 0), L.sparse_stats);
-  if (L.qkv2[layer].numel())
-    qkv = at::cat({qkv, project(k, x, L.qkv2[layer], L.qkv2_fmt[layer], L.qkv2_n[layer])}, 1);
+  const at::Tensor* sparse = L.sparse_of(layer, 0);
+  const double threshold = L.threshold_of(layer, 0);
+  at::Tensor qkv = project(k, x, L.qkv[layer], L.qkv_fmt[layer], L.qkv_n[layer], sparse, threshold,
+                           L.sparse_stats);
+  if (L.qkv2[layer].numel()) {
+    // a second run (a Q4_K_M file's Q6_K v) beside a sparse first one: the dense product over the
+    // input zeroed as the first run's copy reads it (the channels at or under its threshold), so
+    // q/k/v are the dense products over one zeroed input, as the modules compute them
+    const bool zeroed = sparse && x.size(0) == 1;
+    const at::Tensor xs = zeroed ? zeroed_under(x, threshold) : x;
+    qkv = at::cat({qkv, project(k, xs, L.qkv2[layer], L.qkv2_fmt[layer], L.qkv2_n[layer])}, 1);
+  }
   const bool bf16 = x.scalar_type() == at::kBFloat16;
   auto round_rows = [&](at::Tensor& t) {
     if (!bf16) return;
@@ -1366,12 +1397,9 @@ static int64_t warm_records(const ColdLayers& L, int64_t layer, const bool* rows
 // and seen (2 int64) where given. A one-row step's projection with a copy reads only the input
 // channels over its threshold (project).
 static void set_sparse(ColdLayers& L, size_t n_layers, at::TensorList sparse, at::ArrayRef<double> sparse_threshold,
-                       const std::optional<at::Tensor>& sparse_stats, at::TensorList qkv2) {
+                       const std::optional<at::Tensor>& sparse_stats) {
   TORCH_CHECK(sparse.empty() || (sparse.size() == 3 * n_layers && sparse_threshold.size() == 3 * n_layers),
               "sparse: none, or three q4c copies (or empty tensors) and thresholds per layer");
-  for (size_t i = 0; i < sparse.size(); i++)
-    TORCH_CHECK(!sparse[i].numel() || (i % 3 != 0 || !qkv2[i / 3].numel()),
-                "layer ", i / 3, ": a sparse q/k/v copy needs q/k/v in one run");
   if (sparse.empty()) return;
   L.sparse = sparse;
   L.sparse_threshold = sparse_threshold;
@@ -1465,7 +1493,7 @@ static std::vector<int64_t> cold_serve(at::Tensor& state, int64_t x_base, int64_
   ColdLayers L = per_layer(ffn_w1, ffn_w2, ffn_kind, ffn_n, ffn_down_fmt, ffn_w1_fmt, ffn_idx, ffn_threshold,
                            qkv, qkv_fmt, qkv_n, qkv2, qkv2_fmt, qkv2_n, wo, wo_fmt, k_cache, v_cache);
   const size_t n_layers = ffn_kind.size();
-  set_sparse(L, n_layers, sparse, sparse_threshold, sparse_stats, qkv2);
+  set_sparse(L, n_layers, sparse, sparse_threshold, sparse_stats);
   TORCH_CHECK(ops.size() == 4 && dim % 32 == 0, "ops: (decode, head, attention, prefill); dim a multiple of 32");
   // the layers' own variants (Gemma 3, Qwen3), as hot_layers takes them: each list empty (none)
   // or per layer, q/k norms two a layer (an empty tensor where a layer has none)
@@ -1631,7 +1659,7 @@ static at::Tensor hot_layers(const at::Tensor& h_in, const at::Tensor& pos, cons
                            qkv, qkv_fmt, qkv_n, qkv2, qkv2_fmt, qkv2_n, wo, wo_fmt, k_cache, v_cache);
   const size_t n_layers = ffn_kind.size();
   // input sparsity: decode steps only (a prompt's rows stay dense)
-  if (!prompt) set_sparse(L, n_layers, sparse, sparse_threshold, sparse_stats, qkv2);
+  if (!prompt) set_sparse(L, n_layers, sparse, sparse_threshold, sparse_stats);
   TORCH_CHECK(norms.size() == 2 * n_layers, "two norms per layer");
   TORCH_CHECK(ops.size() == 3, "ops: (decode, attention, prefill)");
   if (prompt)
