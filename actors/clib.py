@@ -172,12 +172,11 @@ def load(role: str, kwargs: dict, cores, name: str, what: str) -> Loaded | str:
     child0 = resource.getrusage(resource.RUSAGE_CHILDREN)
     pin_threads(cores)  # (the child inherits it; the memory below is touched here first)
     entry = shard_cache.key(role, kwargs)
-    hit = shard_cache.lookup(entry)
+    hit = shard_cache.fetch(entry)
     if hit is not None:  # (what a child packed for the same shard before)
-        got, path, at = hit
+        got, memory = hit
         if "why" in got:
             return got["why"]
-        memory = shard_cache.read(path, at, got["size"])
         got = {**got, "cached": True}
         if "cores" in got.get("ready", {}):
             got["ready"] = {**got["ready"], "cores": list(cores)}

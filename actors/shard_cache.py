@@ -178,53 +178,59 @@ def start(header: int) -> int:
     return -(-(HEAD.size + header) // ALIGN) * ALIGN
 
 
-def lookup(name: str) -> tuple[dict, Path, int] | None:
-    """(the child's report, the entry's file, where its packed bytes start) for the entry
-    `name`, or None; an entry that does not read back whole is removed (and None)."""
+def fetch(name: str) -> tuple[dict, mmap.mmap | None] | None:
+    """(the child's report, its packed bytes in anonymous memory of this process, on 2 MiB
+    pages where it can; None for a report of why the role needs torch) of the entry `name`, or
+    None where there is none. An entry that does not read back whole, or that names a kernel
+    library no longer there, is removed (and None); one removed by another process as it is
+    read is read whole all the same (its file stays open)."""
     d = directory()
     if d is None:
         return None
     path = d / (name + SUFFIX)
     try:
-        with open(path, "rb") as f:
+        f = open(path, "rb")
+    except OSError:
+        return None
+    m = None
+    try:
+        with f:
             magic, n, size = HEAD.unpack(f.read(HEAD.size))
             if magic != MAGIC or n > 1 << 26:
                 raise ValueError("not an entry of this version")
             got = _Header(io.BytesIO(f.read(n))).load()
             if not isinstance(got, dict) or got.get("size", size) != size:
                 raise ValueError("its header does not match its size")
-            at = start(n)
-            if os.fstat(f.fileno()).st_size != at + size:
-                raise ValueError(f"it holds {os.fstat(f.fileno()).st_size} bytes, "
-                                 f"not {at + size}")
-    except FileNotFoundError:
-        return None
+            if got.get("library") and not os.path.exists(got["library"]):
+                raise ValueError(f"its kernel library {got['library']} is gone")
+            at0, held = start(n), os.fstat(f.fileno()).st_size
+            if held != at0 + size:
+                raise ValueError(f"it holds {held} bytes, not {at0 + size}")
+            if "why" in got:
+                return got, None
+            m = mmap.mmap(-1, max(size, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+            if hasattr(mmap, "MADV_HUGEPAGE"):
+                m.madvise(mmap.MADV_HUGEPAGE)
+            view, at = memoryview(m), 0
+            try:
+                while at < size:
+                    got_n = os.preadv(f.fileno(), [view[at:min(size, at + (64 << 20))]], at0 + at)
+                    if got_n <= 0:
+                        raise ValueError("it ended early")
+                    at += got_n
+            finally:
+                view.release()
     except Exception as e:  # noqa: BLE001 - a bad entry is packed again
         log.warning("shard cache entry %s dropped: %s", path.name, e)
+        if m is not None:
+            m.close()
         path.unlink(missing_ok=True)
         return None
-    os.utime(path)  # (used: the last to go)
-    return got, path, at
-
-
-def read(path: Path, at0: int, size: int) -> mmap.mmap:
-    """An entry's packed bytes in anonymous memory of this process (2 MiB pages where it can)."""
-    m = mmap.mmap(-1, max(size, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    if hasattr(mmap, "MADV_HUGEPAGE"):
-        m.madvise(mmap.MADV_HUGEPAGE)
-    view = memoryview(m)
-    fd = os.open(path, os.O_RDONLY)
     try:
-        at, chunk = 0, 64 << 20
-        while at < size:
-            n = os.preadv(fd, [view[at:min(size, at + chunk)]], at0 + at)
-            if n <= 0:
-                raise OSError(f"the shard cache entry {path.name} ended early")
-            at += n
-    finally:
-        os.close(fd)
-        view.release()
-    return m
+        os.utime(path)  # (used: the last to go)
+    except OSError:
+        pass
+    return got, m
 
 
 def store(name: str, got: dict, memory: mmap.mmap | None, size: int):

@@ -257,7 +257,11 @@ def test_a_shard_cache_entry_follows_its_files_and_arguments_not_its_plane_or_co
     forged = tmp_path / "shards" / "forged.shard"
     forged.parent.mkdir(exist_ok=True, mode=0o700)
     forged.write_bytes(shard_cache.HEAD.pack(shard_cache.MAGIC, len(head), 0) + head.ljust(4096 - 24, b"\0"))
-    assert shard_cache.lookup("forged") is None
+    assert shard_cache.fetch("forged") is None
     assert not (tmp_path / "ran").exists() and not forged.exists()
+    # an entry whose kernel library is gone (rebuilt elsewhere) is packed again
+    shard_cache.store("gone", {"size": 0, "why": "w", "library": str(tmp_path / "no.so")}, None, 0)
+    assert (tmp_path / "shards" / "gone.shard").exists() and shard_cache.fetch("gone") is None
+    assert not (tmp_path / "shards" / "gone.shard").exists()
     os.chmod(tmp_path / "shards", 0o777)  # (others could write entries: no cache)
     assert shard_cache.directory() is None
