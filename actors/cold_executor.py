@@ -99,8 +99,9 @@ class ColdExecutorImpl(Answering):
         if plan.inputs is not None and weights == "int4":
             parts = [(i, p, m) for i, att in enumerate(self.attn) for p, m in (("qkv", att.wqkv), ("o", att.wo))]
             parts += [(i, "gate_up", ffn_w1(s)) for i, s in enumerate(self.sets)]
+            held = held_bytes(*self.sets, *self._head(), *(p for m in self.attn for p in (m.wqkv, m.wo)))
             taken, small, self.input_stats = attach_parts(parts, *plan.inputs,
-                                                          timings=self.input_timings)
+                                                          timings=self.input_timings, held_bytes=held)
             self.input_sparse = (taken, small)
         src.close()
         trim_heap()  # the load's transients, freed, stay resident otherwise

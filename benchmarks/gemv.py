@@ -37,16 +37,11 @@ def seconds(fn, n: int = 10) -> float:
 
 
 def last_level_cache() -> int:
-    """Bytes of the CPU's largest cache (sysfs; 32 MiB where it does not say): a server CPU's
-    L3 holds hundreds of MiB (300 MiB on an Emerald Rapids Xeon), more than a benchmark's
-    copies of a 7B matrix or a 256 MiB buffer, which then read from cache, not memory."""
-    import glob
-    best = 0
-    for f in glob.glob("/sys/devices/system/cpu/cpu0/cache/index*/size"):
-        text = open(f).read().strip().upper()
-        scale = {"K": 2**10, "M": 2**20, "G": 2**30}.get(text[-1:], 1)
-        best = max(best, int(text.rstrip("KMG")) * scale)
-    return best or 32 * 2**20
+    """Bytes of the CPU's largest cache (`powerinfer.cpu.last_level_cache`): more than a
+    benchmark's copies of a 7B matrix or a 256 MiB buffer on a server CPU, which then read from
+    cache, not memory."""
+    from powerinfer.cpu import last_level_cache as llc
+    return llc()
 
 
 def read_rate() -> tuple[float, int]:

@@ -386,7 +386,7 @@ def test_a_size_not_faster_sparse_on_this_cpu_stays_dense(monkeypatch, caplog):
     calls = []
     real = isp._sparse_pays
     monkeypatch.setattr(isp, "_sparse_pays",
-                        lambda group, share: calls.append(share) or real(group, share))
+                        lambda group, share, *rest: calls.append(share) or real(group, share, *rest))
     with caplog.at_level(logging.INFO, logger="powerinfer"):
         taken, dense, stats = isp.attach_parts(parts, th)
     assert (taken, dense, calls) == (2, 3, [isp.MEASURE_SHARE, isp.MEASURE_SHARE])
@@ -412,3 +412,13 @@ def test_a_size_not_faster_sparse_on_this_cpu_stays_dense(monkeypatch, caplog):
     assert isp.attach_parts(parts, th, measure=False)[:2] == (5, 0) and len(calls) == 4
     monkeypatch.setattr(isp, "MIN_ROWS", 0)
     assert isp.attach_parts(parts, th)[:2] == (5, 0) and len(calls) == 4
+    monkeypatch.setattr(isp, "MIN_ROWS", 8192)
+    # a process whose weights are past the last level cache times each size from memory (the
+    # caches filled with other bytes before each round); under it, as the matrices come
+    monkeypatch.setattr(isp, "last_level_cache", lambda: 1 << 20)
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="powerinfer"):
+        isp.attach_parts(parts[3:], th, held_bytes=2 << 20)
+        isp.attach_parts(parts[3:], th, held_bytes=1 << 19)
+    assert caplog.text.count("gate_up, 8192 x 512, from memory (2 timed)") == 1, caplog.text
+    assert caplog.text.count("gate_up, 8192 x 512 (2 timed)") == 1, caplog.text
