@@ -52,7 +52,10 @@ def directory() -> Path | None:
     if where.lower() in ("0", "off", "no", "false"):
         return None
     if not where:
-        home = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+        try:
+            home = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+        except RuntimeError:  # (no home directory to be found: no cache)
+            return None
         where = Path(home) / "powerinfer" / "shards"
     d = Path(where)
     try:
