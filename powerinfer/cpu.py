@@ -4,6 +4,8 @@ the library, so that a configuration is built and checked, and the command line 
 process that never imports torch (the `powerinfer serve` driver)."""
 from __future__ import annotations
 
+import functools
+
 ISAS = ("avx2", "avx512", "avx512bf16")  # the CPU kernel's classes, each a superset of the one before
 
 # the native loops' phases (csrc/ops.cpp, prof::Phase), in order: `hot_layers`' ...
@@ -29,10 +31,11 @@ def loop_times(totals: list[int]) -> dict:
                                     for name, v in zip(LOOP_PHASES, totals)}}
 
 
+@functools.cache
 def last_level_cache() -> int:
-    """Bytes of the CPU's largest cache (sysfs; 32 MiB where it does not say): a server CPU's
-    L3 holds hundreds of MiB (300-480 MiB on the Xeons this project was measured on, more on an
-    EPYC with stacked cache)."""
+    """Bytes of the CPU's largest cache (sysfs, read once; 32 MiB where it does not say): a
+    server CPU's L3 holds hundreds of MiB (300-480 MiB on the Xeons this project was measured
+    on, more on an EPYC with stacked cache)."""
     import glob
     best = 0
     for f in glob.glob("/sys/devices/system/cpu/cpu0/cache/index*/size"):

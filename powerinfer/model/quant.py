@@ -131,11 +131,14 @@ class KQuantLinear(InputSparse, nn.Module):
         y = super().sparse_product(x)
         if y is None or len(self.segments) == 1:
             return y
-        t = self.sparse[2]
-        xz = x.masked_fill(x.float().abs() <= t, 0).reshape(1, self.in_features)
-        rest = [kernels.linear_x16(xz, getattr(self, name), n, layout).to(x.dtype)
-                for name, n, layout in self.segments[1:]]
+        t = self.sparse[2]  # (dropped as the copy drops them: not over t, a NaN too)
+        xz = x.masked_fill(~(x.float().abs() > t), 0).reshape(1, self.in_features)
+        rest = [r.to(x.dtype) for r in self._dense(xz, self.segments[1:])]
         return torch.cat([y.reshape(1, -1), *rest], -1).reshape(*x.shape[:-1], self.out_features)
+
+    def _dense(self, x: torch.Tensor, segments: list) -> list[torch.Tensor]:
+        """x (f32 or bf16) times each of these runs of rows: the kernel library's GEMVs (f32)."""
+        return [kernels.linear_x16(x, getattr(self, name), n, layout) for name, n, layout in segments]
 
     def rows(self, lo: int, hi: int, copy: bool = False) -> "KQuantLinear":
         """Its output rows lo:hi (lo a multiple of 16, one run of one type): the groups that
@@ -154,7 +157,7 @@ class KQuantLinear(InputSparse, nn.Module):
         if (y := self.sparse_product(x)) is not None:
             return y if self.bias is None else y + self.bias
         xx = x if x.dtype in (torch.float32, torch.bfloat16) else x.float()
-        ys = [kernels.linear_x16(xx, getattr(self, name), n, layout) for name, n, layout in self.segments]
+        ys = self._dense(xx, self.segments)
         y = (ys[0] if len(ys) == 1 else torch.cat(ys, -1)).to(x.dtype)
         return y if self.bias is None else y + self.bias
 

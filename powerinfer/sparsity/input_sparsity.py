@@ -418,7 +418,8 @@ def attach_parts(parts, thresholds: dict[tuple[int, str], float], min_rows: int 
     min_rows = MIN_ROWS if min_rows is None else min_rows
     measure = (MEASURE if measure is None else measure) and min_rows > 0
     stats = torch.zeros(2, dtype=torch.long)
-    sizes: dict[tuple, list] = {}  # (type, rows, columns) -> [(part, module, threshold)]
+    sizes: dict[tuple, list] = {}  # (type, rows, columns, copy's rows) -> [(part, module, threshold)]
+    from_memory = held_bytes is not None and held_bytes > last_level_cache()
     dense = 0
     for i, part, m in parts:
         t = thresholds.get((i, part), 0.0)
@@ -437,8 +438,7 @@ def attach_parts(parts, thresholds: dict[tuple[int, str], float], min_rows: int 
         for _, m, t in timed:  # (counted from the first step on, not in the timing)
             m.sparsify_input(t, None)
         if measure:
-            pays, line = _sparse_pays(timed, MEASURE_SHARE if share is None else share,
-                                      held_bytes is not None and held_bytes > last_level_cache())
+            pays, line = _sparse_pays(timed, MEASURE_SHARE if share is None else share, from_memory)
             if timings is not None:
                 timings.append(line)
             else:

@@ -520,6 +520,11 @@ static at::Tensor linear_x16(const at::Tensor& x, const at::Tensor& w, int64_t n
   return y;
 }
 
+// Whether input sparsity drops an input entry v under threshold t: its magnitude not over t (at
+// or under it, or a NaN): the q4c product's rule, and `zeroed_under`'s for a projection's runs
+// without a copy
+static bool dropped(float v, float t) { return !(std::fabs(v) > t); }
+
 // The rows of x (B, k) f32 or bf16 (each alone: its own channels), with every input channel at
 // or below `t` in magnitude set to 0 (TEAL's input sparsity), times a matrix w of n rows held by
 // input channel (q4c, input_sparse.h; `kind`: a Q4CKind) -> (B, n) f32 in this
@@ -545,7 +550,7 @@ static const float* q4c_product(const Kernels& kk, const void* x, bool bf16, int
   for (int64_t r = 0; r < B; r++) {
     for (int64_t j = 0; j < k; j++) {
       const float v = bf16 ? (float)xb[r * k + j] : xp[r * k + j];
-      xf[j] = std::fabs(v) > t ? v : 0.0f;
+      xf[j] = dropped(v, t) ? 0.0f : v;
     }
     active().quantize(xf.data(), false, 1, k, xq.data(), xd.data(), xs.data());
     int32_t npairs = 0;
@@ -1263,31 +1268,27 @@ struct QKNorms {
   double eps;
 };
 
-// A layer's decode step of its heads: x (rows, dim) in the model's type; pos (rows,), starts,
-// tables: where the rows sit in the paged cache (see paged_attention) -> (rows, dim) f32, their
-// share of the output projection (as Attention(partial=True)). qk: the layer's q/k norms, or null.
-// x (1, dim) f32 or bf16 with every entry of magnitude at or under `threshold` set to 0 (a copy):
+// x (1, dim) f32 or bf16 with every entry input sparsity drops (`dropped`) set to 0 (a copy):
 // the input a q4c copy reads (`q4c_product`), for the runs of a projection that have no copy
 static at::Tensor zeroed_under(const at::Tensor& x, double threshold) {
   at::Tensor out = x.contiguous().clone();
   const int64_t n = out.numel();
   const float t = (float)threshold;
   if (out.scalar_type() == at::kBFloat16) {
-    uint16_t* p = reinterpret_cast<uint16_t*>(out.data_ptr());
-    for (int64_t i = 0; i < n; i++) {
-      uint32_t bits = (uint32_t)p[i] << 16;
-      float v;
-      std::memcpy(&v, &bits, 4);
-      if (std::fabs(v) <= t) p[i] = 0;
-    }
+    c10::BFloat16* p = static_cast<c10::BFloat16*>(out.data_ptr());
+    for (int64_t i = 0; i < n; i++)
+      if (dropped((float)p[i], t)) p[i] = c10::BFloat16(0.0f);
   } else {
     float* p = out.data_ptr<float>();
     for (int64_t i = 0; i < n; i++)
-      if (std::fabs(p[i]) <= t) p[i] = 0.0f;
+      if (dropped(p[i], t)) p[i] = 0.0f;
   }
   return out;
 }
 
+// A layer's decode step of its heads: x (rows, dim) in the model's type; pos (rows,), starts,
+// tables: where the rows sit in the paged cache (see paged_attention) -> (rows, dim) f32, their
+// share of the output projection (as Attention(partial=True)). qk: the layer's q/k norms, or null.
 static at::Tensor attention_step(const Kernels& k, const ColdLayers& L, int64_t layer, const at::Tensor& x,
                                  const at::Tensor& pos, const at::Tensor& starts, const at::Tensor& tables,
                                  int64_t n_heads, const std::optional<at::Tensor>& cos,
