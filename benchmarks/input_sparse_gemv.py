@@ -1,11 +1,11 @@
 #!/usr/bin/env python3
 """Input-sparse 4-bit products on the CPU: the q4c product (`kernels.linear_q4c`, each input
 channel's weights together, only the kept channels read) against the dense GEMV that the
-default path runs (`kernels.linear_q4x16`, or q4kx16 for a K-quant file's Q4_K rows), the same
-matrices, in one run, in turns.
+default path runs (`kernels.linear_q4x16`, or q4kx16 and q6kx16 for a K-quant file's Q4_K and
+Q6_K rows), the same matrices, in one run, in turns.
 
     .venv/bin/python benchmarks/input_sparse_gemv.py [--threads N] [--shapes 7b smollm2]
-        [--quant q4_0|q4_k] [--sparsity 0 0.25 0.4 0.5 0.7] [--turns 3] [--cpu-isa avx2]
+        [--quant q4_0|q4_k|q6_k] [--sparsity 0 0.25 0.4 0.5 0.7] [--turns 3] [--cpu-isa avx2]
         [--from-cache] [--json FILE]
 
 Each shape is a decode step's projections that share an input (TEAL sparsifies each input once):
@@ -46,11 +46,14 @@ SHAPES = {  # name: (k, [(projection, rows)])
 def q4c_read_bytes(n: int, k: int, x: torch.Tensor, threshold: float) -> int:
     """Bytes the q4c product reads for one row x: each block with a kept channel reads its rows'
     scales and its kept channels' codes (a Q4_K matrix's: a byte of scale and one of minimum a
-    row and block, and each super-block's f16 d and dmin a row)."""
+    row and block, and each super-block's f16 d and dmin a row; a Q6_K matrix's: a byte of scale
+    a row per 16 channels, 6-bit codes, each super-block's f16 d a row)."""
     rows = kernels.q4c_rows(n)
     kept = (x.abs() > threshold).view(-1, 32)
     blocks = int(kept.any(1).sum())
-    super_blocks = int(kept.view(-1, 8 * 32).any(1).sum()) if QUANT == "q4_k" else 0
+    super_blocks = int(kept.view(-1, 8 * 32).any(1).sum()) if QUANT in ("q4_k", "q6_k") else 0
+    if QUANT == "q6_k":
+        return blocks * rows * 2 + int(kept.sum()) * rows * 3 // 4 + super_blocks * rows * 2
     return blocks * rows * 2 + int(kept.sum()) * rows // 2 + super_blocks * rows * 4
 
 
@@ -60,6 +63,11 @@ QUANT = "q4_0"  # --quant
 def matrices(n: int, k: int) -> tuple[torch.Tensor, torch.Tensor, int]:
     """A random (n, k) matrix in the dense layout (q4x16, or q4kx16 for Q4_K), its q4c copy, and
     the bytes the dense product reads."""
+    if QUANT == "q6_k":  # random codes and 8-bit scales; small f16 d (210 bytes a block)
+        sb = torch.randint(0, 256, (n, k // 256, 210), dtype=torch.uint8)
+        sb[..., 208:210] = (torch.rand(n, k // 256, 1) * 0.001 + 0.0001).half().view(torch.uint8)
+        dense = kernels.pack_kquant(sb.view(n, -1), "Q6_K")
+        return dense, kernels.q6kc_of_q6kx16(dense, n, k), dense.numel()
     if QUANT == "q4_k":  # random codes, 6-bit scales and minimums; small f16 d and dmin
         sb = torch.randint(0, 256, (n, k // 256, 144), dtype=torch.uint8)
         dd = (torch.rand(n, k // 256, 2) * 0.01 + 0.001).half().view(torch.uint8)
@@ -102,8 +110,9 @@ def main():
     ap.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
     ap.add_argument("--sparsity", type=float, nargs="+", default=[0.0, 0.25, 0.4, 0.5, 0.7])
     ap.add_argument("--turns", type=int, default=3)
-    ap.add_argument("--quant", default="q4_0", choices=["q4_0", "q4_k"],
-                    help="the matrices' blocks: a Q4_0 file's, or a Q4_K_M file's Q4_K rows")
+    ap.add_argument("--quant", default="q4_0", choices=["q4_0", "q4_k", "q6_k"],
+                    help="the matrices' blocks: a Q4_0 file's, or a Q4_K_M file's Q4_K or Q6_K "
+                         "rows")
     ap.add_argument("--json", help="write the rows here")
     ap.add_argument("--cpu-isa", default="auto", choices=["auto", *kernels.ISAS],
                     help="hold the kernel to this class (a lower one than the CPU's best: "
@@ -131,7 +140,7 @@ def main():
     print(f"threads {a.threads}, kernel ISA {kernels.isa()}{held}; read rate (sum over "
           f"{read_bytes / 2**20:.0f} MiB): {read_gbs:.1f} GB/s; last level cache "
           f"{llc / 2**20:.0f} MiB; {a.turns} turns, the median; {a.quant} blocks\n")
-    dense_layout = "q4kx16" if a.quant == "q4_k" else "q4x16"
+    dense_layout = {"q4_k": "q4kx16", "q6_k": "q6kx16"}.get(a.quant, "q4x16")
     if a.from_cache:
         print("(from the cache: the first rows of each matrix that fit in a quarter of the last "
               "level cache, a multiple of 64, read again and again: the products' own rate)\n")
@@ -145,7 +154,8 @@ def main():
         for name, n in projs:
             # distinct copies that together fill twice the last level cache (at least 4 of a
             # 7B matrix, 64 of a SmolLM2 one), so that the products read from memory
-            dense_bytes = n * k * 9 // 16  # Q4_0: 4.5 bits a weight (Q4_K as held: 4.625)
+            # Q4_0: 4.5 bits a weight (Q4_K as held: 4.625, Q6_K 6.5625)
+            dense_bytes = n * k * 105 // 128 if a.quant == "q6_k" else n * k * 9 // 16
             copies = max(4 if shape == "7b" else 64, -(-2 * llc // dense_bytes))
             mats = []
             for _ in range(copies):

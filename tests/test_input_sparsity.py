@@ -209,7 +209,8 @@ def test_a_k_quant_files_q4_k_projections_read_only_the_kept_channels(tmp_path, 
     bits in its q4c copy (6-bit scales and minimums, f16 super-block scales: the bytes of its
     dense copy) and decodes as the dense Q4_K product does over the same zeroed inputs; a fused
     q/k/v with a Q6_K v (two of this file's layers, as llama.cpp's Q4_K_M mix does) takes its q
-    and k from the copy and its v from the dense Q6_K product over the same zeroed input.
+    and k from the copy and its v from a Q6_K copy of its own (the file's 6-bit codes and
+    scales), the dense products over the same zeroed input, bit for bit.
     The native loop's tokens are its modules' tokens, and its counter sees exactly the sparse
     projections' decode-step inputs. The actor runtime's executors take copies of their shares
     and decode the in-process engine's tokens."""
@@ -247,6 +248,10 @@ def test_a_k_quant_files_q4_k_projections_read_only_the_kept_channels(tmp_path, 
                     assert not torch.equal(got[:, s.sparse_rows:], s(x)[:, s.sparse_rows:])
                 finally:
                     s.sparse = kept
+                # v's copy: the q6kx16 bytes a row (26 a block, a f16 a super-block)
+                (w6, kind6), = s.sparse_rest
+                n6, k = s.out_features - s.sparse_rows, s.in_features
+                assert kind6 == 3 and w6.numel() == -(-n6 // 64) * 64 * (k // 32 * 26 + k // 256 * 2)
             # the q4kx16 bytes a row of its Q4_K run (18.5 a block), its rows padded to 64
             w, kind, _ = s.sparse
             n = s.sparse_rows
@@ -266,6 +271,20 @@ def test_a_k_quant_files_q4_k_projections_read_only_the_kept_channels(tmp_path, 
     finally:
         for h in hooks:
             h.remove()
+    # the native loop reads v from its own copy: with the copies' bytes zeroed (v = 0 in those
+    # layers) its tokens move, and come back with the bytes
+    ids = sparse.tokenize(PROMPTS[0])
+    want = greedy_ids(sparse, ids, n)
+    copies = [sparse.model.layers[i].attn.wqkv.sparse_rest[0][0] for i, *_ in mixed]
+    kept = [c.clone() for c in copies]
+    try:
+        for c in copies:
+            c.zero_()
+        assert greedy_ids(sparse, ids, n) != want
+    finally:
+        for c, k in zip(copies, kept):
+            c.copy_(k)
+    assert greedy_ids(sparse, ids, n) == want
     # the actor runtime: each executor's Q4_K shares (its KV heads' q/k/v rows and output
     # columns, its neurons' gate+up rows) take copies, and it decodes the in-process engine's
     # tokens (in float32: see the test below)

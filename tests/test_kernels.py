@@ -576,30 +576,37 @@ def test_q4x16_gemv_equals_a_matmul_over_the_files_weights(isa, kind, n):
         assert (got.float() - want).abs().max() <= 2**-8 * want.abs().max(), rows
 
 
-@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q4_K"])
+@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q4_K", "Q6_K"])
 # whole passes of 64 rows; padded rows past n; with two threads an odd share of passes (the
 # AVX-512 classes take them two at a time, the last one alone)
 @pytest.mark.parametrize("n", [64, 200, 300])
 def test_input_sparse_product_reads_the_kept_channels_of_the_files_weights(isa, kind, n):
-    # the file's 4-bit blocks held by input channel (q4c): x' W^T over exactly the weights the
-    # blocks hold, where x' is x with the channels at or below the threshold zeroed and rounded to
-    # 8 bits per block as the dense q4x16 (q4kx16) product rounds its input: the same floats as it
-    # gives for the zeroed input; 288 channels: 9 blocks (Q4_K: 512, two super-blocks of 8)
+    # the file's 4-bit blocks (and a Q4_K_M file's 6-bit ones) held by input channel (q4c):
+    # x' W^T over exactly the weights the blocks hold, where x' is x with the channels at or
+    # below the threshold zeroed and rounded to 8 bits per block as the dense q4x16 (q4kx16,
+    # q6kx16) product rounds its input: the same floats as it gives for the zeroed input; 288
+    # channels: 9 blocks (K-quants: 512, two super-blocks of 8)
     from gguf import GGMLQuantizationType, dequantize, quantize
 
     from powerinfer.formats import kquants
     from powerinfer.formats.q4 import q4_split
     torch.manual_seed(11)
-    if kind == "Q4_K":  # 6-bit scales and minimums a block, f16 d and dmin a super-block
+    if kind in ("Q4_K", "Q6_K"):  # 6-bit scales and minimums a block (Q6_K: 8-bit scales a 16)
         k = 512
         w0 = torch.randn(n, k) * torch.rand(n, 1) * 3 + torch.randn(n, k // 32).repeat_interleave(32, 1)
         data = kquants.quantize(w0.numpy(), kind)
-        held = torch.from_numpy(dequantize(data, GGMLQuantizationType.Q4_K)).reshape(n, k)
+        held = torch.from_numpy(dequantize(data, getattr(GGMLQuantizationType, kind))).reshape(n, k)
         dense = K.pack_kquant(torch.from_numpy(data), kind)
-        w, offsets = K.q4kc_of_q4kx16(dense, n, k), K.Q4C_KINDS.index("q4_k")
-        # the q4kx16 bytes: a byte of scale and of minimum a row and block, 2 f16 a super-block
-        assert w.numel() == K.q4c_rows(n) * (k // 32 * 18 + k // 256 * 4)
-        dense_product = lambda x: K.linear_x16(x, dense, n, "q4kx16")  # noqa: E731
+        if kind == "Q4_K":
+            w, offsets = K.q4kc_of_q4kx16(dense, n, k), K.Q4C_KINDS.index("q4_k")
+            # the q4kx16 bytes: a byte of scale and of minimum a row and block, 2 f16 a super-block
+            assert w.numel() == K.q4c_rows(n) * (k // 32 * 18 + k // 256 * 4)
+        else:
+            w, offsets = K.q6kc_of_q6kx16(dense, n, k), K.Q4C_KINDS.index("q6_k")
+            # the q6kx16 bytes: 6 bits a weight, a byte of scale a row per 16, a f16 a super-block
+            assert w.numel() == K.q4c_rows(n) * (k // 32 * 26 + k // 256 * 2)
+        layout = {"Q4_K": "q4kx16", "Q6_K": "q6kx16"}[kind]
+        dense_product = lambda x: K.linear_x16(x, dense, n, layout)  # noqa: E731
     else:
         k = 288
         data = quantize(torch.randn(n, k).numpy(), getattr(GGMLQuantizationType, kind))

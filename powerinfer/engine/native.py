@@ -232,18 +232,23 @@ class NativeDecode:
 def input_sparse_args(layers, stats: torch.Tensor | None) -> tuple:
     """`hot_layers`' (or `cold_serve`'s) input-sparsity arguments for decode steps: per layer
     (`layers`: its attention and its FFN modules, either None) the q4c copies
-    (`InputSparse.sparsify_input`) of q/k/v, of the output projection and of a gate+up that
-    computes every neuron (a dense FFN's, a block slice's) with their thresholds (an empty tensor
-    and 0 where that input stays dense), and `stats`, the counter of the channels kept and seen;
-    empty where no projection has a copy."""
+    (`InputSparse.sparsify_input`) of q/k/v, of the output projection, of a gate+up that
+    computes every neuron (a dense FFN's, a block slice's) and of q/k/v's second run of rows (a
+    Q4_K_M file's Q6_K v: `KQuantLinear.sparse_rest`) with their thresholds (an empty tensor and 0
+    where that input stays dense), and `stats`, the counter of the channels kept and seen; empty
+    where no projection has a copy."""
     copies, thresholds = [], []
     for attn, ffn in layers:
-        mods = (getattr(attn, "wqkv", None), getattr(attn, "wo", None),
-                None if ffn is None else ffn_w1(ffn))
+        wqkv = getattr(attn, "wqkv", None)
+        mods = (wqkv, getattr(attn, "wo", None), None if ffn is None else ffn_w1(ffn))
         for m in mods:
             sparse = getattr(m, "sparse", None)
             copies.append(_EMPTY if sparse is None else sparse[0])
             thresholds.append(0.0 if sparse is None else sparse[2])
+        rest = getattr(wqkv, "sparse_rest", None) if getattr(wqkv, "sparse", None) else None
+        second = rest[0] if rest and len(rest) == 1 else None  # (the loop takes one second run)
+        copies.append(_EMPTY if second is None else second[0])
+        thresholds.append(0.0 if second is None else wqkv.sparse[2])
     if not any(c.numel() for c in copies):
         return [], [], None
     return copies, thresholds, stats

@@ -596,7 +596,8 @@ def pack_q4c(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> tuple[
     return _pack_q4c(q, scale.float().half(), m), offsets
 
 
-Q4C_KINDS = ("q4_0", "q4_1", "q4_k")  # a q4c matrix's kind, by its code (csrc: Q4CKind)
+# a q4c matrix's kind, by its code (csrc: Q4CKind); q6_k: a Q6_K matrix's 6-bit codes (`q6kc_of_q6kx16`)
+Q4C_KINDS = ("q4_0", "q4_1", "q4_k", "q6_k")
 
 
 def _by_block(t: torch.Tensor, rows: int) -> torch.Tensor:
@@ -674,13 +675,54 @@ def q4kc_of_q4kx16(packed: torch.Tensor, n: int, k: int) -> torch.Tensor:
     return _pack_q4kc(_codes_of_runs(subs[..., 32:], n), sc, mn, d, dmin)
 
 
+def _q6c_runs(q: torch.Tensor, rows: int) -> torch.Tensor:
+    """q (n, k) 6-bit codes -> (k / 32, 24 rows) bytes: each block's 32 channel runs, each the
+    low 4 bits as `_q4c_runs` lays them, then the top 2 bits, 16 bytes per 64 rows: byte i of a
+    pass holds those of the low nibbles at bytes i and i + 16, then of the high ones at the same
+    bytes (csrc/input_sparse.h)."""
+    n, k = q.shape
+    nb = k // 32
+    q = torch.nn.functional.pad(q.to(torch.uint8), (0, 0, 0, rows - n))
+    low = _q4c_runs(q & 0xF, rows).view(nb, 32, rows // 2)
+    # (nb, 32 channels, rows / 64, v // 2, v & 1, l // 8, l % 8) for row 16v + l, as in _q4c_runs
+    top = (q >> 4).view(rows, nb, 32).permute(1, 2, 0).reshape(nb, 32, rows // 64, 2, 2, 2, 8)
+    shift = torch.tensor([[0, 2], [4, 6]], dtype=torch.uint8).view(2, 1, 2, 1)  # by (v // 2, l // 8)
+    packed = (top << shift).sum(dim=(3, 5), dtype=torch.uint8).reshape(nb, 32, rows // 4)
+    return torch.cat([low, packed], -1).reshape(nb, 24 * rows)
+
+
+def q6kc_of_q6kx16(packed: torch.Tensor, n: int, k: int) -> torch.Tensor:
+    """A Q6_K matrix packed by `pack_q6kx16` -> the same 6-bit codes, 8-bit scales (one a row per
+    16 channels) and f16 super-block scales in the q4c layout (kind q6_k: csrc/input_sparse.h),
+    without widening: 6.5625 bits a weight, as q6kx16."""
+    groups, nsb = packed.shape[0], k // 256
+    sb = packed.reshape(groups, nsb, Q6KX16_SB)
+    d = _of_groups(sb[:, :, 0:32].contiguous().view(torch.float16), n)  # (n, k / 256)
+    sc = _of_groups(sb[:, :, 32:288].reshape(groups, nsb * 16, 16), n)  # (n, k / 16) int8 bytes
+    blocks = sb[:, :, 288:].reshape(groups, nsb * 8, 384)
+    low = _codes_of_runs(blocks[..., :256], n)
+    # the top 2 bits: byte 4i + t of the first vector holds those of weights t, 16 + t, 4 + t,
+    # 20 + t of row i (bits 0, 2, 4, 6), the second of 8 + t, 24 + t, 12 + t, 28 + t
+    h0, h1 = (blocks[..., lo:lo + 64].reshape(groups, nsb * 8, 16, 4) for lo in (256, 320))
+    top = torch.stack([h0, h0 >> 4, h1, h1 >> 4, h0 >> 2, h0 >> 6, h1 >> 2, h1 >> 6], 3) & 3
+    top = top.reshape(groups, nsb * 8, 16, 32).permute(0, 2, 1, 3).reshape(groups * 16, k)[:n]
+    q = low | (top << 4)
+    rows = q4c_rows(n)
+    regions = torch.cat([_by_block(sc[:, 0::2], rows), _by_block(sc[:, 1::2], rows),
+                         _q6c_runs(q, rows)], 1)
+    tail = _by_block(d, rows)  # (k / 256, 2 rows)
+    out = huge_empty((regions.numel() + tail.numel(),), torch.uint8)
+    return torch.cat([regions.view(-1), tail.view(-1)], out=out)
+
+
 def linear_q4c(x: torch.Tensor, w: torch.Tensor, n: int, kind: int, threshold: float,
                stats: torch.Tensor | None = None) -> torch.Tensor:
     """x (..., k) float32 or bfloat16 -> (..., n) in x's type = x' W^T for W of n rows packed by
-    `pack_q4c` or `q4kc_of_q4kx16`, where x' is x with every entry of magnitude <= threshold set
-    to 0 (input sparsity: those channels' weights are not read), rounded to 8 bits per block as
-    the q4x16 product rounds its input. kind: the matrix's (0 Q4_0, 1 Q4_1: `pack_q4c`'s
-    `offsets`; 2 Q4_K), checked against its size. Each row keeps its own channels. `stats`
+    `pack_q4c`, `q4kc_of_q4kx16` or `q6kc_of_q6kx16`, where x' is x with every entry of
+    magnitude <= threshold set to 0 (input sparsity: those channels' weights are not read),
+    rounded to 8 bits per block as the q4x16 product rounds its input. kind: the matrix's
+    (`Q4C_KINDS`: 0 Q4_0, 1 Q4_1: `pack_q4c`'s `offsets`; 2 Q4_K; 3 Q6_K), checked against its
+    size. Each row keeps its own channels. `stats`
     (int64, 2), where given, gains the channels kept and the channels seen."""
     op, kind = torch.ops.powerinfer.linear_q4c.default, int(kind)
     x = x.contiguous()

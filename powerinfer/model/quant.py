@@ -106,35 +106,55 @@ class KQuantLinear(InputSparse, nn.Module):
     def nbytes(self) -> int:
         return sum(getattr(self, name).numel() for name, _, _ in self.segments)
 
+    # the layouts a q4c copy holds, and their kinds (`kernels.Q4C_KINDS`)
+    Q4C_OF = {KQUANT_LAYOUTS["Q4_K"]: "q4_k", KQUANT_LAYOUTS["Q6_K"]: "q6_k"}
+    # the copies of the runs after the first (None for a run no copy holds), made with `sparse`
+    sparse_rest: list | None = None
+
     @property
     def sparsifiable(self) -> bool:
-        """Whether its first run of rows is Q4_K, which a q4c copy can hold. The runs after it (a
-        fused q/k/v's Q6_K v, as a Q4_K_M file has in half its layers) are computed densely over
-        the same zeroed input (`sparse_product`)."""
-        return self.segments[0][2] == KQUANT_LAYOUTS["Q4_K"]
+        """Whether its first run of rows is Q4_K or Q6_K, which a q4c copy can hold. The runs
+        after it (a fused q/k/v's Q6_K v, as a Q4_K_M file has in half its layers) take copies
+        of their own where they are of those types, and are otherwise computed densely over the
+        same zeroed input (`sparse_product`)."""
+        return self.segments[0][2] in self.Q4C_OF
 
     @property
     def sparse_rows(self) -> int:
         return self.segments[0][1]
 
+    def _copy(self, name: str, n: int, layout: int) -> tuple[torch.Tensor, int]:
+        """A run of rows in the q4c layout, and its kind: the file's codes and scales as they are
+        (`kernels.q4kc_of_q4kx16`: 4.625 bits a weight; `kernels.q6kc_of_q6kx16`: 6.5625)."""
+        kind = self.Q4C_OF[layout]
+        of = kernels.q4kc_of_q4kx16 if kind == "q4_k" else kernels.q6kc_of_q6kx16
+        return of(getattr(self, name), n, self.in_features), kernels.Q4C_KINDS.index(kind)
+
     def _q4c(self) -> tuple[torch.Tensor, int]:
-        # the file's codes, 6-bit scales and minimums and f16 super-block scales, 4.625 bits a
-        # weight (`kernels.q4kc_of_q4kx16`), of the first run's rows
-        name, n, _ = self.segments[0]
-        return kernels.q4kc_of_q4kx16(getattr(self, name), n, self.in_features), \
-            kernels.Q4C_KINDS.index("q4_k")
+        return self._copy(*self.segments[0])  # (of the first run's rows)
+
+    def sparsify_input(self, threshold: float | None, stats: torch.Tensor | None = None):
+        super().sparsify_input(threshold, stats)
+        self.sparse_rest = None if threshold is None else [
+            self._copy(*seg) if seg[2] in self.Q4C_OF else None for seg in self.segments[1:]]
 
     def sparse_product(self, x: torch.Tensor) -> torch.Tensor | None:
-        """As `InputSparse.sparse_product`; the runs after the first (no q4c copy) are the dense
-        products over x with the entries at or under the threshold zeroed, as the copy reads it,
-        so the whole is the dense product over one zeroed input (the native loops do the same)."""
+        """As `InputSparse.sparse_product`; each run after the first from its own copy (the
+        channels counted once, by the first), or where it has none the dense product over x with
+        the entries at or under the threshold zeroed, as the copies read it: the whole is the
+        dense product over one zeroed input (the native loops do the same)."""
         y = super().sparse_product(x)
         if y is None or len(self.segments) == 1:
             return y
-        t = self.sparse[2]  # (dropped as the copy drops them: not over t, a NaN too)
-        xz = x.masked_fill(~(x.float().abs() > t), 0).reshape(1, self.in_features)
-        rest = [r.to(x.dtype) for r in self._dense(xz, self.segments[1:])]
-        return torch.cat([y.reshape(1, -1), *rest], -1).reshape(*x.shape[:-1], self.out_features)
+        t, xz, ys = self.sparse[2], None, [y.reshape(1, -1)]
+        for (name, n, layout), copy in zip(self.segments[1:], self.sparse_rest):
+            if copy is not None:
+                ys.append(kernels.linear_q4c(x, copy[0], n, copy[1], t).reshape(1, n))
+                continue
+            if xz is None:  # (dropped as the copies drop them: not over t, a NaN too)
+                xz = x.masked_fill(~(x.float().abs() > t), 0).reshape(1, self.in_features)
+            ys.append(self._dense(xz, [(name, n, layout)])[0].to(x.dtype))
+        return torch.cat(ys, -1).reshape(*x.shape[:-1], self.out_features)
 
     def _dense(self, x: torch.Tensor, segments: list) -> list[torch.Tensor]:
         """x (f32 or bf16) times each of these runs of rows: the kernel library's GEMVs (f32)."""

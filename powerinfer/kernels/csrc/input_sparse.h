@@ -54,6 +54,7 @@
 struct Q4CBlock {
   const uint8_t* r;
   int cnt;
+  int cnt_a;  // (Q6_K) the pairs of channels 0..15, before those of 16..31
   const uint8_t* ra[16];
   const uint8_t* rb[16];
   int16_t x[16];
@@ -65,11 +66,14 @@ inline int q4c_block(const Q4CArgs& a, int64_t b, int64_t np, Q4CBlock& k) {
   if (k.cnt == 0) return 0;
   k.r = a.w + b * q4c_region(np, a.kind);
   const uint8_t* nib = k.r + (a.kind == Q4C_Q4_1 ? 4 : 2) * np;
+  const int64_t run = a.kind == Q4C_Q6_K ? 3 * np / 4 : np / 2;  // a channel's bytes
+  k.cnt_a = 0;
   for (int i = 0; i < k.cnt; i++) {
     const Q4CPair c = a.pairs[first + i];
-    k.ra[i] = nib + c.j0 * (np / 2);
-    k.rb[i] = nib + c.j1 * (np / 2);
+    k.ra[i] = nib + c.j0 * run;
+    k.rb[i] = nib + c.j1 * run;
     k.x[i] = (int16_t)(uint16_t)((uint8_t)c.x0 | ((uint16_t)(uint8_t)c.x1 << 8));
+    k.cnt_a += c.j0 < 16;
   }
   return k.cnt;
 }
@@ -82,7 +86,7 @@ inline void q4c_next(const Q4CArgs& a, int64_t b, int64_t np, const uint8_t* kt,
   k.cnt = 0, ks = nullptr;
   for (int64_t c = b + 1; c < nb; c++)
     if (q4c_block(a, c, np, k)) {
-      if (kt && c / 8 != b / 8) ks = kt + 4 * np * (c / 8);
+      if (kt && c / 8 != b / 8) ks = kt + q4c_tail_sb(np, a.kind) * (c / 8);
       return;
     }
 }
@@ -212,6 +216,222 @@ inline void q4c_passes_256(const Q4CArgs& a, int64_t p_begin, int64_t p_end, flo
   }
 }
 
+// ---- A Q6_K matrix held by input channel (kind Q4C_Q6_K) ----
+// (n, k) Q6_K (w = d * sc * (q - 32), q in 0..63, an 8-bit sc a row per 16 channels, a f16 d a
+// row per super-block of 256: the q6kx16 bytes, 6.5625 bits a weight). Block b is one region:
+//   [0, np)        the rows' sc of channels 32b..32b+15, a byte a row, row 0 first
+//   [np, 2 np)     those of channels 32b+16..32b+31
+//   then 32 runs of 3 np / 4 bytes, channel 0 first: the low 4 bits of channel j's codes as a
+//   Q4 run above (np / 2 bytes, 32 a pass of 64 rows), then their top 2 bits, 16 bytes a pass:
+//   byte i of a pass holds, from bit 0, those of the codes at bytes i and i + 16 of the pass's
+//   low nibbles, then at bytes i and i + 16 of its high ones.
+// After the blocks, per super-block its rows' d (np f16).
+// q4c_product pairs a Q6_K matrix's channels within each 16 (those of 0..15 first), so that a
+// block's two halves sum apart: per pair the codes (u8, 0..63) against the two inputs in
+// `maddubs` (16-bit sums of at most 2 * 63 * 127), two pairs summed in 16 bits, then widened. A
+// row's block gives t = (sum_a - 32 x16_a) sc_a + (sum_b - 32 x16_b) sc_b in 32-bit integers and
+// y = fma(t, d * xd, y): the q6kx16 product's integers and floats, block after block, for the
+// same sparse input (a block with no kept channel adds 0 there too).
+
+// All of a block's lines for `passes` passes of 64 rows from pass p: the two halves' scales, its
+// super-block's d (ks, where not asked for yet) and each kept channel's runs
+PREFETCHES void q6c_prefetch_block(const Q4CBlock& k, const uint8_t* ks, int64_t np, int64_t p, int passes) {
+  for (int64_t o = 0; o < 64 * passes; o += 64) {
+    _mm_prefetch((const char*)k.r + 64 * p + o, _MM_HINT_T0);
+    _mm_prefetch((const char*)k.r + np + 64 * p + o, _MM_HINT_T0);
+  }
+  if (ks)
+    for (int64_t o = 0; o < 128 * passes; o += 64) _mm_prefetch((const char*)ks + 128 * p + o, _MM_HINT_T0);
+  for (int i = 0; i < k.cnt; i++) {
+    for (const uint8_t* run : {k.ra[i], k.rb[i]}) {
+      _mm_prefetch((const char*)run + 32 * p, _MM_HINT_T0);
+      _mm_prefetch((const char*)run + 32 * (p + passes) - 1, _MM_HINT_T0);
+      _mm_prefetch((const char*)run + np / 2 + 16 * p, _MM_HINT_T0);
+    }
+  }
+}
+
+// A run's lines for pass p + ahead (its low nibbles: a line every two passes; its top bits: every
+// four), into every level, and where `far` those of pass p + Q4C_FAR into L2
+PREFETCHES void q6c_prefetch_run(const uint8_t* run, int64_t np, int64_t p, bool ahead, bool far) {
+  if (ahead && (p & 1) == 0) _mm_prefetch((const char*)run + 32 * (p + Q4C_AHEAD), _MM_HINT_T0);
+  if (ahead && (p & 3) == 0) _mm_prefetch((const char*)run + np / 2 + 16 * (p + Q4C_AHEAD), _MM_HINT_T0);
+  if (far && (p & 1) == 0) _mm_prefetch((const char*)run + 32 * (p + Q4C_FAR), _MM_HINT_T1);
+  if (far && (p & 3) == 0) _mm_prefetch((const char*)run + np / 2 + 16 * (p + Q4C_FAR), _MM_HINT_T1);
+}
+
+// A run's codes of pass p as bytes 0..63 in the low nibbles' order (lo) and the high ones' (hi)
+inline void q6c_codes_256(const uint8_t* run, int64_t np, int64_t p, __m256i& lo, __m256i& hi) {
+  const __m256i mask = _mm256_set1_epi8(0x0F), m30 = _mm256_set1_epi8(0x30);
+  const __m256i v = _mm256_loadu_si256((const __m256i*)(run + 32 * p));
+  const __m256i h = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i*)(run + np / 2 + 16 * p)));
+  // each byte's two bits onto bits 4-5 (32-bit shifts: what crosses a byte lands outside the mask):
+  // bytes 0..15 of the low nibbles take bits 0-1, bytes 16..31 bits 2-3; of the high ones 4-5, 6-7
+  lo = _mm256_or_si256(_mm256_and_si256(v, mask),
+                       _mm256_and_si256(_mm256_sllv_epi32(h, _mm256_setr_epi32(4, 4, 4, 4, 2, 2, 2, 2)), m30));
+  hi = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(v, 4), mask),
+                       _mm256_and_si256(_mm256_srlv_epi32(h, _mm256_setr_epi32(0, 0, 0, 0, 2, 2, 2, 2)), m30));
+}
+
+// sum[i] (rows 64p + 8i .. + 7, 32 bits) += the products of the block's pairs [s0, s1) for pass p
+inline void q6c_half_256(const Q4CBlock& k, int s0, int s1, int64_t np, int64_t p, bool ahead, bool far,
+                         __m256i* sum) {
+  for (int s = s0; s < s1; s += 2) {
+    const int e = std::min(s + 2, s1);
+    __m256i acc[4] = {_mm256_setzero_si256(), _mm256_setzero_si256(), _mm256_setzero_si256(),
+                      _mm256_setzero_si256()};
+    for (int i = s; i < e; i++) {
+      q6c_prefetch_run(k.ra[i], np, p, ahead, far);
+      q6c_prefetch_run(k.rb[i], np, p, ahead, far);
+      __m256i alo, ahi, blo, bhi;
+      q6c_codes_256(k.ra[i], np, p, alo, ahi);
+      q6c_codes_256(k.rb[i], np, p, blo, bhi);
+      const __m256i xx = _mm256_set1_epi16(k.x[i]);
+      acc[0] = _mm256_add_epi16(acc[0], _mm256_maddubs_epi16(_mm256_unpacklo_epi8(alo, blo), xx));
+      acc[1] = _mm256_add_epi16(acc[1], _mm256_maddubs_epi16(_mm256_unpackhi_epi8(alo, blo), xx));
+      acc[2] = _mm256_add_epi16(acc[2], _mm256_maddubs_epi16(_mm256_unpacklo_epi8(ahi, bhi), xx));
+      acc[3] = _mm256_add_epi16(acc[3], _mm256_maddubs_epi16(_mm256_unpackhi_epi8(ahi, bhi), xx));
+    }
+    for (int v = 0; v < 4; v++) {  // acc[v]: rows 16v + 0..15
+      sum[2 * v] = _mm256_add_epi32(sum[2 * v], _mm256_cvtepi16_epi32(_mm256_castsi256_si128(acc[v])));
+      sum[2 * v + 1] = _mm256_add_epi32(sum[2 * v + 1], _mm256_cvtepi16_epi32(_mm256_extracti128_si256(acc[v], 1)));
+    }
+  }
+}
+
+inline void q6c_passes_256(const Q4CArgs& a, int64_t p_begin, int64_t p_end, float* y) {
+  const int64_t nb = a.k / 32, np = q4c_rows(a.n);
+  const uint8_t* kt = q4c_tail(a, np);
+  Q4CBlock k, nk;  // this block, the next with a kept channel
+  const uint8_t* nks;
+  for (int64_t b = 0; b < nb; b++) {
+    if (q4c_block(a, b, np, k) == 0) continue;
+    const uint8_t* r = k.r;
+    const uint8_t* ks = kt + 2 * np * (b / 8);  // the rows' d of the block's super-block
+    const __m256 vxd = _mm256_set1_ps(a.xd[b]);
+    const __m256i xa = _mm256_set1_epi32(32 * a.x16[2 * b]), xb = _mm256_set1_epi32(32 * a.x16[2 * b + 1]);
+    q4c_next(a, b, np, kt, nk, nks);
+    for (int64_t p = p_begin; p < p_end; p++) {
+      const bool ahead = p + Q4C_AHEAD < p_end, far = p + Q4C_FAR < p_end;
+      if (ahead) {
+        _mm_prefetch((const char*)r + 64 * (p + Q4C_AHEAD), _MM_HINT_T0);
+        _mm_prefetch((const char*)r + np + 64 * (p + Q4C_AHEAD), _MM_HINT_T0);
+        _mm_prefetch((const char*)ks + 128 * (p + Q4C_AHEAD), _MM_HINT_T0);
+        _mm_prefetch((const char*)ks + 128 * (p + Q4C_AHEAD) + 64, _MM_HINT_T0);
+      } else if (nk.cnt && p + Q4C_AHEAD - p_end + p_begin < p_end) {
+        q6c_prefetch_block(nk, nks, np, p + Q4C_AHEAD - p_end + p_begin, 1);
+      }
+      __m256i sa[8], sb[8];
+      for (int i = 0; i < 8; i++) sa[i] = sb[i] = _mm256_setzero_si256();
+      q6c_half_256(k, 0, k.cnt_a, np, p, ahead, far, sa);
+      q6c_half_256(k, k.cnt_a, k.cnt, np, p, ahead, far, sb);
+      for (int i = 0; i < 8; i++) {
+        const int64_t row = 64 * p + 8 * i;
+        const __m256i sca = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)(r + row)));
+        const __m256i scb = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)(r + np + row)));
+        const __m256i t = _mm256_add_epi32(_mm256_mullo_epi32(_mm256_sub_epi32(sa[i], xa), sca),
+                                           _mm256_mullo_epi32(_mm256_sub_epi32(sb[i], xb), scb));
+        const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(ks + 2 * row)));
+        _mm256_storeu_ps(y + row, _mm256_fmadd_ps(_mm256_cvtepi32_ps(t), _mm256_mul_ps(d, vxd),
+                                                  _mm256_loadu_ps(y + row)));
+      }
+    }
+  }
+}
+
+#if defined(__AVX512BW__)
+// The same two passes (128 rows) at a time, as q4c_passes_512 does: each 256-bit half of a
+// register holds what the 256-bit code holds for its pass; the same integers and floats.
+inline void q6c_codes_512(const uint8_t* run, int64_t np, int64_t p, __m512i& lo, __m512i& hi) {
+  const __m512i mask = _mm512_set1_epi8(0x0F), m30 = _mm512_set1_epi8(0x30);
+  const __m512i v = _mm512_loadu_si512((const void*)(run + 32 * p));
+  const __m512i h2 = _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i*)(run + np / 2 + 16 * p)));
+  const __m512i h = _mm512_shuffle_i64x2(h2, h2, 0x50);  // pass p's 16 bytes twice, then p + 1's
+  lo = _mm512_or_si512(_mm512_and_si512(v, mask), _mm512_and_si512(_mm512_sllv_epi32(h, _mm512_setr_epi32(
+      4, 4, 4, 4, 2, 2, 2, 2, 4, 4, 4, 4, 2, 2, 2, 2)), m30));
+  hi = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(v, 4), mask), _mm512_and_si512(_mm512_srlv_epi32(h,
+      _mm512_setr_epi32(0, 0, 0, 0, 2, 2, 2, 2, 0, 0, 0, 0, 2, 2, 2, 2)), m30));
+}
+
+// sum[2v + h] (rows 64 (p + h) + 16v .. + 15, 32 bits) += the block's pairs [s0, s1)
+inline void q6c_half_512(const Q4CBlock& k, int s0, int s1, int64_t np, int64_t p, bool ahead, bool far,
+                         __m512i* sum) {
+  for (int s = s0; s < s1; s += 2) {
+    const int e = std::min(s + 2, s1);
+    __m512i acc[4] = {_mm512_setzero_si512(), _mm512_setzero_si512(), _mm512_setzero_si512(),
+                      _mm512_setzero_si512()};
+    for (int i = s; i < e; i++) {
+      for (const uint8_t* run : {k.ra[i], k.rb[i]}) {  // (two passes: every line of theirs)
+        if (ahead) {
+          _mm_prefetch((const char*)run + 32 * (p + Q4C_AHEAD), _MM_HINT_T0);
+          _mm_prefetch((const char*)run + 32 * (p + Q4C_AHEAD) + 63, _MM_HINT_T0);
+          _mm_prefetch((const char*)run + np / 2 + 16 * (p + Q4C_AHEAD), _MM_HINT_T0);
+        }
+        if (far) {
+          _mm_prefetch((const char*)run + 32 * (p + Q4C_FAR), _MM_HINT_T1);
+          _mm_prefetch((const char*)run + np / 2 + 16 * (p + Q4C_FAR), _MM_HINT_T1);
+        }
+      }
+      __m512i alo, ahi, blo, bhi;
+      q6c_codes_512(k.ra[i], np, p, alo, ahi);
+      q6c_codes_512(k.rb[i], np, p, blo, bhi);
+      const __m512i xx = _mm512_set1_epi16(k.x[i]);
+      acc[0] = _mm512_add_epi16(acc[0], _mm512_maddubs_epi16(_mm512_unpacklo_epi8(alo, blo), xx));
+      acc[1] = _mm512_add_epi16(acc[1], _mm512_maddubs_epi16(_mm512_unpackhi_epi8(alo, blo), xx));
+      acc[2] = _mm512_add_epi16(acc[2], _mm512_maddubs_epi16(_mm512_unpacklo_epi8(ahi, bhi), xx));
+      acc[3] = _mm512_add_epi16(acc[3], _mm512_maddubs_epi16(_mm512_unpackhi_epi8(ahi, bhi), xx));
+    }
+    for (int v = 0; v < 4; v++) {
+      sum[2 * v] = _mm512_add_epi32(sum[2 * v], _mm512_cvtepi16_epi32(_mm512_castsi512_si256(acc[v])));
+      sum[2 * v + 1] = _mm512_add_epi32(sum[2 * v + 1], _mm512_cvtepi16_epi32(_mm512_extracti64x4_epi64(acc[v], 1)));
+    }
+  }
+}
+
+inline void q6c_passes_512(const Q4CArgs& a, int64_t p_begin, int64_t p_end, float* y) {
+  const int64_t nb = a.k / 32, np = q4c_rows(a.n);  // (p_end - p_begin even)
+  const uint8_t* kt = q4c_tail(a, np);
+  Q4CBlock k, nk;
+  const uint8_t* nks;
+  for (int64_t b = 0; b < nb; b++) {
+    if (q4c_block(a, b, np, k) == 0) continue;
+    const uint8_t* r = k.r;
+    const uint8_t* ks = kt + 2 * np * (b / 8);
+    const __m512 vxd = _mm512_set1_ps(a.xd[b]);
+    const __m512i xa = _mm512_set1_epi32(32 * a.x16[2 * b]), xb = _mm512_set1_epi32(32 * a.x16[2 * b + 1]);
+    q4c_next(a, b, np, kt, nk, nks);
+    for (int64_t p = p_begin; p < p_end; p += 2) {
+      const bool ahead = p + 1 + Q4C_AHEAD < p_end, far = p + 1 + Q4C_FAR < p_end;
+      if (ahead) {
+        _mm_prefetch((const char*)r + 64 * (p + Q4C_AHEAD), _MM_HINT_T0);
+        _mm_prefetch((const char*)r + 64 * (p + Q4C_AHEAD) + 64, _MM_HINT_T0);
+        _mm_prefetch((const char*)r + np + 64 * (p + Q4C_AHEAD), _MM_HINT_T0);
+        _mm_prefetch((const char*)r + np + 64 * (p + Q4C_AHEAD) + 64, _MM_HINT_T0);
+        for (int o = 0; o < 256; o += 64) _mm_prefetch((const char*)ks + 128 * (p + Q4C_AHEAD) + o, _MM_HINT_T0);
+      } else if (nk.cnt && p + Q4C_AHEAD - p_end + p_begin + 1 < p_end) {
+        q6c_prefetch_block(nk, nks, np, p + Q4C_AHEAD - p_end + p_begin, 2);
+      }
+      __m512i sa[8], sb[8];
+      for (int i = 0; i < 8; i++) sa[i] = sb[i] = _mm512_setzero_si512();
+      q6c_half_512(k, 0, k.cnt_a, np, p, ahead, far, sa);
+      q6c_half_512(k, k.cnt_a, k.cnt, np, p, ahead, far, sb);
+      for (int v = 0; v < 4; v++) {
+        for (int h = 0; h < 2; h++) {
+          const int64_t row = 64 * (p + h) + 16 * v;
+          const __m512i sca = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(r + row)));
+          const __m512i scb = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(r + np + row)));
+          const __m512i t = _mm512_add_epi32(_mm512_mullo_epi32(_mm512_sub_epi32(sa[2 * v + h], xa), sca),
+                                             _mm512_mullo_epi32(_mm512_sub_epi32(sb[2 * v + h], xb), scb));
+          const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(ks + 2 * row)));
+          _mm512_storeu_ps(y + row, _mm512_fmadd_ps(_mm512_cvtepi32_ps(t), _mm512_mul_ps(d, vxd),
+                                                    _mm512_loadu_ps(y + row)));
+        }
+      }
+    }
+  }
+}
+#endif
+
 #if defined(__AVX512BW__)
 // The same product two passes (128 rows) at a time in 512-bit registers: a run's 64 bytes for
 // rows 64p..64p+127 are passes p and p+1 side by side, and every byte operation above works
@@ -305,11 +525,12 @@ inline void q4c_passes_512(const Q4CArgs& a, int64_t p_begin, int64_t p_end, flo
 // 512-bit over pairs of passes, the last odd one 256-bit (its rows' sums are the same either way)
 inline void q4c_passes(const Q4CArgs& a, int64_t p_begin, int64_t p_end, float* y) {
   const int64_t even = p_begin + (p_end - p_begin) / 2 * 2;
-  if (even > p_begin) q4c_passes_512(a, p_begin, even, y);
-  if (even < p_end) q4c_passes_256(a, even, p_end, y);
+  const bool q6 = a.kind == Q4C_Q6_K;
+  if (even > p_begin) (q6 ? q6c_passes_512 : q4c_passes_512)(a, p_begin, even, y);
+  if (even < p_end) (q6 ? q6c_passes_256 : q4c_passes_256)(a, even, p_end, y);
 }
 #else
 inline void q4c_passes(const Q4CArgs& a, int64_t p_begin, int64_t p_end, float* y) {
-  q4c_passes_256(a, p_begin, p_end, y);
+  (a.kind == Q4C_Q6_K ? q6c_passes_256 : q4c_passes_256)(a, p_begin, p_end, y);
 }
 #endif

@@ -191,14 +191,21 @@ using AttendFn = void (*)(const AttnTile&);
 inline int64_t q4c_rows(int64_t n) { return (n + 63) / 64 * 64; }
 // The kinds of q4c matrix: a Q4_0 file's (a f16 scale a row and block), a Q4_1 file's (and a f16
 // offset), a Q4_K file's (its 6-bit scale and minimum a row and block as bytes, its f16 d and dmin
-// a row and super-block of 256 channels after the blocks)
-enum Q4CKind { Q4C_Q4_0 = 0, Q4C_Q4_1 = 1, Q4C_Q4_K = 2 };
+// a row and super-block of 256 channels after the blocks), a Q6_K file's (6-bit codes, an 8-bit
+// scale a row per 16 channels, its f16 d a row and super-block after the blocks)
+enum Q4CKind { Q4C_Q4_0 = 0, Q4C_Q4_1 = 1, Q4C_Q4_K = 2, Q4C_Q6_K = 3 };
 // bytes of one block (32 input channels) of a matrix of np held rows
-inline int64_t q4c_region(int64_t np, int kind) { return np * (kind == Q4C_Q4_1 ? 4 : 2) + 16 * np; }
-// bytes of an (n, k) matrix (a Q4_K one: k a multiple of 256)
+inline int64_t q4c_region(int64_t np, int kind) {
+  return kind == Q4C_Q6_K ? 2 * np + 24 * np : np * (kind == Q4C_Q4_1 ? 4 : 2) + 16 * np;
+}
+// bytes of a super-block's (256 channels) values after the blocks: Q4_K's d and dmin, Q6_K's d
+inline int64_t q4c_tail_sb(int64_t np, int kind) {
+  return kind == Q4C_Q4_K ? 4 * np : kind == Q4C_Q6_K ? 2 * np : 0;
+}
+// bytes of an (n, k) matrix (a Q4_K or Q6_K one: k a multiple of 256)
 inline int64_t q4c_bytes(int64_t n, int64_t k, int kind) {
   const int64_t np = q4c_rows(n);
-  return k / 32 * q4c_region(np, kind) + (kind == Q4C_Q4_K ? k / 256 * 4 * np : 0);
+  return k / 32 * q4c_region(np, kind) + k / 256 * q4c_tail_sb(np, kind);
 }
 
 // Two kept channels of a block and their 8-bit inputs (x1 = 0 for an odd one out)
@@ -215,6 +222,8 @@ struct Q4CArgs {
   const float* xs;       // (k / 32) xd * the sum of the block's kept 8-bit inputs
   const Q4CPair* pairs;  // block b's pairs: pairs[first[b] .. first[b + 1])
   const int32_t* first;  // (k / 32 + 1)
+  const int32_t* x16;    // (k / 16) the sums of the kept 8-bit inputs per 16 channels (Q6_K:
+                         // its pairs never span two, those of channels 0..15 first)
 };
 // adds rows [64 p0, 64 p1) of the product into y (q4c_rows(n) floats, zeroed)
 using Q4CFn = void (*)(const Q4CArgs& a, int64_t p0, int64_t p1, float* y);

@@ -537,8 +537,9 @@ static const float* q4c_product(const Kernels& kk, const void* x, bool bf16, int
   thread_local std::vector<float> xf, xd, xs, out;
   thread_local std::vector<int8_t> xq;
   thread_local std::vector<Q4CPair> pairs;
-  thread_local std::vector<int32_t> first;
+  thread_local std::vector<int32_t> first, x16;
   xf.resize(k);
+  x16.resize(k / 16);
   xq.resize(k);
   xd.resize(nb);
   xs.resize(nb);
@@ -553,12 +554,21 @@ static const float* q4c_product(const Kernels& kk, const void* x, bool bf16, int
       xf[j] = dropped(v, t) ? 0.0f : v;
     }
     active().quantize(xf.data(), false, 1, k, xq.data(), xd.data(), xs.data());
+    // a Q6_K matrix's blocks sum their two halves of 16 channels apart: no pair spans them,
+    // and their 8-bit inputs' sums are the q6kx16 product's (see input_sparse.h)
+    const bool halves = kind == Q4C_Q6_K;
     int32_t npairs = 0;
     for (int64_t b = 0; b < nb; b++) {
       first[b] = npairs;
       int pending = -1;
       for (int j = 0; j < 32; j++) {
+        if (halves && j == 16 && pending >= 0) {
+          pairs[npairs++] = Q4CPair{(uint8_t)pending, (uint8_t)pending, xq[32 * b + pending], 0};
+          pending = -1;
+        }
         const int8_t q = xq[32 * b + j];
+        if (halves && j % 16 == 0) x16[2 * b + j / 16] = 0;
+        if (halves) x16[2 * b + j / 16] += q;
         if (q == 0) continue;
         ++*kept;
         if (pending < 0) {
@@ -571,7 +581,7 @@ static const float* q4c_product(const Kernels& kk, const void* x, bool bf16, int
       if (pending >= 0) pairs[npairs++] = Q4CPair{(uint8_t)pending, (uint8_t)pending, xq[32 * b + pending], 0};
     }
     first[nb] = npairs;
-    const Q4CArgs a{w, n, k, kind, xd.data(), xs.data(), pairs.data(), first.data()};
+    const Q4CArgs a{w, n, k, kind, xd.data(), xs.data(), pairs.data(), first.data(), x16.data()};
     // rows r * n .. (row r's sums; each row's padding rows are overwritten by the next row's)
     float* yp = out.data() + r * n;
     std::fill(yp, yp + np, 0.0f);
@@ -585,10 +595,11 @@ static const float* q4c_product(const Kernels& kk, const void* x, bool bf16, int
 static int q4c_kind(const at::Tensor& w, int64_t n, int64_t k) {
   TORCH_CHECK(n >= 1 && w.dim() == 1 && w.scalar_type() == at::kByte && w.is_contiguous(),
               "w: contiguous uint8 bytes expected for a q4c matrix, got ", w.sizes());
-  for (int kind : {Q4C_Q4_0, Q4C_Q4_1, Q4C_Q4_K})
-    if ((kind != Q4C_Q4_K || k % 256 == 0) && w.numel() == q4c_bytes(n, k, kind)) return kind;
+  for (int kind : {Q4C_Q4_0, Q4C_Q4_1, Q4C_Q4_K, Q4C_Q6_K})
+    if ((kind < Q4C_Q4_K || k % 256 == 0) && w.numel() == q4c_bytes(n, k, kind)) return kind;
   TORCH_CHECK(false, "w: ", q4c_bytes(n, k, Q4C_Q4_0), ", ", q4c_bytes(n, k, Q4C_Q4_1),
-              (k % 256 == 0 ? " or " + std::to_string(q4c_bytes(n, k, Q4C_Q4_K)) : std::string()),
+              (k % 256 == 0 ? ", " + std::to_string(q4c_bytes(n, k, Q4C_Q4_K)) + " or " +
+                                  std::to_string(q4c_bytes(n, k, Q4C_Q6_K)) : std::string()),
               " bytes expected for a q4c matrix of (", n, ", ", k, "), got ", w.numel());
   return -1;
 }
@@ -605,7 +616,7 @@ static at::Tensor linear_q4c(const at::Tensor& x, const at::Tensor& w, int64_t n
   TORCH_CHECK(B >= 1 && B <= 64, "the kernel takes 1 to 64 rows, got ", B);
   TORCH_CHECK(k % 32 == 0, "k must be a multiple of 32, got ", k);
   const int held = q4c_kind(w, n, k);
-  static const char* const names[] = {"Q4_0", "Q4_1", "Q4_K"};
+  static const char* const names[] = {"Q4_0", "Q4_1", "Q4_K", "Q6_K"};
   TORCH_CHECK(held == kind, "w: a q4c matrix of ", names[held], " blocks, not kind ", kind);
   if (stats) TORCH_CHECK(stats->scalar_type() == at::kLong && stats->numel() == 2 && stats->is_contiguous(),
                          "stats: 2 int64");
@@ -1161,21 +1172,21 @@ struct ColdLayers {
   // beside q and k in Q4_K); an empty tensor where there is none
   at::TensorList qkv2;
   at::IntArrayRef qkv2_fmt, qkv2_n;
-  // input sparsity (the native loops' decode steps, set_sparse): three a layer (q/k/v, the output projection,
-  // a block slice's gate+up), a q4c copy of the projection (see project; an empty tensor: dense;
-  // of q/k/v's first run only, where there is a second: attention_step) and its input's
-  // threshold; empty lists where none
+  // input sparsity (the native loops' decode steps, set_sparse): four a layer (q/k/v, the output
+  // projection, a block slice's gate+up, q/k/v's second run), a q4c copy of the projection (see
+  // project; an empty tensor: dense; q/k/v's first run and its second apart: attention_step) and
+  // its input's threshold; empty lists where none
   at::TensorList sparse = {};
   at::ArrayRef<double> sparse_threshold = {};
   int64_t* sparse_stats = nullptr;  // the channels kept and seen, where counted
 
-  // the projection's sparse copy (slot 0 q/k/v, 1 output, 2 gate+up) or null
+  // the projection's sparse copy (slot 0 q/k/v, 1 output, 2 gate+up, 3 q/k/v's second run) or null
   const at::Tensor* sparse_of(int64_t layer, int slot) const {
     if (sparse.empty()) return nullptr;
-    const at::Tensor& t = sparse[3 * layer + slot];
+    const at::Tensor& t = sparse[4 * layer + slot];
     return t.numel() ? &t : nullptr;
   }
-  double threshold_of(int64_t layer, int slot) const { return sparse.empty() ? 0.0 : sparse_threshold[3 * layer + slot]; }
+  double threshold_of(int64_t layer, int slot) const { return sparse.empty() ? 0.0 : sparse_threshold[4 * layer + slot]; }
 };
 
 // The native loops' per-layer lists as one ColdLayers, each checked to hold an entry per layer.
@@ -1304,12 +1315,14 @@ static at::Tensor attention_step(const Kernels& k, const ColdLayers& L, int64_t 
   at::Tensor qkv = project(k, x, L.qkv[layer], L.qkv_fmt[layer], L.qkv_n[layer], sparse, threshold,
                            L.sparse_stats);
   if (L.qkv2[layer].numel()) {
-    // a second run (a Q4_K_M file's Q6_K v) beside a sparse first one: the dense product over the
-    // input zeroed as the first run's copy reads it (the channels at or under its threshold), so
-    // q/k/v are the dense products over one zeroed input, as the modules compute them
-    const bool zeroed = sparse && x.size(0) == 1;
+    // a second run (a Q4_K_M file's Q6_K v) beside a sparse first one: from its own copy, or
+    // without one the dense product over the input zeroed as the first run's copy reads it (the
+    // channels at or under its threshold), so q/k/v are the dense products over one zeroed input,
+    // as the modules compute them (its channels not counted again)
+    const at::Tensor* sparse2 = sparse ? L.sparse_of(layer, 3) : nullptr;
+    const bool zeroed = sparse && !sparse2 && x.size(0) == 1;
     const at::Tensor xs = zeroed ? zeroed_under(x, threshold) : x;
-    qkv = at::cat({qkv, project(k, xs, L.qkv2[layer], L.qkv2_fmt[layer], L.qkv2_n[layer])}, 1);
+    qkv = at::cat({qkv, project(k, xs, L.qkv2[layer], L.qkv2_fmt[layer], L.qkv2_n[layer], sparse2, threshold)}, 1);
   }
   const bool bf16 = x.scalar_type() == at::kBFloat16;
   auto round_rows = [&](at::Tensor& t) {
@@ -1393,14 +1406,14 @@ static int64_t warm_records(const ColdLayers& L, int64_t layer, const bool* rows
   return warmed;
 }
 
-// Input sparsity for a native loop's decode steps (see ColdLayers): none (empty lists), or three
+// Input sparsity for a native loop's decode steps (see ColdLayers): none (empty lists), or four
 // q4c copies (or empty tensors) and thresholds per layer, and the counter of the channels kept
 // and seen (2 int64) where given. A one-row step's projection with a copy reads only the input
 // channels over its threshold (project).
 static void set_sparse(ColdLayers& L, size_t n_layers, at::TensorList sparse, at::ArrayRef<double> sparse_threshold,
                        const std::optional<at::Tensor>& sparse_stats) {
-  TORCH_CHECK(sparse.empty() || (sparse.size() == 3 * n_layers && sparse_threshold.size() == 3 * n_layers),
-              "sparse: none, or three q4c copies (or empty tensors) and thresholds per layer");
+  TORCH_CHECK(sparse.empty() || (sparse.size() == 4 * n_layers && sparse_threshold.size() == 4 * n_layers),
+              "sparse: none, or four q4c copies (or empty tensors) and thresholds per layer");
   if (sparse.empty()) return;
   L.sparse = sparse;
   L.sparse_threshold = sparse_threshold;
