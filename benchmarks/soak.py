@@ -4,10 +4,10 @@ request accounted for, the server's resources back where they were, and the run 
 
     .venv/bin/python benchmarks/soak.py [--minutes 60] [--fault-every 300] [--streams 32]
         [--model smollm2-135m-instruct] [--flags "SERVE FLAGS"] [--faults KIND ...]
-        [--out FILE] [--plot FILE]
+        [--warmup SECONDS] [--out FILE] [--plot FILE]
 
-    # the suite's variant (tests/test_soak.py): 3 minutes, a fault every 20 s, 8 streams
-    .venv/bin/python benchmarks/soak.py --minutes 3 --fault-every 20 --streams 8
+    # the suite's variant (tests/test_soak.py): 3 minutes, a fault every 18 s, 8 streams
+    .venv/bin/python benchmarks/soak.py --minutes 3 --fault-every 18 --streams 8 --burst 200
 
 `powerinfer serve --model M` (its defaults, and `--flags`) serves `--streams` clients, each
 sending streaming chat completions back to back for `--minutes`: mixed lengths (16, 48 or 128
@@ -51,7 +51,12 @@ full", as `powerinfer serve` prints it; what would be a leak is the rest. After 
 waits for the queue to drain and then checks that nothing is left over: the KV blocks in use
 back to the baseline's, the server's PSS less the KV cache's resident pages within
 `--pss-slack` (default 10%) of the baseline's, no `/dev/shm/powerinfer-*` segment, and one
-process of each actor of the group (none of a replaced group left running).
+process of each actor of the group (none of a replaced group left running). The baseline is
+taken after the undisturbed run; with `--warmup S`, after S seconds of the same load without
+faults, once drained: a served-and-drained state against another, so that what a process keeps
+after its first busy minute (its heap's and its allocator's high-water mark under the streams,
+which a replaced actor reaches again) is told apart from growth over the run. Both baselines are
+reported.
 
 Output: a summary table printed (and `--out` JSON with every request and sample); `--plot`
 (default `benchmarks/plots/soak.png`): tokens/s and TTFT p50 over time, faults marked. The exit
@@ -333,6 +338,8 @@ async def run_load(server, args, reference: dict, t_end: float, records: list, f
                     await asyncio.sleep(1)  # a 429 or 503: back off, as a client would
 
         async def fault_loop():
+            if not kinds:
+                return
             i = 0
             t0 = time.perf_counter()
             while True:
@@ -444,11 +451,17 @@ def main() -> int:
     ap.add_argument("--burst", type=int, default=400, help="requests of the burst fault")
     ap.add_argument("--faults", nargs="+", default=list(FAULTS), choices=FAULTS)
     ap.add_argument("--pss-slack", type=float, default=0.10)
+    ap.add_argument("--warmup", type=float, default=0,
+                    help="seconds of the load without faults before the baseline is taken (after "
+                         "it drains): the memory check then compares a served-and-drained state "
+                         "with another, so a process's high-water mark under the streams (its "
+                         "heap, its allocator's arenas) is not counted as growth; 0: the baseline "
+                         "after the undisturbed run alone")
     ap.add_argument("--out", default=None)
     ap.add_argument("--plot", default=str(Path(__file__).parent / "plots" / "soak.png"))
     args = ap.parse_args()
     started = datetime.datetime.now()
-    records, faults, samples = [], [], []
+    records, faults, samples, warm_records = [], [], [], []
     with sv.our_server(args, args.flags.split()) as server:
         # (a group without a predictor, or without cold executors, has none of them to kill)
         kinds = [k for k in args.faults if k not in ("predictor", "cold")
@@ -466,13 +479,25 @@ def main() -> int:
                         for p, rec in zip(PROMPTS, recs)}
 
         reference = asyncio.run(undisturbed())
-        st = sv.ready_stats(server)
-        weights = {}
-        pss, rest = pss_less_kv(server, weights=weights)
-        baseline = {"kv_usage": st.get("kv_usage", 0.0), "restarts": st.get("restarts", 0),
+
+        def measured() -> dict:
+            st = sv.ready_stats(server)
+            weights = {}
+            pss, rest = pss_less_kv(server, weights=weights)
+            return {"kv_usage": st.get("kv_usage", 0.0), "restarts": st.get("restarts", 0),
                     "pss_mib": pss, "pss_less_kv_mib": rest, "pss_by_role": pss_by_role(server),
-                    "weight_resident_mib": weights.get("mib")}
-        baseline.update(leftovers(server, {"actors": {}}))
+                    "weight_resident_mib": weights.get("mib"),
+                    **leftovers(server, {"actors": {}})}
+
+        cold = measured()  # after the undisturbed run alone
+        if args.warmup > 0:  # the load without faults, then the baseline once it has drained
+            print(f"  warm-up: {args.streams} streams for {args.warmup:g} s, no faults", flush=True)
+            asyncio.run(run_load(server, args, reference, time.perf_counter() + args.warmup,
+                                 warm_records, [], []))
+            settle(server, cold)
+            baseline = measured()
+        else:
+            baseline = cold
         stop = threading.Event()
         sampling = threading.Thread(target=sampler, args=(server, stop, samples), daemon=True)
         sampling.start()
@@ -497,6 +522,10 @@ def main() -> int:
             r["outcome"], cut = "cut_by_ingress", cut + 1
             continue
         outcomes[r["outcome"]] += 1
+    warm = {k: 0 for k in ("ok", "clean", "lost", "corrupt")}  # (no fault there: none is cut)
+    for r in warm_records:
+        r["outcome"] = classify(r, reference)
+        warm[r["outcome"]] += 1
     tokens = sum(len(r["stamps"]) for r in records)
     series = buckets(records, t0, t1)
     failed_faults = [f for f in faults if f["result"].startswith("failed")]
@@ -508,7 +537,10 @@ def main() -> int:
             "weight_resident_before_mib": baseline["weight_resident_mib"],
             "weight_resident_after_mib": after["weight_resident_mib"],
             "pss_by_role_before_mib": baseline["pss_by_role"],
-            "pss_by_role_after_mib": after["pss_by_role"]}
+            "pss_by_role_after_mib": after["pss_by_role"],
+            # the baseline after the undisturbed run alone, where a warm-up came after it
+            "pss_less_kv_cold_mib": cold["pss_less_kv_mib"],
+            "pss_by_role_cold_mib": cold["pss_by_role"]}
     clean_up = (not after["shm_segments"] and not after["extra_actors"]
                 and after["kv_usage"] is not None
                 and after["kv_usage"] <= baseline["kv_usage"] + 1e-9
@@ -520,7 +552,8 @@ def main() -> int:
                "cut_by_ingress": cut, "tokens": tokens,
                "tok_s": tokens / (t1 - t0), "faults": len(faults),
                "faults_failed": len(failed_faults), "group_rebuilds": groups,
-               "replica_restarts": replicas, "clean_up": clean_up, **left}
+               "replica_restarts": replicas, "clean_up": clean_up, "warmup_s": args.warmup,
+               "warmup": warm, **left}
     title = (f"soak: {args.model}, {args.streams} streams, {args.minutes:g} min, a fault every "
              f"{args.fault_every:g} s; {sv.machine()}, {started:%Y-%m-%d}")
     if args.plot:
@@ -546,6 +579,14 @@ def main() -> int:
         print(f"| {f['t'] - t0:.0f} | {f['kind']} | {f['result']} |")
     def mib(x):
         return "unknown" if x is None else f"{x:.0f}"
+    if args.warmup > 0:
+        print(f"\n- warm-up before the baseline: {sum(warm.values())} requests ({warm['ok']} ok, "
+              f"{warm['clean']} clean errors, {warm['lost']} lost, {warm['corrupt']} corrupt) in "
+              f"{args.warmup:g} s; PSS less the KV cache's pages after the undisturbed run alone "
+              f"{mib(cold['pss_less_kv_mib'])} MiB, after the warm-up (the baseline) "
+              f"{mib(baseline['pss_less_kv_mib'])}, after the load {mib(after['pss_less_kv_mib'])}")
+        print("- PSS by role after the undisturbed run alone, MiB: " + ", ".join(
+            f"{r} {v:.0f}" for r, v in sorted(cold["pss_by_role"].items(), key=lambda kv: -kv[1])))
     print(f"\n- PSS of the server's tree: {left['pss_before_mib']} MiB before the load, "
           f"{left['pss_after_mib']} after it; less the KV cache's resident pages "
           f"{mib(left['pss_less_kv_before_mib'])} -> {mib(left['pss_less_kv_after_mib'])}; "
@@ -581,7 +622,8 @@ def main() -> int:
             "requests": [{k: v for k, v in r.items() if k not in ("stamps", "logprobs")} | {
                 "t0": r["t0"] - t0, "t1": r.get("t1", r["t0"]) - t0, "n_stamps": len(r["stamps"])}
                 for r in records]}, indent=1, default=str))
-    return 0 if outcomes["lost"] == outcomes["corrupt"] == 0 and clean_up else 1
+    return 0 if outcomes["lost"] == outcomes["corrupt"] == warm["lost"] == warm["corrupt"] == 0 \
+        and clean_up else 1
 
 
 if __name__ == "__main__":
