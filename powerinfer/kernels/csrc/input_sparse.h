@@ -133,6 +133,24 @@ PREFETCHES void q4c_prefetch_block(const Q4CArgs& a, const Q4CBlock& k, const ui
   }
 }
 
+// A pair's two runs of codes for 64 rows (their low and high nibbles' bytes, in the runs' order)
+// against its two 8-bit inputs (xx): acc[v] (rows 16v + 0..15, 16 bits) += each row's two
+// products, the codes of the pair interleaved byte by byte for `maddubs`
+__attribute__((always_inline)) inline void pair_products_256(__m256i alo, __m256i ahi, __m256i blo, __m256i bhi, __m256i xx, __m256i* acc) {
+  acc[0] = _mm256_add_epi16(acc[0], _mm256_maddubs_epi16(_mm256_unpacklo_epi8(alo, blo), xx));
+  acc[1] = _mm256_add_epi16(acc[1], _mm256_maddubs_epi16(_mm256_unpackhi_epi8(alo, blo), xx));
+  acc[2] = _mm256_add_epi16(acc[2], _mm256_maddubs_epi16(_mm256_unpacklo_epi8(ahi, bhi), xx));
+  acc[3] = _mm256_add_epi16(acc[3], _mm256_maddubs_epi16(_mm256_unpackhi_epi8(ahi, bhi), xx));
+}
+
+// sum[2v], sum[2v + 1] (rows 16v + 0..7, 8..15, 32 bits) += acc[v]
+__attribute__((always_inline)) inline void widen_sums_256(const __m256i* acc, __m256i* sum) {
+  for (int v = 0; v < 4; v++) {
+    sum[2 * v] = _mm256_add_epi32(sum[2 * v], _mm256_cvtepi16_epi32(_mm256_castsi256_si128(acc[v])));
+    sum[2 * v + 1] = _mm256_add_epi32(sum[2 * v + 1], _mm256_cvtepi16_epi32(_mm256_extracti128_si256(acc[v], 1)));
+  }
+}
+
 inline void q4c_passes_256(const Q4CArgs& a, int64_t p_begin, int64_t p_end, float* y) {
   const int64_t nb = a.k / 32, np = q4c_rows(a.n);
   const __m256i mask = _mm256_set1_epi8(0x0F);
@@ -185,15 +203,9 @@ inline void q4c_passes_256(const Q4CArgs& a, int64_t p_begin, int64_t p_end, flo
           const __m256i xx = xs[i];
           const __m256i alo = _mm256_and_si256(va, mask), ahi = _mm256_and_si256(_mm256_srli_epi16(va, 4), mask);
           const __m256i blo = _mm256_and_si256(vb, mask), bhi = _mm256_and_si256(_mm256_srli_epi16(vb, 4), mask);
-          acc[0] = _mm256_add_epi16(acc[0], _mm256_maddubs_epi16(_mm256_unpacklo_epi8(alo, blo), xx));
-          acc[1] = _mm256_add_epi16(acc[1], _mm256_maddubs_epi16(_mm256_unpackhi_epi8(alo, blo), xx));
-          acc[2] = _mm256_add_epi16(acc[2], _mm256_maddubs_epi16(_mm256_unpacklo_epi8(ahi, bhi), xx));
-          acc[3] = _mm256_add_epi16(acc[3], _mm256_maddubs_epi16(_mm256_unpackhi_epi8(ahi, bhi), xx));
+          pair_products_256(alo, ahi, blo, bhi, xx, acc);
         }
-        for (int v = 0; v < 4; v++) {  // acc[v]: rows 16v + 0..15
-          sum[2 * v] = _mm256_add_epi32(sum[2 * v], _mm256_cvtepi16_epi32(_mm256_castsi256_si128(acc[v])));
-          sum[2 * v + 1] = _mm256_add_epi32(sum[2 * v + 1], _mm256_cvtepi16_epi32(_mm256_extracti128_si256(acc[v], 1)));
-        }
+        widen_sums_256(acc, sum);
       }
       for (int i = 0; i < 8; i++) {
         const int64_t row = 64 * p + 8 * i;
@@ -286,16 +298,9 @@ inline void q6c_half_256(const Q4CBlock& k, int s0, int s1, int64_t np, int64_t 
       __m256i alo, ahi, blo, bhi;
       q6c_codes_256(k.ra[i], np, p, alo, ahi);
       q6c_codes_256(k.rb[i], np, p, blo, bhi);
-      const __m256i xx = _mm256_set1_epi16(k.x[i]);
-      acc[0] = _mm256_add_epi16(acc[0], _mm256_maddubs_epi16(_mm256_unpacklo_epi8(alo, blo), xx));
-      acc[1] = _mm256_add_epi16(acc[1], _mm256_maddubs_epi16(_mm256_unpackhi_epi8(alo, blo), xx));
-      acc[2] = _mm256_add_epi16(acc[2], _mm256_maddubs_epi16(_mm256_unpacklo_epi8(ahi, bhi), xx));
-      acc[3] = _mm256_add_epi16(acc[3], _mm256_maddubs_epi16(_mm256_unpackhi_epi8(ahi, bhi), xx));
+      pair_products_256(alo, ahi, blo, bhi, _mm256_set1_epi16(k.x[i]), acc);
     }
-    for (int v = 0; v < 4; v++) {  // acc[v]: rows 16v + 0..15
-      sum[2 * v] = _mm256_add_epi32(sum[2 * v], _mm256_cvtepi16_epi32(_mm256_castsi256_si128(acc[v])));
-      sum[2 * v + 1] = _mm256_add_epi32(sum[2 * v + 1], _mm256_cvtepi16_epi32(_mm256_extracti128_si256(acc[v], 1)));
-    }
+    widen_sums_256(acc, sum);
   }
 }
 
@@ -340,6 +345,22 @@ inline void q6c_passes_256(const Q4CArgs& a, int64_t p_begin, int64_t p_end, flo
 }
 
 #if defined(__AVX512BW__)
+// pair_products_256 and widen_sums_256 in 512-bit registers, two passes (128 rows) at a time:
+// acc[v]'s halves rows 16v + 0..15 of pass p, then of p + 1; sum[2v + h] those rows of pass p + h
+__attribute__((always_inline)) inline void pair_products_512(__m512i alo, __m512i ahi, __m512i blo, __m512i bhi, __m512i xx, __m512i* acc) {
+  acc[0] = _mm512_add_epi16(acc[0], _mm512_maddubs_epi16(_mm512_unpacklo_epi8(alo, blo), xx));
+  acc[1] = _mm512_add_epi16(acc[1], _mm512_maddubs_epi16(_mm512_unpackhi_epi8(alo, blo), xx));
+  acc[2] = _mm512_add_epi16(acc[2], _mm512_maddubs_epi16(_mm512_unpacklo_epi8(ahi, bhi), xx));
+  acc[3] = _mm512_add_epi16(acc[3], _mm512_maddubs_epi16(_mm512_unpackhi_epi8(ahi, bhi), xx));
+}
+
+__attribute__((always_inline)) inline void widen_sums_512(const __m512i* acc, __m512i* sum) {
+  for (int v = 0; v < 4; v++) {
+    sum[2 * v] = _mm512_add_epi32(sum[2 * v], _mm512_cvtepi16_epi32(_mm512_castsi512_si256(acc[v])));
+    sum[2 * v + 1] = _mm512_add_epi32(sum[2 * v + 1], _mm512_cvtepi16_epi32(_mm512_extracti64x4_epi64(acc[v], 1)));
+  }
+}
+
 // The same two passes (128 rows) at a time, as q4c_passes_512 does: each 256-bit half of a
 // register holds what the 256-bit code holds for its pass; the same integers and floats.
 inline void q6c_codes_512(const uint8_t* run, int64_t np, int64_t p, __m512i& lo, __m512i& hi) {
@@ -375,16 +396,9 @@ inline void q6c_half_512(const Q4CBlock& k, int s0, int s1, int64_t np, int64_t 
       __m512i alo, ahi, blo, bhi;
       q6c_codes_512(k.ra[i], np, p, alo, ahi);
       q6c_codes_512(k.rb[i], np, p, blo, bhi);
-      const __m512i xx = _mm512_set1_epi16(k.x[i]);
-      acc[0] = _mm512_add_epi16(acc[0], _mm512_maddubs_epi16(_mm512_unpacklo_epi8(alo, blo), xx));
-      acc[1] = _mm512_add_epi16(acc[1], _mm512_maddubs_epi16(_mm512_unpackhi_epi8(alo, blo), xx));
-      acc[2] = _mm512_add_epi16(acc[2], _mm512_maddubs_epi16(_mm512_unpacklo_epi8(ahi, bhi), xx));
-      acc[3] = _mm512_add_epi16(acc[3], _mm512_maddubs_epi16(_mm512_unpackhi_epi8(ahi, bhi), xx));
+      pair_products_512(alo, ahi, blo, bhi, _mm512_set1_epi16(k.x[i]), acc);
     }
-    for (int v = 0; v < 4; v++) {
-      sum[2 * v] = _mm512_add_epi32(sum[2 * v], _mm512_cvtepi16_epi32(_mm512_castsi512_si256(acc[v])));
-      sum[2 * v + 1] = _mm512_add_epi32(sum[2 * v + 1], _mm512_cvtepi16_epi32(_mm512_extracti64x4_epi64(acc[v], 1)));
-    }
+    widen_sums_512(acc, sum);
   }
 }
 
@@ -489,15 +503,9 @@ inline void q4c_passes_512(const Q4CArgs& a, int64_t p_begin, int64_t p_end, flo
           const __m512i xx = xs[i];
           const __m512i alo = _mm512_and_si512(va, mask), ahi = _mm512_and_si512(_mm512_srli_epi16(va, 4), mask);
           const __m512i blo = _mm512_and_si512(vb, mask), bhi = _mm512_and_si512(_mm512_srli_epi16(vb, 4), mask);
-          acc[0] = _mm512_add_epi16(acc[0], _mm512_maddubs_epi16(_mm512_unpacklo_epi8(alo, blo), xx));
-          acc[1] = _mm512_add_epi16(acc[1], _mm512_maddubs_epi16(_mm512_unpackhi_epi8(alo, blo), xx));
-          acc[2] = _mm512_add_epi16(acc[2], _mm512_maddubs_epi16(_mm512_unpacklo_epi8(ahi, bhi), xx));
-          acc[3] = _mm512_add_epi16(acc[3], _mm512_maddubs_epi16(_mm512_unpackhi_epi8(ahi, bhi), xx));
+          pair_products_512(alo, ahi, blo, bhi, xx, acc);
         }
-        for (int v = 0; v < 4; v++) {
-          sum[2 * v] = _mm512_add_epi32(sum[2 * v], _mm512_cvtepi16_epi32(_mm512_castsi512_si256(acc[v])));
-          sum[2 * v + 1] = _mm512_add_epi32(sum[2 * v + 1], _mm512_cvtepi16_epi32(_mm512_extracti64x4_epi64(acc[v], 1)));
-        }
+        widen_sums_512(acc, sum);
       }
       for (int v = 0; v < 4; v++) {
         for (int h = 0; h < 2; h++) {
