@@ -114,7 +114,11 @@ def main():
             m = getattr(owner, attr, None)  # (a sparse FFN holds neuron sets instead)
             if getattr(m, "sparse", None) is not None:
                 part = "attention" if owner is model.layers[i].attn else "FFN"
-                parts[part] -= module_bytes(m) * (1 - kept / seen)
+                # (a K-quant projection's runs without a copy of their own read all their bytes)
+                rest = getattr(m, "sparse_rest", None) or []
+                dense_runs = [getattr(m, name).numel()
+                              for (name, _, _), c in zip(m.segments[1:], rest) if c is None]
+                parts[part] -= (module_bytes(m) - sum(dense_runs)) * (1 - kept / seen)
     total_bytes = sum(parts.values())
     turns = []
     for _ in range(a.turns):
