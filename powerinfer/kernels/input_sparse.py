@@ -47,7 +47,7 @@ class InputSparse:
     @property
     def sparse_rows(self) -> int:
         """The output rows the q4c copy holds (the first rows; all of them but where a subclass
-        computes the rest densely over the zeroed input: `KQuantLinear`)."""
+        holds the rest in runs of their own: `KQuantLinear`)."""
         return self.out_features
 
     def _q4c_product(self, x: torch.Tensor, w: torch.Tensor, kind: int, t: float) -> torch.Tensor:

@@ -384,7 +384,7 @@ def attach(model, thresholds: dict[tuple[int, str], float], min_rows: int | None
            share: float | None = None, measure: bool | None = None,
            timings: list[str] | None = None) -> tuple[int, int, torch.Tensor]:
     """Input sparsity in the model's decode steps: each 4-bit projection (`Q4Linear`, or a
-    `KQuantLinear` of Q4_K rows: `InputSparse.sparsifiable`) whose input has a threshold and that
+    `KQuantLinear` of Q4_K or Q6_K rows: `InputSparse.sparsifiable`) whose input has a threshold and that
     has at least `min_rows` output rows (default `MIN_ROWS`) reads only the input channels over
     it (`sparsify_input`: a copy of its matrix held by input channel), where that is faster on
     this CPU than the dense product (`measure`, default `MEASURE`: `_sparse_pays`, timed with
@@ -423,9 +423,9 @@ def attach_parts(parts, thresholds: dict[tuple[int, str], float], min_rows: int 
     dense = 0
     for i, part, m in parts:
         t = thresholds.get((i, part), 0.0)
-        # the file's Q4_0/Q4_1 blocks, or a K-quant file's Q4_K rows (a fused q/k/v with a Q6_K
-        # v, as a Q4_K_M file has in some layers: its q and k from the copy, its v dense over the
-        # zeroed input; timed apart from the q/k/v of one run)
+        # the file's Q4_0/Q4_1 blocks, or a K-quant file's Q4_K or Q6_K rows (a fused q/k/v with a
+        # Q6_K v, as a Q4_K_M file has in some layers: a copy of each run; timed apart from the
+        # q/k/v of one run)
         if isinstance(m, InputSparse) and m.sparsifiable and t > 0:
             if m.out_features < min_rows:
                 dense += 1
