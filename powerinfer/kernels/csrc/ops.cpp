@@ -525,6 +525,38 @@ static at::Tensor linear_x16(const at::Tensor& x, const at::Tensor& w, int64_t n
 // without a copy
 static bool dropped(float v, float t) { return !(std::fabs(v) > t); }
 
+// A block's kept channels (a nonzero 8-bit input; channel j at bit j) from its 32 inputs
+static inline uint32_t kept_channels(const int8_t* q) {
+  const __m128i z = _mm_setzero_si128();
+  const uint32_t lo = _mm_movemask_epi8(_mm_cmpeq_epi8(_mm_loadu_si128((const __m128i*)q), z));
+  const uint32_t hi = _mm_movemask_epi8(_mm_cmpeq_epi8(_mm_loadu_si128((const __m128i*)(q + 16)), z));
+  return ~(lo | hi << 16);
+}
+
+// The sum of 16 8-bit inputs (each + 128 as a byte, summed by `psadbw`, less 16 * 128)
+static inline int32_t sum16(const int8_t* q) {
+  const __m128i s = _mm_sad_epu8(_mm_xor_si128(_mm_loadu_si128((const __m128i*)q), _mm_set1_epi8(-128)),
+                                 _mm_setzero_si128());
+  return _mm_cvtsi128_si32(s) + _mm_extract_epi16(s, 4) - 16 * 128;
+}
+
+// pairs[n..] = the kept channels of mask m (bits of a block's channels, q its inputs) two by two
+// in channel order, the last of an odd count with itself and an input 0 -> the new count
+static inline int32_t add_pairs(const int8_t* q, uint32_t m, Q4CPair* pairs, int32_t n) {
+  while (m) {
+    const int j0 = __builtin_ctz(m);
+    m &= m - 1;
+    if (!m) {
+      pairs[n++] = Q4CPair{(uint8_t)j0, (uint8_t)j0, q[j0], 0};
+      break;
+    }
+    const int j1 = __builtin_ctz(m);
+    m &= m - 1;
+    pairs[n++] = Q4CPair{(uint8_t)j0, (uint8_t)j1, q[j0], q[j1]};
+  }
+  return n;
+}
+
 // The rows of x (B, k) f32 or bf16 (each alone: its own channels), with every input channel at
 // or below `t` in magnitude set to 0 (TEAL's input sparsity), times a matrix w of n rows held by
 // input channel (q4c, input_sparse.h; `kind`: a Q4CKind) -> (B, n) f32 in this
@@ -549,9 +581,13 @@ static const float* q4c_product(const Kernels& kk, const void* x, bool bf16, int
   const c10::BFloat16* xb = bf16 ? static_cast<const c10::BFloat16*>(x) : nullptr;
   const float* xp = bf16 ? nullptr : static_cast<const float*>(x);
   for (int64_t r = 0; r < B; r++) {
-    for (int64_t j = 0; j < k; j++) {
-      const float v = bf16 ? (float)xb[r * k + j] : xp[r * k + j];
-      xf[j] = dropped(v, t) ? 0.0f : v;
+    if (bf16) {
+      for (int64_t j = 0; j < k; j++) {
+        const float v = (float)xb[r * k + j];
+        xf[j] = dropped(v, t) ? 0.0f : v;
+      }
+    } else {
+      for (int64_t j = 0; j < k; j++) xf[j] = dropped(xp[r * k + j], t) ? 0.0f : xp[r * k + j];
     }
     active().quantize(xf.data(), false, 1, k, xq.data(), xd.data(), xs.data());
     // a Q6_K matrix's blocks sum their two halves of 16 channels apart: no pair spans them,
@@ -559,26 +595,17 @@ static const float* q4c_product(const Kernels& kk, const void* x, bool bf16, int
     const bool halves = kind == Q4C_Q6_K;
     int32_t npairs = 0;
     for (int64_t b = 0; b < nb; b++) {
+      const int8_t* q = xq.data() + 32 * b;
+      const uint32_t m = kept_channels(q);
       first[b] = npairs;
-      int pending = -1;
-      for (int j = 0; j < 32; j++) {
-        if (halves && j == 16 && pending >= 0) {
-          pairs[npairs++] = Q4CPair{(uint8_t)pending, (uint8_t)pending, xq[32 * b + pending], 0};
-          pending = -1;
-        }
-        const int8_t q = xq[32 * b + j];
-        if (halves && j % 16 == 0) x16[2 * b + j / 16] = 0;
-        if (halves) x16[2 * b + j / 16] += q;
-        if (q == 0) continue;
-        ++*kept;
-        if (pending < 0) {
-          pending = j;
-        } else {
-          pairs[npairs++] = Q4CPair{(uint8_t)pending, (uint8_t)j, xq[32 * b + pending], q};
-          pending = -1;
-        }
+      *kept += __builtin_popcount(m);
+      if (halves) {
+        x16[2 * b] = sum16(q), x16[2 * b + 1] = sum16(q + 16);
+        npairs = add_pairs(q, m & 0xFFFFu, pairs.data(), npairs);
+        npairs = add_pairs(q, m & 0xFFFF0000u, pairs.data(), npairs);
+      } else {
+        npairs = add_pairs(q, m, pairs.data(), npairs);
       }
-      if (pending >= 0) pairs[npairs++] = Q4CPair{(uint8_t)pending, (uint8_t)pending, xq[32 * b + pending], 0};
     }
     first[nb] = npairs;
     const Q4CArgs a{w, n, k, kind, xd.data(), xs.data(), pairs.data(), first.data(), x16.data()};
