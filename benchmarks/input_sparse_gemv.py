@@ -6,7 +6,7 @@ Q6_K rows), the same matrices, in one run, in turns.
 
     .venv/bin/python benchmarks/input_sparse_gemv.py [--threads N] [--shapes 7b smollm2]
         [--quant q4_0|q4_k|q6_k] [--sparsity 0 0.25 0.4 0.5 0.7] [--turns 3] [--cpu-isa avx2]
-        [--from-cache] [--json FILE]
+        [--from-cache] [--rows 64] [--json FILE]
 
 Each shape is a decode step's projections that share an input (TEAL sparsifies each input once):
 q/k/v fused, the output projection, gate/up fused (the 7B shape's 4096 -> 12288, 4096, 22016;
@@ -19,7 +19,9 @@ again and again: its rate of work without the memory's latency (the bytes it rea
 time), beside the read rate; where that rate is near the read rate, skipping bytes saves little
 time. "floor" is the bytes a product must read (every scale of a block with a kept channel and
 the kept channels' codes; the dense one all of them) at the read rate of a plain sum over 256 MiB
-or 4x the last level cache (`gemv.read_rate`), measured in the same run.
+or 4x the last level cache (`gemv.read_rate`), measured in the same run. With --rows 64, each
+matrix is cut to 64 rows and read from the cache: what a call costs beside its rows (its input
+dropped, rounded and paired, the threads' start), which a 4,096-row product pays as well.
 """
 from __future__ import annotations
 
@@ -121,6 +123,10 @@ def main():
                     help="also time each product on the first rows of its matrix that fit in a "
                          "quarter of the last level cache, read again and again: the products' "
                          "own rate of work, beside the memory's")
+    ap.add_argument("--rows", type=int, default=0,
+                    help="each matrix cut to this many rows (a multiple of 64), four copies read "
+                         "again and again from the cache: a call's fixed costs (its input "
+                         "dropped, rounded and paired; the threads' start) beside its rows' work")
     ap.add_argument("--gaps", action="store_true",
                     help="first, one core's read rate of a buffer read in pieces with gaps "
                          "(benchmarks/read_gaps.cpp, built with g++): why q4c keeps whole columns")
@@ -152,11 +158,14 @@ def main():
     for shape in a.shapes:
         k, projs = SHAPES[shape]
         for name, n in projs:
+            if a.rows:
+                assert a.rows % 64 == 0, "--rows: a multiple of 64"
+                n = min(n, a.rows)
             # distinct copies that together fill twice the last level cache (at least 4 of a
             # 7B matrix, 64 of a SmolLM2 one), so that the products read from memory
             # Q4_0: 4.5 bits a weight (Q4_K as held: 4.625, Q6_K 6.5625)
             dense_bytes = n * k * 105 // 128 if a.quant == "q6_k" else n * k * 9 // 16
-            copies = max(4 if shape == "7b" else 64, -(-2 * llc // dense_bytes))
+            copies = 4 if a.rows else max(4 if shape == "7b" else 64, -(-2 * llc // dense_bytes))
             mats = []
             for _ in range(copies):
                 wd, wc, dense_bytes = matrices(n, k)
