@@ -131,6 +131,8 @@ def main():
                     help="first, one core's read rate of a buffer read in pieces with gaps "
                          "(benchmarks/read_gaps.cpp, built with g++): why q4c keeps whole columns")
     a = ap.parse_args()
+    if a.rows % 64:
+        ap.error("--rows: a multiple of 64")
     global QUANT
     QUANT = a.quant
     if a.gaps:
@@ -159,7 +161,6 @@ def main():
         k, projs = SHAPES[shape]
         for name, n in projs:
             if a.rows:
-                assert a.rows % 64 == 0, "--rows: a multiple of 64"
                 n = min(n, a.rows)
             # distinct copies that together fill twice the last level cache (at least 4 of a
             # 7B matrix, 64 of a SmolLM2 one), so that the products read from memory

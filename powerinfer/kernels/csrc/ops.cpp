@@ -440,6 +440,13 @@ static at::Tensor predicted_ffn(const at::Tensor& x, const at::Tensor& p, const 
                         bias, threshold, act, fmt);
 }
 
+// The sum of 16 8-bit inputs (each + 128 as a byte, summed by `psadbw`, less 16 * 128)
+static inline int32_t sum16(const int8_t* q) {
+  const __m128i s = _mm_sad_epu8(_mm_xor_si128(_mm_loadu_si128((const __m128i*)q), _mm_set1_epi8(-128)),
+                                 _mm_setzero_si128());
+  return _mm_cvtsi128_si32(s) + _mm_extract_epi16(s, 4) - 16 * 128;
+}
+
 // y (B, ceil(n/16) * 16) f32 = rows x (B, dim) f32 or bf16 times a matrix w of n rows in a
 // Layout (q4x16, q4kx16, q6kx16), over x rounded to 8 bits per block of 32; in this thread's
 // scratch (valid until its next call)
@@ -468,11 +475,7 @@ static const float* x16_rows(const Kernels& k, int64_t layout, const void* x, bo
   a.xs = xs.data();
   if (layout == Q6KX16 || layout == Q8X16) {  // their q - 32 and q - 128 need x's sums per 16
     x16.resize(B * dim / 16);
-    for (int64_t i = 0; i < B * dim / 16; i++) {
-      int32_t t = 0;
-      for (int j = 0; j < 16; j++) t += xq0[16 * i + j];
-      x16[i] = t;
-    }
+    for (int64_t i = 0; i < B * dim / 16; i++) x16[i] = sum16(xq0 + 16 * i);
     a.x16 = x16.data();
   }
   float* yp = yf.data();
@@ -531,13 +534,6 @@ static inline uint32_t kept_channels(const int8_t* q) {
   const uint32_t lo = _mm_movemask_epi8(_mm_cmpeq_epi8(_mm_loadu_si128((const __m128i*)q), z));
   const uint32_t hi = _mm_movemask_epi8(_mm_cmpeq_epi8(_mm_loadu_si128((const __m128i*)(q + 16)), z));
   return ~(lo | hi << 16);
-}
-
-// The sum of 16 8-bit inputs (each + 128 as a byte, summed by `psadbw`, less 16 * 128)
-static inline int32_t sum16(const int8_t* q) {
-  const __m128i s = _mm_sad_epu8(_mm_xor_si128(_mm_loadu_si128((const __m128i*)q), _mm_set1_epi8(-128)),
-                                 _mm_setzero_si128());
-  return _mm_cvtsi128_si32(s) + _mm_extract_epi16(s, 4) - 16 * 128;
 }
 
 // pairs[n..] = the kept channels of mask m (bits of a block's channels, q its inputs) two by two
