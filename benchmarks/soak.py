@@ -87,6 +87,7 @@ FAULTS = ("cold", "hangup", "replica", "hot", "burst", "ingress", "scheduler", "
           "predictor", "long")
 PROMPTS = sv.PROMPTS
 LENGTHS = (16, 48, 128)
+HANGUP_TOKENS = 2048  # the hang-up fault's request (it reads three chunks, then closes)
 SAMPLE_S = 5.0
 
 
@@ -169,8 +170,11 @@ def kill(pid: int | None) -> str:
 
 async def hangup(server, client) -> str:
     before = (await asyncio.to_thread(sv.ready_stats, server)).get("cancelled", 0)
+    # (long: a request of 128 tokens could finish before its cancel crossed the proxy, the
+    # ingress and the replica on a busy host, and then nothing is cancelled: seen once on two
+    # cores shared with other work. 2,048 tokens take tens of seconds at the load's pace)
     async with client.stream("POST", server.url + sv.CHAT,
-                             json=body(PROMPTS[0], 128, True, 0)) as r:
+                             json=body(PROMPTS[0], HANGUP_TOKENS, True, 0)) as r:
         n = 0
         async for line in r.aiter_lines():
             n += line.startswith("data: {")
