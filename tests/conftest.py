@@ -97,3 +97,34 @@ def _all_threads_again():
     threads = torch.get_num_threads()
     yield
     torch.set_num_threads(threads)
+
+
+# ---------------------------------------------------------------- where the suite's time goes
+# Each module's wall time (its tests' setup, call and teardown) and the CPU it ran on, at the end
+# of every run: the suite must fit its time on every CPU class, and a CI log then says which
+# modules took it there.
+_MODULE_S: dict[str, float] = {}
+
+
+def pytest_runtest_logreport(report):
+    mod = report.nodeid.split("::", 1)[0]
+    _MODULE_S[mod] = _MODULE_S.get(mod, 0.0) + report.duration
+
+
+def pytest_terminal_summary(terminalreporter):
+    if not _MODULE_S:
+        return
+    import platform
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")),
+                       cpu)
+    except OSError:
+        pass
+    tr = terminalreporter
+    total = sum(_MODULE_S.values())
+    tr.write_sep("=", f"time by module ({total:.0f} s in tests; {cpu}, "
+                      f"{len(os.sched_getaffinity(0))} cores, classes {', '.join(CPU_CLASSES)})")
+    for mod, s in sorted(_MODULE_S.items(), key=lambda kv: -kv[1])[:15]:
+        tr.write_line(f"{s:8.1f} s  {100 * s / total:4.1f}%  {mod}")
