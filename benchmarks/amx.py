@@ -26,13 +26,14 @@ import argparse
 import datetime
 import json
 import os
-import platform
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+
+from powerinfer.cpu import cpu_name
 
 ROOT = Path(__file__).resolve().parent.parent
 CAPS = {"native": None, "avx512_bf16": "AVX512_CORE_BF16"}
@@ -43,13 +44,6 @@ def cpu_flags() -> set[str]:
         if line.startswith("flags"):
             return set(line.split(":", 1)[1].split())
     return set()
-
-
-def cpu_name() -> str:
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith("model name"):
-            return line.split(":", 1)[1].strip()
-    return platform.processor() or platform.machine()
 
 
 def child(a) -> dict:

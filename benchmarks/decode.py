@@ -34,6 +34,7 @@ from pathlib import Path
 import torch
 
 from powerinfer import Config, PowerInfer, kernels
+from powerinfer.cpu import cpu_name
 from powerinfer.engine.params import sampling_params
 from powerinfer.formats.loader import load_checkpoint, resolve_model
 
@@ -91,13 +92,7 @@ print(json.dumps(dict(prefill_s=med("prefill_s"), decode_s=med("decode_s"), step
 
 
 def machine_info(threads: int) -> str:
-    cpu = platform.processor() or "unknown CPU"
-    try:
-        cpu = next(line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo")
-                   if line.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
-    cpu += f" (kernel classes: up to {kernels.best_isa()})"
+    cpu = f"{cpu_name()} (kernel classes: up to {kernels.best_isa()})"
     return (f"{cpu} · {os.cpu_count()} cores, {threads} threads used · "
             f"torch {torch.__version__} · Python {platform.python_version()} · "
             f"load average {os.getloadavg()[0]:.2f} at start")

@@ -48,6 +48,22 @@ def last_level_cache() -> int:
     return best or 32 * 2**20
 
 
+@functools.cache
+def cpu_name() -> str:
+    """The CPU's model name as Linux reports it (a VM's may be generic, "AMD EPYC"), else what
+    `platform` says: the name the benchmarks and the test suite's summary record beside their
+    figures."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    import platform
+    return platform.processor() or platform.machine()
+
+
 def native_bf16() -> bool:
     """Whether this CPU computes bf16 natively (AVX-512 BF16 or AMX): there bf16 GEMMs beat
     fp32; elsewhere torch emulates bf16 and fp32 is faster."""

@@ -114,17 +114,10 @@ def pytest_runtest_logreport(report):
 def pytest_terminal_summary(terminalreporter):
     if not _MODULE_S:
         return
-    import platform
-    cpu = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")),
-                       cpu)
-    except OSError:
-        pass
+    from powerinfer.cpu import cpu_name
     tr = terminalreporter
     total = sum(_MODULE_S.values())
-    tr.write_sep("=", f"time by module ({total:.0f} s in tests; {cpu}, "
+    tr.write_sep("=", f"time by module ({total:.0f} s in tests; {cpu_name()}, "
                       f"{len(os.sched_getaffinity(0))} cores, classes {', '.join(CPU_CLASSES)})")
     for mod, s in sorted(_MODULE_S.items(), key=lambda kv: -kv[1])[:15]:
         tr.write_line(f"{s:8.1f} s  {100 * s / total:4.1f}%  {mod}")
