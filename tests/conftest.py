@@ -100,15 +100,49 @@ def _all_threads_again():
 
 
 # ---------------------------------------------------------------- where the suite's time goes
-# Each module's wall time (its tests' setup, call and teardown) and the CPU it ran on, at the end
-# of every run: the suite must fit its time on every CPU class, and a CI log then says which
-# modules took it there.
+# Each module's wall time (its tests' setup, call and teardown), how busy it kept the machine's
+# cores meanwhile (every process's CPU: its servers and actors too, from /proc/stat), and the CPU
+# it ran on, at the end of every run: the suite must fit its time on every CPU class, and a CI
+# log then says which modules took it there. The busy seconds are a floor: run in any order or
+# side by side, the suite cannot take less than its cores' busy time (a module that keeps the
+# cores half idle is one that waits, on a subprocess, a timeout or a single thread).
 _MODULE_S: dict[str, float] = {}
+_MODULE_BUSY: dict[str, list[int]] = {}  # module: [busy jiffies, all jiffies]
+_STAT_AT_START: dict[str, tuple[int, int]] = {}
+
+
+def _cpu_jiffies() -> tuple[int, int] | None:
+    """(busy, all) jiffies of every core since boot, or None where /proc/stat is not there."""
+    try:
+        with open("/proc/stat") as f:
+            fields = [int(v) for v in f.readline().split()[1:9]]
+    except (OSError, ValueError):
+        return None
+    return sum(fields) - fields[3] - fields[4], sum(fields)  # less idle and iowait
+
+
+def pytest_runtest_logstart(nodeid, location):
+    now = _cpu_jiffies()
+    if now is not None:
+        _STAT_AT_START[nodeid] = now
+
+
+def pytest_runtest_logfinish(nodeid, location):
+    start, now = _STAT_AT_START.pop(nodeid, None), _cpu_jiffies()
+    if start is not None and now is not None:
+        acc = _MODULE_BUSY.setdefault(nodeid.split("::", 1)[0], [0, 0])
+        acc[0] += now[0] - start[0]
+        acc[1] += now[1] - start[1]
 
 
 def pytest_runtest_logreport(report):
     mod = report.nodeid.split("::", 1)[0]
     _MODULE_S[mod] = _MODULE_S.get(mod, 0.0) + report.duration
+
+
+def _busy_share(mod: str) -> float | None:
+    busy, every = _MODULE_BUSY.get(mod, (0, 0))
+    return busy / every if every else None
 
 
 def pytest_terminal_summary(terminalreporter):
@@ -119,5 +153,15 @@ def pytest_terminal_summary(terminalreporter):
     total = sum(_MODULE_S.values())
     tr.write_sep("=", f"time by module ({total:.0f} s in tests; {cpu_name()}, "
                       f"{len(os.sched_getaffinity(0))} cores, classes {', '.join(CPU_CLASSES)})")
+    busy_s = 0.0
+    for mod, s in _MODULE_S.items():
+        share = _busy_share(mod)
+        busy_s += s * (share if share is not None else 1.0)
     for mod, s in sorted(_MODULE_S.items(), key=lambda kv: -kv[1])[:15]:
-        tr.write_line(f"{s:8.1f} s  {100 * s / total:4.1f}%  {mod}")
+        share = _busy_share(mod)
+        busy = f"  cores {100 * share:3.0f}% busy" if share is not None else ""
+        tr.write_line(f"{s:8.1f} s  {100 * s / total:4.1f}%{busy}  {mod}")
+    if _MODULE_BUSY:
+        tr.write_line(f"the cores were busy for {busy_s:.0f} s of the {total:.0f} "
+                      f"({100 * busy_s / total:.0f}%): no order or overlap of the same work takes "
+                      "less than that")
