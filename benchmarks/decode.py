@@ -34,7 +34,7 @@ from pathlib import Path
 import torch
 
 from powerinfer import Config, PowerInfer, kernels
-from powerinfer.cpu import cpu_name
+from powerinfer.cpu import cpu_name, machine_jiffies
 from powerinfer.engine.params import sampling_params
 from powerinfer.formats.loader import load_checkpoint, resolve_model
 
@@ -100,11 +100,10 @@ def machine_info(threads: int) -> str:
 
 def cpu_seconds() -> tuple[float, float, float]:
     """(busy, total) CPU seconds of the machine, and this process's own (children included)."""
-    jiffies = [int(x) for x in open("/proc/stat").readline().split()[1:]]
+    busy, every = machine_jiffies()
     tick = os.sysconf("SC_CLK_TCK")
     t = os.times()
-    return ((sum(jiffies) - jiffies[3] - jiffies[4]) / tick, sum(jiffies) / tick,
-            t.user + t.system + t.children_user + t.children_system)
+    return busy / tick, every / tick, t.user + t.system + t.children_user + t.children_system
 
 
 def others_share(since: tuple) -> float:

@@ -28,6 +28,8 @@ import time
 
 import serve as sv
 
+from powerinfer.cpu import machine_jiffies
+
 # (kind, pattern in the command line): the first that matches names the process
 KINDS = (
     ("the command (the test process)", None),  # the pid run here
@@ -64,9 +66,8 @@ def processes() -> dict[str, tuple[float, str, int]]:
 
 
 def machine_times() -> tuple[int, int]:
-    with open("/proc/stat") as f:
-        v = [int(x) for x in f.readline().split()[1:]]
-    return sum(v) - v[3] - v[4], v[3] + v[4]  # busy, idle (+ iowait)
+    busy, every = machine_jiffies()
+    return busy, every - busy  # busy, idle (+ iowait)
 
 
 def main() -> int:

@@ -64,6 +64,18 @@ def cpu_name() -> str:
     return platform.processor() or platform.machine()
 
 
+def machine_jiffies() -> tuple[int, int] | None:
+    """(busy, all) clock ticks of every core since boot, from /proc/stat's first line (busy: less
+    idle and iowait), or None where there is no /proc/stat: what the benchmarks and the test
+    suite's summary read around a run to tell how busy the machine's cores were."""
+    try:
+        with open("/proc/stat") as f:
+            ticks = [int(v) for v in f.readline().split()[1:]]
+    except (OSError, ValueError):
+        return None
+    return sum(ticks) - ticks[3] - ticks[4], sum(ticks)
+
+
 def native_bf16() -> bool:
     """Whether this CPU computes bf16 natively (AVX-512 BF16 or AMX): there bf16 GEMMs beat
     fp32; elsewhere torch emulates bf16 and fp32 is faster."""

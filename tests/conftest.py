@@ -111,24 +111,16 @@ _MODULE_BUSY: dict[str, list[int]] = {}  # module: [busy jiffies, all jiffies]
 _STAT_AT_START: dict[str, tuple[int, int]] = {}
 
 
-def _cpu_jiffies() -> tuple[int, int] | None:
-    """(busy, all) jiffies of every core since boot, or None where /proc/stat is not there."""
-    try:
-        with open("/proc/stat") as f:
-            fields = [int(v) for v in f.readline().split()[1:9]]
-    except (OSError, ValueError):
-        return None
-    return sum(fields) - fields[3] - fields[4], sum(fields)  # less idle and iowait
-
-
 def pytest_runtest_logstart(nodeid, location):
-    now = _cpu_jiffies()
+    from powerinfer.cpu import machine_jiffies
+    now = machine_jiffies()
     if now is not None:
         _STAT_AT_START[nodeid] = now
 
 
 def pytest_runtest_logfinish(nodeid, location):
-    start, now = _STAT_AT_START.pop(nodeid, None), _cpu_jiffies()
+    from powerinfer.cpu import machine_jiffies
+    start, now = _STAT_AT_START.pop(nodeid, None), machine_jiffies()
     if start is not None and now is not None:
         acc = _MODULE_BUSY.setdefault(nodeid.split("::", 1)[0], [0, 0])
         acc[0] += now[0] - start[0]
