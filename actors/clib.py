@@ -1,5 +1,5 @@
 """The kernel library's torch-free build (`kernels.lite_path`) as the actors that run without
-torch (`cold_native`, `pred_native`) load and call it: its C entry points through ctypes
+torch (`cold_native`, `pred_native`, `hot_native`) load and call it: its C entry points through ctypes
 (csrc/capi.h), and the load of what such an actor holds, which a child process with torch does
 (`actors.pack`) and hands over in a memory file."""
 from __future__ import annotations
@@ -52,6 +52,13 @@ class PiArgs:
         self.keep: list = []
         self.array = (PiArg * len(values))(*(self._one(v) for v in values))
 
+    def set(self, i: int, v):
+        """Argument i replaced by v (a step's own: the arrays it points at are the caller's to
+        keep alive through the call, and nothing is kept here)."""
+        keep, self.keep = self.keep, []
+        self.array[i] = self._one(v)
+        self.keep = keep
+
     def _tensor(self, t: Arr) -> PiArg:
         a = t.array
         assert a.ndim <= 4, a.shape
@@ -97,6 +104,10 @@ class Library:
         lib.pi_cold_serve.restype = ctypes.c_int64
         lib.pi_pred_serve.argtypes = lib.pi_cold_serve.argtypes
         lib.pi_pred_serve.restype = ctypes.c_int64
+        lib.pi_hot_step.argtypes = [ctypes.POINTER(PiArg), ctypes.c_int64, ctypes.c_char_p,
+                                    ctypes.c_int64]
+        lib.pi_hot_step.restype = ctypes.c_int64
+        self.err = ctypes.create_string_buffer(4096)
         for f in (lib.pi_isa, lib.pi_best_isa):
             f.argtypes, f.restype = [ctypes.c_char_p, ctypes.c_int64], None
         lib.pi_use_isa.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_int64]
@@ -137,6 +148,12 @@ class Library:
     def pred_serve(self, args: PiArgs) -> list[int]:
         """`pred_serve` (csrc/ops.cpp), as `cold_serve`: the words of the message it leaves."""
         return self._serve(self.lib.pi_pred_serve, args, 3)
+
+    def hot_step(self, args: PiArgs):
+        """`hot_step` (csrc/ops.cpp): one step of a hot executor, its logits written where its
+        arguments say; a RuntimeError with the library's text for its errors."""
+        if self.lib.pi_hot_step(args.array, len(args.array), self.err, 4096):
+            raise RuntimeError(self.err.value.decode(errors="replace"))
 
     @staticmethod
     def _serve(fn, args: PiArgs, n_words: int) -> list[int]:

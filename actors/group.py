@@ -13,6 +13,7 @@ from __future__ import annotations
 import functools
 import importlib.util
 import logging
+import os
 import re
 import time
 from dataclasses import replace
@@ -197,7 +198,7 @@ class ActorGroup:
         self.actors["hot"] = place(HotExecutor, 0,
                                    num_gpus=(0.5 if shared_gpu else 1) if gpu else 0).remote(
             spec, self.cores.hot, self.stored["model"], c, p, self.hot_share,
-            attention)
+            attention, runtime=os.environ.get("POWERINFER_HOT_EXECUTOR", "auto"))
         for k in range(n):
             self.actors[f"cold.{k}"] = place(ColdExecutor, 1 + k).remote(
                 spec, k, self.cores.cold[k], self.stored["model"], p,

@@ -47,16 +47,18 @@ from powerinfer import kernels
 from powerinfer.compat import compile_per_instance, trim_heap
 from powerinfer.engine.load import checkpoint_of, whole_model
 from powerinfer.formats.source import ModelFile
-from powerinfer.model.transformer import KVTables, held_bytes, host_parts
-from powerinfer.engine.native import NativeDecode, input_sparse_args, layer_args, uniform_llama
+from powerinfer.model.transformer import KVCache, KVTables, held_bytes, host_parts
+from powerinfer.engine.native import (NativeDecode, input_sparse_args, layer_args, rms_weight, runs,
+                                      uniform_llama)
 from powerinfer.engine.partial import head_rows, hot_formats, hot_model
 from powerinfer.engine.plan import SparsePlan
-from powerinfer.model.quant import apply_kernel_linears
+from powerinfer.model.quant import KernelEmbedding, apply_kernel_linears
 from powerinfer.model.sparse import HybridFFN
 from powerinfer.sparsity.input_sparsity import attach
 
 from .graphs import SegmentedDecode
 from .group_info import node_id
+from .packed import Slot
 from .sealed import unseal
 from .channel import ChannelClosed, PeerDied, native_error
 from .plane import (ATTN, DECODE, ERROR, HEAD, OK, PREFILL, STOP, FFNInput, Masks, Partial,
@@ -165,6 +167,32 @@ class DataPlane:
             self.pred_in.publish(STOP)
 
 
+class _Packed:
+    """A channel as a loading child sees it (`PackingPlane`): its address, size, reader state
+    and spin as `Slot`s, which the torch-free executor fills with its own mapping's."""
+
+    def __init__(self, name: str, spin_us: str = "spin_us"):
+        self.base, self.capacity = Slot(f"{name}.base"), Slot(f"{name}.capacity")
+        self.state, self.spin_us = Slot(f"{name}.state"), Slot(spin_us)
+
+
+class PackingPlane:
+    """The data plane of a hot executor loaded for a torch-free one (`hot_native`, this process
+    its loading child: `packing`): no channel mapped, each named by `Slot`s in the arguments it
+    packs; a CPU group without a predictor (the only kind the torch-free executor runs)."""
+
+    def __init__(self, spec: PlaneSpec):
+        self.spec, self.device = spec, torch.device("cpu")
+        self.predicting = self.lookahead = self.native_masks = False
+        self.native, self.buffers = kernels.available(), None
+        self.x = _Packed("x")
+        self.parts = [_Packed(f"part.{k}") for k in range(spec.n_cold)]
+        self.x_ref, self.part_refs = self.x.base, [p.base for p in self.parts]
+
+    def channels(self):
+        return iter(())
+
+
 class RemoteFFN(nn.Module):
     def __init__(self, ffn: HybridFFN, io: DataPlane):
         super().__init__()
@@ -257,7 +285,10 @@ class RemoteHead(nn.Module):
 
 class HotExecutorImpl:
     def __init__(self, spec: PlaneSpec, cores: tuple[int, ...], model: ModelFile, config: Config,
-                 plan: SparsePlan, hot_share: float, attention: bool = False):
+                 plan: SparsePlan, hot_share: float, attention: bool = False,
+                 packing: bool = False):
+        """packing: load for a torch-free executor (`hot_native`, this process its loading child), which
+        maps no channel here and writes its step's arguments out (`pack`)."""
         faulthandler.enable()  # a native crash (the CPU kernel) leaves its Python stack in the log
         # the threads it loaded and loops on: one (`roles._Role.compute`: one OpenMP team)
         self.threads = {"load": threading.get_native_id()}
@@ -265,8 +296,11 @@ class HotExecutorImpl:
         kernels.hold(spec.isa)  # the model's instruction-set class
         model = unseal(model)
         self.spec, self.cores, self.device = spec, cores, config.torch_device
+        self.packing, self.config = packing, config
         t0, c0 = time.perf_counter(), time.process_time()
-        self.io = DataPlane(spec, plan.predictor_input, self.device)
+        if packing and (plan.predictor_input is not None or self.device.type != "cpu"):
+            raise ValueError("a torch-free hot executor runs a CPU group without a predictor")
+        self.io = PackingPlane(spec) if packing else DataPlane(spec, plan.predictor_input, self.device)
         if spec.n_cold == 0:  # the group's one executor: the whole model
             self._whole(model, config, plan)
         else:
@@ -278,6 +312,8 @@ class HotExecutorImpl:
             self.model = self._wire(m, model.args, hot_share, kv, o_bias)
             self.hot_neurons = sum(len(b.ffn.f.hot.idx) for b in m.layers)
             self._decode = self._choose_decode(config, model.args, kv)
+        if packing:  # (the torch-free executor allocates its own)
+            self._meta_caches()
         self.load_s = time.perf_counter() - t0
         self.load_cpu_s = time.process_time() - c0  # without the time other processes took
         self._default_decode = self._decode
@@ -393,7 +429,8 @@ class HotExecutorImpl:
         if self.native is not None:
             decode = self.native  # (as the in-process engine takes it)
         self.segments = None
-        if self.native is None and not self.compiled and SegmentedDecode.supports(model, self.io) is None:
+        if self.native is None and not self.compiled and not self.packing and \
+                SegmentedDecode.supports(model, self.io) is None:
             graphs = self.device.type == "cuda" and config.cuda_graphs
             self.segments = SegmentedDecode(model, self.io, -(-spec.max_seq // spec.block_size),
                                             capture=graphs)
@@ -437,6 +474,91 @@ class HotExecutorImpl:
                                               getattr(m, "input_sparse_stats", None))
         return step
 
+    def _meta_caches(self):
+        """The KV caches' blocks left unallocated (meta: `pack` writes them as `Zeros`, which the
+        torch-free executor allocates), the native step's arguments made again over them."""
+        for block in self.model.layers:
+            att = getattr(block.attn, "own", block.attn)
+            c = att.kv_cache
+            if c is not None:
+                att.kv_cache = KVCache(c.k.shape[0], c.k.shape[1], c.block_size, c.k.shape[2],
+                                       c.k.dtype, "meta")
+        if self.spec.n_cold == 0:
+            self.native = NativeDecode.of(self.model)
+        elif self.native is not None:
+            self.native = self._native_step(self.model.args)
+
+    def native_only(self) -> str | None:
+        """Why a step of this executor would need Python (its modules, torch), or None where
+        `hot_step` runs every step it can be sent: a CPU group without a predictor whose decode
+        and prompt steps run the native layer loop (a uniform LLaMA-family model, every layer's
+        heads and neurons in 16-row group layouts: the int4 default), an embedding and a head the
+        kernel library reads, RMSNorm at the end."""
+        m, native = self.model, self.native
+        if self.compiled:
+            return "its decode step is compiled (Config.compile)"
+        if native is None:
+            return "its decode step runs its Python modules (a layer the native loop does not run)"
+        if not native.prompts:
+            return "its prompt steps run its Python modules (a layer not in 16-row group layouts)"
+        if native.masked or native.sparse:
+            return "a predictor's masks"
+        if m.args.embed_scale or m.pos_embeddings is not None:
+            return "its embedding is scaled or has positions"
+        if self._embedding() is None:
+            return "its embedding is not in a kernel format or the model's type"
+        if rms_weight(m.norm, self.spec.torch_dtype) is None:
+            return "its final norm is not an RMSNorm of the model's type"
+        if self._head()[0] is None:
+            return "its head is not one run of kernel-library rows"
+        return None
+
+    def _embedding(self) -> tuple | None:
+        """(the embedding's rows, their kernel format's code or -1 for rows of the model's type)."""
+        e = self.model.tok_embeddings
+        if isinstance(e, KernelEmbedding):
+            return e.records, kernels.FORMATS.index(e.fmt)
+        if isinstance(e, nn.Embedding) and e.weight.dtype == self.spec.torch_dtype:
+            return e.weight, -1
+        return None
+
+    def _head(self) -> tuple:
+        """(this process's head rows' run `(weights, format, rows)` or None, the other
+        executors' widths of the vocabulary after them)."""
+        out = self.model.output
+        own, widths = (out.own, [hi - lo for lo, hi in out.ranges[1:]]) \
+            if isinstance(out, RemoteHead) else (out, [])
+        r = runs(own)
+        return (r[0] if r is not None and len(r) == 1 else None), widths
+
+    def pack(self, fd: int) -> dict:
+        """For a torch-free executor (`hot_native`, this process its loading child): `hot_step`'s
+        arguments after the step's own (see csrc/capi.h) with every tensor written into the
+        memory file fd (`pack.pack_args`; the KV caches as `Zeros`, the channels, the RoPE
+        tables and the input-sparsity counter as `Slot`s), and what `ready` and `stats` say; or
+        {"why": ...} where some step needs Python (`native_only`)."""
+        from .pack import pack_args
+        why = self.native_only()
+        if why is not None:
+            return {"why": why}
+        m, native = self.model, self.native
+        embed, embed_fmt = self._embedding()
+        (head, head_fmt, head_n), widths = self._head()
+        stats = getattr(m, "input_sparse_stats", None)
+        slots = {id(m.rope_cos): "rope_cos", id(m.rope_sin): "rope_sin"}
+        if stats is not None:
+            slots[id(stats)] = "sparse_stats"
+        args = (embed, embed_fmt, self.spec.torch_dtype == torch.bfloat16,
+                rms_weight(m.norm, self.spec.torch_dtype), m.args.norm_eps, head, head_fmt, head_n,
+                HEAD, widths, *native.args, *native.input_sparse)
+        packed, end = pack_args(args, fd, slots)
+        parts = host_parts(m)
+        return {"args": packed, "size": end, "library": kernels.library(lite=True),
+                "isa": kernels.isa(), "sparse_stats": stats is not None,
+                "ready": self._described(),
+                "parts": {"held_bytes": held_bytes(m), **parts},
+                "stats": {"hot_neurons": self.hot_neurons, "neuron_format": self.neuron_format}}
+
     def _lookahead(self, layer: int):
         def hook(block, args):
             if args[0].shape[1] == 1:
@@ -444,13 +566,18 @@ class HotExecutorImpl:
         return hook
 
     def ready(self) -> dict:
+        return {**self._described(), "pid": os.getpid(), "load_s": self.load_s,
+                "load_cpu_s": self.load_cpu_s, "node_id": node_id(), "torch": True,
+                "torch_why": getattr(self, "torch_why", "")}
+
+    def _described(self) -> dict:
+        """What `ready` says of what this executor holds and runs (a torch-free one's too)."""
         buffers = self.io.buffers or {}
         return {"cores": list(self.cores), "hot_neurons": self.hot_neurons,
                 "device_buffers": {k: b.handle() for k, b in buffers.items()},
                 "head_rows": self.head_rows, "kv_heads": list(self.kv_heads),
                 "compiled": self.compiled, "native": self.native is not None,
-                "device": str(self.device), "pid": os.getpid(), "load_s": self.load_s,
-                "load_cpu_s": self.load_cpu_s, "node_id": node_id(), "isa": kernels.isa(),
+                "device": str(self.device), "isa": kernels.isa(),
                 "input_sparse": list(self.input_sparse), "input_timings": self.input_timings,
                 **self._memory()}
 

@@ -69,7 +69,7 @@ class _Role:
 
 
 class HotExecutor(_Role):
-    IMPL = ".hot_executor", "HotExecutorImpl"
+    IMPL = ".hot_native", "hot_executor"  # (torch-free where its steps run natively: see there)
 
     def prompts_natively(self, enabled: bool):
         return self.impl.prompts_natively(enabled)

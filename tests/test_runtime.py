@@ -460,30 +460,14 @@ def assert_native_prompt_steps_equal_the_modules(pi: PowerInfer):
     executor's prompt steps through its Python modules (`prompts_natively(False)`), bit for bit.
     (The cold executors answer a prompt's rows in their native loop either way, with the C++ a
     prompt step runs in process: test_native.py checks that against the modules.)"""
-    from powerinfer.engine.params import SamplingParams
     hot = pi.engine.group.actors["hot"]
-    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=3)
-    first, second = (pi.tokenize(p) for p in PROMPTS[:2])
-
-    def requests() -> list[list[tuple]]:
-        out = [[], []]
-
-        def run(i, ids, then=None):
-            for ev in pi.engine.generate(ids, params):
-                out[i].append((ev["token"], ev["logprob"], tuple(ev["top_logprobs"])))
-                if then is not None and len(out[i]) == 2:
-                    then.start()  # its prompt step beside this request's decode rows
-        later = threading.Thread(target=run, args=(1, second))
-        run(0, first, later)
-        later.join()
-        return out
-
     runs = {}
     try:
         for native in (True, False):
             ray.get(hot.prompts_natively.remote(native))
             before = pi.engine.stats()["actors"]["hot"]["native_prompt_steps"]
-            runs[native] = requests(), pi.engine.stats()["actors"]["hot"]["native_prompt_steps"] - before
+            runs[native] = prompt_beside_decode(pi), \
+                pi.engine.stats()["actors"]["hot"]["native_prompt_steps"] - before
     finally:
         ray.get(hot.prompts_natively.remote(True))
     assert runs[True][1] >= 2 and runs[False][1] == 0, (runs[True][1], runs[False][1])
@@ -520,13 +504,14 @@ def test_int4_dense_split_equals_the_in_process_engine(ray_cluster):
                 assert cold["native"] and cold["native_attention"] == 30
                 assert cold["torch"] is False and cold["torch_why"] == "", cold
             assert info["hot"]["native"]  # its decode step's layer loop in C++ (`hot_layers`)
+            # and its whole step, embeddings and head too, in a process without torch
+            assert info["hot"]["torch"] is False and info["hot"]["torch_why"] == "", info["hot"]
             # the tied 8-bit head's rows regrouped 16 at a time (q8x16) on every executor
             assert info["cold.0"]["head"] == info["cold.1"]["head"] == "KQuantLinear"
         rows = [info["hot"]["head_rows"], *(info[f"cold.{k}"]["head_rows"] for k in range(2))]
         assert sum(rows) == 49152 and min(rows) > 0  # every row of the head in one place
         assert_bf16_greedy_tracks(ref, pi)
         if kernels.available():  # its prompt steps in the native loops too
-            assert_native_prompt_steps_equal_the_modules(pi)
             assert_each_loop_profiles_its_phases(pi)
             ids = pi.tokenize(PROMPTS[0])
             alone = decode(pi, [ids], 24)[0]
@@ -539,9 +524,66 @@ def test_int4_dense_split_equals_the_in_process_engine(ray_cluster):
             mem = pi.engine.memory()["cold.0"]
             assert 0 < mem["weight_resident"] <= mem["weight"]
             assert 0 < mem["kv_resident"] < mem["kv"]
+            # and so is the torch-free hot executor's: its weights, KV blocks and RoPE rows
+            hot = pi.engine.memory()["hot"]
+            assert 0 < hot["weight_resident"] <= hot["weight"] and 0 < hot["kv_resident"] < hot["kv"]
     finally:
         pi.close()
     assert not shm_segments()
+
+
+@pytest.mark.slow
+def test_the_torch_free_hot_executor_steps_as_the_torch_one(ray_cluster, monkeypatch):
+    """The shipped configuration's hot executor runs without torch (`actors.hot_native`: the
+    tokens' embeddings, the layer loop, the final norm and its share of the head in one C call a
+    step): two requests, the second's prompt step beside the first's decode rows, give every
+    token and log-probability of the torch executor's native step bit for bit (which is checked
+    against the torch executor's Python modules here too); the torch-free process maps no torch.
+    `POWERINFER_HOT_EXECUTOR=torch` asks for the torch one, and its group says why."""
+    from powerinfer import kernels
+    if not kernels.available():
+        pytest.skip("the kernel library does not run on this CPU: no native step")
+    cfg = dict(BASE, dtype="bfloat16", weights="int4", max_seq_len=256)
+    runs = {}
+    for mode in ("auto", "torch"):
+        monkeypatch.setenv("POWERINFER_HOT_EXECUTOR", mode)
+        pi = PowerInfer.from_pretrained(MODEL, Config(runtime="actors", **cfg))
+        try:
+            hot = pi.engine.group.info["hot"]
+            assert hot["torch"] is (mode == "torch") and hot["native"], hot
+            assert hot["torch_why"] == ("POWERINFER_HOT_EXECUTOR=torch" if mode == "torch" else "")
+            runs[mode] = prompt_beside_decode(pi)
+            st = pi.engine.stats()["actors"]["hot"]
+            assert st["native_prompt_steps"] >= 2 and st["steps"] >= 12, st
+            if mode == "torch":
+                assert_native_prompt_steps_equal_the_modules(pi)
+            else:  # (a diagnostic the torch-free executor has no modules for, said plainly)
+                with pytest.raises(ray.exceptions.RayTaskError, match="without torch"):
+                    ray.get(pi.engine.group.actors["hot"].prompts_natively.remote(False))
+        finally:
+            pi.close()
+    assert [len(r) for r in runs["auto"]] == [12, 12]
+    assert runs["auto"] == runs["torch"]
+    assert not shm_segments()
+
+
+def prompt_beside_decode(pi: PowerInfer) -> list[list[tuple]]:
+    """Two greedy requests of 12 tokens with their 3 likeliest log-probabilities, the second's
+    prompt step beside the first's decode rows: each token as (token, log-probability, top)."""
+    from powerinfer.engine.params import SamplingParams
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=3)
+    first, second = (pi.tokenize(p) for p in PROMPTS[:2])
+    out = [[], []]
+
+    def run(i, ids, then=None):
+        for ev in pi.engine.generate(ids, params):
+            out[i].append((ev["token"], ev["logprob"], tuple(ev["top_logprobs"])))
+            if then is not None and len(out[i]) == 2:
+                then.start()  # its prompt step beside this request's decode rows
+    later = threading.Thread(target=run, args=(1, second))
+    run(0, first, later)
+    later.join()
+    return out
 
 
 def assert_each_loop_profiles_its_phases(pi: PowerInfer):

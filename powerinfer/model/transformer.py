@@ -10,7 +10,6 @@ and OPT (LayerNorm, learned positions, ReLU FFN with biases). The sparse engine 
 """
 from __future__ import annotations
 
-import math
 from typing import NamedTuple
 
 import numpy as np
@@ -20,7 +19,9 @@ from torch import nn
 
 from .. import kernels
 from ..compat import resident
+from ..formats import rope
 from ..formats.args import ModelArgs
+from ..formats.rope import ROPE_CHUNK
 
 
 def _zeros(shape, dtype, device) -> torch.Tensor:
@@ -554,9 +555,6 @@ def paged_attention(qkv, rope, pos, kv: KVTables, cache: KVCache, n_heads: int, 
     return torch.cat(out).reshape(N, n_heads * D)
 
 
-ROPE_CHUNK = 1024  # rows of the RoPE tables computed at a time (`Transformer.rope_ensure`)
-
-
 def rope_tables(a: ModelArgs, max_seq: int) -> tuple:
     """(global, local) `rope_table`s, as `Block.rope` indexes them: local is the global one
     unless the sliding layers have their own base."""
@@ -565,52 +563,9 @@ def rope_tables(a: ModelArgs, max_seq: int) -> tuple:
 
 
 def rope_table(a: ModelArgs, max_seq: int, local: bool = False, lo: int = 0, hi: int | None = None):
-    """cos/sin tables (max_seq, head_dim) float32 in the half-rotation layout (HF's rotate_half),
-    or their rows [lo, hi); local: the sliding layers' table (base `rope_base_local`, never
-    scaled, as Gemma 3's). Computed in whole chunks of ROPE_CHUNK rows, so that a row has the
-    same bits whether its table was made whole or filled as positions were reached."""
-    hi = max_seq if hi is None else hi
-    c0 = lo // ROPE_CHUNK * ROPE_CHUNK
-    parts = [_rope_rows(a, max_seq, local, c, min(max_seq, c + ROPE_CHUNK))
-             for c in range(c0, hi, ROPE_CHUNK)]
-    if not parts:
-        return torch.empty(0, a.head_dim), torch.empty(0, a.head_dim)
-    cos, sin = (torch.cat([p[k] for p in parts]) if len(parts) > 1 else parts[0][k] for k in (0, 1))
-    return cos[lo - c0:hi - c0], sin[lo - c0:hi - c0]
-
-
-def _rope_rows(a: ModelArgs, max_seq: int, local: bool, lo: int, hi: int):
-    """Rows [lo, hi) of a `rope_table` of max_seq rows."""
-    d = a.head_dim
-    base = a.rope_base_local if local else a.rope_base
-    inv_freq = 1.0 / (base ** (torch.arange(0, d, 2, dtype=torch.float64) / d))
-    mscale, scaling = 1.0, None if local else a.rope_scaling
-    if scaling is not None and scaling[0] == "llama3":
-        inv_freq = llama3_scaled(inv_freq, *scaling[1:])
-    elif scaling is not None and scaling[0] == "linear":
-        inv_freq = inv_freq / scaling[1]
-    elif scaling is not None and scaling[0] == "longrope":
-        # Phi-3: per-frequency factors, the long ones past the original context, and the
-        # attention factor on cos and sin (llama.cpp picks by the context it is given)
-        short, long, original, mscale = scaling[1:]
-        factors = long if max_seq > original else short
-        inv_freq = inv_freq / torch.tensor(factors, dtype=torch.float64)
-    t = torch.arange(lo, hi, dtype=torch.float64)
-    freqs = torch.outer(t, inv_freq)
-    emb = torch.cat([freqs, freqs], dim=-1)
-    return (emb.cos() * mscale).float(), (emb.sin() * mscale).float()
-
-
-def llama3_scaled(inv_freq, factor, low_freq_factor, high_freq_factor, original_max_pos):
-    # Llama 3.1 frequency scaling: long wavelengths slowed by `factor`, short ones kept,
-    # a smooth blend in between.
-    wavelen = 2 * math.pi / inv_freq
-    low_wavelen, high_wavelen = original_max_pos / low_freq_factor, original_max_pos / high_freq_factor
-    smooth = (original_max_pos / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
-    blended = (1 - smooth) * inv_freq / factor + smooth * inv_freq
-    out = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
-    mid = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
-    return torch.where(mid, blended, out)
+    """`formats.rope.rope_table` as float32 tensors: cos/sin (max_seq, head_dim), or their rows
+    [lo, hi)."""
+    return tuple(torch.from_numpy(t) for t in rope.rope_table(a, max_seq, local, lo, hi))
 
 
 def apply_rope(x, cos, sin):

@@ -193,6 +193,76 @@ int64_t pi_pred_serve(const powerinfer::PiArg* args, int64_t n, int64_t* words, 
   }
 }
 
+// hot_step (the hot executor's whole step, `actors/hot_native.py`): the step's tensors, the
+// embedding and head's, then hot_layers' arguments from x_base to layer_window and its
+// input-sparsity ones, in order. Returns 0, or 1 with the error's text in err.
+int64_t pi_hot_step(const powerinfer::PiArg* args, int64_t n, char* err, int64_t err_len) {
+  using namespace powerinfer;
+  try {
+    PiArgs a(args, n);
+    const at::Tensor tokens = a.tensor(), pos = a.tensor(), starts = a.tensor(), tables = a.tensor(),
+                     last = a.tensor();
+    const bool prompt = a.boolean();
+    at::Tensor out = a.tensor();
+    const at::Tensor embed = a.tensor();
+    const int64_t embed_fmt = a.integer();
+    const bool bf16 = a.boolean();
+    const at::Tensor final_norm = a.tensor();
+    const double final_eps = a.real();
+    const at::Tensor head = a.tensor();
+    const int64_t head_fmt = a.integer(), head_n = a.integer(), head_op = a.integer();
+    const at::IntArrayRef head_widths = a.ints();
+    const int64_t x_base = a.integer(), x_capacity = a.integer();
+    const at::IntArrayRef part_bases = a.ints();
+    const at::TensorList part_states = a.tensors();
+    const double spin_us = a.real();
+    const at::IntArrayRef ops = a.ints(), predict = a.ints();
+    const std::optional<at::Tensor> mask_state = a.optional();
+    const int64_t act = a.integer();
+    const at::TensorList norms = a.tensors();
+    const double eps = a.real();
+    const at::TensorList ffn_w1 = a.tensors(), ffn_w2 = a.tensors();
+    const at::IntArrayRef ffn_kind = a.ints(), ffn_n = a.ints(), ffn_down_fmt = a.ints(), ffn_w1_fmt = a.ints();
+    const at::TensorList ffn_idx = a.tensors();
+    const at::ArrayRef<double> ffn_threshold = a.reals();
+    const at::TensorList qkv = a.tensors();
+    const at::IntArrayRef qkv_fmt = a.ints(), qkv_n = a.ints();
+    const at::TensorList qkv2 = a.tensors();
+    const at::IntArrayRef qkv2_fmt = a.ints(), qkv2_n = a.ints();
+    const at::TensorList wo = a.tensors();
+    const at::IntArrayRef wo_fmt = a.ints();
+    const at::TensorList k_cache = a.tensors(), v_cache = a.tensors();
+    const int64_t n_heads = a.integer();
+    const std::optional<at::Tensor> cos = a.optional(), sin = a.optional();
+    const int64_t window = a.integer();
+    const double scale = a.real();
+    const at::TensorList pred_fc2 = a.tensors();
+    const double pred_threshold = a.real();
+    const bool pred_layer_input = a.boolean();
+    const at::TensorList qk_norms = a.tensors(), post_norms = a.tensors(), layer_cos = a.tensors(),
+                         layer_sin = a.tensors();
+    const at::IntArrayRef layer_window = a.ints();
+    const at::TensorList sparse = a.tensors();
+    const at::ArrayRef<double> sparse_threshold = a.reals();
+    const std::optional<at::Tensor> sparse_stats = a.optional();
+    a.done();
+    hot_step(tokens, pos, starts, tables, last, prompt, out, embed, embed_fmt, bf16, final_norm, final_eps, head,
+             head_fmt, head_n, head_op, head_widths, x_base, x_capacity, part_bases, part_states, spin_us,
+             [&](const at::Tensor& h) {
+               return hot_layers(h, pos, starts, tables, x_base, x_capacity, part_bases, part_states, spin_us, ops,
+                                 predict, mask_state, act, norms, eps, ffn_w1, ffn_w2, ffn_kind, ffn_n, ffn_down_fmt,
+                                 ffn_w1_fmt, ffn_idx, ffn_threshold, qkv, qkv_fmt, qkv_n, qkv2, qkv2_fmt, qkv2_n, wo,
+                                 wo_fmt, k_cache, v_cache, n_heads, cos, sin, window, scale, pred_fc2, pred_threshold,
+                                 pred_layer_input, qk_norms, post_norms, layer_cos, layer_sin, layer_window, prompt,
+                                 sparse, sparse_threshold, sparse_stats);
+             });
+    return 0;
+  } catch (const std::exception& e) {
+    pi_error(e, err, err_len);
+    return 1;
+  }
+}
+
 // The instruction-set class in use, the best this CPU has ("none": the kernel cannot run here).
 void pi_isa(char* out, int64_t len) { powerinfer::pi_text(powerinfer::isa(), out, len); }
 void pi_best_isa(char* out, int64_t len) { powerinfer::pi_text(powerinfer::best_isa(), out, len); }

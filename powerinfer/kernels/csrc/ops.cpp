@@ -26,6 +26,7 @@
 #include <cmath>
 #include <cstring>
 #include <deque>
+#include <functional>
 #include <memory>
 #include <numeric>
 #include <string>
@@ -1809,6 +1810,84 @@ static at::Tensor hot_layers(const at::Tensor& h_in, const at::Tensor& pos, cons
     laps.join(prof::WAIT_FFN, prof::ADD_FFN, laps.active ? prof::waited(part_states) - w0 : 0);
   }
   return h;
+}
+
+// A hot executor's whole step without torch (`actors/hot_native.py`): the tokens' embeddings,
+// `hot_layers`, the final norm of the rows whose logits are wanted (`last`, flat indices of the
+// N tokens) and the output head, the logits written into `out` (K, vocab) float32 (the `out`
+// channel's payload), as the torch executor's `NativeDecode` and `RemoteHead` compute them.
+// embed: the embedding's rows, in a kernel format (embed_fmt >= 0: the file's blocks, widened
+// to float32 then rounded to the model's type, as `KernelEmbedding`) or in the model's type
+// (embed_fmt < 0). head: this process's rows of the head (head_n of them, in `project`'s
+// formats); head_widths: the other executors' shares of the vocabulary after them, in order
+// (empty: the head is all here), each computed from the rows sent on `x` as a `head_op`
+// message. `layers`: hot_layers' arguments from x_base to layer_window.
+static void hot_step(const at::Tensor& tokens, const at::Tensor& pos, const at::Tensor& starts,
+                     const at::Tensor& tables, const at::Tensor& last, bool prompt, at::Tensor& out,
+                     const at::Tensor& embed, int64_t embed_fmt, bool bf16, const at::Tensor& final_norm,
+                     double eps, const at::Tensor& head, int64_t head_fmt, int64_t head_n, int64_t head_op,
+                     at::IntArrayRef head_widths, int64_t x_base, int64_t x_capacity, at::IntArrayRef part_bases,
+                     at::TensorList part_states, double spin_us,
+                     const std::function<at::Tensor(const at::Tensor&)>& layers) {
+  const Kernels& k = active();
+  const int64_t N = tokens.numel(), K = last.numel(), dim = final_norm.numel(), vocab = embed.size(0);
+  TORCH_CHECK(tokens.scalar_type() == at::kLong && tokens.is_contiguous() && last.scalar_type() == at::kLong &&
+                  last.is_contiguous(), "tokens, last: contiguous int64");
+  TORCH_CHECK(out.scalar_type() == at::kFloat && out.is_contiguous() && out.dim() == 2 && out.size(0) == K,
+              "out: (K, vocab) float32");
+  const auto type = bf16 ? at::kBFloat16 : at::kFloat;
+  TORCH_CHECK(final_norm.scalar_type() == type, "final_norm: of the model's type");
+  const int64_t* tk = tokens.data_ptr<int64_t>();
+  for (int64_t i = 0; i < N; i++) TORCH_CHECK(tk[i] >= 0 && tk[i] < vocab, "token ", tk[i], " not below ", vocab);
+  at::Tensor h;
+  if (embed_fmt >= 0) {
+    const int64_t rb = embed.size(1);
+    at::Tensor rows = at::empty({N, rb}, at::TensorOptions().dtype(at::kByte));
+    for (int64_t i = 0; i < N; i++)
+      std::memcpy(rows.data_ptr<uint8_t>() + i * rb, embed.data_ptr<uint8_t>() + tk[i] * rb, rb);
+    at::Tensor wide = at::empty({N, 1, dim}, at::TensorOptions().dtype(at::kFloat));
+    widen_out(rows, embed_fmt, 1, dim, wide);
+    h = wide.view({N, dim}).to(type);
+  } else {
+    TORCH_CHECK(embed.scalar_type() == type && embed.is_contiguous() && embed.size(1) == dim,
+                "embed: (vocab, dim) of the model's type");
+    h = at::empty({N, dim}, at::TensorOptions().dtype(type));
+    const int64_t rb = dim * h.element_size();
+    for (int64_t i = 0; i < N; i++)
+      std::memcpy(static_cast<char*>(h.data_ptr()) + i * rb, static_cast<const char*>(embed.data_ptr()) + tk[i] * rb, rb);
+  }
+  at::Tensor y = layers(h);  // (N, dim) of the model's type
+  if (K == 0) return;
+  at::Tensor picked = at::empty({K, dim}, at::TensorOptions().dtype(type));
+  const int64_t* lp = last.data_ptr<int64_t>();
+  const int64_t rb = dim * picked.element_size();
+  for (int64_t i = 0; i < K; i++) {
+    TORCH_CHECK(lp[i] >= 0 && lp[i] < N, "last: row ", lp[i], " not below ", N);
+    std::memcpy(static_cast<char*>(picked.data_ptr()) + i * rb, static_cast<const char*>(y.data_ptr()) + lp[i] * rb, rb);
+  }
+  const at::Tensor x = rms_norm(picked, final_norm, eps);
+  int64_t width = head_n;
+  for (int64_t w : head_widths) width += w;
+  TORCH_CHECK(out.size(1) == width, "out: ", out.size(1), " columns where the head has ", width);
+  (void)prompt;
+  TORCH_CHECK(head_widths.empty() || head_widths.size() == part_bases.size(), "a head width for each executor");
+  if (!head_widths.empty()) send_message({x}, x_base, x_capacity, head_op, -1, {});
+  // (K, head_n) float32; this share in the model's type, as the torch head module returns it
+  // (the other executors' shares come as they sent them, float32)
+  const at::Tensor own = project(k, x, head, head_fmt, head_n);
+  float* o = out.data_ptr<float>();
+  for (int64_t r = 0; r < K; r++) {
+    const float* src = own.data_ptr<float>() + r * head_n;
+    float* dst = o + r * width;
+    for (int64_t j = 0; j < head_n; j++) dst[j] = bf16 ? round_bf16(src[j]) : src[j];
+  }
+  int64_t lo = head_n;
+  for (size_t j = 0; j < head_widths.size(); j++) {
+    wait_message(part_bases[j], part_states[j].data_ptr<int64_t>(), spin_us);
+    const float* p = reinterpret_cast<const float*>(reinterpret_cast<char*>(part_bases[j]) + CH_HEADER);
+    for (int64_t r = 0; r < K; r++) std::memcpy(o + r * width + lo, p + r * head_widths[j], head_widths[j] * 4);
+    lo += head_widths[j];
+  }
 }
 
 // The predictor actor's loop: each decode message on `pred_in` (its input rows (B, dim) float32,
