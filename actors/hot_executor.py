@@ -179,12 +179,17 @@ class _Packed:
 class PackingPlane:
     """The data plane of a hot executor loaded for a torch-free one (`hot_native`, this process
     its loading child: `packing`): no channel mapped, each named by `Slot`s in the arguments it
-    packs; a CPU group without a predictor (the only kind the torch-free executor runs)."""
+    packs; a CPU group's (a predictor's on the host)."""
 
-    def __init__(self, spec: PlaneSpec):
+    def __init__(self, spec: PlaneSpec, predictor_input: str | None):
         self.spec, self.device = spec, torch.device("cpu")
-        self.predicting = self.lookahead = self.native_masks = False
-        self.native, self.buffers = kernels.available(), None
+        self.predicting = predictor_input is not None
+        self.lookahead = predictor_input == "layer"
+        self.native = kernels.available() and not self.predicting
+        self.native_masks = kernels.available() and self.predicting
+        self.buffers = None
+        if self.predicting:
+            self.pred_in, self.mask = _Packed("pred_in"), _Packed("mask")
         self.x = _Packed("x")
         self.parts = [_Packed(f"part.{k}") for k in range(spec.n_cold)]
         self.x_ref, self.part_refs = self.x.base, [p.base for p in self.parts]
@@ -298,9 +303,10 @@ class HotExecutorImpl:
         self.spec, self.cores, self.device = spec, cores, config.torch_device
         self.packing, self.config = packing, config
         t0, c0 = time.perf_counter(), time.process_time()
-        if packing and (plan.predictor_input is not None or self.device.type != "cpu"):
-            raise ValueError("a torch-free hot executor runs a CPU group without a predictor")
-        self.io = PackingPlane(spec) if packing else DataPlane(spec, plan.predictor_input, self.device)
+        if packing and (self.device.type != "cpu" or spec.device_predictor):
+            raise ValueError("a torch-free hot executor runs a CPU group")
+        self.io = PackingPlane(spec, plan.predictor_input) if packing else \
+            DataPlane(spec, plan.predictor_input, self.device)
         if spec.n_cold == 0:  # the group's one executor: the whole model
             self._whole(model, config, plan)
         else:
@@ -490,8 +496,8 @@ class HotExecutorImpl:
 
     def native_only(self) -> str | None:
         """Why a step of this executor would need Python (its modules, torch), or None where
-        `hot_step` runs every step it can be sent: a CPU group without a predictor whose decode
-        and prompt steps run the native layer loop (a uniform LLaMA-family model, every layer's
+        `hot_step` runs every step it can be sent: a CPU group (a predictor's on the host) whose
+        decode and prompt steps run the native layer loop (a uniform LLaMA-family model, every layer's
         heads and neurons in 16-row group layouts: the int4 default), an embedding and a head the
         kernel library reads, RMSNorm at the end."""
         m, native = self.model, self.native
@@ -501,8 +507,8 @@ class HotExecutorImpl:
             return "its decode step runs its Python modules (a layer the native loop does not run)"
         if not native.prompts:
             return "its prompt steps run its Python modules (a layer not in 16-row group layouts)"
-        if native.masked or native.sparse:
-            return "a predictor's masks"
+        if native.sparse:
+            return "its neurons' predictor runs in process"
         if m.args.embed_scale or m.pos_embeddings is not None:
             return "its embedding is scaled or has positions"
         if self._embedding() is None:
@@ -555,6 +561,7 @@ class HotExecutorImpl:
         parts = host_parts(m)
         return {"args": packed, "size": end, "library": kernels.library(lite=True),
                 "isa": kernels.isa(), "sparse_stats": stats is not None,
+                "predicting": self.io.predicting,
                 "ready": self._described(),
                 "parts": {"held_bytes": held_bytes(m), **parts},
                 "stats": {"hot_neurons": self.hot_neurons, "neuron_format": self.neuron_format}}

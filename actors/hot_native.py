@@ -16,9 +16,10 @@ bit), and runs each step in one C call through the torch-free build's entry poin
 The step's floats are the torch executor's native step's: the same functions
 (tests/test_runtime.py compares the two groups' tokens and log-probabilities).
 
-It runs a CPU group without a predictor whose decode and prompt steps the native loop runs (a
-uniform LLaMA-family model with every layer's heads and neurons in 16-row group layouts: the
-int4 default on a 4-bit file) and no compiled step; else the executor is the torch one, and the
+It runs a CPU group whose decode and prompt steps the native loop runs (a uniform LLaMA-family
+model with every layer's heads and neurons in 16-row group layouts, the int4 default on a 4-bit
+file; with a bundle, its hot neurons' records beside a predictor on the host, decode steps of at
+most 64 rows) and no compiled step; else the executor is the torch one, and the
 log and `ready()["torch_why"]` say why. `POWERINFER_HOT_EXECUTOR=torch` (read where the group is
 built) asks for the torch one always."""
 from __future__ import annotations
@@ -75,8 +76,6 @@ def torch_needed(config, plan, runtime: str = "auto") -> str | None:
         return f"it runs on {config.device!r}"
     if config.compile:
         return "its decode step is compiled (Config.compile)"
-    if plan.predictor_input is not None:
-        return "a predictor's masks"
     return None
 
 
@@ -112,6 +111,10 @@ class HotNativeImpl:
         self.ctl, self.out = spec.open("ctl"), spec.open("out", writer=True)
         self.x = spec.open("x", writer=True)
         self.part_chs = [spec.open(f"part.{k}") for k in range(spec.n_cold)]
+        # a predictor's: the layers' inputs out, their masks back (`hot_layers`' `predict`)
+        self.predicting = got["predicting"]
+        self.pred_in = spec.open("pred_in", writer=True) if self.predicting else None
+        self.mask = spec.open("mask") if self.predicting else None
         self.input_stats = np.zeros(2, np.int64) if got["sparse_stats"] else None
         self.kv: list[np.ndarray] = []
         # the group's RoPE tables, which this process fills as steps reach their rows
@@ -124,8 +127,12 @@ class HotNativeImpl:
                  "num_blocks": spec.num_blocks,
                  "rope_cos": clib.Arr(glob[0], 7), "rope_sin": clib.Arr(glob[1], 7),
                  "sparse_stats": None if self.input_stats is None else clib.Arr(self.input_stats, 4)}
-        for k, p in enumerate(self.part_chs):
-            slots |= {f"part.{k}.base": p.base, f"part.{k}.state": clib.Arr(p._st, 4)}
+        named = [(f"part.{k}", p) for k, p in enumerate(self.part_chs)]
+        if self.predicting:
+            named += [("pred_in", self.pred_in), ("mask", self.mask)]
+        for name, ch in named:
+            slots |= {f"{name}.base": ch.base, f"{name}.capacity": ch.capacity,
+                      f"{name}.state": clib.Arr(ch._st, 4)}
         fixed = tuple(clib.unpack(v, self.memory, slots, self.kv) for v in got["args"])
         self.args = clib.PiArgs((None,) * STEP_ARGS + fixed)
         self.steps, self.step_s, self.native_prompt_steps = 0, 0.0, 0
@@ -146,6 +153,8 @@ class HotNativeImpl:
                 step = receive(self.ctl, Step)
                 if step.op == STOP:
                     self.x.publish(STOP)
+                    if self.pred_in is not None:
+                        self.pred_in.publish(STOP)
                     return "stopped"
                 t0 = time.perf_counter()
                 try:
@@ -176,7 +185,7 @@ class HotNativeImpl:
         out = self.out.array(np.float32, (step.K, spec.vocab))
         for i, a in enumerate(arrays):
             self.args.set(i, clib.Arr(a, DTYPES.index(str(a.dtype))))
-        self.args.set(5, step.op == PREFILL)
+        self.args.set(5, step.T > 1)  # (a prompt step of one token runs as a decode row, as in torch's)
         self.args.set(6, clib.Arr(out, 7))
         self.lib.hot_step(self.args)
 
@@ -239,4 +248,6 @@ class HotNativeImpl:
                "kv_resident": sum(resident(a.ctypes.data, a.nbytes) for a in self.kv)}
         if self.input_stats is not None:
             out["input_sparse_stats"] = [int(self.input_stats[0]), int(self.input_stats[1])]
+        if self.mask is not None:
+            out["mask_wait_s"] = self.mask.wait_s
         return out

@@ -1,6 +1,7 @@
 """The executors and the predictor as Ray sees them: classes that import nothing of torch, each
 building its role's implementation (`hot_executor`, `cold_executor`, `predictor`, which do, or
-their torch-free kinds `cold_native` and `pred_native`, which do not) in its own process, and
+their torch-free kinds `hot_native`, `cold_native` and `pred_native`, which do not) in its own
+process, and
 passing its calls through.
 
 The process that starts a group (a served model's replica, `actors.handle`) needs the classes,

@@ -339,6 +339,9 @@ def test_int4_actors_equal_the_int4_sparse_engine(ray_cluster, bundle, predictor
             assert info["hot"]["native"] and info["cold.0"]["native"] and info["predictor"]["native"]
             # the cold executor without torch: a prompt over its records in the kernel library
             assert info["cold.0"]["torch"] is False and info["cold.0"]["torch_why"] == "", info["cold.0"]
+            # and the hot one: the predictor's input and masks, its records, the head in one C
+            # call a step (a prompt's step over every record, `records_rows`)
+            assert info["hot"]["torch"] is False and info["hot"]["torch_why"] == "", info["hot"]
         # on a CPU the placement places nothing: the hot executor holds its cores' share of
         # each layer's neurons, dealt by activation mass (`SparsePlan.dealt`)
         assert abs(info["hot"]["hot_neurons"] - group.hot_share * 30 * 1536) <= 30
@@ -533,17 +536,22 @@ def test_int4_dense_split_equals_the_in_process_engine(ray_cluster):
 
 
 @pytest.mark.slow
-def test_the_torch_free_hot_executor_steps_as_the_torch_one(ray_cluster, monkeypatch):
+@pytest.mark.parametrize("sparse", [False, True], ids=["dense", "bundle"])
+def test_the_torch_free_hot_executor_steps_as_the_torch_one(ray_cluster, monkeypatch, request, sparse):
     """The shipped configuration's hot executor runs without torch (`actors.hot_native`: the
     tokens' embeddings, the layer loop, the final norm and its share of the head in one C call a
-    step): two requests, the second's prompt step beside the first's decode rows, give every
-    token and log-probability of the torch executor's native step bit for bit (which is checked
-    against the torch executor's Python modules here too); the torch-free process maps no torch.
-    `POWERINFER_HOT_EXECUTOR=torch` asks for the torch one, and its group says why."""
+    step), with SmolLM2's bundle too (the predictor's input and masks exchanged in the loop, a
+    prompt's step over every hot record): two requests, the second's prompt step beside the
+    first's decode rows, give every token and log-probability of the torch executor's native
+    step bit for bit (which is checked against the torch executor's Python modules here too); the
+    torch-free process maps no torch. `POWERINFER_HOT_EXECUTOR=torch` asks for the torch one,
+    and its group says why."""
     from powerinfer import kernels
     if not kernels.available():
         pytest.skip("the kernel library does not run on this CPU: no native step")
     cfg = dict(BASE, dtype="bfloat16", weights="int4", max_seq_len=256)
+    if sparse:
+        cfg["bundle"] = request.getfixturevalue("bundle")
     runs = {}
     for mode in ("auto", "torch"):
         monkeypatch.setenv("POWERINFER_HOT_EXECUTOR", mode)

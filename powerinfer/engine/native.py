@@ -169,8 +169,8 @@ class NativeDecode:
         variants = {k: [] for k in VARIANTS} | (variants or {})
         self.model, self.args = model, (*exchange, *layers, *(variants[k] for k in VARIANTS))
         self.input_sparse = ([], [], None)  # no input sparsity unless `of` finds it
-        # a predictor actor's masks read in the loop (the hot executor's `predict`): at most the
-        # kernel's rows a step, the modules' path past them
+        # a predictor actor's masks read in the loop (the hot executor's `predict`): decode steps
+        # of any width (64 rows a records call), a prompt's step computing every neuron
         self.masked = bool(exchange[6])
         kinds, _, down, w1, _, _, qkv, qkv_fmt, _, qkv2, qkv2_fmt, _, _, wo_fmt = layers[5:19]
         # the sparse layers whose neurons and predictor the loop runs (kind 3), with what it took
@@ -181,7 +181,10 @@ class NativeDecode:
         # whether a prompt's step runs here too: every layer's neurons and heads in 16-row group
         # layouts, whose GEMVs the Python modules run for any number of rows as well (the C++
         # check: prompt_rows_ffn, prompt_rows_attention)
-        self.prompts = all(k == 0 or (k == 1 and d < 0 and w < 0) for k, d, w in zip(kinds, down, w1)) and all(
+        # (a hot executor's neuron records beside a predictor, kind 2: every record, the prompt
+        # product `records_rows`, as the neuron set's module computes a prompt's rows)
+        self.prompts = all(k in (0, 2) or (k == 1 and d < 0 and w < 0)
+                           for k, d, w in zip(kinds, down, w1)) and all(
             not q.numel() or (f < 0 and (not q2.numel() or f2 < 0) and o < 0)
             for q, f, q2, f2, o in zip(qkv, qkv_fmt, qkv2, qkv2_fmt, wo_fmt))
 
@@ -212,7 +215,7 @@ class NativeDecode:
         # tokens (B, 1): a decode step; (1, N): a prompt step (its chunks and decode rows, as the
         # modules take it), where `prompts` allows one; last: the sampled rows of the N
         m, (B, T) = self.model, tokens.shape
-        if (self.sparse and not self._sparse_ok(B * T)) or (self.masked and B * T > kernels.MAX_ROWS):
+        if self.sparse and not self._sparse_ok(B * T):
             return m(tokens, pos, kv, last)
         m.rope_ensure(pos)  # (the loop reads the tables' rows at these positions)
         h = m.tok_embeddings(tokens)

@@ -1248,7 +1248,7 @@ struct Predicted {
 // the rows' masks over the layer's neurons (see masked_records), or null: every neuron
 static at::Tensor ffn_step(const Kernels& k, const ColdLayers& L, int64_t layer, const at::Tensor& x, int64_t act,
                            const Predicted* pred = nullptr, const at::Tensor* p = nullptr,
-                           const at::Tensor* mask = nullptr) {
+                           const at::Tensor* mask = nullptr, bool prompt = false) {
   const bool bf16 = x.scalar_type() == at::kBFloat16;
   const int64_t rows = x.size(0), dim = x.size(1);
   const double threshold = L.ffn_threshold[layer];
@@ -1260,8 +1260,23 @@ static at::Tensor ffn_step(const Kernels& k, const ColdLayers& L, int64_t layer,
   }
   if (L.ffn_kind[layer] == 2) {  // the records through the neuron kernel: the masks' neurons, or all
     const at::Tensor& w = L.ffn_w1[layer];
+    if (mask && rows > 64) {  // 64 rows a call (the kernel's most), each row with its own mask
+      std::vector<at::Tensor> parts;
+      const at::Tensor xs = x.contiguous(), ms = mask->contiguous();
+      for (int64_t r = 0; r < rows; r += 64) {
+        const int64_t n = std::min<int64_t>(64, rows - r);
+        const at::Tensor xr = at::from_blob(static_cast<char*>(xs.data_ptr()) + r * dim * xs.element_size(),
+                                            {n, dim}, xs.options());
+        const at::Tensor mr = at::from_blob(ms.data_ptr<bool>() + r * ms.size(1), {n, ms.size(1)}, ms.options());
+        parts.push_back(
+            masked_records(xr, w, L.ffn_idx[layer], mr, std::nullopt, threshold, act, L.ffn_n[layer]).to(at::kFloat));
+      }
+      return at::cat(parts, 0);
+    }
     if (mask)
       return masked_records(x, w, L.ffn_idx[layer], *mask, std::nullopt, threshold, act, L.ffn_n[layer]).to(at::kFloat);
+    if (prompt)  // a prompt's rows: every record, as the neuron set's Python module computes them
+      return records_rows(x, w, std::nullopt, 0.0, act, L.ffn_n[layer]).to(at::kFloat);  // (dense: no threshold)
     at::Tensor all = at::ones({w.size(0)}, x.options().dtype(at::kBool));
     return neuron_ffn(x, w, all, std::nullopt, std::nullopt, threshold, act, L.ffn_n[layer]).to(at::kFloat);
   }
@@ -1702,8 +1717,9 @@ static at::Tensor hot_layers(const at::Tensor& h_in, const at::Tensor& pos, cons
   TORCH_CHECK(ops.size() == 3, "ops: (decode, attention, prefill)");
   if (prompt)
     for (size_t l = 0; l < n_layers; l++)
-      TORCH_CHECK((!ffn_kind[l] || prompt_rows_ffn(L, l)) && (!qkv[l].numel() || prompt_rows_attention(L, l)),
-                  "layer ", l, ": a prompt's rows need 16-row group layouts");
+      TORCH_CHECK((!ffn_kind[l] || ffn_kind[l] == 2 || prompt_rows_ffn(L, l)) &&
+                      (!qkv[l].numel() || prompt_rows_attention(L, l)),
+                  "layer ", l, ": a prompt's rows need 16-row group layouts or neuron records");
   TORCH_CHECK(part_bases.size() == part_states.size(), "a state for each part channel");
   // the layers' own variants (Gemma 3, Qwen3), each list empty (none) or per layer: q/k norms and
   // post-norms two a layer (an empty tensor: none in that layer), RoPE tables and windows
@@ -1723,13 +1739,13 @@ static at::Tensor hot_layers(const at::Tensor& h_in, const at::Tensor& pos, cons
   TORCH_CHECK(!predicted || (part_bases.empty() && pred_fc2.size() == n_layers && h_in.size(0) <= 64),
               "predicted neurons: in process, with a second predictor matrix per layer, at most 64 rows");
   const Predicted pred{pred_fc2, pred_threshold, pred_layer_input};
-  // a predictor actor's masks (see above): decode steps of at most 64 rows
-  const bool masked = !predict.empty();
+  // a predictor actor's masks (see above): decode steps (64 rows a records call); a prompt's
+  // step in such a group computes every neuron, as its Python modules do (no masks asked for)
+  const bool masked = !predict.empty(), masked_step = masked && !prompt;
   TORCH_CHECK(!masked || (predict.size() == 6 && mask_state && mask_state->scalar_type() == at::kLong &&
-                          mask_state->numel() == 2 && mask_state->is_contiguous() && !prompt && !predicted &&
-                          h_in.size(0) <= 64),
+                          mask_state->numel() == 2 && mask_state->is_contiguous() && !predicted),
               "predict: [pred_in, its capacity, mask, lookahead, ffn_dim, attention split] with the mask's "
-              "reader state, for a decode step of at most 64 rows");
+              "reader state");
   for (size_t l = 0; masked && l < n_layers; l++)
     TORCH_CHECK(ffn_kind[l] != 1, "layer ", l, ": masks for neurons held as a block slice");
   for (const at::Tensor& st : part_states)
@@ -1765,7 +1781,7 @@ static at::Tensor hot_layers(const at::Tensor& h_in, const at::Tensor& pos, cons
   if (laps.active) prof::ns[prof::CALLS] += 1;
   for (size_t l = 0; l < n_layers; l++) {
     const int64_t layer = (int64_t)l;
-    if (masked && predict[3]) to_predictor(layer);  // lookahead: the layer's input, before attention
+    if (masked_step && predict[3]) to_predictor(layer);  // lookahead: the layer's input, before attention
     laps.lap(prof::PREDICT);
     // the predictor's input: the layer's, as it was before the attention's sum, or (h itself,
     // which that sum updates in place) the residual entering the FFN
@@ -1790,7 +1806,7 @@ static at::Tensor hot_layers(const at::Tensor& h_in, const at::Tensor& pos, cons
     laps.join(prof::WAIT_ATTN, prof::ADD_ATTN, laps.active ? prof::waited(attn_states) - w0 : 0);
     x = rms_norm(h, norms[2 * l + 1], eps);
     laps.lap(prof::NORM);
-    if (masked) {
+    if (masked_step) {
       if (!predict[3]) to_predictor(layer);  // the residual entering the FFN
       const at::Tensor mask = masks_of(layer);  // (valid until the next PredictorInput)
       laps.lap(prof::PREDICT);
@@ -1801,7 +1817,7 @@ static at::Tensor hot_layers(const at::Tensor& h_in, const at::Tensor& pos, cons
     } else {
       if (exchange) send_message({sent(x)}, x_base, x_capacity, prompt ? ops[2] : ops[0], layer, none);
       laps.lap(prof::SEND);
-      y = ffn_kind[l] ? ffn_step(k, L, layer, x, act, &pred, &layer_in).contiguous()
+      y = ffn_kind[l] ? ffn_step(k, L, layer, x, act, &pred, &layer_in, nullptr, prompt).contiguous()
                       : at::zeros(x.sizes(), x.options().dtype(at::kFloat));
     }
     laps.lap(prof::FFN);
