@@ -509,8 +509,8 @@ class HotExecutorImpl:
             return "its prompt steps run its Python modules (a layer not in 16-row group layouts)"
         if native.sparse:
             return "its neurons' predictor runs in process"
-        if m.args.embed_scale or m.pos_embeddings is not None:
-            return "its embedding is scaled or has positions"
+        if m.pos_embeddings is not None:
+            return "its embedding has positions"
         if self._embedding() is None:
             return "its embedding is not in a kernel format or the model's type"
         if rms_weight(m.norm, self.spec.torch_dtype) is None:
@@ -551,10 +551,11 @@ class HotExecutorImpl:
         embed, embed_fmt = self._embedding()
         (head, head_fmt, head_n), widths = self._head()
         stats = getattr(m, "input_sparse_stats", None)
-        slots = {id(m.rope_cos): "rope_cos", id(m.rope_sin): "rope_sin"}
+        slots = {id(getattr(m, f"rope_{k}{end}")): f"rope_{k}{end}" for k in ("cos", "sin")
+                 for end in ("", "_local")[:2 if m.args.rope_base_local else 1]}
         if stats is not None:
             slots[id(stats)] = "sparse_stats"
-        args = (embed, embed_fmt, self.spec.torch_dtype == torch.bfloat16,
+        args = (embed, embed_fmt, float(m.args.embed_scale or 0.0), self.spec.torch_dtype == torch.bfloat16,
                 rms_weight(m.norm, self.spec.torch_dtype), m.args.norm_eps, head, head_fmt, head_n,
                 HEAD, widths, *native.args, *native.input_sparse)
         packed, end = pack_args(args, fd, slots)

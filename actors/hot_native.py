@@ -121,11 +121,12 @@ class HotNativeImpl:
         self.model_args = model_args
         self.rope = spec.rope_arrays(writer=True)
         self.rope_filled = 0
-        glob = self.rope[0]
+        glob, local = self.rope
         slots = {"x.base": self.x.base, "x.capacity": self.x.capacity,
                  "spin_us": self.part_chs[0].spin_us if self.part_chs else self.x.spin_us,
                  "num_blocks": spec.num_blocks,
                  "rope_cos": clib.Arr(glob[0], 7), "rope_sin": clib.Arr(glob[1], 7),
+                 "rope_cos_local": clib.Arr(local[0], 7), "rope_sin_local": clib.Arr(local[1], 7),
                  "sparse_stats": None if self.input_stats is None else clib.Arr(self.input_stats, 4)}
         named = [(f"part.{k}", p) for k, p in enumerate(self.part_chs)]
         if self.predicting:

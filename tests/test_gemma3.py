@@ -96,7 +96,7 @@ def test_the_shipped_configuration_tracks_fp32(gemma_model_path, ours, fp32_trac
 
 
 @pytest.mark.slow
-def test_the_actor_groups_cold_executor_holds_its_shard_without_torch(gemma_model_path, ours,
+def test_the_actor_groups_executors_hold_their_shares_without_torch(gemma_model_path, ours,
                                                                       fp32_tracks):
     # the actor runtime's default split of Gemma 3 (a hot and a cold executor): each one's share
     # of every layer's FFN a block slice of the file's Q8_0 rows (one GEMV of 16-row groups, as
@@ -113,13 +113,29 @@ def test_the_actor_groups_cold_executor_holds_its_shard_without_torch(gemma_mode
         cold = pi.engine.group.info["cold.0"]
         assert cold["torch"] is False and cold["torch_why"] == "", cold
         assert cold["block_slices"] == pi.engine.args.n_layers == 18
-        for (prompt, n), want in fp32_tracks.items():
-            ids = list(prompt)
-            got = [e.token for e in pi._run([ids], n, dict(temperature=0, ignore_eos=True))
-                   if e.token >= 0]
-            assert_same_or_near_tie(ours, ids, list(want), got, 0.5)
+        # (its hot executor keeps torch: the layers' own variants run in process only)
+        assert pi.engine.group.info["hot"]["torch"] is True
+        assert_tracks(pi, ours, fp32_tracks)
+        pi.close()
+        # one executor with the whole model (as a server runs models that share their cores):
+        # its hot executor runs without torch (`actors/hot_native.py`: the embedding's scale,
+        # the sliding windows, the local RoPE table, the q/k norms and post-norms in the loop)
+        pi = PowerInfer.from_pretrained(gemma_model_path, Config(runtime="actors", max_seq_len=1024,
+                                                                 cpu_threads=1, cold_executors=0))
+        hot = pi.engine.group.info["hot"]
+        assert hot["torch"] is False and hot["torch_why"] == "", hot
+        assert_tracks(pi, ours, fp32_tracks)
     finally:
         pi.close()
         import ray
         ray.shutdown()
         torch.set_num_threads(threads)
+
+
+def assert_tracks(pi, ours, fp32_tracks):
+    """Greedy decodes of `fp32_tracks`' prompts track fp32 as the in-process engine does."""
+    for (prompt, n), want in fp32_tracks.items():
+        ids = list(prompt)
+        got = [e.token for e in pi._run([ids], n, dict(temperature=0, ignore_eos=True))
+               if e.token >= 0]
+        assert_same_or_near_tie(ours, ids, list(want), got, 0.5)

@@ -1834,13 +1834,14 @@ static at::Tensor hot_layers(const at::Tensor& h_in, const at::Tensor& pos, cons
 // channel's payload), as the torch executor's `NativeDecode` and `RemoteHead` compute them.
 // embed: the embedding's rows, in a kernel format (embed_fmt >= 0: the file's blocks, widened
 // to float32 then rounded to the model's type, as `KernelEmbedding`) or in the model's type
-// (embed_fmt < 0). head: this process's rows of the head (head_n of them, in `project`'s
+// (embed_fmt < 0), then scaled by embed_scale where it is not 0. head: this process's rows of the head (head_n of them, in `project`'s
 // formats); head_widths: the other executors' shares of the vocabulary after them, in order
 // (empty: the head is all here), each computed from the rows sent on `x` as a `head_op`
 // message. `layers`: hot_layers' arguments from x_base to layer_window.
 static void hot_step(const at::Tensor& tokens, const at::Tensor& pos, const at::Tensor& starts,
                      const at::Tensor& tables, const at::Tensor& last, bool prompt, at::Tensor& out,
-                     const at::Tensor& embed, int64_t embed_fmt, bool bf16, const at::Tensor& final_norm,
+                     const at::Tensor& embed, int64_t embed_fmt, double embed_scale, bool bf16,
+                     const at::Tensor& final_norm,
                      double eps, const at::Tensor& head, int64_t head_fmt, int64_t head_n, int64_t head_op,
                      at::IntArrayRef head_widths, int64_t x_base, int64_t x_capacity, at::IntArrayRef part_bases,
                      at::TensorList part_states, double spin_us,
@@ -1871,6 +1872,17 @@ static void hot_step(const at::Tensor& tokens, const at::Tensor& pos, const at::
     const int64_t rb = dim * h.element_size();
     for (int64_t i = 0; i < N; i++)
       std::memcpy(static_cast<char*>(h.data_ptr()) + i * rb, static_cast<const char*>(embed.data_ptr()) + tk[i] * rb, rb);
+  }
+  if (embed_scale != 0.0) {  // (Gemma's) in the activations' type, the scale rounded to it first
+    if (bf16) {
+      auto* hp = h.data_ptr<at::BFloat16>();
+      const float s = round_bf16((float)embed_scale);
+      for (int64_t i = 0; i < N * dim; i++) hp[i] = at::BFloat16((float)hp[i] * s);
+    } else {
+      float* hp = h.data_ptr<float>();
+      const float s = (float)embed_scale;
+      for (int64_t i = 0; i < N * dim; i++) hp[i] *= s;
+    }
   }
   at::Tensor y = layers(h);  // (N, dim) of the model's type
   if (K == 0) return;
