@@ -98,6 +98,53 @@ class PiArgs {
   std::deque<std::vector<at::Tensor>> lists_;  // (a deque: the lists handed out stay where they are)
 };
 
+// The per-layer lists of the FFN's entries (`native.ffn_entry`'s columns) and of attention's
+// (`native.attention_entry`'s, then the heads, RoPE tables, window and scale), in the order
+// cold_serve and hot_layers both take them.
+struct PiFfn {
+  at::TensorList w1, w2;
+  at::IntArrayRef kind, n, down_fmt, w1_fmt;
+  at::TensorList idx;
+  at::ArrayRef<double> threshold;
+  static PiFfn read(PiArgs& a) {
+    PiFfn f;
+    f.w1 = a.tensors(), f.w2 = a.tensors();
+    f.kind = a.ints(), f.n = a.ints(), f.down_fmt = a.ints(), f.w1_fmt = a.ints();
+    f.idx = a.tensors();
+    f.threshold = a.reals();
+    return f;
+  }
+};
+
+struct PiAttn {
+  at::TensorList qkv;
+  at::IntArrayRef qkv_fmt, qkv_n;
+  at::TensorList qkv2;
+  at::IntArrayRef qkv2_fmt, qkv2_n;
+  at::TensorList wo;
+  at::IntArrayRef wo_fmt;
+  at::TensorList k_cache, v_cache;
+  int64_t n_heads = 0;
+  std::optional<at::Tensor> cos, sin;
+  int64_t window = 0;
+  double scale = 1.0;
+  static PiAttn read(PiArgs& a) {
+    PiAttn t;
+    t.qkv = a.tensors();
+    t.qkv_fmt = a.ints(), t.qkv_n = a.ints();
+    t.qkv2 = a.tensors();
+    t.qkv2_fmt = a.ints(), t.qkv2_n = a.ints();
+    t.wo = a.tensors();
+    t.wo_fmt = a.ints();
+    t.k_cache = a.tensors(), t.v_cache = a.tensors();
+    t.n_heads = a.integer();
+    t.cos = a.optional(), t.sin = a.optional();
+    t.window = a.integer();
+    t.scale = a.real();
+    return t;
+  }
+};
+
 static void pi_error(const std::exception& e, char* err, int64_t len) {
   const auto* c10e = dynamic_cast<const c10::Error*>(&e);
   const char* text = c10e ? c10e->what_without_backtrace() : e.what();
@@ -130,22 +177,9 @@ int64_t pi_cold_serve(const powerinfer::PiArg* args, int64_t n, int64_t* words, 
     const double spin_us = a.real();
     const at::IntArrayRef ops = a.ints();
     const int64_t act = a.integer();
-    const at::TensorList ffn_w1 = a.tensors(), ffn_w2 = a.tensors();
-    const at::IntArrayRef ffn_kind = a.ints(), ffn_n = a.ints(), ffn_down_fmt = a.ints(), ffn_w1_fmt = a.ints();
-    const at::TensorList ffn_idx = a.tensors();
-    const at::ArrayRef<double> ffn_threshold = a.reals();
+    const PiFfn f = PiFfn::read(a);
     const int64_t ffn_dim = a.integer();
-    const at::TensorList qkv = a.tensors();
-    const at::IntArrayRef qkv_fmt = a.ints(), qkv_n = a.ints();
-    const at::TensorList qkv2 = a.tensors();
-    const at::IntArrayRef qkv2_fmt = a.ints(), qkv2_n = a.ints();
-    const at::TensorList wo = a.tensors();
-    const at::IntArrayRef wo_fmt = a.ints();
-    const at::TensorList k_cache = a.tensors(), v_cache = a.tensors();
-    const int64_t n_heads = a.integer();
-    const std::optional<at::Tensor> cos = a.optional(), sin = a.optional();
-    const int64_t window = a.integer();
-    const double scale = a.real();
+    const PiAttn t = PiAttn::read(a);
     const std::optional<at::Tensor> head = a.optional();
     const int64_t head_fmt = a.integer(), head_n = a.integer(), ahead = a.integer();
     const at::TensorList sparse = a.tensors();
@@ -156,9 +190,9 @@ int64_t pi_cold_serve(const powerinfer::PiArg* args, int64_t n, int64_t* words, 
     const double eps = a.real();
     a.done();
     const std::vector<int64_t> out =
-        cold_serve(state, x_base, part_base, part_capacity, dim, bf16, spin_us, ops, act, ffn_w1, ffn_w2, ffn_kind,
-                   ffn_n, ffn_down_fmt, ffn_w1_fmt, ffn_idx, ffn_threshold, ffn_dim, qkv, qkv_fmt, qkv_n, qkv2,
-                   qkv2_fmt, qkv2_n, wo, wo_fmt, k_cache, v_cache, n_heads, cos, sin, window, scale, head, head_fmt,
+        cold_serve(state, x_base, part_base, part_capacity, dim, bf16, spin_us, ops, act, f.w1, f.w2, f.kind, f.n,
+                   f.down_fmt, f.w1_fmt, f.idx, f.threshold, ffn_dim, t.qkv, t.qkv_fmt, t.qkv_n, t.qkv2, t.qkv2_fmt,
+                   t.qkv2_n, t.wo, t.wo_fmt, t.k_cache, t.v_cache, t.n_heads, t.cos, t.sin, t.window, t.scale, head, head_fmt,
                    head_n, ahead, sparse, sparse_threshold, sparse_stats, qk_norms, layer_cos, layer_sin,
                    layer_window, eps);
     std::copy(out.begin(), out.end(), words);
@@ -222,21 +256,8 @@ int64_t pi_hot_step(const powerinfer::PiArg* args, int64_t n, char* err, int64_t
     const int64_t act = a.integer();
     const at::TensorList norms = a.tensors();
     const double eps = a.real();
-    const at::TensorList ffn_w1 = a.tensors(), ffn_w2 = a.tensors();
-    const at::IntArrayRef ffn_kind = a.ints(), ffn_n = a.ints(), ffn_down_fmt = a.ints(), ffn_w1_fmt = a.ints();
-    const at::TensorList ffn_idx = a.tensors();
-    const at::ArrayRef<double> ffn_threshold = a.reals();
-    const at::TensorList qkv = a.tensors();
-    const at::IntArrayRef qkv_fmt = a.ints(), qkv_n = a.ints();
-    const at::TensorList qkv2 = a.tensors();
-    const at::IntArrayRef qkv2_fmt = a.ints(), qkv2_n = a.ints();
-    const at::TensorList wo = a.tensors();
-    const at::IntArrayRef wo_fmt = a.ints();
-    const at::TensorList k_cache = a.tensors(), v_cache = a.tensors();
-    const int64_t n_heads = a.integer();
-    const std::optional<at::Tensor> cos = a.optional(), sin = a.optional();
-    const int64_t window = a.integer();
-    const double scale = a.real();
+    const PiFfn f = PiFfn::read(a);
+    const PiAttn t = PiAttn::read(a);
     const at::TensorList pred_fc2 = a.tensors();
     const double pred_threshold = a.real();
     const bool pred_layer_input = a.boolean();
@@ -251,9 +272,10 @@ int64_t pi_hot_step(const powerinfer::PiArg* args, int64_t n, char* err, int64_t
              head_fmt, head_n, head_op, head_widths, x_base, x_capacity, part_bases, part_states, spin_us,
              [&](const at::Tensor& h) {
                return hot_layers(h, pos, starts, tables, x_base, x_capacity, part_bases, part_states, spin_us, ops,
-                                 predict, mask_state, act, norms, eps, ffn_w1, ffn_w2, ffn_kind, ffn_n, ffn_down_fmt,
-                                 ffn_w1_fmt, ffn_idx, ffn_threshold, qkv, qkv_fmt, qkv_n, qkv2, qkv2_fmt, qkv2_n, wo,
-                                 wo_fmt, k_cache, v_cache, n_heads, cos, sin, window, scale, pred_fc2, pred_threshold,
+                                 predict, mask_state, act, norms, eps, f.w1, f.w2, f.kind, f.n, f.down_fmt, f.w1_fmt,
+                                 f.idx, f.threshold, t.qkv, t.qkv_fmt, t.qkv_n, t.qkv2, t.qkv2_fmt, t.qkv2_n, t.wo,
+                                 t.wo_fmt, t.k_cache, t.v_cache, t.n_heads, t.cos, t.sin, t.window, t.scale, pred_fc2,
+                                 pred_threshold,
                                  pred_layer_input, qk_norms, post_norms, layer_cos, layer_sin, layer_window, prompt,
                                  sparse, sparse_threshold, sparse_stats);
              });
