@@ -160,10 +160,10 @@ class HotNativeImpl:
                 t0 = time.perf_counter()
                 try:
                     self._step(step)
-                except RuntimeError as e:
-                    if (gone := native_error(e)) is not None:
+                except Exception as e:  # a bug or a bad step: report it, the group is rebuilt
+                    if isinstance(e, RuntimeError) and (gone := native_error(e)) is not None:
                         raise gone from None
-                    self._error(f"RuntimeError: {e}")
+                    self._error(f"{type(e).__name__}: {e}")
                     raise
                 send(self.out, Reply(OK, step.K, *self._input_counts()))
                 self.steps += 1
