@@ -55,9 +55,9 @@ class PiArgs:
     def set(self, i: int, v):
         """Argument i replaced by v (a step's own: the arrays it points at are the caller's to
         keep alive through the call, and nothing is kept here)."""
-        keep, self.keep = self.keep, []
+        n = len(self.keep)
         self.array[i] = self._one(v)
-        self.keep = keep
+        del self.keep[n:]
 
     def _tensor(self, t: Arr) -> PiArg:
         a = t.array

@@ -301,7 +301,7 @@ class HotExecutorImpl:
         kernels.hold(spec.isa)  # the model's instruction-set class
         model = unseal(model)
         self.spec, self.cores, self.device = spec, cores, config.torch_device
-        self.packing, self.config = packing, config
+        self.packing = packing
         t0, c0 = time.perf_counter(), time.process_time()
         if packing and (self.device.type != "cpu" or spec.device_predictor):
             raise ValueError("a torch-free hot executor runs a CPU group")

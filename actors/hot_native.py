@@ -36,7 +36,7 @@ import numpy as np
 from cluster.topology import process_memory
 from powerinfer.compat import resident
 from powerinfer.cpu import LOOP_MODES, loop_times
-from powerinfer.formats.rope import ROPE_CHUNK, rope_table
+from powerinfer.formats.rope import fill_rows
 
 from . import clib
 from .channel import ChannelClosed, PeerDied, native_error
@@ -193,18 +193,13 @@ class HotNativeImpl:
     def _rope_ensure(self, pos: np.ndarray):
         """The RoPE tables' rows up to the largest of the step's positions, in whole chunks, as
         `Transformer.rope_ensure` fills them (the cold executors read them too)."""
-        max_seq = self.spec.max_seq
-        if self.rope_filled >= max_seq or pos.size == 0:
+        if pos.size == 0:
             return
-        top = int(pos.max())
-        if top < self.rope_filled:
-            return
-        lo, hi = self.rope_filled, min(max_seq, (top // ROPE_CHUNK + 1) * ROPE_CHUNK)
-        a = self.model_args
-        for table, local in ((self.rope[0], False), (self.rope[1], True))[:2 if a.rope_base_local else 1]:
-            cos, sin = rope_table(a, max_seq, local, lo, hi)
-            table[0][lo:hi], table[1][lo:hi] = cos, sin
-        self.rope_filled = hi
+
+        def write(table, lo, hi, cos, sin):
+            self.rope[table][0][lo:hi], self.rope[table][1][lo:hi] = cos, sin
+        self.rope_filled = fill_rows(self.model_args, self.spec.max_seq, self.rope_filled,
+                                     int(pos.max()), write)
 
     def _input_counts(self) -> tuple[int, int]:
         if self.input_stats is None:

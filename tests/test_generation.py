@@ -90,7 +90,8 @@ def test_rope_tables_fill_as_positions_are_reached():
     """The RoPE tables hold rows only up to the positions steps have reached (whole chunks),
     each row the bits of the whole table's, and a position past them is filled before it is
     read: a long context costs its tables' memory only when it is used."""
-    from powerinfer.model.transformer import ROPE_CHUNK, rope_table
+    from powerinfer.formats.rope import ROPE_CHUNK
+    from powerinfer.model.transformer import rope_table
 
     smol = PowerInfer.from_pretrained("smollm2-135m-instruct", config=Config(dtype="float32", max_batch=1))
     m = smol.engine.model

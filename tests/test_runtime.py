@@ -200,7 +200,7 @@ def test_a_prompt_past_the_first_rope_chunk_decodes_as_in_process(ray_cluster, t
     from dataclasses import replace
 
     from greedy import greedy_ids
-    from powerinfer.model.transformer import ROPE_CHUNK
+    from powerinfer.formats.rope import ROPE_CHUNK
     from powerinfer.sparsity.synthetic import PRESETS, write_synthetic
 
     shape = replace(PRESETS["tiny"], context=ROPE_CHUNK + 1024)

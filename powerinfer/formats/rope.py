@@ -28,6 +28,19 @@ def rope_table(a, max_seq: int, local: bool = False, lo: int = 0,
     return cos[lo - c0:hi - c0], sin[lo - c0:hi - c0]
 
 
+def fill_rows(a, max_seq: int, filled: int, top: int, write) -> int:
+    """Tables filled up to row `filled` made to hold position `top` (a step's largest): the rows
+    from `filled` on, in whole chunks of ROPE_CHUNK, each table's given to `write(table, lo, hi,
+    cos, sin)` (table 0 the global one, 1 the sliding layers' where the model has its own base);
+    returns the rows filled now."""
+    if filled >= max_seq or top < filled:
+        return filled
+    lo, hi = filled, min(max_seq, (top // ROPE_CHUNK + 1) * ROPE_CHUNK)
+    for table in range(2 if a.rope_base_local else 1):
+        write(table, lo, hi, *rope_table(a, max_seq, table == 1, lo, hi))
+    return hi
+
+
 def _rows(a, max_seq: int, local: bool, lo: int, hi: int) -> tuple[np.ndarray, np.ndarray]:
     """Rows [lo, hi) of a `rope_table` of max_seq rows."""
     d = a.head_dim

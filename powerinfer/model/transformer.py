@@ -21,7 +21,6 @@ from .. import kernels
 from ..compat import resident
 from ..formats import rope
 from ..formats.args import ModelArgs
-from ..formats.rope import ROPE_CHUNK
 
 
 def _zeros(shape, dtype, device) -> torch.Tensor:
@@ -330,24 +329,21 @@ class Transformer(nn.Module):
 
     def rope_ensure(self, pos: "torch.Tensor | np.ndarray | int"):
         """Fill the RoPE tables' rows up to the largest of the positions `pos` (a step's), in
-        whole chunks of ROPE_CHUNK rows: every step calls it before its layers read the rows
-        (`ropes`; the native loops' and the compiled steps' callers)."""
+        whole chunks of `formats.rope.ROPE_CHUNK` rows: every step calls it before its layers
+        read the rows (`ropes`; the native loops' and the compiled steps' callers)."""
         if getattr(self, "rope_filled", self.max_seq) >= self.max_seq:
             return
         if not isinstance(pos, int):
             if pos.size == 0 if isinstance(pos, np.ndarray) else pos.numel() == 0:
                 return
             pos = int(pos.max())
-        if pos < self.rope_filled:
-            return
-        lo, hi = self.rope_filled, min(self.max_seq, (pos // ROPE_CHUNK + 1) * ROPE_CHUNK)
-        a = self.args
+
+        def write(table, lo, hi, cos, sin):
+            end = ("", "_local")[table]
+            getattr(self, "rope_cos" + end)[lo:hi].copy_(torch.from_numpy(cos))
+            getattr(self, "rope_sin" + end)[lo:hi].copy_(torch.from_numpy(sin))
         with torch.inference_mode():  # (tables made under it are written only under it)
-            for end, local in (("", False), ("_local", True))[:2 if a.rope_base_local else 1]:
-                cos, sin = rope_table(a, self.max_seq, local, lo, hi)
-                getattr(self, "rope_cos" + end)[lo:hi].copy_(cos)
-                getattr(self, "rope_sin" + end)[lo:hi].copy_(sin)
-        self.rope_filled = hi
+            self.rope_filled = rope.fill_rows(self.args, self.max_seq, self.rope_filled, pos, write)
 
     def ropes(self, flat: torch.Tensor) -> tuple:
         """(global, local) (cos, sin) rows at positions `flat` (local: the sliding layers' own

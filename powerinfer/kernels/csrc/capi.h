@@ -268,7 +268,7 @@ int64_t pi_hot_step(const powerinfer::PiArg* args, int64_t n, char* err, int64_t
     const at::ArrayRef<double> sparse_threshold = a.reals();
     const std::optional<at::Tensor> sparse_stats = a.optional();
     a.done();
-    hot_step(tokens, pos, starts, tables, last, prompt, out, embed, embed_fmt, embed_scale, bf16, final_norm, final_eps, head,
+    hot_step(tokens, last, out, embed, embed_fmt, embed_scale, bf16, final_norm, final_eps, head,
              head_fmt, head_n, head_op, head_widths, x_base, x_capacity, part_bases, part_states, spin_us,
              [&](const at::Tensor& h) {
                return hot_layers(h, pos, starts, tables, x_base, x_capacity, part_bases, part_states, spin_us, ops,

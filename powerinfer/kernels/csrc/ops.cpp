@@ -1245,7 +1245,8 @@ struct Predicted {
 
 // A layer's decode step of its block slice or neuron records: (rows, dim) -> (rows, dim) f32;
 // for predicted records (kind 3) p is the predictor's input rows; for records (kind 2) `mask`
-// the rows' masks over the layer's neurons (see masked_records), or null: every neuron
+// the rows' masks over the layer's neurons (see masked_records), or null: every neuron, and
+// `prompt` (records, no masks): the rows are a prompt's, every record without a threshold
 static at::Tensor ffn_step(const Kernels& k, const ColdLayers& L, int64_t layer, const at::Tensor& x, int64_t act,
                            const Predicted* pred = nullptr, const at::Tensor* p = nullptr,
                            const at::Tensor* mask = nullptr, bool prompt = false) {
@@ -1260,23 +1261,27 @@ static at::Tensor ffn_step(const Kernels& k, const ColdLayers& L, int64_t layer,
   }
   if (L.ffn_kind[layer] == 2) {  // the records through the neuron kernel: the masks' neurons, or all
     const at::Tensor& w = L.ffn_w1[layer];
-    if (mask && rows > 64) {  // 64 rows a call (the kernel's most), each row with its own mask
-      std::vector<at::Tensor> parts;
-      const at::Tensor xs = x.contiguous(), ms = mask->contiguous();
+    // a prompt's rows: every record, no threshold (the Python set's prompt path,
+    // `NeuronSet._prompt_rows`, which runs the same product)
+    if (prompt && !mask) return records_rows(x, w, std::nullopt, 0.0, act, L.ffn_n[layer]).to(at::kFloat);
+    if (rows > 64) {  // a decode step: 64 rows a call (a row's answer is its own neurons' sums
+      // whatever rows share the call: the Python set's, which splits its rows the same way)
+      const at::Tensor xs = x.contiguous(), ms = mask ? mask->contiguous() : at::Tensor();
+      at::Tensor out = at::empty({rows, dim}, at::TensorOptions().dtype(at::kFloat));
       for (int64_t r = 0; r < rows; r += 64) {
         const int64_t n = std::min<int64_t>(64, rows - r);
         const at::Tensor xr = at::from_blob(static_cast<char*>(xs.data_ptr()) + r * dim * xs.element_size(),
                                             {n, dim}, xs.options());
-        const at::Tensor mr = at::from_blob(ms.data_ptr<bool>() + r * ms.size(1), {n, ms.size(1)}, ms.options());
-        parts.push_back(
-            masked_records(xr, w, L.ffn_idx[layer], mr, std::nullopt, threshold, act, L.ffn_n[layer]).to(at::kFloat));
+        const at::Tensor mr = mask ? at::from_blob(ms.data_ptr<bool>() + r * ms.size(1), {n, ms.size(1)},
+                                                   ms.options())
+                                   : at::Tensor();
+        const at::Tensor part = ffn_step(k, L, layer, xr, act, nullptr, nullptr, mask ? &mr : nullptr).contiguous();
+        std::memcpy(out.data_ptr<float>() + r * dim, part.data_ptr<float>(), n * dim * 4);
       }
-      return at::cat(parts, 0);
+      return out;
     }
     if (mask)
       return masked_records(x, w, L.ffn_idx[layer], *mask, std::nullopt, threshold, act, L.ffn_n[layer]).to(at::kFloat);
-    if (prompt)  // a prompt's rows: every record, as the neuron set's Python module computes them
-      return records_rows(x, w, std::nullopt, 0.0, act, L.ffn_n[layer]).to(at::kFloat);  // (dense: no threshold)
     at::Tensor all = at::ones({w.size(0)}, x.options().dtype(at::kBool));
     return neuron_ffn(x, w, all, std::nullopt, std::nullopt, threshold, act, L.ffn_n[layer]).to(at::kFloat);
   }
@@ -1579,40 +1584,22 @@ static std::vector<int64_t> cold_serve(at::Tensor& state, int64_t x_base, int64_
     const int64_t rows = B * T;
     auto up = [](int64_t n) { return (n + 63) / 64 * 64; };  // the payload's parts' boundaries
     at::Tensor y;
-    // a decode step over records, 64 rows a call (a row's answer is its own neurons' sums
-    // whatever rows share the call: the Python set's, which splits its rows the same way)
-    auto records_decode = [&](const bool* masks) {
-      const int64_t es = bf16 ? 2 : 4;
-      at::Tensor out;
-      for (int64_t r0 = 0; r0 < rows; r0 += 64) {
-        const int64_t n = std::min<int64_t>(64, rows - r0);
-        const at::Tensor x = at::from_blob(xp + r0 * dim * es, {n, dim}, rows_type);
-        const at::Tensor m = masks ? at::from_blob((void*)(masks + r0 * ffn_dim), {n, ffn_dim},
-                                                   at::TensorOptions().dtype(at::kBool))
-                                   : at::Tensor();
-        at::Tensor part = ffn_step(k, L, layer, x, act, nullptr, nullptr, masks ? &m : nullptr).contiguous();
-        if (n == rows) return part;
-        if (!out.defined()) out = at::empty({rows, dim}, part.options());
-        std::memcpy(out.data_ptr<float>() + r0 * dim, part.data_ptr<float>(), n * dim * 4);
-      }
-      return out;
-    };
+    const at::Tensor x_rows = at::from_blob(xp, {rows, dim}, rows_type);
     if (w4 && in_layers && T == 1 && op == ops[0] && ffn_kind[layer] == 2 && ffn_dim > 0) {
-      // the predictor's masks after the rows (PlaneSpec.mask_offset)
-      y = records_decode(reinterpret_cast<const bool*>(xp + up(rows * dim * (bf16 ? 2 : 4))));
+      // the predictor's masks after the rows (PlaneSpec.mask_offset); a decode step over
+      // records, 64 rows a call (ffn_step)
+      const at::Tensor m = at::from_blob(xp + up(rows * dim * (bf16 ? 2 : 4)), {rows, ffn_dim},
+                                         at::TensorOptions().dtype(at::kBool));
+      y = ffn_step(k, L, layer, x_rows, act, nullptr, nullptr, &m);
     } else if (!w4 && in_layers && T == 1 && (op == ops[0] || op == ops[3]) && ffn_kind[layer] == 2) {
       // every record (a one-token prompt as a decode row, as the Python set computes it)
-      y = records_decode(nullptr);
+      y = ffn_step(k, L, layer, x_rows, act);
     } else if (!w4 && in_layers && ((decode_rows && op == ops[0] && ffn_kind[layer]) ||
                                     ((op == ops[3] || op == ops[0]) && prompt_rows_ffn(L, layer)))) {
       // (a decode step of more rows than a GEMV's batch runs as a prompt's rows do)
-      y = ffn_step(k, L, layer, at::from_blob(xp, {rows, dim}, rows_type), act);
+      y = ffn_step(k, L, layer, x_rows, act);
     } else if (!w4 && in_layers && T > 1 && (op == ops[3] || op == ops[0]) && ffn_kind[layer] == 2) {
-      // a prompt's rows over neuron records: every record, no threshold (the Python set's
-      // prompt path, `NeuronSet._prompt_rows`, which runs the same product)
-      y = records_rows(at::from_blob(xp, {rows, dim}, rows_type), L.ffn_w1[layer], std::nullopt, 0.0, act,
-                       L.ffn_n[layer])
-              .to(at::kFloat);
+      y = ffn_step(k, L, layer, x_rows, act, nullptr, nullptr, nullptr, true);  // a prompt's rows
     } else if (op == ops[2] && in_layers && qkv[layer].numel() && (decode_rows || prompt_rows_attention(L, layer))) {
       // (PlaneSpec.attn_layout)
       const int64_t at_pos = up(rows * dim * (bf16 ? 2 : 4)), at_starts = at_pos + up(rows * 8), at_tables = at_starts + up((w4 + 1) * 8);
@@ -1621,7 +1608,7 @@ static std::vector<int64_t> cold_serve(at::Tensor& state, int64_t x_base, int64_
       at::Tensor tables = at::from_blob(xp + at_tables, {w4, w5}, at::TensorOptions().dtype(at::kInt));
       const bool own_rope = !layer_cos.empty(), has_qk = !qk_norms.empty() && qk_norms[2 * layer].numel();
       const QKNorms qk{has_qk ? qk_norms[2 * layer] : pos, has_qk ? qk_norms[2 * layer + 1] : pos, eps};
-      y = attention_step(k, L, layer, at::from_blob(xp, {rows, dim}, rows_type), pos, starts, tables, n_heads,
+      y = attention_step(k, L, layer, x_rows, pos, starts, tables, n_heads,
                          own_rope ? std::optional<at::Tensor>(layer_cos[layer]) : cos,
                          own_rope ? std::optional<at::Tensor>(layer_sin[layer]) : sin,
                          layer_window.empty() ? window : layer_window[layer], scale, has_qk ? &qk : nullptr);
@@ -1837,9 +1824,16 @@ static at::Tensor hot_layers(const at::Tensor& h_in, const at::Tensor& pos, cons
 // (embed_fmt < 0), then scaled by embed_scale where it is not 0. head: this process's rows of the head (head_n of them, in `project`'s
 // formats); head_widths: the other executors' shares of the vocabulary after them, in order
 // (empty: the head is all here), each computed from the rows sent on `x` as a `head_op`
-// message. `layers`: hot_layers' arguments from x_base to layer_window.
-static void hot_step(const at::Tensor& tokens, const at::Tensor& pos, const at::Tensor& starts,
-                     const at::Tensor& tables, const at::Tensor& last, bool prompt, at::Tensor& out,
+// message. `layers`: hot_layers over the embedded rows, with the step's positions, sequences
+// and block tables.
+// Rows idx[0..n) of a matrix of `row_bytes`-byte rows at src, one after another into dst.
+static void gather_rows(const void* src, int64_t row_bytes, const int64_t* idx, int64_t n, void* dst) {
+  for (int64_t i = 0; i < n; i++)
+    std::memcpy(static_cast<char*>(dst) + i * row_bytes, static_cast<const char*>(src) + idx[i] * row_bytes,
+                (size_t)row_bytes);
+}
+
+static void hot_step(const at::Tensor& tokens, const at::Tensor& last, at::Tensor& out,
                      const at::Tensor& embed, int64_t embed_fmt, double embed_scale, bool bf16,
                      const at::Tensor& final_norm,
                      double eps, const at::Tensor& head, int64_t head_fmt, int64_t head_n, int64_t head_op,
@@ -1856,22 +1850,19 @@ static void hot_step(const at::Tensor& tokens, const at::Tensor& pos, const at::
   TORCH_CHECK(final_norm.scalar_type() == type, "final_norm: of the model's type");
   const int64_t* tk = tokens.data_ptr<int64_t>();
   for (int64_t i = 0; i < N; i++) TORCH_CHECK(tk[i] >= 0 && tk[i] < vocab, "token ", tk[i], " not below ", vocab);
+  TORCH_CHECK(embed.is_contiguous() && (embed_fmt >= 0 || (embed.scalar_type() == type && embed.size(1) == dim)),
+              "embed: contiguous rows in a kernel format, or (vocab, dim) of the model's type");
+  const int64_t embed_bytes = embed.size(1) * embed.element_size();
   at::Tensor h;
   if (embed_fmt >= 0) {
-    const int64_t rb = embed.size(1);
-    at::Tensor rows = at::empty({N, rb}, at::TensorOptions().dtype(at::kByte));
-    for (int64_t i = 0; i < N; i++)
-      std::memcpy(rows.data_ptr<uint8_t>() + i * rb, embed.data_ptr<uint8_t>() + tk[i] * rb, rb);
+    at::Tensor rows = at::empty({N, embed_bytes}, at::TensorOptions().dtype(at::kByte));
+    gather_rows(embed.data_ptr(), embed_bytes, tk, N, rows.data_ptr());
     at::Tensor wide = at::empty({N, 1, dim}, at::TensorOptions().dtype(at::kFloat));
     widen_out(rows, embed_fmt, 1, dim, wide);
     h = wide.view({N, dim}).to(type);
   } else {
-    TORCH_CHECK(embed.scalar_type() == type && embed.is_contiguous() && embed.size(1) == dim,
-                "embed: (vocab, dim) of the model's type");
     h = at::empty({N, dim}, at::TensorOptions().dtype(type));
-    const int64_t rb = dim * h.element_size();
-    for (int64_t i = 0; i < N; i++)
-      std::memcpy(static_cast<char*>(h.data_ptr()) + i * rb, static_cast<const char*>(embed.data_ptr()) + tk[i] * rb, rb);
+    gather_rows(embed.data_ptr(), embed_bytes, tk, N, h.data_ptr());
   }
   if (embed_scale != 0.0) {  // (Gemma's) in the activations' type, the scale rounded to it first
     if (bf16) {
@@ -1888,16 +1879,12 @@ static void hot_step(const at::Tensor& tokens, const at::Tensor& pos, const at::
   if (K == 0) return;
   at::Tensor picked = at::empty({K, dim}, at::TensorOptions().dtype(type));
   const int64_t* lp = last.data_ptr<int64_t>();
-  const int64_t rb = dim * picked.element_size();
-  for (int64_t i = 0; i < K; i++) {
-    TORCH_CHECK(lp[i] >= 0 && lp[i] < N, "last: row ", lp[i], " not below ", N);
-    std::memcpy(static_cast<char*>(picked.data_ptr()) + i * rb, static_cast<const char*>(y.data_ptr()) + lp[i] * rb, rb);
-  }
+  for (int64_t i = 0; i < K; i++) TORCH_CHECK(lp[i] >= 0 && lp[i] < N, "last: row ", lp[i], " not below ", N);
+  gather_rows(y.contiguous().data_ptr(), dim * picked.element_size(), lp, K, picked.data_ptr());
   const at::Tensor x = rms_norm(picked, final_norm, eps);
   int64_t width = head_n;
   for (int64_t w : head_widths) width += w;
   TORCH_CHECK(out.size(1) == width, "out: ", out.size(1), " columns where the head has ", width);
-  (void)prompt;
   TORCH_CHECK(head_widths.empty() || head_widths.size() == part_bases.size(), "a head width for each executor");
   if (!head_widths.empty()) send_message({x}, x_base, x_capacity, head_op, -1, {});
   // (K, head_n) float32; this share in the model's type, as the torch head module returns it
