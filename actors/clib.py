@@ -21,7 +21,7 @@ from cluster.topology import pin_threads
 from powerinfer.compat import trim_heap
 
 from . import shard_cache
-from .packed import Packed, Slot, Zeros
+from .packed import Mapped, Packed, Slot, Zeros
 
 # numpy's type for each of `packed.DTYPES` (bfloat16 held as uint16)
 NP = (np.uint8, np.int8, np.int16, np.int32, np.int64, np.float16, np.uint16, np.float32, np.bool_)
@@ -216,14 +216,37 @@ def load(role: str, kwargs: dict, cores, name: str, what: str) -> Loaded | str:
     return Loaded(got, memory, time.perf_counter() - t0, cpu)
 
 
+# the model files this process maps (`Mapped` tensors), each once, kept for its life, and the
+# tensors read from them (what the process holds of its model beside its memory file)
+_FILES: dict[str, mmap.mmap] = {}
+MAPPED: list[np.ndarray] = []
+
+
+def mapped_file(path: str) -> mmap.mmap:
+    """The file's read-only map in this process (one a file)."""
+    if path not in _FILES:
+        with open(path, "rb") as f:
+            _FILES[path] = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+    return _FILES[path]
+
+
 def unpack(v, memory: mmap.mmap, slots: dict, zeros: list):
     """A packed argument as the C entry points take it: a `Packed` tensor viewed in `memory`, a
-    `Zeros` allocated (and kept in `zeros`), a `Slot` from `slots`; lists walked."""
+    `Mapped` one in its file's map, a `Zeros` allocated (and kept in `zeros`), a `Slot` from
+    `slots`; lists walked."""
     if isinstance(v, Slot):
         return slots[str(v)]
     if isinstance(v, Packed):
         n = int(np.prod(v.shape))
         return Arr(np.frombuffer(memory, NP[v.dtype], n, v.offset).reshape(v.shape), v.dtype)
+    if isinstance(v, Mapped):
+        m, n = mapped_file(v.path), int(np.prod(v.shape))
+        if v.offset + n * np.dtype(NP[v.dtype]).itemsize > len(m):
+            raise ValueError(f"{v.path} is shorter than when it was loaded (a tensor at "
+                             f"{v.offset} past its {len(m)} bytes): load the model again")
+        a = np.frombuffer(m, NP[v.dtype], n, v.offset).reshape(v.shape)
+        MAPPED.append(a)
+        return Arr(a, v.dtype)
     if isinstance(v, Zeros):  # (calloc's fresh pages: resident as they are written)
         a = np.zeros([slots[d] if isinstance(d, Slot) else d for d in v.shape], NP[v.dtype])
         zeros.append(a)

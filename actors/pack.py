@@ -13,18 +13,25 @@ import sys
 
 import torch
 
-from .packed import BLOCKS, DTYPES, Packed, Slot, Zeros
+from powerinfer.formats.gguf import mapped_at
+
+from .packed import BLOCKS, DTYPES, Mapped, Packed, Slot, Zeros
 
 
 def packed_tensor(t: torch.Tensor, fd: int, at: int) -> tuple[object, int]:
     """t written into the file fd at `at` or after (aligned), as `cold_native` maps it back: its
     `Packed` and where the file's next tensor may start; a tensor without memory (meta: a KV
-    cache the executor allocates, its blocks first) as `Zeros`."""
+    cache the executor allocates, its blocks first) as `Zeros`, one the model reads in place from
+    its file (`GGUFSource.mapped_rows`) as `Mapped`, nothing written."""
     code = DTYPES.index(str(t.dtype).removeprefix("torch."))
     if t.device.type == "meta":
         return Zeros(code, (BLOCKS, *t.shape[1:])), at
-    t = t.detach().contiguous()
+    t = t.detach()
     n = t.numel() * t.element_size()
+    if n and t.device.type == "cpu" and t.is_contiguous():
+        if (in_file := mapped_at(t.data_ptr(), n)) is not None:
+            return Mapped(*in_file, code, tuple(t.shape)), at
+    t = t.contiguous()
     align = 4096 if n >= 1 << 20 else 64
     at = -(-at // align) * align
     if n:

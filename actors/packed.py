@@ -1,6 +1,7 @@
 """What a torch-free actor's loading child hands it (`actors.pack` writes it, `clib.unpack`
 reads it): the native loop's arguments with every tensor as `Packed` (in the memory file),
-`Zeros` (allocated by the actor: a KV cache) or a `Slot` (a value only the running process knows).
+`Mapped` (in the model's own file), `Zeros` (allocated by the actor: a KV cache) or a `Slot` (a
+value only the running process knows).
 A module of its own, with neither torch nor the loader behind it, so that the child, the torch
 executor that packs and the torch-free one share it without importing each other."""
 from __future__ import annotations
@@ -23,6 +24,17 @@ AHEAD = Slot("ahead")
 
 class Packed(NamedTuple):
     """A tensor the child wrote: its offset in the memory file, element type, shape (C order)."""
+    offset: int
+    dtype: int
+    shape: tuple[int, ...]
+
+
+class Mapped(NamedTuple):
+    """A tensor the model reads in place from its file (a GGUF file's own bytes: Gemma 3's
+    embedding), which the actor maps again rather than holding a copy: its pages are the page
+    cache's, shared with every process that maps the file, and only those read become resident.
+    The file, the tensor's offset in it, element type, shape (C order)."""
+    path: str
     offset: int
     dtype: int
     shape: tuple[int, ...]

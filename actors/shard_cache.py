@@ -166,7 +166,8 @@ def key(role: str, kwargs: dict) -> str:
 class _Header(pickle.Unpickler):
     """A child's report as an entry keeps it: built from the types such a report holds only."""
 
-    ALLOWED = {("actors.packed", "Packed"), ("actors.packed", "Slot"), ("actors.packed", "Zeros"),
+    ALLOWED = {("actors.packed", "Packed"), ("actors.packed", "Mapped"), ("actors.packed", "Slot"),
+               ("actors.packed", "Zeros"),
                ("builtins", "set"), ("builtins", "frozenset"), ("builtins", "slice"),
                ("pathlib", "PosixPath"), ("pathlib", "Path")}
 

@@ -265,3 +265,44 @@ def test_a_shard_cache_entry_follows_its_files_and_arguments_not_its_plane_or_co
     assert not (tmp_path / "shards" / "gone.shard").exists()
     os.chmod(tmp_path / "shards", 0o777)  # (others could write entries: no cache)
     assert shard_cache.directory() is None
+
+
+def test_a_tensor_read_in_place_from_the_model_file_is_handed_over_as_the_files_own_bytes(
+        default_model_path):
+    # the loading child hands over a tensor the model reads in place from its GGUF file (the
+    # embedding's rows: `GGUFSource.mapped_rows`) as where it lies in the file, which the actor
+    # maps again (the page cache's pages, shared: Gemma 3's 170 MiB embedding copied into each
+    # torch-free hot executor before); a copy of the same bytes, or a strided view, is written
+    # into the memory file; each reads back equal, through a shard cache entry's header too
+    import io
+    import mmap
+    import pickle
+
+    from actors import clib, shard_cache
+    from actors.pack import pack_args
+    from actors.packed import Mapped, Packed
+    from powerinfer.formats.gguf import load_gguf
+
+    ck = load_gguf(default_model_path, torch.float32, False, True)
+    rows = ck.source.mapped_rows("embed")
+    assert rows is not None
+    copy, strided = rows.clone(), rows[:, :16]
+    fd = os.memfd_create("packed")
+    try:
+        packed, size = pack_args((rows, [copy, strided]), fd, {})
+        memory = mmap.mmap(fd, size)
+    finally:
+        os.close(fd)
+    mapped, (copied, view) = shard_cache._Header(io.BytesIO(pickle.dumps(packed))).load()
+    assert isinstance(mapped, Mapped) and mapped.path == str(default_model_path.resolve())
+    assert mapped.shape == tuple(rows.shape)
+    assert isinstance(copied, Packed) and isinstance(view, Packed)
+    assert size < 2 * rows.numel()  # (the rows written once: the copy's)
+    got = [clib.unpack(v, memory, {}, []).array for v in (mapped, copied, view)]
+    for a, want in zip(got, (rows, copy, strided)):
+        assert np.array_equal(a, want.numpy())
+    file_map = clib.mapped_file(mapped.path)
+    base = np.frombuffer(file_map, np.uint8, 1).ctypes.data
+    assert got[0].ctypes.data == base + mapped.offset  # (the file's pages, not a copy)
+    with pytest.raises(ValueError, match="shorter than when it was loaded"):
+        clib.unpack(mapped._replace(offset=len(file_map)), memory, {}, [])

@@ -3,6 +3,8 @@ same file: fp32 logits, greedy tokens; and the shipped configuration (its K-quan
 converted once to the kernel's blocks, bf16 with 4-bit projections) tracking fp32."""
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -124,6 +126,10 @@ def test_the_actor_groups_executors_hold_their_shares_without_torch(gemma_model_
                                                                  cpu_threads=1, cold_executors=0))
         hot = pi.engine.group.info["hot"]
         assert hot["torch"] is False and hot["torch_why"] == "", hot
+        # its 262,144-row embedding read in the file's own pages, as the torch executor reads
+        # it (mapped again, not copied into its memory: `actors.packed.Mapped`)
+        with open(f"/proc/{hot['pid']}/maps") as f:
+            assert str(Path(gemma_model_path).resolve()) in f.read()
         assert_tracks(pi, ours, fp32_tracks)
     finally:
         pi.close()

@@ -11,6 +11,7 @@ import contextvars
 import math
 import mmap
 import warnings
+import weakref
 from collections import Counter
 from pathlib import Path
 from typing import NamedTuple
@@ -127,6 +128,25 @@ class Stored(NamedTuple):
     nbytes: int
 
 
+# The file maps GGUFSources hold open in this process, by their first byte's address: (size, the
+# file, the map): a tensor read in place can be told from a copy (`mapped_at`), so that the
+# torch-free actors' loading child hands such a tensor over as the file's own bytes, which the
+# actor maps again, rather than as a copy of them.
+_MAPS: dict[int, tuple[int, str, weakref.ref]] = {}
+
+
+def mapped_at(address: int, nbytes: int) -> tuple[str, int] | None:
+    """(the file, the offset in it) of the nbytes at `address` where they lie whole in a GGUF
+    file this process maps (a source's view of its own pages), else None."""
+    for base, (size, path, ref) in list(_MAPS.items()):
+        m = ref()
+        if m is None or m.closed:  # (its range may since hold anything)
+            del _MAPS[base]
+        elif base <= address and address + nbytes <= base + size:
+            return path, address - base
+    return None
+
+
 class GGUFSource(TensorSource):
     """Tensors of a GGUF file read from its memory map, described by a table of `Stored`
     entries (no parse: it pickles small, so a process that receives it reads tensors without
@@ -156,6 +176,8 @@ class GGUFSource(TensorSource):
             with open(self.path, "rb") as f:
                 self._mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
             self._map = np.frombuffer(self._mm, dtype=np.uint8)
+            _MAPS[self._map.ctypes.data] = (self._map.size, str(self.path.resolve()),
+                                            weakref.ref(self._mm))
         st = self._stored(name)
         rows = int(np.prod(st.shape[:-1])) if len(st.shape) > 1 else 1
         return self._map[st.offset:st.offset + st.nbytes].reshape(rows, -1)
