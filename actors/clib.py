@@ -216,10 +216,8 @@ def load(role: str, kwargs: dict, cores, name: str, what: str) -> Loaded | str:
     return Loaded(got, memory, time.perf_counter() - t0, cpu)
 
 
-# the model files this process maps (`Mapped` tensors), each once, kept for its life, and the
-# tensors read from them (what the process holds of its model beside its memory file)
+# the model files this process maps (`Mapped` tensors), each once, kept for its life
 _FILES: dict[str, mmap.mmap] = {}
-MAPPED: list[np.ndarray] = []
 
 
 def mapped_file(path: str) -> mmap.mmap:
@@ -230,10 +228,11 @@ def mapped_file(path: str) -> mmap.mmap:
     return _FILES[path]
 
 
-def unpack(v, memory: mmap.mmap, slots: dict, zeros: list):
+def unpack(v, memory: mmap.mmap, slots: dict, zeros: list, mapped: list):
     """A packed argument as the C entry points take it: a `Packed` tensor viewed in `memory`, a
-    `Mapped` one in its file's map, a `Zeros` allocated (and kept in `zeros`), a `Slot` from
-    `slots`; lists walked."""
+    `Mapped` one in its file's map (kept in `mapped`: what the caller holds of its model beside
+    its memory file), a `Zeros` allocated (and kept in `zeros`), a `Slot` from `slots`; lists
+    walked."""
     if isinstance(v, Slot):
         return slots[str(v)]
     if isinstance(v, Packed):
@@ -245,14 +244,14 @@ def unpack(v, memory: mmap.mmap, slots: dict, zeros: list):
             raise ValueError(f"{v.path} is shorter than when it was loaded (a tensor at "
                              f"{v.offset} past its {len(m)} bytes): load the model again")
         a = np.frombuffer(m, NP[v.dtype], n, v.offset).reshape(v.shape)
-        MAPPED.append(a)
+        mapped.append(a)
         return Arr(a, v.dtype)
     if isinstance(v, Zeros):  # (calloc's fresh pages: resident as they are written)
         a = np.zeros([slots[d] if isinstance(d, Slot) else d for d in v.shape], NP[v.dtype])
         zeros.append(a)
         return Arr(a, v.dtype)
     if isinstance(v, list):
-        return [unpack(x, memory, slots, zeros) for x in v]
+        return [unpack(x, memory, slots, zeros, mapped) for x in v]
     return v
 
 

@@ -104,6 +104,7 @@ class ColdNativeImpl:
         self.ahead = spec.open("mask") if got["ahead"] else None
         self.input_stats = np.zeros(2, np.int64) if got["sparse_stats"] else None
         self.kv: list[np.ndarray] = []
+        self.mapped: list[np.ndarray] = []  # tensors read in the model file's own pages
         rope = spec.rope_arrays() if spec.ropes else None
         slots = {"x_base": self.x.base, "part_base": self.part.base,
                  "part_capacity": self.part.capacity, "spin_us": self.x.spin_us,
@@ -113,7 +114,7 @@ class ColdNativeImpl:
                     for i, kind in enumerate(("", "_local")) for j, part in enumerate(("cos", "sin"))},
                  "sparse_stats": None if self.input_stats is None else clib.Arr(self.input_stats, 4)}
         state = clib.Arr(self.x._st, 4)  # the reader's state, which the loop updates
-        self.args = clib.PiArgs((state, *(clib.unpack(v, self.memory, slots, self.kv)
+        self.args = clib.PiArgs((state, *(clib.unpack(v, self.memory, slots, self.kv, self.mapped)
                                           for v in got["args"])))
         self.busy_s, self.steps = 0.0, 0
 
@@ -153,8 +154,10 @@ class ColdNativeImpl:
         out = {"rank": self.rank, "busy_s": self.busy_s, "wait_s": self.x.wait_s,
                "messages": self.steps, "neurons": self.info["neurons"],
                "memory": process_memory(), "held_bytes": self.parts["held_bytes"],
-               "weight_bytes": len(self.memory), "kv_bytes": sum(a.nbytes for a in self.kv),
-               "weight_resident": resident(clib.address(self.memory), len(self.memory)),
+               "weight_bytes": len(self.memory) + sum(a.nbytes for a in self.mapped),
+               "kv_bytes": sum(a.nbytes for a in self.kv),
+               "weight_resident": resident(clib.address(self.memory), len(self.memory))
+               + sum(resident(a.ctypes.data, a.nbytes) for a in self.mapped),
                "kv_resident": sum(resident(a.ctypes.data, a.nbytes) for a in self.kv)}
         if self.input_stats is not None:
             out["input_sparse_stats"] = [int(self.input_stats[0]), int(self.input_stats[1])]

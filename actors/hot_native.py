@@ -117,6 +117,7 @@ class HotNativeImpl:
         self.mask = spec.open("mask") if self.predicting else None
         self.input_stats = np.zeros(2, np.int64) if got["sparse_stats"] else None
         self.kv: list[np.ndarray] = []
+        self.mapped: list[np.ndarray] = []  # tensors read in the model file's own pages
         # the group's RoPE tables, which this process fills as steps reach their rows
         self.model_args = model_args
         self.rope = spec.rope_arrays(writer=True)
@@ -134,7 +135,7 @@ class HotNativeImpl:
         for name, ch in named:
             slots |= {f"{name}.base": ch.base, f"{name}.capacity": ch.capacity,
                       f"{name}.state": clib.Arr(ch._st, 4)}
-        fixed = tuple(clib.unpack(v, self.memory, slots, self.kv) for v in got["args"])
+        fixed = tuple(clib.unpack(v, self.memory, slots, self.kv, self.mapped) for v in got["args"])
         self.args = clib.PiArgs((None,) * STEP_ARGS + fixed)
         self.steps, self.step_s, self.native_prompt_steps = 0, 0.0, 0
         self._counted = (0, 0)
@@ -236,14 +237,14 @@ class HotNativeImpl:
         kv = sum(a.nbytes for a in self.kv)
         # (its weights: the memory file's, and those read in the model file's pages, counted as
         # the torch executor counts its mapped tensors: whole, resident as read)
-        weights = len(self.memory) + sum(a.nbytes for a in clib.MAPPED)
+        weights = len(self.memory) + sum(a.nbytes for a in self.mapped)
         out = {"steps": self.steps, "step_s": self.step_s, "ctl_wait_s": self.ctl.wait_s,
                "threads": dict(self.threads), "native_prompt_steps": self.native_prompt_steps,
                "part_wait_s": sum(p.wait_s for p in self.part_chs), **self.described,
                "device": "cpu", "memory": process_memory(),
                "held_bytes": weights + kv, "weight_bytes": weights, "kv_bytes": kv,
                "weight_resident": resident(clib.address(self.memory), len(self.memory))
-               + sum(resident(a.ctypes.data, a.nbytes) for a in clib.MAPPED),
+               + sum(resident(a.ctypes.data, a.nbytes) for a in self.mapped),
                "kv_resident": sum(resident(a.ctypes.data, a.nbytes) for a in self.kv)}
         if self.input_stats is not None:
             out["input_sparse_stats"] = [int(self.input_stats[0]), int(self.input_stats[1])]

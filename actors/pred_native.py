@@ -87,7 +87,7 @@ class PredNativeImpl:
         slots = {"in_base": self.x.base, "mask_base": self.mask.base,
                  "mask_capacity": self.mask.capacity, "spin_us": self.x.spin_us}
         self.args = clib.PiArgs((clib.Arr(self.x._st, 4), clib.Arr(self.counts, 4),
-                                 *(clib.unpack(v, self.memory, slots, []) for v in got["args"])))
+                                 *(clib.unpack(v, self.memory, slots, [], []) for v in got["args"])))
 
     def attach(self, handles: dict) -> bool:
         raise RuntimeError("a predictor on the host maps no device buffers")

@@ -298,11 +298,12 @@ def test_a_tensor_read_in_place_from_the_model_file_is_handed_over_as_the_files_
     assert mapped.shape == tuple(rows.shape)
     assert isinstance(copied, Packed) and isinstance(view, Packed)
     assert size < 2 * rows.numel()  # (the rows written once: the copy's)
-    got = [clib.unpack(v, memory, {}, []).array for v in (mapped, copied, view)]
+    held: list[np.ndarray] = []  # (the caller's list of what it reads in the model file)
+    got = [clib.unpack(v, memory, {}, [], held).array for v in (mapped, copied, view)]
     for a, want in zip(got, (rows, copy, strided)):
         assert np.array_equal(a, want.numpy())
     file_map = clib.mapped_file(mapped.path)
-    base = np.frombuffer(file_map, np.uint8, 1).ctypes.data
-    assert got[0].ctypes.data == base + mapped.offset  # (the file's pages, not a copy)
+    assert got[0].ctypes.data == clib.address(file_map) + mapped.offset  # (the file's pages)
+    assert [a.ctypes.data for a in held] == [got[0].ctypes.data]
     with pytest.raises(ValueError, match="shorter than when it was loaded"):
-        clib.unpack(mapped._replace(offset=len(file_map)), memory, {}, [])
+        clib.unpack(mapped._replace(offset=len(file_map)), memory, {}, [], [])
