@@ -11,9 +11,14 @@ from powerinfer.engine.sampling import sample
 from greedy import assert_same_or_near_tie
 
 
+# SmolLM2 with float32 activations over its file's 4-bit blocks: float32 sums (the KV cache,
+# attention, norms) at ten times the tokens a second of its weights widened to float32
+FLOAT32 = dict(dtype="float32", weights="int4")
+
+
 @pytest.fixture(scope="module")
 def smol():
-    return PowerInfer.from_pretrained("smollm2-135m-instruct", config=Config(dtype="float32", max_batch=4))
+    return PowerInfer.from_pretrained("smollm2-135m-instruct", config=Config(**FLOAT32, max_batch=4))
 
 
 def test_greedy_answers_paris(smol):
@@ -75,11 +80,13 @@ def test_stream_yields_pieces_that_join_to_generate(smol):
 
 
 def test_chat_applies_template_and_stops_at_end_of_turn(smol):
-    msgs = [{"role": "user", "content": "What is the capital of France?"}]
+    # (Germany: for France the model's first two choices, "The" and "L", lie 0.08 apart in
+    # float32 over the widened weights, and the 4-bit kernel's 8-bit activations take "L'Étoile")
+    msgs = [{"role": "user", "content": "What is the capital of Germany?"}]
     text = smol.tokenizer.apply_chat_template(msgs)
     assert text.endswith("<|im_start|>assistant\n") and "<|im_start|>user\nWhat is" in text
     reply = smol.chat(msgs, max_new_tokens=40, temperature=0)
-    assert "Paris" in reply and "<|im_end|>" not in reply
+    assert "Berlin" in reply and "<|im_end|>" not in reply
     ids = smol.tokenize(text)
     seq = smol.engine.new_sequence(ids, SamplingParams(max_tokens=40, temperature=0))
     list(smol.engine.run([seq]))
@@ -93,7 +100,7 @@ def test_rope_tables_fill_as_positions_are_reached():
     from powerinfer.formats.rope import ROPE_CHUNK
     from powerinfer.model.transformer import rope_table
 
-    smol = PowerInfer.from_pretrained("smollm2-135m-instruct", config=Config(dtype="float32", max_batch=1))
+    smol = PowerInfer.from_pretrained("smollm2-135m-instruct", config=Config(**FLOAT32, max_batch=1))
     m = smol.engine.model
     assert m.rope_filled == 0
     assert m.max_seq > 2 * ROPE_CHUNK, m.max_seq
@@ -231,7 +238,7 @@ def test_cached_prefixes_and_chunked_prefill_give_the_outputs_of_whole_prompts()
     # a shared system prompt reused from the prefix cache, and prompts prefilled 16 tokens a
     # step: the greedy output equals that of every prompt computed whole and from scratch
     # (until a near-tie: a block computed in another step's matrix product rounds apart)
-    kw = dict(dtype="float32", max_batch=4)
+    kw = dict(FLOAT32, max_batch=4)
     plain = PowerInfer.from_pretrained("smollm2-135m-instruct", config=Config(
         prefix_cache=False, prefill_chunk=0, **kw))
     cached = PowerInfer.from_pretrained("smollm2-135m-instruct", config=Config(**kw))

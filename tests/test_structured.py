@@ -23,7 +23,8 @@ ASK = [{"role": "user", "content": "Describe a person as JSON with name, age and
 @pytest.fixture(scope="module")
 def smol():
     return PowerInfer.from_pretrained("smollm2-135m-instruct",
-                                      config=Config(dtype="float32", max_batch=8))
+                                      config=Config(dtype="float32", weights="int4", max_batch=8,
+                                                    max_seq_len=512))
 
 
 def run(pi, requests):
