@@ -34,6 +34,9 @@ SMOL, TINY, BROKEN, GEMMA, TWIN = "smollm2", "tiny", "broken", "gemma3", "twin"
 # SmolLM2 served and in process: float32 activations over the file's 4-bit blocks (the same
 # kernel sums on both sides, ten times the tokens a second of its weights widened to float32)
 SMOL_CONFIG = {"dtype": "float32", "weights": "int4"}
+# Gemma 3 with its defaults (its K-quants in the kernel's blocks, bf16 activations), as a user
+# serves it
+GEMMA_CONFIG = {"max_seq_len": 512, "max_batch": 4, "cpu_threads": 1}
 KEY = "test-key-5d1f0c"
 MAX_BODY = 65536
 APP = "powerinfer"
@@ -175,8 +178,7 @@ def server(tmp_path_factory, default_model_path):
         {"name": BROKEN, "model": str(d / "broken.gguf")}]
     if gemma_model_path is not None:  # a second real family beside SmolLM2, on the synthetic
         models.append({"name": GEMMA, "model": str(gemma_model_path),  # model's cores
-                       "max_seq_len": 512, "max_batch": 4, "cpu_threads": 1, "dtype": "float32",
-                       "cores": cpulist(tiny_cores)})
+                       **GEMMA_CONFIG, "cores": cpulist(tiny_cores)})
     if len(cores) > 1:  # a model with two replicas: two groups, each on its slice of two cores
         # (4-bit, with input sparsity from its bundle on every projection: the server's
         # POWERINFER_INPUT_SPARSE_MIN_ROWS below takes the tiny ones too)
@@ -285,7 +287,10 @@ def assert_memory_is_reported(out: str, ready: list[str], one: set[str], smol_fi
         roles = {"hot", "scheduler", "replica"} | (set() if m in one else {"cold.0"})
         assert set(own) == roles and len(own) == n, own
         assert kv_now <= kv and full == pytest.approx(now - kv_now + kv, abs=0.02)
-        assert weights < now and all(0 < v < 1.5 for v in own.values()), lines[at + 1]
+        # (a torch-free executor's weights count a tensor read in the model file's pages whole,
+        # as mapped, where only the rows read are resident: Gemma 3's embedding, its own cost
+        # then about 0 or below)
+        assert weights < now and all(-0.25 < v < 1.5 for v in own.values()), lines[at + 1]
         # the scheduler holds no weights and imports no torch: its own cost is Python, Ray's
         # worker and the tokenizer (Gemma 3's was 0.34 GiB while the tokenizer's freed parse
         # buffers stayed resident, 0.17 since they are given back)
@@ -775,14 +780,15 @@ def test_two_models_at_once(server):
     assert sorted(results) == sorted((m, alone[m]) for m in [SMOL, TINY] * 3)
 
 
-def test_two_real_families_at_once_equal_their_in_process_engines(server, local_smol, gemma_fp32):
+def test_two_real_families_at_once_equal_their_in_process_engines(server, local_smol):
     need_gemma(server)
     # SmolLM2 (LLaMA) and Gemma 3 from one YAML file, asked concurrently over gRPC (token ids),
     # two requests each: each answer is its in-process engine's greedy output, up to a near-tie
-    # of that engine's own logits (the actor group sums its shares in another order)
+    # of that engine's own logits (an actor group sums its shares in another order: SmolLM2's
+    # float32 to 1e-3, Gemma 3's bf16 to the bf16 tests' 0.5)
     from greedy import assert_same_or_near_tie
-    gemma = gemma_fp32
-    local = {SMOL: local_smol, GEMMA: gemma}
+    gemma = PowerInfer.from_pretrained(installed_gemma(), Config(**GEMMA_CONFIG))
+    local, tol = {SMOL: local_smol, GEMMA: gemma}, {SMOL: 1e-3, GEMMA: 0.5}
     prompts = {SMOL: "Once upon a time", GEMMA: "The capital of France is"}
     pb, n = server.pb, 8
     want = {}
@@ -806,7 +812,7 @@ def test_two_real_families_at_once_equal_their_in_process_engines(server, local_
     assert sorted(m for m, _ in results) == sorted([SMOL, GEMMA] * 2)
     for m, got in results:
         pi = local[m]
-        assert_same_or_near_tie(pi, pi.tokenize(prompts[m]), want[m], got, 1e-3)
+        assert_same_or_near_tie(pi, pi.tokenize(prompts[m]), want[m], got, tol[m])
     assert "Paris" in gemma.detokenize(want[GEMMA]) or "capital" in gemma.detokenize(want[GEMMA])
 
 
