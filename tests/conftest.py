@@ -30,6 +30,13 @@ def _cpu_classes() -> list[str]:
 CPU_CLASSES = _cpu_classes()
 
 
+# A real model's tests that want float32 sums without its weights widened to float32: float32
+# activations over the file's 4-bit blocks (the same kernel sums in process and in an actor
+# group, and on every CPU class; SmolLM2 decodes ten times the tokens a second of the widened
+# weights). The float32 references against transformers keep the widened weights.
+FLOAT32_INT4 = dict(dtype="float32", weights="int4")
+
+
 @pytest.fixture(scope="session")
 def default_model_path():
     """Path of the default GGUF model (SmolLM2-135M-Instruct, Q4_1); skips if not installed."""

@@ -8,17 +8,13 @@ from powerinfer import Config, InvalidRequestError, PowerInfer
 from powerinfer.engine.params import SamplingParams
 from powerinfer.engine.sampling import sample
 
+from conftest import FLOAT32_INT4
 from greedy import assert_same_or_near_tie
-
-
-# SmolLM2 with float32 activations over its file's 4-bit blocks: float32 sums (the KV cache,
-# attention, norms) at ten times the tokens a second of its weights widened to float32
-FLOAT32 = dict(dtype="float32", weights="int4")
 
 
 @pytest.fixture(scope="module")
 def smol():
-    return PowerInfer.from_pretrained("smollm2-135m-instruct", config=Config(**FLOAT32, max_batch=4))
+    return PowerInfer.from_pretrained("smollm2-135m-instruct", config=Config(**FLOAT32_INT4, max_batch=4))
 
 
 def test_greedy_answers_paris(smol):
@@ -100,7 +96,7 @@ def test_rope_tables_fill_as_positions_are_reached():
     from powerinfer.formats.rope import ROPE_CHUNK
     from powerinfer.model.transformer import rope_table
 
-    smol = PowerInfer.from_pretrained("smollm2-135m-instruct", config=Config(**FLOAT32, max_batch=1))
+    smol = PowerInfer.from_pretrained("smollm2-135m-instruct", config=Config(**FLOAT32_INT4, max_batch=1))
     m = smol.engine.model
     assert m.rope_filled == 0
     assert m.max_seq > 2 * ROPE_CHUNK, m.max_seq
@@ -238,7 +234,7 @@ def test_cached_prefixes_and_chunked_prefill_give_the_outputs_of_whole_prompts()
     # a shared system prompt reused from the prefix cache, and prompts prefilled 16 tokens a
     # step: the greedy output equals that of every prompt computed whole and from scratch
     # (until a near-tie: a block computed in another step's matrix product rounds apart)
-    kw = dict(FLOAT32, max_batch=4)
+    kw = dict(FLOAT32_INT4, max_batch=4)
     plain = PowerInfer.from_pretrained("smollm2-135m-instruct", config=Config(
         prefix_cache=False, prefill_chunk=0, **kw))
     cached = PowerInfer.from_pretrained("smollm2-135m-instruct", config=Config(**kw))

@@ -7,6 +7,7 @@ import re
 import jsonschema
 import pytest
 
+from conftest import FLOAT32_INT4
 from powerinfer import Config, InvalidRequestError, PowerInfer
 from powerinfer.engine.params import sampling_params
 from powerinfer.engine.grammar import Grammar
@@ -23,8 +24,7 @@ ASK = [{"role": "user", "content": "Describe a person as JSON with name, age and
 @pytest.fixture(scope="module")
 def smol():
     return PowerInfer.from_pretrained("smollm2-135m-instruct",
-                                      config=Config(dtype="float32", weights="int4", max_batch=8,
-                                                    max_seq_len=512))
+                                      config=Config(**FLOAT32_INT4, max_batch=8, max_seq_len=512))
 
 
 def run(pi, requests):
