@@ -18,7 +18,7 @@ from typing import NamedTuple
 import numpy as np
 
 from cluster.topology import pin_threads
-from powerinfer.compat import trim_heap
+from powerinfer.compat import resident, trim_heap
 
 from . import shard_cache
 from .packed import Mapped, Packed, Slot, Zeros
@@ -257,6 +257,17 @@ def unpack(v, memory: mmap.mmap, slots: dict, zeros: list, mapped: list):
 
 def address(m: mmap.mmap) -> int:
     return np.frombuffer(m, np.uint8, 1).ctypes.data if len(m) else 0
+
+
+def held(memory: mmap.mmap, mapped: list, kv: list) -> dict:
+    """What a torch-free actor holds: its weights (its memory file, and the tensors it reads in
+    the model file's pages, counted as the torch executors count their mapped tensors: whole,
+    resident as read) and its KV arrays, in bytes and in bytes resident."""
+    return {"weight_bytes": len(memory) + sum(a.nbytes for a in mapped),
+            "kv_bytes": sum(a.nbytes for a in kv),
+            "weight_resident": resident(address(memory), len(memory))
+            + sum(resident(a.ctypes.data, a.nbytes) for a in mapped),
+            "kv_resident": sum(resident(a.ctypes.data, a.nbytes) for a in kv)}
 
 
 def run_child(fd: int, kwargs: dict, role: str, what: str) -> dict:

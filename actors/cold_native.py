@@ -31,7 +31,6 @@ import time
 import numpy as np
 
 from cluster.topology import node_of, numa_pages, process_memory
-from powerinfer.compat import resident
 from powerinfer.cpu import LOOP_MODES, loop_times
 
 from . import clib
@@ -154,11 +153,7 @@ class ColdNativeImpl:
         out = {"rank": self.rank, "busy_s": self.busy_s, "wait_s": self.x.wait_s,
                "messages": self.steps, "neurons": self.info["neurons"],
                "memory": process_memory(), "held_bytes": self.parts["held_bytes"],
-               "weight_bytes": len(self.memory) + sum(a.nbytes for a in self.mapped),
-               "kv_bytes": sum(a.nbytes for a in self.kv),
-               "weight_resident": resident(clib.address(self.memory), len(self.memory))
-               + sum(resident(a.ctypes.data, a.nbytes) for a in self.mapped),
-               "kv_resident": sum(resident(a.ctypes.data, a.nbytes) for a in self.kv)}
+               **clib.held(self.memory, self.mapped, self.kv)}
         if self.input_stats is not None:
             out["input_sparse_stats"] = [int(self.input_stats[0]), int(self.input_stats[1])]
         return out

@@ -34,7 +34,6 @@ import time
 import numpy as np
 
 from cluster.topology import process_memory
-from powerinfer.compat import resident
 from powerinfer.cpu import LOOP_MODES, loop_times
 from powerinfer.formats.rope import fill_rows
 
@@ -234,18 +233,12 @@ class HotNativeImpl:
         return loop_times(self.lib.loop_profile(LOOP_MODES[mode]))
 
     def stats(self) -> dict:
-        kv = sum(a.nbytes for a in self.kv)
-        # (its weights: the memory file's, and those read in the model file's pages, counted as
-        # the torch executor counts its mapped tensors: whole, resident as read)
-        weights = len(self.memory) + sum(a.nbytes for a in self.mapped)
+        held = clib.held(self.memory, self.mapped, self.kv)
         out = {"steps": self.steps, "step_s": self.step_s, "ctl_wait_s": self.ctl.wait_s,
                "threads": dict(self.threads), "native_prompt_steps": self.native_prompt_steps,
                "part_wait_s": sum(p.wait_s for p in self.part_chs), **self.described,
                "device": "cpu", "memory": process_memory(),
-               "held_bytes": weights + kv, "weight_bytes": weights, "kv_bytes": kv,
-               "weight_resident": resident(clib.address(self.memory), len(self.memory))
-               + sum(resident(a.ctypes.data, a.nbytes) for a in self.mapped),
-               "kv_resident": sum(resident(a.ctypes.data, a.nbytes) for a in self.kv)}
+               "held_bytes": held["weight_bytes"] + held["kv_bytes"], **held}
         if self.input_stats is not None:
             out["input_sparse_stats"] = [int(self.input_stats[0]), int(self.input_stats[1])]
         if self.mask is not None:
