@@ -127,6 +127,51 @@ def test_a_class_the_cpu_lacks_is_refused_at_load():
         Config(cpu_isa=above[0]).resolve(has_q4=True)
 
 
+HELD = """
+import logging, sys, ctypes
+logging.basicConfig(stream=sys.stdout, level=logging.INFO, format="%(message)s")
+from powerinfer import Config, PowerInfer, kernels
+from powerinfer.errors import ConfigError
+from actors import clib
+lite = clib.Library(kernels.library(lite=True))
+best = ctypes.create_string_buffer(32)
+lite.lib.pi_best_isa(best, 32)
+print("classes", kernels.best_isa(), kernels.isa(), best.value.decode(), lite.isa())
+for above in kernels.ISAS[kernels.ISAS.index(kernels.best_isa()) + 1:]:
+    try:
+        Config(cpu_isa=above).resolve(has_q4=True)
+    except ConfigError as e:
+        print("refused", above, e)
+PowerInfer.from_pretrained(config=Config(max_batch=1, max_seq_len=64))
+"""
+
+
+@pytest.mark.parametrize("cap", ["avx2", "avx1024"])
+def test_the_environment_holds_a_process_to_a_lower_class(cap):
+    # POWERINFER_MAX_ISA, set before a process starts: the process (and those it starts) run
+    # as on a CPU of that class, `auto` included, in the torch build and the torch-free one (a
+    # suite or benchmark on a newer CPU runs an older one's paths throughout); a name that is
+    # not a class is named in a warning and holds nothing
+    if not kernels.available():
+        pytest.skip("the kernel library does not run here")
+    import os
+    import subprocess
+    import sys
+    env = dict(os.environ, POWERINFER_MAX_ISA=cap)
+    out = subprocess.run([sys.executable, "-c", HELD], env=env, capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    isa = "avx2" if cap == "avx2" else kernels.best_isa()
+    assert f"classes {isa} {isa} {isa} {isa}" in out.stdout, out.stdout
+    refused = kernels.ISAS[kernels.ISAS.index(isa) + 1:]
+    for above in refused:
+        assert f"refused {above} " in out.stdout and f"runs at most {isa!r}" in out.stdout
+    assert f"CPU kernel {isa}, bfloat16 activations, int4 weights" in out.stdout, out.stdout
+    if cap != "avx2":
+        assert "POWERINFER_MAX_ISA='avx1024' is not one of avx2, avx512, avx512bf16: ignored" \
+            in out.stdout + out.stderr
+
+
 @pytest.mark.parametrize("isa", CPU_CLASSES)
 def test_float32_activations_over_4_bit_weights(default_model_path, isa):
     # float32 activations with the file's 4-bit blocks (asked for): the kernel's integer dot

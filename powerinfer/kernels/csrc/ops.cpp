@@ -23,6 +23,7 @@
 #include <chrono>
 #include <climits>
 #include <cstdio>
+#include <cstdlib>
 #include <cmath>
 #include <cstring>
 #include <deque>
@@ -38,7 +39,11 @@ namespace powerinfer {
 // Instruction sets, each a superset of the one before.
 static const std::vector<std::string> ISAS = {"avx2", "avx512", "avx512bf16"};
 
-static std::string pick_isa() {
+static int64_t rank(const std::string& isa) {
+  return std::find(ISAS.begin(), ISAS.end(), isa) - ISAS.begin();
+}
+
+static std::string cpu_isa() {
   __builtin_cpu_init();
   if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
       __builtin_cpu_supports("avx512vl"))
@@ -47,15 +52,22 @@ static std::string pick_isa() {
   return "none";
 }
 
+// The CPU's class, or a lower one that POWERINFER_MAX_ISA names: this process, and the
+// processes it starts (they inherit the variable), then run as on a CPU of that class, `auto`
+// included. A name that is not a class, or one above the CPU's, is ignored here (the Python
+// side says so when it loads the library).
+static std::string pick_isa() {
+  std::string best = cpu_isa();
+  const char* cap = std::getenv("POWERINFER_MAX_ISA");
+  if (best != "none" && cap && rank(cap) < rank(best)) return cap;
+  return best;
+}
+
 static const std::string BEST = pick_isa();
 static std::string ISA = BEST;
 
 static std::string isa() { return ISA; }
 static std::string best_isa() { return BEST; }
-
-static int64_t rank(const std::string& isa) {
-  return std::find(ISAS.begin(), ISAS.end(), isa) - ISAS.begin();
-}
 
 // Run with a lesser instruction set than the best this CPU has (tests cover every path on one
 // machine); returns the one in use before.
