@@ -170,6 +170,17 @@ def _array_field_parts(reader, orig_offs: int):
         [T.ARRAY, T(itype)]
 
 
+def vector_bits() -> int:
+    """The vector width Inductor's C++ code is generated for in this process (512, 256; 1: none),
+    named in the compiled step's options so that its cache keys on it. Left implicit, Inductor
+    takes it from the CPU or ATEN_CPU_CAPABILITY, which its cache does not key on: code cached
+    for 512-bit vectors, built again for 256-bit ones (`ATEN_CPU_CAPABILITY=avx2` on an AVX-512
+    host, or a cache moved to an AVX2 host), stepped 16 floats a vector of 8 and decoded
+    garbage."""
+    from torch._inductor import cpu_vec_isa
+    return cpu_vec_isa.pick_vec_isa().bit_width() or 1
+
+
 def compile_per_instance(method, cpp_wrapper: bool = False):
     """torch.compile a bound method with its own compiled-code cache, and without re-checking
     the module state on every call. cpp_wrapper: Inductor calls the compiled kernels from
@@ -189,7 +200,7 @@ def compile_per_instance(method, cpp_wrapper: bool = False):
 
     compiled = torch.compile(types.MethodType(own, method.__self__), dynamic=True, options={
         "guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe,
-        "cpp_wrapper": cpp_wrapper})
+        "cpp_wrapper": cpp_wrapper, "cpp.simdlen": vector_bits()})
     cfg = torch.fx.experimental._config
 
     def step(*args, **kwargs):
