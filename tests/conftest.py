@@ -150,8 +150,11 @@ def pytest_terminal_summary(terminalreporter):
     from powerinfer.cpu import cpu_name
     tr = terminalreporter
     total = sum(_MODULE_S.values())
+    held = f", held by POWERINFER_MAX_ISA={os.environ['POWERINFER_MAX_ISA']}" \
+        if os.environ.get("POWERINFER_MAX_ISA") else ""
     tr.write_sep("=", f"time by module ({total:.0f} s in tests; {cpu_name()}, "
-                      f"{len(os.sched_getaffinity(0))} cores, classes {', '.join(CPU_CLASSES)})")
+                      f"{len(os.sched_getaffinity(0))} cores, classes {', '.join(CPU_CLASSES)}"
+                      f"{held})")
     busy_s = 0.0
     for mod, s in _MODULE_S.items():
         share = _busy_share(mod)
