@@ -13,7 +13,8 @@ An entry is keyed by everything the packed bytes follow from: the role and its a
 plane's segment names, its KV pool's size and the actor's cores left out: they change from one
 group to the next and the bytes do not follow from them), the size and modification time of every file those
 arguments name (the model, the bundle's files), the project's code and kernel sources, torch's
-version, the CPU's flags and the POWERINFER_ settings of the environment. A load that finds no
+version, the CPU's flags, the POWERINFER_ settings of the environment and those that hold
+torch's own operators to a class (ATEN_CPU_CAPABILITY, ONEDNN_MAX_CPU_ISA). A load that finds no
 entry packs as always and stores one; an entry that does not read back whole (a short file, a
 bad header) is dropped and the shard packed again. The entries live in
 `$POWERINFER_SHARD_CACHE` (default `$XDG_CACHE_HOME/powerinfer/shards`, `0` or `off`: no
@@ -44,6 +45,8 @@ HEAD = struct.Struct("<8sQQ")  # magic, the header's length, the packed bytes' l
 SUFFIX = ".shard"
 # the settings of the cache itself, which the packed bytes do not follow from
 OWN = ("POWERINFER_SHARD_CACHE", "POWERINFER_SHARD_CACHE_GB")
+# what holds torch's own operators to a lower class than the CPU's (its packing ran on them)
+TORCH_ISA = ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA")
 
 
 def directory() -> Path | None:
@@ -156,7 +159,7 @@ def key(role: str, kwargs: dict) -> str:
         args["model"] = (model.args, model.files)
     files = named_files(args)
     env = sorted((k, v) for k, v in os.environ.items()
-                 if k.startswith("POWERINFER_") and k not in OWN)
+                 if (k.startswith("POWERINFER_") and k not in OWN) or k in TORCH_ISA)
     h = hashlib.sha256(code_digest().encode())
     h.update(role.encode())
     h.update(pickle.dumps((sorted(args.items()), env, _stamps(files)), protocol=4))
