@@ -48,8 +48,8 @@ from powerinfer.compat import compile_per_instance, trim_heap
 from powerinfer.engine.load import checkpoint_of, whole_model
 from powerinfer.formats.source import ModelFile
 from powerinfer.model.transformer import KVCache, KVTables, held_bytes, host_parts
-from powerinfer.engine.native import (NativeDecode, input_sparse_args, layer_args, rms_weight, runs,
-                                      uniform_llama)
+from powerinfer.engine.native import (NativeDecode, input_sparse_args, layer_args, layer_variants,
+                                      native_model, rms_weight, runs)
 from powerinfer.engine.partial import head_rows, hot_formats, hot_model
 from powerinfer.engine.plan import SparsePlan
 from powerinfer.model.quant import KernelEmbedding, apply_kernel_linears
@@ -430,8 +430,7 @@ class HotExecutorImpl:
         elif config.compile:
             log.warning("the hot executor runs its decode step eagerly: it compiles on a CPU "
                         "without a predictor only")
-        self.native = None if self.compiled or (kv is None and not self.io.native_masks) \
-            else self._native_step(args)
+        self.native = None if self.compiled else self._native_step(args)
         if self.native is not None:
             decode = self.native  # (as the in-process engine takes it)
         self.segments = None
@@ -446,13 +445,18 @@ class HotExecutorImpl:
 
     def _native_step(self, a) -> NativeDecode | None:
         """The decode step with its layer loop in C++ (`native.NativeDecode`, exchanging with the
-        cold executors natively): a CPU group whose attention is split by heads, or one with a
-        predictor on the host (its input and masks exchanged in the loop as well; its heads
-        split or all here), a model `hot_layers` runs (`native.uniform_llama`) without an
-        output bias on its attention nor a down bias, every layer's heads and neurons in layouts
-        the native loops run; else None (the step runs its Python modules)."""
+        cold executors natively): a CPU group whose attention is split by heads or all here
+        (a model with one KV head), with a predictor on the host or none (its input and masks
+        exchanged in the loop as well), a model `hot_layers` runs (`native.native_model`, with its layers'
+        own variants: Gemma 3's post-norms of the summed heads and parts, its windows and local
+        RoPE table, q/k norms) without an output bias on its attention nor a down bias, every
+        layer's heads and neurons in layouts the native loops run; else None (the step runs its
+        Python modules)."""
         io, m, dtype = self.io, self.model, self.spec.torch_dtype
-        if not (io.native or io.native_masks) or not uniform_llama(a, dtype):
+        if not (io.native or io.native_masks) or not native_model(a, dtype):
+            return None
+        variants = layer_variants(m, dtype)  # (Gemma 3's, Qwen3's: sent heads and parts alike)
+        if variants is None:
             return None
         kv_split = isinstance(m.layers[0].attn, RemoteAttention)
         layers = []
@@ -471,11 +475,13 @@ class HotExecutorImpl:
             predict = [io.pred_in.base, io.pred_in.capacity, io.mask.base, int(io.lookahead), self.spec.ffn_dim,
                        int(kv_split)]
             mask_state = io.mask.state
+        # (attention's op -1: every head here, no attention message sent)
         exchange = (io.x.base, io.x.capacity, [p.base for p in io.parts], [p.state for p in io.parts],
-                    io.parts[0].spin_us, [DECODE, ATTN, PREFILL], predict, mask_state)
+                    io.parts[0].spin_us, [DECODE, ATTN if kv_split else -1, PREFILL], predict,
+                    mask_state)
         if args is None:
             return None
-        step = NativeDecode(m, exchange, args)
+        step = NativeDecode(m, exchange, args, variants)
         step.input_sparse = input_sparse_args([(getattr(b.attn, "own", b.attn), b.ffn.f) for b in m.layers],
                                               getattr(m, "input_sparse_stats", None))
         return step

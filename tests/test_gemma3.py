@@ -103,8 +103,13 @@ def test_the_actor_groups_executors_hold_their_shares_without_torch(gemma_model_
     # the actor runtime's default split of Gemma 3 (a hot and a cold executor): each one's share
     # of every layer's FFN a block slice of the file's Q8_0 rows (one GEMV of 16-row groups, as
     # the whole model's projections are held), so the cold executor's native loop answers every
-    # message and it runs without torch (`actors/cold_native.py`); greedy tracks fp32 as the
-    # in-process engine does, past the sliding window too
+    # message and it runs without torch (`actors/cold_native.py`); its one KV head keeps every
+    # head on the hot executor, whose layer loop runs the layers' own variants (the embedding's
+    # scale, the sliding windows, the local RoPE table, the q/k norms, the post-norms of its
+    # own and the cold sums) natively and without torch too (`actors/hot_native.py`); greedy
+    # tracks fp32 as the in-process engine does, past the sliding window too. (One executor
+    # with the whole model, as a server runs models that share their cores, is served and
+    # compared in tests/test_serve.py.)
     from powerinfer import kernels
     if not kernels.available():
         pytest.skip("the CPU kernel does not run here: the cold executor computes with torch")
@@ -112,25 +117,15 @@ def test_the_actor_groups_executors_hold_their_shares_without_torch(gemma_model_
     pi = PowerInfer.from_pretrained(gemma_model_path, Config(runtime="actors", max_seq_len=1024,
                                                              cpu_threads=1))
     try:
-        cold = pi.engine.group.info["cold.0"]
+        cold, hot = pi.engine.group.info["cold.0"], pi.engine.group.info["hot"]
         assert cold["torch"] is False and cold["torch_why"] == "", cold
         assert cold["block_slices"] == pi.engine.args.n_layers == 18
-        # (its hot executor keeps torch: the layers' own variants run in process only)
-        assert pi.engine.group.info["hot"]["torch"] is True
-        assert_tracks(pi, ours, fp32_tracks)
-        pi.close()
-        # one executor with the whole model (as a server runs models that share their cores):
-        # its hot executor runs without torch (`actors/hot_native.py`: the embedding's scale,
-        # the sliding windows, the local RoPE table, the q/k norms and post-norms in the loop)
-        pi = PowerInfer.from_pretrained(gemma_model_path, Config(runtime="actors", max_seq_len=1024,
-                                                                 cpu_threads=1, cold_executors=0))
-        hot = pi.engine.group.info["hot"]
         assert hot["torch"] is False and hot["torch_why"] == "", hot
         # its 262,144-row embedding read in the file's own pages, as the torch executor reads
         # it (mapped again, not copied into its memory: `actors.packed.Mapped`)
         with open(f"/proc/{hot['pid']}/maps") as f:
             assert str(Path(gemma_model_path).resolve()) in f.read()
-        assert_tracks(pi, ours, fp32_tracks)
+        assert_tracks(pi, ours, fp32_tracks)  # (the cold executor's neurons in every answer)
     finally:
         pi.close()
         import ray

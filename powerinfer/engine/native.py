@@ -134,7 +134,8 @@ def layer_variants(model: Transformer, dtype: torch.dtype) -> dict | None:
     q/k norms and post-norms two a layer (an empty tensor where a layer has none), each layer's
     RoPE table and window; None where a norm is not one the loop computes (`rms_weight`)."""
     a, out = model.args, {}
-    for key, on, pairs in (("qk_norms", a.qk_norm, lambda b: (b.attn.q_norm, b.attn.k_norm)),
+    own = lambda b: getattr(b.attn, "own", b.attn)  # noqa: E731 - (a share of the heads: its own)
+    for key, on, pairs in (("qk_norms", a.qk_norm, lambda b: (own(b).q_norm, own(b).k_norm)),
                            ("post_norms", a.post_norms, lambda b: (b.post_attn_norm, b.post_ffn_norm))):
         if on:
             ws = [rms_weight(n, dtype) for b in model.layers for n in pairs(b)]

@@ -1668,7 +1668,8 @@ static void join_parts(at::Tensor& h, at::Tensor& y, at::IntArrayRef part_bases,
 }
 
 // The hot executor's layers of a decode step (one token a sequence; attention split by KV
-// heads, or all here in a group with a predictor that keeps them whole), each as its Python
+// heads, or all here: a group with a predictor that keeps them whole, or a model with one KV
+// head), each as its Python
 // modules run it: the normed rows go out to the cold executors on `x` (attention: with
 // positions, sequence starts and block tables), this process computes its own heads and neurons (the lists as cold_serve takes them;
 // an FFN kind 0: no neurons of its own), then adds the executors' answers and the result into
@@ -1728,8 +1729,6 @@ static at::Tensor hot_layers(const at::Tensor& h_in, const at::Tensor& pos, cons
   TORCH_CHECK(layer_cos.size() == layer_sin.size() && (layer_cos.empty() || layer_cos.size() == n_layers) &&
                   (layer_window.empty() || layer_window.size() == n_layers),
               "layer_cos, layer_sin, layer_window: none, or one a layer");
-  TORCH_CHECK((qk_norms.empty() && post_norms.empty() && layer_cos.empty() && layer_window.empty()) || part_bases.empty(),
-              "the layers' own variants run in process only");
   bool predicted = false;  // a layer of neurons with their predictor (kind 3): in process only
   for (size_t l = 0; l < n_layers; l++) {
     TORCH_CHECK(ffn_kind[l] >= 0 && ffn_kind[l] <= 3, "layer ", l, ": no FFN kind ", ffn_kind[l]);
@@ -1755,8 +1754,10 @@ static at::Tensor hot_layers(const at::Tensor& h_in, const at::Tensor& pos, cons
   TORCH_CHECK(starts.scalar_type() == at::kLong && tables.scalar_type() == at::kInt && tables.dim() == 2,
               "starts: int64; tables: (S, M) int32");
   const bool exchange = !part_bases.empty();  // none: the whole model in this process
-  // attention split by KV heads over the executors (a group with a predictor may keep them here)
-  const bool split_attention = exchange && (!masked || predict[5]);
+  // attention split by KV heads over the executors, or kept here: a group with a predictor
+  // says which in `predict`, one without by its attention op (ops[1] < 0: every head here, as
+  // a model with one KV head keeps them)
+  const bool split_attention = exchange && (masked ? predict[5] != 0 : ops[1] >= 0);
   const at::IntArrayRef attn_bases = split_attention ? part_bases : at::IntArrayRef();  // whose answers to add
   const at::TensorList attn_states = split_attention ? part_states : at::TensorList();
   at::Tensor h = h_in.contiguous().clone();
