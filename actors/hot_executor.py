@@ -447,11 +447,11 @@ class HotExecutorImpl:
         """The decode step with its layer loop in C++ (`native.NativeDecode`, exchanging with the
         cold executors natively): a CPU group whose attention is split by heads or all here
         (a model with one KV head), with a predictor on the host or none (its input and masks
-        exchanged in the loop as well), a model `hot_layers` runs (`native.native_model`, with its layers'
-        own variants: Gemma 3's post-norms of the summed heads and parts, its windows and local
-        RoPE table, q/k norms) without an output bias on its attention nor a down bias, every
-        layer's heads and neurons in layouts the native loops run; else None (the step runs its
-        Python modules)."""
+        exchanged in the loop as well), a model `hot_layers` runs (`native.native_model`, with
+        its layers' own variants: Gemma 3's post-norms of the summed heads and parts, its
+        windows and local RoPE table, q/k norms) without an output bias on its attention nor a
+        down bias, every layer's heads and neurons in layouts the native loops run; else None
+        (the step runs its Python modules)."""
         io, m, dtype = self.io, self.model, self.spec.torch_dtype
         if not (io.native or io.native_masks) or not native_model(a, dtype):
             return None

@@ -114,8 +114,9 @@ class Config:
         tests, the paths of an older one; a class above the CPU's is a ConfigError at load).
         One class a process: the last model loaded sets it (the actor runtime's processes get
         the model's). POWERINFER_MAX_ISA (a class), set before a process starts, holds that
-        process and those it starts as a CPU of that class would run, "auto" included. torch's own operators keep the CPU's instructions (ATEN_CPU_CAPABILITY and
-        ONEDNN_MAX_CPU_ISA, set before the process starts, hold those).
+        process and those it starts as a CPU of that class would run, "auto" included. torch's
+        own operators keep the CPU's instructions (ATEN_CPU_CAPABILITY and ONEDNN_MAX_CPU_ISA,
+        set before the process starts, hold those).
     cores: the cores the actor group's executors are planned on, as a cpulist ("0-15,32")
         (runtime "actors"; "": every core this process may use). Give each model of a host its
         own set (`powerinfer plan` lays them out) and their groups do not share cores.

@@ -9,7 +9,7 @@ A decode step of a small model run by its modules is mostly per-op dispatch (Smo
 ops a layer, 30 layers); the loop runs the same operations in the same order (the norms, the
 fused q/k/v product, RoPE and attention over the paged cache, the output product, the FFN's
 products and activation, the residual adds, each rounded as the modules round), so a step's
-values are the modules' own. It runs where every layer allows it (`uniform_llama`, every
+values are the modules' own. It runs where every layer allows it (`native_model`, every
 projection a kernel-library matrix without a bias); elsewhere the modules run.
 """
 from __future__ import annotations
@@ -110,18 +110,11 @@ def attention_entry(m: nn.Module) -> tuple | None:
     return (*q[0], *(q[1] if len(q) > 1 else (_EMPTY, 0, 0)), *o, m.kv_cache.k, m.kv_cache.v)
 
 
-def uniform_llama(a: ModelArgs, dtype: torch.dtype) -> bool:
-    """Whether `hot_layers` runs this model's layers: the LLaMA family with every layer alike
-    (one window, one RoPE table, no q/k norms), RMSNorm, pre-norms only, sequential branches, heads
-    of a multiple of 16, in float32 or bfloat16, on a CPU where the kernel library runs."""
-    return (kernels.available() and a.uniform and not (a.parallel or a.post_norms or a.layer_norm
-            or a.learned_pos) and a.head_dim % 16 == 0 and dtype in (torch.float32, torch.bfloat16))
-
-
 def native_model(a: ModelArgs, dtype: torch.dtype) -> bool:
-    """Whether `hot_layers` runs this model's layers in process: as `uniform_llama`, and also
-    with each layer's own variants (`layer_variants`: Gemma 3's post-norms, sliding windows and
-    local RoPE table, q/k norms)."""
+    """Whether `hot_layers` runs this model's layers, in process or in a hot executor: the LLaMA
+    family, RMSNorm, sequential branches, heads of a multiple of 16, in float32 or bfloat16, on a
+    CPU where the kernel library runs, with each layer's own variants (`layer_variants`: Gemma
+    3's post-norms, sliding windows and local RoPE table, q/k norms)."""
     return (kernels.available() and not (a.parallel or a.layer_norm or a.learned_pos)
             and a.head_dim % 16 == 0 and dtype in (torch.float32, torch.bfloat16))
 

@@ -223,7 +223,7 @@ def available() -> bool:
             torch.library.register_fake("powerinfer::widen")(
                 lambda w, fmt, rows, dim: w.new_empty(w.shape[0], rows, dim, dtype=torch.float32))
             _loaded = str(path)
-            held_by_environment()
+            _warn_of_a_cap_that_holds_nothing()
             if torch.ops.powerinfer.isa() == "none":
                 log.warning("the CPU FFN kernel needs AVX2 and FMA; the torch path runs instead")
                 _loaded = ""
@@ -233,18 +233,17 @@ def available() -> bool:
     return bool(_loaded)
 
 
-def held_by_environment() -> str:
-    """The class POWERINFER_MAX_ISA holds the kernel to ("" where unset): set before a process
-    starts, it makes the process and those it starts run as on a CPU of that class (`auto`
-    included; a test suite or benchmark on a newer CPU runs an older one's paths throughout). A
-    value that is not a class, or one above this CPU's, is named in a warning and holds nothing."""
+def _warn_of_a_cap_that_holds_nothing():
+    """POWERINFER_MAX_ISA (a class), set before a process starts, makes the library report that
+    class as this CPU's best (csrc/ops.cpp, `pick_isa`): the process and those it starts run as
+    on a CPU of that class, `auto` included. A value that is not a class, or one above this
+    CPU's, holds nothing: named here in a warning."""
     cap = os.environ.get("POWERINFER_MAX_ISA", "")
     if cap and cap not in ISAS:
         log.warning("POWERINFER_MAX_ISA=%r is not one of %s: ignored", cap, ", ".join(ISAS))
     elif cap and torch.ops.powerinfer.best_isa() != cap:
         log.warning("POWERINFER_MAX_ISA=%r: this CPU runs at most %r, which it runs", cap,
                     torch.ops.powerinfer.best_isa())
-    return cap if cap in ISAS else ""
 
 
 def library(lite: bool = False) -> str:

@@ -1669,10 +1669,10 @@ static void join_parts(at::Tensor& h, at::Tensor& y, at::IntArrayRef part_bases,
 
 // The hot executor's layers of a decode step (one token a sequence; attention split by KV
 // heads, or all here: a group with a predictor that keeps them whole, or a model with one KV
-// head), each as its Python
-// modules run it: the normed rows go out to the cold executors on `x` (attention: with
-// positions, sequence starts and block tables), this process computes its own heads and neurons (the lists as cold_serve takes them;
-// an FFN kind 0: no neurons of its own), then adds the executors' answers and the result into
+// head), each as its Python modules run it: the normed rows go out to the cold executors on
+// `x` (attention: with positions, sequence starts and block tables), this process computes its
+// own heads and neurons (the lists as cold_serve takes them; an FFN kind 0: no neurons of its
+// own), then adds the executors' answers and the result into
 // the residual. With no part channels (the in-process engine) nothing is sent: the lists are the
 // whole model's. h (B, dim) the embedded tokens in the model's type (f32 or bf16) -> the
 // residual after the last layer. norms: each layer's attention norm then FFN norm (RMSNorm, the
