@@ -231,8 +231,10 @@ def local_smol(default_model_path):
     torch.set_num_threads(threads)
 
 
-# (not France's: SmolLM2's answer to it parts at a near-tie between an executor's sums and the
-# in-process engine's, each with its 8-bit activations; Germany's is the same in every one tried)
+# (the served SmolLM2's group shares one core: its hot executor holds every neuron and head and
+# computes the in-process engine's floats, prompts included, so its greedy text is the engine's;
+# Germany's capital, as test_generation's, is "Berlin" in every configuration tried, where
+# France's first two choices lie 0.08 apart)
 QUESTION = [{"role": "user", "content": "What is the capital of Germany?"}]
 
 
@@ -790,7 +792,7 @@ def test_two_real_families_at_once_equal_their_in_process_engines(server, local_
     need_gemma(server)
     # SmolLM2 (LLaMA) and Gemma 3 from one YAML file, asked concurrently over gRPC (token ids),
     # two requests each: each answer is its in-process engine's greedy output, up to a near-tie
-    # of that engine's own logits (an actor group sums its shares in another order: SmolLM2's
+    # of that engine's own logits (each group on one core computes its engine's floats: SmolLM2's
     # float32 to 1e-3, Gemma 3's bf16 to the bf16 tests' 0.5)
     from greedy import assert_same_or_near_tie
     gemma = PowerInfer.from_pretrained(installed_gemma(), Config(**GEMMA_CONFIG))

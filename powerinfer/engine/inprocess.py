@@ -50,8 +50,19 @@ class Engine:
             self._decode = compile_per_instance(self._forward, cpp_wrapper=self.device.type == "cpu")
         # otherwise decode steps run their layer loop in C++ where the model allows it
         self.native = None if config.compile else NativeDecode.of(model)
+        self._prompt = self._forward
         if self.native is not None:
             self._decode = self.native
+            # a float32 model's prompt steps run in the loop too, where it takes them: its
+            # floats are then an actor group's (whose executors run every step there). The
+            # modules' float32 attention, norms and activations part from the loop's in their
+            # last bits, and the 4-bit kernel's 8-bit activations turn those into other 8-bit
+            # steps: 0.1-0.3 apart in SmolLM2's log-probabilities after 30 layers, 13 of 24
+            # prompts' greedy tokens parted within 24 (benchmarks/logit_spread.py). The loop is
+            # as fast on a prompt in float32; in bf16, where the modules' rounding gives the
+            # loop's floats, their step is faster (1.3x at 200 tokens) and stays.
+            if self.native.prompts and model.norm.weight.dtype == torch.float32:
+                self._prompt = self.native
         # the load's transients (dequantized rows, repacked blocks), freed, stay resident in
         # glibc's heap otherwise: about 400 MiB after Gemma 3 270M's load, as the executors found
         trim_heap()
@@ -101,7 +112,7 @@ class Engine:
     def _step(self, step) -> torch.Tensor:
         """A step's logits (K, vocab) on the CPU, one row per sampled sequence."""
         dev = self.device
-        run = self._decode if step.decode else self._forward
+        run = self._decode if step.decode else self._prompt
         t = lambda a: torch.from_numpy(a).to(dev)  # noqa: E731 - the step's numpy arrays
         self.model.rope_ensure(step.positions)  # (a compiled or native step reads them as they are)
         logits = run(t(step.tokens), t(step.positions), KVTables(t(step.starts), t(step.tables)),
