@@ -26,7 +26,8 @@ from powerinfer.sparsity.train import train_predictors
 from powerinfer.sparsity.profile import ProfileOptions, profile
 from powerinfer.sparsity.solver import solve_bundle
 
-from greedy import assert_same_or_near_tie, assert_same_until_a_close_call, greedy_tokens
+from greedy import (SPLIT_8BIT_TOL, assert_same_or_near_tie, assert_same_until_a_close_call,
+                    greedy_tokens)
 
 MODEL = "smollm2-135m-instruct"
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time"]
@@ -310,10 +311,10 @@ def assert_at_once_as_alone(pi: PowerInfer, alone: list[list[int]]):
 
 
 def assert_bf16_greedy_tracks(ref: PowerInfer, pi: PowerInfer):
-    # bf16 sums in another order tie-break differently: the bf16 near-tie tolerance
+    # a split group's 8-bit activations part from the in-process engine's at near-ties
     for p in PROMPTS:
         want, got = (greedy_tokens(m, p, GREEDY["max_new_tokens"]) for m in (ref, pi))
-        assert_same_or_near_tie(ref, ref.tokenize(p), want, got, 0.25)
+        assert_same_or_near_tie(ref, ref.tokenize(p), want, got, SPLIT_8BIT_TOL)
     assert "Paris" in pi.generate("The capital of France is", **GREEDY)
 
 
