@@ -1114,22 +1114,6 @@ static at::Tensor ch_recv(const at::Tensor& like, at::Tensor& state, int64_t bas
   return out;
 }
 
-// h = act(gate, up) over pre-activations from the model's projection (rounded to bf16 first
-// where the model computes in bf16), each step rounded as torch rounds a bf16 tensor op's
-// result: the values a block slice's Python path computes.
-static float activation(int64_t act, float g, float u, bool bf16) {
-  auto r = [&](float v) { return bf16 ? round_bf16(v) : v; };
-  g = r(g), u = r(u);
-  switch (act) {
-    case RELU: return u > 0 ? u : 0.0f;
-    case REGLU: return r((g > 0 ? g : 0.0f) * u);
-    case DREGLU: return r((g > 0 ? g : 0.0f) * (u > 0 ? u : 0.0f));
-    case GELU: return r(gelu_erf(u));
-    case GEGLU: return r(r(gelu_tanh(g)) * u);
-    default: return r(r(g / (1.0f + std::exp(-g))) * u);
-  }
-}
-
 // y (rows, n) f32 = x (rows, dim) times a matrix held as 16-row groups (fmt -1 - its Layout:
 // -1 q4x16, -2 q4kx16, -3 q6kx16, -4 q8x16; n rows) or as rows in a kernel format (fmt >= 0).
 // A one-row step (decode) with `sparse` given (a q4c copy of the same matrix, a non-empty tensor)
@@ -1305,11 +1289,14 @@ static at::Tensor ffn_step(const Kernels& k, const ColdLayers& L, int64_t layer,
   at::Tensor h = at::empty({rows, kk}, x.options().dtype(at::kFloat));
   const float* yp = y1.data_ptr<float>();
   float* hp = h.data_ptr<float>();
-  // over the threads: a GELU's tanh a value costs about what its rows' GEMV does (Gemma 3)
+  // over the threads: a GELU's tanh a value costs about what its rows' GEMV does (Gemma 3); a
+  // part's runs within a row in the kernel's vectors (`activate`)
   at::parallel_for(0, rows * kk, 256, [&](int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; i++) {
-      const int64_t r = i / kk, j = i % kk;
-      hp[i] = activation(act, gated ? yp[r * n + j] : 0.0f, yp[r * n + (gated ? kk + j : j)], bf16);
+    for (int64_t i = begin; i < end;) {
+      const int64_t r = i / kk, j = i % kk, m = std::min(end - i, kk - j);
+      const float* row = yp + r * n;
+      k.activate((int)act, bf16, gated ? row + j : nullptr, row + (gated ? kk : 0) + j, hp + i, m);
+      i += m;
     }
   });
   return project(k, h, L.ffn_w2[layer], L.ffn_down_fmt[layer], dim);
