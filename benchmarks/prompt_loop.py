@@ -5,12 +5,13 @@
         [--dtypes float32 bfloat16] [--lengths 37 200 480] [--rounds 5] [--out FILE]
 
 Every actor group runs its prompts in the native loop (`hot_layers`: its executors may not have
-torch); the in-process engine runs a bf16 model's prompts in the modules and a float32 model's in
-the loop (`Engine._prompt`). For each type and prompt length, the time to the first token of a
+torch), and the in-process engine too where the loop takes them (`Engine._prompt`); the modules
+are the reference it replaced. For each type and prompt length, the time to the first token of a
 prompt (a fresh sequence, the prefix cache off) with each of the two steps, alternated
 `--rounds` times after a warm-up; medians, the loop's time over the modules', and whether the
-two gave the same first-token logits (bf16: the same floats by construction; float32: the
-modules' attention, norms and activations differ in their last bits). Also the loop's own
+two gave the same first-token logits (float32: the modules' attention, norms and activations
+differ from the loop's in their last bits, which the 4-bit kernel's 8-bit activations carry on;
+bf16: the same floats where every rounding falls the same way). Also the loop's own
 phases over the longest prompt (`kernels.loop_profile`). Defaults: int4 weights (the file's
 4-bit blocks), the machine's threads.
 """

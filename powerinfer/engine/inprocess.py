@@ -53,15 +53,15 @@ class Engine:
         self._prompt = self._forward
         if self.native is not None:
             self._decode = self.native
-            # a float32 model's prompt steps run in the loop too, where it takes them: its
-            # floats are then an actor group's (whose executors run every step there). The
-            # modules' float32 attention, norms and activations part from the loop's in their
-            # last bits, and the 4-bit kernel's 8-bit activations turn those into other 8-bit
-            # steps: 0.1-0.3 apart in SmolLM2's log-probabilities after 30 layers, 13 of 24
-            # prompts' greedy tokens parted within 24 (benchmarks/logit_spread.py). The loop is
-            # as fast on a prompt in float32; in bf16, where the modules' rounding gives the
-            # loop's floats, their step is faster (1.3x at 200 tokens) and stays.
-            if self.native.prompts and model.norm.weight.dtype == torch.float32:
+            # prompt steps in the loop too, where it takes them: its floats are then an actor
+            # group's (whose executors run every step there). The modules' attention, norms and
+            # activations part from the loop's in their last bits (float32: always; bf16: where
+            # a rounding falls the other way, as GeGLU's exponential form makes it), and the
+            # 4-bit kernel's 8-bit activations turn those into other 8-bit steps: SmolLM2's
+            # float32 log-probabilities 0.1-0.3 apart after 30 layers, 13 of 24 prompts' greedy
+            # tokens parted within 24 (benchmarks/logit_spread.py). The loop's prompt step is as
+            # fast as the modules' or faster (benchmarks/prompt_loop.py).
+            if self.native.prompts:
                 self._prompt = self.native
         # the load's transients (dequantized rows, repacked blocks), freed, stay resident in
         # glibc's heap otherwise: about 400 MiB after Gemma 3 270M's load, as the executors found
