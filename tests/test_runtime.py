@@ -10,6 +10,7 @@ and its faults, run on a synthetic model of the tiny preset with planted, predic
 (4 layers of 1,024 neurons): the same code paths at a few percent of the default model's cost
 a token and a load, so that a rebuilt group costs its processes' start and little more."""
 import asyncio
+import os
 import threading
 import time
 from contextlib import contextmanager
@@ -188,6 +189,37 @@ def test_one_executor_decodes_the_real_model_natively_as_in_process(ray_cluster)
     try:
         assert pi.engine.group.info["hot"]["native"] and ref.engine.native is not None
         assert greedy_tokens(pi, PROMPTS[0], 24) == want
+    finally:
+        pi.close()
+
+
+def test_a_group_on_one_core_computes_the_in_process_floats_in_float32(ray_cluster):
+    """A served model's layout (a hot and a cold executor sharing one core: the hot one holds
+    every neuron and head) with float32 activations over the file's 4-bit blocks: every step's
+    log-probabilities, the prompt's first token included, are the in-process engine's. The
+    8-bit activations turn any last-bit difference into 0.1-0.3 (the in-process engine's
+    prompt step in the Python modules gave that, where the group runs its prompts in the
+    native loop: benchmarks/logit_spread.py), so this holds only with the same arithmetic."""
+    from greedy import chosen_logits
+    from powerinfer.engine.params import SamplingParams
+    cfg = dict(dtype="float32", weights="int4", max_seq_len=256, max_batch=2, cpu_threads=1)
+    ref = PowerInfer.from_pretrained(MODEL, Config(**cfg))
+    core = str(min(os.sched_getaffinity(0)))
+    pi = PowerInfer.from_pretrained(MODEL, Config(runtime="actors", cold_executors=1, cores=core,
+                                                  **cfg))
+    try:
+        assert pi.engine.stats()["actors"]["cold.0"]["neurons"] == 0  # the hot one holds them
+        chat = ref.tokenizer.apply_chat_template([{"role": "user",
+                                                   "content": "Why is the sky blue?"}])
+        for ids in [ref.tokenize(p) for p in PROMPTS] + [ref.tokenize(chat)]:
+            logits, want = chosen_logits(ref, ids, 12)
+            lps = torch.log_softmax(logits.float(), -1)
+            events = [ev for ev in pi.engine.generate(ids, SamplingParams(
+                max_tokens=12, temperature=0, ignore_eos=True, logprobs=5)) if ev["token"] >= 0]
+            assert [ev["token"] for ev in events] == want
+            for k, ev in enumerate(events):
+                for t, lp in [*ev["top_logprobs"], (ev["token"], ev["logprob"])]:
+                    assert abs(lp - float(lps[k, t])) < 1e-4, (k, t, lp, float(lps[k, t]))
     finally:
         pi.close()
 
