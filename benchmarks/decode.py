@@ -193,15 +193,14 @@ def timed(fn, log: list):
 def generate_once(m: PowerInfer, ids: list[int], n: int) -> dict:
     """One greedy generation through Engine.run, with the model calls timed from inside."""
     eng, prefill, steps = m.engine, [], []
-    fwd, dec = eng._forward, eng._decode
-    eng._forward, eng._decode = timed(fwd, prefill), timed(dec, steps)
+    prompt, dec = eng._prompt, eng._decode  # (the modules' or the native loop's prompt step)
+    eng._prompt, eng._decode = timed(prompt, prefill), timed(dec, steps)
     try:
         seq = eng.new_sequence(ids, sampling_params(max_tokens=n, temperature=0, ignore_eos=True))
         t0 = time.perf_counter()
         stamps = [time.perf_counter() for _ in eng.run([seq])]
     finally:
-        del eng._forward  # back to the class's method
-        eng._decode = dec
+        eng._prompt, eng._decode = prompt, dec
     return dict(wall_s=stamps[-1] - t0, prefill_s=prefill[0],
                 decode_s=(stamps[-1] - stamps[0]) / (n - 1), step_s=sum(steps) / len(steps),
                 out=seq.output)

@@ -163,8 +163,10 @@ def offload_layers(pi: PowerInfer, k: int, device: torch.device, path: Path | No
                 if isinstance(child, KernelLinear):
                     setattr(owner, name, _linear(child.weight, child.bias, device, dtype))
         b.to(device)
-    # the engine's C++ decode loop holds the host's tensors of every layer: the modules run
-    pi.engine.native, pi.engine._decode = None, pi.engine._forward
+    # the engine's C++ layer loop holds the host's tensors of every layer: the modules run its
+    # decode and prompt steps
+    eng = pi.engine
+    eng.native, eng._decode, eng._prompt = None, eng._forward, eng._forward
     for b in list(model.layers) + [model.norm]:
         dev = next(b.parameters()).device
         b.register_forward_pre_hook(lambda mod, args, m=_to(dev): m(args))
