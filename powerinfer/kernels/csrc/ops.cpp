@@ -677,9 +677,7 @@ static at::Tensor linear_q4c(const at::Tensor& x, const at::Tensor& w, int64_t n
 // RMSNorm over the last axis of x, f32 or bf16 with a weight of the same type, as torch's CPU
 // rms_norm computes it (in float, rounded once at the end). One call in place of torch's
 // several: a decode step normalizes two rows of a few hundred values per layer, and dispatching
-// the ops cost more than their arithmetic (2.2 against 10.1 us for one row of 576 in bf16).
-inline float round_bf16(float v) { return (float)c10::BFloat16(v); }
-
+// the ops cost more than their arithmetic (2.2 against 10.1 us for one row of 576 in bf16)
 // (also x and y float32 holding values of w's type, bf16 (`round`: each result rounded to it) or
 // float: the values the model's type would hold, with no copies to that type and back)
 template <typename T, typename W = T, typename Y = T>
@@ -700,7 +698,7 @@ static void rms_rows(const T* x, const W* w, Y* y, int64_t dim, double eps, int6
     const float r = 1.0f / std::sqrt(ss / (float)dim + (float)eps);
     for (j = 0; j < dim; j++) {
       const float v = (float)xi[j] * r * (float)w[j];
-      yi[j] = round ? (Y)round_bf16(v) : (Y)v;
+      yi[j] = round ? (Y)round_to_bf16(v) : (Y)v;
     }
   }
 }
@@ -1289,8 +1287,8 @@ static at::Tensor ffn_step(const Kernels& k, const ColdLayers& L, int64_t layer,
   at::Tensor h = at::empty({rows, kk}, x.options().dtype(at::kFloat));
   const float* yp = y1.data_ptr<float>();
   float* hp = h.data_ptr<float>();
-  // over the threads: a GELU's tanh a value costs about what its rows' GEMV does (Gemma 3); a
-  // part's runs within a row in the kernel's vectors (`activate`)
+  // over the threads (each value's exponential, or erf for GELU, is a scalar call); a part's
+  // runs within a row in the kernel's vectors (`activate`)
   at::parallel_for(0, rows * kk, 256, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end;) {
       const int64_t r = i / kk, j = i % kk, m = std::min(end - i, kk - j);
@@ -1371,7 +1369,7 @@ static at::Tensor attention_step(const Kernels& k, const ColdLayers& L, int64_t 
   auto round_rows = [&](at::Tensor& t) {
     if (!bf16) return;
     float* p = t.data_ptr<float>();
-    for (int64_t i = 0, n = t.numel(); i < n; i++) p[i] = round_bf16(p[i]);
+    for (int64_t i = 0, n = t.numel(); i < n; i++) p[i] = round_to_bf16(p[i]);
   };
   qkv = qkv.contiguous();
   round_rows(qkv);
@@ -1512,7 +1510,7 @@ static void wait_warming(const ColdLayers& L, int64_t x_base, int64_t* st, doubl
 static void round_bf16_(at::Tensor& y) {
   TORCH_CHECK(y.scalar_type() == at::kFloat && y.is_contiguous(), "round_bf16_: a contiguous float32 tensor");
   float* p = y.data_ptr<float>();
-  for (int64_t i = 0, n = y.numel(); i < n; i++) p[i] = (float)c10::BFloat16(p[i]);
+  for (int64_t i = 0, n = y.numel(); i < n; i++) p[i] = round_to_bf16(p[i]);
 }
 
 // A cold executor's loop over the messages it answers without Python: decode steps of the
@@ -1642,12 +1640,12 @@ static void join_parts(at::Tensor& h, at::Tensor& y, at::IntArrayRef part_bases,
   }
   if (post) {  // rms_norm(y.to(h.dtype)): values of the model's type, which the rounding below keeps
     if (h.scalar_type() == at::kBFloat16)
-      for (int64_t i = 0; i < n; i++) yp[i] = round_bf16(yp[i]);
+      for (int64_t i = 0; i < n; i++) yp[i] = round_to_bf16(yp[i]);
     rms_in_place(yp, *post, n / post->numel(), eps);
   }
   if (h.scalar_type() == at::kBFloat16) {
     auto* hp = h.data_ptr<at::BFloat16>();
-    for (int64_t i = 0; i < n; i++) hp[i] = at::BFloat16((float)hp[i] + round_bf16(yp[i]));
+    for (int64_t i = 0; i < n; i++) hp[i] = at::BFloat16((float)hp[i] + round_to_bf16(yp[i]));
   } else {
     float* hp = h.data_ptr<float>();
     for (int64_t i = 0; i < n; i++) hp[i] += yp[i];
@@ -1867,7 +1865,7 @@ static void hot_step(const at::Tensor& tokens, const at::Tensor& last, at::Tenso
   if (embed_scale != 0.0) {  // (Gemma's) in the activations' type, the scale rounded to it first
     if (bf16) {
       auto* hp = h.data_ptr<at::BFloat16>();
-      const float s = round_bf16((float)embed_scale);
+      const float s = round_to_bf16((float)embed_scale);
       for (int64_t i = 0; i < N * dim; i++) hp[i] = at::BFloat16((float)hp[i] * s);
     } else {
       float* hp = h.data_ptr<float>();
@@ -1894,7 +1892,7 @@ static void hot_step(const at::Tensor& tokens, const at::Tensor& last, at::Tenso
   for (int64_t r = 0; r < K; r++) {
     const float* src = own.data_ptr<float>() + r * head_n;
     float* dst = o + r * width;
-    for (int64_t j = 0; j < head_n; j++) dst[j] = bf16 ? round_bf16(src[j]) : src[j];
+    for (int64_t j = 0; j < head_n; j++) dst[j] = bf16 ? round_to_bf16(src[j]) : src[j];
   }
   int64_t lo = head_n;
   for (size_t j = 0; j < head_widths.size(); j++) {
