@@ -30,23 +30,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from powerinfer import Config, PowerInfer, kernels  # noqa: E402
+from logit_spread import chosen_logits  # noqa: E402
 
 TEXT = "The history of the city goes back many centuries, and its people " * 80
-
-
-def first_logits(pi: PowerInfer, ids: list[int]) -> torch.Tensor:
-    eng, rows = pi.engine, []
-    step = eng._step
-
-    def record(part):
-        rows.append(step(part))
-        return rows[-1]
-    eng._step = record
-    try:
-        list(pi._run([ids], 1, dict(temperature=0)))
-    finally:
-        del eng._step
-    return rows[0][0].float()
 
 
 def main():
@@ -77,7 +63,7 @@ def main():
             ids, times, logits = ids_all[:n], {k: [] for k in steps}, {}
             for k, f in steps.items():  # warm-up, and each step's logits
                 eng._prompt = f
-                logits[k] = first_logits(pi, ids)
+                logits[k] = chosen_logits(pi, ids, 1)[0][0]
             for _ in range(args.rounds):
                 for k, f in steps.items():
                     eng._prompt = f

@@ -28,7 +28,7 @@ from powerinfer.sparsity.profile import ProfileOptions, profile
 from powerinfer.sparsity.solver import solve_bundle
 
 from greedy import (SPLIT_8BIT_TOL, assert_same_or_near_tie, assert_same_until_a_close_call,
-                    greedy_tokens)
+                    chosen_logits, greedy_tokens)
 
 MODEL = "smollm2-135m-instruct"
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time"]
@@ -200,7 +200,6 @@ def test_a_group_on_one_core_computes_the_in_process_floats_in_float32(ray_clust
     8-bit activations turn any last-bit difference into 0.1-0.3 (the in-process engine's
     prompt step in the Python modules gave that, where the group runs its prompts in the
     native loop: benchmarks/logit_spread.py), so this holds only with the same arithmetic."""
-    from greedy import chosen_logits
     from powerinfer.engine.params import SamplingParams
     cfg = dict(dtype="float32", weights="int4", max_seq_len=256, max_batch=2, cpu_threads=1)
     ref = PowerInfer.from_pretrained(MODEL, Config(**cfg))

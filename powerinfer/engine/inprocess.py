@@ -1,6 +1,7 @@
 """The in-process engine: the batching core's steps (`batching.py`) run on a model in this
 process, over a paged KV cache whose blocks persist between calls (a prompt's cached prefix is
-reused by the next). Only `Engine._forward` touches the model."""
+reused by the next). Only its steps touch the model: the modules (`Engine._forward`), or the
+native layer loop (`native.NativeDecode`) where it runs the model's steps."""
 from __future__ import annotations
 
 import logging
