@@ -96,6 +96,7 @@ import torch
 from torch import nn
 
 from powerinfer import Config, PowerInfer
+from powerinfer.errors import ConfigError
 from powerinfer.sparsity.train import train_predictors
 from powerinfer.sparsity.profile import ProfileOptions, profile
 from powerinfer.sparsity.solver import gpu_bytes, solve_bundle
@@ -692,8 +693,9 @@ def main():
                          "the one-launch kernel (fused) or of the split decode row's two; or the "
                          "attention kernel's split constants")
     ap.add_argument("--rows", default=",".join(ROWS),
-                    help="the configurations to run, comma-separated, of " + ", ".join(ROWS) +
-                         " (default: all; `kernels`: the kernel rows after them)")
+                    help="the configurations to run, comma-separated and in that order, of " +
+                         ", ".join(ROWS) + " (default: all; `kernels`: the kernel rows after "
+                         "them)")
     ap.add_argument("--profile-hot", type=int, default=0, metavar="STEPS",
                     help="a diagnostic run: all-GPU and the hybrid row (no layer offload, no "
                          "other hybrid rows), with a torch.profiler table of the hot executor's "
@@ -764,9 +766,13 @@ def main():
                                 neuron_fmt=four_bit if int4 else None,
                                 fixed_bytes=int4_fixed if int4 else None)
 
-        placement = place()
+        try:
+            placement = place().report()
+        except ConfigError as e:  # a budget below what the bf16 model must hold besides its
+            placement = {"error": str(e)}  # neurons: the int4 rows still run
+            print(f"no bf16 placement: {e}", flush=True)
         result.update(weight_bytes=weights, budget_bytes=budget, pipeline_s=time.perf_counter() - t0,
-                      placement=placement.report())
+                      placement=placement)
         print(json.dumps({k: result[k] for k in ("weight_bytes", "budget_bytes", "pipeline_s")}),
               flush=True)
 
@@ -779,9 +785,10 @@ def main():
         if four_bit is not None and not runs_kernels and want & {"layer_offload_int4", "all_gpu_int4"}:
             print("layer_offload_int4, all_gpu_int4 skipped: the Triton kernels do not run here",
                   flush=True)
-        for name, blocks in (("layer_offload", False), ("layer_offload_int4", True)):
-            if a.profile_hot or name not in want or (blocks and not blocks_run):
-                continue  # (the only rows that load it here)
+
+        def offload_row(name: str, blocks: bool):
+            if a.profile_hot or (blocks and not blocks_run):
+                return  # (the only rows that load it here)
             pi = PowerInfer.from_pretrained(str(path), Config(**dense))
             k = (layers_that_fit_blocks(path, pi.model.args, budget) if blocks
                  else layers_that_fit(pi.model.args, budget, 2))
@@ -790,11 +797,10 @@ def main():
             result[name] = {"layers_on_device": k, "tok_s": tok_s, "first_token_ms": first_ms}
             print(name, json.dumps(result[name]), flush=True)
             save()
-            del pi
 
-        for name, weights in (("all_gpu", {}), ("all_gpu_int4", {"weights": "int4"})):
-            if name not in want or (weights and not blocks_run):
-                continue
+        def all_gpu_row(name: str, weights: dict):
+            if weights and not blocks_run:
+                return
             pi = PowerInfer.from_pretrained(str(path), Config(**dense, device=a.device, **weights))
             tok_s, first_ms = decode_speed(pi, a.tokens)
             result[name] = {"tok_s": tok_s, "first_token_ms": first_ms}
@@ -810,28 +816,38 @@ def main():
 
         # the predictor on the hot executor's GPU (device buffers, CUDA IPC), then on the CPU
         # (host channels): the hop's cost in the same run; and the hot executor on an even
-        # share of the cores (the plan before `group.GPU_HOT_CORES`): what its cores are worth
+        # share of the cores (the plan before `group.GPU_HOT_CORES`): what its cores are worth;
+        # the hot neurons in the file's 4-bit records (a 4-bit file), on its own placement
         from actors import group
-        runs = [("hybrid", "auto", group.GPU_HOT_CORES, True)]
+        hybrids = {"hybrid": ("auto", group.GPU_HOT_CORES, True)}
         if a.device == "cuda" and not a.profile_hot:
-            runs += [("hybrid_eager", "auto", group.GPU_HOT_CORES, False),
-                     ("hybrid_hot_cores_even", "auto", 1 << 20, True),
-                     ("hybrid_predictor_cpu", "cpu", group.GPU_HOT_CORES, True)]
-        # the hot neurons in the file's 4-bit records (a 4-bit file), last: its own placement
+            hybrids.update(hybrid_eager=("auto", group.GPU_HOT_CORES, False),
+                           hybrid_hot_cores_even=("auto", 1 << 20, True),
+                           hybrid_predictor_cpu=("cpu", group.GPU_HOT_CORES, True))
         if four_bit is not None and not a.profile_hot:
-            runs.append(("hybrid_int4", "auto", group.GPU_HOT_CORES, True))
-        runs = [r for r in runs if r[0] in want]
+            hybrids["hybrid_int4"] = ("auto", group.GPU_HOT_CORES, True)
         default_hot = group.GPU_HOT_CORES
-        for name, where, hot_cores, graphs in runs:
-            pi, group.GPU_HOT_CORES = None, hot_cores
+        # (the bf16 rows: the hot neurons widened, a 4-bit file's cold ones in its blocks, as
+        # `weights="auto"` chose on a GPU before it kept the blocks there too)
+        bf16_hot = dict(weights="dense", cold_weights="int4" if four_bit else "auto")
+
+        def hybrid_row(name: str):
+            if name not in hybrids:
+                return
+            where, hot_cores, graphs = hybrids[name]
             int4 = name == "hybrid_int4"
+            if not int4 and "error" in placement:
+                result[name] = {"error": "no bf16 placement for this budget"}
+                print(name, json.dumps(result[name]), flush=True)
+                return
+            pi, group.GPU_HOT_CORES = None, hot_cores
             try:
                 if int4:
                     result["placement_int4"] = place(int4=True).report()
                 pi = PowerInfer.from_pretrained(str(path), Config(
                     **dense, device=a.device, runtime="actors", cold_executors=a.cold,
                     bundle=str(bundle.path), predictor="layer", predictor_device=where,
-                    cuda_graphs=graphs, **({"weights": "int4"} if int4 else {})))
+                    cuda_graphs=graphs, **({"weights": "int4"} if int4 else bf16_hot)))
                 tok_s, first_ms = decode_speed(pi, a.tokens)
                 st = pi.engine.stats()
                 result[name] = dict(tok_s=tok_s, first_token_ms=first_ms, cores=st["cores"],
@@ -848,17 +864,33 @@ def main():
                                 ignore_eos=True)
                     result[name]["hot_profile"] = ray.get(hot.profile_table.remote())
                     print(result[name]["hot_profile"], flush=True)
-            except Exception as e:  # the other configuration still runs; the error is the row
+            except Exception as e:  # the other configurations still run; the error is the row
                 result[name] = {"error": f"{type(e).__name__}: {e}"[:2000]}
             finally:
                 group.GPU_HOT_CORES = default_hot
                 if pi is not None:
                     pi.close()
-                if int4:  # (a later run reusing --workdir finds the model type's placement)
-                    place()
+                if int4 and "error" not in placement:  # (a later row, or run reusing
+                    place()  # --workdir, finds the model type's placement)
             print(name, json.dumps({k: v for k, v in result[name].items() if k != "hot_profile"}),
                   flush=True)
             save()
+
+        # in --rows' order: a device's short lease measures the rows it needs first
+        for name in dict.fromkeys(a.rows.split(",")):
+            try:
+                if name in ("layer_offload", "layer_offload_int4"):
+                    offload_row(name, name.endswith("_int4"))
+                elif name in ("all_gpu", "all_gpu_int4"):
+                    all_gpu_row(name, {"weights": "int4"} if name.endswith("_int4") else {})
+                elif name != "kernels":
+                    hybrid_row(name)
+            except Exception as e:  # a baseline that fails is its row's error; the rest run
+                result[name] = {"error": f"{type(e).__name__}: {e}"[:2000]}
+                print(name, json.dumps(result[name]), flush=True)
+                save()
+                if a.device == "cuda":
+                    torch.cuda.empty_cache()
     if a.profile_hot:
         save()
         return
