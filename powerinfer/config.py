@@ -33,6 +33,13 @@ def torch_dtype(name: str) -> torch.dtype:
     return getattr(torch, DTYPES[name])
 
 
+def _triton_installed() -> bool:
+    """Whether the `gpu` extra's Triton is importable here (its kernels read a 4-bit file's
+    blocks on a GPU), without importing it."""
+    import importlib.util
+    return importlib.util.find_spec("triton") is not None
+
+
 def device_for(vram_budget_gb: float, device: str | None = None) -> str:
     """The device the front doors (`powerinfer serve`, the CLI, a served model's entry) give a
     model: the one asked for, else "auto" (the GPU where there is one) when a VRAM budget is
@@ -92,16 +99,18 @@ class Config:
     weights: "dense", "int4" (a GGUF file's Q4_0/Q4_1 projections stay 4-bit, computed in
         bf16 or float32 on the CPU (bf16 on a GPU); a sparse FFN's neurons keep the file's 4-bit blocks, their down rows
         8-bit; the output head is 8-bit), or "auto" (default: int4 on the CPU where it can run,
-        else dense; dtype "float32" asked for is the dense reference). On a GPU, int4 keeps a sparse FFN's neurons in those records and the
+        else dense; on a GPU, int4 for the actor runtime's hot executor where the Triton kernels
+        are installed, dense for a model in one process; dtype "float32" asked for is the dense
+        reference). On a GPU, int4 keeps a sparse FFN's neurons in those records and the
         projections (attention's, a dense FFN's, an untied head) in the file's Q4_0/Q4_1/Q8_0
         blocks, read by the Triton kernels (the `gpu` extra); the placement counts them at
         those bytes (a 4-bit neuron about a third of bf16's, so about three times the hot
         neurons in a budget, and more for attention's share freed); the embedding is widened.
     cold_weights: the actor runtime's cold executors' weights (they run on the host's cores):
-        "dense", "int4" (as `weights`), or "auto" (default: as `weights`, except beside a hot
-        executor on a GPU, which widens a 4-bit file to the model's type: int4 there wherever
-        the host can run it, unless weights is "dense"). So a 4-bit file's cold neurons stay
-        4-bit in host memory and are read as such, whatever the GPU holds.
+        "dense", "int4" (as `weights`), or "auto" (default: as `weights` on a CPU; beside a hot
+        executor on a GPU, int4 wherever the host can run it, unless weights is "dense"). So a
+        4-bit file's cold neurons stay 4-bit in host memory and are read as such, whatever the
+        GPU holds.
     cold_executors: cold-neuron executor actors (runtime "actors"); 0: none, the hot executor
         runs the whole model on every core of the group as the in-process engine does (a
         dense model on the CPU: a process and its torch fewer, about 0.25 GiB a served model,
@@ -233,16 +242,26 @@ class Config:
         if dtype == "auto":
             four_bit = host_int4 and "dense" not in (self.weights, self.cold_weights)
             dtype = "bfloat16" if on_gpu or native or four_bit else "float32"
+        beside_gpu = on_gpu and self.runtime == "actors"
         weights = self.weights
         if weights == "auto":  # (float32 asked for: the dense reference)
-            weights = "int4" if host_int4 and self.dtype != "float32" and not on_gpu else "dense"
+            if on_gpu:  # the hybrid's hot neurons in the file's 4-bit records where the Triton
+                # kernels run (an H200: 1.88x the bf16 hybrid's tokens/s on a 70B shape's
+                # blocks, its first token sooner); a whole model on one GPU stays bf16 (its
+                # tokens/s 0.94x the blocks', its first token 5.8x sooner)
+                four = beside_gpu and has_q4 and self.dtype in ("auto", "bfloat16")
+                weights = "int4" if four and _triton_installed() else "dense"
+            else:
+                weights = "int4" if host_int4 and self.dtype != "float32" else "dense"
         if on_gpu and weights == "int4" and dtype != "bfloat16":
             raise ConfigError(f"weights='int4' runs in bfloat16 on a GPU, got dtype {dtype!r}")
         cold = self.cold_weights
         if cold == "auto":  # the host's share: int4 beside a GPU too, unless dense was asked for
-            beside_gpu = on_gpu and self.runtime == "actors"
-            cold = "int4" if beside_gpu and host_int4 and self.weights != "dense" \
-                and self.dtype != "float32" else weights
+            if on_gpu:
+                cold = "int4" if beside_gpu and host_int4 and self.weights != "dense" \
+                    and self.dtype != "float32" else "dense"
+            else:
+                cold = weights
         return replace(self, dtype=dtype, weights=weights, cold_weights=cold)
 
     def summary(self) -> str:

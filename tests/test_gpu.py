@@ -156,7 +156,7 @@ def synthetic_q4(tmp_path_factory):
 
 
 def test_hybrid_on_gpu_keeps_a_4bit_files_hot_neurons_in_its_blocks(synthetic_q4):
-    """Config(weights="int4") on the GPU: the hot executor holds its hot neurons as the file's
+    """Config(weights="int4") on the GPU, the actor runtime's default there: the hot executor holds its hot neurons as the file's
     Q4_0 records and attention's matrices in their blocks (the placement counted them so), the
     Triton kernels read them in graphed decode steps, and greedy decoding matches the in-process
     engine on the GPU (its neuron sets in the same records there, attention in bf16) up to a
@@ -169,11 +169,13 @@ def test_hybrid_on_gpu_keeps_a_4bit_files_hot_neurons_in_its_blocks(synthetic_q4
 
     path, bundle, budget_gb = synthetic_q4
     base = dict(dtype="bfloat16", device="cuda", max_seq_len=256, max_batch=1, bundle=bundle,
-                predictor="layer", weights="int4")
-    ref = PowerInfer.from_pretrained(path, Config(**base))
+                predictor="layer")
+    ref = PowerInfer.from_pretrained(path, Config(**base, weights="int4"))
     assert all(f.cold.fmt == "q4_0" and f.cold.records.is_cuda for f in hybrid_layers(ref.model))
     want = {p: greedy_tokens(ref, p, N) for p in PROMPTS}
+    # (the actor runtime's default on a GPU: weights "auto" keeps the file's blocks there)
     pi = PowerInfer.from_pretrained(path, Config(**base, runtime="actors", cold_executors=2))
+    assert (pi.config.weights, pi.config.cold_weights) == ("int4", "int4"), pi.config
     try:
         got = {p: greedy_tokens(pi, p, N) for p in PROMPTS}
         st = pi.engine.stats()["actors"]

@@ -454,17 +454,26 @@ def test_cold_executors_keep_the_files_blocks_beside_a_dense_hot_executor(ray_cl
 
 
 def test_cold_weights_follow_the_host(monkeypatch, tmp_path):
-    # the cold executors' weights: as `weights` on a CPU; beside a GPU (which widens a 4-bit
-    # file), the file's 4-bit blocks wherever the host's kernel runs, on every class, unless
-    # dense was asked for; the in-process engine has no cold executors
+    # the cold executors' weights: as `weights` on a CPU; beside a GPU, the file's 4-bit blocks
+    # wherever the host's kernel runs, on every class, unless dense was asked for; the in-process
+    # engine has no cold executors. The hot executor on a GPU keeps a 4-bit file's blocks where
+    # the Triton kernels are installed (else it widens them to bf16); a whole model in one
+    # process on a GPU stays bf16
+    from powerinfer import config as config_module
     from powerinfer import kernels
     from powerinfer.errors import ConfigError
-    for isa in kernels.ISAS[:kernels.ISAS.index(kernels.best_isa()) + 1]:
-        gpu = Config(runtime="actors", device="cuda", cpu_isa=isa).resolve(has_q4=True)
-        assert (gpu.dtype, gpu.weights, gpu.cold_weights) == ("bfloat16", "dense", "int4")
+    for triton, hot in ((True, "int4"), (False, "dense")):
+        monkeypatch.setattr(config_module, "_triton_installed", lambda: triton)
+        for isa in kernels.ISAS[:kernels.ISAS.index(kernels.best_isa()) + 1]:
+            gpu = Config(runtime="actors", device="cuda", cpu_isa=isa).resolve(has_q4=True)
+            assert (gpu.dtype, gpu.weights, gpu.cold_weights) == ("bfloat16", hot, "int4")
+        assert Config(device="cuda").resolve(has_q4=True).weights == "dense"  # in process
+    monkeypatch.setattr(config_module, "_triton_installed", lambda: True)
+    assert Config(runtime="actors", device="cuda", dtype="float32").resolve(True).weights == "dense"
+    assert Config(runtime="actors", device="cuda").resolve(has_q4=False).weights == "dense"
     monkeypatch.setattr(kernels, "best_isa", lambda: "none")  # a host the kernel cannot run on
     gpu = Config(runtime="actors", device="cuda").resolve(has_q4=True)
-    assert (gpu.dtype, gpu.weights, gpu.cold_weights) == ("bfloat16", "dense", "dense")
+    assert (gpu.dtype, gpu.weights, gpu.cold_weights) == ("bfloat16", "int4", "dense")
     monkeypatch.undo()
     assert Config(runtime="actors", device="cuda").resolve(has_q4=False).cold_weights == "dense"
     assert Config(runtime="actors", device="cuda", weights="dense").resolve(True).cold_weights == "dense"
