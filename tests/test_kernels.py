@@ -497,6 +497,28 @@ def test_paged_attention_equals_the_torch_path(isa, dtype, shape, roped):
     assert (got.float() - want.float()).abs().max() <= tol * want.abs().max()
 
 
+def test_a_residual_add_rounds_as_torch(isa):
+    # the native loop's add into the residual: h + y.to(h.dtype), in the kernel's vectors, the
+    # same bits as torch's bf16 (ties to even, a NaN, infinities, overflow, denormals) and float32
+    g = torch.Generator().manual_seed(3)
+    n = 1000 + 7  # (vectors and a tail)
+    h, y = (torch.randn(n, generator=g) * 4).bfloat16(), torch.randn(n, generator=g) * 4
+    y[:9] = torch.tensor([1 + 2**-8, 1 + 3 * 2**-8, -(1 + 2**-8), 3.4e38, 1e-39, float("inf"),
+                          float("nan"), -0.0, 2**-130])
+    y[-3:] = torch.tensor([1 + 2**-8, float("nan"), 1e-39])
+    h[9:13] = torch.tensor([float("nan"), float("-inf"), 1e-39, 3.3e38]).bfloat16()
+    got = h.clone()
+    torch.ops.powerinfer.residual_add_(got, y)
+    want = (h.float() + y.bfloat16().float()).bfloat16()
+    nan = want.isnan()  # (a NaN's bits: c10's one quiet NaN here, torch's vectors another)
+    assert nan.sum() == 3 and torch.equal(got.isnan(), nan)
+    assert torch.equal(got[~nan].view(torch.int16), want[~nan].view(torch.int16))
+    f = h.float()
+    got = f.clone()
+    torch.ops.powerinfer.residual_add_(got, y)
+    torch.testing.assert_close(got, f + y, rtol=0, atol=0, equal_nan=True)
+
+
 @pytest.mark.parametrize("decode", [True, False])
 @pytest.mark.parametrize("window", [0, 7])
 def test_paged_attention_shares_a_steps_index_work_across_layers(decode, window):

@@ -1367,9 +1367,7 @@ static at::Tensor attention_step(const Kernels& k, const ColdLayers& L, int64_t 
   }
   const bool bf16 = x.scalar_type() == at::kBFloat16;
   auto round_rows = [&](at::Tensor& t) {
-    if (!bf16) return;
-    float* p = t.data_ptr<float>();
-    for (int64_t i = 0, n = t.numel(); i < n; i++) p[i] = round_to_bf16(p[i]);
+    if (bf16) active().round_bf16(t.data_ptr<float>(), t.numel());
   };
   qkv = qkv.contiguous();
   round_rows(qkv);
@@ -1509,8 +1507,7 @@ static void wait_warming(const ColdLayers& L, int64_t x_base, int64_t* st, doubl
 // (nearest even) without its two copies (a head's rows: 3 MB a step at 32 rows)
 static void round_bf16_(at::Tensor& y) {
   TORCH_CHECK(y.scalar_type() == at::kFloat && y.is_contiguous(), "round_bf16_: a contiguous float32 tensor");
-  float* p = y.data_ptr<float>();
-  for (int64_t i = 0, n = y.numel(); i < n; i++) p[i] = round_to_bf16(p[i]);
+  active().round_bf16(y.data_ptr<float>(), y.numel());
 }
 
 // A cold executor's loop over the messages it answers without Python: decode steps of the
@@ -1623,6 +1620,29 @@ static std::vector<int64_t> cold_serve(at::Tensor& state, int64_t x_base, int64_
   }
 }
 
+// h (n values, bf16 or float32) += y (n floats) rounded to h's type, in place: h + y.to(h.dtype)
+// as torch computes it, c10's roundings in the kernel's vectors (`Kernels::add_bf16`)
+static void add_into(at::Tensor& h, const float* yp, int64_t n) {
+  if (h.scalar_type() == at::kBFloat16) {
+    active().add_bf16(reinterpret_cast<uint16_t*>(h.data_ptr<at::BFloat16>()), yp, n);
+  } else {
+    float* hp = h.data_ptr<float>();
+    for (int64_t i = 0; i < n; i++) hp[i] += yp[i];
+  }
+}
+
+#ifndef POWERINFER_LITE
+// add_into as an op: h (bf16 or float32, contiguous) += y (float32, as many values) rounded to
+// h's type, in place (the native loop's add into the residual, checked against torch's)
+static void residual_add_(at::Tensor& h, const at::Tensor& y) {
+  TORCH_CHECK(h.is_contiguous() && (h.scalar_type() == at::kBFloat16 || h.scalar_type() == at::kFloat),
+              "residual_add_: h a contiguous bfloat16 or float32 tensor");
+  TORCH_CHECK(y.scalar_type() == at::kFloat && y.is_contiguous() && y.numel() == h.numel(),
+              "residual_add_: y a contiguous float32 tensor of h's size");
+  add_into(h, y.data_ptr<float>(), h.numel());
+}
+#endif
+
 // y (rows, dim) f32 plus each cold executor's answer on its `part` channel, in their order (as
 // ch_recv reads them: states, the readers' [messages consumed, nanoseconds waited]), rounded to
 // the model's type and added into the residual h (rows, dim) in place: the hot executor's
@@ -1639,17 +1659,10 @@ static void join_parts(at::Tensor& h, at::Tensor& y, at::IntArrayRef part_bases,
     for (int64_t i = 0; i < n; i++) yp[i] += p[i];
   }
   if (post) {  // rms_norm(y.to(h.dtype)): values of the model's type, which the rounding below keeps
-    if (h.scalar_type() == at::kBFloat16)
-      for (int64_t i = 0; i < n; i++) yp[i] = round_to_bf16(yp[i]);
+    if (h.scalar_type() == at::kBFloat16) active().round_bf16(yp, n);
     rms_in_place(yp, *post, n / post->numel(), eps);
   }
-  if (h.scalar_type() == at::kBFloat16) {
-    auto* hp = h.data_ptr<at::BFloat16>();
-    for (int64_t i = 0; i < n; i++) hp[i] = at::BFloat16((float)hp[i] + round_to_bf16(yp[i]));
-  } else {
-    float* hp = h.data_ptr<float>();
-    for (int64_t i = 0; i < n; i++) hp[i] += yp[i];
-  }
+  add_into(h, yp, n);
 }
 
 // The hot executor's layers of a decode step (one token a sequence; attention split by KV
@@ -1962,6 +1975,7 @@ TORCH_LIBRARY(powerinfer, m) {
   m.def("pred_logits(Tensor p, Tensor fc1, Tensor fc2, int fmt) -> Tensor");
   m.def("linear_q4c(Tensor x, Tensor w, int n, int kind, float threshold, Tensor(a!)? stats) -> Tensor");
   m.def("rms_norm(Tensor x, Tensor w, float eps) -> Tensor");
+  m.def("residual_add_(Tensor(a!) h, Tensor y) -> ()");
   m.def("qk_norm(Tensor qkv, Tensor qw, Tensor kw, int n_heads, int n_kv, float eps) -> Tensor");
   m.def("paged_attention(Tensor qkv, Tensor cos, Tensor sin, Tensor(a!) k_pool, Tensor(b!) v_pool, Tensor tables, "
         "Tensor starts, Tensor pos, int n_heads, int window, float scale) -> Tensor");
@@ -2005,6 +2019,7 @@ TORCH_LIBRARY_IMPL(powerinfer, CPU, m) {
   m.impl("pred_logits", powerinfer::pred_logits);
   m.impl("linear_q4c", powerinfer::linear_q4c);
   m.impl("rms_norm", powerinfer::rms_norm);
+  m.impl("residual_add_", powerinfer::residual_add_);
   m.impl("qk_norm", powerinfer::qk_norm);
   m.impl("paged_attention", powerinfer::paged_attention);
   m.impl("ch_send", powerinfer::ch_send);
