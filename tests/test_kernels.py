@@ -497,6 +497,32 @@ def test_paged_attention_equals_the_torch_path(isa, dtype, shape, roped):
     assert (got.float() - want.float()).abs().max() <= tol * want.abs().max()
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("window", [0, 50])
+def test_a_tokens_attention_is_the_same_however_its_prompt_is_cut(isa, dtype, window):
+    # the online softmax's steps are fixed by position, so a token's floats do not depend on the
+    # chunks its prompt came in (chunked prefill, a prefix from the cache) or the tile it sits in
+    from powerinfer.model.transformer import KVCache
+
+    H, Hkv, D, bs, T = 6, 2, 64, 16, 200
+    g = torch.Generator().manual_seed(5)
+    qkv = torch.randn(T, (H + 2 * Hkv) * D, generator=g).to(dtype)
+    cos, sin = torch.randn(T, D, generator=g), torch.randn(T, D, generator=g)
+    tables = torch.randperm(16, generator=g).to(torch.int32)[None]  # (blocks out of order)
+
+    def run(cuts):
+        cache, outs = KVCache(16, Hkv, bs, D, dtype, "cpu"), []
+        for a, b in zip(cuts, cuts[1:]):
+            outs.append(torch.ops.powerinfer.paged_attention(
+                qkv[a:b], cos[a:b], sin[a:b], cache.k, cache.v, tables, torch.tensor([0, b - a]),
+                torch.arange(a, b), H, window, D ** -0.5))
+        return torch.cat(outs)
+
+    whole = run([0, T])
+    for cuts in ([0, 37, 101, 199, T], [0, 64, 128, 192, T], [0, 1, 63, 65, T]):
+        assert torch.equal(run(cuts), whole), cuts
+
+
 def test_a_residual_add_rounds_as_torch(isa):
     # the native loop's add into the residual: h + y.to(h.dtype), in the kernel's vectors, the
     # same bits as torch's bf16 (ties to even, a NaN, infinities, overflow, denormals) and float32

@@ -7,9 +7,9 @@
 // multiply-adds of the query's d-th value with the keys' d-th row: no horizontal sums and no
 // transposes at read time, where rows of keys would need one reduction per key. The tile's
 // queries go in groups of 4, and keys in units of 16: a group's scores against a unit live in
-// registers, softmax is online (flash attention's running max and sum, in float) unit by unit,
-// and the group's outputs are accumulated in registers 4 vectors at a time over the unit's
-// value rows. Included inside namespace powerinfer::ISA_NS (see the end of neuron_ffn.h).
+// registers, softmax is online (flash attention's running max and sum, in float) in steps of 4
+// units (64 positions), and the group's outputs are accumulated in registers 4 vectors at a time
+// over the step's value rows. Included inside namespace powerinfer::ISA_NS (see the end of neuron_ffn.h).
 
 // exp(x) for x <= 0, within about 1 ulp of expf (Cephes' expf polynomial); x below -87 gives a
 // tiny positive number, never 0: callers zero what they masked out themselves.
@@ -68,22 +68,26 @@ inline V load_kv(const T* p) {
 }
 
 constexpr int ATTN_QG = 4;        // queries of a group
-constexpr int ATTN_KU = 16;       // keys of a unit
+constexpr int ATTN_KU = 16;       // keys of a unit (their scores in registers)
 constexpr int ATTN_KV = ATTN_KU / W;  // vectors of a unit's row of keys
+constexpr int ATTN_UNITS = 4;     // units of a step of the online softmax
+constexpr int ATTN_SK = ATTN_KU * ATTN_UNITS;  // keys of a step: positions [64 s, 64 s + 64)
 
-// o[i] (the group's outputs, 4 vectors from column d0) = corr[i] o[i] + sum_j p[i][j] v[j] over
-// the unit's value rows j0 .. j1 - 1 (rows `D` apart from vu).
+// o[i] (the group's outputs, NV vectors from column d0) = corr[i] o[i] + sum_j p[i][j] v[j] over
+// the step's value rows j0 .. j1 - 1 (row j: row j % 16 of unit j / 16's, vu[j / 16], rows `D`
+// apart).
 template <typename T, int NV>
-inline void pv_chunk(const AttnTile& a, int64_t i0, int qn, const float (*p)[ATTN_KU], const float* corr,
-                     const T* vu, int64_t j0, int64_t j1, int64_t d0) {
+inline void pv_chunk(const AttnTile& a, int64_t i0, int qn, const float (*p)[ATTN_SK], const float* corr,
+                     const T* const* vu, int64_t j0, int64_t j1, int64_t d0) {
   V acc[ATTN_QG][NV];
   for (int i = 0; i < qn; i++) {
     const V c = vset(corr[i]);
     for (int v = 0; v < NV; v++) acc[i][v] = vmul(c, vload(a.out + (i0 + i) * a.D + d0 + v * W));
   }
   for (int64_t j = j0; j < j1; j++) {
+    const T* vj = vu[j / ATTN_KU] + (j % ATTN_KU) * a.D + d0;
     V row[NV];
-    for (int v = 0; v < NV; v++) row[v] = load_kv(vu + j * a.D + d0 + v * W);
+    for (int v = 0; v < NV; v++) row[v] = load_kv(vj + v * W);
     for (int i = 0; i < qn; i++) {
       const V pj = vset(p[i][j]);
       for (int v = 0; v < NV; v++) acc[i][v] = vfma(pj, row[v], acc[i][v]);
@@ -93,58 +97,89 @@ inline void pv_chunk(const AttnTile& a, int64_t i0, int qn, const float (*p)[ATT
     for (int v = 0; v < NV; v++) vstore(a.out + (i0 + i) * a.D + d0 + v * W, acc[i][v]);
 }
 
-// Queries i0 .. i0 + qn - 1 against one unit of 16 keys at positions p0 .. p0 + 15: keys ku
-// (the unit's first column of a (D, BS) block), values vu (its first row).
-template <typename T>
-inline void attend_unit(const AttnTile& a, int64_t i0, int qn, const T* ku, const T* vu, int64_t p0,
-                        float* m, float* l) {
+// The scores of a group's queries q (qn rows, D apart) against NU units from unit u0 of a
+// step, into p: each a sum over d in order (one multiply-add chain), the same floats whatever NU.
+// With AVX-512 a whole step's 4 units at once: 16 accumulators, 4 keys' vectors loaded for each
+// 4 broadcast query values (against 1 for 4 a unit at a time); AVX2's 16 registers hold one.
+#if defined(__AVX512F__)
+constexpr int ATTN_QK_UNITS = 4;
+#else
+constexpr int ATTN_QK_UNITS = 1;
+#endif
+template <typename T, int NU>
+inline void step_scores(const AttnTile& a, int qn, const float* q, const T* const* ku, float (*p)[ATTN_SK],
+                        int u0) {
+  constexpr int C = NU * ATTN_KV;
   const int64_t D = a.D, BS = a.BS;
-  V s[ATTN_QG][ATTN_KV];
+  V s[ATTN_QG][C];
   for (int i = 0; i < qn; i++)
-    for (int v = 0; v < ATTN_KV; v++) s[i][v] = vzero();
-  const float* q = a.q + i0 * D;
+    for (int c = 0; c < C; c++) s[i][c] = vzero();
   for (int64_t d = 0; d < D; d++) {
-    for (int v = 0; v < ATTN_KV; v++) {
-      const V k = load_kv(ku + d * BS + v * W);
-      for (int i = 0; i < qn; i++) s[i][v] = vfma(vset(q[i * D + d]), k, s[i][v]);
+    V k[C];
+    for (int u = 0; u < NU; u++)
+      for (int v = 0; v < ATTN_KV; v++) k[u * ATTN_KV + v] = load_kv(ku[u0 + u] + d * BS + v * W);
+    for (int i = 0; i < qn; i++) {
+      const V qd = vset(q[i * D + d]);
+      for (int c = 0; c < C; c++) s[i][c] = vfma(qd, k[c], s[i][c]);
     }
   }
-  alignas(64) float p[ATTN_QG][ATTN_KU];
+  for (int i = 0; i < qn; i++)
+    for (int c = 0; c < C; c++) vstore(p[i] + u0 * ATTN_KU + c * W, s[i][c]);
+}
+
+// Queries i0 .. i0 + qn - 1 against one step of the online softmax: `nu` units of 16 keys from
+// position p0 (a multiple of 64), unit k's keys ku[k] (its first column of a (D, BS) block),
+// its values vu[k] (its first row). The scores unit by unit in registers, then per query one
+// max, one correction and one sum over the step's keys it sees, then the values. A step's keys
+// are fixed by position alone (the tile's last position may cut its last units off, past every
+// key its queries see), so each query's floats are the same however the step's queries are
+// cut into tiles and groups (a prompt in chunks, a token alone or in a batch).
+template <typename T>
+inline void attend_step(const AttnTile& a, int64_t i0, int qn, const T* const* ku, const T* const* vu, int nu,
+                        int64_t p0, float* m, float* l) {
+  const int64_t D = a.D, BS = a.BS, n = nu * ATTN_KU;
+  alignas(64) float p[ATTN_QG][ATTN_SK];
+  const float* q = a.q + i0 * D;
+  if (ATTN_QK_UNITS == ATTN_UNITS && nu == ATTN_UNITS) {
+    step_scores<T, ATTN_QK_UNITS>(a, qn, q, ku, p, 0);
+  } else {
+    for (int u = 0; u < nu; u++) step_scores<T, 1>(a, qn, q, ku, p, u);
+  }
   float corr[ATTN_QG];
-  int64_t jlo = ATTN_KU, jhi = 0;  // the keys some query of the group sees
+  int64_t jlo = n, jhi = 0;  // the keys some query of the group sees
   for (int i = 0; i < qn; i++) {
     const int64_t qi = i0 + i, pos = a.qpos[qi];
     const int64_t lo = a.window > 0 ? std::max<int64_t>(0, pos - a.window + 1) : 0;
-    const int64_t j0 = std::max<int64_t>(0, lo - p0), j1 = std::min<int64_t>(ATTN_KU, pos - p0 + 1);
-    if (j1 <= j0) {  // none of this unit's keys
+    const int64_t j0 = std::max<int64_t>(0, lo - p0), j1 = std::min<int64_t>(n, pos - p0 + 1);
+    if (j1 <= j0) {  // none of this step's keys
       corr[i] = 1.0f;
-      for (int j = 0; j < ATTN_KU; j++) p[i][j] = 0.0f;
+      for (int64_t j = 0; j < n; j++) p[i][j] = 0.0f;
       continue;
     }
     jlo = std::min(jlo, j0), jhi = std::max(jhi, j1);
+    const bool whole = j0 == 0 && j1 == ATTN_SK;  // (by position alone: never a cut step)
     float mx;
-    if (j0 == 0 && j1 == ATTN_KU) {
-      V vm = s[i][0];
-      for (int v = 1; v < ATTN_KV; v++) vm = vmax(vm, s[i][v]);
+    if (whole) {
+      V vm = vload(p[i]);
+      for (int v = 1; v < ATTN_SK / W; v++) vm = vmax(vm, vload(p[i] + v * W));
       mx = hmax(vm);
     } else {
-      for (int v = 0; v < ATTN_KV; v++) vstore(p[i] + v * W, s[i][v]);
       mx = -INFINITY;
       for (int64_t j = j0; j < j1; j++) mx = std::max(mx, p[i][j]);
     }
     const float mnew = std::max(m[qi], mx);
     corr[i] = std::exp(m[qi] - mnew);
     V sum = vzero();
-    for (int v = 0; v < ATTN_KV; v++) {
-      const V e = vexp(vadd(s[i][v], vset(-mnew)));
+    for (int64_t v = 0; v < n / W; v++) {
+      const V e = vexp(vadd(vload(p[i] + v * W), vset(-mnew)));
       vstore(p[i] + v * W, e);
       sum = vadd(sum, e);
     }
     float total = 0.0f;
-    if (j0 == 0 && j1 == ATTN_KU) {
+    if (whole) {
       total = hsum(sum);
-    } else {  // lanes outside [j0, j1) hold what the scores of other positions made: zeroed
-      for (int j = 0; j < ATTN_KU; j++) {
+    } else {  // keys outside [j0, j1) hold what the scores of other positions made: zeroed
+      for (int64_t j = 0; j < n; j++) {
         if (j < j0 || j >= j1) p[i][j] = 0.0f;
         total += p[i][j];
       }
@@ -179,19 +214,20 @@ inline void attend_t(const AttnTile& a) {
     ku = (const T*)(a.k + off) + in;            // column `in` of the (D, BS) keys
     vu = (const T*)(a.v + off + in * D * es);  // row `in` of the (BS, D) values
   };
-  for (int64_t u = lo / ATTN_KU; u <= hi / ATTN_KU; u++) {  // units of 16 positions
-    const T *ku, *vu;
-    unit(u, ku, vu);
-    if (u < hi / ATTN_KU) {  // the next unit's block is anywhere in the pool: fetch it ahead
+  const int64_t last = hi / ATTN_KU;  // the tile's last unit
+  for (int64_t u0 = lo / ATTN_SK * ATTN_UNITS; u0 <= last; u0 += ATTN_UNITS) {  // steps of 64 positions
+    const int nu = (int)std::min<int64_t>(ATTN_UNITS, last - u0 + 1);
+    const T *ku[ATTN_UNITS], *vu[ATTN_UNITS];
+    for (int k = 0; k < nu; k++) unit(u0 + k, ku[k], vu[k]);
+    if (u0 + nu <= last) {  // the next step's blocks are anywhere in the pool: fetch its first unit ahead
       const T *kn, *vn;
-      unit(u + 1, kn, vn);
+      unit(u0 + nu, kn, vn);
       for (int64_t d = 0; d < D; d += 64 / (ATTN_KU * es) > 0 ? 64 / (ATTN_KU * es) : 1)
         _mm_prefetch((const char*)(kn + d * BS), _MM_HINT_T0);
       for (int64_t b = 0; b < ATTN_KU * D * es; b += 64) _mm_prefetch((const char*)vn + b, _MM_HINT_T0);
     }
-    const int64_t p0 = u * ATTN_KU;
     for (int64_t i0 = 0; i0 < a.nq; i0 += ATTN_QG)
-      attend_unit<T>(a, i0, (int)std::min<int64_t>(ATTN_QG, a.nq - i0), ku, vu, p0, m, l);
+      attend_step<T>(a, i0, (int)std::min<int64_t>(ATTN_QG, a.nq - i0), ku, vu, nu, u0 * ATTN_KU, m, l);
   }
   for (int64_t i = 0; i < a.nq; i++) {
     const float inv = l[i] > 0.0f ? 1.0f / l[i] : 0.0f;
