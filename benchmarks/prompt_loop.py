@@ -32,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from powerinfer import Config, PowerInfer, kernels  # noqa: E402
 from logit_spread import chosen_logits  # noqa: E402
 
-TEXT = "The history of the city goes back many centuries, and its people " * 80
+TEXT = "The history of the city goes back many centuries, and its people " * 200  # (2,600 tokens)
 
 
 def main():
@@ -59,6 +59,8 @@ def main():
             continue
         steps = {"modules": eng._forward, "loop": eng.native}
         ids_all = pi.tokenize(TEXT)
+        if max(args.lengths) > len(ids_all):
+            sys.exit(f"--lengths: at most {len(ids_all)} tokens (the text's)")
         for n in args.lengths:
             ids, times, logits = ids_all[:n], {k: [] for k in steps}, {}
             for k, f in steps.items():  # warm-up, and each step's logits
