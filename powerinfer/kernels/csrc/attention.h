@@ -76,9 +76,10 @@ constexpr int ATTN_SK = ATTN_KU * ATTN_UNITS;  // keys of a step: positions [64 
 // o[i] (the group's outputs, NV vectors from column d0) = corr[i] o[i] + sum_j p[i][j] v[j] over
 // the step's value rows j0 .. j1 - 1 (row j: row j % 16 of unit j / 16's, vu[j / 16], rows `D`
 // apart).
-template <typename T, int NV>
-inline void pv_chunk(const AttnTile& a, int64_t i0, int qn, const float (*p)[ATTN_SK], const float* corr,
+template <typename T, int NV, int QN>
+inline void pv_chunk(const AttnTile& a, int64_t i0, int qn_, const float (*p)[ATTN_SK], const float* corr,
                      const T* const* vu, int64_t j0, int64_t j1, int64_t d0) {
+  const int qn = QN ? QN : qn_;  // (a whole group's count known when compiled: its loops unrolled)
   V acc[ATTN_QG][NV];
   for (int i = 0; i < qn; i++) {
     const V c = vset(corr[i]);
@@ -97,6 +98,20 @@ inline void pv_chunk(const AttnTile& a, int64_t i0, int qn, const float (*p)[ATT
     for (int v = 0; v < NV; v++) vstore(a.out + (i0 + i) * a.D + d0 + v * W, acc[i][v]);
 }
 
+// pv_chunk over the head's width, 4 vectors at a time
+template <typename T, int QN>
+inline void pv_all(const AttnTile& a, int64_t i0, int qn, const float (*p)[ATTN_SK], const float* corr,
+                   const T* const* vu, int64_t j0, int64_t j1) {
+  const int64_t D = a.D;
+  int64_t d0 = 0;
+  for (; d0 + 4 * W <= D; d0 += 4 * W) pv_chunk<T, 4, QN>(a, i0, qn, p, corr, vu, j0, j1, d0);
+  switch ((D - d0) / W) {
+    case 3: pv_chunk<T, 3, QN>(a, i0, qn, p, corr, vu, j0, j1, d0); break;
+    case 2: pv_chunk<T, 2, QN>(a, i0, qn, p, corr, vu, j0, j1, d0); break;
+    case 1: pv_chunk<T, 1, QN>(a, i0, qn, p, corr, vu, j0, j1, d0); break;
+  }
+}
+
 // The scores of a group's queries q (qn rows, D apart) against NU units from unit u0 of a
 // step, into p: each a sum over d in order (one multiply-add chain), the same floats whatever NU.
 // With AVX-512 a whole step's 4 units at once: 16 accumulators, 4 keys' vectors loaded for each
@@ -106,10 +121,11 @@ constexpr int ATTN_QK_UNITS = 4;
 #else
 constexpr int ATTN_QK_UNITS = 1;
 #endif
-template <typename T, int NU>
-inline void step_scores(const AttnTile& a, int qn, const float* q, const T* const* ku, float (*p)[ATTN_SK],
+template <typename T, int NU, int QN>
+inline void step_scores(const AttnTile& a, int qn_, const float* q, const T* const* ku, float (*p)[ATTN_SK],
                         int u0) {
   constexpr int C = NU * ATTN_KV;
+  const int qn = QN ? QN : qn_;
   const int64_t D = a.D, BS = a.BS;
   V s[ATTN_QG][C];
   for (int i = 0; i < qn; i++)
@@ -141,9 +157,17 @@ inline void attend_step(const AttnTile& a, int64_t i0, int qn, const T* const* k
   alignas(64) float p[ATTN_QG][ATTN_SK];
   const float* q = a.q + i0 * D;
   if (ATTN_QK_UNITS == ATTN_UNITS && nu == ATTN_UNITS) {
-    step_scores<T, ATTN_QK_UNITS>(a, qn, q, ku, p, 0);
+    if (qn == ATTN_QG)
+      step_scores<T, ATTN_QK_UNITS, ATTN_QG>(a, qn, q, ku, p, 0);
+    else
+      step_scores<T, ATTN_QK_UNITS, 0>(a, qn, q, ku, p, 0);
   } else {
-    for (int u = 0; u < nu; u++) step_scores<T, 1>(a, qn, q, ku, p, u);
+    for (int u = 0; u < nu; u++) {
+      if (qn == ATTN_QG)
+        step_scores<T, 1, ATTN_QG>(a, qn, q, ku, p, u);
+      else
+        step_scores<T, 1, 0>(a, qn, q, ku, p, u);
+    }
   }
   float corr[ATTN_QG];
   int64_t jlo = n, jhi = 0;  // the keys some query of the group sees
@@ -188,13 +212,10 @@ inline void attend_step(const AttnTile& a, int64_t i0, int qn, const T* const* k
     m[qi] = mnew;
   }
   if (jhi <= jlo) return;
-  int64_t d0 = 0;
-  for (; d0 + 4 * W <= D; d0 += 4 * W) pv_chunk<T, 4>(a, i0, qn, p, corr, vu, jlo, jhi, d0);
-  switch ((D - d0) / W) {
-    case 3: pv_chunk<T, 3>(a, i0, qn, p, corr, vu, jlo, jhi, d0); break;
-    case 2: pv_chunk<T, 2>(a, i0, qn, p, corr, vu, jlo, jhi, d0); break;
-    case 1: pv_chunk<T, 1>(a, i0, qn, p, corr, vu, jlo, jhi, d0); break;
-  }
+  if (qn == ATTN_QG)
+    pv_all<T, ATTN_QG>(a, i0, qn, p, corr, vu, jlo, jhi);
+  else
+    pv_all<T, 0>(a, i0, qn, p, corr, vu, jlo, jhi);
 }
 
 template <typename T>
