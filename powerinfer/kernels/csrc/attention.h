@@ -153,7 +153,7 @@ inline void step_scores(const AttnTile& a, int qn_, const float* q, const T* con
 template <typename T>
 inline void attend_step(const AttnTile& a, int64_t i0, int qn, const T* const* ku, const T* const* vu, int nu,
                         int64_t p0, float* m, float* l) {
-  const int64_t D = a.D, BS = a.BS, n = nu * ATTN_KU;
+  const int64_t D = a.D, n = nu * ATTN_KU;
   alignas(64) float p[ATTN_QG][ATTN_SK];
   const float* q = a.q + i0 * D;
   if (ATTN_QK_UNITS == ATTN_UNITS && nu == ATTN_UNITS) {
