@@ -238,9 +238,14 @@ class ActorEngine:
                 group = self._new_group(wait_for_resources=False)
                 break
             except Exception as e:  # noqa: BLE001 - keep trying; new requests wait meanwhile
-                self.last_failure = f"rebuild failed: {type(e).__name__}: {e}"
+                failure = f"rebuild failed: {type(e).__name__}: {e}"
+                if failure != self.last_failure:  # (each new reason once, not every 2 s)
+                    log.warning("%s; retried every 2 s", failure)
+                self.last_failure = failure
                 self.rebuild_failures += 1  # the requests waiting to resume give up
                 time.sleep(2)
+        log.info("the model's actor group is rebuilt (%d rebuild attempts failed before)",
+                 self.rebuild_failures - self._failures_before)
         with self._lock:
             self.group = group
             self.restarts += 1

@@ -66,12 +66,17 @@ def test_a_model_pinned_to_node_2_serves_from_there_and_survives_losing_it(clust
     http = httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=60,
                         headers={"Authorization": f"Bearer {KEY}"})
 
+    answers = []  # (model, status, body) of the last requests: what a failure shows
+
     def complete(model: str) -> int:
         try:
-            return http.post("/v1/completions", json={"model": model, "prompt": "hello",
-                                                      "max_tokens": 4}).status_code
-        except httpx.HTTPError:
+            r = http.post("/v1/completions", json={"model": model, "prompt": "hello",
+                                                   "max_tokens": 4})
+        except httpx.HTTPError as e:
+            answers[:] = answers[-4:] + [(model, 0, repr(e)[:300])]
             return 0
+        answers[:] = answers[-4:] + [(model, r.status_code, r.text[:300])]
+        return r.status_code
 
     assert wait_for(lambda: complete("a") == 200 and complete("b") == 200, timeout=240,
                     every=0.5)
@@ -93,7 +98,7 @@ def test_a_model_pinned_to_node_2_serves_from_there_and_survives_losing_it(clust
 
     # a node with the resource returns: b is rebuilt there and answers again
     node3 = c.add_node(num_cpus=1, resources={"node2": 1}, object_store_memory=200 * MiB)
-    assert wait_for(lambda: complete("b") == 200, timeout=300, every=1)
+    assert wait_for(lambda: complete("b") == 200, timeout=300, every=1), answers
     b = serve.get_deployment_handle("Model:b", app_name="powerinfer").stats.remote().result(
         timeout_s=60)
     assert set(b["nodes"].values()) == {node3.node_id}, b
