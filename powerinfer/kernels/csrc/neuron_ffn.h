@@ -1244,15 +1244,20 @@ inline __m256i bf16_bits(V v) {
 // instruction where the build has it (the same values but that it flushes a denormal to zero;
 // the six integer operations took most of a prompt's product over records at 16 rows, widening
 // them), else the rounding in integers
-inline void store_bf16(uint16_t* p, V v) {
-#if defined(__AVX512BF16__)
-  _mm256_storeu_si256((__m256i*)p, (__m256i)_mm512_cvtneps_pbh(v));
-#elif defined(__AVX512F__)
+inline void store_bf16_int(uint16_t* p, V v) {  // (the rounding in integers, every build)
+#if defined(__AVX512F__)
   _mm256_storeu_si256((__m256i*)p, _mm512_cvtepi32_epi16(_mm512_srli_epi32(bf16_bits(v), 16)));
 #else
   const __m256i i = _mm256_srli_epi32(bf16_bits(v), 16);
   const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(i, i), 0x08);
   _mm_storeu_si128((__m128i*)p, _mm256_castsi256_si128(packed));
+#endif
+}
+inline void store_bf16(uint16_t* p, V v) {
+#if defined(__AVX512BF16__)
+  _mm256_storeu_si256((__m256i*)p, (__m256i)_mm512_cvtneps_pbh(v));
+#else
+  store_bf16_int(p, v);
 #endif
 }
 
@@ -1312,35 +1317,22 @@ inline void activate(int act, bool bf16, const float* g, const float* u, float* 
   for (; i < n; i++) h[i] = act_value(act, g ? g[i] : 0.0f, u[i], bf16);
 }
 
-// v rounded to bf16, its 16 bits in the low half of each 32-bit lane: round_to_bf16's rounding
-// (to nearest even; a NaN to c10's one quiet NaN) for every value
+// v's NaN lanes as c10's one quiet NaN (0x7FC00000), which the roundings to bf16 above keep;
+// the other lanes as they are
+inline V quiet_nans(V v) {
 #if defined(__AVX512F__)
-inline __m512i bf16_rne(V v) {
-  const __m512i r = _mm512_srli_epi32(bf16_bits(v), 16);
-  return _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_set1_epi32(0x7FC0));
-}
-inline V bf16_rne_f32(V v) { return _mm512_castsi512_ps(_mm512_slli_epi32(bf16_rne(v), 16)); }
-inline void store_bf16_rne(uint16_t* p, V v) {
-  _mm256_storeu_si256((__m256i*)p, _mm512_cvtepi32_epi16(bf16_rne(v)));
-}
+  return _mm512_mask_mov_ps(v, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_castsi512_ps(_mm512_set1_epi32(0x7FC00000)));
 #else
-inline __m256i bf16_rne(V v) {
-  const __m256i r = _mm256_srli_epi32(bf16_bits(v), 16);
-  return _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7FC0), _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q)));
-}
-inline V bf16_rne_f32(V v) { return _mm256_castsi256_ps(_mm256_slli_epi32(bf16_rne(v), 16)); }
-inline void store_bf16_rne(uint16_t* p, V v) {
-  const __m256i i = bf16_rne(v);
-  _mm_storeu_si128((__m128i*)p, _mm256_castsi256_si128(_mm256_permute4x64_epi64(_mm256_packus_epi32(i, i), 0x08)));
-}
+  return _mm256_blendv_ps(v, _mm256_castsi256_ps(_mm256_set1_epi32(0x7FC00000)), _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
 #endif
+}
 
 // p[i] = round_to_bf16(p[i]) for i < n, in vectors: the values a bf16 tensor holds, kept as
 // float32 (ops.cpp's projections' rows and the head's; one value at a time there, in a build
 // for no particular instruction set)
 inline void round_bf16(float* p, int64_t n) {
   int64_t i = 0;
-  for (; i + W <= n; i += W) vstore(p + i, bf16_rne_f32(vload(p + i)));
+  for (; i + W <= n; i += W) vstore(p + i, vround_bf16(quiet_nans(vload(p + i))));
   for (; i < n; i++) p[i] = round_to_bf16(p[i]);
 }
 
@@ -1350,7 +1342,8 @@ inline void round_bf16(float* p, int64_t n) {
 // prompt in bf16 against 1.0-1.3 ms in float32)
 inline void add_bf16(uint16_t* h, const float* y, int64_t n) {
   int64_t i = 0;
-  for (; i + W <= n; i += W) store_bf16_rne(h + i, vadd(bf16_to_f32(h + i), bf16_rne_f32(vload(y + i))));
+  for (; i + W <= n; i += W)
+    store_bf16_int(h + i, quiet_nans(vadd(bf16_to_f32(h + i), vround_bf16(quiet_nans(vload(y + i))))));
   for (; i < n; i++) {
     uint32_t b = (uint32_t)h[i] << 16;
     float v;
