@@ -864,9 +864,7 @@ def main():
                                 ignore_eos=True)
                     result[name]["hot_profile"] = ray.get(hot.profile_table.remote())
                     print(result[name]["hot_profile"], flush=True)
-            except Exception as e:  # the other configurations still run; the error is the row
-                result[name] = {"error": f"{type(e).__name__}: {e}"[:2000]}
-            finally:
+            finally:  # (an error is the row's, recorded by the loop below; the rest run)
                 group.GPU_HOT_CORES = default_hot
                 if pi is not None:
                     pi.close()
@@ -885,7 +883,7 @@ def main():
                     all_gpu_row(name, {"weights": "int4"} if name.endswith("_int4") else {})
                 elif name != "kernels":
                     hybrid_row(name)
-            except Exception as e:  # a baseline that fails is its row's error; the rest run
+            except Exception as e:  # a row that fails is its error; the rest run
                 result[name] = {"error": f"{type(e).__name__}: {e}"[:2000]}
                 print(name, json.dumps(result[name]), flush=True)
                 save()
