@@ -18,7 +18,7 @@ from typing import NamedTuple
 import numpy as np
 
 from cluster.topology import pin_threads
-from powerinfer.compat import resident, trim_heap
+from powerinfer.compat import on_idle, resident, trim_heap
 
 from . import shard_cache
 from .packed import Mapped, Packed, Slot, Zeros
@@ -34,6 +34,11 @@ class Arr(NamedTuple):
 
 
 # ---- the library's C entry points (csrc/capi.h) ----
+
+# A torch-free role's process gives back the blocks its steps kept (`pilite::BlockCache`) once
+# it has been idle this long (under 5% of a core over the period: its group has no step to run;
+# an idle executor takes 1-1.5%, waking to look at its channels)
+IDLE_RELEASE_S, IDLE_CPU_SHARE = 10.0, 0.05
 
 PI_INT, PI_FLOAT, PI_TENSOR, PI_NONE, PI_TENSORS, PI_INTS, PI_FLOATS = range(7)
 
@@ -115,6 +120,8 @@ class Library:
         lib.pi_set_threads.argtypes, lib.pi_set_threads.restype = [ctypes.c_int64], None
         lib.pi_loop_profile.argtypes = [ctypes.c_int64, ctypes.POINTER(ctypes.c_int64), ctypes.c_int64]
         lib.pi_loop_profile.restype = ctypes.c_int64
+        lib.pi_blocks.argtypes = [ctypes.c_int64, ctypes.POINTER(ctypes.c_int64)]
+        lib.pi_blocks.restype = ctypes.c_int64
 
     @classmethod
     def started(cls, got: dict, cores, threads: int) -> "Library":
@@ -124,6 +131,10 @@ class Library:
         lib = cls(got["library"])
         lib.use_isa(got["isa"])
         lib.set_threads(min(threads, len(cores)) if threads else len(cores))
+        mib = os.environ.get("POWERINFER_KEPT_BLOCKS_MIB", "")
+        if mib:  # (the kept blocks' cap; 0: none kept, every block freed as it was)
+            lib.lib.pi_blocks(2, (ctypes.c_int64 * 4)(int(float(mib) * (1 << 20))))
+        on_idle(IDLE_RELEASE_S, lib.release_blocks, IDLE_CPU_SHARE)
         return lib
 
     def isa(self) -> str:
@@ -161,6 +172,20 @@ class Library:
         if fn(args.array, len(args.array), words, err, 4096):
             raise RuntimeError(err.value.decode(errors="replace"))
         return list(words)
+
+    def blocks(self) -> dict:
+        """The blocks the library keeps for its steps' tensors (`pilite::BlockCache`): bytes
+        kept now, the cap, blocks taken from them, blocks made anew."""
+        out = (ctypes.c_int64 * 4)()
+        self.lib.pi_blocks(0, out)
+        return dict(zip(("kept_bytes", "cap_bytes", "reused", "made"), out))
+
+    def release_blocks(self) -> int:
+        """Frees the kept blocks, and gives the heap's free pages back to the system (an
+        idle process's, `IDLE_RELEASE_S`); returns the bytes the blocks held."""
+        n = self.lib.pi_blocks(1, (ctypes.c_int64 * 4)())
+        trim_heap()
+        return n
 
     def loop_profile(self, mode: int) -> list[int]:
         out = (ctypes.c_int64 * 64)()

@@ -153,7 +153,7 @@ class ColdNativeImpl:
         out = {"rank": self.rank, "busy_s": self.busy_s, "wait_s": self.x.wait_s,
                "messages": self.steps, "neurons": self.info["neurons"],
                "memory": process_memory(), "held_bytes": self.parts["held_bytes"],
-               **clib.held(self.memory, self.mapped, self.kv)}
+               **clib.held(self.memory, self.mapped, self.kv), "blocks": self.lib.blocks()}
         if self.input_stats is not None:
             out["input_sparse_stats"] = [int(self.input_stats[0]), int(self.input_stats[1])]
         return out

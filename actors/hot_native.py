@@ -238,7 +238,8 @@ class HotNativeImpl:
                "threads": dict(self.threads), "native_prompt_steps": self.native_prompt_steps,
                "part_wait_s": sum(p.wait_s for p in self.part_chs), **self.described,
                "device": "cpu", "memory": process_memory(),
-               "held_bytes": held["weight_bytes"] + held["kv_bytes"], **held}
+               "held_bytes": held["weight_bytes"] + held["kv_bytes"], **held,
+               "blocks": self.lib.blocks()}
         if self.input_stats is not None:
             out["input_sparse_stats"] = [int(self.input_stats[0]), int(self.input_stats[1])]
         if self.mask is not None:

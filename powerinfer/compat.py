@@ -403,6 +403,35 @@ class HeapTrim:
         return True
 
 
+def on_idle(seconds: float, fn, busy_share: float = 0.01):
+    """A daemon thread that calls `fn()` once a stretch in which this process is idle: at the
+    end of the first period of `seconds` in which it took less CPU (every thread's) than
+    `busy_share` of the period, and again only after a period that was not. For what a
+    process keeps while it works and can give back when it stops (an executor's kept blocks,
+    `actors.clib.Library.release_blocks`). An exception in `fn` is the thread's end."""
+    import os
+    import threading
+    import time
+
+    def cpu() -> float:
+        t = os.times()
+        return t.user + t.system
+
+    def run():
+        last, done = cpu(), False
+        while True:
+            time.sleep(seconds)
+            now = cpu()
+            idle, last = now - last < busy_share * seconds, now
+            if idle and not done:
+                fn()
+            done = idle
+
+    t = threading.Thread(target=run, name="on-idle", daemon=True)
+    t.start()
+    return t
+
+
 def trim_heap_every(seconds: float, then=None, grow: int = 8 << 20):
     """A daemon thread that runs a `HeapTrim` every `seconds` (for a process whose work has no
     idle moment of its own to do it in: a Serve replica's), and `then()` after each trim that

@@ -172,3 +172,31 @@ print(json.dumps(out))
     assert got["second"] is True and got["after_second"] < got["freed"] - 50, got
     assert got["third"] is False, got  # given back: nothing grew since
     assert got["idle"] is True and got["after_idle"] < got["after_first"] - 50, got
+
+
+def test_on_idle_runs_once_a_stretch_the_process_is_idle():
+    # `on_idle` (an executor's kept blocks given back once its group has no step to run): not
+    # while the process works (its CPU over a period at least the share), once at the end of the
+    # first idle period, not again while it stays idle, and again after it worked once more
+    import subprocess
+    import sys
+
+    code = r"""
+import json, time
+from powerinfer.compat import on_idle
+calls, marks = [], {}
+on_idle(0.25, lambda: calls.append(time.perf_counter()), busy_share=0.3)
+def busy(s):
+    end = time.perf_counter() + s
+    while time.perf_counter() < end:
+        pass
+busy(1.0); marks["busy"] = len(calls)
+time.sleep(1.0); marks["idle"] = len(calls)
+busy(1.0); marks["busy_again"] = len(calls)
+time.sleep(1.0); marks["idle_again"] = len(calls)
+print(json.dumps(marks))
+"""
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr[-2000:]
+    got = __import__("json").loads(r.stdout)
+    assert got == {"busy": 0, "idle": 1, "busy_again": 1, "idle_again": 2}, got

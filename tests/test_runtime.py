@@ -563,6 +563,7 @@ def test_int4_dense_split_equals_the_in_process_engine(ray_cluster):
             assert all(t == alone for t in together)
             sched = ray.get(pi.engine.group.actors["scheduler"].stats.remote())
             assert sched["widest_decode"] > 64, sched
+            assert_steps_keep_their_blocks(pi)
             # a torch-free executor's memory is counted as the torch one's: its shard's
             # weights, its KV blocks as written
             mem = pi.engine.memory()["cold.0"]
@@ -656,6 +657,27 @@ def assert_each_loop_profiles_its_phases(pi: PowerInfer):
         assert c["cold: attention answered"] >= c["q/k/v projection"] > 0
     # stopped: nothing more is counted
     assert ray.get(actors["hot"].loop_profile.remote("read")) == hot
+
+
+def minor_faults(pid: int) -> int:
+    return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[7])
+
+
+def assert_steps_keep_their_blocks(pi: PowerInfer):
+    # a torch-free executor's steps keep their tensors' large blocks for the next layer's
+    # (`pilite::BlockCache`), where glibc could give each layer's back to the system and fault
+    # them in again at the next (a 240-token prompt: about 25,000 page faults of the hot
+    # executor's; kept, its KV blocks' first writes at most, about 500)
+    actors, info = pi.engine.group.actors, pi.engine.group.info
+    for role in ("hot", *(f"cold.{k}" for k in range(pi.config.cold_executors))):
+        b = ray.get(actors[role].stats.remote())["blocks"]
+        assert b["reused"] > 5 * b["made"] > 0 and 0 < b["kept_bytes"] <= b["cap_bytes"], (role, b)
+    ids = torch.randint(3, pi.args.vocab_size, (240,),
+                        generator=torch.Generator().manual_seed(5)).tolist()
+    decode(pi, [ids], 1)  # (its KV blocks written once)
+    before = minor_faults(info["hot"]["pid"])
+    decode(pi, [[ids[0] + 1, *ids[1:]]], 1)  # (no cached prefix)
+    assert minor_faults(info["hot"]["pid"]) - before < 5000
 
 
 def decode(m: PowerInfer, prompts: list[list[int]], n: int) -> list[list[int]]:

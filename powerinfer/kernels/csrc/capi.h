@@ -304,6 +304,25 @@ int64_t pi_use_isa(const char* want, char* err, int64_t err_len) {
 // The calling thread's parallel loops run on n threads (at::set_num_threads: OpenMP's, per thread).
 void pi_set_threads(int64_t n) { at::set_num_threads((int)n); }
 
+// The kept blocks of the torch-free build (`pilite::BlockCache`): mode 0 reads its figures into
+// out (4: bytes kept, the cap, blocks taken from it, blocks it had none for), 1 frees the kept
+// blocks, 2 sets the cap to out[0] bytes; returns the bytes kept before the call. The torch
+// build keeps none (its tensors are torch's): 0, and out zeros.
+int64_t pi_blocks(int64_t mode, int64_t* out) {
+#ifdef POWERINFER_LITE
+  auto& c = pilite::BlockCache::instance();
+  int64_t now[4];
+  c.stats(now);
+  if (mode == 0) std::copy(now, now + 4, out);
+  if (mode == 1) c.release();
+  if (mode == 2) c.set_cap((size_t)std::max<int64_t>(out[0], 0));
+  return now[0];
+#else
+  if (mode == 0) std::fill(out, out + 4, 0);
+  return 0;
+#endif
+}
+
 // loop_profile's totals into out (up to len); returns how many there are.
 int64_t pi_loop_profile(int64_t mode, int64_t* out, int64_t len) {
   const at::Tensor t = powerinfer::loop_profile(mode);

@@ -15,7 +15,9 @@
 #include <cstring>
 #include <exception>
 #include <initializer_list>
+#include <map>
 #include <memory>
+#include <mutex>
 #include <optional>
 #include <sstream>
 #include <string>
@@ -232,14 +234,109 @@ class Tensor {
 };
 using TensorList = ArrayRef<Tensor>;
 
+// The blocks of 64 KiB and more that freed tensors held, kept for the next tensors of their
+// size (or up to a quarter less; of a size, the one freed last) instead of going back to malloc. A layer loop's step makes and
+// frees the same tensors at every layer, megabytes each over a prompt's rows; glibc serves such
+// a block with a fresh mapping, or gives a heap's freed top back to the system, so each layer
+// wrote into new pages: 200,000 page faults a 2,000-token SmolLM2 prompt in a group's hot
+// executor, a fifth of its CPU. Kept here, a step's blocks are faulted in once. At most
+// `cap` bytes are kept (a block that would pass it is freed); `release` frees them all, which
+// an executor does once its group is idle (`actors.roles`). Thread-safe: the loop's threads
+// and the release share one lock, taken only for the large blocks.
+class BlockCache {
+ public:
+  static constexpr size_t MIN_BYTES = 64 << 10;
+
+  static BlockCache& instance() {
+    static BlockCache* c = new BlockCache();  // (never destroyed: tensors may outlive statics)
+    return *c;
+  }
+
+  // A block of at least `bytes` (64-aligned) and its capacity; nullptr where none is kept.
+  void* take(size_t bytes, size_t* capacity) {
+    std::lock_guard<std::mutex> g(m_);
+    auto it = free_.lower_bound(bytes);
+    if (it == free_.end() || it->first > bytes + bytes / 4) {
+      misses_++;
+      return nullptr;
+    }
+    it = std::prev(free_.upper_bound(it->first));  // the one of that size freed last: in cache
+    void* p = it->second;
+    *capacity = it->first;
+    kept_ -= it->first;
+    free_.erase(it);
+    hits_++;
+    return p;
+  }
+
+  void give(void* p, size_t capacity) {
+    {
+      std::lock_guard<std::mutex> g(m_);
+      if (kept_ + capacity <= cap_) {
+        free_.emplace(capacity, p);
+        kept_ += capacity;
+        return;
+      }
+    }
+    std::free(p);
+  }
+
+  // Frees every kept block; returns their bytes.
+  size_t release() {
+    std::multimap<size_t, void*> out;
+    size_t bytes;
+    {
+      std::lock_guard<std::mutex> g(m_);
+      out.swap(free_);
+      bytes = kept_;
+      kept_ = 0;
+    }
+    for (auto& b : out) std::free(b.second);
+    return bytes;
+  }
+
+  // bytes kept now, the cap, blocks taken from the cache, blocks it had none for
+  void stats(int64_t* out) {
+    std::lock_guard<std::mutex> g(m_);
+    out[0] = (int64_t)kept_;
+    out[1] = (int64_t)cap_;
+    out[2] = hits_;
+    out[3] = misses_;
+  }
+
+  void set_cap(size_t bytes) {
+    bool over;
+    {
+      std::lock_guard<std::mutex> g(m_);
+      cap_ = bytes;
+      over = kept_ > cap_;
+    }
+    if (over) release();
+  }
+
+ private:
+  std::mutex m_;
+  std::multimap<size_t, void*> free_;  // capacity -> block
+  size_t kept_ = 0, cap_ = (size_t)512 << 20;
+  int64_t hits_ = 0, misses_ = 0;
+};
+
 inline Tensor empty(IntArrayRef shape, TensorOptions o = {}) {
   std::vector<int64_t> sizes = shape.vec();
   int64_t n = 1;
   for (int64_t s : sizes) n *= s;
   const size_t bytes = ((size_t)std::max<int64_t>(n, 1) * element_size(o.dtype_) + 63) / 64 * 64;
-  void* p = std::aligned_alloc(64, bytes);
+  if (bytes < BlockCache::MIN_BYTES) {
+    void* p = std::aligned_alloc(64, bytes);
+    TORCH_CHECK(p, "out of memory: ", bytes, " bytes");
+    std::shared_ptr<void> owner(p, [](void* q) { std::free(q); });
+    return Tensor(owner, p, o.dtype_, sizes, Tensor::contiguous_strides(sizes));
+  }
+  size_t capacity = bytes;
+  void* p = BlockCache::instance().take(bytes, &capacity);
+  if (!p) p = std::aligned_alloc(64, bytes);
   TORCH_CHECK(p, "out of memory: ", bytes, " bytes");
-  std::shared_ptr<void> owner(p, [](void* q) { std::free(q); });
+  std::shared_ptr<void> owner(p, [capacity](void* q) { BlockCache::instance().give(q, capacity); });
   return Tensor(owner, p, o.dtype_, sizes, Tensor::contiguous_strides(sizes));
 }
 
