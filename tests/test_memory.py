@@ -185,15 +185,15 @@ def test_on_idle_runs_once_a_stretch_the_process_is_idle():
 import json, time
 from powerinfer.compat import on_idle
 calls, marks = [], {}
-on_idle(0.25, lambda: calls.append(time.perf_counter()), busy_share=0.3)
+on_idle(0.15, lambda: calls.append(time.perf_counter()), busy_share=0.3)
 def busy(s):
     end = time.perf_counter() + s
     while time.perf_counter() < end:
         pass
-busy(1.0); marks["busy"] = len(calls)
-time.sleep(1.0); marks["idle"] = len(calls)
-busy(1.0); marks["busy_again"] = len(calls)
-time.sleep(1.0); marks["idle_again"] = len(calls)
+busy(0.6); marks["busy"] = len(calls)
+time.sleep(0.6); marks["idle"] = len(calls)
+busy(0.6); marks["busy_again"] = len(calls)
+time.sleep(0.6); marks["idle_again"] = len(calls)
 print(json.dumps(marks))
 """
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
