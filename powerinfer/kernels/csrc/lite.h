@@ -235,14 +235,16 @@ class Tensor {
 using TensorList = ArrayRef<Tensor>;
 
 // The blocks of 64 KiB and more that freed tensors held, kept for the next tensors of their
-// size (or up to a quarter less; of a size, the one freed last) instead of going back to malloc. A layer loop's step makes and
-// frees the same tensors at every layer, megabytes each over a prompt's rows; glibc serves such
-// a block with a fresh mapping, or gives a heap's freed top back to the system, so each layer
-// wrote into new pages: 200,000 page faults a 2,000-token SmolLM2 prompt in a group's hot
-// executor, a fifth of its CPU. Kept here, a step's blocks are faulted in once. At most
-// `cap` bytes are kept (a block that would pass it is freed); `release` frees them all, which
-// an executor does once its group is idle (`actors.roles`). Thread-safe: the loop's threads
-// and the release share one lock, taken only for the large blocks.
+// size (or up to a quarter smaller; of a size, the one freed last, still in the caches)
+// instead of going back to malloc. A layer loop's step makes and frees the same tensors at
+// every layer, megabytes each over a prompt's rows, and glibc could serve such a block with a
+// fresh mapping or give a heap's freed top back to the system, so that each layer wrote into
+// new pages: 150,000-200,000 page faults a 2,000-token SmolLM2 prompt in a group's hot
+// executor (BENCHMARKS.md, "A prompt's pages kept in the executors"). Kept here, a step's
+// blocks are faulted in once. At most `cap` bytes are kept (a block that would pass it is
+// freed); `release` frees them all, which an executor does once it is idle
+// (`actors.clib.IDLE_RELEASE_S`). Thread-safe: the loop's threads and the release share one
+// lock, taken only for the large blocks.
 class BlockCache {
  public:
   static constexpr size_t MIN_BYTES = 64 << 10;
@@ -260,7 +262,7 @@ class BlockCache {
       misses_++;
       return nullptr;
     }
-    it = std::prev(free_.upper_bound(it->first));  // the one of that size freed last: in cache
+    it = std::prev(free_.upper_bound(it->first));  // (the one of that size freed last)
     void* p = it->second;
     *capacity = it->first;
     kept_ -= it->first;
