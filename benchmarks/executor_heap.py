@@ -45,12 +45,11 @@ WAYS = {"kept": "", "freed": "0"}  # POWERINFER_KEPT_BLOCKS_MIB ("": the default
 
 
 def proc(pid: int) -> dict:
-    """A process's minor faults, CPU seconds and anonymous memory (MiB), from /proc."""
+    """A process's minor faults and CPU seconds (/proc/PID/stat) and anonymous memory (MiB)."""
+    from powerinfer.compat import process_memory
     f = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    tick = os.sysconf("SC_CLK_TCK")
-    anon = next(int(line.split()[1]) for line in Path(f"/proc/{pid}/status").read_text().splitlines()
-                if line.startswith("RssAnon:"))
-    return {"minflt": int(f[7]), "cpu_s": (int(f[11]) + int(f[12])) / tick, "anon_mib": anon / 1024}
+    return {"minflt": int(f[7]), "cpu_s": (int(f[11]) + int(f[12])) / os.sysconf("SC_CLK_TCK"),
+            "anon_mib": process_memory(pid, pss=False)["anon"] / 2**20}
 
 
 def child(model: str, cold: int, lengths: list[int], prompts: int, idle: bool) -> dict:

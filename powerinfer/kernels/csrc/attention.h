@@ -150,24 +150,19 @@ inline void step_scores(const AttnTile& a, int qn_, const float* q, const T* con
 // are fixed by position alone (the tile's last position may cut its last units off, past every
 // key its queries see), so each query's floats are the same however the step's queries are
 // cut into tiles and groups (a prompt in chunks, a token alone or in a batch).
-template <typename T>
-inline void attend_step(const AttnTile& a, int64_t i0, int qn, const T* const* ku, const T* const* vu, int nu,
+// QN: the group's query count where it is known when compiled (a whole group, ATTN_QG: every
+// loop over its queries unrolled), else 0 and `qn_` says
+template <typename T, int QN>
+inline void attend_step(const AttnTile& a, int64_t i0, int qn_, const T* const* ku, const T* const* vu, int nu,
                         int64_t p0, float* m, float* l) {
+  const int qn = QN ? QN : qn_;
   const int64_t D = a.D, n = nu * ATTN_KU;
   alignas(64) float p[ATTN_QG][ATTN_SK];
   const float* q = a.q + i0 * D;
   if (ATTN_QK_UNITS == ATTN_UNITS && nu == ATTN_UNITS) {
-    if (qn == ATTN_QG)
-      step_scores<T, ATTN_QK_UNITS, ATTN_QG>(a, qn, q, ku, p, 0);
-    else
-      step_scores<T, ATTN_QK_UNITS, 0>(a, qn, q, ku, p, 0);
+    step_scores<T, ATTN_QK_UNITS, QN>(a, qn, q, ku, p, 0);
   } else {
-    for (int u = 0; u < nu; u++) {
-      if (qn == ATTN_QG)
-        step_scores<T, 1, ATTN_QG>(a, qn, q, ku, p, u);
-      else
-        step_scores<T, 1, 0>(a, qn, q, ku, p, u);
-    }
+    for (int u = 0; u < nu; u++) step_scores<T, 1, QN>(a, qn, q, ku, p, u);
   }
   float corr[ATTN_QG];
   int64_t jlo = n, jhi = 0;  // the keys some query of the group sees
@@ -212,10 +207,7 @@ inline void attend_step(const AttnTile& a, int64_t i0, int qn, const T* const* k
     m[qi] = mnew;
   }
   if (jhi <= jlo) return;
-  if (qn == ATTN_QG)
-    pv_all<T, ATTN_QG>(a, i0, qn, p, corr, vu, jlo, jhi);
-  else
-    pv_all<T, 0>(a, i0, qn, p, corr, vu, jlo, jhi);
+  pv_all<T, QN>(a, i0, qn, p, corr, vu, jlo, jhi);
 }
 
 template <typename T>
@@ -247,8 +239,13 @@ inline void attend_t(const AttnTile& a) {
         _mm_prefetch((const char*)(kn + d * BS), _MM_HINT_T0);
       for (int64_t b = 0; b < ATTN_KU * D * es; b += 64) _mm_prefetch((const char*)vn + b, _MM_HINT_T0);
     }
-    for (int64_t i0 = 0; i0 < a.nq; i0 += ATTN_QG)
-      attend_step<T>(a, i0, (int)std::min<int64_t>(ATTN_QG, a.nq - i0), ku, vu, nu, u0 * ATTN_KU, m, l);
+    for (int64_t i0 = 0; i0 < a.nq; i0 += ATTN_QG) {
+      const int qn = (int)std::min<int64_t>(ATTN_QG, a.nq - i0);
+      if (qn == ATTN_QG)
+        attend_step<T, ATTN_QG>(a, i0, qn, ku, vu, nu, u0 * ATTN_KU, m, l);
+      else
+        attend_step<T, 0>(a, i0, qn, ku, vu, nu, u0 * ATTN_KU, m, l);
+    }
   }
   for (int64_t i = 0; i < a.nq; i++) {
     const float inv = l[i] > 0.0f ? 1.0f / l[i] : 0.0f;
