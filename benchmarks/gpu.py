@@ -697,9 +697,9 @@ def main():
                          ", ".join(ROWS) + " (default: all; `kernels`: the kernel rows after "
                          "them)")
     ap.add_argument("--profile-hot", type=int, default=0, metavar="STEPS",
-                    help="a diagnostic run: all-GPU and the hybrid row (no layer offload, no "
-                         "other hybrid rows), with a torch.profiler table of the hot executor's "
-                         "next STEPS decode steps")
+                    help="a diagnostic beside the rows: after each hybrid row's measured "
+                         "requests, a torch.profiler table of its hot executor's next STEPS "
+                         "decode steps (the row's hot_profile)")
     a = ap.parse_args()
     want = set(a.rows.split(","))
     if want - set(ROWS):
@@ -787,8 +787,8 @@ def main():
                   flush=True)
 
         def offload_row(name: str, blocks: bool):
-            if a.profile_hot or (blocks and not blocks_run):
-                return  # (the only rows that load it here)
+            if blocks and not blocks_run:
+                return  # (its blocks need the Triton kernels on the device)
             pi = PowerInfer.from_pretrained(str(path), Config(**dense))
             k = (layers_that_fit_blocks(path, pi.model.args, budget) if blocks
                  else layers_that_fit(pi.model.args, budget, 2))
@@ -820,11 +820,11 @@ def main():
         # the hot neurons in the file's 4-bit records (a 4-bit file), on its own placement
         from actors import group
         hybrids = {"hybrid": ("auto", group.GPU_HOT_CORES, True)}
-        if a.device == "cuda" and not a.profile_hot:
+        if a.device == "cuda":
             hybrids.update(hybrid_eager=("auto", group.GPU_HOT_CORES, False),
                            hybrid_hot_cores_even=("auto", 1 << 20, True),
                            hybrid_predictor_cpu=("cpu", group.GPU_HOT_CORES, True))
-        if four_bit is not None and not a.profile_hot:
+        if four_bit is not None:
             hybrids["hybrid_int4"] = ("auto", group.GPU_HOT_CORES, True)
         default_hot = group.GPU_HOT_CORES
         # (the bf16 rows: the hot neurons widened, a 4-bit file's cold ones in its blocks, as
@@ -857,12 +857,16 @@ def main():
                                     **breakdown(st["actors"], budget))
                 # the same counters over one more request's decode steps alone (no prefill)
                 result[name]["decode_step_ms"] = step_breakdown(pi, a.tokens)
-                if a.profile_hot:
-                    hot = pi.engine.group.actors["hot"]
-                    ray.get(hot.profile.remote(a.profile_hot))
-                    pi.generate(PROMPT, max_new_tokens=a.profile_hot + 4, temperature=0,
-                                ignore_eos=True)
-                    result[name]["hot_profile"] = ray.get(hot.profile_table.remote())
+                if a.profile_hot:  # (a hot executor without torch has no profile: the
+                    hot = pi.engine.group.actors["hot"]  # row keeps what it measured)
+                    try:
+                        ray.get(hot.profile.remote(a.profile_hot))
+                    except ray.exceptions.RayTaskError as e:
+                        result[name]["hot_profile"] = f"none: {e.cause}"
+                    else:
+                        pi.generate(PROMPT, max_new_tokens=a.profile_hot + 4, temperature=0,
+                                    ignore_eos=True)
+                        result[name]["hot_profile"] = ray.get(hot.profile_table.remote())
                     print(result[name]["hot_profile"], flush=True)
             finally:  # (an error is the row's, recorded by the loop below; the rest run)
                 group.GPU_HOT_CORES = default_hot
@@ -889,9 +893,6 @@ def main():
                 save()
                 if a.device == "cuda":
                     torch.cuda.empty_cache()
-    if a.profile_hot:
-        save()
-        return
     ok = [k for k in ("hybrid", "hybrid_predictor_cpu") if "tok_s" in result.get(k, {})]
     int4 = "tok_s" in result.get("hybrid_int4", {})
     if not ok and not int4:

@@ -169,3 +169,21 @@ def test_a_bundle_of_a_k_quant_file_serves_its_converted_copy(tmp_path):
     other = write_synthetic(tmp_path / "other.gguf", preset="tiny", seed=5, progress=False)
     with pytest.raises(BundleError, match="was made for k.gguf"):
         Bundle.open(b.path).check_model(other.path)
+
+
+def test_a_large_tensor_draws_its_chunks_in_parallel_the_same_on_any_cores(monkeypatch):
+    # a tensor of more than DRAW values: its row chunks come from their own generators on the
+    # pool's threads; the values depend on the seed and name alone, not on how many threads
+    from concurrent.futures import ThreadPoolExecutor
+    from powerinfer.sparsity import synthetic
+
+    shape = (3000, 1000)  # 3 chunks of 1,048 rows and one of 856
+    many = synthetic._randn(0, "blk.0.ffn_up.weight", shape, 0.5, in_col0=0.0)
+    monkeypatch.setattr(synthetic, "_POOL", ThreadPoolExecutor(1))
+    one = synthetic._randn(0, "blk.0.ffn_up.weight", shape, 0.5, in_col0=0.0)
+    assert torch.equal(many, one)
+    assert (many[:, 0] == 0).all() and abs(many[:, 1:].std().item() - 0.5) < 0.01
+    chunks = synthetic._chunks(shape[0], shape[1], synthetic.DRAW)
+    assert len(chunks) == 3 and chunks[-1][1] == shape[0]
+    assert not torch.equal(many[:8, 1:], many[chunks[1][0]:chunks[1][0] + 8, 1:])  # own streams
+    assert not torch.equal(many, synthetic._randn(1, "blk.0.ffn_up.weight", shape, 0.5, in_col0=0.0))

@@ -58,10 +58,12 @@ SentencePiece-style "llama" one (<unk>, <s>, </s>, byte tokens, then letter stri
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import dataclasses
 import hashlib
 import itertools
 import math
+import os
 import string
 import sys
 import time
@@ -256,6 +258,8 @@ def write_synthetic(path: str | Path, preset: str | Shape = "7b", n_layers: int 
     for name, shp, qtype in layout:
         w.add_tensor_info(name, shp, np.dtype(np.float32), _nbytes(shp, qtype), raw_dtype=qtype)
     calib_firing = []
+    writer = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="synthetic-writer")
+    pending = None
     try:
         w.write_header_to_file()
         w.write_kv_data_to_file()
@@ -266,15 +270,24 @@ def write_synthetic(path: str | Path, preset: str | Shape = "7b", n_layers: int 
                             residual_rank)
             for (name, shp, qtype), (made_name, t) in zip(layout, made, strict=True):
                 assert name == made_name and tuple(t.shape) == shp, (name, made_name, t.shape)
-                data = _encode(t, qtype)
-                w.write_tensor_data(data)
-                bar.update(data.nbytes)
+                # encoded and written on a thread of its own while the next tensors are drawn
+                # and calibrated; at most two tensors wait
+                if pending is not None:
+                    bar.update(pending.result())
+                pending = writer.submit(_write, w, t, qtype)
+            if pending is not None:
+                bar.update(pending.result())
+                pending = None
         w.close()
         partial.replace(path)
     except BaseException:
+        if pending is not None:
+            concurrent.futures.wait([pending])
         w.close()
         partial.unlink(missing_ok=True)
         raise
+    finally:
+        writer.shutdown()
     return SyntheticModel(path, shape, quant or dtype, seed, sparsity, alpha, subspace, residual_rank, planted,
                           torch.stack(calib_firing).numpy(), path.stat().st_size,
                           time.perf_counter() - t0)
@@ -428,9 +441,48 @@ def _generator(seed: int, name: str) -> torch.Generator:
     return torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") >> 1)
 
 
+DRAW = 1 << 20  # values drawn from one generator: a large tensor's row chunks, drawn in parallel
+
+
+def _pool() -> concurrent.futures.ThreadPoolExecutor:
+    """The threads that draw a tensor's chunks: torch's normal sampler runs on the calling thread
+    alone (one generator), with the GIL released."""
+    global _POOL
+    if _POOL is None:
+        _POOL = concurrent.futures.ThreadPoolExecutor(
+            max(1, len(os.sched_getaffinity(0))), thread_name_prefix="synthetic")
+    return _POOL
+
+
+_POOL: concurrent.futures.ThreadPoolExecutor | None = None
+
+
+def _chunks(rows: int, per_row: int, values: int) -> list[tuple[int, int]]:
+    """[lo, hi) row ranges of about `values` values each: fixed by the shape alone, so the
+    bytes do not depend on the machine's cores."""
+    step = max(1, values // max(1, per_row))
+    return [(lo, min(rows, lo + step)) for lo in range(0, rows, step)]
+
+
 def _randn(seed: int, name: str, shape, std: float = 1.0,
            in_col0: float | None = None) -> torch.Tensor:
-    t = torch.randn(tuple(shape), generator=_generator(seed, name)).mul_(std)
+    """N(0, std^2) entries of `shape`; a tensor of more than DRAW values draws each chunk of its
+    rows from its own generator ("name[i]"), the chunks in parallel."""
+    shape = tuple(shape)
+    per_row = math.prod(shape[1:])
+    if len(shape) < 2 or shape[0] * per_row <= DRAW:
+        t = torch.randn(shape, generator=_generator(seed, name))
+    else:
+        t = torch.empty(shape)
+
+        def draw(i, lo, hi):
+            torch.randn((hi - lo, *shape[1:]), generator=_generator(seed, f"{name}[{i}]"),
+                        out=t[lo:hi])
+
+        for f in [_pool().submit(draw, i, lo, hi)
+                  for i, (lo, hi) in enumerate(_chunks(shape[0], per_row, DRAW))]:
+            f.result()
+    t.mul_(std)
     if in_col0 is not None:
         t[:, 0] = in_col0  # column 0 reads the bias channel
     return t
@@ -441,6 +493,13 @@ def _nbytes(shape, qtype) -> int:
 
     block, size = gguf.GGML_QUANT_SIZES[qtype]
     return math.prod(shape) // block * size
+
+
+def _write(w, t: torch.Tensor, qtype) -> int:
+    """Encode t as qtype and append it to the file: its bytes."""
+    data = _encode(t, qtype)
+    w.write_tensor_data(data)
+    return data.nbytes
 
 
 def _encode(t: torch.Tensor, qtype) -> np.ndarray:
