@@ -97,6 +97,7 @@ from torch import nn
 
 from powerinfer import Config, PowerInfer
 from powerinfer.errors import ConfigError
+from powerinfer.model.predictor import device_format
 from powerinfer.sparsity.train import train_predictors
 from powerinfer.sparsity.profile import ProfileOptions, profile
 from powerinfer.sparsity.solver import gpu_bytes, solve_bundle
@@ -230,6 +231,9 @@ def weight_bytes(path: Path) -> int:
 
 
 SELECTIONS = (0.05, 0.10, 0.25, 0.50, 1.00)
+
+
+CORPUS = "lee"  # the profile's (`powerinfer.sparsity.corpus`: the gensim package's files)
 
 
 @contextlib.contextmanager
@@ -738,6 +742,15 @@ def main():
               "preset": a.preset, "layers": a.layers, "budget_share": a.budget_share,
               "quant": a.quant or "bf16", "budget_gb": a.budget_gb}
     dense = dict(dtype="bfloat16", max_seq_len=MAX_SEQ, max_batch=MAX_BATCH)
+    # what the pipeline needs, checked before it writes a file of gigabytes: the profile's
+    # corpus, and the work directory
+    from powerinfer.sparsity.corpus import CorpusError, load_corpus
+    try:
+        load_corpus(CORPUS, "calibration")
+    except CorpusError as e:
+        sys.exit(f"the profile's corpus: {e}")
+    if a.workdir:
+        Path(a.workdir).mkdir(parents=True, exist_ok=True)
     with (contextlib.nullcontext(a.workdir) if a.workdir else tempfile.TemporaryDirectory()) as d:
         t0 = time.perf_counter()
         path = Path(d) / f"synthetic-{a.preset}-{a.layers}-{a.quant or 'bf16'}.gguf"
@@ -745,7 +758,7 @@ def main():
         result["reused_pipeline"] = bundle is not None
         if bundle is None:
             write_synthetic(path, a.preset, n_layers=a.layers, quant=a.quant)
-            bundle = profile(str(path), "lee", Path(d) / f"{path.stem}.bundle",
+            bundle = profile(str(path), CORPUS, Path(d) / f"{path.stem}.bundle",
                              ProfileOptions(tokens=a.profile_tokens, window=256, samples=4000),
                              dtype="bfloat16")
             train_predictors(bundle, "layer")
@@ -764,7 +777,8 @@ def main():
             return solve_bundle(bundle, budget / 2**30, batch=MAX_BATCH + 1, context=MAX_SEQ,
                                 dtype_bytes=2, predictor_input="layer",
                                 neuron_fmt=four_bit if int4 else None,
-                                fixed_bytes=int4_fixed if int4 else None)
+                                fixed_bytes=int4_fixed if int4 else None,
+                                predictor_fmt=device_format(device))
 
         try:
             placement = place().report()

@@ -881,3 +881,29 @@ def test_a_kernel_built_beside_the_package_is_used_by_a_user_who_cannot_write_th
         pytest.skip("this checkout's package directory is not writable")
     monkeypatch.setattr(kernels, "_ext_dir", lambda: tmp_path / "elsewhere")
     assert kernels._library_path() == built
+
+
+@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q6_K"])
+def test_a_block_embedding_widens_the_tokens_rows_as_the_gguf_package_does(kind):
+    # the embedding a GPU keeps in the file's blocks (torch ops on its own device, graph-safe):
+    # a lookup equals gguf's dequantizer over the same rows, in the model's type, any shape of
+    # tokens; its bytes are kquants.row_bytes a row
+    from gguf import GGMLQuantizationType, dequantize
+
+    from powerinfer.formats.kquants import quantize, row_bytes
+    from powerinfer.model.quant import BlockEmbedding
+    torch.manual_seed(3)
+    vocab, dim = 50, 512
+    data = quantize((torch.randn(vocab, dim) * torch.rand(vocab, 1)).numpy(), kind)
+    assert data.shape == (vocab, row_bytes(kind, dim))
+    table = torch.from_numpy(np.asarray(dequantize(data, getattr(GGMLQuantizationType, kind)),
+                                        dtype=np.float32)).view(vocab, dim)
+    for dtype in (torch.float32, torch.bfloat16):
+        emb = BlockEmbedding(torch.from_numpy(data), kind, dim, dtype)
+        for tokens in (torch.tensor([[3]]), torch.tensor([[0, 49, 7, 7]]),
+                       torch.tensor([[1, 2], [48, 5]])):
+            got = emb(tokens)
+            assert got.dtype == dtype and got.shape == (*tokens.shape, dim)
+            assert torch.equal(got, table[tokens].to(dtype)), (kind, dtype, tokens.tolist())
+    with pytest.raises(ValueError, match="no block embedding for Q5_K"):
+        BlockEmbedding(torch.from_numpy(data), "Q5_K", dim, torch.float32)

@@ -1219,35 +1219,48 @@ def test_vram_budget_plans_the_placement_and_caches_it(bundle, default_model_pat
 
 
 def test_a_gpus_placement_counts_the_files_4bit_records_with_int4(bundle, default_model_path,
-                                                                   tmp_path):
+                                                                   tmp_path, monkeypatch):
     """Config(weights="int4") with the hot executor on a GPU: the placement counts each hot
     neuron at the bytes of the file's Q4_1 record that the Triton kernels read (under half of
     bf16's) and attention at its blocks' bytes, is cached under a key of its own, and holds more
     neurons and more of the activation mass in the same budget; with the hot executor on the
-    CPU it is the model type's, as before."""
+    CPU it is the model type's, as before. On a GPU where the Triton kernels run, both count the
+    predictors at their Q8_0 rows (`predictor.device_format`; the CPU's at the model's type)."""
     import json
     import shutil
 
+    from powerinfer.engine import budget
     from powerinfer.engine.budget import plan_for
     from powerinfer.formats.loader import load_checkpoint
     from powerinfer.engine.partial import device_fixed_bytes
+    from powerinfer.model import predictor as P
     from powerinfer.sparsity.solver import gpu_bytes, neuron_bytes
 
     b = Path(shutil.copytree(bundle, tmp_path / "bundle"))
     ck = load_checkpoint(default_model_path, with_weights=False)
+    # (a GPU whose Triton kernels run: whatever this machine has)
+    monkeypatch.setattr(budget, "device_format", lambda d: "q8_0" if str(d) == "cuda" else None)
     hot = {}
-    for weights, on_gpu in (("dense", True), ("int4", True), ("int4", False)):
+    for weights, on_gpu in (("dense", True), ("int4", True), ("int4", False), ("dense", False)):
         cfg = Config(**dict(BASE, dtype="bfloat16", weights=weights, bundle=str(b),
                             vram_budget_gb=0.13))
         plan = plan_for(cfg, ck.args, ck.path, 256, on_gpu, ck)
         hot[weights, on_gpu] = [h.copy() for h in plan.hot]
     reports = {p.name: json.loads(p.read_text()) for p in (b / "placements").glob("*.json")}
-    assert len(reports) == 2, sorted(reports)  # int4 on the CPU reused the model type's
+    assert len(reports) == 3, sorted(reports)  # int4 on the CPU reused the model type's
+    cpu = reports.pop("0.13GB-ctx256-batch1-2B-layer.json")
     (wide_name, wide), = [(k, v) for k, v in reports.items() if "-q4_1" not in k]
-    fixed = device_fixed_bytes(ck.source, ck.args, 2)  # (tied: no head of its own)
+    assert wide_name == "0.13GB-ctx256-batch1-2B-layer-predictors_q8_0.json"
+    ranks = [r["rank"] for r in json.loads((b / "predictors.layer.json").read_text())]
+    a = ck.args
+    assert wide["fixed_bytes"]["predictors"] == P.held_bytes(ranks, a.dim, a.ffn_dim, 2, "q8_0") \
+        < cpu["fixed_bytes"]["predictors"] == P.held_bytes(ranks, a.dim, a.ffn_dim, 2)
+    assert sum(wide["hot_counts"]) > sum(cpu["hot_counts"])  # (the bytes they gave back)
+    fixed = device_fixed_bytes(ck.source, ck.args, 2)  # (tied: no head or embedding of its own)
     attention = fixed["attention"]
     assert set(fixed) == {"attention"} and ck.args.tie_embeddings
-    blocks = reports[wide_name[:-len(".json")] + f"-q4_1-attention{attention}.json"]
+    blocks = reports[wide_name[:-len(".json")].replace(
+        "-predictors_q8_0", f"-q4_1-predictors_q8_0-attention{attention}.json")]
     assert wide["fixed_bytes"]["attention"] == gpu_bytes(ck.args)["attention"]
     # (q, k, v and o in Q4_1: 20 bytes a block of 32 weights, against 64 in bf16)
     assert blocks["fixed_bytes"]["attention"] == attention == wide["fixed_bytes"]["attention"] * 20 // 64
@@ -1258,7 +1271,7 @@ def test_a_gpus_placement_counts_the_files_4bit_records_with_int4(bundle, defaul
     assert sum(blocks["hot_counts"]) > 2 * sum(wide["hot_counts"]) > 0
     assert blocks["share"] > wide["share"]
     assert [h.sum() for h in hot["int4", True]] == blocks["hot_counts"]
-    assert all((a == c).all() for a, c in zip(hot["dense", True], hot["int4", False]))
+    assert all((x == y).all() for x, y in zip(hot["dense", False], hot["int4", False]))
 
 
 def test_a_bundle_that_costs_quality_warns_at_load(tiny, tiny_bundle, tmp_path, caplog):

@@ -52,6 +52,20 @@ def test_bytes_match_the_model(args):
     from powerinfer.model.predictor import run_dtype
     assert got["predictors"] == sum(r * (args.dim + args.ffn_dim) for r in ranks) * \
         run_dtype(torch.bfloat16, "cuda").itemsize
+    # where the Triton kernels hold them as Q8_0 rows (`predictor.device_format`), as a
+    # Predictors object on such a device holds them: each matrix whose width is a multiple of 32
+    from powerinfer.model import predictor as P
+    q8 = gpu_bytes(args, dtype_bytes=2, batch=batch, context=context, predictor_ranks=ranks,
+                   predictor_fmt="q8_0")
+    assert {k: v for k, v in q8.items() if k != "predictors"} == \
+        {k: v for k, v in got.items() if k != "predictors"}
+    assert q8["predictors"] == P.held_bytes(ranks, args.dim, args.ffn_dim, 2, "q8_0")
+    assert q8["predictors"] == sum(
+        (r * args.dim // 32 * 34 if args.dim % 32 == 0 else r * args.dim * 2)
+        + (args.ffn_dim * r // 32 * 34 if r % 32 == 0 else args.ffn_dim * r * 2) for r in ranks)
+    # (a rank-1024 layer of the 70B shape: 40 MB where bf16 takes 75)
+    assert P.held_bytes([1024], 8192, 28672, 2, "q8_0") == 1024 * (8192 + 28672) // 32 * 34
+    assert P.held_bytes([1024], 8192, 28672, 2) == 1024 * (8192 + 28672) * 2
     assert parts["ffn"] == args.n_layers * args.ffn_dim * neuron_bytes(args, 2)
     # placement flags: a tied matrix stays on the GPU while either end needs it
     off = gpu_bytes(args, embeddings_on_gpu=False, lm_head_on_gpu=False)

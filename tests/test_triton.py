@@ -216,23 +216,67 @@ def test_predictor_kernels_select_as_the_torch_predictor(B):
     assert torch.equal(keep16.cpu()[~near], (want >= 0.25)[~near])
 
 
+@pytest.mark.parametrize("B", [1, 6])
+def test_predictor_kernels_read_q8_0_rows(B):
+    # a GPU's predictors hold their matrices as Q8_0 rows (`kquants.q8_0_rows`): the kernels
+    # widen each weight as they read it, the logits of the widened matrices, in both kernels
+    from powerinfer.formats.kquants import q8_0_rows, widen_rows
+    g = torch.Generator().manual_seed(10 + B)
+    dim, r, n = 96, 64, 300  # (300 neurons: a tail past the logits kernel's block)
+    fc1, fc2 = torch.randn(r, dim, generator=g) / 8, torch.randn(n, r, generator=g)
+    q1, q2 = q8_0_rows(fc1), q8_0_rows(fc2)
+    assert q1.shape == (r, dim // 32 * 34) and q2.shape == (n, r // 32 * 34)
+    w1, w2 = widen_rows(q1, "Q8_0", dim), widen_rows(q2, "Q8_0", r)
+    assert 0 < float((w1 - fc1).abs().max()) <= float(fc1.abs().max()) / 127  # (8-bit codes)
+    x = torch.randn(B, dim, generator=g)
+    want = torch.relu(x.double() @ w1.double().T) @ w2.double().T
+    for a, b in ((q1, q2), (q1, fc2), (fc1.bfloat16(), q2)):  # either matrix in either form
+        keep, idx, count, lg = T.predict(x.to(DEV), a.to(DEV), b.to(DEV), 0.25, store_logits=True)
+        ref = torch.relu(x.double() @ (w1 if a is q1 else a).double().T) @ \
+            (w2 if b is q2 else b).double().T
+        assert float((lg.cpu() - ref).abs().max()) <= 1e-4 * float(ref.abs().max())
+        near = (ref - 0.25).abs() < 1e-4 * float(ref.abs().max())
+        assert torch.equal(keep.cpu()[~near], (ref >= 0.25)[~near])
+        assert sorted(idx[:int(count)].cpu().tolist()) == keep.cpu().any(0).nonzero().squeeze(-1).tolist()
+    assert float((want - ref).abs().max()) > 0  # (the last pair read fc1 in bf16: not the same)
+
+
 def test_predictors_dispatch_to_the_kernels(monkeypatch):
-    # Predictors.active on the Triton path (a GPU, here TRITON_ON_CPU) runs `predict` and gives
-    # torch's masks
+    # Predictors.active on the Triton path (a GPU, here TRITON_ON_CPU) runs `predict` over the
+    # matrices as Q8_0 rows (`predictor.device_format`), the masks of torch's predictor over the
+    # widened rows; rows the kernels do not take (a prompt's) run torch's matmuls over them too;
+    # POWERINFER_PREDICTOR_ROWS=model keeps the 16-bit matrices
+    from powerinfer.formats.kquants import q8_0_rows, widen_rows
+    from powerinfer.model import predictor as P
     g = torch.Generator().manual_seed(7)
     fc1, fc2 = torch.randn(32, 64, generator=g) / 8, torch.randn(200, 32, generator=g)
     x = torch.randn(2, 1, 64, generator=g)
+    monkeypatch.setattr(kernels, "TRITON_ON_CPU", True)
+    assert P.device_format(DEV) == "q8_0"
     preds = Predictors([fc1.to(DEV)], [fc2.to(DEV)], "ffn")
-    want = Predictors([fc1], [fc2], "ffn").active(0, x)
+    assert preds.fc1[0].dtype == preds.fc2[0].dtype == torch.uint8 and preds.ranks == [32]
+    assert preds.dtype == torch.float32
+    assert sum(w.nbytes for w in (preds.fc1[0], preds.fc2[0])) == \
+        P.held_bytes([32], 64, 200, 4, "q8_0") == (32 * 64 + 200 * 32) // 32 * 34
+    w1, w2 = (widen_rows(q, "Q8_0", c) for q, c in ((q8_0_rows(fc1), 64), (q8_0_rows(fc2), 32)))
+    with monkeypatch.context() as m:
+        m.setattr(kernels, "TRITON_ON_CPU", False)  # (torch's predictor over the widened rows)
+        torch_preds = Predictors([w1], [w2], "ffn")
+        want, logits = torch_preds.active(0, x), torch_preds.logits(0, x)
     calls = []
     real = T.predict
     monkeypatch.setattr(T, "predict", lambda *a, **kw: calls.append(1) or real(*a, **kw))
-    monkeypatch.setattr(kernels, "TRITON_ON_CPU", True)
     got = preds.active(0, x.to(DEV)).cpu()
     assert calls and got.shape == want.shape
-    logits = Predictors([fc1], [fc2], "ffn").logits(0, x)
     near = logits.abs() < 1e-4 * float(logits.abs().max())
     assert torch.equal(got[~near], want[~near])
+    prompt = torch.randn(1, kernels.MAX_ROWS + 3, 64, generator=g)  # past the kernels' rows
+    calls.clear()
+    got = preds.logits(0, prompt.to(DEV)).cpu()
+    assert not calls and torch.allclose(got, torch.relu(prompt @ w1.T) @ w2.T, atol=1e-5)
+    monkeypatch.setattr(P, "ROWS", "model")
+    assert P.device_format(DEV) is None
+    assert Predictors([fc1.to(DEV)], [fc2.to(DEV)], "ffn").fc1[0].dtype == torch.float32
 
 
 @pytest.mark.parametrize("dtype,splits", [(torch.float32, None), (torch.bfloat16, None),
@@ -421,9 +465,11 @@ def test_block_linear_with_input_sparsity_reads_only_the_kept_channels(fmt, monk
 def test_the_in_process_engine_keeps_a_4bit_files_blocks_where_triton_runs(tmp_path, monkeypatch):
     # Config(weights="int4") where the Triton kernels run (a GPU; here the CPU, interpreted):
     # every projection of the model stays in the file's Q4_0 blocks (`BlockLinear`), the head
-    # in the converted copy's Q8_0 ones (the file's Q6_K), the embedding in bf16, and greedy
-    # decoding follows the dense bf16 engine's over the same file up to a near-tie
+    # in the converted copy's Q8_0 ones (the file's Q6_K), the embedding in its Q4_0 rows
+    # (`BlockEmbedding`: the bf16 table's values), and greedy decoding follows the dense bf16
+    # engine's over the same file up to a near-tie
     from powerinfer import Config, PowerInfer
+    from powerinfer.model.quant import BlockEmbedding
     from powerinfer.sparsity.synthetic import write_synthetic
     from powerinfer.kernels.triton_linear import BlockLinear
 
@@ -445,7 +491,9 @@ def test_the_in_process_engine_keeps_a_4bit_files_blocks_where_triton_runs(tmp_p
         mods = [getattr(owner, attr) for owner, attr, _ in pi.model.projections(i)]
         assert all(type(mod) is BlockLinear and set(mod.fmts) == {"q4_0"} for mod in mods), mods
     assert type(pi.model.output) is BlockLinear and pi.model.output.fmts == ["q8_0"]
-    assert pi.model.tok_embeddings.weight.dtype == torch.bfloat16
+    emb = pi.model.tok_embeddings  # (untied: its rows in the file's blocks too)
+    assert type(emb) is BlockEmbedding and emb.kind == "Q4_0" and emb.dtype == torch.bfloat16
+    assert torch.equal(emb(torch.tensor([ids])), dense.model.tok_embeddings(torch.tensor([ids])))
     got = greedy_ids(pi, ids, 4)
     assert_same_or_near_tie(dense, ids, want, got, 0.1)
 
@@ -490,8 +538,8 @@ def test_kernels_compile_for_an_h100(h100_compile):
     proc.wait(timeout=300)
     assert proc.returncode == 0, err.read_text()[-3000:]
     got = json.loads(out.read_text().splitlines()[-1])
-    assert got["capability"] == 90 and got["kernels"] == 43
-    assert len(list(cache.rglob("*.cubin"))) == 43  # one cubin a variant
+    assert got["capability"] == 90 and got["kernels"] == 48
+    assert len(list(cache.rglob("*.cubin"))) == 48  # one cubin a variant
 
 
 @pytest.mark.skipif(not kernels.available(), reason="the kernel library does not run here")
@@ -511,6 +559,7 @@ def test_a_gpus_hot_model_keeps_a_4bit_files_neurons_in_its_blocks(tmp_path, mon
     from powerinfer.model.transformer import held_bytes
     from powerinfer.engine.partial import device_fixed_bytes, hot_formats, hot_model
     from powerinfer.kernels.triton_linear import BlockLinear
+    from powerinfer.model.quant import BlockEmbedding
     from powerinfer.sparsity.solver import neuron_bytes
     from powerinfer.sparsity.synthetic import write_synthetic
 
@@ -534,13 +583,19 @@ def test_a_gpus_hot_model_keeps_a_4bit_files_neurons_in_its_blocks(tmp_path, mon
     hot = [torch.rand(a.ffn_dim, generator=g) < 0.4 for _ in range(a.n_layers)]
     model = hot_model(ck.model_file(), torch.float32, hot, "ffn", None, fmt, int4,
                       quantized_embedding=int4, device_blocks=blocks)
-    assert model.tok_embeddings.weight.dtype == torch.float32
+    # the untied embedding in the file's Q4_0 blocks too: a lookup widens the tokens' rows to
+    # the values the model's type holds
+    assert type(model.tok_embeddings) is BlockEmbedding and model.tok_embeddings.kind == "Q4_0"
+    tokens = torch.tensor([[0, 5, a.vocab_size - 1], [7, 7, 2]])
+    want_embed = load_checkpoint(ck.path, torch.float32).weights["embed"]
+    assert torch.equal(model.tok_embeddings(tokens), want_embed[tokens])
     assert type(model.output) is BlockLinear and model.output.fmts == ["q8_0"]
     attention = [b.attn for b in model.layers]
     assert all(type(m) is BlockLinear and m.fmts == ["q4_0"]  # (q, k and v: one matrix)
                for at in attention for m in (at.wqkv, at.wo))
     fixed = device_fixed_bytes(ck.source, a, 4)
     assert held_bytes(*attention) == fixed["attention"] and held_bytes(model.output) == fixed["lm_head"]
+    assert held_bytes(model.tok_embeddings) == fixed["embeddings"] == a.vocab_size * a.dim // 32 * 18
     dense = load_checkpoint(ck.path, torch.float32).weights
     for i in (0, a.n_layers - 1):
         wqkv = torch.cat([dense[f"{i}.{n}"] for n in "qkv"])

@@ -75,17 +75,22 @@ def variants():
                             (1, T.Q4_0S, T.Q4_0S), (1, T.Q4_1S, T.Q4_1S)):  # (split: a matrix)
         yield "_widen_kernel", dict(w_ptr="*u8", out_ptr="*fp32", n=I32, dim=I32, rec_stride=I32), \
             dict(NROWS=rows, ROW_BYTES=q4, FMT=fmt, DFMT=dfmt, BLOCK_N=T.BLOCK_N, BLOCK_K=T.BLOCK_K)
-    # (the predictors' matrices in float32 beside a float32 model, else in its 16-bit type)
-    for x, fc, block_b in (("*fp32", "*fp32", 1), ("*bf16", "*bf16", 1), ("*bf16", "*bf16", 16)):
+    # (the predictors' matrices in float32 beside a float32 model, else in its 16-bit type, or
+    # as Q8_0 rows: a GPU's, `predictor.device_format`)
+    for x, fc, block_b in (("*fp32", "*fp32", 1), ("*bf16", "*bf16", 1), ("*bf16", "*bf16", 16),
+                           ("*bf16", "*u8", 1), ("*bf16", "*u8", 16)):
         yield "_linear_kernel", dict(x_ptr=x, w_ptr=fc, out_ptr="*fp32", B=I32, dim=I32, n=I32,
                                      row_stride=I32), \
-            dict(FMT=T.PLAIN, RELU=True, BLOCK_B=block_b, BLOCK_N=32, BLOCK_K=T.BLOCK_K)
+            dict(FMT=T.Q8_0 if fc == "*u8" else T.PLAIN, RELU=True, BLOCK_B=block_b, BLOCK_N=32,
+                 BLOCK_K=T.BLOCK_K)
     for fc, block_b, select, store in (("*bf16", 1, True, False), ("*fp32", 16, True, True),
-                                       ("*bf16", 16, False, True)):
+                                       ("*bf16", 16, False, True), ("*u8", 1, True, False),
+                                       ("*u8", 16, True, True), ("*u8", 16, False, True)):
         yield "_logits_kernel", dict(h_ptr="*fp32", fc2_ptr=fc, thr_ptr="*fp32",
                                      logits_ptr="*fp32", keep_ptr="*i8", idx_ptr="*i32",
-                                     count_ptr="*i32", B=I32, r=I32, n=I32), \
-            dict(BLOCK_B=block_b, BLOCK_N=64, BLOCK_K=64, SELECT=select, STORE=store)
+                                     count_ptr="*i32", B=I32, r=I32, n=I32, row_stride=I32), \
+            dict(FMT=T.Q8_0 if fc == "*u8" else T.PLAIN, BLOCK_B=block_b, BLOCK_N=64, BLOCK_K=64,
+                 SELECT=select, STORE=store)
     yield "_kth_kernel", dict(logits_ptr="*fp32", thr_ptr="*fp32", n=I32, k=I32), dict(BLOCK=1024)
     for fmt, block_b in ((T.Q4_0S, 16), (T.Q4_1S, 64), (T.Q8_0, 32)):  # (a batch's decode rows)
         yield "_linear_kernel", dict(x_ptr="*bf16", w_ptr="*u8", out_ptr="*fp32", B=I32, dim=I32,

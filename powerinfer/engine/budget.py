@@ -22,6 +22,7 @@ import numpy as np
 from ..config import Config
 from ..formats.args import ModelArgs
 from ..formats.bundle import BUNDLE_SUFFIX, Bundle
+from ..model.predictor import device_format
 from ..model.quant import block_format
 from ..sparsity.solver import gpu_bytes, neuron_bytes, solve_for_bundle
 from .partial import device_fixed_bytes
@@ -78,9 +79,11 @@ def plan_for(config: Config, args: ModelArgs, model_path: Path, kv_tokens: int,
     blocks = None
     if fmt is not None:  # attention's matrices (an untied head's) in the file's blocks too
         blocks = device_fixed_bytes(checkpoint.source, args, dtype_bytes)
+    # (the predictors on the hot executor's GPU, as Q8_0 rows where the Triton kernels run)
+    pred_fmt = device_format("cuda") if on_gpu and config.predictor_device != "cpu" else None
     hot, cached, report = cached_placement(b, config.vram_budget_gb,
                                            1, kv_tokens, dtype_bytes,
-                                           plan.predictor_input or "ffn", fmt, blocks)
+                                           plan.predictor_input or "ffn", fmt, blocks, pred_fmt)
     plan.hot = hot
     n_hot, total = sum(int(h.sum()) for h in hot), args.n_layers * args.ffn_dim
     log.info("VRAM budget %.2f GB: %.1f%% of FFN neurons hot (%s of %s, %s), %s; GPU %s; "
@@ -128,14 +131,16 @@ def ffn_layers_that_fit(args: ModelArgs, budget: int, dtype_bytes: int, batch: i
 
 def cached_placement(bundle: Bundle, budget_gb: float, batch: int, context: int,
                      dtype_bytes: int, predictor_input: str, neuron_fmt: str | None = None,
-                     fixed_bytes: dict[str, int] | None = None
+                     fixed_bytes: dict[str, int] | None = None, predictor_fmt: str | None = None
                      ) -> tuple[list[np.ndarray], bool, dict]:
     """The bundle's placement for these settings, solved once and kept in `placements/`
     (neuron_fmt, fixed_bytes: the hot neurons' block format on the GPU and the parts it keeps
-    in the file's blocks, `partial.device_fixed_bytes`; None: the model's type): the hot masks,
-    whether they were cached, and the solver's report (`Placement.report`)."""
+    in the file's blocks, `partial.device_fixed_bytes`; None: the model's type; predictor_fmt:
+    the predictors' rows on the GPU, `predictor.device_format`): the hot masks, whether they
+    were cached, and the solver's report (`Placement.report`)."""
     key = f"{budget_gb:g}GB-ctx{context}-batch{batch}-{dtype_bytes}B-{predictor_input}"
     key += f"-{neuron_fmt}" if neuron_fmt else ""
+    key += f"-predictors_{predictor_fmt}" if predictor_fmt else ""
     key += "".join(f"-{k}{v}" for k, v in sorted((fixed_bytes or {}).items()))
     name = f"placements/{key}.safetensors"
     if (bundle.path / name).is_file():
@@ -145,7 +150,8 @@ def cached_placement(bundle: Bundle, budget_gb: float, batch: int, context: int,
         return [t[f"hot.{i}"].astype(bool) for i in range(bundle.n_layers)], True, report
     p, _ = solve_for_bundle(bundle, budget_gb, batch=batch, context=context,
                             dtype_bytes=dtype_bytes, predictor_input=predictor_input,
-                            neuron_fmt=neuron_fmt, fixed_bytes=fixed_bytes)
+                            neuron_fmt=neuron_fmt, fixed_bytes=fixed_bytes,
+                            predictor_fmt=predictor_fmt)
     bundle.save_tensors(name, {f"hot.{i}": h.astype(np.uint8) for i, h in enumerate(p.hot)})
     bundle.save_json(f"placements/{key}.json", p.report())
     return p.hot, False, p.report()

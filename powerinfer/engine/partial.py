@@ -20,10 +20,13 @@ from torch import nn
 
 from .. import kernels
 from ..errors import ConfigError
+from ..formats import kquants
 from ..formats.args import ModelArgs
+from ..formats.kquants import BLOCK_BYTES
 from ..formats.q4 import Q4_TYPES
 from ..formats.source import ModelFile, TensorSource
 from ..model.quant import (
+    BlockEmbedding,
     KernelEmbedding,
     KernelLinear,
     KQuantLinear,
@@ -457,8 +460,9 @@ def device_projection(src: TensorSource, names: tuple[str, ...],
 
 def keep_device_blocks(model: Transformer, src: TensorSource, dtype: torch.dtype) -> int:
     """Each projection still a plain matrix (attention's, a dense FFN's and an untied head; not
-    a HybridFFN's neuron sets) made a `device_projection` over the file's blocks, on the device
-    its matrix was; the others stay. Returns the number replaced."""
+    a HybridFFN's neuron sets) made a `device_projection` over the file's blocks, and an untied
+    token embedding a `device_embedding`, on the device its matrix was; the others stay.
+    Returns the number replaced."""
     mats = [(owner, attr, names) for i in range(len(model.layers))
             for owner, attr, names in model.projections(i)]
     if not model.args.tie_embeddings:
@@ -472,6 +476,10 @@ def keep_device_blocks(model: Transformer, src: TensorSource, dtype: torch.dtype
         if m is not None:
             setattr(owner, attr, m.to(old.weight.device))
             replaced += 1
+    old = model.tok_embeddings
+    if isinstance(old, nn.Embedding) and (m := device_embedding(src, model.args, dtype)) is not None:
+        model.tok_embeddings = m.to(old.weight.device)
+        replaced += 1
     return replaced
 
 
@@ -493,13 +501,27 @@ def device_bytes(src: TensorSource, projections: list[tuple[str, ...]], dtype_by
 def device_fixed_bytes(src: TensorSource, a: ModelArgs, dtype_bytes: int) -> dict[str, int]:
     """The parts of `solver.gpu_bytes` a GPU's hot executor holds in the file's blocks under
     `Config(weights="int4")` (`device_bytes`): every layer's attention matrices, and an untied
-    output head ("lm_head")."""
+    output head ("lm_head") and token embedding ("embeddings", `device_embedding`)."""
     out = {"attention": device_bytes(src, [names for i in range(a.n_layers) for names in
                                            ((f"{i}.q", f"{i}.k", f"{i}.v"), (f"{i}.o",))],
                                      dtype_bytes)}
     if not a.tie_embeddings:
         out["lm_head"] = device_bytes(src, [("output",)], dtype_bytes)
+        if src.kind("embed") in BLOCK_BYTES:  # (`device_embedding`; learned positions widen)
+            positions = (a.max_seq_len + 2) * a.dim * dtype_bytes if a.learned_pos else 0
+            rows, dim = src.shape("embed")
+            out["embeddings"] = rows * kquants.row_bytes(src.kind("embed"), dim) + positions
     return out
+
+
+def device_embedding(src: TensorSource, a: ModelArgs, dtype: torch.dtype) -> nn.Module | None:
+    """An untied token embedding kept in the file's blocks on a GPU (`BlockEmbedding`, where
+    `kquants` widens its type: `device_fixed_bytes` counts it so); else None (the model's type:
+    a tied one is the head's rows, which the head's GEMV reads whole)."""
+    kind = src.kind("embed")
+    if a.tie_embeddings or kind not in BLOCK_BYTES:
+        return None
+    return BlockEmbedding(src.block_rows("embed"), kind, a.dim, dtype)
 
 
 def hot_formats(weights: str, info: dict, dtype: torch.dtype,
@@ -533,8 +555,9 @@ def hot_model(ckpt: ModelFile, dtype: torch.dtype, hot: list[torch.Tensor],
     token embedding kept in the file's Q8_0/4-bit blocks (tied: the output head over the same
     rows). With `kv`, each layer's attention holds only KV heads kv[0]..kv[1] and their query
     heads (`attention_slice`: the cold executors hold the others). With `device_blocks`,
-    attention's matrices and an untied head stay in the file's blocks for the Triton kernels
-    (`device_projection`: a GPU's, `Config(weights="int4")`). Built on the CPU in `dtype`."""
+    attention's matrices, an untied head and its embedding stay in the file's blocks for the
+    Triton kernels and torch's gathers (`device_projection`, `device_embedding`: a GPU's,
+    `Config(weights="int4")`). Built on the CPU in `dtype`."""
     a, src = ckpt.args, ckpt.source
     with torch.device("meta"):
         model = Transformer(a)
@@ -558,10 +581,14 @@ def hot_model(ckpt: ModelFile, dtype: torch.dtype, hot: list[torch.Tensor],
         if a.tie_embeddings:
             model.output = nn.Identity()
     head = kquant_head(src, a) if int4 else None
+    embedding = None
     if device_blocks and not a.tie_embeddings:  # (a tied head is the embedding's rows)
         head = device_projection(src, ("output",), dtype)
+        embedding = device_embedding(src, a, dtype)
     if head is not None:
         model.output = nn.Identity()
+    if embedding is not None:
+        model.tok_embeddings = nn.Identity()
     model = allocated(model, dtype, "cpu")  # allocated in dtype, filled once below
     if a.tie_embeddings and embed_fmt is None:
         model.output.weight = model.tok_embeddings.weight
@@ -575,6 +602,8 @@ def hot_model(ckpt: ModelFile, dtype: torch.dtype, hot: list[torch.Tensor],
         stored_embedding(model, src, embed_fmt, dtype)
     if head is not None:
         model.output = head
+    if embedding is not None:
+        model.tok_embeddings = embedding
     for i, block in enumerate(model.layers):
         idx = hot[i].nonzero().squeeze(-1)
         hot_set = read_neuron_set(src, a, i, idx, fmt, dtype, every_step)

@@ -158,6 +158,31 @@ def quantize(x: np.ndarray, name: str) -> np.ndarray:
     return gguf.quants.quantize(x, gguf.GGMLQuantizationType[name])
 
 
+def row_bytes(name: str, n: int) -> int:
+    """Bytes of a row of n values in GGUF block type `name` (a key of BLOCK_BYTES)."""
+    bb = BLOCK_BYTES[name]
+    return n // (32 if bb < 100 else QK_K) * bb
+
+
+def q8_0_rows(w: torch.Tensor) -> torch.Tensor:
+    """(rows, n) floats, n a multiple of 32 -> (rows, n / 32 * 34) uint8 Q8_0 blocks, with torch
+    ops on w's own device (the bytes `quantize(x, "Q8_0")` writes)."""
+    rows, n = w.shape
+    if n % 32:
+        raise ValueError(f"Q8_0 needs rows of a multiple of 32 values, got {n}")
+    src = w.detach().float().reshape(-1, 32)
+    out = torch.empty(src.shape[0], BLOCK_BYTES["Q8_0"], dtype=torch.uint8, device=w.device)
+    return _by_chunks(lambda c: _blocks32(c, "Q8_0"), src, out, 32).view(rows, -1)
+
+
+def widen_rows(raw: torch.Tensor, name: str, n: int) -> torch.Tensor:
+    """(rows, row bytes) uint8 of GGUF type `name` (a key of BLOCK_BYTES) -> (rows, n) float32,
+    with torch ops on the tensor's own device and no host synchronisation (a CUDA graph can
+    hold it): the values `dequantize` gives."""
+    bb = BLOCK_BYTES[name]
+    return _widen(raw.reshape(-1, bb), name).view(-1, n)
+
+
 def _widen(b: torch.Tensor, name: str) -> torch.Tensor:
     """(blocks, bytes) uint8 of `name` -> (blocks, values) float32, in `gguf.quants`' order of
     float32 operations (so the same values)."""

@@ -552,20 +552,23 @@ if triton is not None:
 
     @triton.jit
     def _logits_kernel(h_ptr, fc2_ptr, thr_ptr, logits_ptr, keep_ptr, idx_ptr, count_ptr,
-                       B, r, n, BLOCK_B: tl.constexpr, BLOCK_N: tl.constexpr,
-                       BLOCK_K: tl.constexpr, SELECT: tl.constexpr, STORE: tl.constexpr):
-        # logits = h fc2^T: h (B, r), fc2 (n, r); STORE: write them (B, n); SELECT: per-row keep
-        # = logits >= thr[row] (B, n) and the union's positions appended at idx_ptr
+                       B, r, n, row_stride, FMT: tl.constexpr, BLOCK_B: tl.constexpr,
+                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SELECT: tl.constexpr,
+                       STORE: tl.constexpr):
+        # logits = h fc2^T: h (B, r), fc2 (n, r) in FMT (plain rows, or Q8_0's), its rows
+        # `row_stride` apart (elements, or bytes for blocks); STORE: write them (B, n); SELECT:
+        # per-row keep = logits >= thr[row] (B, n) and the union's positions appended at idx_ptr
         offs = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         rows = tl.arange(0, BLOCK_B)
         rmask = rows < B
+        rec = (offs.to(tl.int64) * row_stride)[:, None]
         acc = tl.zeros((BLOCK_B, BLOCK_N), dtype=tl.float32)
         for k0 in range(0, r, BLOCK_K):
             cols = k0 + tl.arange(0, BLOCK_K)
             h = tl.load(h_ptr + rows[:, None] * r + cols[None, :],
                         mask=rmask[:, None] & (cols < r)[None, :], other=0)
-            w = tl.load(fc2_ptr + offs.to(tl.int64)[:, None] * r + cols[None, :],
-                        mask=(offs < n)[:, None] & (cols < r)[None, :], other=0).to(tl.float32)
+            w = _rows(fc2_ptr, rec, 0, cols[None, :], (offs < n)[:, None] & (cols < r)[None, :],
+                      r // 32, FMT)
             acc += _mm_t(h, w, BLOCK_B)
         both = rmask[:, None] & (offs < n)[None, :]
         at = rows[:, None] * n + offs[None, :]
@@ -760,8 +763,19 @@ def widen(records: torch.Tensor, fmt: str, rows: int, dim: int) -> torch.Tensor:
 
 
 def predictor_logits(x: torch.Tensor, fc1: torch.Tensor, fc2: torch.Tensor) -> torch.Tensor:
-    """relu(x fc1^T) fc2^T: x (B, dim), fc1 (r, dim), fc2 (n, r) -> (B, n) float32."""
+    """relu(x fc1^T) fc2^T: x (B, dim), fc1 (r, dim), fc2 (n, r) -> (B, n) float32 (each matrix
+    plain, or its rows as Q8_0 blocks: see `predict`)."""
     return predict(x, fc1, fc2, store_logits=True)[3]
+
+
+def _matrix(w: torch.Tensor, cols: int) -> tuple[int, int]:
+    """(format, row stride) of a predictor matrix of `cols` columns: plain rows (elements), or
+    uint8 rows of Q8_0 blocks (bytes: 34 a block of 32 columns)."""
+    if w.dtype == torch.uint8:
+        assert cols % 32 == 0 and w.shape[1] == cols // 32 * 34, (w.shape, cols)
+        return Q8_0, w.shape[1]
+    assert w.shape[1] == cols, (w.shape, cols)
+    return PLAIN, cols
 
 
 def predict(x: torch.Tensor, fc1: torch.Tensor, fc2: torch.Tensor, threshold: float = 0.0,
@@ -769,19 +783,21 @@ def predict(x: torch.Tensor, fc1: torch.Tensor, fc2: torch.Tensor, threshold: fl
     """One layer's predictor on the device -> (keep, idx, count, logits): keep (B, n) bool, each
     row's selected neurons (logit >= threshold, or its top_k largest logits, ties kept); idx
     int32 (n,) whose first count[0] entries are the union's positions (the FFN kernel's index
-    list); count int32 (1,); logits (B, n) float32 when asked for (or with top_k), else None."""
+    list); count int32 (1,); logits (B, n) float32 when asked for (or with top_k), else None.
+    fc1 (r, dim) and fc2 (n, r) are plain matrices, or uint8 rows of Q8_0 blocks (what
+    `Predictors` holds on a GPU: `kquants.q8_0_rows`), each weight widened as it is read."""
     _check(x, fc1, fc2)
     B, dim = x.shape
     r, n = fc1.shape[0], fc2.shape[0]
-    assert fc1.shape[1] == dim and fc2.shape[1] == r, (x.shape, fc1.shape, fc2.shape)
+    (fmt1, stride1), (fmt2, stride2) = _matrix(fc1, dim), _matrix(fc2, r)
     if B > MAX_ROWS:
         raise ValueError(f"the predictor kernels take up to {MAX_ROWS} rows, got {B}")
     dev = x.device
     block_b = 1 if B == 1 else max(16, _pow2(B))
     hidden = torch.empty(B, r, dtype=torch.float32, device=dev)
     _linear_kernel[(triton.cdiv(r, 32),)](x.contiguous(), fc1.contiguous(), hidden, B, dim, r,
-                                          dim, FMT=PLAIN, RELU=True, BLOCK_B=block_b, BLOCK_N=32,
-                                          BLOCK_K=BLOCK_K)
+                                          stride1, FMT=fmt1, RELU=True, BLOCK_B=block_b,
+                                          BLOCK_N=32, BLOCK_K=BLOCK_K)
     keep = torch.zeros(B, n, dtype=torch.bool, device=dev)
     idx = torch.empty(n, dtype=torch.int32, device=dev)
     count = torch.zeros(1, dtype=torch.int32, device=dev)
@@ -796,14 +812,15 @@ def predict(x: torch.Tensor, fc1: torch.Tensor, fc2: torch.Tensor, threshold: fl
     grid = (triton.cdiv(n, 64),)
     fc2 = fc2.contiguous()
     if top_k is not None:  # the logits first, then each row's k-th largest, then the selection
-        _logits_kernel[grid](hidden, fc2, thr, logits, keep, idx, count, B, r, n,
-                             BLOCK_B=block_b, BLOCK_N=64, BLOCK_K=64, SELECT=False, STORE=True)
+        _logits_kernel[grid](hidden, fc2, thr, logits, keep, idx, count, B, r, n, stride2,
+                             FMT=fmt2, BLOCK_B=block_b, BLOCK_N=64, BLOCK_K=64, SELECT=False,
+                             STORE=True)
         _kth_kernel[(B,)](logits, thr, n, top_k, BLOCK=1024)
         _select_stored(logits, thr, keep, idx, count)
         return keep, idx, count, logits
     _logits_kernel[grid](hidden, fc2, thr, logits if store else hidden, keep.view(torch.int8),
-                         idx, count, B, r, n, BLOCK_B=block_b, BLOCK_N=64, BLOCK_K=64,
-                         SELECT=True, STORE=store)
+                         idx, count, B, r, n, stride2, FMT=fmt2, BLOCK_B=block_b, BLOCK_N=64,
+                         BLOCK_K=64, SELECT=True, STORE=store)
     return keep, idx, count, logits
 
 

@@ -10,14 +10,39 @@ from torch import nn
 
 from .. import kernels
 from ..formats.bundle import Bundle, BundleError
+from ..formats.kquants import q8_0_rows, widen_rows
 
 INPUTS = ("ffn", "layer")
 
 # How a CPU holds the predictors it runs in bf16 on the kernel's GEMV for decode rows: "q8x16"
 # (each matrix also as 8-bit codes, 16 rows a group: read at about twice the rate of its bf16
-# rows; see `Predictors.kernel_rows`) or "model" (the bf16 rows). A measurement switch:
-# POWERINFER_PREDICTOR_ROWS=model.
+# rows; see `Predictors.kernel_rows`) or "model" (the bf16 rows); and a GPU's on the Triton
+# kernels: their rows as Q8_0 blocks in place of the 16-bit matrices ("q8x16", `device_format`),
+# or the 16-bit matrices ("model"). A measurement switch: POWERINFER_PREDICTOR_ROWS=model.
 ROWS = os.environ.get("POWERINFER_PREDICTOR_ROWS", "q8x16")
+
+
+def device_format(device: str | torch.device) -> str | None:
+    """"q8_0" where predictors on `device` run on the Triton kernels (a GPU; the CPU under
+    TRITON_ON_CPU) and hold each matrix whose width is a multiple of 32 as Q8_0 rows: 1.06
+    bytes a weight against 2, in the VRAM budget (a rank-1024 70B-shaped layer's 75 MB in bf16,
+    40 MB so) and read at every step; the same 8-bit rounding as a CPU's q8x16 rows. Else None
+    (the matrices in `run_dtype`)."""
+    d = torch.device(device)
+    if ROWS != "q8x16" or (d.type == "cpu" and not kernels.TRITON_ON_CPU):
+        return None
+    from ..kernels import triton_ffn
+    return "q8_0" if triton_ffn.available(d) else None
+
+
+def held_bytes(ranks: list[int], dim: int, ffn_dim: int, dtype_bytes: int,
+               fmt: str | None = None) -> int:
+    """Bytes of predictors of these ranks as a device holds them: fc1 (r, dim) and fc2
+    (ffn_dim, r) in `dtype_bytes` a weight, or with fmt "q8_0" each matrix whose width is a
+    multiple of 32 in Q8_0 rows (`device_format`)."""
+    def matrix(rows: int, cols: int) -> int:
+        return rows * cols // 32 * 34 if fmt == "q8_0" and cols % 32 == 0 else rows * cols * dtype_bytes
+    return sum(matrix(r, dim) + matrix(ffn_dim, r) for r in ranks)
 
 
 def predict(fc1: torch.Tensor, fc2: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
@@ -33,6 +58,12 @@ class Predictors(nn.Module):
         super().__init__()
         assert input in INPUTS and len(fc1) == len(fc2), (input, len(fc1), len(fc2))
         self.input, self.threshold = input, float(threshold)  # active: logit >= threshold
+        # the matrices' type (where they run on the Triton kernels, each held as Q8_0 rows where
+        # its width allows: `device_format`; widened back to it for torch's matmuls)
+        self.dtype = fc1[0].dtype if fc1 else torch.float32
+        if fc1 and device_format(fc1[0].device) == "q8_0":
+            fc1 = [q8_0_rows(w) if w.shape[1] % 32 == 0 else w for w in fc1]
+            fc2 = [q8_0_rows(w) if w.shape[1] % 32 == 0 else w for w in fc2]
         self.fc1 = nn.ParameterList(nn.Parameter(w, requires_grad=False) for w in fc1)
         self.fc2 = nn.ParameterList(nn.Parameter(w, requires_grad=False) for w in fc2)
         packs = self._pack_x16()  # buffers, so that a process's held bytes count them
@@ -64,7 +95,17 @@ class Predictors(nn.Module):
             out = [kernels.pred_logits(rows[i:i + n], w1, w2, fmt)
                    for i in range(0, max(rows.shape[0], 1), n)]
             return (out[0] if len(out) == 1 else torch.cat(out)).view(*x.shape[:-1], -1)
+        fc1, fc2 = self.matrices(layer)
         return F.relu(x.to(fc1.dtype) @ fc1.T) @ fc2.T
+
+    def matrices(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """This layer's fc1 (r, dim) and fc2 (ffn_dim, r) as matrices of `self.dtype` (Q8_0 rows
+        widened: a transient of the layer's size, for rows the Triton kernels do not take)."""
+        def matrix(w: torch.Tensor) -> torch.Tensor:
+            if w.dtype != torch.uint8:
+                return w
+            return widen_rows(w, "Q8_0", w.shape[1] // 34 * 32).to(self.dtype)
+        return matrix(self.fc1[layer]), matrix(self.fc2[layer])
 
     def kernel_format(self, layer: int) -> str | None:
         """The kernel library's GEMV format this layer's matrices run in for decode rows: on a

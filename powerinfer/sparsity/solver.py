@@ -55,6 +55,7 @@ import numpy as np
 from ..errors import ConfigError
 from ..formats.args import ModelArgs
 from ..kernels import record_bytes
+from ..model.predictor import held_bytes as predictor_held_bytes
 
 _MILP_STATUS = {0: "optimal", 1: "time limit", 2: "infeasible", 3: "unbounded", 4: "error"}
 
@@ -73,8 +74,9 @@ def neuron_bytes(args: ModelArgs, dtype_bytes: int = 2, fmt: str | None = None) 
 
 def gpu_bytes(args: ModelArgs, *, dtype_bytes: int = 2, batch: int = 1, context: int = 2048,
               predictor_ranks: list[int] | None = None, embeddings_on_gpu: bool = True,
-              lm_head_on_gpu: bool = True) -> dict[str, int]:
-    """Bytes of everything the GPU holds besides hot neurons, by part."""
+              lm_head_on_gpu: bool = True, predictor_fmt: str | None = None) -> dict[str, int]:
+    """Bytes of everything the GPU holds besides hot neurons, by part (predictor_fmt "q8_0":
+    the predictors' matrices as a GPU holds them, `predictor.device_format`)."""
     a, L, d = args, args.n_layers, args.dim
     q, kv = a.n_heads * a.head_dim, a.n_kv_heads * a.head_dim
     attention = d * (q + 2 * kv) + q * d + (q + 2 * kv) * a.qkv_bias + d * a.o_bias
@@ -98,6 +100,8 @@ def gpu_bytes(args: ModelArgs, *, dtype_bytes: int = 2, batch: int = 1, context:
         "lm_head": table if lm_head_on_gpu and not tied_elsewhere else 0,
     }
     out = {k: v * dtype_bytes for k, v in parts.items()}
+    if predictor_fmt is not None:
+        out["predictors"] = predictor_held_bytes(ranks, d, a.ffn_dim, dtype_bytes, predictor_fmt)
     out["rope"] = 0 if a.learned_pos else 2 * context * a.head_dim * 4  # fp32 cos/sin tables
     return out
 
@@ -338,13 +342,13 @@ def _mib(b: int) -> str:
 
 def solve_for_bundle(bundle, budget_gb: float, *, batch: int, context: int, dtype_bytes: int,
                      predictor_input: str, neuron_fmt: str | None = None,
-                     fixed_bytes: dict[str, int] | None = None,
+                     fixed_bytes: dict[str, int] | None = None, predictor_fmt: str | None = None,
                      **options) -> tuple[Placement, list[int] | None]:
     """The placement for a bundle's profiled mass, counting the GPU's share of everything else
-    (its `predictor_input` predictors' ranks included, when trained), the hot neurons in
-    `neuron_fmt`'s records (None: the model's type), and the parts `fixed_bytes` gives at those
-    bytes (`partial.device_fixed_bytes`: attention and an untied head, where the GPU keeps them
-    in the file's blocks); and those ranks."""
+    (its `predictor_input` predictors' ranks included, when trained, in `predictor_fmt`'s rows
+    where given), the hot neurons in `neuron_fmt`'s records (None: the model's type), and the
+    parts `fixed_bytes` gives at those bytes (`partial.device_fixed_bytes`: attention, an
+    untied head and embedding, where the GPU keeps them in the file's blocks); and those ranks."""
 
     _, mass, _ = bundle.stats()
     args = ModelArgs(**bundle.manifest.model["args"])
@@ -352,7 +356,7 @@ def solve_for_bundle(bundle, budget_gb: float, *, batch: int, context: int, dtyp
     if bundle.has(f"predictors.{predictor_input}"):
         ranks = [r["rank"] for r in bundle.load_json(f"predictors.{predictor_input}.json")]
     fixed = gpu_bytes(args, dtype_bytes=dtype_bytes, batch=batch, context=context,
-                      predictor_ranks=ranks)
+                      predictor_ranks=ranks, predictor_fmt=predictor_fmt)
     fixed.update(fixed_bytes or {})
     return solve(mass, args, int(budget_gb * 2**30), fixed=fixed, dtype_bytes=dtype_bytes,
                  neuron_fmt=neuron_fmt, **options), ranks
@@ -360,7 +364,8 @@ def solve_for_bundle(bundle, budget_gb: float, *, batch: int, context: int, dtyp
 
 def solve_bundle(bundle, budget_gb: float, *, batch: int = 1, context: int = 2048,
                  dtype_bytes: int = 2, predictor_input: str = "auto", neuron_fmt: str | None = None,
-                 fixed_bytes: dict[str, int] | None = None, **options) -> Placement:
+                 fixed_bytes: dict[str, int] | None = None, predictor_fmt: str | None = None,
+                 **options) -> Placement:
     """Solve for a bundle's profiled mass and write placement.safetensors/.json into it.
     predictor_input: whose predictors the GPU holds, "ffn", "layer", or "auto" (as the runtimes
     choose: the lookahead ones when trained); neuron_fmt, fixed_bytes: the block format the GPU
@@ -369,7 +374,8 @@ def solve_bundle(bundle, budget_gb: float, *, batch: int = 1, context: int = 204
     predictor_input = bundle.predictor_input(predictor_input)
     p, ranks = solve_for_bundle(bundle, budget_gb, batch=batch, context=context,
                                 dtype_bytes=dtype_bytes, predictor_input=predictor_input,
-                                neuron_fmt=neuron_fmt, fixed_bytes=fixed_bytes, **options)
+                                neuron_fmt=neuron_fmt, fixed_bytes=fixed_bytes,
+                                predictor_fmt=predictor_fmt, **options)
     bundle.save_tensors("placement.safetensors",
                         {f"hot.{i}": h.astype(np.uint8) for i, h in enumerate(p.hot)})
     bundle.save_json("placement.json", {**p.report(), "vram_budget_gb": budget_gb, "batch": batch,
