@@ -226,6 +226,9 @@ def _pipeline_commands(sub):
     p.add_argument("--epochs", type=int, default=None, help="at most this many epochs per rank")
     p.add_argument("--ranks", default=None,
                    help="comma-separated ranks to try (default: five powers of two up to min(d, n_ff))")
+    p.add_argument("--device", default="auto",
+                   help="where the training steps run: auto (a GPU where torch sees one), cpu, "
+                        "cuda, cuda:N")
     p.set_defaults(run=_train)
 
     p = sub.add_parser("solve", help="place neurons on the GPU under a VRAM budget (MILP)")
@@ -324,7 +327,7 @@ def _train(args) -> int:
         extra = {} if args.epochs is None else {"epochs": args.epochs}
         if args.ranks:
             extra["ranks"] = [int(r) for r in args.ranks.split(",")]
-        rows = train_predictors(b, inp, recall_target=args.recall, **extra)
+        rows = train_predictors(b, inp, recall_target=args.recall, device=args.device, **extra)
         print(f"predictors reading the {inp} input:")
         print(format_table(rows))
     return 0

@@ -129,6 +129,8 @@ def test_files_written_and_reloadable(trained):
     for inp in ("ffn", "layer"):
         assert bundle.has(f"predictors.{inp}")
         assert bundle.manifest.settings[f"predictors.{inp}"]["ranks"] == RANKS
+        assert bundle.manifest.settings[f"predictors.{inp}"]["device"] == \
+            ("cuda" if torch.cuda.is_available() else "cpu")  # ("auto")
         table = json.loads((bundle.path / f"predictors.{inp}.json").read_text())
         assert table == rows[inp]
         assert {"layer", "rank", "recall_count", "recall_mass", "precision", "active_share",
@@ -158,6 +160,21 @@ def test_mask_matches_the_training_metrics(trained):
             # a batch (B, T, dim): the union of its rows' masks
             batch = xv[:12].reshape(3, 4, DIM)
             assert torch.equal(p.mask(i, batch), pred[:12].any(0))
+
+
+def test_a_device_predictors_cannot_train_on_is_named(trained):
+    # before any layer trains, and the bundle's predictors stay as they were
+    from powerinfer.errors import ConfigError
+    bundle, _ = trained
+    before = (bundle.path / "predictors.ffn.safetensors").read_bytes()
+    with pytest.raises(ConfigError, match="'meta': predictors train on the CPU or on a GPU"):
+        train_predictors(bundle, "ffn", device="meta", progress=False)
+    with pytest.raises(ConfigError, match="'nowhere'"):
+        train_predictors(bundle, "ffn", device="nowhere", progress=False)
+    if not torch.cuda.is_available():
+        with pytest.raises(ConfigError, match=r"'cuda': .* \(none here\)"):
+            train_predictors(bundle, "ffn", device="cuda", progress=False)
+    assert (bundle.path / "predictors.ffn.safetensors").read_bytes() == before
 
 
 def test_bundle_without_samples_says_to_profile(tmp_path):

@@ -34,6 +34,7 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
+from ..errors import ConfigError
 from ..formats.bundle import Bundle, BundleError
 from ..model.predictor import INPUTS, predict
 
@@ -86,7 +87,8 @@ def train_layer(x, fired, mag, rank: int, *, epochs: int = EPOCHS, lr: float = L
                 weight_decay: float = WEIGHT_DECAY, batch: int = BATCH,
                 pos_weight: float | None = None, recall_target: float = RECALL_TARGET,
                 patience: int = PATIENCE, seed: int = 0,
-                on_epoch: Callable[[int, dict], None] | None = None):
+                on_epoch: Callable[[int, dict], None] | None = None,
+                device: str | torch.device = "cpu"):
     """Train one layer's predictor; returns (fc1 (rank, dim), fc2 (ffn_dim, rank), metrics).
 
     x: (N, dim) inputs; fired: (N, ffn_dim) bool labels; mag: (H, ffn_dim) |activation| of the
@@ -98,11 +100,14 @@ def train_layer(x, fired, mag, rank: int, *, epochs: int = EPOCHS, lr: float = L
     after every epoch towards just above the recall target (multiplied by up to STEER while
     recall by mass is short of it, divided by up to STEER while above it). The metrics (see
     `layer_metrics`, plus the `epochs` run and the `pos_weight` the kept weights were trained
-    with) are those of the returned weights on the raw held-out rows.
+    with) are those of the returned weights on the raw held-out rows. device: where the steps
+    run (a GPU's are some ten times a 16-core host's; the initial weights, the batches' order and
+    so the epochs' sequence are drawn on the CPU either way, the sums differ in rounding).
     """
-    x = torch.as_tensor(np.asarray(x), dtype=torch.float32)
-    fired = torch.as_tensor(np.asarray(fired), dtype=torch.bool)
-    mag = torch.as_tensor(np.asarray(mag), dtype=torch.float32)
+    device = torch.device(device)
+    x = torch.as_tensor(np.asarray(x), dtype=torch.float32).to(device)
+    fired = torch.as_tensor(np.asarray(fired), dtype=torch.bool).to(device)
+    mag = torch.as_tensor(np.asarray(mag), dtype=torch.float32).to(device)
     (N, dim), (H, ffn_dim) = x.shape, mag.shape
     n_train = N - H
     assert 0 < H < N and fired.shape == (N, ffn_dim), (x.shape, fired.shape, mag.shape)
@@ -116,13 +121,13 @@ def train_layer(x, fired, mag, rank: int, *, epochs: int = EPOCHS, lr: float = L
         pos_weight = min(max((1 - p) / max(p, 1e-9), POS_WEIGHT_RANGE[0]), POS_WEIGHT_RANGE[1])
     g = torch.Generator().manual_seed(seed)
     # nn.Linear's default initialisation, drawn from our generator
-    fc1 = ((torch.rand(rank, dim, generator=g) * 2 - 1) * dim ** -0.5).requires_grad_()
-    fc2 = ((torch.rand(ffn_dim, rank, generator=g) * 2 - 1) * rank ** -0.5).requires_grad_()
+    fc1 = ((torch.rand(rank, dim, generator=g) * 2 - 1) * dim ** -0.5).to(device).requires_grad_()
+    fc2 = ((torch.rand(ffn_dim, rank, generator=g) * 2 - 1) * rank ** -0.5).to(device).requires_grad_()
     opt = torch.optim.AdamW([fc1, fc2], lr=lr, weight_decay=weight_decay, fused=True)
     steps = epochs * -(-n_train // batch)  # cosine decay to 0 over all epochs
     sched = torch.optim.lr_scheduler.LambdaLR(opt,
                                               lambda s: (1 + math.cos(math.pi * s / steps)) / 2)
-    pw = torch.tensor(float(pos_weight))
+    pw = torch.tensor(float(pos_weight), device=device)
 
     def score(m):  # reaching the target first, then fewer active neurons, else more recall
         reached = m["recall_mass"] >= recall_target
@@ -130,7 +135,7 @@ def train_layer(x, fired, mag, rank: int, *, epochs: int = EPOCHS, lr: float = L
 
     best, since, epoch = None, 0, 0
     for epoch in range(1, epochs + 1):
-        for idx in torch.randperm(n_train, generator=g).split(batch):
+        for idx in torch.randperm(n_train, generator=g).to(device).split(batch):
             logits = F.relu(xt[idx] @ fc1.T) @ fc2.T
             loss = F.binary_cross_entropy_with_logits(logits, yt[idx].float(), pos_weight=pw)
             opt.zero_grad(set_to_none=True)
@@ -153,7 +158,7 @@ def train_layer(x, fired, mag, rank: int, *, epochs: int = EPOCHS, lr: float = L
                 break
     fc1, fc2 = best[0] / scale, best[1]
     metrics = layer_metrics(predict(fc1, fc2, x[n_train:]), yv, mag)  # the exported form, raw x
-    return fc1.numpy(), fc2.numpy(), {**metrics, "epochs": epoch,
+    return fc1.cpu().numpy(), fc2.cpu().numpy(), {**metrics, "epochs": epoch,
                                       "pos_weight": round(best[2]["pos_weight"], 4)}
 
 
@@ -228,13 +233,14 @@ def layer_samples(bundle: Bundle, layer: int, input: str, max_samples: int | Non
 def train_predictors(bundle: Bundle, input: str = "ffn", recall_target: float = RECALL_TARGET,
                      ranks: list[int] | None = None, epochs: int = EPOCHS,
                      max_samples: int | None = None, progress: bool = True,
-                     **train_kw) -> list[dict]:
+                     device: str = "auto", **train_kw) -> list[dict]:
     """Train every layer's predictor from the bundle's samples, write
     predictors.{input}.safetensors (fc1.{i} (r_i, dim), fc2.{i} (ffn_dim, r_i), f32) and
     predictors.{input}.json (one row per layer: layer, rank, recall_count, recall_mass,
     precision, active_share, positive_rate, reached, seconds, epochs, pos_weight, cost), mark
     the part `predictors.{input}` and return the rows. Needs the "samples" part (BundleError
-    otherwise). ranks default to `default_ranks`; train_kw go to `train_layer` (lr, batch,
+    otherwise). ranks default to `default_ranks`; device: where the steps run ("auto": a GPU
+    where torch sees one, else the CPU); train_kw go to `train_layer` (lr, batch,
     pos_weight...)."""
     if input not in INPUTS:
         raise ValueError(f"predictor input {input!r}: one of {', '.join(INPUTS)}")
@@ -244,9 +250,18 @@ def train_predictors(bundle: Bundle, input: str = "ffn", recall_target: float = 
     ranks = sorted(ranks or default_ranks(dim, ffn_dim))
     if ranks[0] < 1:
         raise ValueError(f"predictor ranks must be positive, got {ranks}")
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    try:
+        kind = torch.device(device).type
+    except RuntimeError as e:
+        raise ConfigError(f"device {device!r}: {e}") from None
+    if kind not in ("cpu", "cuda") or (kind == "cuda" and not torch.cuda.is_available()):
+        raise ConfigError(f"device {device!r}: predictors train on the CPU or on a GPU torch "
+                         f"sees{'' if kind != 'cuda' else ' (none here)'}")
     tensors, rows = {}, []
-    bar = tqdm(range(bundle.n_layers), desc=f"predictors ({input} input)", unit="layer",
-               disable=not progress)
+    bar = tqdm(range(bundle.n_layers), desc=f"predictors ({input} input, {device})",
+               unit="layer", disable=not progress)
     for i in bar:
         x, fired, mag = layer_samples(bundle, i, input, max_samples)
         t0 = time.perf_counter()
@@ -255,7 +270,7 @@ def train_predictors(bundle: Bundle, input: str = "ffn", recall_target: float = 
             neuron_macs=(3 if gated else 2) * dim,
             on_epoch=lambda r, e, m: bar.set_postfix(rank=r, epoch=e,
                                                      recall=f"{m['recall_mass']:.4f}"),
-            **train_kw)
+            device=device, **train_kw)
         rows.append({"layer": i, **m, "seconds": round(time.perf_counter() - t0, 2)})
         tensors[f"fc1.{i}"], tensors[f"fc2.{i}"] = fc1, fc2
     bundle.save_tensors(f"predictors.{input}.safetensors", tensors)
@@ -263,7 +278,7 @@ def train_predictors(bundle: Bundle, input: str = "ffn", recall_target: float = 
     bundle.mark(f"predictors.{input}", {
         "input": input, "recall_target": recall_target, "ranks": ranks, "epochs": epochs,
         "max_samples": max_samples, "lr": LR, "batch": BATCH, "weight_decay": WEIGHT_DECAY,
-        **train_kw})
+        "device": str(device), **train_kw})
     return rows
 
 
