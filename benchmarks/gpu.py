@@ -8,7 +8,8 @@
     .venv/bin/python benchmarks/gpu.py --plot PNG LABEL=KERNELS.json ...
 
 One command does everything, in a temporary directory (`--workdir DIR`: in DIR, where a later
-run reuses the file and bundle an earlier one completed, so the rows can run in separate calls):
+run reuses the file, the profile and the predictors an earlier one completed, each step
+apart, so the rows can run in separate calls):
 
 1. writes a synthetic ReLU model of a real shape (`powerinfer.synthetic`, bf16 or `--quant`'s
    GGUF blocks, a planted power-law activation profile; the GPU widens a 4-bit file to bf16, the
@@ -650,21 +651,39 @@ def int4_parts(path: Path) -> tuple[str | None, dict[str, int] | None]:
     return fmt, device_fixed_bytes(ck.source, ck.args, 2)
 
 
-def reused(path: Path, bundle_path: Path):
-    """The bundle of an earlier run's model in --workdir, when its file and trained layer-input
-    predictors are complete there (the file appears under its name only once written, the
-    predictors part is marked last); else None, and a partial bundle is removed."""
+def pipeline(path: Path, bundle_path: Path, a) -> tuple:
+    """The model file, its profile and its trained layer-input predictors in --workdir, each step
+    made only where an earlier run did not complete it (the file appears under its name only
+    once written; a bundle's parts are marked as each completes; a bundle without its samples is
+    made again): (the bundle, the steps reused)."""
     from powerinfer.formats.bundle import Bundle
 
-    if path.exists() and (bundle_path / "manifest.json").exists():
+    done = []
+    if path.exists():
+        done.append("file")
+    else:
+        write_synthetic(path, a.preset, n_layers=a.layers, quant=a.quant)
+    b = None
+    if done and (bundle_path / "manifest.json").exists():
         b = Bundle.open(bundle_path)
-        if b.has("predictors.layer"):
-            print(f"reusing {path.name} and its bundle", flush=True)
-            return b
-    if bundle_path.exists():
-        import shutil
-        shutil.rmtree(bundle_path)
-    return None
+        if not b.has("samples"):
+            b = None
+    if b is None:
+        if bundle_path.exists():
+            import shutil
+            shutil.rmtree(bundle_path)
+        b = profile(str(path), CORPUS, bundle_path,
+                    ProfileOptions(tokens=a.profile_tokens, window=256, samples=4000),
+                    dtype="bfloat16")
+    else:
+        done.append("samples")
+    if b.has("predictors.layer"):
+        done.append("predictors")
+    else:
+        train_predictors(b, "layer")
+    if done:
+        print(f"reused from an earlier run in the work directory: {', '.join(done)}", flush=True)
+    return b, done
 
 
 def main():
@@ -754,14 +773,7 @@ def main():
     with (contextlib.nullcontext(a.workdir) if a.workdir else tempfile.TemporaryDirectory()) as d:
         t0 = time.perf_counter()
         path = Path(d) / f"synthetic-{a.preset}-{a.layers}-{a.quant or 'bf16'}.gguf"
-        bundle = reused(path, Path(d) / f"{path.stem}.bundle")
-        result["reused_pipeline"] = bundle is not None
-        if bundle is None:
-            write_synthetic(path, a.preset, n_layers=a.layers, quant=a.quant)
-            bundle = profile(str(path), CORPUS, Path(d) / f"{path.stem}.bundle",
-                             ProfileOptions(tokens=a.profile_tokens, window=256, samples=4000),
-                             dtype="bfloat16")
-            train_predictors(bundle, "layer")
+        bundle, result["reused_pipeline"] = pipeline(path, Path(d) / f"{path.stem}.bundle", a)
         weights = weight_bytes(path)
         # (a 4-bit file widens to bf16 on the GPU: a share of its own bytes would not hold the
         # attention; --budget-gb gives the budget outright)
