@@ -216,6 +216,9 @@ def _pipeline_commands(sub):
                    help="SwiGLU models: tokens run first to set the thresholds (default 8192)")
     p.add_argument("--window", type=int, default=512)
     p.add_argument("--dtype", default="float32")
+    p.add_argument("--device", default="auto",
+                   help="where the model runs: auto (a GPU torch sees, where it holds the "
+                        "model), cpu, cuda, cuda:N")
     p.set_defaults(run=_profile)
 
     p = sub.add_parser("train-predictors", help="train the per-layer activation predictors")
@@ -310,7 +313,7 @@ def _profile(args) -> int:
     given = {"sparsity": args.sparsity, "calib_tokens": args.calib_tokens}
     opts = ProfileOptions(tokens=args.tokens, window=args.window, samples=args.samples,
                           **{k: v for k, v in given.items() if v is not None})
-    b = profile(args.model, args.corpus, args.out, opts, dtype=args.dtype)
+    b = profile(args.model, args.corpus, args.out, opts, dtype=args.dtype, device=args.device)
     counts, _, tokens = b.stats()
     mean = sum(sparsity(c, tokens) for c in counts) / len(counts)
     print(f"profiled {tokens} tokens of {b.manifest.corpus['name']} into {b.path}; "

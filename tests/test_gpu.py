@@ -4,6 +4,7 @@ on CPU executors) against the in-process engine, on a synthetic model written he
 package needed). Skipped without a CUDA device."""
 import multiprocessing as mp
 
+import numpy as np
 import pytest
 import torch
 
@@ -74,6 +75,29 @@ def test_predictors_train_on_the_gpu_as_on_the_cpu():
     assert abs(got["cuda"][2]["recall_mass"] - got["cpu"][2]["recall_mass"]) < 0.01
     # (the CPU's own seeds differ by 0.03 in the share of neurons marked)
     assert abs(got["cuda"][2]["active_share"] - got["cpu"][2]["active_share"]) < 0.1
+
+
+def test_a_profile_on_the_gpu_counts_as_the_cpus(tmp_path):
+    # `profile(device="auto")` on a GPU host: the same windows through the same model on the
+    # device, float32: the firing counts equal the CPU's up to a rare near-zero pre-activation,
+    # the samples' rows the same positions
+    from powerinfer.sparsity.profile import ProfileOptions, profile
+    from powerinfer.sparsity.synthetic import write_synthetic
+
+    m = write_synthetic(tmp_path / "tiny.gguf", "tiny", seed=2, progress=False)
+    opts = ProfileOptions(tokens=512, window=128, samples=200)
+    b = {dev: profile(str(m.path), "lee", tmp_path / dev, opts, progress=False, device=dev)
+         for dev in ("cpu", "cuda")}
+    assert b["cuda"].manifest.settings["stats"]["device"] == "cuda"
+    (c_cpu, m_cpu, t_cpu), (c_gpu, m_gpu, t_gpu) = b["cpu"].stats(), b["cuda"].stats()
+    assert t_cpu == t_gpu == 512
+    for x, y in zip(c_cpu, c_gpu):
+        assert np.abs(x - y).sum() <= 0.001 * x.sum()
+    for x, y in zip(m_cpu, m_gpu):
+        np.testing.assert_allclose(x, y, rtol=1e-2, atol=1e-3 * float(np.abs(x).max()))
+    s_cpu, s_gpu = b["cpu"].samples(0), b["cuda"].samples(0)
+    np.testing.assert_allclose(s_cpu["x_layer"].astype(np.float32),
+                               s_gpu["x_layer"].astype(np.float32), rtol=1e-2, atol=1e-2)
 
 
 @pytest.fixture(scope="module")

@@ -64,6 +64,21 @@ def test_profile_counts_match_an_independent_recount(relu_folder, relu_bundle):
     assert 0.3 < sparsity < 0.7  # ReLU(gate) on random weights fires about half the time
 
 
+def test_a_profile_says_where_it_ran_and_names_a_device_it_cannot_use(relu_folder, relu_bundle,
+                                                                       tmp_path):
+    from powerinfer.errors import ConfigError
+    folder, _ = relu_folder
+    # ("auto": a GPU that holds the model, else the CPU)
+    assert relu_bundle.manifest.settings["stats"]["device"] == \
+        ("cuda" if torch.cuda.is_available() else "cpu")
+    opts = ProfileOptions(tokens=256, window=128, samples=50)
+    bad = ["meta", "nowhere"] + ([] if torch.cuda.is_available() else ["cuda"])
+    for device in bad:
+        with pytest.raises(ConfigError, match=f"device '{device}'"):
+            profile(str(folder), "lee", tmp_path / device, opts, progress=False, device=device)
+        assert not (tmp_path / device).exists()  # (before any bundle is made)
+
+
 def test_samples_are_consistent_with_the_model(relu_folder, relu_bundle):
     folder, _ = relu_folder
     pi = PowerInfer.from_pretrained(folder, Config(dtype="float32", max_batch=1, max_seq_len=128))

@@ -22,6 +22,7 @@ import torch
 from tqdm import tqdm
 
 from ..config import torch_dtype
+from ..errors import ConfigError
 from ..formats.bundle import Bundle, model_record
 from ..model.load import load_model
 from ..model.sparse import activate
@@ -75,14 +76,16 @@ class _Taps:
 
 
 def _run(model, windows, on_w1, desc: str, progress: bool, after_window=None):
-    """One prefill per window with the taps on; after_window(len) runs after each window."""
+    """One prefill per window with the taps on (on the model's device); after_window(len) runs
+    after each window."""
     taps = _Taps(model, on_w1)
+    dev = model.norm.weight.device
     try:
         with torch.inference_mode(), tqdm(total=sum(map(len, windows)), desc=desc, unit="tok",
                                           disable=not progress) as bar:
             for w in windows:
-                model(torch.tensor([w]), torch.arange(len(w))[None],
-                      last=torch.tensor([len(w) - 1]))
+                model(torch.tensor([w], device=dev), torch.arange(len(w), device=dev)[None],
+                      last=torch.tensor([len(w) - 1], device=dev))
                 if after_window is not None:
                     after_window(len(w))
                 bar.update(len(w))
@@ -99,7 +102,8 @@ def calibrate_thresholds(model, windows, sparsity: float, progress: bool = True)
     def on_w1(i, x_layer, x_ffn, gate, up):
         score, _ = activate(act, gate, up)
         flat = score.flatten().float()
-        pools[i].append(flat[torch.randint(len(flat), (min(len(flat), 1 << 16),), generator=gen)])
+        pick = torch.randint(len(flat), (min(len(flat), 1 << 16),), generator=gen)
+        pools[i].append(flat[pick.to(flat.device)].cpu())
 
     _run(model, windows, on_w1, "calibrating thresholds", progress)
     # numpy's quantiles (a partition, the same linear interpolation): twice torch's speed over
@@ -127,11 +131,35 @@ def _compact(a: np.ndarray) -> np.ndarray:
     return a.astype(np.float16) if np.abs(a).max(initial=0) < 60000 else a
 
 
-def profile(model_name: str, corpus: str, out: str | Path, opts: ProfileOptions = ProfileOptions(),
-            dtype: str = "float32", progress: bool = True) -> Bundle:
+def profile_device(model, device: str = "auto") -> torch.device:
+    """Where `profile` runs a model: "auto" a GPU where torch sees one with room for the model's
+    weights and a window's work (a quarter again), else the CPU; or the device named (a
+    ConfigError where that is no CPU or GPU torch sees)."""
+    if device == "auto":
+        if not torch.cuda.is_available():
+            return torch.device("cpu")
+        free, _ = torch.cuda.mem_get_info()
+        need = sum(p.nbytes for p in model.parameters()) * 5 // 4 + (1 << 30)
+        return torch.device("cuda" if need < free else "cpu")
+    try:
+        dev = torch.device(device)
+    except RuntimeError as e:
+        raise ConfigError(f"device {device!r}: {e}") from None
+    if dev.type not in ("cpu", "cuda") or (dev.type == "cuda" and not torch.cuda.is_available()):
+        raise ConfigError(f"device {device!r}: profiles run on the CPU or on a GPU torch sees"
+                          f"{' (none here)' if dev.type == 'cuda' else ''}")
+    return dev
 
+
+def profile(model_name: str, corpus: str, out: str | Path, opts: ProfileOptions = ProfileOptions(),
+            dtype: str = "float32", progress: bool = True, device: str = "auto") -> Bundle:
+    """Profile `model_name` over `corpus` into a new bundle at `out` (see the module's text);
+    device: where the model runs (`profile_device`: "auto" a GPU that holds it, else the CPU)."""
     t0 = time.perf_counter()
     model, tokenizer, path = load_model(model_name, torch_dtype(dtype))
+    dev = profile_device(model, device)
+    if dev.type != "cpu":
+        model.to(dev)
     model.setup_cache(1, opts.window)
     a = model.args
     text: Corpus = load_corpus(corpus, "calibration")
@@ -152,8 +180,8 @@ def profile(model_name: str, corpus: str, out: str | Path, opts: ProfileOptions 
     H = max(1, int(N * opts.held_out))
     rng = np.random.default_rng(opts.seed)
     picks = np.sort(rng.choice(total, N, replace=False))  # positions in the token stream
-    counts = [torch.zeros(n, dtype=torch.float64) for _ in range(L)]
-    mass = [torch.zeros(n, dtype=torch.float64) for _ in range(L)]
+    counts = [torch.zeros(n, dtype=torch.float64, device=dev) for _ in range(L)]
+    mass = [torch.zeros(n, dtype=torch.float64, device=dev) for _ in range(L)]
     # float32 while profiling, written as float16 where that holds them (Gemma's residual stream
     # reaches past float16's range)
     xs_layer = np.zeros((L, N, d), np.float32)
@@ -171,13 +199,15 @@ def profile(model_name: str, corpus: str, out: str | Path, opts: ProfileOptions 
         T = fired.shape[0]
         lo, hi = np.searchsorted(picks, [start, start + T])
         if hi > lo:
-            pos = torch.from_numpy(picks[lo:hi] - start)
-            xs_layer[i, row:row + hi - lo] = x_layer[0, pos].float().numpy()
-            xs_ffn[i, row:row + hi - lo] = x_ffn[0, pos].float().numpy()
-            fired_bits[i, row:row + hi - lo] = np.packbits(fired[pos].numpy(), axis=1)
-            for r, p in zip(range(row, row + hi - lo), pos.tolist()):
-                if r >= N - H:
-                    mags[i, r - (N - H)] = (h[0, p].abs() * fired[p]).float().numpy()
+            pos = torch.from_numpy(picks[lo:hi] - start).to(dev)
+            xs_layer[i, row:row + hi - lo] = x_layer[0, pos].float().cpu().numpy()
+            xs_ffn[i, row:row + hi - lo] = x_ffn[0, pos].float().cpu().numpy()
+            fired_bits[i, row:row + hi - lo] = np.packbits(fired[pos].cpu().numpy(), axis=1)
+            first = max(row, N - H)  # the held-out rows among them: their |activation|
+            if first < row + hi - lo:
+                p = pos[first - row:]
+                mags[i, first - (N - H):row + hi - lo - (N - H)] = \
+                    (h[0, p].abs() * fired[p]).float().cpu().numpy()
 
     def next_window(T):
         lo, hi = np.searchsorted(picks, [cursor["start"], cursor["start"] + T])
@@ -191,8 +221,8 @@ def profile(model_name: str, corpus: str, out: str | Path, opts: ProfileOptions 
                             {"x_layer": _compact(xs_layer[i]), "x_ffn": _compact(xs_ffn[i]),
                              "fired": fired_bits[i], "mag": _compact(mags[i])})
     bundle.save_tensors("stats.safetensors",
-                        {**{f"count.{i}": counts[i].numpy().astype(np.int64) for i in range(L)},
-                         **{f"mass.{i}": mass[i].numpy() for i in range(L)}})
+                        {**{f"count.{i}": counts[i].cpu().numpy().astype(np.int64) for i in range(L)},
+                         **{f"mass.{i}": mass[i].cpu().numpy() for i in range(L)}})
     th = {"threshold": thresholds}
     if quantiles is not None:
         th["quantiles"] = quantiles
@@ -202,6 +232,6 @@ def profile(model_name: str, corpus: str, out: str | Path, opts: ProfileOptions 
                                "sparsity": None if relu else opts.sparsity,
                                "calib_tokens": None if relu else opts.calib_tokens})
     bundle.mark("samples", {"rows": N, "held_out": H, "seed": opts.seed})
-    bundle.mark("stats", {"tokens": total, "dtype": dtype,
+    bundle.mark("stats", {"tokens": total, "dtype": dtype, "device": dev.type,
                           "seconds": round(time.perf_counter() - t0, 1)})
     return bundle
