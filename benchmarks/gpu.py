@@ -72,7 +72,8 @@ against the device's measured copy bandwidth (a 1 GiB device-to-device copy):
 - `torch gathered`: the rows gathered with index_select, then the same math (the path the
   GPU took before the Triton kernels);
 - `predictor`: `triton_ffn.predict` for a rank-1024 predictor of the layer (its rows read), its
-  matrices in float32 and in bf16 (what runs beside a bf16 model: `predictor.run_dtype`).
+  matrices in float32, in bf16 (`predictor.run_dtype` beside a bf16 model) and as the Q8_0
+  rows a GPU's predictors hold (`predictor.device_format`).
 Then torch.profiler's device time for each kernel of a split call (`split_kernels`), and
 (`attention`) a decode step's attention over the paged cache for one layer of the preset's
 heads: torch's ops against the one-launch kernel (`triton_attention`), eager and graphed.
@@ -362,12 +363,14 @@ def kernel_rows(preset: str, device: torch.device) -> dict:
     rank = 32 if small else 1024
     fc1 = torch.randn(rank, dim, generator=g, device=device) / dim ** 0.5
     fc2 = torch.randn(ffn, rank, generator=g, device=device) / rank ** 0.5
-    # in float32, and in bf16 as beside a bf16 model (`predictor.run_dtype`)
-    for fmt, dt in (("f32", torch.float32), ("bf16", torch.bfloat16)):
-        w1, w2 = fc1.to(dt), fc2.to(dt)
+    # in float32, in bf16 as beside a bf16 model (`predictor.run_dtype`), and as the Q8_0 rows a
+    # GPU's predictors hold (`predictor.device_format`), read beside a bf16 model
+    from powerinfer.formats.kquants import q8_0_rows
+    for fmt, dt in (("f32", torch.float32), ("bf16", torch.bfloat16), ("q8_0", torch.bfloat16)):
+        w1, w2 = (fc1.to(dt), fc2.to(dt)) if fmt != "q8_0" else (q8_0_rows(fc1), q8_0_rows(fc2))
         t = _timed(lambda: triton_ffn.predict(x.to(dt), w1, w2), device, reps)
         out["rows"].append({"path": "predictor", "fmt": fmt, "selection": None, "neurons": ffn,
-                            "us": t * 1e6, "gb_s": (w1.numel() + w2.numel()) * dt.itemsize / t / 1e9})
+                            "us": t * 1e6, "gb_s": (w1.nbytes + w2.nbytes) / t / 1e9})
     for r in out["rows"]:
         r["of_copy"] = r["gb_s"] / out["copy_gb_s"]
         print(json.dumps(r), flush=True)
@@ -654,8 +657,8 @@ def int4_parts(path: Path) -> tuple[str | None, dict[str, int] | None]:
 def pipeline(path: Path, bundle_path: Path, a) -> tuple:
     """The model file, its profile and its trained layer-input predictors in --workdir, each step
     made only where an earlier run did not complete it (the file appears under its name only
-    once written; a bundle's parts are marked as each completes; a bundle without its samples is
-    made again): (the bundle, the steps reused)."""
+    once written; a bundle's parts are marked as each completes; a bundle whose profile did not
+    complete is made again): (the bundle, the steps reused)."""
     from powerinfer.formats.bundle import Bundle
 
     done = []
@@ -666,7 +669,7 @@ def pipeline(path: Path, bundle_path: Path, a) -> tuple:
     b = None
     if done and (bundle_path / "manifest.json").exists():
         b = Bundle.open(bundle_path)
-        if not b.has("samples"):
+        if not b.has("stats"):  # (marked after the samples: the profile completed)
             b = None
     if b is None:
         if bundle_path.exists():
@@ -674,13 +677,13 @@ def pipeline(path: Path, bundle_path: Path, a) -> tuple:
             shutil.rmtree(bundle_path)
         b = profile(str(path), CORPUS, bundle_path,
                     ProfileOptions(tokens=a.profile_tokens, window=256, samples=4000),
-                    dtype="bfloat16")
+                    dtype="bfloat16", device=a.device)
     else:
         done.append("samples")
     if b.has("predictors.layer"):
         done.append("predictors")
     else:
-        train_predictors(b, "layer")
+        train_predictors(b, "layer", device=a.device)
     if done:
         print(f"reused from an earlier run in the work directory: {', '.join(done)}", flush=True)
     return b, done

@@ -177,7 +177,7 @@ def test_a_large_tensor_draws_its_chunks_in_parallel_the_same_on_any_cores(monke
     from concurrent.futures import ThreadPoolExecutor
     from powerinfer.sparsity import synthetic
 
-    shape = (3000, 1000)  # 3 chunks of 1,048 rows and one of 856
+    shape = (3000, 1000)  # chunks of 1,048, 1,048 and 904 rows
     many = synthetic._randn(0, "blk.0.ffn_up.weight", shape, 0.5, in_col0=0.0)
     monkeypatch.setattr(synthetic, "_POOL", ThreadPoolExecutor(1))
     one = synthetic._randn(0, "blk.0.ffn_up.weight", shape, 0.5, in_col0=0.0)

@@ -244,8 +244,8 @@ def test_predictor_kernels_read_q8_0_rows(B):
 def test_predictors_dispatch_to_the_kernels(monkeypatch):
     # Predictors.active on the Triton path (a GPU, here TRITON_ON_CPU) runs `predict` over the
     # matrices as Q8_0 rows (`predictor.device_format`), the masks of torch's predictor over the
-    # widened rows; rows the kernels do not take (a prompt's) run torch's matmuls over them too;
-    # POWERINFER_PREDICTOR_ROWS=model keeps the 16-bit matrices
+    # widened rows; a prompt's rows run on the kernels too, 64 a call (the matrices are never
+    # widened whole); POWERINFER_PREDICTOR_ROWS=model keeps the 16-bit matrices
     from powerinfer.formats.kquants import q8_0_rows, widen_rows
     from powerinfer.model import predictor as P
     g = torch.Generator().manual_seed(7)
@@ -270,10 +270,10 @@ def test_predictors_dispatch_to_the_kernels(monkeypatch):
     assert calls and got.shape == want.shape
     near = logits.abs() < 1e-4 * float(logits.abs().max())
     assert torch.equal(got[~near], want[~near])
-    prompt = torch.randn(1, kernels.MAX_ROWS + 3, 64, generator=g)  # past the kernels' rows
+    prompt = torch.randn(1, T.MAX_ROWS + 3, 64, generator=g)  # past one call's rows
     calls.clear()
     got = preds.logits(0, prompt.to(DEV)).cpu()
-    assert not calls and torch.allclose(got, torch.relu(prompt @ w1.T) @ w2.T, atol=1e-5)
+    assert len(calls) == 2 and torch.allclose(got, torch.relu(prompt @ w1.T) @ w2.T, atol=1e-5)
     monkeypatch.setattr(P, "ROWS", "model")
     assert P.device_format(DEV) is None
     assert Predictors([fc1.to(DEV)], [fc2.to(DEV)], "ffn").fc1[0].dtype == torch.float32

@@ -530,7 +530,8 @@ def hot_formats(weights: str, info: dict, dtype: torch.dtype,
     format (`quant.neuron_format`), whether its attention and head keep a 4-bit file's blocks
     on the CPU kernel, whether attention and an untied head keep them for the Triton kernels).
     Where the neuron sets run on the Triton kernels (a GPU), "int4" is the neurons' records and
-    those matrices in the file's blocks (`device_projection`), the embedding widened to `dtype`.
+    those matrices in the file's blocks (`device_projection`), and an untied embedding too
+    (`device_embedding`; a tied one is widened to `dtype`).
     A 4-bit file's neurons on a GPU where the Triton kernels do not run are a ConfigError: the
     placement counted them at their records' bytes (`budget.gpu_neuron_format`)."""
 

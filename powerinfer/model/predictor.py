@@ -80,9 +80,13 @@ class Predictors(nn.Module):
         # x: (..., dim) -> (..., ffn_dim)
         fc1, fc2 = self.fc1[layer], self.fc2[layer]
         rows = x.reshape(-1, x.shape[-1])
-        if self._triton(rows):
+        if self._triton(rows) or (fc1.dtype == torch.uint8 and rows.device == fc1.device):
+            # (Q8_0 rows: a prompt's too, MAX_ROWS a call, not widened whole into the budget)
             from ..kernels import triton_ffn
-            return triton_ffn.predictor_logits(rows, fc1, fc2).view(*x.shape[:-1], -1)
+            n = triton_ffn.MAX_ROWS
+            out = [triton_ffn.predictor_logits(rows[i:i + n], fc1, fc2)
+                   for i in range(0, max(rows.shape[0], 1), n)]
+            return (out[0] if len(out) == 1 else torch.cat(out)).view(*x.shape[:-1], -1)
         fmt = self.kernel_format(layer)
         if fmt and x.dtype in (torch.float32, torch.bfloat16):
             # decode rows on the kernel's GEMV, which reads the weights at the memory's rate
@@ -100,7 +104,7 @@ class Predictors(nn.Module):
 
     def matrices(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """This layer's fc1 (r, dim) and fc2 (ffn_dim, r) as matrices of `self.dtype` (Q8_0 rows
-        widened: a transient of the layer's size, for rows the Triton kernels do not take)."""
+        widened: a transient of the layer's size, for rows on another device than theirs)."""
         def matrix(w: torch.Tensor) -> torch.Tensor:
             if w.dtype != torch.uint8:
                 return w

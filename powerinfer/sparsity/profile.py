@@ -156,6 +156,8 @@ def profile(model_name: str, corpus: str, out: str | Path, opts: ProfileOptions 
     """Profile `model_name` over `corpus` into a new bundle at `out` (see the module's text);
     device: where the model runs (`profile_device`: "auto" a GPU that holds it, else the CPU)."""
     t0 = time.perf_counter()
+    if device != "auto":  # (a device it cannot use named before the model loads)
+        profile_device(None, device)
     model, tokenizer, path = load_model(model_name, torch_dtype(dtype))
     dev = profile_device(model, device)
     if dev.type != "cpu":

@@ -449,12 +449,21 @@ def _pool() -> concurrent.futures.ThreadPoolExecutor:
     alone (one generator), with the GIL released."""
     global _POOL
     if _POOL is None:
-        _POOL = concurrent.futures.ThreadPoolExecutor(
-            max(1, len(os.sched_getaffinity(0))), thread_name_prefix="synthetic")
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+        _POOL = concurrent.futures.ThreadPoolExecutor(max(1, cores or 1),
+                                                      thread_name_prefix="synthetic")
     return _POOL
 
 
 _POOL: concurrent.futures.ThreadPoolExecutor | None = None
+
+
+def _forget_pool():  # a forked child has none of its parent's threads: it makes its own pool
+    global _POOL
+    _POOL = None
+
+
+os.register_at_fork(after_in_child=_forget_pool)
 
 
 def _chunks(rows: int, per_row: int, values: int) -> list[tuple[int, int]]:
