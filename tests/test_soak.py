@@ -17,8 +17,8 @@ ROOT = Path(__file__).resolve().parent.parent
 @pytest.mark.slow
 def test_minutes_of_faults_lose_no_request(tmp_path):
     out, png = tmp_path / "soak.json", tmp_path / "soak.png"
-    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "soak.py"), "--minutes", "2.5",
-                        "--fault-every", "15", "--streams", "8", "--burst", "200",
+    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "soak.py"), "--minutes", "2.2",
+                        "--fault-every", "13", "--streams", "8", "--burst", "200",
                         "--out", str(out), "--plot", str(png)],
                        cwd=tmp_path, capture_output=True, text=True, timeout=900)
     report = r.stdout[-4000:] + r.stderr[-3000:]
