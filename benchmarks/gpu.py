@@ -365,9 +365,9 @@ def kernel_rows(preset: str, device: torch.device) -> dict:
     fc2 = torch.randn(ffn, rank, generator=g, device=device) / rank ** 0.5
     # in float32, in bf16 as beside a bf16 model (`predictor.run_dtype`), and as the Q8_0 rows a
     # GPU's predictors hold (`predictor.device_format`), read beside a bf16 model
-    from powerinfer.formats.kquants import q8_0_rows
+    from powerinfer import kernels
     for fmt, dt in (("f32", torch.float32), ("bf16", torch.bfloat16), ("q8_0", torch.bfloat16)):
-        w1, w2 = (fc1.to(dt), fc2.to(dt)) if fmt != "q8_0" else (q8_0_rows(fc1), q8_0_rows(fc2))
+        w1, w2 = (w.to(dt) if fmt != "q8_0" else kernels.quantize_rows(w, fmt) for w in (fc1, fc2))
         t = _timed(lambda: triton_ffn.predict(x.to(dt), w1, w2), device, reps)
         out["rows"].append({"path": "predictor", "fmt": fmt, "selection": None, "neurons": ffn,
                             "us": t * 1e6, "gb_s": (w1.nbytes + w2.nbytes) / t / 1e9})

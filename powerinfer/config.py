@@ -40,6 +40,21 @@ def _triton_installed() -> bool:
     return importlib.util.find_spec("triton") is not None
 
 
+def named_device(device: str, what: str):
+    """The torch device an offline step was asked to run on (`profile`, `train_predictors`;
+    `what` says what runs there, "profiles run"): the CPU or a GPU torch sees, else a
+    ConfigError naming it."""
+    import torch
+    try:
+        dev = torch.device(device)
+    except RuntimeError as e:
+        raise ConfigError(f"device {device!r}: {e}") from None
+    if dev.type not in ("cpu", "cuda") or (dev.type == "cuda" and not torch.cuda.is_available()):
+        raise ConfigError(f"device {device!r}: {what} on the CPU or on a GPU torch sees"
+                          f"{' (none here)' if dev.type == 'cuda' else ''}")
+    return dev
+
+
 def device_for(vram_budget_gb: float, device: str | None = None) -> str:
     """The device the front doors (`powerinfer serve`, the CLI, a served model's entry) give a
     model: the one asked for, else "auto" (the GPU where there is one) when a VRAM budget is

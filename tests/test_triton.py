@@ -218,13 +218,13 @@ def test_predictor_kernels_select_as_the_torch_predictor(B):
 
 @pytest.mark.parametrize("B", [1, 6])
 def test_predictor_kernels_read_q8_0_rows(B):
-    # a GPU's predictors hold their matrices as Q8_0 rows (`kquants.q8_0_rows`): the kernels
+    # a GPU's predictors hold their matrices as Q8_0 rows (`kernels.quantize_rows`): the kernels
     # widen each weight as they read it, the logits of the widened matrices, in both kernels
-    from powerinfer.formats.kquants import q8_0_rows, widen_rows
+    from powerinfer.formats.kquants import widen_rows
     g = torch.Generator().manual_seed(10 + B)
     dim, r, n = 96, 64, 300  # (300 neurons: a tail past the logits kernel's block)
     fc1, fc2 = torch.randn(r, dim, generator=g) / 8, torch.randn(n, r, generator=g)
-    q1, q2 = q8_0_rows(fc1), q8_0_rows(fc2)
+    q1, q2 = kernels.quantize_rows(fc1, "q8_0"), kernels.quantize_rows(fc2, "q8_0")
     assert q1.shape == (r, dim // 32 * 34) and q2.shape == (n, r // 32 * 34)
     w1, w2 = widen_rows(q1, "Q8_0", dim), widen_rows(q2, "Q8_0", r)
     assert 0 < float((w1 - fc1).abs().max()) <= float(fc1.abs().max()) / 127  # (8-bit codes)
@@ -246,7 +246,7 @@ def test_predictors_dispatch_to_the_kernels(monkeypatch):
     # matrices as Q8_0 rows (`predictor.device_format`), the masks of torch's predictor over the
     # widened rows; a prompt's rows run on the kernels too, 64 a call (the matrices are never
     # widened whole); POWERINFER_PREDICTOR_ROWS=model keeps the 16-bit matrices
-    from powerinfer.formats.kquants import q8_0_rows, widen_rows
+    from powerinfer.formats.kquants import widen_rows
     from powerinfer.model import predictor as P
     g = torch.Generator().manual_seed(7)
     fc1, fc2 = torch.randn(32, 64, generator=g) / 8, torch.randn(200, 32, generator=g)
@@ -258,7 +258,7 @@ def test_predictors_dispatch_to_the_kernels(monkeypatch):
     assert preds.dtype == torch.float32
     assert sum(w.nbytes for w in (preds.fc1[0], preds.fc2[0])) == \
         P.held_bytes([32], 64, 200, 4, "q8_0") == (32 * 64 + 200 * 32) // 32 * 34
-    w1, w2 = (widen_rows(q, "Q8_0", c) for q, c in ((q8_0_rows(fc1), 64), (q8_0_rows(fc2), 32)))
+    w1, w2 = (widen_rows(kernels.quantize_rows(w, "q8_0"), "Q8_0", c) for w, c in ((fc1, 64), (fc2, 32)))
     with monkeypatch.context() as m:
         m.setattr(kernels, "TRITON_ON_CPU", False)  # (torch's predictor over the widened rows)
         torch_preds = Predictors([w1], [w2], "ffn")

@@ -147,12 +147,7 @@ def quantize(x: np.ndarray, name: str) -> np.ndarray:
     if name == "Q6_K":
         return quantize_q6_k(x)
     if name in ("Q4_0", "Q4_1", "Q8_0"):
-        rows, n = x.shape
-        if n % 32:
-            raise ValueError(f"{name} needs rows of a multiple of 32 values, got {n}")
-        src = torch.from_numpy(np.ascontiguousarray(x, dtype=np.float32)).reshape(-1, 32)
-        out = torch.empty(src.shape[0], BLOCK_BYTES[name], dtype=torch.uint8)
-        return _by_chunks(lambda c: _blocks32(c, name), src, out, 32).numpy().reshape(rows, -1)
+        return blocks32(torch.from_numpy(np.ascontiguousarray(x, dtype=np.float32)), name).numpy()
     import gguf
 
     return gguf.quants.quantize(x, gguf.GGMLQuantizationType[name])
@@ -164,15 +159,15 @@ def row_bytes(name: str, n: int) -> int:
     return n // (32 if bb < 100 else QK_K) * bb
 
 
-def q8_0_rows(w: torch.Tensor) -> torch.Tensor:
-    """(rows, n) floats, n a multiple of 32 -> (rows, n / 32 * 34) uint8 Q8_0 blocks, with torch
-    ops on w's own device (the bytes `quantize(x, "Q8_0")` writes)."""
+def blocks32(w: torch.Tensor, name: str) -> torch.Tensor:
+    """(rows, n) floats, n a multiple of 32 -> (rows, row_bytes(name, n)) uint8 blocks of `name`
+    (Q4_0, Q4_1, Q8_0), with torch ops on w's own device: the bytes the gguf package writes."""
     rows, n = w.shape
     if n % 32:
-        raise ValueError(f"Q8_0 needs rows of a multiple of 32 values, got {n}")
+        raise ValueError(f"{name} needs rows of a multiple of 32 values, got {n}")
     src = w.detach().float().reshape(-1, 32)
-    out = torch.empty(src.shape[0], BLOCK_BYTES["Q8_0"], dtype=torch.uint8, device=w.device)
-    return _by_chunks(lambda c: _blocks32(c, "Q8_0"), src, out, 32).view(rows, -1)
+    out = torch.empty(src.shape[0], BLOCK_BYTES[name], dtype=torch.uint8, device=w.device)
+    return _by_chunks(lambda c: _blocks32(c, name), src, out, 32).view(rows, -1)
 
 
 def widen_rows(raw: torch.Tensor, name: str, n: int) -> torch.Tensor:

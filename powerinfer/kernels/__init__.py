@@ -329,7 +329,8 @@ def huge(t: torch.Tensor) -> torch.Tensor:
 
 def quantize_rows(w: torch.Tensor, fmt: str) -> torch.Tensor:
     """(n, dim) float weights -> (n, row_bytes) uint8 in `fmt` (for Q4_0/Q4_1/Q8_0 the blocks
-    that the gguf package's quantizer, and llama.cpp's, would write: `kquants.quantize`)."""
+    that the gguf package's quantizer, and llama.cpp's, would write: `kquants.blocks32`), on
+    w's device."""
     n, dim = w.shape
     assert dim % 32 == 0 or fmt in PLAIN_FORMATS, dim  # (blocks of 32)
     if n == 0:
@@ -343,7 +344,7 @@ def quantize_rows(w: torch.Tensor, fmt: str) -> torch.Tensor:
         return torch.cat([scale.view(torch.uint8), q.view(torch.uint8)], 1)
     if fmt not in _GGML:
         raise ValueError(f"format must be one of {FORMATS}, got {fmt!r}")
-    return torch.from_numpy(kquants.quantize(w.cpu().numpy(), _GGML[fmt].name))
+    return kquants.blocks32(w, _GGML[fmt].name)  # (on w's device)
 
 
 def dequantize_rows(b: torch.Tensor, fmt: str, dim: int) -> torch.Tensor:
@@ -390,7 +391,7 @@ def pack(gate: torch.Tensor | None, up: torch.Tensor, down_t: torch.Tensor, fmt:
     if fmt in Q4_FORMATS:
         rows = [split_rows(r, fmt) for r in rows]
     rows.append(quantize_rows(down_t, down_format(fmt)))
-    dev = up.device  # (the blocks are quantized on the host: the records go where the rows were)
+    dev = up.device  # (the records go where the rows were: a file's own blocks may be elsewhere)
     rows = [r.to(dev) for r in rows]
     shape = (rows[0].shape[0], sum(r.shape[1] for r in rows))
     out = huge_empty(shape, torch.uint8) if dev.type == "cpu" else torch.empty(shape, dtype=torch.uint8, device=dev)

@@ -785,7 +785,7 @@ def predict(x: torch.Tensor, fc1: torch.Tensor, fc2: torch.Tensor, threshold: fl
     int32 (n,) whose first count[0] entries are the union's positions (the FFN kernel's index
     list); count int32 (1,); logits (B, n) float32 when asked for (or with top_k), else None.
     fc1 (r, dim) and fc2 (n, r) are plain matrices, or uint8 rows of Q8_0 blocks (what
-    `Predictors` holds on a GPU: `kquants.q8_0_rows`), each weight widened as it is read."""
+    `Predictors` holds on a GPU: `kernels.quantize_rows`), each weight widened as it is read."""
     _check(x, fc1, fc2)
     B, dim = x.shape
     r, n = fc1.shape[0], fc2.shape[0]

@@ -10,7 +10,7 @@ from torch import nn
 
 from .. import kernels
 from ..formats.bundle import Bundle, BundleError
-from ..formats.kquants import q8_0_rows, widen_rows
+from ..formats.kquants import widen_rows
 
 INPUTS = ("ffn", "layer")
 
@@ -41,8 +41,15 @@ def held_bytes(ranks: list[int], dim: int, ffn_dim: int, dtype_bytes: int,
     (ffn_dim, r) in `dtype_bytes` a weight, or with fmt "q8_0" each matrix whose width is a
     multiple of 32 in Q8_0 rows (`device_format`)."""
     def matrix(rows: int, cols: int) -> int:
-        return rows * cols // 32 * 34 if fmt == "q8_0" and cols % 32 == 0 else rows * cols * dtype_bytes
+        return rows * (kernels.row_bytes("q8_0", cols) if fmt == "q8_0" and cols % 32 == 0
+                       else cols * dtype_bytes)
     return sum(matrix(r, dim) + matrix(ffn_dim, r) for r in ranks)
+
+
+def _in_calls(fn, rows: torch.Tensor, n: int) -> torch.Tensor:
+    """fn over `rows` n at a time (at least one call), the outputs concatenated."""
+    out = [fn(rows[i:i + n]) for i in range(0, max(rows.shape[0], 1), n)]
+    return out[0] if len(out) == 1 else torch.cat(out)
 
 
 def predict(fc1: torch.Tensor, fc2: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
@@ -62,8 +69,8 @@ class Predictors(nn.Module):
         # its width allows: `device_format`; widened back to it for torch's matmuls)
         self.dtype = fc1[0].dtype if fc1 else torch.float32
         if fc1 and device_format(fc1[0].device) == "q8_0":
-            fc1 = [q8_0_rows(w) if w.shape[1] % 32 == 0 else w for w in fc1]
-            fc2 = [q8_0_rows(w) if w.shape[1] % 32 == 0 else w for w in fc2]
+            fc1, fc2 = ([kernels.quantize_rows(w, "q8_0") if w.shape[1] % 32 == 0 else w
+                         for w in ws] for ws in (fc1, fc2))
         self.fc1 = nn.ParameterList(nn.Parameter(w, requires_grad=False) for w in fc1)
         self.fc2 = nn.ParameterList(nn.Parameter(w, requires_grad=False) for w in fc2)
         packs = self._pack_x16()  # buffers, so that a process's held bytes count them
@@ -83,10 +90,9 @@ class Predictors(nn.Module):
         if self._triton(rows) or (fc1.dtype == torch.uint8 and rows.device == fc1.device):
             # (Q8_0 rows: a prompt's too, MAX_ROWS a call, not widened whole into the budget)
             from ..kernels import triton_ffn
-            n = triton_ffn.MAX_ROWS
-            out = [triton_ffn.predictor_logits(rows[i:i + n], fc1, fc2)
-                   for i in range(0, max(rows.shape[0], 1), n)]
-            return (out[0] if len(out) == 1 else torch.cat(out)).view(*x.shape[:-1], -1)
+            out = _in_calls(lambda r: triton_ffn.predictor_logits(r, fc1, fc2), rows,
+                            triton_ffn.MAX_ROWS)
+            return out.view(*x.shape[:-1], -1)
         fmt = self.kernel_format(layer)
         if fmt and x.dtype in (torch.float32, torch.bfloat16):
             # decode rows on the kernel's GEMV, which reads the weights at the memory's rate
@@ -95,10 +101,8 @@ class Predictors(nn.Module):
             # run MAX_ROWS at a time (as the predictor actor's native loop runs them), on the
             # batch's size
             w1, w2, fmt = self.kernel_rows(layer)
-            n = kernels.MAX_ROWS
-            out = [kernels.pred_logits(rows[i:i + n], w1, w2, fmt)
-                   for i in range(0, max(rows.shape[0], 1), n)]
-            return (out[0] if len(out) == 1 else torch.cat(out)).view(*x.shape[:-1], -1)
+            out = _in_calls(lambda r: kernels.pred_logits(r, w1, w2, fmt), rows, kernels.MAX_ROWS)
+            return out.view(*x.shape[:-1], -1)
         fc1, fc2 = self.matrices(layer)
         return F.relu(x.to(fc1.dtype) @ fc1.T) @ fc2.T
 

@@ -21,11 +21,11 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from ..config import torch_dtype
-from ..errors import ConfigError
+from ..config import named_device, torch_dtype
 from ..formats.bundle import Bundle, model_record
 from ..model.load import load_model
 from ..model.sparse import activate
+from ..model.transformer import held_bytes
 from .corpus import Corpus, load_corpus, token_windows
 
 SAMPLE_MEMORY = 2 << 30  # bytes of samples held in RAM before writing
@@ -131,35 +131,25 @@ def _compact(a: np.ndarray) -> np.ndarray:
     return a.astype(np.float16) if np.abs(a).max(initial=0) < 60000 else a
 
 
-def profile_device(model, device: str = "auto") -> torch.device:
-    """Where `profile` runs a model: "auto" a GPU where torch sees one with room for the model's
-    weights and a window's work (a quarter again), else the CPU; or the device named (a
-    ConfigError where that is no CPU or GPU torch sees)."""
-    if device == "auto":
-        if not torch.cuda.is_available():
-            return torch.device("cpu")
-        free, _ = torch.cuda.mem_get_info()
-        need = sum(p.nbytes for p in model.parameters()) * 5 // 4 + (1 << 30)
-        return torch.device("cuda" if need < free else "cpu")
-    try:
-        dev = torch.device(device)
-    except RuntimeError as e:
-        raise ConfigError(f"device {device!r}: {e}") from None
-    if dev.type not in ("cpu", "cuda") or (dev.type == "cuda" and not torch.cuda.is_available()):
-        raise ConfigError(f"device {device!r}: profiles run on the CPU or on a GPU torch sees"
-                          f"{' (none here)' if dev.type == 'cuda' else ''}")
-    return dev
+def profile_device(model) -> torch.device:
+    """Where `profile(device="auto")` runs a model: a GPU torch sees with room for the model's
+    weights and a window's work (a quarter again), else the CPU."""
+    if not torch.cuda.is_available():
+        return torch.device("cpu")
+    free, _ = torch.cuda.mem_get_info()
+    need = held_bytes(model) * 5 // 4 + (1 << 30)
+    return torch.device("cuda" if need < free else "cpu")
 
 
 def profile(model_name: str, corpus: str, out: str | Path, opts: ProfileOptions = ProfileOptions(),
             dtype: str = "float32", progress: bool = True, device: str = "auto") -> Bundle:
     """Profile `model_name` over `corpus` into a new bundle at `out` (see the module's text);
-    device: where the model runs (`profile_device`: "auto" a GPU that holds it, else the CPU)."""
+    device: where the model runs ("auto": `profile_device`, a GPU that holds it, else the CPU;
+    a device it cannot use is named before the model loads)."""
     t0 = time.perf_counter()
-    if device != "auto":  # (a device it cannot use named before the model loads)
-        profile_device(None, device)
+    dev = None if device == "auto" else named_device(device, "profiles run")
     model, tokenizer, path = load_model(model_name, torch_dtype(dtype))
-    dev = profile_device(model, device)
+    dev = dev or profile_device(model)
     if dev.type != "cpu":
         model.to(dev)
     model.setup_cache(1, opts.window)

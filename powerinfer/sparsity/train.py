@@ -34,7 +34,7 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from ..errors import ConfigError
+from ..config import named_device
 from ..formats.bundle import Bundle, BundleError
 from ..model.predictor import INPUTS, predict
 
@@ -252,13 +252,7 @@ def train_predictors(bundle: Bundle, input: str = "ffn", recall_target: float = 
         raise ValueError(f"predictor ranks must be positive, got {ranks}")
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
-    try:
-        kind = torch.device(device).type
-    except RuntimeError as e:
-        raise ConfigError(f"device {device!r}: {e}") from None
-    if kind not in ("cpu", "cuda") or (kind == "cuda" and not torch.cuda.is_available()):
-        raise ConfigError(f"device {device!r}: predictors train on the CPU or on a GPU torch "
-                         f"sees{'' if kind != 'cuda' else ' (none here)'}")
+    named_device(device, "predictors train")
     tensors, rows = {}, []
     bar = tqdm(range(bundle.n_layers), desc=f"predictors ({input} input, {device})",
                unit="layer", disable=not progress)
