@@ -686,7 +686,7 @@ def test_input_sparse_product_reads_the_kept_channels_of_the_files_weights(isa, 
         assert got.dtype == torch.bfloat16 and torch.equal(got, dense_product(kept))
         assert (got.float() - want).abs().max() <= 2**-8 * want.abs().max() + 1e-6, (rows, threshold)
     with pytest.raises(RuntimeError, match="q4c matrix"):
-        K.linear_q4c(torch.randn(1, k), w, n + 64, offsets, 0.0)
+        K.linear_q4c(torch.randn(1, k), w, n + 128, offsets, 0.0)
     with pytest.raises(RuntimeError, match="not kind"):  # its kind checked against its size
         K.linear_q4c(torch.randn(1, k), w, n, (offsets + 1) % 3, 0.0)
     with pytest.raises(RuntimeError, match="multiple of 32"):

@@ -593,8 +593,8 @@ def linear_q4x16(x: torch.Tensor, w: torch.Tensor, n: int) -> torch.Tensor:
 
 
 def q4c_rows(n: int) -> int:
-    """Rows a q4c matrix of n rows holds: n up to a multiple of 64 (csrc/neuron_ffn.h)."""
-    return -(-n // 64) * 64
+    """Rows a q4c matrix of n rows holds: n up to a multiple of 128, its passes (csrc/neuron_ffn.h)."""
+    return -(-n // 128) * 128
 
 
 def pack_q4c(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> tuple[torch.Tensor, bool]:
@@ -622,13 +622,14 @@ def _by_block(t: torch.Tensor, rows: int) -> torch.Tensor:
 
 
 def _q4c_runs(q: torch.Tensor, rows: int) -> torch.Tensor:
-    """q (n, k) 4-bit codes -> (k / 32, 16 rows) bytes: each block's 32 channel runs (see
-    csrc/input_sparse.h)."""
+    """q (n, k) 4-bit codes -> (k / 32, 16 rows) bytes: each block's 32 channel runs, a 64-byte
+    line a pass of 128 rows: byte 16 L + 4 m + t holds row 16 m + 4 L + t of the pass in its low
+    nibble and that row + 64 in its high one (csrc/input_sparse.h)."""
     n, k = q.shape
     nb = k // 32
     q = torch.nn.functional.pad(q.to(torch.uint8), (0, 0, 0, rows - n))
-    # (rows, k) -> (nb, 32 channels, rows / 64, nibble half, v & 1, l // 8, l % 8) for row 16v + l
-    c = q.view(rows, nb, 32).permute(1, 2, 0).reshape(nb, 32, rows // 64, 2, 2, 2, 8)
+    # (rows, k) -> (nb, 32 channels, passes, nibble u, m, L, t) for row 128 pass + 64 u + 16 m + 4 L + t
+    c = q.view(rows, nb, 32).permute(1, 2, 0).reshape(nb, 32, rows // 128, 2, 4, 4, 4)
     return (c[:, :, :, 0] | (c[:, :, :, 1] << 4)).permute(0, 1, 2, 4, 3, 5).reshape(nb, 16 * rows)
 
 
@@ -691,19 +692,20 @@ def q4kc_of_q4kx16(packed: torch.Tensor, n: int, k: int) -> torch.Tensor:
 
 
 def _q6c_runs(q: torch.Tensor, rows: int) -> torch.Tensor:
-    """q (n, k) 6-bit codes -> (k / 32, 24 rows) bytes: each block's 32 channel runs, each the
-    low 4 bits as `_q4c_runs` lays them, then the top 2 bits, 16 bytes per 64 rows: byte i of a
-    pass holds those of the low nibbles at bytes i and i + 16, then of the high ones at the same
-    bytes (csrc/input_sparse.h)."""
+    """q (n, k) 6-bit codes -> (k / 32, 24 rows) bytes: each block's 32 runs of the low 4 bits as
+    `_q4c_runs` lays them, then 32 runs of the top 2 bits, 32 bytes a pass: byte i holds, from
+    bit 0, those of the low and the high nibble's codes at byte i of the pass's line, then at
+    byte i + 32 (csrc/input_sparse.h)."""
     n, k = q.shape
     nb = k // 32
     q = torch.nn.functional.pad(q.to(torch.uint8), (0, 0, 0, rows - n))
-    low = _q4c_runs(q & 0xF, rows).view(nb, 32, rows // 2)
-    # (nb, 32 channels, rows / 64, v // 2, v & 1, l // 8, l % 8) for row 16v + l, as in _q4c_runs
-    top = (q >> 4).view(rows, nb, 32).permute(1, 2, 0).reshape(nb, 32, rows // 64, 2, 2, 2, 8)
-    shift = torch.tensor([[0, 2], [4, 6]], dtype=torch.uint8).view(2, 1, 2, 1)  # by (v // 2, l // 8)
-    packed = (top << shift).sum(dim=(3, 5), dtype=torch.uint8).reshape(nb, 32, rows // 4)
-    return torch.cat([low, packed], -1).reshape(nb, 24 * rows)
+    low = _q4c_runs(q & 0xF, rows)
+    # (nb, 32 channels, passes, u, m, L, t) as in _q4c_runs -> (.., u, byte 32 j + i of the line)
+    top = (q >> 4).view(rows, nb, 32).permute(1, 2, 0).reshape(nb, 32, rows // 128, 2, 4, 4, 4)
+    top = top.permute(0, 1, 2, 3, 5, 4, 6).reshape(nb, 32, rows // 128, 2, 2, 32)
+    shift = torch.tensor([[0, 4], [2, 6]], dtype=torch.uint8).view(2, 2, 1)  # by (u, j)
+    packed = (top << shift).sum(dim=(3, 4), dtype=torch.uint8).reshape(nb, 8 * rows)
+    return torch.cat([low, packed], -1)
 
 
 def q6kc_of_q6kx16(packed: torch.Tensor, n: int, k: int) -> torch.Tensor:

@@ -166,11 +166,11 @@ def q4c_linear(x: torch.Tensor, w: torch.Tensor, n: int, kind: int, threshold: f
     `threshold` in magnitude zeroed, W an (n, k) Q4_0/Q4_1 matrix in the CPU kernel's q4c layout
     (`kernels.pack_q4c`, csrc/input_sparse.h: per block of 32 input channels the rows' f16
     scales (and offsets), then each channel's 4-bit codes for every row as one run). The input-
-    sparse product of the GPU: each program takes 64 rows of Q4C_CHUNK channels and loads, of
-    each channel's run, the 32 bytes of its rows only where the channel is kept, and a block's
-    scales only where one of its channels is: the masked lanes issue no memory request, so the
-    bytes read follow the kept channels (a channel's 32 bytes are one 32-byte sector). No
-    host synchronisation (the kept channels are not gathered first), so a CUDA graph holds it.
+    sparse product of the GPU: each program takes 64 rows (half a pass) of Q4C_CHUNK channels
+    and loads, of each channel's run, the 32 bytes of its rows only where the channel is kept,
+    and a block's scales only where one of its channels is: the masked lanes issue no memory
+    request, so the bytes read follow the kept channels (a channel's 32 bytes are one 32-byte
+    sector). No host synchronisation (the kept channels are not gathered first), so a CUDA graph holds it.
     Its sums are the dense product's over the zeroed input up to float32 rounding (added in
     another order)."""
     k = x.shape[-1]
@@ -194,12 +194,14 @@ if T.triton is not None:
     @triton.jit
     def _q4c_kernel(x, w, y, k, rows, block_bytes, head, threshold, OFFSETS: tl.constexpr,
                     CHUNK: tl.constexpr):
-        # rows 64 g .. 64 g + 63 over channels [CHUNK s, CHUNK (s + 1)); a run's byte j holds
-        # rows lo(j) (low nibble) and lo(j) + 32 (high) of its group (kernels._q4c_runs)
+        # half g % 2 of pass g // 2 (bytes 32 (g % 2) .. + 31 of each run's line) over channels
+        # [CHUNK s, CHUNK (s + 1)); the line's byte b = 16 L + 4 m + t holds row 16 m + 4 L + t
+        # of the pass (low nibble) and that row + 64 (high) (kernels._q4c_runs)
         g, s = tl.program_id(0), tl.program_id(1)
         j = tl.arange(0, 32)
-        r_lo = g * 64 + ((j // 8) % 2) * 16 + (j // 16) * 8 + j % 8
-        r_hi = r_lo + 32
+        b = (g % 2) * 32 + j
+        r_lo = (g // 2) * 128 + ((b % 16) // 4) * 16 + (b // 16) * 4 + b % 4
+        r_hi = r_lo + 64
         ch = tl.arange(0, 32)
         acc_lo = tl.zeros([32], dtype=tl.float32)
         acc_hi = tl.zeros([32], dtype=tl.float32)

@@ -218,8 +218,9 @@ struct AttnTile {
 using AttendFn = void (*)(const AttnTile&);
 
 // The input-sparse products' 4-bit matrices held by input channel (`q4c`; input_sparse.h has the
-// layout and the kernel). n rows are held as q4c_rows(n): a multiple of 64, the extra rows zero.
-inline int64_t q4c_rows(int64_t n) { return (n + 63) / 64 * 64; }
+// layout and the kernel). n rows are held as q4c_rows(n): a multiple of 128 (a pass: one 64-byte
+// line of each channel's codes), the extra rows zero.
+inline int64_t q4c_rows(int64_t n) { return (n + 127) / 128 * 128; }
 // The kinds of q4c matrix: a Q4_0 file's (a f16 scale a row and block), a Q4_1 file's (and a f16
 // offset), a Q4_K file's (its 6-bit scale and minimum a row and block as bytes, its f16 d and dmin
 // a row and super-block of 256 channels after the blocks), a Q6_K file's (6-bit codes, an 8-bit
@@ -239,7 +240,8 @@ inline int64_t q4c_bytes(int64_t n, int64_t k, int kind) {
   return k / 32 * q4c_region(np, kind) + k / 256 * q4c_tail_sb(np, kind);
 }
 
-// Two kept channels of a block and their 8-bit inputs (x1 = 0 for an odd one out)
+// Two kept channels of a block and their 8-bit inputs (x1 = 0 for an odd one out; a pair of
+// inputs 0 where it makes a block's pairs, or a Q6_K half's, even)
 struct Q4CPair {
   uint8_t j0, j1;
   int8_t x0, x1;
@@ -256,7 +258,7 @@ struct Q4CArgs {
   const int32_t* x16;    // (k / 16) the sums of the kept 8-bit inputs per 16 channels (Q6_K:
                          // its pairs never span two, those of channels 0..15 first)
 };
-// adds rows [64 p0, 64 p1) of the product into y (q4c_rows(n) floats, zeroed)
+// adds rows [128 p0, 128 p1) of the product into y (q4c_rows(n) floats, zeroed)
 using Q4CFn = void (*)(const Q4CArgs& a, int64_t p0, int64_t p1, float* y);
 
 // x (B, dim) float32, or bf16 where the flag is set -> q (B, dim), d and s (B, dim / 32) (see
@@ -299,7 +301,7 @@ struct Kernels {
   WidenFn widen;
   GemvFn gemv_x16[N_LAYOUTS];  // over groups of 16 rows of a matrix in a Layout (begin, end: groups)
   AttendFn attend;
-  Q4CFn q4c;  // over runs of 64 rows of a q4c matrix
+  Q4CFn q4c;  // over passes of 128 rows of a q4c matrix
   QuantizeFn quantize;  // the input rows of the integer dot products
   RowsFn rows;          // a prompt's rows over records (records_rows.h)
   RowsBf16Fn rows_bf16;  // whether those multiply a bf16 input in bf16 pairs

@@ -550,8 +550,11 @@ static inline uint32_t kept_channels(const int8_t* q) {
 }
 
 // pairs[n..] = the kept channels of mask m (bits of a block's channels, q its inputs) two by two
-// in channel order, the last of an odd count with itself and an input 0 -> the new count
+// in channel order, the last of an odd count with itself and an input 0, and their count made
+// even with a pair of inputs 0 (the products take two pairs at a time: input_sparse.h) -> the new
+// count
 static inline int32_t add_pairs(const int8_t* q, uint32_t m, Q4CPair* pairs, int32_t n) {
+  const int32_t n0 = n;
   while (m) {
     const int j0 = __builtin_ctz(m);
     m &= m - 1;
@@ -562,6 +565,10 @@ static inline int32_t add_pairs(const int8_t* q, uint32_t m, Q4CPair* pairs, int
     const int j1 = __builtin_ctz(m);
     m &= m - 1;
     pairs[n++] = Q4CPair{(uint8_t)j0, (uint8_t)j1, q[j0], q[j1]};
+  }
+  if ((n - n0) % 2) {
+    const uint8_t j = pairs[n - 1].j0;
+    pairs[n++] = Q4CPair{j, j, 0, 0};
   }
   return n;
 }
@@ -574,7 +581,7 @@ static inline int32_t add_pairs(const int8_t* q, uint32_t m, Q4CPair* pairs, int
 // the same sparse input. Only the kept channels' runs are read. Adds the channels kept to *kept.
 static const float* q4c_product(const Kernels& kk, const void* x, bool bf16, int64_t B, int64_t k,
                                 const uint8_t* w, int64_t n, int kind, float t, int64_t* kept) {
-  const int64_t nb = k / 32, np = q4c_rows(n), passes = np / 64;
+  const int64_t nb = k / 32, np = q4c_rows(n), passes = np / 128;
   thread_local std::vector<float> xf, xd, xs, out;
   thread_local std::vector<int8_t> xq;
   thread_local std::vector<Q4CPair> pairs;
