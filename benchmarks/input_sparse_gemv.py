@@ -90,8 +90,8 @@ def gaps(mib: int = 256):
         exe = Path(tmp) / "read_gaps"
         subprocess.run(["g++", "-O2", "-mavx2", str(src), "-o", str(exe)], check=True)
 
-        def rate(keep: float, piece: int, ahead: int) -> float:
-            return float(subprocess.run([str(exe), str(mib), str(keep), str(piece), str(ahead)],
+        def rate(keep: float, piece: int, ahead: int, side: int = 0) -> float:
+            return float(subprocess.run([str(exe), str(mib), str(keep), str(piece), str(ahead), str(side)],
                                         check=True, capture_output=True, text=True).stdout.split()[0])
 
         whole = rate(1.0, 4096, 0)
@@ -102,6 +102,15 @@ def gaps(mib: int = 256):
         for piece in (128, 512, 1024, 2048, 4096, 8192):
             r0, r2 = rate(0.5, piece, 0), rate(0.5, piece, 2)
             print(f"| {piece} B | {r0:.1f} | {0.5 * whole / r0:.2f} | {r2:.1f} | {0.5 * whole / r2:.2f} |",
+                  flush=True)
+        # the q4c product's pattern: a 12,288-row matrix's 6 KB runs, three in four kept (25%
+        # input sparsity), read side by side a line at a time as a block's kept runs are
+        print("\n| 6 KB runs, 3/4 kept, read | GB/s of kept bytes "
+              "| with a prefetch (one run ahead; side by side, 4 lines ahead in each) |")
+        print("|---|---:|---:|")
+        for side in (0, 1, 4, 24):
+            label = "one after another" if side == 0 else f"{side} side by side, a line each in turn"
+            print(f"| {label} | {rate(0.75, 6144, 0, side):.1f} | {rate(0.75, 6144, 4 if side else 1, side):.1f} |",
                   flush=True)
         print()
 
@@ -124,15 +133,15 @@ def main():
                          "quarter of the last level cache, read again and again: the products' "
                          "own rate of work, beside the memory's")
     ap.add_argument("--rows", type=int, default=0,
-                    help="each matrix cut to this many rows (a multiple of 64), four copies read "
+                    help="each matrix cut to this many rows (a multiple of 128, a q4c pass), four copies read "
                          "again and again from the cache: a call's fixed costs (its input "
                          "dropped, rounded and paired; the threads' start) beside its rows' work")
     ap.add_argument("--gaps", action="store_true",
                     help="first, one core's read rate of a buffer read in pieces with gaps "
                          "(benchmarks/read_gaps.cpp, built with g++): why q4c keeps whole columns")
     a = ap.parse_args()
-    if a.rows % 64:
-        ap.error("--rows: a multiple of 64")
+    if a.rows % 128:
+        ap.error("--rows: a multiple of 128")
     global QUANT
     QUANT = a.quant
     if a.gaps:
@@ -151,7 +160,7 @@ def main():
     dense_layout = {"q4_k": "q4kx16", "q6_k": "q6kx16"}.get(a.quant, "q4x16")
     if a.from_cache:
         print("(from the cache: the first rows of each matrix that fit in a quarter of the last "
-              "level cache, a multiple of 64, read again and again: the products' own rate)\n")
+              "level cache, a multiple of 128, read again and again: the products' own rate)\n")
     print(f"| shape | projection (rows x k) | sparsity | dense {dense_layout} ms | q4c ms | q4c vs dense "
           "| q4c bytes | q4c at its floor |"
           + (" dense from the cache, GB/s | q4c from the cache, GB/s |" if a.from_cache else ""))
@@ -171,8 +180,8 @@ def main():
             for _ in range(copies):
                 wd, wc, dense_bytes = matrices(n, k)
                 mats.append((wd, wc))
-            if a.from_cache:  # its first rows (a multiple of 64) that fit in a quarter of the cache
-                n_c = min(n, max(64, llc // 4 // (dense_bytes // n) // 64 * 64))
+            if a.from_cache:  # its first rows (a multiple of 128) that fit in a quarter of the cache
+                n_c = min(n, max(128, llc // 4 // (dense_bytes // n) // 128 * 128))
                 cached = matrices(n_c, k)[:2]
             kind = kernels.Q4C_KINDS.index(a.quant)
             x = torch.randn(1, k)

@@ -1,5 +1,7 @@
 // How fast one core reads a buffer when it skips pieces of it: the share of pieces kept at random
 // (`keep`), each piece `piece` bytes, with or without a software prefetch `ahead` pieces ahead.
+// With `side` (optional, > 0) the kept pieces are read `side` at a time side by side, a 64-byte
+// line of each in turn (the q4c product's runs), the prefetch `ahead` lines ahead in each.
 // Built and run by benchmarks/input_sparse_gemv.py --gaps. Prints the kept bytes' read rate.
 #include <immintrin.h>
 
@@ -11,10 +13,11 @@
 #include <vector>
 
 int main(int argc, char** argv) {
-  if (argc != 5) {
-    std::fprintf(stderr, "usage: read_gaps MIB KEEP PIECE AHEAD\n");
+  if (argc != 5 && argc != 6) {
+    std::fprintf(stderr, "usage: read_gaps MIB KEEP PIECE AHEAD [SIDE]\n");
     return 2;
   }
+  const size_t side = argc == 6 ? std::strtoull(argv[5], nullptr, 10) : 0;
   const size_t bytes = std::strtoull(argv[1], nullptr, 10) << 20;
   const double keep = std::atof(argv[2]);
   const size_t piece = std::strtoull(argv[3], nullptr, 10);
@@ -28,14 +31,29 @@ int main(int argc, char** argv) {
   for (size_t c = 0; c < bytes / piece; c++)
     if (u(g) < keep) kept.push_back(c * piece);
   auto pass = [&] {
+    // (memory may have changed: without this the compiler may read the buffer once for all passes)
+    asm volatile("" : : : "memory");
     __m256i acc = _mm256_setzero_si256();
-    for (size_t i = 0; i < kept.size(); i++) {
+    for (size_t g = 0; side && g < kept.size(); g += side) {
+      const size_t e = g + side < kept.size() ? g + side : kept.size();
+      for (size_t o = 0; o < piece; o += 64)
+        for (size_t i = g; i < e; i++) {
+          const uint8_t* p = b + kept[i] + o;
+          if (ahead && o + 64 * ahead < piece) _mm_prefetch(reinterpret_cast<const char*>(p + 64 * ahead), _MM_HINT_T0);
+          acc = _mm256_add_epi8(acc, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+          acc = _mm256_add_epi8(acc, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 32)));
+        }
+    }
+    for (size_t i = 0; !side && i < kept.size(); i++) {
       if (ahead && i + ahead < kept.size())
         for (size_t o = 0; o < piece; o += 64) _mm_prefetch(reinterpret_cast<const char*>(b + kept[i + ahead] + o), _MM_HINT_T0);
       const uint8_t* p = b + kept[i];
       for (size_t o = 0; o < piece; o += 32) acc = _mm256_add_epi8(acc, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + o)));
     }
-    return _mm256_extract_epi8(acc, 0);
+    // every byte of every load in the answer, so that no load can be left out
+    const __m256i s = _mm256_sad_epu8(acc, _mm256_setzero_si256());
+    return static_cast<int>(_mm256_extract_epi64(s, 0) + _mm256_extract_epi64(s, 1) + _mm256_extract_epi64(s, 2) +
+                            _mm256_extract_epi64(s, 3));
   };
   int sink = pass();
   const int turns = 5;
