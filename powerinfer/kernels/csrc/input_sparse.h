@@ -107,19 +107,18 @@ inline void q4c_next(const Q4CArgs& a, int64_t b, int64_t np, const uint8_t* kt,
 inline const uint8_t* q4c_tail(const Q4CArgs& a, int64_t np) { return a.w + a.k / 32 * q4c_region(np, a.kind); }
 
 // The lines of a block's scales (and offsets) for pass p (r: the block's region); with ks (a
-// Q4_K matrix's d and dmin of the block's super-block, given at the first block of it the product
-// reads) theirs too, which the super-block's later blocks find cached
+// K-quant matrix's super-block values of the block's super-block: Q4_K's d and dmin, Q6_K's d,
+// given at the first block of it the product reads) theirs too, which the super-block's later
+// blocks find cached
 PREFETCHES void q4c_prefetch_scales(const Q4CArgs& a, const uint8_t* r, const uint8_t* ks, int64_t np, int64_t p) {
-  if (a.kind == Q4C_Q4_K) {  // a byte a row of sc and of mn; a f16 a row of d and dmin
+  if (a.kind == Q4C_Q4_K || a.kind == Q4C_Q6_K) {  // a byte a row of sc and mn (Q6_K: of each half's sc)
     for (int64_t o = 0; o < 128; o += 64) {
       _mm_prefetch((const char*)r + 128 * p + o, _MM_HINT_T0);
       _mm_prefetch((const char*)r + np + 128 * p + o, _MM_HINT_T0);
     }
-    if (ks) {
-      for (int64_t o = 0; o < 256; o += 64) {
-        _mm_prefetch((const char*)ks + 256 * p + o, _MM_HINT_T0);
-        _mm_prefetch((const char*)ks + 2 * np + 256 * p + o, _MM_HINT_T0);
-      }
+    for (int64_t o = 0; ks && o < 256; o += 64) {  // a f16 a row of d (and Q4_K's dmin)
+      _mm_prefetch((const char*)ks + 256 * p + o, _MM_HINT_T0);
+      if (a.kind == Q4C_Q4_K) _mm_prefetch((const char*)ks + 2 * np + 256 * p + o, _MM_HINT_T0);
     }
     return;
   }
@@ -129,12 +128,49 @@ PREFETCHES void q4c_prefetch_scales(const Q4CArgs& a, const uint8_t* r, const ui
   }
 }
 
-// All of a block's lines for pass p: its scales (as above) and each kept channel's line
+// All of a block's lines for pass p: its scales (as above) and each kept channel's line (a
+// Q6_K channel's line of top bits too: 32 bytes a pass)
 PREFETCHES void q4c_prefetch_block(const Q4CArgs& a, const Q4CBlock& k, const uint8_t* ks, int64_t np, int64_t p) {
   q4c_prefetch_scales(a, k.r, ks, np, p);
   for (int i = 0; i < k.cnt; i++) {
     _mm_prefetch((const char*)k.ra[i] + 64 * p, _MM_HINT_T0);
     _mm_prefetch((const char*)k.rb[i] + 64 * p, _MM_HINT_T0);
+    if (a.kind == Q4C_Q6_K) {
+      _mm_prefetch((const char*)k.ta[i] + 32 * p, _MM_HINT_T0);
+      _mm_prefetch((const char*)k.tb[i] + 32 * p, _MM_HINT_T0);
+    }
+  }
+}
+
+// The walk every body below shares: block after block with a kept channel, pass after pass of
+// [p_begin, p_end), each pass's scales asked for Q4C_AHEAD passes ahead, and over a block's last
+// passes the next block's first ones: a thread's share of a run can be a few passes (the output
+// projection's 4,096 rows: 16 a thread of two), and without them a quarter of its bytes came
+// unannounced, at every block. body(k, r, ks, b, p, ahead, far): block k (r its region, ks its
+// super-block's values, b its index), pass p; `ahead` and `far` whether pass p + Q4C_AHEAD and
+// p + Q4C_FAR are still the thread's (its lines then asked for by the body).
+template <int KIND, typename Body>
+__attribute__((always_inline)) inline void q4c_walk(const Q4CArgs& a, int64_t p_begin, int64_t p_end, const Body& body) {
+  const int64_t nb = a.k / 32, np = q4c_rows(a.n);
+  const uint8_t* kt = KIND == Q4C_Q4_K || KIND == Q4C_Q6_K ? q4c_tail(a, np) : nullptr;
+  int64_t sb_read = -1;  // the last super-block whose values were asked for
+  Q4CBlock k, nk;  // this block, the next with a kept channel
+  const uint8_t* nks;
+  for (int64_t b = 0; b < nb; b++) {
+    if (q4c_block(a, b, np, k) == 0) continue;
+    const uint8_t* ks = kt ? kt + q4c_tail_sb(np, KIND) * (b / 8) : nullptr;
+    const uint8_t* ks_new = ks && b / 8 != sb_read ? ks : nullptr;
+    sb_read = b / 8;
+    q4c_next(a, b, np, kt, nk, nks);
+    for (int64_t p = p_begin; p < p_end; p++) {
+      const bool ahead = p + Q4C_AHEAD < p_end, far = p + Q4C_FAR < p_end;
+      if (ahead) {
+        q4c_prefetch_scales(a, k.r, ks_new, np, p + Q4C_AHEAD);
+      } else if (nk.cnt && p + Q4C_AHEAD - p_end + p_begin < p_end) {
+        q4c_prefetch_block(a, nk, nks, np, p + Q4C_AHEAD - p_end + p_begin);
+      }
+      body(k, k.r, ks, b, p, ahead, far);
+    }
   }
 }
 
@@ -151,111 +187,32 @@ PREFETCHES void q4c_prefetch_pair(const uint8_t* pa, const uint8_t* pb, bool ahe
   }
 }
 
-// ---- the rows' floats: a block's 32-bit sums of 8 or 16 rows from `row` into y ----
+// ---- the rows' floats: a block's 32-bit sums of QV::LANES rows from `row` into y ----
 // (the q4x16 / q4kx16 products' float operations on each row, in their order)
-struct Q4CFloats256 {
-  __m256 vxd, vxs;
+struct Q4CFloats {
+  QV::F vxd, vxs;
   template <int KIND>
   __attribute__((always_inline)) inline void add(const uint8_t* r, const uint8_t* ks, int64_t np, int64_t row,
-                                                 __m256i sum, float* y) const {
-    __m256 d, m;
+                                                 QV::I sum, float* y) const {
     if (KIND == Q4C_Q4_K) {  // d * sc and -dmin * mn
-      const __m256 sd = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(ks + 2 * row)));
-      const __m256 sm = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(ks + 2 * np + 2 * row)));
-      d = _mm256_mul_ps(sd, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)(r + row)))));
-      m = _mm256_mul_ps(sm, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)(r + np + row)))));
-      const __m256 acc_y = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), _mm256_mul_ps(d, vxd), _mm256_loadu_ps(y + row));
-      _mm256_storeu_ps(y + row, _mm256_fnmadd_ps(m, vxs, acc_y));
+      const QV::F d = QV::fmul(QV::halves(ks + 2 * row), QV::i2f(QV::u8x(r + row)));
+      const QV::F m = QV::fmul(QV::halves(ks + 2 * np + 2 * row), QV::i2f(QV::u8x(r + np + row)));
+      QV::store(y + row, QV::fnma(m, vxs, QV::fma(QV::i2f(sum), QV::fmul(d, vxd), QV::fload(y + row))));
       return;
     }
-    d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(r + 2 * row)));
-    m = KIND == Q4C_Q4_1 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(r + 2 * np + 2 * row)))
-                         : _mm256_mul_ps(d, _mm256_set1_ps(-8.0f));
-    const __m256 acc_y = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), _mm256_mul_ps(d, vxd), _mm256_loadu_ps(y + row));
-    _mm256_storeu_ps(y + row, _mm256_fmadd_ps(m, vxs, acc_y));
+    const QV::F d = QV::halves(r + 2 * row);
+    const QV::F m = KIND == Q4C_Q4_1 ? QV::halves(r + 2 * np + 2 * row) : QV::fmul(d, QV::fset(-8.0f));
+    QV::store(y + row, QV::fma(m, vxs, QV::fma(QV::i2f(sum), QV::fmul(d, vxd), QV::fload(y + row))));
   }
 };
 
-// ---- the products without VNNI: the nibbles split, `maddubs`, 16-bit sums widened by `madd` ----
-// acc[2 u + h] (16 bits) += the pair's products over bytes 8 h + 0..7 of each 128-bit lane of its
-// low (u = 0) and high (u = 1) nibbles
-__attribute__((always_inline)) inline void pair_products_256(__m256i va, __m256i vb, __m256i xx, __m256i* acc) {
-  const __m256i mask = _mm256_set1_epi8(0x0F);
-  const __m256i alo = _mm256_and_si256(va, mask), ahi = _mm256_and_si256(_mm256_srli_epi16(va, 4), mask);
-  const __m256i blo = _mm256_and_si256(vb, mask), bhi = _mm256_and_si256(_mm256_srli_epi16(vb, 4), mask);
-  acc[0] = _mm256_add_epi16(acc[0], _mm256_maddubs_epi16(_mm256_unpacklo_epi8(alo, blo), xx));
-  acc[1] = _mm256_add_epi16(acc[1], _mm256_maddubs_epi16(_mm256_unpackhi_epi8(alo, blo), xx));
-  acc[2] = _mm256_add_epi16(acc[2], _mm256_maddubs_epi16(_mm256_unpacklo_epi8(ahi, bhi), xx));
-  acc[3] = _mm256_add_epi16(acc[3], _mm256_maddubs_epi16(_mm256_unpackhi_epi8(ahi, bhi), xx));
-}
-
-// sum[4 u + 2 h + i] (32 bits) += acc[2 u + h]'s 16-bit lanes 4 i + 0..3 of each 128-bit lane
-// (sign-extended): the low (u = 0) and high (u = 1) rows 16 (2 h + i) + 4 L + t
-__attribute__((always_inline)) inline void widen_sums_256(const __m256i* acc, __m256i* sum) {
-  for (int v = 0; v < 4; v++) {
-    sum[2 * v] = _mm256_add_epi32(sum[2 * v], _mm256_srai_epi32(_mm256_unpacklo_epi16(acc[v], acc[v]), 16));
-    sum[2 * v + 1] = _mm256_add_epi32(sum[2 * v + 1], _mm256_srai_epi32(_mm256_unpackhi_epi16(acc[v], acc[v]), 16));
-  }
-}
-
-// A pass's 256-bit half (bytes 32 eta .. + 31 of each line: rows 16 g + 8 eta + 0..7 of each
-// group g of 16, low and high) of block k's pairs into sum[8]: sum[4 u + g] rows 64 u + 16 g +
-// 8 eta + 0..7. `lines(i, va, vb)` loads pair i's two halves (a Q6_K run's 6-bit codes too).
-template <int SEGMENT, typename Lines>
-__attribute__((always_inline)) inline void q4c_half_256(int s0, int s1, const __m256i* xs, const Lines& lines, __m256i* sum) {
-  for (int s = s0; s < s1; s += SEGMENT) {
-    const int e = std::min(s + SEGMENT, s1);
-    __m256i acc[4] = {_mm256_setzero_si256(), _mm256_setzero_si256(), _mm256_setzero_si256(), _mm256_setzero_si256()};
-    for (int i = s; i < e; i++) {
-      __m256i va, vb;
-      lines(i, va, vb);
-      pair_products_256(va, vb, xs[i], acc);
-    }
-    widen_sums_256(acc, sum);
-  }
-}
-
-template <int KIND>
-inline void q4c_passes_256_kind(const Q4CArgs& a, int64_t p_begin, int64_t p_end, float* y) {
-  const int64_t nb = a.k / 32, np = q4c_rows(a.n);
-  Q4CBlock k;
-  const uint8_t* kt = KIND == Q4C_Q4_K ? q4c_tail(a, np) : nullptr;
-  int64_t sb_read = -1;  // the last super-block whose d and dmin were asked for
-  __m256i xs[16];  // the pairs' inputs, two bytes a pair
-  Q4CBlock nk;  // the next block with a kept channel
-  const uint8_t* nks;
-  for (int64_t b = 0; b < nb; b++) {
-    if (q4c_block(a, b, np, k) == 0) continue;
-    const uint8_t* r = k.r;
-    const uint8_t* ks = kt ? kt + 4 * np * (b / 8) : nullptr;  // a Q4_K matrix's d and dmin here
-    const uint8_t* ks_new = ks && b / 8 != sb_read ? ks : nullptr;
-    sb_read = b / 8;
-    for (int i = 0; i < k.cnt; i++) xs[i] = _mm256_set1_epi16(k.x[i]);
-    const Q4CFloats256 fl{_mm256_set1_ps(a.xd[b]), _mm256_set1_ps(a.xs[b])};
-    // the next block's first passes are asked for over this one's last: a thread's share of a
-    // run can be a few passes (the output projection's 4,096 rows: 16 a thread of two), and
-    // without them a quarter of its bytes came unannounced, at every block
-    q4c_next(a, b, np, kt, nk, nks);
-    for (int64_t p = p_begin; p < p_end; p++) {
-      const bool ahead = p + Q4C_AHEAD < p_end, far = p + Q4C_FAR < p_end;
-      if (ahead) {
-        q4c_prefetch_scales(a, r, ks_new, np, p + Q4C_AHEAD);
-      } else if (nk.cnt && p + Q4C_AHEAD - p_end + p_begin < p_end) {
-        q4c_prefetch_block(a, nk, nks, np, p + Q4C_AHEAD - p_end + p_begin);
-      }
-      for (int eta = 0; eta < 2; eta++) {
-        __m256i sum[8];
-        for (int i = 0; i < 8; i++) sum[i] = _mm256_setzero_si256();
-        q4c_half_256<8>(0, k.cnt, xs, [&](int i, __m256i& va, __m256i& vb) {
-          const uint8_t *pa = k.ra[i] + 64 * p, *pb = k.rb[i] + 64 * p;
-          if (eta == 0) q4c_prefetch_pair(pa, pb, ahead, far);
-          va = _mm256_loadu_si256((const __m256i*)(pa + 32 * eta));
-          vb = _mm256_loadu_si256((const __m256i*)(pb + 32 * eta));
-        }, sum);
-        for (int i = 0; i < 8; i++) fl.add<KIND>(r, ks, np, 128 * p + 64 * (i / 4) + 16 * (i % 4) + 8 * eta, sum[i], y);
-      }
-    }
-  }
+// A Q6_K block's sums of QV::LANES rows from `row` (sa, sb: its two halves'; xa, xb: 32 times
+// their inputs' sums) into y: t = (sa - xa) sc_a + (sb - xb) sc_b, y = fma(t, d * xd, y)
+__attribute__((always_inline)) inline void q6c_floats(const uint8_t* r, const uint8_t* ks, int64_t np, int64_t row,
+                                                      QV::I sa, QV::I sb, QV::I xa, QV::I xb, QV::F vxd, float* y) {
+  const QV::I t = QV::add32(QV::mul32(QV::sub32(sa, xa), QV::s8x(r + row)),
+                            QV::mul32(QV::sub32(sb, xb), QV::s8x(r + np + row)));
+  QV::store(y + row, QV::fma(QV::i2f(t), QV::fmul(QV::halves(ks + 2 * row), vxd), QV::fload(y + row)));
 }
 
 // ---- A Q6_K matrix held by input channel (kind Q4C_Q6_K) ----
@@ -277,23 +234,6 @@ inline void q4c_passes_256_kind(const Q4CArgs& a, int64_t p_begin, int64_t p_end
 // y = fma(t, d * xd, y): the q6kx16 product's integers and floats, block after block, for the
 // same sparse input (a block with no kept channel adds 0 there too).
 
-// All of a block's lines for pass p: the two halves' scales, its super-block's d (ks, where not
-// asked for yet) and each kept channel's lines
-PREFETCHES void q6c_prefetch_block(const Q4CBlock& k, const uint8_t* ks, int64_t np, int64_t p) {
-  for (int64_t o = 0; o < 128; o += 64) {
-    _mm_prefetch((const char*)k.r + 128 * p + o, _MM_HINT_T0);
-    _mm_prefetch((const char*)k.r + np + 128 * p + o, _MM_HINT_T0);
-  }
-  if (ks)
-    for (int64_t o = 0; o < 256; o += 64) _mm_prefetch((const char*)ks + 256 * p + o, _MM_HINT_T0);
-  for (int i = 0; i < k.cnt; i++) {
-    _mm_prefetch((const char*)k.ra[i] + 64 * p, _MM_HINT_T0);
-    _mm_prefetch((const char*)k.rb[i] + 64 * p, _MM_HINT_T0);
-    _mm_prefetch((const char*)k.ta[i] + 32 * p, _MM_HINT_T0);
-    _mm_prefetch((const char*)k.tb[i] + 32 * p, _MM_HINT_T0);
-  }
-}
-
 // A run's lines for pass p + Q4C_AHEAD into every level (its top bits: a line every two passes),
 // and where `far` those of pass p + Q4C_FAR into L2
 PREFETCHES void q6c_prefetch_run(const uint8_t* run, const uint8_t* top, int64_t p, bool ahead, bool far) {
@@ -307,10 +247,72 @@ PREFETCHES void q6c_prefetch_run(const uint8_t* run, const uint8_t* top, int64_t
   }
 }
 
+#if !defined(__AVX512BW__)
+// ---- 256-bit (AVX2): a pass's line in two halves of 32 bytes ----
+// (the products without VNNI: the nibbles split, `maddubs`, 16-bit sums, widened)
+// acc[2 u + h] (16 bits) += a pair's products over its two channels' codes of the low (u = 0)
+// and high (u = 1) rows (a byte each), bytes 8 h + 0..7 of each 128-bit lane
+__attribute__((always_inline)) inline void split_products_256(__m256i alo, __m256i ahi, __m256i blo, __m256i bhi, __m256i xx, __m256i* acc) {
+  acc[0] = _mm256_add_epi16(acc[0], _mm256_maddubs_epi16(_mm256_unpacklo_epi8(alo, blo), xx));
+  acc[1] = _mm256_add_epi16(acc[1], _mm256_maddubs_epi16(_mm256_unpackhi_epi8(alo, blo), xx));
+  acc[2] = _mm256_add_epi16(acc[2], _mm256_maddubs_epi16(_mm256_unpacklo_epi8(ahi, bhi), xx));
+  acc[3] = _mm256_add_epi16(acc[3], _mm256_maddubs_epi16(_mm256_unpackhi_epi8(ahi, bhi), xx));
+}
+
+// the same over a pair's two 4-bit lines, their nibbles split first
+__attribute__((always_inline)) inline void pair_products_256(__m256i va, __m256i vb, __m256i xx, __m256i* acc) {
+  const __m256i mask = _mm256_set1_epi8(0x0F);
+  split_products_256(_mm256_and_si256(va, mask), _mm256_and_si256(_mm256_srli_epi16(va, 4), mask),
+                     _mm256_and_si256(vb, mask), _mm256_and_si256(_mm256_srli_epi16(vb, 4), mask), xx, acc);
+}
+
+// sum[4 u + 2 h + i] (32 bits) += acc[2 u + h]'s 16-bit lanes 4 i + 0..3 of each 128-bit lane
+// (sign-extended): the low (u = 0) and high (u = 1) rows 16 (2 h + i) + 4 L + t
+__attribute__((always_inline)) inline void widen_sums_256(const __m256i* acc, __m256i* sum) {
+  for (int v = 0; v < 4; v++) {
+    sum[2 * v] = _mm256_add_epi32(sum[2 * v], _mm256_srai_epi32(_mm256_unpacklo_epi16(acc[v], acc[v]), 16));
+    sum[2 * v + 1] = _mm256_add_epi32(sum[2 * v + 1], _mm256_srai_epi32(_mm256_unpackhi_epi16(acc[v], acc[v]), 16));
+  }
+}
+
+// A pass's 256-bit half (bytes 32 eta .. + 31 of each line: rows 16 g + 8 eta + 0..7 of each
+// group g of 16, low and high) of block k's pairs into sum[8]: sum[4 u + g] rows 64 u + 16 g +
+// 8 eta + 0..7. `lines(i, va, vb, xx)` loads pair i's two halves and gives its two inputs.
+template <int SEGMENT, typename Lines>
+__attribute__((always_inline)) inline void q4c_half_256(int s0, int s1, const Lines& lines, __m256i* sum) {
+  for (int s = s0; s < s1; s += SEGMENT) {
+    const int e = std::min(s + SEGMENT, s1);
+    __m256i acc[4] = {_mm256_setzero_si256(), _mm256_setzero_si256(), _mm256_setzero_si256(), _mm256_setzero_si256()};
+    for (int i = s; i < e; i++) {
+      __m256i va, vb, xx;
+      lines(i, va, vb, xx);
+      pair_products_256(va, vb, xx, acc);
+    }
+    widen_sums_256(acc, sum);
+  }
+}
+
+// Pass p of block k (r its region, ks its super-block's values) into y: two halves of 32 bytes
+template <int KIND>
+inline void q4c_pass(const Q4CBlock& k, const uint8_t* r, const uint8_t* ks, int64_t np, const Q4CFloats& fl, int64_t p,
+                     bool ahead, bool far, float* y) {
+  for (int eta = 0; eta < 2; eta++) {
+    __m256i sum[8];
+    for (int i = 0; i < 8; i++) sum[i] = _mm256_setzero_si256();
+    q4c_half_256<8>(0, k.cnt, [&](int i, __m256i& va, __m256i& vb, __m256i& xx) {
+      const uint8_t *pa = k.ra[i] + 64 * p, *pb = k.rb[i] + 64 * p;
+      if (eta == 0) q4c_prefetch_pair(pa, pb, ahead, far);
+      va = _mm256_loadu_si256((const __m256i*)(pa + 32 * eta));
+      vb = _mm256_loadu_si256((const __m256i*)(pb + 32 * eta));
+      xx = _mm256_set1_epi16(k.x[i]);
+    }, sum);
+    for (int i = 0; i < 8; i++) fl.add<KIND>(r, ks, np, 128 * p + 64 * (i / 4) + 16 * (i % 4) + 8 * eta, sum[i], y);
+  }
+}
+
 // A run's 6-bit codes of half eta of pass p as the bytes of a Q4 line (low nibble: the low rows'
 // codes, high nibble's place: the high rows'), in two vectors: lo (low rows), hi (high rows);
-// pair_products_256 splits nibbles, so the two vectors go through it as a 4-bit line would not:
-// q6c_products_256 takes them whole
+// (split_products_256 takes them as they are)
 inline void q6c_codes_256(const uint8_t* run, const uint8_t* top, int64_t p, int eta, __m256i& lo, __m256i& hi) {
   const __m256i mask = _mm256_set1_epi8(0x0F), m30 = _mm256_set1_epi8(0x30);
   const __m256i v = _mm256_loadu_si256((const __m256i*)(run + 64 * p + 32 * eta));
@@ -322,16 +324,8 @@ inline void q6c_codes_256(const uint8_t* run, const uint8_t* top, int64_t p, int
   hi = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(v, 4), mask), _mm256_and_si256(_mm256_srli_epi16(h, 2), m30));
 }
 
-// acc[2 u + h] (16 bits) += the pair's products over 6-bit codes lo (u = 0) and hi (u = 1)
-__attribute__((always_inline)) inline void q6c_products_256(__m256i alo, __m256i ahi, __m256i blo, __m256i bhi, __m256i xx, __m256i* acc) {
-  acc[0] = _mm256_add_epi16(acc[0], _mm256_maddubs_epi16(_mm256_unpacklo_epi8(alo, blo), xx));
-  acc[1] = _mm256_add_epi16(acc[1], _mm256_maddubs_epi16(_mm256_unpackhi_epi8(alo, blo), xx));
-  acc[2] = _mm256_add_epi16(acc[2], _mm256_maddubs_epi16(_mm256_unpacklo_epi8(ahi, bhi), xx));
-  acc[3] = _mm256_add_epi16(acc[3], _mm256_maddubs_epi16(_mm256_unpackhi_epi8(ahi, bhi), xx));
-}
-
 // sum[4 u + g] (rows 64 u + 16 g + 8 eta + 0..7, 32 bits) += the block's pairs [s0, s1) over half eta of pass p
-inline void q6c_half_256(const Q4CBlock& k, int s0, int s1, int64_t np, int64_t p, int eta, __m256i* sum) {
+inline void q6c_half_256(const Q4CBlock& k, int s0, int s1, int64_t p, int eta, __m256i* sum) {
   for (int s = s0; s < s1; s += 2) {
     const int e = std::min(s + 2, s1);
     __m256i acc[4] = {_mm256_setzero_si256(), _mm256_setzero_si256(), _mm256_setzero_si256(), _mm256_setzero_si256()};
@@ -339,83 +333,38 @@ inline void q6c_half_256(const Q4CBlock& k, int s0, int s1, int64_t np, int64_t 
       __m256i alo, ahi, blo, bhi;
       q6c_codes_256(k.ra[i], k.ta[i], p, eta, alo, ahi);
       q6c_codes_256(k.rb[i], k.tb[i], p, eta, blo, bhi);
-      q6c_products_256(alo, ahi, blo, bhi, _mm256_set1_epi16(k.x[i]), acc);
+      split_products_256(alo, ahi, blo, bhi, _mm256_set1_epi16(k.x[i]), acc);
     }
     widen_sums_256(acc, sum);
   }
 }
 
-inline void q6c_passes_256(const Q4CArgs& a, int64_t p_begin, int64_t p_end, float* y) {
-  const int64_t nb = a.k / 32, np = q4c_rows(a.n);
-  const uint8_t* kt = q4c_tail(a, np);
-  Q4CBlock k, nk;  // this block, the next with a kept channel
-  const uint8_t* nks;
-  for (int64_t b = 0; b < nb; b++) {
-    if (q4c_block(a, b, np, k) == 0) continue;
-    const uint8_t* r = k.r;
-    const uint8_t* ks = kt + 2 * np * (b / 8);  // the rows' d of the block's super-block
-    const __m256 vxd = _mm256_set1_ps(a.xd[b]);
-    const __m256i xa = _mm256_set1_epi32(32 * a.x16[2 * b]), xb = _mm256_set1_epi32(32 * a.x16[2 * b + 1]);
-    q4c_next(a, b, np, kt, nk, nks);
-    for (int64_t p = p_begin; p < p_end; p++) {
-      const bool ahead = p + Q4C_AHEAD < p_end, far = p + Q4C_FAR < p_end;
-      if (ahead) {
-        for (int64_t o = 0; o < 128; o += 64) {
-          _mm_prefetch((const char*)r + 128 * (p + Q4C_AHEAD) + o, _MM_HINT_T0);
-          _mm_prefetch((const char*)r + np + 128 * (p + Q4C_AHEAD) + o, _MM_HINT_T0);
-        }
-        for (int64_t o = 0; o < 256; o += 64) _mm_prefetch((const char*)ks + 256 * (p + Q4C_AHEAD) + o, _MM_HINT_T0);
-      } else if (nk.cnt && p + Q4C_AHEAD - p_end + p_begin < p_end) {
-        q6c_prefetch_block(nk, nks, np, p + Q4C_AHEAD - p_end + p_begin);
-      }
-      for (int i = 0; i < k.cnt; i++) {
-        q6c_prefetch_run(k.ra[i], k.ta[i], p, ahead, far);
-        q6c_prefetch_run(k.rb[i], k.tb[i], p, ahead, far);
-      }
-      for (int eta = 0; eta < 2; eta++) {
-        __m256i sa[8], sb[8];
-        for (int i = 0; i < 8; i++) sa[i] = sb[i] = _mm256_setzero_si256();
-        q6c_half_256(k, 0, k.cnt_a, np, p, eta, sa);
-        q6c_half_256(k, k.cnt_a, k.cnt, np, p, eta, sb);
-        for (int i = 0; i < 8; i++) {
-          const int64_t row = 128 * p + 64 * (i / 4) + 16 * (i % 4) + 8 * eta;
-          const __m256i sca = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)(r + row)));
-          const __m256i scb = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)(r + np + row)));
-          const __m256i t = _mm256_add_epi32(_mm256_mullo_epi32(_mm256_sub_epi32(sa[i], xa), sca),
-                                             _mm256_mullo_epi32(_mm256_sub_epi32(sb[i], xb), scb));
-          const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(ks + 2 * row)));
-          _mm256_storeu_ps(y + row, _mm256_fmadd_ps(_mm256_cvtepi32_ps(t), _mm256_mul_ps(d, vxd),
-                                                    _mm256_loadu_ps(y + row)));
-        }
-      }
-    }
+// Pass p of a Q6_K block k into y (xa, xb: 32 times its halves' input sums)
+inline void q6c_pass(const Q4CBlock& k, const uint8_t* r, const uint8_t* ks, int64_t np, QV::F vxd, QV::I xa, QV::I xb,
+                     int64_t p, bool ahead, bool far, float* y) {
+  for (int i = 0; i < k.cnt; i++) {
+    q6c_prefetch_run(k.ra[i], k.ta[i], p, ahead, far);
+    q6c_prefetch_run(k.rb[i], k.tb[i], p, ahead, far);
+  }
+  for (int eta = 0; eta < 2; eta++) {
+    __m256i sa[8], sb[8];
+    for (int i = 0; i < 8; i++) sa[i] = sb[i] = _mm256_setzero_si256();
+    q6c_half_256(k, 0, k.cnt_a, p, eta, sa);
+    q6c_half_256(k, k.cnt_a, k.cnt, p, eta, sb);
+    for (int i = 0; i < 8; i++)
+      q6c_floats(r, ks, np, 128 * p + 64 * (i / 4) + 16 * (i % 4) + 8 * eta, sa[i], sb[i], xa, xb, vxd, y);
   }
 }
 
-#if defined(__AVX512BW__)
+#else
 // ---- 512-bit: a whole pass (a run's 64-byte line) a vector; each sum one 16-row group ----
-struct Q4CFloats512 {
-  __m512 vxd, vxs;
-  template <int KIND>
-  __attribute__((always_inline)) inline void add(const uint8_t* r, const uint8_t* ks, int64_t np, int64_t row,
-                                                 __m512i sum, float* y) const {
-    __m512 d, m;
-    if (KIND == Q4C_Q4_K) {  // d * sc and -dmin * mn
-      const __m512 sd = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(ks + 2 * row)));
-      const __m512 sm = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(ks + 2 * np + 2 * row)));
-      d = _mm512_mul_ps(sd, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(r + row)))));
-      m = _mm512_mul_ps(sm, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(r + np + row)))));
-      const __m512 acc_y = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_mul_ps(d, vxd), _mm512_loadu_ps(y + row));
-      _mm512_storeu_ps(y + row, _mm512_fnmadd_ps(m, vxs, acc_y));
-      return;
-    }
-    d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(r + 2 * row)));
-    m = KIND == Q4C_Q4_1 ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(r + 2 * np + 2 * row)))
-                         : _mm512_mul_ps(d, _mm512_set1_ps(-8.0f));
-    const __m512 acc_y = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_mul_ps(d, vxd), _mm512_loadu_ps(y + row));
-    _mm512_storeu_ps(y + row, _mm512_fmadd_ps(m, vxs, acc_y));
-  }
-};
+// split_products_256 in 512-bit registers (each 256-bit half what it holds for its half line)
+__attribute__((always_inline)) inline void split_products_512(__m512i alo, __m512i ahi, __m512i blo, __m512i bhi, __m512i xx, __m512i* acc) {
+  acc[0] = _mm512_add_epi16(acc[0], _mm512_maddubs_epi16(_mm512_unpacklo_epi8(alo, blo), xx));
+  acc[1] = _mm512_add_epi16(acc[1], _mm512_maddubs_epi16(_mm512_unpackhi_epi8(alo, blo), xx));
+  acc[2] = _mm512_add_epi16(acc[2], _mm512_maddubs_epi16(_mm512_unpacklo_epi8(ahi, bhi), xx));
+  acc[3] = _mm512_add_epi16(acc[3], _mm512_maddubs_epi16(_mm512_unpackhi_epi8(ahi, bhi), xx));
+}
 
 // sum[4 u + m] (32 bits) += acc[2 u + h]'s 16-bit lanes 4 (2 h + i) + 0..3 of each 128-bit lane
 // (m = 2 h + i): rows 64 u + 16 m + 4 L + t, sign-extended
@@ -466,44 +415,20 @@ __attribute__((always_inline)) inline void q4c_sums_512(const Q4CBlock& k, int64
       const __m512i xx = _mm512_set1_epi16(k.x[i]);
       const __m512i alo = _mm512_and_si512(va, mask), ahi = _mm512_and_si512(_mm512_srli_epi16(va, 4), mask);
       const __m512i blo = _mm512_and_si512(vb, mask), bhi = _mm512_and_si512(_mm512_srli_epi16(vb, 4), mask);
-      acc[0] = _mm512_add_epi16(acc[0], _mm512_maddubs_epi16(_mm512_unpacklo_epi8(alo, blo), xx));
-      acc[1] = _mm512_add_epi16(acc[1], _mm512_maddubs_epi16(_mm512_unpackhi_epi8(alo, blo), xx));
-      acc[2] = _mm512_add_epi16(acc[2], _mm512_maddubs_epi16(_mm512_unpacklo_epi8(ahi, bhi), xx));
-      acc[3] = _mm512_add_epi16(acc[3], _mm512_maddubs_epi16(_mm512_unpackhi_epi8(ahi, bhi), xx));
+      split_products_512(alo, ahi, blo, bhi, xx, acc);
     }
     widen_sums_512(acc, sum);
   }
 #endif
 }
 
+// Pass p of block k (r its region, ks its super-block's values) into y: the whole line a vector
 template <int KIND>
-inline void q4c_passes_512_kind(const Q4CArgs& a, int64_t p_begin, int64_t p_end, float* y) {
-  const int64_t nb = a.k / 32, np = q4c_rows(a.n);
-  Q4CBlock k;
-  const uint8_t* kt = KIND == Q4C_Q4_K ? q4c_tail(a, np) : nullptr;
-  int64_t sb_read = -1;  // the last super-block whose d and dmin were asked for
-  Q4CBlock nk;  // the next block with a kept channel
-  const uint8_t* nks;
-  for (int64_t b = 0; b < nb; b++) {
-    if (q4c_block(a, b, np, k) == 0) continue;
-    const uint8_t* r = k.r;
-    const uint8_t* ks = kt ? kt + 4 * np * (b / 8) : nullptr;  // a Q4_K matrix's d and dmin here
-    const uint8_t* ks_new = ks && b / 8 != sb_read ? ks : nullptr;
-    sb_read = b / 8;
-    const Q4CFloats512 fl{_mm512_set1_ps(a.xd[b]), _mm512_set1_ps(a.xs[b])};
-    q4c_next(a, b, np, kt, nk, nks);  // (as q4c_passes_256_kind)
-    for (int64_t p = p_begin; p < p_end; p++) {
-      const bool ahead = p + Q4C_AHEAD < p_end, far = p + Q4C_FAR < p_end;
-      if (ahead) {
-        q4c_prefetch_scales(a, r, ks_new, np, p + Q4C_AHEAD);
-      } else if (nk.cnt && p + Q4C_AHEAD - p_end + p_begin < p_end) {
-        q4c_prefetch_block(a, nk, nks, np, p + Q4C_AHEAD - p_end + p_begin);
-      }
-      __m512i sum[8];  // sum[4 u + g]: rows 128 p + 64 u + 16 g .. + 15, in 32 bits
-      q4c_sums_512<KIND>(k, p, ahead, far, sum);
-      for (int i = 0; i < 8; i++) fl.add<KIND>(r, ks, np, 128 * p + 16 * i, sum[i], y);
-    }
-  }
+inline void q4c_pass(const Q4CBlock& k, const uint8_t* r, const uint8_t* ks, int64_t np, const Q4CFloats& fl, int64_t p,
+                     bool ahead, bool far, float* y) {
+  __m512i sum[8];  // sum[4 u + g]: rows 128 p + 64 u + 16 g .. + 15, in 32 bits
+  q4c_sums_512<KIND>(k, p, ahead, far, sum);
+  for (int i = 0; i < 8; i++) fl.add<KIND>(r, ks, np, 128 * p + 16 * i, sum[i], y);
 }
 
 // The Q6_K product a pass a vector (as q6c_passes_256, the same integers and floats)
@@ -554,10 +479,7 @@ inline void q6c_half_512(const Q4CBlock& k, int s0, int s1, int64_t p, bool ahea
       q6c_codes_512(k.ra[i], k.ta[i], p, alo, ahi);
       q6c_codes_512(k.rb[i], k.tb[i], p, blo, bhi);
       const __m512i xx = _mm512_set1_epi16(k.x[i]);
-      acc[0] = _mm512_add_epi16(acc[0], _mm512_maddubs_epi16(_mm512_unpacklo_epi8(alo, blo), xx));
-      acc[1] = _mm512_add_epi16(acc[1], _mm512_maddubs_epi16(_mm512_unpackhi_epi8(alo, blo), xx));
-      acc[2] = _mm512_add_epi16(acc[2], _mm512_maddubs_epi16(_mm512_unpacklo_epi8(ahi, bhi), xx));
-      acc[3] = _mm512_add_epi16(acc[3], _mm512_maddubs_epi16(_mm512_unpackhi_epi8(ahi, bhi), xx));
+      split_products_512(alo, ahi, blo, bhi, xx, acc);
     }
     widen_sums_512(acc, sum);
   }
@@ -565,62 +487,37 @@ inline void q6c_half_512(const Q4CBlock& k, int s0, int s1, int64_t p, bool ahea
 
 #endif
 
-inline void q6c_passes_512(const Q4CArgs& a, int64_t p_begin, int64_t p_end, float* y) {
-  const int64_t nb = a.k / 32, np = q4c_rows(a.n);
-  const uint8_t* kt = q4c_tail(a, np);
-  Q4CBlock k, nk;
-  const uint8_t* nks;
-  for (int64_t b = 0; b < nb; b++) {
-    if (q4c_block(a, b, np, k) == 0) continue;
-    const uint8_t* r = k.r;
-    const uint8_t* ks = kt + 2 * np * (b / 8);
-    const __m512 vxd = _mm512_set1_ps(a.xd[b]);
-    const __m512i xa = _mm512_set1_epi32(32 * a.x16[2 * b]), xb = _mm512_set1_epi32(32 * a.x16[2 * b + 1]);
-    q4c_next(a, b, np, kt, nk, nks);
-    for (int64_t p = p_begin; p < p_end; p++) {
-      const bool ahead = p + Q4C_AHEAD < p_end, far = p + Q4C_FAR < p_end;
-      if (ahead) {
-        for (int64_t o = 0; o < 128; o += 64) {
-          _mm_prefetch((const char*)r + 128 * (p + Q4C_AHEAD) + o, _MM_HINT_T0);
-          _mm_prefetch((const char*)r + np + 128 * (p + Q4C_AHEAD) + o, _MM_HINT_T0);
-        }
-        for (int o = 0; o < 256; o += 64) _mm_prefetch((const char*)ks + 256 * (p + Q4C_AHEAD) + o, _MM_HINT_T0);
-      } else if (nk.cnt && p + Q4C_AHEAD - p_end + p_begin < p_end) {
-        q6c_prefetch_block(nk, nks, np, p + Q4C_AHEAD - p_end + p_begin);
-      }
-      __m512i sa[8], sb[8];
-      for (int i = 0; i < 8; i++) sa[i] = sb[i] = _mm512_setzero_si512();
-      q6c_half_512(k, 0, k.cnt_a, p, ahead, far, sa);
-      q6c_half_512(k, k.cnt_a, k.cnt, p, ahead, far, sb);
-      for (int i = 0; i < 8; i++) {
-        const int64_t row = 128 * p + 16 * i;
-        const __m512i sca = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(r + row)));
-        const __m512i scb = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(r + np + row)));
-        const __m512i t = _mm512_add_epi32(_mm512_mullo_epi32(_mm512_sub_epi32(sa[i], xa), sca),
-                                           _mm512_mullo_epi32(_mm512_sub_epi32(sb[i], xb), scb));
-        const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(ks + 2 * row)));
-        _mm512_storeu_ps(y + row, _mm512_fmadd_ps(_mm512_cvtepi32_ps(t), _mm512_mul_ps(d, vxd),
-                                                  _mm512_loadu_ps(y + row)));
-      }
-    }
-  }
+// Pass p of a Q6_K block k into y (as the 256-bit body)
+inline void q6c_pass(const Q4CBlock& k, const uint8_t* r, const uint8_t* ks, int64_t np, QV::F vxd, QV::I xa, QV::I xb,
+                     int64_t p, bool ahead, bool far, float* y) {
+  __m512i sa[8], sb[8];
+  for (int i = 0; i < 8; i++) sa[i] = sb[i] = _mm512_setzero_si512();
+  q6c_half_512(k, 0, k.cnt_a, p, ahead, far, sa);
+  q6c_half_512(k, k.cnt_a, k.cnt, p, ahead, far, sb);
+  for (int i = 0; i < 8; i++) q6c_floats(r, ks, np, 128 * p + 16 * i, sa[i], sb[i], xa, xb, vxd, y);
+}
+
+#endif
+
+// rows [128 p_begin, 128 p_end) of the product into y (the widest body this build has)
+template <int KIND>
+inline void q4c_kind_passes(const Q4CArgs& a, int64_t p_begin, int64_t p_end, float* y) {
+  const int64_t np = q4c_rows(a.n);
+  q4c_walk<KIND>(a, p_begin, p_end, [&](const Q4CBlock& k, const uint8_t* r, const uint8_t* ks, int64_t b, int64_t p,
+                                        bool ahead, bool far) {
+    if constexpr (KIND == Q4C_Q6_K)
+      q6c_pass(k, r, ks, np, QV::fset(a.xd[b]), QV::dwords(32 * a.x16[2 * b]), QV::dwords(32 * a.x16[2 * b + 1]), p,
+               ahead, far, y);
+    else
+      q4c_pass<KIND>(k, r, ks, np, Q4CFloats{QV::fset(a.xd[b]), QV::fset(a.xs[b])}, p, ahead, far, y);
+  });
 }
 
 inline void q4c_passes(const Q4CArgs& a, int64_t p_begin, int64_t p_end, float* y) {
   switch (a.kind) {
-    case Q4C_Q4_0: return q4c_passes_512_kind<Q4C_Q4_0>(a, p_begin, p_end, y);
-    case Q4C_Q4_1: return q4c_passes_512_kind<Q4C_Q4_1>(a, p_begin, p_end, y);
-    case Q4C_Q4_K: return q4c_passes_512_kind<Q4C_Q4_K>(a, p_begin, p_end, y);
-    default: return q6c_passes_512(a, p_begin, p_end, y);
+    case Q4C_Q4_0: return q4c_kind_passes<Q4C_Q4_0>(a, p_begin, p_end, y);
+    case Q4C_Q4_1: return q4c_kind_passes<Q4C_Q4_1>(a, p_begin, p_end, y);
+    case Q4C_Q4_K: return q4c_kind_passes<Q4C_Q4_K>(a, p_begin, p_end, y);
+    default: return q4c_kind_passes<Q4C_Q6_K>(a, p_begin, p_end, y);
   }
 }
-#else
-inline void q4c_passes(const Q4CArgs& a, int64_t p_begin, int64_t p_end, float* y) {
-  switch (a.kind) {
-    case Q4C_Q4_0: return q4c_passes_256_kind<Q4C_Q4_0>(a, p_begin, p_end, y);
-    case Q4C_Q4_1: return q4c_passes_256_kind<Q4C_Q4_1>(a, p_begin, p_end, y);
-    case Q4C_Q4_K: return q4c_passes_256_kind<Q4C_Q4_K>(a, p_begin, p_end, y);
-    default: return q6c_passes_256(a, p_begin, p_end, y);
-  }
-}
-#endif

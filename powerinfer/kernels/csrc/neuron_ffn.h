@@ -1454,6 +1454,7 @@ struct QV {
   static F fmul(F a, F b) { return _mm512_mul_ps(a, b); }
   static F fma(F a, F b, F c) { return _mm512_fmadd_ps(a, b, c); }
   static F fnma(F a, F b, F c) { return _mm512_fnmadd_ps(a, b, c); }
+  static F fload(const float* p) { return _mm512_loadu_ps(p); }
   static void store(float* p, F v) { _mm512_storeu_ps(p, v); }
 };
 #else
@@ -1490,6 +1491,7 @@ struct QV {
   static F fmul(F a, F b) { return _mm256_mul_ps(a, b); }
   static F fma(F a, F b, F c) { return _mm256_fmadd_ps(a, b, c); }
   static F fnma(F a, F b, F c) { return _mm256_fnmadd_ps(a, b, c); }
+  static F fload(const float* p) { return _mm256_loadu_ps(p); }
   static void store(float* p, F v) { _mm256_storeu_ps(p, v); }
 };
 #endif
