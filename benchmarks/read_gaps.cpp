@@ -34,21 +34,24 @@ int main(int argc, char** argv) {
     // (memory may have changed: without this the compiler may read the buffer once for all passes)
     asm volatile("" : : : "memory");
     __m256i acc = _mm256_setzero_si256();
-    for (size_t g = 0; side && g < kept.size(); g += side) {
-      const size_t e = g + side < kept.size() ? g + side : kept.size();
-      for (size_t o = 0; o < piece; o += 64)
-        for (size_t i = g; i < e; i++) {
-          const uint8_t* p = b + kept[i] + o;
-          if (ahead && o + 64 * ahead < piece) _mm_prefetch(reinterpret_cast<const char*>(p + 64 * ahead), _MM_HINT_T0);
-          acc = _mm256_add_epi8(acc, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-          acc = _mm256_add_epi8(acc, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 32)));
-        }
-    }
-    for (size_t i = 0; !side && i < kept.size(); i++) {
-      if (ahead && i + ahead < kept.size())
-        for (size_t o = 0; o < piece; o += 64) _mm_prefetch(reinterpret_cast<const char*>(b + kept[i + ahead] + o), _MM_HINT_T0);
-      const uint8_t* p = b + kept[i];
-      for (size_t o = 0; o < piece; o += 32) acc = _mm256_add_epi8(acc, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + o)));
+    if (side) {
+      for (size_t g = 0; g < kept.size(); g += side) {
+        const size_t e = g + side < kept.size() ? g + side : kept.size();
+        for (size_t o = 0; o < piece; o += 64)
+          for (size_t i = g; i < e; i++) {
+            const uint8_t* p = b + kept[i] + o;
+            if (ahead && o + 64 * ahead < piece) _mm_prefetch(reinterpret_cast<const char*>(p + 64 * ahead), _MM_HINT_T0);
+            acc = _mm256_add_epi8(acc, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+            acc = _mm256_add_epi8(acc, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 32)));
+          }
+      }
+    } else {
+      for (size_t i = 0; i < kept.size(); i++) {
+        if (ahead && i + ahead < kept.size())
+          for (size_t o = 0; o < piece; o += 64) _mm_prefetch(reinterpret_cast<const char*>(b + kept[i + ahead] + o), _MM_HINT_T0);
+        const uint8_t* p = b + kept[i];
+        for (size_t o = 0; o < piece; o += 32) acc = _mm256_add_epi8(acc, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + o)));
+      }
     }
     // every byte of every load in the answer, so that no load can be left out
     const __m256i s = _mm256_sad_epu8(acc, _mm256_setzero_si256());

@@ -91,7 +91,7 @@ inline int q4c_block(const Q4CArgs& a, int64_t b, int64_t np, Q4CBlock& k) {
 }
 
 // The first block after b with a kept channel (k filled; k.cnt 0 where none is left), and its
-// Q4_K super-block's d and dmin where the product has not asked for them yet (else null)
+// K-quant super-block's values where the product has not asked for them yet (else null)
 inline void q4c_next(const Q4CArgs& a, int64_t b, int64_t np, const uint8_t* kt, Q4CBlock& k,
                      const uint8_t*& ks) {
   const int64_t nb = a.k / 32;
@@ -103,7 +103,8 @@ inline void q4c_next(const Q4CArgs& a, int64_t b, int64_t np, const uint8_t* kt,
     }
 }
 
-// A Q4_K matrix's super-blocks' d and dmin, after its blocks (the end of the blocks otherwise)
+// A K-quant matrix's super-blocks' values (Q4_K's d and dmin, Q6_K's d), after its blocks (the end
+// of the blocks otherwise)
 inline const uint8_t* q4c_tail(const Q4CArgs& a, int64_t np) { return a.w + a.k / 32 * q4c_region(np, a.kind); }
 
 // The lines of a block's scales (and offsets) for pass p (r: the block's region); with ks (a
@@ -146,8 +147,8 @@ PREFETCHES void q4c_prefetch_block(const Q4CArgs& a, const Q4CBlock& k, const ui
 // [p_begin, p_end), each pass's scales asked for Q4C_AHEAD passes ahead, and over a block's last
 // passes the next block's first ones: a thread's share of a run can be a few passes (the output
 // projection's 4,096 rows: 16 a thread of two), and without them a quarter of its bytes came
-// unannounced, at every block. body(k, r, ks, b, p, ahead, far): block k (r its region, ks its
-// super-block's values, b its index), pass p; `ahead` and `far` whether pass p + Q4C_AHEAD and
+// unannounced, at every block. body(k, ks, b, p, ahead, far): block k (ks its super-block's
+// values, b its index), pass p; `ahead` and `far` whether pass p + Q4C_AHEAD and
 // p + Q4C_FAR are still the thread's (its lines then asked for by the body).
 template <int KIND, typename Body>
 __attribute__((always_inline)) inline void q4c_walk(const Q4CArgs& a, int64_t p_begin, int64_t p_end, const Body& body) {
@@ -169,7 +170,7 @@ __attribute__((always_inline)) inline void q4c_walk(const Q4CArgs& a, int64_t p_
       } else if (nk.cnt && p + Q4C_AHEAD - p_end + p_begin < p_end) {
         q4c_prefetch_block(a, nk, nks, np, p + Q4C_AHEAD - p_end + p_begin);
       }
-      body(k, k.r, ks, b, p, ahead, far);
+      body(k, ks, b, p, ahead, far);
     }
   }
 }
@@ -275,38 +276,26 @@ __attribute__((always_inline)) inline void widen_sums_256(const __m256i* acc, __
   }
 }
 
-// A pass's 256-bit half (bytes 32 eta .. + 31 of each line: rows 16 g + 8 eta + 0..7 of each
-// group g of 16, low and high) of block k's pairs into sum[8]: sum[4 u + g] rows 64 u + 16 g +
-// 8 eta + 0..7. `lines(i, va, vb, xx)` loads pair i's two halves and gives its two inputs.
-template <int SEGMENT, typename Lines>
-__attribute__((always_inline)) inline void q4c_half_256(int s0, int s1, const Lines& lines, __m256i* sum) {
-  for (int s = s0; s < s1; s += SEGMENT) {
-    const int e = std::min(s + SEGMENT, s1);
-    __m256i acc[4] = {_mm256_setzero_si256(), _mm256_setzero_si256(), _mm256_setzero_si256(), _mm256_setzero_si256()};
-    for (int i = s; i < e; i++) {
-      __m256i va, vb, xx;
-      lines(i, va, vb, xx);
-      pair_products_256(va, vb, xx, acc);
-    }
-    widen_sums_256(acc, sum);
-  }
-}
-
-// Pass p of block k (r its region, ks its super-block's values) into y: two halves of 32 bytes
+// Pass p of block k (ks its super-block's values) into y, in two halves (bytes 32 eta .. + 31 of
+// each line: rows 16 g + 8 eta + 0..7 of each group g of 16, low and high); per half, segments
+// of up to 8 pairs summed in 16 bits, then widened: sum[4 u + g] rows 64 u + 16 g + 8 eta + 0..7
 template <int KIND>
-inline void q4c_pass(const Q4CBlock& k, const uint8_t* r, const uint8_t* ks, int64_t np, const Q4CFloats& fl, int64_t p,
-                     bool ahead, bool far, float* y) {
+inline void q4c_pass(const Q4CBlock& k, const uint8_t* ks, int64_t np, const Q4CFloats& fl, int64_t p, bool ahead,
+                     bool far, float* y) {
+  for (int i = 0; i < k.cnt; i++) q4c_prefetch_pair(k.ra[i] + 64 * p, k.rb[i] + 64 * p, ahead, far);
   for (int eta = 0; eta < 2; eta++) {
     __m256i sum[8];
     for (int i = 0; i < 8; i++) sum[i] = _mm256_setzero_si256();
-    q4c_half_256<8>(0, k.cnt, [&](int i, __m256i& va, __m256i& vb, __m256i& xx) {
-      const uint8_t *pa = k.ra[i] + 64 * p, *pb = k.rb[i] + 64 * p;
-      if (eta == 0) q4c_prefetch_pair(pa, pb, ahead, far);
-      va = _mm256_loadu_si256((const __m256i*)(pa + 32 * eta));
-      vb = _mm256_loadu_si256((const __m256i*)(pb + 32 * eta));
-      xx = _mm256_set1_epi16(k.x[i]);
-    }, sum);
-    for (int i = 0; i < 8; i++) fl.add<KIND>(r, ks, np, 128 * p + 64 * (i / 4) + 16 * (i % 4) + 8 * eta, sum[i], y);
+    for (int s = 0; s < k.cnt; s += 8) {
+      __m256i acc[4] = {_mm256_setzero_si256(), _mm256_setzero_si256(), _mm256_setzero_si256(), _mm256_setzero_si256()};
+      for (int i = s; i < std::min(s + 8, k.cnt); i++) {
+        const __m256i va = _mm256_loadu_si256((const __m256i*)(k.ra[i] + 64 * p + 32 * eta));
+        const __m256i vb = _mm256_loadu_si256((const __m256i*)(k.rb[i] + 64 * p + 32 * eta));
+        pair_products_256(va, vb, _mm256_set1_epi16(k.x[i]), acc);
+      }
+      widen_sums_256(acc, sum);
+    }
+    for (int i = 0; i < 8; i++) fl.add<KIND>(k.r, ks, np, 128 * p + 64 * (i / 4) + 16 * (i % 4) + 8 * eta, sum[i], y);
   }
 }
 
@@ -340,8 +329,8 @@ inline void q6c_half_256(const Q4CBlock& k, int s0, int s1, int64_t p, int eta, 
 }
 
 // Pass p of a Q6_K block k into y (xa, xb: 32 times its halves' input sums)
-inline void q6c_pass(const Q4CBlock& k, const uint8_t* r, const uint8_t* ks, int64_t np, QV::F vxd, QV::I xa, QV::I xb,
-                     int64_t p, bool ahead, bool far, float* y) {
+inline void q6c_pass(const Q4CBlock& k, const uint8_t* ks, int64_t np, QV::F vxd, QV::I xa, QV::I xb, int64_t p,
+                     bool ahead, bool far, float* y) {
   for (int i = 0; i < k.cnt; i++) {
     q6c_prefetch_run(k.ra[i], k.ta[i], p, ahead, far);
     q6c_prefetch_run(k.rb[i], k.tb[i], p, ahead, far);
@@ -352,7 +341,7 @@ inline void q6c_pass(const Q4CBlock& k, const uint8_t* r, const uint8_t* ks, int
     q6c_half_256(k, 0, k.cnt_a, p, eta, sa);
     q6c_half_256(k, k.cnt_a, k.cnt, p, eta, sb);
     for (int i = 0; i < 8; i++)
-      q6c_floats(r, ks, np, 128 * p + 64 * (i / 4) + 16 * (i % 4) + 8 * eta, sa[i], sb[i], xa, xb, vxd, y);
+      q6c_floats(k.r, ks, np, 128 * p + 64 * (i / 4) + 16 * (i % 4) + 8 * eta, sa[i], sb[i], xa, xb, vxd, y);
   }
 }
 
@@ -422,16 +411,16 @@ __attribute__((always_inline)) inline void q4c_sums_512(const Q4CBlock& k, int64
 #endif
 }
 
-// Pass p of block k (r its region, ks its super-block's values) into y: the whole line a vector
+// Pass p of block k (ks its super-block's values) into y: the whole line a vector
 template <int KIND>
-inline void q4c_pass(const Q4CBlock& k, const uint8_t* r, const uint8_t* ks, int64_t np, const Q4CFloats& fl, int64_t p,
-                     bool ahead, bool far, float* y) {
+inline void q4c_pass(const Q4CBlock& k, const uint8_t* ks, int64_t np, const Q4CFloats& fl, int64_t p, bool ahead,
+                     bool far, float* y) {
   __m512i sum[8];  // sum[4 u + g]: rows 128 p + 64 u + 16 g .. + 15, in 32 bits
   q4c_sums_512<KIND>(k, p, ahead, far, sum);
-  for (int i = 0; i < 8; i++) fl.add<KIND>(r, ks, np, 128 * p + 16 * i, sum[i], y);
+  for (int i = 0; i < 8; i++) fl.add<KIND>(k.r, ks, np, 128 * p + 16 * i, sum[i], y);
 }
 
-// The Q6_K product a pass a vector (as q6c_passes_256, the same integers and floats)
+// The Q6_K product a pass a vector (as the 256-bit body: the same integers and floats)
 inline void q6c_codes_512(const uint8_t* run, const uint8_t* top, int64_t p, __m512i& lo, __m512i& hi) {
   const __m512i mask = _mm512_set1_epi8(0x0F), m30 = _mm512_set1_epi8(0x30);
   const __m512i v = _mm512_loadu_si512((const void*)(run + 64 * p));
@@ -488,13 +477,13 @@ inline void q6c_half_512(const Q4CBlock& k, int s0, int s1, int64_t p, bool ahea
 #endif
 
 // Pass p of a Q6_K block k into y (as the 256-bit body)
-inline void q6c_pass(const Q4CBlock& k, const uint8_t* r, const uint8_t* ks, int64_t np, QV::F vxd, QV::I xa, QV::I xb,
-                     int64_t p, bool ahead, bool far, float* y) {
+inline void q6c_pass(const Q4CBlock& k, const uint8_t* ks, int64_t np, QV::F vxd, QV::I xa, QV::I xb, int64_t p,
+                     bool ahead, bool far, float* y) {
   __m512i sa[8], sb[8];
   for (int i = 0; i < 8; i++) sa[i] = sb[i] = _mm512_setzero_si512();
   q6c_half_512(k, 0, k.cnt_a, p, ahead, far, sa);
   q6c_half_512(k, k.cnt_a, k.cnt, p, ahead, far, sb);
-  for (int i = 0; i < 8; i++) q6c_floats(r, ks, np, 128 * p + 16 * i, sa[i], sb[i], xa, xb, vxd, y);
+  for (int i = 0; i < 8; i++) q6c_floats(k.r, ks, np, 128 * p + 16 * i, sa[i], sb[i], xa, xb, vxd, y);
 }
 
 #endif
@@ -503,13 +492,13 @@ inline void q6c_pass(const Q4CBlock& k, const uint8_t* r, const uint8_t* ks, int
 template <int KIND>
 inline void q4c_kind_passes(const Q4CArgs& a, int64_t p_begin, int64_t p_end, float* y) {
   const int64_t np = q4c_rows(a.n);
-  q4c_walk<KIND>(a, p_begin, p_end, [&](const Q4CBlock& k, const uint8_t* r, const uint8_t* ks, int64_t b, int64_t p,
-                                        bool ahead, bool far) {
+  q4c_walk<KIND>(a, p_begin, p_end, [&](const Q4CBlock& k, const uint8_t* ks, int64_t b, int64_t p, bool ahead,
+                                        bool far) {
     if constexpr (KIND == Q4C_Q6_K)
-      q6c_pass(k, r, ks, np, QV::fset(a.xd[b]), QV::dwords(32 * a.x16[2 * b]), QV::dwords(32 * a.x16[2 * b + 1]), p,
+      q6c_pass(k, ks, np, QV::fset(a.xd[b]), QV::dwords(32 * a.x16[2 * b]), QV::dwords(32 * a.x16[2 * b + 1]), p,
                ahead, far, y);
     else
-      q4c_pass<KIND>(k, r, ks, np, Q4CFloats{QV::fset(a.xd[b]), QV::fset(a.xs[b])}, p, ahead, far, y);
+      q4c_pass<KIND>(k, ks, np, Q4CFloats{QV::fset(a.xd[b]), QV::fset(a.xs[b])}, p, ahead, far, y);
   });
 }
 
