@@ -6,7 +6,7 @@ Q6_K rows), the same matrices, in one run, in turns.
 
     .venv/bin/python benchmarks/input_sparse_gemv.py [--threads N] [--shapes 7b smollm2]
         [--quant q4_0|q4_k|q6_k] [--sparsity 0 0.25 0.4 0.5 0.7] [--turns 3] [--cpu-isa avx2]
-        [--from-cache] [--rows 64] [--json FILE]
+        [--from-cache] [--rows 64] [--walks] [--json FILE]
 
 Each shape is a decode step's projections that share an input (TEAL sparsifies each input once):
 q/k/v fused, the output projection, gate/up fused (the 7B shape's 4096 -> 12288, 4096, 22016;
@@ -22,6 +22,10 @@ the kept channels' codes; the dense one all of them) at the read rate of a plain
 or 4x the last level cache (`gemv.read_rate`), measured in the same run. With --rows 64, each
 matrix is cut to 64 rows and read from the cache: what a call costs beside its rows (its input
 dropped, rounded and paired, the threads' start), which a 4,096-row product pays as well.
+With --walks, the q4c product is also timed in each turn walking its matrix pass by pass
+(`kernels.q4c_walk("passes")`: a block's runs side by side, the walk before the VNNI bodies'
+quad-by-quad one), and the JSON keeps every turn's times: where a machine's memory reads fast
+at some times and slowly at others, the turns sorted by the dense product's time show both.
 """
 from __future__ import annotations
 
@@ -136,6 +140,9 @@ def main():
                     help="each matrix cut to this many rows (a multiple of 128, a q4c pass), four copies read "
                          "again and again from the cache: a call's fixed costs (its input "
                          "dropped, rounded and paired; the threads' start) beside its rows' work")
+    ap.add_argument("--walks", action="store_true",
+                    help="also time the q4c product walking pass by pass (the walk before the "
+                         "VNNI bodies' quad by quad one; the same floats), in the same turns")
     ap.add_argument("--gaps", action="store_true",
                     help="first, one core's read rate of a buffer read in pieces with gaps "
                          "(benchmarks/read_gaps.cpp, built with g++): why q4c keeps whole columns")
@@ -163,8 +170,10 @@ def main():
               "level cache, a multiple of 128, read again and again: the products' own rate)\n")
     print(f"| shape | projection (rows x k) | sparsity | dense {dense_layout} ms | q4c ms | q4c vs dense "
           "| q4c bytes | q4c at its floor |"
-          + (" dense from the cache, GB/s | q4c from the cache, GB/s |" if a.from_cache else ""))
-    print("|---|---|---:|---:|---:|---:|---:|---:|" + ("---:|---:|" if a.from_cache else ""))
+          + (" dense from the cache, GB/s | q4c from the cache, GB/s |" if a.from_cache else "")
+          + (" q4c pass by pass ms | quad by quad vs pass by pass |" if a.walks else ""))
+    print("|---|---|---:|---:|---:|---:|---:|---:|" + ("---:|---:|" if a.from_cache else "")
+          + ("---:|---:|" if a.walks else ""))
     rows_out = []
     for shape in a.shapes:
         k, projs = SHAPES[shape]
@@ -193,14 +202,23 @@ def main():
                 for _ in range(a.turns):
                     td = seconds(lambda: [kernels.linear_x16(dense_in, wd, n, dense_layout) for wd, _ in mats], calls)
                     tc = seconds(lambda: [kernels.linear_q4c(x, wc, n, kind, t) for _, wc in mats], calls)
-                    turns.append((td / copies, tc / copies))
-                td, tc = (statistics.median(v) for v in zip(*turns))
+                    turn = [td / copies, tc / copies]
+                    if a.walks:
+                        before = kernels.q4c_walk("passes")
+                        tp = seconds(lambda: [kernels.linear_q4c(x, wc, n, kind, t) for _, wc in mats], calls)
+                        kernels.q4c_walk(before)
+                        turn.append(tp / copies)
+                    turns.append(turn)
+                td, tc = (statistics.median(v) for v in list(zip(*turns))[:2])
                 nbytes = q4c_read_bytes(n, k, x, t)
                 floor = nbytes / (read_gbs * 1e9)
                 row = dict(shape=shape, projection=name, rows=n, k=k, sparsity=s, threads=a.threads, quant=a.quant,
                            dense_ms=td * 1e3, q4c_ms=tc * 1e3, ratio=td / tc, q4c_bytes=nbytes,
                            dense_bytes=dense_bytes, floor_share=floor / tc, read_gbs=read_gbs,
                            dense_floor_share=dense_bytes / (read_gbs * 1e9) / td)
+                if a.walks:
+                    tp = statistics.median(v[2] for v in turns)
+                    row.update(passes_ms=tp * 1e3, turns_ms=[[v * 1e3 for v in turn] for turn in turns])
                 if a.from_cache:  # the same products read again and again from the cache, in turns
                     wd, wc = cached
                     reps = max(20, int(4e8 // (dense_bytes * n_c // n)))
@@ -215,7 +233,8 @@ def main():
                 print(f"| {shape} | {name} ({n} x {k}) | {s:.0%} | {td * 1e3:.3f} | {tc * 1e3:.3f} | "
                       f"{td / tc:.2f}x | {nbytes / 1e6:.2f} MB | {floor / tc:.0%} |"
                       + (f" {row['cached_dense_gbs']:.1f} | {row['cached_q4c_gbs']:.1f} |"
-                         if a.from_cache else ""), flush=True)
+                         if a.from_cache else "")
+                      + (f" {tp * 1e3:.3f} | {tp / tc:.2f}x |" if a.walks else ""), flush=True)
     if a.json:
         with open(a.json, "w") as f:
             json.dump(dict(isa=kernels.isa(), read_gbs=read_gbs, rows=rows_out), f, indent=1)

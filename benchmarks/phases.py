@@ -2,7 +2,8 @@
 """Where a decode token's time goes inside the native layer loop, against its floor.
 
     .venv/bin/python benchmarks/phases.py [--model M] [--bundle B] [--input-sparsity B]
-        [--tokens 64] [--turns 3] [--cpu-isa avx2|avx512|avx512bf16] [--out FILE]
+        [--tokens 64] [--turns 3] [--cpu-isa avx2|avx512|avx512bf16] [--q4c-walk passes]
+        [--out FILE]
 
 The in-process engine's decode step with the default configuration (`Config()` resolved for
 this machine and file) runs every layer in one native call (`hot_layers`). Its phases are timed
@@ -27,7 +28,9 @@ are added (`Predictors.decode_bytes`).
 `--input-sparsity`: the projections' input sparsity from that bundle (`powerinfer
 calibrate-input`; `Config(input_sparsity=...)`): a projection that took it reads, of its weights,
 the share of input channels kept, as the warm-up's decode steps counted them
-(`PowerInfer.input_sparsity_stats`, over every sparse projection).
+(`PowerInfer.input_sparsity_stats`, over every sparse projection). `--q4c-walk passes`: the
+q4c products walk their matrices pass by pass (`kernels.q4c_walk`, set before the load, whose
+timing of each size then sees it too): the baseline of the VNNI bodies' quad-by-quad walk.
 """
 from __future__ import annotations
 
@@ -93,7 +96,11 @@ def main():
                     help="hold the CPU kernel to this class (avx2, avx512, avx512bf16; Config.cpu_isa)")
     ap.add_argument("--input-sparsity", default="off", metavar="BUNDLE",
                     help="the projections' input sparsity from this bundle (calibrate-input)")
+    ap.add_argument("--q4c-walk", default="runs", choices=["runs", "passes"],
+                    help="how the VNNI bodies walk a q4c matrix (kernels.q4c_walk): a baseline")
     a = ap.parse_args()
+    if kernels.available():
+        kernels.q4c_walk(a.q4c_walk)
     config = Config(bundle=a.bundle, predictor="ffn", cpu_isa=a.cpu_isa,
                     input_sparsity=a.input_sparsity) if a.bundle else \
         Config(cpu_isa=a.cpu_isa, input_sparsity=a.input_sparsity)
@@ -150,6 +157,8 @@ def main():
         name += f", sparse ({Path(a.bundle).name})"
     if seen:
         name += f", input sparsity {1 - kept / seen:.1%} of the sparse projections' channels"
+        if a.q4c_walk != "runs":
+            name += f" (q4c walked {a.q4c_walk})"
     print(f"\nkernel class {kernels.isa()}; {name}: {token:.2f} ms a token (median of {a.turns} turns of {a.tokens} tokens); "
           f"floor {total_bytes / 1e6:.1f} MB at {bw:.1f} GB/s = {total_bytes / bw / 1e6:.2f} ms "
           f"({total_bytes / bw / 1e6 / token:.0%} of the token)\n")

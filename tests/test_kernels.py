@@ -693,6 +693,46 @@ def test_input_sparse_product_reads_the_kept_channels_of_the_files_weights(isa, 
         K.linear_q4c(torch.randn(1, 100), w, n, offsets, 0.0)
 
 
+@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q4_K"])
+# 40 passes (5,000 rows) and 128 (16,384) over 512 channels, blocks of up to 8 quads: the VNNI
+# bodies' walk quad by quad (`q4c_walk("runs")`) takes a thread's 16 to 64 passes (40 and 20 a
+# thread; 64), the walk pass by pass the others (128 on one thread)
+@pytest.mark.parametrize("n", [5000, 16384])
+def test_the_q4c_walks_give_the_dense_floats_over_many_passes(isa, kind, n):
+    # quad by quad and pass by pass, on one thread and two: the dense product's floats
+    torch.manual_seed(5)
+    k = 512
+    if kind == "Q4_K":  # random codes, 6-bit scales and minimums, small f16 d and dmin
+        sb = torch.randint(0, 256, (n, k // 256, 144), dtype=torch.uint8)
+        sb[..., 0:4] = (torch.rand(n, k // 256, 2) * 0.01 + 0.001).half().view(torch.uint8).view(n, k // 256, 4)
+        dense = K.pack_kquant(sb.view(n, -1), "Q4_K")
+        w, kind_id = K.q4kc_of_q4kx16(dense, n, k), K.Q4C_KINDS.index("q4_k")
+        dense_product = lambda x: K.linear_x16(x, dense, n, "q4kx16")  # noqa: E731
+    else:
+        q = torch.randint(0, 16, (n, k), dtype=torch.uint8)
+        scale = torch.rand(n, k // 32) * 0.01 + 0.001
+        zero = torch.rand(n, k // 32) * 0.01 if kind == "Q4_1" else torch.zeros(n, k // 32)
+        w, kind_id = K.pack_q4c(q, scale, zero)
+        dense = K.pack_q4x16(q, scale, zero)
+        dense_product = lambda x: K.linear_q4x16(x, dense, n)  # noqa: E731
+    threads = torch.get_num_threads()
+    try:
+        for threshold in (0.0, 0.7, 1.6):
+            x = torch.randn(1, k)
+            x[0, 64:96] = 0.1  # a block with no kept channel
+            want = dense_product(torch.where(x.abs() > threshold, x, 0.0))
+            for walk in ("runs", "passes"):
+                K.q4c_walk(walk)
+                for t in (1, 2):
+                    torch.set_num_threads(t)
+                    assert torch.equal(K.linear_q4c(x, w, n, kind_id, threshold), want), (walk, t, threshold)
+    finally:
+        K.q4c_walk("runs")
+        torch.set_num_threads(threads)
+    with pytest.raises(RuntimeError, match="runs or passes"):
+        K.q4c_walk("rows")
+
+
 def test_predictor_logits_on_8bit_groups(isa):
     # a predictor's two GEMVs on q8x16 groups (`pred_logits`, what every native loop picks
     # neurons from, a bf16 predictor's decode rows on the CPU): the first over the input rounded

@@ -289,6 +289,14 @@ def hold(cap: str = "auto") -> str:
     return got
 
 
+def q4c_walk(walk: str) -> str:
+    """How the kernel's VNNI bodies walk a Q4 q4c matrix in this process from now on: "runs"
+    (quad by quad, each four channels' runs read in order; the default) or "passes" (pass by
+    pass, a block's runs side by side: the AVX2 and avx512 bodies' walk), for a benchmark's
+    baseline; the same floats either way. Returns the walk before."""
+    return torch.ops.powerinfer.q4c_walk(walk)
+
+
 def loop_profile(mode: str = "read") -> dict:
     """The native loops' time by phase in this process (`hot_layers` and its attention steps,
     or a cold executor's `cold_serve`), for benchmarks: "start" zeroes and starts the count (two

@@ -488,9 +488,136 @@ inline void q6c_pass(const Q4CBlock& k, const uint8_t* ks, int64_t np, QV::F vxd
 
 #endif
 
+#if defined(__AVX512VNNI__)
+// ---- With VNNI, a Q4 matrix's quads run by run ----
+// The walk above reads a block's 12-32 runs side by side, a line of each a pass, its sums in
+// registers. Here each quad (two pairs) runs through all of a thread's passes before the next:
+// its four runs read in order, each pass's 32-bit sums (8 vectors, 512 bytes) kept in L1 or L2
+// between quads, and a block's rows' floats added once its last quad is done, block after block
+// as before (the same integers and floats). The lines are asked for by two cursors that run over
+// the same order of lines ahead of the product, Q4C_NEAR quad-passes (into L1, with a block's
+// scales) and Q4C_LEAD (into L2): memory reads that overlap the arithmetic, where the walk above
+// left them mostly in series with it. A thread's passes are taken whole: runs cut into pieces of
+// 32 passes (2 KB) took 1.03-1.16x the time of whole ones over the 7B shape while this VM's
+// memory read slowly, as if each piece's end cost reads of its own. So it serves a thread's share
+// of Q4C_RUNS_MIN to Q4C_RUNS_MAX passes, and the walk above the others: over fewer, a quad's
+// set-up and the cursors' start weigh (SmolLM2's 3,072 gate/up rows, 12 passes a thread of two:
+// 1.47x the time quad by quad); over more, the sums no longer fit in L1 beside the lines read
+// (the 7B gate/up's 86 passes a thread: 0.78-0.86x the speed pass by pass at 25% while memory
+// read fast, 1.02x while slowly). See BENCHMARKS.md, "The q4c product's quads run by run".
+constexpr int64_t Q4C_RUNS_MIN = 16, Q4C_RUNS_MAX = 64;
+#ifndef Q4C_NEAR
+#define Q4C_NEAR 40
+#endif
+#ifndef Q4C_LEAD
+#define Q4C_LEAD 200
+#endif
+
+// A quad of a block: its four channels' runs, their 8-bit inputs as dpbusd takes them (x0 x1 of
+// the first pair, then of the second), its block, whether it is the block's first, and then
+// (where the block is the first the product reads of its super-block) the super-block's values
+struct Q4CQuad {
+  const uint8_t* r[4];
+  const uint8_t* ks_new;
+  int32_t x4;
+  int32_t b;
+  bool first;
+};
+
+// A cursor over the lines the product reads, from pass c0 of a chunk of P: quad j, pass p
+struct Q4CCursor {
+  const Q4CQuad* q;
+  int64_t nq, c0, P, j = 0, p = 0;
+  const uint8_t* l[4];
+  Q4CCursor(const Q4CQuad* q_, int64_t nq_, int64_t c0_, int64_t P_) : q(q_), nq(nq_), c0(c0_), P(P_) {
+    for (int c = 0; c < 4; c++) l[c] = q[0].r[c] + 64 * c0;
+  }
+  // asks for its line of each run (into L1 with the block's scales where its quad is the
+  // block's first: HINT _MM_HINT_T0; else into L2) and moves on a pass
+  template <int HINT>
+  __attribute__((always_inline)) inline void step(const Q4CArgs& a, int64_t np, int64_t region) {
+    if (j >= nq) return;
+    for (int c = 0; c < 4; c++) _mm_prefetch((const char*)l[c] + 64 * p, (_mm_hint)HINT);
+    if (HINT == _MM_HINT_T0 && q[j].first) q4c_prefetch_scales(a, a.w + q[j].b * region, q[j].ks_new, np, c0 + p);
+    if (++p == P) {
+      p = 0;
+      if (++j < nq)
+        for (int c = 0; c < 4; c++) l[c] = q[j].r[c] + 64 * c0;
+    }
+  }
+};
+
+// rows [128 p_begin, 128 p_end) of a Q4_0, Q4_1 or Q4_K product into y, quad by quad
+template <int KIND>
+inline void q4c_runs(const Q4CArgs& a, int64_t p_begin, int64_t p_end, float* y) {
+  const int64_t nb = a.k / 32, np = q4c_rows(a.n), region = q4c_region(np, KIND);
+  const uint8_t* kt = KIND == Q4C_Q4_K ? q4c_tail(a, np) : nullptr;
+  alignas(64) static thread_local __m512i acc[Q4C_RUNS_MAX * 8];  // pass p's F[m] at 8 p + m, H[m] at 8 p + 4 + m (32 KB)
+  thread_local std::vector<Q4CQuad> quads;
+  quads.clear();
+  Q4CBlock k;
+  for (int64_t b = 0, sb_read = -1; b < nb; b++) {
+    if (q4c_block(a, b, np, k) == 0) continue;
+    const uint8_t* ks_new = kt && b / 8 != sb_read ? kt + q4c_tail_sb(np, KIND) * (b / 8) : nullptr;
+    sb_read = b / 8;
+    for (int i = 0; i < k.cnt; i += 2)  // (a block's pairs are even)
+      quads.push_back(Q4CQuad{{k.ra[i], k.rb[i], k.ra[i + 1], k.rb[i + 1]}, i == 0 ? ks_new : nullptr,
+                              (int32_t)((uint32_t)(uint16_t)k.x[i] | (uint32_t)(uint16_t)k.x[i + 1] << 16),
+                              (int32_t)b, i == 0});
+  }
+  const int64_t nq = (int64_t)quads.size();
+  if (nq == 0) return;
+  const Q4CQuad* Q = quads.data();
+  const __m512i mask = _mm512_set1_epi8(0x0F);
+  const int64_t P = p_end - p_begin, c0 = p_begin;  // (at most Q4C_RUNS_MAX)
+  Q4CCursor near(Q, nq, c0, P), lead(Q, nq, c0, P);
+  for (int s = 0; s < Q4C_NEAR; s++) near.step<_MM_HINT_T0>(a, np, region);
+  for (int s = 0; s < Q4C_LEAD; s++) lead.step<_MM_HINT_T1>(a, np, region);
+  for (int64_t j = 0; j < nq; j++) {
+    const Q4CQuad& qd = Q[j];
+    const uint8_t *pa = qd.r[0] + 64 * c0, *pb = qd.r[1] + 64 * c0, *pc = qd.r[2] + 64 * c0, *pd = qd.r[3] + 64 * c0;
+    const __m512i x4 = _mm512_set1_epi32(qd.x4);
+    for (int64_t p = 0; p < P; p++) {
+      near.step<_MM_HINT_T0>(a, np, region);
+      lead.step<_MM_HINT_T1>(a, np, region);
+      // (as q4c_sums_512: the four lines interleaved so that a 32-bit lane holds a row's four
+      // codes; the whole bytes' sums F and the high nibbles' H)
+      const __m512i va = _mm512_loadu_si512((const void*)(pa + 64 * p)), vb = _mm512_loadu_si512((const void*)(pb + 64 * p));
+      const __m512i vc = _mm512_loadu_si512((const void*)(pc + 64 * p)), vd = _mm512_loadu_si512((const void*)(pd + 64 * p));
+      const __m512i ab0 = _mm512_unpacklo_epi8(va, vb), ab1 = _mm512_unpackhi_epi8(va, vb);
+      const __m512i cd0 = _mm512_unpacklo_epi8(vc, vd), cd1 = _mm512_unpackhi_epi8(vc, vd);
+      const __m512i q[4] = {_mm512_unpacklo_epi16(ab0, cd0), _mm512_unpackhi_epi16(ab0, cd0),
+                            _mm512_unpacklo_epi16(ab1, cd1), _mm512_unpackhi_epi16(ab1, cd1)};
+      __m512i* A = acc + 8 * p;
+      for (int m = 0; m < 4; m++) {
+        A[m] = _mm512_dpbusd_epi32(qd.first ? _mm512_setzero_si512() : A[m], q[m], x4);
+        A[4 + m] = _mm512_dpbusd_epi32(qd.first ? _mm512_setzero_si512() : A[4 + m],
+                                       _mm512_and_si512(_mm512_srli_epi16(q[m], 4), mask), x4);
+      }
+    }
+    if (j + 1 < nq && !Q[j + 1].first) continue;
+    const int64_t b = qd.b;  // (the block's last quad: its rows' floats)
+    const uint8_t* r = a.w + b * region;
+    const uint8_t* ks = kt ? kt + q4c_tail_sb(np, KIND) * (b / 8) : nullptr;
+    const Q4CFloats fl{QV::fset(a.xd[b]), QV::fset(a.xs[b])};
+    for (int64_t p = 0; p < P; p++) {
+      const __m512i* A = acc + 8 * p;
+      for (int g = 0; g < 4; g++) {
+        fl.add<KIND>(r, ks, np, 128 * (c0 + p) + 16 * g, _mm512_sub_epi32(A[g], _mm512_slli_epi32(A[4 + g], 4)), y);
+        fl.add<KIND>(r, ks, np, 128 * (c0 + p) + 64 + 16 * g, A[4 + g], y);
+      }
+    }
+  }
+}
+#endif
+
 // rows [128 p_begin, 128 p_end) of the product into y (the widest body this build has)
 template <int KIND>
 inline void q4c_kind_passes(const Q4CArgs& a, int64_t p_begin, int64_t p_end, float* y) {
+#if defined(__AVX512VNNI__)
+  if constexpr (KIND != Q4C_Q6_K)
+    if (a.by_runs && p_end - p_begin >= Q4C_RUNS_MIN && p_end - p_begin <= Q4C_RUNS_MAX) return q4c_runs<KIND>(a, p_begin, p_end, y);
+#endif
   const int64_t np = q4c_rows(a.n);
   q4c_walk<KIND>(a, p_begin, p_end, [&](const Q4CBlock& k, const uint8_t* ks, int64_t b, int64_t p, bool ahead,
                                         bool far) {

@@ -33,6 +33,7 @@
 #include <cpuid.h>
 #include <sys/syscall.h>
 #include <unistd.h>
+#include <vector>
 
 // A helper whose only effect is to ask for lines (prefetches). GCC finds such a function pure
 // (a prefetch changes no state it models), and a call to it that the early inliner has not
@@ -257,6 +258,7 @@ struct Q4CArgs {
   const int32_t* first;  // (k / 32 + 1)
   const int32_t* x16;    // (k / 16) the sums of the kept 8-bit inputs per 16 channels (Q6_K:
                          // its pairs never span two, those of channels 0..15 first)
+  bool by_runs;          // (VNNI, Q4 kinds) quad by quad (q4c_runs), else pass by pass
 };
 // adds rows [128 p0, 128 p1) of the product into y (q4c_rows(n) floats, zeroed)
 using Q4CFn = void (*)(const Q4CArgs& a, int64_t p0, int64_t p1, float* y);

@@ -79,6 +79,17 @@ static std::string use_isa(const std::string& want) {
   return before;
 }
 
+// How the VNNI bodies walk a Q4 q4c matrix (input_sparse.h): "runs" (quad by quad, the
+// default) or "passes" (pass by pass, the other bodies' walk); `q4c_walk` sets it for this
+// process (a benchmark's baseline) and returns the one before.
+static bool Q4C_BY_RUNS = true;
+static std::string q4c_walk(const std::string& walk) {
+  TORCH_CHECK(walk == "runs" || walk == "passes", "walk must be runs or passes, got ", walk);
+  const std::string before = Q4C_BY_RUNS ? "runs" : "passes";
+  Q4C_BY_RUNS = walk == "runs";
+  return before;
+}
+
 // The entry points of the instruction set in use.
 static const Kernels& active() {
   TORCH_CHECK(ISA != "none", "the CPU kernel needs a CPU with AVX2 and FMA");
@@ -624,7 +635,7 @@ static const float* q4c_product(const Kernels& kk, const void* x, bool bf16, int
       }
     }
     first[nb] = npairs;
-    const Q4CArgs a{w, n, k, kind, xd.data(), xs.data(), pairs.data(), first.data(), x16.data()};
+    const Q4CArgs a{w, n, k, kind, xd.data(), xs.data(), pairs.data(), first.data(), x16.data(), Q4C_BY_RUNS};
     // rows r * n .. (row r's sums; each row's padding rows are overwritten by the next row's)
     float* yp = out.data() + r * n;
     std::fill(yp, yp + np, 0.0f);
@@ -2022,6 +2033,7 @@ TORCH_LIBRARY(powerinfer, m) {
   m.def("loop_profile", &powerinfer::loop_profile);
   m.def("isa", &powerinfer::isa);
   m.def("use_isa", &powerinfer::use_isa);
+  m.def("q4c_walk", &powerinfer::q4c_walk);
   m.def("best_isa", &powerinfer::best_isa);
 }
 
