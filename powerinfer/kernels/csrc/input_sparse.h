@@ -577,36 +577,48 @@ inline void q4c_runs(const Q4CArgs& a, int64_t p_begin, int64_t p_end, float* y)
     const Q4CQuad& qd = Q[j];
     const uint8_t *pa = qd.r[0] + 64 * c0, *pb = qd.r[1] + 64 * c0, *pc = qd.r[2] + 64 * c0, *pd = qd.r[3] + 64 * c0;
     const __m512i x4 = _mm512_set1_epi32(qd.x4);
-    for (int64_t p = 0; p < P; p++) {
-      near.step<_MM_HINT_T0>(a, np, region);
-      lead.step<_MM_HINT_T1>(a, np, region);
-      // (as q4c_sums_512: the four lines interleaved so that a 32-bit lane holds a row's four
-      // codes; the whole bytes' sums F and the high nibbles' H)
-      const __m512i va = _mm512_loadu_si512((const void*)(pa + 64 * p)), vb = _mm512_loadu_si512((const void*)(pb + 64 * p));
-      const __m512i vc = _mm512_loadu_si512((const void*)(pc + 64 * p)), vd = _mm512_loadu_si512((const void*)(pd + 64 * p));
-      const __m512i ab0 = _mm512_unpacklo_epi8(va, vb), ab1 = _mm512_unpackhi_epi8(va, vb);
-      const __m512i cd0 = _mm512_unpacklo_epi8(vc, vd), cd1 = _mm512_unpackhi_epi8(vc, vd);
-      const __m512i q[4] = {_mm512_unpacklo_epi16(ab0, cd0), _mm512_unpackhi_epi16(ab0, cd0),
-                            _mm512_unpacklo_epi16(ab1, cd1), _mm512_unpackhi_epi16(ab1, cd1)};
-      __m512i* A = acc + 8 * p;
-      for (int m = 0; m < 4; m++) {
-        A[m] = _mm512_dpbusd_epi32(qd.first ? _mm512_setzero_si512() : A[m], q[m], x4);
-        A[4 + m] = _mm512_dpbusd_epi32(qd.first ? _mm512_setzero_si512() : A[4 + m],
-                                       _mm512_and_si512(_mm512_srli_epi16(q[m], 4), mask), x4);
-      }
-    }
-    if (j + 1 < nq && !Q[j + 1].first) continue;
-    const int64_t b = qd.b;  // (the block's last quad: its rows' floats)
+    const int64_t b = qd.b;
     const uint8_t* r = a.w + b * region;
     const uint8_t* ks = kt ? kt + q4c_tail_sb(np, KIND) * (b / 8) : nullptr;
     const Q4CFloats fl{QV::fset(a.xd[b]), QV::fset(a.xs[b])};
-    for (int64_t p = 0; p < P; p++) {
-      const __m512i* A = acc + 8 * p;
-      for (int g = 0; g < 4; g++) {
-        fl.add<KIND>(r, ks, np, 128 * (c0 + p) + 16 * g, _mm512_sub_epi32(A[g], _mm512_slli_epi32(A[4 + g], 4)), y);
-        fl.add<KIND>(r, ks, np, 128 * (c0 + p) + 64 + 16 * g, A[4 + g], y);
+    // the quad over the passes: its sums start at 0 in the block's first quad, and the block's
+    // last adds its rows' floats as it goes (pass p's rows once its sums are whole)
+    auto run = [&](auto first, auto last) __attribute__((always_inline)) {
+      for (int64_t p = 0; p < P; p++) {
+        near.step<_MM_HINT_T0>(a, np, region);
+        lead.step<_MM_HINT_T1>(a, np, region);
+        // (as q4c_sums_512: the four lines interleaved so that a 32-bit lane holds a row's four
+        // codes; the whole bytes' sums F and the high nibbles' H)
+        const __m512i va = _mm512_loadu_si512((const void*)(pa + 64 * p)), vb = _mm512_loadu_si512((const void*)(pb + 64 * p));
+        const __m512i vc = _mm512_loadu_si512((const void*)(pc + 64 * p)), vd = _mm512_loadu_si512((const void*)(pd + 64 * p));
+        const __m512i ab0 = _mm512_unpacklo_epi8(va, vb), ab1 = _mm512_unpackhi_epi8(va, vb);
+        const __m512i cd0 = _mm512_unpacklo_epi8(vc, vd), cd1 = _mm512_unpackhi_epi8(vc, vd);
+        const __m512i q[4] = {_mm512_unpacklo_epi16(ab0, cd0), _mm512_unpackhi_epi16(ab0, cd0),
+                              _mm512_unpacklo_epi16(ab1, cd1), _mm512_unpackhi_epi16(ab1, cd1)};
+        __m512i* A = acc + 8 * p;
+        __m512i F[4], H[4];
+        for (int m = 0; m < 4; m++) {
+          F[m] = _mm512_dpbusd_epi32(first ? _mm512_setzero_si512() : A[m], q[m], x4);
+          H[m] = _mm512_dpbusd_epi32(first ? _mm512_setzero_si512() : A[4 + m],
+                                     _mm512_and_si512(_mm512_srli_epi16(q[m], 4), mask), x4);
+        }
+        if constexpr (decltype(last)::value) {
+          for (int g = 0; g < 4; g++) {
+            fl.add<KIND>(r, ks, np, 128 * (c0 + p) + 16 * g, _mm512_sub_epi32(F[g], _mm512_slli_epi32(H[g], 4)), y);
+            fl.add<KIND>(r, ks, np, 128 * (c0 + p) + 64 + 16 * g, H[g], y);
+          }
+        } else {
+          for (int m = 0; m < 4; m++) A[m] = F[m], A[4 + m] = H[m];
+        }
       }
-    }
+    };
+    using yes = std::true_type;
+    using no = std::false_type;
+    const bool last = j + 1 == nq || Q[j + 1].first;
+    if (qd.first)
+      last ? run(yes{}, yes{}) : run(yes{}, no{});
+    else
+      last ? run(no{}, yes{}) : run(no{}, no{});
   }
 }
 #endif
