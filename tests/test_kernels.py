@@ -693,11 +693,12 @@ def test_input_sparse_product_reads_the_kept_channels_of_the_files_weights(isa, 
         K.linear_q4c(torch.randn(1, 100), w, n, offsets, 0.0)
 
 
-@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q4_K"])
-# 40 passes (5,000 rows) and 128 (16,384) over 512 channels, blocks of up to 8 quads: the VNNI
-# bodies' walk quad by quad (`q4c_walk("runs")`) takes a thread's 16 to 64 passes (40 and 20 a
-# thread; 64), the walk pass by pass the others (128 on one thread)
-@pytest.mark.parametrize("n", [5000, 16384])
+@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q4_K", "Q6_K"])
+# 40 passes (5,000 rows), 64 (8,192) and 128 (16,384) over 512 channels, blocks of up to 8
+# quads: the VNNI bodies' walk quad by quad (`q4c_walk("runs")`) takes a thread's 16 to 64
+# passes of a Q4 matrix (40 and 20 a thread; 64 and 32; 64), the walk pass by pass the others
+# (128 on one thread) and a Q6_K matrix's
+@pytest.mark.parametrize("n", [5000, 8192, 16384])
 def test_the_q4c_walks_give_the_dense_floats_over_many_passes(isa, kind, n):
     # quad by quad and pass by pass, on one thread and two: the dense product's floats
     torch.manual_seed(5)
@@ -708,6 +709,12 @@ def test_the_q4c_walks_give_the_dense_floats_over_many_passes(isa, kind, n):
         dense = K.pack_kquant(sb.view(n, -1), "Q4_K")
         w, kind_id = K.q4kc_of_q4kx16(dense, n, k), K.Q4C_KINDS.index("q4_k")
         dense_product = lambda x: K.linear_x16(x, dense, n, "q4kx16")  # noqa: E731
+    elif kind == "Q6_K":  # random codes and 8-bit scales, small f16 d
+        sb = torch.randint(0, 256, (n, k // 256, 210), dtype=torch.uint8)
+        sb[..., 208:210] = (torch.rand(n, k // 256, 1) * 0.001 + 0.0001).half().view(torch.uint8)
+        dense = K.pack_kquant(sb.view(n, -1), "Q6_K")
+        w, kind_id = K.q6kc_of_q6kx16(dense, n, k), K.Q4C_KINDS.index("q6_k")
+        dense_product = lambda x: K.linear_x16(x, dense, n, "q6kx16")  # noqa: E731
     else:
         q = torch.randint(0, 16, (n, k), dtype=torch.uint8)
         scale = torch.rand(n, k // 32) * 0.01 + 0.001
@@ -720,6 +727,8 @@ def test_the_q4c_walks_give_the_dense_floats_over_many_passes(isa, kind, n):
         for threshold in (0.0, 0.7, 1.6):
             x = torch.randn(1, k)
             x[0, 64:96] = 0.1  # a block with no kept channel
+            x[0, 128:144] = 0.1  # and one with none in its first half (Q6_K's halves apart)
+            x[0, 176:192] = 0.1  # and one with none in its second
             want = dense_product(torch.where(x.abs() > threshold, x, 0.0))
             for walk in ("runs", "passes"):
                 K.q4c_walk(walk)
