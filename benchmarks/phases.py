@@ -122,9 +122,10 @@ def main():
             if getattr(m, "sparse", None) is not None:
                 part = "attention" if owner is model.layers[i].attn else "FFN"
                 # (a K-quant projection's runs without a copy of their own read all their bytes)
+                # (a Q4_0/Q4_1 projection is one run, its copy all of it)
                 rest = getattr(m, "sparse_rest", None) or []
                 dense_runs = [getattr(m, name).numel()
-                              for (name, _, _), c in zip(m.segments[1:], rest) if c is None]
+                              for (name, _, _), c in zip(m.segments[1:], rest) if c is None] if rest else []
                 parts[part] -= (module_bytes(m) - sum(dense_runs)) * (1 - kept / seen)
     total_bytes = sum(parts.values())
     turns = []
