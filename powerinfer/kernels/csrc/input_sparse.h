@@ -492,19 +492,20 @@ inline void q6c_pass(const Q4CBlock& k, const uint8_t* ks, int64_t np, QV::F vxd
 // ---- With VNNI, a Q4 matrix's quads run by run ----
 // The walk above reads a block's 12-32 runs side by side, a line of each a pass, its sums in
 // registers. Here each quad (two pairs) runs through all of a thread's passes before the next:
-// its four runs read in order, each pass's 32-bit sums (8 vectors, 512 bytes) kept in L1 or L2
-// between quads, and a block's rows' floats added once its last quad is done, block after block
-// as before (the same integers and floats). The lines are asked for by two cursors that run over
-// the same order of lines ahead of the product, Q4C_NEAR quad-passes (into L1, with a block's
-// scales) and Q4C_LEAD (into L2): memory reads that overlap the arithmetic, where the walk above
-// left them mostly in series with it. A thread's passes are taken whole: runs cut into pieces of
-// 32 passes (2 KB) took 1.03-1.16x the time of whole ones over the 7B shape while this VM's
-// memory read slowly, as if each piece's end cost reads of its own. So it serves a thread's share
-// of Q4C_RUNS_MIN to Q4C_RUNS_MAX passes, and the walk above the others: over fewer, a quad's
-// set-up and the cursors' start weigh (SmolLM2's 3,072 gate/up rows, 12 passes a thread of two:
-// 1.47x the time quad by quad); over more, the sums no longer fit in L1 beside the lines read
-// (the 7B gate/up's 86 passes a thread: 0.78-0.86x the speed pass by pass at 25% while memory
-// read fast, 1.02x while slowly). See BENCHMARKS.md, "The q4c product's quads run by run".
+// its four runs read in order, each pass's 32-bit sums (8 vectors, 512 bytes; 32 KB at most)
+// kept in L1 between quads, and the block's last quad adding its rows' floats as it goes, block
+// after block as before (the same integers and floats). The lines are asked for by two cursors
+// that run over the same order of lines ahead of the product, Q4C_NEAR quad-passes (into L1,
+// with a block's scales) and Q4C_LEAD (into L2): memory reads that overlap the arithmetic, where
+// the walk above left them mostly in series with it. A thread's passes are taken whole: cut into
+// pieces of 32 (2 KB of a run), the walk ran 0.87-0.90x the speed of the one above over the 7B
+// q/k/v at 25%, where whole it runs 1.07-1.14x. So it serves a thread's share of Q4C_RUNS_MIN
+// to Q4C_RUNS_MAX passes, and the walk above the others: over fewer, a quad's set-up and the
+// cursors' start weigh (SmolLM2's gate/up, 12 passes a thread of two, ran slower quad by
+// quad); over more, the sums no longer fit in L1 beside the lines read (the 7B gate/up's 86
+// passes a thread: 0.78-0.86x the speed pass by pass at 25% in three runs of four). And only
+// where the kept channels make enough quads a block (q4c_runs). See BENCHMARKS.md, "The q4c
+// product's quads run by run".
 constexpr int64_t Q4C_RUNS_MIN = 16, Q4C_RUNS_MAX = 64;
 #ifndef Q4C_NEAR
 #define Q4C_NEAR 40
