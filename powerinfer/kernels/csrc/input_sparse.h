@@ -364,10 +364,39 @@ __attribute__((always_inline)) inline void widen_sums_512(const __m512i* acc, __
   }
 }
 
+#if defined(__AVX512VNNI__)
+// ---- VNNI: a quad (pairs i and i + 1 of a block) a `dpbusd` lane ----
+// its four 8-bit inputs as each lane takes them (pair i's x0 x1, then pair i + 1's)
+inline int32_t quad_inputs(const Q4CBlock& k, int i) {
+  return (int32_t)((uint32_t)(uint16_t)k.x[i] | (uint32_t)(uint16_t)k.x[i + 1] << 16);
+}
+
+// The quad's four lines (channels a, b, c, d) interleaved byte by byte, then 16 bits by 16 bits
+// (within 128-bit lanes): each 32-bit lane of q[m] one row's four codes (rows 16 m + 4 L + t)
+__attribute__((always_inline)) inline void quad_lanes_512(__m512i va, __m512i vb, __m512i vc, __m512i vd, __m512i* q) {
+  const __m512i ab0 = _mm512_unpacklo_epi8(va, vb), ab1 = _mm512_unpackhi_epi8(va, vb);
+  const __m512i cd0 = _mm512_unpacklo_epi8(vc, vd), cd1 = _mm512_unpackhi_epi8(vc, vd);
+  q[0] = _mm512_unpacklo_epi16(ab0, cd0), q[1] = _mm512_unpackhi_epi16(ab0, cd0);
+  q[2] = _mm512_unpacklo_epi16(ab1, cd1), q[3] = _mm512_unpackhi_epi16(ab1, cd1);
+}
+
+// F[m] += a Q4 quad's whole bytes' products (low rows + 16 times the high rows'), H[m] += its
+// high nibbles' (the high rows'), over its four lines (x4: quad_inputs)
+__attribute__((always_inline)) inline void q4_quad_sums_512(__m512i va, __m512i vb, __m512i vc, __m512i vd, __m512i x4,
+                                                            __m512i* F, __m512i* H) {
+  const __m512i mask = _mm512_set1_epi8(0x0F);
+  __m512i q[4];
+  quad_lanes_512(va, vb, vc, vd, q);
+  for (int m = 0; m < 4; m++) {
+    F[m] = _mm512_dpbusd_epi32(F[m], q[m], x4);
+    H[m] = _mm512_dpbusd_epi32(H[m], _mm512_and_si512(_mm512_srli_epi16(q[m], 4), mask), x4);
+  }
+}
+#endif
+
 // sum[4 u + g] (rows 64 u + 16 g + 0..15 of pass p, 32 bits) += block k's pairs' products
 template <int KIND>
 __attribute__((always_inline)) inline void q4c_sums_512(const Q4CBlock& k, int64_t p, bool ahead, bool far, __m512i* sum) {
-  const __m512i mask = _mm512_set1_epi8(0x0F);
 #if defined(__AVX512VNNI__)
   // F[m]: the whole bytes' sums (low rows + 16 high rows), H[m]: the high rows'
   __m512i F[4], H[4];
@@ -376,23 +405,16 @@ __attribute__((always_inline)) inline void q4c_sums_512(const Q4CBlock& k, int64
     const uint8_t *pa = k.ra[i] + 64 * p, *pb = k.rb[i] + 64 * p, *pc = k.ra[i + 1] + 64 * p, *pd = k.rb[i + 1] + 64 * p;
     q4c_prefetch_pair(pa, pb, ahead, far);
     q4c_prefetch_pair(pc, pd, ahead, far);
-    const __m512i va = _mm512_loadu_si512((const void*)pa), vb = _mm512_loadu_si512((const void*)pb);
-    const __m512i vc = _mm512_loadu_si512((const void*)pc), vd = _mm512_loadu_si512((const void*)pd);
-    const __m512i x4 = _mm512_set1_epi32((int)((uint32_t)(uint16_t)k.x[i] | (uint32_t)(uint16_t)k.x[i + 1] << 16));
-    const __m512i ab0 = _mm512_unpacklo_epi8(va, vb), ab1 = _mm512_unpackhi_epi8(va, vb);
-    const __m512i cd0 = _mm512_unpacklo_epi8(vc, vd), cd1 = _mm512_unpackhi_epi8(vc, vd);
-    const __m512i q[4] = {_mm512_unpacklo_epi16(ab0, cd0), _mm512_unpackhi_epi16(ab0, cd0),
-                          _mm512_unpacklo_epi16(ab1, cd1), _mm512_unpackhi_epi16(ab1, cd1)};
-    for (int m = 0; m < 4; m++) {
-      F[m] = _mm512_dpbusd_epi32(F[m], q[m], x4);
-      H[m] = _mm512_dpbusd_epi32(H[m], _mm512_and_si512(_mm512_srli_epi16(q[m], 4), mask), x4);
-    }
+    q4_quad_sums_512(_mm512_loadu_si512((const void*)pa), _mm512_loadu_si512((const void*)pb),
+                     _mm512_loadu_si512((const void*)pc), _mm512_loadu_si512((const void*)pd),
+                     _mm512_set1_epi32(quad_inputs(k, i)), F, H);
   }
   for (int g = 0; g < 4; g++) {
     sum[g] = _mm512_sub_epi32(F[g], _mm512_slli_epi32(H[g], 4));
     sum[4 + g] = H[g];
   }
 #else
+  const __m512i mask = _mm512_set1_epi8(0x0F);
   for (int i = 0; i < 8; i++) sum[i] = _mm512_setzero_si512();
   for (int s = 0; s < k.cnt; s += 8) {
     const int e = std::min(s + 8, k.cnt);
@@ -444,15 +466,12 @@ inline void q6c_half_512(const Q4CBlock& k, int s0, int s1, int64_t p, bool ahea
       q6c_prefetch_run(runs[c], tops[c], p, ahead, far);
       q6c_codes_512(runs[c], tops[c], p, lo[c], hi[c]);
     }
-    const __m512i x4 = _mm512_set1_epi32((int)((uint32_t)(uint16_t)k.x[i] | (uint32_t)(uint16_t)k.x[i + 1] << 16));
+    const __m512i x4 = _mm512_set1_epi32(quad_inputs(k, i));
     for (int u = 0; u < 2; u++) {
       const __m512i* v = u ? hi : lo;
-      const __m512i ab0 = _mm512_unpacklo_epi8(v[0], v[1]), ab1 = _mm512_unpackhi_epi8(v[0], v[1]);
-      const __m512i cd0 = _mm512_unpacklo_epi8(v[2], v[3]), cd1 = _mm512_unpackhi_epi8(v[2], v[3]);
-      sum[4 * u + 0] = _mm512_dpbusd_epi32(sum[4 * u + 0], _mm512_unpacklo_epi16(ab0, cd0), x4);
-      sum[4 * u + 1] = _mm512_dpbusd_epi32(sum[4 * u + 1], _mm512_unpackhi_epi16(ab0, cd0), x4);
-      sum[4 * u + 2] = _mm512_dpbusd_epi32(sum[4 * u + 2], _mm512_unpacklo_epi16(ab1, cd1), x4);
-      sum[4 * u + 3] = _mm512_dpbusd_epi32(sum[4 * u + 3], _mm512_unpackhi_epi16(ab1, cd1), x4);
+      __m512i q[4];
+      quad_lanes_512(v[0], v[1], v[2], v[3], q);
+      for (int m = 0; m < 4; m++) sum[4 * u + m] = _mm512_dpbusd_epi32(sum[4 * u + m], q[m], x4);
     }
   }
 }
@@ -504,7 +523,7 @@ inline void q6c_pass(const Q4CBlock& k, const uint8_t* ks, int64_t np, QV::F vxd
 // cursors' start weigh (SmolLM2's gate/up, 12 passes a thread of two, ran slower quad by
 // quad); over more, the sums no longer fit in L1 beside the lines read (the 7B gate/up's 86
 // passes a thread: 0.78-0.86x the speed pass by pass at 25% in three runs of four). And only
-// where the kept channels make enough quads a block (q4c_runs). See BENCHMARKS.md, "The q4c
+// where the kept channels make enough quads a block (q4c_runs_pay). See BENCHMARKS.md, "The q4c
 // product's quads run by run".
 constexpr int64_t Q4C_RUNS_MIN = 16, Q4C_RUNS_MAX = 64;
 #ifndef Q4C_NEAR
@@ -525,7 +544,7 @@ struct Q4CQuad {
   bool first;
 };
 
-// A cursor over the lines the product reads, from pass c0 of a chunk of P: quad j, pass p
+// A cursor over the lines the product reads, from pass c0 of a thread's P: quad j, pass p
 struct Q4CCursor {
   const Q4CQuad* q;
   int64_t nq, c0, P, j = 0, p = 0;
@@ -548,14 +567,22 @@ struct Q4CCursor {
   }
 };
 
-// rows [128 p_begin, 128 p_end) of a Q4_0, Q4_1 or Q4_K product into y, quad by quad, where its
-// blocks with a kept channel have Q4C_RUNS_QUADS quads or more on average (returns whether it
-// did): with fewer the sums' loads and stores between quads weigh more than the reads saved
-// (over the 7B q/k/v, 1.16-1.17x the speed pass by pass at 25% (6 quads a block), 0.99-1.02x
-// at 40% (about 5), 0.84-0.88x at 50% (4))
-constexpr int Q4C_RUNS_QUADS_X2 = 11;  // twice the least average (5.5)
+// Whether a call's blocks with a kept channel have 5.5 quads or more on average, which the walk
+// quad by quad needs: with fewer the sums' loads and stores between quads weigh more than the
+// reads saved (over the 7B q/k/v, 1.16-1.17x the speed pass by pass at 25% (6 quads a block),
+// 0.99-1.02x at 40% (about 5), 0.84-0.88x at 50% (4)). (A block's pairs are even: its quads are
+// half of them.)
+constexpr int Q4C_RUNS_QUADS_X2 = 11;  // twice the least average
+inline bool q4c_runs_pay(const Q4CArgs& a) {
+  const int64_t nb = a.k / 32;
+  int64_t blocks = 0;
+  for (int64_t b = 0; b < nb; b++) blocks += a.first[b + 1] > a.first[b];
+  return a.first[nb] >= Q4C_RUNS_QUADS_X2 * blocks;
+}
+
+// rows [128 p_begin, 128 p_end) of a Q4_0, Q4_1 or Q4_K product into y, quad by quad
 template <int KIND>
-inline bool q4c_runs(const Q4CArgs& a, int64_t p_begin, int64_t p_end, float* y) {
+inline void q4c_runs(const Q4CArgs& a, int64_t p_begin, int64_t p_end, float* y) {
   const int64_t nb = a.k / 32, np = q4c_rows(a.n), region = q4c_region(np, KIND);
   const uint8_t* kt = KIND == Q4C_Q4_K ? q4c_tail(a, np) : nullptr;
   alignas(64) static thread_local __m512i acc[Q4C_RUNS_MAX * 8];  // pass p's F[m] at 8 p + m, H[m] at 8 p + 4 + m (32 KB)
@@ -568,16 +595,11 @@ inline bool q4c_runs(const Q4CArgs& a, int64_t p_begin, int64_t p_end, float* y)
     sb_read = b / 8;
     for (int i = 0; i < k.cnt; i += 2)  // (a block's pairs are even)
       quads.push_back(Q4CQuad{{k.ra[i], k.rb[i], k.ra[i + 1], k.rb[i + 1]}, i == 0 ? ks_new : nullptr,
-                              (int32_t)((uint32_t)(uint16_t)k.x[i] | (uint32_t)(uint16_t)k.x[i + 1] << 16),
-                              (int32_t)b, i == 0});
+                              quad_inputs(k, i), (int32_t)b, i == 0});
   }
   const int64_t nq = (int64_t)quads.size();
-  int64_t blocks = 0;
-  for (const Q4CQuad& qd : quads) blocks += qd.first;
-  if (2 * nq < Q4C_RUNS_QUADS_X2 * blocks) return false;
-  if (nq == 0) return true;
+  if (nq == 0) return;
   const Q4CQuad* Q = quads.data();
-  const __m512i mask = _mm512_set1_epi8(0x0F);
   const int64_t P = p_end - p_begin, c0 = p_begin;  // (at most Q4C_RUNS_MAX)
   Q4CCursor near(Q, nq, c0, P), lead(Q, nq, c0, P);
   for (int s = 0; s < Q4C_NEAR; s++) near.step<_MM_HINT_T0>(a, np, region);
@@ -596,21 +618,13 @@ inline bool q4c_runs(const Q4CArgs& a, int64_t p_begin, int64_t p_end, float* y)
       for (int64_t p = 0; p < P; p++) {
         near.step<_MM_HINT_T0>(a, np, region);
         lead.step<_MM_HINT_T1>(a, np, region);
-        // (as q4c_sums_512: the four lines interleaved so that a 32-bit lane holds a row's four
-        // codes; the whole bytes' sums F and the high nibbles' H)
-        const __m512i va = _mm512_loadu_si512((const void*)(pa + 64 * p)), vb = _mm512_loadu_si512((const void*)(pb + 64 * p));
-        const __m512i vc = _mm512_loadu_si512((const void*)(pc + 64 * p)), vd = _mm512_loadu_si512((const void*)(pd + 64 * p));
-        const __m512i ab0 = _mm512_unpacklo_epi8(va, vb), ab1 = _mm512_unpackhi_epi8(va, vb);
-        const __m512i cd0 = _mm512_unpacklo_epi8(vc, vd), cd1 = _mm512_unpackhi_epi8(vc, vd);
-        const __m512i q[4] = {_mm512_unpacklo_epi16(ab0, cd0), _mm512_unpackhi_epi16(ab0, cd0),
-                              _mm512_unpacklo_epi16(ab1, cd1), _mm512_unpackhi_epi16(ab1, cd1)};
         __m512i* A = acc + 8 * p;
         __m512i F[4], H[4];
-        for (int m = 0; m < 4; m++) {
-          F[m] = _mm512_dpbusd_epi32(first ? _mm512_setzero_si512() : A[m], q[m], x4);
-          H[m] = _mm512_dpbusd_epi32(first ? _mm512_setzero_si512() : A[4 + m],
-                                     _mm512_and_si512(_mm512_srli_epi16(q[m], 4), mask), x4);
-        }
+        for (int m = 0; m < 4; m++)
+          F[m] = first ? _mm512_setzero_si512() : A[m], H[m] = first ? _mm512_setzero_si512() : A[4 + m];
+        q4_quad_sums_512(_mm512_loadu_si512((const void*)(pa + 64 * p)), _mm512_loadu_si512((const void*)(pb + 64 * p)),
+                         _mm512_loadu_si512((const void*)(pc + 64 * p)), _mm512_loadu_si512((const void*)(pd + 64 * p)),
+                         x4, F, H);
         if constexpr (decltype(last)::value) {
           for (int g = 0; g < 4; g++) {
             fl.add<KIND>(r, ks, np, 128 * (c0 + p) + 16 * g, _mm512_sub_epi32(F[g], _mm512_slli_epi32(H[g], 4)), y);
@@ -629,7 +643,6 @@ inline bool q4c_runs(const Q4CArgs& a, int64_t p_begin, int64_t p_end, float* y)
     else
       last ? run(no{}, yes{}) : run(no{}, no{});
   }
-  return true;
 }
 #endif
 
@@ -638,8 +651,8 @@ template <int KIND>
 inline void q4c_kind_passes(const Q4CArgs& a, int64_t p_begin, int64_t p_end, float* y) {
 #if defined(__AVX512VNNI__)
   if constexpr (KIND != Q4C_Q6_K)
-    if (a.by_runs && p_end - p_begin >= Q4C_RUNS_MIN && p_end - p_begin <= Q4C_RUNS_MAX && q4c_runs<KIND>(a, p_begin, p_end, y))
-      return;
+    if (a.by_runs && p_end - p_begin >= Q4C_RUNS_MIN && p_end - p_begin <= Q4C_RUNS_MAX && q4c_runs_pay(a))
+      return q4c_runs<KIND>(a, p_begin, p_end, y);
 #endif
   const int64_t np = q4c_rows(a.n);
   q4c_walk<KIND>(a, p_begin, p_end, [&](const Q4CBlock& k, const uint8_t* ks, int64_t b, int64_t p, bool ahead,
