@@ -3,7 +3,7 @@
 between its predictor, its neuron records and the two together, from memory and from the caches.
 
     .venv/bin/python benchmarks/ffn_replay.py --model M --bundle B [--tokens 24] [--rounds 8]
-        [--predictor ffn|layer] [--json FILE]
+        [--predictor ffn|layer] [--by-frequency] [--json FILE]
 
 The in-process engine decodes `--tokens` greedy tokens through its modules (not the native loop,
 so that each layer's `kernels.predicted_ffn` call is seen), and every call's arguments are kept.
@@ -15,6 +15,12 @@ token reads them: from memory), per token:
 - the predictors alone, and the records alone over the masks the predictors gave;
 - one layer's records over its first mask, called as many times: the same work with its records
   mostly in the last level cache, the kernel's rate without the memory's.
+With --by-frequency, also the records alone over the second half of the calls, in the file's
+order and reordered by how often the first half's masks picked each neuron (a layer's records,
+its masks and its biases permuted alike; the most picked first, dealt in turn to the two halves
+of the order, as the kernel's two threads split a step's neurons; and the most picked first
+without dealing, all in the first thread's half): whether the neurons that a power law picks
+most, read from one place, come faster than scattered among the others.
 The read rate of a reduction over 1 GiB is measured before and after the rounds.
 """
 from __future__ import annotations
@@ -40,6 +46,9 @@ def main():
     ap.add_argument("--predictor", default="ffn", choices=["ffn", "layer"])
     ap.add_argument("--tokens", type=int, default=24)
     ap.add_argument("--rounds", type=int, default=8)
+    ap.add_argument("--by-frequency", action="store_true",
+                    help="also replay the second half of the calls over records ordered by how "
+                         "often the first half picked each neuron, beside the file's order")
     ap.add_argument("--json")
     a = ap.parse_args()
     assert kernels.available(), "the CPU kernel cannot run here"
@@ -88,25 +97,72 @@ def main():
         for _ in steps:
             records(x, rec, masks[0], bias, thr, act, fmt)
 
+    # --by-frequency: each layer's records (and biases) permuted by its picks over the first half
+    # of the calls, the most picked first, every other rank to each half of the order
+    half = len(steps) // 2 // layers * layers
+    second = list(zip(steps[half:], masks[half:]))
+    picks, orders = {}, {}
+    for (_, _, _, _, _, _, rec, *_), m in zip(steps[:half], masks[:half]):
+        picks[id(rec)] = picks.get(id(rec), 0) + m.to(torch.int64)
+    for (_, _, _, _, _, _, rec, bias, *_) in steps[:half]:
+        if a.by_frequency and id(rec) not in orders:
+            ranked = torch.argsort(-picks[id(rec)], stable=True)
+            orders[id(rec)] = [(order, kernels.huge(rec[order].contiguous()),
+                                None if bias is None else bias[order].contiguous())
+                               for order in (torch.cat([ranked[0::2], ranked[1::2]]), ranked)]
+
+    def second_half():
+        for (x, _, _, _, _, _, rec, bias, thr, act, fmt), m in second:
+            records(x, rec, m, bias, thr, act, fmt)
+
+    def by_frequency(dealt: bool):
+        def run():
+            for (x, _, _, _, _, _, rec, _, thr, act, fmt), m in second:
+                order, rec2, bias2 = orders[id(rec)][0 if dealt else 1]
+                records(x, rec2, m[order], bias2, thr, act, fmt)
+        return run
+
     ways = {"the fused step (predictor, rule, records)": fused,
             "its halves, one after the other a layer": halves,
             "the predictors alone": predictors,
             "the records alone, over the predictors' masks": records_alone,
             "one layer's records, again and again (from the caches)": one_layer}
+    halved = set()  # the ways over the second half of the calls
+    if a.by_frequency:
+        x, _, _, _, _, _, rec, bias, thr, act, fmt = steps[half]
+        order, rec2, bias2 = orders[id(rec)][0]
+        same = kernels.neuron_ffn(x, rec, masks[half], None, bias, thr, act, fmt)
+        moved = kernels.neuron_ffn(x, rec2, masks[half][order], None, bias2, thr, act, fmt)
+        assert torch.allclose(same, moved, rtol=1e-3, atol=1e-3 * float(same.abs().max())), \
+            "the reordered records give another FFN output"
+        ways["the records alone, the second half of the calls, the file's order"] = second_half
+        ways["the same, records ordered by the first half's picks, dealt to the threads"] = \
+            by_frequency(True)
+        ways["the same, the most picked first (the first thread's)"] = by_frequency(False)
+        halved = set(list(ways.values())[-3:])
     times = {k: [] for k in ways}
     before = read_bandwidth(torch.float32) / 1e9
+    late = len(second) / layers  # the second half's tokens
+    per_token = {k: late if fn in halved else tokens for k, fn in ways.items()}
     for r in range(a.rounds + 1):
         for k, fn in ways.items():
             t0 = time.perf_counter()
             fn()
             if r:  # (the first round warms up)
-                times[k].append((time.perf_counter() - t0) / tokens)
+                times[k].append((time.perf_counter() - t0) / per_token[k])
     after = read_bandwidth(torch.float32) / 1e9
     picked = statistics.mean(int(m.sum()) for m in masks)
     print(f"{a.model}, {layers} layers, {len(steps)} layer steps of {a.tokens} tokens; "
           f"{picked:.0f} of {masks[0].numel()} neurons picked a layer step; kernel {kernels.isa()}, "
           f"{torch.get_num_threads()} threads; {a.rounds} rounds in turns (median); read rate "
           f"{before:.1f} GB/s before, {after:.1f} after\n")
+    if a.by_frequency:
+        share = torch.stack([torch.sort(p.double(), descending=True).values.cumsum(0) / p.sum()
+                             for p in picks.values()]).mean(0)
+        n = share.numel()
+        print("the first half's picks held by the most picked neurons: " + ", ".join(
+            f"{q:.0%} of the neurons {float(share[int(q * n) - 1]):.0%}"
+            for q in (0.05, 0.1, 0.2, 0.5)) + "\n")
     print("| way | ms a token |")
     print("|---|---:|")
     out = {}
