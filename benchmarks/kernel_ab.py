@@ -1,0 +1,137 @@
+#!/usr/bin/env python3
+"""Two builds of the CPU kernel timed against each other: this checkout's and another's (a git
+worktree with a change to `powerinfer/kernels/csrc`), one product at a time, in processes that
+alternate.
+
+    .venv/bin/python benchmarks/kernel_ab.py --other DIR [--product q4c|dense] [--quant q4_0]
+        [--rows 12288] [--k 4096] [--sparsity 0.25] [--rounds 6] [--seconds 2] [--threads N]
+        [--json FILE]
+
+Two builds cannot share a process (their operators have the same names), and a 2-core VM's
+memory reads at rates that move by 1.6x within minutes, so the builds run in turns: each round
+starts one process per build, this checkout's first, and each times calls of the product over
+distinct random matrices of `--rows` x `--k` that together fill twice the last level cache (the
+same seed in both, so the same bytes), for `--seconds` after a warm-up. `--product q4c`: the
+input-sparse product (`kernels.linear_q4c`, the input's channels below the `--sparsity`
+quantile in magnitude dropped); `dense`: the dense GEMV the default path runs over the same
+zeroed input (q4x16). The other tree builds its kernel into its own `powerinfer/kernels/_ext`
+on first use. Printed: each build's microseconds a call, round by round, their medians, and the
+other build's speed over this one's: the medians' ratio, and each round's (the two processes of
+a round a few seconds apart, where the memory's rate changes less than over the whole run).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+
+
+def child(a) -> dict:
+    """Time the product with the kernel of the tree on PYTHONPATH: {"us": a call, ...}."""
+    import torch
+
+    import powerinfer
+    from powerinfer import kernels
+    from gemv import last_level_cache
+
+    tree = Path(powerinfer.__file__).resolve().parents[1]
+    assert tree == Path(a.tree).resolve(), f"imported {tree}, not {a.tree}: PYTHONPATH"
+    assert kernels.available(), "the CPU kernel cannot run here"
+    if a.threads:
+        torch.set_num_threads(a.threads)
+    torch.manual_seed(0)
+    n, k = a.rows, a.k
+    dense_bytes = n * k * 9 // 16
+    copies = max(2, -(-2 * last_level_cache() // dense_bytes))
+    mats = []
+    for _ in range(copies):
+        q = torch.randint(0, 16, (n, k), dtype=torch.uint8)
+        scale = torch.rand(n, k // 32) * 0.01 + 0.001
+        zero = torch.zeros(n, k // 32)
+        mats.append(kernels.pack_q4c(q, scale, zero)[0] if a.product == "q4c"
+                    else kernels.pack_q4x16(q, scale, zero))
+    x = torch.randn(1, k)
+    t = float(x.abs().quantile(a.sparsity)) if a.sparsity > 0 else 0.0
+    kind = kernels.Q4C_KINDS.index(a.quant)
+    dense_in = torch.where(x.abs() > t, x, 0.0)
+
+    def call(w):
+        if a.product == "q4c":
+            kernels.linear_q4c(x, w, n, kind, t)
+        else:
+            kernels.linear_x16(dense_in, w, n, "q4x16")
+
+    for w in mats:  # warm-up
+        call(w)
+    calls, t0 = 0, time.perf_counter()
+    while time.perf_counter() - t0 < a.seconds:
+        for w in mats:
+            call(w)
+        calls += len(mats)
+    return {"us": (time.perf_counter() - t0) / calls * 1e6, "tree": str(tree), "copies": copies}
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--other", required=True, help="the other checkout (its repository root)")
+    ap.add_argument("--product", default="q4c", choices=["q4c", "dense"])
+    ap.add_argument("--quant", default="q4_0", choices=["q4_0"],
+                    help="the matrices' blocks (Q4_0: what `pack_q4c` and `pack_q4x16` take)")
+    ap.add_argument("--rows", type=int, default=12288)
+    ap.add_argument("--k", type=int, default=4096)
+    ap.add_argument("--sparsity", type=float, default=0.25)
+    ap.add_argument("--rounds", type=int, default=6)
+    ap.add_argument("--seconds", type=float, default=2.0)
+    ap.add_argument("--threads", type=int, default=0, help="0: torch's default")
+    ap.add_argument("--json")
+    ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--tree", help=argparse.SUPPRESS)
+    a = ap.parse_args()
+    if a.rows % 128 or a.k % 256:
+        ap.error("--rows: a multiple of 128; --k: a multiple of 256")
+    if a.child:
+        print(json.dumps(child(a)))
+        return
+    trees = {"this": ROOT, "other": Path(a.other).resolve()}
+    if not (trees["other"] / "powerinfer" / "kernels" / "csrc").is_dir():
+        ap.error(f"--other {a.other}: not a checkout of this project")
+    args = [a.product, "--quant", a.quant, "--rows", str(a.rows), "--k", str(a.k), "--sparsity",
+            str(a.sparsity), "--seconds", str(a.seconds), "--threads", str(a.threads)]
+    times = {name: [] for name in trees}
+    print(f"{a.product} product, {a.rows} x {a.k} {a.quant}, {a.sparsity:.0%} of the input "
+          f"dropped; this: {ROOT}, other: {trees['other']}; {a.rounds} rounds\n")
+    for r in range(a.rounds):
+        for name, tree in trees.items():
+            env = dict(os.environ, PYTHONPATH=str(tree))
+            out = subprocess.run([sys.executable, str(HERE / "kernel_ab.py"), "--other", str(tree),
+                                  "--product", *args, "--child", "--tree", str(tree)],
+                                 env=env, capture_output=True, text=True, check=True, cwd=HERE)
+            got = json.loads(out.stdout.strip().splitlines()[-1])
+            times[name].append(got["us"])
+        print(f"round {r + 1}: this {times['this'][-1]:.1f} us a call, "
+              f"other {times['other'][-1]:.1f}", flush=True)
+    med = {name: statistics.median(v) for name, v in times.items()}
+    print("\n| build | us a call, sorted | median |")
+    print("|---|---|---:|")
+    for name, v in times.items():
+        print(f"| {name} | {' '.join(f'{t:.1f}' for t in sorted(v))} | {med[name]:.1f} |")
+    pairs = sorted(t / o for t, o in zip(times["this"], times["other"]))  # each round's
+    print(f"\nthe other build's speed over this one's: {med['this'] / med['other']:.3f}x "
+          f"(medians); round by round {' '.join(f'{p:.2f}' for p in pairs)}, "
+          f"median {statistics.median(pairs):.3f}x")
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(dict(vars(a), us=times, medians=med, speed=med["this"] / med["other"],
+                           round_speeds=pairs), f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
