@@ -15,6 +15,7 @@ from .engine.inprocess import Engine, Event
 from .engine.load import read_whole, whole_model
 from .engine.load import read_in_place as _read_in_place  # (a test holds it to the eager load)
 from .engine.params import sampling_params
+from .errors import InvalidRequestError
 from .formats.gguf import parsed_once
 from .formats.loader import DEFAULT_MODEL, load_checkpoint
 from .formats.q4 import has_q4
@@ -102,8 +103,12 @@ class PowerInfer:
     def detokenize(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids)
 
-    def generate(self, prompt: str | list[str], max_new_tokens: int = 128, **sampling) -> str | list[str]:
-        """Complete a prompt (or a batch of prompts, decoded together) and return the text."""
+    def generate(self, prompt: str | list[str], max_new_tokens: int | None = None,
+                 **sampling) -> str | list[str]:
+        """Complete a prompt (or a batch of prompts, decoded together) and return the text.
+        max_new_tokens: the tokens to generate at most (128 unless given; `max_tokens`, the
+        HTTP API's and `SamplingParams`' name for it, is taken too); `sampling`: the other
+        `SamplingParams` fields."""
         prompts = [prompt] if isinstance(prompt, str) else list(prompt)
         texts = [""] * len(prompts)
         step = self.config.max_batch
@@ -113,14 +118,15 @@ class PowerInfer:
                 texts[start + ev.index] += ev.text
         return texts[0] if isinstance(prompt, str) else texts
 
-    def stream(self, prompt: str | Messages, max_new_tokens: int = 128, **sampling) -> Iterator[str]:
+    def stream(self, prompt: str | Messages, max_new_tokens: int | None = None,
+               **sampling) -> Iterator[str]:
         """Yield text pieces as they are generated; `prompt` may be chat messages."""
         ids = self._ids(prompt)
         for ev in self._run([ids], max_new_tokens, sampling):
             if ev.text:
                 yield ev.text
 
-    def chat(self, messages: Messages, max_new_tokens: int = 128, **sampling) -> str:
+    def chat(self, messages: Messages, max_new_tokens: int | None = None, **sampling) -> str:
         """Apply the model's chat template to `messages` and return the assistant's reply."""
         return "".join(self.stream(messages, max_new_tokens, **sampling))
 
@@ -129,12 +135,27 @@ class PowerInfer:
             return self.tokenizer.encode(prompt)
         return self.tokenizer.encode(self.tokenizer.apply_chat_template(prompt))
 
-    def _run(self, prompts: list[list[int]], max_new_tokens: int, sampling: dict) -> Iterator[Event]:
-        params = sampling_params(max_tokens=max_new_tokens, **sampling)
+    def _run(self, prompts: list[list[int]], max_new_tokens: int | None,
+             sampling: dict) -> Iterator[Event]:
+        n, sampling = _max_tokens(max_new_tokens, sampling)
+        params = sampling_params(max_tokens=n, **sampling)
         if self.model is None:
             return _concurrently(self.engine, prompts, params)
         seqs = [self.engine.new_sequence(p, params) for p in prompts]
         return self.engine.run(seqs)
+
+
+def _max_tokens(max_new_tokens: int | None, sampling: dict) -> tuple[int, dict]:
+    """(the tokens a call generates at most, the other sampling settings): max_new_tokens, or
+    `max_tokens` among the sampling settings (the same setting by its HTTP name), else 128."""
+    if "max_tokens" not in sampling:
+        return (128 if max_new_tokens is None else max_new_tokens), sampling
+    rest = dict(sampling)
+    n = rest.pop("max_tokens")
+    if max_new_tokens is not None and max_new_tokens != n:
+        raise InvalidRequestError(f"max_new_tokens={max_new_tokens} and max_tokens={n} are the "
+                                  "same setting (the tokens to generate): give one")
+    return n, rest
 
 
 def _concurrently(engine, prompts: list[list[int]], params) -> Iterator[Event]:

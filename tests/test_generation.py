@@ -125,6 +125,17 @@ def test_invalid_requests_are_typed_errors(smol):
     with pytest.raises(InvalidRequestError, match="top_p"):
         smol.generate("hi", top_p=0)
     assert "Paris" in smol.generate("The capital of France is", max_new_tokens=8, temperature=0)
+    # max_tokens, the HTTP API's name, is the same setting; two different values are an error
+    # that names both (it was Python's "got multiple values for keyword argument")
+    with pytest.raises(InvalidRequestError, match="max_new_tokens=4 and max_tokens=5"):
+        smol.generate("hi", max_new_tokens=4, max_tokens=5)
+    two = ["The capital of France is", "One, two,"]
+    short = smol.generate(two, max_tokens=3, temperature=0, ignore_eos=True)
+    assert short == smol.generate(two, max_new_tokens=3, temperature=0, ignore_eos=True)
+    longer = smol.generate(two, max_tokens=8, temperature=0, ignore_eos=True)
+    assert all(b.startswith(a) and len(b) > len(a) for a, b in zip(short, longer)), (short, longer)
+    assert "".join(smol.stream("One, two,", max_tokens=2, temperature=0, ignore_eos=True)) == \
+        smol.generate("One, two,", max_new_tokens=2, temperature=0, ignore_eos=True)
 
 
 def test_sampling_filters():
