@@ -100,6 +100,8 @@ def main():
     # --by-frequency: each layer's records (and biases) permuted by its picks over the first half
     # of the calls, the most picked first, every other rank to each half of the order
     half = len(steps) // 2 // layers * layers
+    if a.by_frequency and not half:
+        raise SystemExit("--by-frequency: two tokens' calls at least (--tokens)")
     second = list(zip(steps[half:], masks[half:]))
     picks, orders = {}, {}
     for (_, _, _, _, _, _, rec, *_), m in zip(steps[:half], masks[:half]):
