@@ -508,9 +508,9 @@ def device_fixed_bytes(src: TensorSource, a: ModelArgs, dtype_bytes: int) -> dic
     if not a.tie_embeddings:
         out["lm_head"] = device_bytes(src, [("output",)], dtype_bytes)
         if src.kind("embed") in BLOCK_BYTES:  # (`device_embedding`; learned positions widen)
-            positions = (a.max_seq_len + 2) * a.dim * dtype_bytes if a.learned_pos else 0
             rows, dim = src.shape("embed")
-            out["embeddings"] = rows * kquants.row_bytes(src.kind("embed"), dim) + positions
+            out["embeddings"] = (rows * kquants.row_bytes(src.kind("embed"), dim)
+                                 + a.position_rows * a.dim * dtype_bytes)
     return out
 
 

@@ -67,6 +67,12 @@ class ModelArgs:
         return bool(self.rope_base_local) and self.window(layer) > 0
 
     @property
+    def position_rows(self) -> int:
+        """Rows of the learned position table (OPT's: max_seq_len and 2 unused leading rows,
+        positions offset by 2), 0 where positions are RoPE's."""
+        return self.max_seq_len + 2 if self.learned_pos else 0
+
+    @property
     def scale(self) -> float:
         return self.attn_scale or self.head_dim ** -0.5
 

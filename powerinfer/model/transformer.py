@@ -245,7 +245,7 @@ class Transformer(nn.Module):
         self.args = a
         self.tok_embeddings = _embedding(a.vocab_size, a.dim)
         # OPT keeps two unused rows in front of its position table (HF's offset of 2)
-        self.pos_embeddings = _embedding(a.max_seq_len + 2, a.dim) if a.learned_pos else None
+        self.pos_embeddings = _embedding(a.position_rows, a.dim) if a.learned_pos else None
         self.layers = nn.ModuleList(Block(a, i) for i in range(a.n_layers))
         self.norm = Norm(a.dim, a.norm_eps, a.layer_norm)
         self.output = Linear(a.dim, a.vocab_size, bias=False)

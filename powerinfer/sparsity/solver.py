@@ -82,7 +82,6 @@ def gpu_bytes(args: ModelArgs, *, dtype_bytes: int = 2, batch: int = 1, context:
     attention = d * (q + 2 * kv) + q * d + (q + 2 * kv) * a.qkv_bias + d * a.o_bias
     norm = 2 * d if a.layer_norm else d
     table = a.vocab_size * d
-    positions = (a.max_seq_len + 2) * d if a.learned_pos else 0  # OPT's 2 unused leading rows
     ranks = predictor_ranks or []
     if predictor_ranks is not None and len(ranks) != L:
         raise ConfigError(f"predictor_ranks has {len(ranks)} entries for {L} layers")
@@ -96,7 +95,7 @@ def gpu_bytes(args: ModelArgs, *, dtype_bytes: int = 2, batch: int = 1, context:
         # (`predictor.run_dtype`), in their own process (with predictor_device="cpu" they do not
         # sit there: the placement then leaves this unused)
         "predictors": sum(r * (d + a.ffn_dim) for r in ranks),
-        "embeddings": table + positions if embeddings_on_gpu else 0,
+        "embeddings": table + a.position_rows * d if embeddings_on_gpu else 0,
         "lm_head": table if lm_head_on_gpu and not tied_elsewhere else 0,
     }
     out = {k: v * dtype_bytes for k, v in parts.items()}
