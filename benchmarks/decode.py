@@ -141,7 +141,7 @@ def llama_python(isa: str | None = None) -> Path:
     if built == args and not subprocess.run(
             [py, "-c", "import llama_cpp"], capture_output=True).returncode:
         return py
-    print(f"installing llama-cpp-python=={LLAMA_VERSION} into {venv} (a source build, "
+    print(f"installing llama-cpp-python=={LLAMA_VERSION} into benchmarks/{venv.name} (a source build, "
           f"CMAKE_ARGS={args}) ...", flush=True)
     if not py.exists():
         subprocess.run(["python3", "-m", "venv", venv], check=True)

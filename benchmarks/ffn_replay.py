@@ -29,6 +29,7 @@ import argparse
 import json
 import statistics
 import time
+from pathlib import Path
 
 import torch
 
@@ -37,6 +38,52 @@ from powerinfer import Config, PowerInfer, kernels
 from sparse_cpu import read_bandwidth  # (a reduction over 1 GiB, as phases.py measures it)
 
 PROMPT = "Explain how a CPU cache works."
+
+
+def frequency_ways(steps, masks, layers: int, records) -> tuple[dict, float, torch.Tensor]:
+    """--by-frequency: the records alone over the second half of the calls, in the file's order
+    and with each layer's records (and biases) permuted by its picks over the first half, the
+    most picked first: every other rank to each half of the order (the two threads' halves), and
+    undealt. Returns those ways by name, the tokens they cover, and the share of the first half's
+    picks that the most picked neurons hold (the mean over the layers, by rank)."""
+    half = len(steps) // 2 // layers * layers
+    if not half:
+        raise SystemExit("--by-frequency: two tokens' calls at least (--tokens)")
+    second = list(zip(steps[half:], masks[half:]))
+    picks, orders = {}, {}
+    for (_, _, _, _, _, _, rec, *_), m in zip(steps[:half], masks[:half]):
+        picks[id(rec)] = picks.get(id(rec), 0) + m.to(torch.int64)
+    for (_, _, _, _, _, _, rec, bias, *_) in steps[:half]:
+        if id(rec) not in orders:
+            ranked = torch.argsort(-picks[id(rec)], stable=True)
+            orders[id(rec)] = [(order, kernels.huge(rec[order].contiguous()),
+                                None if bias is None else bias[order].contiguous())
+                               for order in (torch.cat([ranked[0::2], ranked[1::2]]), ranked)]
+    x, _, _, _, _, _, rec, bias, thr, act, fmt = steps[half]
+    order, rec2, bias2 = orders[id(rec)][0]
+    same = kernels.neuron_ffn(x, rec, masks[half], None, bias, thr, act, fmt)
+    moved = kernels.neuron_ffn(x, rec2, masks[half][order], None, bias2, thr, act, fmt)
+    assert torch.allclose(same, moved, rtol=1e-3, atol=1e-3 * float(same.abs().max())), \
+        "the reordered records give another FFN output"
+
+    def file_order():
+        for (x, _, _, _, _, _, rec, bias, thr, act, fmt), m in second:
+            records(x, rec, m, bias, thr, act, fmt)
+
+    def by_picks(which: int):
+        def run():
+            for (x, _, _, _, _, _, rec, _, thr, act, fmt), m in second:
+                order, rec2, bias2 = orders[id(rec)][which]
+                records(x, rec2, m[order], bias2, thr, act, fmt)
+        return run
+
+    share = torch.stack([torch.sort(p.double(), descending=True).values.cumsum(0) / p.sum()
+                         for p in picks.values()]).mean(0)
+    return {"the records alone, the second half of the calls, the file's order": file_order,
+            "the same, records ordered by the first half's picks, dealt to the threads":
+                by_picks(0),
+            "the same, the most picked first (the first thread's)": by_picks(1)}, \
+        len(second) / layers, share
 
 
 def main():
@@ -97,55 +144,18 @@ def main():
         for _ in steps:
             records(x, rec, masks[0], bias, thr, act, fmt)
 
-    # --by-frequency: each layer's records (and biases) permuted by its picks over the first half
-    # of the calls, the most picked first, every other rank to each half of the order
-    half = len(steps) // 2 // layers * layers
-    if a.by_frequency and not half:
-        raise SystemExit("--by-frequency: two tokens' calls at least (--tokens)")
-    second = list(zip(steps[half:], masks[half:]))
-    picks, orders = {}, {}
-    for (_, _, _, _, _, _, rec, *_), m in zip(steps[:half], masks[:half]):
-        picks[id(rec)] = picks.get(id(rec), 0) + m.to(torch.int64)
-    for (_, _, _, _, _, _, rec, bias, *_) in steps[:half]:
-        if a.by_frequency and id(rec) not in orders:
-            ranked = torch.argsort(-picks[id(rec)], stable=True)
-            orders[id(rec)] = [(order, kernels.huge(rec[order].contiguous()),
-                                None if bias is None else bias[order].contiguous())
-                               for order in (torch.cat([ranked[0::2], ranked[1::2]]), ranked)]
-
-    def second_half():
-        for (x, _, _, _, _, _, rec, bias, thr, act, fmt), m in second:
-            records(x, rec, m, bias, thr, act, fmt)
-
-    def by_frequency(dealt: bool):
-        def run():
-            for (x, _, _, _, _, _, rec, _, thr, act, fmt), m in second:
-                order, rec2, bias2 = orders[id(rec)][0 if dealt else 1]
-                records(x, rec2, m[order], bias2, thr, act, fmt)
-        return run
-
     ways = {"the fused step (predictor, rule, records)": fused,
             "its halves, one after the other a layer": halves,
             "the predictors alone": predictors,
             "the records alone, over the predictors' masks": records_alone,
             "one layer's records, again and again (from the caches)": one_layer}
-    halved = set()  # the ways over the second half of the calls
+    per_token = dict.fromkeys(ways, tokens)  # the tokens each way's round covers
     if a.by_frequency:
-        x, _, _, _, _, _, rec, bias, thr, act, fmt = steps[half]
-        order, rec2, bias2 = orders[id(rec)][0]
-        same = kernels.neuron_ffn(x, rec, masks[half], None, bias, thr, act, fmt)
-        moved = kernels.neuron_ffn(x, rec2, masks[half][order], None, bias2, thr, act, fmt)
-        assert torch.allclose(same, moved, rtol=1e-3, atol=1e-3 * float(same.abs().max())), \
-            "the reordered records give another FFN output"
-        ways["the records alone, the second half of the calls, the file's order"] = second_half
-        ways["the same, records ordered by the first half's picks, dealt to the threads"] = \
-            by_frequency(True)
-        ways["the same, the most picked first (the first thread's)"] = by_frequency(False)
-        halved = set(list(ways.values())[-3:])
+        late_ways, late_tokens, share = frequency_ways(steps, masks, layers, records)
+        ways.update(late_ways)
+        per_token.update(dict.fromkeys(late_ways, late_tokens))
     times = {k: [] for k in ways}
     before = read_bandwidth(torch.float32) / 1e9
-    late = len(second) / layers  # the second half's tokens
-    per_token = {k: late if fn in halved else tokens for k, fn in ways.items()}
     for r in range(a.rounds + 1):
         for k, fn in ways.items():
             t0 = time.perf_counter()
@@ -154,13 +164,11 @@ def main():
                 times[k].append((time.perf_counter() - t0) / per_token[k])
     after = read_bandwidth(torch.float32) / 1e9
     picked = statistics.mean(int(m.sum()) for m in masks)
-    print(f"{a.model}, {layers} layers, {len(steps)} layer steps of {a.tokens} tokens; "
+    print(f"{Path(a.model).name}, {layers} layers, {len(steps)} layer steps of {a.tokens} tokens; "
           f"{picked:.0f} of {masks[0].numel()} neurons picked a layer step; kernel {kernels.isa()}, "
           f"{torch.get_num_threads()} threads; {a.rounds} rounds in turns (median); read rate "
           f"{before:.1f} GB/s before, {after:.1f} after\n")
     if a.by_frequency:
-        share = torch.stack([torch.sort(p.double(), descending=True).values.cumsum(0) / p.sum()
-                             for p in picks.values()]).mean(0)
         n = share.numel()
         print("the first half's picks held by the most picked neurons: " + ", ".join(
             f"{q:.0%} of the neurons {float(share[int(q * n) - 1]):.0%}"

@@ -35,7 +35,7 @@ ROOT = HERE.parent
 
 
 def child(a) -> dict:
-    """Time the product with the kernel of the tree on PYTHONPATH: {"us": a call, ...}."""
+    """Time the product with the kernel of the tree on PYTHONPATH: {"us": a call, "copies"}."""
     import torch
 
     import powerinfer
@@ -76,7 +76,13 @@ def child(a) -> dict:
         for w in mats:
             call(w)
         calls += len(mats)
-    return {"us": (time.perf_counter() - t0) / calls * 1e6, "tree": str(tree), "copies": copies}
+    return {"us": (time.perf_counter() - t0) / calls * 1e6, "copies": copies}
+
+
+def commit(tree: Path) -> str:
+    """The tree's commit, "-dirty" where its files differ from it (what a build was made of)."""
+    return subprocess.run(["git", "-C", str(tree), "describe", "--always", "--dirty"],
+                          capture_output=True, text=True).stdout.strip() or "not a git checkout"
 
 
 def main():
@@ -106,8 +112,9 @@ def main():
     args = [a.product, "--quant", a.quant, "--rows", str(a.rows), "--k", str(a.k), "--sparsity",
             str(a.sparsity), "--seconds", str(a.seconds), "--threads", str(a.threads)]
     times = {name: [] for name in trees}
+    commits = {name: commit(tree) for name, tree in trees.items()}
     print(f"{a.product} product, {a.rows} x {a.k} {a.quant}, {a.sparsity:.0%} of the input "
-          f"dropped; this: {ROOT}, other: {trees['other']}; {a.rounds} rounds\n")
+          f"dropped; this: {commits['this']}, other: {commits['other']}; {a.rounds} rounds\n")
     for r in range(a.rounds):
         for name, tree in trees.items():
             env = dict(os.environ, PYTHONPATH=str(tree))
@@ -129,8 +136,10 @@ def main():
           f"median {statistics.median(pairs):.3f}x")
     if a.json:
         with open(a.json, "w") as f:
-            json.dump(dict(vars(a), us=times, medians=med, speed=med["this"] / med["other"],
-                           round_speeds=pairs), f, indent=1)
+            settings = {k: v for k, v in vars(a).items()
+                        if k not in ("other", "child", "tree", "json")}  # (no paths of the machine)
+            json.dump(dict(settings, commits=commits, us=times, medians=med,
+                           speed=med["this"] / med["other"], round_speeds=pairs), f, indent=1)
 
 
 if __name__ == "__main__":
