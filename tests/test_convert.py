@@ -64,16 +64,28 @@ def test_a_k_quant_file_is_converted_once_and_loads_quantized(kquant_file):
     assert path == kquant_file.parent / "kq.gguf.bundle" / "kernel-formats.gguf"
     assert pi.config.weights == "int4" and pi.generate("hello", max_new_tokens=4, temperature=0)
 
-    # the copy: Q4_K became Q4_1 and Q6_K Q8_0; every other tensor and record is the same
+    # the copy: Q4_K became Q4_1 and Q6_K Q8_0, and it holds those alone with every record;
+    # the model reads its other tensors from the original's bytes
     src, out = open_gguf(kquant_file), open_gguf(path)
     got = {t.name: t for t in out.tensors}
+    kept = [t for t in src.tensors if t.tensor_type.name not in ("Q4_K", "Q6_K")]
+    assert kept and not {t.name for t in kept} & set(got)
     for t in src.tensors:
-        c = got[t.name]
-        want = {"Q4_K": "Q4_1", "Q6_K": "Q8_0"}.get(t.tensor_type.name, t.tensor_type.name)
-        assert c.tensor_type.name == want, t.name
-        if want == t.tensor_type.name:
-            assert np.array_equal(c.data.view(np.uint8), t.data.view(np.uint8)), t.name
+        if t.name in got:
+            want = {"Q4_K": "Q4_1", "Q6_K": "Q8_0"}[t.tensor_type.name]
+            assert got[t.name].tensor_type.name == want, t.name
     assert out.fields["tokenizer.ggml.tokens"].contents() == src.fields["tokenizer.ggml.tokens"].contents()
+    def beside_data(f, r):  # header and padding
+        return f.stat().st_size - sum(int(t.n_bytes) for t in r.tensors)
+    assert beside_data(path, out) < beside_data(kquant_file, src) + 64 * len(got)
+    ck = load_checkpoint(path, with_weights=False)
+    table, norm = ck.source.table, "0.attn_norm"
+    assert table[norm].file == 1 and ck.source.files[1] == kquant_file
+    whole = load_checkpoint(kquant_file, with_weights=False).source
+    assert torch.equal(ck.source.get(norm, torch.float32), whole.get(norm, torch.float32))
+    assert table["0.up"].file == 0 and ck.source.kind("0.up") == "Q4_1"
+    assert not needs_conversion(ck.info) and ck.info["file_bytes"] == path.stat().st_size + sum(
+        int(t.n_bytes) for t in kept)
 
     # the report: each converted tensor's error, as the dequantized weights say
     report = json.loads(path.with_suffix(".json").read_text())
@@ -93,6 +105,27 @@ def test_a_k_quant_file_is_converted_once_and_loads_quantized(kquant_file):
     assert path.stat().st_mtime_ns == stamp
     os.utime(kquant_file, ns=(stamp + 10**9, stamp + 10**9))
     assert converted(kquant_file, progress=False) == path and path.stat().st_mtime_ns != stamp
+
+
+def test_a_copy_whose_original_is_gone_says_so_and_an_older_whole_copy_is_remade(kquant_file,
+                                                                                tmp_path):
+    model = tmp_path / "m.gguf"
+    model.write_bytes(kquant_file.read_bytes())
+    path = converted(model, progress=False)
+    model.rename(tmp_path / "elsewhere.gguf")
+    with pytest.raises(ModelLoadError, match=r"m\.gguf\) is no longer beside it"):
+        load_checkpoint(path, with_weights=False)
+    (tmp_path / "elsewhere.gguf").rename(model)
+    assert load_checkpoint(path, with_weights=False).source.files[1] == model
+
+    # a copy an earlier version made (the whole file, its report without a layout) is made again
+    report = path.with_suffix(".json")
+    old = json.loads(report.read_text())
+    del old["layout"]
+    report.write_text(json.dumps(old))
+    stamp = path.stat().st_mtime_ns
+    assert converted(model, progress=False) == path and path.stat().st_mtime_ns != stamp
+    assert json.loads(report.read_text())["layout"] == "converted-only"
 
 
 def test_the_converted_model_computes_what_the_original_does(kquant_file):

@@ -236,6 +236,11 @@ CONVERTED_NAME = "kernel-formats"
 SOURCE_KEY = "powerinfer.converted_from"
 
 
+# in a converted copy: it holds only the tensors it converted, and the model's other tensors are
+# read from the file it was made from (`formats.gguf.load_gguf`)
+CONVERTED_ONLY_KEY = "powerinfer.converted_only"
+
+
 def source_stamp(path: Path) -> str:
     st = path.stat()
     return f"{path.name}:{st.st_size}:{st.st_mtime_ns}"

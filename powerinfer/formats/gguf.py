@@ -2,7 +2,8 @@
 layout): the architecture from the metadata, the tensors by their canonical names
 (`formats.source.TENSOR_NAMES`), read on demand (`GGUFSource`) or whole. A converted copy's
 original K-quant blocks are found beside it (`formats.bundle.original_of`). Every failure becomes
-a `ModelLoadError` that names the file and the problem.
+a `ModelLoadError` that names the file and the problem. A converted copy holds only the tensors
+it converted; its model's other tensors are read from the original (`Stored.file`).
 """
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ from ..compat import ArrayParts, gguf_reader
 from ..errors import ModelLoadError
 from . import kquants
 from .args import ModelArgs
-from .bundle import SOURCE_KEY, original_of
+from .bundle import CONVERTED_ONLY_KEY, SOURCE_KEY, original_of
 from .kquants import KQUANT_LAYOUTS
 from .q4 import Q4_TYPES, q4_split
 from .source import GGUF, Checkpoint, TensorSource, expand_names, split_fused, unpermute_rows
@@ -121,11 +122,13 @@ _TORCH = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
 
 class Stored(NamedTuple):
     """Where one tensor lies in a GGUF file: its type, its shape (row-major, numpy order),
-    and its bytes' offset and length."""
+    its bytes' offset and length, and which of its source's files holds it (0: the one the
+    source is named by; 1: a converted copy's original, for the tensors it did not convert)."""
     kind: str
     shape: tuple[int, ...]
     offset: int
     nbytes: int
+    file: int = 0
 
 
 # The file maps GGUFSources hold open in this process, by their first byte's address: (size, the
@@ -156,13 +159,24 @@ class GGUFSource(TensorSource):
 
     COLUMN_CHUNK_BYTES = 64 << 20
 
-    def __init__(self, path: Path, table: dict[str, Stored], permute_args: ModelArgs | None):
+    def __init__(self, path: Path, table: dict[str, Stored], permute_args: ModelArgs | None,
+                 others: tuple[Path, ...] = ()):
         self.path, self.table, self._permute = Path(path), table, permute_args
+        self.files = (self.path, *map(Path, others))  # Stored.file indexes these
         self.names = frozenset(table)
-        self._map = self._mm = None
+        self._maps: dict[int, tuple[np.ndarray, mmap.mmap]] = {}
 
     def __getstate__(self):
-        return {**self.__dict__, "_map": None, "_mm": None}
+        return {**self.__dict__, "_maps": {}}
+
+    def _mapped(self, file: int) -> tuple[np.ndarray, mmap.mmap]:
+        if file not in self._maps:
+            with open(self.files[file], "rb") as f:
+                mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+            arr = np.frombuffer(mm, dtype=np.uint8)
+            _MAPS[arr.ctypes.data] = (arr.size, str(self.files[file].resolve()), weakref.ref(mm))
+            self._maps[file] = arr, mm
+        return self._maps[file]
 
     def _stored(self, name: str) -> Stored:
         try:
@@ -172,15 +186,9 @@ class GGUFSource(TensorSource):
 
     def _data(self, name: str) -> np.ndarray:
         """The tensor's bytes (a view of the map): (rows, bytes per row) uint8."""
-        if self._map is None:
-            with open(self.path, "rb") as f:
-                self._mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
-            self._map = np.frombuffer(self._mm, dtype=np.uint8)
-            _MAPS[self._map.ctypes.data] = (self._map.size, str(self.path.resolve()),
-                                            weakref.ref(self._mm))
         st = self._stored(name)
         rows = int(np.prod(st.shape[:-1])) if len(st.shape) > 1 else 1
-        return self._map[st.offset:st.offset + st.nbytes].reshape(rows, -1)
+        return self._mapped(st.file)[0][st.offset:st.offset + st.nbytes].reshape(rows, -1)
 
     def _release(self, name: str):
         """Drop the tensor's pages from this process (MADV_DONTNEED; the page cache keeps
@@ -188,8 +196,8 @@ class GGUFSource(TensorSource):
         process's resident memory until the map closes."""
         st = self._stored(name)
         lo = st.offset // mmap.PAGESIZE * mmap.PAGESIZE
-        if hasattr(mmap, "MADV_DONTNEED") and self._map is not None:
-            self._mm.madvise(mmap.MADV_DONTNEED, lo, st.offset + st.nbytes - lo)
+        if hasattr(mmap, "MADV_DONTNEED") and st.file in self._maps:
+            self._maps[st.file][1].madvise(mmap.MADV_DONTNEED, lo, st.offset + st.nbytes - lo)
 
     def kind(self, name: str) -> str:
         return self._stored(name).kind
@@ -334,7 +342,7 @@ class GGUFSource(TensorSource):
         return blocks
 
     def close(self):
-        self._map = self._mm = None
+        self._maps = {}
 
 
 def load_gguf(path: Path, dtype, with_weights: bool, keep_int4: bool) -> Checkpoint:
@@ -345,20 +353,24 @@ def load_gguf(path: Path, dtype, with_weights: bool, keep_int4: bool) -> Checkpo
         raise ModelLoadError(path, f"unknown architecture {arch!r} "
                              f"(supported: {', '.join(GGUF_ARCHS)})")
     pwri = reader.magic == b"PWRI"
-    tensors = {t.name: t for t in reader.tensors}
+    original = original_of(path) if SOURCE_KEY in meta else None
+    own = {t.name: t for t in reader.tensors}
+    taken = _taken_from_original(path, meta, original, own)
+    tensors = {**taken, **own}
     args = _gguf_args(path, arch, meta, tensors, pwri)
     permuted = GGUF_ARCHS[arch][1]
     names, found, extra = _gguf_tensor_table(arch, args, tensors)
     table = {c: Stored(t.tensor_type.name, tuple(int(x) for x in reversed(t.shape)),
-                       int(t.data_offset), int(t.n_bytes)) for c, t in found.items()}
+                       int(t.data_offset), int(t.n_bytes), int(t.name in taken))
+             for c, t in found.items()}
     table = split_fused(table, args, lambda st, sub, lo, hi: _stored_rows(st, lo, hi))
-    source = GGUFSource(path, table, args if permuted else None)
-    source.kquant = _kquant_source(path, meta, found, args if permuted else None)
+    source = GGUFSource(path, table, args if permuted else None, (original,) if taken else ())
+    source.kquant = _kquant_source(original, found, args if permuted else None)
     weights, q4 = _gguf_weights(source, dtype, keep_int4) if with_weights else ({}, {})
     info = {"format": "PWRI" if pwri else "GGUF", "gguf_arch": arch,
-            "file_bytes": path.stat().st_size,
+            "file_bytes": path.stat().st_size + sum(int(t.n_bytes) for t in taken.values()),
             "n_params": sum(int(np.prod(t.shape)) for n, t in tensors.items() if n in names),
-            "tensor_types": dict(Counter(t.tensor_type.name for t in reader.tensors)),
+            "tensor_types": dict(Counter(t.tensor_type.name for t in tensors.values())),
             "ffn_type": source.kind("0.up") if "0.up" in source.names else None,
             "name": meta.get("general.name", path.stem)}
     return Checkpoint(path, args, weights, ("gguf", meta), info, extra, q4, source)
@@ -465,12 +477,25 @@ def _gguf_weights(source: "GGUFSource", dtype, keep_int4: bool) -> tuple[dict, d
     return weights, q4
 
 
-def _kquant_source(path: Path, meta: dict, found: dict, permute_args) -> "GGUFSource | None":
+def _taken_from_original(path: Path, meta: dict, original: Path | None, own: dict) -> dict:
+    """For a converted copy that holds only the tensors it converted (`convert.converted`):
+    the original's other tensors, by name, which the copy's model reads from there; else {}."""
+    if not meta.get(CONVERTED_ONLY_KEY):
+        return {}
+    if original is None:
+        made_from = meta.get(SOURCE_KEY, "").rsplit(":", 2)[0]
+        raise ModelLoadError(path, "a converted copy that holds only the tensors it converted; "
+                             f"the file it was made from ({made_from}) is no longer beside it "
+                             "unchanged: load that file, and the copy is made again")
+    return {t.name: t for t in open_gguf(original).tensors if t.name not in own}
+
+
+def _kquant_source(original: Path | None, found: dict, permute_args) -> "GGUFSource | None":
     """For a converted copy (`convert.converted`) whose original is still beside it: the
     original's tensors stored in Q4_K or Q6_K (the kernel's q4kx16/q6kx16 GEMVs read them as
     they are), under the copy's canonical names; else None."""
 
-    if SOURCE_KEY not in meta or (original := original_of(path)) is None:
+    if original is None:
         return None
     by_name = {t.name: t for t in open_gguf(original).tensors}
     table = {}
@@ -487,8 +512,9 @@ def _stored_rows(st: Stored, lo: int, hi: int) -> Stored:
     row = st.nbytes // (st.shape[0] if len(st.shape) > 1 else 1)
     if len(st.shape) == 1:  # a fused bias: elements lo:hi of plain numbers
         item = st.nbytes // st.shape[0]
-        return Stored(st.kind, (hi - lo,), st.offset + lo * item, (hi - lo) * item)
-    return Stored(st.kind, (hi - lo, *st.shape[1:]), st.offset + lo * row, (hi - lo) * row)
+        return Stored(st.kind, (hi - lo,), st.offset + lo * item, (hi - lo) * item, st.file)
+    return Stored(st.kind, (hi - lo, *st.shape[1:]), st.offset + lo * row, (hi - lo) * row,
+                  st.file)
 
 
 def _pattern_of(slides: list[bool], path) -> int:

@@ -11,11 +11,14 @@ weights are rewritten, a tensor at a time, as
   sub-block's scale and minimum); the others are dequantized and requantized;
 - Q8_0 from the 5- to 6.5-bit ones (Q5_0, Q5_1, Q5_K, Q6_K): nothing 4-bit would keep them.
 
-Every other tensor and every metadata record is copied byte for byte. The copy is
+The copy holds the converted tensors and every metadata record, nothing else: the model's other
+tensors are read from the original, which must stay beside it (a Q4_0 file whose only K-quant is
+its Q6_K output head is copied as that head alone, not as a second whole file). The copy is
 `<model>.bundle/kernel-formats.gguf` (or, where the model's folder is read-only, under
 `~/.cache/powerinfer/`), with `kernel-formats.json` beside it: per converted tensor its types
 and its relative RMS error (||w' - w|| / ||w||, w dequantized from the original), and their
-summary, which is also logged. It is made again if the model file changes (size or mtime).
+summary, which is also logged. It is made again if the model file changes (size or mtime), and
+once over a whole-file copy an earlier version made.
 """
 from __future__ import annotations
 
@@ -28,17 +31,21 @@ import numpy as np
 import torch
 
 from ..errors import ModelLoadError
-from ..formats.bundle import SOURCE_KEY, cache_path, converted_report, source_stamp
+from ..formats.bundle import (CONVERTED_ONLY_KEY, SOURCE_KEY, cache_path, converted_report,
+                              source_stamp)
 from ..formats.gguf import open_gguf
 from ..formats.kquants import dequantize, q4_k_codes
 from ..formats.loader import load_checkpoint
-from ..formats.pwri import GGUF_VERSION, STR, kv_record, raw_field, write_gguf
+from ..formats.pwri import GGUF_VERSION, STR, U32, kv_record, raw_field, write_gguf
 from ..kernels import quantize_rows
 
 log = logging.getLogger("powerinfer")
 
 
 KERNEL_TYPES = ("F32", "F16", "BF16", "Q4_0", "Q4_1", "Q8_0")  # read as they are
+
+
+LAYOUT = "converted-only"  # the report's mark of a copy holding only the converted tensors
 
 
 TO_Q8 = ("Q5_0", "Q5_1", "Q5_K", "Q6_K", "Q8_1", "Q8_K")
@@ -66,9 +73,10 @@ def converted(model: Path, progress: bool = True) -> Path:
     with open(out.with_name(out.name + ".lock"), "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if out.is_file() and (made := converted_report(out)) is not None and \
-                made["source"] == source_stamp(model):
+                made["source"] == source_stamp(model) and made.get("layout") == LAYOUT:
             return out
         summary = convert(model, out, progress)
+        summary["layout"] = LAYOUT
         summary["model"] = str(model.resolve())  # where the K-quant blocks kept as they are live
         report.write_text(json.dumps(summary, indent=1))
     log.info("%s has block types the CPU kernel cannot read: converted once to %s (%s); "
@@ -78,8 +86,10 @@ def converted(model: Path, progress: bool = True) -> Path:
     return out
 
 
-def convert(model: Path, out: Path, progress: bool = True) -> dict:
-    """Write `out`: `model` with every tensor of a type the kernel cannot read converted."""
+def convert(model: Path, out: Path, progress: bool = True, whole: bool = False) -> dict:
+    """Write `out`: `model`'s tensors of types the kernel cannot read, converted, and its
+    records. whole: every other tensor too, byte for byte (the whole-file copy earlier versions
+    made, which loads without the original: `benchmarks/convert.py`'s baseline)."""
     import gguf
 
 
@@ -110,8 +120,9 @@ def convert(model: Path, out: Path, progress: bool = True) -> dict:
     for t in reader.tensors:
         kind, shape = t.tensor_type.name, tuple(int(d) for d in t.shape)
         to = target(kind)
-        if to is None:
-            tensors[t.name] = (shape, int(t.tensor_type), t.data.view(np.uint8).reshape(-1))
+        if to is None:  # read from the original
+            if whole:
+                tensors[t.name] = (shape, int(t.tensor_type), t.data.view(np.uint8).reshape(-1))
             continue
         if len(shape) != 2 or shape[0] % 32:
             raise ModelLoadError(model, f"tensor {t.name} ({kind}, shape {shape}) cannot be "
@@ -121,8 +132,9 @@ def convert(model: Path, out: Path, progress: bool = True) -> dict:
         tensors[t.name] = (shape, int(qt), (shape[0] // block * nbytes * shape[1], produce(t, to)))
         types[kind] = to
     kvs = [raw_field(reader, f) for k, f in reader.fields.items()
-           if not k.startswith("GGUF.") and k != SOURCE_KEY]
+           if not k.startswith("GGUF.") and k not in (SOURCE_KEY, CONVERTED_ONLY_KEY)]
     kvs.append(kv_record(SOURCE_KEY, STR, source_stamp(model)))
+    kvs += [] if whole else [kv_record(CONVERTED_ONLY_KEY, U32, 1)]
     write_gguf(out, bytes(reader.data[:4]), kvs, tensors, int(reader.alignment))
     bar.close()
     worst = max(errors, key=errors.get) if errors else None
