@@ -1,12 +1,14 @@
 #!/usr/bin/env python3
-"""A Q4_K_M file's matrices on the CPU: kept in their own bits against converted, in one run.
+"""A K-quant file's matrices on the CPU: kept in their own bits against converted, in one run.
 
     .venv/bin/python benchmarks/kquant_gemv.py [--threads N] [--rows 12288] [--cols 4096]
+        [--kinds Q4_K Q5_K Q6_K]
 
 A Q4_K_M file stores most matrices in Q4_K (4.5 bits a weight) and the rest (v and down in some
-layers, the output head) in Q6_K (6.5625 bits). The kernel's first way to read them was a
-converted copy: Q4_K as Q4_1 blocks (5 bits: `quant.Q4Linear`'s q4x16 GEMV) and Q6_K as Q8_0
-(8.5 bits: `quant.KernelLinear`). This times one token's product over 4 distinct matrices of
+layers, the output head) in Q6_K (6.5625 bits); a Q5_K_M file the same over Q5_K (5.5 bits). The
+kernel's first way to read them was a converted copy: Q4_K as Q4_1 blocks (5 bits:
+`quant.Q4Linear`'s q4x16 GEMV), Q5_K and Q6_K as Q8_0 (8.5 bits: `quant.KernelLinear`). This
+times one token's product over 4 distinct matrices of
 the given shape (a LLaMA-7B layer's fused q/k/v by default; 4 do not fit in cache) each way,
 against the plain sum over 256 MiB as the read-bandwidth floor.
 """
@@ -32,6 +34,8 @@ def main():
     ap.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
     ap.add_argument("--rows", type=int, default=12288)
     ap.add_argument("--cols", type=int, default=4096)
+    ap.add_argument("--kinds", nargs="+", default=["Q4_K", "Q5_K", "Q6_K"],
+                    choices=["Q4_K", "Q5_K", "Q6_K"])
     a = ap.parse_args()
     assert kernels.available(), "the CPU kernel cannot run here"
     torch.set_num_threads(a.threads)
@@ -44,7 +48,7 @@ def main():
     print("|---|---|---:|---:|---:|---:|---:|")
     x = torch.randn(1, k).bfloat16()
     torch.manual_seed(0)
-    for kind in ("Q4_K", "Q6_K"):
+    for kind in a.kinds:
         data = [quantize((torch.randn(n, k) * 0.02).numpy(), kind) for _ in range(count)]
         kept = [KQuantLinear([(torch.from_numpy(d), kind)], k, None) for d in data]
         if kind == "Q4_K":
@@ -52,7 +56,7 @@ def main():
                     for d in data]
             conv_name, conv_bytes = "Q4_1 blocks, q4x16 GEMV (converted)", sum(m.packed.numel() for m in conv)
         else:
-            conv = [KernelLinear(torch.from_numpy(dequantize(d, GGMLQuantizationType.Q6_K)).reshape(n, k),
+            conv = [KernelLinear(torch.from_numpy(dequantize(d, GGMLQuantizationType[kind])).reshape(n, k),
                                  None, "q8_0") for d in data]
             conv_name, conv_bytes = "Q8_0 rows, row GEMV (converted)", sum(m.records.numel() for m in conv)
         base = seconds(lambda: [m(x) for m in conv])

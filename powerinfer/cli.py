@@ -299,7 +299,7 @@ def _pipeline_commands(sub):
                    help="rank of the residual stream (0: full; R >= subspace: the embeddings and "
                         "every layer's output in R directions, which predictors learn from fewer "
                         "samples)")
-    p.add_argument("--quant", default=None, choices=["q4_0", "q4_k_m", "q8_0"],
+    p.add_argument("--quant", default=None, choices=["q4_0", "q4_k_m", "q5_k_m", "q8_0"],
                    help="the matrices in these GGUF block types, as llama.cpp quantizes a file "
                         "of that type (default: bf16)")
     p.add_argument("--out", required=True)

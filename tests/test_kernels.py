@@ -767,13 +767,14 @@ def test_predictor_logits_on_8bit_groups(isa):
                            K.linear(K.linear(x, fc1, "bf16").relu_(), fc2, "bf16"))
 
 
-@pytest.mark.parametrize("kind", ["Q4_K", "Q6_K", "Q8_0"])
+@pytest.mark.parametrize("kind", ["Q4_K", "Q5_K", "Q6_K", "Q8_0"])
 @pytest.mark.parametrize("n", [32, 200])  # whole groups of 16 rows; a padded last group
 def test_kquant_gemv_equals_a_matmul_over_the_files_weights(isa, kind, n):
-    # a Q4_K_M file's Q4_K and Q6_K matrices kept in their bytes, 16 rows at a time: x W^T over
-    # exactly the weights the gguf package's dequantizer reads from the same blocks, with every
-    # scale and sign in play (wide rows: 6-bit scales near 63, Q6_K codes at both ends); and
-    # Q8_0 rows (an 8-bit output head, q8x16), codes at both ends of -127..127
+    # a Q4_K_M file's Q4_K and Q6_K matrices (and a Q5_K_M file's Q5_K) kept in their bytes, 16
+    # rows at a time: x W^T over exactly the weights the gguf package's dequantizer reads from
+    # the same blocks, with every scale and sign in play (wide rows: 6-bit scales near 63, Q5_K
+    # and Q6_K codes at both ends); and Q8_0 rows (an 8-bit output head, q8x16), codes at both
+    # ends of -127..127
     from gguf import GGMLQuantizationType, dequantize
     from gguf import quantize as gguf_quantize
 
@@ -792,7 +793,11 @@ def test_kquant_gemv_equals_a_matmul_over_the_files_weights(isa, kind, n):
     layout = KQUANT_LAYOUTS[kind]
     assert w.shape == (-(-n // 16), K.group_bytes(layout, k))
     # the file's bytes regrouped (Q4_K's 6-bit scales and minimums a byte each: 4 more a block)
-    assert w.numel() == -(-n // 16) * 16 * (data.shape[1] + (4 * k // 256 if kind == "Q4_K" else 0))
+    assert w.numel() == -(-n // 16) * 16 * (data.shape[1] + (4 * k // 256 if kind in ("Q4_K", "Q5_K")
+                                                               else 0))
+    if kind == "Q5_K":
+        codes = K.q5_k_codes(torch.from_numpy(data).view(n, -1, 176))[2]
+        assert codes.min() == 0 and codes.max() == 31
     for rows in (1, 2, 5, 70):  # every tail of the 4-row steps; past MAX_ROWS a call
         x = torch.randn(rows, k)
         want = K.quantize_input(x).double() @ held.double().t()
@@ -804,6 +809,26 @@ def test_kquant_gemv_equals_a_matmul_over_the_files_weights(isa, kind, n):
         want = K.quantize_input(xb).double() @ held.double().t()
         assert got.dtype == torch.bfloat16
         assert (got.double() - want).abs().max() <= 2**-8 * want.abs().max(), rows
+
+
+def test_q5_k_sums_at_their_largest_do_not_saturate(isa):
+    # every code 31 under x's 8-bit values all 127: without VNNI a block's 16-bit pair sums
+    # would pass 32767 if its eight products a lane were added before widening (block_sums5)
+    k, n = 512, 16
+    raw = np.zeros((n, k // 256, 176), np.uint8)
+    raw[..., 0:2] = np.frombuffer(np.float16(2 ** -10).tobytes(), np.uint8)  # d; dmin 0
+    raw[..., 4:8] = 63  # sub-blocks 0-3: scale 63 (bytes 8:12, their minimums: 0)
+    raw[..., 12:16] = 15  # sub-blocks 4-7: scale 15, minimum 0
+    raw[..., 16:] = 255  # every fifth bit and nibble: code 31
+    raw = torch.from_numpy(raw.reshape(n, -1))
+    from powerinfer.formats.kquants import dequantize
+    held = dequantize(raw.numpy(), "Q5_K", k)
+    assert held.max() == 31 * 63 * 2 ** -10
+    x = torch.ones(1, k)
+    assert K.quantize_input(x).eq(1).all()
+    got = K.linear_x16(x, K.pack_kquant(raw, "Q5_K"), n, "q5kx16")
+    want = held.double().sum(1)
+    assert torch.allclose(got.double(), want.view(1, n), rtol=1e-6), (got[0, 0], want[0])
 
 
 def test_q6_k_codes_are_the_gguf_dequantizers():
@@ -934,7 +959,7 @@ def test_a_kernel_built_beside_the_package_is_used_by_a_user_who_cannot_write_th
     assert kernels._library_path() == built
 
 
-@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q6_K"])
+@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K"])
 def test_a_block_embedding_widens_the_tokens_rows_as_the_gguf_package_does(kind):
     # the embedding a GPU keeps in the file's blocks (torch ops on its own device, graph-safe):
     # a lookup equals gguf's dequantizer over the same rows, in the model's type, any shape of
@@ -956,5 +981,5 @@ def test_a_block_embedding_widens_the_tokens_rows_as_the_gguf_package_does(kind)
             got = emb(tokens)
             assert got.dtype == dtype and got.shape == (*tokens.shape, dim)
             assert torch.equal(got, table[tokens].to(dtype)), (kind, dtype, tokens.tolist())
-    with pytest.raises(ValueError, match="no block embedding for Q5_K"):
-        BlockEmbedding(torch.from_numpy(data), "Q5_K", dim, torch.float32)
+    with pytest.raises(ValueError, match="no block embedding for Q3_K"):
+        BlockEmbedding(torch.from_numpy(data), "Q3_K", dim, torch.float32)

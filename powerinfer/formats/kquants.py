@@ -1,5 +1,6 @@
 """GGUF blocks written and read. First the quantizers for the block types the `gguf` package
-reads but cannot write: Q4_K and Q6_K, the two types of llama.cpp's Q4_K_M files. Vectorized
+reads but cannot write: Q4_K and Q6_K, the two types of llama.cpp's Q4_K_M files, and Q5_K
+(its Q5_K_M files'). Vectorized
 over rows of float32 weights (Q4_K in numpy, Q6_K in torch); the bytes are GGUF's (ggml's
 `block_q4_K` and `block_q6_K`), checked against `gguf.quants.dequantize` in the tests.
 
@@ -10,7 +11,7 @@ They exist for speed benchmarks on the formats users have (`powerinfer synthetic
 
 `quantize(x, name)` also takes "Q4_0", "Q4_1", "Q8_0" (torch ops, byte for byte what `gguf`
 writes) and the float types (through `gguf`). `dequantize(raw, name)` widens Q4_0, Q4_1, Q8_0,
-Q4_K and Q6_K rows with torch ops, value for value what `gguf.quants.dequantize` gives: `gguf`'s
+Q4_K, Q5_K and Q6_K rows with torch ops, value for value what `gguf.quants.dequantize` gives: `gguf`'s
 numpy runs on one core over groups of 16 rows, and a 70B-shaped layer's matrices hold 900M
 weights (`benchmarks/codecs.py` times both ways); the rest go through `gguf`.
 """
@@ -26,13 +27,13 @@ log = logging.getLogger("powerinfer")
 
 
 # GGUF type -> the layout that keeps its bytes 16 rows at a time
-KQUANT_LAYOUTS = {"Q4_K": "q4kx16", "Q6_K": "q6kx16", "Q8_0": "q8x16"}
+KQUANT_LAYOUTS = {"Q4_K": "q4kx16", "Q5_K": "q5kx16", "Q6_K": "q6kx16", "Q8_0": "q8x16"}
 
 
 QK_K = 256
 
 
-BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34, "Q4_K": 144, "Q6_K": 210}
+BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34, "Q4_K": 144, "Q5_K": 176, "Q6_K": 210}
 
 
 CHUNK = 1 << 20  # values a step, so a step's temporaries stay a few MB
@@ -54,12 +55,33 @@ def quantize_q4_k(x: np.ndarray) -> np.ndarray:
     """(rows, n) float32, n a multiple of 256 -> (rows, n / 256 * 144) uint8 Q4_K blocks: per 256
     values, fp16 d and dmin, 8 sub-blocks of 32 with 6-bit scale and min, 4-bit quants;
     value = d * scale * q - dmin * min."""
-    rows, n = x.shape
+    rows = x.shape[0]
+    head, q = _k_grid(x, "Q4_K", 15)
+    qs = (q[:, 0::2] | (q[:, 1::2] << 4)).reshape(-1, 128)  # chunk c: sub-blocks 2c (low), 2c+1
+    return np.concatenate([head, qs], axis=1).reshape(rows, -1)
+
+
+def quantize_q5_k(x: np.ndarray) -> np.ndarray:
+    """(rows, n) float32, n a multiple of 256 -> (rows, n / 256 * 176) uint8 Q5_K blocks: Q4_K's
+    with 5-bit quants, their fifth bits apart (qh: byte l's bit j that of sub-block j's value l)."""
+    rows = x.shape[0]
+    head, q = _k_grid(x, "Q5_K", 31)
+    low = q & 15
+    qs = (low[:, 0::2] | (low[:, 1::2] << 4)).reshape(-1, 128)
+    qh = np.bitwise_or.reduce((q >> 4) << np.arange(8, dtype=np.uint8)[None, :, None], axis=1)
+    return np.concatenate([head, qh.astype(np.uint8), qs], axis=1).reshape(rows, -1)
+
+
+def _k_grid(x: np.ndarray, name: str, top: int) -> tuple[np.ndarray, np.ndarray]:
+    """Q4_K's and Q5_K's grid over (rows, n) float32: per super-block of 256 its first 16 bytes
+    (fp16 d and dmin, the 12 bytes of 6-bit sub-block scales and minimums) (blocks, 16), and
+    its codes in 0..top (blocks, 8, 32) uint8."""
+    n = x.shape[1]
     if n % QK_K:
-        raise ValueError(f"Q4_K needs rows of a multiple of {QK_K} values, got {n}")
+        raise ValueError(f"{name} needs rows of a multiple of {QK_K} values, got {n}")
     b = x.reshape(-1, 8, 32).astype(np.float32)
     lo = np.minimum(b.min(-1), 0.0)  # a sub-block's offset is subtracted: min >= 0
-    step = (b.max(-1) - lo) / 15  # (nb, 8)
+    step = (b.max(-1) - lo) / top  # (nb, 8)
     d = _f16(step.max(-1) / 63)
     dmin = _f16(-lo.min(-1) / 63)
     df, dminf = d.astype(np.float32)[:, None], dmin.astype(np.float32)[:, None]
@@ -68,16 +90,14 @@ def quantize_q4_k(x: np.ndarray) -> np.ndarray:
     scale, offset = df * sc, dminf * m  # the grid as stored
     q = np.divide(b + offset[..., None], scale[..., None], out=np.zeros_like(b),
                   where=scale[..., None] > 0)
-    q = np.clip(np.rint(q), 0, 15).astype(np.uint8)  # (nb, 8, 32)
+    q = np.clip(np.rint(q), 0, top).astype(np.uint8)  # (nb, 8, 32)
     sc, m = sc.astype(np.uint8), m.astype(np.uint8)
     packed = np.zeros((b.shape[0], 12), np.uint8)
     packed[:, 0:4] = (sc[:, :4] & 63) | ((sc[:, 4:] >> 4) << 6)
     packed[:, 4:8] = (m[:, :4] & 63) | ((m[:, 4:] >> 4) << 6)
     packed[:, 8:12] = (sc[:, 4:] & 0xF) | ((m[:, 4:] & 0xF) << 4)
-    qs = (q[:, 0::2] | (q[:, 1::2] << 4)).reshape(-1, 128)  # chunk c: sub-blocks 2c (low), 2c+1
-    out = np.concatenate([d.view(np.uint8).reshape(-1, 2), dmin.view(np.uint8).reshape(-1, 2),
-                          packed, qs], axis=1)
-    return out.reshape(rows, -1)
+    return np.concatenate([d.view(np.uint8).reshape(-1, 2), dmin.view(np.uint8).reshape(-1, 2),
+                           packed], axis=1), q
 
 
 def quantize_q6_k(x: np.ndarray) -> np.ndarray:
@@ -140,10 +160,12 @@ def _blocks32(x: torch.Tensor, name: str) -> torch.Tensor:
 
 
 def quantize(x: np.ndarray, name: str) -> np.ndarray:
-    """x (rows, n) float32 in GGUF type `name` ("Q4_K", "Q6_K", Q4_0, Q4_1, Q8_0, or one `gguf`
+    """x (rows, n) float32 in GGUF type `name` ("Q4_K", "Q5_K", "Q6_K", Q4_0, Q4_1, Q8_0, or one `gguf`
     writes)."""
     if name == "Q4_K":
         return quantize_q4_k(x)
+    if name == "Q5_K":
+        return quantize_q5_k(x)
     if name == "Q6_K":
         return quantize_q6_k(x)
     if name in ("Q4_0", "Q4_1", "Q8_0"):
@@ -194,8 +216,8 @@ def _widen(b: torch.Tensor, name: str) -> torch.Tensor:
     if name == "Q4_1":
         return f16(0, 2) * low_high(b[:, 4:]).float() + f16(2, 4)
     n = b.shape[0]
-    if name == "Q4_K":
-        sc, mn, q = q4_k_codes(b)
+    if name in ("Q4_K", "Q5_K"):
+        sc, mn, q = (q4_k_codes if name == "Q4_K" else q5_k_codes)(b)
         d = (f16(0, 2) * sc.float()).view(n, 8, 1)
         dm = (f16(2, 4) * mn.float()).view(n, 8, 1)
         return (d * q.float() - dm).view(n, QK_K)
@@ -209,11 +231,33 @@ def q4_k_codes(b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tenso
     """Q4_K blocks (..., 144) uint8 -> their 6-bit sub-block scales and minimums (..., 8) and
     4-bit codes (..., 8, 32) in weight order (w = d * sc[j] * q - dmin * mn[j] in sub-block j;
     ggml's block_q4_K: d, dmin (fp16), 12 bytes of scales and minimums, 128 of codes)."""
-    p = b[..., 4:16]
+    sc, mn = _k_scales(b[..., 4:16])
+    return sc, mn, _k_nibbles(b[..., 16:])
+
+
+def q5_k_codes(b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Q5_K blocks (..., 176) uint8 -> their 6-bit sub-block scales and minimums (..., 8) and
+    5-bit codes (..., 8, 32) in weight order (as Q4_K; ggml's block_q5_K: d, dmin, 12 bytes of
+    scales and minimums, qh[32] (bit j of byte l: the fifth bit of sub-block j's weight l),
+    qs[128] as Q4_K's)."""
+    sc, mn = _k_scales(b[..., 4:16])
+    qh = b[..., 16:48]
+    high = torch.stack([(qh >> j) & 1 for j in range(8)], -2)  # (..., 8, 32)
+    return sc, mn, _k_nibbles(b[..., 48:]) | (high << 4)
+
+
+def _k_scales(p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The 12 bytes of a Q4_K or Q5_K block's packed 6-bit scales and minimums -> (..., 8) each."""
     sc = torch.cat([p[..., 0:4] & 63, (p[..., 8:12] & 15) | ((p[..., 0:4] >> 6) << 4)], -1)
     mn = torch.cat([p[..., 4:8] & 63, (p[..., 8:12] >> 4) | ((p[..., 4:8] >> 6) << 4)], -1)
-    qs = b[..., 16:].reshape(*b.shape[:-1], 4, 32)  # chunk c: sub-blocks 2c (low), 2c+1 (high)
-    return sc, mn, torch.stack([qs & 15, qs >> 4], -2).reshape(*b.shape[:-1], 8, 32)
+    return sc, mn
+
+
+def _k_nibbles(qs: torch.Tensor) -> torch.Tensor:
+    """128 bytes of 4-bit codes (..., 128) -> (..., 8, 32): chunk c holds sub-blocks 2c (low
+    nibbles) and 2c + 1 (high)."""
+    qs = qs.reshape(*qs.shape[:-1], 4, 32)
+    return torch.stack([qs & 15, qs >> 4], -2).reshape(*qs.shape[:-2], 8, 32)
 
 
 def q6_k_codes(b: torch.Tensor) -> torch.Tensor:

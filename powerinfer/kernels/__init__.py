@@ -40,7 +40,7 @@ from gguf import GGMLQuantizationType
 from ..cpu import COUNTS, ISAS, LOOP_MODES, LOOP_PHASES, loop_times  # noqa: F401 - (re-exported)
 from ..errors import ConfigError
 from ..formats import kquants
-from ..formats.kquants import q4_k_codes, q6_k_codes
+from ..formats.kquants import q4_k_codes, q5_k_codes, q6_k_codes
 
 log = logging.getLogger("powerinfer")
 
@@ -498,10 +498,10 @@ def _runs(q: torch.Tensor) -> torch.Tensor:
     return nibbles.view(groups, 16, nb, 4, 4).permute(0, 2, 3, 1, 4).reshape(groups, nb, 256)
 
 
-LAYOUTS = ("q4x16", "q4kx16", "q6kx16", "q8x16")  # csrc/neuron_ffn.h's Layout
+LAYOUTS = ("q4x16", "q4kx16", "q6kx16", "q8x16", "q5kx16")  # csrc/neuron_ffn.h's Layout
 
 
-Q4KX16_SB, Q6KX16_SB = 2368, 3360  # bytes of one super-block (256 weights) of 16 rows
+Q4KX16_SB, Q5KX16_SB, Q6KX16_SB = 2368, 2880, 3360  # bytes of one super-block (256 weights) of 16 rows
 
 
 Q8X16_BLOCK = 544  # bytes of one block of 32 weights of 16 rows
@@ -510,7 +510,8 @@ Q8X16_BLOCK = 544  # bytes of one block of 32 weights of 16 rows
 def group_bytes(layout: str, dim: int) -> int:
     """Bytes of one group of 16 rows of `dim` columns in `layout`."""
     return {"q4x16": dim // 32 * Q4X16_BLOCK, "q4kx16": dim // 256 * Q4KX16_SB,
-            "q6kx16": dim // 256 * Q6KX16_SB, "q8x16": dim // 32 * Q8X16_BLOCK}[layout]
+            "q5kx16": dim // 256 * Q5KX16_SB, "q6kx16": dim // 256 * Q6KX16_SB,
+            "q8x16": dim // 32 * Q8X16_BLOCK}[layout]
 
 
 def _group_rows(raw: torch.Tensor, block: int) -> tuple[torch.Tensor, int, int]:
@@ -542,6 +543,27 @@ def pack_q4kx16(raw: torch.Tensor) -> torch.Tensor:
     out = huge_empty((groups, nsb, Q4KX16_SB), torch.uint8)
     return torch.cat([dd.reshape(groups, nsb, 64), subs.reshape(groups, nsb, 2304)], -1,
                      out=out).view(groups, nsb * Q4KX16_SB)
+
+
+def pack_q5kx16(raw: torch.Tensor) -> torch.Tensor:
+    """Q5_K rows as a GGUF file stores them, (n, dim / 256 * 176) uint8 -> (ceil(n / 16),
+    dim / 256 * 2880) uint8 in the kernel's q5kx16 layout (csrc/neuron_ffn.h): q4kx16's with
+    each sub-block's low 4 bits as its nibble runs, then a 64-byte vector of the fifth bits
+    (byte p: from bit 0, those at byte p of low vector 0, high vector 0, ..., high vector 3)."""
+    b, groups, nsb = _group_rows(raw, 176)
+    dd = _by_row(b[..., 0:4].reshape(groups, 16, nsb, 2, 2))  # (groups, nsb, 2, 16, 2): d, dmin
+    sc, mn, codes = q5_k_codes(b)
+    q = codes.reshape(groups, 16, nsb * 8, 32)
+    runs = _runs(q & 15).view(groups, nsb, 8, 256)
+    # weight 4k + j (low vector k) and 16 + 4k + j (high vector k) of row i: byte 4i + j
+    top = (q >> 4).view(groups, 16, nsb * 8, 2, 4, 4)  # row, sub-block, low/high, k, j
+    bits = (top << (2 * torch.arange(4, dtype=torch.uint8).view(4, 1)
+                    + torch.arange(2, dtype=torch.uint8).view(2, 1, 1))).sum(3).sum(3)
+    fifth = bits.to(torch.uint8).permute(0, 2, 1, 3).reshape(groups, nsb, 8, 64)
+    subs = torch.cat([_by_row(sc), _by_row(mn), runs, fifth], -1)
+    out = huge_empty((groups, nsb, Q5KX16_SB), torch.uint8)
+    return torch.cat([dd.reshape(groups, nsb, 64), subs.reshape(groups, nsb, 2816)], -1,
+                     out=out).view(groups, nsb * Q5KX16_SB)
 
 
 def pack_q6kx16(raw: torch.Tensor) -> torch.Tensor:
@@ -576,9 +598,10 @@ def pack_q8x16(raw: torch.Tensor) -> torch.Tensor:
 
 
 def pack_kquant(raw: torch.Tensor, kind: str) -> torch.Tensor:
-    """A GGUF Q4_K, Q6_K or Q8_0 matrix's bytes (n, row bytes) in its 16-row layout
+    """A GGUF Q4_K, Q5_K, Q6_K or Q8_0 matrix's bytes (n, row bytes) in its 16-row layout
     (KQUANT_LAYOUTS)."""
-    return {"Q4_K": pack_q4kx16, "Q6_K": pack_q6kx16, "Q8_0": pack_q8x16}[kind](raw)
+    return {"Q4_K": pack_q4kx16, "Q5_K": pack_q5kx16, "Q6_K": pack_q6kx16,
+            "Q8_0": pack_q8x16}[kind](raw)
 
 
 def linear_x16(x: torch.Tensor, w: torch.Tensor, n: int, layout: str) -> torch.Tensor:

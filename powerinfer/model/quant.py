@@ -77,8 +77,9 @@ class Q4Linear(InputSparse, nn.Module):
 
 class KQuantLinear(InputSparse, nn.Module):
     """y = x W^T (+ b) with W a K-quant file's rows as it stores them, Q4_K or Q6_K (a Q4_K_M
-    file's two types), regrouped 16 rows at a time (`kernels.pack_kquant`: 4.625 and 6.5625 bits
-    a weight, where the converted copy's Q4_1 and Q8_0 blocks take 5 and 8.5), run by the kernel
+    file's two types) or Q5_K (a Q5_K_M file's), regrouped 16 rows at a time
+    (`kernels.pack_kquant`: 4.625, 6.5625 and 5.625 bits a weight, where the converted copy's
+    Q4_1 and Q8_0 blocks take 5 and 8.5), run by the kernel
     library's GEMVs over the input rounded to 8 bits per block of 32, MAX_ROWS rows a call. Q8_0
     rows (an 8-bit output head) are kept the same way (q8x16).
     `parts`: (rows, GGUF type) stacked in order, as a fused projection's q, k and v (v may be
@@ -259,10 +260,10 @@ class KernelEmbedding(nn.Module):
 
 
 class BlockEmbedding(nn.Module):
-    """Token embeddings held as the file's GGUF blocks (Q4_0, Q4_1, Q8_0, Q4_K or Q6_K rows) on
-    whatever device holds them, a GPU's above all: a lookup gathers the tokens' rows and widens
-    them with torch ops (`kquants.widen_rows`: no host work, so a CUDA graph holds it), the
-    values the model's type would hold. A 70B-shaped vocabulary of 32,000 rows takes 147 MB in
+    """Token embeddings held as the file's GGUF blocks (Q4_0, Q4_1, Q8_0, Q4_K, Q5_K or Q6_K
+    rows) on whatever device holds them, a GPU's above all: a lookup gathers the tokens' rows
+    and widens them with torch ops (`kquants.widen_rows`: no host work, so a CUDA graph holds
+    it), the values the model's type would hold. A 70B-shaped vocabulary of 32,000 rows takes 147 MB in
     Q4_0 against 524 MB in bf16, bytes a GPU's budget then gives to hot neurons."""
 
     def __init__(self, rows: torch.Tensor, kind: str, dim: int, dtype: torch.dtype):

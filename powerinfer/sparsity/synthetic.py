@@ -126,14 +126,15 @@ PRESETS = {
 QTYPES = {"bf16": "BF16", "f16": "F16", "f32": "F32"}
 
 
-QUANTS = ("q4_0", "q4_k_m", "q8_0")  # llama.cpp's file types, with its choice of type per tensor
+QUANTS = ("q4_0", "q4_k_m", "q5_k_m", "q8_0")  # llama.cpp's file types, with its choice of type per tensor
 
 
 def quant_type(quant: str, name: str, row: int, n_layers: int) -> str:
     """The GGUF type llama.cpp's quantizer gives tensor `name` (rows of `row` values) in a file
     of type `quant`: q8_0 every matrix Q8_0; q4_0 every matrix Q4_0 but the output head, Q6_K;
     q4_k_m Q4_K, with Q6_K for the output head and for attn_v and ffn_down in the layers
-    llama.cpp gives more bits (the first and last eighth, and every third between). A row that
+    llama.cpp gives more bits (the first and last eighth, and every third between); q5_k_m the
+    same over Q5_K. A row that
     a type's blocks do not divide takes Q8_0, as llama.cpp falls back."""
     if quant == "q8_0":
         want = "Q8_0"
@@ -142,7 +143,7 @@ def quant_type(quant: str, name: str, row: int, n_layers: int) -> str:
     elif quant == "q4_0":
         want = "Q4_0"
     else:
-        want = "Q4_K"
+        want = "Q4_K" if quant == "q4_k_m" else "Q5_K"
         layer = int(name.split(".")[1]) if name.startswith("blk.") else -1
         if name.endswith(("attn_v.weight", "ffn_down.weight")) and _more_bits(layer, n_layers):
             want = "Q6_K"
@@ -216,8 +217,8 @@ def write_synthetic(path: str | Path, preset: str | Shape = "7b", n_layers: int 
     calib_tokens: random tokens (whole sequences of 128) run through the layers to set the biases;
     subspace: the rank r of each layer's gate rows (0: isotropic, firing unpredictable beyond each
     neuron's rate; see the module docstring); residual_rank: the rank R of the residual stream
-    (0: full; else at least r, and the gate subspaces lie in it); quant: "q4_0", "q4_k_m" or
-    "q8_0" writes the matrices in those GGUF block types instead of dtype (`quant_type`).
+    (0: full; else at least r, and the gate subspaces lie in it); quant: "q4_0", "q4_k_m",
+    "q5_k_m" or "q8_0" writes the matrices in those GGUF block types instead of dtype (`quant_type`).
     The file appears under its name only once complete."""
     import gguf
     from tqdm import tqdm
@@ -530,7 +531,8 @@ def _add_metadata(w, s: Shape, dtype: str, seed: int, sparsity: float, alpha: fl
     F = gguf.LlamaFileType
     w.add_uint32("general.file_type", int({"bf16": F.MOSTLY_BF16, "f16": F.MOSTLY_F16,
                                            "f32": F.ALL_F32, "q4_0": F.MOSTLY_Q4_0,
-                                           "q4_k_m": F.MOSTLY_Q4_K_M, "q8_0": F.MOSTLY_Q8_0}[dtype]))
+                                           "q4_k_m": F.MOSTLY_Q4_K_M, "q5_k_m": F.MOSTLY_Q5_K_M,
+                                           "q8_0": F.MOSTLY_Q8_0}[dtype]))
     w.add_uint32("llama.block_count", s.n_layers)
     w.add_uint32("llama.context_length", s.context)
     w.add_uint32("llama.embedding_length", s.dim)

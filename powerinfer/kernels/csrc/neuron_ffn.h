@@ -102,20 +102,21 @@ inline int64_t row_bytes(int fmt, int64_t dim) {
 // bytes of one block (32 weights) of 16 rows in the q4x16 layout (see gemv_q4x16)
 constexpr int64_t Q4X16_BLOCK = 320;
 // bytes of one super-block (256 weights) of 16 rows in the K-quant layouts (see q4kx16_group,
-// q6kx16_group): 4.625 and 6.5625 bits a weight (the file's Q4_K blocks, their 6-bit scales and
-// minimums a byte each; its Q6_K blocks as they are)
+// q5kx16_group, q6kx16_group): 4.625, 5.625 and 6.5625 bits a weight (the file's Q4_K and Q5_K
+// blocks, their 6-bit scales and minimums a byte each; its Q6_K blocks as they are)
 constexpr int64_t Q4KX16_SB = 2368;
+constexpr int64_t Q5KX16_SB = 2880;
 constexpr int64_t Q6KX16_SB = 3360;
 // bytes of one block (32 weights) of 16 rows in the q8x16 layout (see q8x16_group): 8.5 bits a
 // weight, as Q8_0
 constexpr int64_t Q8X16_BLOCK = 544;
 // the matrices whose rows are interleaved 16 at a time, by their `layout` code
-enum Layout : int { Q4X16 = 0, Q4KX16 = 1, Q6KX16 = 2, Q8X16 = 3 };
-constexpr int N_LAYOUTS = 4;
+enum Layout : int { Q4X16 = 0, Q4KX16 = 1, Q6KX16 = 2, Q8X16 = 3, Q5KX16 = 4 };
+constexpr int N_LAYOUTS = 5;
 // bytes of one group of 16 rows of `dim` columns in a layout
 inline int64_t group_bytes(int layout, int64_t dim) {
   if (layout == Q4X16 || layout == Q8X16) return dim / 32 * (layout == Q4X16 ? Q4X16_BLOCK : Q8X16_BLOCK);
-  return dim / 256 * (layout == Q4KX16 ? Q4KX16_SB : Q6KX16_SB);
+  return dim / 256 * (layout == Q4KX16 ? Q4KX16_SB : layout == Q5KX16 ? Q5KX16_SB : Q6KX16_SB);
 }
 
 struct FFNArgs {
@@ -1598,31 +1599,81 @@ inline void q4x16_group(const uint8_t* gw, const FFNArgs& a, int64_t r0, int64_t
 #define KX16_PF 5120
 #endif
 
-template <int R>
-inline void q4kx16_group(const uint8_t* gw, const FFNArgs& a, int64_t r0, int64_t n, int64_t g,
+// q5kx16 (Q5_K: q4kx16's weights with a fifth bit, q in 0..31): q4kx16's layout with each
+// sub-block 352 bytes, its nibble runs followed by one vector of the fifth bits: byte p holds,
+// from bit 0, those of the weights at byte p of low vector 0, high vector 0, low vector 1, ...,
+// high vector 3. Without VNNI a block's sums take two halves of four pairwise sums in 16 bits
+// (at most 4 * 2 * 31 * 127), each widened: eight would overflow.
+inline QV::I block_sums5(const QV::I* lo, const QV::I* hi, const int8_t* xb) {
+#if defined(__AVX512VNNI__)
+  return block_sums4(lo, hi, xb);
+#else
+  QV::I s[2];
+  for (int h = 0; h < 2; h++) {
+    const int k = 2 * h;
+    QV::I t = QV::dot(lo[k], QV::dwords(load4(xb + 4 * k)));
+    t = QV::add16(t, QV::dot(hi[k], QV::dwords(load4(xb + 16 + 4 * k))));
+    t = QV::add16(t, QV::dot(lo[k + 1], QV::dwords(load4(xb + 4 * k + 4))));
+    s[h] = QV::widen16(QV::add16(t, QV::dot(hi[k + 1], QV::dwords(load4(xb + 20 + 4 * k)))));
+  }
+  return QV::add32(s[0], s[1]);
+#endif
+}
+
+// q4kx16 and (FIVE) q5kx16: w = d * sc_j * q - dmin * m_j, one float multiply-add each a block
+template <int R, bool FIVE>
+inline void k45x16_group(const uint8_t* gw, const FFNArgs& a, int64_t r0, int64_t n, int64_t g,
                          float* y) {
   using F = QV::F;
+  using I = QV::I;
   constexpr int L = QV::LANES;
+  constexpr int64_t SB = FIVE ? Q5KX16_SB : Q4KX16_SB, SUB = FIVE ? 352 : 288;
+  constexpr int64_t ASK = (SB + 7) / 8;  // a sub-block's share of the lines asked for ahead
   const int64_t nb = a.dim / 32, dim = a.dim;
+  const I m10 = QV::bytes(0x10);
   group_walk<R>(r0, n, g, a.dim / 256, y, [&](int part, int64_t s, F* acc) {
-    const uint8_t* sb = gw + s * Q4KX16_SB;
+    const uint8_t* sb = gw + s * SB;
     const F d = QV::halves(sb + 2 * L * part), dmin = QV::halves(sb + 32 + 2 * L * part);
     for (int j = 0; j < 8; j++) {
-      const uint8_t* b = sb + 64 + 288 * j;
-      if (part == 0) prefetch_ahead(sb + KX16_PF + 296 * j, 296);  // 8 x 296 = 2,368
+      const uint8_t* b = sb + 64 + SUB * j;
+      if (part == 0) prefetch_ahead(sb + KX16_PF + ASK * j, ASK);
       const F ds = QV::fmul(d, QV::i2f(QV::u8x(b + L * part)));
       const F ms = QV::fmul(dmin, QV::i2f(QV::u8x(b + 16 + L * part)));
-      QV::I lo[4], hi[4];
+      I lo[4], hi[4];
       nibbles(b + 32, part, lo, hi);
+      if constexpr (FIVE) {  // each byte's fifth bits onto bit 4 (16-bit shifts: the mask drops what crosses)
+        const I h = QV::load(b + 288 + 4 * L * part);
+        lo[0] = QV::bor(lo[0], QV::band(QV::shl16<4>(h), m10));
+        hi[0] = QV::bor(hi[0], QV::band(QV::shl16<3>(h), m10));
+        lo[1] = QV::bor(lo[1], QV::band(QV::shl16<2>(h), m10));
+        hi[1] = QV::bor(hi[1], QV::band(QV::shl16<1>(h), m10));
+        lo[2] = QV::bor(lo[2], QV::band(h, m10));
+        hi[2] = QV::bor(hi[2], QV::band(QV::shr16<1>(h), m10));
+        lo[3] = QV::bor(lo[3], QV::band(QV::shr16<2>(h), m10));
+        hi[3] = QV::bor(hi[3], QV::band(QV::shr16<3>(h), m10));
+      }
       const int64_t blk = 8 * s + j;
       for (int r = 0; r < R; r++) {
         const int64_t row = r0 + r;
-        const QV::I t = block_sums4(lo, hi, a.xq + row * dim + 32 * blk);
+        const int8_t* xb = a.xq + row * dim + 32 * blk;
+        const I t = FIVE ? block_sums5(lo, hi, xb) : block_sums4(lo, hi, xb);
         acc[r] = QV::fma(QV::i2f(t), QV::fmul(ds, QV::fset(a.xd[row * nb + blk])), acc[r]);
         acc[r] = QV::fnma(ms, QV::fset(a.xs[row * nb + blk]), acc[r]);
       }
     }
   });
+}
+
+template <int R>
+inline void q4kx16_group(const uint8_t* gw, const FFNArgs& a, int64_t r0, int64_t n, int64_t g,
+                         float* y) {
+  k45x16_group<R, false>(gw, a, r0, n, g, y);
+}
+
+template <int R>
+inline void q5kx16_group(const uint8_t* gw, const FFNArgs& a, int64_t r0, int64_t n, int64_t g,
+                         float* y) {
+  k45x16_group<R, true>(gw, a, r0, n, g, y);
 }
 
 template <int R>
@@ -1754,6 +1805,7 @@ inline void gemv_groups(const uint8_t* w, const FFNArgs& a, int64_t n, int64_t b
 POWERINFER_X16(q4x16, Q4X16)
 POWERINFER_X16(q4kx16, Q4KX16)
 POWERINFER_X16(q6kx16, Q6KX16)
+POWERINFER_X16(q5kx16, Q5KX16)
 POWERINFER_X16(q8x16, Q8X16)
 #undef POWERINFER_X16
 
