@@ -62,11 +62,11 @@ def prepare(model: str, config: Config, gpu: bool):
 
     # block types the CPU kernel cannot read (K-quants): a converted copy, made once
     ckpt = kernel_ready(load_checkpoint(model, with_weights=False), config)
-    four_bit = has_q4(ckpt.info)
-    config = config.resolve(four_bit)  # every actor gets the decided configuration
-    if config.cold_weights == "int4" and not four_bit:
+    four_bit, kquant = has_q4(ckpt.info), bool(ckpt.info.get("kquant_types"))
+    config = config.resolve(four_bit, kquant)  # every actor gets the decided configuration
+    if config.cold_weights == "int4" and not (four_bit or kquant):
         raise ModelLoadError(ckpt.path, "cold_weights='int4' needs a GGUF file with Q4_0/Q4_1 "
-                                        "projections")
+                                        "or K-quant projections")
     log.info("%s: %s; the file's tensors: %s", ckpt.path.name, config.summary(),
              tensor_types(ckpt.info))
     tokenizer = Tokenizer.from_source(ckpt.tokenizer_source)

@@ -39,7 +39,8 @@ class PowerInfer:
     """
 
     def __init__(self, checkpoint: Checkpoint, config: Config):
-        config = config.resolve(bool(checkpoint.q4))  # already decided by from_pretrained
+        # (already decided by from_pretrained)
+        config = config.resolve(bool(checkpoint.q4), bool(checkpoint.info.get("kquant_types")))
         self.config, self.checkpoint = config, checkpoint
         kernels.hold(config.cpu_isa)
         log.info("%s: %s; the file's tensors: %s", checkpoint.path.name, config.summary(),
@@ -79,7 +80,8 @@ class PowerInfer:
             # the file's header decides "auto"; block types the CPU kernel cannot read
             # (K-quants) are read from a converted copy, made once
             ck = kernel_ready(load_checkpoint(name_or_path, with_weights=False), config)
-            name_or_path, config = ck.path, config.resolve(has_q4(ck.info))
+            name_or_path = ck.path
+            config = config.resolve(has_q4(ck.info), bool(ck.info.get("kquant_types")))
             if config.runtime != "local":  # its processes load the weights
                 return cls(ck, config)
         else:  # the header only, for what follows

@@ -111,10 +111,11 @@ class Config:
         "auto" (on that GPU, the predictor input and masks in device buffers the two actors
         share through CUDA IPC; CuPy needed) or "cpu" (on its own cores, over host memory).
         Without a GPU it runs on the CPU either way.
-    weights: "dense", "int4" (a GGUF file's Q4_0/Q4_1 projections stay 4-bit, computed in
-        bf16 or float32 on the CPU (bf16 on a GPU); a sparse FFN's neurons keep the file's 4-bit blocks, their down rows
-        8-bit; the output head is 8-bit), or "auto" (default: int4 on the CPU where it can run,
-        else dense; on a GPU, int4 for the actor runtime's hot executor where the Triton kernels
+    weights: "dense", "int4" (a GGUF file's Q4_0/Q4_1 projections stay 4-bit, and a K-quant
+        file's Q4_K, Q5_K and Q6_K ones in their own bits, computed in bf16 or float32 on the
+        CPU (bf16 on a GPU); a sparse FFN's neurons keep the file's 4-bit blocks, their down
+        rows 8-bit; the output head is 8-bit), or "auto" (default: int4 on the CPU where it can
+        run and the file has such projections, else dense; on a GPU, int4 for the actor runtime's hot executor where the Triton kernels
         are installed, dense for a model in one process; dtype "float32" asked for is the dense
         reference). On a GPU, int4 keeps a sparse FFN's neurons in those records and the
         projections (attention's, a dense FFN's, an untied head) in the file's Q4_0/Q4_1/Q8_0
@@ -238,12 +239,14 @@ class Config:
         assert self.dtype != "auto", "dtype 'auto' is decided by Config.resolve at load"
         return torch_dtype(self.dtype)
 
-    def resolve(self, has_q4: bool) -> "Config":
+    def resolve(self, has_q4: bool, kquant: bool = False) -> "Config":
         """This configuration with "auto" decided for this machine and a model file (has_q4:
-        it has Q4_0/Q4_1 projections): the fastest setting that needs no warm-up, decided by the
-        class the kernel runs at here (`kernels.cpu_class(cpu_isa)`): the 4-bit path on every
-        class (AVX2 `maddubs`, AVX-512, VNNI), in bf16, where the file has it; bf16 dense where
-        bf16 is native (avx512bf16), float32 dense elsewhere. `cpu_isa` itself stays as asked:
+        it has Q4_0/Q4_1 projections; kquant: K-quant ones the CPU kernel reads in their own
+        bits, a Q5_K_M file's: `formats.gguf`'s "kquant_types"): the fastest setting that needs
+        no warm-up, decided by the class the kernel runs at here (`kernels.cpu_class(cpu_isa)`):
+        the 4-bit path (the file's blocks kept) on every class (AVX2 `maddubs`, AVX-512, VNNI),
+        in bf16, where the file has them; bf16 dense where bf16 is native (avx512bf16), float32
+        dense elsewhere. A GPU's int4 takes Q4_0/Q4_1 projections only. `cpu_isa` itself stays as asked:
         "auto" is each process's own best (an actor on another host of a cluster may have
         another), a class asked for is held everywhere."""
         import torch
@@ -252,7 +255,7 @@ class Config:
         isa = kernels.cpu_class(self.cpu_isa)  # "none": the kernel does not run here
         on_gpu = self.device == "cuda" or (self.device == "auto" and torch.cuda.is_available())
         native = isa == "avx512bf16" or (isa == "none" and native_bf16())
-        host_int4 = has_q4 and isa != "none"  # 4-bit blocks the CPU kernel keeps
+        host_int4 = (has_q4 or kquant) and isa != "none"  # blocks the CPU kernel keeps
         dtype = self.dtype
         if dtype == "auto":
             four_bit = host_int4 and "dense" not in (self.weights, self.cold_weights)
@@ -273,7 +276,7 @@ class Config:
         cold = self.cold_weights
         if cold == "auto":  # the host's share: int4 beside a GPU too, unless dense was asked for
             if on_gpu:
-                cold = "int4" if beside_gpu and host_int4 and self.weights != "dense" \
+                cold = "int4" if beside_gpu and has_q4 and isa != "none" and self.weights != "dense" \
                     and self.dtype != "float32" else "dense"
             else:
                 cold = weights

@@ -323,12 +323,18 @@ def test_a_k_quant_files_projections_are_read_in_their_own_blocks(tmp_path, quan
     over exactly the weights the file holds (the dense load's), and it reads fewer bytes than
     the converted copy's Q4_1/Q8_0 blocks would."""
     from powerinfer import Config, PowerInfer
-    from powerinfer.model.convert import kernel_ready
+    from powerinfer.formats.q4 import has_q4
+    from powerinfer.model.convert import converted, kernel_ready
     from powerinfer.engine.partial import attention_slice, read_head
     from powerinfer.model.quant import KernelLinear, KQuantLinear, Q4Linear
 
     m = write_synthetic(tmp_path / "m.gguf", preset="tiny", quant=quant, progress=False)
     base, kind = ("q4kx16", "Q4_K") if quant == "q4_k_m" else ("q5kx16", "Q5_K")
+    # "auto" treats the file's K-quants as it treats Q4_0/Q4_1 projections, whatever it picks
+    # on this machine (a Q5_K_M copy holds no 4-bit block: it took dense bf16 before)
+    info = load_checkpoint(converted(m.path, progress=False), with_weights=False).info
+    assert set(info["kquant_types"]) >= {kind, "Q6_K"}
+    assert Config().resolve(has_q4(info), bool(info["kquant_types"])) == Config().resolve(True)
     dense = PowerInfer.from_pretrained(m.path, Config(dtype="float32", weights="dense"))
     int4 = PowerInfer.from_pretrained(m.path, Config(dtype="bfloat16", weights="int4"))
     config = Config(dtype="bfloat16", weights="int4")

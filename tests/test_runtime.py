@@ -731,9 +731,10 @@ def test_compiled_split_attention_equals_the_in_process_engine(ray_cluster, tmp_
 
 
 @pytest.mark.slow
-def test_int4_dense_split_of_a_q4_k_m_file(ray_cluster, tmp_path):
+@pytest.mark.parametrize("quant", ["q4_k_m", "q5_k_m"])
+def test_int4_dense_split_of_a_k_quant_file(ray_cluster, tmp_path, quant):
     # a Q4_K_M file (llama.cpp's choice of type per tensor; its more-bits layers keep v and down
-    # in Q6_K): each executor's share of the FFN is a block slice cut at 256 neurons, gate+up and
+    # in Q6_K), and a Q5_K_M file the same over Q5_K: each executor's share of the FFN is a block slice cut at 256 neurons, gate+up and
     # down's columns in the file's own Q4_K/Q6_K blocks, and so are attention and the head; the
     # cold executor answers its slices, its KV heads (q and k in Q4_K, v in Q6_K: two runs) and
     # its head rows in its native loop; greedy tokens as the in-process engine's
@@ -742,7 +743,7 @@ def test_int4_dense_split_of_a_q4_k_m_file(ray_cluster, tmp_path):
     from powerinfer.sparsity.synthetic import write_synthetic
     if not kernels.available():
         pytest.skip("the kernel library does not run here: no block slices")
-    model = write_synthetic(tmp_path / "m.gguf", preset="tiny", quant="q4_k_m", progress=False).path
+    model = write_synthetic(tmp_path / "m.gguf", preset="tiny", quant=quant, progress=False).path
     kw = dict(dtype="bfloat16", weights="int4", max_seq_len=128, max_batch=2, cpu_threads=1)
     ref = PowerInfer.from_pretrained(model, config=Config(**kw))
     assert isinstance(ref.model.layers[3].attn.wqkv, KQuantLinear)

@@ -371,6 +371,9 @@ def load_gguf(path: Path, dtype, with_weights: bool, keep_int4: bool) -> Checkpo
             "file_bytes": path.stat().st_size + sum(int(t.n_bytes) for t in taken.values()),
             "n_params": sum(int(np.prod(t.shape)) for n, t in tensors.items() if n in names),
             "tensor_types": dict(Counter(t.tensor_type.name for t in tensors.values())),
+            # a converted copy's original K-quant projections, read in their own bits (int4)
+            "kquant_types": dict(Counter(st.kind for st in source.kquant.table.values()))
+            if source.kquant is not None else {},
             "ffn_type": source.kind("0.up") if "0.up" in source.names else None,
             "name": meta.get("general.name", path.stem)}
     return Checkpoint(path, args, weights, ("gguf", meta), info, extra, q4, source)
