@@ -111,9 +111,9 @@ class Config:
         "auto" (on that GPU, the predictor input and masks in device buffers the two actors
         share through CUDA IPC; CuPy needed) or "cpu" (on its own cores, over host memory).
         Without a GPU it runs on the CPU either way.
-    weights: "dense", "int4" (a GGUF file's Q4_0/Q4_1 projections stay 4-bit, and a K-quant
-        file's Q4_K, Q5_K and Q6_K ones in their own bits, computed in bf16 or float32 on the
-        CPU (bf16 on a GPU); a sparse FFN's neurons keep the file's 4-bit blocks, their down
+    weights: "dense", "int4" (a GGUF file's Q4_0/Q4_1 projections stay 4-bit, and its Q4_K,
+        Q5_K, Q6_K and Q8_0 ones in their own bits, computed in bf16 or float32 on the CPU (bf16
+        on a GPU); a sparse FFN's neurons keep the file's 4-bit blocks, their down
         rows 8-bit; the output head is 8-bit), or "auto" (default: int4 on the CPU where it can
         run and the file has such projections, else dense; on a GPU, int4 for the actor runtime's hot executor where the Triton kernels
         are installed, dense for a model in one process; dtype "float32" asked for is the dense
@@ -241,8 +241,8 @@ class Config:
 
     def resolve(self, has_q4: bool, kquant: bool = False) -> "Config":
         """This configuration with "auto" decided for this machine and a model file (has_q4:
-        it has Q4_0/Q4_1 projections; kquant: K-quant ones the CPU kernel reads in their own
-        bits, a Q5_K_M file's: `formats.gguf`'s "kquant_types"): the fastest setting that needs
+        it has Q4_0/Q4_1 projections; kquant: ones the CPU kernel reads in their own bits, a
+        Q5_K_M or Q8_0 file's: `formats.gguf`'s "kquant_types"): the fastest setting that needs
         no warm-up, decided by the class the kernel runs at here (`kernels.cpu_class(cpu_isa)`):
         the 4-bit path (the file's blocks kept) on every class (AVX2 `maddubs`, AVX-512, VNNI),
         in bf16, where the file has them; bf16 dense where bf16 is native (avx512bf16), float32

@@ -378,6 +378,42 @@ def test_a_k_quant_files_projections_are_read_in_their_own_blocks(tmp_path, quan
     assert torch.allclose(int4.engine.logits(ids), dense.engine.logits(ids), atol=0.5, rtol=0.1)
 
 
+@pytest.mark.skipif(not kernels.available(), reason="the kernel library does not run here")
+def test_a_q8_0_files_projections_keep_their_blocks(tmp_path):
+    """A Q8_0 file (no 4-bit block, no conversion): "auto" treats it as a 4-bit file, whatever it
+    picks on this machine (it took bf16 dense before, twice the bytes a token), and with int4
+    every projection and the head is a KQuantLinear over the file's own Q8_0 bytes (q8x16),
+    x W^T over exactly the weights the file holds, the model's logits the dense reference's up
+    to bf16 and the inputs' 8-bit rounding."""
+    from powerinfer import Config, PowerInfer
+    from powerinfer.formats.q4 import has_q4
+    from powerinfer.model.quant import KQuantLinear
+
+    m = write_synthetic(tmp_path / "m.gguf", preset="tiny", quant="q8_0", progress=False)
+    info = load_checkpoint(m.path, with_weights=False).info
+    assert not has_q4(info) and set(info["kquant_types"]) == {"Q8_0"}
+    assert Config().resolve(False, True) == Config().resolve(True)
+    dense = PowerInfer.from_pretrained(m.path, Config(dtype="float32", weights="dense"))
+    pi = PowerInfer.from_pretrained(m.path, Config(dtype="bfloat16", weights="int4"))
+    assert pi.checkpoint.path == m.path  # nothing converted
+    mods = [(pi.model.output, dense.model.output.weight)]
+    for mine, ref in zip(pi.model.layers, dense.model.layers):
+        mods += [(mine.attn.wqkv, ref.attn.wqkv.weight), (mine.attn.wo, ref.attn.wo.weight),
+                 (mine.ffn.w1, ref.ffn.w1.weight), (mine.ffn.w2, ref.ffn.w2.weight)]
+    for mod, w in mods:
+        assert isinstance(mod, KQuantLinear) and {s[2] for s in mod.segments} == {"q8x16"}
+        x = torch.randn(3, w.shape[1])
+        want = kernels.quantize_input(x.bfloat16()) @ w.t()
+        assert (mod(x.bfloat16()).float() - want).abs().max() <= 2**-7 * want.abs().max()
+    held = sum(mod.nbytes for mod, _ in mods)
+    stored = sum(t.n_bytes for t in open_gguf(m.path).tensors if t.tensor_type.name == "Q8_0"
+                 and not t.name.startswith("token_embd"))
+    assert stored <= held < 1.01 * stored  # 8.5 bits a weight, as the file
+    ids = pi.tokenize("a b c d")
+    a, b = pi.engine.logits(ids).float(), dense.engine.logits(ids).float()
+    assert (a - b).norm() <= 0.05 * b.norm()
+
+
 def test_a_cpu_group_deals_each_layers_neurons_by_mass():
     # on a CPU the executors share each layer's neurons by their cores' shares of the work: the
     # hot executor's share of the neurons and of their activation mass (what fires), whatever

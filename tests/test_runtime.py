@@ -731,13 +731,15 @@ def test_compiled_split_attention_equals_the_in_process_engine(ray_cluster, tmp_
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("quant", ["q4_k_m", "q5_k_m"])
+@pytest.mark.parametrize("quant", ["q4_k_m", "q5_k_m", "q8_0"])
 def test_int4_dense_split_of_a_k_quant_file(ray_cluster, tmp_path, quant):
     # a Q4_K_M file (llama.cpp's choice of type per tensor; its more-bits layers keep v and down
-    # in Q6_K), and a Q5_K_M file the same over Q5_K: each executor's share of the FFN is a block slice cut at 256 neurons, gate+up and
-    # down's columns in the file's own Q4_K/Q6_K blocks, and so are attention and the head; the
-    # cold executor answers its slices, its KV heads (q and k in Q4_K, v in Q6_K: two runs) and
-    # its head rows in its native loop; greedy tokens as the in-process engine's
+    # in Q6_K), a Q5_K_M file the same over Q5_K, and a Q8_0 file (its blocks 16 rows at a
+    # time, q8x16): each executor's share of the FFN is a block slice cut at 256 neurons,
+    # gate+up and down's columns in the file's own blocks, and so are attention and the head;
+    # the cold executor answers its slices, its KV heads (a K-quant file's q and k in Q4_K, v
+    # in Q6_K: two runs) and its head rows in its native loop; greedy tokens as the in-process
+    # engine's
     from powerinfer import kernels
     from powerinfer.model.quant import KQuantLinear
     from powerinfer.sparsity.synthetic import write_synthetic

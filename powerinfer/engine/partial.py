@@ -127,13 +127,14 @@ def deferred_model(ckpt, dtype: torch.dtype, blocks: bool, ffn: bool) -> tuple[T
 def kquant_linear(src: TensorSource, parts: list[tuple[str, tuple[int, int] | None]], dim: int,
                   bias: torch.Tensor | None,
                   cols: tuple[int, int] | None = None) -> KQuantLinear | None:
-    """A fused projection over the rows (lo, hi) (None: all) of tensors a K-quant file stores in
-    Q4_K or Q6_K (`TensorSource.kquant_rows`: a converted copy's original), kept in those bytes,
-    over their columns `cols` (whole super-blocks; None: all `dim`); None where a part is stored
-    otherwise or the kernel library does not run here."""
-    if not kernels.available() or dim % 256:
+    """A fused projection over the rows (lo, hi) (None: all) of tensors a file stores in Q4_K,
+    Q5_K, Q6_K or Q8_0 (`TensorSource.kquant_rows`: a converted copy's original, else the file
+    itself), kept in those bytes, over their columns `cols` (whole blocks, a K-quant's of 256;
+    None: all `dim`); None where a part is stored otherwise or the kernel library does not run
+    here."""
+    if not kernels.available():
         return None
-    rows = [src.kquant_rows(n, r, cols) for n, r in parts]
+    rows = [src.kquant_rows(n, r, cols) for n, r in parts]  # (None: not whole blocks either)
     return None if any(r is None for r in rows) else KQuantLinear(rows, dim, bias)
 
 
@@ -156,12 +157,11 @@ def dense_block(ckpt) -> int:
 
 
 def keep_kquant_blocks(model: Transformer, src: TensorSource) -> int:
-    """The in-process engine's 4-bit configuration over a K-quant file (a Q4_K_M one): each
-    projection still held in float whose tensors the file stores in Q4_K or Q6_K becomes a
-    KQuantLinear over those bytes (4.625 and 6.56 bits a weight where the converted copy's
-    blocks take 5 and 8.5), and so does an untied output head. Returns how many were replaced."""
-    if src.kquant is None:
-        return 0
+    """The in-process engine's 4-bit configuration over a K-quant file (a Q4_K_M or Q5_K_M one)
+    or a file's Q8_0 projections: each projection still held in float whose tensors the file
+    stores in Q4_K, Q5_K, Q6_K or Q8_0 becomes a KQuantLinear over those bytes (4.625, 5.625,
+    6.56 and 8.5 bits a weight; a converted copy's blocks take 5 and 8.5), and so does an
+    untied output head. Returns how many were replaced."""
     done = 0
     for i in range(len(model.layers)):
         for owner, attr, names in model.projections(i):

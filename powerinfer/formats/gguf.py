@@ -308,15 +308,18 @@ class GGUFSource(TensorSource):
         if self.kquant is not None:  # a converted copy: the original's
             return super().kquant_rows(name, rows, cols)
         st = self._stored(name)
-        c0, c1 = cols or (0, st.shape[-1])  # (a K-quant row is whole super-blocks of 256)
-        if st.kind not in KQUANT_LAYOUTS or c0 % 256 or c1 % 256:
+        if st.kind not in KQUANT_LAYOUTS:
+            return None
+        unit = 32 if st.kind == "Q8_0" else 256  # a row is whole blocks (K-quant: of 256)
+        c0, c1 = cols or (0, st.shape[-1])
+        if c0 % unit or c1 % unit:
             return None
         lo, hi = rows or (0, st.shape[0])
         heads = self._heads(name)
         order = torch.arange(st.shape[0])
         order = order if heads is None else unpermute_rows(order, heads)  # q, k: the model's order
-        per = st.nbytes // st.shape[0] // (st.shape[-1] // 256)  # bytes of one block of 256
-        data = self._data(name)[order[lo:hi].numpy(), c0 // 256 * per:c1 // 256 * per]
+        per = st.nbytes // st.shape[0] // (st.shape[-1] // unit)  # bytes of one block
+        data = self._data(name)[order[lo:hi].numpy(), c0 // unit * per:c1 // unit * per]
         self._release(name)
         return torch.from_numpy(np.ascontiguousarray(data)), st.kind
 
@@ -371,9 +374,11 @@ def load_gguf(path: Path, dtype, with_weights: bool, keep_int4: bool) -> Checkpo
             "file_bytes": path.stat().st_size + sum(int(t.n_bytes) for t in taken.values()),
             "n_params": sum(int(np.prod(t.shape)) for n, t in tensors.items() if n in names),
             "tensor_types": dict(Counter(t.tensor_type.name for t in tensors.values())),
-            # a converted copy's original K-quant projections, read in their own bits (int4)
-            "kquant_types": dict(Counter(st.kind for st in source.kquant.table.values()))
-            if source.kquant is not None else {},
+            # the projections read in their own blocks with int4 (`kquant_rows`): a converted
+            # copy's original's K-quant ones, a plain file's Q8_0 ones
+            "kquant_types": dict(Counter(
+                st.kind for c, st in (source.kquant or source).table.items()
+                if st.kind in KQUANT_LAYOUTS and c != "embed")),
             "ffn_type": source.kind("0.up") if "0.up" in source.names else None,
             "name": meta.get("general.name", path.stem)}
     return Checkpoint(path, args, weights, ("gguf", meta), info, extra, q4, source)
