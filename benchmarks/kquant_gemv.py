@@ -7,7 +7,8 @@
 A Q4_K_M file stores most matrices in Q4_K (4.5 bits a weight) and the rest (v and down in some
 layers, the output head) in Q6_K (6.5625 bits); a Q5_K_M file the same over Q5_K (5.5 bits). The
 kernel's first way to read them was a converted copy: Q4_K as Q4_1 blocks (5 bits:
-`quant.Q4Linear`'s q4x16 GEMV), Q5_K and Q6_K as Q8_0 (8.5 bits: `quant.KernelLinear`). This
+`quant.Q4Linear`'s q4x16 GEMV), Q5_K and Q6_K as Q8_0 (8.5 bits: `quant.KernelLinear`'s rows,
+and 16 rows at a time, q8x16, as a 4-bit load holds the copy's Q8_0: `quant.q8_0_linear`). This
 times one token's product over 4 distinct matrices of
 the given shape (a LLaMA-7B layer's fused q/k/v by default; 4 do not fit in cache) each way,
 against the plain sum over 256 MiB as the read-bandwidth floor.
@@ -23,7 +24,7 @@ from gguf import GGMLQuantizationType, dequantize
 from powerinfer import kernels
 from powerinfer.model.convert import q4_k_to_q4_1
 from powerinfer.formats.kquants import KQUANT_LAYOUTS, quantize
-from powerinfer.model.quant import KQuantLinear, KernelLinear, Q4Linear
+from powerinfer.model.quant import KQuantLinear, KernelLinear, Q4Linear, q8_0_linear
 from powerinfer.formats.q4 import q4_split
 
 from gemv import cache_note, read_rate, seconds  # the other GEMV benchmarks' timing
@@ -60,9 +61,15 @@ def main():
                                  None, "q8_0") for d in data]
             conv_name, conv_bytes = "Q8_0 rows, row GEMV (converted)", sum(m.records.numel() for m in conv)
         base = seconds(lambda: [m(x) for m in conv])
+        rows = []
+        if kind != "Q4_K":  # the copy's Q8_0 as a 4-bit load holds it: 16 rows at a time
+            q8 = [q8_0_linear(torch.from_numpy(quantize(dequantize(d, GGMLQuantizationType[kind])
+                                                        .reshape(n, k), "Q8_0")), k) for d in data]
+            rows.append(("Q8_0 in q8x16 (converted, as int4 holds it)",
+                         seconds(lambda: [m(x) for m in q8]), sum(m.nbytes for m in q8)))
         s = seconds(lambda: [m(x) for m in kept])
         nbytes = sum(m.nbytes for m in kept)
-        for name, t, b in ((conv_name, base, conv_bytes),
+        for name, t, b in ((conv_name, base, conv_bytes), *rows,
                            (f"{KQUANT_LAYOUTS[kind]} (its own blocks)", s, nbytes)):
             print(f"| {kind} | {name} | {b / 2**20:.0f} MiB | {t * 1e3:.2f} ms | {b / t / 1e9:.1f} | "
                   f"{b / t / 1e9 / read_gbs:.0%} | {t / base:.2f}x |")
