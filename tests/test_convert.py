@@ -14,6 +14,7 @@ from powerinfer.model.convert import converted, needs_conversion
 from powerinfer.formats.loader import load_checkpoint
 from powerinfer.formats.gguf import open_gguf
 from powerinfer.formats.pwri import raw_field, write_gguf
+from powerinfer.formats.source import tensor_types
 from powerinfer.sparsity.synthetic import write_synthetic
 
 from greedy import last_logits
@@ -86,6 +87,9 @@ def test_a_k_quant_file_is_converted_once_and_loads_quantized(kquant_file):
     assert table["0.up"].file == 0 and ck.source.kind("0.up") == "Q4_1"
     assert not needs_conversion(ck.info) and ck.info["file_bytes"] == path.stat().st_size + sum(
         int(t.n_bytes) for t in kept)
+    # what a load logs: the copy's types, and the original's blocks read as they are
+    said = tensor_types(ck.info)
+    assert said.startswith("Q4_1 24, ") and "; from kq.gguf, whose Q4_K 24, Q6_K 4 " in said
 
     # the report: each converted tensor's error, as the dequantized weights say
     report = json.loads(path.with_suffix(".json").read_text())

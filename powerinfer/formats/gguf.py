@@ -376,6 +376,7 @@ def load_gguf(path: Path, dtype, with_weights: bool, keep_int4: bool) -> Checkpo
             "tensor_types": dict(Counter(t.tensor_type.name for t in tensors.values())),
             # the projections read in their own blocks with int4 (`kquant_rows`): a converted
             # copy's original's K-quant ones, a plain file's Q8_0 ones
+            "original": original.name if original is not None else None,  # (of a copy)
             "kquant_types": dict(Counter(
                 st.kind for c, st in (source.kquant or source).table.items()
                 if st.kind in KQUANT_LAYOUTS and c != "embed")),

@@ -87,9 +87,18 @@ class ModelFile:
 
 
 def tensor_types(info: dict) -> str:
-    """A checkpoint's tensor types with their counts, most first ("Q4_1 210, F32 61, Q8_0 1")."""
-    types = sorted(info.get("tensor_types", {}).items(), key=lambda kv: -kv[1])
-    return ", ".join(f"{k} {v}" for k, v in types) or "unknown"
+    """A checkpoint's tensor types with their counts, most first ("Q4_1 210, F32 61, Q8_0 1"),
+    and for a converted copy the file it was made from and its blocks the kernel reads as they
+    are ("Q8_0 58, F32 17; from m.gguf, whose Q5_K 49, Q6_K 9 a 4-bit load reads in their own
+    bits")."""
+    def listed(counts: dict) -> str:
+        return ", ".join(f"{k} {v}" for k, v in sorted(counts.items(), key=lambda kv: -kv[1]))
+
+    out = listed(info.get("tensor_types", {})) or "unknown"
+    if info.get("original") and info.get("kquant_types"):
+        out += (f"; from {info['original']}, whose {listed(info['kquant_types'])} a 4-bit load "
+                "reads in their own bits")
+    return out
 
 
 def expand_names(column: int, n_layers: int, renames: dict | None = None,

@@ -34,7 +34,7 @@ from ..errors import ModelLoadError
 from ..formats.bundle import (CONVERTED_ONLY_KEY, SOURCE_KEY, cache_path, converted_report,
                               source_stamp)
 from ..formats.gguf import open_gguf
-from ..formats.kquants import dequantize, q4_k_codes
+from ..formats.kquants import KQUANT_LAYOUTS, dequantize, q4_k_codes
 from ..formats.loader import load_checkpoint
 from ..formats.pwri import GGUF_VERSION, STR, U32, kv_record, raw_field, write_gguf
 from ..kernels import quantize_rows
@@ -79,9 +79,13 @@ def converted(model: Path, progress: bool = True) -> Path:
         summary["layout"] = LAYOUT
         summary["model"] = str(model.resolve())  # where the K-quant blocks kept as they are live
         report.write_text(json.dumps(summary, indent=1))
-    log.info("%s has block types the CPU kernel cannot read: converted once to %s (%s); "
-             "relative RMS error over the converted tensors: mean %.2f%%, worst %.2f%% (%s)",
-             model.name, out, ", ".join(f"{k}->{v}" for k, v in summary["types"].items()),
+    own = [k for k in summary["types"] if k in KQUANT_LAYOUTS]  # read as they are (int4)
+    why = (f"a 4-bit load reads its {', '.join(own)} blocks as they are; a copy in 32-wide "
+           "blocks, for a sparse FFN's records and a GPU," if own else
+           "has block types the CPU kernel cannot read:")
+    log.info("%s: %s converted once to %s (%s); relative RMS error over the converted tensors: "
+             "mean %.2f%%, worst %.2f%% (%s)", model.name, why, out,
+             ", ".join(f"{k}->{v}" for k, v in summary["types"].items()),
              100 * summary["mean_error"], 100 * summary["max_error"], summary["worst"])
     return out
 
