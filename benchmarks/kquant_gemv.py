@@ -2,12 +2,13 @@
 """A K-quant file's matrices on the CPU: kept in their own bits against converted, in one run.
 
     .venv/bin/python benchmarks/kquant_gemv.py [--threads N] [--rows 12288] [--cols 4096]
-        [--kinds Q4_K Q5_K Q6_K]
+        [--kinds Q4_K Q5_K Q6_K Q5_0]
 
 A Q4_K_M file stores most matrices in Q4_K (4.5 bits a weight) and the rest (v and down in some
-layers, the output head) in Q6_K (6.5625 bits); a Q5_K_M file the same over Q5_K (5.5 bits). The
+layers, the output head) in Q6_K (6.5625 bits); a Q5_K_M file the same over Q5_K (5.5 bits); where
+a row is not whole super-blocks of 256, llama.cpp falls back to Q5_0 (5.5 bits). The
 kernel's first way to read them was a converted copy: Q4_K as Q4_1 blocks (5 bits:
-`quant.Q4Linear`'s q4x16 GEMV), Q5_K and Q6_K as Q8_0 (8.5 bits: `quant.KernelLinear`'s rows,
+`quant.Q4Linear`'s q4x16 GEMV), Q5_K, Q6_K and Q5_0 as Q8_0 (8.5 bits: `quant.KernelLinear`'s rows,
 and 16 rows at a time, q8x16, as a 4-bit load holds the copy's Q8_0: `quant.q8_0_linear`). This
 times one token's product over 4 distinct matrices of
 the given shape (a LLaMA-7B layer's fused q/k/v by default; 4 do not fit in cache) each way,
@@ -35,8 +36,8 @@ def main():
     ap.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
     ap.add_argument("--rows", type=int, default=12288)
     ap.add_argument("--cols", type=int, default=4096)
-    ap.add_argument("--kinds", nargs="+", default=["Q4_K", "Q5_K", "Q6_K"],
-                    choices=["Q4_K", "Q5_K", "Q6_K"])
+    ap.add_argument("--kinds", nargs="+", default=["Q4_K", "Q5_K", "Q6_K", "Q5_0"],
+                    choices=["Q4_K", "Q5_K", "Q6_K", "Q5_0", "Q5_1"])
     a = ap.parse_args()
     assert kernels.available(), "the CPU kernel cannot run here"
     torch.set_num_threads(a.threads)

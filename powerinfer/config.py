@@ -112,8 +112,8 @@ class Config:
         share through CUDA IPC; CuPy needed) or "cpu" (on its own cores, over host memory).
         Without a GPU it runs on the CPU either way.
     weights: "dense", "int4" (a GGUF file's Q4_0/Q4_1 projections stay 4-bit, and its Q4_K,
-        Q5_K, Q6_K and Q8_0 ones in their own bits, computed in bf16 or float32 on the CPU (bf16
-        on a GPU); a sparse FFN's neurons keep the file's 4-bit blocks, their down
+        Q5_K, Q6_K, Q5_0, Q5_1 and Q8_0 ones in their own bits, computed in bf16 or float32 on
+        the CPU (bf16 on a GPU); a sparse FFN's neurons keep the file's 4-bit blocks, their down
         rows 8-bit; the output head is 8-bit), or "auto" (default: int4 on the CPU where it can
         run and the file has such projections, else dense; on a GPU, int4 for the actor runtime's hot executor where the Triton kernels
         are installed, dense for a model in one process; dtype "float32" asked for is the dense

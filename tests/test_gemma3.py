@@ -74,8 +74,8 @@ def test_greedy_matches_transformers_for_32_tokens(ours, hf):
 @pytest.mark.parametrize("isa", CPU_CLASSES or ["auto"])
 def test_the_shipped_configuration_tracks_fp32(gemma_model_path, ours, fp32_tracks,
                                                  isa):
-    # defaults, on every class this CPU runs (each held to below its best): the K-quants
-    # converted once to Q8_0/Q4_1 blocks, bf16 activations, 4-bit where the blocks are, the tied
+    # defaults, on every class this CPU runs (each held to below its best): the K-quants and
+    # Q5_0 read in their own blocks (a copy in Q8_0/Q4_1 for the rest), bf16 activations, the tied
     # 8-bit head over the file's Q8_0 embedding rows; its decode steps in the native loop, here
     # past the sliding layers' 512 positions (each layer's window and RoPE table its own)
     pi = PowerInfer.from_pretrained(gemma_model_path, Config(max_seq_len=1024, cpu_isa=isa))
@@ -84,6 +84,11 @@ def test_the_shipped_configuration_tracks_fp32(gemma_model_path, ours, fp32_trac
     if kernels.available():
         assert (pi.config.weights, pi.config.dtype, kernels.isa()) == ("int4", "bfloat16", isa)
         assert pi.engine.native is not None
+        # the projections in the file's own bits: Q4_K and Q6_K, and Q5_0 where a Q4_K row
+        # would not be whole super-blocks (640 wide)
+        from powerinfer.model.quant import KQuantLinear
+        held = {s[2] for m in pi.model.modules() if isinstance(m, KQuantLinear) for s in m.segments}
+        assert {"q4kx16", "q6kx16", "q5x16"} <= held
         # neuron sets (sparse, or the actor group's split) keep Q8_0 rows
         assert pi.checkpoint.info["ffn_type"] == "Q8_0"
         assert neuron_format("int4", pi.checkpoint.info, torch.empty(0, dtype=torch.bfloat16)) == "q8_0"

@@ -767,7 +767,7 @@ def test_predictor_logits_on_8bit_groups(isa):
                            K.linear(K.linear(x, fc1, "bf16").relu_(), fc2, "bf16"))
 
 
-@pytest.mark.parametrize("kind", ["Q4_K", "Q5_K", "Q6_K", "Q8_0"])
+@pytest.mark.parametrize("kind", ["Q4_K", "Q5_K", "Q6_K", "Q8_0", "Q5_0", "Q5_1"])
 @pytest.mark.parametrize("n", [32, 200])  # whole groups of 16 rows; a padded last group
 def test_kquant_gemv_equals_a_matmul_over_the_files_weights(isa, kind, n):
     # a Q4_K_M file's Q4_K and Q6_K matrices (and a Q5_K_M file's Q5_K) kept in their bytes, 16
@@ -786,6 +786,8 @@ def test_kquant_gemv_equals_a_matmul_over_the_files_weights(isa, kind, n):
         data = gguf_quantize(w0.numpy(), GGMLQuantizationType.Q8_0)
         codes = data.reshape(n, k // 32, 34)[..., 2:].view(np.int8)
         assert codes.min() == -127 and codes.max() == 127
+    elif kind in ("Q5_0", "Q5_1"):  # (a Q4_K_M file's fallback where a row is not 256s: Q5_0)
+        data = gguf_quantize(w0.numpy(), getattr(GGMLQuantizationType, kind))
     else:
         data = quantize(w0.numpy(), kind)
     held = torch.from_numpy(dequantize(data, getattr(GGMLQuantizationType, kind))).reshape(n, k)
@@ -793,8 +795,8 @@ def test_kquant_gemv_equals_a_matmul_over_the_files_weights(isa, kind, n):
     layout = KQUANT_LAYOUTS[kind]
     assert w.shape == (-(-n // 16), K.group_bytes(layout, k))
     # the file's bytes regrouped (Q4_K's 6-bit scales and minimums a byte each: 4 more a block)
-    assert w.numel() == -(-n // 16) * 16 * (data.shape[1] + (4 * k // 256 if kind in ("Q4_K", "Q5_K")
-                                                               else 0))
+    extra = {"Q4_K": 4 * k // 256, "Q5_K": 4 * k // 256, "Q5_0": 2 * k // 32}.get(kind, 0)
+    assert w.numel() == -(-n // 16) * 16 * (data.shape[1] + extra)  # (Q5_0: an f16 offset)
     if kind == "Q5_K":
         codes = K.q5_k_codes(torch.from_numpy(data).view(n, -1, 176))[2]
         assert codes.min() == 0 and codes.max() == 31
@@ -829,6 +831,23 @@ def test_q5_k_sums_at_their_largest_do_not_saturate(isa):
     got = K.linear_x16(x, K.pack_kquant(raw, "Q5_K"), n, "q5kx16")
     want = held.double().sum(1)
     assert torch.allclose(got.double(), want.view(1, n), rtol=1e-6), (got[0, 0], want[0])
+
+
+@pytest.mark.parametrize("kind", ["Q5_0", "Q5_1"])
+def test_q5_sums_at_their_largest_do_not_saturate(isa, kind):
+    # q5x16 as q5kx16 above: every code 31 under x's 8-bit values all 127 (block_sums5)
+    k, n = 256, 16
+    size = 22 if kind == "Q5_0" else 24
+    raw = np.zeros((n, k // 32, size), np.uint8)
+    raw[..., 0:2] = np.frombuffer(np.float16(2 ** -10).tobytes(), np.uint8)  # d (Q5_1: m 0)
+    raw[..., size - 20:] = 255  # every fifth bit and nibble: code 31
+    raw = torch.from_numpy(raw.reshape(n, -1))
+    from powerinfer.formats.kquants import dequantize
+    held = dequantize(raw.numpy(), kind, k)
+    assert held.max() == (31 - (16 if kind == "Q5_0" else 0)) * 2 ** -10
+    x = torch.ones(1, k)
+    got = K.linear_x16(x, K.pack_kquant(raw, kind), n, "q5x16")
+    assert torch.allclose(got.double(), held.double().sum(1).view(1, n), rtol=1e-6)
 
 
 def test_q6_k_codes_are_the_gguf_dequantizers():

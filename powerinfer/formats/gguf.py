@@ -310,7 +310,7 @@ class GGUFSource(TensorSource):
         st = self._stored(name)
         if st.kind not in KQUANT_LAYOUTS:
             return None
-        unit = 32 if st.kind == "Q8_0" else 256  # a row is whole blocks (K-quant: of 256)
+        unit = 256 if st.kind.endswith("_K") else 32  # a row is whole blocks (K-quant: of 256)
         c0, c1 = cols or (0, st.shape[-1])
         if c0 % unit or c1 % unit:
             return None

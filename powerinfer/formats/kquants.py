@@ -27,7 +27,8 @@ log = logging.getLogger("powerinfer")
 
 
 # GGUF type -> the layout that keeps its bytes 16 rows at a time
-KQUANT_LAYOUTS = {"Q4_K": "q4kx16", "Q5_K": "q5kx16", "Q6_K": "q6kx16", "Q8_0": "q8x16"}
+KQUANT_LAYOUTS = {"Q4_K": "q4kx16", "Q5_K": "q5kx16", "Q6_K": "q6kx16", "Q8_0": "q8x16",
+                  "Q5_0": "q5x16", "Q5_1": "q5x16"}
 
 
 QK_K = 256

@@ -498,7 +498,7 @@ def _runs(q: torch.Tensor) -> torch.Tensor:
     return nibbles.view(groups, 16, nb, 4, 4).permute(0, 2, 3, 1, 4).reshape(groups, nb, 256)
 
 
-LAYOUTS = ("q4x16", "q4kx16", "q6kx16", "q8x16", "q5kx16")  # csrc/neuron_ffn.h's Layout
+LAYOUTS = ("q4x16", "q4kx16", "q6kx16", "q8x16", "q5kx16", "q5x16")  # csrc/neuron_ffn.h's Layout
 
 
 Q4KX16_SB, Q5KX16_SB, Q6KX16_SB = 2368, 2880, 3360  # bytes of one super-block (256 weights) of 16 rows
@@ -507,11 +507,14 @@ Q4KX16_SB, Q5KX16_SB, Q6KX16_SB = 2368, 2880, 3360  # bytes of one super-block (
 Q8X16_BLOCK = 544  # bytes of one block of 32 weights of 16 rows
 
 
+Q5X16_BLOCK = 384  # (q4x16's and its 64 bytes of fifth bits)
+
+
 def group_bytes(layout: str, dim: int) -> int:
     """Bytes of one group of 16 rows of `dim` columns in `layout`."""
     return {"q4x16": dim // 32 * Q4X16_BLOCK, "q4kx16": dim // 256 * Q4KX16_SB,
             "q5kx16": dim // 256 * Q5KX16_SB, "q6kx16": dim // 256 * Q6KX16_SB,
-            "q8x16": dim // 32 * Q8X16_BLOCK}[layout]
+            "q8x16": dim // 32 * Q8X16_BLOCK, "q5x16": dim // 32 * Q5X16_BLOCK}[layout]
 
 
 def _group_rows(raw: torch.Tensor, block: int) -> tuple[torch.Tensor, int, int]:
@@ -555,15 +558,43 @@ def pack_q5kx16(raw: torch.Tensor) -> torch.Tensor:
     sc, mn, codes = q5_k_codes(b)
     q = codes.reshape(groups, 16, nsb * 8, 32)
     runs = _runs(q & 15).view(groups, nsb, 8, 256)
-    # weight 4k + j (low vector k) and 16 + 4k + j (high vector k) of row i: byte 4i + j
-    top = (q >> 4).view(groups, 16, nsb * 8, 2, 4, 4)  # row, sub-block, low/high, k, j
-    bits = (top << (2 * torch.arange(4, dtype=torch.uint8).view(4, 1)
-                    + torch.arange(2, dtype=torch.uint8).view(2, 1, 1))).sum(3).sum(3)
-    fifth = bits.to(torch.uint8).permute(0, 2, 1, 3).reshape(groups, nsb, 8, 64)
-    subs = torch.cat([_by_row(sc), _by_row(mn), runs, fifth], -1)
+    subs = torch.cat([_by_row(sc), _by_row(mn), runs, _fifth(q).view(groups, nsb, 8, 64)], -1)
     out = huge_empty((groups, nsb, Q5KX16_SB), torch.uint8)
     return torch.cat([dd.reshape(groups, nsb, 64), subs.reshape(groups, nsb, 2816)], -1,
                      out=out).view(groups, nsb * Q5KX16_SB)
+
+
+def _fifth(q: torch.Tensor) -> torch.Tensor:
+    """5-bit codes (groups, 16, nb, 32) of 16 rows' blocks of 32 -> (groups, nb, 64): per block
+    the vector of their fifth bits (`_runs`' weight 4k + j of row i, low vector k, and 16 + 4k
+    + j, high vector k, at byte 4i + j: bits 2k and 2k + 1)."""
+    groups, _, nb, _ = q.shape
+    top = (q >> 4).view(groups, 16, nb, 2, 4, 4)  # row, block, low/high, k, j
+    bits = (top << (2 * torch.arange(4, dtype=torch.uint8).view(4, 1)
+                    + torch.arange(2, dtype=torch.uint8).view(2, 1, 1))).sum(3).sum(3)
+    return bits.to(torch.uint8).permute(0, 2, 1, 3).reshape(groups, nb, 64)
+
+
+def pack_q5x16(raw: torch.Tensor, kind: str) -> torch.Tensor:
+    """Q5_0 or Q5_1 rows as a GGUF file stores them, (n, dim / 32 * 22 or 24) uint8 ->
+    (ceil(n / 16), dim / 32 * 384) uint8 in the kernel's q5x16 layout (csrc/neuron_ffn.h):
+    q4x16's f16 scales d and offsets m (Q5_0's m = -16 d exactly, Q5_1's its own) and nibble
+    runs of each block's low 4 bits, then the vector of their fifth bits."""
+    size = 22 if kind == "Q5_0" else 24
+    b, groups, nb = _group_rows(raw, size)
+    d = b[..., 0:2].contiguous().view(torch.float16).float()  # (groups, 16, nb, 1)
+    m = -16 * d if kind == "Q5_0" else b[..., 2:4].contiguous().view(torch.float16).float()
+    at = size - 20  # qh (a little-endian uint32: bit j the fifth bit of weight j), then qs
+    qh = b[..., at:at + 4].contiguous().view(torch.int32)  # (groups, 16, nb, 1)
+    high = (qh >> torch.arange(32, dtype=torch.int32)) & 1
+    qs = b[..., at + 4:at + 20]
+    q = torch.cat([qs & 15, qs >> 4], -1) | (high.to(torch.uint8) << 4)  # (groups, 16, nb, 32)
+
+    def halves(t):  # (groups, 16, nb, 1) -> (groups, nb, 32): row 0 first
+        return t.view(groups, 16, nb).transpose(1, 2).half().contiguous().view(torch.uint8)
+    out = huge_empty((groups, nb, Q5X16_BLOCK), torch.uint8)
+    return torch.cat([halves(d), halves(m), _runs(q & 15), _fifth(q)], -1,
+                     out=out).view(groups, nb * Q5X16_BLOCK)
 
 
 def pack_q6kx16(raw: torch.Tensor) -> torch.Tensor:
@@ -598,8 +629,10 @@ def pack_q8x16(raw: torch.Tensor) -> torch.Tensor:
 
 
 def pack_kquant(raw: torch.Tensor, kind: str) -> torch.Tensor:
-    """A GGUF Q4_K, Q5_K, Q6_K or Q8_0 matrix's bytes (n, row bytes) in its 16-row layout
-    (KQUANT_LAYOUTS)."""
+    """A GGUF Q4_K, Q5_K, Q6_K, Q8_0, Q5_0 or Q5_1 matrix's bytes (n, row bytes) in its 16-row
+    layout (KQUANT_LAYOUTS)."""
+    if kind in ("Q5_0", "Q5_1"):
+        return pack_q5x16(raw, kind)
     return {"Q4_K": pack_q4kx16, "Q5_K": pack_q5kx16, "Q6_K": pack_q6kx16,
             "Q8_0": pack_q8x16}[kind](raw)
 

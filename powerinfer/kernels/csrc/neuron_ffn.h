@@ -99,8 +99,10 @@ inline int64_t row_bytes(int fmt, int64_t dim) {
   }
 }
 
-// bytes of one block (32 weights) of 16 rows in the q4x16 layout (see gemv_q4x16)
+// bytes of one block (32 weights) of 16 rows in the q4x16 layout (see gemv_q4x16), and in
+// q5x16's (q4x16's with the fifth bits: a file's Q5_0 and Q5_1 blocks, 6 bits a weight)
 constexpr int64_t Q4X16_BLOCK = 320;
+constexpr int64_t Q5X16_BLOCK = 384;
 // bytes of one super-block (256 weights) of 16 rows in the K-quant layouts (see q4kx16_group,
 // q5kx16_group, q6kx16_group): 4.625, 5.625 and 6.5625 bits a weight (the file's Q4_K and Q5_K
 // blocks, their 6-bit scales and minimums a byte each; its Q6_K blocks as they are)
@@ -111,11 +113,14 @@ constexpr int64_t Q6KX16_SB = 3360;
 // weight, as Q8_0
 constexpr int64_t Q8X16_BLOCK = 544;
 // the matrices whose rows are interleaved 16 at a time, by their `layout` code
-enum Layout : int { Q4X16 = 0, Q4KX16 = 1, Q6KX16 = 2, Q8X16 = 3, Q5KX16 = 4 };
-constexpr int N_LAYOUTS = 5;
+enum Layout : int { Q4X16 = 0, Q4KX16 = 1, Q6KX16 = 2, Q8X16 = 3, Q5KX16 = 4, Q5X16 = 5 };
+constexpr int N_LAYOUTS = 6;
+// whether a layout's rows are blocks of 32 (else super-blocks of 256)
+inline bool blocks_of_32(int layout) { return layout == Q4X16 || layout == Q8X16 || layout == Q5X16; }
 // bytes of one group of 16 rows of `dim` columns in a layout
 inline int64_t group_bytes(int layout, int64_t dim) {
-  if (layout == Q4X16 || layout == Q8X16) return dim / 32 * (layout == Q4X16 ? Q4X16_BLOCK : Q8X16_BLOCK);
+  if (blocks_of_32(layout))
+    return dim / 32 * (layout == Q4X16 ? Q4X16_BLOCK : layout == Q5X16 ? Q5X16_BLOCK : Q8X16_BLOCK);
   return dim / 256 * (layout == Q4KX16 ? Q4KX16_SB : layout == Q5KX16 ? Q5KX16_SB : Q6KX16_SB);
 }
 
@@ -1555,55 +1560,9 @@ inline void group_walk(int64_t r0, int64_t n, int64_t g, int64_t units, float* y
     for (int r = 0; r < R; r++) QV::store(y + (r0 + r) * n + 16 * g + QV::LANES * p, acc[p][r]);
 }
 
-template <int R>
-inline void q4x16_group(const uint8_t* gw, const FFNArgs& a, int64_t r0, int64_t n, int64_t g,
-                        float* y) {
-  using F = QV::F;
-  constexpr int L = QV::LANES;
-  const int64_t nb = a.dim / 32, dim = a.dim;
-  group_walk<R>(r0, n, g, nb, y, [&](int part, int64_t blk, F* acc) {
-    const uint8_t* b = gw + blk * Q4X16_BLOCK;
-    if (part == 0) prefetch_ahead(b + Q4X16_PF * Q4X16_BLOCK, Q4X16_BLOCK);
-    const F d = QV::halves(b + 2 * L * part), m = QV::halves(b + 32 + 2 * L * part);
-    QV::I lo[4], hi[4];
-    nibbles(b + 64, part, lo, hi);
-    for (int r = 0; r < R; r++) {
-      const int64_t row = r0 + r;
-      const QV::I s = block_sums4(lo, hi, a.xq + row * dim + 32 * blk);
-      acc[r] = QV::fma(QV::i2f(s), QV::fmul(d, QV::fset(a.xd[row * nb + blk])), acc[r]);
-      acc[r] = QV::fma(m, QV::fset(a.xs[row * nb + blk]), acc[r]);
-    }
-  });
-}
-
-// ---- Q4_K and Q6_K rows interleaved by 16 (`q4kx16`, `q6kx16`): the K-quant files' GEMVs ----
-// A Q4_K_M file's matrices kept in their own bits (4.625 and 6.5625 a weight against the file's
-// 4.5 and 6.5625; as Q4_1 and Q8_0 blocks they were 5 and 8.5), regrouped like q4x16 so that one vector covers 16 rows. Group g
-// is dim/256 super-blocks, each of 16 rows and 256 weights:
-//   q4kx16 (Q4_K: w = d * sc_j * q - dmin * m_j, q in 0..15, sub-block j of 32 weights):
-//     [0, 32) d, [32, 64) dmin: 16 f16 each, row 0 first
-//     [64, 2368) 8 sub-blocks of 288 bytes: the 16 rows' 6-bit scales (a byte each, row 0
-//       first), their minimums, then q4x16's four vectors of nibble runs (one stream: the
-//       scales apart from the codes read at 0.75x the rate from memory)
-//   q6kx16 (Q6_K: w = d * sc_i * (q - 32), q in 0..63, sub-block i of 16 weights):
-//     [0, 32) d: 16 f16
-//     [32, 288) sc: sub-block i's 16 rows' int8 scales at 32 + 16 i
-//     [288, 3360) 8 blocks of 32 weights, 384 bytes each: the low 4 bits of q as q4x16's four
-//       vectors of nibble runs (the block's sub-blocks 2j and 2j+1 are its low and high
-//       nibbles), then two vectors of the top 2 bits: byte p of the first holds, from bit 0,
-//       those of the weights at byte p of low vector 0, high vector 0, low vector 1 and high
-//       vector 1; the second the same for vectors 2 and 3.
-// The dot products run in integers over x's 8-bit blocks of 32 (a Q6_K pair of sub-blocks meets
-// one of them; q - 32 through x's sums per 16), one float multiply-add per block.
-#ifndef KX16_PF
-#define KX16_PF 5120
-#endif
-
-// q5kx16 (Q5_K: q4kx16's weights with a fifth bit, q in 0..31): q4kx16's layout with each
-// sub-block 352 bytes, its nibble runs followed by one vector of the fifth bits: byte p holds,
-// from bit 0, those of the weights at byte p of low vector 0, high vector 0, low vector 1, ...,
-// high vector 3. Without VNNI a block's sums take two halves of four pairwise sums in 16 bits
-// (at most 4 * 2 * 31 * 127), each widened: eight would overflow.
+// Per lane (row), block_sums4's sums over 5-bit weights (q5x16, q5kx16): without VNNI two
+// halves of four pairwise sums in 16 bits (at most 4 * 2 * 31 * 127), each widened: eight
+// would overflow.
 inline QV::I block_sums5(const QV::I* lo, const QV::I* hi, const int8_t* xb) {
 #if defined(__AVX512VNNI__)
   return block_sums4(lo, hi, xb);
@@ -1620,6 +1579,86 @@ inline QV::I block_sums5(const QV::I* lo, const QV::I* hi, const int8_t* xb) {
 #endif
 }
 
+// The fifth bits of a block's codes (one vector: byte p holds, from bit 0, those of the weights
+// at byte p of low vector 0, high vector 0, low vector 1, ..., high vector 3) onto bit 4 of
+// `lo` and `hi` (16-bit shifts: the mask drops what crosses a byte)
+inline void fifth_bits(const uint8_t* h5, int part, QV::I* lo, QV::I* hi) {
+  const QV::I m10 = QV::bytes(0x10), h = QV::load(h5 + 4 * QV::LANES * part);
+  lo[0] = QV::bor(lo[0], QV::band(QV::shl16<4>(h), m10));
+  hi[0] = QV::bor(hi[0], QV::band(QV::shl16<3>(h), m10));
+  lo[1] = QV::bor(lo[1], QV::band(QV::shl16<2>(h), m10));
+  hi[1] = QV::bor(hi[1], QV::band(QV::shl16<1>(h), m10));
+  lo[2] = QV::bor(lo[2], QV::band(h, m10));
+  hi[2] = QV::bor(hi[2], QV::band(QV::shr16<1>(h), m10));
+  lo[3] = QV::bor(lo[3], QV::band(QV::shr16<2>(h), m10));
+  hi[3] = QV::bor(hi[3], QV::band(QV::shr16<3>(h), m10));
+}
+
+// q4x16 and (FIVE) q5x16: per block of 32, w = d * q + m (q4x16: Q4_0's m = -8 d, Q4_1's own;
+// q5x16: q in 0..31, Q5_0's m = -16 d, Q5_1's own), the 64 bytes of fifth bits after the
+// nibble runs (384 bytes a block: 6 bits a weight against the file's 5.5 and 6, where the
+// converted copy's Q8_0 takes 8.5)
+template <int R, bool FIVE>
+inline void x16_45_group(const uint8_t* gw, const FFNArgs& a, int64_t r0, int64_t n, int64_t g,
+                         float* y) {
+  using F = QV::F;
+  constexpr int L = QV::LANES;
+  constexpr int64_t BLOCK = FIVE ? Q5X16_BLOCK : Q4X16_BLOCK;
+  const int64_t nb = a.dim / 32, dim = a.dim;
+  group_walk<R>(r0, n, g, nb, y, [&](int part, int64_t blk, F* acc) {
+    const uint8_t* b = gw + blk * BLOCK;
+    if (part == 0) prefetch_ahead(b + Q4X16_PF * BLOCK, BLOCK);
+    const F d = QV::halves(b + 2 * L * part), m = QV::halves(b + 32 + 2 * L * part);
+    QV::I lo[4], hi[4];
+    nibbles(b + 64, part, lo, hi);
+    if constexpr (FIVE) fifth_bits(b + 320, part, lo, hi);
+    for (int r = 0; r < R; r++) {
+      const int64_t row = r0 + r;
+      const int8_t* xb = a.xq + row * dim + 32 * blk;
+      const QV::I s = FIVE ? block_sums5(lo, hi, xb) : block_sums4(lo, hi, xb);
+      acc[r] = QV::fma(QV::i2f(s), QV::fmul(d, QV::fset(a.xd[row * nb + blk])), acc[r]);
+      acc[r] = QV::fma(m, QV::fset(a.xs[row * nb + blk]), acc[r]);
+    }
+  });
+}
+
+template <int R>
+inline void q4x16_group(const uint8_t* gw, const FFNArgs& a, int64_t r0, int64_t n, int64_t g,
+                        float* y) {
+  x16_45_group<R, false>(gw, a, r0, n, g, y);
+}
+
+template <int R>
+inline void q5x16_group(const uint8_t* gw, const FFNArgs& a, int64_t r0, int64_t n, int64_t g,
+                        float* y) {
+  x16_45_group<R, true>(gw, a, r0, n, g, y);
+}
+
+// ---- Q4_K and Q6_K rows interleaved by 16 (`q4kx16`, `q6kx16`): the K-quant files' GEMVs ----
+// A Q4_K_M file's matrices kept in their own bits (4.625 and 6.5625 a weight against the file's
+// 4.5 and 6.5625; as Q4_1 and Q8_0 blocks they were 5 and 8.5), regrouped like q4x16 so that one vector covers 16 rows. Group g
+// is dim/256 super-blocks, each of 16 rows and 256 weights:
+//   q4kx16 (Q4_K: w = d * sc_j * q - dmin * m_j, q in 0..15, sub-block j of 32 weights):
+//     [0, 32) d, [32, 64) dmin: 16 f16 each, row 0 first
+//     [64, 2368) 8 sub-blocks of 288 bytes: the 16 rows' 6-bit scales (a byte each, row 0
+//       first), their minimums, then q4x16's four vectors of nibble runs (one stream: the
+//       scales apart from the codes read at 0.75x the rate from memory)
+//   q5kx16 (Q5_K: q4kx16's with q in 0..31): q4kx16's with each sub-block 352 bytes, its
+//     nibble runs followed by the 64 bytes of their fifth bits (`fifth_bits`)
+//   q6kx16 (Q6_K: w = d * sc_i * (q - 32), q in 0..63, sub-block i of 16 weights):
+//     [0, 32) d: 16 f16
+//     [32, 288) sc: sub-block i's 16 rows' int8 scales at 32 + 16 i
+//     [288, 3360) 8 blocks of 32 weights, 384 bytes each: the low 4 bits of q as q4x16's four
+//       vectors of nibble runs (the block's sub-blocks 2j and 2j+1 are its low and high
+//       nibbles), then two vectors of the top 2 bits: byte p of the first holds, from bit 0,
+//       those of the weights at byte p of low vector 0, high vector 0, low vector 1 and high
+//       vector 1; the second the same for vectors 2 and 3.
+// The dot products run in integers over x's 8-bit blocks of 32 (a Q6_K pair of sub-blocks meets
+// one of them; q - 32 through x's sums per 16), one float multiply-add per block.
+#ifndef KX16_PF
+#define KX16_PF 5120
+#endif
+
 // q4kx16 and (FIVE) q5kx16: w = d * sc_j * q - dmin * m_j, one float multiply-add each a block
 template <int R, bool FIVE>
 inline void k45x16_group(const uint8_t* gw, const FFNArgs& a, int64_t r0, int64_t n, int64_t g,
@@ -1630,7 +1669,6 @@ inline void k45x16_group(const uint8_t* gw, const FFNArgs& a, int64_t r0, int64_
   constexpr int64_t SB = FIVE ? Q5KX16_SB : Q4KX16_SB, SUB = FIVE ? 352 : 288;
   constexpr int64_t ASK = (SB + 7) / 8;  // a sub-block's share of the lines asked for ahead
   const int64_t nb = a.dim / 32, dim = a.dim;
-  const I m10 = QV::bytes(0x10);
   group_walk<R>(r0, n, g, a.dim / 256, y, [&](int part, int64_t s, F* acc) {
     const uint8_t* sb = gw + s * SB;
     const F d = QV::halves(sb + 2 * L * part), dmin = QV::halves(sb + 32 + 2 * L * part);
@@ -1641,17 +1679,7 @@ inline void k45x16_group(const uint8_t* gw, const FFNArgs& a, int64_t r0, int64_
       const F ms = QV::fmul(dmin, QV::i2f(QV::u8x(b + 16 + L * part)));
       I lo[4], hi[4];
       nibbles(b + 32, part, lo, hi);
-      if constexpr (FIVE) {  // each byte's fifth bits onto bit 4 (16-bit shifts: the mask drops what crosses)
-        const I h = QV::load(b + 288 + 4 * L * part);
-        lo[0] = QV::bor(lo[0], QV::band(QV::shl16<4>(h), m10));
-        hi[0] = QV::bor(hi[0], QV::band(QV::shl16<3>(h), m10));
-        lo[1] = QV::bor(lo[1], QV::band(QV::shl16<2>(h), m10));
-        hi[1] = QV::bor(hi[1], QV::band(QV::shl16<1>(h), m10));
-        lo[2] = QV::bor(lo[2], QV::band(h, m10));
-        hi[2] = QV::bor(hi[2], QV::band(QV::shr16<1>(h), m10));
-        lo[3] = QV::bor(lo[3], QV::band(QV::shr16<2>(h), m10));
-        hi[3] = QV::bor(hi[3], QV::band(QV::shr16<3>(h), m10));
-      }
+      if constexpr (FIVE) fifth_bits(b + 288, part, lo, hi);
       const int64_t blk = 8 * s + j;
       for (int r = 0; r < R; r++) {
         const int64_t row = r0 + r;
@@ -1806,6 +1834,7 @@ POWERINFER_X16(q4x16, Q4X16)
 POWERINFER_X16(q4kx16, Q4KX16)
 POWERINFER_X16(q6kx16, Q6KX16)
 POWERINFER_X16(q5kx16, Q5KX16)
+POWERINFER_X16(q5x16, Q5X16)
 POWERINFER_X16(q8x16, Q8X16)
 #undef POWERINFER_X16
 

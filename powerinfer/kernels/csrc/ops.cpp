@@ -518,12 +518,12 @@ static const float* x16_rows(const Kernels& k, int64_t layout, const void* x, bo
 static at::Tensor linear_x16(const at::Tensor& x, const at::Tensor& w, int64_t n, int64_t layout) {
   const Kernels& k = active();
   const bool bf16 = x.scalar_type() == at::kBFloat16;
-  TORCH_CHECK(layout >= 0 && layout < N_LAYOUTS, "layout: 0 q4x16, 1 q4kx16, 2 q6kx16, 3 q8x16, 4 q5kx16, got ", layout);
+  TORCH_CHECK(layout >= 0 && layout < N_LAYOUTS, "layout: 0 q4x16, 1 q4kx16, 2 q6kx16, 3 q8x16, 4 q5kx16, 5 q5x16, got ", layout);
   TORCH_CHECK(x.dim() >= 1 && (bf16 || x.scalar_type() == at::kFloat) && x.is_contiguous(),
               "x: (..., dim) contiguous float32 or bfloat16");
   const int64_t dim = x.size(-1), B = dim ? x.numel() / dim : 0;
   TORCH_CHECK(B >= 1 && B <= 64, "the kernel takes 1 to 64 rows, got ", B);
-  const int64_t unit = layout == Q4X16 || layout == Q8X16 ? 32 : 256;
+  const int64_t unit = blocks_of_32(layout) ? 32 : 256;
   TORCH_CHECK(dim % unit == 0, "dim must be a multiple of ", unit, " in this layout, got ", dim);
   check_rows(w);
   const int64_t groups = (n + 15) / 16;
@@ -1142,7 +1142,7 @@ static at::Tensor ch_recv(const at::Tensor& like, at::Tensor& state, int64_t bas
 }
 
 // y (rows, n) f32 = x (rows, dim) times a matrix held as 16-row groups (fmt -1 - its Layout:
-// -1 q4x16, -2 q4kx16, -3 q6kx16, -4 q8x16, -5 q5kx16; n rows) or as rows in a kernel format (fmt >= 0).
+// -1 q4x16, -2 q4kx16, -3 q6kx16, -4 q8x16, -5 q5kx16, -6 q5x16; n rows) or as rows in a kernel format (fmt >= 0).
 // A one-row step (decode) with `sparse` given (a q4c copy of the same matrix, a non-empty tensor)
 // reads only the input channels over `threshold` (q4c_product), adding them and the channels
 // seen to stats[0] and stats[1] where given.
