@@ -115,13 +115,14 @@ class Config:
         Q5_K, Q6_K, Q5_0, Q5_1 and Q8_0 ones in their own bits, computed in bf16 or float32 on
         the CPU (bf16 on a GPU); a sparse FFN's neurons keep the file's 4-bit blocks, their down
         rows 8-bit; the output head is 8-bit), or "auto" (default: int4 on the CPU where it can
-        run and the file has such projections, else dense; on a GPU, int4 for the actor runtime's hot executor where the Triton kernels
-        are installed, dense for a model in one process; dtype "float32" asked for is the dense
-        reference). On a GPU, int4 keeps a sparse FFN's neurons in those records and the
-        projections (attention's, a dense FFN's, an untied head) in the file's Q4_0/Q4_1/Q8_0
-        blocks, read by the Triton kernels (the `gpu` extra); the placement counts them at
-        those bytes (a 4-bit neuron about a third of bf16's, so about three times the hot
-        neurons in a budget, and more for attention's share freed); the embedding is widened.
+        run and the file has such projections, else dense; on a GPU, int4 for the actor
+        runtime's hot executor where the Triton kernels are installed, dense for a model in one
+        process; dtype "float32" asked for is the dense reference). On a GPU, int4 keeps a
+        sparse FFN's neurons in those records and the projections (attention's, a dense FFN's,
+        an untied head) in the file's Q4_0/Q4_1/Q8_0 blocks, read by the Triton kernels (the
+        `gpu` extra); the placement counts them at those bytes (a 4-bit neuron about a third of
+        bf16's, so about three times the hot neurons in a budget, and more for attention's share
+        freed); the embedding is widened.
     cold_weights: the actor runtime's cold executors' weights (they run on the host's cores):
         "dense", "int4" (as `weights`), or "auto" (default: as `weights` on a CPU; beside a hot
         executor on a GPU, int4 wherever the host can run it, unless weights is "dense"). So a
@@ -246,9 +247,9 @@ class Config:
         no warm-up, decided by the class the kernel runs at here (`kernels.cpu_class(cpu_isa)`):
         the 4-bit path (the file's blocks kept) on every class (AVX2 `maddubs`, AVX-512, VNNI),
         in bf16, where the file has them; bf16 dense where bf16 is native (avx512bf16), float32
-        dense elsewhere. A GPU's int4 takes Q4_0/Q4_1 projections only. `cpu_isa` itself stays as asked:
-        "auto" is each process's own best (an actor on another host of a cluster may have
-        another), a class asked for is held everywhere."""
+        dense elsewhere. A GPU's int4 takes Q4_0/Q4_1 projections only. `cpu_isa` itself stays
+        as asked: "auto" is each process's own best (an actor on another host of a cluster may
+        have another), a class asked for is held everywhere."""
         import torch
 
         from . import kernels
@@ -276,7 +277,8 @@ class Config:
         cold = self.cold_weights
         if cold == "auto":  # the host's share: int4 beside a GPU too, unless dense was asked for
             if on_gpu:
-                cold = "int4" if beside_gpu and has_q4 and isa != "none" and self.weights != "dense" \
+                host_q4 = has_q4 and isa != "none"  # (not K-quants: as a GPU's int4)
+                cold = "int4" if beside_gpu and host_q4 and self.weights != "dense" \
                     and self.dtype != "float32" else "dense"
             else:
                 cold = weights
