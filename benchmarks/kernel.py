@@ -211,6 +211,8 @@ def main():
                          "rows negated: they read their gate row alone, as a predictor's false "
                          "positives do); a step's bytes are counted so; under 1 the ratios to "
                          "the reads, which read whole records, are left out")
+    ap.add_argument("--shares", type=float, nargs="+", default=list(SHARES),
+                    help="the shares of active neurons to run (default: 1%% to 100%%)")
     ap.add_argument("--plot", default=None, help="write the plot (PNG)")
     ap.add_argument("--out", default=None, help="write the results as JSON")
     args = ap.parse_args()
@@ -251,7 +253,7 @@ def main():
         dense_bytes = 3 * n * d * 2
         results.append({"method": "dense bf16 (torch matmul)", "share": 1.0, "ms": t * 1e3,
                         "gbs": dense_bytes / t / 1e9})
-        for share in SHARES:
+        for share in args.shares:
             m = max(1, round(share * n))
             sels = [torch.arange(m)] if args.consecutive else \
                 [torch.randperm(n, generator=g)[:m].sort().values
@@ -312,7 +314,7 @@ def main():
     methods = list(dict.fromkeys(r["method"] for r in results if r["share"] < 1 or "dense" not in r["method"]))
     print("| active | " + " | ".join(methods) + " |")
     print("|---:|" + "---:|" * len(methods))
-    for share in SHARES:
+    for share in args.shares:
         cells = []
         for m in methods:
             r = next(r for r in results if r["method"] == m and r["share"] == share)
@@ -368,7 +370,7 @@ def over_runs(args):
         print(f"# each ratio over {args.runs} processes: median (min-max)")
         print("| active | " + " | ".join(methods) + " |")
         print("|---:|" + "---:|" * len(methods))
-        for share in SHARES:
+        for share in args.shares:
             cells = [f"{statistics.median(v):.0%} ({min(v):.0%}-{max(v):.0%})"
                      for v in (ratios[m].get(share, [float("nan")]) for m in methods)]
             print(f"| {share:.0%} | " + " | ".join(cells) + " |")

@@ -813,6 +813,71 @@ def test_kquant_gemv_equals_a_matmul_over_the_files_weights(isa, kind, n):
         assert (got.double() - want).abs().max() <= 2**-8 * want.abs().max(), rows
 
 
+def test_the_prefetch_levels_give_the_same_floats(isa):
+    # where the weight walks ask for their next lines (into L1, or into L2 and again further
+    # ahead) changes no float: the dense GEMVs over each layout and the records kernel, on one
+    # thread and two, rows long enough that the second request lands past a group's end
+    from gguf import GGMLQuantizationType
+    from gguf import quantize as gguf_quantize
+
+    from powerinfer.formats.kquants import quantize
+    from powerinfer.model.sparse import NeuronSet
+    torch.manual_seed(3)
+    n, k = 40, 2048
+    w0 = torch.randn(n, k)
+    products = []
+    for kind in ("Q4_K", "Q5_K", "Q6_K", "Q8_0", "Q5_0"):
+        data = (gguf_quantize(w0.numpy(), getattr(GGMLQuantizationType, kind))
+                if kind in ("Q8_0", "Q5_0") else quantize(w0.numpy(), kind))
+        w, layout = K.pack_kquant(torch.from_numpy(data), kind), KQUANT_LAYOUTS[kind]
+        products.append(lambda x, w=w, layout=layout: K.linear_x16(x, w, n, layout))
+    q = torch.randint(0, 16, (n, k), dtype=torch.uint8)
+    dense = K.pack_q4x16(q, torch.rand(n, k // 32) * 0.01, torch.zeros(n, k // 32))
+    products.append(lambda x: K.linear_q4x16(x, dense, n))
+    ffn = 600
+    s = NeuronSet("reglu", torch.randn(2 * ffn, k) / 30, None, torch.randn(k, ffn) / 30,
+                  torch.arange(ffn), "q4_0")
+    sel = torch.randperm(ffn)[:150].sort().values
+    products.append(lambda x: K.neuron_ffn(x, s.records, sel, None, None, 0.0, "reglu", "q4_0"))
+    threads, before = torch.get_num_threads(), K.prefetch_level()
+    try:
+        for rows in (1, 3):
+            x = torch.randn(rows, k)
+            for t in (1, 2):
+                torch.set_num_threads(t)
+                got = {}
+                for level in ("l1", "l2"):
+                    assert K.prefetch_level(level) in ("l1", "l2")
+                    assert K.prefetch_level() == level
+                    got[level] = [f(x) for f in products]
+                for i, (a, b) in enumerate(zip(got["l1"], got["l2"])):
+                    assert a.abs().sum() > 0 and torch.equal(a, b), (i, rows, t)
+    finally:
+        K.prefetch_level(before)
+        torch.set_num_threads(threads)
+    with pytest.raises(RuntimeError, match="l1 or l2"):
+        K.prefetch_level("l3")
+
+
+def test_the_prefetch_level_follows_the_cpus_vendor_unless_set():
+    # Intel's cores ask for lines into L2, others into every level; POWERINFER_PREFETCH decides
+    # over the vendor (read once, when the kernel loads: a fresh process each)
+    import os
+    import subprocess
+    import sys
+    lines = Path("/proc/cpuinfo").read_text().splitlines()
+    vendor = next((line.split(":")[1].strip() for line in lines if line.startswith("vendor_id")), "")
+    code = "from powerinfer import kernels as K; assert K.available(); print(K.prefetch_level())"
+    env = {k: v for k, v in os.environ.items() if k != "POWERINFER_PREFETCH"}
+    default = "l2" if vendor == "GenuineIntel" else "l1"
+    other = "l1" if default == "l2" else "l2"
+    for setting, want in ((None, default), (other, other)):
+        e = dict(env, **({"POWERINFER_PREFETCH": setting} if setting else {}))
+        out = subprocess.run([sys.executable, "-c", code], env=e, capture_output=True, text=True,
+                             cwd=Path(__file__).parent.parent, check=True).stdout.split()
+        assert out[-1] == want, (setting, vendor, out)
+
+
 def test_q5_k_sums_at_their_largest_do_not_saturate(isa):
     # every code 31 under x's 8-bit values all 127: without VNNI a block's 16-bit pair sums
     # would pass 32767 if its eight products a lane were added before widening (block_sums5)

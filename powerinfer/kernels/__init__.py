@@ -297,6 +297,15 @@ def q4c_walk(walk: str) -> str:
     return torch.ops.powerinfer.q4c_walk(walk)
 
 
+def prefetch_level(level: str = "") -> str:
+    """Where the kernel's weight walks ask for the lines they read next in this process from now
+    on: "l1" (into every level of the caches) or "l2" (into L2; the dense GEMVs ask twice), for a
+    benchmark's baseline; "" leaves it. The CPU's vendor picks it at load (Intel's cores "l2",
+    others "l1"), `POWERINFER_PREFETCH=l1|l2` overrides that. The same floats either way.
+    Returns the level before."""
+    return torch.ops.powerinfer.prefetch_level(level)
+
+
 def loop_profile(mode: str = "read") -> dict:
     """The native loops' time by phase in this process (`hot_layers` and its attention steps,
     or a cold executor's `cold_serve`), for benchmarks: "start" zeroes and starts the count (two

@@ -27,6 +27,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <type_traits>
 #include <atomic>
@@ -296,6 +297,31 @@ inline int64_t rows_scratch(int64_t dim, int64_t rows) {
 // Whether records_rows may use the CPU's AMX tiles where it has them (`rows_amx` in ops.cpp: a
 // switch for measurements and tests; the AVX512_BF16 path otherwise)
 inline std::atomic<bool> rows_amx_allowed{true};
+
+// Where the weight walks ask for the lines they will read soon: into every level of the caches
+// (prefetcht0, `PF_L1`) or into L2 (prefetcht1, `PF_L2`, with the dense GEMVs also asking a
+// second time further ahead). A prefetch into L1 holds one of the core's L1 fill buffers until
+// its line arrives (16 on Intel's recent cores, 10-12 before), which bounds one core's stream to
+// about 16 lines a memory latency; into L2 it holds an L2 queue entry instead (48). On a 2-core
+// Xeon with AMX the dense q4kx16 GEMV read a 7B matrix from memory 1.18-1.31x faster into L2
+// (q4x16 1.17-1.32x, q6kx16 1.09-1.15x; held to avx2 1.08-1.24x), and the records kernel 1.04-1.06x
+// at 20-100% active (a tie below); on a Zen 5 EPYC the records kernel took 1.10-1.38x as long
+// into L2 (AMD's cores keep more misses in flight from L1), so AMD keeps L1. The CPU's vendor
+// picks it; POWERINFER_PREFETCH=l1|l2 (or `kernels.prefetch_level`) sets it.
+enum PrefetchLevel : int { PF_L1 = 0, PF_L2 = 1 };
+inline int default_prefetch_level() {
+  if (const char* v = std::getenv("POWERINFER_PREFETCH")) {
+    if (!std::strcmp(v, "l1")) return PF_L1;
+    if (!std::strcmp(v, "l2")) return PF_L2;
+  }
+  unsigned a, b, c, d;
+  if (!__get_cpuid(0, &a, &b, &c, &d)) return PF_L1;
+  char vendor[13];
+  std::memcpy(vendor, &b, 4), std::memcpy(vendor + 4, &d, 4), std::memcpy(vendor + 8, &c, 4);
+  vendor[12] = 0;
+  return std::strcmp(vendor, "GenuineIntel") ? PF_L1 : PF_L2;
+}
+inline std::atomic<int> prefetch_level{default_prefetch_level()};
 
 using RowsFn = void (*)(const RowsArgs& a, int64_t begin, int64_t end, float* out, uint8_t* scratch);
 using RowsBf16Fn = bool (*)(bool bf16_input);
@@ -890,10 +916,16 @@ inline void axpy_block(const uint8_t* const* rows, int64_t blk, const float (*h)
   });
 }
 
-// A line of a row a pass will read, asked for into every level of the caches (prefetcht0). Into
-// L2 only (prefetcht1), the records kernel took 1.10-1.38x as long on a Zen 5 VM at 5-100%
-// active, 2 threads (prefetchnta as fast as t0); on Zen 3 the three were not distinguishable.
-PREFETCHES void prefetch_line(const uint8_t* p) { _mm_prefetch((const char*)p, _MM_HINT_T0); }
+// A line of a row a pass will read, asked for at the process's `prefetch_level`: into every
+// level of the caches (prefetcht0), or into L2 (prefetcht1). On a Zen 5 VM, into L2 the records
+// kernel took 1.10-1.38x as long at 5-100% active, 2 threads (prefetchnta as fast as t0); on
+// Zen 3 the three were not distinguishable; on a Xeon with AMX L2 was 1.04-1.06x faster.
+PREFETCHES void prefetch_line(const uint8_t* p) {
+  if (prefetch_level.load(std::memory_order_relaxed) == PF_L2)
+    _mm_prefetch((const char*)p, _MM_HINT_T1);
+  else
+    _mm_prefetch((const char*)p, _MM_HINT_T0);
+}
 // A line of a row the pass after next will read, asked for into L2 (prefetcht1): it is asked for
 // into every level again the pass before it is read (`gated_split`).
 PREFETCHES void prefetch_l2(const uint8_t* p) { _mm_prefetch((const char*)p, _MM_HINT_T1); }
@@ -1537,8 +1569,20 @@ inline QV::I block_sums4(const QV::I* lo, const QV::I* hi, const int8_t* xb) {
 #endif
 }
 
+// The dense GEMVs' lines `bytes` from p, asked for at the process's `prefetch_level`; into L2
+// each also a second time PF_AGAIN bytes further ahead (one request of the two may find the L2
+// queue full: asked for once, 8 KiB further or not, the q4kx16 GEMV read 3-7% slower, 5-14%
+// held to avx2, on the Xeon with AMX)
+constexpr int64_t PF_AGAIN = 8192;
 PREFETCHES void prefetch_ahead(const uint8_t* p, int64_t bytes) {
-  for (int64_t o = 0; o < bytes; o += 64) _mm_prefetch((const char*)p + o, _MM_HINT_T0);
+  if (prefetch_level.load(std::memory_order_relaxed) == PF_L2) {
+    for (int64_t o = 0; o < bytes; o += 64) {
+      _mm_prefetch((const char*)p + o, _MM_HINT_T1);
+      _mm_prefetch((const char*)p + PF_AGAIN + o, _MM_HINT_T1);
+    }
+  } else {
+    for (int64_t o = 0; o < bytes; o += 64) _mm_prefetch((const char*)p + o, _MM_HINT_T0);
+  }
 }
 
 // One walk over a group's bytes for input rows r0..r0+R-1: QV::LANES rows a part (AVX-512 makes

@@ -349,6 +349,16 @@ static at::Tensor records_rows(const at::Tensor& x, const at::Tensor& w, const s
 // records_rows on AMX tiles where the CPU has them: mode 0 forbids it, 1 allows it (the
 // default), -1 leaves it; returns whether a bf16 input runs on them now (the active instruction
 // set's kernels: AVX512_BF16 and AMX's tiles)
+// The process's prefetch level ("l1" or "l2", see `prefetch_level` in neuron_ffn.h; "" leaves
+// it): returns the level before
+static std::string prefetch_level_op(const std::string& level) {
+  TORCH_CHECK(level.empty() || level == "l1" || level == "l2", "level must be l1 or l2, got ",
+              level);
+  const std::string before = prefetch_level.load() == PF_L2 ? "l2" : "l1";
+  if (!level.empty()) prefetch_level.store(level == "l2" ? PF_L2 : PF_L1);
+  return before;
+}
+
 static bool rows_amx(int64_t mode) {
   if (mode >= 0) rows_amx_allowed.store(mode > 0);
   return active().rows_amx();
@@ -1993,6 +2003,7 @@ TORCH_LIBRARY(powerinfer, m) {
   m.def("neuron_ffn(Tensor x, Tensor w, Tensor sel, Tensor? keep, Tensor? bias, float threshold, int act, int fmt) -> Tensor");
   m.def("records_rows(Tensor x, Tensor w, Tensor? bias, float threshold, int act, int fmt) -> Tensor");
   m.def("rows_amx", &powerinfer::rows_amx);
+  m.def("prefetch_level", &powerinfer::prefetch_level_op);
   m.def("widen(Tensor w, int fmt, int rows, int dim) -> Tensor");
   m.def("widen_out(Tensor w, int fmt, int rows, int dim, Tensor(a!) out) -> ()");
   m.def("linear(Tensor x, Tensor w, int fmt) -> Tensor");
