@@ -94,8 +94,9 @@ def models(names: list[str], turns: int, tokens: int) -> list[dict]:
         pms = {lv: statistics.median(v) * 1e3 for lv, v in prompt.items()}
         rows.append(dict(model=Path(name).name, step_ms=ms, prompt_ms=pms,
                          step_turns_ms={lv: [t * 1e3 for t in v] for lv, v in step.items()}))
-        print(f"| {Path(name).name} | {ms['l1']:.2f} | {ms['l2']:.2f} | **{ms['l1'] / ms['l2']:.2f}x** "
-              f"| {pms['l1']:.1f} | {pms['l2']:.1f} | {pms['l1'] / pms['l2']:.2f}x |", flush=True)
+        print(f"| {Path(name).name} | {ms['l1']:.2f} | {ms['l2']:.2f} "
+              f"| **{ms['l1'] / ms['l2']:.2f}x** | {pms['l1']:.1f} | {pms['l2']:.1f} "
+              f"| {pms['l1'] / pms['l2']:.2f}x |", flush=True)
         del m
     return rows
 
