@@ -237,7 +237,12 @@ def _warn_of_a_cap_that_holds_nothing():
     """POWERINFER_MAX_ISA (a class), set before a process starts, makes the library report that
     class as this CPU's best (csrc/ops.cpp, `pick_isa`): the process and those it starts run as
     on a CPU of that class, `auto` included. A value that is not a class, or one above this
-    CPU's, holds nothing: named here in a warning."""
+    CPU's, holds nothing: named here in a warning, as a POWERINFER_PREFETCH that is not a
+    level (`prefetch_level`)."""
+    pf = os.environ.get("POWERINFER_PREFETCH", "")
+    if pf and pf not in ("l1", "l2"):
+        log.warning("POWERINFER_PREFETCH=%r is not l1 or l2: ignored (the CPU's vendor picks %r)",
+                    pf, torch.ops.powerinfer.prefetch_level(""))
     cap = os.environ.get("POWERINFER_MAX_ISA", "")
     if cap and cap not in ISAS:
         log.warning("POWERINFER_MAX_ISA=%r is not one of %s: ignored", cap, ", ".join(ISAS))

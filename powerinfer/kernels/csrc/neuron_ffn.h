@@ -303,9 +303,10 @@ inline std::atomic<bool> rows_amx_allowed{true};
 // second time further ahead). A prefetch into L1 holds one of the core's L1 fill buffers until
 // its line arrives (16 on Intel's recent cores, 10-12 before), which bounds one core's stream to
 // about 16 lines a memory latency; into L2 it holds an L2 queue entry instead (48). On a 2-core
-// Xeon with AMX the dense q4kx16 GEMV read a 7B matrix from memory 1.18-1.31x faster into L2
-// (q4x16 1.17-1.32x, q6kx16 1.09-1.15x; held to avx2 1.08-1.24x), and the records kernel 1.04-1.06x
-// at 20-100% active (a tie below); on a Zen 5 EPYC the records kernel took 1.10-1.38x as long
+// Xeon with AMX the dense GEMVs read a 7B matrix from memory 1.12-1.43x faster into L2 (q4kx16
+// 1.25-1.28x, q4x16 1.39-1.43x, q6kx16 1.12-1.13x; held to avx2 1.17-1.37x; BENCHMARKS.md, "The
+// weight walks' prefetches into L2 on Intel's cores"), and the records kernel 1.04-1.06x at
+// 20-100% active (a tie below; the q4c product keeps prefetcht0: 0.87-1.03x into L2); on a Zen 5 EPYC the records kernel took 1.10-1.38x as long
 // into L2 (AMD's cores keep more misses in flight from L1), so AMD keeps L1. The CPU's vendor
 // picks it; POWERINFER_PREFETCH=l1|l2 (or `kernels.prefetch_level`) sets it.
 enum PrefetchLevel : int { PF_L1 = 0, PF_L2 = 1 };
@@ -927,7 +928,7 @@ PREFETCHES void prefetch_line(const uint8_t* p) {
     _mm_prefetch((const char*)p, _MM_HINT_T0);
 }
 // A line of a row the pass after next will read, asked for into L2 (prefetcht1): it is asked for
-// into every level again the pass before it is read (`gated_split`).
+// again at `prefetch_level` the pass before it is read (`gated_split`).
 PREFETCHES void prefetch_l2(const uint8_t* p) { _mm_prefetch((const char*)p, _MM_HINT_T1); }
 
 // Rows that a pass brings into the caches while it reads others (null: none): up to two rows in

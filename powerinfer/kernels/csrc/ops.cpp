@@ -346,9 +346,6 @@ static at::Tensor records_rows(const at::Tensor& x, const at::Tensor& w, const s
   return x.scalar_type() == at::kFloat ? y : y.to(x.scalar_type());
 }
 
-// records_rows on AMX tiles where the CPU has them: mode 0 forbids it, 1 allows it (the
-// default), -1 leaves it; returns whether a bf16 input runs on them now (the active instruction
-// set's kernels: AVX512_BF16 and AMX's tiles)
 // The process's prefetch level ("l1" or "l2", see `prefetch_level` in neuron_ffn.h; "" leaves
 // it): returns the level before
 static std::string prefetch_level_op(const std::string& level) {
@@ -359,6 +356,9 @@ static std::string prefetch_level_op(const std::string& level) {
   return before;
 }
 
+// records_rows on AMX tiles where the CPU has them: mode 0 forbids it, 1 allows it (the
+// default), -1 leaves it; returns whether a bf16 input runs on them now (the active instruction
+// set's kernels: AVX512_BF16 and AMX's tiles)
 static bool rows_amx(int64_t mode) {
   if (mode >= 0) rows_amx_allowed.store(mode > 0);
   return active().rows_amx();
