@@ -306,9 +306,10 @@ inline std::atomic<bool> rows_amx_allowed{true};
 // Xeon with AMX the dense GEMVs read a 7B matrix from memory 1.12-1.43x faster into L2 (q4kx16
 // 1.25-1.28x, q4x16 1.39-1.43x, q6kx16 1.12-1.13x; held to avx2 1.17-1.37x; BENCHMARKS.md, "The
 // weight walks' prefetches into L2 on Intel's cores"), and the records kernel 1.04-1.06x at
-// 20-100% active (a tie below; the q4c product keeps prefetcht0: 0.87-1.03x into L2); on a Zen 5 EPYC the records kernel took 1.10-1.38x as long
-// into L2 (AMD's cores keep more misses in flight from L1), so AMD keeps L1. The CPU's vendor
-// picks it; POWERINFER_PREFETCH=l1|l2 (or `kernels.prefetch_level`) sets it.
+// 20-100% active (a tie below; the q4c product keeps prefetcht0: 0.87-1.03x into L2); on a Zen 5
+// EPYC the records kernel took 1.10-1.38x as long into L2 (AMD's cores keep more misses in
+// flight from L1), so AMD keeps L1. The CPU's vendor picks it; POWERINFER_PREFETCH=l1|l2 (or
+// `kernels.prefetch_level`) sets it.
 enum PrefetchLevel : int { PF_L1 = 0, PF_L2 = 1 };
 inline int default_prefetch_level() {
   if (const char* v = std::getenv("POWERINFER_PREFETCH")) {
