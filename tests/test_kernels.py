@@ -288,6 +288,35 @@ def test_a_rows_answer_does_not_depend_on_its_batch(isa, fmt):
         torch.set_num_threads(threads)
 
 
+@pytest.mark.parametrize("fmt", ["q4_0", "q4_1", "q8_0", "bf16", "i8", "f32"])
+def test_the_records_kernel_gives_the_same_floats_on_any_thread_count(isa, fmt):
+    # the decode step's neurons split between threads by count and its down rows by columns:
+    # each column sums the fired neurons in the selection's order, so one thread, two, or more
+    # threads than cores (waiting on each other) give the same floats, every activation, one row
+    # or a batch, a selection in any order, and a few neurons (one thread) or none
+    torch.manual_seed(11)
+    dim, ffn = 96, 200
+    rows3 = torch.randn(3, ffn, dim)
+    x = torch.randn(3, dim)
+    threads = torch.get_num_threads()
+    try:
+        for act in K.ACTS:
+            gated = act not in ("relu", "gelu")
+            w = K.pack(rows3[0] if gated else None, rows3[1], rows3[2], fmt)
+            for sel in (torch.randperm(ffn)[:70].sort().values, torch.randperm(ffn)[:70],
+                        torch.tensor([5, 3, 150]), torch.zeros(0, dtype=torch.long)):
+                for B in (1, 3):
+                    got = []
+                    for t in (1, 2, 5):
+                        torch.set_num_threads(t)
+                        got.append(K.neuron_ffn(x[:B], w, sel, None, None, 0.0, act, fmt))
+                    assert got[0].shape == (B, dim)
+                    assert all(torch.equal(g, got[0]) for g in got[1:]), (act, sel.numel(), B)
+                    assert (got[0].abs().max() > 0) == (sel.numel() > 0), (act, B)
+    finally:
+        torch.set_num_threads(threads)
+
+
 def test_reformat_keeps_the_neurons_and_their_weights():
     from powerinfer.model.sparse import NeuronSet
     torch.manual_seed(4)

@@ -194,9 +194,15 @@ inline void with_format(int fmt, F&& f) {
   }
 }
 
-// Computes neurons sel[begin:end] for every row and adds their down rows, scaled by the rows'
-// activations, into out (B, dim).
-using RangeFn = void (*)(const FFNArgs&, int64_t begin, int64_t end, float* out);
+// A decode step's two phases (ops.cpp's neuron_ffn), which threads split differently. The first,
+// over neurons sel[begin:end]: each one's activations into h (B floats a neuron, at h + jj * B,
+// zero in a row where it does not fire), and the positions jj of those that fire in some row
+// into fired, in order (returns how many). The second, over the down rows' blocks [blo, bhi)
+// (32 columns each): out's columns there, every row, set to the sum of h times the down rows of
+// the neurons fired[0:nf], added in that order.
+using ActsFn = int64_t (*)(const FFNArgs&, int64_t begin, int64_t end, float* h, int64_t* fired);
+using DownsFn = void (*)(const FFNArgs&, const int64_t* fired, int64_t nf, const float* h, int64_t blo,
+                         int64_t bhi, float* out);
 // y[r, i] = row i . x[r] for rows [begin, end) of a (n, row_bytes) matrix in format a.fmt: a
 // dense matrix-vector product over a.B input rows (decode), reading each weight row once (a.x,
 // a.B, a.dim, a.fmt and, for the block formats, a.xq/xd/xs are read).
@@ -332,7 +338,8 @@ using ActivateFn = void (*)(int act, bool bf16, const float* g, const float* u, 
 
 // One instruction set's entry points (neuron_ffn_avx512.cpp, neuron_ffn_avx2.cpp).
 struct Kernels {
-  RangeFn range;
+  ActsFn acts;
+  DownsFn downs;
   GemvFn gemv;
   WidenFn widen;
   GemvFn gemv_x16[N_LAYOUTS];  // over groups of 16 rows of a matrix in a Layout (begin, end: groups)
@@ -641,7 +648,7 @@ struct IntDots {
       if constexpr (FMT == Q8_0) xv = _mm256_sign_epi8(xv, wsign);
       const __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(w, xv), ones);  // 8 sums of 4
       acc[r][P] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(d * a.xd[row_i * nb + blk]), acc[r][P]);
-      if constexpr (FMT != Q8_0) accm[r][P] += m * a.xs[row_i * nb + blk];
+      if constexpr (FMT != Q8_0) accm[r][P] = std::fma(m, a.xs[row_i * nb + blk], accm[r][P]);
     }
   }
   // blocks blk .. blk + n - 1, two chains alternating (the stage loop of split rows). A whole
@@ -850,7 +857,7 @@ template <int FMT, int R>
 using Dots = typename DotsOf<FMT, R>::type;
 
 constexpr int MAXB = 64;  // input rows a call (kernels.MAX_ROWS)
-// down rows whose axpys share one pass over out (see range_fmt)
+// down rows whose axpys share one pass over out (see downs_fmt)
 constexpr int DOWNS = 4;
 
 template <typename F>
@@ -866,7 +873,7 @@ inline void with_bool(bool b, F&& f) {
 // each axpy loaded and stored all of out: more bytes through L1 than the rows themselves).
 // Q8_0: the block's integers widened once, its scale folded into each row's activation (h d,
 // one scalar product a row and neuron, in place of scaling the 32 weights). With one input row
-// no activation is tested: a down row waits only if its activation is nonzero (range_fmt).
+// no activation is tested: a down row is added only if its neuron fired (acts_fmt).
 template <int FMT, int DN>
 inline void axpy_block(const uint8_t* const* rows, int64_t blk, const float (*h)[MAXB], int64_t B,
                        int64_t dim, float* out) {
@@ -929,77 +936,56 @@ PREFETCHES void prefetch_line(const uint8_t* p) {
     _mm_prefetch((const char*)p, _MM_HINT_T0);
 }
 // A line of a row the pass after next will read, asked for into L2 (prefetcht1): it is asked for
-// again at `prefetch_level` the pass before it is read (`gated_split`).
+// again at `prefetch_level` the pass before it is read (`acts_fmt`).
 PREFETCHES void prefetch_l2(const uint8_t* p) { _mm_prefetch((const char*)p, _MM_HINT_T1); }
 
-// Rows that a pass brings into the caches while it reads others (null: none): up to two rows in
-// the lead rows' format and one in the down rows'; with split 4-bit rows also as many into L2
-// alone (`far`, `far_down`: for the pass after next).
+// Rows that a pass brings into the caches while it reads others (null: none): up to two rows,
+// and with split 4-bit rows as many into L2 alone (`far`: for the pass after next).
 struct Ahead {
   const uint8_t* rows[2] = {nullptr, nullptr};
-  const uint8_t* down = nullptr;
   const uint8_t* far[2] = {nullptr, nullptr};
-  const uint8_t* far_down = nullptr;
-};
-
-// The blocks [lo, hi) of the down rows that a pass over split rows adds (hi < 0: to the row's
-// end; `gated_split`'s groups, a quarter a pass); a pass over other rows adds all of them
-struct Span {
-  int64_t lo = 0, hi = -1;
 };
 
 // One pass over the blocks of rows of different neurons, side by side: the lead row's dot
-// products (G: the gate row, or the up row of a plain ReLU FFN), the up row's (U), and DN down
-// rows' axpys into out (downs[n] with activations h[n] over all B rows). Input rows r0..
-// r0+R-1 for the dot products; the rows of `pf` brought into the caches over the same pass.
-// Reading three streams at once and prefetching the next rows keeps a core's memory requests
-// in flight across the short rows of different neurons, where one stream at a time left the
-// prefetchers starting over at every row (a third of the read rate measured).
-template <int FMT, int DFMT, int R, bool G, bool U, int DN>
-void stage(const FFNArgs& a, int64_t r0, const uint8_t* lead, const uint8_t* upr, const uint8_t* const* downs,
-           const float (*h)[MAXB], const Ahead& pf, float* gout, float* uout, float* out, Span ds) {
+// products (G: the gate row, or the up row of a plain ReLU FFN) and the up row's (U), for input
+// rows r0..r0+R-1; the rows of `pf` brought into the caches over the same pass. Reading streams
+// side by side and prefetching the next rows keeps a core's memory requests in flight across the
+// short rows of different neurons, where one stream at a time left the prefetchers starting over
+// at every row (a third of the read rate measured).
+template <int FMT, int R, bool G, bool U>
+void stage(const FFNArgs& a, int64_t r0, const uint8_t* lead, const uint8_t* upr, const Ahead& pf, float* gout,
+           float* uout) {
   Dots<FMT, R> g, u;
   if constexpr (G) g.zero();
   if constexpr (U) u.zero();
-  constexpr int64_t bb = block_bytes<FMT>(), db = block_bytes<DFMT>();
-  const int64_t nb = a.dim / 32, dlo = ds.lo, dhi = ds.hi < 0 ? nb : ds.hi;
+  constexpr int64_t bb = block_bytes<FMT>();
+  const int64_t nb = a.dim / 32;
   auto body = [&](auto parity, int64_t blk) {
     constexpr int P = decltype(parity)::value;
     if ((blk * bb) % 64 < bb)
       for (const uint8_t* p : pf.rows)
         if (p) prefetch_line(p + blk * bb);
-    if (pf.down && (blk * db) % 64 < db) prefetch_line(pf.down + blk * db);
     if constexpr (G) g.template add<P>(lead, blk, a, r0);
     if constexpr (U) u.template add<P>(upr, blk, a, r0);
-    if constexpr (DN > 0) axpy_block<DFMT, DN>(downs, blk, h, a.B, a.dim, out);
   };
   int64_t blk = 0;
   if constexpr (split4(FMT)) {
-    // 16 blocks a turn: the dot products' chunks, the down rows' blocks, and the lines of the
-    // rows to prefetch that the turn's blocks span
+    // 16 blocks a turn: the dot products' chunks, and the lines of the rows to prefetch that the
+    // turn's blocks span
     for (; blk < nb; blk += 16) {
       const int n = (int)std::min<int64_t>(16, nb - blk);
       for (const uint8_t* p : pf.rows)
         if (p)
           for (int64_t o = blk * bb / 64 * 64; o < (blk + n) * bb; o += 64) prefetch_line(p + o);
-      if (pf.down)
-        for (int64_t o = blk * db / 64 * 64; o < (blk + n) * db; o += 64) prefetch_line(pf.down + o);
       for (const uint8_t* p : pf.far)
         if (p)
           for (int64_t o = blk * bb / 64 * 64; o < (blk + n) * bb; o += 64) prefetch_l2(p + o);
-      if (pf.far_down)
-        for (int64_t o = blk * db / 64 * 64; o < (blk + n) * db; o += 64) prefetch_l2(pf.far_down + o);
       auto dots = [&](auto full) {
         constexpr bool F = decltype(full)::value;
         if constexpr (G) g.template chunk<F>(lead, blk, n, a, r0);
         if constexpr (U) u.template chunk<F>(upr, blk, n, a, r0);
       };
       with_bool(n == 16, dots);
-      if constexpr (DN > 0) {  // the span's blocks spread evenly over the turns
-        const int64_t turns = (nb + 15) / 16, t = blk / 16, span = dhi - dlo;
-        for (int64_t b = dlo + t * span / turns; b < dlo + (t + 1) * span / turns; b++)
-          axpy_block<DFMT, DN>(downs, b, h, a.B, a.dim, out);
-      }
     }
   } else {
     for (; blk + 1 < nb; blk += 2) {
@@ -1012,34 +998,22 @@ void stage(const FFNArgs& a, int64_t r0, const uint8_t* lead, const uint8_t* upr
   if constexpr (U) u.sum(uout + r0);
 }
 
-// stage() for every input row, R of them at a time (the down rows' axpys once, with the first
-// group, which also prefetches); G, U and the number of down rows (0, 1 or DOWNS) chosen at
-// run time.
-template <int FMT, int DFMT>
-void stages(bool G, bool U, int DN, const FFNArgs& a, const uint8_t* lead, const uint8_t* upr,
-            const uint8_t* const* downs, const float (*h)[MAXB], const Ahead& pf, float* gout, float* uout,
-            float* out, Span ds = {}) {
+// stage() for every input row, R of them at a time (the first group prefetches); G and U chosen
+// at run time.
+template <int FMT>
+void stages(bool G, bool U, const FFNArgs& a, const uint8_t* lead, const uint8_t* upr, const Ahead& pf,
+            float* gout, float* uout) {
   const Ahead none;
   for (int64_t r0 = 0; r0 < a.B;) {
     const int64_t left = a.B - r0;
     const int R = left >= 4 ? 4 : left >= 2 ? 2 : 1;
-    const int dn = r0 == 0 ? DN : 0;
-    auto go = [&](auto r, auto g, auto u, auto d) {
-      constexpr int RR = decltype(r)::value, DD = decltype(d)::value;
+    auto go = [&](auto r, auto g, auto u) {
+      constexpr int RR = decltype(r)::value;
       constexpr bool GG = decltype(g)::value, UU = decltype(u)::value;
-      if constexpr (GG || UU || DD > 0)
-        stage<FMT, DFMT, RR, GG, UU, DD>(a, r0, lead, upr, downs, h, r0 == 0 ? pf : none, gout, uout, out, ds);
-    };
-    auto with_dn = [&](auto r, auto g, auto u) {
-      if (dn == DOWNS)
-        go(r, g, u, std::integral_constant<int, DOWNS>{});
-      else if (dn == 1)
-        go(r, g, u, std::integral_constant<int, 1>{});
-      else
-        go(r, g, u, std::integral_constant<int, 0>{});
+      if constexpr (GG || UU) stage<FMT, RR, GG, UU>(a, r0, lead, upr, r0 == 0 ? pf : none, gout, uout);
     };
     auto with_rows = [&](auto r) {
-      with_bool(G, [&](auto g) { with_bool(U, [&](auto u) { with_dn(r, g, u); }); });
+      with_bool(G, [&](auto g) { with_bool(U, [&](auto u) { go(r, g, u); }); });
     };
     if (R == 4)
       with_rows(std::integral_constant<int, 4>{});
@@ -1093,81 +1067,45 @@ inline bool activations(const FFNArgs& a, int64_t jj, const float* g, const floa
   return any;
 }
 
-// Neurons sel[begin:end] as a pipeline over the records. Gated: the pass of neuron jj reads the
-// gate rows of jj+1 and the up rows of jj-1 (if its gate can let it fire), and brings into the
-// caches the gate rows of jj+2 and, if jj's gate opened (known from the pass before), its up and
-// down rows: every row that will be read arrives ahead of its pass, and no up or down row behind
-// a gate that stays shut is fetched (an up row left to the hardware arrived while it was read, a
-// third of a 4-bit neuron's time measured; prefetched for every neuron it doubled what a shut
-// gate costs). A plain ReLU FFN pipelines its up rows (the lead) with the down rows. The down
-// rows of the neurons that fired wait until DOWNS of them have, then are added together (one
-// load and store of out for the DOWNS, in the order the neurons come: the same sums as one at
-// a time). A gated FFN over split 4-bit rows runs `gated_split`, which adds such a group a
-// quarter of its blocks a pass, over the next DOWNS passes, so that every pass reads about a
-// record's bytes: all four rows in one pass out of four made that pass 2.5 times the others, and
-// the records read in that order came 14-16% slower than one after another
-// (benchmarks/overlap.py); spread, 1.03-1.24x the kernel's speed measured.
-template <int FMT, int DFMT>
-void gated_split(const FFNArgs& a, int64_t begin, int64_t end, float* out);
-
-template <int FMT, int DFMT = down_format(FMT)>
-void range_fmt(const FFNArgs& a, int64_t begin, int64_t end, float* out) {
-  if (begin >= end) return;
-  if constexpr (split4(FMT))
-    if (gated_act(a.act)) return gated_split<FMT, DFMT>(a, begin, end, out);
+// ActsFn: the first phase, a pipeline over the gate and up rows of neurons sel[begin:end].
+// Gated: the pass of neuron p computes the gate of p+2 and the up row of p-1 (if its gate
+// opened), and asks for each row it will read twice, one pass ahead (the gate of p+3, the up row
+// of p if its gate opened) and two passes ahead into L2 (the gate of p+4, the up row of p+1):
+// every row arrives ahead of its pass, and no up row behind a gate that stays shut is fetched (an
+// up row left to the hardware arrived while it was read, a third of a 4-bit neuron's time
+// measured; prefetched for every neuron, it doubled what a shut gate costs). Asked for once, a
+// pass ahead, the rows came at about the rate one reader of a record at a time gets; asked for
+// twice, 4-9% less time (a Zen 5 EPYC, 2 threads, BENCHMARKS.md "The records kernel on two
+// threads over processes"); no software prefetch at all took 1.7x as long (a Xeon with AMX, 1%
+// active). A plain FFN's pass computes the up row of p+1 and asks for those of p+2 and p+3.
+template <int FMT>
+int64_t acts_fmt(const FFNArgs& a, int64_t begin, int64_t end, float* hout, int64_t* fired) {
+  if (begin >= end) return 0;
   const int64_t rb = row_bytes(FMT, a.dim), B = a.B;
   auto rec = [&](int64_t jj) { return jj >= begin && jj < end ? a.w + a.sel[jj] * a.neuron_bytes : nullptr; };
-  float lead[3][MAXB], u[MAXB], h[DOWNS][MAXB];
-  auto dots = [&](int64_t jj) { return lead[(jj - begin) % 3]; };  // the lead rows' dot products of jj
-  const uint8_t* downs[DOWNS];  // the down rows of the neurons that fired, not added yet (with h)
-  int n = 0;
-  stages<FMT, DFMT>(true, false, 0, a, rec(begin), nullptr, nullptr, h, Ahead{{rec(begin + 1)}}, dots(begin),
-                    nullptr, out);
-  if (gated_act(a.act)) {
-    bool before = false;  // whether neuron jj-1's gate let it fire (its up row is read now)
-    for (int64_t jj = begin; jj <= end; jj++) {
-      const uint8_t *r = rec(jj), *nx = rec(jj + 1), *pr = rec(jj - 1);
-      bool open = false;
-      for (int64_t i = 0; r && i < B && !open; i++)
-        open = kept(a, i, jj) && gate_open(a.act, dots(jj)[i], a.threshold);
-      const int dn = n == DOWNS ? DOWNS : 0;  // a full group, added over this pass
-      const Ahead ahead{{rec(jj + 2), open ? r + rb : nullptr}, open ? r + 2 * rb : nullptr};
-      stages<FMT, DFMT>(nx != nullptr, before, dn, a, nx, before ? pr + rb : nullptr, downs, h, ahead,
-                        dots(jj + 1), u, out);
-      if (dn) n = 0;
-      if (before && activations(a, jj - 1, dots(jj - 1), u, h[n])) downs[n++] = pr + 2 * rb;
-      before = open;
+  float lead[4][MAXB], u[MAXB];
+  auto dots = [&](int64_t jj) { return lead[(jj - begin) % 4]; };  // the lead rows' dot products of jj
+  int64_t nf = 0;
+  auto emit = [&](int64_t jj, const float* g, const float* uu) {
+    if (activations(a, jj, g, uu, hout + jj * B)) fired[nf++] = jj;
+  };
+  auto lead_only = [&](int64_t jj, const Ahead& pf) {
+    stages<FMT>(true, false, a, rec(jj), nullptr, pf, dots(jj), nullptr);
+  };
+  if (!gated_act(a.act)) {
+    Ahead first{{rec(begin + 1)}};
+    first.far[0] = rec(begin + 2);
+    lead_only(begin, first);
+    for (int64_t p = begin; p < end; p++) {
+      if (rec(p + 1)) {
+        Ahead ahead{{rec(p + 2)}};
+        ahead.far[0] = rec(p + 3);
+        lead_only(p + 1, ahead);
+      }
+      emit(p, nullptr, dots(p));
     }
-  } else {
-    for (int64_t jj = begin; jj < end; jj++) {
-      const uint8_t *r = rec(jj), *nx = rec(jj + 1);
-      if (activations(a, jj, nullptr, dots(jj), h[n])) downs[n++] = r + rb;
-      const int dn = n == DOWNS ? DOWNS : 0;
-      stages<FMT, DFMT>(nx != nullptr, false, dn, a, nx, nullptr, downs, h, Ahead{{rec(jj + 2)}}, dots(jj + 1),
-                        nullptr, out);
-      if (dn) n = 0;
-    }
+    return nf;
   }
-  for (int k = 0; k < n; k++)
-    stages<FMT, DFMT>(false, false, 1, a, nullptr, nullptr, downs + k, h + k, Ahead{}, nullptr, nullptr, out);
-}
-
-// range_fmt's gated pipeline one pass deeper, for split 4-bit records (a 4-bit file's gated FFN,
-// the default's): the pass of neuron p computes the gate of p+2, reads the up row of p-1 and a
-// part of a group of down rows, and asks for each row twice, two passes ahead into L2 and one
-// pass ahead into every level: the gate rows of p+4 and p+3, and the up and down rows of p+1
-// and p (whose gates are known by then: no row behind a shut gate is fetched). Asked for once,
-// a pass ahead, the rows came at about the rate one reader of a record at a time gets (two or
-// four side by side read 1.2-2.2x faster); asked for twice, the kernel took 4-9% less time from
-// 2% to 100% active on 2 threads of a Zen 5 EPYC with a third of the computed gates shut, up to
-// 6% less with every gate open, where one pass deeper alone took 0-4% more (BENCHMARKS.md, "The
-// records kernel on two threads over processes").
-template <int FMT, int DFMT>
-void gated_split(const FFNArgs& a, int64_t begin, int64_t end, float* out) {
-  const int64_t rb = row_bytes(FMT, a.dim), B = a.B;
-  auto rec = [&](int64_t jj) { return jj >= begin && jj < end ? a.w + a.sel[jj] * a.neuron_bytes : nullptr; };
-  float lead[4][MAXB], u[MAXB], h[DOWNS][MAXB];
-  auto dots = [&](int64_t jj) { return lead[(jj - begin) % 4]; };  // the gate rows' dot products of jj
   auto opened = [&](int64_t jj) {  // whether jj's gate lets it fire in some row (its dots computed)
     if (!rec(jj)) return false;
     for (int64_t i = 0; i < B; i++)
@@ -1175,47 +1113,68 @@ void gated_split(const FFNArgs& a, int64_t begin, int64_t end, float* out) {
     return false;
   };
   auto up = [&](int64_t jj, bool open) { return open ? rec(jj) + rb : nullptr; };
-  auto down = [&](int64_t jj, bool open) { return open ? rec(jj) + 2 * rb : nullptr; };
-  // the passes before the first: the gates of begin and begin + 1
   Ahead first{{rec(begin + 1)}};
   first.far[0] = rec(begin + 2);
-  stages<FMT, DFMT>(true, false, 0, a, rec(begin), nullptr, nullptr, h, first, dots(begin), nullptr, out);
+  lead_only(begin, first);
   const bool open0 = opened(begin);
   if (rec(begin + 1)) {
     Ahead second{{rec(begin + 2)}};
-    second.far[0] = rec(begin + 3), second.far[1] = up(begin, open0), second.far_down = down(begin, open0);
-    stages<FMT, DFMT>(true, false, 0, a, rec(begin + 1), nullptr, nullptr, h, second, dots(begin + 1), nullptr,
-                      out);
+    second.far[0] = rec(begin + 3), second.far[1] = up(begin, open0);
+    lead_only(begin + 1, second);
   }
-  const int64_t nb = a.dim / 32, qs = (nb + DOWNS - 1) / DOWNS;
-  const uint8_t* downs[DOWNS];  // the down rows of the neurons that fired, not added yet (with h)
-  const uint8_t* adowns[DOWNS];  // a full group of down rows being added, a quarter a pass
-  float ah[DOWNS][MAXB];
-  int n = 0;
-  int64_t aq = DOWNS;  // the next quarter of the group being added (DOWNS: none)
   bool before = false, now = open0;  // whether the gates of p - 1 and p opened
   for (int64_t p = begin; p <= end; p++) {
     const uint8_t *lead_row = rec(p + 2), *pr = rec(p - 1);
     const bool next = opened(p + 1);  // (its dots computed in the pass before)
-    if (n == DOWNS && aq == DOWNS) {  // the next group starts (see range_fmt)
-      std::copy(downs, downs + DOWNS, adowns);
-      for (int k = 0; k < DOWNS; k++) std::copy(h[k], h[k] + B, ah[k]);
-      n = 0, aq = 0;
+    Ahead ahead{{rec(p + 3), up(p, now)}};
+    ahead.far[0] = rec(p + 4), ahead.far[1] = up(p + 1, next);
+    stages<FMT>(lead_row != nullptr, before, a, lead_row, before ? pr + rb : nullptr, ahead, dots(p + 2), u);
+    if (p > begin) {
+      if (before)
+        emit(p - 1, dots(p - 1), u);
+      else
+        std::fill(hout + (p - 1) * B, hout + p * B, 0.0f);
     }
-    const int dn = aq < DOWNS ? DOWNS : 0;
-    Ahead ahead{{rec(p + 3), up(p, now)}, down(p, now)};
-    ahead.far[0] = rec(p + 4), ahead.far[1] = up(p + 1, next), ahead.far_down = down(p + 1, next);
-    stages<FMT, DFMT>(lead_row != nullptr, before, dn, a, lead_row, before ? pr + rb : nullptr, adowns, ah,
-                      ahead, dots(p + 2), u, out, Span{aq * qs, std::min(nb, (aq + 1) * qs)});
-    if (dn) aq++;
-    if (before && activations(a, p - 1, dots(p - 1), u, h[n])) downs[n++] = pr + 2 * rb;
     before = now, now = next;
   }
-  if (aq < DOWNS)  // the rest of the group being added
-    stages<FMT, DFMT>(false, false, DOWNS, a, nullptr, nullptr, adowns, ah, Ahead{}, nullptr, nullptr, out,
-                      Span{aq * qs, nb});
-  for (int k = 0; k < n; k++)
-    stages<FMT, DFMT>(false, false, 1, a, nullptr, nullptr, downs + k, h + k, Ahead{}, nullptr, nullptr, out);
+  return nf;
+}
+
+// DownsFn: the fired neurons' down rows DOWNS at a time (one load and store of out's block for
+// the group, added in the group's order: the same sums as one at a time), each group's pass over
+// the blocks asking for the next group's lines and, into L2, the group's after that.
+template <int FMT, int DFMT>
+void downs_fmt(const FFNArgs& a, const int64_t* fired, int64_t nf, const float* hin, int64_t blo, int64_t bhi,
+               float* out) {
+  const int64_t B = a.B, dim = a.dim;
+  const int64_t skip = (gated_act(a.act) ? 2 : 1) * row_bytes(FMT, dim);  // the lead rows before the down row
+  constexpr int64_t db = block_bytes<DFMT>();
+  for (int64_t r = 0; r < B; r++) std::fill(out + r * dim + 32 * blo, out + r * dim + 32 * bhi, 0.0f);
+  auto row = [&](int64_t i) -> const uint8_t* {
+    return i < nf ? a.w + a.sel[fired[i]] * a.neuron_bytes + skip : nullptr;
+  };
+  for (int64_t i = 0; i < nf; i += DOWNS) {
+    const int dn = (int)std::min<int64_t>(DOWNS, nf - i);
+    const uint8_t *rows[DOWNS], *near[DOWNS], *far[DOWNS];
+    float h[DOWNS][MAXB];
+    for (int k = 0; k < DOWNS; k++) {
+      rows[k] = k < dn ? row(i + k) : nullptr;
+      near[k] = row(i + DOWNS + k), far[k] = row(i + 2 * DOWNS + k);
+      if (k < dn) std::copy(hin + fired[i + k] * B, hin + fired[i + k] * B + B, h[k]);
+    }
+    for (int64_t b = blo; b < bhi; b++) {
+      const int64_t at = b * db;  // the lines that start in the block (and the first block's first)
+      for (int64_t o = b == blo ? at / 64 * 64 : (at + 63) / 64 * 64; o < at + db; o += 64)
+        for (int k = 0; k < DOWNS; k++) {
+          if (near[k]) prefetch_line(near[k] + o);
+          if (far[k]) prefetch_l2(far[k] + o);
+        }
+      if (dn == DOWNS)
+        axpy_block<DFMT, DOWNS>(rows, b, h, B, dim, out);
+      else
+        for (int k = 0; k < dn; k++) axpy_block<DFMT, 1>(rows + k, b, h + k, B, dim, out);
+    }
+  }
 }
 
 // y[r, i] for rows [begin, end): each row's dot products in one pass, the row after next
@@ -1227,7 +1186,7 @@ inline void gemv_fmt(const uint8_t* w, const FFNArgs& a, int64_t n, int64_t begi
   float d[MAXB];
   for (int64_t i = begin; i < end; i++) {
     const uint8_t* pf = i + 2 < end ? w + (i + 2) * rb : nullptr;
-    stages<FMT, FMT>(true, false, 0, a, w + i * rb, nullptr, nullptr, nullptr, Ahead{{pf}}, d, nullptr, nullptr);
+    stages<FMT>(true, false, a, w + i * rb, nullptr, Ahead{{pf}}, d, nullptr);
     for (int64_t r = 0; r < a.B; r++) y[r * n + i] = d[r];
   }
 }
@@ -1884,8 +1843,19 @@ POWERINFER_X16(q5x16, Q5X16)
 POWERINFER_X16(q8x16, Q8X16)
 #undef POWERINFER_X16
 
-inline void range(const FFNArgs& a, int64_t begin, int64_t end, float* out) {
-  with_format(record_format(a.fmt), [&](auto f) { range_fmt<decltype(f)::value>(a, begin, end, out); });
+inline int64_t acts(const FFNArgs& a, int64_t begin, int64_t end, float* h, int64_t* fired) {
+  int64_t n = 0;
+  with_format(record_format(a.fmt), [&](auto f) {
+    n = acts_fmt<decltype(f)::value>(a, begin, end, h, fired);
+  });
+  return n;
+}
+inline void downs(const FFNArgs& a, const int64_t* fired, int64_t nf, const float* h, int64_t blo, int64_t bhi,
+                  float* out) {
+  with_format(record_format(a.fmt), [&](auto f) {
+    constexpr int F = decltype(f)::value;
+    downs_fmt<F, down_format(F)>(a, fired, nf, h, blo, bhi, out);
+  });
 }
 
 #include "attention.h"

@@ -190,10 +190,11 @@ static void check_records(const at::Tensor& w, int64_t act, int64_t fmt, int64_t
 }
 
 // Floats left between one thread's sums and the next thread's (past the first's end, rounded
-// to a line). With the two threads' sums side by side (a 7B layer's: 16 KiB each) the records
-// kernel took up to 1.18x the time it takes with them 2 KiB or more apart, 1.00-1.09x in other
-// processes (a 2-core Zen 5 VM, benchmarks/kernel.py, switched per call in one process): each
-// core's prefetchers likely take lines of the other's sums as it writes them.
+// to a line; records_rows' parts). When the decode step also summed per thread, with the two
+// threads' sums side by side (a 7B layer's: 16 KiB each) it took up to 1.18x the time it took
+// with them 2 KiB or more apart, 1.00-1.09x in other processes (a 2-core Zen 5 VM,
+// benchmarks/kernel.py, switched per call in one process): each core's prefetchers likely take
+// lines of the other's sums as it writes them.
 constexpr int64_t PART_GAP = 1024;
 
 // Parts `parts` of n floats each (part t at pp + t * stride) added into the first, in their
@@ -256,50 +257,57 @@ static at::Tensor neuron_ffn(const at::Tensor& x, const at::Tensor& w, const at:
   }
   Input in;
   prepare_input(fmt, x, a, in, true);
-  // The records split into parts at fixed places of their order, [n t / P, n (t+1) / P) for P
-  // the thread count, each part's sums in its own rows (zeroed by the thread that writes them,
-  // and only parts with neurons written), then added in the parts' order: a row's answer is its
-  // own neurons summed in one order whatever the other rows of its batch select, so a sequence
-  // decodes the same tokens alone or batched. A split of the selection by its count moved with
-  // the batch's union, and with it which neurons each partial sum held (a float's last bits).
-  // With indices not in ascending order the selection is split by count (a mask's are).
-  const int64_t nt = at::get_num_threads();
-  const int64_t* sp = a.sel;
-  bool ascending = true;
-  for (int64_t i = 1; i < m && ascending && !by_mask; i++) ascending = sp[i - 1] < sp[i];
-  std::vector<int64_t> cut(nt + 1, m);
-  cut[0] = 0;
-  for (int64_t t = 1; t < nt; t++)
-    cut[t] = ascending ? std::lower_bound(sp, sp + m, n * t / nt) - sp : m * t / nt;
-  const int64_t stride = (B * dim + 15) / 16 * 16 + PART_GAP;
-  at::Tensor part = at::empty({nt, stride}, x.options().dtype(at::kFloat));
-  float* pp = part.data_ptr<float>();
-  // a few neurons take one thread, which computes every part (2 us a one-neuron call saved)
-  at::parallel_for(0, nt, m <= 8 ? nt : 1, [&](int64_t t0, int64_t t1) {
-    for (int64_t t = t0; t < t1; t++) {
-      if (cut[t] == cut[t + 1]) continue;
-      float* o = pp + t * stride;
-      std::fill(o, o + B * dim, 0.0f);
-      k.range(a, cut[t], cut[t + 1], o);
+  // Two phases, split between threads differently. First the neurons' activations, the
+  // selection split by count (a neuron's activations are the same floats whichever thread
+  // computes them); then the down rows of those that fired, split by columns: each thread adds
+  // every fired neuron's down row over its own columns, in the selection's order. A row's
+  // answer is its own neurons summed in one order whatever the thread count or the other rows
+  // of its batch (a neuron no row of it fires adds nothing), and no thread's sums are added to
+  // another's. Before, each thread summed its own neurons into its own copy of out, which one
+  // thread then added: on a 2-core Xeon that addition alone was 3.1-3.5 us of a step (the other
+  // core's 16 KiB read across), and the split by the neurons' places left the threads uneven
+  // (at 1% of a 7B layer's 11,008 neurons, typically 59 records on one thread and 51 on the
+  // other). The answer no longer depends on the thread count.
+  at::Tensor y = at::empty({B, dim}, x.options().dtype(at::kFloat));
+  float* yp = y.data_ptr<float>();
+  const int64_t nt = m <= 8 ? 1 : std::max<int64_t>(1, at::get_num_threads());
+  const int64_t nb = dim / 32, parts = std::min(nt, nb);
+  std::unique_ptr<float[]> h(new float[std::max<int64_t>(1, m * B)]);  // (acts writes every value)
+  std::vector<int64_t> fired(std::max<int64_t>(1, m)), count(nt);
+  std::atomic<int64_t> next_acts{0}, next_downs{0}, done{0}, nf{-1};
+  auto work = [&]() {
+    for (int64_t c; (c = next_acts.fetch_add(1)) < nt;) {
+      count[c] = k.acts(a, m * c / nt, m * (c + 1) / nt, h.get(), fired.data() + m * c / nt);
+      if (done.fetch_add(1, std::memory_order_acq_rel) == nt - 1) {  // the last: the lists joined
+        int64_t n = 0;
+        for (int64_t t = 0; t < nt; t++)
+          for (int64_t i = 0; i < count[t]; i++) fired[n++] = fired[m * t / nt + i];
+        nf.store(n, std::memory_order_release);
+      }
     }
-  });
-  std::vector<int64_t> wrote;
-  for (int64_t t = 0; t < nt; t++)
-    if (cut[t] < cut[t + 1]) wrote.push_back(t);
-  add_parts(pp, stride, wrote, B * dim);
-  // (one view of the first written part's rows: selected, narrowed and viewed, three
-  // operators through the dispatcher, a one-neuron step took 5.6 against 4.8 us from Python)
-  at::Tensor y = wrote.empty() ? at::zeros({B, dim}, part.options())
-                              : part.as_strided({B, dim}, {dim, 1}, wrote[0] * stride);
+    // (only parts already taken are left: each is being computed by a running thread)
+    for (int spins = 0; nf.load(std::memory_order_acquire) < 0; spins++)
+      if (spins < 4096)
+        _mm_pause();
+      else
+        sched_yield();
+    const int64_t n = nf.load(std::memory_order_acquire);
+    for (int64_t c; (c = next_downs.fetch_add(1)) < parts;)
+      k.downs(a, fired.data(), n, h.get(), nb * c / parts, nb * (c + 1) / parts, yp);
+  };
+  if (nt == 1)
+    work();
+  else
+    at::parallel_for(0, nt, 1, [&](int64_t, int64_t) { work(); });
   return x.scalar_type() == at::kFloat ? y : y.to(x.scalar_type());
 }
 
 // x (T, dim) f32 or bf16; w (k, neuron_bytes) uint8 records; bias (k,) f32 or None -> (T, dim) in
 // x's type: every record for every row, as a prompt step computes a neuron set (records_rows.h),
-// summed in float and rounded once. As neuron_ffn's, the records split into parts at fixed places,
+// summed in float and rounded once. The records split into parts at fixed places,
 // [k t / P, k (t+1) / P) for P the thread count, each part's sums in its own rows, added in the
-// parts' order; the rows run 256 at a time. A row's answer is then the same floats
-// whatever rows share the call and wherever it sits among them.
+// parts' order (over many rows, a small part of the call); the rows run 256 at a time. A row's
+// answer is then the same floats whatever rows share the call and wherever it sits among them.
 static at::Tensor records_rows(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias,
                                double threshold, int64_t act, int64_t fmt) {
   const Kernels& k = active();

@@ -2,8 +2,8 @@
 // Included in the kernel body (neuron_ffn.h), compiled per instruction set.
 //
 // A prompt step computes every neuron of a set for many rows: a matrix product, where the decode
-// kernel (`range`) is a walk over the records that unpacks each record's weights again for every
-// four rows and adds its down row a row at a time. Here a block of RR_BLOCK records is widened
+// kernel (`acts`, `downs`) is a walk over the records that unpacks each record's weights again for
+// every four rows and adds its down row a row at a time. Here a block of RR_BLOCK records is widened
 // once into a scratch of rows (gate and up in the dot products' type, down in float32), and then:
 // - the gate and up dot products of every row with every record of the block, tiles of RT rows
 //   by JT records, each tile's sums in registers along the whole input (bf16 pairs in one
