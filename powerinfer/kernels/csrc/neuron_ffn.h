@@ -1092,10 +1092,10 @@ int64_t acts_fmt(const FFNArgs& a, int64_t begin, int64_t end, float* hout, int6
   auto lead_only = [&](int64_t jj, const Ahead& pf) {
     stages<FMT>(true, false, a, rec(jj), nullptr, pf, dots(jj), nullptr);
   };
+  Ahead first{{rec(begin + 1)}};  // the first pass: the lead row of begin
+  first.far[0] = rec(begin + 2);
+  lead_only(begin, first);
   if (!gated_act(a.act)) {
-    Ahead first{{rec(begin + 1)}};
-    first.far[0] = rec(begin + 2);
-    lead_only(begin, first);
     for (int64_t p = begin; p < end; p++) {
       if (rec(p + 1)) {
         Ahead ahead{{rec(p + 2)}};
@@ -1113,9 +1113,6 @@ int64_t acts_fmt(const FFNArgs& a, int64_t begin, int64_t end, float* hout, int6
     return false;
   };
   auto up = [&](int64_t jj, bool open) { return open ? rec(jj) + rb : nullptr; };
-  Ahead first{{rec(begin + 1)}};
-  first.far[0] = rec(begin + 2);
-  lead_only(begin, first);
   const bool open0 = opened(begin);
   if (rec(begin + 1)) {
     Ahead second{{rec(begin + 2)}};

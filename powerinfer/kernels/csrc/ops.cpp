@@ -286,12 +286,12 @@ static at::Tensor neuron_ffn(const at::Tensor& x, const at::Tensor& w, const at:
       }
     }
     // (only parts already taken are left: each is being computed by a running thread)
-    for (int spins = 0; nf.load(std::memory_order_acquire) < 0; spins++)
+    int64_t n;
+    for (int spins = 0; (n = nf.load(std::memory_order_acquire)) < 0; spins++)
       if (spins < 4096)
         _mm_pause();
       else
         sched_yield();
-    const int64_t n = nf.load(std::memory_order_acquire);
     for (int64_t c; (c = next_downs.fetch_add(1)) < parts;)
       k.downs(a, fired.data(), n, h.get(), nb * c / parts, nb * (c + 1) / parts, yp);
   };
