@@ -939,81 +939,82 @@ PREFETCHES void prefetch_line(const uint8_t* p) {
 // again at `prefetch_level` the pass before it is read (`acts_fmt`).
 PREFETCHES void prefetch_l2(const uint8_t* p) { _mm_prefetch((const char*)p, _MM_HINT_T1); }
 
-// Rows that a pass brings into the caches while it reads others (null: none): up to two rows,
+// Rows that a pass brings into the caches while it reads others (null: none): up to four rows,
 // and with split 4-bit rows as many into L2 alone (`far`: for the pass after next).
+constexpr int AHEAD = 4;
 struct Ahead {
-  const uint8_t* rows[2] = {nullptr, nullptr};
-  const uint8_t* far[2] = {nullptr, nullptr};
+  const uint8_t* rows[AHEAD] = {};
+  const uint8_t* far[AHEAD] = {};
 };
 
-// One pass over the blocks of rows of different neurons, side by side: the lead row's dot
-// products (G: the gate row, or the up row of a plain ReLU FFN) and the up row's (U), for input
-// rows r0..r0+R-1; the rows of `pf` brought into the caches over the same pass. Reading streams
-// side by side and prefetching the next rows keeps a core's memory requests in flight across the
-// short rows of different neurons, where one stream at a time left the prefetchers starting over
-// at every row (a third of the read rate measured).
-template <int FMT, int R, bool G, bool U>
-void stage(const FFNArgs& a, int64_t r0, const uint8_t* lead, const uint8_t* upr, const Ahead& pf, float* gout,
-           float* uout) {
-  Dots<FMT, R> g, u;
-  if constexpr (G) g.zero();
-  if constexpr (U) u.zero();
+// One pass over the blocks of N rows of different neurons, side by side: each row's dot
+// products (a gate row, an up row, or the up row of a plain ReLU FFN) with input rows
+// r0..r0+R-1 into outs[i] + r0; the rows of `pf` brought into the caches over the same pass.
+// Reading streams side by side and prefetching the next rows keeps a core's memory requests in
+// flight across the short rows of different neurons, where one stream at a time left the
+// prefetchers starting over at every row (a third of the read rate measured).
+template <int FMT, int R, int N>
+void stage(const FFNArgs& a, int64_t r0, const uint8_t* const* rows, const Ahead& pf, float* const* outs) {
+  Dots<FMT, R> d[N];
+  for (int i = 0; i < N; i++) d[i].zero();
   constexpr int64_t bb = block_bytes<FMT>();
   const int64_t nb = a.dim / 32;
-  auto body = [&](auto parity, int64_t blk) {
-    constexpr int P = decltype(parity)::value;
-    if ((blk * bb) % 64 < bb)
-      for (const uint8_t* p : pf.rows)
-        if (p) prefetch_line(p + blk * bb);
-    if constexpr (G) g.template add<P>(lead, blk, a, r0);
-    if constexpr (U) u.template add<P>(upr, blk, a, r0);
-  };
   int64_t blk = 0;
   if constexpr (split4(FMT)) {
     // 16 blocks a turn: the dot products' chunks, and the lines of the rows to prefetch that the
     // turn's blocks span
+    const bool l2 = prefetch_level.load(std::memory_order_relaxed) == PF_L2;
     for (; blk < nb; blk += 16) {
       const int n = (int)std::min<int64_t>(16, nb - blk);
+      const int64_t o0 = blk * bb / 64 * 64, o1 = (blk + n) * bb;
       for (const uint8_t* p : pf.rows)
-        if (p)
-          for (int64_t o = blk * bb / 64 * 64; o < (blk + n) * bb; o += 64) prefetch_line(p + o);
+        if (p) {
+          if (l2)
+            for (int64_t o = o0; o < o1; o += 64) _mm_prefetch((const char*)(p + o), _MM_HINT_T1);
+          else
+            for (int64_t o = o0; o < o1; o += 64) _mm_prefetch((const char*)(p + o), _MM_HINT_T0);
+        }
       for (const uint8_t* p : pf.far)
         if (p)
-          for (int64_t o = blk * bb / 64 * 64; o < (blk + n) * bb; o += 64) prefetch_l2(p + o);
-      auto dots = [&](auto full) {
-        constexpr bool F = decltype(full)::value;
-        if constexpr (G) g.template chunk<F>(lead, blk, n, a, r0);
-        if constexpr (U) u.template chunk<F>(upr, blk, n, a, r0);
-      };
-      with_bool(n == 16, dots);
+          for (int64_t o = o0; o < o1; o += 64) prefetch_l2(p + o);
+      with_bool(n == 16, [&](auto full) {
+        for (int i = 0; i < N; i++) d[i].template chunk<decltype(full)::value>(rows[i], blk, n, a, r0);
+      });
     }
   } else {
+    auto body = [&](auto parity, int64_t blk) {
+      constexpr int P = decltype(parity)::value;
+      if ((blk * bb) % 64 < bb)
+        for (const uint8_t* p : pf.rows)
+          if (p) prefetch_line(p + blk * bb);
+      for (int i = 0; i < N; i++) d[i].template add<P>(rows[i], blk, a, r0);
+    };
     for (; blk + 1 < nb; blk += 2) {
       body(std::integral_constant<int, 0>{}, blk);
       body(std::integral_constant<int, 1>{}, blk + 1);
     }
     if (blk < nb) body(std::integral_constant<int, 0>{}, blk);
   }
-  if constexpr (G) g.sum(gout + r0);
-  if constexpr (U) u.sum(uout + r0);
+  for (int i = 0; i < N; i++) d[i].sum(outs[i] + r0);
 }
 
-// stage() for every input row, R of them at a time (the first group prefetches); G and U chosen
-// at run time.
+// stage() for every input row, R of them at a time (the first group prefetches), over the n
+// (1 to 4) rows given.
 template <int FMT>
-void stages(bool G, bool U, const FFNArgs& a, const uint8_t* lead, const uint8_t* upr, const Ahead& pf,
-            float* gout, float* uout) {
+void stages(int n, const FFNArgs& a, const uint8_t* const* rows, const Ahead& pf, float* const* outs) {
   const Ahead none;
   for (int64_t r0 = 0; r0 < a.B;) {
     const int64_t left = a.B - r0;
     const int R = left >= 4 ? 4 : left >= 2 ? 2 : 1;
-    auto go = [&](auto r, auto g, auto u) {
-      constexpr int RR = decltype(r)::value;
-      constexpr bool GG = decltype(g)::value, UU = decltype(u)::value;
-      if constexpr (GG || UU) stage<FMT, RR, GG, UU>(a, r0, lead, upr, r0 == 0 ? pf : none, gout, uout);
-    };
     auto with_rows = [&](auto r) {
-      with_bool(G, [&](auto g) { with_bool(U, [&](auto u) { go(r, g, u); }); });
+      constexpr int RR = decltype(r)::value;
+      const Ahead& p = r0 == 0 ? pf : none;
+      switch (n) {
+        case 1: stage<FMT, RR, 1>(a, r0, rows, p, outs); break;
+        case 2: stage<FMT, RR, 2>(a, r0, rows, p, outs); break;
+        case 3: stage<FMT, RR, 3>(a, r0, rows, p, outs); break;
+        case 4: stage<FMT, RR, 4>(a, r0, rows, p, outs); break;
+      }
     };
     if (R == 4)
       with_rows(std::integral_constant<int, 4>{});
@@ -1078,61 +1079,97 @@ inline bool activations(const FFNArgs& a, int64_t jj, const float* g, const floa
 // twice, 4-9% less time (a Zen 5 EPYC, 2 threads, BENCHMARKS.md "The records kernel on two
 // threads over processes"); no software prefetch at all took 1.7x as long (a Xeon with AMX, 1%
 // active). A plain FFN's pass computes the up row of p+1 and asks for those of p+2 and p+3.
-template <int FMT>
+// P neurons take the place of one (groups of P in the selection's order): with P = 2 a pass
+// reads four rows side by side, which one input row uses (its step at 1-5% active 1.02-1.04x
+// from memory, 2 threads of a Xeon with AMX, `benchmarks/kernel.py --reads` in turns; three or
+// four neurons a pass, tried, were no faster). A batch's rows keep P = 1. The neurons' dot
+// products are the same floats whatever P.
+template <int FMT, int P>
 int64_t acts_fmt(const FFNArgs& a, int64_t begin, int64_t end, float* hout, int64_t* fired) {
   if (begin >= end) return 0;
   const int64_t rb = row_bytes(FMT, a.dim), B = a.B;
+  // group t: neurons begin + P t .. begin + P t + P - 1 (those before end); a pass reads the
+  // rows of P neurons where the comment above says one
+  const int64_t ng = (end - begin + P - 1) / P;
   auto rec = [&](int64_t jj) { return jj >= begin && jj < end ? a.w + a.sel[jj] * a.neuron_bytes : nullptr; };
-  float lead[4][MAXB], u[MAXB];
-  auto dots = [&](int64_t jj) { return lead[(jj - begin) % 4]; };  // the lead rows' dot products of jj
+  auto first = [&](int64_t t) { return begin + P * t; };  // group t's first neuron
+  float lead[4][P][MAXB], u[P][MAXB];
+  auto dots = [&](int64_t jj) {  // the lead rows' dot products of jj (four groups kept)
+    return lead[((jj - begin) / P) % 4][(jj - begin) % P];
+  };
   int64_t nf = 0;
   auto emit = [&](int64_t jj, const float* g, const float* uu) {
     if (activations(a, jj, g, uu, hout + jj * B)) fired[nf++] = jj;
   };
-  auto lead_only = [&](int64_t jj, const Ahead& pf) {
-    stages<FMT>(true, false, a, rec(jj), nullptr, pf, dots(jj), nullptr);
+  // a pass: the rows of `rows` (n of them) into `outs`, asking for `pf`'s
+  const uint8_t* rows[2 * P];
+  float* outs[2 * P];
+  int n = 0;
+  auto lead_rows = [&](int64_t t) {  // group t's lead rows, added to the pass
+    for (int64_t jj = first(t); jj < first(t) + P; jj++)
+      if (rec(jj)) rows[n] = rec(jj), outs[n++] = dots(jj);
   };
-  Ahead first{{rec(begin + 1)}};  // the first pass: the lead row of begin
-  first.far[0] = rec(begin + 2);
-  lead_only(begin, first);
+  auto ask = [&](const uint8_t** to, int64_t t, const bool* open) {  // group t's lead rows or (open) up rows
+    for (int k = 0; k < P; k++) {
+      const uint8_t* r = rec(first(t) + k);
+      to[k] = !r ? nullptr : !open ? r : open[k] ? r + rb : nullptr;
+    }
+  };
+  auto pass = [&](const Ahead& pf) {
+    if (n) stages<FMT>(n, a, rows, pf, outs);
+    n = 0;
+  };
+  {  // the first pass: the lead rows of group 0
+    Ahead pf;
+    ask(pf.rows, 1, nullptr), ask(pf.far, 2, nullptr);
+    lead_rows(0);
+    pass(pf);
+  }
   if (!gated_act(a.act)) {
-    for (int64_t p = begin; p < end; p++) {
-      if (rec(p + 1)) {
-        Ahead ahead{{rec(p + 2)}};
-        ahead.far[0] = rec(p + 3);
-        lead_only(p + 1, ahead);
-      }
-      emit(p, nullptr, dots(p));
+    for (int64_t t = 0; t < ng; t++) {
+      Ahead pf;
+      ask(pf.rows, t + 2, nullptr), ask(pf.far, t + 3, nullptr);
+      lead_rows(t + 1);
+      pass(pf);
+      for (int64_t jj = first(t); jj < std::min(first(t) + P, end); jj++) emit(jj, nullptr, dots(jj));
     }
     return nf;
   }
-  auto opened = [&](int64_t jj) {  // whether jj's gate lets it fire in some row (its dots computed)
-    if (!rec(jj)) return false;
-    for (int64_t i = 0; i < B; i++)
-      if (kept(a, i, jj) && gate_open(a.act, dots(jj)[i], a.threshold)) return true;
-    return false;
-  };
-  auto up = [&](int64_t jj, bool open) { return open ? rec(jj) + rb : nullptr; };
-  const bool open0 = opened(begin);
-  if (rec(begin + 1)) {
-    Ahead second{{rec(begin + 2)}};
-    second.far[0] = rec(begin + 3), second.far[1] = up(begin, open0);
-    lead_only(begin + 1, second);
-  }
-  bool before = false, now = open0;  // whether the gates of p - 1 and p opened
-  for (int64_t p = begin; p <= end; p++) {
-    const uint8_t *lead_row = rec(p + 2), *pr = rec(p - 1);
-    const bool next = opened(p + 1);  // (its dots computed in the pass before)
-    Ahead ahead{{rec(p + 3), up(p, now)}};
-    ahead.far[0] = rec(p + 4), ahead.far[1] = up(p + 1, next);
-    stages<FMT>(lead_row != nullptr, before, a, lead_row, before ? pr + rb : nullptr, ahead, dots(p + 2), u);
-    if (p > begin) {
-      if (before)
-        emit(p - 1, dots(p - 1), u);
-      else
-        std::fill(hout + (p - 1) * B, hout + p * B, 0.0f);
+  auto opened = [&](int64_t t, bool* open) {  // whether group t's gates let each fire in some row (dots computed)
+    for (int k = 0; k < P; k++) {
+      const int64_t jj = first(t) + k;
+      open[k] = false;
+      if (rec(jj))
+        for (int64_t i = 0; i < B && !open[k]; i++)
+          open[k] = kept(a, i, jj) && gate_open(a.act, dots(jj)[i], a.threshold);
     }
-    before = now, now = next;
+  };
+  bool before[P] = {}, now[P], next[P];  // whether the gates of groups t - 1, t and t + 1 opened
+  opened(0, now);
+  {  // the second pass: the lead rows of group 1
+    Ahead pf;
+    ask(pf.rows, 2, nullptr), ask(pf.far, 3, nullptr), ask(pf.far + P, 0, now);
+    lead_rows(1);
+    pass(pf);
+  }
+  for (int64_t t = 0; t <= ng; t++) {
+    opened(t + 1, next);  // (its dots computed in the pass before)
+    Ahead pf;
+    ask(pf.rows, t + 3, nullptr), ask(pf.rows + P, t, now);
+    ask(pf.far, t + 4, nullptr), ask(pf.far + P, t + 1, next);
+    lead_rows(t + 2);
+    for (int k = 0; k < P; k++)
+      if (before[k]) rows[n] = rec(first(t - 1) + k) + rb, outs[n++] = u[k];
+    pass(pf);
+    if (t > 0)
+      for (int k = 0; k < P && first(t - 1) + k < end; k++) {
+        const int64_t jj = first(t - 1) + k;
+        if (before[k])
+          emit(jj, dots(jj), u[k]);
+        else
+          std::fill(hout + jj * B, hout + (jj + 1) * B, 0.0f);
+      }
+    std::copy(now, now + P, before), std::copy(next, next + P, now);
   }
   return nf;
 }
@@ -1186,7 +1223,9 @@ inline void gemv_fmt(const uint8_t* w, const FFNArgs& a, int64_t n, int64_t begi
   float d[MAXB];
   for (int64_t i = begin; i < end; i++) {
     const uint8_t* pf = i + 2 < end ? w + (i + 2) * rb : nullptr;
-    stages<FMT>(true, false, a, w + i * rb, nullptr, Ahead{{pf}}, d, nullptr);
+    const uint8_t* row = w + i * rb;
+    float* out = d;
+    stages<FMT>(1, a, &row, Ahead{{pf}}, &out);
     for (int64_t r = 0; r < a.B; r++) y[r * n + i] = d[r];
   }
 }
@@ -1846,7 +1885,9 @@ POWERINFER_X16(q8x16, Q8X16)
 inline int64_t acts(const FFNArgs& a, int64_t begin, int64_t end, float* h, int64_t* fired) {
   int64_t n = 0;
   with_format(record_format(a.fmt), [&](auto f) {
-    n = acts_fmt<decltype(f)::value>(a, begin, end, h, fired);
+    constexpr int F = decltype(f)::value;
+    // one input row: two neurons a pass (four rows side by side); else one
+    n = a.B == 1 ? acts_fmt<F, 2>(a, begin, end, h, fired) : acts_fmt<F, 1>(a, begin, end, h, fired);
   });
   return n;
 }
