@@ -1080,10 +1080,10 @@ inline bool activations(const FFNArgs& a, int64_t jj, const float* g, const floa
 // threads over processes"); no software prefetch at all took 1.7x as long (a Xeon with AMX, 1%
 // active). A plain FFN's pass computes the up row of p+1 and asks for those of p+2 and p+3.
 // P neurons take the place of one (groups of P in the selection's order): with P = 2 a pass
-// reads four rows side by side, which one input row uses (its step at 1-5% active 1.02-1.04x
-// from memory, 2 threads of a Xeon with AMX, `benchmarks/kernel.py --reads` in turns; three or
-// four neurons a pass, tried, were no faster). A batch's rows keep P = 1. The neurons' dot
-// products are the same floats whatever P.
+// reads four rows side by side, which one input row uses (its step at 1-15% active 1.02-1.03x
+// from memory, 2 threads of a Xeon with AMX, `benchmarks/kernel.py --reads` in turns, a tie held
+// to AVX2; three or four neurons a pass, tried, were no faster). A batch's rows keep P = 1 (P = 2
+// was within the spread for 4 rows). The neurons' dot products are the same floats whatever P.
 template <int FMT, int P>
 int64_t acts_fmt(const FFNArgs& a, int64_t begin, int64_t end, float* hout, int64_t* fired) {
   if (begin >= end) return 0;
