@@ -963,17 +963,12 @@ void stage(const FFNArgs& a, int64_t r0, const uint8_t* const* rows, const Ahead
   if constexpr (split4(FMT)) {
     // 16 blocks a turn: the dot products' chunks, and the lines of the rows to prefetch that the
     // turn's blocks span
-    const bool l2 = prefetch_level.load(std::memory_order_relaxed) == PF_L2;
     for (; blk < nb; blk += 16) {
       const int n = (int)std::min<int64_t>(16, nb - blk);
       const int64_t o0 = blk * bb / 64 * 64, o1 = (blk + n) * bb;
       for (const uint8_t* p : pf.rows)
-        if (p) {
-          if (l2)
-            for (int64_t o = o0; o < o1; o += 64) _mm_prefetch((const char*)(p + o), _MM_HINT_T1);
-          else
-            for (int64_t o = o0; o < o1; o += 64) _mm_prefetch((const char*)(p + o), _MM_HINT_T0);
-        }
+        if (p)
+          for (int64_t o = o0; o < o1; o += 64) prefetch_line(p + o);
       for (const uint8_t* p : pf.far)
         if (p)
           for (int64_t o = o0; o < o1; o += 64) prefetch_l2(p + o);
