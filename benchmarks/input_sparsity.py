@@ -5,7 +5,8 @@
     .venv/bin/python benchmarks/input_sparsity.py [--models smollm2-135m-instruct gemma3-270m]
         [--sparsity 0.25 0.4 0.5] [--calib-tokens 8192] [--tokens 8192] [--window 256]
         [--greedy-tokens 32] [--allocations uniform greedy] [--greedy-calib-tokens 1024]
-        [--variants "attention + gate/up" "+ down"] [--out FILE] [--plot FILE]
+        [--variants "attention + gate/up" "+ down"] [--criteria magnitude weighted]
+        [--out FILE] [--plot FILE]
 
 Per model (float32, dense, every setting else the file's): thresholds calibrated on the Lee
 corpus's calibration part (`--calib-tokens`), one per projection input and layer at each target:
@@ -18,6 +19,9 @@ model-wide sparsity (the projections' weights not read). Two variants a target:
 - `attention + gate/up`: q/k/v, the output projection, and the FFN's gate/up inputs;
 - `+ down`: the FFN's down input too (its neuron activations: the FFN's neuron sparsity, by
   magnitude, an oracle of a predictor's).
+Two criteria (`--criteria`, uniform allocation): `magnitude` (TEAL's: an entry zeroed where |x|
+is at most its threshold) and `weighted` (WINA's: |x| times the norm of the weights its channel
+multiplies, calibrated the same way: `column_norms`).
 And greedy agreement with dense decoding over a fixed set of prompts (each prompt dense, then
 `--greedy-tokens` decode steps with sparse inputs): the tokens before the first difference, and
 the share of continuations equal throughout. A plot of the curves.
@@ -35,8 +39,9 @@ import torch
 
 from powerinfer.model.load import load_model
 from powerinfer.sparsity.corpus import load_corpus, token_windows
-from powerinfer.sparsity.input_sparsity import (PARTS, calibrate, greedy, greedy_allocation,
-                                                held_out_quality, sample_magnitudes)
+from powerinfer.sparsity.input_sparsity import (PARTS, calibrate, column_norms, greedy,
+                                                greedy_allocation, held_out_quality,
+                                                sample_magnitudes)
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village,",
            "The three laws of thermodynamics are", "To make a cup of tea, first",
@@ -51,7 +56,9 @@ def run_model(name: str, args) -> dict:
     calib = token_windows(tok, load_corpus("lee", "calibration"), args.window, args.calib_tokens)
     held = token_windows(tok, load_corpus("lee", "held_out"), args.window, args.tokens)
     hists = sample_magnitudes(model, calib)
-    variants, meta = {}, {"dense": ("dense", 0.0, ())}
+    norms = column_norms(model) if "weighted" in args.criteria else None
+    weighted = sample_magnitudes(model, calib, scales=norms) if norms else None
+    variants, meta, scales = {}, {"dense": ("dense", 0.0, ())}, {}
     chosen = {k: v for k, v in VARIANTS.items() if k in args.variants}
     allocated = {}
     if "greedy" in args.allocations:  # one greedy path per set of inputs, every target on it
@@ -64,12 +71,20 @@ def run_model(name: str, args) -> dict:
     for target in args.sparsity:
         for label, parts in chosen.items():
             for alloc in args.allocations:
+                if "magnitude" not in args.criteria:
+                    continue
                 full = label if alloc == "uniform" else f"greedy: {label}"
                 vname = f"{full} @ {target:.0%}"
                 variants[vname] = (calibrate(hists, target, parts) if alloc == "uniform"
                                    else allocated[label][target])
                 meta[vname] = (full, target, parts)
-    quality = held_out_quality(model, held, variants)
+            if weighted:  # (uniform allocation)
+                full = f"weighted: {label}"
+                vname = f"{full} @ {target:.0%}"
+                variants[vname] = calibrate(weighted, target, parts)
+                scales[vname] = norms
+                meta[vname] = (full, target, parts)
+    quality = held_out_quality(model, held, variants, scales=scales)
     prompts = [tok.encode(p, parse_special=False) for p in PROMPTS]
     want = [greedy(model, p, args.greedy_tokens) for p in prompts]
     rows = []
@@ -78,7 +93,8 @@ def run_model(name: str, args) -> dict:
         th = variants.get(vname)
         agree = []
         for p, w in zip(prompts, want):
-            got = w if th is None else greedy(model, p, args.greedy_tokens, th)
+            got = w if th is None else greedy(model, p, args.greedy_tokens, th,
+                                              scales.get(vname))
             agree.append(next((i for i, (a, b) in enumerate(zip(got, w)) if a != b), len(w)))
         rows.append({"variant": label, "target": target, "parts": list(parts),
                      "calibrated": target if th else 0.0,
@@ -101,7 +117,7 @@ def plot(results: list[dict], path: str):
     fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4.2))
     for res in results:
         labels = list(dict.fromkeys(r["variant"] for r in res["rows"] if r["variant"] != "dense"))
-        for label, style in zip(labels, ("-o", "--s", "-.^", ":v")):
+        for label, style in zip(labels, ("-o", "--s", "-.^", ":v", "-D", "--x")):
             rows = [r for r in res["rows"] if r["variant"] in ("dense", label)]
             xs = [r["realised"] * 100 for r in rows]
             a.plot(xs, [r["ppl_delta"] * 100 for r in rows], style,
@@ -115,7 +131,7 @@ def plot(results: list[dict], path: str):
     b.set_xlabel("realised model-wide input sparsity, %")
     b.set_ylabel("greedy tokens before the first difference (of 32)")
     a.legend(fontsize=7)
-    fig.suptitle("Input sparsity in every projection (TEAL): quality, by allocation")
+    fig.suptitle("Input sparsity in every projection: quality, by allocation and criterion")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 
@@ -134,13 +150,17 @@ def main() -> int:
     ap.add_argument("--greedy-calib-tokens", type=int, default=1024,
                     help="the calibration tokens the greedy allocation runs each block over")
     ap.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
+    ap.add_argument("--criteria", nargs="+", default=["magnitude"],
+                    choices=["magnitude", "weighted"],
+                    help="TEAL's |x|, and WINA's |x| times its channel's weight norm")
     ap.add_argument("--out", default=None)
     ap.add_argument("--plot", default=str(Path(__file__).parent / "plots" / "input_sparsity.png"))
     args = ap.parse_args()
     results = [run_model(m, args) for m in args.models]
     out = {"date": datetime.date.today().isoformat(),
            "machine": platform.processor() or platform.machine(), "torch": torch.__version__,
-           "threads": torch.get_num_threads(), "args": vars(args),
+           "threads": torch.get_num_threads(),
+           "args": {k: v for k, v in vars(args).items() if k not in ("out", "plot")},
            "results": results}
     if args.out:
         Path(args.out).write_text(json.dumps(out, indent=1))

@@ -2,7 +2,7 @@
 the calibration text give about the asked-for share of zeros on text the calibration did not
 see, a zero threshold changes nothing, a prompt's rows stay dense, and the quality it costs
 rises with the sparsity; TEAL's block-wise greedy allocation reaches its targets where a block
-loses least. The pipeline's step writes the thresholds and their quality into a bundle, and the
+loses least; WINA's criterion zeroes by |x| times its column's weight norm. The pipeline's step writes the thresholds and their quality into a bundle, and the
 engine's decode steps then read only the kept channels' weights (the q4c kernel), giving the
 tokens of the dense 4-bit projections over the same zeroed inputs."""
 import pytest
@@ -118,6 +118,48 @@ def test_the_greedy_allocation_reaches_each_target_where_a_block_loses_least(smo
                 return float((y - ref).pow(2).sum())
             uniform = {(i, p): t for (j, p), t in calibrate(hists, block, parts).items() if j == i}
             assert error({(i, p): th[(i, p)] for p in parts}) < error(uniform), (target, i)
+
+
+def test_the_weighted_criterion_zeroes_by_x_times_its_columns_norm(smol):
+    # WINA's criterion: an entry is zeroed where |x| times the norm of the weights its channel
+    # multiplies is at most the threshold. Calibrated on two windows, it reaches about its share
+    # on the other two, and it zeroes other entries than |x| alone does at the same share
+    # (about 2% of the second layer's q/k/v entries are kept by one and zeroed by the other:
+    # SmolLM2's q/k/v columns' norms spread over more than a factor of ten, but its large
+    # entries are mostly in the channels of large norms)
+    model, _, _, held = smol
+    norms = isp.column_norms(model)
+    key = (1, "qkv")
+    m = projections(model)[key]
+    assert norms[key].shape == (m.weight.shape[1],)
+    assert torch.allclose(norms[key], m.weight.float().norm(dim=0))
+    parts = ("qkv", "o", "gate_up")
+    by_norm = calibrate(sample_magnitudes(model, held[:2], progress=False, scales=norms), 0.3,
+                        parts)
+    by_x = calibrate(sample_magnitudes(model, held[:2], progress=False), 0.3, parts)
+
+    def run(thresholds, scales):
+        raw, zeroed = [], []
+        first = m.register_forward_pre_hook(lambda _m, a: raw.append(a[0].clone()))
+        try:
+            with torch.inference_mode(), Sparsifier(model, thresholds, scales=scales) as s:
+                last = m.register_forward_pre_hook(lambda _m, a: zeroed.append(a[0].clone()))
+                try:
+                    for w in held[2:]:
+                        model(torch.tensor([w]), torch.arange(len(w))[None])
+                finally:
+                    last.remove()
+        finally:
+            first.remove()
+        return torch.cat(raw, 1), torch.cat(zeroed, 1), s
+
+    raw, zeroed, s = run(by_norm, norms)
+    keep = raw.abs() * norms[key] > by_norm[key]
+    assert torch.equal(zeroed, raw * keep)
+    assert abs(s.realised(weights_of(model)) - 0.3) < 0.05
+    raw_x, _, _ = run(by_x, None)
+    keep_x = raw_x.abs() > by_x[key]
+    assert (keep != keep_x).float().mean() > 0.005  # (not the same entries)
 
 
 @pytest.fixture(scope="module")

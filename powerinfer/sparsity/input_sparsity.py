@@ -15,6 +15,12 @@ uniform allocation), or TEAL's block-wise greedy allocation (`greedy_allocation`
 block, the share raised where it costs the block's output least per weight saved). The
 model-wide sparsity is the share of the projections' weights not read, each input weighted by
 the weights it multiplies (`model_wide`).
+
+The criterion is TEAL's, |x|, by default; `column_norms` gives WINA's (Chen et al., "WINA:
+Weight Informed Neuron Activation", 2025): |x_i| times the norm of the weights channel i
+multiplies, so that of two equal entries the one whose column moves the output less is zeroed
+first (`sample_magnitudes(scales=)`, `Sparsifier(scales=)`; measured, not the bundle's rule:
+BENCHMARKS.md).
 """
 from __future__ import annotations
 
@@ -61,16 +67,27 @@ def model_wide(sparsity: dict[tuple[int, str], float],
     return sum(s * weights[k] for k, s in sparsity.items()) / total if total else 0.0
 
 
+def column_norms(model) -> dict[tuple[int, str], torch.Tensor]:
+    """(layer, part) -> each input channel's weight norm (float32, (in_features,)): the L2 norm
+    of the projection's column that channel multiplies, WINA's weight of |x_i|."""
+    return {k: m.weight.detach().float().norm(dim=0) for k, m in projections(model).items()}
+
+
 @torch.inference_mode()
-def sample_magnitudes(model, windows: list[list[int]], progress: bool = True
+def sample_magnitudes(model, windows: list[list[int]], progress: bool = True,
+                      scales: dict[tuple[int, str], torch.Tensor] | None = None
                       ) -> dict[tuple[int, str], np.ndarray]:
     """Each projection input's |x| over every token of `windows`, as a histogram of log10 |x|
-    (`BINS` bins over [LOG_LO, LOG_HI]; exact zeros in the first)."""
+    (`BINS` bins over [LOG_LO, LOG_HI]; exact zeros in the first); with `scales` (per input, a
+    factor a channel: `column_norms`), of |x| times its channel's factor."""
     hist = {k: torch.zeros(BINS, dtype=torch.float64) for k in projections(model)}
 
     def hook(key):
         def pre(_module, args):
-            x = args[0].detach().float().abs().flatten()
+            x = args[0].detach().float().abs()
+            if scales is not None:
+                x = x * scales[key]
+            x = x.flatten()
             hist[key] += torch.histc(torch.log10(x.clamp_min(10 ** LOG_LO)), BINS, LOG_LO,
                                      LOG_HI).double()
         return pre
@@ -196,10 +213,13 @@ class Counts:
 class Sparsifier:
     """Forward pre-hooks that zero each projection input's entries at or under its threshold,
     in the rows from `dense_rows` on (the positions before are a prompt's, dense), and count what
-    they zeroed. Use as a context manager."""
+    they zeroed. With `scales` (as `sample_magnitudes` takes them), an entry is compared to the
+    threshold times its channel's factor. Use as a context manager."""
 
-    def __init__(self, model, thresholds: dict[tuple[int, str], float], dense_rows: int = 0):
+    def __init__(self, model, thresholds: dict[tuple[int, str], float], dense_rows: int = 0,
+                 scales: dict[tuple[int, str], torch.Tensor] | None = None):
         self.model, self.thresholds, self.dense_rows = model, thresholds, dense_rows
+        self.scales = scales or {}
         self.counts, self.handles = Counts(), []
 
     def __enter__(self):
@@ -215,10 +235,12 @@ class Sparsifier:
         self.handles = []
 
     def _hook(self, key, t: float):
+        scale = self.scales.get(key)
+
         def pre(_module, args):
             x = args[0]
             sparse = x[:, self.dense_rows:] if x.dim() == 3 else x
-            keep = sparse.abs() > t
+            keep = (sparse.abs() if scale is None else sparse.abs() * scale) > t
             c = self.counts.per_key.setdefault(key, [0, 0])
             n, z = keep.numel(), int(keep.numel() - keep.sum())
             c[0] += z
@@ -252,8 +274,10 @@ class Quality:
 
 @torch.inference_mode()
 def held_out_quality(model, windows: list[list[int]], variants: dict[str, dict],
-                     progress: bool = True) -> dict[str, dict]:
-    """Perplexity on `windows` of the dense model and of each variant (name -> thresholds), with
+                     progress: bool = True, scales: dict[str, dict] | None = None
+                     ) -> dict[str, dict]:
+    """Perplexity on `windows` of the dense model and of each variant (name -> thresholds; its
+    criterion's channel factors in `scales`, name -> as `Sparsifier` takes them, where given), with
     every token's inputs sparsified (teacher-forced decoding: each position as a decode step
     whose earlier positions were decoded sparsely too), and each variant's top-1 agreement and
     KL divergence from the dense model's next-token distribution, and its realised sparsity."""
@@ -269,7 +293,7 @@ def held_out_quality(model, windows: list[list[int]], variants: dict[str, dict],
             if name == "dense":
                 logp = ref
             else:
-                s = Sparsifier(model, variants[name])
+                s = Sparsifier(model, variants[name], scales=(scales or {}).get(name))
                 s.counts = realised[name].counts
                 with s:
                     logp = F.log_softmax(model(ids, pos)[0, :-1], -1)
@@ -287,16 +311,18 @@ def held_out_quality(model, windows: list[list[int]], variants: dict[str, dict],
 
 
 @torch.inference_mode()
-def greedy(model, prompt: list[int], n: int, thresholds: dict | None = None) -> list[int]:
+def greedy(model, prompt: list[int], n: int, thresholds: dict | None = None,
+           scales: dict | None = None) -> list[int]:
     """n greedy tokens after `prompt`, the prompt's rows dense and every decode step's inputs
-    sparsified (each step recomputes the sequence: its earlier decode rows sparse again, the same
-    values a KV cache of sparse steps holds)."""
+    sparsified (`scales`: the criterion's channel factors, as `Sparsifier` takes them; each step
+    recomputes the sequence: its earlier decode rows sparse again, the same values a KV cache of
+    sparse steps holds)."""
     ids = list(prompt)
     model.setup_cache(1, len(prompt) + n)
     for _ in range(n):
         x, pos = torch.tensor([ids]), torch.arange(len(ids))[None]
         if thresholds:
-            with Sparsifier(model, thresholds, dense_rows=len(prompt)):
+            with Sparsifier(model, thresholds, dense_rows=len(prompt), scales=scales):
                 logits = model(x, pos)[0, -1]
         else:
             logits = model(x, pos)[0, -1]
