@@ -40,6 +40,10 @@ class PowerInfer:
 
     def __init__(self, checkpoint: Checkpoint, config: Config):
         # (already decided by from_pretrained)
+        if not isinstance(checkpoint, Checkpoint):  # (a name or path: from_pretrained loads it)
+            raise TypeError(f"PowerInfer() takes a loaded checkpoint, not {checkpoint!r}: load a "
+                            "model by name or path with PowerInfer.from_pretrained(name_or_path, "
+                            "config)")
         config = config.resolve(bool(checkpoint.q4), bool(checkpoint.info.get("kquant_types")))
         self.config, self.checkpoint = config, checkpoint
         kernels.hold(config.cpu_isa)

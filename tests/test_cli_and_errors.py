@@ -108,6 +108,13 @@ def test_cuda_without_a_gpu_is_a_config_error():
         PowerInfer.from_pretrained(config=Config(device="cuda"))
 
 
+def test_a_model_name_given_to_the_constructor_says_how_to_load_it():
+    from powerinfer import Config, PowerInfer
+
+    with pytest.raises(TypeError, match=r"PowerInfer\.from_pretrained\(name_or_path, config\)"):
+        PowerInfer("smollm2-135m-instruct", Config())
+
+
 def test_a_bad_predictor_device_is_a_config_error():
     from powerinfer import Config, ConfigError
 
