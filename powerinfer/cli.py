@@ -7,7 +7,7 @@ import logging
 import sys
 import time
 
-from .config import DTYPE_HELP, ISA_HELP, Config, device_for
+from .config import DTYPE_HELP, ISA_HELP, Config, device_for, gib
 from .errors import PowerInferError
 from .formats.loader import DEFAULT_MODEL
 from .cpu import ISAS
@@ -57,11 +57,11 @@ def _model_args(p: argparse.ArgumentParser):
     p.add_argument("--threads", "-t", type=int, default=0, help="CPU threads (0: all)")
     p.add_argument("--ctx-size", "-c", "--ctx", dest="ctx", type=int, default=0,
                    help="positions a sequence may reach (0: the model's context)")
-    p.add_argument("--vram-budget", type=float, default=0.0, metavar="GB",
+    p.add_argument("--vram-budget", type=gib, default=0.0, metavar="GB",
                    help="GPU memory the hot neurons' placement may use")
     p.add_argument("--device", default=None, choices=["cpu", "cuda", "auto"],
                    help="default: auto (the GPU where there is one) with --vram-budget, else cpu")
-    p.add_argument("--kv-cache-gb", type=float, default=0.0,
+    p.add_argument("--kv-cache-gb", type=gib, default=0.0,
                    help="memory of the paged KV cache (0: auto, from the host's free memory)")
     p.add_argument("--compile", action="store_true", help="torch.compile the decode step")
     p.add_argument("--weights", default="auto", choices=["auto", "dense", "int4"],
@@ -236,7 +236,7 @@ def _pipeline_commands(sub):
 
     p = sub.add_parser("solve", help="place neurons on the GPU under a VRAM budget (MILP)")
     p.add_argument("--bundle", required=True)
-    p.add_argument("--vram-budget", type=float, required=True, help="GiB")
+    p.add_argument("--vram-budget", type=gib, required=True, help="GiB")
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--context", type=int, default=2048)
     p.add_argument("--group", type=int, default=64, help="neurons per placement unit")

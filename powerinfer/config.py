@@ -1,6 +1,7 @@
 """User configuration: small frozen dataclasses validated on construction."""
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
@@ -21,6 +22,17 @@ ISA_HELP = ("the CPU kernel's instruction-set class (auto: the best this CPU has
 
 
 INT4_DTYPES = ("bfloat16", "bf16", "float32", "fp32")  # the activations 4-bit weights run with
+
+
+def gib(text: str) -> float:
+    """The command line's type for an amount of memory in GiB: a finite number, at least 0 (float
+    takes "nan" and "inf", which reached the placement's arithmetic as a traceback)."""
+    import argparse
+
+    v = float(text)  # (a ValueError: argparse says "invalid gib value")
+    if not math.isfinite(v) or v < 0:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a finite number of GiB, at least 0")
+    return v
 
 
 # each name a setting takes -> torch's (a configuration is built without torch: the serve driver)
@@ -206,6 +218,9 @@ class Config:
             raise ConfigError("cold_executors must be >= 0 and max_queue >= 1")
         if self.cold_executors == 0 and self.needs_cold_executors:
             raise ConfigError(ONE_EXECUTOR)
+        for name in ("vram_budget_gb", "kv_cache_gb", "prefill_pace", "max_ppl_increase"):
+            if not math.isfinite(getattr(self, name)):  # (a NaN passes every comparison below)
+                raise ConfigError(f"{name} must be a finite number, got {getattr(self, name)!r}")
         if min(self.vram_budget_gb, self.cpu_threads, self.max_seq_len, self.max_ppl_increase) < 0:
             raise ConfigError("vram_budget_gb, cpu_threads, max_seq_len and max_ppl_increase "
                               "must be >= 0")

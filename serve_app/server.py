@@ -17,7 +17,7 @@ import urllib.request
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from powerinfer.config import DTYPE_HELP, ISA_HELP
+from powerinfer.config import DTYPE_HELP, ISA_HELP, gib
 from powerinfer.errors import ConfigError
 from powerinfer.cpu import ISAS
 from powerinfer.formats.loader import DEFAULT_MODEL
@@ -301,7 +301,7 @@ def add_command(sub):
                    help="default: auto (the GPU where there is one) with --vram-budget, else cpu")
     p.add_argument("--dtype", default="auto", help=DTYPE_HELP)
     p.add_argument("--cpu-isa", default="auto", choices=["auto", *ISAS], help=ISA_HELP)
-    p.add_argument("--vram-budget", type=float, default=0.0, metavar="GB",
+    p.add_argument("--vram-budget", type=gib, default=0.0, metavar="GB",
                    help="GPU memory the hot neurons' placement may use (with --device cuda; the "
                         "bundle MODEL_FILE.bundle beside the model is used when --bundle is not "
                         "given); its log line says what went where")
@@ -312,7 +312,7 @@ def add_command(sub):
                    help="sequences running together (as the KV cache's blocks allow)")
     p.add_argument("--max-queue", type=int, default=256,
                    help="requests waiting to be admitted before 429 answers")
-    p.add_argument("--kv-cache-gb", type=float, default=0.0,
+    p.add_argument("--kv-cache-gb", type=gib, default=0.0,
                    help="memory of the paged KV cache (0: auto, from the host's free memory)")
     p.add_argument("--no-prefix-cache", dest="prefix_cache", action="store_false",
                    help="compute every prompt whole (no reuse of cached prefixes)")

@@ -115,6 +115,22 @@ def test_a_model_name_given_to_the_constructor_says_how_to_load_it():
         PowerInfer("smollm2-135m-instruct", Config())
 
 
+def test_an_amount_of_memory_must_be_a_finite_number():
+    import argparse
+
+    from powerinfer import Config, ConfigError
+    from powerinfer.config import gib
+
+    assert gib("1.5") == 1.5 and gib("0") == 0
+    for bad in ("nan", "inf", "-1"):
+        with pytest.raises(argparse.ArgumentTypeError, match="not a finite number of GiB"):
+            gib(bad)
+    with pytest.raises(ConfigError, match="vram_budget_gb must be a finite number"):
+        Config(vram_budget_gb=float("nan"))
+    r = run("solve", "--bundle", "b", "--vram-budget", "nan")  # (a traceback before)
+    assert r.returncode == 2 and "--vram-budget: 'nan' is not a finite number of GiB" in r.stderr
+
+
 def test_a_bad_predictor_device_is_a_config_error():
     from powerinfer import Config, ConfigError
 
