@@ -118,6 +118,12 @@ def test_rope_tables_fill_as_positions_are_reached():
 def test_invalid_requests_are_typed_errors(smol):
     with pytest.raises(InvalidRequestError, match="temperature"):
         smol.generate("hi", temperature=-1)
+    # a NaN passes every comparison: it sampled (temperature) or failed in the sampler
+    for bad in (float("nan"), float("inf")):
+        with pytest.raises(InvalidRequestError, match="temperature must be a finite number"):
+            smol.generate("hi", temperature=bad)
+        with pytest.raises(InvalidRequestError, match="repetition_penalty must be a finite"):
+            smol.generate("hi", repetition_penalty=bad)
     with pytest.raises(InvalidRequestError, match="unknown sampling parameter"):
         smol.generate("hi", banana=1)
     with pytest.raises(InvalidRequestError, match="context holds"):

@@ -3,6 +3,7 @@ pickle, with no tensor library behind them, so that a process that only forwards
 Serve ingress) handles them without torch. `sampling` draws the tokens they ask for."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from ..errors import InvalidRequestError
@@ -33,16 +34,16 @@ class SamplingParams:
         problems = []
         if self.max_tokens < 1:
             problems.append("max_tokens must be >= 1")
-        if self.temperature < 0:
-            problems.append("temperature must be >= 0")
+        if not (self.temperature >= 0 and math.isfinite(self.temperature)):  # (NaN: not >= 0)
+            problems.append("temperature must be a finite number >= 0")
         if self.top_k < 0:
             problems.append("top_k must be >= 0")
         if not 0 < self.top_p <= 1:
             problems.append("top_p must be in (0, 1]")
         if not 0 <= self.min_p < 1:
             problems.append("min_p must be in [0, 1)")
-        if self.repetition_penalty <= 0:
-            problems.append("repetition_penalty must be > 0")
+        if not (self.repetition_penalty > 0 and math.isfinite(self.repetition_penalty)):
+            problems.append("repetition_penalty must be a finite number > 0")
         if any(not isinstance(s, str) or not s for s in self.stop):
             problems.append("stop must be non-empty strings")
         if self.grammar is not None and not isinstance(self.grammar, Grammar):
