@@ -14,7 +14,9 @@ from .settings import ServeSettings
 GRPC_SERVICER = "serve_app.grpc_host.add_inference_servicer"
 
 
-def build(settings: ServeSettings) -> Application:
+def build(settings: ServeSettings, local_only: bool = False) -> Application:
+    """The application; `local_only`: the HTTP front end listens on a loopback address, and
+    takes requests naming it only by a loopback name or an address (`Ingress._check_host`)."""
     where = {"ray_actor_options": {"num_cpus": 0, "resources": dict(settings.replica_resources)}}
     models = {m.name: ModelServer.options(name=f"Model:{m.name}", num_replicas=m.replicas,
                                           max_ongoing_requests=m.max_ongoing_requests,
@@ -24,7 +26,7 @@ def build(settings: ServeSettings) -> Application:
              if settings.ingress_autoscaling else {"num_replicas": settings.ingress_replicas})
     return Ingress.options(**scale, **where).bind(models, settings.api_key,
                                                   settings.max_body_bytes,
-                                                  settings.stream_interval_ms)
+                                                  settings.stream_interval_ms, local_only)
 
 
 def build_app(args: dict) -> Application:

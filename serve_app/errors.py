@@ -12,8 +12,10 @@ from powerinfer.errors import InvalidRequestError, OverloadedError, PowerInferEr
 KINDS = {
     "invalid_request": (400, "INVALID_ARGUMENT", "invalid_request_error"),
     "unauthorized": (401, "UNAUTHENTICATED", "authentication_error"),
+    "forbidden": (403, "PERMISSION_DENIED", "permission_error"),
     "not_found": (404, "NOT_FOUND", "not_found_error"),
     "too_large": (413, "INVALID_ARGUMENT", "invalid_request_error"),
+    "unsupported_media": (415, "INVALID_ARGUMENT", "invalid_request_error"),
     "overloaded": (429, "RESOURCE_EXHAUSTED", "rate_limit_error"),
     "unavailable": (503, "UNAVAILABLE", "service_unavailable_error"),
     "internal": (500, "INTERNAL", "internal_error"),

@@ -15,7 +15,9 @@ cancels its streams, which frees their batch slots in the scheduler.
 # no `from __future__ import annotations` here: FastAPI reads the routes' annotations, which
 # Serve's ingress wrapper re-binds where string annotations no longer resolve
 import asyncio
+import email.message
 import hmac
+import ipaddress
 import logging
 import time
 import uuid
@@ -284,9 +286,10 @@ def _trim_serve_proxies():
 @serve.ingress(app)
 class Ingress:
     def __init__(self, models: dict, api_key: str = "", max_body_bytes: int = 1 << 20,
-                 stream_interval_ms: float = STREAM_INTERVAL_MS):
+                 stream_interval_ms: float = STREAM_INTERVAL_MS, local_only: bool = False):
         self.models = models  # name -> DeploymentHandle of its ModelServer
         self.api_key = api_key.encode()
+        self.local_only = local_only  # (served on a loopback address: `_check_host`)
         self.max_body_bytes = max_body_bytes
         self.stream_interval = stream_interval_ms / 1000
         self.metrics = Metrics()
@@ -299,7 +302,7 @@ class Ingress:
 
     @app.post("/v1/chat/completions", openapi_extra=_request_body(oa.ChatCompletionRequest))
     async def chat_completions(self, request: Request):
-        self._authorize(request.headers.get("authorization"))
+        self._guard(request)
         body = await self._read(request, oa.ChatCompletionRequest)
         prompt = [m.as_template_input() for m in body.messages]
         spec, calls = body.tool_spec, None
@@ -310,26 +313,28 @@ class Ingress:
 
     @app.post("/v1/completions", openapi_extra=_request_body(oa.CompletionRequest))
     async def completions(self, request: Request):
-        self._authorize(request.headers.get("authorization"))
+        self._guard(request)
         body = await self._read(request, oa.CompletionRequest)
         return await self._respond("completion", body, body.prompts(), body.engine_sampling())
 
     @app.get("/v1/models")
     async def list_models(self, request: Request):
-        self._authorize(request.headers.get("authorization"))
+        self._guard(request)
         cards = [oa.ModelCard(**s) for s in await self._statuses()]
         return Response(oa.ModelList(data=cards).model_dump_json(), media_type="application/json")
 
     @app.get("/health")
-    async def health(self):
+    async def health(self, request: Request):
         """200 when every model answers ("ok"), or every model but those that failed to load
         ("degraded", each with its error); 503 while one loads or is being rebuilt."""
+        self._check_host(request)
         statuses = await self._statuses()
         return JSONResponse({"status": _overall(statuses), "models": statuses},
                             status_code=200 if _serving(statuses) else 503)
 
     @app.get("/metrics")
-    async def prometheus(self):
+    async def prometheus(self, request: Request):
+        self._check_host(request)
         names = list(self.models)
         stats = await asyncio.gather(*(self._call(n, "stats") for n in names),
                                      return_exceptions=True)
@@ -338,7 +343,7 @@ class Ingress:
 
     @app.post("/tokenize", openapi_extra=_request_body(oa.TokenizeRequest))
     async def tokenize(self, request: Request):
-        self._authorize(request.headers.get("authorization"))
+        self._guard(request)
         body = await self._read(request, oa.TokenizeRequest)
         prompt = body.prompt if body.messages is None else \
             [m.as_template_input() for m in body.messages]
@@ -349,14 +354,25 @@ class Ingress:
 
     @app.post("/detokenize", openapi_extra=_request_body(oa.DetokenizeRequest))
     async def detokenize(self, request: Request):
-        self._authorize(request.headers.get("authorization"))
+        self._guard(request)
         body = await self._read(request, oa.DetokenizeRequest)
         out = await self._unary(body.model, "detokenize", body.tokens)
         return Response(oa.DetokenizeResponse(prompt=out["text"]).model_dump_json(),
                         media_type="application/json")
 
     async def _read(self, request: Request, model: type[BaseModel]):
-        """The body, at most max_body_bytes, validated as `model`."""
+        """The body, at most max_body_bytes, validated as `model`: JSON, by its Content-Type
+        (application/json or application/*+json) or with none. A browser's cross-site POST
+        without a preflight can only be text/plain or a form, which were read as JSON too."""
+        declared_type = request.headers.get("content-type")
+        if declared_type:
+            m = email.message.Message()
+            m["content-type"] = declared_type
+            sub = m.get_content_subtype()
+            if m.get_content_maintype() != "application" or not (sub == "json" or
+                                                                  sub.endswith("+json")):
+                raise ApiError("unsupported_media", f"Content-Type {declared_type[:100]!r}: "
+                                                    "send the body as application/json")
         limit = self.max_body_bytes
         declared = request.headers.get("content-length", "")
         if declared.isdigit() and int(declared) > limit:
@@ -513,6 +529,30 @@ class Ingress:
                                         f"{self.max_body_bytes}")
 
     # ---------------------------------------------------------------------------- shared
+
+    def _guard(self, request: Request):
+        """An HTTP request's Host (`_check_host`), then its API key."""
+        self._check_host(request)
+        self._authorize(request.headers.get("authorization"))
+
+    def _check_host(self, request: Request):
+        """Served on a loopback address, a request must name the host as a loopback name or
+        an address: a web page whose own name an attacker points at 127.0.0.1 (DNS rebinding)
+        would otherwise reach this server from the user's browser as its own origin."""
+        if not self.local_only:
+            return
+        host = request.headers.get("host", "")
+        name = host[1:host.find("]")] if host.startswith("[") else host.rpartition(":")[0] \
+            if host.count(":") == 1 else host
+        name = name.lower().rstrip(".")
+        if not host or name == "localhost" or name.endswith(".localhost"):
+            return
+        try:
+            ipaddress.ip_address(name)  # (an address names no one who could rebind it)
+        except ValueError:
+            raise ApiError("forbidden", f"Host {host[:100]!r} is not this server's: it serves "
+                                        "on a loopback address, for localhost or an IP "
+                                        "address") from None
 
     def _authorize(self, header: str | None):
         """Constant-time check of `Bearer KEY` when the server has an API key."""

@@ -41,6 +41,15 @@ class Frontend:
     request_timeout_s: float = REQUEST_TIMEOUT_S  # end to end, streams included (0: none)
 
     @property
+    def loopback(self) -> bool:
+        """Whether the HTTP front end listens on a loopback address only."""
+        import ipaddress
+        try:
+            return self.host == "localhost" or ipaddress.ip_address(self.host).is_loopback
+        except ValueError:
+            return False
+
+    @property
     def local_url(self) -> str:
         host = "127.0.0.1" if self.host in ("0.0.0.0", "::", "") else self.host
         return f"http://{host}:{self.port}"
@@ -100,8 +109,8 @@ def serve_forever(settings: ServeSettings, front: Frontend, demo: bool = False) 
                     grpc_options=gRPCOptions(port=front.grpc_port, request_timeout_s=timeout,
                                              grpc_servicer_functions=[GRPC_SERVICER]),
                     logging_config=logging_config)
-        serve.run(build(settings), name=APP_NAME, route_prefix="/", blocking=False,
-                  logging_config=logging_config)
+        serve.run(build(settings, local_only=front.loopback), name=APP_NAME, route_prefix="/",
+                  blocking=False, logging_config=logging_config)
         statuses = _wait_loaded(front)
         _wait_replicas(settings)
         ready = [s for s in statuses if s["status"] == "ready"]
