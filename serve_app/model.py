@@ -179,7 +179,8 @@ class ModelServer:
             raise InvalidRequestError(f"prompt has {len(ids)} tokens; the context of model "
                                       f"{self.spec.name} holds {engine.max_seq}")
         kw = dict(req.sampling)
-        kw["max_tokens"] = min(kw.get("max_tokens") or room, room)
+        asked = kw.get("max_tokens")  # (None: up to the end of the context; 0 is refused)
+        kw["max_tokens"] = room if asked is None else min(asked, room)
         spec = req.tools
         if spec and spec["choice"] not in ("none", "auto"):  # a call, and nothing else
             only = None if spec["choice"] == "required" else spec["choice"]

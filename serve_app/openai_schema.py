@@ -3,7 +3,7 @@
 Requests accept the OpenAI fields the engine can honour and, like vLLM, the engine's other
 sampling fields as extras (top_k, min_p, repetition_penalty, ignore_eos, stop_token_ids); other
 unknown fields are ignored. OpenAI fields the engine cannot honour (penalties other than 0,
-echo, suffix, best_of > n) are refused with a message that says so. Structured output
+logit_bias, echo, suffix, best_of > n) are refused with a message that says so. Structured output
 (`response_format`, vLLM's `guided_*`) becomes the request's `Grammar`; tools and tool
 messages become a tool spec for the model deployment (`powerinfer.engine.tools`).
 """
@@ -57,10 +57,11 @@ class _Sampling(_Body):
     n: int = Field(1, ge=1, le=MAX_CHOICES)
     stream: bool = False
     stream_options: StreamOptions | None = None
-    stop: str | Annotated[list[str], Field(max_length=16)] | None = None
+    stop: str | list[str] | None = None  # (their count and lengths: SamplingParams says)
     seed: int | None = Field(None, ge=-(2**63), lt=2**64)
     frequency_penalty: float = Field(0.0, ge=-2, le=2)
     presence_penalty: float = Field(0.0, ge=-2, le=2)
+    logit_bias: dict | None = None  # (refused where it holds any entry)
     user: str | None = Field(None, max_length=256)
     _grammar: Grammar | None = PrivateAttr(None)
     # the engine's own sampling fields, accepted as vLLM accepts them
@@ -81,6 +82,8 @@ class _Sampling(_Body):
         if self.frequency_penalty or self.presence_penalty:
             raise ValueError("frequency_penalty and presence_penalty are not supported; use "
                              "repetition_penalty")
+        if self.logit_bias:  # (it was ignored, the tokens it named sampled as ever)
+            raise ValueError("logit_bias is not supported")
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options is only allowed with stream=true")
         if any(t < 0 for t in self.stop_token_ids or ()):

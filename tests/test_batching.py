@@ -272,3 +272,45 @@ def test_paced_chunks_keep_a_step_near_a_decode_step(tok):
     unpaced.postprocess(s := unpaced.schedule(), greedy(s, 9))
     unpaced.add(c)
     assert unpaced.schedule().counts == [1, 512]
+
+
+def test_stop_strings_are_found_in_pieces_as_a_search_of_the_whole_text_finds_them(tok):
+    # StopMatcher (each character looked at once a string) against the search it replaced:
+    # random texts over a small alphabet, fed in random pieces, with overlapping stop strings;
+    # the first string to end ends the text where it starts, and what is held back is the
+    # longest end of the text that begins a string
+    import random
+
+    from powerinfer.engine.batching import StopMatcher
+
+    def search(text, stops):
+        for j in range(len(text)):
+            for s in stops:
+                if text[:j + 1].endswith(s):
+                    return j + 1 - len(s), 0
+        hold = max((k for s in stops for k in range(len(s) - 1, 0, -1) if text.endswith(s[:k])),
+                   default=0)
+        return None, hold
+
+    rng = random.Random(0)
+    for _ in range(400):
+        stops = tuple("".join(rng.choice("ab") for _ in range(rng.randint(1, 6)))
+                      for _ in range(rng.randint(1, 3)))
+        text = "".join(rng.choice("abc") for _ in range(rng.randint(0, 30)))
+        m, seen, got = StopMatcher(stops), 0, None
+        while seen < len(text) and got is None:
+            n = rng.randint(1, 4)
+            at = m.feed(text[seen:seen + n])
+            if at is not None:
+                got = min(seen + n, len(text)) - at
+            seen += n
+        start, hold = search(text, stops)
+        assert got == start, (stops, text)
+        if start is None:
+            assert m.held == hold, (stops, text)
+    # a sequence's text: a stop string of 1,024 characters costs a token little (its prefixes
+    # were each tried against the held text, the square of its length a token)
+    s = seq(tok, [1], max_tokens=64, stop=["lo" * 512])
+    ids = tok.encode(" hello world" * 20 + " hello", add_bos=False)
+    text = "".join(s.push(t) for t in ids)
+    assert text + s.pending == tok.decode(ids) and s.pending == "lo" and not s.finished

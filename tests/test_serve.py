@@ -888,6 +888,10 @@ def test_errors_have_status_codes_and_the_openai_shape(server):
                  "failed to load")
     assert_error(h.post("/v1/chat/completions", json={**chat, "tools": [{"type": "function"}]}),
                  400, "tools")
+    assert_error(h.post("/v1/chat/completions", json={**chat, "logit_bias": {"19556": -100}}),
+                 400, "logit_bias is not supported")  # (it was ignored)
+    for stop in ("", [str(i) for i in range(17)], "x" * 1025):  # (a long one held the batch)
+        assert_error(h.post("/v1/chat/completions", json={**chat, "stop": stop}), 400, "stop")
     # a long max_tokens is capped by the context, not refused
     r = h.post("/v1/completions", json={"model": TINY, "prompt": "hi", "max_tokens": 10 ** 9,
                                         "ignore_eos": True, "temperature": 0})
@@ -912,6 +916,11 @@ def test_errors_have_status_codes_and_the_openai_shape(server):
              (pb.GenerateRequest(model=SMOL, text="hi", sampling=pb.SamplingParams(
                  temperature=-1)), server.md, grpc.StatusCode.INVALID_ARGUMENT),
              (pb.GenerateRequest(model=SMOL), server.md, grpc.StatusCode.INVALID_ARGUMENT),
+             # max_tokens 0 set (it ran to the end of the context), and a stop string too long
+             (pb.GenerateRequest(model=SMOL, text="hi", sampling=pb.SamplingParams(
+                 max_tokens=0)), server.md, grpc.StatusCode.INVALID_ARGUMENT),
+             (pb.GenerateRequest(model=SMOL, text="hi", sampling=pb.SamplingParams(
+                 max_tokens=2, stop=["x" * 1025])), server.md, grpc.StatusCode.INVALID_ARGUMENT),
              (pb.GenerateRequest(model=BROKEN, text="hi"), server.md, grpc.StatusCode.UNAVAILABLE)]
     for req, md, code in cases:
         with pytest.raises(grpc.RpcError) as info:
@@ -1220,6 +1229,28 @@ def test_front_ends_listen_on_loopback_only(server):
                  and c.laddr.port in (server.port, server.grpc_port)]
     assert {c.laddr.port for c in listening} == {server.port, server.grpc_port}
     assert {c.laddr.ip for c in listening} <= {"127.0.0.1", "::ffff:127.0.0.1"}, listening
+
+
+def test_a_loopback_server_answers_only_its_own_host_and_json(server):
+    # served on 127.0.0.1: a request naming another host (a web page's own name pointed at
+    # 127.0.0.1, DNS rebinding) is refused, and a body that is not declared JSON (a browser's
+    # cross-site text/plain or form POST, sent without a preflight) is not read as JSON
+    h = server.http
+    chat = {"model": SMOL, "messages": QUESTION, "max_tokens": 1}
+    for host in ("evil.example", "evil.example:8000", "localhost.evil.example"):
+        assert_error(h.post("/v1/chat/completions", json=chat, headers={"Host": host}), 403,
+                     "is not this server's")
+        assert_error(h.get("/v1/models", headers={"Host": host}), 403)
+        assert_error(h.get("/metrics", headers={"Host": host}), 403)
+    for host in (f"localhost:{server.port}", "127.0.0.1", f"[::1]:{server.port}"):
+        assert h.get("/v1/models", headers={"Host": host}).status_code == 200, host
+    body = json.dumps(chat).encode()
+    for kind in ("text/plain", "text/plain;charset=UTF-8", "application/x-www-form-urlencoded"):
+        assert_error(h.post("/v1/chat/completions", content=body, headers={"Content-Type": kind}),
+                     415, "application/json")
+    for kind in ("application/json; charset=utf-8", "application/vnd.api+json"):
+        r = h.post("/v1/chat/completions", content=body, headers={"Content-Type": kind})
+        assert r.status_code == 200, (kind, r.text)
 
 
 def test_sigterm_stops_the_server_and_leaves_nothing_behind(server):

@@ -54,6 +54,7 @@ class Sequence:
     cached: int = 0  # prompt tokens found in the prefix cache at its first admission
     admitted: bool = False  # it has been admitted once (a preempted one comes back)
     matcher: object = None  # SamplingParams.grammar's llguidance matcher, following the output
+    stops: "StopMatcher | None" = None  # the stop strings' matcher, from the first token on
 
     @property
     def finished(self) -> bool:
@@ -79,17 +80,21 @@ class Sequence:
             raise RuntimeError(f"token {token} leaves the grammar: {m.get_error()}")
         if token in p.stop_token_ids or (token in self.eog_ids and not p.ignore_eos):
             return self.finish("stop", self.pending)
-        self.pending += self.decoder.push(token)
-        for s in p.stop:
-            at = self.pending.find(s)
-            if at >= 0:
-                return self.finish("stop", self.pending[:at])
+        piece = self.decoder.push(token)
+        hold = 0
+        if p.stop:
+            if self.stops is None:
+                self.stops = StopMatcher(p.stop)
+            at = self.stops.feed(piece)
+            if at is not None:  # (where the match starts, from the end of the text so far)
+                self.pending += piece
+                return self.finish("stop", self.pending[:len(self.pending) - at])
+            hold = self.stops.held
+        self.pending += piece
         if m is not None and m.is_stopped():  # the grammar is complete and admits nothing more
             return self.finish("stop", self.pending)
         if len(self.output) >= p.max_tokens:
             return self.finish("length", self.pending)
-        hold = max((k for s in p.stop for k in range(len(s), 0, -1)
-                    if self.pending.endswith(s[:k])), default=0)
         cut = len(self.pending) - hold
         text, self.pending = self.pending[:cut], self.pending[cut:]
         return text
@@ -102,6 +107,50 @@ class Sequence:
         """Record tokens sampled before (a request resumed after its group failed): the stop
         rules and the detokenizer end where they were; returns the text they made final."""
         return "".join(self.push(t) for t in tokens)
+
+
+class StopMatcher:
+    """Stop strings found in text that comes in pieces, each character looked at once per string
+    (Knuth-Morris-Pratt): finding them by searching the text held back, and what to hold back by
+    trying each prefix of each string, cost the square of a string's length a token, so that one
+    request with a long stop string held up every sequence of its batch."""
+
+    def __init__(self, stops: tuple[str, ...]):
+        self.stops = stops
+        self.fail = [self._failure(s) for s in stops]
+        self.state = [0] * len(stops)  # each string's longest prefix the text now ends with
+
+    @staticmethod
+    def _failure(s: str) -> list[int]:
+        """f[i]: the longest proper prefix of s[:i + 1] that is also its suffix."""
+        f, k = [0] * len(s), 0
+        for i in range(1, len(s)):
+            while k and s[i] != s[k]:
+                k = f[k - 1]
+            if s[i] == s[k]:
+                k += 1
+            f[i] = k
+        return f
+
+    def feed(self, text: str) -> int | None:
+        """Take the text's next piece. Where a stop string now ends in it (the first to end),
+        how many characters from the end of the text so far that string starts; else None."""
+        for j, c in enumerate(text):
+            for i, s in enumerate(self.stops):
+                k, f = self.state[i], self.fail[i]
+                while k and c != s[k]:
+                    k = f[k - 1]
+                if c == s[k]:
+                    k += 1
+                if k == len(s):
+                    return len(text) - j - 1 + len(s)
+                self.state[i] = k
+        return None
+
+    @property
+    def held(self) -> int:
+        """The characters at the end of the text that may begin a stop string."""
+        return max(self.state, default=0)
 
 
 @dataclass

@@ -10,6 +10,9 @@ from ..errors import InvalidRequestError
 from .grammar import Grammar
 
 MAX_LOGPROBS = 20
+# a request's stop strings: at most this many, each at most this long (one of a million
+# characters held a scheduler for minutes; one of a thousand costs nothing a token)
+MAX_STOPS, MAX_STOP_CHARS = 16, 1024
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,6 +49,9 @@ class SamplingParams:
             problems.append("repetition_penalty must be a finite number > 0")
         if any(not isinstance(s, str) or not s for s in self.stop):
             problems.append("stop must be non-empty strings")
+        elif len(self.stop) > MAX_STOPS or any(len(s) > MAX_STOP_CHARS for s in self.stop):
+            problems.append(f"stop takes at most {MAX_STOPS} strings of at most {MAX_STOP_CHARS} "
+                            "characters each")
         if self.grammar is not None and not isinstance(self.grammar, Grammar):
             problems.append("grammar must be a powerinfer.engine.grammar.Grammar")
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
@@ -60,8 +66,8 @@ class SamplingParams:
 
 def sampling_params(**kw) -> SamplingParams:
     """Build SamplingParams from keyword arguments, accepting lists and a single stop string."""
-    stop = kw.pop("stop", None) or ()
-    kw["stop"] = (stop,) if isinstance(stop, str) else tuple(stop)
+    stop = kw.pop("stop", None)  # ("" is an empty stop string, as [""] is: refused)
+    kw["stop"] = () if stop is None else (stop,) if isinstance(stop, str) else tuple(stop)
     kw["stop_token_ids"] = tuple(kw.pop("stop_token_ids", None) or ())
     unknown = set(kw) - set(SamplingParams.__dataclass_fields__)
     if unknown:
