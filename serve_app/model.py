@@ -267,9 +267,12 @@ class ModelServer:
 
     @staticmethod
     def _name_tokens(engine, ev: dict):
-        text = engine.tokenizer.decode
+        tok = engine.tokenizer
+        text = tok.decode
         if ev["token"] >= 0:
             ev["token_text"] = text([ev["token"]])
+            ev["token_bytes"] = list(tok.token_bytes(ev["token"]))  # (a part of a character too)
+        ev["top_bytes"] = [list(tok.token_bytes(t)) for t, _ in ev["top_logprobs"]]
         ev["top_logprobs"] = [(t, text([t]), lp) for t, lp in ev["top_logprobs"]]
 
     def __del__(self):

@@ -314,3 +314,23 @@ def test_stop_strings_are_found_in_pieces_as_a_search_of_the_whole_text_finds_th
     ids = tok.encode(" hello world" * 20 + " hello", add_bos=False)
     text = "".join(s.push(t) for t in ids)
     assert text + s.pending == tok.decode(ids) and s.pending == "lo" and not s.finished
+
+
+@pytest.mark.parametrize("family", ["smollm2", "gemma3"])
+def test_a_tokens_bytes_are_its_part_of_a_character(family, default_model_path, request):
+    # OpenAI's logprobs carry each token's bytes so that a client can join the tokens of a
+    # character that takes several (SmolLM2 writes an emoji as three byte-level pieces, each
+    # decoded alone as U+FFFD, whose UTF-8 the bytes had been); Gemma 3's pieces carry a space
+    # as U+2581 and its byte pieces as <0xNN>
+    path = default_model_path if family == "smollm2" else request.getfixturevalue(
+        "gemma_model_path")
+    tok = Tokenizer.from_source(load_checkpoint(path, with_weights=False).tokenizer_source)
+    text = "Hi \U0001F31F caf\u00e9\n<end> \u4e2d\u6587"
+    ids = tok.encode(text, add_bos=False)
+    parts = [tok.token_bytes(i) for i in ids]
+    assert b"".join(parts).decode() == text
+    if family == "smollm2":
+        assert any(tok.decode([i]) == "\ufffd" and p and p != "\ufffd".encode()
+                   for i, p in zip(ids, parts))
+    eos = tok.eos_id  # a control token: its text
+    assert tok.token_bytes(eos) == tok.token_text(eos).encode()

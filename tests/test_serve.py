@@ -482,8 +482,12 @@ def test_logprobs(server):
         top = t["top_logprobs"]
         assert len(top) == 3 and top[0]["logprob"] >= top[1]["logprob"] >= top[2]["logprob"]
         assert abs(t["logprob"] - top[0]["logprob"]) < 1e-5  # greedy took the likeliest
-        assert t["logprob"] <= 0 and bytes(t["bytes"]).decode() == t["token"]
+        assert t["logprob"] <= 0
+        assert bytes(t["bytes"]).decode(errors="replace") == t["token"]  # (U+FFFD: a part)
     assert "".join(t["token"] for t in content) == r["choices"][0]["message"]["content"]
+    # each token's bytes, its part of a character that takes several (not U+FFFD's)
+    assert b"".join(bytes(t["bytes"]) for t in content).decode() == \
+        r["choices"][0]["message"]["content"]
     c = server.http.post("/v1/completions", json={
         "model": SMOL, "prompt": "The capital of France is", "max_tokens": 4, "temperature": 0,
         "logprobs": 2}).json()["choices"][0]["logprobs"]
@@ -874,6 +878,10 @@ def test_errors_have_status_codes_and_the_openai_shape(server):
     assert_error(h.post("/v1/completions", json={"model": TINY, "prompt": [5, 10 ** 6]}), 400,
                  "vocabulary")
     assert_error(h.post("/v1/chat/completions", json={**chat, "model": "gpt-4"}), 404, "gpt-4")
+    assert_error(h.get("/v1/models/gpt-4"), 404, "gpt-4")
+    card = h.get(f"/v1/models/{SMOL}")  # OpenAI's "retrieve model"
+    assert card.status_code == 200 and card.json()["id"] == SMOL, card.text
+    assert card.json() == next(m for m in h.get("/v1/models").json()["data"] if m["id"] == SMOL)
     assert_error(h.post("/v1/chat/completions", json={**chat, "model": "/etc/passwd"}), 404)
     assert_error(h.post("/v1/chat/completions", json=chat, headers={"Authorization": ""}), 401)
     assert_error(h.post("/v1/chat/completions", json=chat,

@@ -8,6 +8,7 @@ generation ends on any end-of-generation token (EOS, EOT and the known end-of-tu
 from __future__ import annotations
 
 import json
+import re
 from datetime import datetime
 from pathlib import Path
 
@@ -45,6 +46,19 @@ GEMMA = ("{{ bos_token }}{% if messages and messages[0]['role'] == 'system' %}"
 TYPE_NORMAL, TYPE_UNKNOWN, TYPE_CONTROL, TYPE_USER, TYPE_UNUSED, TYPE_BYTE = 1, 2, 3, 4, 5, 6
 
 
+def _byte_level_bytes() -> dict[str, int]:
+    """A byte-level BPE's piece characters -> the bytes they stand for (GPT-2's table: the
+    printable bytes as themselves, the others as the characters from U+0100 on, in order)."""
+    shown = [*range(ord("!"), ord("~") + 1), *range(ord("\u00a1"), ord("\u00ac") + 1),
+             *range(ord("\u00ae"), ord("\u00ff") + 1)]
+    rest = [b for b in range(256) if b not in shown]
+    return {**{chr(b): b for b in shown}, **{chr(256 + i): b for i, b in enumerate(rest)}}
+
+
+BYTE_LEVEL = _byte_level_bytes()
+BYTE_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")  # a SentencePiece byte-fallback piece
+
+
 class Tokenizer:
     def __init__(self, tok: HFTokenizer, bos_id: int | None, eos_id: int | None, add_bos: bool,
                  chat_template: str | None, eog_ids: set[int]):
@@ -53,9 +67,32 @@ class Tokenizer:
         self.eog_ids = frozenset(i for i in eog_ids | {eos_id} if i is not None)
         self.vocab_size = tok.get_vocab_size(with_added_tokens=True)
         self._template = None
+        self._decoders: set | None = None  # (`token_bytes`)
 
     def token_text(self, i: int | None) -> str:
         return "" if i is None else (self.tok.id_to_token(i) or "")
+
+    def token_bytes(self, i: int) -> bytes:
+        """The bytes token i stands for, also where they are a part of a character that takes
+        several tokens (whose decoded text is U+FFFD alone): what OpenAI's logprobs carry as
+        `bytes`, so that a client can join such tokens into their characters."""
+        piece = self.tok.id_to_token(i)
+        if piece is None:
+            return b""
+        if self._decoders is None:  # (the decoder's own description: its types, nested ones too)
+            d = self.tok.decoder
+            desc = json.loads(d.__getstate__()) if d is not None else {}
+            self._decoders = {desc.get("type")} | {x.get("type") for x in desc.get("decoders", ())}
+        if "ByteLevel" in self._decoders:
+            try:
+                return bytes(BYTE_LEVEL[c] for c in piece)
+            except KeyError:  # (an added token written as itself)
+                return piece.encode()
+        if "ByteFallback" in self._decoders:
+            if m := BYTE_PIECE.fullmatch(piece):
+                return bytes([int(m.group(1), 16)])
+            return piece.replace("\u2581", " ").encode()
+        return self.tok.decode([i], skip_special_tokens=False).encode()
 
     def encode(self, text: str, add_bos: bool | None = None, parse_special: bool = True) -> list[int]:
         self.tok.encode_special_tokens = not parse_special
