@@ -323,6 +323,14 @@ class Ingress:
         cards = [oa.ModelCard(**s) for s in await self._statuses()]
         return Response(oa.ModelList(data=cards).model_dump_json(), media_type="application/json")
 
+    @app.get("/v1/models/{model_id:path}")
+    async def retrieve_model(self, model_id: str, request: Request):
+        """One served model's card (OpenAI's "retrieve model"), 404 naming the served ones."""
+        self._guard(request)
+        self._handle(model_id)
+        card = next(s for s in await self._statuses() if s["id"] == model_id)
+        return Response(oa.ModelCard(**card).model_dump_json(), media_type="application/json")
+
     @app.get("/health")
     async def health(self, request: Request):
         """200 when every model answers ("ok"), or every model but those that failed to load
