@@ -544,10 +544,12 @@ class Ingress:
         self._authorize(request.headers.get("authorization"))
 
     def _check_host(self, request: Request):
-        """Served on a loopback address, a request must name the host as a loopback name or
-        an address: a web page whose own name an attacker points at 127.0.0.1 (DNS rebinding)
-        would otherwise reach this server from the user's browser as its own origin."""
-        if not self.local_only:
+        """Served on a loopback address with no API key, a request must name the host as a
+        loopback name or an address: a web page whose own name an attacker points at 127.0.0.1
+        (DNS rebinding) would otherwise reach this server from the user's browser as its own
+        origin. With a key such a page gets 401 anyway, and a reverse proxy in front may pass
+        on its own name."""
+        if not self.local_only or self.api_key:
             return
         host = request.headers.get("host", "")
         name = host[1:host.find("]")] if host.startswith("[") else host.rpartition(":")[0] \
@@ -559,8 +561,10 @@ class Ingress:
             ipaddress.ip_address(name)  # (an address names no one who could rebind it)
         except ValueError:
             raise ApiError("forbidden", f"Host {host[:100]!r} is not this server's: it serves "
-                                        "on a loopback address, for localhost or an IP "
-                                        "address") from None
+                                        "on a loopback address without an API key, for "
+                                        "localhost or an IP address (a proxy in front that "
+                                        "passes on another name: give the server an API "
+                                        "key)") from None
 
     def _authorize(self, header: str | None):
         """Constant-time check of `Bearer KEY` when the server has an API key."""

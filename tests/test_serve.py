@@ -1239,19 +1239,14 @@ def test_front_ends_listen_on_loopback_only(server):
     assert {c.laddr.ip for c in listening} <= {"127.0.0.1", "::ffff:127.0.0.1"}, listening
 
 
-def test_a_loopback_server_answers_only_its_own_host_and_json(server):
-    # served on 127.0.0.1: a request naming another host (a web page's own name pointed at
-    # 127.0.0.1, DNS rebinding) is refused, and a body that is not declared JSON (a browser's
-    # cross-site text/plain or form POST, sent without a preflight) is not read as JSON
+def test_a_servers_bodies_must_be_json(server):
+    # a body that is not declared JSON (a browser's cross-site text/plain or form POST, sent
+    # without a preflight) is not read as JSON. (This server has an API key, so it answers a
+    # request naming any host: a proxy in front may pass on its own name; the loopback check
+    # without a key is test_serve_config's)
     h = server.http
     chat = {"model": SMOL, "messages": QUESTION, "max_tokens": 1}
-    for host in ("evil.example", "evil.example:8000", "localhost.evil.example"):
-        assert_error(h.post("/v1/chat/completions", json=chat, headers={"Host": host}), 403,
-                     "is not this server's")
-        assert_error(h.get("/v1/models", headers={"Host": host}), 403)
-        assert_error(h.get("/metrics", headers={"Host": host}), 403)
-    for host in (f"localhost:{server.port}", "127.0.0.1", f"[::1]:{server.port}"):
-        assert h.get("/v1/models", headers={"Host": host}).status_code == 200, host
+    assert h.get("/v1/models", headers={"Host": "proxy.example"}).status_code == 200
     body = json.dumps(chat).encode()
     for kind in ("text/plain", "text/plain;charset=UTF-8", "application/x-www-form-urlencoded"):
         assert_error(h.post("/v1/chat/completions", content=body, headers={"Content-Type": kind}),

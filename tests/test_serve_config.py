@@ -402,3 +402,37 @@ def test_the_start_waits_for_a_replica_that_died_as_it_loaded(monkeypatch, down)
     with _health_server([models("ready", down)]) as (front, asked):
         assert [s["status"] for s in server._wait_loaded(front)] == ["ready", down]
         assert len(asked) > 3
+
+
+def test_a_loopback_server_without_a_key_answers_only_requests_naming_a_local_host():
+    # served on 127.0.0.1 with no API key (the default), a request naming another host (a web
+    # page's own name pointed at 127.0.0.1: DNS rebinding) is refused; with a key, or served on
+    # another address, any name is taken (a reverse proxy in front may pass on its own)
+    from types import SimpleNamespace
+
+    from starlette.requests import Request
+
+    from serve_app.errors import ApiError
+    from serve_app.ingress import Ingress
+    from serve_app.server import Frontend
+
+    check = Ingress.func_or_class._check_host
+
+    def request(host):
+        headers = [(b"host", host.encode())] if host is not None else []
+        return Request({"type": "http", "method": "GET", "path": "/v1/models", "headers": headers})
+
+    local = SimpleNamespace(local_only=True, api_key=b"")
+    for host in ("evil.example", "evil.example:8000", "localhost.evil.example", "127.0.0.1.nip.io"):
+        with pytest.raises(ApiError, match="is not this server's") as e:
+            check(local, request(host))
+        assert e.value.status == 403
+    for host in ("localhost:8000", "LOCALHOST", "app.localhost", "127.0.0.1", "127.0.0.1:8000",
+                 "[::1]:8000", "10.1.2.3:8000", None):
+        check(local, request(host))
+    for other in (SimpleNamespace(local_only=True, api_key=b"k"),
+                  SimpleNamespace(local_only=False, api_key=b"")):
+        check(other, request("proxy.example"))
+    assert Frontend("127.0.0.1").loopback and Frontend("localhost").loopback
+    assert Frontend("::1").loopback and not Frontend("0.0.0.0").loopback
+    assert not Frontend("10.0.0.5").loopback
