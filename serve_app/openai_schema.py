@@ -156,6 +156,19 @@ class ChatMessage(_Body):
     tool_calls: Annotated[list[ToolCall], Field(max_length=64)] | None = None  # assistant
     tool_call_id: str | None = Field(None, max_length=128)  # tool: the call this answers
 
+    @model_validator(mode="before")
+    @classmethod
+    def _text_only(cls, data):
+        """A content part other than text (an image, audio) named, where pydantic's union said
+        only that the content was not a string."""
+        parts = data.get("content") if isinstance(data, dict) else None
+        for p in parts if isinstance(parts, list) else ():
+            kind = p.get("type") if isinstance(p, dict) else None
+            if kind is not None and kind != "text":
+                raise ValueError(f"a content part of type {str(kind)[:40]!r}: the models served "
+                                 "here take text only")
+        return data
+
     @model_validator(mode="after")
     def _tool_fields(self):
         if self.tool_calls and self.role != "assistant":

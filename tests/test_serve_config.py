@@ -117,6 +117,15 @@ def test_request_bodies_map_to_engine_sampling():
     ({"model": "m", "messages": [{"role": "user", "content": "x"}], "presence_penalty": 1}, "repetition_penalty"),
     ({"model": "m", "messages": [{"role": "user", "content": "x"}], "stream_options": {}}, "stream"),
     ({"model": "m", "messages": [{"role": "user", "content": "x"}], "n": 17}, "16"),
+    ({"model": "m", "messages": [{"role": "user", "content": "x"}], "logit_bias": {"5": -100}},
+     "logit_bias is not supported"),
+    ({"model": "m", "messages": [{"role": "user", "content": [
+        {"type": "text", "text": "what is this?"},
+        {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}]}]},
+     "type 'image_url': the models served here take text only"),
+    ({"model": "m", "messages": [{"role": "user", "content": "x"}],
+      "tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "banana"}}}]},
+     "the schema of an object"),
 ])
 def test_chat_bodies_the_engine_cannot_honour_are_refused(body, needle):
     with pytest.raises(ValidationError, match=needle):

@@ -64,6 +64,9 @@ def functions(tools: list[dict]) -> list[dict]:
         params = f.get("parameters", {"type": "object", "properties": {}})
         if not isinstance(params, dict):
             raise InvalidRequestError(f"tools[{i}].function.parameters: expected a JSON schema object")
+        if params.get("type", "object") != "object":  # (any other was read as no arguments)
+            raise InvalidRequestError(f"tools[{i}].function.parameters: the schema of an object "
+                                      f"(type 'object'), got type {str(params['type'])[:40]!r}")
         out.append({"name": name, "description": str(f.get("description") or ""),
                     "parameters": params})
     return out
