@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import math
 import re
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
 from typing import TYPE_CHECKING
 
 from .cpu import ISAS, native_bf16
@@ -11,6 +11,13 @@ from .errors import ConfigError
 
 if TYPE_CHECKING:
     import torch
+
+# a setting's declared type -> the Python types it takes and how an error names them (an int for
+# a float; a bool for neither number)
+_TYPES = {"bool": ((bool,), "true or false"), "int": ((int,), "an integer"),
+          "float": ((int, float), "a number"), "str": ((str,), "a string"),
+          "tuple": ((tuple, list), "a list")}
+
 
 # the command line's help for the two settings (`powerinfer generate`, `powerinfer serve`)
 DTYPE_HELP = ("auto (bf16 where the file's 4-bit blocks run on the CPU kernel or the CPU has "
@@ -201,6 +208,11 @@ class Config:
     input_sparsity: str = "auto"
 
     def __post_init__(self):
+        for f in fields(self):  # each setting of its declared type: "false" was true for a bool
+            v, want = getattr(self, f.name), _TYPES.get(f.type)
+            if want is not None and (not isinstance(v, want[0]) or
+                                     (isinstance(v, bool) and bool not in want[0])):
+                raise ConfigError(f"{f.name} must be {want[1]}, got {v!r}")
         if self.dtype not in DTYPES and self.dtype != "auto":
             raise ConfigError(f"dtype must be 'auto' or one of {sorted(DTYPES)}, got "
                               f"{self.dtype!r}")

@@ -127,6 +127,14 @@ def test_an_amount_of_memory_must_be_a_finite_number():
             gib(bad)
     with pytest.raises(ConfigError, match="vram_budget_gb must be a finite number"):
         Config(vram_budget_gb=float("nan"))
+    for kw, needle in [({"compile": "false"}, "compile must be true or false"),
+                       ({"max_batch": "8"}, "max_batch must be an integer"),
+                       ({"max_batch": 1.5}, "max_batch must be an integer"),
+                       ({"kv_cache_gb": "1"}, "kv_cache_gb must be a number"),
+                       ({"cores": 3}, "cores must be a string")]:
+        with pytest.raises(ConfigError, match=needle):  # ("false" was true; "8" a TypeError)
+            Config(**kw)
+    assert Config(vram_budget_gb=4, resources=[("a", 1)]).vram_budget_gb == 4
     r = run("solve", "--bundle", "b", "--vram-budget", "nan")  # (a traceback before)
     assert r.returncode == 2 and "--vram-budget: 'nan' is not a finite number of GiB" in r.stderr
 
