@@ -115,6 +115,9 @@ class PowerInfer:
         max_new_tokens: the tokens to generate at most (128 unless given; `max_tokens`, the
         HTTP API's and `SamplingParams`' name for it, is taken too); `sampling`: the other
         `SamplingParams` fields."""
+        if not isinstance(prompt, (str, list, tuple)):
+            raise InvalidRequestError(f"prompt must be a string or a list of strings, got "
+                                      f"{type(prompt).__name__}")
         prompts = [prompt] if isinstance(prompt, str) else list(prompt)
         texts = [""] * len(prompts)
         step = self.config.max_batch
@@ -132,14 +135,28 @@ class PowerInfer:
             if ev.text:
                 yield ev.text
 
-    def chat(self, messages: Messages, max_new_tokens: int | None = None, **sampling) -> str:
-        """Apply the model's chat template to `messages` and return the assistant's reply."""
-        return "".join(self.stream(messages, max_new_tokens, **sampling))
+    def chat(self, messages: Messages | str, max_new_tokens: int | None = None,
+             **sampling) -> str:
+        """Apply the model's chat template to `messages` (a string: one user message) and return
+        the assistant's reply."""
+        if isinstance(messages, str):  # (it was completed as plain text, with no template)
+            messages = [{"role": "user", "content": messages}]
+        elif not isinstance(messages, (list, tuple)) or not messages:
+            raise InvalidRequestError("chat takes a non-empty list of messages, or a string")
+        return "".join(self.stream(list(messages), max_new_tokens, **sampling))
 
     def _ids(self, prompt: str | Messages) -> list[int]:
         if isinstance(prompt, str):
             return self.tokenizer.encode(prompt)
-        return self.tokenizer.encode(self.tokenizer.apply_chat_template(prompt))
+        if not isinstance(prompt, (list, tuple)) or not prompt:
+            raise InvalidRequestError(f"a prompt is a string or a list of chat messages, got "
+                                      f"{prompt!r:.60}")
+        for i, m in enumerate(prompt):  # (the template's own errors named neither)
+            if not (isinstance(m, dict) and isinstance(m.get("role"), str) and
+                    isinstance(m.get("content"), str)):
+                raise InvalidRequestError(f"message {i}: a chat message is {{'role': str, "
+                                          f"'content': str}}, got {m!r:.80}")
+        return self.tokenizer.encode(self.tokenizer.apply_chat_template(list(prompt)))
 
     def _run(self, prompts: list[list[int]], max_new_tokens: int | None,
              sampling: dict) -> Iterator[Event]:

@@ -8,7 +8,7 @@ import sys
 import time
 
 from .config import DTYPE_HELP, ISA_HELP, Config, device_for, gib
-from .errors import PowerInferError
+from .errors import InvalidRequestError, PowerInferError
 from .formats.loader import DEFAULT_MODEL
 from .cpu import ISAS
 from .runtimes import add_commands
@@ -133,7 +133,10 @@ def _print_stream(pieces, verbose: bool) -> str:
 
 def _generate(args) -> int:
     model = _load(args)
-    prompt = [{"role": "user", "content": args.prompt}] if args.chat else args.prompt
+    # (bytes that are not UTF-8 reach Python as lone surrogates, which the tokenizer refused
+    # with a traceback: they become U+FFFD, as on standard input)
+    text = args.prompt.encode("utf-8", "surrogateescape").decode("utf-8", "replace")
+    prompt = [{"role": "user", "content": text}] if args.chat else text
     try:
         _print_stream(model.stream(prompt, **_sampling(args)), args.verbose)
     finally:
@@ -145,6 +148,8 @@ def _chat(args) -> int:
     model = _load(args)
     history = [{"role": "system", "content": args.system}] if args.system else []
     interactive = sys.stdin.isatty()
+    if hasattr(sys.stdin, "reconfigure"):  # (bytes that are not UTF-8: U+FFFD, not a traceback)
+        sys.stdin.reconfigure(errors="replace")
     if interactive:
         print("Chat with the model. /reset clears the conversation, /exit or Ctrl-D quits.")
     while True:
@@ -162,7 +167,12 @@ def _chat(args) -> int:
         if not text:
             continue
         history.append({"role": "user", "content": text})
-        reply = _print_stream(model.stream(history, **_sampling(args)), args.verbose)
+        try:
+            reply = _print_stream(model.stream(history, **_sampling(args)), args.verbose)
+        except InvalidRequestError as e:  # (a turn past the context ended the whole session)
+            print(f"error: {e}", file=sys.stderr)
+            history.pop()
+            continue
         history.append({"role": "assistant", "content": reply})
 
 

@@ -118,6 +118,18 @@ def test_rope_tables_fill_as_positions_are_reached():
 def test_invalid_requests_are_typed_errors(smol):
     with pytest.raises(InvalidRequestError, match="temperature"):
         smol.generate("hi", temperature=-1)
+    # chat messages of the wrong shape are named (the template's own errors named neither), a
+    # prompt of the wrong type too
+    for bad in ([{"content": "hi"}], [{"role": "user", "content": {"a": 1}}], [["hi"]], []):
+        with pytest.raises(InvalidRequestError, match="message|messages|prompt"):
+            smol.chat(bad, max_new_tokens=1)
+    for bad in (None, b"hello", ["a", 5]):
+        with pytest.raises(InvalidRequestError, match="prompt"):
+            smol.generate(bad, max_new_tokens=1)
+    # a string is one user message, in the template (it was completed as plain text)
+    said = [{"role": "user", "content": "The capital of France is?"}]
+    assert smol.chat(said[0]["content"], max_new_tokens=6, temperature=0) == \
+        smol.chat(said, max_new_tokens=6, temperature=0)
     # a NaN passes every comparison: it sampled (temperature) or failed in the sampler
     for bad in (float("nan"), float("inf")):
         with pytest.raises(InvalidRequestError, match="temperature must be a finite number"):
