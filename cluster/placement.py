@@ -76,7 +76,10 @@ class Host:
     def from_yaml(cls, path: str | Path) -> "Host":
         import yaml
 
-        d = yaml.safe_load(Path(path).read_text())
+        try:
+            d = yaml.safe_load(Path(path).read_text())
+        except (yaml.YAMLError, UnicodeDecodeError) as e:
+            raise PlanError(f"{path}: not a YAML file ({e})") from None
         try:
             nodes = tuple(Node(int(n["id"]), tuple(parse_cpulist(str(n["cores"]))),
                                float(n["memory_gb"])) for n in d["numa_nodes"])
@@ -86,6 +89,11 @@ class Host:
             raise PlanError(f"{path}: a host needs numa_nodes (id, cores, memory_gb) and may "
                             f"list gpus (id, memory_gb, numa_node): {type(e).__name__}: {e}") from None
         ids = {n.id for n in nodes}
+        if len(ids) < len(nodes) or any(n.memory_gb <= 0 for n in nodes):
+            raise PlanError(f"{path}: each NUMA node needs its own id and memory_gb over 0")
+        cores = [c for n in nodes for c in n.cores]
+        if len(set(cores)) < len(cores):  # (two nodes of one set were counted twice)
+            raise PlanError(f"{path}: a core is listed in two NUMA nodes")
         bad = [g.id for g in gpus if g.numa_node not in ids]
         if bad:
             raise PlanError(f"{path}: gpu {bad[0]} names a NUMA node the host does not list")
@@ -189,9 +197,23 @@ def _sizes_from_file(model: str) -> tuple[float, float, float, float]:
 def models_from_yaml(path: str | Path) -> list[ModelSpec]:
     import yaml
 
-    d = yaml.safe_load(Path(path).read_text())
+    try:
+        d = yaml.safe_load(Path(path).read_text())
+    except (yaml.YAMLError, UnicodeDecodeError) as e:
+        raise PlanError(f"{path}: not a YAML file ({e})") from None
+    if not isinstance(d, dict):
+        raise PlanError(f"{path}: expected a mapping with a `models` list")
     out = []
+    keys = ("cold_executors", "cores_per_cold", "hot_cores", "vram_budget_gb", "concurrency",
+            "context", "predictor")
     for m in d.get("models") or ():
+        if not isinstance(m, dict):
+            raise PlanError(f"{path}: each model is a mapping, got {m!r:.60}")
+        unknown = set(m) - {"name", "model", "params", *keys}
+        if unknown:  # (ignored before: a misspelt key planned with its default)
+            raise PlanError(f"{path}: model {m.get('name')!r}: unknown keys {sorted(unknown)}")
+        if any(str(m.get("name")) == o.name for o in out):  # (both were planned on one core set)
+            raise PlanError(f"{path}: model {m.get('name')!r} is listed twice")
         try:
             name = str(m["name"])
             sizes = (_sizes_from_shape(m["params"]) if "params" in m
@@ -199,8 +221,6 @@ def models_from_yaml(path: str | Path) -> list[ModelSpec]:
         except KeyError as e:
             raise PlanError(f"{path}: each model needs a name and either `model` (a file) or "
                             f"`params` (dim, n_ff, layers, heads, kv_heads, vocab); missing {e}") from None
-        keys = ("cold_executors", "cores_per_cold", "hot_cores", "vram_budget_gb", "concurrency",
-                "context", "predictor")
         out.append(ModelSpec(name, *sizes, **{k: m[k] for k in keys if k in m}))
     if not out:
         raise PlanError(f"{path}: no models listed")

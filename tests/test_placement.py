@@ -65,6 +65,24 @@ def test_a_plan_that_does_not_fit_names_what_is_short(tmp_path):
                                    "gpus": [{"id": 0, "memory_gb": 24, "numa_node": 3}]}))
     with pytest.raises(PlanError, match="gpu 0 names a NUMA node"):
         Host.from_yaml(bad)
+    node = {"id": 0, "cores": "0-3", "memory_gb": 8}
+    for nodes, needle in [([node, node], "its own id"), ([{**node, "memory_gb": -10}], "over 0"),
+                          ([node, {**node, "id": 1}], "two NUMA nodes")]:
+        bad.write_text(yaml.safe_dump({"numa_nodes": nodes}))
+        with pytest.raises(PlanError, match=needle):
+            Host.from_yaml(bad)
+    # a models file's mistakes are named (two models of one name were planned on the same
+    # cores; a misspelt key planned with its default; broken YAML was a traceback)
+    shape = {"dim": 4096, "n_ff": 11008, "layers": 32, "heads": 32, "kv_heads": 32,
+             "vocab": 32000}
+    models = tmp_path / "models.yaml"
+    for body, needle in [({"models": [{"name": "s", "params": shape}] * 2}, "listed twice"),
+                         ({"models": [{"name": "s", "params": shape, "cold_executor": 2}]},
+                          "unknown keys"),
+                         ("models: [name: s", "not a YAML file"), ("- a list", "a mapping")]:
+        models.write_text(body if isinstance(body, str) else yaml.safe_dump(body))
+        with pytest.raises(PlanError, match=needle):
+            models_from_yaml(models)
 
 
 def test_this_machine_from_sysfs_and_the_command_line(tmp_path, default_model_path):
