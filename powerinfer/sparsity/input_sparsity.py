@@ -38,6 +38,7 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from ..cpu import last_level_cache
+from ..errors import ConfigError
 
 log = logging.getLogger("powerinfer")
 
@@ -350,7 +351,7 @@ def calibrate_bundle(model_name: str, out: str, sparsity: float = 0.25, corpus: 
     from .corpus import load_corpus, token_windows
 
     if not 0 < sparsity < 1:
-        raise ValueError(f"sparsity must be in (0, 1), got {sparsity}")
+        raise ConfigError(f"sparsity must be in (0, 1), got {sparsity}")
     model, tok, path = load_model(model_name)
     try:
         b = Bundle.open(out)

@@ -73,6 +73,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from ..errors import ConfigError
 from ..formats.args import ModelArgs
 from ..formats.kquants import quantize
 from ..formats.source import unpermute_rows
@@ -188,9 +189,9 @@ def planted_profile(n_ff: int, n_layers: int, sparsity: float = 0.9, alpha: floa
     ranks a random permutation per layer (from the seed)."""
     target = 1.0 - sparsity
     if not 0 < target < p_max:
-        raise ValueError(f"sparsity must be in ({1 - p_max:g}, 1), got {sparsity}")
+        raise ConfigError(f"sparsity must be in ({1 - p_max:g}, 1), got {sparsity}")
     if alpha < 0:
-        raise ValueError(f"alpha must be >= 0, got {alpha}")
+        raise ConfigError(f"alpha must be >= 0, got {alpha}")
     ranks = np.arange(1, n_ff + 1, dtype=np.float64)
     lo, hi = math.log(target), math.log(p_max) + alpha * math.log(n_ff)  # bounds on log C
     for _ in range(100):  # the mean grows with C: bisect log C
@@ -225,24 +226,24 @@ def write_synthetic(path: str | Path, preset: str | Shape = "7b", n_layers: int 
 
     t0 = time.perf_counter()
     if isinstance(preset, str) and preset not in PRESETS:
-        raise ValueError(f"unknown preset {preset!r} (one of {', '.join(PRESETS)})")
+        raise ConfigError(f"unknown preset {preset!r} (one of {', '.join(PRESETS)})")
     shape = PRESETS[preset] if isinstance(preset, str) else preset
     if n_layers is not None:
         if n_layers < 1:
-            raise ValueError(f"n_layers must be >= 1, got {n_layers}")
+            raise ConfigError(f"n_layers must be >= 1, got {n_layers}")
         shape = dataclasses.replace(shape, n_layers=n_layers)
     if dtype not in QTYPES:
-        raise ValueError(f"dtype must be one of {', '.join(QTYPES)}, got {dtype!r}")
+        raise ConfigError(f"dtype must be one of {', '.join(QTYPES)}, got {dtype!r}")
     if calib_tokens < CALIB_SEQ_LEN:
-        raise ValueError(f"calib_tokens must be >= {CALIB_SEQ_LEN}, got {calib_tokens}")
+        raise ConfigError(f"calib_tokens must be >= {CALIB_SEQ_LEN}, got {calib_tokens}")
     if not 0 <= subspace < shape.dim:
-        raise ValueError(f"subspace must be in [0, {shape.dim}), got {subspace}")
+        raise ConfigError(f"subspace must be in [0, {shape.dim}), got {subspace}")
     if residual_rank and not subspace <= residual_rank < shape.dim:
-        raise ValueError(f"residual_rank must be 0 or in [subspace, {shape.dim}), got {residual_rank}")
+        raise ConfigError(f"residual_rank must be 0 or in [subspace, {shape.dim}), got {residual_rank}")
     planted = planted_profile(shape.n_ff, shape.n_layers, sparsity, alpha, seed)
     T = gguf.GGMLQuantizationType
     if quant is not None and quant not in QUANTS:
-        raise ValueError(f"quant must be one of {', '.join(QUANTS)}, got {quant!r}")
+        raise ConfigError(f"quant must be one of {', '.join(QUANTS)}, got {quant!r}")
 
     def qtype(name, shp):
         if len(shp) != 2:
