@@ -126,6 +126,11 @@ def test_invalid_requests_are_typed_errors(smol):
     for bad in (None, b"hello", ["a", 5]):
         with pytest.raises(InvalidRequestError, match="prompt"):
             smol.generate(bad, max_new_tokens=1)
+    for kw, needle in [({"seed": "abc"}, "seed must be an integer"),
+                       ({"stop_token_ids": [-1]}, "stop_token_ids"),
+                       ({"max_new_tokens": 2.5}, "max_tokens must be an integer")]:
+        with pytest.raises(InvalidRequestError, match=needle):  # (each was accepted)
+            smol.generate("hi", **{"max_new_tokens": 1, **kw})
     # a string is one user message, in the template (it was completed as plain text)
     said = [{"role": "user", "content": "The capital of France is?"}]
     assert smol.chat(said[0]["content"], max_new_tokens=6, temperature=0) == \

@@ -35,6 +35,13 @@ class SamplingParams:
 
     def __post_init__(self):
         problems = []
+        if not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool):
+            raise InvalidRequestError(f"max_tokens must be an integer, got {self.max_tokens!r}")
+        if self.seed is not None and (not isinstance(self.seed, int) or
+                                      isinstance(self.seed, bool)):
+            problems.append(f"seed must be an integer, got {self.seed!r:.40}")
+        if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
+            problems.append("stop_token_ids must be token ids (integers >= 0)")
         if self.max_tokens < 1:
             problems.append("max_tokens must be >= 1")
         if not (self.temperature >= 0 and math.isfinite(self.temperature)):  # (NaN: not >= 0)
