@@ -153,6 +153,9 @@ def _sizes_from_shape(p: dict) -> tuple[float, float, float, float]:
     embeddings 4.5 and the head 8.5 bits; KV in bf16)."""
     dim, ff, layers = int(p["dim"]), int(p["n_ff"]), int(p["layers"])
     heads, kv_heads, vocab = int(p["heads"]), int(p.get("kv_heads", p["heads"])), int(p["vocab"])
+    if min(dim, ff, layers, heads, kv_heads, vocab) < 1:  # (a zero was a ZeroDivisionError)
+        raise PlanError(f"params: dim, n_ff, layers, heads, kv_heads and vocab must be >= 1, "
+                        f"got {p}")
     head_dim = dim // heads
     attn = layers * (2 * dim * dim + 2 * dim * kv_heads * head_dim) * 5 / 8
     ffn = layers * dim * ff * (2 * 4.5 + 8.5) / 8

@@ -79,7 +79,9 @@ def test_a_plan_that_does_not_fit_names_what_is_short(tmp_path):
     for body, needle in [({"models": [{"name": "s", "params": shape}] * 2}, "listed twice"),
                          ({"models": [{"name": "s", "params": shape, "cold_executor": 2}]},
                           "unknown keys"),
-                         ("models: [name: s", "not a YAML file"), ("- a list", "a mapping")]:
+                         ("models: [name: s", "not a YAML file"), ("- a list", "a mapping"),
+                         ({"models": [{"name": "z", "params": {**shape, "heads": 0}}]},
+                          "must be >= 1")]:
         models.write_text(body if isinstance(body, str) else yaml.safe_dump(body))
         with pytest.raises(PlanError, match=needle):
             models_from_yaml(models)
