@@ -139,6 +139,13 @@ def test_an_amount_of_memory_must_be_a_finite_number():
     assert r.returncode == 2 and "--vram-budget: 'nan' is not a finite number of GiB" in r.stderr
 
 
+def test_a_kv_cache_past_the_hosts_memory_is_a_config_error():
+    from powerinfer import Config, ConfigError, PowerInfer
+
+    with pytest.raises(ConfigError, match=r"kv_cache_gb=100000 is more than this host's"):
+        PowerInfer.from_pretrained(config=Config(kv_cache_gb=100000))  # (a raw MemoryError)
+
+
 def test_a_bad_predictor_device_is_a_config_error():
     from powerinfer import Config, ConfigError
 

@@ -25,6 +25,8 @@ from array import array
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
+from ..errors import ConfigError
+
 log = logging.getLogger("powerinfer")
 
 
@@ -211,6 +213,11 @@ def pool_blocks(args, config, context: int, dtype_bytes: int) -> tuple[int, str]
     written)."""
     per_block = bytes_per_token(args, dtype_bytes) * config.block_size
     if config.kv_cache_gb > 0:
+        avail = available_memory()
+        if config.device == "cpu" and avail and config.kv_cache_gb * 2**30 > avail:
+            raise ConfigError(  # (a MemoryError from the pool's allocation before)
+                f"kv_cache_gb={config.kv_cache_gb:g} is more than this host's available memory "
+                f"({avail / 2**30:.1f} GiB)")
         return max(1, int(config.kv_cache_gb * 2**30 // per_block)), f"kv_cache_gb={config.kv_cache_gb:g}"
     want = config.max_batch * -(-context // config.block_size)
     want += math.ceil(1.1 * WATERMARK * want) + 1  # admission keeps the watermark free
