@@ -284,11 +284,10 @@ class OpenAIFormat:
             return None
         return oa.ChatLogprobs(content=[
             oa.TokenLogprob(token=ev["token_text"], logprob=ev["logprob"],
-                            bytes=ev.get("token_bytes") or list(ev["token_text"].encode()),
+                            bytes=ev["token_bytes"],
                             top_logprobs=[oa.TopLogprob(token=t, logprob=lp, bytes=b)
-                                          for (_, t, lp), b in zip(ev["top_logprobs"], ev.get(
-                                              "top_bytes") or [list(t.encode()) for _, t, _ in
-                                                                ev["top_logprobs"]])])
+                                          for (_, t, lp), b in zip(ev["top_logprobs"],
+                                                                   ev["top_bytes"])])
             for ev in events if ev["token"] >= 0])
 
     def _completion_logprobs(self, events: list[dict], at: int) -> oa.CompletionLogprobs | None:
