@@ -141,9 +141,7 @@ class PowerInfer:
         the assistant's reply."""
         if isinstance(messages, str):  # (it was completed as plain text, with no template)
             messages = [{"role": "user", "content": messages}]
-        elif not isinstance(messages, (list, tuple)) or not messages:
-            raise InvalidRequestError("chat takes a non-empty list of messages, or a string")
-        return "".join(self.stream(list(messages), max_new_tokens, **sampling))
+        return "".join(self.stream(messages, max_new_tokens, **sampling))
 
     def _ids(self, prompt: str | Messages) -> list[int]:
         if isinstance(prompt, str):
