@@ -81,21 +81,18 @@ class Sequence:
         if token in p.stop_token_ids or (token in self.eog_ids and not p.ignore_eos):
             return self.finish("stop", self.pending)
         piece = self.decoder.push(token)
-        hold = 0
+        self.pending += piece
         if p.stop:
             if self.stops is None:
                 self.stops = StopMatcher(p.stop)
             at = self.stops.feed(piece)
             if at is not None:  # (where the match starts, from the end of the text so far)
-                self.pending += piece
                 return self.finish("stop", self.pending[:len(self.pending) - at])
-            hold = self.stops.held
-        self.pending += piece
         if m is not None and m.is_stopped():  # the grammar is complete and admits nothing more
             return self.finish("stop", self.pending)
         if len(self.output) >= p.max_tokens:
             return self.finish("length", self.pending)
-        cut = len(self.pending) - hold
+        cut = len(self.pending) - (self.stops.held if self.stops else 0)
         text, self.pending = self.pending[:cut], self.pending[cut:]
         return text
 
