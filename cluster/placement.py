@@ -35,6 +35,16 @@ class PlanError(ValueError):
     """A plan that does not fit: the message names the model, what is short and by how much."""
 
 
+def _read_yaml(path: str | Path):
+    """A host's or a models file's contents; PlanError where it is not YAML."""
+    import yaml
+
+    try:
+        return yaml.safe_load(Path(path).read_text())
+    except (yaml.YAMLError, UnicodeDecodeError) as e:
+        raise PlanError(f"{path}: not a YAML file ({e})") from None
+
+
 @dataclass(frozen=True)
 class Node:
     id: int
@@ -74,12 +84,7 @@ class Host:
 
     @classmethod
     def from_yaml(cls, path: str | Path) -> "Host":
-        import yaml
-
-        try:
-            d = yaml.safe_load(Path(path).read_text())
-        except (yaml.YAMLError, UnicodeDecodeError) as e:
-            raise PlanError(f"{path}: not a YAML file ({e})") from None
+        d = _read_yaml(path)
         try:
             nodes = tuple(Node(int(n["id"]), tuple(parse_cpulist(str(n["cores"]))),
                                float(n["memory_gb"])) for n in d["numa_nodes"])
@@ -198,12 +203,7 @@ def _sizes_from_file(model: str) -> tuple[float, float, float, float]:
 
 
 def models_from_yaml(path: str | Path) -> list[ModelSpec]:
-    import yaml
-
-    try:
-        d = yaml.safe_load(Path(path).read_text())
-    except (yaml.YAMLError, UnicodeDecodeError) as e:
-        raise PlanError(f"{path}: not a YAML file ({e})") from None
+    d = _read_yaml(path)
     if not isinstance(d, dict):
         raise PlanError(f"{path}: expected a mapping with a `models` list")
     out = []
