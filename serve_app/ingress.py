@@ -552,8 +552,10 @@ class Ingress:
         if not self.local_only or self.api_key:
             return
         host = request.headers.get("host", "")
-        name = host[1:host.find("]")] if host.startswith("[") else host.rpartition(":")[0] \
-            if host.count(":") == 1 else host
+        if host.startswith("["):  # an IPv6 address, [addr] or [addr]:port
+            name = host[1:host.find("]")]
+        else:  # name or name:port
+            name = host.rpartition(":")[0] if host.count(":") == 1 else host
         name = name.lower().rstrip(".")
         if not host or name == "localhost" or name.endswith(".localhost"):
             return

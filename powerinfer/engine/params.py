@@ -15,6 +15,10 @@ MAX_LOGPROBS = 20
 MAX_STOPS, MAX_STOP_CHARS = 16, 1024
 
 
+def _integer(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)  # (a bool is an int to Python)
+
+
 @dataclass(frozen=True, slots=True)
 class SamplingParams:
     """Per-request decoding settings. temperature 0 is greedy; llama.cpp's defaults otherwise."""
@@ -35,10 +39,9 @@ class SamplingParams:
 
     def __post_init__(self):
         problems = []
-        if not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool):
+        if not _integer(self.max_tokens):
             raise InvalidRequestError(f"max_tokens must be an integer, got {self.max_tokens!r}")
-        if self.seed is not None and (not isinstance(self.seed, int) or
-                                      isinstance(self.seed, bool)):
+        if self.seed is not None and not _integer(self.seed):
             problems.append(f"seed must be an integer, got {self.seed!r:.40}")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
             problems.append("stop_token_ids must be token ids (integers >= 0)")
