@@ -405,7 +405,10 @@ def ray_agent(address: str, conn):
     os.environ["RAY_AUTH_MODE"] = "token"
     import ray
     from ray import serve
-    ray.init(address=address, logging_level="error")
+
+    from powerinfer.compat import loopback_node
+    with loopback_node():  # (a server's own instance listens on 127.0.0.1 only)
+        ray.init(address=address, logging_level="error")
     handles = {}
 
     def handle_of(model: str):

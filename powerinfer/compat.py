@@ -1,7 +1,9 @@
 """Workarounds for library versions and platforms, kept in one place."""
 from __future__ import annotations
 
+import contextlib
 import functools
+import os
 import struct
 import types
 from collections.abc import Sequence
@@ -225,11 +227,12 @@ LOCAL_RAY_CONFIG = {"task_events_max_num_task_in_gcs": 1_000}
 def ray_init(runtime_env: dict | None = None, resources: dict | None = None):
     """Connect to the Ray cluster in RAY_ADDRESS, or start a local one for this process.
 
-    A local instance is started with token authentication on (RAY_AUTH_MODE=token): Ray's GCS,
-    raylet and workers listen on every interface whatever `--node-ip-address` says, and without
-    a token anyone who reaches this machine's address can run code in the cluster. Ray writes
-    the token to ~/.ray/auth_token, readable by this user only. A cluster this process joins keeps
-    its own setting. Without RAY_ADDRESS it is a new instance even where a `ray start` cluster is
+    A local instance is started with token authentication on (RAY_AUTH_MODE=token): without a
+    token anyone who reaches a Ray port can run code in the cluster. Ray writes the token to
+    ~/.ray/auth_token, readable by this user only. A local instance is also this machine's alone:
+    its node address is the loopback one (`loopback_node`), so none of its ports listens on the
+    network, not even the Prometheus exporters that Ray serves without the token. A cluster this
+    process joins keeps its own settings. Without RAY_ADDRESS it is a new instance even where a `ray start` cluster is
     recorded on the machine (/tmp/ray/ray_current_cluster), which `ray.init()` with no address
     would join: perhaps one started without authentication, or another user's."""
     import os
@@ -252,8 +255,9 @@ def ray_init(runtime_env: dict | None = None, resources: dict | None = None):
     for attempt in (1, 2):
         before = _descendants()
         try:
-            ray.init(include_dashboard=False, logging_level="warning", log_to_driver=True,
-                     runtime_env=runtime_env, **kw)
+            with loopback_node(local=not os.environ.get("RAY_ADDRESS")):
+                ray.init(include_dashboard=False, logging_level="warning", log_to_driver=True,
+                         runtime_env=runtime_env, **kw)
             return
         except Exception as e:  # noqa: BLE001 - Ray raises a bare Exception for this one
             # a local raylet that took over Ray's fixed 30 s to register (a loaded machine, or
@@ -267,6 +271,40 @@ def ray_init(runtime_env: dict | None = None, resources: dict | None = None):
                                                     "time (%s); starting it again", e)
             ray.shutdown()
             _kill([p for pid, p in _descendants().items() if pid not in before and _ray_process(p)])
+
+
+# Ray's switch for a node that only this machine reaches (its default where Ray supports no
+# cluster, macOS and Windows): the node's address is then 127.0.0.1 where it would be the
+# machine's outward one; its GCS, raylet, workers, agents and metrics exporters bind it
+LOOPBACK_SWITCH = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
+
+
+@contextlib.contextmanager
+def loopback_node(local: bool = True):
+    """While a local instance starts (or a process joins one at its 127.0.0.1 address), give it
+    the loopback address. `ray.init(_node_ip_address="127.0.0.1")` does not: Ray turns a
+    loopback address into the outward one, and then its autoscaler's and dashboard's Prometheus
+    exporters (ports 44217 and 44227) and the dashboard agent's listen on every interface and
+    answer without the token, and the GCS and raylet bind every interface too; a process that
+    joins would look for the GCS at the outward address. Ray reads the switch at import and
+    again from the environment in the processes it starts, so both are set, and put back after
+    the start (a later connection to a cluster in this process finds its own address)."""
+    if not local:
+        yield
+        return
+    from ray._private import ray_constants
+
+    env, const = os.environ.get(LOOPBACK_SWITCH), ray_constants.ENABLE_RAY_CLUSTER
+    os.environ[LOOPBACK_SWITCH] = "0"
+    ray_constants.ENABLE_RAY_CLUSTER = False
+    try:
+        yield
+    finally:
+        ray_constants.ENABLE_RAY_CLUSTER = const
+        if env is None:
+            os.environ.pop(LOOPBACK_SWITCH, None)
+        else:
+            os.environ[LOOPBACK_SWITCH] = env
 
 
 def _descendants() -> dict:

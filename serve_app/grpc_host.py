@@ -9,7 +9,8 @@ GRPC_HOST_ENV = "POWERINFER_GRPC_HOST"
 def setup_serve_worker():
     """A Ray `worker_process_setup_hook`: make Ray Serve's gRPC proxy listen on the host in
     POWERINFER_GRPC_HOST instead of every interface, and log the status codes the application
-    sets in one line.
+    sets in one line. On a node of a local instance (its address 127.0.0.1: `powerinfer.compat.
+    loopback_node`), the replicas' own gRPC servers listen on 127.0.0.1 too.
 
     Ray Serve 2.60 binds its gRPC proxy to `[::]:PORT` (`ray.serve._private.grpc_util.
     start_grpc_server` through `default_impl.add_grpc_address`) and has no option for the host,
@@ -37,6 +38,25 @@ def setup_serve_worker():
         module.add_grpc_address = add_grpc_address
 
     _after_import("ray.serve._private.default_impl", patch)
+    _after_import("ray.serve._private.replica", _replicas_on_the_nodes_address)
+
+
+def _replicas_on_the_nodes_address(module):
+    """Each Serve 2.60 replica serves the other deployments' calls on a gRPC server of its own
+    at `[::]:0` (`Replica._on_initialized`), every interface whatever the node's address; the
+    callers reach it at the node's address. On a loopback node, bind that address: a local
+    instance then listens on nothing the network reaches (Ray's token guards the server
+    either way)."""
+    add = module.add_port_to_grpc_server
+
+    def add_port_to_grpc_server(server, address: str):
+        import ray
+        node = ray.util.get_node_ip_address()
+        if address.startswith("[::]:") and node.startswith("127."):
+            address = f"{node}:{address.rsplit(':', 1)[1]}"
+        return add(server, address)
+
+    module.add_port_to_grpc_server = add_port_to_grpc_server
 
 
 TRIM_EVERY_S, TRIM_GROWTH = 30.0, 4 << 20

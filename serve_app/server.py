@@ -78,7 +78,7 @@ def serve_forever(settings: ServeSettings, front: Frontend, demo: bool = False) 
     from ray.serve.config import gRPCOptions
 
     from cluster.topology import numa_resources
-    from powerinfer.compat import ray_init
+    from powerinfer.compat import LOOPBACK_SWITCH, ray_init
 
     from .app import GRPC_SERVICER, build
     from .grpc_host import GRPC_HOST_ENV
@@ -94,10 +94,12 @@ def serve_forever(settings: ServeSettings, front: Frontend, demo: bool = False) 
                           "env_vars": env},
              resources=numa_resources())  # a local instance advertises the NUMA nodes
     # the cluster's address, for an operator's `ray status` or another node's `ray start` (and
-    # for a client that joins this server's instance rather than another one on the machine)
+    # for a client that joins this server's instance rather than another one on the machine);
+    # a local instance is this machine's alone, joined with Ray's loopback switch
     gcs = ray.get_runtime_context().gcs_address
-    say(f"Ray: {'joined the cluster' if joined else 'a local instance'} at {gcs}"
-        f"{'' if joined else ' (token authentication on)'}")
+    note = "" if joined else (" (token authentication on; this machine's only: a process here "
+                              f"joins it with {LOOPBACK_SWITCH}=0)")
+    say(f"Ray: {'joined the cluster' if joined else 'a local instance'} at {gcs}{note}")
     # SIGTERM stops the server as Ctrl-C does (a handler that only raises takes no lock that
     # the interrupted code may hold)
     signal.signal(signal.SIGTERM, _interrupt)

@@ -28,6 +28,7 @@ import torch
 import yaml
 
 from powerinfer import Config, PowerInfer
+from powerinfer.compat import LOOPBACK_SWITCH, loopback_node
 from powerinfer.sparsity.synthetic import write_synthetic
 from conftest import FLOAT32_INT4
 
@@ -127,7 +128,8 @@ def join_servers_ray(log: Path, proc: subprocess.Popen):
         os.environ["RAY_AUTH_MODE"] = "token"
         from ray._raylet import Config as RayConfig
         RayConfig.initialize("")
-        ray.init(address=gcs[1], logging_level="warning")
+        with loopback_node():  # (the instance listens on 127.0.0.1 only)
+            ray.init(address=gcs[1], logging_level="warning")
     except BaseException:
         proc.send_signal(signal.SIGTERM)
         proc.wait(timeout=120)
@@ -1215,9 +1217,11 @@ def test_serves_controller_loops_once_a_second(server):
 
 def test_ray_refuses_a_process_without_the_token(server, tmp_path):
     import ray
+    # (the server's instance listens on loopback only: this is another process of the machine,
+    # perhaps another user's, that has not the token)
     gcs = ray.get_runtime_context().gcs_address
-    assert not gcs.startswith("127."), gcs  # the machine's address, where others could reach it
     env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
+    env[LOOPBACK_SWITCH] = "0"  # it reaches the GCS: refused for want of the token
     env["HOME"] = str(tmp_path)
     env["RAY_NUM_REDIS_GET_RETRIES"] = "3"  # a refused read is retried once a second (20 s)
     code = ("import ray\n"
@@ -1229,6 +1233,21 @@ def test_ray_refuses_a_process_without_the_token(server, tmp_path):
     r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
                        timeout=120)
     assert "REFUSED" in r.stdout and "JOINED" not in r.stdout, r.stdout + r.stderr[-2000:]
+    assert "InvalidAuthToken" in r.stderr, r.stderr[-2000:]  # refused for the token, not unreached
+
+
+def test_the_servers_ray_instance_listens_on_loopback_only(server):
+    # its GCS, raylet, workers and agents, and the Prometheus exporters of Ray's autoscaler and
+    # dashboard (fixed ports 44217 and 44227) and of its dashboard agent, which answer without
+    # the token: none of them is reachable from the network
+    import psutil
+    pids = {server.proc.pid} | {p.pid for p in psutil.Process(server.proc.pid).children(
+        recursive=True)}
+    listening = [c for c in psutil.net_connections(kind="inet") if c.status == psutil.CONN_LISTEN
+                 and c.pid in pids]
+    ports = {c.laddr.port for c in listening}
+    assert len(ports) >= 8, listening
+    assert {c.laddr.ip for c in listening} <= {"127.0.0.1", "::ffff:127.0.0.1"}, listening
 
 
 def test_front_ends_listen_on_loopback_only(server):
