@@ -23,7 +23,10 @@ MAX_TOP_LOGPROBS = 5
 
 
 class _Body(BaseModel):
-    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
+    # strict, as OpenAI's API is: pydantic's lax mode read `"max_tokens": true` as 1, "5" as 5
+    # and 5.5 as an error but 5.0 as 5, `"stream": "no"` as false and `"prompt": [true]` as
+    # token 1 (an integer for a float field stays allowed)
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False, strict=True)
 
 
 class StreamOptions(_Body):

@@ -2,6 +2,7 @@
 configs are validated with errors that name the problem, and request bodies are checked at the
 edge the way the OpenAI API checks them."""
 import contextlib
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -130,6 +131,26 @@ def test_request_bodies_map_to_engine_sampling():
 def test_chat_bodies_the_engine_cannot_honour_are_refused(body, needle):
     with pytest.raises(ValidationError, match=needle):
         oa.ChatCompletionRequest.model_validate(body)
+
+
+@pytest.mark.parametrize("field,value,needle", [
+    ("max_tokens", True, "valid integer"), ("max_tokens", "5", "valid integer"),
+    ("max_tokens", 5.0, "valid integer"), ("n", True, "valid integer"),
+    ("seed", "7", "valid integer"), ("stream", "no", "valid boolean"),
+    ("stream", 1, "valid boolean"), ("temperature", "0.5", "valid number"),
+    ("stop_token_ids", [True], "valid integer"), ("logprobs", 1, "valid boolean")])
+def test_a_fields_json_type_is_held_as_openai_holds_it(field, value, needle):
+    # (pydantic's lax mode read `"max_tokens": true` as 1 and `"stream": "no"` as false)
+    body = {"model": "m", "messages": [{"role": "user", "content": "x"}], field: value}
+    with pytest.raises(ValidationError, match=needle):
+        oa.ChatCompletionRequest.model_validate_json(json.dumps(body))
+    with pytest.raises(ValidationError, match="prompt"):  # not token 1
+        oa.CompletionRequest.model_validate_json('{"model": "m", "prompt": [true]}')
+    # an integer where a number is asked stays a number
+    ok = oa.ChatCompletionRequest.model_validate_json(json.dumps(
+        {"model": "m", "messages": [{"role": "user", "content": "x"}], "temperature": 1,
+         "top_p": 1}))
+    assert ok.temperature == 1.0 and isinstance(ok.temperature, float)
 
 
 def test_completion_choices_are_bounded():
