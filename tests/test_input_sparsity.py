@@ -185,6 +185,16 @@ def test_the_bundle_step_writes_thresholds_and_their_quality(input_bundle, tmp_p
         isp.bundle_thresholds(str(tmp_path / "b"))
 
 
+def test_a_calibration_that_fails_leaves_no_bundle_behind(default_model_path, tmp_path):
+    from powerinfer.sparsity.corpus import CorpusError
+
+    out = tmp_path / "new.bundle"
+    with pytest.raises(CorpusError):  # (before: a folder holding a bare manifest)
+        isp.calibrate_bundle(str(default_model_path), str(out), 0.25,
+                             corpus=str(tmp_path / "missing.txt"), progress=False)
+    assert not out.exists()
+
+
 # the 4-bit path asked for by name (what "auto" resolves to is not this test's business)
 LOAD = dict(max_seq_len=256, max_batch=2, cpu_threads=1, weights="int4", dtype="bfloat16")
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time"]

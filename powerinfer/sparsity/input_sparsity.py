@@ -359,11 +359,14 @@ def calibrate_bundle(model_name: str, out: str, sparsity: float = 0.25, corpus: 
     except BundleError as e:
         if (Path(out) / "manifest.json").exists():
             raise e
-        b = Bundle.create(out, model_record(path, model.args))
+        b = None  # a new bundle, made once its part is computed: a run that fails or is
+        # stopped leaves no half-made bundle behind (before: a folder with a bare manifest)
     calib = token_windows(tok, load_corpus(corpus, "calibration"), window, tokens)
     held = token_windows(tok, load_corpus(corpus, "held_out"), window, held_out)
     thresholds = calibrate(sample_magnitudes(model, calib, progress), sparsity, KERNEL_PARTS)
     q = held_out_quality(model, held, {"sparse": thresholds}, progress)
+    if b is None:
+        b = Bundle.create(out, model_record(path, model.args))
     b.save_json(BUNDLE_FILE, {
         "target": sparsity, "allocation": "uniform", "parts": list(KERNEL_PARTS),
         "thresholds": [[i, part, t] for (i, part), t in sorted(thresholds.items())],
