@@ -297,8 +297,13 @@ class Config:
                 # tokens/s 0.94x the blocks', its first token 5.8x sooner)
                 four = beside_gpu and has_q4 and self.dtype in ("auto", "bfloat16")
                 weights = "int4" if four and _triton_installed() else "dense"
-            else:
-                weights = "int4" if host_int4 and self.dtype != "float32" else "dense"
+            else:  # (the CPU's int4 runs in bf16 or float32; float16 asked for: dense)
+                weights = "int4" if host_int4 and self.dtype in ("auto", "bfloat16") else "dense"
+        if not on_gpu and self.runtime == "actors" and dtype == "float16":
+            # (it loaded, and every step failed: the executors' split attention adds its heads'
+            # shares in float32 through projections kept in bf16 or float32 only)
+            raise ConfigError("dtype 'float16' runs on the CPU in the local runtime only; the "
+                              "actor runtime takes bfloat16 or float32 there")
         if on_gpu and weights == "int4" and dtype != "bfloat16":
             raise ConfigError(f"weights='int4' runs in bfloat16 on a GPU, got dtype {dtype!r}")
         cold = self.cold_weights
@@ -306,7 +311,7 @@ class Config:
             if on_gpu:
                 host_q4 = has_q4 and isa != "none"  # (not K-quants: as a GPU's int4)
                 cold = "int4" if beside_gpu and host_q4 and self.weights != "dense" \
-                    and self.dtype != "float32" else "dense"
+                    and self.dtype in ("auto", "bfloat16") else "dense"
             else:
                 cold = weights
         return replace(self, dtype=dtype, weights=weights, cold_weights=cold)

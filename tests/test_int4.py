@@ -106,6 +106,11 @@ def test_defaults_are_the_fastest_setting_without_warm_up(isa, caplog):
     assert (plain.dtype, plain.weights) == ("bfloat16" if isa == "avx512bf16" else "float32", "dense")
     assert at(runtime="actors").weights == "int4"  # the actor runtime runs int4 too
     assert at(dtype="float32").weights == "dense"  # the reference, asked for
+    # float16 asked for: dense weights (the kernel's int4 takes bf16 or float32; it was a
+    # ConfigError about int4, which the user had not asked for), and the local runtime only
+    assert at(dtype="float16", device="cpu").weights == "dense"
+    with pytest.raises(ConfigError, match="'float16' runs on the CPU in the local runtime only"):
+        at(dtype="float16", device="cpu", runtime="actors")
     assert at(weights="dense").dtype == plain.dtype  # dense asked for: as a plain file
     with caplog.at_level("INFO", logger="powerinfer"):
         pi = PowerInfer.from_pretrained(config=Config(cpu_isa=isa))  # the default model, Q4_1
