@@ -49,13 +49,35 @@ def main(argv: list[str] | None = None) -> int:
         return 130
 
 
+def count(minimum: int):
+    """The command line's type for a whole number of at least `minimum` (int alone took
+    `--tokens -5` and `--window 0`, which ended deep in the pipeline as a traceback or a
+    silently shorter run)."""
+    def whole_number(text: str) -> int:
+        v = int(text)  # (a ValueError: argparse says "invalid whole_number value")
+        if v < minimum:
+            raise argparse.ArgumentTypeError(f"{text!r} is less than {minimum}")
+        return v
+    return whole_number
+
+
+def positive(text: str) -> float:
+    """The command line's type for a finite number above 0 (a time limit)."""
+    import math
+
+    v = float(text)
+    if not math.isfinite(v) or v <= 0:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a finite number above 0")
+    return v
+
+
 def _model_args(p: argparse.ArgumentParser):
     p.add_argument("--model", "-m", default=DEFAULT_MODEL,
                    help=f"GGUF file, Hugging Face folder or installed model name (default {DEFAULT_MODEL})")
     p.add_argument("--dtype", default="auto", help=DTYPE_HELP)
     p.add_argument("--cpu-isa", default="auto", choices=["auto", *ISAS], help=ISA_HELP)
-    p.add_argument("--threads", "-t", type=int, default=0, help="CPU threads (0: all)")
-    p.add_argument("--ctx-size", "-c", "--ctx", dest="ctx", type=int, default=0,
+    p.add_argument("--threads", "-t", type=count(0), default=0, help="CPU threads (0: all)")
+    p.add_argument("--ctx-size", "-c", "--ctx", dest="ctx", type=count(0), default=0,
                    help="positions a sequence may reach (0: the model's context)")
     p.add_argument("--vram-budget", type=gib, default=0.0, metavar="GB",
                    help="GPU memory the hot neurons' placement may use")
@@ -77,17 +99,17 @@ def _model_args(p: argparse.ArgumentParser):
                         "auto: the --bundle's thresholds where it has them; off; or a bundle's")
     p.add_argument("--no-input-sparsity", dest="input_sparsity", action="store_const", const="off",
                    help="the same as --input-sparsity off")
-    p.add_argument("--cold-executors", type=int, default=1,
+    p.add_argument("--cold-executors", type=count(0), default=1,
                    help="cold-neuron executors (--runtime actors; 0: one executor with the whole "
                         "model, a dense model on the CPU)")
     p.add_argument("--verbose", "-v", action="store_true", help="print timings to stderr")
 
 
 def _sampling_args(p: argparse.ArgumentParser):
-    p.add_argument("--max-tokens", "-n", type=int, default=128)
+    p.add_argument("--max-tokens", "-n", type=count(1), default=128)
     # llama.cpp's spelling; -t is the thread count there and here
     p.add_argument("--temp", "--temperature", dest="temperature", type=float, default=0.8)
-    p.add_argument("--top-k", type=int, default=40)
+    p.add_argument("--top-k", type=count(0), default=40)
     p.add_argument("--top-p", type=float, default=0.95)
     p.add_argument("--min-p", type=float, default=0.05)
     p.add_argument("--repeat-penalty", type=float, default=1.0)
@@ -216,15 +238,16 @@ def _pipeline_commands(sub):
     p = sub.add_parser("profile", help="record neuron firing statistics and predictor samples")
     p.add_argument("--model", "-m", default=DEFAULT_MODEL)
     p.add_argument("--corpus", default="lee", help="built-in corpus name (lee) or a text file")
-    p.add_argument("--tokens", type=int, default=0, help="calibration tokens (0: the whole corpus)")
+    p.add_argument("--tokens", type=count(0), default=0,
+                   help="calibration tokens (0: the whole corpus)")
     p.add_argument("--out", required=True, help="bundle directory to write")
-    p.add_argument("--samples", type=int, default=16384, help="predictor samples per layer")
+    p.add_argument("--samples", type=count(1), default=16384, help="predictor samples per layer")
     p.add_argument("--sparsity", type=float, default=None,
                    help="SwiGLU models: target share of neurons under the threshold "
                         "(default 0.15, the default model's operating point)")
-    p.add_argument("--calib-tokens", type=int, default=None,
+    p.add_argument("--calib-tokens", type=count(1), default=None,
                    help="SwiGLU models: tokens run first to set the thresholds (default 8192)")
-    p.add_argument("--window", type=int, default=512)
+    p.add_argument("--window", type=count(2), default=512, help="tokens per window")
     p.add_argument("--dtype", default="float32")
     p.add_argument("--device", default="auto",
                    help="where the model runs: auto (a GPU torch sees, where it holds the "
@@ -236,7 +259,7 @@ def _pipeline_commands(sub):
     p.add_argument("--input", choices=["ffn", "layer", "both"], default="both",
                    help="predictor input: the FFN's own input, or the layer input (lookahead)")
     p.add_argument("--recall", type=float, default=0.99, help="target recall by activation mass")
-    p.add_argument("--epochs", type=int, default=None, help="at most this many epochs per rank")
+    p.add_argument("--epochs", type=count(1), default=None, help="at most this many epochs per rank")
     p.add_argument("--ranks", default=None,
                    help="comma-separated ranks to try (default: five powers of two up to min(d, n_ff))")
     p.add_argument("--device", default="auto",
@@ -247,12 +270,12 @@ def _pipeline_commands(sub):
     p = sub.add_parser("solve", help="place neurons on the GPU under a VRAM budget (MILP)")
     p.add_argument("--bundle", required=True)
     p.add_argument("--vram-budget", type=gib, required=True, help="GiB")
-    p.add_argument("--batch", type=int, default=1)
-    p.add_argument("--context", type=int, default=2048)
-    p.add_argument("--group", type=int, default=64, help="neurons per placement unit")
+    p.add_argument("--batch", type=count(1), default=1)
+    p.add_argument("--context", type=count(1), default=2048)
+    p.add_argument("--group", type=count(1), default=64, help="neurons per placement unit")
     p.add_argument("--min-share", type=float, default=0.1,
                    help="a layer holds no GPU neurons or at least this share")
-    p.add_argument("--time-limit", type=float, default=60)
+    p.add_argument("--time-limit", type=positive, default=60, help="seconds")
     p.add_argument("--input", choices=["auto", "ffn", "layer"], default="auto",
                    help="the predictors the GPU holds (auto: lookahead when trained, as the "
                         "runtimes choose)")
@@ -265,15 +288,15 @@ def _pipeline_commands(sub):
                    help="share of each projection input's entries under its threshold (default "
                         "0.25: SmolLM2 holds it within +2%% held-out perplexity)")
     p.add_argument("--corpus", default="lee", help="built-in corpus name (lee) or a text file")
-    p.add_argument("--tokens", type=int, default=8192, help="calibration tokens")
-    p.add_argument("--held-out", type=int, default=4096, help="held-out tokens the quality is measured on")
+    p.add_argument("--tokens", type=count(1), default=8192, help="calibration tokens")
+    p.add_argument("--held-out", type=count(1), default=4096, help="held-out tokens the quality is measured on")
     p.set_defaults(run=_calibrate_input)
 
     p = sub.add_parser("eval", help="held-out perplexity, agreement and recall: dense vs sparse")
     p.add_argument("--model", "-m", default=DEFAULT_MODEL)
     p.add_argument("--bundle", required=True)
-    p.add_argument("--tokens", type=int, default=0, help="held-out tokens (0: all)")
-    p.add_argument("--window", type=int, default=256)
+    p.add_argument("--tokens", type=count(0), default=0, help="held-out tokens (0: all)")
+    p.add_argument("--window", type=count(2), default=256, help="tokens per window")
     p.add_argument("--per-layer", action="store_true", help="print the per-layer recall")
     p.add_argument("--corpus", default=None,
                    help="held-out text: a built-in corpus name or a file (default: the bundle's)")
@@ -299,13 +322,13 @@ def _pipeline_commands(sub):
 
     p = sub.add_parser("synthetic", help="write a synthetic ReLU model of real shapes as GGUF")
     p.add_argument("--preset", default="7b")
-    p.add_argument("--layers", type=int, default=None)
+    p.add_argument("--layers", type=count(1), default=None)
     p.add_argument("--sparsity", type=float, default=0.9)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--subspace", type=int, default=0,
+    p.add_argument("--subspace", type=count(0), default=0,
                    help="rank of each layer's gate rows (0: isotropic; r > 0: firing a predictor "
                         "of about rank r can learn, as in trained models)")
-    p.add_argument("--residual-rank", type=int, default=0,
+    p.add_argument("--residual-rank", type=count(0), default=0,
                    help="rank of the residual stream (0: full; R >= subspace: the embeddings and "
                         "every layer's output in R directions, which predictors learn from fewer "
                         "samples)")

@@ -9,6 +9,7 @@ it started, which leaves no Ray process and no shared-memory segment behind.
 from __future__ import annotations
 
 import json
+import os
 import signal
 import sys
 import time
@@ -20,7 +21,7 @@ from pathlib import Path
 from powerinfer.config import DTYPE_HELP, ISA_HELP, gib
 from powerinfer.errors import ConfigError
 from powerinfer.cpu import ISAS
-from powerinfer.formats.loader import DEFAULT_MODEL
+from powerinfer.formats.loader import DEFAULT_MODEL, resolve_model
 
 from .settings import ServeSettings
 
@@ -71,8 +72,6 @@ CONTROL_LOOP_ENV, CONTROL_LOOP_S = "RAY_SERVE_CONTROL_LOOP_INTERVAL_S", "1.0"
 
 
 def serve_forever(settings: ServeSettings, front: Frontend, demo: bool = False) -> int:
-    import os
-
     import ray
     from ray import serve
     from ray.serve.config import gRPCOptions
@@ -354,7 +353,10 @@ def _run(args) -> int:
         d = _read_yaml(args.config)
     else:
         model = args.model or DEFAULT_MODEL
-        name = args.name or (Path(model).stem if Path(model).exists() else model)
+        if not os.environ.get("RAY_ADDRESS"):  # (a cluster's node may hold a file this lacks)
+            resolve_model(model)  # the one model missing: said now, not once Ray has started
+        looks_like_a_path = Path(model).exists() or "/" in model or Path(model).suffix == ".gguf"
+        name = args.name or (Path(model).stem if looks_like_a_path else model)
         d = {"models": [dict(name=name, model=model, bundle=args.bundle,
                              # (none named: the entry's rules, `settings.ModelSpec.base` and
                              # `settings.share_cores`)

@@ -1,6 +1,8 @@
 """The console script and load errors, run as a user would."""
+import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -139,11 +141,58 @@ def test_an_amount_of_memory_must_be_a_finite_number():
     assert r.returncode == 2 and "--vram-budget: 'nan' is not a finite number of GiB" in r.stderr
 
 
+@pytest.mark.parametrize("argv,needle", [
+    (["eval", "--bundle", "b", "--window", "0"], "--window: '0' is less than 2"),
+    (["eval", "--bundle", "b", "--tokens", "-5"], "--tokens: '-5' is less than 0"),
+    (["profile", "--out", "b", "--samples", "0"], "--samples: '0' is less than 1"),
+    (["calibrate-input", "--bundle", "b", "--held-out", "0"], "--held-out: '0' is less than 1"),
+    (["solve", "--bundle", "b", "--vram-budget", "1", "--group", "0"], "'0' is less than 1"),
+    (["solve", "--bundle", "b", "--vram-budget", "1", "--time-limit", "nan"],
+     "--time-limit: 'nan' is not a finite number above 0"),
+    (["train-predictors", "--bundle", "b", "--epochs", "0"], "'0' is less than 1"),
+    (["synthetic", "--out", "x", "--layers", "0"], "--layers: '0' is less than 1"),
+    (["generate", "-p", "x", "--max-tokens", "0"], "--max-tokens/-n: '0' is less than 1"),
+    (["generate", "-p", "x", "--threads", "two"], "--threads/-t: invalid whole_number value: 'two'"),
+])
+def test_a_count_out_of_range_is_named_before_anything_runs(argv, needle, capsys):
+    # (`eval --window 0` ended in a RuntimeError after loading the model, and `--tokens -5`
+    # ran on a corpus cut short at its end)
+    from powerinfer.cli import main
+
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    assert e.value.code == 2 and needle in capsys.readouterr().err
+
+
+def test_serve_names_a_missing_model_before_it_starts_ray(tmp_path):
+    # (it started Ray and Serve, then a replica failed; a path was also refused as a bad name)
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    missing = str(tmp_path / "nowhere.gguf")
+    t0 = time.monotonic()
+    r = subprocess.run(CLI + ["serve", "--model", missing], capture_output=True, text=True,
+                       timeout=120, env=env)
+    assert r.returncode != 0 and time.monotonic() - t0 < 60
+    assert f"cannot load model {missing}: no such file or folder" in r.stderr, r.stderr
+    assert "Ray" not in r.stdout + r.stderr
+
+
 def test_a_kv_cache_past_the_hosts_memory_is_a_config_error():
     from powerinfer import Config, ConfigError, PowerInfer
 
     with pytest.raises(ConfigError, match=r"kv_cache_gb=100000 is more than this host's"):
         PowerInfer.from_pretrained(config=Config(kv_cache_gb=100000))  # (a raw MemoryError)
+    # too small for a sequence: named at load (it loaded, and every prompt was refused as past
+    # max_seq_len)
+    with pytest.raises(ConfigError, match=r"kv_cache_gb=0.0001 holds 0 of this model's KV "
+                                          r"blocks .* too few for a sequence"):
+        PowerInfer.from_pretrained(config=Config(kv_cache_gb=0.0001))
+    # a pool smaller than the context: a long prompt's error names the pool, not max_seq_len
+    from powerinfer.errors import InvalidRequestError
+    block = 30 * 2 * 3 * 64 * 16 * 4 / 2**30  # SmolLM2's float32 KV block: 30 layers, 3 heads
+    pi = PowerInfer.from_pretrained(config=Config(kv_cache_gb=4 * block, dtype="float32"))
+    with pytest.raises(InvalidRequestError, match=r"the context holds 48 \(the KV cache's size: "
+                                                  r"kv_cache_gb="):
+        pi.generate("word " * 80, max_new_tokens=1)
 
 
 def test_a_bad_predictor_device_is_a_config_error():

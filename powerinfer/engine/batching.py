@@ -443,13 +443,14 @@ def context_length(args, config: Config) -> int:
 
 
 def new_sequence(prompt: list[int], params: SamplingParams, tokenizer: Tokenizer, vocab_size: int,
-                 max_seq: int) -> Sequence:
-    """A validated sequence; InvalidRequestError names what is wrong with the prompt."""
+                 max_seq: int, max_seq_by: str = "Config.max_seq_len") -> Sequence:
+    """A validated sequence; InvalidRequestError names what is wrong with the prompt (and what
+    bounds the context: `max_seq_by`)."""
     if not prompt:
         raise InvalidRequestError("empty prompt")
     if len(prompt) >= max_seq:
         raise InvalidRequestError(f"prompt has {len(prompt)} tokens; the context holds "
-                                  f"{max_seq} (Config.max_seq_len)")
+                                  f"{max_seq} ({max_seq_by})")
     bad = [t for t in prompt if not 0 <= t < vocab_size]
     if bad:
         raise InvalidRequestError(f"token id {bad[0]} outside the vocabulary")

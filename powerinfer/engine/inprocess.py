@@ -43,6 +43,9 @@ class Engine:
         n, why = pool or pool_blocks(model.args, config, context, elt)
         self.blocks = BlockManager(n, config.block_size, config.prefix_cache)
         self.max_seq = min(context, self.blocks.capacity)
+        # what bounds it, for a prompt that does not fit
+        self.max_seq_by = "Config.max_seq_len" if context <= self.blocks.capacity else \
+            f"the KV cache's size: {why}"
         log.info("KV cache: %s (%s); a sequence reaches %d positions",
                  describe(n, model.args, config, elt), why, self.max_seq)
         model.setup_pool(n, config.block_size, self.max_seq)
@@ -69,7 +72,8 @@ class Engine:
         trim_heap()
 
     def new_sequence(self, prompt: list[int], params: SamplingParams) -> Sequence:
-        return new_sequence(prompt, params, self.tokenizer, self.model.args.vocab_size, self.max_seq)
+        return new_sequence(prompt, params, self.tokenizer, self.model.args.vocab_size, self.max_seq,
+                            self.max_seq_by)
 
     @torch.inference_mode()
     def run(self, seqs: list[Sequence]) -> Iterator[Event]:

@@ -218,7 +218,13 @@ def pool_blocks(args, config, context: int, dtype_bytes: int) -> tuple[int, str]
             raise ConfigError(  # (a MemoryError from the pool's allocation before)
                 f"kv_cache_gb={config.kv_cache_gb:g} is more than this host's available memory "
                 f"({avail / 2**30:.1f} GiB)")
-        return max(1, int(config.kv_cache_gb * 2**30 // per_block)), f"kv_cache_gb={config.kv_cache_gb:g}"
+        blocks = int(config.kv_cache_gb * 2**30 // per_block)
+        if blocks < 2:  # (before: it loaded, and every prompt was refused as past max_seq_len)
+            raise ConfigError(
+                f"kv_cache_gb={config.kv_cache_gb:g} holds {blocks} of this model's KV blocks "
+                f"({config.block_size} positions, {per_block / 2**20:.2f} MiB each), too few "
+                f"for a sequence: give at least {2 * per_block / 2**30:.4f}, or 0 (auto)")
+        return blocks, f"kv_cache_gb={config.kv_cache_gb:g}"
     want = config.max_batch * -(-context // config.block_size)
     want += math.ceil(1.1 * WATERMARK * want) + 1  # admission keeps the watermark free
     cap = int(AUTO_SHARE * available_memory() // per_block)
