@@ -165,14 +165,51 @@ class _StreamsCancellable:
                 continue
             for name, method in table.items():
                 if method.unary_stream is not None:
-                    table[name] = method._replace(
-                        unary_stream=_always_cancellable(method.unary_stream))
+                    method = method._replace(unary_stream=_always_cancellable(method.unary_stream))
+                table[name] = _malformed_refused(method)
 
     def add_registered_method_handlers(self, service_name, method_handlers):
         pass
 
     def __getattr__(self, name):
         return getattr(self._server, name)
+
+
+class _Malformed:
+    """A request message whose bytes did not parse, and why."""
+
+    def __init__(self, why: str):
+        self.why = why
+
+
+def _malformed_refused(method):
+    """A method whose request bytes that do not parse get INVALID_ARGUMENT naming the message
+    type (grpc answers UNKNOWN for a deserializer's error, a code clients may retry), answered
+    in the proxy: the application never sees them."""
+    import grpc
+    from google.protobuf.message import DecodeError
+
+    parse = method.request_deserializer
+    if parse is None or method.request_streaming:
+        return method
+
+    def lenient(data: bytes):
+        try:
+            return parse(data)
+        except DecodeError as e:
+            return _Malformed(f"the request is not a valid message of this method's type: {e}")
+
+    def refusing(behaviour):
+        async def handler(request, context):
+            if isinstance(request, _Malformed):
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.why)
+            return await behaviour(request, context)
+        return handler
+
+    # (Serve fills all four behaviours; grpc calls the one the method's streaming flags name)
+    kind = "unary_stream" if method.response_streaming else "unary_unary"
+    return method._replace(request_deserializer=lenient,
+                           **{kind: refusing(getattr(method, kind))})
 
 
 def _always_cancellable(stream):

@@ -940,6 +940,17 @@ def test_errors_have_status_codes_and_the_openai_shape(server):
     with pytest.raises(grpc.RpcError) as info:
         stub.ListModels(pb.ListModelsRequest())
     assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    # bytes that are no message of the method's type: INVALID_ARGUMENT naming the type (grpc's
+    # own answer is UNKNOWN, which a client may retry), streaming or not
+    for method, stream in (("Tokenize", False), ("Generate", True)):
+        call = (server.channel.unary_stream if stream else server.channel.unary_unary)(
+            f"/powerinfer.v1.Inference/{method}")
+        with pytest.raises(grpc.RpcError) as info:
+            r = call(b"\xff\xff\xff\xff not a message", metadata=server.md)
+            list(r) if stream else r
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT, info.value.details()
+        assert f"powerinfer.v1.{method}Request" in info.value.details()
+    assert stub.ListModels(pb.ListModelsRequest(), metadata=server.md).models  # still serving
 
 
 def test_full_queue_answers_429_with_retry_after(server):
