@@ -232,22 +232,22 @@ def ray_init(runtime_env: dict | None = None, resources: dict | None = None):
     ~/.ray/auth_token, readable by this user only. A local instance is also this machine's alone:
     its node address is the loopback one (`loopback_node`), so none of its ports listens on the
     network, not even the Prometheus exporters that Ray serves without the token. A cluster this
-    process joins keeps its own settings. Without RAY_ADDRESS it is a new instance even where a `ray start` cluster is
-    recorded on the machine (/tmp/ray/ray_current_cluster), which `ray.init()` with no address
-    would join: perhaps one started without authentication, or another user's."""
-    import os
-
+    process joins keeps its own settings. Without RAY_ADDRESS it is a new instance even where a
+    `ray start` cluster is recorded on the machine (/tmp/ray/ray_current_cluster), which
+    `ray.init()` with no address would join: perhaps one started without authentication, or
+    another user's."""
     import ray
     if ray.is_initialized():
         return
-    if not os.environ.get("RAY_ADDRESS"):
+    local = not os.environ.get("RAY_ADDRESS")
+    if local:
         os.environ["RAY_AUTH_MODE"] = "token"
         # Ray reads its settings once, at import; reload them as Ray's own default-on path does
         # (ray._private.authentication.authentication_token_setup._enable_token_auth)
         from ray._raylet import Config
         Config.initialize("")
     kw = {}
-    if not os.environ.get("RAY_ADDRESS"):
+    if local:
         kw["address"] = "local"  # this process's own instance, not a cluster found on the machine
         if resources:  # custom resources of a local instance
             kw["resources"] = resources
@@ -255,7 +255,7 @@ def ray_init(runtime_env: dict | None = None, resources: dict | None = None):
     for attempt in (1, 2):
         before = _descendants()
         try:
-            with loopback_node(local=not os.environ.get("RAY_ADDRESS")):
+            with loopback_node(local):
                 ray.init(include_dashboard=False, logging_level="warning", log_to_driver=True,
                          runtime_env=runtime_env, **kw)
             return
@@ -263,7 +263,7 @@ def ray_init(runtime_env: dict | None = None, resources: dict | None = None):
             # a local raylet that took over Ray's fixed 30 s to register (a loaded machine, or
             # the last instance's processes still exiting): stop what this attempt started
             # (Ray leaves a half-started node's processes running) and start afresh, once
-            if attempt == 2 or os.environ.get("RAY_ADDRESS") or \
+            if attempt == 2 or not local or \
                     "timed out during startup" not in str(e):
                 raise
             import logging

@@ -117,7 +117,8 @@ def _trim_heap_after_growth(every_s: float = TRIM_EVERY_S, growth: int = TRIM_GR
 def add_inference_servicer(servicer, server):
     """The gRPC servicer function named in the Serve config (`grpc_options.
     grpc_servicer_functions`): registers powerinfer.v1.Inference and grpc.health.v1.Health on
-    the proxy's server, with each streaming method behind `_always_cancellable`.
+    the proxy's server, with each streaming method behind `_always_cancellable` and each method
+    refusing bytes that do not parse (`_malformed_refused`).
 
     Ray Serve's proxy turns its server's methods into calls to the application; it cancels the
     call when the client goes away only if grpc's cancellation reaches the proxy while it waits
