@@ -158,3 +158,90 @@ def test_bundle_errors_name_the_cause(tmp_path, relu_bundle, default_model_path)
         Bundle.open(tmp_path)
     with pytest.raises(BundleError, match="was made for"):
         relu_bundle.check_model(default_model_path)
+
+
+def damaged(bundle: Bundle, where, edit_manifest=None) -> Bundle:
+    """A copy of `bundle` in the folder `where`, its manifest passed through `edit_manifest`."""
+    import json
+    import shutil
+
+    shutil.copytree(bundle.path, where)
+    if edit_manifest is not None:
+        f = where / "manifest.json"
+        f.write_text(json.dumps(edit_manifest(json.loads(f.read_text()))))
+    return where
+
+
+@pytest.mark.parametrize("edit,needle", [
+    (lambda m: [1, 2], "manifest.json: holds a list, not an object"),
+    (lambda m: {k: v for k, v in m.items() if k != "model"}, "no 'model' field"),
+    (lambda m: {**m, "model": {**m["model"], "n_layers": "four"}},
+     "'model.n_layers' is a string, expected an integer"),
+    (lambda m: {**m, "model": {k: v for k, v in m["model"].items() if k != "file"}},
+     "'model.file' is missing"),
+    (lambda m: {**m, "model": {**m["model"], "size": "big"}},
+     "'model.size' is a string, expected an integer"),
+    (lambda m: {**m, "settings": []}, "'settings' is a list, expected an object"),
+    (lambda m: {**m, "parts": "stats"}, "'parts' is a string, expected a list"),
+    (lambda m: {**m, "version": "1"}, "format version '1'"),
+])
+def test_a_damaged_manifest_is_named_field_by_field(tmp_path, relu_bundle, edit, needle):
+    # (each was a KeyError, TypeError or AttributeError wherever the field was first read, or a
+    # message that named another cause: "format version 1 (this build reads 1)")
+    with pytest.raises(BundleError, match=needle.replace("(", r"\(")):
+        Bundle.open(damaged(relu_bundle, tmp_path / "b", edit))
+
+
+def test_a_damaged_part_is_named_and_a_later_writers_field_is_left_out(tmp_path, relu_bundle,
+                                                                       relu_folder):
+    from safetensors.numpy import load_file, save_file
+
+    from powerinfer.model.predictor import load_predictors
+
+    later = Bundle.open(damaged(relu_bundle, tmp_path / "later", lambda m: {**m, "extra": 1}))
+    assert later.stats()[2] == relu_bundle.stats()[2]
+    unsure = Bundle.open(damaged(relu_bundle, tmp_path / "unsure", lambda m: {
+        **m, "model": {k: v for k, v in m["model"].items() if k != "sha256"}}))
+    with pytest.raises(BundleError, match="records no size or sha256 of the model file"):
+        unsure.check_model(relu_folder[0])  # (a KeyError)
+    b = Bundle.open(damaged(relu_bundle, tmp_path / "b", lambda m: {
+        **m, "corpus": {k: v for k, v in m["corpus"].items() if k != "tokens"}}))
+    with pytest.raises(BundleError, match="'corpus.tokens' is missing"):
+        b.stats()
+    b = Bundle.open(damaged(relu_bundle, tmp_path / "c"))
+    n = b.manifest.model["ffn_dim"]
+    t = load_file(str(b.path / "stats.safetensors"))
+    save_file({**t, "count.0": t["count.0"][: n // 2]}, str(b.path / "stats.safetensors"))
+    with pytest.raises(BundleError, match=rf"stats.safetensors: count.0 has shape \({n // 2},\), "
+                                          rf"expected \({n},\)"):
+        b.stats()
+    th = load_file(str(b.path / "thresholds.safetensors"))["threshold"]
+    save_file({"threshold": np.full_like(th, np.nan)}, str(b.path / "thresholds.safetensors"))
+    with pytest.raises(BundleError, match="threshold holds NaN or infinite values"):
+        b.thresholds()  # (NaN passed every comparison: an evaluation of garbage, exit 0)
+    # predictors of another shape: named, not a kernel's "bytes per group" later
+    d, L = b.manifest.model["dim"], b.n_layers
+    pred = {f"fc1.{i}": np.zeros((8, d), np.float32) for i in range(L)}
+    pred |= {f"fc2.{i}": np.zeros((n, 16), np.float32) for i in range(L)}
+    b.save_tensors("predictors.ffn.safetensors", pred)
+    b.mark("predictors.ffn")
+    with pytest.raises(BundleError, match=rf"fc2.0 has shape \({n}, 16\), expected \({n}, 8\)"):
+        load_predictors(b, "ffn")
+    (b.path / "eval.json").write_text("[1, 2]")
+    with pytest.raises(BundleError, match="eval.json holds a list, expected an object"):
+        b.load_json("eval.json")
+    (b.path / "eval.json").write_bytes(b"\xff\xfe{")
+    with pytest.raises(BundleError, match="eval.json is not valid JSON"):
+        b.load_json("eval.json")
+    # the model it was made for, changed in place: said so, not "made for X, not for X"
+    import shutil
+    folder, _ = relu_folder
+    copy = tmp_path / "m" / folder.name
+    shutil.copytree(folder, copy)
+    weights = next(copy.glob("*.safetensors"))
+    raw = bytearray(weights.read_bytes())
+    raw[-1] ^= 0xFF
+    weights.write_bytes(bytes(raw))
+    with pytest.raises(BundleError, match="the same size, other contents: it changed, or was "
+                                          "damaged or cut short"):
+        relu_bundle.check_model(copy)

@@ -71,6 +71,52 @@ class Manifest:
     created: str = field(default_factory=lambda: time.strftime("%Y-%m-%dT%H:%M:%S%z"))
 
 
+# what a manifest's fields hold: a damaged or hand-edited manifest is named, field by field
+# (it was a KeyError or TypeError wherever the field was first read)
+_FIELDS = {"model": dict, "corpus": dict, "settings": dict, "parts": list, "format": str,
+           "version": int, "created": str}
+_MODEL_FIELDS = {"file": str, "n_layers": int}  # (each reader needs them; the others, where
+_MODEL_TYPES = {"sha256": str, "size": int, "dim": int, "ffn_dim": int}  # present, are typed)
+_JSON_NAMES = {dict: "an object", list: "a list", str: "a string", int: "an integer",
+               float: "a number", bool: "true or false", type(None): "null"}
+
+
+def _is(value, kind: type) -> bool:
+    return isinstance(value, kind) and not (kind is int and isinstance(value, bool))
+
+
+def _kind(value) -> str:
+    return _JSON_NAMES.get(type(value), type(value).__name__)
+
+
+def _manifest(path: Path, raw) -> Manifest:
+    """The manifest in `raw` (manifest.json's contents), its fields checked; fields this build
+    does not know (a later one's) are left out."""
+    def bad(problem: str):
+        return BundleError(path, f"manifest.json: {problem}")
+
+    if not isinstance(raw, dict):
+        raise bad(f"holds {_kind(raw)}, not an object")
+    if raw.get("format") != FORMAT:
+        raise BundleError(path, f"manifest format is {raw.get('format')!r}, expected {FORMAT!r}")
+    if not _is(raw.get("version"), int) or raw["version"] != VERSION:
+        raise BundleError(path, f"format version {raw.get('version')!r} (this build reads "
+                                f"{VERSION})")
+    if "model" not in raw:
+        raise bad("no 'model' field")
+    for name, kind in _FIELDS.items():
+        if name in raw and not _is(raw[name], kind):
+            raise bad(f"'{name}' is {_kind(raw[name])}, expected {_JSON_NAMES[kind]}")
+    for name, kind in (_MODEL_FIELDS | _MODEL_TYPES).items():
+        if (name in _MODEL_FIELDS or name in raw["model"]) and \
+                not _is(raw["model"].get(name), kind):
+            got = "missing" if name not in raw["model"] else f"{_kind(raw['model'][name])}"
+            raise bad(f"'model.{name}' is {got}, expected {_JSON_NAMES[kind]}")
+    if not all(isinstance(p, str) for p in raw.get("parts", [])):
+        raise bad("'parts' holds other than names")
+    return Manifest(**{k: v for k, v in raw.items() if k in _FIELDS})
+
+
 def model_files(path: Path) -> list[Path]:
     """The files that make a model: the GGUF file, or a folder's config and weights."""
     if path.is_dir():
@@ -119,13 +165,9 @@ class Bundle:
             raise BundleError(path, "no manifest.json (not a bundle, or profiling never finished a part)")
         try:
             raw = json.loads(f.read_text())
-        except json.JSONDecodeError as e:
+        except ValueError as e:  # (not JSON, or not UTF-8)
             raise BundleError(path, f"manifest.json is not valid JSON ({e})") from None
-        if raw.get("format") != FORMAT:
-            raise BundleError(path, f"manifest format is {raw.get('format')!r}, expected {FORMAT!r}")
-        if raw.get("version") != VERSION:
-            raise BundleError(path, f"format version {raw.get('version')} (this build reads {VERSION})")
-        return cls(path, Manifest(**raw))
+        return cls(path, _manifest(path, raw))
 
     @property
     def n_layers(self) -> int:
@@ -151,16 +193,24 @@ class Bundle:
         converted once), checked through the original beside it, else by the name and size the
         copy records of its source."""
         m = self.manifest.model
+        if not {"sha256", "size"} <= m.keys():
+            raise BundleError(self.path, "manifest.json: 'model' records no size or sha256 of "
+                                         "the model file to check it against")
         model_path = Path(model_path)
-        if model_size(model_path) == m["size"] and file_sha256(model_path) == m["sha256"]:
+        size = model_size(model_path)
+        if size == m["size"] and file_sha256(model_path) == m["sha256"]:
             return
         source = converted_from(model_path)
         if source is not None and source[:2] == (m["file"], m["size"]):
             original = model_path.parent.parent / m["file"]  # the copy beside its original
             if not original.is_file() or file_sha256(original) == m["sha256"]:
                 return
-        raise BundleError(self.path, f"was made for {m['file']} (sha256 {m['sha256'][:12]}…), "
-                                     f"not for {model_path}")
+        made_for = f"was made for {m['file']} ({m['size']:,} bytes, sha256 {m['sha256'][:12]}…)"
+        if model_path.name == m["file"]:  # the same name: the file itself changed
+            differs = "the same size, other contents" if size == m["size"] else f"{size:,} bytes"
+            raise BundleError(self.path, f"{made_for}; {model_path} has {differs}: it changed, "
+                                         "or was damaged or cut short, since the bundle was made")
+        raise BundleError(self.path, f"{made_for}, not for {model_path}")
 
     def save_manifest(self):
         _atomic(self.path / "manifest.json",
@@ -180,36 +230,59 @@ class Bundle:
         _atomic(f, lambda tmp: save_file({k: np.ascontiguousarray(v) for k, v in tensors.items()},
                                          str(tmp)))
 
-    def load_tensors(self, name: str) -> dict[str, np.ndarray]:
+    def load_tensors(self, name: str, shapes: dict[str, tuple] | None = None
+                     ) -> dict[str, np.ndarray]:
+        """The tensors of the part `name`; with `shapes` (key -> shape, None in a shape for any
+        length), each of those keys checked for its presence, its shape and, if it is floating
+        point, finite values."""
         f = self.path / name
         if not f.is_file():
             raise BundleError(self.path, f"missing {name}")
         try:
-            return load_file(str(f))
+            t = load_file(str(f))
         except Exception as e:  # safetensors raises its own error types
             raise BundleError(self.path, f"{name} is unreadable ({e})") from None
+        for key, shape in (shapes or {}).items():
+            check_tensor(self.path, name, key, t.get(key), shape)
+        return t
 
     def save_json(self, name: str, obj):
         _atomic(self.path / name, lambda tmp: tmp.write_text(json.dumps(obj, indent=1)))
 
     def load_json(self, name: str):
+        """The JSON part `name`: a list for the tables (predictors.{input}.json, quality.json),
+        an object for the others."""
+        expect = list if name.startswith("predictors.") or name == "quality.json" else dict
         f = self.path / name
         if not f.is_file():
             raise BundleError(self.path, f"missing {name}")
-        return json.loads(f.read_text())
+        try:
+            obj = json.loads(f.read_text())
+        except ValueError as e:  # (not JSON, or not UTF-8)
+            raise BundleError(self.path, f"{name} is not valid JSON ({e})") from None
+        if not isinstance(obj, expect):
+            raise BundleError(self.path, f"{name} holds {_kind(obj)}, expected "
+                                         f"{_JSON_NAMES[expect]}")
+        return obj
 
     # typed accessors for the parts
     def stats(self) -> tuple[list[np.ndarray], list[np.ndarray], int]:
         """Per-layer firing counts and activation mass, and the number of tokens profiled."""
         self.require("stats", "profile")
-        t = self.load_tensors("stats.safetensors")
-        L = self.n_layers
-        return ([t[f"count.{i}"] for i in range(L)], [t[f"mass.{i}"] for i in range(L)],
-                int(self.manifest.corpus["tokens"]))
+        L, n = self.n_layers, self.manifest.model.get("ffn_dim")
+        t = self.load_tensors("stats.safetensors", {f"{k}.{i}": (n,) for i in range(L)
+                                                    for k in ("count", "mass")})
+        tokens = self.manifest.corpus.get("tokens")
+        if not _is(tokens, int):
+            raise BundleError(self.path, "manifest.json: 'corpus.tokens' is "
+                              f"{'missing' if tokens is None else _kind(tokens)}, expected an "
+                              "integer")
+        return [t[f"count.{i}"] for i in range(L)], [t[f"mass.{i}"] for i in range(L)], tokens
 
     def thresholds(self) -> np.ndarray:
         self.require("thresholds", "profile")
-        return self.load_tensors("thresholds.safetensors")["threshold"]
+        name = "thresholds.safetensors"
+        return self.load_tensors(name, {"threshold": (self.n_layers,)})["threshold"]
 
     def samples(self, layer: int) -> dict[str, np.ndarray]:
         self.require("samples", "profile")
@@ -217,8 +290,25 @@ class Bundle:
 
     def placement(self) -> list[np.ndarray]:
         self.require("placement", "solve")
-        t = self.load_tensors("placement.safetensors")
+        n = self.manifest.model.get("ffn_dim")
+        t = self.load_tensors("placement.safetensors",
+                              {f"hot.{i}": (n,) for i in range(self.n_layers)})
         return [t[f"hot.{i}"].astype(bool) for i in range(self.n_layers)]
+
+
+def check_tensor(path: Path, name: str, key: str, a: np.ndarray | None, shape: tuple):
+    """BundleError unless `a`, the tensor `key` of the part `name`, is there, of `shape` (None:
+    any length) and, if floating point, finite (a NaN passes every threshold and comparison:
+    it decoded other text, or evaluated as garbage, without a word)."""
+    if a is None:
+        raise BundleError(path, f"{name} lacks {key}")
+    if a.ndim != len(shape) or any(s is not None and s != d for s, d in zip(shape, a.shape)):
+        want = "(" + ", ".join("any" if s is None else str(s) for s in shape) + \
+            ("," if len(shape) == 1 else "") + ")"
+        raise BundleError(path, f"{name}: {key} has shape {tuple(a.shape)}, expected {want}")
+    # (a float64 sum: NaN or infinity in any entry makes it so, and it reads at memory speed)
+    if a.dtype.kind == "f" and not np.isfinite(a.sum(dtype=np.float64)):
+        raise BundleError(path, f"{name}: {key} holds NaN or infinite values")
 
 
 def _atomic(path: Path, write):

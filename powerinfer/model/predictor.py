@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .. import kernels
-from ..formats.bundle import Bundle, BundleError
+from ..formats.bundle import Bundle, check_tensor
 from ..formats.kquants import widen_rows
 
 INPUTS = ("ffn", "layer")
@@ -199,10 +199,13 @@ def load_predictors(bundle: Bundle, input: str = "ffn", dtype: torch.dtype = tor
     if input not in INPUTS:
         raise ValueError(f"predictor input {input!r}: one of {', '.join(INPUTS)}")
     bundle.require(f"predictors.{input}", "train-predictors")
-    t = bundle.load_tensors(f"predictors.{input}.safetensors")
-    names = [f"fc{j}.{i}" for i in range(bundle.n_layers) for j in (1, 2)]
-    if missing := [n for n in names if n not in t]:
-        raise BundleError(bundle.path, f"predictors.{input}.safetensors lacks {missing[0]}")
+    name = f"predictors.{input}.safetensors"
+    t = bundle.load_tensors(name)
+    dim, ffn_dim = bundle.manifest.model.get("dim"), bundle.manifest.model.get("ffn_dim")
+    for i in range(bundle.n_layers):  # (a wrong shape failed in the kernel, naming neither)
+        check_tensor(bundle.path, name, f"fc1.{i}", t.get(f"fc1.{i}"), (None, dim))
+        check_tensor(bundle.path, name, f"fc2.{i}", t.get(f"fc2.{i}"),
+                     (ffn_dim, t[f"fc1.{i}"].shape[0]))
 
     def tensor(name):
         return torch.from_numpy(t[name]).to(device=device, dtype=dtype)

@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
+from ..errors import ConfigError
 from ..formats.bundle import Bundle
 from ..model.load import load_model
 from ..model.predictor import load_predictors
@@ -83,7 +84,8 @@ def evaluate(model_name: str, bundle: Bundle, tokens: int = 0, window: int = 256
     ffns = hybrid_layers(sparse)
     n = dense.args.ffn_dim
 
-    th = bundle.load_tensors("thresholds.safetensors") if bundle.has("thresholds") else {}
+    th = bundle.load_tensors("thresholds.safetensors", {"threshold": (len(ffns),)}) \
+        if bundle.has("thresholds") else {}
     base = th.get("threshold", np.zeros(len(ffns), np.float32))
     target = bundle.manifest.settings.get("thresholds", {}).get("sparsity")
     variants = [Variant("dense", "dense"), Variant("oracle", "oracle", base, target=target)]
@@ -101,6 +103,8 @@ def evaluate(model_name: str, bundle: Bundle, tokens: int = 0, window: int = 256
 
     text = load_corpus(corpus or bundle.manifest.corpus.get("name") or "lee", "held_out")
     windows = token_windows(tokenizer, text, window, tokens)
+    if sum(len(w) - 1 for w in windows) < 1:  # (a ZeroDivisionError at the end)
+        raise ConfigError(f"{tokens} held-out tokens leave none to predict: give at least 2")
     with torch.inference_mode():
         for w in tqdm(windows, desc="evaluating", unit="window", disable=not progress):
             ids = torch.tensor([w])
