@@ -7,7 +7,7 @@ import logging
 import sys
 import time
 
-from .config import DTYPE_HELP, ISA_HELP, Config, device_for, gib
+from .config import DTYPE_HELP, DTYPES, ISA_HELP, Config, device_for, gib
 from .errors import InvalidRequestError, PowerInferError
 from .formats.loader import DEFAULT_MODEL
 from .cpu import ISAS
@@ -45,6 +45,10 @@ def main(argv: list[str] | None = None) -> int:
     except PowerInferError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
+    except OSError as e:  # a file the command reads or writes: missing, a folder, not allowed
+        print(f"error: {e.strerror or e}" + (f": {e.filename}" if e.filename else ""),
+              file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         return 130
 
@@ -59,6 +63,26 @@ def count(minimum: int):
             raise argparse.ArgumentTypeError(f"{text!r} is less than {minimum}")
         return v
     return whole_number
+
+
+def ranks(text: str) -> list[int]:
+    """The command line's type for a comma-separated list of predictor ranks, each at least 1."""
+    try:
+        out = [int(r) for r in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of whole "
+                                         "numbers") from None
+    if min(out) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: each rank must be at least 1")
+    return out
+
+
+def share(text: str) -> float:
+    """The command line's type for a share in (0, 1]."""
+    v = float(text)
+    if not 0 < v <= 1:  # (NaN too)
+        raise argparse.ArgumentTypeError(f"{text!r} is not in (0, 1]")
+    return v
 
 
 def positive(text: str) -> float:
@@ -248,7 +272,7 @@ def _pipeline_commands(sub):
     p.add_argument("--calib-tokens", type=count(1), default=None,
                    help="SwiGLU models: tokens run first to set the thresholds (default 8192)")
     p.add_argument("--window", type=count(2), default=512, help="tokens per window")
-    p.add_argument("--dtype", default="float32")
+    p.add_argument("--dtype", default="float32", choices=sorted(DTYPES))
     p.add_argument("--device", default="auto",
                    help="where the model runs: auto (a GPU torch sees, where it holds the "
                         "model), cpu, cuda, cuda:N")
@@ -258,9 +282,10 @@ def _pipeline_commands(sub):
     p.add_argument("--bundle", required=True)
     p.add_argument("--input", choices=["ffn", "layer", "both"], default="both",
                    help="predictor input: the FFN's own input, or the layer input (lookahead)")
-    p.add_argument("--recall", type=float, default=0.99, help="target recall by activation mass")
+    p.add_argument("--recall", type=share, default=0.99,
+                   help="target recall by activation mass, in (0, 1]")
     p.add_argument("--epochs", type=count(1), default=None, help="at most this many epochs per rank")
-    p.add_argument("--ranks", default=None,
+    p.add_argument("--ranks", type=ranks, default=None,
                    help="comma-separated ranks to try (default: five powers of two up to min(d, n_ff))")
     p.add_argument("--device", default="auto",
                    help="where the training steps run: auto (a GPU where torch sees one), cpu, "
@@ -324,7 +349,7 @@ def _pipeline_commands(sub):
     p.add_argument("--preset", default="7b")
     p.add_argument("--layers", type=count(1), default=None)
     p.add_argument("--sparsity", type=float, default=0.9)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=count(0), default=0)
     p.add_argument("--subspace", type=count(0), default=0,
                    help="rank of each layer's gate rows (0: isotropic; r > 0: firing a predictor "
                         "of about rank r can learn, as in trained models)")
@@ -362,7 +387,7 @@ def _train(args) -> int:
     for inp in (["ffn", "layer"] if args.input == "both" else [args.input]):
         extra = {} if args.epochs is None else {"epochs": args.epochs}
         if args.ranks:
-            extra["ranks"] = [int(r) for r in args.ranks.split(",")]
+            extra["ranks"] = args.ranks
         rows = train_predictors(b, inp, recall_target=args.recall, device=args.device, **extra)
         print(f"predictors reading the {inp} input:")
         print(format_table(rows))

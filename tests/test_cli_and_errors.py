@@ -153,6 +153,12 @@ def test_an_amount_of_memory_must_be_a_finite_number():
     (["synthetic", "--out", "x", "--layers", "0"], "--layers: '0' is less than 1"),
     (["generate", "-p", "x", "--max-tokens", "0"], "--max-tokens/-n: '0' is less than 1"),
     (["generate", "-p", "x", "--threads", "two"], "--threads/-t: invalid whole_number value: 'two'"),
+    (["train-predictors", "--bundle", "b", "--ranks", "16,,32"],
+     "--ranks: '16,,32' is not a comma-separated list of whole numbers"),
+    (["train-predictors", "--bundle", "b", "--ranks", "0"], "each rank must be at least 1"),
+    (["train-predictors", "--bundle", "b", "--recall", "1.5"], "--recall: '1.5' is not in (0, 1]"),
+    (["profile", "--out", "b", "--dtype", "foo"], "--dtype: invalid choice: 'foo'"),
+    (["synthetic", "--out", "x", "--seed", "-1"], "--seed: '-1' is less than 0"),
 ])
 def test_a_count_out_of_range_is_named_before_anything_runs(argv, needle, capsys):
     # (`eval --window 0` ended in a RuntimeError after loading the model, and `--tokens -5`
@@ -162,6 +168,25 @@ def test_a_count_out_of_range_is_named_before_anything_runs(argv, needle, capsys
     with pytest.raises(SystemExit) as e:
         main(argv)
     assert e.value.code == 2 and needle in capsys.readouterr().err
+
+
+def test_a_file_the_command_cannot_write_is_named_without_a_traceback(tmp_path, capsys):
+    from powerinfer.cli import main
+    from powerinfer.formats.bundle import Bundle
+
+    out = tmp_path / "no" / "such" / "folder" / "s.gguf"
+    assert main(["synthetic", "--preset", "tiny", "--out", str(out)]) == 1
+    err = capsys.readouterr().err
+    assert "error: No such file or directory" in err and "Traceback" not in err, err
+    # export-pwri onto its own model file: refused (it overwrote the model, orphaning its bundle)
+    model = tmp_path / "m.gguf"
+    model.write_bytes(b"GGUF")
+    Bundle.create(tmp_path / "b", {"file": "m.gguf", "size": 4, "sha256": "0", "n_layers": 1,
+                                   "dim": 1, "ffn_dim": 1})
+    assert main(["export-pwri", "-m", str(model), "--bundle", str(tmp_path / "b"),
+                 "--out", str(model)]) == 1
+    assert "is the model file itself" in capsys.readouterr().err
+    assert model.read_bytes() == b"GGUF"
 
 
 def test_serve_names_a_missing_model_before_it_starts_ray(tmp_path):

@@ -57,7 +57,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ..errors import ModelLoadError
+from ..errors import ConfigError, ModelLoadError
 from .bundle import Bundle, BundleError, model_record
 from .gguf import dequantize, gguf_metadata, open_gguf
 from .loader import load_checkpoint
@@ -105,6 +105,8 @@ def export_pwri(model_file: Path, bundle: Bundle, out: Path, predictor_input: st
     trained on the layer input ("layer") are written as they are and marked in
     powerinfer.predictor_input."""
     model_file, out = Path(model_file), Path(out)
+    if out.resolve() == model_file.resolve():  # (it overwrote the model, orphaning its bundle)
+        raise ConfigError(f"--out {out} is the model file itself: name another file")
     bundle.check_model(model_file)
     ck = load_checkpoint(model_file, with_weights=False)
     a, arch = ck.args, ck.info["gguf_arch"]
@@ -293,18 +295,22 @@ def write_gguf(path: Path, magic: bytes, kvs: list[bytes], tensors: dict, align:
         return data[0] if isinstance(data, tuple) else data.nbytes
 
     tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as fh:
-        fh.write(magic + struct.pack("<IQQ", GGUF_VERSION, len(tensors), len(kvs)) + b"".join(kvs))
-        offset = 0
-        for name, (shape, ggml_type, data) in tensors.items():
-            fh.write(_str(name) + struct.pack(f"<I{len(shape)}QIQ", len(shape), *shape,
-                                              ggml_type, offset))
-            offset += size(data) + _pad(size(data), align)
-        fh.write(b"\0" * _pad(fh.tell(), align))
-        for name, (_, _, data) in tensors.items():
-            n = size(data)
-            arr = np.ascontiguousarray(data[1]() if isinstance(data, tuple) else data)
-            assert arr.nbytes == n, (name, arr.nbytes, n)
-            fh.write(arr.data)
-            fh.write(b"\0" * _pad(n, align))
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "wb") as fh:
+            fh.write(magic + struct.pack("<IQQ", GGUF_VERSION, len(tensors), len(kvs))
+                     + b"".join(kvs))
+            offset = 0
+            for name, (shape, ggml_type, data) in tensors.items():
+                fh.write(_str(name) + struct.pack(f"<I{len(shape)}QIQ", len(shape), *shape,
+                                                  ggml_type, offset))
+                offset += size(data) + _pad(size(data), align)
+            fh.write(b"\0" * _pad(fh.tell(), align))
+            for name, (_, _, data) in tensors.items():
+                n = size(data)
+                arr = np.ascontiguousarray(data[1]() if isinstance(data, tuple) else data)
+                assert arr.nbytes == n, (name, arr.nbytes, n)
+                fh.write(arr.data)
+                fh.write(b"\0" * _pad(n, align))
+        os.replace(tmp, path)
+    finally:  # (a failed write, or `path` a folder, left the .tmp file behind)
+        tmp.unlink(missing_ok=True)

@@ -35,6 +35,7 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from ..config import named_device
+from ..errors import ConfigError
 from ..formats.bundle import Bundle, BundleError
 from ..model.predictor import INPUTS, predict
 
@@ -248,8 +249,10 @@ def train_predictors(bundle: Bundle, input: str = "ffn", recall_target: float = 
     dim, ffn_dim = int(bundle.manifest.model["dim"]), int(bundle.manifest.model["ffn_dim"])
     gated = bundle.manifest.model.get("ffn_act", "swiglu") != "relu"
     ranks = sorted(ranks or default_ranks(dim, ffn_dim))
-    if ranks[0] < 1:
-        raise ValueError(f"predictor ranks must be positive, got {ranks}")
+    if ranks[0] < 1 or ranks[-1] > min(dim, ffn_dim):  # (a rank past both took hours to train
+        # a predictor larger than the layer it predicts)
+        raise ConfigError(f"predictor ranks must be in 1..{min(dim, ffn_dim)} (the smaller of "
+                          f"the model's width and FFN width), got {ranks}")
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
     named_device(device, "predictors train")
