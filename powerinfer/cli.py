@@ -398,7 +398,10 @@ def _solve(args) -> int:
     from .formats.bundle import Bundle
     from .sparsity.solver import solve_bundle
 
-    p = solve_bundle(Bundle.open(args.bundle), args.vram_budget, batch=args.batch,
+    b = Bundle.open(args.bundle)
+    print(f"placing {b.n_layers} layers' neurons under {args.vram_budget:g} GiB (an integer "
+          f"program: at most {args.time_limit:g} s)...", file=sys.stderr, flush=True)
+    p = solve_bundle(b, args.vram_budget, batch=args.batch,
                      context=args.context, group=args.group, min_share=args.min_share,
                      time_limit=args.time_limit, predictor_input=args.input)
     print(p.table())

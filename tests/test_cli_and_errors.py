@@ -285,3 +285,12 @@ def test_a_local_ray_start_that_times_out_is_cleaned_up_and_tried_once_more(monk
     with pytest.raises(ValueError, match="something else"):
         compat.ray_init()
     assert len(calls) == 3
+
+
+def test_a_gguf_without_a_vocabulary_names_the_missing_key():
+    from powerinfer.formats.tokenizer import Tokenizer
+
+    with pytest.raises(ValueError, match="metadata lacks tokenizer.ggml.tokens: no tokenizer"):
+        Tokenizer.from_gguf({"tokenizer.ggml.model": "gpt2"})
+    with pytest.raises(ValueError, match="metadata lacks tokenizer.ggml.scores"):
+        Tokenizer.from_gguf({"tokenizer.ggml.model": "llama", "tokenizer.ggml.tokens": ["a"]})

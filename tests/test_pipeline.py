@@ -65,7 +65,7 @@ def test_profile_counts_match_an_independent_recount(relu_folder, relu_bundle):
 
 
 def test_a_profile_says_where_it_ran_and_names_a_device_it_cannot_use(relu_folder, relu_bundle,
-                                                                       tmp_path):
+                                                                       tmp_path, caplog):
     from powerinfer.errors import ConfigError
     folder, _ = relu_folder
     # ("auto": a GPU that holds the model, else the CPU)
@@ -77,6 +77,9 @@ def test_a_profile_says_where_it_ran_and_names_a_device_it_cannot_use(relu_folde
         with pytest.raises(ConfigError, match=f"device '{device}'"):
             profile(str(folder), "lee", tmp_path / device, opts, progress=False, device=device)
         assert not (tmp_path / device).exists()  # (before any bundle is made)
+    with caplog.at_level("WARNING", logger="powerinfer"):  # a text too short to learn from
+        profile(str(folder), "lee", tmp_path / "few", opts, progress=False, device="cpu")
+    assert "profiling 256 tokens of lee: too few" in caplog.text
 
 
 def test_samples_are_consistent_with_the_model(relu_folder, relu_bundle):
@@ -245,3 +248,25 @@ def test_a_damaged_part_is_named_and_a_later_writers_field_is_left_out(tmp_path,
     with pytest.raises(BundleError, match="the same size, other contents: it changed, or was "
                                           "damaged or cut short"):
         relu_bundle.check_model(copy)
+
+
+def test_a_models_sha256_is_read_once_and_again_when_the_file_changes(tmp_path, monkeypatch):
+    import hashlib
+
+    from powerinfer.formats import bundle as B
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    f = tmp_path / "m.gguf"
+    f.write_bytes(b"a" * 4096)
+    assert B.file_sha256(f) == hashlib.sha256(b"a" * 4096).hexdigest()
+
+    def unread(*_):
+        raise AssertionError("read again")
+    want = hashlib.sha256(b"a" * 4096).hexdigest()
+    with monkeypatch.context() as m:  # (each load with a bundle read the whole model)
+        m.setattr(B.hashlib, "sha256", unread)
+        assert B.file_sha256(f) == want
+    f.write_bytes(b"b" * 4096)  # the same size, other contents, in place
+    assert B.file_sha256(f) == hashlib.sha256(b"b" * 4096).hexdigest()
+    (tmp_path / "cache" / "powerinfer" / "sha256.json").write_text("{not json")
+    assert B.file_sha256(f) == hashlib.sha256(b"b" * 4096).hexdigest()  # a damaged cache: read

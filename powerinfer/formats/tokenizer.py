@@ -140,6 +140,10 @@ class Tokenizer:
     @classmethod
     def from_gguf(cls, meta: dict) -> "Tokenizer":
         kind = meta.get("tokenizer.ggml.model")
+        for key in ("tokenizer.ggml.tokens",) + (("tokenizer.ggml.scores",) if kind == "llama"
+                                                 else ()):
+            if key not in meta:  # (a KeyError's bare "'tokenizer.ggml.tokens'" before)
+                raise ValueError(f"the file's metadata lacks {key}: no tokenizer to load")
         tokens = list(meta["tokenizer.ggml.tokens"])
         types = list(meta.get("tokenizer.ggml.token_type") or [TYPE_NORMAL] * len(tokens))
         if kind == "gpt2":

@@ -13,6 +13,7 @@ tenth (the latest text: the held-out rows), each neuron's |activation|.
 """
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,6 +28,8 @@ from ..model.load import load_model
 from ..model.sparse import activate
 from ..model.transformer import held_bytes
 from .corpus import Corpus, load_corpus, token_windows
+
+log = logging.getLogger("powerinfer")
 
 SAMPLE_MEMORY = 2 << 30  # bytes of samples held in RAM before writing
 
@@ -141,6 +144,9 @@ def profile_device(model) -> torch.device:
     return torch.device("cuda" if need < free else "cpu")
 
 
+FEW_TOKENS = 2048  # a profile of fewer is warned about
+
+
 def profile(model_name: str, corpus: str, out: str | Path, opts: ProfileOptions = ProfileOptions(),
             dtype: str = "float32", progress: bool = True, device: str = "auto") -> Bundle:
     """Profile `model_name` over `corpus` into a new bundle at `out` (see the module's text);
@@ -157,6 +163,10 @@ def profile(model_name: str, corpus: str, out: str | Path, opts: ProfileOptions 
     text: Corpus = load_corpus(corpus, "calibration")
     windows = token_windows(tokenizer, text, opts.window, opts.tokens)
     total = sum(map(len, windows))
+    if total < FEW_TOKENS:  # (6 tokens went through the whole pipeline, every step exit 0)
+        log.warning("profiling %d tokens of %s: too few for firing statistics or predictors to "
+                    "mean much (at least %d; give a longer text, or --tokens 0 for all of it)",
+                    total, text.name, FEW_TOKENS)
     bundle = Bundle.create(out, model_record(path, a))  # a fresh manifest: no parts
 
     L, d, n = a.n_layers, a.dim, a.ffn_dim
