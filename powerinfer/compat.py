@@ -259,6 +259,16 @@ def ray_init(runtime_env: dict | None = None, resources: dict | None = None):
                 ray.init(include_dashboard=False, logging_level="warning", log_to_driver=True,
                          runtime_env=runtime_env, **kw)
             return
+        except (KeyboardInterrupt, SystemExit):
+            # stopped while the instance starts (Ctrl-C, or a SIGTERM: ray.init sets a handler
+            # that exits): what this attempt started goes too (Ray left its dashboard and
+            # runtime-env agents running for minutes, and they held their ports)
+            if local:
+                with contextlib.suppress(Exception):
+                    ray.shutdown()
+                _kill([p for pid, p in _descendants().items()
+                       if pid not in before and _ray_process(p)])
+            raise
         except Exception as e:  # noqa: BLE001 - Ray raises a bare Exception for this one
             # a local raylet that took over Ray's fixed 30 s to register (a loaded machine, or
             # the last instance's processes still exiting): stop what this attempt started

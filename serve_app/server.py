@@ -8,6 +8,7 @@ it started, which leaves no Ray process and no shared-memory segment behind.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -50,6 +51,26 @@ class Frontend:
         except ValueError:
             return False
 
+    def check_ports(self):
+        """ConfigError where the HTTP or gRPC port is taken on the host. Serve's proxy binds
+        with SO_REUSEPORT, so a second server on the ports of a running one started, shared
+        them with it (the kernel splitting connections between the two) and reported the first
+        one's models as its own."""
+        import socket
+
+        for port, what in ((self.port, "HTTP"), (self.grpc_port, "gRPC")):
+            family = socket.AF_INET6 if ":" in self.host else socket.AF_INET
+            with socket.socket(family, socket.SOCK_STREAM) as s:
+                # (not SO_REUSEPORT; SO_REUSEADDR passes a stopped server's TIME_WAIT only)
+                s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                try:
+                    s.bind((self.host, port))
+                except OSError as e:
+                    raise ConfigError(f"the {what} port {port} on {self.host} is taken "
+                                      f"({e.strerror}): another server runs there, or pick "
+                                      f"another with --{'port' if what == 'HTTP' else 'grpc-port'}"
+                                      ) from None
+
     @property
     def local_url(self) -> str:
         host = "127.0.0.1" if self.host in ("0.0.0.0", "::", "") else self.host
@@ -75,6 +96,7 @@ def serve_forever(settings: ServeSettings, front: Frontend, demo: bool = False) 
     import ray
     from ray import serve
     from ray.serve.config import gRPCOptions
+    from ray.serve.exceptions import RayServeException
 
     from cluster.topology import numa_resources
     from powerinfer.compat import LOOPBACK_SWITCH, ray_init
@@ -89,21 +111,25 @@ def serve_forever(settings: ServeSettings, front: Frontend, demo: bool = False) 
     # later; health checks run every 10 s anyway). The operator's own setting stays.
     env = {GRPC_HOST_ENV: front.host,
            CONTROL_LOOP_ENV: os.environ.get(CONTROL_LOOP_ENV, CONTROL_LOOP_S)}
+    if not joined:  # (this host's proxy binds them)
+        front.check_ports()
+    # SIGTERM stops the server as Ctrl-C does (a handler that only raises takes no lock that
+    # the interrupted code may hold), from the start of Ray's on: `ray_init` stops what it
+    # started when it is interrupted
+    signal.signal(signal.SIGTERM, _interrupt)
     ray_init(runtime_env={"worker_process_setup_hook": "serve_app.grpc_host.setup_serve_worker",
                           "env_vars": env},
              resources=numa_resources())  # a local instance advertises the NUMA nodes
-    # the cluster's address, for an operator's `ray status` or another node's `ray start` (and
-    # for a client that joins this server's instance rather than another one on the machine);
-    # a local instance is this machine's alone, joined with Ray's loopback switch
-    gcs = ray.get_runtime_context().gcs_address
-    note = "" if joined else (" (token authentication on; this machine's only: a process here "
-                              f"joins it with {LOOPBACK_SWITCH}=0)")
-    say(f"Ray: {'joined the cluster' if joined else 'a local instance'} at {gcs}{note}")
-    # SIGTERM stops the server as Ctrl-C does (a handler that only raises takes no lock that
-    # the interrupted code may hold)
-    signal.signal(signal.SIGTERM, _interrupt)
-    logging_config = {"enable_access_log": front.log_requests}
-    try:
+    signal.signal(signal.SIGTERM, _interrupt)  # (again: ray.init sets its own, which exits)
+    try:  # (from here a stop, at any point, stops what was started: it left Ray running)
+        # the cluster's address, for an operator's `ray status` or another node's `ray start`
+        # (and for a client that joins this server's instance rather than another one on the
+        # machine); a local instance is this machine's alone, joined with Ray's loopback switch
+        gcs = ray.get_runtime_context().gcs_address
+        note = "" if joined else (" (token authentication on; this machine's only: a process "
+                                  f"here joins it with {LOOPBACK_SWITCH}=0)")
+        say(f"Ray: {'joined the cluster' if joined else 'a local instance'} at {gcs}{note}")
+        logging_config = {"enable_access_log": front.log_requests}
         timeout = front.request_timeout_s or None
         serve.start(http_options={"host": front.host, "port": front.port,
                                   "request_timeout_s": timeout},
@@ -141,9 +167,10 @@ def serve_forever(settings: ServeSettings, front: Frontend, demo: bool = False) 
     finally:
         say("stopping...")
         try:
-            serve.delete(APP_NAME)
-            if not joined:
-                serve.shutdown()
+            with contextlib.suppress(RayServeException):  # (stopped before Serve started)
+                serve.delete(APP_NAME)
+                if not joined:
+                    serve.shutdown()
         finally:
             ray.shutdown()
 

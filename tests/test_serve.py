@@ -1261,6 +1261,21 @@ def test_the_servers_ray_instance_listens_on_loopback_only(server):
     assert {c.laddr.ip for c in listening} <= {"127.0.0.1", "::ffff:127.0.0.1"}, listening
 
 
+def test_a_second_server_on_the_same_ports_is_refused_before_it_starts(server):
+    # (Serve's proxy binds with SO_REUSEPORT: a second server shared the first one's ports, the
+    # kernel splitting connections between them, and reported the first one's models as its own)
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    for args, what in ((["--port", str(server.port), "--grpc-port", str(free_port())], "HTTP"),
+                       (["--port", str(free_port()), "--grpc-port", str(server.grpc_port)],
+                        "gRPC")):
+        r = subprocess.run([str(POWERINFER), "serve", *args], capture_output=True, text=True,
+                           timeout=120, env=env)
+        assert r.returncode == 1, r.stdout[-2000:] + r.stderr[-2000:]
+        assert f"the {what} port" in r.stderr and "is taken" in r.stderr, r.stderr[-2000:]
+        assert "Ray:" not in r.stdout  # refused before Ray started
+    assert server.http.get("/v1/models").status_code == 200
+
+
 def test_front_ends_listen_on_loopback_only(server):
     import psutil
     listening = [c for c in psutil.net_connections(kind="inet") if c.status == psutil.CONN_LISTEN
