@@ -62,6 +62,15 @@ def test_wrong_magic(tmp_path):
         load_checkpoint(bad)
 
 
+def test_a_gguf_of_another_version_is_named_as_such(tmp_path, gguf_path):
+    raw = bytearray(gguf_path.read_bytes()[:4096])
+    raw[4:8] = (99).to_bytes(4, "little")  # (it was "corrupt or truncated")
+    (tmp_path / "v99.gguf").write_bytes(bytes(raw))
+    with pytest.raises(ModelLoadError, match=r"v99.gguf: GGUF version 99, which this build does "
+                                             r"not read \(it reads versions 2, 3\)"):
+        load_checkpoint(tmp_path / "v99.gguf")
+
+
 @pytest.mark.parametrize("size", [64, 1_000_000, 90_000_000])
 def test_truncated_gguf(tmp_path, gguf_path, size):
     cut = tmp_path / "cut.gguf"

@@ -93,12 +93,21 @@ def open_gguf(path: Path):
     return _open_gguf(path)
 
 
+GGUF_VERSIONS = (2, 3)  # the versions the gguf package reads (READER_SUPPORTED_VERSIONS)
+
+
 def _open_gguf(path: Path):
     with open(path, "rb") as fh:
-        magic = fh.read(4)
+        magic, version = fh.read(4), fh.read(4)
     if magic not in (b"GGUF", b"PWRI"):  # PWRI: the original PowerInfer's layout (pwri.py)
         raise ModelLoadError(path, f"not a GGUF file (magic {magic!r}, "
                              "expected b'GGUF' or b'PWRI')")
+    v = int.from_bytes(version, "little")
+    if v & 0xFFFF == 0:  # a big-endian file, as the reader tells them apart
+        v = int.from_bytes(version, "big")
+    if len(version) == 4 and v not in GGUF_VERSIONS:  # (it was "corrupt or truncated")
+        raise ModelLoadError(path, f"GGUF version {v}, which this build does not read (it reads "
+                             f"versions {', '.join(map(str, GGUF_VERSIONS))})")
     try:
         return gguf_reader(path)
     except Exception as e:
