@@ -58,8 +58,9 @@ class Frontend:
         one's models as its own."""
         import socket
 
-        for port, what in ((self.port, "HTTP"), (self.grpc_port, "gRPC")):
-            family = socket.AF_INET6 if ":" in self.host else socket.AF_INET
+        family = socket.AF_INET6 if ":" in self.host else socket.AF_INET
+        for port, what, flag in ((self.port, "HTTP", "--port"),
+                                 (self.grpc_port, "gRPC", "--grpc-port")):
             with socket.socket(family, socket.SOCK_STREAM) as s:
                 # (not SO_REUSEPORT; SO_REUSEADDR passes a stopped server's TIME_WAIT only)
                 s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -68,8 +69,7 @@ class Frontend:
                 except OSError as e:
                     raise ConfigError(f"the {what} port {port} on {self.host} is taken "
                                       f"({e.strerror}): another server runs there, or pick "
-                                      f"another with --{'port' if what == 'HTTP' else 'grpc-port'}"
-                                      ) from None
+                                      f"another with {flag}") from None
 
     @property
     def local_url(self) -> str:

@@ -150,7 +150,7 @@ def file_sha256(path: Path, chunk: int = 1 << 24) -> str:
         return cache[key]["sha256"]
     from tqdm import tqdm
 
-    total = sum(f.stat().st_size for f in files)
+    total = sum(size for _, _, size, _, _ in stamp)
     h = hashlib.sha256()
     with tqdm(total=total, unit="B", unit_scale=True, desc=f"sha256 of {Path(path).name}",
               disable=total < 1 << 30, leave=False) as bar:
@@ -189,20 +189,13 @@ def _hash_cache() -> dict:
 
 
 def _save_hash_cache(cache: dict):
-    """Write the cache (its newest entries), where the user's cache folder allows it."""
-    import tempfile
-
-    try:
+    """Write the cache (its newest entries), where the user's cache folder allows it (two
+    loads may write at once: the last one's cache stays)."""
+    keep = dict(list(cache.items())[-HASH_CACHE_ENTRIES:])
+    with contextlib.suppress(OSError):
         f = _hash_cache_file()
         f.parent.mkdir(parents=True, exist_ok=True)
-        keep = dict(list(cache.items())[-HASH_CACHE_ENTRIES:])
-        # (a name of its own: two loads may write at once; the last one's cache stays)
-        with tempfile.NamedTemporaryFile("w", dir=f.parent, prefix=".sha256-", delete=False) as t:
-            t.write(json.dumps(keep))
-        os.replace(t.name, f)
-    except OSError:
-        with contextlib.suppress(NameError, OSError):
-            os.unlink(t.name)
+        write_atomically(f, lambda tmp: tmp.write_text(json.dumps(keep)))
 
 
 class Bundle:
@@ -273,7 +266,7 @@ class Bundle:
         raise BundleError(self.path, f"{made_for}, not for {model_path}")
 
     def save_manifest(self):
-        _atomic(self.path / "manifest.json",
+        write_atomically(self.path / "manifest.json",
                 lambda tmp: tmp.write_text(json.dumps(asdict(self.manifest), indent=1)))
 
     def mark(self, part: str, settings: dict | None = None):
@@ -287,7 +280,7 @@ class Bundle:
     def save_tensors(self, name: str, tensors: dict[str, np.ndarray]):
         f = self.path / name
         f.parent.mkdir(parents=True, exist_ok=True)
-        _atomic(f, lambda tmp: save_file({k: np.ascontiguousarray(v) for k, v in tensors.items()},
+        write_atomically(f, lambda tmp: save_file({k: np.ascontiguousarray(v) for k, v in tensors.items()},
                                          str(tmp)))
 
     def load_tensors(self, name: str, shapes: dict[str, tuple] | None = None
@@ -307,7 +300,7 @@ class Bundle:
         return t
 
     def save_json(self, name: str, obj):
-        _atomic(self.path / name, lambda tmp: tmp.write_text(json.dumps(obj, indent=1)))
+        write_atomically(self.path / name, lambda tmp: tmp.write_text(json.dumps(obj, indent=1)))
 
     def load_json(self, name: str):
         """The JSON part `name`: a list for the tables (predictors.{input}.json, quality.json),
@@ -371,8 +364,12 @@ def check_tensor(path: Path, name: str, key: str, a: np.ndarray | None, shape: t
         raise BundleError(path, f"{name}: {key} holds NaN or infinite values")
 
 
-def _atomic(path: Path, write):
-    tmp = path.with_name(path.name + ".tmp")
+def write_atomically(path: Path, write):
+    """`write(tmp)` into a file beside `path`, renamed into place once written: the file appears
+    under its name only once complete, and the temporary one goes whatever happens. Its name is
+    this process's own, so that two processes writing the same file (two replicas converting one
+    model, two loads saving the hash cache) do not write into each other's."""
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
     try:
         write(tmp)
         os.replace(tmp, path)

@@ -50,7 +50,6 @@ powerinfer.predictor_input ("ffn" or "layer": which x the predictors were traine
 """
 from __future__ import annotations
 
-import os
 import re
 import struct
 from pathlib import Path
@@ -58,7 +57,7 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import ConfigError, ModelLoadError
-from .bundle import Bundle, BundleError, model_record
+from .bundle import Bundle, BundleError, model_record, write_atomically
 from .gguf import dequantize, gguf_metadata, open_gguf
 from .loader import load_checkpoint
 
@@ -294,8 +293,7 @@ def write_gguf(path: Path, magic: bytes, kvs: list[bytes], tensors: dict, align:
     def size(data) -> int:
         return data[0] if isinstance(data, tuple) else data.nbytes
 
-    tmp = path.with_name(path.name + ".tmp")
-    try:
+    def write(tmp: Path):
         with open(tmp, "wb") as fh:
             fh.write(magic + struct.pack("<IQQ", GGUF_VERSION, len(tensors), len(kvs))
                      + b"".join(kvs))
@@ -311,6 +309,5 @@ def write_gguf(path: Path, magic: bytes, kvs: list[bytes], tensors: dict, align:
                 assert arr.nbytes == n, (name, arr.nbytes, n)
                 fh.write(arr.data)
                 fh.write(b"\0" * _pad(n, align))
-        os.replace(tmp, path)
-    finally:  # (a failed write, or `path` a folder, left the .tmp file behind)
-        tmp.unlink(missing_ok=True)
+
+    write_atomically(path, write)  # (a failed write, or `path` a folder, leaves no .tmp file)
