@@ -33,9 +33,9 @@ class PowerInfer:
     """A loaded model with its tokenizer, ready to generate.
 
     Sampling keywords (all methods): max_new_tokens, temperature, top_k, top_p, min_p,
-    repetition_penalty, seed, stop, stop_token_ids, ignore_eos, and grammar (a
-    `powerinfer.engine.grammar.Grammar`: the output held to a JSON schema, a regex, choices or a Lark
-    grammar, e.g. `grammar=Grammar.json_schema({...})`).
+    repetition_penalty, presence_penalty, frequency_penalty, seed, stop, stop_token_ids,
+    ignore_eos, and grammar (a `powerinfer.engine.grammar.Grammar`: the output held to a JSON
+    schema, a regex, choices or a Lark grammar, e.g. `grammar=Grammar.json_schema({...})`).
     """
 
     def __init__(self, checkpoint: Checkpoint, config: Config):

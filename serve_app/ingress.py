@@ -10,7 +10,9 @@ asked again only to resume a stream after the group fails. A request for top_log
 through the model deployment, which names their tokens. An error before the first token is a status
 code (HTTP 4xx/5xx with an OpenAI error body; a gRPC status); after it, an SSE event with the error
 object followed by [DONE], or the gRPC status at the end of the stream. A client that goes away
-cancels its streams, which frees their batch slots in the scheduler.
+cancels its streams, which frees their batch slots in the scheduler. When the server stops
+(`stopping`), new requests are refused with 503 and the responses in flight are given until the
+announced time, then end with an error that says so.
 """
 # no `from __future__ import annotations` here: FastAPI reads the routes' annotations, which
 # Serve's ingress wrapper re-binds where string annotations no longer resolve
@@ -44,6 +46,7 @@ from .errors import RETRY_AFTER_S, ApiError, error_value
 from .metrics import Metrics
 from .request import GenerationRequest
 from .settings import HEAP_TRIM_S, STREAM_INTERVAL_MS
+from .stopping import StopWatch
 from .streams import OpenAIFormat, Piece, ToolCalls, collect, primed
 
 logger = logging.getLogger("ray.serve")
@@ -51,6 +54,12 @@ STATUS_TIMEOUT_S = 5.0
 WATCH_POLL_S = 1.0  # grpc.health.v1 Watch: how often a watched status is looked at
 SERVICE = "powerinfer.v1.Inference"
 FINISH = {"stop": 1, "length": 2}  # powerinfer.v1.FinishReason
+STOPPING = ("the server is stopping: send the request to another server, or again once this one "
+            "has restarted")
+
+
+class _Cut(Exception):
+    """A response still running when the server's stop ended those in flight."""
 
 
 async def gathered(source: AsyncIterator[list], interval: float) -> AsyncIterator[list]:
@@ -118,7 +127,10 @@ def _request_body(model: type[BaseModel]) -> dict:
         "application/json": {"schema": model.model_json_schema()}}}}
 
 
-app = FastAPI(title="PowerInfer", description="OpenAI-compatible API of a neuron-aware server")
+# (the API's description and its pages are the Ingress's own routes, behind its API key: FastAPI
+# served them to anyone)
+app = FastAPI(title="PowerInfer", description="OpenAI-compatible API of a neuron-aware server",
+              openapi_url=None, docs_url=None, redoc_url=None)
 
 
 def _error_response(e: ApiError) -> JSONResponse:
@@ -156,11 +168,20 @@ async def _unexpected(request: Request, e: Exception):
     return _error_response(ApiError("internal", "internal server error; see the server log"))
 
 
+# the steps pydantic adds to a field's path where a value failed each type of a union (`str`,
+# `list[TextPart]`, `function-after[...]`): not the request's own names
+_UNION_TAGS = {"str", "int", "float", "bool", "dict", "list", "none"}
+
+
 def _invalid(errors: list[dict]) -> ApiError:
+    """The first validation error, as the field it names (`messages.0.content`, not pydantic's
+    `messages.0.content.str`) and its message (without pydantic's "Value error, ")."""
     first = errors[0]
-    loc = ".".join(str(x) for x in first.get("loc", ()) if x not in ("body",))
-    return ApiError("invalid_request", f"{loc}: {first['msg']}" if loc else first["msg"],
-                    param=loc or None)
+    loc = ".".join(str(x) for x in first.get("loc", ())
+                   if x != "body" and not (isinstance(x, str) and (
+                       x in _UNION_TAGS or "[" in x)))
+    msg = first["msg"].removeprefix("Value error, ")
+    return ApiError("invalid_request", f"{loc}: {msg}" if loc else msg, param=loc or None)
 
 
 def _not_answering(model: str, e: Exception) -> ApiError:
@@ -196,7 +217,8 @@ def _abort(grpc_context, e: ApiError):
 def _grpc_sampling(sp) -> dict:
     """SamplingParams keywords from the message: fields left unset keep the engine's defaults."""
     kw = {f: getattr(sp, f) for f in ("max_tokens", "temperature", "top_k", "top_p", "min_p",
-                                      "repetition_penalty", "seed") if sp.HasField(f)}
+                                      "repetition_penalty", "seed", "presence_penalty",
+                                      "frequency_penalty") if sp.HasField(f)}
     if sp.HasField("top_logprobs"):
         if sp.top_logprobs > oa.MAX_TOP_LOGPROBS:
             raise ApiError("invalid_request", f"top_logprobs must be in [0, "
@@ -204,7 +226,8 @@ def _grpc_sampling(sp) -> dict:
         kw["logprobs"] = sp.top_logprobs
     kw.update(stop=list(sp.stop), stop_token_ids=list(sp.stop_token_ids),
               ignore_eos=sp.ignore_eos)
-    for f in ("temperature", "top_p", "min_p", "repetition_penalty"):
+    for f in ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty",
+              "frequency_penalty"):
         if f in kw:  # float32 on the wire: 0.1 arrives as 0.10000000149
             kw[f] = float(f"{kw[f]:.7g}")
     which = sp.WhichOneof("constraint")
@@ -297,6 +320,15 @@ class Ingress:
         logger.addFilter(_NoClientErrorTracebacks())
         # a burst's freed heap given back, here and in Serve's proxies, which carried it too
         trim_heap_every(HEAP_TRIM_S, then=_trim_serve_proxies)
+        # the server's stop: new requests refused, the choices streaming (`running`) given until
+        # the announced time; each wait for a stream's next item (`waits`) then ends (`_next`)
+        self.running = 0
+        self.loop: asyncio.AbstractEventLoop | None = None  # (the one the requests run on)
+        self.cut_at: float | None = None  # the loop's time those in flight end
+        self.waits: set[asyncio.Timeout] = set()
+        ctx = serve.get_replica_context()
+        self.stop = StopWatch(ctx.app_name, ctx.replica_tag, self._stopping,
+                              lambda: self.running)
 
     # ------------------------------------------------------------------------- HTTP routes
 
@@ -309,7 +341,8 @@ class Ingress:
         if spec and spec["choice"] != "none":  # the model's calls are parsed out of its text
             calls = ToolCalls(await self._tool_format(body.model),
                               [f["name"] for f in spec["functions"]], spec["parallel"])
-        return await self._respond("chat", body, [prompt], body.engine_sampling(), spec, calls)
+        return await self._respond("chat", body, [prompt], body.engine_sampling(), spec, calls,
+                                   body.continue_final_message)
 
     @app.post("/v1/completions", openapi_extra=_request_body(oa.CompletionRequest))
     async def completions(self, request: Request):
@@ -331,12 +364,26 @@ class Ingress:
         card = next(s for s in await self._statuses() if s["id"] == model_id)
         return Response(oa.ModelCard(**card).model_dump_json(), media_type="application/json")
 
+    @app.get("/openapi.json", include_in_schema=False)
+    async def openapi(self, request: Request):
+        self._guard(request)
+        return JSONResponse(app.openapi())
+
+    @app.get("/docs", include_in_schema=False)
+    async def docs(self, request: Request):
+        from fastapi.openapi.docs import get_swagger_ui_html
+
+        self._guard(request)
+        return get_swagger_ui_html(openapi_url="/openapi.json", title=app.title + " - docs")
+
     @app.get("/health")
     async def health(self, request: Request):
         """200 when every model answers ("ok"), or every model but those that failed to load
         ("degraded", each with its error); 503 while one loads or is being rebuilt."""
         self._check_host(request)
         statuses = await self._statuses()
+        if self.stop.until is not None:
+            return JSONResponse({"status": "stopping", "models": statuses}, status_code=503)
         return JSONResponse({"status": _overall(statuses), "models": statuses},
                             status_code=200 if _serving(statuses) else 503)
 
@@ -355,7 +402,8 @@ class Ingress:
         body = await self._read(request, oa.TokenizeRequest)
         prompt = body.prompt if body.messages is None else \
             [m.as_template_input() for m in body.messages]
-        out = await self._unary(body.model, "tokenize", prompt, body.add_special_tokens)
+        out = await self._unary(body.model, "tokenize", prompt, body.add_special_tokens,
+                                body.tool_spec, body.continue_final_message)
         res = oa.TokenizeResponse(tokens=out["tokens"], count=len(out["tokens"]),
                                   max_model_len=out["max_model_len"])
         return Response(res.model_dump_json(), media_type="application/json")
@@ -396,8 +444,10 @@ class Ingress:
             raise _invalid(e.errors(include_url=False, include_input=False)) from None
 
     async def _respond(self, kind: str, body, prompts: list, sampling: dict,
-                       tools: dict | None = None, calls: ToolCalls | None = None):
-        streams = self._streams(body.model, prompts, sampling, body.n, tools=tools)
+                       tools: dict | None = None, calls: ToolCalls | None = None,
+                       continue_final: bool = False):
+        streams = self._streams(body.model, prompts, sampling, body.n, tools=tools,
+                                continue_final=continue_final)
         rid = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
         fmt = OpenAIFormat(kind, rid, body.model, sampling.get("logprobs") is not None, body.n,
                            calls)
@@ -474,15 +524,19 @@ class Ingress:
             if status != last:
                 yield health_pb2.HealthCheckResponse(status=status)
                 last = status
+            if self.stop.until is not None:  # (NOT_SERVING sent: the stop waits for no watch)
+                return
             await asyncio.sleep(WATCH_POLL_S)
 
     async def _service_status(self, service: str) -> int:
+        """The health of the server or of one model; NOT_SERVING for every one while the server
+        stops."""
         from grpc_health.v1 import health_pb2
 
         R = health_pb2.HealthCheckResponse
         statuses = await self._statuses()
         if service in ("", SERVICE):
-            ok = _serving(statuses)
+            ok = _serving(statuses) and self.stop.until is None
         elif service in self.models:
             ok = next(s["status"] for s in statuses if s["id"] == service) == "ready"
         else:
@@ -532,6 +586,7 @@ class Ingress:
     def _grpc_admit(self, request, grpc_context):
         metadata = dict(grpc_context.invocation_metadata() or ())
         self._authorize(metadata.get("authorization"))
+        self._admit()
         if request.ByteSize() > self.max_body_bytes:
             raise ApiError("too_large", f"request of {request.ByteSize()} bytes; the limit is "
                                         f"{self.max_body_bytes}")
@@ -539,9 +594,39 @@ class Ingress:
     # ---------------------------------------------------------------------------- shared
 
     def _guard(self, request: Request):
-        """An HTTP request's Host (`_check_host`), then its API key."""
+        """An HTTP request's Host (`_check_host`), then its API key, then the server's stop."""
         self._check_host(request)
         self._authorize(request.headers.get("authorization"))
+        self._admit()
+
+    def _admit(self):
+        if self.stop.until is not None:
+            raise ApiError("unavailable", STOPPING)
+
+    def _stopping(self, until: float):
+        """(The stop watch's thread) the server stops: its responses end at `until`."""
+        if self.loop is not None:
+            self.loop.call_soon_threadsafe(self._cut, until)
+
+    def _cut(self, until: float):
+        """(On the requests' loop) every wait of a response in flight ends at `until`."""
+        self.cut_at = self.loop.time() + max(0.0, until - time.time())
+        for t in list(self.waits):
+            t.reschedule(self.cut_at)
+
+    async def _next(self, gen):
+        """The next item of a choice's stream; `_Cut` when the server's stop ends it first."""
+        t = asyncio.timeout_at(self.cut_at)
+        self.waits.add(t)
+        try:
+            async with t:
+                return await anext(gen)
+        except TimeoutError:
+            if t.expired():
+                raise _Cut from None
+            raise
+        finally:
+            self.waits.discard(t)
 
     def _check_host(self, request: Request):
         """Served on a loopback address with no API key, a request must name the host as a
@@ -619,8 +704,8 @@ class Ingress:
         return self.tool_formats[model]
 
     def _streams(self, model: str, prompts: list, sampling: dict, n: int,
-                 arrived: float | None = None, tools: dict | None = None
-                 ) -> list[AsyncIterator[Piece]]:
+                 arrived: float | None = None, tools: dict | None = None,
+                 continue_final: bool = False) -> list[AsyncIterator[Piece]]:
         """One stream per choice: n for each prompt, choice i of a seeded request with seed+i."""
         handle = self._handle(model)
         arrived = arrived or time.perf_counter()
@@ -630,7 +715,7 @@ class Ingress:
                 kw = dict(sampling)
                 if kw.get("seed") is not None:  # torch's seeds are 64-bit, negative ones wrap
                     kw["seed"] = (kw["seed"] + j) % 2 ** 64
-                req = GenerationRequest(prompt, kw, uuid.uuid4().hex, tools)
+                req = GenerationRequest(prompt, kw, uuid.uuid4().hex, tools, continue_final)
                 streams.append(self._stream(handle, model, req, p * n + j, arrived))
         return streams
 
@@ -667,15 +752,26 @@ class Ingress:
             gen = self._direct(handle, req)
         else:  # the model deployment names the tokens of top_logprobs (its tokenizer)
             gen = handle.options(stream=True).generate.remote(req)
-        ended = False
+        if self.loop is None:
+            self.loop = asyncio.get_running_loop()
+        if self.stop.until is not None and self.cut_at is None:  # (admitted as the stop came)
+            self._cut(self.stop.until)
+        ended, sent = False, 0
+        self.running += 1
         try:
-            async for item in gen:
+            while True:
+                try:
+                    item = await self._next(gen)
+                except StopAsyncIteration:
+                    break
                 if "error" in item:
                     raise ApiError.from_value(item["error"])
                 events = item["events"]
                 if "prompt_tokens" in item:
                     track.prompt(item["prompt_tokens"])
-                track.tokens(sum(ev["token"] >= 0 for ev in events), events[0].get("queue_s"))
+                tokens = sum(ev["token"] >= 0 for ev in events)
+                sent += tokens
+                track.tokens(tokens, events[0].get("queue_s"))
                 finish = next((ev["finish_reason"] for ev in events if ev["finish_reason"]), None)
                 ended = finish is not None
                 if ended:
@@ -692,6 +788,11 @@ class Ingress:
             ended = True
             track.failed(e.kind)
             raise
+        except _Cut:  # (ended stays False: the request is cancelled at its scheduler below)
+            track.failed("stopped")
+            raise ApiError("unavailable", f"the server is stopping: this response was ended "
+                                          f"after {sent} tokens; send the request again") \
+                from None
         except BackPressureError:
             ended = True
             track.failed("overloaded")
@@ -704,11 +805,10 @@ class Ingress:
             track.failed("unavailable")
             raise _not_answering(model, e) from None
         finally:
-            if not ended:  # the client went away
+            self.running -= 1
+            if not ended:  # the client went away, or the server's stop ended the response
                 if hasattr(gen, "cancel"):
                     gen.cancel()
                 else:
                     await gen.aclose()  # cancels the request at the scheduler
-                track.failed("cancelled")
-
-
+                track.failed("cancelled")  # (the first kind counts: "stopped" for a cut)

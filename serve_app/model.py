@@ -151,10 +151,11 @@ class ModelServer:
             raise ModelUnavailableError(f"model {self.spec.name} is shutting down")
         return self.engine
 
-    async def tokenize(self, prompt: str | list[dict], add_special_tokens: bool = True) -> dict:
+    async def tokenize(self, prompt: str | list[dict], add_special_tokens: bool = True,
+                       tools: dict | None = None, continue_final: bool = False) -> dict:
         try:
             engine = self._ready_engine()
-            ids = self._ids(engine, prompt, add_special_tokens)
+            ids = self._ids(engine, prompt, add_special_tokens, tools, continue_final)
         except (PowerInferError, ValueError) as e:
             return error_value(e)
         return {"tokens": ids, "max_model_len": engine.max_seq}
@@ -173,7 +174,7 @@ class ModelServer:
     def _prepare(self, req: GenerationRequest):
         """The engine, the prompt's token ids and the sampling parameters of a request."""
         engine = self._ready_engine()
-        ids = self._ids(engine, req.prompt, tools=req.tools)
+        ids = self._ids(engine, req.prompt, tools=req.tools, continue_final=req.continue_final)
         room = engine.max_seq - len(ids)
         if room < 1:
             raise InvalidRequestError(f"prompt has {len(ids)} tokens; the context of model "
@@ -252,7 +253,7 @@ class ModelServer:
             yield error_value(e)
 
     def _ids(self, engine, prompt, add_special_tokens: bool = True,
-             tools: dict | None = None) -> list[int]:
+             tools: dict | None = None, continue_final: bool = False) -> list[int]:
         tok = engine.tokenizer
         if isinstance(prompt, str):
             return tok.encode(prompt, None if add_special_tokens else False)
@@ -261,7 +262,8 @@ class ModelServer:
             if tools is not None:  # the tools and the tool messages in the model's own words
                 listed = tools["functions"] if tools["choice"] != "none" else None
                 prompt, extra = render_tools(prompt, listed, self._tool_format(engine))
-            return tok.encode(tok.apply_chat_template(prompt, **extra),
+            return tok.encode(tok.apply_chat_template(prompt, continue_final_message=continue_final,
+                                                      **extra),
                               None if add_special_tokens else False)
         return list(prompt)
 

@@ -82,9 +82,6 @@ class _Sampling(_Body):
 
     @model_validator(mode="after")
     def _supported(self):
-        if self.frequency_penalty or self.presence_penalty:
-            raise ValueError("frequency_penalty and presence_penalty are not supported; use "
-                             "repetition_penalty")
         if self.logit_bias:  # (it was ignored, the tokens it named sampled as ever)
             raise ValueError("logit_bias is not supported")
         if self.stream_options is not None and not self.stream:
@@ -128,7 +125,9 @@ class _Sampling(_Body):
                   top_k=None if self.top_k is None else max(self.top_k, 0), min_p=self.min_p,
                   repetition_penalty=self.repetition_penalty, seed=self.seed, stop=self.stop,
                   stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos,
-                  logprobs=logprobs, grammar=self._grammar)
+                  logprobs=logprobs, grammar=self._grammar,
+                  presence_penalty=self.presence_penalty or None,
+                  frequency_penalty=self.frequency_penalty or None)
         return {k: v for k, v in kw.items() if v is not None}
 
     @property
@@ -198,23 +197,28 @@ class ChatCompletionRequest(_Sampling):
     tools: Annotated[list[dict], Field(max_length=128)] | None = None
     tool_choice: str | dict | None = None
     parallel_tool_calls: bool = True
+    # vLLM's: the reply goes on from the last message, the assistant's beginning of it (a
+    # prefill), where by default the template closes it and opens a new turn
+    continue_final_message: bool = False
+    add_generation_prompt: bool = True
     _tools: dict | None = PrivateAttr(None)
 
     @model_validator(mode="after")
     def _chat_supported(self):
-        try:
-            fs = tools.functions(self.tools or [])
-            choice = tools.chosen(self.tool_choice, [f["name"] for f in fs])
-        except InvalidRequestError as e:
-            raise ValueError(str(e)) from None
-        if self.tool_choice is not None and not fs and choice != "none":
-            raise ValueError("tool_choice needs tools")
-        if fs and choice not in ("none", "auto") and self._grammar is not None:
+        if self.continue_final_message:
+            _continued(self.messages)
+            if "add_generation_prompt" in self.model_fields_set and self.add_generation_prompt:
+                raise ValueError("continue_final_message goes on inside the last message: "
+                                 "add_generation_prompt must be false")
+        elif not self.add_generation_prompt:
+            raise ValueError("add_generation_prompt false without continue_final_message "
+                             "leaves no turn for the reply")
+        self._tools = _tool_spec(self.tools, self.tool_choice, self.parallel_tool_calls,
+                                 self.messages)
+        if self._tools and self._tools["choice"] not in ("none", "auto") and \
+                self._grammar is not None:
             raise ValueError("tool_choice required or a named function constrains the output "
                              "already; drop response_format / guided_*")
-        if fs or any(m.tool_calls or m.role == "tool" for m in self.messages):
-            self._tools = {"functions": fs, "choice": choice if fs else "none",
-                           "parallel": self.parallel_tool_calls}
         if self.top_logprobs is not None and not self.logprobs:
             raise ValueError("top_logprobs needs logprobs=true")
         return self
@@ -227,6 +231,32 @@ class ChatCompletionRequest(_Sampling):
     def tool_spec(self) -> dict | None:
         """{"functions", "choice", "parallel"} when the conversation involves tools."""
         return self._tools
+
+
+def _continued(messages: list[ChatMessage]):
+    """ValueError where continue_final_message has no assistant's message last to go on from."""
+    if not messages or messages[-1].role != "assistant":
+        raise ValueError("continue_final_message: the last message must be the assistant's, "
+                         "the beginning of the reply to go on from")
+
+
+def _tool_spec(given: list[dict] | None, tool_choice, parallel: bool,
+               messages: list[ChatMessage]) -> dict | None:
+    """{"functions", "choice", "parallel"} of a conversation that involves tools (it lists some,
+    or its messages carry calls or their results), else None; ValueError names what is wrong."""
+    try:
+        fs = tools.functions(given or [])
+        choice = tools.chosen(tool_choice, [f["name"] for f in fs])
+    except InvalidRequestError as e:
+        raise ValueError(str(e)) from None
+    if tool_choice is not None and not fs and choice != "none":
+        raise ValueError("tool_choice needs tools")
+    if not (fs or any(m.tool_calls or m.role == "tool" for m in messages)):
+        return None
+    # (a named function is one call of it, as OpenAI makes it: its grammar let the model call it
+    # again and again)
+    return {"functions": fs, "choice": choice if fs else "none",
+            "parallel": parallel and choice in ("auto", "required", "none")}
 
 
 class CompletionRequest(_Sampling):
@@ -260,16 +290,32 @@ class CompletionRequest(_Sampling):
 
 
 class TokenizeRequest(_Body):
+    """A prompt's tokens, or a chat's as the chat completion would render them (its tools in
+    the model's own words too: give the request's tools and tool_choice)."""
     model: str = Field(min_length=1, max_length=256)
     prompt: str | None = None
     messages: list[ChatMessage] | None = Field(None, min_length=1, max_length=4096)
     add_special_tokens: bool = True
+    tools: Annotated[list[dict], Field(max_length=128)] | None = None
+    tool_choice: str | dict | None = None
+    continue_final_message: bool = False
+    _tools: dict | None = PrivateAttr(None)
 
     @model_validator(mode="after")
     def _one_input(self):
         if (self.prompt is None) == (self.messages is None):
             raise ValueError("give exactly one of prompt and messages")
+        if self.continue_final_message:
+            _continued(self.messages or [])
+        if self.messages is None and (self.tools or self.tool_choice is not None):
+            raise ValueError("tools go with messages")
+        if self.messages is not None:
+            self._tools = _tool_spec(self.tools, self.tool_choice, True, self.messages)
         return self
+
+    @property
+    def tool_spec(self) -> dict | None:
+        return self._tools
 
 
 class DetokenizeRequest(_Body):

@@ -15,3 +15,4 @@ class GenerationRequest:
     sampling: dict
     request_id: str
     tools: dict | None = None  # chat with tools: {"functions", "choice", "parallel"}
+    continue_final: bool = False  # chat: go on from the last (assistant) message's text

@@ -3,8 +3,10 @@
 Starts (or joins, with RAY_ADDRESS) a Ray instance with token authentication on, Ray Serve's
 HTTP and gRPC proxies on one host (127.0.0.1 unless told otherwise), and the application; prints
 the addresses once every model has loaded (or failed to, which is reported while the others
-serve); serves until Ctrl-C or SIGTERM; then deletes the application and stops the Ray instance
-it started, which leaves no Ray process and no shared-memory segment behind.
+serve); serves until Ctrl-C or SIGTERM; then refuses new requests (503) while those in flight
+finish, up to `--drain-timeout` seconds (`stopping`: those still running then end with an error
+that says so), deletes the application and stops the Ray instance it started, which leaves no
+Ray process and no shared-memory segment behind.
 """
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ import json
 import os
 import signal
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -28,7 +31,11 @@ from .settings import ServeSettings
 
 APP_NAME = "powerinfer"
 REQUEST_TIMEOUT_S = 600.0  # Serve's proxies cancel a request after this (a stream included)
+# at a stop, the responses in flight have this long to finish (Serve's own default grace; within
+# Kubernetes' 30 s between its SIGTERM and its SIGKILL, with time left for Ray's stop)
+DRAIN_S = 20.0
 LOAD_POLL_S = 1.0
+LOAD_NOTE_S = 15.0  # a line this often while the models load
 # at start, a model whose replica is not answering (its process died: Serve starts another) or
 # whose group is being rebuilt is waited for this long at a stretch before it is reported down
 UNAVAILABLE_WAIT_S = 120.0
@@ -41,6 +48,7 @@ class Frontend:
     grpc_port: int = 9000
     log_requests: bool = False
     request_timeout_s: float = REQUEST_TIMEOUT_S  # end to end, streams included (0: none)
+    drain_s: float = DRAIN_S  # at a stop, the time the responses in flight have to finish
 
     @property
     def loopback(self) -> bool:
@@ -86,7 +94,12 @@ def check_stubs():
 
 
 def say(*parts, **kw):
-    print(*parts, **kw, flush=True)
+    """A line on the console; none where nothing reads it any more (a pipe whose reader the same
+    signal stopped: the stop must go on, where a BrokenPipeError ended its watch)."""
+    try:
+        print(*parts, **kw, flush=True)
+    except OSError:
+        pass
 
 
 CONTROL_LOOP_ENV, CONTROL_LOOP_S = "RAY_SERVE_CONTROL_LOOP_INTERVAL_S", "1.0"
@@ -103,6 +116,7 @@ def serve_forever(settings: ServeSettings, front: Frontend, demo: bool = False) 
 
     from .app import GRPC_SERVICER, build
     from .grpc_host import GRPC_HOST_ENV
+    from .stopping import clear
 
     check_stubs()
     joined = bool(os.environ.get("RAY_ADDRESS"))
@@ -126,10 +140,13 @@ def serve_forever(settings: ServeSettings, front: Frontend, demo: bool = False) 
         # (and for a client that joins this server's instance rather than another one on the
         # machine); a local instance is this machine's alone, joined with Ray's loopback switch
         gcs = ray.get_runtime_context().gcs_address
-        note = "" if joined else (" (token authentication on; this machine's only: a process "
-                                  f"here joins it with {LOOPBACK_SWITCH}=0)")
+        note = "" if joined else (
+            " (token authentication on, this machine's alone; a process here joins it with "
+            f"RAY_AUTH_MODE=token {LOOPBACK_SWITCH}=0, as in `RAY_AUTH_MODE=token "
+            f"{LOOPBACK_SWITCH}=0 ray status --address {gcs}`)")
         say(f"Ray: {'joined the cluster' if joined else 'a local instance'} at {gcs}{note}")
         logging_config = {"enable_access_log": front.log_requests}
+        clear(APP_NAME)  # (a stop of a server before this one on the cluster, not this one's)
         timeout = front.request_timeout_s or None
         serve.start(http_options={"host": front.host, "port": front.port,
                                   "request_timeout_s": timeout},
@@ -166,17 +183,108 @@ def serve_forever(settings: ServeSettings, front: Frontend, demo: bool = False) 
         return 0
     finally:
         say("stopping...")
+        watch = None if joined else _exit_if_the_gcs_goes(_gcs_address())
         try:
             with contextlib.suppress(RayServeException):  # (stopped before Serve started)
+                _drain(front.drain_s)
+                # (the application's replicas and groups stopped; Serve's controller and proxies
+                # go with a local instance: `serve.shutdown` there killed the controller under
+                # this process's own calls to it, and Ray logged each as an actor killed)
                 serve.delete(APP_NAME)
-                if not joined:
-                    serve.shutdown()
         finally:
+            if watch is not None:
+                watch.set()
             ray.shutdown()
+            say("stopped")
 
 
 def _interrupt(signum, frame):
     raise KeyboardInterrupt
+
+
+def _gcs_address() -> str | None:
+    import ray
+
+    try:
+        return ray.get_runtime_context().gcs_address
+    except Exception:  # noqa: BLE001 - (no instance started)
+        return None
+
+
+def _exit_if_the_gcs_goes(address: str | None) -> threading.Event | None:
+    """While the application stops: a thread that ends this process if the local instance's GCS
+    (at `address`, host:port) stops taking connections. A signal to the server's whole process
+    group (`kill -- -PGID`, a service manager's stop of every process in its unit) stops Ray's
+    own processes with this one; Serve's calls then waited a minute for the GCS, and the process
+    exited with Ray's error. Ray's processes go with this one (they die with their parent). Set
+    the event to end the watch."""
+    import socket
+
+    if address is None:
+        return None
+    host, _, port = address.rpartition(":")
+    done = threading.Event()
+
+    def watch():
+        while not done.wait(0.5):
+            try:
+                with socket.create_connection((host, int(port)), timeout=2):
+                    continue
+            except OSError:
+                pass
+            if not done.is_set():
+                try:
+                    say("  Ray's own processes were stopped too (the signal reached this "
+                        "server's whole process group), so the generations in flight could not "
+                        "finish: send the signal to this process alone to let them")
+                finally:
+                    os._exit(0)
+
+    threading.Thread(target=watch, name="gcs-watch", daemon=True).start()
+    return done
+
+
+def _drain(grace_s: float):
+    """The application's stop (`stopping`): announced to its ingress replicas, which refuse new
+    requests from then; waits until none has a response in flight, at most `grace_s` (when the
+    replicas end those left with an error that says so) and a moment more. A second Ctrl-C or
+    SIGTERM ends them at once."""
+    from ray import serve
+
+    from .stopping import POLL_S, announce, clear, left
+
+    try:
+        app = serve.status().applications.get(APP_NAME)
+        ingress = app.deployments.get("Ingress") if app else None
+        replicas = sum(n for state, n in ingress.replica_states.items()
+                       if str(getattr(state, "value", state)) == "RUNNING") if ingress else 0
+    except Exception:  # noqa: BLE001 - no controller to ask: nothing to drain
+        replicas = 0
+    if not replicas:
+        return
+    announce(APP_NAME, grace_s)
+    deadline = time.monotonic() + grace_s + 2 * POLL_S + 1.0  # (their reports' delay)
+    said = False
+    try:
+        while time.monotonic() < deadline:
+            time.sleep(POLL_S / 2)
+            counts = left(APP_NAME)
+            running = sum(counts.values())
+            if len(counts) >= replicas and not running:
+                return
+            if running and not said:
+                said = True
+                say(f"  {running} generation{'s' * (running != 1)} in flight (a request's "
+                    f"choices each): given up to {grace_s:g} s to finish, new requests refused "
+                    "(Ctrl-C again ends them now)")
+    except KeyboardInterrupt:
+        say("  ending the responses in flight now")
+        announce(APP_NAME, 0.0)
+        deadline = time.monotonic() + 2 * POLL_S + 1.0
+        while time.monotonic() < deadline and any(left(APP_NAME).values()):
+            time.sleep(POLL_S / 2)
+    finally:
+        clear(APP_NAME)
 
 
 def _get(url: str, timeout: float = 10.0) -> tuple[int, dict]:
@@ -193,7 +301,9 @@ def _wait_loaded(front: Frontend) -> list[dict]:
     replica that died as the server started is replaced by Serve, and the server must not give
     up on it ("no model loaded") while it is."""
     down_since: dict[str, float] = {}
+    start = said = time.monotonic()
     while True:
+        statuses = []
         try:
             _, body = _get(front.local_url + "/health")
             statuses = body.get("models", [])
@@ -208,6 +318,11 @@ def _wait_loaded(front: Frontend) -> list[dict]:
                 return statuses
         except (urllib.error.URLError, OSError, ValueError):
             pass  # the proxy or the ingress is still starting
+        if time.monotonic() - said >= LOAD_NOTE_S:  # (a first start said nothing for a minute)
+            said = time.monotonic()
+            left = [s["id"] for s in statuses if s["status"] != "ready" and "error" not in s]
+            what = "loading " + ", ".join(left) if left else "starting the models' replicas"
+            say(f"  {what}: {said - start:.0f} s")
         time.sleep(LOAD_POLL_S)
 
 
@@ -281,10 +396,15 @@ def _host_memory(models: int) -> str:
 
 
 def _curl(front: Frontend, settings: ServeSettings, model: str) -> str:
-    auth = ' -H "Authorization: Bearer $POWERINFER_API_KEY"' if settings.api_key else ""
+    """A request to paste; with an API key, the variable it came from, else a placeholder (the
+    key itself is not printed: logs are read by more people than hold it)."""
+    from_env = settings.api_key and os.environ.get("POWERINFER_API_KEY") == settings.api_key
+    key = "$POWERINFER_API_KEY" if from_env else "KEY"
+    auth = f' -H "Authorization: Bearer {key}"' if settings.api_key else ""
+    note = "   (KEY: the server's API key)" if settings.api_key and not from_env else ""
     body = json.dumps({"model": model, "messages": [{"role": "user", "content": "Hello!"}]})
     return (f"curl {front.local_url}/v1/chat/completions -H 'Content-Type: application/json'"
-            f"{auth} -d '{body}'")
+            f"{auth} -d '{body}'{note}")
 
 
 def _demo(front: Frontend, settings: ServeSettings, model: str):
@@ -310,6 +430,8 @@ def _demo(front: Frontend, settings: ServeSettings, model: str):
 
 def add_command(sub):
     """`powerinfer serve` (registered in the `powerinfer.commands` entry points)."""
+    from powerinfer.cli import seconds
+
     p = sub.add_parser("serve", help="serve models over an OpenAI-compatible HTTP API and gRPC "
                                      "(Ray Serve, in the foreground)")
     p.add_argument("--model", "-m", default=None,
@@ -359,9 +481,13 @@ def add_command(sub):
     p.add_argument("--prefill-pace", type=float, default=3.0,
                    help="beside decoding streams, a step's prompt chunk is cut so that the step "
                         "takes about this many times a decode step (0: whole chunks)")
-    p.add_argument("--request-timeout", type=float, default=REQUEST_TIMEOUT_S,
+    p.add_argument("--request-timeout", type=seconds, default=REQUEST_TIMEOUT_S,
                    help="seconds a request may take, streaming included, before the proxy "
                         "cancels it (0: no limit)")
+    p.add_argument("--drain-timeout", type=seconds, default=DRAIN_S, metavar="SECONDS",
+                   help="at a stop (Ctrl-C, SIGTERM), the time the responses in flight have to "
+                        "finish, new requests refused meanwhile; those still running then end "
+                        f"with an error that says so (default {DRAIN_S:.0f})")
     p.add_argument("--stream-interval-ms", type=float, default=None, metavar="MS",
                    help="a stream's tokens go to its client at most once per MS milliseconds, "
                         "those generated meanwhile in one chunk (default 50; 0: each token as "
@@ -407,10 +533,9 @@ def _run(args) -> int:
             say(f"{m.name}: {m.chosen}")
     # said here once: the replicas (whose logs Ray forwards to this console) need not say it again
     settings = replace(settings, models=tuple(replace(m, chosen="") for m in settings.models))
-    if args.request_timeout < 0:
-        raise ConfigError("--request-timeout must be >= 0 (0: no limit)")
     return serve_forever(settings, Frontend(args.host, args.port, args.grpc_port,
-                                            args.log_requests, args.request_timeout),
+                                            args.log_requests, args.request_timeout,
+                                            args.drain_timeout),
                          demo=args.demo)
 
 

@@ -124,11 +124,15 @@ class ToolCalls:
     names: list[str]
     parallel: bool = True
 
-    def split(self, text: str) -> tuple[str | None, list[dict]]:
-        """(content, tool_calls) of a finished text; content None when the reply is calls only."""
+    def split(self, text: str, finish: str | None = None) -> tuple[str | None, list[dict]]:
+        """(content, tool_calls) of a finished text; content None when the reply is calls only.
+        A text cut at max_tokens inside a call gives that call as far as it was written (its
+        markup went to the client as content)."""
         content, calls = tools.parse(text, self.format, self.names)
+        if not calls and finish == "length":
+            content, calls = tools.cut_call(text, self.format, self.names) or (text, [])
         if not calls:
-            return text, []
+            return content if finish == "length" else text, []
         return content or None, calls if self.parallel else calls[:1]
 
     def held(self, text: str) -> int:
@@ -165,7 +169,8 @@ class OpenAIFormat:
         self.created = int(time.time())
 
     def _message(self, c: Choice) -> tuple[oa.AssistantMessage, str | None]:
-        content, calls = (c.text, []) if self.tool_calls is None else self.tool_calls.split(c.text)
+        content, calls = (c.text, []) if self.tool_calls is None else \
+            self.tool_calls.split(c.text, c.finish_reason)
         if not calls:
             return oa.AssistantMessage(content=content), c.finish_reason
         return (oa.AssistantMessage(content=content, tool_calls=calls),
@@ -245,8 +250,8 @@ class OpenAIFormat:
                 h.sent, h.events = upto, []
             return
         rest = h.text[h.sent:]
-        content, calls = self.tool_calls.split(rest)
         finish = ev["finish_reason"]
+        content, calls = self.tool_calls.split(rest, finish)
         if calls:
             if content:
                 yield chunk(oa.Delta(content=content), None, [])
@@ -255,8 +260,8 @@ class OpenAIFormat:
                 for i, c in enumerate(calls)]
             yield chunk(oa.Delta(tool_calls=deltas), "tool_calls" if finish == "stop" else finish,
                         h.events)
-        else:
-            yield chunk(oa.Delta(content=rest), finish, h.events)
+        else:  # (the text as it came, or without a call cut before its name)
+            yield chunk(oa.Delta(content=content), finish, h.events)
         h.sent, h.events = len(h.text), []
 
     def _chat_chunk(self, index: int, delta: oa.Delta, finish: str | None, events: list[dict]):

@@ -138,3 +138,5 @@ def test_the_systemd_unit():
     unit.read(ROOT / "cluster" / "systemd" / "powerinfer.service")
     assert "powerinfer serve" in unit["Service"]["ExecStart"]
     assert unit["Service"]["KillSignal"] == "SIGTERM"
+    # (the server alone: with the default, every process of the unit, Ray's stopped with it)
+    assert unit["Service"]["KillMode"] == "mixed"

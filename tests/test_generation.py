@@ -173,6 +173,18 @@ def test_sampling_filters():
     p = SamplingParams(temperature=0, repetition_penalty=2.0)
     assert sample(torch.tensor([2.0, 1.5]), p, [0], None) == 1  # 2.0/2 < 1.5
     assert sample(torch.tensor([2.0, 1.5]), p, [1], None) == 0
+    # OpenAI's presence and frequency penalties, over the generated tokens only
+    x = np.array([2.0, 1.5, 1.0], np.float32)
+    p = SamplingParams(temperature=0, presence_penalty=1.2)
+    assert sample(x, p, [0, 0], None) == 0 and sample(x, p, [], None, output=[0]) == 1
+    assert sample(x, p, [], None, output=[0, 1]) == 2  # 0.8 and 0.3 against 1.0
+    p = SamplingParams(temperature=0, frequency_penalty=0.3)
+    assert sample(x, p, [], None, output=[0]) == 0 and sample(x, p, [], None, output=[0, 0]) == 1
+    p = SamplingParams(temperature=0, presence_penalty=-1.5)  # (negative: the same again)
+    assert sample(x, p, [], None, output=[2]) == 2
+    for bad in (2.5, float("nan")):
+        with pytest.raises(InvalidRequestError, match="presence_penalty must be in"):
+            SamplingParams(presence_penalty=bad)
     # the draws follow the distribution (the scheduler samples in numpy, a row as an array or a
     # tensor): 4,000 draws of softmax([2, 1, 0]) within 3% of each probability
     p = SamplingParams(temperature=1.0, top_k=0, top_p=1.0, min_p=0.0)

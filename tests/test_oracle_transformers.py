@@ -215,6 +215,15 @@ def test_real_model_tokenizer_matches_transformers(default_model_path, real_ours
                   {"role": "user", "content": "2+2?"}]):
         assert pi.tokenizer.apply_chat_template(msgs) == hf.apply_chat_template(
             msgs, tokenize=False, add_generation_prompt=True)
+    # a prefill: the render ends inside the assistant's last message, as transformers cuts it
+    for last in ("The capital of Germany is", "  Berlin, "):
+        msgs = [{"role": "user", "content": "What is the capital of Germany?"},
+                {"role": "assistant", "content": last}]
+        ours = pi.tokenizer.apply_chat_template(msgs, continue_final_message=True)
+        assert ours == hf.apply_chat_template(msgs, tokenize=False, continue_final_message=True)
+        assert ours.endswith(last.strip()) or ours.endswith(last)
+    with pytest.raises(ValueError, match="the last message must be the assistant's"):
+        pi.tokenizer.apply_chat_template(msgs[:1], continue_final_message=True)
 
 
 # ================================================== 2. FFN variants on small random LLaMA models

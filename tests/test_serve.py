@@ -6,7 +6,8 @@ fuzzer; faults are real (an actor process killed mid-stream, a client hanging up
 security check (a process without Ray's token is refused by the cluster's GCS).
 
 The tests run in file order: the fault tests rebuild actor groups, the last one stops the
-server with SIGTERM and checks that nothing is left behind.
+server with SIGTERM while a stream runs (which its drain time ends with an error event) and
+checks that nothing is left behind.
 """
 import json
 import os
@@ -39,6 +40,7 @@ GEMMA_CONFIG = {"max_seq_len": 512, "max_batch": 4, "cpu_threads": 1}
 KEY = "test-key-5d1f0c"
 MAX_BODY = 65536
 APP = "powerinfer"
+DRAIN_S = 2.0  # the server's --drain-timeout: its stop ends the responses in flight after this
 POWERINFER = Path(sys.executable).with_name("powerinfer")
 
 
@@ -195,8 +197,10 @@ def server(tmp_path_factory, default_model_path):
     port, grpc_port = free_port(), free_port()
     log = d / "server.log"
     before = ray_pids()
+    started = time.monotonic()
     proc = subprocess.Popen([str(POWERINFER), "serve", "--config", str(config), "--port", str(port),
-                             "--grpc-port", str(grpc_port), "--api-key", KEY],
+                             "--grpc-port", str(grpc_port), "--api-key", KEY,
+                             "--drain-timeout", str(DRAIN_S)],
                             stdout=open(log, "w"), stderr=subprocess.STDOUT, start_new_session=True,
                             env={**os.environ, "POWERINFER_INPUT_SPARSE_MIN_ROWS": "0"})
     s = Server(proc, port, grpc_port, log)
@@ -214,6 +218,7 @@ def server(tmp_path_factory, default_model_path):
         assert proc.poll() is None, f"the server exited:\n{s.tail()}"
         assert time.time() < deadline, f"the server did not start:\n{s.tail()}"
         time.sleep(0.5)
+    s.start_s = time.monotonic() - started
     join_servers_ray(log, proc)
     yield s
     import ray
@@ -270,6 +275,10 @@ def test_startup_reports_every_model(server, default_model_path):
     assert states == {**{m: "ready" for m in ready}, BROKEN: "failed"}
     assert_memory_is_reported(server.log.read_text(errors="replace"), ready, server.one_executor,
                               default_model_path.stat().st_size / 2**30)
+    # a line every 15 s while the models load (a first start said nothing for a minute)
+    if server.start_s > 20:
+        assert re.search(r"^  (loading [\w, -]+|starting the models' replicas): \d+ s$",
+                         server.log.read_text(errors="replace"), re.M), server.tail()
 
 
 def assert_memory_is_reported(out: str, ready: list[str], one: set[str], smol_file_gib: float):
@@ -453,6 +462,42 @@ def test_openai_client_chat_and_completions(server, local_smol):
                                         max_tokens=12, temperature=0, stop=["Paris"])
     assert stopped.choices[0].text == full.split("Paris")[0]
     assert stopped.choices[0].finish_reason == "stop"
+    # OpenAI's presence and frequency penalties (they were refused): the engine's own output
+    # with them, which they change
+    said = "I like cats. I like cats. I like"  # (it goes on "I'm a cat. I'm a cat. ...")
+    for kw in ({"presence_penalty": 1.5}, {"frequency_penalty": 0.8}):
+        got = client.completions.create(model=SMOL, prompt=said, max_tokens=24, temperature=0,
+                                        **kw).choices[0].text
+        assert got == local_smol.generate(said, max_new_tokens=24, temperature=0, **kw)
+        assert got != local_smol.generate(said, max_new_tokens=24, temperature=0)
+
+
+def test_a_prefill_is_continued_with_continue_final_message(server):
+    """vLLM's continue_final_message: the reply goes on from the assistant's last message; the
+    prompt is the one /tokenize gives for it, which a completion of those tokens continues
+    alike (by default the template closes that message and opens a new turn)."""
+    h = server.http
+    prefill = QUESTION + [{"role": "assistant", "content": "The capital of Germany is"}]
+    ids = h.post("/tokenize", json={"model": SMOL, "messages": prefill,
+                                    "continue_final_message": True}).json()["tokens"]
+    closed = h.post("/tokenize", json={"model": SMOL, "messages": prefill}).json()["tokens"]
+    assert len(closed) > len(ids) and closed[:len(ids) - 1] == ids[:-1]
+    r = h.post("/v1/chat/completions", json={"model": SMOL, "messages": prefill, "max_tokens": 6,
+                                             "temperature": 0, "continue_final_message": True,
+                                             "add_generation_prompt": False}).json()
+    assert r["usage"]["prompt_tokens"] == len(ids)
+    same = h.post("/v1/completions", json={"model": SMOL, "prompt": ids, "max_tokens": 6,
+                                           "temperature": 0}).json()
+    assert r["choices"][0]["message"]["content"] == same["choices"][0]["text"]
+    assert not r["choices"][0]["message"]["content"].lstrip().startswith("The capital")
+    for extra, needle in (({"messages": QUESTION, "continue_final_message": True},
+                           "the last message must be the assistant's"),
+                          ({"messages": prefill, "continue_final_message": True,
+                            "add_generation_prompt": True}, "add_generation_prompt must be false"),
+                          ({"messages": QUESTION, "add_generation_prompt": False},
+                           "leaves no turn")):
+        assert_error(h.post("/v1/chat/completions", json={"model": SMOL, "max_tokens": 2, **extra}),
+                     400, needle)
 
 
 def test_seeds_reproduce_and_n_choices(server):
@@ -621,6 +666,11 @@ def test_structured_output_batched_with_free_text(server, local_smol):
         r = server.http.post("/v1/chat/completions", json={"model": SMOL, "messages": QUESTION,
                                                           "max_tokens": 4, **extra})
         assert_error(r, 400, needle)
+    # a json_schema format without its (optional) schema: any JSON (its default was refused)
+    r = server.http.post("/v1/chat/completions", json={
+        "model": SMOL, "messages": ASK_PERSON, "max_tokens": 8,
+        "response_format": {"type": "json_schema", "json_schema": {"name": "x"}}})
+    assert r.status_code == 200, r.text
     with pytest.raises(grpc.RpcError) as e:
         list(server.stub.Generate(pb.GenerateRequest(model=SMOL, text="x", sampling=pb.SamplingParams(
             json_schema="{not json")), metadata=server.md))
@@ -684,6 +734,25 @@ def test_a_two_step_tool_conversation_with_the_openai_client(server):
     assert (streamed.function.name, streamed.function.arguments) == \
         (call.function.name, call.function.arguments)
     assert final.choices[0].finish_reason == "tool_calls"
+    # cut at max_tokens inside the call: the call as far as it was written, its arguments a
+    # prefix of the whole call's (the raw markup went out as content), streamed alike
+    cuts = []
+    n = r.usage.completion_tokens
+    for k in sorted({max(k, 5) for k in (n - 1, n - 6, n - 10, n // 2)}, reverse=True):
+        c = client.chat.completions.create(messages=messages, tool_choice="required",
+                                           **{**ask, "max_tokens": k}).choices[0]
+        assert c.finish_reason == "length" and "<tool_call>" not in (c.message.content or "")
+        for t in c.message.tool_calls or ():
+            assert t.function.name == "get_weather"
+            assert call.function.arguments.startswith(t.function.arguments), t.function
+            cuts.append((k, t.function.arguments))
+    k, cut = next((k, a) for k, a in cuts if a and a != call.function.arguments)
+    chunks = [ch.choices[0] for ch in client.chat.completions.create(
+        messages=messages, tool_choice="required", stream=True, **{**ask, "max_tokens": k})]
+    assert chunks[-1].finish_reason == "length"
+    assert "".join(t.function.arguments or "" for ch in chunks
+                   for t in ch.delta.tool_calls or ()) == cut
+    assert "<tool_call>" not in "".join(ch.delta.content or "" for ch in chunks)
     # the tool's result goes back; the model answers from it
     result = json.dumps({"city": args["city"], "temperature_celsius": 18, "sky": "cloudy"})
     messages += [choice.message.model_dump(exclude_none=True),
@@ -694,6 +763,16 @@ def test_a_two_step_tool_conversation_with_the_openai_client(server):
     # the prompt holds the question, the call and its result (tool_choice none: no tool list)
     assert r2.usage.prompt_tokens > count(messages=messages[:1]) + count(prompt=result) + \
         count(prompt=call.function.arguments)
+    # /tokenize renders a tool conversation as the chat does (it left the call and the tools out)
+    assert count(messages=messages, tools=WEATHER, tool_choice="none") == r2.usage.prompt_tokens
+    assert count(messages=messages[:1], tools=WEATHER) == r.usage.prompt_tokens
+    # a named function is called once (its grammar let the model call it again and again)
+    for _ in range(2):
+        one = client.chat.completions.create(
+            messages=messages[:1], tool_choice={"type": "function",
+                                                "function": {"name": "get_weather"}},
+            **{**ask, "temperature": 1.0, "max_tokens": 120})
+        assert len(one.choices[0].message.tool_calls) == 1, one.choices[0].message
     # a named function on the second family, which writes calls as Python
     need_gemma(server)
     g = client.chat.completions.create(
@@ -898,8 +977,19 @@ def test_errors_have_status_codes_and_the_openai_shape(server):
                  "failed to load")
     assert_error(h.post("/v1/chat/completions", json={**chat, "tools": [{"type": "function"}]}),
                  400, "tools")
-    assert_error(h.post("/v1/chat/completions", json={**chat, "logit_bias": {"19556": -100}}),
-                 400, "logit_bias is not supported")  # (it was ignored)
+    e = assert_error(h.post("/v1/chat/completions", json={**chat,
+                                                          "logit_bias": {"19556": -100}}),
+                     400, "logit_bias is not supported")  # (it was ignored)
+    assert not e["message"].startswith("Value error")  # (pydantic's words, not the API's)
+    # the field's own path, not pydantic's union member (`messages.0.content.str`)
+    e = assert_error(h.post("/v1/chat/completions", json={
+        **chat, "messages": [{"role": "user", "content": 5}]}), 400)
+    assert e["param"] == "messages.0.content", e
+    # the API's description and pages behind the key as every route (FastAPI's were open)
+    for path in ("/openapi.json", "/docs"):
+        assert_error(h.get(path, headers={"Authorization": ""}), 401)
+        assert h.get(path).status_code == 200
+    assert "/v1/chat/completions" in h.get("/openapi.json").json()["paths"]
     for stop in ("", [str(i) for i in range(17)], "x" * 1025):  # (a long one held the batch)
         assert_error(h.post("/v1/chat/completions", json={**chat, "stop": stop}), 400, "stop")
     # a long max_tokens is capped by the context, not refused
@@ -1245,6 +1335,9 @@ def test_ray_refuses_a_process_without_the_token(server, tmp_path):
                        timeout=120)
     assert "REFUSED" in r.stdout and "JOINED" not in r.stdout, r.stdout + r.stderr[-2000:]
     assert "InvalidAuthToken" in r.stderr, r.stderr[-2000:]  # refused for the token, not unreached
+    # nor can another user of the machine read it: Ray wrote it readable by all
+    token = Path(os.environ.get("RAY_AUTH_TOKEN_PATH") or Path.home() / ".ray" / "auth_token")
+    assert os.environ.get("RAY_AUTH_TOKEN") or token.stat().st_mode & 0o077 == 0
 
 
 def test_the_servers_ray_instance_listens_on_loopback_only(server):
@@ -1301,11 +1394,101 @@ def test_a_servers_bodies_must_be_json(server):
         assert r.status_code == 200, (kind, r.text)
 
 
-def test_sigterm_stops_the_server_and_leaves_nothing_behind(server):
+def test_sigterm_refuses_new_requests_ends_a_stream_in_flight_and_leaves_nothing_behind(server):
+    """A stop gives the responses in flight the drain time, refusing new requests meanwhile (503
+    and gRPC UNAVAILABLE, health NOT_SERVING: a load balancer sends them elsewhere); a stream
+    still running then ends with an error event and [DONE], not a cut connection."""
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
     import ray
     ray.shutdown()
+    h, events, first = server.http, [], threading.Event()
+
+    def stream():  # 8 choices of 480 tokens: seconds past the drain time on any CPU here
+        with h.stream("POST", "/v1/chat/completions", json={
+                "model": SMOL, "messages": QUESTION, "max_tokens": 480, "n": 8,
+                "ignore_eos": True, "stream": True}) as r:
+            for line in r.iter_lines():
+                if line:
+                    events.append(line)
+                    first.set()
+
+    reader = threading.Thread(target=stream)
+    reader.start()
+    assert first.wait(120), events
     server.proc.send_signal(signal.SIGTERM)
+    stopped = time.time()
+    assert wait_for(lambda: httpx.get(server.url + "/health", timeout=10).status_code == 503,
+                    timeout=5), server.tail()
+    assert httpx.get(server.url + "/health", timeout=10).json()["status"] == "stopping"
+    assert_error(h.post("/v1/chat/completions", json={"model": SMOL, "messages": QUESTION,
+                                                      "max_tokens": 4}),
+                 503, "the server is stopping")
+    with pytest.raises(grpc.RpcError) as e:
+        list(server.stub.Chat(server.pb.ChatRequest(
+            model=SMOL, messages=[server.pb.ChatMessage(role="user", content="Hi")]),
+            metadata=server.md, timeout=30))
+    assert e.value.code() == grpc.StatusCode.UNAVAILABLE and "stopping" in e.value.details()
+    health = health_pb2_grpc.HealthStub(server.channel)
+    assert health.Check(health_pb2.HealthCheckRequest(service=""), timeout=30).status == \
+        health_pb2.HealthCheckResponse.NOT_SERVING
+    reader.join(120)
+    ended = time.time() - stopped
+    assert events[-1] == "data: [DONE]", events[-3:]
+    err = json.loads(events[-2][len("data: "):])["error"]
+    assert err["code"] == 503 and "the server is stopping: this response was ended after" in \
+        err["message"], err
+    assert ended < DRAIN_S + 4, ended
     assert server.proc.wait(timeout=120) == 0, server.tail()
+    assert "8 generations in flight (a request's choices each): given up to 2 s" in \
+        server.tail(), server.tail()
     assert wait_for(lambda: not (ray_pids() - server.ray_before), timeout=30), \
         ray_pids() - server.ray_before
     assert not list(Path("/dev/shm").glob("powerinfer-*"))
+
+
+GCS_WATCH = """
+import socket, sys, time
+from serve_app.server import _exit_if_the_gcs_goes
+watch = _exit_if_the_gcs_goes(sys.argv[1])
+print("watching", flush=True)
+if sys.argv[2] == "done":
+    time.sleep(0.8)
+    watch.set()
+time.sleep(30)
+print("still here", flush=True)
+"""
+
+
+def test_a_stop_whose_gcs_went_with_it_exits_at_once(tmp_path):
+    """`kill -- -PGID`, or a service manager's stop of every process in its unit, stops Ray's own
+    processes with the server's: its stop waited a minute for the gone GCS, then exited with
+    Ray's error (seen with a served model: 61 s; now under a second, nothing left). While the
+    application stops, a watch ends the process once the GCS's port refuses connections, and
+    not once the stop is done (Ray's own shutdown then closes it). Here a socket stands for the
+    GCS."""
+    for then in ("gone", "gone, its console too", "done"):
+        gcs = socket.socket()
+        gcs.bind(("127.0.0.1", 0))
+        gcs.listen()
+        proc = subprocess.Popen([sys.executable, "-c", GCS_WATCH,
+                                 f"127.0.0.1:{gcs.getsockname()[1]}", then],
+                                stdout=subprocess.PIPE, text=True)
+        assert proc.stdout.readline() == "watching\n"
+        time.sleep(0.7)  # (answered meanwhile: the watch goes on)
+        assert proc.poll() is None
+        t0 = time.monotonic()
+        if then.startswith("gone"):
+            if then != "gone":  # a console the same signal stopped (`serve | tee`): the
+                proc.stdout.close()  # watch's BrokenPipeError had ended it, and no exit came
+            gcs.close()
+            assert proc.wait(timeout=10) == 0 and time.monotonic() - t0 < 3
+            if then == "gone":
+                assert "Ray's own processes were stopped too" in proc.stdout.read()
+        else:  # the stop done first: the GCS may go as Ray stops
+            time.sleep(0.3)
+            gcs.close()
+            time.sleep(1.0)
+            assert proc.poll() is None
+            proc.kill()
+            proc.wait()

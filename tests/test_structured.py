@@ -113,6 +113,18 @@ def test_each_tool_format_round_trips_through_its_grammar_and_parser(smol):
         assert not content
         assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in got] == calls
         assert tools.parse("Paris is sunny today.", fmt, names) == ("Paris is sunny today.", [])
+        # cut at max_tokens inside the last call: the whole calls, then the cut one as far as
+        # its arguments were written (as OpenAI returns it; the markup went out as content)
+        cut = text[:text.rindex('"UTC"') + 3]
+        if fmt == "gemma":  # (Python calls: no JSON text to give)
+            assert tools.cut_call(cut, fmt, names) is None
+            continue
+        content, got = tools.cut_call("Here: " + cut, fmt, names)
+        assert content == "Here:" and [c["function"]["name"] for c in got] == [n for n, _ in calls]
+        assert got[-1]["function"]["arguments"] == '{"tz": "UT'
+        assert json.loads(got[0]["function"]["arguments"]) == calls[0][1]
+        assert tools.cut_call(text[:text.index('"now"') + 3], fmt, names)[1][-1]["function"] \
+            ["name"] == "get_weather"  # (the cut one's name not whole yet: the whole ones)
     # a template that renders tools gets them, with earlier calls as structured messages
     convo = [{"role": "user", "content": "weather?"},
              {"role": "assistant", "content": "", "tool_calls": [{"id": "1", "type": "function",
@@ -124,3 +136,14 @@ def test_each_tool_format_round_trips_through_its_grammar_and_parser(smol):
     out, extra = tools.render(convo, fs, "smollm2")
     assert not extra and "<tools>" in out[0]["content"] and out[-1]["role"] == "user"
     assert tools.format_for(smol.tokenizer) == "smollm2"
+
+
+def test_a_schema_of_true_is_any_json_and_false_is_refused():
+    # (OpenAI's json_schema format without its optional schema: the default true was refused by
+    # llguidance as "Expecting object schema to apply options")
+    from powerinfer.errors import InvalidRequestError
+
+    assert Grammar.json_schema(True) == Grammar.json_schema({})
+    assert '"json_schema"' in Grammar.json_schema(True).compiled()
+    with pytest.raises(InvalidRequestError, match="no output matches it"):
+        Grammar.json_schema(False)

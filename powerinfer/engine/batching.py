@@ -465,5 +465,5 @@ def sample_next(s: Sequence, logits: np.ndarray) -> tuple[int, str]:
     """Sample s's next token from its logits (vocab,); returns it and the text now final."""
     history = s.recent(s.params.repetition_window) if s.params.repetition_penalty != 1 else []
     generator = None if s.params.greedy else token_generator(s.seed, len(s.output))
-    token = sample(logits, s.params, history, generator)
+    token = sample(logits, s.params, history, generator, s.output)
     return token, s.push(token)

@@ -71,6 +71,12 @@ class Grammar:
     # ---- constructors for the request formats ----
     @classmethod
     def json_schema(cls, schema: dict | bool | str, strict: bool = True) -> "Grammar":
+        """`schema` true (as OpenAI's json_schema format without its optional "schema") is any
+        JSON value; false, which no value matches, is refused."""
+        if schema is False:
+            raise InvalidRequestError("JSON schema false: no output matches it")
+        if schema is True:  # (llguidance takes only an object: "Expecting object schema")
+            schema = {}
         text = schema if isinstance(schema, str) else json.dumps(schema)  # its key order kept
         return cls("json", text, bool(strict))
 

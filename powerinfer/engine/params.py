@@ -30,6 +30,10 @@ class SamplingParams:
     min_p: float = 0.05  # 0.0: off
     repetition_penalty: float = 1.0  # 1.0: off; applied over the last `repetition_window` tokens
     repetition_window: int = 64
+    # OpenAI's, over the tokens generated so far: a token's logit less presence_penalty once it
+    # has come, and frequency_penalty for each time it has (-2..2; 0: off)
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
     seed: int | None = None
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
@@ -57,6 +61,9 @@ class SamplingParams:
             problems.append("min_p must be in [0, 1)")
         if not (self.repetition_penalty > 0 and math.isfinite(self.repetition_penalty)):
             problems.append("repetition_penalty must be a finite number > 0")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2 <= getattr(self, name) <= 2:  # (NaN too)
+                problems.append(f"{name} must be in [-2, 2]")
         if any(not isinstance(s, str) or not s for s in self.stop):
             problems.append("stop must be non-empty strings")
         elif len(self.stop) > MAX_STOPS or any(len(s) > MAX_STOP_CHARS for s in self.stop):
@@ -72,6 +79,11 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+    @property
+    def penalised(self) -> bool:
+        """Whether the tokens generated so far change the next one's logits."""
+        return self.presence_penalty != 0 or self.frequency_penalty != 0
 
 
 def sampling_params(**kw) -> SamplingParams:

@@ -1,5 +1,5 @@
-"""Token sampling by a request's `SamplingParams`, in llama.cpp's order: repetition penalty ->
-top-k -> top-p -> min-p -> temperature -> draw. top-p and min-p look at the untempered
+"""Token sampling by a request's `SamplingParams`, in llama.cpp's order: repetition, presence and
+frequency penalties -> top-k -> top-p -> min-p -> temperature -> draw. top-p and min-p look at the untempered
 distribution, as llama.cpp does.
 
 In numpy, not torch: the actor runtime's scheduler samples, and it runs without torch (a
@@ -32,6 +32,15 @@ def apply_repetition_penalty(logits: np.ndarray, history: list[int], p: Sampling
     logits[ids] = np.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
 
 
+def apply_output_penalties(logits: np.ndarray, output: list[int], p: SamplingParams):
+    """OpenAI's presence and frequency penalties over the tokens generated so far (in place):
+    each token that has come loses presence_penalty, and frequency_penalty times its count."""
+    if not p.penalised or not output:
+        return
+    ids, counts = np.unique(np.asarray(output, dtype=np.int64), return_counts=True)
+    logits[ids] -= np.float32(p.presence_penalty) + np.float32(p.frequency_penalty) * counts
+
+
 def _descending(x: np.ndarray, k: int) -> np.ndarray:
     """Indices of the k largest of x (all of them when k is 0 or past its length), largest
     first; among equal values the lower index first."""
@@ -44,14 +53,18 @@ def _descending(x: np.ndarray, k: int) -> np.ndarray:
 
 
 def sample(logits, p: SamplingParams, history: list[int],
-           generator: np.random.Generator | None) -> int:
-    """Pick the next token from one row of logits (V,). A row with NaN, or with no token
-    allowed (every logit -inf), raises RuntimeError: its sequence fails, not the batch."""
+           generator: np.random.Generator | None, output: list[int] | None = None) -> int:
+    """Pick the next token from one row of logits (V,). `history`: the recent tokens, prompt
+    included (the repetition penalty); `output`: those generated so far (the presence and
+    frequency penalties). A row with NaN, or with no token allowed (every logit -inf), raises
+    RuntimeError: its sequence fails, not the batch."""
     x = host_array(logits)
-    if p.greedy and (p.repetition_penalty == 1.0 or not history):
+    if p.greedy and (p.repetition_penalty == 1.0 or not history) and \
+            not (p.penalised and output):
         return int(np.argmax(x))  # the first maximum, NaN first
     x = x.copy()
     apply_repetition_penalty(x, history, p)
+    apply_output_penalties(x, output or [], p)
     if p.greedy:
         return int(np.argmax(x))
     if np.isnan(x).any():

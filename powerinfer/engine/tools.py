@@ -209,8 +209,49 @@ def parse(text: str, fmt: str, names: list[str]) -> tuple[str, list[dict]]:
             calls[:0] = found
             content = content[:m.start()] + content[m.end():]
         content = content.strip()
-    return content, [{"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
-                      "function": {"name": n, "arguments": json.dumps(a)}} for n, a in calls]
+    return content, [_call(n, json.dumps(a)) for n, a in calls]
+
+
+def cut_call(text: str, fmt: str, names: list[str]) -> tuple[str, list[dict]] | None:
+    """(content, calls) of a text that ended inside a call (a reply cut at max_tokens): the
+    calls written whole, then the cut one with its name and its arguments as far as they were
+    written (JSON text cut short, as OpenAI returns a call cut by finish reason "length"); a
+    call cut before its name is left out, markup and all. None where the text holds no call, or
+    one of a function not offered, or for "gemma", whose calls are Python, not JSON text."""
+    if fmt == "gemma":
+        return None
+    at = text.rfind(opener(fmt))
+    if at < 0:
+        return None
+    body, pos, whole = text[at + len(opener(fmt)):], 0, []
+    decoder = json.JSONDecoder()
+    while True:  # (smollm2: a list of calls, each whole one decoded, up to the cut one)
+        pos = _BETWEEN_CALLS.match(body, pos).end()
+        try:
+            item, pos = decoder.raw_decode(body, pos)
+        except ValueError:
+            break
+        found = _calls_of(item, names)
+        if found is None:
+            return None
+        whole += found
+    m = re.match(r'\{\s*"name"\s*:\s*"([^"]*)"\s*(?:,\s*"(?:arguments|parameters)"\s*:\s*(.*))?',
+                 body[pos:], re.S)
+    if m is not None and m.group(1) not in names:
+        return None
+    content, calls = parse(text[:at], fmt, names)
+    calls += [_call(n, json.dumps(a)) for n, a in whole]
+    if m is not None:
+        calls.append(_call(m.group(1), (m.group(2) or "").strip()))
+    return content.strip(), calls
+
+
+def _call(name: str, arguments: str) -> dict:
+    return {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+            "function": {"name": name, "arguments": arguments}}
+
+
+_BETWEEN_CALLS = re.compile(r"[\s\[,]*")
 
 
 def _json_calls(body: str, names: list[str]) -> list[tuple[str, dict]] | None:
@@ -218,6 +259,12 @@ def _json_calls(body: str, names: list[str]) -> list[tuple[str, dict]] | None:
         got = json.loads(body)
     except ValueError:
         return None
+    return _calls_of(got, names)
+
+
+def _calls_of(got, names: list[str]) -> list[tuple[str, dict]] | None:
+    """(name, arguments) of a decoded call or list of calls; None where one is not a call of
+    the request's functions."""
     items = got if isinstance(got, list) else [got]
     out = []
     for c in items:

@@ -110,7 +110,31 @@ class Tokenizer:
         return {**self.__dict__, "_template": None}
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
-                            **extra) -> str:
+                            continue_final_message: bool = False, **extra) -> str:
+        """The conversation as the model's template writes it, with the model's turn opened
+        (`add_generation_prompt`), or, `continue_final_message`, ending inside the last message,
+        the assistant's own beginning of its reply (a prefill), which the model goes on from
+        (as transformers and vLLM do it: the render cut after that message's text)."""
+        final = ""
+        if continue_final_message:
+            if not messages or messages[-1].get("role") != "assistant":
+                raise ValueError("continue_final_message: the last message must be the "
+                                 "assistant's, the beginning of the reply to go on from")
+            final = messages[-1].get("content") or ""
+            add_generation_prompt = not final.strip()  # (nothing to go on from: a new turn)
+        text = self._render(messages, add_generation_prompt, **extra)
+        if final.strip():
+            at = text.rfind(final)
+            if at < 0:  # (a template that trims what it writes)
+                final = final.strip()
+                at = text.rfind(final)
+            if at < 0:
+                raise ValueError("continue_final_message: the chat template does not write the "
+                                 "last message as it is, so there is no place to go on from")
+            text = text[:at + len(final)]
+        return text
+
+    def _render(self, messages: list[dict], add_generation_prompt: bool, **extra) -> str:
         if self._template is None:
             from jinja2.ext import loopcontrols
             from jinja2.sandbox import ImmutableSandboxedEnvironment
