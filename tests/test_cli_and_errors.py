@@ -168,6 +168,9 @@ def test_an_amount_of_memory_must_be_a_finite_number():
     (["train-predictors", "--bundle", "b", "--recall", "1.5"], "--recall: '1.5' is not in (0, 1]"),
     (["profile", "--out", "b", "--dtype", "foo"], "--dtype: invalid choice: 'foo'"),
     (["synthetic", "--out", "x", "--seed", "-1"], "--seed: '-1' is less than 0"),
+    (["serve", "--drain-timeout", "-1"],
+     "--drain-timeout: '-1' is not a finite number of seconds, 0 or more"),
+    (["serve", "--request-timeout", "inf"], "--request-timeout: 'inf' is not a finite number"),
 ])
 def test_a_count_out_of_range_is_named_before_anything_runs(argv, needle, capsys):
     # (`eval --window 0` ended in a RuntimeError after loading the model, and `--tokens -5`
@@ -303,3 +306,72 @@ def test_a_gguf_without_a_vocabulary_names_the_missing_key():
         Tokenizer.from_gguf({"tokenizer.ggml.model": "gpt2"})
     with pytest.raises(ValueError, match="metadata lacks tokenizer.ggml.scores"):
         Tokenizer.from_gguf({"tokenizer.ggml.model": "llama", "tokenizer.ggml.tokens": ["a"]})
+
+
+def test_rays_token_file_is_this_users_alone(tmp_path, monkeypatch):
+    # (Ray writes ~/.ray/auth_token with the umask: commonly readable by every user of the
+    # machine, any of whom could then run code in the cluster as this user)
+    from powerinfer.compat import private_ray_token
+
+    monkeypatch.delenv("RAY_AUTH_TOKEN", raising=False)
+    token = tmp_path / "ray" / "auth_token"
+    monkeypatch.setenv("RAY_AUTH_TOKEN_PATH", str(token))
+    assert private_ray_token(create=False) is None and not token.exists()  # (a joiner's)
+    assert private_ray_token() == token
+    assert token.stat().st_mode & 0o777 == 0o600 and len(token.read_text()) == 64
+    assert token.parent.stat().st_mode & 0o077 == 0
+    made = token.read_text()
+    token.chmod(0o644)
+    assert private_ray_token() == token and token.stat().st_mode & 0o777 == 0o600
+    assert token.read_text() == made  # (kept: the cluster's nodes hold it)
+    monkeypatch.setenv("RAY_AUTH_TOKEN", "x" * 64)
+    assert private_ray_token() is None
+
+
+def test_a_loads_line_names_where_it_runs_not_where_a_budget_could_run_it():
+    # (device "auto" with a VRAM budget on a host without a GPU said "on a GPU", and two lines
+    # later that nothing was placed on one)
+    import torch
+
+    from powerinfer import Config
+
+    where = "on a GPU" if torch.cuda.is_available() else "on the CPU"
+    for cfg in (Config(vram_budget_gb=4), Config(device="auto")):
+        assert cfg.summary().startswith(where + ", CPU kernel"), cfg.summary()
+    assert Config(device="cpu", vram_budget_gb=0).summary().startswith("on the CPU")
+
+
+def test_the_help_gives_every_commands_defaults_and_names_every_command(capsys):
+    # (the defaults were in the code only; `synthetic --preset` named no choice; the top-level
+    # description left out calibrate-input and the server's commands)
+    from powerinfer.cli import PRESET_NAMES, main
+    from powerinfer.sparsity.synthetic import PRESETS
+
+    assert set(PRESET_NAMES) == set(PRESETS)
+    for argv, needles in ((["--help"], ["calibrate-input", "serve, plan, ray-start"]),
+                          (["profile", "--help"], ["(default 16384)", "(default 512)"]),
+                          (["synthetic", "--help"], ["{7b,13b,70b,tiny}", "(default 0.9)"]),
+                          (["generate", "--help"], ["(default 0.8)", "the text to complete"])):
+        with pytest.raises(SystemExit):
+            main(argv)
+        out = capsys.readouterr().out
+        for n in needles:
+            assert n in out, (argv, n)
+
+
+def test_export_pwri_takes_an_installed_models_name(tmp_path, capsys):
+    # (a short name was "No such file or directory"; the default model is SwiGLU, refused by
+    # what the original runs, not as a model that cannot load)
+    from powerinfer.cli import main
+    from powerinfer.formats.bundle import Bundle
+    from powerinfer.formats.loader import DEFAULT_MODEL, resolve_model
+    from powerinfer.formats.bundle import model_record
+    from powerinfer.formats.loader import load_checkpoint
+
+    path = resolve_model(DEFAULT_MODEL)
+    Bundle.create(tmp_path / "b", model_record(path, load_checkpoint(path,
+                                                                     with_weights=False).args))
+    assert main(["export-pwri", "-m", DEFAULT_MODEL, "--bundle", str(tmp_path / "b"),
+                 "--out", str(tmp_path / "x.gguf")]) == 1
+    err = capsys.readouterr().err
+    assert "cannot be written as a PWRI file" in err and "No such file" not in err, err

@@ -166,6 +166,14 @@ def test_pool_size_from_a_setting_or_from_memory():
     assert n == 2**30 // per_block and "kv_cache_gb" in why
     n, why = pool_blocks(a, Config(max_batch=4), 512, 2)  # auto: 4 whole contexts fit here
     assert BlockManager(n, BS).capacity >= 512 and n <= 4 * 512 // 16 + 3 and "max_batch" in why
+    # a pool on a GPU: at most a quarter of the VRAM budget (one sized by the host's memory took
+    # more than the whole budget, leaving nothing for the hot neurons)
+    big = ModelArgs("llama", 100, 4096, n_layers=32, n_heads=32, n_kv_heads=32, ffn_dim=128,
+                    max_seq_len=8192)
+    n, why = pool_blocks(big, Config(vram_budget_gb=4), 8192, 2, gpu=True)
+    per_block = 2 * 32 * 4096 * 2 * 16
+    assert n * per_block <= 2**30 < (n + 1) * per_block and "25% of the VRAM budget" in why
+    assert pool_blocks(big, Config(vram_budget_gb=4), 8192, 2)[0] != n  # (the host's, on a CPU)
     with pytest.raises(ValueError):
         Config(block_size=8)
 

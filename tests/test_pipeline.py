@@ -1,6 +1,7 @@
 """The offline pipeline on real parts: profiler statistics against an independent recount,
 SwiGLU threshold calibration, interruption safety, and evaluation against transformers."""
 import math
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -80,6 +81,12 @@ def test_a_profile_says_where_it_ran_and_names_a_device_it_cannot_use(relu_folde
     with caplog.at_level("WARNING", logger="powerinfer"):  # a text too short to learn from
         profile(str(folder), "lee", tmp_path / "few", opts, progress=False, device="cpu")
     assert "profiling 256 tokens of lee: too few" in caplog.text
+    assert "not used for a" not in caplog.text
+    # SwiGLU's settings on a ReLU model (they were ignored without a word)
+    with caplog.at_level("WARNING", logger="powerinfer"):
+        profile(str(folder), "lee", tmp_path / "relu", replace(opts, sparsity=0.5),
+                progress=False, device="cpu")
+    assert "sparsity: not used for a reglu model, whose neurons' zeros are its own" in caplog.text
 
 
 def test_samples_are_consistent_with_the_model(relu_folder, relu_bundle):
@@ -156,6 +163,8 @@ def test_eval_dense_perplexity_matches_transformers(relu_folder, relu_bundle):
 def test_bundle_errors_name_the_cause(tmp_path, relu_bundle, default_model_path):
     with pytest.raises(BundleError, match="no manifest.json"):
         Bundle.open(tmp_path)
+    with pytest.raises(BundleError, match="no such folder"):  # (it said "no manifest.json")
+        Bundle.open(tmp_path / "smol-bundle")
     (tmp_path / "manifest.json").write_text("{not json")
     with pytest.raises(BundleError, match="not valid JSON"):
         Bundle.open(tmp_path)
@@ -236,6 +245,24 @@ def test_a_damaged_part_is_named_and_a_later_writers_field_is_left_out(tmp_path,
     (b.path / "eval.json").write_bytes(b"\xff\xfe{")
     with pytest.raises(BundleError, match="eval.json is not valid JSON"):
         b.load_json("eval.json")
+    # a table's rows, hand-edited: the row and the key named (a KeyError or TypeError where
+    # they were read)
+    from powerinfer.engine.plan import check_quality
+    from powerinfer.sparsity.input_sparsity import bundle_thresholds
+    (b.path / "eval.json").write_text('{"rows": [{"label": "predicted (ffn input)"}]}')
+    b.mark("eval")
+    with pytest.raises(BundleError, match="eval.json row 'predicted \\(ffn input\\)': missing "
+                                          "'ppl_delta'"):
+        check_quality(b, "ffn", 0.02)
+    (b.path / "predictors.ffn.json").write_text('[{"rank": 8}, {"rank": "8"}]')
+    with pytest.raises(BundleError, match="predictors.ffn.json row 1: 'rank' is a string, "
+                                          "expected an integer"):
+        b.load_json("predictors.ffn.json", {"rank": int})
+    (b.path / "input_sparsity.json").write_text('{"thresholds": [[0, "qkv", 0.1], [1, "o"]]}')
+    b.mark("input_sparsity")
+    with pytest.raises(BundleError, match=r"'thresholds' entry 1 is \[1, \"o\"\], expected "
+                                          r"\[layer, part, magnitude\]"):
+        bundle_thresholds(b)
     # the model it was made for, changed in place: said so, not "made for X, not for X"
     import shutil
     folder, _ = relu_folder
@@ -270,3 +297,20 @@ def test_a_models_sha256_is_read_once_and_again_when_the_file_changes(tmp_path, 
     assert B.file_sha256(f) == hashlib.sha256(b"b" * 4096).hexdigest()
     (tmp_path / "cache" / "powerinfer" / "sha256.json").write_text("{not json")
     assert B.file_sha256(f) == hashlib.sha256(b"b" * 4096).hexdigest()  # a damaged cache: read
+
+
+def test_a_bundles_parts_are_readable_as_the_umask_says(tmp_path):
+    # (safetensors wrote its files readable by their owner alone, the JSON parts by everyone: a
+    # service running as another user could not read a bundle's tensors)
+    import os
+
+    b = Bundle.create(tmp_path / "b", {"file": "m.gguf", "n_layers": 1})
+    old = os.umask(0o022)
+    try:
+        b.save_tensors("t.safetensors", {"x": np.zeros(3, np.float32)})
+        b.save_json("t.json", {"a": 1})
+    finally:
+        os.umask(old)
+    modes = {p.name: p.stat().st_mode & 0o777 for p in (b.path / "t.safetensors",
+                                                         b.path / "t.json")}
+    assert modes == {"t.safetensors": 0o644, "t.json": 0o644}, modes

@@ -58,8 +58,17 @@ def test_a_plan_that_does_not_fit_names_what_is_short(tmp_path):
         plan(host, [gpu])
     many = [dataclasses.replace(big, name=f"m{i}", ffn_gb=10, cores_per_cold=16, cold_executors=1)
             for i in range(8)]
-    with pytest.raises(PlanError, match=r"cores short"):
+    with pytest.raises(PlanError, match=r"cores? short .*give it fewer cold_executors; 0: one "
+                                        r"executor with the whole model"):
         plan(host, many)
+    # (a 2-core host, one model with a cold executor: "1 cores short")
+    two = tmp_path / "two.yaml"
+    two.write_text(yaml.safe_dump({"numa_nodes": [{"id": 0, "cores": "0-1", "memory_gb": 16}]}))
+    small = ModelSpec("small", 0.1, 0.1, 0.1, 1e-6, cold_executors=1, cores_per_cold=1,
+                      hot_cores=1, predictor=False)
+    with pytest.raises(PlanError, match=r"has 0 cores and .*: 1 core short \(give it fewer"):
+        plan(Host.from_yaml(two), [small])
+    assert plan(Host.from_yaml(two), [dataclasses.replace(small, cold_executors=0)])
     bad = tmp_path / "host.yaml"
     bad.write_text(yaml.safe_dump({"numa_nodes": [{"id": 0, "cores": "0-3", "memory_gb": 8}],
                                    "gpus": [{"id": 0, "memory_gb": 24, "numa_node": 3}]}))

@@ -1187,7 +1187,7 @@ def test_vram_budget_plans_the_placement_and_caches_it(bundle, default_model_pat
     cached = list((Path(str(model) + ".bundle") / "placements").glob("*.json"))
     # the KV cache it counts: the pool's positions (auto: max_batch x the context)
     from powerinfer.engine.kv import pool_blocks
-    pool = pool_blocks(pi.args, Config(**cfg), 256, 4)[0] * 16
+    pool = pool_blocks(pi.args, Config(**cfg), 256, 4, gpu=True)[0] * 16  # (a GPU's pool)
     assert len(cached) == 1 and f"0.4GB-ctx{pool}-batch1" in cached[0].name
     report = __import__("json").loads(cached[0].read_text())
     assert 0 < report["used_bytes"] <= 0.4 * 2**30

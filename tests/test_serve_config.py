@@ -102,6 +102,22 @@ def test_request_bodies_map_to_engine_sampling():
     assert c.prompts() == [[1, 2], [3]] and c.engine_sampling()["max_tokens"] == 16
 
 
+def test_a_named_function_is_one_call_and_tokenize_takes_the_chats_tools():
+    ask = {"model": "m", "messages": [{"role": "user", "content": "x"}],
+           "tools": [{"type": "function", "function": {"name": "f"}}]}
+    spec = lambda **kw: oa.ChatCompletionRequest.model_validate({**ask, **kw}).tool_spec  # noqa: E731
+    assert spec()["parallel"] and spec(tool_choice="required")["parallel"]
+    assert not spec(parallel_tool_calls=False)["parallel"]
+    # (its grammar let the model call it again and again)
+    named = spec(tool_choice={"type": "function", "function": {"name": "f"}})
+    assert named["choice"] == "f" and not named["parallel"]
+    t = oa.TokenizeRequest.model_validate(ask)
+    assert t.tool_spec == {**spec(), "parallel": True}
+    assert oa.TokenizeRequest.model_validate({"model": "m", "prompt": "x"}).tool_spec is None
+    with pytest.raises(ValidationError, match="tools go with messages"):
+        oa.TokenizeRequest.model_validate({"model": "m", "prompt": "x", "tools": ask["tools"]})
+
+
 @pytest.mark.parametrize("body,needle", [
     ({"model": "m", "messages": [], "max_tokens": 1}, "at least 1"),
     ({"model": "m", "messages": [{"role": "robot", "content": "x"}]}, "role"),
@@ -115,7 +131,8 @@ def test_request_bodies_map_to_engine_sampling():
       "tools": [{"type": "function", "function": {"name": "f"}}],
       "response_format": {"type": "json_object"}}, "constrains"),
     ({"model": "m", "messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, "logprobs"),
-    ({"model": "m", "messages": [{"role": "user", "content": "x"}], "presence_penalty": 1}, "repetition_penalty"),
+    ({"model": "m", "messages": [{"role": "user", "content": "x"}], "presence_penalty": 2.5},
+     "less than or equal to 2"),
     ({"model": "m", "messages": [{"role": "user", "content": "x"}], "stream_options": {}}, "stream"),
     ({"model": "m", "messages": [{"role": "user", "content": "x"}], "n": 17}, "16"),
     ({"model": "m", "messages": [{"role": "user", "content": "x"}], "logit_bias": {"5": -100}},
@@ -466,3 +483,19 @@ def test_a_loopback_server_without_a_key_answers_only_requests_naming_a_local_ho
     assert Frontend("127.0.0.1").loopback and Frontend("localhost").loopback
     assert Frontend("::1").loopback and not Frontend("0.0.0.0").loopback
     assert not Frontend("10.0.0.5").loopback
+
+
+def test_the_printed_request_names_where_the_key_comes_from(monkeypatch):
+    # (it said $POWERINFER_API_KEY for a key given with --api-key: pasted, it got a 401)
+    from serve_app.server import Frontend, _curl
+
+    models = [{"name": "a", "model": "x"}]
+    monkeypatch.delenv("POWERINFER_API_KEY", raising=False)
+    given = _curl(Frontend(), ServeSettings.from_dict({"models": models, "api_key": "s3"}), "a")
+    assert 'Bearer KEY"' in given and "KEY: the server's API key" in given and "s3" not in given
+    monkeypatch.setenv("POWERINFER_API_KEY", "s3")
+    env = _curl(Frontend(), ServeSettings.from_dict({"models": models}), "a")
+    assert 'Bearer $POWERINFER_API_KEY"' in env and "s3" not in env
+    monkeypatch.delenv("POWERINFER_API_KEY")
+    assert "Authorization" not in _curl(Frontend(), ServeSettings.from_dict({"models": models}),
+                                        "a")

@@ -204,13 +204,28 @@ def available_memory() -> int:
 
 
 AUTO_SHARE = 0.25  # of the host's available memory, at most, for a pool sized automatically
+# of the VRAM budget (without one, of the device's free memory), at most, for a pool sized
+# automatically on a GPU: the rest is the hot neurons' (a pool sized by the host's memory took
+# 5.7 of a 4 GiB budget for SmolLM2's default 64 sequences of 8,192 positions)
+GPU_SHARE = 0.25
 
 
-def pool_blocks(args, config, context: int, dtype_bytes: int) -> tuple[int, str]:
+def _gpu_bytes(config) -> int | None:
+    if config.vram_budget_gb > 0:
+        return int(config.vram_budget_gb * 2**30)
+    try:
+        import torch
+        return torch.cuda.mem_get_info()[0] if torch.cuda.is_available() else None
+    except (ImportError, RuntimeError):
+        return None
+
+
+def pool_blocks(args, config, context: int, dtype_bytes: int,
+                gpu: bool = False) -> tuple[int, str]:
     """The number of blocks of a model's pool, and how it was decided: `config.kv_cache_gb`, or
     (0: auto) room for `max_batch` sequences of the whole context (and the watermark), capped
     at a quarter of the host's available memory (a pool's pages are resident only once
-    written)."""
+    written), or, for a pool on a GPU (`gpu`), at a quarter of the VRAM budget."""
     per_block = bytes_per_token(args, dtype_bytes) * config.block_size
     if config.kv_cache_gb > 0:
         avail = available_memory()
@@ -227,10 +242,25 @@ def pool_blocks(args, config, context: int, dtype_bytes: int) -> tuple[int, str]
         return blocks, f"kv_cache_gb={config.kv_cache_gb:g}"
     want = config.max_batch * -(-context // config.block_size)
     want += math.ceil(1.1 * WATERMARK * want) + 1  # admission keeps the watermark free
-    cap = int(AUTO_SHARE * available_memory() // per_block)
+    if gpu and (room := _gpu_bytes(config)) is not None:
+        cap = int(GPU_SHARE * room // per_block)
+        bound = (f"{GPU_SHARE:.0%} of the VRAM budget" if config.vram_budget_gb > 0 else
+                 f"{GPU_SHARE:.0%} of the GPU's free memory")
+    else:
+        cap = int(AUTO_SHARE * available_memory() // per_block)
+        bound = f"{AUTO_SHARE:.0%} of the host's available memory"
     if cap >= want:
         return want, f"auto: max_batch {config.max_batch} x the context of {context}"
-    return max(cap, 1), f"auto: {AUTO_SHARE:.0%} of the host's available memory"
+    return max(cap, 1), f"auto: {bound}"
+
+
+def planned_blocks(blocks: int, args, config, context: int, dtype_bytes: int,
+                   gpu: bool) -> int:
+    """The pool a VRAM budget's placement counts: this process's own (`blocks`) where it is on
+    the GPU or there is no budget, else the one a GPU would hold (`pool_blocks(gpu=True)`)."""
+    if gpu or config.vram_budget_gb <= 0:
+        return blocks
+    return pool_blocks(args, config, context, dtype_bytes, gpu=True)[0]
 
 
 def describe(blocks: int, args, config, dtype_bytes: int) -> str:

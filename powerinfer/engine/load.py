@@ -24,7 +24,7 @@ from ..model.sparse import offload_ffns
 from ..model.transformer import Transformer
 from .batching import context_length
 from .budget import plan_for
-from .kv import pool_blocks
+from .kv import planned_blocks, pool_blocks
 from .partial import (LazyWeights, StoredQ4, deferred_model, keep_device_blocks,
                       keep_kquant_blocks, keep_stored_blocks)
 from .plan import input_thresholds, log_input_sparsity
@@ -90,9 +90,11 @@ def whole_model(checkpoint: Checkpoint, config: Config, tokenizer: bool = True,
     placement (a caller that has decided there is none), where asked."""
     device = config.torch_device  # a ConfigError of its own, not a load error
     context = context_length(checkpoint.args, config)
-    kv_blocks, why = pool_blocks(checkpoint.args, config, context, config.torch_dtype.itemsize)
-    plan = plan_for(config, checkpoint.args, checkpoint.path, kv_blocks * config.block_size,
-                    on_gpu=device.type == "cuda", checkpoint=checkpoint) if plan else None
+    gpu, elt = device.type == "cuda", config.torch_dtype.itemsize
+    kv_blocks, why = pool_blocks(checkpoint.args, config, context, elt, gpu)
+    planned = planned_blocks(kv_blocks, checkpoint.args, config, context, elt, gpu)
+    plan = plan_for(config, checkpoint.args, checkpoint.path, planned * config.block_size,
+                    on_gpu=gpu, checkpoint=checkpoint) if plan else None
     in_place = not checkpoint.weights and read_in_place(checkpoint, config)
     later = set()  # tensors the 4-bit configuration reads as blocks or after
     tok = None
@@ -136,7 +138,7 @@ def whole_model(checkpoint: Checkpoint, config: Config, tokenizer: bool = True,
     if in_place:
         # the pool's automatic share of the available memory, counted once the model is
         # resident (above, before it was read; its plan on the CPU places nothing by it)
-        kv_blocks, why = pool_blocks(checkpoint.args, config, context, config.torch_dtype.itemsize)
+        kv_blocks, why = pool_blocks(checkpoint.args, config, context, elt, gpu)
     apply_kernel_linears(model, head="q8_0" if int4 else "bf16")  # what is left in bf16
     checkpoint.q4 = {}  # the model holds them now
     return LoadedModel(model, tok, (kv_blocks, why),

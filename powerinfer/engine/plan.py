@@ -173,8 +173,10 @@ def check_share(b: Bundle, predictor: str) -> tuple[str | None, float | None]:
     MOSTLY_DENSE of a layer's neurons on average (their training record's active share, on
     held-out calibration tokens); returns the line (None: no warning) and that share (None
     where the record has none)."""
-    rows = b.load_json(f"predictors.{predictor}.json")
+    rows = b.load_json(f"predictors.{predictor}.json", {})
     shares = [r["active_share"] for r in rows if "active_share" in r]
+    b.check_rows(f"predictors.{predictor}.json", [r for r in rows if "active_share" in r],
+                 {"active_share": (int, float)})
     share = sum(shares) / len(shares) if shares else None
     if share is None or share <= MOSTLY_DENSE:
         return None, share
@@ -192,7 +194,10 @@ def check_quality(b: Bundle, predictor: str, max_ppl_increase: float) -> str | N
     returns the line."""
     label = f"predicted ({predictor} input)"
     rows = b.load_json("eval.json").get("rows", []) if b.has("eval") else []
-    row = next((r for r in rows if r.get("label") == label), None)
+    b.check_rows("eval.json 'rows'", rows, {"label": str})
+    row = next((r for r in rows if r["label"] == label), None)
+    if row is not None:
+        b.check_rows(f"eval.json row {label!r}", [row], {"ppl_delta": (int, float)}, False)
     if row is None:
         line = (f"sparsity bundle {b.path}: its {predictor}-input predictors were never "
                 f"evaluated, so what they cost in quality is unknown; run `powerinfer eval`")

@@ -82,8 +82,14 @@ _JSON_NAMES = {dict: "an object", list: "a list", str: "a string", int: "an inte
                float: "a number", bool: "true or false", type(None): "null"}
 
 
-def _is(value, kind: type) -> bool:
+def _is(value, kind: type | tuple) -> bool:
+    if isinstance(kind, tuple):  # ((int, float): a number)
+        return any(_is(value, k) for k in kind)
     return isinstance(value, kind) and not (kind is int and isinstance(value, bool))
+
+
+def _expected(kind: type | tuple) -> str:
+    return "a number" if kind == (int, float) else _JSON_NAMES[kind]
 
 
 def _kind(value) -> str:
@@ -214,6 +220,9 @@ class Bundle:
     def open(cls, path) -> "Bundle":
         path = Path(path)
         f = path / "manifest.json"
+        if not path.exists():
+            raise BundleError(path, "no such folder (a bundle is the folder `powerinfer "
+                                    "profile --out` writes)")
         if not f.is_file():
             raise BundleError(path, "no manifest.json (not a bundle, or profiling never finished a part)")
         try:
@@ -302,9 +311,11 @@ class Bundle:
     def save_json(self, name: str, obj):
         write_atomically(self.path / name, lambda tmp: tmp.write_text(json.dumps(obj, indent=1)))
 
-    def load_json(self, name: str):
+    def load_json(self, name: str, keys: dict | None = None):
         """The JSON part `name`: a list for the tables (predictors.{input}.json, quality.json),
-        an object for the others."""
+        an object for the others; with `keys` ({key: type, or (int, float) for a number}),
+        each row of a table, or the object, holds those keys with those types
+        (`check_rows`)."""
         expect = list if name.startswith("predictors.") or name == "quality.json" else dict
         f = self.path / name
         if not f.is_file():
@@ -316,7 +327,26 @@ class Bundle:
         if not isinstance(obj, expect):
             raise BundleError(self.path, f"{name} holds {_kind(obj)}, expected "
                                          f"{_JSON_NAMES[expect]}")
+        if keys is not None:
+            self.check_rows(name, obj if expect is list else [obj], keys, expect is list)
         return obj
+
+    def check_rows(self, where: str, rows, keys: dict, table: bool = True):
+        """BundleError naming the row and the key where `rows` (a part's rows, e.g. a
+        hand-edited table) are not objects holding `keys` of their types (a KeyError or
+        TypeError in whatever read them first)."""
+        if not isinstance(rows, list):
+            raise BundleError(self.path, f"{where} is {_kind(rows)}, expected a list")
+        for i, row in enumerate(rows):
+            at = f"{where} row {i}" if table else where
+            if not isinstance(row, dict):
+                raise BundleError(self.path, f"{at} is {_kind(row)}, expected an object")
+            for k, kind in keys.items():
+                if k not in row:
+                    raise BundleError(self.path, f"{at}: missing '{k}'")
+                if not _is(row[k], kind):
+                    raise BundleError(self.path, f"{at}: '{k}' is {_kind(row[k])}, expected "
+                                                 f"{_expected(kind)}")
 
     # typed accessors for the parts
     def stats(self) -> tuple[list[np.ndarray], list[np.ndarray], int]:
@@ -372,9 +402,23 @@ def write_atomically(path: Path, write):
     tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
     try:
         write(tmp)
+        # the mode a new file gets from the umask (safetensors writes its files readable by their
+        # owner alone, so a service's user could not read a bundle another user made)
+        tmp.chmod(0o666 & ~_umask())
         os.replace(tmp, path)
     finally:
         tmp.unlink(missing_ok=True)
+
+
+def _umask() -> int:
+    """This process's umask, read without changing it (os.umask sets it to read it)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    return 0o022
 
 
 CONVERTED_NAME = "kernel-formats"

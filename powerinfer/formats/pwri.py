@@ -110,10 +110,12 @@ def export_pwri(model_file: Path, bundle: Bundle, out: Path, predictor_input: st
     ck = load_checkpoint(model_file, with_weights=False)
     a, arch = ck.args, ck.info["gguf_arch"]
     if FFN_ACTS.get(arch) != a.ffn_act or a.qkv_bias or a.o_bias:
-        raise ModelLoadError(model_file, "the original PowerInfer runs PWRI files of llama (reglu "
-                             "FFN) and bamboo (dreglu FFN) models without attention biases; this "
-                             f"is {arch} with a {a.ffn_act} FFN"
-                             + (" and attention biases" if a.qkv_bias or a.o_bias else ""))
+        # (said as "cannot load model", which it could)
+        raise ConfigError(f"{model_file.name} cannot be written as a PWRI file: the original "
+                          "PowerInfer runs PWRI files of llama (reglu FFN) and bamboo (dreglu "
+                          f"FFN) models without attention biases; this is {arch} with a "
+                          f"{a.ffn_act} FFN"
+                          + (" and attention biases" if a.qkv_bias or a.o_bias else ""))
     part = f"predictors.{predictor_input}"
     bundle.require(part, "train-predictors")
     pred = bundle.load_tensors(f"{part}.safetensors")

@@ -24,6 +24,7 @@ BENCHMARKS.md).
 """
 from __future__ import annotations
 
+import json
 import logging
 import math
 import os
@@ -381,11 +382,27 @@ def calibrate_bundle(model_name: str, out: str, sparsity: float = 0.25, corpus: 
 def bundle_thresholds(bundle) -> tuple[dict[tuple[int, str], float], dict]:
     """A bundle's (a `Bundle`, or its path) input-sparsity thresholds ((layer, part) ->
     magnitude) and its file's record (target, quality, ...); BundleError where it has none."""
-    from ..formats.bundle import Bundle
+    from ..formats.bundle import Bundle, BundleError
     b = bundle if isinstance(bundle, Bundle) else Bundle.open(bundle)
     b.require("input_sparsity", "calibrate-input")
-    rec = b.load_json(BUNDLE_FILE)
-    return {(int(i), str(p)): float(t) for i, p, t in rec["thresholds"]}, rec
+    rec = b.load_json(BUNDLE_FILE, {"thresholds": list})
+    out = {}
+    for k, entry in enumerate(rec["thresholds"]):  # [layer, part, magnitude]
+        if not (isinstance(entry, list) and len(entry) == 3 and _whole(entry[0])
+                and isinstance(entry[1], str) and _number(entry[2])):
+            raise BundleError(b.path, f"{BUNDLE_FILE}: 'thresholds' entry {k} is "
+                                      f"{json.dumps(entry)[:80]}, expected [layer, part, "
+                                      "magnitude]")
+        out[(entry[0], entry[1])] = float(entry[2])
+    return out, rec
+
+
+def _whole(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _number(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
 
 
 # A projection of fewer output rows stays dense: its channels' runs (rows / 2 bytes each) are too

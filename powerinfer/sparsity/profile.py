@@ -173,6 +173,12 @@ def profile(model_name: str, corpus: str, out: str | Path, opts: ProfileOptions 
     relu = is_relu_family(a.ffn_act)
     if relu:
         quantiles, thresholds = None, np.zeros(L, np.float32)
+        given = [k for k in ("sparsity", "calib_tokens")
+                 if getattr(opts, k) != getattr(ProfileOptions(), k)]
+        if given:  # (they were ignored without a word)
+            log.warning("%s: not used for a %s model, whose neurons' zeros are its own (they "
+                        "set the thresholds of SwiGLU-family models)",
+                        ", ".join(given), a.ffn_act)
     else:
         calib = token_windows(tokenizer, text, opts.window, opts.calib_tokens)
         quantiles, thresholds = calibrate_thresholds(model, calib, opts.sparsity, progress)

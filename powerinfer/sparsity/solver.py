@@ -190,9 +190,13 @@ def solve(mass: list[np.ndarray], args: ModelArgs, budget_bytes: int, *,
     nb = neuron_bytes(args, dtype_bytes, neuron_fmt)
     fixed_total = sum(fixed.values())
     if fixed_total > budget_bytes:
-        parts = ", ".join(f"{k} {v}" for k, v in fixed.items() if v)
-        raise ConfigError(f"GPU budget of {budget_bytes} bytes is below the {fixed_total} bytes "
-                          f"the GPU must hold besides FFN neurons ({parts})")
+        parts = ", ".join(f"{k} {v / 2**20:,.1f}" for k, v in fixed.items() if v)
+        raise ConfigError(f"a GPU budget of {budget_bytes / 2**30:.3f} GiB ({budget_bytes:,} "
+                          f"bytes) is below the {fixed_total / 2**30:.3f} GiB ({fixed_total:,} "
+                          f"bytes) the GPU must hold besides the FFN's neurons (MiB: {parts}): "
+                          f"give at least --vram-budget "
+                          f"{math.ceil(fixed_total / 2**30 * 100) / 100:.2f}, and more for hot "
+                          "neurons")
     cap = (budget_bytes - fixed_total) // nb  # neurons that fit
     group = min(group, n)
     it = _items(mass, n, group, min_share, floor_share)
@@ -353,7 +357,8 @@ def solve_for_bundle(bundle, budget_gb: float, *, batch: int, context: int, dtyp
     args = ModelArgs(**bundle.manifest.model["args"])
     ranks = None
     if bundle.has(f"predictors.{predictor_input}"):
-        ranks = [r["rank"] for r in bundle.load_json(f"predictors.{predictor_input}.json")]
+        ranks = [r["rank"] for r in bundle.load_json(f"predictors.{predictor_input}.json",
+                                                     {"rank": int})]
     fixed = gpu_bytes(args, dtype_bytes=dtype_bytes, batch=batch, context=context,
                       predictor_ranks=ranks, predictor_fmt=predictor_fmt)
     fixed.update(fixed_bytes or {})
