@@ -146,8 +146,13 @@ def llama_python(isa: str | None = None) -> Path:
     if not py.exists():
         subprocess.run(["python3", "-m", "venv", venv], check=True)
     env = dict(os.environ, CMAKE_ARGS=args)  # scikit-build-core splits it with shlex
-    subprocess.run([py, "-m", "pip", "install", "-q", "--force-reinstall", "--no-cache-dir",
-                    f"llama-cpp-python=={LLAMA_VERSION}"], check=True, env=env)
+    # (pip's own output, which carries the installing host's configuration, only on a failure)
+    r = subprocess.run([py, "-m", "pip", "install", "-q", "--force-reinstall", "--no-cache-dir",
+                        f"llama-cpp-python=={LLAMA_VERSION}"], env=env, capture_output=True,
+                       text=True)
+    if r.returncode:
+        raise RuntimeError(f"pip could not build llama-cpp-python=={LLAMA_VERSION}:\n"
+                           f"{(r.stdout + r.stderr)[-3000:]}")
     stamp.write_text(args)
     return py
 
