@@ -161,7 +161,8 @@ class BatchLoop:
                 if seq.finished or seq.num_tokens > self.max_seq:
                     raise InvalidRequestError("a resumed request had already ended")
         except InvalidRequestError as e:
-            problem = {"error": "invalid_request", "message": str(e), "retryable": False}
+            problem = {"error": "invalid_request", "message": str(e), "retryable": False,
+                       "param": e.param}
             if out is None or not out.append(problem):
                 yield [problem]
             return

@@ -92,7 +92,10 @@ class _Attempt:
                 self.ended = True  # (an error event ends the request on the scheduler too)
                 if k:
                     yield events[:k]
-                raise ERRORS.get(ev["error"], PowerInferError)(ev["message"])
+                kind = ERRORS.get(ev["error"], PowerInferError)
+                if kind is InvalidRequestError:  # (the request's field at fault, where named)
+                    raise kind(ev["message"], param=ev.get("param"))
+                raise kind(ev["message"])
             self.f.took(ev)
         self.ended = any(ev["finish_reason"] for ev in events)
         yield events

@@ -26,7 +26,19 @@ class ConfigError(PowerInferError, ValueError):
 
 
 class InvalidRequestError(PowerInferError, ValueError):
-    """A generation request with invalid parameters (bad sampling values, prompt too long...)."""
+    """A generation request with invalid parameters (bad sampling values, prompt too long...).
+    `param`: the request's field at fault where one is (an HTTP error body's `param`)."""
+
+    def __init__(self, *args, param: str | None = None):
+        super().__init__(*args)
+        self.param = param
+
+    def __reduce__(self):  # (its field kept across processes)
+        return _invalid_request, (self.args, self.param)
+
+
+def _invalid_request(args: tuple, param: str | None) -> InvalidRequestError:
+    return InvalidRequestError(*args, param=param)
 
 
 class RetryableError(PowerInferError):

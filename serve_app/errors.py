@@ -50,7 +50,7 @@ class ApiError(Exception):
 
     @classmethod
     def from_value(cls, err: dict) -> "ApiError":
-        return cls(err["kind"], err["message"])
+        return cls(err["kind"], err["message"], err.get("param"))
 
 
 class ModelUnavailableError(RetryableError):
@@ -71,4 +71,4 @@ def error_value(e: BaseException) -> dict:
         kind = "internal"
     message = str(e) if isinstance(e, (PowerInferError, ValueError)) else \
         f"internal error ({type(e).__name__}); see the server log"
-    return {"error": {"kind": kind, "message": message}}
+    return {"error": {"kind": kind, "message": message, "param": getattr(e, "param", None)}}

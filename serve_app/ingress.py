@@ -181,7 +181,9 @@ def _invalid(errors: list[dict]) -> ApiError:
                    if x != "body" and not (isinstance(x, str) and (
                        x in _UNION_TAGS or "[" in x)))
     msg = first["msg"].removeprefix("Value error, ")
-    return ApiError("invalid_request", f"{loc}: {msg}" if loc else msg, param=loc or None)
+    # (a check of the whole request names its field on the error it raises)
+    param = loc or getattr((first.get("ctx") or {}).get("error"), "param", None)
+    return ApiError("invalid_request", f"{loc}: {msg}" if loc else msg, param=param)
 
 
 def _not_answering(model: str, e: Exception) -> ApiError:

@@ -186,7 +186,7 @@ class ModelServer:
         if spec and spec["choice"] not in ("none", "auto"):  # a call, and nothing else
             only = None if spec["choice"] == "required" else spec["choice"]
             kw["grammar"] = tools.grammar(spec["functions"], self._tool_format(engine), only,
-                                          spec["parallel"])
+                                          spec["parallel"]).named("tools")
         return engine, ids, sampling_params(**kw)
 
     def _tool_format(self, engine) -> str:

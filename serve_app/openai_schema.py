@@ -48,8 +48,14 @@ class ResponseFormat(_Body):
     @model_validator(mode="after")
     def _has_schema(self):
         if self.type == "json_schema" and self.json_schema is None:
-            raise ValueError("response_format of type json_schema needs a json_schema object")
+            raise InvalidRequestError("response_format of type json_schema needs a json_schema "
+                                      "object", param="response_format")
         return self
+
+
+# the request fields that constrain the output, each a grammar's origin
+CONSTRAINT_FIELDS = ("response_format", "guided_json", "guided_regex", "guided_choice",
+                     "guided_grammar")
 
 
 class _Sampling(_Body):
@@ -83,16 +89,27 @@ class _Sampling(_Body):
     @model_validator(mode="after")
     def _supported(self):
         if self.logit_bias:  # (it was ignored, the tokens it named sampled as ever)
-            raise ValueError("logit_bias is not supported")
+            raise InvalidRequestError("logit_bias is not supported", param="logit_bias")
         if self.stream_options is not None and not self.stream:
-            raise ValueError("stream_options is only allowed with stream=true")
+            raise InvalidRequestError("stream_options is only allowed with stream=true",
+                                      param="stream_options")
         if any(t < 0 for t in self.stop_token_ids or ()):
-            raise ValueError("stop_token_ids must be >= 0")
+            raise InvalidRequestError("stop_token_ids must be >= 0", param="stop_token_ids")
         self._grammar = self._constraint()
         return self
 
     def _constraint(self) -> Grammar | None:
-        """The output's constraint, from at most one of the fields that ask for one."""
+        """The output's constraint, from at most one of the fields that ask for one (named as
+        its origin: the model's replica, which compiles it for the model's vocabulary, names
+        that field where the engine cannot take it)."""
+        g = self._asked()
+        if g is None:
+            return None
+        rf = self.response_format
+        return g.named("response_format" if rf is not None and rf.type != "text" else
+                       next(f for f in CONSTRAINT_FIELDS[1:] if getattr(self, f) is not None))
+
+    def _asked(self) -> Grammar | None:
         rf = self.response_format
         asked = {k: v for k, v in (("response_format", rf if rf and rf.type != "text" else None),
                                    ("guided_json", self.guided_json),
@@ -100,7 +117,8 @@ class _Sampling(_Body):
                                    ("guided_choice", self.guided_choice),
                                    ("guided_grammar", self.guided_grammar)) if v is not None}
         if len(asked) > 1:
-            raise ValueError(f"give at most one of {', '.join(asked)}")
+            raise InvalidRequestError(f"give at most one of {', '.join(asked)}",
+                                      param=next(iter(asked)))
         try:
             if rf is not None and rf.type == "json_object":
                 return Grammar.json_object()
@@ -114,8 +132,8 @@ class _Sampling(_Body):
                 return Grammar.choice(self.guided_choice)
             if self.guided_grammar is not None:
                 return Grammar.lark(self.guided_grammar)
-        except InvalidRequestError as e:
-            raise ValueError(str(e)) from None
+        except InvalidRequestError as e:  # (named by the field that asked for it)
+            raise InvalidRequestError(str(e), param=next(iter(asked))) from None
         return None
 
     def sampling(self, max_tokens: int | None, logprobs: int | None) -> dict:
@@ -174,7 +192,8 @@ class ChatMessage(_Body):
     @model_validator(mode="after")
     def _tool_fields(self):
         if self.tool_calls and self.role != "assistant":
-            raise ValueError("only assistant messages carry tool_calls")
+            raise InvalidRequestError("only assistant messages carry tool_calls",
+                                      param="tool_calls")
         return self
 
     def as_template_input(self) -> dict:
@@ -208,19 +227,22 @@ class ChatCompletionRequest(_Sampling):
         if self.continue_final_message:
             _continued(self.messages)
             if "add_generation_prompt" in self.model_fields_set and self.add_generation_prompt:
-                raise ValueError("continue_final_message goes on inside the last message: "
-                                 "add_generation_prompt must be false")
+                raise InvalidRequestError("continue_final_message goes on inside the last "
+                                          "message: add_generation_prompt must be false",
+                                          param="add_generation_prompt")
         elif not self.add_generation_prompt:
-            raise ValueError("add_generation_prompt false without continue_final_message "
-                             "leaves no turn for the reply")
+            raise InvalidRequestError("add_generation_prompt false without "
+                                      "continue_final_message leaves no turn for the reply",
+                                      param="add_generation_prompt")
         self._tools = _tool_spec(self.tools, self.tool_choice, self.parallel_tool_calls,
                                  self.messages)
         if self._tools and self._tools["choice"] not in ("none", "auto") and \
                 self._grammar is not None:
-            raise ValueError("tool_choice required or a named function constrains the output "
-                             "already; drop response_format / guided_*")
+            raise InvalidRequestError("tool_choice required or a named function constrains the "
+                                      "output already; drop response_format / guided_*",
+                                      param="tool_choice")
         if self.top_logprobs is not None and not self.logprobs:
-            raise ValueError("top_logprobs needs logprobs=true")
+            raise InvalidRequestError("top_logprobs needs logprobs=true", param="top_logprobs")
         return self
 
     def engine_sampling(self) -> dict:
@@ -236,8 +258,9 @@ class ChatCompletionRequest(_Sampling):
 def _continued(messages: list[ChatMessage]):
     """ValueError where continue_final_message has no assistant's message last to go on from."""
     if not messages or messages[-1].role != "assistant":
-        raise ValueError("continue_final_message: the last message must be the assistant's, "
-                         "the beginning of the reply to go on from")
+        raise InvalidRequestError("continue_final_message: the last message must be the "
+                                  "assistant's, the beginning of the reply to go on from",
+                                  param="continue_final_message")
 
 
 def _tool_spec(given: list[dict] | None, tool_choice, parallel: bool,
@@ -246,11 +269,14 @@ def _tool_spec(given: list[dict] | None, tool_choice, parallel: bool,
     or its messages carry calls or their results), else None; ValueError names what is wrong."""
     try:
         fs = tools.functions(given or [])
+    except InvalidRequestError as e:
+        raise InvalidRequestError(str(e), param="tools") from None
+    try:
         choice = tools.chosen(tool_choice, [f["name"] for f in fs])
     except InvalidRequestError as e:
-        raise ValueError(str(e)) from None
+        raise InvalidRequestError(str(e), param="tool_choice") from None
     if tool_choice is not None and not fs and choice != "none":
-        raise ValueError("tool_choice needs tools")
+        raise InvalidRequestError("tool_choice needs tools", param="tool_choice")
     if not (fs or any(m.tool_calls or m.role == "tool" for m in messages)):
         return None
     # (a named function is one call of it, as OpenAI makes it: its grammar let the model call it
@@ -272,11 +298,12 @@ class CompletionRequest(_Sampling):
         if self.echo or self.suffix:
             raise ValueError("echo and suffix are not supported")
         if self.best_of is not None and self.best_of != self.n:
-            raise ValueError("best_of other than n is not supported")
+            raise InvalidRequestError("best_of other than n is not supported", param="best_of")
         if isinstance(self.prompt, list) and not self.prompt:
-            raise ValueError("prompt must not be an empty list")
+            raise InvalidRequestError("prompt must not be an empty list", param="prompt")
         if len(self.prompts()) * self.n > MAX_CHOICES:
-            raise ValueError(f"at most {MAX_CHOICES} choices (prompts x n) per request")
+            raise InvalidRequestError(f"at most {MAX_CHOICES} choices (prompts x n) per request",
+                                      param="n")
         return self
 
     def prompts(self) -> list[str | list[int]]:
@@ -304,11 +331,12 @@ class TokenizeRequest(_Body):
     @model_validator(mode="after")
     def _one_input(self):
         if (self.prompt is None) == (self.messages is None):
-            raise ValueError("give exactly one of prompt and messages")
+            raise InvalidRequestError("give exactly one of prompt and messages",
+                                      param="messages")
         if self.continue_final_message:
             _continued(self.messages or [])
         if self.messages is None and (self.tools or self.tool_choice is not None):
-            raise ValueError("tools go with messages")
+            raise InvalidRequestError("tools go with messages", param="tools")
         if self.messages is not None:
             self._tools = _tool_spec(self.tools, self.tool_choice, True, self.messages)
         return self

@@ -981,6 +981,19 @@ def test_errors_have_status_codes_and_the_openai_shape(server):
                                                           "logit_bias": {"19556": -100}}),
                      400, "logit_bias is not supported")  # (it was ignored)
     assert not e["message"].startswith("Value error")  # (pydantic's words, not the API's)
+    assert e["param"] == "logit_bias", e
+    # a check of the whole request names its field too: a tool choice, a schema the grammar
+    # engine cannot take
+    weather = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string"}}}}}]
+    e = assert_error(h.post("/v1/chat/completions", json={
+        **chat, "tools": weather,
+        "tool_choice": {"type": "function", "function": {"name": "get_time"}}}), 400, "get_time")
+    assert e["param"] == "tool_choice", e
+    e = assert_error(h.post("/v1/chat/completions", json={**chat, "response_format": {
+        "type": "json_schema", "json_schema": {"name": "x", "strict": True, "schema": {
+            "type": "array", "uniqueItems": True}}}}), 400, "uniqueItems")
+    assert e["param"] == "response_format", e
     # the field's own path, not pydantic's union member (`messages.0.content.str`)
     e = assert_error(h.post("/v1/chat/completions", json={
         **chat, "messages": [{"role": "user", "content": 5}]}), 400)

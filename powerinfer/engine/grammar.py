@@ -22,7 +22,7 @@ from __future__ import annotations
 import json
 import threading
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from functools import lru_cache
 import numpy as np
 
@@ -49,6 +49,9 @@ class Grammar:
     kind: str
     source: str
     strict: bool = True
+    # the request's field it came from (an API's `response_format`, `tools`), named by the
+    # errors it raises where the engine cannot take it; not part of what the grammar is
+    origin: str | None = field(default=None, compare=False)
 
     def __post_init__(self):
         if self.kind not in KINDS:
@@ -67,6 +70,10 @@ class Grammar:
             if not (isinstance(choices, list) and choices
                     and all(isinstance(c, str) and c for c in choices)):
                 raise InvalidRequestError("choice: expected a non-empty list of non-empty strings")
+
+    def named(self, origin: str) -> "Grammar":
+        """This grammar, its errors naming `origin` (a request's field)."""
+        return replace(self, origin=origin)
 
     # ---- constructors for the request formats ----
     @classmethod
@@ -120,7 +127,7 @@ def _compiled(g: Grammar) -> str:
         try:
             return LLMatcher.grammar_from_json_schema(g.source, defaults=options)
         except ValueError as e:
-            raise InvalidRequestError(f"JSON schema: {e}") from None
+            raise InvalidRequestError(f"JSON schema: {e}", param=g.origin) from None
     if g.kind == "regex":
         return LLMatcher.grammar_from_regex(g.source)
     if g.kind == "choice":
@@ -150,7 +157,8 @@ class Guide:
         if proto is None:
             proto = LLMatcher(self.lltok, g.compiled(), log_level=0)
             if proto.is_error():
-                raise InvalidRequestError(f"{_NAMES[g.kind]}: {proto.get_error()}")
+                raise InvalidRequestError(f"{_NAMES[g.kind]}: {proto.get_error()}",
+                                          param=g.origin)
             with self._lock:
                 if len(self._protos) >= 256:
                     self._protos.pop(next(iter(self._protos)))

@@ -110,8 +110,11 @@ def _open_gguf(path: Path):
                              f"versions {', '.join(map(str, GGUF_VERSIONS))})")
     try:
         return gguf_reader(path)
-    except Exception as e:
-        raise ModelLoadError(path, f"corrupt or truncated GGUF ({type(e).__name__}: {e})") from e
+    except Exception as e:  # (the reader's own words say where it stopped, not why)
+        raise ModelLoadError(path, f"corrupt or truncated GGUF: its header, tensor table or "
+                             f"tensors do not fit in its {path.stat().st_size:,} bytes, or hold "
+                             f"values no GGUF holds; a download or copy may have stopped early "
+                             f"(the reader stopped with {type(e).__name__}: {e})") from e
 
 
 def dequantize(t) -> np.ndarray:
