@@ -34,11 +34,11 @@ class InvalidRequestError(PowerInferError, ValueError):
         self.param = param
 
     def __reduce__(self):  # (its field kept across processes)
-        return _invalid_request, (self.args, self.param)
+        return _invalid_request, (type(self), self.args, self.param)
 
 
-def _invalid_request(args: tuple, param: str | None) -> InvalidRequestError:
-    return InvalidRequestError(*args, param=param)
+def _invalid_request(cls: type, args: tuple, param: str | None) -> InvalidRequestError:
+    return cls(*args, param=param)
 
 
 class RetryableError(PowerInferError):

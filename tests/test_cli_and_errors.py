@@ -375,3 +375,15 @@ def test_export_pwri_takes_an_installed_models_name(tmp_path, capsys):
                  "--out", str(tmp_path / "x.gguf")]) == 1
     err = capsys.readouterr().err
     assert "cannot be written as a PWRI file" in err and "No such file" not in err, err
+
+
+def test_an_invalid_request_names_its_field_across_processes():
+    """Ray pickles an error from the scheduler to the replica; the field at fault stays named
+    (an HTTP error body's `param`)."""
+    import pickle
+
+    from powerinfer.errors import InvalidRequestError
+    e = pickle.loads(pickle.dumps(InvalidRequestError("JSON schema: no", param="response_format")))
+    assert isinstance(e, InvalidRequestError) and isinstance(e, ValueError)
+    assert (str(e), e.param) == ("JSON schema: no", "response_format")
+    assert pickle.loads(pickle.dumps(InvalidRequestError("plain"))).param is None
