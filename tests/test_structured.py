@@ -115,16 +115,20 @@ def test_each_tool_format_round_trips_through_its_grammar_and_parser(smol):
         assert tools.parse("Paris is sunny today.", fmt, names) == ("Paris is sunny today.", [])
         # cut at max_tokens inside the last call: the whole calls, then the cut one as far as
         # its arguments were written (as OpenAI returns it; the markup went out as content)
+        # (Gemma's calls are Python: the cut one's keyword arguments as the JSON they make)
         cut = text[:text.rindex('"UTC"') + 3]
-        if fmt == "gemma":  # (Python calls: no JSON text to give)
-            assert tools.cut_call(cut, fmt, names) is None
-            continue
         content, got = tools.cut_call("Here: " + cut, fmt, names)
         assert content == "Here:" and [c["function"]["name"] for c in got] == [n for n, _ in calls]
         assert got[-1]["function"]["arguments"] == '{"tz": "UT'
         assert json.loads(got[0]["function"]["arguments"]) == calls[0][1]
-        assert tools.cut_call(text[:text.index('"now"') + 3], fmt, names)[1][-1]["function"] \
-            ["name"] == "get_weather"  # (the cut one's name not whole yet: the whole ones)
+        assert json.loads(got[1]["function"]["arguments"]) == {}
+        name_cut = text.index('"now"') + 3 if fmt != "gemma" else text.index("now(") + 2
+        assert [c["function"]["name"] for c in tools.cut_call(text[:name_cut], fmt, names)[1]] \
+            == ["get_weather"]  # (the cut one's name not whole yet: the whole ones)
+        assert tools.cut_call(cut.replace("now", "later"), fmt, names) is None  # (not offered)
+    # a Gemma call cut inside a string that holds a comma, and inside a second argument
+    got = tools.cut_call('[get_weather(city="Pa, ris", unit="c', "gemma", names)[1]
+    assert got[0]["function"]["arguments"] == '{"city": "Pa, ris", "unit": "c'
     # a template that renders tools gets them, with earlier calls as structured messages
     convo = [{"role": "user", "content": "weather?"},
              {"role": "assistant", "content": "", "tool_calls": [{"id": "1", "type": "function",

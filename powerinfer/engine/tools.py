@@ -217,9 +217,10 @@ def cut_call(text: str, fmt: str, names: list[str]) -> tuple[str, list[dict]] | 
     calls written whole, then the cut one with its name and its arguments as far as they were
     written (JSON text cut short, as OpenAI returns a call cut by finish reason "length"); a
     call cut before its name is left out, markup and all. None where the text holds no call, or
-    one of a function not offered, or for "gemma", whose calls are Python, not JSON text."""
+    one of a function not offered. Gemma's calls are Python: the cut one's keyword arguments are
+    given as the JSON text they make, as far as they were written (`_cut_python_call`)."""
     if fmt == "gemma":
-        return None
+        return _cut_python_calls(text, names)
     at = text.rfind(opener(fmt))
     if at < 0:
         return None
@@ -244,6 +245,90 @@ def cut_call(text: str, fmt: str, names: list[str]) -> tuple[str, list[dict]] | 
     if m is not None:
         calls.append(_call(m.group(1), (m.group(2) or "").strip()))
     return content.strip(), calls
+
+
+def _cut_python_calls(text: str, names: list[str]) -> tuple[str, list[dict]] | None:
+    """cut_call for Python-style calls (`[f(a=1), g(b="x` cut short): the calls written whole,
+    then the cut one, its keyword arguments as JSON text as far as they were written."""
+    start = re.search(r"(?:```(?:tool_code|python)?\s*)?\[\s*(?=[A-Za-z_]\w*\()", text)
+    if start is None:
+        return None
+    body, pos, calls = text[start.end():], 0, []
+    while True:
+        m = re.compile(r"[\s,]*([A-Za-z_]\w*)\(").match(body, pos)
+        if m is None:  # (cut before a call's opening parenthesis: that call left out)
+            break
+        if m.group(1) not in names:
+            return None
+        end = _closing(body, m.end())
+        if end is None:  # the cut one
+            calls.append(_call(m.group(1), _partial_arguments(body[m.end():])))
+            break
+        found = _python_calls(body[m.start(1):end + 1], names)
+        if found is None:
+            return None
+        calls += [_call(n, json.dumps(a)) for n, a in found]
+        pos = end + 1
+    if not calls:
+        return None
+    return text[:start.start()].strip(), calls
+
+
+def _closing(s: str, pos: int) -> int | None:
+    """Where the parenthesis open before s[pos] closes (strings and brackets inside skipped);
+    None where s ends first."""
+    depth, quote, i = 1, None, pos
+    while i < len(s):
+        c = s[i]
+        if quote:
+            if c == "\\":
+                i += 1
+            elif c == quote:
+                quote = None
+        elif c in "\"'":
+            quote = c
+        elif c in "([{":
+            depth += 1
+        elif c in ")]}":
+            depth -= 1
+            if depth == 0:
+                return i
+        i += 1
+    return None
+
+
+def _partial_arguments(written: str) -> str:
+    """The JSON text of keyword arguments `written` up to a cut (`city="Par` -> `{"city":
+    "Par`): the whole ones as JSON, the cut one's value as far as it goes ("" if none)."""
+    parts, depth, quote, last = [], 0, None, 0
+    for i, c in enumerate(written):  # (top-level commas split the arguments)
+        if quote:
+            if c == quote and written[i - 1] != "\\":
+                quote = None
+        elif c in "\"'":
+            quote = c
+        elif c in "([{":
+            depth += 1
+        elif c in ")]}":
+            depth -= 1
+        elif c == "," and depth == 0:
+            parts.append(written[last:i])
+            last = i + 1
+    tail, pairs = written[last:].strip(), []
+    for part in parts:
+        key, _, value = part.partition("=")
+        try:
+            pairs.append(f"{json.dumps(key.strip())}: "
+                         f"{json.dumps(_literal(ast.parse(value.strip(), mode='eval').body))}")
+        except (SyntaxError, ValueError):
+            return ""
+    key, eq, value = tail.partition("=")
+    if eq and re.fullmatch(r"[A-Za-z_]\w*", key.strip()):
+        value = value.strip()
+        if value[:1] in ("'", '"'):  # a string cut short: its JSON text without the close
+            value = json.dumps(value[1:])[:-1]
+        pairs.append(f"{json.dumps(key.strip())}: {value}")
+    return "{" + ", ".join(pairs) if pairs else ""
 
 
 def _call(name: str, arguments: str) -> dict:
