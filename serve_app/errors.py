@@ -71,4 +71,5 @@ def error_value(e: BaseException) -> dict:
         kind = "internal"
     message = str(e) if isinstance(e, (PowerInferError, ValueError)) else \
         f"internal error ({type(e).__name__}); see the server log"
-    return {"error": {"kind": kind, "message": message, "param": getattr(e, "param", None)}}
+    param = e.param if isinstance(e, InvalidRequestError) else None
+    return {"error": {"kind": kind, "message": message, "param": param}}

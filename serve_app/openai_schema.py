@@ -303,7 +303,7 @@ class CompletionRequest(_Sampling):
             raise InvalidRequestError("prompt must not be an empty list", param="prompt")
         if len(self.prompts()) * self.n > MAX_CHOICES:
             raise InvalidRequestError(f"at most {MAX_CHOICES} choices (prompts x n) per request",
-                                      param="n")
+                                      param="n" if self.n > 1 else "prompt")
         return self
 
     def prompts(self) -> list[str | list[int]]:

@@ -115,10 +115,13 @@ def test_each_tool_format_round_trips_through_its_grammar_and_parser(smol):
         assert tools.parse("Paris is sunny today.", fmt, names) == ("Paris is sunny today.", [])
         # cut at max_tokens inside the last call: the whole calls, then the cut one as far as
         # its arguments were written (as OpenAI returns it; the markup went out as content)
-        # (Gemma's calls are Python: the cut one's keyword arguments as the JSON they make)
+        # (Gemma's calls are Python: the cut one's keyword arguments as the JSON they make; its
+        # reply is the call list or no call, as `parse` reads it)
         cut = text[:text.rindex('"UTC"') + 3]
-        content, got = tools.cut_call("Here: " + cut, fmt, names)
-        assert content == "Here:" and [c["function"]["name"] for c in got] == [n for n, _ in calls]
+        before = "Here: " if fmt != "gemma" else ""
+        content, got = tools.cut_call(before + cut, fmt, names)
+        assert content == before.strip() and [c["function"]["name"] for c in got] == \
+            [n for n, _ in calls]
         assert got[-1]["function"]["arguments"] == '{"tz": "UT'
         assert json.loads(got[0]["function"]["arguments"]) == calls[0][1]
         assert json.loads(got[1]["function"]["arguments"]) == {}
@@ -126,9 +129,27 @@ def test_each_tool_format_round_trips_through_its_grammar_and_parser(smol):
         assert [c["function"]["name"] for c in tools.cut_call(text[:name_cut], fmt, names)[1]] \
             == ["get_weather"]  # (the cut one's name not whole yet: the whole ones)
         assert tools.cut_call(cut.replace("now", "later"), fmt, names) is None  # (not offered)
-    # a Gemma call cut inside a string that holds a comma, and inside a second argument
-    got = tools.cut_call('[get_weather(city="Pa, ris", unit="c', "gemma", names)[1]
-    assert got[0]["function"]["arguments"] == '{"city": "Pa, ris", "unit": "c'
+    # a Gemma call cut inside a string that holds a comma, and inside a second argument; after
+    # a string's closing quote; inside an escape; inside a list (its key kept, the value not)
+    for cut, arguments in [('get_weather(city="Pa, ris", unit="c',
+                            '{"city": "Pa, ris", "unit": "c'),
+                           ('get_weather(city="Paris"', '{"city": "Paris"'),
+                           ('get_weather(city="Pa\\"ri', '{"city": "Pa\\"ri'),
+                           ('get_weather(city="a\\', '{"city": "a'),
+                           ("now(tz=['a', 'b", '{"tz": ')]:
+        assert tools.cut_call("[" + cut, "gemma", names)[1][0]["function"]["arguments"] \
+            == arguments, cut
+    # every cut of a written list: the cut call's arguments a prefix of the whole call's JSON
+    calls = [("get_weather", {"city": "Zü \"q\" a\\b, c", "unit": "c"}), ("now", {"tz": [1, "a"]})]
+    text = tools.write_calls(calls, "gemma")
+    for k in range(1, len(text)):
+        for (_, args), got in zip(calls, (tools.cut_call(text[:k], "gemma", names) or ("", []))[1]):
+            assert json.dumps(args).startswith(got["function"]["arguments"]), text[:k]
+    # not a call list: a call named in prose, junk after a call, a positional argument, a set
+    for text in ('I would call [get_weather(city="Paris")] but first', '[now(), 42, now(',
+                 '[get_weather("Paris", unit="c', '[now(tz={1, 2}), now(tz="U'):
+        assert tools.cut_call(text, "gemma", names) is None, text
+    assert tools.parse("[now(tz={1, 2})]", "gemma", names) == ("[now(tz={1, 2})]", [])
     # a template that renders tools gets them, with earlier calls as structured messages
     convo = [{"role": "user", "content": "weather?"},
              {"role": "assistant", "content": "", "tool_calls": [{"id": "1", "type": "function",

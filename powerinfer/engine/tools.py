@@ -248,36 +248,44 @@ def cut_call(text: str, fmt: str, names: list[str]) -> tuple[str, list[dict]] | 
 
 
 def _cut_python_calls(text: str, names: list[str]) -> tuple[str, list[dict]] | None:
-    """cut_call for Python-style calls (`[f(a=1), g(b="x` cut short): the calls written whole,
-    then the cut one, its keyword arguments as JSON text as far as they were written."""
-    start = re.search(r"(?:```(?:tool_code|python)?\s*)?\[\s*(?=[A-Za-z_]\w*\()", text)
+    """cut_call for Python-style calls (`[f(a=1), g(b="x` cut short): the reply is the call list,
+    as `parse` reads it (a call named in prose is not one); the calls written whole, then the
+    cut one, its keyword arguments as JSON text as far as they were written. None where the
+    text is not such a list."""
+    start = re.match(r"\s*(?:```(?:tool_code|python)?\s*)?\[\s*(?=[A-Za-z_]\w*\()", text)
     if start is None:
         return None
     body, pos, calls = text[start.end():], 0, []
+    call = re.compile(r"[\s,]*([A-Za-z_]\w*)\(")
     while True:
-        m = re.compile(r"[\s,]*([A-Za-z_]\w*)\(").match(body, pos)
-        if m is None:  # (cut before a call's opening parenthesis: that call left out)
+        m = call.match(body, pos)
+        if m is None:  # the list's end cut, or a call cut before its parenthesis (left out)
+            if not re.fullmatch(r"[\s,]*(?:[A-Za-z_]\w*)?", body[pos:]):
+                return None
             break
         if m.group(1) not in names:
             return None
         end = _closing(body, m.end())
+        if end == -1:
+            return None
         if end is None:  # the cut one
-            calls.append(_call(m.group(1), _partial_arguments(body[m.end():])))
+            arguments = _partial_arguments(body[m.end():])
+            if arguments is None:
+                return None
+            calls.append(_call(m.group(1), arguments))
             break
         found = _python_calls(body[m.start(1):end + 1], names)
         if found is None:
             return None
         calls += [_call(n, json.dumps(a)) for n, a in found]
         pos = end + 1
-    if not calls:
-        return None
-    return text[:start.start()].strip(), calls
+    return ("", calls) if calls else None
 
 
-def _closing(s: str, pos: int) -> int | None:
-    """Where the parenthesis open before s[pos] closes (strings and brackets inside skipped);
-    None where s ends first."""
-    depth, quote, i = 1, None, pos
+def _top_level(s: str, seps: str = ","):
+    """Yields (index, char) of s's characters in `seps` outside strings and brackets, and the
+    brackets that close one open before s starts; a string's backslash escapes skipped."""
+    depth, quote, i = 0, None, 0
     while i < len(s):
         c = s[i]
         if quote:
@@ -291,44 +299,69 @@ def _closing(s: str, pos: int) -> int | None:
             depth += 1
         elif c in ")]}":
             depth -= 1
-            if depth == 0:
-                return i
+            if depth < 0:
+                yield i, c
+        elif depth == 0 and c in seps:
+            yield i, c
         i += 1
+
+
+def _closing(s: str, pos: int) -> int | None:
+    """Where the parenthesis open before s[pos] closes (strings and brackets inside skipped):
+    None where s ends first, -1 where another bracket closes it (not a call)."""
+    for i, c in _top_level(s[pos:], ""):
+        return pos + i if c == ")" else -1
     return None
 
 
-def _partial_arguments(written: str) -> str:
+# a JSON number as far as it may be written
+_NUMBER_PREFIX = re.compile(r"-?(?:0|[1-9]\d*)?(?:\.\d*)?(?:[eE][+-]?\d*)?")
+
+
+def _partial_arguments(written: str) -> str | None:
     """The JSON text of keyword arguments `written` up to a cut (`city="Par` -> `{"city":
-    "Par`): the whole ones as JSON, the cut one's value as far as it goes ("" if none)."""
-    parts, depth, quote, last = [], 0, None, 0
-    for i, c in enumerate(written):  # (top-level commas split the arguments)
-        if quote:
-            if c == quote and written[i - 1] != "\\":
-                quote = None
-        elif c in "\"'":
-            quote = c
-        elif c in "([{":
-            depth += 1
-        elif c in ")]}":
-            depth -= 1
-        elif c == "," and depth == 0:
-            parts.append(written[last:i])
-            last = i + 1
-    tail, pairs = written[last:].strip(), []
+    "Par`): a prefix of the whole call's JSON where the cut allows it. The whole ones as JSON; the
+    cut one's string decoded as far as it goes, a number as written, a value whole by now as
+    JSON, any other (a list, True, ... cut short) left out after its key. "" where nothing was
+    written; None where an argument is not a keyword one of JSON's values."""
+    cuts = [i for i, _ in _top_level(written)]
+    parts = [written[a:b] for a, b in zip([0] + [i + 1 for i in cuts], cuts)]
+    tail, pairs = written[cuts[-1] + 1 if cuts else 0:].strip(), []
     for part in parts:
-        key, _, value = part.partition("=")
+        key, eq, value = part.partition("=")
+        if not (eq and re.fullmatch(r"\s*[A-Za-z_]\w*\s*", key)):
+            return None
         try:
             pairs.append(f"{json.dumps(key.strip())}: "
                          f"{json.dumps(_literal(ast.parse(value.strip(), mode='eval').body))}")
+        except (SyntaxError, ValueError, TypeError):
+            return None
+    key, eq, value = tail.partition("=")
+    if not eq:  # (a key being written, or nothing)
+        if tail and not re.fullmatch(r"[A-Za-z_]\w*", tail):
+            return None
+    elif not re.fullmatch(r"\s*[A-Za-z_]\w*\s*", key):
+        return None
+    else:
+        pairs.append(f"{json.dumps(key.strip())}: {_partial_value(value.strip())}")
+    return "{" + ", ".join(pairs) if pairs else ""
+
+
+def _partial_value(v: str) -> str:
+    """A Python literal cut short, as the start of its JSON text (see _partial_arguments)."""
+    try:  # whole already (a string's closing quote written, a number)
+        return json.dumps(_literal(ast.parse(v, mode="eval").body))
+    except (SyntaxError, ValueError, TypeError):
+        pass
+    if v[:1] in ("'", '"') and not v.startswith(v[0] * 3):  # a string cut short
+        body = v[1:]
+        if len(body) - len(body.rstrip("\\")) & 1:  # (an escape cut in two)
+            body = body[:-1]
+        try:
+            return json.dumps(ast.literal_eval(v[0] + body + v[0]))[:-1]
         except (SyntaxError, ValueError):
             return ""
-    key, eq, value = tail.partition("=")
-    if eq and re.fullmatch(r"[A-Za-z_]\w*", key.strip()):
-        value = value.strip()
-        if value[:1] in ("'", '"'):  # a string cut short: its JSON text without the close
-            value = json.dumps(value[1:])[:-1]
-        pairs.append(f"{json.dumps(key.strip())}: {value}")
-    return "{" + ", ".join(pairs) if pairs else ""
+    return v if _NUMBER_PREFIX.fullmatch(v) else ""
 
 
 def _call(name: str, arguments: str) -> dict:
@@ -392,13 +425,19 @@ def _python_calls(body: str, names: list[str]) -> list[tuple[str, dict]] | None:
 def _literal(node):
     if isinstance(node, ast.Name) and node.id in _PY_CONSTANTS:
         return _PY_CONSTANTS[node.id]
-    if isinstance(node, ast.List):
+    if isinstance(node, (ast.List, ast.Tuple)):
         return [_literal(e) for e in node.elts]
     if isinstance(node, ast.Dict):
-        return {_literal(k): _literal(v) for k, v in zip(node.keys, node.values)}
+        keys = [_literal(k) for k in node.keys]
+        if not all(isinstance(k, str) for k in keys):  # (JSON's keys are strings)
+            raise ValueError("a dict key that is not a string")
+        return {k: _literal(v) for k, v in zip(keys, node.values)}
     if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.USub):
         return -_literal(node.operand)
-    return ast.literal_eval(node)  # a string or a number; ValueError for anything else
+    value = ast.literal_eval(node)  # a string or a number; ValueError for anything else
+    if not (value is None or isinstance(value, (str, int, float))):  # (bool is an int)
+        raise ValueError(f"{type(value).__name__} is not a JSON value")  # (a set, bytes, 1j)
+    return value
 
 
 def grammar(tools: list[dict], fmt: str, only: str | None = None, parallel: bool = True) -> Grammar:
