@@ -53,11 +53,6 @@ class ResponseFormat(_Body):
         return self
 
 
-# the request fields that constrain the output, each a grammar's origin
-CONSTRAINT_FIELDS = ("response_format", "guided_json", "guided_regex", "guided_choice",
-                     "guided_grammar")
-
-
 class _Sampling(_Body):
     model: str = Field(min_length=1, max_length=256)
     max_tokens: int | None = Field(None, ge=1)
@@ -99,42 +94,35 @@ class _Sampling(_Body):
         return self
 
     def _constraint(self) -> Grammar | None:
-        """The output's constraint, from at most one of the fields that ask for one (named as
-        its origin: the model's replica, which compiles it for the model's vocabulary, names
+        """The output's constraint, from at most one of the fields that ask for one, named as
+        its origin (the model's replica, which compiles it for the model's vocabulary, names
         that field where the engine cannot take it)."""
-        g = self._asked()
-        if g is None:
-            return None
-        rf = self.response_format
-        return g.named("response_format" if rf is not None and rf.type != "text" else
-                       next(f for f in CONSTRAINT_FIELDS[1:] if getattr(self, f) is not None))
-
-    def _asked(self) -> Grammar | None:
         rf = self.response_format
         asked = {k: v for k, v in (("response_format", rf if rf and rf.type != "text" else None),
                                    ("guided_json", self.guided_json),
                                    ("guided_regex", self.guided_regex),
                                    ("guided_choice", self.guided_choice),
                                    ("guided_grammar", self.guided_grammar)) if v is not None}
+        if not asked:
+            return None
+        field, value = next(iter(asked.items()))
         if len(asked) > 1:
-            raise InvalidRequestError(f"give at most one of {', '.join(asked)}",
-                                      param=next(iter(asked)))
+            raise InvalidRequestError(f"give at most one of {', '.join(asked)}", param=field)
         try:
-            if rf is not None and rf.type == "json_object":
-                return Grammar.json_object()
-            if rf is not None and rf.type == "json_schema":
-                return Grammar.json_schema(rf.json_schema.schema_, bool(rf.json_schema.strict))
-            if self.guided_json is not None:
-                return Grammar.json_schema(self.guided_json, strict=True)
-            if self.guided_regex is not None:
-                return Grammar.regex(self.guided_regex)
-            if self.guided_choice is not None:
-                return Grammar.choice(self.guided_choice)
-            if self.guided_grammar is not None:
-                return Grammar.lark(self.guided_grammar)
-        except InvalidRequestError as e:  # (named by the field that asked for it)
-            raise InvalidRequestError(str(e), param=next(iter(asked))) from None
-        return None
+            if field == "response_format":
+                g = Grammar.json_object() if value.type == "json_object" else \
+                    Grammar.json_schema(value.json_schema.schema_, bool(value.json_schema.strict))
+            elif field == "guided_json":
+                g = Grammar.json_schema(value, strict=True)
+            elif field == "guided_regex":
+                g = Grammar.regex(value)
+            elif field == "guided_choice":
+                g = Grammar.choice(value)
+            else:
+                g = Grammar.lark(value)
+        except InvalidRequestError as e:
+            raise InvalidRequestError(str(e), param=field) from None
+        return g.named(field)
 
     def sampling(self, max_tokens: int | None, logprobs: int | None) -> dict:
         """Keyword arguments of the engine's SamplingParams (absent fields keep its defaults;
