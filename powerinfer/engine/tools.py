@@ -320,38 +320,33 @@ _NUMBER_PREFIX = re.compile(r"-?(?:0|[1-9]\d*)?(?:\.\d*)?(?:[eE][+-]?\d*)?")
 
 def _partial_arguments(written: str) -> str | None:
     """The JSON text of keyword arguments `written` up to a cut (`city="Par` -> `{"city":
-    "Par`): a prefix of the whole call's JSON where the cut allows it. The whole ones as JSON; the
-    cut one's string decoded as far as it goes, a number as written, a value whole by now as
-    JSON, any other (a list, True, ... cut short) left out after its key. "" where nothing was
-    written; None where an argument is not a keyword one of JSON's values."""
+    "Par`): a prefix of the whole call's JSON where the cut allows it. The whole ones as
+    `_python_calls` reads them; the cut one's string decoded as far as it goes, a number as
+    written, a value whole by now as JSON, any other (a list, True, ... cut short) left out after
+    its key. "" where nothing was written; None where an argument is not a keyword one of
+    JSON's values."""
     cuts = [i for i, _ in _top_level(written)]
-    parts = [written[a:b] for a, b in zip([0] + [i + 1 for i in cuts], cuts)]
-    tail, pairs = written[cuts[-1] + 1 if cuts else 0:].strip(), []
-    for part in parts:
-        key, eq, value = part.partition("=")
-        if not (eq and re.fullmatch(r"\s*[A-Za-z_]\w*\s*", key)):
+    whole = {}
+    if cuts:
+        found = _python_calls(f"f({written[:cuts[-1]]})", ["f"])
+        if found is None:
             return None
-        try:
-            pairs.append(f"{json.dumps(key.strip())}: "
-                         f"{json.dumps(_literal(ast.parse(value.strip(), mode='eval').body))}")
-        except (SyntaxError, ValueError, TypeError):
-            return None
-    key, eq, value = tail.partition("=")
-    if not eq:  # (a key being written, or nothing)
-        if tail and not re.fullmatch(r"[A-Za-z_]\w*", tail):
-            return None
-    elif not re.fullmatch(r"\s*[A-Za-z_]\w*\s*", key):
+        whole = found[0][1]
+    tail = written[cuts[-1] + 1 if cuts else 0:].strip()
+    key, eq, value = (t.strip() for t in tail.partition("="))
+    if not re.fullmatch(r"(?:[A-Za-z_]\w*)?", key) or (eq and not key):
         return None
-    else:
-        pairs.append(f"{json.dumps(key.strip())}: {_partial_value(value.strip())}")
-    return "{" + ", ".join(pairs) if pairs else ""
+    text = json.dumps(whole)[:-1]  # (the whole ones, the object left open)
+    if eq:
+        text += (", " if whole else "") + f"{json.dumps(key)}: {_partial_value(value)}"
+    return text if whole or eq else ""
 
 
 def _partial_value(v: str) -> str:
     """A Python literal cut short, as the start of its JSON text (see _partial_arguments)."""
     try:  # whole already (a string's closing quote written, a number)
         return json.dumps(_literal(ast.parse(v, mode="eval").body))
-    except (SyntaxError, ValueError, TypeError):
+    except (SyntaxError, ValueError):
         pass
     if v[:1] in ("'", '"') and not v.startswith(v[0] * 3):  # a string cut short
         body = v[1:]
@@ -434,7 +429,10 @@ def _literal(node):
         return {k: _literal(v) for k, v in zip(keys, node.values)}
     if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.USub):
         return -_literal(node.operand)
-    value = ast.literal_eval(node)  # a string or a number; ValueError for anything else
+    try:  # a string or a number; ValueError for anything else
+        value = ast.literal_eval(node)
+    except TypeError as e:  # (a set of lists: unhashable)
+        raise ValueError(str(e)) from None
     if not (value is None or isinstance(value, (str, int, float))):  # (bool is an int)
         raise ValueError(f"{type(value).__name__} is not a JSON value")  # (a set, bytes, 1j)
     return value
