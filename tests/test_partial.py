@@ -140,6 +140,42 @@ def test_a_dense_load_holds_the_model_once(default_model_path):
     assert m["peak"] - m["after"] < 0.25 * m["held"], m
 
 
+def test_the_pipelines_model_holds_the_model_once_and_equals_the_eager_read(default_model_path):
+    """The offline pipeline's model (`load_model`: profile, calibrate-input, eval) reads each
+    tensor straight into its parameter too: read into a dict first, a 7B file widened to bf16
+    was held twice (27 GB at its peak, past a 24 GB host's memory, so that `profile` was
+    killed). Its peak in a fresh process is the model's once, and its weights are those of the
+    file's tensors read the eager way."""
+    import json
+    import subprocess
+    import sys
+
+    from powerinfer.model.load import load_model
+
+    code = ("import json, sys\n"
+            "from cluster.topology import process_memory\n"
+            "from powerinfer.model.load import load_model\n"
+            "from powerinfer.model.transformer import held_bytes\n"
+            "model = load_model(sys.argv[1])[0]\n"
+            "m = process_memory()\n"
+            "print(json.dumps({'peak': m['hwm'], 'after': m['rss'], 'held': held_bytes(model)}))\n")
+    r = subprocess.run([sys.executable, "-c", code, str(default_model_path)], capture_output=True,
+                       text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    m = json.loads(r.stdout.splitlines()[-1])
+    assert m["held"] > 400 << 20, m  # (float32: the model's weights widened, over 400 MiB)
+    assert m["peak"] - m["after"] < 0.25 * m["held"], m
+
+    model = load_model(default_model_path, torch.bfloat16)[0]
+    ck = load_checkpoint(default_model_path, torch.bfloat16)
+    a = ck.args
+    b = model.layers[a.n_layers - 1]
+    assert torch.equal(model.tok_embeddings.weight, ck.weights["embed"])
+    assert torch.equal(b.attn.wqkv.weight, torch.cat([ck.weights[f"{a.n_layers - 1}.{p}"]
+                                                      for p in ("q", "k", "v")]))
+    assert torch.equal(b.ffn.w2.weight, ck.weights[f"{a.n_layers - 1}.down"])
+
+
 @pytest.mark.parametrize("fmt", [None, "f32", "bf16", "q4_1"])
 def test_a_neuron_set_read_alone_equals_the_one_cut_from_the_dense_model(default_model_path, fmt):
     if fmt is not None and not kernels.available():

@@ -16,7 +16,7 @@ from .. import kernels
 from ..config import Config
 from ..errors import ModelLoadError
 from ..formats.loader import load_checkpoint
-from ..formats.source import Checkpoint, ModelFile
+from ..formats.source import Checkpoint, LazyWeights, ModelFile
 from ..formats.tokenizer import Tokenizer
 from ..model.load import build_model
 from ..model.quant import apply_int4, apply_kernel_linears, neuron_format
@@ -25,8 +25,8 @@ from ..model.transformer import Transformer
 from .batching import context_length
 from .budget import plan_for
 from .kv import planned_blocks, pool_blocks
-from .partial import (LazyWeights, StoredQ4, deferred_model, keep_device_blocks,
-                      keep_kquant_blocks, keep_stored_blocks)
+from .partial import (StoredQ4, deferred_model, keep_device_blocks, keep_kquant_blocks,
+                      keep_stored_blocks)
 from .plan import input_thresholds, log_input_sparsity
 
 log = logging.getLogger("powerinfer")

@@ -24,7 +24,7 @@ from ..formats import kquants
 from ..formats.args import ModelArgs
 from ..formats.kquants import BLOCK_BYTES
 from ..formats.q4 import Q4_TYPES
-from ..formats.source import ModelFile, TensorSource
+from ..formats.source import LazyWeights, ModelFile, TensorSource
 from ..model.quant import (
     BlockEmbedding,
     KernelEmbedding,
@@ -42,34 +42,6 @@ from .plan import BLOCK
 
 # GGUF types whose rows the kernel reads as they are stored
 STORED_FORMATS = {"Q4_0": "q4_0", "Q4_1": "q4_1", "Q8_0": "q8_0"}
-
-
-class LazyWeights(Mapping):
-    """A TensorSource as the name -> tensor mapping `Transformer.load_weights` reads: each
-    tensor is read (and dequantized to `dtype`) when asked for, and not kept."""
-
-    def __init__(self, source: TensorSource, dtype: torch.dtype):
-        self.source, self.dtype = source, dtype
-
-    def __getitem__(self, name: str) -> torch.Tensor:
-        if name not in self.source.names:
-            raise KeyError(name)
-        return self.source.get(name, self.dtype)
-
-    def __contains__(self, name) -> bool:
-        return name in self.source.names
-
-    def __iter__(self):
-        return iter(self.source.names)
-
-    def __len__(self) -> int:
-        return len(self.source.names)
-
-    def shape(self, name: str) -> tuple[int, ...]:
-        return self.source.shape(name)
-
-    def read_into(self, name: str, out: torch.Tensor):
-        self.source.read_into(name, out)
 
 
 class StoredQ4(Mapping):

@@ -2,6 +2,7 @@
 and `TensorSource`, its tensors read on demand (whole, rows or columns)."""
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -233,3 +234,31 @@ class TensorSource:
 
     def close(self):
         pass
+
+
+class LazyWeights(Mapping):
+    """A TensorSource as the name -> tensor mapping `Transformer.load_weights` reads: each
+    tensor is read (and dequantized to `dtype`) when asked for, and not kept."""
+
+    def __init__(self, source: TensorSource, dtype: torch.dtype):
+        self.source, self.dtype = source, dtype
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        if name not in self.source.names:
+            raise KeyError(name)
+        return self.source.get(name, self.dtype)
+
+    def __contains__(self, name) -> bool:
+        return name in self.source.names
+
+    def __iter__(self):
+        return iter(self.source.names)
+
+    def __len__(self) -> int:
+        return len(self.source.names)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return self.source.shape(name)
+
+    def read_into(self, name: str, out: torch.Tensor):
+        self.source.read_into(name, out)
