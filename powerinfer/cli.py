@@ -364,6 +364,8 @@ def _pipeline_commands(sub):
     p.add_argument("--corpus", default="lee", help="built-in corpus name (lee) or a text file")
     p.add_argument("--tokens", type=count(1), default=8192, help="calibration tokens")
     p.add_argument("--held-out", type=count(1), default=4096, help="held-out tokens the quality is measured on")
+    p.add_argument("--dtype", default="float32", choices=sorted(DTYPES),
+                   help="the model's type while it runs (bfloat16 holds a 7B in half the memory)")
     p.set_defaults(run=_calibrate_input)
 
     p = sub.add_parser("eval", help="held-out perplexity, agreement and recall: dense vs sparse")
@@ -465,7 +467,7 @@ def _calibrate_input(args) -> int:
     from .sparsity.input_sparsity import BUNDLE_FILE, calibrate_bundle
 
     b = calibrate_bundle(args.model, args.bundle, args.sparsity, corpus=args.corpus,
-                         tokens=args.tokens, held_out=args.held_out)
+                         tokens=args.tokens, held_out=args.held_out, dtype=args.dtype)
     q = b.load_json(BUNDLE_FILE)["quality"]
     print(f"input sparsity at {args.sparsity:.0%} of each input (q/k/v, output, gate/up) into "
           f"{b.path / BUNDLE_FILE}: held-out perplexity {q['dense_ppl']:.3f} -> {q['ppl']:.3f} "

@@ -290,7 +290,7 @@ def held_out_quality(model, windows: list[list[int]], variants: dict[str, dict],
     for w in tqdm(windows, desc="held-out perplexity", unit="window", disable=not progress):
         ids, pos = torch.tensor([w]), torch.arange(len(w))[None]
         target = ids[0, 1:]
-        ref = F.log_softmax(model(ids, pos)[0, :-1], -1)
+        ref = F.log_softmax(model(ids, pos)[0, :-1].float(), -1)  # (a bf16 model's in float)
         for name in q:
             if name == "dense":
                 logp = ref
@@ -298,7 +298,7 @@ def held_out_quality(model, windows: list[list[int]], variants: dict[str, dict],
                 s = Sparsifier(model, variants[name], scales=(scales or {}).get(name))
                 s.counts = realised[name].counts
                 with s:
-                    logp = F.log_softmax(model(ids, pos)[0, :-1], -1)
+                    logp = F.log_softmax(model(ids, pos)[0, :-1].float(), -1)
             v = q[name]
             v.nll -= float(logp.gather(-1, target[:, None]).sum())
             v.kl += float((ref.exp() * (ref - logp)).sum())
@@ -340,20 +340,22 @@ BUNDLE_FILE = "input_sparsity.json"
 
 def calibrate_bundle(model_name: str, out: str, sparsity: float = 0.25, corpus: str = "lee",
                      tokens: int = 8192, held_out: int = 4096, window: int = 256,
-                     progress: bool = True):
+                     progress: bool = True, dtype: str = "float32"):
     """The pipeline's input-sparsity step: thresholds for attention's q/k/v, its output
     projection and the FFN's gate/up at `sparsity` each (the uniform allocation, which held
     quality best on the real models: BENCHMARKS.md), from `tokens` of the corpus's calibration
     part, and their quality on `held_out` tokens of its held-out part (perplexity against the
     dense model, teacher-forced decode steps). Written into the bundle at `out` as
-    input_sparsity.json (a new bundle where there is none). Returns the bundle."""
+    input_sparsity.json (a new bundle where there is none). `dtype`: the model's type while it
+    runs (`config.DTYPES`; bf16 holds a 7B in half of float32's 27 GB). Returns the bundle."""
     from ..formats.bundle import Bundle, BundleError, model_record
+    from ..config import torch_dtype
     from ..model.load import load_model
     from .corpus import load_corpus, token_windows
 
     if not 0 < sparsity < 1:
         raise ConfigError(f"sparsity must be in (0, 1), got {sparsity}")
-    model, tok, path = load_model(model_name)
+    model, tok, path = load_model(model_name, torch_dtype(dtype))
     try:
         b = Bundle.open(out)
         b.check_model(path)
@@ -371,7 +373,8 @@ def calibrate_bundle(model_name: str, out: str, sparsity: float = 0.25, corpus: 
     b.save_json(BUNDLE_FILE, {
         "target": sparsity, "allocation": "uniform", "parts": list(KERNEL_PARTS),
         "thresholds": [[i, part, t] for (i, part), t in sorted(thresholds.items())],
-        "calibration": {"corpus": corpus, "tokens": sum(map(len, calib)), "window": window},
+        "calibration": {"corpus": corpus, "tokens": sum(map(len, calib)), "window": window,
+                        "dtype": dtype},
         "quality": {"held_out_tokens": sum(map(len, held)), "dense_ppl": q["dense"]["ppl"],
                     "ppl": q["sparse"]["ppl"], "ppl_increase": q["sparse"]["ppl_delta"],
                     "top1": q["sparse"]["top1"], "realised": q["sparse"]["realised"]}})
