@@ -105,6 +105,59 @@ def test_samples_are_consistent_with_the_model(relu_folder, relu_bundle):
         assert not np.allclose(s["x_ffn"], s["x_layer"])  # attention changed the residual
 
 
+def test_samples_past_memory_are_gathered_in_files_and_are_the_same(relu_folder, relu_bundle,
+                                                                     tmp_path, monkeypatch, caplog):
+    """Samples past SAMPLE_MEMORY are gathered in files beside the bundle (a 32-layer 7B's
+    default 16,384 a layer were cut to 1,927 to fit in RAM): the same rows as the profile that
+    held them in memory, every one asked for, and the folder gone afterwards, also where the
+    profile is interrupted. Where the disk holds fewer, fewer, with a warning."""
+    import logging
+    import shutil
+
+    from collections import namedtuple
+
+    from powerinfer.sparsity import profile as prof
+
+    folder, _ = relu_folder
+    opts = ProfileOptions(tokens=1500, window=128, samples=300)
+    monkeypatch.setattr(prof, "SAMPLE_MEMORY", 1 << 16)  # (300 rows of 2 layers: 0.35 MB)
+    with caplog.at_level(logging.INFO, logger="powerinfer"):
+        b = profile(str(folder), "lee", tmp_path / "files", opts, progress=False)
+    assert "gathered in files beside the bundle" in caplog.text
+    assert b.manifest.settings["samples"] == relu_bundle.manifest.settings["samples"]
+    for i in range(2):
+        mine, ref = b.samples(i), relu_bundle.samples(i)
+        assert set(mine) == set(ref)
+        for k in ref:
+            assert mine[k].dtype == ref[k].dtype and np.array_equal(mine[k], ref[k]), k
+    assert not (tmp_path / "files" / ".samples-gathering").exists()
+
+    calls = []
+    original = Bundle.save_tensors
+
+    def interrupted(self, name, tensors):
+        calls.append(name)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return original(self, name, tensors)
+    monkeypatch.setattr(Bundle, "save_tensors", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        profile(str(folder), "lee", tmp_path / "cut", opts, progress=False)
+    assert not (tmp_path / "cut" / ".samples-gathering").exists()
+    monkeypatch.setattr(Bundle, "save_tensors", original)
+
+    usage = namedtuple("usage", "total used free")
+    need = 2 * (300 * (2 * 64 * 4 + 16) + 30 * 128 * 4)  # (the two layers' rows in bytes)
+    monkeypatch.setattr(shutil, "disk_usage",
+                        lambda p: usage(1 << 40, 0, prof.DISK_MARGIN + need // 2))
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="powerinfer"):
+        small = profile(str(folder), "lee", tmp_path / "small", opts, progress=False)
+    assert "taking 150 a layer" in caplog.text, caplog.text
+    assert small.manifest.settings["samples"]["rows"] == 150
+    assert small.samples(0)["x_ffn"].shape == (150, 64)
+
+
 def test_swiglu_thresholds_reach_the_target_sparsity(tmp_path):
     model = C.build_hf_model(C.llama_family_config(max_position_embeddings=256), seed=2)
     folder = C.save_hf(model, tmp_path / "silu")
