@@ -43,7 +43,7 @@ DISK_MARGIN = 1 << 30
 class ProfileOptions:
     tokens: int = 0  # 0: the whole calibration corpus
     window: int = 512
-    samples: int = 16384  # per layer (fewer when they would exceed SAMPLE_MEMORY)
+    samples: int = 16384  # per layer (fewer only where the disk cannot hold them: _SampleStore)
     held_out: float = 0.1
     # SwiGLU only: the target share of neurons under the threshold; 0.15 is the default
     # model's operating point (+0.3% held-out perplexity, see BENCHMARKS.md)
