@@ -238,27 +238,55 @@ class TensorSource:
 
 class LazyWeights(Mapping):
     """A TensorSource as the name -> tensor mapping `Transformer.load_weights` reads: each
-    tensor is read (and dequantized to `dtype`) when asked for, and not kept."""
+    tensor is read (and dequantized to `dtype`) when asked for, and not kept. A down projection
+    the file stores only transposed (`down_t`: PowerInfer's own files) reads as `down`, turned
+    back, as the eager read's dict holds it."""
 
     def __init__(self, source: TensorSource, dtype: torch.dtype):
         self.source, self.dtype = source, dtype
 
+    def _stored_as(self, name: str) -> str | None:
+        """The source's name of `name` (its `down_t` for a down it stores only transposed), or
+        None where it has none."""
+        if name in self.source.names and not name.endswith(".down_t"):
+            return name
+        t = name + "_t"
+        if name.endswith(".down") and t in self.source.names:
+            return t
+        return None
+
     def __getitem__(self, name: str) -> torch.Tensor:
-        if name not in self.source.names:
+        stored = self._stored_as(name)
+        if stored is None:
             raise KeyError(name)
-        return self.source.get(name, self.dtype)
+        w = self.source.get(stored, self.dtype)
+        return w if stored == name else w.t().contiguous()
 
     def __contains__(self, name) -> bool:
-        return name in self.source.names
+        return isinstance(name, str) and self._stored_as(name) is not None
 
     def __iter__(self):
-        return iter(self.source.names)
+        for n in self.source.names:
+            if not n.endswith(".down_t"):
+                yield n
+            elif n[:-2] not in self.source.names:
+                yield n[:-2]
 
     def __len__(self) -> int:
-        return len(self.source.names)
+        return sum(1 for _ in self)
 
     def shape(self, name: str) -> tuple[int, ...]:
-        return self.source.shape(name)
+        stored = self._stored_as(name)
+        if stored is None:
+            raise KeyError(name)
+        shape = tuple(self.source.shape(stored))
+        return shape if stored == name else shape[::-1]
 
     def read_into(self, name: str, out: torch.Tensor):
-        self.source.read_into(name, out)
+        stored = self._stored_as(name)
+        if stored is None:
+            raise KeyError(name)
+        if stored == name:
+            self.source.read_into(name, out)
+        else:
+            out.copy_(self.source.get(stored, out.dtype).t())

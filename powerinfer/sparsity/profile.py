@@ -32,7 +32,7 @@ from .corpus import Corpus, load_corpus, token_windows
 log = logging.getLogger("powerinfer")
 
 # Bytes of samples held in RAM while profiling; past it they are gathered in files beside the
-# bundle (a 32-layer 7B's 16,384 samples a layer are 17.8 GB; held in RAM up to this, they were
+# bundle (a 32-layer 7B's 16,384 samples a layer are 20.2 GB; held in RAM up to this, they were
 # cut to 1,927 a layer, and its predictors picked 26.5% of the neurons where the oracle fires 9.9%)
 SAMPLE_MEMORY = 2 << 30
 # disk left free when they are gathered in files (fewer samples where the disk holds less)
