@@ -110,7 +110,8 @@ def test_samples_past_memory_are_gathered_in_files_and_are_the_same(relu_folder,
     """Samples past SAMPLE_MEMORY are gathered in files beside the bundle (a 32-layer 7B's
     default 16,384 a layer were cut to 1,927 to fit in RAM): the same rows as the profile that
     held them in memory, every one asked for, and the folder gone afterwards, also where the
-    profile is interrupted. Where the disk holds fewer, fewer, with a warning."""
+    profile is interrupted, and a killed profile's folder removed by the next. Where the disk
+    holds fewer, fewer, with a warning, in RAM where it holds more of them."""
     import logging
     import shutil
 
@@ -130,7 +131,7 @@ def test_samples_past_memory_are_gathered_in_files_and_are_the_same(relu_folder,
         assert set(mine) == set(ref)
         for k in ref:
             assert mine[k].dtype == ref[k].dtype and np.array_equal(mine[k], ref[k]), k
-    assert not (tmp_path / "files" / ".samples-gathering").exists()
+    assert not list((tmp_path / "files").glob(".samples-*"))
 
     calls = []
     original = Bundle.save_tensors
@@ -143,19 +144,30 @@ def test_samples_past_memory_are_gathered_in_files_and_are_the_same(relu_folder,
     monkeypatch.setattr(Bundle, "save_tensors", interrupted)
     with pytest.raises(KeyboardInterrupt):
         profile(str(folder), "lee", tmp_path / "cut", opts, progress=False)
-    assert not (tmp_path / "cut" / ".samples-gathering").exists()
+    assert not list((tmp_path / "cut").glob(".samples-*"))
     monkeypatch.setattr(Bundle, "save_tensors", original)
+    (tmp_path / "cut" / ".samples-killed").mkdir()  # a killed profile's folder: removed
+    (tmp_path / "cut" / ".samples-killed" / "0.x_layer.npy").write_bytes(b"0" * 1000)
+    profile(str(folder), "lee", tmp_path / "cut", opts, progress=False)
+    assert not list((tmp_path / "cut").glob(".samples-*"))
 
     usage = namedtuple("usage", "total used free")
-    need = 2 * (300 * (2 * 64 * 4 + 16) + 30 * 128 * 4)  # (the two layers' rows in bytes)
+    row = math.ceil(2 * (2 * 64 * 4 + 16 + 0.1 * 128 * 4))  # (a sample row's bytes, two layers)
     monkeypatch.setattr(shutil, "disk_usage",
-                        lambda p: usage(1 << 40, 0, prof.DISK_MARGIN + need // 2))
+                        lambda p: usage(1 << 40, 0, prof.DISK_MARGIN + 150 * row))
     caplog.clear()
     with caplog.at_level(logging.WARNING, logger="powerinfer"):
         small = profile(str(folder), "lee", tmp_path / "small", opts, progress=False)
-    assert "taking 150 a layer" in caplog.text, caplog.text
+    assert "taking 150 a layer, held in files" in caplog.text, caplog.text
     assert small.manifest.settings["samples"]["rows"] == 150
     assert small.samples(0)["x_ffn"].shape == (150, 64)
+    # a disk with less room than memory: as many as 2 GB (here 64 KiB) of RAM holds, in RAM
+    monkeypatch.setattr(shutil, "disk_usage", lambda p: usage(1 << 40, 0, prof.DISK_MARGIN // 2))
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="powerinfer"):
+        full = profile(str(folder), "lee", tmp_path / "full", opts, progress=False)
+    assert "taking 56 a layer, held in memory" in caplog.text, caplog.text
+    assert full.manifest.settings["samples"] == {"rows": 56, "held_out": 5, "seed": 0}
 
 
 def test_swiglu_thresholds_reach_the_target_sparsity(tmp_path):

@@ -14,6 +14,7 @@ tenth (the latest text: the held-out rows), each neuron's |activation|.
 from __future__ import annotations
 
 import logging
+import math
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -141,47 +142,70 @@ def _compact(a: np.ndarray) -> np.ndarray:
 
 
 class _SampleStore:
-    """The samples while a profile gathers them, (layers, rows, ...) arrays: in RAM up to
-    SAMPLE_MEMORY, else in files in a folder of the bundle's (removed by `close`), whose pages
-    the OS writes out as they fill, so that a 32-layer model keeps the samples asked for; as many
-    rows as the disk holds (less DISK_MARGIN), with a warning, where it holds fewer."""
+    """The samples while a profile gathers them, a layer's arrays at a time (`layer(i)`: x_layer,
+    x_ffn (rows, d) float32, fired (rows, n/8) bits, mag (held-out rows, n) float32): in RAM up
+    to SAMPLE_MEMORY, else in files in a folder of the bundle's, whose pages the OS writes out as
+    they fill, so that a 32-layer model keeps the samples asked for. A layer's files go as soon as
+    its samples are written into the bundle (`drop`), so that the disk holds the gathered samples
+    and the written ones together only a layer at a time; `close` removes the folder (and a
+    profile's start the folders of a profile that was killed). Where the disk holds fewer rows
+    (less DISK_MARGIN) than RAM does, the samples stay in RAM; either way fewer, with a warning."""
 
     def __init__(self, where: Path, L: int, N: int, H: int, d: int, n: int):
         import shutil
+        import tempfile
 
-        def nbytes(rows, held):
-            return L * (rows * (2 * d * 4 + (n + 7) // 8) + held * n * 4)
-
+        share = H / N  # (the held-out rows' share)
+        row = math.ceil(L * (2 * d * 4 + (n + 7) // 8 + share * n * 4))  # a sample row's bytes
         self.folder = None
-        if nbytes(N, H) > SAMPLE_MEMORY:
-            free = shutil.disk_usage(where).free - DISK_MARGIN
-            if nbytes(N, H) > free:
-                fit = max(1, int(N * max(free, 0) / nbytes(N, H)))
+        self.layers: list[dict | None] = []
+        if N * row > SAMPLE_MEMORY:
+            for old in Path(where).glob(".samples-*"):  # (a killed profile's: they count as used)
+                shutil.rmtree(old, ignore_errors=True)
+            disk = max(int((shutil.disk_usage(where).free - DISK_MARGIN) // row), 0)
+            ram = int(SAMPLE_MEMORY // row)
+            in_files = disk > ram
+            if disk < N:
+                rows = max(disk if in_files else ram, 2)
                 log.warning("%d samples a layer over %d layers need %.1f GB of disk beside the "
-                            "bundle while profiling, %.1f GB free: taking %d a layer",
-                            N, L, nbytes(N, H) / 1e9, max(free, 0) / 1e9, fit)
-                N, H = fit, max(1, int(fit * H / N))
-            self.folder = Path(where) / ".samples-gathering"
-            self.folder.mkdir(exist_ok=True)
-            log.info("%d samples a layer over %d layers (%.1f GB): gathered in files beside the "
-                     "bundle, past the %.0f GB held in memory", N, L, nbytes(N, H) / 1e9,
-                     SAMPLE_MEMORY / 1e9)
+                            "bundle while profiling, %.1f GB free: taking %d a layer, held in %s",
+                            N, L, N * row / 1e9, disk * row / 1e9, rows,
+                            "files beside the bundle" if in_files else "memory")
+                N, H = rows, max(1, min(int(rows * share), rows - 1))
+            if in_files:
+                self.folder = Path(tempfile.mkdtemp(prefix=".samples-", dir=where))
+                log.info("%d samples a layer over %d layers (%.1f GB): gathered in files beside "
+                         "the bundle, past the %.0f GB held in memory", N, L, N * row / 1e9,
+                         SAMPLE_MEMORY / 1e9)
         self.N, self.H = N, H
+        try:
+            for i in range(L):
+                self.layers.append({k: self._array(f"{i}.{k}", shape, t) for k, shape, t in (
+                    ("x_layer", (N, d), np.float32), ("x_ffn", (N, d), np.float32),
+                    ("fired", (N, (n + 7) // 8), np.uint8), ("mag", (H, n), np.float32))})
+        except BaseException:
+            self.close()
+            raise
 
-        def array(name, shape, dtype):
-            if self.folder is None:
-                return np.zeros(shape, dtype)
-            return np.lib.format.open_memmap(self.folder / f"{name}.npy", "w+", dtype, shape)
+    def _array(self, name: str, shape: tuple, dtype) -> np.ndarray:
+        if self.folder is None:
+            return np.zeros(shape, dtype)
+        return np.lib.format.open_memmap(self.folder / f"{name}.npy", "w+", dtype, shape)
 
-        self.xs_layer = array("x_layer", (L, N, d), np.float32)
-        self.xs_ffn = array("x_ffn", (L, N, d), np.float32)
-        self.fired = array("fired", (L, N, (n + 7) // 8), np.uint8)
-        self.mags = array("mag", (L, H, n), np.float32)
+    def layer(self, i: int) -> dict:
+        return self.layers[i]
+
+    def drop(self, i: int):
+        """Layer i's samples gone (written): its files' maps closed and the files removed."""
+        self.layers[i] = None
+        if self.folder is not None:
+            for f in self.folder.glob(f"{i}.*.npy"):
+                f.unlink(missing_ok=True)
 
     def close(self):
         import shutil
 
-        self.xs_layer = self.xs_ffn = self.fired = self.mags = None  # (the files' maps closed)
+        self.layers = []  # (the last references to the files' maps: they close here)
         if self.folder is not None:
             shutil.rmtree(self.folder, ignore_errors=True)
 
@@ -241,45 +265,47 @@ def profile(model_name: str, corpus: str, out: str | Path, opts: ProfileOptions 
     # reaches past float16's range); in files beside the bundle where they would not fit in
     # SAMPLE_MEMORY
     store = _SampleStore(bundle.path, L, N, H, d, n)
-    N, H = store.N, store.H
-    rng = np.random.default_rng(opts.seed)
-    picks = np.sort(rng.choice(total, N, replace=False))  # positions in the token stream
-    counts = [torch.zeros(n, dtype=torch.float64, device=dev) for _ in range(L)]
-    mass = [torch.zeros(n, dtype=torch.float64, device=dev) for _ in range(L)]
-    xs_layer, xs_ffn, fired_bits, mags = store.xs_layer, store.xs_ffn, store.fired, store.mags
-    cursor = {"start": 0, "row": 0}  # the current window's first stream position and sample row
-
-    def on_w1(i, x_layer, x_ffn, gate, up):
-        score, h = activate(a.ffn_act, gate, up)
-        fired = score[0] > float(thresholds[i])  # (T, n)
-        counts[i] += fired.sum(0, dtype=torch.float64)
-        mass[i] += (h[0].abs() * fired).sum(0, dtype=torch.float64)
-        start, row = cursor["start"], cursor["row"]
-        T = fired.shape[0]
-        lo, hi = np.searchsorted(picks, [start, start + T])
-        if hi > lo:
-            pos = torch.from_numpy(picks[lo:hi] - start).to(dev)
-            xs_layer[i, row:row + hi - lo] = x_layer[0, pos].float().cpu().numpy()
-            xs_ffn[i, row:row + hi - lo] = x_ffn[0, pos].float().cpu().numpy()
-            fired_bits[i, row:row + hi - lo] = np.packbits(fired[pos].cpu().numpy(), axis=1)
-            first = max(row, N - H)  # the held-out rows among them: their |activation|
-            if first < row + hi - lo:
-                p = pos[first - row:]
-                mags[i, first - (N - H):row + hi - lo - (N - H)] = \
-                    (h[0, p].abs() * fired[p]).float().cpu().numpy()
-
-    def next_window(T):
-        lo, hi = np.searchsorted(picks, [cursor["start"], cursor["start"] + T])
-        cursor["start"] += T
-        cursor["row"] += hi - lo
-
     try:
+        N, H = store.N, store.H
+        rng = np.random.default_rng(opts.seed)
+        picks = np.sort(rng.choice(total, N, replace=False))  # positions in the token stream
+        counts = [torch.zeros(n, dtype=torch.float64, device=dev) for _ in range(L)]
+        mass = [torch.zeros(n, dtype=torch.float64, device=dev) for _ in range(L)]
+        cursor = {"start": 0, "row": 0}  # the current window's first stream position and sample row
+
+        def on_w1(i, x_layer, x_ffn, gate, up):
+            score, h = activate(a.ffn_act, gate, up)
+            fired = score[0] > float(thresholds[i])  # (T, n)
+            counts[i] += fired.sum(0, dtype=torch.float64)
+            mass[i] += (h[0].abs() * fired).sum(0, dtype=torch.float64)
+            start, row = cursor["start"], cursor["row"]
+            T = fired.shape[0]
+            lo, hi = np.searchsorted(picks, [start, start + T])
+            if hi > lo:
+                s = store.layer(i)
+                pos = torch.from_numpy(picks[lo:hi] - start).to(dev)
+                s["x_layer"][row:row + hi - lo] = x_layer[0, pos].float().cpu().numpy()
+                s["x_ffn"][row:row + hi - lo] = x_ffn[0, pos].float().cpu().numpy()
+                s["fired"][row:row + hi - lo] = np.packbits(fired[pos].cpu().numpy(), axis=1)
+                first = max(row, N - H)  # the held-out rows among them: their |activation|
+                if first < row + hi - lo:
+                    p = pos[first - row:]
+                    s["mag"][first - (N - H):row + hi - lo - (N - H)] = \
+                        (h[0, p].abs() * fired[p]).float().cpu().numpy()
+
+        def next_window(T):
+            lo, hi = np.searchsorted(picks, [cursor["start"], cursor["start"] + T])
+            cursor["start"] += T
+            cursor["row"] += hi - lo
+
         _run(model, windows, on_w1, "profiling", progress, next_window)
         for i in tqdm(range(L), desc="writing samples", disable=not progress):
+            s = store.layer(i)
             bundle.save_tensors(f"samples/layer_{i:03d}.safetensors",
-                                {"x_layer": _compact(xs_layer[i]), "x_ffn": _compact(xs_ffn[i]),
-                                 "fired": np.ascontiguousarray(fired_bits[i]),
-                                 "mag": _compact(mags[i])})
+                                {"x_layer": _compact(s["x_layer"]), "x_ffn": _compact(s["x_ffn"]),
+                                 "fired": np.array(s["fired"]), "mag": _compact(s["mag"])})
+            del s
+            store.drop(i)
     finally:
         store.close()
     bundle.save_tensors("stats.safetensors",
