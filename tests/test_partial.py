@@ -114,30 +114,37 @@ def test_the_4bit_load_never_widens_what_it_holds_as_blocks(default_model_path, 
     assert torch.equal(pi.engine.logits(ids), eager.engine.logits(ids))
 
 
-def test_a_dense_load_holds_the_model_once(default_model_path):
-    """A float32 dense load reads each of the file's tensors straight into its parameter: its
-    peak memory is the model's, not the model's twice (every tensor read into a dict first,
-    then copied into the model, took SmolLM2's peak 519 MiB over its resident size). Measured
-    in a fresh process, whose peak (VmHWM: this process's own; getrusage's counts the forked
-    parent's pages before exec) is its own."""
+def _held_once(path, imports: str, model: str):
+    """Loads `model` (a Python expression over `path`, after `imports`) in a fresh process,
+    whose peak (VmHWM: this process's own; getrusage's counts the forked parent's pages before
+    exec) is its own, and asserts that the peak is the model's once, not twice."""
     import json
     import subprocess
     import sys
 
     code = ("import json, sys\n"
             "from cluster.topology import process_memory\n"
-            "from powerinfer import Config, PowerInfer\n"
             "from powerinfer.model.transformer import held_bytes\n"
-            "pi = PowerInfer.from_pretrained(sys.argv[1], Config(dtype='float32', "
-            "weights='dense', max_seq_len=64, max_batch=1))\n"
+            f"{imports}\n"
+            "path = sys.argv[1]\n"
+            f"model = {model}\n"
             "m = process_memory()\n"
-            "print(json.dumps({'peak': m['hwm'], 'after': m['rss'], 'held': held_bytes(pi.model)}))\n")
-    r = subprocess.run([sys.executable, "-c", code, str(default_model_path)], capture_output=True,
-                       text=True, timeout=300)
+            "print(json.dumps({'peak': m['hwm'], 'after': m['rss'], 'held': held_bytes(model)}))\n")
+    r = subprocess.run([sys.executable, "-c", code, str(path)], capture_output=True, text=True,
+                       timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
     m = json.loads(r.stdout.splitlines()[-1])
     assert m["held"] > 400 << 20, m  # (float32: the model's weights widened, over 400 MiB)
     assert m["peak"] - m["after"] < 0.25 * m["held"], m
+
+
+def test_a_dense_load_holds_the_model_once(default_model_path):
+    """A float32 dense load reads each of the file's tensors straight into its parameter: its
+    peak memory is the model's, not the model's twice (every tensor read into a dict first,
+    then copied into the model, took SmolLM2's peak 519 MiB over its resident size)."""
+    _held_once(default_model_path, "from powerinfer import Config, PowerInfer",
+               "PowerInfer.from_pretrained(path, Config(dtype='float32', weights='dense', "
+               "max_seq_len=64, max_batch=1)).model")
 
 
 def test_the_pipelines_model_holds_the_model_once_and_equals_the_eager_read(default_model_path):
@@ -146,26 +153,10 @@ def test_the_pipelines_model_holds_the_model_once_and_equals_the_eager_read(defa
     was held twice (27 GB at its peak, past a 24 GB host's memory, so that `profile` was
     killed). Its peak in a fresh process is the model's once, and its weights are those of the
     file's tensors read the eager way."""
-    import json
-    import subprocess
-    import sys
-
     from powerinfer.model.load import load_model
 
-    code = ("import json, sys\n"
-            "from cluster.topology import process_memory\n"
-            "from powerinfer.model.load import load_model\n"
-            "from powerinfer.model.transformer import held_bytes\n"
-            "model = load_model(sys.argv[1])[0]\n"
-            "m = process_memory()\n"
-            "print(json.dumps({'peak': m['hwm'], 'after': m['rss'], 'held': held_bytes(model)}))\n")
-    r = subprocess.run([sys.executable, "-c", code, str(default_model_path)], capture_output=True,
-                       text=True, timeout=300)
-    assert r.returncode == 0, r.stderr[-3000:]
-    m = json.loads(r.stdout.splitlines()[-1])
-    assert m["held"] > 400 << 20, m  # (float32: the model's weights widened, over 400 MiB)
-    assert m["peak"] - m["after"] < 0.25 * m["held"], m
-
+    _held_once(default_model_path, "from powerinfer.model.load import load_model",
+               "load_model(path)[0]")
     model = load_model(default_model_path, torch.bfloat16)[0]
     ck = load_checkpoint(default_model_path, torch.bfloat16)
     a = ck.args

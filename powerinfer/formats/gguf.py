@@ -27,7 +27,8 @@ from .args import ModelArgs
 from .bundle import CONVERTED_ONLY_KEY, SOURCE_KEY, original_of
 from .kquants import KQUANT_LAYOUTS
 from .q4 import Q4_TYPES, q4_split
-from .source import GGUF, Checkpoint, TensorSource, expand_names, split_fused, unpermute_rows
+from .source import (GGUF, Checkpoint, LazyWeights, TensorSource, expand_names, split_fused,
+                     unpermute_rows)
 
 # GGUF architectures: (default FFN activation, q/k rows permuted by llama.cpp's converter for its
 # interleaved RoPE, which we undo to keep one RoPE convention)
@@ -484,17 +485,13 @@ def _gguf_tensor_table(arch: str, args: ModelArgs, tensors: dict) -> tuple[dict,
 
 
 def _gguf_weights(source: "GGUFSource", dtype, keep_int4: bool) -> tuple[dict, dict]:
-    """Every tensor in `dtype` (a transposed down projection turned back), and with keep_int4
-    the 4-bit ones' blocks as they are (`q4_split`)."""
-    weights, q4 = {}, {}
-    for canon in source.names:
-        if canon.endswith(".down_t"):
-            if canon[:-2] not in source.names:  # only that way: the model wants it untransposed
-                weights[canon[:-2]] = source.get(canon, dtype).t().contiguous()
-            continue
-        weights[canon] = source.get(canon, dtype)
-        if keep_int4 and source.kind(canon) in Q4_TYPES:
-            q4[canon] = source.q4(canon)
+    """Every tensor in `dtype` (a transposed down projection turned back: `LazyWeights`, which
+    the lazy reads go through), and with keep_int4 the 4-bit ones' blocks as they are
+    (`q4_split`)."""
+    lazy = LazyWeights(source, dtype)
+    weights = {canon: lazy[canon] for canon in lazy}
+    q4 = {canon: source.q4(canon) for canon in weights  # (a down turned back: not as stored)
+          if canon in source.names and source.kind(canon) in Q4_TYPES} if keep_int4 else {}
     return weights, q4
 
 

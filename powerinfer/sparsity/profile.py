@@ -142,7 +142,7 @@ def _compact(a: np.ndarray) -> np.ndarray:
 
 
 class _SampleStore:
-    """The samples while a profile gathers them, a layer's arrays at a time (`layer(i)`: x_layer,
+    """The samples while a profile gathers them, a layer's arrays at a time (`layers[i]`: x_layer,
     x_ffn (rows, d) float32, fired (rows, n/8) bits, mag (held-out rows, n) float32): in RAM up
     to SAMPLE_MEMORY, else in files in a folder of the bundle's, whose pages the OS writes out as
     they fill, so that a 32-layer model keeps the samples asked for. A layer's files go as soon as
@@ -191,9 +191,6 @@ class _SampleStore:
         if self.folder is None:
             return np.zeros(shape, dtype)
         return np.lib.format.open_memmap(self.folder / f"{name}.npy", "w+", dtype, shape)
-
-    def layer(self, i: int) -> dict:
-        return self.layers[i]
 
     def drop(self, i: int):
         """Layer i's samples gone (written): its files' maps closed and the files removed."""
@@ -282,7 +279,7 @@ def profile(model_name: str, corpus: str, out: str | Path, opts: ProfileOptions 
             T = fired.shape[0]
             lo, hi = np.searchsorted(picks, [start, start + T])
             if hi > lo:
-                s = store.layer(i)
+                s = store.layers[i]
                 pos = torch.from_numpy(picks[lo:hi] - start).to(dev)
                 s["x_layer"][row:row + hi - lo] = x_layer[0, pos].float().cpu().numpy()
                 s["x_ffn"][row:row + hi - lo] = x_ffn[0, pos].float().cpu().numpy()
@@ -300,7 +297,7 @@ def profile(model_name: str, corpus: str, out: str | Path, opts: ProfileOptions 
 
         _run(model, windows, on_w1, "profiling", progress, next_window)
         for i in tqdm(range(L), desc="writing samples", disable=not progress):
-            s = store.layer(i)
+            s = store.layers[i]
             bundle.save_tensors(f"samples/layer_{i:03d}.safetensors",
                                 {"x_layer": _compact(s["x_layer"]), "x_ffn": _compact(s["x_ffn"]),
                                  "fired": np.array(s["fired"]), "mag": _compact(s["mag"])})
