@@ -377,6 +377,8 @@ def _pipeline_commands(sub):
     p.add_argument("--per-layer", action="store_true", help="print the per-layer recall")
     p.add_argument("--corpus", default=None,
                    help="held-out text: a built-in corpus name or a file (default: the bundle's)")
+    p.add_argument("--dtype", default="float32", choices=sorted(DTYPES),
+                   help="the model's type while it runs (bfloat16 holds a 7B in half the memory)")
     p.set_defaults(run=_eval)
 
     p = sub.add_parser("report", help="write the bundle's plots and print its summary")
@@ -481,7 +483,7 @@ def _eval(args) -> int:
     from .sparsity.evaluate import evaluate, format_rows, per_layer_table
 
     rows = evaluate(args.model, Bundle.open(args.bundle), tokens=args.tokens, window=args.window,
-                    corpus=args.corpus)
+                    corpus=args.corpus, dtype=args.dtype)
     print(format_rows(rows))
     if args.per_layer:
         for r in rows:

@@ -225,6 +225,35 @@ def test_eval_dense_perplexity_matches_transformers(relu_folder, relu_bundle):
     assert relu_bundle.has("eval") and relu_bundle.load_json("quality.json")[0]["label"] == "dense"
 
 
+def test_eval_holds_one_copy_of_the_model_with_the_same_results(relu_folder, relu_bundle,
+                                                                monkeypatch):
+    # one copy (the dense pass first, its log-probabilities kept in memory, or in a file past
+    # SAMPLE_MEMORY, then the same model's FFNs swapped) gives two copies' rows bit for bit,
+    # and the file is gone at the end
+    import tempfile
+    from pathlib import Path
+
+    import powerinfer.sparsity.profile as P
+    from powerinfer.errors import ConfigError
+
+    folder, _ = relu_folder
+
+    def run(copies):
+        return evaluate(str(folder), relu_bundle, tokens=300, window=64, progress=False,
+                        copies=copies)
+    two = run(2)
+    assert {r["label"] for r in two} >= {"dense", "oracle"} and two[1]["sparsity"] > 0.3
+    assert run(1) == two
+    made, mkdtemp = [], tempfile.mkdtemp
+    monkeypatch.setattr(P, "SAMPLE_MEMORY", 0)
+    monkeypatch.setattr(tempfile, "mkdtemp", lambda **kw: made.append(mkdtemp(**kw)) or made[-1])
+    assert run(1) == two
+    assert len(made) == 1 and Path(made[0]).parent == relu_bundle.path
+    assert not Path(made[0]).exists()
+    with pytest.raises(ConfigError, match="copies: 1 or 2"):
+        run(3)
+
+
 def test_bundle_errors_name_the_cause(tmp_path, relu_bundle, default_model_path):
     with pytest.raises(BundleError, match="no manifest.json"):
         Bundle.open(tmp_path)

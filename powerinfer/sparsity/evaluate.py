@@ -6,7 +6,12 @@ the fired neurons, by count and by activation mass, per layer.
 
 Each held-out window is run once through the dense model and once per variant through the sparse
 model with per-token masks (`HybridFFN.token_masks`), which computes exactly what decoding each
-token alone would.
+token alone would. One copy of the model is held where the dense log-probabilities of every
+held-out token take less memory than a second copy would (a 7B's 13.5 GB in bf16 against 0.7 GB of
+log-probabilities): the dense pass runs first, its log-probabilities kept (in memory up to
+`profile.SAMPLE_MEMORY`, else in a file in the bundle's folder, removed at the end), and the same
+model's FFNs are then swapped for the sparse ones. A small model with a large vocabulary (Gemma 3
+270M: 1.1 GB of float32 weights against 5.2 GB of log-probabilities) keeps two copies instead.
 
 For SwiGLU models, the curve adds oracle variants at other target sparsities, with thresholds read
 from the profile's quantiles, so the operating point can be chosen without profiling again.
@@ -15,6 +20,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -70,19 +76,33 @@ class Variant:
 
 def evaluate(model_name: str, bundle: Bundle, tokens: int = 0, window: int = 256,
              curve: tuple[float, ...] = CURVE, progress: bool = True,
-             corpus: str | None = None) -> list[dict]:
+             corpus: str | None = None, dtype: str = "float32",
+             copies: int | None = None) -> list[dict]:
     """Held-out perplexity of the dense model and of each sparse variant the bundle allows, on
-    `corpus` (default: the corpus the bundle was profiled on; "lee" for an imported bundle)."""
+    `corpus` (default: the corpus the bundle was profiled on; "lee" for an imported bundle).
+    `dtype`: the model's type while it runs (bfloat16 holds a 7B in half the memory); the
+    log-probabilities are taken in float32 either way. `copies`: of the model held, 1 or 2
+    (default: whichever takes less memory, see the module's note); the same results either way."""
+    from ..config import torch_dtype
 
-    dense, tokenizer, path = load_model(model_name)
+    model, tokenizer, path = load_model(model_name, torch_dtype(dtype))
     bundle.check_model(path)
-    sparse = load_model(path)[0]
-    for m in (dense, sparse):
-        m.setup_cache(1, window)
+    model.setup_cache(1, window)
+    text = load_corpus(corpus or bundle.manifest.corpus.get("name") or "lee", "held_out")
+    windows = token_windows(tokenizer, text, window, tokens)
+    if sum(len(w) - 1 for w in windows) < 1:  # (a ZeroDivisionError at the end)
+        raise ConfigError(f"{tokens} held-out tokens leave none to predict: give at least 2")
+    with _DenseLogProbs(model, windows, window, bundle.path, path, dtype, progress, copies) as dense:
+        return _evaluate(dense, bundle, windows, text, window, curve, progress)
+
+
+def _evaluate(dense: "_DenseLogProbs", bundle: Bundle, windows: list, text, window: int,
+              curve: tuple[float, ...], progress: bool) -> list[dict]:
+    sparse = dense.sparse
     hot = ([torch.from_numpy(h) for h in bundle.placement()] if bundle.has("placement") else None)
     apply_hybrid_ffn(sparse, hot=hot)
     ffns = hybrid_layers(sparse)
-    n = dense.args.ffn_dim
+    n = sparse.args.ffn_dim
 
     th = bundle.load_tensors("thresholds.safetensors", {"threshold": (len(ffns),)}) \
         if bundle.has("thresholds") else {}
@@ -101,23 +121,18 @@ def evaluate(model_name: str, bundle: Bundle, tokens: int = 0, window: int = 256
         if v.kind != "dense":
             v.layers = [LayerStats() for _ in ffns]
 
-    text = load_corpus(corpus or bundle.manifest.corpus.get("name") or "lee", "held_out")
-    windows = token_windows(tokenizer, text, window, tokens)
-    if sum(len(w) - 1 for w in windows) < 1:  # (a ZeroDivisionError at the end)
-        raise ConfigError(f"{tokens} held-out tokens leave none to predict: give at least 2")
     with torch.inference_mode():
-        for w in tqdm(windows, desc="evaluating", unit="window", disable=not progress):
+        for i, w in enumerate(tqdm(windows, desc="evaluating", unit="window", disable=not progress)):
             ids = torch.tensor([w])
             pos = torch.arange(len(w))[None]
-            ref = dense(ids, pos)[0, :-1]  # (T-1, vocab)
-            ref_logp = F.log_softmax(ref, -1)
+            ref_logp = dense.window(i)  # (T-1, vocab)
             target_ids = ids[0, 1:]
             for v in variants:
                 if v.kind == "dense":
                     logp = ref_logp
                 else:
                     _configure(ffns, v)
-                    logp = F.log_softmax(sparse(ids, pos)[0, :-1], -1)
+                    logp = F.log_softmax(sparse(ids, pos)[0, :-1].float(), -1)
                 v.nll -= float(logp.gather(-1, target_ids[:, None]).sum())
                 v.kl += float((ref_logp.exp() * (ref_logp - logp)).sum())
                 v.top1 += int((logp.argmax(-1) == ref_logp.argmax(-1)).sum())
@@ -130,6 +145,75 @@ def evaluate(model_name: str, bundle: Bundle, tokens: int = 0, window: int = 256
                                       for r in rows])
     bundle.mark("eval", {"tokens": variants[0].tokens, "window": window})
     return rows
+
+
+class _DenseLogProbs:
+    """The dense model's log-probabilities of each window's next tokens (`window(i)`, (T-1,
+    vocab) float32), and the model the sparse variants run on (`sparse`): the same model, its
+    FFNs swapped after a first pass that keeps every window's log-probabilities, where those
+    take less memory than a second copy of the model; else a second copy, and the dense model
+    runs beside it window by window. A context manager: the kept log-probabilities' file (past
+    `SAMPLE_MEMORY`) is removed on leaving."""
+
+    def __init__(self, model, windows: list, window: int, where, path, dtype: str, progress: bool,
+                 copies: int | None = None):
+        from .profile import SAMPLE_MEMORY
+
+        self.windows, self.folder = windows, None
+        vocab = model.args.vocab_size
+        rows = sum(len(w) - 1 for w in windows)
+        kept = rows * vocab * 4
+        weights = sum(t.numel() * t.element_size() for t in model.state_dict().values())
+        if copies not in (None, 1, 2):
+            raise ConfigError(f"copies: 1 or 2 of the model, not {copies!r}")
+        if copies == 2 or (copies is None and weights <= kept):  # a second copy holds less
+            from ..config import torch_dtype
+
+            self.model, self.logp = model, None
+            self.sparse = load_model(path, torch_dtype(dtype))[0]
+            self.sparse.setup_cache(1, window)
+            return
+        self.model, self.sparse = None, model
+        self.start = np.cumsum([0] + [len(w) - 1 for w in windows])
+        if kept <= SAMPLE_MEMORY:
+            self.logp = np.empty((rows, vocab), np.float32)
+        else:
+            import tempfile
+
+            self.folder = Path(tempfile.mkdtemp(prefix=".eval-", dir=where))
+            self.logp = np.lib.format.open_memmap(self.folder / "dense-logp.npy", "w+",
+                                                  np.float32, (rows, vocab))
+        try:
+            with torch.inference_mode():
+                for i, w in enumerate(tqdm(windows, desc="dense pass", unit="window",
+                                           disable=not progress)):
+                    self.logp[self.start[i]:self.start[i + 1]] = self._run(model, w).numpy()
+        except BaseException:
+            self.close()
+            raise
+
+    @staticmethod
+    def _run(model, w: list) -> torch.Tensor:
+        ids, pos = torch.tensor([w]), torch.arange(len(w))[None]
+        return F.log_softmax(model(ids, pos)[0, :-1].float(), -1)
+
+    def window(self, i: int) -> torch.Tensor:
+        if self.logp is None:
+            return self._run(self.model, self.windows[i])
+        return torch.from_numpy(np.asarray(self.logp[self.start[i]:self.start[i + 1]]))
+
+    def close(self):
+        import shutil
+
+        self.logp = None  # (the last reference to the file's map: it closes here)
+        if self.folder is not None:
+            shutil.rmtree(self.folder, ignore_errors=True)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
 
 
 def _configure(ffns, v: Variant):
