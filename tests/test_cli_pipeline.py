@@ -28,6 +28,22 @@ def test_profile_train_solve_eval_report_on_the_default_model(tmp_path, default_
     out = capsys.readouterr().out
     for label in ("dense", "oracle", "predicted (ffn input)", "predicted (layer input)", "oracle @ 30%"):
         assert label in out
+    # the model in bf16 (as a 7B's eval runs on a 24 GB host): the log-probabilities in float32,
+    # every row, the perplexities within 2% of float32's
+    def rows():
+        got = json.loads((tmp_path / "bundle" / "eval.json").read_text())["rows"]
+        return {r["label"]: r for r in got}
+    f32 = rows()
+    assert main(["eval", "--model", "smollm2-135m-instruct", "--bundle", b, "--tokens", "128",
+                 "--dtype", "bfloat16"]) == 0
+    capsys.readouterr()
+    bf16 = rows()
+    assert bf16.keys() == f32.keys()
+    # (the dense model and the oracle up to 30%; the two-epoch predictors here, at several times
+    # the dense perplexity, move with the type of their input by more)
+    for label in ("dense", "oracle", "oracle @ 10%", "oracle @ 20%", "oracle @ 30%"):
+        assert bf16[label]["ppl"] == pytest.approx(f32[label]["ppl"], rel=0.02), label
+    assert bf16["dense"]["ppl"] != f32["dense"]["ppl"]  # (it ran in bf16)
     assert main(["report", "--bundle", b]) == 0
     out = capsys.readouterr().out
     for name in ("firing_frequency.png", "mass_cdf.png", "placement.png", "predictor_recall.png",
