@@ -29,7 +29,8 @@ def test_profile_train_solve_eval_report_on_the_default_model(tmp_path, default_
     for label in ("dense", "oracle", "predicted (ffn input)", "predicted (layer input)", "oracle @ 30%"):
         assert label in out
     # the model in bf16 (as a 7B's eval runs on a 24 GB host): the log-probabilities in float32,
-    # every row, the perplexities within 2% of float32's
+    # every row, the dense and oracle perplexities within 2% of float32's (0.5% measured), the
+    # oracle's curve up to 30% within 5% (1.2% here, 2.3% held to AVX2)
     def rows():
         got = json.loads((tmp_path / "bundle" / "eval.json").read_text())["rows"]
         return {r["label"]: r for r in got}
@@ -42,7 +43,8 @@ def test_profile_train_solve_eval_report_on_the_default_model(tmp_path, default_
     # (the dense model and the oracle up to 30%; the two-epoch predictors here, at several times
     # the dense perplexity, move with the type of their input by more)
     for label in ("dense", "oracle", "oracle @ 10%", "oracle @ 20%", "oracle @ 30%"):
-        assert bf16[label]["ppl"] == pytest.approx(f32[label]["ppl"], rel=0.02), label
+        tol = 0.02 if label in ("dense", "oracle") else 0.05
+        assert bf16[label]["ppl"] == pytest.approx(f32[label]["ppl"], rel=tol), label
     assert bf16["dense"]["ppl"] != f32["dense"]["ppl"]  # (it ran in bf16)
     assert main(["report", "--bundle", b]) == 0
     out = capsys.readouterr().out
