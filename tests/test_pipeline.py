@@ -247,11 +247,21 @@ def test_eval_holds_one_copy_of_the_model_with_the_same_results(relu_folder, rel
     made, mkdtemp = [], tempfile.mkdtemp
     monkeypatch.setattr(P, "SAMPLE_MEMORY", 0)
     monkeypatch.setattr(tempfile, "mkdtemp", lambda **kw: made.append(mkdtemp(**kw)) or made[-1])
+    stale = relu_bundle.path / ".eval-killed"  # a killed eval's folder: removed by the next
+    stale.mkdir()
     assert run(1) == two
     assert len(made) == 1 and Path(made[0]).parent == relu_bundle.path
-    assert not Path(made[0]).exists()
+    assert not Path(made[0]).exists() and not stale.exists()
     with pytest.raises(ConfigError, match="copies: 1 or 2"):
         run(3)
+    # a disk without room for the file: a clear error before the dense pass (a full disk under
+    # the map's pages would end the process)
+    import shutil
+    usage = shutil.disk_usage(relu_bundle.path)
+    monkeypatch.setattr(shutil, "disk_usage", lambda p: usage._replace(free=P.DISK_MARGIN))
+    with pytest.raises(ConfigError, match="GB of disk beside the bundle, 0.0 GB free"):
+        run(1)
+    assert len(made) == 1 and run(2) == two
 
 
 def test_bundle_errors_name_the_cause(tmp_path, relu_bundle, default_model_path):

@@ -85,14 +85,15 @@ def evaluate(model_name: str, bundle: Bundle, tokens: int = 0, window: int = 256
     (default: whichever takes less memory, see the module's note); the same results either way."""
     from ..config import torch_dtype
 
-    model, tokenizer, path = load_model(model_name, torch_dtype(dtype))
+    tdtype = torch_dtype(dtype)
+    model, tokenizer, path = load_model(model_name, tdtype)
     bundle.check_model(path)
     model.setup_cache(1, window)
     text = load_corpus(corpus or bundle.manifest.corpus.get("name") or "lee", "held_out")
     windows = token_windows(tokenizer, text, window, tokens)
     if sum(len(w) - 1 for w in windows) < 1:  # (a ZeroDivisionError at the end)
         raise ConfigError(f"{tokens} held-out tokens leave none to predict: give at least 2")
-    with _DenseLogProbs(model, windows, window, bundle.path, path, dtype, progress, copies) as dense:
+    with _DenseLogProbs(model, windows, window, bundle.path, path, tdtype, progress, copies) as dense:
         return _evaluate(dense, bundle, windows, text, window, curve, progress)
 
 
@@ -153,11 +154,12 @@ class _DenseLogProbs:
     FFNs swapped after a first pass that keeps every window's log-probabilities, where those
     take less memory than a second copy of the model; else a second copy, and the dense model
     runs beside it window by window. A context manager: the kept log-probabilities' file (past
-    `SAMPLE_MEMORY`) is removed on leaving."""
+    `SAMPLE_MEMORY`, checked first against the disk's room: a full disk under a map's pages
+    would end the process) is removed on leaving, a killed eval's by the next."""
 
-    def __init__(self, model, windows: list, window: int, where, path, dtype: str, progress: bool,
-                 copies: int | None = None):
-        from .profile import SAMPLE_MEMORY
+    def __init__(self, model, windows: list, window: int, where, path, dtype: torch.dtype,
+                 progress: bool, copies: int | None = None):
+        from .profile import SAMPLE_MEMORY, disk_room
 
         self.windows, self.folder = windows, None
         vocab = model.args.vocab_size
@@ -167,10 +169,8 @@ class _DenseLogProbs:
         if copies not in (None, 1, 2):
             raise ConfigError(f"copies: 1 or 2 of the model, not {copies!r}")
         if copies == 2 or (copies is None and weights <= kept):  # a second copy holds less
-            from ..config import torch_dtype
-
             self.model, self.logp = model, None
-            self.sparse = load_model(path, torch_dtype(dtype))[0]
+            self.sparse = load_model(path, dtype)[0]
             self.sparse.setup_cache(1, window)
             return
         self.model, self.sparse = None, model
@@ -180,6 +180,11 @@ class _DenseLogProbs:
         else:
             import tempfile
 
+            room = disk_room(where, ".eval-")  # (a killed eval's folder removed first)
+            if room < kept:
+                raise ConfigError(f"the dense log-probabilities of {rows:,} held-out tokens need "
+                                  f"{kept / 1e9:.1f} GB of disk beside the bundle, "
+                                  f"{room / 1e9:.1f} GB free: give fewer --tokens, or copies=2")
             self.folder = Path(tempfile.mkdtemp(prefix=".eval-", dir=where))
             self.logp = np.lib.format.open_memmap(self.folder / "dense-logp.npy", "w+",
                                                   np.float32, (rows, vocab))

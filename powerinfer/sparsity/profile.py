@@ -141,6 +141,17 @@ def _compact(a: np.ndarray) -> np.ndarray:
     return a.astype(np.float16 if np.abs(a).max(initial=0) < 60000 else np.float32)
 
 
+def disk_room(where: Path, prefix: str) -> int:
+    """The bytes of files a run may write in a folder of `where`: the disk's free space less
+    DISK_MARGIN, after the folders named `prefix`... that a killed run left there are removed
+    (they would count as used)."""
+    import shutil
+
+    for old in Path(where).glob(prefix + "*"):
+        shutil.rmtree(old, ignore_errors=True)
+    return max(int(shutil.disk_usage(where).free - DISK_MARGIN), 0)
+
+
 class _SampleStore:
     """The samples while a profile gathers them, a layer's arrays at a time (`layers[i]`: x_layer,
     x_ffn (rows, d) float32, fired (rows, n/8) bits, mag (held-out rows, n) float32): in RAM up
@@ -152,7 +163,6 @@ class _SampleStore:
     (less DISK_MARGIN) than RAM does, the samples stay in RAM; either way fewer, with a warning."""
 
     def __init__(self, where: Path, L: int, N: int, H: int, d: int, n: int):
-        import shutil
         import tempfile
 
         share = H / N  # (the held-out rows' share)
@@ -160,9 +170,7 @@ class _SampleStore:
         self.folder = None
         self.layers: list[dict | None] = []
         if N * row > SAMPLE_MEMORY:
-            for old in Path(where).glob(".samples-*"):  # (a killed profile's: they count as used)
-                shutil.rmtree(old, ignore_errors=True)
-            disk = max(int((shutil.disk_usage(where).free - DISK_MARGIN) // row), 0)
+            disk = disk_room(where, ".samples-") // row
             ram = int(SAMPLE_MEMORY // row)
             in_files = disk > ram
             if disk < N:
