@@ -3,9 +3,9 @@
 worktree with a change to `powerinfer/kernels/csrc`), one product at a time, in processes that
 alternate.
 
-    .venv/bin/python benchmarks/kernel_ab.py --other DIR [--product q4c|dense] [--quant q4_0]
-        [--rows 12288] [--k 4096] [--sparsity 0.25] [--rounds 6] [--seconds 2] [--threads N]
-        [--json FILE]
+    .venv/bin/python benchmarks/kernel_ab.py --other DIR [--product q4c|dense|records]
+        [--quant q4_0] [--rows 12288] [--k 4096] [--sparsity 0.25] [--share 0.05]
+        [--format q4_0] [--rounds 6] [--seconds 2] [--threads N] [--json FILE]
 
 Two builds cannot share a process (their operators have the same names), and a 2-core VM's
 memory reads at rates that move by 1.6x within minutes, so the builds run in turns: each round
@@ -14,7 +14,11 @@ distinct random matrices of `--rows` x `--k` that together fill twice the last l
 same seed in both, so the same bytes), for `--seconds` after a warm-up. `--product q4c`: the
 input-sparse product (`kernels.linear_q4c`, the input's channels below the `--sparsity`
 quantile in magnitude dropped); `dense`: the dense GEMV the default path runs over the same
-zeroed input (q4x16). The other tree builds its kernel into its own `powerinfer/kernels/_ext`
+zeroed input (q4x16); `records`: the records kernel's decode step (`kernels.neuron_ffn` through
+`NeuronSet`, as a model calls it) over `--rows` neurons of a ReGLU FFN of width `--k` in
+`--format`, a random `--share` of them selected (64 selections drawn, every computed neuron
+firing), over as many layers as fill twice the last level cache (4 at least) in turn. The other tree
+builds its kernel into its own `powerinfer/kernels/_ext`
 on first use. Printed: each build's microseconds a call, round by round, their medians, and the
 other build's speed over this one's: the medians' ratio, and each round's (the two processes of
 a round a few seconds apart, where the memory's rate changes less than over the whole run).
@@ -49,6 +53,8 @@ def child(a) -> dict:
         torch.set_num_threads(a.threads)
     torch.manual_seed(0)
     n, k = a.rows, a.k
+    if a.product == "records":
+        return records(a, n, k, torch)
     dense_bytes = n * k * 9 // 16
     copies = max(2, -(-2 * last_level_cache() // dense_bytes))
     mats = []
@@ -79,6 +85,32 @@ def child(a) -> dict:
     return {"us": (time.perf_counter() - t0) / calls * 1e6, "copies": copies}
 
 
+def records(a, n: int, k: int, torch) -> dict:
+    from powerinfer.model.sparse import NeuronSet
+    from gemv import last_level_cache
+    layers, count = [], 4
+    while len(layers) < count:
+        w1 = torch.randn(2 * n, k) * 0.02
+        w1[:n].abs_()  # the gates open on a positive input: every computed neuron fires
+        layers.append(NeuronSet("reglu", w1, None, torch.randn(k, n) * 0.02, torch.arange(n),
+                                a.format))
+        count = max(4, -(-2 * last_level_cache() // layers[0].records.nbytes))
+    steps = []
+    for i in range(64):
+        m = torch.zeros(n, dtype=torch.bool)
+        m[torch.randperm(n)[:round(a.share * n)]] = True
+        steps.append((layers[i % len(layers)], m))
+    x = torch.rand(1, 1, k) + 0.1
+    for ffn, m in steps:  # warm-up
+        ffn(x, m)
+    calls, t0 = 0, time.perf_counter()
+    while time.perf_counter() - t0 < a.seconds:
+        for ffn, m in steps:
+            ffn(x, m)
+        calls += len(steps)
+    return {"us": (time.perf_counter() - t0) / calls * 1e6, "copies": len(layers)}
+
+
 def commit(tree: Path) -> str:
     """The tree's commit, "-dirty" where its files differ from it (what a build was made of)."""
     return subprocess.run(["git", "-C", str(tree), "describe", "--always", "--dirty"],
@@ -88,12 +120,16 @@ def commit(tree: Path) -> str:
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--other", required=True, help="the other checkout (its repository root)")
-    ap.add_argument("--product", default="q4c", choices=["q4c", "dense"])
+    ap.add_argument("--product", default="q4c", choices=["q4c", "dense", "records"])
     ap.add_argument("--quant", default="q4_0", choices=["q4_0"],
                     help="the matrices' blocks (Q4_0: what `pack_q4c` and `pack_q4x16` take)")
     ap.add_argument("--rows", type=int, default=12288)
     ap.add_argument("--k", type=int, default=4096)
     ap.add_argument("--sparsity", type=float, default=0.25)
+    ap.add_argument("--share", type=float, default=0.05,
+                    help="records: the share of the neurons a step selects")
+    ap.add_argument("--format", default="q4_0", choices=["q4_0", "q4_1", "i8"],
+                    help="records: the records' format")
     ap.add_argument("--rounds", type=int, default=6)
     ap.add_argument("--seconds", type=float, default=2.0)
     ap.add_argument("--threads", type=int, default=0, help="0: torch's default")
@@ -110,11 +146,15 @@ def main():
     if not (trees["other"] / "powerinfer" / "kernels" / "csrc").is_dir():
         ap.error(f"--other {a.other}: not a checkout of this project")
     args = [a.product, "--quant", a.quant, "--rows", str(a.rows), "--k", str(a.k), "--sparsity",
-            str(a.sparsity), "--seconds", str(a.seconds), "--threads", str(a.threads)]
+            str(a.sparsity), "--share", str(a.share), "--format", a.format, "--seconds",
+            str(a.seconds), "--threads", str(a.threads)]
     times = {name: [] for name in trees}
     commits = {name: commit(tree) for name, tree in trees.items()}
-    print(f"{a.product} product, {a.rows} x {a.k} {a.quant}, {a.sparsity:.0%} of the input "
-          f"dropped; this: {commits['this']}, other: {commits['other']}; {a.rounds} rounds\n")
+    what = (f"records decode step, {a.rows} neurons of width {a.k} in {a.format}, {a.share:.0%} "
+            f"selected" if a.product == "records" else
+            f"{a.product} product, {a.rows} x {a.k} {a.quant}, {a.sparsity:.0%} of the input "
+            "dropped")
+    print(f"{what}; this: {commits['this']}, other: {commits['other']}; {a.rounds} rounds\n")
     for r in range(a.rounds):
         for name, tree in trees.items():
             env = dict(os.environ, PYTHONPATH=str(tree))

@@ -2,10 +2,18 @@
 """Where the kernel's weight walks ask for the lines they read next (`kernels.prefetch_level`:
 "l1", into every level of the caches, or "l2", into L2 and again 8 KiB further), in turns in
 one process: the dense 16-row GEMVs' read rate from memory, and a model's decode step and
-prompt step.
+prompt step; and (`--records`) whether the records kernel's walks also ask for the rows two
+passes ahead (`kernels.far_prefetch`).
 
     .venv/bin/python benchmarks/prefetch.py [--quants q4_k q4_0 q6_k q5_k q8_0]
         [--models FILE_OR_NAME ...] [--turns 7] [--tokens 32] [--out FILE.json]
+        [--records q4_0 q4_1] [--shares 0.01 0.05 0.1 0.2 0.5] [--layers 16] [--steps 1000]
+
+Records: `--layers` 7B-shape ReGLU layers (4096 x 11008, random weights, every computed neuron
+fires) held as the kernel's records in each format, a decode step at a time over a new layer
+and a new random selection of the share's neurons (from 64 drawn), `--steps` steps a setting
+in each turn, the four settings ("none", "acts", "downs", "both") in turns; the median time of
+a step (a call from Python, as a model makes it) and the records' bytes over it.
 
 GEMVs: a 7B layer's fused q/k/v (12288 x 4096) and gate/up (22016 x 4096) in the layout a
 file's blocks are held in (q4x16, q4kx16, q6kx16, q5kx16, q8x16), as many copies as fill twice
@@ -101,6 +109,44 @@ def models(names: list[str], turns: int, tokens: int) -> list[dict]:
     return rows
 
 
+def records(formats: list[str], shares: list[float], layers: int, turns: int,
+            steps: int) -> list[dict]:
+    from powerinfer.model.sparse import NeuronSet
+    dim, ffn, rows = 4096, 11008, []
+    torch.manual_seed(0)
+    x = torch.rand(1, 1, dim) + 0.1
+    for fmt in formats:
+        sets = []
+        for _ in range(layers):
+            w1 = torch.randn(2 * ffn, dim) * 0.02
+            w1[:ffn].abs_()  # the gates open on a positive input: every computed neuron fires
+            sets.append(NeuronSet("reglu", w1, None, torch.randn(dim, ffn) * 0.02,
+                                  torch.arange(ffn), fmt))
+        nbytes = sets[0].records.shape[1]
+        for share in shares:
+            masks = []
+            for _ in range(64):
+                m = torch.zeros(ffn, dtype=torch.bool)
+                m[torch.randperm(ffn)[:round(share * ffn)]] = True
+                masks.append(m)
+            times = {w: [] for w in kernels.FAR_PREFETCH}
+            for t in range(turns):
+                for which in times:
+                    kernels.far_prefetch(which)
+                    start = time.perf_counter()
+                    for i in range(steps):
+                        sets[i % layers](x, masks[(7 * i + t) % 64])
+                    times[which].append((time.perf_counter() - start) / steps)
+            us = {w: statistics.median(v) * 1e6 for w, v in times.items()}
+            gbs = round(share * ffn) * nbytes / us["none"] / 1e3
+            rows.append(dict(format=fmt, share=share, step_us=us, none_gbs=gbs,
+                             turns_us={w: [t * 1e6 for t in v] for w, v in times.items()}))
+            print(f"| {fmt} | {share:.0%} | " + " | ".join(f"{us[w]:.1f}" for w in times)
+                  + f" | **{us['both'] / us['none']:.3f}x** | {gbs:.1f} |", flush=True)
+        del sets
+    return rows
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -108,13 +154,17 @@ def main():
     ap.add_argument("--models", nargs="*", default=[])
     ap.add_argument("--turns", type=int, default=7)
     ap.add_argument("--tokens", type=int, default=32)
+    ap.add_argument("--records", nargs="*", default=[], choices=["q4_0", "q4_1", "i8"])
+    ap.add_argument("--shares", type=float, nargs="+", default=[0.01, 0.05, 0.1, 0.2, 0.5])
+    ap.add_argument("--layers", type=int, default=16)
+    ap.add_argument("--steps", type=int, default=1000)
     ap.add_argument("--out", default=None, help="write the results as JSON")
     args = ap.parse_args()
     assert kernels.available(), "the CPU kernel cannot run here"
-    default = kernels.prefetch_level()
+    default, far = kernels.prefetch_level(), kernels.far_prefetch()
     print(f"# {decode.machine_info(torch.get_num_threads())}; kernel ISA {kernels.isa()}; "
-          f"this CPU's default level: {default}; {args.turns} turns, medians")
-    out = dict(default=default, isa=kernels.isa())
+          f"this CPU's default level: {default}, far prefetch: {far}; {args.turns} turns, medians")
+    out = dict(default=default, far_default=far, isa=kernels.isa())
     try:
         if args.quants:
             print("\n| layout | matrix | l1 GB/s | l2 GB/s | l2 vs l1 |\n|---|---|---:|---:|---:|")
@@ -123,8 +173,14 @@ def main():
             print("\n| model | decode call l1 ms | l2 ms | l2 vs l1 | prompt call l1 ms | l2 ms "
                   "| l2 vs l1 |\n|---|---:|---:|---:|---:|---:|---:|")
             out["models"] = models(args.models, args.turns, args.tokens)
+        if args.records:
+            print("\n| records | share | step us, none | acts | downs | both | both vs none "
+                  "| none GB/s |\n|---|---:|---:|---:|---:|---:|---:|---:|")
+            out["records"] = records(args.records, args.shares, args.layers, args.turns,
+                                     args.steps)
     finally:
         kernels.prefetch_level(default)
+        kernels.far_prefetch(far)
     if args.out:
         Path(args.out).write_text(json.dumps(out, indent=1))
 

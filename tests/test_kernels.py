@@ -888,6 +888,42 @@ def test_the_prefetch_levels_give_the_same_floats(isa):
         K.prefetch_level("l3")
 
 
+def test_the_far_prefetches_give_the_same_floats(isa):
+    # whether the records kernel's walks also ask for rows two passes ahead changes no float:
+    # each setting, 4-bit and 8-bit records, gated and plain, one thread and two, one row and
+    # a batch, selections long enough for many groups of down rows past the far ones
+    from powerinfer.model.sparse import NeuronSet
+    torch.manual_seed(4)
+    k, ffn = 1024, 500
+    cases = []
+    for act, fmt in (("reglu", "q4_0"), ("reglu", "q4_1"), ("relu", "q4_0"), ("swiglu", "i8")):
+        gated = act != "relu"
+        s = NeuronSet(act, torch.randn((2 if gated else 1) * ffn, k) / 20, None,
+                      torch.randn(k, ffn) / 20, torch.arange(ffn), fmt)
+        cases.append((s, act, fmt))
+    sel = torch.randperm(ffn)[:300].sort().values
+    threads, before = torch.get_num_threads(), K.far_prefetch()
+    try:
+        for rows in (1, 3):
+            x = torch.randn(rows, k)
+            for t in (1, 2):
+                torch.set_num_threads(t)
+                got = {}
+                for which in K.FAR_PREFETCH:
+                    assert K.far_prefetch(which) in K.FAR_PREFETCH
+                    assert K.far_prefetch() == which
+                    got[which] = [K.neuron_ffn(x, s.records, sel, None, None, 0.0, act, fmt)
+                                  for s, act, fmt in cases]
+                for which in K.FAR_PREFETCH[1:]:
+                    for i, (a, b) in enumerate(zip(got["none"], got[which])):
+                        assert a.abs().sum() > 0 and torch.equal(a, b), (i, which, rows, t)
+    finally:
+        K.far_prefetch(before)
+        torch.set_num_threads(threads)
+    with pytest.raises(RuntimeError, match="none, acts, downs or both"):
+        K.far_prefetch("all")
+
+
 def test_the_prefetch_level_follows_the_cpus_vendor_unless_set():
     # Intel's cores ask for lines into L2, others into every level; POWERINFER_PREFETCH decides
     # over the vendor (read once, when the kernel loads: a fresh process each)
@@ -905,6 +941,18 @@ def test_the_prefetch_level_follows_the_cpus_vendor_unless_set():
         out = subprocess.run([sys.executable, "-c", code], env=e, capture_output=True, text=True,
                              cwd=Path(__file__).parent.parent, check=True).stdout.split()
         assert out[-1] == want, (setting, vendor, out)
+    # the records kernel's requests two passes ahead: Intel's cores make both, others none;
+    # POWERINFER_FAR_PREFETCH decides over the vendor, and a value that is none of the settings
+    # is named in a warning and left to the vendor
+    code = "from powerinfer import kernels as K; assert K.available(); print(K.far_prefetch())"
+    env = {k: v for k, v in env.items() if k != "POWERINFER_FAR_PREFETCH"}
+    default = "both" if vendor == "GenuineIntel" else "none"
+    for setting, want in ((None, default), ("downs", "downs"), ("all", default)):
+        e = dict(env, **({"POWERINFER_FAR_PREFETCH": setting} if setting else {}))
+        r = subprocess.run([sys.executable, "-c", code], env=e, capture_output=True, text=True,
+                           cwd=Path(__file__).parent.parent, check=True)
+        assert r.stdout.split()[-1] == want, (setting, vendor, r.stdout)
+        assert ("POWERINFER_FAR_PREFETCH='all' is not one of" in r.stderr) == (setting == "all")
 
 
 def test_q5_k_sums_at_their_largest_do_not_saturate(isa):

@@ -238,11 +238,16 @@ def _warn_of_a_cap_that_holds_nothing():
     class as this CPU's best (csrc/ops.cpp, `pick_isa`): the process and those it starts run as
     on a CPU of that class, `auto` included. A value that is not a class, or one above this
     CPU's, holds nothing: named here in a warning, as a POWERINFER_PREFETCH that is not a
-    level (`prefetch_level`)."""
+    level (`prefetch_level`) and a POWERINFER_FAR_PREFETCH that is not a setting
+    (`far_prefetch`)."""
     pf = os.environ.get("POWERINFER_PREFETCH", "")
     if pf and pf not in ("l1", "l2"):
         log.warning("POWERINFER_PREFETCH=%r is not l1 or l2: ignored (the CPU's vendor picks %r)",
                     pf, torch.ops.powerinfer.prefetch_level(""))
+    far = os.environ.get("POWERINFER_FAR_PREFETCH", "")
+    if far and far not in FAR_PREFETCH:
+        log.warning("POWERINFER_FAR_PREFETCH=%r is not one of %s: ignored (the CPU's vendor picks "
+                    "%r)", far, ", ".join(FAR_PREFETCH), torch.ops.powerinfer.far_prefetch(""))
     cap = os.environ.get("POWERINFER_MAX_ISA", "")
     if cap and cap not in ISAS:
         log.warning("POWERINFER_MAX_ISA=%r is not one of %s: ignored", cap, ", ".join(ISAS))
@@ -309,6 +314,18 @@ def prefetch_level(level: str = "") -> str:
     others "l1"), `POWERINFER_PREFETCH=l1|l2` overrides that. The same floats either way.
     Returns the level before."""
     return torch.ops.powerinfer.prefetch_level(level)
+
+
+FAR_PREFETCH = ("none", "acts", "downs", "both")
+
+
+def far_prefetch(which: str = "") -> str:
+    """Which of the records kernel's walks also ask, into L2, for the rows they read two passes
+    ahead, in this process from now on: "none", "acts" (the gate and up rows), "downs" (the
+    down rows) or "both", for a benchmark's baseline; "" leaves it. The CPU's vendor picks it at
+    load (Intel's cores "both", others "none"), `POWERINFER_FAR_PREFETCH` overrides that. The
+    same floats whatever the setting. Returns the setting before."""
+    return torch.ops.powerinfer.far_prefetch(which)
 
 
 def loop_profile(mode: str = "read") -> dict:

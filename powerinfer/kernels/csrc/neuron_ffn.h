@@ -198,8 +198,9 @@ inline void with_format(int fmt, F&& f) {
 // over neurons sel[begin:end]: each one's activations into h (B floats a neuron, at h + jj * B,
 // zero in a row where it does not fire), and the positions jj of those that fire in some row
 // into fired, in order (returns how many). The second, over the down rows' blocks [blo, bhi)
-// (32 columns each): out's columns there, every row, set to the sum of h times the down rows of
-// the neurons fired[0:nf], added in that order.
+// (32 columns each): to out's columns there, every row, h times the down rows of the neurons
+// fired[0:nf] added, in that order (the caller zeroes them first: a selection's fired neurons can
+// come in segments, each added as it is known).
 using ActsFn = int64_t (*)(const FFNArgs&, int64_t begin, int64_t end, float* h, int64_t* fired);
 using DownsFn = void (*)(const FFNArgs&, const int64_t* fired, int64_t nf, const float* h, int64_t blo,
                          int64_t bhi, float* out);
@@ -317,19 +318,43 @@ inline std::atomic<bool> rows_amx_allowed{true};
 // flight from L1), so AMD keeps L1. The CPU's vendor picks it; POWERINFER_PREFETCH=l1|l2 (or
 // `kernels.prefetch_level`) sets it.
 enum PrefetchLevel : int { PF_L1 = 0, PF_L2 = 1 };
+inline bool intel_cpu() {
+  unsigned a, b, c, d;
+  if (!__get_cpuid(0, &a, &b, &c, &d)) return false;
+  char vendor[13];
+  std::memcpy(vendor, &b, 4), std::memcpy(vendor + 4, &d, 4), std::memcpy(vendor + 8, &c, 4);
+  vendor[12] = 0;
+  return !std::strcmp(vendor, "GenuineIntel");
+}
 inline int default_prefetch_level() {
   if (const char* v = std::getenv("POWERINFER_PREFETCH")) {
     if (!std::strcmp(v, "l1")) return PF_L1;
     if (!std::strcmp(v, "l2")) return PF_L2;
   }
-  unsigned a, b, c, d;
-  if (!__get_cpuid(0, &a, &b, &c, &d)) return PF_L1;
-  char vendor[13];
-  std::memcpy(vendor, &b, 4), std::memcpy(vendor + 4, &d, 4), std::memcpy(vendor + 8, &c, 4);
-  vendor[12] = 0;
-  return std::strcmp(vendor, "GenuineIntel") ? PF_L1 : PF_L2;
+  return intel_cpu() ? PF_L2 : PF_L1;
 }
 inline std::atomic<int> prefetch_level{default_prefetch_level()};
+
+// Which walks of the records kernel also ask, into L2, for the rows they read two passes ahead
+// (besides those of the next pass, at `prefetch_level`): the activations' walk over the gate and
+// up rows (`FAR_ACTS`), the down rows' walk (`FAR_DOWNS`). Read once a call; a walk not asked to
+// leaves its far rows null, which its loops already test. On a Zen 5 EPYC (2 threads, a 7B
+// layer's Q4_0 records from memory) the step without them was 1.01-1.05x as fast as with both at
+// 5-20% active in three runs of 5-9 turns, a tie at 1-2% and 50% (`benchmarks/prefetch.py
+// --records`), and the down rows' walk alone 1.19x: a core there is bound by the misses it keeps
+// in flight (the gate and up rows' walk stalls at its prefetches into L1), and requests two
+// passes ahead only add to them. Intel's cores (into L2, `PF_L2`) keep both, as measured there
+// when they were written. The CPU's vendor picks it; POWERINFER_FAR_PREFETCH=none|acts|downs|both
+// (or `kernels.far_prefetch`) sets it.
+enum FarAhead : int { FAR_ACTS = 1, FAR_DOWNS = 2 };
+inline int default_far_ahead() {
+  static const char* names[4] = {"none", "acts", "downs", "both"};
+  if (const char* v = std::getenv("POWERINFER_FAR_PREFETCH"))
+    for (int i = 0; i < 4; i++)
+      if (!std::strcmp(v, names[i])) return i;
+  return intel_cpu() ? FAR_ACTS | FAR_DOWNS : 0;
+}
+inline std::atomic<int> far_ahead{default_far_ahead()};
 
 using RowsFn = void (*)(const RowsArgs& a, int64_t begin, int64_t end, float* out, uint8_t* scratch);
 using RowsBf16Fn = bool (*)(bool bf16_input);
@@ -1071,9 +1096,10 @@ inline bool activations(const FFNArgs& a, int64_t jj, const float* g, const floa
 // up row left to the hardware arrived while it was read, a third of a 4-bit neuron's time
 // measured; prefetched for every neuron, it doubled what a shut gate costs). Asked for once, a
 // pass ahead, the rows came at about the rate one reader of a record at a time gets; asked for
-// twice, 4-9% less time (a Zen 5 EPYC, 2 threads, BENCHMARKS.md "The records kernel on two
-// threads over processes"); no software prefetch at all took 1.7x as long (a Xeon with AMX, 1%
-// active). A plain FFN's pass computes the up row of p+1 and asks for those of p+2 and p+3.
+// twice, 4-9% less time when a thread's step was one walk (a Zen 5 EPYC, 2 threads,
+// BENCHMARKS.md "The records kernel on two threads over processes"), a tie or a loss there since
+// the step came in two phases (`far_ahead`: AMD's cores now ask once); no software prefetch at
+// all took 1.7x as long (a Xeon with AMX, 1% active). A plain FFN's pass computes the up row of p+1 and asks for those of p+2 and p+3.
 // P neurons take the place of one (groups of P in the selection's order): with P = 2 a pass
 // reads four rows side by side, which one input row uses (its step at 1-15% active 1.02-1.03x
 // from memory, 2 threads of a Xeon with AMX, `benchmarks/kernel.py --reads` in turns, a tie held
@@ -1104,11 +1130,15 @@ int64_t acts_fmt(const FFNArgs& a, int64_t begin, int64_t end, float* hout, int6
     for (int64_t jj = first(t); jj < first(t) + P; jj++)
       if (rec(jj)) rows[n] = rec(jj), outs[n++] = dots(jj);
   };
+  const bool far_on = far_ahead.load(std::memory_order_relaxed) & FAR_ACTS;
   auto ask = [&](const uint8_t** to, int64_t t, const bool* open) {  // group t's lead rows or (open) up rows
     for (int k = 0; k < P; k++) {
       const uint8_t* r = rec(first(t) + k);
       to[k] = !r ? nullptr : !open ? r : open[k] ? r + rb : nullptr;
     }
+  };
+  auto ask_far = [&](const uint8_t** to, int64_t t, const bool* open) {  // (left null where not asked)
+    if (far_on) ask(to, t, open);
   };
   auto pass = [&](const Ahead& pf) {
     if (n) stages<FMT>(n, a, rows, pf, outs);
@@ -1116,14 +1146,14 @@ int64_t acts_fmt(const FFNArgs& a, int64_t begin, int64_t end, float* hout, int6
   };
   {  // the first pass: the lead rows of group 0
     Ahead pf;
-    ask(pf.rows, 1, nullptr), ask(pf.far, 2, nullptr);
+    ask(pf.rows, 1, nullptr), ask_far(pf.far, 2, nullptr);
     lead_rows(0);
     pass(pf);
   }
   if (!gated_act(a.act)) {
     for (int64_t t = 0; t < ng; t++) {
       Ahead pf;
-      ask(pf.rows, t + 2, nullptr), ask(pf.far, t + 3, nullptr);
+      ask(pf.rows, t + 2, nullptr), ask_far(pf.far, t + 3, nullptr);
       lead_rows(t + 1);
       pass(pf);
       for (int64_t jj = first(t); jj < std::min(first(t) + P, end); jj++) emit(jj, nullptr, dots(jj));
@@ -1143,7 +1173,7 @@ int64_t acts_fmt(const FFNArgs& a, int64_t begin, int64_t end, float* hout, int6
   opened(0, now);
   {  // the second pass: the lead rows of group 1
     Ahead pf;
-    ask(pf.rows, 2, nullptr), ask(pf.far, 3, nullptr), ask(pf.far + P, 0, now);
+    ask(pf.rows, 2, nullptr), ask_far(pf.far, 3, nullptr), ask_far(pf.far + P, 0, now);
     lead_rows(1);
     pass(pf);
   }
@@ -1151,7 +1181,7 @@ int64_t acts_fmt(const FFNArgs& a, int64_t begin, int64_t end, float* hout, int6
     opened(t + 1, next);  // (its dots computed in the pass before)
     Ahead pf;
     ask(pf.rows, t + 3, nullptr), ask(pf.rows + P, t, now);
-    ask(pf.far, t + 4, nullptr), ask(pf.far + P, t + 1, next);
+    ask_far(pf.far, t + 4, nullptr), ask_far(pf.far + P, t + 1, next);
     lead_rows(t + 2);
     for (int k = 0; k < P; k++)
       if (before[k]) rows[n] = rec(first(t - 1) + k) + rb, outs[n++] = u[k];
@@ -1171,7 +1201,8 @@ int64_t acts_fmt(const FFNArgs& a, int64_t begin, int64_t end, float* hout, int6
 
 // DownsFn: the fired neurons' down rows DG at a time (one load and store of out's block for
 // the group, added in the group's order: the same sums as one at a time), each group's pass over
-// the blocks asking for the next group's lines and, into L2, the group's after that.
+// the blocks asking for the next group's lines and, where `far_ahead` says so, into L2 the
+// group's after that.
 template <int FMT, int DFMT>
 void downs_fmt(const FFNArgs& a, const int64_t* fired, int64_t nf, const float* hin, int64_t blo, int64_t bhi,
                float* out) {
@@ -1181,17 +1212,17 @@ void downs_fmt(const FFNArgs& a, const int64_t* fired, int64_t nf, const float* 
   // eight rows a group with AVX-512 (1.01-1.03x four, a 7B layer at 15% active from memory on a
   // Xeon with AMX); four with AVX2, whose 16 registers would not hold a batch's eight widened
   constexpr int DG = NV > 2 ? DOWNS : 2 * DOWNS;
-  for (int64_t r = 0; r < B; r++) std::fill(out + r * dim + 32 * blo, out + r * dim + 32 * bhi, 0.0f);
   auto row = [&](int64_t i) -> const uint8_t* {
     return i < nf ? a.w + a.sel[fired[i]] * a.neuron_bytes + skip : nullptr;
   };
+  const bool far_on = far_ahead.load(std::memory_order_relaxed) & FAR_DOWNS;
   for (int64_t i = 0; i < nf; i += DG) {
     const int dn = (int)std::min<int64_t>(DG, nf - i);
     const uint8_t *rows[DG], *near[DG], *far[DG];
     float h[DG][MAXB];
     for (int k = 0; k < DG; k++) {
       rows[k] = k < dn ? row(i + k) : nullptr;
-      near[k] = row(i + DG + k), far[k] = row(i + 2 * DG + k);
+      near[k] = row(i + DG + k), far[k] = far_on ? row(i + 2 * DG + k) : nullptr;
       if (k < dn) std::copy(hin + fired[i + k] * B, hin + fired[i + k] * B + B, h[k]);
     }
     for (int64_t b = blo; b < bhi; b++) {
