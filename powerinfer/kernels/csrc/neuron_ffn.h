@@ -347,11 +347,16 @@ inline std::atomic<int> prefetch_level{default_prefetch_level()};
 // when they were written. The CPU's vendor picks it; POWERINFER_FAR_PREFETCH=none|acts|downs|both
 // (or `kernels.far_prefetch`) sets it.
 enum FarAhead : int { FAR_ACTS = 1, FAR_DOWNS = 2 };
+// the settings' names, by their bits (kernels.FAR_PREFETCH)
+inline constexpr const char* FAR_NAMES[4] = {"none", "acts", "downs", "both"};
+inline int far_setting(const char* name) {  // -1: not a setting
+  for (int i = 0; i < 4; i++)
+    if (!std::strcmp(name, FAR_NAMES[i])) return i;
+  return -1;
+}
 inline int default_far_ahead() {
-  static const char* names[4] = {"none", "acts", "downs", "both"};
   if (const char* v = std::getenv("POWERINFER_FAR_PREFETCH"))
-    for (int i = 0; i < 4; i++)
-      if (!std::strcmp(v, names[i])) return i;
+    if (const int i = far_setting(v); i >= 0) return i;
   return intel_cpu() ? FAR_ACTS | FAR_DOWNS : 0;
 }
 inline std::atomic<int> far_ahead{default_far_ahead()};
@@ -1105,7 +1110,8 @@ inline bool activations(const FFNArgs& a, int64_t jj, const float* g, const floa
 // twice, 4-9% less time when a thread's step was one walk (a Zen 5 EPYC, 2 threads,
 // BENCHMARKS.md "The records kernel on two threads over processes"), a tie or a loss there since
 // the step came in two phases (`far_ahead`: AMD's cores now ask once); no software prefetch at
-// all took 1.7x as long (a Xeon with AMX, 1% active). A plain FFN's pass computes the up row of p+1 and asks for those of p+2 and p+3.
+// all took 1.7x as long (a Xeon with AMX, 1% active). A plain FFN's pass computes the up row of
+// p+1 and asks for those of p+2 and p+3.
 // P neurons take the place of one (groups of P in the selection's order): with P = 2 a pass
 // reads four rows side by side, which one input row uses (its step at 1-15% active 1.02-1.03x
 // from memory, 2 threads of a Xeon with AMX, `benchmarks/kernel.py --reads` in turns, a tie held

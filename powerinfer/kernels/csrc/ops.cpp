@@ -371,12 +371,9 @@ static std::string prefetch_level_op(const std::string& level) {
 // Which records walks ask for rows two passes ahead into L2 ("none", "acts", "downs", "both";
 // "" leaves it; see `far_ahead` in neuron_ffn.h): returns the setting before
 static std::string far_prefetch_op(const std::string& which) {
-  static const char* names[4] = {"none", "acts", "downs", "both"};
-  int mode = -1;
-  for (int i = 0; i < 4; i++)
-    if (which == names[i]) mode = i;
+  const int mode = far_setting(which.c_str());
   TORCH_CHECK(which.empty() || mode >= 0, "far prefetch must be none, acts, downs or both, got ", which);
-  const std::string before = names[far_ahead.load() & 3];
+  const std::string before = FAR_NAMES[far_ahead.load() & 3];
   if (mode >= 0) far_ahead.store(mode);
   return before;
 }
