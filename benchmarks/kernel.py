@@ -163,6 +163,28 @@ def subsets(layers: int, active: int, record: int, llc: int) -> int:
     return max(SUBSETS, -(-2 * llc // (layers * active * record)))
 
 
+def firing_layers(count: int, n: int, d: int, fmt: str) -> list[NeuronSet]:
+    """`count` ReGLU layers of n neurons over inputs of d (random weights from torch's generator)
+    held as the kernel's records in `fmt`, whose every computed neuron fires on a positive
+    input (their gate rows positive): a step over them reads all three rows of each."""
+    layers = []
+    for _ in range(count):
+        w1 = torch.randn(2 * n, d) * 0.02
+        w1[:n].abs_()
+        layers.append(NeuronSet("reglu", w1, None, torch.randn(d, n) * 0.02, torch.arange(n), fmt))
+    return layers
+
+
+def random_masks(n: int, share: float, count: int = 64) -> list[torch.Tensor]:
+    """`count` masks over n neurons, each a random `share` of them (torch's generator)."""
+    masks = []
+    for _ in range(count):
+        m = torch.zeros(n, dtype=torch.bool)
+        m[torch.randperm(n)[:round(share * n)]] = True
+        masks.append(m)
+    return masks
+
+
 def timed(fn, layers: int, reps: int, turns: int) -> float:
     """The median time of fn(i), i counting the steps (layer i % layers, turn i // layers),
     after `turns` warm-up turns over the layers (one a selection): every selection's records

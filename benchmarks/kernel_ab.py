@@ -17,11 +17,11 @@ quantile in magnitude dropped); `dense`: the dense GEMV the default path runs ov
 zeroed input (q4x16); `records`: the records kernel's decode step (`kernels.neuron_ffn` through
 `NeuronSet`, as a model calls it) over `--rows` neurons of a ReGLU FFN of width `--k` in
 `--format`, a random `--share` of them selected (64 selections drawn, every computed neuron
-firing), over as many layers as fill twice the last level cache (4 at least) in turn. The other tree
-builds its kernel into its own `powerinfer/kernels/_ext`
-on first use. Printed: each build's microseconds a call, round by round, their medians, and the
-other build's speed over this one's: the medians' ratio, and each round's (the two processes of
-a round a few seconds apart, where the memory's rate changes less than over the whole run).
+firing), over as many layers as fill twice the last level cache (4 at least) in turn. The
+other tree builds its kernel into its own `powerinfer/kernels/_ext` on first use. Printed:
+each build's microseconds a call, round by round, their medians, and the other build's speed
+over this one's: the medians' ratio, and each round's (the two processes of a round a few
+seconds apart, where the memory's rate changes less than over the whole run).
 """
 from __future__ import annotations
 
@@ -86,20 +86,12 @@ def child(a) -> dict:
 
 
 def records(a, n: int, k: int, torch) -> dict:
-    from powerinfer.model.sparse import NeuronSet
     from gemv import last_level_cache
-    layers, count = [], 4
-    while len(layers) < count:
-        w1 = torch.randn(2 * n, k) * 0.02
-        w1[:n].abs_()  # the gates open on a positive input: every computed neuron fires
-        layers.append(NeuronSet("reglu", w1, None, torch.randn(k, n) * 0.02, torch.arange(n),
-                                a.format))
-        count = max(4, -(-2 * last_level_cache() // layers[0].records.nbytes))
-    steps = []
-    for i in range(64):
-        m = torch.zeros(n, dtype=torch.bool)
-        m[torch.randperm(n)[:round(a.share * n)]] = True
-        steps.append((layers[i % len(layers)], m))
+    from kernel import firing_layers, random_masks  # (the kernel benchmark's records)
+    layers = firing_layers(1, n, k, a.format)
+    count = max(4, -(-2 * last_level_cache() // layers[0].records.nbytes))
+    layers += firing_layers(count - 1, n, k, a.format)
+    steps = [(layers[i % len(layers)], m) for i, m in enumerate(random_masks(n, a.share))]
     x = torch.rand(1, 1, k) + 0.1
     for ffn, m in steps:  # warm-up
         ffn(x, m)

@@ -111,24 +111,15 @@ def models(names: list[str], turns: int, tokens: int) -> list[dict]:
 
 def records(formats: list[str], shares: list[float], layers: int, turns: int,
             steps: int) -> list[dict]:
-    from powerinfer.model.sparse import NeuronSet
+    from kernel import firing_layers, random_masks  # (the kernel benchmark's records)
     dim, ffn, rows = 4096, 11008, []
     torch.manual_seed(0)
     x = torch.rand(1, 1, dim) + 0.1
     for fmt in formats:
-        sets = []
-        for _ in range(layers):
-            w1 = torch.randn(2 * ffn, dim) * 0.02
-            w1[:ffn].abs_()  # the gates open on a positive input: every computed neuron fires
-            sets.append(NeuronSet("reglu", w1, None, torch.randn(dim, ffn) * 0.02,
-                                  torch.arange(ffn), fmt))
+        sets = firing_layers(layers, ffn, dim, fmt)
         nbytes = sets[0].records.shape[1]
         for share in shares:
-            masks = []
-            for _ in range(64):
-                m = torch.zeros(ffn, dtype=torch.bool)
-                m[torch.randperm(ffn)[:round(share * ffn)]] = True
-                masks.append(m)
+            masks = random_masks(ffn, share)
             times = {w: [] for w in kernels.FAR_PREFETCH}
             for t in range(turns):
                 for which in times:

@@ -868,24 +868,32 @@ def test_the_prefetch_levels_give_the_same_floats(isa):
                   torch.arange(ffn), "q4_0")
     sel = torch.randperm(ffn)[:150].sort().values
     products.append(lambda x: K.neuron_ffn(x, s.records, sel, None, None, 0.0, "reglu", "q4_0"))
-    threads, before = torch.get_num_threads(), K.prefetch_level()
+    _same_floats_at_each_setting(K.prefetch_level, ("l1", "l2"), products, k)
+    with pytest.raises(RuntimeError, match="l1 or l2"):
+        K.prefetch_level("l3")
+
+
+def _same_floats_at_each_setting(switch, settings, products, k):
+    """Each product of x (one row and three, (rows, k), on one thread and two) gives the same
+    floats, not all zero, at every one of `settings` of `switch` (a kernels setter: "" reads
+    it); the setting before and the thread count restored after."""
+    threads, before = torch.get_num_threads(), switch()
     try:
         for rows in (1, 3):
             x = torch.randn(rows, k)
             for t in (1, 2):
                 torch.set_num_threads(t)
                 got = {}
-                for level in ("l1", "l2"):
-                    assert K.prefetch_level(level) in ("l1", "l2")
-                    assert K.prefetch_level() == level
-                    got[level] = [f(x) for f in products]
-                for i, (a, b) in enumerate(zip(got["l1"], got["l2"])):
-                    assert a.abs().sum() > 0 and torch.equal(a, b), (i, rows, t)
+                for setting in settings:
+                    assert switch(setting) in settings
+                    assert switch() == setting
+                    got[setting] = [f(x) for f in products]
+                for setting in settings[1:]:
+                    for i, (a, b) in enumerate(zip(got[settings[0]], got[setting])):
+                        assert a.abs().sum() > 0 and torch.equal(a, b), (i, setting, rows, t)
     finally:
-        K.prefetch_level(before)
+        switch(before)
         torch.set_num_threads(threads)
-    with pytest.raises(RuntimeError, match="l1 or l2"):
-        K.prefetch_level("l3")
 
 
 def test_the_far_prefetches_give_the_same_floats(isa):
@@ -902,24 +910,9 @@ def test_the_far_prefetches_give_the_same_floats(isa):
                       torch.randn(k, ffn) / 20, torch.arange(ffn), fmt)
         cases.append((s, act, fmt))
     sel = torch.randperm(ffn)[:300].sort().values
-    threads, before = torch.get_num_threads(), K.far_prefetch()
-    try:
-        for rows in (1, 3):
-            x = torch.randn(rows, k)
-            for t in (1, 2):
-                torch.set_num_threads(t)
-                got = {}
-                for which in K.FAR_PREFETCH:
-                    assert K.far_prefetch(which) in K.FAR_PREFETCH
-                    assert K.far_prefetch() == which
-                    got[which] = [K.neuron_ffn(x, s.records, sel, None, None, 0.0, act, fmt)
-                                  for s, act, fmt in cases]
-                for which in K.FAR_PREFETCH[1:]:
-                    for i, (a, b) in enumerate(zip(got["none"], got[which])):
-                        assert a.abs().sum() > 0 and torch.equal(a, b), (i, which, rows, t)
-    finally:
-        K.far_prefetch(before)
-        torch.set_num_threads(threads)
+    products = [lambda x, s=s, act=act, fmt=fmt:
+                K.neuron_ffn(x, s.records, sel, None, None, 0.0, act, fmt) for s, act, fmt in cases]
+    _same_floats_at_each_setting(K.far_prefetch, K.FAR_PREFETCH, products, k)
     with pytest.raises(RuntimeError, match="none, acts, downs or both"):
         K.far_prefetch("all")
 
@@ -932,25 +925,25 @@ def test_the_prefetch_level_follows_the_cpus_vendor_unless_set():
     import sys
     lines = Path("/proc/cpuinfo").read_text().splitlines()
     vendor = next((line.split(":")[1].strip() for line in lines if line.startswith("vendor_id")), "")
-    code = "from powerinfer import kernels as K; assert K.available(); print(K.prefetch_level())"
-    env = {k: v for k, v in os.environ.items() if k != "POWERINFER_PREFETCH"}
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("POWERINFER_PREFETCH", "POWERINFER_FAR_PREFETCH")}
+
+    def fresh(getter, var, setting):  # the setting a fresh process reads with var=setting
+        code = f"from powerinfer import kernels as K; assert K.available(); print(K.{getter}())"
+        e = dict(env, **({var: setting} if setting else {}))
+        return subprocess.run([sys.executable, "-c", code], env=e, capture_output=True,
+                              text=True, cwd=Path(__file__).parent.parent, check=True)
     default = "l2" if vendor == "GenuineIntel" else "l1"
     other = "l1" if default == "l2" else "l2"
     for setting, want in ((None, default), (other, other)):
-        e = dict(env, **({"POWERINFER_PREFETCH": setting} if setting else {}))
-        out = subprocess.run([sys.executable, "-c", code], env=e, capture_output=True, text=True,
-                             cwd=Path(__file__).parent.parent, check=True).stdout.split()
+        out = fresh("prefetch_level", "POWERINFER_PREFETCH", setting).stdout.split()
         assert out[-1] == want, (setting, vendor, out)
     # the records kernel's requests two passes ahead: Intel's cores make both, others none;
     # POWERINFER_FAR_PREFETCH decides over the vendor, and a value that is none of the settings
     # is named in a warning and left to the vendor
-    code = "from powerinfer import kernels as K; assert K.available(); print(K.far_prefetch())"
-    env = {k: v for k, v in env.items() if k != "POWERINFER_FAR_PREFETCH"}
     default = "both" if vendor == "GenuineIntel" else "none"
     for setting, want in ((None, default), ("downs", "downs"), ("all", default)):
-        e = dict(env, **({"POWERINFER_FAR_PREFETCH": setting} if setting else {}))
-        r = subprocess.run([sys.executable, "-c", code], env=e, capture_output=True, text=True,
-                           cwd=Path(__file__).parent.parent, check=True)
+        r = fresh("far_prefetch", "POWERINFER_FAR_PREFETCH", setting)
         assert r.stdout.split()[-1] == want, (setting, vendor, r.stdout)
         assert ("POWERINFER_FAR_PREFETCH='all' is not one of" in r.stderr) == (setting == "all")
 
