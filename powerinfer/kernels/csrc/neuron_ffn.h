@@ -1211,6 +1211,59 @@ int64_t acts_fmt(const FFNArgs& a, int64_t begin, int64_t end, float* hout, int6
   return nf;
 }
 
+#if defined(__AVX512F__)
+// downs_fmt's one-row step (decode) over Q8_0 down rows: per block of out, each of the group's
+// rows' 32 weights widened and added as it is read (acc = fma(h d, w, acc), the group's rows in
+// order, out's block loaded and stored once: the same floats as axpy_block), and the lines of
+// the next group's rows (and, `far`, of the one's after, into L2) asked for once per two blocks,
+// two addresses a row that span the pair's 68 bytes, with no test per line or row. Where the
+// general walk widened all of a group's weights first and asked for each line that starts in a
+// block, row by row with a test for a missing one, this took 0.96x the time a record with the
+// records in the caches (one thread) and about 0.95x from memory (2-10% active, 2 threads) on
+// a Zen 5 EPYC (BENCHMARKS.md, "The records kernel's one-row down walk").
+template <typename Row>
+void downs_one_q8(const int64_t* fired, int64_t nf, const float* hin, int64_t blo, int64_t bhi,
+                  float* out, const Row& row, bool far_on) {
+  constexpr int64_t db = 34;  // a Q8_0 block: f16 scale, 32 int8 weights
+  constexpr int DG = 2 * DOWNS;  // (downs_fmt's group with AVX-512)
+  const bool l2 = prefetch_level.load(std::memory_order_relaxed) == PF_L2;
+  for (int64_t i = 0; i < nf; i += DG) {
+    const int dn = (int)std::min<int64_t>(DG, nf - i);
+    // how many of the next group's rows exist, and of the one's after (where asked for)
+    const int nn = (int)std::clamp<int64_t>(nf - i - DG, 0, DG);
+    const int nfar = far_on ? (int)std::clamp<int64_t>(nf - i - 2 * DG, 0, DG) : 0;
+    const uint8_t *rows[DG], *near[DG], *far[DG];
+    float h[DG];
+    for (int k = 0; k < DG; k++) {
+      rows[k] = row(i + k), near[k] = row(i + DG + k), far[k] = row(i + 2 * DG + k);
+      h[k] = k < dn ? hin[fired[i + k]] : 0.0f;
+    }
+    for (int64_t b = blo; b < bhi; b++) {
+      if (((b - blo) & 1) == 0) {  // the lines of blocks b and b + 1
+        const int64_t o = b * db;
+        if (l2)
+          for (int k = 0; k < nn; k++) prefetch_l2(near[k] + o), prefetch_l2(near[k] + o + 2 * db - 1);
+        else
+          for (int k = 0; k < nn; k++) {
+            _mm_prefetch((const char*)near[k] + o, _MM_HINT_T0);
+            _mm_prefetch((const char*)near[k] + o + 2 * db - 1, _MM_HINT_T0);
+          }
+        for (int k = 0; k < nfar; k++) prefetch_l2(far[k] + o), prefetch_l2(far[k] + o + 2 * db - 1);
+      }
+      float* o = out + 32 * b;
+      __m512 a0 = _mm512_loadu_ps(o), a1 = _mm512_loadu_ps(o + 16);
+      for (int k = 0; k < dn; k++) {
+        const uint8_t* q = rows[k] + b * db;
+        const __m512 hv = _mm512_set1_ps(h[k] * half(q));
+        a0 = _mm512_fmadd_ps(hv, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(q + 2)))), a0);
+        a1 = _mm512_fmadd_ps(hv, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(q + 18)))), a1);
+      }
+      _mm512_storeu_ps(o, a0), _mm512_storeu_ps(o + 16, a1);
+    }
+  }
+}
+#endif
+
 // DownsFn: the fired neurons' down rows DG at a time (one load and store of out's block for
 // the group, added in the group's order: the same sums as one at a time), each group's pass over
 // the blocks asking for the next group's lines and, where `far_ahead` says so, into L2 the
@@ -1228,6 +1281,11 @@ void downs_fmt(const FFNArgs& a, const int64_t* fired, int64_t nf, const float* 
     return i < nf ? a.w + a.sel[fired[i]] * a.neuron_bytes + skip : nullptr;
   };
   const bool far_on = far_ahead.load(std::memory_order_relaxed) & FAR_DOWNS;
+#if defined(__AVX512F__)
+  static_assert(DG == 2 * DOWNS);
+  if constexpr (DFMT == Q8_0)
+    if (B == 1) return downs_one_q8(fired, nf, hin, blo, bhi, out, row, far_on);
+#endif
   for (int64_t i = 0; i < nf; i += DG) {
     const int dn = (int)std::min<int64_t>(DG, nf - i);
     const uint8_t *rows[DG], *near[DG], *far[DG];
