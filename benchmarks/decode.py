@@ -293,25 +293,32 @@ def top_ops(m: PowerInfer, ids: list[int], n: int, top: int = 15) -> str:
 # ---------------------------------------------------------------- report
 def in_turns(m: PowerInfer, model: str, ids: list[int], n: int, threads: int, turns: int) -> dict:
     """Ours and llama.cpp decoding alternately, `turns` times: a generation of ours (the median of
-    two) then a llama.cpp run (its subprocess's warm-up, then one timed run), each turn's ratio."""
+    two) then a llama.cpp run (its subprocess's warm-up, then one timed run), each turn's ratio,
+    and the memory's read rate just before ours (`gemv.read_rate`: a VM's moves by 1.6x within
+    minutes, and a token that reads half llama.cpp's bytes goes with it where llama.cpp's, bound
+    by its arithmetic, does not)."""
+    from gemv import read_rate
     rows = []
     for _ in range(turns):
+        read_gbs = read_rate()[0] / 1e9
         ours = statistics.median(generate_once(m, ids, n)["decode_s"] for _ in range(2))
         theirs = bench_llama(model, ids, n, threads, 1)["decode_s"]
-        rows.append(dict(ours_tok_s=1 / ours, llama_tok_s=1 / theirs, ratio=theirs / ours))
+        rows.append(dict(ours_tok_s=1 / ours, llama_tok_s=1 / theirs, ratio=theirs / ours,
+                         read_gbs=read_gbs))
     return dict(turns=rows, ratio=statistics.median(r["ratio"] for r in rows))
 
 
 def turns_table(turns: dict) -> str:
-    lines = ["In turns (ours, then llama.cpp, each turn; ratio: our decode tok/s over llama.cpp's):",
+    lines = ["In turns (ours, then llama.cpp, each turn; ratio: our decode tok/s over "
+             "llama.cpp's; read: the memory's read rate in GB/s just before ours):",
              "", "| config | turns | ours tok/s (median) | llama.cpp tok/s (median) | ratio (median) | "
-             "each turn |", "|---|---:|---:|---:|---:|---|"]
+             "each turn (ratio @ read) |", "|---|---:|---:|---:|---:|---|"]
     for name, t in turns.items():
         rows = t["turns"]
         lines.append(f"| PowerInfer {t['label']} | {len(rows)} | "
                      f"{statistics.median(r['ours_tok_s'] for r in rows):.1f} | "
                      f"{statistics.median(r['llama_tok_s'] for r in rows):.1f} | **{t['ratio']:.2f}x** | "
-                     + ", ".join(f"{r['ratio']:.2f}" for r in rows) + " |")
+                     + ", ".join(f"{r['ratio']:.2f} @ {r['read_gbs']:.0f}" for r in rows) + " |")
     return "\n".join(lines)
 
 
