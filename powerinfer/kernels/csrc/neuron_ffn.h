@@ -1218,9 +1218,10 @@ int64_t acts_fmt(const FFNArgs& a, int64_t begin, int64_t end, float* hout, int6
 // the next group's rows (and, `far`, of the one's after, into L2) asked for once per two blocks,
 // two addresses a row that span the pair's 68 bytes, with no test per line or row. Where the
 // general walk widened all of a group's weights first and asked for each line that starts in a
-// block, row by row with a test for a missing one, this took 0.96x the time a record with the
-// records in the caches (one thread) and about 0.95x from memory (2-10% active, 2 threads) on
-// a Zen 5 EPYC (BENCHMARKS.md, "The records kernel's one-row down walk").
+// block, row by row with a test for a missing one, a record took 0.79-1.03x the time with the
+// records in the caches (one thread), from memory 0.96x at 2% active and 0.88x at 20% (a tie at
+// 5-10% while memory read slowly), and the 8-layer 7B-shape token's FFN 0.95-0.96x while memory
+// read fast, on a Zen 5 EPYC (BENCHMARKS.md, "The records kernel's one-row down walk").
 template <typename Row>
 void downs_one_q8(const int64_t* fired, int64_t nf, const float* hin, int64_t blo, int64_t bhi,
                   float* out, const Row& row, bool far_on) {
