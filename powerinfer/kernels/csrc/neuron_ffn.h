@@ -1216,7 +1216,8 @@ int64_t acts_fmt(const FFNArgs& a, int64_t begin, int64_t end, float* hout, int6
 // rows' 32 weights widened and added as it is read (acc = fma(h d, w, acc), the group's rows in
 // order, out's block loaded and stored once: the same floats as axpy_block), and the lines of
 // the next group's rows (and, `far`, of the one's after, into L2) asked for once per two blocks,
-// two addresses a row that span the pair's 68 bytes, with no test per line or row. Where the
+// by the first and last bytes of the pair's 68 (and the line between where a row's pairs can
+// span three), with no test per line. Where the
 // general walk widened all of a group's weights first and asked for each line that starts in a
 // block, row by row with a test for a missing one, a record took 0.79-1.03x the time with the
 // records in the caches (one thread), from memory 0.96x at 2% active and 0.88x at 20% (a tie at
@@ -1239,17 +1240,29 @@ void downs_one_q8(const int64_t* fired, int64_t nf, const float* hin, int64_t bl
       rows[k] = row(i + k), near[k] = row(i + DG + k), far[k] = row(i + 2 * DG + k);
       h[k] = k < dn ? hin[fired[i + k]] : 0.0f;
     }
+    // Two addresses, a pair's first and last bytes, reach every line of its 68 where it starts
+    // at most 60 bytes into a line: for every pair of a row whose first pair starts a multiple
+    // of 4 bytes in (each next one starts 68 bytes on). Else (an odd blo: one thread's share of
+    // the blocks; a row whose bytes sit otherwise) the line after the first too.
+    bool two = true;
+    for (int k = 0; k < nn; k++) two &= ((uintptr_t)(near[k] + blo * db) & 3) == 0;
+    for (int k = 0; k < nfar; k++) two &= ((uintptr_t)(far[k] + blo * db) & 3) == 0;
     for (int64_t b = blo; b < bhi; b++) {
-      if (((b - blo) & 1) == 0) {  // the lines of blocks b and b + 1
-        const int64_t o = b * db;
+      if (((b - blo) & 1) == 0) {  // the lines of blocks b and b + 1 (b alone where it is the last)
+        const int64_t o = b * db, end = (b + 1 < bhi ? 2 * db : db) - 1;
+        auto ask = [&](const uint8_t* r, auto hint) __attribute__((always_inline)) {
+          const char* p = (const char*)r + o;
+          _mm_prefetch(p, decltype(hint)::value);
+          _mm_prefetch(p + end, decltype(hint)::value);
+          if (!two) _mm_prefetch(p + 64, decltype(hint)::value);
+        };
+        using T0 = std::integral_constant<_mm_hint, _MM_HINT_T0>;
+        using T1 = std::integral_constant<_mm_hint, _MM_HINT_T1>;
         if (l2)
-          for (int k = 0; k < nn; k++) prefetch_l2(near[k] + o), prefetch_l2(near[k] + o + 2 * db - 1);
+          for (int k = 0; k < nn; k++) ask(near[k], T1{});
         else
-          for (int k = 0; k < nn; k++) {
-            _mm_prefetch((const char*)near[k] + o, _MM_HINT_T0);
-            _mm_prefetch((const char*)near[k] + o + 2 * db - 1, _MM_HINT_T0);
-          }
-        for (int k = 0; k < nfar; k++) prefetch_l2(far[k] + o), prefetch_l2(far[k] + o + 2 * db - 1);
+          for (int k = 0; k < nn; k++) ask(near[k], T0{});
+        for (int k = 0; k < nfar; k++) ask(far[k], T1{});
       }
       float* o = out + 32 * b;
       __m512 a0 = _mm512_loadu_ps(o), a1 = _mm512_loadu_ps(o + 16);
