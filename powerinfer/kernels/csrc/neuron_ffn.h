@@ -991,6 +991,9 @@ void stage(const FFNArgs& a, int64_t r0, const uint8_t* const* rows, const Ahead
   const int64_t nb = a.dim / 32;
   int64_t blk = 0;
   if constexpr (split4(FMT)) {
+    // (the process's prefetch level read once a pass, not at each line: 1.01-1.03x the step from
+    // memory at 5-10% active, 2 threads, a Zen 5 EPYC, `benchmarks/kernel_ab.py`)
+    const bool l2 = prefetch_level.load(std::memory_order_relaxed) == PF_L2;
     // 16 blocks a turn: the dot products' chunks, and the lines of the rows to prefetch that the
     // turn's blocks span
     for (; blk < nb; blk += 16) {
@@ -1006,8 +1009,13 @@ void stage(const FFNArgs& a, int64_t r0, const uint8_t* const* rows, const Ahead
       // active from memory, in one process)
       with_bool(n == 16, [&](auto full) {
         for (int i = 0; i < (N > AHEAD ? N : AHEAD); i++) {
-          if (i < AHEAD && pf.rows[i])
-            for (int64_t o = o0; o < o1; o += 64) prefetch_line(pf.rows[i] + o);
+          if (i < AHEAD && pf.rows[i]) {
+            const char* p = (const char*)pf.rows[i];
+            if (l2)
+              for (int64_t o = o0; o < o1; o += 64) _mm_prefetch(p + o, _MM_HINT_T1);
+            else
+              for (int64_t o = o0; o < o1; o += 64) _mm_prefetch(p + o, _MM_HINT_T0);
+          }
           if (i < N) d[i].template chunk<decltype(full)::value>(rows[i], blk, n, a, r0);
         }
       });
