@@ -955,16 +955,19 @@ inline void axpy_block(const uint8_t* const* rows, int64_t blk, const float (*h)
   });
 }
 
-// A line of a row a pass will read, asked for at the process's `prefetch_level`: into every
-// level of the caches (prefetcht0), or into L2 (prefetcht1). On a Zen 5 VM, into L2 the records
-// kernel took 1.10-1.38x as long at 5-100% active, 2 threads (prefetchnta as fast as t0); on
-// Zen 3 the three were not distinguishable; on a Xeon with AMX L2 was 1.04-1.06x faster.
-PREFETCHES void prefetch_line(const uint8_t* p) {
-  if (prefetch_level.load(std::memory_order_relaxed) == PF_L2)
+// A line of a row a pass will read, asked for at the process's `prefetch_level` (l2: PF_L2, read
+// by the walk once a call or pass, not at each line: 1.01-1.03x a 7B layer's records step from
+// memory at 5-10% active, 2 threads, a Zen 5 EPYC, `benchmarks/kernel_ab.py`): into every level
+// of the caches (prefetcht0), or into L2 (prefetcht1). On a Zen 5 VM, into L2 the records kernel
+// took 1.10-1.38x as long at 5-100% active, 2 threads (prefetchnta as fast as t0); on Zen 3 the
+// three were not distinguishable; on a Xeon with AMX L2 was 1.04-1.06x faster.
+PREFETCHES void prefetch_line(const uint8_t* p, bool l2) {
+  if (l2)
     _mm_prefetch((const char*)p, _MM_HINT_T1);
   else
     _mm_prefetch((const char*)p, _MM_HINT_T0);
 }
+inline bool prefetch_to_l2() { return prefetch_level.load(std::memory_order_relaxed) == PF_L2; }
 // A line of a row the pass after next will read, asked for into L2 (prefetcht1): it is asked for
 // again at `prefetch_level` the pass before it is read (`acts_fmt`).
 PREFETCHES void prefetch_l2(const uint8_t* p) { _mm_prefetch((const char*)p, _MM_HINT_T1); }
@@ -990,10 +993,8 @@ void stage(const FFNArgs& a, int64_t r0, const uint8_t* const* rows, const Ahead
   constexpr int64_t bb = block_bytes<FMT>();
   const int64_t nb = a.dim / 32;
   int64_t blk = 0;
+  const bool l2 = prefetch_to_l2();
   if constexpr (split4(FMT)) {
-    // (the process's prefetch level read once a pass, not at each line: 1.01-1.03x the step from
-    // memory at 5-10% active, 2 threads, a Zen 5 EPYC, `benchmarks/kernel_ab.py`)
-    const bool l2 = prefetch_level.load(std::memory_order_relaxed) == PF_L2;
     // 16 blocks a turn: the dot products' chunks, and the lines of the rows to prefetch that the
     // turn's blocks span
     for (; blk < nb; blk += 16) {
@@ -1009,13 +1010,8 @@ void stage(const FFNArgs& a, int64_t r0, const uint8_t* const* rows, const Ahead
       // active from memory, in one process)
       with_bool(n == 16, [&](auto full) {
         for (int i = 0; i < (N > AHEAD ? N : AHEAD); i++) {
-          if (i < AHEAD && pf.rows[i]) {
-            const char* p = (const char*)pf.rows[i];
-            if (l2)
-              for (int64_t o = o0; o < o1; o += 64) _mm_prefetch(p + o, _MM_HINT_T1);
-            else
-              for (int64_t o = o0; o < o1; o += 64) _mm_prefetch(p + o, _MM_HINT_T0);
-          }
+          if (i < AHEAD && pf.rows[i])
+            for (int64_t o = o0; o < o1; o += 64) prefetch_line(pf.rows[i] + o, l2);
           if (i < N) d[i].template chunk<decltype(full)::value>(rows[i], blk, n, a, r0);
         }
       });
@@ -1025,7 +1021,7 @@ void stage(const FFNArgs& a, int64_t r0, const uint8_t* const* rows, const Ahead
       constexpr int P = decltype(parity)::value;
       if ((blk * bb) % 64 < bb)
         for (const uint8_t* p : pf.rows)
-          if (p) prefetch_line(p + blk * bb);
+          if (p) prefetch_line(p + blk * bb, l2);
       for (int i = 0; i < N; i++) d[i].template add<P>(rows[i], blk, a, r0);
     };
     for (; blk + 1 < nb; blk += 2) {
@@ -1233,10 +1229,9 @@ int64_t acts_fmt(const FFNArgs& a, int64_t begin, int64_t end, float* hout, int6
 // read fast, on a Zen 5 EPYC (BENCHMARKS.md, "The records kernel's one-row down walk").
 template <typename Row>
 void downs_one_q8(const int64_t* fired, int64_t nf, const float* hin, int64_t blo, int64_t bhi,
-                  float* out, const Row& row, bool far_on) {
+                  float* out, const Row& row, bool far_on, bool l2) {
   constexpr int64_t db = 34;  // a Q8_0 block: f16 scale, 32 int8 weights
   constexpr int DG = 2 * DOWNS;  // (downs_fmt's group with AVX-512)
-  const bool l2 = prefetch_level.load(std::memory_order_relaxed) == PF_L2;
   for (int64_t i = 0; i < nf; i += DG) {
     const int dn = (int)std::min<int64_t>(DG, nf - i);
     // how many of the next group's rows exist, and of the one's after (where asked for)
@@ -1258,19 +1253,12 @@ void downs_one_q8(const int64_t* fired, int64_t nf, const float* hin, int64_t bl
     for (int64_t b = blo; b < bhi; b++) {
       if (((b - blo) & 1) == 0) {  // the lines of blocks b and b + 1 (b alone where it is the last)
         const int64_t o = b * db, end = (b + 1 < bhi ? 2 * db : db) - 1;
-        auto ask = [&](const uint8_t* r, auto hint) __attribute__((always_inline)) {
-          const char* p = (const char*)r + o;
-          _mm_prefetch(p, decltype(hint)::value);
-          _mm_prefetch(p + end, decltype(hint)::value);
-          if (!two) _mm_prefetch(p + 64, decltype(hint)::value);
+        auto ask = [&](const uint8_t* r, bool into_l2) __attribute__((always_inline)) {
+          prefetch_line(r + o, into_l2), prefetch_line(r + o + end, into_l2);
+          if (!two) prefetch_line(r + o + 64, into_l2);
         };
-        using T0 = std::integral_constant<_mm_hint, _MM_HINT_T0>;
-        using T1 = std::integral_constant<_mm_hint, _MM_HINT_T1>;
-        if (l2)
-          for (int k = 0; k < nn; k++) ask(near[k], T1{});
-        else
-          for (int k = 0; k < nn; k++) ask(near[k], T0{});
-        for (int k = 0; k < nfar; k++) ask(far[k], T1{});
+        for (int k = 0; k < nn; k++) ask(near[k], l2);
+        for (int k = 0; k < nfar; k++) ask(far[k], true);
       }
       float* o = out + 32 * b;
       __m512 a0 = _mm512_loadu_ps(o), a1 = _mm512_loadu_ps(o + 16);
@@ -1302,11 +1290,11 @@ void downs_fmt(const FFNArgs& a, const int64_t* fired, int64_t nf, const float* 
   auto row = [&](int64_t i) -> const uint8_t* {
     return i < nf ? a.w + a.sel[fired[i]] * a.neuron_bytes + skip : nullptr;
   };
-  const bool far_on = far_ahead.load(std::memory_order_relaxed) & FAR_DOWNS;
+  const bool far_on = far_ahead.load(std::memory_order_relaxed) & FAR_DOWNS, l2 = prefetch_to_l2();
 #if defined(__AVX512F__)
   static_assert(DG == 2 * DOWNS);
   if constexpr (DFMT == Q8_0)
-    if (B == 1) return downs_one_q8(fired, nf, hin, blo, bhi, out, row, far_on);
+    if (B == 1) return downs_one_q8(fired, nf, hin, blo, bhi, out, row, far_on, l2);
 #endif
   for (int64_t i = 0; i < nf; i += DG) {
     const int dn = (int)std::min<int64_t>(DG, nf - i);
@@ -1321,7 +1309,7 @@ void downs_fmt(const FFNArgs& a, const int64_t* fired, int64_t nf, const float* 
       const int64_t at = b * db;  // the lines that start in the block (and the first block's first)
       for (int64_t o = b == blo ? at / 64 * 64 : (at + 63) / 64 * 64; o < at + db; o += 64)
         for (int k = 0; k < DG; k++) {
-          if (near[k]) prefetch_line(near[k] + o);
+          if (near[k]) prefetch_line(near[k] + o, l2);
           if (far[k]) prefetch_l2(far[k] + o);
         }
       if (dn == DG)
@@ -1693,7 +1681,7 @@ inline QV::I block_sums4(const QV::I* lo, const QV::I* hi, const int8_t* xb) {
 // held to avx2, on the Xeon with AMX)
 constexpr int64_t PF_AGAIN = 8192;
 PREFETCHES void prefetch_ahead(const uint8_t* p, int64_t bytes) {
-  if (prefetch_level.load(std::memory_order_relaxed) == PF_L2) {
+  if (prefetch_to_l2()) {
     for (int64_t o = 0; o < bytes; o += 64) {
       _mm_prefetch((const char*)p + o, _MM_HINT_T1);
       _mm_prefetch((const char*)p + PF_AGAIN + o, _MM_HINT_T1);
