@@ -4,7 +4,7 @@ bf16 activations where the file's 4-bit blocks run on the CPU kernel) against fl
 activations over the same 4-bit weights, both measured against the float32 dense model.
 
     .venv/bin/python benchmarks/dtype_quality.py [--models smollm2-135m-instruct gemma3-270m]
-        [--tokens 5120] [--window 256] [--greedy 32] [--out FILE]
+        [--tokens 5120] [--window 256] [--greedy 32] [--bundle DIR] [--out FILE]
 
 For each model, three loads side by side: `default` (what `Config()` resolves to here; the line
 says what), `fp32+int4` (`Config(dtype="float32", weights="int4")`) and the reference `fp32`
@@ -16,6 +16,11 @@ transformers). Measured:
 - greedy decoding through the engine (the decode path: the KV cache in the load's type) of 12
   prompts (6 chat questions, 6 plain openings) for `--greedy` tokens: the tokens before the first
   difference from the reference's, and how many prompts agree throughout.
+
+With `--bundle` (one model's sparsity bundle) a fourth load, `default+bundle` (`Config(bundle=DIR)`,
+the defaults otherwise): its held-out windows are prompts, which a sparse model computes over
+every neuron's record (`kernels.records_rows`), so that row measures the sparse load's prompt
+path; its greedy tokens are its prompt and then its sparse decode steps.
 """
 from __future__ import annotations
 
@@ -51,7 +56,8 @@ PLAIN = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in 
 
 
 def describe(m: PowerInfer) -> str:
-    return f"{m.config.dtype} activations, {m.config.weights} weights"
+    sparse = ", sparse by its bundle" if m.config.bundle else ""
+    return f"{m.config.dtype} activations, {m.config.weights} weights{sparse}"
 
 
 @torch.inference_mode()
@@ -102,6 +108,8 @@ def main() -> int:
     ap.add_argument("--tokens", type=int, default=5120)
     ap.add_argument("--window", type=int, default=256)
     ap.add_argument("--greedy", type=int, default=32)
+    ap.add_argument("--bundle", default=None,
+                    help="also load the model with this sparsity bundle (one model's)")
     ap.add_argument("--out", default=None, help="write the results as JSON")
     a = ap.parse_args()
     stamp = datetime.datetime.now().strftime("%Y-%m-%d %H:%M")
@@ -110,8 +118,9 @@ def main() -> int:
     results = {}
     for name in a.models:
         t0 = time.time()
+        configs = dict(CONFIGS, **({"default+bundle": {"bundle": a.bundle}} if a.bundle else {}))
         models = {k: PowerInfer.from_pretrained(name, config=Config(**kw))
-                  for k, kw in CONFIGS.items()}
+                  for k, kw in configs.items()}
         windows = token_windows(models["fp32"].tokenizer, load_corpus("lee", "held_out"),
                                 a.window, a.tokens)
         g, _ = greedy(models, a.greedy)  # (first: held_out takes the engines' KV pools)

@@ -282,7 +282,8 @@ using Q4CFn = void (*)(const Q4CArgs& a, int64_t p0, int64_t p1, float* y);
 using QuantizeFn = void (*)(const void* x, bool bf16, int64_t B, int64_t dim, int8_t* q, float* d, float* s);
 
 // Every record [begin, end) for many input rows, added into out (records_rows.h)
-constexpr int64_t RR_BLOCK = 16;  // records widened at a time
+constexpr int64_t RR_BLOCK = 16;  // records whose lead rows are multiplied at a time
+constexpr int64_t RR_DOWN = 64;   // records whose down rows are added in one pass over out
 
 struct RowsArgs {
   const void* x;        // (T, dim): bf16 (uint16_t) where bf16_dots, else float32
@@ -298,8 +299,11 @@ struct RowsArgs {
 
 // The bytes of scratch one call of records_rows needs for `rows` rows (the vector path's, or the
 // AMX path's: its packed tiles, a block's rows widened, and a tile of rows padded).
-inline int64_t rows_scratch(int64_t dim, int64_t rows) {
-  return std::max(RR_BLOCK * dim * (2 * 4 + 4) + rows * RR_BLOCK * 3 * 4, 512 * dim + 32768) + 512;
+// bf16_model: a bf16 model's input (the integer dot products' quantized rows, RR_DOWN down rows
+// as bf16 pairs; records_rows_t)
+inline int64_t rows_scratch(int64_t dim, int64_t rows, bool bf16_model) {
+  const int64_t down = (bf16_model ? RR_DOWN : RR_BLOCK) * dim * 4, xq = bf16_model ? rows * (dim + dim / 32 * 8) : 0;
+  return std::max(RR_BLOCK * dim * 2 * 4 + down + rows * (RR_BLOCK * 2 + RR_DOWN) * 4 + xq, 512 * dim + 32768) + 512;
 }
 // Whether records_rows may use the CPU's AMX tiles where it has them (`rows_amx` in ops.cpp: a
 // switch for measurements and tests; the AVX512_BF16 path otherwise)

@@ -339,7 +339,7 @@ static at::Tensor records_rows(const at::Tensor& x, const at::Tensor& w, const s
   float* pp = part.data_ptr<float>();
   const int64_t esize = pairs ? 2 : 4;
   at::parallel_for(0, nt, 1, [&](int64_t t0, int64_t t1) {
-    std::vector<uint8_t> scratch(rows_scratch(dim, std::min(chunk, T)));
+    std::vector<uint8_t> scratch(rows_scratch(dim, std::min(chunk, T), bf16_in));
     for (int64_t t = t0; t < t1; t++) {
       float* o = pp + t * stride;
       std::fill(o, o + T * dim, 0.0f);

@@ -3,20 +3,24 @@
 //
 // A prompt step computes every neuron of a set for many rows: a matrix product, where the decode
 // kernel (`acts`, `downs`) is a walk over the records that unpacks each record's weights again for
-// every four rows and adds its down row a row at a time. Here a block of RR_BLOCK records is widened
-// once into a scratch of rows (gate and up in the dot products' type, down in float32), and then:
-// - the gate and up dot products of every row with every record of the block, tiles of RT rows
-//   by JT records, each tile's sums in registers along the whole input (bf16 pairs in one
-//   instruction with AVX512_BF16 and a bf16 input, float32 FMAs otherwise) and reduced across
-//   their lanes by one fixed tree;
+// every four rows and adds its down row a row at a time. Here the records go a block of RR_BLOCK
+// at a time:
+// - the gate and up dot products of every row with every record of the block: with a bf16
+//   model's input and 4-bit records in integers, the block's rows regrouped as the dense q4x16
+//   GEMV reads them and the input quantized to 8 bits (`rows_int8`); else the rows widened once
+//   into a scratch in the dot products' type, tiles of RT rows by JT records, each tile's sums in
+//   registers along the whole input (bf16 pairs in one instruction with AVX512_BF16 and a bf16
+//   input, float32 FMAs otherwise) and reduced across their lanes by one fixed tree;
 // - the activations of the block's records for every row, a vector of them at a time (the
 //   decode kernel's rules: the score against the threshold; with a bf16 input the gate, the up
 //   and the activation rounded to bf16 as the model's type holds them, as the dense FFN's are);
-// - the down rows added into out, tiles of RT rows by CT vectors of columns, the block's records
-//   in their order, each record's activation broadcast against its widened down row.
+// - the down rows added into out, tiles of RT rows by CT vectors of columns, the records in
+//   their order: widened to float32, each record's activation broadcast against its row, a block
+//   at a time; with AVX512_BF16 and a bf16 input widened to bf16 and multiplied in pairs of
+//   records, RR_DOWN records a pass over out (`records_rows_t`).
 // Each row's sums run the same operations in the same order whatever rows share the call, and
 // wherever in it the row sits (a tile of fewer rows computes each of its rows as a full one
-// does): a row's answer is the same floats alone or batched.
+// does; a row is quantized alone): a row's answer is the same floats alone or batched.
 #if defined(__AVX512BF16__)
 constexpr bool RR_BF16_DOTS = true;
 #else
@@ -151,10 +155,12 @@ inline void dot_rows(const RowsArgs& a, int64_t r0, int64_t r1, const void* wrow
     for (int64_t r = r0; r < r1; r += R) dot_tile<R, BF>(a, r, wrows, lead_stride, j0, out);
 }
 
-// out[r, c] += sum over the block's records j < nj (in order) of h[r * RR_BLOCK + j] * down[j, c]
-// for rows [r0, r0 + R): tiles of CT vectors of columns (then of 32 columns, the last ones)
+// out[r, c] += sum over the records j < nj (in order) of h[r * RR_DOWN + j] * down[j, c] for rows
+// [r0, r0 + R) and columns [c_lo, c_hi): tiles of CT vectors of columns (then of 32 columns, the
+// last ones)
 template <int R>
-inline void down_tile(const RowsArgs& a, int64_t r0, const float* h, const float* down, int64_t nj, float* out) {
+inline void down_tile(const RowsArgs& a, int64_t r0, const float* h, const float* down, int64_t nj,
+                      int64_t c_lo, int64_t c_hi, float* out) {
   const int64_t dim = a.dim;
   auto cols = [&](auto ct, int64_t c0) {
     constexpr int C = decltype(ct)::value;
@@ -165,17 +171,60 @@ inline void down_tile(const RowsArgs& a, int64_t r0, const float* h, const float
       V d[C];
       for (int c = 0; c < C; c++) d[c] = vload(down + j * dim + c0 + c * W);
       for (int r = 0; r < R; r++) {
-        const V hv = vset(h[(r0 + r) * RR_BLOCK + j]);
+        const V hv = vset(h[(r0 + r) * RR_DOWN + j]);
         for (int c = 0; c < C; c++) acc[r][c] = vfma(hv, d[c], acc[r][c]);
       }
     }
     for (int r = 0; r < R; r++)
       for (int c = 0; c < C; c++) vstore(out + (r0 + r) * dim + c0 + c * W, acc[r][c]);
   };
-  int64_t c0 = 0;
-  for (; c0 + CT * W <= dim; c0 += CT * W) cols(std::integral_constant<int, CT>{}, c0);
-  for (; c0 < dim; c0 += 32) cols(std::integral_constant<int, NV>{}, c0);
+  int64_t c0 = c_lo;
+  for (; c0 + CT * W <= c_hi; c0 += CT * W) cols(std::integral_constant<int, CT>{}, c0);
+  for (; c0 < c_hi; c0 += 32) cols(std::integral_constant<int, NV>{}, c0);
 }
+
+#if defined(__AVX512BF16__)
+// Two records' down rows widened to bf16 (ra, rb; rb null: zeros) as pairs, out[2c] = ra[c] and
+// out[2c + 1] = rb[c]: a vector of 32 bf16 holds 16 columns of both, as VDPBF16PS takes them
+inline void pair_rows(const uint16_t* ra, const uint16_t* rb, int64_t dim, uint16_t* out) {
+  const __m512i i0 = _mm512_set_epi64(11, 10, 3, 2, 9, 8, 1, 0), i1 = _mm512_set_epi64(15, 14, 7, 6, 13, 12, 5, 4);
+  for (int64_t c = 0; c < dim; c += 32) {
+    const __m512i x = _mm512_loadu_si512((const void*)(ra + c));
+    const __m512i y = rb ? _mm512_loadu_si512((const void*)(rb + c)) : _mm512_setzero_si512();
+    const __m512i lo = _mm512_unpacklo_epi16(x, y), hi = _mm512_unpackhi_epi16(x, y);
+    _mm512_storeu_si512((void*)(out + 2 * c), _mm512_permutex2var_epi64(lo, i0, hi));
+    _mm512_storeu_si512((void*)(out + 2 * c + 32), _mm512_permutex2var_epi64(lo, i1, hi));
+  }
+}
+
+// down_tile over bf16 pairs: out[r, c] += h[r, 2q] * down[2q, c] + h[r, 2q + 1] * down[2q + 1, c]
+// for the pairs q < np in order, one VDPBF16PS a pair and 16 columns (hp[r * RR_DOWN / 2 + q]: the
+// row's two activations as bf16; dp: pair_rows' rows, pair q at q * 2 dim)
+template <int R>
+inline void down_tile_pairs(const RowsArgs& a, int64_t r0, const uint32_t* hp, const uint16_t* dp, int64_t np,
+                            int64_t c_lo, int64_t c_hi, float* out) {
+  const int64_t dim = a.dim;
+  auto cols = [&](auto ct, int64_t c0) {
+    constexpr int C = decltype(ct)::value;
+    __m512 acc[R][C];
+    for (int r = 0; r < R; r++)
+      for (int c = 0; c < C; c++) acc[r][c] = _mm512_loadu_ps(out + (r0 + r) * dim + c0 + 16 * c);
+    for (int64_t q = 0; q < np; q++) {
+      __m512bh d[C];
+      for (int c = 0; c < C; c++) d[c] = (__m512bh)_mm512_loadu_si512((const void*)(dp + q * 2 * dim + 2 * (c0 + 16 * c)));
+      for (int r = 0; r < R; r++) {
+        const __m512bh hv = (__m512bh)_mm512_set1_epi32((int)hp[(r0 + r) * (RR_DOWN / 2) + q]);
+        for (int c = 0; c < C; c++) acc[r][c] = _mm512_dpbf16_ps(acc[r][c], d[c], hv);
+      }
+    }
+    for (int r = 0; r < R; r++)
+      for (int c = 0; c < C; c++) _mm512_storeu_ps(out + (r0 + r) * dim + c0 + 16 * c, acc[r][c]);
+  };
+  int64_t c0 = c_lo;
+  for (; c0 + 64 <= c_hi; c0 += 64) cols(std::integral_constant<int, 4>{}, c0);
+  for (; c0 < c_hi; c0 += 32) cols(std::integral_constant<int, 2>{}, c0);
+}
+#endif
 
 template <typename F>
 inline void with_rows(int64_t n, F&& f) {  // f(R) for the tile of n <= RT rows
@@ -227,51 +276,170 @@ inline V block_acts(const RowsArgs& a, bool gated, const float* g, const float* 
   return hv;
 }
 
+// ---- a bf16 model's 4-bit records: the lead rows' dot products in integers ----
+// With a bf16 model's input (its activations rounded to bf16 anyway) and 4-bit records, a
+// block's RR_BLOCK gate rows, and its up rows, are regrouped into one group of the dense q4x16
+// layout each (the same codes, scales and offsets; 320 bytes a block of 32 of the 16 rows), and
+// the rows' dot products are the q4x16 GEMV's, four rows a walk of the group: the input quantized
+// to 8 bits per block of 32, as the decode kernel and the dense projections quantize it, and
+// multiplied in integers (VNNI's byte products, else 16-bit pair sums), one float multiply-add a
+// block and row. Widened to bf16 (or float32) and multiplied as floats, the same products took
+// about twice the instructions (a 7B-shape prompt's records, BENCHMARKS.md "A sparse model's
+// prompt"). A float32 model keeps the float products.
+static_assert(RR_BLOCK == 16, "a block's lead rows make one group of 16");
+inline bool rows_int8(const RowsArgs& a) {
+  return a.bf16_model && (a.fmt == Q4_0 || a.fmt == Q4_1) && a.dim % 32 == 0;
+}
+
+// Row `row` (0 the gate, 1 the up row of a gated record) of records [b0, b0 + nj) (split 4-bit
+// rows: their nibble bytes, then d, then Q4_1's m) as one q4x16 group at gw: per block, the 16
+// rows' d, their m (Q4_0's -8 d, exact in f16), then four vectors whose lane i holds bytes 4k..4k+3
+// of row i's block; the block's missing records zero.
+inline void pack_lead_x16(const RowsArgs& a, int64_t b0, int64_t nj, int row, uint8_t* gw) {
+  const int lead_fmt = record_format(a.fmt);
+  const int64_t nb = a.dim / 32, rb = row_bytes(lead_fmt, a.dim);
+  for (int64_t i = 0; i < RR_BLOCK; i++) {
+    const uint8_t* r = i < nj ? a.w + (b0 + i) * a.neuron_bytes + row * rb : nullptr;
+    for (int64_t b = 0; b < nb; b++) {
+      uint8_t* blk = gw + b * Q4X16_BLOCK;
+      uint16_t d = 0, m = 0;
+      uint8_t q[16] = {};
+      if (r) {
+        std::memcpy(&d, r + nb * 16 + 2 * b, 2);
+        if (lead_fmt == Q4_1S)
+          std::memcpy(&m, r + nb * 18 + 2 * b, 2);
+        else
+          m = _cvtss_sh(-8.0f * _cvtsh_ss(d), 0);
+        std::memcpy(q, r + 16 * b, 16);
+      }
+      std::memcpy(blk + 2 * i, &d, 2);
+      std::memcpy(blk + 32 + 2 * i, &m, 2);
+      for (int k = 0; k < 4; k++) std::memcpy(blk + 64 + 64 * k + 4 * i, q + 4 * k, 4);
+    }
+  }
+}
+
+// The dot products of rows [0, T) with a block's regrouped rows gw into out[r * RR_BLOCK + j]
+inline void dots_x16(const FFNArgs& fa, int64_t T, const uint8_t* gw, float* out) {
+  for (int64_t r0 = 0; r0 < T; r0 += 4) {
+    switch (std::min<int64_t>(4, T - r0)) {
+      case 4: q4x16_group<4>(gw, fa, r0, RR_BLOCK, 0, out); break;
+      case 3: q4x16_group<3>(gw, fa, r0, RR_BLOCK, 0, out); break;
+      case 2: q4x16_group<2>(gw, fa, r0, RR_BLOCK, 0, out); break;
+      default: q4x16_group<1>(gw, fa, r0, RR_BLOCK, 0, out);
+    }
+  }
+}
+
 // Records [begin, end) for every row of a.x, their sums added into out (T, dim) float32. scratch:
-// rows_scratch(dim, a.T) bytes.
+// rows_scratch(dim, a.T, a.bf16_model) bytes. The records go RR_BLOCK at a time through their
+// lead rows' dot products and activations (g, u: (T, RR_BLOCK); h: (T, RR_DOWN), the block's
+// records at its place in the pass). Float32 down rows are then added block by block (down_tile,
+// every column); with bf16 products (BF) the down rows of RR_DOWN records are widened as bf16
+// pairs and added once for the pass, a band of DOWN_COLS columns at a time, so that the band's
+// rows stay in L2 across the rows' tiles and out's tiles are loaded and stored once a pass.
+constexpr int64_t DOWN_COLS = 512;
 template <bool BF>
 void records_rows_t(const RowsArgs& a, int64_t begin, int64_t end, float* out, uint8_t* scratch) {
   const int64_t dim = a.dim, T = a.T;
-  const bool gated = gated_act(a.act);
+  const bool gated = gated_act(a.act), int8 = rows_int8(a);
   const int lead_fmt = record_format(a.fmt), dfmt = down_format(a.fmt);
   const int64_t ls = (int64_t)2 * dim;  // a record's lead rows: gate, then up (gated)
-  // scratch: lead rows (RR_BLOCK, 2, dim) in the dots' type, down rows (RR_BLOCK, dim) float32,
-  // then g, u and h (T, RR_BLOCK) float32; each on a line
+  // scratch: lead rows (RR_BLOCK, 2, dim) in the dots' type (or the block's two q4x16 groups),
+  // down rows (RR_BLOCK, dim) float32 (BF: (RR_DOWN, dim) bf16 pairs, then the block's rows
+  // widened), g and u (T, RR_BLOCK) and h (T, RR_DOWN) float32, then (int8) the rows quantized;
+  // each on a line
   auto line = [](uint8_t* p) { return (uint8_t*)(((uintptr_t)p + 63) & ~(uintptr_t)63); };
   uint8_t* lead = line(scratch);
   float* down = (float*)line(lead + RR_BLOCK * ls * (BF ? 2 : 4));
-  float* g = (float*)line((uint8_t*)(down + RR_BLOCK * dim));
+  float* g = (float*)line((uint8_t*)(down + (BF ? RR_DOWN : RR_BLOCK) * dim));
   float* u = g + T * RR_BLOCK;
   float* h = u + T * RR_BLOCK;
-  for (int64_t b0 = begin; b0 < end; b0 += RR_BLOCK) {
-    const int64_t nj = std::min(RR_BLOCK, end - b0);
-    // widened, the block's missing records zero: the lead rows (gate, up) side by side a record
-    auto widen_lead = [&](auto* rows) {
-      if (gated) widen_block(a, b0, nj, RR_BLOCK, 0, lead_fmt, rows, ls);
-      widen_block(a, b0, nj, RR_BLOCK, gated ? 1 : 0, lead_fmt, rows + (gated ? dim : 0), ls);
-    };
-    if constexpr (BF)
-      widen_lead((uint16_t*)lead);
-    else
-      widen_lead((float*)lead);
-    widen_block(a, b0, nj, RR_BLOCK, gated ? 2 : 1, dfmt, down, dim);
+  uint8_t *gate_x16 = lead, *up_x16 = lead + dim / 32 * Q4X16_BLOCK;
+  FFNArgs fa{};  // (int8) the rows quantized once a call, as the q4x16 GEMV takes them
+  if (int8) {
+    int8_t* xq = (int8_t*)line((uint8_t*)(h + T * RR_DOWN));
+    float* xd = (float*)line((uint8_t*)(xq + T * dim));
+    float* xs = xd + T * (dim / 32);
+    quantize(a.x, BF, T, dim, xq, xd, xs);
+    fa.B = T, fa.dim = dim, fa.xq = xq, fa.xd = xd, fa.xs = xs;
+  }
+  // records [b0, b0 + nj) at place s of the pass: their down rows widened, their activations
+  auto block = [&](int64_t b0, int64_t nj, int64_t s) {
+#if defined(__AVX512BF16__)
+    if constexpr (BF) {
+      uint16_t* wide = (uint16_t*)down + RR_DOWN * dim;
+      widen_block(a, b0, nj, nj, gated ? 2 : 1, dfmt, wide, dim);
+      for (int64_t j = 0; j < nj; j += 2)
+        pair_rows(wide + j * dim, j + 1 < nj ? wide + (j + 1) * dim : nullptr, dim,
+                  (uint16_t*)down + (s + j) * dim);
+    } else
+#endif
+      widen_block(a, b0, nj, nj, gated ? 2 : 1, dfmt, down, dim);
     // the dot products: the gate rows (gated), then the up rows
-    const void* gate_rows = lead;
-    const void* up_rows = gated ? (const void*)((const uint8_t*)lead + dim * (BF ? 2 : 4)) : lead;
-    for (int64_t r0 = 0; r0 < T; r0 += RT)
-      with_rows(std::min<int64_t>(RT, T - r0), [&](auto rr) {
-        constexpr int R = decltype(rr)::value;
-        if (gated) dot_rows<R, BF>(a, r0, r0 + R, gate_rows, ls, g);
-        dot_rows<R, BF>(a, r0, r0 + R, up_rows, ls, u);
-      });
+    if (int8) {
+      if (gated) pack_lead_x16(a, b0, nj, 0, gate_x16);
+      pack_lead_x16(a, b0, nj, gated ? 1 : 0, up_x16);
+      if (gated) dots_x16(fa, T, gate_x16, g);
+      dots_x16(fa, T, up_x16, u);
+    } else {
+      // widened, the block's missing records zero: the lead rows (gate, up) side by side a record
+      auto widen_lead = [&](auto* rows) {
+        if (gated) widen_block(a, b0, nj, RR_BLOCK, 0, lead_fmt, rows, ls);
+        widen_block(a, b0, nj, RR_BLOCK, gated ? 1 : 0, lead_fmt, rows + (gated ? dim : 0), ls);
+      };
+      if constexpr (BF)
+        widen_lead((uint16_t*)lead);
+      else
+        widen_lead((float*)lead);
+      const void* gate_rows = lead;
+      const void* up_rows = gated ? (const void*)((const uint8_t*)lead + dim * (BF ? 2 : 4)) : lead;
+      for (int64_t r0 = 0; r0 < T; r0 += RT)
+        with_rows(std::min<int64_t>(RT, T - r0), [&](auto rr) {
+          constexpr int R = decltype(rr)::value;
+          if (gated) dot_rows<R, BF>(a, r0, r0 + R, gate_rows, ls, g);
+          dot_rows<R, BF>(a, r0, r0 + R, up_rows, ls, u);
+        });
+    }
     // the activations, a vector of records at a time
     for (int64_t r = 0; r < T; r++)
       for (int64_t j = 0; j < RR_BLOCK; j += W)
-        vstore(h + r * RR_BLOCK + j, block_acts(a, gated, g + r * RR_BLOCK, u + r * RR_BLOCK, b0, j, nj));
-    for (int64_t r0 = 0; r0 < T; r0 += RT)
-      with_rows(std::min<int64_t>(RT, T - r0), [&](auto rr) {
-        down_tile<decltype(rr)::value>(a, r0, h, down, nj, out);
-      });
+        vstore(h + r * RR_DOWN + s + j, block_acts(a, gated, g + r * RR_BLOCK, u + r * RR_BLOCK, b0, j, nj));
+  };
+  for (int64_t d0 = begin; d0 < end; d0 += RR_DOWN) {
+    const int64_t nd = std::min(RR_DOWN, end - d0);
+    for (int64_t s = 0; s < nd; s += RR_BLOCK) {
+      const int64_t nj = std::min(RR_BLOCK, nd - s);
+      block(d0 + s, nj, s);
+      if constexpr (!BF)
+        for (int64_t r0 = 0; r0 < T; r0 += RT)
+          with_rows(std::min<int64_t>(RT, T - r0), [&](auto rr) {
+            down_tile<decltype(rr)::value>(a, r0, h + s, down, nj, 0, dim, out);
+          });
+    }
+#if defined(__AVX512BF16__)
+    if constexpr (BF) {
+      // A bf16 input's down products in bf16 pairs, as the AMX path multiplies them: the
+      // activations are bf16 values already (block_acts rounds them as the model holds them),
+      // the down rows rounded to bf16; two products an instruction where a float multiply-add
+      // makes one. hp (T, RR_DOWN / 2): a row's pairs of activations, where g and u were.
+      uint32_t* hp = (uint32_t*)g;
+      const int64_t np = (nd + 1) / 2;  // (an odd pass's last pair: a zero activation and row)
+      for (int64_t r = 0; r < T; r++)
+        for (int64_t q = 0; q < np; q++) {
+          uint32_t lo, hi;
+          std::memcpy(&lo, h + r * RR_DOWN + 2 * q, 4);
+          std::memcpy(&hi, h + r * RR_DOWN + 2 * q + 1, 4);
+          hp[r * (RR_DOWN / 2) + q] = (hi & 0xFFFF0000u) | (lo >> 16);
+        }
+      for (int64_t c0 = 0; c0 < dim; c0 += DOWN_COLS)
+        for (int64_t r0 = 0; r0 < T; r0 += RT)
+          with_rows(std::min<int64_t>(RT, T - r0), [&](auto rr) {
+            down_tile_pairs<decltype(rr)::value>(a, r0, hp, (const uint16_t*)down, np, c0,
+                                                 std::min(dim, c0 + DOWN_COLS), out);
+          });
+    }
+#endif
   }
 }
 
