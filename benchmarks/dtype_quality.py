@@ -112,6 +112,8 @@ def main() -> int:
                     help="also load the model with this sparsity bundle (one model's)")
     ap.add_argument("--out", default=None, help="write the results as JSON")
     a = ap.parse_args()
+    if a.bundle and len(a.models) != 1:
+        ap.error("--bundle is one model's: give that model alone with --models")
     stamp = datetime.datetime.now().strftime("%Y-%m-%d %H:%M")
     print(f"# {stamp} {platform.machine()}, torch {torch.__version__}, "
           f"{torch.get_num_threads()} threads")

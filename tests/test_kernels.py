@@ -383,9 +383,10 @@ def test_many_token_steps_over_quantized_records(isa, fmt, dtype):
 @pytest.mark.parametrize("fmt", K.FORMATS)
 @pytest.mark.parametrize("act", ["swiglu", "geglu", "reglu", "relu", "gelu"])
 def test_a_prompts_rows_over_records_equal_the_reference(isa, fmt, act):
-    # `records_rows` (a prompt step's product over every record: widened a block at a time,
-    # multiplied as matrices; on AMX's tiles where the CPU has them and they are allowed, and
-    # then off them too) against the reference over the weights the format holds, with a bias and
+    # `records_rows` (a prompt step's product over every record, a block at a time, multiplied
+    # as matrices: a bf16 input's 4-bit gate/up rows in integers over its 8-bit quantization, the
+    # rest widened; on AMX's tiles where the CPU has them and they are allowed, and then off them
+    # too) against the reference over the weights the format holds, with a bias and
     # a threshold; a row's answer the same floats alone, in a longer call at any place, and across
     # the tiles' and the calls' row boundaries, on two threads (the records split at fixed places)
     for amx in (1, 0) if torch.ops.powerinfer.rows_amx(1) else (1,):

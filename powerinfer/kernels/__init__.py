@@ -936,9 +936,12 @@ def neuron_ffn(x: torch.Tensor, w: torch.Tensor, sel: torch.Tensor, keep: torch.
 def records_rows(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, threshold: float,
                  act: str, fmt: str) -> torch.Tensor:
     """x (T, dim) float32 or bfloat16; w the (k, bytes) records -> (T, dim) in x's type: every
-    record for every row (a prompt step over a neuron set: the records widened a block at a time
-    and multiplied as matrices, csrc/records_rows.h), summed in float32 and rounded once. A row's
-    answer is the same floats whatever rows share the call."""
+    record for every row (a prompt step over a neuron set: the records a block at a time,
+    multiplied as matrices, csrc/records_rows.h), summed in float32 and rounded once. A bfloat16
+    x with 4-bit records has its gate and up products in integers over x quantized to 8 bits (as
+    the q4x16 GEMV), and with AVX-512 BF16 its down rows rounded to bf16 (as on AMX's tiles); a
+    float32 x is multiplied in float32. A row's answer is the same floats whatever rows share the
+    call."""
     return torch.ops.powerinfer.records_rows(x, w, bias, float(threshold), ACTS.index(act),
                                              FORMATS.index(fmt))
 

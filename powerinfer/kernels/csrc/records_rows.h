@@ -17,7 +17,8 @@
 // - the down rows added into out, tiles of RT rows by CT vectors of columns, the records in
 //   their order: widened to float32, each record's activation broadcast against its row, a block
 //   at a time; with AVX512_BF16 and a bf16 input widened to bf16 and multiplied in pairs of
-//   records, RR_DOWN records a pass over out (`records_rows_t`).
+//   records (each pair's two products by one instruction), RR_DOWN records a pass over out
+//   (`records_rows_t`).
 // Each row's sums run the same operations in the same order whatever rows share the call, and
 // wherever in it the row sits (a tile of fewer rows computes each of its rows as a full one
 // does; a row is quantized alone): a row's answer is the same floats alone or batched.
@@ -198,8 +199,9 @@ inline void pair_rows(const uint16_t* ra, const uint16_t* rb, int64_t dim, uint1
 }
 
 // down_tile over bf16 pairs: out[r, c] += h[r, 2q] * down[2q, c] + h[r, 2q + 1] * down[2q + 1, c]
-// for the pairs q < np in order, one VDPBF16PS a pair and 16 columns (hp[r * RR_DOWN / 2 + q]: the
-// row's two activations as bf16; dp: pair_rows' rows, pair q at q * 2 dim)
+// for the pairs q < np in order, one VDPBF16PS a pair and 16 columns (the pair's two products in
+// the instruction's own order and rounding; hp[r * RR_DOWN / 2 + q]: the row's two activations
+// as bf16; dp: pair_rows' rows, pair q at q * 2 dim)
 template <int R>
 inline void down_tile_pairs(const RowsArgs& a, int64_t r0, const uint32_t* hp, const uint16_t* dp, int64_t np,
                             int64_t c_lo, int64_t c_hi, float* out) {
@@ -293,7 +295,8 @@ inline bool rows_int8(const RowsArgs& a) {
 
 // Row `row` (0 the gate, 1 the up row of a gated record) of records [b0, b0 + nj) (split 4-bit
 // rows: their nibble bytes, then d, then Q4_1's m) as one q4x16 group at gw: per block, the 16
-// rows' d, their m (Q4_0's -8 d, exact in f16), then four vectors whose lane i holds bytes 4k..4k+3
+// rows' d, their m (Q4_0's -8 d in f16, as the dense q4x16 layout holds it: exact for |d| up
+// to 8188), then four vectors whose lane i holds bytes 4k..4k+3
 // of row i's block; the block's missing records zero.
 inline void pack_lead_x16(const RowsArgs& a, int64_t b0, int64_t nj, int row, uint8_t* gw) {
   const int lead_fmt = record_format(a.fmt);
@@ -343,16 +346,19 @@ template <bool BF>
 void records_rows_t(const RowsArgs& a, int64_t begin, int64_t end, float* out, uint8_t* scratch) {
   const int64_t dim = a.dim, T = a.T;
   const bool gated = gated_act(a.act), int8 = rows_int8(a);
+  // the down rows in bf16 pairs: bf16 products and a bf16 model's activations (bf16 values, which
+  // hp below cuts to 16 bits; rows_scratch sizes their region by the model's type)
+  const bool pairs = BF && a.bf16_model;
   const int lead_fmt = record_format(a.fmt), dfmt = down_format(a.fmt);
   const int64_t ls = (int64_t)2 * dim;  // a record's lead rows: gate, then up (gated)
   // scratch: lead rows (RR_BLOCK, 2, dim) in the dots' type (or the block's two q4x16 groups),
-  // down rows (RR_BLOCK, dim) float32 (BF: (RR_DOWN, dim) bf16 pairs, then the block's rows
+  // down rows (RR_BLOCK, dim) float32 (pairs: (RR_DOWN, dim) bf16 pairs, then the block's rows
   // widened), g and u (T, RR_BLOCK) and h (T, RR_DOWN) float32, then (int8) the rows quantized;
   // each on a line
   auto line = [](uint8_t* p) { return (uint8_t*)(((uintptr_t)p + 63) & ~(uintptr_t)63); };
   uint8_t* lead = line(scratch);
   float* down = (float*)line(lead + RR_BLOCK * ls * (BF ? 2 : 4));
-  float* g = (float*)line((uint8_t*)(down + (BF ? RR_DOWN : RR_BLOCK) * dim));
+  float* g = (float*)line((uint8_t*)(down + (pairs ? RR_DOWN : RR_BLOCK) * dim));
   float* u = g + T * RR_BLOCK;
   float* h = u + T * RR_BLOCK;
   uint8_t *gate_x16 = lead, *up_x16 = lead + dim / 32 * Q4X16_BLOCK;
@@ -367,7 +373,7 @@ void records_rows_t(const RowsArgs& a, int64_t begin, int64_t end, float* out, u
   // records [b0, b0 + nj) at place s of the pass: their down rows widened, their activations
   auto block = [&](int64_t b0, int64_t nj, int64_t s) {
 #if defined(__AVX512BF16__)
-    if constexpr (BF) {
+    if (pairs) {
       uint16_t* wide = (uint16_t*)down + RR_DOWN * dim;
       widen_block(a, b0, nj, nj, gated ? 2 : 1, dfmt, wide, dim);
       for (int64_t j = 0; j < nj; j += 2)
@@ -411,14 +417,14 @@ void records_rows_t(const RowsArgs& a, int64_t begin, int64_t end, float* out, u
     for (int64_t s = 0; s < nd; s += RR_BLOCK) {
       const int64_t nj = std::min(RR_BLOCK, nd - s);
       block(d0 + s, nj, s);
-      if constexpr (!BF)
+      if (!pairs)
         for (int64_t r0 = 0; r0 < T; r0 += RT)
           with_rows(std::min<int64_t>(RT, T - r0), [&](auto rr) {
             down_tile<decltype(rr)::value>(a, r0, h + s, down, nj, 0, dim, out);
           });
     }
 #if defined(__AVX512BF16__)
-    if constexpr (BF) {
+    if (pairs) {
       // A bf16 input's down products in bf16 pairs, as the AMX path multiplies them: the
       // activations are bf16 values already (block_acts rounds them as the model holds them),
       // the down rows rounded to bf16; two products an instruction where a float multiply-add
