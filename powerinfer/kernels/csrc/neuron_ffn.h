@@ -1285,12 +1285,13 @@ void downs_one_q8(const int64_t* fired, int64_t nf, const float* hin, int64_t bl
 // at every block: a branch the predictor missed, a sixth of a 32-row step's down-row samples),
 // and per block of out the group's weights widened once into L1 and each row's block loaded and
 // stored once for RG neurons (where the general walk's eight left out's loads and stores at a
-// third of its samples). Each row's sums are the general walk's (acc = fma(h d, w, acc), the
+// third of its samples); the next group's lines asked for as the general walk asks for its next
+// group's, and where `far_ahead` says so the group's after that into L2. Each row's sums are the general walk's (acc = fma(h d, w, acc), the
 // neurons in order, a zero activation skipped): the same floats.
 constexpr int RG = 32;
 template <typename Row>
 void downs_rows_q8(const int64_t* fired, int64_t nf, const float* hin, int64_t B, int64_t dim, int64_t blo,
-                   int64_t bhi, float* out, const Row& row, bool l2) {
+                   int64_t bhi, float* out, const Row& row, bool far_on, bool l2) {
   constexpr int64_t db = 34;
   alignas(64) float wb[RG][32];
   uint8_t list[MAXB][RG];
@@ -1298,21 +1299,27 @@ void downs_rows_q8(const int64_t* fired, int64_t nf, const float* hin, int64_t B
   int cnt[MAXB];
   for (int64_t i = 0; i < nf; i += RG) {
     const int gn = (int)std::min<int64_t>(RG, nf - i);
-    const uint8_t* rows[RG];
-    const uint8_t* near[RG];
-    for (int k = 0; k < RG; k++) rows[k] = k < gn ? row(i + k) : nullptr, near[k] = row(i + RG + k);
-    for (int64_t r = 0; r < B; r++) {
-      cnt[r] = 0;
+    const uint8_t *rows[RG], *near[RG], *far[RG];  // the group's, the next group's, the one's after
+    for (int k = 0; k < RG; k++) {
+      rows[k] = k < gn ? row(i + k) : nullptr, near[k] = row(i + RG + k);
+      far[k] = far_on ? row(i + 2 * RG + k) : nullptr;
+    }
+    for (int64_t r = 0; r < B; r++) {  // (each written, kept where not zero: no branch)
+      int c = 0;
       for (int k = 0; k < gn; k++) {
         const float hv = hin[fired[i + k] * B + r];
-        if (hv != 0.0f) list[r][cnt[r]] = (uint8_t)k, hr[r][cnt[r]++] = hv;
+        list[r][c] = (uint8_t)k, hr[r][c] = hv;
+        c += hv != 0.0f;
       }
+      cnt[r] = c;
     }
     for (int64_t b = blo; b < bhi; b++) {
       const int64_t at = b * db;  // the lines that start in the block (and the first block's first)
       for (int64_t o = b == blo ? at / 64 * 64 : (at + 63) / 64 * 64; o < at + db; o += 64)
-        for (int k = 0; k < RG; k++)
+        for (int k = 0; k < RG; k++) {
           if (near[k]) prefetch_line(near[k] + o, l2);
+          if (far[k]) prefetch_l2(far[k] + o);
+        }
       float s[RG];
       for (int k = 0; k < gn; k++) {
         const uint8_t* q = rows[k] + at;
@@ -1358,7 +1365,7 @@ void downs_fmt(const FFNArgs& a, const int64_t* fired, int64_t nf, const float* 
   static_assert(DG == 2 * DOWNS);
   if constexpr (DFMT == Q8_0) {
     if (B == 1) return downs_one_q8(fired, nf, hin, blo, bhi, out, row, far_on, l2);
-    return downs_rows_q8(fired, nf, hin, B, dim, blo, bhi, out, row, l2);
+    return downs_rows_q8(fired, nf, hin, B, dim, blo, bhi, out, row, far_on, l2);
   }
 #endif
   for (int64_t i = 0; i < nf; i += DG) {
