@@ -288,6 +288,29 @@ def test_a_rows_answer_does_not_depend_on_its_batch(isa, fmt):
         torch.set_num_threads(threads)
 
 
+@pytest.mark.parametrize("fmt", ["q4_0", "q4_1", "q8_0"])
+def test_a_full_batchs_rows_each_answer_as_alone(isa, fmt):
+    # the largest batch a call takes (64 rows) and an odd one, each row keeping its own third of
+    # the neurons: their union is most of the layer, walked by the batched down rows 32 neurons a
+    # group (and a last group not whole); every row's answer the same floats as alone
+    torch.manual_seed(5)
+    dim, ffn = 128, 488
+    w = K.pack(torch.randn(ffn, dim), torch.randn(ffn, dim), torch.randn(ffn, dim), fmt)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        for dtype, B in ((torch.bfloat16, 64), (torch.float32, 37)):
+            x = torch.randn(B, dim).to(dtype)
+            rows = torch.rand(B, ffn) < 0.33
+            batched = K.neuron_ffn(x, w, rows.any(0), rows, None, 0.0, "reglu", fmt)
+            assert rows.any(0).sum() > 0.9 * ffn and batched.float().abs().max() > 1
+            for r in range(B):
+                alone = K.neuron_ffn(x[r:r + 1], w, rows[r], None, None, 0.0, "reglu", fmt)
+                assert torch.equal(alone, batched[r:r + 1]), (dtype, B, r)
+    finally:
+        torch.set_num_threads(threads)
+
+
 @pytest.mark.parametrize("fmt", ["q4_0", "q4_1", "q8_0", "bf16", "i8", "f32"])
 def test_the_records_kernel_gives_the_same_floats_on_any_thread_count(isa, fmt):
     # the decode step's neurons split between threads by count and its down rows by columns:
