@@ -1219,6 +1219,20 @@ int64_t acts_fmt(const FFNArgs& a, int64_t begin, int64_t end, float* hout, int6
   return nf;
 }
 
+// The lines of the next group's rows (near, n of them; null: none) that start in block b of
+// blocks of db bytes, and the first block's first line, asked for at the walk's level (l2); those
+// of the group's after that (far) into L2: the down walks' requests a block ahead of their rows
+template <int N>
+PREFETCHES void ask_block_lines(const uint8_t* const* near, const uint8_t* const* far, int64_t b, int64_t blo,
+                                int64_t db, bool l2) {
+  const int64_t at = b * db;
+  for (int64_t o = b == blo ? at / 64 * 64 : (at + 63) / 64 * 64; o < at + db; o += 64)
+    for (int k = 0; k < N; k++) {
+      if (near[k]) prefetch_line(near[k] + o, l2);
+      if (far[k]) prefetch_l2(far[k] + o);
+    }
+}
+
 #if defined(__AVX512F__)
 // downs_fmt's one-row step (decode) over Q8_0 down rows: per block of out, each of the group's
 // rows' 32 weights widened and added as it is read (acc = fma(h d, w, acc), the group's rows in
@@ -1269,8 +1283,8 @@ void downs_one_q8(const int64_t* fired, int64_t nf, const float* hin, int64_t bl
       for (int k = 0; k < dn; k++) {
         const uint8_t* q = rows[k] + b * db;
         const __m512 hv = _mm512_set1_ps(h[k] * half(q));
-        a0 = _mm512_fmadd_ps(hv, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(q + 2)))), a0);
-        a1 = _mm512_fmadd_ps(hv, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(q + 18)))), a1);
+        a0 = _mm512_fmadd_ps(hv, i8_to_f32((const int8_t*)q + 2), a0);
+        a1 = _mm512_fmadd_ps(hv, i8_to_f32((const int8_t*)q + 18), a1);
       }
       _mm512_storeu_ps(o, a0), _mm512_storeu_ps(o + 16, a1);
     }
@@ -1286,8 +1300,9 @@ void downs_one_q8(const int64_t* fired, int64_t nf, const float* hin, int64_t bl
 // and per block of out the group's weights widened once into L1 and each row's block loaded and
 // stored once for RG neurons (where the general walk's eight left out's loads and stores at a
 // third of its samples); the next group's lines asked for as the general walk asks for its next
-// group's, and where `far_ahead` says so the group's after that into L2. Each row's sums are the general walk's (acc = fma(h d, w, acc), the
-// neurons in order, a zero activation skipped): the same floats.
+// group's, and where `far_ahead` says so the group's after that into L2 (ask_block_lines). Each
+// row's sums are the general walk's (acc = fma(h d, w, acc), the neurons in order, a zero
+// activation skipped): the same floats.
 constexpr int RG = 32;
 template <typename Row>
 void downs_rows_q8(const int64_t* fired, int64_t nf, const float* hin, int64_t B, int64_t dim, int64_t blo,
@@ -1314,18 +1329,13 @@ void downs_rows_q8(const int64_t* fired, int64_t nf, const float* hin, int64_t B
       cnt[r] = c;
     }
     for (int64_t b = blo; b < bhi; b++) {
-      const int64_t at = b * db;  // the lines that start in the block (and the first block's first)
-      for (int64_t o = b == blo ? at / 64 * 64 : (at + 63) / 64 * 64; o < at + db; o += 64)
-        for (int k = 0; k < RG; k++) {
-          if (near[k]) prefetch_line(near[k] + o, l2);
-          if (far[k]) prefetch_l2(far[k] + o);
-        }
+      ask_block_lines<RG>(near, far, b, blo, db, l2);
       float s[RG];
       for (int k = 0; k < gn; k++) {
-        const uint8_t* q = rows[k] + at;
+        const uint8_t* q = rows[k] + b * db;
         s[k] = half(q);
-        _mm512_store_ps(wb[k], _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(q + 2)))));
-        _mm512_store_ps(wb[k] + 16, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(q + 18)))));
+        _mm512_store_ps(wb[k], i8_to_f32((const int8_t*)q + 2));
+        _mm512_store_ps(wb[k] + 16, i8_to_f32((const int8_t*)q + 18));
       }
       for (int64_t r = 0; r < B; r++) {
         if (!cnt[r]) continue;
@@ -1378,12 +1388,7 @@ void downs_fmt(const FFNArgs& a, const int64_t* fired, int64_t nf, const float* 
       if (k < dn) std::copy(hin + fired[i + k] * B, hin + fired[i + k] * B + B, h[k]);
     }
     for (int64_t b = blo; b < bhi; b++) {
-      const int64_t at = b * db;  // the lines that start in the block (and the first block's first)
-      for (int64_t o = b == blo ? at / 64 * 64 : (at + 63) / 64 * 64; o < at + db; o += 64)
-        for (int k = 0; k < DG; k++) {
-          if (near[k]) prefetch_line(near[k] + o, l2);
-          if (far[k]) prefetch_l2(far[k] + o);
-        }
+      ask_block_lines<DG>(near, far, b, blo, db, l2);
       if (dn == DG)
         axpy_block<DFMT, DG>(rows, b, h, B, dim, out);
       else

@@ -157,11 +157,9 @@ inline void dot_rows(const RowsArgs& a, int64_t r0, int64_t r1, const void* wrow
 }
 
 // out[r, c] += sum over the records j < nj (in order) of h[r * RR_DOWN + j] * down[j, c] for rows
-// [r0, r0 + R) and columns [c_lo, c_hi): tiles of CT vectors of columns (then of 32 columns, the
-// last ones)
+// [r0, r0 + R): tiles of CT vectors of columns (then of 32 columns, the last ones)
 template <int R>
-inline void down_tile(const RowsArgs& a, int64_t r0, const float* h, const float* down, int64_t nj,
-                      int64_t c_lo, int64_t c_hi, float* out) {
+inline void down_tile(const RowsArgs& a, int64_t r0, const float* h, const float* down, int64_t nj, float* out) {
   const int64_t dim = a.dim;
   auto cols = [&](auto ct, int64_t c0) {
     constexpr int C = decltype(ct)::value;
@@ -179,9 +177,9 @@ inline void down_tile(const RowsArgs& a, int64_t r0, const float* h, const float
     for (int r = 0; r < R; r++)
       for (int c = 0; c < C; c++) vstore(out + (r0 + r) * dim + c0 + c * W, acc[r][c]);
   };
-  int64_t c0 = c_lo;
-  for (; c0 + CT * W <= c_hi; c0 += CT * W) cols(std::integral_constant<int, CT>{}, c0);
-  for (; c0 < c_hi; c0 += 32) cols(std::integral_constant<int, NV>{}, c0);
+  int64_t c0 = 0;
+  for (; c0 + CT * W <= dim; c0 += CT * W) cols(std::integral_constant<int, CT>{}, c0);
+  for (; c0 < dim; c0 += 32) cols(std::integral_constant<int, NV>{}, c0);
 }
 
 #if defined(__AVX512BF16__)
@@ -322,18 +320,6 @@ inline void pack_lead_x16(const RowsArgs& a, int64_t b0, int64_t nj, int row, ui
   }
 }
 
-// The dot products of rows [0, T) with a block's regrouped rows gw into out[r * RR_BLOCK + j]
-inline void dots_x16(const FFNArgs& fa, int64_t T, const uint8_t* gw, float* out) {
-  for (int64_t r0 = 0; r0 < T; r0 += 4) {
-    switch (std::min<int64_t>(4, T - r0)) {
-      case 4: q4x16_group<4>(gw, fa, r0, RR_BLOCK, 0, out); break;
-      case 3: q4x16_group<3>(gw, fa, r0, RR_BLOCK, 0, out); break;
-      case 2: q4x16_group<2>(gw, fa, r0, RR_BLOCK, 0, out); break;
-      default: q4x16_group<1>(gw, fa, r0, RR_BLOCK, 0, out);
-    }
-  }
-}
-
 // Records [begin, end) for every row of a.x, their sums added into out (T, dim) float32. scratch:
 // rows_scratch(dim, a.T, a.bf16_model) bytes. The records go RR_BLOCK at a time through their
 // lead rows' dot products and activations (g, u: (T, RR_BLOCK); h: (T, RR_DOWN), the block's
@@ -386,8 +372,9 @@ void records_rows_t(const RowsArgs& a, int64_t begin, int64_t end, float* out, u
     if (int8) {
       if (gated) pack_lead_x16(a, b0, nj, 0, gate_x16);
       pack_lead_x16(a, b0, nj, gated ? 1 : 0, up_x16);
-      if (gated) dots_x16(fa, T, gate_x16, g);
-      dots_x16(fa, T, up_x16, u);
+      // (the dense GEMV over the one group: every row into g, u at r * RR_BLOCK + j)
+      if (gated) gemv_q4x16(gate_x16, fa, RR_BLOCK, 0, 1, g);
+      gemv_q4x16(up_x16, fa, RR_BLOCK, 0, 1, u);
     } else {
       // widened, the block's missing records zero: the lead rows (gate, up) side by side a record
       auto widen_lead = [&](auto* rows) {
@@ -420,7 +407,7 @@ void records_rows_t(const RowsArgs& a, int64_t begin, int64_t end, float* out, u
       if (!pairs)
         for (int64_t r0 = 0; r0 < T; r0 += RT)
           with_rows(std::min<int64_t>(RT, T - r0), [&](auto rr) {
-            down_tile<decltype(rr)::value>(a, r0, h + s, down, nj, 0, dim, out);
+            down_tile<decltype(rr)::value>(a, r0, h + s, down, nj, out);
           });
     }
 #if defined(__AVX512BF16__)
