@@ -5,7 +5,7 @@ alternate.
 
     .venv/bin/python benchmarks/kernel_ab.py --other DIR [--product q4c|dense|records]
         [--quant q4_0] [--rows 12288] [--k 4096] [--sparsity 0.25] [--share 0.05]
-        [--format q4_0] [--rounds 6] [--seconds 2] [--threads N] [--json FILE]
+        [--format q4_0] [--batch 1] [--rounds 6] [--seconds 2] [--threads N] [--json FILE]
 
 Two builds cannot share a process (their operators have the same names), and a 2-core VM's
 memory reads at rates that move by 1.6x within minutes, so the builds run in turns: each round
@@ -17,7 +17,11 @@ quantile in magnitude dropped); `dense`: the dense GEMV the default path runs ov
 zeroed input (q4x16); `records`: the records kernel's decode step (`kernels.neuron_ffn` through
 `NeuronSet`, as a model calls it) over `--rows` neurons of a ReGLU FFN of width `--k` in
 `--format`, a random `--share` of them selected (64 selections drawn, every computed neuron
-firing), over as many layers as fill twice the last level cache (4 at least) in turn. The
+firing), over as many layers as fill twice the last level cache (4 at least) in turn; with
+`--batch B`, B input rows, each keeping its own `--share` of the neurons, drawn with a power
+law's skew (neuron i of a random order picked with weight (i + 1)^-1.5, which gives the union
+and overlap a 7B-shape bundle's predictors gave 4 and 8 rows: about 35% and 48% of the
+neurons, each kept by 1.8 and 2.6 rows), the step over their union as a batch calls it. The
 other tree builds its kernel into its own `powerinfer/kernels/_ext` on first use. Printed:
 each build's microseconds a call, round by round, their medians, and the other build's speed
 over this one's: the medians' ratio, and each round's (the two processes of a round a few
@@ -92,13 +96,21 @@ def records(a, n: int, k: int, torch) -> dict:
     count = max(4, -(-2 * last_level_cache() // layers[0].records.nbytes))
     layers += firing_layers(count - 1, n, k, a.format)
     steps = [(layers[i % len(layers)], m) for i, m in enumerate(random_masks(n, a.share))]
-    x = torch.rand(1, 1, k) + 0.1
-    for ffn, m in steps:  # warm-up
-        ffn(x, m)
+    x = torch.rand(a.batch, 1, k) + 0.1
+    keeps = [None] * len(steps)
+    if a.batch > 1:  # each row its own share, the step over their union
+        skew = 1.0 / (torch.arange(n) + 1.0) ** 1.5
+        for i, (ffn, _) in enumerate(steps):
+            order, rows = torch.randperm(n), torch.zeros(a.batch, n, dtype=torch.bool)
+            for r in range(a.batch):
+                rows[r, order[torch.multinomial(skew, round(a.share * n))]] = True
+            steps[i], keeps[i] = (ffn, rows.any(0)), rows.view(a.batch, 1, n)
+    for (ffn, m), keep in zip(steps, keeps):  # warm-up
+        ffn(x, m, keep=keep)
     calls, t0 = 0, time.perf_counter()
     while time.perf_counter() - t0 < a.seconds:
-        for ffn, m in steps:
-            ffn(x, m)
+        for (ffn, m), keep in zip(steps, keeps):
+            ffn(x, m, keep=keep)
         calls += len(steps)
     return {"us": (time.perf_counter() - t0) / calls * 1e6, "copies": len(layers)}
 
@@ -122,6 +134,8 @@ def main():
                     help="records: the share of the neurons a step selects")
     ap.add_argument("--format", default="q4_0", choices=["q4_0", "q4_1", "i8"],
                     help="records: the records' format")
+    ap.add_argument("--batch", type=int, default=1,
+                    help="records: input rows a step, each keeping its own share")
     ap.add_argument("--rounds", type=int, default=6)
     ap.add_argument("--seconds", type=float, default=2.0)
     ap.add_argument("--threads", type=int, default=0, help="0: torch's default")
@@ -138,12 +152,14 @@ def main():
     if not (trees["other"] / "powerinfer" / "kernels" / "csrc").is_dir():
         ap.error(f"--other {a.other}: not a checkout of this project")
     args = [a.product, "--quant", a.quant, "--rows", str(a.rows), "--k", str(a.k), "--sparsity",
-            str(a.sparsity), "--share", str(a.share), "--format", a.format, "--seconds",
+            str(a.sparsity), "--share", str(a.share), "--format", a.format, "--batch",
+            str(a.batch), "--seconds",
             str(a.seconds), "--threads", str(a.threads)]
     times = {name: [] for name in trees}
     commits = {name: commit(tree) for name, tree in trees.items()}
     what = (f"records decode step, {a.rows} neurons of width {a.k} in {a.format}, {a.share:.0%} "
-            f"selected" if a.product == "records" else
+            f"selected" + (f" by each of {a.batch} rows" if a.batch > 1 else "")
+            if a.product == "records" else
             f"{a.product} product, {a.rows} x {a.k} {a.quant}, {a.sparsity:.0%} of the input "
             "dropped")
     print(f"{what}; this: {commits['this']}, other: {commits['other']}; {a.rounds} rounds\n")

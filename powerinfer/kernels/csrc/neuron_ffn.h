@@ -600,18 +600,19 @@ struct FloatDots {
         for (int v = 0; v < NV; v++) acc[r][p][v] = vzero();
   }
   template <int P>
-  inline void add(const uint8_t* row, int64_t blk, const FFNArgs& a, int64_t r0) {
+  inline void add(const uint8_t* row, int64_t blk, const FFNArgs& a, const int64_t* ri) {
     V w[NV];
     block<FMT>(row, blk, a.dim / 32, w);
-    const float* x = a.x + r0 * a.dim + 32 * blk;
-    for (int r = 0; r < R; r++)
-      for (int v = 0; v < NV; v++) acc[r][P][v] = vfma(w[v], vload(x + r * a.dim + v * W), acc[r][P][v]);
+    for (int r = 0; r < R; r++) {
+      const float* x = a.x + ri[r] * a.dim + 32 * blk;
+      for (int v = 0; v < NV; v++) acc[r][P][v] = vfma(w[v], vload(x + v * W), acc[r][P][v]);
+    }
   }
-  void sum(float* out) const {
+  void sum(float* out, const int64_t* ri) const {
     for (int r = 0; r < R; r++) {
       V s = vadd(acc[r][0][0], acc[r][1][0]);
       for (int v = 1; v < NV; v++) s = vadd(s, vadd(acc[r][0][v], acc[r][1][v]));
-      out[r] = hsum(s);
+      out[ri[r]] = hsum(s);
     }
   }
 };
@@ -626,14 +627,14 @@ struct BF16Dots {
     for (int r = 0; r < R; r++) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
   }
   template <int P>
-  inline void add(const uint8_t* row, int64_t blk, const FFNArgs& a, int64_t r0) {
+  inline void add(const uint8_t* row, int64_t blk, const FFNArgs& a, const int64_t* ri) {
     const __m512bh w = (__m512bh)_mm512_loadu_si512((const void*)(row + 64 * blk));
-    const uint16_t* x = a.xb + r0 * a.dim + 32 * blk;
     for (int r = 0; r < R; r++)
-      acc[r][P] = _mm512_dpbf16_ps(acc[r][P], w, (__m512bh)_mm512_loadu_si512((const void*)(x + r * a.dim)));
+      acc[r][P] = _mm512_dpbf16_ps(acc[r][P], w,
+                                   (__m512bh)_mm512_loadu_si512((const void*)(a.xb + ri[r] * a.dim + 32 * blk)));
   }
-  void sum(float* out) const {
-    for (int r = 0; r < R; r++) out[r] = _mm512_reduce_add_ps(_mm512_add_ps(acc[r][0], acc[r][1]));
+  void sum(float* out, const int64_t* ri) const {
+    for (int r = 0; r < R; r++) out[ri[r]] = _mm512_reduce_add_ps(_mm512_add_ps(acc[r][0], acc[r][1]));
   }
 };
 #endif
@@ -660,7 +661,7 @@ struct IntDots {
     }
   }
   template <int P>
-  inline void add(const uint8_t* row, int64_t blk, const FFNArgs& a, int64_t r0) {
+  inline void add(const uint8_t* row, int64_t blk, const FFNArgs& a, const int64_t* ri) {
     const int64_t nb = a.dim / 32;
     const __m256i ones = _mm256_set1_epi16(1);
     __m256i w, wsign;
@@ -677,7 +678,7 @@ struct IntDots {
       w = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(q, 4), mask), _mm_and_si128(q, mask));
     }
     for (int r = 0; r < R; r++) {
-      const int64_t row_i = r0 + r;
+      const int64_t row_i = ri[r];
       __m256i xv = _mm256_loadu_si256((const __m256i*)(a.xq + row_i * a.dim + 32 * blk));
       if constexpr (FMT == Q8_0) xv = _mm256_sign_epi8(xv, wsign);
       const __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(w, xv), ones);  // 8 sums of 4
@@ -695,7 +696,7 @@ struct IntDots {
   // offsets (Q4_0's -8 d, Q4_1's m) times the input blocks' sums are added as vectors. A block at
   // a time took twice the shuffles and products: the chunk's dot products bound a record on AVX2.
   template <bool FULL>
-  inline void chunk(const uint8_t* row, int64_t blk, int n, const FFNArgs& a, int64_t r0) {
+  inline void chunk(const uint8_t* row, int64_t blk, int n, const FFNArgs& a, const int64_t* ri) {
     if constexpr (FULL && split4(FMT)) {
       const int64_t nb = a.dim / 32;
       const uint8_t* sc = row + nb * 16 + 2 * blk;
@@ -714,12 +715,12 @@ struct IntDots {
       const int8_t* xp[R];  // the chunk's input, permuted (blk is a multiple of 16: whole groups)
       __m256 c0[R], c1[R];  // (in registers over the chunk: every index below is a constant)
       for (int r = 0; r < R; r++) {
-        const float* xd = a.xd + (r0 + r) * nb + blk;
-        const float* xs = a.xs + (r0 + r) * nb + blk;
+        const float* xd = a.xd + ri[r] * nb + blk;
+        const float* xs = a.xs + ri[r] * nb + blk;
         s0[r] = _mm256_mul_ps(d0, _mm256_loadu_ps(xd));
         s1[r] = _mm256_mul_ps(d1, _mm256_loadu_ps(xd + 8));
         accv[r] = _mm256_fmadd_ps(m1, _mm256_loadu_ps(xs + 8), _mm256_fmadd_ps(m0, _mm256_loadu_ps(xs), accv[r]));
-        xp[r] = a.xp + (r0 + r) * a.xp_stride + 32 * blk;
+        xp[r] = a.xp + ri[r] * a.xp_stride + 32 * blk;
         c0[r] = acc[r][0], c1[r] = acc[r][1];
       }
       const __m256i ones = _mm256_set1_epi16(1), mask = _mm256_set1_epi8(0x0F);
@@ -748,14 +749,14 @@ struct IntDots {
     }
     int k = 0;
     for (; k + 1 < n; k += 2) {
-      add<0>(row, blk + k, a, r0);
-      add<1>(row, blk + k + 1, a, r0);
+      add<0>(row, blk + k, a, ri);
+      add<1>(row, blk + k + 1, a, ri);
     }
-    if (k < n) add<0>(row, blk + k, a, r0);
+    if (k < n) add<0>(row, blk + k, a, ri);
   }
-  void sum(float* out) const {
+  void sum(float* out, const int64_t* ri) const {
     for (int r = 0; r < R; r++)
-      out[r] = hsum8(_mm256_add_ps(acc[r][0], acc[r][1])) + (accm[r][0] + accm[r][1]) + hsum8(accv[r]);
+      out[ri[r]] = hsum8(_mm256_add_ps(acc[r][0], acc[r][1])) + (accm[r][0] + accm[r][1]) + hsum8(accv[r]);
   }
 };
 
@@ -773,7 +774,7 @@ struct Q4Dots {
     for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps(), accm[r] = 0.0f;
   }
   template <int P>
-  inline void add(const uint8_t* row, int64_t blk, const FFNArgs& a, int64_t r0) {
+  inline void add(const uint8_t* row, int64_t blk, const FFNArgs& a, const int64_t* ri) {
     if constexpr (P == 1) return;
     constexpr int HDR = FMT == Q4_0 ? 2 : 4, BB = HDR + 16;
     const int64_t nb = a.dim / 32;
@@ -791,7 +792,7 @@ struct Q4Dots {
     const float m1 = !pair ? 0.0f : FMT == Q4_0 ? -8.0f * d1 : half(b1 + 2);
     const __mmask64 take = pair ? ~0ULL : 0xFFFFFFFFULL;
     for (int r = 0; r < R; r++) {
-      const int64_t row_i = r0 + r, at = row_i * nb + blk;
+      const int64_t row_i = ri[r], at = row_i * nb + blk;
       const __m512i xv = _mm512_maskz_loadu_epi8(take, a.xq + row_i * a.dim + 32 * blk);
       const __m512i p = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w, xv);
       const float s1 = pair ? d1 * a.xd[at + 1] : 0.0f;
@@ -800,8 +801,8 @@ struct Q4Dots {
       accm[r] += m0 * a.xs[at] + (pair ? m1 * a.xs[at + 1] : 0.0f);
     }
   }
-  void sum(float* out) const {
-    for (int r = 0; r < R; r++) out[r] = _mm512_reduce_add_ps(acc[r]) + accm[r];
+  void sum(float* out, const int64_t* ri) const {
+    for (int r = 0; r < R; r++) out[ri[r]] = _mm512_reduce_add_ps(acc[r]) + accm[r];
   }
 };
 
@@ -822,7 +823,7 @@ struct SplitDots {
   // count known only at run time left them spilled to the stack and a branch per group)
   template <bool FULL>
   __attribute__((always_inline)) inline void chunk(const uint8_t* row, int64_t blk, int n_, const FFNArgs& a,
-                                                   int64_t r0) {
+                                                   const int64_t* ri) {
     const int n = FULL ? 16 : n_;
     const int64_t nb = a.dim / 32;
     const __mmask16 bm = (__mmask16)((1u << n) - 1);
@@ -842,7 +843,7 @@ struct SplitDots {
     }
     const __m512i lane = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
     for (int r = 0; r < R; r++) {
-      const int64_t row_i = r0 + r, at = row_i * nb + blk;
+      const int64_t row_i = ri[r], at = row_i * nb + blk;
       const __m512 s16 = _mm512_mul_ps(d16, _mm512_maskz_loadu_ps(bm, a.xd + at));
       accm[r] = _mm512_fmadd_ps(m16, _mm512_maskz_loadu_ps(bm, a.xs + at), accm[r]);
       const int8_t* xp = a.xp + row_i * a.xp_stride + 32 * blk;
@@ -854,8 +855,8 @@ struct SplitDots {
       }
     }
   }
-  void sum(float* out) const {
-    for (int r = 0; r < R; r++) out[r] = _mm512_reduce_add_ps(_mm512_add_ps(acc[r], accm[r]));
+  void sum(float* out, const int64_t* ri) const {
+    for (int r = 0; r < R; r++) out[ri[r]] = _mm512_reduce_add_ps(_mm512_add_ps(acc[r], accm[r]));
   }
 };
 #endif
@@ -985,13 +986,13 @@ struct Ahead {
 };
 
 // One pass over the blocks of N rows of different neurons, side by side: each row's dot
-// products (a gate row, an up row, or the up row of a plain ReLU FFN) with input rows
-// r0..r0+R-1 into outs[i] + r0; the rows of `pf` brought into the caches over the same pass.
+// products (a gate row, an up row, or the up row of a plain ReLU FFN) with input rows ri[0..R)
+// into outs[i][ri[r]]; the rows of `pf` brought into the caches over the same pass.
 // Reading streams side by side and prefetching the next rows keeps a core's memory requests in
 // flight across the short rows of different neurons, where one stream at a time left the
 // prefetchers starting over at every row (a third of the read rate measured).
 template <int FMT, int R, int N>
-void stage(const FFNArgs& a, int64_t r0, const uint8_t* const* rows, const Ahead& pf, float* const* outs) {
+void stage(const FFNArgs& a, const int64_t* ri, const uint8_t* const* rows, const Ahead& pf, float* const* outs) {
   Dots<FMT, R> d[N];
   for (int i = 0; i < N; i++) d[i].zero();
   constexpr int64_t bb = block_bytes<FMT>();
@@ -1016,7 +1017,7 @@ void stage(const FFNArgs& a, int64_t r0, const uint8_t* const* rows, const Ahead
         for (int i = 0; i < (N > AHEAD ? N : AHEAD); i++) {
           if (i < AHEAD && pf.rows[i])
             for (int64_t o = o0; o < o1; o += 64) prefetch_line(pf.rows[i] + o, l2);
-          if (i < N) d[i].template chunk<decltype(full)::value>(rows[i], blk, n, a, r0);
+          if (i < N) d[i].template chunk<decltype(full)::value>(rows[i], blk, n, a, ri);
         }
       });
     }
@@ -1026,7 +1027,7 @@ void stage(const FFNArgs& a, int64_t r0, const uint8_t* const* rows, const Ahead
       if ((blk * bb) % 64 < bb)
         for (const uint8_t* p : pf.rows)
           if (p) prefetch_line(p + blk * bb, l2);
-      for (int i = 0; i < N; i++) d[i].template add<P>(rows[i], blk, a, r0);
+      for (int i = 0; i < N; i++) d[i].template add<P>(rows[i], blk, a, ri);
     };
     for (; blk + 1 < nb; blk += 2) {
       body(std::integral_constant<int, 0>{}, blk);
@@ -1034,35 +1035,60 @@ void stage(const FFNArgs& a, int64_t r0, const uint8_t* const* rows, const Ahead
     }
     if (blk < nb) body(std::integral_constant<int, 0>{}, blk);
   }
-  for (int i = 0; i < N; i++) d[i].sum(outs[i] + r0);
+  for (int i = 0; i < N; i++) d[i].sum(outs[i], ri);
 }
 
-// stage() for every input row, R of them at a time (the first group prefetches), over the n
-// (1 to 4) rows given.
-template <int FMT>
-void stages(int n, const FFNArgs& a, const uint8_t* const* rows, const Ahead& pf, float* const* outs) {
-  const Ahead none;
-  for (int64_t r0 = 0; r0 < a.B;) {
-    const int64_t left = a.B - r0;
-    const int R = left >= 4 ? 4 : left >= 2 ? 2 : 1;
-    auto with_rows = [&](auto r) {
-      constexpr int RR = decltype(r)::value;
-      const Ahead& p = r0 == 0 ? pf : none;
-      switch (n) {
-        case 1: stage<FMT, RR, 1>(a, r0, rows, p, outs); break;
-        case 2: stage<FMT, RR, 2>(a, r0, rows, p, outs); break;
-        case 3: stage<FMT, RR, 3>(a, r0, rows, p, outs); break;
-        case 4: stage<FMT, RR, 4>(a, r0, rows, p, outs); break;
-      }
-    };
-    if (R == 4)
-      with_rows(std::integral_constant<int, 4>{});
-    else if (R == 2)
-      with_rows(std::integral_constant<int, 2>{});
-    else
-      with_rows(std::integral_constant<int, 1>{});
-    r0 += R;
+// 0, 1, ..., MAXB - 1: the input rows of a call that reads all of them
+struct AllRows {
+  int64_t i[MAXB];
+  constexpr AllRows() : i() {
+    for (int r = 0; r < MAXB; r++) i[r] = r;
   }
+};
+inline constexpr AllRows ALL_ROWS{};
+
+// stage() over the n (1 to 4) rows given for the input rows ri[0..count), R of them at a time
+// (the first group prefetches): every row of the n side by side.
+template <int FMT, int N>
+void stage_rows(const FFNArgs& a, const int64_t* ri, int64_t count, const uint8_t* const* rows, const Ahead& pf,
+                float* const* outs) {
+  const Ahead none;
+  for (int64_t c = 0; c < count;) {
+    const int64_t left = count - c;
+    const Ahead& p = c == 0 ? pf : none;
+    if (left >= 4)
+      stage<FMT, 4, N>(a, ri + c, rows, p, outs), c += 4;
+    else if (left >= 2)
+      stage<FMT, 2, N>(a, ri + c, rows, p, outs), c += 2;
+    else
+      stage<FMT, 1, N>(a, ri + c, rows, p, outs), c += 1;
+  }
+}
+
+// stage() for the n (1 to 4) rows given: with no lists, over every input row, the n rows side by
+// side; with lists, row i over its own input rows lists[i][0..counts[i]) alone (a batch's rows
+// keep and fire different neurons, and a row that does not keep a neuron, or whose gate left it
+// shut, needs neither its gate's nor its up row's dot product). The same floats either way: a
+// row's dot product is the same operations whatever other rows share its pass.
+template <int FMT>
+void stages(int n, const FFNArgs& a, const uint8_t* const* rows, const Ahead& pf, float* const* outs,
+            const int64_t* const* lists = nullptr, const int64_t* counts = nullptr) {
+  if (!lists) {
+    switch (n) {
+      case 1: stage_rows<FMT, 1>(a, ALL_ROWS.i, a.B, rows, pf, outs); break;
+      case 2: stage_rows<FMT, 2>(a, ALL_ROWS.i, a.B, rows, pf, outs); break;
+      case 3: stage_rows<FMT, 3>(a, ALL_ROWS.i, a.B, rows, pf, outs); break;
+      case 4: stage_rows<FMT, 4>(a, ALL_ROWS.i, a.B, rows, pf, outs); break;
+    }
+    return;
+  }
+  const Ahead none;
+  bool asked = false;  // pf given to the first stage that runs
+  for (int i = 0; i < n; i++)
+    if (counts[i]) {
+      stage_rows<FMT, 1>(a, lists[i], counts[i], rows + i, asked ? none : pf, outs + i);
+      asked = true;
+    }
 }
 
 inline float silu(float g) { return g / (1.0f + std::exp(-g)); }
@@ -1138,17 +1164,36 @@ int64_t acts_fmt(const FFNArgs& a, int64_t begin, int64_t end, float* hout, int6
   auto dots = [&](int64_t jj) {  // the lead rows' dot products of jj (four groups kept)
     return lead[((jj - begin) / P) % 4][(jj - begin) % P];
   };
+  // A batch (B > 1): each neuron's lead row over the input rows that keep it (`keeps`), its up
+  // row over those whose gate opened (`opens`); the dot products of the other rows are not
+  // computed, and those rows' activations are zero (a plain FFN's up row is its lead row)
+  const bool lists = B > 1;
+  int64_t keeps[4][P][MAXB], nkeep[4][P], opens[4][P][MAXB], nopen[4][P];
+  auto slot = [&](int64_t jj) { return ((jj - begin) / P) % 4; };
   int64_t nf = 0;
   auto emit = [&](int64_t jj, const float* g, const float* uu) {
     if (activations(a, jj, g, uu, hout + jj * B)) fired[nf++] = jj;
   };
-  // a pass: the rows of `rows` (n of them) into `outs`, asking for `pf`'s
+  // a pass: the rows of `rows` (n of them) into `outs`, asking for `pf`'s (over the input rows
+  // of `rlist`, `rcount`, in a batch)
   const uint8_t* rows[2 * P];
   float* outs[2 * P];
+  const int64_t* rlist[2 * P];
+  int64_t rcount[2 * P];
   int n = 0;
   auto lead_rows = [&](int64_t t) {  // group t's lead rows, added to the pass
     for (int64_t jj = first(t); jj < first(t) + P; jj++)
-      if (rec(jj)) rows[n] = rec(jj), outs[n++] = dots(jj);
+      if (rec(jj)) {
+        if (lists) {
+          int64_t* to = keeps[slot(jj)][(jj - begin) % P];
+          int64_t c = 0;
+          for (int64_t r = 0; r < B; r++)
+            if (kept(a, r, jj)) to[c++] = r;
+          nkeep[slot(jj)][(jj - begin) % P] = c;
+          rlist[n] = to, rcount[n] = c;
+        }
+        rows[n] = rec(jj), outs[n++] = dots(jj);
+      }
   };
   const bool far_on = far_ahead.load(std::memory_order_relaxed) & FAR_ACTS;
   auto ask = [&](const uint8_t** to, int64_t t, const bool* open) {  // group t's lead rows or (open) up rows
@@ -1161,7 +1206,7 @@ int64_t acts_fmt(const FFNArgs& a, int64_t begin, int64_t end, float* hout, int6
     if (far_on) ask(to, t, open);
   };
   auto pass = [&](const Ahead& pf) {
-    if (n) stages<FMT>(n, a, rows, pf, outs);
+    if (n) stages<FMT>(n, a, rows, pf, outs, lists ? rlist : nullptr, lists ? rcount : nullptr);
     n = 0;
   };
   {  // the first pass: the lead rows of group 0
@@ -1184,9 +1229,19 @@ int64_t acts_fmt(const FFNArgs& a, int64_t begin, int64_t end, float* hout, int6
     for (int k = 0; k < P; k++) {
       const int64_t jj = first(t) + k;
       open[k] = false;
-      if (rec(jj))
+      if (!rec(jj)) continue;
+      if (!lists) {
         for (int64_t i = 0; i < B && !open[k]; i++)
           open[k] = kept(a, i, jj) && gate_open(a.act, dots(jj)[i], a.threshold);
+        continue;
+      }
+      const int64_t* kr = keeps[slot(jj)][k];
+      int64_t* to = opens[slot(jj)][k];
+      int64_t c = 0;
+      for (int64_t i = 0; i < nkeep[slot(jj)][k]; i++)
+        if (gate_open(a.act, dots(jj)[kr[i]], a.threshold)) to[c++] = kr[i];
+      nopen[slot(jj)][k] = c;
+      open[k] = c > 0;
     }
   };
   bool before[P] = {}, now[P], next[P];  // whether the gates of groups t - 1, t and t + 1 opened
@@ -1204,7 +1259,14 @@ int64_t acts_fmt(const FFNArgs& a, int64_t begin, int64_t end, float* hout, int6
     ask_far(pf.far, t + 4, nullptr), ask_far(pf.far + P, t + 1, next);
     lead_rows(t + 2);
     for (int k = 0; k < P; k++)
-      if (before[k]) rows[n] = rec(first(t - 1) + k) + rb, outs[n++] = u[k];
+      if (before[k]) {
+        if (lists) {
+          const int64_t s = slot(first(t - 1) + k);
+          rlist[n] = opens[s][k], rcount[n] = nopen[s][k];
+          std::fill(u[k], u[k] + B, 0.0f);  // (the rows whose gate stayed shut)
+        }
+        rows[n] = rec(first(t - 1) + k) + rb, outs[n++] = u[k];
+      }
     pass(pf);
     if (t > 0)
       for (int k = 0; k < P && first(t - 1) + k < end; k++) {
