@@ -887,6 +887,34 @@ def test_kquant_gemv_equals_a_matmul_over_the_files_weights(isa, kind, n):
         assert (got.double() - want).abs().max() <= 2**-8 * want.abs().max(), rows
 
 
+@pytest.mark.parametrize("kind", ["Q4_K", "Q5_K", "Q6_K", "Q8_0", "Q5_0", "Q4_0"])
+def test_a_rows_dense_product_does_not_depend_on_its_batch(isa, kind):
+    # the 16-row group products take a batch's rows eight, four, three, two or one at a time: a
+    # row's floats are the same alone as anywhere in a call of 1 to 64 rows
+    from gguf import GGMLQuantizationType
+    from gguf import quantize as gguf_quantize
+
+    from powerinfer.formats.kquants import quantize
+    torch.manual_seed(17)
+    n, k = 48, 512
+    w0 = torch.randn(n, k)
+    if kind == "Q4_0":
+        w, layout = K.pack_q4x16(torch.randint(0, 16, (n, k), dtype=torch.uint8),
+                                 torch.rand(n, k // 32) * 0.01, torch.zeros(n, k // 32)), "q4x16"
+    else:
+        data = (gguf_quantize(w0.numpy(), getattr(GGMLQuantizationType, kind))
+                if kind in ("Q8_0", "Q5_0") else quantize(w0.numpy(), kind))
+        w, layout = K.pack_kquant(torch.from_numpy(data), kind), KQUANT_LAYOUTS[kind]
+    x = torch.randn(64, k)
+    for dtype in (torch.float32, torch.bfloat16):
+        xs = x.to(dtype)
+        alone = torch.cat([K.linear_x16(xs[r:r + 1], w, n, layout) for r in range(64)])
+        assert alone.float().abs().max() > 1
+        for rows in (64, 37, 13, 8, 7):
+            got = K.linear_x16(xs[64 - rows:], w, n, layout)
+            assert torch.equal(got, alone[64 - rows:]), (dtype, rows)
+
+
 def test_the_prefetch_levels_give_the_same_floats(isa):
     # where the weight walks ask for their next lines (into L1, or into L2 and again further
     # ahead) changes no float: the dense GEMVs over each layout and the records kernel, on one

@@ -2097,6 +2097,8 @@ inline void gemv_groups(const uint8_t* w, const FFNArgs& a, int64_t n, int64_t b
   for (int64_t g = begin; g < end; g++) {
     const uint8_t* gw = w + g * gbytes;
     int64_t r = 0;
+    if constexpr (QV::LANES == 16)  // (AVX-512: eight rows' sums and a block's codes fit its registers)
+      for (; r + 8 <= a.B; r += 8) K::template group<8>(gw, a, r, n, g, y);
     for (; r + 4 <= a.B; r += 4) K::template group<4>(gw, a, r, n, g, y);
     switch (a.B - r) {
       case 3: K::template group<3>(gw, a, r, n, g, y); break;
