@@ -14,7 +14,8 @@ distinct random matrices of `--rows` x `--k` that together fill twice the last l
 same seed in both, so the same bytes), for `--seconds` after a warm-up. `--product q4c`: the
 input-sparse product (`kernels.linear_q4c`, the input's channels below the `--sparsity`
 quantile in magnitude dropped); `dense`: the dense GEMV the default path runs over the same
-zeroed input (q4x16); `records`: the records kernel's decode step (`kernels.neuron_ffn` through
+zeroed input (q4x16; with `--quant q4_k` or `q6_k` a K-quant matrix in its own bits, q4kx16 or
+q6kx16, as a Q4_K_M file's are held), over `--batch` input rows; `records`: the records kernel's decode step (`kernels.neuron_ffn` through
 `NeuronSet`, as a model calls it) over `--rows` neurons of a ReGLU FFN of width `--k` in
 `--format`, a random `--share` of them selected (64 selections drawn, every computed neuron
 firing), over as many layers as fill twice the last level cache (4 at least) in turn; with
@@ -61,14 +62,20 @@ def child(a) -> dict:
         return records(a, n, k, torch)
     dense_bytes = n * k * 9 // 16
     copies = max(2, -(-2 * last_level_cache() // dense_bytes))
-    mats = []
+    mats, layout = [], "q4x16"
     for _ in range(copies):
+        if a.quant != "q4_0":  # (the dense product only)
+            from powerinfer.formats.kquants import KQUANT_LAYOUTS, quantize
+            data = quantize((torch.randn(n, k) * 0.02).numpy(), a.quant.upper())
+            mats.append(kernels.pack_kquant(torch.from_numpy(data), a.quant.upper()))
+            layout = KQUANT_LAYOUTS[a.quant.upper()]
+            continue
         q = torch.randint(0, 16, (n, k), dtype=torch.uint8)
         scale = torch.rand(n, k // 32) * 0.01 + 0.001
         zero = torch.zeros(n, k // 32)
         mats.append(kernels.pack_q4c(q, scale, zero)[0] if a.product == "q4c"
                     else kernels.pack_q4x16(q, scale, zero))
-    x = torch.randn(1, k)
+    x = torch.randn(a.batch if a.product == "dense" else 1, k)
     t = float(x.abs().quantile(a.sparsity)) if a.sparsity > 0 else 0.0
     kind = kernels.Q4C_KINDS.index(a.quant)
     dense_in = torch.where(x.abs() > t, x, 0.0)
@@ -77,7 +84,7 @@ def child(a) -> dict:
         if a.product == "q4c":
             kernels.linear_q4c(x, w, n, kind, t)
         else:
-            kernels.linear_x16(dense_in, w, n, "q4x16")
+            kernels.linear_x16(dense_in, w, n, layout)
 
     for w in mats:  # warm-up
         call(w)
@@ -125,8 +132,9 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--other", required=True, help="the other checkout (its repository root)")
     ap.add_argument("--product", default="q4c", choices=["q4c", "dense", "records"])
-    ap.add_argument("--quant", default="q4_0", choices=["q4_0"],
-                    help="the matrices' blocks (Q4_0: what `pack_q4c` and `pack_q4x16` take)")
+    ap.add_argument("--quant", default="q4_0", choices=["q4_0", "q4_k", "q6_k"],
+                    help="the matrices' blocks (Q4_0: what `pack_q4c` and `pack_q4x16` take; the "
+                         "dense product also a K-quant's own)")
     ap.add_argument("--rows", type=int, default=12288)
     ap.add_argument("--k", type=int, default=4096)
     ap.add_argument("--sparsity", type=float, default=0.25)
@@ -135,7 +143,7 @@ def main():
     ap.add_argument("--format", default="q4_0", choices=["q4_0", "q4_1", "i8"],
                     help="records: the records' format")
     ap.add_argument("--batch", type=int, default=1,
-                    help="records: input rows a step, each keeping its own share")
+                    help="records: input rows a step, each keeping its own share; dense: input rows")
     ap.add_argument("--rounds", type=int, default=6)
     ap.add_argument("--seconds", type=float, default=2.0)
     ap.add_argument("--threads", type=int, default=0, help="0: torch's default")
@@ -145,6 +153,8 @@ def main():
     a = ap.parse_args()
     if a.rows % 128 or a.k % 256:
         ap.error("--rows: a multiple of 128; --k: a multiple of 256")
+    if a.quant != "q4_0" and a.product != "dense":
+        ap.error("--quant q4_k/q6_k: the dense product only")
     if a.child:
         print(json.dumps(child(a)))
         return
@@ -161,7 +171,7 @@ def main():
             f"selected" + (f" by each of {a.batch} rows" if a.batch > 1 else "")
             if a.product == "records" else
             f"{a.product} product, {a.rows} x {a.k} {a.quant}, {a.sparsity:.0%} of the input "
-            "dropped")
+            "dropped" + (f", {a.batch} rows" if a.product == "dense" and a.batch > 1 else ""))
     print(f"{what}; this: {commits['this']}, other: {commits['other']}; {a.rounds} rounds\n")
     for r in range(a.rounds):
         for name, tree in trees.items():
