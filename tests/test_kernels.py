@@ -311,24 +311,28 @@ def test_a_full_batchs_rows_each_answer_as_alone(isa, fmt):
         torch.set_num_threads(threads)
 
 
-@pytest.mark.parametrize("fmt", ["q4_1", "q8_0", "f32"])
+@pytest.mark.parametrize("fmt", ["q4_0", "q4_1", "q8_0", "bf16", "i8", "f32"])
 def test_every_activation_answers_alone_in_a_batch(isa, fmt):
     # a batch reads each neuron's gate row for the rows that keep it and its up row for those
-    # whose gate opened: with every activation, with and without a threshold, a row's answer is
-    # the same floats alone, where rows keep different neurons and shut different gates
+    # whose gate opened: with every activation, with and without a threshold and a bias, a row's
+    # answer is the same floats alone, where rows keep different neurons and shut different
+    # gates, some selected neurons are kept by no row, and rows are long enough for whole
+    # 16-block chunks of the split 4-bit rows
     torch.manual_seed(13)
-    dim, ffn, B = 96, 240, 7
-    rows3 = torch.randn(3, ffn, dim)
+    dim, ffn, B = 1024, 96, 7
+    rows3 = torch.randn(3, ffn, dim) / 8
     x = torch.randn(B, dim)
     rows = torch.rand(B, ffn) < 0.4
+    sel = rows.any(0) | (torch.rand(ffn) < 0.5)
+    assert (sel & ~rows.any(0)).any()
     for act in K.ACTS:
         gated = act not in ("relu", "gelu")
         w = K.pack(rows3[0] if gated else None, rows3[1], rows3[2], fmt)
-        for threshold in (0.0, 0.4):
-            batched = K.neuron_ffn(x, w, rows.any(0), rows, None, threshold, act, fmt)
-            assert batched.abs().max() > 1, (act, threshold)
+        for threshold, bias in ((0.0, None), (0.4, torch.randn(ffn))):
+            batched = K.neuron_ffn(x, w, sel, rows, bias, threshold, act, fmt)
+            assert batched.float().abs().max() > 1, (act, threshold)
             for r in range(B):
-                alone = K.neuron_ffn(x[r:r + 1], w, rows[r], None, None, threshold, act, fmt)
+                alone = K.neuron_ffn(x[r:r + 1], w, rows[r], None, bias, threshold, act, fmt)
                 assert torch.equal(alone, batched[r:r + 1]), (act, threshold, r)
 
 

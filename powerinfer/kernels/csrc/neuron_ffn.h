@@ -1115,6 +1115,10 @@ inline bool activations(const FFNArgs& a, int64_t jj, const float* g, const floa
   const int64_t j = a.sel[jj];
   bool any = false;
   for (int64_t r = 0; r < a.B; r++) {
+    if (!kept(a, r, jj)) {  // (in a batch its dot products were not computed for this row)
+      h[r] = 0.0f;
+      continue;
+    }
     const float uu = u[r] + (a.bias ? a.bias[j] : 0.0f);
     float score, hh;
     switch (a.act) {
@@ -1126,7 +1130,6 @@ inline bool activations(const FFNArgs& a, int64_t jj, const float* g, const floa
       default: { const float s = silu(g[r]); score = std::fabs(s); hh = s * uu; }
     }
     if (a.threshold > 0 && !(score > a.threshold)) hh = 0.0f;
-    if (!kept(a, r, jj)) hh = 0.0f;
     h[r] = hh;
     any |= hh != 0.0f;
   }
