@@ -15,8 +15,9 @@ same seed in both, so the same bytes), for `--seconds` after a warm-up. `--produ
 input-sparse product (`kernels.linear_q4c`, the input's channels below the `--sparsity`
 quantile in magnitude dropped); `dense`: the dense GEMV the default path runs over the same
 zeroed input (q4x16; with `--quant q4_k` or `q6_k` a K-quant matrix in its own bits, q4kx16 or
-q6kx16, as a Q4_K_M file's are held), over `--batch` input rows; `records`: the records kernel's decode step (`kernels.neuron_ffn` through
-`NeuronSet`, as a model calls it) over `--rows` neurons of a ReGLU FFN of width `--k` in
+q6kx16, as a Q4_K_M file's are held), over `--batch` input rows; `records`: the records
+kernel's decode step (`kernels.neuron_ffn` through `NeuronSet`, as a model calls it) over
+`--rows` neurons of a ReGLU FFN of width `--k` in
 `--format`, a random `--share` of them selected (64 selections drawn, every computed neuron
 firing), over as many layers as fill twice the last level cache (4 at least) in turn; with
 `--batch B`, B input rows, each keeping its own `--share` of the neurons, drawn with a power
@@ -62,19 +63,21 @@ def child(a) -> dict:
         return records(a, n, k, torch)
     dense_bytes = n * k * 9 // 16
     copies = max(2, -(-2 * last_level_cache() // dense_bytes))
-    mats, layout = [], "q4x16"
-    for _ in range(copies):
-        if a.quant != "q4_0":  # (the dense product only)
-            from powerinfer.formats.kquants import KQUANT_LAYOUTS, quantize
-            data = quantize((torch.randn(n, k) * 0.02).numpy(), a.quant.upper())
-            mats.append(kernels.pack_kquant(torch.from_numpy(data), a.quant.upper()))
-            layout = KQUANT_LAYOUTS[a.quant.upper()]
-            continue
+    from powerinfer.formats.kquants import KQUANT_LAYOUTS, quantize
+    kquant = a.quant.upper() if a.quant != "q4_0" else None  # (the dense product only)
+    layout = KQUANT_LAYOUTS[kquant] if kquant else "q4x16"
+
+    def matrix():
+        if kquant:
+            data = quantize((torch.randn(n, k) * 0.02).numpy(), kquant)
+            return kernels.pack_kquant(torch.from_numpy(data), kquant)
         q = torch.randint(0, 16, (n, k), dtype=torch.uint8)
         scale = torch.rand(n, k // 32) * 0.01 + 0.001
         zero = torch.zeros(n, k // 32)
-        mats.append(kernels.pack_q4c(q, scale, zero)[0] if a.product == "q4c"
-                    else kernels.pack_q4x16(q, scale, zero))
+        return (kernels.pack_q4c(q, scale, zero)[0] if a.product == "q4c"
+                else kernels.pack_q4x16(q, scale, zero))
+
+    mats = [matrix() for _ in range(copies)]
     x = torch.randn(a.batch if a.product == "dense" else 1, k)
     t = float(x.abs().quantile(a.sparsity)) if a.sparsity > 0 else 0.0
     kind = kernels.Q4C_KINDS.index(a.quant)
@@ -163,8 +166,7 @@ def main():
         ap.error(f"--other {a.other}: not a checkout of this project")
     args = [a.product, "--quant", a.quant, "--rows", str(a.rows), "--k", str(a.k), "--sparsity",
             str(a.sparsity), "--share", str(a.share), "--format", a.format, "--batch",
-            str(a.batch), "--seconds",
-            str(a.seconds), "--threads", str(a.threads)]
+            str(a.batch), "--seconds", str(a.seconds), "--threads", str(a.threads)]
     times = {name: [] for name in trees}
     commits = {name: commit(tree) for name, tree in trees.items()}
     what = (f"records decode step, {a.rows} neurons of width {a.k} in {a.format}, {a.share:.0%} "

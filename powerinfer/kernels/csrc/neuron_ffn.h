@@ -1188,12 +1188,12 @@ int64_t acts_fmt(const FFNArgs& a, int64_t begin, int64_t end, float* hout, int6
     for (int64_t jj = first(t); jj < first(t) + P; jj++)
       if (rec(jj)) {
         if (lists) {
-          int64_t* to = keeps[slot(jj)][(jj - begin) % P];
+          const int64_t s = slot(jj), k = (jj - begin) % P;
           int64_t c = 0;
           for (int64_t r = 0; r < B; r++)
-            if (kept(a, r, jj)) to[c++] = r;
-          nkeep[slot(jj)][(jj - begin) % P] = c;
-          rlist[n] = to, rcount[n] = c;
+            if (kept(a, r, jj)) keeps[s][k][c++] = r;
+          nkeep[s][k] = c;
+          rlist[n] = keeps[s][k], rcount[n] = c;
         }
         rows[n] = rec(jj), outs[n++] = dots(jj);
       }
