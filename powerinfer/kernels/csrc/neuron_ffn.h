@@ -1299,21 +1299,51 @@ PREFETCHES void ask_block_lines(const uint8_t* const* near, const uint8_t* const
 }
 
 #if defined(__AVX512F__)
+// The Q8_0 down walks' requests for the next group's rows (near, nn of them, at the walk's
+// level) and the one's after (far, nfar of them, into L2): once per two blocks, by the first and
+// last bytes of the pair's 68, with no test per line or row. Two addresses reach every line of
+// the 68 where the pair starts at most 60 bytes into a line: for every pair of a row whose first
+// pair starts a multiple of 4 bytes in (each next one starts 68 bytes on). Else (an odd blo: one
+// thread's share of the blocks; a row whose bytes sit otherwise) the line after the first too.
+struct PairLines {
+  static constexpr int64_t db = 34;  // a Q8_0 block: f16 scale, 32 int8 weights
+  const uint8_t* const* near;
+  const uint8_t* const* far;
+  int nn, nfar;
+  bool two = true, l2;
+  PairLines(const uint8_t* const* near_, int nn_, const uint8_t* const* far_, int nfar_,
+            int64_t blo, bool l2_)
+      : near(near_), far(far_), nn(nn_), nfar(nfar_), l2(l2_) {
+    for (int k = 0; k < nn; k++) two &= ((uintptr_t)(near[k] + blo * db) & 3) == 0;
+    for (int k = 0; k < nfar; k++) two &= ((uintptr_t)(far[k] + blo * db) & 3) == 0;
+  }
+  PREFETCHES void ask(int64_t b, int64_t blo, int64_t bhi) const {
+    if ((b - blo) & 1) return;  // (asked at b - 1)
+    // blocks b and b + 1 (or b alone)
+    const int64_t o = b * db, end = (b + 1 < bhi ? 2 * db : db) - 1;
+    auto one = [&](const uint8_t* r, bool into_l2) __attribute__((always_inline)) {
+      prefetch_line(r + o, into_l2), prefetch_line(r + o + end, into_l2);
+      if (!two) prefetch_line(r + o + 64, into_l2);
+    };
+    for (int k = 0; k < nn; k++) one(near[k], l2);
+    for (int k = 0; k < nfar; k++) one(far[k], true);
+  }
+};
+
 // downs_fmt's one-row step (decode) over Q8_0 down rows: per block of out, each of the group's
 // rows' 32 weights widened and added as it is read (acc = fma(h d, w, acc), the group's rows in
 // order, out's block loaded and stored once: the same floats as axpy_block), and the lines of
-// the next group's rows (and, `far`, of the one's after, into L2) asked for once per two blocks,
-// by the first and last bytes of the pair's 68 (and the line between where a row's pairs can
-// span three), with no test per line. Where the
-// general walk widened all of a group's weights first and asked for each line that starts in a
-// block, row by row with a test for a missing one, a record took 0.79-1.03x the time with the
-// records in the caches (one thread), from memory 0.96x at 2% active and 0.88x at 20% (a tie at
-// 5-10% while memory read slowly), and the 8-layer 7B-shape token's FFN 0.95-0.96x while memory
-// read fast, on a Zen 5 EPYC (BENCHMARKS.md, "The records kernel's one-row down walk").
+// the next group's rows (and, `far`, of the one's after, into L2) asked for once per two blocks
+// (PairLines). Where the general walk widened all of a group's weights first and asked for
+// each line that starts in a block, row by row with a test for a missing one, a record took
+// 0.79-1.03x the time with the records in the caches (one thread), from memory 0.96x at 2%
+// active and 0.88x at 20% (a tie at 5-10% while memory read slowly), and the 8-layer 7B-shape
+// token's FFN 0.95-0.96x while memory read fast, on a Zen 5 EPYC (BENCHMARKS.md, "The records
+// kernel's one-row down walk").
 template <typename Row>
 void downs_one_q8(const int64_t* fired, int64_t nf, const float* hin, int64_t blo, int64_t bhi,
                   float* out, const Row& row, bool far_on, bool l2) {
-  constexpr int64_t db = 34;  // a Q8_0 block: f16 scale, 32 int8 weights
+  constexpr int64_t db = PairLines::db;
   constexpr int DG = 2 * DOWNS;  // (downs_fmt's group with AVX-512)
   for (int64_t i = 0; i < nf; i += DG) {
     const int dn = (int)std::min<int64_t>(DG, nf - i);
@@ -1326,23 +1356,9 @@ void downs_one_q8(const int64_t* fired, int64_t nf, const float* hin, int64_t bl
       rows[k] = row(i + k), near[k] = row(i + DG + k), far[k] = row(i + 2 * DG + k);
       h[k] = k < dn ? hin[fired[i + k]] : 0.0f;
     }
-    // Two addresses, a pair's first and last bytes, reach every line of its 68 where it starts
-    // at most 60 bytes into a line: for every pair of a row whose first pair starts a multiple
-    // of 4 bytes in (each next one starts 68 bytes on). Else (an odd blo: one thread's share of
-    // the blocks; a row whose bytes sit otherwise) the line after the first too.
-    bool two = true;
-    for (int k = 0; k < nn; k++) two &= ((uintptr_t)(near[k] + blo * db) & 3) == 0;
-    for (int k = 0; k < nfar; k++) two &= ((uintptr_t)(far[k] + blo * db) & 3) == 0;
+    const PairLines lines(near, nn, far, nfar, blo, l2);
     for (int64_t b = blo; b < bhi; b++) {
-      if (((b - blo) & 1) == 0) {  // the lines of blocks b and b + 1 (b alone where it is the last)
-        const int64_t o = b * db, end = (b + 1 < bhi ? 2 * db : db) - 1;
-        auto ask = [&](const uint8_t* r, bool into_l2) __attribute__((always_inline)) {
-          prefetch_line(r + o, into_l2), prefetch_line(r + o + end, into_l2);
-          if (!two) prefetch_line(r + o + 64, into_l2);
-        };
-        for (int k = 0; k < nn; k++) ask(near[k], l2);
-        for (int k = 0; k < nfar; k++) ask(far[k], true);
-      }
+      lines.ask(b, blo, bhi);
       float* o = out + 32 * b;
       __m512 a0 = _mm512_loadu_ps(o), a1 = _mm512_loadu_ps(o + 16);
       for (int k = 0; k < dn; k++) {
@@ -1364,15 +1380,17 @@ void downs_one_q8(const int64_t* fired, int64_t nf, const float* hin, int64_t bl
 // at every block: a branch the predictor missed, a sixth of a 32-row step's down-row samples),
 // and per block of out the group's weights widened once into L1 and each row's block loaded and
 // stored once for RG neurons (where the general walk's eight left out's loads and stores at a
-// third of its samples); the next group's lines asked for as the general walk asks for its next
-// group's, and where `far_ahead` says so the group's after that into L2 (ask_block_lines). Each
+// third of its samples); the next group's lines, and where `far_ahead` says so the group's after
+// that into L2, asked for once per two blocks (PairLines: the step over 4, 8 and 16 rows
+// 1.06x, 1.05x and 1.02x by the rounds' median, where a test per line and row (ask_block_lines)
+// was a tenth of this walk's samples at 4 rows; a Zen 5 EPYC). Each
 // row's sums are the general walk's (acc = fma(h d, w, acc), the neurons in order, a zero
 // activation skipped): the same floats.
 constexpr int RG = 32;
 template <typename Row>
 void downs_rows_q8(const int64_t* fired, int64_t nf, const float* hin, int64_t B, int64_t dim, int64_t blo,
                    int64_t bhi, float* out, const Row& row, bool far_on, bool l2) {
-  constexpr int64_t db = 34;
+  constexpr int64_t db = PairLines::db;
   alignas(64) float wb[RG][32];
   uint8_t list[MAXB][RG];
   float hr[MAXB][RG];
@@ -1393,8 +1411,10 @@ void downs_rows_q8(const int64_t* fired, int64_t nf, const float* hin, int64_t B
       }
       cnt[r] = c;
     }
+    const PairLines lines(near, (int)std::clamp<int64_t>(nf - i - RG, 0, RG), far,
+                          far_on ? (int)std::clamp<int64_t>(nf - i - 2 * RG, 0, RG) : 0, blo, l2);
     for (int64_t b = blo; b < bhi; b++) {
-      ask_block_lines<RG>(near, far, b, blo, db, l2);
+      lines.ask(b, blo, bhi);
       float s[RG];
       for (int k = 0; k < gn; k++) {
         const uint8_t* q = rows[k] + b * db;
