@@ -48,10 +48,13 @@ Scenarios (`--scenarios`, default all, in this order):
    `--tuned`; `--temperature T` samples every request at T (each system's own defaults for the
    other filters: ours the OpenAI API's, llama-server's its own; the handle's rows stay greedy).
    Columns: aggregate tok/s, ratio to llama-server, TTFT p50/p99, ITL p50/p99, the
-   scheduler's mean prefill step (its counters), errors. While the server runs the highest level,
-   stats() is sampled every 0.5 s: the peak share of KV blocks held (and of how many), the peak of
-   running sequences, preemptions, and the requests that waited while blocks were free (the peak
-   of "waiting" over samples with kv_usage < 0.9: admission, not memory, held them back).
+   scheduler's mean prefill step (its counters), for our servers the CPU time (/proc/PID/stat)
+   a generated token took in Serve's hops (the ingress and Serve's proxy) and in the model's
+   processes (its replica, scheduler, executors, predictor), errors. While the server runs the
+   highest level, stats() is sampled every 0.5 s: the peak share of KV blocks held (and of how
+   many), the peak of running sequences, preemptions, and the requests that waited while blocks
+   were free (the peak of "waiting" over samples with kv_usage < 0.9: admission, not memory,
+   held them back).
 2. chat: `--chat-conversations` (8) conversations of `--chat-turns` (4) turns, run concurrently,
    each conversation's turns one after another; every turn sends the whole history: a shared
    system prompt of about `--system-tokens` (500) tokens of plain English (its length in the
@@ -649,12 +652,19 @@ def load_ours(args, server, label: str, levels: list[int]) -> tuple[list[dict], 
         sampler = Sampler(server.stats) if c == max(levels) else None
         if sampler:
             sampler.start()
+        cpu_before = cpu_snapshot()
         results, wall = asyncio.run(http_load(server.url, args.tokens, c, args.rounds,
                                               warm=c == levels[0],
                                               temperature=args.temperature))
+        cpu = cpu_report(cpu_before, cpu_snapshot(), sum(r.get("tokens") or 0 for r in results))
         samples = sampler.finish() if sampler else []
         after = server.stats()
         row = summarize(label, c, results, wall)
+        # CPU ms a token: Serve's hops (the ingress and the proxy) against the model's group
+        row["cpu_ms_per_token"] = {
+            part: sum(e["ms_per_token"] for e in cpu if any(n in e["process"] for n in names))
+            for part, names in (("hops", ("Ingress", "ProxyActor")),
+                                ("model", ("Executor", "Scheduler", "Predictor", "Model:")))}
         steps = after["prefill_steps"] - before["prefill_steps"]
         row["prefill_ms"] = (after["prefill_s"] - before["prefill_s"]) / max(steps, 1) * 1e3
         row["prefix_hits"] = after["prefix_hits"] - before["prefix_hits"]
@@ -699,16 +709,20 @@ def scenario_load(args, gguf: str) -> dict:
 
     llama = {r["concurrency"]: r for r in rows if r["system"] == LLAMA_NAME}
     out = ["| system | concurrency | tok/s (aggregate) | vs llama-server | TTFT p50 / p99 ms | "
-           "ITL p50 / p99 ms | mean prefill ms | errors |",
-           "|---|---:|---:|---:|---:|---:|---:|---:|"]
+           "ITL p50 / p99 ms | mean prefill ms | CPU ms a token: Serve's hops / the model | "
+           "errors |",
+           "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     order = {SERVE: 0, "engine handle, no Serve": 2, LLAMA_NAME: 3}
     for r in sorted(rows, key=lambda r: (r["concurrency"], order.get(r["system"], 1))):
         ref = llama.get(r["concurrency"])
         ratio = f"{r['tok_s'] / ref['tok_s']:.2f}x" if ref else "-"
         pre = f"{r['prefill_ms']:.0f}" if "prefill_ms" in r else "-"
+        cpu = r.get("cpu_ms_per_token")
+        cpu = f"{cpu['hops']:.2f} / {cpu['model']:.2f}" if cpu else "-"
         out.append(f"| {r['system']} | {r['concurrency']} | {r['tok_s']:.1f} | {ratio} | "
                    f"{r['ttft_p50_ms']:.0f} / {r['ttft_p99_ms']:.0f} | "
-                   f"{r['itl_p50_ms']:.1f} / {r['itl_p99_ms']:.1f} | {pre} | {r['errors']} |")
+                   f"{r['itl_p50_ms']:.1f} / {r['itl_p99_ms']:.1f} | {pre} | {cpu} | "
+                   f"{r['errors']} |")
     notes = []
     for label, m in memory.items():
         if not m:

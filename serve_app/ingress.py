@@ -325,6 +325,7 @@ class Ingress:
         # the server's stop: new requests refused, the choices streaming (`running`) given until
         # the announced time; each wait for a stream's next item (`waits`) then ends (`_next`)
         self.running = 0
+        self.metrics.streams.set_function(lambda: self.running)  # (read at each scrape)
         self.loop: asyncio.AbstractEventLoop | None = None  # (the one the requests run on)
         self.cut_at: float | None = None  # the loop's time those in flight end
         self.waits: set[asyncio.Timeout] = set()

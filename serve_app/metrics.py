@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import time
 
-from prometheus_client import (CollectorRegistry, Counter, Histogram, disable_created_metrics,
-                               generate_latest)
+from prometheus_client import (CollectorRegistry, Counter, Gauge, Histogram,
+                               disable_created_metrics, generate_latest)
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 P = "powerinfer:"
@@ -42,6 +42,8 @@ class Metrics:
             P + "input_sparsity_realised", "Share of the projections' input channels a request's "
             "decode steps skipped (input sparsity; the hot executor's count, one-row steps)",
             m, buckets=SHARE_BUCKETS, registry=r)
+        self.streams = Gauge(P + "ingress_streams", "Streams this ingress replica is sending "
+                             "(each choice of a request one)", registry=r)
         self.engines: dict[str, dict] = {}  # model name -> ModelServer.stats(), set at scrape
         r.register(_EngineCollector(self))
 

@@ -939,6 +939,9 @@ def test_metrics(server):
     assert samples[(p + "request_success_total", (("finished_reason", "length"),) + smol)] > 0
     for gauge in gauges:
         assert samples[(p + gauge, smol)] == 0, gauge
+    # the ingress's count of the streams it is sending back to 0 after the tests before:
+    # clients that hung up and requests that failed included
+    assert samples[(p + "ingress_streams", ())] == 0
     assert samples[(p + "prefix_cache_queries_total", smol)] > 0
     assert 0 <= samples[(p + "prefix_cache_hits_total", smol)] <= \
         samples[(p + "prefix_cache_queries_total", smol)]
