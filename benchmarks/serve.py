@@ -132,7 +132,6 @@ import json
 import os
 import shlex
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -307,9 +306,10 @@ async def http_load(url: str, tokens: int, c: int, rounds: int,
 # ---------------------------------------------------------------------------- the systems
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A port Ray's own processes will not take before the server binds it (one of the
+    ephemeral range did, and a served benchmark's proxy could not start)."""
+    from serve_app.server import free_port
+    return free_port()
 
 
 def http_status(url: str, timeout: float = 5) -> int | None:

@@ -30,6 +30,9 @@ from powerinfer.formats.loader import DEFAULT_MODEL, resolve_model
 from .settings import ServeSettings
 
 APP_NAME = "powerinfer"
+# ports the Ray instance a server starts listens on by default: the GCS, the dashboard, Ray
+# Client and the dashboard agent (a port picked as 52365 once lost it to the agent)
+RAY_PORTS = {6379, 8265, 10001, 52365}
 REQUEST_TIMEOUT_S = 600.0  # Serve's proxies cancel a request after this (a stream included)
 # at a stop, the responses in flight have this long to finish (Serve's own default grace; within
 # Kubernetes' 30 s between its SIGTERM and its SIGKILL, with time left for Ray's stop)
@@ -39,6 +42,28 @@ LOAD_NOTE_S = 15.0  # a line this often while the models load
 # at start, a model whose replica is not answering (its process died: Serve starts another) or
 # whose group is being rebuilt is waited for this long at a stretch before it is reported down
 UNAVAILABLE_WAIT_S = 120.0
+
+
+def free_port() -> int:
+    """A free local port that no process can take before a server started next binds it (for
+    tests and benchmarks that start servers): below Linux's range for ports handed out to binds
+    of port 0 (every Ray process's own gRPC servers bind those: one took a test's HTTP port
+    before its server did), above Ray's worker ports (10002-19999), none of RAY_PORTS."""
+    import random
+    import socket
+
+    ranges = Path("/proc/sys/net/ipv4/ip_local_port_range")
+    low = int(ranges.read_text().split()[0]) if ranges.exists() else 32768
+    while True:
+        port = random.randrange(20000, max(low, 20001))
+        if port in RAY_PORTS:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        return port
 
 
 @dataclass(frozen=True, slots=True)

@@ -11,7 +11,6 @@ checks that nothing is left behind.
 """
 import json
 import os
-import random
 import re
 import signal
 import socket
@@ -31,6 +30,7 @@ import yaml
 from powerinfer import Config, PowerInfer
 from powerinfer.compat import LOOPBACK_SWITCH, loopback_node
 from powerinfer.sparsity.synthetic import write_synthetic
+from serve_app.server import free_port
 from conftest import FLOAT32_INT4
 
 SMOL, TINY, BROKEN, GEMMA, TWIN = "smollm2", "tiny", "broken", "gemma3", "twin"
@@ -42,30 +42,6 @@ MAX_BODY = 65536
 APP = "powerinfer"
 DRAIN_S = 2.0  # the server's --drain-timeout: its stop ends the responses in flight after this
 POWERINFER = Path(sys.executable).with_name("powerinfer")
-
-
-# ports the Ray instance the server starts listens on by default, whatever is free when the test
-# picks its own: the GCS, the dashboard, Ray Client and the dashboard agent (a gRPC port picked as
-# 52365 once lost it to the agent, and the server could not start)
-RAY_PORTS = {6379, 8265, 10001, 52365}
-
-
-def free_port() -> int:
-    """A free port that no process can take before the server binds it: below Linux's range for
-    ports handed out to binds of port 0 (every Ray process's own gRPC servers bind those: one took
-    the test's HTTP port before the server did) and above Ray's worker ports (10002-19999)."""
-    low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0]) \
-        if Path("/proc/sys/net/ipv4/ip_local_port_range").exists() else 32768
-    while True:
-        port = random.randrange(20000, max(low, 20001))
-        if port in RAY_PORTS:
-            continue
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-        return port
 
 
 def ray_pids() -> set[int]:
