@@ -1299,8 +1299,9 @@ PREFETCHES void ask_block_lines(const uint8_t* const* near, const uint8_t* const
 }
 
 #if defined(__AVX512F__)
-// The Q8_0 down walks' requests for the next group's rows (near, nn of them, at the walk's
-// level) and the one's after (far, nfar of them, into L2): once per two blocks, by the first and
+// The Q8_0 down walks' requests, for a group of g rows with `left` rows from its first on,
+// over the blocks [blo, bhi): for the next group's rows (near, those that exist, at the walk's
+// level) and, `far_on`, the one's after (far, into L2): once per two blocks, by the first and
 // last bytes of the pair's 68, with no test per line or row. Two addresses reach every line of
 // the 68 where the pair starts at most 60 bytes into a line: for every pair of a row whose first
 // pair starts a multiple of 4 bytes in (each next one starts 68 bytes on). Else (an odd blo: one
@@ -1309,15 +1310,18 @@ struct PairLines {
   static constexpr int64_t db = 34;  // a Q8_0 block: f16 scale, 32 int8 weights
   const uint8_t* const* near;
   const uint8_t* const* far;
-  int nn, nfar;
+  int nn, nfar;  // how many of the next group's rows exist, and of the one's after (asked for)
+  int64_t blo, bhi;
   bool two = true, l2;
-  PairLines(const uint8_t* const* near_, int nn_, const uint8_t* const* far_, int nfar_,
-            int64_t blo, bool l2_)
-      : near(near_), far(far_), nn(nn_), nfar(nfar_), l2(l2_) {
+  PairLines(const uint8_t* const* near_, const uint8_t* const* far_, int64_t left, int g,
+            bool far_on, int64_t blo_, int64_t bhi_, bool l2_)
+      : near(near_), far(far_), nn((int)std::clamp<int64_t>(left - g, 0, g)),
+        nfar(far_on ? (int)std::clamp<int64_t>(left - 2 * g, 0, g) : 0), blo(blo_), bhi(bhi_),
+        l2(l2_) {
     for (int k = 0; k < nn; k++) two &= ((uintptr_t)(near[k] + blo * db) & 3) == 0;
     for (int k = 0; k < nfar; k++) two &= ((uintptr_t)(far[k] + blo * db) & 3) == 0;
   }
-  PREFETCHES void ask(int64_t b, int64_t blo, int64_t bhi) const {
+  PREFETCHES void ask(int64_t b) const {
     if ((b - blo) & 1) return;  // (asked at b - 1)
     // blocks b and b + 1 (or b alone)
     const int64_t o = b * db, end = (b + 1 < bhi ? 2 * db : db) - 1;
@@ -1347,18 +1351,15 @@ void downs_one_q8(const int64_t* fired, int64_t nf, const float* hin, int64_t bl
   constexpr int DG = 2 * DOWNS;  // (downs_fmt's group with AVX-512)
   for (int64_t i = 0; i < nf; i += DG) {
     const int dn = (int)std::min<int64_t>(DG, nf - i);
-    // how many of the next group's rows exist, and of the one's after (where asked for)
-    const int nn = (int)std::clamp<int64_t>(nf - i - DG, 0, DG);
-    const int nfar = far_on ? (int)std::clamp<int64_t>(nf - i - 2 * DG, 0, DG) : 0;
     const uint8_t *rows[DG], *near[DG], *far[DG];
     float h[DG];
     for (int k = 0; k < DG; k++) {
       rows[k] = row(i + k), near[k] = row(i + DG + k), far[k] = row(i + 2 * DG + k);
       h[k] = k < dn ? hin[fired[i + k]] : 0.0f;
     }
-    const PairLines lines(near, nn, far, nfar, blo, l2);
+    const PairLines lines(near, far, nf - i, DG, far_on, blo, bhi, l2);
     for (int64_t b = blo; b < bhi; b++) {
-      lines.ask(b, blo, bhi);
+      lines.ask(b);
       float* o = out + 32 * b;
       __m512 a0 = _mm512_loadu_ps(o), a1 = _mm512_loadu_ps(o + 16);
       for (int k = 0; k < dn; k++) {
@@ -1411,10 +1412,9 @@ void downs_rows_q8(const int64_t* fired, int64_t nf, const float* hin, int64_t B
       }
       cnt[r] = c;
     }
-    const PairLines lines(near, (int)std::clamp<int64_t>(nf - i - RG, 0, RG), far,
-                          far_on ? (int)std::clamp<int64_t>(nf - i - 2 * RG, 0, RG) : 0, blo, l2);
+    const PairLines lines(near, far, nf - i, RG, far_on, blo, bhi, l2);
     for (int64_t b = blo; b < bhi; b++) {
-      lines.ask(b, blo, bhi);
+      lines.ask(b);
       float s[RG];
       for (int k = 0; k < gn; k++) {
         const uint8_t* q = rows[k] + b * db;
