@@ -26,7 +26,8 @@ the model's own context), started afresh for each scenario (and each variant of 
 stopped, with its Ray instance, when it ends. `--tuned "FLAGS"` adds one labelled "tuned" row to
 the load scenario (and a table to the memory scenario): a server started with those extra
 `powerinfer serve` flags (`--tuned "--max-batch 8 --dtype float32"`; one flag alone as
-`--tuned=--no-prefix-cache`). Requests are
+`--tuned=--no-prefix-cache`), led by environment settings for the server's processes as a
+shell takes them (`--tuned "RAY_SERVE_USE_GRPC_BY_DEFAULT=0 --max-batch 8"`). Requests are
 streaming chat completions (`/v1/chat/completions`, "stream_options": {"include_usage": true}),
 greedy, with `ignore_eos` so that every output has its fixed length. Times are measured by the
 client: TTFT from sending a request to its first streamed token, ITL the gaps between its
@@ -130,6 +131,7 @@ import functools
 import hashlib
 import json
 import os
+import re
 import shlex
 import signal
 import subprocess
@@ -477,11 +479,22 @@ class RayAgent:
             self.proc.join()
 
 
+def tuned_parts(tuned: str) -> tuple[dict[str, str], list[str]]:
+    """`--tuned`'s leading NAME=VALUE words (the server's environment, as a shell takes them)
+    and its `powerinfer serve` flags."""
+    words, env = shlex.split(tuned), {}
+    while words and re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*=.*", words[0]):
+        name, value = words.pop(0).split("=", 1)
+        env[name] = value
+    return env, words
+
+
 @contextlib.contextmanager
 def our_server(args, flags: list[str] = (), config: Path | None = None):
-    """A `powerinfer serve --model M` (defaults, and `flags`; or the models file `config`), with
-    a Ray agent joined to its Ray instance for the model deployments' stats(); both stopped on
-    the way out."""
+    """A `powerinfer serve --model M` (defaults, and `flags`, led by NAME=VALUE words for its
+    environment: `tuned_parts`; or the models file `config`), with a Ray agent joined to its Ray
+    instance for the model deployments' stats(); both stopped on the way out."""
+    env, flags = tuned_parts(shlex.join(flags))
     port, grpc_port = free_port(), free_port()
     log = LOG_DIR / f"powerinfer-bench-serve-{port}.log"
     what = ["--config", str(config)] if config else ["--model", args.model, "--name", "m"]
@@ -489,7 +502,8 @@ def our_server(args, flags: list[str] = (), config: Path | None = None):
            "--port", str(port), "--grpc-port", str(grpc_port), *flags]
     print(f"  starting: {shlex.join(cmd[1:])} (log {log})", flush=True)
     with open(log, "w") as f:
-        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
+        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, start_new_session=True,
+                                env={**os.environ, **env})
     agent = None
     try:
         wait_http(f"http://127.0.0.1:{port}/health", proc, log)
