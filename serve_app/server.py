@@ -128,6 +128,16 @@ def say(*parts, **kw):
 
 
 CONTROL_LOOP_ENV, CONTROL_LOOP_S = "RAY_SERVE_CONTROL_LOOP_INTERVAL_S", "1.0"
+# How Serve's processes pass a request and its stream's chunks on: over the gRPC server every
+# replica already runs for the other deployments' calls (loopback on a local instance, Ray's
+# token required), not as Ray tasks with their results as objects (Ray Serve 2.60's default).
+# With SmolLM2 on a 2-core VM, the ingress and the proxy took 0.31-0.37 ms of CPU a streamed
+# token at 32 streams against 0.63-0.67, and the server decoded 1.07-1.40x as many tokens a
+# second from 8 streams up, one stream alike (BENCHMARKS.md, "Serve's hops over its replicas'
+# gRPC servers"). Each replica's code on its process's own loop as well (two more of Serve's
+# throughput settings) saved no more, and its time to the first token was longer. An
+# operator's own setting stays (the environment `powerinfer serve` starts in).
+SERVE_TRANSPORT_ENV = {"RAY_SERVE_USE_GRPC_BY_DEFAULT": "1"}
 
 
 def serve_forever(settings: ServeSettings, front: Frontend, demo: bool = False) -> int:
@@ -149,7 +159,8 @@ def serve_forever(settings: ServeSettings, front: Frontend, demo: bool = False) 
     # idle 2-core VM; once a second it takes 2% (a replica that dies is replaced up to 0.9 s
     # later; health checks run every 10 s anyway). The operator's own setting stays.
     env = {GRPC_HOST_ENV: front.host,
-           CONTROL_LOOP_ENV: os.environ.get(CONTROL_LOOP_ENV, CONTROL_LOOP_S)}
+           CONTROL_LOOP_ENV: os.environ.get(CONTROL_LOOP_ENV, CONTROL_LOOP_S),
+           **{k: os.environ.get(k, v) for k, v in SERVE_TRANSPORT_ENV.items()}}
     if not joined:  # (this host's proxy binds them)
         front.check_ports()
     # SIGTERM stops the server as Ctrl-C does (a handler that only raises takes no lock that

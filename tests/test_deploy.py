@@ -8,6 +8,7 @@ from pathlib import Path
 import yaml
 
 from serve_app.app import GRPC_SERVICER
+from serve_app.server import SERVE_TRANSPORT_ENV
 from serve_app.settings import ServeSettings
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -35,6 +36,9 @@ def test_the_rayservice_manifest_serves_the_application_with_token_auth():
         env = {e["name"]: e for e in c["env"]}
         assert env["RAY_AUTH_MODE"]["value"] == "token"
         assert "secretKeyRef" in env["RAY_AUTH_TOKEN"]["valueFrom"]
+        # Serve's hops as `powerinfer serve` sets them, in every pod's Ray processes
+        for k, v in SERVE_TRANSPORT_ENV.items():
+            assert env[k]["value"] == v, k
     worker = cluster["workerGroupSpecs"][0]
     assert "numa_node_0" in worker["rayStartParams"]["resources"]
     vols = worker["template"]["spec"]["volumes"]

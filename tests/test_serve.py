@@ -1306,6 +1306,30 @@ def test_serves_controller_loops_once_a_second(server):
     assert env[CONTROL_LOOP_ENV.encode()] == CONTROL_LOOP_S.encode() == b"1.0"
 
 
+def test_serve_passes_requests_over_its_replicas_grpc_servers(server):
+    # the proxy reaches the ingress, and the ingress the model deployments, over the gRPC server
+    # each replica runs (not as Ray tasks): every Serve process of the server starts with that
+    # setting
+    from serve_app.server import SERVE_TRANSPORT_ENV
+    assert SERVE_TRANSPORT_ENV["RAY_SERVE_USE_GRPC_BY_DEFAULT"] == "1"
+    seen = set()
+    for pid in ray_pids() - server.ray_before:
+        try:
+            cmd = Path(f"/proc/{pid}/cmdline").read_bytes()
+            env = dict(kv.split(b"=", 1) for kv in Path(f"/proc/{pid}/environ").read_bytes()
+                       .split(b"\0") if b"=" in kv)
+        except OSError:  # (gone)
+            continue
+        role = next((r for r in (b"ProxyActor", b"Ingress", b"Model:", b"ServeController")
+                     if r in cmd), None)
+        if role is None:
+            continue
+        seen.add(role)
+        for k, v in SERVE_TRANSPORT_ENV.items():
+            assert env.get(k.encode()) == v.encode(), (role, k, env.get(k.encode()))
+    assert seen == {b"ProxyActor", b"Ingress", b"Model:", b"ServeController"}, seen
+
+
 # ----------------------------------------------------------------------------------- security
 
 def test_ray_refuses_a_process_without_the_token(server, tmp_path):
