@@ -128,16 +128,23 @@ def say(*parts, **kw):
 
 
 CONTROL_LOOP_ENV, CONTROL_LOOP_S = "RAY_SERVE_CONTROL_LOOP_INTERVAL_S", "1.0"
-# How Serve's processes pass a request and its stream's chunks on: over the gRPC server every
-# replica already runs for the other deployments' calls (loopback on a local instance, Ray's
-# token required), not as Ray tasks with their results as objects (Ray Serve 2.60's default).
+# How Serve's processes pass their calls (the proxy's to the ingress, the ingress's to the model
+# deployments) and the calls' results and stream chunks: over the gRPC server every replica
+# already runs for them (loopback on a local instance, Ray's token required), not as Ray tasks
+# with their results as objects (Ray Serve 2.60's default; its source calls the setting one for
+# tests, and its RAY_SERVE_THROUGHPUT_OPTIMIZED turns it on). An HTTP request's body is still
+# read through Ray.
 # With SmolLM2 on a 2-core VM, the ingress and the proxy took 0.31-0.37 ms of CPU a streamed
 # token at 32 streams against 0.63-0.67, and the server decoded 1.07-1.40x as many tokens a
 # second from 8 streams up, one stream alike (BENCHMARKS.md, "Serve's hops over its replicas'
 # gRPC servers"). Each replica's code on its process's own loop as well (two more of Serve's
 # throughput settings) saved no more, and its time to the first token was longer. An
-# operator's own setting stays (the environment `powerinfer serve` starts in).
-SERVE_TRANSPORT_ENV = {"RAY_SERVE_USE_GRPC_BY_DEFAULT": "1"}
+# operator's own setting stays (the environment `powerinfer serve` starts in). A message on
+# that server may be as long as gRPC allows (2 GiB), as a Ray task's result was: at Serve's 4
+# MiB a whole response past it (16 choices of 700 tokens with their top logprobs, 5 MB) was a
+# 500 where Ray's tasks had carried it.
+SERVE_TRANSPORT_ENV = {"RAY_SERVE_USE_GRPC_BY_DEFAULT": "1",
+                       "RAY_SERVE_REPLICA_GRPC_MAX_MESSAGE_LENGTH": str(2**31 - 1)}
 
 
 def serve_forever(settings: ServeSettings, front: Frontend, demo: bool = False) -> int:
