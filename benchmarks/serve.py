@@ -479,10 +479,10 @@ class RayAgent:
             self.proc.join()
 
 
-def tuned_parts(tuned: str) -> tuple[dict[str, str], list[str]]:
-    """`--tuned`'s leading NAME=VALUE words (the server's environment, as a shell takes them)
-    and its `powerinfer serve` flags."""
-    words, env = shlex.split(tuned), {}
+def tuned_parts(words: list[str]) -> tuple[dict[str, str], list[str]]:
+    """`--tuned`'s words split: the leading NAME=VALUE ones (the server's environment, as a
+    shell takes them), and its `powerinfer serve` flags."""
+    words, env = list(words), {}
     while words and re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*=.*", words[0]):
         name, value = words.pop(0).split("=", 1)
         env[name] = value
@@ -494,13 +494,14 @@ def our_server(args, flags: list[str] = (), config: Path | None = None):
     """A `powerinfer serve --model M` (defaults, and `flags`, led by NAME=VALUE words for its
     environment: `tuned_parts`; or the models file `config`), with a Ray agent joined to its Ray
     instance for the model deployments' stats(); both stopped on the way out."""
-    env, flags = tuned_parts(shlex.join(flags))
+    env, flags = tuned_parts(flags)
     port, grpc_port = free_port(), free_port()
     log = LOG_DIR / f"powerinfer-bench-serve-{port}.log"
     what = ["--config", str(config)] if config else ["--model", args.model, "--name", "m"]
     cmd = [str(Path(sys.executable).with_name("powerinfer")), "serve", *what,
            "--port", str(port), "--grpc-port", str(grpc_port), *flags]
-    print(f"  starting: {shlex.join(cmd[1:])} (log {log})", flush=True)
+    shown = shlex.join([f"{k}={v}" for k, v in env.items()] + cmd[1:])
+    print(f"  starting: {shown} (log {log})", flush=True)
     with open(log, "w") as f:
         proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, start_new_session=True,
                                 env={**os.environ, **env})

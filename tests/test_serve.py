@@ -59,6 +59,12 @@ def ray_pids() -> set[int]:
     return out
 
 
+def environ(pid: int) -> dict[bytes, bytes]:
+    """A process's environment as it started (OSError where it is gone)."""
+    return dict(kv.split(b"=", 1) for kv in Path(f"/proc/{pid}/environ").read_bytes()
+                .split(b"\0") if b"=" in kv)
+
+
 class Server:
     def __init__(self, proc, port, grpc_port, log: Path):
         self.proc, self.log = proc, log
@@ -1301,8 +1307,7 @@ def test_serves_controller_loops_once_a_second(server):
     pids = [pid for pid in ray_pids() - server.ray_before
             if b"ray::ServeController" in Path(f"/proc/{pid}/cmdline").read_bytes()]
     assert len(pids) == 1, pids
-    env = dict(kv.split(b"=", 1) for kv in Path(f"/proc/{pids[0]}/environ").read_bytes()
-               .split(b"\0") if b"=" in kv)
+    env = environ(pids[0])
     assert env[CONTROL_LOOP_ENV.encode()] == CONTROL_LOOP_S.encode() == b"1.0"
 
 
@@ -1316,8 +1321,7 @@ def test_serve_passes_requests_over_its_replicas_grpc_servers(server):
     for pid in ray_pids() - server.ray_before:
         try:
             cmd = Path(f"/proc/{pid}/cmdline").read_bytes()
-            env = dict(kv.split(b"=", 1) for kv in Path(f"/proc/{pid}/environ").read_bytes()
-                       .split(b"\0") if b"=" in kv)
+            env = environ(pid)
         except OSError:  # (gone)
             continue
         role = next((r for r in (b"ProxyActor", b"Ingress", b"Model:", b"ServeController")
