@@ -164,10 +164,10 @@ def serve_forever(settings: ServeSettings, front: Frontend, demo: bool = False) 
     joined = bool(os.environ.get("RAY_ADDRESS"))
     # Serve's controller runs its control loop every 0.1 s by default, 5-6% of a core on an
     # idle 2-core VM; once a second it takes 2% (a replica that dies is replaced up to 0.9 s
-    # later; health checks run every 10 s anyway). The operator's own setting stays.
-    env = {GRPC_HOST_ENV: front.host,
-           CONTROL_LOOP_ENV: os.environ.get(CONTROL_LOOP_ENV, CONTROL_LOOP_S),
-           **{k: os.environ.get(k, v) for k, v in SERVE_TRANSPORT_ENV.items()}}
+    # later; health checks run every 10 s anyway). The operator's own setting stays, for it and
+    # for SERVE_TRANSPORT_ENV's alike.
+    defaults = {CONTROL_LOOP_ENV: CONTROL_LOOP_S, **SERVE_TRANSPORT_ENV}
+    env = {GRPC_HOST_ENV: front.host, **{k: os.environ.get(k, v) for k, v in defaults.items()}}
     if not joined:  # (this host's proxy binds them)
         front.check_ports()
     # SIGTERM stops the server as Ctrl-C does (a handler that only raises takes no lock that
