@@ -48,7 +48,16 @@ class Prepared:
 
 def prepare(model: str, config: Config, gpu: bool):
     """(Prepared, the model's table, its tokenizer); gpu: the hot executor takes a GPU
-    (`group.wants_gpu`, decided against the cluster by the caller)."""
+    (`group.wants_gpu`, decided against the cluster by the caller). Each file's header is parsed
+    once here (`parsed_once`): the load reads it four times over (the listing, the converted
+    copy's and the original's, the table), 2.9 of Gemma 3's 8.8 s of CPU on an EPYC Milan."""
+    from powerinfer.formats.gguf import parsed_once
+
+    with parsed_once():
+        return _prepare(model, config, gpu)
+
+
+def _prepare(model: str, config: Config, gpu: bool):
     from powerinfer.engine.budget import plan_for
     from powerinfer.engine.partial import dense_block
     from powerinfer.engine.plan import input_thresholds
