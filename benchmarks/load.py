@@ -13,6 +13,11 @@ page cache for both):
   copy: three files' headers, some more than once);
 - `load, fp32 dense`: `Config(dtype="float32", weights="dense")`, one file.
 
+Then, for each model, what a served model's replica runs before its group starts
+(`actors.prepare.prepare`, in a one-off task with torch: "auto" resolved, the table, the
+tokenizer, the KV pool and the plan) with each file's header parsed once (`parsed_once`, as it
+runs now) against parsed at every open (as it ran before), in turns, each after a warm-up call.
+
 Each is measured three ways (`reader`): `stock`, the stock reader (a `gguf.GGUFReader` call per
 array element: a vocabulary's tokens, scores and merges one at a time, and every open parsed
 anew); `views` (an array's elements sliced from one view, all of them at the parse; one load
@@ -113,6 +118,30 @@ def measure(model: str, turns: int) -> list[dict]:
     return rows
 
 
+def measure_prepare(model: str, turns: int) -> dict:
+    """A replica's `prepare` with the header parsed once against at every open, in turns."""
+    from actors.prepare import prepare
+    from powerinfer import Config
+    from powerinfer.formats import gguf as ours
+    from powerinfer.formats.loader import resolve_model
+
+    path = str(resolve_model(model))
+    prepare(path, Config(), False)  # (a converted copy, where the file needs one, made first)
+    times = {"each open": [], "once": []}
+    saved = ours.parsed_once
+    for turn in range(turns):
+        for way in (("each open", "once") if turn % 2 == 0 else ("once", "each open")):
+            ours.parsed_once = contextlib.nullcontext if way == "each open" else saved
+            try:
+                times[way].append(timed(lambda: prepare(path, Config(), False)))
+            finally:
+                ours.parsed_once = saved
+    med = {w: statistics.median(t) for w, t in times.items()}
+    return {"model": model, "each_open_s": round(med["each open"], 3),
+            "once_s": round(med["once"], 3), "speedup": round(med["each open"] / med["once"], 2),
+            "turns": {w: [round(x, 3) for x in t] for w, t in times.items()}}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--models", default="smollm2-135m-instruct,gemma3-270m")
@@ -120,6 +149,7 @@ def main() -> None:
     ap.add_argument("--out", default=None, help="write the rows as JSON here too")
     a = ap.parse_args()
     rows = [r for m in a.models.split(",") for r in measure(m, a.turns)]
+    prepared = [measure_prepare(m, a.turns) for m in a.models.split(",")]
     print(f"\n{platform.processor() or platform.machine()}, {datetime.date.today()}, "
           f"median of {a.turns} turns\n")
     print("| model | case | stock (s) | views (s) | now (s) | now vs stock | now vs views |\n"
@@ -127,8 +157,13 @@ def main() -> None:
     for r in rows:
         print(f"| {r['model']} | {r['case']} | {r['stock_s']:.2f} | {r['views_s']:.2f} | "
               f"{r['now_s']:.2f} | **{r['speedup']:.2f}x** | **{r['speedup_views']:.2f}x** |")
+    print("\nA served replica's `prepare`, its files' headers parsed at each open (before) and "
+          "once:\n\n| model | each open (s) | once (s) | once vs each open |\n|---|---:|---:|---:|")
+    for r in prepared:
+        print(f"| {r['model']} | {r['each_open_s']:.2f} | {r['once_s']:.2f} | "
+              f"**{r['speedup']:.2f}x** |")
     if a.out:
-        Path(a.out).write_text(json.dumps(rows, indent=1))
+        Path(a.out).write_text(json.dumps({"loads": rows, "prepare": prepared}, indent=1))
 
 
 if __name__ == "__main__":
