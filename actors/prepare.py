@@ -50,7 +50,8 @@ def prepare(model: str, config: Config, gpu: bool):
     """(Prepared, the model's table, its tokenizer); gpu: the hot executor takes a GPU
     (`group.wants_gpu`, decided against the cluster by the caller). Each file's header is parsed
     once here (`parsed_once`): the load reads it four times over (the listing, the converted
-    copy's and the original's, the table), 2.9 of Gemma 3's 8.8 s of CPU on an EPYC Milan."""
+    copy's and the original's, the table); Gemma 3's prepare 3.86 -> 3.01 s on an EPYC Milan
+    (`benchmarks/load.py`)."""
     from powerinfer.formats.gguf import parsed_once
 
     with parsed_once():
