@@ -907,31 +907,12 @@ inline void with_bool(bool b, F&& f) {
 // B with h[n][r] != 0: out's block loaded and stored once for the DN rows (a row at a time,
 // each axpy loaded and stored all of out: more bytes through L1 than the rows themselves).
 // Q8_0: the block's integers widened once, its scale folded into each row's activation (h d,
-// one scalar product a row and neuron, in place of scaling the 32 weights). With one input row
-// no activation is tested: a down row is added only if its neuron fired (acts_fmt).
+// one scalar product a row and neuron, in place of scaling the 32 weights; one input row of Q8_0
+// rows takes downs_one_q8). With one input row no activation is tested: a down row is added only
+// if its neuron fired (acts_fmt).
 template <int FMT, int DN>
 inline void axpy_block(const uint8_t* const* rows, int64_t blk, const float (*h)[MAXB], int64_t B,
                        int64_t dim, float* out) {
-  if constexpr (FMT == Q8_0 && NV > 2) {
-    if (B == 1) {  // one row (a decode step): each vector of weights widened as it is added, the
-      // same products in the same order as below, without DN x NV widened vectors live at once
-      // (more than AVX2's 16 registers hold: they went to the stack and back)
-      V hv[DN];
-      const int8_t* q[DN];
-      for (int n = 0; n < DN; n++) {
-        const uint8_t* b = rows[n] + blk * 34;
-        hv[n] = vset(h[n][0] * half(b));
-        q[n] = (const int8_t*)(b + 2);
-      }
-      float* o = out + 32 * blk;
-      for (int v = 0; v < NV; v++) {
-        V acc = vload(o + v * W);
-        for (int n = 0; n < DN; n++) acc = vfma(hv[n], i8_to_f32(q[n] + v * W), acc);
-        vstore(o + v * W, acc);
-      }
-      return;
-    }
-  }
   V w[DN][NV];
   float s[DN];
   for (int n = 0; n < DN; n++) {
@@ -1298,7 +1279,6 @@ PREFETCHES void ask_block_lines(const uint8_t* const* near, const uint8_t* const
     }
 }
 
-#if defined(__AVX512F__)
 // The Q8_0 down walks' requests, for a group of g rows with `left` rows from its first on,
 // over the blocks [blo, bhi): for the next group's rows (near, those that exist, at the walk's
 // level) and, `far_on`, the one's after (far, into L2): once per two blocks, by the first and
@@ -1334,16 +1314,19 @@ struct PairLines {
   }
 };
 
-// downs_fmt's one-row step (decode) over Q8_0 down rows: per block of out, each of the group's
-// rows' 32 weights widened and added as it is read (acc = fma(h d, w, acc), the group's rows in
-// order, out's block loaded and stored once: the same floats as axpy_block), and the lines of
-// the next group's rows (and, `far`, of the one's after, into L2) asked for once per two blocks
-// (PairLines). Where the general walk widened all of a group's weights first and asked for
-// each line that starts in a block, row by row with a test for a missing one, a record took
+// downs_fmt's one-row step (decode) over Q8_0 down rows, every build: per block of out, each of
+// the group's rows' 32 weights widened and added as it is read (acc = fma(h d, w, acc), the
+// group's rows in order, out's block loaded and stored once: the same floats as axpy_block), and
+// the lines of the next group's rows (and, `far`, of the one's after, into L2) asked for once per
+// two blocks (PairLines). Where the general walk widened all of a group's weights first and asked
+// for each line that starts in a block, row by row with a test for a missing one, a record took
 // 0.79-1.03x the time with the records in the caches (one thread), from memory 0.96x at 2%
 // active and 0.88x at 20% (a tie at 5-10% while memory read slowly), and the 8-layer 7B-shape
 // token's FFN 0.95-0.96x while memory read fast, on a Zen 5 EPYC (BENCHMARKS.md, "The records
-// kernel's one-row down walk").
+// kernel's one-row down walk"). With AVX2 the general walk was a call per block of four rows,
+// each widened vector added as it was read, and the same test per line: the walk here, eight
+// rows a group, took 0.70-0.75x its time over a thread's records in L3 on an EPYC Milan
+// (BENCHMARKS.md, "The AVX2 records kernel's one-row down walk").
 template <typename Row>
 void downs_one_q8(const int64_t* fired, int64_t nf, const float* hin, int64_t blo, int64_t bhi,
                   float* out, const Row& row, bool far_on, bool l2) {
@@ -1358,21 +1341,24 @@ void downs_one_q8(const int64_t* fired, int64_t nf, const float* hin, int64_t bl
       h[k] = k < dn ? hin[fired[i + k]] : 0.0f;
     }
     const PairLines lines(near, far, nf - i, DG, far_on, blo, bhi, l2);
-    for (int64_t b = blo; b < bhi; b++) {
-      lines.ask(b);
-      float* o = out + 32 * b;
-      __m512 a0 = _mm512_loadu_ps(o), a1 = _mm512_loadu_ps(o + 16);
-      for (int k = 0; k < dn; k++) {
-        const uint8_t* q = rows[k] + b * db;
-        const __m512 hv = _mm512_set1_ps(h[k] * half(q));
-        a0 = _mm512_fmadd_ps(hv, i8_to_f32((const int8_t*)q + 2), a0);
-        a1 = _mm512_fmadd_ps(hv, i8_to_f32((const int8_t*)q + 18), a1);
+    with_bool(dn == DG, [&](auto full) {  // (a whole group's row loop unrolled)
+      const int n = decltype(full)::value ? DG : dn;
+      for (int64_t b = blo; b < bhi; b++) {
+        lines.ask(b);
+        float* o = out + 32 * b;
+        V acc[NV];
+        for (int v = 0; v < NV; v++) acc[v] = vload(o + v * W);
+        for (int k = 0; k < n; k++) {
+          const uint8_t* q = rows[k] + b * db;
+          const V hv = vset(h[k] * half(q));
+          for (int v = 0; v < NV; v++) acc[v] = vfma(hv, i8_to_f32((const int8_t*)q + 2 + v * W), acc[v]);
+        }
+        for (int v = 0; v < NV; v++) vstore(o + v * W, acc[v]);
       }
-      _mm512_storeu_ps(o, a0), _mm512_storeu_ps(o + 16, a1);
-    }
+    });
   }
 }
-#endif
+
 
 #if defined(__AVX512F__)
 // downs_fmt's step over several input rows (a batch's decode) and Q8_0 down rows: the fired
@@ -1456,12 +1442,11 @@ void downs_fmt(const FFNArgs& a, const int64_t* fired, int64_t nf, const float* 
     return i < nf ? a.w + a.sel[fired[i]] * a.neuron_bytes + skip : nullptr;
   };
   const bool far_on = far_ahead.load(std::memory_order_relaxed) & FAR_DOWNS, l2 = prefetch_to_l2();
+  if constexpr (DFMT == Q8_0)
+    if (B == 1) return downs_one_q8(fired, nf, hin, blo, bhi, out, row, far_on, l2);
 #if defined(__AVX512F__)
   static_assert(DG == 2 * DOWNS);
-  if constexpr (DFMT == Q8_0) {
-    if (B == 1) return downs_one_q8(fired, nf, hin, blo, bhi, out, row, far_on, l2);
-    return downs_rows_q8(fired, nf, hin, B, dim, blo, bhi, out, row, far_on, l2);
-  }
+  if constexpr (DFMT == Q8_0) return downs_rows_q8(fired, nf, hin, B, dim, blo, bhi, out, row, far_on, l2);
 #endif
   for (int64_t i = 0; i < nf; i += DG) {
     const int dn = (int)std::min<int64_t>(DG, nf - i);
