@@ -1359,12 +1359,11 @@ void downs_one_q8(const int64_t* fired, int64_t nf, const float* hin, int64_t bl
   }
 }
 
-
-#if defined(__AVX512F__)
-// downs_fmt's step over several input rows (a batch's decode) and Q8_0 down rows: the fired
-// neurons RG at a time; per row, the group's neurons whose activation in that row is not zero,
-// found once for the group (where the general walk tested every neuron's activation in every row
-// at every block: a branch the predictor missed, a sixth of a 32-row step's down-row samples),
+// downs_fmt's step over several input rows (a batch's decode) and Q8_0 down rows, every build:
+// the fired neurons RG at a time; per row, the group's neurons whose activation in that row is
+// not zero, found once for the group (where the general walk tested every neuron's activation in
+// every row at every block: a branch the predictor missed, a sixth of a 32-row step's down-row
+// samples),
 // and per block of out the group's weights widened once into L1 and each row's block loaded and
 // stored once for RG neurons (where the general walk's eight left out's loads and stores at a
 // third of its samples); the next group's lines, and where `far_ahead` says so the group's after
@@ -1372,7 +1371,10 @@ void downs_one_q8(const int64_t* fired, int64_t nf, const float* hin, int64_t bl
 // 1.06x, 1.05x and 1.02x by the rounds' median, where a test per line and row (ask_block_lines)
 // was a tenth of this walk's samples at 4 rows; a Zen 5 EPYC). Each
 // row's sums are the general walk's (acc = fma(h d, w, acc), the neurons in order, a zero
-// activation skipped): the same floats.
+// activation skipped): the same floats. Every build: with AVX2 the general walk (four rows a
+// group, every activation tested at every block) took 1.1x, 1.2x, 1.9x, 2.8x and 3.6x this one's
+// time over 2, 4, 8, 16 and 32 rows (the down phase alone, a thread's rows in the caches, an EPYC
+// Milan; BENCHMARKS.md, "The AVX2 records kernel's one-row down walk").
 constexpr int RG = 32;
 template <typename Row>
 void downs_rows_q8(const int64_t* fired, int64_t nf, const float* hin, int64_t B, int64_t dim, int64_t blo,
@@ -1405,30 +1407,28 @@ void downs_rows_q8(const int64_t* fired, int64_t nf, const float* hin, int64_t B
       for (int k = 0; k < gn; k++) {
         const uint8_t* q = rows[k] + b * db;
         s[k] = half(q);
-        _mm512_store_ps(wb[k], i8_to_f32((const int8_t*)q + 2));
-        _mm512_store_ps(wb[k] + 16, i8_to_f32((const int8_t*)q + 18));
+        for (int v = 0; v < NV; v++) vstore(wb[k] + v * W, i8_to_f32((const int8_t*)q + 2 + v * W));
       }
       for (int64_t r = 0; r < B; r++) {
         if (!cnt[r]) continue;
         float* o = out + r * dim + 32 * b;
-        __m512 a0 = _mm512_loadu_ps(o), a1 = _mm512_loadu_ps(o + 16);
+        V acc[NV];
+        for (int v = 0; v < NV; v++) acc[v] = vload(o + v * W);
         for (int c = 0; c < cnt[r]; c++) {
           const int k = list[r][c];
-          const __m512 hv = _mm512_set1_ps(hr[r][c] * s[k]);
-          a0 = _mm512_fmadd_ps(hv, _mm512_load_ps(wb[k]), a0);
-          a1 = _mm512_fmadd_ps(hv, _mm512_load_ps(wb[k] + 16), a1);
+          const V hv = vset(hr[r][c] * s[k]);
+          for (int v = 0; v < NV; v++) acc[v] = vfma(hv, vload(wb[k] + v * W), acc[v]);
         }
-        _mm512_storeu_ps(o, a0), _mm512_storeu_ps(o + 16, a1);
+        for (int v = 0; v < NV; v++) vstore(o + v * W, acc[v]);
       }
     }
   }
 }
-#endif
 
-// DownsFn: the fired neurons' down rows DG at a time (one load and store of out's block for
-// the group, added in the group's order: the same sums as one at a time), each group's pass over
-// the blocks asking for the next group's lines and, where `far_ahead` says so, into L2 the
-// group's after that.
+// DownsFn: Q8_0 down rows (the 4-bit records') by the walks above; the others' (f32, bf16, i8)
+// DG at a time (one load and store of out's block for the group, added in the group's order:
+// the same sums as one at a time), each group's pass over the blocks asking for the next group's
+// lines and, where `far_ahead` says so, into L2 the group's after that.
 template <int FMT, int DFMT>
 void downs_fmt(const FFNArgs& a, const int64_t* fired, int64_t nf, const float* hin, int64_t blo, int64_t bhi,
                float* out) {
@@ -1442,12 +1442,10 @@ void downs_fmt(const FFNArgs& a, const int64_t* fired, int64_t nf, const float* 
     return i < nf ? a.w + a.sel[fired[i]] * a.neuron_bytes + skip : nullptr;
   };
   const bool far_on = far_ahead.load(std::memory_order_relaxed) & FAR_DOWNS, l2 = prefetch_to_l2();
-  if constexpr (DFMT == Q8_0)
+  if constexpr (DFMT == Q8_0) {
     if (B == 1) return downs_one_q8(fired, nf, hin, blo, bhi, out, row, far_on, l2);
-#if defined(__AVX512F__)
-  static_assert(DG == 2 * DOWNS);
-  if constexpr (DFMT == Q8_0) return downs_rows_q8(fired, nf, hin, B, dim, blo, bhi, out, row, far_on, l2);
-#endif
+    return downs_rows_q8(fired, nf, hin, B, dim, blo, bhi, out, row, far_on, l2);
+  }
   for (int64_t i = 0; i < nf; i += DG) {
     const int dn = (int)std::min<int64_t>(DG, nf - i);
     const uint8_t *rows[DG], *near[DG], *far[DG];
