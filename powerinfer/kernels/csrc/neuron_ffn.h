@@ -1324,9 +1324,10 @@ struct PairLines {
 // active and 0.88x at 20% (a tie at 5-10% while memory read slowly), and the 8-layer 7B-shape
 // token's FFN 0.95-0.96x while memory read fast, on a Zen 5 EPYC (BENCHMARKS.md, "The records
 // kernel's one-row down walk"). With AVX2 the general walk was a call per block of four rows,
-// each widened vector added as it was read, and the same test per line: the walk here, eight
-// rows a group, took 0.70-0.75x its time over a thread's records in L3 on an EPYC Milan
-// (BENCHMARKS.md, "The AVX2 records kernel's one-row down walk").
+// each widened vector added as it was read, and the same test per line: with the walk here, a
+// 7B layer's records step from memory 1.22x, 1.11x, 1.27x and 1.23x as fast at 1, 5, 10 and 20%
+// active (2 threads of an EPYC Milan, `benchmarks/kernel_ab.py --product records`, the rounds'
+// medians; BENCHMARKS.md, "The AVX2 records kernel's down rows by the AVX-512 walks").
 template <typename Row>
 void downs_one_q8(const int64_t* fired, int64_t nf, const float* hin, int64_t blo, int64_t bhi,
                   float* out, const Row& row, bool far_on, bool l2) {
@@ -1371,10 +1372,11 @@ void downs_one_q8(const int64_t* fired, int64_t nf, const float* hin, int64_t bl
 // 1.06x, 1.05x and 1.02x by the rounds' median, where a test per line and row (ask_block_lines)
 // was a tenth of this walk's samples at 4 rows; a Zen 5 EPYC). Each
 // row's sums are the general walk's (acc = fma(h d, w, acc), the neurons in order, a zero
-// activation skipped): the same floats. Every build: with AVX2 the general walk (four rows a
-// group, every activation tested at every block) took 1.1x, 1.2x, 1.9x, 2.8x and 3.6x this one's
-// time over 2, 4, 8, 16 and 32 rows (the down phase alone, a thread's rows in the caches, an EPYC
-// Milan; BENCHMARKS.md, "The AVX2 records kernel's one-row down walk").
+// activation skipped): the same floats. Every build: with AVX2, where the general walk (four
+// rows a group, every activation tested at every block) ran before, the records step over 8 and
+// 32 rows 1.49x and 2.13x as fast (2 threads of an EPYC Milan, `kernel_ab.py --product records
+// --batch B`, the rounds' medians; BENCHMARKS.md, "The AVX2 records kernel's down rows by the
+// AVX-512 walks").
 constexpr int RG = 32;
 template <typename Row>
 void downs_rows_q8(const int64_t* fired, int64_t nf, const float* hin, int64_t B, int64_t dim, int64_t blo,
