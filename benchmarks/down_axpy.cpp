@@ -1,10 +1,11 @@
 // The records kernel's down rows added two ways, with the rows in L2 (one core): as the kernel
-// adds them (csrc/neuron_ffn.h, axpy_block: a Q8_0 row's int8 weights widened to float, times
-// the neuron's activation and the block's scale, four neurons' FMAs a load and store of the
-// sums), and a prototype in 16-bit integers (each activation times a block's scale rounded to
-// int16 against one scale for the call, two neurons' widened weights interleaved and summed into
-// int32 by vpdpwssd, AVX512_VNNI). Built and run by benchmarks/down_axpy.py; prints each way's
-// time a neuron and the prototype's largest error against the float sums.
+// added them when this was written (csrc/neuron_ffn.h, axpy_block then: a Q8_0 row's int8
+// weights widened to float, times the neuron's activation and the block's scale, four neurons'
+// FMAs a load and store of the sums), and a prototype in 16-bit integers (each activation times
+// a block's scale rounded to int16 against one scale for the call, two neurons' widened weights
+// interleaved and summed into int32 by vpdpwssd, AVX512_VNNI). Built and run by
+// benchmarks/down_axpy.py; prints each way's time a neuron and the prototype's largest error
+// against the float sums.
 #include <immintrin.h>
 
 #include <chrono>

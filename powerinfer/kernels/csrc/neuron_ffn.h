@@ -905,26 +905,15 @@ inline void with_bool(bool b, F&& f) {
 
 // out[r, block] += h[n][r] * block of down row n, for n < DN (in that order) and every row r of
 // B with h[n][r] != 0: out's block loaded and stored once for the DN rows (a row at a time,
-// each axpy loaded and stored all of out: more bytes through L1 than the rows themselves).
-// Q8_0: the block's integers widened once, its scale folded into each row's activation (h d,
-// one scalar product a row and neuron, in place of scaling the 32 weights; one input row of Q8_0
-// rows takes downs_one_q8). With one input row no activation is tested: a down row is added only
-// if its neuron fired (acts_fmt).
+// each axpy loaded and stored all of out: more bytes through L1 than the rows themselves). Q8_0
+// rows take downs_one_q8 and downs_rows_q8 instead. With one input row no activation is tested:
+// a down row is added only if its neuron fired (acts_fmt).
 template <int FMT, int DN>
 inline void axpy_block(const uint8_t* const* rows, int64_t blk, const float (*h)[MAXB], int64_t B,
                        int64_t dim, float* out) {
+  static_assert(FMT != Q8_0, "Q8_0 down rows take downs_one_q8 and downs_rows_q8");
   V w[DN][NV];
-  float s[DN];
-  for (int n = 0; n < DN; n++) {
-    if constexpr (FMT == Q8_0) {
-      const uint8_t* b = rows[n] + blk * 34;
-      s[n] = half(b);
-      for (int v = 0; v < NV; v++) w[n][v] = i8_to_f32((const int8_t*)(b + 2) + v * W);
-    } else {
-      s[n] = 1.0f;
-      block<FMT>(rows[n], blk, dim / 32, w[n]);
-    }
-  }
+  for (int n = 0; n < DN; n++) block<FMT>(rows[n], blk, dim / 32, w[n]);
   with_bool(B == 1, [&](auto one) {
     for (int64_t r = 0; r < (decltype(one)::value ? 1 : B); r++) {
       float* o = out + r * dim + 32 * blk;
@@ -933,7 +922,7 @@ inline void axpy_block(const uint8_t* const* rows, int64_t blk, const float (*h)
       for (int n = 0; n < DN; n++) {
         if constexpr (!decltype(one)::value)
           if (h[n][r] == 0.0f) continue;
-        const V hv = vset(FMT == Q8_0 ? h[n][r] * s[n] : h[n][r]);
+        const V hv = vset(h[n][r]);
         for (int v = 0; v < NV; v++) acc[v] = vfma(hv, w[n][v], acc[v]);
       }
       for (int v = 0; v < NV; v++) vstore(o + v * W, acc[v]);
@@ -1316,7 +1305,7 @@ struct PairLines {
 
 // downs_fmt's one-row step (decode) over Q8_0 down rows, every build: per block of out, each of
 // the group's rows' 32 weights widened and added as it is read (acc = fma(h d, w, acc), the
-// group's rows in order, out's block loaded and stored once: the same floats as axpy_block), and
+// group's rows in order, out's block loaded and stored once: the same floats as downs_rows_q8), and
 // the lines of the next group's rows (and, `far`, of the one's after, into L2) asked for once per
 // two blocks (PairLines). Where the general walk widened all of a group's weights first and asked
 // for each line that starts in a block, row by row with a test for a missing one, a record took
@@ -1364,17 +1353,16 @@ void downs_one_q8(const int64_t* fired, int64_t nf, const float* hin, int64_t bl
 // the fired neurons RG at a time; per row, the group's neurons whose activation in that row is
 // not zero, found once for the group (where the general walk tested every neuron's activation in
 // every row at every block: a branch the predictor missed, a sixth of a 32-row step's down-row
-// samples),
-// and per block of out the group's weights widened once into L1 and each row's block loaded and
-// stored once for RG neurons (where the general walk's eight left out's loads and stores at a
-// third of its samples); the next group's lines, and where `far_ahead` says so the group's after
-// that into L2, asked for once per two blocks (PairLines: the step over 4, 8 and 16 rows
-// 1.06x, 1.05x and 1.02x by the rounds' median, where a test per line and row (ask_block_lines)
-// was a tenth of this walk's samples at 4 rows; a Zen 5 EPYC). Each
-// row's sums are the general walk's (acc = fma(h d, w, acc), the neurons in order, a zero
-// activation skipped): the same floats. Every build: with AVX2, where the general walk (four
-// rows a group, every activation tested at every block) ran before, the records step over 8 and
-// 32 rows 1.49x and 2.13x as fast (2 threads of an EPYC Milan, `kernel_ab.py --product records
+// samples), and per block of out the group's weights widened once into L1 and each row's block
+// loaded and stored once for RG neurons (where the general walk's eight left out's loads and
+// stores at a third of its samples); the next group's lines, and where `far_ahead` says so the
+// group's after that into L2, asked for once per two blocks (PairLines: the step over 4, 8 and 16
+// rows 1.06x, 1.05x and 1.02x by the rounds' median, where a test per line and row
+// (ask_block_lines) was a tenth of this walk's samples at 4 rows; a Zen 5 EPYC). Each row's sums
+// are those the general walk gave (acc = fma(h d, w, acc), the neurons in order, a zero
+// activation skipped): the same floats. Every build: with AVX2, where the general walk (four rows
+// a group, every activation tested at every block) ran before, the records step over 8 and 32
+// rows 1.49x and 2.13x as fast (2 threads of an EPYC Milan, `kernel_ab.py --product records
 // --batch B`, the rounds' medians; BENCHMARKS.md, "The AVX2 records kernel's down rows by the
 // AVX-512 walks").
 constexpr int RG = 32;
@@ -1437,8 +1425,9 @@ void downs_fmt(const FFNArgs& a, const int64_t* fired, int64_t nf, const float* 
   const int64_t B = a.B, dim = a.dim;
   const int64_t skip = (gated_act(a.act) ? 2 : 1) * row_bytes(FMT, dim);  // the lead rows before the down row
   constexpr int64_t db = block_bytes<DFMT>();
-  // eight rows a group with AVX-512 (1.01-1.03x four, a 7B layer at 15% active from memory on a
-  // Xeon with AMX); four with AVX2, whose 16 registers would not hold a batch's eight widened
+  // eight rows a group with AVX-512 (1.01-1.03x four when Q8_0 rows took this loop, a 7B layer at
+  // 15% active from memory on a Xeon with AMX); four with AVX2, whose 16 registers would not hold
+  // a batch's eight widened
   constexpr int DG = NV > 2 ? DOWNS : 2 * DOWNS;
   auto row = [&](int64_t i) -> const uint8_t* {
     return i < nf ? a.w + a.sel[fired[i]] * a.neuron_bytes + skip : nullptr;
@@ -1447,22 +1436,23 @@ void downs_fmt(const FFNArgs& a, const int64_t* fired, int64_t nf, const float* 
   if constexpr (DFMT == Q8_0) {
     if (B == 1) return downs_one_q8(fired, nf, hin, blo, bhi, out, row, far_on, l2);
     return downs_rows_q8(fired, nf, hin, B, dim, blo, bhi, out, row, far_on, l2);
-  }
-  for (int64_t i = 0; i < nf; i += DG) {
-    const int dn = (int)std::min<int64_t>(DG, nf - i);
-    const uint8_t *rows[DG], *near[DG], *far[DG];
-    float h[DG][MAXB];
-    for (int k = 0; k < DG; k++) {
-      rows[k] = k < dn ? row(i + k) : nullptr;
-      near[k] = row(i + DG + k), far[k] = far_on ? row(i + 2 * DG + k) : nullptr;
-      if (k < dn) std::copy(hin + fired[i + k] * B, hin + fired[i + k] * B + B, h[k]);
-    }
-    for (int64_t b = blo; b < bhi; b++) {
-      ask_block_lines<DG>(near, far, b, blo, db, l2);
-      if (dn == DG)
-        axpy_block<DFMT, DG>(rows, b, h, B, dim, out);
-      else
-        for (int k = 0; k < dn; k++) axpy_block<DFMT, 1>(rows + k, b, h + k, B, dim, out);
+  } else {
+    for (int64_t i = 0; i < nf; i += DG) {
+      const int dn = (int)std::min<int64_t>(DG, nf - i);
+      const uint8_t *rows[DG], *near[DG], *far[DG];
+      float h[DG][MAXB];
+      for (int k = 0; k < DG; k++) {
+        rows[k] = k < dn ? row(i + k) : nullptr;
+        near[k] = row(i + DG + k), far[k] = far_on ? row(i + 2 * DG + k) : nullptr;
+        if (k < dn) std::copy(hin + fired[i + k] * B, hin + fired[i + k] * B + B, h[k]);
+      }
+      for (int64_t b = blo; b < bhi; b++) {
+        ask_block_lines<DG>(near, far, b, blo, db, l2);
+        if (dn == DG)
+          axpy_block<DFMT, DG>(rows, b, h, B, dim, out);
+        else
+          for (int k = 0; k < dn; k++) axpy_block<DFMT, 1>(rows + k, b, h + k, B, dim, out);
+      }
     }
   }
 }
