@@ -140,6 +140,13 @@ def prepared(model: str, config: Config, gpu: bool):
     try:
         done = ray.get(refs[0])
     except RayTaskError as e:  # the load's own error (a typed PowerInferError), as itself
+        # the other two returns hold the same error: read too, or Ray prints each with its
+        # traceback as an unhandled error once they are dropped (after the load's own message)
+        for ref in refs[1:]:
+            try:
+                ray.get(ref)
+            except RayTaskError:
+                pass
         raise e.cause if isinstance(e.cause, Exception) else e from None
     for level, message in done.logged:
         log.log(level, "%s", message)

@@ -251,6 +251,8 @@ def test_startup_reports_every_model(server, default_model_path):
     ready = [m for m in server.models if m != BROKEN]
     assert all(f"{m}: ready" in out for m in ready), out
     assert f"{BROKEN}: failed" in out and "cannot load model" in out
+    # its error said once, by name: not again as Ray's unhandled error with a traceback
+    assert "Unhandled error" not in server.log.read_text(errors="replace"), server.tail()
     health = server.wait_healthy()
     assert health["status"] == "degraded"  # the broken model is reported; the others serve
     states = {m["id"]: m["status"] for m in health["models"]}
