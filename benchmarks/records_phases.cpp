@@ -10,11 +10,15 @@
 //
 // HELD records, M of them computed (every STRIDE-th, wrapping): 512 275 keeps them in L3 (2.6 MB
 // read a step), 20000 4000 5 reads from memory (38 MB a step, more than a 32 MB L3). The best of
-// 9 turns of 0.2 s each. Build with -DISA_NS=avx512 and -mavx512f -mavx512bw -mavx512vl -mfma
+// 9 turns of 0.2 s each. The records sit on 2 MiB pages where Linux's transparent huge pages
+// allow (madvise), as the product's do (`kernels.huge_empty`); `-DSMALL_PAGES` leaves them on
+// 4 KiB pages. Build with -DISA_NS=avx512 and -mavx512f -mavx512bw -mavx512vl -mfma
 // -mf16c for the AVX-512 class.
 #ifndef ISA_NS
 #define ISA_NS avx2
 #endif
+#include <sys/mman.h>
+
 #include <chrono>
 #include <cstdio>
 #include <random>
@@ -39,6 +43,9 @@ int main(int argc, char** argv) {
   const int64_t rec = 2 * lead + row_bytes(Q8_0, dim);  // gate, up, down
   const size_t bytes = ((size_t)held * rec + (1 << 21)) & ~((size_t)(1 << 21) - 1);
   uint8_t* w = (uint8_t*)std::aligned_alloc(1 << 21, bytes);
+#ifndef SMALL_PAGES
+  madvise(w, bytes, MADV_HUGEPAGE);  // (before the first touch below)
+#endif
   std::mt19937 g(1);
   std::uniform_real_distribution<float> U(0.5f, 1.0f);
   for (size_t i = 0; i < bytes; i++) w[i] = (uint8_t)g();  // random codes; the scales below
