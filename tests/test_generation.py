@@ -1,4 +1,6 @@
 """Generation on the real default model: sampling rules, stop rules, streaming, batching, chat."""
+import warnings
+
 import gguf
 import numpy as np
 import pytest
@@ -173,6 +175,17 @@ def test_sampling_filters():
     p = SamplingParams(temperature=0, repetition_penalty=2.0)
     assert sample(torch.tensor([2.0, 1.5]), p, [0], None) == 1  # 2.0/2 < 1.5
     assert sample(torch.tensor([2.0, 1.5]), p, [1], None) == 0
+    # a penalty near 0 or float32's range (the API takes any in (0, 10], the engine any > 0):
+    # the history's positive logits at float32's bound, not inf, so the request still samples
+    x = np.array([1.0, -3.0, 0.5, 0.2], np.float32)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # (nor a numpy overflow warning in the scheduler's log)
+        for pen in (1e-39, 1e-300):
+            for temp in (0.0, 1.0):
+                p = SamplingParams(temperature=temp, repetition_penalty=pen)
+                assert sample(x, p, [2, 1], g) == 2  # 0.5 / pen, the largest
+        p = SamplingParams(temperature=0, repetition_penalty=1e300)
+        assert sample(x, p, [0, 1, 2], g) == 3  # the others divided to 0 or multiplied to -huge
     # OpenAI's presence and frequency penalties, over the generated tokens only
     x = np.array([2.0, 1.5, 1.0], np.float32)
     p = SamplingParams(temperature=0, presence_penalty=1.2)

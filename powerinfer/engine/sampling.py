@@ -29,7 +29,12 @@ def apply_repetition_penalty(logits: np.ndarray, history: list[int], p: Sampling
         return
     ids = np.array(sorted(set(history)), dtype=np.int64)
     vals = logits[ids]
-    logits[ids] = np.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
+    # a penalty near 0 (or past float32's range) takes a logit past float32's largest: kept at
+    # that bound, where an inf would leave no token with a finite logit and fail the request
+    with np.errstate(over="ignore", divide="ignore"):
+        out = np.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
+    big = np.finfo(np.float32).max
+    logits[ids] = np.clip(out, -big, big)
 
 
 def apply_output_penalties(logits: np.ndarray, output: list[int], p: SamplingParams):
