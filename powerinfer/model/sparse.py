@@ -31,7 +31,7 @@ from torch import nn
 from .. import kernels
 from ..formats.args import UNGATED
 from .predictor import Predictors
-from .transformer import FFN, Transformer
+from .transformer import FFN, WIDE_ROWS, Transformer, emulated_bf16
 
 # (layer, predictor input (..., dim)) -> per-row active neurons (..., ffn_dim) bool
 MaskSource = Callable[[int, torch.Tensor], torch.Tensor]
@@ -40,6 +40,17 @@ MaskSource = Callable[[int, torch.Tensor], torch.Tensor]
 # a decode step with a predictor in one kernel call where it can (`HybridFFN._fused_decode`;
 # False: the modules' ops one at a time, as a baseline to time)
 FUSED_DECODE = True
+
+
+def wide(x: torch.Tensor) -> bool:
+    """Whether x's product with a set's rows runs in float32: many bf16 rows on a CPU that
+    emulates bf16 (`transformer.emulated_bf16`)."""
+    return x.numel() >= WIDE_ROWS * x.shape[-1] and emulated_bf16(x)
+
+
+def mm(a: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """a @ w, in float32 where w was widened to it for bf16 a (`wide`), rounded to a's dtype."""
+    return a @ w if a.dtype == w.dtype else (a.float() @ w).to(a.dtype)
 
 
 def activate(act: str, gate: torch.Tensor | None, up: torch.Tensor):
@@ -142,22 +153,30 @@ class NeuronSet(nn.Module):
         rows = kernels.unpack(self.records[lo:hi], self.fmt, self.dim, self.act not in UNGATED)
         return tuple(None if r is None else r.to(self.dtype) for r in rows)
 
-    def _blocks(self):
+    def _blocks(self, f32: bool = False):
         """(lo, hi, (gate or None, up, down_t)) over the set's neurons in its dtype, for
         many-token steps: one block of views for the torch path and f32/bf16 records; else
         WIDEN_BYTES of widened rows at a time, written into this thread's one reused buffer (a
-        block's rows are valid until the next block is asked for)."""
+        block's rows are valid until the next block is asked for). f32: in float32 (the products
+        of many bf16 rows where the CPU emulates bf16: `wide`), WIDEN_BYTES of them at a time."""
         n = len(self.idx)
         if self.records is None or self.fmt in kernels.PLAIN_FORMATS or n == 0:
-            yield 0, n, self.rows()
+            if not f32 or n == 0:
+                yield 0, n, self.rows()
+                return
+            step = max(16, self.WIDEN_BYTES // (3 * self.dim * 4))
+            for lo in range(0, n, step):
+                hi = min(lo + step, n)
+                yield lo, hi, tuple(None if t is None else t.float() for t in self.rows(lo, hi))
             return
         rows = 3 if self.act not in UNGATED else 2
-        for lo, hi, w in kernels.widened(self.records, self.fmt, rows, self.dim, self.dtype,
-                                         self.WIDEN_BYTES):
+        for lo, hi, w in kernels.widened(self.records, self.fmt, rows, self.dim,
+                                         torch.float32 if f32 else self.dtype, self.WIDEN_BYTES):
             yield lo, hi, ((w[:, 0] if rows == 3 else None), w[:, -2], w[:, -1])
 
     def scores(self, x):  # x: (..., dim) -> firing scores (..., k)
-        return torch.cat([self._pre(x, None, lo, hi, w)[0] for lo, hi, w in self._blocks()], -1)
+        return torch.cat([self._pre(x, None, lo, hi, w)[0]
+                          for lo, hi, w in self._blocks(wide(x))], -1)
 
     def _prompt_rows(self, x, threshold: float, keep):
         """Every neuron for many tokens x (B, T, dim) (keep: (B, T, k) or None): over records on
@@ -186,14 +205,14 @@ class NeuronSet(nn.Module):
             keep = keep.reshape(n, -1)
             keep = torch.cat([keep, keep.new_zeros(pad, keep.shape[-1])]) if pad else keep
         y = None
-        for lo, hi, w in self._blocks():
+        for lo, hi, w in self._blocks(wide(rows)):
             for c in range(0, n + pad, C):
                 score, h = self._pre(rows[c:c + C], None, lo, hi, w)
                 if threshold > 0:
                     h = h * (score > threshold)
                 if keep is not None:
                     h = h * keep[c:c + C, lo:hi]
-                part = h @ w[2]
+                part = mm(h, w[2])
                 if y is None:  # (in the products' dtype)
                     y = part.new_empty(n + pad, dim)
                 if lo == 0:
@@ -209,10 +228,11 @@ class NeuronSet(nn.Module):
         # index_select, not w[sel]: the advanced-indexing kernel is ~3x slower at gathering rows
         gate, up, _ = self.rows(lo, hi) if rows is None else rows
         pick = (lambda w: w) if sel is None else (lambda w: w.index_select(0, sel))
-        u = x @ pick(up).t()
+        x32 = x if up.dtype == x.dtype else x.float()  # (rows widened to float32: `_blocks`)
+        u = (x32 @ pick(up).t()).to(x.dtype)
         if self.up_b is not None:
             u = u + pick(self.up_b[lo:hi])
-        g = None if gate is None else x @ pick(gate).t()
+        g = None if gate is None else (x32 @ pick(gate).t()).to(x.dtype)
         return activate(self.act, g, u)
 
     def forward(self, x, sel=None, threshold: float = 0.0, keep=None):
@@ -426,12 +446,12 @@ class HybridFFN(nn.Module):
         predicted = None if self.masks is None else self.active(h, x, layer_input)
         y = 0
         for s in (self.hot, self.cold):
-            for lo, hi, w in s._blocks():
+            for lo, hi, w in s._blocks(wide(x)):
                 score, act = s._pre(x, None, lo, hi, w)
                 fired = score > self.threshold
                 chosen = None if predicted is None else predicted[..., s.idx[lo:hi]]
                 keep = fired if chosen is None else fired & chosen
-                y = y + ((act * keep) @ w[2]).float()  # the blocks summed in float32
+                y = y + mm(act * keep, w[2]).float()  # the blocks summed in float32
                 if self.stats is not None:
                     mag = act.abs().float()
                     self.stats.add(computed=int((fired if chosen is None else chosen).sum()),

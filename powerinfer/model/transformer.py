@@ -10,6 +10,7 @@ and OPT (LayerNorm, learned positions, ReLU FFN with biases). The sparse engine 
 """
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import numpy as np
@@ -19,6 +20,7 @@ from torch import nn
 
 from .. import kernels
 from ..compat import resident
+from ..cpu import native_bf16
 from ..formats import rope
 from ..formats.args import ModelArgs
 
@@ -85,16 +87,54 @@ class KVCache(nn.Module):
         return k, v
 
 
+@functools.cache
+def _native_bf16() -> bool:
+    isa = kernels.cpu_class("auto")  # (held by POWERINFER_MAX_ISA, as torch is held with it)
+    return isa == "avx512bf16" or (isa == "none" and native_bf16())
+
+
+def emulated_bf16(x: torch.Tensor) -> bool:
+    """Whether x is bf16 on a CPU without bf16 arithmetic (no AVX-512 BF16 or AMX), where torch
+    emulates its bf16 GEMM: 4.7-6.5x float32's time for a 128-row product of SmolLM2's and a
+    7B's shapes on an AVX2 EPYC Milan (`benchmarks/bf16_gemm.py`). Products of many rows
+    there run in float32, a slice of the bf16 weights widened at a time, and round to bf16
+    once, as torch's bf16 GEMM sums in float32 and rounds once."""
+    return x.dtype == torch.bfloat16 and x.device.type == "cpu" and not _native_bf16()
+
+
+# input rows from which an emulated bf16 product runs in float32: 1.03-2.56x torch's bf16 GEMM at
+# 16 rows over SmolLM2's and a 7B's shapes in two runs, 3.2-5.1x at 64; at 8 rows a 7B's FFN
+# 0.58x and 0.93x (an AVX2 EPYC Milan, `benchmarks/bf16_gemm.py --rows R`)
+WIDE_ROWS = 16
+WIDE_SLICE_BYTES = 8 << 20  # float32 weight rows widened at a time
+
+
+def linear_f32(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+    """F.linear(x, w, b) for bf16 x and w in float32 (`emulated_bf16`): WIDE_SLICE_BYTES of w's
+    rows widened at a time (a 7B head whole would be 0.5 GB), each slice's sums rounded to bf16
+    into the output."""
+    out = x.new_empty(*x.shape[:-1], w.shape[0])
+    x32 = x.float()
+    step = max(1, WIDE_SLICE_BYTES // (w.shape[1] * 4))
+    for lo in range(0, w.shape[0], step):
+        hi = min(lo + step, w.shape[0])
+        out[..., lo:hi] = F.linear(x32, w[lo:hi].float(), None if b is None else b[lo:hi].float())
+    return out
+
+
 class Linear(nn.Linear):
     """nn.Linear. For a single token under torch.compile on a CPU it is written as a
     multiply-reduce, which Inductor turns into one vectorised pass over the weight: the BLAS GEMV
     reaches about a third of the memory bandwidth there (BENCHMARKS.md), and decode is bound by
-    reading weights."""
+    reading weights. Many bf16 rows on a CPU that emulates bf16 run in float32 (`linear_f32`)."""
 
     def forward(self, x):
         if x.numel() == x.shape[-1] and x.device.type == "cpu" and torch.compiler.is_compiling():
             y = (self.weight.float() * x.float().unsqueeze(-2)).sum(-1).to(x.dtype)
             return y if self.bias is None else y + self.bias
+        if x.numel() >= WIDE_ROWS * x.shape[-1] and emulated_bf16(x) and \
+                self.weight.dtype == torch.bfloat16 and not torch.compiler.is_compiling():
+            return linear_f32(x, self.weight, self.bias)
         return F.linear(x, self.weight, self.bias)
 
 
