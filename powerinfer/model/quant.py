@@ -20,6 +20,7 @@ from .. import kernels
 from ..kernels.input_sparse import InputSparse
 from ..formats.kquants import BLOCK_BYTES, KQUANT_LAYOUTS, widen_rows
 from ..formats.q4 import GROUP, Q4_TYPES, q4_type
+from .transformer import WIDE_ROWS, emulated_bf16, linear_f32
 
 if TYPE_CHECKING:
     from .transformer import Transformer
@@ -229,16 +230,23 @@ class KernelLinear(nn.Module):
         shape, rows = x.shape, x.reshape(-1, self.in_features)
         # (a compiled decode step keeps to the kernel: the reused buffer is the eager path's)
         compiling = torch.compiler.is_compiling()
+        f32 = rows.shape[0] >= WIDE_ROWS and emulated_bf16(rows)  # (`transformer.linear_f32`)
         if rows.shape[0] <= (kernels.MAX_ROWS if compiling else self.KERNEL_ROWS):
             y = torch.ops.powerinfer.linear(rows.contiguous(), self.records, self.code)
             y = y.to(x.dtype)
         elif self.fmt in kernels.PLAIN_FORMATS or compiling:  # one widening
-            y = rows @ kernels.widen(self.records, self.fmt, 1, self.in_features)[:, 0].to(x.dtype).t()
-        else:  # widened WIDEN_BYTES at a time into one reused buffer in the input's dtype
+            w = kernels.widen(self.records, self.fmt, 1, self.in_features)[:, 0].to(x.dtype)
+            y = linear_f32(rows, w, None) if f32 and not compiling else rows @ w.t()
+        else:  # widened WIDEN_BYTES at a time into one reused buffer in the input's dtype (in
+            # float32 for many bf16 rows where the CPU emulates bf16, rounded to bf16 once)
             y = rows.new_empty(rows.shape[0], self.out_features)
-            for lo, hi, w in kernels.widened(self.records, self.fmt, 1, self.in_features, x.dtype,
-                                             self.WIDEN_BYTES):
-                torch.matmul(rows, w[:, 0].t(), out=y[:, lo:hi])
+            xw = rows.float() if f32 else rows
+            for lo, hi, w in kernels.widened(self.records, self.fmt, 1, self.in_features,
+                                             xw.dtype, self.WIDEN_BYTES):
+                if f32:
+                    y[:, lo:hi] = xw @ w[:, 0].t()
+                else:
+                    torch.matmul(rows, w[:, 0].t(), out=y[:, lo:hi])
         y = y.view(*shape[:-1], self.out_features)
         return y if self.bias is None else y + self.bias
 
