@@ -6,7 +6,7 @@ import re
 from dataclasses import dataclass, fields, replace
 from typing import TYPE_CHECKING
 
-from .cpu import ISAS, native_bf16
+from .cpu import ISAS, bf16_arithmetic
 from .errors import ConfigError
 
 if TYPE_CHECKING:
@@ -282,7 +282,7 @@ class Config:
         from . import kernels
         isa = kernels.cpu_class(self.cpu_isa)  # "none": the kernel does not run here
         on_gpu = self.device == "cuda" or (self.device == "auto" and torch.cuda.is_available())
-        native = isa == "avx512bf16" or (isa == "none" and native_bf16())
+        native = bf16_arithmetic(isa)
         host_int4 = (has_q4 or kquant) and isa != "none"  # blocks the CPU kernel keeps
         dtype = self.dtype
         if dtype == "auto":

@@ -76,6 +76,12 @@ def machine_jiffies() -> tuple[int, int] | None:
     return sum(ticks) - ticks[3] - ticks[4], sum(ticks)
 
 
+def bf16_arithmetic(isa: str) -> bool:
+    """Whether bf16 is computed natively at kernel class `isa` (`kernels.cpu_class`; "none":
+    where the kernel does not run, as the CPU's flags say)."""
+    return isa == "avx512bf16" or (isa == "none" and native_bf16())
+
+
 def native_bf16() -> bool:
     """Whether this CPU computes bf16 natively (AVX-512 BF16 or AMX): there bf16 GEMMs beat
     fp32; elsewhere torch emulates bf16 and fp32 is faster."""

@@ -20,7 +20,7 @@ from .. import kernels
 from ..kernels.input_sparse import InputSparse
 from ..formats.kquants import BLOCK_BYTES, KQUANT_LAYOUTS, widen_rows
 from ..formats.q4 import GROUP, Q4_TYPES, q4_type
-from .transformer import WIDE_ROWS, emulated_bf16, linear_f32
+from .transformer import linear_f32, wide
 
 if TYPE_CHECKING:
     from .transformer import Transformer
@@ -230,7 +230,7 @@ class KernelLinear(nn.Module):
         shape, rows = x.shape, x.reshape(-1, self.in_features)
         # (a compiled decode step keeps to the kernel: the reused buffer is the eager path's)
         compiling = torch.compiler.is_compiling()
-        f32 = rows.shape[0] >= WIDE_ROWS and emulated_bf16(rows)  # (`transformer.linear_f32`)
+        f32 = wide(rows)  # (`transformer.linear_f32`)
         if rows.shape[0] <= (kernels.MAX_ROWS if compiling else self.KERNEL_ROWS):
             y = torch.ops.powerinfer.linear(rows.contiguous(), self.records, self.code)
             y = y.to(x.dtype)

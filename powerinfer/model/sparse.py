@@ -31,7 +31,7 @@ from torch import nn
 from .. import kernels
 from ..formats.args import UNGATED
 from .predictor import Predictors
-from .transformer import FFN, WIDE_ROWS, Transformer, emulated_bf16
+from .transformer import FFN, Transformer, wide
 
 # (layer, predictor input (..., dim)) -> per-row active neurons (..., ffn_dim) bool
 MaskSource = Callable[[int, torch.Tensor], torch.Tensor]
@@ -40,12 +40,6 @@ MaskSource = Callable[[int, torch.Tensor], torch.Tensor]
 # a decode step with a predictor in one kernel call where it can (`HybridFFN._fused_decode`;
 # False: the modules' ops one at a time, as a baseline to time)
 FUSED_DECODE = True
-
-
-def wide(x: torch.Tensor) -> bool:
-    """Whether x's product with a set's rows runs in float32: many bf16 rows on a CPU that
-    emulates bf16 (`transformer.emulated_bf16`)."""
-    return x.numel() >= WIDE_ROWS * x.shape[-1] and emulated_bf16(x)
 
 
 def mm(a: torch.Tensor, w: torch.Tensor) -> torch.Tensor:

@@ -20,7 +20,7 @@ from torch import nn
 
 from .. import kernels
 from ..compat import resident
-from ..cpu import native_bf16
+from ..cpu import bf16_arithmetic
 from ..formats import rope
 from ..formats.args import ModelArgs
 
@@ -89,8 +89,7 @@ class KVCache(nn.Module):
 
 @functools.cache
 def _native_bf16() -> bool:
-    isa = kernels.cpu_class("auto")  # (held by POWERINFER_MAX_ISA, as torch is held with it)
-    return isa == "avx512bf16" or (isa == "none" and native_bf16())
+    return bf16_arithmetic(kernels.cpu_class("auto"))  # (held by POWERINFER_MAX_ISA, as torch is)
 
 
 def emulated_bf16(x: torch.Tensor) -> bool:
@@ -107,6 +106,12 @@ def emulated_bf16(x: torch.Tensor) -> bool:
 # 0.58x and 0.93x (an AVX2 EPYC Milan, `benchmarks/bf16_gemm.py --rows R`)
 WIDE_ROWS = 16
 WIDE_SLICE_BYTES = 8 << 20  # float32 weight rows widened at a time
+
+
+def wide(x: torch.Tensor) -> bool:
+    """Whether x's product runs in float32: WIDE_ROWS rows or more, bf16, on a CPU that
+    emulates bf16 (`emulated_bf16`)."""
+    return x.numel() >= WIDE_ROWS * x.shape[-1] and emulated_bf16(x)
 
 
 def linear_f32(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
@@ -132,8 +137,7 @@ class Linear(nn.Linear):
         if x.numel() == x.shape[-1] and x.device.type == "cpu" and torch.compiler.is_compiling():
             y = (self.weight.float() * x.float().unsqueeze(-2)).sum(-1).to(x.dtype)
             return y if self.bias is None else y + self.bias
-        if x.numel() >= WIDE_ROWS * x.shape[-1] and emulated_bf16(x) and \
-                self.weight.dtype == torch.bfloat16 and not torch.compiler.is_compiling():
+        if wide(x) and self.weight.dtype == torch.bfloat16 and not torch.compiler.is_compiling():
             return linear_f32(x, self.weight, self.bias)
         return F.linear(x, self.weight, self.bias)
 
