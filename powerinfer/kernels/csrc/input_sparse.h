@@ -47,11 +47,19 @@
 #ifndef Q4C_AHEAD
 #define Q4C_AHEAD 4  // passes between a run's prefetch and its use
 #endif
-// Each kept run is also asked for into L2 this many passes ahead (prefetcht1), then into every
-// level Q4C_AHEAD passes ahead: a block's 16-32 runs read side by side are more lines in flight
-// than L1 keeps waiting for.
+// On the AVX-512 classes each kept run is also asked for into L2 this many passes ahead
+// (prefetcht1), then into every level Q4C_AHEAD passes ahead: a block's 16-32 runs read side by
+// side are more lines in flight than L1 keeps waiting for (0.91-0.98x the time on a Zen 5). Not
+// by the AVX2 body (0: none), which runs on the CPUs without AVX-512: on an AVX2-only EPYC Milan
+// the requests into L2 cost more than they gave, the product from memory 1.09-1.19x as fast
+// without them (benchmarks/q4c_walk.cpp; BENCHMARKS.md, "The AVX2 q4c product without its
+// requests into L2").
 #ifndef Q4C_FAR
+#if defined(__AVX512BW__)
 #define Q4C_FAR 8
+#else
+#define Q4C_FAR 0
+#endif
 #endif
 
 // Block b's kept channels for the products below: its region, and per pair its two channels'
@@ -164,7 +172,7 @@ __attribute__((always_inline)) inline void q4c_walk(const Q4CArgs& a, int64_t p_
     sb_read = b / 8;
     q4c_next(a, b, np, kt, nk, nks);
     for (int64_t p = p_begin; p < p_end; p++) {
-      const bool ahead = p + Q4C_AHEAD < p_end, far = p + Q4C_FAR < p_end;
+      const bool ahead = p + Q4C_AHEAD < p_end, far = Q4C_FAR > 0 && p + Q4C_FAR < p_end;
       if (ahead) {
         q4c_prefetch_scales(a, k.r, ks_new, np, p + Q4C_AHEAD);
       } else if (nk.cnt && p + Q4C_AHEAD - p_end + p_begin < p_end) {
