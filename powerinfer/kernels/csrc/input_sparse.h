@@ -51,9 +51,9 @@
 // (prefetcht1), then into every level Q4C_AHEAD passes ahead: a block's 16-32 runs read side by
 // side are more lines in flight than L1 keeps waiting for (0.91-0.98x the time on a Zen 5). Not
 // by the AVX2 body (0: none), which runs on the CPUs without AVX-512: on an AVX2-only EPYC Milan
-// the requests into L2 cost more than they gave, the product from memory 1.09-1.19x as fast
-// without them (benchmarks/q4c_walk.cpp; BENCHMARKS.md, "The AVX2 q4c product without its
-// requests into L2").
+// the requests into L2 cost more than they gave, a 7B gate/up from memory 1.06-1.19x as fast
+// without them (40% and 25% of its channels dropped), its q/k/v the same (benchmarks/q4c_walk.cpp;
+// BENCHMARKS.md, "The AVX2 q4c product without its requests into L2").
 #ifndef Q4C_FAR
 #if defined(__AVX512BW__)
 #define Q4C_FAR 8
