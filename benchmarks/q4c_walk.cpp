@@ -18,14 +18,13 @@
 #ifndef ISA_NS
 #define ISA_NS avx2
 #endif
-#include <sys/mman.h>
-
 #include <omp.h>
 
 #include <chrono>
 #include <cstdio>
 #include <random>
 
+#include "huge_pages.h"
 #include "neuron_ffn.h"
 
 using namespace powerinfer;
@@ -40,25 +39,18 @@ int main(int argc, char** argv) {
   const int threads = argc > 3 ? std::atoi(argv[3]) : 1;
   const int kind = Q4C_Q4_K;
   const size_t bytes = (size_t)q4c_bytes(n, k, kind);
-  const size_t one = (bytes + (1 << 21)) & ~((size_t)(1 << 21) - 1);
+  const size_t one = whole_huge_pages(bytes);
   // copies enough to fill 96 MiB (three times a 32 MiB L3), read in turn: none is still cached
   // when its turn comes again (one copy where it fits in the last level cache)
   const int copies = bytes > (8u << 20) ? (int)((96u << 20) / one + 1) : 1;
-  const size_t alloc = one * copies;
-  uint8_t* w = (uint8_t*)std::aligned_alloc(1 << 21, alloc);
-#ifndef SMALL_PAGES
-  madvise(w, alloc, MADV_HUGEPAGE);  // (before the first touch below)
-#endif
+  uint8_t* w = huge_buffer(one * copies);
   std::mt19937 g(1);
   std::uniform_real_distribution<float> U(0.5f, 1.0f);
   for (int c = 0; c < copies; c++) {
     uint8_t* wc = w + one * c;
     for (size_t i = 0; i < bytes; i++) wc[i] = (uint8_t)g();  // codes, sc and mn: any bytes
     uint8_t* tail = wc + nb * q4c_region(np, kind);  // each super-block's d and dmin: finite halves
-    for (int64_t i = 0; i < k / 256 * 2 * np; i++) {
-      const uint16_t h = _cvtss_sh(0.001f * U(g), 0);
-      std::memcpy(tail + 2 * i, &h, 2);
-    }
+    for (int64_t i = 0; i < k / 256 * 2 * np; i++) put_half(tail + 2 * i, 0.001f * U(g));
   }
   // the kept channels: each dropped with probability S; paired as ops.cpp's add_pairs pairs them
   std::vector<float> xd(nb), xs(nb);

@@ -17,20 +17,14 @@
 #ifndef ISA_NS
 #define ISA_NS avx2
 #endif
-#include <sys/mman.h>
-
 #include <chrono>
 #include <cstdio>
 #include <random>
 
+#include "huge_pages.h"
 #include "neuron_ffn.h"
 
 using namespace powerinfer;
-
-static void put_half(uint8_t* p, float v) {
-  const uint16_t h = _cvtss_sh(v, 0);
-  std::memcpy(p, &h, 2);
-}
 
 int main(int argc, char** argv) {
   if (argc < 3) {
@@ -41,11 +35,8 @@ int main(int argc, char** argv) {
   const int stride = argc > 3 ? std::atoi(argv[3]) : 1;
   const int64_t dim = 4096, nb = dim / 32, lead = row_bytes(Q4_1S, dim);
   const int64_t rec = 2 * lead + row_bytes(Q8_0, dim);  // gate, up, down
-  const size_t bytes = ((size_t)held * rec + (1 << 21)) & ~((size_t)(1 << 21) - 1);
-  uint8_t* w = (uint8_t*)std::aligned_alloc(1 << 21, bytes);
-#ifndef SMALL_PAGES
-  madvise(w, bytes, MADV_HUGEPAGE);  // (before the first touch below)
-#endif
+  const size_t bytes = whole_huge_pages((size_t)held * rec);
+  uint8_t* w = huge_buffer(bytes);
   std::mt19937 g(1);
   std::uniform_real_distribution<float> U(0.5f, 1.0f);
   for (size_t i = 0; i < bytes; i++) w[i] = (uint8_t)g();  // random codes; the scales below
