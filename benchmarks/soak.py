@@ -6,8 +6,8 @@ request accounted for, the server's resources back where they were, and the run 
         [--model smollm2-135m-instruct] [--flags "SERVE FLAGS"] [--faults KIND ...]
         [--warmup SECONDS] [--out FILE] [--plot FILE]
 
-    # the suite's variant (tests/test_soak.py): 1.5 minutes, a fault every 9 s, 8 streams
-    .venv/bin/python benchmarks/soak.py --minutes 1.5 --fault-every 9 --streams 8 --burst 200
+    # the suite's variant (tests/test_soak.py): 1.1 minutes, a fault every 6 s, 8 streams
+    .venv/bin/python benchmarks/soak.py --minutes 1.1 --fault-every 6 --streams 8 --burst 200
 
 `powerinfer serve --model M` (its defaults, and `--flags`) serves `--streams` clients, each
 sending streaming chat completions back to back for `--minutes`: mixed lengths (16, 48 or 128
