@@ -75,6 +75,12 @@ def torch_needed(config, plan, runtime: str = "auto") -> str | None:
         return f"it runs on {config.device!r}"
     if config.compile:
         return "its decode step is compiled (Config.compile)"
+    if config.weights == "dense":
+        # (dense projections are rows of the model's type, not 16-row groups, so its prompt
+        # steps need the modules: said here, the loading child, its torch and its read of the
+        # executor's share of the model are not spent only to say so)
+        return ("its prompt steps run its Python modules (weights='dense': no layer in 16-row "
+                "group layouts)")
     return None
 
 
