@@ -53,7 +53,7 @@ def hot_executor(spec: PlaneSpec, cores: tuple[int, ...], model, config, plan, h
     """The hot executor for these arguments (`hot_executor.HotExecutorImpl`'s): torch-free where
     `hot_step` runs every step it can be sent, else the torch one. runtime: "torch" asks for the
     torch one (the group's `POWERINFER_HOT_EXECUTOR`)."""
-    why = torch_needed(config, plan, runtime)
+    why = torch_needed(config, plan, runtime, getattr(model, "args", None))
     if why is None:
         got = HotNativeImpl.load(spec, cores, model, config, plan, hot_share, attention)
         if isinstance(got, HotNativeImpl):
@@ -66,9 +66,10 @@ def hot_executor(spec: PlaneSpec, cores: tuple[int, ...], model, config, plan, h
     return impl
 
 
-def torch_needed(config, plan, runtime: str = "auto") -> str | None:
+def torch_needed(config, plan, runtime: str = "auto", args=None) -> str | None:
     """Why the hot executor must be the torch one, where that is plain without loading (else the
-    child's load says, `HotExecutorImpl.native_only`); None where it may not need it."""
+    child's load says, `HotExecutorImpl.native_only`); None where it may not need it. args: the
+    model's `ModelArgs`, whose shape may say so already."""
     if runtime == "torch" or os.environ.get("POWERINFER_HOT_EXECUTOR", "auto") == "torch":
         return "POWERINFER_HOT_EXECUTOR=torch"
     if config.device != "cpu":
@@ -81,6 +82,11 @@ def torch_needed(config, plan, runtime: str = "auto") -> str | None:
         # executor's share of the model are not spent only to say so)
         return ("its prompt steps run its Python modules (weights='dense': no layer in 16-row "
                 "group layouts)")
+    if args is not None and (what := args.outside_native_loop()) is not None:
+        # (Falcon's parallel branches, OPT's LayerNorm: the child would read the executor's
+        # share of such a model, a large one's tens of GB, and find the same)
+        return ("its decode step runs its Python modules (a layer the native loop does not "
+                f"run: {what})")
     return None
 
 

@@ -172,6 +172,25 @@ def test_actor_runtime_equals_the_in_process_engine(made, ray_session, arch):
         pi.close()
 
 
+def test_a_hot_executor_says_it_needs_torch_from_the_models_shape(made):
+    # Falcon's parallel branches and LayerNorm are layers the native loop does not run: the hot
+    # executor says so from the table's arguments before any loading child (which would read
+    # its share of the model and import torch to find the same), with int4 weights too; the
+    # LLaMA-family ones it may run go on to the child, and dense weights are said as such
+    from actors.hot_native import torch_needed
+    from powerinfer.formats.loader import load_checkpoint
+    int4 = Config(dtype="bfloat16", weights="int4").resolve(True)
+    for arch in ("falcon", "falcon-7b", "gemma3", "qwen3", "phi3"):
+        args = load_checkpoint(made[arch][3], with_weights=False).args
+        why = torch_needed(int4, None, "auto", args)
+        if arch.startswith("falcon"):
+            assert why is not None and "parallel branches" in why, (arch, why)
+        else:
+            assert why is None, (arch, why)
+    dense = Config(dtype="float32", weights="dense").resolve(True)
+    assert "weights='dense'" in torch_needed(dense, None, "auto", args)
+
+
 def test_the_sparsity_pipeline_on_geglu_with_a_residual_past_float16(tmp_path):
     # Gemma's residual stream grows past float16's range (65504) on the real model: embeddings
     # scaled up here do the same. Thresholds calibrated on |gelu_tanh(gate x)|, samples kept

@@ -115,8 +115,8 @@ def native_model(a: ModelArgs, dtype: torch.dtype) -> bool:
     family, RMSNorm, sequential branches, heads of a multiple of 16, in float32 or bfloat16, on a
     CPU where the kernel library runs, with each layer's own variants (`layer_variants`: Gemma
     3's post-norms, sliding windows and local RoPE table, q/k norms)."""
-    return (kernels.available() and not (a.parallel or a.layer_norm or a.learned_pos)
-            and a.head_dim % 16 == 0 and dtype in (torch.float32, torch.bfloat16))
+    return (kernels.available() and a.outside_native_loop() is None
+            and dtype in (torch.float32, torch.bfloat16))
 
 
 VARIANTS = ("qk_norms", "post_norms", "layer_cos", "layer_sin", "layer_window")  # their order

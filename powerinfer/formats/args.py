@@ -72,6 +72,19 @@ class ModelArgs:
         positions offset by 2), 0 where positions are RoPE's."""
         return self.max_seq_len + 2 if self.learned_pos else 0
 
+    def outside_native_loop(self) -> str | None:
+        """What of this model's layers the native layer loops (`hot_layers`) do not run, said from
+        its shape alone (`engine.native.native_model`), else None."""
+        if self.parallel:
+            return "attention and FFN in parallel branches"
+        if self.layer_norm:
+            return "LayerNorm"
+        if self.learned_pos:
+            return "learned positions"
+        if self.head_dim % 16:
+            return f"heads of {self.head_dim}, not a multiple of 16"
+        return None
+
     @property
     def scale(self) -> float:
         return self.attn_scale or self.head_dim ** -0.5
