@@ -53,7 +53,7 @@ def hot_executor(spec: PlaneSpec, cores: tuple[int, ...], model, config, plan, h
     """The hot executor for these arguments (`hot_executor.HotExecutorImpl`'s): torch-free where
     `hot_step` runs every step it can be sent, else the torch one. runtime: "torch" asks for the
     torch one (the group's `POWERINFER_HOT_EXECUTOR`)."""
-    why = torch_needed(config, plan, runtime, getattr(model, "args", None))
+    why = torch_needed(config, plan, runtime, model.args)
     if why is None:
         got = HotNativeImpl.load(spec, cores, model, config, plan, hot_share, attention)
         if isinstance(got, HotNativeImpl):
