@@ -1,8 +1,11 @@
 """The deployment files: the KubeRay manifest's structure, its serveConfigV2 loaded with the
 application's own loader, the Dockerfile's inputs, and the systemd unit."""
 import configparser
+import os
 import re
 import shlex
+import subprocess
+import sys
 from pathlib import Path
 
 import yaml
@@ -135,6 +138,39 @@ def test_the_dockerfile_installs_what_the_makefile_installs():
     assert 'ENTRYPOINT ["powerinfer", "serve"' in docker
     for src in re.findall(r"^COPY (?!--)(\S+)", docker, re.M):  # every input exists
         assert (ROOT / src).exists(), src
+
+
+def test_the_setups_installs_by_uv_take_pips_configuration(tmp_path):
+    """`make setup` installs with uv, which reads none of pip's files: the Makefile's snippet
+    (UV_FROM_PIP) hands uv what pip's configuration says, so that uv looks where pip would (a
+    mirror, local wheels, a cap), here from a pip.conf of the test's own."""
+    text = (ROOT / "Makefile").read_text()
+    code = re.search(r"^define UV_FROM_PIP\n(.*?)^endef", text, re.S | re.M)[1].replace("$$", "$")
+    conf = tmp_path / "pip.conf"
+    conf.write_text("[global]\nindex-url = https://mirror.example/simple\n"
+                    "extra-index-url = file:///srv/a/simple file:///srv/b/simple\n"
+                    "find-links = /srv/wheels /srv/more wheels\nconstraint = /srv/caps.txt\n")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PIP_", "UV_"))}
+    out = subprocess.run([sys.executable, "-c", code], env={**env, "PIP_CONFIG_FILE": str(conf)},
+                         capture_output=True, text=True, check=True).stdout
+    got = {}
+    for line in out.splitlines():
+        if line:
+            assert line.startswith("export "), out
+            name, value = shlex.split(line.removeprefix("export "))[0].split("=", 1)
+            got[name] = value
+    assert got["UV_DEFAULT_INDEX"] == "https://mirror.example/simple", got
+    assert got["UV_INDEX"] == "file:///srv/a/simple file:///srv/b/simple"
+    assert got["UV_FIND_LINKS"] == "/srv/wheels,/srv/more,wheels"  # (uv's are comma-separated)
+    assert got["UV_CONSTRAINT"] == "/srv/caps.txt"
+    # into the setup's environment, nothing cached beside it, each package's best version over
+    # every index as pip takes it
+    assert got["UV_PYTHON"] == sys.executable and got["UV_NO_CACHE"] == "1"
+    assert got["UV_INDEX_STRATEGY"] == "unsafe-best-match"
+    # and every install of the setup goes through the function that runs uv, or pip after it
+    recipe = text[text.index("$(STAMP): pyproject.toml Makefile"):text.index("touch $(STAMP)")]
+    installs = re.findall(r"^\t(.*)pip install (?!-q uv)", recipe, re.M)
+    assert installs and all(i.startswith("$(PIP_FN); ") or not i for i in installs), installs
 
 
 def test_the_systemd_unit():
