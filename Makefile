@@ -46,8 +46,10 @@ import re, shlex, subprocess, sys
 listed = subprocess.run([sys.executable, "-m", "pip", "config", "list"], capture_output=True,
                         text=True).stdout
 conf = dict(m.groups() for m in re.finditer(r"^[^.\n]*\.([a-z-]+)='(.*)'$$", listed, re.M))
+# (pip takes the best version over every index, and compiles what it installs to bytecode: where
+# PYTHONDONTWRITEBYTECODE is set, a process would otherwise compile all it imports at every start)
 env = {"UV_PYTHON": sys.executable, "UV_NO_CACHE": "1", "UV_NATIVE_TLS": "1",
-       "UV_INDEX_STRATEGY": "unsafe-best-match"}  # (pip takes the best version of every index)
+       "UV_INDEX_STRATEGY": "unsafe-best-match", "UV_COMPILE_BYTECODE": "1"}
 for key, var in (("index-url", "UV_DEFAULT_INDEX"), ("extra-index-url", "UV_INDEX"),
                  ("find-links", "UV_FIND_LINKS"), ("constraint", "UV_CONSTRAINT"),
                  ("cert", "SSL_CERT_FILE"), ("trusted-host", "UV_INSECURE_HOST")):

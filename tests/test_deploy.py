@@ -164,9 +164,9 @@ def test_the_setups_installs_by_uv_take_pips_configuration(tmp_path):
     assert got["UV_FIND_LINKS"] == "/srv/wheels,/srv/more,wheels"  # (uv's are comma-separated)
     assert got["UV_CONSTRAINT"] == "/srv/caps.txt"
     # into the setup's environment, nothing cached beside it, each package's best version over
-    # every index as pip takes it
+    # every index and its modules compiled to bytecode, as pip does
     assert got["UV_PYTHON"] == sys.executable and got["UV_NO_CACHE"] == "1"
-    assert got["UV_INDEX_STRATEGY"] == "unsafe-best-match"
+    assert got["UV_INDEX_STRATEGY"] == "unsafe-best-match" and got["UV_COMPILE_BYTECODE"] == "1"
     # and every install of the setup goes through the function that runs uv, or pip after it
     recipe = text[text.index("$(STAMP): pyproject.toml Makefile"):text.index("touch $(STAMP)")]
     installs = re.findall(r"^\t(.*)pip install (?!-q uv)", recipe, re.M)
