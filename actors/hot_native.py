@@ -66,7 +66,7 @@ def hot_executor(spec: PlaneSpec, cores: tuple[int, ...], model, config, plan, h
     return impl
 
 
-def torch_needed(config, plan, runtime: str = "auto", args=None) -> str | None:
+def torch_needed(config, plan, runtime: str, args) -> str | None:
     """Why the hot executor must be the torch one, where that is plain without loading (else the
     child's load says, `HotExecutorImpl.native_only`); None where it may not need it. args: the
     model's `ModelArgs`, whose shape may say so already."""
@@ -82,7 +82,7 @@ def torch_needed(config, plan, runtime: str = "auto", args=None) -> str | None:
         # executor's share of the model are not spent only to say so)
         return ("its prompt steps run its Python modules (weights='dense': no layer in 16-row "
                 "group layouts)")
-    if args is not None and (what := args.outside_native_loop()) is not None:
+    if (what := args.outside_native_loop()) is not None:
         # (Falcon's parallel branches, OPT's LayerNorm: the child would read the executor's
         # share of such a model, a large one's tens of GB, and find the same)
         return ("its decode step runs its Python modules (a layer the native loop does not "
