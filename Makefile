@@ -59,9 +59,10 @@ for key, var in (("index-url", "UV_DEFAULT_INDEX"), ("extra-index-url", "UV_INDE
 print("".join(f"export {k}={shlex.quote(v)}\n" for k, v in env.items()))
 endef
 export UV_FROM_PIP
-PIP_FN = pip() { if [ -x $(VENV)/bin/uv ] && [ -z "$(PIP_ONLY)" ]; then \
-	(env=$$($(PY) -c "$$UV_FROM_PIP") && eval "$$env" && $(VENV)/bin/uv pip "$$@") || $(PY) -m pip "$$@"; \
-	else $(PY) -m pip "$$@"; fi; }
+# (uv's settings read once a shell: empty where uv is not installed, not wanted or not told)
+PIP_FN = uv_env=$$(test -x $(VENV)/bin/uv && test -z "$(PIP_ONLY)" && $(PY) -c "$$UV_FROM_PIP"); \
+	pip() { if [ -n "$$uv_env" ]; then (eval "$$uv_env" && $(VENV)/bin/uv pip "$$@") || \
+	$(PY) -m pip "$$@"; else $(PY) -m pip "$$@"; fi; }
 
 # torch first and pinned (a CPU build), with gguf (the kernel's module reads its block types);
 # then the CPU FFN kernel, compiled with g++ for this machine's torch from the source tree, in
@@ -75,7 +76,7 @@ $(STAMP): pyproject.toml Makefile
 	@echo "setting up $(VENV) (once; about 2 minutes on 2 cores, 3.6 GB): torch's CPU build first"
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	test -n "$(PIP_ONLY)" || $(PY) -m pip install -q uv || echo "uv did not install: pip installs"
-	$(PIP_FN); test -x $(VENV)/bin/uv -a -z "$(PIP_ONLY)" || pip install -q --upgrade pip
+	$(PIP_FN); test -n "$$uv_env" || pip install -q --upgrade pip
 	$(PIP_FN); pip install -q torch==2.13.0 "gguf>=0.10"
 	@echo "building the CPU kernel in the background (log: $(VENV)/kernel-build.log) while the project, its dependencies and the models' packages install"
 	PYTHONPATH=. $(PY) -m powerinfer.kernels > $(VENV)/kernel-build.log 2>&1 & build=$$!; \
