@@ -20,7 +20,6 @@ import datetime
 import json
 import os
 import platform
-import shutil
 import statistics
 import subprocess
 import sys
@@ -46,7 +45,6 @@ def setup_once(way: str) -> float:
                              f"{run.stderr[-3000:]}")
         if way == "uv" and not (clone / ".venv" / "bin" / "uv").exists():
             raise SystemExit("make setup did not install uv: its installs ran by pip")
-        shutil.rmtree(clone, ignore_errors=True)
     return took
 
 
